@@ -1,0 +1,34 @@
+# Two commands for a new user: `make demo` and `make test`.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: demo test bench clean
+
+$(VENV)/.torch:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	touch $@
+
+$(VENV)/.core: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.torch pyproject.toml
+	$(PIP) install -q -e ".[test,hf,progress]"
+	touch $@ $(VENV)/.core
+
+demo: $(VENV)/.core
+	$(PY) -m trainfold demo
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.test
+	$(PY) benchmarks/step_overhead.py
+
+clean:
+	rm -rf $(VENV) runs
