@@ -1,0 +1,158 @@
+"""Loss functions ``(outputs, labels, num_items_in_batch) -> Tensor``.
+
+Each loss returns the *sum* over its micro-batch divided by the global ``num_items_in_batch``,
+so adding the losses of the micro-batches of one optimizer step gives the exact mean over
+the whole step, however the samples were split. A loss declares how its items are counted
+with a ``count_items(labels) -> Tensor`` attribute; without one, the step counts the labels
+that are not -100.
+
+>>> import torch
+>>> logits = torch.zeros(1, 3, 4)          # uniform over 4 classes
+>>> labels = torch.tensor([[-100, 1, 2]])  # 2 items after the causal shift
+>>> n = causal_lm.count_items(labels)
+>>> round(causal_lm(logits, labels, n).item(), 4)  # ln 4
+1.3863
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Loss",
+    "causal_lm",
+    "cross_entropy",
+    "count_labels",
+    "count_shifted_labels",
+    "logits_of",
+    "counter_for",
+]
+
+IGNORE_INDEX = -100
+
+Loss = Callable[[Any, Tensor, Tensor], Tensor]
+
+
+def logits_of(outputs: Any) -> Tensor:
+    """Return the logits of a model's outputs: a tensor, a mapping with ``"logits"``, or ``.logits``.
+
+    >>> import torch
+    >>> logits_of({"logits": torch.ones(1)}).tolist()
+    [1.0]
+    """
+    if isinstance(outputs, Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and "logits" in outputs:
+        return outputs["logits"]
+    logits = getattr(outputs, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], Tensor):
+        return outputs[0]
+    raise TypeError(
+        f"cannot find logits in model outputs of type {type(outputs).__name__}: return a tensor, "
+        "a mapping with a 'logits' key, or an object with a .logits attribute"
+    )
+
+
+def count_labels(labels: Tensor) -> Tensor:
+    """Count labels that are not -100.
+
+    >>> import torch
+    >>> count_labels(torch.tensor([1, -100, 3])).item()
+    2
+    """
+    return (labels != IGNORE_INDEX).sum()
+
+
+def count_shifted_labels(labels: Tensor) -> Tensor:
+    """Count labels that are not -100 after the causal shift (``labels[..., 1:]``).
+
+    >>> import torch
+    >>> count_shifted_labels(torch.tensor([[5, 1, -100]])).item()
+    1
+    """
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
+
+
+def counter_for(loss: Callable[..., Tensor]) -> Callable[[Tensor], Tensor]:
+    """Return how ``loss`` counts its items: its ``count_items`` attribute, else ``count_labels``.
+
+    >>> counter_for(causal_lm) is count_shifted_labels
+    True
+    """
+    return getattr(loss, "count_items", count_labels)
+
+
+def _summed_cross_entropy(logits: Tensor, labels: Tensor, num_items: Tensor | int) -> Tensor:
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}: "
+            "expected logits shaped labels.shape + (num_classes,); check the collator's labels key"
+        )
+    num_classes = logits.shape[-1]
+    valid = labels != IGNORE_INDEX
+    if labels.numel() and bool(((labels < 0) & valid).any() | (labels >= num_classes).any()):
+        bad = labels[valid & ((labels < 0) | (labels >= num_classes))].unique()[:8].tolist()
+        raise ValueError(
+            f"labels {bad} are outside the {num_classes} classes of the logits (valid: 0..{num_classes - 1} "
+            f"or {IGNORE_INDEX} to ignore); check the tokenizer's vocabulary size against the model's"
+        )
+    total = F.cross_entropy(
+        logits.reshape(-1, num_classes).float(),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
+    # An all-ignored step has num_items 0 and a zero sum: return 0, not NaN.
+    denom = num_items.clamp(min=1) if isinstance(num_items, Tensor) else max(int(num_items), 1)
+    return total / denom
+
+
+def causal_lm(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+    """Next-token cross-entropy: position t predicts ``labels[t + 1]``; -100 is ignored.
+
+    Returns the summed loss of this micro-batch divided by ``num_items_in_batch``, the count of
+    shifted labels that are not -100 over the whole optimizer step. Logits are upcast to float32.
+    """
+    logits = logits_of(outputs)
+    if logits.dim() < 2 or logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}: "
+            "a causal LM needs logits shaped (batch, seq, vocab) and labels shaped (batch, seq)"
+        )
+    return _summed_cross_entropy(logits[..., :-1, :], labels[..., 1:], num_items_in_batch)
+
+
+causal_lm.count_items = count_shifted_labels  # type: ignore[attr-defined]
+
+
+def cross_entropy(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+    """Cross-entropy for classification and token classification (no shift); -100 is ignored.
+
+    >>> import torch
+    >>> logits = torch.tensor([[0.0, 0.0], [0.0, 0.0]])
+    >>> round(cross_entropy(logits, torch.tensor([0, 1]), torch.tensor(2)).item(), 4)
+    0.6931
+    """
+    return _summed_cross_entropy(logits_of(outputs), labels, num_items_in_batch)
+
+
+cross_entropy.count_items = count_labels  # type: ignore[attr-defined]
+
+
+def warn_no_items(step: int) -> None:
+    """Warn that an optimizer step had no labelled items and was skipped."""
+    warnings.warn(
+        f"optimizer step {step} had no labels other than -100 (num_items_in_batch == 0); the update "
+        "was skipped and the parameters are unchanged. Check the collator's padding and label masking",
+        RuntimeWarning,
+        stacklevel=3,
+    )

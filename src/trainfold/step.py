@@ -1,0 +1,259 @@
+"""``make_step`` builds the pure training step ``step(state, batch) -> state``.
+
+``batch`` is one optimizer step's worth of data: a sequence of micro-batches (dicts of tensors).
+Gradient accumulation happens inside the step: ``num_items_in_batch`` is counted over all
+micro-batches (and all ranks) before the first forward pass, each micro-batch's loss is its
+summed loss divided by that count, and the gradients of the micro-batches are added. So the
+update is the same whatever the split of the same samples.
+
+The step never changes the state it is given, nor the model: the model only supplies its
+forward function, called through ``torch.func.functional_call`` on the state's tensors.
+Every random draw (dropout, noise) comes from a seed derived from ``(seed, step, micro, rank)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from trainfold.losses import causal_lm, counter_for, warn_no_items
+from trainfold.optim import GradientTransformation
+from trainfold.state import TrainState
+from trainfold.tree import global_norm
+
+__all__ = ["make_step", "make_forward", "derive_seed", "Collective", "train_mode", "Objective"]
+
+Batch = Sequence[Mapping[str, Tensor]]
+Forward = Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Any]
+# objective(forward, params, micro_batch, num_items_in_batch, key) -> (loss, aux)
+Objective = Callable[[Forward, Mapping[str, Tensor], Mapping[str, Tensor], Tensor, torch.Generator], tuple[Tensor, Mapping[str, Tensor]]]
+
+
+class Collective(Protocol):
+    """What the step needs from a process group: sums across ranks."""
+
+    rank: int
+
+    def sum_(self, tensors: list[Tensor]) -> None:
+        """Replace each tensor by its sum over all ranks, in place."""
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(*parts: int) -> int:
+    """Mix integers into one 63-bit seed (splitmix64), so nearby inputs give unrelated seeds.
+
+    >>> derive_seed(0, 1) == derive_seed(0, 1), derive_seed(0, 1) == derive_seed(1, 0)
+    (True, False)
+    """
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (int(p) & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        x = (x ^ (x >> 31)) * 0x94D049BB133111EB & _MASK64
+        x ^= x >> 29
+    return x & ((1 << 63) - 1)
+
+
+@contextlib.contextmanager
+def train_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Set ``model.training`` for the duration, and restore every submodule's flag afterwards."""
+    flags = [(m, m.training) for m in model.modules()]
+    if all(f == training for _, f in flags):
+        yield
+        return
+    try:
+        model.train(training)
+        yield
+    finally:
+        for m, f in flags:
+            m.training = f
+
+
+def make_forward(model: nn.Module, buffers: Mapping[str, Tensor]) -> Forward:
+    """Return ``forward(params, inputs)``: the model's forward pass on the given tensors."""
+
+    def forward(params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
+        return functional_call(model, (params, buffers), args=(), kwargs=dict(inputs), strict=True)
+
+    return forward
+
+
+@attrs.frozen
+class _Plan:
+    """The configuration a step closes over."""
+
+    model: nn.Module
+    optimizer: GradientTransformation
+    loss: Callable[..., Tensor]
+    objective: Objective | None
+    count_items: Callable[[Mapping[str, Tensor]], Tensor]
+    label_key: str
+    collective: Collective | None
+    autocast: torch.dtype | None
+
+
+def _default_counter(loss: Callable[..., Tensor], objective: Any, label_key: str) -> Callable[[Mapping[str, Tensor]], Tensor]:
+    if objective is not None and hasattr(objective, "count_items"):
+        return objective.count_items
+    count_labels = counter_for(loss)
+
+    def count(micro: Mapping[str, Tensor]) -> Tensor:
+        if label_key in micro:
+            return count_labels(micro[label_key])
+        first = next(iter(micro.values()))
+        return torch.tensor(first.shape[0])
+
+    return count
+
+
+def make_step(
+    model: nn.Module,
+    loss: Callable[..., Tensor] = causal_lm,
+    optimizer: GradientTransformation | None = None,
+    *,
+    objective: Objective | None = None,
+    count_items: Callable[[Mapping[str, Tensor]], Tensor] | None = None,
+    label_key: str = "labels",
+    collective: Collective | None = None,
+    autocast: torch.dtype | None = None,
+    compile: bool = False,
+) -> Callable[[TrainState, Batch], TrainState]:
+    """Return ``step(state, batch) -> state`` for ``model``.
+
+    ``loss(outputs, labels, num_items_in_batch)`` scores the model's outputs; the labels are
+    taken out of each micro-batch (``label_key``) before the forward pass. To replace the forward
+    pass and loss together, pass ``objective(forward, params, micro_batch, num_items, key) ->
+    (loss, aux)``; ``aux`` values are summed over micro-batches into ``state.metrics``, so scale
+    them like the loss. ``count_items(micro_batch)`` counts a micro-batch's items (default: the
+    loss's ``count_items`` on the labels). ``collective`` sums counts and gradients across ranks.
+
+    >>> import torch
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.state import init_state
+    >>> from trainfold.losses import cross_entropy
+    >>> model = torch.nn.Linear(3, 2)
+    >>> step = make_step(model, cross_entropy, sgd(0.1))
+    >>> state = init_state(model, sgd(0.1), seed=0)
+    >>> batch = [{"input": torch.ones(4, 3), "labels": torch.tensor([0, 1, 1, 0])}]
+    >>> step(state, batch).step.item()
+    1
+    """
+    if optimizer is None:
+        raise TypeError("make_step needs an optimizer, e.g. optimizer=trainfold.optim.adamw(1e-3)")
+    plan = _Plan(
+        model=model,
+        optimizer=optimizer,
+        loss=loss,
+        objective=objective,
+        count_items=count_items or _default_counter(loss, objective, label_key),
+        label_key=label_key,
+        collective=collective,
+        autocast=autocast,
+    )
+
+    def step(state: TrainState, batch: Batch) -> TrainState:
+        return _step(plan, state, batch)
+
+    if compile:
+        from trainfold.compiled import compile_step  # noqa: PLC0415 - optional, heavy
+
+        return compile_step(step)
+    return step
+
+
+def _count(plan: _Plan, batch: Batch) -> Tensor:
+    counts = torch.stack([torch.as_tensor(plan.count_items(mb)).reshape(()).to(torch.int64).cpu() for mb in batch])
+    return counts.sum()
+
+
+def _micro_loss(plan: _Plan, forward: Forward, leaves: dict[str, Tensor], micro: Mapping[str, Tensor],
+                num_items: Tensor, key: torch.Generator) -> tuple[Tensor, Mapping[str, Tensor]]:
+    if plan.objective is not None:
+        return plan.objective(forward, leaves, micro, num_items, key)
+    if plan.label_key not in micro:
+        raise KeyError(
+            f"micro-batch has no {plan.label_key!r} key (keys: {sorted(micro)}); the collator must provide "
+            f"labels, or pass label_key= to make_step, or an objective that needs none"
+        )
+    inputs = {k: v for k, v in micro.items() if k != plan.label_key}
+    outputs = forward(leaves, inputs)
+    return plan.loss(outputs, micro[plan.label_key], num_items), {}
+
+
+def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
+    if len(batch) == 0:
+        raise ValueError("a step's batch must hold at least one micro-batch")
+    cursor = getattr(batch, "cursor", state.cursor)
+    step_no = int(state.step)
+    num_items = _count(plan, batch)
+    if plan.collective is not None:
+        plan.collective.sum_([num_items])
+    if int(num_items) == 0:
+        warn_no_items(step_no)
+        return attrs.evolve(state, cursor=cursor)
+
+    rank = plan.collective.rank if plan.collective is not None else 0
+    device = next(iter(state.params.values())).device
+    keys = list(state.params)
+    leaves = {k: state.params[k].detach().requires_grad_() for k in keys}
+    leaf_list = [leaves[k] for k in keys]
+    buffers = {k: v.clone() for k, v in state.buffers.items()}  # running stats update the copies
+    forward = make_forward(plan.model, buffers)
+    n_dev = num_items.to(device)
+
+    grads: list[Tensor] | None = None
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    aux_total: dict[str, Tensor] = {}
+    autocast = (
+        torch.autocast(device.type, dtype=plan.autocast) if plan.autocast is not None else contextlib.nullcontext()
+    )
+    with train_mode(plan.model, True):
+        for i, micro in enumerate(batch):
+            seed = derive_seed(int(state.seed), step_no, i, rank)
+            key = torch.Generator(device=device).manual_seed(seed ^ 1)
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                torch.manual_seed(seed)
+                with autocast:
+                    loss, aux = _micro_loss(plan, forward, leaves, micro, n_dev, key)
+                g = torch.autograd.grad(loss, leaf_list, allow_unused=True, materialize_grads=True)
+            if grads is None:
+                grads = list(g)
+            else:
+                torch._foreach_add_(grads, list(g))
+            total += loss.detach().float()
+            for name, value in aux.items():
+                aux_total[name] = aux_total.get(name, 0) + value.detach().float()
+
+    assert grads is not None
+    if plan.collective is not None:
+        plan.collective.sum_([*grads, total])
+    grad_tree = dict(zip(keys, grads))
+    grad_norm = global_norm(grad_tree)
+    learning_rate = plan.optimizer.learning_rate(state.opt_state) if plan.optimizer.learning_rate else float("nan")
+    params, opt_state = plan.optimizer.apply(grad_tree, state.opt_state, state.params)
+    metrics = {
+        **state.metrics,
+        "loss": total.cpu(),
+        "grad_norm": grad_norm.detach().float().cpu(),
+        "learning_rate": torch.tensor(learning_rate, dtype=torch.float32),
+        "num_items": num_items.float(),
+        **{k: v.cpu() for k, v in aux_total.items()},
+    }
+    return attrs.evolve(
+        state,
+        params={k: params[k].detach() for k in keys},
+        buffers=buffers,
+        opt_state=opt_state,
+        step=state.step + 1,
+        cursor=cursor,
+        metrics=metrics,
+        loss_total=state.loss_total + metrics["loss"].double(),
+    )
+
