@@ -1,0 +1,86 @@
+"""Losses: forms of outputs, agreement with HF's own loss, normalisation by the global count."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainfold.losses import causal_lm, count_labels, count_shifted_labels, counter_for, cross_entropy, logits_of
+
+
+def test_outputs_may_be_tensor_mapping_or_object():
+    logits = torch.randn(2, 3)
+    assert logits_of(logits) is logits
+    assert logits_of({"logits": logits}) is logits
+    assert logits_of(types.SimpleNamespace(logits=logits)) is logits
+    with pytest.raises(TypeError, match="cannot find logits in model outputs of type int"):
+        logits_of(3)
+
+
+def test_logits_are_upcast_to_float32():
+    logits = torch.randn(2, 5, 7).to(torch.bfloat16)
+    labels = torch.randint(0, 7, (2, 5))
+    out = causal_lm(logits, labels, count_shifted_labels(labels))
+    assert out.dtype == torch.float32
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, 7), labels[:, 1:].reshape(-1))
+    torch.testing.assert_close(out, ref)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 5), t=st.integers(2, 9))
+def test_causal_lm_matches_transformers_for_causal_lm_loss(seed, n, t):
+    loss_utils = pytest.importorskip("transformers.loss.loss_utils")
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, t, 11, generator=g)
+    labels = torch.randint(0, 11, (n, t), generator=g)
+    labels[torch.rand(n, t, generator=g) < 0.3] = -100
+    num = count_shifted_labels(labels)
+    if num == 0:
+        assert causal_lm(logits, labels, num).item() == 0.0
+        return
+    ours = causal_lm(logits, labels, num)
+    theirs = loss_utils.ForCausalLMLoss(logits, labels, vocab_size=11, num_items_in_batch=num)
+    torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 12), cut=st.integers(1, 11))
+def test_summed_micro_losses_are_the_mean_over_the_step(seed, n, cut):
+    cut = min(cut, n - 1)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, 4, generator=g)
+    labels = torch.randint(0, 4, (n,), generator=g)
+    labels[torch.rand(n, generator=g) < 0.25] = -100
+    total = count_labels(labels)
+    parts = cross_entropy(logits[:cut], labels[:cut], total) + cross_entropy(logits[cut:], labels[cut:], total)
+    if total == 0:
+        assert parts.item() == 0.0
+        return
+    whole = torch.nn.functional.cross_entropy(logits, labels, ignore_index=-100)
+    torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_counters():
+    labels = torch.tensor([[1, -100, 2], [-100, 3, -100]])
+    assert count_labels(labels).item() == 3
+    assert count_shifted_labels(labels).item() == 2
+    assert counter_for(causal_lm) is count_shifted_labels
+    assert counter_for(cross_entropy) is count_labels
+    assert counter_for(lambda o, l, n: 0) is count_labels
+
+
+def test_token_classification_shapes():
+    logits = torch.randn(2, 3, 5)
+    labels = torch.tensor([[0, 4, -100], [1, -100, -100]])
+    out = cross_entropy(logits, labels, count_labels(labels))
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 5), labels.reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out, ref)
+
+
+def test_negative_labels_other_than_ignore_index_are_rejected():
+    with pytest.raises(ValueError, match=r"labels \[-3\] are outside the 4 classes"):
+        cross_entropy(torch.randn(2, 4), torch.tensor([0, -3]), 2)

@@ -1,0 +1,241 @@
+"""Optimizers agree with torch.optim; schedules agree with the HF formulas; decay masks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, decay_mask_by_name, sgd
+from trainfold.schedules import constant, cosine, linear, warmup_steps_for
+
+STEPS = 20
+
+
+def random_problem(seed: int) -> tuple[dict[str, torch.Tensor], list[dict[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"w": (4, 3), "b": (3,), "norm.weight": (3,), "e": (5, 2)}
+    params = {k: torch.randn(s, generator=g) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=g) * 3 for k, s in shapes.items()} for _ in range(STEPS)]
+    return params, grads
+
+
+def run_ours(opt, params, grads):
+    state = opt.init(params)
+    for g in grads:
+        params, state = opt.apply(g, state, params)
+    return params
+
+
+def run_torch(make_opt, params, grads, clip=None):
+    leaves = {k: v.clone().requires_grad_() for k, v in params.items()}
+    opt = make_opt(leaves)
+    for g in grads:
+        for k, p in leaves.items():
+            p.grad = g[k].clone()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(leaves.values()), clip)
+        opt.step()
+    return {k: v.detach() for k, v in leaves.items()}
+
+
+def assert_close(a, b, rtol=1e-5, atol=1e-6):
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+hyper = st.fixed_dictionaries(
+    {
+        "lr": st.floats(1e-4, 1e-1),
+        "b1": st.floats(0.0, 0.99),
+        "b2": st.floats(0.9, 0.9999),
+        "eps": st.sampled_from([1e-8, 1e-6, 1e-3]),
+        "wd": st.floats(0.0, 0.2),
+    }
+)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), h=hyper, impl=st.sampled_from(["fused", "foreach"]), clip=st.sampled_from([None, 0.5, 5.0]))
+def test_adamw_matches_torch_adamw(seed, h, impl, clip):
+    params, grads = random_problem(seed)
+    ours = adamw(h["lr"], h["b1"], h["b2"], h["eps"], h["wd"], mask=None, implementation=impl)
+    if clip is not None:
+        ours = chain(clip_by_global_norm(clip), ours)
+    ref = run_torch(
+        lambda p: torch.optim.AdamW(list(p.values()), lr=h["lr"], betas=(h["b1"], h["b2"]), eps=h["eps"], weight_decay=h["wd"]),
+        params, grads, clip,
+    )
+    assert_close(run_ours(ours, params, grads), ref)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16), h=hyper)
+def test_adamw_update_path_matches_apply_path(seed, h):
+    params, grads = random_problem(seed)
+    opt = adamw(h["lr"], h["b1"], h["b2"], h["eps"], h["wd"])
+    state_a = state_b = opt.init(params)
+    pa = pb = params
+    for g in grads:
+        pa, state_a = opt.apply(g, state_a, pa)
+        upd, state_b = opt.update(g, state_b, pb)
+        pb = {k: pb[k] + upd[k] for k in pb}
+    assert_close(pa, pb)
+
+
+def test_fused_adamw_is_bitwise_torch_fused():
+    params, grads = random_problem(7)
+    ours = run_ours(adamw(1e-2, weight_decay=0.1, mask=None), params, grads)
+    ref = run_torch(lambda p: torch.optim.AdamW(list(p.values()), lr=1e-2, weight_decay=0.1, fused=True), params, grads)
+    for k in ours:
+        assert torch.equal(ours[k], ref[k]), k
+
+
+def test_adamw_mask_matches_two_torch_param_groups():
+    params, grads = random_problem(3)
+    mask = decay_mask_by_name(params)
+    assert mask == {"w": True, "b": True, "norm.weight": False, "e": True}
+    ref = run_torch(
+        lambda p: torch.optim.AdamW(
+            [{"params": [p[k] for k in p if mask[k]], "weight_decay": 0.1},
+             {"params": [p[k] for k in p if not mask[k]], "weight_decay": 0.0}], lr=1e-2),
+        params, grads,
+    )
+    assert_close(run_ours(adamw(1e-2, weight_decay=0.1), params, grads), ref)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), lr=st.floats(1e-3, 0.5), momentum=st.sampled_from([0.0, 0.5, 0.9]),
+       nesterov=st.booleans(), wd=st.sampled_from([0.0, 1e-2]))
+def test_sgd_matches_torch_sgd(seed, lr, momentum, nesterov, wd):
+    nesterov = nesterov and momentum > 0
+    params, grads = random_problem(seed)
+    ours = run_ours(sgd(lr, momentum, nesterov, wd), params, grads)
+    ref = run_torch(lambda p: torch.optim.SGD(list(p.values()), lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=wd), params, grads)
+    assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), max_norm=st.floats(0.01, 20.0))
+def test_clip_matches_clip_grad_norm(seed, max_norm):
+    _, grads = random_problem(seed)
+    g = grads[0]
+    clip = clip_by_global_norm(max_norm)
+    ours, _ = clip.update(g, clip.init(g), g)
+    leaves = [v.clone().requires_grad_() for v in g.values()]
+    for leaf, v in zip(leaves, g.values()):
+        leaf.grad = v.clone()
+    torch.nn.utils.clip_grad_norm_(leaves, max_norm)
+    for leaf, k in zip(leaves, g):
+        torch.testing.assert_close(ours[k], leaf.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_schedule_as_learning_rate_is_read_at_the_update_count():
+    params, grads = random_problem(0)
+    opt = adamw(linear(1e-2, 2, 8))
+    state = opt.init(params)
+    seen = []
+    for g in grads[:8]:
+        seen.append(opt.learning_rate(state))
+        params, state = opt.apply(g, state, params)
+    assert seen == pytest.approx([0, 5e-3, 1e-2, 1e-2 * 5 / 6, 1e-2 * 4 / 6, 5e-3, 1e-2 * 2 / 6, 1e-2 / 6])
+
+
+# -- schedules ------------------------------------------------------------------------------------
+
+
+def test_linear_schedule_reproduces_hf_values():
+    s = linear(1e-3, warmup_steps=2, total_steps=8)
+    expected = [0, 0.5, 1, 5 / 6, 4 / 6, 3 / 6, 2 / 6, 1 / 6]
+    assert [s(k) for k in range(8)] == pytest.approx([1e-3 * e for e in expected])
+
+
+@pytest.mark.parametrize("kind", ["linear", "cosine", "constant_with_warmup"])
+@pytest.mark.parametrize("total,warmup", [(8, 2), (10, 0), (7, 3), (1, 0)])
+def test_schedules_agree_with_transformers(kind, total, warmup):
+    transformers = pytest.importorskip("transformers")
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=0.3)
+    sched = transformers.get_scheduler(kind, opt, num_warmup_steps=warmup, num_training_steps=total)
+    theirs = []
+    for _ in range(total):
+        theirs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    ours = {"linear": linear(0.3, warmup, total), "cosine": cosine(0.3, warmup, total),
+            "constant_with_warmup": constant(0.3, warmup)}[kind]
+    assert [ours(k) for k in range(total)] == pytest.approx(theirs, rel=1e-12, abs=1e-15)
+
+
+def test_warmup_ratio_rounds_up_like_hf():
+    assert warmup_steps_for(0.1, 25) == 3
+    assert warmup_steps_for(5, 25) == 5
+    assert warmup_steps_for(0, 25) == 0
+
+
+# -- decay masks ----------------------------------------------------------------------------------
+
+
+class CustomNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(4, 3)
+        self.ln_f = CustomNorm(3)  # a norm that only its class name gives away... and its name
+        self.gate = CustomNorm(3)  # a norm known by type alone
+        self.head = nn.Linear(3, 2)
+        self.bn = nn.BatchNorm1d(3)
+
+
+def test_decay_mask_uses_module_type_and_name():
+    assert decay_mask(Net()) == {
+        "emb.weight": True, "ln_f.scale": False, "gate.scale": False,
+        "head.weight": True, "head.bias": False, "bn.weight": False, "bn.bias": False,
+    }
+
+
+def test_decay_mask_on_llama_excludes_rmsnorm():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=2)
+    mask = decay_mask(transformers.LlamaForCausalLM(cfg))
+    off = sorted(k for k, v in mask.items() if not v)
+    assert off == ["model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight", "model.norm.weight"]
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_bad_hyperparameters_are_named():
+    with pytest.raises(ValueError, match="b1 must be in"):
+        adamw(1e-3, b1=1.0)
+    with pytest.raises(ValueError, match="max_norm must be > 0"):
+        clip_by_global_norm(0.0)
+    with pytest.raises(ValueError, match="nesterov=True needs momentum"):
+        sgd(0.1, nesterov=True)
+    with pytest.raises(ValueError, match="total_steps must be > 0"):
+        linear(1.0, 0, 0)
+
+
+def test_mask_missing_a_param_is_named():
+    params, grads = random_problem(0)
+    opt = adamw(1e-3, weight_decay=0.1, mask={"w": True})
+    with pytest.raises(KeyError, match=r"no entry for params \['b', 'e', 'norm.weight'\]"):
+        opt.apply(grads[0], opt.init(params), params)
+
+
+def test_chain_state_of_wrong_shape_is_named():
+    opt = chain(clip_by_global_norm(1.0), sgd(0.1))
+    params = {"w": torch.zeros(1)}
+    with pytest.raises(ValueError, match="chain of 2 transformations got a state of 1 parts"):
+        opt.apply(params, (sgd(0.1).init(params),), params)

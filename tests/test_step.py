@@ -1,0 +1,310 @@
+"""The pure step: split invariance, purity, determinism, bad input."""
+
+from __future__ import annotations
+
+import warnings
+
+import attrs
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from trainfold import adamw, chain, clip_by_global_norm, fit, init_state, make_step, sgd
+from trainfold.losses import causal_lm, cross_entropy
+from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.tree import flatten
+
+SMALL = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16)
+
+
+def lm(seed: int = 0, dropout: float = 0.0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(attrs.evolve(SMALL, dropout=dropout))
+
+
+def lm_samples(seed: int, n: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, SMALL.vocab_size, (n, seq), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(n, seq, generator=g) < 0.3] = -100  # random padding / prompt masking
+    return ids, labels
+
+
+def split(ids: torch.Tensor, labels: torch.Tensor, sizes: list[int]) -> list[dict]:
+    out, start = [], 0
+    for size in sizes:
+        out.append({"input_ids": ids[start : start + size], "labels": labels[start : start + size]})
+        start += size
+    return out
+
+
+def sizes_strategy(n: int) -> st.SearchStrategy[list[int]]:
+    """Random compositions of n into positive parts (a cut or not between neighbours)."""
+    return st.lists(st.booleans(), min_size=n - 1, max_size=n - 1).map(lambda cuts: _compose(n, cuts))
+
+
+def _compose(n: int, cuts: list[bool]) -> list[int]:
+    sizes, cur = [], 1
+    for c in cuts:
+        if c:
+            sizes.append(cur)
+            cur = 1
+        else:
+            cur += 1
+    sizes.append(cur)
+    assert sum(sizes) == n
+    return sizes
+
+
+def assert_trees_close(a: dict, b: dict, atol: float = 1e-6, rtol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+# -- examples --------------------------------------------------------------------------------------
+
+
+def test_step_matches_eager_backward_and_sgd_bitwise():
+    model = lm()
+    ids, labels = lm_samples(1, 4, 12)
+    opt = sgd(0.1)
+    state = init_state(model, opt)
+    new = make_step(model, causal_lm, opt)(state, [{"input_ids": ids, "labels": labels}])
+
+    n = (labels[:, 1:] != -100).sum()
+    loss = causal_lm(model(ids), labels, n)
+    loss.backward()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            assert torch.equal(new.params[name], p - 0.1 * p.grad), name
+    assert new.metrics["loss"].item() == pytest.approx(loss.item(), rel=1e-6)
+    assert new.metrics["num_items"].item() == n.item()
+    assert new.step.item() == 1
+
+
+def test_loss_falls_on_repeated_batch():
+    model = lm()
+    ids, labels = lm_samples(2, 8, 12)
+    opt = adamw(1e-2)
+    step = make_step(model, causal_lm, opt)
+    batch = [{"input_ids": ids, "labels": labels}]
+    state = init_state(model, opt)
+    first = step(state, batch).metrics["loss"].item()
+    last = fit(step, state, [batch] * 20).metrics["loss"].item()
+    assert last < first - 0.5
+
+
+def test_dropout_is_seeded_by_seed_step_and_micro_index():
+    model = lm(dropout=0.3)
+    ids, labels = lm_samples(3, 4, 12)
+    opt = sgd(0.1)
+    step = make_step(model, causal_lm, opt)
+    batch = [{"input_ids": ids, "labels": labels}]
+    s0 = init_state(model, opt, seed=5)
+    a, b = step(s0, batch), step(s0, batch)
+    assert torch.equal(a.metrics["loss"], b.metrics["loss"])
+    other_seed = step(init_state(model, opt, seed=6), batch)
+    assert not torch.equal(a.metrics["loss"], other_seed.metrics["loss"])
+    later = step(attrs.evolve(s0, step=s0.step + 1), batch)
+    assert not torch.equal(a.metrics["loss"], later.metrics["loss"])
+    rng_before = torch.get_rng_state()
+    step(s0, batch)
+    assert torch.equal(rng_before, torch.get_rng_state()), "the step must not advance the global RNG"
+
+
+def test_step_restores_model_mode_and_leaves_model_params_alone():
+    model = lm(dropout=0.2).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, labels = lm_samples(4, 2, 8)
+    opt = adamw(1e-1)
+    make_step(model, causal_lm, opt)(init_state(model, opt), [{"input_ids": ids, "labels": labels}])
+    assert not model.training and not any(m.training for m in model.modules())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_buffers_are_updated_out_of_place():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    opt = sgd(0.1)
+    state = init_state(model, opt)
+    batch = [{"input": torch.randn(6, 3), "labels": torch.tensor([0, 1, 0, 1, 1, 0])}]
+    new = make_step(model, cross_entropy, opt, label_key="labels")(state, batch)
+    assert not torch.equal(new.buffers["1.running_mean"], state.buffers["1.running_mean"])
+    assert torch.equal(state.buffers["1.running_mean"], torch.zeros(4))
+    assert new.buffers["1.num_batches_tracked"].item() == 1
+
+
+def test_objective_replaces_forward_and_loss():
+    model = nn.Linear(2, 1)
+    opt = sgd(1.0)
+    calls = []
+
+    def objective(forward, params, micro, num_items, key):
+        calls.append(num_items.item())
+        pred = forward(params, {"input": micro["x"]}).squeeze(-1)
+        loss = ((pred - micro["y"]) ** 2).sum() / num_items
+        return loss, {"abs_err": (pred - micro["y"]).abs().sum().detach() / num_items}
+
+    objective.count_items = lambda micro: torch.tensor(micro["x"].shape[0])
+    step = make_step(model, optimizer=opt, objective=objective)
+    batch = [{"x": torch.ones(3, 2), "y": torch.zeros(3)}, {"x": torch.ones(1, 2), "y": torch.zeros(1)}]
+    new = step(init_state(model, opt), batch)
+    assert calls == [4, 4]
+    assert "abs_err" in new.metrics and new.metrics["abs_err"] > 0
+
+
+# -- properties ------------------------------------------------------------------------------------
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 8), data=st.data())
+def test_causal_lm_update_is_independent_of_micro_batch_split(seed, n, data):
+    sizes = data.draw(sizes_strategy(n), label="sizes")
+    model = lm(seed % 7)
+    ids, labels = lm_samples(seed, n, 10)
+    opt = chain(clip_by_global_norm(1e9), sgd(0.5, momentum=0.9))
+    step = make_step(model, causal_lm, opt)
+    state = init_state(model, opt)
+    whole = step(state, split(ids, labels, [n]))
+    parts = step(state, split(ids, labels, sizes))
+    if whole.metrics["num_items"] == 0:
+        return
+    assert_trees_close(whole.params, parts.params)
+    torch.testing.assert_close(whole.metrics["loss"], parts.metrics["loss"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(whole.metrics["grad_norm"], parts.metrics["grad_norm"], rtol=1e-4, atol=1e-6)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 10), data=st.data())
+def test_cross_entropy_update_is_independent_of_micro_batch_split(seed, n, data):
+    sizes = data.draw(sizes_strategy(n), label="sizes")
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(n, 5, generator=g)
+    y = torch.randint(0, 3, (n,), generator=g)
+    y[torch.rand(n, generator=g) < 0.2] = -100
+    opt = adamw(1e-2, weight_decay=0.1)
+    step = make_step(model, cross_entropy, opt)
+    state = init_state(model, opt)
+
+    def batch(sz):
+        out, s = [], 0
+        for k in sz:
+            out.append({"input": x[s : s + k], "labels": y[s : s + k]})
+            s += k
+        return out
+
+    if (y != -100).sum() == 0:
+        return
+    whole, parts = step(state, batch([n])), step(state, batch(sizes))
+    # Adam normalises the step, so compare the first moments (the gradients) and the params.
+    assert_trees_close(whole.opt_state.mu, parts.opt_state.mu, atol=1e-7, rtol=1e-4)
+    assert_trees_close(whole.params, parts.params, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**16), dropout=st.sampled_from([0.0, 0.2]), micro=st.integers(1, 3))
+def test_step_never_mutates_its_inputs(seed, dropout, micro):
+    model = lm(seed % 5, dropout)
+    ids, labels = lm_samples(seed, 2 * micro, 8)
+    opt = chain(clip_by_global_norm(0.5), adamw(1e-2, weight_decay=0.1))
+    step = make_step(model, causal_lm, opt)
+    state = step(init_state(model, opt, seed=seed), split(ids, labels, [2] * micro))  # non-trivial opt state
+    batch = split(ids, labels, [2] * micro)
+    watched = {**flatten(state, "state"), **{f"batch.{i}.{k}": v for i, mb in enumerate(batch) for k, v in mb.items()}}
+    versions = {k: v._version for k, v in watched.items()}
+    copies = {k: v.clone() for k, v in watched.items()}
+    step(state, batch)
+    for k, v in watched.items():
+        assert v._version == versions[k], f"{k} was written in place"
+        assert torch.equal(v, copies[k]), f"{k} changed"
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), cut=st.integers(0, 5))
+def test_fit_is_a_fold_bitwise(seed, cut):
+    model = lm(seed % 3, dropout=0.1)
+    batches = []
+    for i in range(5):
+        ids, labels = lm_samples(seed + i, 4, 8)
+        batches.append(split(ids, labels, [2, 2]))
+    opt = chain(clip_by_global_norm(1.0), adamw(1e-2, weight_decay=0.01))
+    step = make_step(model, causal_lm, opt)
+    s0 = init_state(model, opt, seed=seed)
+    straight = fit(step, s0, batches)
+    resumed = fit(step, fit(step, s0, batches[:cut]), batches[cut:])
+    a, b = flatten(straight), flatten(resumed)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+# -- bad input -------------------------------------------------------------------------------------
+
+
+def test_all_ignored_batch_is_a_noop_with_a_warning():
+    model = lm()
+    ids, _ = lm_samples(0, 2, 8)
+    opt = adamw(1e-2)
+    state = init_state(model, opt)
+    batch = [{"input_ids": ids, "labels": torch.full_like(ids, -100)}]
+    with pytest.warns(RuntimeWarning, match="no labels other than -100"):
+        new = make_step(model, causal_lm, opt)(state, batch)
+    assert new.step.item() == 0
+    for k in state.params:
+        assert torch.equal(new.params[k], state.params[k])
+        assert not torch.isnan(new.params[k]).any()
+
+
+def test_labels_out_of_vocabulary_are_named():
+    model = lm()
+    ids, labels = lm_samples(0, 2, 8)
+    labels[0, 3] = SMALL.vocab_size + 5
+    opt = sgd(0.1)
+    with pytest.raises(ValueError, match=r"labels \[37\] are outside the 32 classes"):
+        make_step(model, causal_lm, opt)(init_state(model, opt), [{"input_ids": ids, "labels": labels}])
+
+
+def test_mismatched_label_shape_is_named():
+    model = lm()
+    ids, labels = lm_samples(0, 2, 8)
+    opt = sgd(0.1)
+    with pytest.raises(ValueError, match=r"do not fit labels of shape \(2, 7\)"):
+        make_step(model, causal_lm, opt)(init_state(model, opt), [{"input_ids": ids, "labels": labels[:, :7]}])
+
+
+def test_missing_labels_key_is_named():
+    model = lm()
+    ids, _ = lm_samples(0, 2, 8)
+    opt = sgd(0.1)
+    with pytest.raises(KeyError, match="no 'labels' key"):
+        make_step(model, causal_lm, opt)(init_state(model, opt), [{"input_ids": ids}])
+
+
+def test_optimizer_state_with_unknown_keys_is_named():
+    model = lm()
+    ids, labels = lm_samples(0, 2, 8)
+    opt = adamw(1e-3)
+    state = init_state(model, opt)
+    bad_mu = {("extra.weight" if k == "tok.weight" else k): v for k, v in state.opt_state.mu.items()}
+    bad = attrs.evolve(state, opt_state=attrs.evolve(state.opt_state, mu=bad_mu))
+    with pytest.raises(KeyError, match=r"Adam state and params have different keys: missing \['tok.weight'\], unexpected \['extra.weight'\]"):
+        make_step(model, causal_lm, opt)(bad, [{"input_ids": ids, "labels": labels}])
+
+
+def test_make_step_without_optimizer_says_what_to_pass():
+    with pytest.raises(TypeError, match="needs an optimizer"):
+        make_step(lm(), causal_lm)
+
+
+def test_no_warning_on_a_normal_step():
+    model = lm()
+    ids, labels = lm_samples(0, 2, 8)
+    opt = sgd(0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        make_step(model, causal_lm, opt)(init_state(model, opt), [{"input_ids": ids, "labels": labels}])
