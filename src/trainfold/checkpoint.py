@@ -1,0 +1,674 @@
+"""Checkpoints: atomic snapshots of the ``TrainState`` record, and the policy that keeps them.
+
+A checkpoint is a directory ``output_dir/checkpoint-{step}/`` holding
+
+- ``state.safetensors``: the whole record flattened to dotted keys (``trainfold.tree.flatten``);
+- ``model.safetensors`` (+ ``config.json``): the weights under the model's ``state_dict`` names,
+  tied weights once, so ``transformers`` ``from_pretrained`` loads the directory directly;
+- ``trainfold.json``: a sidecar with the library version, step, cursor, caller metadata (best
+  metric, log history), the run settings that define the trajectory, and each file's size and
+  CRC-32.
+
+It is written into a hidden sibling directory that holds ``checkpoint-is-incomplete.txt`` while
+files are written; files and directories are fsynced, the marker is removed, and the directory is
+renamed into place. Nothing is pickled and loading never runs code.
+
+>>> import tempfile, torch
+>>> from trainfold.optim import sgd
+>>> from trainfold.state import init_state
+>>> state = init_state(torch.nn.Linear(2, 1), sgd(0.1), seed=3)
+>>> out = tempfile.mkdtemp()
+>>> path = save(state, checkpoint_path(out, 0))
+>>> latest_checkpoint(out) == path, load(path, like=state).seed.item()
+(True, 3)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import secrets
+import shutil
+import warnings
+import zlib
+from collections.abc import Callable, Collection, Mapping
+from importlib import metadata as _metadata
+from pathlib import Path
+from typing import Any
+
+import attrs
+import safetensors.torch
+import torch
+from torch import Tensor, nn
+
+from trainfold.state import TrainState
+from trainfold.tree import Tree, flatten, unflatten
+
+__all__ = [
+    "STATE_FILE",
+    "MODEL_FILE",
+    "CONFIG_FILE",
+    "SIDECAR_FILE",
+    "INCOMPLETE_MARKER",
+    "RESUME_KEYS",
+    "save",
+    "load",
+    "load_weights",
+    "warm_start",
+    "read_metadata",
+    "model_weights",
+    "checkpoint_path",
+    "is_complete",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "should_save",
+    "rotate",
+    "greater_is_better_for",
+    "BestMetric",
+    "best_metric",
+    "update_best",
+    "best_checkpoint",
+    "check_compatible",
+]
+
+STATE_FILE = "state.safetensors"
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+SIDECAR_FILE = "trainfold.json"
+INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
+_FORMAT = "trainfold-checkpoint"
+_FORMAT_VERSION = 1
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+# Settings that fix which samples form each optimizer step: a resume must not change them.
+RESUME_KEYS = (
+    "gradient_accumulation_steps",
+    "world_size",
+    "per_device_train_batch_size",
+    "seed",
+    "data_seed",
+    "train_sampling_strategy",
+)
+
+
+def _version() -> str:
+    try:
+        return _metadata.version("trainfold")
+    except _metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+
+def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
+    """Return ``output_dir/checkpoint-{step}``.
+
+    >>> checkpoint_path("out", 12).as_posix()
+    'out/checkpoint-12'
+    """
+    return Path(output_dir) / f"checkpoint-{int(step)}"
+
+
+def _storable(flat: Mapping[str, Tensor]) -> Tree:
+    """Return CPU, contiguous tensors, cloning any that share storage with an earlier one."""
+    out: Tree = {}
+    seen: set[int] = set()
+    for key, t in flat.items():
+        t = t.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr and ptr in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[key] = t
+    return out
+
+
+def model_weights(state: TrainState, model: nn.Module | None = None) -> Tree:
+    """Return the state's weights under ``model``'s ``state_dict`` names, each tied tensor once.
+
+    Non-persistent buffers are left out, as ``state_dict`` leaves them out. Without ``model`` the
+    state's own names are used (params, then all buffers).
+
+    >>> import torch
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.state import init_state
+    >>> m = torch.nn.BatchNorm1d(2)
+    >>> sorted(model_weights(init_state(m, sgd(0.1)), m))
+    ['bias', 'num_batches_tracked', 'running_mean', 'running_var', 'weight']
+    """
+    tensors = {**state.buffers, **state.params}
+    if model is None:
+        return dict(tensors)
+    source = {id(b): n for n, b in model.named_buffers()} | {id(p): n for n, p in model.named_parameters()}
+    out: Tree = {}
+    done: set[str] = set()
+    for key, value in model.state_dict(keep_vars=True).items():
+        name = source.get(id(value), key)
+        if name in done:
+            continue  # a tied alias: saved once, under its first name
+        if name not in tensors:
+            raise KeyError(
+                f"the model's {key!r} is not in the state (params and buffers); pass the model the "
+                "state was made from (init_state(model, ...))"
+            )
+        done.add(name)
+        out[key] = tensors[name]
+    return out
+
+
+def _config_text(config: Any) -> str | None:
+    if config is None:
+        return None
+    if hasattr(config, "to_json_string"):
+        return config.to_json_string()
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if isinstance(config, Mapping):
+        return json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
+    raise TypeError(
+        f"config of type {type(config).__name__} cannot be written as config.json: pass a dict, "
+        "or an object with to_dict() or to_json_string() (e.g. a transformers PretrainedConfig)"
+    )
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _check_json(value: Any, what: str) -> None:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"{what} must be JSON-serialisable (plain numbers, strings, lists, dicts): {e}") from None
+
+
+def _replace_dir(tmp: Path, directory: Path) -> None:
+    if not directory.exists():
+        os.rename(tmp, directory)
+        return
+    old = directory.parent / f".{directory.name}.old-{secrets.token_hex(4)}"
+    os.rename(directory, old)
+    os.rename(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def save(
+    state: TrainState,
+    directory: str | os.PathLike,
+    *,
+    model: nn.Module | None = None,
+    config: Any = None,
+    metadata: Mapping[str, Any] | None = None,
+    settings: Mapping[str, Any] | None = None,
+    save_only_model: bool = False,
+    jit: bool = False,
+    on_file: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write ``state`` to ``directory`` atomically and return the directory's path.
+
+    ``model`` gives ``model.safetensors`` its ``state_dict`` names (and its ``config`` when
+    ``config`` is not given); ``config`` (dict, or object with ``to_dict``/``to_json_string``)
+    becomes ``config.json``. ``metadata`` (best metric, log history, ...) and ``settings`` (the
+    run settings, checked on resume by ``check_compatible``) go into the JSON sidecar.
+    ``save_only_model`` writes the weights but not the record. ``jit`` marks an emergency
+    checkpoint that ``rotate`` never deletes. ``on_file(path)`` is called after each file is
+    written (progress reports; tests use it to crash mid-save). An existing ``directory`` is
+    replaced.
+    """
+    directory = Path(directory)
+    metadata, settings = dict(metadata or {}), dict(settings or {})
+    _check_json(metadata, "save metadata")
+    _check_json(settings, "save settings")
+    if config is None and model is not None:
+        config = getattr(model, "config", None)
+    config_text = _config_text(config)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        marker = tmp / INCOMPLETE_MARKER
+        _write_bytes(marker, b"trainfold is writing this checkpoint; if this file remains, the write failed.\n")
+        files: dict[str, dict[str, int]] = {}
+
+        def record(name: str) -> None:
+            path = tmp / name
+            _fsync_file(path)
+            files[name] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+            if on_file is not None:
+                on_file(path)
+
+        if not save_only_model:
+            safetensors.torch.save_file(_storable(flatten(state)), tmp / STATE_FILE, metadata={"format": "pt"})
+            record(STATE_FILE)
+        weights = _storable(model_weights(state, model))
+        safetensors.torch.save_file(weights, tmp / MODEL_FILE, metadata={"format": "pt"})
+        record(MODEL_FILE)
+        if config_text is not None:
+            _write_bytes(tmp / CONFIG_FILE, config_text.encode())
+            record(CONFIG_FILE)
+        epoch, position = (int(state.cursor.epoch), int(state.cursor.position))
+        sidecar = {
+            "format": _FORMAT,
+            "format_version": _FORMAT_VERSION,
+            "library_version": _version(),
+            "step": int(state.step),
+            "epoch": epoch,
+            "cursor": {"epoch": epoch, "position": position},
+            "save_only_model": bool(save_only_model),
+            "jit": bool(jit),
+            "metadata": metadata,
+            "settings": settings,
+            "files": files,
+        }
+        _write_bytes(tmp / SIDECAR_FILE, (json.dumps(sidecar, indent=2) + "\n").encode())
+        marker.unlink()
+        _fsync_dir(tmp)
+        _replace_dir(tmp, directory)
+        _fsync_dir(directory.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+# -- reading --------------------------------------------------------------------------------------
+
+
+def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
+    """Return the checkpoint's JSON sidecar (step, cursor, metadata, settings, files) as a dict.
+
+    Raises ``FileNotFoundError`` or ``ValueError`` naming the path when it is missing or unreadable.
+    """
+    directory = Path(directory)
+    path = directory / SIDECAR_FILE
+    if (directory / INCOMPLETE_MARKER).exists():
+        raise ValueError(
+            f"{directory} is an incomplete checkpoint ({INCOMPLETE_MARKER} is present: its write was "
+            "interrupted); resume from latest_checkpoint(output_dir) instead"
+        )
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: {directory} is not a complete trainfold checkpoint; "
+            "resume from latest_checkpoint(output_dir) instead"
+        )
+    try:
+        meta = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is corrupted (not valid JSON: {e}); resume from an earlier checkpoint") from None
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise ValueError(f"{path} is not a trainfold checkpoint sidecar (no \"format\": \"{_FORMAT}\")")
+    return meta
+
+
+def _read_tensors(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
+    path = directory / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing; the checkpoint is incomplete or was altered; "
+            "resume from latest_checkpoint(output_dir) instead"
+        )
+    data = path.read_bytes()
+    expected = meta.get("files", {}).get(name)
+    if expected is not None and len(data) != expected["bytes"]:
+        raise ValueError(
+            f"{path} is truncated or altered: it has {len(data)} bytes, {SIDECAR_FILE} records "
+            f"{expected['bytes']}; resume from an earlier checkpoint"
+        )
+    if expected is not None and zlib.crc32(data) != expected["crc32"]:
+        raise ValueError(
+            f"{path} is corrupted: its CRC-32 differs from the one {SIDECAR_FILE} records; "
+            "resume from an earlier checkpoint"
+        )
+    try:
+        return safetensors.torch.load(data)
+    except Exception as e:  # safetensors raises its own error types
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+
+
+def _fit(flat: Mapping[str, Tensor], like: Any, path: Path) -> Any:
+    try:
+        return unflatten(flat, like=like)
+    except KeyError as e:
+        raise KeyError(
+            f"{path} does not fit the template state; was it saved from a different model or "
+            f"optimizer? {e.args[0]}"
+        ) from None
+    except ValueError as e:
+        raise ValueError(f"{path} does not fit the template state (a different model size?): {e}") from None
+
+
+def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
+    """Return the state saved in ``directory``, shaped like the template ``like`` and on its devices.
+
+    Every tensor must match the template's keys, shapes and dtypes, except ``metrics``, which is
+    free-form and loaded as saved. A weights-only checkpoint raises ``ValueError`` (see ``warm_start``).
+    """
+    directory = Path(directory)
+    meta = read_metadata(directory)
+    if meta.get("save_only_model"):
+        raise ValueError(
+            f"{directory / STATE_FILE} does not exist: {directory} was saved with save_only_model=True "
+            "and holds weights only (no optimizer state, step or data cursor), so training cannot "
+            "resume from it exactly; to start a new run from its weights call "
+            "trainfold.checkpoint.warm_start(directory, like=init_state(...)), which restarts the "
+            "optimizer and the schedule"
+        )
+    flat = _read_tensors(directory, STATE_FILE, meta)
+    metrics = {k.removeprefix("metrics."): v for k, v in flat.items() if k.startswith("metrics.")}
+    rest = {k: v for k, v in flat.items() if not k.startswith("metrics.")}
+    state = _fit(rest, attrs.evolve(like, metrics={}), directory / STATE_FILE)
+    return attrs.evolve(state, metrics=metrics)
+
+
+def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
+    """Return ``like`` with params and buffers from ``directory/model.safetensors``; nothing else changes.
+
+    Buffers absent from the file (non-persistent ones) keep the template's values. Use it for
+    ``load_best_model_at_end``; to start training from weights, see ``warm_start``.
+    """
+    directory = Path(directory)
+    path = directory / MODEL_FILE
+    flat = _read_tensors(directory, MODEL_FILE, read_metadata(directory))
+    unexpected = sorted(set(flat) - set(like.params) - set(like.buffers))
+    missing = sorted(set(like.params) - set(flat))
+    if unexpected or missing:
+        raise KeyError(
+            f"{path} does not fit the template state; was it saved from a different model? "
+            f"missing {missing}, unexpected {unexpected}"
+        )
+    params = _fit({k: flat[k] for k in like.params}, like.params, path)
+    kept = {k: flat.get(k, v) for k, v in like.buffers.items()}
+    buffers = _fit(kept, like.buffers, path)
+    return attrs.evolve(like, params=params, buffers=buffers)
+
+
+def warm_start(directory: str | os.PathLike, like: TrainState) -> TrainState:
+    """Start a new run from a checkpoint's weights: ``load_weights`` with a warning.
+
+    Pass a fresh ``like = init_state(...)``: the optimizer state, step (and so the learning-rate
+    schedule), data cursor and metrics are ``like``'s, not the checkpoint's.
+    """
+    state = load_weights(directory, like)
+    warnings.warn(
+        f"warm start from the weights in {Path(directory) / MODEL_FILE}: the optimizer state, "
+        f"schedule and data order restart from step {int(like.step)} (not an exact resume)",
+        UserWarning,
+        stacklevel=2,
+    )
+    return state
+
+
+# -- finding ---------------------------------------------------------------------------------------
+
+
+def is_complete(directory: str | os.PathLike) -> bool:
+    """Say whether ``directory`` is a finished checkpoint: no marker, a sidecar, every file at its size.
+
+    >>> is_complete("no/such/dir")
+    False
+    """
+    directory = Path(directory)
+    try:
+        meta = read_metadata(directory)
+        files = meta["files"]
+        return all((directory / n).stat().st_size == f["bytes"] for n, f in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _step_of(path: Path) -> int | None:
+    m = _NAME.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Return the complete ``checkpoint-{step}`` directories in ``output_dir``, oldest step first.
+
+    >>> list_checkpoints("no/such/dir")
+    []
+    """
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(s, p) for p in root.iterdir() if (s := _step_of(p)) is not None and p.is_dir()]
+    return [p for _, p in sorted(found) if is_complete(p)]
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """Return the complete checkpoint with the highest step in ``output_dir``, or ``None``.
+
+    >>> latest_checkpoint("no/such/dir") is None
+    True
+    """
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+# -- policy -----------------------------------------------------------------------------------------
+
+_SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+
+
+def should_save(
+    step: int,
+    *,
+    save_strategy: str,
+    save_steps: float = 500,
+    epoch_end: bool = False,
+    max_steps: int | None = None,
+    new_best: bool = False,
+) -> bool:
+    """Say whether to save after optimizer step ``step`` (HF ``save_strategy`` semantics).
+
+    ``"steps"``: every ``save_steps`` steps (a fraction ``< 1`` is a share of ``max_steps``) and at
+    ``max_steps``; ``"epoch"``: when ``epoch_end``; ``"best"``: when the metric reached a ``new_best``.
+
+    >>> [s for s in range(1, 8) if should_save(s, save_strategy="steps", save_steps=3, max_steps=7)]
+    [3, 6, 7]
+    >>> should_save(4, save_strategy="epoch", epoch_end=True), should_save(4, save_strategy="no")
+    (True, False)
+    """
+    if save_strategy not in _SAVE_STRATEGIES:
+        raise ValueError(f"save_strategy {save_strategy!r} is not one of {list(_SAVE_STRATEGIES)}")
+    if save_strategy == "no":
+        return False
+    if save_strategy == "epoch":
+        return epoch_end
+    if save_strategy == "best":
+        return new_best
+    if save_steps <= 0:
+        raise ValueError(f"save_steps must be positive, got {save_steps}")
+    if save_steps < 1:
+        if max_steps is None:
+            raise ValueError(f"save_steps={save_steps} is a fraction of max_steps; pass max_steps")
+        save_steps = math.ceil(save_steps * max_steps)
+    if save_steps != int(save_steps):
+        raise ValueError(f"save_steps must be a whole number of steps (or a fraction < 1), got {save_steps}")
+    return step > 0 and (step % int(save_steps) == 0 or (max_steps is not None and step >= max_steps))
+
+
+def _is_jit(path: Path) -> bool:
+    try:
+        return bool(read_metadata(path).get("jit"))
+    except (OSError, ValueError):
+        return False
+
+
+def rotate(
+    output_dir: str | os.PathLike,
+    save_total_limit: int | None,
+    *,
+    keep: Collection[str | os.PathLike] = (),
+) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond ``save_total_limit``; return what was deleted.
+
+    Never deleted: the latest checkpoint, any path in ``keep`` (e.g. the best), and JIT
+    checkpoints. So ``save_total_limit=1`` with a best checkpoint keeps both the best and the
+    latest. Incomplete directories are left alone.
+    """
+    if save_total_limit is None:
+        return []
+    if isinstance(save_total_limit, bool) or not isinstance(save_total_limit, int) or save_total_limit < 1:
+        raise ValueError(f"save_total_limit must be a positive int or None, got {save_total_limit!r}")
+    found = list_checkpoints(output_dir)
+    protected = {Path(p).resolve() for p in keep if p is not None}
+    if found:
+        protected.add(found[-1].resolve())
+    deletable = [p for p in found if p.resolve() not in protected and not _is_jit(p)]
+    excess = len(found) - save_total_limit
+    doomed = deletable[: max(0, excess)]
+    for path in doomed:
+        trash = path.parent / f".{path.name}.deleting-{secrets.token_hex(4)}"
+        os.rename(path, trash)  # a half-deleted directory never looks like a checkpoint
+        shutil.rmtree(trash, ignore_errors=True)
+    return doomed
+
+
+_LOWER_PARTS = ("loss", "perplexity", "error")
+_LOWER_WORDS = {"ppl", "wer", "cer", "ter", "mse", "mae", "rmse", "nll", "eer"}
+_HIGHER_PREFIXES = ("accuracy", "f1", "precision", "recall", "bleu", "rouge", "meteor", "chrf", "auc",
+                    "auroc", "exact", "matthews", "pearson", "spearman", "ndcg", "bertscore")
+_HIGHER_WORDS = {"acc", "em", "mcc", "r2", "map", "mrr", "sacrebleu"}
+
+
+def greater_is_better_for(metric_name: str, greater_is_better: bool | None = None) -> bool:
+    """Return whether a larger ``metric_name`` is better: ``greater_is_better`` if given, else from the name.
+
+    The name decides only where the direction is certain: ``loss``, ``perplexity``, ``error``
+    anywhere, or the words ``ppl``, ``wer``, ``cer``, ``mse``, ``mae``, ``rmse``, ``nll`` mean lower
+    is better; ``accuracy``, ``f1``, ``precision``, ``recall``, ``bleu``, ``rouge``, ``meteor``,
+    ``auc``, ``exact_match``, ``matthews``, ``pearson``, ``spearman``, ``ndcg``, ``mrr``, ... mean
+    higher. Unknown or contradictory names raise ``ValueError`` asking for ``greater_is_better``.
+
+    >>> greater_is_better_for("eval_loss"), greater_is_better_for("eval_perplexity")
+    (False, False)
+    >>> greater_is_better_for("eval_rougeL"), greater_is_better_for("bleu", greater_is_better=False)
+    (True, False)
+    """
+    if greater_is_better is not None:
+        return bool(greater_is_better)
+    name = metric_name.lower()
+    words = [w for w in re.split(r"[^a-z0-9]+", name) if w]
+    lower = any(p in name for p in _LOWER_PARTS) or any(w in _LOWER_WORDS for w in words)
+    higher = any(w.startswith(_HIGHER_PREFIXES) or w in _HIGHER_WORDS for w in words)
+    if lower != higher:
+        return higher
+    why = "names both a lower- and a higher-is-better metric" if lower else "is not a metric whose direction is known"
+    raise ValueError(
+        f"metric_for_best_model {metric_name!r} {why}; pass greater_is_better=True or False"
+    )
+
+
+@attrs.frozen(eq=False)
+class BestMetric:
+    """The best value of a metric so far and the step it was reached at (``step`` −1: none yet).
+
+    A record of 0-d tensors, so it lives in ``state.extras`` and survives a resume.
+    """
+
+    value: Tensor
+    step: Tensor
+    greater_is_better: Tensor
+
+
+def best_metric(greater_is_better: bool) -> BestMetric:
+    """Return the tracker before any evaluation: value ∓inf, step −1.
+
+    >>> b = best_metric(greater_is_better=False)
+    >>> b.value.item(), b.step.item()
+    (inf, -1)
+    """
+    start = -math.inf if greater_is_better else math.inf
+    return BestMetric(
+        value=torch.tensor(start, dtype=torch.float64),
+        step=torch.tensor(-1, dtype=torch.int64),
+        greater_is_better=torch.tensor(bool(greater_is_better)),
+    )
+
+
+def update_best(best: BestMetric, value: float | Tensor, step: int | Tensor) -> tuple[BestMetric, bool]:
+    """Return ``(tracker, improved)`` after seeing ``value`` at ``step``; ties and NaN do not improve.
+
+    >>> b, up = update_best(best_metric(greater_is_better=True), 0.5, 10)
+    >>> b.value.item(), b.step.item(), up, update_best(b, 0.5, 20)[1]
+    (0.5, 10, True, False)
+    """
+    v = float(value)
+    old = float(best.value)
+    improved = not math.isnan(v) and (v > old if bool(best.greater_is_better) else v < old)
+    if not improved:
+        return best, False
+    return attrs.evolve(
+        best, value=torch.tensor(v, dtype=torch.float64), step=torch.tensor(int(step), dtype=torch.int64)
+    ), True
+
+
+def best_checkpoint(output_dir: str | os.PathLike, best: BestMetric) -> Path | None:
+    """Return the complete checkpoint of the best step, or ``None`` if there is none on disk.
+
+    >>> best_checkpoint("no/such/dir", best_metric(True)) is None
+    True
+    """
+    if int(best.step) < 0:
+        return None
+    path = checkpoint_path(output_dir, int(best.step))
+    return path if is_complete(path) else None
+
+
+def check_compatible(
+    saved_settings: Mapping[str, Any],
+    new_settings: Mapping[str, Any],
+    *,
+    keys: Collection[str] = RESUME_KEYS,
+    source: str | os.PathLike = "the checkpoint",
+) -> None:
+    """Raise ``ValueError`` listing every trajectory setting (``keys``) the new run changes.
+
+    Gradient accumulation, world size, batch size, seeds and sampler fix which samples make each
+    step, so an exact resume needs them unchanged. Other settings (schedule, logging, saving)
+    may differ: they come from the new run.
+
+    >>> check_compatible({"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 2, "learning_rate": 1.0})
+    >>> check_compatible({"world_size": 2}, {"world_size": 4})
+    Traceback (most recent call last):
+    ...
+    ValueError: cannot resume from the checkpoint with different settings: world_size: saved 2, now 4; resume with the saved values or start a new run (warm_start)
+    """
+    absent = object()
+    diffs = [
+        f"{k}: saved {saved_settings.get(k, 'unset')!r}, now {new_settings.get(k, 'unset')!r}"
+        for k in keys
+        if saved_settings.get(k, absent) != new_settings.get(k, absent)
+    ]
+    if diffs:
+        raise ValueError(
+            f"cannot resume from {source} with different settings: {'; '.join(diffs)}; "
+            "resume with the saved values or start a new run (warm_start)"
+        )
