@@ -1,0 +1,405 @@
+"""Observers: logging windows (also across a resume), early stopping, progress, plain observers."""
+
+from __future__ import annotations
+
+import io
+import math
+
+import attrs
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call
+
+from trainfold import chain, clip_by_global_norm, init_state, make_step, sgd
+from trainfold.fold import fit, trajectory
+from trainfold.losses import cross_entropy
+from trainfold.observe import (
+    EARLY_STOPPING,
+    LOG_MARK,
+    EarlyStoppingRecord,
+    LoggingPlan,
+    LogMark,
+    early_stopping,
+    eval_entry,
+    log_entry,
+    log_if_due,
+    log_mark,
+    logging_plan,
+    mark_logged,
+    notify,
+    observing,
+    patience_exhausted,
+    progress,
+    record_evaluation,
+    should_log,
+    tap,
+    train_summary,
+    update_early_stopping,
+)
+from trainfold.schedules import linear
+from trainfold.state import Cursor, TrainState, scalar
+from trainfold.tree import flatten, global_norm, unflatten
+
+# -- a small classification run ----------------------------------------------------------------
+
+
+def model_and_batches(n_steps: int, seed: int = 0) -> tuple[nn.Module, list[list[dict]]]:
+    torch.manual_seed(seed)
+    model = nn.Linear(4, 3)
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [
+        [{"input": torch.randn(5, 4, generator=g), "labels": torch.randint(0, 3, (5,), generator=g)}]
+        for _ in range(n_steps)
+    ]
+    return model, batches
+
+
+def optimizer(total: int = 30):
+    return chain(clip_by_global_norm(0.05), sgd(linear(0.5, 2, total)))
+
+
+class Recorder:
+    """A reporter that remembers what it was given."""
+
+    def __init__(self) -> None:
+        self.entries: list[tuple[dict, int]] = []
+        self.closed = False
+
+    def log(self, entry: dict, step: int) -> None:
+        self.entries.append((dict(entry), step))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def run_logged(model, batches, state, plan, recorder, step_losses, total):
+    step = make_step(model, cross_entropy, optimizer())
+    n = len(batches)
+
+    def after(s: TrainState) -> TrainState:
+        step_losses.append(float(s.metrics["loss"]))
+        return log_if_due(s, plan, [recorder], last=int(s.step) == total)
+
+    return fit(observing(step, after), state, batches) if n else state
+
+
+# -- logging: concrete ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("every", [1, 3, 10])
+def test_logged_loss_is_the_mean_of_the_window_step_losses(every):
+    total = 23
+    model, batches = model_and_batches(total)
+    state = init_state(model, optimizer(), extras={LOG_MARK: LogMark()})
+    rec, losses = Recorder(), []
+    final = run_logged(model, batches, state, LoggingPlan("steps", every), rec, losses, total)
+    expected_steps = sorted({s for s in range(1, total + 1) if s % every == 0} | {total})
+    assert [step for _, step in rec.entries] == expected_steps
+    prev = 0
+    for entry, s in rec.entries:
+        window = losses[prev:s]
+        assert entry["loss"] == pytest.approx(math.fsum(window) / len(window), rel=1e-12, abs=0)
+        assert entry["step"] == s
+        prev = s
+    assert int(log_mark(final).step) == total
+    assert len(set(losses)) > 1  # the losses really differ, so the mean is not trivially right
+
+
+def test_grad_norm_is_the_pre_clip_norm_and_learning_rate_the_one_used():
+    model, batches = model_and_batches(4)
+    opt = optimizer(total=4)
+    step = make_step(model, cross_entropy, opt)
+    state = init_state(model, opt)
+    schedule = linear(0.5, 2, 4)
+    for k, batch in enumerate(batches):
+        mb = batch[0]
+        leaves = {n: t.detach().requires_grad_() for n, t in state.params.items()}
+        out = functional_call(model, leaves, (mb["input"],))
+        grads = torch.autograd.grad(cross_entropy(out, mb["labels"], torch.tensor(5)), list(leaves.values()))
+        state = step(state, batch)
+        entry = log_entry(state, LogMark(step=scalar(k), loss_total=scalar(0.0, torch.float64)))
+        assert entry["grad_norm"] == pytest.approx(global_norm(grads).item(), rel=1e-6)
+        assert entry["grad_norm"] > 0.05  # above the clip: the logged norm is the one before clipping
+        assert entry["learning_rate"] == pytest.approx(schedule(k), rel=1e-6)
+
+
+def test_logged_windows_survive_a_resume_taken_mid_window():
+    total, every, cut = 11, 4, 6
+    model, batches = model_and_batches(total)
+    plan = LoggingPlan("steps", every)
+    fresh = init_state(model, optimizer(), extras={LOG_MARK: LogMark()})
+    straight, losses = Recorder(), []
+    run_logged(model, batches, fresh, plan, straight, losses, total)
+
+    first, resumed = Recorder(), Recorder()
+    mid = run_logged(model, batches[:cut], fresh, plan, first, [], total)
+    assert int(log_mark(mid).step) == 4 and int(mid.step) == cut  # the checkpoint is mid-window
+    restored = unflatten(flatten(mid), init_state(model, optimizer(), extras={LOG_MARK: LogMark()}))
+    run_logged(model, batches[cut:], restored, plan, resumed, [], total)
+    assert first.entries + resumed.entries == straight.entries
+
+
+def test_epoch_is_fractional_from_the_cursor():
+    state = TrainState(params={}, buffers={}, opt_state=None, step=scalar(13), cursor=Cursor(scalar(2), scalar(3)),
+                       loss_total=scalar(1.0, torch.float64))
+    assert log_entry(state, steps_per_epoch=5)["epoch"] == 2.6
+    assert log_entry(state)["epoch"] == 2.0
+
+
+def test_mark_logged_returns_a_new_state_with_its_own_tensors():
+    state = TrainState(params={}, buffers={}, opt_state=None, step=scalar(3), loss_total=scalar(2.0, torch.float64))
+    marked = mark_logged(state)
+    assert LOG_MARK not in state.extras
+    assert marked.extras[LOG_MARK].step is not marked.step  # safetensors refuses shared tensors
+    flatten(marked)  # still a valid record
+
+
+def test_eval_entry_and_train_summary():
+    state = TrainState(params={}, buffers={}, opt_state=None, step=scalar(10), loss_total=scalar(12.0, torch.float64),
+                       cursor=Cursor(scalar(1), scalar(0)))
+    entry = eval_entry({"loss": torch.tensor(0.5), "eval_accuracy": 0.75}, state, steps_per_epoch=10)
+    assert entry == {"eval_loss": 0.5, "eval_accuracy": 0.75, "epoch": 1.0, "step": 10}
+    start = attrs.evolve(state, step=scalar(4), loss_total=scalar(3.0, torch.float64))
+    summary = train_summary(state, start, runtime=3.0, num_samples=60)
+    assert summary["train_loss"] == pytest.approx(9.0 / 6)
+    assert summary["train_steps_per_second"] == pytest.approx(2.0)
+    assert summary["train_samples_per_second"] == pytest.approx(20.0)
+    assert summary["train_runtime"] == 3.0
+    assert math.isnan(train_summary(state, state, runtime=1.0)["train_loss"])
+
+
+def test_observers_get_each_entry_and_reporters_too():
+    state = TrainState(params={}, buffers={}, opt_state=None, step=scalar(2), loss_total=scalar(3.0, torch.float64))
+    seen, rec = [], Recorder()
+    out = log_if_due(state, LoggingPlan("steps", 2), [rec], [lambda s, logs: seen.append((int(s.step), logs["loss"]))])
+    assert seen == [(2, 1.5)] and rec.entries[0][1] == 2
+    assert log_if_due(out, LoggingPlan("steps", 2), [rec]) is out  # nothing new to log: unchanged
+    logs = {"loss": 1.0}
+    notify([lambda s, d: d.clear()], state, logs)
+    assert logs == {"loss": 1.0}  # an observer cannot change the caller's entry
+
+
+def test_tap_and_observing_compose_in_a_fold():
+    seen: list[int] = []
+    step = observing(lambda s, b: s + b, tap(seen.append), lambda s: s * 10)
+    assert list(trajectory(step, 0, [1, 2])) == [10, 120]
+    assert seen == [1, 12]
+
+
+# -- logging: properties -------------------------------------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(every=st.integers(1, 7), total=st.integers(1, 30), first=st.booleans(), last=st.booleans())
+def test_should_log_by_steps(every, total, first, last):
+    plan = LoggingPlan("steps", every, first)
+    logged, mark = [], 0
+    for s in range(1, total + 1):
+        if should_log(plan, s, mark, last=last and s == total):
+            logged.append(s)
+            mark = s
+    expected = {s for s in range(1, total + 1) if s % every == 0} | ({1} if first else set()) | ({total} if last else set())
+    assert logged == sorted(expected)
+
+
+@settings(max_examples=30, deadline=None)
+@given(ends=st.lists(st.booleans(), min_size=1, max_size=20))
+def test_should_log_by_epoch_and_never(ends):
+    plan = LoggingPlan("epoch", 1)
+    assert [should_log(plan, s, s - 1, epoch_end=e) for s, e in enumerate(ends, 1)] == ends
+    assert not any(should_log(LoggingPlan("no", 1, True), s, 0, epoch_end=True, last=True) for s in range(1, 5))
+
+
+@settings(max_examples=40, deadline=None)
+@given(losses=st.lists(st.floats(0, 10, allow_nan=False), min_size=1, max_size=12), cut=st.integers(0, 12))
+def test_window_mean_from_running_sums(losses, cut):
+    cut = min(cut, len(losses) - 1)
+    total = torch.zeros((), dtype=torch.float64)
+    state = TrainState(params={}, buffers={}, opt_state=None)
+    for k, loss in enumerate(losses, 1):
+        total = total + torch.tensor(loss, dtype=torch.float32).double()
+        state = attrs.evolve(state, step=scalar(k), loss_total=total)
+        if k == cut:
+            state = mark_logged(state)
+    window = [float(torch.tensor(v, dtype=torch.float32)) for v in losses[cut:]]
+    assert log_entry(state)["loss"] == pytest.approx(math.fsum(window) / len(window), rel=1e-9, abs=1e-9)
+
+
+# -- logging: errors -----------------------------------------------------------------------------
+
+
+def test_logging_plan_resolves_ratios_and_reports_all_errors():
+    assert logging_plan("steps", 0.25, total_steps=10).steps == 3
+    assert logging_plan("steps", 3.0).steps == 3
+    with pytest.raises(ValueError, match=r"logging_strategy='often'(.|\n)*total_steps=None"):
+        logging_plan("often", 0.5)
+    with pytest.raises(ValueError, match="whole number"):
+        logging_plan("steps", 2.5)
+    with pytest.raises(ValueError, match="positive int"):
+        logging_plan("steps", 0)
+
+
+def test_log_entry_refuses_an_empty_window():
+    state = mark_logged(TrainState(params={}, buffers={}, opt_state=None, step=scalar(5)))
+    with pytest.raises(ValueError, match="nothing to log: the state is at step 5"):
+        log_entry(state)
+
+
+# -- early stopping ------------------------------------------------------------------------------
+
+
+def reference_bad_evals(values, patience, threshold, greater):
+    """The rule in plain Python: counts since the last improvement by more than threshold."""
+    best, bad, out = None, 0, []
+    for v in values:
+        gain = None if best is None else (v - best if greater else best - v)
+        if not math.isnan(v) and (best is None or gain > threshold):
+            best, bad = v, 0
+        else:
+            bad += 1
+        out.append((bad, bad >= patience))
+    return out
+
+
+def hf_stops(values, patience, threshold):
+    """HF's rule (lower is better), to show the difference: the best moves on every improvement."""
+    best, bad = None, 0
+    for i, v in enumerate(values):
+        if best is None or (v < best and abs(v - best) > threshold):
+            bad = 0
+        else:
+            bad += 1
+        best = v if best is None or v < best else best
+        if bad >= patience:
+            return i
+    return None
+
+
+def run_evals(config, values):
+    state = TrainState(params={}, buffers={}, opt_state=None, extras={EARLY_STOPPING: EarlyStoppingRecord()})
+    stop, out = patience_exhausted(config), []
+    for v in values:
+        state = record_evaluation(config, state, {"eval_" + config.metric.removeprefix("eval_"): v})
+        out.append((int(state.extras[config.key].bad_evals), stop(state)))
+    return state, out
+
+
+def test_steady_progress_below_the_threshold_does_not_stop():
+    values = [10.0 - 0.4 * k for k in range(12)]
+    config = early_stopping("eval_loss", patience=2, threshold=0.5)
+    _, out = run_evals(config, values)
+    assert not any(stopped for _, stopped in out)
+    assert hf_stops(values, 2, 0.5) == 2  # HF stops at 10 -> 9.6 -> 9.2 (finding N)
+    # patience 1 gains only 0.4 <= 0.5 in one evaluation, so it stops at once
+    assert run_evals(early_stopping("loss", 1, 0.5), values)[1][1] == (1, True)
+
+
+def test_plateau_stops_after_patience_evaluations():
+    config = early_stopping("accuracy", patience=3, threshold=0.0, greater_is_better=True)
+    state, out = run_evals(config, [0.5, 0.7, 0.7, 0.69, 0.7, 0.71])
+    assert [s for _, s in out] == [False, False, False, False, True, False]
+    assert float(state.extras[EARLY_STOPPING].best) == 0.71
+
+
+def test_threshold_and_patience_edges():
+    config = early_stopping("loss", patience=1, threshold=0.5)
+    assert run_evals(config, [2.0, 1.5])[1][-1] == (1, True)  # exactly the threshold does not count
+    assert run_evals(config, [2.0, 1.25])[1][-1] == (0, False)
+    zero = early_stopping("loss", patience=1, threshold=0.0)
+    assert run_evals(zero, [1.0, 1.0])[1][-1] == (1, True)  # equal is no improvement
+    assert run_evals(zero, [1.0, float("nan"), 0.5])[1] == [(0, False), (1, True), (0, False)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    values=st.lists(st.one_of(st.integers(0, 12).map(lambda k: k / 4), st.just(math.nan)), min_size=1, max_size=15),
+    patience=st.integers(1, 4),
+    threshold=st.sampled_from([0.0, 0.25, 0.5, 1.0]),
+    greater=st.booleans(),
+)
+def test_early_stopping_matches_the_reference(values, patience, threshold, greater):
+    config = early_stopping("score", patience, threshold, greater)
+    assert run_evals(config, values)[1] == reference_bad_evals(values, patience, threshold, greater)
+
+
+def test_early_stopping_record_survives_a_resume_and_stops_the_fold():
+    config = early_stopping("loss", patience=2, threshold=0.1)
+    evals = iter([1.0, 0.95, 0.99, 0.5, 0.5])
+
+    def evaluate_every_other(state: TrainState) -> TrainState:
+        return record_evaluation(config, state, {"eval_loss": next(evals)}) if state.step % 2 == 0 else state
+
+    def step(state: TrainState, batch: int) -> TrainState:
+        return attrs.evolve(state, step=state.step + batch)
+
+    def template() -> TrainState:
+        return TrainState(params={}, buffers={}, opt_state=None, extras={EARLY_STOPPING: EarlyStoppingRecord()})
+
+    observed = observing(step, evaluate_every_other)
+    mid = fit(observed, template(), [1] * 4)  # evals at steps 2 and 4: 1.0, 0.95
+    restored = unflatten(flatten(mid), template())
+    assert int(restored.extras[EARLY_STOPPING].bad_evals) == 1
+    final = fit(observed, restored, [1] * 100, stop=patience_exhausted(config))
+    assert int(final.step) == 6  # 0.99 at step 6 is the second evaluation without a counted gain
+
+
+def test_update_early_stopping_is_pure():
+    config = early_stopping("loss", patience=1)
+    record = EarlyStoppingRecord()
+    new = update_early_stopping(config, record, 1.0)
+    assert math.isnan(float(record.best)) and int(record.bad_evals) == 0
+    assert float(new.best) == 1.0
+
+
+def test_early_stopping_errors():
+    with pytest.raises(ValueError, match=r"greater_is_better is needed for metric 'perplexity'(.|\n)*patience=0"):
+        early_stopping("perplexity", patience=0)
+    with pytest.raises(ValueError, match="threshold=-0.1"):
+        early_stopping("loss", threshold=-0.1)
+    config = early_stopping("bleu", greater_is_better=True)
+    state = TrainState(params={}, buffers={}, opt_state=None)
+    with pytest.raises(KeyError, match=r"watches 'bleu'.*\['eval_loss'\]"):
+        record_evaluation(config, state, {"eval_loss": 1.0})
+
+
+# -- progress ------------------------------------------------------------------------------------
+
+
+def progress_state(step: int, loss: float) -> TrainState:
+    metrics = {"loss": torch.tensor(loss), "learning_rate": torch.tensor(1e-3), "grad_norm": torch.tensor(0.0)}
+    return TrainState(params={}, buffers={}, opt_state=None, step=scalar(step), metrics=metrics)
+
+
+def test_plain_progress_line_shows_step_loss_and_rate():
+    out, now = io.StringIO(), iter([0.0, 1.0, 2.0, 3.0])
+    with progress(10, enabled=True, stream=out, use_tqdm=False, clock=lambda: next(now), min_interval=0) as bar:
+        bar.update(progress_state(1, 2.5))
+        bar.update(progress_state(4, 1.25))
+    text = out.getvalue()
+    assert "step 1/10  loss 2.5  lr 0.001  1 step/s" in text
+    assert "step 4/10  loss 1.25  lr 0.001  2 step/s" in text
+    assert text.endswith("\n") and not bar.enabled
+
+
+def test_progress_is_off_without_a_terminal_or_when_asked():
+    out = io.StringIO()
+    quiet = progress(10, stream=out)
+    quiet.update(progress_state(1, 1.0))
+    quiet.close()
+    off = progress(10, enabled=False, stream=out, use_tqdm=False)
+    off.update(progress_state(1, 1.0))
+    assert out.getvalue() == ""
+
+
+def test_tqdm_progress():
+    pytest.importorskip("tqdm")
+    out = io.StringIO()
+    bar = progress(5, enabled=True, stream=out, use_tqdm=True)
+    for k in range(1, 6):
+        bar.update(progress_state(k, 1.0 / k))
+    bar.close()
+    bar.close()
+    assert "5/5" in out.getvalue() and "loss=0.2" in out.getvalue()
