@@ -1,0 +1,247 @@
+"""``TrainingArguments``: the HF Trainer's setting names, as one frozen record validated up front.
+
+Every problem is reported at once, unknown names come with the closest known name, and
+impossible combinations are refused before any work is done.
+
+>>> args = TrainingArguments(output_dir="runs/x", max_steps=10, learning_rate=1e-3)
+>>> args.max_steps, args.per_device_train_batch_size
+(10, 8)
+>>> TrainingArguments(learnig_rate=1e-3)
+Traceback (most recent call last):
+...
+TypeError: unknown TrainingArguments: 'learnig_rate' (did you mean 'learning_rate'?)
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+__all__ = ["TrainingArguments", "INTERVALS", "SAVE_STRATEGIES", "SAMPLING_STRATEGIES", "SCHEDULERS"]
+
+INTERVALS = ("no", "steps", "epoch")
+SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+SAMPLING_STRATEGIES = ("random", "sequential", "group_by_length", "batch_rebalance")
+SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+REPORTERS = ("jsonl", "tensorboard", "trackio", "wandb")
+
+_NUM = (int, float)
+_OPT_INT = (int, type(None))
+_OPT_NUM = (int, float, type(None))
+_OPT_STR = (str, type(None))
+
+
+@attrs.frozen(init=False)
+class TrainingArguments:
+    """Settings for ``trainfold.train`` under their HF ``TrainingArguments`` names and defaults."""
+
+    output_dir: str = "trainer_output"
+    num_train_epochs: float = 3.0
+    max_steps: int = -1
+    per_device_train_batch_size: int = 8
+    per_device_eval_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 5e-5
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    lr_scheduler_type: str = "linear"
+    warmup_steps: float = 0
+    seed: int = 42
+    data_seed: int | None = None
+    train_sampling_strategy: str = "random"
+    length_column_name: str = "length"
+    model_input_name: str = "input_ids"
+    eval_strategy: str = "no"
+    eval_steps: float | None = None
+    eval_on_start: bool = False
+    eval_delay: float = 0
+    eval_accumulation_steps: int | None = None
+    prediction_loss_only: bool = False
+    dataloader_num_workers: int = 0
+    dataloader_persistent_workers: bool = False
+    dataloader_prefetch_factor: int | None = None
+    dataloader_pin_memory: bool = True
+    dataloader_drop_last: bool = False
+    remove_unused_columns: bool = True
+    label_names: tuple[str, ...] = ("labels",)
+    neftune_noise_alpha: float | None = None
+    logging_strategy: str = "steps"
+    logging_steps: float = 500
+    logging_first_step: bool = False
+    report_to: str | tuple[str, ...] = "none"
+    run_name: str | None = None
+    disable_tqdm: bool | None = None
+    save_strategy: str = "steps"
+    save_steps: float = 500
+    save_total_limit: int | None = None
+    save_only_model: bool = False
+    metric_for_best_model: str | None = None
+    greater_is_better: bool | None = None
+    load_best_model_at_end: bool = False
+    enable_jit_checkpoint: bool = False
+    use_cpu: bool = False
+    bf16: bool = False
+
+    def __init__(self, **kwargs: Any) -> None:
+        known = [f.name for f in attrs.fields(type(self))]
+        unknown = [k for k in kwargs if k not in known]
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, known, n=1)
+                hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise TypeError("unknown TrainingArguments: " + ", ".join(hints))
+        for key in ("report_to", "label_names"):
+            if isinstance(kwargs.get(key), list):
+                kwargs[key] = tuple(kwargs[key])
+        self.__attrs_init__(**kwargs)  # type: ignore[attr-defined]
+
+    def __attrs_post_init__(self) -> None:
+        problems = _problems(self)
+        if problems:
+            raise ValueError("invalid TrainingArguments:\n  - " + "\n  - ".join(problems))
+
+    @classmethod
+    def from_dict(cls, settings: Mapping[str, Any]) -> TrainingArguments:
+        """Build from a mapping (a parsed TOML/JSON config), with the same checks."""
+        return cls(**dict(settings))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the settings as JSON-ready values."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.asdict(self).items()}
+
+    def replace(self, **changes: Any) -> TrainingArguments:
+        """Return a copy with ``changes`` applied (and checked)."""
+        return type(self)(**{**attrs.asdict(self, recurse=False), **changes})
+
+    @property
+    def reporters(self) -> tuple[str, ...]:
+        """Return ``report_to`` as a tuple of reporter names (``"all"`` and ``"none"`` kept as given)."""
+        value = self.report_to
+        return (value,) if isinstance(value, str) else tuple(value)
+
+    @property
+    def metric_key(self) -> str | None:
+        """Return the best-model metric as it appears in eval results (``eval_`` prefixed)."""
+        metric = self.metric_for_best_model
+        if metric is None and self.load_best_model_at_end:
+            metric = "loss"
+        if metric is None:
+            return None
+        return metric if metric.startswith("eval_") else f"eval_{metric}"
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "output_dir": (str,), "num_train_epochs": _NUM, "max_steps": (int,),
+    "per_device_train_batch_size": (int,), "per_device_eval_batch_size": (int,),
+    "gradient_accumulation_steps": (int,), "learning_rate": _NUM, "weight_decay": _NUM,
+    "adam_beta1": _NUM, "adam_beta2": _NUM, "adam_epsilon": _NUM, "max_grad_norm": _NUM,
+    "lr_scheduler_type": (str,), "warmup_steps": _NUM, "seed": (int,), "data_seed": _OPT_INT,
+    "train_sampling_strategy": (str,), "length_column_name": (str,), "model_input_name": (str,),
+    "eval_strategy": (str,), "eval_steps": _OPT_NUM, "eval_on_start": (bool,), "eval_delay": _NUM,
+    "eval_accumulation_steps": _OPT_INT, "prediction_loss_only": (bool,), "dataloader_num_workers": (int,),
+    "dataloader_persistent_workers": (bool,), "dataloader_prefetch_factor": _OPT_INT,
+    "dataloader_pin_memory": (bool,), "dataloader_drop_last": (bool,), "remove_unused_columns": (bool,),
+    "label_names": (tuple,), "neftune_noise_alpha": _OPT_NUM, "logging_strategy": (str,), "logging_steps": _NUM,
+    "logging_first_step": (bool,), "report_to": (str, tuple), "run_name": _OPT_STR,
+    "disable_tqdm": (bool, type(None)), "save_strategy": (str,), "save_steps": _NUM,
+    "save_total_limit": _OPT_INT, "save_only_model": (bool,), "metric_for_best_model": _OPT_STR,
+    "greater_is_better": (bool, type(None)), "load_best_model_at_end": (bool,),
+    "enable_jit_checkpoint": (bool,), "use_cpu": (bool,), "bf16": (bool,),
+}
+
+
+def _type_problems(args: TrainingArguments) -> list[str]:
+    out = []
+    for name, types in _TYPES.items():
+        value = getattr(args, name)
+        wrong = not isinstance(value, types) or (isinstance(value, bool) and bool not in types)
+        if wrong:
+            want = " or ".join("None" if t is type(None) else t.__name__ for t in types)
+            out.append(f"{name} must be {want}, got {value!r} ({type(value).__name__})")
+    return out
+
+
+def _choice(out: list[str], args: TrainingArguments, name: str, choices: tuple[str, ...]) -> None:
+    value = getattr(args, name)
+    if isinstance(value, str) and value not in choices:
+        out.append(f"{name}={value!r} is not one of {list(choices)}")
+
+
+def _with_defaults_for_bad_types(args: TrainingArguments, bad: set[str]) -> TrainingArguments:
+    """Return a copy whose wrongly typed fields hold their defaults, so other checks can still run."""
+    copy = object.__new__(TrainingArguments)
+    for f in attrs.fields(TrainingArguments):
+        object.__setattr__(copy, f.name, f.default if f.name in bad else getattr(args, f.name))
+    return copy
+
+
+def _problems(args: TrainingArguments) -> list[str]:
+    out = _type_problems(args)
+    args = _with_defaults_for_bad_types(args, {p.split(" ", 1)[0] for p in out})
+    for name, choices in (("lr_scheduler_type", SCHEDULERS), ("train_sampling_strategy", SAMPLING_STRATEGIES),
+                          ("eval_strategy", INTERVALS), ("logging_strategy", INTERVALS),
+                          ("save_strategy", SAVE_STRATEGIES)):
+        _choice(out, args, name, choices)
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(args, name) <= 0:
+            out.append(f"{name} must be > 0, got {getattr(args, name)}")
+    for name in ("learning_rate", "weight_decay", "warmup_steps", "max_grad_norm", "eval_delay", "dataloader_num_workers"):
+        if getattr(args, name) < 0:
+            out.append(f"{name} must be >= 0, got {getattr(args, name)}")
+    for name in ("logging_steps", "save_steps", "eval_steps"):
+        value = getattr(args, name)
+        if value is not None and (value <= 0 or (value >= 1 and value != int(value))):
+            out.append(f"{name} must be a positive int, or a float < 1 (a ratio of total steps), got {value}")
+    if args.max_steps <= 0 and args.num_train_epochs <= 0:
+        out.append("training needs max_steps > 0 or num_train_epochs > 0")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(args, name) < 1:
+            out.append(f"{name} must be in [0, 1), got {getattr(args, name)}")
+    if args.save_total_limit is not None and args.save_total_limit < 1:
+        out.append(f"save_total_limit must be >= 1 or None, got {args.save_total_limit}")
+    if args.eval_accumulation_steps is not None and args.eval_accumulation_steps < 1:
+        out.append(f"eval_accumulation_steps must be >= 1 or None, got {args.eval_accumulation_steps}")
+    if args.neftune_noise_alpha is not None and args.neftune_noise_alpha <= 0:
+        out.append(f"neftune_noise_alpha must be > 0 (or None to turn NEFTune off), got {args.neftune_noise_alpha}")
+    if args.dataloader_num_workers == 0:
+        if args.dataloader_persistent_workers:
+            out.append("dataloader_persistent_workers=True needs dataloader_num_workers > 0")
+        if args.dataloader_prefetch_factor is not None:
+            out.append("dataloader_prefetch_factor needs dataloader_num_workers > 0")
+    bad_reporters = [r for r in args.reporters if r not in (*REPORTERS, "all", "none")]
+    if bad_reporters:
+        out.append(f"report_to has unknown reporters {bad_reporters}; choose from {list(REPORTERS)}, 'all' or 'none'")
+    if not args.label_names:
+        out.append("label_names must name at least one key, e.g. ('labels',)")
+    out += _combination_problems(args)
+    return out
+
+
+def _combination_problems(args: TrainingArguments) -> list[str]:
+    out = []
+    if args.eval_on_start and args.eval_strategy == "no":
+        out.append("eval_on_start=True needs eval_strategy 'steps' or 'epoch' (it is 'no')")
+    if args.save_strategy == "best" and args.metric_key is None:
+        out.append("save_strategy='best' needs metric_for_best_model")
+    if args.save_strategy == "best" and args.eval_strategy == "no":
+        out.append("save_strategy='best' needs an eval_strategy other than 'no' to measure the metric")
+    if args.load_best_model_at_end:
+        if args.eval_strategy == "no":
+            out.append("load_best_model_at_end=True needs eval_strategy 'steps' or 'epoch'")
+        elif args.save_strategy not in (args.eval_strategy, "best"):
+            out.append(
+                f"load_best_model_at_end=True needs save_strategy to match eval_strategy "
+                f"({args.save_strategy!r} vs {args.eval_strategy!r}) or be 'best'"
+            )
+        elif args.save_strategy == "steps" == args.eval_strategy and args.eval_steps is not None:
+            if args.save_steps % args.eval_steps:
+                out.append(f"load_best_model_at_end=True needs save_steps ({args.save_steps}) to be a multiple "
+                           f"of eval_steps ({args.eval_steps})")
+    return out

@@ -1,0 +1,77 @@
+"""TrainingArguments: HF names and defaults, one error listing every problem."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from trainfold.args import TrainingArguments
+
+
+def test_defaults_match_transformers_where_names_are_shared():
+    transformers = pytest.importorskip("transformers")
+    theirs = {f.name: f.default for f in dataclasses.fields(transformers.TrainingArguments)}
+    ours = TrainingArguments()
+    differ = {}
+    for name, value in ours.to_dict().items():
+        if name in theirs and theirs[name] is not dataclasses.MISSING:
+            if name in ("output_dir", "label_names"):  # HF: None then derived; ours: the derived value
+                continue
+            if theirs[name] != value:
+                differ[name] = (theirs[name], value)
+    assert differ == {}
+
+
+def test_unknown_names_suggest_the_closest():
+    with pytest.raises(TypeError, match=r"'learnig_rate' \(did you mean 'learning_rate'\?\), 'zzz'"):
+        TrainingArguments(learnig_rate=1e-3, zzz=1)
+
+
+def test_every_problem_is_reported_at_once():
+    with pytest.raises(ValueError) as info:
+        TrainingArguments(
+            per_device_train_batch_size=0, learning_rate="fast", eval_on_start=True, save_strategy="best",
+            dataloader_persistent_workers=True, lr_scheduler_type="triangle",
+        )
+    text = str(info.value)
+    for needle in (
+        "learning_rate must be int or float, got 'fast'",
+        "per_device_train_batch_size must be > 0, got 0",
+        "eval_on_start=True needs eval_strategy",
+        "save_strategy='best' needs metric_for_best_model",
+        "dataloader_persistent_workers=True needs dataloader_num_workers > 0",
+        "lr_scheduler_type='triangle' is not one of",
+    ):
+        assert needle in text
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"load_best_model_at_end": True}, "load_best_model_at_end=True needs eval_strategy"),
+        ({"load_best_model_at_end": True, "eval_strategy": "epoch", "save_strategy": "steps"}, "needs save_strategy to match"),
+        ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 4}, "multiple of eval_steps"),
+        ({"logging_steps": 1.5}, "logging_steps must be a positive int, or a float < 1"),
+        ({"max_steps": -1, "num_train_epochs": 0}, "needs max_steps > 0 or num_train_epochs > 0"),
+        ({"report_to": ["jsonl", "mlflow"]}, r"unknown reporters \['mlflow'\]"),
+        ({"eval_strategy": "always"}, "eval_strategy='always' is not one of"),
+        ({"dataloader_prefetch_factor": 2}, "dataloader_prefetch_factor needs dataloader_num_workers > 0"),
+        ({"seed": 1.5}, "seed must be int, got 1.5"),
+        ({"bf16": 1}, "bf16 must be bool, got 1"),
+    ],
+)
+def test_impossible_settings(settings, message):
+    with pytest.raises(ValueError, match=message):
+        TrainingArguments(**settings)
+
+
+def test_valid_combinations_and_helpers():
+    args = TrainingArguments(eval_strategy="steps", eval_steps=5, save_steps=10, load_best_model_at_end=True,
+                             report_to=["jsonl", "tensorboard"])
+    assert args.metric_key == "eval_loss"
+    assert args.reporters == ("jsonl", "tensorboard")
+    assert args.replace(learning_rate=0.1).learning_rate == 0.1
+    assert TrainingArguments.from_dict(args.to_dict()) == args
+    with pytest.raises(ValueError, match="per_device_train_batch_size must be > 0"):
+        args.replace(per_device_train_batch_size=-2)
