@@ -1,0 +1,215 @@
+"""Reporters: jsonl, tensorboard, trackio and wandb (offline) write records that read back."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import trainfold.reporters as reporters_module
+from trainfold.reporters import JsonlReporter, Reporters, installed_reporters, make_reporters, tracker_key
+
+ENTRIES = [({"loss": 2.5, "grad_norm": 1.25, "learning_rate": 0.001, "epoch": 0.5, "step": 2}, 2),
+           ({"loss": 2.0, "grad_norm": 0.75, "learning_rate": 0.0005, "epoch": 1.0, "step": 4}, 4),
+           ({"eval_loss": 1.75, "eval_accuracy": 0.5, "epoch": 1.0, "step": 4}, 4)]
+
+
+def log_all(reporters) -> None:
+    for entry, step in ENTRIES:
+        reporters.log(entry, step)
+
+
+# -- jsonl ---------------------------------------------------------------------------------------
+
+
+def test_jsonl_parses_line_by_line_and_appends_on_resume(tmp_path):
+    with make_reporters("jsonl", tmp_path) as reporters:
+        log_all(reporters)
+    with make_reporters(["jsonl"], tmp_path) as reporters:  # a resumed run appends
+        reporters.log({"loss": float("nan"), "step": 6}, 6)
+    lines = (tmp_path / "log.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == [e for e, _ in ENTRIES] + [{"loss": None, "step": 6}]
+
+
+@settings(max_examples=30, deadline=None)
+@given(entry=st.dictionaries(st.text(min_size=1, max_size=8), st.floats(allow_nan=False, allow_infinity=False), max_size=5),
+       step=st.integers(0, 10**6))
+def test_jsonl_round_trips_any_entry(tmp_path_factory, entry, step):
+    path = tmp_path_factory.mktemp("j") / "log.jsonl"
+    reporter = JsonlReporter(path)
+    reporter.log(entry, step)
+    reporter.close()
+    reporter.close()
+    assert json.loads(path.read_text()) == {**entry, "step": step}
+
+
+def test_jsonl_refuses_to_log_after_close(tmp_path):
+    reporter = JsonlReporter(tmp_path / "log.jsonl")
+    reporter.close()
+    with pytest.raises(ValueError, match="is closed"):
+        reporter.log({"loss": 1.0}, 1)
+
+
+# -- tensorboard ---------------------------------------------------------------------------------
+
+
+def test_tensorboard_event_file_holds_the_logged_scalars(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with make_reporters(["tensorboard"], tmp_path, run_name="r1", config={"lr": 0.001}) as reporters:
+        log_all(reporters)
+    acc = EventAccumulator(str(tmp_path / "runs" / "r1"))
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    expected: dict[str, list] = {}
+    for entry, step in ENTRIES:
+        for key, value in entry.items():
+            if key != "step":
+                expected.setdefault(tracker_key(key), []).append((step, pytest.approx(value, rel=1e-6)))
+    assert scalars == expected
+
+
+# -- trackio (local) -----------------------------------------------------------------------------
+
+
+def test_trackio_writes_a_local_project(tmp_path):
+    pytest.importorskip("trackio")
+    script = textwrap.dedent(
+        f"""
+        import json
+        from trainfold.reporters import make_reporters
+        with make_reporters(["trackio"], {str(tmp_path)!r}, run_name="r1", config={{"lr": 0.001}}) as r:
+            for entry, step in {ENTRIES!r}:
+                r.log(entry, step)
+        from trackio.sqlite_storage import SQLiteStorage
+        print("LOGS=" + json.dumps(SQLiteStorage.get_logs("proj", "r1")))
+        """
+    )
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "TRACKIO_PROJECT": "proj"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    logs = json.loads(done.stdout.split("LOGS=")[-1].splitlines()[0])
+    assert (tmp_path / "trackio" / "proj.db").exists()
+    assert [(row["step"], row.get("train/loss")) for row in logs if "train/loss" in row] == [(2, 2.5), (4, 2.0)]
+    assert any(row.get("eval/accuracy") == 0.5 and row["step"] == 4 for row in logs)
+
+
+# -- wandb (offline) -----------------------------------------------------------------------------
+
+
+def read_wandb_records(path: Path) -> list[bytes]:
+    """Read a .wandb file: a 7-byte header, then a LevelDB-style log of 32 KiB blocks."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", "not a W&B transaction log"
+    records, pending, pos, block = [], b"", 7, 32768
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:  # the block's tail is padding
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk  # FULL/FIRST start, MIDDLE/LAST extend
+        if kind in (1, 4):
+            records.append(pending)
+    return records
+
+
+def test_wandb_offline_writes_its_run_records(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_PROJECT": "proj",
+                        "WANDB_CONFIG_DIR": str(tmp_path / "cfg"), "WANDB_CACHE_DIR": str(tmp_path / "cache"),
+                        "WANDB_DATA_DIR": str(tmp_path / "data")}.items():
+        monkeypatch.setenv(name, value)
+    with make_reporters(["wandb"], tmp_path, run_name="r1", config={"lr": 0.001}) as reporters:
+        run_dir = reporters.members[0].run_dir
+        log_all(reporters)
+    assert run_dir is not None and run_dir.is_relative_to(tmp_path / "wandb")
+    (log_file,) = run_dir.glob("run-*.wandb")
+    history = []
+    for raw in read_wandb_records(log_file):
+        record = pb.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+    train = [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h]
+    assert train == [(2, 2.5), (4, 2.0)]
+    assert any(h.get("eval/accuracy") == 0.5 for h in history)
+
+
+# -- the factory and the group -------------------------------------------------------------------
+
+
+def test_none_and_all(tmp_path, monkeypatch):
+    assert len(make_reporters("none", tmp_path)) == 0
+    assert len(make_reporters(None, tmp_path)) == 0
+    monkeypatch.setattr(reporters_module.importlib.util, "find_spec", lambda name: None)
+    assert installed_reporters() == ["jsonl"]
+    with make_reporters("all", tmp_path) as reporters:
+        assert [type(r).__name__ for r in reporters] == ["JsonlReporter"]
+
+
+def test_unknown_and_missing_reporters_are_reported_at_once(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"unknown reporter 'mlflow'(.|\n)*unknown reporter 'comet'"):
+        make_reporters(["jsonl", "mlflow", "comet"], tmp_path)
+    monkeypatch.setattr(reporters_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match=r"'wandb' needs the wandb package.*pip install 'trainfold\[tracking\]'"):
+        make_reporters(["wandb"], tmp_path)
+    with pytest.raises(ValueError, match="mixes 'none'"):
+        make_reporters(["none", "jsonl"], tmp_path)
+    assert not (tmp_path / "log.jsonl").exists()  # nothing started before the names were checked
+
+
+class Closable:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.closed = fail, False
+
+    def log(self, entry, step) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+        if self.fail:
+            raise OSError("disk gone")
+
+
+def test_reporters_are_closed_when_training_raises(tmp_path):
+    jsonl = JsonlReporter(tmp_path / "log.jsonl")
+    members = (Closable(fail=True), jsonl, Closable())
+    with pytest.raises(RuntimeError, match="step failed") as info:
+        with Reporters(members):
+            raise RuntimeError("step failed")
+    assert members[0].closed and members[2].closed and jsonl._file is None
+    assert "closing the reporters also failed: OSError('disk gone')" in info.value.__notes__[0]
+    with pytest.raises(OSError, match="disk gone"):  # without a training error, the close error shows
+        Reporters((Closable(fail=True), Closable())).close()
+
+
+def test_a_reporter_failing_to_start_closes_those_started(tmp_path, monkeypatch):
+    started: list[Closable] = []
+
+    def make(name, *args):
+        if name == "tensorboard":
+            raise ImportError("boom")
+        started.append(Closable())
+        return started[-1]
+
+    monkeypatch.setattr(reporters_module, "_make", make)
+    monkeypatch.setattr(reporters_module.importlib.util, "find_spec", lambda name: object())
+    with pytest.raises(ImportError, match="boom"):
+        make_reporters(["jsonl", "tensorboard"], tmp_path)
+    assert [c.closed for c in started] == [True]
