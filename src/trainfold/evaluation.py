@@ -1,0 +1,534 @@
+"""Evaluation: a transduction of eval batches under ``torch.inference_mode()``.
+
+``evaluate`` runs the forward pass on given parameters, maps each batch to its summed loss, item
+count and (when metrics need them) its predictions, optionally reduced on the device by
+``preprocess_logits_for_metrics``, and folds these with the reducers of ``trainfold.reducers``.
+The eval loss is the token-level mean, ``sum of losses / number of items``, so it does not
+depend on the eval batch size or padding. Predictions come back in the order of ``batches``,
+right-padded with -100 along dim 1, moved to the CPU every ``eval_accumulation_steps`` batches.
+
+>>> import torch
+>>> model = torch.nn.Embedding(5, 5)
+>>> batches = [{"input": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}]
+>>> with torch.no_grad():
+...     _ = model.weight.zero_()
+>>> forward = lambda params, inputs: torch.nn.functional.embedding(inputs["input"], params["weight"])
+>>> m = evaluate(forward, dict(model.named_parameters()), batches, speed_metrics=False)
+>>> round(m["eval_loss"], 4)  # ln 5
+1.6094
+>>> should_evaluate(10, eval_strategy="steps", eval_steps=5)
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
+
+import attrs
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from trainfold.losses import causal_lm, counter_for, logits_of
+from trainfold.reducers import (
+    Reducer,
+    combine,
+    compose,
+    concatenating,
+    counting,
+    filtering,
+    mapping,
+    mean_loss,
+    offloading,
+    summing,
+    transduce,
+)
+from trainfold.step import make_forward, train_mode
+
+__all__ = [
+    "EvalPrediction",
+    "PredictionOutput",
+    "EVAL_STRATEGIES",
+    "evaluate",
+    "predict",
+    "eval_reducer",
+    "check_metrics",
+    "prefix_metrics",
+    "to_numpy",
+    "resolve_eval_steps",
+    "should_evaluate",
+    "check_eval_schedule",
+]
+
+EVAL_STRATEGIES = ("no", "steps", "epoch")
+
+
+@attrs.frozen(eq=False)
+class EvalPrediction:
+    """What ``compute_metrics`` receives, as in HF: iterates as ``(predictions, label_ids)``.
+
+    ``inputs`` and ``losses`` follow in the iteration when present (HF's order).
+
+    >>> preds, labels = EvalPrediction(np.array([1]), np.array([2]))
+    >>> preds.tolist(), labels.tolist()
+    ([1], [2])
+    """
+
+    predictions: Any
+    label_ids: Any
+    inputs: Any = None
+    losses: Any = None
+
+    def _items(self) -> tuple[Any, ...]:
+        extra = tuple(x for x in (self.inputs, self.losses) if x is not None)
+        return (self.predictions, self.label_ids, *extra)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._items())
+
+    def __getitem__(self, index: int) -> Any:
+        return self._items()[index]
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+
+class PredictionOutput(NamedTuple):
+    """What ``predict`` returns (HF's names): predictions and labels in dataset order, and metrics."""
+
+    predictions: Any
+    label_ids: Any
+    metrics: dict[str, float]
+
+
+# Metrics -------------------------------------------------------------------------------------
+
+
+def to_numpy(tree: Any) -> Any:
+    """Convert tensors (nested in tuples/lists/dicts) to numpy arrays; bfloat16 becomes float32.
+
+    >>> to_numpy({"a": torch.tensor([1.5], dtype=torch.bfloat16)})["a"].dtype.name
+    'float32'
+    """
+    if isinstance(tree, Tensor):
+        t = tree.detach().cpu()
+        if t.dtype in (torch.bfloat16,) or t.dtype.itemsize == 1 and t.dtype.is_floating_point:
+            t = t.float()
+        return t.numpy()
+    if isinstance(tree, Mapping):
+        return {k: to_numpy(v) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(to_numpy(v) for v in tree)
+    return tree
+
+
+def _as_scalar(value: Any) -> float | int | bool | None:
+    if isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, np.generic) and np.ndim(value) == 0:
+        return value.item()
+    if isinstance(value, (np.ndarray, Tensor)) and value.ndim == 0:
+        return value.item()
+    return None
+
+
+def _describe(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return f"{type(value).__name__} of shape {tuple(shape)}" if shape is not None else repr(value)[:40]
+
+
+def check_metrics(metrics: Any, source: str = "compute_metrics") -> dict[str, float | int | bool]:
+    """Return ``metrics`` with every value a Python number, or say which values are not scalars.
+
+    >>> check_metrics({"acc": np.float32(0.5), "n": torch.tensor(3)})
+    {'acc': 0.5, 'n': 3}
+    """
+    if not isinstance(metrics, Mapping):
+        raise TypeError(f"{source} must return a dict of metric name -> number, got {type(metrics).__name__}")
+    out, bad = {}, {}
+    for key, value in metrics.items():
+        scalar = _as_scalar(value)
+        if not isinstance(key, str) or scalar is None:
+            bad[key] = _describe(value)
+        else:
+            out[key] = scalar
+    if bad:
+        raise ValueError(
+            f"{source} returned values that are not scalars: {bad}; reduce each to one number "
+            "(e.g. float(x.mean())), and give every metric a string name"
+        )
+    return out
+
+
+def prefix_metrics(metrics: Mapping[str, Any], prefix: str = "eval") -> dict[str, Any]:
+    """Prefix metric names with ``prefix + "_"`` unless they already start with it.
+
+    >>> prefix_metrics({"accuracy": 1.0, "eval_f1": 0.5})
+    {'eval_accuracy': 1.0, 'eval_f1': 0.5}
+    """
+    out: dict[str, Any] = {}
+    for key, value in metrics.items():
+        name = key if not prefix or key.startswith(f"{prefix}_") else f"{prefix}_{key}"
+        if name in out:
+            raise ValueError(f"metrics {sorted(k for k in metrics if k in (name, name[len(prefix) + 1:]))} both "
+                             f"become {name!r} after prefixing with {prefix!r}; rename one")
+        out[name] = value
+    return out
+
+
+# The eval pipeline ----------------------------------------------------------------------------
+
+
+@attrs.frozen
+class _Plan:
+    forward: Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Any]
+    params: Mapping[str, Tensor]
+    loss: Callable[..., Tensor]
+    count_items: Callable[[Tensor], Tensor]
+    label_key: str
+    device: torch.device | None
+    gather: bool
+    include_inputs: bool
+    main_input_name: str
+    predictions_of: Callable[[Any], Any]
+
+
+@attrs.frozen(eq=False)
+class _BatchOut:
+    loss_sum: Tensor | None
+    count: Tensor | None
+    num_samples: int
+    tensors: dict[str, Any]
+
+
+def _to_device(batch: Mapping[str, Any], device: torch.device | None) -> dict[str, Any]:
+    if device is None:
+        return dict(batch)
+    return {k: v.to(device, non_blocking=True) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+
+def _num_samples(batch: Mapping[str, Any]) -> int:
+    for v in batch.values():
+        if isinstance(v, Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+    return 0
+
+
+def _run_batch(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"eval batches must be dicts of tensors (with a {plan.label_key!r} key), got {type(batch).__name__}")
+    batch = _to_device(batch, plan.device)
+    labels = batch.get(plan.label_key)
+    inputs = {k: v for k, v in batch.items() if k != plan.label_key}
+    outputs = plan.forward(plan.params, inputs)
+    loss_sum = count = None
+    if labels is not None:
+        count = torch.as_tensor(plan.count_items(labels)).reshape(()).to(torch.int64)
+        # The loss divides its sum by the count it is given; multiply back for the exact sum
+        # (also right for a loss that returns a plain mean).
+        loss_sum = plan.loss(outputs, labels, count).detach().double() * count.to(torch.float64)
+    tensors: dict[str, Any] = {}
+    if plan.gather:
+        tensors["predictions"] = plan.predictions_of(outputs)
+        if labels is not None:
+            tensors["label_ids"] = labels
+        if plan.include_inputs:
+            if plan.main_input_name not in inputs:
+                raise KeyError(f"include_for_metrics has 'inputs' but batches have no {plan.main_input_name!r} key "
+                               f"(keys: {sorted(inputs)}); pass main_input_name=")
+            tensors["inputs"] = inputs[plan.main_input_name]
+    return _BatchOut(loss_sum=loss_sum, count=count, num_samples=_num_samples(batch), tensors=tensors)
+
+
+def _preprocessing(preprocess: Callable[[Any, Any], Any]) -> Callable[[_BatchOut], _BatchOut]:
+    def apply(out: _BatchOut) -> _BatchOut:
+        t = out.tensors
+        return attrs.evolve(out, tensors={**t, "predictions": preprocess(t["predictions"], t.get("label_ids"))})
+
+    return apply
+
+
+def eval_reducer(gather: bool = True, eval_accumulation_steps: int | None = None,
+                 move: Callable[[Tensor], Tensor] | None = None) -> Reducer:
+    """Return the reducer ``evaluate`` folds per-batch outputs with.
+
+    Its result is a dict: ``loss`` (token-level mean), ``labelled`` (batches with labels),
+    ``samples``, ``batches`` and, with ``gather``, ``tensors`` (predictions, label_ids, inputs,
+    padded and concatenated on the host; moved there every ``eval_accumulation_steps`` batches,
+    or once at the end). ``move`` moves one tensor to the host (default: to the CPU).
+    """
+    parts: dict[str, Reducer] = {
+        "loss": compose(filtering(lambda o: o.count is not None), mapping(lambda o: (o.loss_sum, o.count)))(mean_loss()),
+        "labelled": filtering(lambda o: o.count is not None)(counting()),
+        "samples": mapping(lambda o: o.num_samples)(summing()),
+        "batches": counting(),
+    }
+    if gather:
+        parts["tensors"] = compose(mapping(lambda o: o.tensors), offloading(eval_accumulation_steps, move))(concatenating())
+    return combine(parts)
+
+
+def _split_params(model_or_forward: Any, params: Any, buffers: Mapping[str, Tensor] | None) -> tuple[Any, Mapping[str, Tensor]]:
+    if params is not None and hasattr(params, "params") and hasattr(params, "buffers"):  # a TrainState
+        params, buffers = params.params, (params.buffers if buffers is None else buffers)
+    if not isinstance(model_or_forward, nn.Module):
+        if params is None:
+            raise TypeError("evaluate with a forward function needs params (a dict of tensors or a TrainState)")
+        return _check_forward(model_or_forward), params
+    model = model_or_forward
+    if params is None:
+        params = dict(model.named_parameters())
+    if buffers is None:
+        buffers = {**{k: p for k, p in model.named_parameters() if k not in params}, **dict(model.named_buffers())}
+    return make_forward(model, buffers), params
+
+
+def _check_forward(forward: Any) -> Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Any]:
+    if not callable(forward):
+        raise TypeError(f"evaluate needs an nn.Module or a forward(params, inputs) function, got {type(forward).__name__}")
+    return forward
+
+
+def _validate(eval_accumulation_steps: Any, prediction_loss_only: bool, compute_metrics: Any,
+              preprocess: Any, include_for_metrics: Iterable[str]) -> list[str]:
+    errors = []
+    if eval_accumulation_steps is not None and (not isinstance(eval_accumulation_steps, int) or eval_accumulation_steps < 1):
+        errors.append(f"eval_accumulation_steps must be a positive int or None, got {eval_accumulation_steps!r}")
+    if prediction_loss_only and compute_metrics is not None:
+        errors.append("prediction_loss_only=True gathers no predictions, so compute_metrics would never run; "
+                      "drop one of them")
+    for name, f in (("compute_metrics", compute_metrics), ("preprocess_logits_for_metrics", preprocess)):
+        if f is not None and not callable(f):
+            errors.append(f"{name} must be a function, got {type(f).__name__}")
+    unknown = sorted(set(include_for_metrics) - {"inputs"})
+    if unknown:
+        errors.append(f"include_for_metrics supports only 'inputs', got {unknown}")
+    return errors
+
+
+def _run(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, Any]], *, loss: Callable[..., Tensor],
+         gather: bool, preprocess: Any, eval_accumulation_steps: int | None, include_inputs: bool,
+         label_key: str, main_input_name: str, buffers: Any, predictions_of: Callable[[Any], Any],
+         move: Callable[[Tensor], Tensor] | None) -> dict[str, Any]:
+    forward, params = _split_params(model_or_forward, params, buffers)
+    first = next(iter(params.values()), None)
+    plan = _Plan(forward=forward, params=params, loss=loss, count_items=counter_for(loss), label_key=label_key,
+                 device=first.device if isinstance(first, Tensor) else None, gather=gather,
+                 include_inputs=include_inputs, main_input_name=main_input_name, predictions_of=predictions_of)
+    steps = [mapping(lambda b: _run_batch(plan, b))]
+    if gather and preprocess is not None:
+        steps.append(mapping(_preprocessing(preprocess)))
+    mode = train_mode(model_or_forward, False) if isinstance(model_or_forward, nn.Module) else contextlib.nullcontext()
+    with mode, torch.inference_mode():
+        return transduce(compose(*steps), eval_reducer(gather, eval_accumulation_steps, move), batches)
+
+
+def evaluate(
+    model_or_forward: nn.Module | Callable[..., Any],
+    params: Any,
+    batches: Iterable[Mapping[str, Any]],
+    *,
+    loss: Callable[..., Tensor] = causal_lm,
+    compute_metrics: Callable[[EvalPrediction], Mapping[str, Any]] | None = None,
+    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+    eval_accumulation_steps: int | None = None,
+    prediction_loss_only: bool = False,
+    metric_key_prefix: str = "eval",
+    include_for_metrics: Iterable[str] = (),
+    label_key: str = "labels",
+    main_input_name: str = "input_ids",
+    buffers: Mapping[str, Tensor] | None = None,
+    predictions_of: Callable[[Any], Any] = logits_of,
+    as_numpy: bool = True,
+    speed_metrics: bool = True,
+    move: Callable[[Tensor], Tensor] | None = None,
+) -> dict[str, float]:
+    """Evaluate ``params`` on ``batches`` and return metrics named ``{metric_key_prefix}_*``.
+
+    ``model_or_forward`` is an ``nn.Module`` (run in eval mode through ``functional_call``; its
+    buffers are used unless ``buffers`` is given) or a ``forward(params, inputs)`` function.
+    ``params`` is a dict of tensors, a ``TrainState`` (its params and buffers), or ``None`` for
+    the module's own. Each batch is a dict of tensors; ``labels`` (``label_key``) are taken out
+    before the forward pass and scored with ``loss``. Only when ``compute_metrics`` is given are
+    predictions gathered: ``predictions_of(outputs)`` (the logits), reduced per batch on the
+    device by ``preprocess_logits_for_metrics(logits, labels)``, padded with -100 and moved to
+    the CPU every ``eval_accumulation_steps`` batches (or once at the end). ``compute_metrics``
+    gets an ``EvalPrediction`` of numpy arrays (torch tensors with ``as_numpy=False``) and must
+    return a dict of scalars. Adds ``_runtime``, ``_samples_per_second`` and
+    ``_steps_per_second`` unless ``speed_metrics=False``.
+    """
+    include = tuple(include_for_metrics)
+    errors = _validate(eval_accumulation_steps, prediction_loss_only, compute_metrics, preprocess_logits_for_metrics, include)
+    if errors:
+        raise ValueError("; ".join(errors))
+    start = time.perf_counter()
+    out = _run(model_or_forward, params, batches, loss=loss, gather=compute_metrics is not None,
+               preprocess=preprocess_logits_for_metrics, eval_accumulation_steps=eval_accumulation_steps,
+               include_inputs="inputs" in include, label_key=label_key, main_input_name=main_input_name,
+               buffers=buffers, predictions_of=predictions_of, move=move)
+    return _metrics(out, compute_metrics, metric_key_prefix, as_numpy, speed_metrics, time.perf_counter() - start)
+
+
+def _metrics(out: dict[str, Any], compute_metrics: Any, prefix: str, as_numpy: bool, speed: bool,
+             runtime: float) -> dict[str, Any]:
+    metrics: dict[str, Any] = {}
+    tensors = out.get("tensors") or {}
+    if compute_metrics is not None and tensors.get("predictions") is not None and tensors.get("label_ids") is not None:
+        conv = to_numpy if as_numpy else (lambda x: x)
+        pred = EvalPrediction(predictions=conv(tensors["predictions"]), label_ids=conv(tensors["label_ids"]),
+                              inputs=conv(tensors.get("inputs")))
+        metrics = check_metrics(compute_metrics(pred))
+    if out["labelled"]:
+        if "loss" in metrics or f"{prefix}_loss" in metrics:
+            raise ValueError(f"compute_metrics returned a 'loss' metric, which would hide {prefix}_loss; rename it")
+        metrics["loss"] = out["loss"]
+    if speed:
+        metrics.update(_speed(runtime, out["samples"], out["batches"]))
+    return prefix_metrics(metrics, prefix)
+
+
+def _speed(runtime: float, samples: int, batches: int) -> dict[str, float]:
+    runtime = max(runtime, 1e-9)
+    return {"runtime": round(runtime, 4), "samples_per_second": round(samples / runtime, 3),
+            "steps_per_second": round(batches / runtime, 3)}
+
+
+def predict(
+    model_or_forward: nn.Module | Callable[..., Any],
+    params: Any,
+    batches: Iterable[Mapping[str, Any]],
+    *,
+    loss: Callable[..., Tensor] = causal_lm,
+    compute_metrics: Callable[[EvalPrediction], Mapping[str, Any]] | None = None,
+    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+    eval_accumulation_steps: int | None = None,
+    metric_key_prefix: str = "test",
+    label_key: str = "labels",
+    buffers: Mapping[str, Tensor] | None = None,
+    predictions_of: Callable[[Any], Any] = logits_of,
+    as_numpy: bool = True,
+    speed_metrics: bool = True,
+    move: Callable[[Tensor], Tensor] | None = None,
+) -> PredictionOutput:
+    """Return predictions and labels for ``batches`` in their order, and the metrics ``evaluate`` gives.
+
+    Predictions are ``predictions_of(outputs)`` after ``preprocess_logits_for_metrics``, padded
+    with -100 along dim 1; ``label_ids`` is ``None`` when batches have no labels. Metric names
+    are prefixed with ``test`` by default, as in HF.
+    """
+    errors = _validate(eval_accumulation_steps, False, compute_metrics, preprocess_logits_for_metrics, ())
+    if errors:
+        raise ValueError("; ".join(errors))
+    start = time.perf_counter()
+    out = _run(model_or_forward, params, batches, loss=loss, gather=True, preprocess=preprocess_logits_for_metrics,
+               eval_accumulation_steps=eval_accumulation_steps, include_inputs=False, label_key=label_key,
+               main_input_name="input_ids", buffers=buffers, predictions_of=predictions_of, move=move)
+    metrics = _metrics(out, compute_metrics, metric_key_prefix, as_numpy, speed_metrics, time.perf_counter() - start)
+    tensors = out.get("tensors") or {}
+    conv = to_numpy if as_numpy else (lambda x: x)
+    return PredictionOutput(conv(tensors.get("predictions")), conv(tensors.get("label_ids")), metrics)
+
+
+# The eval schedule ----------------------------------------------------------------------------
+
+
+def _strategy(value: Any) -> str:
+    return str(getattr(value, "value", value))
+
+
+def resolve_eval_steps(eval_steps: float | None, logging_steps: float = 500, max_steps: int | None = None) -> int:
+    """Return the eval interval in steps: ``eval_steps``, else ``logging_steps``; a value below 1 is a share of ``max_steps``.
+
+    >>> resolve_eval_steps(None, logging_steps=50), resolve_eval_steps(0.25, max_steps=10)
+    (50, 3)
+    """
+    value = logging_steps if eval_steps is None or eval_steps == 0 else eval_steps
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"eval_steps must be a positive number of steps (or a share < 1 of max_steps), got {value!r}")
+    if value < 1:
+        if max_steps is None or max_steps <= 0:
+            raise ValueError(f"eval_steps={value} is a share of max_steps, so max_steps must be given (got {max_steps!r})")
+        return math.ceil(max_steps * value)
+    if value != int(value):
+        raise ValueError(f"eval_steps above 1 must be a whole number of steps, got {value!r}")
+    return int(value)
+
+
+def should_evaluate(
+    step: int,
+    epoch_end: bool = False,
+    *,
+    eval_strategy: str = "no",
+    eval_steps: float | None = None,
+    logging_steps: float = 500,
+    eval_delay: float = 0,
+    max_steps: int | None = None,
+    epoch: float | None = None,
+) -> bool:
+    """Decide whether to evaluate after optimizer step ``step`` (HF's ``eval_strategy`` rules).
+
+    ``"steps"``: when ``step`` is a multiple of ``eval_steps`` (default ``logging_steps``), and at
+    ``max_steps`` if that is not a multiple; ``"epoch"``: at each epoch end (``epoch_end=True``,
+    ``epoch`` the epochs done). Nothing happens before ``eval_delay`` steps (or epochs for
+    ``"epoch"``). Call it once per step end, and once more with ``epoch_end=True`` at an epoch end.
+
+    >>> [s for s in range(1, 8) if should_evaluate(s, eval_strategy="steps", eval_steps=3, max_steps=7)]
+    [3, 6, 7]
+    >>> should_evaluate(4, True, eval_strategy="epoch", epoch=2.0, eval_delay=3)
+    False
+    """
+    strategy = _strategy(eval_strategy)
+    if strategy not in EVAL_STRATEGIES:
+        raise ValueError(f"eval_strategy must be one of {list(EVAL_STRATEGIES)}, got {eval_strategy!r}")
+    if strategy == "epoch":
+        return epoch_end and (eval_delay == 0 or eval_delay <= _need_epoch(epoch))
+    if strategy == "no" or epoch_end:
+        return False
+    every = resolve_eval_steps(eval_steps, logging_steps, max_steps)
+    due = step % every == 0 or (max_steps is not None and step >= max_steps)
+    return step > 0 and due and eval_delay <= step
+
+
+def _need_epoch(epoch: float | None) -> float:
+    if epoch is None:
+        raise ValueError("should_evaluate with eval_strategy='epoch' and eval_delay > 0 needs epoch= (epochs done)")
+    return epoch
+
+
+def check_eval_schedule(
+    *,
+    eval_strategy: str = "no",
+    eval_steps: float | None = None,
+    logging_steps: float = 500,
+    eval_delay: float = 0,
+    eval_on_start: bool = False,
+    has_eval_data: bool = False,
+    max_steps: int | None = None,
+) -> None:
+    """Raise one ``ValueError`` listing every problem with the eval settings, or return ``None``.
+
+    >>> check_eval_schedule(eval_strategy="steps", eval_steps=10, has_eval_data=True)
+    """
+    strategy = _strategy(eval_strategy)
+    errors = []
+    if strategy not in EVAL_STRATEGIES:
+        errors.append(f"eval_strategy must be one of {list(EVAL_STRATEGIES)}, got {eval_strategy!r}")
+    if strategy != "no" and not has_eval_data:
+        errors.append(f"eval_strategy={strategy!r} needs an eval dataset; pass eval data or set eval_strategy='no'")
+    if eval_on_start and strategy == "no":
+        errors.append("eval_on_start=True needs eval_strategy 'steps' or 'epoch', not 'no'")
+    if eval_on_start and not has_eval_data:
+        errors.append("eval_on_start=True needs an eval dataset; pass eval data or set eval_on_start=False")
+    if isinstance(eval_delay, bool) or not isinstance(eval_delay, (int, float)) or eval_delay < 0:
+        errors.append(f"eval_delay must be a number >= 0, got {eval_delay!r}")
+    if strategy == "steps":
+        try:
+            resolve_eval_steps(eval_steps, logging_steps, max_steps)
+        except ValueError as e:
+            errors.append(str(e))
+    if errors:
+        raise ValueError("invalid eval settings: " + "; ".join(errors))
