@@ -1,0 +1,225 @@
+"""Preemption: the SIGTERM guard, the stop predicate, and JIT checkpoints that resume bitwise."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+from trainfold.checkpoint import list_checkpoints, load, read_metadata, rotate, save, checkpoint_path
+from trainfold.fold import any_of, fit, trajectory
+from trainfold.optim import sgd
+from trainfold.preempt import EXIT_PREEMPTED, Preemption, jit_checkpoint, preemption_guard
+from trainfold.state import init_state
+from trainfold.tree import flatten
+
+# The run the subprocesses train: TinyLM with dropout, AdamW with a schedule, accumulation 2.
+SETUP = textwrap.dedent(
+    """
+    import torch
+    from trainfold.losses import causal_lm
+    from trainfold.models import TinyLM, TinyLMConfig
+    from trainfold.optim import adamw
+    from trainfold.state import init_state
+    from trainfold.step import make_step
+
+    N_STEPS = 12
+
+    def make_run():
+        torch.manual_seed(0)
+        model = TinyLM(TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16, dropout=0.1))
+        opt = adamw(lambda step: 1e-2 / (1 + step), weight_decay=0.01)
+        g = torch.Generator().manual_seed(1)
+        batches = [
+            [{"input_ids": (ids := torch.randint(0, 32, (3, 12), generator=g)), "labels": ids} for _ in range(2)]
+            for _ in range(N_STEPS)
+        ]
+        return model, make_step(model, causal_lm, opt), init_state(model, opt, seed=7), batches
+    """
+)
+
+# Train under the guard, printing each finished step; on SIGTERM save a JIT checkpoint and exit 143.
+TRAIN = SETUP + textwrap.dedent(
+    """
+    import sys, time
+    from trainfold.checkpoint import checkpoint_path, save
+    from trainfold.preempt import EXIT_PREEMPTED, jit_checkpoint, preemption_guard
+    from trainfold.fold import trajectory
+    torch.set_num_threads(1)
+    out = sys.argv[1]
+    model, step, state, batches = make_run()
+    with preemption_guard() as guard:
+        print("ready", flush=True)
+        sys.stdin.readline()  # wait for "go", so every run starts training when the test says
+        for state in trajectory(step, state, batches, stop=guard.stop):
+            print(int(state.step), flush=True)
+            time.sleep(0.02)  # widen the window; outside the step, so the numbers do not change
+        if not guard.requested():
+            sys.stdin.readline()  # finished first: wait inside the guard until the test is done signalling
+        if guard.requested():
+            jit_checkpoint(state, out, model=model)
+            sys.exit(EXIT_PREEMPTED)
+    save(state, checkpoint_path(out, int(state.step)), model=model)
+    """
+)
+
+RESUME = SETUP + textwrap.dedent(
+    """
+    import sys
+    from trainfold.checkpoint import latest_checkpoint, load, save
+    from trainfold.fold import fit
+    torch.set_num_threads(1)
+    model, step, fresh, batches = make_run()
+    for out in sys.argv[1:]:
+        state = load(latest_checkpoint(out), like=fresh)
+        save(fit(step, state, batches[int(state.step):]), out + "/resumed")
+    """
+)
+
+
+def run_setup() -> dict:
+    ns: dict = {}
+    exec(SETUP, ns)  # noqa: S102 - the same source the subprocesses run
+    return ns
+
+
+# -- the guard --------------------------------------------------------------------------------------
+
+
+def test_guard_installs_the_handler_only_while_active():
+    before = signal.getsignal(signal.SIGTERM)
+    with preemption_guard() as guard:
+        assert signal.getsignal(signal.SIGTERM) is not before
+        assert not guard.requested()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.requested()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_guard_restores_the_handler_on_an_exception():
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RuntimeError, match="boom"), preemption_guard():
+        raise RuntimeError("boom")
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_stop_predicate_stops_at_the_step_boundary_before_drawing_a_batch():
+    drawn: list[int] = []
+
+    def batches():
+        for i in range(10):
+            drawn.append(i)
+            yield i
+
+    def step(n, batch):
+        if n == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives while step 4 runs
+        return n + 1
+
+    with preemption_guard() as guard:
+        n = fit(step, 0, batches(), stop=any_of(lambda m: m >= 100, guard.stop))
+    assert n == 4 and drawn == [0, 1, 2, 3]
+
+
+def test_collective_makes_every_rank_stop_when_one_is_signalled():
+    class MaxOverRanks:  # what an all-reduce would do, with the other rank's flag set
+        rank = 0
+
+        def sum_(self, tensors):
+            for t in tensors:
+                t.add_(1)
+
+    assert Preemption(collective=MaxOverRanks()).requested()
+    assert not Preemption().requested()
+
+
+def test_guard_refuses_a_thread_other_than_main():
+    errors: list[BaseException] = []
+
+    def enter():
+        try:
+            with preemption_guard():
+                pass
+        except RuntimeError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=enter)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "main thread" in str(errors[0])
+
+
+def test_jit_checkpoints_are_marked_and_never_rotated(tmp_path):
+    state = init_state(torch.nn.Linear(2, 1), sgd(0.1))
+    jit_checkpoint(state, tmp_path)  # step 0
+    for s in (1, 2, 3):
+        save(state, checkpoint_path(tmp_path, s))
+    assert read_metadata(tmp_path / "checkpoint-0")["jit"] is True
+    rotate(tmp_path, 1)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-0", "checkpoint-3"]
+
+
+# -- SIGTERM at a random moment in a real training process -------------------------------------------
+
+
+def test_sigterm_saves_at_a_step_boundary_exits_143_and_resumes_bitwise(tmp_path):
+    ns = run_setup()
+    n_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, step, state0, batches = ns["make_run"]()
+        states = [state0, *trajectory(step, state0, batches)]
+    finally:
+        torch.set_num_threads(n_threads)
+    n = ns["N_STEPS"]
+    rng = random.Random(20261129)
+    plans = [(rng.randint(0, n - 6), rng.uniform(0.0, 0.03)) for _ in range(5)]
+    outs = [tmp_path / f"run{i}" for i in range(len(plans))]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", TRAIN, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+        for out in outs
+    ]
+    stopped_at = []
+    try:
+        for proc, (after, delay) in zip(procs, plans):
+            assert proc.stdout.readline().strip() == "ready"
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            seen = 0
+            while seen < after:
+                seen = int(proc.stdout.readline())
+            time.sleep(delay)
+            proc.send_signal(signal.SIGTERM)
+            proc.stdin.close()
+            rest = proc.stdout.read().split()
+            proc.wait(timeout=60)
+            assert proc.returncode == EXIT_PREEMPTED, proc.stderr.read()
+            stopped_at.append(int(rest[-1]) if rest else seen)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for out, last, (after, _) in zip(outs, stopped_at, plans):
+        (ckpt,) = list_checkpoints(out)
+        meta = read_metadata(ckpt)
+        assert meta["jit"] is True and meta["step"] == last and after <= last <= n  # the last finished step
+        saved = flatten(load(ckpt, like=state0))
+        expected = flatten(states[last])
+        assert all(torch.equal(saved[k], expected[k]) for k in expected)
+    assert any(last < n for last in stopped_at), stopped_at  # some runs were stopped mid-training
+    done = subprocess.run([sys.executable, "-c", RESUME, *map(str, outs)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    final = flatten(states[-1])
+    for out in outs:
+        resumed = flatten(load(out / "resumed", like=state0))
+        assert all(torch.equal(resumed[k], final[k]) for k in final)
