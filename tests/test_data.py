@@ -1,0 +1,294 @@
+"""Collation, the resumable stream, and generation batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from trainfold.data import StepBatch, generation_batches, keyed, pad_collate, sample_key, stream
+from trainfold.samplers import Sampler, make_sampler
+from trainfold.state import Cursor, scalar
+from trainfold.testing import sampler_configs, token_items
+
+FAST = settings(max_examples=40, deadline=None)
+
+
+def items_of(lengths):
+    return [{"input_ids": [i % 250 + 1] * n, "labels": [i % 250 + 1] * n} for i, n in enumerate(lengths)]
+
+
+def noisy(items, keys):
+    """A keyed collator: pads, and adds one random draw per sample from its key."""
+    out = pad_collate()(items)
+    out["noise"] = torch.stack([torch.rand((), generator=torch.Generator().manual_seed(k)) for k in keys])
+    return out
+
+
+def same_steps(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.cursor.as_tuple() == y.cursor.as_tuple()
+        assert x.indices == y.indices
+        assert len(x) == len(y)
+        for mx, my in zip(x, y):
+            assert mx.keys() == my.keys()
+            assert all(torch.equal(mx[k], my[k]) for k in mx)
+
+
+# -- collation -------------------------------------------------------------------------------
+
+
+def test_pad_collate_pads_each_key_with_its_own_value():
+    out = pad_collate(pad_token_id=9)([
+        {"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1], "labels": [1, 2, 3], "label": 0},
+        {"input_ids": [4], "attention_mask": [1], "labels": [-100], "label": 1},
+    ])
+    assert out["input_ids"].tolist() == [[1, 2, 3], [4, 9, 9]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert out["labels"].tolist() == [[1, 2, 3], [-100, -100, -100]]
+    assert out["label"].tolist() == [0, 1]
+
+
+def test_pad_collate_rounds_up_to_a_multiple_and_keeps_chosen_keys():
+    out = pad_collate(pad_to_multiple_of=8, keys=["input_ids"])([{"input_ids": [1] * 9, "text": "x"}])
+    assert sorted(out) == ["attention_mask", "input_ids"]
+    assert out["input_ids"].shape == (1, 16)
+    assert out["attention_mask"].sum().item() == 9
+
+
+def test_pad_collate_stacks_equal_shaped_tensors_and_does_not_mutate():
+    items = [{"pixels": torch.ones(2, 2), "input_ids": torch.tensor([1, 2])} for _ in range(3)]
+    before = [it["input_ids"]._version for it in items]
+    out = pad_collate(pad_values={"input_ids": 7})(items)
+    assert out["pixels"].shape == (3, 2, 2)
+    assert [it["input_ids"]._version for it in items] == before
+
+
+@settings(max_examples=50, deadline=None)
+@given(token_items(), st.one_of(st.none(), st.integers(1, 8)))
+def test_pad_collate_keeps_every_token_and_pads_with_minus_100(items, multiple):
+    out = pad_collate(pad_to_multiple_of=multiple)(items)
+    width = max(len(it["input_ids"]) for it in items)
+    assert out["input_ids"].shape[1] >= width
+    if multiple:
+        assert out["input_ids"].shape[1] % multiple == 0
+    for row, it in enumerate(items):
+        n = len(it["input_ids"])
+        assert out["input_ids"][row, :n].tolist() == it["input_ids"]
+        assert out["attention_mask"][row].sum().item() == n
+        assert (out["labels"][row, n:] == -100).all()
+
+
+# -- the stream ------------------------------------------------------------------------------
+
+
+def test_stream_yields_step_batches_with_the_cursor_after_each_step():
+    data = items_of([3, 1, 4, 1, 5])
+    s = Sampler("sequential", 5, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    steps = list(stream(data, s, pad_collate(), num_epochs=2))
+    assert [b.cursor.as_tuple() for b in steps] == [(0, 1), (1, 0), (1, 1), (2, 0)]
+    assert [len(b) for b in steps] == [2, 1, 2, 1]  # the short last step of each epoch
+    assert steps[1].indices == ((4,),)
+    assert isinstance(steps[0], StepBatch) and isinstance(steps[0], tuple)
+    with pytest.raises(AttributeError, match="immutable"):
+        steps[0].cursor = Cursor()
+
+
+def test_max_steps_counts_from_the_start_of_the_run():
+    data = items_of([2] * 6)
+    s = Sampler("random", 6, per_device_train_batch_size=2, seed=4)
+    full = list(stream(data, s, pad_collate(), max_steps=5))
+    assert [b.cursor.as_tuple() for b in full] == [(0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    resumed = list(stream(data, s, pad_collate(), start=full[1].cursor, max_steps=5))
+    same_steps(resumed, full[2:])
+
+
+def test_stream_without_limits_runs_on_across_epochs():
+    data = items_of([1, 2])
+    s = Sampler("random", 2, per_device_train_batch_size=2)
+    it = stream(data, s, pad_collate())
+    cursors = [next(it).cursor.as_tuple() for _ in range(5)]
+    assert cursors == [(1, 0), (2, 0), (3, 0), (4, 0), (5, 0)]
+
+
+def test_dataloader_drop_last_overrides_the_sampler():
+    s = Sampler("sequential", 5, per_device_train_batch_size=2)
+    steps = list(stream(items_of([1] * 5), s, pad_collate(), num_epochs=1, dataloader_drop_last=True))
+    assert [b.indices for b in steps] == [((0, 1),), ((2, 3),)]
+
+
+@FAST
+@given(
+    sampler_configs(num_samples=st.integers(1, 24)),
+    st.integers(1, 3),
+    st.integers(0, 40),
+    st.booleans(),
+)
+def test_a_stream_resumed_from_any_cursor_is_the_tail_of_the_whole_stream(s, num_epochs, cut, use_keys):
+    assume(s.steps_per_epoch() > 0)
+    lengths = s.lengths or [1 + i % 5 for i in range(s.num_samples)]
+    data = items_of(lengths)
+    collate = keyed(noisy) if use_keys else pad_collate()
+    whole = list(stream(data, s, collate, num_epochs=num_epochs))
+    assert len(whole) == num_epochs * s.steps_per_epoch()
+    cut = min(cut, len(whole))
+    start = whole[cut - 1].cursor if cut else None
+    same_steps(list(stream(data, s, collate, start=start, num_epochs=num_epochs)), whole[cut:])
+
+
+def test_order_and_values_do_not_depend_on_num_workers_nor_touch_global_rng():
+    data = items_of([1 + (7 * i) % 13 for i in range(40)])
+    s = make_sampler("group_by_length", data, per_device_train_batch_size=3, gradient_accumulation_steps=2, seed=2)
+    before = torch.get_rng_state()
+    serial = list(stream(data, s, keyed(noisy), num_epochs=2))
+    parallel = list(stream(data, s, keyed(noisy), num_epochs=2, dataloader_num_workers=2,
+                           dataloader_prefetch_factor=2, dataloader_persistent_workers=True))
+    same_steps(serial, parallel)
+    assert torch.equal(before, torch.get_rng_state())
+
+
+def test_keyed_randomness_belongs_to_the_sample_not_the_batch():
+    data = items_of([2] * 8)
+    small = list(stream(data, Sampler("random", 8, per_device_train_batch_size=1, seed=1), keyed(noisy), num_epochs=1))
+    big = list(stream(data, Sampler("random", 8, per_device_train_batch_size=4, seed=1), keyed(noisy), num_epochs=1))
+    noise_of = lambda steps: {i: mb["noise"][j].item() for b in steps for mb, idx in zip(b, b.indices) for j, i in enumerate(idx)}
+    assert noise_of(small) == noise_of(big)
+    assert noise_of(small)[3] == torch.rand((), generator=torch.Generator().manual_seed(sample_key(1, 0, 3))).item()
+
+
+class Counting(torch.utils.data.IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(items_of(range(1, self.n + 1)))
+
+
+def test_a_dataset_without_length_is_read_in_order_with_a_short_last_step():
+    s = Sampler("sequential", None, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    steps = list(stream(Counting(7), s, pad_collate(), num_epochs=2))
+    assert [b.cursor.as_tuple() for b in steps] == [(0, 1), (1, 0), (1, 1), (2, 0)]
+    assert [[mb["input_ids"].shape[1] for mb in b] for b in steps] == [[2, 4], [6, 7]] * 2
+    resumed = list(stream(Counting(7), s, pad_collate(), start=steps[0].cursor, num_epochs=2))
+    assert [b.cursor.as_tuple() for b in resumed] == [(1, 0), (1, 1), (2, 0)]
+    assert torch.equal(resumed[0][1]["input_ids"], steps[1][1]["input_ids"])
+
+
+def test_a_dataset_without_length_is_dealt_round_robin_to_ranks():
+    shapes = []
+    for rank in (0, 1):
+        s = Sampler("sequential", None, per_device_train_batch_size=1, world_size=2, rank=rank)
+        shapes.append([mb["input_ids"].shape[1] for b in stream(Counting(5), s, pad_collate(), num_epochs=1) for mb in b])
+    assert shapes == [[1, 3], [2, 4]]  # sample 5 would leave rank 1 without a micro-batch
+
+
+def test_resuming_a_fit_is_bitwise_equal_to_not_stopping():
+    from trainfold.fold import fit, max_steps
+    from trainfold.models import TinyLM, TinyLMConfig
+    from trainfold.optim import adamw
+    from trainfold.state import init_state
+    from trainfold.step import make_step
+
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(vocab_size=256, d_model=16, n_layers=1, n_heads=2, max_len=32, dropout=0.1))
+    opt = adamw(1e-2)
+    step = make_step(model, optimizer=opt)
+    data = items_of([1 + (5 * i) % 17 for i in range(22)])
+    s = make_sampler("group_by_length", data, per_device_train_batch_size=2, gradient_accumulation_steps=2, seed=3)
+    collate = pad_collate()
+    state0 = init_state(model, opt, seed=3)
+    whole = fit(step, state0, stream(data, s, collate, num_epochs=2))
+    half = fit(step, state0, stream(data, s, collate, num_epochs=2), stop=max_steps(7))
+    assert half.cursor.as_tuple() == (1, 1)
+    resumed = fit(step, half, stream(data, s, collate, start=half.cursor, num_epochs=2))
+    assert int(resumed.step) == int(whole.step) == 12
+    assert resumed.cursor.as_tuple() == whole.cursor.as_tuple() == (2, 0)
+    assert all(torch.equal(resumed.params[k], whole.params[k]) for k in whole.params)
+
+
+# -- generation batching ---------------------------------------------------------------------
+
+
+def test_generate_runs_once_per_block_and_the_steps_cover_it_once():
+    calls = []
+
+    def generate(micro_batches):
+        calls.append(len(micro_batches))
+        return [{"input_ids": torch.cat([mb["input_ids"], mb["input_ids"]], dim=1)} for mb in micro_batches]
+
+    data = items_of([1, 2, 3, 4, 5, 6, 7])
+    s = Sampler("sequential", 7, per_device_train_batch_size=2)
+    prompts = list(stream(data, s, pad_collate(), num_epochs=1))
+    out = list(generation_batches(iter(prompts), generate, steps_per_generation=3, num_generations=2))
+    assert calls == [3, 1]  # blocks of 3 steps, then the epoch's last step alone
+    assert [b.cursor.as_tuple() for b in out] == [b.cursor.as_tuple() for b in prompts]
+    assert [b.indices for b in out] == [b.indices for b in prompts]
+    first = out[0][0]["input_ids"]
+    assert first.shape == (4, 4)  # 2 prompts x 2 generations, doubled length
+    assert first[:, 0].tolist() == [1, 1, 2, 2]  # generations of a prompt are consecutive
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 3), st.integers(1, 4), st.integers(1, 3))
+def test_generation_blocks_partition_the_prompt_steps(num_steps, micro_per_step, steps_per_generation, generations):
+    prompts = [[[10 * s + m] for m in range(micro_per_step)] for s in range(num_steps)]
+    calls = []
+
+    def generate(mbs):
+        calls.append([x for mb in mbs for x in mb])
+        return [list(mb) for mb in mbs]
+
+    out = list(generation_batches(prompts, generate, steps_per_generation, generations))
+    assert len(calls) == -(-num_steps // steps_per_generation)
+    assert [list(step) for step in out] == [[[x] * generations for mb in step for x in mb] for step in prompts]
+    assert sorted(x for c in calls for x in c) == sorted(x for step in prompts for mb in step for x in mb for _ in range(generations))
+
+
+def test_generation_blocks_realign_after_a_resume():
+    data = items_of([1] * 8)
+    s = Sampler("sequential", 8, per_device_train_batch_size=1)
+    calls = []
+
+    def generate(mbs):
+        calls.append(len(mbs))
+        return mbs
+
+    start = Cursor(scalar(0), scalar(3))
+    list(generation_batches(stream(data, s, pad_collate(), start=start, num_epochs=1), generate, 2))
+    assert calls == [1, 2, 2]  # step 4 closes the interrupted block; then blocks of 2
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+def test_worker_options_need_workers():
+    s = Sampler("random", 2, per_device_train_batch_size=1)
+    with pytest.raises(ValueError, match=r"persistent_workers=True needs dataloader_num_workers > 0.*prefetch_factor=2 needs"):
+        stream(items_of([1, 1]), s, pad_collate(), dataloader_persistent_workers=True, dataloader_prefetch_factor=2)
+    with pytest.raises(ValueError, match="dataloader_num_workers=-1 must be an int >= 0"):
+        stream(items_of([1, 1]), s, pad_collate(), dataloader_num_workers=-1)
+
+
+def test_stream_rejects_a_sampler_for_another_dataset_and_empty_epochs():
+    with pytest.raises(ValueError, match="made for 3 samples but the dataset has 2"):
+        stream(items_of([1, 1]), Sampler("random", 3), pad_collate())
+    with pytest.raises(ValueError, match="gives no optimizer step"):
+        stream(items_of([1]), Sampler("random", 1, per_device_train_batch_size=2, drop_last=True), pad_collate())
+
+
+def test_collate_errors_name_the_problem():
+    with pytest.raises(KeyError, match=r"item 1 of the micro-batch lacks keys \['labels'\]"):
+        pad_collate()([{"input_ids": [1], "labels": [1]}, {"input_ids": [2]}])
+    with pytest.raises(TypeError, match="cannot make a tensor of item key 'text'"):
+        pad_collate()([{"text": {"a": 1}}])
+    with pytest.raises(ValueError, match="pad_to_multiple_of=0"):
+        pad_collate(pad_to_multiple_of=0)
+
+
+def test_generate_must_return_one_micro_batch_per_prompt_micro_batch():
+    with pytest.raises(ValueError, match="generate returned 1 micro-batches for 2"):
+        list(generation_batches([[[1], [2]]], lambda mbs: mbs[:1], 1))
+    with pytest.raises(ValueError, match="steps_per_generation=0"):
+        list(generation_batches([], lambda mbs: mbs, 0))
