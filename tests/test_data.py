@@ -208,6 +208,22 @@ def test_resuming_a_fit_is_bitwise_equal_to_not_stopping():
     assert all(torch.equal(resumed.params[k], whole.params[k]) for k in whole.params)
 
 
+def test_a_datasets_dataset_streams_through_its_batched_getitems():
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"input_ids": [[1], [2, 2], [3, 3, 3]], "length": [1, 2, 3]})
+    s = make_sampler("batch_rebalance", ds, per_device_train_batch_size=1, gradient_accumulation_steps=3, seed=torch.tensor(5))
+    (step,) = list(stream(ds, s, pad_collate(), num_epochs=1))
+    assert sorted(mb["input_ids"][0, 0].item() for mb in step) == [1, 2, 3]
+    assert s.seed == 5
+
+
+def test_start_accepts_an_epoch_position_pair():
+    data = items_of([1] * 4)
+    s = Sampler("random", 4, per_device_train_batch_size=1, seed=2)
+    same_steps(list(stream(data, s, pad_collate(), start=(0, 2), num_epochs=1)),
+               list(stream(data, s, pad_collate(), start=Cursor(scalar(0), scalar(2)), num_epochs=1)))
+
+
 # -- generation batching ---------------------------------------------------------------------
 
 
@@ -276,6 +292,14 @@ def test_stream_rejects_a_sampler_for_another_dataset_and_empty_epochs():
         stream(items_of([1, 1]), Sampler("random", 3), pad_collate())
     with pytest.raises(ValueError, match="gives no optimizer step"):
         stream(items_of([1]), Sampler("random", 1, per_device_train_batch_size=2, drop_last=True), pad_collate())
+
+
+def test_a_cursor_past_the_epoch_says_the_settings_changed():
+    s = Sampler("random", 4, per_device_train_batch_size=2)
+    with pytest.raises(ValueError, match=r"start cursor \(0, 5\) is past the 2 steps of an epoch"):
+        stream(items_of([1] * 4), s, pad_collate(), start=(0, 5))
+    with pytest.raises(ValueError, match="epoch >= 0"):
+        stream(items_of([1] * 4), s, pad_collate(), start=(-1, 0))
 
 
 def test_collate_errors_name_the_problem():

@@ -26,6 +26,7 @@ the same numbers, whatever the worker, batch or resume point.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -248,14 +249,15 @@ class _Planned:
     micro: list[list[int]]
 
 
-def _plan(sampler: Sampler, start: tuple[int, int], num_epochs: int | None, max_steps: int | None) -> Iterator[_Planned]:
+def _plan(sampler: Sampler, epoch_batches: Callable[[int], list[list[list[int]]]], start: tuple[int, int],
+          num_epochs: int | None, max_steps: int | None) -> Iterator[_Planned]:
     """Yield the steps to run from ``start``, each with the cursor after it."""
     spe = sampler.steps_per_epoch()
     epoch, pos = start
-    if pos >= spe:
+    if pos == spe:
         epoch, pos = epoch + 1, 0
     while num_epochs is None or epoch < num_epochs:
-        batches = sampler.epoch_batches(epoch)
+        batches = epoch_batches(epoch)
         for p in range(pos, spe):
             if max_steps is not None and epoch * spe + p >= max_steps:
                 return
@@ -299,7 +301,7 @@ def stream(
     sampler: Sampler,
     collate: Callable[..., Any],
     *,
-    start: Cursor | None = None,
+    start: Cursor | tuple[int, int] | None = None,
     num_epochs: int | None = None,
     max_steps: int | None = None,
     dataloader_num_workers: int = 0,
@@ -308,7 +310,7 @@ def stream(
     dataloader_pin_memory: bool = False,
     dataloader_drop_last: bool | None = None,
 ) -> Iterator[StepBatch]:
-    """Yield the run's optimizer steps from ``start`` (default: the beginning) as StepBatches.
+    """Yield the run's optimizer steps from ``start`` (a cursor; default: the beginning) as StepBatches.
 
     Stops before epoch ``num_epochs`` and before global step ``max_steps`` (counted from the
     start of epoch 0, so a resumed stream stops at the same place); with neither it runs forever
@@ -325,7 +327,9 @@ def stream(
         raise ValueError("invalid stream options: " + "; ".join(errors))
     if dataloader_drop_last is not None and dataloader_drop_last != sampler.drop_last:
         sampler = attrs.evolve(sampler, drop_last=dataloader_drop_last)
-    begin = start.as_tuple() if start is not None else (0, 0)
+    begin = (0, 0) if start is None else start.as_tuple() if isinstance(start, Cursor) else tuple(start)
+    if begin[0] < 0 or begin[1] < 0:
+        raise ValueError(f"start cursor {begin} must have epoch >= 0 and position >= 0")
     loader_options = dict(
         num_workers=dataloader_num_workers,
         persistent_workers=dataloader_persistent_workers,
@@ -340,18 +344,26 @@ def stream(
             f"sampler was made for {sampler.num_samples} samples but the dataset has {len(dataset)}; "
             "make the sampler from this dataset"
         )
-    if sampler.steps_per_epoch() == 0:
+    spe = sampler.steps_per_epoch()
+    if spe == 0:
         raise ValueError(
             f"an epoch of {sampler.num_samples} samples gives no optimizer step (global batch "
             f"{sampler.global_batch_size}, drop_last={sampler.drop_last}); use smaller batches or drop_last=False"
+        )
+    if begin[1] > spe:
+        raise ValueError(
+            f"start cursor {begin} is past the {spe} steps of an epoch: was the dataset, batch size, "
+            "accumulation or world size changed since the checkpoint? Resume with the same settings"
         )
     return _map_stream(dataset, sampler, collate, begin, num_epochs, max_steps, loader_options)
 
 
 def _map_stream(dataset: Any, sampler: Sampler, collate: Callable[..., Any], begin: tuple[int, int],
                 num_epochs: int | None, max_steps: int | None, loader_options: dict[str, Any]) -> Iterator[StepBatch]:
+    epoch_batches = functools.lru_cache(maxsize=2)(sampler.epoch_batches)  # shared by loader and steps
+
     def plan() -> Iterator[_Planned]:
-        return _plan(sampler, begin, num_epochs, max_steps)
+        return _plan(sampler, epoch_batches, begin, num_epochs, max_steps)
 
     loader = DataLoader(
         _Keyed(dataset), batch_sampler=_MicroBatches(plan), collate_fn=_Collate(collate, sampler.seed), **loader_options

@@ -43,6 +43,10 @@ LENGTH_STRATEGIES = ("group_by_length", "batch_rebalance")
 Step = list[list[int]]  # one rank's micro-batches of one optimizer step
 
 
+def _int_tuple(values: Sequence[Any] | None) -> tuple[int, ...] | None:
+    return None if values is None else tuple(int(v) for v in values)
+
+
 def _config_errors(s: Sampler) -> list[str]:
     errors = []
     if s.strategy not in STRATEGIES:
@@ -86,8 +90,8 @@ class Sampler:
     world_size: int = 1
     rank: int = 0
     drop_last: bool = False
-    seed: int = 0
-    lengths: tuple[int, ...] | None = attrs.field(default=None, repr=False, converter=attrs.converters.optional(tuple))
+    seed: int = attrs.field(default=0, converter=int)
+    lengths: tuple[int, ...] | None = attrs.field(default=None, repr=False, converter=_int_tuple)
     megabatch_mult: int = 50
 
     def __attrs_post_init__(self) -> None:
