@@ -1,30 +1,60 @@
-"""trainfold: train PyTorch models as a fold of a pure ``step(state, batch) -> state``."""
+"""trainfold: train PyTorch models as a fold of a pure ``step(state, batch) -> state``.
+
+The pieces, bottom up: ``tree`` (pure ops on tensor dicts), ``state`` (the ``TrainState``
+record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``samplers`` and
+``data`` (the resumable stream), ``fold`` (``fit``, ``trajectory``), ``reducers`` and
+``evaluation``, ``checkpoint`` and ``preempt``, ``observe`` and ``reporters``, ``neftune``,
+``dpo``/``grpo``/``generate``, ``distributed``, and ``train`` (``TrainingArguments`` + ``train``)
+which wires them from the HF Trainer's setting names.
+"""
 
 from trainfold import losses, optim, schedules, tree
+from trainfold.args import TrainingArguments
+from trainfold.checkpoint import latest_checkpoint, load, save
+from trainfold.data import StepBatch, pad_collate, stream
+from trainfold.evaluation import EvalPrediction
 from trainfold.fold import any_of, fit, max_steps, max_time, trajectory
+from trainfold.observe import early_stopping
 from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, sgd
+from trainfold.samplers import Sampler, make_sampler
 from trainfold.state import Cursor, TrainState, init_state
 from trainfold.step import make_step
+from trainfold.train import TrainResult, evaluate, predict, train
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Cursor",
+    "EvalPrediction",
+    "Sampler",
+    "StepBatch",
+    "TrainResult",
     "TrainState",
+    "TrainingArguments",
     "adamw",
     "any_of",
     "chain",
     "clip_by_global_norm",
     "decay_mask",
+    "early_stopping",
+    "evaluate",
     "fit",
     "init_state",
+    "latest_checkpoint",
+    "load",
     "losses",
+    "make_sampler",
     "make_step",
     "max_steps",
     "max_time",
     "optim",
+    "pad_collate",
+    "predict",
+    "save",
     "schedules",
     "sgd",
+    "stream",
+    "train",
     "trajectory",
     "tree",
 ]

@@ -32,6 +32,11 @@ def scalar(value: float | int, dtype: torch.dtype = torch.int64) -> Tensor:
     return torch.tensor(value, dtype=dtype)
 
 
+def initial_metrics() -> dict[str, Tensor]:
+    """Return the metrics of a state before its first step (zeros; the learning rate in float64)."""
+    return {k: scalar(0.0, torch.float64 if k == "learning_rate" else torch.float32) for k in METRIC_KEYS}
+
+
 @attrs.frozen(eq=False)
 class Cursor:
     """Where the data stream stands: the epoch, and optimizer steps consumed within it."""
@@ -66,9 +71,7 @@ class TrainState:
     step: Tensor = attrs.field(factory=lambda: scalar(0))
     seed: Tensor = attrs.field(factory=lambda: scalar(0))
     cursor: Cursor = attrs.field(factory=Cursor)
-    metrics: dict[str, Tensor] = attrs.field(
-        factory=lambda: {k: scalar(0.0, torch.float32) for k in METRIC_KEYS}
-    )
+    metrics: dict[str, Tensor] = attrs.field(factory=lambda: initial_metrics())
     loss_total: Tensor = attrs.field(factory=lambda: scalar(0.0, torch.float64))
     extras: dict[str, Any] = attrs.field(factory=dict)
 

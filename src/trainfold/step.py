@@ -259,7 +259,7 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
         **state.metrics,
         "loss": total.cpu(),
         "grad_norm": grad_norm.detach().float().cpu(),
-        "learning_rate": torch.tensor(learning_rate, dtype=torch.float32),
+        "learning_rate": torch.tensor(learning_rate, dtype=torch.float64),
         "num_items": num_items.float(),
         **{k: v.cpu() for k, v in aux_total.items()},
     }

@@ -1,0 +1,101 @@
+"""``trainfold.train`` reproduces ``transformers.Trainer`` where the Trainer is right.
+
+A small LlamaForCausalLM from config, the same initial weights and data order (sequential),
+gradient accumulation 2, warmup, weight decay, clipping and the linear schedule, 12 steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from trainfold import TrainingArguments, train
+
+transformers = pytest.importorskip("transformers")
+
+STEPS = 12
+
+
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]
+
+
+def llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def rows(n=4 * STEPS, t=16):
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 64, (t,), generator=g)
+        labels = ids.clone()
+        labels[: int(torch.randint(1, 6, (1,), generator=g))] = -100  # prompt tokens masked
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+SETTINGS = dict(
+    max_steps=STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=3e-3,
+    warmup_steps=3, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="linear", seed=7,
+    train_sampling_strategy="sequential", logging_steps=1, save_strategy="no", report_to="none",
+    disable_tqdm=True,
+)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = llama()
+    data = rows()
+    hf_model = copy.deepcopy(base)
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path_factory.mktemp("hf")), use_cpu=True, **SETTINGS)
+    trainer = transformers.Trainer(model=hf_model, args=hf_args, train_dataset=Rows(data))
+    trainer.train()
+    hf_logs = [h for h in trainer.state.log_history if "loss" in h]
+
+    before = {k: v.clone() for k, v in base.state_dict().items()}
+    ours = train(base, TrainingArguments(output_dir=str(tmp_path_factory.mktemp("tf")), **SETTINGS), data)
+    our_logs = [h for h in ours.log_history if "loss" in h and "train_loss" not in h]
+    unchanged = all(torch.equal(v, before[k]) for k, v in base.state_dict().items())
+    return hf_model, hf_logs, ours, our_logs, unchanged
+
+
+def test_per_step_losses_agree(runs):
+    _, hf_logs, _, our_logs, _ = runs
+    assert len(hf_logs) == len(our_logs) == STEPS
+    for h, o in zip(hf_logs, our_logs):
+        assert o["step"] == h["step"]
+        assert o["loss"] == pytest.approx(h["loss"], rel=1e-5)
+
+
+def test_learning_rates_and_grad_norms_agree(runs):
+    _, hf_logs, _, our_logs, _ = runs
+    assert [o["learning_rate"] for o in our_logs] == pytest.approx([h["learning_rate"] for h in hf_logs], rel=1e-12)
+    assert our_logs[0]["learning_rate"] == 0.0  # warmup: the first update uses LR 0, as in HF
+    assert [o["grad_norm"] for o in our_logs] == pytest.approx([h["grad_norm"] for h in hf_logs], rel=1e-4)
+
+
+def test_final_params_agree(runs):
+    hf_model, _, ours, _, _ = runs
+    for name, p in hf_model.named_parameters():
+        torch.testing.assert_close(ours.state.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_model_passed_in_is_unchanged(runs):
+    *_, ours, _, unchanged = runs
+    assert ours.status == "completed" and ours.global_step == STEPS
+    assert unchanged, "train must not write into the model it was given"
