@@ -84,8 +84,8 @@ def main() -> None:
             pad_rows.append([name, cfg] + [f"{padding_fraction(runs[s], lengths):.1%}" for s in runs])
 
             naive, ours = runs["random"], runs["batch_rebalance"]
-            ratio = lambda steps: statistics.mean(max(c) / statistics.mean(c) for c in (rank_costs(s, lengths) for s in steps))
-            makespan = lambda steps: sum(max(rank_costs(s, lengths)) for s in steps)
+            ratio = lambda steps, lengths=lengths: statistics.mean(max(c) / statistics.mean(c) for c in (rank_costs(s, lengths) for s in steps))
+            makespan = lambda steps, lengths=lengths: sum(max(rank_costs(s, lengths)) for s in steps)
             step_rows.append([name, cfg, f"{ratio(naive):.3f}", f"{ratio(ours):.3f}",
                               f"{makespan(ours) / makespan(naive):.3f}", f"{seconds:.2f}"])
 

@@ -7,7 +7,14 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from trainfold.data import StepBatch, generation_batches, keyed, pad_collate, sample_key, stream
+from trainfold.data import (
+    StepBatch,
+    generation_batches,
+    keyed,
+    pad_collate,
+    sample_key,
+    stream,
+)
 from trainfold.samplers import Sampler, make_sampler
 from trainfold.state import Cursor, scalar
 from trainfold.testing import sampler_configs, token_items

@@ -47,7 +47,7 @@ def test_random_order_is_torch_randperm_seeded_with_seed_plus_epoch():
 
 def test_ranks_take_micro_batches_round_robin():
     s = Sampler("sequential", 8, per_device_train_batch_size=2, world_size=2)
-    assert [Sampler("sequential", 8, per_device_train_batch_size=2, world_size=2, rank=r).epoch_batches(0) for r in (0, 1)] == [
+    assert [attr_rank(s, r).epoch_batches(0) for r in (0, 1)] == [
         [[[0, 1]], [[4, 5]]],
         [[[2, 3]], [[6, 7]]],
     ]
@@ -113,7 +113,7 @@ def test_samplers_leave_global_rng_alone():
 
 def test_lengths_from_a_column_or_from_items():
     class Columns:
-        column_names = ["input_ids", "length"]
+        column_names = ("input_ids", "length")
 
         def __len__(self):
             return 3
@@ -292,7 +292,7 @@ def test_items_without_the_model_input_key():
 
 def test_missing_length_column_warns_and_measures_items():
     class Columns(list):
-        column_names = ["input_ids"]
+        column_names = ("input_ids",)
 
     data = Columns([{"input_ids": [1, 2]}, {"input_ids": [3]}])
     with pytest.warns(UserWarning, match="no column 'len'.*measuring"):

@@ -41,14 +41,14 @@ from trainfold.state import Cursor, scalar
 from trainfold.step import derive_seed
 
 __all__ = [
-    "StepBatch",
-    "PadCollate",
-    "pad_collate",
     "KeyedCollate",
+    "PadCollate",
+    "StepBatch",
+    "generation_batches",
     "keyed",
+    "pad_collate",
     "sample_key",
     "stream",
-    "generation_batches",
 ]
 
 DEFAULT_PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0, "special_tokens_mask": 1}
@@ -67,7 +67,7 @@ class StepBatch(tuple):
     cursor: Cursor
     indices: tuple[tuple[int, ...], ...]
 
-    def __new__(cls, micro_batches: Iterable[Any], cursor: Cursor, indices: Sequence[Sequence[int]] = ()) -> StepBatch:
+    def __new__(cls, micro_batches: Iterable[Any], cursor: Cursor, indices: Sequence[Sequence[int]] = ()) -> StepBatch:  # noqa: PYI034
         self = super().__new__(cls, micro_batches)
         object.__setattr__(self, "cursor", cursor)
         object.__setattr__(self, "indices", tuple(tuple(m) for m in indices))
@@ -78,6 +78,9 @@ class StepBatch(tuple):
 
     def __repr__(self) -> str:
         return f"StepBatch({len(self)} micro-batches, cursor={self.cursor.as_tuple()})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return StepBatch, (tuple(self), self.cursor, self.indices)
 
 
 # -- collation ------------------------------------------------------------------------------
@@ -316,8 +319,13 @@ def stream(
     start of epoch 0, so a resumed stream stops at the same place); with neither it runs forever
     (let ``fit``'s stop predicate end it). ``dataloader_drop_last``, when given, overrides the
     sampler's ``drop_last``. The ``dataloader_*`` options go to ``torch.utils.data.DataLoader``;
-    the order never depends on them. A dataset without ``__len__`` is read in its own order
-    (see the sampler's ``num_samples=None``); its epochs are passes over it.
+    the order never depends on them. ``dataloader_pin_memory`` defaults to False (pinning only
+    helps when batches then go to a GPU).
+
+    A dataset without ``__len__`` (sampler ``num_samples=None``) is read in its own order, an
+    epoch being one pass over it; micro-batches are dealt round-robin to ranks, the collator
+    runs in this process, ``max_steps`` counts the steps this stream yields, and with workers
+    the dataset must shard itself (``torch.utils.data.get_worker_info``) or items repeat.
     """
     errors = _loader_errors(dataloader_num_workers, dataloader_persistent_workers, dataloader_prefetch_factor)
     for name, value in (("num_epochs", num_epochs), ("max_steps", max_steps)):
@@ -330,13 +338,14 @@ def stream(
     begin = (0, 0) if start is None else start.as_tuple() if isinstance(start, Cursor) else tuple(start)
     if begin[0] < 0 or begin[1] < 0:
         raise ValueError(f"start cursor {begin} must have epoch >= 0 and position >= 0")
-    loader_options = dict(
-        num_workers=dataloader_num_workers,
-        persistent_workers=dataloader_persistent_workers,
-        prefetch_factor=dataloader_prefetch_factor,
-        pin_memory=dataloader_pin_memory,
-        generator=torch.Generator().manual_seed(derive_seed(sampler.seed, 0x5EED)),
-    )
+    loader_options = {
+        "num_workers": dataloader_num_workers,
+        "persistent_workers": dataloader_persistent_workers,
+        "prefetch_factor": dataloader_prefetch_factor,
+        "pin_memory": dataloader_pin_memory,
+        # DataLoader draws its worker base seed; a private generator keeps global RNG untouched
+        "generator": torch.Generator().manual_seed(derive_seed(sampler.seed, 0x5EED)),
+    }
     if sampler.num_samples is None:
         return _iterable_stream(dataset, sampler, collate, begin, num_epochs, max_steps, loader_options)
     if sampler.num_samples != len(dataset):
@@ -455,8 +464,9 @@ def generation_batches(
     A block gathers the prompt micro-batches of ``steps_per_generation`` steps of
     ``prompt_stream`` (rows repeated ``num_generations`` times, consecutively), calls
     ``generate(micro_batches)`` once on all of them, which returns one generated micro-batch per
-    prompt micro-batch, and yields the result split back into the block's steps, each with its
-    prompt step's cursor. Blocks end where a step's cursor position is a multiple of
+    prompt micro-batch, and yields the result split back into the block's steps: a StepBatch
+    with the prompt step's cursor and indices (prompt indices, not repeated), or a plain tuple
+    when the prompt steps carry no cursor. Blocks end where a step's cursor position is a multiple of
     ``steps_per_generation`` and at each epoch end, so a resumed stream re-forms the same blocks
     from the next boundary; the last block may be shorter.
 

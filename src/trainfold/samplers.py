@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["Sampler", "make_sampler", "dataset_lengths", "padded_cost", "STRATEGIES", "LENGTH_STRATEGIES"]
+__all__ = ["LENGTH_STRATEGIES", "STRATEGIES", "Sampler", "dataset_lengths", "make_sampler", "padded_cost"]
 
 STRATEGIES = ("random", "sequential", "group_by_length", "batch_rebalance")
 LENGTH_STRATEGIES = ("group_by_length", "batch_rebalance")

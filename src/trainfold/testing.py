@@ -33,14 +33,19 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from trainfold.samplers import LENGTH_STRATEGIES, STRATEGIES, Sampler
 
 __all__ = [
-    "skewed_lengths",
-    "uniform_lengths",
-    "lengths",
     "label_tensors",
+    "lengths",
+    "sampler_configs",
+    "skewed_lengths",
     "tensor_dicts",
     "token_items",
-    "sampler_configs",
+    "uniform_lengths",
 ]
+
+
+_BATCH_SIZES = st.integers(1, 4)
+_SEQ_LENS = st.integers(1, 16)
+_NUM_SAMPLES = st.integers(0, 48)
 
 
 def skewed_lengths(
@@ -80,8 +85,8 @@ def lengths(min_size: int = 0, max_size: int = 64) -> st.SearchStrategy[list[int
 @st.composite
 def label_tensors(
     draw: st.DrawFn,
-    batch_size: st.SearchStrategy[int] = st.integers(1, 4),
-    seq_len: st.SearchStrategy[int] = st.integers(1, 16),
+    batch_size: st.SearchStrategy[int] = _BATCH_SIZES,
+    seq_len: st.SearchStrategy[int] = _SEQ_LENS,
     vocab_size: int = 32,
     ignore_index: int = -100,
     prompt_masking: bool = True,
@@ -146,7 +151,7 @@ def token_items(
 def sampler_configs(
     draw: st.DrawFn,
     strategies: Sequence[str] = STRATEGIES,
-    num_samples: st.SearchStrategy[int] = st.integers(0, 48),
+    num_samples: st.SearchStrategy[int] = _NUM_SAMPLES,
     max_batch: int = 4,
     max_accumulation: int = 3,
     max_world: int = 3,
