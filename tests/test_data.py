@@ -191,6 +191,20 @@ def test_a_dataset_without_length_is_dealt_round_robin_to_ranks():
     assert shapes == [[1, 3], [2, 4]]  # sample 5 would leave rank 1 without a micro-batch
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 20), st.integers(1, 3), st.integers(1, 3), st.integers(1, 2), st.data())
+def test_a_dataset_without_length_resumes_from_any_cursor(n, batch, accumulation, world, data):
+    rank = data.draw(st.integers(0, world - 1))
+    assume(n >= batch * world)
+    s = Sampler("sequential", None, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+                world_size=world, rank=rank, drop_last=data.draw(st.booleans()))
+    whole = list(stream(Counting(n), s, keyed(noisy), num_epochs=2))
+    cut = data.draw(st.integers(0, len(whole)))
+    start = whole[cut - 1].cursor if cut else None
+    same_steps(list(stream(Counting(n), s, keyed(noisy), start=start, num_epochs=2)), whole[cut:])
+    assert all(1 <= len(b) <= accumulation for b in whole)
+
+
 def test_resuming_a_fit_is_bitwise_equal_to_not_stopping():
     from trainfold.fold import fit, max_steps
     from trainfold.models import TinyLM, TinyLMConfig
