@@ -36,14 +36,15 @@ from torch import Tensor, nn
 from trainfold.losses import causal_lm, counter_for, logits_of
 from trainfold.reducers import (
     Reducer,
+    collecting,
     combine,
     compose,
-    concatenating,
     counting,
     filtering,
     mapping,
     mean_loss,
     offloading,
+    pad_concat,
     summing,
     transduce,
 )
@@ -268,8 +269,17 @@ def eval_reducer(gather: bool = True, eval_accumulation_steps: int | None = None
         "batches": counting(),
     }
     if gather:
-        parts["tensors"] = compose(mapping(lambda o: o.tensors), offloading(eval_accumulation_steps, move))(concatenating())
+        parts["tensors"] = compose(mapping(lambda o: o.tensors), offloading(eval_accumulation_steps, move))(_joined())
     return combine(parts)
+
+
+def _joined() -> Reducer:
+    # Chunks from ``offloading`` are fresh host tensors: a single chunk is the result as is.
+    def complete(acc: Any) -> Any:
+        chunks = collecting().complete(acc)
+        return (chunks[0] if len(chunks) == 1 else pad_concat(chunks)) if chunks else None
+
+    return attrs.evolve(collecting(), complete=complete)
 
 
 def _split_params(model_or_forward: Any, params: Any, buffers: Mapping[str, Tensor] | None) -> tuple[Any, Mapping[str, Tensor]]:
