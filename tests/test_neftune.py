@@ -40,8 +40,14 @@ def batches(n: int, seed: int = 0) -> list[list[dict]]:
 
 
 def hook_snapshot(model: nn.Module) -> list:
-    names = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-             "_state_dict_hooks", "_load_state_dict_pre_hooks")
+    names = (
+        "_forward_hooks",
+        "_forward_pre_hooks",
+        "_backward_hooks",
+        "_backward_pre_hooks",
+        "_state_dict_hooks",
+        "_load_state_dict_pre_hooks",
+    )
     return [(name, sorted(vars(m)), [len(getattr(m, h)) for h in names]) for name, m in model.named_modules()]
 
 
@@ -49,8 +55,13 @@ def hook_snapshot(model: nn.Module) -> list:
 
 
 @settings(max_examples=40, deadline=None)
-@given(lengths=st.lists(st.integers(0, 12), min_size=1, max_size=4), d=st.integers(1, 24),
-       alpha=st.floats(0.1, 20), seed=st.integers(0, 2**31), left=st.booleans())
+@given(
+    lengths=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+    d=st.integers(1, 24),
+    alpha=st.floats(0.1, 20),
+    seed=st.integers(0, 2**31),
+    left=st.booleans(),
+)
 def test_noise_bound_holds_per_sequence_and_pads_are_untouched(lengths, d, alpha, seed, left):
     seq = 12
     pos = torch.arange(seq)[None, :]
@@ -80,7 +91,9 @@ def test_same_key_same_noise_and_the_noise_follows_the_dtype():
     b = neftune_noise(torch.zeros(1, 4, 8), mask, 5.0, torch.Generator().manual_seed(7))
     c = neftune_noise(torch.zeros(1, 4, 8), mask, 5.0, torch.Generator().manual_seed(8))
     assert torch.equal(a, b) and not torch.equal(a, c)
-    assert neftune_noise(torch.zeros(1, 4, 8, dtype=torch.bfloat16), mask, 5.0, torch.Generator()).dtype == torch.bfloat16
+    assert (
+        neftune_noise(torch.zeros(1, 4, 8, dtype=torch.bfloat16), mask, 5.0, torch.Generator()).dtype == torch.bfloat16
+    )
 
 
 # -- the forward transformation ------------------------------------------------------------------
@@ -187,8 +200,15 @@ def test_wraps_another_objective_and_frozen_embeddings():
 
 def test_hugging_face_model():
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16)
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
     emb, name = input_embedding(model)
@@ -197,13 +217,18 @@ def test_hugging_face_model():
     batch = padded_batch(0, [10, 4])
     params = {k: v.detach() for k, v in model.named_parameters()}
     with train_mode(model, True):
-        out = neftune_forward(model, make_forward(model, dict(model.named_buffers())), 5.0,
-                              torch.Generator().manual_seed(1))(params, {k: batch[k] for k in ("input_ids", "attention_mask")})
+        out = neftune_forward(
+            model, make_forward(model, dict(model.named_buffers())), 5.0, torch.Generator().manual_seed(1)
+        )(params, {k: batch[k] for k in ("input_ids", "attention_mask")})
         clean = emb(batch["input_ids"])
         noise = neftune_noise(clean, batch["attention_mask"], 5.0, torch.Generator().manual_seed(1))
         expected = model(inputs_embeds=clean + noise, attention_mask=batch["attention_mask"]).logits
     torch.testing.assert_close(out.logits, expected)
-    state = fit(make_step(model, optimizer=sgd(0.1), objective=neftune_objective(model, 5.0)), init_state(model, sgd(0.1)), batches(1))
+    state = fit(
+        make_step(model, optimizer=sgd(0.1), objective=neftune_objective(model, 5.0)),
+        init_state(model, sgd(0.1)),
+        batches(1),
+    )
     assert int(state.step) == 1 and hook_snapshot(model) == before
 
 
@@ -221,4 +246,6 @@ def test_errors():
         neftune_noise(torch.zeros(4, 2), None, 1.0, torch.Generator())
     model = lm()
     with train_mode(model, True), pytest.raises(KeyError, match="'input_ids' or 'inputs_embeds'"):
-        neftune_forward(model, make_forward(model, {}), 1.0, torch.Generator())({}, {"attention_mask": torch.ones(1, 2)})
+        neftune_forward(model, make_forward(model, {}), 1.0, torch.Generator())(
+            {}, {"attention_mask": torch.ones(1, 2)}
+        )

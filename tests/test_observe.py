@@ -1,8 +1,7 @@
-"""Observers: logging windows (also across a resume), early stopping, progress, plain observers."""
+"""Observers: logging windows (also across a resume), early stopping, plain observers."""
 
 from __future__ import annotations
 
-import io
 import math
 
 import attrs
@@ -32,7 +31,6 @@ from trainfold.observe import (
     notify,
     observing,
     patience_exhausted,
-    progress,
     record_evaluation,
     should_log,
     tap,
@@ -143,8 +141,14 @@ def test_logged_windows_survive_a_resume_taken_mid_window():
 
 
 def test_epoch_is_fractional_from_the_cursor():
-    state = TrainState(params={}, buffers={}, opt_state=None, step=scalar(13), cursor=Cursor(scalar(2), scalar(3)),
-                       loss_total=scalar(1.0, torch.float64))
+    state = TrainState(
+        params={},
+        buffers={},
+        opt_state=None,
+        step=scalar(13),
+        cursor=Cursor(scalar(2), scalar(3)),
+        loss_total=scalar(1.0, torch.float64),
+    )
     assert log_entry(state, steps_per_epoch=5)["epoch"] == 2.6
     assert log_entry(state)["epoch"] == 2.0
 
@@ -158,8 +162,14 @@ def test_mark_logged_returns_a_new_state_with_its_own_tensors():
 
 
 def test_eval_entry_and_train_summary():
-    state = TrainState(params={}, buffers={}, opt_state=None, step=scalar(10), loss_total=scalar(12.0, torch.float64),
-                       cursor=Cursor(scalar(1), scalar(0)))
+    state = TrainState(
+        params={},
+        buffers={},
+        opt_state=None,
+        step=scalar(10),
+        loss_total=scalar(12.0, torch.float64),
+        cursor=Cursor(scalar(1), scalar(0)),
+    )
     entry = eval_entry({"loss": torch.tensor(0.5), "eval_accuracy": 0.75}, state, steps_per_epoch=10)
     assert entry == {"eval_loss": 0.5, "eval_accuracy": 0.75, "epoch": 1.0, "step": 10}
     start = attrs.evolve(state, step=scalar(4), loss_total=scalar(3.0, torch.float64))
@@ -201,7 +211,9 @@ def test_should_log_by_steps(every, total, first, last):
         if should_log(plan, s, mark, last=last and s == total):
             logged.append(s)
             mark = s
-    expected = {s for s in range(1, total + 1) if s % every == 0} | ({1} if first else set()) | ({total} if last else set())
+    expected = (
+        {s for s in range(1, total + 1) if s % every == 0} | ({1} if first else set()) | ({total} if last else set())
+    )
     assert logged == sorted(expected)
 
 
@@ -363,43 +375,3 @@ def test_early_stopping_errors():
     state = TrainState(params={}, buffers={}, opt_state=None)
     with pytest.raises(KeyError, match=r"watches 'bleu'.*\['eval_loss'\]"):
         record_evaluation(config, state, {"eval_loss": 1.0})
-
-
-# -- progress ------------------------------------------------------------------------------------
-
-
-def progress_state(step: int, loss: float) -> TrainState:
-    metrics = {"loss": torch.tensor(loss), "learning_rate": torch.tensor(1e-3), "grad_norm": torch.tensor(0.0)}
-    return TrainState(params={}, buffers={}, opt_state=None, step=scalar(step), metrics=metrics)
-
-
-def test_plain_progress_line_shows_step_loss_and_rate():
-    out, now = io.StringIO(), iter([0.0, 1.0, 2.0, 3.0])
-    with progress(10, enabled=True, stream=out, use_tqdm=False, clock=lambda: next(now), min_interval=0) as bar:
-        bar.update(progress_state(1, 2.5))
-        bar.update(progress_state(4, 1.25))
-    text = out.getvalue()
-    assert "step 1/10  loss 2.5  lr 0.001  1 step/s" in text
-    assert "step 4/10  loss 1.25  lr 0.001  2 step/s" in text
-    assert text.endswith("\n") and not bar.enabled
-
-
-def test_progress_is_off_without_a_terminal_or_when_asked():
-    out = io.StringIO()
-    quiet = progress(10, stream=out)
-    quiet.update(progress_state(1, 1.0))
-    quiet.close()
-    off = progress(10, enabled=False, stream=out, use_tqdm=False)
-    off.update(progress_state(1, 1.0))
-    assert out.getvalue() == ""
-
-
-def test_tqdm_progress():
-    pytest.importorskip("tqdm")
-    out = io.StringIO()
-    bar = progress(5, enabled=True, stream=out, use_tqdm=True)
-    for k in range(1, 6):
-        bar.update(progress_state(k, 1.0 / k))
-    bar.close()
-    bar.close()
-    assert "5/5" in out.getvalue() and "loss=0.2" in out.getvalue()

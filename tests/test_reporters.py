@@ -1,7 +1,8 @@
-"""Reporters: jsonl, tensorboard, trackio and wandb (offline) write records that read back."""
+"""Reporters: jsonl, tensorboard, trackio and wandb (offline) write records that read back; progress."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
@@ -11,15 +12,19 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trainfold.reporters as reporters_module
-from trainfold.reporters import JsonlReporter, Reporters, installed_reporters, make_reporters, tracker_key
+from trainfold.reporters import JsonlReporter, Reporters, installed_reporters, make_reporters, progress, tracker_key
+from trainfold.state import TrainState, scalar
 
-ENTRIES = [({"loss": 2.5, "grad_norm": 1.25, "learning_rate": 0.001, "epoch": 0.5, "step": 2}, 2),
-           ({"loss": 2.0, "grad_norm": 0.75, "learning_rate": 0.0005, "epoch": 1.0, "step": 4}, 4),
-           ({"eval_loss": 1.75, "eval_accuracy": 0.5, "epoch": 1.0, "step": 4}, 4)]
+ENTRIES = [
+    ({"loss": 2.5, "grad_norm": 1.25, "learning_rate": 0.001, "epoch": 0.5, "step": 2}, 2),
+    ({"loss": 2.0, "grad_norm": 0.75, "learning_rate": 0.0005, "epoch": 1.0, "step": 4}, 4),
+    ({"eval_loss": 1.75, "eval_accuracy": 0.5, "epoch": 1.0, "step": 4}, 4),
+]
 
 
 def log_all(reporters) -> None:
@@ -40,8 +45,12 @@ def test_jsonl_parses_line_by_line_and_appends_on_resume(tmp_path):
 
 
 @settings(max_examples=30, deadline=None)
-@given(entry=st.dictionaries(st.text(min_size=1, max_size=8), st.floats(allow_nan=False, allow_infinity=False), max_size=5),
-       step=st.integers(0, 10**6))
+@given(
+    entry=st.dictionaries(
+        st.text(min_size=1, max_size=8), st.floats(allow_nan=False, allow_infinity=False), max_size=5
+    ),
+    step=st.integers(0, 10**6),
+)
 def test_jsonl_round_trips_any_entry(tmp_path_factory, entry, step):
     path = tmp_path_factory.mktemp("j") / "log.jsonl"
     reporter = JsonlReporter(path)
@@ -128,16 +137,24 @@ def read_wandb_records(path: Path) -> list[bytes]:
 
 
 def test_wandb_offline_writes_its_run_records(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     from wandb.proto import wandb_internal_pb2 as pb
 
-    for name, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_PROJECT": "proj",
-                        "WANDB_CONFIG_DIR": str(tmp_path / "cfg"), "WANDB_CACHE_DIR": str(tmp_path / "cache"),
-                        "WANDB_DATA_DIR": str(tmp_path / "data")}.items():
+    for name, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_PROJECT": "proj",
+        "WANDB_CONFIG_DIR": str(tmp_path / "cfg"),
+        "WANDB_CACHE_DIR": str(tmp_path / "cache"),
+        "WANDB_DATA_DIR": str(tmp_path / "data"),
+    }.items():
         monkeypatch.setenv(name, value)
     with make_reporters(["wandb"], tmp_path, run_name="r1", config={"lr": 0.001}) as reporters:
         run_dir = reporters.members[0].run_dir
         log_all(reporters)
+    # run.finish() can return before wandb's service process has written the transaction log to
+    # disk (measured: 1 run in 3 still had only the 7-byte header); teardown waits for it.
+    wandb.teardown()
     assert run_dir is not None and run_dir.is_relative_to(tmp_path / "wandb")
     (log_file,) = run_dir.glob("run-*.wandb")
     history = []
@@ -145,7 +162,9 @@ def test_wandb_offline_writes_its_run_records(tmp_path, monkeypatch):
         record = pb.Record()
         record.ParseFromString(raw)
         if record.WhichOneof("record_type") == "history":
-            history.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+            history.append(
+                {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            )
     train = [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h]
     assert train == [(2, 2.5), (4, 2.0)]
     assert any(h.get("eval/accuracy") == 0.5 for h in history)
@@ -213,3 +232,43 @@ def test_a_reporter_failing_to_start_closes_those_started(tmp_path, monkeypatch)
     with pytest.raises(ImportError, match="boom"):
         make_reporters(["jsonl", "tensorboard"], tmp_path)
     assert [c.closed for c in started] == [True]
+
+
+# -- progress ------------------------------------------------------------------------------------
+
+
+def progress_state(step: int, loss: float) -> TrainState:
+    metrics = {"loss": torch.tensor(loss), "learning_rate": torch.tensor(1e-3), "grad_norm": torch.tensor(0.0)}
+    return TrainState(params={}, buffers={}, opt_state=None, step=scalar(step), metrics=metrics)
+
+
+def test_plain_progress_line_shows_step_loss_and_rate():
+    out, now = io.StringIO(), iter([0.0, 1.0, 2.0, 3.0])
+    with progress(10, enabled=True, stream=out, use_tqdm=False, clock=lambda: next(now), min_interval=0) as bar:
+        bar.update(progress_state(1, 2.5))
+        bar.update(progress_state(4, 1.25))
+    text = out.getvalue()
+    assert "step 1/10  loss 2.5  lr 0.001  1 step/s" in text
+    assert "step 4/10  loss 1.25  lr 0.001  2 step/s" in text
+    assert text.endswith("\n") and not bar.enabled
+
+
+def test_progress_is_off_without_a_terminal_or_when_asked():
+    out = io.StringIO()
+    quiet = progress(10, stream=out)
+    quiet.update(progress_state(1, 1.0))
+    quiet.close()
+    off = progress(10, enabled=False, stream=out, use_tqdm=False)
+    off.update(progress_state(1, 1.0))
+    assert out.getvalue() == ""
+
+
+def test_tqdm_progress():
+    pytest.importorskip("tqdm")
+    out = io.StringIO()
+    bar = progress(5, enabled=True, stream=out, use_tqdm=True)
+    for k in range(1, 6):
+        bar.update(progress_state(k, 1.0 / k))
+    bar.close()
+    bar.close()
+    assert "5/5" in out.getvalue() and "loss=0.2" in out.getvalue()

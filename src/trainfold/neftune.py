@@ -134,13 +134,20 @@ def neftune_objective(
     input_embedding(model)  # fail now, not at the first step
     count_labels = counter_for(loss)
 
-    def neftune(forward: Forward, params: Mapping[str, Tensor], micro: Mapping[str, Tensor], num_items: Tensor,
-                key: torch.Generator) -> tuple[Tensor, Mapping[str, Tensor]]:
+    def neftune(
+        forward: Forward,
+        params: Mapping[str, Tensor],
+        micro: Mapping[str, Tensor],
+        num_items: Tensor,
+        key: torch.Generator,
+    ) -> tuple[Tensor, Mapping[str, Tensor]]:
         noisy = neftune_forward(model, forward, alpha, key)
         if objective is not None:
             return objective(noisy, params, micro, num_items, key)
         if label_key not in micro:
-            raise KeyError(f"micro-batch has no {label_key!r} key (keys: {sorted(micro)}); pass label_key= to neftune_objective")
+            raise KeyError(
+                f"micro-batch has no {label_key!r} key (keys: {sorted(micro)}); pass label_key= to neftune_objective"
+            )
         inputs = {k: v for k, v in micro.items() if k != label_key}
         return loss(noisy(params, inputs), micro[label_key], num_items), {}
 

@@ -1,4 +1,4 @@
-"""Observers of the training trajectory: logging windows, early stopping, progress.
+"""Observers of the training trajectory: logging windows and early stopping.
 
 Side effects watch the states a fold produces; they never change what a step computes. What
 they must remember across a resume (the last logging mark, the early-stopping counter) lives
@@ -22,10 +22,8 @@ losses since the last log, computed from the state's running ``loss_total``:
 from __future__ import annotations
 
 import math
-import sys
-import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import IO, Any
+from typing import Any
 
 import attrs
 import torch
@@ -57,8 +55,6 @@ __all__ = [
     "update_early_stopping",
     "record_evaluation",
     "patience_exhausted",
-    "Progress",
-    "progress",
 ]
 
 LOG_MARK = "log_mark"
@@ -111,7 +107,9 @@ def logging_plan(
         else:
             steps = math.ceil(total_steps * logging_steps)
     elif logging_steps != int(logging_steps):
-        errors.append(f"logging_steps={logging_steps!r} above 1 must be a whole number of steps, e.g. {round(logging_steps)}")
+        errors.append(
+            f"logging_steps={logging_steps!r} above 1 must be a whole number of steps, e.g. {round(logging_steps)}"
+        )
     else:
         steps = int(logging_steps)
     if errors:
@@ -182,7 +180,9 @@ def _epoch(state: TrainState, steps_per_epoch: int | None) -> float:
     return epoch + position / steps_per_epoch
 
 
-def log_entry(state: TrainState, mark: LogMark | None = None, *, steps_per_epoch: int | None = None) -> dict[str, float]:
+def log_entry(
+    state: TrainState, mark: LogMark | None = None, *, steps_per_epoch: int | None = None
+) -> dict[str, float]:
     """Return the log entry for the window since ``mark`` (default: the state's own mark).
 
     ``loss`` is the mean of the per-step losses in the window (exact: a difference of running
@@ -213,7 +213,11 @@ def _value(v: Any) -> Any:
 
 
 def eval_entry(
-    metrics: Mapping[str, Any], state: TrainState | None = None, *, prefix: str = "eval", steps_per_epoch: int | None = None
+    metrics: Mapping[str, Any],
+    state: TrainState | None = None,
+    *,
+    prefix: str = "eval",
+    steps_per_epoch: int | None = None,
 ) -> dict[str, Any]:
     """Return an evaluation's log entry: every metric under ``{prefix}_``, then ``epoch`` and ``step``.
 
@@ -229,7 +233,12 @@ def eval_entry(
 
 
 def train_summary(
-    state: TrainState, start: TrainState, runtime: float, num_samples: int | None = None, *, steps_per_epoch: int | None = None
+    state: TrainState,
+    start: TrainState,
+    runtime: float,
+    num_samples: int | None = None,
+    *,
+    steps_per_epoch: int | None = None,
 ) -> dict[str, float]:
     """Return the end-of-training entry for the steps from ``start`` to ``state`` (this run only).
 
@@ -295,7 +304,9 @@ def log_if_due(
     return mark_logged(state)
 
 
-def observing(step: Callable[[TrainState, Any], TrainState], *afters: Callable[[TrainState], TrainState]) -> Callable[[TrainState, Any], TrainState]:
+def observing(
+    step: Callable[[TrainState, Any], TrainState], *afters: Callable[[TrainState], TrainState]
+) -> Callable[[TrainState, Any], TrainState]:
     """Return a step that runs ``step`` and then passes the new state through each of ``afters``.
 
     This is how observers that update ``state.extras`` (logging marks, early stopping) join a fold.
@@ -352,7 +363,12 @@ class EarlyStoppingRecord:
 
 
 def early_stopping(
-    metric: str, patience: int = 1, threshold: float = 0.0, greater_is_better: bool | None = None, *, key: str = EARLY_STOPPING
+    metric: str,
+    patience: int = 1,
+    threshold: float = 0.0,
+    greater_is_better: bool | None = None,
+    *,
+    key: str = EARLY_STOPPING,
 ) -> EarlyStopping:
     """Return early-stopping settings: stop after ``patience`` evaluations without a counted improvement.
 
@@ -385,7 +401,9 @@ def early_stopping(
         errors.append(f"threshold={threshold!r} must be a finite number >= 0")
     if errors:
         raise ValueError("invalid early stopping settings:\n  " + "\n  ".join(errors))
-    return EarlyStopping(metric=metric, patience=patience, threshold=float(threshold), greater_is_better=bool(greater_is_better), key=key)
+    return EarlyStopping(
+        metric=metric, patience=patience, threshold=float(threshold), greater_is_better=bool(greater_is_better), key=key
+    )
 
 
 def improves(config: EarlyStopping, best: float, value: float) -> bool:
@@ -458,99 +476,3 @@ def patience_exhausted(config: EarlyStopping) -> Callable[[TrainState], bool]:
         return record is not None and int(record.bad_evals) >= config.patience
 
     return stop
-
-
-# -- progress --------------------------------------------------------------------------------------
-
-
-class Progress:
-    """A progress display of step, loss and rate: tqdm when available, else one rewritten line.
-
-    Made by ``progress(...)``; ``update(state)`` after each step, ``close()`` at the end (or use
-    it as a context manager). A disabled one does nothing.
-    """
-
-    def __init__(self, total: int | None, initial: int, stream: IO[str] | None, bar: Any, clock: Callable[[], float], min_interval: float) -> None:
-        self._total, self._initial, self._stream, self._bar = total, initial, stream, bar
-        self._clock, self._min_interval = clock, min_interval
-        self._start = clock()
-        self._last_print = -math.inf
-        self._line = ""
-
-    @property
-    def enabled(self) -> bool:
-        """Whether anything is shown."""
-        return self._stream is not None
-
-    def update(self, state: TrainState) -> None:
-        """Show the state's step, its last step loss and learning rate, and the step rate."""
-        if self._stream is None:
-            return
-        step = int(state.step)
-        loss, lr = float(state.metrics["loss"]), float(state.metrics["learning_rate"])
-        if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4g}", lr=f"{lr:.3g}", refresh=False)
-            self._bar.update(step - self._bar.n)
-            return
-        now = self._clock()
-        elapsed = now - self._start
-        rate = (step - self._initial) / elapsed if elapsed > 0 else math.nan
-        of = f"/{self._total}" if self._total is not None else ""
-        self._line = f"step {step}{of}  loss {loss:.4g}  lr {lr:.3g}  {rate:.3g} step/s"
-        if now - self._last_print >= self._min_interval or (self._total is not None and step >= self._total):
-            self._stream.write("\r" + self._line)
-            self._stream.flush()
-            self._last_print = now
-
-    def close(self) -> None:
-        """Finish the display (end the line); safe to call twice."""
-        if self._stream is None:
-            return
-        if self._bar is not None:
-            self._bar.close()
-        else:
-            self._stream.write(("\r" + self._line if self._line else "") + "\n")
-            self._stream.flush()
-        self._stream = None
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-def progress(
-    total: int | None = None,
-    *,
-    initial: int = 0,
-    enabled: bool | None = None,
-    stream: IO[str] | None = None,
-    use_tqdm: bool | None = None,
-    clock: Callable[[], float] = time.monotonic,
-    min_interval: float = 0.1,
-) -> Progress:
-    """Return a progress display for a run of ``total`` steps starting at step ``initial``.
-
-    ``enabled=None`` shows it only when ``stream`` (default stderr) is a terminal; ``False``
-    turns it off. ``use_tqdm=None`` uses tqdm when installed; ``False`` prints a plain line.
-
-    >>> import io
-    >>> progress(10, stream=io.StringIO()).enabled        # not a terminal
-    False
-    """
-    stream = sys.stderr if stream is None else stream
-    if enabled is None:
-        enabled = bool(getattr(stream, "isatty", lambda: False)())
-    if not enabled:
-        return Progress(total, initial, None, None, clock, min_interval)
-    bar = None
-    if use_tqdm is not False:
-        try:
-            from tqdm.auto import tqdm  # noqa: PLC0415 - optional
-        except ImportError:
-            if use_tqdm:
-                raise ImportError("use_tqdm=True needs tqdm: pip install 'trainfold[progress]'") from None
-        else:
-            bar = tqdm(total=total, initial=initial, file=stream, unit="step", dynamic_ncols=True)
-    return Progress(total, initial, stream, bar, clock, min_interval)

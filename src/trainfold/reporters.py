@@ -1,5 +1,7 @@
 """Reporters send log entries somewhere: a JSON-lines file, TensorBoard, Trackio, Weights & Biases.
 
+A ``Progress`` display (tqdm or a plain line) shows the run as it goes.
+
 A reporter has ``log(entry, step)`` and ``close()``. ``make_reporters(report_to, ...)`` builds
 them from the Hugging Face ``report_to`` setting and returns a ``Reporters`` group, which is
 itself a reporter and a context manager that closes every member even when training raises:
@@ -18,11 +20,15 @@ import importlib.util
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 import attrs
+
+from trainfold.state import TrainState
 
 __all__ = [
     "Reporter",
@@ -35,6 +41,8 @@ __all__ = [
     "installed_reporters",
     "make_reporters",
     "tracker_key",
+    "Progress",
+    "progress",
 ]
 
 _EXTRA = "pip install 'trainfold[tracking]'"
@@ -58,7 +66,7 @@ def tracker_key(name: str) -> str:
     """
     for prefix in ("eval_", "test_"):
         if name.startswith(prefix):
-            return f"{prefix[:-1]}/{name[len(prefix):]}"
+            return f"{prefix[:-1]}/{name[len(prefix) :]}"
     return f"train/{name}"
 
 
@@ -157,13 +165,21 @@ class TrackioReporter:
 class WandbReporter:
     """Log to Weights & Biases; with ``WANDB_MODE=offline`` the run is written under ``output_dir/wandb``."""
 
-    def __init__(self, output_dir: str | os.PathLike[str], project: str, run_name: str | None, config: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        output_dir: str | os.PathLike[str],
+        project: str,
+        run_name: str | None,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
         try:
             import wandb  # noqa: PLC0415 - optional
         except ImportError:
             raise ImportError(f"report_to 'wandb' needs the wandb package: {_EXTRA}") from None
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        self._run: Any = wandb.init(project=project, name=run_name, config=_json_ready(dict(config or {})), dir=str(output_dir))
+        self._run: Any = wandb.init(
+            project=project, name=run_name, config=_json_ready(dict(config or {})), dir=str(output_dir)
+        )
 
     @property
     def run_dir(self) -> Path | None:
@@ -298,3 +314,107 @@ def make_reporters(
         Reporters(tuple(made)).close()
         raise
     return Reporters(tuple(made))
+
+
+# -- progress --------------------------------------------------------------------------------------
+
+
+class Progress:
+    """A progress display of step, loss and rate: tqdm when available, else one rewritten line.
+
+    Made by ``progress(...)``; ``update(state)`` after each step, ``close()`` at the end (or use
+    it as a context manager). A disabled one does nothing.
+    """
+
+    def __init__(
+        self,
+        total: int | None,
+        initial: int,
+        stream: IO[str] | None,
+        bar: Any,
+        clock: Callable[[], float],
+        min_interval: float,
+    ) -> None:
+        self._total, self._initial, self._stream, self._bar = total, initial, stream, bar
+        self._clock, self._min_interval = clock, min_interval
+        self._start = clock()
+        self._last_print = -math.inf
+        self._line = ""
+
+    @property
+    def enabled(self) -> bool:
+        """Whether anything is shown."""
+        return self._stream is not None
+
+    def update(self, state: TrainState) -> None:
+        """Show the state's step, its last step loss and learning rate, and the step rate."""
+        if self._stream is None:
+            return
+        step = int(state.step)
+        loss, lr = float(state.metrics["loss"]), float(state.metrics["learning_rate"])
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4g}", lr=f"{lr:.3g}", refresh=False)
+            self._bar.update(step - self._bar.n)
+            return
+        now = self._clock()
+        elapsed = now - self._start
+        rate = (step - self._initial) / elapsed if elapsed > 0 else math.nan
+        of = f"/{self._total}" if self._total is not None else ""
+        self._line = f"step {step}{of}  loss {loss:.4g}  lr {lr:.3g}  {rate:.3g} step/s"
+        if now - self._last_print >= self._min_interval or (self._total is not None and step >= self._total):
+            self._stream.write("\r" + self._line)
+            self._stream.flush()
+            self._last_print = now
+
+    def close(self) -> None:
+        """Finish the display (end the line); safe to call twice."""
+        if self._stream is None:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            self._stream.write(("\r" + self._line if self._line else "") + "\n")
+            self._stream.flush()
+        self._stream = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def progress(
+    total: int | None = None,
+    *,
+    initial: int = 0,
+    enabled: bool | None = None,
+    stream: IO[str] | None = None,
+    use_tqdm: bool | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    min_interval: float = 0.1,
+) -> Progress:
+    """Return a progress display for a run of ``total`` steps starting at step ``initial``.
+
+    ``enabled=None`` shows it only when ``stream`` (default stderr) is a terminal; ``False``
+    turns it off. ``use_tqdm=None`` uses tqdm when installed; ``False`` prints a plain line.
+
+    >>> import io
+    >>> progress(10, stream=io.StringIO()).enabled        # not a terminal
+    False
+    """
+    stream = sys.stderr if stream is None else stream
+    if enabled is None:
+        enabled = bool(getattr(stream, "isatty", lambda: False)())
+    if not enabled:
+        return Progress(total, initial, None, None, clock, min_interval)
+    bar = None
+    if use_tqdm is not False:
+        try:
+            from tqdm.auto import tqdm  # noqa: PLC0415 - optional
+        except ImportError:
+            if use_tqdm:
+                raise ImportError("use_tqdm=True needs tqdm: pip install 'trainfold[progress]'") from None
+        else:
+            bar = tqdm(total=total, initial=initial, file=stream, unit="step", dynamic_ncols=True)
+    return Progress(total, initial, stream, bar, clock, min_interval)
