@@ -205,6 +205,20 @@ def test_a_forward_function_a_classification_loss_and_inputs_for_metrics():
     assert seen[0].inputs.tolist() == [[1, 0, 0], [0, 1, 0], [0, 0, 1]] and len(seen[0]) == 3
 
 
+def test_per_sample_losses_for_metrics_are_each_sample_own_token_mean():
+    model = _model()
+    rows = _rows([4, 7, 1, 5])
+    seen = []
+    m = evaluate(model, None, _batches(rows, 3), include_for_metrics=["loss"], speed_metrics=False,
+                 compute_metrics=lambda p: seen.append(p) or {"mean_sample_loss": np.nanmean(p.losses)})
+    losses = seen[0].losses
+    assert losses.shape == (4,) and np.isnan(losses[2])  # one token: nothing to predict
+    for i in (0, 1, 3):
+        assert losses[i] == pytest.approx(_one_shot_loss(model, [rows[i]]), rel=1e-5)
+    assert m["eval_mean_sample_loss"] == pytest.approx(np.nanmean(losses))
+    assert len(seen[0]) == 3  # predictions, label_ids, losses
+
+
 def test_eval_prediction_is_hf_compatible():
     p = EvalPrediction(np.zeros(2), np.ones(2))
     preds, labels = p
@@ -312,5 +326,7 @@ def test_bad_evaluate_arguments():
         evaluate(model, None, batches, eval_accumulation_steps=0, prediction_loss_only=True, compute_metrics=lambda p: {})
     with pytest.raises(TypeError, match="dicts of tensors"):
         evaluate(model, None, [torch.zeros(1, 3)])
+    with pytest.raises(ValueError, match=r"include_for_metrics takes 'inputs' and 'loss', got \['logits'\]"):
+        evaluate(model, None, batches, include_for_metrics=["logits"])
     with pytest.raises(TypeError, match="needs params"):
         evaluate(lambda p, x: x, None, batches)

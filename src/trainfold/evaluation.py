@@ -194,6 +194,7 @@ class _Plan:
     device: torch.device | None
     gather: bool
     include_inputs: bool
+    include_losses: bool
     main_input_name: str
     predictions_of: Callable[[Any], Any]
 
@@ -242,7 +243,21 @@ def _run_batch(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
                 raise KeyError(f"include_for_metrics has 'inputs' but batches have no {plan.main_input_name!r} key "
                                f"(keys: {sorted(inputs)}); pass main_input_name=")
             tensors["inputs"] = inputs[plan.main_input_name]
+        if plan.include_losses and labels is not None:
+            tensors["losses"] = _sample_losses(plan, outputs, labels)
     return _BatchOut(loss_sum=loss_sum, count=count, num_samples=_num_samples(batch), tensors=tensors)
+
+
+def _sample_losses(plan: _Plan, outputs: Any, labels: Tensor) -> Tensor:
+    # Each sample's own token-mean loss (NaN for a sample without items), one loss call per row.
+    logits = logits_of(outputs)
+    losses = []
+    for i in range(labels.shape[0]):
+        row = labels[i : i + 1]
+        n = torch.as_tensor(plan.count_items(row)).reshape(()).to(torch.int64)
+        value = plan.loss(logits[i : i + 1], row, n).detach().float().reshape(())
+        losses.append(torch.where(n > 0, value, torch.full_like(value, float("nan"))))
+    return torch.stack(losses) if losses else logits.new_zeros(0)
 
 
 def _preprocessing(preprocess: Callable[[Any, Any], Any]) -> Callable[[_BatchOut], _BatchOut]:
@@ -314,21 +329,22 @@ def _validate(eval_accumulation_steps: Any, prediction_loss_only: bool, compute_
     for name, f in (("compute_metrics", compute_metrics), ("preprocess_logits_for_metrics", preprocess)):
         if f is not None and not callable(f):
             errors.append(f"{name} must be a function, got {type(f).__name__}")
-    unknown = sorted(set(include_for_metrics) - {"inputs"})
+    unknown = sorted(set(include_for_metrics) - {"inputs", "loss"})
     if unknown:
-        errors.append(f"include_for_metrics supports only 'inputs', got {unknown}")
+        errors.append(f"include_for_metrics takes 'inputs' and 'loss', got {unknown}")
     return errors
 
 
 def _run(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, Any]], *, loss: Callable[..., Tensor],
-         gather: bool, preprocess: Any, eval_accumulation_steps: int | None, include_inputs: bool,
+         gather: bool, preprocess: Any, eval_accumulation_steps: int | None, include: tuple[str, ...],
          label_key: str, main_input_name: str, buffers: Any, predictions_of: Callable[[Any], Any],
          move: Callable[[Tensor], Tensor] | None) -> dict[str, Any]:
     forward, params = _split_params(model_or_forward, params, buffers)
     first = next(iter(params.values()), None)
     plan = _Plan(forward=forward, params=params, loss=loss, count_items=counter_for(loss), label_key=label_key,
                  device=first.device if isinstance(first, Tensor) else None, gather=gather,
-                 include_inputs=include_inputs, main_input_name=main_input_name, predictions_of=predictions_of)
+                 include_inputs="inputs" in include, include_losses="loss" in include,
+                 main_input_name=main_input_name, predictions_of=predictions_of)
     steps = [mapping(lambda b: _run_batch(plan, b))]
     if gather and preprocess is not None:
         steps.append(mapping(_preprocessing(preprocess)))
@@ -368,7 +384,9 @@ def evaluate(
     device by ``preprocess_logits_for_metrics(logits, labels)``, padded with -100 and moved to
     the CPU every ``eval_accumulation_steps`` batches (or once at the end). ``compute_metrics``
     gets an ``EvalPrediction`` of numpy arrays (torch tensors with ``as_numpy=False``) and must
-    return a dict of scalars. Adds ``_runtime``, ``_samples_per_second`` and
+    return a dict of scalars; ``include_for_metrics`` may add ``"inputs"`` (the batches'
+    ``main_input_name``) and ``"loss"`` (each sample's own token-mean loss, not HF's batch mean
+    repeated). Adds ``_runtime``, ``_samples_per_second`` and
     ``_steps_per_second`` unless ``speed_metrics=False``.
     """
     include = tuple(include_for_metrics)
@@ -378,7 +396,7 @@ def evaluate(
     start = time.perf_counter()
     out = _run(model_or_forward, params, batches, loss=loss, gather=compute_metrics is not None,
                preprocess=preprocess_logits_for_metrics, eval_accumulation_steps=eval_accumulation_steps,
-               include_inputs="inputs" in include, label_key=label_key, main_input_name=main_input_name,
+               include=include, label_key=label_key, main_input_name=main_input_name,
                buffers=buffers, predictions_of=predictions_of, move=move)
     return _metrics(out, compute_metrics, metric_key_prefix, as_numpy, speed_metrics, time.perf_counter() - start)
 
@@ -390,7 +408,7 @@ def _metrics(out: dict[str, Any], compute_metrics: Any, prefix: str, as_numpy: b
     if compute_metrics is not None and tensors.get("predictions") is not None and tensors.get("label_ids") is not None:
         conv = to_numpy if as_numpy else (lambda x: x)
         pred = EvalPrediction(predictions=conv(tensors["predictions"]), label_ids=conv(tensors["label_ids"]),
-                              inputs=conv(tensors.get("inputs")))
+                              inputs=conv(tensors.get("inputs")), losses=conv(tensors.get("losses")))
         metrics = check_metrics(compute_metrics(pred))
     if out["labelled"]:
         if "loss" in metrics or f"{prefix}_loss" in metrics:
@@ -417,7 +435,9 @@ def predict(
     preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
     eval_accumulation_steps: int | None = None,
     metric_key_prefix: str = "test",
+    include_for_metrics: Iterable[str] = (),
     label_key: str = "labels",
+    main_input_name: str = "input_ids",
     buffers: Mapping[str, Tensor] | None = None,
     predictions_of: Callable[[Any], Any] = logits_of,
     as_numpy: bool = True,
@@ -430,13 +450,14 @@ def predict(
     with -100 along dim 1; ``label_ids`` is ``None`` when batches have no labels. Metric names
     are prefixed with ``test`` by default, as in HF.
     """
-    errors = _validate(eval_accumulation_steps, False, compute_metrics, preprocess_logits_for_metrics, ())
+    include = tuple(include_for_metrics)
+    errors = _validate(eval_accumulation_steps, False, compute_metrics, preprocess_logits_for_metrics, include)
     if errors:
         raise ValueError("; ".join(errors))
     start = time.perf_counter()
     out = _run(model_or_forward, params, batches, loss=loss, gather=True, preprocess=preprocess_logits_for_metrics,
-               eval_accumulation_steps=eval_accumulation_steps, include_inputs=False, label_key=label_key,
-               main_input_name="input_ids", buffers=buffers, predictions_of=predictions_of, move=move)
+               eval_accumulation_steps=eval_accumulation_steps, include=include, label_key=label_key,
+               main_input_name=main_input_name, buffers=buffers, predictions_of=predictions_of, move=move)
     metrics = _metrics(out, compute_metrics, metric_key_prefix, as_numpy, speed_metrics, time.perf_counter() - start)
     tensors = out.get("tensors") or {}
     conv = to_numpy if as_numpy else (lambda x: x)
