@@ -334,20 +334,20 @@ def _read_tensors(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
             f"{path} is missing; the checkpoint is incomplete or was altered; "
             "resume from latest_checkpoint(output_dir) instead"
         )
-    data = path.read_bytes()
+    size = path.stat().st_size
     expected = meta.get("files", {}).get(name)
-    if expected is not None and len(data) != expected["bytes"]:
+    if expected is not None and size != expected["bytes"]:
         raise ValueError(
-            f"{path} is truncated or altered: it has {len(data)} bytes, {SIDECAR_FILE} records "
+            f"{path} is truncated or altered: it has {size} bytes, {SIDECAR_FILE} records "
             f"{expected['bytes']}; resume from an earlier checkpoint"
         )
-    if expected is not None and zlib.crc32(data) != expected["crc32"]:
+    if expected is not None and _crc32(path) != expected["crc32"]:
         raise ValueError(
             f"{path} is corrupted: its CRC-32 differs from the one {SIDECAR_FILE} records; "
             "resume from an earlier checkpoint"
         )
     try:
-        return safetensors.torch.load(data)
+        return safetensors.torch.load_file(path)
     except Exception as e:  # safetensors raises its own error types
         raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
 
