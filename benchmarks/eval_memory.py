@@ -52,7 +52,7 @@ def _peak_rss_mb() -> float:
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
-    import resource  # noqa: PLC0415 - fallback off Linux; a process-lifetime peak
+    import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -102,7 +102,7 @@ CASES = {
 def run(scales: list[int], device: torch.device) -> list[dict[str, object]]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(VOCAB, D_MODEL), nn.Linear(D_MODEL, VOCAB)).to(device)
-    forward = lambda params, inputs: torch.func.functional_call(model, params, (inputs["input_ids"],))  # noqa: E731
+    forward = lambda params, inputs: torch.func.functional_call(model, params, (inputs["input_ids"],))
     params = {k: v.detach() for k, v in model.named_parameters()}
     rows = []
     for scale in scales:

@@ -173,6 +173,8 @@ def test_predict_returns_rows_in_dataset_order():
         assert (out.predictions[i, len(r) :] == -100).all()
         assert out.label_ids[i, : len(r)].tolist() == r.tolist()
     assert set(out.metrics) == {"test_loss"}
+    raw = predict(model, None, _batches(rows, 1), speed_metrics=False, as_numpy=False)
+    assert isinstance(raw.predictions, torch.Tensor) and np.array_equal(raw.predictions.numpy(), out.predictions)
 
 
 def test_without_labels_there_is_no_loss_and_label_ids_is_none():
@@ -192,7 +194,7 @@ def test_without_compute_metrics_no_predictions_are_gathered():
 
 def test_a_forward_function_a_classification_loss_and_inputs_for_metrics():
     weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
-    forward = lambda params, inputs: inputs["input_ids"].float() @ params["w"]  # noqa: E731
+    forward = lambda params, inputs: inputs["input_ids"].float() @ params["w"]
     batches = [{"input_ids": torch.tensor([[1, 0, 0]]), "labels": torch.tensor([0])},
                {"input_ids": torch.tensor([[0, 1, 0], [0, 0, 1]]), "labels": torch.tensor([0, 1])}]
     seen = []
@@ -221,7 +223,7 @@ def test_per_sample_losses_for_metrics_are_each_sample_own_token_mean():
 
 def test_eval_prediction_is_hf_compatible():
     p = EvalPrediction(np.zeros(2), np.ones(2))
-    preds, labels = p
+    _, labels = p
     assert len(p) == 2 and p[1] is labels and p.inputs is None
     assert len(EvalPrediction(1, 2, inputs=3, losses=4)) == 4
 
@@ -232,7 +234,7 @@ def test_metric_helpers():
 
 
 def test_should_evaluate_follows_hf_steps_and_epoch_rules():
-    steps = dict(eval_strategy="steps", eval_steps=4, max_steps=10)
+    steps = {"eval_strategy": "steps", "eval_steps": 4, "max_steps": 10}
     assert [s for s in range(1, 11) if should_evaluate(s, **steps)] == [4, 8, 10]
     assert [s for s in range(1, 11) if should_evaluate(s, eval_delay=5, **steps)] == [8, 10]
     assert [s for s in range(1, 9) if should_evaluate(s, eval_strategy="steps", logging_steps=3)] == [3, 6]

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -164,7 +167,7 @@ def ragged_batches(draw, max_batches=6, trailing=()):
 def _splits(draw, n):
     cuts = sorted(draw(st.lists(st.integers(0, n), max_size=3)))
     bounds = [0, *cuts, n]
-    return [(a, b) for a, b in zip(bounds, bounds[1:])]
+    return list(itertools.pairwise(bounds))
 
 
 def _same(a, b):
@@ -172,8 +175,8 @@ def _same(a, b):
         return torch.equal(a, b)
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, float) and a != a:
-        return b != b
+    if isinstance(a, float) and math.isnan(a):
+        return math.isnan(b)
     return a == b if not isinstance(a, float) else a == pytest.approx(b, rel=1e-12)
 
 

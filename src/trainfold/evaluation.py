@@ -51,18 +51,17 @@ from trainfold.reducers import (
 from trainfold.step import make_forward, train_mode
 
 __all__ = [
+    "EVAL_STRATEGIES",
     "EvalPrediction",
     "PredictionOutput",
-    "EVAL_STRATEGIES",
+    "check_eval_schedule",
+    "check_metrics",
     "evaluate",
     "predict",
-    "eval_reducer",
-    "check_metrics",
     "prefix_metrics",
-    "to_numpy",
     "resolve_eval_steps",
     "should_evaluate",
-    "check_eval_schedule",
+    "to_numpy",
 ]
 
 EVAL_STRATEGIES = ("no", "steps", "epoch")
@@ -268,7 +267,7 @@ def _preprocessing(preprocess: Callable[[Any, Any], Any]) -> Callable[[_BatchOut
     return apply
 
 
-def eval_reducer(gather: bool = True, eval_accumulation_steps: int | None = None,
+def _eval_reducer(gather: bool = True, eval_accumulation_steps: int | None = None,
                  move: Callable[[Tensor], Tensor] | None = None) -> Reducer:
     """Return the reducer ``evaluate`` folds per-batch outputs with.
 
@@ -350,7 +349,7 @@ def _run(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, Any]
         steps.append(mapping(_preprocessing(preprocess)))
     mode = train_mode(model_or_forward, False) if isinstance(model_or_forward, nn.Module) else contextlib.nullcontext()
     with mode, torch.inference_mode():
-        return transduce(compose(*steps), eval_reducer(gather, eval_accumulation_steps, move), batches)
+        return transduce(compose(*steps), _eval_reducer(gather, eval_accumulation_steps, move), batches)
 
 
 def evaluate(

@@ -28,24 +28,24 @@ __all__ = [
     "Reduced",
     "Reducer",
     "Transducer",
-    "is_reduced",
-    "unreduced",
-    "compose",
-    "mapping",
-    "filtering",
-    "taking",
-    "offloading",
-    "fold",
-    "transduce",
-    "merge_all",
-    "collecting",
-    "summing",
-    "counting",
-    "mean_loss",
     "accuracy",
-    "concatenating",
+    "collecting",
     "combine",
+    "compose",
+    "concatenating",
+    "counting",
+    "filtering",
+    "fold",
+    "is_reduced",
+    "mapping",
+    "mean_loss",
+    "merge_all",
+    "offloading",
     "pad_concat",
+    "summing",
+    "taking",
+    "transduce",
+    "unreduced",
 ]
 
 
@@ -320,7 +320,7 @@ def mean_loss() -> Reducer:
     def merge(a: tuple[Tensor, Tensor], b: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
         return a[0] + b[0].to(a[0].device), a[1] + b[1].to(a[1].device)
 
-    zeros = lambda: (torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64))  # noqa: E731
+    zeros = lambda: (torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64))
     return Reducer(init=zeros, step=step, complete=complete, merge=merge)
 
 
@@ -347,7 +347,7 @@ def accuracy(ignore_index: int = IGNORE_INDEX) -> Reducer:
     return Reducer(init=lambda: (0, 0), step=step, complete=complete, merge=lambda a, b: (a[0] + b[0], a[1] + b[1]))
 
 
-def concatenating(pad_index: int | float = IGNORE_INDEX) -> Reducer:
+def concatenating(pad_index: float = IGNORE_INDEX) -> Reducer:
     """Concatenate batches along dim 0, right-padding dim 1 with ``pad_index``, once at completion.
 
     Items are tensors or nested tuples/lists/dicts of tensors of one structure. Steps only link
@@ -405,7 +405,7 @@ def _identity(t: Tensor) -> Tensor:
     return t
 
 
-def _check_shapes(tensors: list[Tensor], pad_index: int | float, where: str) -> tuple[torch.dtype, bool]:
+def _check_shapes(tensors: list[Tensor], pad_index: float, where: str) -> tuple[torch.dtype, bool]:
     shapes = [tuple(t.shape) for t in tensors]
     if any(t.dim() == 0 for t in tensors):
         raise ValueError(
@@ -432,7 +432,7 @@ def _check_shapes(tensors: list[Tensor], pad_index: int | float, where: str) -> 
     return dtype, ragged
 
 
-def _concat_tensors(tensors: list[Tensor], pad_index: int | float, where: str, move: Callable[[Tensor], Tensor]) -> Tensor:
+def _concat_tensors(tensors: list[Tensor], pad_index: float, where: str, move: Callable[[Tensor], Tensor]) -> Tensor:
     # One output allocation; each piece is moved (one at a time) and copied into its slot.
     dtype, ragged = _check_shapes(tensors, pad_index, where)
     first = tensors[0]
@@ -453,7 +453,7 @@ def _concat_tensors(tensors: list[Tensor], pad_index: int | float, where: str, m
     return out
 
 
-def pad_concat(items: list[Any], pad_index: int | float = IGNORE_INDEX, where: str = "predictions",
+def pad_concat(items: list[Any], pad_index: float = IGNORE_INDEX, where: str = "predictions",
                move: Callable[[Tensor], Tensor] | None = None) -> Any:
     """Concatenate batches along dim 0, right-padding dim 1 with ``pad_index``.
 
