@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import attrs
@@ -13,7 +14,7 @@ from torch import nn
 from torch.func import functional_call
 
 from trainfold import chain, clip_by_global_norm, init_state, make_step, sgd
-from trainfold.fold import fit, trajectory
+from trainfold.fold import any_of, fit, max_steps, trajectory
 from trainfold.losses import cross_entropy
 from trainfold.observe import (
     EARLY_STOPPING,
@@ -23,6 +24,7 @@ from trainfold.observe import (
     LogMark,
     early_stopping,
     eval_entry,
+    initial_extras,
     log_entry,
     log_if_due,
     log_mark,
@@ -37,6 +39,7 @@ from trainfold.observe import (
     train_summary,
     update_early_stopping,
 )
+from trainfold.reporters import make_reporters
 from trainfold.schedules import linear
 from trainfold.state import Cursor, TrainState, scalar
 from trainfold.tree import flatten, global_norm, unflatten
@@ -375,3 +378,38 @@ def test_early_stopping_errors():
     state = TrainState(params={}, buffers={}, opt_state=None)
     with pytest.raises(KeyError, match=r"watches 'bleu'.*\['eval_loss'\]"):
         record_evaluation(config, state, {"eval_loss": 1.0})
+
+
+# -- everything together in a fold ---------------------------------------------------------------
+
+
+def test_a_logged_evaluated_early_stopped_fold_writes_jsonl(tmp_path):
+    model, batches = model_and_batches(40)
+    _, held_out = model_and_batches(1, seed=99)
+    es = early_stopping("eval_loss", patience=2, threshold=0.02)
+    plan = logging_plan("steps", 0.1, total_steps=40)
+    step = make_step(model, cross_entropy, optimizer(40))
+    state = init_state(model, optimizer(40), extras=initial_extras(es))
+    evals: list[float] = []
+
+    def evaluate(s: TrainState) -> TrainState:
+        if int(s.step) % 4:
+            return s
+        mb = held_out[0][0]
+        with torch.no_grad():
+            out = functional_call(model, s.params, (mb["input"],))
+        metrics = {"loss": cross_entropy(out, mb["labels"], torch.tensor(5)).item()}
+        evals.append(metrics["loss"])
+        entry = eval_entry(metrics, s)
+        reporters.log(entry, entry["step"])
+        return record_evaluation(es, s, entry)
+
+    with make_reporters(["jsonl"], tmp_path, run_name="it") as reporters:
+        log = lambda s: log_if_due(s, plan, reporters)  # noqa: E731
+        final = fit(observing(step, log, evaluate), state, batches, stop=any_of(patience_exhausted(es), max_steps(40)))
+    stops = [stopped for _, stopped in reference_bad_evals(evals, 2, 0.02, False)]
+    assert stops[-1] and not any(stops[:-1])  # it stopped at the first evaluation the reference stops at
+    assert int(final.step) == 4 * len(evals) < 40
+    rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == list(range(4, int(final.step) + 1, 4))
+    assert [r["eval_loss"] for r in rows if "eval_loss" in r] == pytest.approx(evals)

@@ -43,6 +43,7 @@ __all__ = [
     "mark_logged",
     "eval_entry",
     "train_summary",
+    "initial_extras",
     "Observer",
     "notify",
     "log_if_due",
@@ -441,7 +442,7 @@ def update_early_stopping(config: EarlyStopping, record: EarlyStoppingRecord, va
 
 
 def _metric_value(config: EarlyStopping, metrics: Mapping[str, Any]) -> float:
-    for name in (config.metric, f"eval_{config.metric}"):
+    for name in (config.metric, f"eval_{config.metric}", config.metric.removeprefix("eval_")):
         if name in metrics:
             return float(_value(metrics[name]))
     raise KeyError(
@@ -476,3 +477,15 @@ def patience_exhausted(config: EarlyStopping) -> Callable[[TrainState], bool]:
         return record is not None and int(record.bad_evals) >= config.patience
 
     return stop
+
+
+def initial_extras(*stoppers: EarlyStopping, log_key: str = LOG_MARK) -> dict[str, Any]:
+    """Return the ``extras`` a run's first state needs: a logging mark and one record per early stopper.
+
+    Pass it to ``init_state(..., extras=...)`` so that the template a checkpoint loads into has the
+    same structure as the states that were saved.
+
+    >>> sorted(initial_extras(early_stopping("eval_loss")))
+    ['early_stopping', 'log_mark']
+    """
+    return {log_key: LogMark(), **{es.key: EarlyStoppingRecord() for es in stoppers}}
