@@ -233,6 +233,17 @@ def test_truncated_and_corrupted_files_name_the_path(tmp_path):
         load(path, like=small_state())
 
 
+def test_a_newer_format_or_a_foreign_sidecar_is_refused(tmp_path):
+    path = save(small_state(), tmp_path / "c")
+    meta = json.loads((path / SIDECAR_FILE).read_text())
+    (path / SIDECAR_FILE).write_text(json.dumps({**meta, "format_version": 99}))
+    with pytest.raises(ValueError, match=f"{path / SIDECAR_FILE} has checkpoint format 99.*upgrade trainfold"):
+        read_metadata(path)
+    (path / SIDECAR_FILE).write_text(json.dumps({"global_step": 3}))
+    with pytest.raises(ValueError, match="is not a trainfold checkpoint sidecar"):
+        load(path, like=small_state())
+
+
 def test_a_file_the_sidecar_does_not_vouch_for_is_still_checked_by_safetensors(tmp_path):
     path = save(small_state(), tmp_path / "c")
     meta = json.loads((path / SIDECAR_FILE).read_text())
@@ -333,13 +344,15 @@ RESUME = SETUP + textwrap.dedent(
     """
     import sys
     from trainfold.checkpoint import load, save
-    from trainfold.fold import fit
+    from trainfold.fold import trajectory
     torch.set_num_threads(1)
     model, step, fresh, batches = make_run()
     for path in sys.argv[1:]:
         state = load(path, like=fresh)
-        state = fit(step, state, batches[int(state.step):])
-        save(state, path + "-resumed")
+        losses = []
+        for state in trajectory(step, state, batches[int(state.step):]):
+            losses.append(state.metrics["loss"].item())
+        save(state, path + "-resumed", metadata={"losses": losses})
     """
 )
 
@@ -353,10 +366,10 @@ def test_resume_in_a_fresh_process_is_bitwise_equal_to_not_stopping(tmp_path):
     paths = [str(save(states[k - 1], checkpoint_path(tmp_path, k), model=model)) for k in (1, 4, n - 1)]
     done = python(RESUME, *paths)
     assert done.returncode == 0, done.stderr
-    for p in paths:
-        resumed = load(p + "-resumed", like=state)
-        assert_states_equal(resumed, states[-1])
-        assert resumed.loss_total.item() == states[-1].loss_total.item()  # every per-step loss matched too
+    for k, p in zip((1, 4, n - 1), paths):
+        assert_states_equal(load(p + "-resumed", like=state), states[-1])
+        losses = read_metadata(p + "-resumed")["metadata"]["losses"]
+        assert losses == [s.metrics["loss"].item() for s in states[k:]]  # every later step's loss, exactly
 
 
 # -- policy --------------------------------------------------------------------------------------------

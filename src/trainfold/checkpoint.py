@@ -90,6 +90,7 @@ RESUME_KEYS = (
     "seed",
     "data_seed",
     "train_sampling_strategy",
+    "dataloader_drop_last",
 )
 
 
@@ -324,6 +325,11 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path} is corrupted (not valid JSON: {e}); resume from an earlier checkpoint") from None
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         raise ValueError(f"{path} is not a trainfold checkpoint sidecar (no \"format\": \"{_FORMAT}\")")
+    if meta.get("format_version", 0) > _FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has checkpoint format {meta['format_version']}, written by trainfold "
+            f"{meta.get('library_version')}; this trainfold reads format {_FORMAT_VERSION}: upgrade trainfold"
+        )
     return meta
 
 
