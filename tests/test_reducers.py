@@ -127,7 +127,7 @@ def test_offloading_moves_every_n_items_and_holds_at_most_n():
     def watch(r):  # a counting transducer: records how many items wait in the buffer
         def step(acc, x):
             out = r.step(acc, x)
-            held.append(len(unreduced(out)[0]))
+            held.append(unreduced(out)[0])
             return out
 
         return Reducer(init=r.init, step=step, complete=r.complete)

@@ -183,30 +183,34 @@ def offloading(every: int | None, move: Callable[[Any], Any] | None = None) -> T
         raise ValueError(f"offloading needs every >= 1 (or None to move only at the end), got {every!r}")
     move_piece = move or _to_cpu
 
-    def flush(pending: tuple[Any, ...]) -> Any:
-        return pad_concat(list(pending), move=move_piece)
+    def flush(pending: Any) -> Any:
+        return pad_concat(_cons_to_list(pending), move=move_piece)
 
     def xform(r: Reducer) -> Reducer:
+        # acc = (items waiting, cons list of them, inner acc): appending is O(1), so no quadratic copying
         def step(acc: Any, x: Any) -> Any:
-            pending, inner = acc
-            pending = (*pending, x)
-            if every is None or len(pending) < every:
-                return (pending, inner)
+            waiting, pending, inner = acc
+            waiting, pending = waiting + 1, (pending, x)
+            if every is None or waiting < every:
+                return (waiting, pending, inner)
             inner = r.step(inner, flush(pending))
-            return Reduced(((), inner.value)) if is_reduced(inner) else ((), inner)
+            return Reduced((0, None, inner.value)) if is_reduced(inner) else (0, None, inner)
 
         def complete(acc: Any) -> Any:
-            pending, inner = acc
-            if pending:
+            waiting, pending, inner = acc
+            if waiting:
                 inner = unreduced(r.step(inner, flush(pending)))
             return r.complete(inner)
 
-        return Reducer(init=lambda: ((), r.init()), step=step, complete=complete)
+        return Reducer(init=lambda: (0, None, r.init()), step=step, complete=complete)
 
     return xform
 
 
-def fold(reducer: Reducer, items: Iterable[Any], acc: Any = None) -> Any:
+_FRESH = object()  # a marker: "start from reducer.init()" (None is a valid accumulator)
+
+
+def fold(reducer: Reducer, items: Iterable[Any], acc: Any = _FRESH) -> Any:
     """Step ``reducer`` over ``items`` from ``acc`` (default ``reducer.init()``) without completing.
 
     The result may be ``Reduced``; folding on from a ``Reduced`` accumulator draws nothing more,
@@ -215,7 +219,7 @@ def fold(reducer: Reducer, items: Iterable[Any], acc: Any = None) -> Any:
     >>> fold(summing(), [3], fold(summing(), [1, 2]))
     6
     """
-    acc = reducer.init() if acc is None else acc
+    acc = reducer.init() if acc is _FRESH else acc
     if is_reduced(acc):
         return acc
     for x in items:
