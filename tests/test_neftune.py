@@ -249,3 +249,10 @@ def test_errors():
         neftune_forward(model, make_forward(model, {}), 1.0, torch.Generator())(
             {}, {"attention_mask": torch.ones(1, 2)}
         )
+
+
+def test_missing_labels_are_named():
+    model = lm()
+    step = make_step(model, optimizer=sgd(0.1), objective=neftune_objective(model, 5.0, label_key="targets"))
+    with pytest.raises(KeyError, match=r"no 'targets' key \(keys: \['attention_mask', 'input_ids', 'labels'\]\)"):
+        step(init_state(model, sgd(0.1)), [padded_batch(0, [3])])

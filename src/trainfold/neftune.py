@@ -134,6 +134,13 @@ def neftune_objective(
     input_embedding(model)  # fail now, not at the first step
     count_labels = counter_for(loss)
 
+    def labels_of(micro: Mapping[str, Tensor]) -> Tensor:
+        if label_key not in micro:
+            raise KeyError(
+                f"micro-batch has no {label_key!r} key (keys: {sorted(micro)}); pass label_key= to neftune_objective"
+            )
+        return micro[label_key]
+
     def neftune(
         forward: Forward,
         params: Mapping[str, Tensor],
@@ -144,15 +151,11 @@ def neftune_objective(
         noisy = neftune_forward(model, forward, alpha, key)
         if objective is not None:
             return objective(noisy, params, micro, num_items, key)
-        if label_key not in micro:
-            raise KeyError(
-                f"micro-batch has no {label_key!r} key (keys: {sorted(micro)}); pass label_key= to neftune_objective"
-            )
         inputs = {k: v for k, v in micro.items() if k != label_key}
-        return loss(noisy(params, inputs), micro[label_key], num_items), {}
+        return loss(noisy(params, inputs), labels_of(micro), num_items), {}
 
     if objective is None:
-        neftune.count_items = lambda micro: count_labels(micro[label_key])  # type: ignore[attr-defined]
+        neftune.count_items = lambda micro: count_labels(labels_of(micro))  # type: ignore[attr-defined]
     elif hasattr(objective, "count_items"):
         neftune.count_items = objective.count_items  # type: ignore[attr-defined]
     return neftune

@@ -73,8 +73,8 @@ Observer = Callable[[TrainState, Mapping[str, float]], None]
 class LoggingPlan:
     """When to log: ``strategy`` (``no``/``steps``/``epoch``), every ``steps`` steps, and at step 1."""
 
-    strategy: str = "steps"
-    steps: int = 500
+    strategy: str = attrs.field(default="steps", validator=attrs.validators.in_(LOGGING_STRATEGIES))
+    steps: int = attrs.field(default=500, validator=attrs.validators.ge(1))
     first_step: bool = False
 
 

@@ -360,7 +360,8 @@ class Progress:
         elapsed = now - self._start
         rate = (step - self._initial) / elapsed if elapsed > 0 else math.nan
         of = f"/{self._total}" if self._total is not None else ""
-        self._line = f"step {step}{of}  loss {loss:.4g}  lr {lr:.3g}  {rate:.3g} step/s"
+        line = f"step {step}{of}  loss {loss:.4g}  lr {lr:.3g}  {rate:.3g} step/s"
+        self._line = line.ljust(len(self._line))  # blank out the rest of a longer previous line
         if now - self._last_print >= self._min_interval or (self._total is not None and step >= self._total):
             self._stream.write("\r" + self._line)
             self._stream.flush()
