@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from trainfold.checkpoint import (
     load_weights,
     model_weights,
     read_metadata,
+    resume_checkpoint,
     rotate,
     save,
     should_save,
@@ -336,6 +336,21 @@ def test_latest_checkpoint_skips_incomplete_directories(tmp_path):
     assert not is_complete(tmp_path / "checkpoint-9")
     with pytest.raises(ValueError, match="checkpoint-9 is an incomplete checkpoint"):
         load(tmp_path / "checkpoint-9", like=small_state())
+
+
+def test_resume_checkpoint_follows_resume_from_checkpoint(tmp_path):
+    assert resume_checkpoint(None, tmp_path) is None and resume_checkpoint(False, tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="resume_from_checkpoint=True but .* holds no complete"):
+        resume_checkpoint(True, tmp_path)
+    for step in (2, 4):
+        save(small_state(), checkpoint_path(tmp_path, step))
+    (tmp_path / "checkpoint-4" / MODEL_FILE).write_bytes(b"")
+    assert resume_checkpoint(True, tmp_path) == tmp_path / "checkpoint-2"
+    assert resume_checkpoint(tmp_path / "checkpoint-2", tmp_path) == tmp_path / "checkpoint-2"
+    with pytest.raises(ValueError, match="checkpoint-4 is incomplete"):
+        resume_checkpoint(str(tmp_path / "checkpoint-4"), tmp_path)
+    with pytest.raises(FileNotFoundError, match="checkpoint-9/trainfold.json is missing"):
+        resume_checkpoint(tmp_path / "checkpoint-9", tmp_path)
 
 
 # -- bitwise resume in a fresh process --------------------------------------------------------------------

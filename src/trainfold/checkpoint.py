@@ -63,6 +63,7 @@ __all__ = [
     "is_complete",
     "list_checkpoints",
     "latest_checkpoint",
+    "resume_checkpoint",
     "should_save",
     "rotate",
     "greater_is_better_for",
@@ -475,6 +476,37 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     """
     found = list_checkpoints(output_dir)
     return found[-1] if found else None
+
+
+def resume_checkpoint(
+    resume_from_checkpoint: bool | str | os.PathLike | None, output_dir: str | os.PathLike
+) -> Path | None:
+    """Return the checkpoint that ``resume_from_checkpoint`` (HF semantics) names, or ``None``.
+
+    ``None``/``False``: start fresh; ``True``: the latest complete checkpoint in ``output_dir``
+    (an error if there is none); a path: that checkpoint, which must be complete.
+
+    >>> resume_checkpoint(False, "out") is None
+    True
+    """
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    if resume_from_checkpoint is True:
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=True but {output_dir} holds no complete checkpoint-<step> "
+                "directory; pass a checkpoint path, or resume_from_checkpoint=None to start fresh"
+            )
+        return found
+    path = Path(resume_from_checkpoint)
+    read_metadata(path)  # names the path and what is wrong with it
+    if not is_complete(path):
+        raise ValueError(
+            f"{path} is incomplete (a file is missing or has the wrong size); "
+            f"resume from latest_checkpoint({str(path.parent)!r}) instead"
+        )
+    return path
 
 
 # -- policy -----------------------------------------------------------------------------------------
