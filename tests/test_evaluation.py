@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import numpy as np
 import pytest
 import torch
@@ -272,6 +274,52 @@ def test_predictions_are_the_same_for_any_batch_size_and_accumulation(lengths, s
     assert (out.label_ids == whole.label_ids).all()
     mask = whole.label_ids != -100
     assert (out.predictions[mask] == whole.predictions[mask]).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 6)), min_size=1, max_size=5),
+       vocab=st.integers(1, 3))
+def test_padded_predictions_match_hf_nested_concat(lengths, vocab):
+    pt_utils = pytest.importorskip("transformers.trainer_pt_utils")
+    g = torch.Generator().manual_seed(len(lengths))
+    batches = [{"input_ids": torch.zeros(r, c, dtype=torch.long), "labels": torch.randint(0, 9, (r, c), generator=g)}
+               for r, c in lengths]
+    forward = lambda params, inputs: params["w"].expand(*inputs["input_ids"].shape, vocab) * 1.0  # noqa: E731
+    out = predict(forward, {"w": torch.arange(vocab, dtype=torch.float32)}, batches, loss=lambda o, y, n: o.sum(),
+                  speed_metrics=False)
+    want_p = want_l = None
+    for b in batches:
+        logits = forward({"w": torch.arange(vocab, dtype=torch.float32)}, b)
+        want_p = logits if want_p is None else pt_utils.nested_concat(want_p, logits, padding_index=-100)
+        want_l = b["labels"] if want_l is None else pt_utils.nested_concat(want_l, b["labels"], padding_index=-100)
+    assert np.array_equal(out.predictions, want_p.numpy()) and np.array_equal(out.label_ids, want_l.numpy())
+
+
+def test_eval_prediction_unpacks_like_hf():
+    transformers = pytest.importorskip("transformers")
+    for kwargs in ({}, {"inputs": 3}, {"losses": 4}, {"inputs": 3, "losses": 4}):
+        assert tuple(EvalPrediction(1, 2, **kwargs)) == tuple(transformers.EvalPrediction(1, 2, **kwargs))
+
+
+@settings(max_examples=40, deadline=None)
+@given(strategy=st.sampled_from(["no", "steps", "epoch"]), eval_steps=st.integers(1, 6), delay=st.integers(0, 8),
+       max_steps=st.integers(1, 20), per_epoch=st.integers(1, 7))
+def test_should_evaluate_agrees_with_hf_default_flow_callback(strategy, eval_steps, delay, max_steps, per_epoch):
+    cb = pytest.importorskip("transformers.trainer_callback")
+    args = types.SimpleNamespace(logging_first_step=False, logging_strategy="no", eval_strategy=strategy,
+                                 eval_delay=delay, save_strategy="no")
+    state = cb.TrainerState(max_steps=max_steps, eval_steps=eval_steps, logging_steps=500, save_steps=500)
+    flow = cb.DefaultFlowCallback()
+    for step in range(1, max_steps + 1):
+        state.global_step, state.epoch = step, step / per_epoch
+        hf = flow.on_step_end(args, state, cb.TrainerControl()).should_evaluate
+        ours = should_evaluate(step, eval_strategy=strategy, eval_steps=eval_steps, eval_delay=delay, max_steps=max_steps)
+        assert ours == hf, step
+        if step % per_epoch == 0 or step == max_steps:  # HF ends an epoch after its last step, even a partial one
+            hf = flow.on_epoch_end(args, state, cb.TrainerControl()).should_evaluate
+            ours = should_evaluate(step, True, eval_strategy=strategy, eval_steps=eval_steps, eval_delay=delay,
+                                   max_steps=max_steps, epoch=state.epoch)
+            assert ours == hf, ("epoch end", step)
 
 
 # Bad input ------------------------------------------------------------------------------------
