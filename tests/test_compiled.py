@@ -1,0 +1,212 @@
+"""The compiled step: same results as the eager step, no recompiles, no mutation, clear fallbacks."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._dynamo.backends.debugging import aot_eager
+
+from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step, sgd
+from trainfold.compiled import CompileFallbackWarning, adamw_update, compile_step, optimizer_plan
+from trainfold.losses import causal_lm
+from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.schedules import linear
+
+CFG = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16)
+FULL = os.environ.get("TRAINFOLD_SLOW") == "full"
+
+
+def tiny(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(CFG)
+
+
+def batches(n_steps: int, micro: int, seed: int = 1, vocab: int = 32, seq: int = 16) -> list[list[dict]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n_steps):
+        step = []
+        for _ in range(micro):
+            ids = torch.randint(0, vocab, (3, seq), generator=g)
+            labels = ids.clone()
+            labels[torch.rand(3, seq, generator=g) < 0.3] = -100
+            step.append({"input_ids": ids, "labels": labels})
+        out.append(step)
+    return out
+
+
+def counting_backend() -> tuple[list[int], object]:
+    compiles = [0]
+
+    def backend(gm, example_inputs):
+        compiles[0] += 1
+        return aot_eager(gm, example_inputs)
+
+    return compiles, backend
+
+
+def snapshot(state) -> list[tuple[int, torch.Tensor]]:
+    tensors = [*state.params.values(), *state.opt_state[-1].mu.values(), *state.opt_state[-1].nu.values(),
+               state.step, state.opt_state[-1].count]
+    return [(t._version, t.clone()) for t in tensors]
+
+
+def unchanged(state, snap) -> bool:
+    tensors = [*state.params.values(), *state.opt_state[-1].mu.values(), *state.opt_state[-1].nu.values(),
+               state.step, state.opt_state[-1].count]
+    return all(t._version == v and torch.equal(t, c) for t, (v, c) in zip(tensors, snap))
+
+
+def close(a, b, atol: float = 2e-5) -> float:
+    worst = max((a.params[k] - b.params[k]).abs().max().item() for k in a.params)
+    assert worst < atol, worst
+    return worst
+
+
+# -- concrete examples ------------------------------------------------------------------------------
+
+
+def test_compiled_step_matches_eager_never_mutates_and_compiles_once():
+    model = tiny()
+    opt = chain(clip_by_global_norm(0.5), adamw(linear(1e-2, warmup_steps=1, total_steps=6), weight_decay=0.1))
+    eager = make_step(model, causal_lm, opt)
+    compiles, backend = counting_backend()
+    compiled = compile_step(eager, backend=backend)
+    a = b = init_state(model, opt, seed=3)
+    for batch in batches(4, micro=2):
+        prev, before = b, snapshot(b)
+        a, b = eager(a, batch), compiled(b, batch)
+        assert unchanged(prev, before)
+        for key in ("loss", "grad_norm", "learning_rate", "num_items"):
+            assert torch.allclose(a.metrics[key].double(), b.metrics[key].double(), rtol=1e-5, atol=1e-7), key
+            assert a.metrics[key].dtype == b.metrics[key].dtype
+    close(a, b)
+    assert compiles[0] == 2  # one micro-batch graph and one update graph, no recompiles over 4 steps
+    assert b.step.item() == 4 and b.opt_state[-1].count.item() == 4
+    assert torch.allclose(a.loss_total, b.loss_total, rtol=1e-6)
+    assert list(b.opt_state[-1].mu) == list(b.params)
+    assert sorted(b.params) == sorted(a.params)
+
+
+def test_unsupported_optimizer_warns_and_runs_the_eager_step():
+    model = tiny()
+    opt = sgd(0.1, momentum=0.9)
+    eager = make_step(model, causal_lm, opt)
+    with pytest.warns(CompileFallbackWarning, match="sgd.*eager step"):
+        step = compile_step(eager)
+    state = init_state(model, opt)
+    batch = batches(1, micro=1)[0]
+    assert close(step(state, batch), eager(state, batch), atol=1e-12) == 0.0
+
+
+def test_objective_that_cannot_trace_falls_back_once_with_the_reason():
+    model = tiny()
+    opt = adamw(1e-2)
+
+    def objective(forward, params, micro, num_items, key):
+        logits = forward(params, {"input_ids": micro["input_ids"]})
+        if logits.mean().item() > 1e9:  # data-dependent Python control flow: no single graph
+            raise AssertionError
+        return causal_lm(logits, micro["labels"], num_items), {}
+
+    eager = make_step(model, causal_lm, opt, objective=objective)
+    compiled = compile_step(eager, backend="aot_eager")
+    state = init_state(model, opt)
+    batch = batches(1, micro=1)[0]
+    with pytest.warns(CompileFallbackWarning, match="compiling the step failed"):
+        out = compiled(state, batch)
+    assert close(out, eager(state, batch), atol=1e-12) == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        compiled(out, batch)  # stays eager, warns only once
+
+
+def test_step_without_items_moves_only_the_cursor_like_the_eager_step():
+    model = tiny()
+    opt = adamw(1e-2)
+    compiled = compile_step(make_step(model, causal_lm, opt), backend="aot_eager")
+    state = init_state(model, opt)
+    batch = [{"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.full((2, 8), -100)}]
+    with pytest.warns(RuntimeWarning, match="num_items_in_batch == 0"):
+        out = compiled(state, batch)
+    assert out.step.item() == 0 and out.params["tok.weight"] is state.params["tok.weight"]
+
+
+# -- properties ---------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lr=st.floats(1e-4, 1e-1), wd=st.sampled_from([0.0, 0.01, 0.3]), b1=st.floats(0.0, 0.95),
+    b2=st.floats(0.9, 0.9999), seed=st.integers(0, 2**16),
+)
+def test_elementwise_adamw_agrees_with_torch_adamw(lr, wd, b1, b2, seed):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(7, 3, generator=g)
+    ref = p.clone().requires_grad_()
+    torch_opt = torch.optim.AdamW([ref], lr=lr, betas=(b1, b2), weight_decay=wd, eps=1e-8)
+    plan = optimizer_plan(adamw(lr, b1=b1, b2=b2, weight_decay=wd, mask=None))
+    mine, mu, nu = [p], [torch.zeros_like(p)], [torch.zeros_like(p)]
+    for count in range(3):
+        grad = torch.randn(7, 3, generator=g)
+        ref.grad = grad.clone()
+        torch_opt.step()
+        rate, step_size, bc2 = (torch.tensor(x) for x in plan.scalars(count))
+        mine, mu, nu = adamw_update(mine, [grad], mu, nu, [wd], rate, step_size, bc2, plan.b1, plan.b2, plan.eps)
+    assert torch.allclose(mine[0], ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+# -- errors -------------------------------------------------------------------------------------------
+
+
+def test_optimizer_plan_names_the_unsupported_part():
+    with pytest.raises(TypeError, match="sgd"):
+        optimizer_plan(chain(clip_by_global_norm(1.0), sgd(0.1)))
+    with pytest.raises(TypeError, match="sgd.*no element-wise path"):
+        optimizer_plan(chain(sgd(0.1), adamw(0.1)))
+
+
+def test_input_errors_are_raised_not_swallowed_by_the_fallback():
+    model = tiny()
+    opt = adamw(1e-2)
+    compiled = compile_step(make_step(model, causal_lm, opt), backend="aot_eager")
+    with pytest.raises(KeyError, match="no 'labels' key"):
+        compiled(init_state(model, opt), [{"input_ids": torch.zeros(2, 8, dtype=torch.long)}])
+
+
+def test_compile_step_needs_a_make_step_step():
+    with pytest.raises(TypeError, match="make_step"):
+        compile_step(lambda state, batch: state)
+
+
+# -- the real compiler (slow) --------------------------------------------------------------------------
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=172,
+        vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg), 256, 64
+
+
+@pytest.mark.slow
+def test_make_step_compile_true_with_inductor_matches_eager():
+    model, vocab, seq = _llama() if FULL else (tiny(), 32, 16)
+    opt = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01))
+    eager = make_step(model, causal_lm, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        compiled = make_step(model, causal_lm, opt, compile=True)
+        a = b = init_state(model, opt)
+        for batch in batches(3 if FULL else 2, micro=2, vocab=vocab, seq=seq):
+            a, b = eager(a, batch), compiled(b, batch)
+    close(a, b, atol=1e-4)
+    assert torch.allclose(a.metrics["loss"], b.metrics["loss"], rtol=1e-5)
