@@ -242,7 +242,9 @@ def save(
     ``save_only_model`` writes the weights but not the record. ``jit`` marks an emergency
     checkpoint that ``rotate`` never deletes. ``on_file(path)`` is called after each file is
     written (progress reports; tests use it to crash mid-save). An existing ``directory`` is
-    replaced.
+    replaced: it is renamed aside, the new one renamed in, the old one deleted (a crash between
+    the two renames leaves ``checkpoint-{step}`` absent, so ``latest_checkpoint`` picks the one
+    before). Call it on one rank only.
     """
     directory = Path(directory)
     metadata, settings = dict(metadata or {}), dict(settings or {})
