@@ -386,7 +386,8 @@ def evaluate(
     return a dict of scalars; ``include_for_metrics`` may add ``"inputs"`` (the batches'
     ``main_input_name``) and ``"loss"`` (each sample's own token-mean loss, not HF's batch mean
     repeated). Adds ``_runtime``, ``_samples_per_second`` and
-    ``_steps_per_second`` unless ``speed_metrics=False``.
+    ``_steps_per_second`` unless ``speed_metrics=False``. A NaN or infinite loss in any batch
+    shows in the eval loss (HF drops non-finite batch losses silently).
     """
     include = tuple(include_for_metrics)
     errors = _validate(eval_accumulation_steps, prediction_loss_only, compute_metrics, preprocess_logits_for_metrics, include)
