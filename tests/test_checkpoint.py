@@ -321,6 +321,18 @@ def test_kill_9_during_save_leaves_the_previous_complete_checkpoint(tmp_path, se
     assert read_metadata(tmp_path / "checkpoint-1")["step"] == 0
 
 
+def test_an_error_during_save_removes_the_temporary_and_keeps_the_old_checkpoint(tmp_path):
+    save(small_state(seed=0), tmp_path / "c")
+
+    def fail(path):
+        raise OSError(f"disk full while writing {path.name}")
+
+    with pytest.raises(OSError, match="disk full"):
+        save(small_state(seed=1), tmp_path / "c", on_file=fail)
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]
+    assert_states_equal(load(tmp_path / "c", like=small_state()), small_state(seed=0))
+
+
 def test_latest_checkpoint_skips_incomplete_directories(tmp_path):
     for step in (1, 3, 5, 7, 9):
         save(small_state(), checkpoint_path(tmp_path, step))
