@@ -187,6 +187,8 @@ REDUCERS = {
     "summing": (summing, lambda b: int(b.sum())),
     "concatenating": (concatenating, lambda b: b),
     "combine": (lambda: combine({"c": concatenating(), "n": counting()}), lambda b: b),
+    "mapped and filtered": (lambda: compose(filtering(lambda x: x % 2 == 0), mapping(lambda x: x * 3))(summing()),
+                            lambda b: int(b.sum())),
 }
 
 
