@@ -197,6 +197,27 @@ def _crc32(path: Path) -> int:
     return crc
 
 
+def _crc32_written(path: Path, tensors: Mapping[str, Tensor]) -> int:
+    """Return the CRC-32 of the safetensors file just written from ``tensors``, without reading it all.
+
+    The file is its 8-byte header length, the JSON header, then each tensor's bytes at its
+    offsets; only the header is read back. Any layout it does not expect falls back to a full read.
+    """
+    with open(path, "rb") as f:
+        head = f.read(8)
+        header = f.read(int.from_bytes(head, "little"))
+    spans = sorted((v["data_offsets"], k) for k, v in json.loads(header).items() if k != "__metadata__")
+    crc, end = zlib.crc32(header, zlib.crc32(head)), 0
+    for (start, stop), key in spans:
+        if start != end or stop - start != tensors[key].numel() * tensors[key].element_size():
+            return _crc32(path)
+        crc = zlib.crc32(tensors[key].reshape(-1).view(torch.uint8).numpy(), crc)
+        end = stop
+    if 8 + len(header) + end != path.stat().st_size:
+        return _crc32(path)
+    return crc
+
+
 def _write_bytes(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -261,22 +282,23 @@ def save(
         _write_bytes(marker, b"trainfold is writing this checkpoint; if this file remains, the write failed.\n")
         files: dict[str, dict[str, int]] = {}
 
-        def record(name: str) -> None:
+        def record(name: str, crc: int) -> None:
             path = tmp / name
             _fsync_file(path)
-            files[name] = {"bytes": path.stat().st_size, "crc32": _crc32(path)}
+            files[name] = {"bytes": path.stat().st_size, "crc32": crc}
             if on_file is not None:
                 on_file(path)
 
+        def write_tensors(name: str, tensors: Tree) -> None:
+            safetensors.torch.save_file(tensors, tmp / name, metadata={"format": "pt"})
+            record(name, _crc32_written(tmp / name, tensors))
+
         if not save_only_model:
-            safetensors.torch.save_file(_storable(flatten(state)), tmp / STATE_FILE, metadata={"format": "pt"})
-            record(STATE_FILE)
-        weights = _storable(model_weights(state, model))
-        safetensors.torch.save_file(weights, tmp / MODEL_FILE, metadata={"format": "pt"})
-        record(MODEL_FILE)
+            write_tensors(STATE_FILE, _storable(flatten(state)))
+        write_tensors(MODEL_FILE, _storable(model_weights(state, model)))
         if config_text is not None:
             _write_bytes(tmp / CONFIG_FILE, config_text.encode())
-            record(CONFIG_FILE)
+            record(CONFIG_FILE, zlib.crc32(config_text.encode()))
         epoch, position = (int(state.cursor.epoch), int(state.cursor.position))
         sidecar = {
             "format": _FORMAT,
