@@ -331,6 +331,14 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
     """Return the checkpoint's JSON sidecar (step, cursor, metadata, settings, files) as a dict.
 
     Raises ``FileNotFoundError`` or ``ValueError`` naming the path when it is missing or unreadable.
+
+    >>> import tempfile, torch
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.state import init_state
+    >>> state = init_state(torch.nn.Linear(2, 1), sgd(0.1))
+    >>> meta = read_metadata(save(state, tempfile.mkdtemp() + "/c", metadata={"best_metric": 0.25}))
+    >>> meta["step"], meta["cursor"], meta["metadata"], sorted(meta["files"])
+    (0, {'epoch': 0, 'position': 0}, {'best_metric': 0.25}, ['model.safetensors', 'state.safetensors'])
     """
     directory = Path(directory)
     path = directory / SIDECAR_FILE
@@ -594,6 +602,15 @@ def rotate(
     Never deleted: the latest checkpoint, any path in ``keep`` (e.g. the best), and JIT
     checkpoints. So ``save_total_limit=1`` with a best checkpoint keeps both the best and the
     latest. Incomplete directories are left alone.
+
+    >>> import tempfile, torch
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.state import init_state
+    >>> out, state = tempfile.mkdtemp(), init_state(torch.nn.Linear(2, 1), sgd(0.1))
+    >>> for step in (1, 2, 3, 4):
+    ...     _ = save(state, checkpoint_path(out, step))
+    >>> [p.name for p in rotate(out, 1, keep=[checkpoint_path(out, 2)])]
+    ['checkpoint-1', 'checkpoint-3']
     """
     if save_total_limit is None:
         return []
