@@ -1,0 +1,218 @@
+"""Ensembles: each member steps as its own make_step would; states split and stack back exactly."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step, sgd
+from trainfold.compiled import CompileFallbackWarning
+from trainfold.ensemble import (
+    ensemble_size,
+    init_ensemble_state,
+    make_ensemble_step,
+    split_ensemble,
+    stack_batches,
+    stack_ensemble,
+)
+from trainfold.losses import causal_lm, cross_entropy
+from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.tree import flatten
+
+CFG = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16)
+FULL = os.environ.get("TRAINFOLD_SLOW") == "full"
+pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
+
+
+def tiny_models(k: int) -> list[TinyLM]:
+    models = []
+    for seed in range(k):
+        torch.manual_seed(seed)
+        models.append(TinyLM(CFG))
+    return models
+
+
+def lm_batch(g: torch.Generator, micro: int = 2, rows: int = 3) -> list[dict]:
+    out = []
+    for _ in range(micro):
+        ids = torch.randint(0, CFG.vocab_size, (rows, CFG.max_len), generator=g)
+        labels = ids.clone()
+        labels[torch.rand(rows, CFG.max_len, generator=g) < 0.3] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def max_diff(a, b) -> float:
+    fa, fb = flatten(a.params), flatten(b.params)
+    return max((fa[k] - fb[k]).abs().max().item() for k in fa)
+
+
+def same_record(a, b) -> bool:
+    fa, fb = flatten(a), flatten(b)
+    return fa.keys() == fb.keys() and all(fa[k].dtype == fb[k].dtype and torch.equal(fa[k], fb[k]) for k in fa)
+
+
+# -- concrete examples ------------------------------------------------------------------------------
+
+
+def test_each_member_steps_like_its_own_make_step_with_its_own_batch_and_hyperparameters():
+    k = 3
+    models = tiny_models(k)
+    opts = [chain(clip_by_global_norm(0.5), adamw(lr, weight_decay=wd)) for lr, wd in ((1e-2, 0.1), (3e-3, 0.0), (1e-3, 0.3))]
+    ens = init_ensemble_state(models, opts, seeds=[5, 6, 7])
+    members = [init_state(m, o, seed=s) for m, o, s in zip(models, opts, (5, 6, 7))]
+    assert all(same_record(x, y) for x, y in zip(split_ensemble(ens), members))
+    step = make_ensemble_step(models[0], causal_lm, opts)
+    singles = [make_step(models[0], causal_lm, o) for o in opts]
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        batches = [lm_batch(g) for _ in range(k)]
+        before = flatten(ens)
+        versions = {key: t._version for key, t in before.items()}
+        copies = {key: t.clone() for key, t in before.items()}
+        new = step(ens, stack_batches(batches))
+        assert all(t._version == versions[key] and torch.equal(t, copies[key]) for key, t in before.items())
+        ens, members = new, [s(m, b) for s, m, b in zip(singles, members, batches)]
+    for got, want in zip(split_ensemble(ens), members):
+        assert max_diff(got, want) < 1e-5
+        for key in ("loss", "grad_norm", "learning_rate", "num_items"):
+            assert torch.allclose(got.metrics[key].double(), want.metrics[key].double(), rtol=1e-5), key
+        assert got.step.item() == want.step.item() == 3
+        assert got.opt_state[-1].count.item() == 3
+        assert torch.allclose(got.loss_total, want.loss_total, rtol=1e-5)
+
+
+def test_shared_batch_gives_every_member_the_same_data():
+    models = tiny_models(2)
+    opt = adamw(1e-2)
+    step = make_ensemble_step(models[0], causal_lm, opt, shared_batch=True)
+    batch = lm_batch(torch.Generator().manual_seed(2), micro=1)
+    out = split_ensemble(step(init_ensemble_state(models, opt), batch))
+    single = make_step(models[0], causal_lm, opt)
+    for got, model in zip(out, models):
+        assert max_diff(got, single(init_state(model, opt), batch)) < 1e-6
+
+
+def test_split_members_continue_as_ordinary_states():
+    models = tiny_models(2)
+    opt = chain(clip_by_global_norm(1.0), adamw(1e-2))
+    g = torch.Generator().manual_seed(3)
+    ens = make_ensemble_step(models[0], causal_lm, opt)(init_ensemble_state(models, opt), stack_batches([lm_batch(g), lm_batch(g)]))
+    member = split_ensemble(ens)[1]
+    ordinary = init_state(models[1], opt)
+    assert flatten(member).keys() == flatten(ordinary).keys()  # an ordinary checkpoint's layout
+    assert all(member.params[k].shape == ordinary.params[k].shape for k in ordinary.params)
+    nxt = make_step(models[1], causal_lm, opt)(member, lm_batch(g))
+    assert nxt.step.item() == 2
+
+
+def test_a_member_without_items_keeps_its_state():
+    models = tiny_models(2)
+    opt = adamw(1e-2)
+    ens = init_ensemble_state(models, opt)
+    ids = torch.zeros(2, 3, 8, dtype=torch.long)
+    labels = torch.full((2, 3, 8), -100)
+    labels[0, :, 2:] = 1
+    out = make_ensemble_step(models[0], causal_lm, opt)(ens, [{"input_ids": ids, "labels": labels}])
+    assert out.step.tolist() == [1, 0] and out.opt_state.count.tolist() == [1, 0]
+    assert torch.equal(out.params["tok.weight"][1], ens.params["tok.weight"][1])
+    assert not torch.equal(out.params["tok.weight"][0], ens.params["tok.weight"][0])
+    assert out.metrics["loss"][1].item() == 0.0 and out.loss_total[1].item() == 0.0
+
+
+def test_compiled_ensemble_step_matches_the_eager_ensemble_step():
+    models = tiny_models(2)
+    opt = chain(clip_by_global_norm(0.5), adamw(1e-2, weight_decay=0.1))
+    eager = make_ensemble_step(models[0], causal_lm, opt)
+    compiled = make_ensemble_step(models[0], causal_lm, opt, compile="aot_eager")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    a = b = init_ensemble_state(models, opt)
+    g = torch.Generator().manual_seed(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        for _ in range(2):
+            batch = stack_batches([lm_batch(g), lm_batch(g)])
+            a, b = eager(a, batch), compiled(b, batch)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2  # compiled, and only once
+    assert max_diff(a, b) < 1e-6
+
+
+# -- properties ---------------------------------------------------------------------------------------
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    k=st.integers(1, 4), seed=st.integers(0, 2**16),
+    lrs=st.lists(st.floats(1e-3, 1e-1), min_size=4, max_size=4), clip=st.booleans(),
+)
+def test_ensemble_of_linear_models_equals_member_steps(k, seed, lrs, clip):
+    torch.manual_seed(seed)
+    models = [nn.Linear(3, 4) for _ in range(k)]
+    opts = [chain(clip_by_global_norm(0.1), adamw(lr)) if clip else adamw(lr) for lr in lrs[:k]]
+    g = torch.Generator().manual_seed(seed)
+    batches = [[{"input": torch.randn(5, 3, generator=g), "labels": torch.randint(0, 4, (5,), generator=g)}]
+               for _ in range(k)]
+    ens = make_ensemble_step(models[0], cross_entropy, opts)(init_ensemble_state(models, opts), stack_batches(batches))
+    for got, model, opt, batch in zip(split_ensemble(ens), models, opts, batches):
+        want = make_step(model, cross_entropy, opt)(init_state(model, opt), batch)
+        assert max_diff(got, want) < 1e-6
+        assert torch.allclose(got.metrics["grad_norm"], want.metrics["grad_norm"], rtol=1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(k=st.integers(1, 5), seeds=st.lists(st.integers(0, 2**31), min_size=5, max_size=5))
+def test_split_then_stack_round_trips(k, seeds):
+    models = [nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3)) for _ in range(k)]
+    state = init_ensemble_state(models, chain(clip_by_global_norm(1.0), adamw(0.1)), seeds=seeds[:k])
+    parts = split_ensemble(state)
+    assert ensemble_size(state) == len(parts) == k
+    assert [p.seed.item() for p in parts] == seeds[:k]
+    assert same_record(stack_ensemble(parts), state)
+    parts[0].params["0.weight"].add_(1.0)  # members own their tensors
+    assert same_record(stack_ensemble(split_ensemble(state)), state)
+
+
+# -- errors -------------------------------------------------------------------------------------------
+
+
+class Nonzero(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+
+    def forward(self, input):
+        return self.lin(input[input.sum(-1).nonzero()[:, 0]])
+
+
+def test_an_op_without_a_batching_rule_is_named():
+    model = Nonzero()
+    opt = adamw(0.1)
+    step = make_ensemble_step(model, cross_entropy, opt)
+    batch = [{"input": torch.ones(2, 4, 3), "labels": torch.zeros(2, 4, dtype=torch.long)}]
+    with pytest.raises(TypeError, match="Nonzero cannot run as a vmapped ensemble: aten::nonzero"):
+        step(init_ensemble_state(model, opt, size=2), batch)
+
+
+def test_bad_ensemble_inputs_are_named():
+    model = nn.Linear(3, 2)
+    opt = adamw(0.1)
+    state = init_ensemble_state(model, opt, size=2)
+    step = make_ensemble_step(model, cross_entropy, opt)
+    with pytest.raises(ValueError, match="leading member axis of size 2"):
+        step(state, [{"input": torch.ones(4, 3), "labels": torch.zeros(4, dtype=torch.long)}])
+    with pytest.raises(TypeError, match="sgd"):
+        make_ensemble_step(model, cross_entropy, sgd(0.1))
+    with pytest.raises(ValueError, match="3 optimizers for 2 members"):
+        init_ensemble_state([model, model], [opt, opt, opt])
+    with pytest.raises(ValueError, match="differ in shape"):
+        init_ensemble_state([nn.Linear(3, 2), nn.Linear(4, 2)], opt)
+    with pytest.raises(ValueError, match="not an ensemble state"):
+        split_ensemble(init_state(model, opt))
+    with pytest.raises(ValueError, match="give size=K"):
+        init_ensemble_state(model, opt)
