@@ -18,7 +18,7 @@ $(VENV)/.core: $(VENV)/.torch pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.torch pyproject.toml
-	$(PIP) install -q -e ".[test,hf,progress]"
+	$(PIP) install -q -e ".[test,hf,progress,tracking]"
 	touch $@ $(VENV)/.core
 
 demo: $(VENV)/.core

@@ -24,18 +24,15 @@ from torch import nn
 
 from trainfold import checkpoint as ckpt
 from trainfold.args import TrainingArguments
-from trainfold.data import StepBatch, pad_collate, stream
+from trainfold.data import KeyedCollate, StepBatch, keyed, pad_collate, stream
 from trainfold.evaluation import check_eval_schedule, evaluate as evaluate_batches, predict as predict_batches, should_evaluate
 from trainfold.fold import any_of, max_steps as max_steps_stop, trajectory
 from trainfold.losses import causal_lm
 from trainfold.neftune import neftune_objective
 from trainfold.observe import (
-    EARLY_STOPPING,
-    LOG_MARK,
     EarlyStopping,
-    EarlyStoppingRecord,
-    LogMark,
     eval_entry,
+    initial_extras,
     log_if_due,
     logging_plan,
     notify,
@@ -111,6 +108,12 @@ def _accepted_keys(model: nn.Module, args: TrainingArguments) -> frozenset[str] 
     return frozenset(p.name for p in params) | set(args.label_names)
 
 
+def _drop_unused(items: Sequence[Any], keep: frozenset[str] | None) -> list[Any]:
+    if keep is None:
+        return list(items)
+    return [{k: v for k, v in item.items() if k in keep} if isinstance(item, Mapping) else item for item in items]
+
+
 @attrs.frozen
 class _Columns:
     """A collator that drops the keys the model does not take (HF's ``remove_unused_columns``)."""
@@ -119,9 +122,34 @@ class _Columns:
     keep: frozenset[str] | None
 
     def __call__(self, items: list[Any]) -> Any:
-        if self.keep is not None:
-            items = [{k: v for k, v in item.items() if k in self.keep} if isinstance(item, Mapping) else item for item in items]
-        return self.collate(items)
+        return self.collate(_drop_unused(items, self.keep))
+
+
+@attrs.frozen
+class _KeyedColumns:
+    """``_Columns`` for a keyed collator ``fn(items, keys)``."""
+
+    collate: Callable[[list[Any], Sequence[int]], Any]
+    keep: frozenset[str] | None
+
+    def __call__(self, items: list[Any], keys: Sequence[int]) -> Any:
+        return self.collate(_drop_unused(items, self.keep), keys)
+
+
+def _columns(collate: Callable[..., Any] | None, keep: frozenset[str] | None) -> Callable[..., Any]:
+    """Wrap ``collate`` (default: padding) so it drops unused keys, keeping it keyed when it is."""
+    collate = collate or pad_collate()
+    if isinstance(collate, KeyedCollate):
+        return keyed(_KeyedColumns(collate.fn, keep))
+    return _Columns(collate, keep)
+
+
+def _eval_collate(collate: Callable[..., Any] | None, keep: frozenset[str] | None) -> Callable[[list[Any]], Any]:
+    """Return the collator for evaluation: a keyed collator gets fixed keys (evaluation draws nothing new)."""
+    wrapped = _columns(collate, keep)
+    if isinstance(wrapped, KeyedCollate):
+        return lambda items: wrapped(items, [0] * len(items))
+    return wrapped
 
 
 def _to_device(batches: Iterable[StepBatch], device: torch.device) -> Iterator[StepBatch]:
@@ -209,7 +237,7 @@ def _evaluate_state(run: _Run, state: TrainState) -> dict[str, float]:
     assert run.eval_batches is not None
     return evaluate_batches(
         run.model, state.params, run.eval_batches(state), loss=run.loss, buffers=state.buffers,
-        compute_metrics=run.compute_metrics, preprocess_logits_for_metrics=run.preprocess_logits_for_metrics,
+        compute_metrics=None if run.args.prediction_loss_only else run.compute_metrics, preprocess_logits_for_metrics=run.preprocess_logits_for_metrics,
         eval_accumulation_steps=run.args.eval_accumulation_steps, prediction_loss_only=run.args.prediction_loss_only,
     )
 
@@ -292,11 +320,9 @@ def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainSta
 
 def _initial_state(model: nn.Module, optimizer: GradientTransformation, args: TrainingArguments,
                    metric_key: str | None, early: EarlyStopping | None, device: torch.device) -> TrainState:
-    extras: dict[str, Any] = {LOG_MARK: LogMark()}
+    extras = initial_extras(*([early] if early is not None else []))
     if metric_key is not None:
         extras[BEST] = ckpt.best_metric(ckpt.greater_is_better_for(metric_key, args.greater_is_better))
-    if early is not None:
-        extras[EARLY_STOPPING if early.key == EARLY_STOPPING else early.key] = EarlyStoppingRecord()
     state = init_state(model, optimizer, seed=args.seed, extras=extras)
     if device.type != "cpu":
         move = lambda t: {k: v.to(device) for k, v in t.items()}  # noqa: E731
@@ -349,15 +375,8 @@ def train(
     device = _device(args)
     rank = collective.rank if collective is not None else 0
     world_size = getattr(collective, "world_size", 1) if collective is not None else 1
-    check_eval_schedule(
-        eval_strategy=args.eval_strategy, eval_steps=args.eval_steps, logging_steps=args.logging_steps,
-        eval_delay=args.eval_delay, eval_on_start=args.eval_on_start, has_eval_data=eval_dataset is not None,
-        max_steps=args.max_steps if args.max_steps > 0 else None,
-    )
-    if args.eval_strategy != "no" and eval_dataset is None:
-        raise ValueError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset; pass one or set eval_strategy='no'")
     loss = compute_loss_func or causal_lm
-    collate = _Columns(data_collator or pad_collate(), _accepted_keys(model, args))
+    collate = _columns(data_collator, _accepted_keys(model, args))
     sampler = make_sampler(
         args.train_sampling_strategy, train_dataset, per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=world_size, rank=rank,
@@ -372,6 +391,13 @@ def train(
     else:
         total_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
     num_epochs = None if args.max_steps > 0 else math.ceil(args.num_train_epochs)
+    check_eval_schedule(
+        eval_strategy=args.eval_strategy, eval_steps=args.eval_steps, logging_steps=args.logging_steps,
+        eval_delay=args.eval_delay, eval_on_start=args.eval_on_start, has_eval_data=eval_dataset is not None,
+        max_steps=total_steps,
+    )
+    if args.eval_strategy != "no" and eval_dataset is None:
+        raise ValueError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset; pass one or set eval_strategy='no'")
     metric_key = args.metric_key
     if early_stopping is not None and metric_key is None:
         metric_key = early_stopping.metric if early_stopping.metric.startswith("eval_") else f"eval_{early_stopping.metric}"
@@ -397,7 +423,7 @@ def train(
             state = ckpt.load(source, like=state)
             history = list(meta.get("metadata", {}).get("log_history", []))
 
-    eval_collate = _Columns(data_collator or pad_collate(), _accepted_keys(model, args))
+    eval_collate = _eval_collate(data_collator, _accepted_keys(model, args))
     eval_batches = None
     if eval_dataset is not None:
         eval_batches = lambda _state: _eval_batches(eval_dataset, eval_collate, args.per_device_eval_batch_size, device)  # noqa: E731
@@ -464,10 +490,11 @@ def evaluate(model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, st
     """Evaluate ``state``'s params (default: the model's own) on ``eval_dataset``, in dataset order."""
     device = _device(args)
     params, buffers = (state.params, state.buffers) if state is not None else _module_tensors(model, device)
-    collate = _Columns(data_collator or pad_collate(), _accepted_keys(model, args))
+    collate = _eval_collate(data_collator, _accepted_keys(model, args))
     return evaluate_batches(
         model, params, _eval_batches(eval_dataset, collate, args.per_device_eval_batch_size, device),
-        loss=compute_loss_func or causal_lm, buffers=buffers, compute_metrics=compute_metrics,
+        loss=compute_loss_func or causal_lm, buffers=buffers,
+        compute_metrics=None if args.prediction_loss_only else compute_metrics,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics, eval_accumulation_steps=args.eval_accumulation_steps,
         prediction_loss_only=args.prediction_loss_only, metric_key_prefix=metric_key_prefix,
     )
@@ -480,7 +507,7 @@ def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, sta
     """Return predictions, labels (dataset order) and metrics of ``state``'s params on ``test_dataset``."""
     device = _device(args)
     params, buffers = (state.params, state.buffers) if state is not None else _module_tensors(model, device)
-    collate = _Columns(data_collator or pad_collate(), _accepted_keys(model, args))
+    collate = _eval_collate(data_collator, _accepted_keys(model, args))
     return predict_batches(
         model, params, _eval_batches(test_dataset, collate, args.per_device_eval_batch_size, device),
         loss=compute_loss_func or causal_lm, buffers=buffers, compute_metrics=compute_metrics,

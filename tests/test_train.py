@@ -1,0 +1,221 @@
+"""``train``: bitwise resume in a fresh process, logging across resume, the command line, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainfold import TrainingArguments, checkpoint, train
+from trainfold.data import keyed, pad_collate
+from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.tree import flatten
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Shared by this file and the fresh resume process (imported there from this module's source).
+COMMON = textwrap.dedent(
+    """
+    import torch
+    from trainfold.data import keyed, pad_collate
+    from trainfold.models import TinyLM, TinyLMConfig
+
+    def model():
+        torch.manual_seed(0)
+        return TinyLM(TinyLMConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, max_len=24, dropout=0.1))
+
+    def rows(n=22):
+        g = torch.Generator().manual_seed(5)
+        out = []
+        for i in range(n):
+            ids = torch.randint(0, 40, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+            out.append({"input_ids": ids, "labels": list(ids), "note": i})  # "note" is not a model input
+        return out
+
+    _pad = pad_collate()
+
+    def _mask_some(items, keys):
+        batch = _pad(items)
+        for row, key in enumerate(keys):  # per-sample randomness from (seed, epoch, index)
+            g = torch.Generator().manual_seed(key)
+            drop = torch.rand(batch["labels"].shape[1], generator=g) < 0.2
+            batch["labels"][row, drop] = -100
+        return batch
+
+    collate = keyed(_mask_some)
+    """
+)
+exec(COMMON)  # noqa: S102 - defines model(), rows(), collate in this module too
+
+
+def settings(tmp: Path, strategy: str, **over) -> TrainingArguments:
+    base = dict(
+        output_dir=str(tmp), max_steps=8, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        learning_rate=1e-2, warmup_steps=2, weight_decay=0.1, max_grad_norm=1.0, seed=11,
+        train_sampling_strategy=strategy, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+    )
+    return TrainingArguments(**{**base, **over})
+
+
+def losses_of(history):
+    return [(h["step"], h["loss"]) for h in history if "loss" in h and "train_loss" not in h]
+
+
+# 22 rows, global batch 4 -> 6 steps per epoch (the last one short): k=3 is mid-epoch, k=6 an epoch boundary.
+CASES = [(s, k) for s in ("random", "group_by_length", "batch_rebalance") for k in (3, 6)]
+
+
+def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
+    straight = {}
+    for strategy in ("random", "group_by_length", "batch_rebalance"):
+        r = train(model(), settings(tmp_path / f"straight-{strategy}", strategy), rows(), data_collator=collate)
+        straight[strategy] = r
+    for strategy, k in CASES:  # first part: stop at k with a checkpoint there
+        out = tmp_path / f"{strategy}-{k}"
+        r = train(model(), settings(out, strategy, save_strategy="steps", save_steps=k), rows(), data_collator=collate,
+                  stop=lambda s, k=k: int(s.step) >= k)
+        assert r.status == "stopped" and r.global_step == k
+    script = COMMON + textwrap.dedent(
+        f"""
+        from trainfold import TrainingArguments, train
+        for strategy, k in {CASES!r}:
+            out = {str(tmp_path)!r} + f"/{{strategy}}-{{k}}"
+            args = TrainingArguments(
+                output_dir=out, max_steps=8, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                learning_rate=1e-2, warmup_steps=2, weight_decay=0.1, max_grad_norm=1.0, seed=11,
+                train_sampling_strategy=strategy, logging_steps=1, save_strategy="steps", save_steps=100,
+                report_to="none", disable_tqdm=True)
+            r = train(model(), args, rows(), data_collator=collate, resume_from_checkpoint=True)
+            assert r.global_step == 8, r.global_step
+        """
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=ROOT, timeout=300)
+    for strategy, k in CASES:
+        out = tmp_path / f"{strategy}-{k}"
+        ref = straight[strategy]
+        like = ref.state
+        resumed = checkpoint.load(out / "checkpoint-8", like=like)
+        a, b = flatten(ref.state), flatten(resumed)
+        for key in a:
+            if key.startswith("extras.") or key == "metrics.num_items":
+                continue
+            assert torch.equal(a[key], b[key]), f"{strategy} k={k}: {key}"
+        history = checkpoint.read_metadata(out / "checkpoint-8")["metadata"]["log_history"]
+        assert losses_of(history) == losses_of(ref.log_history), f"{strategy} k={k}"
+
+
+def test_logged_loss_is_the_window_mean_across_a_resume(tmp_path):
+    per_step = losses_of(train(model(), settings(tmp_path / "a", "random"), rows(), data_collator=collate).log_history)
+    step_loss = dict(per_step)
+    out = tmp_path / "b"
+    train(model(), settings(out, "random", logging_steps=3, save_strategy="steps", save_steps=4), rows(),
+          data_collator=collate, stop=lambda s: int(s.step) >= 4)  # checkpoint mid-window (window 4..6)
+    r = train(model(), settings(out, "random", logging_steps=3), rows(), data_collator=collate, resume_from_checkpoint=True)
+    logged = losses_of(r.log_history)
+    assert [s for s, _ in logged] == [3, 6, 8]
+    for s, value in logged:
+        window = range(s - 2, s + 1) if s != 8 else range(7, 9)
+        assert value == pytest.approx(sum(step_loss[i] for i in window) / len(window), rel=1e-6)
+
+
+def test_preempted_cli_run_exits_143_and_resumes(tmp_path):
+    config = tmp_path / "run.toml"
+    config.write_text(textwrap.dedent(f"""
+        [model]
+        type = "tinylm"
+        config = {{ d_model = 16, n_layers = 1, n_heads = 2, max_len = 32 }}
+        [data]
+        train = "stdlib"
+        seq_len = 32
+        max_bytes = 40000
+        [args]
+        output_dir = "{tmp_path / 'out'}"
+        max_steps = 100000
+        per_device_train_batch_size = 4
+        save_strategy = "no"
+        enable_jit_checkpoint = true
+        disable_tqdm = true
+        logging_steps = 1
+        report_to = ["jsonl"]
+    """))
+    proc = subprocess.Popen([sys.executable, "-m", "trainfold", "train", "--config", str(config)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "out" / "log.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    latest = checkpoint.latest_checkpoint(tmp_path / "out")
+    assert latest is not None and checkpoint.is_complete(latest)
+    meta = checkpoint.read_metadata(latest)
+    assert meta["step"] >= 3
+
+
+def test_bad_input_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="eval_on_start"):
+        train(model(), settings(tmp_path, "random", eval_on_start=True, eval_strategy="steps", eval_steps=2), rows())
+    with pytest.raises(FileNotFoundError, match="holds no complete checkpoint"):
+        train(model(), settings(tmp_path / "empty", "random"), rows(), resume_from_checkpoint=True)
+
+
+def test_weights_only_checkpoint_cannot_resume_silently(tmp_path):
+    out = tmp_path / "w"
+    train(model(), settings(out, "random", save_strategy="steps", save_steps=4, save_only_model=True), rows(),
+          data_collator=collate, stop=lambda s: int(s.step) >= 4)
+    with pytest.raises(ValueError, match="model.safetensors|weights only|save_only_model"):
+        train(model(), settings(out, "random", save_only_model=True), rows(), data_collator=collate, resume_from_checkpoint=True)
+    with pytest.warns(UserWarning):
+        r = train(model(), settings(out, "random", save_only_model=True), rows(), data_collator=collate,
+                  resume_from_checkpoint=True, weights_only_warm_start=True)
+    assert r.global_step == 8
+
+
+def test_changed_accumulation_is_refused_on_resume(tmp_path):
+    out = tmp_path / "ga"
+    train(model(), settings(out, "random", save_strategy="steps", save_steps=2), rows(), stop=lambda s: int(s.step) >= 2)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps"):
+        train(model(), settings(out, "random", gradient_accumulation_steps=1), rows(), resume_from_checkpoint=True)
+
+
+def test_hf_datasets_and_unused_columns(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list(rows())
+    r = train(model(), settings(tmp_path, "group_by_length", max_steps=3), ds)
+    assert r.global_step == 3 and r.status == "completed"
+
+
+def test_early_stopping_ends_the_run(tmp_path):
+    from trainfold.observe import early_stopping
+
+    ev = rows(8)
+    r = train(model(), settings(tmp_path, "random", max_steps=40, eval_strategy="steps", eval_steps=1, learning_rate=0.0,
+                                warmup_steps=0),
+              rows(), ev, early_stopping=early_stopping("loss", patience=2, threshold=0.0, greater_is_better=False))
+    assert r.status == "stopped"
+    assert r.global_step == 3  # lr 0: evals 1, 2, 3 never improve on the first -> stop after 2 without improvement
+
+
+def test_apply_to_copies_trained_tensors_into_a_module(tmp_path):
+    r = train(model(), settings(tmp_path, "random", max_steps=2), rows())
+    target = model()
+    r.apply_to(target)
+    for name, p in target.named_parameters():
+        assert torch.equal(p.detach(), r.state.params[name])
+
+
+def test_reporter_files_exist(tmp_path):
+    r = train(model(), settings(tmp_path, "random", max_steps=2, report_to=["jsonl"]), rows())
+    lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in lines if "loss" in e and "train_loss" not in e] == [1, 2]
+    assert r.metrics["train_loss"] > 0
+    assert os.path.basename(str(tmp_path))
