@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 from torch._dynamo.backends.debugging import aot_eager
 
 from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step, sgd
-from trainfold.compiled import CompileFallbackWarning, adamw_update, compile_step, optimizer_plan
+from trainfold.compiled import (
+    CompileFallbackWarning,
+    adamw_update,
+    compile_step,
+    optimizer_plan,
+)
 from trainfold.losses import causal_lm
 from trainfold.models import TinyLM, TinyLMConfig
 from trainfold.schedules import linear

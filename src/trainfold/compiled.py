@@ -43,10 +43,18 @@ from trainfold.losses import IGNORE_INDEX, causal_lm, cross_entropy, logits_of
 from trainfold.optim import AdamState, GradientTransformation
 from trainfold.schedules import Schedule
 from trainfold.state import TrainState
-from trainfold.step import _count, _micro_loss, _Plan, _private_rng, derive_seed, make_forward, train_mode
+from trainfold.step import (
+    _count,
+    _micro_loss,
+    _Plan,
+    _private_rng,
+    derive_seed,
+    make_forward,
+    train_mode,
+)
 from trainfold.tree import global_norm
 
-__all__ = ["compile_step", "CompileFallbackWarning", "OptimizerPlan", "optimizer_plan", "adamw_update"]
+__all__ = ["CompileFallbackWarning", "OptimizerPlan", "adamw_update", "compile_step", "optimizer_plan"]
 
 Step = Callable[[TrainState, Sequence[Mapping[str, Tensor]]], TrainState]
 
@@ -283,14 +291,14 @@ def compile_step(
     traced = attrs.evolve(plan, loss=traceable_loss(plan.loss))
     grad_graph = torch.compile(_fresh(_micro_grads), backend=backend, mode=mode, fullgraph=True)
     update_graph = torch.compile(_fresh(_update), backend=backend, mode=mode, fullgraph=True)
-    key = torch.Generator()
+    keys: dict[torch.device, torch.Generator] = {}  # one per device, reseeded per micro-batch
     failed: list[str] = []  # the reason, once compilation has failed
 
     def compiled_step(state: TrainState, batch: Sequence[Mapping[str, Tensor]]) -> TrainState:
         if failed or len(batch) == 0:
             return step(state, batch)
         try:
-            return _run(traced, opt, grad_graph, update_graph, key, state, batch)
+            return _run(traced, opt, grad_graph, update_graph, keys, state, batch)
         except _NoItems:
             return step(state, batch)
         except Exception as err:  # noqa: BLE001 - the eager step re-raises real input errors
@@ -299,7 +307,6 @@ def compile_step(
             _fallback(f"compiling the step failed ({failed[0][:500]})")
             return result
 
-    compiled_step.eager = step  # type: ignore[attr-defined]
     return compiled_step
 
 
@@ -333,7 +340,7 @@ def _update(
 
 def _run(
     plan: _Plan, opt: OptimizerPlan, grad_graph: Callable[..., Any], update_graph: Callable[..., Any],
-    key: torch.Generator, state: TrainState, batch: Sequence[Mapping[str, Tensor]],
+    keys: dict[torch.device, torch.Generator], state: TrainState, batch: Sequence[Mapping[str, Tensor]],
 ) -> TrainState:
     cursor = getattr(batch, "cursor", state.cursor)
     step_no = int(state.step)
@@ -344,8 +351,11 @@ def _run(
         raise _NoItems
     adam = opt.adam_of(state.opt_state)
     rank = plan.collective.rank if plan.collective is not None else 0
-    keys = list(state.params)
-    device = state.params[keys[0]].device
+    names = list(state.params)
+    device = state.params[names[0]].device
+    if device not in keys:
+        keys[device] = torch.Generator(device=device)
+    key = keys[device]
     buffers = {k: v.clone() for k, v in state.buffers.items()}
     n_dev = num_items.to(device)
     grads: list[Tensor] = []
@@ -372,8 +382,8 @@ def _run(
     lr, step_size, bc2_sqrt = (torch.tensor(x, dtype=torch.float32, device=device) for x in opt.scalars(count))
     decay = opt.decay(state.params)
     norm, new_p, mu, nu = update_graph(
-        opt, [decay[k] for k in keys], [state.params[k] for k in keys], grads,
-        [adam.mu[k] for k in keys], [adam.nu[k] for k in keys], lr, step_size, bc2_sqrt,
+        opt, [decay[k] for k in names], [state.params[k] for k in names], grads,
+        [adam.mu[k] for k in names], [adam.nu[k] for k in names], lr, step_size, bc2_sqrt,
     )
     learning_rate = plan.optimizer.learning_rate(state.opt_state) if plan.optimizer.learning_rate else float("nan")
     metrics = {
@@ -384,10 +394,10 @@ def _run(
         "num_items": num_items.float(),
         **{k: v.cpu() for k, v in aux_total.items()},
     }
-    new_adam = AdamState(adam.count + 1, dict(zip(keys, mu)), dict(zip(keys, nu)))
+    new_adam = AdamState(adam.count + 1, dict(zip(names, mu)), dict(zip(names, nu)))
     return attrs.evolve(
         state,
-        params=dict(zip(keys, new_p)),
+        params=dict(zip(names, new_p)),
         buffers=buffers,
         opt_state=opt.wrap(state.opt_state, new_adam),
         step=state.step + 1,

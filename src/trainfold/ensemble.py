@@ -54,12 +54,12 @@ from trainfold.state import TrainState, init_state
 from trainfold.step import _private_rng, derive_seed, train_mode
 
 __all__ = [
-    "make_ensemble_step",
+    "ensemble_size",
     "init_ensemble_state",
-    "stack_ensemble",
+    "make_ensemble_step",
     "split_ensemble",
     "stack_batches",
-    "ensemble_size",
+    "stack_ensemble",
 ]
 
 Batch = Sequence[Mapping[str, Tensor]]
@@ -268,7 +268,6 @@ class _EnsemblePlan:
     count_items: Callable[[Mapping[str, Tensor]], Tensor]
     label_key: str
     shared: bool
-    optimizers: tuple[GradientTransformation, ...] | GradientTransformation
 
 
 def _grads(
@@ -360,21 +359,20 @@ def make_ensemble_step(
         raise ValueError("ensemble members' optimizers must all clip, or none; got chains of different lengths")
     plan = _EnsemblePlan(
         model=model, loss=loss, count_items=count_items or _counter(loss, label_key), label_key=label_key,
-        shared=shared_batch, optimizers=tuple(optimizers),
+        shared=shared_batch,
     )
-    grads_fn, update_fn = _grads, _update
+    grads_fn, update_fn, traced = _grads, _update, attrs.evolve(plan, loss=traceable_loss(loss))
     if compile:
         backend = compile if isinstance(compile, str) else "inductor"
         grads_fn = torch.compile(_fresh(_grads), backend=backend, fullgraph=True)
         update_fn = torch.compile(_fresh(_update), backend=backend, fullgraph=True)
-        plan_traced = attrs.evolve(plan, loss=traceable_loss(loss))
     failed: list[str] = []
 
     def step(state: TrainState, batch: Batch) -> TrainState:
         if compile and not failed:
             try:
                 with torch._dynamo.config.patch(trace_autograd_ops=True):
-                    return _run(plan_traced, opts, grads_fn, update_fn, state, batch)
+                    return _run(traced, opts, grads_fn, update_fn, state, batch)
             except (ValueError, KeyError):
                 raise
             except Exception as err:  # noqa: BLE001 - the eager path re-raises real input errors
