@@ -1,0 +1,306 @@
+"""GRPO: sampling, rewards, group-relative advantages, the clipped loss, the generation-buffer loop."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainfold import adamw, init_state, make_step, sgd
+from trainfold.generate import functional_forward, generate, token_logps
+from trainfold.grpo import (
+    combine_rewards,
+    group_advantages,
+    grpo_objective,
+    grpo_trajectory,
+    make_rollout,
+    rollout_metrics,
+)
+from trainfold.models import TinyLM, TinyLMConfig
+
+CFG = TinyLMConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_len=32)
+
+
+def lm(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(CFG)
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+# -- generate -------------------------------------------------------------------------------
+
+
+def test_generate_is_seeded_and_leaves_the_model_alone():
+    model = lm()
+    model.train()
+    params = params_of(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prompts = [[1, 2, 3], [4], [5, 6]]
+
+    def draw(seed):
+        return generate(model, params, prompts, max_new_tokens=5, generator=torch.Generator().manual_seed(seed))
+
+    assert draw(0) == draw(0)
+    assert draw(0) != draw(1)
+    assert model.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_batched_generation_equals_one_prompt_at_a_time_and_stops_after_eos():
+    model = lm(1)
+    params = params_of(model)
+    prompts = [[1, 2, 3, 4], [5], [6, 7]]
+    together = generate(model, params, prompts, max_new_tokens=6, temperature=0)
+    alone = [generate(model, params, [p], max_new_tokens=6, temperature=0)[0] for p in prompts]
+    assert together == alone
+    eos = together[0][1]
+    stopped = generate(model, params, prompts[:1], max_new_tokens=6, temperature=0, eos_token_id=eos)
+    assert stopped[0] == together[0][: together[0].index(eos) + 1]
+
+
+def test_generate_runs_hugging_face_models_like_their_own_greedy_search():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    prompt = [3, 7, 9]
+    ours = generate(model, params_of(model), [prompt], max_new_tokens=5, temperature=0)[0]
+    theirs = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, pad_token_id=0)[0, 3:].tolist()
+    assert ours == theirs
+
+
+# -- rewards and advantages -----------------------------------------------------------------
+
+
+def test_advantages_match_trl_on_its_trace_example():
+    adv = group_advantages(torch.tensor([5.0, 2.0, 4.0, 4.0]), 4)
+    torch.testing.assert_close(adv, torch.tensor([0.9933, -1.3906, 0.1987, 0.1987]), atol=1e-4, rtol=0)
+
+
+def test_batch_scaling_keeps_group_means_but_divides_by_the_batch_std():
+    r = torch.tensor([1.0, 3.0, 10.0, 30.0])
+    adv = group_advantages(r, 2, "batch")
+    expected = torch.tensor([-1.0, 1.0, -10.0, 10.0]) / (r.std() + 1e-4)
+    torch.testing.assert_close(adv, expected)
+
+
+def test_combine_rewards_weights_functions_and_passes_columns():
+    def match(prompts, completions, answer, **_):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    def short(prompts, completions, **_):
+        return [None if c == "" else 1.0 / len(c) for c in completions]
+
+    total, each = combine_rewards([match, short], ["q", "q", "q"], ["ab", "", "b"], {"answer": ["ab", "x", "x"]}, [2.0, 1.0])
+    assert total.tolist() == [2.5, 0.0, 1.0]
+    assert math.isnan(each[1, 1].item())
+
+
+rewards_lists = st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=2, max_size=6)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(2, 5).flatmap(lambda g: st.tuples(st.just(g), st.lists(
+    st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=g, max_size=g), min_size=1, max_size=4))))
+def test_advantage_properties(case):
+    g, groups = case
+    r = torch.tensor([x for grp in groups for x in grp])
+    adv = group_advantages(r, g).reshape(-1, g)
+    assert torch.isfinite(adv).all()
+    for grp, a in zip(groups, adv):
+        torch.testing.assert_close(a.mean(), torch.tensor(0.0), atol=1e-4, rtol=0)
+        std = torch.tensor(grp, dtype=torch.float64).std()
+        if std > 1e-2:  # (r - mean) / (std + 1e-4) has std std / (std + 1e-4), within 1% of 1
+            assert a.double().std().item() == pytest.approx(1.0, rel=1e-2)
+        if len(set(grp)) == 1:
+            assert torch.equal(a, torch.zeros(g))
+    none = group_advantages(r, g, "none").reshape(-1, g)
+    torch.testing.assert_close(none, r.reshape(-1, g) - r.reshape(-1, g).mean(1, keepdim=True), atol=1e-3, rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.one_of(st.just(math.nan), st.floats(-10, 10, width=32)), min_size=4, max_size=4),
+       st.sampled_from(["group", "batch", "none"]))
+def test_unscored_rewards_never_make_nan_advantages(rewards, scale):
+    r = torch.tensor(rewards)
+    adv = group_advantages(r, 2, scale)
+    assert torch.isfinite(adv).all()
+    assert torch.all(adv[torch.isnan(r)] == 0)
+
+
+# -- the objective --------------------------------------------------------------------------
+
+
+def rollout_batch(seed=0, rows=4, prompt_len=3, completion_len=4):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, CFG.vocab_size, (rows, prompt_len + completion_len), generator=g)
+    completion = torch.zeros_like(ids)
+    completion[:, prompt_len:] = 1
+    completion[0, -1] = 0  # a shorter completion (right padding)
+    attention = torch.ones_like(ids)
+    attention[0, -1] = 0
+    return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion,
+            "advantages": torch.randn(rows, generator=g)}
+
+
+def inputs(batch):
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def test_on_policy_loss_value_is_minus_mean_advantage():
+    model = lm()
+    batch = rollout_batch()
+    obj = grpo_objective("grpo")
+    loss, aux = obj(functional_forward(model), params_of(model), batch, obj.count_items(batch))
+    assert loss.item() == pytest.approx(-batch["advantages"].mean().item(), abs=1e-6)
+    assert aux["clip_ratio/region_mean"].item() == 0
+
+
+def test_ratio_outside_the_clip_range_is_clipped_and_gives_no_gradient():
+    model = lm()
+    params = {k: v.requires_grad_() for k, v in params_of(model).items()}
+    batch = rollout_batch()
+    batch["advantages"] = torch.ones(4)
+    with torch.no_grad():
+        logps = token_logps(functional_forward(model)(params, inputs(batch)), batch["input_ids"])
+    batch["old_logps"] = logps - 1.0  # ratio e > 1 + epsilon everywhere, with positive advantages
+    obj = grpo_objective("bnpo", epsilon=0.2)
+    loss, aux = obj(functional_forward(model), params, batch, obj.count_items(batch))
+    assert loss.item() == pytest.approx(-1.2, abs=1e-6)
+    assert aux["clip_ratio/high_mean"].item() == pytest.approx(1.0)
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True, materialize_grads=True)
+    assert all(torch.all(g == 0) for g in grads)
+
+
+def test_kl_to_an_identical_reference_is_zero_and_to_another_is_positive():
+    model, other = lm(0), lm(1)
+    forward = functional_forward(model)
+    batch = rollout_batch()
+    obj = grpo_objective("grpo", beta=0.1)
+    with torch.no_grad():
+        same = token_logps(forward(params_of(model), inputs(batch)), batch["input_ids"])
+        diff = token_logps(forward(params_of(other), inputs(batch)), batch["input_ids"])
+    _, aux = obj(forward, params_of(model), {**batch, "ref_logps": same}, torch.tensor(4))
+    assert aux["kl"].item() == pytest.approx(0.0, abs=1e-6)
+    _, aux = obj(forward, params_of(model), {**batch, "ref_logps": diff}, torch.tensor(4))
+    assert aux["kl"].item() > 0
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
+def test_step_does_not_depend_on_the_micro_batch_split(loss_type):
+    model = lm()
+    batch = rollout_batch(rows=6)
+    batch["old_logps"] = torch.zeros(6, 6) - 2.5
+    obj = grpo_objective(loss_type, max_completion_length=4)
+    opt = sgd(0.5)
+    step = make_step(model, optimizer=opt, objective=obj)
+    state = init_state(model, opt)
+    whole = step(state, [batch])
+    halves = step(state, [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}])
+    assert halves.metrics["loss"].item() == pytest.approx(whole.metrics["loss"].item(), abs=1e-6)
+    for k in whole.params:
+        torch.testing.assert_close(halves.params[k], whole.params[k], atol=1e-6, rtol=1e-5)
+
+
+def test_dr_grpo_divides_by_the_maximum_completion_length():
+    model = lm()
+    batch = rollout_batch()
+    a = grpo_objective("dr_grpo", max_completion_length=4)
+    b = grpo_objective("dr_grpo", max_completion_length=8)
+    args = (functional_forward(model), params_of(model), batch, torch.tensor(4))
+    assert a(*args)[0].item() == pytest.approx(2 * b(*args)[0].item(), abs=1e-6)
+
+
+# -- the loop -------------------------------------------------------------------------------
+
+
+def first_digit_is_seven(prompts, completions, **_):
+    return [float(c[:1] == "7") for c in completions]
+
+
+def test_generation_happens_once_per_block_and_old_logps_only_when_the_buffer_outlives_a_step():
+    model = lm()
+    calls = []
+    for spg in (1, 3):
+        rollout = make_rollout(model, first_digit_is_seven, encode=lambda s: [1 + int(c) for c in s],
+                               decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
+                               max_new_tokens=3, steps_per_generation=spg)
+        calls.clear()
+
+        def counted(state, micro_batches, rollout=rollout):
+            calls.append(int(state.step))
+            out = rollout(state, micro_batches)
+            assert ("old_logps" in out[0]) == (spg > 1)
+            return out
+
+        counted.steps_per_generation, counted.num_generations = spg, 2
+        opt = adamw(1e-3)
+        step = make_step(model, optimizer=opt, objective=grpo_objective())
+        prompts = [[{"prompt": ["12", "3"]}, {"prompt": ["4"]}] for _ in range(6)]  # 6 steps, 2 micro-batches
+        states = list(grpo_trajectory(step, init_state(model, opt), prompts, counted))
+        assert [int(s.step) for s in states] == [1, 2, 3, 4, 5, 6]
+        assert calls == list(range(0, 6, spg))  # generated with the latest state, once per block
+        assert "reward" in states[-1].metrics and "clip_ratio/region_mean" in states[-1].metrics
+
+
+def test_rollout_metrics_average_the_step_rows():
+    mbs = [{"rewards": torch.tensor([1.0, math.nan]), "rewards/f": torch.tensor([2.0, 4.0]),
+            "completion_mask": torch.tensor([[1, 1], [1, 0]])}]
+    m = rollout_metrics(mbs)
+    assert m["reward"].item() == 1.0 and m["rewards/f/mean"].item() == 3.0
+
+
+def _example():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        import grpo_digits
+    finally:
+        sys.path.pop(0)
+    return grpo_digits
+
+
+def test_example_mean_reward_rises():
+    rewards = _example().run(steps=40, seed=0)
+    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+    assert last > first + 0.3, (first, last)
+
+
+@pytest.mark.slow
+def test_example_full_run_learns_digit_strings():
+    steps = 200 if os.environ.get("TRAINFOLD_SLOW") == "full" else 80
+    rewards = _example().run(steps=steps, seed=0)
+    assert sum(rewards[-5:]) / 5 > 0.6
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def test_errors_name_the_bad_value_and_the_fix():
+    with pytest.raises(ValueError, match="scale_rewards='mean'"):
+        group_advantages(torch.zeros(4), 2, "mean")
+    with pytest.raises(ValueError, match="num_generations=1"):
+        group_advantages(torch.zeros(4), 1)
+    with pytest.raises(ValueError, match=r"shape \(5,\) do not split into groups of 2"):
+        group_advantages(torch.zeros(5), 2)
+    with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
+        combine_rewards([lambda p, c: [0.0]], ["a", "b"], ["x", "y"])
+    with pytest.raises(ValueError, match="loss_type='dapo'"):
+        grpo_objective("dapo")
+    with pytest.raises(ValueError, match="max_completion_length"):
+        grpo_objective("dr_grpo")
+    with pytest.raises(ValueError, match="num_generations=1 must be >= 2.*temperature=0"):
+        make_rollout(lm(), first_digit_is_seven, encode=list, decode=str, num_generations=1, max_new_tokens=2, temperature=0)
+    model = lm()
+    with pytest.raises(KeyError, match="pass ref_params to make_rollout"):
+        grpo_objective(beta=0.1)(functional_forward(model), params_of(model), rollout_batch(), torch.tensor(4))
