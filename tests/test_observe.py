@@ -370,8 +370,9 @@ def test_update_early_stopping_is_pure():
 
 
 def test_early_stopping_errors():
-    with pytest.raises(ValueError, match=r"greater_is_better is needed for metric 'perplexity'(.|\n)*patience=0"):
-        early_stopping("perplexity", patience=0)
+    with pytest.raises(ValueError, match=r"'my_score'(.|\n)*greater_is_better(.|\n)*patience=0"):
+        early_stopping("my_score", patience=0)
+    assert early_stopping("eval_perplexity").greater_is_better is False  # the library's one rule
     with pytest.raises(ValueError, match="threshold=-0.1"):
         early_stopping("loss", threshold=-0.1)
     config = early_stopping("bleu", greater_is_better=True)

@@ -29,6 +29,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from trainfold.checkpoint import greater_is_better_for
 from trainfold.state import TrainState, scalar
 
 __all__ = [
@@ -381,7 +382,7 @@ def early_stopping(
     every improvement, however small, so steady progress of 0.4 per evaluation with
     ``threshold=0.5`` stops it; here it does not with ``patience >= 2``.) A NaN value never counts.
 
-    ``greater_is_better`` must be given unless the name ends in ``loss`` (then lower is better).
+    ``greater_is_better`` must be given unless the name settles it (``checkpoint.greater_is_better_for``).
 
     >>> es = early_stopping("eval_loss", patience=2, threshold=0.5)
     >>> es.greater_is_better
@@ -389,13 +390,10 @@ def early_stopping(
     """
     errors = []
     if greater_is_better is None:
-        if metric.endswith("loss"):
-            greater_is_better = False
-        else:
-            errors.append(
-                f"greater_is_better is needed for metric {metric!r}: pass True (e.g. accuracy) or False "
-                "(e.g. perplexity, wer); only names ending in 'loss' default to lower-is-better"
-            )
+        try:  # one rule for the whole library: the one best-model tracking uses
+            greater_is_better = greater_is_better_for(metric)
+        except ValueError as err:
+            errors.append(str(err))
     if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
         errors.append(f"patience={patience!r} must be an int >= 1 (evaluations without improvement before stopping)")
     if not isinstance(threshold, (int, float)) or not threshold >= 0 or math.isinf(threshold):

@@ -188,23 +188,6 @@ def _device(args: TrainingArguments) -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() and not args.use_cpu else torch.device("cpu")
 
 
-def _resolve_checkpoint(resume: bool | str | os.PathLike | None, output_dir: str) -> Path | None:
-    if resume is None or resume is False:
-        return None
-    if resume is True:
-        found = ckpt.latest_checkpoint(output_dir)
-        if found is None:
-            raise FileNotFoundError(
-                f"resume_from_checkpoint=True but {output_dir!r} holds no complete checkpoint-* directory; "
-                "start without resume_from_checkpoint or pass the path of a checkpoint"
-            )
-        return found
-    path = Path(resume)
-    if not ckpt.is_complete(path):
-        raise FileNotFoundError(f"{str(path)!r} is not a complete checkpoint (missing, or its save never finished)")
-    return path
-
-
 def _settings(args: TrainingArguments, world_size: int) -> dict[str, Any]:
     return {**args.to_dict(), "world_size": world_size}
 
@@ -413,7 +396,7 @@ def train(
     state = _initial_state(model, optimizer, args, metric_key, early_stopping, device)
     history: list[dict[str, Any]] = []
     settings = _settings(args, world_size)
-    source = _resolve_checkpoint(resume_from_checkpoint, args.output_dir)
+    source = ckpt.resume_checkpoint(resume_from_checkpoint, args.output_dir)
     if source is not None:
         meta = ckpt.read_metadata(source)
         ckpt.check_compatible(meta.get("settings", {}), settings, source=source)
