@@ -47,20 +47,22 @@ def byte_chunks(text: str, seq_len: int) -> list[dict[str, list[int]]]:
             for i in range(0, len(ids) - seq_len + 1, seq_len)]
 
 
-def _sample(model: TinyLM, state: Any, prompt: str, n: int = 80) -> str:
-    """Greedy continuation of ``prompt`` with the state's params (for a look at what was learned)."""
+def _sample(model: TinyLM, state: Any, prompt: str, n: int = 80, temperature: float = 0.7, seed: int = 0) -> str:
+    """Sample a continuation of ``prompt`` with the state's params (a look at what was learned)."""
     from trainfold.step import make_forward, train_mode  # noqa: PLC0415
 
     forward = make_forward(model, state.buffers)
     ids = byte_encode(prompt)
+    g = torch.Generator().manual_seed(seed)
     with torch.inference_mode(), train_mode(model, False):
         for _ in range(n):
             x = torch.tensor([ids[-model.config.max_len :]])
-            ids.append(int(forward(state.params, {"input_ids": x})[0, -1].argmax()))
+            probs = torch.softmax(forward(state.params, {"input_ids": x})[0, -1] / temperature, -1)
+            ids.append(int(torch.multinomial(probs, 1, generator=g)))
     return byte_decode(ids[len(byte_encode(prompt)) :])
 
 
-def run_demo(output_dir: str = "runs/demo", max_steps: int = 300, seq_len: int = 128, max_bytes: int = 1_500_000,
+def run_demo(output_dir: str = "runs/demo", max_steps: int = 300, seq_len: int = 64, max_bytes: int = 1_000_000,
              seed: int = 0) -> Any:
     """Train TinyLM on stdlib source and report held-out loss before and after; return the result."""
     from trainfold.train import train  # noqa: PLC0415
