@@ -1,44 +1,80 @@
-"""Data parallelism on ``torch.distributed``: the ``Collective`` the step sums counts and gradients with.
+"""Data parallelism on ``torch.distributed``: the ``Collective`` the step sums with, and sharded evaluation.
 
 Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set), ``collective_from_env()`` joins
 the process group (NCCL on GPUs, gloo on CPUs) and yields a ``ProcessGroupCollective``; alone it
 yields ``None`` and everything runs in one process. Gradients are summed in buckets: tensors of
 one dtype are flattened into a few large buffers, one ``all_reduce`` each, then copied back.
 
+Evaluation is sharded: each rank evaluates a contiguous slice of the eval set
+(:func:`shard_bounds`, :func:`shard`), and :func:`evaluate_sharded` / :func:`predict_sharded`
+merge the ranks' loss accumulators (sums and counts, with ``mean_loss``'s ``merge``) and gather
+the predictions back in dataset order, so every rank returns what one process would.
+
 >>> with collective_from_env() as c:
 ...     print(c)
 None
+>>> [shard_bounds(7, r, 2) for r in range(2)]
+[(0, 3), (3, 7)]
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
-from typing import Any
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
 
 import attrs
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["ProcessGroupCollective", "collective_from_env", "BUCKET_BYTES"]
+from trainfold.evaluation import (
+    EvalPrediction,
+    PredictionOutput,
+    check_metrics,
+    evaluate,
+    predict,
+    prefix_metrics,
+    to_numpy,
+)
+from trainfold.losses import IGNORE_INDEX, causal_lm, counter_for, logits_of
+from trainfold.reducers import fold, mean_loss, merge_all, pad_concat
+from trainfold.step import make_forward, train_mode
+
+__all__ = [
+    "BUCKET_BYTES",
+    "GatherCollective",
+    "ProcessGroupCollective",
+    "collective_from_env",
+    "evaluate_sharded",
+    "gather_rows",
+    "predict_sharded",
+    "process_group_collective",
+    "shard",
+    "shard_bounds",
+]
 
 BUCKET_BYTES = 25 * 2**20
 
 
 @attrs.frozen
 class ProcessGroupCollective:
-    """Sums over the ranks of a ``torch.distributed`` process group, bucketed."""
+    """Sums and gathers over the ranks of a ``torch.distributed`` process group, bucketed.
+
+    ``device`` is where tensors travel (a CUDA device for NCCL, the CPU for gloo); tensors
+    elsewhere are copied there and back.
+    """
 
     rank: int
     world_size: int
     group: Any = None
-    device: torch.device = torch.device("cpu")
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
     bucket_bytes: int = BUCKET_BYTES
 
     def sum_(self, tensors: list[Tensor]) -> None:
-        """Replace each tensor by its sum over all ranks, in place (tensors owned by the caller's step)."""
+        """Replace each tensor by its sum over all ranks, in place: one ``all_reduce`` per bucket."""
         for bucket in _buckets(tensors, self.bucket_bytes):
             flat = torch.cat([t.reshape(-1).to(self.device) for t in bucket])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
@@ -54,6 +90,29 @@ class ProcessGroupCollective:
             buf = t.to(self.device)
             dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
             t.copy_(buf)
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """Return every rank's ``tensor`` (same shape and dtype on all ranks), in rank order."""
+        buf = tensor.to(self.device).contiguous()
+        out = [torch.empty_like(buf) for _ in range(self.world_size)]
+        dist.all_gather(out, buf, group=self.group)
+        return [t.to(tensor.device) for t in out]
+
+
+class GatherCollective(Protocol):
+    """What sharded evaluation needs from a process group: sums, maxima and gathers in rank order."""
+
+    rank: int
+    world_size: int
+
+    def sum_(self, tensors: list[Tensor]) -> None:
+        """Replace each tensor by its sum over all ranks, in place."""
+
+    def max_(self, tensors: list[Tensor]) -> None:
+        """Replace each tensor by its maximum over all ranks, in place."""
+
+    def all_gather(self, tensor: Tensor) -> list[Tensor]:
+        """Return every rank's tensor, in rank order."""
 
 
 def _buckets(tensors: list[Tensor], limit: int) -> Iterator[list[Tensor]]:
@@ -75,25 +134,339 @@ def _buckets(tensors: list[Tensor], limit: int) -> Iterator[list[Tensor]]:
             yield bucket
 
 
+def process_group_collective(group: Any = None, bucket_bytes: int = BUCKET_BYTES) -> ProcessGroupCollective:
+    """Return the collective of an already initialised process group (default: the world).
+
+    NCCL groups communicate on ``cuda:LOCAL_RANK``; others on the CPU.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "process_group_collective() needs an initialised process group: call "
+            "torch.distributed.init_process_group first, or use collective_from_env() under torchrun"
+        )
+    device = torch.device("cpu")
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return ProcessGroupCollective(dist.get_rank(group), dist.get_world_size(group), group=group, device=device,
+                                  bucket_bytes=bucket_bytes)
+
+
 @contextlib.contextmanager
 def collective_from_env(backend: str | None = None) -> Iterator[ProcessGroupCollective | None]:
-    """Join the torchrun process group for the block (and leave it after); ``None`` when alone."""
+    """Join the torchrun process group for the block (and leave it after); ``None`` when alone.
+
+    An already initialised process group is used as it is (and left open). After the block the
+    ranks meet at a barrier before the group is destroyed, so no rank leaves while another still
+    writes (rank 0's last checkpoint); after an exception the group is destroyed without waiting.
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
+    if world <= 1 and not dist.is_initialized():
         yield None
         return
-    cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if cuda else "gloo")
     owned = not dist.is_initialized()
     if owned:
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)
-    device = torch.device("cpu")
-    if backend == "nccl":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
     try:
-        yield ProcessGroupCollective(dist.get_rank(), dist.get_world_size(), device=device)
-    finally:
+        yield process_group_collective()
+    except BaseException:
         if owned:
-            dist.barrier()
             dist.destroy_process_group()
+        raise
+    if owned:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# -- sharded evaluation -------------------------------------------------------------------------
+
+
+def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Return ``(start, stop)`` of ``rank``'s contiguous slice of ``n`` items (sizes differ by at most 1).
+
+    Slices in rank order cover ``range(n)`` exactly once, so gathering in rank order is dataset order.
+
+    >>> [shard_bounds(5, r, 3) for r in range(3)]
+    [(0, 1), (1, 3), (3, 5)]
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size}) with world_size >= 1")
+    if n < 0:
+        raise ValueError(f"n={n} items must be >= 0")
+    return n * rank // world_size, n * (rank + 1) // world_size
+
+
+@attrs.frozen
+class _Shard:
+    """A contiguous slice of a dataset, indexable like a dataset."""
+
+    dataset: Any
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, index: int) -> Any:
+        if not 0 <= index < len(self):
+            raise IndexError(f"index {index} is out of this shard of {len(self)} items")
+        return self.dataset[self.start + index]
+
+
+def shard(dataset: Any, rank: int, world_size: int) -> Sequence[Any]:
+    """Return ``rank``'s contiguous slice of ``dataset`` (a sized, indexable dataset) as a dataset.
+
+    Every rank must get at least one item, so ``len(dataset) >= world_size``.
+
+    >>> [list(shard(list("abcde"), r, 2)) for r in range(2)]
+    [['a', 'b'], ['c', 'd', 'e']]
+    """
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(
+            f"cannot shard a {type(dataset).__name__} without __len__ and __getitem__; evaluate it whole on "
+            "every rank, or give a map-style dataset"
+        )
+    if len(dataset) < world_size:
+        raise ValueError(
+            f"an eval set of {len(dataset)} items cannot give each of {world_size} ranks one; "
+            "evaluate it on every rank unsharded, or use more eval data"
+        )
+    return _Shard(dataset, *shard_bounds(len(dataset), rank, world_size))
+
+
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool)
+_MAX_DIMS = 8
+
+
+def _meta(t: Tensor | None) -> Tensor:
+    """Encode presence, dtype and shape of ``t`` in a fixed-size int64 vector."""
+    meta = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64)
+    if t is None:
+        return meta
+    if t.dim() == 0 or t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
+        raise ValueError(f"cannot gather a {t.dtype} tensor of shape {tuple(t.shape)}: it needs 1 to {_MAX_DIMS} "
+                         f"dims (rows first) and one of the dtypes {[str(d) for d in _DTYPES]}")
+    meta[0], meta[1], meta[2] = 1, _DTYPES.index(t.dtype), t.dim()
+    meta[3 : 3 + t.dim()] = torch.tensor(t.shape)
+    return meta
+
+
+def gather_rows(tensor: Tensor | None, collective: GatherCollective, pad_index: float = IGNORE_INDEX) -> Tensor | None:
+    """Concatenate every rank's rows in rank order, right-padding dim 1 with ``pad_index``; the same on every rank.
+
+    Like ``reducers.pad_concat`` of the ranks' tensors. A rank with nothing passes ``None``; the
+    result is ``None`` when every rank does. Dtypes and dims after the first two must agree.
+    """
+    metas = collective.all_gather(_meta(tensor))
+    present = [m for m in metas if int(m[0])]
+    if not present:
+        return None
+    kinds = {(int(m[1]), int(m[2]), tuple(m[5 : 3 + int(m[2])].tolist())) for m in present}
+    if len(kinds) > 1:
+        shown = sorted((str(_DTYPES[d]), n, rest) for d, n, rest in kinds)
+        raise ValueError(
+            f"ranks hold tensors that cannot be concatenated (dtype, dims, trailing shape): {shown}; "
+            "make every rank return the same dtype and trailing dims"
+        )
+    dtype_index, ndim, _ = kinds.pop()
+    dims = torch.stack([m[3 : 3 + ndim] for m in present]).amax(0)
+    rows = [int(m[3]) if int(m[0]) else 0 for m in metas]
+    full = (max(rows), *dims[1:].tolist())
+    local = tensor if tensor is not None else torch.empty((0, *full[1:]), dtype=_DTYPES[dtype_index])
+    padded = local.new_full(full, pad_index) if ndim >= 2 else local.new_zeros(full)
+    padded[tuple(slice(0, s) for s in local.shape)] = local
+    pieces = collective.all_gather(padded)
+    return torch.cat([p[:n] for p, n in zip(pieces, rows)])
+
+
+@attrs.frozen(eq=False)
+class _Outputs:
+    """One rank's evaluation of its shard: the loss accumulator and the concatenated tensors."""
+
+    loss_acc: Any
+    labelled: int
+    samples: int
+    batches: int
+    predictions: Any
+    label_ids: Tensor | None
+
+
+def _forward_of(model_or_forward: Any, params: Any, buffers: Mapping[str, Tensor] | None) -> tuple[Any, Mapping[str, Tensor]]:
+    if params is not None and hasattr(params, "params") and hasattr(params, "buffers"):  # a TrainState
+        params, buffers = params.params, (params.buffers if buffers is None else buffers)
+    if not isinstance(model_or_forward, nn.Module):
+        if params is None or not callable(model_or_forward):
+            raise TypeError("sharded evaluation needs an nn.Module, or a forward(params, inputs) function and params")
+        return model_or_forward, params
+    model = model_or_forward
+    if params is None:
+        params = dict(model.named_parameters())
+    if buffers is None:
+        buffers = {**{k: p for k, p in model.named_parameters() if k not in params}, **dict(model.named_buffers())}
+    return make_forward(model, buffers), params
+
+
+def _run_shard(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, Any]], *, loss: Callable[..., Tensor],
+               gather: bool, preprocess: Any, label_key: str, buffers: Any, predictions_of: Callable[[Any], Any]) -> _Outputs:
+    forward, params = _forward_of(model_or_forward, params, buffers)
+    count_items = counter_for(loss)
+    first = next(iter(params.values()), None)
+    device = first.device if isinstance(first, Tensor) else None
+    pairs, preds, labels, samples, batch_count = [], [], [], 0, 0
+    mode = train_mode(model_or_forward, False) if isinstance(model_or_forward, nn.Module) else contextlib.nullcontext()
+    with mode, torch.inference_mode():
+        for batch in batches:
+            batch = {k: v.to(device) if device is not None and isinstance(v, Tensor) else v for k, v in batch.items()}
+            y = batch.get(label_key)
+            outputs = forward(params, {k: v for k, v in batch.items() if k != label_key})
+            batch_count += 1
+            samples += next((int(v.shape[0]) for v in batch.values() if isinstance(v, Tensor) and v.dim() > 0), 0)
+            if y is not None:
+                n = torch.as_tensor(count_items(y)).reshape(()).to(torch.int64)
+                pairs.append((loss(outputs, y, n).detach().double() * n.double(), n))  # the exact sum, as evaluate does
+            if gather:
+                p = predictions_of(outputs)
+                preds.append(preprocess(p, y) if preprocess is not None else p)
+                if y is not None:
+                    labels.append(y)
+    acc = fold(mean_loss(), [(s.cpu(), n.cpu()) for s, n in pairs])
+    return _Outputs(acc, len(pairs), samples, batch_count, pad_concat(preds) if preds else None,
+                    pad_concat(labels) if labels else None)
+
+
+def _merge(out: _Outputs, collective: GatherCollective, gather: bool, runtime: float) -> dict[str, Any]:
+    """Merge the ranks' outputs: loss accumulators with ``mean_loss().merge``, tensors gathered in rank order."""
+    total, count = out.loss_acc
+    row = torch.tensor([total.item()], dtype=torch.float64)
+    counts = torch.tensor([int(count), out.labelled, out.samples, out.batches], dtype=torch.int64)
+    sums = [r.reshape(()) for r in collective.all_gather(row)]
+    parts = collective.all_gather(counts)
+    reducer = mean_loss()
+    merged = merge_all(reducer, [(s, p[0]) for s, p in zip(sums, parts)])
+    labelled, samples, batches = (int(sum(int(p[i]) for p in parts)) for i in (1, 2, 3))
+    slowest = torch.tensor([runtime], dtype=torch.float64)
+    collective.max_([slowest])
+    merged_out: dict[str, Any] = {"loss": reducer.complete(merged), "labelled": labelled, "samples": samples,
+                                  "batches": batches, "runtime": float(slowest)}
+    if gather:
+        merged_out["predictions"] = _gather_tree(out.predictions, collective)
+        merged_out["label_ids"] = gather_rows(out.label_ids, collective)
+    return merged_out
+
+
+def _gather_tree(tree: Any, collective: GatherCollective) -> Any:
+    if tree is None or isinstance(tree, Tensor):
+        return gather_rows(tree, collective)
+    if isinstance(tree, Mapping):
+        return {k: _gather_tree(v, collective) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return type(tree)(_gather_tree(v, collective) for v in tree)
+    raise TypeError(f"cannot gather predictions of type {type(tree).__name__}: return tensors or tuples/dicts of them")
+
+
+def _speed(runtime: float, samples: int, batches: int) -> dict[str, float]:
+    runtime = max(runtime, 1e-9)
+    return {"runtime": round(runtime, 4), "samples_per_second": round(samples / runtime, 3),
+            "steps_per_second": round(batches / runtime, 3)}
+
+
+def _sharded(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, Any]], collective: GatherCollective,
+             gather: bool, options: dict[str, Any]) -> dict[str, Any]:
+    start = time.perf_counter()
+    out = _run_shard(model_or_forward, params, batches, gather=gather, **options)
+    return _merge(out, collective, gather, time.perf_counter() - start)
+
+
+def _metrics(merged: dict[str, Any], compute_metrics: Any, prefix: str, as_numpy: bool, speed: bool) -> dict[str, Any]:
+    metrics: dict[str, Any] = {}
+    if compute_metrics is not None and merged.get("predictions") is not None and merged.get("label_ids") is not None:
+        conv = to_numpy if as_numpy else (lambda x: x)
+        metrics = check_metrics(compute_metrics(EvalPrediction(conv(merged["predictions"]), conv(merged["label_ids"]))))
+    if merged["labelled"]:
+        if "loss" in metrics or f"{prefix}_loss" in metrics:
+            raise ValueError(f"compute_metrics returned a 'loss' metric, which would hide {prefix}_loss; rename it")
+        metrics["loss"] = merged["loss"]
+    if speed:
+        metrics.update(_speed(merged["runtime"], merged["samples"], merged["batches"]))
+    return prefix_metrics(metrics, prefix)
+
+
+def evaluate_sharded(
+    model_or_forward: nn.Module | Callable[..., Any],
+    params: Any,
+    batches: Iterable[Mapping[str, Any]],
+    *,
+    collective: GatherCollective | None,
+    loss: Callable[..., Tensor] = causal_lm,
+    compute_metrics: Callable[[EvalPrediction], Mapping[str, Any]] | None = None,
+    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+    prediction_loss_only: bool = False,
+    metric_key_prefix: str = "eval",
+    label_key: str = "labels",
+    buffers: Mapping[str, Tensor] | None = None,
+    predictions_of: Callable[[Any], Any] = logits_of,
+    as_numpy: bool = True,
+    speed_metrics: bool = True,
+    eval_accumulation_steps: int | None = None,
+) -> dict[str, float]:
+    """Evaluate this rank's shard (``batches``, from :func:`shard`) and return the whole eval set's metrics.
+
+    Every rank must call it, with the batches of its own contiguous shard. The eval loss is the
+    token-level mean over all ranks: each rank's ``(loss sum, item count)`` accumulator is merged
+    with ``mean_loss``'s ``merge``, never an average of averages. With ``compute_metrics``, the
+    (preprocessed) predictions and labels are gathered in rank order, i.e. dataset order, and
+    ``compute_metrics`` sees the whole set on every rank, so every rank returns the same metrics.
+    ``collective=None`` is one process: it is ``evaluation.evaluate`` (which also takes
+    ``eval_accumulation_steps``; sharded predictions stay on their device until gathered).
+    """
+    if collective is None:
+        return evaluate(model_or_forward, params, batches, loss=loss, compute_metrics=compute_metrics,
+                        preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+                        eval_accumulation_steps=eval_accumulation_steps, prediction_loss_only=prediction_loss_only,
+                        metric_key_prefix=metric_key_prefix, label_key=label_key, buffers=buffers,
+                        predictions_of=predictions_of, as_numpy=as_numpy, speed_metrics=speed_metrics)
+    if prediction_loss_only and compute_metrics is not None:
+        raise ValueError("prediction_loss_only=True gathers no predictions, so compute_metrics would never run; "
+                         "drop one of them")
+    gather = compute_metrics is not None
+    options = {"loss": loss, "preprocess": preprocess_logits_for_metrics, "label_key": label_key, "buffers": buffers,
+                   "predictions_of": predictions_of}
+    merged = _sharded(model_or_forward, params, batches, collective, gather, options)
+    return _metrics(merged, compute_metrics, metric_key_prefix, as_numpy, speed_metrics)
+
+
+def predict_sharded(
+    model_or_forward: nn.Module | Callable[..., Any],
+    params: Any,
+    batches: Iterable[Mapping[str, Any]],
+    *,
+    collective: GatherCollective | None,
+    loss: Callable[..., Tensor] = causal_lm,
+    compute_metrics: Callable[[EvalPrediction], Mapping[str, Any]] | None = None,
+    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+    metric_key_prefix: str = "test",
+    label_key: str = "labels",
+    buffers: Mapping[str, Tensor] | None = None,
+    predictions_of: Callable[[Any], Any] = logits_of,
+    as_numpy: bool = True,
+    speed_metrics: bool = True,
+) -> PredictionOutput:
+    """Return the whole set's predictions and labels in dataset order, and its metrics, from this rank's shard.
+
+    As :func:`evaluate_sharded`, but predictions are always gathered (on every rank);
+    ``collective=None`` is ``evaluation.predict``.
+    """
+    if collective is None:
+        return predict(model_or_forward, params, batches, loss=loss, compute_metrics=compute_metrics,
+                       preprocess_logits_for_metrics=preprocess_logits_for_metrics, metric_key_prefix=metric_key_prefix,
+                       label_key=label_key, buffers=buffers, predictions_of=predictions_of, as_numpy=as_numpy,
+                       speed_metrics=speed_metrics)
+    options = {"loss": loss, "preprocess": preprocess_logits_for_metrics, "label_key": label_key, "buffers": buffers,
+                   "predictions_of": predictions_of}
+    merged = _sharded(model_or_forward, params, batches, collective, True, options)
+    metrics = _metrics(merged, compute_metrics, metric_key_prefix, as_numpy, speed_metrics)
+    conv = to_numpy if as_numpy else (lambda x: x)
+    return PredictionOutput(conv(merged["predictions"]), conv(merged["label_ids"]), metrics)

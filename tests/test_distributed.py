@@ -1,0 +1,504 @@
+"""Data parallelism on gloo: 2 processes match 1, resume bitwise, stop together on SIGTERM, evaluate sharded.
+
+Run as a script, this file is the worker of the 2-process tests::
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/test_distributed.py OUT_DIR
+
+It trains and evaluates under ``collective_from_env()`` and writes what each rank ends with to
+``OUT_DIR`` (safetensors and JSON); the tests compare that with the same runs in one process.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from trainfold import TrainingArguments, checkpoint, train
+from trainfold.data import keyed, pad_collate
+from trainfold.distributed import (
+    ProcessGroupCollective,
+    collective_from_env,
+    evaluate_sharded,
+    gather_rows,
+    predict_sharded,
+    shard,
+    shard_bounds,
+)
+from trainfold.evaluation import evaluate, predict
+from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.optim import adamw
+from trainfold.reducers import pad_concat
+from trainfold.state import init_state
+from trainfold.step import make_step
+from trainfold.tree import flatten
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 2
+B = 2  # per-device batch of the 2-process runs; the 1-process runs take 2B
+STRATEGIES = ("random", "batch_rebalance")
+RESUME_AT = 3  # 22 rows, global batch 4: 6 steps per epoch, so step 3 is mid-epoch
+
+
+# -- shared by the tests and the worker ------------------------------------------------------------
+
+
+def model(dropout: float = 0.0) -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM(TinyLMConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, max_len=24, dropout=dropout))
+
+
+def rows(n: int = 22) -> list[dict]:
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 40, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+_pad = pad_collate()
+
+
+def _mask_some(items, keys):
+    batch = _pad(items)  # uneven lengths: -100 right padding
+    for row, key in enumerate(keys):  # and some labels masked, drawn from (seed, epoch, index)
+        drop = torch.rand(batch["labels"].shape[1], generator=torch.Generator().manual_seed(key)) < 0.2
+        batch["labels"][row, drop] = -100
+    return batch
+
+
+collate = keyed(_mask_some)
+
+
+def settings_for(out: Path, strategy: str, **over) -> TrainingArguments:
+    base = {
+        "output_dir": str(out), "max_steps": 10, "per_device_train_batch_size": B, "learning_rate": 1e-2, "warmup_steps": 2,
+        "weight_decay": 0.1, "max_grad_norm": 1.0, "seed": 11, "train_sampling_strategy": strategy, "logging_steps": 1,
+        "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+    }
+    return TrainingArguments(**{**base, **over})
+
+
+def losses_of(history) -> list[list[float]]:
+    return [[h["step"], h["loss"]] for h in history if "loss" in h and "train_loss" not in h]
+
+
+def token_accuracy(p) -> dict[str, float]:
+    predicted, labels = p.predictions.argmax(-1)[:, :-1], p.label_ids[:, 1:]
+    mask = labels != -100
+    return {"accuracy": float((predicted == labels)[mask].mean())}
+
+
+def eval_batches(data, size: int = 2):
+    return [_pad(data[i:i + size]) for i in range(0, len(data), size)]
+
+
+def _state_tensors(state) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().contiguous() for k, v in flatten(state).items()}
+
+
+def _worker(out: Path) -> None:
+    """Run every 2-process case on this rank; write its results under ``out``."""
+    import torch.distributed as dist
+
+    with collective_from_env() as c:
+        assert c is not None and c.world_size == WORLD
+        r = c.rank
+        for strategy in STRATEGIES:  # equivalence with one process
+            res = train(model(), settings_for(out / f"eq-{strategy}", strategy), rows(), data_collator=collate, collective=c)
+            save_file(_state_tensors(res.state), out / f"eq-{strategy}-{r}.safetensors")
+            (out / f"eq-{strategy}-{r}.json").write_text(json.dumps(losses_of(res.log_history)))
+        for strategy in STRATEGIES:  # bitwise resume from a mid-epoch checkpoint
+            kw = {"data_collator": collate, "collective": c}
+            straight = train(model(0.1), settings_for(out / f"straight-{strategy}", strategy, max_steps=8), rows(), **kw)
+            part = out / f"resumed-{strategy}"
+            first = train(model(0.1), settings_for(part, strategy, max_steps=8, save_strategy="steps", save_steps=RESUME_AT),
+                          rows(), stop=lambda s: int(s.step) >= RESUME_AT, **kw)
+            assert first.status == "stopped" and first.global_step == RESUME_AT
+            dist.barrier()  # rank 0 has written the checkpoint
+            resumed = train(model(0.1), settings_for(part, strategy, max_steps=8), rows(), resume_from_checkpoint=True, **kw)
+            save_file(_state_tensors(straight.state), out / f"straight-{strategy}-{r}.safetensors")
+            save_file(_state_tensors(resumed.state), out / f"resumed-{strategy}-{r}.safetensors")
+            losses = {"straight": losses_of(straight.log_history), "resumed": losses_of(resumed.log_history)}
+            (out / f"resume-{strategy}-{r}.json").write_text(json.dumps(losses))
+        net = model()  # sharded evaluation of 7 rows: shards of 3 and 4
+        mine = eval_batches(list(shard(rows(7), r, WORLD)))
+        metrics = evaluate_sharded(net, None, mine, collective=c, compute_metrics=token_accuracy, speed_metrics=False)
+        pred = predict_sharded(net, None, mine, collective=c, as_numpy=False, speed_metrics=False)
+        (out / f"eval-{r}.json").write_text(json.dumps({"evaluate": metrics, "predict": pred.metrics}))
+        save_file({"predictions": pred.predictions, "label_ids": pred.label_ids}, out / f"predict-{r}.safetensors")
+
+
+# -- the 2-process run (one launch for every case) ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ddp")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           str(Path(__file__).resolve()), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out
+
+
+def _assert_same_on_every_rank(out: Path, name: str) -> dict[str, torch.Tensor]:
+    per_rank = [load_file(out / f"{name}-{r}.safetensors") for r in range(WORLD)]
+    for other in per_rank[1:]:
+        assert other.keys() == per_rank[0].keys()
+        for k in per_rank[0]:
+            assert torch.equal(per_rank[0][k], other[k]), f"{name}: {k} differs between ranks"
+    return per_rank[0]
+
+
+def _without_key_bias(key: str, t: torch.Tensor) -> torch.Tensor:
+    """Drop the attention key bias: softmax ignores it, so its true gradient is 0 and AdamW turns
+    the float32 rounding noise of its gradient into lr-sized steps of arbitrary sign."""
+    d = 16
+    return torch.cat([t[:d], t[2 * d:]]) if key.endswith("qkv.bias") else t
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_two_processes_of_batch_b_match_one_process_of_batch_2b(ranks, strategy, tmp_path):
+    two = _assert_same_on_every_rank(ranks, f"eq-{strategy}")
+    one = train(model(), settings_for(tmp_path, strategy, per_device_train_batch_size=WORLD * B), rows(),
+                data_collator=collate)
+    ref = _state_tensors(one.state)
+    for key in [k for k in ref if k.startswith(("params.", "opt_state."))]:
+        a, b = _without_key_bias(key, two[key]), _without_key_bias(key, ref[key])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+    assert int(two["step"]) == int(ref["step"]) == 10
+    assert two["metrics.num_items"].item() == ref["metrics.num_items"].item()  # counted over both ranks
+    losses = [json.loads((ranks / f"eq-{strategy}-{r}.json").read_text()) for r in range(WORLD)]
+    assert losses[0] == losses[1]
+    expected = losses_of(one.log_history)
+    assert [s for s, _ in losses[0]] == [s for s, _ in expected] == list(range(1, 11))
+    assert [v for _, v in losses[0]] == pytest.approx([v for _, v in expected], rel=1e-5)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_resume_under_two_processes_is_bitwise(ranks, strategy):
+    straight = _assert_same_on_every_rank(ranks, f"straight-{strategy}")
+    resumed = _assert_same_on_every_rank(ranks, f"resumed-{strategy}")
+    for key in straight:
+        if key.startswith("extras.") or key == "metrics.num_items":
+            continue
+        assert torch.equal(straight[key], resumed[key]), key
+    assert int(resumed["step"]) == 8
+    losses = json.loads((ranks / f"resume-{strategy}-0.json").read_text())
+    assert [s for s, _ in losses["resumed"]][-1] == 8
+    assert losses["resumed"] == losses["straight"]  # the resumed run's history carries the first part's losses
+
+
+def test_sharded_evaluation_matches_one_process(ranks):
+    data, net = rows(7), model()
+    whole = evaluate(net, None, eval_batches(data), compute_metrics=token_accuracy, speed_metrics=False)
+    ref = predict(net, None, eval_batches(data), as_numpy=False, speed_metrics=False)
+    results = [json.loads((ranks / f"eval-{r}.json").read_text()) for r in range(WORLD)]
+    assert results[0] == results[1]
+    assert results[0]["evaluate"]["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)  # other batches
+    assert results[0]["evaluate"]["eval_accuracy"] == whole["eval_accuracy"]
+    assert results[0]["predict"]["test_loss"] == pytest.approx(ref.metrics["test_loss"], rel=1e-6)
+    gathered = _assert_same_on_every_rank(ranks, "predict")
+    assert torch.equal(gathered["label_ids"], ref.label_ids)  # dataset order, -100 padding
+    valid = ref.label_ids != -100  # logits at padding depend on the batch's width; compare real positions
+    assert gathered["predictions"].shape == ref.predictions.shape
+    torch.testing.assert_close(gathered["predictions"][valid], ref.predictions[valid], rtol=1e-5, atol=1e-5)
+
+
+# -- preemption: SIGTERM to one rank of the CLI ---------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sigterm_to_one_rank_stops_both_at_one_step_with_one_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    config = tmp_path / "run.toml"
+    config.write_text(textwrap.dedent(f"""
+        [model]
+        type = "tinylm"
+        config = {{ d_model = 16, n_layers = 1, n_heads = 2, max_len = 32 }}
+        [data]
+        train = "stdlib"
+        seq_len = 32
+        max_bytes = 40000
+        [args]
+        output_dir = "{out}"
+        max_steps = 100000
+        per_device_train_batch_size = 4
+        save_strategy = "no"
+        enable_jit_checkpoint = true
+        disable_tqdm = true
+        logging_steps = 1
+        report_to = ["jsonl"]
+    """))
+    port = _free_port()
+    procs = []
+    for rank in range(WORLD):  # what torchrun sets for each worker
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+               "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+        procs.append(subprocess.Popen([sys.executable, "-m", "trainfold", "train", "--config", str(config)], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        log = out / "log.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+            assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)  # only rank 1
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 143, err[-3000:]
+    reports = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in results]
+    assert [r["status"] for r in reports] == ["preempted"] * WORLD
+    assert reports[0]["global_step"] == reports[1]["global_step"] >= 3
+    found = sorted(out.glob("checkpoint-*"))
+    assert [p.name for p in found] == [f"checkpoint-{reports[0]['global_step']}"]
+    assert checkpoint.is_complete(found[0]) and checkpoint.read_metadata(found[0])["step"] == reports[0]["global_step"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".") or "tmp" in p.name]
+
+
+# -- in one process: bucketing, and collectives simulated by threads ------------------------------
+
+
+class _Recorder:
+    """A stand-in for ``dist.all_reduce`` in a world of identical ranks: records each call."""
+
+    def __init__(self, world: int) -> None:
+        self.world, self.calls = world, []
+
+    def __call__(self, tensor, op=None, group=None):
+        self.calls.append((tensor.dtype, tensor.numel()))
+        tensor.mul_(self.world)
+
+
+def test_sum_makes_one_all_reduce_per_bucket(monkeypatch):
+    rec = _Recorder(2)
+    monkeypatch.setattr("trainfold.distributed.dist.all_reduce", rec)
+    floats = [torch.full((4,), float(i)) for i in range(5)]  # 16 bytes each
+    count = torch.tensor(3)
+    ProcessGroupCollective(0, 2, bucket_bytes=64).sum_([*floats, count])
+    assert rec.calls == [(torch.float32, 16), (torch.float32, 4), (torch.int64, 1)]
+    assert [t.tolist() for t in floats] == [[2.0 * i] * 4 for i in range(5)] and count.item() == 6
+
+
+def test_a_step_all_reduces_the_count_and_one_gradient_bucket(monkeypatch):
+    rec = _Recorder(1)
+    monkeypatch.setattr("trainfold.distributed.dist.all_reduce", rec)
+    net, opt = model(), adamw(1e-3)
+    batch = [collate(rows(4)[:2], [1, 2]), collate(rows(4)[2:], [3, 4])]
+    state = init_state(net, opt, seed=0)
+    alone = make_step(net, optimizer=opt)(state, batch)
+    shared = make_step(net, optimizer=opt, collective=ProcessGroupCollective(0, 1))(state, batch)
+    assert len(state.params) > 10
+    assert rec.calls == [(torch.int64, 1), (torch.float32, sum(p.numel() for p in state.params.values()) + 1)]
+    for k in alone.params:
+        assert torch.equal(alone.params[k], shared.params[k])
+
+
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=12), limit=st.integers(4, 200))
+@settings(max_examples=40, deadline=None)
+def test_buckets_coalesce_up_to_the_limit(sizes, limit):
+    rec = _Recorder(3)
+    tensors = [torch.arange(n, dtype=torch.float32) for n in sizes]
+    expected = [3 * t for t in tensors]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("trainfold.distributed.dist.all_reduce", rec)
+        ProcessGroupCollective(0, 3, bucket_bytes=limit).sum_(tensors)
+    for got, want in zip(tensors, expected):
+        assert torch.equal(got, want)
+    numels = [n for _, n in rec.calls]
+    buckets, i = [], 0  # the calls cut the tensors into consecutive runs
+    for n in numels:
+        run = []
+        while sum(run) < n:
+            run.append(sizes[i])
+            i += 1
+        assert sum(run) == n
+        buckets.append(run)
+    assert i == len(sizes)
+    for run in buckets:
+        assert 4 * sum(run) <= limit or len(run) == 1  # within the limit, or one tensor larger than it
+    for run, after in itertools.pairwise(buckets):
+        assert 4 * (sum(run) + after[0]) > limit  # the next tensor did not fit: buckets are as full as allowed
+
+
+@attrs.define
+class _Room:
+    """Ranks simulated by threads that meet here to exchange tensors."""
+
+    world: int
+    barrier: threading.Barrier = attrs.field(init=False)
+    slots: list = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.barrier, self.slots = threading.Barrier(self.world, timeout=30), [None] * self.world
+
+
+@attrs.frozen
+class _ThreadRank:
+    room: _Room
+    rank: int
+
+    @property
+    def world_size(self) -> int:
+        return self.room.world
+
+    def all_gather(self, tensor):
+        self.room.slots[self.rank] = tensor.clone()
+        self.room.barrier.wait()
+        out = list(self.room.slots)
+        self.room.barrier.wait()
+        return out
+
+    def sum_(self, tensors):
+        for t in tensors:
+            t.copy_(torch.stack(self.all_gather(t)).sum(0))
+
+    def max_(self, tensors):
+        for t in tensors:
+            t.copy_(torch.stack(self.all_gather(t)).amax(0))
+
+
+def _on_threads(world: int, fn) -> list:
+    room, results, errors = _Room(world), [None] * world, []
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(_ThreadRank(room, rank))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+            errors.append(e)
+            room.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_sharded_evaluation_on_simulated_ranks_matches_evaluate():
+    data = rows(9)
+    nets = [model() for _ in range(3)]  # one module per thread: functional_call swaps its tensors
+    whole = evaluate(nets[0], None, eval_batches(data, 2), compute_metrics=token_accuracy, speed_metrics=False)
+
+    def rank_eval(c):
+        mine = eval_batches(list(shard(data, c.rank, c.world_size)), 2)
+        return evaluate_sharded(nets[c.rank], None, mine, collective=c, compute_metrics=token_accuracy, speed_metrics=False)
+
+    for got in _on_threads(3, rank_eval):  # other batches than one process's: float32 noise per batch
+        assert got["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)
+        assert got["eval_accuracy"] == whole["eval_accuracy"]
+
+
+def test_a_loss_only_sharded_evaluation_merges_sums_and_counts():
+    # Shards of 3 short rows and 6 long ones: a mean of the shard means is far from the token mean.
+    # The shards hold whole batches of the one-process run, so only the float64 sums' order differs.
+    data = [{"input_ids": [1, 2], "labels": [1, 2]}] * 3 + rows(6)
+    net = model()
+    whole = evaluate(net, None, eval_batches(data, 3), speed_metrics=False)
+    nets = [copy.deepcopy(net) for _ in range(2)]
+    parts = [data[:3], data[3:]]
+    got = _on_threads(2, lambda c: evaluate_sharded(nets[c.rank], None, eval_batches(parts[c.rank], 3), collective=c,
+                                                    speed_metrics=False))
+    assert got[0] == got[1]
+    assert got[0]["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-12)
+    alone = [evaluate(net, None, eval_batches(p, 3), speed_metrics=False)["eval_loss"] for p in parts]
+    assert abs(sum(alone) / 2 - whole["eval_loss"]) > 1e-3
+
+
+@given(
+    shapes=st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=0, max_size=3), min_size=2, max_size=3),
+)
+@settings(max_examples=15, deadline=None)
+def test_gather_rows_is_pad_concat_in_rank_order(shapes):
+    # each rank holds a few (rows, width) pieces, already pad-concatenated; some ranks hold nothing
+    per_rank = [[torch.randn(n, w) for n, w in pieces] for pieces in shapes]
+    local = [pad_concat(p) if p else None for p in per_rank]
+    got = _on_threads(len(shapes), lambda c: gather_rows(local[c.rank], c))
+    everything = [t for p in per_rank for t in p]
+    expected = pad_concat(everything) if everything else None
+    for g in got:
+        if expected is None:
+            assert g is None
+        else:
+            assert torch.equal(g, expected)
+
+
+def test_predictions_come_back_in_dataset_order():
+    data = rows(5)
+    net = model()
+    ref = predict(net, None, eval_batches(data, 2), as_numpy=False, speed_metrics=False)
+    nets = [copy.deepcopy(net) for _ in range(2)]
+    got = _on_threads(2, lambda c: predict_sharded(nets[c.rank], None, eval_batches(list(shard(data, c.rank, 2)), 2),
+                                                   collective=c, as_numpy=False, speed_metrics=False))
+    for out in got:
+        assert torch.equal(out.label_ids, ref.label_ids)
+        valid = ref.label_ids != -100
+        torch.testing.assert_close(out.predictions[valid], ref.predictions[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_shards_cover_the_data_once_in_order():
+    for n in range(12):
+        for world in range(1, 5):
+            bounds = [shard_bounds(n, r, world) for r in range(world)]
+            assert [i for a, b in bounds for i in range(a, b)] == list(range(n))
+            assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
+
+
+def test_alone_there_is_no_collective(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with collective_from_env() as c:
+        assert c is None
+
+
+# -- errors ----------------------------------------------------------------------------------------
+
+
+def test_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"rank=2 must be in \[0, world_size=2\)"):
+        shard_bounds(5, 2, 2)
+    with pytest.raises(ValueError, match="cannot give each of 3 ranks one"):
+        shard([1, 2], 0, 3)
+    with pytest.raises(TypeError, match="without __len__"):
+        shard(iter([1, 2]), 0, 2)
+    with pytest.raises(ValueError, match="prediction_loss_only=True"):
+        evaluate_sharded(model(), None, [], collective=_ThreadRank(_Room(1), 0), prediction_loss_only=True,
+                         compute_metrics=token_accuracy)
+    with pytest.raises(ValueError, match="cannot be concatenated"):
+        _on_threads(2, lambda c: gather_rows(torch.zeros(1, 2, 3 + c.rank), c))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    _worker(Path(sys.argv[1]))
