@@ -87,6 +87,7 @@ class TrainingArguments:
     enable_jit_checkpoint: bool = False
     use_cpu: bool = False
     bf16: bool = False
+    torch_compile: bool = False
 
     def __init__(self, **kwargs: Any) -> None:
         known = [f.name for f in attrs.fields(type(self))]
@@ -153,7 +154,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "disable_tqdm": (bool, type(None)), "save_strategy": (str,), "save_steps": _NUM,
     "save_total_limit": _OPT_INT, "save_only_model": (bool,), "metric_for_best_model": _OPT_STR,
     "greater_is_better": (bool, type(None)), "load_best_model_at_end": (bool,),
-    "enable_jit_checkpoint": (bool,), "use_cpu": (bool,), "bf16": (bool,),
+    "enable_jit_checkpoint": (bool,), "use_cpu": (bool,), "bf16": (bool,), "torch_compile": (bool,),
 }
 
 

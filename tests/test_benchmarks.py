@@ -1,0 +1,29 @@
+"""The benchmark scripts run (in reduced form): they are code too, and the README quotes them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytest.importorskip("transformers")
+
+
+def run(*args: str) -> str:
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_step_overhead_quick():
+    out = run("benchmarks/step_overhead.py", "--quick")
+    assert "| tiny |" in out
+
+
+def test_gpu_script_runs_small_on_cpu():
+    out = run("benchmarks/gpu.py", "--steps", "3", "--variants", "eager", "trainfold")
+    assert "| eager |" in out and "| trainfold |" in out
