@@ -156,6 +156,26 @@ def test_order_and_values_do_not_depend_on_num_workers_nor_touch_global_rng():
     assert torch.equal(before, torch.get_rng_state())
 
 
+def test_dataloader_workers_survive_sigterm():
+    """Slurm signals every process of a job step: workers must leave the stop to the main process."""
+    import os
+    import signal
+    from pathlib import Path
+
+    data = items_of([1 + i % 5 for i in range(64)])
+    s = make_sampler("sequential", data, per_device_train_batch_size=2)
+    steps = stream(data, s, pad_collate(), num_epochs=1, dataloader_num_workers=2)
+    first = next(steps)
+    children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+    workers = [int(p) for p in children.read_text().split()] if children.exists() else []
+    if not workers:
+        pytest.skip("cannot list child processes on this platform")
+    for pid in workers:
+        os.kill(pid, signal.SIGTERM)
+    rest = list(steps)  # a worker killed by SIGTERM would make this raise
+    assert 1 + len(rest) == s.steps_per_epoch() and first.cursor.as_tuple() == (0, 1)
+
+
 def test_keyed_randomness_belongs_to_the_sample_not_the_batch():
     data = items_of([2] * 8)
     small = list(stream(data, Sampler("random", 8, per_device_train_batch_size=1, seed=1), keyed(noisy), num_epochs=1))

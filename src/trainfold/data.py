@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import signal
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -345,6 +346,8 @@ def stream(
         "pin_memory": dataloader_pin_memory,
         # DataLoader draws its worker base seed; a private generator keeps global RNG untouched
         "generator": torch.Generator().manual_seed(derive_seed(sampler.seed, 0x5EED)),
+        # Orchestrators (Slurm) signal every process of a job; the main process decides when to stop.
+        "worker_init_fn": _ignore_sigterm if dataloader_num_workers > 0 else None,
     }
     if sampler.num_samples is None:
         return _iterable_stream(dataset, sampler, collate, begin, num_epochs, max_steps, loader_options)
@@ -381,6 +384,11 @@ def _map_stream(dataset: Any, sampler: Sampler, collate: Callable[..., Any], beg
     for planned in plan():
         micro = [next(loaded) for _ in planned.micro]
         yield StepBatch(micro, _cursor(*planned.after), planned.micro)
+
+
+def _ignore_sigterm(worker_id: int) -> None:
+    """Let a DataLoader worker survive SIGTERM, so the main process can finish the step and save."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _as_list(items: list[Any]) -> list[Any]:
