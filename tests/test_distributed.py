@@ -100,6 +100,13 @@ def losses_of(history) -> list[list[float]]:
     return [[h["step"], h["loss"]] for h in history if "loss" in h and "train_loss" not in h]
 
 
+def evals_of(history) -> list[list[float]]:
+    return [[h["step"], h["eval_loss"], h["eval_accuracy"]] for h in history if "eval_loss" in h]
+
+
+EVAL_DURING_TRAINING = {"eval_strategy": "steps", "eval_steps": 5, "per_device_eval_batch_size": 2}
+
+
 def token_accuracy(p) -> dict[str, float]:
     predicted, labels = p.predictions.argmax(-1)[:, :-1], p.label_ids[:, 1:]
     mask = labels != -100
@@ -138,6 +145,9 @@ def _worker(out: Path) -> None:
             save_file(_state_tensors(resumed.state), out / f"resumed-{strategy}-{r}.safetensors")
             losses = {"straight": losses_of(straight.log_history), "resumed": losses_of(resumed.log_history)}
             (out / f"resume-{strategy}-{r}.json").write_text(json.dumps(losses))
+        res = train(model(), settings_for(out / "eval-train", "random", **EVAL_DURING_TRAINING), rows(), rows(7),
+                    data_collator=collate, compute_metrics=token_accuracy, collective=c)
+        (out / f"eval-train-{r}.json").write_text(json.dumps(evals_of(res.log_history)))
         net = model()  # sharded evaluation of 7 rows: shards of 3 and 4
         mine = eval_batches(list(shard(rows(7), r, WORLD)))
         metrics = evaluate_sharded(net, None, mine, collective=c, compute_metrics=token_accuracy, speed_metrics=False)
@@ -222,6 +232,16 @@ def test_sharded_evaluation_matches_one_process(ranks):
     valid = ref.label_ids != -100  # logits at padding depend on the batch's width; compare real positions
     assert gathered["predictions"].shape == ref.predictions.shape
     torch.testing.assert_close(gathered["predictions"][valid], ref.predictions[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_evaluation_during_two_process_training_matches_one_process(ranks, tmp_path):
+    two = [json.loads((ranks / f"eval-train-{r}.json").read_text()) for r in range(WORLD)]
+    assert two[0] == two[1]  # every rank sees the same metrics (early stopping and best model agree)
+    one = evals_of(train(model(), settings_for(tmp_path, "random", per_device_train_batch_size=WORLD * B, **EVAL_DURING_TRAINING),
+                         rows(), rows(7), data_collator=collate, compute_metrics=token_accuracy).log_history)
+    assert [e[0] for e in two[0]] == [e[0] for e in one] == [5, 10]
+    assert [e[1] for e in two[0]] == pytest.approx([e[1] for e in one], rel=1e-5)
+    assert [e[2] for e in two[0]] == [e[2] for e in one]
 
 
 # -- preemption: SIGTERM to one rank of the CLI ---------------------------------------------------
