@@ -128,7 +128,8 @@ def main() -> None:
     rows.append(("2 processes (gloo), 1 thread each", statistics.median(times), statistics.median(comm), share))
 
     print(f"TinyLM {n_params / 1e6:.2f}M params ({n_params * 4 / 2**20:.1f} MiB of fp32 gradients, one bucket), "
-          f"global batch {args.batch} x {args.seq} tokens, {os.cpu_count()} CPUs, median of {args.steps} steps\n")
+          f"global batch {args.batch} x {args.seq} tokens, {os.cpu_count()} CPUs (load average "
+          f"{os.getloadavg()[0]:.1f} from other jobs), median of {args.steps} steps\n")
     print("| setup | step (ms) | samples/s | all-reduce in step (ms) | all-reduce share |")
     print("|---|---:|---:|---:|---:|")
     for name, step_s, comm_s, frac in rows:
