@@ -79,9 +79,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {steps} steps x {rounds} rounds per variant\n")
     print("| model | pairs x tokens | reference model (ms/step) | precomputed (ms/step) | speed-up | precompute once (ms) |")
     print("|---|---|---|---|---|---|")
-    for name in SIZES:
+    for name, (_, pairs, length) in SIZES.items():
         r = bench(name, steps, rounds)
-        _, pairs, length = SIZES[name]
         ref_ms, pre_ms = 1e3 * r["reference model"], 1e3 * r["precomputed"]
         print(f"| {name} | {pairs} x {length} | {ref_ms:.1f} | {pre_ms:.1f} | {ref_ms / pre_ms:.2f}x | "
               f"{1e3 * r['precompute (once)']:.1f} |")

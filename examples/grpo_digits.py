@@ -92,13 +92,14 @@ def _run(steps: int, seed: int, prompts_per_step: int, num_generations: int, ste
     sampler = Sampler("random", 10, per_device_train_batch_size=prompts_per_step, seed=seed)
     prompts = stream(prompts_dataset(), sampler, collate, max_steps=steps)
     rewards = []
-    for state in grpo_trajectory(step, state, prompts, rollout):
-        rewards.append(state.metrics["reward"].item())
-        if log_every and int(state.step) % log_every == 0:
-            print(f"step {int(state.step):4d}  reward {rewards[-1]:.3f}  "
-                  f"counting {state.metrics['rewards/counting/mean'].item():.3f}  loss {state.metrics['loss'].item():+.4f}")
+    last = state
+    for last in grpo_trajectory(step, state, prompts, rollout):
+        rewards.append(last.metrics["reward"].item())
+        if log_every and int(last.step) % log_every == 0:
+            print(f"step {int(last.step):4d}  reward {rewards[-1]:.3f}  "
+                  f"counting {last.metrics['rewards/counting/mean'].item():.3f}  loss {last.metrics['loss'].item():+.4f}")
     if log_every:
-        samples = generate(model, state.params, [byte_encode(f"{d}>") for d in range(10)],
+        samples = generate(model, last.params, [byte_encode(f"{d}>") for d in range(10)],
                            max_new_tokens=COMPLETION_LENGTH, temperature=0.0)
         print("greedy completions:", ", ".join(f"{d}>{byte_decode(c)}" for d, c in enumerate(samples)))
     return rewards

@@ -238,7 +238,7 @@ def test_generation_happens_once_per_block_and_old_logps_only_when_the_buffer_ou
                                max_new_tokens=3, steps_per_generation=spg)
         calls.clear()
 
-        def counted(state, micro_batches, rollout=rollout):
+        def counted(state, micro_batches, rollout=rollout, spg=spg):
             calls.append(int(state.step))
             out = rollout(state, micro_batches)
             assert ("old_logps" in out[0]) == (spg > 1)
@@ -304,3 +304,23 @@ def test_errors_name_the_bad_value_and_the_fix():
     model = lm()
     with pytest.raises(KeyError, match="pass ref_params to make_rollout"):
         grpo_objective(beta=0.1)(functional_forward(model), params_of(model), rollout_batch(), torch.tensor(4))
+
+
+def test_rollout_and_objective_change_none_of_their_inputs():
+    model = lm()
+    opt = sgd(0.1)
+    state = init_state(model, opt, seed=3)
+    versions = {k: v._version for k, v in state.params.items()}
+    rollout = make_rollout(model, first_digit_is_seven, encode=lambda s: [1 + int(c) for c in s],
+                           decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
+                           max_new_tokens=3, steps_per_generation=2, ref_params=params_of(lm(1)))
+    prompts = [{"prompt": ["1", "1", "23", "23"], "tag": torch.tensor([0, 0, 1, 1])}]
+    out = rollout(state, prompts)
+    again = rollout(state, prompts)
+    assert prompts[0]["prompt"] == ["1", "1", "23", "23"] and prompts[0]["tag"].tolist() == [0, 0, 1, 1]
+    assert all(torch.equal(out[0][k], again[0][k]) for k in out[0])  # seeded from the state
+    assert {k: v._version for k, v in state.params.items()} == versions
+    batch_versions = {k: v._version for k, v in out[0].items()}
+    obj = grpo_objective(beta=0.05)
+    make_step(model, optimizer=opt, objective=obj)(state, out)
+    assert {k: v._version for k, v in out[0].items()} == batch_versions

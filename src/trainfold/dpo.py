@@ -35,14 +35,14 @@ from trainfold.step import train_mode
 
 __all__ = [
     "LOSS_TYPES",
-    "PreferenceCollate",
-    "preference_collate",
-    "sequence_logps",
-    "dpo_loss",
-    "count_pairs",
     "DPOObjective",
+    "PreferenceCollate",
+    "count_pairs",
+    "dpo_loss",
     "dpo_objective",
     "precompute_ref_logps",
+    "preference_collate",
+    "sequence_logps",
 ]
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
@@ -280,6 +280,10 @@ def dpo_objective(
     ref_params: Mapping[str, Tensor] | None = None,
 ) -> DPOObjective:
     """Return the DPO objective; reference from ``ref_params`` (frozen) or from precomputed item columns.
+
+    With ``ref_params`` the reference runs through the step's own forward (train mode), so a
+    model with dropout would drop units in the reference too: disable dropout for DPO (TRL does
+    by default), or precompute the reference log-probs, which runs in eval mode.
 
     >>> import torch
     >>> from trainfold.models import TinyLM, TinyLMConfig
