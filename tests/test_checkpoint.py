@@ -22,11 +22,7 @@ from trainfold.checkpoint import (
     MODEL_FILE,
     SIDECAR_FILE,
     STATE_FILE,
-    best_checkpoint,
-    best_metric,
-    check_compatible,
     checkpoint_path,
-    greater_is_better_for,
     is_complete,
     latest_checkpoint,
     list_checkpoints,
@@ -35,11 +31,17 @@ from trainfold.checkpoint import (
     model_weights,
     read_metadata,
     resume_checkpoint,
-    rotate,
     save,
+    warm_start,
+)
+from trainfold.checkpoint_policy import (
+    best_checkpoint,
+    best_metric,
+    check_compatible,
+    greater_is_better_for,
+    rotate,
     should_save,
     update_best,
-    warm_start,
 )
 from trainfold.fold import trajectory
 from trainfold.optim import adamw, sgd

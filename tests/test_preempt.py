@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from trainfold.checkpoint import list_checkpoints, load, read_metadata, rotate, save, checkpoint_path
+from trainfold.checkpoint import checkpoint_path, list_checkpoints, load, read_metadata, save
+from trainfold.checkpoint_policy import rotate
 from trainfold.fold import any_of, fit, trajectory
 from trainfold.optim import sgd
 from trainfold.preempt import EXIT_PREEMPTED, Preemption, jit_checkpoint, preemption_guard

@@ -29,7 +29,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from trainfold.checkpoint import greater_is_better_for
+from trainfold.checkpoint_policy import greater_is_better_for
 from trainfold.state import TrainState, scalar
 
 __all__ = [
@@ -382,7 +382,7 @@ def early_stopping(
     every improvement, however small, so steady progress of 0.4 per evaluation with
     ``threshold=0.5`` stops it; here it does not with ``patience >= 2``.) A NaN value never counts.
 
-    ``greater_is_better`` must be given unless the name settles it (``checkpoint.greater_is_better_for``).
+    ``greater_is_better`` must be given unless the name settles it (``checkpoint_policy.greater_is_better_for``).
 
     >>> es = early_stopping("eval_loss", patience=2, threshold=0.5)
     >>> es.greater_is_better

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from trainfold import checkpoint as ckpt
+from trainfold import checkpoint_policy as policy
 from trainfold.args import TrainingArguments
 from trainfold.data import KeyedCollate, StepBatch, keyed, pad_collate, stream
 from trainfold.evaluation import check_eval_schedule, evaluate as evaluate_batches, predict as predict_batches, should_evaluate
@@ -243,7 +244,7 @@ def _record_eval(run: _Run, state: TrainState, metrics: Mapping[str, Any], *, tr
                 f"metric_for_best_model {run.args.metric_for_best_model!r} is not among the eval metrics "
                 f"{sorted(metrics)}; name one of them (without or with the 'eval_' prefix)"
             )
-        best, new_best = ckpt.update_best(state.extras[BEST], metrics[run.metric_key], int(state.step))
+        best, new_best = policy.update_best(state.extras[BEST], metrics[run.metric_key], int(state.step))
         state = attrs.evolve(state, extras={**state.extras, BEST: best})
     if run.early is not None:
         state = record_evaluation(run.early, state, metrics)
@@ -251,7 +252,7 @@ def _record_eval(run: _Run, state: TrainState, metrics: Mapping[str, Any], *, tr
 
 
 def _save(run: _Run, state: TrainState, *, jit: bool = False) -> Path:
-    best: ckpt.BestMetric | None = state.extras.get(BEST)
+    best: policy.BestMetric | None = state.extras.get(BEST)
     metadata = {
         "log_history": run.history,
         "best_metric": None if best is None or int(best.step) < 0 else float(best.value),
@@ -264,7 +265,7 @@ def _save(run: _Run, state: TrainState, *, jit: bool = False) -> Path:
     keep = [path]
     if best is not None and int(best.step) >= 0:
         keep.append(ckpt.checkpoint_path(run.args.output_dir, int(best.step)))
-    ckpt.rotate(run.args.output_dir, run.args.save_total_limit, keep=keep)
+    policy.rotate(run.args.output_dir, run.args.save_total_limit, keep=keep)
     return path
 
 
@@ -293,7 +294,7 @@ def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainSta
             epoch=step / run.steps_per_epoch,
         ):
             state, new_best = _record_eval(run, state, _evaluate_state(run, state))
-        if run.is_writer and ckpt.should_save(step, save_strategy=args.save_strategy, save_steps=args.save_steps,
+        if run.is_writer and policy.should_save(step, save_strategy=args.save_strategy, save_steps=args.save_steps,
                                               epoch_end=epoch_end, max_steps=run.total_steps, new_best=new_best):
             saved.append(_save(run, state))
         return state
@@ -305,7 +306,7 @@ def _initial_state(model: nn.Module, optimizer: GradientTransformation, args: Tr
                    metric_key: str | None, early: EarlyStopping | None, device: torch.device) -> TrainState:
     extras = initial_extras(*([early] if early is not None else []))
     if metric_key is not None:
-        extras[BEST] = ckpt.best_metric(ckpt.greater_is_better_for(metric_key, args.greater_is_better))
+        extras[BEST] = policy.best_metric(policy.greater_is_better_for(metric_key, args.greater_is_better))
     state = init_state(model, optimizer, seed=args.seed, extras=extras)
     if device.type != "cpu":
         move = lambda t: {k: v.to(device) for k, v in t.items()}  # noqa: E731
@@ -399,7 +400,7 @@ def train(
     source = ckpt.resume_checkpoint(resume_from_checkpoint, args.output_dir)
     if source is not None:
         meta = ckpt.read_metadata(source)
-        ckpt.check_compatible(meta.get("settings", {}), settings, source=source)
+        policy.check_compatible(meta.get("settings", {}), settings, source=source)
         if weights_only_warm_start:
             state = ckpt.warm_start(source, like=state)
         else:
@@ -452,7 +453,7 @@ def train(
         reporters.log(summary, int(state.step))
     best_path = None
     if BEST in state.extras and int(state.extras[BEST].step) >= 0:
-        best_path = ckpt.best_checkpoint(args.output_dir, state.extras[BEST])
+        best_path = policy.best_checkpoint(args.output_dir, state.extras[BEST])
         if args.load_best_model_at_end and best_path is not None and status != "preempted":
             state = ckpt.load_weights(best_path, like=state)
     return TrainResult(state, status, summary, history, best_path, saved[-1] if saved else None)
