@@ -15,45 +15,11 @@ import pytest
 import torch
 
 from trainfold import TrainingArguments, checkpoint, train
-from trainfold.data import keyed, pad_collate
-from trainfold.models import TinyLM, TinyLMConfig
 from trainfold.tree import flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Shared by this file and the fresh resume process (imported there from this module's source).
-COMMON = textwrap.dedent(
-    """
-    import torch
-    from trainfold.data import keyed, pad_collate
-    from trainfold.models import TinyLM, TinyLMConfig
-
-    def model():
-        torch.manual_seed(0)
-        return TinyLM(TinyLMConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, max_len=24, dropout=0.1))
-
-    def rows(n=22):
-        g = torch.Generator().manual_seed(5)
-        out = []
-        for i in range(n):
-            ids = torch.randint(0, 40, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
-            out.append({"input_ids": ids, "labels": list(ids), "note": i})  # "note" is not a model input
-        return out
-
-    _pad = pad_collate()
-
-    def _mask_some(items, keys):
-        batch = _pad(items)
-        for row, key in enumerate(keys):  # per-sample randomness from (seed, epoch, index)
-            g = torch.Generator().manual_seed(key)
-            drop = torch.rand(batch["labels"].shape[1], generator=g) < 0.2
-            batch["labels"][row, drop] = -100
-        return batch
-
-    collate = keyed(_mask_some)
-    """
-)
-exec(COMMON)  # noqa: S102 - defines model(), rows(), collate in this module too
+from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
 
 
 def settings(tmp: Path, strategy: str, **over) -> TrainingArguments:
@@ -83,8 +49,11 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
         r = train(model(), settings(out, strategy, save_strategy="steps", save_steps=k), rows(), data_collator=collate,
                   stop=lambda s, k=k: int(s.step) >= k)
         assert r.status == "stopped" and r.global_step == k
-    script = COMMON + textwrap.dedent(
+    script = textwrap.dedent(
         f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from resume_fixture import collate, model, rows
         from trainfold import TrainingArguments, train
         for strategy, k in {CASES!r}:
             out = {str(tmp_path)!r} + f"/{{strategy}}-{{k}}"

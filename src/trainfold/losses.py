@@ -20,7 +20,6 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
