@@ -324,3 +324,70 @@ def test_rollout_and_objective_change_none_of_their_inputs():
     obj = grpo_objective(beta=0.05)
     make_step(model, optimizer=opt, objective=obj)(state, out)
     assert {k: v._version for k, v in out[0].items()} == batch_versions
+
+
+# -- parity with TRL ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
+def test_loss_and_metrics_match_trl(tmp_path, loss_type):
+    trl = pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    names = ["<pad>", "<s>", "</s>"] + [f"t{i}" for i in range(3, 64)]
+    word = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<pad>"))
+    word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=word, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.5, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    policy = LlamaForCausalLM(cfg)
+    policy.save_pretrained(tmp_path / "policy")  # TRL loads its reference from the path when beta != 0
+    tok.save_pretrained(tmp_path / "policy")
+    temperature, beta, eps, eps_high, max_len = 0.7, 0.1, 0.2, 0.28, 5
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to=[], num_generations=2,
+                          per_device_train_batch_size=4, max_completion_length=max_len, beta=beta, loss_type=loss_type,
+                          temperature=temperature, epsilon=eps, epsilon_high=eps_high)
+    trainer = trl.GRPOTrainer(model=str(tmp_path / "policy"), reward_funcs=[lambda prompts, completions, **_: [0.0] * len(prompts)],
+                              args=args, train_dataset=datasets.Dataset.from_list([{"prompt": "t5 t6"}] * 4),
+                              processing_class=tok)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(3, 64, (4, 3), generator=g)
+    completion = torch.randint(3, 64, (4, max_len), generator=g)
+    completion_mask = torch.ones(4, max_len, dtype=torch.long)
+    completion_mask[0, 3:] = 0
+    completion_mask[2, 4:] = 0
+    completion = completion * completion_mask
+    ids = torch.cat([prompt, completion], 1)
+    attention = torch.cat([torch.ones_like(prompt), completion_mask], 1)
+    params = params_of(policy)
+    with torch.no_grad():
+        current = token_logps(policy(input_ids=ids, attention_mask=attention).logits, ids, temperature)[:, 2:]
+    old = current + 0.4 * torch.randn(current.shape, generator=g)  # some ratios leave the clip range
+    ref = current + 0.5 * torch.randn(current.shape, generator=g)
+    advantages = torch.randn(4, generator=g)
+    trl_loss = trainer._compute_loss(trainer.model, {
+        "prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
+        "completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old,
+        "ref_per_token_logps": ref, "num_items_in_batch": completion_mask.sum()}).item()
+    trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+
+    def ours_layout(x):  # TRL keeps completion positions only; ours scores every position t -> t+1
+        return torch.cat([torch.zeros(4, 2), x], 1)
+
+    batch = {"input_ids": ids, "attention_mask": attention,
+             "completion_mask": torch.cat([torch.zeros_like(prompt), completion_mask], 1),
+             "advantages": advantages, "old_logps": ours_layout(old), "ref_logps": ours_layout(ref)}
+    obj = grpo_objective(loss_type, epsilon=eps, epsilon_high=eps_high, beta=beta, temperature=temperature,
+                         max_completion_length=max_len)
+    loss, aux = obj(functional_forward(policy), params, batch, obj.count_items(batch))
+    assert loss.item() == pytest.approx(trl_loss, abs=1e-5)
+    assert trl_metrics["clip_ratio/region_mean"] > 0
+    if loss_type == "bnpo":  # our metrics aggregate like the loss; TRL's are token means, as bnpo's are
+        for k in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
+            assert aux[k].item() == pytest.approx(trl_metrics[k], abs=1e-5), k
