@@ -34,6 +34,7 @@ from trainfold import TrainingArguments, checkpoint, train
 from trainfold.data import keyed, pad_collate
 from trainfold.distributed import (
     ProcessGroupCollective,
+    agreed_stop,
     collective_from_env,
     evaluate_sharded,
     gather_rows,
@@ -503,6 +504,18 @@ def test_shards_cover_the_data_once_in_order():
             bounds = [shard_bounds(n, r, world) for r in range(world)]
             assert [i for a, b in bounds for i in range(a, b)] == list(range(n))
             assert max(b - a for a, b in bounds) - min(b - a for a, b in bounds) <= 1
+
+
+def test_a_stop_on_one_rank_is_a_stop_on_every_rank():
+    # rank 1 alone wants to stop at 3 (e.g. its own clock ran out); both leave after the same step
+    def run(c):
+        stop = agreed_stop(lambda n: c.rank == 1 and n >= 3, c)
+        n = 0
+        while not stop(n):
+            n += 1
+        return n
+
+    assert _on_threads(3, run) == [3, 3, 3]
 
 
 def test_alone_there_is_no_collective(monkeypatch):

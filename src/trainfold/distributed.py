@@ -48,6 +48,7 @@ __all__ = [
     "GatherCollective",
     "ProcessGroupCollective",
     "SingleProcess",
+    "agreed_stop",
     "collective_from_env",
     "evaluate_sharded",
     "gather_rows",
@@ -209,6 +210,26 @@ def collective_from_env(backend: str | None = None) -> Iterator[ProcessGroupColl
     if owned:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def agreed_stop(stop: Callable[[Any], bool], collective: Any) -> Callable[[Any], bool]:
+    """Return a stop predicate that is true on every rank as soon as ``stop`` is true on any rank.
+
+    A predicate that can differ between ranks (a time limit, a file that appears, a user's
+    condition) must be agreed on, or one rank leaves the loop while the others wait in its next
+    all-reduce. The returned predicate sums the local flags (one all-reduce per call); every rank
+    must call it at the same points, as ``fit``/``trajectory`` do.
+
+    >>> agreed_stop(lambda state: state > 2, SingleProcess())(3)
+    True
+    """
+
+    def agreed(state: Any) -> bool:
+        flag = torch.tensor([int(bool(stop(state)))], dtype=torch.int64)
+        collective.sum_([flag])
+        return int(flag.item()) > 0
+
+    return agreed
 
 
 # -- sharded evaluation -------------------------------------------------------------------------
