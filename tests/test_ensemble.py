@@ -61,14 +61,15 @@ def same_record(a, b) -> bool:
 # -- concrete examples ------------------------------------------------------------------------------
 
 
-def test_each_member_steps_like_its_own_make_step_with_its_own_batch_and_hyperparameters():
+@pytest.mark.parametrize("batching", ["vmap", "unroll"])
+def test_each_member_steps_like_its_own_make_step_with_its_own_batch_and_hyperparameters(batching):
     k = 3
     models = tiny_models(k)
     opts = [chain(clip_by_global_norm(0.5), adamw(lr, weight_decay=wd)) for lr, wd in ((1e-2, 0.1), (3e-3, 0.0), (1e-3, 0.3))]
     ens = init_ensemble_state(models, opts, seeds=[5, 6, 7])
     members = [init_state(m, o, seed=s) for m, o, s in zip(models, opts, (5, 6, 7))]
     assert all(same_record(x, y) for x, y in zip(split_ensemble(ens), members))
-    step = make_ensemble_step(models[0], causal_lm, opts)
+    step = make_ensemble_step(models[0], causal_lm, opts, batching=batching)
     singles = [make_step(models[0], causal_lm, o) for o in opts]
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
@@ -80,7 +81,7 @@ def test_each_member_steps_like_its_own_make_step_with_its_own_batch_and_hyperpa
         assert all(t._version == versions[key] and torch.equal(t, copies[key]) for key, t in before.items())
         ens, members = new, [s(m, b) for s, m, b in zip(singles, members, batches)]
     for got, want in zip(split_ensemble(ens), members):
-        assert max_diff(got, want) < 1e-5
+        assert max_diff(got, want) < 3e-5  # lr 1e-2: Adam turns float reordering into ~lr*1e-3
         for key in ("loss", "grad_norm", "learning_rate", "num_items"):
             assert torch.allclose(got.metrics[key].double(), want.metrics[key].double(), rtol=1e-5), key
         assert got.step.item() == want.step.item() == 3
@@ -150,15 +151,17 @@ def test_compiled_ensemble_step_matches_the_eager_ensemble_step():
 @given(
     k=st.integers(1, 4), seed=st.integers(0, 2**16),
     lrs=st.lists(st.floats(1e-3, 1e-1), min_size=4, max_size=4), clip=st.booleans(),
+    batching=st.sampled_from(["vmap", "unroll"]),
 )
-def test_ensemble_of_linear_models_equals_member_steps(k, seed, lrs, clip):
+def test_ensemble_of_linear_models_equals_member_steps(k, seed, lrs, clip, batching):
     torch.manual_seed(seed)
     models = [nn.Linear(3, 4) for _ in range(k)]
     opts = [chain(clip_by_global_norm(0.1), adamw(lr)) if clip else adamw(lr) for lr in lrs[:k]]
     g = torch.Generator().manual_seed(seed)
     batches = [[{"input": torch.randn(5, 3, generator=g), "labels": torch.randint(0, 4, (5,), generator=g)}]
                for _ in range(k)]
-    ens = make_ensemble_step(models[0], cross_entropy, opts)(init_ensemble_state(models, opts), stack_batches(batches))
+    step = make_ensemble_step(models[0], cross_entropy, opts, batching=batching)
+    ens = step(init_ensemble_state(models, opts), stack_batches(batches))
     for got, model, opt, batch in zip(split_ensemble(ens), models, opts, batches):
         want = make_step(model, cross_entropy, opt)(init_state(model, opt), batch)
         assert max_diff(got, want) < 1e-6
@@ -216,3 +219,5 @@ def test_bad_ensemble_inputs_are_named():
         split_ensemble(init_state(model, opt))
     with pytest.raises(ValueError, match="give size=K"):
         init_ensemble_state(model, opt)
+    with pytest.raises(ValueError, match="batching must be 'vmap' or 'unroll'"):
+        make_ensemble_step(model, cross_entropy, opt, batching="loop")

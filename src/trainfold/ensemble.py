@@ -15,6 +15,11 @@ bias corrections as broadcast tensors: no ``torch._foreach_*`` op, which vmap ca
 Members may differ in initial weights, seeds and optimizer hyperparameters (pass one
 optimizer per member).
 
+Speed on CPU (``benchmarks/ensemble.py``): the matmuls of small models already keep the cores
+busy, so an eager vmapped step is no faster than K sequential steps. Compiled, the step pays
+off; ``batching="unroll"`` (all members' forward passes in one compiled graph, no vmap) was the
+fastest there, and also serves models whose ops have no batching rule (CPU sdpa).
+
 >>> import torch
 >>> from trainfold import adamw
 >>> from trainfold.losses import cross_entropy
@@ -268,6 +273,7 @@ class _EnsemblePlan:
     count_items: Callable[[Mapping[str, Tensor]], Tensor]
     label_key: str
     shared: bool
+    unroll: bool
 
 
 def _grads(
@@ -282,10 +288,18 @@ def _grads(
     def forward(p: dict[str, Tensor], b: dict[str, Tensor], x: dict[str, Tensor]) -> Any:
         return functional_call(plan.model, (p, b), args=(), kwargs=x, strict=True)
 
-    outputs = vmap(forward, in_dims=(0, 0, None if plan.shared else 0), randomness="different")(leaves, buffers, inputs)
-    losses = [
-        plan.loss(_member(outputs, m), labels if plan.shared else labels[m], num_items[m]) for m in range(k)
-    ]
+    if plan.unroll:  # member by member, on views of the stacked tensors
+        outputs = [
+            forward({n: v[m] for n, v in leaves.items()}, {n: v[m] for n, v in buffers.items()},
+                    _select(inputs, m, plan.shared))
+            for m in range(k)
+        ]
+    else:
+        batched = vmap(forward, in_dims=(0, 0, None if plan.shared else 0), randomness="different")(
+            leaves, buffers, inputs
+        )
+        outputs = [_member(batched, m) for m in range(k)]
+    losses = [plan.loss(outputs[m], labels if plan.shared else labels[m], num_items[m]) for m in range(k)]
     stacked = torch.stack(losses)
     grads = torch.autograd.grad(stacked.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
     return stacked.detach().float(), list(grads)
@@ -337,6 +351,7 @@ def make_ensemble_step(
     count_items: Callable[[Mapping[str, Tensor]], Tensor] | None = None,
     label_key: str = "labels",
     shared_batch: bool = False,
+    batching: str = "vmap",
     compile: bool | str = False,
 ) -> Callable[[TrainState, Batch], TrainState]:
     """Return ``step(ensemble_state, batch) -> ensemble_state`` training K members of ``model`` at once.
@@ -345,7 +360,11 @@ def make_ensemble_step(
     with ``shared_batch=True`` every member sees the same, unstacked micro-batches. Member m's
     update equals ``make_step(model, loss, optimizer_m)`` on its own batch, up to float rounding.
     The optimizer (one, or one per member) must be ``adamw`` or ``chain(clip_by_global_norm, adamw)``.
-    ``compile=True`` runs the vmapped gradient and the update under ``torch.compile`` (a string
+    ``batching="vmap"`` runs one forward pass for all members (``torch.func.vmap``; every op
+    needs a batching rule); ``"unroll"`` runs the members' forward passes one after another on
+    views of the stacked tensors, which needs no batching rule and, under ``compile=True``, puts
+    all members in one graph (on CPU the faster choice for small models; compile time grows with K).
+    ``compile=True`` runs the ensemble's gradient and the update under ``torch.compile`` (a string
     names the compiler backend, e.g. ``"aot_eager"``); if compiling fails it warns with a
     ``CompileFallbackWarning`` and runs eagerly.
     Dropout masks are seeded from ``(seeds, step, micro)``: deterministic, but not the ones a
@@ -355,11 +374,13 @@ def make_ensemble_step(
         raise TypeError("make_ensemble_step needs an optimizer, e.g. optimizer=trainfold.adamw(1e-3)")
     optimizers = [optimizer] if isinstance(optimizer, GradientTransformation) else list(optimizer)
     opts = [optimizer_plan(o) for o in optimizers]  # TypeError names an unsupported part
+    if batching not in ("vmap", "unroll"):
+        raise ValueError(f"batching must be 'vmap' or 'unroll', got {batching!r}")
     if len({len(o.clips) for o in opts}) > 1:
         raise ValueError("ensemble members' optimizers must all clip, or none; got chains of different lengths")
     plan = _EnsemblePlan(
         model=model, loss=loss, count_items=count_items or _counter(loss, label_key), label_key=label_key,
-        shared=shared_batch,
+        shared=shared_batch, unroll=batching == "unroll",
     )
     grads_fn, update_fn, traced = _grads, _update, attrs.evolve(plan, loss=traceable_loss(loss))
     if compile:
