@@ -209,6 +209,7 @@ def test_step_does_not_depend_on_the_micro_batch_split(loss_type):
     whole = step(state, [batch])
     halves = step(state, [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}])
     assert halves.metrics["loss"].item() == pytest.approx(whole.metrics["loss"].item(), abs=1e-6)
+    assert whole.metrics["grad_norm"].item() > 1e-4
     for k in whole.params:
         torch.testing.assert_close(halves.params[k], whole.params[k], atol=1e-6, rtol=1e-5)
 
@@ -227,6 +228,10 @@ def test_dr_grpo_divides_by_the_maximum_completion_length():
 
 def first_digit_is_seven(prompts, completions, **_):
     return [float(c[:1] == "7") for c in completions]
+
+
+def digit_sum(prompts, completions, **_):
+    return [sum(int(ch) for ch in c) / 10 for c in completions]
 
 
 def test_generation_happens_once_per_block_and_old_logps_only_when_the_buffer_outlives_a_step():
@@ -391,3 +396,32 @@ def test_loss_and_metrics_match_trl(tmp_path, loss_type):
     if loss_type == "bnpo":  # our metrics aggregate like the loss; TRL's are token means, as bnpo's are
         for k in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
             assert aux[k].item() == pytest.approx(trl_metrics[k], abs=1e-5), k
+
+
+def test_resuming_at_a_generation_boundary_is_bitwise_equal_to_not_stopping():
+    from trainfold.data import stream
+    from trainfold.samplers import Sampler
+
+    model = lm()
+    rollout = make_rollout(model, digit_sum, encode=lambda s: [1 + int(c) for c in s],
+                           decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
+                           max_new_tokens=3, steps_per_generation=2)
+    opt = adamw(1e-2)
+    step = make_step(model, optimizer=opt, objective=grpo_objective())
+    data = [{"prompt": str(d)} for d in range(6)]
+    sampler = Sampler("random", len(data), per_device_train_batch_size=2, seed=5)
+
+    def collate(items):
+        return {"prompt": [it["prompt"] for it in items]}
+
+    def prompts(state):
+        return stream(data, sampler, collate, start=state.cursor, max_steps=6)
+
+    start = init_state(model, opt, seed=1)
+    straight = list(grpo_trajectory(step, start, prompts(start), rollout))
+    first = list(grpo_trajectory(step, start, prompts(start), rollout, stop=lambda s: int(s.step) >= 2))
+    resumed = list(grpo_trajectory(step, first[-1], prompts(first[-1]), rollout))
+    assert len(straight) == 6 and len(first) + len(resumed) == 6
+    assert not torch.equal(straight[-1].params["tok.weight"], start.params["tok.weight"])
+    for k in straight[-1].params:
+        assert torch.equal(straight[-1].params[k], resumed[-1].params[k])

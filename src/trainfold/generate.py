@@ -31,7 +31,7 @@ from torch.func import functional_call
 from trainfold.losses import logits_of
 from trainfold.step import train_mode
 
-__all__ = ["generate", "functional_forward", "pad_right", "token_logps"]
+__all__ = ["functional_forward", "generate", "pad_right", "token_logps"]
 
 Forward = Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Any]
 
@@ -123,7 +123,7 @@ def generate(
     """Sample a completion for each prompt (token id lists); return the completions' token ids.
 
     Tokens are drawn from ``softmax(logits / temperature)`` with ``generator`` (``temperature=0``
-    takes the argmax). A completion stops after its first ``eos_token_id`` (which it keeps) or
+    takes the argmax); a CPU generator also serves a model on another device. A completion stops after its first ``eos_token_id`` (which it keeps) or
     after ``max_new_tokens`` tokens. The model runs in eval mode (no dropout) on ``params``; the
     module's own weights and training flag are left as they were.
     """
@@ -144,7 +144,9 @@ def generate(
                 nxt = last.argmax(-1)
             else:
                 probs = torch.softmax(last / temperature, dim=-1)
-                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+                if generator is not None and generator.device.type != probs.device.type:
+                    probs = probs.to(generator.device)  # draw where the generator lives
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(device)
             still = []
             for i, tok in zip(active, nxt.tolist()):
                 seqs[i].append(tok)

@@ -43,16 +43,16 @@ from trainfold.state import TrainState
 from trainfold.step import derive_seed, train_mode
 
 __all__ = [
-    "RewardFunc",
-    "SCALE_REWARDS",
     "GRPO_LOSS_TYPES",
+    "SCALE_REWARDS",
+    "GRPOObjective",
+    "RewardFunc",
+    "Rollout",
     "combine_rewards",
     "group_advantages",
-    "Rollout",
-    "make_rollout",
-    "GRPOObjective",
     "grpo_objective",
     "grpo_trajectory",
+    "make_rollout",
     "rollout_metrics",
 ]
 
@@ -447,6 +447,11 @@ def grpo_trajectory(
     calls ``rollout`` once on the block with the state reached so far, and feeds the step one
     slice per optimizer step. Each yielded state's metrics add :func:`rollout_metrics` of the
     slice it trained on.
+
+    Resuming from a state saved at a generation boundary (``state.step`` a multiple of
+    ``steps_per_generation``), with the prompt stream rebuilt from its cursor, is bitwise equal
+    to not stopping. From inside a block, the rest of the block is generated anew with the
+    resumed state, so save checkpoints at multiples of ``steps_per_generation``.
     """
     latest = [state]  # the newest state, read when the next block is generated
 
