@@ -425,3 +425,22 @@ def test_resuming_at_a_generation_boundary_is_bitwise_equal_to_not_stopping():
     assert not torch.equal(straight[-1].params["tok.weight"], start.params["tok.weight"])
     for k in straight[-1].params:
         assert torch.equal(straight[-1].params[k], resumed[-1].params[k])
+
+
+def test_grpo_trains_a_hugging_face_model():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    rollout = make_rollout(model, digit_sum, encode=lambda s: [1 + int(c) for c in s],
+                           decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
+                           max_new_tokens=3, steps_per_generation=2, ref_params=params_of(model))
+    opt = adamw(1e-2)
+    step = make_step(model, optimizer=opt, objective=grpo_objective(beta=0.04))
+    start = init_state(model, opt)
+    prompts = [[{"prompt": ["12", "3"]}] for _ in range(2)]
+    states = list(grpo_trajectory(step, start, prompts, rollout))
+    assert len(states) == 2
+    assert all(math.isfinite(states[-1].metrics[k].item()) for k in ("loss", "kl", "reward"))
+    assert states[-1].metrics["kl"].item() > 0  # the second step trained on a buffer the first step had changed
