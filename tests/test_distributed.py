@@ -54,7 +54,14 @@ ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
 B = 2  # per-device batch of the 2-process runs; the 1-process runs take 2B
 STRATEGIES = ("random", "batch_rebalance")  # resumed under 2 processes
-EQUIVALENCE = ("random", "group_by_length", "batch_rebalance")  # 2 processes compared with 1
+# 2 processes compared with 1 on the same samples per step: (strategy, 2-process settings, 1-process settings)
+EQUIVALENCE = {
+    "random": ("random", {}, {"per_device_train_batch_size": WORLD * B}),
+    "group_by_length": ("group_by_length", {}, {"per_device_train_batch_size": WORLD * B}),
+    "batch_rebalance": ("batch_rebalance", {}, {"per_device_train_batch_size": WORLD * B}),
+    # 2 ranks x 2 accumulated micro-batches of B against 1 process accumulating 4 of B
+    "accumulation": ("random", {"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 2 * WORLD}),
+}
 RESUME_AT = 3  # 22 rows, global batch 4: 6 steps per epoch, so step 3 is mid-epoch
 
 
@@ -130,10 +137,11 @@ def _worker(out: Path) -> None:
     with collective_from_env() as c:
         assert c is not None and c.world_size == WORLD
         r = c.rank
-        for strategy in EQUIVALENCE:  # equivalence with one process
-            res = train(model(), settings_for(out / f"eq-{strategy}", strategy), rows(), data_collator=collate, collective=c)
-            save_file(_state_tensors(res.state), out / f"eq-{strategy}-{r}.safetensors")
-            (out / f"eq-{strategy}-{r}.json").write_text(json.dumps(losses_of(res.log_history)))
+        for case, (strategy, over, _) in EQUIVALENCE.items():  # equivalence with one process
+            res = train(model(), settings_for(out / f"eq-{case}", strategy, **over), rows(), data_collator=collate,
+                        collective=c)
+            save_file(_state_tensors(res.state), out / f"eq-{case}-{r}.safetensors")
+            (out / f"eq-{case}-{r}.json").write_text(json.dumps(losses_of(res.log_history)))
         for strategy in STRATEGIES:  # bitwise resume from a mid-epoch checkpoint
             kw = {"data_collator": collate, "collective": c}
             straight = train(model(0.1), settings_for(out / f"straight-{strategy}", strategy, max_steps=8), rows(), **kw)
@@ -195,18 +203,18 @@ def _without_key_bias(key: str, t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t[:d], t[2 * d:]]) if key.endswith("qkv.bias") else t
 
 
-@pytest.mark.parametrize("strategy", EQUIVALENCE)
-def test_two_processes_of_batch_b_match_one_process_of_batch_2b(ranks, strategy, tmp_path):
-    two = _assert_same_on_every_rank(ranks, f"eq-{strategy}")
-    one = train(model(), settings_for(tmp_path, strategy, per_device_train_batch_size=WORLD * B), rows(),
-                data_collator=collate)
+@pytest.mark.parametrize("case", EQUIVALENCE)
+def test_two_processes_of_batch_b_match_one_process_of_batch_2b(ranks, case, tmp_path):
+    strategy, _, alone = EQUIVALENCE[case]
+    two = _assert_same_on_every_rank(ranks, f"eq-{case}")
+    one = train(model(), settings_for(tmp_path, strategy, **alone), rows(), data_collator=collate)
     ref = _state_tensors(one.state)
     for key in [k for k in ref if k.startswith(("params.", "opt_state."))]:
         a, b = _without_key_bias(key, two[key]), _without_key_bias(key, ref[key])
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
     assert int(two["step"]) == int(ref["step"]) == 10
     assert two["metrics.num_items"].item() == ref["metrics.num_items"].item()  # counted over both ranks
-    losses = [json.loads((ranks / f"eq-{strategy}-{r}.json").read_text()) for r in range(WORLD)]
+    losses = [json.loads((ranks / f"eq-{case}-{r}.json").read_text()) for r in range(WORLD)]
     assert losses[0] == losses[1]
     expected = losses_of(one.log_history)
     assert [s for s, _ in losses[0]] == [s for s, _ in expected] == list(range(1, 11))
