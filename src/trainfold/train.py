@@ -26,6 +26,7 @@ from trainfold import checkpoint as ckpt
 from trainfold import checkpoint_policy as policy
 from trainfold.args import TrainingArguments
 from trainfold.data import KeyedCollate, StepBatch, keyed, pad_collate, stream
+from trainfold.distributed import agreed_stop, evaluate_sharded, shard
 from trainfold.evaluation import check_eval_schedule, evaluate as evaluate_batches, predict as predict_batches, should_evaluate
 from trainfold.fold import any_of, max_steps as max_steps_stop, trajectory
 from trainfold.losses import causal_lm
@@ -215,12 +216,13 @@ class _Run:
     metric_key: str | None
     early: EarlyStopping | None
     is_writer: bool
+    collective: Collective | None = None  # set when evaluation is sharded across ranks
 
 
 def _evaluate_state(run: _Run, state: TrainState) -> dict[str, float]:
     assert run.eval_batches is not None
-    return evaluate_batches(
-        run.model, state.params, run.eval_batches(state), loss=run.loss, buffers=state.buffers,
+    return evaluate_sharded(
+        run.model, state.params, run.eval_batches(state), collective=run.collective, loss=run.loss, buffers=state.buffers,
         compute_metrics=None if run.args.prediction_loss_only else run.compute_metrics, preprocess_logits_for_metrics=run.preprocess_logits_for_metrics,
         eval_accumulation_steps=run.args.eval_accumulation_steps, prediction_loss_only=run.args.prediction_loss_only,
     )
@@ -409,15 +411,19 @@ def train(
 
     eval_collate = _eval_collate(data_collator, _accepted_keys(model, args))
     eval_batches = None
+    # Under several ranks each scores a contiguous slice; sums, counts and predictions are merged exactly.
+    shard_eval = (collective is not None and world_size > 1 and hasattr(eval_dataset, "__getitem__")
+                  and hasattr(eval_dataset, "__len__") and len(eval_dataset) >= world_size)
+    eval_source = shard(eval_dataset, rank, world_size) if shard_eval else eval_dataset
     if eval_dataset is not None:
-        eval_batches = lambda _state: _eval_batches(eval_dataset, eval_collate, args.per_device_eval_batch_size, device)  # noqa: E731
+        eval_batches = lambda _state: _eval_batches(eval_source, eval_collate, args.per_device_eval_batch_size, device)  # noqa: E731
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     saved: list[Path] = []
     start_state, started = state, time.monotonic()
     with make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings) as reporters:
         run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
-                   early_stopping, rank == 0)
+                   early_stopping, rank == 0, collective if shard_eval else None)
         if args.eval_on_start and source is None:
             state, _ = _record_eval(run, state, _evaluate_state(run, state), track=False)
         batches = _to_device(
@@ -431,8 +437,8 @@ def train(
         stops = [max_steps_stop(total_steps)]
         if early_stopping is not None:
             stops.append(patience_exhausted(early_stopping))
-        if stop is not None:
-            stops.append(stop)
+        if stop is not None:  # a user's predicate may differ between ranks: agree on it
+            stops.append(agreed_stop(stop, collective) if collective is not None else stop)
         status = "completed"
         guard = preemption_guard(collective=collective) if args.enable_jit_checkpoint else _no_guard()
         show = args.disable_tqdm is not True and rank == 0
