@@ -8,7 +8,23 @@ record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``sa
 which wires them from the HF Trainer's setting names.
 """
 
-from trainfold import losses, optim, schedules, tree
+from trainfold import (
+    checkpoint,
+    data,
+    distributed,
+    dpo,
+    evaluation,
+    generate,
+    grpo,
+    losses,
+    observe,
+    optim,
+    reducers,
+    reporters,
+    samplers,
+    schedules,
+    tree,
+)
 from trainfold.args import TrainingArguments
 from trainfold.checkpoint import latest_checkpoint, load, save
 from trainfold.data import StepBatch, pad_collate, stream
@@ -32,6 +48,17 @@ __all__ = [
     "TrainState",
     "TrainingArguments",
     "adamw",
+    "checkpoint",
+    "data",
+    "distributed",
+    "dpo",
+    "evaluation",
+    "generate",
+    "grpo",
+    "observe",
+    "reducers",
+    "reporters",
+    "samplers",
     "any_of",
     "chain",
     "clip_by_global_norm",
