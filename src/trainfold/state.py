@@ -16,6 +16,8 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from trainfold.tree import check_keys
+
 __all__ = ["Cursor", "TrainState", "init_state", "scalar", "METRIC_KEYS"]
 
 # What every step reports about itself; present from the first state so the record's
@@ -103,12 +105,18 @@ def init_state(
     *,
     seed: int = 0,
     extras: Mapping[str, Any] | None = None,
+    params: Mapping[str, Tensor] | None = None,
 ) -> TrainState:
     """Return the first state of a run: copies of the model's tensors and a fresh optimizer state.
 
-    The model itself is never changed; the state owns copies of its tensors.
+    ``params`` starts from other trainable tensors than the model's own (e.g. an SFT result before
+    DPO); they must have the model's parameter names. The model itself is never changed.
     """
-    params, buffers = split_module(model)
+    own, buffers = split_module(model)
+    if params is not None:
+        check_keys(params, own, "params", f"{type(model).__name__}'s trainable parameters")
+        own = {k: v.detach().clone() for k, v in params.items()}
+    params = own
     if not params:
         raise ValueError(
             f"{type(model).__name__} has no trainable parameters: every parameter has "

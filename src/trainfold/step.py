@@ -94,7 +94,11 @@ def _private_rng(device: torch.device) -> Iterator[list[torch.Generator]]:
 
 
 def make_forward(model: nn.Module, buffers: Mapping[str, Tensor]) -> Forward:
-    """Return ``forward(params, inputs)``: the model's forward pass on the given tensors."""
+    """Return ``forward(params, inputs)``: the model's forward pass on the given tensors.
+
+    It runs in whatever mode the module is in (a fresh module trains: dropout on); wrap calls in
+    ``train_mode(model, False)`` to evaluate, as ``evaluation.evaluate`` does.
+    """
 
     def forward(params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
         return functional_call(model, (params, buffers), args=(), kwargs=dict(inputs), strict=True)
