@@ -7,6 +7,7 @@ same batches. Both start from the same weights; the ratio is the median over rou
 
     python benchmarks/step_overhead.py            # tiny and small, prints a markdown table
     python benchmarks/step_overhead.py --quick    # fewer rounds (used by the test suite)
+    python benchmarks/step_overhead.py --threads 1  # steadier on a shared machine
 """
 
 from __future__ import annotations
@@ -104,7 +105,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few rounds, tiny model only")
     parser.add_argument("--models", nargs="*", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     names = args.models or (["tiny"] if args.quick else ["tiny", "small"])
     rounds = {"tiny": 12, "small": 8} if not args.quick else {"tiny": 2, "small": 1}
     per = {"tiny": 5, "small": 3} if not args.quick else {"tiny": 2, "small": 1}

@@ -95,6 +95,15 @@ def counter_for(loss: Callable[..., Tensor]) -> Callable[[Tensor], Tensor]:
     return getattr(loss, "count_items", count_labels)
 
 
+def _raise_out_of_range(labels: Tensor, num_classes: int) -> None:
+    valid = labels != IGNORE_INDEX
+    bad = labels[valid & ((labels < 0) | (labels >= num_classes))].unique()[:8].tolist()
+    raise ValueError(
+        f"labels {bad} are outside the {num_classes} classes of the logits (valid: 0..{num_classes - 1} "
+        f"or {IGNORE_INDEX} to ignore); check the tokenizer's vocabulary size against the model's"
+    )
+
+
 def _summed_cross_entropy(logits: Tensor, labels: Tensor, num_items: Tensor | int) -> Tensor:
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
@@ -102,19 +111,16 @@ def _summed_cross_entropy(logits: Tensor, labels: Tensor, num_items: Tensor | in
             "expected logits shaped labels.shape + (num_classes,); check the collator's labels key"
         )
     num_classes = logits.shape[-1]
-    valid = labels != IGNORE_INDEX
-    if labels.numel() and bool(((labels < 0) & valid).any() | (labels >= num_classes).any()):
-        bad = labels[valid & ((labels < 0) | (labels >= num_classes))].unique()[:8].tolist()
-        raise ValueError(
-            f"labels {bad} are outside the {num_classes} classes of the logits (valid: 0..{num_classes - 1} "
-            f"or {IGNORE_INDEX} to ignore); check the tokenizer's vocabulary size against the model's"
+    if labels.device.type != "cpu":  # an out-of-range target is a device-side assert there: check first
+        low, high = torch.aminmax(labels) if labels.numel() else (labels.new_zeros(()), labels.new_zeros(()))
+        if int(high) >= num_classes or (int(low) < 0 and bool(((labels < 0) & (labels != IGNORE_INDEX)).any())):
+            _raise_out_of_range(labels, num_classes)
+    try:
+        total = F.cross_entropy(
+            logits.reshape(-1, num_classes).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
         )
-    total = F.cross_entropy(
-        logits.reshape(-1, num_classes).float(),
-        labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
+    except IndexError:  # on the CPU torch checks the range itself; say what it means
+        _raise_out_of_range(labels, num_classes)
     # An all-ignored step has num_items 0 and a zero sum: return 0, not NaN.
     denom = num_items.clamp(min=1) if isinstance(num_items, Tensor) else max(int(num_items), 1)
     return total / denom
@@ -132,7 +138,9 @@ def causal_lm(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) ->
             f"logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}: "
             "a causal LM needs logits shaped (batch, seq, vocab) and labels shaped (batch, seq)"
         )
-    return _summed_cross_entropy(logits[..., :-1, :], labels[..., 1:], num_items_in_batch)
+    # Shift the labels, not the logits: no copy of the (large) logits, and HF's exact arithmetic.
+    shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+    return _summed_cross_entropy(logits, shifted, num_items_in_batch)
 
 
 causal_lm.count_items = count_shifted_labels  # type: ignore[attr-defined]
