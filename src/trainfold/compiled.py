@@ -331,8 +331,9 @@ def _update(
     nu: list[Tensor], lr: Tensor, step_size: Tensor, bc2_sqrt: Tensor,
 ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
     norm = global_norm(grads)
-    for max_norm in opt.clips:
-        coef = torch.clamp(max_norm / (global_norm(grads) + 1e-6), max=1.0)
+    for i, max_norm in enumerate(opt.clips):
+        current = global_norm(grads) if i else norm
+        coef = torch.clamp(max_norm / (current + 1e-6), max=1.0)
         grads = [g * coef for g in grads]
     new_p, new_mu, new_nu = adamw_update(params, grads, mu, nu, decay, lr, step_size, bc2_sqrt, opt.b1, opt.b2, opt.eps)
     return norm, new_p, new_mu, new_nu

@@ -322,8 +322,8 @@ def _update(
         )
 
     norm = member_norm(grads)
-    for max_norm in clips:
-        coef = torch.clamp(max_norm / (member_norm(grads) + 1e-6), max=1.0)
+    for i, max_norm in enumerate(clips):
+        coef = torch.clamp(max_norm / ((member_norm(grads) if i else norm) + 1e-6), max=1.0)
         grads = [g * _bcast(coef, g) for g in grads]
     new_p, new_mu, new_nu = [], [], []
     for p, g, m, v, wd in zip(params, grads, mu, nu, decay):
