@@ -203,8 +203,8 @@ def _summed_ce(logits: Tensor, labels: Tensor, num_items: Tensor) -> Tensor:
 
 
 def _traced_causal_lm(outputs: Any, labels: Tensor, num_items: Tensor) -> Tensor:
-    logits = logits_of(outputs)
-    return _summed_ce(logits[..., :-1, :], labels[..., 1:], num_items)
+    shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)  # as causal_lm: shift labels, not logits
+    return _summed_ce(logits_of(outputs), shifted, num_items)
 
 
 def _traced_cross_entropy(outputs: Any, labels: Tensor, num_items: Tensor) -> Tensor:
@@ -214,8 +214,9 @@ def _traced_cross_entropy(outputs: Any, labels: Tensor, num_items: Tensor) -> Te
 def traceable_loss(loss: Callable[..., Tensor]) -> Callable[..., Tensor]:
     """Return ``loss``, or for the built-in losses their twin without the data-dependent label check.
 
-    The built-ins check label ranges with ``bool(tensor)``, which no graph can trace; inside a
-    graph an out-of-range label still fails, in the kernel's own bounds check.
+    The built-ins check label ranges with Python control flow on tensor values (``int(tensor)``,
+    ``try``/``except`` around the kernel), which no single graph can hold; inside a graph an
+    out-of-range label still fails, in the kernel's own bounds check.
     """
     return {causal_lm: _traced_causal_lm, cross_entropy: _traced_cross_entropy}.get(loss, loss)
 
