@@ -15,7 +15,6 @@ from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step, 
 from trainfold.compiled import (
     CompileFallbackWarning,
     adamw_update,
-    compile_step,
     optimizer_plan,
 )
 from trainfold.losses import causal_lm
@@ -81,7 +80,7 @@ def test_compiled_step_matches_eager_never_mutates_and_compiles_once():
     opt = chain(clip_by_global_norm(0.5), adamw(linear(1e-2, warmup_steps=1, total_steps=6), weight_decay=0.1))
     eager = make_step(model, causal_lm, opt)
     compiles, backend = counting_backend()
-    compiled = compile_step(eager, backend=backend)
+    compiled = make_step(model, causal_lm, opt, compile=backend)
     a = b = init_state(model, opt, seed=3)
     for batch in batches(4, micro=2):
         prev, before = b, snapshot(b)
@@ -103,7 +102,7 @@ def test_unsupported_optimizer_warns_and_runs_the_eager_step():
     opt = sgd(0.1, momentum=0.9)
     eager = make_step(model, causal_lm, opt)
     with pytest.warns(CompileFallbackWarning, match="sgd.*eager step"):
-        step = compile_step(eager)
+        step = make_step(model, causal_lm, opt, compile=True)
     state = init_state(model, opt)
     batch = batches(1, micro=1)[0]
     assert close(step(state, batch), eager(state, batch), atol=1e-12) == 0.0
@@ -120,7 +119,7 @@ def test_objective_that_cannot_trace_falls_back_once_with_the_reason():
         return causal_lm(logits, micro["labels"], num_items), {}
 
     eager = make_step(model, causal_lm, opt, objective=objective)
-    compiled = compile_step(eager, backend="aot_eager")
+    compiled = make_step(model, causal_lm, opt, objective=objective, compile="aot_eager")
     state = init_state(model, opt)
     batch = batches(1, micro=1)[0]
     with pytest.warns(CompileFallbackWarning, match="compiling the step failed"):
@@ -134,7 +133,7 @@ def test_objective_that_cannot_trace_falls_back_once_with_the_reason():
 def test_step_without_items_moves_only_the_cursor_like_the_eager_step():
     model = tiny()
     opt = adamw(1e-2)
-    compiled = compile_step(make_step(model, causal_lm, opt), backend="aot_eager")
+    compiled = make_step(model, causal_lm, opt, compile="aot_eager")
     state = init_state(model, opt)
     batch = [{"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.full((2, 8), -100)}]
     with pytest.warns(RuntimeWarning, match="num_items_in_batch == 0"):
@@ -179,14 +178,9 @@ def test_optimizer_plan_names_the_unsupported_part():
 def test_input_errors_are_raised_not_swallowed_by_the_fallback():
     model = tiny()
     opt = adamw(1e-2)
-    compiled = compile_step(make_step(model, causal_lm, opt), backend="aot_eager")
+    compiled = make_step(model, causal_lm, opt, compile="aot_eager")
     with pytest.raises(KeyError, match="no 'labels' key"):
         compiled(init_state(model, opt), [{"input_ids": torch.zeros(2, 8, dtype=torch.long)}])
-
-
-def test_compile_step_needs_a_make_step_step():
-    with pytest.raises(TypeError, match="make_step"):
-        compile_step(lambda state, batch: state)
 
 
 # -- the real compiler (slow) --------------------------------------------------------------------------

@@ -112,15 +112,6 @@ class OptimizerPlan:
         return rate, rate / (1.0 - self.b1**t), math.sqrt(1.0 - self.b2**t)
 
 
-def _closure(fn: Callable[..., Any]) -> dict[str, Any]:
-    cells = getattr(fn, "__closure__", None) or ()
-    return dict(zip(fn.__code__.co_freevars, (c.cell_contents for c in cells)))
-
-
-def _qualname(fn: Any) -> str:
-    return getattr(fn, "__qualname__", type(fn).__name__)
-
-
 def optimizer_plan(optimizer: GradientTransformation) -> OptimizerPlan:
     """Read ``adamw(...)`` or ``chain(clip_by_global_norm(...), ..., adamw(...))`` as an ``OptimizerPlan``.
 
@@ -131,29 +122,27 @@ def optimizer_plan(optimizer: GradientTransformation) -> OptimizerPlan:
     >>> plan.clips, plan.b1, plan.chained
     ((1.0,), 0.9, True)
     """
-    parts = [optimizer]
-    chained = _qualname(optimizer.apply_fn).startswith("chain.")
-    if chained:
-        parts = list(_closure(optimizer.apply_fn)["transforms"])
+    chained = optimizer.spec.get("name") == "chain"
+    parts = list(optimizer.spec["transforms"]) if chained else [optimizer]
     *clips, last = parts
     max_norms = []
     for t in clips:
-        if not _qualname(t.update).startswith("clip_by_global_norm."):
+        if t.spec.get("name") != "clip_by_global_norm":
             raise TypeError(
                 f"the compiled and ensemble paths support chain(clip_by_global_norm(...), adamw(...)); "
-                f"{_qualname(t.update).split('.')[0]} has no element-wise path there"
+                f"{t.spec.get('name', 'a custom transformation')} has no element-wise path there"
             )
-        max_norms.append(float(_closure(t.update)["max_norm"]))
-    if not _qualname(last.apply_fn).startswith("adamw."):
-        name = _qualname(last.update).split(".")[0]
+        max_norms.append(float(t.spec["max_norm"]))
+    if last.spec.get("name") != "adamw":
+        name = last.spec.get("name", "a custom transformation")
         raise TypeError(
             f"the compiled and ensemble paths support adamw (optionally after clip_by_global_norm), not {name}; "
             "use trainfold.adamw, or the eager step"
         )
-    fused = _closure(_closure(last.apply_fn)["apply_fused"])
+    adam = last.spec
     return OptimizerPlan(
-        learning_rate=fused["lr"], b1=float(fused["b1"]), b2=float(fused["b2"]), eps=float(fused["eps"]),
-        clips=tuple(max_norms), groups=fused["groups"], chained=chained,
+        learning_rate=adam["learning_rate"], b1=float(adam["b1"]), b2=float(adam["b2"]), eps=float(adam["eps"]),
+        clips=tuple(max_norms), groups=adam["groups"], chained=chained,
     )
 
 
@@ -230,15 +219,6 @@ def _fresh(fn: Callable[..., Any]) -> Callable[..., Any]:
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _plan_of(step: Callable[..., Any]) -> _Plan:
-    for value in _closure(step).values():
-        if isinstance(value, _Plan):
-            return value
-    raise TypeError(
-        f"compile_step needs a step built by make_step (got {_qualname(step)}); use make_step(..., compile=True)"
-    )
-
-
 def _why_not(plan: _Plan) -> str | None:
     try:
         if not torch._dynamo.is_dynamo_supported():
@@ -262,14 +242,14 @@ def _fallback(reason: str) -> None:
 
 def compile_step(
     step: Step,
-    plan: _Plan | None = None,
+    plan: _Plan,
     *,
     backend: str | Callable[..., Any] = "inductor",
     mode: str | None = None,
 ) -> Step:
     """Return ``step`` running under ``torch.compile``; the eager ``step`` where it cannot.
 
-    ``step`` comes from ``make_step``; its configuration is read from it (or pass ``plan``).
+    ``step`` and its configuration ``plan`` come from ``make_step`` (use ``make_step(..., compile=True)``).
     ``backend`` and ``mode`` go to ``torch.compile`` (tests use ``"aot_eager"``, which traces the
     same graphs without generating code). Compilation happens on the first call; if it fails, the
     step warns once with a ``CompileFallbackWarning`` and stays eager.
@@ -283,7 +263,6 @@ def compile_step(
     >>> [type(w.message).__name__ for w in caught]
     ['CompileFallbackWarning']
     """
-    plan = plan if plan is not None else _plan_of(step)
     reason = _why_not(plan)
     if reason is not None:
         _fallback(reason)

@@ -48,13 +48,16 @@ Mask = Mapping[str, bool] | Callable[[Mapping[str, Tensor]], Mapping[str, bool]]
 class GradientTransformation:
     """A pure optimizer: ``init(params)``, ``update(grads, state, params)``, and optional fast paths.
 
-    ``learning_rate(state)`` returns the rate the next update will use (for logging).
+    ``learning_rate(state)`` returns the rate the next update will use (for logging). ``spec``
+    describes the transformation as data (its ``name`` and hyperparameters), so other paths
+    (the compiled and the ensemble step) can rebuild the same math without peeking into closures.
     """
 
     init: Callable[[Tree], Any]
     update: Callable[[Tree, Any, Tree], tuple[Tree, Any]]
     apply_fn: Callable[[Tree, Any, Tree], tuple[Tree, Any]] | None = None
     learning_rate: Callable[[Any], float] | None = None
+    spec: Mapping[str, Any] = attrs.field(factory=dict)
 
     def apply(self, grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
         """Return ``(new_params, new_state)`` for one update."""
@@ -107,7 +110,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         return dict(zip(keys, torch._foreach_mul([grads[k] for k in keys], coef))), state
 
-    return GradientTransformation(init, update)
+    return GradientTransformation(init, update, spec={"name": "clip_by_global_norm", "max_norm": float(max_norm)})
 
 
 # -- SGD ----------------------------------------------------------------------------------------------
@@ -160,7 +163,8 @@ def sgd(
         updates = dict(zip(keys, torch._foreach_mul(g, -rate)))
         return updates, SgdState(state.count + 1, buf)
 
-    return GradientTransformation(init, update, learning_rate=lambda s: lr(int(s.count)))
+    spec = {"name": "sgd", "learning_rate": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay}
+    return GradientTransformation(init, update, learning_rate=lambda s: lr(int(s.count)), spec=spec)
 
 
 # -- AdamW ---------------------------------------------------------------------------------------------
@@ -334,7 +338,9 @@ def adamw(
         )
         return (apply_fused if fusable else apply_foreach)(grads, state, params)
 
-    return GradientTransformation(init, update, apply, learning_rate=lambda s: lr(int(s.count)))
+    spec = {"name": "adamw", "learning_rate": lr, "b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay,
+            "groups": groups}
+    return GradientTransformation(init, update, apply, learning_rate=lambda s: lr(int(s.count)), spec=spec)
 
 
 # -- composition ---------------------------------------------------------------------------------------
@@ -387,4 +393,4 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
                 return t.learning_rate(s)
         return float("nan")
 
-    return GradientTransformation(init, update, apply, learning_rate)
+    return GradientTransformation(init, update, apply, learning_rate, spec={"name": "chain", "transforms": transforms})

@@ -144,7 +144,7 @@ def make_step(
     label_key: str = "labels",
     collective: Collective | None = None,
     autocast: torch.dtype | None = None,
-    compile: bool = False,
+    compile: bool | str | Callable[..., Any] = False,
 ) -> Callable[[TrainState, Batch], TrainState]:
     """Return ``step(state, batch) -> state`` for ``model``.
 
@@ -154,6 +154,8 @@ def make_step(
     (loss, aux)``; ``aux`` values are summed over micro-batches into ``state.metrics``, so scale
     them like the loss. ``count_items(micro_batch)`` counts a micro-batch's items (default: the
     loss's ``count_items`` on the labels). ``collective`` sums counts and gradients across ranks.
+    ``compile=True`` runs the step under ``torch.compile`` (a string or callable picks the backend);
+    where that cannot work it warns and stays eager (``trainfold.compiled``).
 
     >>> import torch
     >>> from trainfold.optim import sgd
@@ -185,7 +187,7 @@ def make_step(
     if compile:
         from trainfold.compiled import compile_step  # noqa: PLC0415 - optional, heavy
 
-        return compile_step(step)
+        return compile_step(step, plan, backend="inductor" if compile is True else compile)
     return step
 
 
