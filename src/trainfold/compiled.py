@@ -50,6 +50,7 @@ from trainfold.step import (
     _private_rng,
     derive_seed,
     make_forward,
+    next_state,
     train_mode,
 )
 from trainfold.tree import global_norm
@@ -366,26 +367,9 @@ def _run(
         opt, [decay[k] for k in names], [state.params[k] for k in names], grads,
         [adam.mu[k] for k in names], [adam.nu[k] for k in names], lr, step_size, bc2_sqrt,
     )
-    learning_rate = plan.optimizer.learning_rate(state.opt_state) if plan.optimizer.learning_rate else float("nan")
-    metrics = {
-        **state.metrics,
-        "loss": total.cpu(),
-        "grad_norm": norm.detach().float().cpu(),
-        "learning_rate": torch.tensor(learning_rate, dtype=torch.float64),
-        "num_items": num_items.float(),
-        **{k: v.cpu() for k, v in aux_total.items()},
-    }
     new_adam = AdamState(adam.count + 1, dict(zip(names, mu)), dict(zip(names, nu)))
-    return attrs.evolve(
-        state,
-        params=dict(zip(names, new_p)),
-        buffers=buffers,
-        opt_state=opt.wrap(state.opt_state, new_adam),
-        step=state.step + 1,
-        cursor=cursor,
-        metrics=metrics,
-        loss_total=state.loss_total + metrics["loss"].double(),
-    )
+    return next_state(plan, state, dict(zip(names, new_p)), buffers, opt.wrap(state.opt_state, new_adam), cursor,
+                      total, norm, num_items, aux_total)
 
 
 class _NoItems(Exception):

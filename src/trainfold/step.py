@@ -259,24 +259,27 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
         plan.collective.sum_([*grads, total])
     grad_tree = dict(zip(keys, grads))
     grad_norm = global_norm(grad_tree)
-    learning_rate = plan.optimizer.learning_rate(state.opt_state) if plan.optimizer.learning_rate else float("nan")
     params, opt_state = plan.optimizer.apply(grad_tree, state.opt_state, state.params)
+    return next_state(plan, state, {k: params[k].detach() for k in keys}, buffers, opt_state, cursor,
+                      total, grad_norm, num_items, aux_total)
+
+
+def next_state(plan: _Plan, state: TrainState, params: dict[str, Tensor], buffers: dict[str, Tensor], opt_state: Any,
+               cursor: Any, loss: Tensor, grad_norm: Tensor, num_items: Tensor,
+               aux: Mapping[str, Tensor]) -> TrainState:
+    """Return the state after one update, with the step's metrics (shared by every step flavour)."""
+    optimizer = plan.optimizer
+    learning_rate = optimizer.learning_rate(state.opt_state) if optimizer.learning_rate else float("nan")
     metrics = {
         **state.metrics,
-        "loss": total.cpu(),
+        "loss": loss.detach().cpu(),
         "grad_norm": grad_norm.detach().float().cpu(),
         "learning_rate": torch.tensor(learning_rate, dtype=torch.float64),
         "num_items": num_items.float(),
-        **{k: v.cpu() for k, v in aux_total.items()},
+        **{k: v.detach().cpu() for k, v in aux.items()},
     }
     return attrs.evolve(
-        state,
-        params={k: params[k].detach() for k in keys},
-        buffers=buffers,
-        opt_state=opt_state,
-        step=state.step + 1,
-        cursor=cursor,
-        metrics=metrics,
-        loss_total=state.loss_total + metrics["loss"].double(),
+        state, params=params, buffers=buffers, opt_state=opt_state, step=state.step + 1, cursor=cursor,
+        metrics=metrics, loss_total=state.loss_total + metrics["loss"].double(),
     )
 
