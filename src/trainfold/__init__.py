@@ -27,7 +27,8 @@ from trainfold import (
 )
 from trainfold.args import TrainingArguments
 from trainfold.checkpoint import latest_checkpoint, load, save
-from trainfold.data import StepBatch, pad_collate, stream
+from trainfold.data import StepBatch, keyed, pad_collate, stream
+from trainfold.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
 from trainfold.evaluation import EvalPrediction
 from trainfold.fold import any_of, fit, max_steps, max_time, trajectory
 from trainfold.observe import early_stopping
@@ -49,6 +50,12 @@ __all__ = [
     "TrainingArguments",
     "adamw",
     "checkpoint",
+    "compiled",
+    "ensemble",
+    "init_ensemble_state",
+    "keyed",
+    "make_ensemble_step",
+    "split_ensemble",
     "data",
     "distributed",
     "dpo",
