@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small LM on Python's own source (no downloads)")
     demo.add_argument("--output-dir", default="runs/demo")
-    demo.add_argument("--max-steps", type=int, default=300)
+    demo.add_argument("--max-steps", type=int, default=800)
     run = sub.add_parser("train", help="train from a TOML config")
     run.add_argument("--config", required=True, help="path to a TOML file with [model], [data], [args]")
     ns = parser.parse_args(argv)

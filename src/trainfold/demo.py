@@ -62,7 +62,20 @@ def _sample(model: TinyLM, state: Any, prompt: str, n: int = 80, temperature: fl
     return byte_decode(ids[len(byte_encode(prompt)) :])
 
 
-def run_demo(output_dir: str = "runs/demo", max_steps: int = 300, seq_len: int = 64, max_bytes: int = 1_000_000,
+def _print_log(max_steps: int) -> Any:
+    """Return an observer printing each log entry as one line (progress without a terminal too)."""
+
+    def show(state: Any, logs: dict[str, Any]) -> None:
+        if "eval_loss" in logs:
+            print(f"  step {int(logs['step']):>5}/{max_steps}  held-out loss {logs['eval_loss']:.3f}", flush=True)
+        elif "loss" in logs:
+            print(f"  step {int(logs['step']):>5}/{max_steps}  loss {logs['loss']:.3f}  "
+                  f"lr {logs['learning_rate']:.2e}  grad norm {logs['grad_norm']:.2f}", flush=True)
+
+    return show
+
+
+def run_demo(output_dir: str = "runs/demo", max_steps: int = 800, seq_len: int = 128, max_bytes: int = 2_000_000,
              seed: int = 0) -> Any:
     """Train TinyLM on stdlib source and report held-out loss before and after; return the result."""
     from trainfold.train import train  # noqa: PLC0415
@@ -79,11 +92,11 @@ def run_demo(output_dir: str = "runs/demo", max_steps: int = 300, seq_len: int =
     args = TrainingArguments(
         output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=16, per_device_eval_batch_size=32,
         learning_rate=3e-3, warmup_steps=0.05, lr_scheduler_type="cosine", weight_decay=0.1, seed=seed,
-        logging_steps=25, eval_strategy="steps", eval_steps=max_steps // 2, eval_on_start=True,
-        save_steps=max_steps // 2, save_total_limit=2, report_to=["jsonl"], metric_for_best_model="loss",
+        logging_steps=max(1, max_steps // 16), eval_strategy="steps", eval_steps=max(1, max_steps // 2), eval_on_start=True,
+        save_steps=max(1, max_steps // 2), save_total_limit=2, report_to=["jsonl"], metric_for_best_model="loss",
         enable_jit_checkpoint=True,
     )
-    result = train(model, args, train_rows, eval_rows)
+    result = train(model, args, train_rows, eval_rows, observers=[_print_log(max_steps)])
     evals = [h for h in result.log_history if "eval_loss" in h]
     first, last = evals[0]["eval_loss"], evals[-1]["eval_loss"]
     print(f"\nheld-out loss: {first:.3f} before training -> {last:.3f} after {result.global_step} steps "
