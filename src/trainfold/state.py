@@ -41,7 +41,11 @@ def initial_metrics() -> dict[str, Tensor]:
 
 @attrs.frozen(eq=False)
 class Cursor:
-    """Where the data stream stands: the epoch, and optimizer steps consumed within it."""
+    """Where the data stream stands: the epoch, and optimizer steps consumed within it.
+
+    >>> Cursor().as_tuple(), Cursor(epoch=scalar(1), position=scalar(4)).as_tuple()
+    ((0, 0), (1, 4))
+    """
 
     epoch: Tensor = attrs.field(factory=lambda: scalar(0))
     position: Tensor = attrs.field(factory=lambda: scalar(0))
@@ -65,6 +69,11 @@ class TrainState:
     ``loss_total`` the float64 sum of all step losses, so any logging window's mean is exact.
     ``extras`` carries named records owned by higher layers (logging marks, best-model and
     early-stopping counters) so they survive a resume.
+
+    >>> import torch
+    >>> s = TrainState(params={"w": torch.zeros(2)}, buffers={}, opt_state=None)
+    >>> s.step.item(), s.cursor.as_tuple(), sorted(s.metrics)
+    (0, (0, 0), ['grad_norm', 'learning_rate', 'loss', 'num_items'])
     """
 
     params: dict[str, Tensor]
@@ -111,6 +120,12 @@ def init_state(
 
     ``params`` starts from other trainable tensors than the model's own (e.g. an SFT result before
     DPO); they must have the model's parameter names. The model itself is never changed.
+
+    >>> import torch
+    >>> from trainfold.optim import sgd
+    >>> s = init_state(torch.nn.Linear(2, 1), sgd(0.1), seed=7, params={"weight": torch.ones(1, 2), "bias": torch.zeros(1)})
+    >>> s.params["weight"].tolist(), s.seed.item(), s.step.item()
+    ([[1.0, 1.0]], 7, 0)
     """
     own, buffers = split_module(model)
     if params is not None:
