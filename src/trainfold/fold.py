@@ -35,7 +35,11 @@ def never(state: Any) -> bool:
 
 
 def trajectory(step: Callable[[S, Any], S], state: S, batches: Iterable[Any], stop: Stop = never) -> Iterator[S]:
-    """Yield the state after each step (lazily), until ``batches`` ends or ``stop(state)`` holds."""
+    """Yield the state after each step (lazily), until ``batches`` ends or ``stop(state)`` holds.
+
+    >>> list(trajectory(lambda s, b: s * b, 1, [2, 3, 4], stop=lambda s: s > 5))
+    [2, 6]
+    """
     it = iter(batches)
     while not stop(state):
         try:
@@ -47,7 +51,11 @@ def trajectory(step: Callable[[S, Any], S], state: S, batches: Iterable[Any], st
 
 
 def fit(step: Callable[[S, Any], S], state: S, batches: Iterable[Any], stop: Stop = never) -> S:
-    """Return the last state of ``trajectory(step, state, batches, stop)`` (``state`` if no step ran)."""
+    """Return the last state of ``trajectory(step, state, batches, stop)`` (``state`` if no step ran).
+
+    >>> fit(lambda s, b: s + [b], [], "abc"), fit(lambda s, b: s + b, 5, [])
+    (['a', 'b', 'c'], 5)
+    """
     for state in trajectory(step, state, batches, stop):  # noqa: B007 - the last one is the result
         pass
     return state
