@@ -131,6 +131,12 @@ def causal_lm(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) ->
 
     Returns the summed loss of this micro-batch divided by ``num_items_in_batch``, the count of
     shifted labels that are not -100 over the whole optimizer step. Logits are upcast to float32.
+
+    >>> import torch
+    >>> logits = torch.zeros(1, 3, 4)              # uniform over 4 tokens: ln 4 per item
+    >>> labels = torch.tensor([[1, 2, -100]])      # one item: position 0 predicts 2
+    >>> round(causal_lm(logits, labels, 1).item(), 4), causal_lm.count_items(labels).item()
+    (1.3863, 1)
     """
     logits = logits_of(outputs)
     if logits.dim() < 2 or logits.shape[:-1] != labels.shape:
