@@ -18,7 +18,12 @@ __all__ = ["TinyLMConfig", "TinyLM", "byte_encode", "byte_decode"]
 
 @attrs.frozen
 class TinyLMConfig:
-    """Sizes of a ``TinyLM``; the defaults make about 0.4M parameters over a byte vocabulary."""
+    """Sizes of a ``TinyLM``; the defaults make about 0.4M parameters over a byte vocabulary.
+
+    >>> cfg = TinyLMConfig(d_model=8, n_layers=1)
+    >>> cfg.vocab_size, cfg.to_dict()["model_type"], cfg.to_dict()["d_model"]
+    (256, 'trainfold-tinylm', 8)
+    """
 
     vocab_size: int = 256
     d_model: int = 96
@@ -60,6 +65,11 @@ class TinyLM(nn.Module):
 
     ``forward(input_ids, attention_mask=None, inputs_embeds=None)`` returns logits shaped
     ``(batch, seq, vocab)``. Right padding needs no mask (attention is causal).
+
+    >>> import torch
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> list(model(torch.tensor([[1, 2, 3]])).shape), model.get_input_embeddings().weight.shape[0]
+    ([1, 3, 16], 16)
     """
 
     def __init__(self, config: TinyLMConfig | None = None) -> None:
