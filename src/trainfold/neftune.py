@@ -38,6 +38,11 @@ def neftune_noise(embeds: Tensor, attention_mask: Tensor | None, alpha: float, k
 
     ``a_i = alpha / sqrt(L_i * d)`` with ``L_i`` the number of non-zero entries of row ``i`` of
     ``attention_mask`` (the whole row when there is no mask). Uniforms come from ``key``.
+
+    >>> import torch
+    >>> noise = neftune_noise(torch.zeros(2, 3, 4), None, alpha=6.0, key=torch.Generator().manual_seed(0))
+    >>> list(noise.shape), bool(noise.abs().max() <= 6.0 / (3 * 4) ** 0.5)
+    ([2, 3, 4], True)
     """
     if embeds.dim() != 3:
         raise ValueError(
@@ -87,6 +92,17 @@ def neftune_forward(model: nn.Module, forward: Forward, alpha: float, key: torch
     ``input_ids`` are embedded through the functional parameters (the embedding module's own
     weight when it is frozen, hence not among them) and passed on as ``inputs_embeds``; given
     ``inputs_embeds`` get the noise directly. In eval mode the forward is unchanged.
+
+    >>> import torch
+    >>> from trainfold.models import TinyLM, TinyLMConfig
+    >>> model = TinyLM(TinyLMConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=1, max_len=4))
+    >>> embeds_of = lambda params, inputs: inputs["inputs_embeds"]   # a forward that shows its input
+    >>> noisy = neftune_forward(model, embeds_of, alpha=5.0, key=torch.Generator().manual_seed(0))
+    >>> bool(noisy({}, {"inputs_embeds": torch.zeros(1, 3, 4)}).abs().sum() > 0)
+    True
+    >>> _ = model.eval()                                            # evaluation: no noise
+    >>> noisy({}, {"inputs_embeds": torch.zeros(1, 3, 4)}).abs().sum().item()
+    0.0
     """
     emb, name = input_embedding(model)
 
