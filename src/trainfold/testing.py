@@ -14,7 +14,13 @@ Needs ``hypothesis`` (the ``test`` extra). Each strategy is a function returning
     def test_every_sample_once(sampler):
         ...
 
-The examples are random, so the docstrings show usage rather than doctest output.
+The examples are random, so the docstrings show deterministic facts about them: the minimal
+example ``hypothesis.find`` shrinks to, or a property checked by a small ``@given`` test:
+
+>>> from hypothesis import Phase, find, given, settings
+>>> quick = settings(max_examples=5, database=None, deadline=None, phases=[Phase.generate, Phase.shrink])
+>>> find(uniform_lengths(min_size=2), lambda xs: True, settings=quick)
+[1, 1]
 """
 
 from __future__ import annotations
@@ -56,6 +62,16 @@ def skewed_lengths(
     Each length is ``round(median * exp(sigma * z))`` for ``z`` drawn in ``[-3, 3]``, clipped to
     ``[1, max_length]``: mostly short sequences and a few very long ones, the case where
     length-grouped sampling matters. Example: ``@given(skewed_lengths(min_size=1))``.
+
+    >>> from hypothesis import Phase, find, given, settings
+    >>> quick = settings(max_examples=5, database=None, deadline=None, phases=[Phase.generate, Phase.shrink])
+    >>> find(skewed_lengths(min_size=3), lambda xs: True, settings=quick)  # z shrinks to 0: the median
+    [32, 32, 32]
+    >>> @given(skewed_lengths(max_length=100))
+    ... @quick
+    ... def clipped(xs):
+    ...     assert all(1 <= x <= 100 for x in xs)
+    >>> clipped()
     """
 
     def to_length(z: float) -> int:
@@ -70,6 +86,16 @@ def uniform_lengths(
     """Lists of sequence lengths drawn from ``[min_length, max_length]``.
 
     Example: ``@given(uniform_lengths(min_size=4, max_length=16))``.
+
+    >>> from hypothesis import Phase, find, given, settings
+    >>> quick = settings(max_examples=5, database=None, deadline=None, phases=[Phase.generate, Phase.shrink])
+    >>> find(uniform_lengths(min_size=2, min_length=3), lambda xs: True, settings=quick)
+    [3, 3]
+    >>> @given(uniform_lengths(min_size=4, max_size=6, min_length=2, max_length=16))
+    ... @quick
+    ... def in_range(xs):
+    ...     assert 4 <= len(xs) <= 6 and all(2 <= x <= 16 for x in xs)
+    >>> in_range()
     """
     return st.lists(st.integers(min_length, max_length), min_size=min_size, max_size=max_size)
 
@@ -78,6 +104,13 @@ def lengths(min_size: int = 0, max_size: int = 64) -> st.SearchStrategy[list[int
     """Lists of lengths, skewed or uniform: either of the two strategies above.
 
     Example: ``@given(lengths(min_size=1))``.
+
+    >>> from hypothesis import given, settings
+    >>> @given(lengths(min_size=1, max_size=8))
+    ... @settings(max_examples=5, database=None, deadline=None)
+    ... def positive(xs):
+    ...     assert 1 <= len(xs) <= 8 and min(xs) >= 1
+    >>> positive()
     """
     return st.one_of(skewed_lengths(min_size, max_size), uniform_lengths(min_size, max_size))
 
@@ -97,6 +130,17 @@ def label_tensors(
     ``ignore_index``; with ``prompt_masking`` some rows also mask a prefix (a prompt), as
     supervised fine-tuning does. Example: ``@given(label_tensors(vocab_size=8))``, then check that
     your loss counts ``(labels != -100)`` items.
+
+    >>> from hypothesis import Phase, find, given, settings
+    >>> quick = settings(max_examples=5, database=None, deadline=None, phases=[Phase.generate, Phase.shrink])
+    >>> find(label_tensors(vocab_size=8), lambda t: True, settings=quick).tolist()  # the simplest: all padding
+    [[-100]]
+    >>> @given(label_tensors(vocab_size=8))
+    ... @quick
+    ... def valid(labels):
+    ...     real = labels[labels != -100]
+    ...     assert labels.dim() == 2 and bool(((real >= 0) & (real < 8)).all())
+    >>> valid()
     """
     b, t = draw(batch_size), draw(seq_len)
     rows = []
@@ -121,6 +165,18 @@ def tensor_dicts(
 
     Values lie in ``[-bound, bound]``. Use them as parameter trees or gradients:
     ``@given(tensor_dicts(keys=["weight", "bias"]))``.
+
+    >>> import torch
+    >>> from hypothesis import Phase, find, given, settings
+    >>> quick = settings(max_examples=5, database=None, deadline=None, phases=[Phase.generate, Phase.shrink])
+    >>> {k: v.tolist() for k, v in find(tensor_dicts(), lambda d: True, settings=quick).items()}
+    {'w': 0.0, 'b': 0.0}
+    >>> @given(tensor_dicts(keys=["weight", "bias"], bound=1.0))
+    ... @quick
+    ... def finite(tree):
+    ...     assert sorted(tree) == ["bias", "weight"]
+    ...     assert all(bool((t.isfinite() & (t.abs() <= 1)).all()) for t in tree.values())
+    >>> finite()
     """
     out = {}
     for key in keys:
@@ -138,6 +194,17 @@ def token_items(
     """Lists of tokenized samples ``{"input_ids": [...], "labels": [...]}`` of varied lengths (>= 1).
 
     Labels copy the inputs; feed them to a collator: ``@given(token_items())``.
+
+    >>> from hypothesis import Phase, find, given, settings
+    >>> quick = settings(max_examples=5, database=None, deadline=None, phases=[Phase.generate, Phase.shrink])
+    >>> find(token_items(), lambda items: True, settings=quick)
+    [{'input_ids': [0], 'labels': [0]}]
+    >>> @given(token_items(max_size=4, max_length=5))
+    ... @quick
+    ... def labelled(items):
+    ...     assert 1 <= len(items) <= 4
+    ...     assert all(it["labels"] == it["input_ids"] and 1 <= len(it["input_ids"]) <= 5 for it in items)
+    >>> labelled()
     """
     n = draw(st.integers(min_size, max_size))
     items = []
@@ -161,6 +228,14 @@ def sampler_configs(
     Batch size, accumulation, world size, rank, ``drop_last`` and seed vary; length-based
     strategies get skewed or uniform lengths. Example:
     ``@given(sampler_configs(strategies=["group_by_length"]))``.
+
+    >>> from hypothesis import given, settings
+    >>> @given(sampler_configs(strategies=["group_by_length"], max_world=2))
+    ... @settings(max_examples=5, database=None, deadline=None)
+    ... def valid(sampler):
+    ...     assert sampler.strategy == "group_by_length" and 0 <= sampler.rank < sampler.world_size <= 2
+    ...     assert len(sampler.lengths) == sampler.num_samples
+    >>> valid()
     """
     strategy = draw(st.sampled_from(list(strategies)))
     n = draw(num_samples)
