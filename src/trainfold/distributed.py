@@ -33,15 +33,16 @@ from torch import Tensor, nn
 from trainfold.evaluation import (
     EvalPrediction,
     PredictionOutput,
-    check_metrics,
     evaluate,
+    final_metrics,
     predict,
-    prefix_metrics,
+    resolve_forward,
+    throughput,
     to_numpy,
 )
 from trainfold.losses import IGNORE_INDEX, causal_lm, counter_for, logits_of
 from trainfold.reducers import fold, mean_loss, merge_all, pad_concat
-from trainfold.step import make_forward, train_mode
+from trainfold.step import train_mode
 
 __all__ = [
     "BUCKET_BYTES",
@@ -349,24 +350,9 @@ class _Outputs:
     label_ids: Tensor | None
 
 
-def _forward_of(model_or_forward: Any, params: Any, buffers: Mapping[str, Tensor] | None) -> tuple[Any, Mapping[str, Tensor]]:
-    if params is not None and hasattr(params, "params") and hasattr(params, "buffers"):  # a TrainState
-        params, buffers = params.params, (params.buffers if buffers is None else buffers)
-    if not isinstance(model_or_forward, nn.Module):
-        if params is None or not callable(model_or_forward):
-            raise TypeError("sharded evaluation needs an nn.Module, or a forward(params, inputs) function and params")
-        return model_or_forward, params
-    model = model_or_forward
-    if params is None:
-        params = dict(model.named_parameters())
-    if buffers is None:
-        buffers = {**{k: p for k, p in model.named_parameters() if k not in params}, **dict(model.named_buffers())}
-    return make_forward(model, buffers), params
-
-
 def _run_shard(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, Any]], *, loss: Callable[..., Tensor],
                gather: bool, preprocess: Any, label_key: str, buffers: Any, predictions_of: Callable[[Any], Any]) -> _Outputs:
-    forward, params = _forward_of(model_or_forward, params, buffers)
+    forward, params = resolve_forward(model_or_forward, params, buffers)
     count_items = counter_for(loss)
     first = next(iter(params.values()), None)
     device = first.device if isinstance(first, Tensor) else None
@@ -422,12 +408,6 @@ def _gather_tree(tree: Any, collective: GatherCollective) -> Any:
     raise TypeError(f"cannot gather predictions of type {type(tree).__name__}: return tensors or tuples/dicts of them")
 
 
-def _speed(runtime: float, samples: int, batches: int) -> dict[str, float]:
-    runtime = max(runtime, 1e-9)
-    return {"runtime": round(runtime, 4), "samples_per_second": round(samples / runtime, 3),
-            "steps_per_second": round(batches / runtime, 3)}
-
-
 def _sharded(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, Any]], collective: GatherCollective,
              gather: bool, options: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
@@ -436,17 +416,9 @@ def _sharded(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, 
 
 
 def _metrics(merged: dict[str, Any], compute_metrics: Any, prefix: str, as_numpy: bool, speed: bool) -> dict[str, Any]:
-    metrics: dict[str, Any] = {}
-    if compute_metrics is not None and merged.get("predictions") is not None and merged.get("label_ids") is not None:
-        conv = to_numpy if as_numpy else (lambda x: x)
-        metrics = check_metrics(compute_metrics(EvalPrediction(conv(merged["predictions"]), conv(merged["label_ids"]))))
-    if merged["labelled"]:
-        if "loss" in metrics or f"{prefix}_loss" in metrics:
-            raise ValueError(f"compute_metrics returned a 'loss' metric, which would hide {prefix}_loss; rename it")
-        metrics["loss"] = merged["loss"]
-    if speed:
-        metrics.update(_speed(merged["runtime"], merged["samples"], merged["batches"]))
-    return prefix_metrics(metrics, prefix)
+    return final_metrics(merged, merged["loss"] if merged["labelled"] else None, compute_metrics, prefix=prefix,
+                         as_numpy=as_numpy,
+                         speed=throughput(merged["runtime"], merged["samples"], merged["batches"]) if speed else None)
 
 
 def evaluate_sharded(

@@ -57,10 +57,13 @@ __all__ = [
     "check_eval_schedule",
     "check_metrics",
     "evaluate",
+    "final_metrics",
     "predict",
     "prefix_metrics",
     "resolve_eval_steps",
+    "resolve_forward",
     "should_evaluate",
+    "throughput",
     "to_numpy",
 ]
 
@@ -180,6 +183,56 @@ def prefix_metrics(metrics: Mapping[str, Any], prefix: str = "eval") -> dict[str
     return out
 
 
+def throughput(runtime: float, samples: int, batches: int) -> dict[str, float]:
+    """Return the speed metrics of an eval run: ``runtime`` (seconds), ``samples_per_second``, ``steps_per_second``.
+
+    A runtime below 1 ns counts as 1 ns, so the rates stay finite.
+
+    >>> throughput(2.0, 10, 4)
+    {'runtime': 2.0, 'samples_per_second': 5.0, 'steps_per_second': 2.0}
+    """
+    runtime = max(runtime, 1e-9)
+    return {"runtime": round(runtime, 4), "samples_per_second": round(samples / runtime, 3),
+            "steps_per_second": round(batches / runtime, 3)}
+
+
+def final_metrics(
+    gathered: Mapping[str, Any],
+    loss: float | None,
+    compute_metrics: Callable[[EvalPrediction], Mapping[str, Any]] | None = None,
+    *,
+    prefix: str = "eval",
+    as_numpy: bool = True,
+    speed: Mapping[str, float] | None = None,
+) -> dict[str, Any]:
+    """Return an eval run's metrics named ``{prefix}_*``: ``compute_metrics``' results, the loss, then ``speed``.
+
+    ``gathered`` holds the run's ``predictions`` and ``label_ids`` (and optionally ``inputs`` and
+    ``losses``); ``compute_metrics`` runs on them (as numpy arrays unless ``as_numpy=False``) only
+    when both are there. ``loss`` is the eval loss, ``None`` when no batch had labels; ``speed``
+    (e.g. :func:`throughput`) is added as it is.
+
+    >>> final_metrics({}, 0.5, speed={"runtime": 2.0})
+    {'eval_loss': 0.5, 'eval_runtime': 2.0}
+    >>> acc = lambda p: {"accuracy": float((p.predictions == p.label_ids).mean())}
+    >>> final_metrics({"predictions": torch.tensor([1, 2]), "label_ids": torch.tensor([1, 0])}, None, acc, prefix="test")
+    {'test_accuracy': 0.5}
+    """
+    metrics: dict[str, Any] = {}
+    if compute_metrics is not None and gathered.get("predictions") is not None and gathered.get("label_ids") is not None:
+        conv = to_numpy if as_numpy else (lambda x: x)
+        pred = EvalPrediction(predictions=conv(gathered["predictions"]), label_ids=conv(gathered["label_ids"]),
+                              inputs=conv(gathered.get("inputs")), losses=conv(gathered.get("losses")))
+        metrics = check_metrics(compute_metrics(pred))
+    if loss is not None:
+        if "loss" in metrics or f"{prefix}_loss" in metrics:
+            raise ValueError(f"compute_metrics returned a 'loss' metric, which would hide {prefix}_loss; rename it")
+        metrics["loss"] = loss
+    if speed is not None:
+        metrics.update(speed)
+    return prefix_metrics(metrics, prefix)
+
+
 # The eval pipeline ----------------------------------------------------------------------------
 
 
@@ -296,7 +349,19 @@ def _joined() -> Reducer:
     return attrs.evolve(collecting(), complete=complete)
 
 
-def _split_params(model_or_forward: Any, params: Any, buffers: Mapping[str, Tensor] | None) -> tuple[Any, Mapping[str, Tensor]]:
+def resolve_forward(model_or_forward: Any, params: Any,
+                    buffers: Mapping[str, Tensor] | None = None) -> tuple[Callable[..., Any], Mapping[str, Tensor]]:
+    """Return the ``forward(params, inputs)`` function and the params to evaluate ``model_or_forward`` on.
+
+    ``model_or_forward`` is an ``nn.Module`` (run through ``functional_call`` with ``buffers``,
+    default its own buffers and any parameter not in ``params``) or a ``forward(params, inputs)``
+    function, returned as it is. ``params`` is a dict of tensors, a ``TrainState`` (its params,
+    and its buffers unless ``buffers`` is given), or ``None`` for the module's own parameters.
+
+    >>> forward, params = resolve_forward(torch.nn.Linear(2, 1), None)
+    >>> sorted(params), forward(params, {"input": torch.zeros(3, 2)}).shape[0]
+    (['bias', 'weight'], 3)
+    """
     if params is not None and hasattr(params, "params") and hasattr(params, "buffers"):  # a TrainState
         params, buffers = params.params, (params.buffers if buffers is None else buffers)
     if not isinstance(model_or_forward, nn.Module):
@@ -338,7 +403,7 @@ def _run(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, Any]
          gather: bool, preprocess: Any, eval_accumulation_steps: int | None, include: tuple[str, ...],
          label_key: str, main_input_name: str, buffers: Any, predictions_of: Callable[[Any], Any],
          move: Callable[[Tensor], Tensor] | None) -> dict[str, Any]:
-    forward, params = _split_params(model_or_forward, params, buffers)
+    forward, params = resolve_forward(model_or_forward, params, buffers)
     first = next(iter(params.values()), None)
     plan = _Plan(forward=forward, params=params, loss=loss, count_items=counter_for(loss), label_key=label_key,
                  device=first.device if isinstance(first, Tensor) else None, gather=gather,
@@ -403,26 +468,9 @@ def evaluate(
 
 def _metrics(out: dict[str, Any], compute_metrics: Any, prefix: str, as_numpy: bool, speed: bool,
              runtime: float) -> dict[str, Any]:
-    metrics: dict[str, Any] = {}
-    tensors = out.get("tensors") or {}
-    if compute_metrics is not None and tensors.get("predictions") is not None and tensors.get("label_ids") is not None:
-        conv = to_numpy if as_numpy else (lambda x: x)
-        pred = EvalPrediction(predictions=conv(tensors["predictions"]), label_ids=conv(tensors["label_ids"]),
-                              inputs=conv(tensors.get("inputs")), losses=conv(tensors.get("losses")))
-        metrics = check_metrics(compute_metrics(pred))
-    if out["labelled"]:
-        if "loss" in metrics or f"{prefix}_loss" in metrics:
-            raise ValueError(f"compute_metrics returned a 'loss' metric, which would hide {prefix}_loss; rename it")
-        metrics["loss"] = out["loss"]
-    if speed:
-        metrics.update(_speed(runtime, out["samples"], out["batches"]))
-    return prefix_metrics(metrics, prefix)
-
-
-def _speed(runtime: float, samples: int, batches: int) -> dict[str, float]:
-    runtime = max(runtime, 1e-9)
-    return {"runtime": round(runtime, 4), "samples_per_second": round(samples / runtime, 3),
-            "steps_per_second": round(batches / runtime, 3)}
+    return final_metrics(out.get("tensors") or {}, out["loss"] if out["labelled"] else None, compute_metrics,
+                         prefix=prefix, as_numpy=as_numpy,
+                         speed=throughput(runtime, out["samples"], out["batches"]) if speed else None)
 
 
 def predict(
