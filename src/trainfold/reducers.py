@@ -51,7 +51,13 @@ __all__ = [
 
 @attrs.frozen(eq=False)
 class Reduced:
-    """An accumulator marked final: a reducer's step returns it to stop the fold early."""
+    """An accumulator marked final: a reducer's step returns it to stop the fold early.
+
+    >>> upto_10 = Reducer(init=lambda: 0, step=lambda a, x: Reduced(a + x) if a + x >= 10 else a + x)
+    >>> acc = fold(upto_10, range(100))
+    >>> is_reduced(acc), acc.value                 # stopped after 0 + 1 + 2 + 3 + 4
+    (True, 10)
+    """
 
     value: Any
 
