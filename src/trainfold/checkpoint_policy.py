@@ -181,6 +181,11 @@ class BestMetric:
     """The best value of a metric so far and the step it was reached at (``step`` −1: none yet).
 
     A record of 0-d tensors, so it lives in ``state.extras`` and survives a resume.
+
+    >>> import torch
+    >>> b = BestMetric(torch.tensor(0.25, dtype=torch.float64), torch.tensor(40), greater_is_better=torch.tensor(False))
+    >>> b.value.item(), b.step.item(), update_best(b, 0.2, 50)[0].step.item()
+    (0.25, 40, 50)
     """
 
     value: Tensor
