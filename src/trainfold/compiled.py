@@ -61,7 +61,17 @@ Step = Callable[[TrainState, Sequence[Mapping[str, Tensor]]], TrainState]
 
 
 class CompileFallbackWarning(UserWarning):
-    """``compile=True`` could not compile the step and runs the eager step instead."""
+    """``compile=True`` could not compile the step and runs the eager step instead.
+
+    Turn the fallback into an error with ``warnings.simplefilter("error", CompileFallbackWarning)``.
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     warnings.warn("no compiler here", CompileFallbackWarning)
+    >>> [(w.category.__name__, issubclass(w.category, UserWarning)) for w in caught]
+    [('CompileFallbackWarning', True)]
+    """
 
 
 # -- the optimizer, read as data ------------------------------------------------------------------
@@ -74,6 +84,13 @@ class OptimizerPlan:
     ``clips`` are the ``max_norm`` values applied in order before AdamW; ``decay`` maps each
     param to its weight decay; ``wrap(opt_state, adam_state)`` puts a new AdamW state back where
     the optimizer keeps it, and ``adam_of(opt_state)`` takes it out.
+
+    >>> import torch, trainfold
+    >>> opt = trainfold.chain(trainfold.clip_by_global_norm(1.0), trainfold.adamw(0.1, weight_decay=0.01))
+    >>> plan = optimizer_plan(opt)
+    >>> params = {"weight": torch.ones(2, 2), "bias": torch.zeros(2)}
+    >>> plan.decay(params), plan.adam_of(opt.init(params)).count.item()
+    ({'weight': 0.01, 'bias': 0.0}, 0)
     """
 
     learning_rate: Schedule
