@@ -36,7 +36,15 @@ Objective = Callable[[Forward, Mapping[str, Tensor], Mapping[str, Tensor], Tenso
 
 
 class Collective(Protocol):
-    """What the step needs from a process group: sums across ranks."""
+    """What the step needs from a process group: sums across ranks.
+
+    >>> import torch
+    >>> class Solo:                               # one process: each sum is the tensor itself
+    ...     rank = 0
+    ...     def sum_(self, tensors): pass
+    >>> t = [torch.tensor(2.0)]; Solo().sum_(t); t[0].item()
+    2.0
+    """
 
     rank: int
 
@@ -63,7 +71,15 @@ def derive_seed(*parts: int) -> int:
 
 @contextlib.contextmanager
 def train_mode(model: nn.Module, training: bool) -> Iterator[None]:
-    """Set ``model.training`` for the duration, and restore every submodule's flag afterwards."""
+    """Set ``model.training`` for the duration, and restore every submodule's flag afterwards.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Dropout(0.5))
+    >>> with train_mode(model, False):
+    ...     inside = model[0].training
+    >>> inside, model[0].training
+    (False, True)
+    """
     flags = [(m, m.training) for m in model.modules()]
     if all(f == training for _, f in flags):
         yield
@@ -98,6 +114,12 @@ def make_forward(model: nn.Module, buffers: Mapping[str, Tensor]) -> Forward:
 
     It runs in whatever mode the module is in (a fresh module trains: dropout on); wrap calls in
     ``train_mode(model, False)`` to evaluate, as ``evaluation.evaluate`` does.
+
+    >>> import torch
+    >>> forward = make_forward(torch.nn.Linear(2, 1), {})
+    >>> params = {"weight": torch.tensor([[1.0, 2.0]]), "bias": torch.tensor([0.5])}
+    >>> forward(params, {"input": torch.tensor([[1.0, 1.0]])}).tolist()
+    [[3.5]]
     """
 
     def forward(params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
