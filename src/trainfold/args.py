@@ -36,7 +36,17 @@ _OPT_STR = (str, type(None))
 
 @attrs.frozen(init=False)
 class TrainingArguments:
-    """Settings for ``trainfold.train`` under their HF ``TrainingArguments`` names and defaults."""
+    """Settings for ``trainfold.train`` under their HF ``TrainingArguments`` names and defaults.
+
+    >>> args = TrainingArguments(max_steps=5)
+    >>> args.replace(learning_rate=1e-3).learning_rate, TrainingArguments.from_dict({"max_steps": 3}).max_steps
+    (0.001, 3)
+    >>> TrainingArguments(lr_scheduler_type="cosin")
+    Traceback (most recent call last):
+    ...
+    ValueError: invalid TrainingArguments:
+      - lr_scheduler_type='cosin' is not one of ['linear', 'cosine', 'constant', 'constant_with_warmup']
+    """
 
     output_dir: str = "trainer_output"
     num_train_epochs: float = 3.0
