@@ -244,6 +244,15 @@ def save(
     replaced: it is renamed aside, the new one renamed in, the old one deleted (a crash between
     the two renames leaves ``checkpoint-{step}`` absent, so ``latest_checkpoint`` picks the one
     before). Call it on one rank only.
+
+    >>> import tempfile, torch
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.state import init_state
+    >>> model = torch.nn.Linear(2, 1)
+    >>> out = tempfile.mkdtemp()
+    >>> path = save(init_state(model, sgd(0.1)), checkpoint_path(out, 7), model=model, metadata={"note": "hi"})
+    >>> path.name, sorted(p.name for p in path.iterdir()), read_metadata(path)["metadata"]["note"]
+    ('checkpoint-7', ['model.safetensors', 'state.safetensors', 'trainfold.json'], 'hi')
     """
     directory = Path(directory)
     metadata, settings = dict(metadata or {}), dict(settings or {})
@@ -386,6 +395,14 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
 
     Every tensor must match the template's keys, shapes and dtypes, except ``metrics``, which is
     free-form and loaded as saved. A weights-only checkpoint raises ``ValueError`` (see ``warm_start``).
+
+    >>> import tempfile, attrs, torch
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.state import init_state, scalar
+    >>> fresh = init_state(torch.nn.Linear(2, 1), sgd(0.1))
+    >>> path = save(attrs.evolve(fresh, step=scalar(12)), tempfile.mkdtemp() + "/ckpt")
+    >>> load(path, like=fresh).step.item(), fresh.step.item()
+    (12, 0)
     """
     directory = Path(directory)
     meta = read_metadata(directory)
@@ -409,6 +426,16 @@ def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
 
     Buffers absent from the file (non-persistent ones) keep the template's values. Use it for
     ``load_best_model_at_end``; to start training from weights, see ``warm_start``.
+
+    >>> import tempfile, attrs, torch
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.state import init_state, scalar
+    >>> model = torch.nn.Linear(2, 1)
+    >>> trained = init_state(model, sgd(0.1), params={"weight": torch.ones(1, 2), "bias": torch.ones(1)})
+    >>> path = save(attrs.evolve(trained, step=scalar(9)), tempfile.mkdtemp() + "/ckpt", model=model)
+    >>> s = load_weights(path, like=init_state(model, sgd(0.1)))
+    >>> s.params["weight"].tolist(), s.step.item()            # the weights, not the step
+    ([[1.0, 1.0]], 0)
     """
     directory = Path(directory)
     path = directory / MODEL_FILE
@@ -431,6 +458,18 @@ def warm_start(directory: str | os.PathLike, like: TrainState) -> TrainState:
 
     Pass a fresh ``like = init_state(...)``: the optimizer state, step (and so the learning-rate
     schedule), data cursor and metrics are ``like``'s, not the checkpoint's.
+
+    >>> import tempfile, warnings, torch
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.state import init_state
+    >>> model = torch.nn.Linear(2, 1)
+    >>> ones = {"weight": torch.ones(1, 2), "bias": torch.ones(1)}
+    >>> path = save(init_state(model, sgd(0.1), params=ones), tempfile.mkdtemp() + "/ckpt", model=model)
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     s = warm_start(path, like=init_state(model, sgd(0.1)))
+    >>> s.params["bias"].tolist(), [w.category.__name__ for w in caught]
+    ([1.0], ['UserWarning'])
     """
     state = load_weights(directory, like)
     warnings.warn(
