@@ -107,6 +107,11 @@ class PadCollate:
     ``token_type_ids`` with 0, anything else with ``pad_token_id`` (``pad_values`` overrides per
     key). A missing ``attention_mask`` is made from the ``input_ids`` lengths. Scalars are stacked.
     Use :func:`pad_collate` to make one.
+
+    >>> c = PadCollate(pad_token_id=9)
+    >>> out = c([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4], "labels": [4]}])
+    >>> out["input_ids"].tolist(), out["labels"].tolist(), out["attention_mask"].tolist()
+    ([[1, 2, 3], [4, 9, 9]], [[1, 2, 3], [4, -100, -100]], [[1, 1, 1], [1, 0, 0]])
     """
 
     pad_token_id: int = 0
@@ -190,7 +195,14 @@ def sample_key(seed: int, epoch: int, index: int) -> int:
 
 @attrs.frozen
 class KeyedCollate:
-    """A collator called as ``fn(items, keys)``, one :func:`sample_key` per item. Make with :func:`keyed`."""
+    """A collator called as ``fn(items, keys)``, one :func:`sample_key` per item. Make with :func:`keyed`.
+
+    >>> from trainfold.samplers import Sampler
+    >>> s = Sampler("sequential", 4, per_device_train_batch_size=2, seed=5)
+    >>> check = KeyedCollate(lambda items, keys: [k == sample_key(5, 0, i) for i, k in zip(items, keys)])
+    >>> [step[0] for step in stream(list(range(4)), s, check, num_epochs=1)]
+    [[True, True], [True, True]]
+    """
 
     fn: Callable[[Sequence[Any], Sequence[int]], Any]
 
@@ -327,6 +339,12 @@ def stream(
     epoch being one pass over it; micro-batches are dealt round-robin to ranks, the collator
     runs in this process, ``max_steps`` counts the steps this stream yields, and with workers
     the dataset must shard itself (``torch.utils.data.get_worker_info``) or items repeat.
+
+    >>> from trainfold.samplers import Sampler
+    >>> s = Sampler("sequential", 6, per_device_train_batch_size=2)
+    >>> resumed = stream([{"x": i} for i in range(6)], s, pad_collate(), start=(0, 1), max_steps=3)
+    >>> [(step[0]["x"].tolist(), step.cursor.as_tuple()) for step in resumed]  # the cursor after each step
+    [([2, 3], (0, 2)), ([4, 5], (1, 0))]
     """
     errors = _loader_errors(dataloader_num_workers, dataloader_persistent_workers, dataloader_prefetch_factor)
     for name, value in (("num_epochs", num_epochs), ("max_steps", max_steps)):
