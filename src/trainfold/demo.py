@@ -22,7 +22,12 @@ __all__ = ["stdlib_text", "byte_chunks", "run_demo"]
 
 
 def stdlib_text(max_bytes: int = 2_000_000) -> str:
-    """Return up to ``max_bytes`` of the standard library's ``.py`` source, files in name order."""
+    """Return up to ``max_bytes`` of the standard library's ``.py`` source, files in name order.
+
+    >>> text = stdlib_text(max_bytes=1000)
+    >>> len(text), text == stdlib_text(max_bytes=2000)[:1000]
+    (1000, True)
+    """
     root = Path(sysconfig.get_paths()["stdlib"])
     parts, size = [], 0
     for path in sorted(root.glob("*.py")):
@@ -77,7 +82,14 @@ def _print_log(max_steps: int) -> Any:
 
 def run_demo(output_dir: str = "runs/demo", max_steps: int = 800, seq_len: int = 128, max_bytes: int = 2_000_000,
              seed: int = 0) -> Any:
-    """Train TinyLM on stdlib source and report held-out loss before and after; return the result."""
+    """Train TinyLM on stdlib source and report held-out loss before and after; return the result.
+
+    >>> import contextlib, io, tempfile
+    >>> with contextlib.redirect_stdout(io.StringIO()) as printed:   # a one-step run, quietly
+    ...     result = run_demo(tempfile.mkdtemp(), max_steps=1, seq_len=16, max_bytes=2000)
+    >>> result.global_step, result.status, printed.getvalue().count("held-out loss")
+    (1, 'completed', 3)
+    """
     from trainfold.train import train  # noqa: PLC0415
 
     started = time.monotonic()
