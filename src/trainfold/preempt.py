@@ -51,6 +51,13 @@ class Preemption:
     ``collective`` (the step's ``Collective``: ``sum_`` over ranks) makes ``requested`` true on
     every rank as soon as any rank was signalled; every rank must then call it at the same points
     (``fit`` calls the stop predicate once before each step on every rank).
+
+    >>> class OtherRankSignalled:                 # a collective whose other rank saw SIGTERM
+    ...     rank = 0
+    ...     def sum_(self, tensors):
+    ...         tensors[0] += 1
+    >>> Preemption().stop(None), Preemption(collective=OtherRankSignalled()).stop(None)
+    (False, True)
     """
 
     event: threading.Event = attrs.field(factory=threading.Event)
@@ -87,6 +94,13 @@ def preemption_guard(
 
     Outside the block the previous handlers are back, so a SIGTERM there ends the process as
     usual. Must be entered in the main thread (Python delivers signals only there).
+
+    >>> import signal
+    >>> before = signal.getsignal(signal.SIGTERM)
+    >>> with preemption_guard() as guard:
+    ...     signal.raise_signal(signal.SIGTERM)
+    >>> guard.requested(), signal.getsignal(signal.SIGTERM) is before
+    (True, True)
     """
     if threading.current_thread() is not threading.main_thread():
         raise RuntimeError(
@@ -112,5 +126,13 @@ def jit_checkpoint(state: TrainState, output_dir: str | os.PathLike, **save_opti
     """Save ``state`` as ``output_dir/checkpoint-{step}`` marked JIT (never rotated away); return its path.
 
     ``save_options`` are ``checkpoint.save``'s (model, config, metadata, settings).
+
+    >>> import tempfile, torch
+    >>> from trainfold.checkpoint import read_metadata
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.state import init_state
+    >>> path = jit_checkpoint(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp())
+    >>> path.name, read_metadata(path)["jit"]
+    ('checkpoint-0', True)
     """
     return save(state, checkpoint_path(output_dir, int(state.step)), jit=True, **save_options)
