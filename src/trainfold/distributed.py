@@ -409,16 +409,15 @@ def _gather_tree(tree: Any, collective: GatherCollective) -> Any:
 
 
 def _sharded(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, Any]], collective: GatherCollective,
-             gather: bool, options: dict[str, Any]) -> dict[str, Any]:
+             *, gather: bool, compute_metrics: Any, prefix: str, as_numpy: bool, speed_metrics: bool,
+             **options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    # What evaluate_sharded and predict_sharded share: run this rank's shard, merge the ranks, make the metrics.
     start = time.perf_counter()
     out = _run_shard(model_or_forward, params, batches, gather=gather, **options)
-    return _merge(out, collective, gather, time.perf_counter() - start)
-
-
-def _metrics(merged: dict[str, Any], compute_metrics: Any, prefix: str, as_numpy: bool, speed: bool) -> dict[str, Any]:
-    return final_metrics(merged, merged["loss"] if merged["labelled"] else None, compute_metrics, prefix=prefix,
-                         as_numpy=as_numpy,
-                         speed=throughput(merged["runtime"], merged["samples"], merged["batches"]) if speed else None)
+    merged = _merge(out, collective, gather, time.perf_counter() - start)
+    speed = throughput(merged["runtime"], merged["samples"], merged["batches"]) if speed_metrics else None
+    loss = merged["loss"] if merged["labelled"] else None
+    return merged, final_metrics(merged, loss, compute_metrics, prefix=prefix, as_numpy=as_numpy, speed=speed)
 
 
 def evaluate_sharded(
@@ -465,11 +464,11 @@ def evaluate_sharded(
     if prediction_loss_only and compute_metrics is not None:
         raise ValueError("prediction_loss_only=True gathers no predictions, so compute_metrics would never run; "
                          "drop one of them")
-    gather = compute_metrics is not None
-    options = {"loss": loss, "preprocess": preprocess_logits_for_metrics, "label_key": label_key, "buffers": buffers,
-                   "predictions_of": predictions_of}
-    merged = _sharded(model_or_forward, params, batches, collective, gather, options)
-    return _metrics(merged, compute_metrics, metric_key_prefix, as_numpy, speed_metrics)
+    _, metrics = _sharded(model_or_forward, params, batches, collective, gather=compute_metrics is not None,
+                          compute_metrics=compute_metrics, prefix=metric_key_prefix, as_numpy=as_numpy,
+                          speed_metrics=speed_metrics, loss=loss, preprocess=preprocess_logits_for_metrics,
+                          label_key=label_key, buffers=buffers, predictions_of=predictions_of)
+    return metrics
 
 
 def predict_sharded(
@@ -504,9 +503,9 @@ def predict_sharded(
                        preprocess_logits_for_metrics=preprocess_logits_for_metrics, metric_key_prefix=metric_key_prefix,
                        label_key=label_key, buffers=buffers, predictions_of=predictions_of, as_numpy=as_numpy,
                        speed_metrics=speed_metrics)
-    options = {"loss": loss, "preprocess": preprocess_logits_for_metrics, "label_key": label_key, "buffers": buffers,
-                   "predictions_of": predictions_of}
-    merged = _sharded(model_or_forward, params, batches, collective, True, options)
-    metrics = _metrics(merged, compute_metrics, metric_key_prefix, as_numpy, speed_metrics)
+    merged, metrics = _sharded(model_or_forward, params, batches, collective, gather=True,
+                               compute_metrics=compute_metrics, prefix=metric_key_prefix, as_numpy=as_numpy,
+                               speed_metrics=speed_metrics, loss=loss, preprocess=preprocess_logits_for_metrics,
+                               label_key=label_key, buffers=buffers, predictions_of=predictions_of)
     conv = to_numpy if as_numpy else (lambda x: x)
     return PredictionOutput(conv(merged["predictions"]), conv(merged["label_ids"]), metrics)

@@ -215,13 +215,15 @@ def final_metrics(
     >>> final_metrics({}, 0.5, speed={"runtime": 2.0})
     {'eval_loss': 0.5, 'eval_runtime': 2.0}
     >>> acc = lambda p: {"accuracy": float((p.predictions == p.label_ids).mean())}
-    >>> final_metrics({"predictions": torch.tensor([1, 2]), "label_ids": torch.tensor([1, 0])}, None, acc, prefix="test")
+    >>> gathered = {"predictions": torch.tensor([1, 2]), "label_ids": torch.tensor([1, 0])}
+    >>> final_metrics(gathered, None, acc, prefix="test")
     {'test_accuracy': 0.5}
     """
     metrics: dict[str, Any] = {}
-    if compute_metrics is not None and gathered.get("predictions") is not None and gathered.get("label_ids") is not None:
+    predictions, label_ids = gathered.get("predictions"), gathered.get("label_ids")
+    if compute_metrics is not None and predictions is not None and label_ids is not None:
         conv = to_numpy if as_numpy else (lambda x: x)
-        pred = EvalPrediction(predictions=conv(gathered["predictions"]), label_ids=conv(gathered["label_ids"]),
+        pred = EvalPrediction(predictions=conv(predictions), label_ids=conv(label_ids),
                               inputs=conv(gathered.get("inputs")), losses=conv(gathered.get("losses")))
         metrics = check_metrics(compute_metrics(pred))
     if loss is not None:
@@ -454,23 +456,32 @@ def evaluate(
     ``_steps_per_second`` unless ``speed_metrics=False``. A NaN or infinite loss in any batch
     shows in the eval loss (HF drops non-finite batch losses silently).
     """
+    _, metrics = _evaluated(
+        model_or_forward, params, batches, gather=compute_metrics is not None,
+        prediction_loss_only=prediction_loss_only, compute_metrics=compute_metrics,
+        preprocess=preprocess_logits_for_metrics, include_for_metrics=include_for_metrics,
+        eval_accumulation_steps=eval_accumulation_steps, prefix=metric_key_prefix, as_numpy=as_numpy,
+        speed_metrics=speed_metrics, loss=loss, label_key=label_key, main_input_name=main_input_name, buffers=buffers,
+        predictions_of=predictions_of, move=move)
+    return metrics
+
+
+def _evaluated(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, Any]], *, gather: bool,
+               prediction_loss_only: bool, compute_metrics: Any, preprocess: Any, include_for_metrics: Iterable[str],
+               eval_accumulation_steps: int | None, prefix: str, as_numpy: bool, speed_metrics: bool,
+               **run: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    # What evaluate and predict share: check the settings, run the pipeline, time it, make the metrics.
     include = tuple(include_for_metrics)
-    errors = _validate(eval_accumulation_steps, prediction_loss_only, compute_metrics, preprocess_logits_for_metrics, include)
+    errors = _validate(eval_accumulation_steps, prediction_loss_only, compute_metrics, preprocess, include)
     if errors:
         raise ValueError("; ".join(errors))
     start = time.perf_counter()
-    out = _run(model_or_forward, params, batches, loss=loss, gather=compute_metrics is not None,
-               preprocess=preprocess_logits_for_metrics, eval_accumulation_steps=eval_accumulation_steps,
-               include=include, label_key=label_key, main_input_name=main_input_name,
-               buffers=buffers, predictions_of=predictions_of, move=move)
-    return _metrics(out, compute_metrics, metric_key_prefix, as_numpy, speed_metrics, time.perf_counter() - start)
-
-
-def _metrics(out: dict[str, Any], compute_metrics: Any, prefix: str, as_numpy: bool, speed: bool,
-             runtime: float) -> dict[str, Any]:
-    return final_metrics(out.get("tensors") or {}, out["loss"] if out["labelled"] else None, compute_metrics,
-                         prefix=prefix, as_numpy=as_numpy,
-                         speed=throughput(runtime, out["samples"], out["batches"]) if speed else None)
+    out = _run(model_or_forward, params, batches, gather=gather, preprocess=preprocess,
+               eval_accumulation_steps=eval_accumulation_steps, include=include, **run)
+    speed = throughput(time.perf_counter() - start, out["samples"], out["batches"]) if speed_metrics else None
+    loss = out["loss"] if out["labelled"] else None
+    metrics = final_metrics(out.get("tensors") or {}, loss, compute_metrics, prefix=prefix, as_numpy=as_numpy, speed=speed)
+    return out, metrics
 
 
 def predict(
@@ -498,15 +509,12 @@ def predict(
     with -100 along dim 1; ``label_ids`` is ``None`` when batches have no labels. Metric names
     are prefixed with ``test`` by default, as in HF.
     """
-    include = tuple(include_for_metrics)
-    errors = _validate(eval_accumulation_steps, False, compute_metrics, preprocess_logits_for_metrics, include)
-    if errors:
-        raise ValueError("; ".join(errors))
-    start = time.perf_counter()
-    out = _run(model_or_forward, params, batches, loss=loss, gather=True, preprocess=preprocess_logits_for_metrics,
-               eval_accumulation_steps=eval_accumulation_steps, include=include, label_key=label_key,
-               main_input_name=main_input_name, buffers=buffers, predictions_of=predictions_of, move=move)
-    metrics = _metrics(out, compute_metrics, metric_key_prefix, as_numpy, speed_metrics, time.perf_counter() - start)
+    out, metrics = _evaluated(
+        model_or_forward, params, batches, gather=True, prediction_loss_only=False, compute_metrics=compute_metrics,
+        preprocess=preprocess_logits_for_metrics, include_for_metrics=include_for_metrics,
+        eval_accumulation_steps=eval_accumulation_steps, prefix=metric_key_prefix, as_numpy=as_numpy,
+        speed_metrics=speed_metrics, loss=loss, label_key=label_key, main_input_name=main_input_name, buffers=buffers,
+        predictions_of=predictions_of, move=move)
     tensors = out.get("tensors") or {}
     conv = to_numpy if as_numpy else (lambda x: x)
     return PredictionOutput(conv(tensors.get("predictions")), conv(tensors.get("label_ids")), metrics)
