@@ -72,7 +72,12 @@ Observer = Callable[[TrainState, Mapping[str, float]], None]
 
 @attrs.frozen
 class LoggingPlan:
-    """When to log: ``strategy`` (``no``/``steps``/``epoch``), every ``steps`` steps, and at step 1."""
+    """When to log: ``strategy`` (``no``/``steps``/``epoch``), every ``steps`` steps, and at step 1.
+
+    >>> plan = LoggingPlan("steps", 2, first_step=True)
+    >>> [s for s in range(1, 7) if should_log(plan, s, s - 1)]
+    [1, 2, 4, 6]
+    """
 
     strategy: str = attrs.field(default="steps", validator=attrs.validators.in_(LOGGING_STRATEGIES))
     steps: int = attrs.field(default=500, validator=attrs.validators.ge(1))
@@ -146,7 +151,13 @@ def should_log(plan: LoggingPlan, step: int, last_logged: int, *, epoch_end: boo
 
 @attrs.frozen(eq=False)
 class LogMark:
-    """Where the last log was taken: the step and the running loss sum at that moment."""
+    """Where the last log was taken: the step and the running loss sum at that moment.
+
+    >>> import torch
+    >>> mark = LogMark(step=scalar(3), loss_total=scalar(4.5, torch.float64))
+    >>> mark.step.item(), mark.loss_total.item(), LogMark().step.item()
+    (3, 4.5, 0)
+    """
 
     step: Tensor = attrs.field(factory=lambda: scalar(0))
     loss_total: Tensor = attrs.field(factory=lambda: scalar(0.0, torch.float64))
@@ -190,6 +201,14 @@ def log_entry(
     ``loss`` is the mean of the per-step losses in the window (exact: a difference of running
     float64 sums); ``grad_norm`` (before clipping) and ``learning_rate`` are those of the last
     step; ``epoch`` is fractional from the data cursor when ``steps_per_epoch`` is given.
+
+    >>> import torch
+    >>> from trainfold.state import Cursor, TrainState
+    >>> s = TrainState(params={}, buffers={}, opt_state=None, step=scalar(3), cursor=Cursor(scalar(0), scalar(3)),
+    ...                loss_total=scalar(4.0, torch.float64))
+    >>> entry = log_entry(s, LogMark(step=scalar(1), loss_total=scalar(1.0, torch.float64)), steps_per_epoch=4)
+    >>> entry["loss"], entry["epoch"], entry["step"], sorted(entry)
+    (1.5, 0.75, 3, ['epoch', 'grad_norm', 'learning_rate', 'loss', 'step'])
     """
     mark = log_mark(state) if mark is None else mark
     steps = int(state.step) - int(mark.step)
@@ -296,6 +315,17 @@ def log_if_due(
 
     The entry goes to each reporter (``reporter.log(entry, step)``) and each observer
     ``(state, entry)``. When no log is due, ``state`` comes back unchanged.
+
+    >>> import torch
+    >>> from trainfold.state import TrainState
+    >>> class Printer:
+    ...     def log(self, entry, step):
+    ...         print(step, entry["loss"])
+    >>> s = TrainState(params={}, buffers={}, opt_state=None, step=scalar(2), loss_total=scalar(3.0, torch.float64))
+    >>> logged = log_if_due(s, LoggingPlan("steps", 2), [Printer()])
+    2 1.5
+    >>> log_mark(logged).step.item(), log_if_due(logged, LoggingPlan("steps", 2)) is logged
+    (2, True)
     """
     if not should_log(plan, int(state.step), int(log_mark(state).step), epoch_end=epoch_end, last=last):
         return state
@@ -347,7 +377,14 @@ def tap(effect: Callable[[TrainState], Any]) -> Callable[[TrainState], TrainStat
 
 @attrs.frozen
 class EarlyStopping:
-    """Early-stopping settings (configuration; the counters live in ``EarlyStoppingRecord``)."""
+    """Early-stopping settings (configuration; the counters live in ``EarlyStoppingRecord``).
+
+    Make one with :func:`early_stopping`, which checks the values and infers ``greater_is_better``.
+
+    >>> es = EarlyStopping("eval_accuracy", patience=3, threshold=0.01, greater_is_better=True)
+    >>> improves(es, 0.80, 0.805), improves(es, 0.80, 0.82), es.key
+    (False, True, 'early_stopping')
+    """
 
     metric: str
     patience: int
@@ -358,7 +395,12 @@ class EarlyStopping:
 
 @attrs.frozen(eq=False)
 class EarlyStoppingRecord:
-    """The best counted value of the metric (NaN before the first) and evaluations since it."""
+    """The best counted value of the metric (NaN before the first) and evaluations since it.
+
+    >>> r = EarlyStoppingRecord()
+    >>> r.best.item(), r.bad_evals.item()
+    (nan, 0)
+    """
 
     best: Tensor = attrs.field(factory=lambda: scalar(math.nan, torch.float64))
     bad_evals: Tensor = attrs.field(factory=lambda: scalar(0))
@@ -453,6 +495,13 @@ def record_evaluation(config: EarlyStopping, state: TrainState, metrics: Mapping
     """Return ``state`` with its early-stopping record updated by an evaluation's ``metrics``.
 
     The metric is looked up as named, then with an ``eval_`` prefix.
+
+    >>> from trainfold.state import TrainState
+    >>> es = early_stopping("loss", patience=2)
+    >>> s = record_evaluation(es, TrainState(params={}, buffers={}, opt_state=None), {"eval_loss": 0.7})
+    >>> s = record_evaluation(es, s, {"eval_loss": 0.9})
+    >>> s.extras["early_stopping"].best.item(), s.extras["early_stopping"].bad_evals.item()
+    (0.7, 1)
     """
     record = state.extras.get(config.key) or EarlyStoppingRecord()
     record = update_early_stopping(config, record, _metric_value(config, metrics))
