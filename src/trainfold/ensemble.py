@@ -369,6 +369,19 @@ def make_ensemble_step(
     ``CompileFallbackWarning`` and runs eagerly.
     Dropout masks are seeded from ``(seeds, step, micro)``: deterministic, but not the ones a
     member's own ``make_step`` would draw.
+
+    >>> import torch
+    >>> from trainfold import adamw
+    >>> from trainfold.losses import cross_entropy
+    >>> models = [torch.nn.Linear(3, 2) for _ in range(2)]
+    >>> opts = [adamw(0.0), adamw(0.1)]                  # one learning rate per member
+    >>> step = make_ensemble_step(models[0], cross_entropy, opts, shared_batch=True, batching="unroll")
+    >>> state = init_ensemble_state(models, opts)
+    >>> new = step(state, [{"input": torch.ones(5, 3), "labels": torch.zeros(5, dtype=torch.long)}])
+    >>> [torch.equal(new.params["weight"][m], state.params["weight"][m]) for m in range(2)]
+    [True, False]
+    >>> new.metrics["learning_rate"].tolist()
+    [0.0, 0.1]
     """
     if optimizer is None:
         raise TypeError("make_ensemble_step needs an optimizer, e.g. optimizer=trainfold.adamw(1e-3)")
