@@ -141,15 +141,10 @@ class TensorBoardReporter:
             self._writer = None
 
 
-class TrackioReporter:
-    """Log to a local Trackio project (stored under ``TRACKIO_DIR``; no server needed)."""
+class _TrackerRun:
+    """A reporter over a tracker's run object, which has ``log(numbers, step=)`` and ``finish()`` (Trackio, W&B)."""
 
-    def __init__(self, project: str, run_name: str | None, config: Mapping[str, Any] | None = None) -> None:
-        try:
-            import trackio  # noqa: PLC0415 - optional
-        except ImportError:
-            raise ImportError(f"report_to 'trackio' needs the trackio package: {_EXTRA}") from None
-        self._run: Any = trackio.init(project=project, name=run_name, config=_json_ready(dict(config or {})))
+    _run: Any
 
     def log(self, entry: Mapping[str, Any], step: int) -> None:
         """Log the numbers of ``entry`` at ``step``."""
@@ -162,7 +157,18 @@ class TrackioReporter:
             self._run = None
 
 
-class WandbReporter:
+class TrackioReporter(_TrackerRun):
+    """Log to a local Trackio project (stored under ``TRACKIO_DIR``; no server needed)."""
+
+    def __init__(self, project: str, run_name: str | None, config: Mapping[str, Any] | None = None) -> None:
+        try:
+            import trackio  # noqa: PLC0415 - optional
+        except ImportError:
+            raise ImportError(f"report_to 'trackio' needs the trackio package: {_EXTRA}") from None
+        self._run: Any = trackio.init(project=project, name=run_name, config=_json_ready(dict(config or {})))
+
+
+class WandbReporter(_TrackerRun):
     """Log to Weights & Biases; with ``WANDB_MODE=offline`` the run is written under ``output_dir/wandb``."""
 
     def __init__(
@@ -185,16 +191,6 @@ class WandbReporter:
     def run_dir(self) -> Path | None:
         """The run's local directory (None once closed)."""
         return None if self._run is None else Path(self._run.dir).parent
-
-    def log(self, entry: Mapping[str, Any], step: int) -> None:
-        """Log the numbers of ``entry`` at ``step``."""
-        self._run.log(_scalars(entry), step=int(step))
-
-    def close(self) -> None:
-        """Finish the run."""
-        if self._run is not None:
-            self._run.finish()
-            self._run = None
 
 
 # -- the group and the factory ---------------------------------------------------------------------
