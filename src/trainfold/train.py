@@ -59,7 +59,23 @@ BEST = "best_metric"  # the key of the best-metric tracker in state.extras
 
 @attrs.frozen(eq=False)
 class TrainResult:
-    """What ``train`` returns: the final state, its status and the record of the run."""
+    """What ``train`` returns: the final state, its status and the record of the run.
+
+    >>> import tempfile, torch
+    >>> from trainfold.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
+    >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
+    ...                          learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True,
+    ...                          save_strategy="no")
+    >>> result = train(model, args, rows)
+    >>> result.status, result.global_step, [entry["step"] for entry in result.log_history]
+    ('completed', 3, [1, 2, 3, 3])
+    >>> trained = result.apply_to(TinyLM(model.config))             # a module holding the trained tensors
+    >>> torch.equal(trained.tok.weight, result.state.params["tok.weight"])
+    True
+    """
 
     state: TrainState
     status: str  # "completed", "stopped" (a stop predicate or early stopping) or "preempted"
@@ -84,6 +100,13 @@ def default_optimizer(model: nn.Module, args: TrainingArguments, total_steps: in
     """Return the HF Trainer's default: clipping at ``max_grad_norm``, then AdamW on a schedule.
 
     Biases and normalisation weights are not decayed (by module type and by name).
+
+    >>> import torch
+    >>> opt = default_optimizer(torch.nn.Linear(2, 1), TrainingArguments(learning_rate=0.1), total_steps=10)
+    >>> [t.spec["name"] for t in opt.spec["transforms"]]
+    ['clip_by_global_norm', 'adamw']
+    >>> default_optimizer(torch.nn.Linear(2, 1), TrainingArguments(max_grad_norm=0), total_steps=10).spec["name"]
+    'adamw'
     """
     warmup = warmup_steps_for(args.warmup_steps, total_steps)
     lr = args.learning_rate
@@ -357,6 +380,20 @@ def train(
     log. ``early_stopping`` (from ``trainfold.observe.early_stopping``) and ``stop(state)`` end the
     run early (status ``stopped``); a SIGTERM with ``enable_jit_checkpoint`` ends it at the next step
     boundary with a checkpoint (status ``preempted``).
+
+    >>> import tempfile, torch
+    >>> from trainfold.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
+    >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
+    ...                          learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True,
+    ...                          save_strategy="no")
+    >>> result = train(model, args, rows)
+    >>> result.status, result.global_step, round(result.log_history[0]["learning_rate"], 4)
+    ('completed', 3, 0.01)
+    >>> sorted(k for k in result.metrics if k.startswith("train_"))
+    ['train_loss', 'train_runtime', 'train_samples_per_second', 'train_steps_per_second']
     """
     device = _device(args)
     rank = collective.rank if collective is not None else 0
@@ -477,7 +514,21 @@ def evaluate(model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, st
              data_collator: Callable[[list[Any]], Any] | None = None, compute_loss_func: Callable[..., Any] | None = None,
              compute_metrics: Callable[..., Any] | None = None, preprocess_logits_for_metrics: Callable[..., Any] | None = None,
              metric_key_prefix: str = "eval") -> dict[str, float]:
-    """Evaluate ``state``'s params (default: the model's own) on ``eval_dataset``, in dataset order."""
+    """Evaluate ``state``'s params (default: the model's own) on ``eval_dataset``, in dataset order.
+
+    >>> import tempfile, torch
+    >>> from trainfold.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
+    >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
+    ...                          learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True,
+    ...                          save_strategy="no")
+    >>> before = evaluate(model, args, rows)
+    >>> after = evaluate(model, args, rows, state=train(model, args, rows).state)
+    >>> sorted(after), after["eval_loss"] < before["eval_loss"]
+    (['eval_loss', 'eval_runtime', 'eval_samples_per_second', 'eval_steps_per_second'], True)
+    """
     device = _device(args)
     params, buffers = (state.params, state.buffers) if state is not None else _module_tensors(model, device)
     collate = _eval_collate(data_collator, _accepted_keys(model, args))
@@ -494,7 +545,20 @@ def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, sta
             data_collator: Callable[[list[Any]], Any] | None = None, compute_loss_func: Callable[..., Any] | None = None,
             compute_metrics: Callable[..., Any] | None = None, preprocess_logits_for_metrics: Callable[..., Any] | None = None,
             metric_key_prefix: str = "test") -> Any:
-    """Return predictions, labels (dataset order) and metrics of ``state``'s params on ``test_dataset``."""
+    """Return predictions, labels (dataset order) and metrics of ``state``'s params on ``test_dataset``.
+
+    >>> import tempfile, torch
+    >>> from trainfold.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
+    >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
+    ...                          learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True,
+    ...                          save_strategy="no")
+    >>> out = predict(model, args, rows[:3])
+    >>> out.predictions.shape, out.label_ids.tolist()[2], "test_loss" in out.metrics
+    ((3, 4, 16), [2, 3, 4, 5], True)
+    """
     device = _device(args)
     params, buffers = (state.params, state.buffers) if state is not None else _module_tensors(model, device)
     collate = _eval_collate(data_collator, _accepted_keys(model, args))
