@@ -284,35 +284,41 @@ def adamw(
         torch._foreach_add_(denom, eps)
         return rate, denom
 
-    def update(grads: Tree, state: AdamState, params: Tree) -> tuple[Tree, AdamState]:
+    def foreach_groups(grads: Tree, state: AdamState, params: Tree,
+                       finish: Callable[..., list[Tensor]]) -> tuple[Tree, AdamState]:
+        # One Adam step per decay group with _foreach ops: new moments and denominators, then
+        # finish(keys, wd, mu, denom, rate, step_size) gives the group's outputs (deltas or new params).
         _check_state(grads, state.mu, params, "Adam")
-        mu_all, nu_all, updates = {}, {}, {}
+        out, mu_all, nu_all = {}, {}, {}
         for keys, wd in groups(params):
             mu, nu = moments(grads, state, keys)
             rate, denom = direction(state, mu, nu)
             step_size = rate / (1.0 - b1 ** (int(state.count) + 1))
+            out.update(zip(keys, finish(keys, wd, mu, denom, rate, step_size)))
+            mu_all.update(zip(keys, mu))
+            nu_all.update(zip(keys, nu))
+        return out, AdamState(state.count + 1, mu_all, nu_all)
+
+    def update(grads: Tree, state: AdamState, params: Tree) -> tuple[Tree, AdamState]:
+        def deltas(keys: list[str], wd: float, mu: list[Tensor], denom: list[Tensor], rate: float,
+                   step_size: float) -> list[Tensor]:
             upd = torch._foreach_div(mu, denom)
             torch._foreach_mul_(upd, -step_size)
             if wd:
                 torch._foreach_add_(upd, torch._foreach_mul([params[k] for k in keys], -rate * wd))
-            updates.update(zip(keys, upd))
-            mu_all.update(zip(keys, mu))
-            nu_all.update(zip(keys, nu))
-        return updates, AdamState(state.count + 1, mu_all, nu_all)
+            return upd
+
+        return foreach_groups(grads, state, params, deltas)
 
     def apply_foreach(grads: Tree, state: AdamState, params: Tree) -> tuple[Tree, AdamState]:
-        _check_state(grads, state.mu, params, "Adam")
-        new_p, mu_all, nu_all = {}, {}, {}
-        for keys, wd in groups(params):
-            mu, nu = moments(grads, state, keys)
-            rate, denom = direction(state, mu, nu)
-            step_size = rate / (1.0 - b1 ** (int(state.count) + 1))
+        def stepped(keys: list[str], wd: float, mu: list[Tensor], denom: list[Tensor], rate: float,
+                    step_size: float) -> list[Tensor]:
             p = torch._foreach_mul([params[k] for k in keys], 1.0 - rate * wd)
             torch._foreach_addcdiv_(p, mu, denom, -step_size)
-            new_p.update(zip(keys, p))
-            mu_all.update(zip(keys, mu))
-            nu_all.update(zip(keys, nu))
-        return {k: new_p[k] for k in params}, AdamState(state.count + 1, mu_all, nu_all)
+            return p
+
+        new_p, new_state = foreach_groups(grads, state, params, stepped)
+        return {k: new_p[k] for k in params}, new_state
 
     def apply_fused(grads: Tree, state: AdamState, params: Tree) -> tuple[Tree, AdamState]:
         _check_state(grads, state.mu, params, "Adam")
