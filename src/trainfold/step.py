@@ -128,6 +128,28 @@ def make_forward(model: nn.Module, buffers: Mapping[str, Tensor]) -> Forward:
     return forward
 
 
+@contextlib.contextmanager
+def _bound(model: nn.Module, params: dict[str, Tensor], buffers: Mapping[str, Tensor]) -> Iterator[Forward]:
+    """Yield ``forward(params, inputs)`` with ``params`` swapped into the module once for the whole step.
+
+    ``functional_call`` swaps every tensor in and out on each call; a step with several
+    micro-batches pays that once here. Other params (a frozen reference, say) still go through
+    ``functional_call``. Falls back to ``functional_call`` for everything if torch lacks the hook.
+    """
+    other = make_forward(model, buffers)
+    try:
+        from torch.nn.utils.stateless import _reparametrize_module  # noqa: PLC0415 - what functional_call uses
+    except ImportError:  # pragma: no cover - older or newer torch
+        yield other
+        return
+    with _reparametrize_module(model, {**params, **buffers}, tie_weights=True, strict=True):
+
+        def forward(p: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
+            return model(**inputs) if p is params else other(p, inputs)
+
+        yield forward
+
+
 @attrs.frozen
 class _Plan:
     """The configuration a step closes over."""
@@ -250,7 +272,6 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
     leaves = {k: state.params[k].detach().requires_grad_() for k in keys}
     leaf_list = [leaves[k] for k in keys]
     buffers = {k: v.clone() for k, v in state.buffers.items()}  # running stats update the copies
-    forward = make_forward(plan.model, buffers)
     n_dev = num_items.to(device)
 
     grads: list[Tensor] | None = None
@@ -259,7 +280,7 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
     autocast = (
         torch.autocast(device.type, dtype=plan.autocast) if plan.autocast is not None else contextlib.nullcontext()
     )
-    with train_mode(plan.model, True), _private_rng(device) as generators:
+    with train_mode(plan.model, True), _private_rng(device) as generators, _bound(plan.model, leaves, buffers) as forward:
         for i, micro in enumerate(batch):
             seed = derive_seed(int(state.seed), step_no, i, rank)
             for gen in generators:
