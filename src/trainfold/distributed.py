@@ -67,7 +67,12 @@ class ProcessGroupCollective:
     """Sums and gathers over the ranks of a ``torch.distributed`` process group, bucketed.
 
     ``device`` is where tensors travel (a CUDA device for NCCL, the CPU for gloo); tensors
-    elsewhere are copied there and back.
+    elsewhere are copied there and back. Build one with :func:`process_group_collective`;
+    its fields need no process group:
+
+    >>> c = ProcessGroupCollective(rank=1, world_size=4)
+    >>> c.rank, c.world_size, str(c.device), c.bucket_bytes == BUCKET_BYTES
+    (1, 4, 'cpu', True)
     """
 
     rank: int
@@ -127,7 +132,12 @@ class SingleProcess:
 
 
 class GatherCollective(Protocol):
-    """What sharded evaluation needs from a process group: sums, maxima and gathers in rank order."""
+    """What sharded evaluation needs from a process group: sums, maxima and gathers in rank order.
+
+    >>> c: GatherCollective = SingleProcess()
+    >>> [t.tolist() for t in c.all_gather(torch.tensor([1, 2]))], c.world_size
+    ([[1, 2]], 1)
+    """
 
     rank: int
     world_size: int
@@ -191,6 +201,12 @@ def collective_from_env(backend: str | None = None) -> Iterator[ProcessGroupColl
     An already initialised process group is used as it is (and left open). After the block the
     ranks meet at a barrier before the group is destroyed, so no rank leaves while another still
     writes (rank 0's last checkpoint); after an exception the group is destroyed without waiting.
+
+    Outside torchrun (no ``WORLD_SIZE``) the block runs alone:
+
+    >>> with collective_from_env() as c:
+    ...     c is None
+    True
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1 and not dist.is_initialized():
