@@ -51,6 +51,14 @@ class GradientTransformation:
     ``learning_rate(state)`` returns the rate the next update will use (for logging). ``spec``
     describes the transformation as data (its ``name`` and hyperparameters), so other paths
     (the compiled and the ensemble step) can rebuild the same math without peeking into closures.
+
+    A stateless one that steps by half the negative gradient:
+
+    >>> half = GradientTransformation(init=lambda params: None,
+    ...                               update=lambda g, s, p: ({k: -0.5 * v for k, v in g.items()}, s))
+    >>> p = {"w": torch.tensor(1.0)}
+    >>> half.apply({"w": torch.tensor(4.0)}, half.init(p), p)[0]["w"].item()
+    -1.0
     """
 
     init: Callable[[Tree], Any]
@@ -118,6 +126,15 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
 
 @attrs.frozen(eq=False)
 class SgdState:
+    """What :func:`sgd` carries between updates: the update count and the momentum buffers.
+
+    >>> opt = sgd(0.1, momentum=0.9)
+    >>> p = {"w": torch.tensor(1.0)}
+    >>> _, state = opt.apply({"w": torch.tensor(2.0)}, opt.init(p), p)
+    >>> state.count.item(), {k: v.item() for k, v in state.momentum.items()}
+    (1, {'w': 2.0})
+    """
+
     count: Tensor
     momentum: dict[str, Tensor]
 
@@ -172,6 +189,15 @@ def sgd(
 
 @attrs.frozen(eq=False)
 class AdamState:
+    """What :func:`adamw` carries between updates: the update count and the two moment estimates.
+
+    >>> opt = adamw(0.1)
+    >>> p = {"w": torch.tensor([1.0])}
+    >>> _, state = opt.apply({"w": torch.tensor([2.0])}, opt.init(p), p)
+    >>> state.count.item(), round(state.mu["w"].item(), 4), round(state.nu["w"].item(), 4)
+    (1, 0.2, 0.004)
+    """
+
     count: Tensor
     mu: dict[str, Tensor]
     nu: dict[str, Tensor]
