@@ -49,7 +49,14 @@ _EXTRA = "pip install 'trainfold[tracking]'"
 
 
 class Reporter(Protocol):
-    """Where log entries go."""
+    """Where log entries go.
+
+    >>> import pathlib, tempfile
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "log.jsonl"
+    >>> reporter: Reporter = JsonlReporter(path)
+    >>> reporter.log({"loss": 1.5}, step=3); reporter.close(); path.read_text().splitlines()
+    ['{"loss": 1.5, "step": 3}']
+    """
 
     def log(self, entry: Mapping[str, Any], step: int) -> None:
         """Record ``entry`` (metric name -> number) at optimizer step ``step``."""
@@ -93,7 +100,17 @@ def _json_ready(value: Any) -> Any:
 
 
 class JsonlReporter:
-    """Append one JSON object per log to ``path`` (NaN and infinities become ``null``), flushed each time."""
+    """Append one JSON object per log to ``path`` (NaN and infinities become ``null``), flushed each time.
+
+    >>> import json, pathlib, tempfile
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "logs" / "log.jsonl"
+    >>> reporter = JsonlReporter(path)
+    >>> reporter.log({"loss": float("nan"), "grad_norm": 0.5}, step=1)
+    >>> reporter.log({"loss": 2.0}, step=2)
+    >>> reporter.close(); reporter.close()
+    >>> [json.loads(line) for line in path.read_text().splitlines()]
+    [{'loss': None, 'grad_norm': 0.5, 'step': 1}, {'loss': 2.0, 'step': 2}]
+    """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
@@ -116,7 +133,13 @@ class JsonlReporter:
 
 
 class TensorBoardReporter:
-    """Write scalars to TensorBoard event files in ``log_dir`` (``eval_*`` keys under ``eval/``)."""
+    """Write scalars to TensorBoard event files in ``log_dir`` (``eval_*`` keys under ``eval/``).
+
+    It needs the ``tensorboard`` package; each key is written under its :func:`tracker_key` tag:
+
+    >>> REPORTERS["tensorboard"], [tracker_key(k) for k in ("loss", "eval_loss")]
+    ('tensorboard', ['train/loss', 'eval/loss'])
+    """
 
     def __init__(self, log_dir: str | os.PathLike[str], config: Mapping[str, Any] | None = None) -> None:
         try:
@@ -158,7 +181,16 @@ class _TrackerRun:
 
 
 class TrackioReporter(_TrackerRun):
-    """Log to a local Trackio project (stored under ``TRACKIO_DIR``; no server needed)."""
+    """Log to a local Trackio project (stored under ``TRACKIO_DIR``; no server needed).
+
+    It needs the ``trackio`` package; ``make_reporters`` checks every name before starting any:
+
+    >>> try:
+    ...     make_reporters(["trackio", "trakio"], "unused")
+    ... except ValueError as e:
+    ...     print(str(e).splitlines()[0])
+    unknown reporter 'trakio'; choose from ['jsonl', 'tensorboard', 'trackio', 'wandb'], 'all' or 'none'
+    """
 
     def __init__(self, project: str, run_name: str | None, config: Mapping[str, Any] | None = None) -> None:
         try:
@@ -169,7 +201,16 @@ class TrackioReporter(_TrackerRun):
 
 
 class WandbReporter(_TrackerRun):
-    """Log to Weights & Biases; with ``WANDB_MODE=offline`` the run is written under ``output_dir/wandb``."""
+    """Log to Weights & Biases; with ``WANDB_MODE=offline`` the run is written under ``output_dir/wandb``.
+
+    It needs the ``wandb`` package; a ``report_to`` that mixes ``"none"`` with it is refused first:
+
+    >>> try:
+    ...     make_reporters(["wandb", "none"], "unused")
+    ... except ValueError as e:
+    ...     print(str(e))
+    report_to=['wandb', 'none'] mixes 'none' with reporters; use 'none' alone or drop it
+    """
 
     def __init__(
         self,
@@ -198,7 +239,15 @@ class WandbReporter(_TrackerRun):
 
 @attrs.frozen
 class Reporters:
-    """A group of reporters, itself a reporter; as a context manager it closes them all on exit."""
+    """A group of reporters, itself a reporter; as a context manager it closes them all on exit.
+
+    >>> import pathlib, tempfile
+    >>> out = pathlib.Path(tempfile.mkdtemp())
+    >>> with Reporters((JsonlReporter(out / "a.jsonl"), JsonlReporter(out / "b.jsonl"))) as group:
+    ...     group.log({"loss": 0.5}, step=7)
+    >>> len(group), [r.path.read_text().strip() for r in group]
+    (2, ['{"loss": 0.5, "step": 7}', '{"loss": 0.5, "step": 7}'])
+    """
 
     members: tuple[Any, ...] = ()
 
@@ -320,6 +369,14 @@ class Progress:
 
     Made by ``progress(...)``; ``update(state)`` after each step, ``close()`` at the end (or use
     it as a context manager). A disabled one does nothing.
+
+    >>> import io, types
+    >>> buf = io.StringIO()
+    >>> state = types.SimpleNamespace(step=4, metrics={"loss": 1.25, "learning_rate": 0.01})
+    >>> with progress(8, enabled=True, stream=buf, use_tqdm=False, clock=iter([0.0, 2.0]).__next__) as bar:
+    ...     bar.update(state)
+    >>> buf.getvalue().splitlines()[-1].strip()     # the line is rewritten in place
+    'step 4/8  loss 1.25  lr 0.01  2 step/s'
     """
 
     def __init__(
