@@ -126,6 +126,17 @@ def generate(
     takes the argmax); a CPU generator also serves a model on another device. A completion stops after its first ``eos_token_id`` (which it keeps) or
     after ``max_new_tokens`` tokens. The model runs in eval mode (no dropout) on ``params``; the
     module's own weights and training flag are left as they were.
+
+    >>> from trainfold.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> params = dict(model.named_parameters())
+    >>> greedy = generate(model, params, [[1, 2], [3]], max_new_tokens=3, temperature=0)
+    >>> [len(c) for c in greedy], greedy == generate(model, params, [[1, 2], [3]], max_new_tokens=3, temperature=0)
+    ([3, 3], True)
+    >>> stop = greedy[0][0]  # ends right after its first token, which it keeps
+    >>> generate(model, params, [[1, 2]], max_new_tokens=3, temperature=0, eos_token_id=stop) == [[stop]]
+    True
     """
     _check(prompts, max_new_tokens, temperature)
     forward = functional_forward(model, buffers)
