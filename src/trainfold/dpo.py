@@ -58,7 +58,14 @@ _MODEL_KEYS = ("input_ids", "attention_mask")
 class PreferenceCollate:
     """Collate preference items into one batch: chosen rows, then rejected rows (see module doc).
 
-    Make one with :func:`preference_collate`.
+    Make one with :func:`preference_collate`. Items carrying precomputed reference log-probs
+    pass them on as float columns:
+
+    >>> c = PreferenceCollate(eos_token_id=None, pad_token_id=9)
+    >>> b = c([{"prompt_ids": [1], "chosen_ids": [2, 3], "rejected_ids": [4],
+    ...         "ref_chosen_logps": -1.5, "ref_rejected_logps": -2.0}])
+    >>> b["input_ids"].tolist(), b["completion_mask"].tolist(), b["ref_rejected_logps"].tolist()
+    ([[1, 2, 3], [1, 4, 9]], [[0, 1, 1], [0, 1, 0]], [-2.0])
     """
 
     eos_token_id: int | None
@@ -157,6 +164,19 @@ class DPOObjective:
     Returns the summed pair losses divided by the step's pair count, and the metrics
     ``rewards/{chosen,rejected,accuracies,margins}`` and ``logps/{chosen,rejected}`` scaled the same
     way, so the step's totals are exact means over its pairs.
+
+    A uniform policy over 16 tokens scores each 2-token completion ``2 ln(1/16)``; with the
+    reference 10 nats below it on chosen and 10 above on rejected, the margin is ``beta * 20``:
+
+    >>> import math
+    >>> lp = 2 * math.log(1 / 16)
+    >>> batch = preference_collate(2)([{"prompt_ids": [1], "chosen_ids": [4], "rejected_ids": [5],
+    ...                                 "ref_chosen_logps": lp - 10, "ref_rejected_logps": lp + 10}])
+    >>> uniform = lambda params, inputs: torch.zeros(*inputs["input_ids"].shape, 16)
+    >>> obj = dpo_objective(beta=0.1)
+    >>> loss, aux = obj(uniform, {}, batch, obj.count_items(batch))
+    >>> round(loss.item(), 4), round(aux["rewards/margins"].item(), 4), aux["rewards/accuracies"].item()
+    (0.1269, 2.0, 1.0)
     """
 
     beta: float
