@@ -155,7 +155,25 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
 
 @attrs.frozen(eq=False)
 class Rollout:
-    """Turn prompt micro-batches into training micro-batches with the latest state; see :func:`make_rollout`."""
+    """Turn prompt micro-batches into training micro-batches with the latest state; see :func:`make_rollout`.
+
+    >>> from trainfold import init_state, sgd
+    >>> from trainfold.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> def length(prompts, completions, **_): return [float(len(c)) for c in completions]
+    >>> rollout = make_rollout(model, length, encode=lambda s: [1 + int(c) for c in s],
+    ...                        decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
+    ...                        max_new_tokens=3)
+    >>> state = init_state(model, sgd(0.1))
+    >>> prompts = [{"prompt": ["12", "12"]}, {"prompt": ["3", "3"]}]  # 2 micro-batches, 2 generations each
+    >>> out = rollout(state, prompts)
+    >>> len(out), list(out[0]["input_ids"].shape), sorted(out[0])
+    (2, [2, 5], ['advantages', 'attention_mask', 'completion_mask', 'input_ids', 'rewards', 'rewards/length'])
+    >>> again = rollout(state, prompts)  # sampled with a generator seeded from the state
+    >>> all(torch.equal(a[k], b[k]) for a, b in zip(out, again) for k in a)
+    True
+    """
 
     model: nn.Module
     reward_funcs: tuple[RewardFunc, ...]
@@ -265,6 +283,23 @@ def make_rollout(
     ``completion_mask``, ``advantages``, ``rewards``, ``rewards/<function name>``, and
     ``old_logps`` when ``steps_per_generation > 1`` (the buffer outlives the step that generated
     it) and ``ref_logps`` when ``ref_params`` is given.
+
+    >>> import torch
+    >>> from trainfold import init_state, sgd
+    >>> from trainfold.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> def length(prompts, completions, **_): return [float(len(c)) for c in completions]
+    >>> rollout = make_rollout(model, length, encode=lambda s: [1 + int(c) for c in s],
+    ...                        decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
+    ...                        max_new_tokens=3)
+    >>> rollout.num_generations, rollout.records_old_logps
+    (2, False)
+    >>> try:
+    ...     make_rollout(model, length, encode=list, decode=str, num_generations=1, max_new_tokens=3)
+    ... except ValueError as e:
+    ...     print(e)
+    invalid rollout settings: num_generations=1 must be >= 2 (advantages compare completions of one prompt)
     """
     funcs = (reward_funcs,) if callable(reward_funcs) else tuple(reward_funcs)
     problems = []
@@ -300,7 +335,18 @@ def make_rollout(
 
 @attrs.frozen
 class GRPOObjective:
-    """The clipped-surrogate objective for ``make_step(..., objective=...)``; see :func:`grpo_objective`."""
+    """The clipped-surrogate objective for ``make_step(..., objective=...)``; see :func:`grpo_objective`.
+
+    With no ``old_logps`` the ratio is 1, so the ``grpo`` loss is minus the mean advantage:
+
+    >>> obj = grpo_objective("grpo")
+    >>> batch = {"input_ids": torch.tensor([[1, 2, 3], [1, 4, 0]]),
+    ...          "completion_mask": torch.tensor([[0, 1, 1], [0, 1, 0]]), "advantages": torch.tensor([1.0, 0.5])}
+    >>> uniform = lambda params, inputs: torch.zeros(*inputs["input_ids"].shape, 16)
+    >>> loss, aux = obj(uniform, {}, batch, obj.count_items(batch))
+    >>> loss.item(), sorted(aux), aux["clip_ratio/region_mean"].item()
+    (-0.75, ['clip_ratio/high_mean', 'clip_ratio/low_mean', 'clip_ratio/region_mean'], 0.0)
+    """
 
     loss_type: str
     epsilon: float
@@ -452,6 +498,23 @@ def grpo_trajectory(
     ``steps_per_generation``), with the prompt stream rebuilt from its cursor, is bitwise equal
     to not stopping. From inside a block, the rest of the block is generated anew with the
     resumed state, so save checkpoints at multiples of ``steps_per_generation``.
+
+    >>> import torch
+    >>> from trainfold import make_step
+    >>> from trainfold import init_state, sgd
+    >>> from trainfold.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> def length(prompts, completions, **_): return [float(len(c)) for c in completions]
+    >>> rollout = make_rollout(model, length, encode=lambda s: [1 + int(c) for c in s],
+    ...                        decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
+    ...                        max_new_tokens=3)
+    >>> opt = sgd(0.1)
+    >>> step = make_step(model, optimizer=opt, objective=grpo_objective())
+    >>> prompts = [[{"prompt": ["12", "12"]}] for _ in range(2)]  # 2 optimizer steps of 1 micro-batch
+    >>> states = list(grpo_trajectory(step, init_state(model, opt), prompts, rollout))
+    >>> [int(s.step) for s in states], {"loss", "reward", "completions/mean_length"} <= set(states[-1].metrics)
+    ([1, 2], True)
     """
     latest = [state]  # the newest state, read when the next block is generated
 
