@@ -101,7 +101,14 @@ class EvalPrediction:
 
 
 class PredictionOutput(NamedTuple):
-    """What ``predict`` returns (HF's names): predictions and labels in dataset order, and metrics."""
+    """What ``predict`` returns (HF's names): predictions and labels in dataset order, and metrics.
+
+    A named tuple, so it unpacks as HF's does:
+
+    >>> preds, labels, metrics = PredictionOutput(np.array([[1, 2]]), None, {"test_loss": 0.5})
+    >>> preds.tolist(), labels, metrics
+    ([[1, 2]], None, {'test_loss': 0.5})
+    """
 
     predictions: Any
     label_ids: Any
@@ -455,6 +462,18 @@ def evaluate(
     repeated). Adds ``_runtime``, ``_samples_per_second`` and
     ``_steps_per_second`` unless ``speed_metrics=False``. A NaN or infinite loss in any batch
     shows in the eval loss (HF drops non-finite batch losses silently).
+
+    >>> from trainfold.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> rows = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    >>> one = evaluate(model, None, [{"input_ids": rows, "labels": rows}], speed_metrics=False,
+    ...                compute_metrics=lambda p: {"rows": p.predictions.shape[0]})
+    >>> sorted(one), one["eval_rows"]
+    (['eval_loss', 'eval_rows'], 2)
+    >>> two = evaluate(model, None, [{"input_ids": r[None], "labels": r[None]} for r in rows], speed_metrics=False)
+    >>> round(one["eval_loss"], 5) == round(two["eval_loss"], 5)  # the token mean: batch size does not matter
+    True
     """
     _, metrics = _evaluated(
         model_or_forward, params, batches, gather=compute_metrics is not None,
@@ -508,6 +527,15 @@ def predict(
     Predictions are ``predictions_of(outputs)`` after ``preprocess_logits_for_metrics``, padded
     with -100 along dim 1; ``label_ids`` is ``None`` when batches have no labels. Metric names
     are prefixed with ``test`` by default, as in HF.
+
+    >>> from trainfold.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> batches = [{"input_ids": torch.tensor([[1, 2, 3, 4]]), "labels": torch.tensor([[1, 2, 3, 4]])},
+    ...            {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[5, 6, 7]])}]
+    >>> out = predict(model, None, batches, speed_metrics=False)
+    >>> list(out.predictions.shape), out.label_ids.tolist(), sorted(out.metrics)
+    ([2, 4, 16], [[1, 2, 3, 4], [5, 6, 7, -100]], ['test_loss'])
     """
     out, metrics = _evaluated(
         model_or_forward, params, batches, gather=True, prediction_loss_only=False, compute_metrics=compute_metrics,
