@@ -27,7 +27,8 @@ from trainfold import checkpoint_policy as policy
 from trainfold.args import TrainingArguments
 from trainfold.data import KeyedCollate, StepBatch, keyed, pad_collate, stream
 from trainfold.distributed import agreed_stop, evaluate_sharded, shard
-from trainfold.evaluation import check_eval_schedule, evaluate as evaluate_batches, predict as predict_batches, should_evaluate
+from trainfold.eval_schedule import check_eval_schedule, should_evaluate
+from trainfold.evaluation import evaluate as evaluate_batches, predict as predict_batches
 from trainfold.fold import any_of, max_steps as max_steps_stop, trajectory
 from trainfold.losses import causal_lm
 from trainfold.neftune import neftune_objective
