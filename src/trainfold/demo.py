@@ -116,8 +116,9 @@ def run_demo(output_dir: str = "runs/demo", max_steps: int = 800, seq_len: int =
     prompt = "def __init__(self"
     print(f"sample: {prompt!r} -> {_sample(model, result.state, prompt)!r}")
     where = Path(output_dir).resolve()
-    print(f"results in {where}:\n  log       {where / 'log.jsonl'}\n  checkpoint {result.last_checkpoint}"
-          f"\n  best       {result.best_checkpoint}")
+    full = lambda p: Path(p).resolve() if p is not None else None  # noqa: E731
+    print(f"results in {where}:\n  log        {where / 'log.jsonl'}\n  checkpoint {full(result.last_checkpoint)}"
+          f"\n  best       {full(result.best_checkpoint)}")
     return result
 
 
