@@ -164,7 +164,7 @@ def test_hf_datasets_and_unused_columns(tmp_path):
 
 
 def test_early_stopping_ends_the_run(tmp_path):
-    from trainfold.observe import early_stopping
+    from trainfold.stopping import early_stopping
 
     ev = rows(8)
     r = train(model(), settings(tmp_path, "random", max_steps=40, eval_strategy="steps", eval_steps=1, learning_rate=0.0,

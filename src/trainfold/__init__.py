@@ -31,7 +31,7 @@ from trainfold.data import StepBatch, keyed, pad_collate, stream
 from trainfold.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
 from trainfold.evaluation import EvalPrediction
 from trainfold.fold import any_of, fit, max_steps, max_time, trajectory
-from trainfold.observe import early_stopping
+from trainfold.stopping import early_stopping
 from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, sgd
 from trainfold.samplers import Sampler, make_sampler
 from trainfold.state import Cursor, TrainState, init_state

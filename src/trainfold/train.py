@@ -32,19 +32,8 @@ from trainfold.evaluation import evaluate as evaluate_batches, predict as predic
 from trainfold.fold import any_of, max_steps as max_steps_stop, trajectory
 from trainfold.losses import causal_lm
 from trainfold.neftune import neftune_objective
-from trainfold.observe import (
-    EarlyStopping,
-    eval_entry,
-    initial_extras,
-    log_if_due,
-    logging_plan,
-    notify,
-    observing,
-    patience_exhausted,
-    record_evaluation,
-    tap,
-    train_summary,
-)
+from trainfold.observe import eval_entry, initial_extras, log_if_due, logging_plan, notify, observing, tap, train_summary
+from trainfold.stopping import EarlyStopping, patience_exhausted, record_evaluation
 from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask
 from trainfold.preempt import jit_checkpoint, preemption_guard
 from trainfold.reporters import make_reporters, progress as make_progress
@@ -378,7 +367,7 @@ def train(
     ``compute_loss_func(outputs, labels, num_items_in_batch)`` is the loss (default: causal LM);
     ``objective`` replaces the forward pass and loss together. ``optimizer`` replaces the default
     (clipping + AdamW on ``lr_scheduler_type``). ``observers`` are called ``(state, logs)`` on every
-    log. ``early_stopping`` (from ``trainfold.observe.early_stopping``) and ``stop(state)`` end the
+    log. ``early_stopping`` (from ``trainfold.stopping.early_stopping``) and ``stop(state)`` end the
     run early (status ``stopped``); a SIGTERM with ``enable_jit_checkpoint`` ends it at the next step
     boundary with a checkpoint (status ``preempted``).
 
