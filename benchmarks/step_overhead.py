@@ -43,6 +43,7 @@ def build(name: str):
 
 
 def eager_runner(model):
+    """Return ``run(batch)`` for the hand-written eager loop, and a way to read its params."""
     model = copy.deepcopy(model).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
 
@@ -55,9 +56,10 @@ def eager_runner(model):
     return run, lambda: {k: v.detach() for k, v in model.named_parameters()}
 
 
-def trainfold_runner(model):
+def trainfold_runner(model, compile: bool = False):
+    """Return ``run(batch)`` for trainfold's step folded over batches, and a way to read its params."""
     opt = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01, mask=None))
-    step = make_step(model, causal_lm, opt)
+    step = make_step(model, causal_lm, opt, compile=compile)
     box = [init_state(model, opt)]
 
     def run(batch):
@@ -66,11 +68,12 @@ def trainfold_runner(model):
     return run, lambda: box[0].params
 
 
-def timed(run, batches, n: int) -> list[float]:
+def timed(run, batches, n: int, start: int = 0) -> list[float]:
+    """Return the times of ``n`` calls of ``run`` over ``batches``, cycling from ``start``."""
     out = []
     for i in range(n):
         t = time.perf_counter()
-        run(batches[i % len(batches)])
+        run(batches[(start + i) % len(batches)])
         out.append(time.perf_counter() - t)
     return out
 
