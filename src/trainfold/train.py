@@ -51,19 +51,14 @@ BEST = "best_metric"  # the key of the best-metric tracker in state.extras
 class TrainResult:
     """What ``train`` returns: the final state, its status and the record of the run.
 
-    >>> import tempfile, torch
-    >>> from trainfold.models import TinyLM, TinyLMConfig
-    >>> _ = torch.manual_seed(0)
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
-    >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
-    ...                          learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True,
-    ...                          save_strategy="no")
-    >>> result = train(model, args, rows)
-    >>> result.status, result.global_step, [entry["step"] for entry in result.log_history]
-    ('completed', 3, [1, 2, 3, 3])
-    >>> trained = result.apply_to(TinyLM(model.config))             # a module holding the trained tensors
-    >>> torch.equal(trained.tok.weight, result.state.params["tok.weight"])
+    >>> import torch
+    >>> from trainfold.optim import sgd
+    >>> model = torch.nn.Linear(2, 1)
+    >>> state = init_state(torch.nn.Linear(2, 1), sgd(0.1))   # stands for a trained state
+    >>> result = TrainResult(state, "completed", {"train_loss": 0.5}, [])
+    >>> result.global_step, result.status
+    (0, 'completed')
+    >>> torch.equal(result.apply_to(model).weight, state.params["weight"])  # copy the tensors into a module
     True
     """
 
