@@ -39,7 +39,7 @@ from trainfold.preempt import jit_checkpoint, preemption_guard
 from trainfold.reporters import make_reporters, progress as make_progress
 from trainfold.samplers import make_sampler
 from trainfold.schedules import constant, cosine, linear, warmup_steps_for
-from trainfold.state import TrainState, init_state
+from trainfold.state import TrainState, init_state, split_module
 from trainfold.step import Collective, make_step
 
 __all__ = ["TrainResult", "train", "evaluate", "predict", "default_optimizer", "BEST"]
@@ -514,12 +514,9 @@ def evaluate(model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, st
     >>> sorted(after), after["eval_loss"] < before["eval_loss"]
     (['eval_loss', 'eval_runtime', 'eval_samples_per_second', 'eval_steps_per_second'], True)
     """
-    device = _device(args)
-    params, buffers = (state.params, state.buffers) if state is not None else _module_tensors(model, device)
-    collate = _eval_collate(data_collator, _accepted_keys(model, args))
+    params, buffers, batches = _eval_inputs(model, args, eval_dataset, state, data_collator)
     return evaluate_batches(
-        model, params, _eval_batches(eval_dataset, collate, args.per_device_eval_batch_size, device),
-        loss=compute_loss_func or causal_lm, buffers=buffers,
+        model, params, batches, loss=compute_loss_func or causal_lm, buffers=buffers,
         compute_metrics=None if args.prediction_loss_only else compute_metrics,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics, eval_accumulation_steps=args.eval_accumulation_steps,
         prediction_loss_only=args.prediction_loss_only, metric_key_prefix=metric_key_prefix,
@@ -544,19 +541,22 @@ def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, sta
     >>> out.predictions.shape, out.label_ids.tolist()[2], "test_loss" in out.metrics
     ((3, 4, 16), [2, 3, 4, 5], True)
     """
-    device = _device(args)
-    params, buffers = (state.params, state.buffers) if state is not None else _module_tensors(model, device)
-    collate = _eval_collate(data_collator, _accepted_keys(model, args))
+    params, buffers, batches = _eval_inputs(model, args, test_dataset, state, data_collator)
     return predict_batches(
-        model, params, _eval_batches(test_dataset, collate, args.per_device_eval_batch_size, device),
-        loss=compute_loss_func or causal_lm, buffers=buffers, compute_metrics=compute_metrics,
+        model, params, batches, loss=compute_loss_func or causal_lm, buffers=buffers, compute_metrics=compute_metrics,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics, eval_accumulation_steps=args.eval_accumulation_steps,
         metric_key_prefix=metric_key_prefix,
     )
 
 
-def _module_tensors(model: nn.Module, device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    from trainfold.state import split_module  # noqa: PLC0415
-
-    params, buffers = split_module(model)
-    return {k: v.to(device) for k, v in params.items()}, {k: v.to(device) for k, v in buffers.items()}
+def _eval_inputs(model: nn.Module, args: TrainingArguments, dataset: Any, state: TrainState | None,
+                 data_collator: Callable[..., Any] | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
+    """Return ``(params, buffers, batches)`` for ``evaluate``/``predict``: the state's tensors or the model's."""
+    device = _device(args)
+    if state is None:
+        params, buffers = split_module(model)
+        state_tensors = ({k: v.to(device) for k, v in params.items()}, {k: v.to(device) for k, v in buffers.items()})
+    else:
+        state_tensors = (state.params, state.buffers)
+    collate = _eval_collate(data_collator, _accepted_keys(model, args))
+    return (*state_tensors, _eval_batches(dataset, collate, args.per_device_eval_batch_size, device))
