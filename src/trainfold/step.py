@@ -7,7 +7,9 @@ summed loss divided by that count, and the gradients of the micro-batches are ad
 update is the same whatever the split of the same samples.
 
 The step never changes the state it is given, nor the model: the model only supplies its
-forward function, called through ``torch.func.functional_call`` on the state's tensors.
+forward function, called on the state's tensors (swapped in for the duration of the step, as
+``torch.func.functional_call`` does, and swapped back even if the step raises — so one module must
+not serve two steps running at the same time in different threads).
 Every random draw (dropout, noise) comes from a seed derived from ``(seed, step, micro, rank)``.
 """
 
