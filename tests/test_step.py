@@ -137,6 +137,52 @@ def test_buffers_are_updated_out_of_place():
     assert new.buffers["1.num_batches_tracked"].item() == 1
 
 
+class _Counting(nn.Module):
+    """Reassigns its buffer instead of updating it in place (as some research code does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, input):
+        self.calls = self.calls + 1
+        return self.lin(input)
+
+
+def test_a_reassigned_buffer_reaches_the_new_state_and_not_the_module():
+    model = _Counting()
+    opt = sgd(0.1)
+    step = make_step(model, cross_entropy, opt)
+    batch = [{"input": torch.randn(4, 3), "labels": torch.tensor([0, 1, 1, 0])}] * 2
+    state = step(step(init_state(model, opt), batch), batch)
+    assert state.buffers["calls"].item() == 4 and model.calls.item() == 0
+
+
+def test_shared_and_replaced_submodules_use_the_state_tensors():
+    shared = nn.Linear(3, 3)
+    model = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(3, 2))
+    opt = sgd(0.1)
+    state = init_state(model, opt)
+    assert sorted(state.params) == ["0.bias", "0.weight", "3.bias", "3.weight"]
+    batch = [{"input": torch.randn(5, 3), "labels": torch.tensor([0, 1, 1, 0, 1])}]
+    step = make_step(model, cross_entropy, opt)
+    first = step(state, batch)
+
+    reference = nn.Sequential(shared, nn.Tanh(), shared, nn.Linear(3, 2))
+    reference.load_state_dict(model.state_dict())
+    loss = nn.functional.cross_entropy(reference(batch[0]["input"]), batch[0]["labels"])
+    grads = torch.autograd.grad(loss, [shared.weight, reference[3].weight])
+    assert torch.equal(first.params["0.weight"], state.params["0.weight"] - 0.1 * grads[0])
+    assert torch.equal(first.params["3.weight"], state.params["3.weight"] - 0.1 * grads[1])
+
+    model[3] = nn.Linear(3, 2)  # the tree changed: the step must find the slots again
+    again = step(state, batch)
+    for k in state.params:
+        assert torch.equal(again.params[k], first.params[k]), k
+    assert not torch.equal(model[3].weight, state.params["3.weight"])
+
+
 def test_objective_replaces_forward_and_loss():
     model = nn.Linear(2, 1)
     opt = sgd(1.0)
