@@ -73,6 +73,13 @@ def test_pad_collate_stacks_equal_shaped_tensors_and_does_not_mutate():
     assert [it["input_ids"]._version for it in items] == before
 
 
+def test_pad_collate_takes_the_first_items_dtype_for_mixed_columns():
+    for a, b in (([1, 2], [3]), ([1, 2], [3, 4])):  # padded, and equal lengths (stacked)
+        out = pad_collate()([{"input_ids": torch.tensor(a, dtype=torch.int32)}, {"input_ids": torch.tensor(b)}])
+        assert out["input_ids"].dtype == torch.int32
+        assert out["input_ids"][1, : len(b)].tolist() == b
+
+
 @settings(max_examples=50, deadline=None)
 @given(token_items(), st.one_of(st.none(), st.integers(1, 8)))
 def test_pad_collate_keeps_every_token_and_pads_with_minus_100(items, multiple):
@@ -165,7 +172,7 @@ def test_dataloader_workers_survive_sigterm():
     data = items_of([1 + i % 5 for i in range(64)])
     s = make_sampler("sequential", data, per_device_train_batch_size=2)
     steps = stream(data, s, pad_collate(), num_epochs=1, dataloader_num_workers=2)
-    first = next(steps)
+    first, _ = next(steps), next(steps)  # one batch from each worker: both have run their init
     children = Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
     workers = [int(p) for p in children.read_text().split()] if children.exists() else []
     if not workers:
@@ -173,7 +180,7 @@ def test_dataloader_workers_survive_sigterm():
     for pid in workers:
         os.kill(pid, signal.SIGTERM)
     rest = list(steps)  # a worker killed by SIGTERM would make this raise
-    assert 1 + len(rest) == s.steps_per_epoch() and first.cursor.as_tuple() == (0, 1)
+    assert 2 + len(rest) == s.steps_per_epoch() and first.cursor.as_tuple() == (0, 1)
 
 
 def test_keyed_randomness_belongs_to_the_sample_not_the_batch():

@@ -35,6 +35,8 @@ from typing import Any
 import attrs
 import torch
 from torch import Tensor
+from torch.nn import functional as F
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
 from trainfold.samplers import Sampler
@@ -139,8 +141,12 @@ class PadCollate:
                 raise KeyError(f"item {i} of the micro-batch lacks keys {missing} (has {sorted(item.keys())})")
         out = {k: self._column(k, [_as_tensor(item[k], k) for item in items]) for k in keys}
         if "attention_mask" not in out and "input_ids" in out and out["input_ids"].dim() == 2:
-            lens = torch.tensor([len(item["input_ids"]) for item in items])
-            out["attention_mask"] = (torch.arange(out["input_ids"].shape[1]) < lens[:, None]).long()
+            lens = [len(item["input_ids"]) for item in items]  # items may hold lists
+            width = out["input_ids"].shape[1]
+            if all(n == width for n in lens):
+                out["attention_mask"] = torch.ones(len(lens), width, dtype=torch.long)
+            else:
+                out["attention_mask"] = (torch.arange(width) < torch.tensor(lens)[:, None]).long()
         return out
 
     def _column(self, key: str, values: list[Tensor]) -> Tensor:
@@ -149,14 +155,17 @@ class PadCollate:
             if len(shapes) > 1:
                 raise ValueError(f"key {key!r} has items of different shapes {sorted(shapes)}; only 1-d sequences are padded")
             return torch.stack(values)
-        width = max(len(v) for v in values)
-        m = self.pad_to_multiple_of
-        if m:
-            width = -(-width // m) * m
-        out = torch.full((len(values), width), self.pad_value(key), dtype=values[0].dtype)
-        for row, v in enumerate(values):
-            out[row, : len(v)] = v
-        return out
+        lengths = [v.shape[0] for v in values]
+        width = max(lengths)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        dtype = values[0].dtype
+        values = [v if v.dtype == dtype else v.to(dtype) for v in values]
+        if all(n == width for n in lengths):  # nothing to pad
+            return torch.stack(values)
+        fill = self.pad_value(key)
+        out = pad_sequence(values, batch_first=True, padding_value=fill)
+        return F.pad(out, (0, width - out.shape[1]), value=fill) if out.shape[1] < width else out
 
 
 def pad_collate(
