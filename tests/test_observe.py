@@ -20,6 +20,7 @@ from trainfold.observe import (
     LOG_MARK,
     LoggingPlan,
     LogMark,
+    MetricWindow,
     eval_entry,
     initial_extras,
     log_entry,
@@ -292,3 +293,18 @@ def test_a_logged_evaluated_early_stopped_fold_writes_jsonl(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "loss" in r] == list(range(4, int(final.step) + 1, 4))
     assert [r["eval_loss"] for r in rows if "eval_loss" in r] == pytest.approx(evals)
+
+
+def test_metric_window_counts_each_step_once_and_skips_the_step_metrics():
+    def at(step, **metrics):
+        base = {"loss": torch.tensor(9.0), "grad_norm": torch.tensor(9.0), "learning_rate": torch.tensor(9.0),
+                "num_items": torch.tensor(9.0), "vector": torch.ones(3)}
+        return TrainState(params={}, buffers={}, opt_state=None, step=scalar(step),
+                          metrics={**base, **{k: torch.tensor(v) for k, v in metrics.items()}})
+
+    window = MetricWindow()
+    for state in (at(1, a=1.0), at(1, a=1.0), at(2, a=2.0, b=4.0), at(3, a=6.0)):  # step 1 seen twice (a no-op step)
+        window.add(state)
+    assert window.take() == {"a": 3.0, "b": 4.0}  # b: over the one step that reported it
+    window.add(at(4, a=5.0))
+    assert window.take() == {"a": 5.0}

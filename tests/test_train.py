@@ -95,6 +95,31 @@ def test_logged_loss_is_the_window_mean_across_a_resume(tmp_path):
         assert value == pytest.approx(sum(step_loss[i] for i in window) / len(window), rel=1e-6)
 
 
+def test_an_objectives_metrics_are_logged_as_window_means(tmp_path):
+    from trainfold.losses import causal_lm
+
+    def objective(forward, params, micro, num_items, key):  # aux: the summed loss of the micro-batch, x2
+        inputs = {k: v for k, v in micro.items() if k != "labels"}
+        loss = causal_lm(forward(params, inputs), micro["labels"], num_items)
+        return loss, {"double": 2 * loss.detach()}
+
+    def metric(history):
+        return [(h["step"], h["double"]) for h in history if "double" in h]
+
+    per_step = dict(metric(train(model(), settings(tmp_path / "a", "random"), rows(), data_collator=collate,
+                                 objective=objective).log_history))
+    losses = dict(losses_of(train(model(), settings(tmp_path / "b", "random"), rows(), data_collator=collate).log_history))
+    assert sorted(per_step) == list(range(1, 9))
+    for s, value in per_step.items():
+        assert value == pytest.approx(2 * losses[s], rel=1e-6)
+    windows = metric(train(model(), settings(tmp_path / "c", "random", logging_steps=3), rows(), data_collator=collate,
+                           objective=objective).log_history)
+    assert [s for s, _ in windows] == [3, 6, 8]
+    for s, value in windows:
+        window = range(s - 2, s + 1) if s != 8 else range(7, 9)
+        assert value == pytest.approx(sum(per_step[i] for i in window) / len(window), rel=1e-6)
+
+
 def test_preempted_cli_run_exits_143_and_resumes(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(textwrap.dedent(f"""

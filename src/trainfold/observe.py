@@ -36,6 +36,7 @@ __all__ = [
     "LOG_MARK",
     "LoggingPlan",
     "LogMark",
+    "MetricWindow",
     "logging_plan",
     "should_log",
     "log_mark",
@@ -218,6 +219,51 @@ def log_entry(
     }
 
 
+STEP_METRICS = frozenset({"loss", "grad_norm", "learning_rate", "num_items"})
+
+
+@attrs.define
+class MetricWindow:
+    """Window means of a step's other metrics (an objective's ``aux``: DPO rewards, GRPO rewards).
+
+    ``add(state)`` after each step sums every scalar metric the step reported besides the loss,
+    grad norm, learning rate and item count; ``take()`` returns their means over the steps since
+    the last ``take`` (a metric that first appears mid-window, over the steps since it appeared)
+    and starts a new window. A step that did not advance the state (an
+    all-ignored batch) is not counted twice. The sums live in this process, as TRL keeps its
+    stored metrics: after a resume the first window covers the steps since the resume (the loss's
+    window mean stays exact, from ``state.loss_total``).
+
+    >>> from trainfold.state import TrainState
+    >>> window = MetricWindow()
+    >>> for step, margin in [(1, 0.5), (2, 1.5)]:
+    ...     window.add(TrainState(params={}, buffers={}, opt_state=None, step=scalar(step),
+    ...                           metrics={"loss": torch.tensor(0.7), "rewards/margins": torch.tensor(margin)}))
+    >>> window.take(), window.take()
+    ({'rewards/margins': 1.0}, {})
+    """
+
+    sums: dict[str, tuple[float, int]] = attrs.field(factory=dict)  # name -> (sum, steps that reported it)
+    last_step: int = -1
+
+    def add(self, state: TrainState) -> None:
+        """Count ``state``'s metrics into the window (once per step)."""
+        step = int(state.step)
+        if step == self.last_step:
+            return
+        self.last_step = step
+        for name, value in state.metrics.items():
+            if name not in STEP_METRICS and isinstance(value, Tensor) and value.numel() == 1:
+                total, n = self.sums.get(name, (0.0, 0))
+                self.sums[name] = (total + float(value), n + 1)
+
+    def take(self) -> dict[str, float]:
+        """Return the window's means and start a new window."""
+        means = {name: total / n for name, (total, n) in self.sums.items()}
+        self.sums = {}
+        return means
+
+
 def _value(v: Any) -> Any:
     if isinstance(v, Tensor):
         return v.item() if v.numel() == 1 else v.tolist()
@@ -301,11 +347,13 @@ def log_if_due(
     steps_per_epoch: int | None = None,
     epoch_end: bool = False,
     last: bool = False,
+    window: MetricWindow | None = None,
 ) -> TrainState:
     """Log the window ending at ``state`` if ``plan`` says so; return the state with its mark moved.
 
     The entry goes to each reporter (``reporter.log(entry, step)``) and each observer
-    ``(state, entry)``. When no log is due, ``state`` comes back unchanged.
+    ``(state, entry)``; with a ``window`` it also holds the window means of the other metrics.
+    When no log is due, ``state`` comes back unchanged.
 
     >>> import torch
     >>> from trainfold.state import TrainState
@@ -321,6 +369,8 @@ def log_if_due(
     if not should_log(plan, int(state.step), int(log_mark(state).step), epoch_end=epoch_end, last=last):
         return state
     entry = log_entry(state, steps_per_epoch=steps_per_epoch)
+    if window is not None:
+        entry.update(window.take())
     for reporter in reporters:
         reporter.log(entry, entry["step"])
     notify(observers, state, entry)

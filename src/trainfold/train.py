@@ -32,7 +32,17 @@ from trainfold.evaluation import evaluate as evaluate_batches, predict as predic
 from trainfold.fold import any_of, max_steps as max_steps_stop, trajectory
 from trainfold.losses import causal_lm
 from trainfold.neftune import neftune_objective
-from trainfold.observe import eval_entry, initial_extras, log_if_due, logging_plan, notify, observing, tap, train_summary
+from trainfold.observe import (
+    MetricWindow,
+    eval_entry,
+    initial_extras,
+    log_if_due,
+    logging_plan,
+    notify,
+    observing,
+    tap,
+    train_summary,
+)
 from trainfold.stopping import EarlyStopping, patience_exhausted, record_evaluation
 from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask
 from trainfold.preempt import jit_checkpoint, preemption_guard
@@ -289,14 +299,15 @@ def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainSta
             run.history.append(dict(entry))
             run.reporters.log(entry, step)
 
-    history = _History()
+    history, window = _History(), MetricWindow()
 
     def after(state: TrainState) -> TrainState:
         step = int(state.step)
         epoch_end = int(state.cursor.position) == 0
         last = step >= run.total_steps
+        window.add(state)
         state = log_if_due(state, plan, [history], run.observers, steps_per_epoch=run.steps_per_epoch,
-                           epoch_end=epoch_end, last=last)
+                           epoch_end=epoch_end, last=last, window=window)
         new_best = False
         if run.eval_batches is not None and should_evaluate(
             step, epoch_end, eval_strategy=args.eval_strategy, eval_steps=args.eval_steps,
