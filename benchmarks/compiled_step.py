@@ -28,20 +28,20 @@ TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "in
 SEQ, BATCH = 128, 8
 
 
-def build(attn: str = "sdpa", seed: int = 0) -> torch.nn.Module:
-    """Return the tiny Llama of the issue, randomly initialised from ``seed``."""
+def build(attn: str = "sdpa", seed: int = 0, device: str = "cpu") -> torch.nn.Module:
+    """Return the tiny Llama of the issue, randomly initialised from ``seed``, on ``device``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**TINY, num_key_value_heads=TINY["num_attention_heads"], max_position_embeddings=SEQ,
                       tie_word_embeddings=False, use_cache=False, attn_implementation=attn)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg)
+    return LlamaForCausalLM(cfg).to(device)
 
 
-def make_batches(n: int, seed: int = 1) -> list[dict]:
-    """Return ``n`` batches of random token ids with ``labels = input_ids``."""
+def make_batches(n: int, seed: int = 1, device: str = "cpu") -> list[dict]:
+    """Return ``n`` batches of random token ids with ``labels = input_ids``, on ``device``."""
     g = torch.Generator().manual_seed(seed)
-    ids = [torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=g) for _ in range(n)]
+    ids = [torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=g).to(device) for _ in range(n)]
     return [{"input_ids": x, "labels": x} for x in ids]
 
 

@@ -11,6 +11,7 @@ rounds of (baseline's median / variant's median in the same round).
     python benchmarks/ensemble.py                 # default threads
     python benchmarks/ensemble.py --threads 1
     python benchmarks/ensemble.py --quick         # a smoke run
+    python benchmarks/ensemble.py --device cuda   # on a GPU (benchmarks/gpu.py runs this)
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from trainfold.losses import causal_lm
 K = 4
 
 
-def sequential_runner(attn: str):
+def sequential_runner(attn: str, device: str = "cpu"):
     """Return ``run(member_batches)``: K eager loops stepped one after another."""
-    runs = [eager_runner(build(attn, seed=m)) for m in range(K)]
+    runs = [eager_runner(build(attn, seed=m, device=device)) for m in range(K)]
 
     def run(batches):
         for (r, _), b in zip(runs, batches):
@@ -50,9 +51,9 @@ def sequential_runner(attn: str):
     return run, lambda: [get() for _, get in runs]
 
 
-def ensemble_runner(compile: bool, batching: str = "vmap"):
+def ensemble_runner(compile: bool, batching: str = "vmap", device: str = "cpu"):
     """Return ``run(member_batches)``: one ensemble step over all K members."""
-    models = [build("eager" if batching == "vmap" else "sdpa", seed=m) for m in range(K)]
+    models = [build("eager" if batching == "vmap" else "sdpa", seed=m, device=device) for m in range(K)]
     opt = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01, mask=None))
     step = make_ensemble_step(models[0], causal_lm, opt, batching=batching, compile=compile)
     box = [init_ensemble_state(models, opt)]
@@ -64,10 +65,13 @@ def ensemble_runner(compile: bool, batching: str = "vmap"):
 
 
 def timed(run, groups, n: int, start: int) -> list[float]:
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     out = []
     for i in range(n):
+        sync()
         t = time.perf_counter()
         run(groups[(start + i) % len(groups)])
+        sync()
         out.append(time.perf_counter() - t)
     return out
 
@@ -78,16 +82,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--per-round", type=int, default=3)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--eager-only", action="store_true", help="skip the compiled variants (a fast smoke run)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message="There is a performance drop")
     rounds, per = (2, 1) if args.quick else (args.rounds, args.per_round)
-    flat = make_batches(4 * K)
+    flat = make_batches(4 * K, device=args.device)
     groups = [flat[i * K:(i + 1) * K] for i in range(4)]
-    runners = {"4 x eager loop (sdpa)": sequential_runner("sdpa"), "4 x eager loop (eager attn)": sequential_runner("eager"),
-               "ensemble vmap eager": ensemble_runner(False), "ensemble vmap compiled": ensemble_runner(True),
-               "ensemble unroll compiled": ensemble_runner(True, "unroll")}
+    dev = args.device
+    runners = {"4 x eager loop (sdpa)": sequential_runner("sdpa", dev),
+               "4 x eager loop (eager attn)": sequential_runner("eager", dev),
+               "ensemble vmap eager": ensemble_runner(False, device=dev)}
+    if not args.eager_only:
+        runners["ensemble vmap compiled"] = ensemble_runner(True, device=dev)
+        runners["ensemble unroll compiled"] = ensemble_runner(True, "unroll", device=dev)
     compiled = [k for k in runners if k.endswith("compiled")]
     compile_s = {}
     for key in compiled:
@@ -114,9 +124,9 @@ def main() -> None:
         for base in names[:2]:
             for key in names:
                 speed[base][key].append(med[base] / med[key])
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {K} tiny Llamas "
+    print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, {K} tiny Llamas "
           f"(batch 8x128 each), {rounds} rounds x {per} steps; first call (compile): "
-          + ", ".join(f"{k} {v:.0f} s" for k, v in compile_s.items()))
+          + (", ".join(f"{k} {v:.0f} s" for k, v in compile_s.items()) or "none"))
     print("| variant | median ms (all 4 members) | speed-up vs 4 x eager (sdpa) | vs 4 x eager (eager attn) "
           "| max param diff after 2 steps |")
     print("|---|---|---|---|---|")

@@ -1,21 +1,28 @@
-"""The side-by-side comparison on a CUDA machine: bf16, a ~100M-parameter Llama, sequence 1024.
+"""Everything to measure on a lent GPU, in one script: the Trainer comparison and the ensemble.
 
-Prints tokens/s, MFU (model FLOPs / peak: 6 x params x tokens per second, plus attention) and
-``torch.cuda.max_memory_allocated`` for the eager loop, the HF Trainer, trainfold eager and
-trainfold compiled. Without CUDA it runs the same code path smaller (tiny model, float32, CPU), so
-the suite can test it.
+1. The side-by-side comparison in bf16 with a ~100M-parameter Llama at sequence 1024: tokens/s,
+   MFU (model FLOPs / peak: 6 x params x tokens per second, plus attention) and
+   ``torch.cuda.max_memory_allocated`` for the eager loop, the HF Trainer, trainfold eager and
+   trainfold compiled.
+2. ``benchmarks/ensemble.py --device cuda``: four tiny Llamas in one ensemble step against four
+   sequential eager loops (the issue's GPU target: >= 2x).
 
-    python benchmarks/gpu.py                  # CUDA: 100m model, bf16; CPU: tiny model
-    python benchmarks/gpu.py --peak-tflops 989
+Without CUDA it runs the same code paths smaller (tiny model, float32, CPU; the ensemble part only
+with ``--ensemble``, eager variants), so the suite can test it.
+
+    python benchmarks/gpu.py                  # CUDA: both parts; CPU: part 1 on the tiny model
+    python benchmarks/gpu.py --peak-tflops 989 --steps 30
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
 import vs_hf_trainer as bench  # noqa: E402
 
@@ -34,6 +41,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--variants", nargs="*", default=list(bench.VARIANTS))
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100/H200 SXM: 989)")
+    parser.add_argument("--ensemble", action="store_true", help="also run the ensemble part on CPU (always on CUDA)")
+    parser.add_argument("--ensemble-rounds", type=int, default=5)
     ns = parser.parse_args()
     cuda = torch.cuda.is_available()
     size, device, bf16 = ("100m", "cuda", True) if cuda else ("tiny", "cpu", False)
@@ -45,6 +54,11 @@ def main() -> None:
         r["mfu"] = achieved / (ns.peak_tflops * 1e12) if cuda else float("nan")
     print(f"{size} model ({params / 1e6:.1f}M params), device {device}{' bf16' if bf16 else ''}, {ns.steps} steps")
     bench.print_table(rows)
+    if cuda or ns.ensemble:
+        cmd = [sys.executable, str(HERE / "ensemble.py"), "--device", device, "--rounds", str(ns.ensemble_rounds)]
+        cmd += [] if cuda else ["--eager-only", "--per-round", "1"]
+        print(flush=True)
+        subprocess.run(cmd, check=True)
 
 
 if __name__ == "__main__":

@@ -25,5 +25,7 @@ def test_step_overhead_quick():
 
 
 def test_gpu_script_runs_small_on_cpu():
-    out = run("benchmarks/gpu.py", "--steps", "3", "--variants", "eager", "trainfold")
+    out = run("benchmarks/gpu.py", "--steps", "3", "--variants", "eager", "trainfold", "--ensemble",
+              "--ensemble-rounds", "1")
     assert "| eager |" in out and "| trainfold |" in out
+    assert "| ensemble vmap eager |" in out and "| 4 x eager loop (sdpa) |" in out
