@@ -219,7 +219,7 @@ def log_entry(
     }
 
 
-STEP_METRICS = frozenset({"loss", "grad_norm", "learning_rate", "num_items"})
+_STEP_METRICS = frozenset({"loss", "grad_norm", "learning_rate", "num_items"})
 
 
 @attrs.define
@@ -253,7 +253,7 @@ class MetricWindow:
             return
         self.last_step = step
         for name, value in state.metrics.items():
-            if name not in STEP_METRICS and isinstance(value, Tensor) and value.numel() == 1:
+            if name not in _STEP_METRICS and isinstance(value, Tensor) and value.numel() == 1:
                 total, n = self.sums.get(name, (0.0, 0))
                 self.sums[name] = (total + float(value), n + 1)
 

@@ -157,19 +157,19 @@ class _Slots:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self.key: list[tuple[nn.Module, int, int]] = []
+        self.modules: list[nn.Module] = []  # held, so that the ids in ``key`` stay theirs
+        self.key: list[tuple[int, int, int]] = []
         self.names: frozenset[str] = frozenset()
         self.places: list[tuple[str, dict[str, Any], str]] = []  # (name, the module's slot dict, attribute)
 
-    def _find(self, modules: list[nn.Module]) -> None:
+    def _find(self, modules: list[nn.Module], key: list[tuple[int, int, int]]) -> None:
         canonical = {id(t): n for n, t in self.model.named_parameters()}
         canonical.update({id(t): n for n, t in self.model.named_buffers()})
         places = []
         for module in modules:  # a module reachable twice holds its slots once
             for slots in (module._parameters, module._buffers):
                 places += [(canonical[id(t)], slots, a) for a, t in slots.items() if t is not None]
-        self.places, self.names = places, frozenset(canonical.values())
-        self.key = [(m, len(m._parameters), len(m._buffers)) for m in modules]
+        self.modules, self.key, self.places, self.names = modules, key, places, frozenset(canonical.values())
 
     @contextlib.contextmanager
     def bound(self, modules: list[nn.Module], params: dict[str, Tensor], buffers: dict[str, Tensor]) -> Iterator[Forward]:
@@ -179,19 +179,23 @@ class _Slots:
         reassigns (rather than updates in place) is written back into ``buffers``.
         """
         other = make_forward(self.model, buffers)
-        key = [(m, len(m._parameters), len(m._buffers)) for m in modules]
-        if len(key) != len(self.key) or any(a[0] is not b[0] or a[1:] != b[1:] for a, b in zip(key, self.key)):
-            self._find(modules)
+
+        def forward(p: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
+            return self.model(**inputs) if p is params else other(p, inputs)
+
+        key = [(id(m), len(m._parameters), len(m._buffers)) for m in modules]
+        if key != self.key:
+            self._find(modules, key)
         if self.names != params.keys() | buffers.keys():  # alias names or a mismatch: functional_call's rules
             with _reparametrize_module(self.model, {**params, **buffers}, tie_weights=True, strict=True):
-                yield lambda p, inputs: self.model(**inputs) if p is params else other(p, inputs)
+                yield forward
             return
         saved = []
         try:
             for name, slots, attr in self.places:  # frozen parameters travel with the buffers
                 saved.append(slots[attr])
                 slots[attr] = params[name] if name in params else buffers[name]
-            yield lambda p, inputs: self.model(**inputs) if p is params else other(p, inputs)
+            yield forward
         finally:
             for (name, slots, attr), old in zip(reversed(self.places[: len(saved)]), reversed(saved)):
                 if name in buffers and slots[attr] is not buffers[name]:
