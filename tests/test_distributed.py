@@ -19,11 +19,9 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
 
-import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -48,6 +46,7 @@ from trainfold.optim import adamw
 from trainfold.reducers import pad_concat
 from trainfold.state import init_state
 from trainfold.step import make_step
+from trainfold.testing import on_simulated_ranks
 from trainfold.tree import flatten
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -387,63 +386,6 @@ def test_buckets_coalesce_up_to_the_limit(sizes, limit):
         assert 4 * (sum(run) + after[0]) > limit  # the next tensor did not fit: buckets are as full as allowed
 
 
-@attrs.define
-class _Room:
-    """Ranks simulated by threads that meet here to exchange tensors."""
-
-    world: int
-    barrier: threading.Barrier = attrs.field(init=False)
-    slots: list = attrs.field(init=False)
-
-    def __attrs_post_init__(self) -> None:
-        self.barrier, self.slots = threading.Barrier(self.world, timeout=30), [None] * self.world
-
-
-@attrs.frozen
-class _ThreadRank:
-    room: _Room
-    rank: int
-
-    @property
-    def world_size(self) -> int:
-        return self.room.world
-
-    def all_gather(self, tensor):
-        self.room.slots[self.rank] = tensor.clone()
-        self.room.barrier.wait()
-        out = list(self.room.slots)
-        self.room.barrier.wait()
-        return out
-
-    def sum_(self, tensors):
-        for t in tensors:
-            t.copy_(torch.stack(self.all_gather(t)).sum(0))
-
-    def max_(self, tensors):
-        for t in tensors:
-            t.copy_(torch.stack(self.all_gather(t)).amax(0))
-
-
-def _on_threads(world: int, fn) -> list:
-    room, results, errors = _Room(world), [None] * world, []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = fn(_ThreadRank(room, rank))
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(e)
-            room.barrier.abort()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
 def test_sharded_evaluation_on_simulated_ranks_matches_evaluate():
     data = rows(9)
     nets = [model() for _ in range(3)]  # one module per thread: functional_call swaps its tensors
@@ -453,7 +395,7 @@ def test_sharded_evaluation_on_simulated_ranks_matches_evaluate():
         mine = eval_batches(list(shard(data, c.rank, c.world_size)), 2)
         return evaluate_sharded(nets[c.rank], None, mine, collective=c, compute_metrics=token_accuracy, speed_metrics=False)
 
-    for got in _on_threads(3, rank_eval):  # other batches than one process's: float32 noise per batch
+    for got in on_simulated_ranks(3, rank_eval):  # other batches than one process's: float32 noise per batch
         assert got["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)
         assert got["eval_accuracy"] == whole["eval_accuracy"]
 
@@ -466,7 +408,7 @@ def test_a_loss_only_sharded_evaluation_merges_sums_and_counts():
     whole = evaluate(net, None, eval_batches(data, 3), speed_metrics=False)
     nets = [copy.deepcopy(net) for _ in range(2)]
     parts = [data[:3], data[3:]]
-    got = _on_threads(2, lambda c: evaluate_sharded(nets[c.rank], None, eval_batches(parts[c.rank], 3), collective=c,
+    got = on_simulated_ranks(2, lambda c: evaluate_sharded(nets[c.rank], None, eval_batches(parts[c.rank], 3), collective=c,
                                                     speed_metrics=False))
     assert got[0] == got[1]
     assert got[0]["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-12)
@@ -483,7 +425,7 @@ def test_gather_rows_is_pad_concat_in_rank_order(shapes):
     g = torch.Generator().manual_seed(0)
     per_rank = [[torch.randn(n, w, generator=g) for n, w in pieces] for pieces in shapes]
     local = [pad_concat(p) if p else None for p in per_rank]
-    got = _on_threads(len(shapes), lambda c: gather_rows(local[c.rank], c))
+    got = on_simulated_ranks(len(shapes), lambda c: gather_rows(local[c.rank], c))
     everything = [t for p in per_rank for t in p]
     expected = pad_concat(everything) if everything else None
     for g in got:
@@ -498,7 +440,7 @@ def test_predictions_come_back_in_dataset_order():
     net = model()
     ref = predict(net, None, eval_batches(data, 2), as_numpy=False, speed_metrics=False)
     nets = [copy.deepcopy(net) for _ in range(2)]
-    got = _on_threads(2, lambda c: predict_sharded(nets[c.rank], None, eval_batches(list(shard(data, c.rank, 2)), 2),
+    got = on_simulated_ranks(2, lambda c: predict_sharded(nets[c.rank], None, eval_batches(list(shard(data, c.rank, 2)), 2),
                                                    collective=c, as_numpy=False, speed_metrics=False))
     for out in got:
         assert torch.equal(out.label_ids, ref.label_ids)
@@ -523,7 +465,7 @@ def test_a_stop_on_one_rank_is_a_stop_on_every_rank():
             n += 1
         return n
 
-    assert _on_threads(3, run) == [3, 3, 3]
+    assert on_simulated_ranks(3, run) == [3, 3, 3]
 
 
 def test_alone_there_is_no_collective(monkeypatch):
@@ -543,10 +485,10 @@ def test_errors_name_the_problem():
     with pytest.raises(TypeError, match="without __len__"):
         shard(iter([1, 2]), 0, 2)
     with pytest.raises(ValueError, match="prediction_loss_only=True"):
-        evaluate_sharded(model(), None, [], collective=_ThreadRank(_Room(1), 0), prediction_loss_only=True,
-                         compute_metrics=token_accuracy)
+        on_simulated_ranks(1, lambda c: evaluate_sharded(model(), None, [], collective=c, prediction_loss_only=True,
+                                                         compute_metrics=token_accuracy))
     with pytest.raises(ValueError, match="cannot be concatenated"):
-        _on_threads(2, lambda c: gather_rows(torch.zeros(1, 2, 3 + c.rank), c))
+        on_simulated_ranks(2, lambda c: gather_rows(torch.zeros(1, 2, 3 + c.rank), c))
 
 
 if __name__ == "__main__":

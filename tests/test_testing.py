@@ -6,10 +6,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import pytest
+
+from trainfold import init_state, make_step, sgd
+from trainfold.losses import causal_lm
+from trainfold.models import TinyLM, TinyLMConfig
 from trainfold.samplers import LENGTH_STRATEGIES, Sampler
 from trainfold.testing import (
     label_tensors,
     lengths,
+    on_simulated_ranks,
     sampler_configs,
     skewed_lengths,
     tensor_dicts,
@@ -73,3 +79,43 @@ def test_sampler_configs_are_valid_samplers(s):
     assert isinstance(s, Sampler) and 0 <= s.rank < s.world_size and s.num_samples <= 10
     assert (s.lengths is not None) == (s.strategy in LENGTH_STRATEGIES)
     s.epoch_batches(0)  # every configuration can produce an epoch
+
+
+TINY = TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8)
+
+
+def _tiny(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(TINY)
+
+
+@settings(max_examples=10, deadline=None)
+@given(world=st.integers(1, 3), per_rank=st.integers(1, 3), data=st.data())
+def test_a_step_on_simulated_ranks_equals_one_process_on_all_their_samples(world, per_rank, data):
+    labels = data.draw(label_tensors(vocab_size=16, batch_size=st.just(world * per_rank), seq_len=st.just(6)))
+    ids = labels.clamp(min=0)
+    opt = sgd(0.5)
+    state = init_state(_tiny(), opt)
+    alone = make_step(_tiny(), causal_lm, opt)(state, [{"input_ids": ids, "labels": labels}])
+
+    def rank_step(c):  # each rank its own module, its own contiguous slice of the samples
+        part = slice(c.rank * per_rank, (c.rank + 1) * per_rank)
+        step = make_step(_tiny(), causal_lm, opt, collective=c)
+        return step(state, [{"input_ids": ids[part], "labels": labels[part]}])
+
+    for new in on_simulated_ranks(world, rank_step):
+        assert new.metrics["num_items"].item() == alone.metrics["num_items"].item()  # counted over all ranks
+        for k in state.params:
+            torch.testing.assert_close(new.params[k], alone.params[k], rtol=1e-5, atol=1e-6)
+
+
+def test_simulated_ranks_raise_what_a_rank_raised():
+    def fail_on_one(c):
+        if c.rank == 1:
+            raise KeyError("rank 1 broke")
+        c.sum_([torch.zeros(1)])  # the others wait at the barrier until it breaks
+
+    with pytest.raises(KeyError, match="rank 1 broke"):
+        on_simulated_ranks(3, fail_on_one, timeout=10)
+    with pytest.raises(ValueError, match="at least 1"):
+        on_simulated_ranks(0, lambda c: None)
