@@ -197,7 +197,14 @@ def test_kl_to_an_identical_reference_is_zero_and_to_another_is_positive():
     assert aux["kl"].item() > 0
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
+def with_block(batch, micro_batches):
+    """Mark ``batch`` as the rows of a generation block of ``micro_batches`` (what make_rollout records)."""
+    rows = len(batch["advantages"])
+    tokens = int(batch["completion_mask"].sum())
+    return {**batch, "generation_tokens": torch.full((rows,), tokens), "generation_micro_batches": torch.full((rows,), micro_batches)}
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_step_does_not_depend_on_the_micro_batch_split(loss_type):
     model = lm()
     batch = rollout_batch(rows=6)
@@ -206,12 +213,39 @@ def test_step_does_not_depend_on_the_micro_batch_split(loss_type):
     opt = sgd(0.5)
     step = make_step(model, optimizer=opt, objective=obj)
     state = init_state(model, opt)
-    whole = step(state, [batch])
-    halves = step(state, [{k: v[:2] for k, v in batch.items()}, {k: v[2:] for k, v in batch.items()}])
+    whole = step(state, [with_block(batch, 1)])
+    split = with_block(batch, 2)
+    halves = step(state, [{k: v[:2] for k, v in split.items()}, {k: v[2:] for k, v in split.items()}])
     assert halves.metrics["loss"].item() == pytest.approx(whole.metrics["loss"].item(), abs=1e-6)
     assert whole.metrics["grad_norm"].item() > 1e-4
     for k in whole.params:
         torch.testing.assert_close(halves.params[k], whole.params[k], atol=1e-6, rtol=1e-5)
+
+
+def test_dapo_normalises_every_step_of_a_block_by_its_tokens_per_step():
+    model = lm()
+    first, second = rollout_batch(rows=4, seed=1), rollout_batch(rows=4, seed=2)
+    second["completion_mask"][:, -2:] = 0  # the block's steps hold different token counts
+    tokens = int(first["completion_mask"].sum() + second["completion_mask"].sum())
+    obj, bnpo = grpo_objective("dapo"), grpo_objective("bnpo")
+    forward, params = functional_forward(model), params_of(model)
+    for part in (first, second):  # a block of 2 optimizer steps of 1 micro-batch each
+        marked = {**part, "generation_tokens": torch.full((4,), tokens), "generation_micro_batches": torch.full((4,), 2)}
+        loss, _ = obj(forward, params, marked, obj.count_items(marked))
+        own, _ = bnpo(forward, params, part, bnpo.count_items(part))  # normalised by the step's own tokens
+        own_tokens = int(part["completion_mask"][:, 1:].sum())
+        assert loss.item() == pytest.approx(own.item() * own_tokens / (tokens / 2), rel=1e-5)
+
+
+def test_rollout_records_its_block_on_every_row():
+    model = lm()
+    rollout = make_rollout(model, first_digit_is_seven, encode=lambda s: [1 + int(c) for c in s],
+                           decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2, max_new_tokens=3)
+    out = rollout(init_state(model, sgd(0.1)), [{"prompt": ["12", "12"]}, {"prompt": ["3", "3", "4", "4"]}])
+    tokens = sum(int(mb["completion_mask"].sum()) for mb in out)
+    for mb in out:
+        assert mb["generation_tokens"].tolist() == [tokens] * len(mb["advantages"])
+        assert mb["generation_micro_batches"].tolist() == [2] * len(mb["advantages"])
 
 
 def test_dr_grpo_divides_by_the_maximum_completion_length():
@@ -259,6 +293,27 @@ def test_generation_happens_once_per_block_and_old_logps_only_when_the_buffer_ou
         assert "reward" in states[-1].metrics and "clip_ratio/region_mean" in states[-1].metrics
 
 
+def test_dapo_in_the_loop_counts_the_block_once_per_micro_batch():
+    model = lm()
+    blocks = []
+    rollout = make_rollout(model, digit_sum, encode=lambda s: [1 + int(c) for c in s],
+                           decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
+                           max_new_tokens=3, steps_per_generation=2)
+
+    def recorded(state, micro_batches):
+        out = rollout(state, micro_batches)
+        blocks.append(sum(int(mb["completion_mask"].sum()) for mb in out))
+        return out
+
+    recorded.steps_per_generation, recorded.num_generations = 2, 2
+    opt = sgd(0.1)
+    step = make_step(model, optimizer=opt, objective=grpo_objective("dapo"))
+    prompts = [[{"prompt": ["12", "12"]}, {"prompt": ["3", "3"]}] for _ in range(4)]  # 4 steps of 2 micro-batches
+    states = list(grpo_trajectory(step, init_state(model, opt), prompts, recorded))
+    assert len(blocks) == 2 and all(math.isfinite(s.metrics["loss"].item()) for s in states)
+    assert [s.metrics["num_items"].item() for s in states] == [2 * blocks[0]] * 2 + [2 * blocks[1]] * 2
+
+
 def test_rollout_metrics_average_the_step_rows():
     mbs = [{"rewards": torch.tensor([1.0, math.nan]), "rewards/f": torch.tensor([2.0, 4.0]),
             "completion_mask": torch.tensor([[1, 1], [1, 0]])}]
@@ -300,8 +355,10 @@ def test_errors_name_the_bad_value_and_the_fix():
         group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
         combine_rewards([lambda p, c: [0.0]], ["a", "b"], ["x", "y"])
-    with pytest.raises(ValueError, match="loss_type='dapo'"):
-        grpo_objective("dapo")
+    with pytest.raises(ValueError, match="loss_type='cispo'"):
+        grpo_objective("cispo")
+    with pytest.raises(KeyError, match="'generation_tokens', which make_rollout records"):
+        grpo_objective("dapo").count_items(rollout_batch())
     with pytest.raises(ValueError, match="max_completion_length"):
         grpo_objective("dr_grpo")
     with pytest.raises(ValueError, match="num_generations=1 must be >= 2.*temperature=0"):
@@ -334,7 +391,7 @@ def test_rollout_and_objective_change_none_of_their_inputs():
 # -- parity with TRL ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_loss_and_metrics_match_trl(tmp_path, loss_type):
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
@@ -387,13 +444,15 @@ def test_loss_and_metrics_match_trl(tmp_path, loss_type):
 
     batch = {"input_ids": ids, "attention_mask": attention,
              "completion_mask": torch.cat([torch.zeros_like(prompt), completion_mask], 1),
-             "advantages": advantages, "old_logps": ours_layout(old), "ref_logps": ours_layout(ref)}
+             "advantages": advantages, "old_logps": ours_layout(old), "ref_logps": ours_layout(ref),
+             "generation_tokens": torch.full((4,), int(completion_mask.sum())),  # one micro-batch per generation
+             "generation_micro_batches": torch.full((4,), 1)}
     obj = grpo_objective(loss_type, epsilon=eps, epsilon_high=eps_high, beta=beta, temperature=temperature,
                          max_completion_length=max_len)
     loss, aux = obj(functional_forward(policy), params, batch, obj.count_items(batch))
     assert loss.item() == pytest.approx(trl_loss, abs=1e-5)
     assert trl_metrics["clip_ratio/region_mean"] > 0
-    if loss_type == "bnpo":  # our metrics aggregate like the loss; TRL's are token means, as bnpo's are
+    if loss_type in ("bnpo", "dapo"):  # our metrics aggregate like the loss; TRL's are token means, as these are
         for k in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
             assert aux[k].item() == pytest.approx(trl_metrics[k], abs=1e-5), k
 

@@ -11,7 +11,7 @@ The pieces:
   completions with the state's params (seeded from the state), scores them, and stores
   advantages, and the old policy's and reference's per-token log-probs when they are needed;
 * :func:`grpo_objective`: the clipped surrogate (``epsilon`` per token) plus ``beta``·KL(k3) to
-  the reference, normalised as ``grpo``, ``bnpo`` or ``dr_grpo``; plugs into ``make_step``;
+  the reference, normalised as ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``; plugs into ``make_step``;
 * :func:`grpo_trajectory`: the training loop: ``data.generation_batches`` draws the prompts of
   ``steps_per_generation`` optimizer steps, generates once with the latest state, and feeds the
   step one slice of that buffer per optimizer step.
@@ -58,7 +58,7 @@ __all__ = [
 
 RewardFunc = Callable[..., Sequence[float | None]]
 SCALE_REWARDS = ("group", "batch", "none")
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo")
+GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 _MODEL_KEYS = ("input_ids", "attention_mask")
 _GENERATION_TAG = 0x6E6E
 
@@ -168,8 +168,8 @@ class Rollout:
     >>> state = init_state(model, sgd(0.1))
     >>> prompts = [{"prompt": ["12", "12"]}, {"prompt": ["3", "3"]}]  # 2 micro-batches, 2 generations each
     >>> out = rollout(state, prompts)
-    >>> len(out), list(out[0]["input_ids"].shape), sorted(out[0])
-    (2, [2, 5], ['advantages', 'attention_mask', 'completion_mask', 'input_ids', 'rewards', 'rewards/length'])
+    >>> len(out), list(out[0]["input_ids"].shape), sorted(out[0])[:5]
+    (2, [2, 5], ['advantages', 'attention_mask', 'completion_mask', 'generation_micro_batches', 'generation_tokens'])
     >>> again = rollout(state, prompts)  # sampled with a generator seeded from the state
     >>> all(torch.equal(a[k], b[k]) for a, b in zip(out, again) for k in a)
     True
@@ -227,6 +227,9 @@ class Rollout:
             "advantages": advantages,
             "rewards": total,
             **{f"rewards/{_reward_name(fn)}": each[:, k] for k, fn in enumerate(self.reward_funcs)},
+            # the block's size, on every row: dapo normalises by its completion tokens per micro-batch
+            "generation_tokens": torch.full((len(prompts),), int(completion_mask.sum())),
+            "generation_micro_batches": torch.full((len(prompts),), len(micro_batches)),
         }
         device = next(iter(state.params.values())).device
         if self.records_old_logps:
@@ -280,7 +283,8 @@ def make_rollout(
     samples every completion of the block with ``state.params`` (generator seeded from
     ``(state.seed, state.step)``), scores them, computes advantages over the whole block, and
     returns one micro-batch per prompt micro-batch with ``input_ids``, ``attention_mask``,
-    ``completion_mask``, ``advantages``, ``rewards``, ``rewards/<function name>``, and
+    ``completion_mask``, ``advantages``, ``rewards``, ``rewards/<function name>``, the block's
+    ``generation_tokens`` and ``generation_micro_batches`` (on every row; ``dapo`` reads them), and
     ``old_logps`` when ``steps_per_generation > 1`` (the buffer outlives the step that generated
     it) and ``ref_logps`` when ``ref_params`` is given.
 
@@ -357,17 +361,23 @@ class GRPOObjective:
     kl_bias_correction: bool
 
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
-        """Count what the loss averages over: completion tokens (``bnpo``) or completions (otherwise)."""
+        """Count what the loss averages over: completion tokens (``bnpo``), the generation block's
+        completion tokens (``dapo``, once per micro-batch), or completions (otherwise)."""
         if self.loss_type == "bnpo":
             return micro_batch["completion_mask"][:, 1:].sum()
+        if self.loss_type == "dapo":
+            return _block_size(micro_batch, "generation_tokens")
         return torch.tensor(micro_batch["completion_mask"].shape[0])
 
-    def _aggregate(self, per_token: Tensor, mask: Tensor, n: Tensor) -> Tensor:
+    def _aggregate(self, per_token: Tensor, mask: Tensor, n: Tensor, block: Tensor | None) -> Tensor:
         masked = per_token * mask
         if self.loss_type == "grpo":
             return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n
         if self.loss_type == "bnpo":
             return masked.sum() / n
+        if self.loss_type == "dapo":  # n = the block's tokens x the step's micro-batches (over ranks)
+            assert block is not None
+            return masked.sum() * block / n
         assert self.max_completion_length is not None
         return masked.sum() / (n * self.max_completion_length)
 
@@ -390,6 +400,7 @@ class GRPOObjective:
         clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
         per_token = -torch.min(ratio * adv, clipped * adv)
         n = num_items_in_batch.to(logps.dtype)
+        block = _block_size(micro_batch, "generation_micro_batches").to(logps) if self.loss_type == "dapo" else None
         aux: dict[str, Tensor] = {}
         if self.beta != 0:
             if "ref_logps" not in micro_batch:
@@ -399,13 +410,20 @@ class GRPOObjective:
             if self.kl_bias_correction:
                 kl = kl * ratio
             per_token = per_token + self.beta * kl
-            aux["kl"] = self._aggregate(kl.detach(), mask, n)
+            aux["kl"] = self._aggregate(kl.detach(), mask, n, block)
         low = ((ratio < 1 - self.epsilon) & (adv < 0)).to(logps.dtype)
         high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).to(logps.dtype)
-        aux["clip_ratio/low_mean"] = self._aggregate(low, mask, n)
-        aux["clip_ratio/high_mean"] = self._aggregate(high, mask, n)
-        aux["clip_ratio/region_mean"] = self._aggregate(low + high, mask, n)
-        return self._aggregate(per_token, mask, n), aux
+        aux["clip_ratio/low_mean"] = self._aggregate(low, mask, n, block)
+        aux["clip_ratio/high_mean"] = self._aggregate(high, mask, n, block)
+        aux["clip_ratio/region_mean"] = self._aggregate(low + high, mask, n, block)
+        return self._aggregate(per_token, mask, n, block), aux
+
+
+def _block_size(micro_batch: Mapping[str, Tensor], key: str) -> Tensor:
+    if key not in micro_batch:
+        raise KeyError(f"loss_type='dapo' needs the micro-batch's {key!r}, which make_rollout records; "
+                       "build the micro-batches with make_rollout, or choose loss_type='bnpo'")
+    return micro_batch[key][0]
 
 
 def grpo_objective(
@@ -428,7 +446,11 @@ def grpo_objective(
     * ``grpo``: each completion's token mean, averaged over the step's completions;
     * ``bnpo``: the token mean over all the step's completion tokens (TRL divides per
       micro-batch instead; the two agree with one micro-batch per step);
-    * ``dr_grpo``: the token sum over ``completions × max_completion_length``.
+    * ``dr_grpo``: the token sum over ``completions × max_completion_length``;
+    * ``dapo`` (TRL's default): the token sum over the generation block's completion tokens per
+      optimizer step (its total over all ranks divided by the optimizer steps it feeds). With one
+      optimizer step per generation (``steps_per_generation=1``) this is ``bnpo``; with more, every
+      step of a block has the same normaliser, as in TRL.
 
     Metrics ``clip_ratio/{low,high,region}_mean`` (and ``kl`` when ``beta != 0``) are aggregated
     the same way. ``temperature`` must be the sampling temperature.
