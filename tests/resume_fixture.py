@@ -1,10 +1,15 @@
-"""A tiny model, ragged rows and a keyed collator, shared by test_train.py and its fresh resume process."""
+"""Shared by the resume tests and their fresh processes: a tiny model, ragged rows, a keyed collator
+(test_train.py), and one fold with dropout, a schedule and accumulation (test_checkpoint.py, test_preempt.py)."""
 
 from __future__ import annotations
 
 import torch
 from trainfold.data import keyed, pad_collate
+from trainfold.losses import causal_lm
 from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.optim import adamw
+from trainfold.state import init_state
+from trainfold.step import make_step
 
 
 def model():
@@ -34,3 +39,16 @@ def _mask_some(items, keys):
 
 
 collate = keyed(_mask_some)
+
+
+def fold_run(n_steps):
+    """Return ``(model, step, state, batches)``: TinyLM with dropout, AdamW on a schedule, accumulation 2."""
+    torch.manual_seed(0)
+    net = TinyLM(TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16, dropout=0.1))
+    opt = adamw(lambda step: 1e-2 / (1 + step), weight_decay=0.01)
+    g = torch.Generator().manual_seed(1)
+    batches = [
+        [{"input_ids": (ids := torch.randint(0, 32, (3, 12), generator=g)), "labels": ids} for _ in range(2)]
+        for _ in range(n_steps)
+    ]
+    return net, make_step(net, causal_lm, opt), init_state(net, opt, seed=7), batches

@@ -48,28 +48,18 @@ from trainfold.optim import adamw, sgd
 from trainfold.state import Cursor, TrainState, init_state, scalar
 from trainfold.tree import flatten
 
-# The run the resume tests share: TinyLM with dropout, AdamW, accumulation 2, a fixed batch list.
+# The run the resume tests share: resume_fixture.fold_run, here and in the subprocesses.
 SETUP = textwrap.dedent(
-    """
+    f"""
+    import sys
     import torch
-    from trainfold.losses import causal_lm
-    from trainfold.models import TinyLM, TinyLMConfig
-    from trainfold.optim import adamw
-    from trainfold.state import init_state
-    from trainfold.step import make_step
+    sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+    from resume_fixture import fold_run
 
     N_STEPS = 10
 
     def make_run():
-        torch.manual_seed(0)
-        model = TinyLM(TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16, dropout=0.1))
-        opt = adamw(lambda step: 1e-2 / (1 + step), weight_decay=0.01)
-        g = torch.Generator().manual_seed(1)
-        batches = [
-            [{"input_ids": (ids := torch.randint(0, 32, (3, 12), generator=g)), "labels": ids} for _ in range(2)]
-            for _ in range(N_STEPS)
-        ]
-        return model, make_step(model, causal_lm, opt), init_state(model, opt, seed=7), batches
+        return fold_run(N_STEPS)
     """
 )
 

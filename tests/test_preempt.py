@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,28 +23,18 @@ from trainfold.preempt import EXIT_PREEMPTED, Preemption, jit_checkpoint, preemp
 from trainfold.state import init_state
 from trainfold.tree import flatten
 
-# The run the subprocesses train: TinyLM with dropout, AdamW with a schedule, accumulation 2.
+# The run the subprocesses train: resume_fixture.fold_run, here and in the subprocesses.
 SETUP = textwrap.dedent(
-    """
+    f"""
+    import sys
     import torch
-    from trainfold.losses import causal_lm
-    from trainfold.models import TinyLM, TinyLMConfig
-    from trainfold.optim import adamw
-    from trainfold.state import init_state
-    from trainfold.step import make_step
+    sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+    from resume_fixture import fold_run
 
     N_STEPS = 12
 
     def make_run():
-        torch.manual_seed(0)
-        model = TinyLM(TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16, dropout=0.1))
-        opt = adamw(lambda step: 1e-2 / (1 + step), weight_decay=0.01)
-        g = torch.Generator().manual_seed(1)
-        batches = [
-            [{"input_ids": (ids := torch.randint(0, 32, (3, 12), generator=g)), "labels": ids} for _ in range(2)]
-            for _ in range(N_STEPS)
-        ]
-        return model, make_step(model, causal_lm, opt), init_state(model, opt, seed=7), batches
+        return fold_run(N_STEPS)
     """
 )
 
