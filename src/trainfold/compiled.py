@@ -344,8 +344,6 @@ def _run(
     cursor = getattr(batch, "cursor", state.cursor)
     step_no = int(state.step)
     num_items = _count(plan, batch)
-    if plan.collective is not None:
-        plan.collective.sum_([num_items])
     if int(num_items) == 0:
         raise _NoItems
     adam = opt.adam_of(state.opt_state)

@@ -290,8 +290,12 @@ def make_step(
 
 
 def _count(plan: _Plan, batch: Batch) -> Tensor:
+    """Count the step's items over its micro-batches and over every rank, before any forward pass."""
     counts = torch.stack([torch.as_tensor(plan.count_items(mb)).reshape(()).to(torch.int64).cpu() for mb in batch])
-    return counts.sum()
+    num_items = counts.sum()
+    if plan.collective is not None:
+        plan.collective.sum_([num_items])
+    return num_items
 
 
 def _micro_loss(plan: _Plan, forward: Forward, leaves: dict[str, Tensor], micro: Mapping[str, Tensor],
@@ -314,8 +318,6 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
     cursor = getattr(batch, "cursor", state.cursor)
     step_no = int(state.step)
     num_items = _count(plan, batch)
-    if plan.collective is not None:
-        plan.collective.sum_([num_items])
     if int(num_items) == 0:
         warn_no_items(step_no)
         return attrs.evolve(state, cursor=cursor)
