@@ -58,6 +58,10 @@ def test_every_problem_is_reported_at_once():
         ({"eval_strategy": "always"}, "eval_strategy='always' is not one of"),
         ({"dataloader_prefetch_factor": 2}, "dataloader_prefetch_factor needs dataloader_num_workers > 0"),
         ({"seed": 1.5}, "seed must be int, got 1.5"),
+        ({"lr_scheduler_type": "warmup_stable_decay"}, r"needs \['num_decay_steps'\] in lr_scheduler_kwargs"),
+        ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"min_lr": 0.1}}, r"not taken by 'cosine'"),
+        ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "follows evaluation metrics, not the step"),
+        ({"lr_scheduler_kwargs": "num_cycles=2"}, "lr_scheduler_kwargs must be dict or None"),
         ({"bf16": 1}, "bf16 must be bool, got 1"),
     ],
 )

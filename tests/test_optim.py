@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, decay_mask_by_name, sgd
-from trainfold.schedules import constant, cosine, linear, warmup_steps_for
+from trainfold.schedules import SCHEDULE_NAMES, constant, cosine, linear, named, warmup_steps_for
 
 STEPS = 20
 
@@ -167,6 +167,59 @@ def test_schedules_agree_with_transformers(kind, total, warmup):
     ours = {"linear": linear(0.3, warmup, total), "cosine": cosine(0.3, warmup, total),
             "constant_with_warmup": constant(0.3, warmup)}[kind]
     assert [ours(k) for k in range(total)] == pytest.approx(theirs, rel=1e-12, abs=1e-15)
+
+
+def _schedule_kwargs(name: str, total: int, warmup: int) -> st.SearchStrategy[dict]:
+    cycles = st.sampled_from([0.5, 1.0, 1.5])
+    return {
+        "linear": st.just({}), "constant": st.just({}), "constant_with_warmup": st.just({}),
+        "cosine": st.fixed_dictionaries({}, optional={"num_cycles": cycles}),
+        "cosine_with_min_lr": st.one_of(st.fixed_dictionaries({"min_lr": st.sampled_from([0.0, 0.03, 0.1])}),
+                                        st.fixed_dictionaries({"min_lr_rate": st.sampled_from([0.0, 0.1, 0.5])})),
+        "cosine_with_restarts": st.fixed_dictionaries({}, optional={"num_cycles": st.integers(1, 4)}),
+        "polynomial": st.fixed_dictionaries({}, optional={"lr_end": st.sampled_from([0.0, 1e-4, 0.05]),
+                                                          "power": st.sampled_from([0.5, 1.0, 2.0, 3.0])}),
+        "inverse_sqrt": st.fixed_dictionaries({}, optional={"timescale": st.integers(1, 20)}),
+        "warmup_stable_decay": st.fixed_dictionaries(
+            {"num_decay_steps": st.integers(0, max(0, total - warmup))},
+            optional={"warmup_type": st.sampled_from(["linear", "cosine", "1-sqrt"]),
+                      "decay_type": st.sampled_from(["linear", "cosine", "1-sqrt"]),
+                      "min_lr_ratio": st.sampled_from([0.0, 0.1]), "num_cycles": cycles}),
+    }[name]
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(SCHEDULE_NAMES), total=st.integers(1, 40), data=st.data())
+def test_every_named_schedule_agrees_with_transformers(name, total, data):
+    transformers = pytest.importorskip("transformers")
+    warmup = data.draw(st.integers(0, total), label="warmup")
+    kwargs = data.draw(_schedule_kwargs(name, total, warmup), label="kwargs")
+    if name == "polynomial" and warmup == total:  # HF divides by zero at the last step; ours ends at lr_end
+        assert named(name, 0.3, warmup, total, **kwargs)(total) == kwargs.get("lr_end", 1e-7)
+        return
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.3)
+    sched = transformers.get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total,
+                                       scheduler_specific_kwargs=dict(kwargs))
+    theirs = []
+    for _ in range(total + 3):  # a few steps past the end too
+        theirs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    ours = named(name, 0.3, warmup, total, **kwargs)
+    assert [ours(k) for k in range(total + 3)] == pytest.approx(theirs, rel=1e-9, abs=1e-12)
+
+
+def test_schedule_names_and_kwargs_are_checked():
+    with pytest.raises(ValueError, match="reduce_lr_on_plateau.*pure functions of the step"):
+        named("reduce_lr_on_plateau", 0.1, 0, 10)
+    with pytest.raises(ValueError, match=r"\{'num_cycle'\} are not taken by 'cosine' \(it takes \['num_cycles'\]\)"):
+        named("cosine", 0.1, 0, 10, num_cycle=2)
+    with pytest.raises(ValueError, match=r"needs \['num_decay_steps'\]"):
+        named("warmup_stable_decay", 0.1, 0, 10)
+    with pytest.raises(ValueError, match="exactly one of min_lr or min_lr_rate"):
+        named("cosine_with_min_lr", 0.1, 0, 10)
+    with pytest.raises(ValueError, match=r"lr_end \(0.5\) below the learning rate"):
+        named("polynomial", 0.1, 0, 10, lr_end=0.5)
 
 
 def test_warmup_ratio_rounds_up_like_hf():

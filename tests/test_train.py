@@ -120,6 +120,17 @@ def test_an_objectives_metrics_are_logged_as_window_means(tmp_path):
         assert value == pytest.approx(sum(per_step[i] for i in window) / len(window), rel=1e-6)
 
 
+def test_a_named_schedule_with_its_kwargs_drives_the_learning_rate(tmp_path):
+    from trainfold.schedules import named
+
+    args = settings(tmp_path, "random", lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1})
+    logged = [h["learning_rate"] for h in train(model(), args, rows(), data_collator=collate).log_history
+              if "learning_rate" in h]
+    expected = named("cosine_with_min_lr", 1e-2, 2, 8, min_lr_rate=0.1)
+    assert logged == pytest.approx([expected(k) for k in range(8)], rel=1e-12)
+    assert logged[-1] > 1e-3  # held above the floor, where plain cosine would near 0
+
+
 def test_preempted_cli_run_exits_143_and_resumes(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(textwrap.dedent(f"""

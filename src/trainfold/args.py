@@ -20,12 +20,14 @@ from typing import Any
 
 import attrs
 
+from trainfold.schedules import SCHEDULE_NAMES, schedule_kwargs_problems
+
 __all__ = ["TrainingArguments", "INTERVALS", "SAVE_STRATEGIES", "SAMPLING_STRATEGIES", "SCHEDULERS"]
 
 INTERVALS = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 SAMPLING_STRATEGIES = ("random", "sequential", "group_by_length", "batch_rebalance")
-SCHEDULERS = ("linear", "cosine", "constant", "constant_with_warmup")
+SCHEDULERS = SCHEDULE_NAMES
 REPORTERS = ("jsonl", "tensorboard", "trackio", "wandb")
 
 _NUM = (int, float)
@@ -45,7 +47,7 @@ class TrainingArguments:
     Traceback (most recent call last):
     ...
     ValueError: invalid TrainingArguments:
-      - lr_scheduler_type='cosin' is not one of ['linear', 'cosine', 'constant', 'constant_with_warmup']
+      - lr_scheduler_type='cosin' is not one of ['linear', 'cosine', 'cosine_with_min_lr', 'cosine_with_restarts', 'polynomial', 'constant', 'constant_with_warmup', 'inverse_sqrt', 'warmup_stable_decay']
     """
 
     output_dir: str = "trainer_output"
@@ -61,6 +63,7 @@ class TrainingArguments:
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
     lr_scheduler_type: str = "linear"
+    lr_scheduler_kwargs: dict[str, Any] | None = None
     warmup_steps: float = 0
     seed: int = 42
     data_seed: int | None = None
@@ -153,7 +156,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "per_device_train_batch_size": (int,), "per_device_eval_batch_size": (int,),
     "gradient_accumulation_steps": (int,), "learning_rate": _NUM, "weight_decay": _NUM,
     "adam_beta1": _NUM, "adam_beta2": _NUM, "adam_epsilon": _NUM, "max_grad_norm": _NUM,
-    "lr_scheduler_type": (str,), "warmup_steps": _NUM, "seed": (int,), "data_seed": _OPT_INT,
+    "lr_scheduler_type": (str,), "lr_scheduler_kwargs": (dict, type(None)), "warmup_steps": _NUM, "seed": (int,), "data_seed": _OPT_INT,
     "train_sampling_strategy": (str,), "length_column_name": (str,), "model_input_name": (str,),
     "eval_strategy": (str,), "eval_steps": _OPT_NUM, "eval_on_start": (bool,), "eval_delay": _NUM,
     "eval_accumulation_steps": _OPT_INT, "prediction_loss_only": (bool,), "dataloader_num_workers": (int,),
@@ -196,7 +199,8 @@ def _with_defaults_for_bad_types(args: TrainingArguments, bad: set[str]) -> Trai
 def _problems(args: TrainingArguments) -> list[str]:
     out = _type_problems(args)
     args = _with_defaults_for_bad_types(args, {p.split(" ", 1)[0] for p in out})
-    for name, choices in (("lr_scheduler_type", SCHEDULERS), ("train_sampling_strategy", SAMPLING_STRATEGIES),
+    out += schedule_kwargs_problems(args.lr_scheduler_type, args.lr_scheduler_kwargs or {})
+    for name, choices in (("train_sampling_strategy", SAMPLING_STRATEGIES),
                           ("eval_strategy", INTERVALS), ("logging_strategy", INTERVALS),
                           ("save_strategy", SAVE_STRATEGIES)):
         _choice(out, args, name, choices)

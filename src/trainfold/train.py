@@ -48,7 +48,7 @@ from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global
 from trainfold.preempt import jit_checkpoint, preemption_guard
 from trainfold.reporters import make_reporters, progress as make_progress
 from trainfold.samplers import make_sampler
-from trainfold.schedules import constant, cosine, linear, warmup_steps_for
+from trainfold.schedules import named, warmup_steps_for
 from trainfold.state import TrainState, init_state, split_module
 from trainfold.step import Collective, make_step
 
@@ -104,13 +104,7 @@ def default_optimizer(model: nn.Module, args: TrainingArguments, total_steps: in
     'adamw'
     """
     warmup = warmup_steps_for(args.warmup_steps, total_steps)
-    lr = args.learning_rate
-    schedule = {
-        "linear": lambda: linear(lr, warmup, total_steps),
-        "cosine": lambda: cosine(lr, warmup, total_steps),
-        "constant": lambda: constant(lr),
-        "constant_with_warmup": lambda: constant(lr, warmup),
-    }[args.lr_scheduler_type]()
+    schedule = named(args.lr_scheduler_type, args.learning_rate, warmup, total_steps, **(args.lr_scheduler_kwargs or {}))
     opt = adamw(schedule, args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay, mask=decay_mask(model))
     return chain(clip_by_global_norm(args.max_grad_norm), opt) if args.max_grad_norm > 0 else opt
 
