@@ -62,6 +62,11 @@ def test_every_problem_is_reported_at_once():
         ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"min_lr": 0.1}}, r"not taken by 'cosine'"),
         ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "follows evaluation metrics, not the step"),
         ({"lr_scheduler_kwargs": "num_cycles=2"}, "lr_scheduler_kwargs must be dict or None"),
+        ({"optim": "adafactor"}, r"optim='adafactor' is not one of \['adamw_torch_fused', 'adamw_torch', 'sgd'\]"),
+        ({"optim": "sgd", "optim_args": "momentum=0.9,weight_decay=0.1"}, r"optim_args \['weight_decay'\] are not taken"),
+        ({"optim": "sgd", "optim_args": "momentum"}, "optim_args must be 'key=value,key=value'"),
+        ({"optim": "sgd", "optim_args": "momentum=fast"}, "optim_args values must be numbers"),
+        ({"optim_args": "momentum=0.9"}, r"not taken by optim='adamw_torch_fused' \(it takes \[\]\)"),
         ({"bf16": 1}, "bf16 must be bool, got 1"),
     ],
 )
@@ -79,3 +84,8 @@ def test_valid_combinations_and_helpers():
     assert TrainingArguments.from_dict(args.to_dict()) == args
     with pytest.raises(ValueError, match="per_device_train_batch_size must be > 0"):
         args.replace(per_device_train_batch_size=-2)
+
+
+def test_optim_args_are_parsed_like_hf():
+    args = TrainingArguments(optim="sgd", optim_args="momentum=0.9, nesterov=True,dampening=0")
+    assert args.optimizer_options == {"momentum": 0.9, "nesterov": True, "dampening": 0.0}

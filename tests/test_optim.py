@@ -108,12 +108,20 @@ def test_adamw_mask_matches_two_torch_param_groups():
 
 @settings(max_examples=20, deadline=None)
 @given(seed=st.integers(0, 2**16), lr=st.floats(1e-3, 0.5), momentum=st.sampled_from([0.0, 0.5, 0.9]),
-       nesterov=st.booleans(), wd=st.sampled_from([0.0, 1e-2]))
-def test_sgd_matches_torch_sgd(seed, lr, momentum, nesterov, wd):
+       nesterov=st.booleans(), wd=st.sampled_from([0.0, 1e-2]), dampening=st.sampled_from([0.0, 0.3]),
+       masked=st.booleans())
+def test_sgd_matches_torch_sgd(seed, lr, momentum, nesterov, wd, dampening, masked):
     nesterov = nesterov and momentum > 0
+    dampening = 0.0 if nesterov else dampening
     params, grads = random_problem(seed)
-    ours = run_ours(sgd(lr, momentum, nesterov, wd), params, grads)
-    ref = run_torch(lambda p: torch.optim.SGD(list(p.values()), lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=wd), params, grads)
+    mask = decay_mask_by_name(params) if masked else {k: True for k in params}
+    ours = run_ours(sgd(lr, momentum, nesterov, wd, dampening, mask=mask if masked else None), params, grads)
+    ref = run_torch(
+        lambda p: torch.optim.SGD(
+            [{"params": [p[k] for k in p if mask[k]], "weight_decay": wd},
+             {"params": [p[k] for k in p if not mask[k]], "weight_decay": 0.0}],
+            lr=lr, momentum=momentum, nesterov=nesterov, dampening=dampening),
+        params, grads)
     assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 

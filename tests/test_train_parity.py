@@ -99,3 +99,21 @@ def test_the_model_passed_in_is_unchanged(runs):
     *_, ours, _, unchanged = runs
     assert ours.status == "completed" and ours.global_step == STEPS
     assert unchanged, "train must not write into the model it was given"
+
+
+def test_sgd_with_momentum_and_a_min_lr_cosine_agree(tmp_path):
+    settings = {**SETTINGS, "optim": "sgd", "optim_args": "momentum=0.9,nesterov=true", "learning_rate": 3e-2,
+                "lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}}
+    base, data = llama(), rows()
+    hf_model = copy.deepcopy(base)
+    trainer = transformers.Trainer(model=hf_model, train_dataset=Rows(data), args=transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), use_cpu=True, **settings))
+    trainer.train()
+    assert type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__ == "SGD"
+    hf_logs = [h for h in trainer.state.log_history if "loss" in h]
+    ours = train(base, TrainingArguments(output_dir=str(tmp_path / "tf"), **settings), data)
+    our_logs = [h for h in ours.log_history if "loss" in h and "train_loss" not in h]
+    assert [o["learning_rate"] for o in our_logs] == pytest.approx([h["learning_rate"] for h in hf_logs], rel=1e-12)
+    assert [o["loss"] for o in our_logs] == pytest.approx([h["loss"] for h in hf_logs], rel=1e-5)
+    for name, p in hf_model.named_parameters():
+        torch.testing.assert_close(ours.state.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)

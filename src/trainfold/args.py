@@ -22,12 +22,16 @@ import attrs
 
 from trainfold.schedules import SCHEDULE_NAMES, schedule_kwargs_problems
 
-__all__ = ["TrainingArguments", "INTERVALS", "SAVE_STRATEGIES", "SAMPLING_STRATEGIES", "SCHEDULERS"]
+__all__ = ["TrainingArguments", "INTERVALS", "OPTIMIZERS", "SAVE_STRATEGIES", "SAMPLING_STRATEGIES", "SCHEDULERS"]
 
 INTERVALS = ("no", "steps", "epoch")
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 SAMPLING_STRATEGIES = ("random", "sequential", "group_by_length", "batch_rebalance")
 SCHEDULERS = SCHEDULE_NAMES
+# optim -> the optim_args it takes (HF's "key=value,key=value" string)
+OPTIMIZERS: dict[str, tuple[str, ...]] = {
+    "adamw_torch_fused": (), "adamw_torch": (), "sgd": ("momentum", "dampening", "nesterov"),
+}
 REPORTERS = ("jsonl", "tensorboard", "trackio", "wandb")
 
 _NUM = (int, float)
@@ -62,6 +66,8 @@ class TrainingArguments:
     adam_beta2: float = 0.999
     adam_epsilon: float = 1e-8
     max_grad_norm: float = 1.0
+    optim: str = "adamw_torch_fused"
+    optim_args: str | None = None
     lr_scheduler_type: str = "linear"
     lr_scheduler_kwargs: dict[str, Any] | None = None
     warmup_steps: float = 0
@@ -135,6 +141,16 @@ class TrainingArguments:
         return type(self)(**{**attrs.asdict(self, recurse=False), **changes})
 
     @property
+    def optimizer_options(self) -> dict[str, float | bool]:
+        """Return ``optim_args`` parsed: ``"momentum=0.9,nesterov=true"`` -> ``{"momentum": 0.9, "nesterov": True}``."""
+        out: dict[str, float | bool] = {}
+        for item in (self.optim_args or "").replace(" ", "").split(","):
+            if item:
+                key, _, value = item.partition("=")
+                out[key] = value.lower() in ("true", "1", "yes") if key == "nesterov" else float(value)
+        return out
+
+    @property
     def reporters(self) -> tuple[str, ...]:
         """Return ``report_to`` as a tuple of reporter names (``"all"`` and ``"none"`` kept as given)."""
         value = self.report_to
@@ -155,7 +171,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "output_dir": (str,), "num_train_epochs": _NUM, "max_steps": (int,),
     "per_device_train_batch_size": (int,), "per_device_eval_batch_size": (int,),
     "gradient_accumulation_steps": (int,), "learning_rate": _NUM, "weight_decay": _NUM,
-    "adam_beta1": _NUM, "adam_beta2": _NUM, "adam_epsilon": _NUM, "max_grad_norm": _NUM,
+    "adam_beta1": _NUM, "adam_beta2": _NUM, "adam_epsilon": _NUM, "max_grad_norm": _NUM, "optim": (str,), "optim_args": _OPT_STR,
     "lr_scheduler_type": (str,), "lr_scheduler_kwargs": (dict, type(None)), "warmup_steps": _NUM, "seed": (int,), "data_seed": _OPT_INT,
     "train_sampling_strategy": (str,), "length_column_name": (str,), "model_input_name": (str,),
     "eval_strategy": (str,), "eval_steps": _OPT_NUM, "eval_on_start": (bool,), "eval_delay": _NUM,
@@ -200,6 +216,7 @@ def _problems(args: TrainingArguments) -> list[str]:
     out = _type_problems(args)
     args = _with_defaults_for_bad_types(args, {p.split(" ", 1)[0] for p in out})
     out += schedule_kwargs_problems(args.lr_scheduler_type, args.lr_scheduler_kwargs or {})
+    out += _optim_problems(args)
     for name, choices in (("train_sampling_strategy", SAMPLING_STRATEGIES),
                           ("eval_strategy", INTERVALS), ("logging_strategy", INTERVALS),
                           ("save_strategy", SAVE_STRATEGIES)):
@@ -237,6 +254,24 @@ def _problems(args: TrainingArguments) -> list[str]:
         out.append("label_names must name at least one key, e.g. ('labels',)")
     out += _combination_problems(args)
     return out
+
+
+def _optim_problems(args: TrainingArguments) -> list[str]:
+    if args.optim not in OPTIMIZERS:
+        return [f"optim={args.optim!r} is not one of {list(OPTIMIZERS)}"]
+    items = [i for i in (args.optim_args or "").replace(" ", "").split(",") if i]
+    bad = [i for i in items if "=" not in i]
+    if bad:
+        return [f"optim_args must be 'key=value,key=value', got {args.optim_args!r}"]
+    keys = [i.split("=", 1)[0] for i in items]
+    unknown = [k for k in keys if k not in OPTIMIZERS[args.optim]]
+    if unknown:
+        return [f"optim_args {unknown} are not taken by optim={args.optim!r} (it takes {list(OPTIMIZERS[args.optim])})"]
+    try:
+        args.optimizer_options  # noqa: B018 - parses the numbers
+    except ValueError:
+        return [f"optim_args values must be numbers (nesterov: true/false), got {args.optim_args!r}"]
+    return []
 
 
 def _combination_problems(args: TrainingArguments) -> list[str]:

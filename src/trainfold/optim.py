@@ -139,13 +139,26 @@ class SgdState:
     momentum: dict[str, Tensor]
 
 
+def _resolve_mask(mask: Mask | None, params: Tree) -> dict[str, bool]:
+    """Return ``{name: decay?}`` for every param from a mask (mapping, function of the params, or None: all)."""
+    m = mask(params) if callable(mask) else (mask or {k: True for k in params})
+    missing = sorted(set(params) - set(m))
+    if missing:
+        raise KeyError(f"the weight-decay mask has no entry for params {missing}; give every param a bool")
+    return {k: bool(m[k]) for k in params}
+
+
 def sgd(
     learning_rate: float | Schedule,
     momentum: float = 0.0,
     nesterov: bool = False,
     weight_decay: float = 0.0,
+    dampening: float = 0.0,
+    mask: Mask | None = None,
 ) -> GradientTransformation:
-    """SGD with optional momentum, Nesterov and (coupled) weight decay, as ``torch.optim.SGD``.
+    """SGD with optional momentum, dampening, Nesterov and (coupled) weight decay, as ``torch.optim.SGD``.
+
+    ``mask`` (as in :func:`adamw`; ``None`` decays every param) picks the params weight decay applies to.
 
     >>> import torch
     >>> opt = sgd(0.5)
@@ -154,8 +167,15 @@ def sgd(
     0.0
     """
     lr = as_schedule(learning_rate)
-    if nesterov and momentum <= 0:
-        raise ValueError("nesterov=True needs momentum > 0")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov=True needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
+    masks: dict[tuple[str, ...], list[str]] = {}
+
+    def decayed(params: Tree) -> list[str]:
+        key = tuple(params)
+        if key not in masks:
+            masks[key] = [k for k, d in _resolve_mask(mask, params).items() if d]
+        return masks[key]
 
     def init(params: Tree) -> SgdState:
         buf = {k: torch.zeros_like(v) for k, v in params.items()} if momentum else {}
@@ -164,23 +184,30 @@ def sgd(
     def update(grads: Tree, state: SgdState, params: Tree) -> tuple[Tree, SgdState]:
         check_keys(grads, params, "grads", "params")
         keys = list(params)
-        g = [grads[k] for k in keys]
         if weight_decay:
-            g = torch._foreach_add(g, [params[k] for k in keys], alpha=weight_decay)
+            with_decay = dict(grads)
+            names = decayed(params)
+            with_decay.update(zip(names, torch._foreach_add([grads[k] for k in names], [params[k] for k in names],
+                                                            alpha=weight_decay)))
+            grads = with_decay
+        g = [grads[k] for k in keys]
         buf = state.momentum
         if momentum:
             check_keys(buf, params, "SGD momentum state", "params")
             first = int(state.count) == 0  # torch starts the buffer at the first gradient
-            new = [x.clone() for x in g] if first else torch._foreach_add(
-                torch._foreach_mul([buf[k] for k in keys], momentum), g
-            )
+            if first:
+                new = [x.clone() for x in g]
+            else:
+                new = torch._foreach_mul([buf[k] for k in keys], momentum)
+                torch._foreach_add_(new, g, alpha=1.0 - dampening)
             buf = dict(zip(keys, new))
             g = torch._foreach_add(g, new, alpha=momentum) if nesterov else new
         rate = lr(int(state.count))
         updates = dict(zip(keys, torch._foreach_mul(g, -rate)))
         return updates, SgdState(state.count + 1, buf)
 
-    spec = {"name": "sgd", "learning_rate": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay}
+    spec = {"name": "sgd", "learning_rate": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay,
+            "dampening": dampening}
     return GradientTransformation(init, update, learning_rate=lambda s: lr(int(s.count)), spec=spec)
 
 
@@ -281,11 +308,7 @@ def adamw(
     def groups(params: Tree) -> list[tuple[list[str], float]]:
         key = tuple(params)
         if key not in masks:
-            m = mask(params) if callable(mask) else (mask or {k: True for k in params})
-            missing = sorted(set(params) - set(m))
-            if missing:
-                raise KeyError(f"the weight-decay mask has no entry for params {missing}; give every param a bool")
-            masks[key] = {k: bool(m[k]) for k in params}
+            masks[key] = _resolve_mask(mask, params)
         decided = masks[key]
         decay = [k for k in params if decided[k]]
         rest = [k for k in params if not decided[k]]

@@ -44,7 +44,7 @@ from trainfold.observe import (
     train_summary,
 )
 from trainfold.stopping import EarlyStopping, patience_exhausted, record_evaluation
-from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask
+from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask, sgd
 from trainfold.preempt import jit_checkpoint, preemption_guard
 from trainfold.reporters import make_reporters, progress as make_progress
 from trainfold.samplers import make_sampler
@@ -92,9 +92,11 @@ class TrainResult:
 
 
 def default_optimizer(model: nn.Module, args: TrainingArguments, total_steps: int) -> GradientTransformation:
-    """Return the HF Trainer's default: clipping at ``max_grad_norm``, then AdamW on a schedule.
+    """Return the HF Trainer's optimizer: clipping at ``max_grad_norm``, then ``optim`` on the schedule.
 
-    Biases and normalisation weights are not decayed (by module type and by name).
+    ``optim`` is AdamW (``adamw_torch_fused``: torch's fused kernel; ``adamw_torch``: foreach ops)
+    or ``sgd`` (``optim_args`` momentum, dampening, nesterov). Biases and normalisation weights are
+    not decayed (by module type and by name).
 
     >>> import torch
     >>> opt = default_optimizer(torch.nn.Linear(2, 1), TrainingArguments(learning_rate=0.1), total_steps=10)
@@ -105,7 +107,12 @@ def default_optimizer(model: nn.Module, args: TrainingArguments, total_steps: in
     """
     warmup = warmup_steps_for(args.warmup_steps, total_steps)
     schedule = named(args.lr_scheduler_type, args.learning_rate, warmup, total_steps, **(args.lr_scheduler_kwargs or {}))
-    opt = adamw(schedule, args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay, mask=decay_mask(model))
+    if args.optim == "sgd":  # HF: torch.optim.SGD with the decay/no-decay groups, options from optim_args
+        options = {"weight_decay": args.weight_decay, **args.optimizer_options}
+        opt = sgd(schedule, mask=decay_mask(model), **options)
+    else:
+        opt = adamw(schedule, args.adam_beta1, args.adam_beta2, args.adam_epsilon, args.weight_decay, mask=decay_mask(model),
+                    implementation="fused" if args.optim == "adamw_torch_fused" else "foreach")
     return chain(clip_by_global_norm(args.max_grad_norm), opt) if args.max_grad_norm > 0 else opt
 
 
