@@ -29,3 +29,8 @@ def test_gpu_script_runs_small_on_cpu():
               "--ensemble-rounds", "1")
     assert "| eager |" in out and "| trainfold |" in out
     assert "| ensemble vmap eager |" in out and "| 4 x eager loop (sdpa) |" in out
+
+
+def test_recompute_quick():
+    out = run("benchmarks/recompute.py", "--quick")
+    assert "| every block |" in out

@@ -107,6 +107,10 @@ class TrainingArguments:
     use_cpu: bool = False
     bf16: bool = False
     torch_compile: bool = False
+    activation_checkpointing: bool | None = None
+    activation_checkpointing_kwargs: dict[str, Any] | None = None
+    gradient_checkpointing: bool | None = None  # HF's older name for activation_checkpointing
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None
 
     def __init__(self, **kwargs: Any) -> None:
         known = [f.name for f in attrs.fields(type(self))]
@@ -151,6 +155,13 @@ class TrainingArguments:
         return out
 
     @property
+    def checkpoint_every(self) -> int:
+        """Return which blocks activation checkpointing recomputes: 0 (off), or every n-th block."""
+        on = self.activation_checkpointing or self.gradient_checkpointing
+        kwargs = self.activation_checkpointing_kwargs or self.gradient_checkpointing_kwargs or {}
+        return int(kwargs.get("every_n_layers", 1)) if on else 0
+
+    @property
     def reporters(self) -> tuple[str, ...]:
         """Return ``report_to`` as a tuple of reporter names (``"all"`` and ``"none"`` kept as given)."""
         value = self.report_to
@@ -184,6 +195,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "save_total_limit": _OPT_INT, "save_only_model": (bool,), "metric_for_best_model": _OPT_STR,
     "greater_is_better": (bool, type(None)), "load_best_model_at_end": (bool,),
     "enable_jit_checkpoint": (bool,), "use_cpu": (bool,), "bf16": (bool,), "torch_compile": (bool,),
+    "activation_checkpointing": (bool, type(None)), "activation_checkpointing_kwargs": (dict, type(None)),
+    "gradient_checkpointing": (bool, type(None)), "gradient_checkpointing_kwargs": (dict, type(None)),
 }
 
 
@@ -274,8 +287,32 @@ def _optim_problems(args: TrainingArguments) -> list[str]:
     return []
 
 
-def _combination_problems(args: TrainingArguments) -> list[str]:
+def _checkpointing_problems(args: TrainingArguments) -> list[str]:
     out = []
+    pairs = (("activation_checkpointing", "gradient_checkpointing"),
+             ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"))
+    for new, old in pairs:
+        a, b = getattr(args, new), getattr(args, old)
+        if a is not None and b is not None and a != b:
+            out.append(f"{new}={a!r} and its older name {old}={b!r} disagree; set only {new}")
+    kwargs = args.activation_checkpointing_kwargs or args.gradient_checkpointing_kwargs or {}
+    unknown = sorted(set(kwargs) - {"every_n_layers", "use_reentrant"})
+    if unknown:
+        out.append(f"activation_checkpointing_kwargs {unknown} are not supported (supported: every_n_layers, "
+                   "use_reentrant=False)")
+    if kwargs.get("use_reentrant", False):
+        out.append("activation_checkpointing_kwargs use_reentrant=True is not supported: the step takes gradients "
+                   "with torch.autograd.grad, which needs the non-reentrant checkpoint (the default)")
+    every = kwargs.get("every_n_layers", 1)
+    if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+        out.append(f"activation_checkpointing_kwargs every_n_layers must be an int >= 1, got {every!r}")
+    if (args.activation_checkpointing or args.gradient_checkpointing) and args.torch_compile:
+        out.append("activation_checkpointing with torch_compile is not supported yet; choose one of the two")
+    return out
+
+
+def _combination_problems(args: TrainingArguments) -> list[str]:
+    out = _checkpointing_problems(args)
     if args.eval_on_start and args.eval_strategy == "no":
         out.append("eval_on_start=True needs eval_strategy 'steps' or 'epoch' (it is 'no')")
     if args.save_strategy == "best" and args.metric_key is None:

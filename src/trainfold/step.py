@@ -27,6 +27,7 @@ from torch.nn.utils.stateless import _reparametrize_module  # what functional_ca
 
 from trainfold.losses import causal_lm, counter_for, warn_no_items
 from trainfold.optim import GradientTransformation
+from trainfold.recompute import recomputing
 from trainfold.state import TrainState
 from trainfold.tree import global_norm
 
@@ -215,6 +216,7 @@ class _Plan:
     label_key: str
     collective: Collective | None
     autocast: torch.dtype | None
+    recompute: int = 0  # 0: off; n: checkpoint every n-th block
     slots: _Slots = attrs.field(default=attrs.Factory(lambda plan: _Slots(plan.model), takes_self=True))
 
 
@@ -243,6 +245,7 @@ def make_step(
     collective: Collective | None = None,
     autocast: torch.dtype | None = None,
     compile: bool | str | Callable[..., Any] = False,
+    gradient_checkpointing: bool | int = False,
 ) -> Callable[[TrainState, Batch], TrainState]:
     """Return ``step(state, batch) -> state`` for ``model``.
 
@@ -254,6 +257,9 @@ def make_step(
     loss's ``count_items`` on the labels). ``collective`` sums counts and gradients across ranks.
     ``compile=True`` runs the step under ``torch.compile`` (a string or callable picks the backend);
     where that cannot work it warns and stays eager (``trainfold.compiled``).
+    ``gradient_checkpointing=True`` recomputes each transformer block in the backward pass instead
+    of keeping its activations (``trainfold.recompute``; same gradients, about one more forward);
+    an int ``n`` checkpoints every n-th block.
 
     >>> import torch
     >>> from trainfold.optim import sgd
@@ -268,6 +274,8 @@ def make_step(
     """
     if optimizer is None:
         raise TypeError("make_step needs an optimizer, e.g. optimizer=trainfold.optim.adamw(1e-3)")
+    if gradient_checkpointing and compile:
+        raise ValueError("gradient_checkpointing with compile is not supported yet; choose one of the two")
     plan = _Plan(
         model=model,
         optimizer=optimizer,
@@ -277,6 +285,7 @@ def make_step(
         label_key=label_key,
         collective=collective,
         autocast=autocast,
+        recompute=int(gradient_checkpointing),
     )
 
     def step(state: TrainState, batch: Batch) -> TrainState:
@@ -337,8 +346,9 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
         torch.autocast(device.type, dtype=plan.autocast) if plan.autocast is not None else contextlib.nullcontext()
     )
     modules = list(plan.model.modules())
+    recompute = recomputing(plan.model, every=plan.recompute) if plan.recompute else contextlib.nullcontext()
     with _training_flags(modules, True), _private_rng(device) as generators, \
-            plan.slots.bound(modules, leaves, buffers) as forward:
+            plan.slots.bound(modules, leaves, buffers) as forward, recompute:
         for i, micro in enumerate(batch):
             seed = derive_seed(int(state.seed), step_no, i, rank)
             for gen in generators:

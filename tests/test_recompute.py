@@ -1,0 +1,113 @@
+"""Activation checkpointing: the same update, fewer saved activations, the model left as it was."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainfold import TrainingArguments, adamw, init_state, make_step, train
+from trainfold.losses import causal_lm
+from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.recompute import checkpoint_blocks, recomputing
+
+CFG = TinyLMConfig(vocab_size=32, d_model=32, n_layers=4, n_heads=4, max_len=32, dropout=0.1)
+
+
+def lm(**over) -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM(attrs.evolve(CFG, **over))
+
+
+def batch(seed: int, rows: int = 4, seq: int = 24) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, CFG.vocab_size, (2, rows, seq), generator=g)
+    return [{"input_ids": x, "labels": x} for x in ids]  # two micro-batches
+
+
+@settings(max_examples=6, deadline=None)
+@given(seed=st.integers(0, 2**16), every=st.sampled_from([1, 2, 3]))
+def test_checkpointing_gives_the_same_update_with_dropout(seed, every):
+    model, opt = lm(), adamw(1e-2)
+    state = init_state(model, opt, seed=seed)
+    plain = make_step(model, causal_lm, opt)(state, batch(seed))
+    recomputed = make_step(model, causal_lm, opt, gradient_checkpointing=every)(state, batch(seed))
+    for k in plain.params:  # dropout is replayed exactly in the recomputation
+        assert torch.equal(plain.params[k], recomputed.params[k]), k
+    assert torch.equal(plain.metrics["loss"], recomputed.metrics["loss"])
+
+
+def saved_bytes(step, state, micro_batches) -> int:
+    """Bytes autograd saves for the backward pass during one step."""
+    total = 0
+
+    def pack(t):
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        step(state, micro_batches)
+    return total
+
+
+def test_checkpointing_saves_far_fewer_activations():
+    model, opt = lm(dropout=0.0), adamw(1e-2)
+    state = init_state(model, opt)
+    data = batch(1, rows=8, seq=32)
+    plain = saved_bytes(make_step(model, causal_lm, opt), state, data)
+    every_block = saved_bytes(make_step(model, causal_lm, opt, gradient_checkpointing=True), state, data)
+    every_other = saved_bytes(make_step(model, causal_lm, opt, gradient_checkpointing=2), state, data)
+    assert every_block < 0.45 * plain  # the hooks also count the recomputation's own saves, once per block
+    assert every_block < every_other < plain
+
+
+def test_the_model_is_left_as_it_was_even_when_the_step_raises():
+    model, opt = lm(), adamw(1e-2)
+    step = make_step(model, causal_lm, opt, gradient_checkpointing=True)
+    with pytest.raises(IndexError):
+        step(init_state(model, opt), [{"input_ids": torch.full((2, 8), 99), "labels": torch.zeros(2, 8).long()}])
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_hugging_face_llama_blocks_are_its_decoder_layers():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    assert [n for n, _ in checkpoint_blocks(model)] == ["model.layers.0", "model.layers.1", "model.layers.2"]
+    opt = adamw(1e-2)
+    state = init_state(model, opt)
+    plain = make_step(model, causal_lm, opt)(state, batch(3))
+    recomputed = make_step(model, causal_lm, opt, gradient_checkpointing=True)(state, batch(3))
+    for k in plain.params:
+        assert torch.equal(plain.params[k], recomputed.params[k]), k
+
+
+def test_train_takes_the_hf_names_and_refuses_what_it_cannot_do(tmp_path):
+    rows = [{"input_ids": list(range(i, i + 12)), "labels": list(range(i, i + 12))} for i in range(16)]
+    base = dict(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, logging_steps=1,
+                save_strategy="no", report_to="none", disable_tqdm=True, learning_rate=1e-2)
+    plain = train(lm(), TrainingArguments(**base), rows)
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        again = train(lm(), TrainingArguments(**base, **{name: True}), rows)
+        assert [h.get("loss") for h in again.log_history] == [h.get("loss") for h in plain.log_history]
+    assert TrainingArguments(activation_checkpointing=True,
+                             activation_checkpointing_kwargs={"every_n_layers": 2}).checkpoint_every == 2
+    for settings_, message in [
+        ({"activation_checkpointing": True, "torch_compile": True}, "with torch_compile is not supported yet"),
+        ({"activation_checkpointing": True, "gradient_checkpointing": False}, "disagree; set only activation_checkpointing"),
+        ({"gradient_checkpointing_kwargs": {"use_reentrant": True}}, "use_reentrant=True is not supported"),
+        ({"activation_checkpointing_kwargs": {"offload": True}}, r"\['offload'\] are not supported"),
+        ({"activation_checkpointing_kwargs": {"every_n_layers": 0}}, "every_n_layers must be an int >= 1"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            TrainingArguments(**settings_)
+
+
+def test_a_model_without_blocks_is_named():
+    with pytest.raises(ValueError, match="found no blocks in Linear"), recomputing(torch.nn.Linear(2, 2)):
+        pass
