@@ -310,6 +310,19 @@ def test_generation_blocks_partition_the_prompt_steps(num_steps, micro_per_step,
     assert sorted(x for c in calls for x in c) == sorted(x for step in prompts for mb in step for x in mb for _ in range(generations))
 
 
+def test_each_block_is_yielded_num_iterations_times_in_order():
+    prompts = [[[s]] for s in range(5)]  # 5 steps of one micro-batch
+    calls = []
+
+    def generate(mbs):
+        calls.append([x for mb in mbs for x in mb])
+        return [list(mb) for mb in mbs]
+
+    out = [step[0][0] for step in generation_batches(prompts, generate, 2, num_iterations=3)]
+    assert calls == [[0, 1], [2, 3], [4]]  # generated once per block
+    assert out == [0, 1] * 3 + [2, 3] * 3 + [4] * 3
+
+
 def test_generation_blocks_realign_after_a_resume():
     data = items_of([1] * 8)
     s = Sampler("sequential", 8, per_device_train_batch_size=1)

@@ -314,6 +314,31 @@ def test_dapo_in_the_loop_counts_the_block_once_per_micro_batch():
     assert [s.metrics["num_items"].item() for s in states] == [2 * blocks[0]] * 2 + [2 * blocks[1]] * 2
 
 
+def test_num_iterations_trains_on_each_block_again_with_old_logps():
+    model = lm()
+    seen = []
+    rollout = make_rollout(model, digit_sum, encode=lambda s: [1 + int(c) for c in s],
+                           decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
+                           max_new_tokens=3, num_iterations=2)
+    assert rollout.records_old_logps  # the block outlives its first step
+
+    def recorded(state, micro_batches):
+        out = rollout(state, micro_batches)
+        assert "old_logps" in out[0]
+        seen.append(int(state.step))
+        return out
+
+    recorded.steps_per_generation, recorded.num_generations, recorded.num_iterations = 1, 2, 2
+    opt = sgd(0.1)
+    step = make_step(model, optimizer=opt, objective=grpo_objective())
+    fed = []
+    observed = lambda s, b: fed.append(b[0]["advantages"]) or step(s, b)  # noqa: E731
+    prompts = [[{"prompt": ["12", "12", "3", "3"]}] for _ in range(3)]
+    states = list(grpo_trajectory(observed, init_state(model, opt), prompts, recorded))
+    assert [int(s.step) for s in states] == [1, 2, 3, 4, 5, 6] and seen == [0, 2, 4]
+    assert all(torch.equal(fed[i], fed[i + 1]) for i in (0, 2, 4))  # the same slice, twice
+
+
 def test_rollout_metrics_average_the_step_rows():
     mbs = [{"rewards": torch.tensor([1.0, math.nan]), "rewards/f": torch.tensor([2.0, 4.0]),
             "completion_mask": torch.tensor([[1, 1], [1, 0]])}]
@@ -457,14 +482,15 @@ def test_loss_and_metrics_match_trl(tmp_path, loss_type):
             assert aux[k].item() == pytest.approx(trl_metrics[k], abs=1e-5), k
 
 
-def test_resuming_at_a_generation_boundary_is_bitwise_equal_to_not_stopping():
+@pytest.mark.parametrize("spg, iterations", [(2, 1), (1, 2)])
+def test_resuming_at_a_generation_boundary_is_bitwise_equal_to_not_stopping(spg, iterations):
     from trainfold.data import stream
     from trainfold.samplers import Sampler
 
     model = lm()
     rollout = make_rollout(model, digit_sum, encode=lambda s: [1 + int(c) for c in s],
                            decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-                           max_new_tokens=3, steps_per_generation=2)
+                           max_new_tokens=3, steps_per_generation=spg, num_iterations=iterations)
     opt = adamw(1e-2)
     step = make_step(model, optimizer=opt, objective=grpo_objective())
     data = [{"prompt": str(d)} for d in range(6)]
@@ -474,7 +500,7 @@ def test_resuming_at_a_generation_boundary_is_bitwise_equal_to_not_stopping():
         return {"prompt": [it["prompt"] for it in items]}
 
     def prompts(state):
-        return stream(data, sampler, collate, start=state.cursor, max_steps=6)
+        return stream(data, sampler, collate, start=state.cursor, max_steps=6 // iterations)
 
     start = init_state(model, opt, seed=1)
     straight = list(grpo_trajectory(step, start, prompts(start), rollout))

@@ -493,6 +493,7 @@ def generation_batches(
     generate: Callable[[list[Any]], Sequence[Any]],
     steps_per_generation: int,
     num_generations: int = 1,
+    num_iterations: int = 1,
 ) -> Iterator[tuple[Any, ...]]:
     """Yield optimizer steps of generated data, calling ``generate`` once per block of steps.
 
@@ -503,29 +504,33 @@ def generation_batches(
     with the prompt step's cursor and indices (prompt indices, not repeated), or a plain tuple
     when the prompt steps carry no cursor. Blocks end where a step's cursor position is a multiple of
     ``steps_per_generation`` and at each epoch end, so a resumed stream re-forms the same blocks
-    from the next boundary; the last block may be shorter.
+    from the next boundary; the last block may be shorter. With ``num_iterations`` > 1 each block's
+    steps are yielded that many times over, in the same order (TRL's ``num_iterations``); every
+    pass carries the prompt steps' cursors, so a stream resumed from a step's cursor continues after
+    it: resume bitwise from the end of a block's last pass.
 
     >>> prompts = [[[1], [2]], [[3], [4]], [[5], [6]]]  # 3 steps of 2 micro-batches
     >>> out = list(generation_batches(prompts, lambda mbs: [[x * 10 for x in mb] for mb in mbs], 2, 2))
     >>> [list(step) for step in out]
     [[[10, 10], [20, 20]], [[30, 30], [40, 40]], [[50, 50], [60, 60]]]
     """
-    if steps_per_generation <= 0 or num_generations <= 0:
+    if steps_per_generation <= 0 or num_generations <= 0 or num_iterations <= 0:
         raise ValueError(
-            f"steps_per_generation={steps_per_generation} and num_generations={num_generations} must be positive ints"
+            f"steps_per_generation={steps_per_generation}, num_generations={num_generations} and "
+            f"num_iterations={num_iterations} must be positive ints"
         )
     block: list[Any] = []
     for step in prompt_stream:
         block.append(step)
         if _block_ends(step, len(block), steps_per_generation):
-            yield from _generate_block(block, generate, num_generations)
+            yield from _generate_block(block, generate, num_generations, num_iterations)
             block = []
     if block:
-        yield from _generate_block(block, generate, num_generations)
+        yield from _generate_block(block, generate, num_generations, num_iterations)
 
 
 def _generate_block(
-    block: list[Any], generate: Callable[[list[Any]], Sequence[Any]], num_generations: int
+    block: list[Any], generate: Callable[[list[Any]], Sequence[Any]], num_generations: int, num_iterations: int = 1
 ) -> Iterator[tuple[Any, ...]]:
     prompts = [_repeat_rows(mb, num_generations) for step in block for mb in step]
     generated = list(generate(prompts))
@@ -534,9 +539,11 @@ def _generate_block(
             f"generate returned {len(generated)} micro-batches for {len(prompts)} prompt micro-batches; "
             "it must return one generated micro-batch per prompt micro-batch, in order"
         )
-    start = 0
+    steps, start = [], 0
     for step in block:
         micro = generated[start:start + len(step)]
         cursor = getattr(step, "cursor", None)
-        yield tuple(micro) if cursor is None else StepBatch(micro, cursor, getattr(step, "indices", ()))
+        steps.append(tuple(micro) if cursor is None else StepBatch(micro, cursor, getattr(step, "indices", ())))
         start += len(step)
+    for _ in range(num_iterations):
+        yield from steps

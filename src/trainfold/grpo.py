@@ -181,6 +181,7 @@ class Rollout:
     decode: Callable[[list[int]], Any]
     num_generations: int
     steps_per_generation: int
+    num_iterations: int
     max_new_tokens: int
     temperature: float
     eos_token_id: int | None
@@ -193,7 +194,7 @@ class Rollout:
     @property
     def records_old_logps(self) -> bool:
         """Whether the buffer outlives one optimizer step, so the sampling policy's log-probs are kept."""
-        return self.steps_per_generation > 1
+        return self.steps_per_generation * self.num_iterations > 1
 
     def _logps(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], ids: Tensor, mask: Tensor) -> Tensor:
         with torch.no_grad(), train_mode(self.model, False):
@@ -267,6 +268,7 @@ def make_rollout(
     num_generations: int,
     max_new_tokens: int,
     steps_per_generation: int = 1,
+    num_iterations: int = 1,
     temperature: float = 1.0,
     eos_token_id: int | None = None,
     pad_token_id: int = 0,
@@ -285,8 +287,9 @@ def make_rollout(
     returns one micro-batch per prompt micro-batch with ``input_ids``, ``attention_mask``,
     ``completion_mask``, ``advantages``, ``rewards``, ``rewards/<function name>``, the block's
     ``generation_tokens`` and ``generation_micro_batches`` (on every row; ``dapo`` reads them), and
-    ``old_logps`` when ``steps_per_generation > 1`` (the buffer outlives the step that generated
-    it) and ``ref_logps`` when ``ref_params`` is given.
+    ``old_logps`` when the buffer outlives the step that generated it (``steps_per_generation``
+    or ``num_iterations`` above 1) and ``ref_logps`` when ``ref_params`` is given.
+    ``num_iterations`` (TRL's μ) trains on each block that many times, in the same order.
 
     >>> import torch
     >>> from trainfold import init_state, sgd
@@ -315,6 +318,8 @@ def make_rollout(
         problems.append(f"num_generations={num_generations} must be >= 2 (advantages compare completions of one prompt)")
     if steps_per_generation < 1:
         problems.append(f"steps_per_generation={steps_per_generation} must be >= 1")
+    if num_iterations < 1:
+        problems.append(f"num_iterations={num_iterations} must be >= 1")
     if scale_rewards not in SCALE_REWARDS:
         problems.append(f"scale_rewards={scale_rewards!r} is not one of {list(SCALE_REWARDS)}")
     if not temperature > 0:
@@ -325,7 +330,7 @@ def make_rollout(
         raise ValueError("invalid rollout settings: " + "; ".join(problems))
     return Rollout(
         model=model, reward_funcs=funcs, encode=encode, decode=decode, num_generations=num_generations,
-        steps_per_generation=steps_per_generation, max_new_tokens=max_new_tokens, temperature=temperature,
+        steps_per_generation=steps_per_generation, num_iterations=num_iterations, max_new_tokens=max_new_tokens, temperature=temperature,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         reward_weights=None if reward_weights is None else tuple(float(w) for w in reward_weights),
         scale_rewards=scale_rewards,
@@ -513,13 +518,14 @@ def grpo_trajectory(
     ``prompt_stream`` yields one optimizer step of prompt micro-batches at a time (e.g.
     ``data.stream``); ``data.generation_batches`` groups ``rollout.steps_per_generation`` steps,
     calls ``rollout`` once on the block with the state reached so far, and feeds the step one
-    slice per optimizer step. Each yielded state's metrics add :func:`rollout_metrics` of the
-    slice it trained on.
+    slice per optimizer step (``rollout.num_iterations`` passes over the block). Each yielded
+    state's metrics add :func:`rollout_metrics` of the slice it trained on.
 
     Resuming from a state saved at a generation boundary (``state.step`` a multiple of
-    ``steps_per_generation``), with the prompt stream rebuilt from its cursor, is bitwise equal
-    to not stopping. From inside a block, the rest of the block is generated anew with the
-    resumed state, so save checkpoints at multiples of ``steps_per_generation``.
+    ``steps_per_generation × num_iterations``), with the prompt stream rebuilt from its cursor, is
+    bitwise equal to not stopping. From inside a block, the rest of the block is generated anew
+    with the resumed state (and passes not yet run are skipped), so save checkpoints at those
+    multiples.
 
     >>> import torch
     >>> from trainfold import make_step
@@ -549,5 +555,6 @@ def grpo_trajectory(
         latest[0] = new
         return new
 
-    batches = generation_batches(prompt_stream, generate_block, rollout.steps_per_generation, rollout.num_generations)
+    batches = generation_batches(prompt_stream, generate_block, rollout.steps_per_generation, rollout.num_generations,
+                                 getattr(rollout, "num_iterations", 1))
     yield from trajectory(observed, state, batches, stop)
