@@ -18,6 +18,7 @@ import torch
 
 from trainfold import adamw, init_state, make_step
 from trainfold.losses import causal_lm
+from trainfold.testing import saved_for_backward  # needs the test extra (hypothesis)
 
 SIZES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=172, vocab_size=256, seq=128),
@@ -37,19 +38,6 @@ def build(size: str):
     return LlamaForCausalLM(cfg), data
 
 
-def saved_bytes(step, state, data) -> int:
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step(state, data)
-    return total
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -63,7 +51,7 @@ def main() -> None:
     state = init_state(model, opt)
     variants = {"off": 0, "every block": 1, "every 2nd block": 2}
     steps = {name: make_step(model, causal_lm, opt, gradient_checkpointing=n) for name, n in variants.items()}
-    saved = {name: saved_bytes(step, state, data) for name, step in steps.items()}
+    saved = {name: saved_for_backward(lambda step=step: step(state, data))[1] for name, step in steps.items()}
     times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(rounds):
         for name in (list(steps) if r % 2 == 0 else list(reversed(steps))):

@@ -12,6 +12,7 @@ from trainfold import TrainingArguments, adamw, init_state, make_step, train
 from trainfold.losses import causal_lm
 from trainfold.models import TinyLM, TinyLMConfig
 from trainfold.recompute import checkpoint_blocks, recomputing
+from trainfold.testing import saved_for_backward
 
 CFG = TinyLMConfig(vocab_size=32, d_model=32, n_layers=4, n_heads=4, max_len=32, dropout=0.1)
 
@@ -41,16 +42,7 @@ def test_checkpointing_gives_the_same_update_with_dropout(seed, every):
 
 def saved_bytes(step, state, micro_batches) -> int:
     """Bytes autograd saves for the backward pass during one step."""
-    total = 0
-
-    def pack(t):
-        nonlocal total
-        total += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step(state, micro_batches)
-    return total
+    return saved_for_backward(lambda: step(state, micro_batches))[1]
 
 
 def test_checkpointing_saves_far_fewer_activations():

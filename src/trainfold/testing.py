@@ -15,7 +15,8 @@ Needs ``hypothesis`` (the ``test`` extra). Each strategy is a function returning
         ...
 
 ``on_simulated_ranks(world_size, fn)`` runs ``fn(collective)`` on threads that stand for ranks, so
-a distributed path (``make_step(collective=...)``, ``evaluate_sharded``) is tested in one process.
+a distributed path (``make_step(collective=...)``, ``evaluate_sharded``) is tested in one process;
+``saved_for_backward(fn)`` measures the activations autograd keeps while ``fn`` runs.
 
 The examples are random, so the docstrings show deterministic facts about them: the minimal
 example ``hypothesis.find`` shrinks to, or a property checked by a small ``@given`` test:
@@ -49,6 +50,7 @@ __all__ = [
     "label_tensors",
     "lengths",
     "on_simulated_ranks",
+    "saved_for_backward",
     "sampler_configs",
     "skewed_lengths",
     "tensor_dicts",
@@ -350,3 +352,30 @@ def on_simulated_ranks(world_size: int, fn: Callable[[SimulatedRank], T], *, tim
         first = next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)), errors[0])
         raise first
     return results
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+def saved_for_backward(fn: Callable[[], T]) -> tuple[T, int]:
+    """Run ``fn()`` and return its result and the bytes autograd saved for backward while it ran.
+
+    A deterministic memory measure for tests (activation checkpointing, a leaner loss), where peak
+    memory would depend on the allocator.
+
+    >>> import torch
+    >>> w = torch.ones(3, requires_grad=True)
+    >>> _, saved = saved_for_backward(lambda: (w * torch.arange(3.0)).sum())
+    >>> saved  # the gradient of w needs the other factor: 3 float32
+    12
+    """
+    total = 0
+
+    def pack(t: Tensor) -> Tensor:
+        nonlocal total
+        total += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, total
