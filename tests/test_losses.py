@@ -9,7 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.losses import causal_lm, count_labels, count_shifted_labels, counter_for, cross_entropy, logits_of
+from trainfold.losses import (
+    causal_lm,
+    count_labels,
+    count_shifted_labels,
+    counter_for,
+    cross_entropy,
+    label_smoothed,
+    logits_of,
+)
 
 
 def test_outputs_may_be_tensor_mapping_or_object():
@@ -84,3 +92,44 @@ def test_token_classification_shapes():
 def test_negative_labels_other_than_ignore_index_are_rejected():
     with pytest.raises(ValueError, match=r"labels \[-3\] are outside the 4 classes"):
         cross_entropy(torch.randn(2, 4), torch.tensor([0, -3]), 2)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 5), t=st.integers(2, 9), eps=st.sampled_from([0.05, 0.1, 0.3]),
+       causal=st.booleans())
+def test_label_smoothing_matches_hf_label_smoother_on_one_micro_batch(seed, n, t, eps, causal):
+    trainer_pt_utils = pytest.importorskip("transformers.trainer_pt_utils")
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, t, 11, generator=g)
+    labels = torch.randint(0, 11, (n, t), generator=g)
+    labels[torch.rand(n, t, generator=g) < 0.3] = -100
+    loss = causal_lm if causal else cross_entropy
+    num = loss.count_items(labels)
+    ours = label_smoothed(loss, eps)(logits, labels, num)
+    if num == 0:
+        assert ours.item() == 0.0
+        return
+    theirs = trainer_pt_utils.LabelSmoother(epsilon=eps)({"logits": logits}, labels, shift_labels=causal)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    assert label_smoothed(loss, eps).count_items is loss.count_items
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(2, 8), cut=st.integers(1, 7))
+def test_label_smoothed_micro_losses_sum_to_the_whole_batch(seed, n, cut):
+    cut = min(cut, n - 1)
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(n, 6, 9, generator=g)
+    labels = torch.randint(0, 9, (n, 6), generator=g)
+    labels[:cut, :4] = -100  # the first micro-batch holds fewer items: HF's per-micro mean would differ
+    smooth = label_smoothed(causal_lm, 0.1)
+    total = count_shifted_labels(labels)
+    parts = smooth(logits[:cut], labels[:cut], total) + smooth(logits[cut:], labels[cut:], total)
+    torch.testing.assert_close(parts, smooth(logits, labels, total), rtol=1e-5, atol=1e-6)
+
+
+def test_label_smoothing_refuses_what_it_cannot_smooth():
+    with pytest.raises(ValueError, match="a custom loss smooths its own labels"):
+        label_smoothed(lambda o, y, n: o.sum(), 0.1)
+    with pytest.raises(ValueError, match=r"in \[0, 1\), got 1.5"):
+        label_smoothed(causal_lm, 1.5)

@@ -117,3 +117,20 @@ def test_sgd_with_momentum_and_a_min_lr_cosine_agree(tmp_path):
     assert [o["loss"] for o in our_logs] == pytest.approx([h["loss"] for h in hf_logs], rel=1e-5)
     for name, p in hf_model.named_parameters():
         torch.testing.assert_close(ours.state.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_label_smoothing_agrees_with_one_micro_batch_per_step(tmp_path):
+    settings = {**SETTINGS, "gradient_accumulation_steps": 1, "label_smoothing_factor": 0.1}
+    base, data = llama(), rows()
+    hf_model = copy.deepcopy(base)
+    trainer = transformers.Trainer(model=hf_model, train_dataset=Rows(data), args=transformers.TrainingArguments(
+        output_dir=str(tmp_path / "hf"), use_cpu=True, **settings))
+    trainer.train()
+    hf_logs = [h for h in trainer.state.log_history if "loss" in h]
+    ours = train(base, TrainingArguments(output_dir=str(tmp_path / "tf"), **settings), data)
+    our_logs = [h for h in ours.log_history if "loss" in h and "train_loss" not in h]
+    plain = train(llama(), TrainingArguments(output_dir=str(tmp_path / "plain"), **{**settings, "label_smoothing_factor": 0.0}), data)
+    assert our_logs[0]["loss"] > plain.log_history[0]["loss"]  # smoothing raises the loss of a random model
+    assert [o["loss"] for o in our_logs] == pytest.approx([h["loss"] for h in hf_logs], rel=1e-5)
+    for name, p in hf_model.named_parameters():
+        torch.testing.assert_close(ours.state.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)

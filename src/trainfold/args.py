@@ -90,6 +90,7 @@ class TrainingArguments:
     remove_unused_columns: bool = True
     label_names: tuple[str, ...] = ("labels",)
     neftune_noise_alpha: float | None = None
+    label_smoothing_factor: float = 0.0
     logging_strategy: str = "steps"
     logging_steps: float = 500
     logging_first_step: bool = False
@@ -189,7 +190,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "eval_accumulation_steps": _OPT_INT, "prediction_loss_only": (bool,), "dataloader_num_workers": (int,),
     "dataloader_persistent_workers": (bool,), "dataloader_prefetch_factor": _OPT_INT,
     "dataloader_pin_memory": (bool,), "dataloader_drop_last": (bool,), "remove_unused_columns": (bool,),
-    "label_names": (tuple,), "neftune_noise_alpha": _OPT_NUM, "logging_strategy": (str,), "logging_steps": _NUM,
+    "label_names": (tuple,), "neftune_noise_alpha": _OPT_NUM, "label_smoothing_factor": _NUM, "logging_strategy": (str,), "logging_steps": _NUM,
     "logging_first_step": (bool,), "report_to": (str, tuple), "run_name": _OPT_STR,
     "disable_tqdm": (bool, type(None)), "save_strategy": (str,), "save_steps": _NUM,
     "save_total_limit": _OPT_INT, "save_only_model": (bool,), "metric_for_best_model": _OPT_STR,
@@ -253,6 +254,8 @@ def _problems(args: TrainingArguments) -> list[str]:
         out.append(f"save_total_limit must be >= 1 or None, got {args.save_total_limit}")
     if args.eval_accumulation_steps is not None and args.eval_accumulation_steps < 1:
         out.append(f"eval_accumulation_steps must be >= 1 or None, got {args.eval_accumulation_steps}")
+    if not 0 <= args.label_smoothing_factor < 1:
+        out.append(f"label_smoothing_factor must be in [0, 1), got {args.label_smoothing_factor}")
     if args.neftune_noise_alpha is not None and args.neftune_noise_alpha <= 0:
         out.append(f"neftune_noise_alpha must be > 0 (or None to turn NEFTune off), got {args.neftune_noise_alpha}")
     if args.dataloader_num_workers == 0:

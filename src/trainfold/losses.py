@@ -33,6 +33,7 @@ __all__ = [
     "count_shifted_labels",
     "logits_of",
     "counter_for",
+    "label_smoothed",
     "dpo",
     "dpo_loss_errors",
     "DPO_LOSS_TYPES",
@@ -104,7 +105,7 @@ def _raise_out_of_range(labels: Tensor, num_classes: int) -> None:
     )
 
 
-def _summed_cross_entropy(logits: Tensor, labels: Tensor, num_items: Tensor | int) -> Tensor:
+def _summed_cross_entropy(logits: Tensor, labels: Tensor, num_items: Tensor | int, label_smoothing: float = 0.0) -> Tensor:
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}: "
@@ -117,7 +118,8 @@ def _summed_cross_entropy(logits: Tensor, labels: Tensor, num_items: Tensor | in
             _raise_out_of_range(labels, num_classes)
     try:
         total = F.cross_entropy(
-            logits.reshape(-1, num_classes).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+            logits.reshape(-1, num_classes).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum",
+            label_smoothing=label_smoothing,
         )
     except IndexError:  # on the CPU torch checks the range itself; say what it means
         _raise_out_of_range(labels, num_classes)
@@ -126,7 +128,7 @@ def _summed_cross_entropy(logits: Tensor, labels: Tensor, num_items: Tensor | in
     return total / denom
 
 
-def causal_lm(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+def causal_lm(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int, label_smoothing: float = 0.0) -> Tensor:
     """Next-token cross-entropy: position t predicts ``labels[t + 1]``; -100 is ignored.
 
     Returns the summed loss of this micro-batch divided by ``num_items_in_batch``, the count of
@@ -146,13 +148,13 @@ def causal_lm(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) ->
         )
     # Shift the labels, not the logits: no copy of the (large) logits, and HF's exact arithmetic.
     shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
-    return _summed_cross_entropy(logits, shifted, num_items_in_batch)
+    return _summed_cross_entropy(logits, shifted, num_items_in_batch, label_smoothing)
 
 
 causal_lm.count_items = count_shifted_labels  # type: ignore[attr-defined]
 
 
-def cross_entropy(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+def cross_entropy(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int, label_smoothing: float = 0.0) -> Tensor:
     """Cross-entropy for classification and token classification (no shift); -100 is ignored.
 
     >>> import torch
@@ -160,10 +162,36 @@ def cross_entropy(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int
     >>> round(cross_entropy(logits, torch.tensor([0, 1]), torch.tensor(2)).item(), 4)
     0.6931
     """
-    return _summed_cross_entropy(logits_of(outputs), labels, num_items_in_batch)
+    return _summed_cross_entropy(logits_of(outputs), labels, num_items_in_batch, label_smoothing)
 
 
 cross_entropy.count_items = count_labels  # type: ignore[attr-defined]
+
+
+def label_smoothed(loss: Loss, epsilon: float) -> Loss:
+    """Return ``causal_lm`` or ``cross_entropy`` with label smoothing ``epsilon`` (HF's ``label_smoothing_factor``).
+
+    Each item's loss is ``(1 − ε)·nll + ε·mean over classes of −log p``, as HF's ``LabelSmoother``,
+    but summed over the micro-batch and divided by the step's ``num_items_in_batch`` like every
+    loss here (HF divides each micro-batch by its own count, so accumulation changes its result).
+
+    >>> import torch
+    >>> logits, labels = torch.tensor([[2.0, 0.0]]), torch.tensor([0])
+    >>> plain, smooth = cross_entropy(logits, labels, 1), label_smoothed(cross_entropy, 0.1)(logits, labels, 1)
+    >>> round(plain.item(), 4), round(smooth.item(), 4)
+    (0.1269, 0.2269)
+    """
+    if loss not in (causal_lm, cross_entropy):
+        raise ValueError("label smoothing applies to causal_lm and cross_entropy; a custom loss smooths its own labels")
+    if not 0 <= epsilon < 1:
+        raise ValueError(f"label smoothing epsilon must be in [0, 1), got {epsilon}")
+
+    def smoothed(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+        return loss(outputs, labels, num_items_in_batch, label_smoothing=epsilon)
+
+    smoothed.count_items = loss.count_items  # type: ignore[attr-defined]
+    smoothed.__name__ = f"label_smoothed_{loss.__name__}"
+    return smoothed
 
 
 def warn_no_items(step: int) -> None:

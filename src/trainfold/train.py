@@ -30,7 +30,7 @@ from trainfold.distributed import agreed_stop, evaluate_sharded, shard
 from trainfold.eval_schedule import check_eval_schedule, should_evaluate
 from trainfold.evaluation import evaluate as evaluate_batches, predict as predict_batches
 from trainfold.fold import any_of, max_steps as max_steps_stop, trajectory
-from trainfold.losses import causal_lm
+from trainfold.losses import causal_lm, label_smoothed
 from trainfold.neftune import neftune_objective
 from trainfold.observe import (
     MetricWindow,
@@ -396,6 +396,11 @@ def train(
     rank = collective.rank if collective is not None else 0
     world_size = getattr(collective, "world_size", 1) if collective is not None else 1
     loss = compute_loss_func or causal_lm
+    if args.label_smoothing_factor:
+        if objective is not None:
+            raise ValueError("label_smoothing_factor smooths the loss, but an objective replaces it; smooth inside "
+                             "the objective, or set label_smoothing_factor=0")
+        loss = label_smoothed(loss, args.label_smoothing_factor)  # names the fix for a custom loss
     collate = _columns(data_collator, _accepted_keys(model, args))
     sampler = make_sampler(
         args.train_sampling_strategy, train_dataset, per_device_train_batch_size=args.per_device_train_batch_size,
