@@ -209,3 +209,25 @@ def test_make_step_compile_true_with_inductor_matches_eager():
             a, b = eager(a, batch), compiled(b, batch)
     close(a, b, atol=1e-4)
     assert torch.allclose(a.metrics["loss"], b.metrics["loss"], rtol=1e-5)
+
+
+def test_a_label_smoothed_loss_compiles_without_falling_back():
+    from trainfold.losses import label_smoothed
+
+    model, opt = tiny(), chain(clip_by_global_norm(1.0), adamw(1e-2))
+    loss = label_smoothed(causal_lm, 0.1)
+    compiles, backend = counting_backend()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        compiled = make_step(model, loss, opt, compile=backend)
+        state = init_state(model, opt)
+        eager = make_step(model, loss, opt)
+        a, b = state, state
+        for batch in batches(3, 2):
+            a, b = compiled(a, batch), eager(b, batch)
+        first = compiled(state, batches(3, 2)[0])
+    assert compiles[0] >= 1
+    close(a, b)
+    plain = make_step(model, causal_lm, opt)(state, batches(3, 2)[0]).metrics["loss"].item()
+    smoothed = eager(state, batches(3, 2)[0]).metrics["loss"].item()
+    assert abs(first.metrics["loss"].item() - smoothed) < 1e-5 < 1e-4 < abs(smoothed - plain)  # smoothing in the graph

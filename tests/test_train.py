@@ -131,6 +131,25 @@ def test_a_named_schedule_with_its_kwargs_drives_the_learning_rate(tmp_path):
     assert logged[-1] > 1e-3  # held above the floor, where plain cosine would near 0
 
 
+def test_a_compiled_run_follows_the_eager_one(tmp_path):
+    import warnings
+
+    from trainfold.compiled import CompileFallbackWarning
+
+    assert TrainingArguments(torch_compile_backend="aot_eager").compile == "aot_eager"  # the backend turns it on
+    assert TrainingArguments(torch_compile_mode="default").compile is True
+    with pytest.raises(ValueError, match="torch_compile_mode='fast' is not one of torch.compile's modes"):
+        TrainingArguments(torch_compile_mode="fast")
+    eager = losses_of(train(model(), settings(tmp_path / "eager", "random"), rows(), data_collator=collate).log_history)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        compiled = train(model(), settings(tmp_path / "compiled", "random", torch_compile_backend="aot_eager"), rows(),
+                         data_collator=collate)
+    assert compiled.status == "completed"
+    assert [s for s, _ in losses_of(compiled.log_history)] == [s for s, _ in eager]
+    assert [v for _, v in losses_of(compiled.log_history)] == pytest.approx([v for _, v in eager], rel=1e-4)
+
+
 def test_preempted_cli_run_exits_143_and_resumes(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(textwrap.dedent(f"""

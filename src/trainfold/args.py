@@ -108,6 +108,8 @@ class TrainingArguments:
     use_cpu: bool = False
     bf16: bool = False
     torch_compile: bool = False
+    torch_compile_backend: str | None = None  # setting it turns torch_compile on, as in HF
+    torch_compile_mode: str | None = None
     activation_checkpointing: bool | None = None
     activation_checkpointing_kwargs: dict[str, Any] | None = None
     gradient_checkpointing: bool | None = None  # HF's older name for activation_checkpointing
@@ -156,6 +158,13 @@ class TrainingArguments:
         return out
 
     @property
+    def compile(self) -> bool | str:
+        """Return what ``make_step(compile=...)`` takes: False, True (inductor) or the backend's name."""
+        if self.torch_compile_backend is not None:
+            return self.torch_compile_backend
+        return self.torch_compile or self.torch_compile_mode is not None
+
+    @property
     def checkpoint_every(self) -> int:
         """Return which blocks activation checkpointing recomputes: 0 (off), or every n-th block."""
         on = self.activation_checkpointing or self.gradient_checkpointing
@@ -195,7 +204,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "disable_tqdm": (bool, type(None)), "save_strategy": (str,), "save_steps": _NUM,
     "save_total_limit": _OPT_INT, "save_only_model": (bool,), "metric_for_best_model": _OPT_STR,
     "greater_is_better": (bool, type(None)), "load_best_model_at_end": (bool,),
-    "enable_jit_checkpoint": (bool,), "use_cpu": (bool,), "bf16": (bool,), "torch_compile": (bool,),
+    "enable_jit_checkpoint": (bool,), "use_cpu": (bool,), "bf16": (bool,), "torch_compile": (bool,), "torch_compile_backend": _OPT_STR, "torch_compile_mode": _OPT_STR,
     "activation_checkpointing": (bool, type(None)), "activation_checkpointing_kwargs": (dict, type(None)),
     "gradient_checkpointing": (bool, type(None)), "gradient_checkpointing_kwargs": (dict, type(None)),
 }
@@ -258,6 +267,9 @@ def _problems(args: TrainingArguments) -> list[str]:
         out.append(f"label_smoothing_factor must be in [0, 1), got {args.label_smoothing_factor}")
     if args.neftune_noise_alpha is not None and args.neftune_noise_alpha <= 0:
         out.append(f"neftune_noise_alpha must be > 0 (or None to turn NEFTune off), got {args.neftune_noise_alpha}")
+    if args.torch_compile_mode not in (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"):
+        out.append(f"torch_compile_mode={args.torch_compile_mode!r} is not one of torch.compile's modes "
+                   "('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')")
     if args.dataloader_num_workers == 0:
         if args.dataloader_persistent_workers:
             out.append("dataloader_persistent_workers=True needs dataloader_num_workers > 0")
@@ -309,7 +321,7 @@ def _checkpointing_problems(args: TrainingArguments) -> list[str]:
     every = kwargs.get("every_n_layers", 1)
     if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
         out.append(f"activation_checkpointing_kwargs every_n_layers must be an int >= 1, got {every!r}")
-    if (args.activation_checkpointing or args.gradient_checkpointing) and args.torch_compile:
+    if (args.activation_checkpointing or args.gradient_checkpointing) and args.compile:
         out.append("activation_checkpointing with torch_compile is not supported yet; choose one of the two")
     return out
 

@@ -28,6 +28,7 @@ masks differ from the eager step's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import types
 import warnings
@@ -199,23 +200,23 @@ def adamw_update(
 # -- losses that trace ----------------------------------------------------------------------------
 
 
-def _summed_ce(logits: Tensor, labels: Tensor, num_items: Tensor) -> Tensor:
+def _summed_ce(logits: Tensor, labels: Tensor, num_items: Tensor, label_smoothing: float = 0.0) -> Tensor:
     if logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}"
         )
     total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                            ignore_index=IGNORE_INDEX, reduction="sum")
+                            ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=label_smoothing)
     return total / num_items.clamp(min=1)
 
 
-def _traced_causal_lm(outputs: Any, labels: Tensor, num_items: Tensor) -> Tensor:
+def _traced_causal_lm(outputs: Any, labels: Tensor, num_items: Tensor, label_smoothing: float = 0.0) -> Tensor:
     shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)  # as causal_lm: shift labels, not logits
-    return _summed_ce(logits_of(outputs), shifted, num_items)
+    return _summed_ce(logits_of(outputs), shifted, num_items, label_smoothing)
 
 
-def _traced_cross_entropy(outputs: Any, labels: Tensor, num_items: Tensor) -> Tensor:
-    return _summed_ce(logits_of(outputs), labels, num_items)
+def _traced_cross_entropy(outputs: Any, labels: Tensor, num_items: Tensor, label_smoothing: float = 0.0) -> Tensor:
+    return _summed_ce(logits_of(outputs), labels, num_items, label_smoothing)
 
 
 def traceable_loss(loss: Callable[..., Tensor]) -> Callable[..., Tensor]:
@@ -225,7 +226,11 @@ def traceable_loss(loss: Callable[..., Tensor]) -> Callable[..., Tensor]:
     ``try``/``except`` around the kernel), which no single graph can hold; inside a graph an
     out-of-range label still fails, in the kernel's own bounds check.
     """
-    return {causal_lm: _traced_causal_lm, cross_entropy: _traced_cross_entropy}.get(loss, loss)
+    twins = {causal_lm: _traced_causal_lm, cross_entropy: _traced_cross_entropy}
+    base, epsilon = getattr(loss, "smooths", (loss, 0.0))  # label_smoothed(causal_lm, eps) and the like
+    if base in twins:
+        return functools.partial(twins[base], label_smoothing=epsilon) if epsilon else twins[base]
+    return loss
 
 
 # -- the compiled step ----------------------------------------------------------------------------

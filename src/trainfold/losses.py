@@ -190,6 +190,7 @@ def label_smoothed(loss: Loss, epsilon: float) -> Loss:
         return loss(outputs, labels, num_items_in_batch, label_smoothing=epsilon)
 
     smoothed.count_items = loss.count_items  # type: ignore[attr-defined]
+    smoothed.smooths = (loss, epsilon)  # type: ignore[attr-defined]  # what it smooths (the compiled step reads it)
     smoothed.__name__ = f"label_smoothed_{loss.__name__}"
     return smoothed
 

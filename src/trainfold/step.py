@@ -245,6 +245,7 @@ def make_step(
     collective: Collective | None = None,
     autocast: torch.dtype | None = None,
     compile: bool | str | Callable[..., Any] = False,
+    compile_mode: str | None = None,
     gradient_checkpointing: bool | int = False,
 ) -> Callable[[TrainState, Batch], TrainState]:
     """Return ``step(state, batch) -> state`` for ``model``.
@@ -255,7 +256,8 @@ def make_step(
     (loss, aux)``; ``aux`` values are summed over micro-batches into ``state.metrics``, so scale
     them like the loss. ``count_items(micro_batch)`` counts a micro-batch's items (default: the
     loss's ``count_items`` on the labels). ``collective`` sums counts and gradients across ranks.
-    ``compile=True`` runs the step under ``torch.compile`` (a string or callable picks the backend);
+    ``compile=True`` runs the step under ``torch.compile`` (a string or callable picks the backend,
+    ``compile_mode`` the mode);
     where that cannot work it warns and stays eager (``trainfold.compiled``).
     ``gradient_checkpointing=True`` recomputes each transformer block in the backward pass instead
     of keeping its activations (``trainfold.recompute``; same gradients, about one more forward);
@@ -294,7 +296,7 @@ def make_step(
     if compile:
         from trainfold.compiled import compile_step  # noqa: PLC0415 - optional, heavy
 
-        return compile_step(step, plan, backend="inductor" if compile is True else compile)
+        return compile_step(step, plan, backend="inductor" if compile is True else compile, mode=compile_mode)
     return step
 
 

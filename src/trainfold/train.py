@@ -433,7 +433,7 @@ def train(
         else:
             objective = neftune_objective(model, args.neftune_noise_alpha, loss)
     step = make_step(model, loss, optimizer, objective=objective, collective=collective,
-                     autocast=torch.bfloat16 if args.bf16 else None, compile=args.torch_compile,
+                     autocast=torch.bfloat16 if args.bf16 else None, compile=args.compile, compile_mode=args.torch_compile_mode,
                      gradient_checkpointing=args.checkpoint_every)
 
     state = _initial_state(model, optimizer, args, metric_key, early_stopping, device)
