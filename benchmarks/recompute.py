@@ -21,8 +21,10 @@ from trainfold.losses import causal_lm
 from trainfold.testing import saved_for_backward  # needs the test extra (hypothesis)
 
 SIZES = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=172, vocab_size=256, seq=128),
-    "small": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, intermediate_size=688, vocab_size=2048, seq=512),
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 172,
+             "vocab_size": 256, "seq": 128},
+    "small": {"hidden_size": 256, "num_hidden_layers": 6, "num_attention_heads": 8, "intermediate_size": 688,
+              "vocab_size": 2048, "seq": 512},
 }
 
 

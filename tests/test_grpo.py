@@ -332,7 +332,11 @@ def test_num_iterations_trains_on_each_block_again_with_old_logps():
     opt = sgd(0.1)
     step = make_step(model, optimizer=opt, objective=grpo_objective())
     fed = []
-    observed = lambda s, b: fed.append(b[0]["advantages"]) or step(s, b)  # noqa: E731
+
+    def observed(s, b):
+        fed.append(b[0]["advantages"])
+        return step(s, b)
+
     prompts = [[{"prompt": ["12", "12", "3", "3"]}] for _ in range(3)]
     states = list(grpo_trajectory(observed, init_state(model, opt), prompts, recorded))
     assert [int(s.step) for s in states] == [1, 2, 3, 4, 5, 6] and seen == [0, 2, 4]

@@ -81,8 +81,8 @@ def test_hugging_face_llama_blocks_are_its_decoder_layers():
 
 def test_train_takes_the_hf_names_and_refuses_what_it_cannot_do(tmp_path):
     rows = [{"input_ids": list(range(i, i + 12)), "labels": list(range(i, i + 12))} for i in range(16)]
-    base = dict(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=4, logging_steps=1,
-                save_strategy="no", report_to="none", disable_tqdm=True, learning_rate=1e-2)
+    base = {"output_dir": str(tmp_path), "max_steps": 3, "per_device_train_batch_size": 4, "logging_steps": 1,
+            "save_strategy": "no", "report_to": "none", "disable_tqdm": True, "learning_rate": 1e-2}
     plain = train(lm(), TrainingArguments(**base), rows)
     for name in ("activation_checkpointing", "gradient_checkpointing"):
         again = train(lm(), TrainingArguments(**base, **{name: True}), rows)

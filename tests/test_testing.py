@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import pytest
 
 from trainfold import init_state, make_step, sgd
 from trainfold.losses import causal_lm

@@ -264,8 +264,8 @@ def schedule_kwargs_problems(name: str, kwargs: Mapping[str, Any]) -> list[str]:
     ["lr_scheduler_kwargs {'num_cycle'} are not taken by 'cosine' (it takes ['num_cycles'])"]
     """
     if name in _NOT_PURE:
-        return [f"lr_scheduler_type={name!r} is not supported: {_NOT_PURE[name]}, and trainfold's schedules are "
-                "pure functions of the step; use 'cosine_with_min_lr' or 'warmup_stable_decay' instead"]
+        return [(f"lr_scheduler_type={name!r} is not supported: {_NOT_PURE[name]}, and trainfold's schedules are "
+                 "pure functions of the step; use 'cosine_with_min_lr' or 'warmup_stable_decay' instead")]
     if name not in _NAMED:
         return [f"lr_scheduler_type={name!r} is not one of {list(SCHEDULE_NAMES)}"]
     params = list(inspect.signature(_NAMED[name]).parameters)[3:]
