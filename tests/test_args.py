@@ -90,3 +90,11 @@ def test_valid_combinations_and_helpers():
 def test_optim_args_are_parsed_like_hf():
     args = TrainingArguments(optim="sgd", optim_args="momentum=0.9, nesterov=True,dampening=0")
     assert args.optimizer_options == {"momentum": 0.9, "nesterov": True, "dampening": 0.0}
+
+
+def test_every_setting_has_its_type_checked():
+    import attrs
+
+    from trainfold.args import _TYPES
+
+    assert set(_TYPES) == {f.name for f in attrs.fields(TrainingArguments)}
