@@ -103,3 +103,18 @@ def test_train_takes_the_hf_names_and_refuses_what_it_cannot_do(tmp_path):
 def test_a_model_without_blocks_is_named():
     with pytest.raises(ValueError, match="found no blocks in Linear"), recomputing(torch.nn.Linear(2, 2)):
         pass
+
+
+def test_an_objective_with_a_frozen_reference_forward_checkpoints_too():
+    from trainfold.dpo import dpo_objective, preference_collate
+
+    policy, ref = lm(), lm(dropout=0.0)
+    pairs = [{"prompt_ids": [1, 5, 6], "chosen_ids": [7, 8, 9], "rejected_ids": [10, 11]} for _ in range(4)]
+    micro = [preference_collate(2)(pairs)]
+    opt = adamw(1e-2)
+    objective = dpo_objective(0.1, ref_params={k: v.detach().clone() for k, v in ref.named_parameters()})
+    state = init_state(policy, opt, seed=1)
+    plain = make_step(policy, optimizer=opt, objective=objective)(state, micro)
+    recomputed = make_step(policy, optimizer=opt, objective=objective, gradient_checkpointing=True)(state, micro)
+    for k in plain.params:
+        assert torch.equal(plain.params[k], recomputed.params[k]), k
