@@ -150,6 +150,34 @@ def test_a_compiled_run_follows_the_eager_one(tmp_path):
     assert [v for _, v in losses_of(compiled.log_history)] == pytest.approx([v for _, v in eager], rel=1e-4)
 
 
+def test_input_tokens_seen_are_counted_logged_and_resumed(tmp_path):
+    from trainfold.observe import TOKENS_SEEN
+
+    data = rows()
+    one_epoch = {"max_steps": -1, "num_train_epochs": 1, "logging_steps": 2}
+    real = train(model(), settings(tmp_path / "real", "sequential", include_num_input_tokens_seen="non_padding",
+                                   **one_epoch), data, data_collator=collate)
+    assert int(real.state.extras[TOKENS_SEEN]) == sum(len(r["input_ids"]) for r in data)  # every row once
+    everything = train(model(), settings(tmp_path / "all", "sequential", include_num_input_tokens_seen=True,
+                                         **one_epoch), data, data_collator=collate)
+    micro_batches = [data[i:i + 2] for i in range(0, len(data), 2)]
+    padded = sum(len(mb) * max(len(r["input_ids"]) for r in mb) for mb in micro_batches)
+    assert int(everything.state.extras[TOKENS_SEEN]) == padded  # each micro-batch padded to its longest row
+    logged = [h[TOKENS_SEEN] for h in real.log_history if TOKENS_SEEN in h]
+    assert logged == sorted(logged) and logged[-1] == int(real.state.extras[TOKENS_SEEN])
+
+    out = tmp_path / "resumed"
+    counting = {"include_num_input_tokens_seen": "non_padding", "logging_steps": 1}
+    straight = train(model(), settings(tmp_path / "straight", "random", **counting), data, data_collator=collate)
+    train(model(), settings(out, "random", save_strategy="steps", save_steps=3, **counting), data, data_collator=collate,
+          stop=lambda st: int(st.step) >= 3)
+    resumed = train(model(), settings(out, "random", **counting), data, data_collator=collate,
+                    resume_from_checkpoint=True)
+    assert int(resumed.state.extras[TOKENS_SEEN]) == int(straight.state.extras[TOKENS_SEEN])
+    assert [h[TOKENS_SEEN] for h in resumed.log_history if TOKENS_SEEN in h] == [
+        h[TOKENS_SEEN] for h in straight.log_history if TOKENS_SEEN in h]
+
+
 def test_preempted_cli_run_exits_143_and_resumes(tmp_path):
     config = tmp_path / "run.toml"
     config.write_text(textwrap.dedent(f"""

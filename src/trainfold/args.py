@@ -94,6 +94,7 @@ class TrainingArguments:
     logging_strategy: str = "steps"
     logging_steps: float = 500
     logging_first_step: bool = False
+    include_num_input_tokens_seen: str | bool = "no"
     report_to: str | tuple[str, ...] = "none"
     run_name: str | None = None
     disable_tqdm: bool | None = None
@@ -158,6 +159,12 @@ class TrainingArguments:
         return out
 
     @property
+    def tokens_seen(self) -> str:
+        """Return ``include_num_input_tokens_seen`` as ``"no"``, ``"all"`` or ``"non_padding"`` (True is ``"all"``)."""
+        value = self.include_num_input_tokens_seen
+        return {True: "all", False: "no"}[value] if isinstance(value, bool) else value
+
+    @property
     def compile(self) -> bool | str:
         """Return what ``make_step(compile=...)`` takes: False, True (inductor) or the backend's name."""
         if self.torch_compile_backend is not None:
@@ -203,7 +210,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "dataloader_pin_memory": (bool,), "dataloader_drop_last": (bool,), "remove_unused_columns": (bool,),
     "label_names": (tuple,), "neftune_noise_alpha": _OPT_NUM, "label_smoothing_factor": _NUM,
     "logging_strategy": (str,), "logging_steps": _NUM,
-    "logging_first_step": (bool,), "report_to": (str, tuple), "run_name": _OPT_STR,
+    "logging_first_step": (bool,), "include_num_input_tokens_seen": (str, bool), "report_to": (str, tuple), "run_name": _OPT_STR,
     "disable_tqdm": (bool, type(None)), "save_strategy": (str,), "save_steps": _NUM,
     "save_total_limit": _OPT_INT, "save_only_model": (bool,), "metric_for_best_model": _OPT_STR,
     "greater_is_better": (bool, type(None)), "load_best_model_at_end": (bool,),
@@ -267,6 +274,9 @@ def _problems(args: TrainingArguments) -> list[str]:
         out.append(f"save_total_limit must be >= 1 or None, got {args.save_total_limit}")
     if args.eval_accumulation_steps is not None and args.eval_accumulation_steps < 1:
         out.append(f"eval_accumulation_steps must be >= 1 or None, got {args.eval_accumulation_steps}")
+    if args.tokens_seen not in ("no", "all", "non_padding"):
+        out.append(f"include_num_input_tokens_seen={args.include_num_input_tokens_seen!r} is not one of "
+                   "'all', 'non_padding', 'no' (or True / False)")
     if not 0 <= args.label_smoothing_factor < 1:
         out.append(f"label_smoothing_factor must be in [0, 1), got {args.label_smoothing_factor}")
     if args.neftune_noise_alpha is not None and args.neftune_noise_alpha <= 0:

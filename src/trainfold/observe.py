@@ -34,6 +34,7 @@ from trainfold.stopping import EarlyStopping, EarlyStoppingRecord
 
 __all__ = [
     "LOG_MARK",
+    "TOKENS_SEEN",
     "LoggingPlan",
     "LogMark",
     "MetricWindow",
@@ -50,9 +51,11 @@ __all__ = [
     "log_if_due",
     "observing",
     "tap",
+    "counting_input_tokens",
 ]
 
 LOG_MARK = "log_mark"
+TOKENS_SEEN = "num_input_tokens_seen"  # the key of the running input-token count in state.extras
 LOGGING_STRATEGIES = ("no", "steps", "epoch")
 
 # An observer sees the state and the entry just logged: the functional form of a callback.
@@ -210,10 +213,12 @@ def log_entry(
             f"{int(mark.step)}; call log_entry only after a step (should_log decides when)"
         )
     metrics = state.metrics
+    tokens = {TOKENS_SEEN: int(state.extras[TOKENS_SEEN])} if TOKENS_SEEN in state.extras else {}
     return {
         "loss": ((state.loss_total.double() - mark.loss_total.double()) / steps).item(),
         "grad_norm": float(metrics["grad_norm"]),
         "learning_rate": float(metrics["learning_rate"]),
+        **tokens,
         "epoch": _epoch(state, steps_per_epoch),
         "step": int(state.step),
     }
@@ -413,7 +418,46 @@ def tap(effect: Callable[[TrainState], Any]) -> Callable[[TrainState], TrainStat
     return tapped
 
 
-def initial_extras(*stoppers: EarlyStopping, log_key: str = LOG_MARK) -> dict[str, Any]:
+def counting_input_tokens(
+    step: Callable[[TrainState, Any], TrainState],
+    mode: str = "all",
+    input_name: str = "input_ids",
+    collective: Any = None,
+) -> Callable[[TrainState, Any], TrainState]:
+    """Return ``step`` that also adds the batch's input tokens to ``state.extras[TOKENS_SEEN]`` (HF's
+    ``include_num_input_tokens_seen``): every token (``"all"``) or the attention mask's ones
+    (``"non_padding"``), summed over ranks. The count lives in the state, so it resumes exactly;
+    put ``TOKENS_SEEN: scalar(0)`` in the first state's extras (``initial_extras(tokens_seen=True)``).
+
+    >>> from trainfold.state import TrainState
+    >>> s = TrainState(params={}, buffers={}, opt_state=None, extras={TOKENS_SEEN: scalar(0)})
+    >>> counted = counting_input_tokens(lambda state, batch: state, "non_padding")
+    >>> batch = [{"input_ids": torch.ones(2, 3), "attention_mask": torch.tensor([[1, 1, 0], [1, 0, 0]])}]
+    >>> int(counted(s, batch).extras[TOKENS_SEEN])
+    3
+    """
+    if mode not in ("all", "non_padding"):
+        raise ValueError(f"mode={mode!r} must be 'all' or 'non_padding'")
+
+    def tokens(micro: Mapping[str, Any]) -> int:
+        if mode == "non_padding" and "attention_mask" in micro:
+            return int(micro["attention_mask"].sum())
+        if input_name not in micro:
+            raise KeyError(f"cannot count input tokens: the micro-batch has no {input_name!r} (keys: {sorted(micro)}); "
+                           "set model_input_name, or include_num_input_tokens_seen='no'")
+        return micro[input_name].numel()
+
+    def counted(state: TrainState, batch: Any) -> TrainState:
+        new = step(state, batch)
+        seen = torch.tensor(sum(tokens(mb) for mb in batch), dtype=torch.int64)
+        if collective is not None:
+            collective.sum_([seen])
+        return attrs.evolve(new, extras={**new.extras, TOKENS_SEEN: state.extras[TOKENS_SEEN] + seen})
+
+    return counted
+
+
+def initial_extras(*stoppers: EarlyStopping, log_key: str = LOG_MARK, tokens_seen: bool = False) -> dict[str, Any]:
     """Return the ``extras`` a run's first state needs: a logging mark and one record per early stopper.
 
     Pass it to ``init_state(..., extras=...)`` so that the template a checkpoint loads into has the
@@ -423,4 +467,5 @@ def initial_extras(*stoppers: EarlyStopping, log_key: str = LOG_MARK) -> dict[st
     >>> sorted(initial_extras(early_stopping("eval_loss")))
     ['early_stopping', 'log_mark']
     """
-    return {log_key: LogMark(), **{es.key: EarlyStoppingRecord() for es in stoppers}}
+    tokens = {TOKENS_SEEN: scalar(0)} if tokens_seen else {}
+    return {log_key: LogMark(), **tokens, **{es.key: EarlyStoppingRecord() for es in stoppers}}

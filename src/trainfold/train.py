@@ -34,6 +34,7 @@ from trainfold.losses import causal_lm, label_smoothed
 from trainfold.neftune import neftune_objective
 from trainfold.observe import (
     MetricWindow,
+    counting_input_tokens,
     eval_entry,
     initial_extras,
     log_if_due,
@@ -326,7 +327,7 @@ def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainSta
 
 def _initial_state(model: nn.Module, optimizer: GradientTransformation, args: TrainingArguments,
                    metric_key: str | None, early: EarlyStopping | None, device: torch.device) -> TrainState:
-    extras = initial_extras(*([early] if early is not None else []))
+    extras = initial_extras(*([early] if early is not None else []), tokens_seen=args.tokens_seen != "no")
     if metric_key is not None:
         extras[BEST] = policy.best_metric(policy.greater_is_better_for(metric_key, args.greater_is_better))
     state = init_state(model, optimizer, seed=args.seed, extras=extras)
@@ -484,7 +485,9 @@ def train(
         show = args.disable_tqdm is not True and rank == 0
         with guard as preemption, make_progress(total_steps, initial=int(state.step), enabled=None if show else False) as bar:
             all_stops = any_of(*stops, preemption.stop) if preemption is not None else any_of(*stops)
-            looped = observing(step, _after_step(run, saved), tap(bar.update))
+            counted = step if args.tokens_seen == "no" else counting_input_tokens(
+                step, args.tokens_seen, args.model_input_name, collective)
+            looped = observing(counted, _after_step(run, saved), tap(bar.update))
             for state in trajectory(looped, state, batches, all_stops):  # noqa: B007
                 pass
             if preemption is not None and preemption.requested():
