@@ -108,6 +108,7 @@ class TrainingArguments:
     enable_jit_checkpoint: bool = False
     use_cpu: bool = False
     bf16: bool = False
+    fp16: bool = False
     torch_compile: bool = False
     torch_compile_backend: str | None = None  # setting it turns torch_compile on, as in HF
     torch_compile_mode: str | None = None
@@ -214,7 +215,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "disable_tqdm": (bool, type(None)), "save_strategy": (str,), "save_steps": _NUM,
     "save_total_limit": _OPT_INT, "save_only_model": (bool,), "metric_for_best_model": _OPT_STR,
     "greater_is_better": (bool, type(None)), "load_best_model_at_end": (bool,),
-    "enable_jit_checkpoint": (bool,), "use_cpu": (bool,), "bf16": (bool,),
+    "enable_jit_checkpoint": (bool,), "use_cpu": (bool,), "bf16": (bool,), "fp16": (bool,),
     "torch_compile": (bool,), "torch_compile_backend": _OPT_STR, "torch_compile_mode": _OPT_STR,
     "activation_checkpointing": (bool, type(None)), "activation_checkpointing_kwargs": (dict, type(None)),
     "gradient_checkpointing": (bool, type(None)), "gradient_checkpointing_kwargs": (dict, type(None)),
@@ -342,6 +343,10 @@ def _checkpointing_problems(args: TrainingArguments) -> list[str]:
 
 def _combination_problems(args: TrainingArguments) -> list[str]:
     out = _checkpointing_problems(args)
+    if args.fp16 and args.bf16:
+        out.append("fp16=True and bf16=True: choose one")
+    if args.fp16 and args.compile:
+        out.append("fp16 (loss scaling) with torch_compile is not supported yet; use bf16 with torch_compile")
     if args.eval_on_start and args.eval_strategy == "no":
         out.append("eval_on_start=True needs eval_strategy 'steps' or 'epoch' (it is 'no')")
     if args.save_strategy == "best" and args.metric_key is None:

@@ -26,6 +26,7 @@ from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses
 
 from trainfold.losses import causal_lm, counter_for, warn_no_items
+from trainfold.amp import SCALER, LossScaling, ScalerState, unscale_, updated
 from trainfold.optim import GradientTransformation
 from trainfold.recompute import recomputing
 from trainfold.state import TrainState
@@ -217,6 +218,7 @@ class _Plan:
     collective: Collective | None
     autocast: torch.dtype | None
     recompute: int = 0  # 0: off; n: checkpoint every n-th block
+    loss_scaling: LossScaling | None = None
     slots: _Slots = attrs.field(default=attrs.Factory(lambda plan: _Slots(plan.model), takes_self=True))
 
 
@@ -247,6 +249,7 @@ def make_step(
     compile: bool | str | Callable[..., Any] = False,
     compile_mode: str | None = None,
     gradient_checkpointing: bool | int = False,
+    loss_scaling: LossScaling | None = None,
 ) -> Callable[[TrainState, Batch], TrainState]:
     """Return ``step(state, batch) -> state`` for ``model``.
 
@@ -261,7 +264,9 @@ def make_step(
     where that cannot work it warns and stays eager (``trainfold.compiled``).
     ``gradient_checkpointing=True`` recomputes each transformer block in the backward pass instead
     of keeping its activations (``trainfold.recompute``; same gradients, about one more forward);
-    an int ``n`` checkpoints every n-th block.
+    an int ``n`` checkpoints every n-th block. ``loss_scaling`` (with ``autocast=torch.float16``)
+    scales the loss dynamically, skipping updates whose gradients overflow (``trainfold.amp``; the
+    scaler lives in ``state.extras[amp.SCALER]``).
 
     >>> import torch
     >>> from trainfold.optim import sgd
@@ -278,6 +283,8 @@ def make_step(
         raise TypeError("make_step needs an optimizer, e.g. optimizer=trainfold.optim.adamw(1e-3)")
     if gradient_checkpointing and compile:
         raise ValueError("gradient_checkpointing with compile is not supported yet; choose one of the two")
+    if loss_scaling is not None and compile:
+        raise ValueError("loss_scaling (fp16) with compile is not supported yet; use bf16 autocast, or the eager step")
     plan = _Plan(
         model=model,
         optimizer=optimizer,
@@ -288,6 +295,7 @@ def make_step(
         collective=collective,
         autocast=autocast,
         recompute=int(gradient_checkpointing),
+        loss_scaling=loss_scaling,
     )
 
     def step(state: TrainState, batch: Batch) -> TrainState:
@@ -340,6 +348,7 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
     leaf_list = [leaves[k] for k in keys]
     buffers = {k: v.clone() for k, v in state.buffers.items()}  # running stats update the copies
     n_dev = num_items.to(device)
+    scaler = _scaler_of(plan, state)
 
     grads: list[Tensor] | None = None
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -358,7 +367,8 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
             key = torch.Generator(device=device).manual_seed(seed ^ 1)
             with autocast:
                 loss, aux = _micro_loss(plan, forward, leaves, micro, n_dev, key)
-            g = torch.autograd.grad(loss, leaf_list, allow_unused=True, materialize_grads=True)
+            scaled = loss if scaler is None else loss * scaler.scale.to(loss.device)
+            g = torch.autograd.grad(scaled, leaf_list, allow_unused=True, materialize_grads=True)
             if grads is None:
                 grads = list(g)
             else:
@@ -370,11 +380,28 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
     assert grads is not None
     if plan.collective is not None:
         plan.collective.sum_([*grads, total])
+    if scaler is not None:
+        assert plan.loss_scaling is not None
+        found_inf = unscale_(grads, scaler)
+        state = attrs.evolve(state, extras={**state.extras, SCALER: updated(scaler, found_inf, plan.loss_scaling)})
     grad_tree = dict(zip(keys, grads))
     grad_norm = global_norm(grad_tree)
+    if scaler is not None and bool(found_inf):  # overflow: skip the update, keep the params and optimizer state
+        return next_state(plan, state, state.params, buffers, state.opt_state, cursor, total, grad_norm, num_items,
+                          aux_total)
     params, opt_state = plan.optimizer.apply(grad_tree, state.opt_state, state.params)
     return next_state(plan, state, {k: params[k].detach() for k in keys}, buffers, opt_state, cursor,
                       total, grad_norm, num_items, aux_total)
+
+
+def _scaler_of(plan: _Plan, state: TrainState) -> ScalerState | None:
+    if plan.loss_scaling is None:
+        return None
+    scaler = state.extras.get(SCALER)
+    if scaler is None:
+        raise KeyError(f"loss_scaling needs the scaler in state.extras[{SCALER!r}]: "
+                       "init_state(..., extras={trainfold.amp.SCALER: trainfold.amp.initial_scaler(scaling)})")
+    return scaler
 
 
 def next_state(plan: _Plan, state: TrainState, params: dict[str, Tensor], buffers: dict[str, Tensor], opt_state: Any,

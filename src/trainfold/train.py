@@ -24,6 +24,7 @@ from torch import nn
 
 from trainfold import checkpoint as ckpt
 from trainfold import checkpoint_policy as policy
+from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
 from trainfold.data import KeyedCollate, StepBatch, keyed, pad_collate, stream
 from trainfold.distributed import agreed_stop, evaluate_sharded, shard
@@ -328,6 +329,8 @@ def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainSta
 def _initial_state(model: nn.Module, optimizer: GradientTransformation, args: TrainingArguments,
                    metric_key: str | None, early: EarlyStopping | None, device: torch.device) -> TrainState:
     extras = initial_extras(*([early] if early is not None else []), tokens_seen=args.tokens_seen != "no")
+    if args.fp16:
+        extras[SCALER] = initial_scaler(LossScaling())
     if metric_key is not None:
         extras[BEST] = policy.best_metric(policy.greater_is_better_for(metric_key, args.greater_is_better))
     state = init_state(model, optimizer, seed=args.seed, extras=extras)
@@ -434,8 +437,9 @@ def train(
         else:
             objective = neftune_objective(model, args.neftune_noise_alpha, loss)
     step = make_step(model, loss, optimizer, objective=objective, collective=collective,
-                     autocast=torch.bfloat16 if args.bf16 else None, compile=args.compile, compile_mode=args.torch_compile_mode,
-                     gradient_checkpointing=args.checkpoint_every)
+                     autocast=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
+                     compile=args.compile, compile_mode=args.torch_compile_mode,
+                     gradient_checkpointing=args.checkpoint_every, loss_scaling=LossScaling() if args.fp16 else None)
 
     state = _initial_state(model, optimizer, args, metric_key, early_stopping, device)
     history: list[dict[str, Any]] = []
