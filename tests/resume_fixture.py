@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import textwrap
+from pathlib import Path
+
 import torch
 from trainfold.data import keyed, pad_collate
 from trainfold.losses import causal_lm
@@ -52,3 +55,27 @@ def fold_run(n_steps):
         for _ in range(n_steps)
     ]
     return net, make_step(net, causal_lm, opt), init_state(net, opt, seed=7), batches
+
+
+def endless_cli_config(folder: Path, output_dir: Path) -> Path:
+    """Write a CLI config that trains until preempted (JIT checkpoint on, a jsonl line per step); return its path."""
+    config = folder / "run.toml"
+    config.write_text(textwrap.dedent(f"""
+        [model]
+        type = "tinylm"
+        config = {{ d_model = 16, n_layers = 1, n_heads = 2, max_len = 32 }}
+        [data]
+        train = "stdlib"
+        seq_len = 32
+        max_bytes = 40000
+        [args]
+        output_dir = "{output_dir}"
+        max_steps = 100000
+        per_device_train_batch_size = 4
+        save_strategy = "no"
+        enable_jit_checkpoint = true
+        disable_tqdm = true
+        logging_steps = 1
+        report_to = ["jsonl"]
+    """))
+    return config

@@ -18,7 +18,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from resume_fixture import endless_cli_config
 from safetensors.torch import load_file, save_file
 
 from trainfold import TrainingArguments, checkpoint, train
@@ -271,25 +271,7 @@ def _free_port() -> int:
 
 def test_sigterm_to_one_rank_stops_both_at_one_step_with_one_checkpoint(tmp_path):
     out = tmp_path / "out"
-    config = tmp_path / "run.toml"
-    config.write_text(textwrap.dedent(f"""
-        [model]
-        type = "tinylm"
-        config = {{ d_model = 16, n_layers = 1, n_heads = 2, max_len = 32 }}
-        [data]
-        train = "stdlib"
-        seq_len = 32
-        max_bytes = 40000
-        [args]
-        output_dir = "{out}"
-        max_steps = 100000
-        per_device_train_batch_size = 4
-        save_strategy = "no"
-        enable_jit_checkpoint = true
-        disable_tqdm = true
-        logging_steps = 1
-        report_to = ["jsonl"]
-    """))
+    config = endless_cli_config(tmp_path, out)
     port = _free_port()
     procs = []
     for rank in range(WORLD):  # what torchrun sets for each worker

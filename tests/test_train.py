@@ -19,7 +19,7 @@ from trainfold.tree import flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
+from resume_fixture import collate, endless_cli_config, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
 
 
 def settings(tmp: Path, strategy: str, **over) -> TrainingArguments:
@@ -179,25 +179,7 @@ def test_input_tokens_seen_are_counted_logged_and_resumed(tmp_path):
 
 
 def test_preempted_cli_run_exits_143_and_resumes(tmp_path):
-    config = tmp_path / "run.toml"
-    config.write_text(textwrap.dedent(f"""
-        [model]
-        type = "tinylm"
-        config = {{ d_model = 16, n_layers = 1, n_heads = 2, max_len = 32 }}
-        [data]
-        train = "stdlib"
-        seq_len = 32
-        max_bytes = 40000
-        [args]
-        output_dir = "{tmp_path / 'out'}"
-        max_steps = 100000
-        per_device_train_batch_size = 4
-        save_strategy = "no"
-        enable_jit_checkpoint = true
-        disable_tqdm = true
-        logging_steps = 1
-        report_to = ["jsonl"]
-    """))
+    config = endless_cli_config(tmp_path, tmp_path / "out")
     proc = subprocess.Popen([sys.executable, "-m", "trainfold", "train", "--config", str(config)], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log = tmp_path / "out" / "log.jsonl"

@@ -25,8 +25,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses
 
-from trainfold.losses import causal_lm, counter_for, warn_no_items
 from trainfold.amp import SCALER, LossScaling, ScalerState, unscale_, updated
+from trainfold.losses import causal_lm, counter_for, warn_no_items
 from trainfold.optim import GradientTransformation
 from trainfold.recompute import recomputing
 from trainfold.state import TrainState
@@ -302,7 +302,7 @@ def make_step(
         return _step(plan, state, batch)
 
     if compile:
-        from trainfold.compiled import compile_step  # noqa: PLC0415 - optional, heavy
+        from trainfold.compiled import compile_step
 
         return compile_step(step, plan, backend="inductor" if compile is True else compile, mode=compile_mode)
     return step
