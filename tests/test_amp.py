@@ -101,3 +101,27 @@ def test_train_with_fp16_scales_checkpoints_and_resumes_the_scaler(tmp_path):
                                ({"fp16": True, "torch_compile": True}, "fp16 .loss scaling. with torch_compile")]:
         with pytest.raises(ValueError, match=message):
             TrainingArguments(**settings_)
+
+
+def test_an_overflowing_loss_is_skipped_and_left_out_of_the_logged_means():
+    from trainfold.observe import LogMark, log_entry, train_summary
+
+    def objective(forward, params, micro, num_items, key):  # the second batch's loss overflows
+        inputs = {"input_ids": micro["input_ids"]}
+        return causal_lm(forward(params, inputs), micro["labels"], num_items) * micro["factor"][0], {}
+
+    scaling = LossScaling(init_scale=1.0)
+    model, opt = lm(), adamw(1e-3)
+    step = make_step(model, optimizer=opt, objective=objective, loss_scaling=scaling)
+    start = state = init_state(model, opt, extras={SCALER: initial_scaler(scaling)})
+    losses = []
+    for i, (micro,) in enumerate(batches(4)):
+        new = step(state, [{**micro, "factor": torch.full((4,), float("inf") if i == 1 else 1.0)}])
+        if i == 1:
+            assert all(torch.equal(new.params[k], state.params[k]) for k in state.params)
+        losses.append(new.metrics["loss"].item())
+        state = new
+    assert not torch.isfinite(torch.tensor(losses[1])) and int(state.nonfinite_losses) == 1
+    finite = [x for x in losses if x == x and abs(x) != float("inf")]
+    assert log_entry(state, LogMark())["loss"] == pytest.approx(sum(finite) / 3, rel=1e-6)
+    assert train_summary(state, start, 1.0)["train_loss"] == pytest.approx(sum(finite) / 3, rel=1e-6)

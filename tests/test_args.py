@@ -62,6 +62,7 @@ def test_every_problem_is_reported_at_once():
         ({"lr_scheduler_type": "cosine", "lr_scheduler_kwargs": {"min_lr": 0.1}}, r"not taken by 'cosine'"),
         ({"lr_scheduler_type": "reduce_lr_on_plateau"}, "follows evaluation metrics, not the step"),
         ({"lr_scheduler_kwargs": "num_cycles=2"}, "lr_scheduler_kwargs must be dict or None"),
+        ({"logging_nan_inf_filter": False}, "logged means always leave out inf/NaN step losses"),
         ({"label_smoothing_factor": 1.0}, r"label_smoothing_factor must be in \[0, 1\), got 1.0"),
         ({"optim": "adafactor"}, r"optim='adafactor' is not one of \['adamw_torch_fused', 'adamw_torch', 'sgd'\]"),
         ({"optim": "sgd", "optim_args": "momentum=0.9,weight_decay=0.1"}, r"optim_args \['weight_decay'\] are not taken"),

@@ -94,6 +94,7 @@ class TrainingArguments:
     logging_strategy: str = "steps"
     logging_steps: float = 500
     logging_first_step: bool = False
+    logging_nan_inf_filter: bool = True
     include_num_input_tokens_seen: str | bool = "no"
     report_to: str | tuple[str, ...] = "none"
     run_name: str | None = None
@@ -211,7 +212,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "dataloader_pin_memory": (bool,), "dataloader_drop_last": (bool,), "remove_unused_columns": (bool,),
     "label_names": (tuple,), "neftune_noise_alpha": _OPT_NUM, "label_smoothing_factor": _NUM,
     "logging_strategy": (str,), "logging_steps": _NUM,
-    "logging_first_step": (bool,), "include_num_input_tokens_seen": (str, bool), "report_to": (str, tuple), "run_name": _OPT_STR,
+    "logging_first_step": (bool,), "logging_nan_inf_filter": (bool,), "include_num_input_tokens_seen": (str, bool), "report_to": (str, tuple), "run_name": _OPT_STR,
     "disable_tqdm": (bool, type(None)), "save_strategy": (str,), "save_steps": _NUM,
     "save_total_limit": _OPT_INT, "save_only_model": (bool,), "metric_for_best_model": _OPT_STR,
     "greater_is_better": (bool, type(None)), "load_best_model_at_end": (bool,),
@@ -278,6 +279,9 @@ def _problems(args: TrainingArguments) -> list[str]:
     if args.tokens_seen not in ("no", "all", "non_padding"):
         out.append(f"include_num_input_tokens_seen={args.include_num_input_tokens_seen!r} is not one of "
                    "'all', 'non_padding', 'no' (or True / False)")
+    if not args.logging_nan_inf_filter:
+        out.append("logging_nan_inf_filter=False is not supported: logged means always leave out inf/NaN step losses "
+                   "(state.nonfinite_losses counts them; state.metrics['loss'] holds each step's own value)")
     if not 0 <= args.label_smoothing_factor < 1:
         out.append(f"label_smoothing_factor must be in [0, 1), got {args.label_smoothing_factor}")
     if args.neftune_noise_alpha is not None and args.neftune_noise_alpha <= 0:

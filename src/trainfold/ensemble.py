@@ -68,7 +68,7 @@ __all__ = [
 ]
 
 Batch = Sequence[Mapping[str, Tensor]]
-_STACKED = ("params", "buffers", "opt_state", "step", "seed", "metrics", "loss_total")
+_STACKED = ("params", "buffers", "opt_state", "step", "seed", "metrics", "loss_total", "nonfinite_losses")
 
 
 # -- states -----------------------------------------------------------------------------------------
@@ -499,6 +499,7 @@ def _run(
     metrics = {**state.metrics, **{name: torch.where(active, v, state.metrics[name].to(v.dtype)) if name in state.metrics
                                    else v for name, v in fresh.items()}}
     step_inc = active.to(state.step.dtype)
+    finite = torch.isfinite(fresh["loss"])
     new_adam = AdamState(adam.count + step_inc, dict(zip(keys, mu)), dict(zip(keys, nu)))
     return attrs.evolve(
         state,
@@ -508,7 +509,8 @@ def _run(
         step=state.step + step_inc,
         cursor=cursor,
         metrics=metrics,
-        loss_total=state.loss_total + torch.where(active, fresh["loss"].double(), 0.0),
+        loss_total=state.loss_total + torch.where(active & finite, fresh["loss"].double(), 0.0),
+        nonfinite_losses=state.nonfinite_losses + (active & ~finite).long(),
     )
 
 

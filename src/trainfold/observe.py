@@ -146,7 +146,7 @@ def should_log(plan: LoggingPlan, step: int, last_logged: int, *, epoch_end: boo
 
 @attrs.frozen(eq=False)
 class LogMark:
-    """Where the last log was taken: the step and the running loss sum at that moment.
+    """Where the last log was taken: the step, the running loss sum and the non-finite count then.
 
     >>> import torch
     >>> mark = LogMark(step=scalar(3), loss_total=scalar(4.5, torch.float64))
@@ -156,6 +156,7 @@ class LogMark:
 
     step: Tensor = attrs.field(factory=lambda: scalar(0))
     loss_total: Tensor = attrs.field(factory=lambda: scalar(0.0, torch.float64))
+    nonfinite_losses: Tensor = attrs.field(factory=lambda: scalar(0))
 
 
 def log_mark(state: TrainState, key: str = LOG_MARK) -> LogMark:
@@ -177,7 +178,8 @@ def mark_logged(state: TrainState, key: str = LOG_MARK) -> TrainState:
     >>> log_mark(mark_logged(s)).step.item()
     7
     """
-    mark = LogMark(step=state.step.detach().clone(), loss_total=state.loss_total.detach().clone())
+    mark = LogMark(step=state.step.detach().clone(), loss_total=state.loss_total.detach().clone(),
+                   nonfinite_losses=state.nonfinite_losses.detach().clone())
     return attrs.evolve(state, extras={**state.extras, key: mark})
 
 
@@ -194,7 +196,8 @@ def log_entry(
     """Return the log entry for the window since ``mark`` (default: the state's own mark).
 
     ``loss`` is the mean of the per-step losses in the window (exact: a difference of running
-    float64 sums); ``grad_norm`` (before clipping) and ``learning_rate`` are those of the last
+    float64 sums), over the steps whose loss was finite (NaN if none was: HF's
+    ``logging_nan_inf_filter``, always on); ``grad_norm`` (before clipping) and ``learning_rate`` are those of the last
     step; ``epoch`` is fractional from the data cursor when ``steps_per_epoch`` is given.
 
     >>> import torch
@@ -215,13 +218,18 @@ def log_entry(
     metrics = state.metrics
     tokens = {TOKENS_SEEN: int(state.extras[TOKENS_SEEN])} if TOKENS_SEEN in state.extras else {}
     return {
-        "loss": ((state.loss_total.double() - mark.loss_total.double()) / steps).item(),
+        "loss": _mean_loss(state, mark.loss_total, mark.nonfinite_losses, steps),
         "grad_norm": float(metrics["grad_norm"]),
         "learning_rate": float(metrics["learning_rate"]),
         **tokens,
         "epoch": _epoch(state, steps_per_epoch),
         "step": int(state.step),
     }
+
+
+def _mean_loss(state: TrainState, total_before: Tensor, nonfinite_before: Tensor, steps: int) -> float:
+    counted = steps - (int(state.nonfinite_losses) - int(nonfinite_before))
+    return ((state.loss_total.double() - total_before.double()) / counted).item() if counted > 0 else math.nan
 
 
 _STEP_METRICS = frozenset({"loss", "grad_norm", "learning_rate", "num_items"})
@@ -316,7 +324,7 @@ def train_summary(
     (1.5, 2.0, 16.0)
     """
     steps = int(state.step) - int(start.step)
-    loss = ((state.loss_total.double() - start.loss_total.double()) / steps).item() if steps > 0 else math.nan
+    loss = _mean_loss(state, start.loss_total, start.nonfinite_losses, steps)
     per_second = (lambda n: n / runtime) if runtime > 0 else (lambda n: math.nan)
     return {
         "train_runtime": float(runtime),

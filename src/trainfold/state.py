@@ -65,8 +65,10 @@ class TrainState:
 
     ``params`` are the trainable tensors; ``buffers`` the module buffers and frozen parameters.
     ``step`` counts optimizer updates done. ``metrics`` holds what the last step reports
-    (``loss``, pre-clip ``grad_norm``, ``learning_rate``, ``num_items``) as 0-d tensors, and
-    ``loss_total`` the float64 sum of all step losses, so any logging window's mean is exact.
+    (``loss``, pre-clip ``grad_norm``, ``learning_rate``, ``num_items``) as 0-d tensors,
+    ``loss_total`` the float64 sum of all finite step losses, so any logging window's mean is exact,
+    and ``nonfinite_losses`` the count of steps whose loss was inf or NaN (left out of the sum, so
+    one overflowing float16 step does not turn every later window's mean into inf).
     ``extras`` carries named records owned by higher layers (logging marks, best-model and
     early-stopping counters) so they survive a resume.
 
@@ -84,6 +86,7 @@ class TrainState:
     cursor: Cursor = attrs.field(factory=Cursor)
     metrics: dict[str, Tensor] = attrs.field(factory=lambda: initial_metrics())
     loss_total: Tensor = attrs.field(factory=lambda: scalar(0.0, torch.float64))
+    nonfinite_losses: Tensor = attrs.field(factory=lambda: scalar(0))
     extras: dict[str, Any] = attrs.field(factory=dict)
 
 

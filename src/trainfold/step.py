@@ -418,8 +418,10 @@ def next_state(plan: _Plan, state: TrainState, params: dict[str, Tensor], buffer
         "num_items": num_items.float(),
         **{k: v.detach().cpu() for k, v in aux.items()},
     }
+    finite = torch.isfinite(metrics["loss"])
     return attrs.evolve(
         state, params=params, buffers=buffers, opt_state=opt_state, step=state.step + 1, cursor=cursor,
-        metrics=metrics, loss_total=state.loss_total + metrics["loss"].double(),
+        metrics=metrics, loss_total=state.loss_total + torch.where(finite, metrics["loss"].double(), 0.0),
+        nonfinite_losses=state.nonfinite_losses + (~finite).long(),
     )
 
