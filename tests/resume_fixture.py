@@ -79,3 +79,16 @@ def endless_cli_config(folder: Path, output_dir: Path) -> Path:
         report_to = ["jsonl"]
     """))
     return config
+
+
+class ListDataset(torch.utils.data.Dataset):
+    """A list of rows as the map-style dataset ``transformers.Trainer`` wants."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return self.rows[i]

@@ -10,22 +10,12 @@ import copy
 
 import pytest
 import torch
+from resume_fixture import ListDataset
 
 from trainfold import init_state, make_step, sgd
 from trainfold.losses import causal_lm, cross_entropy
 
 transformers = pytest.importorskip("transformers")
-
-
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
 
 
 def hf_one_step_update(model, rows, batch_size, accumulation, tmp_path):

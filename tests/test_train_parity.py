@@ -10,23 +10,13 @@ import copy
 
 import pytest
 import torch
+from resume_fixture import ListDataset as Rows
 
 from trainfold import TrainingArguments, train
 
 transformers = pytest.importorskip("transformers")
 
 STEPS = 12
-
-
-class Rows(torch.utils.data.Dataset):
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return self.rows[i]
 
 
 def llama():
