@@ -45,26 +45,36 @@ def checkpoint_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     >>> checkpoint_blocks(torch.nn.Linear(2, 2))
     []
     """
-    marked = [(n, m) for n, m in model.named_modules() if any(c.__name__ == _HF_LAYER for c in type(m).__mro__[1:])]
+    names = {id(m): n for n, m in model.named_modules()}
+    return [(names[id(b)], b) for b in _blocks(list(model.modules()))]
+
+
+@functools.lru_cache(maxsize=None)
+def _is_hf_layer(cls: type) -> bool:
+    return any(c.__name__ == _HF_LAYER for c in cls.__mro__[1:])
+
+
+def _blocks(modules: list[nn.Module]) -> list[nn.Module]:
+    marked = [m for m in modules if _is_hf_layer(type(m))]
     if marked:
         return marked
-    lists = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    if not lists:
-        return []
-    name, longest = max(lists, key=lambda item: len(item[1]))
-    return [(f"{name}.{i}" if name else str(i), block) for i, block in enumerate(longest)]
+    lists = [m for m in modules if isinstance(m, nn.ModuleList) and len(m) > 0]
+    return list(max(lists, key=len)) if lists else []
 
 
 @contextlib.contextmanager
-def recomputing(model: nn.Module, blocks: list[nn.Module] | None = None, every: int = 1) -> Iterator[list[nn.Module]]:
+def recomputing(model: nn.Module, blocks: list[nn.Module] | None = None, every: int = 1,
+                modules: list[nn.Module] | None = None) -> Iterator[list[nn.Module]]:
     """Checkpoint every ``every``-th of ``blocks`` (default: :func:`checkpoint_blocks`) for the duration; yield them.
 
     ``every=2`` checkpoints blocks 0, 2, 4, … (HF's ``every_n_layers``): less recomputation, more
-    memory. Raises ``ValueError`` naming the fix when the model has no blocks to checkpoint.
+    memory. ``modules`` is ``list(model.modules())`` when the caller has walked the tree already.
+    Raises ``ValueError`` naming the fix when the model has no blocks to checkpoint.
     """
     if not (isinstance(every, int) and every >= 1):
         raise ValueError(f"every must be an int >= 1 (1: every block), got {every!r}")
-    chosen = ([m for _, m in checkpoint_blocks(model)] if blocks is None else list(blocks))[::every]
+    found = _blocks(list(model.modules()) if modules is None else modules) if blocks is None else list(blocks)
+    chosen = found[::every]
     if not chosen:
         raise ValueError(
             f"gradient checkpointing found no blocks in {type(model).__name__}: it checkpoints transformers' "

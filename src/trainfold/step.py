@@ -357,7 +357,8 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
         torch.autocast(device.type, dtype=plan.autocast) if plan.autocast is not None else contextlib.nullcontext()
     )
     modules = list(plan.model.modules())
-    recompute = recomputing(plan.model, every=plan.recompute) if plan.recompute else contextlib.nullcontext()
+    recompute = (recomputing(plan.model, every=plan.recompute, modules=modules) if plan.recompute
+                 else contextlib.nullcontext())
     with _training_flags(modules, True), _private_rng(device) as generators, \
             plan.slots.bound(modules, leaves, buffers) as forward, recompute:
         for i, micro in enumerate(batch):
