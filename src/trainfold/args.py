@@ -177,8 +177,12 @@ class TrainingArguments:
     def checkpoint_every(self) -> int:
         """Return which blocks activation checkpointing recomputes: 0 (off), or every n-th block."""
         on = self.activation_checkpointing or self.gradient_checkpointing
-        kwargs = self.activation_checkpointing_kwargs or self.gradient_checkpointing_kwargs or {}
-        return int(kwargs.get("every_n_layers", 1)) if on else 0
+        return int(self.checkpointing_kwargs.get("every_n_layers", 1)) if on else 0
+
+    @property
+    def checkpointing_kwargs(self) -> dict[str, Any]:
+        """Return ``activation_checkpointing_kwargs``, or its older name's value, or ``{}``."""
+        return self.activation_checkpointing_kwargs or self.gradient_checkpointing_kwargs or {}
 
     @property
     def reporters(self) -> tuple[str, ...]:
@@ -329,7 +333,7 @@ def _checkpointing_problems(args: TrainingArguments) -> list[str]:
         a, b = getattr(args, new), getattr(args, old)
         if a is not None and b is not None and a != b:
             out.append(f"{new}={a!r} and its older name {old}={b!r} disagree; set only {new}")
-    kwargs = args.activation_checkpointing_kwargs or args.gradient_checkpointing_kwargs or {}
+    kwargs = args.checkpointing_kwargs
     unknown = sorted(set(kwargs) - {"every_n_layers", "use_reentrant"})
     if unknown:
         out.append(f"activation_checkpointing_kwargs {unknown} are not supported (supported: every_n_layers, "
