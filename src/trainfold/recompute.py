@@ -49,7 +49,7 @@ def checkpoint_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(names[id(b)], b) for b in _blocks(list(model.modules()))]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _is_hf_layer(cls: type) -> bool:
     return any(c.__name__ == _HF_LAYER for c in cls.__mro__[1:])
 
