@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import math
 import warnings
+from unittest import mock
 
 import pytest
 import torch
@@ -140,6 +141,47 @@ def test_lengths_from_a_datasets_column():
     ds = datasets.Dataset.from_dict({"input_ids": [[1], [1, 2]], "length": [10, 20]})
     assert dataset_lengths(ds) == (10, 20)
     assert make_sampler("group_by_length", ds, per_device_train_batch_size=1).lengths == (10, 20)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(0, 12), min_size=1, max_size=40), st.randoms(use_true_random=False))
+def test_datasets_lengths_are_read_through_arrow_in_one_call(sizes, rnd):
+    datasets = pytest.importorskip("datasets")
+    import trainfold.samplers as samplers
+
+    rows = {"input_ids": [[7] * n for n in sizes], "length": [3 * n + 1 for n in sizes]}
+    picked = rnd.sample(range(len(sizes)), rnd.randint(1, len(sizes)))  # a row selection, as shuffle/select give
+    ds = datasets.Dataset.from_dict(rows).select(picked)
+    no_length = datasets.Dataset.from_dict({"input_ids": rows["input_ids"]}).select(picked)
+
+    def per_item(*args):
+        raise AssertionError("measured item by item")
+
+    with mock.patch.object(samplers, "_item_length", per_item):
+        from_column = dataset_lengths(ds)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from_lists = dataset_lengths(no_length)
+    assert from_column == tuple(3 * sizes[i] + 1 for i in picked)
+    assert from_lists == tuple(sizes[i] for i in picked)
+    assert all(type(n) is int for n in from_column + from_lists)
+
+
+def test_nested_or_tensor_columns_are_still_measured_per_item():
+    datasets = pytest.importorskip("datasets")
+    nested = datasets.Dataset.from_dict({"input_ids": [[[1, 2, 3]], [[1], [2]]]})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert dataset_lengths(nested) == (1, 2)  # len(item["input_ids"]), as before
+        assert dataset_lengths(nested.with_format("torch")) == (3, 1)
+
+
+def test_one_micro_batch_per_step_is_the_step_sorted_longest_first():
+    lengths = [4, 9, 1, 7, 3, 8, 2]
+    s = Sampler("batch_rebalance", 7, per_device_train_batch_size=3, seed=5, lengths=lengths)
+    order = s.order(0)
+    expected = [sorted(order[i:i + 3], key=lambda j: -lengths[j]) for i in range(0, 7, 3)]
+    assert [step[0] for step in s.epoch_batches(0)] == expected
 
 
 # -- properties ------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 __all__ = ["LENGTH_STRATEGIES", "STRATEGIES", "Sampler", "dataset_lengths", "make_sampler", "padded_cost"]
@@ -43,8 +44,12 @@ LENGTH_STRATEGIES = ("group_by_length", "batch_rebalance")
 Step = list[list[int]]  # one rank's micro-batches of one optimizer step
 
 
-def _int_tuple(values: Sequence[Any] | None) -> tuple[int, ...] | None:
-    return None if values is None else tuple(int(v) for v in values)
+def _int_tuple(values: Sequence[Any] | np.ndarray | None) -> tuple[int, ...] | None:
+    if values is None:
+        return None
+    if isinstance(values, np.ndarray):  # lengths read through arrow: one conversion, not one per item
+        return tuple(values.astype(np.int64, copy=False).tolist())
+    return tuple(int(v) for v in values)
 
 
 def _config_errors(s: Sampler) -> list[str]:
@@ -64,7 +69,7 @@ def _config_errors(s: Sampler) -> list[str]:
             errors.append(f"strategy={s.strategy!r} needs lengths (one per sample); use make_sampler to compute them")
         elif len(s.lengths) != s.num_samples:
             errors.append(f"lengths has {len(s.lengths)} entries but num_samples={s.num_samples}")
-        elif any(n < 0 for n in s.lengths):
+        elif s.lengths and min(s.lengths) < 0:
             errors.append(f"lengths must be >= 0, got {min(s.lengths)}")
     return errors
 
@@ -125,16 +130,14 @@ class Sampler:
         [[[[0]], [[1]]], [[[2]], [[3]]]]
         """
         order = self.order(epoch)
+        if self.strategy == "batch_rebalance":
+            return _rebalance_steps(order, self)
         g = self.global_batch_size
         full = len(order) // g
-        chunks = [order[i * g:(i + 1) * g] for i in range(full)]
-        tail = order[full * g:]
-        if self.strategy == "batch_rebalance":
-            steps = _rebalance_steps(chunks, tail, order, self)
-        else:
-            steps = [_deal(_cut(c, self.per_device_train_batch_size), self.world_size) for c in chunks]
-            if tail:
-                steps.extend(_tail_step(tail, order, self))
+        steps = [_deal(_cut(order[i * g:(i + 1) * g], self.per_device_train_batch_size), self.world_size)
+                 for i in range(full)]
+        if len(order) > full * g:
+            steps.extend(_tail_step(order[full * g:], order, self))
         return steps
 
     def epoch_batches(self, epoch: int) -> list[Step]:
@@ -218,9 +221,9 @@ def _group_by_length(perm: list[int], lengths: Sequence[int], mult_cap: int, gro
 
 def _greedy(costs: list[int], limit: int, k: int) -> list[int] | None:
     """Return the group sizes of a left-to-right fill up to ``limit``, or None past ``k`` groups."""
-    sizes, i = [], 0
-    while i < len(costs):
-        size = min(limit // costs[i], len(costs) - i)
+    sizes, i, n = [], 0, len(costs)
+    while i < n:
+        size = min(limit // costs[i], n - i)
         if size == 0 or len(sizes) == k:
             return None
         sizes.append(size)
@@ -236,25 +239,36 @@ def _partition(lens: Sequence[int], k: int, world: int, capacity: int) -> list[i
     for a monotone cost); then peaks up to ``1.5 T`` are tried and the split whose heaviest rank
     (after :func:`_assign`) is lightest wins, so a micro-batch never costs more than ``1.5 T``.
     """
+    if k == 1:  # one micro-batch on one rank: nothing to balance
+        return [len(lens)]
     costs = [max(n, 1) for n in lens]
-    lo, hi = costs[0], costs[0] * len(costs)
+    # T is at least the longest item and the mean group's share; equal groups of ceil(n / k) always fit.
+    lo = max(costs[0], -(-sum(costs) // k))
+    hi = max(lo, costs[0] * -(-len(costs) // k))
     while lo < hi:
         mid = (lo + hi) // 2
         if _greedy(costs, mid, k) is None:
             lo = mid + 1
         else:
             hi = mid
+    # Every split has a group of cost >= T (the bisection's answer) and rank loads summing to >= sum(costs).
+    floor = max(lo, -(-sum(costs) // world))
     best: tuple[int, list[int]] | None = None
+    tried: set[tuple[int, ...]] = set()
     for limit in sorted({lo * (20 + i) // 20 for i in range(11)}):
-        sizes = _greedy(costs, limit, k)
-        if sizes is None:
+        greedy = _greedy(costs, limit, k)
+        if greedy is None:
             continue
-        sizes = _split_to(sizes, costs, k)
+        sizes = _split_to(greedy, costs, k)
+        if tuple(sizes) in tried:  # the same split has the same peak: the first one stays best
+            continue
+        tried.add(tuple(sizes))
         group_costs = _group_costs(sizes, costs)
-        bins = _assign(group_costs, world, capacity)
-        peak = max(sum(group_costs[g] for g in b) for b in bins)
+        peak = max(_assign(group_costs, world, capacity)[1])
         if best is None or peak < best[0]:
             best = (peak, sizes)
+        if peak <= floor:  # no split has a lighter heaviest rank: later tries cannot win
+            break
     assert best is not None
     return best[1]
 
@@ -269,9 +283,10 @@ def _group_costs(sizes: list[int], costs: list[int]) -> list[int]:
 
 def _split_to(sizes: list[int], costs: list[int], k: int) -> list[int]:
     """Split the most expensive splittable groups in two until there are ``k`` groups."""
+    if len(sizes) == k:
+        return sizes
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    groups = [(start, size) for start, size in zip(starts, sizes)]
-    heap = [(-size * costs[start], start, size) for start, size in groups]
+    heap = [(-size * costs[start], start, size) for start, size in zip(starts, sizes)]
     heapq.heapify(heap)
     done = []
     while len(heap) + len(done) < k:
@@ -285,29 +300,38 @@ def _split_to(sizes: list[int], costs: list[int], k: int) -> list[int]:
     return [size for _, size in sorted(done + [(st, sz) for _, st, sz in heap])]
 
 
-def _assign(costs: list[int], world: int, capacity: int) -> list[list[int]]:
-    """Assign groups to ``world`` bins of at most ``capacity`` groups, most expensive first (LPT)."""
+def _assign(costs: list[int], world: int, capacity: int) -> tuple[list[list[int]], list[int]]:
+    """Assign groups to ``world`` bins of at most ``capacity`` groups, most expensive first (LPT).
+
+    Return the bins and their loads; a group goes to the least loaded bin with room (lowest index on ties).
+    """
+    by_cost = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    if world == 1:
+        return [by_cost], [sum(costs)]
     bins: list[list[int]] = [[] for _ in range(world)]
     loads = [0] * world
-    for g in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        r = min((r for r in range(world) if len(bins[r]) < capacity), key=lambda r: (loads[r], r))
-        bins[r].append(g)
-        loads[r] += costs[g]
-    return bins
+    for g in by_cost:
+        best = -1
+        for r in range(world):
+            if len(bins[r]) < capacity and (best < 0 or loads[r] < loads[best]):
+                best = r
+        bins[best].append(g)
+        loads[best] += costs[g]
+    return bins, loads
 
 
-def _rebalance_step(chunk: list[int], s: Sampler, k: int, totals: list[int]) -> list[Step]:
-    lengths = s.lengths
-    assert lengths is not None
-    ordered = sorted(chunk, key=lambda j: -lengths[j])
-    sizes = _partition([lengths[j] for j in ordered], k, s.world_size, s.gradient_accumulation_steps)
-    groups, start = [], 0
+def _rebalance_step(ordered: list[int], lens: list[int], s: Sampler, k: int, totals: list[int]) -> list[Step]:
+    """Cut one step's samples, ``ordered`` longest first with their ``lens``, into balanced micro-batches."""
+    sizes = _partition(lens, k, s.world_size, s.gradient_accumulation_steps)
+    groups, costs, start = [], [], 0
     for size in sizes:
         groups.append(ordered[start:start + size])
+        costs.append(size * max(lens[start], 1))
         start += size
-    costs = [len(g) * max(lengths[g[0]], 1) for g in groups]
-    bins = _assign(costs, s.world_size, s.gradient_accumulation_steps)
-    loads = [sum(costs[g] for g in b) for b in bins]
+    bins, loads = _assign(costs, s.world_size, s.gradient_accumulation_steps)
+    if s.world_size == 1:
+        totals[0] += loads[0]
+        return [[groups[g] for g in bins[0]]]
     # Heaviest bin of this step to the rank with the least cost so far this epoch.
     by_load = sorted(range(len(bins)), key=lambda b: (-loads[b], b))
     by_total = sorted(range(s.world_size), key=lambda r: (totals[r], r))
@@ -318,13 +342,31 @@ def _rebalance_step(chunk: list[int], s: Sampler, k: int, totals: list[int]) -> 
     return step
 
 
-def _rebalance_steps(chunks: list[list[int]], tail: list[int], order: list[int], s: Sampler) -> list[list[Step]]:
-    k = s.world_size * s.gradient_accumulation_steps
-    totals = [0] * s.world_size
-    steps = [_rebalance_step(c, s, k, totals) for c in chunks]
+def _longest_first(indices: np.ndarray, lengths: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
+    """Sort each row of ``indices`` by length, longest first (stable); return the rows and their lengths."""
+    lens = lengths[indices]
+    order = np.argsort(-lens, axis=1, kind="stable")
+    return np.take_along_axis(indices, order, 1).tolist(), np.take_along_axis(lens, order, 1).tolist()
+
+
+def _rebalance_steps(order: list[int], s: Sampler) -> list[list[Step]]:
+    assert s.lengths is not None
+    lengths = np.asarray(s.lengths, dtype=np.int64)
+    g, k = s.global_batch_size, s.world_size * s.gradient_accumulation_steps
+    full = len(order) // g
+    perm = np.asarray(order, dtype=np.int64)
+    rows, lens = _longest_first(perm[:full * g].reshape(full, g), lengths)
+    if k == 1:  # one micro-batch on one rank: the sorted step itself
+        steps: list[list[Step]] = [[[row]] for row in rows]
+    else:
+        totals = [0] * s.world_size
+        steps = [_rebalance_step(row, ls, s, k, totals) for row, ls in zip(rows, lens)]
+    tail = order[full * g:]
     if tail and not s.drop_last:
         tail = _top_up(tail, order, s.world_size)
-        steps.append(_rebalance_step(tail, s, min(k, len(tail)), totals))
+        (row,), (ls,) = _longest_first(np.asarray([tail], dtype=np.int64), lengths)
+        totals = [0] * s.world_size if k == 1 else totals
+        steps.append(_rebalance_step(row, ls, s, min(k, len(tail)), totals))
     return steps
 
 
@@ -356,13 +398,46 @@ def dataset_lengths(dataset: Any, length_column_name: str = "length", model_inpu
     columns = getattr(dataset, "column_names", None)
     if columns is not None:
         if length_column_name in columns:
+            read = _arrow_column(dataset, length_column_name)
+            if read is not None and read.null_count == 0 and _pa_types().is_integer(read.type):
+                return _int_tuple(read.to_numpy())
             return tuple(int(n) for n in dataset[length_column_name])
         warnings.warn(
             f"dataset has no column {length_column_name!r} (columns: {list(columns)}); measuring "
             f"len(item[{model_input_name!r}]) of every item instead",
             stacklevel=2,
         )
+        read = _arrow_column(dataset, model_input_name) if model_input_name in columns else None
+        if read is not None and read.null_count == 0 and _flat_list(read.type):
+            import pyarrow.compute as pc  # noqa: PLC0415 - present wherever an arrow column is
+
+            return _int_tuple(pc.list_value_length(read).to_numpy())
     return tuple(_item_length(dataset[i], model_input_name, i) for i in range(len(dataset)))
+
+
+def _arrow_column(dataset: Any, name: str) -> Any:
+    """Return a ``datasets.Dataset`` column as one arrow array (its row selection applied), or None."""
+    with_format = getattr(dataset, "with_format", None)
+    if with_format is None:
+        return None
+    try:
+        column = with_format("arrow")[name]
+    except Exception:  # not a datasets.Dataset after all: measure item by item
+        return None
+    return column if hasattr(column, "null_count") and hasattr(column, "type") else None
+
+
+def _pa_types() -> Any:
+    import pyarrow.types  # noqa: PLC0415 - only reached with an arrow column in hand
+
+    return pyarrow.types
+
+
+def _flat_list(arrow_type: Any) -> bool:
+    """Say whether a column holds lists of scalars (whose lengths are the item lengths)."""
+    types = _pa_types()
+    is_list = types.is_list(arrow_type) or types.is_large_list(arrow_type) or types.is_fixed_size_list(arrow_type)
+    return is_list and not types.is_nested(arrow_type.value_type)
 
 
 def make_sampler(
@@ -408,7 +483,7 @@ def make_sampler(
         rank=rank,
         drop_last=drop_last,
         seed=seed,
-        lengths=None if lengths is None else tuple(int(n) for n in lengths),
+        lengths=lengths,
     )
 
 
