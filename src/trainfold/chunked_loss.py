@@ -1,0 +1,188 @@
+"""Cross-entropy over chunks of tokens, so that the ``tokens x vocab`` logits never exist at once.
+
+At vocabulary 151k a causal LM's logits (and the float32 log-softmax autograd keeps for them) are
+the largest tensors of a fine-tuning step. ``chunked_cross_entropy`` computes
+``hidden @ weight.T`` and the summed cross-entropy one chunk of tokens at a time; each chunk is
+checkpointed (``torch.utils.checkpoint``, non-reentrant), so autograd keeps only the chunk's hidden
+states and recomputes its logits in backward. The sum is float32 whatever the model dtype, and it
+is divided by the step's ``num_items_in_batch`` like every trainfold loss, so gradients are those of
+the plain loss (to float32 rounding) and independent of how the step is split.
+
+``chunked_causal_lm(model, chunk_size)`` is the objective for Hugging Face causal LMs, unpatched:
+it asks the model for its final hidden states and no logits (``logits_to_keep`` of no positions)
+and applies the output embedding itself.
+
+>>> import torch
+>>> hidden, weight = torch.randn(2, 5, 4), torch.randn(11, 4)
+>>> labels = torch.tensor([[1, 2, -100, 4, 5], [6, 7, 8, 9, 10]])
+>>> plain = torch.nn.functional.cross_entropy((hidden @ weight.T).reshape(-1, 11), labels.reshape(-1),
+...                                           reduction="sum") / 9
+>>> torch.allclose(chunked_cross_entropy(hidden, weight, labels, 9, chunk_size=3), plain)
+True
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from trainfold.losses import IGNORE_INDEX, count_shifted_labels
+
+__all__ = ["ChunkedCausalLM", "chunked_causal_lm", "chunked_cross_entropy", "chunked_token_logps"]
+
+
+def _chunk_sum(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, label_smoothing: float) -> Tensor:
+    logits = F.linear(hidden, weight, bias).float()
+    try:
+        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum",
+                               label_smoothing=label_smoothing)
+    except IndexError:  # the CPU range check: say what it means
+        bad = labels[(labels != IGNORE_INDEX) & ((labels < 0) | (labels >= weight.shape[0]))].unique()[:8].tolist()
+        raise ValueError(f"labels {bad} are outside the {weight.shape[0]} rows of the output embedding (valid: "
+                         f"0..{weight.shape[0] - 1} or {IGNORE_INDEX}); check the tokenizer against the model") from None
+
+
+def _flat(hidden: Tensor, labels: Tensor, weight: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(f"hidden states of shape {tuple(hidden.shape)} do not fit labels of shape {tuple(labels.shape)}: "
+                         "expected hidden shaped labels.shape + (hidden_size,)")
+    if hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(f"hidden size {hidden.shape[-1]} does not match the output embedding's {tuple(weight.shape)}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk), got {chunk_size!r}")
+    return hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+
+
+def chunked_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    num_items_in_batch: Tensor | int,
+    *,
+    bias: Tensor | None = None,
+    chunk_size: int = 1024,
+    label_smoothing: float = 0.0,
+) -> Tensor:
+    """Return ``sum of cross_entropy(hidden @ weight.T + bias, labels) / num_items_in_batch``, chunk by chunk.
+
+    ``hidden`` is ``labels.shape + (hidden_size,)``; labels of -100 are ignored (already shifted for a
+    causal LM). Only ``chunk_size`` tokens' logits exist at a time, forward and backward.
+    """
+    h, y = _flat(hidden, labels, weight, chunk_size)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, h.shape[0], chunk_size):
+        part = (h[start:start + chunk_size], weight, bias, y[start:start + chunk_size], label_smoothing)
+        total = total + (checkpoint(_chunk_sum, *part, use_reentrant=False, preserve_rng_state=False)
+                         if torch.is_grad_enabled() else _chunk_sum(*part))
+    denom = num_items_in_batch.clamp(min=1) if isinstance(num_items_in_batch, Tensor) else max(int(num_items_in_batch), 1)
+    return total / denom
+
+
+def _chunk_logps(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, temperature: float) -> Tensor:
+    logits = F.linear(hidden, weight, bias).float() / temperature
+    safe = labels.clamp(min=0)
+    picked = logits.gather(-1, safe[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    return picked.masked_fill(labels == IGNORE_INDEX, 0.0)
+
+
+def chunked_token_logps(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    *,
+    bias: Tensor | None = None,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Return each label's log-probability (0 where the label is -100), shaped like ``labels``, chunk by chunk.
+
+    The per-token log-probs DPO and GRPO sum over completions, without the full logits.
+
+    >>> import torch
+    >>> h, w = torch.randn(1, 3, 4), torch.randn(7, 4)
+    >>> y = torch.tensor([[2, -100, 6]])
+    >>> plain = torch.log_softmax(h @ w.T, -1).gather(-1, y.clamp(min=0)[..., None])[..., 0] * (y != -100)
+    >>> torch.allclose(chunked_token_logps(h, w, y, chunk_size=2), plain)
+    True
+    """
+    h, y = _flat(hidden, labels, weight, chunk_size)
+    parts = []
+    for start in range(0, h.shape[0], chunk_size):
+        part = (h[start:start + chunk_size], weight, bias, y[start:start + chunk_size], temperature)
+        parts.append(checkpoint(_chunk_logps, *part, use_reentrant=False, preserve_rng_state=False)
+                     if torch.is_grad_enabled() else _chunk_logps(*part))
+    return torch.cat(parts).reshape(labels.shape) if parts else h.new_zeros(labels.shape, dtype=torch.float32)
+
+
+def _refusal(model: nn.Module) -> str | None:
+    """Say why ``model``'s logits are not ``hidden @ output_embedding.T (+ bias)``, or None when they are."""
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    if not isinstance(head, nn.Linear):
+        return (f"{type(model).__name__} has no output embedding (get_output_embeddings() returned "
+                f"{type(head).__name__}); chunked cross-entropy needs a transformers causal LM")
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        return f"{type(model).__name__}.forward takes no logits_to_keep, so it cannot skip computing the logits"
+    config = getattr(model, "config", None)
+    for name in ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            return f"{type(model).__name__} transforms its logits ({name}={getattr(config, name)!r})"
+    return None
+
+
+@attrs.frozen(eq=False)
+class ChunkedCausalLM:
+    """The objective of :func:`chunked_causal_lm`: next-token cross-entropy without the full logits."""
+
+    model: nn.Module
+    weight_name: str | None  # the output embedding's name among the params (None: frozen, read from the module)
+    chunk_size: int
+    label_smoothing: float = 0.0
+    label_key: str = "labels"
+
+    def count_items(self, micro: Mapping[str, Tensor]) -> Tensor:
+        """Count the micro-batch's targets: labels that are not -100 after the causal shift."""
+        return count_shifted_labels(micro[self.label_key])
+
+    def __call__(self, forward: Any, params: Mapping[str, Tensor], micro: Mapping[str, Tensor], num_items: Tensor,
+                 key: torch.Generator) -> tuple[Tensor, dict[str, Tensor]]:
+        if self.label_key not in micro:
+            raise KeyError(f"micro-batch has no {self.label_key!r} key (keys: {sorted(micro)})")
+        labels = micro[self.label_key]
+        inputs = {k: v for k, v in micro.items() if k != self.label_key}
+        no_positions = torch.empty(0, dtype=torch.long, device=labels.device)
+        outputs = forward(params, {**inputs, "logits_to_keep": no_positions, "output_hidden_states": True})
+        hidden = outputs.hidden_states[-1]
+        if hidden.shape[:2] != labels.shape:
+            raise ValueError(f"final hidden states of shape {tuple(hidden.shape)} do not fit labels {tuple(labels.shape)}")
+        head = self.model.get_output_embeddings()
+        weight = params[self.weight_name] if self.weight_name in params else head.weight
+        loss = chunked_cross_entropy(hidden[:, :-1], weight, labels[:, 1:], num_items, bias=head.bias,
+                                     chunk_size=self.chunk_size, label_smoothing=self.label_smoothing)
+        return loss, {}
+
+
+def chunked_causal_lm(model: nn.Module, chunk_size: int = 1024, label_smoothing: float = 0.0) -> ChunkedCausalLM:
+    """Return the objective that trains ``model`` (a transformers causal LM) on chunked next-token cross-entropy.
+
+    Pass it as ``make_step(model, loss, opt, objective=chunked_causal_lm(model, 2048))``, or set
+    ``TrainingArguments(loss_chunk_size=2048)``. Models whose logits are not a plain linear map of the
+    final hidden states (logit soft-capping, scaling) are refused by name.
+    """
+    reason = _refusal(model)
+    if reason is not None:
+        raise ValueError(f"chunked cross-entropy cannot reproduce this model's loss: {reason}; train without "
+                         "loss_chunk_size")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk), got {chunk_size!r}")
+    if not 0 <= label_smoothing < 1:
+        raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
+    weight = model.get_output_embeddings().weight
+    name = next((n for n, p in model.named_parameters() if p is weight), None)  # first name of a tied weight
+    return ChunkedCausalLM(model, name, chunk_size, label_smoothing)

@@ -1,0 +1,139 @@
+"""Chunked cross-entropy: the plain loss's value and gradients without the full logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainfold import init_state, make_step, sgd
+from trainfold.chunked_loss import chunked_causal_lm, chunked_cross_entropy, chunked_token_logps
+from trainfold.losses import causal_lm, count_shifted_labels
+
+transformers = pytest.importorskip("transformers")
+
+
+def labelled(seed: int, shape: tuple[int, ...], vocab: int, masked: float = 0.3) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, vocab, shape, generator=g)
+    return labels.masked_fill(torch.rand(shape, generator=g) < masked, -100)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 3), st.integers(2, 9), st.integers(1, 20), st.sampled_from([0.0, 0.1]), st.integers(0, 99))
+def test_value_and_gradients_equal_the_plain_loss(batch, length, chunk, smoothing, seed):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, length, 8, generator=g, requires_grad=True)
+    weight = torch.randn(13, 8, generator=g, requires_grad=True)
+    bias = torch.randn(13, generator=g, requires_grad=True)
+    labels = labelled(seed, (batch, length), 13)
+    n = (labels != -100).sum()
+    plain = torch.nn.functional.cross_entropy(
+        (hidden @ weight.T + bias).reshape(-1, 13), labels.reshape(-1), reduction="sum", label_smoothing=smoothing
+    ) / n.clamp(min=1)
+    ours = chunked_cross_entropy(hidden, weight, labels, n, bias=bias, chunk_size=chunk, label_smoothing=smoothing)
+    torch.testing.assert_close(ours, plain, rtol=1e-6, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(ours, (hidden, weight, bias)), torch.autograd.grad(plain, (hidden, weight, bias))):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_token_logps_equal_log_softmax_gathered():
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(2, 6, 8, generator=g, requires_grad=True), torch.randn(17, 8, generator=g)
+    labels = labelled(1, (2, 6), 17)
+    plain = torch.log_softmax(hidden @ weight.T / 0.7, -1).gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+    plain = plain * (labels != -100)
+    ours = chunked_token_logps(hidden, weight, labels, chunk_size=5, temperature=0.7)
+    torch.testing.assert_close(ours, plain)
+    torch.testing.assert_close(torch.autograd.grad(ours.sum(), hidden)[0], torch.autograd.grad(plain.sum(), hidden)[0])
+
+
+def llama(tie: bool = False, vocab: int = 64):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie, use_cache=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg)  # ties lm_head to wte
+
+
+def step_batch(seed: int, micro: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(micro):
+        ids = torch.randint(0, 64, (3, 10), generator=g)
+        labels = ids.clone()
+        labels[:, :3] = -100
+        mask = torch.ones_like(ids)
+        mask[0, 7:] = 0  # a padded row
+        labels[0, 7:] = -100
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+@pytest.mark.parametrize("build", [llama, lambda: llama(tie=True), gpt2], ids=["llama", "llama-tied", "gpt2"])
+def test_steps_match_the_plain_causal_lm_loss(build):
+    model = build()
+    opt = sgd(0.5)
+    plain = make_step(model, causal_lm, opt)
+    chunked = make_step(model, causal_lm, opt, objective=chunked_causal_lm(model, chunk_size=7))
+    a = b = init_state(model, opt)
+    for seed in range(3):  # accumulation 2: the chunked loss divides by the whole step's count too
+        a, b = plain(a, step_batch(seed)), chunked(b, step_batch(seed))
+        torch.testing.assert_close(b.metrics["loss"], a.metrics["loss"], rtol=1e-6, atol=1e-6)
+    for k in a.params:
+        torch.testing.assert_close(b.params[k], a.params[k], rtol=1e-5, atol=1e-6)
+
+
+def saved_bytes(fn) -> int:
+    """Bytes autograd keeps for backward, each storage once (a checkpointed chunk re-saves the same weight)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def test_the_loss_keeps_a_fraction_of_the_plain_memory_at_vocab_32k():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 256, 64, generator=g, requires_grad=True)
+    weight = torch.randn(32_000, 64, generator=g, requires_grad=True)
+    labels = labelled(0, (2, 256), 32_000)
+    n = count_shifted_labels(labels)
+    plain = saved_bytes(lambda: causal_lm(hidden @ weight.T, labels, n))
+    chunked = saved_bytes(lambda: chunked_cross_entropy(hidden[:, :-1], weight, labels[:, 1:], n, chunk_size=64))
+    # what stays is the hidden states and the weight, which exist anyway; the logits never do
+    assert chunked <= 0.25 * plain
+    assert chunked <= (hidden.numel() + weight.numel()) * 4 + 4096
+
+
+def test_models_whose_logits_are_not_a_linear_map_are_refused():
+    with pytest.raises(ValueError, match="no output embedding"):
+        chunked_causal_lm(torch.nn.Linear(2, 2))
+    cfg = transformers.Gemma2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        chunked_causal_lm(transformers.Gemma2ForCausalLM(cfg))
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_chunk_size_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        chunked_causal_lm(llama(), chunk_size=bad)
+
+
+def test_shapes_that_do_not_fit_are_refused():
+    with pytest.raises(ValueError, match="do not fit labels"):
+        chunked_cross_entropy(torch.randn(2, 5, 4), torch.randn(7, 4), torch.zeros(2, 4, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match="outside the 7 rows"):
+        chunked_cross_entropy(torch.randn(1, 2, 4), torch.randn(7, 4), torch.tensor([[1, 9]]), 2)

@@ -1,0 +1,141 @@
+"""Packing and padding-free batches: TRL's bins, transformers' flattening, and the unpacked step's gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainfold import init_state, make_step, sgd
+from trainfold.data import pad_collate
+from trainfold.losses import causal_lm
+from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.packing import check_packable, pack, packed_collate, padding_free_collate
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+trl = pytest.importorskip("trl")
+
+
+def documents(lengths: list[int], seed: int = 0, vocab: int = 64) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for n in lengths:
+        ids = torch.randint(1, vocab, (n,), generator=g).tolist()
+        labels = list(ids)
+        labels[: min(2, n)] = [-100] * min(2, n)  # a prompt that is no target
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+# -- the bins are TRL's ----------------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 12), min_size=1, max_size=30).filter(any), st.integers(1, 10), st.booleans(),
+       st.integers(1, 8))
+def test_bins_are_those_of_trl_pack_dataset(lengths, max_length, truncate, window):
+    datasets.disable_progress_bars()
+    rows = [{"input_ids": list(range(100 * i, 100 * i + n))} for i, n in enumerate(lengths)]
+    ours = pack(rows, max_length, truncate=truncate, window=window)
+    theirs = trl.data_utils.pack_dataset(datasets.Dataset.from_list(rows), max_length,
+                                         strategy="bfd" if truncate else "bfd_split", map_kwargs={"batch_size": window})
+    assert [r["input_ids"] for r in ours] == theirs["input_ids"]
+    starts = [[i for i, p in enumerate(r["position_ids"]) if p == 0] for r in ours]
+    lens = [[b - a for a, b in zip(s, s[1:] + [len(r["input_ids"])])] for s, r in zip(starts, ours)]
+    assert lens == theirs["seq_lengths"]
+
+
+def test_labels_default_to_the_inputs_and_each_document_starts_without_a_target():
+    (row,) = pack([{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9], "labels": [-100, 4]}], max_length=8)
+    assert row["input_ids"] == [5, 6, 7, 8, 9]
+    assert row["labels"] == [-100, 6, 7, -100, 4]
+    assert row["position_ids"] == [0, 1, 2, 0, 1]
+
+
+def test_padding_free_batches_equal_transformers_flattening():
+    rows = documents([4, 1, 6])
+    ours = padding_free_collate()(rows)
+    theirs = transformers.DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)(rows)
+    for key in ("input_ids", "labels", "position_ids"):
+        assert ours[key].tolist() == theirs[key].tolist()
+    assert ours["use_cache"] is False and "attention_mask" not in ours
+
+
+# -- a packed step is the unpacked step --------------------------------------------------------------
+
+
+def llama(attn: str):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation=attn)
+    return transformers.LlamaForCausalLM(cfg)  # use_cache=True, as shipped: the collators turn it off
+
+
+def gpt2():
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+MODELS = {"llama-sdpa": lambda: llama("sdpa"), "llama-eager": lambda: llama("eager"), "gpt2": gpt2}
+
+
+def one_step(model, batch):
+    opt = sgd(1.0)
+    return make_step(model, causal_lm, opt)(init_state(model, opt), batch)
+
+
+def assert_same_update(a, b):
+    assert int(a.metrics["num_items"]) == int(b.metrics["num_items"])
+    torch.testing.assert_close(a.metrics["loss"], b.metrics["loss"], rtol=1e-5, atol=1e-6)
+    for k in a.params:
+        torch.testing.assert_close(a.params[k], b.params[k], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@settings(max_examples=4, deadline=None)
+@given(lengths=st.lists(st.integers(1, 12), min_size=2, max_size=6), seed=st.integers(0, 9))
+def test_a_packed_step_equals_the_padded_step_on_the_same_documents(name, lengths, seed):
+    model = MODELS[name]()
+    docs = documents(lengths, seed)
+    padded = one_step(model, [pad_collate()(docs)])
+    packed = one_step(model, [packed_collate()(pack(docs, max_length=16))])
+    assert_same_update(padded, packed)
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_padding_free_step_with_accumulation_equals_the_padded_step(name):
+    model = MODELS[name]()
+    docs = documents([5, 9, 2, 7, 3], seed=4)
+    padded = one_step(model, [pad_collate()(docs[:3]), pad_collate()(docs[3:])])
+    flat = one_step(model, [padding_free_collate()(docs[:2]), padding_free_collate()(docs[2:])])
+    assert_same_update(padded, flat)
+
+
+# -- refusals --------------------------------------------------------------------------------------
+
+
+def test_models_that_cannot_keep_documents_apart_are_refused():
+    with pytest.raises(ValueError, match="forward takes position_ids"):
+        check_packable(TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8)))
+    check_packable(llama("sdpa"))
+
+
+def test_rows_that_cannot_be_packed_exactly_are_refused():
+    with pytest.raises(ValueError, match="row 1 has padding inside"):
+        pack([{"input_ids": [1, 2]}, {"input_ids": [1, 2], "attention_mask": [1, 0]}], 4)
+    with pytest.raises(ValueError, match="column 'labels' has 1 entries"):
+        pack([{"input_ids": [1, 2], "labels": [3]}], 4)
+    with pytest.raises(ValueError, match="max_length must be a positive int"):
+        pack([{"input_ids": [1]}], 0)
+    with pytest.raises(KeyError, match="has no position_ids"):
+        packed_collate()([{"input_ids": [1, 2]}])
+
+
+def test_text_and_length_columns_do_not_survive_packing():
+    (row,) = pack([{"input_ids": [1, 2], "text": "ab", "length": 2, "attention_mask": [1, 1]}], 4)
+    assert sorted(row) == ["input_ids", "labels", "position_ids"]
