@@ -137,3 +137,82 @@ def test_shapes_that_do_not_fit_are_refused():
         chunked_cross_entropy(torch.randn(2, 5, 4), torch.randn(7, 4), torch.zeros(2, 4, dtype=torch.long), 1)
     with pytest.raises(ValueError, match="outside the 7 rows"):
         chunked_cross_entropy(torch.randn(1, 2, 4), torch.randn(7, 4), torch.tensor([[1, 9]]), 2)
+
+
+def test_dpo_log_probs_chunk_by_chunk_equal_the_logits_path():
+    from trainfold.dpo import dpo_objective, preference_collate
+
+    model = llama()
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    ref = {k: v.detach() + 0.01 * torch.randn_like(v) for k, v in model.named_parameters()}
+    items = [{"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5], "rejected_ids": [6, 7, 8, 9]},
+             {"prompt_ids": [10], "chosen_ids": [11, 12, 13], "rejected_ids": [14]}]
+    batch = preference_collate(eos_token_id=2)(items)
+
+    def forward(p, inputs):
+        return torch.func.functional_call(model, p, args=(), kwargs=dict(inputs))
+
+    plain, chunked = dpo_objective(0.1, ref_params=ref), dpo_objective(0.1, ref_params=ref, model=model, chunk_size=3)
+    n = plain.count_items(batch)
+    (la, aux_a), (lb, aux_b) = plain(forward, params, batch, n), chunked(forward, params, batch, n)
+    torch.testing.assert_close(lb, la, rtol=1e-6, atol=1e-6)
+    for k in aux_a:
+        torch.testing.assert_close(aux_b[k], aux_a[k], rtol=1e-5, atol=1e-5)
+    ga, gb = torch.autograd.grad(la, list(params.values())), torch.autograd.grad(lb, list(params.values()))
+    for a, b in zip(ga, gb):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="needs model="):
+        dpo_objective(0.1, chunk_size=3)
+
+
+def test_grpo_log_probs_chunk_by_chunk_equal_the_logits_path():
+    from trainfold.grpo import grpo_objective
+
+    model = llama()
+    params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, 64, (4, 9), generator=g)
+    completion = torch.zeros_like(ids)
+    completion[:, 4:] = 1
+    completion[1, 7:] = 0
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion,
+             "advantages": torch.tensor([1.0, -0.5, 0.25, 0.0]),
+             "old_logps": -4.0 + 0.1 * torch.randn(4, 8, generator=g), "ref_logps": -4.0 + 0.1 * torch.randn(4, 8, generator=g)}
+
+    def forward(p, inputs):
+        return torch.func.functional_call(model, p, args=(), kwargs=dict(inputs))
+
+    for loss_type in ("grpo", "bnpo"):
+        plain = grpo_objective(loss_type, beta=0.04, temperature=0.9)
+        chunked = grpo_objective(loss_type, beta=0.04, temperature=0.9, model=model, chunk_size=5)
+        n = plain.count_items(batch)
+        (la, aux_a), (lb, aux_b) = plain(forward, params, batch, n), chunked(forward, params, batch, n)
+        torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-6)
+        for k in aux_a:
+            torch.testing.assert_close(aux_b[k], aux_a[k], rtol=1e-5, atol=1e-6)
+        for a, b in zip(torch.autograd.grad(la, list(params.values())), torch.autograd.grad(lb, list(params.values()))):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+def test_rollout_scores_old_and_reference_log_probs_chunk_by_chunk_alike():
+    from trainfold.grpo import make_rollout
+
+    model = llama()
+    opt = sgd(0.1)
+    state = init_state(model, opt)
+    ref = {k: v.detach() + 0.01 for k, v in state.params.items()}
+    settings_ = dict(encode=lambda s: [1 + int(c) for c in s], decode=lambda ids: "".join(str(i % 10) for i in ids),
+                     num_generations=2, max_new_tokens=4, steps_per_generation=2, ref_params=ref)
+
+    def reward(prompts, completions, **_):
+        return [float(len(c)) for c in completions]
+
+    prompts = [{"prompt": ["12", "12"]}, {"prompt": ["3", "3"]}]
+    plain = make_rollout(model, reward, **settings_)(state, prompts)
+    chunked = make_rollout(model, reward, chunk_size=3, **settings_)(state, prompts)
+    for a, b in zip(plain, chunked):
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        torch.testing.assert_close(b["old_logps"], a["old_logps"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(b["ref_logps"], a["ref_logps"], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
+        make_rollout(model, reward, chunk_size=0, **settings_)

@@ -35,7 +35,10 @@ from torch.utils.checkpoint import checkpoint
 
 from trainfold.losses import IGNORE_INDEX, count_shifted_labels
 
-__all__ = ["ChunkedCausalLM", "chunked_causal_lm", "chunked_cross_entropy", "chunked_token_logps"]
+__all__ = [
+    "ChunkedCausalLM", "OutputHead", "chunked_causal_lm", "chunked_cross_entropy", "check_chunk_size", "chunked_token_logps",
+    "output_head",
+]
 
 
 def _chunk_sum(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, label_smoothing: float) -> Tensor:
@@ -55,8 +58,7 @@ def _flat(hidden: Tensor, labels: Tensor, weight: Tensor, chunk_size: int) -> tu
                          "expected hidden shaped labels.shape + (hidden_size,)")
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(f"hidden size {hidden.shape[-1]} does not match the output embedding's {tuple(weight.shape)}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int (tokens per chunk), got {chunk_size!r}")
+    check_chunk_size(chunk_size)
     return hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
 
 
@@ -137,11 +139,56 @@ def _refusal(model: nn.Module) -> str | None:
 
 
 @attrs.frozen(eq=False)
+class OutputHead:
+    """Where a causal LM's logits come from: its final hidden states times its output embedding (+ bias).
+
+    ``hidden(forward, params, inputs)`` runs the model for its final hidden states and no logits;
+    ``weight(params)`` is the output embedding among ``params`` (a frozen one is read from the module).
+    """
+
+    model: nn.Module
+    weight_name: str | None
+
+    def hidden(self, forward: Any, params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Tensor:
+        """Return the final hidden states ``(batch, seq, hidden)`` of ``forward(params, inputs)``, computing no logits."""
+        first = next(iter(inputs.values()))
+        no_positions = torch.empty(0, dtype=torch.long, device=first.device)
+        outputs = forward(params, {**inputs, "logits_to_keep": no_positions, "output_hidden_states": True})
+        return outputs.hidden_states[-1]
+
+    def weight(self, params: Mapping[str, Tensor]) -> Tensor:
+        """Return the output embedding ``(vocab, hidden)`` of ``params``."""
+        if self.weight_name in params:
+            return params[self.weight_name]
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        """Return the output layer's bias, if it has one."""
+        return self.model.get_output_embeddings().bias
+
+
+def output_head(model: nn.Module) -> OutputHead:
+    """Return ``model``'s :class:`OutputHead`; refuse models whose logits are not a linear map of the hidden states."""
+    reason = _refusal(model)
+    if reason is not None:
+        raise ValueError(f"chunked cross-entropy cannot reproduce this model's logits: {reason}; train without "
+                         "loss_chunk_size")
+    weight = model.get_output_embeddings().weight
+    return OutputHead(model, next((n for n, p in model.named_parameters() if p is weight), None))  # tied: first name
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    """Raise ``ValueError`` unless ``chunk_size`` is a positive int."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int (tokens per chunk), got {chunk_size!r}")
+
+
+@attrs.frozen(eq=False)
 class ChunkedCausalLM:
     """The objective of :func:`chunked_causal_lm`: next-token cross-entropy without the full logits."""
 
-    model: nn.Module
-    weight_name: str | None  # the output embedding's name among the params (None: frozen, read from the module)
+    head: OutputHead
     chunk_size: int
     label_smoothing: float = 0.0
     label_key: str = "labels"
@@ -151,20 +198,16 @@ class ChunkedCausalLM:
         return count_shifted_labels(micro[self.label_key])
 
     def __call__(self, forward: Any, params: Mapping[str, Tensor], micro: Mapping[str, Tensor], num_items: Tensor,
-                 key: torch.Generator) -> tuple[Tensor, dict[str, Tensor]]:
+                 key: torch.Generator | None = None) -> tuple[Tensor, dict[str, Tensor]]:
         if self.label_key not in micro:
             raise KeyError(f"micro-batch has no {self.label_key!r} key (keys: {sorted(micro)})")
         labels = micro[self.label_key]
-        inputs = {k: v for k, v in micro.items() if k != self.label_key}
-        no_positions = torch.empty(0, dtype=torch.long, device=labels.device)
-        outputs = forward(params, {**inputs, "logits_to_keep": no_positions, "output_hidden_states": True})
-        hidden = outputs.hidden_states[-1]
+        hidden = self.head.hidden(forward, params, {k: v for k, v in micro.items() if k != self.label_key})
         if hidden.shape[:2] != labels.shape:
             raise ValueError(f"final hidden states of shape {tuple(hidden.shape)} do not fit labels {tuple(labels.shape)}")
-        head = self.model.get_output_embeddings()
-        weight = params[self.weight_name] if self.weight_name in params else head.weight
-        loss = chunked_cross_entropy(hidden[:, :-1], weight, labels[:, 1:], num_items, bias=head.bias,
-                                     chunk_size=self.chunk_size, label_smoothing=self.label_smoothing)
+        loss = chunked_cross_entropy(hidden[:, :-1], self.head.weight(params), labels[:, 1:], num_items,
+                                     bias=self.head.bias, chunk_size=self.chunk_size,
+                                     label_smoothing=self.label_smoothing)
         return loss, {}
 
 
@@ -175,14 +218,9 @@ def chunked_causal_lm(model: nn.Module, chunk_size: int = 1024, label_smoothing:
     ``TrainingArguments(loss_chunk_size=2048)``. Models whose logits are not a plain linear map of the
     final hidden states (logit soft-capping, scaling) are refused by name.
     """
-    reason = _refusal(model)
-    if reason is not None:
-        raise ValueError(f"chunked cross-entropy cannot reproduce this model's loss: {reason}; train without "
-                         "loss_chunk_size")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int (tokens per chunk), got {chunk_size!r}")
+    head = output_head(model)
+    check_chunk_size(chunk_size)
     if not 0 <= label_smoothing < 1:
         raise ValueError(f"label_smoothing must be in [0, 1), got {label_smoothing}")
-    weight = model.get_output_embeddings().weight
-    name = next((n for n, p in model.named_parameters() if p is weight), None)  # first name of a tied weight
-    return ChunkedCausalLM(model, name, chunk_size, label_smoothing)
+    return ChunkedCausalLM(head, chunk_size, label_smoothing)
+

@@ -28,6 +28,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from trainfold.chunked_loss import OutputHead, check_chunk_size, chunked_token_logps, output_head
 from trainfold.generate import functional_forward, token_logps
 from trainfold.losses import DPO_LOSS_TYPES as LOSS_TYPES
 from trainfold.losses import dpo as dpo_loss
@@ -136,6 +137,17 @@ def sequence_logps(logits: Tensor, input_ids: Tensor, completion_mask: Tensor) -
     return (per_token * completion_mask[:, 1:].to(per_token.dtype)).sum(-1)
 
 
+def _completion_logps(forward: Callable[..., Any], params: Mapping[str, Tensor], inputs: Mapping[str, Tensor],
+                      batch: Mapping[str, Tensor], head: OutputHead | None, chunk_size: int) -> Tensor:
+    """Return each row's completion log-prob: from the logits, or chunk by chunk from the hidden states."""
+    if head is None:
+        return sequence_logps(logits_of(forward(params, inputs)), batch["input_ids"], batch["completion_mask"])
+    hidden = head.hidden(forward, params, inputs)
+    targets = batch["input_ids"][:, 1:].masked_fill(batch["completion_mask"][:, 1:] == 0, -100)
+    per_token = chunked_token_logps(hidden[:, :-1], head.weight(params), targets, bias=head.bias, chunk_size=chunk_size)
+    return per_token.sum(-1)
+
+
 # -- the objective -------------------------------------------------------------------------
 
 
@@ -183,6 +195,8 @@ class DPOObjective:
     loss_type: str
     label_smoothing: float
     ref_params: Mapping[str, Tensor] | None
+    head: OutputHead | None = None  # set: log-probs chunk by chunk from the hidden states (loss_chunk_size)
+    chunk_size: int = 0
 
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
         """Count the pairs of ``micro_batch``."""
@@ -198,8 +212,7 @@ class DPOObjective:
                 )
             return micro["ref_chosen_logps"], micro["ref_rejected_logps"]
         with torch.no_grad():
-            logits = logits_of(forward(self.ref_params, inputs))
-            return _halves(sequence_logps(logits, micro["input_ids"], micro["completion_mask"]))
+            return _halves(_completion_logps(forward, self.ref_params, inputs, micro, self.head, self.chunk_size))
 
     def __call__(
         self,
@@ -210,8 +223,7 @@ class DPOObjective:
         key: torch.Generator | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         inputs = {k: micro_batch[k] for k in _MODEL_KEYS if k in micro_batch}
-        logits = logits_of(forward(params, inputs))
-        logps = sequence_logps(logits, micro_batch["input_ids"], micro_batch["completion_mask"])
+        logps = _completion_logps(forward, params, inputs, micro_batch, self.head, self.chunk_size)
         chosen, rejected = _halves(logps)
         ref_chosen, ref_rejected = self._ref_logps(forward, inputs, micro_batch)
         ref_chosen, ref_rejected = ref_chosen.to(chosen), ref_rejected.to(chosen)
@@ -237,8 +249,14 @@ def dpo_objective(
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
     ref_params: Mapping[str, Tensor] | None = None,
+    *,
+    model: nn.Module | None = None,
+    chunk_size: int | None = None,
 ) -> DPOObjective:
     """Return the DPO objective; reference from ``ref_params`` (frozen) or from precomputed item columns.
+
+    ``chunk_size`` (with ``model``, a transformers causal LM) computes the completion log-probs from
+    the final hidden states ``chunk_size`` tokens at a time, never materialising the full logits.
 
     With ``ref_params`` the reference runs through the step's own forward (train mode), so a
     model with dropout would drop units in the reference too: disable dropout for DPO (TRL does
@@ -258,8 +276,14 @@ def dpo_objective(
     problems = _loss_errors(beta, loss_type, label_smoothing)
     if problems:
         raise ValueError("; ".join(problems))
+    if chunk_size is not None and model is None:
+        raise ValueError("dpo_objective(chunk_size=...) needs model= (the causal LM whose output embedding it applies)")
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
+    head = None if chunk_size is None else output_head(model)
     frozen = None if ref_params is None else {k: v.detach() for k, v in ref_params.items()}
-    return DPOObjective(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, ref_params=frozen)
+    return DPOObjective(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, ref_params=frozen,
+                        head=head, chunk_size=chunk_size or 0)
 
 
 def precompute_ref_logps(

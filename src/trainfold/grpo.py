@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from trainfold.data import generation_batches
 from trainfold.fold import never, trajectory
+from trainfold.chunked_loss import OutputHead, check_chunk_size, chunked_token_logps, output_head
 from trainfold.generate import functional_forward, generate, pad_right, token_logps
 from trainfold.losses import logits_of
 from trainfold.state import TrainState
@@ -153,6 +154,26 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
 # -- rollout: generate, score, record ------------------------------------------------------
 
 
+def _next_token_logps(forward: Callable[..., Any], params: Mapping[str, Tensor], inputs: Mapping[str, Tensor],
+                      head: OutputHead | None, chunk_size: int, temperature: float) -> Tensor:
+    """Return each next token's log-prob ``(batch, seq - 1)``: from the logits, or chunk by chunk from the hidden states."""
+    ids = inputs["input_ids"]
+    if head is None:
+        return token_logps(logits_of(forward(params, inputs)), ids, temperature)
+    hidden = head.hidden(forward, params, inputs)
+    return chunked_token_logps(hidden[:, :-1], head.weight(params), ids[:, 1:], bias=head.bias, chunk_size=chunk_size,
+                               temperature=temperature)
+
+
+def _head(model: nn.Module | None, chunk_size: int | None, what: str) -> OutputHead | None:
+    if chunk_size is None:
+        return None
+    if model is None:
+        raise ValueError(f"{what}(chunk_size=...) needs model= (the causal LM whose output embedding it applies)")
+    check_chunk_size(chunk_size)
+    return output_head(model)
+
+
 @attrs.frozen(eq=False)
 class Rollout:
     """Turn prompt micro-batches into training micro-batches with the latest state; see :func:`make_rollout`.
@@ -190,6 +211,8 @@ class Rollout:
     scale_rewards: str
     ref_params: Mapping[str, Tensor] | None
     prompt_key: str
+    head: OutputHead | None = None  # set: old/ref log-probs chunk by chunk from the hidden states
+    chunk_size: int = 0
 
     @property
     def records_old_logps(self) -> bool:
@@ -198,8 +221,9 @@ class Rollout:
 
     def _logps(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], ids: Tensor, mask: Tensor) -> Tensor:
         with torch.no_grad(), train_mode(self.model, False):
-            logits = logits_of(functional_forward(self.model, buffers)(params, {"input_ids": ids, "attention_mask": mask}))
-            return token_logps(logits, ids, self.temperature)
+            return _next_token_logps(functional_forward(self.model, buffers), params,
+                                     {"input_ids": ids, "attention_mask": mask}, self.head, self.chunk_size,
+                                     self.temperature)
 
     def __call__(self, state: TrainState, micro_batches: Sequence[Mapping[str, Any]]) -> list[dict[str, Tensor]]:
         sizes = [len(mb[self.prompt_key]) for mb in micro_batches]
@@ -276,6 +300,7 @@ def make_rollout(
     scale_rewards: str = "group",
     ref_params: Mapping[str, Tensor] | None = None,
     prompt_key: str = "prompt",
+    chunk_size: int | None = None,
 ) -> Rollout:
     """Return ``rollout(state, prompt_micro_batches) -> micro_batches`` for :func:`grpo_trajectory`.
 
@@ -290,6 +315,8 @@ def make_rollout(
     ``old_logps`` when the buffer outlives the step that generated it (``steps_per_generation``
     or ``num_iterations`` above 1) and ``ref_logps`` when ``ref_params`` is given.
     ``num_iterations`` (TRL's μ) trains on each block that many times, in the same order.
+    ``chunk_size`` (a transformers causal LM) scores the old and reference log-probs ``chunk_size``
+    tokens at a time from the final hidden states, never materialising the full logits.
 
     >>> import torch
     >>> from trainfold import init_state, sgd
@@ -335,7 +362,7 @@ def make_rollout(
         reward_weights=None if reward_weights is None else tuple(float(w) for w in reward_weights),
         scale_rewards=scale_rewards,
         ref_params=None if ref_params is None else {k: v.detach() for k, v in ref_params.items()},
-        prompt_key=prompt_key,
+        prompt_key=prompt_key, head=_head(model, chunk_size, "make_rollout"), chunk_size=chunk_size or 0,
     )
 
 
@@ -364,6 +391,8 @@ class GRPOObjective:
     temperature: float
     max_completion_length: int | None
     kl_bias_correction: bool
+    head: OutputHead | None = None  # set: log-probs chunk by chunk from the hidden states (loss_chunk_size)
+    chunk_size: int = 0
 
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
         """Count what the loss averages over: completion tokens (``bnpo``), the generation block's
@@ -394,9 +423,8 @@ class GRPOObjective:
         num_items_in_batch: Tensor,
         key: torch.Generator | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        ids = micro_batch["input_ids"]
-        logits = logits_of(forward(params, {k: micro_batch[k] for k in _MODEL_KEYS if k in micro_batch}))
-        logps = token_logps(logits, ids, self.temperature)
+        inputs = {k: micro_batch[k] for k in _MODEL_KEYS if k in micro_batch}
+        logps = _next_token_logps(forward, params, inputs, self.head, self.chunk_size, self.temperature)
         mask = micro_batch["completion_mask"][:, 1:].to(logps.dtype)
         old = micro_batch.get("old_logps")
         old = logps.detach() if old is None else old.to(logps)
@@ -439,6 +467,9 @@ def grpo_objective(
     temperature: float = 1.0,
     max_completion_length: int | None = None,
     kl_bias_correction: bool = True,
+    *,
+    model: nn.Module | None = None,
+    chunk_size: int | None = None,
 ) -> GRPOObjective:
     """Return the GRPO objective: per token ``−min(r·A, clip(r, 1−ε, 1+ε_high)·A) + β·KL``.
 
@@ -458,7 +489,9 @@ def grpo_objective(
       step of a block has the same normaliser, as in TRL.
 
     Metrics ``clip_ratio/{low,high,region}_mean`` (and ``kl`` when ``beta != 0``) are aggregated
-    the same way. ``temperature`` must be the sampling temperature.
+    the same way. ``temperature`` must be the sampling temperature. ``chunk_size`` (with ``model``, a
+    transformers causal LM) computes the log-probs ``chunk_size`` tokens at a time from the final
+    hidden states, never materialising the full logits.
 
     >>> obj = grpo_objective("bnpo")
     >>> import torch
@@ -480,7 +513,8 @@ def grpo_objective(
     if problems:
         raise ValueError("invalid GRPO objective: " + "; ".join(problems))
     return GRPOObjective(loss_type=loss_type, epsilon=epsilon, epsilon_high=high, beta=beta, temperature=temperature,
-                         max_completion_length=max_completion_length, kl_bias_correction=kl_bias_correction)
+                         max_completion_length=max_completion_length, kl_bias_correction=kl_bias_correction,
+                         head=_head(model, chunk_size, "grpo_objective"), chunk_size=chunk_size or 0)
 
 
 # -- the loop ------------------------------------------------------------------------------
