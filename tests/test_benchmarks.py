@@ -34,3 +34,13 @@ def test_gpu_script_runs_small_on_cpu():
 def test_recompute_quick():
     out = run("benchmarks/recompute.py", "--quick")
     assert "| every block |" in out
+
+
+def test_llm_memory_quick():
+    out = run("benchmarks/llm_memory.py", "--quick")
+    assert "| 32000 | 1024 |" in out and "| packed |" in out and "| padding_free |" in out
+
+
+def test_sampler_scale_small():
+    out = run("benchmarks/sampler_scale.py", "--rows", "20000", "--rounds", "1")
+    assert "| length column |" in out and "| GA 2, world 2 |" in out

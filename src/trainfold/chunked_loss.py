@@ -2,9 +2,12 @@
 
 At vocabulary 151k a causal LM's logits (and the float32 log-softmax autograd keeps for them) are
 the largest tensors of a fine-tuning step. ``chunked_cross_entropy`` computes
-``hidden @ weight.T`` and the summed cross-entropy one chunk of tokens at a time; each chunk is
-checkpointed (``torch.utils.checkpoint``, non-reentrant), so autograd keeps only the chunk's hidden
-states and recomputes its logits in backward. The sum is float32 whatever the model dtype, and it
+``hidden @ weight.T`` and the summed cross-entropy one chunk of tokens at a time, and makes each
+chunk's gradients while its logits exist (``softmax - target``, times the hidden states and the
+weight), so autograd keeps the gradients, never the logits, and no chunk is computed twice. The
+per-token log-probs DPO and GRPO need (``chunked_token_logps``) are checkpointed chunks instead:
+autograd keeps a chunk's hidden states and recomputes its logits in backward. Sums are float32
+whatever the model dtype, and the loss
 is divided by the step's ``num_items_in_batch`` like every trainfold loss, so gradients are those of
 the plain loss (to float32 rounding) and independent of how the step is split.
 
@@ -41,15 +44,68 @@ __all__ = [
 ]
 
 
-def _chunk_sum(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, label_smoothing: float) -> Tensor:
-    logits = F.linear(hidden, weight, bias).float()
-    try:
-        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum",
-                               label_smoothing=label_smoothing)
-    except IndexError:  # the CPU range check: say what it means
-        bad = labels[(labels != IGNORE_INDEX) & ((labels < 0) | (labels >= weight.shape[0]))].unique()[:8].tolist()
-        raise ValueError(f"labels {bad} are outside the {weight.shape[0]} rows of the output embedding (valid: "
-                         f"0..{weight.shape[0] - 1} or {IGNORE_INDEX}); check the tokenizer against the model") from None
+def _check_labels(labels: Tensor, vocab: int) -> None:
+    bad = (labels >= vocab) | ((labels < 0) & (labels != IGNORE_INDEX))
+    if bool(bad.any()):
+        values = labels[bad].unique()[:8].tolist()
+        raise ValueError(f"labels {values} are outside the {vocab} rows of the output embedding (valid: "
+                         f"0..{vocab - 1} or {IGNORE_INDEX}); check the tokenizer against the model")
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed cross-entropy of ``hidden @ weight.T + bias``, chunk by chunk, its gradients made on the way.
+
+    Each chunk's logits exist once: the forward pass computes the chunk's loss and, where inputs need
+    them, its gradients (``softmax - target`` times the chunk's hidden states and the weight), so the
+    backward pass only scales them. Three matrix products per chunk, as the plain loss has in all.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, chunk_size: int,
+                label_smoothing: float) -> Tensor:
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        vocab = weight.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if bias is not None and need_b else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            h, y = hidden[start:start + chunk_size], labels[start:start + chunk_size]
+            logits = F.linear(h, weight, bias).float()
+            valid = (y != IGNORE_INDEX).to(logits.dtype)
+            target = y.clamp(min=0)[:, None]
+            lse = torch.logsumexp(logits, dim=-1)
+            per = (lse - logits.gather(1, target)[:, 0]) * (1 - label_smoothing)
+            if label_smoothing:
+                per = per + label_smoothing * (lse - logits.mean(-1))
+            total = total + (per * valid).sum()
+            if grad_h is None and grad_w is None and grad_b is None:
+                continue
+            d = logits.sub_(lse[:, None]).exp_()  # the softmax, in the logits' memory
+            d.scatter_add_(1, target, torch.full_like(target, label_smoothing - 1, dtype=d.dtype))
+            if label_smoothing:
+                d -= label_smoothing / vocab
+            d *= valid[:, None]
+            if grad_b is not None:
+                grad_b += d.sum(0)
+            d = d.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[start:start + chunk_size] = d @ weight
+            if grad_w is not None:
+                if grad_w.dtype == d.dtype:
+                    grad_w.addmm_(d.T, h)  # no temporary of the weight's size
+                else:
+                    grad_w += (d.T @ h).float()
+        # Kept in the weight's dtype until backward: a float32 copy of a bf16 embedding would double it.
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype),
+                              None if grad_b is None else grad_b.to(bias.dtype))
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        scale = [None if g is None else g * grad.to(g.dtype) for g in (grad_h, grad_w, grad_b)]
+        return (*scale, None, None, None)
 
 
 def _flat(hidden: Tensor, labels: Tensor, weight: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:
@@ -69,20 +125,18 @@ def chunked_cross_entropy(
     num_items_in_batch: Tensor | int,
     *,
     bias: Tensor | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
     label_smoothing: float = 0.0,
 ) -> Tensor:
     """Return ``sum of cross_entropy(hidden @ weight.T + bias, labels) / num_items_in_batch``, chunk by chunk.
 
     ``hidden`` is ``labels.shape + (hidden_size,)``; labels of -100 are ignored (already shifted for a
-    causal LM). Only ``chunk_size`` tokens' logits exist at a time, forward and backward.
+    causal LM). Only ``chunk_size`` tokens' logits exist at a time; their gradients are made in the
+    forward pass (so no second forward is needed), which is why it has no second derivative.
     """
     h, y = _flat(hidden, labels, weight, chunk_size)
-    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    for start in range(0, h.shape[0], chunk_size):
-        part = (h[start:start + chunk_size], weight, bias, y[start:start + chunk_size], label_smoothing)
-        total = total + (checkpoint(_chunk_sum, *part, use_reentrant=False, preserve_rng_state=False)
-                         if torch.is_grad_enabled() else _chunk_sum(*part))
+    _check_labels(y, weight.shape[0])
+    total = _LinearCrossEntropy.apply(h, weight, bias, y, chunk_size, float(label_smoothing))
     denom = num_items_in_batch.clamp(min=1) if isinstance(num_items_in_batch, Tensor) else max(int(num_items_in_batch), 1)
     return total / denom
 
@@ -100,7 +154,7 @@ def chunked_token_logps(
     labels: Tensor,
     *,
     bias: Tensor | None = None,
-    chunk_size: int = 1024,
+    chunk_size: int = 256,
     temperature: float = 1.0,
 ) -> Tensor:
     """Return each label's log-probability (0 where the label is -100), shaped like ``labels``, chunk by chunk.
@@ -211,7 +265,7 @@ class ChunkedCausalLM:
         return loss, {}
 
 
-def chunked_causal_lm(model: nn.Module, chunk_size: int = 1024, label_smoothing: float = 0.0) -> ChunkedCausalLM:
+def chunked_causal_lm(model: nn.Module, chunk_size: int = 256, label_smoothing: float = 0.0) -> ChunkedCausalLM:
     """Return the objective that trains ``model`` (a transformers causal LM) on chunked next-token cross-entropy.
 
     Pass it as ``make_step(model, loss, opt, objective=chunked_causal_lm(model, 2048))``, or set
