@@ -465,8 +465,10 @@ def train(
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     saved: list[Path] = []
     start_state, started = state, time.monotonic()
-    with make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings) as reporters:
-        run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
+    bar = make_progress(total_steps, initial=int(state.step), enabled=rank == 0, log_level=args.log_level,
+                        bar=None if args.disable_tqdm is None else not args.disable_tqdm)  # the console
+    with make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings) as reporters, bar:
+        run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters.including(bar),
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
                    early_stopping, rank == 0, collective if shard_eval else None)
         if args.eval_on_start and source is None:
@@ -486,8 +488,7 @@ def train(
             stops.append(agreed_stop(stop, collective) if collective is not None else stop)
         status = "completed"
         guard = preemption_guard(collective=collective) if args.enable_jit_checkpoint else _no_guard()
-        show = args.disable_tqdm is not True and rank == 0
-        with guard as preemption, make_progress(total_steps, initial=int(state.step), enabled=None if show else False) as bar:
+        with guard as preemption:
             all_stops = any_of(*stops, preemption.stop) if preemption is not None else any_of(*stops)
             counted = step if args.tokens_seen == "no" else counting_input_tokens(
                 step, args.tokens_seen, args.model_input_name, collective)
@@ -503,7 +504,7 @@ def train(
         samples = (int(state.step) - int(start_state.step)) * sampler.global_batch_size
         summary = train_summary(state, start_state, time.monotonic() - started, samples, steps_per_epoch=steps_per_epoch)
         history.append(summary)
-        reporters.log(summary, int(state.step))
+        run.reporters.log(summary, int(state.step))
     best_path = None
     if BEST in state.extras and int(state.extras[BEST].step) >= 0:
         best_path = policy.best_checkpoint(args.output_dir, state.extras[BEST])
