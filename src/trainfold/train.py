@@ -467,8 +467,9 @@ def train(
     start_state, started = state, time.monotonic()
     bar = make_progress(total_steps, initial=int(state.step), enabled=rank == 0, log_level=args.log_level,
                         bar=None if args.disable_tqdm is None else not args.disable_tqdm)  # the console
-    with make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings) as reporters, bar:
-        run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters.including(bar),
+    with make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings) as reporters:
+        reporters = reporters.including(bar)  # the console shows each log, evaluation and the summary
+        run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
                    early_stopping, rank == 0, collective if shard_eval else None)
         if args.eval_on_start and source is None:
@@ -504,7 +505,8 @@ def train(
         samples = (int(state.step) - int(start_state.step)) * sampler.global_batch_size
         summary = train_summary(state, start_state, time.monotonic() - started, samples, steps_per_epoch=steps_per_epoch)
         history.append(summary)
-        run.reporters.log(summary, int(state.step))
+        reporters.log(summary, int(state.step))
+        bar.close()
     best_path = None
     if BEST in state.extras and int(state.extras[BEST].step) >= 0:
         best_path = policy.best_checkpoint(args.output_dir, state.extras[BEST])
