@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from trainfold import checkpoint as ckpt
+from trainfold import hf_callbacks
 from trainfold import checkpoint_policy as policy
 from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
@@ -326,6 +327,22 @@ def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainSta
     return after
 
 
+def _callback_adapter(callbacks: Sequence[Any], run: _Run, saved: list[Path], state: TrainState, device: torch.device,
+                      rank: int) -> tuple[_Run, hf_callbacks.HFCallbacks | None]:
+    """Return the run whose reporters include the HF ``TrainerCallback`` adapter (begun), and the adapter."""
+    if not callbacks:
+        return run, None
+    evaluate = None if run.eval_batches is None else (
+        lambda s: _record_eval(run, s, _evaluate_state(run, s))[0])  # the run below, which reports to the adapter
+    hf = hf_callbacks.HFCallbacks(
+        callbacks, run.args, total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch,
+        use_cpu=device.type == "cpu", saved=saved, history=run.history, evaluate=evaluate,
+        save=lambda s: saved.append(_save(run, s)) if run.is_writer else None, rank=rank, best_key=BEST)
+    run = attrs.evolve(run, reporters=run.reporters.including(hf))
+    hf.begin(state)
+    return run, hf
+
+
 def _initial_state(model: nn.Module, optimizer: GradientTransformation, args: TrainingArguments,
                    metric_key: str | None, early: EarlyStopping | None, device: torch.device) -> TrainState:
     extras = initial_extras(*([early] if early is not None else []), tokens_seen=args.tokens_seen != "no")
@@ -372,6 +389,7 @@ def train(
     stop: Callable[[TrainState], bool] | None = None,
     collective: Collective | None = None,
     weights_only_warm_start: bool = False,
+    callbacks: Sequence[Any] = (),
 ) -> TrainResult:
     """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record.
 
@@ -380,7 +398,8 @@ def train(
     (clipping + AdamW on ``lr_scheduler_type``). ``observers`` are called ``(state, logs)`` on every
     log. ``early_stopping`` (from ``trainfold.stopping.early_stopping``) and ``stop(state)`` end the
     run early (status ``stopped``); a SIGTERM with ``enable_jit_checkpoint`` ends it at the next step
-    boundary with a checkpoint (status ``preempted``).
+    boundary with a checkpoint (status ``preempted``). ``callbacks`` take ``transformers.TrainerCallback``
+    objects (``trainfold.hf_callbacks``).
 
     >>> import tempfile, torch
     >>> from trainfold.models import TinyLM, TinyLMConfig
@@ -427,6 +446,9 @@ def train(
     )
     if args.eval_strategy != "no" and eval_dataset is None:
         raise ValueError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset; pass one or set eval_strategy='no'")
+    hf_callbacks.check_observers(observers)
+    if callbacks:  # an EarlyStoppingCallback becomes trainfold's early stopping; the others are checked
+        callbacks, early_stopping = hf_callbacks.split_early_stopping(callbacks, args, early_stopping)
     metric_key = args.metric_key
     if early_stopping is not None and metric_key is None:
         metric_key = early_stopping.metric if early_stopping.metric.startswith("eval_") else f"eval_{early_stopping.metric}"
@@ -472,6 +494,8 @@ def train(
         run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
                    early_stopping, rank == 0, collective if shard_eval else None)
+        run, hf = _callback_adapter(callbacks, run, saved, state, device, rank)  # HF TrainerCallbacks, or None
+        reporters = run.reporters
         if args.eval_on_start and source is None:
             state, _ = _record_eval(run, state, _evaluate_state(run, state), track=False)
         batches = _to_device(
@@ -487,6 +511,8 @@ def train(
             stops.append(patience_exhausted(early_stopping))
         if stop is not None:  # a user's predicate may differ between ranks: agree on it
             stops.append(agreed_stop(stop, collective) if collective is not None else stop)
+        if hf is not None:
+            stops.append(agreed_stop(hf.stop, collective) if collective is not None else hf.stop)
         status = "completed"
         guard = preemption_guard(collective=collective) if args.enable_jit_checkpoint else _no_guard()
         with guard as preemption:
@@ -494,6 +520,8 @@ def train(
             counted = step if args.tokens_seen == "no" else counting_input_tokens(
                 step, args.tokens_seen, args.model_input_name, collective)
             looped = observing(counted, _after_step(run, saved), tap(bar.update))
+            if hf is not None:  # on_step_begin before the step, on_step_end before its log/eval/save
+                looped = observing(hf.wrap(counted), hf.step_end, _after_step(run, saved), hf.after, tap(bar.update))
             for state in trajectory(looped, state, batches, all_stops):  # noqa: B007
                 pass
             if preemption is not None and preemption.requested():
