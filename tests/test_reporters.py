@@ -301,8 +301,9 @@ def test_tokens_per_second_counts_the_labelled_tokens_of_each_step():
     console = progress(None, stream=out, clock=lambda: next(now))
     for step in (1, 2):
         state = progress_state(step, 1.0)
-        console.update(attrs.evolve(state, metrics={**state.metrics, "num_items": torch.tensor(300.0)}))
-    console.update(attrs.evolve(state, metrics={**state.metrics, "num_items": torch.tensor(300.0)}))  # same step
+        state = attrs.evolve(state, metrics={**state.metrics, "num_items": torch.tensor(300.0)})
+        console.update(state)
+    console.update(state)  # a step that did not advance the state (all labels ignored) counts once
     console.log({"loss": 1.0, "step": 2}, step=2)
     assert out.getvalue() == "step 2  loss 1  tokens/s 300  elapsed 0:02\n"
 

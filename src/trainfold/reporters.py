@@ -439,6 +439,8 @@ class Progress:
         self._last_print = -math.inf
         self._line = ""
         self._step, self._tokens, self._step_time = initial, 0.0, self._start
+        self._items: list[Any] = []  # the steps' num_items since the last log, summed then (no sync per step)
+        self._last_items: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -449,16 +451,23 @@ class Progress:
         """Count the step (and its labelled tokens); move the bar, or rewrite the terminal line."""
         if self._stream is None:
             return
-        step = int(state.step)
-        if step > self._step:
-            items = state.metrics.get("num_items")
-            self._tokens += float(items) if items is not None else math.nan
-        self._step, self._step_time = step, self._clock()
+        items = state.metrics.get("num_items")
+        if items is None:
+            self._tokens = math.nan
+        elif items is not self._last_items:  # a new step (the same state seen twice counts once)
+            self._items.append(items)
+            self._last_items = items
+            if len(self._items) >= 1024:  # runs that seldom log: keep the list short
+                self._count_tokens()
+        self._step_time = self._clock()
+        if self._bar is None and not self._rewrite:
+            return
+        self._step = int(state.step)
         if self._bar is not None:
             loss, lr = float(state.metrics["loss"]), float(state.metrics["learning_rate"])
             self._bar.set_postfix(loss=f"{loss:.4g}", lr=f"{lr:.3g}", refresh=False)
-            self._bar.update(step - self._bar.n)
-        elif self._rewrite:
+            self._bar.update(self._step - self._bar.n)
+        else:
             self._redraw(state)
 
     def _redraw(self, state: TrainState) -> None:
@@ -500,6 +509,7 @@ class Progress:
     def _timing(self, step: int) -> list[str]:
         elapsed = self._step_time - self._start
         steps = step - self._initial
+        self._count_tokens()
         out = []
         if elapsed > 0 and steps > 0:
             if math.isfinite(self._tokens):
@@ -508,6 +518,11 @@ class Progress:
             if self._total is not None:
                 out.append(f"eta {_clock_text((self._total - step) * elapsed / steps)}")
         return out
+
+    def _count_tokens(self) -> None:
+        if self._items:
+            self._tokens += float(sum(self._items))
+            self._items = []
 
     def log(self, entry: Mapping[str, Any], step: int) -> None:
         """Show one log entry as a line (above the bar when there is one)."""
