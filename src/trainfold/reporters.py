@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 import attrs
+import torch
 
 from trainfold.state import TrainState
 
@@ -521,7 +522,7 @@ class Progress:
 
     def _count_tokens(self) -> None:
         if self._items:
-            self._tokens += float(sum(self._items))
+            self._tokens += float(torch.stack(self._items).sum())
             self._items = []
 
     def log(self, entry: Mapping[str, Any], step: int) -> None:
