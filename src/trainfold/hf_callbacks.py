@@ -183,7 +183,7 @@ class HFCallbacks:
         self.control = transformers.TrainerControl()
         self._steps_per_epoch, self._evaluate, self._save, self._saved = steps_per_epoch, evaluate, save, saved
         self._current: TrainState | None = None
-        self._saves_seen = len(saved)
+        self._saves_seen, self._saved_steps = len(saved), set()
         self._epoch_open = False
         self._warned_log = False
 
@@ -263,8 +263,7 @@ class HFCallbacks:
             state = self._evaluate(state)
             self._sync(state)
             self.control.should_evaluate = False
-        if self.control.should_save and not any(int(p.name.rsplit("-", 1)[-1]) == int(state.step)
-                                                for p in self._saved[self._saves_seen:]):
+        if self.control.should_save and int(state.step) not in self._saved_steps:
             self._save(state)
             self._sync(state)
             self._saved_now()
@@ -274,6 +273,7 @@ class HFCallbacks:
 
     def _saved_now(self) -> None:
         self._saves_seen = len(self._saved)
+        self._saved_steps.add(self.state.global_step)
         self.control.should_save = False
         self._event("on_save")
 
