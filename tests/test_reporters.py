@@ -90,6 +90,43 @@ def test_tensorboard_event_file_holds_the_logged_scalars(tmp_path):
     assert scalars == expected
 
 
+def _tensorboard_run(log_dir: Path) -> tuple[dict[str, list], list[str]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    texts = [t.tensor_proto.string_val[0].decode() for tag in acc.Tags()["tensors"] if tag.startswith("args")
+             for t in acc.Tensors(tag)]
+    return scalars, texts
+
+
+def tiny_run(output_dir: Path, **settings):
+    from trainfold.models import TinyLM, TinyLMConfig
+    from trainfold.train import train
+
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
+    args = TrainingArguments(output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=2,
+                             logging_steps=2, save_strategy="no", disable_tqdm=True, log_level="error", **settings)
+    return train(model, args, rows)
+
+
+def test_tensorboard_run_directory_is_the_run_name_or_logging_dir_with_the_args_logged_once(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    tiny_run(tmp_path / "a", report_to="tensorboard", run_name="exp1", learning_rate=0.01)
+    scalars, texts = _tensorboard_run(tmp_path / "a" / "runs" / "exp1")
+    assert [step for step, _ in scalars["train/loss"]] == [2, 4]
+    assert len(texts) == 1 and json.loads(texts[0])["learning_rate"] == 0.01
+    assert json.loads(texts[0])["run_name"] == "exp1"
+    tiny_run(tmp_path / "b", report_to="tensorboard", logging_dir=str(tmp_path / "tb"))
+    assert _tensorboard_run(tmp_path / "tb")[0]["train/loss"] and not (tmp_path / "b" / "runs").exists()
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "env"))  # HF 5's way
+    tiny_run(tmp_path / "c", report_to="tensorboard")
+    assert _tensorboard_run(tmp_path / "env")[0]["train/loss"]
+
+
 # -- trackio (local) -----------------------------------------------------------------------------
 
 
@@ -104,6 +141,7 @@ def test_trackio_writes_a_local_project(tmp_path):
                 r.log(entry, step)
         from trackio.sqlite_storage import SQLiteStorage
         print("LOGS=" + json.dumps(SQLiteStorage.get_logs("proj", "r1")))
+        print("CONFIG=" + json.dumps(SQLiteStorage.get_run_config("proj", "r1")))
         """
     )
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "TRACKIO_PROJECT": "proj"}
@@ -113,6 +151,8 @@ def test_trackio_writes_a_local_project(tmp_path):
     assert (tmp_path / "trackio" / "proj.db").exists()
     assert [(row["step"], row.get("train/loss")) for row in logs if "train/loss" in row] == [(2, 2.5), (4, 2.0)]
     assert any(row.get("eval/accuracy") == 0.5 and row["step"] == 4 for row in logs)
+    config = json.loads(done.stdout.split("CONFIG=")[-1].splitlines()[0])
+    assert config["lr"] == 0.001  # the hyperparameters, logged once at the start
 
 
 # -- wandb (offline) -----------------------------------------------------------------------------
@@ -160,17 +200,22 @@ def test_wandb_offline_writes_its_run_records(tmp_path, monkeypatch):
     wandb.teardown()
     assert run_dir is not None and run_dir.is_relative_to(tmp_path / "wandb")
     (log_file,) = run_dir.glob("run-*.wandb")
-    history = []
+    history, configs = [], []
     for raw in read_wandb_records(log_file):
         record = pb.Record()
         record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
+        kind = record.WhichOneof("record_type")
+        if kind in ("run", "config"):
+            items = record.run.config.update if kind == "run" else record.config.update
+            configs += [(item.key, json.loads(item.value_json)) for item in items if item.key == "lr"]
+        if kind == "history":
             history.append(
                 {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             )
     train = [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h]
     assert train == [(2, 2.5), (4, 2.0)]
     assert any(h.get("eval/accuracy") == 0.5 for h in history)
+    assert configs and all(value in (0.001, {"value": 0.001}) for _, value in configs)  # the hyperparameters
 
 
 # -- the factory and the group -------------------------------------------------------------------

@@ -99,6 +99,7 @@ class TrainingArguments:
     include_num_input_tokens_seen: str | bool = "no"
     report_to: str | tuple[str, ...] = "none"
     run_name: str | None = None
+    logging_dir: str | None = None  # HF 4's name (HF 5: $TENSORBOARD_LOGGING_DIR); the TensorBoard directory
     disable_tqdm: bool | None = None
     log_level: str = "passive"  # HF's names; the console shows log lines at passive/info/debug
     save_strategy: str = "steps"
@@ -219,6 +220,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "label_names": (tuple,), "neftune_noise_alpha": _OPT_NUM, "label_smoothing_factor": _NUM,
     "logging_strategy": (str,), "logging_steps": _NUM,
     "logging_first_step": (bool,), "logging_nan_inf_filter": (bool,), "include_num_input_tokens_seen": (str, bool), "report_to": (str, tuple), "run_name": _OPT_STR,
+    "logging_dir": _OPT_STR,
     "disable_tqdm": (bool, type(None)), "log_level": (str,), "save_strategy": (str,), "save_steps": _NUM,
     "save_total_limit": _OPT_INT, "save_only_model": (bool,), "metric_for_best_model": _OPT_STR,
     "greater_is_better": (bool, type(None)), "load_best_model_at_end": (bool,),

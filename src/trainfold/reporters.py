@@ -42,6 +42,7 @@ __all__ = [
     "installed_reporters",
     "make_reporters",
     "tracker_key",
+    "tensorboard_dir",
     "Progress",
     "progress",
 ]
@@ -150,7 +151,7 @@ class TensorBoardReporter:
         self.log_dir = Path(log_dir)
         self._writer: Any = SummaryWriter(log_dir=str(self.log_dir))
         if config:
-            self._writer.add_text("config", json.dumps(_json_ready(dict(config)), indent=2, default=str))
+            self._writer.add_text("args", json.dumps(_json_ready(dict(config)), indent=2, default=str))  # HF's tag
 
     def log(self, entry: Mapping[str, Any], step: int) -> None:
         """Add each number of ``entry`` as a scalar at ``step``."""
@@ -330,11 +331,24 @@ def _names(report_to: str | Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _make(name: str, output_dir: Path, run_name: str | None, config: Mapping[str, Any] | None, project: str) -> Any:
+def tensorboard_dir(output_dir: str | os.PathLike[str], run_name: str | None = None,
+                    logging_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Return where TensorBoard events go: ``logging_dir``, else ``$TENSORBOARD_LOGGING_DIR`` (HF 5's way),
+    else ``output_dir/runs/<run_name>`` (``run`` without a name).
+
+    >>> str(tensorboard_dir("out", "exp1")), str(tensorboard_dir("out", "exp1", logging_dir="tb"))
+    ('out/runs/exp1', 'tb')
+    """
+    chosen = logging_dir or os.environ.get("TENSORBOARD_LOGGING_DIR")
+    return Path(chosen).expanduser() if chosen else Path(output_dir) / "runs" / (run_name or "run")
+
+
+def _make(name: str, output_dir: Path, run_name: str | None, config: Mapping[str, Any] | None, project: str,
+          logging_dir: str | os.PathLike[str] | None = None) -> Any:
     if name == "jsonl":
         return JsonlReporter(output_dir / "log.jsonl")
     if name == "tensorboard":
-        return TensorBoardReporter(output_dir / "runs" / (run_name or "run"), config)
+        return TensorBoardReporter(tensorboard_dir(output_dir, run_name, logging_dir), config)
     if name == "trackio":
         return TrackioReporter(os.environ.get("TRACKIO_PROJECT", project), run_name, config)
     return WandbReporter(output_dir, os.environ.get("WANDB_PROJECT", project), run_name, config)
@@ -347,10 +361,12 @@ def make_reporters(
     config: Mapping[str, Any] | None = None,
     *,
     project: str = "trainfold",
+    logging_dir: str | os.PathLike[str] | None = None,
 ) -> Reporters:
     """Build the reporters named by ``report_to``: ``"none"``, ``"all"`` (every installed one), or names.
 
-    Names: ``jsonl`` (``output_dir/log.jsonl``), ``tensorboard`` (``output_dir/runs/<run_name>``),
+    Names: ``jsonl`` (``output_dir/log.jsonl``), ``tensorboard`` (:func:`tensorboard_dir`: ``logging_dir``
+    or ``output_dir/runs/<run_name>``),
     ``trackio`` (local project ``project`` or ``$TRACKIO_PROJECT``), ``wandb`` (``$WANDB_PROJECT``
     or ``project``; set ``WANDB_MODE=offline`` to work without a network). Every name is checked
     before any reporter starts; if one fails to start, those already started are closed.
@@ -363,7 +379,7 @@ def make_reporters(
     made: list[Any] = []
     try:
         for name in names:
-            made.append(_make(name, out, run_name, config, project))
+            made.append(_make(name, out, run_name, config, project, logging_dir))
     except BaseException:
         Reporters(tuple(made)).close()
         raise

@@ -489,7 +489,8 @@ def train(
     start_state, started = state, time.monotonic()
     bar = make_progress(total_steps, initial=int(state.step), enabled=rank == 0, log_level=args.log_level,
                         bar=None if args.disable_tqdm is None else not args.disable_tqdm)  # the console
-    with make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings) as reporters:
+    with make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings,
+                        logging_dir=args.logging_dir) as reporters:
         reporters = reporters.including(bar)  # the console shows each log, evaluation and the summary
         run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
