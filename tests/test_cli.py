@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -68,7 +69,7 @@ def cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def test_toml_json_and_yaml_configs_read_the_same(tmp_path):
     configs = [load_config(write(tmp_path, "run.toml", TOML)),
                load_config(write(tmp_path, "run.json", json.dumps(PLAIN)))]
-    if pytest.importorskip("yaml"):
+    if importlib.util.find_spec("yaml") is not None:  # YAML needs pyyaml (installed with the test environment)
         configs += [load_config(write(tmp_path, "run.yaml", YAML)), load_config(write(tmp_path, "run.yml", YAML))]
     expected = json.loads(json.dumps(PLAIN).replace("OUT", str(tmp_path / "out")))
     assert all(c == expected for c in configs)

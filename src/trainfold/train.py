@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from trainfold import checkpoint as ckpt
-from trainfold import hf_callbacks
 from trainfold import checkpoint_policy as policy
+from trainfold import hf_callbacks
 from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
 from trainfold.data import KeyedCollate, StepBatch, keyed, pad_collate, stream
