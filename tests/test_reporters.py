@@ -5,18 +5,21 @@ from __future__ import annotations
 import io
 import json
 import os
+import select
 import struct
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import trainfold.reporters as reporters_module
+from trainfold.args import TrainingArguments
 from trainfold.reporters import JsonlReporter, Reporters, installed_reporters, make_reporters, progress, tracker_key
 from trainfold.state import TrainState, scalar
 
@@ -87,6 +90,43 @@ def test_tensorboard_event_file_holds_the_logged_scalars(tmp_path):
     assert scalars == expected
 
 
+def _tensorboard_run(log_dir: Path) -> tuple[dict[str, list], list[str]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    texts = [t.tensor_proto.string_val[0].decode() for tag in acc.Tags()["tensors"] if tag.startswith("args")
+             for t in acc.Tensors(tag)]
+    return scalars, texts
+
+
+def tiny_run(output_dir: Path, **settings):
+    from trainfold.models import TinyLM, TinyLMConfig
+    from trainfold.train import train
+
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
+    args = TrainingArguments(output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=2,
+                             logging_steps=2, save_strategy="no", disable_tqdm=True, log_level="error", **settings)
+    return train(model, args, rows)
+
+
+def test_tensorboard_run_directory_is_the_run_name_or_logging_dir_with_the_args_logged_once(tmp_path, monkeypatch):
+    pytest.importorskip("tensorboard")
+    tiny_run(tmp_path / "a", report_to="tensorboard", run_name="exp1", learning_rate=0.01)
+    scalars, texts = _tensorboard_run(tmp_path / "a" / "runs" / "exp1")
+    assert [step for step, _ in scalars["train/loss"]] == [2, 4]
+    assert len(texts) == 1 and json.loads(texts[0])["learning_rate"] == 0.01
+    assert json.loads(texts[0])["run_name"] == "exp1"
+    tiny_run(tmp_path / "b", report_to="tensorboard", logging_dir=str(tmp_path / "tb"))
+    assert _tensorboard_run(tmp_path / "tb")[0]["train/loss"] and not (tmp_path / "b" / "runs").exists()
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "env"))  # HF 5's way
+    tiny_run(tmp_path / "c", report_to="tensorboard")
+    assert _tensorboard_run(tmp_path / "env")[0]["train/loss"]
+
+
 # -- trackio (local) -----------------------------------------------------------------------------
 
 
@@ -101,6 +141,7 @@ def test_trackio_writes_a_local_project(tmp_path):
                 r.log(entry, step)
         from trackio.sqlite_storage import SQLiteStorage
         print("LOGS=" + json.dumps(SQLiteStorage.get_logs("proj", "r1")))
+        print("CONFIG=" + json.dumps(SQLiteStorage.get_run_config("proj", "r1")))
         """
     )
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "TRACKIO_PROJECT": "proj"}
@@ -110,6 +151,8 @@ def test_trackio_writes_a_local_project(tmp_path):
     assert (tmp_path / "trackio" / "proj.db").exists()
     assert [(row["step"], row.get("train/loss")) for row in logs if "train/loss" in row] == [(2, 2.5), (4, 2.0)]
     assert any(row.get("eval/accuracy") == 0.5 and row["step"] == 4 for row in logs)
+    config = json.loads(done.stdout.split("CONFIG=")[-1].splitlines()[0])
+    assert config["lr"] == 0.001  # the hyperparameters, logged once at the start
 
 
 # -- wandb (offline) -----------------------------------------------------------------------------
@@ -157,17 +200,22 @@ def test_wandb_offline_writes_its_run_records(tmp_path, monkeypatch):
     wandb.teardown()
     assert run_dir is not None and run_dir.is_relative_to(tmp_path / "wandb")
     (log_file,) = run_dir.glob("run-*.wandb")
-    history = []
+    history, configs = [], []
     for raw in read_wandb_records(log_file):
         record = pb.Record()
         record.ParseFromString(raw)
-        if record.WhichOneof("record_type") == "history":
+        kind = record.WhichOneof("record_type")
+        if kind in ("run", "config"):
+            items = record.run.config.update if kind == "run" else record.config.update
+            configs += [(item.key, json.loads(item.value_json)) for item in items if item.key == "lr"]
+        if kind == "history":
             history.append(
                 {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             )
     train = [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h]
     assert train == [(2, 2.5), (4, 2.0)]
     assert any(h.get("eval/accuracy") == 0.5 for h in history)
+    assert configs and all(value in (0.001, {"value": 0.001}) for _, value in configs)  # the hyperparameters
 
 
 # -- the factory and the group -------------------------------------------------------------------
@@ -244,7 +292,7 @@ def progress_state(step: int, loss: float) -> TrainState:
 
 def test_plain_progress_line_shows_step_loss_and_rate():
     out, now = io.StringIO(), iter([0.0, 1.0, 2.0, 3.0])
-    with progress(10, enabled=True, stream=out, use_tqdm=False, clock=lambda: next(now), min_interval=0) as bar:
+    with progress(10, bar=True, stream=out, use_tqdm=False, clock=lambda: next(now), min_interval=0) as bar:
         bar.update(progress_state(1, 2.5))
         bar.update(progress_state(4, 1.25))
     text = out.getvalue()
@@ -253,7 +301,7 @@ def test_plain_progress_line_shows_step_loss_and_rate():
     assert text.endswith("\n") and not bar.enabled
 
 
-def test_progress_is_off_without_a_terminal_or_when_asked():
+def test_progress_draws_no_bar_without_a_terminal_and_nothing_when_off():
     out = io.StringIO()
     quiet = progress(10, stream=out)
     quiet.update(progress_state(1, 1.0))
@@ -266,9 +314,120 @@ def test_progress_is_off_without_a_terminal_or_when_asked():
 def test_tqdm_progress():
     pytest.importorskip("tqdm")
     out = io.StringIO()
-    bar = progress(5, enabled=True, stream=out, use_tqdm=True)
+    bar = progress(5, bar=True, stream=out, use_tqdm=True)
     for k in range(1, 6):
         bar.update(progress_state(k, 1.0 / k))
     bar.close()
     bar.close()
     assert "5/5" in out.getvalue() and "loss=0.2" in out.getvalue()
+
+
+def test_without_a_terminal_each_log_and_evaluation_is_one_line():
+    out, now = io.StringIO(), iter([0.0, 1.0, 2.0, 4.0, 5.0])
+    console = progress(10, stream=out, clock=lambda: next(now))
+    for step in (1, 2, 4):
+        console.update(progress_state(step, 1.0))
+        if step == 2:
+            console.log({"loss": 2.5, "grad_norm": 0.75, "learning_rate": 1e-3, "epoch": 0.2, "step": 2}, step=2)
+    console.log({"loss": 1.5, "grad_norm": 0.5, "learning_rate": 5e-4, "rewards/margins": 0.25, "step": 4}, step=4)
+    console.log({"eval_loss": 1.75, "eval_accuracy": 0.5, "epoch": 0.4, "step": 4}, step=4)
+    console.log({"train_runtime": 5.0, "train_loss": 2.0, "step": 4}, step=4)
+    console.close()
+    assert out.getvalue().splitlines() == [
+        "step 2/10  loss 2.5  lr 0.001  grad_norm 0.75  epoch 0.2  elapsed 0:02  eta 0:08",
+        "step 4/10  loss 1.5  lr 0.0005  grad_norm 0.5  rewards/margins 0.25  elapsed 0:04  eta 0:06",
+        "eval step 4/10  eval_loss 1.75  eval_accuracy 0.5  epoch 0.4",
+        "done step 4/10  train_runtime 5  train_loss 2",
+    ]
+
+
+def test_tokens_per_second_counts_the_labelled_tokens_of_each_step():
+    out, now = io.StringIO(), iter([0.0, 1.0, 2.0, 2.0])
+    console = progress(None, stream=out, clock=lambda: next(now))
+    for step in (1, 2):
+        state = progress_state(step, 1.0)
+        state = attrs.evolve(state, metrics={**state.metrics, "num_items": torch.tensor(300.0)})
+        console.update(state)
+    console.update(state)  # a step that did not advance the state (all labels ignored) counts once
+    console.log({"loss": 1.0, "step": 2}, step=2)
+    assert out.getvalue() == "step 2  loss 1  tokens/s 300  elapsed 0:02\n"
+
+
+def test_with_a_bar_the_log_lines_are_written_above_it():
+    pytest.importorskip("tqdm")
+    out = io.StringIO()
+    out.isatty = lambda: True  # a terminal: the bar, with the lines above it
+    with progress(4, stream=out) as bar:
+        bar.update(progress_state(2, 1.0))
+        bar.log({"eval_loss": 0.625, "step": 2}, step=2)
+        bar.update(progress_state(4, 1.0))
+    text = out.getvalue()
+    assert "eval step 2/4  eval_loss 0.625\n" in text and "4/4" in text.split("eval_loss 0.625")[1]
+
+
+@pytest.mark.parametrize(("log_level", "disable_tqdm", "shown"), [
+    ("passive", None, "lines"), ("info", True, "lines"), ("warning", True, "nothing"),
+    ("warning", False, "bar"), ("error", False, "nothing"), ("critical", None, "nothing"),
+])
+def test_log_level_and_disable_tqdm_as_in_hf(log_level, disable_tqdm, shown):
+    pytest.importorskip("tqdm")
+    out = io.StringIO()
+    with progress(4, stream=out, log_level=log_level, bar=None if disable_tqdm is None else not disable_tqdm) as bar:
+        bar.update(progress_state(1, 1.0))
+        bar.log({"loss": 1.0, "step": 1}, step=1)
+    text = out.getvalue()
+    got = "nothing" if not text else "bar" if "1/4 [" in text and "loss 1.0" not in text else "lines"
+    assert got == shown, text
+
+
+def test_a_bad_log_level_is_refused():
+    with pytest.raises(ValueError, match="log_level='loud' is not one of"):
+        progress(4, log_level="loud")
+    with pytest.raises(ValueError, match="log_level='loud'"):
+        TrainingArguments(log_level="loud")
+
+
+_PIPED_RUN = """
+import sys, tempfile, torch
+from trainfold import TrainingArguments, train
+from trainfold.models import TinyLM, TinyLMConfig
+torch.manual_seed(0)
+model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(12)]
+def wait_at_5(state):  # the parent reads the lines of steps 1-4 while this process still runs
+    if int(state.step) == 5:
+        sys.stdin.readline()
+    return False
+args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=8, per_device_train_batch_size=2,
+                         learning_rate=1e-2, logging_steps=2, eval_strategy="steps", eval_steps=4, save_strategy="no")
+train(model, args, rows, rows[:4], stop=wait_at_5)
+"""
+
+
+def test_a_run_writing_to_a_pipe_prints_each_log_as_it_happens(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _PIPED_RUN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        early = []
+        while not early or not early[-1].startswith("eval step 4/8"):
+            ready, _, _ = select.select([proc.stderr], [], [], 60)
+            assert ready, f"no console line within 60 s while the run is waiting at step 5; got {early}"
+            line = proc.stderr.readline()
+            assert line, f"stderr closed early: {early}"
+            early.append(line.rstrip("\n"))
+        assert proc.poll() is None  # still running: the lines came as the run went
+        proc.stdin.write("go\n")
+        proc.stdin.close()
+        rest = proc.stderr.read().splitlines()
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = [ln for ln in early + rest if ln.startswith(("step ", "eval ", "done "))]
+    assert [ln.split("  ")[0] for ln in lines] == [
+        "step 2/8", "step 4/8", "eval step 4/8", "step 6/8", "step 8/8", "eval step 8/8", "done step 8/8"]
+    train_line = lines[0].split("  ")
+    assert [part.split(" ")[0] for part in train_line[1:]] == [
+        "loss", "lr", "grad_norm", "epoch", "tokens/s", "elapsed", "eta"]
+    assert "eval_loss" in lines[2] and "train_loss" in lines[-1]

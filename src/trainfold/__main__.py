@@ -1,10 +1,11 @@
 """Command line: ``python -m trainfold demo`` and ``python -m trainfold train --config run.toml``.
 
-A config is TOML with three tables::
+A config (TOML, JSON, or YAML when pyyaml is installed; chosen by the file's extension) has
+three tables, and optionally ``resume_from_checkpoint`` at the top level or in ``[args]``::
 
     [model]                 # "tinylm" (this project's byte-level GPT) or "hf" (a transformers config)
     type = "tinylm"
-    config = { d_model = 96, n_layers = 3 }      # or, for "hf", a path to config.json
+    config = { d_model = 96, n_layers = 3 }      # or, for "hf", a path to config.json (or a table)
 
     [data]                  # "stdlib" (Python's own source), a .txt file (bytes) or a .jsonl of rows
     train = "stdlib"
@@ -15,40 +16,231 @@ A config is TOML with three tables::
     output_dir = "runs/cli"
     max_steps = 100
 
-A preempted run (SIGTERM with ``enable_jit_checkpoint = true``) exits with status 143.
+``--set args.max_steps=10`` overrides one value (a dotted path; the value is read as a JSON or
+TOML literal, else taken as a string). ``--resume`` continues from the latest complete checkpoint
+in ``output_dir`` (and starts at step 0 when there is none yet); ``--resume PATH`` from that one.
+Exit status: 0 when the run ends, 2 for a bad command line or config (the problems are printed
+together, without a traceback), 143 when preempted (SIGTERM with ``enable_jit_checkpoint = true``).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from trainfold.preempt import EXIT_PREEMPTED
 
-__all__ = ["main", "load_config", "build_model", "build_data"]
+__all__ = ["main", "load_config", "parse_config", "apply_overrides", "split_resume", "build_model", "build_data",
+           "ConfigError", "EXIT_USAGE"]
+
+EXIT_USAGE = 2  # argparse's status for a bad command line; also a bad config
+TABLES = ("model", "data", "args")
+RESUME = "resume_from_checkpoint"  # a `train` parameter, not a TrainingArguments field
+
+_HELP = """\
+The config is a TOML, JSON or YAML (with pyyaml) file, by its extension (.toml, .json, .yaml/.yml),
+with three tables:
+
+  [model]  type = "tinylm" (trainfold.models.TinyLM; config = its TinyLMConfig fields)
+           or "hf" (config = a path to a transformers config.json, or a table of it)
+  [data]   train = "stdlib" (Python's own source), a .txt file (bytes) or a .jsonl of rows;
+           seq_len, max_bytes, eval_fraction (the held-out tail)
+  [args]   trainfold.TrainingArguments under their Hugging Face names
+  resume_from_checkpoint (top level or in [args]): true (latest checkpoint), or a checkpoint path
+
+Example (run.toml):
+
+  [model]
+  type = "tinylm"
+  config = { d_model = 96, n_layers = 3 }
+  [data]
+  train = "stdlib"
+  seq_len = 128
+  [args]
+  output_dir = "runs/cli"
+  max_steps = 200
+  logging_steps = 10
+  enable_jit_checkpoint = true
+
+The same as JSON: {"model": {"type": "tinylm", "config": {"d_model": 96, "n_layers": 3}},
+                   "data": {"train": "stdlib", "seq_len": 128},
+                   "args": {"output_dir": "runs/cli", "max_steps": 200}}
+
+  python -m trainfold train --config run.toml --set args.max_steps=10 --set args.report_to='["jsonl"]'
+  python -m trainfold train --config run.toml --resume   # after exit 143: continue where it stopped
+
+Exit status: 0 done, 2 bad command line or config (every problem printed at once), 143 preempted
+(SIGTERM with enable_jit_checkpoint; rerun with --resume).
+"""
 
 
-def load_config(path: str | Path) -> dict[str, Any]:
-    """Read a TOML run config and check its tables."""
+class ConfigError(ValueError):
+    """A bad config or command line; the CLI prints it without a traceback and exits with status 2."""
+
+
+def _toml() -> Any:
     try:
         import tomllib  # noqa: PLC0415
     except ModuleNotFoundError:  # Python 3.10
         import tomli as tomllib  # type: ignore[no-redef]  # noqa: PLC0415
+    return tomllib
+
+
+def parse_config(text: str, kind: str, source: str = "<config>") -> dict[str, Any]:
+    """Parse a config's ``text`` as ``kind`` (``"toml"``, ``"json"`` or ``"yaml"``); errors name ``source``.
+
+    >>> parse_config('{"args": {"max_steps": 3}}', "json")
+    {'args': {'max_steps': 3}}
+    >>> parse_config('[args]\\nmax_steps = 3', "toml") == parse_config('args:\\n  max_steps: 3', "yaml")
+    True
+    >>> parse_config('{"args": ', "json", "run.json")
+    Traceback (most recent call last):
+    ...
+    trainfold.__main__.ConfigError: run.json is not valid JSON: Expecting value: line 1 column 10 (char 9)
+    """
+    try:
+        if kind == "toml":
+            config = _toml().loads(text)
+        elif kind == "json":
+            config = json.loads(text)
+        elif kind == "yaml":
+            try:
+                import yaml  # noqa: PLC0415 - optional
+            except ModuleNotFoundError:
+                raise ConfigError(f"{source} is YAML, which needs pyyaml: pip install pyyaml "
+                                  "(or write the config as .toml or .json)") from None
+            config = yaml.safe_load(text)
+        else:
+            raise ConfigError(f"{source}: unknown config kind {kind!r}; use toml, json or yaml")
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - every parser's own error class, reported the same way
+        raise ConfigError(f"{source} is not valid {kind.upper()}: {err}") from None
+    if config is None:
+        config = {}
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{source}: a config is a table (mapping) of [model], [data] and [args]; "
+                          f"got {type(config).__name__}")
+    return dict(config)
+
+
+_KINDS = {".toml": "toml", ".json": "json", ".yaml": "yaml", ".yml": "yaml"}
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """Read a run config (TOML, JSON or YAML, by extension) and check its tables."""
     path = Path(path)
+    kind = _KINDS.get(path.suffix.lower())
+    if kind is None:
+        raise ConfigError(f"config {str(path)!r} has the extension {path.suffix!r}; use one of {sorted(_KINDS)}")
     if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
-    config = tomllib.loads(path.read_text())
-    unknown = sorted(set(config) - {"model", "data", "args"})
-    if unknown or "args" not in config:
-        raise ValueError(f"{path}: a config has the tables [model], [data] and [args]; got {sorted(config)}")
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    config = parse_config(path.read_text(), kind, str(path))
+    problems = _table_problems(config)
+    if problems:
+        raise ConfigError(f"{path}: " + "; ".join(problems))
     return config
+
+
+def _table_problems(config: Mapping[str, Any]) -> list[str]:
+    out = []
+    unknown = sorted(set(config) - {*TABLES, RESUME})
+    if unknown:
+        out.append(f"a config has the tables [model], [data] and [args] (and {RESUME}); unknown {unknown}")
+    if "args" not in config:
+        out.append("the [args] table is missing (it needs at least output_dir and max_steps or num_train_epochs)")
+    out += [f"[{t}] must be a table, got {config[t]!r}"
+            for t in TABLES if t in config and not isinstance(config[t], Mapping)]
+    return out
+
+
+def _literal(text: str) -> Any:
+    """Read a ``--set`` value: JSON, else a TOML literal, else the text itself.
+
+    >>> [_literal(v) for v in ("10", "1e-3", "true", "null", '["jsonl"]', "{ a = 1 }", "runs/x", "'7'")]
+    [10, 0.001, True, None, ['jsonl'], {'a': 1}, 'runs/x', '7']
+    """
+    try:
+        return json.loads(text)
+    except ValueError:
+        pass
+    try:
+        return _toml().loads(f"v = {text}")["v"]
+    except Exception:  # noqa: BLE001 - not a TOML literal either: a plain string
+        return text
+
+
+def apply_overrides(config: Mapping[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """Return ``config`` with each ``key=value`` of ``assignments`` set (a new dict; dotted keys nest).
+
+    >>> apply_overrides({"args": {"max_steps": 5}}, ["args.max_steps=10", "model.config.d_model=8"])
+    {'args': {'max_steps': 10}, 'model': {'config': {'d_model': 8}}}
+    >>> apply_overrides({}, ["max_steps=10"])
+    Traceback (most recent call last):
+    ...
+    trainfold.__main__.ConfigError: --set max_steps=10: the key names its table: --set args.max_steps=...
+    """
+    out = json.loads(json.dumps(config))  # a deep copy of plain data
+    problems = []
+    for item in assignments:
+        key, eq, text = item.partition("=")
+        path = key.strip().split(".")
+        if not eq or not all(path):
+            problems.append(f"--set {item!r} must be key=value, e.g. --set args.max_steps=10")
+            continue
+        if path[0] not in (*TABLES, RESUME):
+            from trainfold.args import TrainingArguments  # noqa: PLC0415
+            import attrs  # noqa: PLC0415
+
+            known = [f.name for f in attrs.fields(TrainingArguments)]
+            hint = (f"--set args.{key}=..." if key in known else
+                    f"one of {[*TABLES, RESUME]}" + (f" (did you mean args.{close[0]}?)"
+                                                     if (close := difflib.get_close_matches(key, known, n=1)) else ""))
+            problems.append(f"--set {item}: the key names its table: {hint}")
+            continue
+        node = out
+        for i, name in enumerate(path[:-1]):
+            child = node.setdefault(name, {})
+            if not isinstance(child, dict):
+                problems.append(f"--set {item}: {'.'.join(path[:i + 1])} is {child!r}, not a table")
+                break
+            node = child
+        else:
+            node[path[-1]] = _literal(text.strip())
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return out
+
+
+def split_resume(config: Mapping[str, Any]) -> tuple[dict[str, Any], bool | str | None]:
+    """Take ``resume_from_checkpoint`` out of a config (top level or ``[args]``); return (config, value).
+
+    >>> split_resume({"args": {"max_steps": 3, "resume_from_checkpoint": True}})
+    ({'args': {'max_steps': 3}}, True)
+    >>> split_resume({"resume_from_checkpoint": "runs/x/checkpoint-4", "args": {}})[1]
+    'runs/x/checkpoint-4'
+    """
+    config = {k: dict(v) if isinstance(v, Mapping) else v for k, v in config.items()}
+    top = config.pop(RESUME, None)
+    inner = config.get("args", {}).pop(RESUME, None) if isinstance(config.get("args"), dict) else None
+    if top is not None and inner is not None and top != inner:
+        raise ConfigError(f"{RESUME} is set twice, to {top!r} (top level) and {inner!r} ([args]); keep one")
+    value = top if top is not None else inner
+    if not (value is None or isinstance(value, (bool, str))):
+        raise ConfigError(f"{RESUME}={value!r} must be true, false or a checkpoint path")
+    return config, value
 
 
 def build_model(spec: dict[str, Any]) -> Any:
     """Build a model with random weights from the ``[model]`` table."""
+    unknown = sorted(set(spec) - {"type", "config"})
+    if unknown:
+        raise ValueError(f"[model] takes type and config; unknown {unknown}")
     kind = spec.get("type", "tinylm")
     if kind == "tinylm":
         from trainfold.models import TinyLM, TinyLMConfig  # noqa: PLC0415
@@ -68,6 +260,9 @@ def build_data(spec: dict[str, Any]) -> tuple[list[dict[str, list[int]]], list[d
     """Return ``(train_rows, eval_rows)`` from the ``[data]`` table."""
     from trainfold.demo import byte_chunks, stdlib_text  # noqa: PLC0415
 
+    unknown = sorted(set(spec) - {"train", "seq_len", "max_bytes", "eval_fraction"})
+    if unknown:
+        raise ValueError(f"[data] takes train, seq_len, max_bytes and eval_fraction; unknown {unknown}")
     source, seq_len = spec.get("train", "stdlib"), int(spec.get("seq_len", 128))
     if source == "stdlib":
         rows = byte_chunks(stdlib_text(int(spec.get("max_bytes", 1_500_000))), seq_len)
@@ -79,24 +274,77 @@ def build_data(spec: dict[str, Any]) -> tuple[list[dict[str, list[int]]], list[d
     return rows[:cut], rows[cut:]
 
 
-def _train(config_path: str) -> int:
+def _resume_source(value: bool | str | None, output_dir: str) -> bool | str | None:
+    """What ``train`` gets: True only when ``output_dir`` holds a checkpoint (else a fresh start), or a checked path."""
+    from trainfold import checkpoint as ckpt  # noqa: PLC0415
+
+    if value is None or value is False:
+        return None
+    if value is True:
+        if ckpt.latest_checkpoint(output_dir) is None:
+            print(f"trainfold train: no complete checkpoint in {output_dir} yet; starting at step 0", file=sys.stderr)
+            return None
+        return True
+    try:
+        ckpt.resume_checkpoint(value, output_dir)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--resume {value}: {err}") from None
+    return value
+
+
+def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[Any, Any, Any, bool | str | None]:
+    """Build (args, model, data, resume) from a config, collecting every problem into one ConfigError."""
     from trainfold.args import TrainingArguments  # noqa: PLC0415
+
+    config, resume = split_resume(config)
+    problems, args, model, data = [], None, None, None
+    try:
+        args = TrainingArguments.from_dict(config["args"])
+    except (TypeError, ValueError) as err:
+        problems.append(f"[args]: {err}")
+    import torch  # noqa: PLC0415
+
+    torch.manual_seed(args.seed if args is not None else 0)
+    for table, build in (("model", build_model), ("data", build_data)):
+        try:
+            built = build(dict(config.get(table, {})))
+        except (TypeError, ValueError, OSError) as err:
+            problems.append(f"[{table}]: {err}")
+        else:
+            model, data = (built, data) if table == "model" else (model, built)
+    if problems:
+        raise ConfigError("\n".join(problems))
+    return args, model, data, _resume_source(resume_flag if resume_flag is not None else resume, args.output_dir)
+
+
+def _train(ns: argparse.Namespace) -> int:
     from trainfold.distributed import collective_from_env  # noqa: PLC0415
     from trainfold.train import train  # noqa: PLC0415
 
-    config = load_config(config_path)
-    args = TrainingArguments.from_dict(config["args"])
-    import torch  # noqa: PLC0415
-
-    torch.manual_seed(args.seed)
-    model = build_model(config.get("model", {}))
-    train_rows, eval_rows = build_data(config.get("data", {}))
+    try:
+        args, model, (train_rows, eval_rows), resume = _prepare(
+            apply_overrides(load_config(ns.config), ns.set or []), ns.resume)
+    except ConfigError as err:
+        print(f"trainfold train: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     with collective_from_env() as collective:
-        result = train(model, args, train_rows, eval_rows if args.eval_strategy != "no" else None, collective=collective)
+        result = train(model, args, train_rows, eval_rows if args.eval_strategy != "no" else None,
+                       collective=collective, resume_from_checkpoint=resume)
     print(json.dumps({"status": result.status, "global_step": result.global_step,
                       "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
                       **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}}))
     return EXIT_PREEMPTED if result.status == "preempted" else 0
+
+
+def _train_parser(sub: Any) -> None:
+    run = sub.add_parser("train", help="train from a config (TOML, JSON or YAML)", description=_HELP,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("--config", required=True, help="a .toml, .json or .yaml file with [model], [data], [args]")
+    run.add_argument("--set", action="append", metavar="KEY=VALUE",
+                     help="override a config value, e.g. args.max_steps=10 (repeatable; JSON/TOML literals)")
+    run.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
+                     help="continue from the latest complete checkpoint in output_dir (a fresh start when there "
+                          "is none yet), or from CHECKPOINT")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,15 +354,14 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="train a small LM on Python's own source (no downloads)")
     demo.add_argument("--output-dir", default="runs/demo")
     demo.add_argument("--max-steps", type=int, default=800)
-    run = sub.add_parser("train", help="train from a TOML config")
-    run.add_argument("--config", required=True, help="path to a TOML file with [model], [data], [args]")
+    _train_parser(sub)
     ns = parser.parse_args(argv)
     if ns.command == "demo":
         from trainfold.demo import run_demo  # noqa: PLC0415
 
         result = run_demo(ns.output_dir, ns.max_steps)
         return EXIT_PREEMPTED if result.status == "preempted" else 0
-    return _train(ns.config)
+    return _train(ns)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "adamw_torch_fused": (), "adamw_torch": (), "sgd": ("momentum", "dampening", "nesterov"),
 }
 REPORTERS = ("jsonl", "tensorboard", "trackio", "wandb")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")
 
 _NUM = (int, float)
 _OPT_INT = (int, type(None))
@@ -98,7 +99,9 @@ class TrainingArguments:
     include_num_input_tokens_seen: str | bool = "no"
     report_to: str | tuple[str, ...] = "none"
     run_name: str | None = None
+    logging_dir: str | None = None  # HF 4's name (HF 5: $TENSORBOARD_LOGGING_DIR); the TensorBoard directory
     disable_tqdm: bool | None = None
+    log_level: str = "passive"  # HF's names; the console shows log lines at passive/info/debug
     save_strategy: str = "steps"
     save_steps: float = 500
     save_total_limit: int | None = None
@@ -217,7 +220,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "label_names": (tuple,), "neftune_noise_alpha": _OPT_NUM, "label_smoothing_factor": _NUM,
     "logging_strategy": (str,), "logging_steps": _NUM,
     "logging_first_step": (bool,), "logging_nan_inf_filter": (bool,), "include_num_input_tokens_seen": (str, bool), "report_to": (str, tuple), "run_name": _OPT_STR,
-    "disable_tqdm": (bool, type(None)), "save_strategy": (str,), "save_steps": _NUM,
+    "logging_dir": _OPT_STR,
+    "disable_tqdm": (bool, type(None)), "log_level": (str,), "save_strategy": (str,), "save_steps": _NUM,
     "save_total_limit": _OPT_INT, "save_only_model": (bool,), "metric_for_best_model": _OPT_STR,
     "greater_is_better": (bool, type(None)), "load_best_model_at_end": (bool,),
     "enable_jit_checkpoint": (bool,), "use_cpu": (bool,), "bf16": (bool,), "fp16": (bool,),
@@ -259,7 +263,7 @@ def _problems(args: TrainingArguments) -> list[str]:
     out += _optim_problems(args)
     for name, choices in (("train_sampling_strategy", SAMPLING_STRATEGIES),
                           ("eval_strategy", INTERVALS), ("logging_strategy", INTERVALS),
-                          ("save_strategy", SAVE_STRATEGIES)):
+                          ("save_strategy", SAVE_STRATEGIES), ("log_level", LOG_LEVELS)):
         _choice(out, args, name, choices)
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         if getattr(args, name) <= 0:

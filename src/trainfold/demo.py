@@ -106,7 +106,7 @@ def run_demo(output_dir: str = "runs/demo", max_steps: int = 800, seq_len: int =
         learning_rate=3e-3, warmup_steps=0.05, lr_scheduler_type="cosine", weight_decay=0.1, seed=seed,
         logging_steps=max(1, max_steps // 16), eval_strategy="steps", eval_steps=max(1, max_steps // 2), eval_on_start=True,
         save_steps=max(1, max_steps // 2), save_total_limit=2, report_to=["jsonl"], metric_for_best_model="loss",
-        enable_jit_checkpoint=True, disable_tqdm=True,  # the observer below prints one line per log
+        enable_jit_checkpoint=True, disable_tqdm=True, log_level="warning",  # the observer below prints each log
     )
     result = train(model, args, train_rows, eval_rows, observers=[_print_log(max_steps)])
     evals = [h for h in result.log_history if "eval_loss" in h]

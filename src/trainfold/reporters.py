@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import IO, Any, Protocol
 
 import attrs
+import torch
 
 from trainfold.state import TrainState
 
@@ -41,6 +42,7 @@ __all__ = [
     "installed_reporters",
     "make_reporters",
     "tracker_key",
+    "tensorboard_dir",
     "Progress",
     "progress",
 ]
@@ -149,7 +151,7 @@ class TensorBoardReporter:
         self.log_dir = Path(log_dir)
         self._writer: Any = SummaryWriter(log_dir=str(self.log_dir))
         if config:
-            self._writer.add_text("config", json.dumps(_json_ready(dict(config)), indent=2, default=str))
+            self._writer.add_text("args", json.dumps(_json_ready(dict(config)), indent=2, default=str))  # HF's tag
 
     def log(self, entry: Mapping[str, Any], step: int) -> None:
         """Add each number of ``entry`` as a scalar at ``step``."""
@@ -267,6 +269,14 @@ class Reporters:
         if first is not None:
             raise first
 
+    def including(self, *more: Any) -> Reporters:
+        """Return a group that also sends to ``more`` (a new group; this one is unchanged).
+
+        >>> len(Reporters().including(Reporters(), Reporters()))
+        2
+        """
+        return Reporters((*self.members, *more))
+
     def __iter__(self) -> Any:
         return iter(self.members)
 
@@ -321,11 +331,24 @@ def _names(report_to: str | Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _make(name: str, output_dir: Path, run_name: str | None, config: Mapping[str, Any] | None, project: str) -> Any:
+def tensorboard_dir(output_dir: str | os.PathLike[str], run_name: str | None = None,
+                    logging_dir: str | os.PathLike[str] | None = None) -> Path:
+    """Return where TensorBoard events go: ``logging_dir``, else ``$TENSORBOARD_LOGGING_DIR`` (HF 5's way),
+    else ``output_dir/runs/<run_name>`` (``run`` without a name).
+
+    >>> str(tensorboard_dir("out", "exp1")), str(tensorboard_dir("out", "exp1", logging_dir="tb"))
+    ('out/runs/exp1', 'tb')
+    """
+    chosen = logging_dir or os.environ.get("TENSORBOARD_LOGGING_DIR")
+    return Path(chosen).expanduser() if chosen else Path(output_dir) / "runs" / (run_name or "run")
+
+
+def _make(name: str, output_dir: Path, run_name: str | None, config: Mapping[str, Any] | None, project: str,
+          logging_dir: str | os.PathLike[str] | None = None) -> Any:
     if name == "jsonl":
         return JsonlReporter(output_dir / "log.jsonl")
     if name == "tensorboard":
-        return TensorBoardReporter(output_dir / "runs" / (run_name or "run"), config)
+        return TensorBoardReporter(tensorboard_dir(output_dir, run_name, logging_dir), config)
     if name == "trackio":
         return TrackioReporter(os.environ.get("TRACKIO_PROJECT", project), run_name, config)
     return WandbReporter(output_dir, os.environ.get("WANDB_PROJECT", project), run_name, config)
@@ -338,10 +361,12 @@ def make_reporters(
     config: Mapping[str, Any] | None = None,
     *,
     project: str = "trainfold",
+    logging_dir: str | os.PathLike[str] | None = None,
 ) -> Reporters:
     """Build the reporters named by ``report_to``: ``"none"``, ``"all"`` (every installed one), or names.
 
-    Names: ``jsonl`` (``output_dir/log.jsonl``), ``tensorboard`` (``output_dir/runs/<run_name>``),
+    Names: ``jsonl`` (``output_dir/log.jsonl``), ``tensorboard`` (:func:`tensorboard_dir`: ``logging_dir``
+    or ``output_dir/runs/<run_name>``),
     ``trackio`` (local project ``project`` or ``$TRACKIO_PROJECT``), ``wandb`` (``$WANDB_PROJECT``
     or ``project``; set ``WANDB_MODE=offline`` to work without a network). Every name is checked
     before any reporter starts; if one fails to start, those already started are closed.
@@ -354,7 +379,7 @@ def make_reporters(
     made: list[Any] = []
     try:
         for name in names:
-            made.append(_make(name, out, run_name, config, project))
+            made.append(_make(name, out, run_name, config, project, logging_dir))
     except BaseException:
         Reporters(tuple(made)).close()
         raise
@@ -364,19 +389,53 @@ def make_reporters(
 # -- progress --------------------------------------------------------------------------------------
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "passive")  # HF's log_level values
+_BAR_LEVELS = ("debug", "info", "warning", "passive")  # HF: tqdm only while the level is WARN or lower
+_LINE_LEVELS = ("debug", "info", "passive")  # a log line is an info message
+
+
+def _clock_text(seconds: float) -> str:
+    """Format seconds as ``m:ss`` or ``h:mm:ss``.
+
+    >>> _clock_text(5.2), _clock_text(754), _clock_text(3 * 3600 + 61), _clock_text(float("nan"))
+    ('0:05', '12:34', '3:01:01', '?')
+    """
+    if not math.isfinite(seconds):
+        return "?"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+def _number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+_TRAIN_KEYS = ("loss", "learning_rate", "grad_norm")
+_SHORT = {"learning_rate": "lr"}
+_SKIP = frozenset({"step", "epoch"})
+
+
 class Progress:
-    """A progress display of step, loss and rate: tqdm when available, else one rewritten line.
+    """The console view of a run: a progress bar on a terminal, one line per log elsewhere.
 
-    Made by ``progress(...)``; ``update(state)`` after each step, ``close()`` at the end (or use
-    it as a context manager). A disabled one does nothing.
+    Made by ``progress(...)``; ``update(state)`` after each step, ``log(entry, step)`` for each log
+    entry (train logs, evaluations, the final summary: it is a reporter), ``close()`` at the end (or
+    use it as a context manager). Without a bar (not a terminal, or ``bar=False``) each log is one
+    line: step/max, loss, lr, grad_norm, tokens/s (labelled tokens, from the step's ``num_items``),
+    elapsed time and ETA; each evaluation one line of its metrics. With a bar the same lines are
+    written above it (``tqdm.write``). A disabled one shows nothing.
 
-    >>> import io, types
+    >>> import io, types, torch
     >>> buf = io.StringIO()
-    >>> state = types.SimpleNamespace(step=4, metrics={"loss": 1.25, "learning_rate": 0.01})
-    >>> with progress(8, enabled=True, stream=buf, use_tqdm=False, clock=iter([0.0, 2.0]).__next__) as bar:
-    ...     bar.update(state)
-    >>> buf.getvalue().splitlines()[-1].strip()     # the line is rewritten in place
-    'step 4/8  loss 1.25  lr 0.01  2 step/s'
+    >>> state = types.SimpleNamespace(step=4, metrics={"num_items": torch.tensor(600.0)})
+    >>> with progress(8, stream=buf, clock=iter([0.0, 2.0, 2.0, 2.5]).__next__) as console:
+    ...     console.update(state)
+    ...     console.log({"loss": 1.25, "learning_rate": 0.01, "grad_norm": 0.5, "epoch": 0.5, "step": 4}, step=4)
+    ...     console.log({"eval_loss": 1.5, "epoch": 0.5, "step": 4}, step=4)
+    >>> print(buf.getvalue(), end="")
+    step 4/8  loss 1.25  lr 0.01  grad_norm 0.5  epoch 0.5  tokens/s 300  elapsed 0:02  eta 0:02
+    eval step 4/8  eval_loss 1.5  epoch 0.5
     """
 
     def __init__(
@@ -387,12 +446,18 @@ class Progress:
         bar: Any,
         clock: Callable[[], float],
         min_interval: float,
+        *,
+        rewrite: bool = False,
+        lines: bool = True,
     ) -> None:
         self._total, self._initial, self._stream, self._bar = total, initial, stream, bar
-        self._clock, self._min_interval = clock, min_interval
+        self._clock, self._min_interval, self._rewrite, self._lines = clock, min_interval, rewrite, lines
         self._start = clock()
         self._last_print = -math.inf
         self._line = ""
+        self._step, self._tokens, self._step_time = initial, 0.0, self._start
+        self._items: list[Any] = []  # the steps' num_items since the last log, summed then (no sync per step)
+        self._last_items: Any = None
 
     @property
     def enabled(self) -> bool:
@@ -400,33 +465,104 @@ class Progress:
         return self._stream is not None
 
     def update(self, state: TrainState) -> None:
-        """Show the state's step, its last step loss and learning rate, and the step rate."""
+        """Count the step (and its labelled tokens); move the bar, or rewrite the terminal line."""
         if self._stream is None:
             return
-        step = int(state.step)
-        loss, lr = float(state.metrics["loss"]), float(state.metrics["learning_rate"])
-        if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4g}", lr=f"{lr:.3g}", refresh=False)
-            self._bar.update(step - self._bar.n)
+        items = state.metrics.get("num_items")
+        if items is None:
+            self._tokens = math.nan
+        elif items is not self._last_items:  # a new step (the same state seen twice counts once)
+            self._items.append(items)
+            self._last_items = items
+            if len(self._items) >= 1024:  # runs that seldom log: keep the list short
+                self._count_tokens()
+        self._step_time = self._clock()
+        if self._bar is None and not self._rewrite:
             return
-        now = self._clock()
-        elapsed = now - self._start
-        rate = (step - self._initial) / elapsed if elapsed > 0 else math.nan
-        of = f"/{self._total}" if self._total is not None else ""
-        line = f"step {step}{of}  loss {loss:.4g}  lr {lr:.3g}  {rate:.3g} step/s"
+        self._step = int(state.step)
+        if self._bar is not None:
+            loss, lr = float(state.metrics["loss"]), float(state.metrics["learning_rate"])
+            self._bar.set_postfix(loss=f"{loss:.4g}", lr=f"{lr:.3g}", refresh=False)
+            self._bar.update(self._step - self._bar.n)
+        else:
+            self._redraw(state)
+
+    def _redraw(self, state: TrainState) -> None:
+        assert self._stream is not None
+        loss, lr = float(state.metrics["loss"]), float(state.metrics["learning_rate"])
+        elapsed = self._step_time - self._start
+        rate = (self._step - self._initial) / elapsed if elapsed > 0 else math.nan
+        line = f"{self._of(self._step)}  loss {loss:.4g}  lr {lr:.3g}  {rate:.3g} step/s"
         self._line = line.ljust(len(self._line))  # blank out the rest of a longer previous line
-        if now - self._last_print >= self._min_interval or (self._total is not None and step >= self._total):
+        if self._step_time - self._last_print >= self._min_interval or (
+            self._total is not None and self._step >= self._total
+        ):
             self._stream.write("\r" + self._line)
             self._stream.flush()
-            self._last_print = now
+            self._last_print = self._step_time
+
+    def _of(self, step: int) -> str:
+        return f"step {step}" + (f"/{self._total}" if self._total is not None else "")
+
+    def line(self, entry: Mapping[str, Any], step: int) -> str:
+        """Return the console line of a log entry (a train log, an evaluation or the run's summary)."""
+        numbers = {k: v for k, v in entry.items() if k not in _SKIP and isinstance(v, (int, float))}
+        if any(k.startswith(("eval_", "test_")) for k in numbers):
+            head = "eval "
+        elif "train_runtime" in numbers:
+            head = "done "
+        else:
+            head = ""
+        parts = [head + self._of(int(step))]
+        first = [k for k in _TRAIN_KEYS if k in numbers]
+        parts += [f"{_SHORT.get(k, k)} {_number(numbers[k])}" for k in first]
+        parts += [f"{k} {_number(v)}" for k, v in numbers.items() if k not in first]
+        if "epoch" in entry:
+            parts.append(f"epoch {_number(float(entry['epoch']))}")
+        if not head:
+            parts += self._timing(int(step))
+        return "  ".join(parts)
+
+    def _timing(self, step: int) -> list[str]:
+        elapsed = self._step_time - self._start
+        steps = step - self._initial
+        self._count_tokens()
+        out = []
+        if elapsed > 0 and steps > 0:
+            if math.isfinite(self._tokens):
+                out.append(f"tokens/s {self._tokens / elapsed:.4g}")
+            out.append(f"elapsed {_clock_text(elapsed)}")
+            if self._total is not None:
+                out.append(f"eta {_clock_text((self._total - step) * elapsed / steps)}")
+        return out
+
+    def _count_tokens(self) -> None:
+        if self._items:
+            self._tokens += float(torch.stack(self._items).sum())
+            self._items = []
+
+    def log(self, entry: Mapping[str, Any], step: int) -> None:
+        """Show one log entry as a line (above the bar when there is one)."""
+        if self._stream is None or not self._lines:
+            return
+        text = self.line(entry, step)
+        if self._bar is not None:
+            self._bar.write(text, file=self._stream)
+            return
+        if self._rewrite and self._line:
+            text = "\r" + text.ljust(len(self._line)) + "\n" + self._line
+        else:
+            text += "\n"
+        self._stream.write(text)
+        self._stream.flush()
 
     def close(self) -> None:
-        """Finish the display (end the line); safe to call twice."""
+        """Finish the display (end the bar's line); safe to call twice."""
         if self._stream is None:
             return
         if self._bar is not None:
             self._bar.close()
-        else:
+        elif self._rewrite:
             self._stream.write(("\r" + self._line if self._line else "") + "\n")
             self._stream.flush()
         self._stream = None
@@ -442,33 +578,43 @@ def progress(
     total: int | None = None,
     *,
     initial: int = 0,
-    enabled: bool | None = None,
+    enabled: bool | None = True,
+    bar: bool | None = None,
+    log_level: str = "passive",
     stream: IO[str] | None = None,
     use_tqdm: bool | None = None,
     clock: Callable[[], float] = time.monotonic,
     min_interval: float = 0.1,
 ) -> Progress:
-    """Return a progress display for a run of ``total`` steps starting at step ``initial``.
+    """Return the console view of a run of ``total`` steps starting at step ``initial``.
 
-    ``enabled=None`` shows it only when ``stream`` (default stderr) is a terminal; ``False``
-    turns it off. ``use_tqdm=None`` uses tqdm when installed; ``False`` prints a plain line.
+    ``bar=None`` shows a progress bar only when ``stream`` (default stderr) is a terminal (HF's
+    ``disable_tqdm``: ``bar = None if disable_tqdm is None else not disable_tqdm``); without one, each
+    log is one line. ``log_level`` (HF's names): ``passive``, ``info`` and ``debug`` show the log
+    lines; ``warning`` keeps only the bar; ``error`` and ``critical`` show nothing. ``enabled=False``
+    shows nothing (ranks other than 0). ``use_tqdm=None`` draws the bar with tqdm when installed;
+    ``False`` rewrites one plain line.
 
     >>> import io
-    >>> progress(10, stream=io.StringIO()).enabled        # not a terminal
-    False
+    >>> progress(10, stream=io.StringIO()).enabled, progress(10, stream=io.StringIO(), log_level="error").enabled
+    (True, False)
     """
+    if log_level not in LOG_LEVELS:
+        raise ValueError(f"log_level={log_level!r} is not one of {list(LOG_LEVELS)}")
     stream = sys.stderr if stream is None else stream
-    if enabled is None:
-        enabled = bool(getattr(stream, "isatty", lambda: False)())
-    if not enabled:
+    if bar is None:
+        bar = bool(getattr(stream, "isatty", lambda: False)())
+    bar = bar and log_level in _BAR_LEVELS
+    lines = log_level in _LINE_LEVELS
+    if enabled is False or not (bar or lines):
         return Progress(total, initial, None, None, clock, min_interval)
-    bar = None
-    if use_tqdm is not False:
+    drawn = None
+    if bar and use_tqdm is not False:
         try:
             from tqdm.auto import tqdm  # noqa: PLC0415 - optional
         except ImportError:
             if use_tqdm:
                 raise ImportError("use_tqdm=True needs tqdm: pip install 'trainfold[progress]'") from None
         else:
-            bar = tqdm(total=total, initial=initial, file=stream, unit="step", dynamic_ncols=True)
-    return Progress(total, initial, stream, bar, clock, min_interval)
+            drawn = tqdm(total=total, initial=initial, file=stream, unit="step", dynamic_ncols=True)
+    return Progress(total, initial, stream, drawn, clock, min_interval, rewrite=bar and drawn is None, lines=lines)

@@ -24,6 +24,7 @@ from torch import nn
 
 from trainfold import checkpoint as ckpt
 from trainfold import checkpoint_policy as policy
+from trainfold import hf_callbacks
 from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
 from trainfold.data import KeyedCollate, StepBatch, keyed, pad_collate, stream
@@ -326,6 +327,22 @@ def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainSta
     return after
 
 
+def _callback_adapter(callbacks: Sequence[Any], run: _Run, saved: list[Path], state: TrainState, device: torch.device,
+                      rank: int) -> tuple[_Run, hf_callbacks.HFCallbacks | None]:
+    """Return the run whose reporters include the HF ``TrainerCallback`` adapter (begun), and the adapter."""
+    if not callbacks:
+        return run, None
+    evaluate = None if run.eval_batches is None else (
+        lambda s: _record_eval(run, s, _evaluate_state(run, s))[0])  # the run below, which reports to the adapter
+    hf = hf_callbacks.HFCallbacks(
+        callbacks, run.args, total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch,
+        use_cpu=device.type == "cpu", saved=saved, history=run.history, evaluate=evaluate,
+        save=lambda s: saved.append(_save(run, s)) if run.is_writer else None, rank=rank, best_key=BEST)
+    run = attrs.evolve(run, reporters=run.reporters.including(hf))
+    hf.begin(state)
+    return run, hf
+
+
 def _initial_state(model: nn.Module, optimizer: GradientTransformation, args: TrainingArguments,
                    metric_key: str | None, early: EarlyStopping | None, device: torch.device) -> TrainState:
     extras = initial_extras(*([early] if early is not None else []), tokens_seen=args.tokens_seen != "no")
@@ -372,6 +389,7 @@ def train(
     stop: Callable[[TrainState], bool] | None = None,
     collective: Collective | None = None,
     weights_only_warm_start: bool = False,
+    callbacks: Sequence[Any] = (),
 ) -> TrainResult:
     """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record.
 
@@ -380,7 +398,8 @@ def train(
     (clipping + AdamW on ``lr_scheduler_type``). ``observers`` are called ``(state, logs)`` on every
     log. ``early_stopping`` (from ``trainfold.stopping.early_stopping``) and ``stop(state)`` end the
     run early (status ``stopped``); a SIGTERM with ``enable_jit_checkpoint`` ends it at the next step
-    boundary with a checkpoint (status ``preempted``).
+    boundary with a checkpoint (status ``preempted``). ``callbacks`` take ``transformers.TrainerCallback``
+    objects (``trainfold.hf_callbacks``).
 
     >>> import tempfile, torch
     >>> from trainfold.models import TinyLM, TinyLMConfig
@@ -427,6 +446,9 @@ def train(
     )
     if args.eval_strategy != "no" and eval_dataset is None:
         raise ValueError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset; pass one or set eval_strategy='no'")
+    hf_callbacks.check_observers(observers)
+    if callbacks:  # an EarlyStoppingCallback becomes trainfold's early stopping; the others are checked
+        callbacks, early_stopping = hf_callbacks.split_early_stopping(callbacks, args, early_stopping)
     metric_key = args.metric_key
     if early_stopping is not None and metric_key is None:
         metric_key = early_stopping.metric if early_stopping.metric.startswith("eval_") else f"eval_{early_stopping.metric}"
@@ -465,10 +487,16 @@ def train(
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     saved: list[Path] = []
     start_state, started = state, time.monotonic()
-    with make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings) as reporters:
+    bar = make_progress(total_steps, initial=int(state.step), enabled=rank == 0, log_level=args.log_level,
+                        bar=None if args.disable_tqdm is None else not args.disable_tqdm)  # the console
+    with make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings,
+                        logging_dir=args.logging_dir) as reporters:
+        reporters = reporters.including(bar)  # the console shows each log, evaluation and the summary
         run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
                    early_stopping, rank == 0, collective if shard_eval else None)
+        run, hf = _callback_adapter(callbacks, run, saved, state, device, rank)  # HF TrainerCallbacks, or None
+        reporters = run.reporters
         if args.eval_on_start and source is None:
             state, _ = _record_eval(run, state, _evaluate_state(run, state), track=False)
         batches = _to_device(
@@ -484,14 +512,17 @@ def train(
             stops.append(patience_exhausted(early_stopping))
         if stop is not None:  # a user's predicate may differ between ranks: agree on it
             stops.append(agreed_stop(stop, collective) if collective is not None else stop)
+        if hf is not None:
+            stops.append(agreed_stop(hf.stop, collective) if collective is not None else hf.stop)
         status = "completed"
         guard = preemption_guard(collective=collective) if args.enable_jit_checkpoint else _no_guard()
-        show = args.disable_tqdm is not True and rank == 0
-        with guard as preemption, make_progress(total_steps, initial=int(state.step), enabled=None if show else False) as bar:
+        with guard as preemption:
             all_stops = any_of(*stops, preemption.stop) if preemption is not None else any_of(*stops)
             counted = step if args.tokens_seen == "no" else counting_input_tokens(
                 step, args.tokens_seen, args.model_input_name, collective)
             looped = observing(counted, _after_step(run, saved), tap(bar.update))
+            if hf is not None:  # on_step_begin before the step, on_step_end before its log/eval/save
+                looped = observing(hf.wrap(counted), hf.step_end, _after_step(run, saved), hf.after, tap(bar.update))
             for state in trajectory(looped, state, batches, all_stops):  # noqa: B007
                 pass
             if preemption is not None and preemption.requested():
@@ -504,6 +535,7 @@ def train(
         summary = train_summary(state, start_state, time.monotonic() - started, samples, steps_per_epoch=steps_per_epoch)
         history.append(summary)
         reporters.log(summary, int(state.step))
+        bar.close()
     best_path = None
     if BEST in state.extras and int(state.extras[BEST].step) >= 0:
         best_path = policy.best_checkpoint(args.output_dir, state.extras[BEST])

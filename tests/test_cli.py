@@ -1,0 +1,234 @@
+"""`python -m trainfold train`: the config formats, --set, --resume, and errors printed without a traceback."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from trainfold import checkpoint
+from trainfold.__main__ import ConfigError, apply_overrides, load_config, main, split_resume
+
+ROOT = Path(__file__).resolve().parents[1]
+
+TOML = """
+[model]
+type = "tinylm"
+config = { d_model = 16, n_layers = 1, n_heads = 2, max_len = 32 }
+[data]
+train = "stdlib"
+seq_len = 32
+max_bytes = 20000
+[args]
+output_dir = "OUT"
+max_steps = 2
+per_device_train_batch_size = 4
+save_strategy = "no"
+report_to = ["jsonl"]
+"""
+PLAIN = {"model": {"type": "tinylm", "config": {"d_model": 16, "n_layers": 1, "n_heads": 2, "max_len": 32}},
+         "data": {"train": "stdlib", "seq_len": 32, "max_bytes": 20000},
+         "args": {"output_dir": "OUT", "max_steps": 2, "per_device_train_batch_size": 4, "save_strategy": "no",
+                  "report_to": ["jsonl"]}}
+YAML = """
+model: {type: tinylm, config: {d_model: 16, n_layers: 1, n_heads: 2, max_len: 32}}
+data: {train: stdlib, seq_len: 32, max_bytes: 20000}
+args:
+  output_dir: OUT
+  max_steps: 2
+  per_device_train_batch_size: 4
+  save_strategy: "no"
+  report_to: [jsonl]
+"""
+
+
+def write(folder: Path, name: str, text: str, out: Path | None = None) -> Path:
+    path = folder / name
+    path.write_text(text.replace("OUT", str(out or folder / "out")))
+    return path
+
+
+def cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "trainfold", *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+# -- formats, help ---------------------------------------------------------------------------------
+
+
+def test_toml_json_and_yaml_configs_read_the_same(tmp_path):
+    configs = [load_config(write(tmp_path, "run.toml", TOML)),
+               load_config(write(tmp_path, "run.json", json.dumps(PLAIN)))]
+    if importlib.util.find_spec("yaml") is not None:  # YAML needs pyyaml (installed with the test environment)
+        configs += [load_config(write(tmp_path, "run.yaml", YAML)), load_config(write(tmp_path, "run.yml", YAML))]
+    expected = json.loads(json.dumps(PLAIN).replace("OUT", str(tmp_path / "out")))
+    assert all(c == expected for c in configs)
+
+
+def test_a_json_config_trains(tmp_path, capsys):
+    config = write(tmp_path, "run.json", json.dumps(PLAIN))
+    assert main(["train", "--config", str(config)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["status"] == "completed" and result["global_step"] == 2
+    assert len((tmp_path / "out" / "log.jsonl").read_text().splitlines()) == 2  # the step-2 log and the summary
+
+
+def test_help_documents_the_config_format_with_an_example(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    for needle in ("TOML, JSON or YAML", "[model]", "[data]", "[args]", "Example (run.toml)", 'type = "tinylm"',
+                   "--set args.max_steps=10", "--resume", "resume_from_checkpoint", "143"):
+        assert needle in text, needle
+
+
+# -- --set -----------------------------------------------------------------------------------------
+
+
+def test_set_overrides_nest_and_parse_literals():
+    config = apply_overrides(PLAIN, ["args.max_steps=10", "args.learning_rate=1e-3", 'args.report_to=["jsonl"]',
+                                     "args.output_dir=runs/x", "args.disable_tqdm=true", "args.run_name='7'",
+                                     "args.eval_steps=null", "model.config.d_model=8", "resume_from_checkpoint=true"])
+    assert config["args"]["max_steps"] == 10 and config["args"]["learning_rate"] == 1e-3
+    assert config["args"]["report_to"] == ["jsonl"] and config["args"]["output_dir"] == "runs/x"
+    assert config["args"]["disable_tqdm"] is True and config["args"]["run_name"] == "7"
+    assert config["args"]["eval_steps"] is None and config["model"]["config"]["d_model"] == 8
+    assert config["resume_from_checkpoint"] is True and PLAIN["args"]["max_steps"] == 2  # the input is unchanged
+
+
+def test_set_runs_with_the_override(tmp_path, capsys):
+    config = write(tmp_path, "run.toml", TOML)
+    assert main(["train", "--config", str(config), "--set", "args.max_steps=3", "--set",
+                 f"args.output_dir={tmp_path / 'other'}"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["global_step"] == 3
+    assert (tmp_path / "other" / "log.jsonl").exists() and not (tmp_path / "out").exists()
+
+
+def test_bad_set_items_are_named():
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(PLAIN, ["max_steps=10", "args.max_steps", "args.max_steps.x=1", "learnig_rate=1"])
+    text = str(err.value)
+    assert "--set args.max_steps=..." in text and "must be key=value" in text
+    assert "args.max_steps is 2, not a table" in text and "did you mean args.learning_rate?" in text
+
+
+# -- resume_from_checkpoint in the config ------------------------------------------------------------
+
+
+def test_resume_from_checkpoint_is_taken_out_of_args_or_the_top_level():
+    config = {"args": {"max_steps": 2, "resume_from_checkpoint": True}}
+    assert split_resume(config) == ({"args": {"max_steps": 2}}, True) and "resume_from_checkpoint" in config["args"]
+    assert split_resume({"resume_from_checkpoint": "ck", "args": {}}) == ({"args": {}}, "ck")
+    with pytest.raises(ConfigError, match="set twice"):
+        split_resume({"resume_from_checkpoint": "a", "args": {"resume_from_checkpoint": "b"}})
+    with pytest.raises(ConfigError, match="must be true, false or a checkpoint path"):
+        split_resume({"resume_from_checkpoint": 3, "args": {}})
+
+
+def test_resume_in_the_config_continues_and_starts_fresh_when_there_is_nothing_yet(tmp_path, capsys):
+    config = write(tmp_path, "run.toml", TOML.replace('save_strategy = "no"', 'save_strategy = "steps"\nsave_steps = 2')
+                   + "resume_from_checkpoint = true\n")
+    assert main(["train", "--config", str(config)]) == 0  # nothing to resume yet: step 0
+    captured = capsys.readouterr()
+    assert "no complete checkpoint" in captured.err and json.loads(captured.out.splitlines()[-1])["global_step"] == 2
+    assert main(["train", "--config", str(config), "--set", "args.max_steps=4"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["global_step"] == 4
+    assert checkpoint.read_metadata(checkpoint.latest_checkpoint(tmp_path / "out"))["step"] == 4
+
+
+# -- errors: combined, no traceback, exit 2 ---------------------------------------------------------
+
+
+def test_config_errors_are_printed_together_and_exit_2(tmp_path, capsys):
+    bad = TOML.replace("max_steps = 2", 'max_steps = "x"\nlearnig_rate = 1').replace('"tinylm"', '"gpt"')
+    assert main(["train", "--config", str(write(tmp_path, "run.toml", bad))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trainfold train: error: ") and "did you mean 'learning_rate'" in err
+    assert "[model]" in err and "'gpt'" in err
+    wrong_type = write(tmp_path, "run2.toml", TOML.replace("max_steps = 2", 'max_steps = "x"'))
+    assert main(["train", "--config", str(wrong_type)]) == 2
+    assert "max_steps must be int, got 'x'" in capsys.readouterr().err
+    for name, text, needle in [("run.json", '{"args": ', "is not valid JSON"), ("run.ini", "", "extension '.ini'"),
+                               ("run3.toml", "[args\n", "is not valid TOML"),
+                               ("run4.toml", "[other]\n", "unknown ['other']")]:
+        assert main(["train", "--config", str(write(tmp_path, name, text))]) == 2
+        assert needle in capsys.readouterr().err, name
+    assert main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["train", "--config", str(write(tmp_path, "run5.toml", TOML)), "--resume", str(tmp_path / "nope")]) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_a_bad_config_prints_no_traceback_in_a_real_process(tmp_path):
+    done = cli("train", "--config", str(write(tmp_path, "run.json", '{"args": {"max_steps": 1, "lr": 1}')))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("trainfold train: error:") and "is not valid JSON" in done.stderr
+
+
+# -- preempted, then --resume: bitwise the run that never stopped --------------------------------------
+
+
+RESUMABLE = """
+[model]
+type = "tinylm"
+config = { d_model = 16, n_layers = 1, n_heads = 2, max_len = 32, dropout = 0.1 }
+[data]
+train = "stdlib"
+seq_len = 32
+max_bytes = 20000
+[args]
+output_dir = "OUT"
+max_steps = 120
+per_device_train_batch_size = 4
+gradient_accumulation_steps = 2
+warmup_steps = 10
+save_strategy = "steps"
+save_steps = 120
+enable_jit_checkpoint = true
+logging_steps = 1
+report_to = ["jsonl"]
+"""
+
+
+def test_sigterm_then_resume_continues_bitwise(tmp_path):
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "trainfold", "train", "--config"]
+    whole = subprocess.Popen([*command, str(write(tmp_path, "a.toml", RESUMABLE, straight))], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([*command, str(write(tmp_path, "b.toml", RESUMABLE, stopped)), "--resume"], cwd=ROOT,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = stopped / "log.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 5):
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    jit = checkpoint.latest_checkpoint(stopped)
+    at = checkpoint.read_metadata(jit)["step"]
+    assert 5 <= at < 120
+    out, err = whole.communicate(timeout=120)
+    assert whole.returncode == 0, err[-2000:]
+    done = cli("train", "--config", str(tmp_path / "b.toml"), "--resume")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout.splitlines()[-1])["global_step"] == 120
+    assert f"step {at + 1}/120" in done.stderr and "step 1/120" not in done.stderr  # it continued
+    expected = load_file(straight / "checkpoint-120" / "state.safetensors")
+    resumed = load_file(stopped / "checkpoint-120" / "state.safetensors")
+    assert sorted(resumed) == sorted(expected)
+    assert all((resumed[k] == expected[k]).all() for k in expected)
+    logged = lambda out: [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]  # noqa: E731
+    losses = lambda out: {e["step"]: e["loss"] for e in logged(out) if "loss" in e}  # noqa: E731
+    assert losses(stopped) == losses(straight)  # every step's logged loss, the resumed ones included
