@@ -52,6 +52,7 @@ from trainfold.step import (
     derive_seed,
     make_forward,
     next_state,
+    no_gradient_error,
     train_mode,
 )
 from trainfold.tree import global_norm
@@ -325,8 +326,11 @@ def _micro_grads(
     )
     with autocast:
         loss, aux = _micro_loss(plan, forward, leaves, micro, num_items, key)
-    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True, materialize_grads=True)
-    return loss.detach().float(), {k: v.detach().float() for k, v in aux.items()}, list(grads)
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    if all(g is None for g in grads):  # known when tracing: the eager step then raises the error that names it
+        raise no_gradient_error(plan.model, -1)
+    grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves.values())]
+    return loss.detach().float(), {k: v.detach().float() for k, v in aux.items()}, grads
 
 
 def _update(
@@ -393,4 +397,4 @@ def _run(
 
 
 class _NoItems(Exception):
-    """A step without items: the eager step handles it (it warns and only moves the cursor)."""
+    """A step without items: the eager step handles it (it warns, counts the step and learns nothing)."""
