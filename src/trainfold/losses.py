@@ -34,6 +34,7 @@ __all__ = [
     "bce_with_logits",
     "sequence_classification",
     "default_loss_for",
+    "refuse_unlabelled",
     "count_labels",
     "count_shifted_labels",
     "logits_of",
@@ -425,6 +426,43 @@ def warn_no_items(step: int) -> None:
         "and state.nonfinite_losses counts it. Check the collator's padding and label masking",
         RuntimeWarning,
         stacklevel=3,
+    )
+
+
+def refuse_unlabelled(dataset: Any, loss: Loss, label_key: str = "labels") -> None:
+    """Raise ``ValueError`` when every row of a map-style ``dataset`` has no item ``loss`` would count.
+
+    Rows are read in order until one has a label the loss counts (usually the first); datasets
+    without ``__len__``/``__getitem__``, or rows without ``label_key``, cannot be judged and pass.
+
+    >>> refuse_unlabelled([{"labels": [-100, 4, 5]}], causal_lm) is None
+    True
+    >>> refuse_unlabelled([{"labels": [4, -100]}], causal_lm)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: every one of the 1 rows of train_dataset has no 'labels' that causal_lm counts (all -100, ...
+    """
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        return
+    count = counter_for(loss)
+    n = len(dataset)
+    for i in range(n):
+        row = dataset[i]
+        if not isinstance(row, Mapping) or label_key not in row:
+            return
+        try:
+            if int(count(torch.as_tensor(row[label_key]))) > 0:
+                return
+        except (TypeError, ValueError, RuntimeError):  # labels of a form only the collator understands
+            return
+    if n == 0:
+        return
+    causal = count is count_shifted_labels
+    shifted = " (all -100, or only the first token, which a causal LM never predicts)" if causal else " (all -100)"
+    raise ValueError(
+        f"every one of the {n} rows of train_dataset has no {label_key!r} that {getattr(loss, '__name__', 'the loss')} "
+        f"counts{shifted}: every step would learn nothing. Check the label masking (e.g. a completion mask that "
+        "covers the whole row), or pass labels"
     )
 
 

@@ -31,7 +31,7 @@ from trainfold.distributed import agreed_stop, evaluate_sharded, shard
 from trainfold.eval_schedule import check_eval_schedule, should_evaluate
 from trainfold.evaluation import evaluate as evaluate_batches, predict as predict_batches
 from trainfold.fold import any_of, max_steps as max_steps_stop, trajectory
-from trainfold.losses import default_loss_for, label_smoothed
+from trainfold.losses import default_loss_for, label_smoothed, refuse_unlabelled
 from trainfold.neftune import neftune_objective
 from trainfold.observe import (
     MetricWindow,
@@ -406,6 +406,8 @@ def train(
             raise ValueError("label_smoothing_factor smooths the loss, but an objective replaces it; smooth inside "
                              "the objective, or set label_smoothing_factor=0")
         loss = label_smoothed(loss, args.label_smoothing_factor)  # names the fix for a custom loss
+    if objective is None:
+        refuse_unlabelled(train_dataset, loss)  # a fully masked dataset would train nothing, forever
     collate = _columns(data_collator, _accepted_keys(model, args))
     sampler = make_sampler(
         args.train_sampling_strategy, train_dataset, per_device_train_batch_size=args.per_device_train_batch_size,
