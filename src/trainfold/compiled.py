@@ -42,6 +42,7 @@ from torch import Tensor
 
 from trainfold.losses import IGNORE_INDEX, causal_lm, cross_entropy, logits_of
 from trainfold.optim import AdamState, GradientTransformation
+from trainfold.recompute import cache_off
 from trainfold.schedules import Schedule
 from trainfold.state import TrainState
 from trainfold.step import (
@@ -367,7 +368,7 @@ def _run(
     grads: list[Tensor] = []
     total = torch.zeros((), dtype=torch.float32, device=device)
     aux_total: dict[str, Tensor] = {}
-    with train_mode(plan.model, True), _private_rng(device) as generators, \
+    with train_mode(plan.model, True), _private_rng(device) as generators, cache_off(plan.cache_configs), \
             torch._dynamo.config.patch(trace_autograd_ops=True):
         for i, micro in enumerate(batch):
             seed = derive_seed(int(state.seed), step_no, i, rank)

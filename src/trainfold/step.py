@@ -28,7 +28,7 @@ from torch.nn.utils.stateless import _reparametrize_module  # what functional_ca
 from trainfold.amp import SCALER, LossScaling, ScalerState, unscale_, updated
 from trainfold.losses import counter_for, default_loss_for, warn_no_items
 from trainfold.optim import GradientTransformation
-from trainfold.recompute import recomputing
+from trainfold.recompute import cache_configs, cache_off, recomputing
 from trainfold.state import TrainState
 from trainfold.tree import global_norm
 
@@ -222,6 +222,7 @@ class _Plan:
     autocast: torch.dtype | None
     recompute: int = 0  # 0: off; n: checkpoint every n-th block
     loss_scaling: LossScaling | None = None
+    cache_configs: tuple[Any, ...] = ()  # configs whose KV cache the step turns off (recompute.cache_off)
     slots: _Slots = attrs.field(default=attrs.Factory(lambda plan: _Slots(plan.model), takes_self=True))
 
 
@@ -303,6 +304,7 @@ def make_step(
         autocast=autocast,
         recompute=int(gradient_checkpointing),
         loss_scaling=loss_scaling,
+        cache_configs=tuple(cache_configs(model.modules())),
     )
 
     def step(state: TrainState, batch: Batch) -> TrainState:
@@ -446,10 +448,10 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
         torch.autocast(device.type, dtype=plan.autocast) if plan.autocast is not None else contextlib.nullcontext()
     )
     modules = list(plan.model.modules())
-    recompute = (recomputing(plan.model, every=plan.recompute, modules=modules) if plan.recompute
-                 else contextlib.nullcontext())
+    recompute = (recomputing(plan.model, every=plan.recompute, modules=modules, configs=plan.cache_configs)
+                 if plan.recompute else contextlib.nullcontext())
     with _training_flags(modules, True), _private_rng(device) as generators, \
-            plan.slots.bound(modules, leaves, buffers) as forward, recompute:
+            plan.slots.bound(modules, leaves, buffers) as forward, cache_off(plan.cache_configs), recompute:
         for i, micro in enumerate(batch):
             seed = derive_seed(int(state.seed), step_no, i, rank)
             for gen in generators:
