@@ -256,3 +256,14 @@ def test_train_matches_transformers_trainer_with_the_default_loss(tmp_path, make
     assert our_logs == pytest.approx(hf_logs, rel=1e-5)
     for name, p in hf_model.named_parameters():
         torch.testing.assert_close(ours.state.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_label_smoothing_takes_a_classifiers_default_loss_and_refuses_float_targets():
+    from trainfold.losses import label_smoothed
+
+    logits, labels = torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([0])
+    smoothed = label_smoothed(sequence_classification, 0.1)
+    assert smoothed(logits, labels, 1).item() == label_smoothed(cross_entropy, 0.1)(logits, labels, 1).item()
+    for loss in (mse, bce_with_logits):
+        with pytest.raises(ValueError, match=f"{loss.__name__} takes float targets: set label_smoothing_factor=0"):
+            label_smoothed(loss, 0.1)

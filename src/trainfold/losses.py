@@ -404,6 +404,11 @@ def label_smoothed(loss: Loss, epsilon: float) -> Loss:
     >>> round(plain.item(), 4), round(smooth.item(), 4)
     (0.1269, 0.2269)
     """
+    if loss is sequence_classification:  # a classifier's default loss: smoothing needs class labels
+        loss = cross_entropy
+    if loss in (mse, bce_with_logits):
+        raise ValueError(f"label smoothing applies to class labels (causal_lm, cross_entropy); {loss.__name__} "
+                         "takes float targets: set label_smoothing_factor=0")
     if loss not in (causal_lm, cross_entropy):
         raise ValueError("label smoothing applies to causal_lm and cross_entropy; a custom loss smooths its own labels")
     if not 0 <= epsilon < 1:
