@@ -34,7 +34,7 @@ from trainfold.tree import global_norm
 
 __all__ = [
     "make_step", "make_forward", "derive_seed", "Collective", "train_mode", "Objective", "refuse_sharded",
-    "summed_grads", "empty_step",
+    "no_gradient_error", "summed_grads", "materialized", "empty_step",
 ]
 
 Batch = Sequence[Mapping[str, Tensor]]
