@@ -267,3 +267,18 @@ def test_label_smoothing_takes_a_classifiers_default_loss_and_refuses_float_targ
     for loss in (mse, bce_with_logits):
         with pytest.raises(ValueError, match=f"{loss.__name__} takes float targets: set label_smoothing_factor=0"):
             label_smoothed(loss, 0.1)
+
+
+def test_evaluate_and_predict_score_with_the_default_loss_too(tmp_path):
+    from trainfold import evaluate, predict
+
+    model = bert(num_labels=3)
+    ids, g = inputs(8)
+    labels = labels_for("class", 8, g)
+    rows = [{"input_ids": i, "labels": y} for i, y in zip(ids, labels)]
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=8, report_to="none",
+                             disable_tqdm=True)
+    with torch.no_grad():
+        own = model(input_ids=ids, labels=labels).loss.item()
+    assert evaluate(model, args, rows)["eval_loss"] == pytest.approx(own, rel=1e-5)
+    assert predict(model, args, rows).metrics["test_loss"] == pytest.approx(own, rel=1e-5)
