@@ -69,8 +69,10 @@ def _blocks(modules: list[nn.Module]) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def recomputing(model: nn.Module, blocks: list[nn.Module] | None = None, every: int = 1,
-                modules: list[nn.Module] | None = None, configs: Sequence[Any] | None = None) -> Iterator[list[nn.Module]]:
+def recomputing(
+    model: nn.Module, blocks: list[nn.Module] | None = None, every: int = 1,
+    modules: list[nn.Module] | None = None, configs: Sequence[Any] | None = None,
+) -> Iterator[list[nn.Module]]:
     """Checkpoint every ``every``-th of ``blocks`` (default: :func:`checkpoint_blocks`) for the duration; yield them.
 
     ``every=2`` checkpoints blocks 0, 2, 4, … (HF's ``every_n_layers``): less recomputation, more
