@@ -17,7 +17,7 @@ from trainfold.compiled import (
     adamw_update,
     optimizer_plan,
 )
-from trainfold.losses import causal_lm
+from trainfold.losses import causal_lm, cross_entropy
 from trainfold.models import TinyLM, TinyLMConfig
 from trainfold.schedules import linear
 
@@ -130,7 +130,7 @@ def test_objective_that_cannot_trace_falls_back_once_with_the_reason():
         compiled(out, batch)  # stays eager, warns only once
 
 
-def test_step_without_items_moves_only_the_cursor_like_the_eager_step():
+def test_step_without_items_counts_but_learns_nothing_like_the_eager_step():
     model = tiny()
     opt = adamw(1e-2)
     compiled = make_step(model, causal_lm, opt, compile="aot_eager")
@@ -138,7 +138,28 @@ def test_step_without_items_moves_only_the_cursor_like_the_eager_step():
     batch = [{"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.full((2, 8), -100)}]
     with pytest.warns(RuntimeWarning, match="num_items_in_batch == 0"):
         out = compiled(state, batch)
-    assert out.step.item() == 0 and out.params["tok.weight"] is state.params["tok.weight"]
+    assert out.step.item() == 1 and out.params["tok.weight"] is state.params["tok.weight"]
+    assert out.nonfinite_losses.item() == 1
+
+
+def test_a_step_in_which_no_parameter_gets_a_gradient_is_an_error_compiled_too():
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(3, 4))
+            self.copy = self.weight.detach().clone().requires_grad_()
+
+        def forward(self, input):
+            return input @ self.copy.T
+
+    opt = adamw(1e-2)
+    model = Hidden()
+    compiled = make_step(model, cross_entropy, opt, compile="aot_eager")
+    batch = [{"input": torch.randn(2, 4), "labels": torch.tensor([0, 2])}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompileFallbackWarning)
+        with pytest.raises(RuntimeError, match="no trainable parameter of Hidden received a gradient in step 0"):
+            compiled(init_state(model, opt), batch)
 
 
 # -- properties ---------------------------------------------------------------------------------------

@@ -113,7 +113,7 @@ def test_split_members_continue_as_ordinary_states():
     assert nxt.step.item() == 2
 
 
-def test_a_member_without_items_keeps_its_state():
+def test_a_member_without_items_counts_its_step_but_keeps_its_state():
     models = tiny_models(2)
     opt = adamw(1e-2)
     ens = init_ensemble_state(models, opt)
@@ -121,10 +121,23 @@ def test_a_member_without_items_keeps_its_state():
     labels = torch.full((2, 3, 8), -100)
     labels[0, :, 2:] = 1
     out = make_ensemble_step(models[0], causal_lm, opt)(ens, [{"input_ids": ids, "labels": labels}])
-    assert out.step.tolist() == [1, 0] and out.opt_state.count.tolist() == [1, 0]
+    assert out.step.tolist() == [1, 1] and out.opt_state.count.tolist() == [1, 0]  # every drawn step counts
     assert torch.equal(out.params["tok.weight"][1], ens.params["tok.weight"][1])
+    assert torch.equal(out.opt_state.mu["tok.weight"][1], ens.opt_state.mu["tok.weight"][1])
     assert not torch.equal(out.params["tok.weight"][0], ens.params["tok.weight"][0])
-    assert out.metrics["loss"][1].item() == 0.0 and out.loss_total[1].item() == 0.0
+    assert torch.isnan(out.metrics["loss"][1]) and out.loss_total[1].item() == 0.0
+    assert out.nonfinite_losses.tolist() == [0, 1] and out.metrics["num_items"][1].item() == 0
+
+
+def test_an_ensemble_step_without_any_items_counts_for_every_member():
+    models = tiny_models(2)
+    opt = adamw(1e-2)
+    ens = init_ensemble_state(models, opt)
+    batch = [{"input_ids": torch.zeros(2, 3, 8, dtype=torch.long), "labels": torch.full((2, 3, 8), -100)}]
+    with pytest.warns(RuntimeWarning, match="no labels other than -100"):
+        out = make_ensemble_step(models[0], causal_lm, opt)(ens, batch)
+    assert out.step.tolist() == [1, 1] and out.nonfinite_losses.tolist() == [1, 1]
+    assert out.opt_state.count.tolist() == [0, 0] and out.params["tok.weight"] is ens.params["tok.weight"]
 
 
 def test_compiled_ensemble_step_matches_the_eager_ensemble_step():

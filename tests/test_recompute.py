@@ -118,3 +118,89 @@ def test_an_objective_with_a_frozen_reference_forward_checkpoints_too():
     recomputed = make_step(policy, optimizer=opt, objective=objective, gradient_checkpointing=True)(state, micro)
     for k in plain.params:
         assert torch.equal(plain.params[k], recomputed.params[k]), k
+
+
+# -- stock HF models keep their KV cache on: the step turns it off --------------------------------
+
+
+def _hf(kind: str):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+            num_key_value_heads=1, max_position_embeddings=32, attention_dropout=0.1, pad_token_id=0))
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(  # dropout 0.1 everywhere, as GPT-2's defaults
+        vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=1, eos_token_id=2))
+
+
+def padded(seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(2):  # two micro-batches, each with a padded row
+        ids = torch.randint(1, 32, (3, 16), generator=g)
+        mask = torch.ones_like(ids)
+        mask[1, 9:] = 0
+        mask[2, 13:] = 0
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)})
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_checkpointing_a_stock_hf_model_with_its_cache_on_gives_the_same_update(kind):
+    model, opt = _hf(kind), adamw(1e-2)
+    assert model.config.use_cache is True  # the default: recomputation would append to the cache twice
+    state = init_state(model, opt, seed=3)
+    plain = make_step(model, causal_lm, opt)(state, padded(1))
+    recomputed = make_step(model, causal_lm, opt, gradient_checkpointing=True)(state, padded(1))
+    for k in plain.params:
+        assert torch.equal(plain.params[k], recomputed.params[k]), k
+    assert torch.equal(plain.metrics["loss"], recomputed.metrics["loss"])
+    assert model.config.use_cache is True  # restored after the step
+    assert not any("forward" in vars(m) for m in model.modules())
+
+
+def test_train_with_gradient_checkpointing_on_gpt2_matches_the_run_without(tmp_path):
+    g = torch.Generator().manual_seed(4)
+    rows = [{"input_ids": (ids := torch.randint(1, 32, (int(n),), generator=g).tolist()), "labels": ids}
+            for n in torch.randint(4, 14, (12,), generator=g)]  # ragged: the collator pads
+    base = {"output_dir": str(tmp_path), "max_steps": 3, "per_device_train_batch_size": 4, "logging_steps": 1,
+            "save_strategy": "no", "report_to": "none", "disable_tqdm": True, "learning_rate": 1e-2}
+    plain = train(_hf("gpt2"), TrainingArguments(**base), rows)
+    again = train(_hf("gpt2"), TrainingArguments(**base, gradient_checkpointing=True), rows)
+    for k in plain.state.params:
+        assert torch.equal(plain.state.params[k], again.state.params[k]), k
+
+
+def test_dpo_with_checkpointing_on_a_stock_hf_model_gives_the_same_update():
+    from trainfold.dpo import dpo_objective, preference_collate
+
+    policy = _hf("llama")
+    ref = {k: v.detach().clone() for k, v in policy.named_parameters()}
+    pairs = [{"prompt_ids": [3, 5, 6], "chosen_ids": [7, 8, 9, 4], "rejected_ids": [10, 11]},
+             {"prompt_ids": [3], "chosen_ids": [12], "rejected_ids": [13, 14, 15, 16, 17]}]
+    micro = [preference_collate(2)(pairs)]  # padded: chosen and rejected rows differ in length
+    opt = adamw(1e-2)
+    objective = dpo_objective(0.1, ref_params=ref)
+    state = init_state(policy, opt, seed=1)
+    plain = make_step(policy, optimizer=opt, objective=objective)(state, micro)
+    recomputed = make_step(policy, optimizer=opt, objective=objective, gradient_checkpointing=True)(state, micro)
+    for k in plain.params:
+        assert torch.equal(plain.params[k], recomputed.params[k]), k
+    assert policy.config.use_cache is True
+
+
+def test_a_block_called_with_a_cache_gets_none_inside_the_scope():
+    seen = []
+
+    class Block(torch.nn.Module):
+        def forward(self, x, cache=None, use_cache=False):
+            seen.append((cache, use_cache))
+            return x * x  # saves x: the backward recomputes the block
+
+    model = torch.nn.Sequential(torch.nn.ModuleList([Block(), Block()]))
+    x = torch.ones(2, requires_grad=True)
+    with recomputing(model):
+        out = model[0][0](x, cache=object(), use_cache=True)
+    out.sum().backward()
+    assert seen == [(None, False), (None, False)]  # the forward and its recomputation

@@ -13,7 +13,9 @@ from torch import nn
 
 from trainfold import adamw, chain, clip_by_global_norm, fit, init_state, make_step, sgd
 from trainfold.losses import causal_lm, cross_entropy
+from trainfold.data import StepBatch
 from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.state import Cursor, scalar
 from trainfold.tree import flatten
 
 SMALL = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16)
@@ -292,18 +294,93 @@ def test_fit_is_a_fold_bitwise(seed, cut):
 # -- bad input -------------------------------------------------------------------------------------
 
 
-def test_all_ignored_batch_is_a_noop_with_a_warning():
+def test_a_step_without_items_counts_but_learns_nothing():
     model = lm()
-    ids, _ = lm_samples(0, 2, 8)
+    ids, labels = lm_samples(0, 2, 8)
     opt = adamw(1e-2)
+    step = make_step(model, causal_lm, opt)
+    first = step(init_state(model, opt), [{"input_ids": ids, "labels": labels}])
+    batch = StepBatch([{"input_ids": ids, "labels": torch.full_like(ids, -100)}], Cursor(scalar(0), scalar(2)))
+    with pytest.warns(RuntimeWarning, match="no labels other than -100.*the step counts"):
+        new = step(first, batch)
+    assert new.step.item() == 2 and new.cursor.as_tuple() == (0, 2)
+    assert new.nonfinite_losses.item() == 1 and new.loss_total.item() == first.loss_total.item()
+    assert torch.isnan(new.metrics["loss"]) and new.metrics["num_items"].item() == 0
+    assert new.metrics["grad_norm"].item() == 0.0
+    a, b = flatten({"p": first.params, "o": first.opt_state}), flatten({"p": new.params, "o": new.opt_state})
+    assert all(torch.equal(a[k], b[k]) for k in a)  # params and optimizer moments (and their count) unchanged
+    again = step(new, [{"input_ids": ids, "labels": labels}])
+    assert again.step.item() == 3 and torch.isfinite(again.metrics["loss"])
+
+
+# -- parameters the step cannot see -----------------------------------------------------------------
+
+
+class _Hidden(nn.Module):
+    """Keeps a copy of its weight outside the parameter slots (as a sharding wrapper would)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(3, 4))
+        self.copy = self.weight.detach().clone().requires_grad_()
+
+    def forward(self, input):
+        return input @ self.copy.T
+
+
+def test_a_step_in_which_no_parameter_gets_a_gradient_is_an_error():
+    model = _Hidden()
+    opt = sgd(0.1)
+    batch = [{"input": torch.randn(2, 4), "labels": torch.tensor([0, 2])}]
+    with pytest.raises(RuntimeError, match=r"no trainable parameter of _Hidden received a gradient in step 0.*"
+                                           r"FSDP/fully_shard or DTensor"):
+        make_step(model, cross_entropy, opt)(init_state(model, opt), batch)
+    detached = make_step(nn.Linear(4, 3), lambda out, y, n: cross_entropy(out.detach(), y, n), opt)
+    with pytest.raises(RuntimeError, match="no trainable parameter of Linear received a gradient"):
+        detached(init_state(nn.Linear(4, 3), opt), batch)
+
+
+def test_frozen_and_unused_parameters_still_train_the_rest():
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"frozen": nn.Linear(4, 4), "head": nn.Linear(4, 3), "unused": nn.Linear(2, 2)})
+    model["frozen"].requires_grad_(False)
+    model.forward = lambda input: model["head"](model["frozen"](input))
+    opt = sgd(0.1)
     state = init_state(model, opt)
-    batch = [{"input_ids": ids, "labels": torch.full_like(ids, -100)}]
-    with pytest.warns(RuntimeWarning, match="no labels other than -100"):
-        new = make_step(model, causal_lm, opt)(state, batch)
-    assert new.step.item() == 0
-    for k in state.params:
-        assert torch.equal(new.params[k], state.params[k])
-        assert not torch.isnan(new.params[k]).any()
+    new = make_step(model, cross_entropy, opt)(state, [{"input": torch.randn(2, 4), "labels": torch.tensor([0, 2])}])
+    assert not torch.equal(new.params["head.weight"], state.params["head.weight"])
+    assert torch.equal(new.params["unused.weight"], state.params["unused.weight"])  # a zero gradient, as before
+    assert torch.equal(new.buffers["frozen.weight"], state.buffers["frozen.weight"])
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_fsdp_and_dtensor_modules_are_refused_by_name(one_process_group):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    sharded = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
+    fully_shard(sharded, mesh=one_process_group)
+    with pytest.raises(TypeError, match=r"cannot train FSDPSequential: it is an FSDP2 module \(torch.distributed."
+                                        r"fsdp.fully_shard\); trainfold does not train sharded models yet"):
+        make_step(sharded, cross_entropy, sgd(0.1))
+    inner = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
+    fully_shard(inner[1], mesh=one_process_group)
+    with pytest.raises(TypeError, match=r"its submodule '1' is an FSDP2 module"):
+        make_step(inner, cross_entropy, sgd(0.1))
+    lin = nn.Linear(2, 3)
+    lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), one_process_group, [Shard(0)]))
+    with pytest.raises(TypeError, match=r"parameter 'weight' is a DTensor"):
+        make_step(lin, cross_entropy, sgd(0.1))
 
 
 def test_labels_out_of_vocabulary_are_named():

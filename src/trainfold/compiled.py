@@ -42,6 +42,7 @@ from torch import Tensor
 
 from trainfold.losses import IGNORE_INDEX, causal_lm, cross_entropy, logits_of
 from trainfold.optim import AdamState, GradientTransformation
+from trainfold.recompute import cache_off
 from trainfold.schedules import Schedule
 from trainfold.state import TrainState
 from trainfold.step import (
@@ -52,6 +53,7 @@ from trainfold.step import (
     derive_seed,
     make_forward,
     next_state,
+    no_gradient_error,
     train_mode,
 )
 from trainfold.tree import global_norm
@@ -325,8 +327,11 @@ def _micro_grads(
     )
     with autocast:
         loss, aux = _micro_loss(plan, forward, leaves, micro, num_items, key)
-    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True, materialize_grads=True)
-    return loss.detach().float(), {k: v.detach().float() for k, v in aux.items()}, list(grads)
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    if all(g is None for g in grads):  # known when tracing: the eager step then raises the error that names it
+        raise no_gradient_error(plan.model, -1)
+    grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves.values())]
+    return loss.detach().float(), {k: v.detach().float() for k, v in aux.items()}, grads
 
 
 def _update(
@@ -363,7 +368,7 @@ def _run(
     grads: list[Tensor] = []
     total = torch.zeros((), dtype=torch.float32, device=device)
     aux_total: dict[str, Tensor] = {}
-    with train_mode(plan.model, True), _private_rng(device) as generators, \
+    with train_mode(plan.model, True), _private_rng(device) as generators, cache_off(plan.cache_configs), \
             torch._dynamo.config.patch(trace_autograd_ops=True):
         for i, micro in enumerate(batch):
             seed = derive_seed(int(state.seed), step_no, i, rank)
@@ -393,4 +398,4 @@ def _run(
 
 
 class _NoItems(Exception):
-    """A step without items: the eager step handles it (it warns and only moves the cursor)."""
+    """A step without items: the eager step handles it (it warns, counts the step and learns nothing)."""

@@ -53,10 +53,10 @@ from trainfold.compiled import (
     optimizer_plan,
     traceable_loss,
 )
-from trainfold.losses import causal_lm, counter_for, warn_no_items
+from trainfold.losses import counter_for, default_loss_for, warn_no_items
 from trainfold.optim import AdamState, GradientTransformation
 from trainfold.state import TrainState, init_state
-from trainfold.step import _private_rng, derive_seed, train_mode
+from trainfold.step import _private_rng, derive_seed, no_gradient_error, refuse_sharded, train_mode
 
 __all__ = [
     "ensemble_size",
@@ -301,8 +301,13 @@ def _grads(
         outputs = [_member(batched, m) for m in range(k)]
     losses = [plan.loss(outputs[m], labels if plan.shared else labels[m], num_items[m]) for m in range(k)]
     stacked = torch.stack(losses)
-    grads = torch.autograd.grad(stacked.sum(), list(leaves.values()), allow_unused=True, materialize_grads=True)
-    return stacked.detach().float(), list(grads)
+    total = stacked.sum()
+    if not total.requires_grad:
+        raise no_gradient_error(plan.model, -1)
+    grads = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
+    if all(g is None for g in grads):  # static: known when tracing too
+        raise no_gradient_error(plan.model, -1)
+    return stacked.detach().float(), [torch.zeros_like(p) if g is None else g for g, p in zip(grads, leaves.values())]
 
 
 def _bcast(x: float | Tensor, like: Tensor) -> float | Tensor:
@@ -345,7 +350,7 @@ def _uniform(values: Sequence[float]) -> float | Tensor:
 
 def make_ensemble_step(
     model: nn.Module,
-    loss: Callable[..., Tensor] = causal_lm,
+    loss: Callable[..., Tensor] | None = None,
     optimizer: GradientTransformation | Sequence[GradientTransformation] | None = None,
     *,
     count_items: Callable[[Mapping[str, Tensor]], Tensor] | None = None,
@@ -385,6 +390,8 @@ def make_ensemble_step(
     """
     if optimizer is None:
         raise TypeError("make_ensemble_step needs an optimizer, e.g. optimizer=trainfold.adamw(1e-3)")
+    refuse_sharded(model)
+    loss = default_loss_for(model) if loss is None else loss
     optimizers = [optimizer] if isinstance(optimizer, GradientTransformation) else list(optimizer)
     opts = [optimizer_plan(o) for o in optimizers]  # TypeError names an unsupported part
     if batching not in ("vmap", "unroll"):
@@ -452,9 +459,12 @@ def _run(
         for mb in batch
     ]).sum(0)
     active = num_items > 0
-    if not bool(active.any()):
+    if not bool(active.any()):  # every member's step counts, none learns (as make_step's empty step)
         warn_no_items(int(state.step.max()))
-        return attrs.evolve(state, cursor=cursor)
+        nan = torch.full((k,), float("nan"))
+        metrics = {**state.metrics, "loss": nan, "grad_norm": torch.zeros(k), "num_items": num_items.float()}
+        return attrs.evolve(state, step=state.step + 1, cursor=cursor, metrics=metrics,
+                            nonfinite_losses=state.nonfinite_losses + 1)
     keys = list(state.params)
     device = state.params[keys[0]].device
     buffers = {name: v.clone() for name, v in state.buffers.items()}
@@ -494,23 +504,24 @@ def _run(
         lr, step_size, bc2_sqrt, b1, b2, eps, act,
     )
     rates = torch.tensor([s[0] for s in scalars], dtype=torch.float64)
-    fresh = {"loss": total.cpu(), "grad_norm": norm.detach().float().cpu(), "learning_rate": rates,
-             "num_items": num_items.float()}
-    metrics = {**state.metrics, **{name: torch.where(active, v, state.metrics[name].to(v.dtype)) if name in state.metrics
-                                   else v for name, v in fresh.items()}}
-    step_inc = active.to(state.step.dtype)
+    # A member without items learns nothing (params and moments kept) but its step counts; its loss is NaN.
+    idle = torch.tensor(float("nan"))
+    fresh = {"loss": torch.where(active, total.cpu(), idle),
+             "grad_norm": torch.where(active, norm.detach().float().cpu(), 0.0),
+             "learning_rate": rates, "num_items": num_items.float()}
+    metrics = {**state.metrics, **fresh}
     finite = torch.isfinite(fresh["loss"])
-    new_adam = AdamState(adam.count + step_inc, dict(zip(keys, mu)), dict(zip(keys, nu)))
+    new_adam = AdamState(adam.count + active.to(adam.count.dtype), dict(zip(keys, mu)), dict(zip(keys, nu)))
     return attrs.evolve(
         state,
         params=dict(zip(keys, new_p)),
         buffers=buffers,
         opt_state=opts[0].wrap(state.opt_state, new_adam),
-        step=state.step + step_inc,
+        step=state.step + 1,
         cursor=cursor,
         metrics=metrics,
-        loss_total=state.loss_total + torch.where(active & finite, fresh["loss"].double(), 0.0),
-        nonfinite_losses=state.nonfinite_losses + (active & ~finite).long(),
+        loss_total=state.loss_total + torch.where(finite, fresh["loss"].double(), 0.0),
+        nonfinite_losses=state.nonfinite_losses + (~finite).long(),
     )
 
 

@@ -16,6 +16,7 @@ that are not -100.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,6 +30,11 @@ __all__ = [
     "Loss",
     "causal_lm",
     "cross_entropy",
+    "mse",
+    "bce_with_logits",
+    "sequence_classification",
+    "default_loss_for",
+    "refuse_unlabelled",
     "count_labels",
     "count_shifted_labels",
     "logits_of",
@@ -124,8 +130,7 @@ def _summed_cross_entropy(logits: Tensor, labels: Tensor, num_items: Tensor | in
     except IndexError:  # on the CPU torch checks the range itself; say what it means
         _raise_out_of_range(labels, num_classes)
     # An all-ignored step has num_items 0 and a zero sum: return 0, not NaN.
-    denom = num_items.clamp(min=1) if isinstance(num_items, Tensor) else max(int(num_items), 1)
-    return total / denom
+    return total / _denominator(num_items)
 
 
 def causal_lm(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int, label_smoothing: float = 0.0) -> Tensor:
@@ -141,10 +146,11 @@ def causal_lm(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int, la
     (1.3863, 1)
     """
     logits = logits_of(outputs)
-    if logits.dim() < 2 or logits.shape[:-1] != labels.shape:
+    if logits.dim() < 3 or logits.shape[:-1] != labels.shape:
         raise ValueError(
             f"logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}: "
-            "a causal LM needs logits shaped (batch, seq, vocab) and labels shaped (batch, seq)"
+            "causal_lm needs logits shaped (batch, seq, vocab) and labels shaped (batch, seq); for one label "
+            "per sample (sequence classification) use losses.cross_entropy, or compute_loss_func="
         )
     # Shift the labels, not the logits: no copy of the (large) logits, and HF's exact arithmetic.
     shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
@@ -168,6 +174,223 @@ def cross_entropy(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int
 cross_entropy.count_items = count_labels  # type: ignore[attr-defined]
 
 
+def count_elements(labels: Tensor) -> Tensor:
+    """Count every label element (regression and multi-label targets ignore nothing).
+
+    >>> import torch
+    >>> count_elements(torch.zeros(2, 3)).item()
+    6
+    """
+    return torch.tensor(labels.numel())
+
+
+def _denominator(num_items: Tensor | int) -> Tensor | int:
+    return num_items.clamp(min=1) if isinstance(num_items, Tensor) else max(int(num_items), 1)
+
+
+def mse(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+    """Squared error summed over the micro-batch, divided by the step's label count (HF's regression loss).
+
+    Logits must have the labels' shape, or the labels' shape plus a trailing 1 (``num_labels=1``
+    with labels ``[batch]``); anything else is refused rather than broadcast.
+
+    >>> import torch
+    >>> logits, labels = torch.tensor([[1.0], [3.0]]), torch.tensor([0.0, 1.0])
+    >>> mse(logits, labels, mse.count_items(labels)).item()   # (1 + 4) / 2
+    2.5
+    """
+    logits = logits_of(outputs)
+    if logits.shape != labels.shape and logits.shape != (*labels.shape, 1):
+        raise ValueError(
+            f"regression logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}: "
+            "expected the labels' shape, or (batch, 1) logits for (batch,) labels; check num_labels and the labels "
+            "column"
+        )
+    error = logits.float().reshape(labels.shape) - labels.float()
+    return (error * error).sum() / _denominator(num_items_in_batch)
+
+
+mse.count_items = count_elements  # type: ignore[attr-defined]
+
+
+def bce_with_logits(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+    """Binary cross-entropy on logits, summed, divided by the step's label count (HF's multi-label loss).
+
+    >>> import torch
+    >>> logits, labels = torch.zeros(1, 2), torch.tensor([[1.0, 0.0]])
+    >>> round(bce_with_logits(logits, labels, 2).item(), 4)      # ln 2 per label
+    0.6931
+    """
+    logits = logits_of(outputs)
+    if logits.shape != labels.shape:
+        raise ValueError(
+            f"multi-label logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}: "
+            "expected (batch, num_labels) float labels, one 0/1 target per class"
+        )
+    total = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="sum")
+    return total / _denominator(num_items_in_batch)
+
+
+bce_with_logits.count_items = count_elements  # type: ignore[attr-defined]
+
+_CLASS_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def _by_label_dtype(labels: Tensor) -> Loss:
+    if labels.dtype in _CLASS_INDEX_DTYPES:
+        return cross_entropy
+    if labels.dtype.is_floating_point:
+        return bce_with_logits
+    raise TypeError(
+        f"sequence classification labels of dtype {labels.dtype} are neither class indices (int64/int32: "
+        "cross-entropy) nor float targets (multi-label BCE); cast the labels, or set config.problem_type"
+    )
+
+
+def sequence_classification(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+    """HF's rule for ``num_labels > 1`` without ``problem_type``: integer labels → cross-entropy, float → BCE.
+
+    HF decides this from the labels' dtype on the first forward pass; so does this loss, on every call.
+
+    >>> import torch
+    >>> logits = torch.zeros(1, 2)
+    >>> round(sequence_classification(logits, torch.tensor([1]), 1).item(), 4)
+    0.6931
+    >>> round(sequence_classification(logits, torch.tensor([[1.0, 0.0]]), 2).item(), 4)
+    0.6931
+    """
+    return _by_label_dtype(labels)(outputs, labels, num_items_in_batch)
+
+
+
+
+def _count_by_label_dtype(labels: Tensor) -> Tensor:
+    return counter_for(_by_label_dtype(labels))(labels)
+
+
+sequence_classification.count_items = _count_by_label_dtype  # type: ignore[attr-defined]
+
+# The head of a transformers class name, and the task its own loss trains.
+_HF_TASKS = (
+    ("ForCausalLM", "causal_lm"),
+    ("ForSequenceClassification", "sequence_classification"),
+    ("ForTokenClassification", "token_classification"),
+    ("ForMaskedLM", "masked_lm"),
+)
+_HF_MAPPINGS = (
+    ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal_lm"),
+    ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "sequence_classification"),
+    ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "token_classification"),
+    ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "masked_lm"),
+    ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "seq2seq"),
+)
+
+
+@functools.cache
+def _hf_class_tasks() -> dict[str, frozenset[str]]:
+    try:
+        from transformers.models.auto import modeling_auto
+    except ImportError:  # pragma: no cover - transformers is optional
+        return {}
+    tasks: dict[str, set[str]] = {}
+    for mapping, task in _HF_MAPPINGS:
+        for names in getattr(modeling_auto, mapping, {}).values():
+            for name in (names,) if isinstance(names, str) else names:
+                tasks.setdefault(name, set()).add(task)
+    return {name: frozenset(t) for name, t in tasks.items()}
+
+
+def model_task(model: Any) -> str | None:
+    """Return the task a model's own loss trains (``"causal_lm"``, ``"sequence_classification"``, ...), or None.
+
+    Read from the class (and its bases): trainfold's ``TinyLM``, transformers' auto-model
+    mappings and class-name heads (``...ForCausalLM``); ``"ambiguous"`` when HF lists the class
+    under several tasks.
+
+    >>> import torch
+    >>> from trainfold.models import TinyLM, TinyLMConfig
+    >>> model_task(TinyLM(TinyLMConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=1, max_len=4)))
+    'causal_lm'
+    >>> model_task(torch.nn.Linear(2, 2)) is None
+    True
+    """
+    from trainfold.models import TinyLM
+
+    if isinstance(model, TinyLM):
+        return "causal_lm"
+    hf = _hf_class_tasks() if any(c.__module__.startswith("transformers.") for c in type(model).__mro__) else {}
+    for cls in type(model).__mro__:
+        tasks = hf.get(cls.__name__)
+        if tasks:
+            return next(iter(tasks)) if len(tasks) == 1 else "ambiguous"
+        for head, task in _HF_TASKS:
+            if cls.__name__.endswith(head):
+                return task
+    return None
+
+
+def default_loss_for(model: Any, *, defer: bool = False) -> Loss:
+    """Return the loss ``model``'s task trains with, chosen as transformers' own loss would be.
+
+    Causal LMs → :func:`causal_lm`; token classification and masked LM → :func:`cross_entropy`
+    (no shift); sequence classification by ``config.problem_type``, else ``num_labels``: 1 →
+    :func:`mse`, otherwise :func:`sequence_classification` (integer labels → cross-entropy,
+    float labels → BCE, decided from the labels as HF does). Anything else raises ``TypeError``
+    asking for ``compute_loss_func``; with ``defer=True`` (an objective replaces the loss, or an
+    evaluation may need none) the returned loss raises that error only if it is ever called.
+
+    >>> import torch
+    >>> from trainfold.models import TinyLM, TinyLMConfig
+    >>> default_loss_for(TinyLM(TinyLMConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=1, max_len=4))).__name__
+    'causal_lm'
+    """
+    task = model_task(model)
+    if task == "causal_lm":
+        return causal_lm
+    if task in ("token_classification", "masked_lm"):
+        return cross_entropy
+    if task == "sequence_classification":
+        return _sequence_classification_loss(model)
+    why = {
+        None: "it is not a model whose task trainfold knows (a causal LM, or a transformers "
+              "...ForSequenceClassification / ...ForTokenClassification / ...ForMaskedLM head)",
+        "ambiguous": "transformers lists its class under several tasks",
+        "seq2seq": "it is a sequence-to-sequence model, whose decoder inputs come from the labels",
+    }.get(task, f"its task {task!r} has no built-in loss")
+    error = TypeError(
+        f"cannot choose a default loss for {type(model).__name__}: {why}. Pass compute_loss_func= (train) or "
+        "loss= (make_step): trainfold.losses.causal_lm (next token), losses.cross_entropy (one class per label, "
+        "no shift), losses.mse, losses.bce_with_logits, or your own loss(outputs, labels, num_items_in_batch)"
+    )
+    if not defer:
+        raise error
+
+    def no_default_loss(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+        raise error
+
+    return no_default_loss
+
+
+def _sequence_classification_loss(model: Any) -> Loss:
+    config = getattr(model, "config", None)
+    problem = getattr(config, "problem_type", None)
+    num_labels = getattr(config, "num_labels", None)
+    if problem == "regression":
+        return mse
+    if problem == "single_label_classification":
+        return cross_entropy
+    if problem == "multi_label_classification":
+        return bce_with_logits
+    if problem is not None:
+        raise ValueError(
+            f"config.problem_type={problem!r} of {type(model).__name__} is not one of 'regression', "
+            "'single_label_classification', 'multi_label_classification'; fix the config or pass compute_loss_func="
+        )
+    if num_labels is None:
+        raise TypeError(f"{type(model).__name__} has no config.num_labels: pass compute_loss_func=")
+    return mse if num_labels == 1 else sequence_classification
+
+
 def label_smoothed(loss: Loss, epsilon: float) -> Loss:
     """Return ``causal_lm`` or ``cross_entropy`` with label smoothing ``epsilon`` (HF's ``label_smoothing_factor``).
 
@@ -181,6 +404,11 @@ def label_smoothed(loss: Loss, epsilon: float) -> Loss:
     >>> round(plain.item(), 4), round(smooth.item(), 4)
     (0.1269, 0.2269)
     """
+    if loss is sequence_classification:  # a classifier's default loss: smoothing needs class labels
+        loss = cross_entropy
+    if loss in (mse, bce_with_logits):
+        raise ValueError(f"label smoothing applies to class labels (causal_lm, cross_entropy); {loss.__name__} "
+                         "takes float targets: set label_smoothing_factor=0")
     if loss not in (causal_lm, cross_entropy):
         raise ValueError("label smoothing applies to causal_lm and cross_entropy; a custom loss smooths its own labels")
     if not 0 <= epsilon < 1:
@@ -196,12 +424,50 @@ def label_smoothed(loss: Loss, epsilon: float) -> Loss:
 
 
 def warn_no_items(step: int) -> None:
-    """Warn that an optimizer step had no labelled items and was skipped."""
+    """Warn that an optimizer step had no labelled items: it counts, but learns nothing."""
     warnings.warn(
-        f"optimizer step {step} had no labels other than -100 (num_items_in_batch == 0); the update "
-        "was skipped and the parameters are unchanged. Check the collator's padding and label masking",
+        f"optimizer step {step} had no labels other than -100 (num_items_in_batch == 0): the step counts "
+        "(step and data cursor advance) but the parameters and optimizer state are unchanged; its loss is NaN "
+        "and state.nonfinite_losses counts it. Check the collator's padding and label masking",
         RuntimeWarning,
         stacklevel=3,
+    )
+
+
+def refuse_unlabelled(dataset: Any, loss: Loss, label_key: str = "labels") -> None:
+    """Raise ``ValueError`` when every row of a map-style ``dataset`` has no item ``loss`` would count.
+
+    Rows are read in order until one has a label the loss counts (usually the first); datasets
+    without ``__len__``/``__getitem__``, or rows without ``label_key``, cannot be judged and pass.
+
+    >>> refuse_unlabelled([{"labels": [-100, 4, 5]}], causal_lm) is None
+    True
+    >>> refuse_unlabelled([{"labels": [4, -100]}], causal_lm)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: every one of the 1 rows of train_dataset has no 'labels' that causal_lm counts (all -100, ...
+    """
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        return
+    count = counter_for(loss)
+    n = len(dataset)
+    for i in range(n):
+        row = dataset[i]
+        if not isinstance(row, Mapping) or label_key not in row:
+            return
+        try:
+            if int(count(torch.as_tensor(row[label_key]))) > 0:
+                return
+        except (TypeError, ValueError, RuntimeError):  # labels of a form only the collator understands
+            return
+    if n == 0:
+        return
+    causal = count is count_shifted_labels
+    shifted = " (all -100, or only the first token, which a causal LM never predicts)" if causal else " (all -100)"
+    raise ValueError(
+        f"every one of the {n} rows of train_dataset has no {label_key!r} that {getattr(loss, '__name__', 'the loss')} "
+        f"counts{shifted}: every step would learn nothing. Check the label masking (e.g. a completion mask that "
+        "covers the whole row), or pass labels"
     )
 
 

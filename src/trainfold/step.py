@@ -26,13 +26,16 @@ from torch.func import functional_call
 from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses
 
 from trainfold.amp import SCALER, LossScaling, ScalerState, unscale_, updated
-from trainfold.losses import causal_lm, counter_for, warn_no_items
+from trainfold.losses import counter_for, default_loss_for, warn_no_items
 from trainfold.optim import GradientTransformation
-from trainfold.recompute import recomputing
+from trainfold.recompute import cache_configs, cache_off, recomputing
 from trainfold.state import TrainState
 from trainfold.tree import global_norm
 
-__all__ = ["make_step", "make_forward", "derive_seed", "Collective", "train_mode", "Objective"]
+__all__ = [
+    "make_step", "make_forward", "derive_seed", "Collective", "train_mode", "Objective", "refuse_sharded",
+    "no_gradient_error", "summed_grads", "materialized", "empty_step",
+]
 
 Batch = Sequence[Mapping[str, Tensor]]
 Forward = Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Any]
@@ -219,6 +222,7 @@ class _Plan:
     autocast: torch.dtype | None
     recompute: int = 0  # 0: off; n: checkpoint every n-th block
     loss_scaling: LossScaling | None = None
+    cache_configs: tuple[Any, ...] = ()  # configs whose KV cache the step turns off (recompute.cache_off)
     slots: _Slots = attrs.field(default=attrs.Factory(lambda plan: _Slots(plan.model), takes_self=True))
 
 
@@ -238,7 +242,7 @@ def _default_counter(loss: Callable[..., Tensor], objective: Any, label_key: str
 
 def make_step(
     model: nn.Module,
-    loss: Callable[..., Tensor] = causal_lm,
+    loss: Callable[..., Tensor] | None = None,
     optimizer: GradientTransformation | None = None,
     *,
     objective: Objective | None = None,
@@ -253,7 +257,8 @@ def make_step(
 ) -> Callable[[TrainState, Batch], TrainState]:
     """Return ``step(state, batch) -> state`` for ``model``.
 
-    ``loss(outputs, labels, num_items_in_batch)`` scores the model's outputs; the labels are
+    ``loss(outputs, labels, num_items_in_batch)`` scores the model's outputs (default: the loss of
+    the model's task, ``losses.default_loss_for``); the labels are
     taken out of each micro-batch (``label_key``) before the forward pass. To replace the forward
     pass and loss together, pass ``objective(forward, params, micro_batch, num_items, key) ->
     (loss, aux)``; ``aux`` values are summed over micro-batches into ``state.metrics``, so scale
@@ -281,6 +286,9 @@ def make_step(
     """
     if optimizer is None:
         raise TypeError("make_step needs an optimizer, e.g. optimizer=trainfold.optim.adamw(1e-3)")
+    refuse_sharded(model)
+    if loss is None:
+        loss = default_loss_for(model, defer=objective is not None)
     if gradient_checkpointing and compile:
         raise ValueError("gradient_checkpointing with compile is not supported yet; choose one of the two")
     if loss_scaling is not None and compile:
@@ -296,6 +304,7 @@ def make_step(
         autocast=autocast,
         recompute=int(gradient_checkpointing),
         loss_scaling=loss_scaling,
+        cache_configs=tuple(cache_configs(model.modules())),
     )
 
     def step(state: TrainState, batch: Batch) -> TrainState:
@@ -306,6 +315,88 @@ def make_step(
 
         return compile_step(step, plan, backend="inductor" if compile is True else compile, mode=compile_mode)
     return step
+
+
+def _sharded_kind(cls: type) -> str | None:
+    names = {c.__name__ for c in cls.__mro__}
+    if "FSDPModule" in names:
+        return "an FSDP2 module (torch.distributed.fsdp.fully_shard)"
+    if "FullyShardedDataParallel" in names:
+        return "an FSDP module (FullyShardedDataParallel)"
+    return None
+
+
+def refuse_sharded(model: nn.Module) -> None:
+    """Raise ``TypeError`` when ``model`` is FSDP-wrapped or holds DTensor parameters.
+
+    The step swaps its own tensors into the model's parameter slots; FSDP gathers its sharded
+    parameters into other tensors for the forward pass, so the step would see no gradient and
+    leave the parameters unchanged. Sharded training is not supported yet.
+
+    >>> import torch
+    >>> refuse_sharded(torch.nn.Linear(2, 2)) is None
+    True
+    """
+    fix = ("trainfold does not train sharded models yet: pass the unwrapped module (each rank holds a full "
+           "replica; make_step(..., collective=trainfold.distributed.process_group_collective()) sums the gradients)")
+    for name, module in model.named_modules():
+        kind = _sharded_kind(type(module))
+        if kind is not None:
+            where = f"its submodule {name!r}" if name else "it"
+            raise TypeError(f"cannot train {type(model).__name__}: {where} is {kind}; {fix}")
+    for name, p in model.named_parameters():
+        if any(c.__name__ == "DTensor" for c in type(p).__mro__):
+            raise TypeError(f"cannot train {type(model).__name__}: parameter {name!r} is a DTensor "
+                            f"(sharded by torch.distributed.tensor); {fix}")
+
+
+def no_gradient_error(model: nn.Module, step: int) -> RuntimeError:
+    """Return the error for a step in which no trainable parameter received a gradient."""
+    return RuntimeError(
+        f"no trainable parameter of {type(model).__name__} received a gradient in step {step}: the loss does not "
+        "depend on the tensors the step swaps into the model. Likely causes: the model keeps its parameters where "
+        "the step cannot see them (FSDP/fully_shard or DTensor parameters, a wrapper holding copies, tensors "
+        "stored as plain attributes instead of nn.Parameter), the loss or objective detaches the outputs or runs "
+        "under torch.no_grad, or every parameter the forward uses is frozen (requires_grad=False)"
+    )
+
+
+def summed_grads(grads: list[Tensor | None] | None, new: Sequence[Tensor | None]) -> list[Tensor | None]:
+    """Add a micro-batch's gradients (``None``: unused) into the running sum ``grads`` (changed in place).
+
+    >>> import torch
+    >>> summed_grads(summed_grads(None, [torch.ones(1), None]), [torch.ones(1), None])
+    [tensor([2.]), None]
+    """
+    if grads is None:
+        return list(new)
+    if any(g is None for g in new) or any(g is None for g in grads):
+        return [a if b is None else b if a is None else a.add_(b) for a, b in zip(grads, new)]
+    torch._foreach_add_(grads, list(new))
+    return grads
+
+
+def materialized(grads: Sequence[Tensor | None], leaves: Sequence[Tensor], model: nn.Module, step: int) -> list[Tensor]:
+    """Return ``grads`` with zeros for unused parameters; raise when no parameter received a gradient.
+
+    >>> import torch
+    >>> materialized([torch.ones(1), None], [torch.ones(1), torch.ones(2)], torch.nn.Identity(), 0)
+    [tensor([1.]), tensor([0., 0.])]
+    """
+    if all(g is None for g in grads):
+        raise no_gradient_error(model, step)
+    return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
+
+
+def empty_step(plan: _Plan, state: TrainState, cursor: Any, num_items: Tensor) -> TrainState:
+    """Return the state after a step with no labelled items: the step and cursor advance, nothing is learned.
+
+    Params, buffers and optimizer state are unchanged; the step's loss is NaN (0 items: no mean),
+    so ``state.nonfinite_losses`` counts it and logging windows leave it out of their mean.
+    """
+    nan = torch.tensor(float("nan"))
+    return next_state(plan, state, state.params, state.buffers, state.opt_state, cursor, nan, torch.zeros(()),
+                      num_items, {})
 
 
 def _count(plan: _Plan, batch: Batch) -> Tensor:
@@ -339,7 +430,7 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
     num_items = _count(plan, batch)
     if int(num_items) == 0:
         warn_no_items(step_no)
-        return attrs.evolve(state, cursor=cursor)
+        return empty_step(plan, state, cursor, num_items)
 
     rank = plan.collective.rank if plan.collective is not None else 0
     device = next(iter(state.params.values())).device
@@ -350,17 +441,17 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
     n_dev = num_items.to(device)
     scaler = _scaler_of(plan, state)
 
-    grads: list[Tensor] | None = None
+    grads: list[Tensor | None] | None = None
     total = torch.zeros((), dtype=torch.float32, device=device)
     aux_total: dict[str, Tensor] = {}
     autocast = (
         torch.autocast(device.type, dtype=plan.autocast) if plan.autocast is not None else contextlib.nullcontext()
     )
     modules = list(plan.model.modules())
-    recompute = (recomputing(plan.model, every=plan.recompute, modules=modules) if plan.recompute
-                 else contextlib.nullcontext())
+    recompute = (recomputing(plan.model, every=plan.recompute, modules=modules, configs=plan.cache_configs)
+                 if plan.recompute else contextlib.nullcontext())
     with _training_flags(modules, True), _private_rng(device) as generators, \
-            plan.slots.bound(modules, leaves, buffers) as forward, recompute:
+            plan.slots.bound(modules, leaves, buffers) as forward, cache_off(plan.cache_configs), recompute:
         for i, micro in enumerate(batch):
             seed = derive_seed(int(state.seed), step_no, i, rank)
             for gen in generators:
@@ -369,16 +460,15 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
             with autocast:
                 loss, aux = _micro_loss(plan, forward, leaves, micro, n_dev, key)
             scaled = loss if scaler is None else loss * scaler.scale.to(loss.device)
-            g = torch.autograd.grad(scaled, leaf_list, allow_unused=True, materialize_grads=True)
-            if grads is None:
-                grads = list(g)
-            else:
-                torch._foreach_add_(grads, list(g))
+            if not scaled.requires_grad:
+                raise no_gradient_error(plan.model, step_no)
+            grads = summed_grads(grads, torch.autograd.grad(scaled, leaf_list, allow_unused=True))
             total += loss.detach().float()
             for name, value in aux.items():
                 aux_total[name] = aux_total.get(name, 0) + value.detach().float()
 
     assert grads is not None
+    grads = materialized(grads, leaf_list, plan.model, step_no)
     if plan.collective is not None:
         plan.collective.sum_([*grads, total])
     if scaler is not None:

@@ -32,7 +32,7 @@ from trainfold.distributed import agreed_stop, evaluate_sharded, shard
 from trainfold.eval_schedule import check_eval_schedule, should_evaluate
 from trainfold.evaluation import evaluate as evaluate_batches, predict as predict_batches
 from trainfold.fold import any_of, max_steps as max_steps_stop, trajectory
-from trainfold.losses import causal_lm, label_smoothed
+from trainfold.losses import default_loss_for, label_smoothed, refuse_unlabelled
 from trainfold.neftune import neftune_objective
 from trainfold.observe import (
     MetricWindow,
@@ -393,7 +393,8 @@ def train(
 ) -> TrainResult:
     """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record.
 
-    ``compute_loss_func(outputs, labels, num_items_in_batch)`` is the loss (default: causal LM);
+    ``compute_loss_func(outputs, labels, num_items_in_batch)`` is the loss (default: the model's task's
+    loss, ``losses.default_loss_for``: causal LM, classification, regression...);
     ``objective`` replaces the forward pass and loss together. ``optimizer`` replaces the default
     (clipping + AdamW on ``lr_scheduler_type``). ``observers`` are called ``(state, logs)`` on every
     log. ``early_stopping`` (from ``trainfold.stopping.early_stopping``) and ``stop(state)`` end the
@@ -418,12 +419,14 @@ def train(
     device = _device(args)
     rank = collective.rank if collective is not None else 0
     world_size = getattr(collective, "world_size", 1) if collective is not None else 1
-    loss = compute_loss_func or causal_lm
+    loss = compute_loss_func or default_loss_for(model, defer=objective is not None)
     if args.label_smoothing_factor:
         if objective is not None:
             raise ValueError("label_smoothing_factor smooths the loss, but an objective replaces it; smooth inside "
                              "the objective, or set label_smoothing_factor=0")
         loss = label_smoothed(loss, args.label_smoothing_factor)  # names the fix for a custom loss
+    if objective is None:
+        refuse_unlabelled(train_dataset, loss)  # a fully masked dataset would train nothing, forever
     collate = _columns(data_collator, _accepted_keys(model, args))
     sampler = make_sampler(
         args.train_sampling_strategy, train_dataset, per_device_train_batch_size=args.per_device_train_batch_size,
@@ -573,7 +576,7 @@ def evaluate(model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, st
     """
     params, buffers, batches = _eval_inputs(model, args, eval_dataset, state, data_collator)
     return evaluate_batches(
-        model, params, batches, loss=compute_loss_func or causal_lm, buffers=buffers,
+        model, params, batches, loss=compute_loss_func or default_loss_for(model, defer=True), buffers=buffers,
         compute_metrics=None if args.prediction_loss_only else compute_metrics,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics, eval_accumulation_steps=args.eval_accumulation_steps,
         prediction_loss_only=args.prediction_loss_only, metric_key_prefix=metric_key_prefix,
@@ -600,7 +603,8 @@ def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, sta
     """
     params, buffers, batches = _eval_inputs(model, args, test_dataset, state, data_collator)
     return predict_batches(
-        model, params, batches, loss=compute_loss_func or causal_lm, buffers=buffers, compute_metrics=compute_metrics,
+        model, params, batches, loss=compute_loss_func or default_loss_for(model, defer=True), buffers=buffers,
+        compute_metrics=compute_metrics,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics, eval_accumulation_steps=args.eval_accumulation_steps,
         metric_key_prefix=metric_key_prefix,
     )
