@@ -139,3 +139,72 @@ def test_rows_that_cannot_be_packed_exactly_are_refused():
 def test_text_and_length_columns_do_not_survive_packing():
     (row,) = pack([{"input_ids": [1, 2], "text": "ab", "length": 2, "attention_mask": [1, 1]}], 4)
     assert sorted(row) == ["input_ids", "labels", "position_ids"]
+
+
+# -- through train ---------------------------------------------------------------------------------
+
+
+def run_args(out, **changes):
+    from trainfold import TrainingArguments
+
+    settings = dict(output_dir=str(out), max_steps=6, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                    learning_rate=1e-2, seed=3, logging_steps=1, save_strategy="steps", save_steps=3,
+                    report_to="none", disable_tqdm=True)
+    return TrainingArguments(**{**settings, **changes})
+
+
+LM_SETTINGS = {
+    "packing": dict(packing=True, max_length=24),
+    "packing-split": dict(packing=True, max_length=24, packing_strategy="bfd_split"),
+    "padding-free": dict(padding_free=True),
+    "packing-padding-free": dict(packing=True, max_length=24, padding_free=True),
+    "chunked": dict(loss_chunk_size=5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LM_SETTINGS))
+def test_llm_settings_train_and_resume_bitwise(name, tmp_path):
+    from trainfold import train
+
+    docs = documents([3 + (7 * i) % 19 for i in range(40)], seed=5)
+    settings = LM_SETTINGS[name]
+    straight = train(llama("sdpa"), run_args(tmp_path / "straight", **settings), docs)
+    assert straight.status == "completed" and straight.global_step == 6
+    out = tmp_path / "stopped"
+    first = train(llama("sdpa"), run_args(out, **settings), docs, stop=lambda s: int(s.step) >= 3)
+    assert first.global_step == 3
+    resumed = train(llama("sdpa"), run_args(out, **settings), docs, resume_from_checkpoint=True)
+    for k, v in straight.state.params.items():
+        assert torch.equal(v, resumed.state.params[k]), k
+
+
+def test_the_chunked_loss_trains_like_the_plain_one(tmp_path):
+    from trainfold import train
+
+    docs = documents([3 + (5 * i) % 17 for i in range(30)], seed=6)
+    plain = train(llama("sdpa"), run_args(tmp_path / "plain", save_strategy="no"), docs)
+    chunked = train(llama("sdpa"), run_args(tmp_path / "chunked", save_strategy="no", loss_chunk_size=7), docs)
+    for k, v in plain.state.params.items():
+        torch.testing.assert_close(chunked.state.params[k], v, rtol=1e-4, atol=1e-5)
+    a = [h["loss"] for h in plain.log_history if "loss" in h]
+    b = [h["loss"] for h in chunked.log_history if "loss" in h]
+    assert b == pytest.approx(a, rel=1e-5)
+
+
+def test_llm_settings_refuse_what_they_cannot_do_exactly(tmp_path):
+    from trainfold import TrainingArguments, train
+
+    docs = documents([4, 5, 6, 7])
+    with pytest.raises(ValueError, match="packing_strategy='wrapped' cuts documents"):
+        TrainingArguments(packing=True, packing_strategy="wrapped")
+    with pytest.raises(ValueError, match="neftune_noise_alpha scales its noise"):
+        TrainingArguments(padding_free=True, neftune_noise_alpha=5.0)
+    with pytest.raises(ValueError, match="loss_chunk_size must be >= 0"):
+        TrainingArguments(loss_chunk_size=-1)
+    with pytest.raises(ValueError, match="drop data_collator"):
+        train(llama("sdpa"), run_args(tmp_path / "a", packing=True), docs, data_collator=pad_collate())
+    with pytest.raises(ValueError, match="cannot apply compute_loss_func"):
+        train(llama("sdpa"), run_args(tmp_path / "b", loss_chunk_size=8), docs, compute_loss_func=causal_lm)
+    with pytest.raises(ValueError, match="forward takes position_ids"):
+        tiny = TinyLM(TinyLMConfig(vocab_size=64, d_model=8, n_layers=1, n_heads=2, max_len=32))
+        train(tiny, run_args(tmp_path / "c", packing=True), docs)

@@ -120,6 +120,12 @@ class TrainingArguments:
     activation_checkpointing_kwargs: dict[str, Any] | None = None
     gradient_checkpointing: bool | None = None  # HF's older name for activation_checkpointing
     gradient_checkpointing_kwargs: dict[str, Any] | None = None
+    # LLM batches and loss (TRL's SFTConfig names; see trainfold.llm)
+    packing: bool = False
+    packing_strategy: str = "bfd"
+    max_length: int | None = None  # tokens per packed row; None: TRL's 1024
+    padding_free: bool = False
+    loss_chunk_size: int = 0  # tokens per chunk of the chunked causal-LM cross-entropy; 0: off
 
     def __init__(self, **kwargs: Any) -> None:
         known = [f.name for f in attrs.fields(type(self))]
@@ -228,6 +234,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "torch_compile": (bool,), "torch_compile_backend": _OPT_STR, "torch_compile_mode": _OPT_STR,
     "activation_checkpointing": (bool, type(None)), "activation_checkpointing_kwargs": (dict, type(None)),
     "gradient_checkpointing": (bool, type(None)), "gradient_checkpointing_kwargs": (dict, type(None)),
+    "packing": (bool,), "packing_strategy": (str,), "max_length": _OPT_INT, "padding_free": (bool,),
+    "loss_chunk_size": (int,),
 }
 
 
@@ -353,8 +361,25 @@ def _checkpointing_problems(args: TrainingArguments) -> list[str]:
     return out
 
 
+def _llm_problems(args: TrainingArguments) -> list[str]:
+    out = []
+    if args.packing_strategy == "wrapped":
+        out.append("packing_strategy='wrapped' cuts documents at row ends, so a document's tail would be trained "
+                   "without its start; use 'bfd' (truncate long documents) or 'bfd_split' (split them)")
+    elif args.packing_strategy not in ("bfd", "bfd_split"):
+        out.append(f"packing_strategy={args.packing_strategy!r} is not one of ['bfd', 'bfd_split']")
+    if args.max_length is not None and args.max_length < 1:
+        out.append(f"max_length must be a positive int (tokens per packed row) or None, got {args.max_length}")
+    if args.loss_chunk_size < 0:
+        out.append(f"loss_chunk_size must be >= 0 (tokens per chunk; 0 turns chunking off), got {args.loss_chunk_size}")
+    if (args.packing or args.padding_free) and args.neftune_noise_alpha is not None:
+        out.append("neftune_noise_alpha scales its noise by each sequence's length, which packed and padding-free "
+                   "rows do not carry; turn NEFTune or packing/padding_free off")
+    return out
+
+
 def _combination_problems(args: TrainingArguments) -> list[str]:
-    out = _checkpointing_problems(args)
+    out = _checkpointing_problems(args) + _llm_problems(args)
     if args.fp16 and args.bf16:
         out.append("fp16=True and bf16=True: choose one")
     if args.fp16 and args.compile:

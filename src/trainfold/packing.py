@@ -239,6 +239,9 @@ class PaddingFreeCollate:
     input_key: str = "input_ids"
 
     def __call__(self, items: list[Mapping[str, Any]]) -> dict[str, Any]:
+        if items and all("position_ids" in item for item in items):  # packed rows: documents already marked
+            rows = [{k: _as_list(v) for k, v in it.items() if not isinstance(v, (str, int, float))} for it in items]
+            return _tensors([{k: [x for r in rows for x in r[k]] for k in rows[0]}])
         docs = [_document(item, i, self.input_key) for i, item in enumerate(items)]
         docs = [d for d in docs if d[self.input_key]]
         if not docs:

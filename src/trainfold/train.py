@@ -33,6 +33,7 @@ from trainfold.eval_schedule import check_eval_schedule, should_evaluate
 from trainfold.evaluation import evaluate as evaluate_batches, predict as predict_batches
 from trainfold.fold import any_of, max_steps as max_steps_stop, trajectory
 from trainfold.losses import default_loss_for, label_smoothed, refuse_unlabelled
+from trainfold.llm import lm_inputs
 from trainfold.neftune import neftune_objective
 from trainfold.observe import (
     MetricWindow,
@@ -427,7 +428,9 @@ def train(
         loss = label_smoothed(loss, args.label_smoothing_factor)  # names the fix for a custom loss
     if objective is None:
         refuse_unlabelled(train_dataset, loss)  # a fully masked dataset would train nothing, forever
-    collate = _columns(data_collator, _accepted_keys(model, args))
+    lm = lm_inputs(model, args, train_dataset, data_collator, compute_loss_func, objective)  # packing, chunked loss
+    train_dataset, objective = lm.train_dataset, lm.objective
+    collate = _columns(lm.data_collator, _accepted_keys(model, args))  # evaluation keeps data_collator
     sampler = make_sampler(
         args.train_sampling_strategy, train_dataset, per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=world_size, rank=rank,
