@@ -222,7 +222,9 @@ def test_should_log_by_steps(every, total, first, last):
 def test_should_log_by_epoch_and_never(ends):
     plan = LoggingPlan("epoch", 1)
     assert [should_log(plan, s, s - 1, epoch_end=e) for s, e in enumerate(ends, 1)] == ends
-    assert not any(should_log(LoggingPlan("no", 1, True), s, 0, epoch_end=True, last=True) for s in range(1, 5))
+    assert not any(should_log(LoggingPlan("no", 1), s, 0, epoch_end=True, last=True) for s in range(1, 5))
+    # logging_first_step logs step 1 even under "no" (HF's DefaultFlowCallback), nothing else
+    assert [s for s in range(1, 5) if should_log(LoggingPlan("no", 1, True), s, 0, epoch_end=True, last=True)] == [1]
 
 
 @settings(max_examples=40, deadline=None)

@@ -123,18 +123,24 @@ def should_log(plan: LoggingPlan, step: int, last_logged: int, *, epoch_end: boo
     """Say whether to log after ``step`` optimizer updates, the last log having been at ``last_logged``.
 
     Logs on multiples of ``plan.steps`` (strategy ``steps``), at epoch ends (``epoch``), at step 1
-    with ``first_step``, and at the ``last`` step of a run so its final partial window is not lost
-    (HF drops it). Never twice for the same step.
+    with ``first_step`` (whatever the strategy, even ``no``, as HF does), and at the ``last`` step of
+    a run so its final partial window is not lost (HF drops it). Never twice for the same step.
 
     >>> plan = LoggingPlan("steps", 3)
     >>> [s for s in range(1, 10) if should_log(plan, s, 0)]
     [3, 6, 9]
     >>> should_log(plan, 7, 6, last=True), should_log(plan, 6, 6, last=True)
     (True, False)
+    >>> [s for s in range(1, 4) if should_log(LoggingPlan("no", 1, first_step=True), s, 0, last=s == 3)]
+    [1]
     """
-    if plan.strategy == "no" or step <= last_logged:
+    if step <= last_logged:
         return False
-    if last or (plan.first_step and step == 1):
+    if plan.first_step and step == 1:
+        return True
+    if plan.strategy == "no":
+        return False
+    if last:
         return True
     if plan.strategy == "epoch":
         return epoch_end
