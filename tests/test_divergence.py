@@ -1,0 +1,88 @@
+"""A run whose parameters turn inf/NaN stops as ``diverged``; a skipped float16 step does not."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainfold import TrainingArguments, train
+from trainfold.checkpoint import list_checkpoints
+from trainfold.divergence import diverged, nonfinite_params
+from trainfold.losses import causal_lm
+from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.optim import GradientTransformation, sgd
+from trainfold.state import TrainState
+
+ROWS = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
+
+
+def model():
+    torch.manual_seed(0)
+    return TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+
+
+def args(tmp_path, **changes):
+    settings = dict(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2, learning_rate=1e-2,
+                    logging_steps=1, report_to="none", disable_tqdm=True, save_strategy="steps", save_steps=1)
+    return TrainingArguments(**{**settings, **changes})
+
+
+def loss_turning(value, at_call):
+    """Return ``causal_lm`` whose ``at_call``-th call (1-based: the step, with no accumulation) is ``value``."""
+    calls = []
+
+    def loss(outputs, labels, num_items_in_batch=None):
+        calls.append(1)
+        out = causal_lm(outputs, labels, num_items_in_batch)
+        return out * value if len(calls) == at_call else out
+
+    return loss
+
+
+def test_nan_loss_stops_the_run_as_diverged_and_keeps_the_finite_checkpoints(tmp_path):
+    with pytest.warns(RuntimeWarning, match=r"diverged at step 3: .*last finite checkpoint is .*checkpoint-2"):
+        result = train(model(), args(tmp_path, save_total_limit=2), ROWS, compute_loss_func=loss_turning(math.nan, 3))
+    assert result.status == "diverged"
+    assert result.metrics["diverged_at_step"] == 3 and result.global_step == 3  # stopped there, not at max_steps
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]  # none rotated away
+    assert result.last_checkpoint.name == "checkpoint-2"
+    assert nonfinite_params(result.state.params)  # the state is the diverged one; the checkpoint is not
+    assert result.log_history[-2]["step"] == 3 and math.isnan(result.log_history[-2]["loss"])
+
+
+def test_params_that_overflow_with_a_finite_loss_are_never_saved(tmp_path):
+    """An update that writes inf (finite loss and grad norm) is caught before the checkpoint is written."""
+    base = sgd(1e-2)
+
+    def update(grads, state, params):
+        updates, state = base.update(grads, state, params)
+        if int(state_step[0]) == 2:
+            updates = {k: torch.full_like(v, math.inf) for k, v in updates.items()}
+        state_step[0] += 1
+        return updates, state
+
+    state_step = [1]
+    overflowing = GradientTransformation(init=base.init, update=update)
+    with pytest.warns(RuntimeWarning, match="diverged at step 2"):
+        result = train(model(), args(tmp_path, max_steps=2), ROWS, optimizer=overflowing)
+    assert result.status == "diverged" and result.metrics["diverged_at_step"] == 2
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1"]
+
+
+def test_a_skipped_float16_step_is_not_divergence(tmp_path):
+    result = train(model(), args(tmp_path, max_steps=4, fp16=True, save_strategy="no"), ROWS,
+                   compute_loss_func=loss_turning(math.inf, 2))
+    assert result.status == "completed" and result.global_step == 4
+    assert int(result.state.nonfinite_losses) == 1 and not nonfinite_params(result.state.params)
+    assert "diverged_at_step" not in result.metrics
+
+
+def test_diverged_reads_the_params_only_when_the_step_looks_wrong():
+    nan = torch.tensor([math.nan])
+    quiet = TrainState(params={"w": nan}, buffers={}, opt_state=None)  # finite (zero) metrics
+    assert not diverged(quiet) and diverged(quiet, confirm=True)
+    loud = TrainState(params={"w": torch.ones(1)}, buffers={}, opt_state=None,
+                      metrics={"loss": torch.tensor(math.nan), "grad_norm": torch.tensor(math.nan)})
+    assert not diverged(loud)
