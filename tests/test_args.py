@@ -99,3 +99,38 @@ def test_every_setting_has_its_type_checked():
     from trainfold.args import _TYPES
 
     assert set(_TYPES) == {f.name for f in attrs.fields(TrainingArguments)}
+
+
+# -- non-finite settings (issue 15, item 9) -------------------------------------------------------
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_non_finite_settings_are_refused_by_name_all_at_once():
+    with pytest.raises(ValueError) as info:
+        TrainingArguments(learning_rate=NAN, weight_decay=NAN, adam_epsilon=0.0, max_grad_norm=NAN, warmup_steps=NAN,
+                          save_steps=NAN, eval_steps=NAN, num_train_epochs=NAN, seed=2**70, logging_steps=INF)
+    text = str(info.value)
+    for needle in (
+        "learning_rate=nan is not a finite number", "weight_decay=nan is not a finite number",
+        "adam_epsilon must be > 0", "max_grad_norm=nan is not a finite number (0 turns clipping off)",
+        "warmup_steps=nan is not", "save_steps=nan is not", "eval_steps=nan is not", "num_train_epochs=nan is not",
+        "logging_steps=inf is not", "seed=1180591620717411303424 is out of range",
+    ):
+        assert needle in text
+    assert "cannot convert" not in text and text.count("\n  - ") == 10  # one line per setting, nothing doubled
+
+
+@pytest.mark.parametrize("settings", [
+    {"learning_rate": INF}, {"adam_epsilon": -1e-8}, {"max_grad_norm": INF}, {"eval_delay": NAN},
+    {"neftune_noise_alpha": NAN}, {"data_seed": 2**64}, {"seed": -1}, {"num_train_epochs": INF, "max_steps": 5},
+])
+def test_each_non_finite_or_out_of_range_setting_is_named(settings):
+    name = next(iter(settings))
+    with pytest.raises(ValueError, match=rf"- {name}(=| must)"):
+        TrainingArguments(**settings)
+
+
+def test_the_largest_seed_and_tiny_epsilon_are_taken():
+    args = TrainingArguments(seed=2**63 - 1, data_seed=0, adam_epsilon=1e-30, max_grad_norm=0.0)
+    assert args.seed == 2**63 - 1

@@ -15,6 +15,7 @@ TypeError: unknown TrainingArguments: 'learnig_rate' (did you mean 'learning_rat
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -252,9 +253,36 @@ def _with_defaults_for_bad_types(args: TrainingArguments, bad: set[str]) -> Trai
     return copy
 
 
+# Numeric settings that must be finite, and how to say what the user likely meant instead.
+_FINITE: dict[str, str] = {
+    "num_train_epochs": "set a number of epochs, or max_steps", "learning_rate": "e.g. 5e-5",
+    "weight_decay": "0 turns decay off", "adam_beta1": "e.g. 0.9", "adam_beta2": "e.g. 0.999",
+    "adam_epsilon": "e.g. 1e-8", "max_grad_norm": "0 turns clipping off", "warmup_steps": "0 for no warmup",
+    "eval_steps": "None uses logging_steps", "eval_delay": "0 for no delay", "logging_steps": "e.g. 500",
+    "save_steps": "e.g. 500", "label_smoothing_factor": "0 turns smoothing off",
+    "neftune_noise_alpha": "None turns NEFTune off",
+}
+_SEED_MAX = 2**63 - 1  # the seed is a 64-bit counter in the state (torch.Generator takes the same range)
+
+
+def _finite_problems(args: TrainingArguments) -> list[str]:
+    """Name every numeric setting that is inf or NaN, and seeds that do not fit the state's int64."""
+    out = []
+    for name, hint in _FINITE.items():
+        value = getattr(args, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            out.append(f"{name}={value} is not a finite number ({hint})")
+    for name in ("seed", "data_seed"):
+        value = getattr(args, name)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= _SEED_MAX:
+            out.append(f"{name}={value} is out of range: a seed is an int in [0, 2**63 - 1]")
+    return out
+
+
 def _problems(args: TrainingArguments) -> list[str]:
     out = _type_problems(args)
-    args = _with_defaults_for_bad_types(args, {p.split(" ", 1)[0] for p in out})
+    out += _finite_problems(args)
+    args = _with_defaults_for_bad_types(args, {p.split(" ", 1)[0].split("=", 1)[0] for p in out})
     out += schedule_kwargs_problems(args.lr_scheduler_type, args.lr_scheduler_kwargs or {})
     out += _optim_problems(args)
     for name, choices in (("train_sampling_strategy", SAMPLING_STRATEGIES),
@@ -273,6 +301,8 @@ def _problems(args: TrainingArguments) -> list[str]:
             out.append(f"{name} must be a positive int, or a float < 1 (a ratio of total steps), got {value}")
     if args.max_steps <= 0 and args.num_train_epochs <= 0:
         out.append("training needs max_steps > 0 or num_train_epochs > 0")
+    if args.adam_epsilon <= 0:
+        out.append(f"adam_epsilon must be > 0 (it keeps Adam's division by sqrt(v) finite), got {args.adam_epsilon}")
     for name in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(args, name) < 1:
             out.append(f"{name} must be in [0, 1), got {getattr(args, name)}")
