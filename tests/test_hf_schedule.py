@@ -9,6 +9,7 @@ step numbers: trainfold's eval entries in ``log_history``, the checkpoints on di
 from __future__ import annotations
 
 import itertools
+import math
 import os
 from pathlib import Path
 
@@ -168,3 +169,69 @@ def test_schedule_matches_transformers_trainer(tmp_path_factory, case):
     tmp = tmp_path_factory.mktemp("grid")
     trainer, recorder, ours, hf_out, tf_out = run_both(tmp, per_epoch, settings_, values)
     compare(trainer, recorder, ours, hf_out, tf_out, settings_["logging_strategy"], settings_["save_strategy"])
+
+
+# -- logging_nan_inf_filter (issue 15, item 10) --------------------------------------------------
+
+
+def nan_at(loss, steps):
+    """Wrap ``loss`` so its value is NaN at the given calls (1-based), its gradient unchanged."""
+    calls = []
+
+    def wrapped(outputs, labels, num_items_in_batch=None):
+        calls.append(1)
+        value = loss(outputs, labels, num_items_in_batch)
+        return value + math.nan * value.detach() if len(calls) in steps else value
+
+    return wrapped
+
+
+def hf_causal_lm(outputs, labels, num_items_in_batch=None):
+    return transformers.loss.loss_utils.ForCausalLMLoss(outputs.logits, labels, vocab_size=16,
+                                                        num_items_in_batch=num_items_in_batch)
+
+
+def hf_filtered(losses, nan_steps, every):
+    """HF's ``logging_nan_inf_filter`` (trainer.py ``_run_epoch``): a NaN step adds ``tr_loss / (1 + steps logged)``.
+
+    ``steps logged`` is ``global_step - _globalstep_last_logged`` before the step is counted.
+    """
+    logged, total, last = [], 0.0, 0
+    for step, loss in enumerate(losses, 1):
+        total += total / (1 + (step - 1) - last) if step in nan_steps else loss
+        if step % every == 0:
+            logged.append(total / (step - last))
+            total, last = 0.0, step
+    return logged
+
+
+def test_nan_losses_are_filtered_from_the_logged_loss_never_logged_as_nan(tmp_path):
+    from trainfold.losses import causal_lm
+
+    # the first label masked: the shifted and unshifted label counts agree, so a wrapped loss normalises alike
+    data = [{"input_ids": x["input_ids"], "labels": torch.cat([torch.tensor([-100]), x["labels"][1:]])}
+            for x in rows(8)]
+    nan_steps = {2, 5, 6}  # windows of 2: [finite, nan], [finite, finite], [nan, nan], [finite, finite]
+    common = dict(max_steps=8, per_device_train_batch_size=1, train_sampling_strategy="sequential", report_to="none",
+                  disable_tqdm=True, learning_rate=1e-2, save_strategy="no")
+
+    def hf_run(loss, logging_steps, out):
+        hf_args = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, logging_steps=logging_steps,
+                                                 **common)
+        trainer = transformers.Trainer(model=llama(), args=hf_args, train_dataset=ListDataset(data),
+                                       compute_loss_func=loss)
+        trainer.train()
+        return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+    clean = hf_run(hf_causal_lm, 1, tmp_path / "clean")  # the NaN only hides the value: the updates are the same
+    hf = hf_run(nan_at(hf_causal_lm, nan_steps), 2, tmp_path / "hf")
+    ours = train(llama(), TrainingArguments(output_dir=str(tmp_path / "tf"), logging_steps=2, **common), data,
+                 compute_loss_func=nan_at(causal_lm, nan_steps))
+    logged = [h["loss"] for h in ours.log_history if "loss" in h and "train_loss" not in h]
+
+    assert hf == pytest.approx(hf_filtered(clean, nan_steps, 2), rel=1e-6)  # HF's rule, as read from trainer.py
+    assert hf[2] == 0.0 and hf[0] == pytest.approx(0.75 * clean[0], rel=1e-6)  # HF: 0.0 for a NaN-only window
+    finite_so_far = [c for s, c in enumerate(clean[:6], 1) if s not in nan_steps]
+    expected = [clean[0], (clean[2] + clean[3]) / 2, sum(finite_so_far) / len(finite_so_far), (clean[6] + clean[7]) / 2]
+    assert logged == pytest.approx(expected, rel=1e-5)
+    assert ours.status == "completed" and not any(math.isnan(v) for v in logged)
