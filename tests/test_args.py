@@ -134,3 +134,59 @@ def test_each_non_finite_or_out_of_range_setting_is_named(settings):
 def test_the_largest_seed_and_tiny_epsilon_are_taken():
     args = TrainingArguments(seed=2**63 - 1, data_seed=0, adam_epsilon=1e-30, max_grad_norm=0.0)
     assert args.seed == 2**63 - 1
+
+
+# -- transformers settings trainfold does not take (issue 15, item 12) ---------------------------
+
+
+def test_every_transformers_setting_is_taken_or_refused_as_an_hf_setting_never_as_a_typo():
+    import attrs
+
+    transformers = pytest.importorskip("transformers")
+    ours = {f.name for f in attrs.fields(TrainingArguments)}
+    theirs = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    unexplained = []
+    for name in sorted(theirs - ours):
+        with pytest.raises(TypeError) as info:
+            TrainingArguments(**{name: object()})  # a value that asks for something trainfold does not do
+        text = str(info.value)
+        if "is a transformers.TrainingArguments setting that trainfold does not take: " not in text or "did you" in text:
+            unexplained.append((name, text))
+    assert unexplained == []
+
+
+def test_hf_settings_say_why_and_what_instead_all_at_once():
+    with pytest.raises(TypeError) as info:
+        TrainingArguments(push_to_hub=True, hub_model_id="me/model", deepspeed="ds.json", fsdp="full_shard",
+                          auto_find_batch_size=True, logging_dir="logs", save_safetensors=False,
+                          include_for_metrics=["inputs"], group_by_length=True, learnig_rate=1e-3)
+    text = str(info.value)
+    assert text.startswith("unknown TrainingArguments: 'learnig_rate' (did you mean 'learning_rate'?)\n")
+    for needle in (
+        "push_to_hub=True is a transformers.TrainingArguments setting that trainfold does not take: trainfold never "
+        "uploads", "hub_model_id='me/model' is", "deepspeed='ds.json' is", "fsdp='full_shard' is",
+        "auto_find_batch_size=True is", "logging_dir='logs' is", "save_safetensors=False is",
+        "include_for_metrics=['inputs'] is", "group_by_length=True is",
+        "write train_sampling_strategy='group_by_length'", "set per_device_train_batch_size",
+    ):
+        assert needle in text
+    assert text.count("did you mean") == 1
+
+
+@pytest.mark.parametrize("name, value, fix", [
+    ("evaluation_strategy", "epoch", "write eval_strategy='epoch'"),
+    ("per_gpu_train_batch_size", 4, "write per_device_train_batch_size=4"),
+    ("no_cuda", True, "write use_cpu=True"),
+    ("warmup_ratio", 0.1, "write warmup_steps=0.1"),
+    ("torchdynamo", "inductor", "write torch_compile_backend='inductor'"),
+])
+def test_older_transformers_names_point_to_the_current_one(name, value, fix):
+    with pytest.raises(TypeError, match=rf"{name}=.* is a transformers.TrainingArguments setting .*{fix}"):
+        TrainingArguments(**{name: value})
+
+
+def test_hf_settings_that_ask_for_what_trainfold_does_anyway_are_taken():
+    args = TrainingArguments(push_to_hub=False, save_safetensors=True, group_by_length=False, do_train=True,
+                             deepspeed=None, fsdp="", average_tokens_across_devices=True, max_steps=3)
+    assert args == TrainingArguments(max_steps=3) and "push_to_hub" not in args.to_dict()
+    assert TrainingArguments(gradient_checkpointing=True).checkpoint_every == 1  # HF 5's own alias, taken

@@ -21,6 +21,7 @@ from typing import Any
 
 import attrs
 
+from trainfold.args_hf import HF_ONLY, hf_only_problem
 from trainfold.schedules import SCHEDULE_NAMES, schedule_kwargs_problems
 
 __all__ = ["TrainingArguments", "INTERVALS", "OPTIMIZERS", "SAVE_STRATEGIES", "SAMPLING_STRATEGIES", "SCHEDULERS"]
@@ -122,12 +123,15 @@ class TrainingArguments:
     def __init__(self, **kwargs: Any) -> None:
         known = [f.name for f in attrs.fields(type(self))]
         unknown = [k for k in kwargs if k not in known]
-        if unknown:
+        hf_only = [p for p in (hf_only_problem(k, kwargs[k]) for k in unknown) if p is not None]
+        typos = [k for k in unknown if k not in HF_ONLY]
+        if typos or hf_only:
             hints = []
-            for name in unknown:
+            for name in typos:
                 close = difflib.get_close_matches(name, known, n=1)
                 hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise TypeError("unknown TrainingArguments: " + ", ".join(hints))
+            raise TypeError("\n".join(([f"unknown TrainingArguments: {', '.join(hints)}"] if hints else []) + hf_only))
+        kwargs = {k: v for k, v in kwargs.items() if k in known}  # the rest are HF settings with no effect here
         for key in ("report_to", "label_names"):
             if isinstance(kwargs.get(key), list):
                 kwargs[key] = tuple(kwargs[key])
