@@ -87,3 +87,10 @@ def test_diverged_reads_the_params_only_when_the_step_looks_wrong():
     loud = TrainState(params={"w": torch.ones(1)}, buffers={}, opt_state=None,
                       metrics={"loss": torch.tensor(math.nan), "grad_norm": torch.tensor(math.nan)})
     assert not diverged(loud)
+
+
+def test_nonfinite_params_names_exactly_the_tensors_with_inf_or_nan():
+    params = {"huge": torch.full((4,), 3e38), "nan": torch.tensor([1.0, math.nan]),
+              "infs": torch.tensor([math.inf, -math.inf]),
+              "half": torch.ones(3, dtype=torch.float16), "ints": torch.arange(3)}
+    assert nonfinite_params(params) == ["nan", "infs"]  # a finite tensor whose sum overflows is still finite

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from resume_fixture import ListDataset
 
 from trainfold import TrainingArguments, train
+from trainfold.stopping import early_stopping
 from trainfold.train import BEST
 
 transformers = pytest.importorskip("transformers")
@@ -66,7 +67,7 @@ def checkpoints(out):
     return sorted(int(p.name.split("-")[1]) for p in Path(out).glob("checkpoint-*"))
 
 
-def run_both(tmp_path, per_epoch, settings_, score_values):
+def run_both(tmp_path, per_epoch, settings_, score_values, patience=None):
     data, eval_data = rows(per_epoch), rows(1)
     common = dict(per_device_train_batch_size=1, train_sampling_strategy="sequential", report_to="none",
                   disable_tqdm=True, learning_rate=1e-3, **settings_)
@@ -77,16 +78,18 @@ def run_both(tmp_path, per_epoch, settings_, score_values):
     trainer = transformers.Trainer(
         model=llama(), args=transformers.TrainingArguments(output_dir=str(hf_out), use_cpu=True, **common),
         train_dataset=ListDataset(data), eval_dataset=ListDataset(eval_data), compute_metrics=scores(score_values),
-        callbacks=[recorder],
+        callbacks=[recorder] + ([transformers.EarlyStoppingCallback(patience)] if patience else []),
     )
     trainer.train()
+    stopper = early_stopping("score", patience, greater_is_better=True) if patience else None
     ours = train(llama(), TrainingArguments(output_dir=str(tf_out), **common), data, eval_dataset=eval_data,
-                 compute_metrics=scores(score_values))
+                 compute_metrics=scores(score_values), early_stopping=stopper)
     return trainer, recorder, ours, hf_out, tf_out
 
 
 def compare(trainer, recorder, ours, hf_out, tf_out, logging_strategy, save_strategy="steps"):
     history = ours.log_history
+    assert ours.global_step == trainer.state.global_step
     assert [h["step"] for h in history if "eval_loss" in h] == recorder.evaluations
     assert checkpoints(tf_out) == sorted(set(recorder.saves)) == checkpoints(hf_out)
     last_saved = ours.last_checkpoint.name if ours.last_checkpoint is not None else None
@@ -129,6 +132,16 @@ def test_max_steps_mid_epoch_evaluates_and_saves_by_epoch(tmp_path):
     compare(trainer, recorder, ours, hf_out, tf_out, "epoch")
 
 
+def test_early_stopping_mid_epoch_ends_the_epoch_there(tmp_path):
+    """HF leaves the epoch loop when early stopping fires, so on_epoch_end saves (and logs) by epoch there."""
+    settings_ = dict(num_train_epochs=2, eval_strategy="steps", eval_steps=1, save_strategy="epoch",
+                     logging_strategy="epoch")
+    trainer, recorder, ours, hf_out, tf_out = run_both(tmp_path, 4, settings_, [1.0, 0.0], patience=1)
+    assert recorder.evaluations == [1, 2] and recorder.saves == [2] and recorder.logs == [2]
+    assert ours.status == "stopped"
+    compare(trainer, recorder, ours, hf_out, tf_out, "epoch", "epoch")
+
+
 def test_logging_first_step_logs_under_logging_strategy_no(tmp_path):
     settings_ = dict(max_steps=3, logging_strategy="no", logging_first_step=True, save_strategy="no")
     trainer, recorder, ours, hf_out, tf_out = run_both(tmp_path, 2, settings_, [1.0])
@@ -158,16 +171,17 @@ def schedules(draw):
     s["logging_steps"] = draw(st.sampled_from(STEPS))
     s["logging_first_step"] = draw(st.booleans())
     values = draw(st.lists(st.sampled_from([0.0, 1.0, 2.0]), min_size=1, max_size=4))
-    return per_epoch, s, values
+    patience = draw(st.sampled_from([None, 1, 2])) if s["eval_strategy"] != "no" else None
+    return per_epoch, s, values, patience
 
 
 @pytest.mark.slow
 @settings(max_examples=60 if FULL else 6, deadline=None)
 @given(case=schedules())
 def test_schedule_matches_transformers_trainer(tmp_path_factory, case):
-    per_epoch, settings_, values = case
+    per_epoch, settings_, values, patience = case
     tmp = tmp_path_factory.mktemp("grid")
-    trainer, recorder, ours, hf_out, tf_out = run_both(tmp, per_epoch, settings_, values)
+    trainer, recorder, ours, hf_out, tf_out = run_both(tmp, per_epoch, settings_, values, patience)
     compare(trainer, recorder, ours, hf_out, tf_out, settings_["logging_strategy"], settings_["save_strategy"])
 
 

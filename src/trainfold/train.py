@@ -330,6 +330,10 @@ def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainSta
             epoch=step / run.steps_per_epoch, last=last,
         ):
             state, new_best = _record_eval(run, state, _evaluate_state(run, state))
+            if run.early is not None and patience_exhausted(run.early)(state):  # HF ends the epoch here: its
+                epoch_end = True  # on_epoch_end logs and saves by epoch at this step
+                state = log_if_due(state, plan, [history], run.observers, steps_per_epoch=run.steps_per_epoch,
+                                   epoch_end=True, last=True, window=window)
         if run.is_writer and policy.should_save(step, save_strategy=args.save_strategy, save_steps=args.save_steps,
                                               epoch_end=epoch_end, max_steps=run.total_steps, new_best=new_best,
                                               last=last):
