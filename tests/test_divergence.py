@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -94,3 +95,29 @@ def test_nonfinite_params_names_exactly_the_tensors_with_inf_or_nan():
               "infs": torch.tensor([math.inf, -math.inf]),
               "half": torch.ones(3, dtype=torch.float16), "ints": torch.arange(3)}
     assert nonfinite_params(params) == ["nan", "infs"]  # a finite tensor whose sum overflows is still finite
+
+
+def test_a_diverged_cli_run_exits_3(tmp_path, capsys):
+    from trainfold.__main__ import main
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in ROWS))
+    config = tmp_path / "run.toml"
+    config.write_text(f"""
+[model]
+type = "tinylm"
+config = {{ vocab_size = 16, d_model = 8, n_layers = 1, n_heads = 2, max_len = 8 }}
+[data]
+train = "{data}"
+[args]
+output_dir = "{tmp_path / 'out'}"
+max_steps = 20
+per_device_train_batch_size = 2
+learning_rate = 1e30
+report_to = "none"
+disable_tqdm = true
+save_strategy = "no"
+""")
+    with pytest.warns(RuntimeWarning, match="diverged at step"):
+        assert main(["train", "--config", str(config)]) == 3
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["status"] == "diverged"

@@ -15,7 +15,8 @@ A config is TOML with three tables::
     output_dir = "runs/cli"
     max_steps = 100
 
-A preempted run (SIGTERM with ``enable_jit_checkpoint = true``) exits with status 143.
+A preempted run (SIGTERM with ``enable_jit_checkpoint = true``) exits with status 143, a diverged
+one (params inf/NaN) with 3.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from trainfold.divergence import DIVERGED, EXIT_DIVERGED
 from trainfold.preempt import EXIT_PREEMPTED
 
 __all__ = ["main", "load_config", "build_model", "build_data"]
@@ -96,7 +98,11 @@ def _train(config_path: str) -> int:
     print(json.dumps({"status": result.status, "global_step": result.global_step,
                       "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
                       **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}}))
-    return EXIT_PREEMPTED if result.status == "preempted" else 0
+    return _exit_status(result.status)
+
+
+def _exit_status(status: str) -> int:
+    return {"preempted": EXIT_PREEMPTED, DIVERGED: EXIT_DIVERGED}.get(status, 0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         from trainfold.demo import run_demo  # noqa: PLC0415
 
         result = run_demo(ns.output_dir, ns.max_steps)
-        return EXIT_PREEMPTED if result.status == "preempted" else 0
+        return _exit_status(result.status)
     return _train(ns.config)
 
 

@@ -27,9 +27,10 @@ from torch import Tensor
 
 from trainfold.state import TrainState
 
-__all__ = ["DIVERGED", "diverged", "nonfinite_params", "divergence_message"]
+__all__ = ["DIVERGED", "EXIT_DIVERGED", "diverged", "nonfinite_params", "divergence_message"]
 
 DIVERGED = "diverged"  # the status of a run stopped because its parameters are no longer finite
+EXIT_DIVERGED = 3  # the exit status of ``python -m trainfold train`` for such a run (a failure, not to be retried)
 
 
 def nonfinite_params(params: Mapping[str, Tensor]) -> list[str]:
