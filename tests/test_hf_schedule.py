@@ -179,7 +179,7 @@ def schedules(draw):
 
 
 @pytest.mark.slow
-@settings(max_examples=60 if FULL else 6, deadline=None)
+@settings(max_examples=60 if FULL else 4, deadline=None)
 @given(case=schedules())
 def test_schedule_matches_transformers_trainer(tmp_path_factory, case):
     n_rows, settings_, values, patience = case
