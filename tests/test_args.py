@@ -190,3 +190,10 @@ def test_hf_settings_that_ask_for_what_trainfold_does_anyway_are_taken():
                              deepspeed=None, fsdp="", average_tokens_across_devices=True, max_steps=3)
     assert args == TrainingArguments(max_steps=3) and "push_to_hub" not in args.to_dict()
     assert TrainingArguments(gradient_checkpointing=True).checkpoint_every == 1  # HF 5's own alias, taken
+
+
+def test_non_finite_values_inside_scheduler_and_optimizer_options_are_named():
+    with pytest.raises(ValueError, match=r"lr_scheduler_kwargs min_lr=nan is not a finite number(.|\n)*"
+                                         r"optim_args momentum=inf is not a finite number"):
+        TrainingArguments(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": NAN},
+                          optim="sgd", optim_args="momentum=inf")

@@ -276,6 +276,9 @@ def _finite_problems(args: TrainingArguments) -> list[str]:
         value = getattr(args, name)
         if isinstance(value, float) and not math.isfinite(value):
             out.append(f"{name}={value} is not a finite number ({hint})")
+    kwargs = args.lr_scheduler_kwargs if isinstance(args.lr_scheduler_kwargs, dict) else {}
+    out += [f"lr_scheduler_kwargs {k}={v} is not a finite number" for k, v in kwargs.items()
+            if isinstance(v, float) and not math.isfinite(v)]
     for name in ("seed", "data_seed"):
         value = getattr(args, name)
         if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= _SEED_MAX:
@@ -353,10 +356,11 @@ def _optim_problems(args: TrainingArguments) -> list[str]:
     if unknown:
         return [f"optim_args {unknown} are not taken by optim={args.optim!r} (it takes {list(OPTIMIZERS[args.optim])})"]
     try:
-        args.optimizer_options  # noqa: B018 - parses the numbers
+        options = args.optimizer_options
     except ValueError:
         return [f"optim_args values must be numbers (nesterov: true/false), got {args.optim_args!r}"]
-    return []
+    return [f"optim_args {k}={v} is not a finite number" for k, v in options.items()
+            if isinstance(v, float) and not math.isfinite(v)]
 
 
 def _checkpointing_problems(args: TrainingArguments) -> list[str]:
