@@ -99,3 +99,101 @@ def test_every_setting_has_its_type_checked():
     from trainfold.args import _TYPES
 
     assert set(_TYPES) == {f.name for f in attrs.fields(TrainingArguments)}
+
+
+# -- non-finite settings (issue 15, item 9) -------------------------------------------------------
+
+NAN, INF = float("nan"), float("inf")
+
+
+def test_non_finite_settings_are_refused_by_name_all_at_once():
+    with pytest.raises(ValueError) as info:
+        TrainingArguments(learning_rate=NAN, weight_decay=NAN, adam_epsilon=0.0, max_grad_norm=NAN, warmup_steps=NAN,
+                          save_steps=NAN, eval_steps=NAN, num_train_epochs=NAN, seed=2**70, logging_steps=INF)
+    text = str(info.value)
+    for needle in (
+        "learning_rate=nan is not a finite number", "weight_decay=nan is not a finite number",
+        "adam_epsilon must be > 0", "max_grad_norm=nan is not a finite number (0 turns clipping off)",
+        "warmup_steps=nan is not", "save_steps=nan is not", "eval_steps=nan is not", "num_train_epochs=nan is not",
+        "logging_steps=inf is not", "seed=1180591620717411303424 is out of range",
+    ):
+        assert needle in text
+    assert "cannot convert" not in text and text.count("\n  - ") == 10  # one line per setting, nothing doubled
+
+
+@pytest.mark.parametrize("settings", [
+    {"learning_rate": INF}, {"adam_epsilon": -1e-8}, {"max_grad_norm": INF}, {"eval_delay": NAN},
+    {"neftune_noise_alpha": NAN}, {"data_seed": 2**64}, {"seed": -1}, {"num_train_epochs": INF, "max_steps": 5},
+])
+def test_each_non_finite_or_out_of_range_setting_is_named(settings):
+    name = next(iter(settings))
+    with pytest.raises(ValueError, match=rf"- {name}(=| must)"):
+        TrainingArguments(**settings)
+
+
+def test_the_largest_seed_and_tiny_epsilon_are_taken():
+    args = TrainingArguments(seed=2**63 - 1, data_seed=0, adam_epsilon=1e-30, max_grad_norm=0.0)
+    assert args.seed == 2**63 - 1
+
+
+# -- transformers settings trainfold does not take (issue 15, item 12) ---------------------------
+
+
+def test_every_transformers_setting_is_taken_or_refused_as_an_hf_setting_never_as_a_typo():
+    import attrs
+
+    transformers = pytest.importorskip("transformers")
+    ours = {f.name for f in attrs.fields(TrainingArguments)}
+    theirs = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    unexplained = []
+    for name in sorted(theirs - ours):
+        with pytest.raises(TypeError) as info:
+            TrainingArguments(**{name: object()})  # a value that asks for something trainfold does not do
+        text = str(info.value)
+        if "is a transformers.TrainingArguments setting that trainfold does not take: " not in text or "did you" in text:
+            unexplained.append((name, text))
+    assert unexplained == []
+
+
+def test_hf_settings_say_why_and_what_instead_all_at_once():
+    with pytest.raises(TypeError) as info:
+        TrainingArguments(push_to_hub=True, hub_model_id="me/model", deepspeed="ds.json", fsdp="full_shard",
+                          auto_find_batch_size=True, logging_dir="logs", save_safetensors=False,
+                          include_for_metrics=["inputs"], group_by_length=True, learnig_rate=1e-3)
+    text = str(info.value)
+    assert text.startswith("unknown TrainingArguments: 'learnig_rate' (did you mean 'learning_rate'?)\n")
+    for needle in (
+        "push_to_hub=True is a transformers.TrainingArguments setting that trainfold does not take: trainfold never "
+        "uploads", "hub_model_id='me/model' is", "deepspeed='ds.json' is", "fsdp='full_shard' is",
+        "auto_find_batch_size=True is", "logging_dir='logs' is", "save_safetensors=False is",
+        "include_for_metrics=['inputs'] is", "group_by_length=True is",
+        "write train_sampling_strategy='group_by_length'", "set per_device_train_batch_size",
+    ):
+        assert needle in text
+    assert text.count("did you mean") == 1
+
+
+@pytest.mark.parametrize("name, value, fix", [
+    ("evaluation_strategy", "epoch", "write eval_strategy='epoch'"),
+    ("per_gpu_train_batch_size", 4, "write per_device_train_batch_size=4"),
+    ("no_cuda", True, "write use_cpu=True"),
+    ("warmup_ratio", 0.1, "write warmup_steps=0.1"),
+    ("torchdynamo", "inductor", "write torch_compile_backend='inductor'"),
+])
+def test_older_transformers_names_point_to_the_current_one(name, value, fix):
+    with pytest.raises(TypeError, match=rf"{name}=.* is a transformers.TrainingArguments setting .*{fix}"):
+        TrainingArguments(**{name: value})
+
+
+def test_hf_settings_that_ask_for_what_trainfold_does_anyway_are_taken():
+    args = TrainingArguments(push_to_hub=False, save_safetensors=True, group_by_length=False, do_train=True,
+                             deepspeed=None, fsdp="", average_tokens_across_devices=True, max_steps=3)
+    assert args == TrainingArguments(max_steps=3) and "push_to_hub" not in args.to_dict()
+    assert TrainingArguments(gradient_checkpointing=True).checkpoint_every == 1  # HF 5's own alias, taken
+
+
+def test_non_finite_values_inside_scheduler_and_optimizer_options_are_named():
+    with pytest.raises(ValueError, match=r"lr_scheduler_kwargs min_lr=nan is not a finite number(.|\n)*"
+                                         r"optim_args momentum=inf is not a finite number"):
+        TrainingArguments(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": NAN},
+                          optim="sgd", optim_args="momentum=inf")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import types
 
 import attrs
 import pytest
@@ -222,7 +223,9 @@ def test_should_log_by_steps(every, total, first, last):
 def test_should_log_by_epoch_and_never(ends):
     plan = LoggingPlan("epoch", 1)
     assert [should_log(plan, s, s - 1, epoch_end=e) for s, e in enumerate(ends, 1)] == ends
-    assert not any(should_log(LoggingPlan("no", 1, True), s, 0, epoch_end=True, last=True) for s in range(1, 5))
+    assert not any(should_log(LoggingPlan("no", 1), s, 0, epoch_end=True, last=True) for s in range(1, 5))
+    # logging_first_step logs step 1 even under "no" (HF's DefaultFlowCallback), nothing else
+    assert [s for s in range(1, 5) if should_log(LoggingPlan("no", 1, True), s, 0, epoch_end=True, last=True)] == [1]
 
 
 @settings(max_examples=40, deadline=None)
@@ -238,6 +241,29 @@ def test_window_mean_from_running_sums(losses, cut):
             state = mark_logged(state)
     window = [float(torch.tensor(v, dtype=torch.float32)) for v in losses[cut:]]
     assert log_entry(state)["loss"] == pytest.approx(math.fsum(window) / len(window), rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=60, deadline=None)
+@given(losses=st.lists(st.sampled_from([0.5, 1.0, 2.5, math.nan, math.inf, -math.inf]), min_size=1, max_size=12),
+       every=st.integers(1, 4))
+def test_non_finite_steps_are_filtered_and_a_window_never_logs_nan_after_a_finite_step(losses, every):
+    """Each logged loss is the mean of its window's finite steps, else of every finite step so far."""
+    state = TrainState(params={}, buffers={}, opt_state=None)
+    logged: list[tuple[int, float]] = []
+    recorder = types.SimpleNamespace(log=lambda entry, step: logged.append((step, entry["loss"])))
+    for k, loss in enumerate(losses, 1):
+        finite = math.isfinite(loss)
+        state = attrs.evolve(state, step=scalar(k), loss_total=state.loss_total + (loss if finite else 0.0),
+                             nonfinite_losses=state.nonfinite_losses + (not finite))
+        state = log_if_due(state, LoggingPlan("steps", every), [recorder], last=k == len(losses))
+    start = 0
+    for step, value in logged:
+        window = [v for v in losses[start:step] if math.isfinite(v)] or [v for v in losses[:step] if math.isfinite(v)]
+        if window:
+            assert value == pytest.approx(sum(window) / len(window))
+        else:  # nothing finite yet: nothing to stand in
+            assert math.isnan(value)
+        start = step
 
 
 # -- logging: errors -----------------------------------------------------------------------------

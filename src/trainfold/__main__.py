@@ -20,7 +20,8 @@ three tables, and optionally ``resume_from_checkpoint`` at the top level or in `
 TOML literal, else taken as a string). ``--resume`` continues from the latest complete checkpoint
 in ``output_dir`` (and starts at step 0 when there is none yet); ``--resume PATH`` from that one.
 Exit status: 0 when the run ends, 2 for a bad command line or config (the problems are printed
-together, without a traceback), 143 when preempted (SIGTERM with ``enable_jit_checkpoint = true``).
+together, without a traceback), 3 when it diverged (params inf/NaN), 143 when preempted (SIGTERM
+with ``enable_jit_checkpoint = true``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainfold.divergence import DIVERGED, EXIT_DIVERGED
 from trainfold.preempt import EXIT_PREEMPTED
 
 __all__ = ["main", "load_config", "parse_config", "apply_overrides", "split_resume", "build_model", "build_data",
@@ -74,7 +76,7 @@ The same as JSON: {"model": {"type": "tinylm", "config": {"d_model": 96, "n_laye
   python -m trainfold train --config run.toml --set args.max_steps=10 --set args.report_to='["jsonl"]'
   python -m trainfold train --config run.toml --resume   # after exit 143: continue where it stopped
 
-Exit status: 0 done, 2 bad command line or config (every problem printed at once), 143 preempted
+Exit status: 0 done, 2 bad command line or config (every problem printed at once), 3 diverged, 143 preempted
 (SIGTERM with enable_jit_checkpoint; rerun with --resume).
 """
 
@@ -333,7 +335,11 @@ def _train(ns: argparse.Namespace) -> int:
     print(json.dumps({"status": result.status, "global_step": result.global_step,
                       "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
                       **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}}))
-    return EXIT_PREEMPTED if result.status == "preempted" else 0
+    return _exit_status(result.status)
+
+
+def _exit_status(status: str) -> int:
+    return {"preempted": EXIT_PREEMPTED, DIVERGED: EXIT_DIVERGED}.get(status, 0)
 
 
 def _train_parser(sub: Any) -> None:
@@ -360,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         from trainfold.demo import run_demo  # noqa: PLC0415
 
         result = run_demo(ns.output_dir, ns.max_steps)
-        return EXIT_PREEMPTED if result.status == "preempted" else 0
+        return _exit_status(result.status)
     return _train(ns)
 
 

@@ -15,11 +15,13 @@ TypeError: unknown TrainingArguments: 'learnig_rate' (did you mean 'learning_rat
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from trainfold.args_hf import HF_ONLY, hf_only_problem
 from trainfold.schedules import SCHEDULE_NAMES, schedule_kwargs_problems
 
 __all__ = ["TrainingArguments", "INTERVALS", "OPTIMIZERS", "SAVE_STRATEGIES", "SAMPLING_STRATEGIES", "SCHEDULERS"]
@@ -130,12 +132,15 @@ class TrainingArguments:
     def __init__(self, **kwargs: Any) -> None:
         known = [f.name for f in attrs.fields(type(self))]
         unknown = [k for k in kwargs if k not in known]
-        if unknown:
+        hf_only = [p for p in (hf_only_problem(k, kwargs[k]) for k in unknown) if p is not None]
+        typos = [k for k in unknown if k not in HF_ONLY]
+        if typos or hf_only:
             hints = []
-            for name in unknown:
+            for name in typos:
                 close = difflib.get_close_matches(name, known, n=1)
                 hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise TypeError("unknown TrainingArguments: " + ", ".join(hints))
+            raise TypeError("\n".join(([f"unknown TrainingArguments: {', '.join(hints)}"] if hints else []) + hf_only))
+        kwargs = {k: v for k, v in kwargs.items() if k in known}  # the rest are HF settings with no effect here
         for key in ("report_to", "label_names"):
             if isinstance(kwargs.get(key), list):
                 kwargs[key] = tuple(kwargs[key])
@@ -264,9 +269,39 @@ def _with_defaults_for_bad_types(args: TrainingArguments, bad: set[str]) -> Trai
     return copy
 
 
+# Numeric settings that must be finite, and how to say what the user likely meant instead.
+_FINITE: dict[str, str] = {
+    "num_train_epochs": "set a number of epochs, or max_steps", "learning_rate": "e.g. 5e-5",
+    "weight_decay": "0 turns decay off", "adam_beta1": "e.g. 0.9", "adam_beta2": "e.g. 0.999",
+    "adam_epsilon": "e.g. 1e-8", "max_grad_norm": "0 turns clipping off", "warmup_steps": "0 for no warmup",
+    "eval_steps": "None uses logging_steps", "eval_delay": "0 for no delay", "logging_steps": "e.g. 500",
+    "save_steps": "e.g. 500", "label_smoothing_factor": "0 turns smoothing off",
+    "neftune_noise_alpha": "None turns NEFTune off",
+}
+_SEED_MAX = 2**63 - 1  # the seed is a 64-bit counter in the state (torch.Generator takes the same range)
+
+
+def _finite_problems(args: TrainingArguments) -> list[str]:
+    """Name every numeric setting that is inf or NaN, and seeds that do not fit the state's int64."""
+    out = []
+    for name, hint in _FINITE.items():
+        value = getattr(args, name)
+        if isinstance(value, float) and not math.isfinite(value):
+            out.append(f"{name}={value} is not a finite number ({hint})")
+    kwargs = args.lr_scheduler_kwargs if isinstance(args.lr_scheduler_kwargs, dict) else {}
+    out += [f"lr_scheduler_kwargs {k}={v} is not a finite number" for k, v in kwargs.items()
+            if isinstance(v, float) and not math.isfinite(v)]
+    for name in ("seed", "data_seed"):
+        value = getattr(args, name)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value <= _SEED_MAX:
+            out.append(f"{name}={value} is out of range: a seed is an int in [0, 2**63 - 1]")
+    return out
+
+
 def _problems(args: TrainingArguments) -> list[str]:
     out = _type_problems(args)
-    args = _with_defaults_for_bad_types(args, {p.split(" ", 1)[0] for p in out})
+    out += _finite_problems(args)
+    args = _with_defaults_for_bad_types(args, {p.split(" ", 1)[0].split("=", 1)[0] for p in out})
     out += schedule_kwargs_problems(args.lr_scheduler_type, args.lr_scheduler_kwargs or {})
     out += _optim_problems(args)
     for name, choices in (("train_sampling_strategy", SAMPLING_STRATEGIES),
@@ -285,6 +320,8 @@ def _problems(args: TrainingArguments) -> list[str]:
             out.append(f"{name} must be a positive int, or a float < 1 (a ratio of total steps), got {value}")
     if args.max_steps <= 0 and args.num_train_epochs <= 0:
         out.append("training needs max_steps > 0 or num_train_epochs > 0")
+    if args.adam_epsilon <= 0:
+        out.append(f"adam_epsilon must be > 0 (it keeps Adam's division by sqrt(v) finite), got {args.adam_epsilon}")
     for name in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(args, name) < 1:
             out.append(f"{name} must be in [0, 1), got {getattr(args, name)}")
@@ -331,10 +368,11 @@ def _optim_problems(args: TrainingArguments) -> list[str]:
     if unknown:
         return [f"optim_args {unknown} are not taken by optim={args.optim!r} (it takes {list(OPTIMIZERS[args.optim])})"]
     try:
-        args.optimizer_options  # noqa: B018 - parses the numbers
+        options = args.optimizer_options
     except ValueError:
         return [f"optim_args values must be numbers (nesterov: true/false), got {args.optim_args!r}"]
-    return []
+    return [f"optim_args {k}={v} is not a finite number" for k, v in options.items()
+            if isinstance(v, float) and not math.isfinite(v)]
 
 
 def _checkpointing_problems(args: TrainingArguments) -> list[str]:

@@ -64,23 +64,29 @@ def should_save(
     epoch_end: bool = False,
     max_steps: int | None = None,
     new_best: bool = False,
+    last: bool = False,
 ) -> bool:
     """Say whether to save after optimizer step ``step`` (HF ``save_strategy`` semantics).
 
-    ``"steps"``: every ``save_steps`` steps (a fraction ``< 1`` is a share of ``max_steps``) and at
-    ``max_steps``; ``"epoch"``: when ``epoch_end``; ``"best"``: when the metric reached a ``new_best``.
+    ``"steps"``: every ``save_steps`` steps (a fraction ``< 1`` is a share of ``max_steps``), epoch
+    end or not, and at the run's last step (``last``, or ``step >= max_steps``); ``"epoch"``: when
+    ``epoch_end``, and at the last step when it ends an epoch early (HF ends the epoch there);
+    ``"best"``: when the metric reached a ``new_best``. Call it once per step.
 
     >>> [s for s in range(1, 8) if should_save(s, save_strategy="steps", save_steps=3, max_steps=7)]
     [3, 6, 7]
+    >>> [s for s in range(1, 7) if should_save(s, save_strategy="epoch", epoch_end=s % 4 == 0, max_steps=6)]
+    [4, 6]
     >>> should_save(4, save_strategy="epoch", epoch_end=True), should_save(4, save_strategy="no")
     (True, False)
     """
     if save_strategy not in _SAVE_STRATEGIES:
         raise ValueError(f"save_strategy {save_strategy!r} is not one of {list(_SAVE_STRATEGIES)}")
+    last = last or (max_steps is not None and step >= max_steps)
     if save_strategy == "no":
         return False
     if save_strategy == "epoch":
-        return epoch_end
+        return epoch_end or last
     if save_strategy == "best":
         return new_best
     if save_steps <= 0:
@@ -91,7 +97,7 @@ def should_save(
         save_steps = math.ceil(save_steps * max_steps)
     if save_steps != int(save_steps):
         raise ValueError(f"save_steps must be a whole number of steps (or a fraction < 1), got {save_steps}")
-    return step > 0 and (step % int(save_steps) == 0 or (max_steps is not None and step >= max_steps))
+    return step > 0 and (step % int(save_steps) == 0 or last)
 
 
 def _is_jit(path: Path) -> bool:

@@ -1,7 +1,7 @@
 """The eval schedule under the HF names: when to evaluate, and which settings cannot work together.
 
->>> [s for s in range(1, 11) if should_evaluate(s, eval_strategy="steps", eval_steps=4, max_steps=10)]
-[4, 8, 10]
+>>> [s for s in range(1, 11) if should_evaluate(s, s % 5 == 0, eval_strategy="steps", eval_steps=5, max_steps=10)]
+[5, 10]
 """
 
 from __future__ import annotations
@@ -46,29 +46,34 @@ def should_evaluate(
     eval_delay: float = 0,
     max_steps: int | None = None,
     epoch: float | None = None,
+    last: bool = False,
 ) -> bool:
     """Decide whether to evaluate after optimizer step ``step`` (HF's ``eval_strategy`` rules).
 
     ``"steps"``: when ``step`` is a multiple of ``eval_steps`` (default ``logging_steps``), and at
-    ``max_steps`` if that is not a multiple; ``"epoch"``: at each epoch end (``epoch_end=True``,
-    ``epoch`` the epochs done). Nothing happens before ``eval_delay`` steps (or epochs for
-    ``"epoch"``). Call it once per step end, and once more with ``epoch_end=True`` at an epoch end.
+    the run's last step (``last``, or ``step >= max_steps``) if that is not a multiple, epoch end
+    or not; ``"epoch"``: at each epoch end (``epoch_end=True``, ``epoch`` the epochs done) and at
+    the last step, also when it ends an epoch early (HF ends the epoch there). Nothing happens
+    before ``eval_delay`` steps (or epochs for ``"epoch"``). Call it once per step: it answers for
+    HF's ``on_step_end`` and ``on_epoch_end`` together, which never both evaluate the same step.
 
-    >>> [s for s in range(1, 8) if should_evaluate(s, eval_strategy="steps", eval_steps=3, max_steps=7)]
-    [3, 6, 7]
+    >>> [s for s in range(1, 8) if should_evaluate(s, s % 4 == 0, eval_strategy="steps", eval_steps=4, max_steps=7)]
+    [4, 7]
+    >>> [s for s in range(1, 7) if should_evaluate(s, s % 4 == 0, eval_strategy="epoch", max_steps=6)]
+    [4, 6]
     >>> should_evaluate(4, True, eval_strategy="epoch", epoch=2.0, eval_delay=3)
     False
     """
     strategy = _strategy(eval_strategy)
     if strategy not in EVAL_STRATEGIES:
         raise ValueError(f"eval_strategy must be one of {list(EVAL_STRATEGIES)}, got {eval_strategy!r}")
+    last = last or (max_steps is not None and step >= max_steps)
     if strategy == "epoch":
-        return epoch_end and (eval_delay == 0 or eval_delay <= _need_epoch(epoch))
-    if strategy == "no" or epoch_end:
+        return (epoch_end or last) and (eval_delay == 0 or eval_delay <= _need_epoch(epoch))
+    if strategy == "no":
         return False
     every = resolve_eval_steps(eval_steps, logging_steps, max_steps)
-    due = step % every == 0 or (max_steps is not None and step >= max_steps)
-    return step > 0 and due and eval_delay <= step
+    return step > 0 and (step % every == 0 or last) and eval_delay <= step
 
 
 def _need_epoch(epoch: float | None) -> float:

@@ -42,6 +42,7 @@ __all__ = [
     "should_log",
     "log_mark",
     "log_entry",
+    "filtered_mean_loss",
     "mark_logged",
     "eval_entry",
     "train_summary",
@@ -123,18 +124,24 @@ def should_log(plan: LoggingPlan, step: int, last_logged: int, *, epoch_end: boo
     """Say whether to log after ``step`` optimizer updates, the last log having been at ``last_logged``.
 
     Logs on multiples of ``plan.steps`` (strategy ``steps``), at epoch ends (``epoch``), at step 1
-    with ``first_step``, and at the ``last`` step of a run so its final partial window is not lost
-    (HF drops it). Never twice for the same step.
+    with ``first_step`` (whatever the strategy, even ``no``, as HF does), and at the ``last`` step of
+    a run so its final partial window is not lost (HF drops it). Never twice for the same step.
 
     >>> plan = LoggingPlan("steps", 3)
     >>> [s for s in range(1, 10) if should_log(plan, s, 0)]
     [3, 6, 9]
     >>> should_log(plan, 7, 6, last=True), should_log(plan, 6, 6, last=True)
     (True, False)
+    >>> [s for s in range(1, 4) if should_log(LoggingPlan("no", 1, first_step=True), s, 0, last=s == 3)]
+    [1]
     """
-    if plan.strategy == "no" or step <= last_logged:
+    if step <= last_logged:
         return False
-    if last or (plan.first_step and step == 1):
+    if plan.first_step and step == 1:
+        return True
+    if plan.strategy == "no":
+        return False
+    if last:
         return True
     if plan.strategy == "epoch":
         return epoch_end
@@ -196,9 +203,11 @@ def log_entry(
     """Return the log entry for the window since ``mark`` (default: the state's own mark).
 
     ``loss`` is the mean of the per-step losses in the window (exact: a difference of running
-    float64 sums), over the steps whose loss was finite (NaN if none was: HF's
-    ``logging_nan_inf_filter``, always on); ``grad_norm`` (before clipping) and ``learning_rate`` are those of the last
-    step; ``epoch`` is fractional from the data cursor when ``steps_per_epoch`` is given.
+    float64 sums), over the steps whose loss was finite: ``logging_nan_inf_filter``, always on, which
+    stands in for an inf/NaN step with the loss of the others (see ``filtered_mean_loss``); a window
+    of only non-finite steps logs the mean of every finite step loss so far, never NaN. ``grad_norm``
+    (before clipping) and ``learning_rate`` are those of the last step; ``epoch`` is fractional from
+    the data cursor when ``steps_per_epoch`` is given.
 
     >>> import torch
     >>> from trainfold.state import Cursor, TrainState
@@ -218,7 +227,7 @@ def log_entry(
     metrics = state.metrics
     tokens = {TOKENS_SEEN: int(state.extras[TOKENS_SEEN])} if TOKENS_SEEN in state.extras else {}
     return {
-        "loss": _mean_loss(state, mark.loss_total, mark.nonfinite_losses, steps),
+        "loss": filtered_mean_loss(state, mark),
         "grad_norm": float(metrics["grad_norm"]),
         "learning_rate": float(metrics["learning_rate"]),
         **tokens,
@@ -230,6 +239,33 @@ def log_entry(
 def _mean_loss(state: TrainState, total_before: Tensor, nonfinite_before: Tensor, steps: int) -> float:
     counted = steps - (int(state.nonfinite_losses) - int(nonfinite_before))
     return ((state.loss_total.double() - total_before.double()) / counted).item() if counted > 0 else math.nan
+
+
+def filtered_mean_loss(state: TrainState, mark: LogMark | None = None) -> float:
+    """Return the logged loss of the window since ``mark``: HF's ``logging_nan_inf_filter``, done exactly.
+
+    HF replaces an inf/NaN step's loss by an average of the window's others; each non-finite step
+    counting as the mean of the finite ones leaves exactly the mean over the finite steps, which is
+    what this returns. (HF's own formula, ``tr_loss / (1 + steps in the window)``, divides by one step
+    too many, so it logs 0.75x the loss for a window [finite, nan], and 0.0 for a window of only
+    non-finite steps.) A window with no finite step gets the mean of all finite step losses so far,
+    the average HF's code comment promises; NaN only when no step has had a finite loss yet.
+
+    >>> import torch
+    >>> from trainfold.state import TrainState
+    >>> s = TrainState(params={}, buffers={}, opt_state=None, step=scalar(4), loss_total=scalar(6.0, torch.float64),
+    ...                nonfinite_losses=scalar(1))
+    >>> filtered_mean_loss(s, LogMark(step=scalar(2), loss_total=scalar(4.0, torch.float64)))   # [2.0, nan]
+    2.0
+    >>> filtered_mean_loss(s, LogMark(step=scalar(3), loss_total=scalar(6.0, torch.float64)))   # [nan]: 6 / 3
+    2.0
+    """
+    mark = log_mark(state) if mark is None else mark
+    steps = int(state.step) - int(mark.step)
+    window = _mean_loss(state, mark.loss_total, mark.nonfinite_losses, steps)
+    if not math.isnan(window) or steps <= 0:
+        return window
+    return _mean_loss(state, torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.int64), int(state.step))
 
 
 _STEP_METRICS = frozenset({"loss", "grad_norm", "learning_rate", "num_items"})

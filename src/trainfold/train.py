@@ -14,6 +14,7 @@ import inspect
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from trainfold import hf_callbacks
 from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
 from trainfold.data import KeyedCollate, StepBatch, keyed, pad_collate, stream
+from trainfold.divergence import DIVERGED, diverged, divergence_message
 from trainfold.distributed import agreed_stop, evaluate_sharded, shard
 from trainfold.eval_schedule import check_eval_schedule, should_evaluate
 from trainfold.evaluation import evaluate as evaluate_batches, predict as predict_batches
@@ -77,7 +79,11 @@ class TrainResult:
     """
 
     state: TrainState
-    status: str  # "completed", "stopped" (a stop predicate or early stopping) or "preempted"
+    # "completed", "stopped" (a stop predicate or early stopping), "preempted", or "diverged": the params
+    # turned inf/NaN (``metrics["diverged_at_step"]`` says after which step); nothing non-finite was saved,
+    # so ``last_checkpoint`` is the last finite one, and ``state`` holds the non-finite params (or the best
+    # ones with ``load_best_model_at_end``)
+    status: str
     metrics: dict[str, float]
     log_history: list[dict[str, Any]]
     best_checkpoint: Path | None = None
@@ -240,6 +246,7 @@ class _Run:
     early: EarlyStopping | None
     is_writer: bool
     collective: Collective | None = None  # set when evaluation is sharded across ranks
+    diverged: list[int] = attrs.Factory(list)  # the step after which the params turned inf/NaN, if any
 
 
 def _evaluate_state(run: _Run, state: TrainState) -> dict[str, float]:
@@ -311,17 +318,30 @@ def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainSta
         epoch_end = int(state.cursor.position) == 0
         last = step >= run.total_steps
         window.add(state)
+        if diverged(state):  # log the window that ended in it, then stop: no evaluation, no save
+            run.diverged.append(step)
+            last = True
         state = log_if_due(state, plan, [history], run.observers, steps_per_epoch=run.steps_per_epoch,
                            epoch_end=epoch_end, last=last, window=window)
+        if run.diverged:
+            return state
         new_best = False
         if run.eval_batches is not None and should_evaluate(
             step, epoch_end, eval_strategy=args.eval_strategy, eval_steps=args.eval_steps,
             logging_steps=args.logging_steps, eval_delay=args.eval_delay, max_steps=run.total_steps,
-            epoch=step / run.steps_per_epoch,
+            epoch=step / run.steps_per_epoch, last=last,
         ):
             state, new_best = _record_eval(run, state, _evaluate_state(run, state))
+            if run.early is not None and patience_exhausted(run.early)(state):  # HF ends the epoch here: its
+                epoch_end = True  # on_epoch_end logs and saves by epoch at this step
+                state = log_if_due(state, plan, [history], run.observers, steps_per_epoch=run.steps_per_epoch,
+                                   epoch_end=True, last=True, window=window)
         if run.is_writer and policy.should_save(step, save_strategy=args.save_strategy, save_steps=args.save_steps,
-                                              epoch_end=epoch_end, max_steps=run.total_steps, new_best=new_best):
+                                              epoch_end=epoch_end, max_steps=run.total_steps, new_best=new_best,
+                                              last=last):
+            if diverged(state, confirm=True):  # never write inf/NaN params over the finite checkpoints
+                run.diverged.append(step)
+                return state
             saved.append(_save(run, state))
         return state
 
@@ -400,8 +420,10 @@ def train(
     (clipping + AdamW on ``lr_scheduler_type``). ``observers`` are called ``(state, logs)`` on every
     log. ``early_stopping`` (from ``trainfold.stopping.early_stopping``) and ``stop(state)`` end the
     run early (status ``stopped``); a SIGTERM with ``enable_jit_checkpoint`` ends it at the next step
-    boundary with a checkpoint (status ``preempted``). ``callbacks`` take ``transformers.TrainerCallback``
-    objects (``trainfold.hf_callbacks``).
+    boundary with a checkpoint (status ``preempted``). A run whose parameters turn inf/NaN stops
+    there (status ``diverged``, a warning, ``metrics["diverged_at_step"]``) without saving them; a
+    float16 step that loss scaling skipped is not divergence. ``callbacks`` take
+    ``transformers.TrainerCallback`` objects (``trainfold.hf_callbacks``).
 
     >>> import tempfile, torch
     >>> from trainfold.models import TinyLM, TinyLMConfig
@@ -520,6 +542,7 @@ def train(
             stops.append(agreed_stop(stop, collective) if collective is not None else stop)
         if hf is not None:
             stops.append(agreed_stop(hf.stop, collective) if collective is not None else hf.stop)
+        stops.append(lambda _state: bool(run.diverged))
         status = "completed"
         guard = preemption_guard(collective=collective) if args.enable_jit_checkpoint else _no_guard()
         with guard as preemption:
@@ -531,7 +554,10 @@ def train(
                 looped = observing(hf.wrap(counted), hf.step_end, _after_step(run, saved), hf.after, tap(bar.update))
             for state in trajectory(looped, state, batches, all_stops):  # noqa: B007
                 pass
-            if preemption is not None and preemption.requested():
+            if run.diverged or diverged(state, confirm=True):
+                status = DIVERGED
+                warnings.warn(divergence_message(state, saved[-1] if saved else None), RuntimeWarning, stacklevel=2)
+            elif preemption is not None and preemption.requested():
                 status = "preempted"
                 if rank == 0:
                     saved.append(_save(run, state, jit=True))
@@ -539,6 +565,8 @@ def train(
                 status = "stopped"
         samples = (int(state.step) - int(start_state.step)) * sampler.global_batch_size
         summary = train_summary(state, start_state, time.monotonic() - started, samples, steps_per_epoch=steps_per_epoch)
+        if status == DIVERGED:
+            summary["diverged_at_step"] = int(state.step)
         history.append(summary)
         reporters.log(summary, int(state.step))
         bar.close()
