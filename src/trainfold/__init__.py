@@ -4,12 +4,13 @@ The pieces, bottom up: ``tree`` (pure ops on tensor dicts), ``state`` (the ``Tra
 record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``samplers`` and
 ``data`` (the resumable stream), ``fold`` (``fit``, ``trajectory``), ``reducers`` and
 ``evaluation``, ``checkpoint`` and ``preempt``, ``observe`` and ``reporters``, ``neftune``,
-``dpo``/``grpo``/``generate``, ``distributed``, and ``train`` (``TrainingArguments`` + ``train``)
+``dpo``/``grpo``/``generate``, ``packing`` and ``chunked_loss`` (LLM batches and loss), ``distributed``, and ``train`` (``TrainingArguments`` + ``train``)
 which wires them from the HF Trainer's setting names.
 """
 
 from trainfold import (
     checkpoint,
+    chunked_loss,
     data,
     distributed,
     dpo,
@@ -19,6 +20,7 @@ from trainfold import (
     losses,
     observe,
     optim,
+    packing,
     reducers,
     reporters,
     samplers,
@@ -27,12 +29,14 @@ from trainfold import (
 )
 from trainfold.args import TrainingArguments
 from trainfold.checkpoint import latest_checkpoint, load, save
+from trainfold.chunked_loss import chunked_causal_lm
 from trainfold.data import StepBatch, keyed, pad_collate, stream
 from trainfold.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
 from trainfold.evaluation import EvalPrediction
 from trainfold.fold import any_of, fit, max_steps, max_time, trajectory
 from trainfold.stopping import early_stopping
 from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, sgd
+from trainfold.packing import pack, packed_collate, padding_free_collate
 from trainfold.samplers import Sampler, make_sampler
 from trainfold.state import Cursor, TrainState, init_state
 from trainfold.step import make_step
@@ -50,6 +54,8 @@ __all__ = [
     "TrainingArguments",
     "adamw",
     "checkpoint",
+    "chunked_causal_lm",
+    "chunked_loss",
     "compiled",
     "ensemble",
     "init_ensemble_state",
@@ -82,6 +88,10 @@ __all__ = [
     "max_steps",
     "max_time",
     "optim",
+    "pack",
+    "packed_collate",
+    "packing",
+    "padding_free_collate",
     "pad_collate",
     "predict",
     "save",
