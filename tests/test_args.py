@@ -158,14 +158,14 @@ def test_every_transformers_setting_is_taken_or_refused_as_an_hf_setting_never_a
 def test_hf_settings_say_why_and_what_instead_all_at_once():
     with pytest.raises(TypeError) as info:
         TrainingArguments(push_to_hub=True, hub_model_id="me/model", deepspeed="ds.json", fsdp="full_shard",
-                          auto_find_batch_size=True, logging_dir="logs", save_safetensors=False,
+                          auto_find_batch_size=True, save_safetensors=False,
                           include_for_metrics=["inputs"], group_by_length=True, learnig_rate=1e-3)
     text = str(info.value)
     assert text.startswith("unknown TrainingArguments: 'learnig_rate' (did you mean 'learning_rate'?)\n")
     for needle in (
         "push_to_hub=True is a transformers.TrainingArguments setting that trainfold does not take: trainfold never "
         "uploads", "hub_model_id='me/model' is", "deepspeed='ds.json' is", "fsdp='full_shard' is",
-        "auto_find_batch_size=True is", "logging_dir='logs' is", "save_safetensors=False is",
+        "auto_find_batch_size=True is", "save_safetensors=False is",
         "include_for_metrics=['inputs'] is", "group_by_length=True is",
         "write train_sampling_strategy='group_by_length'", "set per_device_train_batch_size",
     ):

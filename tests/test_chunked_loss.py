@@ -216,3 +216,35 @@ def test_rollout_scores_old_and_reference_log_probs_chunk_by_chunk_alike():
         torch.testing.assert_close(b["ref_logps"], a["ref_logps"], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="chunk_size must be a positive int"):
         make_rollout(model, reward, chunk_size=0, **settings_)
+
+
+@settings(max_examples=6, deadline=None)
+@given(st.lists(st.integers(1, 3), min_size=1, max_size=4).filter(lambda s: sum(s) <= 6), st.integers(0, 5))
+def test_the_chunked_update_does_not_depend_on_how_the_step_is_split(split, seed):
+    model = llama()
+    opt = sgd(0.5)
+    step = make_step(model, causal_lm, opt, objective=chunked_causal_lm(model, chunk_size=4))
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(split)
+    ids = torch.randint(0, 64, (rows, 8), generator=g)
+    labels = labelled(seed, (rows, 8), 64)
+    whole = step(init_state(model, opt), [{"input_ids": ids, "labels": labels}])
+    bounds = [sum(split[:i]) for i in range(len(split) + 1)]
+    parts = [{"input_ids": ids[a:b], "labels": labels[a:b]} for a, b in zip(bounds, bounds[1:])]
+    cut = step(init_state(model, opt), parts)
+    for k, v in whole.params.items():
+        torch.testing.assert_close(cut.params[k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_gives_the_eager_update():
+    from trainfold import adamw, losses
+
+    model = llama()
+    opt = adamw(1e-2)
+    batch = step_batch(0)
+    objective = losses.chunked_causal_lm(model, 5)
+    eager = make_step(model, causal_lm, opt, objective=objective)(init_state(model, opt), batch)
+    out = make_step(model, causal_lm, opt, objective=objective, compile=True)(init_state(model, opt), batch)
+    for k, v in eager.params.items():
+        torch.testing.assert_close(out.params[k], v, rtol=1e-5, atol=1e-6)

@@ -48,7 +48,6 @@ HF_ONLY: dict[str, str] = {
     "auto_find_batch_size": ("trainfold does not retry with a smaller batch: the batch size fixes which samples form "
                              "each step; set per_device_train_batch_size (and gradient_accumulation_steps to keep "
                              "the global batch)"),
-    "logging_dir": "reporters write under output_dir (tensorboard: output_dir/runs/<run_name>); set output_dir",
     **dict.fromkeys(("log_level", "log_level_replica", "log_on_each_node"), _LOG_LEVEL),
     "save_safetensors": "checkpoints are always safetensors (nothing is pickled); drop the setting",
     "save_on_each_node": "rank 0 writes the checkpoints, to output_dir; use a shared output_dir",

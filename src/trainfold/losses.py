@@ -539,3 +539,12 @@ def dpo(
         return (margin - 1 / (2 * beta)) ** 2
     eps = label_smoothing
     return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+
+
+def __getattr__(name: str) -> Any:
+    """``losses.chunked_causal_lm``: the chunked causal-LM loss lives in ``trainfold.chunked_loss`` (a layer above)."""
+    if name == "chunked_causal_lm":
+        from trainfold.chunked_loss import chunked_causal_lm  # noqa: PLC0415 - chunked_loss imports this module
+
+        return chunked_causal_lm
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
