@@ -80,6 +80,7 @@ NOT_TRAJECTORY = frozenset({
 })
 
 _LEFTOVER = re.compile(r"^\.checkpoint-\d+\.(tmp|old|deleting)-(?:(\d+)-)?[0-9a-f]+$")
+_FILE_LEFTOVER = re.compile(r"^\.(?:trainfold\.json|trainfold-run\.json)\.tmp-(\d+)(?:-[0-9a-f]+)?$")
 
 
 def trajectory_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -225,14 +226,18 @@ def remove_leftovers(output_dir: str | os.PathLike, *, quiet: bool = False) -> l
     if not root.is_dir():
         return []
     gone, freed = [], 0
-    for path in sorted(root.iterdir()):
-        m = _LEFTOVER.match(path.name)
+    candidates = [(p, _LEFTOVER.match(p.name)) for p in sorted(root.iterdir())]
+    for sub in sorted(root.glob("checkpoint-*")) + [root]:  # a sidecar or run file rewrite cut short
+        if sub.is_dir() and not sub.is_symlink():
+            candidates += [(p, _FILE_LEFTOVER.match(p.name)) for p in sorted(sub.iterdir())]
+    for path, m in candidates:
         if m is None or path.is_symlink():
             continue
-        pid = int(m.group(2)) if m.group(2) else None
+        pid_text = m.group(2) if m.re is _LEFTOVER else m.group(1)
+        pid = int(pid_text) if pid_text else None
         if pid is not None and (pid == os.getpid() or _alive(pid)):
             continue
-        freed += _size(path) if path.is_dir() else 0
+        freed += _size(path) if path.is_dir() else path.stat().st_size
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -409,7 +414,8 @@ def claim(
         if resume_from_checkpoint is True:
             source = resumable(root, fingerprint)
             if source is None:
-                raise FileNotFoundError(
+                others = _catalog(root)
+                raise (ValueError if others else FileNotFoundError)(
                     f"resume_from_checkpoint=True but {root} holds no complete checkpoint of this run "
                     f"(fingerprint {fingerprint}); found: {_describe_others(root, settings, fingerprint)}; resume "
                     "with the settings that wrote them, pass a checkpoint path, or resume_from_checkpoint=None "
