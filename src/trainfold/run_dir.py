@@ -302,8 +302,9 @@ def _catalog(output_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]
 def resumable(output_dir: str | os.PathLike, fingerprint: str) -> Path | None:
     """Return the latest complete checkpoint in ``output_dir`` of the run with ``fingerprint``, or None.
 
-    When ``output_dir/trainfold-run.json`` records a run with this fingerprint, only its lineage
-    (its run id) counts: a fresh start of the same settings does not resume an older lineage.
+    When ``output_dir/trainfold-run.json`` records a run with this fingerprint, its lineage (its
+    run id) comes first: a fresh start of the same settings resumes its own checkpoints, not an
+    older lineage's later ones (an older lineage's are taken only when it has none).
     This is what ``resume_from_checkpoint=True`` (and the CLI's ``--resume``) takes.
 
     >>> resumable("no/such/dir", "f00d") is None
@@ -312,7 +313,8 @@ def resumable(output_dir: str | os.PathLike, fingerprint: str) -> Path | None:
     found = [(p, m) for p, m in _catalog(output_dir) if (m.get("run") or {}).get("fingerprint") == fingerprint]
     recorded = read_run_file(output_dir)
     if recorded is not None and recorded["fingerprint"] == fingerprint:
-        found = [(p, m) for p, m in found if m["run"]["id"] == recorded["run_id"]]
+        own = [(p, m) for p, m in found if m["run"]["id"] == recorded["run_id"]]
+        found = own or found  # a lineage killed before its first save: the same settings' latest
     return found[-1][0] if found else None
 
 
