@@ -34,3 +34,8 @@ def test_gpu_script_runs_small_on_cpu():
 def test_recompute_quick():
     out = run("benchmarks/recompute.py", "--quick")
     assert "| every block |" in out
+
+
+def test_long_run_saves_quick():
+    out = run("benchmarks/long_run_saves.py", "--steps", "100", "--repeat", "1")
+    assert "| 100 | before |" in out and "| 100 | after |" in out

@@ -134,14 +134,22 @@ def test_a_renamed_checkpoint_or_a_symlink_out_of_the_output_dir_is_never_taken(
         assert run_dir.resumable(out, read_metadata(out / "checkpoint-2")["run"]["fingerprint"]) == out / "checkpoint-2"
 
 
+def test_a_run_continued_for_more_steps_is_the_same_run_with_a_warning(tmp_path):
+    out = tmp_path / "out"
+    run(out, max_steps=4)
+    with pytest.warns(UserWarning, match=r"max_steps 4 -> 8: the run goes on for a different number of steps"):
+        r = run(out, resume=True)
+    assert r.global_step == 8 and r.status == "completed"
+
+
 def test_the_fingerprint_covers_every_trajectory_setting_not_seven():
     base = args_for(Path("x")).to_dict() | {"world_size": 1}
     fp = run_dir.fingerprint(base)
-    for key, value in [("learning_rate", 0.5), ("weight_decay", 0.0), ("max_steps", 9), ("lr_scheduler_type", "cosine"),
+    for key, value in [("learning_rate", 0.5), ("weight_decay", 0.0), ("seed", 9), ("lr_scheduler_type", "cosine"),
                        ("optim", "sgd"), ("label_smoothing_factor", 0.1), ("bf16", True), ("warmup_steps", 3)]:
         assert run_dir.fingerprint({**base, key: value}) != fp, key
     for key, value in [("logging_steps", 7), ("save_steps", 9), ("output_dir", "y"), ("report_to", ["jsonl"]),
-                       ("dataloader_num_workers", 2), ("overwrite_output_dir", True)]:
+                       ("dataloader_num_workers", 2), ("overwrite_output_dir", True), ("max_steps", 30)]:
         assert run_dir.fingerprint({**base, key: value}) == fp, key
     assert run_dir.fingerprint(base, {"params.w": [[2], "torch.float32"]}) != fp  # the model is part of it
 

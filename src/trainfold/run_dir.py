@@ -50,6 +50,7 @@ __all__ = [
     "LOCK_FILE",
     "RUN_FILE",
     "NOT_TRAJECTORY",
+    "RUN_LENGTH",
     "RunIdentity",
     "Claim",
     "trajectory_settings",
@@ -79,17 +80,21 @@ NOT_TRAJECTORY = frozenset({
     "dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_pin_memory",
 })
 
+# How long the run goes on: not part of the fingerprint, so a run can be continued for more steps
+# (HF's resume with a larger max_steps); a resume that changes it says that the schedule changes.
+RUN_LENGTH = ("max_steps", "num_train_epochs")
+
 _LEFTOVER = re.compile(r"^\.checkpoint-\d+\.(tmp|old|deleting)-(?:(\d+)-)?[0-9a-f]+$")
 _FILE_LEFTOVER = re.compile(r"^\.(?:trainfold\.json|trainfold-run\.json)\.tmp-(\d+)(?:-[0-9a-f]+)?$")
 
 
 def trajectory_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the settings that define the trajectory (all but ``NOT_TRAJECTORY``), sorted by name.
+    """Return the settings that define the trajectory (all but ``NOT_TRAJECTORY`` and ``RUN_LENGTH``), by name.
 
     >>> trajectory_settings({"seed": 3, "save_steps": 10, "learning_rate": 0.1})
     {'learning_rate': 0.1, 'seed': 3}
     """
-    return {k: settings[k] for k in sorted(settings) if k not in NOT_TRAJECTORY}
+    return {k: settings[k] for k in sorted(settings) if k not in NOT_TRAJECTORY and k not in RUN_LENGTH}
 
 
 def trajectory_differences(there: Mapping[str, Any], here: Mapping[str, Any]) -> list[str]:
@@ -428,6 +433,8 @@ def claim(
             source, run = None, RunIdentity.new(fingerprint)
         else:
             source, run = _explicit_source(Path(resume_from_checkpoint), settings, fingerprint)
+        if source is not None:
+            _warn_length(source, settings)
         if writer and not overwrite_output_dir:
             _refuse_other_runs(root, recorded, settings, fingerprint)
         if writer:
@@ -436,6 +443,16 @@ def claim(
         stack.close()
         raise
     return Claim(run, source, stack)
+
+
+def _warn_length(source: Path, settings: Mapping[str, Any]) -> None:
+    saved = ckpt.read_metadata(source)["settings"]
+    changed = [f"{k} {saved[k]!r} -> {settings[k]!r}" for k in RUN_LENGTH
+               if k in saved and k in settings and saved[k] != settings[k]]
+    if changed:
+        warnings.warn(f"resuming {source} with {', '.join(changed)}: the run goes on for a different number of steps, "
+                      "so a schedule that depends on the total (linear, cosine, ...) differs from the saved run's",
+                      UserWarning, stacklevel=3)
 
 
 def _refuse_other_runs(root: Path, recorded: Mapping[str, Any] | None, settings: Mapping[str, Any],
