@@ -83,7 +83,7 @@ def straight(tmp_path_factory):
 def test_a_fresh_run_never_resumes_an_older_runs_checkpoint(tmp_path):
     out = tmp_path / "out"
     run(out, learning_rate=1e-3, save_steps=5, max_steps=5)  # an older run, finished: checkpoint-5
-    with pytest.raises(ValueError, match=r"holds another run .*learning_rate: 0\.001 there, 0\.01 here.*overwrite_output_dir"):
+    with pytest.raises(ValueError, match=r"checkpoints of another run.*learning_rate: 0\.001 there, 0\.01 here.*overwrite_output_dir"):
         run(out, stop_at=2)  # a different run may not mix into it
     with pytest.raises(ValueError, match=r"no complete checkpoint of this run.*checkpoint-5 \(run .*learning_rate"):
         run(out, resume=True)

@@ -15,8 +15,9 @@
 - **Resume.** ``resumable`` returns the latest complete checkpoint of this run (same fingerprint,
   and the lineage recorded in the output_dir when there is one); checkpoints of other runs,
   symbolic links and directories whose name and step disagree are never taken.
-- **Other runs.** A fresh start in an output_dir holding another run's checkpoints is refused,
-  naming the settings that differ, unless ``overwrite_output_dir=True``.
+- **Other runs.** A run into an output_dir holding another run's checkpoints is refused, naming
+  the settings that differ, unless ``overwrite_output_dir=True`` (a directory holding only another
+  run's log and run file, e.g. of a ``save_strategy="no"`` run, is taken over).
 
 >>> fingerprint({"learning_rate": 0.1, "logging_steps": 5}) == fingerprint({"learning_rate": 0.1, "logging_steps": 1})
 True
@@ -78,6 +79,9 @@ NOT_TRAJECTORY = frozenset({
     "eval_delay", "eval_accumulation_steps", "per_device_eval_batch_size", "prediction_loss_only",
     "metric_for_best_model", "greater_is_better", "load_best_model_at_end", "dataloader_num_workers",
     "dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_pin_memory",
+    # recomputing activations gives the same gradients bitwise (tests/test_recompute.py): turn it on to fit memory
+    "activation_checkpointing", "activation_checkpointing_kwargs", "gradient_checkpointing",
+    "gradient_checkpointing_kwargs",
 })
 
 # How long the run goes on: not part of the fingerprint, so a run can be continued for more steps
@@ -457,21 +461,18 @@ def _warn_length(source: Path, settings: Mapping[str, Any]) -> None:
 
 def _refuse_other_runs(root: Path, recorded: Mapping[str, Any] | None, settings: Mapping[str, Any],
                        fingerprint: str) -> None:
-    if recorded is not None:
-        if recorded["fingerprint"] == fingerprint:
-            return
-        diffs = trajectory_differences(recorded["settings"], settings) or ["the model's parameters differ"]
-        raise ValueError(
-            f"{root} holds another run ({recorded['run_id']}, see {root / RUN_FILE}; {'; '.join(diffs[:6])}); "
-            "pass overwrite_output_dir=True to write this run there anyway, resume it with its own settings, "
-            "or choose another output_dir"
-        )
+    """Refuse a run into a directory holding checkpoints of another run (a run file alone is taken over)."""
+    if recorded is not None and recorded["fingerprint"] == fingerprint:
+        return  # this run was let in before (overwrite_output_dir), and goes on
     foreign = [p for p, m in _catalog(root) if (m.get("run") or {}).get("fingerprint") != fingerprint]
-    if foreign:
-        raise ValueError(
-            f"{root} holds checkpoints of another run: {_describe_others(root, settings, fingerprint)}; pass "
-            "overwrite_output_dir=True to write this run there anyway, or choose another output_dir"
-        )
+    if not foreign:
+        return
+    owner = f" (its run file names run {recorded['run_id']})" if recorded is not None else ""
+    raise ValueError(
+        f"{root} holds checkpoints of another run{owner}: {_describe_others(root, settings, fingerprint)}; pass "
+        "overwrite_output_dir=True to write this run there anyway, resume that run with its own settings, or "
+        "choose another output_dir"
+    )
 
 
 def already_saved(path: str | os.PathLike, run: Mapping[str, str] | None, step: int, save_only_model: bool) -> bool:
