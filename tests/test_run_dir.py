@@ -118,6 +118,14 @@ def test_the_same_settings_in_a_new_process_are_the_same_run(tmp_path, straight)
     assert len(ids) == 1  # one lineage across the two processes
 
 
+def test_resume_point_names_what_resume_from_checkpoint_true_takes(tmp_path):
+    out = tmp_path / "out"
+    assert run_dir.resume_point(args_for(out), model()) is None
+    run(out, stop_at=5)
+    assert run_dir.resume_point(args_for(out), model()) == out / "checkpoint-4"
+    assert run_dir.resume_point(args_for(out, seed=12), model()) is None  # another run's
+
+
 def test_a_renamed_checkpoint_or_a_symlink_out_of_the_output_dir_is_never_taken(tmp_path):
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
     run(out, stop_at=4)

@@ -65,6 +65,7 @@ __all__ = [
     "claim",
     "already_saved",
     "check_step",
+    "resume_point",
 ]
 
 LOCK_FILE = ".trainfold.lock"
@@ -504,3 +505,19 @@ def check_step(meta: Mapping[str, Any], source: str | os.PathLike, total_steps: 
             "steps (max_steps / num_train_epochs); it is not a checkpoint of this run: resume from another "
             "checkpoint, or raise max_steps"
         )
+
+
+def resume_point(args: Any, model: Any, *, world_size: int = 1) -> Path | None:
+    """Return the checkpoint ``train(model, args, ..., resume_from_checkpoint=True)`` would resume, or None.
+
+    For a command line's ``--resume``: it computes the run's fingerprint as ``train`` does (the
+    settings, the world size, the model's parameter shapes) and calls ``resumable``.
+    """
+    import types  # noqa: PLC0415
+
+    from trainfold.state import split_module  # noqa: PLC0415
+
+    params, buffers = split_module(model)
+    settings = {**args.to_dict(), "world_size": world_size}
+    signature = model_signature(types.SimpleNamespace(params=params, buffers=buffers))
+    return resumable(args.output_dir, fingerprint(settings, signature))
