@@ -48,7 +48,8 @@ CHILD = textwrap.dedent(f"""
     torch.set_num_threads({torch.get_num_threads()})
     from resume_fixture import collate, model, rows
     from trainfold import TrainingArguments, checkpoint, train
-    out, resume, preempt_at, mode, target = sys.argv[1], sys.argv[2] == "True", int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
+    out, resume, preempt_at, mode, target = sys.argv[1], sys.argv[2] == "True", int(sys.argv[3]), sys.argv[4], \
+        int(sys.argv[5])
     count = [0]
     def hook(label):
         count[0] += 1
@@ -65,7 +66,8 @@ CHILD = textwrap.dedent(f"""
             os.kill(os.getpid(), signal.SIGTERM)
         return False
     args = TrainingArguments(output_dir=out, **{BASE!r})
-    r = train(model(), args, rows(), data_collator=collate, stop=preempt, resume_from_checkpoint=True if resume else None)
+    r = train(model(), args, rows(), data_collator=collate, stop=preempt,
+              resume_from_checkpoint=True if resume else None)
     print("finished", r.status, flush=True)
 """)
 

@@ -83,7 +83,8 @@ def straight(tmp_path_factory):
 def test_a_fresh_run_never_resumes_an_older_runs_checkpoint(tmp_path):
     out = tmp_path / "out"
     run(out, learning_rate=1e-3, save_steps=5, max_steps=5)  # an older run, finished: checkpoint-5
-    with pytest.raises(ValueError, match=r"checkpoints of another run.*learning_rate: 0\.001 there, 0\.01 here.*overwrite_output_dir"):
+    other = r"checkpoints of another run.*learning_rate: 0\.001 there, 0\.01 here.*overwrite_output_dir"
+    with pytest.raises(ValueError, match=other):
         run(out, stop_at=2)  # a different run may not mix into it
     with pytest.raises(ValueError, match=r"no complete checkpoint of this run.*checkpoint-5 \(run .*learning_rate"):
         run(out, resume=True)
@@ -283,7 +284,8 @@ def test_the_sidecar_keeps_a_position_not_the_history_and_the_result_reads_the_f
     out = tmp_path / "out"
     r = run(out)
     meta = read_metadata(out / "checkpoint-8")
-    assert "log_history" not in meta["metadata"] and set(meta["metadata"]["log"]) == {"file", "offset", "entries", "crc32"}
+    assert "log_history" not in meta["metadata"]
+    assert set(meta["metadata"]["log"]) == {"file", "offset", "entries", "crc32"}
     assert isinstance(r.log_history, LogHistory) and len(r.log_history) == 9  # 8 steps + the summary
     lines = [json.loads(x) for x in (out / HISTORY_FILE).read_text().splitlines()]
     assert r.log_history == lines and r.log_history[-1] == lines[-1] and r.log_history[2:4] == lines[2:4]
@@ -394,7 +396,8 @@ def _pristine(root: Path):
 
 
 def _json_values():
-    return st.recursive(st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats(allow_nan=False) | st.text(max_size=4),
+    leaves = st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats(allow_nan=False) | st.text(max_size=4)
+    return st.recursive(leaves,
                         lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
                         max_leaves=5)
 

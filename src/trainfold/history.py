@@ -33,6 +33,13 @@ HISTORY_FILE = "log_history.jsonl"
 _FIX = "resume from another checkpoint, or start fresh (log_history then starts empty)"
 
 
+def _plain(value: Any) -> Any:
+    """JSON for what a metric function may return besides Python numbers (numpy / torch scalars, arrays)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
 class HistoryFile:
     """Append log entries (JSON-ready dicts) to ``path``; ``position()`` says where the file stands.
 
@@ -94,7 +101,7 @@ class HistoryFile:
 
     def append(self, entry: Mapping[str, Any]) -> None:
         """Write ``entry`` as one line (flushed, not fsynced: ``sync`` does that before a save)."""
-        line = (json.dumps(dict(entry)) + "\n").encode()
+        line = (json.dumps(dict(entry), default=_plain) + "\n").encode()
         self._file.write(line)
         self._file.flush()
         self.offset, self.entries, self.crc = self.offset + len(line), self.entries + 1, zlib.crc32(line, self.crc)

@@ -111,7 +111,8 @@ def trajectory_differences(there: Mapping[str, Any], here: Mapping[str, Any]) ->
 
 def model_signature(state: Any) -> dict[str, list[Any]]:
     """Return ``{name: [shape, dtype]}`` of a state's params and buffers (part of the fingerprint)."""
-    tensors = {**{f"buffers.{k}": v for k, v in state.buffers.items()}, **{f"params.{k}": v for k, v in state.params.items()}}
+    tensors = {**{f"buffers.{k}": v for k, v in state.buffers.items()},
+               **{f"params.{k}": v for k, v in state.params.items()}}
     return {k: [list(v.shape), str(v.dtype)] for k, v in sorted(tensors.items())}
 
 

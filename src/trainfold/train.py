@@ -487,7 +487,8 @@ def train(
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     saved: list[Path] = []
     start_state, started = state, time.monotonic()
-    with claim, make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings) as reporters:
+    with claim, make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name,
+                               settings) as reporters:  # entering claim first: it is released if this raises
         run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
                    early_stopping, rank == 0, collective if shard_eval else None, run_id=claim.run, window=window)
