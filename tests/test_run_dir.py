@@ -458,3 +458,14 @@ def test_a_mutated_checkpoint_loads_bitwise_or_is_refused_naming_the_path(tmp_pa
         return
     assert_same_state(loaded, state)  # whatever changed, the state is exactly the saved one
     assert read_metadata(work) == read_metadata(pristine)  # nothing changed that matters, or it was refused
+
+
+def test_a_results_log_history_survives_a_later_run_in_the_same_directory(tmp_path):
+    out = tmp_path / "out"
+    first = run(out, save_strategy="no", max_steps=3)
+    kept = list(first.log_history)
+    second = run(out, save_strategy="no", max_steps=5)  # the same run again: it rewrites log_history.jsonl
+    assert list(first.log_history) == kept and len(second.log_history) == 6
+    stale = LogHistory(out / HISTORY_FILE, first.log_history.end, first.log_history.entries, first.log_history.crc32)
+    with pytest.raises(ValueError, match=f"{out / HISTORY_FILE} changed since this log history was written"):
+        list(stale)  # what another process holding the old result would see

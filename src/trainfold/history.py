@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+import weakref
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -51,6 +52,7 @@ class HistoryFile:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         at = _at or {"offset": 0, "entries": 0, "crc32": 0}
+        _before_truncating(self.path, at["offset"])
         self._file = open(self.path, "ab")  # noqa: SIM115 - closed by close()
         self._file.truncate(at["offset"])
         self.offset, self.entries, self.crc = at["offset"], at["entries"], at["crc32"]
@@ -116,7 +118,7 @@ class HistoryFile:
 
     def history(self) -> LogHistory:
         """Return the entries written so far, as a lazy sequence."""
-        return LogHistory(self.path, self.offset, self.entries)
+        return LogHistory(self.path, self.offset, self.entries, self.crc)
 
     def close(self) -> None:
         """Close the file; safe to call twice."""
@@ -130,28 +132,61 @@ class HistoryFile:
         self.close()
 
 
+_LIVE: weakref.WeakValueDictionary[int, LogHistory] = weakref.WeakValueDictionary()
+
+
+def _before_truncating(path: Path, offset: int) -> None:
+    """Let the live ``LogHistory`` objects of ``path`` that reach past ``offset`` read their entries first."""
+    if not path.exists():
+        return
+    for history in list(_LIVE.values()):
+        if history.end > offset and history._held is None and history.path.exists() and history.path.samefile(path):
+            history._held = list(history._read())
+
+
 class LogHistory(Sequence[dict[str, Any]]):
     """The first ``entries`` entries (``end`` bytes) of a history file, read when asked, never held.
 
     Indexing, slicing, ``len``, iteration and ``==`` with a list work as on a list; ``list(h)``
     makes one (e.g. for ``json.dump``). Reading a large history from the start costs a pass over
-    the file each time: iterate once where you can.
+    the file each time: iterate once where you can. When a later run in this process rewrites the
+    file, the entries are read into memory first, so the sequence does not change; when another
+    process rewrote it, reading raises ``ValueError`` (the file's CRC-32 no longer matches ``crc32``).
     """
 
-    def __init__(self, path: str | os.PathLike, end: int, entries: int) -> None:
-        self.path, self.end, self.entries = Path(path), int(end), int(entries)
+    def __init__(self, path: str | os.PathLike, end: int, entries: int, crc32: int | None = None) -> None:
+        self.path, self.end, self.entries, self.crc32 = Path(path), int(end), int(entries), crc32
+        self._held: list[dict[str, Any]] | None = None
+        _LIVE[id(self)] = self
+
+    def _read(self) -> Iterator[dict[str, Any]]:
+        crc, left = 0, self.end
+        with open(self.path, "rb") as f:
+            for line in f:
+                if left <= 0:
+                    break
+                line = line[:left]
+                left -= len(line)
+                crc = zlib.crc32(line, crc)
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    raise self._changed() from None
+                yield entry
+        if left > 0 or (self.crc32 is not None and crc != self.crc32):
+            raise self._changed()
+
+    def _changed(self) -> ValueError:
+        return ValueError(f"{self.path} changed since this log history was written (another run in the same "
+                          "output_dir rewrote it); keep list(result.log_history) before starting another run there")
 
     def __len__(self) -> int:
         return self.entries
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        with open(self.path, "rb") as f:
-            left = self.end
-            for line in f:
-                if left <= 0:
-                    return
-                left -= len(line)
-                yield json.loads(line)
+        if self._held is not None:
+            return iter(self._held)
+        return self._read()
 
     def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
