@@ -28,7 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HISTORY_FILE", "HistoryFile", "LogHistory", "start", "window_state", "restore_window"]
+__all__ = ["HISTORY_FILE", "HistoryFile", "LogHistory", "verify", "start", "window_state", "restore_window"]
 
 HISTORY_FILE = "log_history.jsonl"
 _FIX = "resume from another checkpoint, or start fresh (log_history then starts empty)"
@@ -39,6 +39,32 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return value.tolist()
     return str(value)
+
+
+def verify(origin: str | os.PathLike, position: Any, *, source: str | os.PathLike) -> None:
+    """Check that ``origin`` starts with the log history a checkpoint (``source``) recorded at ``position``.
+
+    Raises ``ValueError`` naming the file and the checkpoint otherwise; reads, never writes.
+    """
+    origin = Path(origin)
+    if not (isinstance(position, Mapping) and sorted(position) == ["crc32", "entries", "file", "offset"]
+            and all(isinstance(position[k], int) and not isinstance(position[k], bool) and position[k] >= 0
+                    for k in ("crc32", "entries", "offset"))):
+        raise ValueError(f"{source}: field 'metadata.log' must be {{'file', 'offset', 'entries', 'crc32'}} "
+                         f"with counts, got {position!r:.100}; {_FIX}")
+    size = origin.stat().st_size if origin.is_file() else -1
+    if size < position["offset"]:
+        raise ValueError(f"{origin} holds {max(size, 0)} bytes but {source} recorded the log history up to byte "
+                         f"{position['offset']}; the file was truncated or replaced; {_FIX}")
+    crc, entries = 0, 0
+    with open(origin, "rb") as f:
+        left = position["offset"]
+        while left:
+            chunk = f.read(min(left, 1 << 22))
+            crc, entries, left = zlib.crc32(chunk, crc), entries + chunk.count(b"\n"), left - len(chunk)
+    if crc != position["crc32"] or entries != position["entries"]:
+        raise ValueError(f"{origin} differs from the log history {source} recorded (CRC-32 or entry count); "
+                         f"a later run rewrote it; {_FIX}")
 
 
 class HistoryFile:
@@ -68,25 +94,9 @@ class HistoryFile:
         """
         path = Path(path)
         origin = Path(copy_from) if copy_from is not None else path
-        if not (isinstance(position, Mapping) and sorted(position) == ["crc32", "entries", "file", "offset"]
-                and all(isinstance(position[k], int) and not isinstance(position[k], bool) and position[k] >= 0
-                        for k in ("crc32", "entries", "offset"))):
-            raise ValueError(f"{source}: field 'metadata.log' must be {{'file', 'offset', 'entries', 'crc32'}} "
-                             f"with counts, got {position!r:.100}; {_FIX}")
-        size = origin.stat().st_size if origin.is_file() else -1
-        if size < position["offset"]:
-            raise ValueError(f"{origin} holds {max(size, 0)} bytes but {source} recorded the log history up to byte "
-                             f"{position['offset']}; the file was truncated or replaced; {_FIX}")
-        crc, entries = 0, 0
-        with open(origin, "rb") as f:
-            left = position["offset"]
-            while left:
-                chunk = f.read(min(left, 1 << 22))
-                crc, entries, left = zlib.crc32(chunk, crc), entries + chunk.count(b"\n"), left - len(chunk)
-        if crc != position["crc32"] or entries != position["entries"]:
-            raise ValueError(f"{origin} differs from the log history {source} recorded (CRC-32 or entry count); "
-                             f"a later run rewrote it; {_FIX}")
+        verify(origin, position, source=source)
         if origin != path:
+            _before_truncating(path, 0)
             with open(origin, "rb") as src, open(path, "wb") as dst:
                 left = position["offset"]
                 while left:
@@ -239,7 +249,7 @@ def start(output_dir: str | os.PathLike, source: str | os.PathLike | None, metad
                 if writer:
                     copy = None if origin.resolve() == out.resolve() else origin
                     return HistoryFile.resume(out, position, source=sidecar, copy_from=copy)
-                HistoryFile.resume(origin, position, source=sidecar)  # checks it
+                verify(origin, position, source=sidecar)
                 return list(LogHistory(origin, position["offset"], position["entries"]))
             except (OSError, ValueError) as e:
                 if "metadata.log" in str(e):

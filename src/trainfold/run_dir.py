@@ -7,7 +7,7 @@
   preemption computes the same fingerprint and so finds its checkpoints. The run ``id`` names a
   lineage: it is drawn at a fresh start, inherited on resume, and recorded in every checkpoint's
   sidecar and in ``output_dir/trainfold-run.json``.
-- **Lock.** ``claim`` takes an exclusive ``flock`` on ``output_dir/.trainfold.lock`` for as long as
+- **Lock.** ``claim`` takes an exclusive ``flock`` on ``output_dir/trainfold.lock`` for as long as
   the run writes; a second run is refused with the holder's pid and host. The kernel drops the
   lock of a dead process, so a killed run's lock is simply taken over (and said so).
 - **Leftovers.** The run holding the lock removes the ``.tmp-*``, ``.old-*`` and ``.deleting-*``
@@ -68,7 +68,7 @@ __all__ = [
     "resume_point",
 ]
 
-LOCK_FILE = ".trainfold.lock"
+LOCK_FILE = "trainfold.lock"
 RUN_FILE = "trainfold-run.json"
 
 # Settings that do not change which states a run goes through: where and how often it logs, saves,
