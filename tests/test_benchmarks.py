@@ -44,3 +44,6 @@ def test_llm_memory_quick():
 def test_sampler_scale_small():
     out = run("benchmarks/sampler_scale.py", "--rows", "20000", "--rounds", "1")
     assert "| length column |" in out and "| GA 2, world 2 |" in out
+def test_long_run_saves_quick():
+    out = run("benchmarks/long_run_saves.py", "--steps", "100", "--repeat", "1")
+    assert "| 100 | before |" in out and "| 100 | after |" in out

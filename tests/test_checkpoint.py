@@ -91,6 +91,11 @@ def small_state(seed: int = 0, d: int = 3) -> TrainState:
     return init_state(model, adamw(1e-3), seed=seed)
 
 
+def at_step(step: int, seed: int = 0) -> TrainState:
+    """A small state at ``step``: a checkpoint-{step} directory must hold that step."""
+    return attrs.evolve(small_state(seed), step=scalar(step))
+
+
 def assert_states_equal(a: TrainState, b: TrainState) -> None:
     fa, fb = flatten(a), flatten(b)
     assert fa.keys() == fb.keys()
@@ -236,13 +241,13 @@ def test_a_newer_format_or_a_foreign_sidecar_is_refused(tmp_path):
         load(path, like=small_state())
 
 
-def test_a_file_the_sidecar_does_not_vouch_for_is_still_checked_by_safetensors(tmp_path):
+def test_a_tensor_file_the_sidecar_does_not_vouch_for_is_refused(tmp_path):
     path = save(small_state(), tmp_path / "c")
     meta = json.loads((path / SIDECAR_FILE).read_text())
     del meta["files"][STATE_FILE]
     (path / SIDECAR_FILE).write_text(json.dumps(meta))
     (path / STATE_FILE).write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
-    with pytest.raises(ValueError, match=f"{path / STATE_FILE} is not a readable safetensors file"):
+    with pytest.raises(ValueError, match=f"{path / SIDECAR_FILE}: field 'files.state.safetensors' is missing"):
         load(path, like=small_state())
 
 
@@ -282,17 +287,17 @@ def test_metadata_must_be_json(tmp_path):
 
 CRASH = textwrap.dedent(
     """
-    import sys, time, torch
+    import sys, time, attrs, torch
     from trainfold.checkpoint import save, checkpoint_path
     from trainfold.optim import adamw
-    from trainfold.state import init_state
+    from trainfold.state import init_state, scalar
     out = sys.argv[1]
     state = init_state(torch.nn.Linear(64, 64), adamw(1e-3))
-    save(state, checkpoint_path(out, 1))
+    save(attrs.evolve(state, step=scalar(1)), checkpoint_path(out, 1))
     def pause(path):
         print("wrote", path.name, flush=True)
         time.sleep(60)
-    save(state, checkpoint_path(out, int(sys.argv[2])), on_file=pause)
+    save(attrs.evolve(state, step=scalar(int(sys.argv[2]))), checkpoint_path(out, int(sys.argv[2])), on_file=pause)
     """
 )
 
@@ -310,7 +315,7 @@ def test_kill_9_during_save_leaves_the_previous_complete_checkpoint(tmp_path, se
     assert len(hidden) == 1 and (hidden[0] / INCOMPLETE_MARKER).exists()  # it died mid-write
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-1"
     assert list_checkpoints(tmp_path) == [tmp_path / "checkpoint-1"]
-    assert read_metadata(tmp_path / "checkpoint-1")["step"] == 0
+    assert read_metadata(tmp_path / "checkpoint-1")["step"] == 1
 
 
 def test_an_error_during_save_removes_the_temporary_and_keeps_the_old_checkpoint(tmp_path):
@@ -327,14 +332,14 @@ def test_an_error_during_save_removes_the_temporary_and_keeps_the_old_checkpoint
 
 def test_latest_checkpoint_skips_incomplete_directories(tmp_path):
     for step in (1, 3, 5, 7, 9):
-        save(small_state(), checkpoint_path(tmp_path, step))
+        save(at_step(step), checkpoint_path(tmp_path, step))
     (tmp_path / "checkpoint-9" / INCOMPLETE_MARKER).write_text("")  # a foreign, non-atomic writer
     (tmp_path / "checkpoint-7" / MODEL_FILE).unlink()
     with open(tmp_path / "checkpoint-5" / STATE_FILE, "r+b") as f:
         f.truncate(10)
     (tmp_path / "checkpoint-11").mkdir()
     (tmp_path / "checkpoint-final").mkdir()
-    save(small_state(), tmp_path / ".checkpoint-20.tmp-1-ab")
+    save(at_step(20), tmp_path / ".checkpoint-20.tmp-1-ab")
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-3"
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-3"]
     assert not is_complete(tmp_path / "checkpoint-9")
@@ -347,7 +352,7 @@ def test_resume_checkpoint_follows_resume_from_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="resume_from_checkpoint=True but .* holds no complete"):
         resume_checkpoint(True, tmp_path)
     for step in (2, 4):
-        save(small_state(), checkpoint_path(tmp_path, step))
+        save(at_step(step), checkpoint_path(tmp_path, step))
     (tmp_path / "checkpoint-4" / MODEL_FILE).write_bytes(b"")
     assert resume_checkpoint(True, tmp_path) == tmp_path / "checkpoint-2"
     assert resume_checkpoint(tmp_path / "checkpoint-2", tmp_path) == tmp_path / "checkpoint-2"
@@ -407,7 +412,7 @@ def test_should_save_follows_the_strategy():
 
 def make_checkpoints(root: Path, steps, jit=()):
     for s in steps:
-        save(small_state(), checkpoint_path(root, s), jit=s in jit)
+        save(at_step(s), checkpoint_path(root, s), jit=s in jit)
 
 
 def names(root: Path) -> list[str]:

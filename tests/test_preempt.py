@@ -12,6 +12,7 @@ import threading
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -20,7 +21,7 @@ from trainfold.checkpoint_policy import rotate
 from trainfold.fold import any_of, fit, trajectory
 from trainfold.optim import sgd
 from trainfold.preempt import EXIT_PREEMPTED, Preemption, jit_checkpoint, preemption_guard
-from trainfold.state import init_state
+from trainfold.state import init_state, scalar
 from trainfold.tree import flatten
 
 # The run the subprocesses train: resume_fixture.fold_run, here and in the subprocesses.
@@ -153,7 +154,7 @@ def test_jit_checkpoints_are_marked_and_never_rotated(tmp_path):
     state = init_state(torch.nn.Linear(2, 1), sgd(0.1))
     jit_checkpoint(state, tmp_path)  # step 0
     for s in (1, 2, 3):
-        save(state, checkpoint_path(tmp_path, s))
+        save(attrs.evolve(state, step=scalar(s)), checkpoint_path(tmp_path, s))  # checkpoint-{s} holds step s
     assert read_metadata(tmp_path / "checkpoint-0")["jit"] is True
     rotate(tmp_path, 1)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-0", "checkpoint-3"]

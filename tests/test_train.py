@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from trainfold import TrainingArguments, checkpoint, train
+from trainfold.history import HISTORY_FILE, LogHistory
 from trainfold.tree import flatten
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +78,8 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
             if key.startswith("extras.") or key == "metrics.num_items":
                 continue
             assert torch.equal(a[key], b[key]), f"{strategy} k={k}: {key}"
-        history = checkpoint.read_metadata(out / "checkpoint-8")["metadata"]["log_history"]
+        at = checkpoint.read_metadata(out / "checkpoint-8")["metadata"]["log"]  # where the history file stood
+        history = LogHistory(out / HISTORY_FILE, at["offset"], at["entries"])
         assert losses_of(history) == losses_of(ref.log_history), f"{strategy} k={k}"
 
 

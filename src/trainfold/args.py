@@ -58,6 +58,7 @@ class TrainingArguments:
     """
 
     output_dir: str = "trainer_output"
+    overwrite_output_dir: bool = False  # write into an output_dir that holds another run's checkpoints
     num_train_epochs: float = 3.0
     max_steps: int = -1
     per_device_train_batch_size: int = 8
@@ -216,7 +217,7 @@ class TrainingArguments:
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
-    "output_dir": (str,), "num_train_epochs": _NUM, "max_steps": (int,),
+    "output_dir": (str,), "overwrite_output_dir": (bool,), "num_train_epochs": _NUM, "max_steps": (int,),
     "per_device_train_batch_size": (int,), "per_device_eval_batch_size": (int,),
     "gradient_accumulation_steps": (int,), "learning_rate": _NUM, "weight_decay": _NUM,
     "adam_beta1": _NUM, "adam_beta2": _NUM, "adam_epsilon": _NUM, "max_grad_norm": _NUM,

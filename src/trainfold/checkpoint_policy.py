@@ -22,6 +22,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from trainfold import checkpoint as _ckpt
 from trainfold.checkpoint import (
     checkpoint_path,
     is_complete,
@@ -100,11 +101,11 @@ def should_save(
     return step > 0 and (step % int(save_steps) == 0 or last)
 
 
-def _is_jit(path: Path) -> bool:
+def _sidecar(path: Path) -> dict[str, Any]:
     try:
-        return bool(read_metadata(path).get("jit"))
+        return read_metadata(path)
     except (OSError, ValueError):
-        return False
+        return {}
 
 
 def rotate(
@@ -112,20 +113,22 @@ def rotate(
     save_total_limit: int | None,
     *,
     keep: Collection[str | os.PathLike] = (),
+    run_id: str | None = None,
 ) -> list[Path]:
     """Delete the oldest complete checkpoints beyond ``save_total_limit``; return what was deleted.
 
     Never deleted: the latest checkpoint, any path in ``keep`` (e.g. the best), and JIT
     checkpoints. So ``save_total_limit=1`` with a best checkpoint keeps both the best and the
-    latest. Incomplete directories are left alone.
+    latest. Incomplete directories are left alone (and malformed ones skipped with a warning).
+    With ``run_id`` only that run's checkpoints are counted and deleted; other runs' stay.
 
-    >>> import tempfile, torch
+    >>> import tempfile, attrs, torch
     >>> from trainfold.optim import sgd
-    >>> from trainfold.state import init_state
+    >>> from trainfold.state import init_state, scalar
     >>> from trainfold.checkpoint import save
     >>> out, state = tempfile.mkdtemp(), init_state(torch.nn.Linear(2, 1), sgd(0.1))
     >>> for step in (1, 2, 3, 4):
-    ...     _ = save(state, checkpoint_path(out, step))
+    ...     _ = save(attrs.evolve(state, step=scalar(step)), checkpoint_path(out, step))
     >>> [p.name for p in rotate(out, 1, keep=[checkpoint_path(out, 2)])]
     ['checkpoint-1', 'checkpoint-3']
     """
@@ -133,17 +136,23 @@ def rotate(
         return []
     if isinstance(save_total_limit, bool) or not isinstance(save_total_limit, int) or save_total_limit < 1:
         raise ValueError(f"save_total_limit must be a positive int or None, got {save_total_limit!r}")
-    found = list_checkpoints(output_dir)
+    sidecars = {p: _sidecar(p) for p in list_checkpoints(output_dir)}
+    if run_id is not None:
+        sidecars = {p: m for p, m in sidecars.items() if (m.get("run") or {}).get("id") == run_id}
+    found = list(sidecars)
     protected = {Path(p).resolve() for p in keep if p is not None}
     if found:
         protected.add(found[-1].resolve())
-    deletable = [p for p in found if p.resolve() not in protected and not _is_jit(p)]
+    deletable = [p for p in found if p.resolve() not in protected and not sidecars[p].get("jit")]
     excess = len(found) - save_total_limit
     doomed = deletable[: max(0, excess)]
     for path in doomed:
-        trash = path.parent / f".{path.name}.deleting-{secrets.token_hex(4)}"
+        trash = path.parent / f".{path.name}.deleting-{os.getpid()}-{secrets.token_hex(4)}"
+        _ckpt._point(f"rotate:before:{path.name}")
         os.rename(path, trash)  # a half-deleted directory never looks like a checkpoint
+        _ckpt._point(f"rotate:renamed:{path.name}")
         shutil.rmtree(trash, ignore_errors=True)
+        _ckpt._point(f"rotate:removed:{path.name}")
     return doomed
 
 

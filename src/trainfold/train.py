@@ -26,6 +26,8 @@ from torch import nn
 from trainfold import checkpoint as ckpt
 from trainfold import checkpoint_policy as policy
 from trainfold import hf_callbacks
+from trainfold import history as log_file
+from trainfold import run_dir
 from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
 from trainfold.data import KeyedCollate, StepBatch, keyed, pad_collate, stream
@@ -85,7 +87,7 @@ class TrainResult:
     # ones with ``load_best_model_at_end``)
     status: str
     metrics: dict[str, float]
-    log_history: list[dict[str, Any]]
+    log_history: Sequence[dict[str, Any]]  # read lazily from output_dir/log_history.jsonl on the writer rank
     best_checkpoint: Path | None = None
     last_checkpoint: Path | None = None
 
@@ -238,7 +240,7 @@ class _Run:
     preprocess_logits_for_metrics: Callable[..., Any] | None
     reporters: Any
     observers: Sequence[Callable[[TrainState, Mapping[str, Any]], None]]
-    history: list[dict[str, Any]]
+    history: Any  # a history.HistoryFile on the writer rank, a list elsewhere: .append(entry)
     total_steps: int
     steps_per_epoch: int
     settings: dict[str, Any]
@@ -247,6 +249,8 @@ class _Run:
     is_writer: bool
     collective: Collective | None = None  # set when evaluation is sharded across ranks
     diverged: list[int] = attrs.Factory(list)  # the step after which the params turned inf/NaN, if any
+    run_id: run_dir.RunIdentity | None = None
+    window: MetricWindow = attrs.field(factory=MetricWindow)
 
 
 def _evaluate_state(run: _Run, state: TrainState) -> dict[str, float]:
@@ -285,19 +289,27 @@ def _record_eval(run: _Run, state: TrainState, metrics: Mapping[str, Any], *, tr
 
 def _save(run: _Run, state: TrainState, *, jit: bool = False) -> Path:
     best: policy.BestMetric | None = state.extras.get(BEST)
+    run.history.sync()  # the entries the sidecar's offset covers are on disk first
     metadata = {
-        "log_history": run.history,
+        "log": run.history.position(),
+        "window": log_file.window_state(run.window),
         "best_metric": None if best is None or int(best.step) < 0 else float(best.value),
         "best_step": None if best is None or int(best.step) < 0 else int(best.step),
     }
-    options = dict(model=run.model, metadata=metadata, settings=run.settings, save_only_model=run.args.save_only_model)
+    identity = run.run_id.as_dict() if run.run_id is not None else None
+    options = dict(model=run.model, metadata=metadata, settings=run.settings, save_only_model=run.args.save_only_model,
+                   run=identity)
     if jit:
+        here = ckpt.checkpoint_path(run.args.output_dir, int(state.step))
+        if run_dir.already_saved(here, identity, int(state.step), run.args.save_only_model):
+            return ckpt.mark_jit(here)  # the same state is there, complete: keep it, mark it
         return jit_checkpoint(state, run.args.output_dir, **options)
     path = ckpt.save(state, ckpt.checkpoint_path(run.args.output_dir, int(state.step)), **options)
     keep = [path]
     if best is not None and int(best.step) >= 0:
         keep.append(ckpt.checkpoint_path(run.args.output_dir, int(best.step)))
-    policy.rotate(run.args.output_dir, run.args.save_total_limit, keep=keep)
+    policy.rotate(run.args.output_dir, run.args.save_total_limit, keep=keep,
+                  run_id=identity["id"] if identity is not None else None)
     return path
 
 
@@ -311,7 +323,7 @@ def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainSta
             run.history.append(dict(entry))
             run.reporters.log(entry, step)
 
-    history, window = _History(), MetricWindow()
+    history, window = _History(), run.window
 
     def after(state: TrainState) -> TrainState:
         step = int(state.step)
@@ -492,17 +504,27 @@ def train(
                      gradient_checkpointing=args.checkpoint_every, loss_scaling=LossScaling() if args.fp16 else None)
 
     state = _initial_state(model, optimizer, args, metric_key, early_stopping, device)
-    history: list[dict[str, Any]] = []
     settings = _settings(args, world_size)
-    source = ckpt.resume_checkpoint(resume_from_checkpoint, args.output_dir)
-    if source is not None:
-        meta = ckpt.read_metadata(source)
-        policy.check_compatible(meta.get("settings", {}), settings, source=source)
-        if weights_only_warm_start:
-            state = ckpt.warm_start(source, like=state)
-        else:
-            state = ckpt.load(source, like=state)
-            history = list(meta.get("metadata", {}).get("log_history", []))
+    claim = run_dir.claim(args.output_dir, resume_from_checkpoint, settings,
+                          run_dir.fingerprint(settings, run_dir.model_signature(state)),
+                          overwrite_output_dir=args.overwrite_output_dir, writer=rank == 0)
+    with claim.releasing_on_error():  # the lock is held until the run ends (the `with claim` below)
+        source, window, meta = claim.source, MetricWindow(), None
+        if source is not None:
+            meta = ckpt.read_metadata(source)
+            run_dir.check_step(meta, source, total_steps)
+            policy.check_compatible(meta.get("settings", {}), settings, source=source)
+            if weights_only_warm_start:
+                state = ckpt.warm_start(source, like=state)
+            else:
+                state = ckpt.load(source, like=state)
+                if "window" in meta["metadata"]:
+                    log_file.restore_window(window, meta["metadata"]["window"], source)
+        resumed = source is not None and not weights_only_warm_start
+        history = log_file.start(args.output_dir, source if resumed else None, meta["metadata"] if resumed else None,
+                                 writer=rank == 0)
+        if isinstance(history, log_file.HistoryFile):
+            claim.on_release(history.close)
 
     eval_collate = _eval_collate(data_collator, _accepted_keys(model, args))
     eval_batches = None
@@ -517,12 +539,12 @@ def train(
     start_state, started = state, time.monotonic()
     bar = make_progress(total_steps, initial=int(state.step), enabled=rank == 0, log_level=args.log_level,
                         bar=None if args.disable_tqdm is None else not args.disable_tqdm)  # the console
-    with make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings,
-                        logging_dir=args.logging_dir) as reporters:
+    with claim, make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings,
+                               logging_dir=args.logging_dir) as reporters:  # claim first: released if this raises
         reporters = reporters.including(bar)  # the console shows each log, evaluation and the summary
         run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
-                   early_stopping, rank == 0, collective if shard_eval else None)
+                   early_stopping, rank == 0, collective if shard_eval else None, run_id=claim.run, window=window)
         run, hf = _callback_adapter(callbacks, run, saved, state, device, rank)  # HF TrainerCallbacks, or None
         reporters = run.reporters
         if args.eval_on_start and source is None:
@@ -570,6 +592,9 @@ def train(
         history.append(summary)
         reporters.log(summary, int(state.step))
         bar.close()
+        if isinstance(history, log_file.HistoryFile):
+            history.close()
+            history = history.history()
     best_path = None
     if BEST in state.extras and int(state.extras[BEST].step) >= 0:
         best_path = policy.best_checkpoint(args.output_dir, state.extras[BEST])
