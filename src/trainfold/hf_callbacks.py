@@ -5,7 +5,7 @@ A callback's events are called where the HF Trainer calls them, with HF-shaped a
 - ``args``: a real ``transformers.TrainingArguments`` built from the run's settings (the names both
   share; ``report_to="none"``). It is a copy: changing it does not change the run.
 - ``state``: a ``transformers.TrainerState`` kept up to date (``global_step``, ``epoch``, ``max_steps``,
-  ``log_history`` — the run's own list, read it, do not change it —, ``best_metric``,
+  ``log_history`` (a list of the run's logs, as HF keeps it), ``best_metric``,
   ``best_global_step``, ``best_model_checkpoint``, ``num_input_tokens_seen``).
 - ``control``: a ``transformers.TrainerControl``. ``should_training_stop`` ends the run after the step
   (status ``stopped``); ``should_evaluate`` and ``should_save`` set by a callback evaluate and save at
@@ -166,7 +166,7 @@ class HFCallbacks:
     """
 
     def __init__(self, callbacks: Sequence[Any], args: Any, *, total_steps: int, steps_per_epoch: int,
-                 use_cpu: bool, saved: list[Path], history: list[dict[str, Any]],
+                 use_cpu: bool, saved: list[Path], history: Sequence[dict[str, Any]],
                  evaluate: Callable[[TrainState], TrainState] | None, save: Callable[[TrainState], None],
                  rank: int = 0, best_key: str = "best_metric") -> None:
         transformers = _transformers()
@@ -179,7 +179,7 @@ class HFCallbacks:
             num_train_epochs=-(-total_steps // steps_per_epoch), is_local_process_zero=rank == 0,
             is_world_process_zero=rank == 0,
         )
-        self.state.log_history = history
+        self.state.log_history = list(history)  # HF's in-memory list, appended on every log
         self.control = transformers.TrainerControl()
         self._steps_per_epoch, self._evaluate, self._save, self._saved = steps_per_epoch, evaluate, save, saved
         self._current: TrainState | None = None
@@ -291,6 +291,7 @@ class HFCallbacks:
     def log(self, entry: Mapping[str, Any], step: int) -> None:
         """``on_log`` for every entry (without ``step``, as HF); ``on_evaluate`` after an evaluation's;
         after the summary, ``on_epoch_end`` (if an epoch is open) first and ``on_train_end`` last."""
+        self.state.log_history.append(dict(entry))
         logs = {k: v for k, v in entry.items() if k != "step"}
         summary = "train_runtime" in logs
         if summary and self._epoch_open:  # HF ends the last epoch before it logs the summary

@@ -369,7 +369,8 @@ def _callback_adapter(callbacks: Sequence[Any], run: _Run, saved: list[Path], st
         lambda s: _record_eval(run, s, _evaluate_state(run, s))[0])  # the run below, which reports to the adapter
     hf = hf_callbacks.HFCallbacks(
         callbacks, run.args, total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch,
-        use_cpu=device.type == "cpu", saved=saved, history=run.history, evaluate=evaluate,
+        use_cpu=device.type == "cpu", saved=saved, evaluate=evaluate,
+        history=run.history.history() if isinstance(run.history, log_file.HistoryFile) else run.history,
         save=lambda s: saved.append(_save(run, s)) if run.is_writer else None, rank=rank, best_key=BEST)
     run = attrs.evolve(run, reporters=run.reporters.including(hf))
     hf.begin(state)
