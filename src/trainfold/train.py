@@ -3,9 +3,12 @@
 ``train`` owns no logic of its own beyond the wiring: the sampler and stream come from
 ``samplers``/``data``, the step from ``step``, evaluation from ``evaluation``, logging from
 ``observe``/``reporters``, checkpoints from ``checkpoint``/``preempt``. Each part works alone;
-``train`` composes them from ``TrainingArguments`` and returns a ``TrainResult``. Nothing passed
-in is changed: the model only lends its forward function, and the trained tensors are in
-``result.state`` (``result.apply_to(model)`` copies them into a module when you want that).
+``train`` composes them from ``TrainingArguments`` and returns a ``TrainResult``. As in HF, the
+module given to ``train`` ends holding the final weights (the best ones with
+``load_best_model_at_end``; the state at the end when the run is stopped or preempted), so
+``model.save_pretrained()`` after ``train`` saves the trained model; the same tensors are in
+``result.state``. Only ``train`` writes back: ``make_step``, ``fit`` and the other parts never
+change the module (``result.apply_to(other)`` copies a result into another module).
 """
 
 from __future__ import annotations
@@ -87,9 +90,20 @@ class TrainResult:
         return int(self.state.step)
 
     def apply_to(self, model: nn.Module) -> nn.Module:
-        """Copy the trained tensors into ``model`` (in place; the one explicit mutation) and return it."""
-        weights = ckpt.model_weights(self.state, model)
-        model.load_state_dict(weights, strict=False)
+        """Copy the trained tensors into ``model`` (in place; the one explicit mutation) and return it.
+
+        Every parameter (trainable or frozen, a tied one once) and every buffer, persistent or not,
+        gets the state's value of the same name, on the module's own device and dtype.
+        """
+        tensors = {**self.state.buffers, **self.state.params}
+        targets = [*model.named_parameters(), *model.named_buffers()]
+        missing = [name for name, _ in targets if name not in tensors]
+        if missing:
+            raise KeyError(f"the model's {missing[:5]} are not in the state (params and buffers); pass the model "
+                           "the state was made from (init_state(model, ...))")
+        with torch.no_grad():
+            for name, target in targets:
+                target.copy_(tensors[name])
         return model
 
 
@@ -380,7 +394,8 @@ def train(
     (clipping + AdamW on ``lr_scheduler_type``). ``observers`` are called ``(state, logs)`` on every
     log. ``early_stopping`` (from ``trainfold.stopping.early_stopping``) and ``stop(state)`` end the
     run early (status ``stopped``); a SIGTERM with ``enable_jit_checkpoint`` ends it at the next step
-    boundary with a checkpoint (status ``preempted``).
+    boundary with a checkpoint (status ``preempted``). At the end ``model`` holds the final weights
+    (the best ones with ``load_best_model_at_end``), as after HF's ``trainer.train()``.
 
     >>> import tempfile, torch
     >>> from trainfold.models import TinyLM, TinyLMConfig
@@ -509,7 +524,9 @@ def train(
         best_path = policy.best_checkpoint(args.output_dir, state.extras[BEST])
         if args.load_best_model_at_end and best_path is not None and status != "preempted":
             state = ckpt.load_weights(best_path, like=state)
-    return TrainResult(state, status, summary, history, best_path, saved[-1] if saved else None)
+    result = TrainResult(state, status, summary, history, best_path, saved[-1] if saved else None)
+    result.apply_to(model)  # as HF: the module given ends with the final (or best) weights
+    return result
 
 
 class _no_guard:
