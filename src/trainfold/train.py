@@ -13,7 +13,6 @@ change the module (``result.apply_to(other)`` copies a result into another modul
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import time
@@ -29,7 +28,8 @@ from trainfold import checkpoint as ckpt
 from trainfold import checkpoint_policy as policy
 from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
-from trainfold.data import KeyedCollate, StepBatch, keyed, pad_collate, stream
+from trainfold.columns import Columns, columns_for, eval_collate, with_columns
+from trainfold.data import StepBatch, stream
 from trainfold.distributed import agreed_stop, evaluate_sharded, shard
 from trainfold.eval_schedule import check_eval_schedule, should_evaluate
 from trainfold.evaluation import evaluate as evaluate_batches, predict as predict_batches
@@ -135,58 +135,12 @@ def default_optimizer(model: nn.Module, args: TrainingArguments, total_steps: in
 # -- inputs ----------------------------------------------------------------------------------------
 
 
-def _accepted_keys(model: nn.Module, args: TrainingArguments) -> frozenset[str] | None:
-    """Return the batch keys the model's forward takes (plus labels), or None when it takes any."""
-    if not args.remove_unused_columns:
-        return None
-    params = inspect.signature(model.forward).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return frozenset(p.name for p in params) | set(args.label_names)
-
-
-def _drop_unused(items: Sequence[Any], keep: frozenset[str] | None) -> list[Any]:
-    if keep is None:
-        return list(items)
-    return [{k: v for k, v in item.items() if k in keep} if isinstance(item, Mapping) else item for item in items]
-
-
-@attrs.frozen
-class _Columns:
-    """A collator that drops the keys the model does not take (HF's ``remove_unused_columns``)."""
-
-    collate: Callable[[list[Any]], Any]
-    keep: frozenset[str] | None
-
-    def __call__(self, items: list[Any]) -> Any:
-        return self.collate(_drop_unused(items, self.keep))
-
-
-@attrs.frozen
-class _KeyedColumns:
-    """``_Columns`` for a keyed collator ``fn(items, keys)``."""
-
-    collate: Callable[[list[Any], Sequence[int]], Any]
-    keep: frozenset[str] | None
-
-    def __call__(self, items: list[Any], keys: Sequence[int]) -> Any:
-        return self.collate(_drop_unused(items, self.keep), keys)
-
-
-def _columns(collate: Callable[..., Any] | None, keep: frozenset[str] | None) -> Callable[..., Any]:
-    """Wrap ``collate`` (default: padding) so it drops unused keys, keeping it keyed when it is."""
-    collate = collate or pad_collate()
-    if isinstance(collate, KeyedCollate):
-        return keyed(_KeyedColumns(collate.fn, keep))
-    return _Columns(collate, keep)
-
-
-def _eval_collate(collate: Callable[..., Any] | None, keep: frozenset[str] | None) -> Callable[[list[Any]], Any]:
-    """Return the collator for evaluation: a keyed collator gets fixed keys (evaluation draws nothing new)."""
-    wrapped = _columns(collate, keep)
-    if isinstance(wrapped, KeyedCollate):
-        return lambda items: wrapped(items, [0] * len(items))
-    return wrapped
+def _columns_of(model: nn.Module, args: TrainingArguments, data_collator: Callable[..., Any] | None, *,
+                labels_required: bool = False) -> Columns:
+    """Return which columns reach ``model`` (HF's ``remove_unused_columns``, ``label_names``; see ``trainfold.columns``)."""
+    return columns_for(model, label_names=args.label_names, remove_unused_columns=args.remove_unused_columns,
+                       length_column_name=args.length_column_name, default_collator=data_collator is None,
+                       labels_required=labels_required)
 
 
 def _to_device(batches: Iterable[StepBatch], device: torch.device) -> Iterator[StepBatch]:
@@ -252,6 +206,7 @@ class _Run:
     early: EarlyStopping | None
     is_writer: bool
     collective: Collective | None = None  # set when evaluation is sharded across ranks
+    label_key: str = "labels"  # label_names[0]
 
 
 def _evaluate_state(run: _Run, state: TrainState) -> dict[str, float]:
@@ -260,6 +215,7 @@ def _evaluate_state(run: _Run, state: TrainState) -> dict[str, float]:
         run.model, state.params, run.eval_batches(state), collective=run.collective, loss=run.loss, buffers=state.buffers,
         compute_metrics=None if run.args.prediction_loss_only else run.compute_metrics, preprocess_logits_for_metrics=run.preprocess_logits_for_metrics,
         eval_accumulation_steps=run.args.eval_accumulation_steps, prediction_loss_only=run.args.prediction_loss_only,
+        label_key=run.label_key,
     )
 
 
@@ -420,7 +376,8 @@ def train(
             raise ValueError("label_smoothing_factor smooths the loss, but an objective replaces it; smooth inside "
                              "the objective, or set label_smoothing_factor=0")
         loss = label_smoothed(loss, args.label_smoothing_factor)  # names the fix for a custom loss
-    collate = _columns(data_collator, _accepted_keys(model, args))
+    columns = _columns_of(model, args, data_collator, labels_required=objective is None)
+    collate = with_columns(data_collator, columns)
     sampler = make_sampler(
         args.train_sampling_strategy, train_dataset, per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=world_size, rank=rank,
@@ -451,7 +408,7 @@ def train(
             objective = neftune_objective(model, args.neftune_noise_alpha, loss, objective=objective)
         else:
             objective = neftune_objective(model, args.neftune_noise_alpha, loss)
-    step = make_step(model, loss, optimizer, objective=objective, collective=collective,
+    step = make_step(model, loss, optimizer, objective=objective, collective=collective, label_key=columns.label_key,
                      autocast=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
                      compile=args.compile, compile_mode=args.torch_compile_mode,
                      gradient_checkpointing=args.checkpoint_every, loss_scaling=LossScaling() if args.fp16 else None)
@@ -469,21 +426,21 @@ def train(
             state = ckpt.load(source, like=state)
             history = list(meta.get("metadata", {}).get("log_history", []))
 
-    eval_collate = _eval_collate(data_collator, _accepted_keys(model, args))
+    eval_collator = eval_collate(data_collator, columns)
     eval_batches = None
     # Under several ranks each scores a contiguous slice; sums, counts and predictions are merged exactly.
     shard_eval = (collective is not None and world_size > 1 and hasattr(eval_dataset, "__getitem__")
                   and hasattr(eval_dataset, "__len__") and len(eval_dataset) >= world_size)
     eval_source = shard(eval_dataset, rank, world_size) if shard_eval else eval_dataset
     if eval_dataset is not None:
-        eval_batches = lambda _state: _eval_batches(eval_source, eval_collate, args.per_device_eval_batch_size, device)  # noqa: E731
+        eval_batches = lambda _state: _eval_batches(eval_source, eval_collator, args.per_device_eval_batch_size, device)  # noqa: E731
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     saved: list[Path] = []
     start_state, started = state, time.monotonic()
     with make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings) as reporters:
         run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
-                   early_stopping, rank == 0, collective if shard_eval else None)
+                   early_stopping, rank == 0, collective if shard_eval else None, label_key=columns.label_key)
         if args.eval_on_start and source is None:
             state, _ = _record_eval(run, state, _evaluate_state(run, state), track=False)
         batches = _to_device(
@@ -556,9 +513,9 @@ def evaluate(model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, st
     >>> sorted(after), after["eval_loss"] < before["eval_loss"]
     (['eval_loss', 'eval_runtime', 'eval_samples_per_second', 'eval_steps_per_second'], True)
     """
-    params, buffers, batches = _eval_inputs(model, args, eval_dataset, state, data_collator)
+    params, buffers, batches, label_key = _eval_inputs(model, args, eval_dataset, state, data_collator)
     return evaluate_batches(
-        model, params, batches, loss=compute_loss_func or causal_lm, buffers=buffers,
+        model, params, batches, loss=compute_loss_func or causal_lm, buffers=buffers, label_key=label_key,
         compute_metrics=None if args.prediction_loss_only else compute_metrics,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics, eval_accumulation_steps=args.eval_accumulation_steps,
         prediction_loss_only=args.prediction_loss_only, metric_key_prefix=metric_key_prefix,
@@ -583,22 +540,24 @@ def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, sta
     >>> out.predictions.shape, out.label_ids.tolist()[2], "test_loss" in out.metrics
     ((3, 4, 16), [2, 3, 4, 5], True)
     """
-    params, buffers, batches = _eval_inputs(model, args, test_dataset, state, data_collator)
+    params, buffers, batches, label_key = _eval_inputs(model, args, test_dataset, state, data_collator)
     return predict_batches(
         model, params, batches, loss=compute_loss_func or causal_lm, buffers=buffers, compute_metrics=compute_metrics,
+        label_key=label_key,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics, eval_accumulation_steps=args.eval_accumulation_steps,
         metric_key_prefix=metric_key_prefix,
     )
 
 
 def _eval_inputs(model: nn.Module, args: TrainingArguments, dataset: Any, state: TrainState | None,
-                 data_collator: Callable[..., Any] | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
-    """Return ``(params, buffers, batches)`` for ``evaluate``/``predict``: the state's tensors or the model's."""
+                 data_collator: Callable[..., Any] | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any, str]:
+    """Return ``(params, buffers, batches, label_key)`` for ``evaluate``/``predict``: the state's tensors or the model's."""
     device = _device(args)
     if state is None:
         params, buffers = split_module(model)
         state_tensors = ({k: v.to(device) for k, v in params.items()}, {k: v.to(device) for k, v in buffers.items()})
     else:
         state_tensors = (state.params, state.buffers)
-    collate = _eval_collate(data_collator, _accepted_keys(model, args))
-    return (*state_tensors, _eval_batches(dataset, collate, args.per_device_eval_batch_size, device))
+    columns = _columns_of(model, args, data_collator)
+    collate = eval_collate(data_collator, columns)
+    return (*state_tensors, _eval_batches(dataset, collate, args.per_device_eval_batch_size, device), columns.label_key)
