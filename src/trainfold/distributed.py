@@ -284,13 +284,18 @@ class _Shard:
         return self.dataset[self.start + index]
 
 
-def shard(dataset: Any, rank: int, world_size: int) -> Sequence[Any]:
+def shard(dataset: Any, rank: int, world_size: int, multiple_of: int = 1) -> Sequence[Any]:
     """Return ``rank``'s contiguous slice of ``dataset`` (a sized, indexable dataset) as a dataset.
 
-    Every rank must get at least one item, so ``len(dataset) >= world_size``.
+    Every rank must get at least one item, so ``len(dataset) >= world_size``. With ``multiple_of``
+    only the first ``len(dataset)`` rounded down to a multiple of it are split (HF's eval
+    ``dataloader_drop_last`` under several ranks drops the last global batch that is not whole:
+    pass the eval batch times the world size).
 
     >>> [list(shard(list("abcde"), r, 2)) for r in range(2)]
     [['a', 'b'], ['c', 'd', 'e']]
+    >>> [list(shard(list("abcde"), r, 2, multiple_of=2)) for r in range(2)]
+    [['a', 'b'], ['c', 'd']]
     """
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise TypeError(
@@ -302,7 +307,15 @@ def shard(dataset: Any, rank: int, world_size: int) -> Sequence[Any]:
             f"an eval set of {len(dataset)} items cannot give each of {world_size} ranks one; "
             "evaluate it on every rank unsharded, or use more eval data"
         )
-    return _Shard(dataset, *shard_bounds(len(dataset), rank, world_size))
+    if not isinstance(multiple_of, int) or multiple_of < 1:
+        raise ValueError(f"multiple_of={multiple_of!r} must be a positive int")
+    n = len(dataset) // multiple_of * multiple_of
+    if n < world_size:
+        raise ValueError(
+            f"an eval set of {len(dataset)} items, cut to a multiple of {multiple_of} (drop_last), leaves {n}: it "
+            f"cannot give each of {world_size} ranks one; use more eval data, a smaller eval batch or drop_last=False"
+        )
+    return _Shard(dataset, *shard_bounds(n, rank, world_size))
 
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,

@@ -29,10 +29,10 @@ from trainfold import checkpoint_policy as policy
 from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
 from trainfold.columns import Columns, columns_for, eval_collate, with_columns
-from trainfold.data import StepBatch, stream
+from trainfold.data import StepBatch, eval_loader, stream
 from trainfold.distributed import agreed_stop, evaluate_sharded, shard
 from trainfold.eval_schedule import check_eval_schedule, should_evaluate
-from trainfold.evaluation import evaluate as evaluate_batches, predict as predict_batches
+from trainfold.evaluation import eval_sets, evaluate as evaluate_batches, predict as predict_batches
 from trainfold.fold import any_of, max_steps as max_steps_stop, trajectory
 from trainfold.losses import causal_lm, label_smoothed
 from trainfold.neftune import neftune_objective
@@ -152,27 +152,34 @@ def _to_device(batches: Iterable[StepBatch], device: torch.device) -> Iterator[S
         yield StepBatch(moved, b.cursor, getattr(b, "indices", ()))
 
 
-def _eval_batches(dataset: Any, collate: Callable[[list[Any]], Any], batch_size: int, device: torch.device) -> Iterator[Any]:
-    """Yield eval batches in dataset order (never length-grouped)."""
-    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
-        chunks: Iterable[list[Any]] = (
-            [dataset[i] for i in range(s, min(s + batch_size, len(dataset)))] for s in range(0, len(dataset), batch_size)
-        )
-    else:
-        def chunked() -> Iterator[list[Any]]:
-            buf: list[Any] = []
-            for item in dataset:
-                buf.append(item)
-                if len(buf) == batch_size:
-                    yield buf
-                    buf = []
-            if buf:
-                yield buf
+@attrs.frozen
+class _EvalSet:
+    """One eval set of a run: its metric prefix, its DataLoader, and the collective when it is sharded."""
 
-        chunks = chunked()
-    for items in chunks:
-        batch = collate(items)
-        yield {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    prefix: str
+    loader: Any
+    collective: Collective | None = None
+
+
+def _eval_loader(dataset: Any, collate: Callable[[list[Any]], Any], args: TrainingArguments, device: torch.device) -> Any:
+    """Return the eval DataLoader in dataset order (never length-grouped), with HF's eval DataLoader settings."""
+    return eval_loader(dataset, collate, args.per_device_eval_batch_size, dataloader_drop_last=args.dataloader_drop_last,
+                       dataloader_num_workers=args.dataloader_num_workers,
+                       dataloader_persistent_workers=args.dataloader_persistent_workers,
+                       dataloader_prefetch_factor=args.dataloader_prefetch_factor,
+                       dataloader_pin_memory=args.dataloader_pin_memory and device.type == "cuda")
+
+
+def _eval_set(prefix: str, dataset: Any, collate: Callable[[list[Any]], Any], args: TrainingArguments,
+              device: torch.device, collective: Collective | None) -> _EvalSet:
+    """Return an eval set; under several ranks each scores a contiguous slice (sums, counts, predictions merged exactly)."""
+    world = getattr(collective, "world_size", 1) if collective is not None else 1
+    whole = args.per_device_eval_batch_size * world if args.dataloader_drop_last else 1  # HF drops the last global batch
+    sharded = (collective is not None and world > 1 and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+               and len(dataset) // whole * whole >= world)
+    if sharded:
+        return _EvalSet(prefix, _eval_loader(shard(dataset, collective.rank, world, whole), collate, args, device), collective)
+    return _EvalSet(prefix, _eval_loader(dataset, collate, args, device))
 
 
 def _device(args: TrainingArguments) -> torch.device:
@@ -193,7 +200,7 @@ class _Run:
     model: nn.Module
     args: TrainingArguments
     loss: Callable[..., Any]
-    eval_batches: Callable[[TrainState], Iterable[Any]] | None
+    eval_batches: tuple[_EvalSet, ...] | None
     compute_metrics: Callable[..., Any] | None
     preprocess_logits_for_metrics: Callable[..., Any] | None
     reporters: Any
@@ -205,37 +212,43 @@ class _Run:
     metric_key: str | None
     early: EarlyStopping | None
     is_writer: bool
-    collective: Collective | None = None  # set when evaluation is sharded across ranks
+    collective: Collective | None = None  # the run's (None alone); each eval set holds its own
     label_key: str = "labels"  # label_names[0]
 
 
-def _evaluate_state(run: _Run, state: TrainState) -> dict[str, float]:
+def _evaluate_state(run: _Run, state: TrainState) -> list[dict[str, float]]:
+    """Return the metrics of each eval set (one; or each set of a dict, named ``eval_{name}_*``, as HF)."""
     assert run.eval_batches is not None
-    return evaluate_sharded(
-        run.model, state.params, run.eval_batches(state), collective=run.collective, loss=run.loss, buffers=state.buffers,
+    return [evaluate_sharded(
+        run.model, state.params, s.loader, collective=s.collective, loss=run.loss, buffers=state.buffers,
         compute_metrics=None if run.args.prediction_loss_only else run.compute_metrics, preprocess_logits_for_metrics=run.preprocess_logits_for_metrics,
         eval_accumulation_steps=run.args.eval_accumulation_steps, prediction_loss_only=run.args.prediction_loss_only,
-        label_key=run.label_key,
-    )
+        label_key=run.label_key, metric_key_prefix=s.prefix,
+    ) for s in run.eval_batches]
 
 
-def _record_eval(run: _Run, state: TrainState, metrics: Mapping[str, Any], *, track: bool = True) -> tuple[TrainState, bool]:
-    """Log an evaluation, track the best metric and early stopping; return (state, new best?).
+def _record_eval(run: _Run, state: TrainState, results: Sequence[Mapping[str, Any]], *,
+                 track: bool = True) -> tuple[TrainState, bool]:
+    """Log an evaluation (one entry per eval set, as HF), track the best metric and early stopping; return (state, new best?).
 
     ``track=False`` (``eval_on_start``) only logs: there is no checkpoint of step 0 to call best.
     """
-    entry = eval_entry(metrics, state, steps_per_epoch=run.steps_per_epoch)
-    run.history.append(entry)
-    run.reporters.log(entry, int(state.step))
-    notify(run.observers, state, entry)
+    metrics: dict[str, Any] = {}
+    for one in results:
+        entry = eval_entry(one, state, steps_per_epoch=run.steps_per_epoch)
+        run.history.append(entry)
+        run.reporters.log(entry, int(state.step))
+        notify(run.observers, state, entry)
+        metrics.update(one)
     new_best = False
     if not track:
         return state, new_best
     if run.metric_key is not None:
         if run.metric_key not in metrics:
             raise KeyError(
-                f"metric_for_best_model {run.args.metric_for_best_model!r} is not among the eval metrics "
+                f"metric_for_best_model {run.metric_key!r} is not among the eval metrics "
                 f"{sorted(metrics)}; name one of them (without or with the 'eval_' prefix)"
+                + ("; with a dict eval_dataset each set's metrics are named eval_{name}_*" if any(s.prefix != "eval" for s in run.eval_batches or ()) else "")
             )
         best, new_best = policy.update_best(state.extras[BEST], metrics[run.metric_key], int(state.step))
         state = attrs.evolve(state, extras={**state.extras, BEST: best})
@@ -346,8 +359,9 @@ def train(
     """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record.
 
     ``compute_loss_func(outputs, labels, num_items_in_batch)`` is the loss (default: causal LM);
-    ``objective`` replaces the forward pass and loss together. ``optimizer`` replaces the default
-    (clipping + AdamW on ``lr_scheduler_type``). ``observers`` are called ``(state, logs)`` on every
+    ``objective`` replaces the forward pass and loss together. ``eval_dataset`` may be a dict of
+    named sets: each is evaluated on its own and logged with metrics ``eval_{name}_*``, as in HF.
+    ``optimizer`` replaces the default (clipping + AdamW on ``lr_scheduler_type``). ``observers`` are called ``(state, logs)`` on every
     log. ``early_stopping`` (from ``trainfold.stopping.early_stopping``) and ``stop(state)`` end the
     run early (status ``stopped``); a SIGTERM with ``enable_jit_checkpoint`` ends it at the next step
     boundary with a checkpoint (status ``preempted``). At the end ``model`` holds the final weights
@@ -427,20 +441,15 @@ def train(
             history = list(meta.get("metadata", {}).get("log_history", []))
 
     eval_collator = eval_collate(data_collator, columns)
-    eval_batches = None
-    # Under several ranks each scores a contiguous slice; sums, counts and predictions are merged exactly.
-    shard_eval = (collective is not None and world_size > 1 and hasattr(eval_dataset, "__getitem__")
-                  and hasattr(eval_dataset, "__len__") and len(eval_dataset) >= world_size)
-    eval_source = shard(eval_dataset, rank, world_size) if shard_eval else eval_dataset
-    if eval_dataset is not None:
-        eval_batches = lambda _state: _eval_batches(eval_source, eval_collator, args.per_device_eval_batch_size, device)  # noqa: E731
+    eval_batches = tuple(_eval_set(prefix, dataset, eval_collator, args, device, collective)
+                         for prefix, dataset in eval_sets(eval_dataset).items()) or None
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     saved: list[Path] = []
     start_state, started = state, time.monotonic()
     with make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings) as reporters:
         run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
-                   early_stopping, rank == 0, collective if shard_eval else None, label_key=columns.label_key)
+                   early_stopping, rank == 0, collective, label_key=columns.label_key)
         if args.eval_on_start and source is None:
             state, _ = _record_eval(run, state, _evaluate_state(run, state), track=False)
         batches = _to_device(
@@ -513,13 +522,16 @@ def evaluate(model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, st
     >>> sorted(after), after["eval_loss"] < before["eval_loss"]
     (['eval_loss', 'eval_runtime', 'eval_samples_per_second', 'eval_steps_per_second'], True)
     """
-    params, buffers, batches, label_key = _eval_inputs(model, args, eval_dataset, state, data_collator)
-    return evaluate_batches(
-        model, params, batches, loss=compute_loss_func or causal_lm, buffers=buffers, label_key=label_key,
-        compute_metrics=None if args.prediction_loss_only else compute_metrics,
-        preprocess_logits_for_metrics=preprocess_logits_for_metrics, eval_accumulation_steps=args.eval_accumulation_steps,
-        prediction_loss_only=args.prediction_loss_only, metric_key_prefix=metric_key_prefix,
-    )
+    metrics: dict[str, float] = {}
+    for prefix, dataset in eval_sets(eval_dataset, metric_key_prefix).items():  # a dict: each set, as HF
+        params, buffers, batches, label_key = _eval_inputs(model, args, dataset, state, data_collator)
+        metrics.update(evaluate_batches(
+            model, params, batches, loss=compute_loss_func or causal_lm, buffers=buffers, label_key=label_key,
+            compute_metrics=None if args.prediction_loss_only else compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics, eval_accumulation_steps=args.eval_accumulation_steps,
+            prediction_loss_only=args.prediction_loss_only, metric_key_prefix=prefix,
+        ))
+    return metrics
 
 
 def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, state: TrainState | None = None,
@@ -540,6 +552,8 @@ def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, sta
     >>> out.predictions.shape, out.label_ids.tolist()[2], "test_loss" in out.metrics
     ((3, 4, 16), [2, 3, 4, 5], True)
     """
+    if isinstance(test_dataset, dict):
+        raise TypeError("predict takes one dataset, not a dict of them (as HF's Trainer.predict); call it per set")
     params, buffers, batches, label_key = _eval_inputs(model, args, test_dataset, state, data_collator)
     return predict_batches(
         model, params, batches, loss=compute_loss_func or causal_lm, buffers=buffers, compute_metrics=compute_metrics,
@@ -560,4 +574,4 @@ def _eval_inputs(model: nn.Module, args: TrainingArguments, dataset: Any, state:
         state_tensors = (state.params, state.buffers)
     columns = _columns_of(model, args, data_collator)
     collate = eval_collate(data_collator, columns)
-    return (*state_tensors, _eval_batches(dataset, collate, args.per_device_eval_batch_size, device), columns.label_key)
+    return (*state_tensors, _eval_loader(dataset, collate, args, device), columns.label_key)
