@@ -20,6 +20,7 @@ None
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -53,6 +54,7 @@ __all__ = [
     "collective_from_env",
     "evaluate_sharded",
     "gather_rows",
+    "joins_torchrun",
     "predict_sharded",
     "process_group_collective",
     "shard",
@@ -227,6 +229,38 @@ def collective_from_env(backend: str | None = None) -> Iterator[ProcessGroupColl
     if owned:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _under_torchrun() -> bool:
+    """Return whether this process is one rank of several: ``WORLD_SIZE > 1``, or a process group of several is open."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return True
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def joins_torchrun(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``fn(..., collective=None)`` join the torchrun process group itself when it runs as one of several ranks.
+
+    Under ``torchrun`` (``WORLD_SIZE > 1``) a call without ``collective=`` runs inside
+    :func:`collective_from_env`: it joins the process group (or uses the one already open),
+    passes that collective, and leaves the group as it found it (a group it opened is destroyed
+    after a barrier). An explicit ``collective=`` is used as given; alone nothing changes.
+
+    >>> @joins_torchrun
+    ... def world(*, collective=None):
+    ...     return None if collective is None else collective.world_size
+    >>> world() is None   # alone: no collective
+    True
+    """
+
+    @functools.wraps(fn)
+    def joined(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("collective") is not None or not _under_torchrun():
+            return fn(*args, **kwargs)
+        with collective_from_env() as collective:
+            return fn(*args, **{**kwargs, "collective": collective})
+
+    return joined
 
 
 def agreed_stop(stop: Callable[[Any], bool], collective: Any) -> Callable[[Any], bool]:

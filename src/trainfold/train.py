@@ -30,7 +30,7 @@ from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
 from trainfold.columns import Columns, columns_for, eval_collate, with_columns
 from trainfold.data import StepBatch, eval_loader, stream
-from trainfold.distributed import agreed_stop, evaluate_sharded, shard
+from trainfold.distributed import agreed_stop, evaluate_sharded, joins_torchrun, shard
 from trainfold.eval_schedule import check_eval_schedule, should_evaluate
 from trainfold.evaluation import eval_sets, evaluate as evaluate_batches, predict as predict_batches
 from trainfold.fold import any_of, max_steps as max_steps_stop, trajectory
@@ -337,6 +337,7 @@ def _retarget(node: Any, device: torch.device) -> Any:
     return node
 
 
+@joins_torchrun  # under torchrun without collective=: join the process group for the run (issue 15, item 2)
 def train(
     model: nn.Module,
     args: TrainingArguments,
@@ -364,7 +365,8 @@ def train(
     ``optimizer`` replaces the default (clipping + AdamW on ``lr_scheduler_type``). ``observers`` are called ``(state, logs)`` on every
     log. ``early_stopping`` (from ``trainfold.stopping.early_stopping``) and ``stop(state)`` end the
     run early (status ``stopped``); a SIGTERM with ``enable_jit_checkpoint`` ends it at the next step
-    boundary with a checkpoint (status ``preempted``). At the end ``model`` holds the final weights
+    boundary with a checkpoint (status ``preempted``). Under ``torchrun`` it joins the process group
+    itself (``collective=`` overrides), so N processes of batch B train as one of batch N×B. At the end ``model`` holds the final weights
     (the best ones with ``load_best_model_at_end``), as after HF's ``trainer.train()``.
 
     >>> import tempfile, torch
