@@ -80,7 +80,8 @@ def _args(tmp_path, **over):
 
 def test_a_kwargs_forward_gets_only_its_named_columns_and_never_the_length(tmp_path):
     net = Recording()
-    r = train(net, _args(tmp_path, train_sampling_strategy="group_by_length"), text_rows(), compute_loss_func=cross_entropy)
+    r = train(net, _args(tmp_path, train_sampling_strategy="group_by_length"), text_rows(),
+              compute_loss_func=cross_entropy)
     assert r.global_step == 2 and net.seen == {"input_ids", "attention_mask"}
     rows = [{k: v for k, v in row.items() if k != "text"} | {"extra": 1.0} for row in text_rows()]
     net = Recording()

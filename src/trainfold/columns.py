@@ -45,7 +45,8 @@ def signature_columns(model: nn.Module) -> tuple[str, ...]:
     """
     inspected = model.get_base_model() if hasattr(model, "get_base_model") else model
     params = inspect.signature(inspected.forward).parameters.values()
-    return tuple(p.name for p in params if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL))
+    variadic = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+    return tuple(p.name for p in params if p.kind not in variadic)
 
 
 @attrs.frozen
@@ -98,7 +99,7 @@ class Columns:
         if not self.labels_required or not isinstance(batch, Mapping) or self.label_key in batch:
             return
         dropped = self.dropped(item)
-        hint = [f"remove_unused_columns dropped {dropped} (not arguments of {self.model_name}.forward)"] if dropped else []
+        hint = [f"remove_unused_columns dropped {dropped} (not arguments of {self.model_name}.forward)"] * bool(dropped)
         present = [k for k in (*HF_LABEL_COLUMNS, "labels") if k in batch and k != self.label_key]
         if present:
             hint.append(f"the collated batch has {present}: set label_names=[{present[0]!r}] or rename the column")

@@ -204,7 +204,8 @@ def eval_sets(eval_dataset: Any, prefix: str = "eval") -> dict[str, Any]:
         raise ValueError("eval_dataset is an empty dict; give at least one named eval set, or eval_dataset=None")
     bad = [k for k in eval_dataset if not isinstance(k, str) or not k]
     if bad:
-        raise TypeError(f"eval_dataset's names {bad!r} must be non-empty strings (they name the metrics eval_{{name}}_*)")
+        raise TypeError(f"eval_dataset's names {bad!r} must be non-empty strings (they name the metrics "
+                        "eval_{name}_*)")
     return {f"{prefix}_{name}": dataset for name, dataset in eval_dataset.items()}
 
 

@@ -137,7 +137,7 @@ def default_optimizer(model: nn.Module, args: TrainingArguments, total_steps: in
 
 def _columns_of(model: nn.Module, args: TrainingArguments, data_collator: Callable[..., Any] | None, *,
                 labels_required: bool = False) -> Columns:
-    """Return which columns reach ``model`` (HF's ``remove_unused_columns``, ``label_names``; see ``trainfold.columns``)."""
+    """Return which columns reach ``model`` (HF's ``remove_unused_columns``, ``label_names``; ``trainfold.columns``)."""
     return columns_for(model, label_names=args.label_names, remove_unused_columns=args.remove_unused_columns,
                        length_column_name=args.length_column_name, default_collator=data_collator is None,
                        labels_required=labels_required)
@@ -161,9 +161,11 @@ class _EvalSet:
     collective: Collective | None = None
 
 
-def _eval_loader(dataset: Any, collate: Callable[[list[Any]], Any], args: TrainingArguments, device: torch.device) -> Any:
+def _eval_loader(dataset: Any, collate: Callable[[list[Any]], Any], args: TrainingArguments,
+                 device: torch.device) -> Any:
     """Return the eval DataLoader in dataset order (never length-grouped), with HF's eval DataLoader settings."""
-    return eval_loader(dataset, collate, args.per_device_eval_batch_size, dataloader_drop_last=args.dataloader_drop_last,
+    return eval_loader(dataset, collate, args.per_device_eval_batch_size,
+                       dataloader_drop_last=args.dataloader_drop_last,
                        dataloader_num_workers=args.dataloader_num_workers,
                        dataloader_persistent_workers=args.dataloader_persistent_workers,
                        dataloader_prefetch_factor=args.dataloader_prefetch_factor,
@@ -172,13 +174,14 @@ def _eval_loader(dataset: Any, collate: Callable[[list[Any]], Any], args: Traini
 
 def _eval_set(prefix: str, dataset: Any, collate: Callable[[list[Any]], Any], args: TrainingArguments,
               device: torch.device, collective: Collective | None) -> _EvalSet:
-    """Return an eval set; under several ranks each scores a contiguous slice (sums, counts, predictions merged exactly)."""
+    """Return an eval set; under several ranks each scores a contiguous slice (sums, counts, predictions merged)."""
     world = getattr(collective, "world_size", 1) if collective is not None else 1
-    whole = args.per_device_eval_batch_size * world if args.dataloader_drop_last else 1  # HF drops the last global batch
+    whole = args.per_device_eval_batch_size * world if args.dataloader_drop_last else 1  # HF: whole global batches
     sharded = (collective is not None and world > 1 and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
                and len(dataset) // whole * whole >= world)
     if sharded:
-        return _EvalSet(prefix, _eval_loader(shard(dataset, collective.rank, world, whole), collate, args, device), collective)
+        mine = shard(dataset, collective.rank, world, whole)
+        return _EvalSet(prefix, _eval_loader(mine, collate, args, device), collective)
     return _EvalSet(prefix, _eval_loader(dataset, collate, args, device))
 
 
@@ -229,7 +232,7 @@ def _evaluate_state(run: _Run, state: TrainState) -> list[dict[str, float]]:
 
 def _record_eval(run: _Run, state: TrainState, results: Sequence[Mapping[str, Any]], *,
                  track: bool = True) -> tuple[TrainState, bool]:
-    """Log an evaluation (one entry per eval set, as HF), track the best metric and early stopping; return (state, new best?).
+    """Log an evaluation (an entry per eval set, as HF), track the best metric and early stopping; (state, new best?).
 
     ``track=False`` (``eval_on_start``) only logs: there is no checkpoint of step 0 to call best.
     """
@@ -248,7 +251,8 @@ def _record_eval(run: _Run, state: TrainState, results: Sequence[Mapping[str, An
             raise KeyError(
                 f"metric_for_best_model {run.metric_key!r} is not among the eval metrics "
                 f"{sorted(metrics)}; name one of them (without or with the 'eval_' prefix)"
-                + ("; with a dict eval_dataset each set's metrics are named eval_{name}_*" if any(s.prefix != "eval" for s in run.eval_batches or ()) else "")
+                + ("; with a dict eval_dataset each set's metrics are named eval_{name}_*"
+                   if any(s.prefix != "eval" for s in run.eval_batches or ()) else "")
             )
         best, new_best = policy.update_best(state.extras[BEST], metrics[run.metric_key], int(state.step))
         state = attrs.evolve(state, extras={**state.extras, BEST: best})
@@ -362,12 +366,14 @@ def train(
     ``compute_loss_func(outputs, labels, num_items_in_batch)`` is the loss (default: causal LM);
     ``objective`` replaces the forward pass and loss together. ``eval_dataset`` may be a dict of
     named sets: each is evaluated on its own and logged with metrics ``eval_{name}_*``, as in HF.
-    ``optimizer`` replaces the default (clipping + AdamW on ``lr_scheduler_type``). ``observers`` are called ``(state, logs)`` on every
-    log. ``early_stopping`` (from ``trainfold.stopping.early_stopping``) and ``stop(state)`` end the
-    run early (status ``stopped``); a SIGTERM with ``enable_jit_checkpoint`` ends it at the next step
-    boundary with a checkpoint (status ``preempted``). Under ``torchrun`` it joins the process group
-    itself (``collective=`` overrides), so N processes of batch B train as one of batch N×B. At the end ``model`` holds the final weights
-    (the best ones with ``load_best_model_at_end``), as after HF's ``trainer.train()``.
+    ``optimizer`` replaces the default (clipping + AdamW on ``lr_scheduler_type``). ``observers``
+    are called ``(state, logs)`` on every log. ``early_stopping`` (from
+    ``trainfold.stopping.early_stopping``) and ``stop(state)`` end the run early (status
+    ``stopped``); a SIGTERM with ``enable_jit_checkpoint`` ends it at the next step boundary with a
+    checkpoint (status ``preempted``). Under ``torchrun`` it joins the process group itself
+    (``collective=`` overrides), so N processes of batch B train as one of batch N×B. At the end
+    ``model`` holds the final weights (the best ones with ``load_best_model_at_end``), as after
+    HF's ``trainer.train()``.
 
     >>> import tempfile, torch
     >>> from trainfold.models import TinyLM, TinyLMConfig
@@ -530,8 +536,9 @@ def evaluate(model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, st
         metrics.update(evaluate_batches(
             model, params, batches, loss=compute_loss_func or causal_lm, buffers=buffers, label_key=label_key,
             compute_metrics=None if args.prediction_loss_only else compute_metrics,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics, eval_accumulation_steps=args.eval_accumulation_steps,
-            prediction_loss_only=args.prediction_loss_only, metric_key_prefix=prefix,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            eval_accumulation_steps=args.eval_accumulation_steps, prediction_loss_only=args.prediction_loss_only,
+            metric_key_prefix=prefix,
         ))
     return metrics
 
@@ -566,8 +573,9 @@ def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, sta
 
 
 def _eval_inputs(model: nn.Module, args: TrainingArguments, dataset: Any, state: TrainState | None,
-                 data_collator: Callable[..., Any] | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any, str]:
-    """Return ``(params, buffers, batches, label_key)`` for ``evaluate``/``predict``: the state's tensors or the model's."""
+                 data_collator: Callable[..., Any] | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                                                   Any, str]:
+    """Return ``(params, buffers, batches, label_key)`` for ``evaluate``/``predict``: the state's or the model's."""
     device = _device(args)
     if state is None:
         params, buffers = split_module(model)
