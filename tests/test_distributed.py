@@ -133,6 +133,10 @@ def _worker(out: Path) -> None:
     """Run every 2-process case on this rank; write its results under ``out``."""
     import torch.distributed as dist
 
+    # without collective=, train joins the torchrun process group itself, and leaves none open after
+    auto = train(model(), settings_for(out / "auto", "random"), rows(), data_collator=collate)
+    assert not dist.is_initialized()
+    save_file(_state_tensors(auto.state), out / f"auto-{os.environ['RANK']}.safetensors")
     with collective_from_env() as c:
         assert c is not None and c.world_size == WORLD
         r = c.rank
@@ -218,6 +222,29 @@ def test_two_processes_of_batch_b_match_one_process_of_batch_2b(ranks, case, tmp
     expected = losses_of(one.log_history)
     assert [s for s, _ in losses[0]] == [s for s, _ in expected] == list(range(1, 11))
     assert [v for _, v in losses[0]] == pytest.approx([v for _, v in expected], rel=1e-5)
+
+
+def test_train_under_torchrun_joins_the_process_group_itself(ranks, tmp_path):
+    auto = _assert_same_on_every_rank(ranks, "auto")
+    explicit = _assert_same_on_every_rank(ranks, "eq-random")  # the same run given collective=
+    for key in auto:
+        assert torch.equal(auto[key], explicit[key]), key
+    one = train(model(), settings_for(tmp_path, "random", per_device_train_batch_size=WORLD * B), rows(),
+                data_collator=collate)
+    ref = _state_tensors(one.state)
+    for key in [k for k in ref if k.startswith(("params.", "opt_state."))]:
+        a, b = _without_key_bias(key, auto[key]), _without_key_bias(key, ref[key])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_an_explicit_collective_wins_over_torchruns_environment(monkeypatch, tmp_path):
+    from trainfold.distributed import SingleProcess
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # no MASTER_ADDR: joining a group here would fail
+    monkeypatch.setenv("RANK", "0")
+    r = train(model(), settings_for(tmp_path, "random", max_steps=2), rows(), data_collator=collate,
+              collective=SingleProcess())
+    assert r.global_step == 2
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

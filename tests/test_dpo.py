@@ -259,3 +259,22 @@ def test_loss_and_metrics_match_trl(tmp_path):
     assert loss.item() == pytest.approx(0.96703, abs=1e-5)
     for k, v in aux.items():
         assert v.item() == pytest.approx(trl_metrics[k], abs=1e-5), k
+
+
+def test_train_keeps_the_preference_columns_the_objective_reads(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from trainfold import TrainingArguments, train
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    model = transformers.LlamaForCausalLM(cfg)  # forward(**kwargs): HF's column rule keeps only its named inputs
+    ref = {k: v.detach().clone() for k, v in model.named_parameters()}
+    items = [{"prompt_ids": [1, 2 + i % 5], "chosen_ids": [7, 8], "rejected_ids": [9 + i % 3], "text": "a row"}
+             for i in range(8)]
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
+                             logging_steps=1, save_strategy="no", disable_tqdm=True)
+    result = train(model, args, items, data_collator=preference_collate(eos_token_id=2),
+                   objective=dpo_objective(0.1, ref_params=ref))
+    assert result.status == "completed"
+    assert all("rewards/margins" in h for h in result.log_history if "loss" in h)

@@ -255,3 +255,75 @@ def test_reporter_files_exist(tmp_path):
     assert [e["step"] for e in lines if "loss" in e and "train_loss" not in e] == [1, 2]
     assert r.metrics["train_loss"] > 0
     assert os.path.basename(str(tmp_path))
+
+
+# -- the module given to train ends with the trained weights (issue 15, item 8) --------------------
+
+
+def _tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=40, n_positions=24, n_embd=16, n_layer=1, n_head=2,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    net = transformers.GPT2LMHeadModel(config)
+    net.transformer.wpe.weight.requires_grad_(False)  # a frozen parameter
+    return transformers, net
+
+
+def _assert_module_holds(net, state):
+    weights = {**state.buffers, **state.params}
+    for name, t in [*net.named_parameters(), *net.named_buffers()]:
+        assert torch.equal(t.detach(), weights[name].to(t.device)), name
+
+
+def test_train_writes_the_final_weights_into_the_module_and_save_pretrained_keeps_them(tmp_path):
+    transformers, net = _tiny_gpt2()
+    assert net.lm_head.weight is net.transformer.wte.weight  # tied
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    data = [{k: v for k, v in r.items() if k != "note"} for r in rows()]
+    r = train(net, settings(tmp_path / "run", "random", max_steps=3), data)
+    _assert_module_holds(net, r.state)
+    assert net.lm_head.weight is net.transformer.wte.weight  # still tied, to the trained tensor
+    assert not torch.equal(net.state_dict()["transformer.wte.weight"], before["transformer.wte.weight"])
+    assert torch.equal(net.state_dict()["transformer.wpe.weight"], before["transformer.wpe.weight"])  # frozen
+    net.save_pretrained(tmp_path / "saved")
+    again = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "saved")
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, net.state_dict()[k]), k
+    assert torch.equal(again.transformer.wte.weight, r.state.params["transformer.wte.weight"])
+
+
+def test_with_load_best_model_at_end_the_module_holds_the_best_weights(tmp_path):
+    net = model()
+    # greater_is_better=True on the loss: the best evaluation is the first one (the loss falls)
+    args = settings(tmp_path, "random", max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps",
+                    save_steps=1, load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
+                    warmup_steps=0)
+    r = train(net, args, rows(), rows(6), data_collator=collate)
+    assert r.best_checkpoint is not None and r.best_checkpoint.name == "checkpoint-1" and r.global_step == 4
+    best = checkpoint.load_weights(r.best_checkpoint, like=r.state)
+    _assert_module_holds(net, best)
+    last = checkpoint.load(tmp_path / "checkpoint-4", like=r.state)
+    assert not torch.equal(net.tok.weight, last.params["tok.weight"])
+
+
+def test_a_stopped_run_leaves_its_last_state_in_the_module_and_make_step_stays_pure(tmp_path):
+    from trainfold.data import stream
+    from trainfold.fold import fit, max_steps
+    from trainfold.losses import causal_lm
+    from trainfold.optim import sgd
+    from trainfold.samplers import make_sampler
+    from trainfold.state import init_state
+    from trainfold.step import make_step
+
+    net = model()
+    r = train(net, settings(tmp_path, "random", max_steps=8), rows(), data_collator=collate,
+              stop=lambda s: int(s.step) >= 2)
+    assert r.status == "stopped" and r.global_step == 2
+    _assert_module_holds(net, r.state)
+    net, opt = model(), sgd(0.1)
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    data = [{k: v for k, v in row.items() if k != "note"} for row in rows()]
+    sampler = make_sampler("random", data, per_device_train_batch_size=2)
+    fit(make_step(net, causal_lm, opt), init_state(net, opt), stream(data, sampler, collate), stop=max_steps(2))
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())  # the functional parts never write

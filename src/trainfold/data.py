@@ -47,6 +47,7 @@ __all__ = [
     "KeyedCollate",
     "PadCollate",
     "StepBatch",
+    "eval_loader",
     "generation_batches",
     "keyed",
     "pad_collate",
@@ -464,6 +465,65 @@ def _collate_here(collate: Callable[..., Any], seed: int, epoch: int, offset: in
 def _chunks(it: Iterator[Any], size: int) -> Iterator[list[Any]]:
     while chunk := list(itertools.islice(it, size)):
         yield chunk
+
+
+# -- evaluation batches -----------------------------------------------------------------------
+
+
+class _Iterated(torch.utils.data.IterableDataset):
+    """An iterable that is not a torch dataset (a generator function's result, a custom reader), as one."""
+
+    def __init__(self, iterable: Iterable[Any]) -> None:
+        self.iterable = iterable
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.iterable)
+
+
+def eval_loader(
+    dataset: Any,
+    collate: Callable[[list[Any]], Any],
+    batch_size: int,
+    *,
+    dataloader_drop_last: bool = False,
+    dataloader_num_workers: int = 0,
+    dataloader_persistent_workers: bool = False,
+    dataloader_prefetch_factor: int | None = None,
+    dataloader_pin_memory: bool = False,
+) -> DataLoader:
+    """Return the ``DataLoader`` of an eval set: batches of ``batch_size`` in dataset order, the HF eval options.
+
+    As HF's eval dataloader: ``num_workers``, ``persistent_workers``, ``prefetch_factor``,
+    ``pin_memory`` and, for a dataset with a length, ``drop_last`` (a torch ``IterableDataset``
+    keeps its last short batch, as in HF). The order is the dataset's for any number of workers
+    (a dataset without length must shard itself across workers, or items repeat). Iterate the
+    loader once per evaluation: with ``persistent_workers`` the same workers serve every one.
+
+    >>> loader = eval_loader(list(range(5)), lambda items: items, 2, dataloader_drop_last=True)
+    >>> list(loader)
+    [[0, 1], [2, 3]]
+    """
+    errors = _loader_errors(dataloader_num_workers, dataloader_persistent_workers, dataloader_prefetch_factor)
+    if not isinstance(batch_size, int) or batch_size <= 0:
+        errors.append(f"per_device_eval_batch_size={batch_size!r} must be a positive int")
+    if errors:
+        raise ValueError("invalid eval dataloader options: " + "; ".join(errors))
+    sized = hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")
+    if not sized and not isinstance(dataset, torch.utils.data.IterableDataset):
+        dataset = _Iterated(dataset)
+    elif sized and not isinstance(dataset, torch.utils.data.IterableDataset):
+        if dataloader_drop_last and len(dataset) < batch_size:
+            raise ValueError(
+                f"dataloader_drop_last=True drops every row of an eval set of {len(dataset)} rows (fewer than "
+                f"per_device_eval_batch_size={batch_size}); use a smaller eval batch size or dataloader_drop_last=False"
+            )
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+    return DataLoader(
+        dataset, batch_size=batch_size, shuffle=False, drop_last=dataloader_drop_last and not iterable,
+        collate_fn=collate, num_workers=dataloader_num_workers, persistent_workers=dataloader_persistent_workers,
+        prefetch_factor=dataloader_prefetch_factor, pin_memory=dataloader_pin_memory,
+        worker_init_fn=_ignore_sigterm if dataloader_num_workers > 0 else None,
+    )
 
 
 # -- generation batching --------------------------------------------------------------------

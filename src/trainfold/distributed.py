@@ -20,6 +20,7 @@ None
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -53,6 +54,7 @@ __all__ = [
     "collective_from_env",
     "evaluate_sharded",
     "gather_rows",
+    "joins_torchrun",
     "predict_sharded",
     "process_group_collective",
     "shard",
@@ -229,6 +231,38 @@ def collective_from_env(backend: str | None = None) -> Iterator[ProcessGroupColl
         dist.destroy_process_group()
 
 
+def _under_torchrun() -> bool:
+    """Return whether this process is one rank of several: ``WORLD_SIZE > 1``, or a process group of several is open."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return True
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def joins_torchrun(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Make ``fn(..., collective=None)`` join the torchrun process group itself when it runs as one of several ranks.
+
+    Under ``torchrun`` (``WORLD_SIZE > 1``) a call without ``collective=`` runs inside
+    :func:`collective_from_env`: it joins the process group (or uses the one already open),
+    passes that collective, and leaves the group as it found it (a group it opened is destroyed
+    after a barrier). An explicit ``collective=`` is used as given; alone nothing changes.
+
+    >>> @joins_torchrun
+    ... def world(*, collective=None):
+    ...     return None if collective is None else collective.world_size
+    >>> world() is None   # alone: no collective
+    True
+    """
+
+    @functools.wraps(fn)
+    def joined(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("collective") is not None or not _under_torchrun():
+            return fn(*args, **kwargs)
+        with collective_from_env() as collective:
+            return fn(*args, **{**kwargs, "collective": collective})
+
+    return joined
+
+
 def agreed_stop(stop: Callable[[Any], bool], collective: Any) -> Callable[[Any], bool]:
     """Return a stop predicate that is true on every rank as soon as ``stop`` is true on any rank.
 
@@ -284,13 +318,18 @@ class _Shard:
         return self.dataset[self.start + index]
 
 
-def shard(dataset: Any, rank: int, world_size: int) -> Sequence[Any]:
+def shard(dataset: Any, rank: int, world_size: int, multiple_of: int = 1) -> Sequence[Any]:
     """Return ``rank``'s contiguous slice of ``dataset`` (a sized, indexable dataset) as a dataset.
 
-    Every rank must get at least one item, so ``len(dataset) >= world_size``.
+    Every rank must get at least one item, so ``len(dataset) >= world_size``. With ``multiple_of``
+    only the first ``len(dataset)`` rounded down to a multiple of it are split (HF's eval
+    ``dataloader_drop_last`` under several ranks drops the last global batch that is not whole:
+    pass the eval batch times the world size).
 
     >>> [list(shard(list("abcde"), r, 2)) for r in range(2)]
     [['a', 'b'], ['c', 'd', 'e']]
+    >>> [list(shard(list("abcde"), r, 2, multiple_of=2)) for r in range(2)]
+    [['a', 'b'], ['c', 'd']]
     """
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise TypeError(
@@ -302,7 +341,15 @@ def shard(dataset: Any, rank: int, world_size: int) -> Sequence[Any]:
             f"an eval set of {len(dataset)} items cannot give each of {world_size} ranks one; "
             "evaluate it on every rank unsharded, or use more eval data"
         )
-    return _Shard(dataset, *shard_bounds(len(dataset), rank, world_size))
+    if not isinstance(multiple_of, int) or multiple_of < 1:
+        raise ValueError(f"multiple_of={multiple_of!r} must be a positive int")
+    n = len(dataset) // multiple_of * multiple_of
+    if n < world_size:
+        raise ValueError(
+            f"an eval set of {len(dataset)} items, cut to a multiple of {multiple_of} (drop_last), leaves {n}: it "
+            f"cannot give each of {world_size} ranks one; use more eval data, a smaller eval batch or drop_last=False"
+        )
+    return _Shard(dataset, *shard_bounds(n, rank, world_size))
 
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,

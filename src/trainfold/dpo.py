@@ -197,6 +197,7 @@ class DPOObjective:
     ref_params: Mapping[str, Tensor] | None
     head: OutputHead | None = None  # set: log-probs chunk by chunk from the hidden states (loss_chunk_size)
     chunk_size: int = 0
+    columns = ("prompt_ids", "chosen_ids", "rejected_ids", *REF_KEYS)  # the item columns train keeps for it
 
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
         """Count the pairs of ``micro_batch``."""

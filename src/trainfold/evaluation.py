@@ -53,6 +53,7 @@ __all__ = [
     "EvalPrediction",
     "PredictionOutput",
     "check_metrics",
+    "eval_sets",
     "evaluate",
     "final_metrics",
     "predict",
@@ -182,6 +183,30 @@ def prefix_metrics(metrics: Mapping[str, Any], prefix: str = "eval") -> dict[str
                              f"become {name!r} after prefixing with {prefix!r}; rename one")
         out[name] = value
     return out
+
+
+def eval_sets(eval_dataset: Any, prefix: str = "eval") -> dict[str, Any]:
+    """Return ``{metric prefix: dataset}``: one set under ``prefix``, a dict of sets under ``{prefix}_{name}``.
+
+    As HF's ``Trainer.evaluate``: each set of a dict (a ``datasets.DatasetDict`` too) is evaluated
+    on its own, its metrics named ``eval_{name}_loss``, ``eval_{name}_runtime``... ``None`` is no set.
+
+    >>> sorted(eval_sets({"a": [1], "b": [2]}))
+    ['eval_a', 'eval_b']
+    >>> eval_sets([1, 2], prefix="test")
+    {'test': [1, 2]}
+    """
+    if eval_dataset is None:
+        return {}
+    if not isinstance(eval_dataset, dict):
+        return {prefix: eval_dataset}
+    if not eval_dataset:
+        raise ValueError("eval_dataset is an empty dict; give at least one named eval set, or eval_dataset=None")
+    bad = [k for k in eval_dataset if not isinstance(k, str) or not k]
+    if bad:
+        raise TypeError(f"eval_dataset's names {bad!r} must be non-empty strings (they name the metrics "
+                        "eval_{name}_*)")
+    return {f"{prefix}_{name}": dataset for name, dataset in eval_dataset.items()}
 
 
 def throughput(runtime: float, samples: int, batches: int) -> dict[str, float]:

@@ -3,14 +3,16 @@
 ``train`` owns no logic of its own beyond the wiring: the sampler and stream come from
 ``samplers``/``data``, the step from ``step``, evaluation from ``evaluation``, logging from
 ``observe``/``reporters``, checkpoints from ``checkpoint``/``preempt``. Each part works alone;
-``train`` composes them from ``TrainingArguments`` and returns a ``TrainResult``. Nothing passed
-in is changed: the model only lends its forward function, and the trained tensors are in
-``result.state`` (``result.apply_to(model)`` copies them into a module when you want that).
+``train`` composes them from ``TrainingArguments`` and returns a ``TrainResult``. As in HF, the
+module given to ``train`` ends holding the final weights (the best ones with
+``load_best_model_at_end``; the state at the end when the run is stopped or preempted), so
+``model.save_pretrained()`` after ``train`` saves the trained model; the same tensors are in
+``result.state``. Only ``train`` writes back: ``make_step``, ``fit`` and the other parts never
+change the module (``result.apply_to(other)`` copies a result into another module).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 import time
@@ -30,11 +32,12 @@ from trainfold import history as log_file
 from trainfold import run_dir
 from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
-from trainfold.data import KeyedCollate, StepBatch, keyed, pad_collate, stream
+from trainfold.columns import Columns, columns_for, eval_collate, with_columns
+from trainfold.data import StepBatch, eval_loader, stream
+from trainfold.distributed import agreed_stop, evaluate_sharded, joins_torchrun, shard
 from trainfold.divergence import DIVERGED, diverged, divergence_message
-from trainfold.distributed import agreed_stop, evaluate_sharded, shard
 from trainfold.eval_schedule import check_eval_schedule, should_evaluate
-from trainfold.evaluation import evaluate as evaluate_batches, predict as predict_batches
+from trainfold.evaluation import eval_sets, evaluate as evaluate_batches, predict as predict_batches
 from trainfold.fold import any_of, max_steps as max_steps_stop, trajectory
 from trainfold.losses import default_loss_for, label_smoothed, refuse_unlabelled
 from trainfold.llm import lm_inputs
@@ -97,9 +100,20 @@ class TrainResult:
         return int(self.state.step)
 
     def apply_to(self, model: nn.Module) -> nn.Module:
-        """Copy the trained tensors into ``model`` (in place; the one explicit mutation) and return it."""
-        weights = ckpt.model_weights(self.state, model)
-        model.load_state_dict(weights, strict=False)
+        """Copy the trained tensors into ``model`` (in place; the one explicit mutation) and return it.
+
+        Every parameter (trainable or frozen, a tied one once) and every buffer, persistent or not,
+        gets the state's value of the same name, on the module's own device and dtype.
+        """
+        tensors = {**self.state.buffers, **self.state.params}
+        targets = [*model.named_parameters(), *model.named_buffers()]
+        missing = [name for name, _ in targets if name not in tensors]
+        if missing:
+            raise KeyError(f"the model's {missing[:5]} are not in the state (params and buffers); pass the model "
+                           "the state was made from (init_state(model, ...))")
+        with torch.no_grad():
+            for name, target in targets:
+                target.copy_(tensors[name])
         return model
 
 
@@ -131,58 +145,12 @@ def default_optimizer(model: nn.Module, args: TrainingArguments, total_steps: in
 # -- inputs ----------------------------------------------------------------------------------------
 
 
-def _accepted_keys(model: nn.Module, args: TrainingArguments) -> frozenset[str] | None:
-    """Return the batch keys the model's forward takes (plus labels), or None when it takes any."""
-    if not args.remove_unused_columns:
-        return None
-    params = inspect.signature(model.forward).parameters.values()
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return None
-    return frozenset(p.name for p in params) | set(args.label_names)
-
-
-def _drop_unused(items: Sequence[Any], keep: frozenset[str] | None) -> list[Any]:
-    if keep is None:
-        return list(items)
-    return [{k: v for k, v in item.items() if k in keep} if isinstance(item, Mapping) else item for item in items]
-
-
-@attrs.frozen
-class _Columns:
-    """A collator that drops the keys the model does not take (HF's ``remove_unused_columns``)."""
-
-    collate: Callable[[list[Any]], Any]
-    keep: frozenset[str] | None
-
-    def __call__(self, items: list[Any]) -> Any:
-        return self.collate(_drop_unused(items, self.keep))
-
-
-@attrs.frozen
-class _KeyedColumns:
-    """``_Columns`` for a keyed collator ``fn(items, keys)``."""
-
-    collate: Callable[[list[Any], Sequence[int]], Any]
-    keep: frozenset[str] | None
-
-    def __call__(self, items: list[Any], keys: Sequence[int]) -> Any:
-        return self.collate(_drop_unused(items, self.keep), keys)
-
-
-def _columns(collate: Callable[..., Any] | None, keep: frozenset[str] | None) -> Callable[..., Any]:
-    """Wrap ``collate`` (default: padding) so it drops unused keys, keeping it keyed when it is."""
-    collate = collate or pad_collate()
-    if isinstance(collate, KeyedCollate):
-        return keyed(_KeyedColumns(collate.fn, keep))
-    return _Columns(collate, keep)
-
-
-def _eval_collate(collate: Callable[..., Any] | None, keep: frozenset[str] | None) -> Callable[[list[Any]], Any]:
-    """Return the collator for evaluation: a keyed collator gets fixed keys (evaluation draws nothing new)."""
-    wrapped = _columns(collate, keep)
-    if isinstance(wrapped, KeyedCollate):
-        return lambda items: wrapped(items, [0] * len(items))
-    return wrapped
+def _columns_of(model: nn.Module, args: TrainingArguments, data_collator: Callable[..., Any] | None, *,
+                labels_required: bool = False, objective: Any = None) -> Columns:
+    """Return which columns reach ``model`` (HF's ``remove_unused_columns``, ``label_names``; ``trainfold.columns``)."""
+    return columns_for(model, label_names=args.label_names, remove_unused_columns=args.remove_unused_columns,
+                       length_column_name=args.length_column_name, default_collator=data_collator is None,
+                       labels_required=labels_required, reads=getattr(objective, "columns", ()))
 
 
 def _to_device(batches: Iterable[StepBatch], device: torch.device) -> Iterator[StepBatch]:
@@ -194,27 +162,37 @@ def _to_device(batches: Iterable[StepBatch], device: torch.device) -> Iterator[S
         yield StepBatch(moved, b.cursor, getattr(b, "indices", ()))
 
 
-def _eval_batches(dataset: Any, collate: Callable[[list[Any]], Any], batch_size: int, device: torch.device) -> Iterator[Any]:
-    """Yield eval batches in dataset order (never length-grouped)."""
-    if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
-        chunks: Iterable[list[Any]] = (
-            [dataset[i] for i in range(s, min(s + batch_size, len(dataset)))] for s in range(0, len(dataset), batch_size)
-        )
-    else:
-        def chunked() -> Iterator[list[Any]]:
-            buf: list[Any] = []
-            for item in dataset:
-                buf.append(item)
-                if len(buf) == batch_size:
-                    yield buf
-                    buf = []
-            if buf:
-                yield buf
+@attrs.frozen
+class _EvalSet:
+    """One eval set of a run: its metric prefix, its DataLoader, and the collective when it is sharded."""
 
-        chunks = chunked()
-    for items in chunks:
-        batch = collate(items)
-        yield {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    prefix: str
+    loader: Any
+    collective: Collective | None = None
+
+
+def _eval_loader(dataset: Any, collate: Callable[[list[Any]], Any], args: TrainingArguments,
+                 device: torch.device) -> Any:
+    """Return the eval DataLoader in dataset order (never length-grouped), with HF's eval DataLoader settings."""
+    return eval_loader(dataset, collate, args.per_device_eval_batch_size,
+                       dataloader_drop_last=args.dataloader_drop_last,
+                       dataloader_num_workers=args.dataloader_num_workers,
+                       dataloader_persistent_workers=args.dataloader_persistent_workers,
+                       dataloader_prefetch_factor=args.dataloader_prefetch_factor,
+                       dataloader_pin_memory=args.dataloader_pin_memory and device.type == "cuda")
+
+
+def _eval_set(prefix: str, dataset: Any, collate: Callable[[list[Any]], Any], args: TrainingArguments,
+              device: torch.device, collective: Collective | None) -> _EvalSet:
+    """Return an eval set; under several ranks each scores a contiguous slice (sums, counts, predictions merged)."""
+    world = getattr(collective, "world_size", 1) if collective is not None else 1
+    whole = args.per_device_eval_batch_size * world if args.dataloader_drop_last else 1  # HF: whole global batches
+    sharded = (collective is not None and world > 1 and hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+               and len(dataset) // whole * whole >= world)
+    if sharded:
+        mine = shard(dataset, collective.rank, world, whole)
+        return _EvalSet(prefix, _eval_loader(mine, collate, args, device), collective)
+    return _EvalSet(prefix, _eval_loader(dataset, collate, args, device))
 
 
 def _device(args: TrainingArguments) -> torch.device:
@@ -235,7 +213,7 @@ class _Run:
     model: nn.Module
     args: TrainingArguments
     loss: Callable[..., Any]
-    eval_batches: Callable[[TrainState], Iterable[Any]] | None
+    eval_batches: tuple[_EvalSet, ...] | None
     compute_metrics: Callable[..., Any] | None
     preprocess_logits_for_metrics: Callable[..., Any] | None
     reporters: Any
@@ -247,38 +225,47 @@ class _Run:
     metric_key: str | None
     early: EarlyStopping | None
     is_writer: bool
-    collective: Collective | None = None  # set when evaluation is sharded across ranks
+    collective: Collective | None = None  # the run's (None alone); each eval set holds its own
+    label_key: str = "labels"  # label_names[0]
     diverged: list[int] = attrs.Factory(list)  # the step after which the params turned inf/NaN, if any
     run_id: run_dir.RunIdentity | None = None
     window: MetricWindow = attrs.field(factory=MetricWindow)
 
 
-def _evaluate_state(run: _Run, state: TrainState) -> dict[str, float]:
+def _evaluate_state(run: _Run, state: TrainState) -> list[dict[str, float]]:
+    """Return the metrics of each eval set (one; or each set of a dict, named ``eval_{name}_*``, as HF)."""
     assert run.eval_batches is not None
-    return evaluate_sharded(
-        run.model, state.params, run.eval_batches(state), collective=run.collective, loss=run.loss, buffers=state.buffers,
+    return [evaluate_sharded(
+        run.model, state.params, s.loader, collective=s.collective, loss=run.loss, buffers=state.buffers,
         compute_metrics=None if run.args.prediction_loss_only else run.compute_metrics, preprocess_logits_for_metrics=run.preprocess_logits_for_metrics,
         eval_accumulation_steps=run.args.eval_accumulation_steps, prediction_loss_only=run.args.prediction_loss_only,
-    )
+        label_key=run.label_key, metric_key_prefix=s.prefix,
+    ) for s in run.eval_batches]
 
 
-def _record_eval(run: _Run, state: TrainState, metrics: Mapping[str, Any], *, track: bool = True) -> tuple[TrainState, bool]:
-    """Log an evaluation, track the best metric and early stopping; return (state, new best?).
+def _record_eval(run: _Run, state: TrainState, results: Sequence[Mapping[str, Any]], *,
+                 track: bool = True) -> tuple[TrainState, bool]:
+    """Log an evaluation (an entry per eval set, as HF), track the best metric and early stopping; (state, new best?).
 
     ``track=False`` (``eval_on_start``) only logs: there is no checkpoint of step 0 to call best.
     """
-    entry = eval_entry(metrics, state, steps_per_epoch=run.steps_per_epoch)
-    run.history.append(entry)
-    run.reporters.log(entry, int(state.step))
-    notify(run.observers, state, entry)
+    metrics: dict[str, Any] = {}
+    for one in results:
+        entry = eval_entry(one, state, steps_per_epoch=run.steps_per_epoch)
+        run.history.append(entry)
+        run.reporters.log(entry, int(state.step))
+        notify(run.observers, state, entry)
+        metrics.update(one)
     new_best = False
     if not track:
         return state, new_best
     if run.metric_key is not None:
         if run.metric_key not in metrics:
             raise KeyError(
-                f"metric_for_best_model {run.args.metric_for_best_model!r} is not among the eval metrics "
+                f"metric_for_best_model {run.metric_key!r} is not among the eval metrics "
                 f"{sorted(metrics)}; name one of them (without or with the 'eval_' prefix)"
+                + ("; with a dict eval_dataset each set's metrics are named eval_{name}_*"
+                   if any(s.prefix != "eval" for s in run.eval_batches or ()) else "")
             )
         best, new_best = policy.update_best(state.extras[BEST], metrics[run.metric_key], int(state.step))
         state = attrs.evolve(state, extras={**state.extras, BEST: best})
@@ -405,6 +392,7 @@ def _retarget(node: Any, device: torch.device) -> Any:
     return node
 
 
+@joins_torchrun  # under torchrun without collective=: join the process group for the run (issue 15, item 2)
 def train(
     model: nn.Module,
     args: TrainingArguments,
@@ -429,14 +417,19 @@ def train(
 
     ``compute_loss_func(outputs, labels, num_items_in_batch)`` is the loss (default: the model's task's
     loss, ``losses.default_loss_for``: causal LM, classification, regression...);
-    ``objective`` replaces the forward pass and loss together. ``optimizer`` replaces the default
-    (clipping + AdamW on ``lr_scheduler_type``). ``observers`` are called ``(state, logs)`` on every
-    log. ``early_stopping`` (from ``trainfold.stopping.early_stopping``) and ``stop(state)`` end the
-    run early (status ``stopped``); a SIGTERM with ``enable_jit_checkpoint`` ends it at the next step
-    boundary with a checkpoint (status ``preempted``). A run whose parameters turn inf/NaN stops
-    there (status ``diverged``, a warning, ``metrics["diverged_at_step"]``) without saving them; a
-    float16 step that loss scaling skipped is not divergence. ``callbacks`` take
-    ``transformers.TrainerCallback`` objects (``trainfold.hf_callbacks``).
+    ``objective`` replaces the forward pass and loss together. ``eval_dataset`` may be a dict of
+    named sets: each is evaluated on its own and logged with metrics ``eval_{name}_*``, as in HF.
+    ``optimizer`` replaces the default (clipping + AdamW on ``lr_scheduler_type``). ``observers``
+    are called ``(state, logs)`` on every log. ``early_stopping`` (from
+    ``trainfold.stopping.early_stopping``) and ``stop(state)`` end the run early (status
+    ``stopped``); a SIGTERM with ``enable_jit_checkpoint`` ends it at the next step boundary with a
+    checkpoint (status ``preempted``). A run whose parameters turn inf/NaN stops there (status
+    ``diverged``, a warning, ``metrics["diverged_at_step"]``) without saving them; a float16 step
+    that loss scaling skipped is not divergence. ``callbacks`` take ``transformers.TrainerCallback``
+    objects (``trainfold.hf_callbacks``). Under ``torchrun`` it joins the process group itself
+    (``collective=`` overrides), so N processes of batch B train as one of batch N×B. At the end
+    ``model`` holds the final weights (the best ones with ``load_best_model_at_end``), as after
+    HF's ``trainer.train()``; a diverged run leaves the module as it was.
 
     >>> import tempfile, torch
     >>> from trainfold.models import TinyLM, TinyLMConfig
@@ -463,9 +456,10 @@ def train(
         loss = label_smoothed(loss, args.label_smoothing_factor)  # names the fix for a custom loss
     if objective is None:
         refuse_unlabelled(train_dataset, loss)  # a fully masked dataset would train nothing, forever
+    columns = _columns_of(model, args, data_collator, labels_required=objective is None, objective=objective)
     lm = lm_inputs(model, args, train_dataset, data_collator, compute_loss_func, objective)  # packing, chunked loss
     train_dataset, objective = lm.train_dataset, lm.objective
-    collate = _columns(lm.data_collator, _accepted_keys(model, args))  # evaluation keeps data_collator
+    collate = with_columns(lm.data_collator, columns)  # evaluation keeps data_collator
     sampler = make_sampler(
         args.train_sampling_strategy, train_dataset, per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=world_size, rank=rank,
@@ -499,7 +493,7 @@ def train(
             objective = neftune_objective(model, args.neftune_noise_alpha, loss, objective=objective)
         else:
             objective = neftune_objective(model, args.neftune_noise_alpha, loss)
-    step = make_step(model, loss, optimizer, objective=objective, collective=collective,
+    step = make_step(model, loss, optimizer, objective=objective, collective=collective, label_key=columns.label_key,
                      autocast=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
                      compile=args.compile, compile_mode=args.torch_compile_mode,
                      gradient_checkpointing=args.checkpoint_every, loss_scaling=LossScaling() if args.fp16 else None)
@@ -527,14 +521,9 @@ def train(
         if isinstance(history, log_file.HistoryFile):
             claim.on_release(history.close)
 
-    eval_collate = _eval_collate(data_collator, _accepted_keys(model, args))
-    eval_batches = None
-    # Under several ranks each scores a contiguous slice; sums, counts and predictions are merged exactly.
-    shard_eval = (collective is not None and world_size > 1 and hasattr(eval_dataset, "__getitem__")
-                  and hasattr(eval_dataset, "__len__") and len(eval_dataset) >= world_size)
-    eval_source = shard(eval_dataset, rank, world_size) if shard_eval else eval_dataset
-    if eval_dataset is not None:
-        eval_batches = lambda _state: _eval_batches(eval_source, eval_collate, args.per_device_eval_batch_size, device)  # noqa: E731
+    eval_collator = eval_collate(data_collator, columns)
+    eval_batches = tuple(_eval_set(prefix, dataset, eval_collator, args, device, collective)
+                         for prefix, dataset in eval_sets(eval_dataset).items()) or None
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     saved: list[Path] = []
     start_state, started = state, time.monotonic()
@@ -545,7 +534,8 @@ def train(
         reporters = reporters.including(bar)  # the console shows each log, evaluation and the summary
         run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
-                   early_stopping, rank == 0, collective if shard_eval else None, run_id=claim.run, window=window)
+                   early_stopping, rank == 0, collective, label_key=columns.label_key, run_id=claim.run,
+                   window=window)
         run, hf = _callback_adapter(callbacks, run, saved, state, device, rank)  # HF TrainerCallbacks, or None
         reporters = run.reporters
         if args.eval_on_start and source is None:
@@ -601,7 +591,10 @@ def train(
         best_path = policy.best_checkpoint(args.output_dir, state.extras[BEST])
         if args.load_best_model_at_end and best_path is not None and status != "preempted":
             state = ckpt.load_weights(best_path, like=state)
-    return TrainResult(state, status, summary, history, best_path, saved[-1] if saved else None)
+    result = TrainResult(state, status, summary, history, best_path, saved[-1] if saved else None)
+    if status != DIVERGED:  # as HF: the module given ends with the final (or best) weights; never inf/NaN ones
+        result.apply_to(model)
+    return result
 
 
 class _no_guard:
@@ -631,13 +624,17 @@ def evaluate(model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, st
     >>> sorted(after), after["eval_loss"] < before["eval_loss"]
     (['eval_loss', 'eval_runtime', 'eval_samples_per_second', 'eval_steps_per_second'], True)
     """
-    params, buffers, batches = _eval_inputs(model, args, eval_dataset, state, data_collator)
-    return evaluate_batches(
-        model, params, batches, loss=compute_loss_func or default_loss_for(model, defer=True), buffers=buffers,
-        compute_metrics=None if args.prediction_loss_only else compute_metrics,
-        preprocess_logits_for_metrics=preprocess_logits_for_metrics, eval_accumulation_steps=args.eval_accumulation_steps,
-        prediction_loss_only=args.prediction_loss_only, metric_key_prefix=metric_key_prefix,
-    )
+    metrics: dict[str, float] = {}
+    for prefix, dataset in eval_sets(eval_dataset, metric_key_prefix).items():  # a dict: each set, as HF
+        params, buffers, batches, label_key = _eval_inputs(model, args, dataset, state, data_collator)
+        metrics.update(evaluate_batches(
+            model, params, batches, loss=compute_loss_func or default_loss_for(model, defer=True), buffers=buffers,
+            label_key=label_key, compute_metrics=None if args.prediction_loss_only else compute_metrics,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            eval_accumulation_steps=args.eval_accumulation_steps, prediction_loss_only=args.prediction_loss_only,
+            metric_key_prefix=prefix,
+        ))
+    return metrics
 
 
 def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, state: TrainState | None = None,
@@ -658,23 +655,27 @@ def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, sta
     >>> out.predictions.shape, out.label_ids.tolist()[2], "test_loss" in out.metrics
     ((3, 4, 16), [2, 3, 4, 5], True)
     """
-    params, buffers, batches = _eval_inputs(model, args, test_dataset, state, data_collator)
+    if isinstance(test_dataset, dict):
+        raise TypeError("predict takes one dataset, not a dict of them (as HF's Trainer.predict); call it per set")
+    params, buffers, batches, label_key = _eval_inputs(model, args, test_dataset, state, data_collator)
     return predict_batches(
         model, params, batches, loss=compute_loss_func or default_loss_for(model, defer=True), buffers=buffers,
-        compute_metrics=compute_metrics,
+        compute_metrics=compute_metrics, label_key=label_key,
         preprocess_logits_for_metrics=preprocess_logits_for_metrics, eval_accumulation_steps=args.eval_accumulation_steps,
         metric_key_prefix=metric_key_prefix,
     )
 
 
 def _eval_inputs(model: nn.Module, args: TrainingArguments, dataset: Any, state: TrainState | None,
-                 data_collator: Callable[..., Any] | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
-    """Return ``(params, buffers, batches)`` for ``evaluate``/``predict``: the state's tensors or the model's."""
+                 data_collator: Callable[..., Any] | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                                                   Any, str]:
+    """Return ``(params, buffers, batches, label_key)`` for ``evaluate``/``predict``: the state's or the model's."""
     device = _device(args)
     if state is None:
         params, buffers = split_module(model)
         state_tensors = ({k: v.to(device) for k, v in params.items()}, {k: v.to(device) for k, v in buffers.items()})
     else:
         state_tensors = (state.params, state.buffers)
-    collate = _eval_collate(data_collator, _accepted_keys(model, args))
-    return (*state_tensors, _eval_batches(dataset, collate, args.per_device_eval_batch_size, device))
+    columns = _columns_of(model, args, data_collator)
+    collate = eval_collate(data_collator, columns)
+    return (*state_tensors, _eval_loader(dataset, collate, args, device), columns.label_key)
