@@ -117,7 +117,7 @@ def test_a_sequence_classifier_no_longer_learns_its_neighbours_label(tmp_path):
     rows = [{"input_ids": i, "labels": y} for i, y in zip(ids, labels_for("class", 8, g))]
     args = dict(max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-2,
                 train_sampling_strategy="sequential", report_to="none", disable_tqdm=True, save_strategy="no")
-    default = train(model, TrainingArguments(output_dir=str(tmp_path / "d"), **args), rows)
+    default = train(copy.deepcopy(model), TrainingArguments(output_dir=str(tmp_path / "d"), **args), rows)
     explicit = train(model, TrainingArguments(output_dir=str(tmp_path / "e"), **args), rows,
                      compute_loss_func=cross_entropy)
     for k, v in explicit.state.params.items():

@@ -9,6 +9,7 @@ import pytest
 import torch
 from resume_fixture import ListDataset
 
+from trainfold.losses import causal_lm
 from trainfold import TrainingArguments, evaluate, predict, train
 from trainfold.data import eval_loader, pad_collate
 from trainfold.distributed import shard
@@ -145,7 +146,7 @@ def test_eval_batches_are_loaded_by_dataloader_workers(tmp_path, persistent):
     net = PidModel()
     args = ours(tmp_path, eval_strategy="steps", eval_steps=1, dataloader_num_workers=2,
                 dataloader_persistent_workers=persistent, dataloader_prefetch_factor=2)
-    r = train(net, args, rows(8), rows(4, 5), data_collator=in_a_worker)
+    r = train(net, args, rows(8), rows(4, 5), data_collator=in_a_worker, compute_loss_func=causal_lm)
     assert r.global_step == 2 and len(net.pids) == 8  # 2 evaluations of 4 rows
     first, second = set(net.pids[:4]), set(net.pids[4:])
     assert os.getpid() not in first | second and len(first) == 2
