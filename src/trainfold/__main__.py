@@ -15,7 +15,7 @@ A config is TOML with three tables::
     output_dir = "runs/cli"
     max_steps = 100
 
-A preempted run (SIGTERM with ``enable_jit_checkpoint = true``) exits with status 143.
+A preempted run (SIGTERM with ``enable_jit_checkpoint = true``) exits with status 143, Ctrl-C (SIGINT) with 130.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from trainfold.preempt import EXIT_PREEMPTED
+from trainfold.preempt import exit_on_signals, exit_status
 
 __all__ = ["main", "load_config", "build_model", "build_data"]
 
@@ -81,6 +81,7 @@ def build_data(spec: dict[str, Any]) -> tuple[list[dict[str, list[int]]], list[d
 
 def _train(config_path: str) -> int:
     from trainfold.args import TrainingArguments  # noqa: PLC0415
+    from trainfold.determinism import warm_up_kernels  # noqa: PLC0415
     from trainfold.distributed import collective_from_env  # noqa: PLC0415
     from trainfold.train import train  # noqa: PLC0415
 
@@ -88,6 +89,7 @@ def _train(config_path: str) -> int:
     args = TrainingArguments.from_dict(config["args"])
     import torch  # noqa: PLC0415
 
+    warm_up_kernels()  # before the model's random init too (see trainfold.determinism)
     torch.manual_seed(args.seed)
     model = build_model(config.get("model", {}))
     train_rows, eval_rows = build_data(config.get("data", {}))
@@ -96,11 +98,12 @@ def _train(config_path: str) -> int:
     print(json.dumps({"status": result.status, "global_step": result.global_step,
                       "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
                       **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}}))
-    return EXIT_PREEMPTED if result.status == "preempted" else 0
+    return exit_status(result.status, result.signal)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit status."""
+    exit_on_signals()  # a SIGTERM during imports and setup ends with 143 (cleanups run); train then catches it
     parser = argparse.ArgumentParser(prog="trainfold", description="Train PyTorch models as a fold of a pure step.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small LM on Python's own source (no downloads)")
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         from trainfold.demo import run_demo  # noqa: PLC0415
 
         result = run_demo(ns.output_dir, ns.max_steps)
-        return EXIT_PREEMPTED if result.status == "preempted" else 0
+        return exit_status(result.status, result.signal)
     return _train(ns.config)
 
 
