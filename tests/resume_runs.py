@@ -92,6 +92,16 @@ def tinylm_without_jit(output_dir, resume_from_checkpoint, observers):
     return run("tinylm", output_dir, resume_from_checkpoint, observers, enable_jit_checkpoint=False)
 
 
+def tinylm_other_data_on_resume(output_dir, resume_from_checkpoint, observers):
+    """A run that does not resume bitwise: the resumed process trains on other rows."""
+    torch.manual_seed(0)
+    rows = _rows()
+    if resume_from_checkpoint:
+        rows = [{"input_ids": r["input_ids"][::-1], "labels": r["labels"][::-1]} for r in rows]
+    return train(_tinylm(), _args(output_dir), ListDataset(rows), observers=observers,
+                 resume_from_checkpoint=resume_from_checkpoint or None)
+
+
 def _main(name: str, output_dir: str, mode: str, result_dir: str) -> int:
     import os  # noqa: PLC0415
 
@@ -100,9 +110,7 @@ def _main(name: str, output_dir: str, mode: str, result_dir: str) -> int:
     from trainfold.testing import _dump_result  # noqa: PLC0415
 
     if os.environ.get("TRAINFOLD_TEST_NO_WARMUP") == "1":
-        import trainfold.train  # noqa: PLC0415
-
-        trainfold.train.warm_up_kernels = lambda *a, **k: None
+        sys.modules["trainfold.train"].warm_up_kernels = lambda *a, **k: None  # the module, not the function
     with preemption_guard(JIT_SIGNALS):  # from here a SIGTERM stops the run cleanly; train shares the flag
         print("ready", flush=True)
         resume = mode == "resume" and latest_checkpoint(output_dir) is not None

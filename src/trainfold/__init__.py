@@ -28,6 +28,7 @@ from trainfold import (
 from trainfold.args import TrainingArguments
 from trainfold.checkpoint import latest_checkpoint, load, save
 from trainfold.data import StepBatch, keyed, pad_collate, stream
+from trainfold.determinism import warm_up_kernels
 from trainfold.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
 from trainfold.evaluation import EvalPrediction
 from trainfold.fold import any_of, fit, max_steps, max_time, trajectory
@@ -91,4 +92,5 @@ __all__ = [
     "train",
     "trajectory",
     "tree",
+    "warm_up_kernels",
 ]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -489,6 +490,9 @@ def check_resume(
             proc.kill()
             _, err = proc.communicate()
             raise RuntimeError(f"check_resume: the {what} run of {target!r} took over {timeout} s") from None
+        if proc.returncode == -signal.SIGTERM and what == "interrupted":
+            raise ValueError(f"check_resume: {target!r} was not preempted (SIGTERM killed it): pass "
+                             "enable_jit_checkpoint=True and the observers to train")
         if proc.returncode != 0:
             raise RuntimeError(f"check_resume: the {what} run of {target!r} exited {proc.returncode}:\n{err[-4000:]}")
 
