@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import torch
+import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -43,16 +44,12 @@ def _args(output_dir: str, **overrides) -> TrainingArguments:
 
 
 def _gpt2():
-    import transformers  # noqa: PLC0415
-
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=2,
                                      activation_function="gelu_new", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     return transformers.GPT2LMHeadModel(config)
 
 
 def _llama():
-    import transformers  # noqa: PLC0415
-
     config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       attention_dropout=0.1)
@@ -107,7 +104,7 @@ def _main(name: str, output_dir: str, mode: str, result_dir: str) -> int:
 
     from trainfold.checkpoint import latest_checkpoint  # noqa: PLC0415
     from trainfold.preempt import JIT_SIGNALS, exit_status, preemption_guard  # noqa: PLC0415
-    from trainfold.testing import _dump_result  # noqa: PLC0415
+    from trainfold.testing import dump_result  # noqa: PLC0415
 
     if os.environ.get("TRAINFOLD_TEST_NO_WARMUP") == "1":
         sys.modules["trainfold.train"].warm_up_kernels = lambda *a, **k: None  # the module, not the function
@@ -115,7 +112,7 @@ def _main(name: str, output_dir: str, mode: str, result_dir: str) -> int:
         print("ready", flush=True)
         resume = mode == "resume" and latest_checkpoint(output_dir) is not None
         result = run(name, output_dir, resume)
-    _dump_result(result, result_dir)
+    dump_result(result, result_dir)
     return exit_status(result.status, result.signal)
 
 

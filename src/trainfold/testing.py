@@ -58,6 +58,8 @@ __all__ = [
     "ResumeCheck",
     "SimulatedRank",
     "check_resume",
+    "compare_results",
+    "dump_result",
     "label_tensors",
     "lengths",
     "on_simulated_ranks",
@@ -408,15 +410,15 @@ def interrupt(state, logs):
         sent.append(int(state.step))
         os.kill(os.getpid(), signal.SIGTERM)
 result = space[name](output_dir, mode == "resume", [interrupt])
-from trainfold.testing import _dump_result
-_dump_result(result, result_dir)
+from trainfold.testing import dump_result
+dump_result(result, result_dir)
 """
 
 _UNLOGGED = ("runtime", "per_second", "train_")  # wall-clock numbers, and the summary of one process's part
 
 
-def _dump_result(result: Any, result_dir: str) -> None:
-    """Write a ``TrainResult``'s state (safetensors) and status and log (JSON) for ``check_resume``."""
+def dump_result(result: Any, result_dir: str | os.PathLike) -> None:
+    """Write a ``TrainResult``'s state (safetensors), status and log (JSON) for ``compare_results``."""
     import safetensors.torch  # noqa: PLC0415
 
     from trainfold.tree import flatten  # noqa: PLC0415
@@ -474,8 +476,6 @@ def check_resume(
     ``check_resume("my_run.py:run", stop_at=5).ok`` is True when resume is bitwise; ``str()`` of the
     result names what differs. A process that fails raises ``RuntimeError`` with its stderr.
     """
-    import safetensors.torch  # noqa: PLC0415
-
     root = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="trainfold-resume-"))
     child_env = {**os.environ, **(env or {})}
 
@@ -508,13 +508,20 @@ def check_resume(
             f"stop_at={stop_at} below the run's last step")
     resumed_dir = root / "interrupted" / "resumed"
     finish(start("resume", runs["interrupted"][0], resumed_dir), "resumed")
-    expected = safetensors.torch.load_file(runs["uninterrupted"][1] / "state.safetensors")
-    got = safetensors.torch.load_file(resumed_dir / "state.safetensors")
-    differing = sorted(k for k in expected.keys() | got.keys()
-                       if k not in expected or k not in got or not torch.equal(expected[k], got[k]))
-    want, have = _read_result(runs["uninterrupted"][1]), _read_result(resumed_dir)
-    return ResumeCheck(int(stopped["global_step"]), int(have["global_step"]), tuple(differing),
-                       _differing_logs(want["log_history"], have["log_history"]))
+    differing, differing_logs = compare_results(runs["uninterrupted"][1], resumed_dir)
+    return ResumeCheck(int(stopped["global_step"]), int(_read_result(resumed_dir)["global_step"]), differing,
+                       differing_logs)
+
+
+def compare_results(expected: str | os.PathLike, got: str | os.PathLike) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Return ``(state keys whose tensors differ, steps whose logs differ)`` between two ``dump_result`` folders."""
+    import safetensors.torch  # noqa: PLC0415
+
+    a = safetensors.torch.load_file(Path(expected) / "state.safetensors")
+    b = safetensors.torch.load_file(Path(got) / "state.safetensors")
+    differing = sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
+    logs = _differing_logs(_read_result(Path(expected))["log_history"], _read_result(Path(got))["log_history"])
+    return tuple(differing), logs
 
 
 def _read_result(folder: Path) -> dict[str, Any]:
