@@ -112,7 +112,7 @@ def _main(name: str, output_dir: str, mode: str, result_dir: str) -> int:
         print("ready", flush=True)
         resume = mode == "resume" and latest_checkpoint(output_dir) is not None
         result = run(name, output_dir, resume)
-    dump_result(result, result_dir)
+        dump_result(result, result_dir)  # inside the guard: a signal after train returns ends nothing
     return exit_status(result.status, result.signal)
 
 
