@@ -44,7 +44,8 @@ def _args(output_dir: str, **overrides) -> TrainingArguments:
 
 
 def _gpt2():
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
+                                     eos_token_id=0,
                                      activation_function="gelu_new", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
     return transformers.GPT2LMHeadModel(config)
 
