@@ -76,7 +76,7 @@ def test_sigterm_at_random_moments_resumes_bitwise_in_a_fresh_process(name, tmp_
         for trial in range(trials(full_slow)):
             out, result = tmp_path / f"t{trial}", tmp_path / f"t{trial}-result"
             proc = start(name, out, "plain", result)
-            time.sleep(rng.uniform(0.1, 0.7) * duration)  # from the model build to after the final save
+            time.sleep(rng.uniform(0.02, 0.35) * duration)  # from the model build to after the final save
             proc.send_signal(signal.SIGTERM)
             if finish(proc) == EXIT_PREEMPTED:
                 saved = latest_checkpoint(out)
