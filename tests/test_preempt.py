@@ -20,7 +20,7 @@ from trainfold.checkpoint import checkpoint_path, list_checkpoints, load, read_m
 from trainfold.checkpoint_policy import rotate
 from trainfold.fold import any_of, fit, trajectory
 from trainfold.optim import sgd
-from trainfold.preempt import EXIT_PREEMPTED, Preemption, jit_checkpoint, preemption_guard
+from trainfold.preempt import EXIT_PREEMPTED, Preemption, exit_status, jit_checkpoint, preemption_guard
 from trainfold.state import init_state, scalar
 from trainfold.tree import flatten
 
@@ -216,3 +216,179 @@ def test_sigterm_saves_at_a_step_boundary_exits_143_and_resumes_bitwise(tmp_path
     for out in outs:
         resumed = flatten(load(out / "resumed", like=state0))
         assert all(torch.equal(resumed[k], final[k]) for k in final)
+
+
+# -- guards that nest, signals at the edges (issues 23 and 16) ---------------------------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_nested_guard_sees_what_the_outer_guard_caught():
+    with preemption_guard() as outer:
+        signal.raise_signal(signal.SIGTERM)  # e.g. while a script builds its model
+        with preemption_guard() as inner:
+            assert inner.requested() and inner.signal == signal.SIGTERM
+        signal.raise_signal(signal.SIGTERM)
+    assert outer.received == [signal.SIGTERM, signal.SIGTERM]
+
+
+def _signal_at(step: int, signum: int):
+    """An observer that sends this process ``signum`` once a step >= ``step`` is logged."""
+    sent: list[int] = []
+
+    def observe(state, logs):
+        if not sent and int(state.step) >= step:
+            sent.append(int(state.step))
+            signal.raise_signal(signum)
+
+    return observe
+
+
+def test_sigint_in_a_jit_run_saves_like_sigterm_and_reports_130(tmp_path):
+    from resume_runs import run
+
+    try:
+        result = run("tinylm", str(tmp_path), None, [_signal_at(2, signal.SIGINT)], save_strategy="no")
+    except KeyboardInterrupt:
+        pytest.fail("SIGINT interrupted the run instead of saving a JIT checkpoint")
+    assert (result.status, result.global_step, result.signal) == ("preempted", 2, signal.SIGINT)
+    assert exit_status(result.status, result.signal) == 130
+    (saved,) = list_checkpoints(tmp_path)
+    assert saved == result.last_checkpoint and read_metadata(saved)["jit"] is True and read_metadata(saved)["step"] == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the guard is gone after train
+
+
+def test_a_signal_during_the_final_save_leaves_the_run_completed(tmp_path, monkeypatch):
+    import trainfold.checkpoint as ckpt
+    from resume_runs import MAX_STEPS, run
+
+    real_save = ckpt.save
+
+    def save_then_signalled(state, directory, **options):
+        if int(state.step) == MAX_STEPS and not options.get("jit"):
+            os.kill(os.getpid(), signal.SIGTERM)  # the orchestrator's SIGTERM arrives during the final save
+        return real_save(state, directory, **options)
+
+    monkeypatch.setattr(ckpt, "save", save_then_signalled)
+    result = run("tinylm", str(tmp_path), None, save_strategy="steps", save_steps=MAX_STEPS)
+    assert (result.status, result.global_step, result.signal) == ("completed", MAX_STEPS, None)
+    assert exit_status(result.status, result.signal) == 0
+    (final,) = list_checkpoints(tmp_path)
+    assert read_metadata(final)["jit"] is False and final == result.last_checkpoint  # saved once, not again as JIT
+
+
+def _safetensors_disk_full():
+    from safetensors import SafetensorError
+
+    return SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                           'message: "No space left on device" })')
+
+
+@pytest.mark.parametrize("error", [lambda: OSError(28, "No space left on device"), _safetensors_disk_full],
+                         ids=["OSError", "SafetensorError"])
+def test_a_full_disk_at_the_jit_save_names_the_path_the_bytes_and_the_intact_checkpoint(tmp_path, monkeypatch, error):
+    import safetensors.torch
+
+    from resume_runs import run
+
+    full: list[bool] = []
+    real_save_file = safetensors.torch.save_file
+
+    def save_file(*args, **kwargs):
+        if full:
+            raise error()
+        return real_save_file(*args, **kwargs)
+
+    def fill_the_disk_then_signal(state, logs):
+        if int(state.step) == 4 and not full:
+            full.append(True)
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    with pytest.raises(OSError, match=r"checkpoint-4: the disk is full \(it needs about [\d,]+ bytes, [\d,]+ free\); "
+                                      r"the previous checkpoint .*checkpoint-3 \(step 3\) is intact") as caught:
+        run("tinylm", str(tmp_path), None, [fill_the_disk_then_signal], save_strategy="steps", save_steps=3)
+    assert caught.value.errno == 28 and caught.value.filename == str(tmp_path / "checkpoint-4")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-3"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the partial write is gone
+
+
+# A SIGTERM while train sets up (here: while the sampler asks the dataset its length).
+SETUP_SIGNAL = textwrap.dedent(
+    f"""
+    import os, signal, sys
+    sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+    import resume_runs
+    from trainfold.preempt import exit_status
+
+    class SignalOnLen(resume_runs.ListDataset):
+        sent = False
+
+        def __len__(self):
+            if not SignalOnLen.sent:
+                SignalOnLen.sent = True
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().__len__()
+
+    resume_runs.ListDataset = SignalOnLen
+    result = resume_runs.run("tinylm", sys.argv[1], None)
+    print(result.status, result.global_step, result.last_checkpoint)
+    sys.exit(exit_status(result.status, result.signal))
+    """
+)
+
+
+def test_sigterm_while_train_sets_up_ends_preempted_and_writes_nothing(tmp_path):
+    done = subprocess.run([sys.executable, "-c", SETUP_SIGNAL, str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == EXIT_PREEMPTED, done.stderr[-2000:]
+    assert done.stdout.split() == ["preempted", "0", "None"]
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+# The command line, with a SIGTERM while it builds the model (before train is called).
+CLI_SETUP_SIGNAL = textwrap.dedent(
+    """
+    import os, signal, sys
+    import trainfold.__main__ as cli
+
+    real = cli.build_model
+
+    def build_model_signalled(spec):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real(spec)
+
+    cli.build_model = build_model_signalled
+    sys.exit(cli.main(["train", "--config", sys.argv[1]]))
+    """
+)
+
+
+def test_cli_sigterm_during_setup_exits_143_and_writes_nothing(tmp_path):
+    from resume_fixture import endless_cli_config
+
+    config = endless_cli_config(tmp_path, tmp_path / "out")
+    done = subprocess.run([sys.executable, "-c", CLI_SETUP_SIGNAL, str(config)], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == EXIT_PREEMPTED, done.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_ctrl_c_in_a_jit_run_saves_and_exits_130(tmp_path):
+    from resume_fixture import endless_cli_config
+
+    from trainfold.checkpoint import is_complete, latest_checkpoint
+
+    config = endless_cli_config(tmp_path, tmp_path / "out")
+    proc = subprocess.Popen([sys.executable, "-m", "trainfold", "train", "--config", str(config)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = tmp_path / "out" / "log.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 130, err[-2000:]
+    latest = latest_checkpoint(tmp_path / "out")
+    assert latest is not None and is_complete(latest) and read_metadata(latest)["jit"] is True
+    assert '"status": "preempted"' in out

@@ -31,6 +31,7 @@ from trainfold.args import TrainingArguments
 from trainfold.checkpoint import latest_checkpoint, load, save
 from trainfold.chunked_loss import chunked_causal_lm
 from trainfold.data import StepBatch, keyed, pad_collate, stream
+from trainfold.determinism import warm_up_kernels
 from trainfold.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
 from trainfold.evaluation import EvalPrediction
 from trainfold.fold import any_of, fit, max_steps, max_time, trajectory
@@ -101,4 +102,5 @@ __all__ = [
     "train",
     "trajectory",
     "tree",
+    "warm_up_kernels",
 ]

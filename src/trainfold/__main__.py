@@ -21,7 +21,7 @@ TOML literal, else taken as a string). ``--resume`` continues from the latest co
 in ``output_dir`` (and starts at step 0 when there is none yet); ``--resume PATH`` from that one.
 Exit status: 0 when the run ends, 2 for a bad command line or config (the problems are printed
 together, without a traceback), 3 when it diverged (params inf/NaN), 143 when preempted (SIGTERM
-with ``enable_jit_checkpoint = true``).
+with ``enable_jit_checkpoint = true``), 130 for Ctrl-C (SIGINT) in such a run.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from trainfold.divergence import DIVERGED, EXIT_DIVERGED
-from trainfold.preempt import EXIT_PREEMPTED
+from trainfold.preempt import exit_on_signals, exit_status
 
 __all__ = ["main", "load_config", "parse_config", "apply_overrides", "split_resume", "build_model", "build_data",
            "ConfigError", "EXIT_USAGE"]
@@ -306,6 +306,9 @@ def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[An
         problems.append(f"[args]: {err}")
     import torch  # noqa: PLC0415
 
+    from trainfold.determinism import warm_up_kernels  # noqa: PLC0415
+
+    warm_up_kernels()  # before the model's random init too (see trainfold.determinism)
     torch.manual_seed(args.seed if args is not None else 0)
     for table, build in (("model", build_model), ("data", build_data)):
         try:
@@ -335,11 +338,12 @@ def _train(ns: argparse.Namespace) -> int:
     print(json.dumps({"status": result.status, "global_step": result.global_step,
                       "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
                       **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}}))
-    return _exit_status(result.status)
+    return _exit_status(result)
 
 
-def _exit_status(status: str) -> int:
-    return {"preempted": EXIT_PREEMPTED, DIVERGED: EXIT_DIVERGED}.get(status, 0)
+def _exit_status(result: Any) -> int:
+    """Return the process's exit status for a run's result: 3 diverged, 130/143 preempted by SIGINT/SIGTERM, else 0."""
+    return EXIT_DIVERGED if result.status == DIVERGED else exit_status(result.status, result.signal)
 
 
 def _train_parser(sub: Any) -> None:
@@ -355,6 +359,7 @@ def _train_parser(sub: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit status."""
+    exit_on_signals()  # a SIGTERM during imports and setup ends with 143 (cleanups run); train then catches it
     parser = argparse.ArgumentParser(prog="trainfold", description="Train PyTorch models as a fold of a pure step.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small LM on Python's own source (no downloads)")
@@ -366,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         from trainfold.demo import run_demo  # noqa: PLC0415
 
         result = run_demo(ns.output_dir, ns.max_steps)
-        return _exit_status(result.status)
+        return _exit_status(result)
     return _train(ns)
 
 

@@ -90,8 +90,10 @@ def run_demo(output_dir: str = "runs/demo", max_steps: int = 800, seq_len: int =
     >>> result.global_step, result.status, printed.getvalue().count("held-out loss")
     (1, 'completed', 3)
     """
+    from trainfold.determinism import warm_up_kernels  # noqa: PLC0415
     from trainfold.train import train  # noqa: PLC0415
 
+    warm_up_kernels()  # a process's first tanh/exp/... calls can race on threads (trainfold.determinism)
     started = time.monotonic()
     rows = byte_chunks(stdlib_text(max_bytes), seq_len)
     cut = int(len(rows) * 0.97)

@@ -34,6 +34,7 @@ from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
 from trainfold.columns import Columns, columns_for, eval_collate, with_columns
 from trainfold.data import StepBatch, eval_loader, stream
+from trainfold.determinism import warm_up_kernels
 from trainfold.distributed import agreed_stop, evaluate_sharded, joins_torchrun, shard
 from trainfold.divergence import DIVERGED, diverged, divergence_message
 from trainfold.eval_schedule import check_eval_schedule, should_evaluate
@@ -56,7 +57,7 @@ from trainfold.observe import (
 )
 from trainfold.stopping import EarlyStopping, patience_exhausted, record_evaluation
 from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask, sgd
-from trainfold.preempt import jit_checkpoint, preemption_guard
+from trainfold.preempt import JIT_SIGNALS, guarded, jit_checkpoint, preemption_guard
 from trainfold.reporters import make_reporters, progress as make_progress
 from trainfold.samplers import make_sampler
 from trainfold.schedules import named, warmup_steps_for
@@ -93,6 +94,7 @@ class TrainResult:
     log_history: Sequence[dict[str, Any]]  # read lazily from output_dir/log_history.jsonl on the writer rank
     best_checkpoint: Path | None = None
     last_checkpoint: Path | None = None
+    signal: int | None = None  # the signal that preempted the run (SIGTERM, SIGINT): exit 128 + it
 
     @property
     def global_step(self) -> int:
@@ -392,6 +394,7 @@ def _retarget(node: Any, device: torch.device) -> Any:
     return node
 
 
+@guarded(lambda call: call["args"].enable_jit_checkpoint)  # the guard is up from the first line (issue 23)
 @joins_torchrun  # under torchrun without collective=: join the process group for the run (issue 15, item 2)
 def train(
     model: nn.Module,
@@ -445,6 +448,7 @@ def train(
     >>> sorted(k for k in result.metrics if k.startswith("train_"))
     ['train_loss', 'train_runtime', 'train_samples_per_second', 'train_steps_per_second']
     """
+    warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     device = _device(args)
     rank = collective.rank if collective is not None else 0
     world_size = getattr(collective, "world_size", 1) if collective is not None else 1
@@ -557,7 +561,7 @@ def train(
             stops.append(agreed_stop(hf.stop, collective) if collective is not None else hf.stop)
         stops.append(lambda _state: bool(run.diverged))
         status = "completed"
-        guard = preemption_guard(collective=collective) if args.enable_jit_checkpoint else _no_guard()
+        guard = preemption_guard(JIT_SIGNALS, collective=collective) if args.enable_jit_checkpoint else _no_guard()
         with guard as preemption:
             all_stops = any_of(*stops, preemption.stop) if preemption is not None else any_of(*stops)
             counted = step if args.tokens_seen == "no" else counting_input_tokens(
@@ -571,9 +575,11 @@ def train(
                 status = DIVERGED
                 warnings.warn(divergence_message(state, saved[-1] if saved else None), RuntimeWarning, stacklevel=2)
             elif preemption is not None and preemption.requested():
-                status = "preempted"
-                if rank == 0:
-                    saved.append(_save(run, state, jit=True))
+                # A signal after the last step (during the final save) ends nothing: the run is complete.
+                done, here = int(state.step) >= total_steps, ckpt.checkpoint_path(args.output_dir, int(state.step))
+                status = "completed" if done else "preempted"
+                if rank == 0 and int(state.step) > int(start_state.step) and not (done and here in saved):
+                    saved.append(_save(run, state, jit=True))  # none when no step ran here (a signal during setup)
             elif int(state.step) < total_steps and any(s(state) for s in stops[1:]):
                 status = "stopped"
         samples = (int(state.step) - int(start_state.step)) * sampler.global_batch_size
@@ -591,7 +597,8 @@ def train(
         best_path = policy.best_checkpoint(args.output_dir, state.extras[BEST])
         if args.load_best_model_at_end and best_path is not None and status != "preempted":
             state = ckpt.load_weights(best_path, like=state)
-    result = TrainResult(state, status, summary, history, best_path, saved[-1] if saved else None)
+    result = TrainResult(state, status, summary, history, best_path, saved[-1] if saved else None,
+                         preemption.signal if status == "preempted" and preemption is not None else None)
     if status != DIVERGED:  # as HF: the module given ends with the final (or best) weights; never inf/NaN ones
         result.apply_to(model)
     return result

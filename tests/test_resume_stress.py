@@ -1,0 +1,89 @@
+"""Stress: SIGTERM at random moments under a concurrent CPU load, each run resumed in a fresh process.
+
+For HF GPT-2 (``gelu_new``: the first ``torch.tanh`` of a process, issue 23) and Llama with
+attention dropout, from small configs with random weights (``resume_runs.py``). Two uninterrupted
+runs in separate processes must be bitwise equal; every trial (a SIGTERM at a random moment from
+model building to the final save, exit 143 or 0, then a resume in a fresh process when it stopped
+early) must end with every tensor ``torch.equal`` to them and the same logged values at every step.
+By default one trial and one uninterrupted run per model; ``TRAINFOLD_SLOW=full`` runs two
+uninterrupted runs and 20 trials per model
+(``TRAINFOLD_STRESS_TRIALS`` overrides the count; ``TRAINFOLD_TEST_NO_WARMUP=1`` measures without
+the kernel warm-up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainfold.checkpoint import latest_checkpoint, read_metadata
+from trainfold.preempt import EXIT_PREEMPTED
+from trainfold.testing import compare_results
+
+RUNS = Path(__file__).resolve().parent / "resume_runs.py"
+
+
+@contextlib.contextmanager
+def cpu_load(seconds: float):
+    """Keep one busy Python loop running beside the trials (ended at the block's end, or after ``seconds``)."""
+    loop = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
+    busy = subprocess.Popen([sys.executable, "-c", loop])
+    try:
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+def start(name: str, out: Path, mode: str, result: Path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, str(RUNS), name, str(out), mode, str(result)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]
+    return proc
+
+
+def finish(proc: subprocess.Popen) -> int:
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode in (0, EXIT_PREEMPTED), f"exit {proc.returncode}: {err[-3000:]}"
+    return proc.returncode
+
+
+def trials(full_slow: bool) -> int:
+    return int(os.environ.get("TRAINFOLD_STRESS_TRIALS", 20 if full_slow else 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_sigterm_at_random_moments_resumes_bitwise_in_a_fresh_process(name, tmp_path, full_slow):
+    rng = random.Random(f"{name}-{os.environ.get('TRAINFOLD_STRESS_SEED', 23)}")
+    outcomes: list[str] = []
+    with cpu_load(3600):
+        # Two uninterrupted runs at once (reduced: one; each trial's run is another separate process).
+        refs = [start(name, tmp_path / f"ref{i}", "plain", tmp_path / f"ref{i}-result") for i in range(1 + full_slow)]
+        began = time.monotonic()  # all imported: from here the model build, setup, steps and saves
+        assert [finish(p) for p in refs] == [0] * len(refs)
+        lone = (time.monotonic() - began) / len(refs)  # about one run's time after its imports, alone
+        if full_slow:
+            assert compare_results(tmp_path / "ref0-result", tmp_path / "ref1-result") == ((), ())
+        for trial in range(trials(full_slow)):
+            out, result = tmp_path / f"t{trial}", tmp_path / f"t{trial}-result"
+            proc = start(name, out, "plain", result)
+            time.sleep(rng.uniform(0.1, 1.0) * lone)  # from the model build to after the final save
+            proc.send_signal(signal.SIGTERM)
+            if finish(proc) == EXIT_PREEMPTED:
+                saved = latest_checkpoint(out)
+                outcomes.append(f"143@{read_metadata(saved)['step'] if saved else 'setup'}")
+                assert finish(start(name, out, "resume", result)) == 0
+            else:
+                outcomes.append("0")  # the signal came after the last step: the run is complete
+            differing, differing_logs = compare_results(tmp_path / "ref0-result", result)
+            assert (differing, differing_logs) == ((), ()), f"trial {trial} ({outcomes[-1]}): {differing[:8]}"
+    print(f"{name}: {len(outcomes)} trials bitwise equal: {outcomes}")
