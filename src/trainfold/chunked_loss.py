@@ -103,8 +103,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        grad_h, grad_w, grad_b = ctx.saved_tensors
-        scale = [None if g is None else g * grad.to(g.dtype) for g in (grad_h, grad_w, grad_b)]
+        grad_h, grad_w, grad_b = ctx.saved_tensors  # made for this call alone: scaled in place, no second copy
+        scale = [None if g is None else g.mul_(grad.to(g.dtype)) for g in (grad_h, grad_w, grad_b)]
         return (*scale, None, None, None)
 
 
