@@ -25,6 +25,7 @@ demo: $(VENV)/.core
 	$(PY) -m trainfold demo
 
 test: $(VENV)/.test
+	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.test

@@ -7,6 +7,7 @@ import textwrap
 from pathlib import Path
 
 import torch
+
 from trainfold.data import keyed, pad_collate
 from trainfold.losses import causal_lm
 from trainfold.models import TinyLM, TinyLMConfig

@@ -22,6 +22,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from resume_fixture import ListDataset  # noqa: E402
+
 from trainfold.args import TrainingArguments  # noqa: E402
 from trainfold.train import train  # noqa: E402
 

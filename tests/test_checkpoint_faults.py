@@ -22,11 +22,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
 
 from trainfold import TrainingArguments, checkpoint, run_dir, train
 from trainfold.tree import flatten
-
-from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent

@@ -9,11 +9,11 @@ import pytest
 import torch
 from resume_fixture import ListDataset
 
-from trainfold.losses import causal_lm
 from trainfold import TrainingArguments, evaluate, predict, train
 from trainfold.data import eval_loader, pad_collate
 from trainfold.distributed import shard
 from trainfold.evaluation import eval_sets
+from trainfold.losses import causal_lm
 
 transformers = pytest.importorskip("transformers")
 

@@ -3,8 +3,6 @@ match a real `transformers.Trainer` run; control flags are honoured; hooks needi
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from resume_fixture import ListDataset

@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_stopping import reference_bad_evals  # noqa: E402 - the reference early stopper, written once
 from torch import nn
 from torch.func import functional_call
 
@@ -36,10 +37,9 @@ from trainfold.observe import (
     train_summary,
 )
 from trainfold.reporters import make_reporters
-from trainfold.stopping import early_stopping, patience_exhausted, record_evaluation
-from test_stopping import reference_bad_evals  # noqa: E402 - the reference early stopper, written once
 from trainfold.schedules import linear
 from trainfold.state import Cursor, TrainState, scalar
+from trainfold.stopping import early_stopping, patience_exhausted, record_evaluation
 from trainfold.tree import flatten, global_norm, unflatten
 
 # -- a small classification run ----------------------------------------------------------------

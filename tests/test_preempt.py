@@ -259,8 +259,9 @@ def test_sigint_in_a_jit_run_saves_like_sigterm_and_reports_130(tmp_path):
 
 
 def test_a_signal_during_the_final_save_leaves_the_run_completed(tmp_path, monkeypatch):
-    import trainfold.checkpoint as ckpt
     from resume_runs import MAX_STEPS, run
+
+    import trainfold.checkpoint as ckpt
 
     real_save = ckpt.save
 
@@ -288,7 +289,6 @@ def _safetensors_disk_full():
                          ids=["OSError", "SafetensorError"])
 def test_a_full_disk_at_the_jit_save_names_the_path_the_bytes_and_the_intact_checkpoint(tmp_path, monkeypatch, error):
     import safetensors.torch
-
     from resume_runs import run
 
     full: list[bool] = []

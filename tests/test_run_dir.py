@@ -17,8 +17,10 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings as hsettings
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
 from hypothesis import strategies as st
+from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
 
 from trainfold import TrainingArguments, checkpoint, run_dir, train
 from trainfold.checkpoint import (
@@ -38,8 +40,6 @@ from trainfold.history import HISTORY_FILE, LogHistory
 from trainfold.optim import adamw
 from trainfold.state import init_state, scalar
 from trainfold.tree import flatten
-
-from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 

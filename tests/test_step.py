@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from trainfold import adamw, chain, clip_by_global_norm, fit, init_state, make_step, sgd
-from trainfold.losses import causal_lm, cross_entropy
 from trainfold.data import StepBatch
+from trainfold.losses import causal_lm, cross_entropy
 from trainfold.models import TinyLM, TinyLMConfig
 from trainfold.state import Cursor, scalar
 from trainfold.tree import flatten

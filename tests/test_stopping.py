@@ -22,7 +22,6 @@ from trainfold.stopping import (
 )
 from trainfold.tree import flatten, unflatten
 
-
 # -- early stopping ------------------------------------------------------------------------------
 
 

@@ -35,12 +35,12 @@ from trainfold.determinism import warm_up_kernels
 from trainfold.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
 from trainfold.evaluation import EvalPrediction
 from trainfold.fold import any_of, fit, max_steps, max_time, trajectory
-from trainfold.stopping import early_stopping
 from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, sgd
 from trainfold.packing import pack, packed_collate, padding_free_collate
 from trainfold.samplers import Sampler, make_sampler
 from trainfold.state import Cursor, TrainState, init_state
 from trainfold.step import make_step
+from trainfold.stopping import early_stopping
 from trainfold.train import TrainResult, evaluate, predict, train
 
 __version__ = "0.1.0"

@@ -196,8 +196,9 @@ def apply_overrides(config: Mapping[str, Any], assignments: list[str]) -> dict[s
             problems.append(f"--set {item!r} must be key=value, e.g. --set args.max_steps=10")
             continue
         if path[0] not in (*TABLES, RESUME):
-            from trainfold.args import TrainingArguments  # noqa: PLC0415
             import attrs  # noqa: PLC0415
+
+            from trainfold.args import TrainingArguments  # noqa: PLC0415
 
             known = [f.name for f in attrs.fields(TrainingArguments)]
             hint = (f"--set args.{key}=..." if key in known else

@@ -35,9 +35,9 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from trainfold.chunked_loss import OutputHead, check_chunk_size, chunked_token_logps, output_head
 from trainfold.data import generation_batches
 from trainfold.fold import never, trajectory
-from trainfold.chunked_loss import OutputHead, check_chunk_size, chunked_token_logps, output_head
 from trainfold.generate import functional_forward, generate, pad_right, token_logps
 from trainfold.losses import logits_of
 from trainfold.state import TrainState

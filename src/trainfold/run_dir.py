@@ -174,7 +174,7 @@ def lock(output_dir: str | os.PathLike) -> Iterator[dict[str, Any] | None]:
     ...             pass
     ...     except RuntimeError as e:
     ...         print(str(e).split(" (")[0])
-    ... 
+    ...
     another trainfold run is writing to this output_dir
     """
     root = Path(output_dir)

@@ -27,9 +27,8 @@ from torch import nn
 
 from trainfold import checkpoint as ckpt
 from trainfold import checkpoint_policy as policy
-from trainfold import hf_callbacks
+from trainfold import hf_callbacks, run_dir
 from trainfold import history as log_file
-from trainfold import run_dir
 from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
 from trainfold.columns import Columns, columns_for, eval_collate, with_columns
@@ -38,10 +37,13 @@ from trainfold.determinism import warm_up_kernels
 from trainfold.distributed import agreed_stop, evaluate_sharded, joins_torchrun, shard
 from trainfold.divergence import DIVERGED, diverged, divergence_message
 from trainfold.eval_schedule import check_eval_schedule, should_evaluate
-from trainfold.evaluation import eval_sets, evaluate as evaluate_batches, predict as predict_batches
-from trainfold.fold import any_of, max_steps as max_steps_stop, trajectory
-from trainfold.losses import default_loss_for, label_smoothed, refuse_unlabelled
+from trainfold.evaluation import eval_sets
+from trainfold.evaluation import evaluate as evaluate_batches
+from trainfold.evaluation import predict as predict_batches
+from trainfold.fold import any_of, trajectory
+from trainfold.fold import max_steps as max_steps_stop
 from trainfold.llm import lm_inputs
+from trainfold.losses import default_loss_for, label_smoothed, refuse_unlabelled
 from trainfold.neftune import neftune_objective
 from trainfold.observe import (
     MetricWindow,
@@ -55,14 +57,15 @@ from trainfold.observe import (
     tap,
     train_summary,
 )
-from trainfold.stopping import EarlyStopping, patience_exhausted, record_evaluation
 from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask, sgd
 from trainfold.preempt import JIT_SIGNALS, guarded, jit_checkpoint, preemption_guard
-from trainfold.reporters import make_reporters, progress as make_progress
+from trainfold.reporters import make_reporters
+from trainfold.reporters import progress as make_progress
 from trainfold.samplers import make_sampler
 from trainfold.schedules import named, warmup_steps_for
 from trainfold.state import TrainState, init_state, split_module
 from trainfold.step import Collective, make_step
+from trainfold.stopping import EarlyStopping, patience_exhausted, record_evaluation
 
 __all__ = ["TrainResult", "train", "evaluate", "predict", "default_optimizer", "BEST"]
 
