@@ -248,3 +248,10 @@ def test_the_compiled_step_gives_the_eager_update():
     out = make_step(model, causal_lm, opt, objective=objective, compile=True)(init_state(model, opt), batch)
     for k, v in eager.params.items():
         torch.testing.assert_close(out.params[k], v, rtol=1e-3, atol=1e-4)  # AdamW divides by tiny moments
+
+
+def test_a_model_whose_hidden_states_are_not_its_logits_input_is_refused():
+    model = llama()
+    model.get_output_embeddings().register_forward_hook(lambda mod, args, out: out * 2.0)  # logits scaled later
+    with pytest.raises(ValueError, match="are not its logits"):
+        chunked_causal_lm(model)

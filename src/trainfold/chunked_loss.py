@@ -223,14 +223,46 @@ class OutputHead:
         return self.model.get_output_embeddings().bias
 
 
+def _reproduces_logits(head: OutputHead) -> bool:
+    """Check once, on three tokens in eval mode, that ``hidden @ weight.T + bias`` gives the model's own logits."""
+    model = head.model
+    was_training = [m.training for m in model.modules()]
+    weight = head.model.get_output_embeddings().weight
+    ids = torch.arange(3, device=weight.device)[None] % weight.shape[0]
+
+    def forward(params: Any, inputs: Mapping[str, Tensor]) -> Any:
+        return model(**inputs, use_cache=False)
+
+    try:
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=ids, use_cache=False).logits.float()
+            hidden = head.hidden(forward, {}, {"input_ids": ids})
+            mine = F.linear(hidden, weight, head.bias).float()
+    finally:
+        for m, flag in zip(model.modules(), was_training):
+            m.training = flag
+    return mine.shape == logits.shape and torch.allclose(mine, logits, rtol=1e-3, atol=1e-3)
+
+
 def output_head(model: nn.Module) -> OutputHead:
-    """Return ``model``'s :class:`OutputHead`; refuse models whose logits are not a linear map of the hidden states."""
+    """Return ``model``'s :class:`OutputHead`; refuse models whose logits are not a linear map of the hidden states.
+
+    Besides the known logit transforms (soft-capping, scaling), one forward pass on three tokens checks that the
+    final hidden states times the output embedding are the model's own logits.
+    """
     reason = _refusal(model)
+    weight = model.get_output_embeddings().weight if reason is None else None
+    head = None if weight is None else OutputHead(model, next((n for n, p in model.named_parameters() if p is weight),
+                                                              None))  # a tied weight: its first name
+    if head is not None and not _reproduces_logits(head):
+        reason = (f"{type(model).__name__}'s final hidden states times its output embedding are not its logits "
+                  "(checked on three tokens)")
     if reason is not None:
         raise ValueError(f"chunked cross-entropy cannot reproduce this model's logits: {reason}; train without "
                          "loss_chunk_size")
-    weight = model.get_output_embeddings().weight
-    return OutputHead(model, next((n for n, p in model.named_parameters() if p is weight), None))  # tied: first name
+    assert head is not None
+    return head
 
 
 def check_chunk_size(chunk_size: int) -> None:
