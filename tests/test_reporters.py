@@ -408,17 +408,21 @@ def test_a_run_writing_to_a_pipe_prints_each_log_as_it_happens(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", _PIPED_RUN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
-        early = []
+        early, pending, fd = [], "", proc.stderr.fileno()
         while not early or not early[-1].startswith("eval step 4/8"):
-            ready, _, _ = select.select([proc.stderr], [], [], 60)
+            if "\n" in pending:  # read the fd ourselves: a buffered readline could hold a line select cannot see
+                line, pending = pending.split("\n", 1)
+                early.append(line)
+                continue
+            ready, _, _ = select.select([fd], [], [], 60)
             assert ready, f"no console line within 60 s while the run is waiting at step 5; got {early}"
-            line = proc.stderr.readline()
-            assert line, f"stderr closed early: {early}"
-            early.append(line.rstrip("\n"))
+            chunk = os.read(fd, 1 << 16).decode()
+            assert chunk, f"stderr closed early: {early}"
+            pending += chunk
         assert proc.poll() is None  # still running: the lines came as the run went
         proc.stdin.write("go\n")
         proc.stdin.close()
-        rest = proc.stderr.read().splitlines()
+        rest = (pending + proc.stderr.read()).splitlines()
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
