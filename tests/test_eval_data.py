@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import multiprocessing
 import os
 
 import pytest
@@ -148,6 +149,8 @@ def test_eval_batches_are_loaded_by_dataloader_workers(tmp_path, persistent):
                 dataloader_persistent_workers=persistent, dataloader_prefetch_factor=2)
     r = train(net, args, rows(8), rows(4, 5), data_collator=in_a_worker, compute_loss_func=causal_lm)
     assert r.global_step == 2 and len(net.pids) == 8  # 2 evaluations of 4 rows
+    # no worker outlives the run (a persistent one left behind blocks the interpreter's exit forever)
+    assert not multiprocessing.active_children()
     first, second = set(net.pids[:4]), set(net.pids[4:])
     assert os.getpid() not in first | second and len(first) == 2
     assert (first == second) is persistent  # persistent workers serve every evaluation

@@ -47,6 +47,7 @@ __all__ = [
     "KeyedCollate",
     "PadCollate",
     "StepBatch",
+    "close_loader",
     "eval_loader",
     "generation_batches",
     "keyed",
@@ -478,6 +479,18 @@ class _Iterated(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self.iterable)
+
+
+def close_loader(loader: Any) -> None:
+    """Stop a DataLoader's persistent workers now.
+
+    They would outlive the run that made the loader: its iterator sits in reference cycles, so nothing
+    stops them before the interpreter exits, where ``multiprocessing`` waits for them forever.
+    """
+    iterator = getattr(loader, "_iterator", None)  # torch keeps a persistent-workers iterator here
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+        loader._iterator = None
 
 
 def eval_loader(

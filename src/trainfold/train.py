@@ -13,6 +13,7 @@ change the module (``result.apply_to(other)`` copies a result into another modul
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -32,7 +33,7 @@ from trainfold import history as log_file
 from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
 from trainfold.columns import Columns, columns_for, eval_collate, with_columns
-from trainfold.data import StepBatch, eval_loader, stream
+from trainfold.data import StepBatch, close_loader, eval_loader, stream
 from trainfold.determinism import warm_up_kernels
 from trainfold.distributed import agreed_stop, evaluate_sharded, joins_torchrun, shard
 from trainfold.divergence import DIVERGED, diverged, divergence_message
@@ -531,6 +532,8 @@ def train(
     eval_collator = eval_collate(data_collator, columns)
     eval_batches = tuple(_eval_set(prefix, dataset, eval_collator, args, device, collective)
                          for prefix, dataset in eval_sets(eval_dataset).items()) or None
+    for eval_set in eval_batches or ():  # persistent eval workers stop with the run, also when it raises
+        claim.on_release(functools.partial(close_loader, eval_set.loader))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     saved: list[Path] = []
     start_state, started = state, time.monotonic()
@@ -637,13 +640,17 @@ def evaluate(model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, st
     metrics: dict[str, float] = {}
     for prefix, dataset in eval_sets(eval_dataset, metric_key_prefix).items():  # a dict: each set, as HF
         params, buffers, batches, label_key = _eval_inputs(model, args, dataset, state, data_collator)
-        metrics.update(evaluate_batches(
-            model, params, batches, loss=compute_loss_func or default_loss_for(model, defer=True), buffers=buffers,
-            label_key=label_key, compute_metrics=None if args.prediction_loss_only else compute_metrics,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-            eval_accumulation_steps=args.eval_accumulation_steps, prediction_loss_only=args.prediction_loss_only,
-            metric_key_prefix=prefix,
-        ))
+        try:
+            metrics.update(evaluate_batches(
+                model, params, batches, loss=compute_loss_func or default_loss_for(model, defer=True),
+                buffers=buffers, label_key=label_key,
+                compute_metrics=None if args.prediction_loss_only else compute_metrics,
+                preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+                eval_accumulation_steps=args.eval_accumulation_steps, prediction_loss_only=args.prediction_loss_only,
+                metric_key_prefix=prefix,
+            ))
+        finally:
+            close_loader(batches)  # persistent workers end with the call
     return metrics
 
 
@@ -668,12 +675,15 @@ def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, sta
     if isinstance(test_dataset, dict):
         raise TypeError("predict takes one dataset, not a dict of them (as HF's Trainer.predict); call it per set")
     params, buffers, batches, label_key = _eval_inputs(model, args, test_dataset, state, data_collator)
-    return predict_batches(
-        model, params, batches, loss=compute_loss_func or default_loss_for(model, defer=True), buffers=buffers,
-        compute_metrics=compute_metrics, label_key=label_key,
-        preprocess_logits_for_metrics=preprocess_logits_for_metrics, eval_accumulation_steps=args.eval_accumulation_steps,
-        metric_key_prefix=metric_key_prefix,
-    )
+    try:
+        return predict_batches(
+            model, params, batches, loss=compute_loss_func or default_loss_for(model, defer=True), buffers=buffers,
+            compute_metrics=compute_metrics, label_key=label_key,
+            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
+            eval_accumulation_steps=args.eval_accumulation_steps, metric_key_prefix=metric_key_prefix,
+        )
+    finally:
+        close_loader(batches)  # persistent workers end with the call
 
 
 def _eval_inputs(model: nn.Module, args: TrainingArguments, dataset: Any, state: TrainState | None,
