@@ -196,6 +196,13 @@ def process_group_collective(group: Any = None, bucket_bytes: int = BUCKET_BYTES
                                   bucket_bytes=bucket_bytes)
 
 
+def _init_group(backend: str | None) -> None:
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend)
+
+
 @contextlib.contextmanager
 def collective_from_env(backend: str | None = None) -> Iterator[ProcessGroupCollective | None]:
     """Join the torchrun process group for the block (and leave it after); ``None`` when alone.
@@ -216,10 +223,7 @@ def collective_from_env(backend: str | None = None) -> Iterator[ProcessGroupColl
         return
     owned = not dist.is_initialized()
     if owned:
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend=backend)
+        _init_group(backend)
     try:
         yield process_group_collective()
     except BaseException:
@@ -242,9 +246,10 @@ def joins_torchrun(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Make ``fn(..., collective=None)`` join the torchrun process group itself when it runs as one of several ranks.
 
     Under ``torchrun`` (``WORLD_SIZE > 1``) a call without ``collective=`` runs inside
-    :func:`collective_from_env`: it joins the process group (or uses the one already open),
-    passes that collective, and leaves the group as it found it (a group it opened is destroyed
-    after a barrier). An explicit ``collective=`` is used as given; alone nothing changes.
+    the process group (joined now, or the one already open), and the ranks meet at a barrier when
+    it returns. A group it joined stays open for later calls, as after HF's ``Trainer``: creating a
+    group again in one torchrun job races on torchrun's store (a rank can read the old group's
+    address and fail to connect). An explicit ``collective=`` is used as given; alone nothing changes.
 
     >>> @joins_torchrun
     ... def world(*, collective=None):
@@ -257,8 +262,11 @@ def joins_torchrun(fn: Callable[..., Any]) -> Callable[..., Any]:
     def joined(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("collective") is not None or not _under_torchrun():
             return fn(*args, **kwargs)
-        with collective_from_env() as collective:
-            return fn(*args, **{**kwargs, "collective": collective})
+        if not dist.is_initialized():
+            _init_group(None)
+        result = fn(*args, **{**kwargs, "collective": process_group_collective()})
+        dist.barrier()  # no rank goes on while another still writes (rank 0's last checkpoint)
+        return result
 
     return joined
 
