@@ -38,6 +38,7 @@ from trainfold.step import train_mode
 
 __all__ = [
     "LOSS_TYPES",
+    "PREFERENCE_COLUMNS",
     "DPOObjective",
     "PreferenceCollate",
     "count_pairs",
@@ -48,6 +49,7 @@ __all__ = [
     "sequence_logps",
 ]
 
+PREFERENCE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")  # TRL 1.x's names for tokenized rows
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 _MODEL_KEYS = ("input_ids", "attention_mask")
 
@@ -72,6 +74,7 @@ class PreferenceCollate:
     eos_token_id: int | None
     pad_token_id: int = 0
     max_length: int | None = None
+    pad_to_multiple_of: int | None = None  # the padded width is rounded up to a multiple of it (TRL's name)
 
     def _row(self, prompt: list[int], completion: list[int]) -> tuple[list[int], list[int]]:
         if self.eos_token_id is not None and (not completion or completion[-1] != self.eos_token_id):
@@ -85,11 +88,16 @@ class PreferenceCollate:
         if not items:
             raise ValueError("cannot collate an empty list of preference items")
         for i, item in enumerate(items):
-            missing = [k for k in ("prompt_ids", "chosen_ids", "rejected_ids") if k not in item]
+            missing = [k for k in PREFERENCE_COLUMNS if k not in item]
             if missing:
-                raise KeyError(f"preference item {i} lacks {missing} (has {sorted(item)}); tokenize prompt, chosen and rejected first")
+                old = [k for k in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids") if k in item]
+                hint = (f"rename {old} to TRL 1.x's names {PREFERENCE_COLUMNS}" if old else
+                        "tokenize prompt, chosen and rejected first")
+                raise KeyError(f"preference item {i} lacks {missing} (has {sorted(item)}); {hint}")
         rows = [self._row(list(it["prompt_ids"]), list(it[side])) for side in ("chosen_ids", "rejected_ids") for it in items]
         width = max(len(ids) for ids, _ in rows)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((len(rows), width), dtype=torch.long)
         completion = torch.zeros((len(rows), width), dtype=torch.long)
@@ -107,8 +115,11 @@ class PreferenceCollate:
         return out
 
 
-def preference_collate(eos_token_id: int | None, pad_token_id: int = 0, max_length: int | None = None) -> PreferenceCollate:
+def preference_collate(eos_token_id: int | None, pad_token_id: int = 0, max_length: int | None = None,
+                       pad_to_multiple_of: int | None = None) -> PreferenceCollate:
     """Return a collator of preference items (EOS appended when missing; ``max_length`` keeps the start).
+
+    ``pad_to_multiple_of`` rounds the padded width up to a multiple of it (as TRL's collator).
 
     >>> c = preference_collate(eos_token_id=2)
     >>> b = c([{"prompt_ids": [1, 10], "chosen_ids": [20], "rejected_ids": [30, 31]}])
@@ -116,10 +127,20 @@ def preference_collate(eos_token_id: int | None, pad_token_id: int = 0, max_leng
     [[1, 10, 20, 2, 0], [1, 10, 30, 31, 2]]
     >>> b["completion_mask"].tolist()
     [[0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
+    >>> preference_collate(2, pad_to_multiple_of=4)([{"prompt_ids": [1], "chosen_ids": [5], "rejected_ids": [6]}])[
+    ...     "input_ids"].tolist()
+    [[1, 5, 2, 0], [1, 6, 2, 0]]
     """
+    problems = []
     if max_length is not None and max_length < 2:
-        raise ValueError(f"max_length={max_length} leaves no completion token to score; use None or >= 2")
-    return PreferenceCollate(eos_token_id=eos_token_id, pad_token_id=pad_token_id, max_length=max_length)
+        problems.append(f"max_length={max_length} leaves no completion token to score; use None or >= 2")
+    if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int)
+                                           or pad_to_multiple_of < 1):
+        problems.append(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive int or None")
+    if problems:
+        raise ValueError("; ".join(problems))
+    return PreferenceCollate(eos_token_id=eos_token_id, pad_token_id=pad_token_id, max_length=max_length,
+                             pad_to_multiple_of=pad_to_multiple_of)
 
 
 # -- log-probs and the loss ----------------------------------------------------------------
@@ -137,15 +158,57 @@ def sequence_logps(logits: Tensor, input_ids: Tensor, completion_mask: Tensor) -
     return (per_token * completion_mask[:, 1:].to(per_token.dtype)).sum(-1)
 
 
+def _position_stats(logits: Tensor, targets: Tensor) -> Tensor:
+    """Return ``(vocab-mean logit, entropy, top-1 hit)`` per position, zero where ``targets`` is -100 (TRL's fused head)."""
+    logits = logits.detach().float()
+    valid = (targets != -100).to(logits.dtype)
+    logp = logits.log_softmax(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    top1 = (logits.argmax(-1) == targets).to(logits.dtype)
+    return torch.stack([logits.mean(-1), entropy, top1], -1) * valid[..., None]
+
+
+def _row_stats(logits: Tensor | None, hidden: Tensor | None, head: OutputHead | None, params: Mapping[str, Tensor],
+               targets: Tensor, chunk_size: int) -> Tensor:
+    """Return each row's sums of :func:`_position_stats` over its completion tokens, ``(rows, 3)``, without grad."""
+    with torch.no_grad():
+        if logits is not None:
+            return _position_stats(logits[:, :-1], targets).sum(1)
+        assert hidden is not None and head is not None
+        weight, bias = head.weight(params).detach(), head.bias
+        h, y = hidden[:, :-1].detach().reshape(-1, hidden.shape[-1]).to(weight.dtype), targets.reshape(-1)
+        parts = []
+        for start in range(0, h.shape[0], chunk_size):
+            z = h[start:start + chunk_size] @ weight.T
+            parts.append(_position_stats(z if bias is None else z + bias, y[start:start + chunk_size]))
+        return torch.cat(parts).reshape(*targets.shape, 3).sum(1)
+
+
 def _completion_logps(forward: Callable[..., Any], params: Mapping[str, Tensor], inputs: Mapping[str, Tensor],
-                      batch: Mapping[str, Tensor], head: OutputHead | None, chunk_size: int) -> Tensor:
-    """Return each row's completion log-prob: from the logits, or chunk by chunk from the hidden states."""
-    if head is None:
-        return sequence_logps(logits_of(forward(params, inputs)), batch["input_ids"], batch["completion_mask"])
-    hidden = head.hidden(forward, params, inputs)
+                      batch: Mapping[str, Tensor], head: OutputHead | None, chunk_size: int,
+                      stats: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Return each row's completion log-prob (from the logits, or chunk by chunk from the hidden states), and with
+    ``stats`` its :func:`_row_stats`."""
     targets = batch["input_ids"][:, 1:].masked_fill(batch["completion_mask"][:, 1:] == 0, -100)
+    if head is None:
+        logits = logits_of(forward(params, inputs))
+        logps = sequence_logps(logits, batch["input_ids"], batch["completion_mask"])
+        return logps, _row_stats(logits, None, None, params, targets, chunk_size) if stats else None
+    hidden = head.hidden(forward, params, inputs)
     per_token = chunked_token_logps(hidden[:, :-1], head.weight(params), targets, bias=head.bias, chunk_size=chunk_size)
-    return per_token.sum(-1)
+    return per_token.sum(-1), _row_stats(None, hidden, head, params, targets, chunk_size) if stats else None
+
+
+def _token_means(stats: Tensor, lengths: tuple[Tensor, Tensor], weight: Tensor) -> dict[str, Tensor]:
+    """Return TRL's token-weighted metrics of a micro-batch (its token means), times ``weight``."""
+    (sc, sr), (nc, nr) = _halves(stats), lengths
+    tokens_c, tokens_r = nc.sum().clamp(min=1), nr.sum().clamp(min=1)
+    return {
+        "logits/chosen": sc[:, 0].sum() / tokens_c * weight,
+        "logits/rejected": sr[:, 0].sum() / tokens_r * weight,
+        "entropy": stats[:, 1].sum() / (nc.sum() + nr.sum()).clamp(min=1) * weight,
+        "mean_token_accuracy": sc[:, 2].sum() / tokens_c * weight,
+    }
 
 
 # -- the objective -------------------------------------------------------------------------
@@ -173,9 +236,13 @@ def count_pairs(micro_batch: Mapping[str, Tensor]) -> Tensor:
 class DPOObjective:
     """The DPO objective for ``make_step(..., objective=...)``; make one with :func:`dpo_objective`.
 
-    Returns the summed pair losses divided by the step's pair count, and the metrics
+    Returns the summed pair losses divided by the step's pair count, and TRL's metrics
     ``rewards/{chosen,rejected,accuracies,margins}`` and ``logps/{chosen,rejected}`` scaled the same
-    way, so the step's totals are exact means over its pairs.
+    way, so the step's totals are exact means over its pairs. ``logits/{chosen,rejected}`` (the
+    vocabulary-mean next-token logit), ``entropy`` (chosen and rejected tokens) and
+    ``mean_token_accuracy`` (chosen tokens) are token means of each micro-batch, weighted by its
+    pairs (TRL averages its micro-batches' token means). Evaluation reduces the same values over
+    the eval batches (``trainfold.evaluation``): ``eval_loss``, ``eval_rewards/chosen``...
 
     A uniform policy over 16 tokens scores each 2-token completion ``2 ln(1/16)``; with the
     reference 10 nats below it on chosen and 10 above on rejected, the margin is ``beta * 20``:
@@ -197,7 +264,7 @@ class DPOObjective:
     ref_params: Mapping[str, Tensor] | None
     head: OutputHead | None = None  # set: log-probs chunk by chunk from the hidden states (loss_chunk_size)
     chunk_size: int = 0
-    columns = ("prompt_ids", "chosen_ids", "rejected_ids", *REF_KEYS)  # the item columns train keeps for it
+    columns = (*PREFERENCE_COLUMNS, *REF_KEYS)  # the item columns train keeps for it
 
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
         """Count the pairs of ``micro_batch``."""
@@ -213,7 +280,7 @@ class DPOObjective:
                 )
             return micro["ref_chosen_logps"], micro["ref_rejected_logps"]
         with torch.no_grad():
-            return _halves(_completion_logps(forward, self.ref_params, inputs, micro, self.head, self.chunk_size))
+            return _halves(_completion_logps(forward, self.ref_params, inputs, micro, self.head, self.chunk_size)[0])
 
     def __call__(
         self,
@@ -224,7 +291,7 @@ class DPOObjective:
         key: torch.Generator | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         inputs = {k: micro_batch[k] for k in _MODEL_KEYS if k in micro_batch}
-        logps = _completion_logps(forward, params, inputs, micro_batch, self.head, self.chunk_size)
+        logps, stats = _completion_logps(forward, params, inputs, micro_batch, self.head, self.chunk_size, stats=True)
         chosen, rejected = _halves(logps)
         ref_chosen, ref_rejected = self._ref_logps(forward, inputs, micro_batch)
         ref_chosen, ref_rejected = ref_chosen.to(chosen), ref_rejected.to(chosen)
@@ -241,8 +308,15 @@ class DPOObjective:
             "rewards/margins": (reward_c - reward_r).sum() / n,
             "logps/chosen": chosen.detach().sum() / n,
             "logps/rejected": rejected.detach().sum() / n,
+            **_token_means(stats, lengths, chosen.shape[0] / n),
         }
         return losses.sum() / n, aux
+
+    def predictions(self, forward: Callable[..., Any], params: Mapping[str, Tensor],
+                    micro_batch: Mapping[str, Tensor]) -> tuple[Any, Tensor]:
+        """Return what ``compute_metrics`` scores, as TRL's ``prediction_step``: the policy's outputs on the batch
+        rows (its chosen rows, then its rejected rows) and, as ``label_ids``, their ``input_ids``."""
+        return forward(params, {k: micro_batch[k] for k in _MODEL_KEYS if k in micro_batch}), micro_batch["input_ids"]
 
 
 def dpo_objective(
