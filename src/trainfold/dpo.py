@@ -270,6 +270,10 @@ class DPOObjective:
         """Count the pairs of ``micro_batch``."""
         return count_pairs(micro_batch)
 
+    def count_samples(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
+        """Count the dataset rows of ``micro_batch`` (its pairs; evaluation's ``samples_per_second``)."""
+        return count_pairs(micro_batch)
+
     def _ref_logps(self, forward: Callable[..., Any], inputs: Mapping[str, Tensor], micro: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         if self.ref_params is None:
             missing = [k for k in REF_KEYS if k not in micro]

@@ -230,8 +230,10 @@ def final_metrics(
     prefix: str = "eval",
     as_numpy: bool = True,
     speed: Mapping[str, float] | None = None,
+    objective_metrics: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Return an eval run's metrics named ``{prefix}_*``: ``compute_metrics``' results, the loss, then ``speed``.
+    """Return an eval run's metrics named ``{prefix}_*``: ``compute_metrics``' results, the loss, ``speed``, then
+    ``objective_metrics`` (the means of an objective's metrics over the eval items: ``eval_rewards/chosen``...).
 
     ``gathered`` holds the run's ``predictions`` and ``label_ids`` (and optionally ``inputs`` and
     ``losses``); ``compute_metrics`` runs on them (as numpy arrays unless ``as_numpy=False``) only
@@ -258,6 +260,11 @@ def final_metrics(
         metrics["loss"] = loss
     if speed is not None:
         metrics.update(speed)
+    clash = sorted(set(objective_metrics or ()) & set(metrics))
+    if clash:
+        raise ValueError(f"the objective's metrics {clash} are also among {sorted(metrics)} (from compute_metrics, "
+                         "the loss or the speed metrics); rename one of them")
+    metrics.update(objective_metrics or {})
     return prefix_metrics(metrics, prefix)
 
 
@@ -277,6 +284,7 @@ class _Plan:
     include_losses: bool
     main_input_name: str
     predictions_of: Callable[[Any], Any]
+    objective: Any = None  # set: it scores each batch (loss and metrics) instead of ``loss``
 
 
 @attrs.frozen(eq=False)
@@ -285,6 +293,7 @@ class _BatchOut:
     count: Tensor | None
     num_samples: int
     tensors: dict[str, Any]
+    metric_sums: dict[str, Tensor] | None = None  # an objective's metrics times the batch's item count
 
 
 def _to_device(batch: Mapping[str, Any], device: torch.device | None) -> dict[str, Any]:
@@ -304,6 +313,8 @@ def _run_batch(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
     if not isinstance(batch, Mapping):
         raise TypeError(f"eval batches must be dicts of tensors (with a {plan.label_key!r} key), got {type(batch).__name__}")
     batch = _to_device(batch, plan.device)
+    if plan.objective is not None:
+        return _run_objective(plan, batch)
     labels = batch.get(plan.label_key)
     inputs = {k: v for k, v in batch.items() if k != plan.label_key}
     outputs = plan.forward(plan.params, inputs)
@@ -326,6 +337,62 @@ def _run_batch(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
         if plan.include_losses and labels is not None:
             tensors["losses"] = _sample_losses(plan, outputs, labels)
     return _BatchOut(loss_sum=loss_sum, count=count, num_samples=_num_samples(batch), tensors=tensors)
+
+
+def objective_items(objective: Any, batch: Mapping[str, Any], label_key: str = "labels",
+                    count_labels: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """Count the items of an objective's batch as the step does: ``objective.count_items``, else its labels, else rows.
+
+    >>> objective_items(lambda *a: None, {"x": torch.zeros(3, 2)}).item()
+    3
+    """
+    if hasattr(objective, "count_items"):
+        n = objective.count_items(batch)
+    elif label_key in batch and count_labels is not None:
+        n = count_labels(batch[label_key])
+    else:
+        n = _num_samples(batch)
+    return torch.as_tensor(n).reshape(()).to(torch.int64)
+
+
+def _run_objective(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
+    # The objective's loss and metrics are means over the count it is given: times the count, they are sums.
+    count = objective_items(plan.objective, batch, plan.label_key, plan.count_items)
+    key = torch.Generator(device=plan.device or "cpu").manual_seed(0)
+    loss, aux = plan.objective(plan.forward, plan.params, batch, count.to(plan.device or "cpu"), key)
+    n = count.to(torch.float64)
+    sums = {name: torch.as_tensor(v).detach().double().reshape(()) * n.to(v.device) for name, v in dict(aux).items()}
+    tensors: dict[str, Any] = {}
+    if plan.gather:
+        predict = getattr(plan.objective, "predictions", None)
+        if predict is not None:
+            outputs, label_ids = predict(plan.forward, plan.params, batch)
+        else:  # a generic objective: the model on the batch without its labels, scored against them (or its inputs)
+            outputs = plan.forward(plan.params, {k: v for k, v in batch.items() if k != plan.label_key})
+            label_ids = batch.get(plan.label_key, batch.get(plan.main_input_name))
+        tensors["predictions"] = plan.predictions_of(outputs)
+        if label_ids is not None:
+            tensors["label_ids"] = label_ids
+        if plan.include_inputs:
+            tensors["inputs"] = batch[plan.main_input_name]
+    samples = getattr(plan.objective, "count_samples", None)  # DPO: pairs, not its 2 rows per pair
+    return _BatchOut(loss_sum=loss.detach().double() * n.to(loss.device), count=count,
+                     num_samples=int(samples(batch)) if samples is not None else _num_samples(batch), tensors=tensors,
+                     metric_sums=sums)
+
+
+def _metric_means() -> Reducer:
+    """Average each metric over items: step on ``({name: sum}, item_count)``; each name has its own count."""
+    one = mean_loss()
+
+    def step(acc: dict[str, Any], x: tuple[Mapping[str, Tensor], Tensor]) -> dict[str, Any]:
+        sums, n = x
+        return {**acc, **{k: one.step(acc.get(k, one.init()), (v, n)) for k, v in sums.items()}}
+
+    def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+        return {k: one.merge(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
+
+    return Reducer(init=dict, step=step, complete=lambda acc: {k: one.complete(v) for k, v in acc.items()}, merge=merge)
 
 
 def _sample_losses(plan: _Plan, outputs: Any, labels: Tensor) -> Tensor:
@@ -362,6 +429,8 @@ def _eval_reducer(gather: bool = True, eval_accumulation_steps: int | None = Non
         "labelled": filtering(lambda o: o.count is not None)(counting()),
         "samples": mapping(lambda o: o.num_samples)(summing()),
         "batches": counting(),
+        "metrics": compose(filtering(lambda o: o.metric_sums is not None),
+                           mapping(lambda o: (o.metric_sums, o.count)))(_metric_means()),
     }
     if gather:
         parts["tensors"] = compose(mapping(lambda o: o.tensors), offloading(eval_accumulation_steps, move))(_joined())
@@ -411,8 +480,14 @@ def _check_forward(forward: Any) -> Callable[[Mapping[str, Tensor], Mapping[str,
 
 
 def _validate(eval_accumulation_steps: Any, prediction_loss_only: bool, compute_metrics: Any,
-              preprocess: Any, include_for_metrics: Iterable[str]) -> list[str]:
+              preprocess: Any, include_for_metrics: Iterable[str], objective: Any = None) -> list[str]:
     errors = []
+    if objective is not None and not callable(objective):
+        errors.append(f"objective must be a function objective(forward, params, batch, num_items, key) -> (loss, "
+                      f"metrics), got {type(objective).__name__}")
+    if objective is not None and "loss" in include_for_metrics:
+        errors.append("include_for_metrics=['loss'] scores each sample with the loss, but an objective scores whole "
+                      "batches; drop 'loss', or compute per-sample values in compute_metrics")
     if eval_accumulation_steps is not None and (not isinstance(eval_accumulation_steps, int) or eval_accumulation_steps < 1):
         errors.append(f"eval_accumulation_steps must be a positive int or None, got {eval_accumulation_steps!r}")
     if prediction_loss_only and compute_metrics is not None:
@@ -430,13 +505,13 @@ def _validate(eval_accumulation_steps: Any, prediction_loss_only: bool, compute_
 def _run(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, Any]], *, loss: Callable[..., Tensor],
          gather: bool, preprocess: Any, eval_accumulation_steps: int | None, include: tuple[str, ...],
          label_key: str, main_input_name: str, buffers: Any, predictions_of: Callable[[Any], Any],
-         move: Callable[[Tensor], Tensor] | None) -> dict[str, Any]:
+         move: Callable[[Tensor], Tensor] | None, objective: Any = None) -> dict[str, Any]:
     forward, params = resolve_forward(model_or_forward, params, buffers)
     first = next(iter(params.values()), None)
     plan = _Plan(forward=forward, params=params, loss=loss, count_items=counter_for(loss), label_key=label_key,
                  device=first.device if isinstance(first, Tensor) else None, gather=gather,
                  include_inputs="inputs" in include, include_losses="loss" in include,
-                 main_input_name=main_input_name, predictions_of=predictions_of)
+                 main_input_name=main_input_name, predictions_of=predictions_of, objective=objective)
     steps = [mapping(lambda b: _run_batch(plan, b))]
     if gather and preprocess is not None:
         steps.append(mapping(_preprocessing(preprocess)))
@@ -464,6 +539,7 @@ def evaluate(
     as_numpy: bool = True,
     speed_metrics: bool = True,
     move: Callable[[Tensor], Tensor] | None = None,
+    objective: Callable[..., Any] | None = None,
 ) -> dict[str, float]:
     """Evaluate ``params`` on ``batches`` and return metrics named ``{metric_key_prefix}_*``.
 
@@ -481,6 +557,18 @@ def evaluate(
     repeated). Adds ``_runtime``, ``_samples_per_second`` and
     ``_steps_per_second`` unless ``speed_metrics=False``. A NaN or infinite loss in any batch
     shows in the eval loss (HF drops non-finite batch losses silently).
+
+    ``objective`` (the one the run trains with, e.g. ``dpo_objective``) scores each batch instead
+    of ``loss``: it is called as in the step, ``objective(forward, params, batch, n, key)`` with
+    ``n`` the batch's own item count (``objective.count_items``, else its labels, else its rows),
+    and returns ``(loss, metrics)`` as means over those items. ``eval_loss`` and each metric
+    (``eval_rewards/chosen``...) are then exact means over all eval items: sums of ``value × n``
+    over the batches divided by the summed ``n``, reduced like the loss (so for equal-sized
+    batches they equal TRL's mean of batch means). With ``compute_metrics`` the predictions come
+    from ``objective.predictions(forward, params, batch) -> (outputs, label_ids)`` (DPO: the
+    policy's logits on the batch's chosen then rejected rows, and their ``input_ids``, as TRL's
+    ``prediction_step``); an objective without it is scored as the model run on the batch
+    without its labels, with ``label_ids`` the labels, else the ``main_input_name`` input.
 
     >>> from trainfold.models import TinyLM, TinyLMConfig
     >>> _ = torch.manual_seed(0)
@@ -500,7 +588,7 @@ def evaluate(
         preprocess=preprocess_logits_for_metrics, include_for_metrics=include_for_metrics,
         eval_accumulation_steps=eval_accumulation_steps, prefix=metric_key_prefix, as_numpy=as_numpy,
         speed_metrics=speed_metrics, loss=loss, label_key=label_key, main_input_name=main_input_name, buffers=buffers,
-        predictions_of=predictions_of, move=move)
+        predictions_of=predictions_of, move=move, objective=objective)
     return metrics
 
 
@@ -510,7 +598,8 @@ def _evaluated(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str
                **run: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     # What evaluate and predict share: check the settings, run the pipeline, time it, make the metrics.
     include = tuple(include_for_metrics)
-    errors = _validate(eval_accumulation_steps, prediction_loss_only, compute_metrics, preprocess, include)
+    errors = _validate(eval_accumulation_steps, prediction_loss_only, compute_metrics, preprocess, include,
+                       run.get("objective"))
     if errors:
         raise ValueError("; ".join(errors))
     start = time.perf_counter()
@@ -518,7 +607,8 @@ def _evaluated(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str
                eval_accumulation_steps=eval_accumulation_steps, include=include, **run)
     speed = throughput(time.perf_counter() - start, out["samples"], out["batches"]) if speed_metrics else None
     loss = out["loss"] if out["labelled"] else None
-    metrics = final_metrics(out.get("tensors") or {}, loss, compute_metrics, prefix=prefix, as_numpy=as_numpy, speed=speed)
+    metrics = final_metrics(out.get("tensors") or {}, loss, compute_metrics, prefix=prefix, as_numpy=as_numpy, speed=speed,
+                            objective_metrics=out["metrics"])
     return out, metrics
 
 
@@ -540,6 +630,7 @@ def predict(
     as_numpy: bool = True,
     speed_metrics: bool = True,
     move: Callable[[Tensor], Tensor] | None = None,
+    objective: Callable[..., Any] | None = None,
 ) -> PredictionOutput:
     """Return predictions and labels for ``batches`` in their order, and the metrics ``evaluate`` gives.
 
@@ -561,7 +652,7 @@ def predict(
         preprocess=preprocess_logits_for_metrics, include_for_metrics=include_for_metrics,
         eval_accumulation_steps=eval_accumulation_steps, prefix=metric_key_prefix, as_numpy=as_numpy,
         speed_metrics=speed_metrics, loss=loss, label_key=label_key, main_input_name=main_input_name, buffers=buffers,
-        predictions_of=predictions_of, move=move)
+        predictions_of=predictions_of, move=move, objective=objective)
     tensors = out.get("tensors") or {}
     conv = to_numpy if as_numpy else (lambda x: x)
     return PredictionOutput(conv(tensors.get("predictions")), conv(tensors.get("label_ids")), metrics)

@@ -236,11 +236,19 @@ class _Run:
     diverged: list[int] = attrs.Factory(list)  # the step after which the params turned inf/NaN, if any
     run_id: run_dir.RunIdentity | None = None
     window: MetricWindow = attrs.field(factory=MetricWindow)
+    objective: Callable[..., Any] | None = None  # the user's: evaluation scores eval batches with it (no NEFTune)
 
 
 def _evaluate_state(run: _Run, state: TrainState) -> list[dict[str, float]]:
     """Return the metrics of each eval set (one; or each set of a dict, named ``eval_{name}_*``, as HF)."""
     assert run.eval_batches is not None
+    if run.objective is not None:  # single process (train refuses a sharded objective evaluation)
+        return [evaluate_batches(
+            run.model, state.params, s.loader, objective=run.objective, buffers=state.buffers,
+            compute_metrics=None if run.args.prediction_loss_only else run.compute_metrics,
+            preprocess_logits_for_metrics=run.preprocess_logits_for_metrics, label_key=run.label_key,
+            eval_accumulation_steps=run.args.eval_accumulation_steps, prediction_loss_only=run.args.prediction_loss_only,
+            metric_key_prefix=s.prefix) for s in run.eval_batches]
     return [evaluate_sharded(
         run.model, state.params, s.loader, collective=s.collective, loss=run.loss, buffers=state.buffers,
         compute_metrics=None if run.args.prediction_loss_only else run.compute_metrics, preprocess_logits_for_metrics=run.preprocess_logits_for_metrics,
@@ -464,6 +472,10 @@ def train(
         loss = label_smoothed(loss, args.label_smoothing_factor)  # names the fix for a custom loss
     if objective is None:
         refuse_unlabelled(train_dataset, loss)  # a fully masked dataset would train nothing, forever
+    elif eval_dataset is not None and world_size > 1:
+        raise NotImplementedError("evaluating an objective across ranks is not supported yet; evaluate after "
+                                  "training in one process (trainfold.evaluate(..., objective=...)), or drop eval_dataset")
+    eval_objective = objective  # evaluation scores with the user's objective (no NEFTune noise)
     columns = _columns_of(model, args, data_collator, labels_required=objective is None, objective=objective)
     lm = lm_inputs(model, args, train_dataset, data_collator, compute_loss_func, objective)  # packing, chunked loss
     train_dataset, objective = lm.train_dataset, lm.objective
@@ -545,7 +557,7 @@ def train(
         run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
                    early_stopping, rank == 0, collective, label_key=columns.label_key, run_id=claim.run,
-                   window=window)
+                   window=window, objective=eval_objective)
         run, hf = _callback_adapter(callbacks, run, saved, state, device, rank)  # HF TrainerCallbacks, or None
         reporters = run.reporters
         if args.eval_on_start and source is None:
@@ -621,8 +633,11 @@ class _no_guard:
 def evaluate(model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, state: TrainState | None = None,
              data_collator: Callable[[list[Any]], Any] | None = None, compute_loss_func: Callable[..., Any] | None = None,
              compute_metrics: Callable[..., Any] | None = None, preprocess_logits_for_metrics: Callable[..., Any] | None = None,
-             metric_key_prefix: str = "eval") -> dict[str, float]:
+             metric_key_prefix: str = "eval", objective: Callable[..., Any] | None = None) -> dict[str, float]:
     """Evaluate ``state``'s params (default: the model's own) on ``eval_dataset``, in dataset order.
+
+    ``objective`` (e.g. the ``dpo_objective`` of the run) scores the batches and adds its metrics
+    (``eval_rewards/chosen``...), as during ``train`` (``trainfold.evaluation.evaluate``).
 
     >>> import tempfile, torch
     >>> from trainfold.models import TinyLM, TinyLMConfig
@@ -639,11 +654,11 @@ def evaluate(model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, st
     """
     metrics: dict[str, float] = {}
     for prefix, dataset in eval_sets(eval_dataset, metric_key_prefix).items():  # a dict: each set, as HF
-        params, buffers, batches, label_key = _eval_inputs(model, args, dataset, state, data_collator)
+        params, buffers, batches, label_key = _eval_inputs(model, args, dataset, state, data_collator, objective)
         try:
             metrics.update(evaluate_batches(
                 model, params, batches, loss=compute_loss_func or default_loss_for(model, defer=True),
-                buffers=buffers, label_key=label_key,
+                buffers=buffers, label_key=label_key, objective=objective,
                 compute_metrics=None if args.prediction_loss_only else compute_metrics,
                 preprocess_logits_for_metrics=preprocess_logits_for_metrics,
                 eval_accumulation_steps=args.eval_accumulation_steps, prediction_loss_only=args.prediction_loss_only,
@@ -657,7 +672,7 @@ def evaluate(model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, st
 def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, state: TrainState | None = None,
             data_collator: Callable[[list[Any]], Any] | None = None, compute_loss_func: Callable[..., Any] | None = None,
             compute_metrics: Callable[..., Any] | None = None, preprocess_logits_for_metrics: Callable[..., Any] | None = None,
-            metric_key_prefix: str = "test") -> Any:
+            metric_key_prefix: str = "test", objective: Callable[..., Any] | None = None) -> Any:
     """Return predictions, labels (dataset order) and metrics of ``state``'s params on ``test_dataset``.
 
     >>> import tempfile, torch
@@ -674,10 +689,11 @@ def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, sta
     """
     if isinstance(test_dataset, dict):
         raise TypeError("predict takes one dataset, not a dict of them (as HF's Trainer.predict); call it per set")
-    params, buffers, batches, label_key = _eval_inputs(model, args, test_dataset, state, data_collator)
+    params, buffers, batches, label_key = _eval_inputs(model, args, test_dataset, state, data_collator, objective)
     try:
         return predict_batches(
             model, params, batches, loss=compute_loss_func or default_loss_for(model, defer=True), buffers=buffers,
+            objective=objective,
             compute_metrics=compute_metrics, label_key=label_key,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             eval_accumulation_steps=args.eval_accumulation_steps, metric_key_prefix=metric_key_prefix,
@@ -687,7 +703,7 @@ def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, sta
 
 
 def _eval_inputs(model: nn.Module, args: TrainingArguments, dataset: Any, state: TrainState | None,
-                 data_collator: Callable[..., Any] | None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                 data_collator: Callable[..., Any] | None, objective: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
                                                                    Any, str]:
     """Return ``(params, buffers, batches, label_key)`` for ``evaluate``/``predict``: the state's or the model's."""
     device = _device(args)
@@ -696,6 +712,6 @@ def _eval_inputs(model: nn.Module, args: TrainingArguments, dataset: Any, state:
         state_tensors = ({k: v.to(device) for k, v in params.items()}, {k: v.to(device) for k, v in buffers.items()})
     else:
         state_tensors = (state.params, state.buffers)
-    columns = _columns_of(model, args, data_collator)
+    columns = _columns_of(model, args, data_collator, objective=objective)  # keeps the columns it reads
     collate = eval_collate(data_collator, columns)
     return (*state_tensors, _eval_loader(dataset, collate, args, device), columns.label_key)

@@ -1,0 +1,207 @@
+"""DPO as a run (issue 20, items 5-7): evaluation of objectives, TRL-shaped data, reference caching, checkpointing.
+
+Reference values come from a real TRL 1.16 ``DPOTrainer`` on a tiny random Llama built from a config.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from trainfold import TrainingArguments, train
+from trainfold import evaluate as evaluate_run
+from trainfold.dpo import dpo_objective, preference_collate
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+EOS = 2
+NAMES = ["<pad>", "<s>", "</s>"] + [f"t{i}" for i in range(3, 128)]
+
+
+def tiny_llama(seed: int = 0, vocab: int = 128) -> torch.nn.Module:
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   initializer_range=0.5, tie_word_embeddings=False, attn_implementation="eager")
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def noisy(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return out
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def random_pairs(seed: int, n: int, vocab: int = 128) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+
+    def ids(lo: int, hi: int) -> list[int]:
+        return torch.randint(3, vocab, (int(torch.randint(lo, hi, (), generator=g)),), generator=g).tolist()
+
+    return [{"prompt_ids": [1, *ids(1, 4)], "chosen_ids": ids(1, 5), "rejected_ids": ids(1, 5)} for _ in range(n)]
+
+
+def args_for(tmp_path, **kw) -> TrainingArguments:
+    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                learning_rate=1e-2, logging_steps=1, save_strategy="no", disable_tqdm=True, report_to="none")
+    return TrainingArguments(**{**base, **kw})
+
+
+# -- TRL's evaluation ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trl_setup():
+    """A DPOTrainer on the study's tiny Llama pair (policy, noisy reference) and 6 preference pairs as text rows."""
+    trl = pytest.importorskip("trl")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    word = Tokenizer(models.WordLevel({n: i for i, n in enumerate(NAMES)}, unk_token="<pad>"))
+    word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=word, pad_token="<pad>", eos_token="</s>",
+                                               bos_token="<s>")
+    policy = tiny_llama(0)
+    ref = noisy(policy)
+    pairs = random_pairs(3, 6)
+
+    def text(ids):
+        return " ".join(NAMES[i] for i in ids)
+
+    rows = [{"prompt": text(p["prompt_ids"]), "chosen": f" {text(p['chosen_ids'])} ",
+             "rejected": f" {text(p['rejected_ids'])} "} for p in pairs]
+
+    def trainer(tmp, rows_, batch_size, compute_metrics=None):
+        args = trl.DPOConfig(output_dir=str(tmp), max_length=None, bf16=False, use_cpu=True, report_to=[], beta=0.1,
+                             per_device_eval_batch_size=batch_size, disable_tqdm=True)
+        return trl.DPOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(ref), args=args,
+                              train_dataset=datasets.Dataset.from_list(rows_),
+                              eval_dataset=datasets.Dataset.from_list(rows_), processing_class=tok,
+                              compute_metrics=compute_metrics)
+
+    return {"policy": policy, "ref": ref, "pairs": pairs, "rows": rows, "trainer": trainer}
+
+
+def ours(setup, tmp_path, batch_size, pairs=None, **kw):
+    return evaluate_run(setup["policy"], args_for(tmp_path, per_device_eval_batch_size=batch_size),
+                        setup["pairs"] if pairs is None else pairs, data_collator=preference_collate(EOS),
+                        objective=dpo_objective(0.1, ref_params=params_of(setup["ref"])), **kw)
+
+
+def test_eval_metrics_equal_trl_evaluate(trl_setup, tmp_path):
+    trainer = trl_setup["trainer"](tmp_path / "trl", trl_setup["rows"], 2)
+    assert [trainer.eval_dataset[i]["prompt_ids"] for i in range(6)] == [p["prompt_ids"] for p in trl_setup["pairs"]]
+    theirs = trainer.evaluate()
+    mine = ours(trl_setup, tmp_path, 2)
+    skip = {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_num_tokens", "epoch"}
+    expected = sorted(k for k in theirs if k not in skip)
+    assert expected == sorted(k for k in mine if k not in skip)  # eval_loss and every eval_rewards/*, eval_logps/*...
+    assert {"eval_rewards/chosen", "eval_rewards/margins", "eval_logps/rejected", "eval_logits/chosen"} <= set(mine)
+    for k in expected:
+        assert mine[k] == pytest.approx(theirs[k], abs=1e-5), k
+
+
+def test_eval_over_uneven_batches_is_the_exact_pair_mean(trl_setup, tmp_path):
+    # Batches of 4: [4 pairs, 2 pairs]. TRL's eval_loss is the pair mean (HF weights each batch by its size), but its
+    # eval_rewards/* are the plain mean of the two batch means; trainfold weights every metric by its pairs.
+    whole = trl_setup["trainer"](tmp_path / "a", trl_setup["rows"], 4).evaluate()
+    first = trl_setup["trainer"](tmp_path / "b", trl_setup["rows"][:4], 4).evaluate()
+    last = trl_setup["trainer"](tmp_path / "c", trl_setup["rows"][4:], 4).evaluate()
+    mine = ours(trl_setup, tmp_path, 4)
+    assert mine["eval_loss"] == pytest.approx(whole["eval_loss"], abs=1e-5)
+    for k in ("eval_loss", "eval_rewards/chosen", "eval_rewards/accuracies", "eval_logps/chosen", "eval_entropy"):
+        assert mine[k] == pytest.approx((4 * first[k] + 2 * last[k]) / 6, abs=1e-5), k
+    assert whole["eval_rewards/chosen"] == pytest.approx((first["eval_rewards/chosen"] + last["eval_rewards/chosen"]) / 2,
+                                                        abs=1e-5)
+    assert mine["eval_samples_per_second"] > 0 and whole["eval_samples_per_second"] > 0
+
+
+def test_compute_metrics_gets_trls_eval_prediction(trl_setup, tmp_path):
+    seen = {}
+
+    def record(name):
+        def compute_metrics(p):
+            seen[name] = p
+            return {"rows": float(p.predictions.shape[0])}
+        return compute_metrics
+
+    theirs = trl_setup["trainer"](tmp_path / "trl", trl_setup["rows"], 2, record("trl")).evaluate()
+    mine = ours(trl_setup, tmp_path, 2, compute_metrics=record("ours"))
+    assert mine["eval_rows"] == theirs["eval_rows"] == 12.0  # per batch: its chosen rows, then its rejected rows
+    np.testing.assert_array_equal(seen["ours"].label_ids, seen["trl"].label_ids)  # input_ids, -100 between batches
+    np.testing.assert_allclose(seen["ours"].predictions, seen["trl"].predictions, atol=1e-5)  # the policy's logits
+    assert mine["eval_rewards/margins"] == pytest.approx(theirs["eval_rewards/margins"], abs=1e-5)
+    # Where TRL is wrong: with a last batch of 2 pairs (4 rows), accelerate's gather_for_metrics cuts it to 2 rows
+    # (it counts dataset rows, not the 2 rows per pair), so TRL's compute_metrics loses that batch's rejected rows.
+    trl_cut = trl_setup["trainer"](tmp_path / "cut", trl_setup["rows"], 4, record("trl")).evaluate()
+    mine_4 = ours(trl_setup, tmp_path, 4, compute_metrics=record("ours"))
+    assert (trl_cut["eval_rows"], mine_4["eval_rows"]) == (10.0, 12.0)
+
+
+# -- evaluation during train -----------------------------------------------------------------------
+
+
+def test_train_logs_eval_loss_and_the_objectives_metrics(tmp_path):
+    policy, ref = tiny_llama(0, vocab=32), tiny_llama(1, vocab=32)
+    items, held_out = random_pairs(0, 8, vocab=32), random_pairs(1, 4, vocab=32)
+    calls = []
+
+    def compute_metrics(p):
+        calls.append(p.predictions.shape)
+        return {"rows": float(p.label_ids.shape[0])}
+
+    objective = dpo_objective(0.1, ref_params=params_of(ref))
+    args = args_for(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1)
+    result = train(policy, args, datasets.Dataset.from_list(items), eval_dataset=held_out,
+                   data_collator=preference_collate(EOS), objective=objective, compute_metrics=compute_metrics)
+    evals = [h for h in result.log_history if "eval_loss" in h]
+    assert [h["step"] for h in evals] == [1, 2] and len(calls) == 2
+    last = evals[-1]
+    for k in ("eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_rewards/margins",
+              "eval_logps/chosen", "eval_logps/rejected", "eval_logits/chosen", "eval_logits/rejected", "eval_rows"):
+        assert k in last, k
+    again = evaluate_run(policy, args, held_out, state=result.state, data_collator=preference_collate(EOS),
+                         objective=objective)
+    for k in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
+        assert again[k] == pytest.approx(last[k], abs=1e-6), k
+
+
+def test_a_generic_objective_is_evaluated_too(tmp_path):
+    from trainfold.models import TinyLM, TinyLMConfig
+
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+
+    def objective(forward, params, micro, num_items, key):
+        logits = forward(params, {"input_ids": micro["input_ids"]})
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), micro["input_ids"][:, 1:].flatten(),
+                                                 reduction="sum") / num_items
+        return loss, {"rows_seen": micro["input_ids"].shape[0] / num_items}
+
+    rows = [{"input_ids": [i % 16, (i + 1) % 16, (i + 2) % 16]} for i in range(5)]
+    args = args_for(tmp_path, per_device_eval_batch_size=2)
+    got = evaluate_run(model, args, rows, objective=objective, compute_metrics=lambda p: {"n": p.label_ids.shape[0]})
+    assert got["eval_rows_seen"] == pytest.approx(1.0) and got["eval_n"] == 5  # labels: the input_ids
+    assert got["eval_loss"] > 0
+
+
+def test_eval_errors_name_the_fix(tmp_path):
+    from trainfold.evaluation import evaluate as evaluate_batches
+
+    batch = preference_collate(EOS)(random_pairs(0, 2, vocab=32))
+    model = tiny_llama(0, vocab=32)
+    with pytest.raises(ValueError, match="include_for_metrics=\\['loss'\\].*objective"):
+        evaluate_batches(model, None, [batch], objective=dpo_objective(0.1, ref_params=params_of(model)),
+                         include_for_metrics=["loss"], compute_metrics=lambda p: {})
+    with pytest.raises(ValueError, match="objective must be a function"):
+        evaluate_batches(model, None, [batch], objective=3)
