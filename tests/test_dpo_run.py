@@ -205,3 +205,103 @@ def test_eval_errors_name_the_fix(tmp_path):
                          include_for_metrics=["loss"], compute_metrics=lambda p: {})
     with pytest.raises(ValueError, match="objective must be a function"):
         evaluate_batches(model, None, [batch], objective=3)
+
+
+# -- data as TRL users hold it (item 6) --------------------------------------------------------------
+
+
+def tokenized_rows(n: int, vocab: int = 32) -> datasets.Dataset:
+    """Tokenized preference rows as TRL 1.16's DPOTrainer stores them (prompt_ids, chosen_ids, rejected_ids), plus text."""
+    return datasets.Dataset.from_list([{**p, "prompt": "some text", "length_hint": "x"}
+                                       for p in random_pairs(7, n, vocab)])
+
+
+def test_remove_unused_columns_keeps_the_preference_columns_of_a_dataset(tmp_path):
+    # TRL 1.16 names the tokenized columns prompt_ids/chosen_ids/rejected_ids (DPOTrainer._set_signature_columns).
+    policy = tiny_llama(0, vocab=32)
+    objective = dpo_objective(0.1, ref_params=params_of(tiny_llama(1, vocab=32)))
+    data = tokenized_rows(8)
+    args = args_for(tmp_path, max_steps=2, remove_unused_columns=True, eval_strategy="steps", eval_steps=2)
+    result = train(policy, args, data, eval_dataset=tokenized_rows(4), data_collator=preference_collate(EOS),
+                   objective=objective)
+    assert result.status == "completed" and "eval_rewards/margins" in result.log_history[-2]
+    metrics = evaluate_run(policy, args, data, data_collator=preference_collate(EOS), objective=objective)
+    assert "eval_rewards/chosen" in metrics
+    with pytest.raises(KeyError, match="rename \\['prompt_input_ids'.*prompt_ids"):
+        preference_collate(EOS)([{"prompt_input_ids": [1], "chosen_input_ids": [2], "rejected_input_ids": [3]}])
+
+
+def test_group_by_length_measures_prompt_plus_the_longer_completion(tmp_path, monkeypatch):
+    from trainfold.samplers import dataset_lengths, make_sampler
+
+    rows = random_pairs(5, 12, vocab=32)
+    expected = tuple(len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows)
+    assert dataset_lengths(rows) == expected
+    data = datasets.Dataset.from_list(rows)
+    real = type(data).__getitem__
+
+    def no_rows(self, key):  # the arrow path reads columns, never a row
+        if isinstance(key, int):
+            raise AssertionError("read a row")
+        return real(self, key)
+
+    monkeypatch.setattr(type(data), "__getitem__", no_rows)
+    with pytest.warns(UserWarning, match="prompt \\+ the longer completion"):
+        assert dataset_lengths(data) == expected
+    monkeypatch.undo()
+    sampler = make_sampler("group_by_length", rows, per_device_train_batch_size=4, lengths=None)
+    first = sampler.epoch_batches(0)[0][0]
+    assert expected[first[0]] == max(expected)  # the longest pair leads the first batch
+    args = args_for(tmp_path, max_steps=2, train_sampling_strategy="group_by_length")
+    with pytest.warns(UserWarning, match="longer completion"):
+        result = train(tiny_llama(0, vocab=32), args, data, data_collator=preference_collate(EOS),
+                       objective=dpo_objective(0.1, ref_params=params_of(tiny_llama(1, vocab=32))))
+    assert result.status == "completed"
+
+
+def test_pad_to_multiple_of_pads_the_width_and_changes_no_number():
+    model, ref = tiny_llama(0, vocab=32), tiny_llama(1, vocab=32)
+    items = random_pairs(2, 3, vocab=32)
+    plain, padded = preference_collate(EOS)(items), preference_collate(EOS, pad_to_multiple_of=8)(items)
+    assert padded["input_ids"].shape[1] % 8 == 0 and padded["input_ids"].shape[1] >= plain["input_ids"].shape[1]
+    width = plain["input_ids"].shape[1]
+    for k in ("input_ids", "attention_mask", "completion_mask"):
+        assert torch.equal(padded[k][:, :width], plain[k]) and not padded[k][:, width:].any(), k
+    from trainfold.generate import functional_forward
+
+    obj = dpo_objective(0.1, ref_params=params_of(ref))
+    a = obj(functional_forward(model), params_of(model), plain, obj.count_items(plain))
+    b = obj(functional_forward(model), params_of(model), padded, obj.count_items(padded))
+    assert a[0].item() == pytest.approx(b[0].item(), abs=1e-6)
+    for k in a[1]:
+        assert a[1][k].item() == pytest.approx(b[1][k].item(), abs=1e-5), k
+    with pytest.raises(ValueError, match="pad_to_multiple_of=0 must be a positive int"):
+        preference_collate(EOS, pad_to_multiple_of=0)
+
+
+def test_training_arguments_pad_to_multiple_of_reaches_the_collators(tmp_path):
+    from trainfold.columns import padded_to_multiple
+    from trainfold.data import PadCollate
+
+    assert padded_to_multiple(preference_collate(EOS), 16).pad_to_multiple_of == 16
+    assert isinstance(padded_to_multiple(None, 4), PadCollate) and padded_to_multiple(None, 4).pad_to_multiple_of == 4
+    with pytest.raises(ValueError, match="pads to a multiple of 8; set one of them"):
+        padded_to_multiple(preference_collate(EOS, pad_to_multiple_of=8), 16)
+    with pytest.raises(TypeError, match="function, which has no pad_to_multiple_of field"):
+        padded_to_multiple(lambda items: items, 16)
+    with pytest.raises(ValueError, match="pad_to_multiple_of must be a positive int"):
+        TrainingArguments(pad_to_multiple_of=0)
+
+    dpo = dpo_objective(0.1, ref_params=params_of(tiny_llama(1, vocab=32)))
+    widths = []
+
+    def recording(forward, params, micro, num_items, key):  # DPO, noting each batch's width
+        widths.append(micro["input_ids"].shape[1])
+        return dpo(forward, params, micro, num_items, key)
+
+    recording.count_items, recording.columns = dpo.count_items, dpo.columns
+    args = args_for(tmp_path, max_steps=2, pad_to_multiple_of=16, eval_strategy="steps", eval_steps=2)
+    result = train(tiny_llama(0, vocab=32), args, random_pairs(0, 4, vocab=32), eval_dataset=random_pairs(1, 2, vocab=32),
+                   data_collator=preference_collate(EOS), objective=recording)
+    assert result.status == "completed"
+    assert widths == [16, 16, 16]  # two train steps, one evaluation

@@ -128,6 +128,7 @@ class TrainingArguments:
     packing_strategy: str = "bfd"
     max_length: int | None = None  # tokens per packed row; None: TRL's 1024
     padding_free: bool = False
+    pad_to_multiple_of: int | None = None  # TRL's name: collated widths rounded up to a multiple (trainfold.columns)
     loss_chunk_size: int = 0  # tokens per chunk of the chunked causal-LM cross-entropy; 0: off
 
     def __init__(self, **kwargs: Any) -> None:
@@ -241,7 +242,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "activation_checkpointing": (bool, type(None)), "activation_checkpointing_kwargs": (dict, type(None)),
     "gradient_checkpointing": (bool, type(None)), "gradient_checkpointing_kwargs": (dict, type(None)),
     "packing": (bool,), "packing_strategy": (str,), "max_length": _OPT_INT, "padding_free": (bool,),
-    "loss_chunk_size": (int,),
+    "loss_chunk_size": (int,), "pad_to_multiple_of": _OPT_INT,
 }
 
 
@@ -409,6 +410,8 @@ def _llm_problems(args: TrainingArguments) -> list[str]:
         out.append(f"packing_strategy={args.packing_strategy!r} is not one of ['bfd', 'bfd_split']")
     if args.max_length is not None and args.max_length < 1:
         out.append(f"max_length must be a positive int (tokens per packed row) or None, got {args.max_length}")
+    if args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1:
+        out.append(f"pad_to_multiple_of must be a positive int or None, got {args.pad_to_multiple_of}")
     if args.loss_chunk_size < 0:
         out.append(f"loss_chunk_size must be >= 0 (tokens per chunk; 0 turns chunking off), got {args.loss_chunk_size}")
     if (args.packing or args.padding_free) and args.neftune_noise_alpha is not None:

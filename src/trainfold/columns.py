@@ -31,7 +31,7 @@ from torch import nn
 
 from trainfold.data import KeyedCollate, keyed, pad_collate
 
-__all__ = ["Columns", "columns_for", "eval_collate", "signature_columns", "with_columns"]
+__all__ = ["Columns", "columns_for", "eval_collate", "padded_to_multiple", "signature_columns", "with_columns"]
 
 HF_LABEL_COLUMNS = ("label", "label_ids")  # kept always; the default collators rename them to "labels"
 
@@ -213,3 +213,33 @@ class _FixedKeys:
 
     def __call__(self, items: list[Any]) -> Any:
         return self.collate(items, [0] * len(items))
+
+
+def padded_to_multiple(collate: Callable[..., Any] | None, pad_to_multiple_of: int | None) -> Callable[..., Any] | None:
+    """Return ``collate`` padding each batch's width to a multiple of ``pad_to_multiple_of`` (TRL's config setting).
+
+    ``None`` (the default collator) becomes ``pad_collate(pad_to_multiple_of=...)``; a collator
+    with a ``pad_to_multiple_of`` field left unset (``pad_collate``, ``preference_collate``,
+    ``packed_collate``) gets the value. A collator that sets another value, or has no such
+    field, is an error: the setting would not apply.
+
+    >>> from trainfold.dpo import preference_collate
+    >>> padded_to_multiple(preference_collate(2), 8).pad_to_multiple_of
+    8
+    >>> padded_to_multiple(None, None) is None
+    True
+    """
+    if pad_to_multiple_of is None:
+        return collate
+    if collate is None:
+        return pad_collate(pad_to_multiple_of=pad_to_multiple_of)
+    has = attrs.has(type(collate)) and "pad_to_multiple_of" in attrs.fields_dict(type(collate))
+    if not has:
+        raise TypeError(f"pad_to_multiple_of={pad_to_multiple_of} cannot apply to data_collator "
+                        f"{type(collate).__name__}, which has no pad_to_multiple_of field; pad inside the collator "
+                        "and leave TrainingArguments.pad_to_multiple_of=None")
+    current = collate.pad_to_multiple_of
+    if current not in (None, pad_to_multiple_of):
+        raise ValueError(f"TrainingArguments.pad_to_multiple_of={pad_to_multiple_of} but data_collator "
+                         f"{type(collate).__name__} pads to a multiple of {current}; set one of them")
+    return attrs.evolve(collate, pad_to_multiple_of=pad_to_multiple_of)

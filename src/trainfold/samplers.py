@@ -36,7 +36,8 @@ import attrs
 import numpy as np
 import torch
 
-__all__ = ["LENGTH_STRATEGIES", "STRATEGIES", "Sampler", "dataset_lengths", "make_sampler", "padded_cost"]
+__all__ = ["LENGTH_STRATEGIES", "STRATEGIES", "Sampler", "dataset_lengths", "make_sampler", "padded_cost",
+           "preference_length"]
 
 STRATEGIES = ("random", "sequential", "group_by_length", "batch_rebalance")
 LENGTH_STRATEGIES = ("group_by_length", "batch_rebalance")
@@ -373,7 +374,25 @@ def _rebalance_steps(order: list[int], s: Sampler) -> list[list[Step]]:
 # -- lengths and construction ---------------------------------------------------------------
 
 
+PREFERENCE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")  # a DPO row (trainfold.dpo)
+
+
+def _size(value: Any) -> int:
+    return int(value.shape[-1]) if isinstance(value, torch.Tensor) and value.dim() > 0 else len(value)
+
+
+def preference_length(item: Any) -> int:
+    """Return the length of a preference row as its collated rows see it: prompt + the longer completion.
+
+    >>> preference_length({"prompt_ids": [1, 2], "chosen_ids": [3], "rejected_ids": [4, 5, 6]})
+    5
+    """
+    return _size(item["prompt_ids"]) + max(_size(item["chosen_ids"]), _size(item["rejected_ids"]))
+
+
 def _item_length(item: Any, key: str, index: int) -> int:
+    if hasattr(item, "keys") and key not in item and all(k in item for k in PREFERENCE_COLUMNS):
+        return preference_length(item)
     try:
         value = item[key]
     except (KeyError, TypeError, IndexError) as exc:
@@ -382,7 +401,7 @@ def _item_length(item: Any, key: str, index: int) -> int:
             f"dataset item {index} has no {key!r} to measure its length (item keys: {keys}); pass "
             f"model_input_name= naming the input to measure, or give the dataset a length column"
         ) from exc
-    return int(value.shape[-1]) if isinstance(value, torch.Tensor) and value.dim() > 0 else len(value)
+    return _size(value)
 
 
 def dataset_lengths(dataset: Any, length_column_name: str = "length", model_input_name: str = "input_ids") -> tuple[int, ...]:
@@ -390,10 +409,15 @@ def dataset_lengths(dataset: Any, length_column_name: str = "length", model_inpu
 
     The column is used when the dataset exposes ``column_names`` containing
     ``length_column_name`` (a Hugging Face ``datasets.Dataset`` or anything alike). A dataset
-    with columns that lacks it gets a warning and the lengths are measured item by item, once.
+    with columns that lacks it gets a warning and the lengths are measured item by item, once
+    (a ``datasets.Dataset`` through arrow, without reading its rows). A preference row (DPO's
+    ``prompt_ids``, ``chosen_ids``, ``rejected_ids``, no ``model_input_name``) measures
+    :func:`preference_length`: prompt + the longer completion.
 
     >>> dataset_lengths([{"input_ids": [1, 2, 3]}, {"input_ids": [4]}])
     (3, 1)
+    >>> dataset_lengths([{"prompt_ids": [1], "chosen_ids": [2, 3], "rejected_ids": [4]}])
+    (3,)
     """
     columns = getattr(dataset, "column_names", None)
     if columns is not None:
@@ -402,17 +426,32 @@ def dataset_lengths(dataset: Any, length_column_name: str = "length", model_inpu
             if read is not None and read.null_count == 0 and _pa_types().is_integer(read.type):
                 return _int_tuple(read.to_numpy())
             return tuple(int(n) for n in dataset[length_column_name])
+        preference = model_input_name not in columns and all(k in columns for k in PREFERENCE_COLUMNS)
+        measured = "prompt + the longer completion" if preference else f"len(item[{model_input_name!r}])"
         warnings.warn(
             f"dataset has no column {length_column_name!r} (columns: {list(columns)}); measuring "
-            f"len(item[{model_input_name!r}]) of every item instead",
+            f"{measured} of every item instead",
             stacklevel=2,
         )
-        read = _arrow_column(dataset, model_input_name) if model_input_name in columns else None
-        if read is not None and read.null_count == 0 and _flat_list(read.type):
-            import pyarrow.compute as pc  # noqa: PLC0415 - present wherever an arrow column is
-
-            return _int_tuple(pc.list_value_length(read).to_numpy())
+        if preference:
+            lengths = _arrow_lengths(dataset, PREFERENCE_COLUMNS)
+            if lengths is not None:
+                prompt, chosen, rejected = lengths
+                return _int_tuple(prompt + np.maximum(chosen, rejected))
+        lengths = _arrow_lengths(dataset, (model_input_name,)) if model_input_name in columns else None
+        if lengths is not None:
+            return _int_tuple(lengths[0])
     return tuple(_item_length(dataset[i], model_input_name, i) for i in range(len(dataset)))
+
+
+def _arrow_lengths(dataset: Any, names: Sequence[str]) -> list[np.ndarray] | None:
+    """Return the list lengths of each column in ``names`` through arrow, or None when one is not a flat list column."""
+    reads = [_arrow_column(dataset, name) for name in names]
+    if any(r is None or r.null_count or not _flat_list(r.type) for r in reads):
+        return None
+    import pyarrow.compute as pc  # noqa: PLC0415 - present wherever an arrow column is
+
+    return [pc.list_value_length(r).to_numpy().astype(np.int64) for r in reads]
 
 
 def _arrow_column(dataset: Any, name: str) -> Any:

@@ -32,7 +32,7 @@ from trainfold import hf_callbacks, run_dir
 from trainfold import history as log_file
 from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
-from trainfold.columns import Columns, columns_for, eval_collate, with_columns
+from trainfold.columns import Columns, columns_for, eval_collate, padded_to_multiple, with_columns
 from trainfold.data import StepBatch, close_loader, eval_loader, stream
 from trainfold.determinism import warm_up_kernels
 from trainfold.distributed import agreed_stop, evaluate_sharded, joins_torchrun, shard
@@ -479,7 +479,7 @@ def train(
     columns = _columns_of(model, args, data_collator, labels_required=objective is None, objective=objective)
     lm = lm_inputs(model, args, train_dataset, data_collator, compute_loss_func, objective)  # packing, chunked loss
     train_dataset, objective = lm.train_dataset, lm.objective
-    collate = with_columns(lm.data_collator, columns)  # evaluation keeps data_collator
+    collate = with_columns(padded_to_multiple(lm.data_collator, args.pad_to_multiple_of), columns)  # eval keeps data_collator
     sampler = make_sampler(
         args.train_sampling_strategy, train_dataset, per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=world_size, rank=rank,
@@ -541,7 +541,7 @@ def train(
         if isinstance(history, log_file.HistoryFile):
             claim.on_release(history.close)
 
-    eval_collator = eval_collate(data_collator, columns)
+    eval_collator = eval_collate(padded_to_multiple(data_collator, args.pad_to_multiple_of), columns)
     eval_batches = tuple(_eval_set(prefix, dataset, eval_collator, args, device, collective)
                          for prefix, dataset in eval_sets(eval_dataset).items()) or None
     for eval_set in eval_batches or ():  # persistent eval workers stop with the run, also when it raises
@@ -713,5 +713,5 @@ def _eval_inputs(model: nn.Module, args: TrainingArguments, dataset: Any, state:
     else:
         state_tensors = (state.params, state.buffers)
     columns = _columns_of(model, args, data_collator, objective=objective)  # keeps the columns it reads
-    collate = eval_collate(data_collator, columns)
+    collate = eval_collate(padded_to_multiple(data_collator, args.pad_to_multiple_of), columns)
     return (*state_tensors, _eval_loader(dataset, collate, args, device), columns.label_key)
