@@ -305,3 +305,152 @@ def test_training_arguments_pad_to_multiple_of_reaches_the_collators(tmp_path):
                    data_collator=preference_collate(EOS), objective=recording)
     assert result.status == "completed"
     assert widths == [16, 16, 16]  # two train steps, one evaluation
+
+
+# -- gradient checkpointing (item 7) -------------------------------------------------------------------
+
+
+def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
+    cfg = transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=32,
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(seed)
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+@pytest.mark.parametrize("make", [lambda s: tiny_llama(s, vocab=32), tiny_gpt2], ids=["llama", "gpt2"])
+def test_gradient_checkpointing_trains_dpo_and_equals_the_plain_run(tmp_path, make):
+    items = random_pairs(4, 8, vocab=32)
+    runs = {}
+    for on in (False, True):
+        policy, ref = make(0), make(1)
+        attention = [m for n, m in policy.named_modules() if n.endswith(("layers.0.self_attn", "h.0.attn"))][0]
+        calls = []
+        attention.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+        args = args_for(tmp_path / str(on), max_steps=3, gradient_checkpointing=on, gradient_accumulation_steps=2,
+                        per_device_train_batch_size=2)
+        result = train(policy, args, items, data_collator=preference_collate(EOS),
+                       objective=dpo_objective(0.1, ref_params=params_of(ref)))
+        assert result.status == "completed"
+        runs[on] = (result, calls)
+    (plain, plain_calls), (ckpt, ckpt_calls) = runs[False], runs[True]
+    assert len(plain_calls) == 6 * 2  # 6 micro-batches: the policy's forward and the reference's
+    assert len(ckpt_calls) == 6 * 3  # ... and the policy's block once more, recomputed in the backward pass
+    for k in plain.state.params:
+        torch.testing.assert_close(ckpt.state.params[k], plain.state.params[k], rtol=1e-5, atol=1e-6)
+    losses = [[h["loss"] for h in r.log_history if "loss" in h] for r in (plain, ckpt)]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+
+
+# -- precompute_ref_log_probs (item 6d) ----------------------------------------------------------------
+
+
+def reference_counter(model: torch.nn.Module) -> list[str]:
+    """Record the model's forwards: "ref" without grad (a reference forward: precomputed, or in a train step), "eval"
+    under inference mode (evaluation: the policy, and the reference when it is not precomputed), "train" with grad."""
+    calls = []
+
+    def kind(*_):
+        calls.append("eval" if torch.is_inference_mode_enabled() else "train" if torch.is_grad_enabled() else "ref")
+
+    [m for n, m in model.named_modules() if n.endswith("layers.0.self_attn")][0].register_forward_hook(kind)
+    return calls
+
+
+def dpo_run(tmp_path, *, precompute, ref=True, resume=False, stop=None, max_steps=4, eval_dataset=None, **kw):
+    policy = tiny_llama(0, vocab=32)
+    calls = reference_counter(policy)
+    objective = dpo_objective(0.1, ref_params=params_of(tiny_llama(1, vocab=32)) if ref else None,
+                              precompute_ref_log_probs=precompute)
+    args = args_for(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=2, seed=3, **kw)
+    result = train(policy, args, datasets.Dataset.from_list(random_pairs(9, 8, vocab=32)), eval_dataset=eval_dataset,
+                   data_collator=preference_collate(EOS), objective=objective, resume_from_checkpoint=resume or None,
+                   stop=stop)
+    return result, {k: calls.count(k) for k in ("ref", "eval")}
+
+
+def test_precomputed_reference_is_computed_once_and_survives_stop_and_resume(tmp_path):
+    held_out = random_pairs(10, 4, vocab=32)  # sequential: the train micro-batches are the precompute's batches
+    eval_kw = dict(eval_dataset=held_out, eval_strategy="steps", eval_steps=2, train_sampling_strategy="sequential")
+    stopped, first = dpo_run(tmp_path / "run", precompute=True, stop=lambda s: int(s.step) >= 2, **eval_kw)
+    assert stopped.status == "stopped"
+    assert first == {"ref": 4 + 2, "eval": 2}  # 8 train, 4 eval pairs, 2 per forward; one evaluation: the policy
+    cached = sorted(p.name.split("-")[0] for p in (tmp_path / "run" / "ref_logps").iterdir())
+    assert cached == ["eval", "train"]
+    resumed, again = dpo_run(tmp_path / "run", precompute=True, resume=True, **eval_kw)
+    assert resumed.status == "completed"
+    assert again == {"ref": 0, "eval": 2}  # read back from output_dir/ref_logps: no reference forward
+    whole, _ = dpo_run(tmp_path / "whole", precompute=True, **eval_kw)
+    for k in whole.state.params:
+        assert torch.equal(resumed.state.params[k], whole.state.params[k]), k  # resume is bitwise
+    fly, forwards = dpo_run(tmp_path / "fly", precompute=False, **eval_kw)
+    assert forwards == {"ref": 4, "eval": 2 * 2 * 2}  # on the fly: per micro-batch, and per eval batch (2 evals)
+    for k in fly.state.params:  # precomputed = on the fly, bitwise (same batches here; eval mode = train mode)
+        assert torch.equal(whole.state.params[k], fly.state.params[k]), k
+    evals = [[h for h in r.log_history if "eval_loss" in h][-1] for r in (whole, fly)]
+    assert evals[0]["eval_rewards/margins"] == evals[1]["eval_rewards/margins"]
+
+
+def test_precompute_in_other_batches_equals_the_reference_on_the_fly_to_1e6(tmp_path):
+    # The precompute pads 3 pairs per forward where training pads 2: float32 rounding, not bitwise.
+    from trainfold.dpo_reference import reference_logps
+
+    model, ref, rows = tiny_llama(0, vocab=32), params_of(tiny_llama(1, vocab=32)), random_pairs(9, 8, vocab=32)
+    threes = reference_logps(model, ref, rows, preference_collate(EOS), batch_size=3)
+    twos = reference_logps(model, ref, rows, preference_collate(EOS), batch_size=2)
+    for a, b in zip(threes, twos):
+        assert ((a - b).abs() / b.abs()).max().item() <= 1e-6  # measured: 1.7e-7 relative (3.8e-6 absolute on -20)
+    fly, _ = dpo_run(tmp_path / "fly", precompute=False, max_steps=3)
+    obj = dpo_objective(0.1, ref_params=ref, precompute_ref_log_probs=True, precompute_ref_batch_size=3)
+    args = args_for(tmp_path / "pre", max_steps=3, save_strategy="steps", save_steps=2, seed=3)
+    pre = train(model, args, datasets.Dataset.from_list(rows), data_collator=preference_collate(EOS), objective=obj)
+    losses = [[h["loss"] for h in r.log_history if "loss" in h] for r in (pre, fly)]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
+    for k in fly.state.params:
+        torch.testing.assert_close(pre.state.params[k], fly.state.params[k], rtol=1e-5, atol=1e-5)
+
+
+def test_without_ref_params_the_reference_is_the_model_before_training(tmp_path):
+    initial, _ = dpo_run(tmp_path / "a", precompute=True, ref=False, max_steps=2, train_sampling_strategy="sequential")
+    policy = tiny_llama(0, vocab=32)
+    args = args_for(tmp_path / "b", max_steps=2, save_strategy="steps", save_steps=2, seed=3,
+                    train_sampling_strategy="sequential")
+    explicit = train(policy, args,
+                     datasets.Dataset.from_list(random_pairs(9, 8, vocab=32)), data_collator=preference_collate(EOS),
+                     objective=dpo_objective(0.1, ref_params=params_of(tiny_llama(0, vocab=32))))
+    for k in explicit.state.params:
+        assert torch.equal(initial.state.params[k], explicit.state.params[k]), k
+    assert initial.log_history[0]["loss"] == pytest.approx(0.693147, abs=1e-6)  # policy == reference at step 1
+
+
+def test_the_cache_is_keyed_by_data_and_reference_and_never_trusts_a_bad_file(tmp_path):
+    from trainfold.dpo_reference import prepare_reference, reference_fingerprint
+
+    model = tiny_llama(0, vocab=32)
+    rows = random_pairs(2, 4, vocab=32)
+    collate = preference_collate(EOS)
+    ref = params_of(tiny_llama(1, vocab=32))
+    base = reference_fingerprint(rows, model, ref, collate)
+    assert base == reference_fingerprint(datasets.Dataset.from_list(rows), model, ref, collate)  # contents, not ids
+    assert base != reference_fingerprint(rows[::-1], model, ref, collate)
+    assert base != reference_fingerprint(rows, model, {**ref, "lm_head.weight": ref["lm_head.weight"] + 1}, collate)
+    obj = dpo_objective(0.1, ref_params=ref, precompute_ref_log_probs=True)
+    calls = reference_counter(model)
+
+    def prepare():
+        return prepare_reference(obj, model, rows, None, collate, output_dir=tmp_path, device=torch.device("cpu"),
+                                 train_batch_size=2, eval_batch_size=2)
+
+    prepared, train_rows, _ = prepare()
+    assert prepared.ref_params is None and calls == ["ref", "ref"] and "ref_chosen_logps" in train_rows[0]
+    assert "ref_chosen_logps" not in rows[0]  # nothing passed in is changed
+    (cache,) = (tmp_path / "ref_logps").iterdir()
+    prepare()
+    assert len(calls) == 2  # read back
+    cache.write_bytes(b"not a safetensors file")
+    _, again, _ = prepare()
+    assert len(calls) == 4 and again == train_rows  # recomputed, the same numbers
+    with pytest.raises(TypeError, match="iterable dataset"):
+        prepare_reference(obj, model, iter(rows), None, collate, output_dir=tmp_path, device=torch.device("cpu"),
+                          train_batch_size=2, eval_batch_size=2)
+    with pytest.raises(ValueError, match="precompute_ref_batch_size=0"):
+        dpo_objective(0.1, precompute_ref_batch_size=0)

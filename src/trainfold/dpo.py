@@ -8,7 +8,8 @@ A sequence's log-prob is the *sum* over its completion tokens of the next-token 
 
 The reference is either a frozen param dict given to :func:`dpo_objective` (run with the same
 forward under ``no_grad``), or log-probs stored in the items once before training by
-:func:`precompute_ref_logps` (then training runs no reference forward at all).
+:func:`precompute_ref_logps` or, inside ``train``, by ``dpo_objective(precompute_ref_log_probs=True)``,
+cached beside the run (``trainfold.dpo_reference``); then training runs no reference forward at all.
 
 :func:`dpo_loss` is the per-pair loss; with ``Δ = (π_c − ref_c) − (π_r − ref_r)`` the default
 is ``−log σ(β·Δ)``: β multiplies the whole difference. The numbers match TRL 1.16's DPOTrainer.
@@ -28,13 +29,20 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from trainfold.chunked_loss import OutputHead, check_chunk_size, chunked_token_logps, output_head
-from trainfold.generate import functional_forward, token_logps
+from trainfold.chunked_loss import OutputHead, check_chunk_size, output_head
+from trainfold.dpo_logps import (
+    MODEL_KEYS,
+    PREFERENCE_COLUMNS,
+    REF_KEYS,
+    completion_logps,
+    halves,
+    sequence_logps,
+    token_means,
+)
+from trainfold.dpo_reference import precompute_ref_logps, prepare_reference
 from trainfold.losses import DPO_LOSS_TYPES as LOSS_TYPES
 from trainfold.losses import dpo as dpo_loss
 from trainfold.losses import dpo_loss_errors as _loss_errors
-from trainfold.losses import logits_of
-from trainfold.step import train_mode
 
 __all__ = [
     "LOSS_TYPES",
@@ -48,10 +56,6 @@ __all__ = [
     "preference_collate",
     "sequence_logps",
 ]
-
-PREFERENCE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")  # TRL 1.x's names for tokenized rows
-REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
-_MODEL_KEYS = ("input_ids", "attention_mask")
 
 
 # -- collation -----------------------------------------------------------------------------
@@ -146,77 +150,7 @@ def preference_collate(eos_token_id: int | None, pad_token_id: int = 0, max_leng
 # -- log-probs and the loss ----------------------------------------------------------------
 
 
-def sequence_logps(logits: Tensor, input_ids: Tensor, completion_mask: Tensor) -> Tensor:
-    """Return each row's summed log-prob of its completion tokens (position t scores token t+1).
-
-    >>> import torch
-    >>> logits = torch.zeros(1, 3, 4)  # uniform: each token has log-prob ln(1/4)
-    >>> round(sequence_logps(logits, torch.tensor([[1, 2, 3]]), torch.tensor([[0, 1, 1]])).item(), 4)
-    -2.7726
-    """
-    per_token = token_logps(logits, input_ids)
-    return (per_token * completion_mask[:, 1:].to(per_token.dtype)).sum(-1)
-
-
-def _position_stats(logits: Tensor, targets: Tensor) -> Tensor:
-    """Return ``(vocab-mean logit, entropy, top-1 hit)`` per position, zero where ``targets`` is -100 (TRL's fused head)."""
-    logits = logits.detach().float()
-    valid = (targets != -100).to(logits.dtype)
-    logp = logits.log_softmax(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    top1 = (logits.argmax(-1) == targets).to(logits.dtype)
-    return torch.stack([logits.mean(-1), entropy, top1], -1) * valid[..., None]
-
-
-def _row_stats(logits: Tensor | None, hidden: Tensor | None, head: OutputHead | None, params: Mapping[str, Tensor],
-               targets: Tensor, chunk_size: int) -> Tensor:
-    """Return each row's sums of :func:`_position_stats` over its completion tokens, ``(rows, 3)``, without grad."""
-    with torch.no_grad():
-        if logits is not None:
-            return _position_stats(logits[:, :-1], targets).sum(1)
-        assert hidden is not None and head is not None
-        weight, bias = head.weight(params).detach(), head.bias
-        h, y = hidden[:, :-1].detach().reshape(-1, hidden.shape[-1]).to(weight.dtype), targets.reshape(-1)
-        parts = []
-        for start in range(0, h.shape[0], chunk_size):
-            z = h[start:start + chunk_size] @ weight.T
-            parts.append(_position_stats(z if bias is None else z + bias, y[start:start + chunk_size]))
-        return torch.cat(parts).reshape(*targets.shape, 3).sum(1)
-
-
-def _completion_logps(forward: Callable[..., Any], params: Mapping[str, Tensor], inputs: Mapping[str, Tensor],
-                      batch: Mapping[str, Tensor], head: OutputHead | None, chunk_size: int,
-                      stats: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Return each row's completion log-prob (from the logits, or chunk by chunk from the hidden states), and with
-    ``stats`` its :func:`_row_stats`."""
-    targets = batch["input_ids"][:, 1:].masked_fill(batch["completion_mask"][:, 1:] == 0, -100)
-    if head is None:
-        logits = logits_of(forward(params, inputs))
-        logps = sequence_logps(logits, batch["input_ids"], batch["completion_mask"])
-        return logps, _row_stats(logits, None, None, params, targets, chunk_size) if stats else None
-    hidden = head.hidden(forward, params, inputs)
-    per_token = chunked_token_logps(hidden[:, :-1], head.weight(params), targets, bias=head.bias, chunk_size=chunk_size)
-    return per_token.sum(-1), _row_stats(None, hidden, head, params, targets, chunk_size) if stats else None
-
-
-def _token_means(stats: Tensor, lengths: tuple[Tensor, Tensor], weight: Tensor) -> dict[str, Tensor]:
-    """Return TRL's token-weighted metrics of a micro-batch (its token means), times ``weight``."""
-    (sc, sr), (nc, nr) = _halves(stats), lengths
-    tokens_c, tokens_r = nc.sum().clamp(min=1), nr.sum().clamp(min=1)
-    return {
-        "logits/chosen": sc[:, 0].sum() / tokens_c * weight,
-        "logits/rejected": sr[:, 0].sum() / tokens_r * weight,
-        "entropy": stats[:, 1].sum() / (nc.sum() + nr.sum()).clamp(min=1) * weight,
-        "mean_token_accuracy": sc[:, 2].sum() / tokens_c * weight,
-    }
-
-
 # -- the objective -------------------------------------------------------------------------
-
-
-def _halves(x: Tensor) -> tuple[Tensor, Tensor]:
-    n = x.shape[0] // 2
-    return x[:n], x[n:]
 
 
 def count_pairs(micro_batch: Mapping[str, Tensor]) -> Tensor:
@@ -264,11 +198,27 @@ class DPOObjective:
     ref_params: Mapping[str, Tensor] | None
     head: OutputHead | None = None  # set: log-probs chunk by chunk from the hidden states (loss_chunk_size)
     chunk_size: int = 0
+    precompute_ref_log_probs: bool = False  # train scores the datasets once, cached (trainfold.dpo_reference)
+    precompute_ref_batch_size: int | None = None
     columns = (*PREFERENCE_COLUMNS, *REF_KEYS)  # the item columns train keeps for it
 
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
         """Count the pairs of ``micro_batch``."""
         return count_pairs(micro_batch)
+
+    def prepare(self, model: nn.Module, args: Any, train_dataset: Any, eval_dataset: Any,
+                collate: Callable[[list[Any]], Any], device: torch.device) -> tuple[DPOObjective, Any, Any]:
+        """Return ``(objective, train_dataset, eval_dataset)`` for a run (``train`` calls it before the first step).
+
+        With ``precompute_ref_log_probs`` the datasets come back carrying the reference log-probs,
+        read from (or computed once into) ``args.output_dir/ref_logps/``, and the objective without
+        reference params (``trainfold.dpo_reference.prepare_reference``); else all as they are.
+        """
+        if not self.precompute_ref_log_probs:
+            return self, train_dataset, eval_dataset
+        return prepare_reference(self, model, train_dataset, eval_dataset, collate, output_dir=args.output_dir,
+                                 device=device, train_batch_size=args.per_device_train_batch_size,
+                                 eval_batch_size=args.per_device_eval_batch_size)
 
     def count_samples(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
         """Count the dataset rows of ``micro_batch`` (its pairs; evaluation's ``samples_per_second``)."""
@@ -280,11 +230,12 @@ class DPOObjective:
             if missing:
                 raise KeyError(
                     f"micro-batch lacks {missing} and dpo_objective has no ref_params: pass ref_params=..., "
-                    "or store reference log-probs in the items with precompute_ref_logps"
+                    "store reference log-probs in the items with precompute_ref_logps, or train with "
+                    "dpo_objective(precompute_ref_log_probs=True)"
                 )
             return micro["ref_chosen_logps"], micro["ref_rejected_logps"]
         with torch.no_grad():
-            return _halves(_completion_logps(forward, self.ref_params, inputs, micro, self.head, self.chunk_size)[0])
+            return halves(completion_logps(forward, self.ref_params, inputs, micro, self.head, self.chunk_size)[0])
 
     def __call__(
         self,
@@ -294,12 +245,12 @@ class DPOObjective:
         num_items_in_batch: Tensor,
         key: torch.Generator | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        inputs = {k: micro_batch[k] for k in _MODEL_KEYS if k in micro_batch}
-        logps, stats = _completion_logps(forward, params, inputs, micro_batch, self.head, self.chunk_size, stats=True)
-        chosen, rejected = _halves(logps)
+        inputs = {k: micro_batch[k] for k in MODEL_KEYS if k in micro_batch}
+        logps, stats = completion_logps(forward, params, inputs, micro_batch, self.head, self.chunk_size, stats=True)
+        chosen, rejected = halves(logps)
         ref_chosen, ref_rejected = self._ref_logps(forward, inputs, micro_batch)
         ref_chosen, ref_rejected = ref_chosen.to(chosen), ref_rejected.to(chosen)
-        lengths = _halves(micro_batch["completion_mask"][:, 1:].sum(-1).to(chosen.dtype))
+        lengths = halves(micro_batch["completion_mask"][:, 1:].sum(-1).to(chosen.dtype))
         losses = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type,
                           self.label_smoothing, *lengths)
         n = num_items_in_batch.to(chosen.dtype)
@@ -312,7 +263,7 @@ class DPOObjective:
             "rewards/margins": (reward_c - reward_r).sum() / n,
             "logps/chosen": chosen.detach().sum() / n,
             "logps/rejected": rejected.detach().sum() / n,
-            **_token_means(stats, lengths, chosen.shape[0] / n),
+            **token_means(stats, lengths, chosen.shape[0] / n),
         }
         return losses.sum() / n, aux
 
@@ -320,7 +271,7 @@ class DPOObjective:
                     micro_batch: Mapping[str, Tensor]) -> tuple[Any, Tensor]:
         """Return what ``compute_metrics`` scores, as TRL's ``prediction_step``: the policy's outputs on the batch
         rows (its chosen rows, then its rejected rows) and, as ``label_ids``, their ``input_ids``."""
-        return forward(params, {k: micro_batch[k] for k in _MODEL_KEYS if k in micro_batch}), micro_batch["input_ids"]
+        return forward(params, {k: micro_batch[k] for k in MODEL_KEYS if k in micro_batch}), micro_batch["input_ids"]
 
 
 def dpo_objective(
@@ -331,8 +282,16 @@ def dpo_objective(
     *,
     model: nn.Module | None = None,
     chunk_size: int | None = None,
+    precompute_ref_log_probs: bool = False,
+    precompute_ref_batch_size: int | None = None,
 ) -> DPOObjective:
     """Return the DPO objective; reference from ``ref_params`` (frozen) or from precomputed item columns.
+
+    ``precompute_ref_log_probs=True`` (TRL's name): ``train`` scores the train and eval sets with
+    the reference once, before the first step, ``precompute_ref_batch_size`` pairs at a time
+    (default: the per-device batch size), caches the values in ``output_dir/ref_logps/`` (a
+    resumed run reads them back) and trains without a reference forward. Without ``ref_params``
+    the reference is the model as ``train`` receives it (TRL's ``ref_model=None``).
 
     ``chunk_size`` (with ``model``, a transformers causal LM) computes the completion log-probs from
     the final hidden states ``chunk_size`` tokens at a time, never materialising the full logits.
@@ -360,43 +319,10 @@ def dpo_objective(
     if chunk_size is not None:
         check_chunk_size(chunk_size)
     head = None if chunk_size is None else output_head(model)
+    if precompute_ref_batch_size is not None and (isinstance(precompute_ref_batch_size, bool) or not isinstance(
+            precompute_ref_batch_size, int) or precompute_ref_batch_size < 1):
+        raise ValueError(f"precompute_ref_batch_size={precompute_ref_batch_size!r} must be a positive int or None")
     frozen = None if ref_params is None else {k: v.detach() for k, v in ref_params.items()}
     return DPOObjective(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, ref_params=frozen,
-                        head=head, chunk_size=chunk_size or 0)
-
-
-def precompute_ref_logps(
-    model: nn.Module,
-    ref_params: Mapping[str, Tensor],
-    items: Sequence[Mapping[str, Any]],
-    collate: PreferenceCollate,
-    batch_size: int = 16,
-    buffers: Mapping[str, Tensor] | None = None,
-) -> list[dict[str, Any]]:
-    """Return copies of ``items`` with ``ref_chosen_logps``/``ref_rejected_logps`` (floats) added.
-
-    One pass of the reference (``model`` run on ``ref_params``, eval mode, no grad) in item order.
-    The collator must be the one training uses, so the scored tokens are the same.
-
-    >>> import torch
-    >>> from trainfold.models import TinyLM, TinyLMConfig
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> items = [{"prompt_ids": [1], "chosen_ids": [4], "rejected_ids": [5]}]
-    >>> out = precompute_ref_logps(model, dict(model.named_parameters()), items, preference_collate(2))
-    >>> sorted(out[0]), "ref_chosen_logps" in items[0]
-    (['chosen_ids', 'prompt_ids', 'ref_chosen_logps', 'ref_rejected_logps', 'rejected_ids'], False)
-    """
-    if batch_size <= 0:
-        raise ValueError(f"batch_size={batch_size} must be a positive int")
-    forward = functional_forward(model, buffers)
-    params = {k: v.detach() for k, v in ref_params.items()}
-    out: list[dict[str, Any]] = []
-    with torch.no_grad(), train_mode(model, False):
-        for start in range(0, len(items), batch_size):
-            chunk = items[start : start + batch_size]
-            batch = collate([{k: v for k, v in it.items() if k not in REF_KEYS} for it in chunk])
-            logits = logits_of(forward(params, {k: batch[k] for k in _MODEL_KEYS}))
-            chosen, rejected = _halves(sequence_logps(logits, batch["input_ids"], batch["completion_mask"]))
-            for it, c, r in zip(chunk, chosen.tolist(), rejected.tolist()):
-                out.append({**it, "ref_chosen_logps": c, "ref_rejected_logps": r})
-    return out
+                        head=head, chunk_size=chunk_size or 0, precompute_ref_log_probs=bool(precompute_ref_log_probs),
+                        precompute_ref_batch_size=precompute_ref_batch_size)

@@ -475,8 +475,11 @@ def train(
     elif eval_dataset is not None and world_size > 1:
         raise NotImplementedError("evaluating an objective across ranks is not supported yet; evaluate after "
                                   "training in one process (trainfold.evaluate(..., objective=...)), or drop eval_dataset")
-    eval_objective = objective  # evaluation scores with the user's objective (no NEFTune noise)
     columns = _columns_of(model, args, data_collator, labels_required=objective is None, objective=objective)
+    if getattr(objective, "prepare", None) is not None:  # DPO: precomputed reference log-probs, cached in output_dir
+        objective, train_dataset, eval_dataset = objective.prepare(
+            model, args, train_dataset, eval_dataset, padded_to_multiple(data_collator, args.pad_to_multiple_of), device)
+    eval_objective = objective  # evaluation scores with the (prepared) user's objective: no NEFTune noise
     lm = lm_inputs(model, args, train_dataset, data_collator, compute_loss_func, objective)  # packing, chunked loss
     train_dataset, objective = lm.train_dataset, lm.objective
     collate = with_columns(padded_to_multiple(lm.data_collator, args.pad_to_multiple_of), columns)  # eval keeps data_collator
