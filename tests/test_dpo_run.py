@@ -121,8 +121,8 @@ def test_eval_over_uneven_batches_is_the_exact_pair_mean(trl_setup, tmp_path):
     assert mine["eval_loss"] == pytest.approx(whole["eval_loss"], abs=1e-5)
     for k in ("eval_loss", "eval_rewards/chosen", "eval_rewards/accuracies", "eval_logps/chosen", "eval_entropy"):
         assert mine[k] == pytest.approx((4 * first[k] + 2 * last[k]) / 6, abs=1e-5), k
-    assert whole["eval_rewards/chosen"] == pytest.approx((first["eval_rewards/chosen"] + last["eval_rewards/chosen"]) / 2,
-                                                        abs=1e-5)
+    plain_mean = (first["eval_rewards/chosen"] + last["eval_rewards/chosen"]) / 2
+    assert whole["eval_rewards/chosen"] == pytest.approx(plain_mean, abs=1e-5)
     assert mine["eval_samples_per_second"] > 0 and whole["eval_samples_per_second"] > 0
 
 
@@ -211,7 +211,7 @@ def test_eval_errors_name_the_fix(tmp_path):
 
 
 def tokenized_rows(n: int, vocab: int = 32) -> datasets.Dataset:
-    """Tokenized preference rows as TRL 1.16's DPOTrainer stores them (prompt_ids, chosen_ids, rejected_ids), plus text."""
+    """Tokenized preference rows as TRL 1.16's DPOTrainer stores them (prompt_ids, chosen_ids, rejected_ids) + text."""
     return datasets.Dataset.from_list([{**p, "prompt": "some text", "length_hint": "x"}
                                        for p in random_pairs(7, n, vocab)])
 
@@ -301,7 +301,7 @@ def test_training_arguments_pad_to_multiple_of_reaches_the_collators(tmp_path):
 
     recording.count_items, recording.columns = dpo.count_items, dpo.columns
     args = args_for(tmp_path, max_steps=2, pad_to_multiple_of=16, eval_strategy="steps", eval_steps=2)
-    result = train(tiny_llama(0, vocab=32), args, random_pairs(0, 4, vocab=32), eval_dataset=random_pairs(1, 2, vocab=32),
+    result = train(tiny_llama(0, vocab=32), args, random_pairs(0, 4, vocab=32), eval_dataset=random_pairs(1, 2, 32),
                    data_collator=preference_collate(EOS), objective=recording)
     assert result.status == "completed"
     assert widths == [16, 16, 16]  # two train steps, one evaluation
@@ -326,17 +326,17 @@ def test_gradient_checkpointing_trains_dpo_and_equals_the_plain_run(tmp_path, ma
         attention = [m for n, m in policy.named_modules() if n.endswith(("layers.0.self_attn", "h.0.attn"))][0]
         calls = []
         attention.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
-        args = args_for(tmp_path / str(on), max_steps=3, gradient_checkpointing=on, gradient_accumulation_steps=2,
+        args = args_for(tmp_path / str(on), max_steps=2, gradient_checkpointing=on, gradient_accumulation_steps=2,
                         per_device_train_batch_size=2)
         result = train(policy, args, items, data_collator=preference_collate(EOS),
                        objective=dpo_objective(0.1, ref_params=params_of(ref)))
         assert result.status == "completed"
         runs[on] = (result, calls)
     (plain, plain_calls), (ckpt, ckpt_calls) = runs[False], runs[True]
-    assert len(plain_calls) == 6 * 2  # 6 micro-batches: the policy's forward and the reference's
-    assert len(ckpt_calls) == 6 * 3  # ... and the policy's block once more, recomputed in the backward pass
-    for k in plain.state.params:
-        torch.testing.assert_close(ckpt.state.params[k], plain.state.params[k], rtol=1e-5, atol=1e-6)
+    assert len(plain_calls) == 4 * 2  # 4 micro-batches: the policy's forward and the reference's
+    assert len(ckpt_calls) == 4 * 3  # ... and the policy's block once more, recomputed in the backward pass
+    for k in plain.state.params:  # bitwise here (fp32 tolerance is all the issue asks)
+        assert torch.equal(ckpt.state.params[k], plain.state.params[k]), k
     losses = [[h["loss"] for h in r.log_history if "loss" in h] for r in (plain, ckpt)]
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
 
@@ -379,14 +379,11 @@ def test_precomputed_reference_is_computed_once_and_survives_stop_and_resume(tmp
     resumed, again = dpo_run(tmp_path / "run", precompute=True, resume=True, **eval_kw)
     assert resumed.status == "completed"
     assert again == {"ref": 0, "eval": 2}  # read back from output_dir/ref_logps: no reference forward
-    whole, _ = dpo_run(tmp_path / "whole", precompute=True, **eval_kw)
-    for k in whole.state.params:
-        assert torch.equal(resumed.state.params[k], whole.state.params[k]), k  # resume is bitwise
-    fly, forwards = dpo_run(tmp_path / "fly", precompute=False, **eval_kw)
-    assert forwards == {"ref": 4, "eval": 2 * 2 * 2}  # on the fly: per micro-batch, and per eval batch (2 evals)
-    for k in fly.state.params:  # precomputed = on the fly, bitwise (same batches here; eval mode = train mode)
-        assert torch.equal(whole.state.params[k], fly.state.params[k]), k
-    evals = [[h for h in r.log_history if "eval_loss" in h][-1] for r in (whole, fly)]
+    fly, forwards = dpo_run(tmp_path / "fly", precompute=False, **eval_kw)  # never stopped, reference on the fly
+    assert forwards == {"ref": 4, "eval": 2 * 2 * 2}  # per micro-batch, and per eval batch (2 evaluations)
+    for k in fly.state.params:  # stopped + resumed + precomputed = on the fly, bitwise (same batches; no dropout)
+        assert torch.equal(resumed.state.params[k], fly.state.params[k]), k
+    evals = [[h for h in r.log_history if "eval_loss" in h][-1] for r in (resumed, fly)]
     assert evals[0]["eval_rewards/margins"] == evals[1]["eval_rewards/margins"]
 
 

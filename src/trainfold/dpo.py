@@ -138,8 +138,8 @@ def preference_collate(eos_token_id: int | None, pad_token_id: int = 0, max_leng
     problems = []
     if max_length is not None and max_length < 2:
         problems.append(f"max_length={max_length} leaves no completion token to score; use None or >= 2")
-    if pad_to_multiple_of is not None and (isinstance(pad_to_multiple_of, bool) or not isinstance(pad_to_multiple_of, int)
-                                           or pad_to_multiple_of < 1):
+    multiple = pad_to_multiple_of
+    if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
         problems.append(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive int or None")
     if problems:
         raise ValueError("; ".join(problems))
@@ -227,6 +227,11 @@ class DPOObjective:
     def _ref_logps(self, forward: Callable[..., Any], inputs: Mapping[str, Tensor], micro: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
         if self.ref_params is None:
             missing = [k for k in REF_KEYS if k not in micro]
+            if missing and self.precompute_ref_log_probs:
+                raise KeyError(
+                    f"micro-batch lacks {missing}: dpo_objective(precompute_ref_log_probs=True) without ref_params "
+                    "takes the model before training as the reference, which only train has (it stores the values "
+                    "in the datasets it prepares); pass ref_params=... to score other data")
             if missing:
                 raise KeyError(
                     f"micro-batch lacks {missing} and dpo_objective has no ref_params: pass ref_params=..., "

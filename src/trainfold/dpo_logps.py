@@ -51,7 +51,7 @@ def sequence_logps(logits: Tensor, input_ids: Tensor, completion_mask: Tensor) -
 
 
 def _position_stats(logits: Tensor, targets: Tensor) -> Tensor:
-    """Return ``(vocab-mean logit, entropy, top-1 hit)`` per position, zero where ``targets`` is -100 (TRL's fused head)."""
+    """Return ``(vocab-mean logit, entropy, top-1 hit)`` per position, 0 where ``targets`` is -100 (as TRL's head)."""
     logits = logits.detach().float()
     valid = (targets != -100).to(logits.dtype)
     logp = logits.log_softmax(-1)

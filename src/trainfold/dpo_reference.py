@@ -55,7 +55,8 @@ def _items(dataset: Any, indices: range) -> list[Mapping[str, Any]]:
 def _check_sized(dataset: Any) -> None:
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         raise TypeError(f"precompute_ref_log_probs needs a map-style dataset, got {type(dataset).__name__} (an "
-                        "iterable dataset); pass a list or a datasets.Dataset, or precompute_ref_log_probs=False (as TRL)")
+                        "iterable dataset); pass a list or a datasets.Dataset, or precompute_ref_log_probs=False "
+                        "(as TRL)")
 
 
 def reference_logps(model: nn.Module, ref_params: Mapping[str, Tensor], dataset: Any,
@@ -151,7 +152,8 @@ def _column_digest(dataset: Any, h: Any) -> None:
                    for k in PREFERENCE_COLUMNS}
     else:
         rows = [dataset[i] for i in range(len(dataset))]
-        lists = {k: [r[k].tolist() if isinstance(r[k], Tensor) else list(r[k]) for r in rows] for k in PREFERENCE_COLUMNS}
+        lists = {k: [r[k].tolist() if isinstance(r[k], Tensor) else list(r[k]) for r in rows]
+                 for k in PREFERENCE_COLUMNS}
         columns = {k: ([len(v) for v in vs], [x for v in vs for x in v]) for k, vs in lists.items()}
     for k, (lengths, values) in columns.items():
         h.update(k.encode())

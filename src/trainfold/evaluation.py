@@ -607,8 +607,8 @@ def _evaluated(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str
                eval_accumulation_steps=eval_accumulation_steps, include=include, **run)
     speed = throughput(time.perf_counter() - start, out["samples"], out["batches"]) if speed_metrics else None
     loss = out["loss"] if out["labelled"] else None
-    metrics = final_metrics(out.get("tensors") or {}, loss, compute_metrics, prefix=prefix, as_numpy=as_numpy, speed=speed,
-                            objective_metrics=out["metrics"])
+    metrics = final_metrics(out.get("tensors") or {}, loss, compute_metrics, prefix=prefix, as_numpy=as_numpy,
+                            speed=speed, objective_metrics=out["metrics"])
     return out, metrics
 
 

@@ -247,8 +247,8 @@ def _evaluate_state(run: _Run, state: TrainState) -> list[dict[str, float]]:
             run.model, state.params, s.loader, objective=run.objective, buffers=state.buffers,
             compute_metrics=None if run.args.prediction_loss_only else run.compute_metrics,
             preprocess_logits_for_metrics=run.preprocess_logits_for_metrics, label_key=run.label_key,
-            eval_accumulation_steps=run.args.eval_accumulation_steps, prediction_loss_only=run.args.prediction_loss_only,
-            metric_key_prefix=s.prefix) for s in run.eval_batches]
+            eval_accumulation_steps=run.args.eval_accumulation_steps,
+            prediction_loss_only=run.args.prediction_loss_only, metric_key_prefix=s.prefix) for s in run.eval_batches]
     return [evaluate_sharded(
         run.model, state.params, s.loader, collective=s.collective, loss=run.loss, buffers=state.buffers,
         compute_metrics=None if run.args.prediction_loss_only else run.compute_metrics, preprocess_logits_for_metrics=run.preprocess_logits_for_metrics,
@@ -473,16 +473,17 @@ def train(
     if objective is None:
         refuse_unlabelled(train_dataset, loss)  # a fully masked dataset would train nothing, forever
     elif eval_dataset is not None and world_size > 1:
-        raise NotImplementedError("evaluating an objective across ranks is not supported yet; evaluate after "
-                                  "training in one process (trainfold.evaluate(..., objective=...)), or drop eval_dataset")
+        raise NotImplementedError("evaluating an objective across ranks is not supported yet; evaluate after training "
+                                  "in one process (trainfold.evaluate(..., objective=...)), or drop eval_dataset")
     columns = _columns_of(model, args, data_collator, labels_required=objective is None, objective=objective)
     if getattr(objective, "prepare", None) is not None:  # DPO: precomputed reference log-probs, cached in output_dir
         objective, train_dataset, eval_dataset = objective.prepare(
-            model, args, train_dataset, eval_dataset, padded_to_multiple(data_collator, args.pad_to_multiple_of), device)
+            model, args, train_dataset, eval_dataset, padded_to_multiple(data_collator, args.pad_to_multiple_of),
+            device)
     eval_objective = objective  # evaluation scores with the (prepared) user's objective: no NEFTune noise
     lm = lm_inputs(model, args, train_dataset, data_collator, compute_loss_func, objective)  # packing, chunked loss
     train_dataset, objective = lm.train_dataset, lm.objective
-    collate = with_columns(padded_to_multiple(lm.data_collator, args.pad_to_multiple_of), columns)  # eval keeps data_collator
+    collate = with_columns(padded_to_multiple(lm.data_collator, args.pad_to_multiple_of), columns)  # not for eval
     sampler = make_sampler(
         args.train_sampling_strategy, train_dataset, per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=world_size, rank=rank,
@@ -706,8 +707,8 @@ def predict(model: nn.Module, args: TrainingArguments, test_dataset: Any, *, sta
 
 
 def _eval_inputs(model: nn.Module, args: TrainingArguments, dataset: Any, state: TrainState | None,
-                 data_collator: Callable[..., Any] | None, objective: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                                                   Any, str]:
+                 data_collator: Callable[..., Any] | None,
+                 objective: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any, str]:
     """Return ``(params, buffers, batches, label_key)`` for ``evaluate``/``predict``: the state's or the model's."""
     device = _device(args)
     if state is None:
