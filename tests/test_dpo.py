@@ -278,3 +278,21 @@ def test_train_keeps_the_preference_columns_the_objective_reads(tmp_path):
                    objective=dpo_objective(0.1, ref_params=ref))
     assert result.status == "completed"
     assert all("rewards/margins" in h for h in result.log_history if "loss" in h)
+
+
+def test_token_metrics_of_a_uniform_policy_and_their_pair_weighting():
+    # Uniform logits over 16 tokens: vocabulary-mean logit 0, entropy ln 16, argmax token 0 (never a completion token).
+    def uniform(params, inputs):
+        return torch.zeros(*inputs["input_ids"].shape, 16)
+
+    lp = 2 * math.log(1 / 16)
+    item = {"prompt_ids": [1], "chosen_ids": [4], "rejected_ids": [5], "ref_chosen_logps": lp, "ref_rejected_logps": lp}
+    one, two = preference_collate(EOS)([item]), preference_collate(EOS)([item, item])
+    obj = dpo_objective(0.1)
+    total = {}
+    for micro in (one, two):  # a step of 3 pairs: each micro-batch's token means weighted by its pairs
+        _, aux = obj(uniform, {}, micro, torch.tensor(3))
+        total = {k: total.get(k, 0) + v for k, v in aux.items()}
+    assert total["entropy"].item() == pytest.approx(math.log(16), abs=1e-6)
+    assert total["logits/chosen"].item() == 0 and total["mean_token_accuracy"].item() == 0
+    assert total["rewards/margins"].item() == pytest.approx(0, abs=1e-6)  # the reference scores as the policy

@@ -451,3 +451,17 @@ def test_the_cache_is_keyed_by_data_and_reference_and_never_trusts_a_bad_file(tm
                           train_batch_size=2, eval_batch_size=2)
     with pytest.raises(ValueError, match="precompute_ref_batch_size=0"):
         dpo_objective(0.1, precompute_ref_batch_size=0)
+
+
+def test_predict_with_an_objective_returns_trls_predictions_and_metrics(tmp_path):
+    from trainfold import predict
+    from trainfold.models import TinyLM, TinyLMConfig
+
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16))
+    pairs = random_pairs(3, 3, vocab=32)
+    out = predict(model, args_for(tmp_path, per_device_eval_batch_size=2), pairs, data_collator=preference_collate(EOS),
+                  objective=dpo_objective(0.1, ref_params=params_of(model)))
+    assert out.predictions.shape[:2] == out.label_ids.shape and out.predictions.shape[0] == 6  # chosen + rejected
+    assert out.metrics["test_loss"] == pytest.approx(0.693147, abs=1e-6)  # policy == reference: ln 2
+    assert out.metrics["test_rewards/margins"] == 0
