@@ -449,6 +449,9 @@ def test_the_cache_is_keyed_by_data_and_reference_and_never_trusts_a_bad_file(tm
     with pytest.raises(TypeError, match="iterable dataset"):
         prepare_reference(obj, model, iter(rows), None, collate, output_dir=tmp_path, device=torch.device("cpu"),
                           train_batch_size=2, eval_batch_size=2)
+    with pytest.raises(ValueError, match="data_collator=preference_collate"):
+        prepare_reference(obj, model, rows, None, None, output_dir=tmp_path, device=torch.device("cpu"),
+                          train_batch_size=2, eval_batch_size=2)
     with pytest.raises(ValueError, match="precompute_ref_batch_size=0"):
         dpo_objective(0.1, precompute_ref_batch_size=0)
 

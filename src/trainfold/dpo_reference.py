@@ -232,7 +232,7 @@ def _cached(name: str, dataset: Any, model: nn.Module, ref_params: Mapping[str, 
 
 
 def prepare_reference(objective: Any, model: nn.Module, train_dataset: Any, eval_dataset: Any,
-                      collate: Callable[[list[Any]], Any], *, output_dir: str | os.PathLike, device: torch.device,
+                      collate: Callable[[list[Any]], Any] | None, *, output_dir: str | os.PathLike, device: torch.device,
                       train_batch_size: int, eval_batch_size: int) -> tuple[Any, Any, Any]:
     """Return ``(objective, train_dataset, eval_dataset)`` with the reference log-probs stored in the datasets.
 
@@ -241,6 +241,9 @@ def prepare_reference(objective: Any, model: nn.Module, train_dataset: Any, eval
     them; each is scored and cached under its own name. The returned objective holds no reference
     params, so training runs no reference forward and keeps no second copy of the weights.
     """
+    if collate is None:
+        raise ValueError("precompute_ref_log_probs=True scores the pairs through the run's collator: pass "
+                         "data_collator=preference_collate(eos_token_id=...) to train")
     ref = objective.ref_params
     if ref is None:
         ref = {k: v.detach().to(device) for k, v in model.named_parameters()}
