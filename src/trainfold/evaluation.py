@@ -339,11 +339,11 @@ def _run_batch(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
     return _BatchOut(loss_sum=loss_sum, count=count, num_samples=_num_samples(batch), tensors=tensors)
 
 
-def objective_items(objective: Any, batch: Mapping[str, Any], label_key: str = "labels",
+def _objective_items(objective: Any, batch: Mapping[str, Any], label_key: str = "labels",
                     count_labels: Callable[[Tensor], Tensor] | None = None) -> Tensor:
     """Count the items of an objective's batch as the step does: ``objective.count_items``, else its labels, else rows.
 
-    >>> objective_items(lambda *a: None, {"x": torch.zeros(3, 2)}).item()
+    >>> _objective_items(lambda *a: None, {"x": torch.zeros(3, 2)}).item()
     3
     """
     if hasattr(objective, "count_items"):
@@ -357,7 +357,7 @@ def objective_items(objective: Any, batch: Mapping[str, Any], label_key: str = "
 
 def _run_objective(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
     # The objective's loss and metrics are means over the count it is given: times the count, they are sums.
-    count = objective_items(plan.objective, batch, plan.label_key, plan.count_items)
+    count = _objective_items(plan.objective, batch, plan.label_key, plan.count_items)
     key = torch.Generator(device=plan.device or "cpu").manual_seed(0)
     loss, aux = plan.objective(plan.forward, plan.params, batch, count.to(plan.device or "cpu"), key)
     n = count.to(torch.float64)
