@@ -227,6 +227,8 @@ def test_remove_unused_columns_keeps_the_preference_columns_of_a_dataset(tmp_pat
     assert result.status == "completed" and "eval_rewards/margins" in result.log_history[-2]
     metrics = evaluate_run(policy, args, data, data_collator=preference_collate(EOS), objective=objective)
     assert "eval_rewards/chosen" in metrics
+    plain = evaluate_run(policy, args, data, data_collator=preference_collate(EOS))  # the collator's columns too
+    assert "eval_runtime" in plain and "eval_loss" not in plain  # no objective: nothing to score (no labels)
     with pytest.raises(KeyError, match="rename \\['prompt_input_ids'.*prompt_ids"):
         preference_collate(EOS)([{"prompt_input_ids": [1], "chosen_input_ids": [2], "rejected_input_ids": [3]}])
 

@@ -75,6 +75,7 @@ class PreferenceCollate:
     ([[1, 2, 3], [1, 4, 9]], [[0, 1, 1], [0, 1, 0]], [-2.0])
     """
 
+    columns = (*PREFERENCE_COLUMNS, *REF_KEYS)  # the item columns it reads: remove_unused_columns keeps them
     eos_token_id: int | None
     pad_token_id: int = 0
     max_length: int | None = None

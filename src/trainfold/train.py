@@ -156,7 +156,8 @@ def _columns_of(model: nn.Module, args: TrainingArguments, data_collator: Callab
     """Return which columns reach ``model`` (HF's ``remove_unused_columns``, ``label_names``; ``trainfold.columns``)."""
     return columns_for(model, label_names=args.label_names, remove_unused_columns=args.remove_unused_columns,
                        length_column_name=args.length_column_name, default_collator=data_collator is None,
-                       labels_required=labels_required, reads=getattr(objective, "columns", ()))
+                       labels_required=labels_required,
+                       reads=(*getattr(objective, "columns", ()), *getattr(data_collator, "columns", ())))
 
 
 def _to_device(batches: Iterable[StepBatch], device: torch.device) -> Iterator[StepBatch]:
