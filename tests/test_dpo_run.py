@@ -421,6 +421,24 @@ def test_without_ref_params_the_reference_is_the_model_before_training(tmp_path)
     assert initial.log_history[0]["loss"] == pytest.approx(0.693147, abs=1e-6)  # policy == reference at step 1
 
 
+def test_without_ref_params_a_resume_with_the_trained_module_is_refused_by_name(tmp_path):
+    # ref_params=None: the reference is the module as passed. Resuming with the module a first run trained
+    # must not score the trained weights as the reference (the cache of the untrained model does not match).
+    policy = tiny_llama(0, vocab=32)
+    rows = datasets.Dataset.from_list(random_pairs(9, 8, vocab=32))
+    objective = dpo_objective(0.1, precompute_ref_log_probs=True)
+    args = args_for(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, seed=3)
+    first = train(policy, args, rows, data_collator=preference_collate(EOS), objective=objective,
+                  stop=lambda s: int(s.step) >= 2)
+    assert first.status == "stopped"
+    with pytest.raises(ValueError, match="ref_params=None.*Pass ref_params="):
+        train(policy, args, rows, data_collator=preference_collate(EOS), objective=objective,
+              resume_from_checkpoint=True)
+    again = train(tiny_llama(0, vocab=32), args, rows, data_collator=preference_collate(EOS), objective=objective,
+                  resume_from_checkpoint=True)  # the untrained module again: its cached reference is read back
+    assert again.status == "completed"
+
+
 def test_the_cache_is_keyed_by_data_and_reference_and_never_trusts_a_bad_file(tmp_path):
     from trainfold.dpo_reference import prepare_reference, reference_fingerprint
 

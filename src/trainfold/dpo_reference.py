@@ -217,13 +217,29 @@ def _store(path: Path, fingerprint: str, chosen: Tensor, rejected: Tensor) -> No
     os.replace(tmp, path)
 
 
+def _refuse_other_reference(cache_dir: Path, name: str, path: Path) -> None:
+    """With ``ref_params=None`` the reference is the model as passed: after a run (or in a resume
+    that passes the trained module) that is not the model before training, so scoring it again
+    silently would train against the wrong reference."""
+    others = sorted(p.name for p in cache_dir.glob(f"{name}-*.safetensors") if p != path)
+    if others:
+        raise ValueError(
+            f"precompute_ref_log_probs=True with ref_params=None: {cache_dir} holds reference log-probs {others} "
+            f"of another reference model or dataset, and the model passed now would become the reference (after "
+            f"training, or when resuming with the trained module, it is not the model before training). Pass "
+            f"ref_params=<the reference weights> to dpo_objective, or delete {cache_dir} to score this model as "
+            f"the reference")
+
+
 def _cached(name: str, dataset: Any, model: nn.Module, ref_params: Mapping[str, Tensor], collate: Any,
             cache_dir: Path, batch_size: int, buffers: Mapping[str, Tensor], head: OutputHead | None,
-            chunk_size: int) -> Any:
+            chunk_size: int, model_is_reference: bool = False) -> Any:
     _check_sized(dataset)
     fingerprint = reference_fingerprint(dataset, model, ref_params, collate, chunk_size)
     path = cache_dir / f"{name}-{fingerprint[:20]}.safetensors"
     found = _load(path, fingerprint, len(dataset))
+    if found is None and model_is_reference:
+        _refuse_other_reference(cache_dir, name, path)
     if found is None:
         found = reference_logps(model, ref_params, dataset, collate, batch_size=batch_size, buffers=buffers,
                                 head=head, chunk_size=chunk_size)
@@ -245,13 +261,15 @@ def prepare_reference(objective: Any, model: nn.Module, train_dataset: Any, eval
         raise ValueError("precompute_ref_log_probs=True scores the pairs through the run's collator: pass "
                          "data_collator=preference_collate(eos_token_id=...) to train")
     ref = objective.ref_params
+    model_is_reference = ref is None
     if ref is None:
         ref = {k: v.detach().to(device) for k, v in model.named_parameters()}
     ref = {k: v.to(device) for k, v in ref.items()}
     buffers = {k: v.to(device) for k, v in model.named_buffers()}
     size = objective.precompute_ref_batch_size
     options = dict(model=model, ref_params=ref, collate=collate, cache_dir=Path(output_dir) / CACHE_DIR,
-                   buffers=buffers, head=objective.head, chunk_size=objective.chunk_size)
+                   buffers=buffers, head=objective.head, chunk_size=objective.chunk_size,
+                   model_is_reference=model_is_reference)
     train_dataset = _cached("train", train_dataset, batch_size=size or train_batch_size, **options)
     if isinstance(eval_dataset, Mapping):
         eval_dataset = {name: _cached(f"eval_{name}", ds, batch_size=size or eval_batch_size, **options)
