@@ -50,11 +50,13 @@ __all__ = [
     "RewardFunc",
     "Rollout",
     "combine_rewards",
+    "generation_metrics",
     "group_advantages",
     "grpo_objective",
     "grpo_trajectory",
     "make_rollout",
     "rollout_metrics",
+    "token_entropy",
 ]
 
 RewardFunc = Callable[..., Sequence[float | None]]
@@ -151,11 +153,68 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
     return torch.nan_to_num(adv.reshape(-1), nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def _nan_std(x: Tensor) -> Tensor:
+    return _nan_mean_std(x.reshape(1, -1), dim=1)[1].reshape(())
+
+
+def generation_metrics(
+    each: Tensor,
+    names: Sequence[str],
+    num_generations: int,
+    completion_lengths: Tensor,
+    truncated: Tensor,
+    weights: Sequence[float] | None = None,
+    scale_rewards: str = "group",
+) -> dict[str, Tensor]:
+    """Return the metrics TRL's ``GRPOTrainer`` logs for one generation, by its formulas.
+
+    ``each`` holds each reward function's rewards ``(rows, functions)`` (NaN: not scored);
+    ``rewards/{name}/mean`` and ``/std`` are their NaN-skipping mean and unbiased std;
+    ``reward`` and ``reward_std`` those of the weighted sum; ``frac_reward_zero_std`` the fraction
+    of rows whose group (``scale_rewards="batch"``: the whole batch) has zero std;
+    ``completions/{mean,min,max}_length`` over all completions, ``completions/clipped_ratio`` the
+    fraction that did not end (no EOS), and ``completions/{mean,min,max}_terminated_length`` over
+    those that did (0 when none did).
+
+    >>> each = torch.tensor([[1.0], [3.0], [2.0], [2.0]])
+    >>> m = generation_metrics(each, ["f"], 2, torch.tensor([4, 2, 3, 1]), torch.tensor([True, False, False, False]))
+    >>> {k: round(v.item(), 4) for k, v in m.items() if not k.startswith("completions/m")}
+    {'rewards/f/mean': 2.0, 'rewards/f/std': 0.8165, 'reward': 2.0, 'reward_std': 0.8165, 'frac_reward_zero_std': 0.5, 'completions/clipped_ratio': 0.25}
+    >>> m["completions/max_length"].item(), m["completions/max_terminated_length"].item()
+    (4.0, 3.0)
+    """
+    out: dict[str, Tensor] = {}
+    for k, name in enumerate(names):
+        column = each[:, k]
+        out[f"rewards/{name}/mean"] = column.nanmean()
+        out[f"rewards/{name}/std"] = _nan_std(column)
+    w = torch.tensor(list(weights) if weights is not None else [1.0] * each.shape[1], dtype=each.dtype)
+    total = torch.nansum(each * w, dim=1)
+    total[torch.isnan(each).all(dim=1)] = math.nan
+    if scale_rewards == "batch":
+        std = _nan_std(total).expand(total.shape[0])
+    else:
+        std = _nan_mean_std(total.reshape(-1, num_generations), dim=1)[1].repeat_interleave(num_generations)
+    out["reward"] = total.nanmean()
+    out["reward_std"] = _nan_std(total)
+    out["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().mean()
+    lengths = completion_lengths.float()
+    out["completions/mean_length"] = lengths.mean()
+    out["completions/min_length"] = lengths.min()
+    out["completions/max_length"] = lengths.max()
+    out["completions/clipped_ratio"] = truncated.float().mean()
+    ended = lengths[~truncated] if bool((~truncated).any()) else torch.zeros(1)
+    out["completions/mean_terminated_length"] = ended.mean()
+    out["completions/min_terminated_length"] = ended.min()
+    out["completions/max_terminated_length"] = ended.max()
+    return out
+
+
 # -- rollout: generate, score, record ------------------------------------------------------
 
 
-def _next_token_logps(forward: Callable[..., Any], params: Mapping[str, Tensor], inputs: Mapping[str, Tensor],
-                      head: OutputHead | None, chunk_size: int, temperature: float) -> Tensor:
+def next_token_logps(forward: Callable[..., Any], params: Mapping[str, Tensor], inputs: Mapping[str, Tensor],
+                     head: OutputHead | None, chunk_size: int, temperature: float) -> Tensor:
     """Return each next token's log-prob ``(batch, seq - 1)``: from the logits, or chunk by chunk from the hidden states."""
     ids = inputs["input_ids"]
     if head is None:
@@ -221,7 +280,7 @@ class Rollout:
 
     def _logps(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], ids: Tensor, mask: Tensor) -> Tensor:
         with torch.no_grad(), train_mode(self.model, False):
-            return _next_token_logps(functional_forward(self.model, buffers), params,
+            return next_token_logps(functional_forward(self.model, buffers), params,
                                      {"input_ids": ids, "attention_mask": mask}, self.head, self.chunk_size,
                                      self.temperature)
 
@@ -380,8 +439,8 @@ class GRPOObjective:
     ...          "completion_mask": torch.tensor([[0, 1, 1], [0, 1, 0]]), "advantages": torch.tensor([1.0, 0.5])}
     >>> uniform = lambda params, inputs: torch.zeros(*inputs["input_ids"].shape, 16)
     >>> loss, aux = obj(uniform, {}, batch, obj.count_items(batch))
-    >>> loss.item(), sorted(aux), aux["clip_ratio/region_mean"].item()
-    (-0.75, ['clip_ratio/high_mean', 'clip_ratio/low_mean', 'clip_ratio/region_mean'], 0.0)
+    >>> loss.item(), sorted(aux)[:2], aux["clip_ratio/region_mean"].item(), round(aux["entropy"].item(), 4)
+    (-0.75, ['clip_ratio/high_mean', 'clip_ratio/low_mean'], 0.0, 2.7726)
     """
 
     loss_type: str
@@ -424,7 +483,14 @@ class GRPOObjective:
         key: torch.Generator | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         inputs = {k: micro_batch[k] for k in _MODEL_KEYS if k in micro_batch}
-        logps = _next_token_logps(forward, params, inputs, self.head, self.chunk_size, self.temperature)
+        entropy = None
+        if self.head is None:
+            logits = logits_of(forward(params, inputs))
+            logps = token_logps(logits, inputs["input_ids"], self.temperature)
+            with torch.no_grad():
+                entropy = token_entropy(logits[:, :-1], self.temperature)
+        else:
+            logps = next_token_logps(forward, params, inputs, self.head, self.chunk_size, self.temperature)
         mask = micro_batch["completion_mask"][:, 1:].to(logps.dtype)
         old = micro_batch.get("old_logps")
         old = logps.detach() if old is None else old.to(logps)
@@ -434,7 +500,12 @@ class GRPOObjective:
         per_token = -torch.min(ratio * adv, clipped * adv)
         n = num_items_in_batch.to(logps.dtype)
         block = _block_size(micro_batch, "generation_micro_batches").to(logps) if self.loss_type == "dapo" else None
-        aux: dict[str, Tensor] = {}
+        if "step_micro_batches" in micro_batch:  # TRL's metrics: token means per micro-batch, averaged over the step
+            share = 1 / micro_batch["step_micro_batches"][0].to(logps)
+            metric = lambda x: (x * mask).sum() / mask.sum().clamp(min=1) * share  # noqa: E731
+        else:  # aggregated like the loss
+            metric = lambda x: self._aggregate(x, mask, n, block)  # noqa: E731
+        aux: dict[str, Tensor] = {} if entropy is None else {"entropy": metric(entropy)}
         if self.beta != 0:
             if "ref_logps" not in micro_batch:
                 raise KeyError("grpo_objective has beta != 0 but the micro-batch has no 'ref_logps': pass ref_params to make_rollout")
@@ -443,13 +514,23 @@ class GRPOObjective:
             if self.kl_bias_correction:
                 kl = kl * ratio
             per_token = per_token + self.beta * kl
-            aux["kl"] = self._aggregate(kl.detach(), mask, n, block)
+            aux["kl"] = metric(kl.detach())
         low = ((ratio < 1 - self.epsilon) & (adv < 0)).to(logps.dtype)
         high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).to(logps.dtype)
-        aux["clip_ratio/low_mean"] = self._aggregate(low, mask, n, block)
-        aux["clip_ratio/high_mean"] = self._aggregate(high, mask, n, block)
-        aux["clip_ratio/region_mean"] = self._aggregate(low + high, mask, n, block)
+        aux["clip_ratio/low_mean"] = metric(low)
+        aux["clip_ratio/high_mean"] = metric(high)
+        aux["clip_ratio/region_mean"] = metric(low + high)
         return self._aggregate(per_token, mask, n, block), aux
+
+
+def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Return the entropy of each position's next-token distribution ``softmax(logits / temperature)``.
+
+    >>> [round(h, 4) for h in token_entropy(torch.zeros(1, 2, 4))[0].tolist()]  # uniform over 4: ln 4
+    [1.3863, 1.3863]
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def _block_size(micro_batch: Mapping[str, Tensor], key: str) -> Tensor:
