@@ -46,6 +46,7 @@ from trainfold.step import derive_seed
 __all__ = [
     "KeyedCollate",
     "PadCollate",
+    "StateStream",
     "StepBatch",
     "close_loader",
     "eval_loader",
@@ -620,3 +621,31 @@ def _generate_block(
         start += len(step)
     for _ in range(num_iterations):
         yield from steps
+
+
+@attrs.frozen
+class StateStream:
+    """A training stream whose steps are made from the state they start from (GRPO's generations).
+
+    ``steps(cursor)`` yields one item per optimizer step from a data cursor, forever (the run's
+    stop predicates end it); ``prepare(state, item) -> (state, batch)`` turns an item into the
+    step's micro-batches (a ``StepBatch`` carrying the cursor after the step) with the latest
+    state, and may return that state with new ``metrics``/``extras`` (a buffer the checkpoint must
+    hold). ``extras`` are the entries the run's first state needs (the template a checkpoint loads
+    into); ``steps_per_epoch`` and ``samples_per_step`` (``None``: unknown) do what the sampler's do;
+    ``evaluate(state) -> metrics`` (optional) replaces the run's evaluation. ``train(...,
+    train_stream=...)`` runs it.
+
+    >>> from trainfold.state import TrainState
+    >>> s = StateStream(steps=lambda cursor: iter([1, 2]), prepare=lambda state, item: (state, [item]),
+    ...                 steps_per_epoch=2, samples_per_step=1)
+    >>> list(s.steps(Cursor())), s.prepare(None, 1)
+    ([1, 2], (None, [1]))
+    """
+
+    steps: Callable[[Cursor], Iterable[Any]]
+    prepare: Callable[[Any, Any], tuple[Any, Any]]
+    steps_per_epoch: int | None
+    samples_per_step: int | None
+    extras: Mapping[str, Any] = attrs.field(factory=dict)
+    evaluate: Callable[[Any], Mapping[str, float]] | None = None

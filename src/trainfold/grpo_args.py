@@ -71,7 +71,7 @@ def _trl_problem(name: str, value: Any) -> str | None:
 
 def _check_grpo(args: GRPOArguments) -> list[str]:
     out = []
-    b, ga, g = args.per_device_train_batch_size, args.gradient_accumulation_steps, args.num_generations
+    b, g = args.per_device_train_batch_size, args.num_generations
     if args.steps_per_generation is not None and args.generation_batch_size is not None:
         out.append("set steps_per_generation or generation_batch_size, not both (as in TRL)")
     elif args.generation_batch_size is not None and (args.generation_batch_size < 1 or args.generation_batch_size % b):
