@@ -26,6 +26,7 @@ the same numbers, whatever the worker, batch or resume point.
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import signal
@@ -550,8 +551,8 @@ def _repeat_rows(micro: Any, times: int) -> Any:
         return {k: _repeat_rows(v, times) for k, v in micro.items()}
     if isinstance(micro, Tensor):
         return micro.repeat_interleave(times, dim=0)
-    if isinstance(micro, (list, tuple)):
-        return type(micro)(x for x in micro for _ in range(times))
+    if isinstance(micro, (list, tuple)):  # each repeat its own object: a reward function may change one
+        return type(micro)(copy.deepcopy(x) for x in micro for _ in range(times))
     raise TypeError(f"cannot repeat rows of a {type(micro).__name__}; prompts must be dicts, tensors or lists")
 
 
