@@ -556,29 +556,29 @@ def _repeat_rows(micro: Any, times: int) -> Any:
     raise TypeError(f"cannot repeat rows of a {type(micro).__name__}; prompts must be dicts, tensors or lists")
 
 
-def _block_ends(step: Any, filled: int, steps_per_generation: int) -> bool:
+def _block_ends(step: Any, filled: int, optimizer_steps_per_generation: int) -> bool:
     cursor = getattr(step, "cursor", None)
     if cursor is None:
-        return filled == steps_per_generation
-    return filled == steps_per_generation or int(cursor.position) % steps_per_generation == 0
+        return filled == optimizer_steps_per_generation
+    return filled == optimizer_steps_per_generation or int(cursor.position) % optimizer_steps_per_generation == 0
 
 
 def generation_batches(
     prompt_stream: Iterable[Sequence[Any]],
     generate: Callable[[list[Any]], Sequence[Any]],
-    steps_per_generation: int,
+    optimizer_steps_per_generation: int,
     num_generations: int = 1,
     num_iterations: int = 1,
 ) -> Iterator[tuple[Any, ...]]:
     """Yield optimizer steps of generated data, calling ``generate`` once per block of steps.
 
-    A block gathers the prompt micro-batches of ``steps_per_generation`` steps of
+    A block gathers the prompt micro-batches of ``optimizer_steps_per_generation`` steps of
     ``prompt_stream`` (rows repeated ``num_generations`` times, consecutively), calls
     ``generate(micro_batches)`` once on all of them, which returns one generated micro-batch per
     prompt micro-batch, and yields the result split back into the block's steps: a StepBatch
     with the prompt step's cursor and indices (prompt indices, not repeated), or a plain tuple
     when the prompt steps carry no cursor. Blocks end where a step's cursor position is a multiple of
-    ``steps_per_generation`` and at each epoch end, so a resumed stream re-forms the same blocks
+    ``optimizer_steps_per_generation`` and at each epoch end, so a resumed stream re-forms the same blocks
     from the next boundary; the last block may be shorter. With ``num_iterations`` > 1 each block's
     steps are yielded that many times over, in the same order (TRL's ``num_iterations``); every
     pass carries the prompt steps' cursors, so a stream resumed from a step's cursor continues after
@@ -589,15 +589,15 @@ def generation_batches(
     >>> [list(step) for step in out]
     [[[10, 10], [20, 20]], [[30, 30], [40, 40]], [[50, 50], [60, 60]]]
     """
-    if steps_per_generation <= 0 or num_generations <= 0 or num_iterations <= 0:
+    if optimizer_steps_per_generation <= 0 or num_generations <= 0 or num_iterations <= 0:
         raise ValueError(
-            f"steps_per_generation={steps_per_generation}, num_generations={num_generations} and "
+            f"optimizer_steps_per_generation={optimizer_steps_per_generation}, num_generations={num_generations} and "
             f"num_iterations={num_iterations} must be positive ints"
         )
     block: list[Any] = []
     for step in prompt_stream:
         block.append(step)
-        if _block_ends(step, len(block), steps_per_generation):
+        if _block_ends(step, len(block), optimizer_steps_per_generation):
             yield from _generate_block(block, generate, num_generations, num_iterations)
             block = []
     if block:

@@ -12,9 +12,11 @@ The pieces:
   advantages, and the old policy's and reference's per-token log-probs when they are needed;
 * :func:`grpo_objective`: the clipped surrogate (``epsilon`` per token) plus ``beta``·KL(k3) to
   the reference, normalised as ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``; plugs into ``make_step``;
-* :func:`grpo_trajectory`: the training loop: ``data.generation_batches`` draws the prompts of
-  ``steps_per_generation`` optimizer steps, generates once with the latest state, and feeds the
-  step one slice of that buffer per optimizer step.
+* :func:`grpo_trajectory`: a hand-written loop for research code: ``data.generation_batches``
+  draws the prompts of ``optimizer_steps_per_generation`` optimizer steps (not TRL's micro-step
+  ``steps_per_generation``), generates once with the latest state, and feeds the step one slice
+  of that buffer per optimizer step. The run with TRL's semantics, checkpoints and resume is
+  ``trainfold.grpo_run.train``.
 
 Per-token tensors are laid out like the rows: ``input_ids`` is ``prompt + completion`` per row,
 right-padded, and per-token log-probs have shape ``(rows, seq - 1)`` (position t scores token
@@ -260,7 +262,7 @@ class Rollout:
     encode: Callable[[Any], list[int]]
     decode: Callable[[list[int]], Any]
     num_generations: int
-    steps_per_generation: int
+    optimizer_steps_per_generation: int
     num_iterations: int
     max_new_tokens: int
     temperature: float
@@ -276,7 +278,7 @@ class Rollout:
     @property
     def records_old_logps(self) -> bool:
         """Whether the buffer outlives one optimizer step, so the sampling policy's log-probs are kept."""
-        return self.steps_per_generation * self.num_iterations > 1
+        return self.optimizer_steps_per_generation * self.num_iterations > 1
 
     def _logps(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], ids: Tensor, mask: Tensor) -> Tensor:
         with torch.no_grad(), train_mode(self.model, False):
@@ -350,7 +352,7 @@ def make_rollout(
     decode: Callable[[list[int]], Any],
     num_generations: int,
     max_new_tokens: int,
-    steps_per_generation: int = 1,
+    optimizer_steps_per_generation: int = 1,
     num_iterations: int = 1,
     temperature: float = 1.0,
     eos_token_id: int | None = None,
@@ -371,7 +373,7 @@ def make_rollout(
     returns one micro-batch per prompt micro-batch with ``input_ids``, ``attention_mask``,
     ``completion_mask``, ``advantages``, ``rewards``, ``rewards/<function name>``, the block's
     ``generation_tokens`` and ``generation_micro_batches`` (on every row; ``dapo`` reads them), and
-    ``old_logps`` when the buffer outlives the step that generated it (``steps_per_generation``
+    ``old_logps`` when the buffer outlives the step that generated it (``optimizer_steps_per_generation``
     or ``num_iterations`` above 1) and ``ref_logps`` when ``ref_params`` is given.
     ``num_iterations`` (TRL's μ) trains on each block that many times, in the same order.
     ``chunk_size`` (a transformers causal LM) scores the old and reference log-probs ``chunk_size``
@@ -402,8 +404,8 @@ def make_rollout(
         problems.append(f"got {len(reward_weights)} reward_weights for {len(funcs)} reward functions")
     if num_generations < 2:
         problems.append(f"num_generations={num_generations} must be >= 2 (advantages compare completions of one prompt)")
-    if steps_per_generation < 1:
-        problems.append(f"steps_per_generation={steps_per_generation} must be >= 1")
+    if optimizer_steps_per_generation < 1:
+        problems.append(f"optimizer_steps_per_generation={optimizer_steps_per_generation} must be >= 1")
     if num_iterations < 1:
         problems.append(f"num_iterations={num_iterations} must be >= 1")
     if scale_rewards not in SCALE_REWARDS:
@@ -416,7 +418,8 @@ def make_rollout(
         raise ValueError("invalid rollout settings: " + "; ".join(problems))
     return Rollout(
         model=model, reward_funcs=funcs, encode=encode, decode=decode, num_generations=num_generations,
-        steps_per_generation=steps_per_generation, num_iterations=num_iterations, max_new_tokens=max_new_tokens, temperature=temperature,
+        optimizer_steps_per_generation=optimizer_steps_per_generation, num_iterations=num_iterations,
+        max_new_tokens=max_new_tokens, temperature=temperature,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         reward_weights=None if reward_weights is None else tuple(float(w) for w in reward_weights),
         scale_rewards=scale_rewards,
@@ -483,14 +486,18 @@ class GRPOObjective:
         key: torch.Generator | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         inputs = {k: micro_batch[k] for k in _MODEL_KEYS if k in micro_batch}
-        entropy = None
         if self.head is None:
             logits = logits_of(forward(params, inputs))
             logps = token_logps(logits, inputs["input_ids"], self.temperature)
             with torch.no_grad():
                 entropy = token_entropy(logits[:, :-1], self.temperature)
-        else:
-            logps = next_token_logps(forward, params, inputs, self.head, self.chunk_size, self.temperature)
+        else:  # chunk by chunk from the hidden states: the entropy too, never the full logits
+            hidden = self.head.hidden(forward, params, inputs)
+            weight, ids = self.head.weight(params), inputs["input_ids"]
+            logps = chunked_token_logps(hidden[:, :-1], weight, ids[:, 1:], bias=self.head.bias,
+                                        chunk_size=self.chunk_size, temperature=self.temperature)
+            with torch.no_grad():
+                entropy = _chunked_entropy(hidden[:, :-1], weight, self.head.bias, self.chunk_size, self.temperature)
         mask = micro_batch["completion_mask"][:, 1:].to(logps.dtype)
         old = micro_batch.get("old_logps")
         old = logps.detach() if old is None else old.to(logps)
@@ -505,7 +512,7 @@ class GRPOObjective:
             metric = lambda x: (x * mask).sum() / mask.sum().clamp(min=1) * share  # noqa: E731
         else:  # aggregated like the loss
             metric = lambda x: self._aggregate(x, mask, n, block)  # noqa: E731
-        aux: dict[str, Tensor] = {} if entropy is None else {"entropy": metric(entropy)}
+        aux: dict[str, Tensor] = {"entropy": metric(entropy)}
         if self.beta != 0:
             if "ref_logps" not in micro_batch:
                 raise KeyError("grpo_objective has beta != 0 but the micro-batch has no 'ref_logps': pass ref_params to make_rollout")
@@ -531,6 +538,15 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     """
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def _chunked_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_size: int, temperature: float) -> Tensor:
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    parts = []
+    for start in range(0, flat.shape[0], chunk_size):
+        logits = flat[start:start + chunk_size] @ weight.T
+        parts.append(token_entropy(logits if bias is None else logits + bias, temperature))
+    return torch.cat(parts).reshape(hidden.shape[:-1])
 
 
 def _block_size(micro_batch: Mapping[str, Tensor], key: str) -> Tensor:
@@ -566,7 +582,7 @@ def grpo_objective(
     * ``dr_grpo``: the token sum over ``completions × max_completion_length``;
     * ``dapo`` (TRL's default): the token sum over the generation block's completion tokens per
       optimizer step (its total over all ranks divided by the optimizer steps it feeds). With one
-      optimizer step per generation (``steps_per_generation=1``) this is ``bnpo``; with more, every
+      optimizer step per generation (``optimizer_steps_per_generation=1``) this is ``bnpo``; with more, every
       step of a block has the same normaliser, as in TRL.
 
     Metrics ``clip_ratio/{low,high,region}_mean`` (and ``kl`` when ``beta != 0``) are aggregated
@@ -631,16 +647,17 @@ def grpo_trajectory(
     """Yield the state after each optimizer step of GRPO training (lazily; see ``fold.trajectory``).
 
     ``prompt_stream`` yields one optimizer step of prompt micro-batches at a time (e.g.
-    ``data.stream``); ``data.generation_batches`` groups ``rollout.steps_per_generation`` steps,
-    calls ``rollout`` once on the block with the state reached so far, and feeds the step one
+    ``data.stream``); ``data.generation_batches`` groups ``rollout.optimizer_steps_per_generation``
+    steps, calls ``rollout`` once on the block with the state reached so far, and feeds the step one
     slice per optimizer step (``rollout.num_iterations`` passes over the block). Each yielded
     state's metrics add :func:`rollout_metrics` of the slice it trained on.
 
     Resuming from a state saved at a generation boundary (``state.step`` a multiple of
-    ``steps_per_generation × num_iterations``), with the prompt stream rebuilt from its cursor, is
-    bitwise equal to not stopping. From inside a block, the rest of the block is generated anew
-    with the resumed state (and passes not yet run are skipped), so save checkpoints at those
-    multiples.
+    ``optimizer_steps_per_generation × num_iterations``), with the prompt stream rebuilt from its
+    cursor, is bitwise equal to not stopping. From inside a block, the rest of the block is
+    generated anew with the resumed state (and passes not yet run are skipped), so save
+    checkpoints at those multiples, or use ``trainfold.grpo_run.train``, which keeps the block in
+    the state.
 
     >>> import torch
     >>> from trainfold import make_step
@@ -670,6 +687,7 @@ def grpo_trajectory(
         latest[0] = new
         return new
 
-    batches = generation_batches(prompt_stream, generate_block, rollout.steps_per_generation, rollout.num_generations,
+    batches = generation_batches(prompt_stream, generate_block, rollout.optimizer_steps_per_generation,
+                                 rollout.num_generations,
                                  getattr(rollout, "num_iterations", 1))
     yield from trajectory(observed, state, batches, stop)
