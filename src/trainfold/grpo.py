@@ -62,6 +62,19 @@ __all__ = [
 ]
 
 RewardFunc = Callable[..., Sequence[float | None]]
+
+
+def __getattr__(name: str) -> Any:
+    """``grpo.train`` and ``grpo.GRPOArguments``: the run (``grpo_run``, ``grpo_args``), which build on this module."""
+    if name == "train":
+        from trainfold.grpo_run import train
+
+        return train
+    if name == "GRPOArguments":
+        from trainfold.grpo_args import GRPOArguments
+
+        return GRPOArguments
+    raise AttributeError(f"module 'trainfold.grpo' has no attribute {name!r}")
 SCALE_REWARDS = ("group", "batch", "none")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 _MODEL_KEYS = ("input_ids", "attention_mask")

@@ -440,7 +440,9 @@ def train(
     objects (``trainfold.hf_callbacks``). Under ``torchrun`` it joins the process group itself
     (``collective=`` overrides), so N processes of batch B train as one of batch N×B. At the end
     ``model`` holds the final weights (the best ones with ``load_best_model_at_end``), as after
-    HF's ``trainer.train()``; a diverged run leaves the module as it was.
+    HF's ``trainer.train()``; a diverged run leaves the module as it was. ``train_stream`` (a
+    ``data.StateStream``) replaces the sampler and stream with steps made from the state they start
+    from: ``trainfold.grpo.train`` runs GRPO through it.
 
     >>> import tempfile, torch
     >>> from trainfold.models import TinyLM, TinyLMConfig
