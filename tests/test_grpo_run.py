@@ -155,7 +155,7 @@ def test_steps_per_generation_counts_micro_steps_like_trl(tmp_path):
 # -- resume inside a generation block ------------------------------------------------------
 
 
-@pytest.mark.parametrize("spg, iterations, stop_at", [(4, 1, 3), (2, 2, 1)])
+@pytest.mark.parametrize("spg, iterations, stop_at", [(2, 2, 1)])
 def test_resume_inside_a_generation_block_is_bitwise(tmp_path, spg, iterations, stop_at):
     calls = []
 
@@ -184,6 +184,31 @@ def test_resume_inside_a_generation_block_is_bitwise(tmp_path, spg, iterations, 
     for k in straight.state.params:
         assert torch.equal(straight.state.params[k], resumed.state.params[k]), k
     assert torch.equal(straight.state.extras[BUFFER].completion_ids, resumed.state.extras[BUFFER].completion_ids)
+
+
+def test_sigterm_inside_a_generation_block_saves_it_and_resumes_bitwise(tmp_path):
+    import os
+    import signal
+
+    calls = []
+
+    def interrupting(prompts, completions, **_):
+        calls.append(len(completions))
+        if len(calls) == 2:  # while step 3 generates: the JIT checkpoint after step 3 is inside its block
+            os.kill(os.getpid(), signal.SIGTERM)
+        return digit_sum(prompts, completions)
+
+    data = [{"prompt": str(d)} for d in range(8)]
+    args = grpo_args(tmp_path / "a", max_steps=4, gradient_accumulation_steps=2, steps_per_generation=4)
+    straight = train(lm(), args, data, digit_sum, encode=encode, decode=decode)
+    jit = args.replace(output_dir=str(tmp_path / "b"), enable_jit_checkpoint=True)
+    first = train(lm(), jit, data, interrupting, encode=encode, decode=decode)
+    assert first.status == "preempted" and first.global_step == 3 and first.last_checkpoint.name == "checkpoint-3"
+    calls.clear()
+    resumed = train(lm(), jit, data, interrupting, encode=encode, decode=decode, resume_from_checkpoint=True)
+    assert resumed.global_step == 4 and calls == []  # step 4 trained on the saved generation
+    for k in straight.state.params:
+        assert torch.equal(straight.state.params[k], resumed.state.params[k]), k
 
 
 # -- metrics -------------------------------------------------------------------------------

@@ -36,8 +36,8 @@ from trainfold.data import StepBatch, keyed, pad_collate, stream
 from trainfold.determinism import warm_up_kernels
 from trainfold.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
 from trainfold.evaluation import EvalPrediction
-from trainfold.grpo_args import GRPOArguments
 from trainfold.fold import any_of, fit, max_steps, max_time, trajectory
+from trainfold.grpo_args import GRPOArguments
 from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, sgd
 from trainfold.packing import pack, packed_collate, padding_free_collate
 from trainfold.samplers import Sampler, make_sampler

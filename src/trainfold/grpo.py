@@ -1,4 +1,4 @@
-"""GRPO-style online RL as plain functions: rewards, group-relative advantages, the clipped loss, the loop.
+"""GRPO-style online RL as plain functions: rewards, group-relative advantages, metrics, the clipped loss.
 
 The pieces:
 
@@ -7,16 +7,12 @@ The pieces:
 * :func:`group_advantages`: per group of ``num_generations`` completions of one prompt,
   ``(r − mean) / (std + 1e-4)`` (unbiased std; ``scale_rewards`` picks the group's std, the whole
   batch's std, or none);
-* :func:`make_rollout`: ``rollout(state, prompt_micro_batches) -> micro-batches``: samples the
-  completions with the state's params (seeded from the state), scores them, and stores
-  advantages, and the old policy's and reference's per-token log-probs when they are needed;
+* :func:`generation_metrics`: what TRL logs about one generation (rewards, their spread, lengths);
 * :func:`grpo_objective`: the clipped surrogate (``epsilon`` per token) plus ``beta``·KL(k3) to
   the reference, normalised as ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``; plugs into ``make_step``;
-* :func:`grpo_trajectory`: a hand-written loop for research code: ``data.generation_batches``
-  draws the prompts of ``optimizer_steps_per_generation`` optimizer steps (not TRL's micro-step
-  ``steps_per_generation``), generates once with the latest state, and feeds the step one slice
-  of that buffer per optimizer step. The run with TRL's semantics, checkpoints and resume is
-  ``trainfold.grpo_run.train``.
+* :func:`train` (``trainfold.grpo_run``): the run, with TRL's ``GRPOConfig`` names and generation
+  schedule, through ``trainfold.train``; ``make_rollout`` and ``grpo_trajectory``
+  (``trainfold.grpo_loop``): a hand-written loop for research code.
 
 Per-token tensors are laid out like the rows: ``input_ids`` is ``prompt + completion`` per row,
 right-padded, and per-token log-probs have shape ``(rows, seq - 1)`` (position t scores token
@@ -30,7 +26,7 @@ t+1), masked by ``completion_mask[:, 1:]``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -38,34 +34,32 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.chunked_loss import OutputHead, check_chunk_size, chunked_token_logps, output_head
-from trainfold.data import generation_batches
-from trainfold.fold import never, trajectory
-from trainfold.generate import functional_forward, generate, pad_right, token_logps
+from trainfold.generate import token_logps
 from trainfold.losses import logits_of
-from trainfold.state import TrainState
-from trainfold.step import derive_seed, train_mode
 
 __all__ = [
     "GRPO_LOSS_TYPES",
     "SCALE_REWARDS",
     "GRPOObjective",
     "RewardFunc",
-    "Rollout",
     "combine_rewards",
     "generation_metrics",
+    "reward_name",
     "group_advantages",
     "grpo_objective",
-    "grpo_trajectory",
-    "make_rollout",
-    "rollout_metrics",
+    "chunk_head",
+    "next_token_logps",
     "token_entropy",
 ]
 
 RewardFunc = Callable[..., Sequence[float | None]]
 
 
+_LOOP = ("Rollout", "make_rollout", "grpo_trajectory", "rollout_metrics")  # in grpo_loop
+
+
 def __getattr__(name: str) -> Any:
-    """``grpo.train`` and ``grpo.GRPOArguments``: the run (``grpo_run``, ``grpo_args``), which build on this module."""
+    """``grpo.train``, ``grpo.GRPOArguments`` and the hand loop (``grpo_run``, ``grpo_args``, ``grpo_loop``)."""
     if name == "train":
         from trainfold.grpo_run import train
 
@@ -74,17 +68,21 @@ def __getattr__(name: str) -> Any:
         from trainfold.grpo_args import GRPOArguments
 
         return GRPOArguments
+    if name in _LOOP:
+        from trainfold import grpo_loop
+
+        return getattr(grpo_loop, name)
     raise AttributeError(f"module 'trainfold.grpo' has no attribute {name!r}")
 SCALE_REWARDS = ("group", "batch", "none")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 _MODEL_KEYS = ("input_ids", "attention_mask")
-_GENERATION_TAG = 0x6E6E
 
 
 # -- rewards and advantages ----------------------------------------------------------------
 
 
-def _reward_name(fn: RewardFunc) -> str:
+def reward_name(fn: RewardFunc) -> str:
+    """Return a reward function's name in metrics: its ``__name__``, else its type's name."""
     return getattr(fn, "__name__", type(fn).__name__)
 
 
@@ -116,7 +114,7 @@ def combine_rewards(
         values = list(fn(list(prompts), list(completions), **cols))
         if len(values) != len(completions):
             raise ValueError(
-                f"reward function {_reward_name(fn)} returned {len(values)} values for {len(completions)} completions; "
+                f"reward function {reward_name(fn)} returned {len(values)} values for {len(completions)} completions; "
                 "it must return one float (or None) per completion"
             )
         scores.append([math.nan if v is None else float(v) for v in values])
@@ -225,7 +223,7 @@ def generation_metrics(
     return out
 
 
-# -- rollout: generate, score, record ------------------------------------------------------
+# -- log-probs -----------------------------------------------------------------------------
 
 
 def next_token_logps(forward: Callable[..., Any], params: Mapping[str, Tensor], inputs: Mapping[str, Tensor],
@@ -239,206 +237,14 @@ def next_token_logps(forward: Callable[..., Any], params: Mapping[str, Tensor], 
                                temperature=temperature)
 
 
-def _head(model: nn.Module | None, chunk_size: int | None, what: str) -> OutputHead | None:
+def chunk_head(model: nn.Module | None, chunk_size: int | None, what: str) -> OutputHead | None:
+    """Return ``model``'s output head for log-probs ``chunk_size`` tokens at a time (None: from the logits)."""
     if chunk_size is None:
         return None
     if model is None:
         raise ValueError(f"{what}(chunk_size=...) needs model= (the causal LM whose output embedding it applies)")
     check_chunk_size(chunk_size)
     return output_head(model)
-
-
-@attrs.frozen(eq=False)
-class Rollout:
-    """Turn prompt micro-batches into training micro-batches with the latest state; see :func:`make_rollout`.
-
-    >>> from trainfold import init_state, sgd
-    >>> from trainfold.models import TinyLM, TinyLMConfig
-    >>> _ = torch.manual_seed(0)
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> def length(prompts, completions, **_): return [float(len(c)) for c in completions]
-    >>> rollout = make_rollout(model, length, encode=lambda s: [1 + int(c) for c in s],
-    ...                        decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-    ...                        max_new_tokens=3)
-    >>> state = init_state(model, sgd(0.1))
-    >>> prompts = [{"prompt": ["12", "12"]}, {"prompt": ["3", "3"]}]  # 2 micro-batches, 2 generations each
-    >>> out = rollout(state, prompts)
-    >>> len(out), list(out[0]["input_ids"].shape), sorted(out[0])[:5]
-    (2, [2, 5], ['advantages', 'attention_mask', 'completion_mask', 'generation_micro_batches', 'generation_tokens'])
-    >>> again = rollout(state, prompts)  # sampled with a generator seeded from the state
-    >>> all(torch.equal(a[k], b[k]) for a, b in zip(out, again) for k in a)
-    True
-    """
-
-    model: nn.Module
-    reward_funcs: tuple[RewardFunc, ...]
-    encode: Callable[[Any], list[int]]
-    decode: Callable[[list[int]], Any]
-    num_generations: int
-    optimizer_steps_per_generation: int
-    num_iterations: int
-    max_new_tokens: int
-    temperature: float
-    eos_token_id: int | None
-    pad_token_id: int
-    reward_weights: tuple[float, ...] | None
-    scale_rewards: str
-    ref_params: Mapping[str, Tensor] | None
-    prompt_key: str
-    head: OutputHead | None = None  # set: old/ref log-probs chunk by chunk from the hidden states
-    chunk_size: int = 0
-
-    @property
-    def records_old_logps(self) -> bool:
-        """Whether the buffer outlives one optimizer step, so the sampling policy's log-probs are kept."""
-        return self.optimizer_steps_per_generation * self.num_iterations > 1
-
-    def _logps(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], ids: Tensor, mask: Tensor) -> Tensor:
-        with torch.no_grad(), train_mode(self.model, False):
-            return next_token_logps(functional_forward(self.model, buffers), params,
-                                     {"input_ids": ids, "attention_mask": mask}, self.head, self.chunk_size,
-                                     self.temperature)
-
-    def __call__(self, state: TrainState, micro_batches: Sequence[Mapping[str, Any]]) -> list[dict[str, Tensor]]:
-        sizes = [len(mb[self.prompt_key]) for mb in micro_batches]
-        prompts = [p for mb in micro_batches for p in mb[self.prompt_key]]
-        columns = {
-            k: [x for mb in micro_batches for x in (mb[k].tolist() if isinstance(mb[k], Tensor) else mb[k])]
-            for k in micro_batches[0] if k != self.prompt_key
-        }
-        prompt_ids = [list(self.encode(p)) for p in prompts]
-        key = torch.Generator().manual_seed(derive_seed(int(state.seed), int(state.step), _GENERATION_TAG))
-        completion_ids = generate(
-            self.model, state.params, prompt_ids, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-            eos_token_id=self.eos_token_id, generator=key, pad_token_id=self.pad_token_id, buffers=state.buffers,
-        )
-        completions = [self.decode(_before_eos(c, self.eos_token_id)) for c in completion_ids]
-        total, each = combine_rewards(self.reward_funcs, prompts, completions, columns, self.reward_weights)
-        advantages = group_advantages(total, self.num_generations, self.scale_rewards)
-        ids, attention = pad_right([p + c for p, c in zip(prompt_ids, completion_ids)], self.pad_token_id)
-        completion_mask = attention.clone()
-        for row, p in enumerate(prompt_ids):
-            completion_mask[row, : len(p)] = 0
-        rows: dict[str, Tensor] = {
-            "input_ids": ids,
-            "attention_mask": attention,
-            "completion_mask": completion_mask,
-            "advantages": advantages,
-            "rewards": total,
-            **{f"rewards/{_reward_name(fn)}": each[:, k] for k, fn in enumerate(self.reward_funcs)},
-            # the block's size, on every row: dapo normalises by its completion tokens per micro-batch
-            "generation_tokens": torch.full((len(prompts),), int(completion_mask.sum())),
-            "generation_micro_batches": torch.full((len(prompts),), len(micro_batches)),
-        }
-        device = next(iter(state.params.values())).device
-        if self.records_old_logps:
-            rows["old_logps"] = self._logps(state.params, state.buffers, ids.to(device), attention.to(device)).cpu()
-        if self.ref_params is not None:
-            rows["ref_logps"] = self._logps(self.ref_params, state.buffers, ids.to(device), attention.to(device)).cpu()
-        return _split_rows(rows, sizes)
-
-
-def _before_eos(tokens: list[int], eos: int | None) -> list[int]:
-    return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens
-
-
-def _split_rows(rows: Mapping[str, Tensor], sizes: Sequence[int]) -> list[dict[str, Tensor]]:
-    out, start = [], 0
-    for n in sizes:
-        micro = {k: v[start : start + n] for k, v in rows.items()}
-        width = int(micro["attention_mask"].sum(1).max())  # trim the block's padding to this micro-batch
-        trimmed = {}
-        for k, v in micro.items():
-            if v.dim() == 2:  # per-position tensors: (rows, seq), or (rows, seq - 1) for log-probs
-                v = v[:, : width - 1] if k.endswith("logps") else v[:, :width]
-            trimmed[k] = v
-        out.append(trimmed)
-        start += n
-    return out
-
-
-def make_rollout(
-    model: nn.Module,
-    reward_funcs: RewardFunc | Sequence[RewardFunc],
-    *,
-    encode: Callable[[Any], list[int]],
-    decode: Callable[[list[int]], Any],
-    num_generations: int,
-    max_new_tokens: int,
-    optimizer_steps_per_generation: int = 1,
-    num_iterations: int = 1,
-    temperature: float = 1.0,
-    eos_token_id: int | None = None,
-    pad_token_id: int = 0,
-    reward_weights: Sequence[float] | None = None,
-    scale_rewards: str = "group",
-    ref_params: Mapping[str, Tensor] | None = None,
-    prompt_key: str = "prompt",
-    chunk_size: int | None = None,
-) -> Rollout:
-    """Return ``rollout(state, prompt_micro_batches) -> micro_batches`` for :func:`grpo_trajectory`.
-
-    Each prompt micro-batch maps ``prompt_key`` to a list of prompts (each repeated
-    ``num_generations`` times in a row, as ``generation_batches`` does) and any other column to a
-    list or tensor; those columns reach the reward functions as keyword arguments. One call
-    samples every completion of the block with ``state.params`` (generator seeded from
-    ``(state.seed, state.step)``), scores them, computes advantages over the whole block, and
-    returns one micro-batch per prompt micro-batch with ``input_ids``, ``attention_mask``,
-    ``completion_mask``, ``advantages``, ``rewards``, ``rewards/<function name>``, the block's
-    ``generation_tokens`` and ``generation_micro_batches`` (on every row; ``dapo`` reads them), and
-    ``old_logps`` when the buffer outlives the step that generated it (``optimizer_steps_per_generation``
-    or ``num_iterations`` above 1) and ``ref_logps`` when ``ref_params`` is given.
-    ``num_iterations`` (TRL's μ) trains on each block that many times, in the same order.
-    ``chunk_size`` (a transformers causal LM) scores the old and reference log-probs ``chunk_size``
-    tokens at a time from the final hidden states, never materialising the full logits.
-
-    >>> import torch
-    >>> from trainfold import init_state, sgd
-    >>> from trainfold.models import TinyLM, TinyLMConfig
-    >>> _ = torch.manual_seed(0)
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> def length(prompts, completions, **_): return [float(len(c)) for c in completions]
-    >>> rollout = make_rollout(model, length, encode=lambda s: [1 + int(c) for c in s],
-    ...                        decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-    ...                        max_new_tokens=3)
-    >>> rollout.num_generations, rollout.records_old_logps
-    (2, False)
-    >>> try:
-    ...     make_rollout(model, length, encode=list, decode=str, num_generations=1, max_new_tokens=3)
-    ... except ValueError as e:
-    ...     print(e)
-    invalid rollout settings: num_generations=1 must be >= 2 (advantages compare completions of one prompt)
-    """
-    funcs = (reward_funcs,) if callable(reward_funcs) else tuple(reward_funcs)
-    problems = []
-    if not funcs:
-        problems.append("give at least one reward function")
-    if reward_weights is not None and len(reward_weights) != len(funcs):
-        problems.append(f"got {len(reward_weights)} reward_weights for {len(funcs)} reward functions")
-    if num_generations < 2:
-        problems.append(f"num_generations={num_generations} must be >= 2 (advantages compare completions of one prompt)")
-    if optimizer_steps_per_generation < 1:
-        problems.append(f"optimizer_steps_per_generation={optimizer_steps_per_generation} must be >= 1")
-    if num_iterations < 1:
-        problems.append(f"num_iterations={num_iterations} must be >= 1")
-    if scale_rewards not in SCALE_REWARDS:
-        problems.append(f"scale_rewards={scale_rewards!r} is not one of {list(SCALE_REWARDS)}")
-    if not temperature > 0:
-        problems.append(f"temperature={temperature} must be > 0 (log-probs are computed at this temperature)")
-    if max_new_tokens < 1:
-        problems.append(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if problems:
-        raise ValueError("invalid rollout settings: " + "; ".join(problems))
-    return Rollout(
-        model=model, reward_funcs=funcs, encode=encode, decode=decode, num_generations=num_generations,
-        optimizer_steps_per_generation=optimizer_steps_per_generation, num_iterations=num_iterations,
-        max_new_tokens=max_new_tokens, temperature=temperature,
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        reward_weights=None if reward_weights is None else tuple(float(w) for w in reward_weights),
-        scale_rewards=scale_rewards,
-        ref_params=None if ref_params is None else {k: v.detach() for k, v in ref_params.items()},
-        prompt_key=prompt_key, head=_head(model, chunk_size, "make_rollout"), chunk_size=chunk_size or 0,
-    )
 
 
 # -- the loss ------------------------------------------------------------------------------
@@ -624,83 +430,4 @@ def grpo_objective(
         raise ValueError("invalid GRPO objective: " + "; ".join(problems))
     return GRPOObjective(loss_type=loss_type, epsilon=epsilon, epsilon_high=high, beta=beta, temperature=temperature,
                          max_completion_length=max_completion_length, kl_bias_correction=kl_bias_correction,
-                         head=_head(model, chunk_size, "grpo_objective"), chunk_size=chunk_size or 0)
-
-
-# -- the loop ------------------------------------------------------------------------------
-
-
-def rollout_metrics(batch: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """Return the step's reward metrics: ``reward`` and ``rewards/<name>/mean`` (NaN-free means), ``completions/mean_length``.
-
-    >>> import torch
-    >>> mb = {"rewards": torch.tensor([1.0, 3.0]), "completion_mask": torch.tensor([[0, 1], [1, 1]])}
-    >>> {k: v.item() for k, v in rollout_metrics([mb]).items()}
-    {'reward': 2.0, 'completions/mean_length': 1.5}
-    """
-    micro = list(batch)
-    out: dict[str, Tensor] = {}
-    for k in micro[0]:
-        if k == "rewards" or k.startswith("rewards/"):
-            values = torch.cat([mb[k] for mb in micro]).float()
-            name = "reward" if k == "rewards" else f"{k}/mean"
-            out[name] = values.nanmean() if (~values.isnan()).any() else torch.tensor(0.0)
-    lengths = torch.cat([mb["completion_mask"].sum(1) for mb in micro]).float()
-    out["completions/mean_length"] = lengths.mean()
-    return out
-
-
-def grpo_trajectory(
-    step: Callable[[TrainState, Any], TrainState],
-    state: TrainState,
-    prompt_stream: Iterable[Sequence[Any]],
-    rollout: Rollout,
-    stop: Callable[[TrainState], bool] = never,
-) -> Iterator[TrainState]:
-    """Yield the state after each optimizer step of GRPO training (lazily; see ``fold.trajectory``).
-
-    ``prompt_stream`` yields one optimizer step of prompt micro-batches at a time (e.g.
-    ``data.stream``); ``data.generation_batches`` groups ``rollout.optimizer_steps_per_generation``
-    steps, calls ``rollout`` once on the block with the state reached so far, and feeds the step one
-    slice per optimizer step (``rollout.num_iterations`` passes over the block). Each yielded
-    state's metrics add :func:`rollout_metrics` of the slice it trained on.
-
-    Resuming from a state saved at a generation boundary (``state.step`` a multiple of
-    ``optimizer_steps_per_generation × num_iterations``), with the prompt stream rebuilt from its
-    cursor, is bitwise equal to not stopping. From inside a block, the rest of the block is
-    generated anew with the resumed state (and passes not yet run are skipped), so save
-    checkpoints at those multiples, or use ``trainfold.grpo_run.train``, which keeps the block in
-    the state.
-
-    >>> import torch
-    >>> from trainfold import make_step
-    >>> from trainfold import init_state, sgd
-    >>> from trainfold.models import TinyLM, TinyLMConfig
-    >>> _ = torch.manual_seed(0)
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> def length(prompts, completions, **_): return [float(len(c)) for c in completions]
-    >>> rollout = make_rollout(model, length, encode=lambda s: [1 + int(c) for c in s],
-    ...                        decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-    ...                        max_new_tokens=3)
-    >>> opt = sgd(0.1)
-    >>> step = make_step(model, optimizer=opt, objective=grpo_objective())
-    >>> prompts = [[{"prompt": ["12", "12"]}] for _ in range(2)]  # 2 optimizer steps of 1 micro-batch
-    >>> states = list(grpo_trajectory(step, init_state(model, opt), prompts, rollout))
-    >>> [int(s.step) for s in states], {"loss", "reward", "completions/mean_length"} <= set(states[-1].metrics)
-    ([1, 2], True)
-    """
-    latest = [state]  # the newest state, read when the next block is generated
-
-    def generate_block(micro_batches: list[Any]) -> list[dict[str, Tensor]]:
-        return rollout(latest[0], micro_batches)
-
-    def observed(s: TrainState, batch: Any) -> TrainState:
-        new = step(s, batch)
-        new = attrs.evolve(new, metrics={**new.metrics, **rollout_metrics(batch)})
-        latest[0] = new
-        return new
-
-    batches = generation_batches(prompt_stream, generate_block, rollout.optimizer_steps_per_generation,
-                                 rollout.num_generations,
-                                 getattr(rollout, "num_iterations", 1))
-    yield from trajectory(observed, state, batches, stop)
+                         head=chunk_head(model, chunk_size, "grpo_objective"), chunk_size=chunk_size or 0)

@@ -16,7 +16,7 @@ Traceback (most recent call last):
 ...
 TypeError: use_vllm=True is a trl.GRPOConfig setting that trainfold does not take: generation runs on trainfold.generate; set use_vllm=False
 >>> generation_order(6, 2, seed=0, epoch=0)  # TRL's RepeatSampler: a seeded permutation, whole chunks
-[[2, 0], [1, 3], [5, 4]]
+[[2, 5], [3, 0], [1, 4]]
 """
 
 from __future__ import annotations
