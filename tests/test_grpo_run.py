@@ -101,7 +101,7 @@ def _canonical(labels):
 @pytest.mark.parametrize("b, ga, spg, iterations", [(2, 2, None, 1), (2, 2, 4, 1), (2, 2, 4, 2), (2, 2, 1, 1),
                                                     (2, 4, 2, 1), (4, 2, 2, 3)])
 def test_generation_schedule_is_trls_prepare_inputs(tmp_path, b, ga, spg, iterations):
-    num_prompts, g, epochs = 12, 2, 2
+    num_prompts, g, epochs = 8, 2, 2
     labels, trl_prompts = _trl_schedule(b, ga, spg, iterations, g, num_prompts, seed=3, epochs=epochs)
     seen = []
 
