@@ -171,11 +171,13 @@ def test_resume_inside_a_generation_block_is_bitwise(tmp_path, spg, iterations, 
 
     straight = train(lm(), args(tmp_path / "a"), data, counted, encode=encode, decode=decode)
     assert (stop_at * 2) % (spg * iterations) != 0  # the checkpoint falls inside a block
-    first = train(lm(), args(tmp_path / "b", save_strategy="steps", save_steps=1), data, counted, encode=encode, decode=decode,
+    first = train(lm(), args(tmp_path / "b", save_strategy="steps", save_steps=1), data, counted,
+                  encode=encode, decode=decode,
                   stop=lambda s: int(s.step) >= stop_at)
     assert first.status == "stopped" and first.global_step == stop_at
     calls.clear()
-    resumed = train(lm(), args(tmp_path / "b", save_strategy="steps", save_steps=1), data, counted, encode=encode, decode=decode,
+    resumed = train(lm(), args(tmp_path / "b", save_strategy="steps", save_steps=1), data, counted,
+                    encode=encode, decode=decode,
                     resume_from_checkpoint=True)
     block_steps = spg * iterations // 2
     assert len(calls) == 6 // block_steps - stop_at // block_steps - 1  # the open block came from the checkpoint

@@ -152,11 +152,13 @@ class GRPORun:
     def steps(self, cursor: Cursor) -> Iterator[_Step]:
         """Yield the optimizer steps from ``cursor`` on, epoch after epoch."""
         epoch, position = cursor.as_tuple()
-        ga, total, per_epoch = self.args.gradient_accumulation_steps, self.micro_steps_per_epoch(), self.steps_per_epoch()
+        ga, total = self.args.gradient_accumulation_steps, self.micro_steps_per_epoch()
+        per_epoch = self.steps_per_epoch()
         while True:
             order = self.order(epoch)
             for p in range(position, per_epoch):
-                after = Cursor(scalar(epoch), scalar(p + 1)) if p + 1 < per_epoch else Cursor(scalar(epoch + 1), scalar(0))
+                done = p + 1 == per_epoch
+                after = Cursor(scalar(epoch + 1), scalar(0)) if done else Cursor(scalar(epoch), scalar(p + 1))
                 yield _Step(epoch, tuple(range(p * ga, min((p + 1) * ga, total))), order, after)
             epoch, position = epoch + 1, 0
 
@@ -175,14 +177,14 @@ class GRPORun:
                                             self.args.temperature).cpu())
         return torch.cat(out)
 
-    def sample(self, state: TrainState, dataset: Any, indices: Sequence[int], key: int) -> dict[str, Any]:
+    def sample(self, state: TrainState, dataset: Any, indices: Sequence[int], key: int,
+               encoded: Callable[[int], list[int]]) -> dict[str, Any]:
         """Generate ``num_generations`` completions of each prompt, score them; return rows and metrics."""
         a, g = self.args, self.args.num_generations
         index = [i for i in indices for _ in range(g)]
+        prompt_ids = [encoded(i) for i in index]  # before a reward function sees (and may change) the rows
         rows = [copy.deepcopy(dataset[i]) for i in index]  # each repeat its own object
         prompts = [r[self.prompt_key] for r in rows]
-        prompt_ids = [list(self.encode(p)) for p in copy.deepcopy(prompts)] if dataset is not self.prompts \
-            else [self.prompt_ids(i) for i in index]
         completion_ids = generate(self.model, state.params, prompt_ids, max_new_tokens=a.max_completion_length,
                                   temperature=a.temperature, eos_token_id=self.eos_token_id,
                                   generator=torch.Generator().manual_seed(key), pad_token_id=self.pad_token_id,
@@ -202,7 +204,7 @@ class GRPORun:
             GenerationBuffer, dict[str, Tensor]]:
         """Return generation ``number`` of ``epoch`` as a buffer (rows shuffled, seeded), and its metrics."""
         a, seed = self.args, int(state.seed)
-        out = self.sample(state, self.prompts, indices, derive_seed(seed, epoch, number, _GENERATE))
+        out = self.sample(state, self.prompts, indices, derive_seed(seed, epoch, number, _GENERATE), self.prompt_ids)
         rows = len(out["index"])
         perm = torch.randperm(rows, generator=torch.Generator().manual_seed(derive_seed(seed, epoch, number, _SHUFFLE)))
         order = perm.tolist()
@@ -224,7 +226,7 @@ class GRPORun:
             prompt_index=torch.tensor(out["index"], dtype=torch.long)[perm], completion_ids=padded,
             completion_length=torch.tensor(lengths, dtype=torch.long), advantages=out["advantages"][perm].float(),
             tokens=scalar(sum(lengths)), old_logps=logps(state.params) if a.records_old_logps else None,
-            ref_logps=logps(self.ref_params) if self.ref_params is not None else None,
+            ref_logps=None if self.ref_params is None else logps({k: v.to(device) for k, v in self.ref_params.items()}),
         )
         return buffer, out["metrics"]
 
@@ -266,7 +268,10 @@ class GRPORun:
         n, per = len(self.eval_prompts), max(1, self.args.per_device_eval_batch_size // self.args.num_generations)
         batches = [list(range(i, min(i + per, n))) for i in range(0, n, per)]
         seed, step = int(state.seed), int(state.step)
-        made = [self.sample(state, self.eval_prompts, b, derive_seed(seed, step, i, _EVAL))["metrics"]
+        def encoded(i: int) -> list[int]:
+            return list(self.encode(self.eval_prompts[i][self.prompt_key]))
+
+        made = [self.sample(state, self.eval_prompts, b, derive_seed(seed, step, i, _EVAL), encoded)["metrics"]
                 for i, b in enumerate(batches)]
         return {f"eval_{k}": float(torch.stack([m[k] for m in made]).mean()) for k in made[0]}
 
