@@ -137,6 +137,29 @@ def test_generation_schedule_is_trls_prepare_inputs(tmp_path, b, ga, spg, iterat
     assert _canonical(ours) == _canonical(labels)
 
 
+def test_buffered_log_probs_are_the_sampling_policys_at_the_completion_tokens(tmp_path):
+    from trainfold.generate import functional_forward, token_logps
+
+    args = grpo_args(tmp_path, gradient_accumulation_steps=2, steps_per_generation=4, beta=0.1)
+    assert args.records_old_logps  # the generation outlives its first optimizer step
+    model = lm()
+    ref = {k: v.detach() + 0.01 for k, v in model.named_parameters()}
+    stream = grpo_stream(model, args, [{"prompt": str(d)} for d in range(8)], digit_sum, encode=encode,
+                         decode=decode, ref_params=ref).stream()
+    state = init_state(model, sgd(0.1), seed=3, extras=stream.extras)
+    _, batch = stream.prepare(state, next(iter(stream.steps(Cursor()))))
+    for mb in batch:
+        mask = mb["completion_mask"][:, 1:].bool()
+        assert mask.sum(1).tolist() == [3, 3]  # no EOS: every completion has max_completion_length tokens
+        inputs = {"input_ids": mb["input_ids"], "attention_mask": mb["attention_mask"]}
+        for params, key in ((state.params, "old_logps"), (ref, "ref_logps")):
+            with torch.no_grad():
+                expected = token_logps(functional_forward(model)(params, inputs), mb["input_ids"])
+            torch.testing.assert_close(mb[key][mask], expected[mask], rtol=1e-5, atol=1e-5)
+            assert torch.all(mb[key][~mask] == 0)
+        assert mb["generation_tokens"].tolist() == [8 * 3] * 2  # the generation's 8 completions of 3 tokens
+
+
 def test_steps_per_generation_counts_micro_steps_like_trl(tmp_path):
     """With accumulation 2, steps_per_generation=4 generates every 2 optimizer steps (TRL), not every 4."""
     calls = []
