@@ -285,9 +285,11 @@ def test_objective_metrics_are_trls_token_means_per_micro_batch():
 
 
 def test_run_logs_kl_with_beta_and_evaluates_eval_prompts(tmp_path):
-    args = grpo_args(tmp_path, beta=0.1, eval_strategy="steps", eval_steps=2, max_steps=2)
+    args = grpo_args(tmp_path, beta=0.1, eval_strategy="steps", eval_steps=2, max_steps=2, save_strategy="steps",
+                     save_steps=2, metric_for_best_model="eval_reward", greater_is_better=True)
     result = train(lm(), args, [{"prompt": str(d)} for d in range(4)], digit_sum, encode=encode, decode=decode,
                    eval_prompts=[{"prompt": "12"}, {"prompt": "3"}])
+    assert result.best_checkpoint is not None and result.best_checkpoint.name == "checkpoint-2"
     logs = [e for e in result.log_history if "loss" in e]
     assert logs[0]["kl"] == 0.0 and logs[1]["kl"] > 0  # the reference is the model as given
     evals = [e for e in result.log_history if "eval_reward" in e]
