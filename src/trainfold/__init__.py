@@ -4,8 +4,9 @@ The pieces, bottom up: ``tree`` (pure ops on tensor dicts), ``state`` (the ``Tra
 record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``samplers`` and
 ``data`` (the resumable stream), ``fold`` (``fit``, ``trajectory``), ``reducers`` and
 ``evaluation``, ``checkpoint`` and ``preempt``, ``observe`` and ``reporters``, ``neftune``,
-``dpo``/``grpo``/``generate`` (``grpo.train``: the GRPO run), ``packing`` and ``chunked_loss`` (LLM batches and loss), ``distributed``, and ``train`` (``TrainingArguments`` + ``train``)
-which wires them from the HF Trainer's setting names.
+``dpo``/``grpo``/``generate`` (``grpo.train``: the GRPO run, ``grpo_run``), ``packing`` and
+``chunked_loss`` (LLM batches and loss), ``distributed``, and ``train`` (``TrainingArguments`` +
+``train``) which wires them from the HF Trainer's setting names.
 """
 
 from trainfold import (

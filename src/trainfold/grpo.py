@@ -191,8 +191,10 @@ def generation_metrics(
 
     >>> each = torch.tensor([[1.0], [3.0], [2.0], [2.0]])
     >>> m = generation_metrics(each, ["f"], 2, torch.tensor([4, 2, 3, 1]), torch.tensor([True, False, False, False]))
-    >>> {k: round(v.item(), 4) for k, v in m.items() if not k.startswith("completions/m")}
-    {'rewards/f/mean': 2.0, 'rewards/f/std': 0.8165, 'reward': 2.0, 'reward_std': 0.8165, 'frac_reward_zero_std': 0.5, 'completions/clipped_ratio': 0.25}
+    >>> {k: round(v.item(), 4) for k, v in m.items() if k.startswith("reward")}
+    {'rewards/f/mean': 2.0, 'rewards/f/std': 0.8165, 'reward': 2.0, 'reward_std': 0.8165}
+    >>> m["frac_reward_zero_std"].item(), m["completions/clipped_ratio"].item()
+    (0.5, 0.25)
     >>> m["completions/max_length"].item(), m["completions/max_terminated_length"].item()
     (4.0, 3.0)
     """
@@ -359,7 +361,8 @@ def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
-def _chunked_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_size: int, temperature: float) -> Tensor:
+def _chunked_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_size: int,
+                     temperature: float) -> Tensor:
     flat = hidden.reshape(-1, hidden.shape[-1])
     parts = []
     for start in range(0, flat.shape[0], chunk_size):
