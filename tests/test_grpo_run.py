@@ -284,6 +284,25 @@ def test_objective_metrics_are_trls_token_means_per_micro_batch():
     assert aux["kl"].item() == pytest.approx(((kl * mask).sum() / mask.sum()).item() / 2, rel=1e-5)
 
 
+def test_dapo_normalises_each_micro_batch_by_its_generation_as_trl():
+    """TRL: loss = sum(mask * token loss) / (num_items_in_batch * GA / steps_per_generation), per micro-batch."""
+    from trainfold.generate import functional_forward
+
+    model = lm()
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    ids = torch.randint(1, 16, (2, 5), generator=torch.Generator().manual_seed(1))
+    completion = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]])
+    adv = torch.tensor([0.5, -2.0])
+    obj = grpo_objective("dapo")
+    for tokens, ga, spg in ((40, 4, 2), (7, 2, 4)):  # one step of two generations; a generation of two steps
+        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion,
+                 "advantages": adv, "generation_tokens": torch.tensor([tokens] * 2),
+                 "generation_micro_batches": torch.tensor([spg] * 2), "step_micro_batches": torch.tensor([ga] * 2)}
+        loss, _ = obj(functional_forward(model), params, batch, torch.tensor(123))  # the step's count is not used
+        on_policy = -(adv * completion[:, 1:].sum(1)).sum()  # ratio 1: each token's loss is -A
+        assert loss.item() == pytest.approx(on_policy.item() / (tokens * ga / spg), rel=1e-6)
+
+
 def test_run_logs_kl_with_beta_and_evaluates_eval_prompts(tmp_path):
     args = grpo_args(tmp_path, beta=0.1, eval_strategy="steps", eval_steps=2, max_steps=2, save_strategy="steps",
                      save_steps=2, metric_for_best_model="eval_reward", greater_is_better=True)

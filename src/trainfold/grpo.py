@@ -328,6 +328,8 @@ class GRPOObjective:
         per_token = -torch.min(ratio * adv, clipped * adv)
         n = num_items_in_batch.to(logps.dtype)
         block = _block_size(micro_batch, "generation_micro_batches").to(logps) if self.loss_type == "dapo" else None
+        if self.loss_type == "dapo" and "step_micro_batches" in micro_batch:  # TRL: each micro-batch by its own
+            n = (micro_batch["generation_tokens"][0] * micro_batch["step_micro_batches"][0]).to(logps)  # generation
         if "step_micro_batches" in micro_batch:  # TRL's metrics: token means per micro-batch, averaged over the step
             share = 1 / micro_batch["step_micro_batches"][0].to(logps)
             metric = lambda x: (x * mask).sum() / mask.sum().clamp(min=1) * share  # noqa: E731
@@ -405,7 +407,10 @@ def grpo_objective(
     * ``dapo`` (TRL's default): the token sum over the generation block's completion tokens per
       optimizer step (its total over all ranks divided by the optimizer steps it feeds). With one
       optimizer step per generation (``optimizer_steps_per_generation=1``) this is ``bnpo``; with more, every
-      step of a block has the same normaliser, as in TRL.
+      step of a block has the same normaliser, as in TRL. Micro-batches that carry
+      ``step_micro_batches`` (the GRPO run's) are normalised by their own generation's tokens ×
+      ``step_micro_batches / generation_micro_batches``: TRL's ``N_gen · GA / steps_per_generation``,
+      also when one optimizer step spans several generations.
 
     Metrics ``clip_ratio/{low,high,region}_mean`` (and ``kl`` when ``beta != 0``) are aggregated
     the same way. ``temperature`` must be the sampling temperature. ``chunk_size`` (with ``model``, a
