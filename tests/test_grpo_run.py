@@ -10,8 +10,9 @@ import torch
 
 from trainfold import sgd
 from trainfold.data import generation_batches
-from trainfold.grpo import generation_metrics, grpo_objective
+from trainfold.grpo import grpo_objective
 from trainfold.grpo_args import GRPOArguments, generation_order
+from trainfold.grpo_metrics import generation_metrics
 from trainfold.grpo_run import BUFFER, grpo_stream, train
 from trainfold.models import TinyLM, TinyLMConfig
 from trainfold.state import Cursor, init_state

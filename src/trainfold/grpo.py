@@ -7,7 +7,6 @@ The pieces:
 * :func:`group_advantages`: per group of ``num_generations`` completions of one prompt,
   ``(r − mean) / (std + 1e-4)`` (unbiased std; ``scale_rewards`` picks the group's std, the whole
   batch's std, or none);
-* :func:`generation_metrics`: what TRL logs about one generation (rewards, their spread, lengths);
 * :func:`grpo_objective`: the clipped surrogate (``epsilon`` per token) plus ``beta``·KL(k3) to
   the reference, normalised as ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``; plugs into ``make_step``;
 * :func:`train` (``trainfold.grpo_run``): the run, with TRL's ``GRPOConfig`` names and generation
@@ -43,7 +42,6 @@ __all__ = [
     "GRPOObjective",
     "RewardFunc",
     "combine_rewards",
-    "generation_metrics",
     "reward_name",
     "group_advantages",
     "grpo_objective",
@@ -164,65 +162,6 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
     elif scale_rewards == "batch":
         adv = adv / (_nan_mean_std(groups.reshape(1, -1), dim=1)[1] + 1e-4)
     return torch.nan_to_num(adv.reshape(-1), nan=0.0, posinf=0.0, neginf=0.0)
-
-
-def _nan_std(x: Tensor) -> Tensor:
-    return _nan_mean_std(x.reshape(1, -1), dim=1)[1].reshape(())
-
-
-def generation_metrics(
-    each: Tensor,
-    names: Sequence[str],
-    num_generations: int,
-    completion_lengths: Tensor,
-    truncated: Tensor,
-    weights: Sequence[float] | None = None,
-    scale_rewards: str = "group",
-) -> dict[str, Tensor]:
-    """Return the metrics TRL's ``GRPOTrainer`` logs for one generation, by its formulas.
-
-    ``each`` holds each reward function's rewards ``(rows, functions)`` (NaN: not scored);
-    ``rewards/{name}/mean`` and ``/std`` are their NaN-skipping mean and unbiased std;
-    ``reward`` and ``reward_std`` those of the weighted sum; ``frac_reward_zero_std`` the fraction
-    of rows whose group (``scale_rewards="batch"``: the whole batch) has zero std;
-    ``completions/{mean,min,max}_length`` over all completions, ``completions/clipped_ratio`` the
-    fraction that did not end (no EOS), and ``completions/{mean,min,max}_terminated_length`` over
-    those that did (0 when none did).
-
-    >>> each = torch.tensor([[1.0], [3.0], [2.0], [2.0]])
-    >>> m = generation_metrics(each, ["f"], 2, torch.tensor([4, 2, 3, 1]), torch.tensor([True, False, False, False]))
-    >>> {k: round(v.item(), 4) for k, v in m.items() if k.startswith("reward")}
-    {'rewards/f/mean': 2.0, 'rewards/f/std': 0.8165, 'reward': 2.0, 'reward_std': 0.8165}
-    >>> m["frac_reward_zero_std"].item(), m["completions/clipped_ratio"].item()
-    (0.5, 0.25)
-    >>> m["completions/max_length"].item(), m["completions/max_terminated_length"].item()
-    (4.0, 3.0)
-    """
-    out: dict[str, Tensor] = {}
-    for k, name in enumerate(names):
-        column = each[:, k]
-        out[f"rewards/{name}/mean"] = column.nanmean()
-        out[f"rewards/{name}/std"] = _nan_std(column)
-    w = torch.tensor(list(weights) if weights is not None else [1.0] * each.shape[1], dtype=each.dtype)
-    total = torch.nansum(each * w, dim=1)
-    total[torch.isnan(each).all(dim=1)] = math.nan
-    if scale_rewards == "batch":
-        std = _nan_std(total).expand(total.shape[0])
-    else:
-        std = _nan_mean_std(total.reshape(-1, num_generations), dim=1)[1].repeat_interleave(num_generations)
-    out["reward"] = total.nanmean()
-    out["reward_std"] = _nan_std(total)
-    out["frac_reward_zero_std"] = torch.isclose(std, torch.zeros_like(std)).float().mean()
-    lengths = completion_lengths.float()
-    out["completions/mean_length"] = lengths.mean()
-    out["completions/min_length"] = lengths.min()
-    out["completions/max_length"] = lengths.max()
-    out["completions/clipped_ratio"] = truncated.float().mean()
-    ended = lengths[~truncated] if bool((~truncated).any()) else torch.zeros(1)
-    out["completions/mean_terminated_length"] = ended.mean()
-    out["completions/min_terminated_length"] = ended.min()
-    out["completions/max_terminated_length"] = ended.max()
-    return out
 
 
 # -- log-probs -----------------------------------------------------------------------------

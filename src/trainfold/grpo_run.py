@@ -12,7 +12,7 @@ console, evaluation. What GRPO adds is the generation schedule of TRL's ``GRPOTr
   (seeded), and trains on slice ``k % steps_per_generation`` of it, as ``_prepare_inputs`` does;
 * the generation lives in the state (``state.extras[BUFFER]``, a :class:`GenerationBuffer` of
   fixed shapes), so a checkpoint taken inside a generation block resumes bitwise;
-* each step that generated logs TRL's metrics of its generations (``grpo.generation_metrics``);
+* each step that generated logs TRL's metrics of its generations (``grpo_metrics``);
   every step logs the objective's ``kl`` (``beta > 0``), ``entropy`` and ``clip_ratio/*``.
 
 Sampling is seeded from ``(args.seed, epoch, generation)``, never from global RNG state.
@@ -35,12 +35,12 @@ from trainfold.generate import functional_forward, generate, pad_right
 from trainfold.grpo import (
     RewardFunc,
     combine_rewards,
-    generation_metrics,
     group_advantages,
     grpo_objective,
     next_token_logps,
 )
 from trainfold.grpo_args import GRPOArguments, generation_order
+from trainfold.grpo_metrics import generation_metrics
 from trainfold.state import Cursor, TrainState, scalar
 from trainfold.step import derive_seed, train_mode
 from trainfold.train import TrainResult
