@@ -314,6 +314,7 @@ def test_run_logs_kl_with_beta_and_evaluates_eval_prompts(tmp_path):
     assert logs[0]["kl"] == 0.0 and logs[1]["kl"] > 0  # the reference is the model as given
     evals = [e for e in result.log_history if "eval_reward" in e]
     assert len(evals) == 1 and {"eval_rewards/digit_sum/mean", "eval_completions/mean_length"} <= set(evals[0])
+    assert math.isfinite(evals[0]["eval_loss"])
 
 
 # -- repeated prompts are independent objects ----------------------------------------------

@@ -127,6 +127,7 @@ class GRPORun:
     prompt_key: str
     ref_params: Mapping[str, Tensor] | None
     eval_prompts: Any = None
+    objective: Any = None  # grpo_objective from args: the run's loss, and eval_loss
     _encoded: dict[int, list[int]] = attrs.field(factory=dict)  # prompt index -> its tokens (encode is pure)
 
     @property
@@ -263,17 +264,38 @@ class GRPORun:
         state = attrs.evolve(state, metrics=metrics, extras={**state.extras, BUFFER: buffer})
         return state, StepBatch(micro, step.cursor)
 
+    def _eval_loss(self, state: TrainState, out: Mapping[str, Any]) -> Tensor:
+        """Return the objective on one eval batch, as TRL's evaluation: on-policy, not split or accumulated."""
+        device = next(iter(state.params.values())).device
+        mb = _rows(out["prompt_ids"], out["completion_ids"], self.pad_token_id)
+        rows = mb["input_ids"].shape[0]
+        mb.update(advantages=out["advantages"], generation_tokens=mb["completion_mask"].sum().expand(rows).clone(),
+                  generation_micro_batches=torch.ones(rows), step_micro_batches=torch.ones(rows))
+        if self.ref_params is not None:
+            mb["ref_logps"] = self._logps({k: v.to(device) for k, v in self.ref_params.items()}, state.buffers, mb,
+                                          device)
+        mb = {k: v.to(device) for k, v in mb.items()}
+        with torch.no_grad(), train_mode(self.model, False):
+            loss, _ = self.objective(functional_forward(self.model, state.buffers), state.params, mb,
+                                     self.objective.count_items(mb))
+        return loss.cpu()
+
     def evaluate(self, state: TrainState) -> dict[str, float]:
-        """Return TRL's generation metrics on the eval prompts (``eval_`` prefixed), averaged over eval batches."""
+        """Return ``eval_loss`` and TRL's generation metrics on the eval prompts, averaged over eval batches."""
         n, per = len(self.eval_prompts), max(1, self.args.per_device_eval_batch_size // self.args.num_generations)
         batches = [list(range(i, min(i + per, n))) for i in range(0, n, per)]
         seed, step = int(state.seed), int(state.step)
+
         def encoded(i: int) -> list[int]:
             return list(self.encode(self.eval_prompts[i][self.prompt_key]))
 
-        made = [self.sample(state, self.eval_prompts, b, derive_seed(seed, step, i, _EVAL), encoded)["metrics"]
-                for i, b in enumerate(batches)]
-        return {f"eval_{k}": float(torch.stack([m[k] for m in made]).mean()) for k in made[0]}
+        made, losses = [], []
+        for i, b in enumerate(batches):
+            out = self.sample(state, self.eval_prompts, b, derive_seed(seed, step, i, _EVAL), encoded)
+            made.append(out["metrics"])
+            losses.append(float(self._eval_loss(state, out)) * len(b))  # HF: a mean over the eval rows
+        metrics = {f"eval_{k}": float(torch.stack([m[k] for m in made]).mean()) for k in made[0]}
+        return {"eval_loss": sum(losses) / n, **metrics}
 
     def stream(self) -> StateStream:
         a = self.args
@@ -301,15 +323,10 @@ def _codec(processing_class: Any, encode: Any, decode: Any) -> tuple[Callable[..
 
 
 def grpo_stream(model: nn.Module, args: GRPOArguments, prompts: Any, reward_funcs: RewardFunc | Sequence[RewardFunc],
-                **options: Any) -> GRPORun:
-    """Return the run's :class:`GRPORun` (its ``stream()`` is what ``train`` feeds ``trainfold.train``)."""
-    return _plan(model, args, prompts, reward_funcs, **options)
-
-
-def _plan(model: nn.Module, args: GRPOArguments, prompts: Any, reward_funcs: Any, *, encode: Any = None,
-          decode: Any = None, processing_class: Any = None, eos_token_id: int | None = None,
-          pad_token_id: int | None = None, prompt_key: str = "prompt", ref_params: Any = None,
-          eval_prompts: Any = None) -> GRPORun:
+                *, encode: Any = None, decode: Any = None, processing_class: Any = None,
+                eos_token_id: int | None = None, pad_token_id: int | None = None, prompt_key: str = "prompt",
+                ref_params: Any = None, eval_prompts: Any = None) -> GRPORun:
+    """Return the run's :class:`GRPORun`, checked (its ``stream()`` is what ``train`` feeds ``trainfold.train``)."""
     if not isinstance(args, GRPOArguments):
         raise TypeError(f"grpo train takes GRPOArguments (TrainingArguments + TRL's GRPOConfig names), not "
                         f"{type(args).__name__}; e.g. GRPOArguments(**args.to_dict(), num_generations=8)")
@@ -334,8 +351,10 @@ def _plan(model: nn.Module, args: GRPOArguments, prompts: Any, reward_funcs: Any
     pad = pad_token_id if pad_token_id is not None else getattr(tok, "pad_token_id", None)
     if ref_params is None and args.beta != 0:  # TRL's reference: the model as it was given
         ref_params = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    objective = grpo_objective(args.loss_type, args.epsilon, args.epsilon_high, args.beta, args.temperature,
+                               args.max_completion_length, args.use_bias_correction_kl)
     return GRPORun(model, args, prompts, funcs, enc, dec, eos, pad if pad is not None else (eos or 0), prompt_key,
-                   ref_params if args.beta != 0 else None, eval_prompts)
+                   ref_params if args.beta != 0 else None, eval_prompts, objective)
 
 
 def train(model: nn.Module, args: GRPOArguments, prompts: Any, reward_funcs: RewardFunc | Sequence[RewardFunc], *,
@@ -367,13 +386,11 @@ def train(model: nn.Module, args: GRPOArguments, prompts: Any, reward_funcs: Rew
     >>> result.global_step, {"reward", "rewards/sevens/mean", "entropy"} <= set(result.log_history[0])
     (2, True)
     """
-    plan = _plan(model, args, prompts, reward_funcs, encode=encode, decode=decode, processing_class=processing_class,
-                 eos_token_id=eos_token_id, pad_token_id=pad_token_id, prompt_key=prompt_key, ref_params=ref_params,
-                 eval_prompts=eval_prompts)
-    objective = grpo_objective(args.loss_type, args.epsilon, args.epsilon_high, args.beta, args.temperature,
-                               args.max_completion_length, args.use_bias_correction_kl)
+    plan = grpo_stream(model, args, prompts, reward_funcs, encode=encode, decode=decode,
+                       processing_class=processing_class, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                       prompt_key=prompt_key, ref_params=ref_params, eval_prompts=eval_prompts)
     refused = sorted({"train_dataset", "eval_dataset", "objective", "train_stream", "compute_loss_func"} & set(run))
     if refused:
         raise TypeError(f"grpo train sets {refused} itself; pass prompts, eval_prompts and reward_funcs instead")
-    return train_run(model, args, prompts, eval_dataset=eval_prompts, objective=objective,
+    return train_run(model, args, prompts, eval_dataset=eval_prompts, objective=plan.objective,
                      train_stream=plan.stream(), **run)
