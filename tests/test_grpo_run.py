@@ -317,6 +317,30 @@ def test_run_logs_kl_with_beta_and_evaluates_eval_prompts(tmp_path):
     assert math.isfinite(evals[0]["eval_loss"])
 
 
+def test_a_tokenizer_encodes_prompts_and_decodes_completions_as_trl(tmp_path):
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    names = ["<pad>", "</s>"] + [f"t{i}" for i in range(2, 16)]
+    word = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<pad>"))
+    word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=word, pad_token="<pad>", eos_token="</s>")
+    seen = []
+
+    def record(prompts, completions, completion_ids, **_):
+        seen.append((prompts, completions, completion_ids))
+        return [float(len(c)) for c in completions]
+
+    train(lm(), grpo_args(tmp_path, max_steps=1, max_completion_length=4), [{"prompt": "t3 t4"}, {"prompt": "t5"}],
+          record, processing_class=tok)
+    prompts, completions, ids = seen[0]
+    assert prompts in (["t3 t4"] * 2, ["t5"] * 2)  # one prompt per generation, num_generations times
+    for text, c in zip(completions, ids):  # skip_special_tokens: no </s> or <pad> in the text; EOS ends a completion
+        assert text == tok.decode(c, skip_special_tokens=True) and "</s>" not in text
+        assert 1 not in c[:-1]
+
+
 # -- repeated prompts are independent objects ----------------------------------------------
 
 
