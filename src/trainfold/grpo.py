@@ -137,7 +137,9 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
 
     ``A = r − mean_group``, divided by ``std + 1e-4`` where std is the group's unbiased std
     (``"group"``), the whole batch's (``"batch"``), or not divided (``"none"``). NaN rewards are
-    left out of the means and stds and get advantage 0; no advantage is ever NaN.
+    left out of the means and stds and get advantage 0; no advantage is ever NaN. Computed in
+    float64 (in float32, as TRL computes, the rounding of a group's mean can give equal rewards
+    non-zero advantages: ``(r - mean) / (0 + 1e-4)``), returned as float32.
 
     >>> import torch
     >>> [round(a, 4) for a in group_advantages(torch.tensor([1.0, 1.0, 0.0, 2.0]), 2).tolist()]
@@ -154,14 +156,14 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
             f"rewards of shape {tuple(rewards.shape)} do not split into groups of {num_generations}: pass one reward "
             "per completion, each prompt's completions consecutive"
         )
-    groups = rewards.float().reshape(-1, num_generations)
+    groups = rewards.double().reshape(-1, num_generations)  # float64: a group of equal rewards has mean exactly r
     mean, group_std = _nan_mean_std(groups, dim=1)
     adv = groups - mean
     if scale_rewards == "group":
         adv = adv / (group_std + 1e-4)
     elif scale_rewards == "batch":
         adv = adv / (_nan_mean_std(groups.reshape(1, -1), dim=1)[1] + 1e-4)
-    return torch.nan_to_num(adv.reshape(-1), nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num(adv.reshape(-1), nan=0.0, posinf=0.0, neginf=0.0).float()
 
 
 # -- log-probs -----------------------------------------------------------------------------
