@@ -13,22 +13,24 @@ same collapse GRPO shows at scale.
     python examples/grpo_digits.py               # 300 steps, logs every 10
     python examples/grpo_digits.py --steps 40    # shorter
 
-``run(...)`` returns the mean reward of every optimizer step, so a test can run a short version.
+It runs ``trainfold.grpo_run.train`` with TRL's ``GRPOConfig`` names: 16 completions per
+micro-batch, 2 micro-batches per optimizer step, one generation of 8 prompts x 8 completions every
+``steps_per_generation=4`` micro-steps (2 optimizer steps), as TRL's ``GRPOTrainer`` would.
+``run(...)`` returns the mean reward of every generation, so a test can run a short version.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 
 import torch
 
-from trainfold import adamw, init_state, make_step
-from trainfold.data import stream
 from trainfold.generate import generate
-from trainfold.grpo import grpo_objective, grpo_trajectory, make_rollout
+from trainfold.grpo_args import GRPOArguments
+from trainfold.grpo_run import train
 from trainfold.models import TinyLM, TinyLMConfig, byte_decode, byte_encode
-from trainfold.samplers import Sampler
 
 COMPLETION_LENGTH = 6
 
@@ -56,15 +58,22 @@ def prompts_dataset() -> list[dict]:
     return [{"prompt": f"{d}>"} for d in range(10)]
 
 
-def collate(items: list[dict]) -> dict[str, list]:
-    """Collate prompt items into columns of plain lists (generation happens later)."""
-    return {"prompt": [it["prompt"] for it in items]}
+def grpo_arguments(steps: int, seed: int = 0, lr: float = 3e-3, output_dir: str | None = None,
+                   **changes: object) -> GRPOArguments:
+    """Return the example's settings (TRL's names; constant learning rate, no clipping, no checkpoints)."""
+    settings = dict(
+        output_dir=output_dir or tempfile.mkdtemp(prefix="grpo_digits_"), max_steps=steps, seed=seed,
+        learning_rate=lr, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
+        per_device_train_batch_size=16, gradient_accumulation_steps=2, steps_per_generation=4, num_generations=8,
+        max_completion_length=COMPLETION_LENGTH, reward_weights=[0.5, 1.0], loss_type="grpo",
+        save_strategy="no", logging_steps=1, report_to="none", disable_tqdm=True,
+    )
+    return GRPOArguments(**{**settings, **changes})
 
 
-def run(steps: int = 300, seed: int = 0, prompts_per_step: int = 8, num_generations: int = 8,
-        steps_per_generation: int = 2, lr: float = 3e-3, temperature: float = 1.0,
-        scale_rewards: str = "group", log_every: int = 0) -> list[float]:
-    """Train for ``steps`` optimizer steps; return each step's mean reward.
+def run(steps: int = 300, seed: int = 0, lr: float = 3e-3, temperature: float = 1.0, scale_rewards: str = "group",
+        log_every: int = 0, output_dir: str | None = None) -> list[float]:
+    """Train for ``steps`` optimizer steps; return each generation's mean reward (each log's, with ``log_every``).
 
     Runs on one CPU thread (restored afterwards): for a model this small, more threads only add
     synchronisation, and on a shared machine they make it many times slower.
@@ -72,37 +81,18 @@ def run(steps: int = 300, seed: int = 0, prompts_per_step: int = 8, num_generati
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(steps, seed, prompts_per_step, num_generations, steps_per_generation, lr, temperature, scale_rewards, log_every)
+        torch.manual_seed(seed)
+        model = TinyLM(TinyLMConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_len=16))
+        args = grpo_arguments(steps, seed, lr, output_dir, temperature=temperature, scale_rewards=scale_rewards,
+                              logging_steps=log_every or 1, log_level="passive" if log_every else "warning")
+        result = train(model, args, prompts_dataset(), [digits, counting], encode=byte_encode, decode=byte_decode)
     finally:
         torch.set_num_threads(threads)
-
-
-def _run(steps: int, seed: int, prompts_per_step: int, num_generations: int, steps_per_generation: int,
-         lr: float, temperature: float, scale_rewards: str, log_every: int) -> list[float]:
-    torch.manual_seed(seed)
-    model = TinyLM(TinyLMConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_len=16))
-    optimizer = adamw(lr, weight_decay=0.0)
-    state = init_state(model, optimizer, seed=seed)
-    rollout = make_rollout(
-        model, [digits, counting], encode=byte_encode, decode=byte_decode, num_generations=num_generations,
-        max_new_tokens=COMPLETION_LENGTH, steps_per_generation=steps_per_generation, temperature=temperature,
-        reward_weights=[0.5, 1.0], scale_rewards=scale_rewards,
-    )
-    step = make_step(model, optimizer=optimizer, objective=grpo_objective("grpo", temperature=temperature))
-    sampler = Sampler("random", 10, per_device_train_batch_size=prompts_per_step, seed=seed)
-    prompts = stream(prompts_dataset(), sampler, collate, max_steps=steps)
-    rewards = []
-    last = state
-    for last in grpo_trajectory(step, state, prompts, rollout):
-        rewards.append(last.metrics["reward"].item())
-        if log_every and int(last.step) % log_every == 0:
-            print(f"step {int(last.step):4d}  reward {rewards[-1]:.3f}  "
-                  f"counting {last.metrics['rewards/counting/mean'].item():.3f}  loss {last.metrics['loss'].item():+.4f}")
     if log_every:
-        samples = generate(model, last.params, [byte_encode(f"{d}>") for d in range(10)],
+        samples = generate(model, result.state.params, [byte_encode(f"{d}>") for d in range(10)],
                            max_new_tokens=COMPLETION_LENGTH, temperature=0.0)
         print("greedy completions:", ", ".join(f"{d}>{byte_decode(c)}" for d, c in enumerate(samples)))
-    return rewards
+    return [entry["reward"] for entry in result.log_history if "reward" in entry]
 
 
 def main() -> None:
@@ -114,7 +104,7 @@ def main() -> None:
     t0 = time.perf_counter()
     rewards = run(args.steps, args.seed, lr=args.lr, log_every=10)
     head, tail = rewards[:5], rewards[-5:]
-    print(f"mean reward: first 5 steps {sum(head) / len(head):.3f}, last 5 steps {sum(tail) / len(tail):.3f} "
+    print(f"mean reward: first 5 generations {sum(head) / len(head):.3f}, last 5 {sum(tail) / len(tail):.3f} "
           f"({time.perf_counter() - t0:.0f} s)")
 
 

@@ -202,7 +202,7 @@ def test_rollout_scores_old_and_reference_log_probs_chunk_by_chunk_alike():
     state = init_state(model, opt)
     ref = {k: v.detach() + 0.01 for k, v in state.params.items()}
     settings_ = dict(encode=lambda s: [1 + int(c) for c in s], decode=lambda ids: "".join(str(i % 10) for i in ids),
-                     num_generations=2, max_new_tokens=4, steps_per_generation=2, ref_params=ref)
+                     num_generations=2, max_new_tokens=4, optimizer_steps_per_generation=2, ref_params=ref)
 
     def reward(prompts, completions, **_):
         return [float(len(c)) for c in completions]

@@ -285,7 +285,7 @@ def test_generate_runs_once_per_block_and_the_steps_cover_it_once():
     data = items_of([1, 2, 3, 4, 5, 6, 7])
     s = Sampler("sequential", 7, per_device_train_batch_size=2)
     prompts = list(stream(data, s, pad_collate(), num_epochs=1))
-    out = list(generation_batches(iter(prompts), generate, steps_per_generation=3, num_generations=2))
+    out = list(generation_batches(iter(prompts), generate, optimizer_steps_per_generation=3, num_generations=2))
     assert calls == [3, 1]  # blocks of 3 steps, then the epoch's last step alone
     assert [b.cursor.as_tuple() for b in out] == [b.cursor.as_tuple() for b in prompts]
     assert [b.indices for b in out] == [b.indices for b in prompts]
@@ -375,5 +375,5 @@ def test_collate_errors_name_the_problem():
 def test_generate_must_return_one_micro_batch_per_prompt_micro_batch():
     with pytest.raises(ValueError, match="generate returned 1 micro-batches for 2"):
         list(generation_batches([[[1], [2]]], lambda mbs: mbs[:1], 1))
-    with pytest.raises(ValueError, match="steps_per_generation=0"):
+    with pytest.raises(ValueError, match="optimizer_steps_per_generation=0"):
         list(generation_batches([], lambda mbs: mbs, 0))

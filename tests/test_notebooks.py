@@ -25,6 +25,7 @@ EXPECTED = (
     "02_custom_loss_and_property_tests.ipynb",
     "03_embed_the_step.ipynb",
     "04_dpo.ipynb",
+    "05_grpo.ipynb",
 )
 CELL_TIMEOUT_S = 300
 

@@ -4,8 +4,9 @@ The pieces, bottom up: ``tree`` (pure ops on tensor dicts), ``state`` (the ``Tra
 record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``samplers`` and
 ``data`` (the resumable stream), ``fold`` (``fit``, ``trajectory``), ``reducers`` and
 ``evaluation``, ``checkpoint`` and ``preempt``, ``observe`` and ``reporters``, ``neftune``,
-``dpo``/``grpo``/``generate``, ``packing`` and ``chunked_loss`` (LLM batches and loss), ``distributed``, and ``train`` (``TrainingArguments`` + ``train``)
-which wires them from the HF Trainer's setting names.
+``dpo``/``grpo``/``generate`` (``grpo.train``: the GRPO run, ``grpo_run``), ``packing`` and
+``chunked_loss`` (LLM batches and loss), ``distributed``, and ``train`` (``TrainingArguments`` +
+``train``) which wires them from the HF Trainer's setting names.
 """
 
 from trainfold import (
@@ -17,6 +18,8 @@ from trainfold import (
     evaluation,
     generate,
     grpo,
+    grpo_args,
+    grpo_run,
     losses,
     observe,
     optim,
@@ -35,6 +38,7 @@ from trainfold.determinism import warm_up_kernels
 from trainfold.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
 from trainfold.evaluation import EvalPrediction
 from trainfold.fold import any_of, fit, max_steps, max_time, trajectory
+from trainfold.grpo_args import GRPOArguments
 from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, sgd
 from trainfold.packing import pack, packed_collate, padding_free_collate
 from trainfold.samplers import Sampler, make_sampler
@@ -48,6 +52,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Cursor",
     "EvalPrediction",
+    "GRPOArguments",
     "Sampler",
     "StepBatch",
     "TrainResult",
@@ -69,6 +74,8 @@ __all__ = [
     "evaluation",
     "generate",
     "grpo",
+    "grpo_args",
+    "grpo_run",
     "observe",
     "reducers",
     "reporters",

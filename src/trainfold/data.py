@@ -26,6 +26,7 @@ the same numbers, whatever the worker, batch or resume point.
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import signal
@@ -46,6 +47,7 @@ from trainfold.step import derive_seed
 __all__ = [
     "KeyedCollate",
     "PadCollate",
+    "StateStream",
     "StepBatch",
     "close_loader",
     "eval_loader",
@@ -549,34 +551,34 @@ def _repeat_rows(micro: Any, times: int) -> Any:
         return {k: _repeat_rows(v, times) for k, v in micro.items()}
     if isinstance(micro, Tensor):
         return micro.repeat_interleave(times, dim=0)
-    if isinstance(micro, (list, tuple)):
-        return type(micro)(x for x in micro for _ in range(times))
+    if isinstance(micro, (list, tuple)):  # each repeat its own object: a reward function may change one
+        return type(micro)(copy.deepcopy(x) for x in micro for _ in range(times))
     raise TypeError(f"cannot repeat rows of a {type(micro).__name__}; prompts must be dicts, tensors or lists")
 
 
-def _block_ends(step: Any, filled: int, steps_per_generation: int) -> bool:
+def _block_ends(step: Any, filled: int, optimizer_steps_per_generation: int) -> bool:
     cursor = getattr(step, "cursor", None)
     if cursor is None:
-        return filled == steps_per_generation
-    return filled == steps_per_generation or int(cursor.position) % steps_per_generation == 0
+        return filled == optimizer_steps_per_generation
+    return filled == optimizer_steps_per_generation or int(cursor.position) % optimizer_steps_per_generation == 0
 
 
 def generation_batches(
     prompt_stream: Iterable[Sequence[Any]],
     generate: Callable[[list[Any]], Sequence[Any]],
-    steps_per_generation: int,
+    optimizer_steps_per_generation: int,
     num_generations: int = 1,
     num_iterations: int = 1,
 ) -> Iterator[tuple[Any, ...]]:
     """Yield optimizer steps of generated data, calling ``generate`` once per block of steps.
 
-    A block gathers the prompt micro-batches of ``steps_per_generation`` steps of
+    A block gathers the prompt micro-batches of ``optimizer_steps_per_generation`` steps of
     ``prompt_stream`` (rows repeated ``num_generations`` times, consecutively), calls
     ``generate(micro_batches)`` once on all of them, which returns one generated micro-batch per
     prompt micro-batch, and yields the result split back into the block's steps: a StepBatch
     with the prompt step's cursor and indices (prompt indices, not repeated), or a plain tuple
     when the prompt steps carry no cursor. Blocks end where a step's cursor position is a multiple of
-    ``steps_per_generation`` and at each epoch end, so a resumed stream re-forms the same blocks
+    ``optimizer_steps_per_generation`` and at each epoch end, so a resumed stream re-forms the same blocks
     from the next boundary; the last block may be shorter. With ``num_iterations`` > 1 each block's
     steps are yielded that many times over, in the same order (TRL's ``num_iterations``); every
     pass carries the prompt steps' cursors, so a stream resumed from a step's cursor continues after
@@ -587,15 +589,15 @@ def generation_batches(
     >>> [list(step) for step in out]
     [[[10, 10], [20, 20]], [[30, 30], [40, 40]], [[50, 50], [60, 60]]]
     """
-    if steps_per_generation <= 0 or num_generations <= 0 or num_iterations <= 0:
+    if optimizer_steps_per_generation <= 0 or num_generations <= 0 or num_iterations <= 0:
         raise ValueError(
-            f"steps_per_generation={steps_per_generation}, num_generations={num_generations} and "
+            f"optimizer_steps_per_generation={optimizer_steps_per_generation}, num_generations={num_generations} and "
             f"num_iterations={num_iterations} must be positive ints"
         )
     block: list[Any] = []
     for step in prompt_stream:
         block.append(step)
-        if _block_ends(step, len(block), steps_per_generation):
+        if _block_ends(step, len(block), optimizer_steps_per_generation):
             yield from _generate_block(block, generate, num_generations, num_iterations)
             block = []
     if block:
@@ -620,3 +622,31 @@ def _generate_block(
         start += len(step)
     for _ in range(num_iterations):
         yield from steps
+
+
+@attrs.frozen
+class StateStream:
+    """A training stream whose steps are made from the state they start from (GRPO's generations).
+
+    ``steps(cursor)`` yields one item per optimizer step from a data cursor, forever (the run's
+    stop predicates end it); ``prepare(state, item) -> (state, batch)`` turns an item into the
+    step's micro-batches (a ``StepBatch`` carrying the cursor after the step) with the latest
+    state, and may return that state with new ``metrics``/``extras`` (a buffer the checkpoint must
+    hold). ``extras`` are the entries the run's first state needs (the template a checkpoint loads
+    into); ``steps_per_epoch`` and ``samples_per_step`` (``None``: unknown) do what the sampler's do;
+    ``evaluate(state) -> metrics`` (optional) replaces the run's evaluation. ``train(...,
+    train_stream=...)`` runs it.
+
+    >>> from trainfold.state import TrainState
+    >>> s = StateStream(steps=lambda cursor: iter([1, 2]), prepare=lambda state, item: (state, [item]),
+    ...                 steps_per_epoch=2, samples_per_step=1)
+    >>> list(s.steps(Cursor())), s.prepare(None, 1)
+    ([1, 2], (None, [1]))
+    """
+
+    steps: Callable[[Cursor], Iterable[Any]]
+    prepare: Callable[[Any, Any], tuple[Any, Any]]
+    steps_per_epoch: int | None
+    samples_per_step: int | None
+    extras: Mapping[str, Any] = attrs.field(factory=dict)
+    evaluate: Callable[[Any], Mapping[str, float]] | None = None

@@ -1,4 +1,4 @@
-"""GRPO-style online RL as plain functions: rewards, group-relative advantages, the clipped loss, the loop.
+"""GRPO-style online RL as plain functions: rewards, group-relative advantages, metrics, the clipped loss.
 
 The pieces:
 
@@ -7,14 +7,11 @@ The pieces:
 * :func:`group_advantages`: per group of ``num_generations`` completions of one prompt,
   ``(r − mean) / (std + 1e-4)`` (unbiased std; ``scale_rewards`` picks the group's std, the whole
   batch's std, or none);
-* :func:`make_rollout`: ``rollout(state, prompt_micro_batches) -> micro-batches``: samples the
-  completions with the state's params (seeded from the state), scores them, and stores
-  advantages, and the old policy's and reference's per-token log-probs when they are needed;
 * :func:`grpo_objective`: the clipped surrogate (``epsilon`` per token) plus ``beta``·KL(k3) to
   the reference, normalised as ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``; plugs into ``make_step``;
-* :func:`grpo_trajectory`: the training loop: ``data.generation_batches`` draws the prompts of
-  ``steps_per_generation`` optimizer steps, generates once with the latest state, and feeds the
-  step one slice of that buffer per optimizer step.
+* :func:`train` (``trainfold.grpo_run``): the run, with TRL's ``GRPOConfig`` names and generation
+  schedule, through ``trainfold.train``; ``make_rollout`` and ``grpo_trajectory``
+  (``trainfold.grpo_loop``): a hand-written loop for research code.
 
 Per-token tensors are laid out like the rows: ``input_ids`` is ``prompt + completion`` per row,
 right-padded, and per-token log-probs have shape ``(rows, seq - 1)`` (position t scores token
@@ -28,7 +25,7 @@ t+1), masked by ``completion_mask[:, 1:]``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -36,38 +33,54 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.chunked_loss import OutputHead, check_chunk_size, chunked_token_logps, output_head
-from trainfold.data import generation_batches
-from trainfold.fold import never, trajectory
-from trainfold.generate import functional_forward, generate, pad_right, token_logps
+from trainfold.generate import token_logps
 from trainfold.losses import logits_of
-from trainfold.state import TrainState
-from trainfold.step import derive_seed, train_mode
 
 __all__ = [
     "GRPO_LOSS_TYPES",
     "SCALE_REWARDS",
     "GRPOObjective",
     "RewardFunc",
-    "Rollout",
     "combine_rewards",
+    "reward_name",
     "group_advantages",
     "grpo_objective",
-    "grpo_trajectory",
-    "make_rollout",
-    "rollout_metrics",
+    "chunk_head",
+    "next_token_logps",
+    "token_entropy",
 ]
 
 RewardFunc = Callable[..., Sequence[float | None]]
+
+
+_LOOP = ("Rollout", "make_rollout", "grpo_trajectory", "rollout_metrics")  # in grpo_loop
+
+
+def __getattr__(name: str) -> Any:
+    """``grpo.train``, ``grpo.GRPOArguments`` and the hand loop (``grpo_run``, ``grpo_args``, ``grpo_loop``)."""
+    if name == "train":
+        from trainfold.grpo_run import train
+
+        return train
+    if name == "GRPOArguments":
+        from trainfold.grpo_args import GRPOArguments
+
+        return GRPOArguments
+    if name in _LOOP:
+        from trainfold import grpo_loop
+
+        return getattr(grpo_loop, name)
+    raise AttributeError(f"module 'trainfold.grpo' has no attribute {name!r}")
 SCALE_REWARDS = ("group", "batch", "none")
 GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 _MODEL_KEYS = ("input_ids", "attention_mask")
-_GENERATION_TAG = 0x6E6E
 
 
 # -- rewards and advantages ----------------------------------------------------------------
 
 
-def _reward_name(fn: RewardFunc) -> str:
+def reward_name(fn: RewardFunc) -> str:
+    """Return a reward function's name in metrics: its ``__name__``, else its type's name."""
     return getattr(fn, "__name__", type(fn).__name__)
 
 
@@ -99,7 +112,7 @@ def combine_rewards(
         values = list(fn(list(prompts), list(completions), **cols))
         if len(values) != len(completions):
             raise ValueError(
-                f"reward function {_reward_name(fn)} returned {len(values)} values for {len(completions)} completions; "
+                f"reward function {reward_name(fn)} returned {len(values)} values for {len(completions)} completions; "
                 "it must return one float (or None) per completion"
             )
         scores.append([math.nan if v is None else float(v) for v in values])
@@ -124,7 +137,9 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
 
     ``A = r − mean_group``, divided by ``std + 1e-4`` where std is the group's unbiased std
     (``"group"``), the whole batch's (``"batch"``), or not divided (``"none"``). NaN rewards are
-    left out of the means and stds and get advantage 0; no advantage is ever NaN.
+    left out of the means and stds and get advantage 0; no advantage is ever NaN. Computed in
+    float64 (in float32, as TRL computes, the rounding of a group's mean can give equal rewards
+    non-zero advantages: ``(r - mean) / (0 + 1e-4)``), returned as float32.
 
     >>> import torch
     >>> [round(a, 4) for a in group_advantages(torch.tensor([1.0, 1.0, 0.0, 2.0]), 2).tolist()]
@@ -141,21 +156,21 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
             f"rewards of shape {tuple(rewards.shape)} do not split into groups of {num_generations}: pass one reward "
             "per completion, each prompt's completions consecutive"
         )
-    groups = rewards.float().reshape(-1, num_generations)
+    groups = rewards.double().reshape(-1, num_generations)  # float64: a group of equal rewards has mean exactly r
     mean, group_std = _nan_mean_std(groups, dim=1)
     adv = groups - mean
     if scale_rewards == "group":
         adv = adv / (group_std + 1e-4)
     elif scale_rewards == "batch":
         adv = adv / (_nan_mean_std(groups.reshape(1, -1), dim=1)[1] + 1e-4)
-    return torch.nan_to_num(adv.reshape(-1), nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num(adv.reshape(-1), nan=0.0, posinf=0.0, neginf=0.0).float()
 
 
-# -- rollout: generate, score, record ------------------------------------------------------
+# -- log-probs -----------------------------------------------------------------------------
 
 
-def _next_token_logps(forward: Callable[..., Any], params: Mapping[str, Tensor], inputs: Mapping[str, Tensor],
-                      head: OutputHead | None, chunk_size: int, temperature: float) -> Tensor:
+def next_token_logps(forward: Callable[..., Any], params: Mapping[str, Tensor], inputs: Mapping[str, Tensor],
+                     head: OutputHead | None, chunk_size: int, temperature: float) -> Tensor:
     """Return each next token's log-prob ``(batch, seq - 1)``: from the logits, or chunk by chunk from the hidden states."""
     ids = inputs["input_ids"]
     if head is None:
@@ -165,205 +180,14 @@ def _next_token_logps(forward: Callable[..., Any], params: Mapping[str, Tensor],
                                temperature=temperature)
 
 
-def _head(model: nn.Module | None, chunk_size: int | None, what: str) -> OutputHead | None:
+def chunk_head(model: nn.Module | None, chunk_size: int | None, what: str) -> OutputHead | None:
+    """Return ``model``'s output head for log-probs ``chunk_size`` tokens at a time (None: from the logits)."""
     if chunk_size is None:
         return None
     if model is None:
         raise ValueError(f"{what}(chunk_size=...) needs model= (the causal LM whose output embedding it applies)")
     check_chunk_size(chunk_size)
     return output_head(model)
-
-
-@attrs.frozen(eq=False)
-class Rollout:
-    """Turn prompt micro-batches into training micro-batches with the latest state; see :func:`make_rollout`.
-
-    >>> from trainfold import init_state, sgd
-    >>> from trainfold.models import TinyLM, TinyLMConfig
-    >>> _ = torch.manual_seed(0)
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> def length(prompts, completions, **_): return [float(len(c)) for c in completions]
-    >>> rollout = make_rollout(model, length, encode=lambda s: [1 + int(c) for c in s],
-    ...                        decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-    ...                        max_new_tokens=3)
-    >>> state = init_state(model, sgd(0.1))
-    >>> prompts = [{"prompt": ["12", "12"]}, {"prompt": ["3", "3"]}]  # 2 micro-batches, 2 generations each
-    >>> out = rollout(state, prompts)
-    >>> len(out), list(out[0]["input_ids"].shape), sorted(out[0])[:5]
-    (2, [2, 5], ['advantages', 'attention_mask', 'completion_mask', 'generation_micro_batches', 'generation_tokens'])
-    >>> again = rollout(state, prompts)  # sampled with a generator seeded from the state
-    >>> all(torch.equal(a[k], b[k]) for a, b in zip(out, again) for k in a)
-    True
-    """
-
-    model: nn.Module
-    reward_funcs: tuple[RewardFunc, ...]
-    encode: Callable[[Any], list[int]]
-    decode: Callable[[list[int]], Any]
-    num_generations: int
-    steps_per_generation: int
-    num_iterations: int
-    max_new_tokens: int
-    temperature: float
-    eos_token_id: int | None
-    pad_token_id: int
-    reward_weights: tuple[float, ...] | None
-    scale_rewards: str
-    ref_params: Mapping[str, Tensor] | None
-    prompt_key: str
-    head: OutputHead | None = None  # set: old/ref log-probs chunk by chunk from the hidden states
-    chunk_size: int = 0
-
-    @property
-    def records_old_logps(self) -> bool:
-        """Whether the buffer outlives one optimizer step, so the sampling policy's log-probs are kept."""
-        return self.steps_per_generation * self.num_iterations > 1
-
-    def _logps(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], ids: Tensor, mask: Tensor) -> Tensor:
-        with torch.no_grad(), train_mode(self.model, False):
-            return _next_token_logps(functional_forward(self.model, buffers), params,
-                                     {"input_ids": ids, "attention_mask": mask}, self.head, self.chunk_size,
-                                     self.temperature)
-
-    def __call__(self, state: TrainState, micro_batches: Sequence[Mapping[str, Any]]) -> list[dict[str, Tensor]]:
-        sizes = [len(mb[self.prompt_key]) for mb in micro_batches]
-        prompts = [p for mb in micro_batches for p in mb[self.prompt_key]]
-        columns = {
-            k: [x for mb in micro_batches for x in (mb[k].tolist() if isinstance(mb[k], Tensor) else mb[k])]
-            for k in micro_batches[0] if k != self.prompt_key
-        }
-        prompt_ids = [list(self.encode(p)) for p in prompts]
-        key = torch.Generator().manual_seed(derive_seed(int(state.seed), int(state.step), _GENERATION_TAG))
-        completion_ids = generate(
-            self.model, state.params, prompt_ids, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-            eos_token_id=self.eos_token_id, generator=key, pad_token_id=self.pad_token_id, buffers=state.buffers,
-        )
-        completions = [self.decode(_before_eos(c, self.eos_token_id)) for c in completion_ids]
-        total, each = combine_rewards(self.reward_funcs, prompts, completions, columns, self.reward_weights)
-        advantages = group_advantages(total, self.num_generations, self.scale_rewards)
-        ids, attention = pad_right([p + c for p, c in zip(prompt_ids, completion_ids)], self.pad_token_id)
-        completion_mask = attention.clone()
-        for row, p in enumerate(prompt_ids):
-            completion_mask[row, : len(p)] = 0
-        rows: dict[str, Tensor] = {
-            "input_ids": ids,
-            "attention_mask": attention,
-            "completion_mask": completion_mask,
-            "advantages": advantages,
-            "rewards": total,
-            **{f"rewards/{_reward_name(fn)}": each[:, k] for k, fn in enumerate(self.reward_funcs)},
-            # the block's size, on every row: dapo normalises by its completion tokens per micro-batch
-            "generation_tokens": torch.full((len(prompts),), int(completion_mask.sum())),
-            "generation_micro_batches": torch.full((len(prompts),), len(micro_batches)),
-        }
-        device = next(iter(state.params.values())).device
-        if self.records_old_logps:
-            rows["old_logps"] = self._logps(state.params, state.buffers, ids.to(device), attention.to(device)).cpu()
-        if self.ref_params is not None:
-            rows["ref_logps"] = self._logps(self.ref_params, state.buffers, ids.to(device), attention.to(device)).cpu()
-        return _split_rows(rows, sizes)
-
-
-def _before_eos(tokens: list[int], eos: int | None) -> list[int]:
-    return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens
-
-
-def _split_rows(rows: Mapping[str, Tensor], sizes: Sequence[int]) -> list[dict[str, Tensor]]:
-    out, start = [], 0
-    for n in sizes:
-        micro = {k: v[start : start + n] for k, v in rows.items()}
-        width = int(micro["attention_mask"].sum(1).max())  # trim the block's padding to this micro-batch
-        trimmed = {}
-        for k, v in micro.items():
-            if v.dim() == 2:  # per-position tensors: (rows, seq), or (rows, seq - 1) for log-probs
-                v = v[:, : width - 1] if k.endswith("logps") else v[:, :width]
-            trimmed[k] = v
-        out.append(trimmed)
-        start += n
-    return out
-
-
-def make_rollout(
-    model: nn.Module,
-    reward_funcs: RewardFunc | Sequence[RewardFunc],
-    *,
-    encode: Callable[[Any], list[int]],
-    decode: Callable[[list[int]], Any],
-    num_generations: int,
-    max_new_tokens: int,
-    steps_per_generation: int = 1,
-    num_iterations: int = 1,
-    temperature: float = 1.0,
-    eos_token_id: int | None = None,
-    pad_token_id: int = 0,
-    reward_weights: Sequence[float] | None = None,
-    scale_rewards: str = "group",
-    ref_params: Mapping[str, Tensor] | None = None,
-    prompt_key: str = "prompt",
-    chunk_size: int | None = None,
-) -> Rollout:
-    """Return ``rollout(state, prompt_micro_batches) -> micro_batches`` for :func:`grpo_trajectory`.
-
-    Each prompt micro-batch maps ``prompt_key`` to a list of prompts (each repeated
-    ``num_generations`` times in a row, as ``generation_batches`` does) and any other column to a
-    list or tensor; those columns reach the reward functions as keyword arguments. One call
-    samples every completion of the block with ``state.params`` (generator seeded from
-    ``(state.seed, state.step)``), scores them, computes advantages over the whole block, and
-    returns one micro-batch per prompt micro-batch with ``input_ids``, ``attention_mask``,
-    ``completion_mask``, ``advantages``, ``rewards``, ``rewards/<function name>``, the block's
-    ``generation_tokens`` and ``generation_micro_batches`` (on every row; ``dapo`` reads them), and
-    ``old_logps`` when the buffer outlives the step that generated it (``steps_per_generation``
-    or ``num_iterations`` above 1) and ``ref_logps`` when ``ref_params`` is given.
-    ``num_iterations`` (TRL's μ) trains on each block that many times, in the same order.
-    ``chunk_size`` (a transformers causal LM) scores the old and reference log-probs ``chunk_size``
-    tokens at a time from the final hidden states, never materialising the full logits.
-
-    >>> import torch
-    >>> from trainfold import init_state, sgd
-    >>> from trainfold.models import TinyLM, TinyLMConfig
-    >>> _ = torch.manual_seed(0)
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> def length(prompts, completions, **_): return [float(len(c)) for c in completions]
-    >>> rollout = make_rollout(model, length, encode=lambda s: [1 + int(c) for c in s],
-    ...                        decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-    ...                        max_new_tokens=3)
-    >>> rollout.num_generations, rollout.records_old_logps
-    (2, False)
-    >>> try:
-    ...     make_rollout(model, length, encode=list, decode=str, num_generations=1, max_new_tokens=3)
-    ... except ValueError as e:
-    ...     print(e)
-    invalid rollout settings: num_generations=1 must be >= 2 (advantages compare completions of one prompt)
-    """
-    funcs = (reward_funcs,) if callable(reward_funcs) else tuple(reward_funcs)
-    problems = []
-    if not funcs:
-        problems.append("give at least one reward function")
-    if reward_weights is not None and len(reward_weights) != len(funcs):
-        problems.append(f"got {len(reward_weights)} reward_weights for {len(funcs)} reward functions")
-    if num_generations < 2:
-        problems.append(f"num_generations={num_generations} must be >= 2 (advantages compare completions of one prompt)")
-    if steps_per_generation < 1:
-        problems.append(f"steps_per_generation={steps_per_generation} must be >= 1")
-    if num_iterations < 1:
-        problems.append(f"num_iterations={num_iterations} must be >= 1")
-    if scale_rewards not in SCALE_REWARDS:
-        problems.append(f"scale_rewards={scale_rewards!r} is not one of {list(SCALE_REWARDS)}")
-    if not temperature > 0:
-        problems.append(f"temperature={temperature} must be > 0 (log-probs are computed at this temperature)")
-    if max_new_tokens < 1:
-        problems.append(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if problems:
-        raise ValueError("invalid rollout settings: " + "; ".join(problems))
-    return Rollout(
-        model=model, reward_funcs=funcs, encode=encode, decode=decode, num_generations=num_generations,
-        steps_per_generation=steps_per_generation, num_iterations=num_iterations, max_new_tokens=max_new_tokens, temperature=temperature,
-        eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-        reward_weights=None if reward_weights is None else tuple(float(w) for w in reward_weights),
-        scale_rewards=scale_rewards,
-        ref_params=None if ref_params is None else {k: v.detach() for k, v in ref_params.items()},
-        prompt_key=prompt_key, head=_head(model, chunk_size, "make_rollout"), chunk_size=chunk_size or 0,
-    )
 
 
 # -- the loss ------------------------------------------------------------------------------
@@ -380,8 +204,8 @@ class GRPOObjective:
     ...          "completion_mask": torch.tensor([[0, 1, 1], [0, 1, 0]]), "advantages": torch.tensor([1.0, 0.5])}
     >>> uniform = lambda params, inputs: torch.zeros(*inputs["input_ids"].shape, 16)
     >>> loss, aux = obj(uniform, {}, batch, obj.count_items(batch))
-    >>> loss.item(), sorted(aux), aux["clip_ratio/region_mean"].item()
-    (-0.75, ['clip_ratio/high_mean', 'clip_ratio/low_mean', 'clip_ratio/region_mean'], 0.0)
+    >>> loss.item(), sorted(aux)[:2], aux["clip_ratio/region_mean"].item(), round(aux["entropy"].item(), 4)
+    (-0.75, ['clip_ratio/high_mean', 'clip_ratio/low_mean'], 0.0, 2.7726)
     """
 
     loss_type: str
@@ -424,7 +248,18 @@ class GRPOObjective:
         key: torch.Generator | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         inputs = {k: micro_batch[k] for k in _MODEL_KEYS if k in micro_batch}
-        logps = _next_token_logps(forward, params, inputs, self.head, self.chunk_size, self.temperature)
+        if self.head is None:
+            logits = logits_of(forward(params, inputs))
+            logps = token_logps(logits, inputs["input_ids"], self.temperature)
+            with torch.no_grad():
+                entropy = token_entropy(logits[:, :-1], self.temperature)
+        else:  # chunk by chunk from the hidden states: the entropy too, never the full logits
+            hidden = self.head.hidden(forward, params, inputs)
+            weight, ids = self.head.weight(params), inputs["input_ids"]
+            logps = chunked_token_logps(hidden[:, :-1], weight, ids[:, 1:], bias=self.head.bias,
+                                        chunk_size=self.chunk_size, temperature=self.temperature)
+            with torch.no_grad():
+                entropy = _chunked_entropy(hidden[:, :-1], weight, self.head.bias, self.chunk_size, self.temperature)
         mask = micro_batch["completion_mask"][:, 1:].to(logps.dtype)
         old = micro_batch.get("old_logps")
         old = logps.detach() if old is None else old.to(logps)
@@ -434,7 +269,14 @@ class GRPOObjective:
         per_token = -torch.min(ratio * adv, clipped * adv)
         n = num_items_in_batch.to(logps.dtype)
         block = _block_size(micro_batch, "generation_micro_batches").to(logps) if self.loss_type == "dapo" else None
-        aux: dict[str, Tensor] = {}
+        if self.loss_type == "dapo" and "step_micro_batches" in micro_batch:  # TRL: each micro-batch by its own
+            n = (micro_batch["generation_tokens"][0] * micro_batch["step_micro_batches"][0]).to(logps)  # generation
+        if "step_micro_batches" in micro_batch:  # TRL's metrics: token means per micro-batch, averaged over the step
+            share = 1 / micro_batch["step_micro_batches"][0].to(logps)
+            metric = lambda x: (x * mask).sum() / mask.sum().clamp(min=1) * share  # noqa: E731
+        else:  # aggregated like the loss
+            metric = lambda x: self._aggregate(x, mask, n, block)  # noqa: E731
+        aux: dict[str, Tensor] = {"entropy": metric(entropy)}
         if self.beta != 0:
             if "ref_logps" not in micro_batch:
                 raise KeyError("grpo_objective has beta != 0 but the micro-batch has no 'ref_logps': pass ref_params to make_rollout")
@@ -443,13 +285,33 @@ class GRPOObjective:
             if self.kl_bias_correction:
                 kl = kl * ratio
             per_token = per_token + self.beta * kl
-            aux["kl"] = self._aggregate(kl.detach(), mask, n, block)
+            aux["kl"] = metric(kl.detach())
         low = ((ratio < 1 - self.epsilon) & (adv < 0)).to(logps.dtype)
         high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).to(logps.dtype)
-        aux["clip_ratio/low_mean"] = self._aggregate(low, mask, n, block)
-        aux["clip_ratio/high_mean"] = self._aggregate(high, mask, n, block)
-        aux["clip_ratio/region_mean"] = self._aggregate(low + high, mask, n, block)
+        aux["clip_ratio/low_mean"] = metric(low)
+        aux["clip_ratio/high_mean"] = metric(high)
+        aux["clip_ratio/region_mean"] = metric(low + high)
         return self._aggregate(per_token, mask, n, block), aux
+
+
+def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Return the entropy of each position's next-token distribution ``softmax(logits / temperature)``.
+
+    >>> [round(h, 4) for h in token_entropy(torch.zeros(1, 2, 4))[0].tolist()]  # uniform over 4: ln 4
+    [1.3863, 1.3863]
+    """
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def _chunked_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_size: int,
+                     temperature: float) -> Tensor:
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    parts = []
+    for start in range(0, flat.shape[0], chunk_size):
+        logits = flat[start:start + chunk_size] @ weight.T
+        parts.append(token_entropy(logits if bias is None else logits + bias, temperature))
+    return torch.cat(parts).reshape(hidden.shape[:-1])
 
 
 def _block_size(micro_batch: Mapping[str, Tensor], key: str) -> Tensor:
@@ -485,8 +347,11 @@ def grpo_objective(
     * ``dr_grpo``: the token sum over ``completions × max_completion_length``;
     * ``dapo`` (TRL's default): the token sum over the generation block's completion tokens per
       optimizer step (its total over all ranks divided by the optimizer steps it feeds). With one
-      optimizer step per generation (``steps_per_generation=1``) this is ``bnpo``; with more, every
-      step of a block has the same normaliser, as in TRL.
+      optimizer step per generation (``optimizer_steps_per_generation=1``) this is ``bnpo``; with more, every
+      step of a block has the same normaliser, as in TRL. Micro-batches that carry
+      ``step_micro_batches`` (the GRPO run's) are normalised by their own generation's tokens ×
+      ``step_micro_batches / generation_micro_batches``: TRL's ``N_gen · GA / steps_per_generation``,
+      also when one optimizer step spans several generations.
 
     Metrics ``clip_ratio/{low,high,region}_mean`` (and ``kl`` when ``beta != 0``) are aggregated
     the same way. ``temperature`` must be the sampling temperature. ``chunk_size`` (with ``model``, a
@@ -514,81 +379,4 @@ def grpo_objective(
         raise ValueError("invalid GRPO objective: " + "; ".join(problems))
     return GRPOObjective(loss_type=loss_type, epsilon=epsilon, epsilon_high=high, beta=beta, temperature=temperature,
                          max_completion_length=max_completion_length, kl_bias_correction=kl_bias_correction,
-                         head=_head(model, chunk_size, "grpo_objective"), chunk_size=chunk_size or 0)
-
-
-# -- the loop ------------------------------------------------------------------------------
-
-
-def rollout_metrics(batch: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """Return the step's reward metrics: ``reward`` and ``rewards/<name>/mean`` (NaN-free means), ``completions/mean_length``.
-
-    >>> import torch
-    >>> mb = {"rewards": torch.tensor([1.0, 3.0]), "completion_mask": torch.tensor([[0, 1], [1, 1]])}
-    >>> {k: v.item() for k, v in rollout_metrics([mb]).items()}
-    {'reward': 2.0, 'completions/mean_length': 1.5}
-    """
-    micro = list(batch)
-    out: dict[str, Tensor] = {}
-    for k in micro[0]:
-        if k == "rewards" or k.startswith("rewards/"):
-            values = torch.cat([mb[k] for mb in micro]).float()
-            name = "reward" if k == "rewards" else f"{k}/mean"
-            out[name] = values.nanmean() if (~values.isnan()).any() else torch.tensor(0.0)
-    lengths = torch.cat([mb["completion_mask"].sum(1) for mb in micro]).float()
-    out["completions/mean_length"] = lengths.mean()
-    return out
-
-
-def grpo_trajectory(
-    step: Callable[[TrainState, Any], TrainState],
-    state: TrainState,
-    prompt_stream: Iterable[Sequence[Any]],
-    rollout: Rollout,
-    stop: Callable[[TrainState], bool] = never,
-) -> Iterator[TrainState]:
-    """Yield the state after each optimizer step of GRPO training (lazily; see ``fold.trajectory``).
-
-    ``prompt_stream`` yields one optimizer step of prompt micro-batches at a time (e.g.
-    ``data.stream``); ``data.generation_batches`` groups ``rollout.steps_per_generation`` steps,
-    calls ``rollout`` once on the block with the state reached so far, and feeds the step one
-    slice per optimizer step (``rollout.num_iterations`` passes over the block). Each yielded
-    state's metrics add :func:`rollout_metrics` of the slice it trained on.
-
-    Resuming from a state saved at a generation boundary (``state.step`` a multiple of
-    ``steps_per_generation × num_iterations``), with the prompt stream rebuilt from its cursor, is
-    bitwise equal to not stopping. From inside a block, the rest of the block is generated anew
-    with the resumed state (and passes not yet run are skipped), so save checkpoints at those
-    multiples.
-
-    >>> import torch
-    >>> from trainfold import make_step
-    >>> from trainfold import init_state, sgd
-    >>> from trainfold.models import TinyLM, TinyLMConfig
-    >>> _ = torch.manual_seed(0)
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> def length(prompts, completions, **_): return [float(len(c)) for c in completions]
-    >>> rollout = make_rollout(model, length, encode=lambda s: [1 + int(c) for c in s],
-    ...                        decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-    ...                        max_new_tokens=3)
-    >>> opt = sgd(0.1)
-    >>> step = make_step(model, optimizer=opt, objective=grpo_objective())
-    >>> prompts = [[{"prompt": ["12", "12"]}] for _ in range(2)]  # 2 optimizer steps of 1 micro-batch
-    >>> states = list(grpo_trajectory(step, init_state(model, opt), prompts, rollout))
-    >>> [int(s.step) for s in states], {"loss", "reward", "completions/mean_length"} <= set(states[-1].metrics)
-    ([1, 2], True)
-    """
-    latest = [state]  # the newest state, read when the next block is generated
-
-    def generate_block(micro_batches: list[Any]) -> list[dict[str, Tensor]]:
-        return rollout(latest[0], micro_batches)
-
-    def observed(s: TrainState, batch: Any) -> TrainState:
-        new = step(s, batch)
-        new = attrs.evolve(new, metrics={**new.metrics, **rollout_metrics(batch)})
-        latest[0] = new
-        return new
-
-    batches = generation_batches(prompt_stream, generate_block, rollout.steps_per_generation, rollout.num_generations,
-                                 getattr(rollout, "num_iterations", 1))
-    yield from trajectory(observed, state, batches, stop)
+                         head=chunk_head(model, chunk_size, "grpo_objective"), chunk_size=chunk_size or 0)

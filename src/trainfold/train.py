@@ -33,7 +33,7 @@ from trainfold import history as log_file
 from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
 from trainfold.columns import Columns, columns_for, eval_collate, padded_to_multiple, with_columns
-from trainfold.data import StepBatch, close_loader, eval_loader, stream
+from trainfold.data import StateStream, StepBatch, close_loader, eval_loader, stream
 from trainfold.determinism import warm_up_kernels
 from trainfold.distributed import agreed_stop, evaluate_sharded, joins_torchrun, shard
 from trainfold.divergence import DIVERGED, diverged, divergence_message
@@ -238,6 +238,7 @@ class _Run:
     run_id: run_dir.RunIdentity | None = None
     window: MetricWindow = attrs.field(factory=MetricWindow)
     objective: Callable[..., Any] | None = None  # the user's: evaluation scores eval batches with it (no NEFTune)
+    evaluator: Callable[[TrainState], Mapping[str, float]] | None = None  # a StateStream's own evaluation
 
 
 def _evaluate_state(run: _Run, state: TrainState) -> list[dict[str, float]]:
@@ -250,6 +251,8 @@ def _evaluate_state(run: _Run, state: TrainState) -> list[dict[str, float]]:
             preprocess_logits_for_metrics=run.preprocess_logits_for_metrics, label_key=run.label_key,
             eval_accumulation_steps=run.args.eval_accumulation_steps,
             prediction_loss_only=run.args.prediction_loss_only, metric_key_prefix=s.prefix) for s in run.eval_batches]
+    if run.evaluator is not None:
+        return [dict(run.evaluator(state))]
     return [evaluate_sharded(
         run.model, state.params, s.loader, collective=s.collective, loss=run.loss, buffers=state.buffers,
         compute_metrics=None if run.args.prediction_loss_only else run.compute_metrics, preprocess_logits_for_metrics=run.preprocess_logits_for_metrics,
@@ -428,6 +431,7 @@ def train(
     collective: Collective | None = None,
     weights_only_warm_start: bool = False,
     callbacks: Sequence[Any] = (),
+    train_stream: StateStream | None = None,
 ) -> TrainResult:
     """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record.
 
@@ -445,7 +449,9 @@ def train(
     objects (``trainfold.hf_callbacks``). Under ``torchrun`` it joins the process group itself
     (``collective=`` overrides), so N processes of batch B train as one of batch N×B. At the end
     ``model`` holds the final weights (the best ones with ``load_best_model_at_end``), as after
-    HF's ``trainer.train()``; a diverged run leaves the module as it was.
+    HF's ``trainer.train()``; a diverged run leaves the module as it was. ``train_stream`` (a
+    ``data.StateStream``) replaces the sampler and stream with steps made from the state they start
+    from: ``trainfold.grpo.train`` runs GRPO through it.
 
     >>> import tempfile, torch
     >>> from trainfold.models import TinyLM, TinyLMConfig
@@ -492,6 +498,8 @@ def train(
         length_column_name=args.length_column_name, model_input_name=args.model_input_name,
     )
     steps_per_epoch = sampler.steps_per_epoch() if sampler.num_samples is not None else None
+    if train_stream is not None:  # the steps are made from the state (GRPO): the stream knows its epoch
+        steps_per_epoch = train_stream.steps_per_epoch
     if args.max_steps > 0:
         total_steps = args.max_steps
     elif steps_per_epoch is None:
@@ -524,6 +532,8 @@ def train(
                      gradient_checkpointing=args.checkpoint_every, loss_scaling=LossScaling() if args.fp16 else None)
 
     state = _initial_state(model, optimizer, args, metric_key, early_stopping, device)
+    if train_stream is not None:  # what its prepare keeps in the state (a generation buffer) is in the template
+        state = attrs.evolve(state, extras={**state.extras, **train_stream.extras})
     settings = _settings(args, world_size)
     claim = run_dir.claim(args.output_dir, resume_from_checkpoint, settings,
                           run_dir.fingerprint(settings, run_dir.model_signature(state)),
@@ -562,7 +572,8 @@ def train(
         run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
                    early_stopping, rank == 0, collective, label_key=columns.label_key, run_id=claim.run,
-                   window=window, objective=eval_objective)
+                   window=window, objective=eval_objective,
+                   evaluator=train_stream.evaluate if train_stream is not None else None)
         run, hf = _callback_adapter(callbacks, run, saved, state, device, rank)  # HF TrainerCallbacks, or None
         reporters = run.reporters
         if args.eval_on_start and source is None:
@@ -574,7 +585,7 @@ def train(
                    dataloader_prefetch_factor=args.dataloader_prefetch_factor,
                    dataloader_pin_memory=args.dataloader_pin_memory and device.type == "cuda"),
             device,
-        )
+        ) if train_stream is None else train_stream.steps(state.cursor)
         stops = [max_steps_stop(total_steps)]
         if early_stopping is not None:
             stops.append(patience_exhausted(early_stopping))
@@ -592,6 +603,8 @@ def train(
             looped = observing(counted, _after_step(run, saved), tap(bar.update))
             if hf is not None:  # on_step_begin before the step, on_step_end before its log/eval/save
                 looped = observing(hf.wrap(counted), hf.step_end, _after_step(run, saved), hf.after, tap(bar.update))
+            if train_stream is not None:  # each step's batch is made from the state it starts from
+                looped = _prepared(train_stream.prepare, looped)
             for state in trajectory(looped, state, batches, all_stops):  # noqa: B007
                 pass
             if run.diverged or diverged(state, confirm=True):
@@ -605,7 +618,8 @@ def train(
                     saved.append(_save(run, state, jit=True))  # none when no step ran here (a signal during setup)
             elif int(state.step) < total_steps and any(s(state) for s in stops[1:]):
                 status = "stopped"
-        samples = (int(state.step) - int(start_state.step)) * sampler.global_batch_size
+        per_step = sampler.global_batch_size if train_stream is None else train_stream.samples_per_step
+        samples = (int(state.step) - int(start_state.step)) * per_step if per_step is not None else None
         summary = train_summary(state, start_state, time.monotonic() - started, samples, steps_per_epoch=steps_per_epoch)
         if status == DIVERGED:
             summary["diverged_at_step"] = int(state.step)
@@ -625,6 +639,11 @@ def train(
     if status != DIVERGED:  # as HF: the module given ends with the final (or best) weights; never inf/NaN ones
         result.apply_to(model)
     return result
+
+
+def _prepared(prepare: Callable[[TrainState, Any], tuple[TrainState, Any]],
+              step: Callable[[TrainState, Any], TrainState]) -> Callable[[TrainState, Any], TrainState]:
+    return lambda state, item: step(*prepare(state, item))
 
 
 class _no_guard:
