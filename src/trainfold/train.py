@@ -244,6 +244,8 @@ class _Run:
 def _evaluate_state(run: _Run, state: TrainState) -> list[dict[str, float]]:
     """Return the metrics of each eval set (one; or each set of a dict, named ``eval_{name}_*``, as HF)."""
     assert run.eval_batches is not None
+    if run.evaluator is not None:
+        return [dict(run.evaluator(state))]
     if run.objective is not None:  # single process (train refuses a sharded objective evaluation)
         return [evaluate_batches(
             run.model, state.params, s.loader, objective=run.objective, buffers=state.buffers,
@@ -251,8 +253,6 @@ def _evaluate_state(run: _Run, state: TrainState) -> list[dict[str, float]]:
             preprocess_logits_for_metrics=run.preprocess_logits_for_metrics, label_key=run.label_key,
             eval_accumulation_steps=run.args.eval_accumulation_steps,
             prediction_loss_only=run.args.prediction_loss_only, metric_key_prefix=s.prefix) for s in run.eval_batches]
-    if run.evaluator is not None:
-        return [dict(run.evaluator(state))]
     return [evaluate_sharded(
         run.model, state.params, s.loader, collective=s.collective, loss=run.loss, buffers=state.buffers,
         compute_metrics=None if run.args.prediction_loss_only else run.compute_metrics, preprocess_logits_for_metrics=run.preprocess_logits_for_metrics,
