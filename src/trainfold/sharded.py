@@ -155,6 +155,26 @@ def is_sharded(state: TrainState) -> bool:
     return any(isinstance(v, DTensor) for v in state.params.values())
 
 
+def full_params(params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Return ``params`` with every DTensor gathered into its full tensor (plain ones as they are).
+
+    >>> full_params({"w": torch.ones(1)})
+    {'w': tensor([1.])}
+    """
+    return {k: _full(v) for k, v in params.items()}
+
+
+def sharding_for(full_shard: bool, collective: Any) -> Sharding | None:
+    """Return the run's ``Sharding`` for ``TrainingArguments(fsdp="full_shard")`` (``None`` when it is off)."""
+    if not full_shard:
+        return None
+    if collective is None or not dist.is_initialized():
+        raise ValueError("fsdp='full_shard' shards over the ranks of a torchrun job: run it under torchrun "
+                         "(python -m torch.distributed.run --nproc_per_node N your_script.py), or drop fsdp to train "
+                         "in one process")
+    return Sharding(make_mesh())
+
+
 # -- where each param lives in the module, and which block gathers it -------------------------------------------
 
 
