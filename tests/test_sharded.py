@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainfold import TrainingArguments, train
+from trainfold.data import pad_collate
 from trainfold.losses import causal_lm
 from trainfold.models import TinyLM, TinyLMConfig
 from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm
@@ -82,6 +83,23 @@ def _grad_bytes(opt: GradientTransformation, seen: list[int]) -> GradientTransfo
     return GradientTransformation(opt.init, opt.update, apply, opt.learning_rate, opt.spec)
 
 
+def rows(n: int = 16) -> list[dict]:
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 40, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+def train_args(out: Path, **over) -> TrainingArguments:
+    base = {"output_dir": str(out), "max_steps": 4, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+            "learning_rate": 1e-2, "max_grad_norm": 0.5, "seed": 1, "save_strategy": "no", "report_to": "none",
+            "disable_tqdm": True, "logging_steps": 1, "eval_strategy": "steps", "eval_steps": 2,
+            "per_device_eval_batch_size": 2}
+    return TrainingArguments(**{**base, **over})
+
+
 def _worker(out: Path, case: str) -> None:
     import torch.distributed as dist
 
@@ -113,6 +131,13 @@ def _worker(out: Path, case: str) -> None:
         save_file(tensors(sharded.gather_state(state)), out / f"{name}-{rank}.safetensors")
         results[name] = {"state_bytes": _local_bytes(state.params) + _local_bytes(state.opt_state),
                          "grad_bytes": max(grads), "gathered_peak": peak[0]}
+    trained = model()
+    res = train(trained, train_args(out / "train", fsdp="full_shard"), rows(), rows(6), data_collator=pad_collate())
+    assert sharded.is_sharded(res.state)
+    full = sharded.gather_state(res.state)  # a collective: every rank
+    save_file({**tensors(full), **{f"module.{k}": v.detach().clone() for k, v in trained.named_parameters()}},
+              out / f"train-{rank}.safetensors")
+    (out / f"train-{rank}.json").write_text(json.dumps([h for h in res.log_history if "eval_loss" in h]))
     net = model(0.1)  # trainfold's data parallelism: the replicated reference with the same dropout masks
     ddp = make_step(net, causal_lm, optimizer(), collective=process_group_collective())
     save_file(tensors(run(ddp, init_state(net, optimizer(), seed=3), rank, world)), out / f"ddp-{rank}.safetensors")
@@ -170,6 +195,19 @@ def test_two_sharded_ranks_match_one_process_over_ten_steps_with_accumulation_an
     _assert_close(two, one)
     assert float(two["metrics.loss"]) == pytest.approx(float(one["metrics.loss"]), abs=1e-6)
     assert float(two["metrics.grad_norm"]) == pytest.approx(float(one["metrics.grad_norm"]), rel=1e-6)
+
+
+def test_train_with_fsdp_full_shard_under_torchrun_matches_one_process(ranks, tmp_path):
+    two = _same_on_every_rank(ranks, "train")
+    one = train(model(), train_args(tmp_path, gradient_accumulation_steps=2 * WORLD), rows(), rows(6),
+                data_collator=pad_collate())
+    _assert_close(two, tensors(one.state))
+    for k in one.state.params:  # the module holds the gathered weights afterwards, as after HF's train()
+        assert torch.equal(two[f"module.{k}"], two[f"params.{k}"]), k
+    evals = [json.loads((ranks / f"train-{r}.json").read_text()) for r in range(WORLD)]
+    expected = [h for h in one.log_history if "eval_loss" in h]
+    assert evals[0] == evals[1] and [e["step"] for e in evals[0]] == [e["step"] for e in expected] == [2, 4]
+    assert [e["eval_loss"] for e in evals[0]] == pytest.approx([e["eval_loss"] for e in expected], rel=1e-6)
 
 
 def test_with_dropout_and_activation_checkpointing_sharded_matches_data_parallel(ranks):
