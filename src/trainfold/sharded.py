@@ -271,6 +271,90 @@ def _gather(leaf: Tensor, grad: bool = True) -> Tensor:
     return local
 
 
+Spec = tuple[Any, int, tuple[torch.Size, ...]]  # (process group, world size, each param's full shape)
+
+
+def _chunk(rows: int, world: int) -> int:
+    return -(-rows // world)  # DTensor's Shard(0): ceil-sized chunks, the last ones short or empty
+
+
+def _all_gather(spec: Spec, locals_: Sequence[Tensor]) -> list[Tensor]:
+    """All-gather the ``Shard(0)`` locals of a group in one collective: each padded to its chunk, flattened, joined."""
+    group, world, shapes = spec
+    pieces = []
+    for t, shape in zip(locals_, shapes):
+        padded = t.new_zeros((_chunk(shape[0], world), *shape[1:]))
+        padded[: t.shape[0]] = t
+        pieces.append(padded.reshape(-1))
+    flat = torch.cat(pieces)
+    out = flat.new_empty(world * flat.numel())
+    dist.all_gather_into_tensor(out, flat, group=group)
+    rows, fulls, offset = out.view(world, -1), [], 0
+    for shape in shapes:
+        n = _chunk(shape[0], world) * shape[1:].numel()
+        fulls.append(rows[:, offset:offset + n].reshape(-1, *shape[1:])[: shape[0]].contiguous())
+        offset += n
+    return fulls
+
+
+class _AllGather(torch.autograd.Function):
+    """Forward: one all-gather of a group's shards. Backward: one reduce-scatter (sum) of their full gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: Spec, *locals_: Tensor) -> tuple[Tensor, ...]:
+        ctx.spec, ctx.rows = spec, [t.shape[0] for t in locals_]
+        return tuple(_all_gather(spec, locals_))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
+        group, world, shapes = ctx.spec
+        parts = []
+        for g, shape in zip(grads, shapes):
+            padded = torch.zeros((world * _chunk(shape[0], world), *shape[1:]), dtype=grads_dtype(grads),
+                                 device=grads_device(grads))
+            if g is not None:
+                padded[: shape[0]] = g
+            parts.append(padded.view(world, -1))
+        flat = torch.cat(parts, dim=1).contiguous()
+        out = flat.new_empty(flat.shape[1])
+        dist.reduce_scatter_tensor(out, flat.view(-1), op=dist.ReduceOp.SUM, group=group)
+        local, offset = [], 0
+        for shape, rows in zip(shapes, ctx.rows):
+            n = _chunk(shape[0], world) * shape[1:].numel()
+            local.append(out[offset:offset + n].view(-1, *shape[1:])[:rows])
+            offset += n
+        return (None, *local)
+
+
+def grads_dtype(grads: Sequence[Tensor | None]) -> torch.dtype:
+    return next(g.dtype for g in grads if g is not None)
+
+
+def grads_device(grads: Sequence[Tensor | None]) -> torch.device:
+    return next(g.device for g in grads if g is not None)
+
+
+def _gather_group(leaves: Sequence[Tensor], grad: bool) -> list[Tensor]:
+    """Return the full tensors of ``leaves``: the ``Shard(0)`` ones of one dtype in one collective, others one by one."""
+    coalesced = [i for i, t in enumerate(leaves)
+                 if isinstance(t, DTensor) and t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),)]
+    if len({leaves[i].dtype for i in coalesced}) > 1:
+        coalesced = []
+    out: list[Tensor | None] = [None] * len(leaves)
+    if coalesced:
+        mesh = leaves[coalesced[0]].device_mesh
+        spec = (mesh.get_group(), mesh.size(), tuple(leaves[i].shape for i in coalesced))
+        locals_ = [leaves[i].to_local() for i in coalesced]
+        fulls = _AllGather.apply(spec, *locals_) if grad else _all_gather(spec, locals_)
+        for i, full in zip(coalesced, fulls):
+            _track(full)
+            out[i] = full
+    for i, t in enumerate(leaves):
+        if out[i] is None:
+            out[i] = _gather(t, grad)
+    return out  # type: ignore[return-value]
+
+
 class _Gatherer:
     """Gathers a group's full params when it runs; drops them after, re-gathering in backward what autograd saved."""
 
@@ -281,7 +365,8 @@ class _Gatherer:
         self.cache: tuple[int, dict[str, Tensor]] | None = None  # the group regathered for backward
 
     def gather(self, group: int) -> dict[str, Tensor]:
-        full = {n: _gather(self.leaves[n]) for n in self.groups[group]}
+        names = self.groups[group]
+        full = dict(zip(names, _gather_group([self.leaves[n] for n in names], grad=True)))
         if self.free:
             for n, t in full.items():
                 self.registry[t.untyped_storage().data_ptr()] = (group, n, t.storage_offset())
@@ -307,7 +392,8 @@ class _Gatherer:
         if self.cache is None or self.cache[0] != group:
             self.cache = None  # drop the previous group before gathering the next
             with torch.no_grad():
-                self.cache = (group, {n: _gather(self.leaves[n], grad=False) for n in self.groups[group]})
+                names = self.groups[group]
+                self.cache = (group, dict(zip(names, _gather_group([self.leaves[n] for n in names], grad=False))))
         full = self.cache[1][name]
         return full.as_strided(shape, stride, full.storage_offset() + offset)
 
