@@ -73,7 +73,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
                 state = sharded.shard_state(state, mesh)
                 step = make_step(model, optimizer=grad_bytes(opt, grads), sharding=mesh)
             else:
-                step = make_step(model, optimizer=grad_bytes(opt, grads), collective=ProcessGroupCollective(rank, world))
+                collective = ProcessGroupCollective(rank, world)
+                step = make_step(model, optimizer=grad_bytes(opt, grads), collective=collective)
             runs[name] = [step, state, grads, [], 0]
         for i in range(args.warmup + args.rounds):
             for name, run in runs.items():
