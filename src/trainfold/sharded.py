@@ -203,7 +203,16 @@ def make_sharded_step(plan: _Plan, sharding: Sharding | DeviceMesh | str, *, com
         names = frozenset(state.params)
         if names not in layouts:
             layouts[names] = _layout(plan.model, names, sharding.per_block)
-        return _step(plan, layouts[names], state, batch)
+        try:
+            return _step(plan, layouts[names], state, batch)
+        except Exception as exc:  # another rank's error, named here; ours, recorded for the others
+            from trainfold.distributed import failure_of
+
+            assert plan.collective is not None
+            failure = failure_of(exc, plan.collective.rank, sharding.mesh.size())
+            if failure is exc:
+                raise
+            raise failure from exc
 
     return step
 
