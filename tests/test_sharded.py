@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from trainfold import TrainingArguments, train
 from trainfold.data import pad_collate
+from trainfold.divergence import nonfinite_params
 from trainfold.losses import causal_lm
 from trainfold.models import TinyLM, TinyLMConfig
 from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm
@@ -148,6 +149,9 @@ def _worker(out: Path, case: str) -> None:
     net = model(0.1)  # trainfold's data parallelism: the replicated reference with the same dropout masks
     ddp = make_step(net, causal_lm, optimizer(), collective=process_group_collective())
     save_file(tensors(run(ddp, init_state(net, optimizer(), seed=3), rank, world)), out / f"ddp-{rank}.safetensors")
+    poisoned = torch.zeros(4, 2)
+    poisoned[3, 0] = float("nan")  # on rank 1's shard only
+    results["nonfinite"] = nonfinite_params(sharded.shard_state(TrainState({"w": poisoned}, {}, None), mesh).params)
     (out / f"bytes-{rank}.json").write_text(json.dumps(results))
 
 
@@ -231,6 +235,11 @@ def test_each_rank_holds_about_half_the_state(ranks):
         got = json.loads((ranks / f"bytes-{r}.json").read_text())["plain"]
         assert got["grad_bytes"] < 0.55 * _local_bytes(state.params)
         assert (got["state_bytes"] + got["grad_bytes"]) / full <= 0.55
+
+
+def test_every_rank_sees_a_nan_in_another_ranks_shard(ranks):
+    got = [json.loads((ranks / f"bytes-{r}.json").read_text())["nonfinite"] for r in range(WORLD)]
+    assert got == [["w"], ["w"]]  # a diverged run stops on every rank, not on the one holding the NaN
 
 
 def test_one_block_is_gathered_at_a_time(ranks):
