@@ -298,6 +298,26 @@ def test_shard_and_gather_round_trip_and_a_one_rank_sharded_step_is_the_step(one
     assert torch.equal(again.params["tok.weight"], stepped.params["tok.weight"])
 
 
+def test_an_objective_with_a_frozen_reference_runs_the_reference_on_its_own_params(one_rank_mesh):
+    from trainfold import sharded
+
+    net = model()
+    reference = {k: v * 0.5 for k, v in init_state(net, optimizer()).params.items()}  # plain, never gathered
+
+    def objective(forward, params, micro, n, key):
+        logits = forward(params, {"input_ids": micro["input_ids"]})
+        with torch.no_grad():
+            ref = forward(reference, {"input_ids": micro["input_ids"]})
+        return causal_lm(logits - ref, micro["labels"], n), {"ref_mean": ref.mean() * 0}
+
+    state = init_state(net, optimizer(), seed=3)
+    plain = make_step(net, optimizer=optimizer(), objective=objective)(state, batch(0, 0, 1))
+    step = make_step(net, optimizer=optimizer(), objective=objective, sharding=one_rank_mesh)
+    shards = step(sharded.shard_state(state, one_rank_mesh), batch(0, 0, 1))
+    _assert_close(tensors(sharded.gather_state(shards)), tensors(plain))
+    assert float(shards.metrics["loss"]) == pytest.approx(float(plain.metrics["loss"]), abs=1e-6)
+
+
 def test_what_sharding_cannot_do_is_refused_by_name(one_rank_mesh):
     from torch.distributed.fsdp import fully_shard
 

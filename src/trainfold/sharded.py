@@ -255,7 +255,7 @@ def _step(plan: _Plan, layout: _Layout, state: TrainState, batch: Sequence[Mappi
             root = gatherer.gather(0)
             try:
                 with _swapped(layout.root, root), hooks, autocast:
-                    forward = _forward(plan.model, leaves, buffers)
+                    forward = _forward(plan.model, leaves, buffers, gatherer)
                     loss, aux = _micro_loss(plan, forward, leaves, micro, n_dev, key)
             finally:
                 gatherer.forget(root)
@@ -280,11 +280,18 @@ def _step(plan: _Plan, layout: _Layout, state: TrainState, batch: Sequence[Mappi
                       total, grad_norm, num_items, aux_total)
 
 
-def _forward(model: nn.Module, leaves: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> Callable[..., Any]:
+def _forward(model: nn.Module, leaves: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
+             gatherer: _Gatherer) -> Callable[..., Any]:
     other = make_forward(model, buffers)
 
     def forward(p: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
-        return model(**inputs) if p is leaves else other(p, inputs)
+        if p is leaves:
+            return model(**inputs)
+        gatherer.bypass = True  # other params (DPO's frozen reference): no block gathers the shards
+        try:
+            return other(p, inputs)
+        finally:
+            gatherer.bypass = False
 
     return forward
 
