@@ -318,6 +318,26 @@ def test_an_objective_with_a_frozen_reference_runs_the_reference_on_its_own_para
     assert float(shards.metrics["loss"]) == pytest.approx(float(plain.metrics["loss"]), abs=1e-6)
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_transformers_llama_steps_sharded_as_unsharded(one_rank_mesh, recompute):
+    transformers = pytest.importorskip("transformers")
+    from trainfold import sharded
+    from trainfold.sharded_gather import _layout
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                      tie_word_embeddings=True)
+    llama = transformers.LlamaForCausalLM(config)
+    state = init_state(llama, optimizer(), seed=3)
+    layout = _layout(llama, frozenset(state.params), per_block=True)
+    assert [len(places) for _, places in layout.blocks] == [9, 9]  # each decoder layer gathers its own 9 tensors
+    plain = make_step(llama, causal_lm, optimizer(), gradient_checkpointing=recompute)(state, batch(0, 0, 1))
+    step = make_step(llama, causal_lm, optimizer(), sharding=one_rank_mesh, gradient_checkpointing=recompute)
+    got = sharded.gather_state(step(sharded.shard_state(state, one_rank_mesh), batch(0, 0, 1)))
+    _assert_close(tensors(got), tensors(plain))
+
+
 def test_what_sharding_cannot_do_is_refused_by_name(one_rank_mesh):
     from torch.distributed.fsdp import fully_shard
 
