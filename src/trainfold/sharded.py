@@ -10,7 +10,9 @@ holds ``1/world`` of them. The API (stable; ``trainfold.checkpoint`` and resume 
   ``Replicate()``); everything else (buffers, counters, cursor, metrics) stays plain and replicated;
 * ``gather_state(state)`` — the inverse: every DTensor as its full plain tensor (a collective: every
   rank must call it), the record a one-process run holds;
-* ``is_sharded(state)`` — whether ``state.params`` holds DTensors;
+* ``is_sharded(state)`` — whether ``state.params`` holds DTensors; ``full_params(params)`` — the
+  params gathered (plain ones as they are; evaluation and ``TrainResult.apply_to`` use it);
+* ``gathered_bytes()`` — measures the most bytes of gathered full params alive at once;
 * ``make_step(model, ..., sharding=mesh)`` (or ``Sharding(mesh)``, or ``"full_shard"``) builds the
   step over a sharded state; ``TrainingArguments(fsdp="full_shard")`` does all of it under torchrun.
 
