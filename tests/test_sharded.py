@@ -199,6 +199,7 @@ def _assert_close(got: dict, expected: dict) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
 
 
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
 def test_two_sharded_ranks_match_one_process_over_ten_steps_with_accumulation_and_clipping(ranks):
     two = _same_on_every_rank(ranks, "plain")
     net = model()
@@ -208,6 +209,7 @@ def test_two_sharded_ranks_match_one_process_over_ten_steps_with_accumulation_an
     assert float(two["metrics.grad_norm"]) == pytest.approx(float(one["metrics.grad_norm"]), rel=1e-6)
 
 
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
 def test_train_with_fsdp_full_shard_under_torchrun_matches_one_process(ranks, tmp_path):
     two = _same_on_every_rank(ranks, "train")
     one = train(model(), train_args(tmp_path, gradient_accumulation_steps=2 * WORLD), rows(), rows(6),
@@ -221,12 +223,14 @@ def test_train_with_fsdp_full_shard_under_torchrun_matches_one_process(ranks, tm
     assert [e["eval_loss"] for e in evals[0]] == pytest.approx([e["eval_loss"] for e in expected], rel=1e-6)
 
 
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
 def test_with_dropout_and_activation_checkpointing_sharded_matches_data_parallel(ranks):
     ddp = _same_on_every_rank(ranks, "ddp")  # the same per-rank dropout masks (seeded by rank)
     _assert_close(_same_on_every_rank(ranks, "dropout"), ddp)
     _assert_close(_same_on_every_rank(ranks, "recompute"), ddp)
 
 
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
 def test_each_rank_holds_about_half_the_state(ranks):
     net = model()
     state = init_state(net, optimizer())
@@ -237,11 +241,13 @@ def test_each_rank_holds_about_half_the_state(ranks):
         assert (got["state_bytes"] + got["grad_bytes"]) / full <= 0.55
 
 
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
 def test_every_rank_sees_a_nan_in_another_ranks_shard(ranks):
     got = [json.loads((ranks / f"bytes-{r}.json").read_text())["nonfinite"] for r in range(WORLD)]
     assert got == [["w"], ["w"]]  # a diverged run stops on every rank, not on the one holding the NaN
 
 
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
 def test_one_block_is_gathered_at_a_time(ranks):
     net = model()
     blocks = [sum(p.nbytes for p in b.parameters()) for b in net.blocks]
@@ -252,6 +258,7 @@ def test_one_block_is_gathered_at_a_time(ranks):
         assert got["recompute"]["gathered_peak"] <= root + max(blocks)
 
 
+@pytest.mark.slow  # a torchrun launch each
 @pytest.mark.parametrize("case", ["raise", "raise-alive"])
 def test_an_error_on_one_rank_ends_both_without_a_hang_and_the_others_name_it(tmp_path, case):
     started = time.monotonic()
