@@ -102,14 +102,12 @@ def train_args(out: Path, **over) -> TrainingArguments:
 
 
 def _worker(out: Path, case: str) -> None:
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     from trainfold import sharded
-    from trainfold.distributed import process_group_collective
+    from trainfold.distributed import group_timeout, process_group_collective
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=5 if case.startswith("raise") else 600))
+    dist.init_process_group("gloo", timeout=group_timeout())  # TRAINFOLD_DIST_TIMEOUT=5 for the error cases
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = sharded.make_mesh()
     if case.startswith("raise"):  # rank 1 fails inside a step; rank 0 must not wait for it forever
@@ -163,7 +161,8 @@ def ranks(tmp_path_factory) -> Path:
 def _launch(out: Path, case: str, timeout: float) -> tuple[Path, subprocess.CompletedProcess]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
            str(Path(__file__).resolve()), str(out), case]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"),
+           **({"TRAINFOLD_DIST_TIMEOUT": "5"} if case.startswith("raise") else {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # a session of its own: a hang is killed with its workers
     try:
