@@ -271,6 +271,16 @@ def test_an_error_on_one_rank_ends_both_without_a_hang_and_the_others_name_it(tm
         assert "rank      : 1 (local_rank: 1)" in cause and "exitcode  : 1" in cause
 
 
+@pytest.mark.slow  # 2 spawned processes for each part
+def test_the_fsdp_benchmark_runs_quick():
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for extra in ([], ["--vs-fully-shard"]):
+        done = subprocess.run([sys.executable, "benchmarks/fsdp.py", "--quick", *extra], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert ("| FSDP2 fully_shard loop | 1 |" if extra else "| sharded | 1 |") in done.stdout
+
+
 # -- one process -----------------------------------------------------------------------------------
 
 
