@@ -51,6 +51,8 @@ __all__ = [
     "ProcessGroupCollective",
     "SingleProcess",
     "agreed_stop",
+    "failure_of",
+    "group_timeout",
     "collective_from_env",
     "evaluate_sharded",
     "gather_rows",
@@ -200,7 +202,30 @@ def _init_group(backend: str | None) -> None:
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, timeout=group_timeout())
+
+
+def group_timeout() -> Any:
+    """Return how long a collective waits for the other ranks: ``TRAINFOLD_DIST_TIMEOUT`` seconds, else torch's default.
+
+    A rank whose peer raised and lives on (its process does not end) waits this long before its
+    collective fails and it names that peer (:func:`failure_of`).
+
+    >>> group_timeout() is None or group_timeout().total_seconds() > 0
+    True
+    """
+    import datetime
+
+    value = os.environ.get("TRAINFOLD_DIST_TIMEOUT")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"TRAINFOLD_DIST_TIMEOUT={value!r} must be a number of seconds > 0")
+    return datetime.timedelta(seconds=seconds)
 
 
 @contextlib.contextmanager
@@ -289,6 +314,53 @@ def agreed_stop(stop: Callable[[Any], bool], collective: Any) -> Callable[[Any],
         return int(flag.item()) > 0
 
     return agreed
+
+
+# -- a failure on one rank, named on the others ---------------------------------------------------
+
+_FAILED = "trainfold/failed/"
+_LOST_PEER = ("Connection closed by peer", "Timed out", "timed out", "pair closure", "Connection reset", "NCCL")
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+def failure_of(exc: BaseException, rank: int, world_size: int) -> BaseException:
+    """Return the error to raise on ``rank`` for ``exc`` in a step: a lost peer is named by the rank that failed.
+
+    A rank's own error is recorded in the process group's store (then returned as it is), so that
+    the other ranks, whose next collective times out or loses its peer, raise a ``RuntimeError``
+    naming that rank and its error instead of the transport's message. Alone nothing is recorded:
+
+    >>> failure_of(KeyError("x"), 0, 1)
+    KeyError('x')
+    """
+    store = _store() if world_size > 1 else None
+    if store is None:
+        return exc
+    text = str(exc)
+    if not any(marker in text for marker in _LOST_PEER):
+        try:
+            store.set(f"{_FAILED}{rank}", f"{type(exc).__name__}: {text}"[:2000])
+        except RuntimeError:
+            pass
+        return exc
+    failed = {}
+    for other in (r for r in range(world_size) if r != rank):
+        try:
+            if store.check([f"{_FAILED}{other}"]):
+                failed[other] = store.get(f"{_FAILED}{other}").decode()
+        except RuntimeError:
+            continue
+    if failed:
+        named = "; ".join(f"rank {r} raised {why}" for r, why in sorted(failed.items()))
+        return RuntimeError(f"rank {rank} stopped: {named} (this rank's collective then failed: {text[:300]})")
+    return RuntimeError(f"rank {rank} stopped: a collective timed out or lost its peer and no other rank recorded an "
+                        f"error (a rank was killed, or hangs outside the step): {text[:300]}")
 
 
 # -- sharded evaluation -------------------------------------------------------------------------
