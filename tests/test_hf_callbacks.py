@@ -218,3 +218,18 @@ def test_on_epoch_end_comes_where_the_hf_trainer_calls_it_at_an_epochs_last_step
     assert ours.calls == theirs.calls
     at_epoch_end = [c for c in ours.calls if c[1] == 4 and c[0] != "on_step_begin"]
     assert at_epoch_end.index(("on_epoch_end", 4)) < at_epoch_end.index(("on_save", 4))
+
+
+@pytest.mark.parametrize("level", ["error", "info", "passive"])
+def test_log_level_sets_the_transformers_logger_as_the_hf_trainer_does(tmp_path, level):
+    logging = transformers.utils.logging
+    before = logging.get_verbosity()
+    try:
+        logging.set_verbosity(logging.WARNING)
+        hf_run(tmp_path / "hf", [], log_level=level, max_steps=1, eval_strategy="no", save_strategy="no")
+        theirs = logging.get_verbosity()
+        logging.set_verbosity(logging.WARNING)
+        our_run(tmp_path / "tf", [], log_level=level, max_steps=1, eval_strategy="no", save_strategy="no")
+        assert logging.get_verbosity() == theirs == {"error": 40, "info": 20, "passive": 30}[level]
+    finally:
+        logging.set_verbosity(before)

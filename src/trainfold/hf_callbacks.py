@@ -35,6 +35,7 @@ small gain), and its counter is in the checkpoint.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -43,7 +44,7 @@ from typing import Any
 from trainfold.state import TrainState
 
 __all__ = ["REFUSED_HOOKS", "refused_hooks", "check_callbacks", "check_observers", "split_early_stopping",
-           "HFCallbacks", "hf_training_arguments", "by_epoch"]
+           "HFCallbacks", "hf_training_arguments", "by_epoch", "set_transformers_verbosity"]
 
 # hook -> why a trainfold run cannot call it
 REFUSED_HOOKS: dict[str, str] = {
@@ -322,6 +323,29 @@ class HFCallbacks:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50, "passive": -1}
+
+
+def set_transformers_verbosity(log_level: str, *, main_process: bool = True) -> int | None:
+    """Set the ``transformers`` logger's level from ``log_level`` as the HF Trainer does; return the level set.
+
+    Only when ``transformers`` is already imported (trainfold never imports it for this). ``passive``
+    keeps the current level; a process other than the main one takes HF's ``log_level_replica``
+    default, ``warning``. Like the Trainer (``logging.set_verbosity`` in its ``__init__``), the level stays.
+
+    >>> set_transformers_verbosity("passive") is None
+    True
+    """
+    if log_level not in _LEVELS:
+        raise ValueError(f"log_level={log_level!r} is not one of {list(_LEVELS)}")
+    logging = sys.modules.get("transformers.utils.logging")  # there once transformers is imported
+    level = _LEVELS[log_level] if main_process else _LEVELS["warning"]
+    if logging is None or level == -1:
+        return None
+    logging.set_verbosity(level)
+    return level
 
 
 def by_epoch(args: Any) -> dict[str, bool]:

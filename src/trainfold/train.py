@@ -468,6 +468,7 @@ def train(
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     device = _device(args)
     rank = collective.rank if collective is not None else 0
+    hf_callbacks.set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
     world_size = getattr(collective, "world_size", 1) if collective is not None else 1
     loss = compute_loss_func or default_loss_for(model, defer=objective is not None)
     if args.label_smoothing_factor:
