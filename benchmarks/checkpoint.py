@@ -146,7 +146,7 @@ def compare(model, root: Path, repeat: int) -> dict[str, float]:
 
 
 def row(name: str, r: dict[str, float]) -> str:
-    return (f"| {name} | {r['params'] / 1e6:.1f}M / {r['trainable'] / 1e6:.2f}M | {r['tf_bytes'] / 1e6:.1f} | "
+    return (f"| {name} | {r['params'] / 1e6:.2f}M / {r['trainable'] / 1e6:.2f}M | {r['tf_bytes'] / 1e6:.1f} | "
             f"{r['hf_bytes'] / 1e6:.1f} | {r['tf_bytes'] / r['hf_bytes']:.3f} | {r['tf_save']:.3f} | "
             f"{r['hf_save']:.3f} | {r['tf_save'] / r['hf_save']:.2f} | {r['tf_load']:.3f} | {r['hf_load']:.3f} | "
             f"{r['tf_load'] / r['hf_load']:.2f} |")
