@@ -178,28 +178,39 @@ def model_weights(state: TrainState, model: nn.Module | None = None) -> Tree:
     return {name: _tensor_at(state, key) for name, key in _state_keys(state, model).items()}
 
 
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
 _SAMPLES = 1024
+
+
+def _as_words(t: Tensor) -> tuple[Tensor, Tensor]:
+    """Return a tensor's bytes as int32 words, and the 0-3 bytes left over (uint8)."""
+    data = t.detach().reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+    n = data.numel() // 4 * 4
+    try:
+        words = data[:n].view(torch.int32)
+    except RuntimeError:  # a view that does not start on a 4-byte boundary
+        words = data[:n].clone().view(torch.int32)
+    return words, data[n:]
 
 
 def fingerprint(t: Tensor) -> str:
     """Return a cheap fingerprint of a tensor's dtype, shape and bytes, the same on every device.
 
-    The exact (integer) sum of its bit patterns and the CRC-32 of up to 1024 evenly spaced
-    elements: one pass over the tensor on its own device, no copy to the CPU but the sample.
-    It tells apart the frozen weights of another base model, another seed or another checkpoint.
+    The sum (modulo 2**32, so exact in any order) of its bytes read as int32 words, and the CRC-32
+    of up to 1024 evenly spaced words: one pass over the tensor on its own device (~3 GB/s on one
+    CPU core), nothing copied to the CPU but the sample. It tells apart the frozen weights of
+    another base model, another seed or another checkpoint.
 
     >>> import torch
     >>> fingerprint(torch.ones(3))
-    'float32[3]:3196059648:dc7c4e94'
+    'float32[3]:-1098907648:dc7c4e94'
     >>> fingerprint(torch.ones(3)) == fingerprint(torch.tensor([1.0, 1.0, 1.0 + 2**-23]))
     False
     """
-    flat = t.detach().reshape(-1)
-    ints = flat.view(_INT_OF_SIZE[t.element_size()]) if flat.numel() else flat.to(torch.uint8)
-    total = int(ints.sum(dtype=torch.int64))
-    picks = torch.linspace(0, max(ints.numel() - 1, 0), min(ints.numel(), _SAMPLES), device=ints.device).long()
-    sample = ints[picks].cpu().contiguous()
+    words, tail = _as_words(t)
+    total = int(words.sum(dtype=torch.int32)) if words.numel() else 0
+    k = min(words.numel(), _SAMPLES)
+    picks = torch.arange(k, device=words.device) * max(words.numel() - 1, 0) // max(k - 1, 1)
+    sample = torch.cat([words[picks].cpu().view(torch.uint8), tail.cpu()])
     crc = zlib.crc32(sample.numpy().tobytes())
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{total}:{crc:08x}".replace(" ", "")
 
