@@ -12,7 +12,8 @@ For each size a ``LlamaForCausalLM`` from config (random weights, float32) with 
 - **trainfold**: ``checkpoint.save(state, path, model=model)`` of the same model's state with AdamW
   moments (``model.safetensors`` with the params, ``state.safetensors`` with the rest, the sidecar with
   every file's size and CRC-32, fsync of every file and directory, atomic rename) and
-  ``checkpoint.load(path, like=state)`` (every byte CRC-checked, rebuilt into the template);
+  ``checkpoint.load(path, like=state)`` (every byte CRC-checked, rebuilt into the template); "without
+  fsync" times the same save with ``os.fsync`` a no-op, i.e. without the durability the Trainer skips;
 - ``--lora``: the same comparison of a ``peft`` LoRA model (r=8 on the attention projections), and
   trainfold's LoRA checkpoint against its full fine-tuning one.
 
@@ -127,6 +128,14 @@ def compare(model, root: Path, repeat: int) -> dict[str, float]:
         shutil.rmtree(hf_dir, ignore_errors=True)
         shutil.rmtree(tf_dir, ignore_errors=True)
 
+    def unsynced() -> None:  # what the save costs without its fsyncs (the Trainer does none)
+        real, os.fsync = os.fsync, lambda fd: None
+        try:
+            save(state, tf_dir, model=trainer.model)
+        finally:
+            os.fsync = real
+
+    without_fsync = median_time(unsynced, repeat, clean)
     saving = interleaved({"trainfold": lambda: save(state, tf_dir, model=trainer.model),
                           "trainer": lambda: trainer._save_checkpoint(trainer.model, trial=None)}, repeat, clean)
 
@@ -138,7 +147,8 @@ def compare(model, root: Path, repeat: int) -> dict[str, float]:
 
     loading = interleaved({"trainfold": lambda: load(tf_dir, like=state), "trainer": hf_load}, repeat)
     out = {"tf_bytes": dir_bytes(tf_dir), "hf_bytes": dir_bytes(hf_dir), "tf_save": saving["trainfold"],
-           "hf_save": saving["trainer"], "tf_load": loading["trainfold"], "hf_load": loading["trainer"],
+           "hf_save": saving["trainer"], "tf_nosync": without_fsync, "tf_load": loading["trainfold"],
+           "hf_load": loading["trainer"],
            "params": sum(p.numel() for p in trainer.model.parameters()),
            "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
     clean()
@@ -148,7 +158,8 @@ def compare(model, root: Path, repeat: int) -> dict[str, float]:
 def row(name: str, r: dict[str, float]) -> str:
     return (f"| {name} | {r['params'] / 1e6:.2f}M / {r['trainable'] / 1e6:.2f}M | {r['tf_bytes'] / 1e6:.1f} | "
             f"{r['hf_bytes'] / 1e6:.1f} | {r['tf_bytes'] / r['hf_bytes']:.3f} | {r['tf_save']:.3f} | "
-            f"{r['hf_save']:.3f} | {r['tf_save'] / r['hf_save']:.2f} | {r['tf_load']:.3f} | {r['hf_load']:.3f} | "
+            f"{r['hf_save']:.3f} | {r['tf_save'] / r['hf_save']:.2f} | {r['tf_nosync'] / r['hf_save']:.2f} | "
+            f"{r['tf_load']:.3f} | {r['hf_load']:.3f} | "
             f"{r['tf_load'] / r['hf_load']:.2f} |")
 
 
@@ -176,8 +187,8 @@ def main() -> None:
     print(f"median of {args.repeat}; torch {torch.__version__}, transformers {transformers.__version__}, "
           f"{torch.get_num_threads()} threads; bytes in MB, times in seconds")
     print("| model | params / trainable | trainfold bytes | Trainer bytes | ratio | trainfold save | Trainer save "
-          "| ratio | trainfold load | Trainer load | ratio |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| ratio | ratio without fsync | trainfold load | Trainer load | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results:
         print(row(name, r))
     full = dict(results)

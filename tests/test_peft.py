@@ -1,4 +1,5 @@
-"""PEFT / LoRA (issue 21, item 4): adapter checkpoints PeftModel.from_pretrained loads, no frozen base, bitwise resume."""
+"""PEFT / LoRA (issue 21, item 4): adapter checkpoints that PeftModel.from_pretrained loads, no frozen base, bitwise
+resume."""
 
 from __future__ import annotations
 
