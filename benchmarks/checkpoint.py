@@ -1,18 +1,24 @@
-"""Time checkpoint save and load of a ~100 MB state against plain ``safetensors`` on the same tensors.
+"""Checkpoint bytes, save and load time: trainfold against a real ``transformers.Trainer``, in one process.
 
-Run: ``.venv/bin/python benchmarks/checkpoint.py [--repeat 5] [--dir /tmp]``. The state is a TinyLM
-(d_model 384, 4 layers) with AdamW moments, so params, ``mu`` and ``nu`` each hold a third. Rows:
+Run: ``.venv/bin/python benchmarks/checkpoint.py [--sizes small large] [--repeat 5] [--dir /tmp]``.
 
-- ``safetensors save_file`` / ``load_file``: the flattened record, one file, no fsync, no checks;
-- ``... + fsync``: the same, then ``os.fsync`` of the file (what durability costs by itself);
-- ``trainfold save``: ``state.safetensors`` + ``model.safetensors`` (the weights again, for
-  ``from_pretrained``) + sidecar, CRC-32 of each file, fsync of files and directories, rename;
-- ``trainfold save (save_only_model)``: the weights file alone, with the same guarantees;
-- ``trainfold load``: size and CRC-32 check (a full read), ``load_file``, rebuild into the template;
-- ``... + read all``: then touch every byte (``load_file`` may map pages lazily).
+For each size a ``LlamaForCausalLM`` from config (random weights, float32) with AdamW state:
 
-The CRC-32 pass (reading each file back once) is most of the difference on save; it is what
-lets ``load`` refuse a silently corrupted file, naming it.
+- **Trainer**: one ``Trainer.train`` step (so ``optimizer.pt`` holds both moments), then
+  ``Trainer._save_checkpoint`` (``model.safetensors`` + ``config.json`` + ``generation_config.json``,
+  ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``, ``training_args.bin``;
+  no fsync) and the resume's loads (``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
+  ``_load_rng_state``, ``TrainerState.load_from_json``);
+- **trainfold**: ``checkpoint.save(state, path, model=model)`` of the same model's state with AdamW
+  moments (``model.safetensors`` with the params, ``state.safetensors`` with the rest, the sidecar with
+  every file's size and CRC-32, fsync of every file and directory, atomic rename) and
+  ``checkpoint.load(path, like=state)`` (every byte CRC-checked, rebuilt into the template); "without
+  fsync" times the same save with ``os.fsync`` a no-op, i.e. without the durability the Trainer skips;
+- ``--lora``: the same comparison of a ``peft`` LoRA model (r=8 on the attention projections), and
+  trainfold's LoRA checkpoint against its full fine-tuning one.
+
+Each timing is the median of ``--repeat`` runs, trainfold's and the Trainer's interleaved; the files
+are in the page cache (a fresh directory per save, the same one for every load).
 """
 
 from __future__ import annotations
@@ -23,18 +29,40 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import attrs
-import safetensors.torch
 import torch
 
 from trainfold.checkpoint import load, save
-from trainfold.models import TinyLM, TinyLMConfig
 from trainfold.optim import adamw
 from trainfold.state import init_state
-from trainfold.tree import flatten
+
+SIZES = {  # name: (hidden, intermediate, layers, vocab); params and bytes in float32
+    "tiny": (64, 128, 2, 512),
+    "small": (256, 688, 4, 8000),  # 7.3M params: a 88 MB checkpoint
+    "large": (768, 2048, 4, 8000),  # 40.6M params: a 487 MB checkpoint
+}
+
+
+def llama(size: str):
+    import transformers  # noqa: PLC0415
+
+    hidden, inter, layers, vocab = SIZES[size]
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
+        use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+def lora(model):
+    import peft  # noqa: PLC0415
+
+    return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
 
 
 def median_time(fn: Callable[[], object], repeat: int, setup: Callable[[], object] = lambda: None) -> float:
@@ -48,65 +76,128 @@ def median_time(fn: Callable[[], object], repeat: int, setup: Callable[[], objec
     return statistics.median(times)
 
 
-def read_all(tensors: dict[str, torch.Tensor]) -> float:
-    """Touch every 4 KiB page (``load_file`` may map the file lazily, reading pages on first use)."""
-    return sum(int(t.reshape(-1).view(torch.uint8)[::4096].sum()) for t in tensors.values() if t.numel())
+def interleaved(fns: dict[str, Callable[[], object]], repeat: int,
+                setup: Callable[[], object] = lambda: None) -> dict[str, float]:
+    """Return each function's median wall time, the functions run in turn ``repeat`` times (``setup()`` first)."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeat):
+        setup()
+        for name, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def hf_trainer(model, root: Path):
+    """A Trainer that took one step, so its optimizer holds both AdamW moments."""
+    import transformers  # noqa: PLC0415
+
+    args = transformers.TrainingArguments(
+        output_dir=str(root / "hf"), max_steps=1, per_device_train_batch_size=2, save_strategy="no",
+        report_to=[], logging_strategy="no", disable_tqdm=True, use_cpu=True, learning_rate=1e-3)
+    ids = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return trainer
+
+
+def trainfold_state(model):
+    """The state of ``model`` with AdamW moments of the Trainer's shapes, filled as after training."""
+    state = init_state(model, adamw(1e-3))
+    g = torch.Generator().manual_seed(1)
+    mu = {k: torch.randn(v.shape, generator=g) for k, v in state.opt_state.mu.items()}
+    nu = {k: torch.rand(v.shape, generator=g) for k, v in state.opt_state.nu.items()}
+    return attrs.evolve(state, opt_state=attrs.evolve(state.opt_state, mu=mu, nu=nu))
+
+
+def compare(model, root: Path, repeat: int) -> dict[str, float]:
+    """Bytes and save/load seconds of one model's checkpoint, trainfold's and the Trainer's."""
+    from transformers.trainer_callback import TrainerState  # noqa: PLC0415
+
+    trainer = hf_trainer(model, root)
+    state = trainfold_state(trainer.model)
+    hf_dir, tf_dir = root / "hf" / "checkpoint-1", root / "tf" / "checkpoint-1"
+
+    def clean() -> None:
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        shutil.rmtree(tf_dir, ignore_errors=True)
+
+    def unsynced() -> None:  # what the save costs without its fsyncs (the Trainer does none)
+        real, os.fsync = os.fsync, lambda fd: None
+        try:
+            save(state, tf_dir, model=trainer.model)
+        finally:
+            os.fsync = real
+
+    without_fsync = median_time(unsynced, repeat, clean)
+    saving = interleaved({"trainfold": lambda: save(state, tf_dir, model=trainer.model),
+                          "trainer": lambda: trainer._save_checkpoint(trainer.model, trial=None)}, repeat, clean)
+
+    def hf_load() -> None:
+        trainer._load_from_checkpoint(str(hf_dir))
+        trainer._load_optimizer_and_scheduler(str(hf_dir))
+        trainer._load_rng_state(str(hf_dir))
+        TrainerState.load_from_json(str(hf_dir / "trainer_state.json"))
+
+    loading = interleaved({"trainfold": lambda: load(tf_dir, like=state), "trainer": hf_load}, repeat)
+    out = {"tf_bytes": dir_bytes(tf_dir), "hf_bytes": dir_bytes(hf_dir), "tf_save": saving["trainfold"],
+           "hf_save": saving["trainer"], "tf_nosync": without_fsync, "tf_load": loading["trainfold"],
+           "hf_load": loading["trainer"],
+           "params": sum(p.numel() for p in trainer.model.parameters()),
+           "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
+    clean()
+    return out
+
+
+def row(name: str, r: dict[str, float]) -> str:
+    return (f"| {name} | {r['params'] / 1e6:.2f}M / {r['trainable'] / 1e6:.2f}M | {r['tf_bytes'] / 1e6:.1f} | "
+            f"{r['hf_bytes'] / 1e6:.1f} | {r['tf_bytes'] / r['hf_bytes']:.3f} | {r['tf_save']:.3f} | "
+            f"{r['hf_save']:.3f} | {r['tf_save'] / r['hf_save']:.2f} | {r['tf_nosync'] / r['hf_save']:.2f} | "
+            f"{r['tf_load']:.3f} | {r['hf_load']:.3f} | "
+            f"{r['tf_load'] / r['hf_load']:.2f} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["small", "large"], choices=sorted(SIZES))
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--lora", action="store_true", help="also compare LoRA checkpoints")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore")
+    import transformers  # noqa: PLC0415
 
-    torch.manual_seed(0)
-    model = TinyLM(TinyLMConfig(vocab_size=256, d_model=384, n_layers=4, n_heads=6, max_len=256))
-    state = init_state(model, adamw(1e-3))
-    # Make the moments non-zero, like a state after training.
-    mu = {k: torch.randn_like(v) for k, v in state.opt_state.mu.items()}
-    nu = {k: torch.rand_like(v) for k, v in state.opt_state.nu.items()}
-    state = attrs.evolve(state, opt_state=attrs.evolve(state.opt_state, mu=mu, nu=nu))
-    flat = flatten(state)
-    mb = sum(t.numel() * t.element_size() for t in flat.values()) / 1e6
-
+    transformers.utils.logging.set_verbosity_error()
     root = Path(tempfile.mkdtemp(dir=args.dir, prefix="trainfold-bench-"))
-    plain, ckpt = root / "plain.safetensors", root / "checkpoint-1"
+    results = []
     try:
-
-        def clean() -> None:
-            plain.unlink(missing_ok=True)
-            shutil.rmtree(ckpt, ignore_errors=True)
-
-        def plain_fsync() -> None:
-            safetensors.torch.save_file(flat, plain)
-            with open(plain, "rb+") as f:
-                os.fsync(f.fileno())
-
-        rows = [
-            ("safetensors save_file", median_time(lambda: safetensors.torch.save_file(flat, plain), args.repeat, clean)),
-            ("safetensors save_file + fsync", median_time(plain_fsync, args.repeat, clean)),
-            ("trainfold save", median_time(lambda: save(state, ckpt, model=model), args.repeat, clean)),
-            ("trainfold save (save_only_model)",
-             median_time(lambda: save(state, ckpt, model=model, save_only_model=True), args.repeat, clean)),
-        ]
-        save(state, ckpt, model=model)
-        safetensors.torch.save_file(flat, plain)
-        rows += [
-            ("safetensors load_file", median_time(lambda: safetensors.torch.load_file(plain), args.repeat)),
-            ("safetensors load_file + read all", median_time(lambda: read_all(safetensors.torch.load_file(plain)), args.repeat)),
-            ("trainfold load", median_time(lambda: load(ckpt, like=state), args.repeat)),
-            ("trainfold load + read all", median_time(lambda: read_all(flatten(load(ckpt, like=state))), args.repeat)),
-        ]
-        on_disk = sum(p.stat().st_size for p in ckpt.iterdir()) / 1e6
+        for size in args.sizes:
+            results.append((f"{size}", compare(llama(size), root, args.repeat)))
+            if args.lora:
+                results.append((f"{size} LoRA", compare(lora(llama(size)), root, args.repeat)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-    print(f"state: {len(flat)} tensors, {mb:.1f} MB; trainfold checkpoint on disk: {on_disk:.1f} MB; "
-          f"median of {args.repeat}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"| {'operation':<34} | {'seconds':>8} | {'MB/s':>7} |")
-    print(f"|{'-' * 36}|{'-' * 10}:|{'-' * 8}:|")
-    for name, seconds in rows:
-        print(f"| {name:<34} | {seconds:8.3f} | {mb / seconds:7.0f} |")
+    print(f"median of {args.repeat}; torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"{torch.get_num_threads()} threads; bytes in MB, times in seconds")
+    print("| model | params / trainable | trainfold bytes | Trainer bytes | ratio | trainfold save | Trainer save "
+          "| ratio | ratio without fsync | trainfold load | Trainer load | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name, r in results:
+        print(row(name, r))
+    full = dict(results)
+    for size in args.sizes:
+        if args.lora:
+            a, b = full[f"{size} LoRA"], full[size]
+            print(f"{size}: trainfold LoRA checkpoint / full fine-tuning: bytes {a['tf_bytes'] / b['tf_bytes']:.4f} "
+                  f"({a['tf_bytes'] / 1e6:.2f} vs {b['tf_bytes'] / 1e6:.1f} MB), save time "
+                  f"{a['tf_save'] / b['tf_save']:.3f} ({a['tf_save'] * 1e3:.1f} vs {b['tf_save'] * 1e3:.1f} ms)")
 
 
 if __name__ == "__main__":

@@ -47,3 +47,8 @@ def test_sampler_scale_small():
 def test_long_run_saves_quick():
     out = run("benchmarks/long_run_saves.py", "--steps", "100", "--repeat", "1")
     assert "| 100 | before |" in out and "| 100 | after |" in out
+
+
+def test_checkpoint_vs_trainer_tiny():
+    out = run("benchmarks/checkpoint.py", "--sizes", "tiny", "--repeat", "1", "--lora")
+    assert "| tiny |" in out and "| tiny LoRA |" in out and "LoRA checkpoint / full fine-tuning" in out

@@ -224,10 +224,11 @@ def test_sigterm_then_resume_continues_bitwise(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout.splitlines()[-1])["global_step"] == 120
     assert f"step {at + 1}/120" in done.stderr and "step 1/120" not in done.stderr  # it continued
-    expected = load_file(straight / "checkpoint-120" / "state.safetensors")
-    resumed = load_file(stopped / "checkpoint-120" / "state.safetensors")
-    assert sorted(resumed) == sorted(expected)
-    assert all((resumed[k] == expected[k]).all() for k in expected)
+    for name in ("state.safetensors", "model.safetensors"):  # the record, and the params (held once, there)
+        expected = load_file(straight / "checkpoint-120" / name)
+        resumed = load_file(stopped / "checkpoint-120" / name)
+        assert sorted(resumed) == sorted(expected)
+        assert all((resumed[k] == expected[k]).all() for k in expected)
     logged = lambda out: [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]  # noqa: E731
     losses = lambda out: {e["step"]: e["loss"] for e in logged(out) if "loss" in e}  # noqa: E731
     assert losses(stopped) == losses(straight)  # every step's logged loss, the resumed ones included

@@ -204,3 +204,32 @@ def test_early_stopping_callback_threshold_counts_from_the_last_counted_improvem
     ours = our_run(tmp_path / "tf", [stopper()], scripted(), **settings)
     assert trainer.state.global_step == 6  # HF: its best moved to 9.6, so 9.2 "gained only 0.4": stopped
     assert ours.status == "completed" and ours.global_step == 16  # 0.8 gained over 2 evaluations > 0.5
+
+
+@pytest.mark.parametrize("changes", [
+    dict(eval_strategy="epoch", save_strategy="epoch"),  # steps logs; epoch evaluations and saves
+    dict(logging_strategy="epoch", eval_steps=2, save_strategy="epoch"),  # epoch logs and saves, steps evaluations
+], ids=["eval-save-by-epoch", "log-save-by-epoch"])
+def test_on_epoch_end_comes_where_the_hf_trainer_calls_it_at_an_epochs_last_step(tmp_path, changes):
+    # HF at an epoch's last step: on_step_end, the step's logs/evaluations/saves, on_epoch_end, then those by epoch
+    theirs, ours = Recorder(), Recorder()
+    hf_run(tmp_path / "hf", [theirs], **changes)
+    our_run(tmp_path / "tf", [ours], **changes)
+    assert ours.calls == theirs.calls
+    at_epoch_end = [c for c in ours.calls if c[1] == 4 and c[0] != "on_step_begin"]
+    assert at_epoch_end.index(("on_epoch_end", 4)) < at_epoch_end.index(("on_save", 4))
+
+
+@pytest.mark.parametrize("level", ["error", "info", "passive"])
+def test_log_level_sets_the_transformers_logger_as_the_hf_trainer_does(tmp_path, level):
+    logging = transformers.utils.logging
+    before = logging.get_verbosity()
+    try:
+        logging.set_verbosity(logging.WARNING)
+        hf_run(tmp_path / "hf", [], log_level=level, max_steps=1, eval_strategy="no", save_strategy="no")
+        theirs = logging.get_verbosity()
+        logging.set_verbosity(logging.WARNING)
+        our_run(tmp_path / "tf", [], log_level=level, max_steps=1, eval_strategy="no", save_strategy="no")
+        assert logging.get_verbosity() == theirs == {"error": 40, "info": 20, "passive": 30}[level]
+    finally:
+        logging.set_verbosity(before)

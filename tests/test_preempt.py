@@ -288,23 +288,24 @@ def _safetensors_disk_full():
 @pytest.mark.parametrize("error", [lambda: OSError(28, "No space left on device"), _safetensors_disk_full],
                          ids=["OSError", "SafetensorError"])
 def test_a_full_disk_at_the_jit_save_names_the_path_the_bytes_and_the_intact_checkpoint(tmp_path, monkeypatch, error):
-    import safetensors.torch
     from resume_runs import run
 
-    full: list[bool] = []
-    real_save_file = safetensors.torch.save_file
+    from trainfold import tensor_file
 
-    def save_file(*args, **kwargs):
+    full: list[bool] = []
+    real_write = tensor_file.write
+
+    def write(*args, **kwargs):
         if full:
             raise error()
-        return real_save_file(*args, **kwargs)
+        return real_write(*args, **kwargs)
 
     def fill_the_disk_then_signal(state, logs):
         if int(state.step) == 4 and not full:
             full.append(True)
             signal.raise_signal(signal.SIGTERM)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", save_file)
+    monkeypatch.setattr(tensor_file, "write", write)
     with pytest.raises(OSError, match=r"checkpoint-4: the disk is full \(it needs about [\d,]+ bytes, [\d,]+ free\); "
                                       r"the previous checkpoint .*checkpoint-3 \(step 3\) is intact") as caught:
         run("tinylm", str(tmp_path), None, [fill_the_disk_then_signal], save_strategy="steps", save_steps=3)

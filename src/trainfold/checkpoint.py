@@ -1,20 +1,28 @@
 """Checkpoints: atomic snapshots of the ``TrainState`` record (the policy is in ``checkpoint_policy``).
 
-A checkpoint is a directory ``output_dir/checkpoint-{step}/`` holding
+A checkpoint is a directory ``output_dir/checkpoint-{step}/`` holding each tensor once:
 
-- ``state.safetensors``: the whole record flattened to dotted keys (``trainfold.tree.flatten``);
-- ``model.safetensors`` (+ ``config.json``): the weights under the model's ``state_dict`` names,
-  tied weights once, so ``transformers`` ``from_pretrained`` loads the directory directly;
+- ``model.safetensors`` (+ ``config.json``): the params and persistent buffers under the model's
+  ``state_dict`` names, tied weights once, so ``transformers`` ``from_pretrained`` loads the
+  directory directly; for a ``peft`` model instead ``adapter_model.safetensors`` +
+  ``adapter_config.json``, which ``PeftModel.from_pretrained`` loads (``trainfold.adapters``);
+- ``state.safetensors``: the rest of the record flattened to dotted keys (``trainfold.tree.flatten``):
+  optimizer state, counters, seed, cursor, metrics, non-persistent buffers. The frozen base weights
+  of a ``peft`` model are in neither file: they are the module's, and the sidecar records a
+  fingerprint of each, checked when the checkpoint is loaded into a template;
 - ``trainfold.json``: a sidecar with the library version, step, cursor, caller metadata (best
   metric, where the log history stands), the run settings, the run's identity (``run``: its id
-  and the fingerprint of the settings that define the trajectory), each file's size and CRC-32,
-  and the CRC-32 of the sidecar itself (``checksum``). ``validate_sidecar`` checks it against
-  its schema; every refusal names the path and the field.
+  and the fingerprint of the settings that define the trajectory), which state key each weights
+  file holds under which name (``tensors``), the frozen tensors' fingerprints (``frozen``), each
+  file's size and CRC-32 (computed while the file is written, and checked while it is read), and the
+  CRC-32 of the sidecar itself (``checksum``). ``validate_sidecar`` checks it against its schema;
+  every refusal names the path and the field.
 
 It is written into a hidden sibling directory that holds ``checkpoint-is-incomplete.txt`` while
 files are written; files and directories are fsynced, the marker is removed, and the directory is
 renamed into place (swapped in atomically with ``renameat2(RENAME_EXCHANGE)`` when one is already
 there, so some complete checkpoint is always visible). Nothing is pickled and loading never runs code.
+Checkpoints of formats 1 and 2 (the whole record in ``state.safetensors``) still load.
 
 >>> import tempfile, torch
 >>> from trainfold.optim import sgd
@@ -43,10 +51,12 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import safetensors.torch
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+from trainfold import adapters, tensor_file
+from trainfold.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from trainfold.state import TrainState
 from trainfold.tree import Tree, flatten, unflatten
 
@@ -55,6 +65,8 @@ __all__ = [
     "MODEL_FILE",
     "CONFIG_FILE",
     "SIDECAR_FILE",
+    "ADAPTER_FILE",
+    "ADAPTER_CONFIG_FILE",
     "INCOMPLETE_MARKER",
     "save",
     "load",
@@ -62,6 +74,7 @@ __all__ = [
     "warm_start",
     "read_metadata",
     "model_weights",
+    "fingerprint",
     "checkpoint_path",
     "is_complete",
     "list_checkpoints",
@@ -79,8 +92,8 @@ CONFIG_FILE = "config.json"
 SIDECAR_FILE = "trainfold.json"
 INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
 _FORMAT = "trainfold-checkpoint"
-_FORMAT_VERSION = 2
-_READABLE_VERSIONS = (1, 2)  # format 1: no run identity and no checksum
+_FORMAT_VERSION = 3
+_READABLE_VERSIONS = (1, 2, 3)  # 1: no run identity, no checksum; 1 and 2: every tensor in state.safetensors
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 MAX_STEP = 2**53  # a step beyond it is not a count of optimizer steps
@@ -121,18 +134,33 @@ def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
     return Path(output_dir) / f"checkpoint-{int(step)}"
 
 
-def _storable(flat: Mapping[str, Tensor]) -> Tree:
-    """Return CPU, contiguous tensors, cloning any that share storage with an earlier one."""
-    out: Tree = {}
-    seen: set[int] = set()
-    for key, t in flat.items():
-        t = t.detach().cpu().contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr and ptr in seen:
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        out[key] = t
+def _state_keys(state: TrainState, model: nn.Module | None) -> dict[str, str]:
+    """Return ``{state_dict name: flattened state key}`` of ``model``'s weights, each tied tensor once."""
+    if model is None:
+        return {**{k: f"buffers.{k}" for k in state.buffers}, **{k: f"params.{k}" for k in state.params}}
+    source = {id(b): n for n, b in model.named_buffers()} | {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, str] = {}
+    done: set[str] = set()
+    for key, value in model.state_dict(keep_vars=True).items():
+        name = source.get(id(value), key)
+        if name in done:
+            continue  # a tied alias: saved once, under its first name
+        if name in state.params:
+            out[key] = f"params.{name}"
+        elif name in state.buffers:
+            out[key] = f"buffers.{name}"
+        else:
+            raise KeyError(
+                f"the model's {key!r} is not in the state (params and buffers); pass the model the "
+                "state was made from (init_state(model, ...))"
+            )
+        done.add(name)
     return out
+
+
+def _tensor_at(state: TrainState, key: str) -> Tensor:
+    field, name = key.split(".", 1)
+    return (state.params if field == "params" else state.buffers)[name]
 
 
 def model_weights(state: TrainState, model: nn.Module | None = None) -> Tree:
@@ -148,24 +176,76 @@ def model_weights(state: TrainState, model: nn.Module | None = None) -> Tree:
     >>> sorted(model_weights(init_state(m, sgd(0.1)), m))
     ['bias', 'num_batches_tracked', 'running_mean', 'running_var', 'weight']
     """
-    tensors = {**state.buffers, **state.params}
-    if model is None:
-        return dict(tensors)
-    source = {id(b): n for n, b in model.named_buffers()} | {id(p): n for n, p in model.named_parameters()}
-    out: Tree = {}
-    done: set[str] = set()
-    for key, value in model.state_dict(keep_vars=True).items():
-        name = source.get(id(value), key)
-        if name in done:
-            continue  # a tied alias: saved once, under its first name
-        if name not in tensors:
-            raise KeyError(
-                f"the model's {key!r} is not in the state (params and buffers); pass the model the "
-                "state was made from (init_state(model, ...))"
-            )
-        done.add(name)
-        out[key] = tensors[name]
-    return out
+    return {name: _tensor_at(state, key) for name, key in _state_keys(state, model).items()}
+
+
+_SAMPLES = 1024
+
+
+def _as_words(t: Tensor) -> tuple[Tensor, Tensor]:
+    """Return a tensor's bytes as int32 words, and the 0-3 bytes left over (uint8)."""
+    data = t.detach().reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+    n = data.numel() // 4 * 4
+    try:
+        words = data[:n].view(torch.int32)
+    except RuntimeError:  # a view that does not start on a 4-byte boundary
+        words = data[:n].clone().view(torch.int32)
+    return words, data[n:]
+
+
+def fingerprint(t: Tensor) -> str:
+    """Return a cheap fingerprint of a tensor's dtype, shape and bytes, the same on every device.
+
+    The sum (modulo 2**32, so exact in any order) of its bytes read as int32 words, and the CRC-32
+    of up to 1024 evenly spaced words: one pass over the tensor on its own device (about 1 GB/s on
+    one CPU core; a GPU's memory bandwidth), nothing copied to the CPU but the sample. It tells apart the frozen weights of
+    another base model, another seed or another checkpoint.
+
+    >>> import torch
+    >>> fingerprint(torch.ones(3))
+    'float32[3]:-1098907648:dc7c4e94'
+    >>> fingerprint(torch.ones(3)) == fingerprint(torch.tensor([1.0, 1.0, 1.0 + 2**-23]))
+    False
+    """
+    words, tail = _as_words(t)
+    if words.device.type == "cpu":  # numpy: one thread, no thread-pool wake-up per tensor; it wraps the same
+        total = int(words.numpy().sum(dtype=np.int32)) if words.numel() else 0
+    else:
+        total = int(words.sum(dtype=torch.int32)) if words.numel() else 0
+    k = min(words.numel(), _SAMPLES)
+    picks = torch.arange(k, device=words.device) * max(words.numel() - 1, 0) // max(k - 1, 1)
+    sample = torch.cat([words[picks].cpu().view(torch.uint8), tail.cpu()])
+    crc = zlib.crc32(sample.numpy().tobytes())
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{total}:{crc:08x}".replace(" ", "")
+
+
+@attrs.frozen
+class _Layout:
+    """Where each tensor of a state goes: a weights file (under its names), the state file, or nowhere (frozen)."""
+
+    weights_file: str
+    weights: dict[str, str]  # flattened state key -> key in weights_file
+    frozen: tuple[str, ...]  # flattened state keys of frozen base weights, written nowhere
+    config_file: str | None
+    config_text: str | None
+
+
+def _layout(state: TrainState, model: nn.Module | None, config: Any) -> _Layout:
+    keys = _state_keys(state, model)
+    if not adapters.is_peft_model(model):
+        if config is None and model is not None:
+            config = getattr(model, "config", None)
+        text = _config_text(config)
+        return _Layout(MODEL_FILE, {v: k for k, v in keys.items()}, (), None if text is None else CONFIG_FILE, text)
+    chosen = adapters.adapter_keys(model, {k: _tensor_at(state, v) for k, v in keys.items()})
+    weights = {keys[k]: v for k, v in chosen.items()}
+    frozen = tuple(f"buffers.{n}" for n in adapters.frozen_parameters(model)
+                   if f"buffers.{n}" not in weights and n in state.buffers)
+    if config is not None:
+        raise ValueError(
+            "config= was given for a peft model: its checkpoint holds adapter_config.json (the adapter's "
+            "config, from the model), not a config.json; leave config unset")
+    return _Layout(ADAPTER_FILE, weights, frozen, ADAPTER_CONFIG_FILE, adapters.adapter_config_text(model))
 
 
 def _config_text(config: Any) -> str | None:
@@ -194,35 +274,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _crc32_written(path: Path, tensors: Mapping[str, Tensor]) -> int:
-    """Return the CRC-32 of the safetensors file just written from ``tensors``, without reading it all.
-
-    The file is its 8-byte header length, the JSON header, then each tensor's bytes at its
-    offsets; only the header is read back. Any layout it does not expect falls back to a full read.
-    """
-    with open(path, "rb") as f:
-        head = f.read(8)
-        header = f.read(int.from_bytes(head, "little"))
-    spans = sorted((v["data_offsets"], k) for k, v in json.loads(header).items() if k != "__metadata__")
-    crc, end = zlib.crc32(header, zlib.crc32(head)), 0
-    for (start, stop), key in spans:
-        if start != end or stop - start != tensors[key].numel() * tensors[key].element_size():
-            return _crc32(path)
-        crc = zlib.crc32(tensors[key].reshape(-1).view(torch.uint8).numpy(), crc)
-        end = stop
-    if 8 + len(header) + end != path.stat().st_size:
-        return _crc32(path)
-    return crc
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -339,8 +390,12 @@ def save(
 ) -> Path:
     """Write ``state`` to ``directory`` atomically and return the directory's path.
 
-    ``model`` gives ``model.safetensors`` its ``state_dict`` names (and its ``config`` when
-    ``config`` is not given); ``config`` (dict, or object with ``to_dict``/``to_json_string``)
+    Each tensor is written once: the params and persistent buffers to ``model.safetensors``, under
+    ``model``'s ``state_dict`` names (the state's own without ``model``), the rest of the record to
+    ``state.safetensors``; for a ``peft`` model the adapter goes to ``adapter_model.safetensors`` (+
+    ``adapter_config.json``) and its frozen base weights nowhere (their fingerprints to the sidecar).
+    ``model`` also gives its ``config`` when ``config`` is not given; ``config`` (dict, or object with
+    ``to_dict``/``to_json_string``)
     becomes ``config.json``. ``metadata`` (best metric, log history, ...) and ``settings`` (the
     run settings, checked on resume by ``check_compatible``) go into the JSON sidecar, with ``run``
     (``{"id": ..., "fingerprint": ...}``, see ``trainfold.run_dir``): which run wrote it.
@@ -364,9 +419,10 @@ def save(
     _check_json(metadata, "save metadata")
     _check_json(settings, "save settings")
     run = _check_run(run)
-    if config is None and model is not None:
-        config = getattr(model, "config", None)
-    config_text = _config_text(config)
+    layout = _layout(state, model, config)
+    flat = flatten(state)
+    frozen = {k: fingerprint(flat[k]) for k in layout.frozen}
+    rest = {k: v for k, v in flat.items() if k not in layout.weights and k not in frozen}
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
@@ -376,24 +432,20 @@ def save(
         _write_bytes(marker, b"trainfold is writing this checkpoint; if this file remains, the write failed.\n")
         files: dict[str, dict[str, int]] = {}
 
-        def record(name: str, crc: int) -> None:
-            path = tmp / name
-            _fsync_file(path)
-            files[name] = {"bytes": path.stat().st_size, "crc32": crc}
+        def record(name: str, size: int, crc: int) -> None:
+            files[name] = {"bytes": size, "crc32": crc}
             if on_file is not None:
-                on_file(path)
+                on_file(tmp / name)
             _point(f"save:wrote:{name}")
 
-        def write_tensors(name: str, tensors: Tree) -> None:
-            safetensors.torch.save_file(tensors, tmp / name, metadata={"format": "pt"})
-            record(name, _crc32_written(tmp / name, tensors))
-
         if not save_only_model:
-            write_tensors(STATE_FILE, _storable(flatten(state)))
-        write_tensors(MODEL_FILE, _storable(model_weights(state, model)))
-        if config_text is not None:
-            _write_bytes(tmp / CONFIG_FILE, config_text.encode())
-            record(CONFIG_FILE, zlib.crc32(config_text.encode()))
+            record(STATE_FILE, *tensor_file.write(tmp / STATE_FILE, rest, metadata={"format": "pt"}))
+        weights = {name: flat[key] for key, name in layout.weights.items()}
+        record(layout.weights_file, *tensor_file.write(tmp / layout.weights_file, weights, metadata={"format": "pt"}))
+        if layout.config_text is not None:
+            data = layout.config_text.encode()
+            _write_bytes(tmp / layout.config_file, data)
+            record(layout.config_file, len(data), zlib.crc32(data))
         epoch, position = (int(state.cursor.epoch), int(state.cursor.position))
         sidecar = {
             "format": _FORMAT,
@@ -407,6 +459,8 @@ def save(
             "metadata": metadata,
             "settings": settings,
             "run": run,
+            "tensors": {layout.weights_file: layout.weights},
+            "frozen": frozen,
             "files": files,
         }
         _write_bytes(tmp / SIDECAR_FILE, _sidecar_bytes(sidecar))
@@ -426,7 +480,8 @@ def save(
 
 _FIX = "the sidecar is damaged or was not written by trainfold; resume from another checkpoint"
 _TOP = {"format", "format_version", "library_version", "step", "epoch", "cursor", "save_only_model", "jit",
-        "metadata", "settings", "run", "files", "checksum"}
+        "metadata", "settings", "run", "tensors", "frozen", "files", "checksum"}
+_SINCE = {"run": 2, "checksum": 2, "tensors": 3, "frozen": 3}  # fields a format before these lacks
 
 
 def _is_int(value: Any) -> bool:
@@ -446,9 +501,12 @@ def validate_sidecar(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
     """Return ``meta`` (a parsed ``trainfold.json``) if it fits the schema, else raise ``CheckpointError``.
 
     Checked: every field is present with its type and no other is; steps and cursor are counts
-    (``0 <= step <= MAX_STEP``); ``files`` lists ``model.safetensors`` (and ``state.safetensors``
-    unless weights only), each with ``bytes`` and ``crc32``; ``checksum`` is the CRC-32 of the
-    rest. Format 1 (no ``run``, no ``checksum``) is still read. The message names the path and field.
+    (``0 <= step <= MAX_STEP``); ``tensors`` maps each weights file to ``{state key: file key}``, no
+    key in two files; ``frozen`` maps state keys to fingerprints; ``files`` lists every weights file
+    (and ``state.safetensors`` unless weights only), each with ``bytes`` and ``crc32``; ``checksum`` is
+    the CRC-32 of the rest. Formats 1 and 2 (every tensor in ``state.safetensors``, the weights again
+    in ``model.safetensors``; format 1 without ``run`` and ``checksum``) are still read. The message
+    names the path and field.
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
@@ -470,7 +528,7 @@ def validate_sidecar(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
             f"{path} has checkpoint format {version}, written by trainfold {meta.get('library_version')}; "
             f"this trainfold reads format {_FORMAT_VERSION}: upgrade trainfold"
         )
-    required = _TOP if version >= 2 else _TOP - {"run", "checksum"}
+    required = {name for name in _TOP if version >= _SINCE.get(name, 1)}
     for name in sorted(required):
         if name not in meta:
             raise _bad(path, name, "is missing")
@@ -491,10 +549,23 @@ def validate_sidecar(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
     if meta["epoch"] != cursor["epoch"] or not _is_int(meta["epoch"]):
         raise _bad(path, "epoch", f"must equal cursor.epoch ({cursor['epoch']}), got {meta['epoch']!r}")
     files = meta["files"]
-    needed = [MODEL_FILE] if meta["save_only_model"] else [STATE_FILE, MODEL_FILE]
+    tensors = meta.get("tensors", {MODEL_FILE: {}})
+    if not isinstance(tensors, dict) or not all(isinstance(v, dict) for v in tensors.values()):
+        raise _bad(path, "tensors", f"must map file names to {{state key: file key}}, got {tensors!r:.60}")
+    needed = [*([] if meta["save_only_model"] else [STATE_FILE]), *tensors]
     for name in needed:
         if name not in files:
             raise _bad(path, f"files.{name}", "is missing: every tensor file must be listed with its size and CRC")
+    seen: set[str] = set()
+    for name, keys in tensors.items():
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in keys.items()):
+            raise _bad(path, f"tensors.{name}", f"must map state keys to file keys (strings), got {keys!r:.60}")
+        if seen & set(keys):
+            raise _bad(path, f"tensors.{name}", f"holds {sorted(seen & set(keys))[:3]}, which another file holds")
+        seen |= set(keys)
+    frozen = meta.get("frozen", {})
+    if not isinstance(frozen, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in frozen.items()):
+        raise _bad(path, "frozen", f"must map state keys to fingerprints (strings), got {frozen!r:.60}")
     for name, entry in files.items():
         if not isinstance(name, str) or not _FILE_NAME.match(name):
             raise _bad(path, "files", f"names {name!r}, which is not a plain file name")
@@ -563,34 +634,67 @@ def _read_tensors(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
             f"{path} is truncated or altered: it has {size} bytes, {SIDECAR_FILE} records "
             f"{expected['bytes']}; resume from an earlier checkpoint"
         )
-    if _crc32(path) != expected["crc32"]:
-        raise CheckpointError(
-            f"{path} is corrupted: its CRC-32 differs from the one {SIDECAR_FILE} records; "
-            "resume from an earlier checkpoint"
-        )
     try:
-        return safetensors.torch.load_file(path)
-    except Exception as e:  # safetensors raises its own error types
-        raise CheckpointError(f"{path} is not a readable safetensors file ({e})") from None
+        return tensor_file.read(path, crc32=expected["crc32"])
+    except tensor_file.TensorFileError as e:
+        raise CheckpointError(f"{e} (the CRC-32 {SIDECAR_FILE} records); resume from an earlier checkpoint") from None
 
 
-def _fit(flat: Mapping[str, Tensor], like: Any, path: Path) -> Any:
+def _fit(flat: Mapping[str, Tensor], like: Any, path: Path, note: str = "") -> Any:
     try:
         return unflatten(flat, like=like)
     except KeyError as e:
         raise KeyError(
-            f"{path} does not fit the template state; was it saved from a different model or "
+            f"{path} does not fit the template state{note}; was it saved from a different model or "
             f"optimizer? {e.args[0]}"
         ) from None
     except ValueError as e:
-        raise ValueError(f"{path} does not fit the template state (a different model size?): {e}") from None
+        raise ValueError(f"{path} does not fit the template state{note} (a different model size?): {e}") from None
+
+
+def _frozen(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
+    """Return the template's frozen tensors the checkpoint left out, after checking their fingerprints."""
+    if not meta.get("frozen"):
+        return {}
+    mine = {**{f"buffers.{k}": v for k, v in like.buffers.items()},
+            **{f"params.{k}": v for k, v in like.params.items()}}
+    absent = sorted(k for k in meta["frozen"] if k not in mine)
+    if absent:
+        raise KeyError(
+            f"{directory} was trained on frozen weights the template state lacks: {absent[:5]} "
+            f"({len(absent)} in all); pass the model the run trained, with its frozen base (init_state(model, ...))")
+    differ = sorted(k for k, fp in meta["frozen"].items() if fingerprint(mine[k]) != fp)
+    if differ:
+        raise CheckpointError(
+            f"{directory / SIDECAR_FILE}: field 'frozen': the template's frozen weights are not those this "
+            f"checkpoint was trained on: {differ[:5]} ({len(differ)} of {len(meta['frozen'])}) differ; build the "
+            "model on the same base weights as the run (the same pretrained checkpoint, or the same seed), "
+            "or start a new run")
+    return {k: mine[k] for k in meta["frozen"]}
+
+
+def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
+    """Return ``{flattened state key: tensor}`` from the weights files and the frozen weights (the template's)."""
+    out: Tree = {}
+    for name, keys in meta["tensors"].items():
+        data = _read_tensors(directory, name, meta)
+        absent = sorted(v for v in keys.values() if v not in data)
+        if absent:
+            raise CheckpointError(
+                f"{directory / name} lacks {absent[:5]}, which {SIDECAR_FILE} says it holds: the checkpoint was "
+                "altered; resume from an earlier checkpoint")
+        out.update({k: data[v] for k, v in keys.items()})
+    return {**out, **_frozen(directory, meta, like)}
 
 
 def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """Return the state saved in ``directory``, shaped like the template ``like`` and on its devices.
 
     Every tensor must match the template's keys, shapes and dtypes, except ``metrics``, which is
-    free-form and loaded as saved. A weights-only checkpoint raises ``ValueError`` (see ``warm_start``).
+    free-form and loaded as saved. The params come from ``model.safetensors`` (or the adapter file),
+    the rest from ``state.safetensors``; frozen base weights the checkpoint left out are the
+    template's, and their fingerprints must be the recorded ones (``CheckpointError`` naming them
+    otherwise). A weights-only checkpoint raises ``ValueError`` (see ``warm_start``).
 
     >>> import tempfile, attrs, torch
     >>> from trainfold.optim import sgd
@@ -611,9 +715,18 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
             "optimizer and the schedule"
         )
     flat = _read_tensors(directory, STATE_FILE, meta)
+    note = ""
+    if "tensors" in meta:  # format 3: the weights are in their own file(s)
+        weights = _read_weights(directory, meta, like)
+        clash = sorted(set(weights) & set(flat))
+        if clash:
+            raise CheckpointError(f"{directory / STATE_FILE} holds {clash[:3]}, which {SIDECAR_FILE} places in "
+                                  "a weights file: the checkpoint was altered; resume from an earlier checkpoint")
+        flat.update(weights)
+        note = f" (with the weights of {', '.join(meta['tensors'])})"
     metrics = {k.removeprefix("metrics."): v for k, v in flat.items() if k.startswith("metrics.")}
     rest = {k: v for k, v in flat.items() if not k.startswith("metrics.")}
-    state = _fit(rest, attrs.evolve(like, metrics={}), directory / STATE_FILE)
+    state = _fit(rest, attrs.evolve(like, metrics={}), directory / STATE_FILE, note)
     saved = {"step": int(state.step), "cursor.epoch": int(state.cursor.epoch),
              "cursor.position": int(state.cursor.position)}
     recorded = {"step": meta["step"], "cursor.epoch": meta["cursor"]["epoch"],
@@ -624,11 +737,17 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
     return attrs.evolve(state, metrics=metrics)
 
 
-def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
-    """Return ``like`` with params and buffers from ``directory/model.safetensors``; nothing else changes.
+def _weights_file(meta: Mapping[str, Any]) -> str:
+    return next(iter(meta.get("tensors", {MODEL_FILE: {}})))
 
-    Buffers absent from the file (non-persistent ones) keep the template's values. Use it for
-    ``load_best_model_at_end``; to start training from weights, see ``warm_start``.
+
+def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
+    """Return ``like`` with params and buffers from the checkpoint's weights file; nothing else changes.
+
+    The weights file is ``model.safetensors`` (``adapter_model.safetensors`` for a ``peft`` model, whose
+    frozen base must be the template's, as for ``load``). Buffers absent from it (non-persistent
+    ones) keep the template's values. Use it for ``load_best_model_at_end``; to start training from
+    weights, see ``warm_start``.
 
     >>> import tempfile, attrs, torch
     >>> from trainfold.optim import sgd
@@ -641,17 +760,29 @@ def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
     ([[1.0, 1.0]], 0)
     """
     directory = Path(directory)
-    path = directory / MODEL_FILE
-    flat = _read_tensors(directory, MODEL_FILE, read_metadata(directory))
-    unexpected = sorted(set(flat) - set(like.params) - set(like.buffers))
-    missing = sorted(set(like.params) - set(flat))
+    meta = read_metadata(directory)
+    path = directory / _weights_file(meta)
+    if "tensors" not in meta:  # formats 1 and 2: model.safetensors under the state's names
+        flat = _read_tensors(directory, MODEL_FILE, meta)
+        params_in = {k: v for k, v in flat.items() if k in like.params}
+        buffers_in = {k: v for k, v in flat.items() if k not in like.params}
+    else:
+        flat = _read_weights(directory, meta, like)
+        if any(k.startswith("params.") and k[7:] not in flat for k in like.params) and STATE_FILE in meta["files"]:
+            # trainable tensors peft does not save (a base norm unfrozen by hand) are in the state file
+            flat = {**{k: v for k, v in _read_tensors(directory, STATE_FILE, meta).items()
+                       if k.startswith("params.")}, **flat}
+        params_in = {k[7:]: v for k, v in flat.items() if k.startswith("params.")}
+        buffers_in = {k[8:]: v for k, v in flat.items() if k.startswith("buffers.")}
+    unexpected = sorted((set(params_in) - set(like.params)) | (set(buffers_in) - set(like.buffers)))
+    missing = sorted(set(like.params) - set(params_in))
     if unexpected or missing:
         raise KeyError(
             f"{path} does not fit the template state; was it saved from a different model? "
             f"missing {missing}, unexpected {unexpected}"
         )
-    params = _fit({k: flat[k] for k in like.params}, like.params, path)
-    kept = {k: flat.get(k, v) for k, v in like.buffers.items()}
+    params = _fit(params_in, like.params, path)
+    kept = {k: buffers_in.get(k, v) for k, v in like.buffers.items()}
     buffers = _fit(kept, like.buffers, path)
     return attrs.evolve(like, params=params, buffers=buffers)
 
@@ -676,8 +807,8 @@ def warm_start(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """
     state = load_weights(directory, like)
     warnings.warn(
-        f"warm start from the weights in {Path(directory) / MODEL_FILE}: the optimizer state, "
-        f"schedule and data order restart from step {int(like.step)} (not an exact resume)",
+        f"warm start from the weights in {Path(directory) / _weights_file(read_metadata(directory))}: the "
+        f"optimizer state, schedule and data order restart from step {int(like.step)} (not an exact resume)",
         UserWarning,
         stacklevel=2,
     )

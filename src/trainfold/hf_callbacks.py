@@ -16,8 +16,10 @@ A callback's events are called where the HF Trainer calls them, with HF-shaped a
 
 Events, per step: ``on_epoch_begin`` (first step of an epoch), ``on_step_begin``, the step,
 ``on_step_end``, then for each log ``on_log``, each evaluation ``on_log`` + ``on_evaluate``, each save
-``on_save``; ``on_epoch_end`` after the last step of an epoch (and of the run); at the end ``on_log``
-(the summary) and ``on_train_end``. ``on_init_end`` and ``on_train_begin`` open the run.
+``on_save``; ``on_epoch_end`` at the last step of an epoch (and of the run), where HF calls it: after
+that step's logs, evaluations and saves by steps, before those by epoch (``logging_strategy``,
+``eval_strategy`` or ``save_strategy`` ``"epoch"``); at the end ``on_log`` (the summary) and
+``on_train_end``. ``on_init_end`` and ``on_train_begin`` open the run.
 
 Hooks that need a mutable trainer cannot be honoured: ``on_pre_optimizer_step`` and
 ``on_optimizer_step`` (they change gradients or the optimizer in place), ``on_substep_end`` (between
@@ -33,6 +35,7 @@ small gain), and its counter is in the checkpoint.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -41,7 +44,7 @@ from typing import Any
 from trainfold.state import TrainState
 
 __all__ = ["REFUSED_HOOKS", "refused_hooks", "check_callbacks", "check_observers", "split_early_stopping",
-           "HFCallbacks", "hf_training_arguments"]
+           "HFCallbacks", "hf_training_arguments", "by_epoch", "set_transformers_verbosity"]
 
 # hook -> why a trainfold run cannot call it
 REFUSED_HOOKS: dict[str, str] = {
@@ -248,8 +251,22 @@ class HFCallbacks:
         self._event("on_step_end")
         return state
 
+    def epoch_closed(self, state: TrainState) -> TrainState:
+        """At an epoch's (or the run's) last step, after its step-driven log/evaluation/save and before those by
+        epoch: ``on_save`` for a save just made, what callbacks asked for, then ``on_epoch_end`` (HF's order)."""
+        state = self._settle(state)
+        self._close_epoch()
+        return state
+
     def after(self, state: TrainState) -> TrainState:
         """After the step's log/evaluation/save: ``on_save``, what callbacks asked for, ``on_epoch_end``."""
+        state = self._settle(state)
+        if int(state.cursor.position) == 0:
+            self._close_epoch()
+        return state
+
+    def _settle(self, state: TrainState) -> TrainState:
+        """``on_save`` for a save the run just made, then the evaluation and save callbacks asked for."""
         self._sync(state)
         if len(self._saved) > self._saves_seen:
             self._saved_now()
@@ -267,8 +284,6 @@ class HFCallbacks:
             self._save(state)
             self._sync(state)
             self._saved_now()
-        if int(state.cursor.position) == 0:
-            self._close_epoch()
         return state
 
     def _saved_now(self) -> None:
@@ -308,6 +323,41 @@ class HFCallbacks:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50, "passive": -1}
+
+
+def set_transformers_verbosity(log_level: str, *, main_process: bool = True) -> int | None:
+    """Set the ``transformers`` logger's level from ``log_level`` as the HF Trainer does; return the level set.
+
+    Only when ``transformers`` is already imported (trainfold never imports it for this). ``passive``
+    keeps the current level; a process other than the main one takes HF's ``log_level_replica``
+    default, ``warning``. Like the Trainer (``logging.set_verbosity`` in its ``__init__``), the level stays.
+
+    >>> set_transformers_verbosity("passive") is None
+    True
+    """
+    if log_level not in _LEVELS:
+        raise ValueError(f"log_level={log_level!r} is not one of {list(_LEVELS)}")
+    logging = sys.modules.get("transformers.utils.logging")  # there once transformers is imported
+    level = _LEVELS[log_level] if main_process else _LEVELS["warning"]
+    if logging is None or level == -1:
+        return None
+    logging.set_verbosity(level)
+    return level
+
+
+def by_epoch(args: Any) -> dict[str, bool]:
+    """Say which of a step's log, evaluation and save HF makes after ``on_epoch_end`` (by epoch), not before.
+
+    >>> from types import SimpleNamespace as A
+    >>> by_epoch(A(logging_strategy="steps", eval_strategy="epoch", save_strategy="best"))
+    {'log': False, 'eval': True, 'save': True}
+    """
+    evaluate = args.eval_strategy == "epoch"
+    return {"log": args.logging_strategy == "epoch", "eval": evaluate,
+            "save": args.save_strategy == "epoch" or (args.save_strategy == "best" and evaluate)}
 
 
 def check_observers(observers: Sequence[Any]) -> None:

@@ -277,8 +277,9 @@ def _is_disk_full(e: BaseException) -> bool:
 
 
 def _disk_full_message(state: TrainState, path: Path, output_dir: str | os.PathLike, options: Mapping[str, Any]) -> str:
-    weights = model_weights(state, options.get("model"))
-    tensors = [*weights.values(), *([] if options.get("save_only_model") else flatten(state).values())]
+    # each tensor is written once: the weights file, and the rest of the record unless weights only
+    tensors = model_weights(state, options.get("model")).values() if options.get("save_only_model") else \
+        flatten(state).values()
     needed = sum(t.numel() * t.element_size() for t in tensors)
     try:
         free = f"{shutil.disk_usage(output_dir).free:,} free"

@@ -318,10 +318,16 @@ def _save(run: _Run, state: TrainState, *, jit: bool = False) -> Path:
     return path
 
 
-def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainState]:
-    """Return the side effects after each step as ``state -> state``: log, evaluate, save."""
+def _after_step(run: _Run, saved: list[Path],
+                epoch_closed: Callable[[TrainState], TrainState] | None = None) -> Callable[[TrainState], TrainState]:
+    """Return the side effects after each step as ``state -> state``: log, evaluate, save.
+
+    With ``epoch_closed`` (the HF callbacks' ``on_epoch_end``), an epoch's last step runs as HF's: its
+    step-driven log/evaluation/save, then ``epoch_closed``, then those by epoch (``*_strategy="epoch"``).
+    """
     args = run.args
     plan = logging_plan(args.logging_strategy, args.logging_steps, args.logging_first_step, total_steps=run.total_steps)
+    late = hf_callbacks.by_epoch(args) if epoch_closed is not None else {}
 
     class _History:
         def log(self, entry: Mapping[str, Any], step: int) -> None:
@@ -338,28 +344,35 @@ def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainSta
         if diverged(state):  # log the window that ended in it, then stop: no evaluation, no save
             run.diverged.append(step)
             last = True
-        state = log_if_due(state, plan, [history], run.observers, steps_per_epoch=run.steps_per_epoch,
-                           epoch_end=epoch_end, last=last, window=window)
-        if run.diverged:
-            return state
         new_best = False
-        if run.eval_batches is not None and should_evaluate(
-            step, epoch_end, eval_strategy=args.eval_strategy, eval_steps=args.eval_steps,
-            logging_steps=args.logging_steps, eval_delay=args.eval_delay, max_steps=run.total_steps,
-            epoch=step / run.steps_per_epoch, last=last,
-        ):
-            state, new_best = _record_eval(run, state, _evaluate_state(run, state))
-            if run.early is not None and patience_exhausted(run.early)(state):  # HF ends the epoch here: its
-                epoch_end = True  # on_epoch_end logs and saves by epoch at this step
+        for by_epoch in (False, True):
+            if by_epoch:
+                if epoch_closed is None or not (epoch_end or last):
+                    break
+                state = epoch_closed(state)
+            if late.get("log", False) is by_epoch:
                 state = log_if_due(state, plan, [history], run.observers, steps_per_epoch=run.steps_per_epoch,
-                                   epoch_end=True, last=True, window=window)
-        if run.is_writer and policy.should_save(step, save_strategy=args.save_strategy, save_steps=args.save_steps,
-                                              epoch_end=epoch_end, max_steps=run.total_steps, new_best=new_best,
-                                              last=last):
-            if diverged(state, confirm=True):  # never write inf/NaN params over the finite checkpoints
-                run.diverged.append(step)
-                return state
-            saved.append(_save(run, state))
+                                   epoch_end=epoch_end, last=last, window=window)
+            if run.diverged:
+                continue
+            if late.get("eval", False) is by_epoch and run.eval_batches is not None and should_evaluate(
+                step, epoch_end, eval_strategy=args.eval_strategy, eval_steps=args.eval_steps,
+                logging_steps=args.logging_steps, eval_delay=args.eval_delay, max_steps=run.total_steps,
+                epoch=step / run.steps_per_epoch, last=last,
+            ):
+                state, new_best = _record_eval(run, state, _evaluate_state(run, state))
+                if run.early is not None and patience_exhausted(run.early)(state):  # HF ends the epoch here: its
+                    epoch_end = True  # on_epoch_end logs and saves by epoch at this step
+                    state = log_if_due(state, plan, [history], run.observers, steps_per_epoch=run.steps_per_epoch,
+                                       epoch_end=True, last=True, window=window)
+            if late.get("save", False) is by_epoch and run.is_writer and policy.should_save(
+                step, save_strategy=args.save_strategy, save_steps=args.save_steps, epoch_end=epoch_end,
+                max_steps=run.total_steps, new_best=new_best, last=last,
+            ):
+                if diverged(state, confirm=True):  # never write inf/NaN params over the finite checkpoints
+                    run.diverged.append(step)
+                    return state
+                saved.append(_save(run, state))
         return state
 
     return after
@@ -470,6 +483,7 @@ def train(
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     device = _device(args)
     rank = collective.rank if collective is not None else 0
+    hf_callbacks.set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
     world_size = getattr(collective, "world_size", 1) if collective is not None else 1
     loss = compute_loss_func or default_loss_for(model, defer=objective is not None)
     if args.label_smoothing_factor:
@@ -605,7 +619,8 @@ def train(
                 step, args.tokens_seen, args.model_input_name, collective)
             looped = observing(counted, _after_step(run, saved), tap(bar.update))
             if hf is not None:  # on_step_begin before the step, on_step_end before its log/eval/save
-                looped = observing(hf.wrap(counted), hf.step_end, _after_step(run, saved), hf.after, tap(bar.update))
+                looped = observing(hf.wrap(counted), hf.step_end, _after_step(run, saved, hf.epoch_closed), hf.after,
+                                   tap(bar.update))
             if train_stream is not None:  # each step's batch is made from the state it starts from
                 looped = _prepared(train_stream.prepare, looped)
             for state in trajectory(looped, state, batches, all_stops):  # noqa: B007

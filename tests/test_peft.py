@@ -1,0 +1,127 @@
+"""PEFT / LoRA (issue 21, item 4): adapter checkpoints that PeftModel.from_pretrained loads, no frozen base, bitwise
+resume."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import safetensors.torch
+import torch
+
+from trainfold import TrainingArguments, checkpoint, train
+from trainfold.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
+from trainfold.checkpoint import STATE_FILE, CheckpointError
+from trainfold.optim import adamw
+from trainfold.state import init_state
+from trainfold.tree import flatten
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+VOCAB = 64
+
+
+def base(seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+def lora(seed: int = 0):
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    return peft.get_peft_model(base(seed), config)
+
+
+def rows():
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": r, "labels": r} for r in torch.randint(0, VOCAB, (16, 10), generator=g)]
+
+
+def args(out, **over) -> TrainingArguments:
+    base_args = dict(output_dir=str(out), max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                     learning_rate=1e-2, seed=3, save_strategy="steps", save_steps=2, report_to="none",
+                     disable_tqdm=True, logging_steps=1)
+    return TrainingArguments(**{**base_args, **over})
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """A LoRA run of 4 steps, checkpoints at 2 and 4; the model ends holding the trained adapter."""
+    out = tmp_path_factory.mktemp("lora") / "run"
+    model = lora()
+    result = train(model, args(out), rows())
+    return model, result, out
+
+
+def test_a_lora_checkpoint_holds_the_adapter_as_peft_writes_it_and_no_base_weights(straight, tmp_path):
+    model, result, out = straight
+    path = out / "checkpoint-4"
+    assert sorted(p.name for p in path.iterdir()) == [ADAPTER_CONFIG_FILE, ADAPTER_FILE, STATE_FILE, "trainfold.json"]
+    model.save_pretrained(tmp_path / "peft")  # peft's own save of the trained model
+    theirs = safetensors.torch.load_file(tmp_path / "peft" / ADAPTER_FILE)
+    ours = safetensors.torch.load_file(path / ADAPTER_FILE)
+    assert sorted(ours) == sorted(theirs) and any(".lora_A.weight" in k for k in ours)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert json.loads((path / ADAPTER_CONFIG_FILE).read_text()) == json.loads(
+        (tmp_path / "peft" / ADAPTER_CONFIG_FILE).read_text())
+    state_file = safetensors.torch.load_file(path / STATE_FILE)
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert frozen and not any(f"buffers.{n}" in state_file for n in frozen)  # the frozen base is in no file
+    assert not any(k.startswith("params.") for k in state_file)  # the adapter is written once
+    assert sorted(checkpoint.read_metadata(path)["frozen"]) == sorted(f"buffers.{n}" for n in frozen)
+    on_disk = sum(p.stat().st_size for p in path.iterdir())
+    base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    assert on_disk < base_bytes / 2  # a tiny base: the sidecar and counters are most of the rest
+
+
+def test_peft_from_pretrained_gives_identical_logits(straight):
+    model, result, out = straight
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reloaded = peft.PeftModel.from_pretrained(base(), out / "checkpoint-4")
+    ids = torch.randint(0, VOCAB, (3, 10), generator=torch.Generator().manual_seed(1))
+    trained = result.apply_to(lora())
+    trained.eval(), reloaded.eval()
+    with torch.no_grad():
+        expected = trained(input_ids=ids).logits
+        assert torch.equal(reloaded(input_ids=ids).logits, expected)
+        assert not torch.equal(base()(input_ids=ids).logits, expected)  # the adapter changed the model
+
+
+def test_a_lora_run_resumes_bitwise(straight, tmp_path):
+    _, result, _ = straight
+    out = tmp_path / "stopped"
+    stopped = train(lora(), args(out), rows(), stop=lambda s: int(s.step) >= 2)
+    assert stopped.global_step == 2
+    resumed = train(lora(), args(out), rows(), resume_from_checkpoint=True)
+    a, b = flatten(result.state), flatten(resumed.state)
+    assert a.keys() == b.keys()
+    for key in a:
+        if key.startswith("extras.") or key == "metrics.num_items":
+            continue
+        assert torch.equal(a[key], b[key]), key
+    final = checkpoint.load(out / "checkpoint-4", like=result.state)
+    assert all(torch.equal(final.params[k], v) for k, v in result.state.params.items())
+
+
+def test_resuming_on_another_base_is_refused_naming_the_frozen_weights(straight):
+    _, result, out = straight
+    with pytest.raises(CheckpointError, match=r"field 'frozen': the template's frozen weights are not those.*"
+                                              r"base_model\.model\.model\..*same base weights"):
+        checkpoint.load(out / "checkpoint-4", like=init_state(lora(seed=1), adamw(1e-2)))
+    with pytest.raises(CheckpointError, match="frozen weights are not those"):
+        checkpoint.load_weights(out / "checkpoint-4", like=init_state(lora(seed=1), adamw(1e-2)))
+    weights = checkpoint.load_weights(out / "checkpoint-4", like=init_state(lora(), adamw(1e-2)))  # the same base
+    assert all(torch.equal(weights.params[k], v) for k, v in result.state.params.items())
+
+
+def test_a_model_with_two_adapters_is_refused_by_name(tmp_path):
+    model = lora()
+    model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"adapters \['default', 'other'\].*one adapter"):
+        checkpoint.save(init_state(model, adamw(1e-3)), tmp_path / "c", model=model)
+    assert not (tmp_path / "c").exists()
