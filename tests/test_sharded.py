@@ -121,7 +121,7 @@ def _worker(out: Path, case: str) -> None:
             step(state, bad)
         except KeyError:
             if case == "raise-alive":  # rank 1 lives on outside the step (a notebook that caught it)
-                time.sleep(60)
+                time.sleep(240)
             raise
         return
     results: dict = {}
@@ -261,9 +261,9 @@ def test_one_block_is_gathered_at_a_time(ranks):
 @pytest.mark.parametrize("case", ["raise", "raise-alive"])
 def test_an_error_on_one_rank_ends_both_without_a_hang_and_the_others_name_it(tmp_path, case):
     started = time.monotonic()
-    _, done = _launch(tmp_path, case, timeout=120)
+    _, done = _launch(tmp_path, case, timeout=200)
     assert done.returncode != 0
-    assert time.monotonic() - started < 50  # the group's timeout is 5 s; rank 1 would sleep 60 s
+    assert time.monotonic() - started < 150  # the group's timeout is 5 s; rank 1 would sleep 240 s (slack: a loaded CI box)
     named = "[rank0]: RuntimeError: rank 0 stopped: rank 1 raised KeyError: \"micro-batch has no 'labels' key"
     assert named in done.stderr
     if case == "raise":
