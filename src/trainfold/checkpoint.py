@@ -78,6 +78,7 @@ MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 SIDECAR_FILE = "trainfold.json"
 INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
+_SHARDED_INDEX = "state.index.json"  # trainfold.sharded_checkpoint.INDEX_FILE
 _FORMAT = "trainfold-checkpoint"
 _FORMAT_VERSION = 2
 _READABLE_VERSIONS = (1, 2)  # format 1: no run identity and no checksum
@@ -336,6 +337,7 @@ def save(
     jit: bool = False,
     run: Mapping[str, str] | None = None,
     on_file: Callable[[Path], None] | None = None,
+    tensors: Callable[[Path], Mapping[str, dict[str, int]]] | None = None,
 ) -> Path:
     """Write ``state`` to ``directory`` atomically and return the directory's path.
 
@@ -349,6 +351,8 @@ def save(
     written (progress reports; tests use it to crash mid-save). An existing ``directory`` is
     replaced by swapping the new one in atomically (``renameat2(RENAME_EXCHANGE)``), then deleting
     the old one; there is no moment without a complete ``directory``. Call it on one rank only.
+    ``tensors(tmp)`` replaces the two tensor files: it writes its own into ``tmp`` and returns their
+    ``{name: {"bytes", "crc32"}}`` (``trainfold.sharded_checkpoint``, where every rank writes shards).
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
@@ -388,9 +392,12 @@ def save(
             safetensors.torch.save_file(tensors, tmp / name, metadata={"format": "pt"})
             record(name, _crc32_written(tmp / name, tensors))
 
-        if not save_only_model:
+        if tensors is not None:  # a sharded state: every rank's shards and their index
+            files.update(tensors(tmp))
+        elif not save_only_model:
             write_tensors(STATE_FILE, _storable(flatten(state)))
-        write_tensors(MODEL_FILE, _storable(model_weights(state, model)))
+        if tensors is None:
+            write_tensors(MODEL_FILE, _storable(model_weights(state, model)))
         if config_text is not None:
             _write_bytes(tmp / CONFIG_FILE, config_text.encode())
             record(CONFIG_FILE, zlib.crc32(config_text.encode()))
@@ -492,6 +499,8 @@ def validate_sidecar(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
         raise _bad(path, "epoch", f"must equal cursor.epoch ({cursor['epoch']}), got {meta['epoch']!r}")
     files = meta["files"]
     needed = [MODEL_FILE] if meta["save_only_model"] else [STATE_FILE, MODEL_FILE]
+    if _SHARDED_INDEX in files:  # trainfold.sharded_checkpoint: the index, model.safetensors on request
+        needed = [_SHARDED_INDEX, *needed[:meta["save_only_model"]]]
     for name in needed:
         if name not in files:
             raise _bad(path, f"files.{name}", "is missing: every tensor file must be listed with its size and CRC")
@@ -610,6 +619,9 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
             "trainfold.checkpoint.warm_start(directory, like=init_state(...)), which restarts the "
             "optimizer and the schedule"
         )
+    if _SHARDED_INDEX in meta["files"]:  # written by every rank: resharded to like's layout
+        from trainfold import sharded_checkpoint  # noqa: PLC0415 - it builds on this module
+        return sharded_checkpoint.load(directory, like)
     flat = _read_tensors(directory, STATE_FILE, meta)
     metrics = {k.removeprefix("metrics."): v for k, v in flat.items() if k.startswith("metrics.")}
     rest = {k: v for k, v in flat.items() if not k.startswith("metrics.")}
@@ -641,8 +653,11 @@ def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
     ([[1.0, 1.0]], 0)
     """
     directory = Path(directory)
-    path = directory / MODEL_FILE
-    flat = _read_tensors(directory, MODEL_FILE, read_metadata(directory))
+    path, meta = directory / MODEL_FILE, read_metadata(directory)
+    if _SHARDED_INDEX in meta["files"]:
+        from trainfold import sharded_checkpoint  # noqa: PLC0415 - it builds on this module
+        return sharded_checkpoint.load(directory, like, weights_only=True)
+    flat = _read_tensors(directory, MODEL_FILE, meta)
     unexpected = sorted(set(flat) - set(like.params) - set(like.buffers))
     missing = sorted(set(like.params) - set(flat))
     if unexpected or missing:

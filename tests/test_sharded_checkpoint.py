@@ -1,0 +1,307 @@
+"""Sharded checkpoints: safetensors + JSON only, resharded on load (2 -> 1, 2, 4 ranks), atomic and async.
+
+Run as a script, this file is the worker of the multi-process tests::
+
+    python -m torch.distributed.run --standalone --nproc_per_node=N tests/test_sharded_checkpoint.py PHASE OUT_DIR
+
+Every process builds the same full state from a seed, shards its params and optimizer state as
+``Shard(0)`` DTensors over a 1-D mesh of all ranks (``distribute_tensor``), and saves or loads it;
+what each rank ends with is written under ``OUT_DIR`` for the tests to compare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import attrs
+import pytest
+import safetensors
+import torch
+from safetensors.torch import load_file, save_file
+
+from trainfold import checkpoint as ckpt
+from trainfold import sharded_checkpoint as sc
+from trainfold.optim import adamw
+from trainfold.state import init_state
+from trainfold.tree import flatten
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP = 3
+
+
+def hf_model():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=48, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False, use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+def full_state(model):
+    """The same state in every process: params and Adam moments drawn from a seed, step 3."""
+    from trainfold.state import scalar
+
+    state = init_state(model, adamw(1e-3), seed=7)
+    g = torch.Generator().manual_seed(1)
+    noisy = sc._map_tensors(lambda t: t + 0.01 * torch.randn(t.shape, generator=g) if t.is_floating_point() else t,
+                            state)
+    return attrs.evolve(noisy, step=scalar(STEP))
+
+
+def shard(state, mesh):
+    """Params and optimizer state as Shard(0) DTensors over ``mesh``; counters and buffers stay plain."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def one(t):
+        return distribute_tensor(t, mesh, [Shard(0)]) if t.dim() >= 1 and t.is_floating_point() else t
+
+    return attrs.evolve(state, params=sc._map_tensors(one, state.params), opt_state=sc._map_tensors(one, state.opt_state))
+
+
+def local_slabs(state) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone().contiguous()
+            for k, v in flatten(state).items()}
+
+
+# -- the worker ------------------------------------------------------------------------------------
+
+
+def _worker(phase: str, out: Path) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    model = hf_model()
+    state = shard(full_state(model), mesh)
+    if phase == "save":
+        sc.save(state, out / "sync" / f"checkpoint-{STEP}", model=model, consolidate=True, settings={"world_size": 2})
+        saver = sc.Saver(async_save=True)
+        path = saver.save(state, out / "async" / f"checkpoint-{STEP}", model=model)
+        assert saver.wait() == path
+        loaded = ckpt.load(out / "sync" / f"checkpoint-{STEP}", like=shard(init_state(hf_model(), adamw(1e-3)), mesh))
+        save_file(local_slabs(loaded), out / f"loaded-2-{rank}.safetensors")
+        save_file(local_slabs(state), out / f"saved-2-{rank}.safetensors")
+        _failing_async_save(saver, state, out / "faulty", rank)
+    else:
+        loaded = ckpt.load(out / "sync" / f"checkpoint-{STEP}", like=shard(init_state(hf_model(), adamw(1e-3)), mesh))
+        save_file(local_slabs(loaded), out / f"loaded-{world}-{rank}.safetensors")
+        save_file(local_slabs(state), out / f"saved-{world}-{rank}.safetensors")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _failing_async_save(saver, state, out: Path, rank: int) -> None:
+    """Rank 1 fails while writing its shard: no rank sees a checkpoint, both raise naming rank 1."""
+    import torch.distributed as dist
+
+    seen = []
+
+    def hook(label):
+        if label.startswith("sharded:wrote:state-"):
+            seen.append(sorted(p.name for p in out.iterdir()) if out.exists() else [])
+            if rank == 1:
+                raise OSError(5, "injected write failure")
+
+    ckpt.fault_hook = hook
+    try:
+        saver.save(state, out / f"checkpoint-{STEP}")
+        try:
+            saver.wait()
+            error = "none"
+        except (OSError, ckpt.CheckpointError) as e:
+            error = str(e)
+    finally:
+        ckpt.fault_hook = None
+    dist.barrier()
+    (out.parent / f"faulty-{rank}.json").write_text(json.dumps({"error": error, "seen": seen,
+                                                                "after": sorted(p.name for p in out.iterdir())}))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("sharded")
+    for phase, n in (("save", 2), ("load", 4)):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+               str(Path(__file__).resolve()), phase, str(out)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        try:
+            _, err = proc.communicate(timeout=240)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        assert proc.returncode == 0, err[-4000:]
+    return out
+
+
+# -- the tests -------------------------------------------------------------------------------------
+
+
+def test_a_two_rank_checkpoint_reloads_bitwise_on_two_ranks(ranks):
+    for r in range(2):
+        saved, loaded = load_file(ranks / f"saved-2-{r}.safetensors"), load_file(ranks / f"loaded-2-{r}.safetensors")
+        assert saved.keys() == loaded.keys()
+        for k in saved:
+            assert torch.equal(saved[k], loaded[k]), k
+
+
+def test_a_two_rank_checkpoint_reshards_onto_four_ranks(ranks):
+    for r in range(4):
+        saved, loaded = load_file(ranks / f"saved-4-{r}.safetensors"), load_file(ranks / f"loaded-4-{r}.safetensors")
+        for k in saved:
+            assert torch.equal(saved[k], loaded[k]), k
+
+
+def test_a_two_rank_checkpoint_loads_in_one_process(ranks):
+    like = init_state(hf_model(), adamw(1e-3))
+    loaded = ckpt.load(ranks / "sync" / f"checkpoint-{STEP}", like=like)
+    expected = flatten(full_state(hf_model()))
+    got = flatten(loaded)
+    assert got.keys() == expected.keys()
+    for k, v in expected.items():
+        assert torch.equal(got[k], v), k
+    weights = ckpt.load_weights(ranks / "async" / f"checkpoint-{STEP}", like=like)
+    assert all(torch.equal(weights.params[k], full_state(hf_model()).params[k]) for k in like.params)
+
+
+def test_the_consolidated_model_loads_with_from_pretrained(ranks):
+    transformers = pytest.importorskip("transformers")
+    path = ranks / "sync" / f"checkpoint-{STEP}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.LlamaForCausalLM.from_pretrained(path)
+    expected = full_state(hf_model()).params
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, expected[name]), name
+
+
+def _is_pickle(data: bytes) -> bool:
+    return len(data) >= 2 and data[0] == 0x80 and 2 <= data[1] <= 5
+
+
+def test_sharded_checkpoints_are_safetensors_and_json_only(ranks):
+    for path in (ranks / "sync" / f"checkpoint-{STEP}", ranks / "async" / f"checkpoint-{STEP}"):
+        names = sorted(p.name for p in path.iterdir())
+        assert sc.shard_file(0, 2) in names and sc.shard_file(1, 2) in names and sc.INDEX_FILE in names
+        for p in path.iterdir():
+            if p.suffix == ".json":
+                json.loads(p.read_text())
+            else:
+                assert p.suffix == ".safetensors", p
+                with safetensors.safe_open(str(p), framework="pt") as f:
+                    assert list(f.keys())
+            head = p.read_bytes()[:2]
+            assert not (p.suffix == ".json" and _is_pickle(head)), p
+        assert ".metadata" not in names and ckpt.is_complete(path)
+    index = sc.read_index(ranks / "sync" / f"checkpoint-{STEP}")
+    chunks = index["tensors"]["params.model.embed_tokens.weight"]["chunks"]
+    assert [(c["file"], c["offsets"], c["sizes"]) for c in chunks] == [
+        (sc.shard_file(0, 2), [0, 0], [24, 16]), (sc.shard_file(1, 2), [24, 0], [24, 16])]
+
+
+def test_a_failing_rank_leaves_no_checkpoint_and_both_ranks_name_it(ranks):
+    for r in range(2):
+        report = json.loads((ranks / f"faulty-{r}.json").read_text())
+        assert "rank 1" in report["error"] and "injected write failure" in report["error"], report
+        assert all(not name.startswith("checkpoint-") for seen in report["seen"] for name in seen)
+        assert report["after"] == []  # the temporary directory is gone too
+
+
+# -- one process -----------------------------------------------------------------------------------
+
+
+def test_corruption_of_a_shard_is_detected_by_name(ranks, tmp_path):
+    import shutil
+
+    path = tmp_path / f"checkpoint-{STEP}"
+    shutil.copytree(ranks / "sync" / f"checkpoint-{STEP}", path)
+    shard = path / sc.shard_file(1, 2)
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    like = init_state(hf_model(), adamw(1e-3))
+    with pytest.raises(ckpt.CheckpointError, match=r"state-00001-of-00002.safetensors is corrupted: its CRC-32"):
+        ckpt.load(path, like=like)
+    shard.write_bytes(bytes(data[:-10]))
+    with pytest.raises(ckpt.CheckpointError, match=r"state-00001-of-00002.safetensors is truncated"):
+        ckpt.load(path, like=like)
+    assert not ckpt.is_complete(path)
+
+
+def test_an_async_save_is_invisible_until_complete(tmp_path):
+    gate, reached = threading.Event(), threading.Event()
+
+    def hook(label):
+        if label == "save:wrote:sidecar":
+            reached.set()
+            gate.wait(30)
+
+    state = init_state(torch.nn.Linear(3, 2), adamw(1e-3))
+    saver = sc.Saver(async_save=True)
+    ckpt.fault_hook = hook
+    try:
+        path = saver.save(state, ckpt.checkpoint_path(tmp_path, 0))
+        assert reached.wait(30) and saver.pending()
+        assert not path.exists() and ckpt.list_checkpoints(tmp_path) == []
+        gate.set()
+        assert saver.wait() == path and ckpt.is_complete(path)
+    finally:
+        ckpt.fault_hook = None
+
+
+def test_an_async_save_copies_the_state_before_the_step_changes_it(tmp_path):
+    state = init_state(torch.nn.Linear(3, 2), adamw(1e-3))
+    expected = state.params["weight"].clone()
+    saver = sc.Saver(async_save=True)
+    path = saver.save(state, tmp_path / "c")
+    state.params["weight"].add_(1.0)  # a donated step updates in place
+    saver.wait()
+    assert torch.equal(ckpt.load(path, like=state).params["weight"], expected)
+
+
+def test_a_process_killed_mid_async_save_leaves_no_checkpoint(tmp_path):
+    code = f"""
+import os, torch
+from trainfold import checkpoint as ckpt, sharded_checkpoint as sc
+from trainfold.optim import sgd
+from trainfold.state import init_state
+state = init_state(torch.nn.Linear(3, 2), sgd(0.1))
+ckpt.save(state, ckpt.checkpoint_path({str(tmp_path)!r}, 0))
+ckpt.fault_hook = lambda label: os._exit(3) if label == "save:wrote:sidecar" else None
+sc.Saver(async_save=True).save(state, ckpt.checkpoint_path({str(tmp_path)!r}, 1))
+import time; time.sleep(30)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+                          timeout=120, capture_output=True, text=True)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint-0"]
+    assert not (tmp_path / "checkpoint-1").exists()
+
+
+def test_a_failed_async_save_raises_at_the_next_wait(tmp_path):
+    saver = sc.Saver(async_save=True)
+    state = init_state(torch.nn.Linear(3, 2), adamw(1e-3))
+    saver.save(state, tmp_path / "c", metadata={"bad": object()})
+    with pytest.raises(TypeError, match="save metadata must be JSON-serialisable"):
+        saver.wait()
+    assert saver.wait() is None  # raised once
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    _worker(sys.argv[1], Path(sys.argv[2]))
