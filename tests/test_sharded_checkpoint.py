@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from trainfold import checkpoint as ckpt
 from trainfold import sharded_checkpoint as sc
 from trainfold.optim import adamw
+from trainfold.sharded_storage import shard_file
 from trainfold.state import init_state
 from trainfold.tree import flatten
 
@@ -74,6 +75,59 @@ def local_slabs(state) -> dict[str, torch.Tensor]:
             for k, v in flatten(state).items()}
 
 
+# elastic resume through train(): 2 ranks x batch 2 (global 4), checkpoint-4 resumed on 1, 2 and 4 ranks
+
+
+def tiny():
+    from trainfold.models import TinyLM, TinyLMConfig
+
+    torch.manual_seed(0)
+    return TinyLM(TinyLMConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, max_len=24))
+
+
+def rows(n: int = 24) -> list[dict]:
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 40, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+def run_args(out: Path):
+    from trainfold import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=str(out), max_steps=8, per_device_train_batch_size=2, learning_rate=1e-2, warmup_steps=2,
+        weight_decay=0.1, max_grad_norm=1.0, seed=11, logging_steps=1, save_strategy="steps", save_steps=4,
+        report_to="none", disable_tqdm=True)
+
+
+def elastic_run(out: Path, resume=None):
+    from trainfold import train
+
+    return train(tiny(), run_args(out), rows(), resume_from_checkpoint=resume)
+
+
+def trained(result) -> dict[str, torch.Tensor]:
+    flat = flatten(result.state)
+    tensors = {k: v.detach().clone().contiguous() for k, v in flat.items() if k.startswith(("params.", "opt_state."))}
+    losses = [h["loss"] for h in result.log_history if "loss" in h and "train_loss" not in h]
+    return {**tensors, "losses": torch.tensor(losses, dtype=torch.float64)}
+
+
+def _resume_copy(out: Path, name: str, rank: int):
+    """Resume checkpoint-4 of the 2-rank run in a copy of its output_dir (made by rank 0)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    if rank == 0:
+        shutil.copytree(out / "straight", out / name)
+    dist.barrier()
+    return elastic_run(out / name, resume=str(out / name / "checkpoint-4"))
+
+
 # -- the worker ------------------------------------------------------------------------------------
 
 
@@ -95,7 +149,12 @@ def _worker(phase: str, out: Path) -> None:
         save_file(local_slabs(loaded), out / f"loaded-2-{rank}.safetensors")
         save_file(local_slabs(state), out / f"saved-2-{rank}.safetensors")
         _failing_async_save(saver, state, out / "faulty", rank)
+        save_file(trained(elastic_run(out / "straight")), out / f"straight-{rank}.safetensors")
+        save_file(trained(_resume_copy(out, "resumed-2", rank)), out / f"resumed-2-{rank}.safetensors")
     else:
+        with pytest.warns(UserWarning, match="per_device_train_batch_size 2 -> 1, gradient_accumulation_steps 1 -> 1"):
+            result = _resume_copy(out, f"resumed-{world}", rank)
+        save_file(trained(result), out / f"resumed-{world}-{rank}.safetensors")
         loaded = ckpt.load(out / "sync" / f"checkpoint-{STEP}", like=shard(init_state(hf_model(), adamw(1e-3)), mesh))
         save_file(local_slabs(loaded), out / f"loaded-{world}-{rank}.safetensors")
         save_file(local_slabs(state), out / f"saved-{world}-{rank}.safetensors")
@@ -197,7 +256,7 @@ def _is_pickle(data: bytes) -> bool:
 def test_sharded_checkpoints_are_safetensors_and_json_only(ranks):
     for path in (ranks / "sync" / f"checkpoint-{STEP}", ranks / "async" / f"checkpoint-{STEP}"):
         names = sorted(p.name for p in path.iterdir())
-        assert sc.shard_file(0, 2) in names and sc.shard_file(1, 2) in names and sc.INDEX_FILE in names
+        assert shard_file(0, 2) in names and shard_file(1, 2) in names and sc.INDEX_FILE in names
         for p in path.iterdir():
             if p.suffix == ".json":
                 json.loads(p.read_text())
@@ -211,7 +270,7 @@ def test_sharded_checkpoints_are_safetensors_and_json_only(ranks):
     index = sc.read_index(ranks / "sync" / f"checkpoint-{STEP}")
     chunks = index["tensors"]["params.model.embed_tokens.weight"]["chunks"]
     assert [(c["file"], c["offsets"], c["sizes"]) for c in chunks] == [
-        (sc.shard_file(0, 2), [0, 0], [24, 16]), (sc.shard_file(1, 2), [24, 0], [24, 16])]
+        (shard_file(0, 2), [0, 0], [24, 16]), (shard_file(1, 2), [24, 0], [24, 16])]
 
 
 def test_a_failing_rank_leaves_no_checkpoint_and_both_ranks_name_it(ranks):
@@ -222,6 +281,45 @@ def test_a_failing_rank_leaves_no_checkpoint_and_both_ranks_name_it(ranks):
         assert report["after"] == []  # the temporary directory is gone too
 
 
+def _without_key_bias(key: str, t: torch.Tensor) -> torch.Tensor:
+    """Drop the attention key bias: softmax ignores it, so its true gradient is 0 and AdamW turns the
+    float32 rounding noise of its gradient into lr-sized steps of arbitrary sign (as in test_distributed)."""
+    return torch.cat([t[:16], t[32:]]) if key.endswith("qkv.bias") else t
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float) -> None:
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        if tol == 0:
+            assert torch.equal(got[k], v), k
+        else:
+            torch.testing.assert_close(_without_key_bias(k, got[k]), _without_key_bias(k, v), rtol=tol, atol=tol,
+                                       msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_an_elastic_resume_on_the_same_two_ranks_is_bitwise(ranks):
+    straight = load_file(ranks / "straight-0.safetensors")
+    _close(load_file(ranks / "resumed-2-0.safetensors"), straight, tol=0)
+    _close(load_file(ranks / "straight-1.safetensors"), straight, tol=0)
+
+
+def test_a_two_rank_run_resumes_on_four_ranks_within_fp32_rounding(ranks):
+    straight = load_file(ranks / "straight-0.safetensors")
+    for r in range(4):
+        _close(load_file(ranks / f"resumed-4-{r}.safetensors"), straight, tol=1e-6)
+
+
+def test_a_two_rank_run_resumes_in_one_process_with_accumulation(ranks, tmp_path):
+    import shutil
+
+    shutil.copytree(ranks / "straight", tmp_path / "out")
+    with pytest.warns(UserWarning, match="per_device_train_batch_size 2 -> 2, gradient_accumulation_steps 1 -> 2"):
+        result = elastic_run(tmp_path / "out", resume=True)
+    assert result.global_step == 8
+    got, straight = trained(result), load_file(ranks / "straight-0.safetensors")
+    _close(got, straight, tol=1e-6)
+
+
 # -- one process -----------------------------------------------------------------------------------
 
 
@@ -230,7 +328,7 @@ def test_corruption_of_a_shard_is_detected_by_name(ranks, tmp_path):
 
     path = tmp_path / f"checkpoint-{STEP}"
     shutil.copytree(ranks / "sync" / f"checkpoint-{STEP}", path)
-    shard = path / sc.shard_file(1, 2)
+    shard = path / shard_file(1, 2)
     data = bytearray(shard.read_bytes())
     data[-3] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -300,6 +398,59 @@ def test_a_failed_async_save_raises_at_the_next_wait(tmp_path):
     with pytest.raises(TypeError, match="save metadata must be JSON-serialisable"):
         saver.wait()
     assert saver.wait() is None  # raised once
+
+
+# -- the elastic rule ------------------------------------------------------------------------------
+
+
+def test_the_split_keeps_the_per_device_batch_when_it_can_and_never_grows_it():
+    from trainfold.elastic import split_global_batch
+
+    assert split_global_batch(16, world_size=2, per_device=4) == (4, 2)
+    assert split_global_batch(16, world_size=8, per_device=4) == (2, 1)
+    assert split_global_batch(18, world_size=2, per_device=4) == (3, 3)  # 9 per rank: 3 divides it, 4 does not
+    assert split_global_batch(14, world_size=2, per_device=4) == (1, 7)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 12])
+def test_every_split_makes_the_global_batch(world):
+    from trainfold.elastic import split_global_batch
+
+    for per_device in range(1, 13):
+        size, steps = split_global_batch(12, world_size=world, per_device=per_device)
+        assert size * steps * world == 12 and size <= per_device
+
+
+def test_check_compatible_takes_another_split_of_the_same_global_batch_and_names_a_different_one():
+    from trainfold.checkpoint_policy import check_compatible
+
+    saved = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "world_size": 2, "seed": 1}
+    check_compatible(saved, {**saved, "per_device_train_batch_size": 1, "world_size": 4})
+    with pytest.raises(ValueError, match=r"with different settings: per_device_train_batch_size: saved 2, now 1; resume"):
+        check_compatible(saved, {**saved, "per_device_train_batch_size": 1})
+
+
+def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(tmp_path):
+    from trainfold.elastic import elastic_args
+
+    saved = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "world_size": 2}
+    path = ckpt.save(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), tmp_path / "checkpoint-0", settings=saved)
+    args = run_args(tmp_path)
+    with pytest.raises(ValueError, match=r"global batch of 4 samples per step cannot be split evenly over 3 ranks"):
+        elastic_args(args, str(path), 3)
+    assert elastic_args(args, str(path), 2) is args and elastic_args(args, None, 3) is args
+    with pytest.warns(UserWarning, match=r"resuming a run of 2 ranks on 1: .*gradient_accumulation_steps 1 -> 2"):
+        assert elastic_args(args, str(path), 1).gradient_accumulation_steps == 2
+
+
+def test_the_run_fingerprint_sees_the_global_batch_not_its_split():
+    from trainfold import run_dir
+
+    base = run_args(Path("x")).to_dict() | {"world_size": 2}
+    fp = run_dir.fingerprint(base)
+    assert run_dir.fingerprint({**base, "world_size": 1, "gradient_accumulation_steps": 2}) == fp
+    assert run_dir.fingerprint({**base, "world_size": 1}) != fp
+    assert run_dir.fingerprint({**base, "async_save": True, "save_consolidated_model": True}) == fp
 
 
 if __name__ == "__main__":

@@ -23,56 +23,42 @@ DCP's planner too, so a checkpoint of 2 ranks loads into 1, 3 or 4 (``checkpoint
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
+import sys
 import threading
 import types
-import warnings
-import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import attrs
-import safetensors
 import safetensors.torch
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import WriteItemType
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from torch.distributed.tensor import DTensor
-from torch.futures import Future
 
 from trainfold import checkpoint as ckpt
 from trainfold.state import TrainState
-from trainfold.tree import Tree, flatten, unflatten
+from trainfold.tree import flatten, unflatten
 
-__all__ = ["INDEX_FILE", "Saver", "is_sharded", "shard_file", "save", "load", "read_index"]
+__all__ = ["INDEX_FILE", "Saver", "is_sharded", "save", "load", "read_index"]
 
-INDEX_FILE = "state.index.json"
-_INDEX_FORMAT = "trainfold-sharded-state"
+INDEX_FILE = "state.index.json"  # as sharded_storage.INDEX_FILE (that module loads DCP: imported when used)
 _NAME_BYTES = 256  # the temporary directory's name, sent from rank 0 to the others
 
 
-def shard_file(rank: int, world: int) -> str:
-    """Return the name of rank ``rank``'s shard file in a checkpoint of ``world`` ranks.
+def _storage() -> types.ModuleType:
+    from trainfold import sharded_storage  # noqa: PLC0415 - DCP takes seconds to import: only when used
 
-    >>> shard_file(1, 4)
-    'state-00001-of-00004.safetensors'
-    """
-    return f"state-{rank:05d}-of-{world:05d}.safetensors"
+    return sharded_storage
+
+
+def _dtensor_type() -> type | None:
+    """Return ``DTensor`` if its module is loaded (else no tensor can be one, and DCP need not load)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
 
 
 def is_sharded(state: Any) -> bool:
@@ -82,194 +68,15 @@ def is_sharded(state: Any) -> bool:
     >>> is_sharded({"w": torch.zeros(2)})
     False
     """
-    return any(isinstance(t, DTensor) for t in flatten(state).values())
-
-
-def _crc32(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _write_json(path: Path, value: Any) -> dict[str, int]:
-    data = (json.dumps(value, indent=1, sort_keys=True) + "\n").encode()
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return {"bytes": len(data), "crc32": zlib.crc32(data)}
-
-
-# -- DCP storage: safetensors per rank, a JSON index ------------------------------------------------
-
-
-class _Writer(StorageWriter):
-    """Write each rank's planned items into one safetensors file; the coordinator writes the JSON index."""
-
-    def __init__(self, directory: Path) -> None:
-        super().__init__()
-        self.directory, self.rank = directory, 0
-        self.files: dict[str, dict[str, int]] = {}  # the coordinator's, after finish: every file of the checkpoint
-        self.index: dict[str, Any] = {}
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        pass
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.rank = kwargs.get("rank", 0)
-
-    def prepare_local_plan(self, plan: Any) -> Any:
-        return plan
-
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        return [dataclasses.replace(p, storage_data=shard_file(r, len(plans))) for r, p in enumerate(plans)]
-
-    def write_data(self, plan: Any, planner: Any) -> Future[list[WriteResult]]:
-        name, tensors, offsets, seen = plan.storage_data, {}, {}, set()
-        for item in plan.items:
-            key = item.index.fqn
-            if item.type == WriteItemType.BYTE_IO:
-                raise TypeError(f"the state's {key!r} is not a tensor; a sharded checkpoint holds tensors only")
-            if key in tensors:
-                raise ValueError(f"rank {self.rank} holds two shards of {key!r}; sharded checkpoints take one shard "
-                                 "per rank (Shard(0) over a 1-D DeviceMesh)")
-            t = planner.resolve_data(item).detach().cpu().contiguous()
-            if t.untyped_storage().data_ptr() in seen:
-                t = t.clone()  # safetensors refuses two names on one storage
-            seen.add(t.untyped_storage().data_ptr())
-            tensors[key] = t
-            offsets[key] = list(item.index.offset or [0] * t.dim())
-        entry: dict[str, Any] = {}
-        if tensors:
-            path = self.directory / name
-            meta = {"format": "pt", "DCP_VERSION": "1.0",
-                    "DCP_SHARDING_INFO": json.dumps({k: {"saved_offsets": v} for k, v in offsets.items()})}
-            safetensors.torch.save_file(tensors, path, metadata=meta)
-            ckpt._point(f"sharded:wrote:{name}")
-            with open(path, "rb+") as f:
-                os.fsync(f.fileno())
-            entry = {"file": name, "bytes": path.stat().st_size, "crc32": _crc32(path)}
-        results = [WriteResult(index=item.index, size_in_bytes=tensors[item.index.fqn].nbytes,
-                               storage_data={**entry, "sizes": list(tensors[item.index.fqn].shape)})
-                   for item in plan.items]
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        tensors: dict[str, Any] = {}
-        for fqn, md in sorted(metadata.state_dict_metadata.items()):
-            if not isinstance(md, TensorStorageMetadata):
-                raise TypeError(f"the state's {fqn!r} is not a tensor; a sharded checkpoint holds tensors only")
-            tensors[fqn] = {"dtype": str(md.properties.dtype).removeprefix("torch."), "shape": list(md.size),
-                            "chunks": []}
-        for per_rank in results:
-            for wr in per_rank:
-                data = wr.storage_data
-                self.files[data["file"]] = {"bytes": data["bytes"], "crc32": data["crc32"]}
-                tensors[wr.index.fqn]["chunks"].append(
-                    {"file": data["file"], "offsets": list(wr.index.offset or []), "sizes": data["sizes"]})
-        for entry in tensors.values():
-            entry["chunks"].sort(key=lambda c: c["offsets"])
-        self.index = {"format": _INDEX_FORMAT, "version": 1, "world_size": len(results), "tensors": tensors}
-        self.files[INDEX_FILE] = _write_json(self.directory / INDEX_FILE, self.index)
-        ckpt._point("sharded:wrote:index")
-
-
-class _Reader(StorageReader):
-    """Read chunks named by the JSON index from the shard files (DCP's planner decides which slices)."""
-
-    def __init__(self, directory: Path, index: Mapping[str, Any], keys: Any = None) -> None:
-        super().__init__()
-        self.directory, self.index, self.keys = directory, index, keys
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        pass
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        state: dict[str, Any] = {}
-        storage: dict[MetadataIndex, str] = {}
-        for fqn, entry in self.index["tensors"].items():
-            chunks = [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in entry["chunks"]]
-            state[fqn] = TensorStorageMetadata(TensorProperties(dtype=getattr(torch, entry["dtype"])),
-                                               torch.Size(entry["shape"]), chunks)
-            storage.update({MetadataIndex(fqn, c["offsets"]): c["file"] for c in entry["chunks"]})
-        return Metadata(state_dict_metadata=state, storage_data=storage)
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.storage = metadata.storage_data
-
-    def prepare_local_plan(self, plan: Any) -> Any:
-        return plan
-
-    def prepare_global_plan(self, plans: list[Any]) -> list[Any]:
-        return plans
-
-    def read_data(self, plan: Any, planner: Any) -> Future[None]:
-        per_file: dict[str, list[Any]] = {}
-        for item in plan.items:
-            per_file.setdefault(self.storage[item.storage_index], []).append(item)
-        for name, items in sorted(per_file.items()):
-            with safetensors.safe_open(str(self.directory / name), framework="pt") as f:
-                for item in items:
-                    key = item.storage_index.fqn
-                    if item.lengths:
-                        part = f.get_slice(key)[tuple(slice(o, o + n) for o, n in
-                                                      zip(item.storage_offsets, item.lengths))]
-                    else:
-                        part = f.get_tensor(key)
-                    target = planner.resolve_tensor(item).detach()
-                    target.copy_(part)
-                    planner.commit_tensor(item, target)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
-
-
-# -- saving ----------------------------------------------------------------------------------------
-
-
-def _failed(e: CheckpointException, what: str) -> BaseException:
-    """Return the error to raise for DCP's ``CheckpointException`` (a ``BaseException``): per rank, by name."""
-    failures = sorted(e.failures.items())
-    text = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in failures)
-    first = failures[0][1][0] if failures else None
-    if isinstance(first, OSError):  # a full disk stays an OSError (preempt names the bytes it needs)
-        return OSError(first.errno, f"{what} failed on {text}")
-    return ckpt.CheckpointError(f"{what} failed on {text}; the checkpoint was not written (the previous one is intact)")
-
-
-def _dcp_save(tmp: Path, flat: Tree, group: Any) -> _Writer:
-    writer = _Writer(tmp)
-    try:
-        dcp.save(dict(flat), storage_writer=writer, process_group=group, no_dist=not dist.is_initialized())
-    except CheckpointException as e:
-        raise _failed(e, f"writing the shards of {tmp}") from None
-    return writer
-
-
-def _dcp_load(targets: Tree, directory: Path, index: Mapping[str, Any]) -> None:
-    """Read ``targets`` in place from the shard files; no collectives (``no_dist``), whatever the world."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(targets, storage_reader=_Reader(directory, index), no_dist=True)
+    dtensor = _dtensor_type()
+    return dtensor is not None and any(isinstance(t, dtensor) for t in flatten(state).values())
 
 
 def _consolidate(tmp: Path, index: Mapping[str, Any], model: Any) -> dict[str, dict[str, int]]:
     """Write ``model.safetensors`` from the shard files just written (rank 0, one process); return its entry."""
     full = {k: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"])) for k, e in index["tensors"].items()
             if k.startswith(("params.", "buffers."))}
-    _dcp_load(full, tmp, index)
+    _storage().read_shards(full, tmp, index)
     split = types.SimpleNamespace(params={k.removeprefix("params."): v for k, v in full.items() if k[0] == "p"},
                                   buffers={k.removeprefix("buffers."): v for k, v in full.items() if k[0] == "b"})
     path = tmp / ckpt.MODEL_FILE
@@ -277,7 +84,7 @@ def _consolidate(tmp: Path, index: Mapping[str, Any], model: Any) -> dict[str, d
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
     ckpt._point("sharded:wrote:model")
-    return {ckpt.MODEL_FILE: {"bytes": path.stat().st_size, "crc32": _crc32(path)}}
+    return {ckpt.MODEL_FILE: {"bytes": path.stat().st_size, "crc32": _storage().crc32_of(path)}}
 
 
 def _announce(name: str, group: Any) -> str:
@@ -309,7 +116,7 @@ def save(state: TrainState, directory: str | os.PathLike, *, group: Any = None, 
         name = _announce("", group)
         if not name:
             raise ckpt.CheckpointError(f"rank 0 could not start the checkpoint {directory}; its error says why")
-        _dcp_save(directory.parent / name, flat, group)
+        _storage().write_shards(directory.parent / name, flat, group)
         return directory
     announced = False
 
@@ -318,7 +125,7 @@ def save(state: TrainState, directory: str | os.PathLike, *, group: Any = None, 
         if many:
             _announce(tmp.name, group)
         announced = True
-        writer = _dcp_save(tmp, flat, group)
+        writer = _storage().write_shards(tmp, flat, group)
         files = dict(writer.files)
         if consolidate or only_model:
             files.update(_consolidate(tmp, writer.index, model))
@@ -346,9 +153,10 @@ def _map_tensors(fn: Callable[[Tensor], Tensor], node: Any) -> Any:
 
 
 def _cpu_copy(t: Tensor) -> Tensor:
-    if isinstance(t, DTensor):
+    dtensor = _dtensor_type()
+    if dtensor is not None and isinstance(t, dtensor):
         local = t.to_local().detach().to("cpu", copy=True)
-        return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+        return dtensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
     return t.detach().to("cpu", copy=True)
 
 
@@ -378,8 +186,11 @@ class Saver:
     _job: Any = attrs.field(default=None, init=False)
 
     def save(self, state: TrainState, directory: str | os.PathLike, *,
-             on_commit: Callable[[Path], Any] | None = None, **options: Any) -> Path:
-        """Save ``state`` to ``directory`` (``checkpoint.save``'s ``options``); return its path (async: to be)."""
+             on_commit: Callable[[Path], Any] | None = None, wait: bool = False, **options: Any) -> Path:
+        """Save ``state`` to ``directory`` (``checkpoint.save``'s ``options``); return its path (async: to be).
+
+        ``wait=True`` returns when it is complete, also with ``async_save`` (a JIT save at preemption).
+        """
         self.wait()
         directory = Path(directory)
         if is_sharded(state):
@@ -396,7 +207,7 @@ class Saver:
                 on_commit(path)
             return path
 
-        if not self.async_save:
+        if not self.async_save or wait:
             return job(state)
         staged, outcome = _map_tensors(_cpu_copy, state), {}
 
@@ -442,7 +253,7 @@ def _check_file(directory: Path, name: str, meta: Mapping[str, Any]) -> Path:
     if path.stat().st_size != expected["bytes"]:
         raise ckpt.CheckpointError(f"{path} is truncated or altered: it has {path.stat().st_size} bytes, "
                                    f"{ckpt.SIDECAR_FILE} records {expected['bytes']}; resume from an earlier checkpoint")
-    if _crc32(path) != expected["crc32"]:
+    if _storage().crc32_of(path) != expected["crc32"]:
         raise ckpt.CheckpointError(f"{path} is corrupted: its CRC-32 differs from the one {ckpt.SIDECAR_FILE} "
                                    "records; resume from an earlier checkpoint")
     return path
@@ -454,9 +265,10 @@ def read_index(directory: str | os.PathLike) -> dict[str, Any]:
     meta = ckpt.read_metadata(directory)
     path = _check_file(directory, INDEX_FILE, meta)
     index = json.loads(path.read_bytes())
-    if not isinstance(index, dict) or index.get("format") != _INDEX_FORMAT or not isinstance(index.get("tensors"), dict):
+    fmt = _storage().INDEX_FORMAT
+    if not isinstance(index, dict) or index.get("format") != fmt or not isinstance(index.get("tensors"), dict):
         raise ckpt.CheckpointError(f"{path} is not a trainfold sharded-state index (no \"format\": "
-                                   f"\"{_INDEX_FORMAT}\"); resume from another checkpoint")
+                                   f"\"{fmt}\"); resume from another checkpoint")
     for name in sorted({c["file"] for e in index["tensors"].values() for c in e["chunks"]}):
         _check_file(directory, name, meta)
     return index
@@ -490,7 +302,7 @@ def load(directory: str | os.PathLike, like: TrainState, *, weights_only: bool =
     if not weights_only:
         targets |= {k: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"])) for k, e in saved.items()
                     if k.startswith("metrics.")}
-    _dcp_load(targets, directory, index)
+    _storage().read_shards(targets, directory, index)
     if weights_only:
         return attrs.evolve(like, params={k: targets[f"params.{k}"] for k in like.params},
                             buffers={k: targets.get(f"buffers.{k}", v) for k, v in like.buffers.items()})

@@ -37,6 +37,7 @@ from trainfold.data import StepBatch, close_loader, eval_loader, stream
 from trainfold.determinism import warm_up_kernels
 from trainfold.distributed import agreed_stop, evaluate_sharded, joins_torchrun, shard
 from trainfold.divergence import DIVERGED, diverged, divergence_message
+from trainfold.elastic import elastic_args
 from trainfold.eval_schedule import check_eval_schedule, should_evaluate
 from trainfold.evaluation import eval_sets
 from trainfold.evaluation import evaluate as evaluate_batches
@@ -64,6 +65,7 @@ from trainfold.reporters import make_reporters
 from trainfold.reporters import progress as make_progress
 from trainfold.samplers import make_sampler
 from trainfold.schedules import named, warmup_steps_for
+from trainfold.sharded_checkpoint import Saver, is_sharded
 from trainfold.state import TrainState, init_state, split_module
 from trainfold.step import Collective, make_step
 from trainfold.stopping import EarlyStopping, patience_exhausted, record_evaluation
@@ -236,6 +238,8 @@ class _Run:
     diverged: list[int] = attrs.Factory(list)  # the step after which the params turned inf/NaN, if any
     run_id: run_dir.RunIdentity | None = None
     window: MetricWindow = attrs.field(factory=MetricWindow)
+    saver: Saver = attrs.field(factory=Saver)  # sync or async (async_save); sharded states: every rank writes
+    all_ranks_save: bool = False  # the state is sharded (DTensors): every rank takes part in each save
 
 
 def _evaluate_state(run: _Run, state: TrainState) -> list[dict[str, float]]:
@@ -293,17 +297,20 @@ def _save(run: _Run, state: TrainState, *, jit: bool = False) -> Path:
     options = dict(model=run.model, metadata=metadata, settings=run.settings, save_only_model=run.args.save_only_model,
                    run=identity)
     if jit:
+        run.saver.wait()  # an async save in flight is complete (or raised) first
         here = ckpt.checkpoint_path(run.args.output_dir, int(state.step))
         if run_dir.already_saved(here, identity, int(state.step), run.args.save_only_model):
-            return ckpt.mark_jit(here)  # the same state is there, complete: keep it, mark it
+            return ckpt.mark_jit(here) if run.is_writer else here  # the same state is there, complete: mark it
+        if run.all_ranks_save:
+            return run.saver.save(state, here, jit=True, wait=True, **options)
         return jit_checkpoint(state, run.args.output_dir, **options)
-    path = ckpt.save(state, ckpt.checkpoint_path(run.args.output_dir, int(state.step)), **options)
+    path = ckpt.checkpoint_path(run.args.output_dir, int(state.step))
     keep = [path]
     if best is not None and int(best.step) >= 0:
         keep.append(ckpt.checkpoint_path(run.args.output_dir, int(best.step)))
-    policy.rotate(run.args.output_dir, run.args.save_total_limit, keep=keep,
-                  run_id=identity["id"] if identity is not None else None)
-    return path
+    rotate = functools.partial(policy.rotate, run.args.output_dir, run.args.save_total_limit, keep=keep,
+                               run_id=identity["id"] if identity is not None else None)
+    return run.saver.save(state, path, on_commit=lambda _: rotate(), **options)  # rotates once it is complete
 
 
 def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainState]:
@@ -341,7 +348,7 @@ def _after_step(run: _Run, saved: list[Path]) -> Callable[[TrainState], TrainSta
                 epoch_end = True  # on_epoch_end logs and saves by epoch at this step
                 state = log_if_due(state, plan, [history], run.observers, steps_per_epoch=run.steps_per_epoch,
                                    epoch_end=True, last=True, window=window)
-        if run.is_writer and policy.should_save(step, save_strategy=args.save_strategy, save_steps=args.save_steps,
+        if (run.is_writer or run.all_ranks_save) and policy.should_save(step, save_strategy=args.save_strategy, save_steps=args.save_steps,
                                               epoch_end=epoch_end, max_steps=run.total_steps, new_best=new_best,
                                               last=last):
             if diverged(state, confirm=True):  # never write inf/NaN params over the finite checkpoints
@@ -364,7 +371,7 @@ def _callback_adapter(callbacks: Sequence[Any], run: _Run, saved: list[Path], st
         callbacks, run.args, total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch,
         use_cpu=device.type == "cpu", saved=saved, evaluate=evaluate,
         history=run.history.history() if isinstance(run.history, log_file.HistoryFile) else run.history,
-        save=lambda s: saved.append(_save(run, s)) if run.is_writer else None, rank=rank, best_key=BEST)
+        save=lambda s: saved.append(_save(run, s)) if run.is_writer or run.all_ranks_save else None, rank=rank, best_key=BEST)
     run = attrs.evolve(run, reporters=run.reporters.including(hf))
     hf.begin(state)
     return run, hf
@@ -456,6 +463,7 @@ def train(
     device = _device(args)
     rank = collective.rank if collective is not None else 0
     world_size = getattr(collective, "world_size", 1) if collective is not None else 1
+    args = elastic_args(args, resume_from_checkpoint, world_size)  # another world: the saved global batch
     loss = compute_loss_func or default_loss_for(model, defer=objective is not None)
     if args.label_smoothing_factor:
         if objective is not None:
@@ -545,7 +553,8 @@ def train(
         run = _Run(model, args, loss, eval_batches, compute_metrics, preprocess_logits_for_metrics, reporters,
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
                    early_stopping, rank == 0, collective, label_key=columns.label_key, run_id=claim.run,
-                   window=window)
+                   window=window, saver=Saver(args.async_save, args.save_consolidated_model),
+                   all_ranks_save=is_sharded(state))
         run, hf = _callback_adapter(callbacks, run, saved, state, device, rank)  # HF TrainerCallbacks, or None
         reporters = run.reporters
         if args.eval_on_start and source is None:
@@ -577,6 +586,7 @@ def train(
                 looped = observing(hf.wrap(counted), hf.step_end, _after_step(run, saved), hf.after, tap(bar.update))
             for state in trajectory(looped, state, batches, all_stops):  # noqa: B007
                 pass
+            run.saver.wait()  # the last async save is complete (its error raised) before the run reports
             if run.diverged or diverged(state, confirm=True):
                 status = DIVERGED
                 warnings.warn(divergence_message(state, saved[-1] if saved else None), RuntimeWarning, stacklevel=2)
@@ -584,7 +594,8 @@ def train(
                 # A signal after the last step (during the final save) ends nothing: the run is complete.
                 done, here = int(state.step) >= total_steps, ckpt.checkpoint_path(args.output_dir, int(state.step))
                 status = "completed" if done else "preempted"
-                if rank == 0 and int(state.step) > int(start_state.step) and not (done and here in saved):
+                if (rank == 0 or run.all_ranks_save) and int(state.step) > int(start_state.step) and not (
+                        done and here in saved):
                     saved.append(_save(run, state, jit=True))  # none when no step ran here (a signal during setup)
             elif int(state.step) < total_steps and any(s(state) for s in stops[1:]):
                 status = "stopped"
