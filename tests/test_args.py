@@ -157,14 +157,14 @@ def test_every_transformers_setting_is_taken_or_refused_as_an_hf_setting_never_a
 
 def test_hf_settings_say_why_and_what_instead_all_at_once():
     with pytest.raises(TypeError) as info:
-        TrainingArguments(push_to_hub=True, hub_model_id="me/model", deepspeed="ds.json", fsdp="full_shard",
+        TrainingArguments(push_to_hub=True, hub_model_id="me/model", deepspeed="ds.json", fsdp_config={"x": 1},
                           auto_find_batch_size=True, save_safetensors=False,
                           include_for_metrics=["inputs"], group_by_length=True, learnig_rate=1e-3)
     text = str(info.value)
     assert text.startswith("unknown TrainingArguments: 'learnig_rate' (did you mean 'learning_rate'?)\n")
     for needle in (
         "push_to_hub=True is a transformers.TrainingArguments setting that trainfold does not take: trainfold never "
-        "uploads", "hub_model_id='me/model' is", "deepspeed='ds.json' is", "fsdp='full_shard' is",
+        "uploads", "hub_model_id='me/model' is", "deepspeed='ds.json' is", "fsdp_config={'x': 1} is",
         "auto_find_batch_size=True is", "save_safetensors=False is",
         "include_for_metrics=['inputs'] is", "group_by_length=True is",
         "write train_sampling_strategy='group_by_length'", "set per_device_train_batch_size",

@@ -371,7 +371,8 @@ def test_fsdp_and_dtensor_modules_are_refused_by_name(one_process_group):
     sharded = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
     fully_shard(sharded, mesh=one_process_group)
     with pytest.raises(TypeError, match=r"cannot train FSDPSequential: it is an FSDP2 module \(torch.distributed."
-                                        r"fsdp.fully_shard\); trainfold does not train sharded models yet"):
+                                        r"fsdp.fully_shard\); trainfold shards the state itself: pass the "
+                                        r"unwrapped module with TrainingArguments\(fsdp=.full_shard.\)"):
         make_step(sharded, cross_entropy, sgd(0.1))
     inner = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
     fully_shard(inner[1], mesh=one_process_group)

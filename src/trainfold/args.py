@@ -131,6 +131,7 @@ class TrainingArguments:
     max_length: int | None = None  # tokens per packed row; None: TRL's 1024
     padding_free: bool = False
     loss_chunk_size: int = 0  # tokens per chunk of the chunked causal-LM cross-entropy; 0: off
+    fsdp: str | tuple[str, ...] | None = None  # HF's name; "full_shard": params and optimizer state as shards
 
     def __init__(self, **kwargs: Any) -> None:
         known = [f.name for f in attrs.fields(type(self))]
@@ -144,9 +145,11 @@ class TrainingArguments:
                 hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             raise TypeError("\n".join(([f"unknown TrainingArguments: {', '.join(hints)}"] if hints else []) + hf_only))
         kwargs = {k: v for k, v in kwargs.items() if k in known}  # the rest are HF settings with no effect here
-        for key in ("report_to", "label_names"):
+        for key in ("report_to", "label_names", "fsdp"):
             if isinstance(kwargs.get(key), list):
                 kwargs[key] = tuple(kwargs[key])
+        if kwargs.get("fsdp") in ("", ()):  # HF's "off"
+            kwargs["fsdp"] = None
         self.__attrs_init__(**kwargs)  # type: ignore[attr-defined]
 
     def __attrs_post_init__(self) -> None:
@@ -189,6 +192,11 @@ class TrainingArguments:
         if self.torch_compile_backend is not None:
             return self.torch_compile_backend
         return self.torch_compile or self.torch_compile_mode is not None
+
+    @property
+    def full_shard(self) -> bool:
+        """Whether ``fsdp`` asks for sharded training (``"full_shard"``, with or without ``auto_wrap``)."""
+        return _fsdp_options(self.fsdp) in FSDP_FULL_SHARD
 
     @property
     def checkpoint_every(self) -> int:
@@ -244,7 +252,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "activation_checkpointing": (bool, type(None)), "activation_checkpointing_kwargs": (dict, type(None)),
     "gradient_checkpointing": (bool, type(None)), "gradient_checkpointing_kwargs": (dict, type(None)),
     "packing": (bool,), "packing_strategy": (str,), "max_length": _OPT_INT, "padding_free": (bool,),
-    "loss_chunk_size": (int,),
+    "loss_chunk_size": (int,), "fsdp": (str, tuple, type(None)),
 }
 
 
@@ -420,8 +428,34 @@ def _llm_problems(args: TrainingArguments) -> list[str]:
     return out
 
 
+FSDP_FULL_SHARD = (("full_shard",), ("auto_wrap", "full_shard"))  # auto_wrap: trainfold gathers per block anyway
+
+
+def _fsdp_options(value: Any) -> tuple[str, ...]:
+    words = value.split() if isinstance(value, str) else list(value or ())
+    return tuple(sorted(str(w) for w in words))
+
+
+def _fsdp_problems(args: TrainingArguments) -> list[str]:
+    options = _fsdp_options(args.fsdp)
+    if not options:
+        return []
+    if options not in FSDP_FULL_SHARD:
+        other = [o for o in options if o not in ("full_shard", "auto_wrap")]
+        return [f"fsdp={args.fsdp!r} is not supported ({', '.join(repr(o) for o in other) or 'the combination'}): "
+                "trainfold shards params, gradients and optimizer state over all ranks (DTensor Shard(0)) and gathers "
+                "one block at a time; write fsdp='full_shard'"]
+    out = []
+    if args.fp16:
+        out.append("fsdp='full_shard' with fp16 (loss scaling) is not supported; use bf16=True")
+    if args.save_strategy != "no" or args.enable_jit_checkpoint or args.load_best_model_at_end:
+        out.append("fsdp='full_shard' does not save checkpoints yet (sharded checkpoints are not written); set "
+                   "save_strategy='no', enable_jit_checkpoint=False and load_best_model_at_end=False")
+    return out
+
+
 def _combination_problems(args: TrainingArguments) -> list[str]:
-    out = _checkpointing_problems(args) + _llm_problems(args)
+    out = _checkpointing_problems(args) + _llm_problems(args) + _fsdp_problems(args)
     if args.fp16 and args.bf16:
         out.append("fp16=True and bf16=True: choose one")
     if args.fp16 and args.compile:

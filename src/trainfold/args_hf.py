@@ -25,7 +25,8 @@ __all__ = ["HF_ONLY", "TAKEN_AS_IS", "hf_only_problem"]
 
 _HUB = ("trainfold never uploads; after training copy the weights into the model (result.apply_to(model)) and "
         "call model.push_to_hub(...) yourself")
-_FSDP = "sharded training (FSDP) does not exist in trainfold yet; data parallelism runs under torchrun"
+_FSDP = ("trainfold shards by itself with fsdp='full_shard' (params and optimizer state as DTensor shards, "
+         "gathered one transformer block at a time); there is nothing to configure")
 _DDP = ("trainfold's data parallelism is its own gradient all-reduce, not torch's DistributedDataParallel, so "
         "the DDP settings have nothing to set; run under torchrun")
 _ACCELERATE = "trainfold does not run on accelerate; the device and torchrun's environment decide placement"
@@ -41,7 +42,7 @@ HF_ONLY: dict[str, str] = {
                      "hub_always_push", "hub_revision", "push_to_hub_model_id", "push_to_hub_organization",
                      "push_to_hub_token"), _HUB),
     "deepspeed": "DeepSpeed is not supported; trainfold trains data parallel under torchrun",
-    **dict.fromkeys(("fsdp", "fsdp_config", "fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap"), _FSDP),
+    **dict.fromkeys(("fsdp_config", "fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap"), _FSDP),
     **dict.fromkeys(("ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers", "ddp_static_graph",
                      "ddp_backend", "ddp_timeout", "sharded_ddp", "xpu_backend"), _DDP),
     **dict.fromkeys(("accelerator_config", "parallelism_config", "split_batches", "dispatch_batches"), _ACCELERATE),
@@ -109,7 +110,7 @@ TAKEN_AS_IS: dict[str, tuple[Any, ...]] = {
                      "skip_memory_metrics", "save_safetensors", "restore_callback_states_from_checkpoint",
                      "log_on_each_node"), (True,)),
     **dict.fromkeys(("do_train", "do_eval", "do_predict"), (False, True)),
-    "hub_strategy": ("every_save",), "fsdp": (None, "", []), "include_for_metrics": ([],), "debug": ("", []),
+    "hub_strategy": ("every_save",), "include_for_metrics": ([],), "debug": ("", []),
     "local_rank": (-1,), "log_level": ("passive",), "log_level_replica": ("warning",),
 }
 

@@ -99,6 +99,10 @@ def _map_tensors(fn: Callable[[list[Tensor]], Tensor], nodes: Sequence[Any], whe
 
 def _stack(where: str) -> Callable[[list[Tensor]], Tensor]:
     def stack(tensors: list[Tensor]) -> Tensor:
+        if any(any(c.__name__ == "DTensor" for c in type(t).__mro__) for t in tensors):
+            raise TypeError(f"vmapped ensembles over DTensor shards are not supported ({where} is sharded; torch's "
+                            "vmap does not run on DTensors): stack full states (trainfold.sharded.gather_state), or "
+                            "train each member on its own with make_step(..., sharding=)")
         shapes = {(tuple(t.shape), t.dtype) for t in tensors}
         if len(shapes) > 1:
             raise ValueError(

@@ -254,6 +254,7 @@ def make_step(
     compile_mode: str | None = None,
     gradient_checkpointing: bool | int = False,
     loss_scaling: LossScaling | None = None,
+    sharding: Any = None,
 ) -> Callable[[TrainState, Batch], TrainState]:
     """Return ``step(state, batch) -> state`` for ``model``.
 
@@ -271,7 +272,9 @@ def make_step(
     of keeping its activations (``trainfold.recompute``; same gradients, about one more forward);
     an int ``n`` checkpoints every n-th block. ``loss_scaling`` (with ``autocast=torch.float16``)
     scales the loss dynamically, skipping updates whose gradients overflow (``trainfold.amp``; the
-    scaler lives in ``state.extras[amp.SCALER]``).
+    scaler lives in ``state.extras[amp.SCALER]``). ``sharding`` (a ``DeviceMesh``, ``trainfold.sharded.Sharding``
+    or ``"full_shard"``) steps a state of ``trainfold.sharded.shard_state``: params and optimizer state as DTensor
+    shards, gathered one block at a time (``trainfold.sharded``).
 
     >>> import torch
     >>> from trainfold.optim import sgd
@@ -286,7 +289,7 @@ def make_step(
     """
     if optimizer is None:
         raise TypeError("make_step needs an optimizer, e.g. optimizer=trainfold.optim.adamw(1e-3)")
-    refuse_sharded(model)
+    refuse_sharded(model, dtensor_params=sharding is not None)
     if loss is None:
         loss = default_loss_for(model, defer=objective is not None)
     if gradient_checkpointing and compile:
@@ -310,6 +313,10 @@ def make_step(
     def step(state: TrainState, batch: Batch) -> TrainState:
         return _step(plan, state, batch)
 
+    if sharding is not None:
+        from trainfold.sharded import make_sharded_step
+
+        return make_sharded_step(plan, sharding, compile=compile, compile_mode=compile_mode)
     if compile:
         from trainfold.compiled import compile_step
 
@@ -326,25 +333,26 @@ def _sharded_kind(cls: type) -> str | None:
     return None
 
 
-def refuse_sharded(model: nn.Module) -> None:
-    """Raise ``TypeError`` when ``model`` is FSDP-wrapped or holds DTensor parameters.
+def refuse_sharded(model: nn.Module, dtensor_params: bool = False) -> None:
+    """Raise ``TypeError`` when ``model`` is FSDP-wrapped or (unless ``dtensor_params``) holds DTensor parameters.
 
     The step swaps its own tensors into the model's parameter slots; FSDP gathers its sharded
     parameters into other tensors for the forward pass, so the step would see no gradient and
-    leave the parameters unchanged. Sharded training is not supported yet.
+    leave the parameters unchanged. trainfold shards the state itself (``trainfold.sharded``).
 
     >>> import torch
     >>> refuse_sharded(torch.nn.Linear(2, 2)) is None
     True
     """
-    fix = ("trainfold does not train sharded models yet: pass the unwrapped module (each rank holds a full "
-           "replica; make_step(..., collective=trainfold.distributed.process_group_collective()) sums the gradients)")
+    fix = ("trainfold shards the state itself: pass the unwrapped module with TrainingArguments(fsdp='full_shard') "
+           "under torchrun, or make_step(..., sharding=trainfold.sharded.make_mesh()) on a state of "
+           "trainfold.sharded.shard_state")
     for name, module in model.named_modules():
         kind = _sharded_kind(type(module))
         if kind is not None:
             where = f"its submodule {name!r}" if name else "it"
             raise TypeError(f"cannot train {type(model).__name__}: {where} is {kind}; {fix}")
-    for name, p in model.named_parameters():
+    for name, p in [] if dtensor_params else model.named_parameters():
         if any(c.__name__ == "DTensor" for c in type(p).__mro__):
             raise TypeError(f"cannot train {type(model).__name__}: parameter {name!r} is a DTensor "
                             f"(sharded by torch.distributed.tensor); {fix}")

@@ -28,7 +28,7 @@ from torch import nn
 
 from trainfold import checkpoint as ckpt
 from trainfold import checkpoint_policy as policy
-from trainfold import hf_callbacks, run_dir
+from trainfold import hf_callbacks, run_dir, sharded
 from trainfold import history as log_file
 from trainfold.amp import SCALER, LossScaling, initial_scaler
 from trainfold.args import TrainingArguments
@@ -113,7 +113,7 @@ class TrainResult:
         Every parameter (trainable or frozen, a tied one once) and every buffer, persistent or not,
         gets the state's value of the same name, on the module's own device and dtype.
         """
-        tensors = {**self.state.buffers, **self.state.params}
+        tensors = {**self.state.buffers, **sharded.full_params(self.state.params)}  # shards: gathered (every rank)
         targets = [*model.named_parameters(), *model.named_buffers()]
         missing = [name for name, _ in targets if name not in tensors]
         if missing:
@@ -246,7 +246,7 @@ def _evaluate_state(run: _Run, state: TrainState) -> list[dict[str, float]]:
     """Return the metrics of each eval set (one; or each set of a dict, named ``eval_{name}_*``, as HF)."""
     assert run.eval_batches is not None
     return [evaluate_sharded(
-        run.model, state.params, s.loader, collective=s.collective, loss=run.loss, buffers=state.buffers,
+        run.model, sharded.full_params(state.params), s.loader, collective=s.collective, loss=run.loss, buffers=state.buffers,
         compute_metrics=None if run.args.prediction_loss_only else run.compute_metrics, preprocess_logits_for_metrics=run.preprocess_logits_for_metrics,
         eval_accumulation_steps=run.args.eval_accumulation_steps, prediction_loss_only=run.args.prediction_loss_only,
         label_key=run.label_key, metric_key_prefix=s.prefix,
@@ -512,7 +512,8 @@ def train(
     step = make_step(model, loss, optimizer, objective=objective, collective=collective, label_key=columns.label_key,
                      autocast=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
                      compile=args.compile, compile_mode=args.torch_compile_mode,
-                     gradient_checkpointing=args.checkpoint_every, loss_scaling=LossScaling() if args.fp16 else None)
+                     gradient_checkpointing=args.checkpoint_every, loss_scaling=LossScaling() if args.fp16 else None,
+                     sharding=(sharding := sharded.sharding_for(args.full_shard, collective)))
 
     state = _initial_state(model, optimizer, args, metric_key, early_stopping, device)
     settings = _settings(args, world_size)
@@ -536,6 +537,8 @@ def train(
                                  writer=rank == 0)
         if isinstance(history, log_file.HistoryFile):
             claim.on_release(history.close)
+        if sharding is not None:  # params and optimizer state as DTensor shards (trainfold.sharded)
+            state = sharded.shard_state(state, sharding.mesh)
 
     eval_collator = eval_collate(data_collator, columns)
     eval_batches = tuple(_eval_set(prefix, dataset, eval_collator, args, device, collective)

@@ -1,0 +1,532 @@
+"""Sharded training (FSDP-style) on torch's own engine: the state's tensors are ``DTensor`` shards on a ``DeviceMesh``.
+
+Data parallelism replicates params, gradients and optimizer moments on every rank; here each rank
+holds ``1/world`` of them. The API (stable; ``trainfold.checkpoint`` and resume build on it):
+
+* ``make_mesh(device_type=None)`` — the 1-D ``DeviceMesh`` over the open process group (``"cuda"`` under
+  NCCL, else ``"cpu"``);
+* ``shard_state(state, mesh)`` — the state with ``params`` and every param-keyed dict of
+  ``opt_state`` (AdamW's ``mu``/``nu``, SGD's momentum) as ``DTensor`` s: ``Shard(0)`` (0-d ones
+  ``Replicate()``); everything else (buffers, counters, cursor, metrics) stays plain and replicated;
+* ``gather_state(state)`` — the inverse: every DTensor as its full plain tensor (a collective: every
+  rank must call it), the record a one-process run holds;
+* ``is_sharded(state)`` — whether ``state.params`` holds DTensors;
+* ``make_step(model, ..., sharding=mesh)`` (or ``Sharding(mesh)``, or ``"full_shard"``) builds the
+  step over a sharded state; ``TrainingArguments(fsdp="full_shard")`` does all of it under torchrun.
+
+The step keeps the module plain (never ``fully_shard``-wrapped). For each micro-batch it gathers
+the params of the model's root (embeddings, head, final norm) with
+``redistribute(mesh, [Replicate()]).to_local(grad_placements=[Partial()])`` and each transformer
+block's (``recompute.checkpoint_blocks``) only when that block runs; after the block the full
+tensors are dropped: autograd keeps a handle in their place (``saved_tensors_hooks``) and gathers
+the block again in the backward pass (with activation checkpointing the recomputation does). So
+beyond the shards at most the root's and one block's full params are alive. ``torch.autograd.grad``
+w.r.t. the shards returns ``Shard(0)`` gradients already summed over ranks (a reduce-scatter: exact
+sums, no PREMUL_SUM needed since the loss is divided by the global item count); the optimizer
+(``optim``'s foreach/fused ops run on DTensors) updates the shards, and the global gradient norm
+(logging, ``clip_by_global_norm``) is DTensor's norm over all shards.
+
+Alone (a world of one) the same code runs on a one-rank mesh:
+
+>>> from trainfold.state import TrainState
+>>> is_sharded(TrainState(params={"w": torch.zeros(2)}, buffers={}, opt_state=None))
+False
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from trainfold.losses import warn_no_items
+from trainfold.recompute import cache_off, checkpoint_blocks, recomputing
+from trainfold.state import TrainState
+from trainfold.step import (
+    _count,
+    _micro_loss,
+    _Plan,
+    _private_rng,
+    _training_flags,
+    derive_seed,
+    empty_step,
+    make_forward,
+    materialized,
+    next_state,
+    no_gradient_error,
+    summed_grads,
+)
+from trainfold.tree import global_norm
+
+__all__ = ["Sharding", "make_mesh", "shard_state", "gather_state", "is_sharded", "as_sharding", "make_sharded_step",
+           "gathered_bytes"]
+
+_SCALAR_NAMES = ("count",)
+
+
+@attrs.frozen
+class Sharding:
+    """How the step shards: over ``mesh`` (1-D), gathering one block at a time (``per_block``) or the whole model."""
+
+    mesh: DeviceMesh
+    per_block: bool = True
+
+
+def make_mesh(device_type: str | None = None) -> DeviceMesh:
+    """Return the 1-D ``DeviceMesh`` over every rank of the open process group.
+
+    ``device_type`` defaults to ``"cuda"`` when the group's backend is NCCL, else ``"cpu"`` (gloo).
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("make_mesh() needs an initialised process group: run under torchrun (train joins it), "
+                           "or call torch.distributed.init_process_group first")
+    if device_type is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def as_sharding(sharding: Sharding | DeviceMesh | str) -> Sharding:
+    """Return ``sharding`` as a ``Sharding``: a mesh is wrapped, ``"full_shard"`` makes the mesh of the open group."""
+    if isinstance(sharding, Sharding):
+        return sharding
+    if isinstance(sharding, DeviceMesh):
+        return Sharding(sharding)
+    if sharding == "full_shard":
+        return Sharding(make_mesh())
+    raise ValueError(f"sharding={sharding!r} is not a trainfold.sharded.Sharding, a DeviceMesh or 'full_shard'; "
+                     "pass make_step(..., sharding=trainfold.sharded.make_mesh())")
+
+
+def _placements(t: Tensor) -> list[Any]:
+    return [Shard(0)] if t.dim() > 0 else [Replicate()]
+
+
+def _distribute(t: Tensor, mesh: DeviceMesh) -> Tensor:
+    if isinstance(t, DTensor):
+        return t
+    return distribute_tensor(t.detach().to(mesh.device_type), mesh, _placements(t))
+
+
+def _map_param_dicts(node: Any, keys: frozenset[str], fn: Callable[[Tensor], Tensor]) -> Any:
+    """Apply ``fn`` to the tensors of every dict in ``node`` keyed by the params (an optimizer's moments)."""
+    if isinstance(node, Mapping):
+        if node and frozenset(node) <= keys and all(isinstance(v, Tensor) for v in node.values()):
+            return {k: fn(v) for k, v in node.items()}
+        return {k: _map_param_dicts(v, keys, fn) for k, v in node.items()}
+    if attrs.has(type(node)):
+        return attrs.evolve(node, **{f.name: _map_param_dicts(getattr(node, f.name), keys, fn)
+                                     for f in attrs.fields(type(node)) if f.init})
+    if isinstance(node, tuple):
+        items = [_map_param_dicts(v, keys, fn) for v in node]
+        return type(node)(*items) if hasattr(node, "_fields") else tuple(items)
+    return node
+
+
+def shard_state(state: TrainState, mesh: DeviceMesh) -> TrainState:
+    """Return ``state`` with its params and param-keyed optimizer tensors as DTensor shards on ``mesh``.
+
+    Every rank must call it with the same full state (``distribute_tensor`` takes rank 0's values).
+    """
+    keys = frozenset(state.params)
+    return attrs.evolve(state, params={k: _distribute(v, mesh) for k, v in state.params.items()},
+                        opt_state=_map_param_dicts(state.opt_state, keys, lambda t: _distribute(t, mesh)))
+
+
+def _full(t: Tensor) -> Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def gather_state(state: TrainState) -> TrainState:
+    """Return ``state`` with every DTensor as its full plain tensor (every rank must call it)."""
+    keys = frozenset(state.params)
+    return attrs.evolve(state, params={k: _full(v) for k, v in state.params.items()},
+                        opt_state=_map_param_dicts(state.opt_state, keys, _full))
+
+
+def is_sharded(state: TrainState) -> bool:
+    """Return whether ``state.params`` holds DTensors (a state of ``shard_state``)."""
+    return any(isinstance(v, DTensor) for v in state.params.values())
+
+
+def full_params(params: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Return ``params`` with every DTensor gathered into its full tensor (plain ones as they are).
+
+    >>> full_params({"w": torch.ones(1)})
+    {'w': tensor([1.])}
+    """
+    return {k: _full(v) for k, v in params.items()}
+
+
+def sharding_for(full_shard: bool, collective: Any) -> Sharding | None:
+    """Return the run's ``Sharding`` for ``TrainingArguments(fsdp="full_shard")`` (``None`` when it is off)."""
+    if not full_shard:
+        return None
+    if collective is None or not dist.is_initialized():
+        raise ValueError("fsdp='full_shard' shards over the ranks of a torchrun job: run it under torchrun "
+                         "(python -m torch.distributed.run --nproc_per_node N your_script.py), or drop fsdp to train "
+                         "in one process")
+    return Sharding(make_mesh())
+
+
+# -- where each param lives in the module, and which block gathers it -------------------------------------------
+
+
+Place = tuple[dict[str, Any], str, str]  # (a module's _parameters or _buffers, attribute, canonical name)
+
+
+@attrs.frozen(eq=False)
+class _Layout:
+    """The module's slots: the root's (gathered for the whole forward), each block's, and the buffers'."""
+
+    root: list[Place]
+    blocks: list[tuple[nn.Module, list[Place]]]
+    buffers: list[Place]
+
+    def names(self, places: list[Place]) -> list[str]:
+        return list(dict.fromkeys(name for _, _, name in places))
+
+
+def _layout(model: nn.Module, params: frozenset[str], per_block: bool) -> _Layout:
+    canonical = {id(t): n for n, t in model.named_parameters()}
+    canonical.update({id(t): n for n, t in model.named_buffers()})
+    blocks = checkpoint_blocks(model) if per_block else []
+    owner: dict[int, int] = {}  # id(module) -> block index
+    for i, (_, block) in enumerate(blocks):
+        for m in block.modules():
+            owner[id(m)] = i
+    slots: list[tuple[int, Place]] = []
+    seen: set[int] = set()
+    for m in model.modules():
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        for d in (m._parameters, m._buffers):
+            slots += [(owner.get(id(m), -1), (d, a, canonical[id(t)])) for a, t in d.items() if t is not None]
+    homes: dict[str, set[int]] = {}
+    for where, (_, _, name) in slots:
+        homes.setdefault(name, set()).add(where)
+    home = {n: next(iter(w)) if len(w) == 1 else -1 for n, w in homes.items()}  # shared across blocks: the root's
+    trained = [(home[p[2]], p) for _, p in slots if p[2] in params]
+    return _Layout(root=[p for h, p in trained if h == -1],
+                   blocks=[(b, [p for h, p in trained if h == i]) for i, (_, b) in enumerate(blocks)],
+                   buffers=[p for _, p in slots if p[2] not in params])
+
+
+@contextlib.contextmanager
+def _swapped(places: list[Place], values: Mapping[str, Tensor]) -> Iterator[None]:
+    saved = []
+    try:
+        for d, attr, name in places:
+            saved.append(d[attr])
+            d[attr] = values[name]
+        yield
+    finally:
+        for (d, attr, _), old in zip(reversed(places[: len(saved)]), reversed(saved)):
+            d[attr] = old
+
+
+# -- gathering ------------------------------------------------------------------------------------------------
+
+
+_live: dict[int, int] = {}  # id -> bytes of the gathered full params alive now (gathered_bytes measures it)
+_peak = [0]
+
+
+def _track(t: Tensor) -> None:
+    import weakref
+
+    key, nbytes = id(t), t.numel() * t.element_size()
+    _live[key] = nbytes
+    _peak[0] = max(_peak[0], sum(_live.values()))
+    weakref.finalize(t, _live.pop, key, None)
+
+
+@contextlib.contextmanager
+def gathered_bytes() -> Iterator[list[int]]:
+    """Measure the most bytes of gathered full params alive at once while the block runs: ``[peak]`` after it."""
+    _peak[0] = sum(_live.values())
+    out = [0]
+    try:
+        yield out
+    finally:
+        out[0] = _peak[0]
+
+
+def _gather(leaf: Tensor, grad: bool = True) -> Tensor:
+    if not isinstance(leaf, DTensor):
+        return leaf
+    n = leaf.device_mesh.ndim
+    full = leaf.redistribute(leaf.device_mesh, [Replicate()] * n)
+    local = full.to_local(grad_placements=[Partial()] * n) if grad else full.to_local()
+    if hasattr(local, "wait") and type(local) is not Tensor:  # an AsyncCollectiveTensor: wait, keep the autograd edge
+        local = local * 1 if grad else local.wait()
+    _track(local)
+    return local
+
+
+Spec = tuple[Any, int, tuple[torch.Size, ...]]  # (process group, world size, each param's full shape)
+
+
+def _chunk(rows: int, world: int) -> int:
+    return -(-rows // world)  # DTensor's Shard(0): ceil-sized chunks, the last ones short or empty
+
+
+def _all_gather(spec: Spec, locals_: Sequence[Tensor]) -> list[Tensor]:
+    """All-gather the ``Shard(0)`` locals of a group in one collective: each padded to its chunk, flattened, joined."""
+    group, world, shapes = spec
+    pieces = []
+    for t, shape in zip(locals_, shapes):
+        padded = t.new_zeros((_chunk(shape[0], world), *shape[1:]))
+        padded[: t.shape[0]] = t
+        pieces.append(padded.reshape(-1))
+    flat = torch.cat(pieces)
+    out = flat.new_empty(world * flat.numel())
+    dist.all_gather_into_tensor(out, flat, group=group)
+    rows, fulls, offset = out.view(world, -1), [], 0
+    for shape in shapes:
+        n = _chunk(shape[0], world) * shape[1:].numel()
+        fulls.append(rows[:, offset:offset + n].reshape(-1, *shape[1:])[: shape[0]].contiguous())
+        offset += n
+    return fulls
+
+
+class _AllGather(torch.autograd.Function):
+    """Forward: one all-gather of a group's shards. Backward: one reduce-scatter (sum) of their full gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: Spec, *locals_: Tensor) -> tuple[Tensor, ...]:
+        ctx.spec, ctx.rows = spec, [t.shape[0] for t in locals_]
+        return tuple(_all_gather(spec, locals_))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
+        group, world, shapes = ctx.spec
+        parts = []
+        for g, shape in zip(grads, shapes):
+            padded = torch.zeros((world * _chunk(shape[0], world), *shape[1:]), dtype=grads_dtype(grads),
+                                 device=grads_device(grads))
+            if g is not None:
+                padded[: shape[0]] = g
+            parts.append(padded.view(world, -1))
+        flat = torch.cat(parts, dim=1).contiguous()
+        out = flat.new_empty(flat.shape[1])
+        dist.reduce_scatter_tensor(out, flat.view(-1), op=dist.ReduceOp.SUM, group=group)
+        local, offset = [], 0
+        for shape, rows in zip(shapes, ctx.rows):
+            n = _chunk(shape[0], world) * shape[1:].numel()
+            local.append(out[offset:offset + n].view(-1, *shape[1:])[:rows])
+            offset += n
+        return (None, *local)
+
+
+def grads_dtype(grads: Sequence[Tensor | None]) -> torch.dtype:
+    return next(g.dtype for g in grads if g is not None)
+
+
+def grads_device(grads: Sequence[Tensor | None]) -> torch.device:
+    return next(g.device for g in grads if g is not None)
+
+
+def _gather_group(leaves: Sequence[Tensor], grad: bool) -> list[Tensor]:
+    """Return the full tensors of ``leaves``: the ``Shard(0)`` ones of one dtype in one collective, others one by one."""
+    coalesced = [i for i, t in enumerate(leaves)
+                 if isinstance(t, DTensor) and t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),)]
+    if len({leaves[i].dtype for i in coalesced}) > 1:
+        coalesced = []
+    out: list[Tensor | None] = [None] * len(leaves)
+    if coalesced:
+        mesh = leaves[coalesced[0]].device_mesh
+        spec = (mesh.get_group(), mesh.size(), tuple(leaves[i].shape for i in coalesced))
+        locals_ = [leaves[i].to_local() for i in coalesced]
+        fulls = _AllGather.apply(spec, *locals_) if grad else _all_gather(spec, locals_)
+        for i, full in zip(coalesced, fulls):
+            _track(full)
+            out[i] = full
+    for i, t in enumerate(leaves):
+        if out[i] is None:
+            out[i] = _gather(t, grad)
+    return out  # type: ignore[return-value]
+
+
+class _Gatherer:
+    """Gathers a group's full params when it runs; drops them after, re-gathering in backward what autograd saved."""
+
+    def __init__(self, layout: _Layout, leaves: Mapping[str, Tensor], free: bool) -> None:
+        self.layout, self.leaves, self.free = layout, leaves, free
+        self.groups = [layout.names(layout.root)] + [layout.names(p) for _, p in layout.blocks]
+        self.registry: dict[int, tuple[int, str, int]] = {}  # storage address -> (group, name, its offset)
+        self.cache: tuple[int, dict[str, Tensor]] | None = None  # the group regathered for backward
+
+    def gather(self, group: int) -> dict[str, Tensor]:
+        names = self.groups[group]
+        full = dict(zip(names, _gather_group([self.leaves[n] for n in names], grad=True)))
+        if self.free:
+            for n, t in full.items():
+                self.registry[t.untyped_storage().data_ptr()] = (group, n, t.storage_offset())
+        return full
+
+    def forget(self, full: Mapping[str, Tensor]) -> None:
+        for t in full.values():
+            self.registry.pop(t.untyped_storage().data_ptr(), None)
+
+    def pack(self, t: Tensor) -> Any:
+        if type(t) is not Tensor or not self.registry:
+            return t
+        hit = self.registry.get(t.untyped_storage().data_ptr())
+        if hit is None:
+            return t
+        group, name, base = hit
+        return (group, name, tuple(t.shape), t.stride(), t.storage_offset() - base)
+
+    def unpack(self, saved: Any) -> Tensor:
+        if isinstance(saved, Tensor):
+            return saved
+        group, name, shape, stride, offset = saved
+        if self.cache is None or self.cache[0] != group:
+            self.cache = None  # drop the previous group before gathering the next
+            with torch.no_grad():
+                names = self.groups[group]
+                self.cache = (group, dict(zip(names, _gather_group([self.leaves[n] for n in names], grad=False))))
+        full = self.cache[1][name]
+        return full.as_strided(shape, stride, full.storage_offset() + offset)
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
+        """For the duration: each block's forward gathers its params around the block's own forward."""
+        done: list[tuple[nn.Module, Any]] = []
+        try:
+            for i, (block, places) in enumerate(self.layout.blocks, start=1):
+                if places:
+                    done.append((block, vars(block).get("forward")))
+                    block.forward = self._block_forward(block.forward, i, places)
+            yield
+        finally:
+            for block, previous in reversed(done):
+                if previous is None:
+                    del block.forward
+                else:
+                    block.forward = previous
+
+    def _block_forward(self, forward: Callable[..., Any], group: int, places: list[Place]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            full = self.gather(group)
+            try:
+                with _swapped(places, full):
+                    return forward(*args, **kwargs)
+            finally:
+                self.forget(full)
+
+        return run
+
+
+# -- the step -------------------------------------------------------------------------------------------------
+
+
+def make_sharded_step(plan: _Plan, sharding: Sharding | DeviceMesh | str, *, compile: Any = False,
+                      compile_mode: str | None = None) -> Callable[[TrainState, Any], TrainState]:
+    """Return the step of ``plan`` over a sharded state (``make_step(..., sharding=...)`` calls it)."""
+    sharding = as_sharding(sharding)
+    if plan.loss_scaling is not None:
+        raise ValueError("loss_scaling (fp16) with sharding is not supported; use bf16 autocast (bf16=True)")
+    if plan.collective is None:
+        from trainfold.distributed import process_group_collective
+
+        plan = attrs.evolve(plan, collective=process_group_collective(sharding.mesh.get_group()), slots=plan.slots)
+    layouts: dict[frozenset[str], _Layout] = {}
+
+    def step(state: TrainState, batch: Sequence[Mapping[str, Tensor]]) -> TrainState:
+        if not is_sharded(state):
+            raise ValueError("make_step(..., sharding=...) needs a sharded state: "
+                             "state = trainfold.sharded.shard_state(state, mesh)")
+        names = frozenset(state.params)
+        if names not in layouts:
+            layouts[names] = _layout(plan.model, names, sharding.per_block)
+        return _step(plan, layouts[names], state, batch)
+
+    return step
+
+
+def _step(plan: _Plan, layout: _Layout, state: TrainState, batch: Sequence[Mapping[str, Tensor]]) -> TrainState:
+    if len(batch) == 0:
+        raise ValueError("a step's batch must hold at least one micro-batch")
+    cursor = getattr(batch, "cursor", state.cursor)
+    step_no = int(state.step)
+    num_items = _count(plan, batch)
+    if int(num_items) == 0:
+        warn_no_items(step_no)
+        return empty_step(plan, state, cursor, num_items)
+    assert plan.collective is not None
+    rank = plan.collective.rank
+    keys = list(state.params)
+    device = torch.device(next(iter(state.params.values())).device_mesh.device_type)
+    leaves = {k: state.params[k].detach().requires_grad_() for k in keys}
+    leaf_list = [leaves[k] for k in keys]
+    buffers = {k: v.clone() for k, v in state.buffers.items()}
+    n_dev = num_items.to(device)
+    autocast = (torch.autocast(device.type, dtype=plan.autocast) if plan.autocast is not None
+                else contextlib.nullcontext())
+    modules = list(plan.model.modules())
+    grads: list[Tensor | None] | None = None
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    aux_total: dict[str, Tensor] = {}
+    gatherer = _Gatherer(layout, leaves, free=not plan.recompute)
+    recompute = (recomputing(plan.model, every=plan.recompute, modules=modules, configs=plan.cache_configs)
+                 if plan.recompute else contextlib.nullcontext())
+    with _training_flags(modules, True), _private_rng(device) as generators, _swapped(layout.buffers, buffers), \
+            cache_off(plan.cache_configs), gatherer.patched(), recompute:
+        for i, micro in enumerate(batch):
+            seed = derive_seed(int(state.seed), step_no, i, rank)
+            for gen in generators:
+                gen.manual_seed(seed)
+            key = torch.Generator(device=device).manual_seed(seed ^ 1)
+            hooks = (torch.autograd.graph.saved_tensors_hooks(gatherer.pack, gatherer.unpack) if gatherer.free
+                     else contextlib.nullcontext())
+            root = gatherer.gather(0)
+            try:
+                with _swapped(layout.root, root), hooks, autocast:
+                    forward = _forward(plan.model, leaves, buffers)
+                    loss, aux = _micro_loss(plan, forward, leaves, micro, n_dev, key)
+            finally:
+                gatherer.forget(root)
+            del root
+            if not loss.requires_grad:
+                raise no_gradient_error(plan.model, step_no)
+            grads = summed_grads(grads, torch.autograd.grad(loss, leaf_list, allow_unused=True))
+            gatherer.cache = None
+            total += loss.detach().float()
+            for name, value in aux.items():
+                aux_total[name] = aux_total.get(name, 0) + value.detach().float()
+        for d, attr, name in layout.buffers:  # a buffer the module reassigned (not updated in place) is kept
+            if name in buffers and d[attr] is not buffers[name]:
+                buffers[name] = d[attr]
+    assert grads is not None
+    grads = [_as_leaf(g, leaf) for g, leaf in zip(materialized(grads, leaf_list, plan.model, step_no), leaf_list)]
+    plan.collective.sum_([total])
+    grad_tree = dict(zip(keys, grads))
+    grad_norm = _full(global_norm(grad_tree))
+    params, opt_state = plan.optimizer.apply(grad_tree, state.opt_state, state.params)
+    return next_state(plan, state, {k: params[k].detach() for k in keys}, buffers, opt_state, cursor,
+                      total, grad_norm, num_items, aux_total)
+
+
+def _forward(model: nn.Module, leaves: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> Callable[..., Any]:
+    other = make_forward(model, buffers)
+
+    def forward(p: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
+        return model(**inputs) if p is leaves else other(p, inputs)
+
+    return forward
+
+
+def _as_leaf(grad: Tensor, leaf: Tensor) -> Tensor:
+    """Return ``grad`` placed like ``leaf`` (a replicated leaf's gradient comes back as a ``Partial`` sum)."""
+    if isinstance(grad, DTensor) and isinstance(leaf, DTensor) and tuple(grad.placements) != tuple(leaf.placements):
+        return grad.redistribute(leaf.device_mesh, leaf.placements)
+    return grad

@@ -1,0 +1,326 @@
+"""Sharded training on gloo: 2 ranks holding DTensor shards train as 1 process, in about half the memory.
+
+Run as a script, this file is the worker of the 2-process tests::
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/test_sharded.py OUT_DIR [CASE]
+
+It writes what each rank ends with to ``OUT_DIR`` (safetensors and JSON); the tests compare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from trainfold import TrainingArguments, train
+from trainfold.data import pad_collate
+from trainfold.losses import causal_lm
+from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm
+from trainfold.state import TrainState, init_state
+from trainfold.step import make_step
+from trainfold.tree import flatten
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 2
+STEPS = 10
+ROWS = 4  # rows per micro-batch, over all ranks; 2 micro-batches per step (GA 2)
+
+
+def model(dropout: float = 0.0) -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM(TinyLMConfig(vocab_size=40, d_model=16, n_layers=2, n_heads=2, max_len=24, dropout=dropout))
+
+
+def optimizer() -> GradientTransformation:
+    return chain(clip_by_global_norm(0.5), adamw(1e-2, weight_decay=0.1))
+
+
+def batch(step: int, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
+    """Step ``step``'s 2 micro-batches, ``rank``'s rows of each (all rows when ``world`` is 1)."""
+    out = []
+    for micro in range(2):
+        g = torch.Generator().manual_seed(100 * step + micro)
+        ids = torch.randint(0, 40, (ROWS, 10), generator=g)
+        labels = ids.clone()
+        labels[torch.rand(ids.shape, generator=g) < 0.2] = -100
+        n = ROWS // world
+        out.append({"input_ids": ids[rank * n:(rank + 1) * n], "labels": labels[rank * n:(rank + 1) * n]})
+    return out
+
+
+def run(step, state: TrainState, rank: int, world: int) -> TrainState:
+    for s in range(STEPS):
+        state = step(state, batch(s, rank, world))
+    return state
+
+
+def tensors(state: TrainState) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone().contiguous() for k, v in flatten(state).items()
+            if k.startswith(("params.", "opt_state.", "metrics."))}
+
+
+def _local_bytes(tree) -> int:
+    from torch.distributed.tensor import DTensor
+
+    return sum((v.to_local() if isinstance(v, DTensor) else v).nbytes for v in flatten(tree).values())
+
+
+def _grad_bytes(opt: GradientTransformation, seen: list[int]) -> GradientTransformation:
+    def apply(grads, state, params):
+        seen.append(_local_bytes(grads))
+        return opt.apply(grads, state, params)
+
+    return GradientTransformation(opt.init, opt.update, apply, opt.learning_rate, opt.spec)
+
+
+def rows(n: int = 16) -> list[dict]:
+    g = torch.Generator().manual_seed(5)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 40, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        out.append({"input_ids": ids, "labels": list(ids)})
+    return out
+
+
+def train_args(out: Path, **over) -> TrainingArguments:
+    base = {"output_dir": str(out), "max_steps": 4, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+            "learning_rate": 1e-2, "max_grad_norm": 0.5, "seed": 1, "save_strategy": "no", "report_to": "none",
+            "disable_tqdm": True, "logging_steps": 1, "eval_strategy": "steps", "eval_steps": 2,
+            "per_device_eval_batch_size": 2}
+    return TrainingArguments(**{**base, **over})
+
+
+def _worker(out: Path, case: str) -> None:
+    import torch.distributed as dist
+
+    from trainfold import sharded
+    from trainfold.distributed import process_group_collective
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = sharded.make_mesh()
+    if case == "raise":  # rank 1 fails inside a step; rank 0 must not wait for it forever
+        net = model()
+        state = sharded.shard_state(init_state(net, optimizer()), mesh)
+        step = make_step(net, causal_lm, optimizer(), sharding=mesh)
+        bad = batch(0, rank, world)
+        if rank == 1:
+            bad = [{"input_ids": b["input_ids"]} for b in bad]  # no labels: a KeyError on this rank only
+        step(state, bad)
+        return
+    results: dict = {}
+    for name, dropout, recompute in (("plain", 0.0, False), ("dropout", 0.1, False), ("recompute", 0.1, True)):
+        net, grads = model(dropout), []
+        state = sharded.shard_state(init_state(net, optimizer(), seed=3), mesh)
+        step = make_step(net, causal_lm, _grad_bytes(optimizer(), grads), sharding=mesh,
+                         gradient_checkpointing=recompute)
+        assert sharded.is_sharded(state)
+        with sharded.gathered_bytes() as peak:
+            state = run(step, state, rank, world)
+        assert sharded.is_sharded(state) and str(state.params["tok.weight"].placements) == "(Shard(dim=0),)"
+        save_file(tensors(sharded.gather_state(state)), out / f"{name}-{rank}.safetensors")
+        results[name] = {"state_bytes": _local_bytes(state.params) + _local_bytes(state.opt_state),
+                         "grad_bytes": max(grads), "gathered_peak": peak[0]}
+    trained = model()
+    res = train(trained, train_args(out / "train", fsdp="full_shard"), rows(), rows(6), data_collator=pad_collate())
+    assert sharded.is_sharded(res.state)
+    full = sharded.gather_state(res.state)  # a collective: every rank
+    save_file({**tensors(full), **{f"module.{k}": v.detach().clone() for k, v in trained.named_parameters()}},
+              out / f"train-{rank}.safetensors")
+    (out / f"train-{rank}.json").write_text(json.dumps([h for h in res.log_history if "eval_loss" in h]))
+    net = model(0.1)  # trainfold's data parallelism: the replicated reference with the same dropout masks
+    ddp = make_step(net, causal_lm, optimizer(), collective=process_group_collective())
+    save_file(tensors(run(ddp, init_state(net, optimizer(), seed=3), rank, world)), out / f"ddp-{rank}.safetensors")
+    (out / f"bytes-{rank}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> Path:
+    return _launch(tmp_path_factory.mktemp("sharded"), "train", timeout=240)[0]
+
+
+def _launch(out: Path, case: str, timeout: float) -> tuple[Path, subprocess.CompletedProcess]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           str(Path(__file__).resolve()), str(out), case]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # a session of its own: a hang is killed with its workers
+    try:
+        stdout, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, err)
+    if case == "train":
+        assert proc.returncode == 0, err[-4000:]
+    return out, done
+
+
+def _same_on_every_rank(out: Path, name: str) -> dict[str, torch.Tensor]:
+    per_rank = [load_file(out / f"{name}-{r}.safetensors") for r in range(WORLD)]
+    for k in per_rank[0]:
+        assert torch.equal(per_rank[0][k], per_rank[1][k]), f"{name}: {k} differs between ranks"
+    return per_rank[0]
+
+
+def _without_key_bias(key: str, t: torch.Tensor) -> torch.Tensor:
+    """Drop the attention key bias: softmax ignores it, so its true gradient is 0 and AdamW turns
+    the float32 rounding noise of its gradient into lr-sized steps of arbitrary sign."""
+    return torch.cat([t[:16], t[32:]]) if key.endswith("qkv.bias") else t
+
+
+def _assert_close(got: dict, expected: dict) -> None:
+    keys = [k for k in expected if k.startswith(("params.", "opt_state."))]
+    assert keys and set(keys) <= set(got)
+    for key in keys:
+        a, b = _without_key_bias(key, got[key]), _without_key_bias(key, expected[key])
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_two_sharded_ranks_match_one_process_over_ten_steps_with_accumulation_and_clipping(ranks):
+    two = _same_on_every_rank(ranks, "plain")
+    net = model()
+    one = tensors(run(make_step(net, causal_lm, optimizer()), init_state(net, optimizer(), seed=3), 0, 1))
+    _assert_close(two, one)
+    assert float(two["metrics.loss"]) == pytest.approx(float(one["metrics.loss"]), abs=1e-6)
+    assert float(two["metrics.grad_norm"]) == pytest.approx(float(one["metrics.grad_norm"]), rel=1e-6)
+
+
+def test_train_with_fsdp_full_shard_under_torchrun_matches_one_process(ranks, tmp_path):
+    two = _same_on_every_rank(ranks, "train")
+    one = train(model(), train_args(tmp_path, gradient_accumulation_steps=2 * WORLD), rows(), rows(6),
+                data_collator=pad_collate())
+    _assert_close(two, tensors(one.state))
+    for k in one.state.params:  # the module holds the gathered weights afterwards, as after HF's train()
+        assert torch.equal(two[f"module.{k}"], two[f"params.{k}"]), k
+    evals = [json.loads((ranks / f"train-{r}.json").read_text()) for r in range(WORLD)]
+    expected = [h for h in one.log_history if "eval_loss" in h]
+    assert evals[0] == evals[1] and [e["step"] for e in evals[0]] == [e["step"] for e in expected] == [2, 4]
+    assert [e["eval_loss"] for e in evals[0]] == pytest.approx([e["eval_loss"] for e in expected], rel=1e-6)
+
+
+def test_with_dropout_and_activation_checkpointing_sharded_matches_data_parallel(ranks):
+    ddp = _same_on_every_rank(ranks, "ddp")  # the same per-rank dropout masks (seeded by rank)
+    _assert_close(_same_on_every_rank(ranks, "dropout"), ddp)
+    _assert_close(_same_on_every_rank(ranks, "recompute"), ddp)
+
+
+def test_each_rank_holds_about_half_the_state(ranks):
+    net = model()
+    state = init_state(net, optimizer())
+    full = _local_bytes(state.params) * 2 + _local_bytes(state.opt_state)  # params + grads + AdamW moments
+    for r in range(WORLD):
+        got = json.loads((ranks / f"bytes-{r}.json").read_text())["plain"]
+        assert got["grad_bytes"] < 0.55 * _local_bytes(state.params)
+        assert (got["state_bytes"] + got["grad_bytes"]) / full <= 0.55
+
+
+def test_one_block_is_gathered_at_a_time(ranks):
+    net = model()
+    blocks = [sum(p.nbytes for p in b.parameters()) for b in net.blocks]
+    root = sum(p.nbytes for p in net.parameters()) - sum(blocks)
+    for r in range(WORLD):
+        got = json.loads((ranks / f"bytes-{r}.json").read_text())
+        assert got["plain"]["gathered_peak"] == root + max(blocks)  # never both blocks: freed after use
+        assert got["recompute"]["gathered_peak"] <= root + max(blocks)
+
+
+def test_an_error_on_one_rank_ends_both_without_a_hang(tmp_path):
+    started = time.monotonic()
+    _, done = _launch(tmp_path, "raise", timeout=120)
+    assert done.returncode != 0
+    assert time.monotonic() - started < 110
+    assert "micro-batch has no 'labels' key" in done.stderr
+    cause = done.stderr.split("Root Cause")[-1]  # torchrun names the rank that failed first
+    assert "rank      : 1 (local_rank: 1)" in cause and "exitcode  : 1" in cause
+
+
+# -- one process -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_shard_and_gather_round_trip_and_a_one_rank_sharded_step_is_the_step(one_rank_mesh):
+    from trainfold import sharded
+
+    net = model()
+    state = init_state(net, optimizer(), seed=3)
+    shards = sharded.shard_state(state, one_rank_mesh)
+    assert sharded.is_sharded(shards) and not sharded.is_sharded(state)
+    assert type(shards.opt_state[1].count) is torch.Tensor  # counters stay plain
+    back = sharded.gather_state(shards)
+    assert all(torch.equal(back.params[k], state.params[k]) for k in state.params)
+    step = make_step(net, causal_lm, optimizer(), sharding=one_rank_mesh)
+    stepped = sharded.gather_state(step(shards, batch(0, 0, 1)))
+    plain = make_step(net, causal_lm, optimizer())(state, batch(0, 0, 1))
+    _assert_close(tensors(stepped), tensors(plain))
+
+
+def test_what_sharding_cannot_do_is_refused_by_name(one_rank_mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    from trainfold import sharded
+    from trainfold.ensemble import stack_ensemble
+
+    net = model()
+    with pytest.raises(ValueError, match=r"needs a sharded state: state = trainfold.sharded.shard_state"):
+        make_step(net, causal_lm, optimizer(), sharding=one_rank_mesh)(init_state(net, optimizer()), batch(0, 0, 1))
+    with pytest.raises(ValueError, match=r"loss_scaling \(fp16\) with sharding is not supported; use bf16"):
+        from trainfold.amp import LossScaling
+
+        make_step(net, causal_lm, optimizer(), sharding=one_rank_mesh, loss_scaling=LossScaling(),
+                  autocast=torch.float16)
+    with pytest.raises(ValueError, match=r"sharding='half' is not .* make_step\(..., sharding=trainfold.sharded"):
+        make_step(net, causal_lm, optimizer(), sharding="half")
+    wrapped = model()
+    fully_shard(wrapped, mesh=one_rank_mesh)
+    with pytest.raises(TypeError, match=r"FSDP2 module .* pass the unwrapped module with "
+                                        r"TrainingArguments\(fsdp='full_shard'\) .* sharding="):
+        make_step(wrapped, causal_lm, optimizer(), sharding=one_rank_mesh)
+    shards = sharded.shard_state(init_state(net, optimizer()), one_rank_mesh)
+    with pytest.raises(TypeError, match=r"vmapped ensembles over DTensor shards are not supported \(params is sharded"):
+        stack_ensemble([shards, shards])
+    assert sharded.full_params({"w": torch.ones(1)})["w"].tolist() == [1.0]
+
+
+def test_fsdp_settings_take_full_shard_and_refuse_the_rest_by_name(tmp_path):
+    assert TrainingArguments(fsdp="full_shard", save_strategy="no").full_shard
+    assert TrainingArguments(fsdp=["full_shard", "auto_wrap"], save_strategy="no").full_shard
+    assert not TrainingArguments(fsdp="").full_shard and TrainingArguments(fsdp="").fsdp is None
+    for value, named in (("shard_grad_op", "'shard_grad_op'"), ("full_shard offload", "'offload'"),
+                         ("hybrid_shard", "'hybrid_shard'")):
+        with pytest.raises(ValueError, match=rf"fsdp='{value}' is not supported \({named}\).*write fsdp='full_shard'"):
+            TrainingArguments(fsdp=value, save_strategy="no")
+    with pytest.raises(ValueError, match=r"fsdp='full_shard' does not save checkpoints yet"):
+        TrainingArguments(fsdp="full_shard")
+    with pytest.raises(ValueError, match=r"fsdp='full_shard' with fp16 .* use bf16=True"):
+        TrainingArguments(fsdp="full_shard", save_strategy="no", fp16=True)
+    args = TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", save_strategy="no", max_steps=1,
+                             report_to="none")
+    rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 4
+    with pytest.raises(ValueError, match=r"fsdp='full_shard' shards over the ranks of a torchrun job: run it under "
+                                         r"torchrun"):
+        train(model(), args, rows)
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "train")
