@@ -75,7 +75,7 @@ def local_slabs(state) -> dict[str, torch.Tensor]:
             for k, v in flatten(state).items()}
 
 
-# elastic resume through train(): 2 ranks x batch 2 (global 4), checkpoint-4 resumed on 1, 2 and 4 ranks
+# elastic resume through train(fsdp="full_shard"): 2 ranks x batch 2 (global 4), checkpoint-4 resumed on 1, 2, 4 ranks
 
 
 def tiny():
@@ -94,30 +94,32 @@ def rows(n: int = 24) -> list[dict]:
     return out
 
 
-def run_args(out: Path):
+def run_args(out: Path, **over):
     from trainfold import TrainingArguments
 
-    return TrainingArguments(
-        output_dir=str(out), max_steps=8, per_device_train_batch_size=2, learning_rate=1e-2, warmup_steps=2,
-        weight_decay=0.1, max_grad_norm=1.0, seed=11, logging_steps=1, save_strategy="steps", save_steps=4,
-        report_to="none", disable_tqdm=True)
+    return TrainingArguments(**{
+        "output_dir": str(out), "max_steps": 8, "per_device_train_batch_size": 2, "learning_rate": 1e-2,
+        "warmup_steps": 2, "weight_decay": 0.1, "max_grad_norm": 1.0, "seed": 11, "logging_steps": 1,
+        "save_strategy": "steps", "save_steps": 4, "report_to": "none", "disable_tqdm": True, **over})
 
 
-def elastic_run(out: Path, resume=None):
+def elastic_run(out: Path, resume=None, **over):
     from trainfold import train
 
-    return train(tiny(), run_args(out), rows(), resume_from_checkpoint=resume)
+    return train(tiny(), run_args(out, **over), rows(), resume_from_checkpoint=resume)
 
 
 def trained(result) -> dict[str, torch.Tensor]:
-    flat = flatten(result.state)
+    from trainfold import sharded
+
+    flat = flatten(sharded.gather_state(result.state) if sharded.is_sharded(result.state) else result.state)
     tensors = {k: v.detach().clone().contiguous() for k, v in flat.items() if k.startswith(("params.", "opt_state."))}
     losses = [h["loss"] for h in result.log_history if "loss" in h and "train_loss" not in h]
     return {**tensors, "losses": torch.tensor(losses, dtype=torch.float64)}
 
 
 def _resume_copy(out: Path, name: str, rank: int):
-    """Resume checkpoint-4 of the 2-rank run in a copy of its output_dir (made by rank 0)."""
+    """Resume checkpoint-4 of the sharded 2-rank run, sharded, in a copy of its output_dir (made by rank 0)."""
     import shutil
 
     import torch.distributed as dist
@@ -125,7 +127,7 @@ def _resume_copy(out: Path, name: str, rank: int):
     if rank == 0:
         shutil.copytree(out / "straight", out / name)
     dist.barrier()
-    return elastic_run(out / name, resume=str(out / name / "checkpoint-4"))
+    return elastic_run(out / name, resume=str(out / name / "checkpoint-4"), fsdp="full_shard")
 
 
 # -- the worker ------------------------------------------------------------------------------------
@@ -149,8 +151,10 @@ def _worker(phase: str, out: Path) -> None:
         save_file(local_slabs(loaded), out / f"loaded-2-{rank}.safetensors")
         save_file(local_slabs(state), out / f"saved-2-{rank}.safetensors")
         _failing_async_save(saver, state, out / "faulty", rank)
-        save_file(trained(elastic_run(out / "straight")), out / f"straight-{rank}.safetensors")
+        straight = elastic_run(out / "straight", fsdp="full_shard", async_save=True, save_consolidated_model=True)
+        save_file(trained(straight), out / f"straight-{rank}.safetensors")
         save_file(trained(_resume_copy(out, "resumed-2", rank)), out / f"resumed-2-{rank}.safetensors")
+        save_file(trained(elastic_run(out / "ddp")), out / f"ddp-{rank}.safetensors")  # replicated: rank 0 saves
     else:
         with pytest.warns(UserWarning, match="per_device_train_batch_size 2 -> 1, gradient_accumulation_steps 1 -> 1"):
             result = _resume_copy(out, f"resumed-{world}", rank)
@@ -309,15 +313,33 @@ def test_a_two_rank_run_resumes_on_four_ranks_within_fp32_rounding(ranks):
         _close(load_file(ranks / f"resumed-4-{r}.safetensors"), straight, tol=1e-6)
 
 
-def test_a_two_rank_run_resumes_in_one_process_with_accumulation(ranks, tmp_path):
+@pytest.mark.parametrize("run", ["straight", "ddp"])
+def test_a_two_rank_run_resumes_in_one_process_with_accumulation(ranks, tmp_path, run):
     import shutil
 
-    shutil.copytree(ranks / "straight", tmp_path / "out")
+    shutil.copytree(ranks / run, tmp_path / "out")
+    shutil.rmtree(tmp_path / "out" / "checkpoint-8")  # resume_from_checkpoint=True takes checkpoint-4
     with pytest.warns(UserWarning, match="per_device_train_batch_size 2 -> 2, gradient_accumulation_steps 1 -> 2"):
         result = elastic_run(tmp_path / "out", resume=True)
-    assert result.global_step == 8
-    got, straight = trained(result), load_file(ranks / "straight-0.safetensors")
+    steps = [h["step"] for h in result.log_history if "loss" in h and "train_loss" not in h]
+    assert result.global_step == 8 and steps == list(range(1, 9))  # 1-4 from the log of the run, 5-8 here
+    got, straight = trained(result), load_file(ranks / f"{run}-0.safetensors")
     _close(got, straight, tol=1e-6)
+
+
+def test_a_sharded_train_run_writes_sharded_checkpoints_with_the_full_model(ranks):
+    for step in (4, 8):
+        path = ranks / "straight" / f"checkpoint-{step}"
+        names = sorted(p.name for p in path.iterdir())
+        assert names == ["config.json", "model.safetensors", shard_file(0, 2), shard_file(1, 2), sc.INDEX_FILE, "trainfold.json"]
+        assert ckpt.is_complete(path) and ckpt.read_metadata(path)["step"] == step
+    assert not [p for p in (ranks / "straight").iterdir() if p.name.startswith(".checkpoint")]
+    like = init_state(tiny(), adamw(1e-3))
+    weights = ckpt.load_weights(ranks / "straight" / "checkpoint-8", like=like)
+    full = load_file(ranks / "straight" / "checkpoint-8" / "model.safetensors")
+    straight = load_file(ranks / "straight-0.safetensors")
+    for k, v in weights.params.items():
+        assert torch.equal(v, straight[f"params.{k}"]) and torch.equal(full[k], v), k
 
 
 # -- one process -----------------------------------------------------------------------------------

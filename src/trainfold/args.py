@@ -448,9 +448,6 @@ def _fsdp_problems(args: TrainingArguments) -> list[str]:
     out = []
     if args.fp16:
         out.append("fsdp='full_shard' with fp16 (loss scaling) is not supported; use bf16=True")
-    if args.save_strategy != "no" or args.enable_jit_checkpoint or args.load_best_model_at_end:
-        out.append("fsdp='full_shard' does not save checkpoints yet (sharded checkpoints are not written); set "
-                   "save_strategy='no', enable_jit_checkpoint=False and load_best_model_at_end=False")
     return out
 
 

@@ -77,7 +77,7 @@ NOT_TRAJECTORY = frozenset({
     "output_dir", "overwrite_output_dir", "logging_strategy", "logging_steps", "logging_first_step",
     "logging_nan_inf_filter", "report_to", "run_name", "disable_tqdm", "save_strategy", "save_steps",
     "save_total_limit", "save_only_model", "enable_jit_checkpoint", "eval_strategy", "eval_steps", "eval_on_start",
-    "async_save", "save_consolidated_model",
+    "async_save", "save_consolidated_model", "fsdp",  # sharded or replicated: the same samples, split otherwise
     "eval_delay", "eval_accumulation_steps", "per_device_eval_batch_size", "prediction_loss_only",
     "metric_for_best_model", "greater_is_better", "load_best_model_at_end", "dataloader_num_workers",
     "dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_pin_memory",

@@ -286,9 +286,10 @@ def _record_eval(run: _Run, state: TrainState, results: Sequence[Mapping[str, An
 
 def _save(run: _Run, state: TrainState, *, jit: bool = False) -> Path:
     best: policy.BestMetric | None = state.extras.get(BEST)
-    run.history.sync()  # the entries the sidecar's offset covers are on disk first
+    if run.is_writer:  # the sidecar is rank 0's (the other ranks of a sharded save write their shards)
+        run.history.sync()  # the entries the sidecar's offset covers are on disk first
     metadata = {
-        "log": run.history.position(),
+        "log": run.history.position() if run.is_writer else None,
         "window": log_file.window_state(run.window),
         "best_metric": None if best is None or int(best.step) < 0 else float(best.value),
         "best_step": None if best is None or int(best.step) < 0 else int(best.step),
@@ -516,6 +517,8 @@ def train(
                      sharding=(sharding := sharded.sharding_for(args.full_shard, collective)))
 
     state = _initial_state(model, optimizer, args, metric_key, early_stopping, device)
+    if sharding is not None:  # before the resume: a sharded checkpoint loads each rank's slab only
+        state = sharded.shard_state(state, sharding.mesh)
     settings = _settings(args, world_size)
     claim = run_dir.claim(args.output_dir, resume_from_checkpoint, settings,
                           run_dir.fingerprint(settings, run_dir.model_signature(state)),
@@ -537,7 +540,7 @@ def train(
                                  writer=rank == 0)
         if isinstance(history, log_file.HistoryFile):
             claim.on_release(history.close)
-        if sharding is not None:  # params and optimizer state as DTensor shards (trainfold.sharded)
+        if sharding is not None:  # a replicated checkpoint resumed sharded: its tensors are distributed
             state = sharded.shard_state(state, sharding.mesh)
 
     eval_collator = eval_collate(data_collator, columns)
