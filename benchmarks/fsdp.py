@@ -11,6 +11,12 @@ sharded step is slower than the replicated one; what it buys is the memory colum
 
     python benchmarks/fsdp.py                # prints a markdown table
     python benchmarks/fsdp.py --quick        # a small model, few rounds
+
+``vs_fully_shard`` (``--vs-fully-shard``; ``benchmarks/gpu.py`` runs it on CUDA, one process per GPU
+on NCCL, in bf16 at ~100M params) compares trainfold's sharded step with torch's FSDP2
+(``fully_shard`` per block and at the root, ``MixedPrecisionPolicy(bf16)``, ``torch.optim.AdamW``,
+a hand-written loop): tokens/s and ``torch.cuda.max_memory_allocated`` per GPU. On CPU it runs the
+same code tiny on 2 gloo processes, so the suite can check it runs.
 """
 
 from __future__ import annotations
@@ -73,7 +79,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
                 state = sharded.shard_state(state, mesh)
                 step = make_step(model, optimizer=grad_bytes(opt, grads), sharding=mesh)
             else:
-                step = make_step(model, optimizer=grad_bytes(opt, grads), collective=ProcessGroupCollective(rank, world))
+                collective = ProcessGroupCollective(rank, world)
+                step = make_step(model, optimizer=grad_bytes(opt, grads), collective=collective)
             runs[name] = [step, state, grads, [], 0]
         for i in range(args.warmup + args.rounds):
             for name, run in runs.items():
@@ -94,6 +101,105 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
         dist.destroy_process_group()
 
 
+def _vs_worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from trainfold import sharded
+    from trainfold.losses import causal_lm
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = cfg["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    try:
+        device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+        mesh = sharded.make_mesh()
+        rows, seq = cfg["batch"], cfg["seq"]  # per rank
+        ids = torch.randint(0, 256, (rows, seq), generator=torch.Generator().manual_seed(rank)).to(device)
+        n = torch.tensor(rows * (seq - 1) * world, device=device)
+        bf16 = torch.bfloat16 if cfg["bf16"] else None
+        out = {}
+
+        def model() -> TinyLM:
+            torch.manual_seed(0)
+            return TinyLM(TinyLMConfig(d_model=cfg["d_model"], n_layers=cfg["layers"], n_heads=cfg["heads"],
+                                       max_len=seq)).to(device)
+
+        def timed(name: str, one_step) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            seconds = []
+            for i in range(cfg["warmup"] + cfg["steps"]):
+                dist.barrier()
+                start = time.perf_counter()
+                one_step()
+                if cuda:
+                    torch.cuda.synchronize()
+                if i >= cfg["warmup"]:
+                    seconds.append(time.perf_counter() - start)
+            out[name] = {"tokens_per_s": rows * seq * world / statistics.median(seconds),
+                         "max_memory": torch.cuda.max_memory_allocated() if cuda else float("nan")}
+
+        net = model()  # trainfold: the state's shards, one block gathered at a time
+        opt = chain(clip_by_global_norm(1.0), adamw(1e-4))
+        box = {"state": sharded.shard_state(init_state(net, opt), mesh),
+               "step": make_step(net, causal_lm, opt, sharding=mesh, autocast=bf16)}
+        net.to("meta")  # the step needs only the module's structure; its full weights would count against it
+
+        def trainfold_step() -> None:
+            box["state"] = box["step"](box["state"], [{"input_ids": ids, "labels": ids}])
+
+        timed("trainfold sharded", trainfold_step)
+        box.clear()  # free the shards before FSDP2 runs
+        ref = model()  # FSDP2, hand-written loop
+        policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        for block in ref.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(ref, mesh=mesh, mp_policy=policy)
+        optim = torch.optim.AdamW(ref.parameters(), lr=1e-4, foreach=True)
+
+        def fsdp2_step() -> None:
+            loss = causal_lm(ref(input_ids=ids), ids, n)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            optim.step()
+            optim.zero_grad(set_to_none=True)
+
+        timed("FSDP2 fully_shard loop", fsdp2_step)
+        queue.put((rank, out))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def vs_fully_shard(device: str = "cpu", world: int = 2, quick: bool = True) -> None:
+    """Print tokens/s and max memory per GPU of trainfold's sharded step and an FSDP2 loop (see the module doc)."""
+    if device == "cuda":
+        cfg = {"d_model": 768, "layers": 12, "heads": 12, "seq": 1024, "batch": 8, "bf16": True, "steps": 20,
+               "warmup": 3}
+    else:
+        cfg = {"d_model": 64, "layers": 2, "heads": 4, "seq": 32, "batch": 2, "bf16": False, "steps": 2 if quick else 8,
+               "warmup": 1}
+    cfg["device"] = device
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(_vs_worker, args=(world, _free_port(), cfg, queue), nprocs=world, join=True,
+                       start_method="spawn")
+    per_rank = dict(queue.get() for _ in range(world))
+    precision = "bf16" if cfg["bf16"] else "fp32"
+    print(f"\nTinyLM d_model {cfg['d_model']}, {cfg['layers']} blocks, {world} x {device} ({precision}), "
+          f"{cfg['batch']} x {cfg['seq']} tokens per rank, medians of {cfg['steps']} steps\n")
+    print("| run | rank | tokens/s (all ranks) | max memory (GiB) |")
+    print("|---|---:|---:|---:|")
+    for name in per_rank[0]:
+        for rank in range(world):
+            r = per_rank[rank][name]
+            print(f"| {name} | {rank} | {r['tokens_per_s']:.0f} | {r['max_memory'] / 2**30:.2f} |")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -109,7 +215,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="d_model 64, 2 layers, seq 32, 2 rounds")
+    parser.add_argument("--vs-fully-shard", action="store_true", help="only the comparison with FSDP2 (tiny on CPU)")
     args = parser.parse_args()
+    if args.vs_fully_shard:
+        vs_fully_shard("cpu", 2, quick=args.quick)
+        return
     if args.quick:
         args.d_model, args.layers, args.seq, args.rounds, args.warmup = 64, 2, 32, 2, 1
 

@@ -6,6 +6,9 @@
    trainfold compiled.
 2. ``benchmarks/ensemble.py --device cuda``: four tiny Llamas in one ensemble step against four
    sequential eager loops (the issue's GPU target: >= 2x).
+3. ``benchmarks/fsdp.py``'s ``vs_fully_shard`` on every GPU (one NCCL process each): trainfold's
+   sharded bf16 step against FSDP2 ``fully_shard`` in a hand-written loop, tokens/s and max memory
+   per GPU. CUDA only (``python benchmarks/fsdp.py --vs-fully-shard`` runs it tiny on CPU).
 
 Without CUDA it runs the same code paths smaller (tiny model, float32, CPU; the ensemble part only
 with ``--ensemble``, eager variants), so the suite can test it.
@@ -59,6 +62,10 @@ def main() -> None:
         cmd += [] if cuda else ["--eager-only", "--per-round", "1"]
         print(flush=True)
         subprocess.run(cmd, check=True)
+    if cuda:  # part 3; skipped on CPU
+        import fsdp
+
+        fsdp.vs_fully_shard("cuda", torch.cuda.device_count())
 
 
 if __name__ == "__main__":

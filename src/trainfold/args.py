@@ -448,6 +448,8 @@ def _fsdp_problems(args: TrainingArguments) -> list[str]:
     out = []
     if args.fp16:
         out.append("fsdp='full_shard' with fp16 (loss scaling) is not supported; use bf16=True")
+    if args.compile:
+        out.append("fsdp='full_shard' with torch_compile is not supported yet; train the sharded step eagerly")
     return out
 
 

@@ -51,6 +51,7 @@ __all__ = [
     "ProcessGroupCollective",
     "SingleProcess",
     "agreed_stop",
+    "failure_of",
     "collective_from_env",
     "evaluate_sharded",
     "gather_rows",
@@ -289,6 +290,53 @@ def agreed_stop(stop: Callable[[Any], bool], collective: Any) -> Callable[[Any],
         return int(flag.item()) > 0
 
     return agreed
+
+
+# -- a failure on one rank, named on the others ---------------------------------------------------
+
+_FAILED = "trainfold/failed/"
+_LOST_PEER = ("Connection closed by peer", "Timed out", "timed out", "pair closure", "Connection reset", "NCCL")
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except (RuntimeError, ValueError):
+        return None
+
+
+def failure_of(exc: BaseException, rank: int, world_size: int) -> BaseException:
+    """Return the error to raise on ``rank`` for ``exc`` in a step: a lost peer is named by the rank that failed.
+
+    A rank's own error is recorded in the process group's store (then returned as it is), so that
+    the other ranks, whose next collective times out or loses its peer, raise a ``RuntimeError``
+    naming that rank and its error instead of the transport's message. Alone nothing is recorded:
+
+    >>> failure_of(KeyError("x"), 0, 1)
+    KeyError('x')
+    """
+    store = _store() if world_size > 1 else None
+    if store is None:
+        return exc
+    text = str(exc)
+    if not any(marker in text for marker in _LOST_PEER):
+        try:
+            store.set(f"{_FAILED}{rank}", f"{type(exc).__name__}: {text}"[:2000])
+        except RuntimeError:
+            pass
+        return exc
+    failed = {}
+    for other in (r for r in range(world_size) if r != rank):
+        try:
+            if store.check([f"{_FAILED}{other}"]):
+                failed[other] = store.get(f"{_FAILED}{other}").decode()
+        except RuntimeError:
+            continue
+    if failed:
+        named = "; ".join(f"rank {r} raised {why}" for r, why in sorted(failed.items()))
+        return RuntimeError(f"rank {rank} stopped: {named} (this rank's collective then failed: {text[:300]})")
+    return RuntimeError(f"rank {rank} stopped: a collective timed out or lost its peer and no other rank recorded an "
+                        f"error (a rank was killed, or hangs outside the step): {text[:300]}")
 
 
 # -- sharded evaluation -------------------------------------------------------------------------
