@@ -428,6 +428,18 @@ def test_a_failed_async_save_raises_at_the_next_wait(tmp_path):
     assert saver.wait() is None  # raised once
 
 
+def test_async_save_in_train_writes_the_same_checkpoints_and_rotates_after_each_is_complete(tmp_path):
+    runs = {}
+    for mode in (False, True):
+        out = tmp_path / f"async-{mode}"
+        result = elastic_run(out, max_steps=6, save_steps=2, save_total_limit=1, async_save=mode)
+        assert [p.name for p in ckpt.list_checkpoints(out)] == ["checkpoint-6"]
+        assert result.last_checkpoint == out / "checkpoint-6" and not [p for p in out.iterdir() if "tmp" in p.name]
+        runs[mode] = (trained(result), load_file(out / "checkpoint-6" / ckpt.STATE_FILE))
+    _close(runs[True][0], runs[False][0], tol=0)
+    _close(runs[True][1], runs[False][1], tol=0)
+
+
 # -- the elastic rule ------------------------------------------------------------------------------
 
 
