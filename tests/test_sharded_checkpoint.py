@@ -264,7 +264,8 @@ def _is_pickle(data: bytes) -> bool:
 
 
 def test_sharded_checkpoints_are_safetensors_and_json_only(ranks):
-    for path in (ranks / "sync" / f"checkpoint-{STEP}", ranks / "async" / f"checkpoint-{STEP}"):
+    for path in (ranks / "sync" / f"checkpoint-{STEP}", ranks / "async" / f"checkpoint-{STEP}",
+                 ranks / "straight" / "checkpoint-8"):
         names = sorted(p.name for p in path.iterdir())
         assert shard_file(0, 2) in names and shard_file(1, 2) in names and sc.INDEX_FILE in names
         for p in path.iterdir():
@@ -367,6 +368,18 @@ def test_corruption_of_a_shard_is_detected_by_name(ranks, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"state-00001-of-00002.safetensors is truncated"):
         ckpt.load(path, like=like)
     assert not ckpt.is_complete(path)
+
+
+def test_a_sharded_checkpoint_refuses_another_model_by_name(ranks):
+    import transformers
+
+    path = ranks / "sync" / f"checkpoint-{STEP}"
+    with pytest.raises(KeyError, match=r"state.index.json does not fit the template state; .* missing \['opt_state.mu.blocks"):
+        ckpt.load(path, like=init_state(tiny(), adamw(1e-3)))
+    config = hf_model().config
+    config.intermediate_size = 32
+    with pytest.raises(ValueError, match=r"mlp.down_proj.weight: saved \[16, 24\] float32, expected \[16, 32\]"):
+        ckpt.load(path, like=init_state(transformers.LlamaForCausalLM(config), adamw(1e-3)))
 
 
 def test_an_async_save_is_invisible_until_complete(tmp_path):
@@ -473,7 +486,7 @@ def test_check_compatible_takes_another_split_of_the_same_global_batch_and_names
 def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(tmp_path):
     from trainfold.elastic import elastic_args
 
-    saved = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "world_size": 2}
+    saved = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "world_size": 2, "learning_rate": 1e-2}
     path = ckpt.save(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), tmp_path / "checkpoint-0", settings=saved)
     args = run_args(tmp_path)
     with pytest.raises(ValueError, match=r"global batch of 4 samples per step cannot be split evenly over 3 ranks"):
@@ -481,6 +494,8 @@ def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(
     assert elastic_args(args, str(path), 2) is args and elastic_args(args, None, 3) is args
     with pytest.warns(UserWarning, match=r"resuming a run of 2 ranks on 1: .*gradient_accumulation_steps 1 -> 2"):
         assert elastic_args(args, str(path), 1).gradient_accumulation_steps == 2
+    other = args.replace(learning_rate=0.5)  # another run: left to claim, which names the differences
+    assert elastic_args(other, str(path), 1) is other
 
 
 def test_the_run_fingerprint_sees_the_global_batch_not_its_split():

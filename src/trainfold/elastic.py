@@ -93,12 +93,15 @@ def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any
     already make its global batch; otherwise ``per_device_train_batch_size`` and
     ``gradient_accumulation_steps`` follow ``split_global_batch``, with a warning that says so.
     """
+    from trainfold.run_dir import trajectory_differences  # noqa: PLC0415
+
     saved = _saved_settings(resume_from_checkpoint, args.output_dir)
     batch = global_batch(saved or {})
-    here = {"per_device_train_batch_size": args.per_device_train_batch_size,
-            "gradient_accumulation_steps": args.gradient_accumulation_steps, "world_size": world_size}
+    here = {**args.to_dict(), "world_size": world_size}
     if batch is None or saved["world_size"] == world_size or batch == global_batch(here):
         return args
+    if [d for d in trajectory_differences(saved, here) if d.split(":")[0] in set(saved) - set(BATCH_KEYS)]:
+        return args  # another run's settings: claim refuses it, naming them
     size, steps = split_global_batch(batch, world_size=world_size, per_device=args.per_device_train_batch_size)
     warnings.warn(
         f"resuming a run of {saved['world_size']} ranks on {world_size}: per_device_train_batch_size "
