@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -220,6 +221,7 @@ def ranks(tmp_path_factory) -> Path:
 # -- the tests -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 def test_a_two_rank_checkpoint_reloads_bitwise_on_two_ranks(ranks):
     for r in range(2):
         saved, loaded = load_file(ranks / f"saved-2-{r}.safetensors"), load_file(ranks / f"loaded-2-{r}.safetensors")
@@ -228,6 +230,7 @@ def test_a_two_rank_checkpoint_reloads_bitwise_on_two_ranks(ranks):
             assert torch.equal(saved[k], loaded[k]), k
 
 
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 def test_a_two_rank_checkpoint_reshards_onto_four_ranks(ranks):
     saved = load_file(ranks / "straight-0.safetensors")  # the state at step 8, of the sharded train run
     for r in range(4):
@@ -236,6 +239,7 @@ def test_a_two_rank_checkpoint_reshards_onto_four_ranks(ranks):
             assert torch.equal(saved[k], loaded[k]), k
 
 
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 def test_a_two_rank_checkpoint_loads_in_one_process(ranks):
     like = init_state(hf_model(), adamw(1e-3))
     loaded = ckpt.load(ranks / "sync" / f"checkpoint-{STEP}", like=like)
@@ -248,6 +252,7 @@ def test_a_two_rank_checkpoint_loads_in_one_process(ranks):
     assert all(torch.equal(weights.params[k], full_state(hf_model()).params[k]) for k in like.params)
 
 
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 def test_the_consolidated_model_loads_with_from_pretrained(ranks):
     transformers = pytest.importorskip("transformers")
     path = ranks / "sync" / f"checkpoint-{STEP}"
@@ -263,6 +268,7 @@ def _is_pickle(data: bytes) -> bool:
     return len(data) >= 2 and data[0] == 0x80 and 2 <= data[1] <= 5
 
 
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 def test_sharded_checkpoints_are_safetensors_and_json_only(ranks):
     for path in (ranks / "sync" / f"checkpoint-{STEP}", ranks / "async" / f"checkpoint-{STEP}",
                  ranks / "straight" / "checkpoint-8"):
@@ -284,6 +290,7 @@ def test_sharded_checkpoints_are_safetensors_and_json_only(ranks):
         (shard_file(0, 2), [0, 0], [24, 16]), (shard_file(1, 2), [24, 0], [24, 16])]
 
 
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 def test_a_failing_rank_leaves_no_checkpoint_and_both_ranks_name_it(ranks):
     for r in range(2):
         report = json.loads((ranks / f"faulty-{r}.json").read_text())
@@ -308,18 +315,21 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: flo
                                        msg=lambda m, k=k: f"{k}: {m}")
 
 
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 def test_an_elastic_resume_on_the_same_two_ranks_is_bitwise(ranks):
     straight = load_file(ranks / "straight-0.safetensors")
     _close(load_file(ranks / "resumed-2-0.safetensors"), straight, tol=0)
     _close(load_file(ranks / "straight-1.safetensors"), straight, tol=0)
 
 
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 def test_a_two_rank_run_resumes_on_four_ranks_within_fp32_rounding(ranks):
     straight = load_file(ranks / "straight-0.safetensors")
     for r in range(4):
         _close(load_file(ranks / f"resumed-4-{r}.safetensors"), straight, tol=1e-6)
 
 
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 @pytest.mark.parametrize("run", ["straight", "ddp"])
 def test_a_two_rank_run_resumes_in_one_process_with_accumulation(ranks, tmp_path, run):
     import shutil
@@ -334,6 +344,7 @@ def test_a_two_rank_run_resumes_in_one_process_with_accumulation(ranks, tmp_path
     _close(got, straight, tol=1e-6)
 
 
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 def test_a_sharded_train_run_writes_sharded_checkpoints_with_the_full_model(ranks):
     for step in (4, 8):
         path = ranks / "straight" / f"checkpoint-{step}"
@@ -349,9 +360,51 @@ def test_a_sharded_train_run_writes_sharded_checkpoints_with_the_full_model(rank
         assert torch.equal(v, straight[f"params.{k}"]) and torch.equal(full[k], v), k
 
 
+@pytest.mark.slow
+def test_sigterm_to_one_rank_of_a_sharded_run_ends_both_with_one_sharded_jit_checkpoint(tmp_path):
+    import time
+
+    from resume_fixture import endless_cli_config
+
+    out = tmp_path / "out"
+    config = endless_cli_config(tmp_path, out)
+    config.write_text(config.read_text().replace("[args]\n", '[args]\nfsdp = "full_shard"\nasync_save = true\n'))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):  # what torchrun sets for each worker
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(ROOT / "src")}
+        procs.append(subprocess.Popen([sys.executable, "-m", "trainfold", "train", "--config", str(config)], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        log = out / "log.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+            assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)  # only rank 1
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, results):
+        assert p.returncode == 143, err[-3000:]
+    step = json.loads(results[0][0].strip().splitlines()[-1])["global_step"]
+    found = sorted(out.glob("checkpoint-*"))
+    assert [p.name for p in found] == [f"checkpoint-{step}"] and ckpt.is_complete(found[0])
+    meta = ckpt.read_metadata(found[0])
+    assert meta["jit"] and sc.INDEX_FILE in meta["files"] and shard_file(1, 2) in meta["files"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
 # -- one process -----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 def test_corruption_of_a_shard_is_detected_by_name(ranks, tmp_path):
     import shutil
 
@@ -370,6 +423,7 @@ def test_corruption_of_a_shard_is_detected_by_name(ranks, tmp_path):
     assert not ckpt.is_complete(path)
 
 
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 def test_a_sharded_checkpoint_refuses_another_model_by_name(ranks):
     import transformers
 
