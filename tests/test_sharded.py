@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from trainfold import TrainingArguments, train
 from trainfold.data import pad_collate
+from trainfold.divergence import nonfinite_params
 from trainfold.losses import causal_lm
 from trainfold.models import TinyLM, TinyLMConfig
 from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm
@@ -101,14 +102,12 @@ def train_args(out: Path, **over) -> TrainingArguments:
 
 
 def _worker(out: Path, case: str) -> None:
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     from trainfold import sharded
-    from trainfold.distributed import process_group_collective
+    from trainfold.distributed import group_timeout, process_group_collective
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=5 if case.startswith("raise") else 600))
+    dist.init_process_group("gloo", timeout=group_timeout())  # TRAINFOLD_DIST_TIMEOUT=5 for the error cases
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = sharded.make_mesh()
     if case.startswith("raise"):  # rank 1 fails inside a step; rank 0 must not wait for it forever
@@ -148,6 +147,9 @@ def _worker(out: Path, case: str) -> None:
     net = model(0.1)  # trainfold's data parallelism: the replicated reference with the same dropout masks
     ddp = make_step(net, causal_lm, optimizer(), collective=process_group_collective())
     save_file(tensors(run(ddp, init_state(net, optimizer(), seed=3), rank, world)), out / f"ddp-{rank}.safetensors")
+    poisoned = torch.zeros(4, 2)
+    poisoned[3, 0] = float("nan")  # on rank 1's shard only
+    results["nonfinite"] = nonfinite_params(sharded.shard_state(TrainState({"w": poisoned}, {}, None), mesh).params)
     (out / f"bytes-{rank}.json").write_text(json.dumps(results))
 
 
@@ -159,7 +161,8 @@ def ranks(tmp_path_factory) -> Path:
 def _launch(out: Path, case: str, timeout: float) -> tuple[Path, subprocess.CompletedProcess]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
            str(Path(__file__).resolve()), str(out), case]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"),
+           **({"TRAINFOLD_DIST_TIMEOUT": "5"} if case.startswith("raise") else {})}
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)  # a session of its own: a hang is killed with its workers
     try:
@@ -195,6 +198,7 @@ def _assert_close(got: dict, expected: dict) -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
 
 
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
 def test_two_sharded_ranks_match_one_process_over_ten_steps_with_accumulation_and_clipping(ranks):
     two = _same_on_every_rank(ranks, "plain")
     net = model()
@@ -204,6 +208,7 @@ def test_two_sharded_ranks_match_one_process_over_ten_steps_with_accumulation_an
     assert float(two["metrics.grad_norm"]) == pytest.approx(float(one["metrics.grad_norm"]), rel=1e-6)
 
 
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
 def test_train_with_fsdp_full_shard_under_torchrun_matches_one_process(ranks, tmp_path):
     two = _same_on_every_rank(ranks, "train")
     one = train(model(), train_args(tmp_path, gradient_accumulation_steps=2 * WORLD), rows(), rows(6),
@@ -217,12 +222,14 @@ def test_train_with_fsdp_full_shard_under_torchrun_matches_one_process(ranks, tm
     assert [e["eval_loss"] for e in evals[0]] == pytest.approx([e["eval_loss"] for e in expected], rel=1e-6)
 
 
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
 def test_with_dropout_and_activation_checkpointing_sharded_matches_data_parallel(ranks):
     ddp = _same_on_every_rank(ranks, "ddp")  # the same per-rank dropout masks (seeded by rank)
     _assert_close(_same_on_every_rank(ranks, "dropout"), ddp)
     _assert_close(_same_on_every_rank(ranks, "recompute"), ddp)
 
 
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
 def test_each_rank_holds_about_half_the_state(ranks):
     net = model()
     state = init_state(net, optimizer())
@@ -233,6 +240,13 @@ def test_each_rank_holds_about_half_the_state(ranks):
         assert (got["state_bytes"] + got["grad_bytes"]) / full <= 0.55
 
 
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
+def test_every_rank_sees_a_nan_in_another_ranks_shard(ranks):
+    got = [json.loads((ranks / f"bytes-{r}.json").read_text())["nonfinite"] for r in range(WORLD)]
+    assert got == [["w"], ["w"]]  # a diverged run stops on every rank, not on the one holding the NaN
+
+
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
 def test_one_block_is_gathered_at_a_time(ranks):
     net = model()
     blocks = [sum(p.nbytes for p in b.parameters()) for b in net.blocks]
@@ -243,6 +257,7 @@ def test_one_block_is_gathered_at_a_time(ranks):
         assert got["recompute"]["gathered_peak"] <= root + max(blocks)
 
 
+@pytest.mark.slow  # a torchrun launch each
 @pytest.mark.parametrize("case", ["raise", "raise-alive"])
 def test_an_error_on_one_rank_ends_both_without_a_hang_and_the_others_name_it(tmp_path, case):
     started = time.monotonic()
@@ -254,6 +269,16 @@ def test_an_error_on_one_rank_ends_both_without_a_hang_and_the_others_name_it(tm
     if case == "raise":
         cause = done.stderr.split("Root Cause")[-1]  # torchrun names the rank that failed first
         assert "rank      : 1 (local_rank: 1)" in cause and "exitcode  : 1" in cause
+
+
+@pytest.mark.slow  # 2 spawned processes for each part
+def test_the_fsdp_benchmark_runs_quick(full_slow):
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for extra in ([], ["--vs-fully-shard"]) if full_slow else ([],):  # reduced: the memory and step-time table
+        done = subprocess.run([sys.executable, "benchmarks/fsdp.py", "--quick", *extra], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert ("| FSDP2 fully_shard loop | 1 |" if extra else "| sharded | 1 |") in done.stdout
 
 
 # -- one process -----------------------------------------------------------------------------------
@@ -287,6 +312,46 @@ def test_shard_and_gather_round_trip_and_a_one_rank_sharded_step_is_the_step(one
     step = make_step(hollow, causal_lm, optimizer(), sharding=one_rank_mesh)
     again = sharded.gather_state(step(shards, batch(0, 0, 1)))
     assert torch.equal(again.params["tok.weight"], stepped.params["tok.weight"])
+
+
+def test_an_objective_with_a_frozen_reference_runs_the_reference_on_its_own_params(one_rank_mesh):
+    from trainfold import sharded
+
+    net = model()
+    reference = {k: v * 0.5 for k, v in init_state(net, optimizer()).params.items()}  # plain, never gathered
+
+    def objective(forward, params, micro, n, key):
+        logits = forward(params, {"input_ids": micro["input_ids"]})
+        with torch.no_grad():
+            ref = forward(reference, {"input_ids": micro["input_ids"]})
+        return causal_lm(logits - ref, micro["labels"], n), {"ref_mean": ref.mean() * 0}
+
+    state = init_state(net, optimizer(), seed=3)
+    plain = make_step(net, optimizer=optimizer(), objective=objective)(state, batch(0, 0, 1))
+    step = make_step(net, optimizer=optimizer(), objective=objective, sharding=one_rank_mesh)
+    shards = step(sharded.shard_state(state, one_rank_mesh), batch(0, 0, 1))
+    _assert_close(tensors(sharded.gather_state(shards)), tensors(plain))
+    assert float(shards.metrics["loss"]) == pytest.approx(float(plain.metrics["loss"]), abs=1e-6)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_transformers_llama_steps_sharded_as_unsharded(one_rank_mesh, recompute):
+    transformers = pytest.importorskip("transformers")
+    from trainfold import sharded
+    from trainfold.sharded_gather import _layout
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                                      tie_word_embeddings=True)
+    llama = transformers.LlamaForCausalLM(config)
+    state = init_state(llama, optimizer(), seed=3)
+    layout = _layout(llama, frozenset(state.params), per_block=True)
+    assert [len(places) for _, places in layout.blocks] == [9, 9]  # each decoder layer gathers its own 9 tensors
+    plain = make_step(llama, causal_lm, optimizer(), gradient_checkpointing=recompute)(state, batch(0, 0, 1))
+    step = make_step(llama, causal_lm, optimizer(), sharding=one_rank_mesh, gradient_checkpointing=recompute)
+    got = sharded.gather_state(step(sharded.shard_state(state, one_rank_mesh), batch(0, 0, 1)))
+    _assert_close(tensors(got), tensors(plain))
 
 
 def test_what_sharding_cannot_do_is_refused_by_name(one_rank_mesh):

@@ -52,6 +52,7 @@ __all__ = [
     "SingleProcess",
     "agreed_stop",
     "failure_of",
+    "group_timeout",
     "collective_from_env",
     "evaluate_sharded",
     "gather_rows",
@@ -201,7 +202,30 @@ def _init_group(backend: str | None) -> None:
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend)
+    dist.init_process_group(backend=backend, timeout=group_timeout())
+
+
+def group_timeout() -> Any:
+    """Return how long a collective waits for the other ranks: ``TRAINFOLD_DIST_TIMEOUT`` seconds, else torch's default.
+
+    A rank whose peer raised and lives on (its process does not end) waits this long before its
+    collective fails and it names that peer (:func:`failure_of`).
+
+    >>> group_timeout() is None or group_timeout().total_seconds() > 0
+    True
+    """
+    import datetime
+
+    value = os.environ.get("TRAINFOLD_DIST_TIMEOUT")
+    if value is None:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"TRAINFOLD_DIST_TIMEOUT={value!r} must be a number of seconds > 0")
+    return datetime.timedelta(seconds=seconds)
 
 
 @contextlib.contextmanager

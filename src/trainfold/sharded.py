@@ -10,7 +10,9 @@ holds ``1/world`` of them. The API (stable; ``trainfold.checkpoint`` and resume 
   ``Replicate()``); everything else (buffers, counters, cursor, metrics) stays plain and replicated;
 * ``gather_state(state)`` — the inverse: every DTensor as its full plain tensor (a collective: every
   rank must call it), the record a one-process run holds;
-* ``is_sharded(state)`` — whether ``state.params`` holds DTensors;
+* ``is_sharded(state)`` — whether ``state.params`` holds DTensors; ``full_params(params)`` — the
+  params gathered (plain ones as they are; evaluation and ``TrainResult.apply_to`` use it);
+* ``gathered_bytes()`` — measures the most bytes of gathered full params alive at once;
 * ``make_step(model, ..., sharding=mesh)`` (or ``Sharding(mesh)``, or ``"full_shard"``) builds the
   step over a sharded state; ``TrainingArguments(fsdp="full_shard")`` does all of it under torchrun.
 
@@ -255,7 +257,7 @@ def _step(plan: _Plan, layout: _Layout, state: TrainState, batch: Sequence[Mappi
             root = gatherer.gather(0)
             try:
                 with _swapped(layout.root, root), hooks, autocast:
-                    forward = _forward(plan.model, leaves, buffers)
+                    forward = _forward(plan.model, leaves, buffers, gatherer)
                     loss, aux = _micro_loss(plan, forward, leaves, micro, n_dev, key)
             finally:
                 gatherer.forget(root)
@@ -280,11 +282,18 @@ def _step(plan: _Plan, layout: _Layout, state: TrainState, batch: Sequence[Mappi
                       total, grad_norm, num_items, aux_total)
 
 
-def _forward(model: nn.Module, leaves: Mapping[str, Tensor], buffers: Mapping[str, Tensor]) -> Callable[..., Any]:
+def _forward(model: nn.Module, leaves: Mapping[str, Tensor], buffers: Mapping[str, Tensor],
+             gatherer: _Gatherer) -> Callable[..., Any]:
     other = make_forward(model, buffers)
 
     def forward(p: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
-        return model(**inputs) if p is leaves else other(p, inputs)
+        if p is leaves:
+            return model(**inputs)
+        gatherer.bypass = True  # other params (DPO's frozen reference): no block gathers the shards
+        try:
+            return other(p, inputs)
+        finally:
+            gatherer.bypass = False
 
     return forward
 

@@ -216,6 +216,7 @@ class _Gatherer:
         self.groups = [layout.names(layout.root)] + [layout.names(p) for _, p in layout.blocks]
         self.registry: dict[int, tuple[int, str, int]] = {}  # storage address -> (group, name, its offset)
         self.cache: tuple[int, dict[str, Tensor]] | None = None  # the group regathered for backward
+        self.bypass = False  # True while the model runs on other params than the shards
 
     def gather(self, group: int) -> dict[str, Tensor]:
         names = self.groups[group]
@@ -269,6 +270,8 @@ class _Gatherer:
 
     def _block_forward(self, forward: Callable[..., Any], group: int, places: list[Place]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
+            if self.bypass:  # a forward on other params (a frozen reference): functional_call swapped them in
+                return forward(*args, **kwargs)
             full = self.gather(group)
             try:
                 with _swapped(places, full):
