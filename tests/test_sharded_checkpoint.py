@@ -152,6 +152,10 @@ def _worker(phase: str, out: Path) -> None:
         save_file(local_slabs(loaded), out / f"loaded-2-{rank}.safetensors")
         save_file(local_slabs(state), out / f"saved-2-{rank}.safetensors")
         _failing_async_save(saver, state, out / "faulty", rank)
+        uneven = shard(attrs.evolve(init_state(torch.nn.Linear(3, 1), adamw(1e-3)),
+                                    params={"weight": torch.ones(1, 3), "bias": torch.full((1,), 2.0)}), mesh)
+        back = ckpt.load(sc.save(uneven, out / "uneven" / "checkpoint-0"), like=uneven)  # rank 1's shards: empty
+        save_file({k: v.full_tensor() for k, v in back.params.items()} | local_slabs(back), out / f"uneven-{rank}.st")
         straight = elastic_run(out / "straight", fsdp="full_shard", async_save=True, save_consolidated_model=True)
         save_file(trained(straight), out / f"straight-{rank}.safetensors")
         save_file(trained(_resume_copy(out, "resumed-2", rank)), out / f"resumed-2-{rank}.safetensors")
@@ -288,6 +292,14 @@ def test_sharded_checkpoints_are_safetensors_and_json_only(ranks):
     chunks = index["tensors"]["params.model.embed_tokens.weight"]["chunks"]
     assert [(c["file"], c["offsets"], c["sizes"]) for c in chunks] == [
         (shard_file(0, 2), [0, 0], [24, 16]), (shard_file(1, 2), [24, 0], [24, 16])]
+
+
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
+def test_a_tensor_with_fewer_rows_than_ranks_round_trips_with_an_empty_shard(ranks):
+    for r in range(2):
+        got = load_file(ranks / f"uneven-{r}.st")
+        assert got["weight"].tolist() == [[1.0, 1.0, 1.0]] and got["bias"].tolist() == [2.0]
+        assert got["params.bias"].numel() == (1 if r == 0 else 0)
 
 
 @pytest.mark.slow  # the torchrun launches of the ranks fixture

@@ -102,9 +102,10 @@ def save(state: TrainState, directory: str | os.PathLike, *, group: Any = None, 
 
     Rank 0 builds the directory with ``checkpoint.save`` (``options``: its metadata, settings,
     run, jit, save_only_model, config) and renames it into place only after DCP has gathered every
-    rank's finished, fsynced shard file. ``consolidate`` (implied by ``save_only_model``) also writes
-    ``model.safetensors`` with ``model``'s ``state_dict`` names. ``group``: the process group of the
-    collectives (default: the world). A failure on any rank raises on every rank, naming the rank.
+    rank's finished, fsynced shard file; every rank returns once it is there. ``consolidate``
+    (implied by ``save_only_model``) also writes ``model.safetensors`` with ``model``'s
+    ``state_dict`` names. ``group``: the process group of the collectives (default: the world). A
+    failure on any rank raises on every rank, naming the rank.
     """
     directory = Path(directory)
     flat = flatten(state)
@@ -117,26 +118,32 @@ def save(state: TrainState, directory: str | os.PathLike, *, group: Any = None, 
         if not name:
             raise ckpt.CheckpointError(f"rank 0 could not start the checkpoint {directory}; its error says why")
         _storage().write_shards(directory.parent / name, flat, group)
+        if _announce("", group) != "done":  # rank 0 renames it into place: returning means it is there
+            raise ckpt.CheckpointError(f"rank 0 could not complete the checkpoint {directory}; its error says why")
         return directory
-    announced = False
+    phase = "starting"  # then "writing" (DCP raises on every rank), then "written" (rank 0 alone may fail)
 
     def tensors(tmp: Path) -> dict[str, dict[str, int]]:
-        nonlocal announced
+        nonlocal phase
         if many:
             _announce(tmp.name, group)
-        announced = True
+        phase = "writing"
         writer = _storage().write_shards(tmp, flat, group)
+        phase = "written"
         files = dict(writer.files)
         if consolidate or only_model:
             files.update(_consolidate(tmp, writer.index, model))
         return files
 
     try:
-        return ckpt.save(state, directory, model=model, tensors=tensors, **options)
+        path = ckpt.save(state, directory, model=model, tensors=tensors, **options)
     except BaseException:
-        if many and not announced:
+        if many and phase != "writing":
             _announce("", group)  # the other ranks stop waiting and raise
         raise
+    if many:
+        _announce("done", group)
+    return path
 
 
 def _map_tensors(fn: Callable[[Tensor], Tensor], node: Any) -> Any:
