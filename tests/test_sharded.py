@@ -391,8 +391,7 @@ def test_fsdp_settings_take_full_shard_and_refuse_the_rest_by_name(tmp_path):
                          ("hybrid_shard", "'hybrid_shard'")):
         with pytest.raises(ValueError, match=rf"fsdp='{value}' is not supported \({named}\).*write fsdp='full_shard'"):
             TrainingArguments(fsdp=value, save_strategy="no")
-    with pytest.raises(ValueError, match=r"fsdp='full_shard' does not save checkpoints yet"):
-        TrainingArguments(fsdp="full_shard")
+    assert TrainingArguments(fsdp="full_shard").full_shard  # it saves sharded checkpoints (trainfold.sharded_checkpoint)
     with pytest.raises(ValueError, match=r"fsdp='full_shard' with fp16 .* use bf16=True"):
         TrainingArguments(fsdp="full_shard", save_strategy="no", fp16=True)
     with pytest.raises(ValueError, match=r"fsdp='full_shard' with torch_compile is not supported yet"):

@@ -109,6 +109,8 @@ class TrainingArguments:
     save_steps: float = 500
     save_total_limit: int | None = None
     save_only_model: bool = False
+    async_save: bool = False  # write checkpoints in a thread from CPU copies (trainfold.sharded_checkpoint.Saver)
+    save_consolidated_model: bool = False  # sharded runs: also model.safetensors, the full weights (from_pretrained)
     metric_for_best_model: str | None = None
     greater_is_better: bool | None = None
     load_best_model_at_end: bool = False
@@ -243,7 +245,8 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "logging_first_step": (bool,), "logging_nan_inf_filter": (bool,), "include_num_input_tokens_seen": (str, bool), "report_to": (str, tuple), "run_name": _OPT_STR,
     "logging_dir": _OPT_STR,
     "disable_tqdm": (bool, type(None)), "log_level": (str,), "save_strategy": (str,), "save_steps": _NUM,
-    "save_total_limit": _OPT_INT, "save_only_model": (bool,), "metric_for_best_model": _OPT_STR,
+    "save_total_limit": _OPT_INT, "save_only_model": (bool,), "async_save": (bool,),
+    "save_consolidated_model": (bool,), "metric_for_best_model": _OPT_STR,
     "greater_is_better": (bool, type(None)), "load_best_model_at_end": (bool,),
     "enable_jit_checkpoint": (bool,), "use_cpu": (bool,), "bf16": (bool,), "fp16": (bool,),
     "torch_compile": (bool,), "torch_compile_backend": _OPT_STR, "torch_compile_mode": _OPT_STR,
@@ -450,9 +453,6 @@ def _fsdp_problems(args: TrainingArguments) -> list[str]:
         out.append("fsdp='full_shard' with fp16 (loss scaling) is not supported; use bf16=True")
     if args.compile:
         out.append("fsdp='full_shard' with torch_compile is not supported yet; train the sharded step eagerly")
-    if args.save_strategy != "no" or args.enable_jit_checkpoint or args.load_best_model_at_end:
-        out.append("fsdp='full_shard' does not save checkpoints yet (sharded checkpoints are not written); set "
-                   "save_strategy='no', enable_jit_checkpoint=False and load_best_model_at_end=False")
     return out
 
 

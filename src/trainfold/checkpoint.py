@@ -91,6 +91,7 @@ MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 SIDECAR_FILE = "trainfold.json"
 INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
+_SHARDED_INDEX = "state.index.json"  # trainfold.sharded_checkpoint.INDEX_FILE
 _FORMAT = "trainfold-checkpoint"
 _FORMAT_VERSION = 3
 _READABLE_VERSIONS = (1, 2, 3)  # 1: no run identity, no checksum; 1 and 2: every tensor in state.safetensors
@@ -387,6 +388,7 @@ def save(
     jit: bool = False,
     run: Mapping[str, str] | None = None,
     on_file: Callable[[Path], None] | None = None,
+    tensors: Callable[[Path], Mapping[str, dict[str, int]]] | None = None,
 ) -> Path:
     """Write ``state`` to ``directory`` atomically and return the directory's path.
 
@@ -404,6 +406,8 @@ def save(
     written (progress reports; tests use it to crash mid-save). An existing ``directory`` is
     replaced by swapping the new one in atomically (``renameat2(RENAME_EXCHANGE)``), then deleting
     the old one; there is no moment without a complete ``directory``. Call it on one rank only.
+    ``tensors(tmp)`` replaces the two tensor files: it writes its own into ``tmp`` and returns their
+    ``{name: {"bytes", "crc32"}}`` (``trainfold.sharded_checkpoint``, where every rank writes shards).
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
@@ -438,10 +442,14 @@ def save(
                 on_file(tmp / name)
             _point(f"save:wrote:{name}")
 
-        if not save_only_model:
-            record(STATE_FILE, *tensor_file.write(tmp / STATE_FILE, rest, metadata={"format": "pt"}))
-        weights = {name: flat[key] for key, name in layout.weights.items()}
-        record(layout.weights_file, *tensor_file.write(tmp / layout.weights_file, weights, metadata={"format": "pt"}))
+        if tensors is not None:  # a sharded state: every rank's shards and their index
+            files.update(tensors(tmp))
+        else:
+            if not save_only_model:
+                record(STATE_FILE, *tensor_file.write(tmp / STATE_FILE, rest, metadata={"format": "pt"}))
+            weights = {name: flat[key] for key, name in layout.weights.items()}
+            record(layout.weights_file,
+                   *tensor_file.write(tmp / layout.weights_file, weights, metadata={"format": "pt"}))
         if layout.config_text is not None:
             data = layout.config_text.encode()
             _write_bytes(tmp / layout.config_file, data)
@@ -459,8 +467,8 @@ def save(
             "metadata": metadata,
             "settings": settings,
             "run": run,
-            "tensors": {layout.weights_file: layout.weights},
-            "frozen": frozen,
+            "tensors": {layout.weights_file: layout.weights} if tensors is None else {},  # sharded: the index
+            "frozen": frozen if tensors is None else {},
             "files": files,
         }
         _write_bytes(tmp / SIDECAR_FILE, _sidecar_bytes(sidecar))
@@ -553,6 +561,8 @@ def validate_sidecar(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(tensors, dict) or not all(isinstance(v, dict) for v in tensors.values()):
         raise _bad(path, "tensors", f"must map file names to {{state key: file key}}, got {tensors!r:.60}")
     needed = [*([] if meta["save_only_model"] else [STATE_FILE]), *tensors]
+    if _SHARDED_INDEX in files:  # trainfold.sharded_checkpoint: the index, model.safetensors on request
+        needed = [_SHARDED_INDEX, *([MODEL_FILE] if meta["save_only_model"] else [])]
     for name in needed:
         if name not in files:
             raise _bad(path, f"files.{name}", "is missing: every tensor file must be listed with its size and CRC")
@@ -714,6 +724,9 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
             "trainfold.checkpoint.warm_start(directory, like=init_state(...)), which restarts the "
             "optimizer and the schedule"
         )
+    if _SHARDED_INDEX in meta["files"]:  # written by every rank: resharded to like's layout
+        from trainfold import sharded_checkpoint  # noqa: PLC0415 - it builds on this module
+        return sharded_checkpoint.load(directory, like)
     flat = _read_tensors(directory, STATE_FILE, meta)
     note = ""
     if "tensors" in meta:  # format 3: the weights are in their own file(s)
@@ -761,6 +774,9 @@ def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """
     directory = Path(directory)
     meta = read_metadata(directory)
+    if _SHARDED_INDEX in meta["files"]:
+        from trainfold import sharded_checkpoint  # noqa: PLC0415 - it builds on this module
+        return sharded_checkpoint.load(directory, like, weights_only=True)
     path = directory / _weights_file(meta)
     if "tensors" not in meta:  # formats 1 and 2: model.safetensors under the state's names
         flat = _read_tensors(directory, MODEL_FILE, meta)

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from trainfold import checkpoint as _ckpt
+from trainfold import elastic
 from trainfold.checkpoint import (
     checkpoint_path,
     is_complete,
@@ -262,16 +263,22 @@ def check_compatible(
     """Raise ``ValueError`` listing every trajectory setting (``keys``) the new run changes.
 
     Gradient accumulation, world size, batch size, seeds and sampler fix which samples make each
-    step, so an exact resume needs them unchanged. Other settings (schedule, logging, saving)
-    may differ: they come from the new run.
+    step, so an exact resume needs them unchanged; the first three may change together when their
+    product, the global batch, does not (``trainfold.elastic``: another number of ranks). Other
+    settings (schedule, logging, saving) may differ: they come from the new run.
 
     >>> check_compatible({"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 2, "learning_rate": 1.0})
+    >>> batch = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
+    >>> check_compatible({**batch, "world_size": 2}, {**batch, "gradient_accumulation_steps": 2, "world_size": 1})
     >>> check_compatible({"world_size": 2}, {"world_size": 4})
     Traceback (most recent call last):
     ...
     ValueError: cannot resume from the checkpoint with different settings: world_size: saved 2, now 4; resume with the saved values or start a new run (warm_start)
     """
     absent = object()
+    if elastic.global_batch(saved_settings) is not None and \
+            elastic.global_batch(saved_settings) == elastic.global_batch(new_settings):
+        keys = [k for k in keys if k not in elastic.BATCH_KEYS]  # the same samples per step, split otherwise
     diffs = [
         f"{k}: saved {saved_settings.get(k, 'unset')!r}, now {new_settings.get(k, 'unset')!r}"
         for k in keys

@@ -77,6 +77,7 @@ NOT_TRAJECTORY = frozenset({
     "output_dir", "overwrite_output_dir", "logging_strategy", "logging_steps", "logging_first_step",
     "logging_nan_inf_filter", "report_to", "run_name", "disable_tqdm", "save_strategy", "save_steps",
     "save_total_limit", "save_only_model", "enable_jit_checkpoint", "eval_strategy", "eval_steps", "eval_on_start",
+    "async_save", "save_consolidated_model", "fsdp",  # sharded or replicated: the same samples, split otherwise
     "eval_delay", "eval_accumulation_steps", "per_device_eval_batch_size", "prediction_loss_only",
     "metric_for_best_model", "greater_is_better", "load_best_model_at_end", "dataloader_num_workers",
     "dataloader_persistent_workers", "dataloader_prefetch_factor", "dataloader_pin_memory",
@@ -117,9 +118,22 @@ def model_signature(state: Any) -> dict[str, list[Any]]:
 
 
 def fingerprint(settings: Mapping[str, Any], model: Mapping[str, Any] | None = None) -> str:
-    """Return the hash (16 hex digits) of the trajectory settings and the model signature."""
-    body = {"settings": trajectory_settings(settings), "model": dict(model or {})}
+    """Return the hash (16 hex digits) of the trajectory settings and the model signature.
+
+    The batch enters as the global batch (``trainfold.elastic``): a run resumed on another number
+    of ranks with the same samples per step is the same run.
+    """
+    body = {"settings": _batch_as_global(trajectory_settings(settings)), "model": dict(model or {})}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=repr).encode()).hexdigest()[:16]
+
+
+def _batch_as_global(settings: dict[str, Any]) -> dict[str, Any]:
+    from trainfold.elastic import BATCH_KEYS, global_batch  # noqa: PLC0415
+
+    batch = global_batch(settings)
+    if batch is None:
+        return settings
+    return {**{k: v for k, v in settings.items() if k not in BATCH_KEYS}, "global_train_batch_size": batch}
 
 
 @attrs.frozen

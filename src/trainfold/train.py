@@ -37,6 +37,7 @@ from trainfold.data import StateStream, StepBatch, close_loader, eval_loader, st
 from trainfold.determinism import warm_up_kernels
 from trainfold.distributed import agreed_stop, evaluate_sharded, joins_torchrun, shard
 from trainfold.divergence import DIVERGED, diverged, divergence_message
+from trainfold.elastic import elastic_args
 from trainfold.eval_schedule import check_eval_schedule, should_evaluate
 from trainfold.evaluation import eval_sets
 from trainfold.evaluation import evaluate as evaluate_batches
@@ -64,6 +65,7 @@ from trainfold.reporters import make_reporters
 from trainfold.reporters import progress as make_progress
 from trainfold.samplers import make_sampler
 from trainfold.schedules import named, warmup_steps_for
+from trainfold.sharded_checkpoint import Saver, is_sharded
 from trainfold.state import TrainState, init_state, split_module
 from trainfold.step import Collective, make_step
 from trainfold.stopping import EarlyStopping, patience_exhausted, record_evaluation
@@ -239,6 +241,8 @@ class _Run:
     window: MetricWindow = attrs.field(factory=MetricWindow)
     objective: Callable[..., Any] | None = None  # the user's: evaluation scores eval batches with it (no NEFTune)
     evaluator: Callable[[TrainState], Mapping[str, float]] | None = None  # a StateStream's own evaluation
+    saver: Saver = attrs.field(factory=Saver)  # sync or async (async_save); sharded states: every rank writes
+    all_ranks_save: bool = False  # the state is sharded (DTensors): every rank takes part in each save
 
 
 def _evaluate_state(run: _Run, state: TrainState) -> list[dict[str, float]]:
@@ -294,9 +298,10 @@ def _record_eval(run: _Run, state: TrainState, results: Sequence[Mapping[str, An
 
 def _save(run: _Run, state: TrainState, *, jit: bool = False) -> Path:
     best: policy.BestMetric | None = state.extras.get(BEST)
-    run.history.sync()  # the entries the sidecar's offset covers are on disk first
+    if run.is_writer:  # the sidecar is rank 0's (the other ranks of a sharded save write their shards)
+        run.history.sync()  # the entries the sidecar's offset covers are on disk first
     metadata = {
-        "log": run.history.position(),
+        "log": run.history.position() if run.is_writer else None,
         "window": log_file.window_state(run.window),
         "best_metric": None if best is None or int(best.step) < 0 else float(best.value),
         "best_step": None if best is None or int(best.step) < 0 else int(best.step),
@@ -305,17 +310,20 @@ def _save(run: _Run, state: TrainState, *, jit: bool = False) -> Path:
     options = dict(model=run.model, metadata=metadata, settings=run.settings, save_only_model=run.args.save_only_model,
                    run=identity)
     if jit:
+        run.saver.wait()  # an async save in flight is complete (or raised) first
         here = ckpt.checkpoint_path(run.args.output_dir, int(state.step))
         if run_dir.already_saved(here, identity, int(state.step), run.args.save_only_model):
-            return ckpt.mark_jit(here)  # the same state is there, complete: keep it, mark it
+            return ckpt.mark_jit(here) if run.is_writer else here  # the same state is there, complete: mark it
+        if run.all_ranks_save:
+            return run.saver.save(state, here, jit=True, wait=True, **options)
         return jit_checkpoint(state, run.args.output_dir, **options)
-    path = ckpt.save(state, ckpt.checkpoint_path(run.args.output_dir, int(state.step)), **options)
+    path = ckpt.checkpoint_path(run.args.output_dir, int(state.step))
     keep = [path]
     if best is not None and int(best.step) >= 0:
         keep.append(ckpt.checkpoint_path(run.args.output_dir, int(best.step)))
-    policy.rotate(run.args.output_dir, run.args.save_total_limit, keep=keep,
-                  run_id=identity["id"] if identity is not None else None)
-    return path
+    rotate = functools.partial(policy.rotate, run.args.output_dir, run.args.save_total_limit, keep=keep,
+                               run_id=identity["id"] if identity is not None else None)
+    return run.saver.save(state, path, on_commit=lambda _: rotate(), **options)  # rotates once it is complete
 
 
 def _after_step(run: _Run, saved: list[Path],
@@ -365,7 +373,7 @@ def _after_step(run: _Run, saved: list[Path],
                     epoch_end = True  # on_epoch_end logs and saves by epoch at this step
                     state = log_if_due(state, plan, [history], run.observers, steps_per_epoch=run.steps_per_epoch,
                                        epoch_end=True, last=True, window=window)
-            if late.get("save", False) is by_epoch and run.is_writer and policy.should_save(
+            if late.get("save", False) is by_epoch and (run.is_writer or run.all_ranks_save) and policy.should_save(
                 step, save_strategy=args.save_strategy, save_steps=args.save_steps, epoch_end=epoch_end,
                 max_steps=run.total_steps, new_best=new_best, last=last,
             ):
@@ -389,7 +397,7 @@ def _callback_adapter(callbacks: Sequence[Any], run: _Run, saved: list[Path], st
         callbacks, run.args, total_steps=run.total_steps, steps_per_epoch=run.steps_per_epoch,
         use_cpu=device.type == "cpu", saved=saved, evaluate=evaluate,
         history=run.history.history() if isinstance(run.history, log_file.HistoryFile) else run.history,
-        save=lambda s: saved.append(_save(run, s)) if run.is_writer else None, rank=rank, best_key=BEST)
+        save=lambda s: saved.append(_save(run, s)) if run.is_writer or run.all_ranks_save else None, rank=rank, best_key=BEST)
     run = attrs.evolve(run, reporters=run.reporters.including(hf))
     hf.begin(state)
     return run, hf
@@ -485,6 +493,7 @@ def train(
     rank = collective.rank if collective is not None else 0
     hf_callbacks.set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
     world_size = getattr(collective, "world_size", 1) if collective is not None else 1
+    args = elastic_args(args, resume_from_checkpoint, world_size)  # another world: the saved global batch
     loss = compute_loss_func or default_loss_for(model, defer=objective is not None)
     if args.label_smoothing_factor:
         if objective is not None:
@@ -549,6 +558,8 @@ def train(
     state = _initial_state(model, optimizer, args, metric_key, early_stopping, device)
     if train_stream is not None:  # what its prepare keeps in the state (a generation buffer) is in the template
         state = attrs.evolve(state, extras={**state.extras, **train_stream.extras})
+    if sharding is not None:  # before the resume: a sharded checkpoint loads each rank's slab only
+        state = sharded.shard_state(state, sharding.mesh)
     settings = _settings(args, world_size)
     claim = run_dir.claim(args.output_dir, resume_from_checkpoint, settings,
                           run_dir.fingerprint(settings, run_dir.model_signature(state)),
@@ -570,7 +581,7 @@ def train(
                                  writer=rank == 0)
         if isinstance(history, log_file.HistoryFile):
             claim.on_release(history.close)
-        if sharding is not None:  # params and optimizer state as DTensor shards (trainfold.sharded)
+        if sharding is not None:  # a replicated checkpoint resumed sharded: its tensors are distributed
             state = sharded.shard_state(state, sharding.mesh)
 
     eval_collator = eval_collate(padded_to_multiple(data_collator, args.pad_to_multiple_of), columns)
@@ -590,7 +601,8 @@ def train(
                    tuple(observers), history, total_steps, steps_per_epoch or total_steps, settings, metric_key,
                    early_stopping, rank == 0, collective, label_key=columns.label_key, run_id=claim.run,
                    window=window, objective=eval_objective,
-                   evaluator=train_stream.evaluate if train_stream is not None else None)
+                   evaluator=train_stream.evaluate if train_stream is not None else None,
+                   saver=Saver(args.async_save, args.save_consolidated_model), all_ranks_save=is_sharded(state))
         run, hf = _callback_adapter(callbacks, run, saved, state, device, rank)  # HF TrainerCallbacks, or None
         reporters = run.reporters
         if args.eval_on_start and source is None:
@@ -625,6 +637,7 @@ def train(
                 looped = _prepared(train_stream.prepare, looped)
             for state in trajectory(looped, state, batches, all_stops):  # noqa: B007
                 pass
+            run.saver.wait()  # the last async save is complete (its error raised) before the run reports
             if run.diverged or diverged(state, confirm=True):
                 status = DIVERGED
                 warnings.warn(divergence_message(state, saved[-1] if saved else None), RuntimeWarning, stacklevel=2)
@@ -632,7 +645,8 @@ def train(
                 # A signal after the last step (during the final save) ends nothing: the run is complete.
                 done, here = int(state.step) >= total_steps, ckpt.checkpoint_path(args.output_dir, int(state.step))
                 status = "completed" if done else "preempted"
-                if rank == 0 and int(state.step) > int(start_state.step) and not (done and here in saved):
+                if (rank == 0 or run.all_ranks_save) and int(state.step) > int(start_state.step) and not (
+                        done and here in saved):
                     saved.append(_save(run, state, jit=True))  # none when no step ran here (a signal during setup)
             elif int(state.step) < total_steps and any(s(state) for s in stops[1:]):
                 status = "stopped"
