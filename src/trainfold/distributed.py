@@ -19,6 +19,7 @@ None
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -203,6 +204,14 @@ def _init_group(backend: str | None) -> None:
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=group_timeout())
+    atexit.register(_close_group_at_exit)
+
+
+def _close_group_at_exit() -> None:
+    """Destroy the group trainfold opened before the interpreter tears down: left to static
+    destruction, gloo's threads can abort the process ("terminate called without an active exception")."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def group_timeout() -> Any:
