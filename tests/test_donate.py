@@ -48,7 +48,12 @@ def tensors(state) -> dict[str, torch.Tensor]:
 
 def bitwise(a, b) -> bool:
     fa, fb = tensors(a), tensors(b)
-    return fa.keys() == fb.keys() and all(fa[k].dtype == fb[k].dtype and torch.equal(fa[k], fb[k]) for k in fa)
+    return fa.keys() == fb.keys() and all(fa[k].dtype == fb[k].dtype and same(fa[k], fb[k]) for k in fa)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal element for element, NaN equal to NaN (a skipped float16 step logs a NaN norm)."""
+    return torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
 
 
 def copy_of(state):
@@ -168,6 +173,25 @@ def test_broadcast_gradients_are_clipped_without_writing_through_a_view():
     assert torch.allclose(pure.params["w"], torch.ones(3) - 0.1 * 0.5 / math.sqrt(3), atol=1e-6)
 
 
+def test_float16_steps_that_loss_scaling_skips_keep_a_donated_state_bitwise_too():
+    from trainfold.amp import SCALER, LossScaling, initial_scaler
+
+    scaling = LossScaling(init_scale=2.0**15, growth_interval=1)  # overflows (skips) at first, then backs off
+    model = tiny()
+    step = make_step(model, causal_lm, CLIPPED, autocast=torch.float16, loss_scaling=scaling)
+    pure = init_state(model, CLIPPED, extras={SCALER: initial_scaler(scaling)})
+    donated = copy_of(pure)
+    where, skipped = storage(donated), 0
+    for i in range(8):
+        batch = lm_batch(i)
+        new = step(pure, batch)
+        skipped += int(new.opt_state[1].count) == int(pure.opt_state[1].count)
+        pure, donated = new, step(donated, batch, donate=True)
+        assert bitwise(pure, donated) and storage(donated) == where
+        assert torch.equal(pure.extras[SCALER].scale, donated.extras[SCALER].scale)
+    assert 1 <= skipped < 8
+
+
 # -- property: donated == pure, bitwise ------------------------------------------------------------------
 
 
@@ -181,7 +205,7 @@ OPTIMIZERS = {
 }
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(opt=st.sampled_from(sorted(OPTIMIZERS)), micro=st.integers(1, 3), dropout=st.sampled_from([0.0, 0.3]),
        steps=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_donated_and_pure_steps_are_bitwise_equal(opt, micro, dropout, steps, seed):
@@ -206,8 +230,8 @@ def compiled_step(micro: int):
     return _COMPILED[micro]
 
 
-@settings(max_examples=4)
-@given(micro=st.sampled_from([1, 2]), seed=st.integers(0, 2**16))
+@settings(max_examples=3)
+@given(micro=st.just(2), seed=st.integers(0, 2**16))  # accumulation; one compile (the slow part)
 def test_compiled_donated_and_pure_steps_are_bitwise_equal(micro, seed):
     model, step = compiled_step(micro)
     with warnings.catch_warnings():
@@ -221,7 +245,7 @@ def test_compiled_donated_and_pure_steps_are_bitwise_equal(micro, seed):
     assert bitwise(pure, donated) and storage(donated) == where
 
 
-@settings(max_examples=4)
+@settings(max_examples=3)
 @given(micro=st.integers(1, 2), batching=st.sampled_from(["vmap", "unroll"]), seed=st.integers(0, 2**16))
 def test_ensemble_donated_and_pure_steps_are_bitwise_equal(micro, batching, seed):
     models = [tiny(0.3, seed + m) for m in range(2)]
