@@ -388,3 +388,18 @@ def test_a_train_that_raises_leaves_the_module_with_the_last_completed_steps_wei
           stop=lambda s: int(s.step) >= 2)
     assert all(torch.equal(p, dict(stopped.named_parameters())[k]) for k, p in model.named_parameters())
     assert not all(torch.equal(p, dict(tiny().named_parameters())[k]) for k, p in model.named_parameters())
+
+
+def test_a_dpo_reference_taken_from_the_module_stays_frozen_while_train_trains_the_module():
+    from trainfold import train
+    from trainfold.dpo import dpo_objective, preference_collate
+
+    model = tiny()
+    initial = {k: v.detach().clone() for k, v in model.named_parameters()}
+    objective = dpo_objective(0.1, ref_params={k: v.detach() for k, v in model.named_parameters()})  # aliases
+    items = [{"prompt_ids": [1, 2 + i % 5], "chosen_ids": [7, 8], "rejected_ids": [9 + i % 3]} for i in range(8)]
+    result = train(model, args(max_steps=2, gradient_accumulation_steps=1), items,
+                   data_collator=preference_collate(eos_token_id=2), objective=objective)
+    assert result.status == "completed"
+    assert not all(torch.equal(p, initial[k]) for k, p in model.named_parameters())  # the module was trained
+    assert all(torch.equal(objective.ref_params[k], initial[k]) for k in initial)  # the reference was not

@@ -282,7 +282,8 @@ def dpo_objective(
     if chunk_size is not None:
         check_chunk_size(chunk_size)
     head = None if chunk_size is None else output_head(model)
-    frozen = None if ref_params is None else {k: v.detach() for k, v in ref_params.items()}
+    # its own copy: train trains the module's storage in place, and ref_params often are the module's tensors
+    frozen = None if ref_params is None else {k: v.detach().clone() for k, v in ref_params.items()}
     return DPOObjective(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, ref_params=frozen,
                         head=head, chunk_size=chunk_size or 0)
 
