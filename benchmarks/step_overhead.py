@@ -7,7 +7,8 @@ batches, donating each state to the next step (as ``fit`` and ``train`` do) on w
 module (``init_state(..., copy=False)``). Llama models from config, AdamW + clipping, GA 2.
 
 * step time: both run interleaved in one process from the same weights; ratio = median over rounds
-  of (trainfold's median step / the hand loop's median step in the same round);
+  of (trainfold's median step / the hand loop's median step in the same round), on the wall clock and
+  on the process's CPU clock (steadier on a shared machine: other processes do not count);
 * peak RSS: each variant runs alone in a fresh subprocess (``ru_maxrss`` after its steps).
 
     python benchmarks/step_overhead.py --threads 1                  # every size, markdown table
@@ -93,13 +94,13 @@ def trainfold_runner(model):
 RUNNERS = {"hand": hand_runner, "trainfold": trainfold_runner}
 
 
-def timed(run, batches, n: int, start: int = 0) -> list[float]:
-    """Return the times of ``n`` calls of ``run`` over ``batches``, cycling from ``start``."""
+def timed(run, batches, n: int, start: int = 0) -> list[tuple[float, float]]:
+    """Return the (wall, CPU) times of ``n`` calls of ``run`` over ``batches``, cycling from ``start``."""
     out = []
     for i in range(n):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         run(batches[(start + i) % len(batches)])
-        out.append(time.perf_counter() - t)
+        out.append((time.perf_counter() - t, time.process_time() - c))
     return out
 
 
@@ -110,23 +111,25 @@ def measure(name: str, rounds: int, per_round: int) -> dict:
         timed(run, batches, 2)
     a, b = runners["hand"][1](), runners["trainfold"][1]()
     drift = max((a[k] - b[k]).abs().max().item() for k in a)
-    ratios, times = [], {k: [] for k in runners}
+    ratios, times = {"wall": [], "cpu": []}, {k: [] for k in runners}
     for r in range(rounds):
         order = list(runners) if r % 2 == 0 else list(reversed(runners))
         med = {}
         for key in order:
             ts = timed(runners[key][0], batches, per_round)
             times[key] += ts
-            med[key] = statistics.median(ts)
-        ratios.append(med["trainfold"] / med["hand"])
+            med[key] = [statistics.median(t[j] for t in ts) for j in (0, 1)]
+        for j, clock in enumerate(ratios):
+            ratios[clock].append(med["trainfold"][j] / med["hand"][j])
     return {
         "model": name,
         "params": sum(p.numel() for p in model.parameters()),
         "vocab": CONFIGS[name]["vocab_size"],
-        "hand_ms": 1e3 * statistics.median(times["hand"]),
-        "trainfold_ms": 1e3 * statistics.median(times["trainfold"]),
-        "ratio": statistics.median(ratios),
-        "ratio_range": (min(ratios), max(ratios)),
+        "hand_ms": 1e3 * statistics.median(t[1] for t in times["hand"]),
+        "trainfold_ms": 1e3 * statistics.median(t[1] for t in times["trainfold"]),
+        "ratio": statistics.median(ratios["cpu"]),
+        "ratio_range": (min(ratios["cpu"]), max(ratios["cpu"])),
+        "wall_ratio": statistics.median(ratios["wall"]),
         "max_param_diff_after_warmup": drift,
     }
 
@@ -168,9 +171,9 @@ def main() -> None:
     if args.quick:
         rounds, per = dict.fromkeys(CONFIGS, 2), dict.fromkeys(CONFIGS, 2)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {ROWS} x {MICRO} micro-batches")
-    print("| model | params | vocab | hand ms | trainfold ms | ratio (rounds) | hand peak RSS MB | trainfold peak RSS MB "
-          "| RSS ratio | max param diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| model | params | vocab | hand CPU ms | trainfold CPU ms | CPU ratio (rounds) | wall ratio "
+          "| hand peak RSS MB | trainfold peak RSS MB | RSS ratio | max param diff |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         r = measure(name, rounds[name], per[name])
         rss = {} if args.no_rss else {v: peak_rss(name, v, 2 if args.quick else 3, args.threads) for v in RUNNERS}
@@ -178,7 +181,8 @@ def main() -> None:
                      else "- | - | -")
         lo, hi = r["ratio_range"]
         print(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['vocab']} | {r['hand_ms']:.1f} | {r['trainfold_ms']:.1f} | "
-              f"{r['ratio']:.3f} ({lo:.2f}–{hi:.2f}) | {rss_cells} | {r['max_param_diff_after_warmup']:.1e} |",
+              f"{r['ratio']:.3f} ({lo:.2f}–{hi:.2f}) | {r['wall_ratio']:.3f} | {rss_cells} | "
+              f"{r['max_param_diff_after_warmup']:.1e} |",
               flush=True)
 
 

@@ -205,7 +205,7 @@ OPTIMIZERS = {
 }
 
 
-@settings(max_examples=8)
+@settings(max_examples=6)
 @given(opt=st.sampled_from(sorted(OPTIMIZERS)), micro=st.integers(1, 3), dropout=st.sampled_from([0.0, 0.3]),
        steps=st.integers(1, 3), seed=st.integers(0, 2**16))
 def test_donated_and_pure_steps_are_bitwise_equal(opt, micro, dropout, steps, seed):
@@ -230,7 +230,7 @@ def compiled_step(micro: int):
     return _COMPILED[micro]
 
 
-@settings(max_examples=3)
+@settings(max_examples=2)
 @given(micro=st.just(2), seed=st.integers(0, 2**16))  # accumulation; one compile (the slow part)
 def test_compiled_donated_and_pure_steps_are_bitwise_equal(micro, seed):
     model, step = compiled_step(micro)
@@ -245,7 +245,7 @@ def test_compiled_donated_and_pure_steps_are_bitwise_equal(micro, seed):
     assert bitwise(pure, donated) and storage(donated) == where
 
 
-@settings(max_examples=3)
+@settings(max_examples=2)
 @given(micro=st.integers(1, 2), batching=st.sampled_from(["vmap", "unroll"]), seed=st.integers(0, 2**16))
 def test_ensemble_donated_and_pure_steps_are_bitwise_equal(micro, batching, seed):
     models = [tiny(0.3, seed + m) for m in range(2)]
