@@ -192,7 +192,8 @@ def main() -> None:
         rss_cells = (f"{rss['hand']:.0f} | {rss['trainfold']:.0f} | {rss['trainfold'] / rss['hand']:.3f}" if rss
                      else "- | - | -")
         lo, hi = r["ratio_range"]
-        print(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['vocab']} | {r['hand_ms']:.1f} | {r['trainfold_ms']:.1f} | "
+        print(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['vocab']} | {r['hand_ms']:.1f} | "
+              f"{r['trainfold_ms']:.1f} | "
               f"{r['ratio']:.3f} ({lo:.2f}–{hi:.2f}) | {r['wall_ratio']:.3f} | {rss_cells} | "
               f"{r['max_param_diff_after_warmup']:.1e} |",
               flush=True)

@@ -63,7 +63,8 @@ def copy_of(state):
         if isinstance(node, torch.Tensor):
             return node.clone()
         if attrs.has(type(node)):
-            return attrs.evolve(node, **{f.name: clone(getattr(node, f.name)) for f in attrs.fields(type(node)) if f.init})
+            fields = [f.name for f in attrs.fields(type(node)) if f.init]
+            return attrs.evolve(node, **{name: clone(getattr(node, name)) for name in fields})
         if isinstance(node, dict):
             return {k: clone(v) for k, v in node.items()}
         if isinstance(node, tuple):

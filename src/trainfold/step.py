@@ -10,9 +10,10 @@ The step never changes the state it is given, nor the model, unless the caller *
 (``step(state, batch, donate=True)``, or ``step.donating``; ``fit`` does): then params, buffers and
 optimizer state are updated in place with the fused kernels, the returned state holds the same
 tensors, and the donated record raises ``DonatedStateError`` on any later use. Donated or not, the
-results are bitwise equal. The model only supplies its forward function, called on the state's tensors (swapped in for the duration of the step, as
-``torch.func.functional_call`` does, and swapped back even if the step raises — so one module must
-not serve two steps running at the same time in different threads).
+results are bitwise equal. The model only supplies its forward function, called on the state's
+tensors (swapped in for the duration of the step, as ``torch.func.functional_call`` does, and
+swapped back even if the step raises — so one module must not serve two steps running at the same
+time in different threads).
 Every random draw (dropout, noise) comes from a seed derived from ``(seed, step, micro, rank)``.
 """
 
