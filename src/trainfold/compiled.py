@@ -16,7 +16,8 @@ Gradients are summed (and all-reduced by a collective) between the two graphs, e
 the eager step. A donated state (``step(state, batch, donate=True)``) is updated by a twin of the
 update graph that writes the new params and moments into the state's own tensors. The optimizer
 must be ``adamw(...)`` or ``chain(clip_by_global_norm(...), ..., adamw(...))``; for anything else,
-or when ``torch.compile`` is unavailable or fails on the model or objective, the step warns with a ``CompileFallbackWarning`` naming the reason and runs eagerly.
+or when ``torch.compile`` is unavailable or fails on the model or objective, the step warns with a
+``CompileFallbackWarning`` naming the reason and runs eagerly.
 
 Dropout inside a compiled graph draws from the compiler's own generator, seeded from the same
 ``(seed, step, micro, rank)`` seed as the eager step: it is deterministic and resumable, but its
