@@ -482,7 +482,6 @@ def _step(plan: _Plan, state: TrainState, batch: Batch, donate: bool = False) ->
     n_dev = num_items.to(device)
     scaler = _scaler_of(plan, state)
 
-    grads: list[Tensor | None] | None = None
     total = torch.zeros((), dtype=torch.float32, device=device)
     aux_total: dict[str, Tensor] = {}
     autocast = (
@@ -503,13 +502,14 @@ def _step(plan: _Plan, state: TrainState, batch: Batch, donate: bool = False) ->
             scaled = loss if scaler is None else loss * scaler.scale.to(loss.device)
             if not scaled.requires_grad:
                 raise no_gradient_error(plan.model, step_no)
-            grads = summed_grads(grads, torch.autograd.grad(scaled, leaf_list, allow_unused=True))
+            # each gradient is added into its leaf's .grad as backward produces it (as .backward() does), so a
+            # second micro-batch never holds a whole second set of gradients
+            torch.autograd.backward(scaled, inputs=leaf_list)
             total += loss.detach().float()
             for name, value in aux.items():
                 aux_total[name] = aux_total.get(name, 0) + value.detach().float()
 
-    assert grads is not None
-    grads = materialized(grads, leaf_list, plan.model, step_no)
+    grads = materialized([leaf.grad for leaf in leaf_list], leaf_list, plan.model, step_no)
     if plan.collective is not None:
         plan.collective.sum_([*grads, total])
     if scaler is not None:
