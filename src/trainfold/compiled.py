@@ -13,9 +13,11 @@ cursor):
   tensors, so a schedule never triggers a recompile.
 
 Gradients are summed (and all-reduced by a collective) between the two graphs, exactly as in
-the eager step. The optimizer must be ``adamw(...)`` or ``chain(clip_by_global_norm(...), ...,
-adamw(...))``; for anything else, or when ``torch.compile`` is unavailable or fails on the model
-or objective, the step warns with a ``CompileFallbackWarning`` naming the reason and runs eagerly.
+the eager step. A donated state (``step(state, batch, donate=True)``) is updated by a twin of the
+update graph that writes the new params and moments into the state's own tensors. The optimizer
+must be ``adamw(...)`` or ``chain(clip_by_global_norm(...), ..., adamw(...))``; for anything else,
+or when ``torch.compile`` is unavailable or fails on the model or objective, the step warns with a
+``CompileFallbackWarning`` naming the reason and runs eagerly.
 
 Dropout inside a compiled graph draws from the compiler's own generator, seeded from the same
 ``(seed, step, micro, rank)`` seed as the eager step: it is deterministic and resumable, but its
@@ -55,6 +57,7 @@ from trainfold.step import (
     next_state,
     no_gradient_error,
     train_mode,
+    with_donation,
 )
 from trainfold.tree import global_norm
 
@@ -296,23 +299,26 @@ def compile_step(
     traced = attrs.evolve(plan, loss=traceable_loss(plan.loss))
     grad_graph = torch.compile(_fresh(_micro_grads), backend=backend, mode=mode, fullgraph=True)
     update_graph = torch.compile(_fresh(_update), backend=backend, mode=mode, fullgraph=True)
+    update_graphs = {False: update_graph}  # True: the in-place twin, compiled on the first donated step
     keys: dict[torch.device, torch.Generator] = {}  # one per device, reseeded per micro-batch
     failed: list[str] = []  # the reason, once compilation has failed
 
-    def compiled_step(state: TrainState, batch: Sequence[Mapping[str, Tensor]]) -> TrainState:
+    def compiled_step(state: TrainState, batch: Sequence[Mapping[str, Tensor]], donate: bool) -> TrainState:
         if failed or len(batch) == 0:
-            return step(state, batch)
+            return step(state, batch, donate=donate)
+        if donate and True not in update_graphs:
+            update_graphs[True] = torch.compile(_fresh(_update_in_place), backend=backend, mode=mode, fullgraph=True)
         try:
-            return _run(traced, opt, grad_graph, update_graph, keys, state, batch)
+            return _run(traced, opt, grad_graph, update_graphs[donate], keys, state, batch, donate)
         except _NoItems:
-            return step(state, batch)
+            return step(state, batch, donate=donate)
         except Exception as err:  # noqa: BLE001 - the eager step re-raises real input errors
-            result = step(state, batch)
+            result = step(state, batch, donate=donate)  # nothing was written into a donated state yet
             failed.append(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
             _fallback(f"compiling the step failed ({failed[0][:500]})")
             return result
 
-    return compiled_step
+    return with_donation(compiled_step)
 
 
 def _micro_grads(
@@ -347,9 +353,21 @@ def _update(
     return norm, new_p, new_mu, new_nu
 
 
+def _update_in_place(
+    opt: OptimizerPlan, decay: list[float], params: list[Tensor], grads: list[Tensor], mu: list[Tensor],
+    nu: list[Tensor], lr: Tensor, step_size: Tensor, bc2_sqrt: Tensor,
+) -> Tensor:
+    """``_update`` written into ``params``, ``mu`` and ``nu`` (the compiler writes its kernels' results there)."""
+    norm, new_p, new_mu, new_nu = _update(opt, decay, params, grads, mu, nu, lr, step_size, bc2_sqrt)
+    for dst, src in zip([*params, *mu, *nu], [*new_p, *new_mu, *new_nu]):
+        dst.copy_(src)
+    return norm
+
+
 def _run(
     plan: _Plan, opt: OptimizerPlan, grad_graph: Callable[..., Any], update_graph: Callable[..., Any],
     keys: dict[torch.device, torch.Generator], state: TrainState, batch: Sequence[Mapping[str, Tensor]],
+    donate: bool = False,
 ) -> TrainState:
     cursor = getattr(batch, "cursor", state.cursor)
     step_no = int(state.step)
@@ -363,7 +381,7 @@ def _run(
     if device not in keys:
         keys[device] = torch.Generator(device=device)
     key = keys[device]
-    buffers = {k: v.clone() for k, v in state.buffers.items()}
+    buffers = dict(state.buffers) if donate else {k: v.clone() for k, v in state.buffers.items()}
     n_dev = num_items.to(device)
     grads: list[Tensor] = []
     total = torch.zeros((), dtype=torch.float32, device=device)
@@ -388,13 +406,13 @@ def _run(
     count = int(adam.count)
     lr, step_size, bc2_sqrt = (torch.tensor(x, dtype=torch.float32, device=device) for x in opt.scalars(count))
     decay = opt.decay(state.params)
-    norm, new_p, mu, nu = update_graph(
-        opt, [decay[k] for k in names], [state.params[k] for k in names], grads,
-        [adam.mu[k] for k in names], [adam.nu[k] for k in names], lr, step_size, bc2_sqrt,
-    )
+    learning_rate = float(opt.learning_rate(count))
+    inputs = ([state.params[k] for k in names], grads, [adam.mu[k] for k in names], [adam.nu[k] for k in names])
+    out = update_graph(opt, [decay[k] for k in names], *inputs, lr, step_size, bc2_sqrt)
+    norm, new_p, mu, nu = (out, inputs[0], inputs[2], inputs[3]) if donate else out  # donated: written in place
     new_adam = AdamState(adam.count + 1, dict(zip(names, mu)), dict(zip(names, nu)))
     return next_state(plan, state, dict(zip(names, new_p)), buffers, opt.wrap(state.opt_state, new_adam), cursor,
-                      total, norm, num_items, aux_total)
+                      total, norm, num_items, aux_total, learning_rate=learning_rate)
 
 
 class _NoItems(Exception):

@@ -328,7 +328,8 @@ def dpo_objective(
     if precompute_ref_batch_size is not None and (isinstance(precompute_ref_batch_size, bool) or not isinstance(
             precompute_ref_batch_size, int) or precompute_ref_batch_size < 1):
         raise ValueError(f"precompute_ref_batch_size={precompute_ref_batch_size!r} must be a positive int or None")
-    frozen = None if ref_params is None else {k: v.detach() for k, v in ref_params.items()}
+    # its own copy: train trains the module's storage in place, and ref_params often are the module's tensors
+    frozen = None if ref_params is None else {k: v.detach().clone() for k, v in ref_params.items()}
     return DPOObjective(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, ref_params=frozen,
                         head=head, chunk_size=chunk_size or 0, precompute_ref_log_probs=bool(precompute_ref_log_probs),
                         precompute_ref_batch_size=precompute_ref_batch_size)

@@ -56,7 +56,7 @@ from trainfold.compiled import (
 from trainfold.losses import counter_for, default_loss_for, warn_no_items
 from trainfold.optim import AdamState, GradientTransformation
 from trainfold.state import TrainState, init_state
-from trainfold.step import _private_rng, derive_seed, no_gradient_error, refuse_sharded, train_mode
+from trainfold.step import _private_rng, derive_seed, no_gradient_error, refuse_sharded, train_mode, with_donation
 
 __all__ = [
     "ensemble_size",
@@ -377,7 +377,9 @@ def make_ensemble_step(
     names the compiler backend, e.g. ``"aot_eager"``); if compiling fails it warns with a
     ``CompileFallbackWarning`` and runs eagerly.
     Dropout masks are seeded from ``(seeds, step, micro)``: deterministic, but not the ones a
-    member's own ``make_step`` would draw.
+    member's own ``make_step`` would draw. ``step(state, batch, donate=True)`` (or ``step.donating``,
+    which ``fit`` uses) writes the update into the donated state's stacked tensors, bitwise as the
+    non-donating step, and invalidates that state.
 
     >>> import torch
     >>> from trainfold import adamw
@@ -413,24 +415,24 @@ def make_ensemble_step(
         update_fn = torch.compile(_fresh(_update), backend=backend, fullgraph=True)
     failed: list[str] = []
 
-    def step(state: TrainState, batch: Batch) -> TrainState:
+    def step(state: TrainState, batch: Batch, donate: bool) -> TrainState:
         if compile and not failed:
             try:
                 with torch._dynamo.config.patch(trace_autograd_ops=True):
-                    return _run(traced, opts, grads_fn, update_fn, state, batch)
+                    return _run(traced, opts, grads_fn, update_fn, state, batch, donate)
             except (ValueError, KeyError):
                 raise
             except Exception as err:  # noqa: BLE001 - the eager path re-raises real input errors
-                result = _run(plan, opts, _grads, _update, state, batch)
+                result = _run(plan, opts, _grads, _update, state, batch, donate)
                 failed.append(f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:500]}")
                 warnings.warn(
                     f"make_ensemble_step(compile=True): compiling failed ({failed[0]}); running eagerly instead",
                     CompileFallbackWarning, stacklevel=2,
                 )
                 return result
-        return _run(plan, opts, _grads, _update, state, batch)
+        return _run(plan, opts, _grads, _update, state, batch, donate)
 
-    return step
+    return with_donation(step)
 
 
 def _counter(loss: Callable[..., Tensor], label_key: str) -> Callable[[Mapping[str, Tensor]], Tensor]:
@@ -446,7 +448,7 @@ def _counter(loss: Callable[..., Tensor], label_key: str) -> Callable[[Mapping[s
 
 def _run(
     plan: _EnsemblePlan, opts: list[OptimizerPlan], grads_fn: Callable[..., Any], update_fn: Callable[..., Any],
-    state: TrainState, batch: Batch,
+    state: TrainState, batch: Batch, donate: bool = False,
 ) -> TrainState:
     k = ensemble_size(state)
     if len(batch) == 0:
@@ -471,7 +473,7 @@ def _run(
                             nonfinite_losses=state.nonfinite_losses + 1)
     keys = list(state.params)
     device = state.params[keys[0]].device
-    buffers = {name: v.clone() for name, v in state.buffers.items()}
+    buffers = dict(state.buffers) if donate else {name: v.clone() for name, v in state.buffers.items()}
     n_dev = num_items.to(device)
     step_no = int(state.step.max())
     seeds = [int(s) for s in state.seed]
@@ -507,6 +509,12 @@ def _run(
         clips, decay, [state.params[n] for n in keys], grads, [adam.mu[n] for n in keys], [adam.nu[n] for n in keys],
         lr, step_size, bc2_sqrt, b1, b2, eps, act,
     )
+    new_p, mu, nu = list(new_p), list(mu), list(nu)
+    if donate:  # the new values go into the donated state's tensors, one at a time
+        for olds, news in ((state.params, new_p), (adam.mu, mu), (adam.nu, nu)):
+            for i, name in enumerate(keys):
+                olds[name].copy_(news[i])
+                news[i] = olds[name]
     rates = torch.tensor([s[0] for s in scalars], dtype=torch.float64)
     # A member without items learns nothing (params and moments kept) but its step counts; its loss is NaN.
     idle = torch.tensor(float("nan"))

@@ -226,7 +226,8 @@ def make_rollout(
         eos_token_id=eos_token_id, pad_token_id=pad_token_id,
         reward_weights=None if reward_weights is None else tuple(float(w) for w in reward_weights),
         scale_rewards=scale_rewards,
-        ref_params=None if ref_params is None else {k: v.detach() for k, v in ref_params.items()},
+        # its own copy: train trains the module's storage in place, and ref_params often are the module's tensors
+        ref_params=None if ref_params is None else {k: v.detach().clone() for k, v in ref_params.items()},
         prompt_key=prompt_key, head=chunk_head(model, chunk_size, "make_rollout"), chunk_size=chunk_size or 0,
     )
 

@@ -350,7 +350,9 @@ def grpo_stream(model: nn.Module, args: GRPOArguments, prompts: Any, reward_func
     eos = eos_token_id if eos_token_id is not None else getattr(tok, "eos_token_id", None)
     pad = pad_token_id if pad_token_id is not None else getattr(tok, "pad_token_id", None)
     if ref_params is None and args.beta != 0:  # TRL's reference: the model as it was given
-        ref_params = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+        ref_params = {k: v for k, v in model.named_parameters() if v.requires_grad}
+    if ref_params is not None:  # its own copy: train trains the module's storage in place
+        ref_params = {k: v.detach().clone() for k, v in ref_params.items()}
     objective = grpo_objective(args.loss_type, args.epsilon, args.epsilon_high, args.beta, args.temperature,
                                args.max_completion_length, args.use_bias_correction_kl)
     return GRPORun(model, args, prompts, funcs, enc, dec, eos, pad if pad is not None else (eos or 0), prompt_key,

@@ -2,9 +2,14 @@
 
 ``update(grads, opt_state, params) -> (updates, opt_state)`` returns deltas to add to the
 params; ``apply(grads, opt_state, params) -> (new_params, opt_state)`` returns the new params
-directly (the fast path the step uses: for ``adamw`` it runs torch's fused kernel on fresh
-copies). Hyperparameters live in closures; learning rates may be schedules of the step.
-Nothing passed in is changed.
+directly (for ``adamw`` it runs torch's fused kernel on fresh copies). Hyperparameters live in
+closures; learning rates may be schedules of the step. Nothing passed in is changed.
+
+The step's own path is ``apply_owned(grads, opt_state, params, norm=, donate=)``: the caller owns
+``grads`` (clipping rescales them in place, reusing the global ``norm`` it already computed) and,
+with ``donate=True``, params and optimizer state are updated in place too (``adamw``: the fused
+kernel on the state's own buffers) and the returned ones are the same tensors. Results are bitwise
+equal to ``apply``.
 
 >>> import torch
 >>> opt = chain(clip_by_global_norm(1.0), sgd(0.1))
@@ -66,6 +71,11 @@ class GradientTransformation:
     apply_fn: Callable[[Tree, Any, Tree], tuple[Tree, Any]] | None = None
     learning_rate: Callable[[Any], float] | None = None
     spec: Mapping[str, Any] = attrs.field(factory=dict)
+    # update_in_place(grads, state, params, norm) -> state: ``update`` written into ``grads`` (``norm``: their
+    # global norm when the caller has it, else None); owned_fn(grads, state, params, norm, donate) -> (params,
+    # state): ``apply_owned``'s fast path
+    update_in_place: Callable[[Tree, Any, Tree, Tensor | None], Any] | None = None
+    owned_fn: Callable[[Tree, Any, Tree, Tensor | None, bool], tuple[Tree, Any]] | None = None
 
     def apply(self, grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
         """Return ``(new_params, new_state)`` for one update."""
@@ -73,6 +83,57 @@ class GradientTransformation:
             return self.apply_fn(grads, state, params)
         updates, state = self.update(grads, state, params)
         return apply_updates(params, updates), state
+
+    def apply_owned(self, grads: Tree, state: Any, params: Tree, *, norm: Tensor | None = None,
+                    donate: bool = False) -> tuple[Tree, Any]:
+        """Return ``(new_params, new_state)`` as ``apply``, overwriting ``grads`` (the caller's to lose).
+
+        ``norm`` is the global norm of ``grads`` if the caller computed it (clipping reuses it). With
+        ``donate`` the params and state tensors are updated in place and returned (bitwise what
+        ``apply`` returns); a transformation without an in-place path computes ``apply`` and copies
+        the result into them.
+
+        >>> opt = chain(clip_by_global_norm(1.0), sgd(0.5))
+        >>> p = {"w": torch.tensor([1.0])}
+        >>> new, _ = opt.apply_owned({"w": torch.tensor([4.0])}, opt.init(p), p, donate=True)
+        >>> new["w"] is p["w"], round(p["w"].item(), 4)
+        (True, 0.5)
+        """
+        if self.owned_fn is not None:
+            return self.owned_fn(grads, state, params, norm, donate)
+        new_params, new_state = self.apply(grads, state, params)
+        if not donate:
+            return new_params, new_state
+        return overwrite(params, new_params), overwrite(state, new_state)
+
+
+def overwrite(old: Any, new: Any) -> Any:
+    """Copy ``new``'s tensors into ``old``'s at the same places and return ``old``'s structure holding them.
+
+    Where the structures differ (other keys, shapes or dtypes) ``new``'s part is returned as it is; 0-d
+    tensors (counters) are never overwritten, so a record's old counters keep their values.
+
+    >>> old = {"w": torch.zeros(2)}
+    >>> out = overwrite(old, {"w": torch.ones(2)})
+    >>> out["w"] is old["w"], old["w"].tolist()
+    (True, [1.0, 1.0])
+    """
+    if isinstance(new, Tensor):
+        same = (isinstance(old, Tensor) and old.dim() > 0 and (old.shape, old.dtype, old.device)
+                == (new.shape, new.dtype, new.device))
+        if not same:
+            return new
+        if old.data_ptr() != new.data_ptr():
+            old.copy_(new)
+        return old
+    if attrs.has(type(new)) and type(old) is type(new):
+        return attrs.evolve(new, **{f.name: overwrite(getattr(old, f.name), getattr(new, f.name))
+                                    for f in attrs.fields(type(new)) if f.init})
+    if isinstance(new, Mapping) and isinstance(old, Mapping):
+        return {k: overwrite(old[k], v) if k in old else v for k, v in new.items()}
+    if isinstance(new, tuple) and isinstance(old, tuple) and len(old) == len(new):
+        return type(new)(overwrite(a, b) for a, b in zip(old, new)) if type(new) is tuple else new
+    return new
 
 
 def apply_updates(params: Tree, updates: Tree) -> Tree:
@@ -118,7 +179,14 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         return dict(zip(keys, torch._foreach_mul([grads[k] for k in keys], coef))), state
 
-    return GradientTransformation(init, update, spec={"name": "clip_by_global_norm", "max_norm": float(max_norm)})
+    def update_in_place(grads: Tree, state: tuple, params: Tree | None, norm: Tensor | None) -> tuple:
+        if grads:
+            norm = global_norm(grads) if norm is None else norm
+            torch._foreach_mul_(list(grads.values()), torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return state
+
+    return GradientTransformation(init, update, spec={"name": "clip_by_global_norm", "max_norm": float(max_norm)},
+                                  update_in_place=update_in_place)
 
 
 # -- SGD ----------------------------------------------------------------------------------------------
@@ -318,10 +386,16 @@ def adamw(
         return AdamState(scalar(0), {k: torch.zeros_like(v) for k, v in params.items()},
                          {k: torch.zeros_like(v) for k, v in params.items()})
 
-    def moments(grads: Tree, state: AdamState, keys: list[str]) -> tuple[list[Tensor], list[Tensor]]:
+    def moments(grads: Tree, state: AdamState, keys: list[str], in_place: bool = False) -> tuple[list[Tensor],
+                                                                                                list[Tensor]]:
         g = [grads[k] for k in keys]
-        mu = torch._foreach_lerp([state.mu[k] for k in keys], g, 1.0 - b1)
-        nu = torch._foreach_mul([state.nu[k] for k in keys], b2)
+        mu, nu = [state.mu[k] for k in keys], [state.nu[k] for k in keys]
+        if in_place:  # the same kernels, written into the state's own tensors
+            torch._foreach_lerp_(mu, g, 1.0 - b1)
+            torch._foreach_mul_(nu, b2)
+        else:
+            mu = torch._foreach_lerp(mu, g, 1.0 - b1)
+            nu = torch._foreach_mul(nu, b2)
         torch._foreach_addcmul_(nu, g, g, 1.0 - b2)
         return mu, nu
 
@@ -334,13 +408,13 @@ def adamw(
         return rate, denom
 
     def foreach_groups(grads: Tree, state: AdamState, params: Tree,
-                       finish: Callable[..., list[Tensor]]) -> tuple[Tree, AdamState]:
+                       finish: Callable[..., list[Tensor]], in_place: bool = False) -> tuple[Tree, AdamState]:
         # One Adam step per decay group with _foreach ops: new moments and denominators, then
         # finish(keys, wd, mu, denom, rate, step_size) gives the group's outputs (deltas or new params).
         _check_state(grads, state.mu, params, "Adam")
         out, mu_all, nu_all = {}, {}, {}
         for keys, wd in groups(params):
-            mu, nu = moments(grads, state, keys)
+            mu, nu = moments(grads, state, keys, in_place)
             rate, denom = direction(state, mu, nu)
             step_size = rate / (1.0 - b1 ** (int(state.count) + 1))
             out.update(zip(keys, finish(keys, wd, mu, denom, rate, step_size)))
@@ -359,24 +433,29 @@ def adamw(
 
         return foreach_groups(grads, state, params, deltas)
 
-    def apply_foreach(grads: Tree, state: AdamState, params: Tree) -> tuple[Tree, AdamState]:
+    def apply_foreach(grads: Tree, state: AdamState, params: Tree, in_place: bool = False) -> tuple[Tree, AdamState]:
         def stepped(keys: list[str], wd: float, mu: list[Tensor], denom: list[Tensor], rate: float,
                     step_size: float) -> list[Tensor]:
-            p = torch._foreach_mul([params[k] for k in keys], 1.0 - rate * wd)
+            p = [params[k] for k in keys]
+            if in_place:
+                torch._foreach_mul_(p, 1.0 - rate * wd)
+            else:
+                p = torch._foreach_mul(p, 1.0 - rate * wd)
             torch._foreach_addcdiv_(p, mu, denom, -step_size)
             return p
 
-        new_p, new_state = foreach_groups(grads, state, params, stepped)
+        new_p, new_state = foreach_groups(grads, state, params, stepped, in_place)
         return {k: new_p[k] for k in params}, new_state
 
-    def apply_fused(grads: Tree, state: AdamState, params: Tree) -> tuple[Tree, AdamState]:
+    def apply_fused(grads: Tree, state: AdamState, params: Tree, in_place: bool = False) -> tuple[Tree, AdamState]:
         _check_state(grads, state.mu, params, "Adam")
         rate = lr(int(state.count))
         new_p, mu_all, nu_all = {}, {}, {}
+        fresh = (lambda t: t) if in_place else (lambda t: t.clone())  # in place: the state's own buffers
         for keys, wd in groups(params):
-            p = [params[k].clone() for k in keys]
-            mu = [state.mu[k].clone() for k in keys]
-            nu = [state.nu[k].clone() for k in keys]
+            p = [fresh(params[k]) for k in keys]
+            mu = [fresh(state.mu[k]) for k in keys]
+            nu = [fresh(state.nu[k]) for k in keys]
             steps = torch.full((len(keys),), float(int(state.count) + 1), device=p[0].device).unbind()
             torch._fused_adamw_(
                 p, [grads[k] for k in keys], mu, nu, [], list(steps),
@@ -387,15 +466,19 @@ def adamw(
             nu_all.update(zip(keys, nu))
         return {k: new_p[k] for k in params}, AdamState(state.count + 1, mu_all, nu_all)
 
-    def apply(grads: Tree, state: AdamState, params: Tree) -> tuple[Tree, AdamState]:
+    def apply(grads: Tree, state: AdamState, params: Tree, in_place: bool = False) -> tuple[Tree, AdamState]:
         fusable = implementation == "fused" and all(
             p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params.values()
         )
-        return (apply_fused if fusable else apply_foreach)(grads, state, params)
+        return (apply_fused if fusable else apply_foreach)(grads, state, params, in_place)
+
+    def owned(grads: Tree, state: AdamState, params: Tree, norm: Tensor | None, donate: bool) -> tuple[Tree, AdamState]:
+        return apply(grads, state, params, donate)
 
     spec = {"name": "adamw", "learning_rate": lr, "b1": b1, "b2": b2, "eps": eps, "weight_decay": weight_decay,
             "groups": groups}
-    return GradientTransformation(init, update, apply, learning_rate=lambda s: lr(int(s.count)), spec=spec)
+    return GradientTransformation(init, update, apply, learning_rate=lambda s: lr(int(s.count)), spec=spec,
+                                  owned_fn=owned)
 
 
 # -- composition ---------------------------------------------------------------------------------------
@@ -442,10 +525,24 @@ def chain(*transforms: GradientTransformation) -> GradientTransformation:
         new_params, last = transforms[-1].apply(grads, state[-1], params)
         return new_params, (*new_states, last)
 
+    def owned(grads: Tree, state: tuple, params: Tree, norm: Tensor | None, donate: bool) -> tuple[Tree, tuple]:
+        _check(state)
+        new_states = []
+        for t, s in zip(transforms[:-1], state[:-1]):
+            if t.update_in_place is not None:  # the grads are the caller's: rescale them where they are
+                s = t.update_in_place(grads, s, params, norm)
+            else:
+                grads, s = t.update(grads, s, params)
+            norm = None  # the grads changed: a later part computes its own
+            new_states.append(s)
+        new_params, last = transforms[-1].apply_owned(grads, state[-1], params, norm=norm, donate=donate)
+        return new_params, (*new_states, last)
+
     def learning_rate(state: tuple) -> float:
         for t, s in zip(transforms, state):
             if t.learning_rate is not None:
                 return t.learning_rate(s)
         return float("nan")
 
-    return GradientTransformation(init, update, apply, learning_rate, spec={"name": "chain", "transforms": transforms})
+    return GradientTransformation(init, update, apply, learning_rate, spec={"name": "chain", "transforms": transforms},
+                                  owned_fn=owned)

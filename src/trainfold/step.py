@@ -6,10 +6,14 @@ micro-batches (and all ranks) before the first forward pass, each micro-batch's 
 summed loss divided by that count, and the gradients of the micro-batches are added. So the
 update is the same whatever the split of the same samples.
 
-The step never changes the state it is given, nor the model: the model only supplies its
-forward function, called on the state's tensors (swapped in for the duration of the step, as
-``torch.func.functional_call`` does, and swapped back even if the step raises — so one module must
-not serve two steps running at the same time in different threads).
+The step never changes the state it is given, nor the model, unless the caller *donates* the state
+(``step(state, batch, donate=True)``, or ``step.donating``; ``fit`` does): then params, buffers and
+optimizer state are updated in place with the fused kernels, the returned state holds the same
+tensors, and the donated record raises ``DonatedStateError`` on any later use. Donated or not, the
+results are bitwise equal. The model only supplies its forward function, called on the state's
+tensors (swapped in for the duration of the step, as ``torch.func.functional_call`` does, and
+swapped back even if the step raises — so one module must not serve two steps running at the same
+time in different threads).
 Every random draw (dropout, noise) comes from a seed derived from ``(seed, step, micro, rank)``.
 """
 
@@ -29,12 +33,12 @@ from trainfold.amp import SCALER, LossScaling, ScalerState, unscale_, updated
 from trainfold.losses import counter_for, default_loss_for, warn_no_items
 from trainfold.optim import GradientTransformation
 from trainfold.recompute import cache_configs, cache_off, recomputing
-from trainfold.state import TrainState
+from trainfold.state import TrainState, check_live, invalidate
 from trainfold.tree import global_norm
 
 __all__ = [
     "make_step", "make_forward", "derive_seed", "Collective", "train_mode", "Objective", "refuse_sharded",
-    "no_gradient_error", "summed_grads", "materialized", "empty_step",
+    "no_gradient_error", "summed_grads", "materialized", "empty_step", "with_donation",
 ]
 
 Batch = Sequence[Mapping[str, Tensor]]
@@ -275,6 +279,10 @@ def make_step(
     scaler lives in ``state.extras[amp.SCALER]``). ``sharding`` (a ``DeviceMesh``, ``trainfold.sharded.Sharding``
     or ``"full_shard"``) steps a state of ``trainfold.sharded.shard_state``: params and optimizer state as DTensor
     shards, gathered one block at a time (``trainfold.sharded``).
+    scaler lives in ``state.extras[amp.SCALER]``).
+    ``step(state, batch, donate=True)`` (or ``step.donating(state, batch)``) donates ``state``: the
+    update runs in place on its tensors (no second copy of params and optimizer state) and ``state``
+    must not be used again (``DonatedStateError``); results are bitwise those of ``step(state, batch)``.
 
     >>> import torch
     >>> from trainfold.optim import sgd
@@ -310,17 +318,49 @@ def make_step(
         cache_configs=tuple(cache_configs(model.modules())),
     )
 
-    def step(state: TrainState, batch: Batch) -> TrainState:
-        return _step(plan, state, batch)
-
+    step = with_donation(lambda state, batch, donate: _step(plan, state, batch, donate))
     if sharding is not None:
         from trainfold.sharded import make_sharded_step
 
-        return make_sharded_step(plan, sharding, compile=compile, compile_mode=compile_mode)
+        sharded_step = make_sharded_step(plan, sharding, compile=compile, compile_mode=compile_mode)
+        return with_donation(lambda state, batch, donate: sharded_step(state, batch))  # fresh shards each step
     if compile:
         from trainfold.compiled import compile_step
 
         return compile_step(step, plan, backend="inductor" if compile is True else compile, mode=compile_mode)
+    return step
+
+
+def with_donation(run: Callable[[TrainState, Batch, bool], TrainState]) -> Callable[..., TrainState]:
+    """Return ``step(state, batch, *, donate=False)`` over ``run(state, batch, donate)``, with ``step.donating``.
+
+    A donated state is refused if it was donated before, and invalidated once ``run`` returns or
+    raises (``run`` may have started writing into it).
+
+    >>> from trainfold.state import TrainState, is_donated
+    >>> step = with_donation(lambda state, batch, donate: state)
+    >>> s = TrainState(params={}, buffers={}, opt_state=None)
+    >>> _ = step(s, []); is_donated(s)
+    False
+    >>> _ = step.donating(s, []); is_donated(s)
+    True
+    """
+
+    def step(state: TrainState, batch: Batch, *, donate: bool = False) -> TrainState:
+        if not donate:
+            return run(state, batch, False)
+        check_live(state)
+        number = int(state.step.max()) + 1  # an ensemble state counts per member
+        try:
+            return run(state, batch, True)
+        finally:
+            invalidate(state, number)
+
+    def donating(state: TrainState, batch: Batch) -> TrainState:
+        return step(state, batch, donate=True)
+
+    step.donating = donating  # type: ignore[attr-defined]
+    donating.donating = donating  # type: ignore[attr-defined]
     return step
 
 
@@ -393,7 +433,9 @@ def materialized(grads: Sequence[Tensor | None], leaves: Sequence[Tensor], model
     """
     if all(g is None for g in grads):
         raise no_gradient_error(model, step)
-    return [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
+    # A gradient may be a broadcast view (d sum(w) / dw): give it its own memory, since clipping writes in place.
+    return [torch.zeros_like(leaf) if g is None else g.clone() if torch._debug_has_internal_overlap(g) == 1 else g
+            for g, leaf in zip(grads, leaves)]
 
 
 def empty_step(plan: _Plan, state: TrainState, cursor: Any, num_items: Tensor) -> TrainState:
@@ -430,7 +472,7 @@ def _micro_loss(plan: _Plan, forward: Forward, leaves: dict[str, Tensor], micro:
     return plan.loss(outputs, micro[plan.label_key], num_items), {}
 
 
-def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
+def _step(plan: _Plan, state: TrainState, batch: Batch, donate: bool = False) -> TrainState:
     if len(batch) == 0:
         raise ValueError("a step's batch must hold at least one micro-batch")
     cursor = getattr(batch, "cursor", state.cursor)
@@ -445,11 +487,11 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
     keys = list(state.params)
     leaves = {k: state.params[k].detach().requires_grad_() for k in keys}
     leaf_list = [leaves[k] for k in keys]
-    buffers = {k: v.clone() for k, v in state.buffers.items()}  # running stats update the copies
+    # running stats update copies; a donated state's own buffers are updated in place
+    buffers = dict(state.buffers) if donate else {k: v.clone() for k, v in state.buffers.items()}
     n_dev = num_items.to(device)
     scaler = _scaler_of(plan, state)
 
-    grads: list[Tensor | None] | None = None
     total = torch.zeros((), dtype=torch.float32, device=device)
     aux_total: dict[str, Tensor] = {}
     autocast = (
@@ -470,13 +512,14 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
             scaled = loss if scaler is None else loss * scaler.scale.to(loss.device)
             if not scaled.requires_grad:
                 raise no_gradient_error(plan.model, step_no)
-            grads = summed_grads(grads, torch.autograd.grad(scaled, leaf_list, allow_unused=True))
+            # each gradient is added into its leaf's .grad as backward produces it (as .backward() does), so a
+            # second micro-batch never holds a whole second set of gradients
+            torch.autograd.backward(scaled, inputs=leaf_list)
             total += loss.detach().float()
             for name, value in aux.items():
                 aux_total[name] = aux_total.get(name, 0) + value.detach().float()
 
-    assert grads is not None
-    grads = materialized(grads, leaf_list, plan.model, step_no)
+    grads = materialized([leaf.grad for leaf in leaf_list], leaf_list, plan.model, step_no)
     if plan.collective is not None:
         plan.collective.sum_([*grads, total])
     if scaler is not None:
@@ -488,9 +531,16 @@ def _step(plan: _Plan, state: TrainState, batch: Batch) -> TrainState:
     if scaler is not None and bool(found_inf):  # overflow: skip the update, keep the params and optimizer state
         return next_state(plan, state, state.params, buffers, state.opt_state, cursor, total, grad_norm, num_items,
                           aux_total)
-    params, opt_state = plan.optimizer.apply(grad_tree, state.opt_state, state.params)
+    learning_rate = _learning_rate(plan, state)  # before a donated update reuses the state's tensors
+    params, opt_state = plan.optimizer.apply_owned(grad_tree, state.opt_state, state.params, norm=grad_norm,
+                                                   donate=donate)
     return next_state(plan, state, {k: params[k].detach() for k in keys}, buffers, opt_state, cursor,
-                      total, grad_norm, num_items, aux_total)
+                      total, grad_norm, num_items, aux_total, learning_rate=learning_rate)
+
+
+def _learning_rate(plan: _Plan, state: TrainState) -> float:
+    optimizer = plan.optimizer
+    return optimizer.learning_rate(state.opt_state) if optimizer.learning_rate else float("nan")
 
 
 def _scaler_of(plan: _Plan, state: TrainState) -> ScalerState | None:
@@ -505,10 +555,13 @@ def _scaler_of(plan: _Plan, state: TrainState) -> ScalerState | None:
 
 def next_state(plan: _Plan, state: TrainState, params: dict[str, Tensor], buffers: dict[str, Tensor], opt_state: Any,
                cursor: Any, loss: Tensor, grad_norm: Tensor, num_items: Tensor,
-               aux: Mapping[str, Tensor]) -> TrainState:
-    """Return the state after one update, with the step's metrics (shared by every step flavour)."""
-    optimizer = plan.optimizer
-    learning_rate = optimizer.learning_rate(state.opt_state) if optimizer.learning_rate else float("nan")
+               aux: Mapping[str, Tensor], learning_rate: float | None = None) -> TrainState:
+    """Return the state after one update, with the step's metrics (shared by every step flavour).
+
+    ``learning_rate`` is the rate the update used (default: read from ``state.opt_state``).
+    """
+    if learning_rate is None:
+        learning_rate = _learning_rate(plan, state)
     metrics = {
         **state.metrics,
         "loss": loss.detach().cpu(),

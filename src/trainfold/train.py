@@ -7,8 +7,13 @@
 module given to ``train`` ends holding the final weights (the best ones with
 ``load_best_model_at_end``; the state at the end when the run is stopped or preempted), so
 ``model.save_pretrained()`` after ``train`` saves the trained model; the same tensors are in
-``result.state``. Only ``train`` writes back: ``make_step``, ``fit`` and the other parts never
-change the module (``result.apply_to(other)`` copies a result into another module).
+``result.state``. ``train`` keeps one copy of the weights: it lends the module's own parameter
+storage to the state (``init_state(..., copy=False)``) and donates every state to the next step, so
+the update runs in place on the module's tensors. Hence the rule: the module holds the weights of
+the latest state, whatever the status — a diverged run leaves it with the inf/NaN ones of
+``result.state`` (load ``result.last_checkpoint`` for the last finite weights), a run that raises
+leaves it with the weights of the last step that completed. The other parts never change a
+module they are not lent (``result.apply_to(other)`` copies a result into another module).
 """
 
 from __future__ import annotations
@@ -66,7 +71,7 @@ from trainfold.reporters import progress as make_progress
 from trainfold.samplers import make_sampler
 from trainfold.schedules import named, warmup_steps_for
 from trainfold.sharded_checkpoint import Saver, is_sharded
-from trainfold.state import TrainState, init_state, split_module
+from trainfold.state import TrainState, counters, init_state, lend, split_module
 from trainfold.step import Collective, make_step
 from trainfold.stopping import EarlyStopping, patience_exhausted, record_evaluation
 
@@ -121,7 +126,8 @@ class TrainResult:
                            "the state was made from (init_state(model, ...))")
         with torch.no_grad():
             for name, target in targets:
-                target.copy_(tensors[name])
+                if target.data_ptr() != tensors[name].data_ptr() or target.shape != tensors[name].shape:
+                    target.copy_(tensors[name])  # a lent tensor already is the module's own
         return model
 
 
@@ -410,7 +416,7 @@ def _initial_state(model: nn.Module, optimizer: GradientTransformation, args: Tr
         extras[SCALER] = initial_scaler(LossScaling())
     if metric_key is not None:
         extras[BEST] = policy.best_metric(policy.greater_is_better_for(metric_key, args.greater_is_better))
-    state = init_state(model, optimizer, seed=args.seed, extras=extras)
+    state = init_state(model, optimizer, seed=args.seed, extras=extras, copy=False)  # lent: one copy of the weights
     if device.type != "cpu":
         move = lambda t: {k: v.to(device) for k, v in t.items()}  # noqa: E731
         state = attrs.evolve(state, params=move(state.params), buffers=move(state.buffers),
@@ -470,7 +476,8 @@ def train(
     objects (``trainfold.hf_callbacks``). Under ``torchrun`` it joins the process group itself
     (``collective=`` overrides), so N processes of batch B train as one of batch N×B. At the end
     ``model`` holds the final weights (the best ones with ``load_best_model_at_end``), as after
-    HF's ``trainer.train()``; a diverged run leaves the module as it was. ``train_stream`` (a
+    HF's ``trainer.train()`` (train the module's own storage: see the module docstring for the rule on
+    divergence and failure). ``train_stream`` (a
     ``data.StateStream``) replaces the sampler and stream with steps made from the state they start
     from: ``trainfold.grpo.train`` runs GRPO through it.
 
@@ -576,6 +583,8 @@ def train(
                 state = ckpt.load(source, like=state)
                 if "window" in meta["metadata"]:
                     log_file.restore_window(window, meta["metadata"]["window"], source)
+            if not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
+                state = lend(model, state)
         resumed = source is not None and not weights_only_warm_start
         history = log_file.start(args.output_dir, source if resumed else None, meta["metadata"] if resumed else None,
                                  writer=rank == 0)
@@ -591,7 +600,7 @@ def train(
         claim.on_release(functools.partial(close_loader, eval_set.loader))
     Path(args.output_dir).mkdir(parents=True, exist_ok=True)
     saved: list[Path] = []
-    start_state, started = state, time.monotonic()
+    start_state, started = counters(state), time.monotonic()  # no second copy of the weights for the summary
     bar = make_progress(total_steps, initial=int(state.step), enabled=rank == 0, log_level=args.log_level,
                         bar=None if args.disable_tqdm is None else not args.disable_tqdm)  # the console
     with claim, make_reporters(args.reporters if rank == 0 else "none", args.output_dir, args.run_name, settings,
@@ -627,8 +636,8 @@ def train(
         guard = preemption_guard(JIT_SIGNALS, collective=collective) if args.enable_jit_checkpoint else _no_guard()
         with guard as preemption:
             all_stops = any_of(*stops, preemption.stop) if preemption is not None else any_of(*stops)
-            counted = step if args.tokens_seen == "no" else counting_input_tokens(
-                step, args.tokens_seen, args.model_input_name, collective)
+            counted = step.donating if args.tokens_seen == "no" else counting_input_tokens(  # never reuses a state
+                step.donating, args.tokens_seen, args.model_input_name, collective)
             looped = observing(counted, _after_step(run, saved), tap(bar.update))
             if hf is not None:  # on_step_begin before the step, on_step_end before its log/eval/save
                 looped = observing(hf.wrap(counted), hf.step_end, _after_step(run, saved, hf.epoch_closed), hf.after,
@@ -668,8 +677,7 @@ def train(
             state = ckpt.load_weights(best_path, like=state)
     result = TrainResult(state, status, summary, history, best_path, saved[-1] if saved else None,
                          preemption.signal if status == "preempted" and preemption is not None else None)
-    if status != DIVERGED:  # as HF: the module given ends with the final (or best) weights; never inf/NaN ones
-        result.apply_to(model)
+    result.apply_to(model)  # as HF: the module ends with the final (or best) weights; lent ones are already there
     return result
 
 
