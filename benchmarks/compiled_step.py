@@ -14,15 +14,14 @@ same round); rounds rotate the order of the variants.
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 
 import torch
-from step_overhead import (  # the same runners, written once
-    eager_runner,
-    timed,
-    trainfold_runner,
-)
+
+from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step
+from trainfold.losses import causal_lm
 
 TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 172, "vocab_size": 256}
 SEQ, BATCH = 128, 8
@@ -43,6 +42,42 @@ def make_batches(n: int, seed: int = 1, device: str = "cpu") -> list[dict]:
     g = torch.Generator().manual_seed(seed)
     ids = [torch.randint(0, TINY["vocab_size"], (BATCH, SEQ), generator=g).to(device) for _ in range(n)]
     return [{"input_ids": x, "labels": x} for x in ids]
+
+
+def eager_runner(model):
+    """Return ``run(batch)`` for the hand-written eager loop (on a copy of ``model``), and a way to read its params."""
+    model = copy.deepcopy(model).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
+
+    def run(batch):
+        model(**batch).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return run, lambda: {k: v.detach() for k, v in model.named_parameters()}
+
+
+def trainfold_runner(model, compile: bool = False):
+    """Return ``run(batch)`` for trainfold's step folded over batches (pure: ``model`` is not touched), and its params."""
+    opt = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01, mask=None))
+    step = make_step(model, causal_lm, opt, compile=compile)
+    box = [init_state(model, opt)]
+
+    def run(batch):
+        box[0] = step(box[0], [batch])
+
+    return run, lambda: box[0].params
+
+
+def timed(run, batches, n: int, start: int = 0) -> list[float]:
+    """Return the times of ``n`` calls of ``run`` over ``batches``, cycling from ``start``."""
+    out = []
+    for i in range(n):
+        t = time.perf_counter()
+        run(batches[(start + i) % len(batches)])
+        out.append(time.perf_counter() - t)
+    return out
 
 
 def main() -> None:
