@@ -40,25 +40,7 @@ _GENERATION_TAG = 0x6E6E
 
 @attrs.frozen(eq=False)
 class Rollout:
-    """Turn prompt micro-batches into training micro-batches with the latest state; see :func:`make_rollout`.
-
-    >>> from trainfold import init_state, sgd
-    >>> from trainfold.models import TinyLM, TinyLMConfig
-    >>> _ = torch.manual_seed(0)
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> def length(prompts, completions, **_): return [float(len(c)) for c in completions]
-    >>> rollout = make_rollout(model, length, encode=lambda s: [1 + int(c) for c in s],
-    ...                        decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-    ...                        max_new_tokens=3)
-    >>> state = init_state(model, sgd(0.1))
-    >>> prompts = [{"prompt": ["12", "12"]}, {"prompt": ["3", "3"]}]  # 2 micro-batches, 2 generations each
-    >>> out = rollout(state, prompts)
-    >>> len(out), list(out[0]["input_ids"].shape), sorted(out[0])[:5]
-    (2, [2, 5], ['advantages', 'attention_mask', 'completion_mask', 'generation_micro_batches', 'generation_tokens'])
-    >>> again = rollout(state, prompts)  # sampled with a generator seeded from the state
-    >>> all(torch.equal(a[k], b[k]) for a, b in zip(out, again) for k in a)
-    True
-    """
+    """Turn prompt micro-batches into training micro-batches with the latest state; see :func:`make_rollout`."""
 
     model: nn.Module
     reward_funcs: tuple[RewardFunc, ...]
@@ -193,6 +175,14 @@ def make_rollout(
     ...                        max_new_tokens=3)
     >>> rollout.num_generations, rollout.records_old_logps
     (2, False)
+    >>> state = init_state(model, sgd(0.1))
+    >>> prompts = [{"prompt": ["12", "12"]}, {"prompt": ["3", "3"]}]  # 2 micro-batches, 2 generations each
+    >>> out = rollout(state, prompts)
+    >>> len(out), list(out[0]["input_ids"].shape), sorted(out[0])[:5]
+    (2, [2, 5], ['advantages', 'attention_mask', 'completion_mask', 'generation_micro_batches', 'generation_tokens'])
+    >>> again = rollout(state, prompts)  # sampled with a generator seeded from the state
+    >>> all(torch.equal(a[k], b[k]) for a, b in zip(out, again) for k in a)
+    True
     >>> try:
     ...     make_rollout(model, length, encode=list, decode=str, num_generations=1, max_new_tokens=3)
     ... except ValueError as e:

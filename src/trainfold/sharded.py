@@ -49,22 +49,20 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from trainfold.losses import warn_no_items
 from trainfold.recompute import cache_off, recomputing
 from trainfold.sharded_gather import _Gatherer, _Layout, _layout, _swapped, gathered_bytes
 from trainfold.state import TrainState
 from trainfold.step import (
-    _count,
     _micro_loss,
     _Plan,
     _private_rng,
     _training_flags,
     derive_seed,
-    empty_step,
     make_forward,
     materialized,
     next_state,
     no_gradient_error,
+    open_step,
     summed_grads,
 )
 from trainfold.tree import global_norm
@@ -220,14 +218,9 @@ def make_sharded_step(plan: _Plan, sharding: Sharding | DeviceMesh | str, *, com
 
 
 def _step(plan: _Plan, layout: _Layout, state: TrainState, batch: Sequence[Mapping[str, Tensor]]) -> TrainState:
-    if len(batch) == 0:
-        raise ValueError("a step's batch must hold at least one micro-batch")
-    cursor = getattr(batch, "cursor", state.cursor)
-    step_no = int(state.step)
-    num_items = _count(plan, batch)
-    if int(num_items) == 0:
-        warn_no_items(step_no)
-        return empty_step(plan, state, cursor, num_items)
+    cursor, step_no, num_items, done = open_step(plan, state, batch)
+    if done is not None:
+        return done
     assert plan.collective is not None
     rank = plan.collective.rank
     keys = list(state.params)

@@ -472,7 +472,9 @@ def _micro_loss(plan: _Plan, forward: Forward, leaves: dict[str, Tensor], micro:
     return plan.loss(outputs, micro[plan.label_key], num_items), {}
 
 
-def _step(plan: _Plan, state: TrainState, batch: Batch, donate: bool = False) -> TrainState:
+def open_step(plan: _Plan, state: TrainState, batch: Batch) -> tuple[Any, int, Tensor, TrainState | None]:
+    """Return ``(cursor, step number, num_items, done)`` for a step's batch; ``done`` is the finished state of
+    a step with no labelled items (:func:`empty_step`), else ``None``. Every step variant starts here."""
     if len(batch) == 0:
         raise ValueError("a step's batch must hold at least one micro-batch")
     cursor = getattr(batch, "cursor", state.cursor)
@@ -480,7 +482,14 @@ def _step(plan: _Plan, state: TrainState, batch: Batch, donate: bool = False) ->
     num_items = _count(plan, batch)
     if int(num_items) == 0:
         warn_no_items(step_no)
-        return empty_step(plan, state, cursor, num_items)
+        return cursor, step_no, num_items, empty_step(plan, state, cursor, num_items)
+    return cursor, step_no, num_items, None
+
+
+def _step(plan: _Plan, state: TrainState, batch: Batch, donate: bool = False) -> TrainState:
+    cursor, step_no, num_items, done = open_step(plan, state, batch)
+    if done is not None:
+        return done
 
     rank = plan.collective.rank if plan.collective is not None else 0
     device = next(iter(state.params.values())).device
