@@ -36,9 +36,9 @@ from pathlib import Path
 import attrs
 import torch
 
-from trainfold.checkpoint import load, save
-from trainfold.optim import adamw
-from trainfold.state import init_state
+from trainfold.ckpt.checkpoint import load, save
+from trainfold.core.state import init_state
+from trainfold.optim.base import adamw
 
 SIZES = {  # name: (hidden, intermediate, layers, vocab); params and bytes in float32
     "tiny": (64, 128, 2, 512),
@@ -53,9 +53,16 @@ def llama(size: str):
     hidden, inter, layers, vocab = SIZES[size]
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False,
-        use_cache=False)
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -76,8 +83,9 @@ def median_time(fn: Callable[[], object], repeat: int, setup: Callable[[], objec
     return statistics.median(times)
 
 
-def interleaved(fns: dict[str, Callable[[], object]], repeat: int,
-                setup: Callable[[], object] = lambda: None) -> dict[str, float]:
+def interleaved(
+    fns: dict[str, Callable[[], object]], repeat: int, setup: Callable[[], object] = lambda: None
+) -> dict[str, float]:
     """Return each function's median wall time, the functions run in turn ``repeat`` times (``setup()`` first)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeat):
@@ -98,8 +106,16 @@ def hf_trainer(model, root: Path):
     import transformers  # noqa: PLC0415
 
     args = transformers.TrainingArguments(
-        output_dir=str(root / "hf"), max_steps=1, per_device_train_batch_size=2, save_strategy="no",
-        report_to=[], logging_strategy="no", disable_tqdm=True, use_cpu=True, learning_rate=1e-3)
+        output_dir=str(root / "hf"),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        report_to=[],
+        logging_strategy="no",
+        disable_tqdm=True,
+        use_cpu=True,
+        learning_rate=1e-3,
+    )
     ids = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
     data = [{"input_ids": row, "labels": row} for row in ids]
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
@@ -136,8 +152,14 @@ def compare(model, root: Path, repeat: int) -> dict[str, float]:
             os.fsync = real
 
     without_fsync = median_time(unsynced, repeat, clean)
-    saving = interleaved({"trainfold": lambda: save(state, tf_dir, model=trainer.model),
-                          "trainer": lambda: trainer._save_checkpoint(trainer.model, trial=None)}, repeat, clean)
+    saving = interleaved(
+        {
+            "trainfold": lambda: save(state, tf_dir, model=trainer.model),
+            "trainer": lambda: trainer._save_checkpoint(trainer.model, trial=None),
+        },
+        repeat,
+        clean,
+    )
 
     def hf_load() -> None:
         trainer._load_from_checkpoint(str(hf_dir))
@@ -146,21 +168,29 @@ def compare(model, root: Path, repeat: int) -> dict[str, float]:
         TrainerState.load_from_json(str(hf_dir / "trainer_state.json"))
 
     loading = interleaved({"trainfold": lambda: load(tf_dir, like=state), "trainer": hf_load}, repeat)
-    out = {"tf_bytes": dir_bytes(tf_dir), "hf_bytes": dir_bytes(hf_dir), "tf_save": saving["trainfold"],
-           "hf_save": saving["trainer"], "tf_nosync": without_fsync, "tf_load": loading["trainfold"],
-           "hf_load": loading["trainer"],
-           "params": sum(p.numel() for p in trainer.model.parameters()),
-           "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)}
+    out = {
+        "tf_bytes": dir_bytes(tf_dir),
+        "hf_bytes": dir_bytes(hf_dir),
+        "tf_save": saving["trainfold"],
+        "hf_save": saving["trainer"],
+        "tf_nosync": without_fsync,
+        "tf_load": loading["trainfold"],
+        "hf_load": loading["trainer"],
+        "params": sum(p.numel() for p in trainer.model.parameters()),
+        "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+    }
     clean()
     return out
 
 
 def row(name: str, r: dict[str, float]) -> str:
-    return (f"| {name} | {r['params'] / 1e6:.2f}M / {r['trainable'] / 1e6:.2f}M | {r['tf_bytes'] / 1e6:.1f} | "
-            f"{r['hf_bytes'] / 1e6:.1f} | {r['tf_bytes'] / r['hf_bytes']:.3f} | {r['tf_save']:.3f} | "
-            f"{r['hf_save']:.3f} | {r['tf_save'] / r['hf_save']:.2f} | {r['tf_nosync'] / r['hf_save']:.2f} | "
-            f"{r['tf_load']:.3f} | {r['hf_load']:.3f} | "
-            f"{r['tf_load'] / r['hf_load']:.2f} |")
+    return (
+        f"| {name} | {r['params'] / 1e6:.2f}M / {r['trainable'] / 1e6:.2f}M | {r['tf_bytes'] / 1e6:.1f} | "
+        f"{r['hf_bytes'] / 1e6:.1f} | {r['tf_bytes'] / r['hf_bytes']:.3f} | {r['tf_save']:.3f} | "
+        f"{r['hf_save']:.3f} | {r['tf_save'] / r['hf_save']:.2f} | {r['tf_nosync'] / r['hf_save']:.2f} | "
+        f"{r['tf_load']:.3f} | {r['hf_load']:.3f} | "
+        f"{r['tf_load'] / r['hf_load']:.2f} |"
+    )
 
 
 def main() -> None:
@@ -184,10 +214,14 @@ def main() -> None:
                 results.append((f"{size} LoRA", compare(lora(llama(size)), root, args.repeat)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"median of {args.repeat}; torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"{torch.get_num_threads()} threads; bytes in MB, times in seconds")
-    print("| model | params / trainable | trainfold bytes | Trainer bytes | ratio | trainfold save | Trainer save "
-          "| ratio | ratio without fsync | trainfold load | Trainer load | ratio |")
+    print(
+        f"median of {args.repeat}; torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{torch.get_num_threads()} threads; bytes in MB, times in seconds"
+    )
+    print(
+        "| model | params / trainable | trainfold bytes | Trainer bytes | ratio | trainfold save | Trainer save "
+        "| ratio | ratio without fsync | trainfold load | Trainer load | ratio |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results:
         print(row(name, r))
@@ -195,9 +229,11 @@ def main() -> None:
     for size in args.sizes:
         if args.lora:
             a, b = full[f"{size} LoRA"], full[size]
-            print(f"{size}: trainfold LoRA checkpoint / full fine-tuning: bytes {a['tf_bytes'] / b['tf_bytes']:.4f} "
-                  f"({a['tf_bytes'] / 1e6:.2f} vs {b['tf_bytes'] / 1e6:.1f} MB), save time "
-                  f"{a['tf_save'] / b['tf_save']:.3f} ({a['tf_save'] * 1e3:.1f} vs {b['tf_save'] * 1e3:.1f} ms)")
+            print(
+                f"{size}: trainfold LoRA checkpoint / full fine-tuning: bytes {a['tf_bytes'] / b['tf_bytes']:.4f} "
+                f"({a['tf_bytes'] / 1e6:.2f} vs {b['tf_bytes'] / 1e6:.1f} MB), save time "
+                f"{a['tf_save'] / b['tf_save']:.3f} ({a['tf_save'] * 1e3:.1f} vs {b['tf_save'] * 1e3:.1f} ms)"
+            )
 
 
 if __name__ == "__main__":

@@ -21,9 +21,15 @@ import time
 import torch
 
 from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step
-from trainfold.losses import causal_lm
+from trainfold.core.losses import causal_lm
 
-TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 172, "vocab_size": 256}
+TINY = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "intermediate_size": 172,
+    "vocab_size": 256,
+}
 SEQ, BATCH = 128, 8
 
 
@@ -31,8 +37,14 @@ def build(attn: str = "sdpa", seed: int = 0, device: str = "cpu") -> torch.nn.Mo
     """Return the tiny Llama of the issue, randomly initialised from ``seed``, on ``device``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**TINY, num_key_value_heads=TINY["num_attention_heads"], max_position_embeddings=SEQ,
-                      tie_word_embeddings=False, use_cache=False, attn_implementation=attn)
+    cfg = LlamaConfig(
+        **TINY,
+        num_key_value_heads=TINY["num_attention_heads"],
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation=attn,
+    )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).to(device)
 
@@ -91,20 +103,25 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     rounds, per = (2, 2) if args.quick else (args.rounds, args.per_round)
     model, batches = build(), make_batches(8)
-    runners = {"eager loop": eager_runner(model), "trainfold eager": trainfold_runner(model, False),
-               "trainfold compiled": trainfold_runner(model, True)}
+    runners = {
+        "eager loop": eager_runner(model),
+        "trainfold eager": trainfold_runner(model, False),
+        "trainfold compiled": trainfold_runner(model, True),
+    }
     t0 = time.perf_counter()
     runners["trainfold compiled"][0](batches[0])  # compiles
     compile_s = time.perf_counter() - t0
     for key, (run, _) in runners.items():  # warm-up to the same 3 steps each (the parity check below)
         timed(run, batches, 3 if key != "trainfold compiled" else 2, start=0 if key != "trainfold compiled" else 1)
     ref = runners["eager loop"][1]()
-    drift = {k: max((ref[n] - p[n]).abs().max().item() for n in ref) for k, (_, get) in runners.items() for p in [get()]}
+    drift = {
+        k: max((ref[n] - p[n]).abs().max().item() for n in ref) for k, (_, get) in runners.items() for p in [get()]
+    }
     times: dict[str, list[float]] = {k: [] for k in runners}
     ratios: dict[str, list[float]] = {k: [] for k in runners}
     names = list(runners)
     for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         med = {}
         for key in order:
             ts = timed(runners[key][0], batches, per, start=r * per)
@@ -112,14 +129,18 @@ def main() -> None:
             med[key] = statistics.median(ts)
         for key in names:
             ratios[key].append(med[key] / med["eager loop"])
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, tiny Llama "
-          f"({sum(p.numel() for p in model.parameters()) / 1e3:.0f}k params, batch {BATCH}x{SEQ}), "
-          f"{rounds} rounds x {per} steps; first compiled call (compile) {compile_s:.1f} s")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, tiny Llama "
+        f"({sum(p.numel() for p in model.parameters()) / 1e3:.0f}k params, batch {BATCH}x{SEQ}), "
+        f"{rounds} rounds x {per} steps; first compiled call (compile) {compile_s:.1f} s"
+    )
     print("| variant | median step ms | ratio to eager loop | max param diff after 3 steps |")
     print("|---|---|---|---|")
     for key in names:
-        print(f"| {key} | {1e3 * statistics.median(times[key]):.1f} | {statistics.median(ratios[key]):.3f} | "
-              f"{drift[key]:.1e} |")
+        print(
+            f"| {key} | {1e3 * statistics.median(times[key]):.1f} | {statistics.median(ratios[key]):.3f} | "
+            f"{drift[key]:.1e} |"
+        )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step
-from trainfold.distributed import ProcessGroupCollective
-from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.dist.distributed import ProcessGroupCollective
 
 
 def build(seq: int) -> TinyLM:
@@ -136,17 +136,25 @@ def main() -> None:
     share = statistics.median(c / t for c, t in zip(rec["comm"], rec["ddp"]))
     speedup = {k: statistics.median(s / d for s, d in zip(rec[k], rec["ddp"])) for k in ("solo1", "solo2")}
 
-    print(f"TinyLM {n_params / 1e6:.2f}M params ({n_params * 4 / 2**20:.1f} MiB of fp32 gradients, one bucket), "
-          f"global batch {args.batch} x {args.seq} tokens, {os.cpu_count()} CPUs (load average "
-          f"{os.getloadavg()[0]:.1f}), medians of {args.rounds} interleaved rounds\n")
-    print("| setup | step (ms) | samples/s | 2 processes' speed-up over it | all-reduce in step (ms) | all-reduce share |")
+    print(
+        f"TinyLM {n_params / 1e6:.2f}M params ({n_params * 4 / 2**20:.1f} MiB of fp32 gradients, one bucket), "
+        f"global batch {args.batch} x {args.seq} tokens, {os.cpu_count()} CPUs (load average "
+        f"{os.getloadavg()[0]:.1f}), medians of {args.rounds} interleaved rounds\n"
+    )
+    print(
+        "| setup | step (ms) | samples/s | 2 processes' speed-up over it | all-reduce in step (ms) | all-reduce share |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     for name, key in (("1 process, 1 thread", "solo1"), ("1 process, 2 threads", "solo2")):
         print(f"| {name} | {med[key] * 1e3:.1f} | {args.batch / med[key]:.0f} | {speedup[key]:.2f}x | - | - |")
-    print(f"| 2 processes (gloo), 1 thread each | {med['ddp'] * 1e3:.1f} | {args.batch / med['ddp']:.0f} | - | "
-          f"{med['comm'] * 1e3:.1f} | {share:.0%} |")
-    print(f"\nall_reduce of the {n_params * 4 / 2**20:.1f} MiB gradient buffer alone (ranks in step): "
-          f"{med['allreduce'] * 1e3:.2f} ms median")
+    print(
+        f"| 2 processes (gloo), 1 thread each | {med['ddp'] * 1e3:.1f} | {args.batch / med['ddp']:.0f} | - | "
+        f"{med['comm'] * 1e3:.1f} | {share:.0%} |"
+    )
+    print(
+        f"\nall_reduce of the {n_params * 4 / 2**20:.1f} MiB gradient buffer alone (ranks in step): "
+        f"{med['allreduce'] * 1e3:.2f} ms median"
+    )
 
 
 if __name__ == "__main__":

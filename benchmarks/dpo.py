@@ -19,8 +19,8 @@ import time
 import torch
 
 from trainfold import adamw, init_state, make_step
-from trainfold.dpo import dpo_objective, precompute_ref_logps, preference_collate
-from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.recipes.dpo import dpo_objective, precompute_ref_logps, preference_collate
 
 SIZES = {
     "tiny": (TinyLMConfig(vocab_size=256, d_model=96, n_layers=3, n_heads=4, max_len=256), 8, 64),
@@ -34,8 +34,10 @@ def items_for(pairs: int, length: int, seed: int) -> list[dict]:
     def ids(n: int) -> list[int]:
         return torch.randint(3, 256, (n,), generator=g).tolist()
 
-    return [{"prompt_ids": ids(length // 2), "chosen_ids": ids(length // 2 - 1), "rejected_ids": ids(length // 2 - 1)}
-            for _ in range(pairs)]
+    return [
+        {"prompt_ids": ids(length // 2), "chosen_ids": ids(length // 2 - 1), "rejected_ids": ids(length // 2 - 1)}
+        for _ in range(pairs)
+    ]
 
 
 def bench(name: str, steps: int, rounds: int) -> dict[str, float]:
@@ -50,7 +52,10 @@ def bench(name: str, steps: int, rounds: int) -> dict[str, float]:
     precompute = time.perf_counter() - t0
     opt = adamw(1e-4)
     variants = {
-        "reference model": (make_step(policy, optimizer=opt, objective=dpo_objective(0.1, ref_params=ref_params)), [collate(items)]),
+        "reference model": (
+            make_step(policy, optimizer=opt, objective=dpo_objective(0.1, ref_params=ref_params)),
+            [collate(items)],
+        ),
         "precomputed": (make_step(policy, optimizer=opt, objective=dpo_objective(0.1)), [collate(stored)]),
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
@@ -76,14 +81,20 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     steps, rounds = (2, 2) if args.quick else (3, 10)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {steps} steps x {rounds} rounds per variant\n")
-    print("| model | pairs x tokens | reference model (ms/step) | precomputed (ms/step) | speed-up | precompute once (ms) |")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {steps} steps x {rounds} rounds per variant\n"
+    )
+    print(
+        "| model | pairs x tokens | reference model (ms/step) | precomputed (ms/step) | speed-up | precompute once (ms) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, (_, pairs, length) in SIZES.items():
         r = bench(name, steps, rounds)
         ref_ms, pre_ms = 1e3 * r["reference model"], 1e3 * r["precomputed"]
-        print(f"| {name} | {pairs} x {length} | {ref_ms:.1f} | {pre_ms:.1f} | {ref_ms / pre_ms:.2f}x | "
-              f"{1e3 * r['precompute (once)']:.1f} |")
+        print(
+            f"| {name} | {pairs} x {length} | {ref_ms:.1f} | {pre_ms:.1f} | {ref_ms / pre_ms:.2f}x | "
+            f"{1e3 * r['precompute (once)']:.1f} |"
+        )
 
 
 if __name__ == "__main__":

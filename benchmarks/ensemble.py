@@ -29,13 +29,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compiled_step import build, eager_runner, make_batches
 
 from trainfold import adamw, chain, clip_by_global_norm
-from trainfold.ensemble import (
+from trainfold.core.losses import causal_lm
+from trainfold.recipes.ensemble import (
     init_ensemble_state,
     make_ensemble_step,
     split_ensemble,
     stack_batches,
 )
-from trainfold.losses import causal_lm
 
 K = 4
 
@@ -90,11 +90,13 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="There is a performance drop")
     rounds, per = (2, 1) if args.quick else (args.rounds, args.per_round)
     flat = make_batches(4 * K, device=args.device)
-    groups = [flat[i * K:(i + 1) * K] for i in range(4)]
+    groups = [flat[i * K : (i + 1) * K] for i in range(4)]
     dev = args.device
-    runners = {"4 x eager loop (sdpa)": sequential_runner("sdpa", dev),
-               "4 x eager loop (eager attn)": sequential_runner("eager", dev),
-               "ensemble vmap eager": ensemble_runner(False, device=dev)}
+    runners = {
+        "4 x eager loop (sdpa)": sequential_runner("sdpa", dev),
+        "4 x eager loop (eager attn)": sequential_runner("eager", dev),
+        "ensemble vmap eager": ensemble_runner(False, device=dev),
+    }
     if not args.eager_only:
         runners["ensemble vmap compiled"] = ensemble_runner(True, device=dev)
         runners["ensemble unroll compiled"] = ensemble_runner(True, "unroll", device=dev)
@@ -115,7 +117,7 @@ def main() -> None:
     times: dict[str, list[float]] = {k: [] for k in names}
     speed: dict[str, dict[str, list[float]]] = {b: {k: [] for k in names} for b in names[:2]}
     for r in range(rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         med = {}
         for key in order:
             ts = timed(runners[key][0], groups, per, start=r * per)
@@ -124,15 +126,21 @@ def main() -> None:
         for base in names[:2]:
             for key in names:
                 speed[base][key].append(med[base] / med[key])
-    print(f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, {K} tiny Llamas "
-          f"(batch 8x128 each), {rounds} rounds x {per} steps; first call (compile): "
-          + (", ".join(f"{k} {v:.0f} s" for k, v in compile_s.items()) or "none"))
-    print("| variant | median ms (all 4 members) | speed-up vs 4 x eager (sdpa) | vs 4 x eager (eager attn) "
-          "| max param diff after 2 steps |")
+    print(
+        f"torch {torch.__version__}, {args.device}, {torch.get_num_threads()} threads, {K} tiny Llamas "
+        f"(batch 8x128 each), {rounds} rounds x {per} steps; first call (compile): "
+        + (", ".join(f"{k} {v:.0f} s" for k, v in compile_s.items()) or "none")
+    )
+    print(
+        "| variant | median ms (all 4 members) | speed-up vs 4 x eager (sdpa) | vs 4 x eager (eager attn) "
+        "| max param diff after 2 steps |"
+    )
     print("|---|---|---|---|---|")
     for key in names:
-        print(f"| {key} | {1e3 * statistics.median(times[key]):.1f} | {statistics.median(speed[names[0]][key]):.2f}x | "
-              f"{statistics.median(speed[names[1]][key]):.2f}x | {drift[key]:.1e} |")
+        print(
+            f"| {key} | {1e3 * statistics.median(times[key]):.1f} | {statistics.median(speed[names[0]][key]):.2f}x | "
+            f"{statistics.median(speed[names[1]][key]):.2f}x | {drift[key]:.1e} |"
+        )
 
 
 if __name__ == "__main__":

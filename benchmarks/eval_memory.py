@@ -1,7 +1,7 @@
 """Memory held by accumulated eval predictions: full logits vs argmax vs argmax + eval_accumulation_steps.
 
 A causal LM with a 32k vocabulary (an embedding and a linear head: the head's logits are what
-matters) is evaluated with ``trainfold.evaluation.predict`` on an eval set grown 1x, 4x and 16x:
+matters) is evaluated with ``trainfold.eval.evaluation.predict`` on an eval set grown 1x, 4x and 16x:
 
 (a) full logits accumulated (no ``preprocess_logits_for_metrics``);
 (b) ``preprocess_logits_for_metrics=argmax``;
@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainfold.evaluation import predict
+from trainfold.eval.evaluation import predict
 
 VOCAB, D_MODEL, SEQ, BATCH, BASE_BATCHES, ACCUM = 32_000, 64, 32, 4, 2, 2
 
@@ -116,14 +116,26 @@ def run(scales: list[int], device: torch.device) -> list[dict[str, object]]:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            out = predict(forward, params, batches, preprocess_logits_for_metrics=meter.preprocess(reduce),
-                          eval_accumulation_steps=accum, move=meter.move, speed_metrics=False)
+            out = predict(
+                forward,
+                params,
+                batches,
+                preprocess_logits_for_metrics=meter.preprocess(reduce),
+                eval_accumulation_steps=accum,
+                move=meter.move,
+                speed_metrics=False,
+            )
             seconds = time.perf_counter() - t0
             full = meter.peak if full is None else full
             row = {
-                "scale": f"{scale}x", "batches": len(batches), "case": name, "device_peak": meter.peak,
-                "ratio": meter.peak / full, "host_result": out.predictions.nbytes,
-                "rss": _peak_rss_mb() - (rss0 if exact_rss else 0), "seconds": seconds,
+                "scale": f"{scale}x",
+                "batches": len(batches),
+                "case": name,
+                "device_peak": meter.peak,
+                "ratio": meter.peak / full,
+                "host_result": out.predictions.nbytes,
+                "rss": _peak_rss_mb() - (rss0 if exact_rss else 0),
+                "seconds": seconds,
             }
             if device.type == "cuda":
                 row["cuda_max_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -142,12 +154,28 @@ def _fmt_bytes(n: float) -> str:
 
 def table(rows: list[dict[str, object]]) -> str:
     cuda = "cuda_max_mb" in rows[0]
-    head = ["eval set", "batches", "case", "device-held preds at peak", "ratio to (a)", "host predictions",
-            "peak RSS growth (MiB)", "time (s)"] + (["cuda max allocated (MiB)"] if cuda else [])
+    head = [
+        "eval set",
+        "batches",
+        "case",
+        "device-held preds at peak",
+        "ratio to (a)",
+        "host predictions",
+        "peak RSS growth (MiB)",
+        "time (s)",
+    ] + (["cuda max allocated (MiB)"] if cuda else [])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [r["scale"], r["batches"], r["case"], _fmt_bytes(r["device_peak"]), f"{r['ratio']:.2e}",
-                 _fmt_bytes(r["host_result"]), f"{max(r['rss'], 0.0):.0f}", f"{r['seconds']:.2f}"]
+        cells = [
+            r["scale"],
+            r["batches"],
+            r["case"],
+            _fmt_bytes(r["device_peak"]),
+            f"{r['ratio']:.2e}",
+            _fmt_bytes(r["host_result"]),
+            f"{max(r['rss'], 0.0):.0f}",
+            f"{r['seconds']:.2f}",
+        ]
         if cuda:
             cells.append(f"{r['cuda_max_mb']:.0f}")
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
@@ -170,8 +198,10 @@ def main() -> None:
     parser.add_argument("--scales", type=int, nargs="+", default=[1, 4, 16])
     args = parser.parse_args()
     device = torch.device(args.device)
-    print(f"vocab {VOCAB}, batch {BATCH}x{SEQ} tokens, {BASE_BATCHES} batches at 1x, device {device}, "
-          f"torch {torch.__version__}")
+    print(
+        f"vocab {VOCAB}, batch {BATCH}x{SEQ} tokens, {BASE_BATCHES} batches at 1x, device {device}, "
+        f"torch {torch.__version__}"
+    )
     print(table(run(args.scales, device)))
 
 

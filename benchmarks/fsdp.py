@@ -3,7 +3,7 @@
 Both train the same TinyLM on the same global batch (each rank half of it), interleaved in the same
 rounds so that other jobs on the machine slow both alike. Per rank it reports the bytes of the
 state a step needs (params + gradients + AdamW moments: the shards, or the full replica), the most
-bytes of gathered full params alive at once (``trainfold.sharded.gathered_bytes``: the root's and
+bytes of gathered full params alive at once (``trainfold.step.sharded.gathered_bytes``: the root's and
 one block's), and the median step time.
 
 On CPU the all-gathers and reduce-scatters of gloo are copies through the loopback, so the
@@ -32,10 +32,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step
-from trainfold.distributed import ProcessGroupCollective
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.optim import GradientTransformation
-from trainfold.tree import flatten
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.tree import flatten
+from trainfold.dist.distributed import ProcessGroupCollective
+from trainfold.optim.base import GradientTransformation
 
 
 def build(args: argparse.Namespace) -> TinyLM:
@@ -60,7 +60,7 @@ def grad_bytes(opt: GradientTransformation, seen: list[int]) -> GradientTransfor
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
-    from trainfold import sharded
+    from trainfold.step import sharded
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -68,7 +68,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
     try:
         rows = args.batch // world
         ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
-        batch = [{"input_ids": ids[rank * rows:(rank + 1) * rows], "labels": ids[rank * rows:(rank + 1) * rows]}]
+        batch = [{"input_ids": ids[rank * rows : (rank + 1) * rows], "labels": ids[rank * rows : (rank + 1) * rows]}]
         opt = chain(clip_by_global_norm(1.0), adamw(1e-3))
         mesh = sharded.make_mesh()
         runs = {}
@@ -93,8 +93,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
                 run[4] = max(run[4], peak[0])
                 if i >= args.warmup:
                     run[3].append(seconds)
-        out = {name: {"state": local_bytes(run[1].params) + local_bytes(run[1].opt_state), "grads": max(run[2]),
-                      "gathered": run[4], "step": statistics.median(run[3])} for name, run in runs.items()}
+        out = {
+            name: {
+                "state": local_bytes(run[1].params) + local_bytes(run[1].opt_state),
+                "grads": max(run[2]),
+                "gathered": run[4],
+                "step": statistics.median(run[3]),
+            }
+            for name, run in runs.items()
+        }
         queue.put((rank, out))
         dist.barrier()
     finally:
@@ -104,8 +111,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
 def _vs_worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from trainfold import sharded
-    from trainfold.losses import causal_lm
+    from trainfold.core.losses import causal_lm
+    from trainfold.step import sharded
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = cfg["device"] == "cuda"
@@ -125,8 +132,9 @@ def _vs_worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
 
         def model() -> TinyLM:
             torch.manual_seed(0)
-            return TinyLM(TinyLMConfig(d_model=cfg["d_model"], n_layers=cfg["layers"], n_heads=cfg["heads"],
-                                       max_len=seq)).to(device)
+            return TinyLM(
+                TinyLMConfig(d_model=cfg["d_model"], n_layers=cfg["layers"], n_heads=cfg["heads"], max_len=seq)
+            ).to(device)
 
         def timed(name: str, one_step) -> None:
             if cuda:
@@ -141,13 +149,17 @@ def _vs_worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
                     torch.cuda.synchronize()
                 if i >= cfg["warmup"]:
                     seconds.append(time.perf_counter() - start)
-            out[name] = {"tokens_per_s": rows * seq * world / statistics.median(seconds),
-                         "max_memory": torch.cuda.max_memory_allocated() if cuda else float("nan")}
+            out[name] = {
+                "tokens_per_s": rows * seq * world / statistics.median(seconds),
+                "max_memory": torch.cuda.max_memory_allocated() if cuda else float("nan"),
+            }
 
         net = model()  # trainfold: the state's shards, one block gathered at a time
         opt = chain(clip_by_global_norm(1.0), adamw(1e-4))
-        box = {"state": sharded.shard_state(init_state(net, opt), mesh),
-               "step": make_step(net, causal_lm, opt, sharding=mesh, autocast=bf16)}
+        box = {
+            "state": sharded.shard_state(init_state(net, opt), mesh),
+            "step": make_step(net, causal_lm, opt, sharding=mesh, autocast=bf16),
+        }
         net.to("meta")  # the step needs only the module's structure; its full weights would count against it
 
         def trainfold_step() -> None:
@@ -179,19 +191,38 @@ def _vs_worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
 def vs_fully_shard(device: str = "cpu", world: int = 2, quick: bool = True) -> None:
     """Print tokens/s and max memory per GPU of trainfold's sharded step and an FSDP2 loop (see the module doc)."""
     if device == "cuda":
-        cfg = {"d_model": 768, "layers": 12, "heads": 12, "seq": 1024, "batch": 8, "bf16": True, "steps": 20,
-               "warmup": 3}
+        cfg = {
+            "d_model": 768,
+            "layers": 12,
+            "heads": 12,
+            "seq": 1024,
+            "batch": 8,
+            "bf16": True,
+            "steps": 20,
+            "warmup": 3,
+        }
     else:
-        cfg = {"d_model": 64, "layers": 2, "heads": 4, "seq": 32, "batch": 2, "bf16": False, "steps": 2 if quick else 8,
-               "warmup": 1}
+        cfg = {
+            "d_model": 64,
+            "layers": 2,
+            "heads": 4,
+            "seq": 32,
+            "batch": 2,
+            "bf16": False,
+            "steps": 2 if quick else 8,
+            "warmup": 1,
+        }
     cfg["device"] = device
     queue = mp.get_context("spawn").SimpleQueue()
-    mp.start_processes(_vs_worker, args=(world, _free_port(), cfg, queue), nprocs=world, join=True,
-                       start_method="spawn")
+    mp.start_processes(
+        _vs_worker, args=(world, _free_port(), cfg, queue), nprocs=world, join=True, start_method="spawn"
+    )
     per_rank = dict(queue.get() for _ in range(world))
     precision = "bf16" if cfg["bf16"] else "fp32"
-    print(f"\nTinyLM d_model {cfg['d_model']}, {cfg['layers']} blocks, {world} x {device} ({precision}), "
-          f"{cfg['batch']} x {cfg['seq']} tokens per rank, medians of {cfg['steps']} steps\n")
+    print(
+        f"\nTinyLM d_model {cfg['d_model']}, {cfg['layers']} blocks, {world} x {device} ({precision}), "
+        f"{cfg['batch']} x {cfg['seq']} tokens per rank, medians of {cfg['steps']} steps\n"
+    )
     print("| run | rank | tokens/s (all ranks) | max memory (GiB) |")
     print("|---|---:|---:|---:|")
     for name in per_rank[0]:
@@ -228,19 +259,25 @@ def main() -> None:
     mp.start_processes(_worker, args=(world, _free_port(), args, queue), nprocs=world, join=True, start_method="spawn")
     per_rank = dict(queue.get() for _ in range(world))
     n_params = sum(p.numel() for p in build(args).parameters())
-    print(f"TinyLM {n_params / 1e6:.2f}M params (d_model {args.d_model}, {args.layers} blocks), global batch "
-          f"{args.batch} x {args.seq} tokens, {world} gloo processes of 1 thread, {os.cpu_count()} CPUs (load "
-          f"average {os.getloadavg()[0]:.1f}), medians of {args.rounds} interleaved rounds\n")
-    print("| run | rank | params + opt state (MiB) | grads (MiB) | state + grads vs DDP | gathered peak (MiB) "
-          "| step (ms) | step vs DDP |")
+    print(
+        f"TinyLM {n_params / 1e6:.2f}M params (d_model {args.d_model}, {args.layers} blocks), global batch "
+        f"{args.batch} x {args.seq} tokens, {world} gloo processes of 1 thread, {os.cpu_count()} CPUs (load "
+        f"average {os.getloadavg()[0]:.1f}), medians of {args.rounds} interleaved rounds\n"
+    )
+    print(
+        "| run | rank | params + opt state (MiB) | grads (MiB) | state + grads vs DDP | gathered peak (MiB) "
+        "| step (ms) | step vs DDP |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     mib = 2**20
     for name in ("ddp", "sharded"):
         for rank in range(world):
             r, d = per_rank[rank][name], per_rank[rank]["ddp"]
             ratio = (r["state"] + r["grads"]) / (d["state"] + d["grads"])
-            print(f"| {name} | {rank} | {r['state'] / mib:.2f} | {r['grads'] / mib:.2f} | {ratio:.3f} | "
-                  f"{r['gathered'] / mib:.2f} | {r['step'] * 1e3:.1f} | {r['step'] / d['step']:.2f}x |")
+            print(
+                f"| {name} | {rank} | {r['state'] / mib:.2f} | {r['grads'] / mib:.2f} | {ratio:.3f} | "
+                f"{r['gathered'] / mib:.2f} | {r['step'] * 1e3:.1f} | {r['step'] / d['step']:.2f}x |"
+            )
     from fsdp_checkpoint import stall_table  # noqa: PLC0415 - benchmarks/fsdp_checkpoint.py: the async-save stall
 
     print("\n" + stall_table(args))

@@ -1,7 +1,7 @@
 """How long a sharded checkpoint stalls the step: synchronous vs ``async_save``, on 2 gloo processes (CPU).
 
-Each rank holds half of a TinyLM's params and AdamW moments (``trainfold.sharded``) and trains;
-every round it saves a sharded checkpoint (``trainfold.sharded_checkpoint.Saver``, safetensors
+Each rank holds half of a TinyLM's params and AdamW moments (``trainfold.step.sharded``) and trains;
+every round it saves a sharded checkpoint (``trainfold.ckpt.sharded.Saver``, safetensors
 shards + JSON index) after a step. The stall is the time the training loop is blocked by the
 save call: the whole write when synchronous; with ``async_save`` the copy of the shards to the
 CPU, while a thread writes them and the next step runs. Reported per rank: the median step with
@@ -29,12 +29,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from trainfold import adamw, init_state, make_step
-from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.core.models import TinyLM, TinyLMConfig
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str, queue) -> None:
-    from trainfold import sharded
-    from trainfold.sharded_checkpoint import Saver
+    from trainfold.ckpt.sharded import Saver
+    from trainfold.step import sharded
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
         model = TinyLM(TinyLMConfig(d_model=args.d_model, n_layers=args.layers, n_heads=4, max_len=args.seq))
         rows = args.batch // world
         ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
-        batch = [{"input_ids": ids[rank * rows:(rank + 1) * rows], "labels": ids[rank * rows:(rank + 1) * rows]}]
+        batch = [{"input_ids": ids[rank * rows : (rank + 1) * rows], "labels": ids[rank * rows : (rank + 1) * rows]}]
         mesh = sharded.make_mesh()
         state = sharded.shard_state(init_state(model, adamw(1e-3)), mesh)
         step = make_step(model, optimizer=adamw(1e-3), sharding=mesh)
@@ -85,17 +85,23 @@ def stall_table(args: argparse.Namespace) -> str:
     world = 2
     queue = mp.get_context("spawn").SimpleQueue()
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(_worker, args=(world, _free_port(), args, out, queue), nprocs=world, join=True,
-                           start_method="spawn")
+        mp.start_processes(
+            _worker, args=(world, _free_port(), args, out, queue), nprocs=world, join=True, start_method="spawn"
+        )
     per_rank = dict(queue.get() for _ in range(world))
-    lines = [f"Sharded checkpoint stall: {world} gloo processes, TinyLM d_model {args.d_model}, {args.layers} blocks, "
-             f"medians of {args.rounds} rounds\n",
-             "| rank | step (ms) | sync save stall (ms) | async save stall (ms) | step during async write (ms) "
-             "| async write done (ms) | stall async vs sync |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Sharded checkpoint stall: {world} gloo processes, TinyLM d_model {args.d_model}, {args.layers} blocks, "
+        f"medians of {args.rounds} rounds\n",
+        "| rank | step (ms) | sync save stall (ms) | async save stall (ms) | step during async write (ms) "
+        "| async write done (ms) | stall async vs sync |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for rank in range(world):
         r = per_rank[rank]
-        lines.append(f"| {rank} | {r['step'] * 1e3:.1f} | {r['sync'] * 1e3:.1f} | {r['async'] * 1e3:.1f} | "
-                     f"{r['step in flight'] * 1e3:.1f} | {r['write'] * 1e3:.1f} | {r['async'] / r['sync']:.3f}x |")
+        lines.append(
+            f"| {rank} | {r['step'] * 1e3:.1f} | {r['sync'] * 1e3:.1f} | {r['async'] * 1e3:.1f} | "
+            f"{r['step in flight'] * 1e3:.1f} | {r['write'] * 1e3:.1f} | {r['async'] / r['sync']:.3f}x |"
+        )
     return "\n".join(lines)
 
 

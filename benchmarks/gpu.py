@@ -43,7 +43,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--variants", nargs="*", default=list(bench.VARIANTS))
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100/H200 SXM: 989)")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100/H200 SXM: 989)"
+    )
     parser.add_argument("--ensemble", action="store_true", help="also run the ensemble part on CPU (always on CUDA)")
     parser.add_argument("--ensemble-rounds", type=int, default=5)
     ns = parser.parse_args()

@@ -30,8 +30,8 @@ def loss_child(vocab: int, seq: int, variant: str, device: str) -> dict[str, flo
     """Measure one loss forward + backward (run in its own process on the CPU)."""
     import resource  # noqa: PLC0415
 
-    from trainfold.chunked_loss import chunked_cross_entropy  # noqa: PLC0415
-    from trainfold.losses import causal_lm, count_shifted_labels  # noqa: PLC0415
+    from trainfold.core.chunked_loss import chunked_cross_entropy  # noqa: PLC0415
+    from trainfold.core.losses import causal_lm, count_shifted_labels  # noqa: PLC0415
 
     torch.manual_seed(0)
     hidden = (torch.randn(1, seq, HIDDEN, device=device) * 0.1).requires_grad_()
@@ -69,20 +69,28 @@ def loss_child(vocab: int, seq: int, variant: str, device: str) -> dict[str, flo
 
 
 def loss_table(configs: list[tuple[int, int]], device: str) -> None:
-    print("| vocab | seq | plain peak (MiB) | chunked peak (MiB) | memory ratio | plain (ms) | chunked (ms) | time ratio |")
+    print(
+        "| vocab | seq | plain peak (MiB) | chunked peak (MiB) | memory ratio | plain (ms) | chunked (ms) | time ratio |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for vocab, seq in configs:
         out = {}
         for variant in ("plain", "chunked"):
             # The plain loss's peak is measured first in a fresh process: its logits are the process's largest tensors.
-            done = subprocess.run([sys.executable, __file__, "--child", str(vocab), str(seq), variant, device],
-                                  capture_output=True, text=True, check=True)
+            done = subprocess.run(
+                [sys.executable, __file__, "--child", str(vocab), str(seq), variant, device],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             out[variant] = json.loads(done.stdout.strip().splitlines()[-1])
         p, c = out["plain"], out["chunked"]
         mib = 1 << 20
-        print(f"| {vocab} | {seq} | {p['peak_bytes'] / mib:.0f} | {c['peak_bytes'] / mib:.0f} | "
-              f"{c['peak_bytes'] / max(p['peak_bytes'], 1):.2f} | {p['seconds'] * 1e3:.0f} | {c['seconds'] * 1e3:.0f} | "
-              f"{c['seconds'] / p['seconds']:.2f} |")
+        print(
+            f"| {vocab} | {seq} | {p['peak_bytes'] / mib:.0f} | {c['peak_bytes'] / mib:.0f} | "
+            f"{c['peak_bytes'] / max(p['peak_bytes'], 1):.2f} | {p['seconds'] * 1e3:.0f} | {c['seconds'] * 1e3:.0f} | "
+            f"{c['seconds'] / p['seconds']:.2f} |"
+        )
 
 
 def lognormal_docs(n: int, cap: int, seed: int = 0) -> list[dict[str, list[int]]]:
@@ -99,17 +107,24 @@ def throughput_table(steps: int, docs_per_step: int) -> None:
     import transformers  # noqa: PLC0415
 
     from trainfold import init_state, make_step, sgd  # noqa: PLC0415
-    from trainfold.data import pad_collate  # noqa: PLC0415
-    from trainfold.losses import causal_lm  # noqa: PLC0415
-    from trainfold.packing import pack, packed_collate, padding_free_collate  # noqa: PLC0415
-    from trainfold.samplers import Sampler  # noqa: PLC0415
+    from trainfold.core.losses import causal_lm  # noqa: PLC0415
+    from trainfold.data.packing import pack, packed_collate, padding_free_collate  # noqa: PLC0415
+    from trainfold.data.pipeline import pad_collate  # noqa: PLC0415
+    from trainfold.data.samplers import Sampler  # noqa: PLC0415
 
     cap = 512
     docs = lognormal_docs(steps * docs_per_step, cap)
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=cap,
-                                   use_cache=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=cap,
+        use_cache=False,
+    )
     model = transformers.LlamaForCausalLM(cfg)
     opt = sgd(1e-3)
     step = make_step(model, causal_lm, opt)
@@ -118,20 +133,28 @@ def throughput_table(steps: int, docs_per_step: int) -> None:
     lengths = [len(d["input_ids"]) for d in docs]
 
     def padded_steps(order: list[int]) -> list[list[dict]]:
-        return [[pad_collate()([docs[i] for i in order[s + m:s + m + micro]]) for m in range(0, docs_per_step, micro)]
-                for s in range(0, n, docs_per_step)]
+        return [
+            [pad_collate()([docs[i] for i in order[s + m : s + m + micro]]) for m in range(0, docs_per_step, micro)]
+            for s in range(0, n, docs_per_step)
+        ]
 
     variants = {
         "random": padded_steps(Sampler("random", n, seed=1).order(0)),
-        "group_by_length": padded_steps(Sampler("group_by_length", n, per_device_train_batch_size=docs_per_step,
-                                                lengths=lengths, seed=1).order(0)),
+        "group_by_length": padded_steps(
+            Sampler("group_by_length", n, per_device_train_batch_size=docs_per_step, lengths=lengths, seed=1).order(0)
+        ),
     }
     rows = pack(docs, max_length=cap)
     per_step = max(1, len(rows) // steps)
-    variants["packed"] = [[packed_collate()(rows[s:s + per_step])] for s in range(0, len(rows), per_step)]
+    variants["packed"] = [[packed_collate()(rows[s : s + per_step])] for s in range(0, len(rows), per_step)]
     order = Sampler("random", n, seed=1).order(0)
-    variants["padding_free"] = [[padding_free_collate()([docs[i] for i in order[s + m:s + m + micro]])
-                                 for m in range(0, docs_per_step, micro)] for s in range(0, n, docs_per_step)]
+    variants["padding_free"] = [
+        [
+            padding_free_collate()([docs[i] for i in order[s + m : s + m + micro]])
+            for m in range(0, docs_per_step, micro)
+        ]
+        for s in range(0, n, docs_per_step)
+    ]
     print("\n| batches | real tokens/s | padded fraction | vs random |")
     print("|---|---|---|---|")
     base = None
@@ -155,7 +178,9 @@ def main() -> None:
         print(json.dumps(loss_child(vocab, seq, variant, device)))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one small loss config and a few steps (the suite runs it)")
+    parser.add_argument(
+        "--quick", action="store_true", help="one small loss config and a few steps (the suite runs it)"
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ns = parser.parse_args()
     torch.set_num_threads(min(2, torch.get_num_threads()))

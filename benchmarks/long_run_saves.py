@@ -43,20 +43,28 @@ def measure(variant: str, steps: int, repeat: int) -> dict[str, float]:
     import attrs
     import torch
 
-    from trainfold import checkpoint as ckpt
-    from trainfold.history import HistoryFile, window_state
-    from trainfold.models import TinyLM, TinyLMConfig
-    from trainfold.observe import MetricWindow
-    from trainfold.optim import adamw
-    from trainfold.state import init_state, scalar
+    from trainfold.ckpt import checkpoint as ckpt
+    from trainfold.core.models import TinyLM, TinyLMConfig
+    from trainfold.core.state import init_state, scalar
+    from trainfold.observe.history import HistoryFile, window_state
+    from trainfold.observe.observers import MetricWindow
+    from trainfold.optim.base import adamw
 
     torch.manual_seed(0)
     net = TinyLM(TinyLMConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_len=32))
     state = attrs.evolve(init_state(net, adamw(1e-3)), step=scalar(steps))
     out = Path(tempfile.mkdtemp())
     base = _rss_kb()
-    entries = ({"loss": 2.0 + 1e-6 * i, "grad_norm": 0.5 + 1e-7 * i, "learning_rate": 5e-5 * (1 - i / steps),
-                "epoch": i / 1000, "step": i + 1} for i in range(steps))
+    entries = (
+        {
+            "loss": 2.0 + 1e-6 * i,
+            "grad_norm": 0.5 + 1e-7 * i,
+            "learning_rate": 5e-5 * (1 - i / steps),
+            "epoch": i / 1000,
+            "step": i + 1,
+        }
+        for i in range(steps)
+    )
     if variant == "before":
         history: list = list(entries)
         metadata = lambda: {"log_history": history, "best_metric": None, "best_step": None}  # noqa: E731
@@ -67,16 +75,30 @@ def measure(variant: str, steps: int, repeat: int) -> dict[str, float]:
 
         def metadata() -> dict:
             log.sync()
-            return {"log": log.position(), "window": window_state(MetricWindow()), "best_metric": None,
-                    "best_step": None}
+            return {
+                "log": log.position(),
+                "window": window_state(MetricWindow()),
+                "best_metric": None,
+                "best_step": None,
+            }
+
     times = []
     for _ in range(repeat):
         t0 = time.perf_counter()
-        path = ckpt.save(state, ckpt.checkpoint_path(out, steps), model=net, metadata=metadata(),
-                         settings={"learning_rate": 5e-5}, run={"id": "bench", "fingerprint": "bench"})
+        path = ckpt.save(
+            state,
+            ckpt.checkpoint_path(out, steps),
+            model=net,
+            metadata=metadata(),
+            settings={"learning_rate": 5e-5},
+            run={"id": "bench", "fingerprint": "bench"},
+        )
         times.append(time.perf_counter() - t0)
-    return {"save_s": statistics.median(times), "sidecar_bytes": (path / ckpt.SIDECAR_FILE).stat().st_size,
-            "rss_mb": (_rss_kb() - base) / 1024}
+    return {
+        "save_s": statistics.median(times),
+        "sidecar_bytes": (path / ckpt.SIDECAR_FILE).stat().st_size,
+        "rss_mb": (_rss_kb() - base) / 1024,
+    }
 
 
 def main() -> None:
@@ -92,11 +114,19 @@ def main() -> None:
     print("|---:|---|---:|---:|---:|")
     for steps in a.steps:
         for variant in ("before", "after"):
-            done = subprocess.run([sys.executable, __file__, "--one", variant, str(steps), "--repeat", str(a.repeat)],
-                                  capture_output=True, text=True, check=True, env={**os.environ})
+            done = subprocess.run(
+                [sys.executable, __file__, "--one", variant, str(steps), "--repeat", str(a.repeat)],
+                capture_output=True,
+                text=True,
+                check=True,
+                env={**os.environ},
+            )
             r = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"| {steps:,} | {variant} | {r['save_s'] * 1e3:.1f} ms | {r['sidecar_bytes'] / 1e3:,.1f} kB "
-                  f"| {r['rss_mb']:.1f} MB |", flush=True)
+            print(
+                f"| {steps:,} | {variant} | {r['save_s'] * 1e3:.1f} ms | {r['sidecar_bytes'] / 1e3:,.1f} kB "
+                f"| {r['rss_mb']:.1f} MB |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ import time
 import attrs
 import torch
 
-from trainfold.samplers import Sampler, padded_cost
+from trainfold.data.samplers import Sampler, padded_cost
 
 N = 8192
 CONFIGS = [(4, 2, 4), (8, 4, 8)]  # (per_device_train_batch_size, gradient_accumulation_steps, world_size)
@@ -67,14 +67,31 @@ def table(rows: list[list[str]]) -> str:
 
 def main() -> None:
     pad_rows = [["lengths", "B x accum x world", "random", "group_by_length", "batch_rebalance"]]
-    step_rows = [["lengths", "B x accum x world", "naive max/mean", "rebalance max/mean", "rebalance makespan / naive", "sampler s/epoch"]]
+    step_rows = [
+        [
+            "lengths",
+            "B x accum x world",
+            "naive max/mean",
+            "rebalance max/mean",
+            "rebalance makespan / naive",
+            "sampler s/epoch",
+        ]
+    ]
     epoch_rows = [["lengths", "B x accum x world", "sampler", "epoch cost per rank (/ max)", "min/max"]]
     for name, make in (("lognormal", lognormal), ("uniform", uniform)):
         lengths = make(N)
         for b, a, w in CONFIGS:
             cfg = f"{b} x {a} x {w}"
-            base = Sampler("random", N, per_device_train_batch_size=b, gradient_accumulation_steps=a,
-                           world_size=w, seed=1, lengths=lengths, drop_last=True)
+            base = Sampler(
+                "random",
+                N,
+                per_device_train_batch_size=b,
+                gradient_accumulation_steps=a,
+                world_size=w,
+                seed=1,
+                lengths=lengths,
+                drop_last=True,
+            )
             runs = {}
             for strategy in ("random", "group_by_length", "batch_rebalance"):
                 t0 = time.perf_counter()
@@ -84,10 +101,20 @@ def main() -> None:
             pad_rows.append([name, cfg] + [f"{padding_fraction(runs[s], lengths):.1%}" for s in runs])
 
             naive, ours = runs["random"], runs["batch_rebalance"]
-            ratio = lambda steps, lengths=lengths: statistics.mean(max(c) / statistics.mean(c) for c in (rank_costs(s, lengths) for s in steps))
+            ratio = lambda steps, lengths=lengths: statistics.mean(
+                max(c) / statistics.mean(c) for c in (rank_costs(s, lengths) for s in steps)
+            )
             makespan = lambda steps, lengths=lengths: sum(max(rank_costs(s, lengths)) for s in steps)
-            step_rows.append([name, cfg, f"{ratio(naive):.3f}", f"{ratio(ours):.3f}",
-                              f"{makespan(ours) / makespan(naive):.3f}", f"{seconds:.2f}"])
+            step_rows.append(
+                [
+                    name,
+                    cfg,
+                    f"{ratio(naive):.3f}",
+                    f"{ratio(ours):.3f}",
+                    f"{makespan(ours) / makespan(naive):.3f}",
+                    f"{seconds:.2f}",
+                ]
+            )
 
             hf = [hf_dealing(s, lengths, w, a) for s in ours]
             for label, steps in (("batch_rebalance", ours), ("same groups, HF dealing", hf), ("naive split", naive)):

@@ -20,7 +20,7 @@ import warnings
 
 import numpy as np
 
-from trainfold.samplers import Sampler, _item_length, make_sampler
+from trainfold.data.samplers import Sampler, _item_length, make_sampler
 
 
 def best(fn, rounds: int) -> float:
@@ -61,10 +61,22 @@ def main() -> None:
     print("|---|---|---|---|")
     as_list = lengths.tolist()
     for accumulation, world in ((1, 1), (4, 1), (2, 2)):
-        ours = Sampler("batch_rebalance", ns.rows, per_device_train_batch_size=8, gradient_accumulation_steps=accumulation,
-                       world_size=world, seed=1, lengths=as_list)
-        theirs = BatchRebalanceSampler(lengths=as_list, effective_batch_size=8 * accumulation * world, dp_size=world,
-                                       grad_accum=accumulation, rank=0)
+        ours = Sampler(
+            "batch_rebalance",
+            ns.rows,
+            per_device_train_batch_size=8,
+            gradient_accumulation_steps=accumulation,
+            world_size=world,
+            seed=1,
+            lengths=as_list,
+        )
+        theirs = BatchRebalanceSampler(
+            lengths=as_list,
+            effective_batch_size=8 * accumulation * world,
+            dp_size=world,
+            grad_accum=accumulation,
+            rank=0,
+        )
         a = best(lambda: ours.global_steps(0), ns.rounds)
         b = best(lambda: list(iter(theirs)), ns.rounds)
         print(f"| GA {accumulation}, world {world} | {a:.2f} | {b:.2f} | {a / b:.2f} |")

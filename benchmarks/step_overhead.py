@@ -30,16 +30,22 @@ import time
 import torch
 
 from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step
-from trainfold.losses import causal_lm
+from trainfold.core.losses import causal_lm
 
 # hidden, layers, heads, intermediate, vocab, seq; batch 4 rows per micro-batch, 2 micro-batches
 CONFIGS = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=172, vocab_size=256, seq=128),
-    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, intermediate_size=688, vocab_size=2048, seq=128),
-    "mid-8k": dict(hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=1376, vocab_size=8192,
-                   seq=64),
-    "wide-128k": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=688,
-                      vocab_size=128256, seq=32),
+    "tiny": dict(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=172, vocab_size=256, seq=128
+    ),
+    "small": dict(
+        hidden_size=256, num_hidden_layers=4, num_attention_heads=8, intermediate_size=688, vocab_size=2048, seq=128
+    ),
+    "mid-8k": dict(
+        hidden_size=512, num_hidden_layers=4, num_attention_heads=8, intermediate_size=1376, vocab_size=8192, seq=64
+    ),
+    "wide-128k": dict(
+        hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=688, vocab_size=128256, seq=32
+    ),
 }
 ROWS, MICRO = 4, 2
 
@@ -49,13 +55,18 @@ def build(name: str):
 
     spec = dict(CONFIGS[name])
     seq = spec.pop("seq")
-    cfg = LlamaConfig(**spec, num_key_value_heads=spec["num_attention_heads"], max_position_embeddings=seq,
-                      tie_word_embeddings=False, use_cache=False)
+    cfg = LlamaConfig(
+        **spec,
+        num_key_value_heads=spec["num_attention_heads"],
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     g = torch.Generator().manual_seed(1)
     ids = [torch.randint(0, cfg.vocab_size, (ROWS, seq), generator=g) for _ in range(2 * MICRO)]
-    batches = [[{"input_ids": b, "labels": b} for b in ids[i:i + MICRO]] for i in range(0, len(ids), MICRO)]
+    batches = [[{"input_ids": b, "labels": b} for b in ids[i : i + MICRO]] for i in range(0, len(ids), MICRO)]
     return model, batches
 
 
@@ -183,20 +194,25 @@ def main() -> None:
     if args.quick:
         rounds, per = dict.fromkeys(CONFIGS, 2), dict.fromkeys(CONFIGS, 2)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {ROWS} x {MICRO} micro-batches")
-    print("| model | params | vocab | hand CPU ms | trainfold CPU ms | CPU ratio (rounds) | wall ratio "
-          "| hand peak RSS MB | trainfold peak RSS MB | RSS ratio | max param diff |")
+    print(
+        "| model | params | vocab | hand CPU ms | trainfold CPU ms | CPU ratio (rounds) | wall ratio "
+        "| hand peak RSS MB | trainfold peak RSS MB | RSS ratio | max param diff |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         r = measure(name, rounds[name], per[name])
         rss = {} if args.no_rss else {v: peak_rss(name, v, 2 if args.quick else 3, args.threads) for v in RUNNERS}
-        rss_cells = (f"{rss['hand']:.0f} | {rss['trainfold']:.0f} | {rss['trainfold'] / rss['hand']:.3f}" if rss
-                     else "- | - | -")
+        rss_cells = (
+            f"{rss['hand']:.0f} | {rss['trainfold']:.0f} | {rss['trainfold'] / rss['hand']:.3f}" if rss else "- | - | -"
+        )
         lo, hi = r["ratio_range"]
-        print(f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['vocab']} | {r['hand_ms']:.1f} | "
-              f"{r['trainfold_ms']:.1f} | "
-              f"{r['ratio']:.3f} ({lo:.2f}–{hi:.2f}) | {r['wall_ratio']:.3f} | {rss_cells} | "
-              f"{r['max_param_diff_after_warmup']:.1e} |",
-              flush=True)
+        print(
+            f"| {r['model']} | {r['params'] / 1e6:.2f}M | {r['vocab']} | {r['hand_ms']:.1f} | "
+            f"{r['trainfold_ms']:.1f} | "
+            f"{r['ratio']:.3f} ({lo:.2f}–{hi:.2f}) | {r['wall_ratio']:.3f} | {rss_cells} | "
+            f"{r['max_param_diff_after_warmup']:.1e} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Side-by-side: hand-written eager loop, transformers.Trainer, trainfold.train eager and compiled.
+"""Side-by-side: hand-written eager loop, transformers.Trainer, trainfold.hf.train eager and compiled.
 
 Same Llama-like model, data and hyperparameters (accumulation 2, warmup, clipping, weight decay,
 linear schedule, logging every 10 steps, no saving), the same number of steps. Each run is a fresh
@@ -27,9 +27,33 @@ HERE = Path(__file__).resolve().parent
 VARIANTS = ("eager", "hf_trainer", "trainfold", "trainfold_compiled")
 
 SIZES = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=172, vocab_size=256, seq=128, batch=4),
-    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, intermediate_size=688, vocab_size=2048, seq=256, batch=4),
-    "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, intermediate_size=2048, vocab_size=32000, seq=1024, batch=8),
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=172,
+        vocab_size=256,
+        seq=128,
+        batch=4,
+    ),
+    "small": dict(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        intermediate_size=688,
+        vocab_size=2048,
+        seq=256,
+        batch=4,
+    ),
+    "100m": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        intermediate_size=2048,
+        vocab_size=32000,
+        seq=1024,
+        batch=8,
+    ),
 }
 HYPER = dict(learning_rate=1e-3, warmup_steps=3, weight_decay=0.01, max_grad_norm=1.0, accumulation=2)
 
@@ -41,8 +65,13 @@ def build(size: str, steps: int, device: str = "cpu", dtype: str = "float32"):
 
     spec = dict(SIZES[size])
     seq, batch = spec.pop("seq"), spec.pop("batch")
-    cfg = LlamaConfig(**spec, num_key_value_heads=spec["num_attention_heads"], max_position_embeddings=seq,
-                      tie_word_embeddings=False, use_cache=False)
+    cfg = LlamaConfig(
+        **spec,
+        num_key_value_heads=spec["num_attention_heads"],
+        max_position_embeddings=seq,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).to(device=device, dtype=getattr(torch, dtype))
     g = torch.Generator().manual_seed(1)
@@ -59,9 +88,15 @@ def run_eager(model, rows, batch, steps, device, bf16):
     import torch
     from transformers import get_scheduler
 
-    loader = torch.utils.data.DataLoader(rows, batch_size=batch, shuffle=False,
-                                         collate_fn=lambda items: {k: torch.stack([i[k] for i in items]) for k in items[0]})
-    opt = torch.optim.AdamW(model.parameters(), lr=HYPER["learning_rate"], weight_decay=HYPER["weight_decay"], fused=True)
+    loader = torch.utils.data.DataLoader(
+        rows,
+        batch_size=batch,
+        shuffle=False,
+        collate_fn=lambda items: {k: torch.stack([i[k] for i in items]) for k in items[0]},
+    )
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=HYPER["learning_rate"], weight_decay=HYPER["weight_decay"], fused=True
+    )
     sched = get_scheduler("linear", opt, num_warmup_steps=HYPER["warmup_steps"], num_training_steps=steps)
     model.train()
     stamps = [time.perf_counter()]
@@ -82,12 +117,23 @@ def run_eager(model, rows, batch, steps, device, bf16):
 
 
 def _settings(steps, batch, output_dir, bf16):
-    return dict(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=batch,
-                gradient_accumulation_steps=HYPER["accumulation"], learning_rate=HYPER["learning_rate"],
-                warmup_steps=HYPER["warmup_steps"], weight_decay=HYPER["weight_decay"],
-                max_grad_norm=HYPER["max_grad_norm"], lr_scheduler_type="linear", logging_steps=10,
-                save_strategy="no", report_to="none", train_sampling_strategy="sequential", disable_tqdm=True,
-                bf16=bf16)
+    return dict(
+        output_dir=output_dir,
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=HYPER["accumulation"],
+        learning_rate=HYPER["learning_rate"],
+        warmup_steps=HYPER["warmup_steps"],
+        weight_decay=HYPER["weight_decay"],
+        max_grad_norm=HYPER["max_grad_norm"],
+        lr_scheduler_type="linear",
+        logging_steps=10,
+        save_strategy="no",
+        report_to="none",
+        train_sampling_strategy="sequential",
+        disable_tqdm=True,
+        bf16=bf16,
+    )
 
 
 def run_hf(model, rows, batch, steps, device, bf16, output_dir):
@@ -122,9 +168,10 @@ def run_trainfold(model, rows, batch, steps, device, bf16, output_dir, compiled)
         stamps.append(time.perf_counter())
         return False
 
-    args = trainfold.TrainingArguments(use_cpu=device == "cpu", torch_compile=compiled,
-                                       **_settings(steps, batch, output_dir, bf16))
-    trainfold.train(model, args, rows, stop=stamp)
+    args = trainfold.TrainingArguments(
+        use_cpu=device == "cpu", torch_compile=compiled, **_settings(steps, batch, output_dir, bf16)
+    )
+    trainfold.hf.train(model, args, rows, stop=stamp)
     stamps.append(time.perf_counter())
     return stamps[:1] + stamps[1:-1][: steps - 1] + stamps[-1:]
 
@@ -146,9 +193,17 @@ def one(variant: str, size: str, steps: int, device: str, bf16: bool, output_dir
     deltas = [b - a for a, b in zip(stamps, stamps[1:])]
     steady = deltas[5:] if len(deltas) > 8 else deltas[1:] or deltas
     tokens = batch * HYPER["accumulation"] * seq
-    out = {"variant": variant, "size": size, "steps": steps, "step_s": statistics.median(steady), "first_step_s": deltas[0],
-           "whole_run_s": whole, "tokens_per_s": tokens / statistics.median(steady), "peak_rss_mb": _peak_rss_mb(),
-           "params": sum(p.numel() for p in model.parameters())}
+    out = {
+        "variant": variant,
+        "size": size,
+        "steps": steps,
+        "step_s": statistics.median(steady),
+        "first_step_s": deltas[0],
+        "whole_run_s": whole,
+        "tokens_per_s": tokens / statistics.median(steady),
+        "peak_rss_mb": _peak_rss_mb(),
+        "params": sum(p.numel() for p in model.parameters()),
+    }
     if device.startswith("cuda"):
         out["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
     return out
@@ -172,23 +227,38 @@ def drive(variants, size, steps, rounds, device="cpu", bf16=False) -> list[dict]
 def table(results: list[dict]) -> list[dict]:
     """Return one row per variant: medians over rounds and ratios to the eager loop."""
     rows = []
-    base = statistics.median(r["step_s"] for r in results if r["variant"] == "eager") if any(
-        r["variant"] == "eager" for r in results) else None
-    base_run = statistics.median(r["whole_run_s"] for r in results if r["variant"] == "hf_trainer") if any(
-        r["variant"] == "hf_trainer" for r in results) else None
+    base = (
+        statistics.median(r["step_s"] for r in results if r["variant"] == "eager")
+        if any(r["variant"] == "eager" for r in results)
+        else None
+    )
+    base_run = (
+        statistics.median(r["whole_run_s"] for r in results if r["variant"] == "hf_trainer")
+        if any(r["variant"] == "hf_trainer" for r in results)
+        else None
+    )
     for v in VARIANTS:
         rs = [r for r in results if r["variant"] == v]
         if not rs:
             continue
         step = statistics.median(r["step_s"] for r in rs)
         whole = statistics.median(r["whole_run_s"] for r in rs)
-        rows.append({
-            "variant": v, "step_ms": 1e3 * step, "step_vs_eager": step / base if base else float("nan"),
-            "whole_run_s": whole, "hf_trainer_whole_run_over_this": base_run / whole if base_run else float("nan"),
-            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
-            "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs),
-            **({"max_mem_gb": statistics.median(r["max_memory_allocated_gb"] for r in rs)} if "max_memory_allocated_gb" in rs[0] else {}),
-        })
+        rows.append(
+            {
+                "variant": v,
+                "step_ms": 1e3 * step,
+                "step_vs_eager": step / base if base else float("nan"),
+                "whole_run_s": whole,
+                "hf_trainer_whole_run_over_this": base_run / whole if base_run else float("nan"),
+                "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+                "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in rs),
+                **(
+                    {"max_mem_gb": statistics.median(r["max_memory_allocated_gb"] for r in rs)}
+                    if "max_memory_allocated_gb" in rs[0]
+                    else {}
+                ),
+            }
+        )
     return rows
 
 

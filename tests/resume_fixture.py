@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from trainfold.data import keyed, pad_collate
-from trainfold.losses import causal_lm
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.optim import adamw
-from trainfold.state import init_state
-from trainfold.step import make_step
+from trainfold.core.losses import causal_lm
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.state import init_state
+from trainfold.data.pipeline import keyed, pad_collate
+from trainfold.optim.base import adamw
+from trainfold.step.driver import make_step
 
 
 def model():
@@ -61,7 +61,8 @@ def fold_run(n_steps):
 def endless_cli_config(folder: Path, output_dir: Path) -> Path:
     """Write a CLI config that trains until preempted (JIT checkpoint on, a jsonl line per step); return its path."""
     config = folder / "run.toml"
-    config.write_text(textwrap.dedent(f"""
+    config.write_text(
+        textwrap.dedent(f"""
         [model]
         type = "tinylm"
         config = {{ d_model = 16, n_layers = 1, n_heads = 2, max_len = 32 }}
@@ -78,7 +79,8 @@ def endless_cli_config(folder: Path, output_dir: Path) -> Path:
         disable_tqdm = true
         logging_steps = 1
         report_to = ["jsonl"]
-    """))
+    """)
+    )
     return config
 
 

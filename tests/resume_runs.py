@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from resume_fixture import ListDataset  # noqa: E402
 
-from trainfold.args import TrainingArguments  # noqa: E402
-from trainfold.train import train  # noqa: E402
+from trainfold.hf.args import TrainingArguments  # noqa: E402
+from trainfold.hf.train import train  # noqa: E402
 
 MAX_STEPS = 8
 VOCAB = 64
@@ -37,29 +37,58 @@ def _rows(n: int = 32, seq_len: int = 16) -> list[dict[str, list[int]]]:
 
 
 def _args(output_dir: str, **overrides) -> TrainingArguments:
-    options = dict(output_dir=output_dir, max_steps=MAX_STEPS, per_device_train_batch_size=4,
-                   gradient_accumulation_steps=2, learning_rate=3e-3, warmup_steps=2, logging_steps=1,
-                   save_steps=3, save_total_limit=2, enable_jit_checkpoint=True, report_to="none",
-                   disable_tqdm=True, seed=5, use_cpu=True)
+    options = dict(
+        output_dir=output_dir,
+        max_steps=MAX_STEPS,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=3e-3,
+        warmup_steps=2,
+        logging_steps=1,
+        save_steps=3,
+        save_total_limit=2,
+        enable_jit_checkpoint=True,
+        report_to="none",
+        disable_tqdm=True,
+        seed=5,
+        use_cpu=True,
+    )
     return TrainingArguments(**{**options, **overrides})
 
 
 def _gpt2():
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=2, n_head=2, bos_token_id=0,
-                                     eos_token_id=0,
-                                     activation_function="gelu_new", resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=32,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+        activation_function="gelu_new",
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+    )
     return transformers.GPT2LMHeadModel(config)
 
 
 def _llama():
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      attention_dropout=0.1)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.1,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
 def _tinylm():
-    from trainfold.models import TinyLM, TinyLMConfig  # noqa: PLC0415
+    from trainfold.core.models import TinyLM, TinyLMConfig  # noqa: PLC0415
 
     return TinyLM(TinyLMConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_len=32, dropout=0.1))
 
@@ -71,8 +100,13 @@ def run(name: str, output_dir: str, resume_from_checkpoint, observers=(), **over
     """Build model ``name`` from seed 0 and train it; the signature ``check_resume`` calls (via the wrappers)."""
     torch.manual_seed(0)
     model = MODELS[name]()
-    return train(model, _args(output_dir, **overrides), ListDataset(_rows()), observers=observers,
-                 resume_from_checkpoint=resume_from_checkpoint or None)
+    return train(
+        model,
+        _args(output_dir, **overrides),
+        ListDataset(_rows()),
+        observers=observers,
+        resume_from_checkpoint=resume_from_checkpoint or None,
+    )
 
 
 def gpt2(output_dir, resume_from_checkpoint, observers):
@@ -97,19 +131,24 @@ def tinylm_other_data_on_resume(output_dir, resume_from_checkpoint, observers):
     rows = _rows()
     if resume_from_checkpoint:
         rows = [{"input_ids": r["input_ids"][::-1], "labels": r["labels"][::-1]} for r in rows]
-    return train(_tinylm(), _args(output_dir), ListDataset(rows), observers=observers,
-                 resume_from_checkpoint=resume_from_checkpoint or None)
+    return train(
+        _tinylm(),
+        _args(output_dir),
+        ListDataset(rows),
+        observers=observers,
+        resume_from_checkpoint=resume_from_checkpoint or None,
+    )
 
 
 def _main(name: str, output_dir: str, mode: str, result_dir: str) -> int:
     import os  # noqa: PLC0415
 
-    from trainfold.checkpoint import latest_checkpoint  # noqa: PLC0415
-    from trainfold.preempt import JIT_SIGNALS, exit_status, preemption_guard  # noqa: PLC0415
+    from trainfold.ckpt.checkpoint import latest_checkpoint  # noqa: PLC0415
+    from trainfold.ckpt.preempt import JIT_SIGNALS, exit_status, preemption_guard  # noqa: PLC0415
     from trainfold.testing import dump_result  # noqa: PLC0415
 
     if os.environ.get("TRAINFOLD_TEST_NO_WARMUP") == "1":
-        sys.modules["trainfold.train"].warm_up_kernels = lambda *a, **k: None  # the module, not the function
+        sys.modules["trainfold.hf.train"].warm_up_kernels = lambda *a, **k: None  # the module, not the function
     with preemption_guard(JIT_SIGNALS):  # from here a SIGTERM stops the run cleanly; train shares the flag
         print("ready", flush=True)
         resume = mode == "resume" and latest_checkpoint(output_dir) is not None

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from trainfold import adamw, init_state, make_step
-from trainfold.amp import SCALER, LossScaling, initial_scaler
-from trainfold.losses import causal_lm, count_shifted_labels
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.tree import flatten
+from trainfold.core.losses import causal_lm, count_shifted_labels
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.tree import flatten
+from trainfold.step.amp import SCALER, LossScaling, initial_scaler
 
 CFG = TinyLMConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, max_len=16)
 
@@ -68,7 +68,9 @@ def test_a_skipped_step_keeps_params_and_optimizer_state_and_the_inputs_are_unto
     assert all(torch.equal(new.params[k], state.params[k]) for k in state.params)
     assert int(new.opt_state.count) == 0 and int(new.step) == 1
     assert new.extras[SCALER].scale.item() == 2.0**59 and not torch.isfinite(new.metrics["grad_norm"])
-    assert all(v._version == ver and torch.equal(v, c) for (k, v), (ver, c) in zip(flatten(state).items(), before.values()))
+    assert all(
+        v._version == ver and torch.equal(v, c) for (k, v), (ver, c) in zip(flatten(state).items(), before.values())
+    )
 
 
 def test_the_scaler_must_be_in_the_state_and_is_refused_with_compile():
@@ -83,13 +85,26 @@ def test_the_scaler_must_be_in_the_state_and_is_refused_with_compile():
 
 
 def test_train_with_fp16_scales_checkpoints_and_resumes_the_scaler(tmp_path):
-    from trainfold import TrainingArguments, checkpoint, train
+    from trainfold import TrainingArguments
+    from trainfold.ckpt import checkpoint
+    from trainfold.hf import train
 
     rows = [{"input_ids": list(range(i, i + 12)), "labels": list(range(i, i + 12))} for i in range(16)]
-    base = {"max_steps": 4, "per_device_train_batch_size": 4, "logging_steps": 1, "report_to": "none",
-            "disable_tqdm": True, "learning_rate": 1e-2, "fp16": True, "save_strategy": "steps", "save_steps": 2}
+    base = {
+        "max_steps": 4,
+        "per_device_train_batch_size": 4,
+        "logging_steps": 1,
+        "report_to": "none",
+        "disable_tqdm": True,
+        "learning_rate": 1e-2,
+        "fp16": True,
+        "save_strategy": "steps",
+        "save_steps": 2,
+    }
     straight = train(lm(), TrainingArguments(output_dir=str(tmp_path / "a"), **base), rows)
-    assert straight.state.extras[SCALER].scale.item() == 2.0**16 and int(straight.state.extras[SCALER].growth_tracker) == 4
+    assert (
+        straight.state.extras[SCALER].scale.item() == 2.0**16 and int(straight.state.extras[SCALER].growth_tracker) == 4
+    )
     saved = checkpoint.load(tmp_path / "a" / "checkpoint-2", like=straight.state)
     assert int(saved.extras[SCALER].growth_tracker) == 2
     out = tmp_path / "b"
@@ -98,14 +113,16 @@ def test_train_with_fp16_scales_checkpoints_and_resumes_the_scaler(tmp_path):
     for k in straight.state.params:
         assert torch.equal(resumed.state.params[k], straight.state.params[k]), k
     assert int(resumed.state.extras[SCALER].growth_tracker) == 4
-    for settings_, message in [({"fp16": True, "bf16": True}, "choose one"),
-                               ({"fp16": True, "torch_compile": True}, "fp16 .loss scaling. with torch_compile")]:
+    for settings_, message in [
+        ({"fp16": True, "bf16": True}, "choose one"),
+        ({"fp16": True, "torch_compile": True}, "fp16 .loss scaling. with torch_compile"),
+    ]:
         with pytest.raises(ValueError, match=message):
             TrainingArguments(**settings_)
 
 
 def test_an_overflowing_loss_is_skipped_and_left_out_of_the_logged_means():
-    from trainfold.observe import LogMark, log_entry, train_summary
+    from trainfold.observe.observers import LogMark, log_entry, train_summary
 
     def objective(forward, params, micro, num_items, key):  # the second batch's loss overflows
         inputs = {"input_ids": micro["input_ids"]}

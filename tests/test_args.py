@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from trainfold.args import TrainingArguments
+from trainfold.hf.args import TrainingArguments
 
 
 def test_defaults_match_transformers_where_names_are_shared():
@@ -31,8 +31,12 @@ def test_unknown_names_suggest_the_closest():
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ValueError) as info:
         TrainingArguments(
-            per_device_train_batch_size=0, learning_rate="fast", eval_on_start=True, save_strategy="best",
-            dataloader_persistent_workers=True, lr_scheduler_type="triangle",
+            per_device_train_batch_size=0,
+            learning_rate="fast",
+            eval_on_start=True,
+            save_strategy="best",
+            dataloader_persistent_workers=True,
+            lr_scheduler_type="triangle",
         )
     text = str(info.value)
     for needle in (
@@ -50,8 +54,14 @@ def test_every_problem_is_reported_at_once():
     "settings, message",
     [
         ({"load_best_model_at_end": True}, "load_best_model_at_end=True needs eval_strategy"),
-        ({"load_best_model_at_end": True, "eval_strategy": "epoch", "save_strategy": "steps"}, "needs save_strategy to match"),
-        ({"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 4}, "multiple of eval_steps"),
+        (
+            {"load_best_model_at_end": True, "eval_strategy": "epoch", "save_strategy": "steps"},
+            "needs save_strategy to match",
+        ),
+        (
+            {"load_best_model_at_end": True, "eval_strategy": "steps", "eval_steps": 3, "save_steps": 4},
+            "multiple of eval_steps",
+        ),
         ({"logging_steps": 1.5}, "logging_steps must be a positive int, or a float < 1"),
         ({"max_steps": -1, "num_train_epochs": 0}, "needs max_steps > 0 or num_train_epochs > 0"),
         ({"report_to": ["jsonl", "mlflow"]}, r"unknown reporters \['mlflow'\]"),
@@ -65,7 +75,10 @@ def test_every_problem_is_reported_at_once():
         ({"logging_nan_inf_filter": False}, "logged means always leave out inf/NaN step losses"),
         ({"label_smoothing_factor": 1.0}, r"label_smoothing_factor must be in \[0, 1\), got 1.0"),
         ({"optim": "adafactor"}, r"optim='adafactor' is not one of \['adamw_torch_fused', 'adamw_torch', 'sgd'\]"),
-        ({"optim": "sgd", "optim_args": "momentum=0.9,weight_decay=0.1"}, r"optim_args \['weight_decay'\] are not taken"),
+        (
+            {"optim": "sgd", "optim_args": "momentum=0.9,weight_decay=0.1"},
+            r"optim_args \['weight_decay'\] are not taken",
+        ),
         ({"optim": "sgd", "optim_args": "momentum"}, "optim_args must be 'key=value,key=value'"),
         ({"optim": "sgd", "optim_args": "momentum=fast"}, "optim_args values must be numbers"),
         ({"optim_args": "momentum=0.9"}, r"not taken by optim='adamw_torch_fused' \(it takes \[\]\)"),
@@ -78,8 +91,13 @@ def test_impossible_settings(settings, message):
 
 
 def test_valid_combinations_and_helpers():
-    args = TrainingArguments(eval_strategy="steps", eval_steps=5, save_steps=10, load_best_model_at_end=True,
-                             report_to=["jsonl", "tensorboard"])
+    args = TrainingArguments(
+        eval_strategy="steps",
+        eval_steps=5,
+        save_steps=10,
+        load_best_model_at_end=True,
+        report_to=["jsonl", "tensorboard"],
+    )
     assert args.metric_key == "eval_loss"
     assert args.reporters == ("jsonl", "tensorboard")
     assert args.replace(learning_rate=0.1).learning_rate == 0.1
@@ -96,7 +114,7 @@ def test_optim_args_are_parsed_like_hf():
 def test_every_setting_has_its_type_checked():
     import attrs
 
-    from trainfold.args import _TYPES
+    from trainfold.hf.args import _TYPES
 
     assert set(_TYPES) == {f.name for f in attrs.fields(TrainingArguments)}
 
@@ -108,23 +126,48 @@ NAN, INF = float("nan"), float("inf")
 
 def test_non_finite_settings_are_refused_by_name_all_at_once():
     with pytest.raises(ValueError) as info:
-        TrainingArguments(learning_rate=NAN, weight_decay=NAN, adam_epsilon=0.0, max_grad_norm=NAN, warmup_steps=NAN,
-                          save_steps=NAN, eval_steps=NAN, num_train_epochs=NAN, seed=2**70, logging_steps=INF)
+        TrainingArguments(
+            learning_rate=NAN,
+            weight_decay=NAN,
+            adam_epsilon=0.0,
+            max_grad_norm=NAN,
+            warmup_steps=NAN,
+            save_steps=NAN,
+            eval_steps=NAN,
+            num_train_epochs=NAN,
+            seed=2**70,
+            logging_steps=INF,
+        )
     text = str(info.value)
     for needle in (
-        "learning_rate=nan is not a finite number", "weight_decay=nan is not a finite number",
-        "adam_epsilon must be > 0", "max_grad_norm=nan is not a finite number (0 turns clipping off)",
-        "warmup_steps=nan is not", "save_steps=nan is not", "eval_steps=nan is not", "num_train_epochs=nan is not",
-        "logging_steps=inf is not", "seed=1180591620717411303424 is out of range",
+        "learning_rate=nan is not a finite number",
+        "weight_decay=nan is not a finite number",
+        "adam_epsilon must be > 0",
+        "max_grad_norm=nan is not a finite number (0 turns clipping off)",
+        "warmup_steps=nan is not",
+        "save_steps=nan is not",
+        "eval_steps=nan is not",
+        "num_train_epochs=nan is not",
+        "logging_steps=inf is not",
+        "seed=1180591620717411303424 is out of range",
     ):
         assert needle in text
     assert "cannot convert" not in text and text.count("\n  - ") == 10  # one line per setting, nothing doubled
 
 
-@pytest.mark.parametrize("settings", [
-    {"learning_rate": INF}, {"adam_epsilon": -1e-8}, {"max_grad_norm": INF}, {"eval_delay": NAN},
-    {"neftune_noise_alpha": NAN}, {"data_seed": 2**64}, {"seed": -1}, {"num_train_epochs": INF, "max_steps": 5},
-])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"learning_rate": INF},
+        {"adam_epsilon": -1e-8},
+        {"max_grad_norm": INF},
+        {"eval_delay": NAN},
+        {"neftune_noise_alpha": NAN},
+        {"data_seed": 2**64},
+        {"seed": -1},
+        {"num_train_epochs": INF, "max_steps": 5},
+    ],
+)
 def test_each_non_finite_or_out_of_range_setting_is_named(settings):
     name = next(iter(settings))
     with pytest.raises(ValueError, match=rf"- {name}(=| must)"):
@@ -150,50 +193,85 @@ def test_every_transformers_setting_is_taken_or_refused_as_an_hf_setting_never_a
         with pytest.raises(TypeError) as info:
             TrainingArguments(**{name: object()})  # a value that asks for something trainfold does not do
         text = str(info.value)
-        if "is a transformers.TrainingArguments setting that trainfold does not take: " not in text or "did you" in text:
+        if (
+            "is a transformers.TrainingArguments setting that trainfold does not take: " not in text
+            or "did you" in text
+        ):
             unexplained.append((name, text))
     assert unexplained == []
 
 
 def test_hf_settings_say_why_and_what_instead_all_at_once():
     with pytest.raises(TypeError) as info:
-        TrainingArguments(push_to_hub=True, hub_model_id="me/model", deepspeed="ds.json", fsdp_config={"x": 1},
-                          auto_find_batch_size=True, save_safetensors=False,
-                          include_for_metrics=["inputs"], group_by_length=True, learnig_rate=1e-3)
+        TrainingArguments(
+            push_to_hub=True,
+            hub_model_id="me/model",
+            deepspeed="ds.json",
+            fsdp_config={"x": 1},
+            auto_find_batch_size=True,
+            save_safetensors=False,
+            include_for_metrics=["inputs"],
+            group_by_length=True,
+            learnig_rate=1e-3,
+        )
     text = str(info.value)
     assert text.startswith("unknown TrainingArguments: 'learnig_rate' (did you mean 'learning_rate'?)\n")
     for needle in (
         "push_to_hub=True is a transformers.TrainingArguments setting that trainfold does not take: trainfold never "
-        "uploads", "hub_model_id='me/model' is", "deepspeed='ds.json' is", "fsdp_config={'x': 1} is",
-        "auto_find_batch_size=True is", "save_safetensors=False is",
-        "include_for_metrics=['inputs'] is", "group_by_length=True is",
-        "write train_sampling_strategy='group_by_length'", "set per_device_train_batch_size",
+        "uploads",
+        "hub_model_id='me/model' is",
+        "deepspeed='ds.json' is",
+        "fsdp_config={'x': 1} is",
+        "auto_find_batch_size=True is",
+        "save_safetensors=False is",
+        "include_for_metrics=['inputs'] is",
+        "group_by_length=True is",
+        "write train_sampling_strategy='group_by_length'",
+        "set per_device_train_batch_size",
     ):
         assert needle in text
     assert text.count("did you mean") == 1
 
 
-@pytest.mark.parametrize("name, value, fix", [
-    ("evaluation_strategy", "epoch", "write eval_strategy='epoch'"),
-    ("per_gpu_train_batch_size", 4, "write per_device_train_batch_size=4"),
-    ("no_cuda", True, "write use_cpu=True"),
-    ("warmup_ratio", 0.1, "write warmup_steps=0.1"),
-    ("torchdynamo", "inductor", "write torch_compile_backend='inductor'"),
-])
+@pytest.mark.parametrize(
+    "name, value, fix",
+    [
+        ("evaluation_strategy", "epoch", "write eval_strategy='epoch'"),
+        ("per_gpu_train_batch_size", 4, "write per_device_train_batch_size=4"),
+        ("no_cuda", True, "write use_cpu=True"),
+        ("warmup_ratio", 0.1, "write warmup_steps=0.1"),
+        ("torchdynamo", "inductor", "write torch_compile_backend='inductor'"),
+    ],
+)
 def test_older_transformers_names_point_to_the_current_one(name, value, fix):
     with pytest.raises(TypeError, match=rf"{name}=.* is a transformers.TrainingArguments setting .*{fix}"):
         TrainingArguments(**{name: value})
 
 
 def test_hf_settings_that_ask_for_what_trainfold_does_anyway_are_taken():
-    args = TrainingArguments(push_to_hub=False, save_safetensors=True, group_by_length=False, do_train=True,
-                             deepspeed=None, fsdp="", average_tokens_across_devices=True, max_steps=3)
+    args = TrainingArguments(
+        push_to_hub=False,
+        save_safetensors=True,
+        group_by_length=False,
+        do_train=True,
+        deepspeed=None,
+        fsdp="",
+        average_tokens_across_devices=True,
+        max_steps=3,
+    )
     assert args == TrainingArguments(max_steps=3) and "push_to_hub" not in args.to_dict()
     assert TrainingArguments(gradient_checkpointing=True).checkpoint_every == 1  # HF 5's own alias, taken
 
 
 def test_non_finite_values_inside_scheduler_and_optimizer_options_are_named():
-    with pytest.raises(ValueError, match=r"lr_scheduler_kwargs min_lr=nan is not a finite number(.|\n)*"
-                                         r"optim_args momentum=inf is not a finite number"):
-        TrainingArguments(lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": NAN},
-                          optim="sgd", optim_args="momentum=inf")
+    with pytest.raises(
+        ValueError,
+        match=r"lr_scheduler_kwargs min_lr=nan is not a finite number(.|\n)*"
+        r"optim_args momentum=inf is not a finite number",
+    ):
+        TrainingArguments(
+            lr_scheduler_type="cosine_with_min_lr",
+            lr_scheduler_kwargs={"min_lr": NAN},
+            optim="sgd",
+            optim_args="momentum=inf",
+        )

@@ -25,8 +25,9 @@ def test_step_overhead_quick():
 
 
 def test_gpu_script_runs_small_on_cpu():
-    out = run("benchmarks/gpu.py", "--steps", "3", "--variants", "eager", "trainfold", "--ensemble",
-              "--ensemble-rounds", "1")
+    out = run(
+        "benchmarks/gpu.py", "--steps", "3", "--variants", "eager", "trainfold", "--ensemble", "--ensemble-rounds", "1"
+    )
     assert "| eager |" in out and "| trainfold |" in out
     assert "| ensemble vmap eager |" in out and "| 4 x eager loop (sdpa) |" in out
 
@@ -44,6 +45,8 @@ def test_llm_memory_quick():
 def test_sampler_scale_small():
     out = run("benchmarks/sampler_scale.py", "--rows", "20000", "--rounds", "1")
     assert "| length column |" in out and "| GA 2, world 2 |" in out
+
+
 def test_long_run_saves_quick():
     out = run("benchmarks/long_run_saves.py", "--steps", "100", "--repeat", "1")
     assert "| 100 | before |" in out and "| 100 | after |" in out

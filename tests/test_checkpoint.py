@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.checkpoint import (
+from trainfold.ckpt.checkpoint import (
     INCOMPLETE_MARKER,
     MODEL_FILE,
     SIDECAR_FILE,
@@ -34,7 +34,7 @@ from trainfold.checkpoint import (
     save,
     warm_start,
 )
-from trainfold.checkpoint_policy import (
+from trainfold.ckpt.policy import (
     best_checkpoint,
     best_metric,
     check_compatible,
@@ -43,10 +43,10 @@ from trainfold.checkpoint_policy import (
     should_save,
     update_best,
 )
-from trainfold.fold import trajectory
-from trainfold.optim import adamw, sgd
-from trainfold.state import Cursor, TrainState, init_state, scalar
-from trainfold.tree import flatten
+from trainfold.core.fold import trajectory
+from trainfold.core.state import Cursor, TrainState, init_state, scalar
+from trainfold.core.tree import flatten
+from trainfold.optim.base import adamw, sgd
 
 # The run the resume tests share: resume_fixture.fold_run, here and in the subprocesses.
 SETUP = textwrap.dedent(
@@ -147,7 +147,7 @@ def test_save_replaces_an_existing_checkpoint(tmp_path):
 
 
 def test_config_json_from_a_dict_or_the_models_config(tmp_path):
-    from trainfold.models import TinyLM, TinyLMConfig
+    from trainfold.core.models import TinyLM, TinyLMConfig
 
     model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
     state = init_state(model, sgd(0.1))
@@ -160,7 +160,7 @@ def test_config_json_from_a_dict_or_the_models_config(tmp_path):
 
 
 def test_model_weights_use_state_dict_names_with_ties_once():
-    from trainfold.models import TinyLM, TinyLMConfig
+    from trainfold.core.models import TinyLM, TinyLMConfig
 
     model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
     model.register_buffer("scratch", torch.zeros(2), persistent=False)
@@ -192,11 +192,22 @@ trees = st.dictionaries(names, tensors(), max_size=4)
 
 
 @settings(max_examples=15, deadline=None)
-@given(params=st.dictionaries(names, tensors(), min_size=1, max_size=4), buffers=trees,
-       opt=st.tuples(trees, trees), metrics=trees, step=st.integers(0, 10**6))
+@given(
+    params=st.dictionaries(names, tensors(), min_size=1, max_size=4),
+    buffers=trees,
+    opt=st.tuples(trees, trees),
+    metrics=trees,
+    step=st.integers(0, 10**6),
+)
 def test_round_trip_property(tmp_path_factory, params, buffers, opt, metrics, step):
-    state = TrainState(params=params, buffers=buffers, opt_state=opt, step=scalar(step), metrics=metrics,
-                       extras={"best": best_metric(greater_is_better=True)})
+    state = TrainState(
+        params=params,
+        buffers=buffers,
+        opt_state=opt,
+        step=scalar(step),
+        metrics=metrics,
+        extras={"best": best_metric(greater_is_better=True)},
+    )
     path = save(state, tmp_path_factory.mktemp("rt") / "c")
     assert_states_equal(load(path, like=state), state)
 
@@ -288,9 +299,9 @@ def test_metadata_must_be_json(tmp_path):
 CRASH = textwrap.dedent(
     """
     import sys, time, attrs, torch
-    from trainfold.checkpoint import save, checkpoint_path
-    from trainfold.optim import adamw
-    from trainfold.state import init_state, scalar
+    from trainfold.ckpt.checkpoint import save, checkpoint_path
+    from trainfold.optim.base import adamw
+    from trainfold.core.state import init_state, scalar
     out = sys.argv[1]
     state = init_state(torch.nn.Linear(64, 64), adamw(1e-3))
     save(attrs.evolve(state, step=scalar(1)), checkpoint_path(out, 1))
@@ -304,7 +315,9 @@ CRASH = textwrap.dedent(
 
 @pytest.mark.parametrize("second", [2, 1])  # a new step, and a rewrite of the step already there
 def test_kill_9_during_save_leaves_the_previous_complete_checkpoint(tmp_path, second):
-    proc = subprocess.Popen([sys.executable, "-c", CRASH, str(tmp_path), str(second)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASH, str(tmp_path), str(second)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert proc.stdout.readline().strip() == f"wrote {STATE_FILE}"
     finally:
@@ -367,8 +380,8 @@ def test_resume_checkpoint_follows_resume_from_checkpoint(tmp_path):
 RESUME = SETUP + textwrap.dedent(
     """
     import sys
-    from trainfold.checkpoint import load, save
-    from trainfold.fold import trajectory
+    from trainfold.ckpt.checkpoint import load, save
+    from trainfold.core.fold import trajectory
     torch.set_num_threads(1)
     model, step, fresh, batches = make_run()
     for path in sys.argv[1:]:
@@ -401,7 +414,12 @@ def test_resume_in_a_fresh_process_is_bitwise_equal_to_not_stopping(tmp_path):
 
 def test_should_save_follows_the_strategy():
     assert [s for s in range(1, 11) if should_save(s, save_strategy="steps", save_steps=4)] == [4, 8]
-    assert [s for s in range(1, 11) if should_save(s, save_strategy="steps", save_steps=0.25, max_steps=10)] == [3, 6, 9, 10]
+    assert [s for s in range(1, 11) if should_save(s, save_strategy="steps", save_steps=0.25, max_steps=10)] == [
+        3,
+        6,
+        9,
+        10,
+    ]
     assert should_save(5, save_strategy="epoch", epoch_end=True) and not should_save(5, save_strategy="epoch")
     assert should_save(5, save_strategy="best", new_best=True) and not should_save(5, save_strategy="best")
     with pytest.raises(ValueError, match="save_strategy 'sometimes' is not one of"):
@@ -462,9 +480,20 @@ def test_rotation_property(tmp_path_factory, steps, limit, data):
 
 @pytest.mark.parametrize(
     ("name", "expected"),
-    [("eval_loss", False), ("loss", False), ("eval_nll_loss_avg", False), ("eval_perplexity", False),
-     ("wer", False), ("eval_mean_squared_error", False), ("eval_accuracy", True), ("f1", True),
-     ("eval_rougeL", True), ("bleu", True), ("eval_exact_match", True), ("eval_answer_accuracy", True)],
+    [
+        ("eval_loss", False),
+        ("loss", False),
+        ("eval_nll_loss_avg", False),
+        ("eval_perplexity", False),
+        ("wer", False),
+        ("eval_mean_squared_error", False),
+        ("eval_accuracy", True),
+        ("f1", True),
+        ("eval_rougeL", True),
+        ("bleu", True),
+        ("eval_exact_match", True),
+        ("eval_answer_accuracy", True),
+    ],
 )
 def test_greater_is_better_defaults_where_certain(name, expected):
     assert greater_is_better_for(name) is expected
@@ -489,12 +518,20 @@ def test_best_metric_tracker_survives_a_save_and_load(tmp_path):
 
 
 def test_check_compatible_lists_every_trajectory_difference():
-    saved = {"gradient_accumulation_steps": 2, "world_size": 1, "per_device_train_batch_size": 8, "seed": 0,
-             "learning_rate": 1e-3}
+    saved = {
+        "gradient_accumulation_steps": 2,
+        "world_size": 1,
+        "per_device_train_batch_size": 8,
+        "seed": 0,
+        "learning_rate": 1e-3,
+    }
     check_compatible(saved, {**saved, "learning_rate": 5e-4, "warmup_steps": 10})
     changed = {**saved, "gradient_accumulation_steps": 4}
     del changed["per_device_train_batch_size"]
-    with pytest.raises(ValueError, match=r"gradient_accumulation_steps: saved 2, now 4; per_device_train_batch_size: saved 8, now 'unset'"):
+    with pytest.raises(
+        ValueError,
+        match=r"gradient_accumulation_steps: saved 2, now 4; per_device_train_batch_size: saved 8, now 'unset'",
+    ):
         check_compatible(saved, changed, source="out/checkpoint-3")
 
 
@@ -506,13 +543,22 @@ def test_model_safetensors_loads_with_from_pretrained(tmp_path, tie):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, use_cache=False,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        use_cache=False,
     )
     model = transformers.LlamaForCausalLM(config)
     state = init_state(model, adamw(1e-3))
     g = torch.Generator().manual_seed(1)
-    state = attrs.evolve(state, params={k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in state.params.items()})
+    state = attrs.evolve(
+        state, params={k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in state.params.items()}
+    )
     path = save(state, tmp_path / "c", model=model)
     with torch.no_grad():
         for name, p in model.named_parameters():

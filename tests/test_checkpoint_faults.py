@@ -24,15 +24,31 @@ import pytest
 import torch
 from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
 
-from trainfold import TrainingArguments, checkpoint, run_dir, train
-from trainfold.tree import flatten
+from trainfold import TrainingArguments
+from trainfold.ckpt import checkpoint, run_dir
+from trainfold.core.tree import flatten
+from trainfold.hf import train
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 
-BASE = dict(max_steps=8, per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=1e-2,
-            warmup_steps=2, weight_decay=0.1, max_grad_norm=1.0, seed=11, logging_steps=1, save_strategy="steps",
-            save_steps=2, save_total_limit=1, enable_jit_checkpoint=True, report_to="none", disable_tqdm=True)
+BASE = dict(
+    max_steps=8,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    learning_rate=1e-2,
+    warmup_steps=2,
+    weight_decay=0.1,
+    max_grad_norm=1.0,
+    seed=11,
+    logging_steps=1,
+    save_strategy="steps",
+    save_steps=2,
+    save_total_limit=1,
+    enable_jit_checkpoint=True,
+    report_to="none",
+    disable_tqdm=True,
+)
 
 # scenario -> (resume_from_checkpoint of the killed run, the step it is preempted at (a JIT save), or None)
 # "resume": resumes checkpoint-2, saves 4 and 6 (each rotating the one before), is preempted at 6: the JIT
@@ -74,8 +90,14 @@ CHILD = textwrap.dedent(f"""
 def _train(out: Path, resume, stop=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", checkpoint.CheckpointWarning)
-        return train(model(), TrainingArguments(output_dir=str(out), **BASE), rows(), data_collator=collate,
-                     stop=stop, resume_from_checkpoint=resume)
+        return train(
+            model(),
+            TrainingArguments(output_dir=str(out), **BASE),
+            rows(),
+            data_collator=collate,
+            stop=stop,
+            resume_from_checkpoint=resume,
+        )
 
 
 def _base(tmp: Path) -> Path:
@@ -156,8 +178,13 @@ def test_a_killed_writer_always_leaves_a_checkpoint_of_the_run_that_resumes_bitw
         points = list(range(1, len(labels) + 1))
         if not full_slow:  # the points where a crash matters most, one each
             wanted = ("replace:exchanged", "rotate:renamed", "mark_jit:wrote", "save:wrote:sidecar")
-            points = sorted({next(i for i, lb in enumerate(labels, 1) if lb.startswith(w))
-                             for w in wanted if any(lb.startswith(w) for lb in labels)})
+            points = sorted(
+                {
+                    next(i for i, lb in enumerate(labels, 1) if lb.startswith(w))
+                    for w in wanted
+                    if any(lb.startswith(w) for lb in labels)
+                }
+            )
         for i in points:
             outcomes.append((scenario, labels[i - 1], "exit", _trial(tmp_path, scenario, i, "exit", straight, fp)))
         rng = random.Random(len(labels))

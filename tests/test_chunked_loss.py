@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfold import init_state, make_step, sgd
-from trainfold.chunked_loss import chunked_causal_lm, chunked_cross_entropy, chunked_token_logps
-from trainfold.losses import causal_lm, count_shifted_labels
+from trainfold.core.chunked_loss import chunked_causal_lm, chunked_cross_entropy, chunked_token_logps
+from trainfold.core.losses import causal_lm, count_shifted_labels
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,7 +34,9 @@ def test_value_and_gradients_equal_the_plain_loss(batch, length, chunk, smoothin
     ) / n.clamp(min=1)
     ours = chunked_cross_entropy(hidden, weight, labels, n, bias=bias, chunk_size=chunk, label_smoothing=smoothing)
     torch.testing.assert_close(ours, plain, rtol=1e-6, atol=1e-6)
-    for a, b in zip(torch.autograd.grad(ours, (hidden, weight, bias)), torch.autograd.grad(plain, (hidden, weight, bias))):
+    for a, b in zip(
+        torch.autograd.grad(ours, (hidden, weight, bias)), torch.autograd.grad(plain, (hidden, weight, bias))
+    ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -51,15 +53,24 @@ def test_token_logps_equal_log_softmax_gathered():
 
 def llama(tie: bool = False, vocab: int = 64):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie, use_cache=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def gpt2():
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False,
-                                  bos_token_id=0, eos_token_id=0)
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False, bos_token_id=0, eos_token_id=0
+    )
     return transformers.GPT2LMHeadModel(cfg)  # ties lm_head to wte
 
 
@@ -120,8 +131,15 @@ def test_the_loss_keeps_a_fraction_of_the_plain_memory_at_vocab_32k():
 def test_models_whose_logits_are_not_a_linear_map_are_refused():
     with pytest.raises(ValueError, match="no output embedding"):
         chunked_causal_lm(torch.nn.Linear(2, 2))
-    cfg = transformers.Gemma2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                    num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    cfg = transformers.Gemma2Config(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         chunked_causal_lm(transformers.Gemma2ForCausalLM(cfg))
 
@@ -140,13 +158,15 @@ def test_shapes_that_do_not_fit_are_refused():
 
 
 def test_dpo_log_probs_chunk_by_chunk_equal_the_logits_path():
-    from trainfold.dpo import dpo_objective, preference_collate
+    from trainfold.recipes.dpo import dpo_objective, preference_collate
 
     model = llama()
     params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
     ref = {k: v.detach() + 0.01 * torch.randn_like(v) for k, v in model.named_parameters()}
-    items = [{"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5], "rejected_ids": [6, 7, 8, 9]},
-             {"prompt_ids": [10], "chosen_ids": [11, 12, 13], "rejected_ids": [14]}]
+    items = [
+        {"prompt_ids": [1, 2, 3], "chosen_ids": [4, 5], "rejected_ids": [6, 7, 8, 9]},
+        {"prompt_ids": [10], "chosen_ids": [11, 12, 13], "rejected_ids": [14]},
+    ]
     batch = preference_collate(eos_token_id=2)(items)
 
     def forward(p, inputs):
@@ -166,7 +186,7 @@ def test_dpo_log_probs_chunk_by_chunk_equal_the_logits_path():
 
 
 def test_grpo_log_probs_chunk_by_chunk_equal_the_logits_path():
-    from trainfold.grpo import grpo_objective
+    from trainfold.recipes.grpo import grpo_objective
 
     model = llama()
     params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
@@ -175,9 +195,14 @@ def test_grpo_log_probs_chunk_by_chunk_equal_the_logits_path():
     completion = torch.zeros_like(ids)
     completion[:, 4:] = 1
     completion[1, 7:] = 0
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion,
-             "advantages": torch.tensor([1.0, -0.5, 0.25, 0.0]),
-             "old_logps": -4.0 + 0.1 * torch.randn(4, 8, generator=g), "ref_logps": -4.0 + 0.1 * torch.randn(4, 8, generator=g)}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "completion_mask": completion,
+        "advantages": torch.tensor([1.0, -0.5, 0.25, 0.0]),
+        "old_logps": -4.0 + 0.1 * torch.randn(4, 8, generator=g),
+        "ref_logps": -4.0 + 0.1 * torch.randn(4, 8, generator=g),
+    }
 
     def forward(p, inputs):
         return torch.func.functional_call(model, p, args=(), kwargs=dict(inputs))
@@ -195,14 +220,20 @@ def test_grpo_log_probs_chunk_by_chunk_equal_the_logits_path():
 
 
 def test_rollout_scores_old_and_reference_log_probs_chunk_by_chunk_alike():
-    from trainfold.grpo import make_rollout
+    from trainfold.recipes.grpo import make_rollout
 
     model = llama()
     opt = sgd(0.1)
     state = init_state(model, opt)
     ref = {k: v.detach() + 0.01 for k, v in state.params.items()}
-    settings_ = dict(encode=lambda s: [1 + int(c) for c in s], decode=lambda ids: "".join(str(i % 10) for i in ids),
-                     num_generations=2, max_new_tokens=4, optimizer_steps_per_generation=2, ref_params=ref)
+    settings_ = dict(
+        encode=lambda s: [1 + int(c) for c in s],
+        decode=lambda ids: "".join(str(i % 10) for i in ids),
+        num_generations=2,
+        max_new_tokens=4,
+        optimizer_steps_per_generation=2,
+        ref_params=ref,
+    )
 
     def reward(prompts, completions, **_):
         return [float(len(c)) for c in completions]
@@ -238,7 +269,8 @@ def test_the_chunked_update_does_not_depend_on_how_the_step_is_split(split, seed
 
 @pytest.mark.slow
 def test_the_compiled_step_gives_the_eager_update():
-    from trainfold import adamw, losses
+    from trainfold import adamw
+    from trainfold.core import losses
 
     model = llama()
     opt = adamw(1e-2)

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from trainfold import checkpoint
 from trainfold.__main__ import ConfigError, apply_overrides, load_config, main, split_resume
+from trainfold.ckpt import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,10 +34,17 @@ per_device_train_batch_size = 4
 save_strategy = "no"
 report_to = ["jsonl"]
 """
-PLAIN = {"model": {"type": "tinylm", "config": {"d_model": 16, "n_layers": 1, "n_heads": 2, "max_len": 32}},
-         "data": {"train": "stdlib", "seq_len": 32, "max_bytes": 20000},
-         "args": {"output_dir": "OUT", "max_steps": 2, "per_device_train_batch_size": 4, "save_strategy": "no",
-                  "report_to": ["jsonl"]}}
+PLAIN = {
+    "model": {"type": "tinylm", "config": {"d_model": 16, "n_layers": 1, "n_heads": 2, "max_len": 32}},
+    "data": {"train": "stdlib", "seq_len": 32, "max_bytes": 20000},
+    "args": {
+        "output_dir": "OUT",
+        "max_steps": 2,
+        "per_device_train_batch_size": 4,
+        "save_strategy": "no",
+        "report_to": ["jsonl"],
+    },
+}
 YAML = """
 model: {type: tinylm, config: {d_model: 16, n_layers: 1, n_heads: 2, max_len: 32}}
 data: {train: stdlib, seq_len: 32, max_bytes: 20000}
@@ -58,16 +65,19 @@ def write(folder: Path, name: str, text: str, out: Path | None = None) -> Path:
 
 def cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "trainfold", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "trainfold", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 # -- formats, help ---------------------------------------------------------------------------------
 
 
 def test_toml_json_and_yaml_configs_read_the_same(tmp_path):
-    configs = [load_config(write(tmp_path, "run.toml", TOML)),
-               load_config(write(tmp_path, "run.json", json.dumps(PLAIN)))]
+    configs = [
+        load_config(write(tmp_path, "run.toml", TOML)),
+        load_config(write(tmp_path, "run.json", json.dumps(PLAIN))),
+    ]
     if importlib.util.find_spec("yaml") is not None:  # YAML needs pyyaml (installed with the test environment)
         configs += [load_config(write(tmp_path, "run.yaml", YAML)), load_config(write(tmp_path, "run.yml", YAML))]
     expected = json.loads(json.dumps(PLAIN).replace("OUT", str(tmp_path / "out")))
@@ -87,8 +97,18 @@ def test_help_documents_the_config_format_with_an_example(capsys):
         main(["train", "--help"])
     assert done.value.code == 0
     text = capsys.readouterr().out
-    for needle in ("TOML, JSON or YAML", "[model]", "[data]", "[args]", "Example (run.toml)", 'type = "tinylm"',
-                   "--set args.max_steps=10", "--resume", "resume_from_checkpoint", "143"):
+    for needle in (
+        "TOML, JSON or YAML",
+        "[model]",
+        "[data]",
+        "[args]",
+        "Example (run.toml)",
+        'type = "tinylm"',
+        "--set args.max_steps=10",
+        "--resume",
+        "resume_from_checkpoint",
+        "143",
+    ):
         assert needle in text, needle
 
 
@@ -96,9 +116,20 @@ def test_help_documents_the_config_format_with_an_example(capsys):
 
 
 def test_set_overrides_nest_and_parse_literals():
-    config = apply_overrides(PLAIN, ["args.max_steps=10", "args.learning_rate=1e-3", 'args.report_to=["jsonl"]',
-                                     "args.output_dir=runs/x", "args.disable_tqdm=true", "args.run_name='7'",
-                                     "args.eval_steps=null", "model.config.d_model=8", "resume_from_checkpoint=true"])
+    config = apply_overrides(
+        PLAIN,
+        [
+            "args.max_steps=10",
+            "args.learning_rate=1e-3",
+            'args.report_to=["jsonl"]',
+            "args.output_dir=runs/x",
+            "args.disable_tqdm=true",
+            "args.run_name='7'",
+            "args.eval_steps=null",
+            "model.config.d_model=8",
+            "resume_from_checkpoint=true",
+        ],
+    )
     assert config["args"]["max_steps"] == 10 and config["args"]["learning_rate"] == 1e-3
     assert config["args"]["report_to"] == ["jsonl"] and config["args"]["output_dir"] == "runs/x"
     assert config["args"]["disable_tqdm"] is True and config["args"]["run_name"] == "7"
@@ -108,8 +139,20 @@ def test_set_overrides_nest_and_parse_literals():
 
 def test_set_runs_with_the_override(tmp_path, capsys):
     config = write(tmp_path, "run.toml", TOML)
-    assert main(["train", "--config", str(config), "--set", "args.max_steps=3", "--set",
-                 f"args.output_dir={tmp_path / 'other'}"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--config",
+                str(config),
+                "--set",
+                "args.max_steps=3",
+                "--set",
+                f"args.output_dir={tmp_path / 'other'}",
+            ]
+        )
+        == 0
+    )
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["global_step"] == 3
     assert (tmp_path / "other" / "log.jsonl").exists() and not (tmp_path / "out").exists()
 
@@ -136,8 +179,12 @@ def test_resume_from_checkpoint_is_taken_out_of_args_or_the_top_level():
 
 
 def test_resume_in_the_config_continues_and_starts_fresh_when_there_is_nothing_yet(tmp_path, capsys):
-    config = write(tmp_path, "run.toml", TOML.replace('save_strategy = "no"', 'save_strategy = "steps"\nsave_steps = 2')
-                   + "resume_from_checkpoint = true\n")
+    config = write(
+        tmp_path,
+        "run.toml",
+        TOML.replace('save_strategy = "no"', 'save_strategy = "steps"\nsave_steps = 2')
+        + "resume_from_checkpoint = true\n",
+    )
     assert main(["train", "--config", str(config)]) == 0  # nothing to resume yet: step 0
     captured = capsys.readouterr()
     assert "no complete checkpoint" in captured.err and json.loads(captured.out.splitlines()[-1])["global_step"] == 2
@@ -158,9 +205,12 @@ def test_config_errors_are_printed_together_and_exit_2(tmp_path, capsys):
     wrong_type = write(tmp_path, "run2.toml", TOML.replace("max_steps = 2", 'max_steps = "x"'))
     assert main(["train", "--config", str(wrong_type)]) == 2
     assert "max_steps must be int, got 'x'" in capsys.readouterr().err
-    for name, text, needle in [("run.json", '{"args": ', "is not valid JSON"), ("run.ini", "", "extension '.ini'"),
-                               ("run3.toml", "[args\n", "is not valid TOML"),
-                               ("run4.toml", "[other]\n", "unknown ['other']")]:
+    for name, text, needle in [
+        ("run.json", '{"args": ', "is not valid JSON"),
+        ("run.ini", "", "extension '.ini'"),
+        ("run3.toml", "[args\n", "is not valid TOML"),
+        ("run4.toml", "[other]\n", "unknown ['other']"),
+    ]:
         assert main(["train", "--config", str(write(tmp_path, name, text))]) == 2
         assert needle in capsys.readouterr().err, name
     assert main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
@@ -204,10 +254,22 @@ def test_sigterm_then_resume_continues_bitwise(tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "trainfold", "train", "--config"]
-    whole = subprocess.Popen([*command, str(write(tmp_path, "a.toml", RESUMABLE, straight))], cwd=ROOT, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    proc = subprocess.Popen([*command, str(write(tmp_path, "b.toml", RESUMABLE, stopped)), "--resume"], cwd=ROOT,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    whole = subprocess.Popen(
+        [*command, str(write(tmp_path, "a.toml", RESUMABLE, straight))],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc = subprocess.Popen(
+        [*command, str(write(tmp_path, "b.toml", RESUMABLE, stopped)), "--resume"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     log = stopped / "log.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 5):

@@ -9,27 +9,45 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold import TrainingArguments, train
-from trainfold.columns import Columns, columns_for, eval_collate, signature_columns, with_columns
-from trainfold.data import keyed
-from trainfold.losses import cross_entropy
+from trainfold import TrainingArguments
+from trainfold.core.losses import cross_entropy
+from trainfold.data.columns import Columns, columns_for, eval_collate, signature_columns, with_columns
+from trainfold.data.pipeline import keyed
+from trainfold.hf import train
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
 STEPS = 6
 SETTINGS = dict(
-    max_steps=STEPS, per_device_train_batch_size=4, learning_rate=3e-3, warmup_steps=2, weight_decay=0.1,
-    max_grad_norm=0.5, seed=7, train_sampling_strategy="sequential", logging_steps=1, save_strategy="no",
-    report_to="none", disable_tqdm=True,
+    max_steps=STEPS,
+    per_device_train_batch_size=4,
+    learning_rate=3e-3,
+    warmup_steps=2,
+    weight_decay=0.1,
+    max_grad_norm=0.5,
+    seed=7,
+    train_sampling_strategy="sequential",
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
 )
 
 
 def bert():
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                     intermediate_size=32, max_position_embeddings=32, num_labels=3,
-                                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = transformers.BertConfig(
+        vocab_size=50,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return transformers.BertForSequenceClassification(config)
 
 
@@ -38,8 +56,15 @@ def text_rows(n=4 * STEPS, t=12):
     out = []
     for i in range(n):
         ids = torch.randint(1, 50, (t,), generator=g).tolist()
-        out.append({"text": f"sentence {i}", "input_ids": ids, "attention_mask": [1] * t,
-                    "label": int(torch.randint(0, 3, (1,), generator=g)), "length": t})
+        out.append(
+            {
+                "text": f"sentence {i}",
+                "input_ids": ids,
+                "attention_mask": [1] * t,
+                "label": int(torch.randint(0, 3, (1,), generator=g)),
+                "length": t,
+            }
+        )
     return out
 
 
@@ -47,12 +72,16 @@ def test_a_label_and_a_text_column_train_as_in_a_real_trainer(tmp_path):
     data = datasets.Dataset.from_list(text_rows())
     base = bert()
     hf_model = copy.deepcopy(base)
-    trainer = transformers.Trainer(model=hf_model, train_dataset=data, args=transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), use_cpu=True, **SETTINGS))
+    trainer = transformers.Trainer(
+        model=hf_model,
+        train_dataset=data,
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, **SETTINGS),
+    )
     trainer.train()
     hf_losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    ours = train(base, TrainingArguments(output_dir=str(tmp_path / "tf"), **SETTINGS), data,
-                 compute_loss_func=cross_entropy)
+    ours = train(
+        base, TrainingArguments(output_dir=str(tmp_path / "tf"), **SETTINGS), data, compute_loss_func=cross_entropy
+    )
     our_losses = [h["loss"] for h in ours.log_history if "loss" in h and "train_loss" not in h]
     assert len(our_losses) == len(hf_losses) == STEPS
     assert our_losses == pytest.approx(hf_losses, rel=1e-5)
@@ -80,8 +109,9 @@ def _args(tmp_path, **over):
 
 def test_a_kwargs_forward_gets_only_its_named_columns_and_never_the_length(tmp_path):
     net = Recording()
-    r = train(net, _args(tmp_path, train_sampling_strategy="group_by_length"), text_rows(),
-              compute_loss_func=cross_entropy)
+    r = train(
+        net, _args(tmp_path, train_sampling_strategy="group_by_length"), text_rows(), compute_loss_func=cross_entropy
+    )
     assert r.global_step == 2 and net.seen == {"input_ids", "attention_mask"}
     rows = [{k: v for k, v in row.items() if k != "text"} | {"extra": 1.0} for row in text_rows()]
     net = Recording()
@@ -115,8 +145,11 @@ def test_signature_columns_ignore_kwargs_and_keyed_collators_stay_keyed():
 names = st.sampled_from(["input", "labels", "label", "label_ids", "length", "text", "x", "idx"])
 
 
-@given(items=st.lists(st.dictionaries(names, st.integers(), min_size=1), min_size=1, max_size=4),
-       remove=st.booleans(), default=st.booleans())
+@given(
+    items=st.lists(st.dictionaries(names, st.integers(), min_size=1), min_size=1, max_size=4),
+    remove=st.booleans(),
+    default=st.booleans(),
+)
 @settings(max_examples=60, deadline=None)
 def test_select_keeps_exactly_the_kept_columns_and_renames_one_label(items, remove, default):
     cols = columns_for(torch.nn.Linear(2, 1), remove_unused_columns=remove, default_collator=default)

@@ -12,14 +12,14 @@ from hypothesis import strategies as st
 from torch._dynamo.backends.debugging import aot_eager
 
 from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step, sgd
-from trainfold.compiled import (
+from trainfold.core.losses import causal_lm, cross_entropy
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.optim.schedules import linear
+from trainfold.step.compiled import (
     CompileFallbackWarning,
     adamw_update,
     optimizer_plan,
 )
-from trainfold.losses import causal_lm, cross_entropy
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.schedules import linear
 
 CFG = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16)
 FULL = os.environ.get("TRAINFOLD_SLOW") == "full"
@@ -55,14 +55,24 @@ def counting_backend() -> tuple[list[int], object]:
 
 
 def snapshot(state) -> list[tuple[int, torch.Tensor]]:
-    tensors = [*state.params.values(), *state.opt_state[-1].mu.values(), *state.opt_state[-1].nu.values(),
-               state.step, state.opt_state[-1].count]
+    tensors = [
+        *state.params.values(),
+        *state.opt_state[-1].mu.values(),
+        *state.opt_state[-1].nu.values(),
+        state.step,
+        state.opt_state[-1].count,
+    ]
     return [(t._version, t.clone()) for t in tensors]
 
 
 def unchanged(state, snap) -> bool:
-    tensors = [*state.params.values(), *state.opt_state[-1].mu.values(), *state.opt_state[-1].nu.values(),
-               state.step, state.opt_state[-1].count]
+    tensors = [
+        *state.params.values(),
+        *state.opt_state[-1].mu.values(),
+        *state.opt_state[-1].nu.values(),
+        state.step,
+        state.opt_state[-1].count,
+    ]
     return all(t._version == v and torch.equal(t, c) for t, (v, c) in zip(tensors, snap))
 
 
@@ -167,8 +177,11 @@ def test_a_step_in_which_no_parameter_gets_a_gradient_is_an_error_compiled_too()
 
 @settings(max_examples=25, deadline=None)
 @given(
-    lr=st.floats(1e-4, 1e-1), wd=st.sampled_from([0.0, 0.01, 0.3]), b1=st.floats(0.0, 0.95),
-    b2=st.floats(0.9, 0.9999), seed=st.integers(0, 2**16),
+    lr=st.floats(1e-4, 1e-1),
+    wd=st.sampled_from([0.0, 0.01, 0.3]),
+    b1=st.floats(0.0, 0.95),
+    b2=st.floats(0.9, 0.9999),
+    seed=st.integers(0, 2**16),
 )
 def test_elementwise_adamw_agrees_with_torch_adamw(lr, wd, b1, b2, seed):
     g = torch.Generator().manual_seed(seed)
@@ -210,8 +223,15 @@ def test_input_errors_are_raised_not_swallowed_by_the_fallback():
 def _llama():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, intermediate_size=172,
-        vocab_size=256, max_position_embeddings=64, tie_word_embeddings=False, use_cache=False,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=172,
+        vocab_size=256,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        use_cache=False,
     )
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg), 256, 64
@@ -233,7 +253,7 @@ def test_make_step_compile_true_with_inductor_matches_eager():
 
 
 def test_a_label_smoothed_loss_compiles_without_falling_back():
-    from trainfold.losses import label_smoothed
+    from trainfold.core.losses import label_smoothed
 
     model, opt = tiny(), chain(clip_by_global_norm(1.0), adamw(1e-2))
     loss = label_smoothed(causal_lm, 0.1)

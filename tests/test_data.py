@@ -7,7 +7,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from trainfold.data import (
+from trainfold.core.state import Cursor, scalar
+from trainfold.data.pipeline import (
     StepBatch,
     generation_batches,
     keyed,
@@ -15,8 +16,7 @@ from trainfold.data import (
     sample_key,
     stream,
 )
-from trainfold.samplers import Sampler, make_sampler
-from trainfold.state import Cursor, scalar
+from trainfold.data.samplers import Sampler, make_sampler
 from trainfold.testing import sampler_configs, token_items
 
 FAST = settings(max_examples=40, deadline=None)
@@ -48,10 +48,12 @@ def same_steps(a, b):
 
 
 def test_pad_collate_pads_each_key_with_its_own_value():
-    out = pad_collate(pad_token_id=9)([
-        {"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1], "labels": [1, 2, 3], "label": 0},
-        {"input_ids": [4], "attention_mask": [1], "labels": [-100], "label": 1},
-    ])
+    out = pad_collate(pad_token_id=9)(
+        [
+            {"input_ids": [1, 2, 3], "attention_mask": [1, 1, 1], "labels": [1, 2, 3], "label": 0},
+            {"input_ids": [4], "attention_mask": [1], "labels": [-100], "label": 1},
+        ]
+    )
     assert out["input_ids"].tolist() == [[1, 2, 3], [4, 9, 9]]
     assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert out["labels"].tolist() == [[1, 2, 3], [-100, -100, -100]]
@@ -157,8 +159,17 @@ def test_order_and_values_do_not_depend_on_num_workers_nor_touch_global_rng():
     s = make_sampler("group_by_length", data, per_device_train_batch_size=3, gradient_accumulation_steps=2, seed=2)
     before = torch.get_rng_state()
     serial = list(stream(data, s, keyed(noisy), num_epochs=2))
-    parallel = list(stream(data, s, keyed(noisy), num_epochs=2, dataloader_num_workers=2,
-                           dataloader_prefetch_factor=2, dataloader_persistent_workers=True))
+    parallel = list(
+        stream(
+            data,
+            s,
+            keyed(noisy),
+            num_epochs=2,
+            dataloader_num_workers=2,
+            dataloader_prefetch_factor=2,
+            dataloader_persistent_workers=True,
+        )
+    )
     same_steps(serial, parallel)
     assert torch.equal(before, torch.get_rng_state())
 
@@ -187,7 +198,9 @@ def test_keyed_randomness_belongs_to_the_sample_not_the_batch():
     data = items_of([2] * 8)
     small = list(stream(data, Sampler("random", 8, per_device_train_batch_size=1, seed=1), keyed(noisy), num_epochs=1))
     big = list(stream(data, Sampler("random", 8, per_device_train_batch_size=4, seed=1), keyed(noisy), num_epochs=1))
-    noise_of = lambda steps: {i: mb["noise"][j].item() for b in steps for mb, idx in zip(b, b.indices) for j, i in enumerate(idx)}
+    noise_of = lambda steps: {
+        i: mb["noise"][j].item() for b in steps for mb, idx in zip(b, b.indices) for j, i in enumerate(idx)
+    }
     assert noise_of(small) == noise_of(big)
     assert noise_of(small)[3] == torch.rand((), generator=torch.Generator().manual_seed(sample_key(1, 0, 3))).item()
 
@@ -214,7 +227,9 @@ def test_a_dataset_without_length_is_dealt_round_robin_to_ranks():
     shapes = []
     for rank in (0, 1):
         s = Sampler("sequential", None, per_device_train_batch_size=1, world_size=2, rank=rank)
-        shapes.append([mb["input_ids"].shape[1] for b in stream(Counting(5), s, pad_collate(), num_epochs=1) for mb in b])
+        shapes.append(
+            [mb["input_ids"].shape[1] for b in stream(Counting(5), s, pad_collate(), num_epochs=1) for mb in b]
+        )
     assert shapes == [[1, 3], [2, 4]]  # sample 5 would leave rank 1 without a micro-batch
 
 
@@ -223,8 +238,15 @@ def test_a_dataset_without_length_is_dealt_round_robin_to_ranks():
 def test_a_dataset_without_length_resumes_from_any_cursor(n, batch, accumulation, world, data):
     rank = data.draw(st.integers(0, world - 1))
     assume(n >= batch * world)
-    s = Sampler("sequential", None, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
-                world_size=world, rank=rank, drop_last=data.draw(st.booleans()))
+    s = Sampler(
+        "sequential",
+        None,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        world_size=world,
+        rank=rank,
+        drop_last=data.draw(st.booleans()),
+    )
     whole = list(stream(Counting(n), s, keyed(noisy), num_epochs=2))
     cut = data.draw(st.integers(0, len(whole)))
     start = whole[cut - 1].cursor if cut else None
@@ -233,11 +255,11 @@ def test_a_dataset_without_length_resumes_from_any_cursor(n, batch, accumulation
 
 
 def test_resuming_a_fit_is_bitwise_equal_to_not_stopping():
-    from trainfold.fold import fit, max_steps
-    from trainfold.models import TinyLM, TinyLMConfig
-    from trainfold.optim import adamw
-    from trainfold.state import init_state
-    from trainfold.step import make_step
+    from trainfold.core.fold import fit, max_steps
+    from trainfold.core.models import TinyLM, TinyLMConfig
+    from trainfold.core.state import init_state
+    from trainfold.optim.base import adamw
+    from trainfold.step.driver import make_step
 
     torch.manual_seed(0)
     model = TinyLM(TinyLMConfig(vocab_size=256, d_model=16, n_layers=1, n_heads=2, max_len=32, dropout=0.1))
@@ -259,7 +281,9 @@ def test_resuming_a_fit_is_bitwise_equal_to_not_stopping():
 def test_a_datasets_dataset_streams_through_its_batched_getitems():
     datasets = pytest.importorskip("datasets")
     ds = datasets.Dataset.from_dict({"input_ids": [[1], [2, 2], [3, 3, 3]], "length": [1, 2, 3]})
-    s = make_sampler("batch_rebalance", ds, per_device_train_batch_size=1, gradient_accumulation_steps=3, seed=torch.tensor(5))
+    s = make_sampler(
+        "batch_rebalance", ds, per_device_train_batch_size=1, gradient_accumulation_steps=3, seed=torch.tensor(5)
+    )
     (step,) = list(stream(ds, s, pad_collate(), num_epochs=1))
     assert sorted(mb["input_ids"][0, 0].item() for mb in step) == [1, 2, 3]
     assert s.seed == 5
@@ -268,8 +292,10 @@ def test_a_datasets_dataset_streams_through_its_batched_getitems():
 def test_start_accepts_an_epoch_position_pair():
     data = items_of([1] * 4)
     s = Sampler("random", 4, per_device_train_batch_size=1, seed=2)
-    same_steps(list(stream(data, s, pad_collate(), start=(0, 2), num_epochs=1)),
-               list(stream(data, s, pad_collate(), start=Cursor(scalar(0), scalar(2)), num_epochs=1)))
+    same_steps(
+        list(stream(data, s, pad_collate(), start=(0, 2), num_epochs=1)),
+        list(stream(data, s, pad_collate(), start=Cursor(scalar(0), scalar(2)), num_epochs=1)),
+    )
 
 
 # -- generation batching ---------------------------------------------------------------------
@@ -307,7 +333,9 @@ def test_generation_blocks_partition_the_prompt_steps(num_steps, micro_per_step,
     out = list(generation_batches(prompts, generate, steps_per_generation, generations))
     assert len(calls) == -(-num_steps // steps_per_generation)
     assert [list(step) for step in out] == [[[x] * generations for mb in step for x in mb] for step in prompts]
-    assert sorted(x for c in calls for x in c) == sorted(x for step in prompts for mb in step for x in mb for _ in range(generations))
+    assert sorted(x for c in calls for x in c) == sorted(
+        x for step in prompts for mb in step for x in mb for _ in range(generations)
+    )
 
 
 def test_each_block_is_yielded_num_iterations_times_in_order():
@@ -342,7 +370,9 @@ def test_generation_blocks_realign_after_a_resume():
 
 def test_worker_options_need_workers():
     s = Sampler("random", 2, per_device_train_batch_size=1)
-    with pytest.raises(ValueError, match=r"persistent_workers=True needs dataloader_num_workers > 0.*prefetch_factor=2 needs"):
+    with pytest.raises(
+        ValueError, match=r"persistent_workers=True needs dataloader_num_workers > 0.*prefetch_factor=2 needs"
+    ):
         stream(items_of([1, 1]), s, pad_collate(), dataloader_persistent_workers=True, dataloader_prefetch_factor=2)
     with pytest.raises(ValueError, match="dataloader_num_workers=-1 must be an int >= 0"):
         stream(items_of([1, 1]), s, pad_collate(), dataloader_num_workers=-1)

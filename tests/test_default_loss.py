@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from resume_fixture import ListDataset as Rows
 from torch import nn
 
-from trainfold import TrainingArguments, adamw, init_state, make_step, train
-from trainfold.losses import (
+from trainfold import TrainingArguments, adamw, init_state, make_step
+from trainfold.core.losses import (
     bce_with_logits,
     causal_lm,
     cross_entropy,
@@ -25,7 +25,8 @@ from trainfold.losses import (
     mse,
     sequence_classification,
 )
-from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.hf import train
 from trainfold.testing import on_simulated_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -35,24 +36,41 @@ V, T = 40, 6
 
 def bert(head: str = "ForSequenceClassification", **config):
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=V, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                  intermediate_size=32, max_position_embeddings=16, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0, **config)
+    cfg = transformers.BertConfig(
+        vocab_size=V,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **config,
+    )
     return getattr(transformers, f"Bert{head}")(cfg)
 
 
 def llama(head: str = "ForSequenceClassification", **config):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
-                                   pad_token_id=0, **config)
+    cfg = transformers.LlamaConfig(
+        vocab_size=V,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        pad_token_id=0,
+        **config,
+    )
     return getattr(transformers, f"Llama{head}")(cfg)
 
 
 def gpt2():
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2,
-                                                                n_positions=16))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    )
 
 
 def labels_for(kind: str, n: int, g: torch.Generator, num_labels: int = 3) -> torch.Tensor:
@@ -90,16 +108,19 @@ def test_the_default_loss_follows_the_head():
     assert default_loss_for(bert(num_labels=3, problem_type="single_label_classification")) is cross_entropy
 
 
-@pytest.mark.parametrize("make, kind, num_labels", [
-    (lambda: bert(num_labels=3), "class", 3),
-    (lambda: llama(num_labels=3), "class", 3),
-    (lambda: bert(num_labels=1), "regression", 1),
-    (lambda: llama(num_labels=1), "regression", 1),
-    (lambda: bert(num_labels=3), "multi", 3),  # float labels: HF picks multi-label BCE at run time
-    (lambda: bert("ForTokenClassification", num_labels=3), "tokens", 3),
-    (lambda: bert("ForMaskedLM"), "tokens", V),
-    (lambda: llama("ForCausalLM"), "tokens", V),
-])
+@pytest.mark.parametrize(
+    "make, kind, num_labels",
+    [
+        (lambda: bert(num_labels=3), "class", 3),
+        (lambda: llama(num_labels=3), "class", 3),
+        (lambda: bert(num_labels=1), "regression", 1),
+        (lambda: llama(num_labels=1), "regression", 1),
+        (lambda: bert(num_labels=3), "multi", 3),  # float labels: HF picks multi-label BCE at run time
+        (lambda: bert("ForTokenClassification", num_labels=3), "tokens", 3),
+        (lambda: bert("ForMaskedLM"), "tokens", V),
+        (lambda: llama("ForCausalLM"), "tokens", V),
+    ],
+)
 def test_the_default_loss_equals_the_models_own_loss(make, kind, num_labels):
     model = make()
     ids, g = inputs(4)
@@ -115,11 +136,20 @@ def test_a_sequence_classifier_no_longer_learns_its_neighbours_label(tmp_path):
     model = bert(num_labels=3)
     ids, g = inputs(8)
     rows = [{"input_ids": i, "labels": y} for i, y in zip(ids, labels_for("class", 8, g))]
-    args = dict(max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2, learning_rate=1e-2,
-                train_sampling_strategy="sequential", report_to="none", disable_tqdm=True, save_strategy="no")
+    args = dict(
+        max_steps=2,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        train_sampling_strategy="sequential",
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+    )
     default = train(copy.deepcopy(model), TrainingArguments(output_dir=str(tmp_path / "d"), **args), rows)
-    explicit = train(model, TrainingArguments(output_dir=str(tmp_path / "e"), **args), rows,
-                     compute_loss_func=cross_entropy)
+    explicit = train(
+        model, TrainingArguments(output_dir=str(tmp_path / "e"), **args), rows, compute_loss_func=cross_entropy
+    )
     for k, v in explicit.state.params.items():
         assert torch.equal(default.state.params[k], v), k
 
@@ -148,16 +178,21 @@ def test_labels_of_another_dtype_are_named():
         sequence_classification(torch.zeros(2, 3), torch.zeros(2, dtype=torch.int8), 2)
 
 
-@pytest.mark.parametrize("model, why", [
-    (nn.Linear(2, 2), "not a model whose task trainfold knows"),
-    (None, "sequence-to-sequence"),
-])
+@pytest.mark.parametrize(
+    "model, why",
+    [
+        (nn.Linear(2, 2), "not a model whose task trainfold knows"),
+        (None, "sequence-to-sequence"),
+    ],
+)
 def test_an_unknown_task_asks_for_compute_loss_func(model, why):
     if model is None:
-        model = transformers.T5ForConditionalGeneration(transformers.T5Config(
-            vocab_size=V, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2))
-    with pytest.raises(TypeError, match=f"cannot choose a default loss for {type(model).__name__}: .*{why}.*"
-                                        "compute_loss_func="):
+        model = transformers.T5ForConditionalGeneration(
+            transformers.T5Config(vocab_size=V, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2)
+        )
+    with pytest.raises(
+        TypeError, match=f"cannot choose a default loss for {type(model).__name__}: .*{why}.*compute_loss_func="
+    ):
         default_loss_for(model)
     with pytest.raises(TypeError, match="compute_loss_func="):
         make_step(model, optimizer=adamw(1e-3))
@@ -176,8 +211,14 @@ def test_an_objective_needs_no_default_loss():
 
 # -- every built-in loss is invariant to the split ---------------------------------------------------
 
-KINDS = {"class": (cross_entropy, 3), "seq": (sequence_classification, 3), "regression": (mse, 1),
-         "regression3": (mse, 3), "multi": (bce_with_logits, 3), "tokens": (cross_entropy, 3)}
+KINDS = {
+    "class": (cross_entropy, 3),
+    "seq": (sequence_classification, 3),
+    "regression": (mse, 1),
+    "regression3": (mse, 3),
+    "multi": (bce_with_logits, 3),
+    "tokens": (cross_entropy, 3),
+}
 
 
 def _head(kind: str, seed: int) -> nn.Module:
@@ -197,8 +238,13 @@ def _data(kind: str, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @settings(max_examples=30, deadline=None)
-@given(kind=st.sampled_from(sorted(KINDS)), seed=st.integers(0, 2**16), world=st.integers(1, 3),
-       accumulation=st.integers(1, 3), micro=st.integers(1, 3))
+@given(
+    kind=st.sampled_from(sorted(KINDS)),
+    seed=st.integers(0, 2**16),
+    world=st.integers(1, 3),
+    accumulation=st.integers(1, 3),
+    micro=st.integers(1, 3),
+)
 def test_every_built_in_loss_is_invariant_to_the_split(kind, seed, world, accumulation, micro):
     loss = KINDS[kind][0]
     n = world * accumulation * micro
@@ -212,8 +258,10 @@ def test_every_built_in_loss_is_invariant_to_the_split(kind, seed, world, accumu
         net = copy.deepcopy(model)  # one module per simulated rank
         mine = slice(collective.rank * accumulation * micro, (collective.rank + 1) * accumulation * micro)
         xs, ys = x[mine], y[mine]
-        batch = [{"input": xs[i * micro:(i + 1) * micro], "labels": ys[i * micro:(i + 1) * micro]}
-                 for i in range(accumulation)]
+        batch = [
+            {"input": xs[i * micro : (i + 1) * micro], "labels": ys[i * micro : (i + 1) * micro]}
+            for i in range(accumulation)
+        ]
         return make_step(net, loss, opt, collective=collective)(init_state(net, opt), batch)
 
     for split in on_simulated_ranks(world, rank_step):
@@ -229,26 +277,42 @@ def test_every_built_in_loss_is_invariant_to_the_split(kind, seed, world, accumu
 # -- against transformers.Trainer --------------------------------------------------------------------
 
 STEPS = 3
-SETTINGS = dict(max_steps=STEPS, per_device_train_batch_size=4, gradient_accumulation_steps=1, learning_rate=1e-2,
-                seed=7, train_sampling_strategy="sequential", logging_steps=1, save_strategy="no", report_to="none",
-                disable_tqdm=True)
+SETTINGS = dict(
+    max_steps=STEPS,
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=1,
+    learning_rate=1e-2,
+    seed=7,
+    train_sampling_strategy="sequential",
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+)
 
 
-@pytest.mark.parametrize("make, kind, num_labels", [
-    (lambda: bert(num_labels=3), "class", 3),
-    (lambda: bert(num_labels=1), "regression", 1),
-    (lambda: bert(num_labels=3), "multi", 3),
-    (lambda: llama(num_labels=3), "class", 3),
-    (lambda: llama(num_labels=1), "regression", 1),
-    (lambda: bert("ForTokenClassification", num_labels=3), "tokens", 3),
-], ids=["bert-3", "bert-regression", "bert-multi-label", "llama-3", "llama-regression", "bert-tokens"])
+@pytest.mark.parametrize(
+    "make, kind, num_labels",
+    [
+        (lambda: bert(num_labels=3), "class", 3),
+        (lambda: bert(num_labels=1), "regression", 1),
+        (lambda: bert(num_labels=3), "multi", 3),
+        (lambda: llama(num_labels=3), "class", 3),
+        (lambda: llama(num_labels=1), "regression", 1),
+        (lambda: bert("ForTokenClassification", num_labels=3), "tokens", 3),
+    ],
+    ids=["bert-3", "bert-regression", "bert-multi-label", "llama-3", "llama-regression", "bert-tokens"],
+)
 def test_train_matches_transformers_trainer_with_the_default_loss(tmp_path, make, kind, num_labels):
     base = make()
     ids, g = inputs(4 * STEPS, seed=1)
     rows = [{"input_ids": i, "labels": y} for i, y in zip(ids, labels_for(kind, 4 * STEPS, g, num_labels))]
     hf_model = copy.deepcopy(base)
-    trainer = transformers.Trainer(model=hf_model, train_dataset=Rows(rows), args=transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), use_cpu=True, **SETTINGS))
+    trainer = transformers.Trainer(
+        model=hf_model,
+        train_dataset=Rows(rows),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, **SETTINGS),
+    )
     trainer.train()
     hf_logs = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     ours = train(base, TrainingArguments(output_dir=str(tmp_path / "tf"), **SETTINGS), rows)
@@ -259,7 +323,7 @@ def test_train_matches_transformers_trainer_with_the_default_loss(tmp_path, make
 
 
 def test_label_smoothing_takes_a_classifiers_default_loss_and_refuses_float_targets():
-    from trainfold.losses import label_smoothed
+    from trainfold.core.losses import label_smoothed
 
     logits, labels = torch.tensor([[2.0, 0.0, 0.0]]), torch.tensor([0])
     smoothed = label_smoothed(sequence_classification, 0.1)
@@ -276,8 +340,9 @@ def test_evaluate_and_predict_score_with_the_default_loss_too(tmp_path):
     ids, g = inputs(8)
     labels = labels_for("class", 8, g)
     rows = [{"input_ids": i, "labels": y} for i, y in zip(ids, labels)]
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=8, report_to="none",
-                             disable_tqdm=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_eval_batch_size=8, report_to="none", disable_tqdm=True
+    )
     with torch.no_grad():
         own = model(input_ids=ids, labels=labels).loss.item()
     assert evaluate(model, args, rows)["eval_loss"] == pytest.approx(own, rel=1e-5)

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainfold.checkpoint import is_complete, latest_checkpoint
+from trainfold.ckpt.checkpoint import is_complete, latest_checkpoint
 from trainfold.demo import byte_chunks, stdlib_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +23,10 @@ def test_demo_command_trains_evaluates_and_checkpoints(tmp_path):
     out = tmp_path / "demo"
     done = subprocess.run(
         [sys.executable, "-m", "trainfold", "demo", "--max-steps", "16", "--output-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "held-out loss" in done.stdout and "step    16/16" in done.stdout

@@ -10,14 +10,14 @@ import pytest
 import torch
 
 import trainfold
-from trainfold.determinism import DEFAULT_OPS, WARM_OPS, warm_up_kernels
+from trainfold.core.determinism import DEFAULT_OPS, WARM_OPS, warm_up_kernels
 
 # The issue's reproduction: a fresh process's first tanh over 78 x 128 elements (split over the
 # threads) against a later one, after the warm-up train runs.
 FIRST_CALL = textwrap.dedent(
     """
     import torch
-    from trainfold.determinism import warm_up_kernels
+    from trainfold.core.determinism import warm_up_kernels
     torch.set_num_threads(2)
     warm_up_kernels()
     x = torch.randn(78, 128, generator=torch.Generator().manual_seed(0)) * 2
@@ -50,12 +50,18 @@ def test_the_warm_up_leaves_the_global_rng_and_grad_mode_alone():
 def test_train_warms_up_before_its_first_step(tmp_path, monkeypatch):
     from resume_runs import run
 
-    train_module = sys.modules["trainfold.train"]  # the package's `train` attribute is the function
+    train_module = sys.modules["trainfold.hf.train"]  # the package's `train` attribute is the function
 
     order: list[str] = []
     monkeypatch.setattr(train_module, "warm_up_kernels", lambda **kw: order.append(f"warm {kw}"))
-    run("tinylm", str(tmp_path), None, [lambda state, logs: order.append(f"step {int(state.step)}")],
-        save_strategy="no", max_steps=2)
+    run(
+        "tinylm",
+        str(tmp_path),
+        None,
+        [lambda state, logs: order.append(f"step {int(state.step)}")],
+        save_strategy="no",
+        max_steps=2,
+    )
     assert order[0] == "warm {'dtypes': (torch.float32,)}" and order[1:] == ["step 1", "step 2"]
 
 

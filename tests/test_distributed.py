@@ -28,9 +28,13 @@ from hypothesis import strategies as st
 from resume_fixture import endless_cli_config
 from safetensors.torch import load_file, save_file
 
-from trainfold import TrainingArguments, checkpoint, train
-from trainfold.data import keyed, pad_collate
-from trainfold.distributed import (
+from trainfold import TrainingArguments
+from trainfold.ckpt import checkpoint
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.state import init_state
+from trainfold.core.tree import flatten
+from trainfold.data.pipeline import keyed, pad_collate
+from trainfold.dist.distributed import (
     ProcessGroupCollective,
     agreed_stop,
     collective_from_env,
@@ -40,14 +44,12 @@ from trainfold.distributed import (
     shard,
     shard_bounds,
 )
-from trainfold.evaluation import evaluate, predict
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.optim import adamw
-from trainfold.reducers import pad_concat
-from trainfold.state import init_state
-from trainfold.step import make_step
+from trainfold.eval.evaluation import evaluate, predict
+from trainfold.eval.reducers import pad_concat
+from trainfold.hf import train
+from trainfold.optim.base import adamw
+from trainfold.step.driver import make_step
 from trainfold.testing import on_simulated_ranks
-from trainfold.tree import flatten
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -97,9 +99,19 @@ collate = keyed(_mask_some)
 
 def settings_for(out: Path, strategy: str, **over) -> TrainingArguments:
     base = {
-        "output_dir": str(out), "max_steps": 10, "per_device_train_batch_size": B, "learning_rate": 1e-2, "warmup_steps": 2,
-        "weight_decay": 0.1, "max_grad_norm": 1.0, "seed": 11, "train_sampling_strategy": strategy, "logging_steps": 1,
-        "save_strategy": "no", "report_to": "none", "disable_tqdm": True,
+        "output_dir": str(out),
+        "max_steps": 10,
+        "per_device_train_batch_size": B,
+        "learning_rate": 1e-2,
+        "warmup_steps": 2,
+        "weight_decay": 0.1,
+        "max_grad_norm": 1.0,
+        "seed": 11,
+        "train_sampling_strategy": strategy,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
     }
     return TrainingArguments(**{**base, **over})
 
@@ -122,7 +134,7 @@ def token_accuracy(p) -> dict[str, float]:
 
 
 def eval_batches(data, size: int = 2):
-    return [_pad(data[i:i + size]) for i in range(0, len(data), size)]
+    return [_pad(data[i : i + size]) for i in range(0, len(data), size)]
 
 
 def _state_tensors(state) -> dict[str, torch.Tensor]:
@@ -141,25 +153,42 @@ def _worker(out: Path) -> None:
         assert c is not None and c.world_size == WORLD
         r = c.rank
         for case, (strategy, over, _) in EQUIVALENCE.items():  # equivalence with one process
-            res = train(model(), settings_for(out / f"eq-{case}", strategy, **over), rows(), data_collator=collate,
-                        collective=c)
+            res = train(
+                model(), settings_for(out / f"eq-{case}", strategy, **over), rows(), data_collator=collate, collective=c
+            )
             save_file(_state_tensors(res.state), out / f"eq-{case}-{r}.safetensors")
             (out / f"eq-{case}-{r}.json").write_text(json.dumps(losses_of(res.log_history)))
         for strategy in STRATEGIES:  # bitwise resume from a mid-epoch checkpoint
             kw = {"data_collator": collate, "collective": c}
-            straight = train(model(0.1), settings_for(out / f"straight-{strategy}", strategy, max_steps=8), rows(), **kw)
+            straight = train(
+                model(0.1), settings_for(out / f"straight-{strategy}", strategy, max_steps=8), rows(), **kw
+            )
             part = out / f"resumed-{strategy}"
-            first = train(model(0.1), settings_for(part, strategy, max_steps=8, save_strategy="steps", save_steps=RESUME_AT),
-                          rows(), stop=lambda s: int(s.step) >= RESUME_AT, **kw)
+            first = train(
+                model(0.1),
+                settings_for(part, strategy, max_steps=8, save_strategy="steps", save_steps=RESUME_AT),
+                rows(),
+                stop=lambda s: int(s.step) >= RESUME_AT,
+                **kw,
+            )
             assert first.status == "stopped" and first.global_step == RESUME_AT
             dist.barrier()  # rank 0 has written the checkpoint
-            resumed = train(model(0.1), settings_for(part, strategy, max_steps=8), rows(), resume_from_checkpoint=True, **kw)
+            resumed = train(
+                model(0.1), settings_for(part, strategy, max_steps=8), rows(), resume_from_checkpoint=True, **kw
+            )
             save_file(_state_tensors(straight.state), out / f"straight-{strategy}-{r}.safetensors")
             save_file(_state_tensors(resumed.state), out / f"resumed-{strategy}-{r}.safetensors")
             losses = {"straight": losses_of(straight.log_history), "resumed": losses_of(resumed.log_history)}
             (out / f"resume-{strategy}-{r}.json").write_text(json.dumps(losses))
-        res = train(model(), settings_for(out / "eval-train", "random", **EVAL_DURING_TRAINING), rows(), rows(7),
-                    data_collator=collate, compute_metrics=token_accuracy, collective=c)
+        res = train(
+            model(),
+            settings_for(out / "eval-train", "random", **EVAL_DURING_TRAINING),
+            rows(),
+            rows(7),
+            data_collator=collate,
+            compute_metrics=token_accuracy,
+            collective=c,
+        )
         (out / f"eval-train-{r}.json").write_text(json.dumps(evals_of(res.log_history)))
         net = model()  # sharded evaluation of 7 rows: shards of 3 and 4
         mine = eval_batches(list(shard(rows(7), r, WORLD)))
@@ -175,11 +204,19 @@ def _worker(out: Path) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ddp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           str(Path(__file__).resolve()), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={WORLD}",
+        str(Path(__file__).resolve()),
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # a session of its own: a hang is killed with its workers
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )  # a session of its own: a hang is killed with its workers
     try:
         _, err = proc.communicate(timeout=240)
     finally:
@@ -203,7 +240,7 @@ def _without_key_bias(key: str, t: torch.Tensor) -> torch.Tensor:
     """Drop the attention key bias: softmax ignores it, so its true gradient is 0 and AdamW turns
     the float32 rounding noise of its gradient into lr-sized steps of arbitrary sign."""
     d = 16
-    return torch.cat([t[:d], t[2 * d:]]) if key.endswith("qkv.bias") else t
+    return torch.cat([t[:d], t[2 * d :]]) if key.endswith("qkv.bias") else t
 
 
 @pytest.mark.parametrize("case", EQUIVALENCE)
@@ -229,8 +266,9 @@ def test_train_under_torchrun_joins_the_process_group_itself(ranks, tmp_path):
     explicit = _assert_same_on_every_rank(ranks, "eq-random")  # the same run given collective=
     for key in auto:
         assert torch.equal(auto[key], explicit[key]), key
-    one = train(model(), settings_for(tmp_path, "random", per_device_train_batch_size=WORLD * B), rows(),
-                data_collator=collate)
+    one = train(
+        model(), settings_for(tmp_path, "random", per_device_train_batch_size=WORLD * B), rows(), data_collator=collate
+    )
     ref = _state_tensors(one.state)
     for key in [k for k in ref if k.startswith(("params.", "opt_state."))]:
         a, b = _without_key_bias(key, auto[key]), _without_key_bias(key, ref[key])
@@ -238,12 +276,17 @@ def test_train_under_torchrun_joins_the_process_group_itself(ranks, tmp_path):
 
 
 def test_an_explicit_collective_wins_over_torchruns_environment(monkeypatch, tmp_path):
-    from trainfold.distributed import SingleProcess
+    from trainfold.dist.distributed import SingleProcess
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # no MASTER_ADDR: joining a group here would fail
     monkeypatch.setenv("RANK", "0")
-    r = train(model(), settings_for(tmp_path, "random", max_steps=2), rows(), data_collator=collate,
-              collective=SingleProcess())
+    r = train(
+        model(),
+        settings_for(tmp_path, "random", max_steps=2),
+        rows(),
+        data_collator=collate,
+        collective=SingleProcess(),
+    )
     assert r.global_step == 2
 
 
@@ -280,8 +323,16 @@ def test_sharded_evaluation_matches_one_process(ranks):
 def test_evaluation_during_two_process_training_matches_one_process(ranks, tmp_path):
     two = [json.loads((ranks / f"eval-train-{r}.json").read_text()) for r in range(WORLD)]
     assert two[0] == two[1]  # every rank sees the same metrics (early stopping and best model agree)
-    one = evals_of(train(model(), settings_for(tmp_path, "random", per_device_train_batch_size=WORLD * B, **EVAL_DURING_TRAINING),
-                         rows(), rows(7), data_collator=collate, compute_metrics=token_accuracy).log_history)
+    one = evals_of(
+        train(
+            model(),
+            settings_for(tmp_path, "random", per_device_train_batch_size=WORLD * B, **EVAL_DURING_TRAINING),
+            rows(),
+            rows(7),
+            data_collator=collate,
+            compute_metrics=token_accuracy,
+        ).log_history
+    )
     assert [e[0] for e in two[0]] == [e[0] for e in one] == [5, 10]
     assert [e[1] for e in two[0]] == pytest.approx([e[1] for e in one], rel=1e-5)
     assert [e[2] for e in two[0]] == [e[2] for e in one]
@@ -302,11 +353,27 @@ def test_sigterm_to_one_rank_stops_both_at_one_step_with_one_checkpoint(tmp_path
     port = _free_port()
     procs = []
     for rank in range(WORLD):  # what torchrun sets for each worker
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
-               "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-        procs.append(subprocess.Popen([sys.executable, "-m", "trainfold", "train", "--config", str(config)], cwd=ROOT,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "LOCAL_WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT / "src"),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "trainfold", "train", "--config", str(config)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     try:
         log = out / "log.jsonl"
         deadline = time.monotonic() + 120
@@ -346,7 +413,7 @@ class _Recorder:
 
 def test_sum_makes_one_all_reduce_per_bucket(monkeypatch):
     rec = _Recorder(2)
-    monkeypatch.setattr("trainfold.distributed.dist.all_reduce", rec)
+    monkeypatch.setattr("trainfold.dist.distributed.dist.all_reduce", rec)
     floats = [torch.full((4,), float(i)) for i in range(5)]  # 16 bytes each
     count = torch.tensor(3)
     ProcessGroupCollective(0, 2, bucket_bytes=64).sum_([*floats, count])
@@ -356,7 +423,7 @@ def test_sum_makes_one_all_reduce_per_bucket(monkeypatch):
 
 def test_a_step_all_reduces_the_count_and_one_gradient_bucket(monkeypatch):
     rec = _Recorder(1)
-    monkeypatch.setattr("trainfold.distributed.dist.all_reduce", rec)
+    monkeypatch.setattr("trainfold.dist.distributed.dist.all_reduce", rec)
     net, opt = model(), adamw(1e-3)
     batch = [collate(rows(4)[:2], [1, 2]), collate(rows(4)[2:], [3, 4])]
     state = init_state(net, opt, seed=0)
@@ -375,7 +442,7 @@ def test_buckets_coalesce_up_to_the_limit(sizes, limit):
     tensors = [torch.arange(n, dtype=torch.float32) for n in sizes]
     expected = [3 * t for t in tensors]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("trainfold.distributed.dist.all_reduce", rec)
+        mp.setattr("trainfold.dist.distributed.dist.all_reduce", rec)
         ProcessGroupCollective(0, 3, bucket_bytes=limit).sum_(tensors)
     for got, want in zip(tensors, expected):
         assert torch.equal(got, want)
@@ -402,7 +469,9 @@ def test_sharded_evaluation_on_simulated_ranks_matches_evaluate():
 
     def rank_eval(c):
         mine = eval_batches(list(shard(data, c.rank, c.world_size)), 2)
-        return evaluate_sharded(nets[c.rank], None, mine, collective=c, compute_metrics=token_accuracy, speed_metrics=False)
+        return evaluate_sharded(
+            nets[c.rank], None, mine, collective=c, compute_metrics=token_accuracy, speed_metrics=False
+        )
 
     for got in on_simulated_ranks(3, rank_eval):  # other batches than one process's: float32 noise per batch
         assert got["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)
@@ -417,8 +486,12 @@ def test_a_loss_only_sharded_evaluation_merges_sums_and_counts():
     whole = evaluate(net, None, eval_batches(data, 3), speed_metrics=False)
     nets = [copy.deepcopy(net) for _ in range(2)]
     parts = [data[:3], data[3:]]
-    got = on_simulated_ranks(2, lambda c: evaluate_sharded(nets[c.rank], None, eval_batches(parts[c.rank], 3), collective=c,
-                                                    speed_metrics=False))
+    got = on_simulated_ranks(
+        2,
+        lambda c: evaluate_sharded(
+            nets[c.rank], None, eval_batches(parts[c.rank], 3), collective=c, speed_metrics=False
+        ),
+    )
     assert got[0] == got[1]
     assert got[0]["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-12)
     alone = [evaluate(net, None, eval_batches(p, 3), speed_metrics=False)["eval_loss"] for p in parts]
@@ -426,7 +499,9 @@ def test_a_loss_only_sharded_evaluation_merges_sums_and_counts():
 
 
 @given(
-    shapes=st.lists(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=0, max_size=3), min_size=2, max_size=3),
+    shapes=st.lists(
+        st.lists(st.tuples(st.integers(0, 3), st.integers(1, 4)), min_size=0, max_size=3), min_size=2, max_size=3
+    ),
 )
 @settings(max_examples=15, deadline=None)
 def test_gather_rows_is_pad_concat_in_rank_order(shapes):
@@ -449,8 +524,17 @@ def test_predictions_come_back_in_dataset_order():
     net = model()
     ref = predict(net, None, eval_batches(data, 2), as_numpy=False, speed_metrics=False)
     nets = [copy.deepcopy(net) for _ in range(2)]
-    got = on_simulated_ranks(2, lambda c: predict_sharded(nets[c.rank], None, eval_batches(list(shard(data, c.rank, 2)), 2),
-                                                   collective=c, as_numpy=False, speed_metrics=False))
+    got = on_simulated_ranks(
+        2,
+        lambda c: predict_sharded(
+            nets[c.rank],
+            None,
+            eval_batches(list(shard(data, c.rank, 2)), 2),
+            collective=c,
+            as_numpy=False,
+            speed_metrics=False,
+        ),
+    )
     for out in got:
         assert torch.equal(out.label_ids, ref.label_ids)
         valid = ref.label_ids != -100
@@ -494,8 +578,12 @@ def test_errors_name_the_problem():
     with pytest.raises(TypeError, match="without __len__"):
         shard(iter([1, 2]), 0, 2)
     with pytest.raises(ValueError, match="prediction_loss_only=True"):
-        on_simulated_ranks(1, lambda c: evaluate_sharded(model(), None, [], collective=c, prediction_loss_only=True,
-                                                         compute_metrics=token_accuracy))
+        on_simulated_ranks(
+            1,
+            lambda c: evaluate_sharded(
+                model(), None, [], collective=c, prediction_loss_only=True, compute_metrics=token_accuracy
+            ),
+        )
     with pytest.raises(ValueError, match="cannot be concatenated"):
         on_simulated_ranks(2, lambda c: gather_rows(torch.zeros(1, 2, 3 + c.rank), c))
 

@@ -8,13 +8,14 @@ import math
 import pytest
 import torch
 
-from trainfold import TrainingArguments, train
-from trainfold.checkpoint import list_checkpoints
-from trainfold.divergence import diverged, nonfinite_params
-from trainfold.losses import causal_lm
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.optim import GradientTransformation, sgd
-from trainfold.state import TrainState
+from trainfold import TrainingArguments
+from trainfold.ckpt.checkpoint import list_checkpoints
+from trainfold.core.losses import causal_lm
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.state import TrainState
+from trainfold.hf import train
+from trainfold.observe.divergence import diverged, nonfinite_params
+from trainfold.optim.base import GradientTransformation, sgd
 
 ROWS = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
 
@@ -25,8 +26,17 @@ def model():
 
 
 def args(tmp_path, **changes):
-    settings = dict(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=2, learning_rate=1e-2,
-                    logging_steps=1, report_to="none", disable_tqdm=True, save_strategy="steps", save_steps=1)
+    settings = dict(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="steps",
+        save_steps=1,
+    )
     return TrainingArguments(**{**settings, **changes})
 
 
@@ -74,8 +84,12 @@ def test_params_that_overflow_with_a_finite_loss_are_never_saved(tmp_path):
 
 
 def test_a_skipped_float16_step_is_not_divergence(tmp_path):
-    result = train(model(), args(tmp_path, max_steps=4, fp16=True, save_strategy="no"), ROWS,
-                   compute_loss_func=loss_turning(math.inf, 2))
+    result = train(
+        model(),
+        args(tmp_path, max_steps=4, fp16=True, save_strategy="no"),
+        ROWS,
+        compute_loss_func=loss_turning(math.inf, 2),
+    )
     assert result.status == "completed" and result.global_step == 4
     assert int(result.state.nonfinite_losses) == 1 and not nonfinite_params(result.state.params)
     assert "diverged_at_step" not in result.metrics
@@ -85,15 +99,23 @@ def test_diverged_reads_the_params_only_when_the_step_looks_wrong():
     nan = torch.tensor([math.nan])
     quiet = TrainState(params={"w": nan}, buffers={}, opt_state=None)  # finite (zero) metrics
     assert not diverged(quiet) and diverged(quiet, confirm=True)
-    loud = TrainState(params={"w": torch.ones(1)}, buffers={}, opt_state=None,
-                      metrics={"loss": torch.tensor(math.nan), "grad_norm": torch.tensor(math.nan)})
+    loud = TrainState(
+        params={"w": torch.ones(1)},
+        buffers={},
+        opt_state=None,
+        metrics={"loss": torch.tensor(math.nan), "grad_norm": torch.tensor(math.nan)},
+    )
     assert not diverged(loud)
 
 
 def test_nonfinite_params_names_exactly_the_tensors_with_inf_or_nan():
-    params = {"huge": torch.full((4,), 3e38), "nan": torch.tensor([1.0, math.nan]),
-              "infs": torch.tensor([math.inf, -math.inf]),
-              "half": torch.ones(3, dtype=torch.float16), "ints": torch.arange(3)}
+    params = {
+        "huge": torch.full((4,), 3e38),
+        "nan": torch.tensor([1.0, math.nan]),
+        "infs": torch.tensor([math.inf, -math.inf]),
+        "half": torch.ones(3, dtype=torch.float16),
+        "ints": torch.arange(3),
+    }
     assert nonfinite_params(params) == ["nan", "infs"]  # a finite tensor whose sum overflows is still finite
 
 
@@ -110,7 +132,7 @@ config = {{ vocab_size = 16, d_model = 8, n_layers = 1, n_heads = 2, max_len = 8
 [data]
 train = "{data}"
 [args]
-output_dir = "{tmp_path / 'out'}"
+output_dir = "{tmp_path / "out"}"
 max_steps = 20
 per_device_train_batch_size = 2
 learning_rate = 1e30

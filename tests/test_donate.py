@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from torch import nn
 
 from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step, sgd
-from trainfold.ensemble import init_ensemble_state, make_ensemble_step, stack_batches
-from trainfold.fold import fit, trajectory
-from trainfold.losses import causal_lm, cross_entropy
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.state import DonatedStateError, is_donated
-from trainfold.tree import flatten
+from trainfold.core.fold import fit, trajectory
+from trainfold.core.losses import causal_lm, cross_entropy
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.state import DonatedStateError, is_donated
+from trainfold.core.tree import flatten
+from trainfold.recipes.ensemble import init_ensemble_state, make_ensemble_step, stack_batches
 
 CFG = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=8)
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
@@ -42,8 +42,16 @@ def lm_batch(seed: int, micro: int = 1, rows: int = 2) -> list[dict]:
 
 
 def tensors(state) -> dict[str, torch.Tensor]:
-    return flatten({"params": state.params, "buffers": state.buffers, "opt": state.opt_state,
-                    "metrics": state.metrics, "step": state.step, "loss_total": state.loss_total})
+    return flatten(
+        {
+            "params": state.params,
+            "buffers": state.buffers,
+            "opt": state.opt_state,
+            "metrics": state.metrics,
+            "step": state.step,
+            "loss_total": state.loss_total,
+        }
+    )
 
 
 def bitwise(a, b) -> bool:
@@ -75,8 +83,11 @@ def copy_of(state):
 
 
 def storage(state) -> dict[str, int]:
-    return {k: v.data_ptr() for k, v in flatten({"params": state.params, "opt": state.opt_state}).items()
-            if v.is_floating_point()}
+    return {
+        k: v.data_ptr()
+        for k, v in flatten({"params": state.params, "opt": state.opt_state}).items()
+        if v.is_floating_point()
+    }
 
 
 CLIPPED = chain(clip_by_global_norm(0.05), adamw(1e-2, weight_decay=0.1))
@@ -131,8 +142,8 @@ def test_the_pure_step_never_touches_its_input_versions():
 
 
 def test_the_global_norm_is_computed_once_logged_and_used_for_clipping(monkeypatch):
-    import trainfold.optim as optim
-    import trainfold.step as step_module
+    import trainfold.optim.base as optim
+    import trainfold.step.driver as step_module
 
     calls = []
     real = step_module.global_norm
@@ -175,7 +186,7 @@ def test_broadcast_gradients_are_clipped_without_writing_through_a_view():
 
 
 def test_float16_steps_that_loss_scaling_skips_keep_a_donated_state_bitwise_too():
-    from trainfold.amp import SCALER, LossScaling, initial_scaler
+    from trainfold.step.amp import SCALER, LossScaling, initial_scaler
 
     scaling = LossScaling(init_scale=2.0**15, growth_interval=1)  # overflows (skips) at first, then backs off
     model = tiny()
@@ -198,17 +209,24 @@ def test_float16_steps_that_loss_scaling_skips_keep_a_donated_state_bitwise_too(
 
 OPTIMIZERS = {
     "adamw fused + clip": lambda: chain(clip_by_global_norm(0.05), adamw(1e-2, weight_decay=0.1)),
-    "adamw foreach + clip": lambda: chain(clip_by_global_norm(0.05), adamw(1e-2, weight_decay=0.1,
-                                                                           implementation="foreach")),
+    "adamw foreach + clip": lambda: chain(
+        clip_by_global_norm(0.05), adamw(1e-2, weight_decay=0.1, implementation="foreach")
+    ),
     "adamw fused": lambda: adamw(1e-2),
-    "sgd momentum + clip (copied back)": lambda: chain(clip_by_global_norm(0.1), sgd(0.1, momentum=0.9,
-                                                                                     weight_decay=0.01)),
+    "sgd momentum + clip (copied back)": lambda: chain(
+        clip_by_global_norm(0.1), sgd(0.1, momentum=0.9, weight_decay=0.01)
+    ),
 }
 
 
 @settings(max_examples=6)
-@given(opt=st.sampled_from(sorted(OPTIMIZERS)), micro=st.integers(1, 3), dropout=st.sampled_from([0.0, 0.3]),
-       steps=st.integers(1, 3), seed=st.integers(0, 2**16))
+@given(
+    opt=st.sampled_from(sorted(OPTIMIZERS)),
+    micro=st.integers(1, 3),
+    dropout=st.sampled_from([0.0, 0.3]),
+    steps=st.integers(1, 3),
+    seed=st.integers(0, 2**16),
+)
 def test_donated_and_pure_steps_are_bitwise_equal(opt, micro, dropout, steps, seed):
     model = tiny(dropout, seed)
     optimizer = OPTIMIZERS[opt]()
@@ -312,8 +330,10 @@ def test_init_state_copy_false_lends_the_module_its_storage():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     donated = step(lent, lm_batch(0), donate=True)  # donated: the module holds the trained weights
     assert bitwise(pure, donated)
-    assert all(torch.equal(p, donated.params[k]) and p.data_ptr() == donated.params[k].data_ptr()
-               for k, p in model.named_parameters())
+    assert all(
+        torch.equal(p, donated.params[k]) and p.data_ptr() == donated.params[k].data_ptr()
+        for k, p in model.named_parameters()
+    )
 
 
 # -- train: one copy of the weights, and the rule for the module ------------------------------------------
@@ -325,14 +345,22 @@ ROWS = [{"input_ids": [i % 7, i % 5, 1, 2], "labels": [i % 7, i % 5, 1, 2]} for 
 def args(**kw):
     from trainfold import TrainingArguments
 
-    base = dict(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
-                gradient_accumulation_steps=2, report_to="none", disable_tqdm=True, save_strategy="no",
-                logging_steps=1)
+    base = dict(
+        output_dir=tempfile.mkdtemp(),
+        max_steps=3,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        gradient_accumulation_steps=2,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+        logging_steps=1,
+    )
     return TrainingArguments(**{**base, **kw})
 
 
 def test_train_trains_the_modules_own_storage_bitwise_as_the_pure_fold():
-    from trainfold import train
+    from trainfold.hf import train
 
     model = tiny()
     reference = tiny()
@@ -346,7 +374,7 @@ def test_train_trains_the_modules_own_storage_bitwise_as_the_pure_fold():
 
 
 def test_a_diverged_train_leaves_the_module_holding_the_states_weights():
-    from trainfold import train
+    from trainfold.hf import train
 
     def nan_at_2(outputs, labels, num_items):
         loss = causal_lm(outputs, labels, num_items)
@@ -368,7 +396,7 @@ def test_a_diverged_train_leaves_the_module_holding_the_states_weights():
 
 
 def test_a_train_that_raises_leaves_the_module_with_the_last_completed_steps_weights():
-    from trainfold import train
+    from trainfold.hf import train
 
     def failing_at(n):
         calls = []
@@ -385,22 +413,32 @@ def test_a_train_that_raises_leaves_the_module_with_the_last_completed_steps_wei
     with pytest.raises(RuntimeError, match="boom"):
         train(model, args(max_steps=4, gradient_accumulation_steps=1), ROWS, compute_loss_func=failing_at(3))
     stopped = tiny()  # the same run (same loss, same schedule) stopped after its 2 completed steps
-    train(stopped, args(max_steps=4, gradient_accumulation_steps=1), ROWS, compute_loss_func=failing_at(0),
-          stop=lambda s: int(s.step) >= 2)
+    train(
+        stopped,
+        args(max_steps=4, gradient_accumulation_steps=1),
+        ROWS,
+        compute_loss_func=failing_at(0),
+        stop=lambda s: int(s.step) >= 2,
+    )
     assert all(torch.equal(p, dict(stopped.named_parameters())[k]) for k, p in model.named_parameters())
     assert not all(torch.equal(p, dict(tiny().named_parameters())[k]) for k, p in model.named_parameters())
 
 
 def test_a_dpo_reference_taken_from_the_module_stays_frozen_while_train_trains_the_module():
-    from trainfold import train
-    from trainfold.dpo import dpo_objective, preference_collate
+    from trainfold.hf import train
+    from trainfold.recipes.dpo import dpo_objective, preference_collate
 
     model = tiny()
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}
     objective = dpo_objective(0.1, ref_params={k: v.detach() for k, v in model.named_parameters()})  # aliases
     items = [{"prompt_ids": [1, 2 + i % 5], "chosen_ids": [7, 8], "rejected_ids": [9 + i % 3]} for i in range(8)]
-    result = train(model, args(max_steps=2, gradient_accumulation_steps=1), items,
-                   data_collator=preference_collate(eos_token_id=2), objective=objective)
+    result = train(
+        model,
+        args(max_steps=2, gradient_accumulation_steps=1),
+        items,
+        data_collator=preference_collate(eos_token_id=2),
+        objective=objective,
+    )
     assert result.status == "completed"
     assert not all(torch.equal(p, initial[k]) for k, p in model.named_parameters())  # the module was trained
     assert all(torch.equal(objective.ref_params[k], initial[k]) for k in initial)  # the reference was not

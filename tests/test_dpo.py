@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfold import adamw, init_state, make_step
-from trainfold.dpo import (
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.recipes.dpo import (
     count_pairs,
     dpo_loss,
     dpo_objective,
@@ -20,8 +21,7 @@ from trainfold.dpo import (
     preference_collate,
     sequence_logps,
 )
-from trainfold.generate import functional_forward
-from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.recipes.generate import functional_forward
 
 CFG = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=32)
 EOS = 2
@@ -150,7 +150,9 @@ def test_reference_equal_to_policy_gives_ln2_and_zero_rewards():
     obj = dpo_objective(beta=0.1, ref_params=params)
     loss, aux = obj(functional_forward(model), params, batch, obj.count_items(batch))
     assert loss.item() == pytest.approx(math.log(2), abs=1e-6)
-    assert all(aux[k].item() == 0 for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"))
+    assert all(
+        aux[k].item() == 0 for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies")
+    )
 
 
 def run_steps(objective, items_per_step, model, collate, n_micro=1):
@@ -171,7 +173,15 @@ def test_precomputed_reference_equals_reference_params_and_split_does_not_matter
     stored = precompute_ref_logps(ref, params_of(ref), items, collate, batch_size=4)
     assert "ref_chosen_logps" not in items[0]
     pre = run_steps(dpo_objective(0.1), [stored, stored], policy, collate, n_micro=3)
-    for k in ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen", "logps/rejected"):
+    for k in (
+        "loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    ):
         assert pre.metrics[k].item() == pytest.approx(with_ref.metrics[k].item(), abs=1e-5), k
     for k in with_ref.params:
         torch.testing.assert_close(pre.params[k], with_ref.params[k], atol=1e-5, rtol=1e-4)
@@ -227,9 +237,18 @@ def test_loss_and_metrics_match_trl(tmp_path):
     word = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<pad>"))
     word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=word, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.5,
-                      tie_word_embeddings=False, attn_implementation="eager")
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.5,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     torch.manual_seed(0)
     policy = LlamaForCausalLM(cfg)
     ref = copy.deepcopy(policy)
@@ -241,11 +260,22 @@ def test_loss_and_metrics_match_trl(tmp_path):
     def text(ids):
         return " ".join(names[i] for i in ids)
 
-    rows = [{"prompt": text(p["prompt_ids"]), "chosen": f" {text(p['chosen_ids'])} ",
-             "rejected": f" {text(p['rejected_ids'])} "} for p in PAIRS]
+    rows = [
+        {
+            "prompt": text(p["prompt_ids"]),
+            "chosen": f" {text(p['chosen_ids'])} ",
+            "rejected": f" {text(p['rejected_ids'])} ",
+        }
+        for p in PAIRS
+    ]
     args = trl.DPOConfig(output_dir=str(tmp_path), max_length=None, bf16=False, use_cpu=True, report_to=[], beta=0.1)
-    trainer = trl.DPOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(ref), args=args,
-                             train_dataset=Dataset.from_list(rows), processing_class=tok)
+    trainer = trl.DPOTrainer(
+        model=copy.deepcopy(policy),
+        ref_model=copy.deepcopy(ref),
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+    )
     trl_batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(PAIRS))])
     trl_loss = trainer.compute_loss(trainer.model, trl_batch).item()
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
@@ -263,19 +293,41 @@ def test_loss_and_metrics_match_trl(tmp_path):
 
 def test_train_keeps_the_preference_columns_the_objective_reads(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from trainfold import TrainingArguments, train
+    from trainfold import TrainingArguments
+    from trainfold.hf import train
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     model = transformers.LlamaForCausalLM(cfg)  # forward(**kwargs): HF's column rule keeps only its named inputs
     ref = {k: v.detach().clone() for k, v in model.named_parameters()}
-    items = [{"prompt_ids": [1, 2 + i % 5], "chosen_ids": [7, 8], "rejected_ids": [9 + i % 3], "text": "a row"}
-             for i in range(8)]
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2,
-                             logging_steps=1, save_strategy="no", disable_tqdm=True)
-    result = train(model, args, items, data_collator=preference_collate(eos_token_id=2),
-                   objective=dpo_objective(0.1, ref_params=ref))
+    items = [
+        {"prompt_ids": [1, 2 + i % 5], "chosen_ids": [7, 8], "rejected_ids": [9 + i % 3], "text": "a row"}
+        for i in range(8)
+    ]
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    result = train(
+        model,
+        args,
+        items,
+        data_collator=preference_collate(eos_token_id=2),
+        objective=dpo_objective(0.1, ref_params=ref),
+    )
     assert result.status == "completed"
     assert all("rewards/margins" in h for h in result.log_history if "loss" in h)
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from trainfold import TrainingArguments, train
+from trainfold import TrainingArguments
 from trainfold import evaluate as evaluate_run
-from trainfold.dpo import dpo_objective, preference_collate
+from trainfold.hf import train
+from trainfold.recipes.dpo import dpo_objective, preference_collate
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -23,9 +24,18 @@ NAMES = ["<pad>", "<s>", "</s>"] + [f"t{i}" for i in range(3, 128)]
 
 
 def tiny_llama(seed: int = 0, vocab: int = 128) -> torch.nn.Module:
-    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   initializer_range=0.5, tie_word_embeddings=False, attn_implementation="eager")
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.5,
+        tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
     torch.manual_seed(seed)
     return transformers.LlamaForCausalLM(cfg)
 
@@ -53,8 +63,16 @@ def random_pairs(seed: int, n: int, vocab: int = 128) -> list[dict]:
 
 
 def args_for(tmp_path, **kw) -> TrainingArguments:
-    base = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, per_device_eval_batch_size=2,
-                learning_rate=1e-2, logging_steps=1, save_strategy="no", disable_tqdm=True, report_to="none")
+    base = dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        report_to="none",
+    )
     return TrainingArguments(**{**base, **kw})
 
 
@@ -69,8 +87,9 @@ def trl_setup():
 
     word = Tokenizer(models.WordLevel({n: i for i, n in enumerate(NAMES)}, unk_token="<pad>"))
     word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=word, pad_token="<pad>", eos_token="</s>",
-                                               bos_token="<s>")
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=word, pad_token="<pad>", eos_token="</s>", bos_token="<s>"
+    )
     policy = tiny_llama(0)
     ref = noisy(policy)
     pairs = random_pairs(3, 6)
@@ -78,24 +97,48 @@ def trl_setup():
     def text(ids):
         return " ".join(NAMES[i] for i in ids)
 
-    rows = [{"prompt": text(p["prompt_ids"]), "chosen": f" {text(p['chosen_ids'])} ",
-             "rejected": f" {text(p['rejected_ids'])} "} for p in pairs]
+    rows = [
+        {
+            "prompt": text(p["prompt_ids"]),
+            "chosen": f" {text(p['chosen_ids'])} ",
+            "rejected": f" {text(p['rejected_ids'])} ",
+        }
+        for p in pairs
+    ]
 
     def trainer(tmp, rows_, batch_size, compute_metrics=None):
-        args = trl.DPOConfig(output_dir=str(tmp), max_length=None, bf16=False, use_cpu=True, report_to=[], beta=0.1,
-                             per_device_eval_batch_size=batch_size, disable_tqdm=True)
-        return trl.DPOTrainer(model=copy.deepcopy(policy), ref_model=copy.deepcopy(ref), args=args,
-                              train_dataset=datasets.Dataset.from_list(rows_),
-                              eval_dataset=datasets.Dataset.from_list(rows_), processing_class=tok,
-                              compute_metrics=compute_metrics)
+        args = trl.DPOConfig(
+            output_dir=str(tmp),
+            max_length=None,
+            bf16=False,
+            use_cpu=True,
+            report_to=[],
+            beta=0.1,
+            per_device_eval_batch_size=batch_size,
+            disable_tqdm=True,
+        )
+        return trl.DPOTrainer(
+            model=copy.deepcopy(policy),
+            ref_model=copy.deepcopy(ref),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(rows_),
+            eval_dataset=datasets.Dataset.from_list(rows_),
+            processing_class=tok,
+            compute_metrics=compute_metrics,
+        )
 
     return {"policy": policy, "ref": ref, "pairs": pairs, "rows": rows, "trainer": trainer}
 
 
 def ours(setup, tmp_path, batch_size, pairs=None, **kw):
-    return evaluate_run(setup["policy"], args_for(tmp_path, per_device_eval_batch_size=batch_size),
-                        setup["pairs"] if pairs is None else pairs, data_collator=preference_collate(EOS),
-                        objective=dpo_objective(0.1, ref_params=params_of(setup["ref"])), **kw)
+    return evaluate_run(
+        setup["policy"],
+        args_for(tmp_path, per_device_eval_batch_size=batch_size),
+        setup["pairs"] if pairs is None else pairs,
+        data_collator=preference_collate(EOS),
+        objective=dpo_objective(0.1, ref_params=params_of(setup["ref"])),
+        **kw,
+    )
 
 
 def test_eval_metrics_equal_trl_evaluate(trl_setup, tmp_path):
@@ -133,6 +176,7 @@ def test_compute_metrics_gets_trls_eval_prediction(trl_setup, tmp_path):
         def compute_metrics(p):
             seen[name] = p
             return {"rows": float(p.predictions.shape[0])}
+
         return compute_metrics
 
     theirs = trl_setup["trainer"](tmp_path / "trl", trl_setup["rows"], 2, record("trl")).evaluate()
@@ -162,30 +206,51 @@ def test_train_logs_eval_loss_and_the_objectives_metrics(tmp_path):
 
     objective = dpo_objective(0.1, ref_params=params_of(ref))
     args = args_for(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=1)
-    result = train(policy, args, datasets.Dataset.from_list(items), eval_dataset=held_out,
-                   data_collator=preference_collate(EOS), objective=objective, compute_metrics=compute_metrics)
+    result = train(
+        policy,
+        args,
+        datasets.Dataset.from_list(items),
+        eval_dataset=held_out,
+        data_collator=preference_collate(EOS),
+        objective=objective,
+        compute_metrics=compute_metrics,
+    )
     evals = [h for h in result.log_history if "eval_loss" in h]
     assert [h["step"] for h in evals] == [1, 2] and len(calls) == 2
     last = evals[-1]
-    for k in ("eval_rewards/chosen", "eval_rewards/rejected", "eval_rewards/accuracies", "eval_rewards/margins",
-              "eval_logps/chosen", "eval_logps/rejected", "eval_logits/chosen", "eval_logits/rejected", "eval_rows"):
+    for k in (
+        "eval_rewards/chosen",
+        "eval_rewards/rejected",
+        "eval_rewards/accuracies",
+        "eval_rewards/margins",
+        "eval_logps/chosen",
+        "eval_logps/rejected",
+        "eval_logits/chosen",
+        "eval_logits/rejected",
+        "eval_rows",
+    ):
         assert k in last, k
-    again = evaluate_run(policy, args, held_out, state=result.state, data_collator=preference_collate(EOS),
-                         objective=objective)
+    again = evaluate_run(
+        policy, args, held_out, state=result.state, data_collator=preference_collate(EOS), objective=objective
+    )
     for k in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
         assert again[k] == pytest.approx(last[k], abs=1e-6), k
 
 
 def test_a_generic_objective_is_evaluated_too(tmp_path):
-    from trainfold.models import TinyLM, TinyLMConfig
+    from trainfold.core.models import TinyLM, TinyLMConfig
 
     torch.manual_seed(0)
     model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
 
     def objective(forward, params, micro, num_items, key):
         logits = forward(params, {"input_ids": micro["input_ids"]})
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), micro["input_ids"][:, 1:].flatten(),
-                                                 reduction="sum") / num_items
+        loss = (
+            torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1), micro["input_ids"][:, 1:].flatten(), reduction="sum"
+            )
+            / num_items
+        )
         return loss, {"rows_seen": micro["input_ids"].shape[0] / num_items}
 
     rows = [{"input_ids": [i % 16, (i + 1) % 16, (i + 2) % 16]} for i in range(5)]
@@ -196,13 +261,19 @@ def test_a_generic_objective_is_evaluated_too(tmp_path):
 
 
 def test_eval_errors_name_the_fix(tmp_path):
-    from trainfold.evaluation import evaluate as evaluate_batches
+    from trainfold.eval.evaluation import evaluate as evaluate_batches
 
     batch = preference_collate(EOS)(random_pairs(0, 2, vocab=32))
     model = tiny_llama(0, vocab=32)
     with pytest.raises(ValueError, match="include_for_metrics=\\['loss'\\].*objective"):
-        evaluate_batches(model, None, [batch], objective=dpo_objective(0.1, ref_params=params_of(model)),
-                         include_for_metrics=["loss"], compute_metrics=lambda p: {})
+        evaluate_batches(
+            model,
+            None,
+            [batch],
+            objective=dpo_objective(0.1, ref_params=params_of(model)),
+            include_for_metrics=["loss"],
+            compute_metrics=lambda p: {},
+        )
     with pytest.raises(ValueError, match="objective must be a function"):
         evaluate_batches(model, None, [batch], objective=3)
 
@@ -212,8 +283,9 @@ def test_eval_errors_name_the_fix(tmp_path):
 
 def tokenized_rows(n: int, vocab: int = 32) -> datasets.Dataset:
     """Tokenized preference rows as TRL 1.16's DPOTrainer stores them (prompt_ids, chosen_ids, rejected_ids) + text."""
-    return datasets.Dataset.from_list([{**p, "prompt": "some text", "length_hint": "x"}
-                                       for p in random_pairs(7, n, vocab)])
+    return datasets.Dataset.from_list(
+        [{**p, "prompt": "some text", "length_hint": "x"} for p in random_pairs(7, n, vocab)]
+    )
 
 
 def test_remove_unused_columns_keeps_the_preference_columns_of_a_dataset(tmp_path):
@@ -222,8 +294,9 @@ def test_remove_unused_columns_keeps_the_preference_columns_of_a_dataset(tmp_pat
     objective = dpo_objective(0.1, ref_params=params_of(tiny_llama(1, vocab=32)))
     data = tokenized_rows(8)
     args = args_for(tmp_path, max_steps=2, remove_unused_columns=True, eval_strategy="steps", eval_steps=2)
-    result = train(policy, args, data, eval_dataset=tokenized_rows(4), data_collator=preference_collate(EOS),
-                   objective=objective)
+    result = train(
+        policy, args, data, eval_dataset=tokenized_rows(4), data_collator=preference_collate(EOS), objective=objective
+    )
     assert result.status == "completed" and "eval_rewards/margins" in result.log_history[-2]
     metrics = evaluate_run(policy, args, data, data_collator=preference_collate(EOS), objective=objective)
     assert "eval_rewards/chosen" in metrics
@@ -234,7 +307,7 @@ def test_remove_unused_columns_keeps_the_preference_columns_of_a_dataset(tmp_pat
 
 
 def test_group_by_length_measures_prompt_plus_the_longer_completion(tmp_path, monkeypatch):
-    from trainfold.samplers import dataset_lengths, make_sampler
+    from trainfold.data.samplers import dataset_lengths, make_sampler
 
     rows = random_pairs(5, 12, vocab=32)
     expected = tuple(len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows)
@@ -256,8 +329,13 @@ def test_group_by_length_measures_prompt_plus_the_longer_completion(tmp_path, mo
     assert expected[first[0]] == max(expected)  # the longest pair leads the first batch
     args = args_for(tmp_path, max_steps=2, train_sampling_strategy="group_by_length")
     with pytest.warns(UserWarning, match="longer completion"):
-        result = train(tiny_llama(0, vocab=32), args, data, data_collator=preference_collate(EOS),
-                       objective=dpo_objective(0.1, ref_params=params_of(tiny_llama(1, vocab=32))))
+        result = train(
+            tiny_llama(0, vocab=32),
+            args,
+            data,
+            data_collator=preference_collate(EOS),
+            objective=dpo_objective(0.1, ref_params=params_of(tiny_llama(1, vocab=32))),
+        )
     assert result.status == "completed"
 
 
@@ -269,7 +347,7 @@ def test_pad_to_multiple_of_pads_the_width_and_changes_no_number():
     width = plain["input_ids"].shape[1]
     for k in ("input_ids", "attention_mask", "completion_mask"):
         assert torch.equal(padded[k][:, :width], plain[k]) and not padded[k][:, width:].any(), k
-    from trainfold.generate import functional_forward
+    from trainfold.recipes.generate import functional_forward
 
     obj = dpo_objective(0.1, ref_params=params_of(ref))
     a = obj(functional_forward(model), params_of(model), plain, obj.count_items(plain))
@@ -282,8 +360,8 @@ def test_pad_to_multiple_of_pads_the_width_and_changes_no_number():
 
 
 def test_training_arguments_pad_to_multiple_of_reaches_the_collators(tmp_path):
-    from trainfold.columns import padded_to_multiple
-    from trainfold.data import PadCollate
+    from trainfold.data.columns import padded_to_multiple
+    from trainfold.data.pipeline import PadCollate
 
     assert padded_to_multiple(preference_collate(EOS), 16).pad_to_multiple_of == 16
     assert isinstance(padded_to_multiple(None, 4), PadCollate) and padded_to_multiple(None, 4).pad_to_multiple_of == 4
@@ -303,8 +381,14 @@ def test_training_arguments_pad_to_multiple_of_reaches_the_collators(tmp_path):
 
     recording.count_items, recording.columns = dpo.count_items, dpo.columns
     args = args_for(tmp_path, max_steps=2, pad_to_multiple_of=16, eval_strategy="steps", eval_steps=2)
-    result = train(tiny_llama(0, vocab=32), args, random_pairs(0, 4, vocab=32), eval_dataset=random_pairs(1, 2, 32),
-                   data_collator=preference_collate(EOS), objective=recording)
+    result = train(
+        tiny_llama(0, vocab=32),
+        args,
+        random_pairs(0, 4, vocab=32),
+        eval_dataset=random_pairs(1, 2, 32),
+        data_collator=preference_collate(EOS),
+        objective=recording,
+    )
     assert result.status == "completed"
     assert widths == [16, 16, 16]  # two train steps, one evaluation
 
@@ -313,8 +397,9 @@ def test_training_arguments_pad_to_multiple_of_reaches_the_collators(tmp_path):
 
 
 def tiny_gpt2(seed: int = 0) -> torch.nn.Module:
-    cfg = transformers.GPT2Config(vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=32,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     torch.manual_seed(seed)
     return transformers.GPT2LMHeadModel(cfg)
 
@@ -328,10 +413,20 @@ def test_gradient_checkpointing_trains_dpo_and_equals_the_plain_run(tmp_path, ma
         attention = [m for n, m in policy.named_modules() if n.endswith(("layers.0.self_attn", "h.0.attn"))][0]
         calls = []
         attention.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
-        args = args_for(tmp_path / str(on), max_steps=2, gradient_checkpointing=on, gradient_accumulation_steps=2,
-                        per_device_train_batch_size=2)
-        result = train(policy, args, items, data_collator=preference_collate(EOS),
-                       objective=dpo_objective(0.1, ref_params=params_of(ref)))
+        args = args_for(
+            tmp_path / str(on),
+            max_steps=2,
+            gradient_checkpointing=on,
+            gradient_accumulation_steps=2,
+            per_device_train_batch_size=2,
+        )
+        result = train(
+            policy,
+            args,
+            items,
+            data_collator=preference_collate(EOS),
+            objective=dpo_objective(0.1, ref_params=params_of(ref)),
+        )
         assert result.status == "completed"
         runs[on] = (result, calls)
     (plain, plain_calls), (ckpt, ckpt_calls) = runs[False], runs[True]
@@ -361,12 +456,20 @@ def reference_counter(model: torch.nn.Module) -> list[str]:
 def dpo_run(tmp_path, *, precompute, ref=True, resume=False, stop=None, max_steps=4, eval_dataset=None, **kw):
     policy = tiny_llama(0, vocab=32)
     calls = reference_counter(policy)
-    objective = dpo_objective(0.1, ref_params=params_of(tiny_llama(1, vocab=32)) if ref else None,
-                              precompute_ref_log_probs=precompute)
+    objective = dpo_objective(
+        0.1, ref_params=params_of(tiny_llama(1, vocab=32)) if ref else None, precompute_ref_log_probs=precompute
+    )
     args = args_for(tmp_path, max_steps=max_steps, save_strategy="steps", save_steps=2, seed=3, **kw)
-    result = train(policy, args, datasets.Dataset.from_list(random_pairs(9, 8, vocab=32)), eval_dataset=eval_dataset,
-                   data_collator=preference_collate(EOS), objective=objective, resume_from_checkpoint=resume or None,
-                   stop=stop)
+    result = train(
+        policy,
+        args,
+        datasets.Dataset.from_list(random_pairs(9, 8, vocab=32)),
+        eval_dataset=eval_dataset,
+        data_collator=preference_collate(EOS),
+        objective=objective,
+        resume_from_checkpoint=resume or None,
+        stop=stop,
+    )
     return result, {k: calls.count(k) for k in ("ref", "eval")}
 
 
@@ -391,7 +494,7 @@ def test_precomputed_reference_is_computed_once_and_survives_stop_and_resume(tmp
 
 def test_precompute_in_other_batches_equals_the_reference_on_the_fly_to_1e6(tmp_path):
     # The precompute pads 3 pairs per forward where training pads 2: float32 rounding, not bitwise.
-    from trainfold.dpo_reference import reference_logps
+    from trainfold.recipes.dpo_reference import reference_logps
 
     model, ref, rows = tiny_llama(0, vocab=32), params_of(tiny_llama(1, vocab=32)), random_pairs(9, 8, vocab=32)
     threes = reference_logps(model, ref, rows, preference_collate(EOS), batch_size=3)
@@ -411,11 +514,16 @@ def test_precompute_in_other_batches_equals_the_reference_on_the_fly_to_1e6(tmp_
 def test_without_ref_params_the_reference_is_the_model_before_training(tmp_path):
     initial, _ = dpo_run(tmp_path / "a", precompute=True, ref=False, max_steps=2, train_sampling_strategy="sequential")
     policy = tiny_llama(0, vocab=32)
-    args = args_for(tmp_path / "b", max_steps=2, save_strategy="steps", save_steps=2, seed=3,
-                    train_sampling_strategy="sequential")
-    explicit = train(policy, args,
-                     datasets.Dataset.from_list(random_pairs(9, 8, vocab=32)), data_collator=preference_collate(EOS),
-                     objective=dpo_objective(0.1, ref_params=params_of(tiny_llama(0, vocab=32))))
+    args = args_for(
+        tmp_path / "b", max_steps=2, save_strategy="steps", save_steps=2, seed=3, train_sampling_strategy="sequential"
+    )
+    explicit = train(
+        policy,
+        args,
+        datasets.Dataset.from_list(random_pairs(9, 8, vocab=32)),
+        data_collator=preference_collate(EOS),
+        objective=dpo_objective(0.1, ref_params=params_of(tiny_llama(0, vocab=32))),
+    )
     for k in explicit.state.params:
         assert torch.equal(initial.state.params[k], explicit.state.params[k]), k
     assert initial.log_history[0]["loss"] == pytest.approx(0.693147, abs=1e-6)  # policy == reference at step 1
@@ -428,19 +536,27 @@ def test_without_ref_params_a_resume_with_the_trained_module_is_refused_by_name(
     rows = datasets.Dataset.from_list(random_pairs(9, 8, vocab=32))
     objective = dpo_objective(0.1, precompute_ref_log_probs=True)
     args = args_for(tmp_path, max_steps=4, save_strategy="steps", save_steps=2, seed=3)
-    first = train(policy, args, rows, data_collator=preference_collate(EOS), objective=objective,
-                  stop=lambda s: int(s.step) >= 2)
+    first = train(
+        policy, args, rows, data_collator=preference_collate(EOS), objective=objective, stop=lambda s: int(s.step) >= 2
+    )
     assert first.status == "stopped"
     with pytest.raises(ValueError, match="ref_params=None.*Pass ref_params="):
-        train(policy, args, rows, data_collator=preference_collate(EOS), objective=objective,
-              resume_from_checkpoint=True)
-    again = train(tiny_llama(0, vocab=32), args, rows, data_collator=preference_collate(EOS), objective=objective,
-                  resume_from_checkpoint=True)  # the untrained module again: its cached reference is read back
+        train(
+            policy, args, rows, data_collator=preference_collate(EOS), objective=objective, resume_from_checkpoint=True
+        )
+    again = train(
+        tiny_llama(0, vocab=32),
+        args,
+        rows,
+        data_collator=preference_collate(EOS),
+        objective=objective,
+        resume_from_checkpoint=True,
+    )  # the untrained module again: its cached reference is read back
     assert again.status == "completed"
 
 
 def test_the_cache_is_keyed_by_data_and_reference_and_never_trusts_a_bad_file(tmp_path):
-    from trainfold.dpo_reference import prepare_reference, reference_fingerprint
+    from trainfold.recipes.dpo_reference import prepare_reference, reference_fingerprint
 
     model = tiny_llama(0, vocab=32)
     rows = random_pairs(2, 4, vocab=32)
@@ -454,8 +570,17 @@ def test_the_cache_is_keyed_by_data_and_reference_and_never_trusts_a_bad_file(tm
     calls = reference_counter(model)
 
     def prepare():
-        return prepare_reference(obj, model, rows, None, collate, output_dir=tmp_path, device=torch.device("cpu"),
-                                 train_batch_size=2, eval_batch_size=2)
+        return prepare_reference(
+            obj,
+            model,
+            rows,
+            None,
+            collate,
+            output_dir=tmp_path,
+            device=torch.device("cpu"),
+            train_batch_size=2,
+            eval_batch_size=2,
+        )
 
     prepared, train_rows, _ = prepare()
     assert prepared.ref_params is None and calls == ["ref", "ref"] and "ref_chosen_logps" in train_rows[0]
@@ -467,24 +592,47 @@ def test_the_cache_is_keyed_by_data_and_reference_and_never_trusts_a_bad_file(tm
     _, again, _ = prepare()
     assert len(calls) == 4 and again == train_rows  # recomputed, the same numbers
     with pytest.raises(TypeError, match="iterable dataset"):
-        prepare_reference(obj, model, iter(rows), None, collate, output_dir=tmp_path, device=torch.device("cpu"),
-                          train_batch_size=2, eval_batch_size=2)
+        prepare_reference(
+            obj,
+            model,
+            iter(rows),
+            None,
+            collate,
+            output_dir=tmp_path,
+            device=torch.device("cpu"),
+            train_batch_size=2,
+            eval_batch_size=2,
+        )
     with pytest.raises(ValueError, match="data_collator=preference_collate"):
-        prepare_reference(obj, model, rows, None, None, output_dir=tmp_path, device=torch.device("cpu"),
-                          train_batch_size=2, eval_batch_size=2)
+        prepare_reference(
+            obj,
+            model,
+            rows,
+            None,
+            None,
+            output_dir=tmp_path,
+            device=torch.device("cpu"),
+            train_batch_size=2,
+            eval_batch_size=2,
+        )
     with pytest.raises(ValueError, match="precompute_ref_batch_size=0"):
         dpo_objective(0.1, precompute_ref_batch_size=0)
 
 
 def test_predict_with_an_objective_returns_trls_predictions_and_metrics(tmp_path):
     from trainfold import predict
-    from trainfold.models import TinyLM, TinyLMConfig
+    from trainfold.core.models import TinyLM, TinyLMConfig
 
     torch.manual_seed(0)
     model = TinyLM(TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16))
     pairs = random_pairs(3, 3, vocab=32)
-    out = predict(model, args_for(tmp_path, per_device_eval_batch_size=2), pairs, data_collator=preference_collate(EOS),
-                  objective=dpo_objective(0.1, ref_params=params_of(model)))
+    out = predict(
+        model,
+        args_for(tmp_path, per_device_eval_batch_size=2),
+        pairs,
+        data_collator=preference_collate(EOS),
+        objective=dpo_objective(0.1, ref_params=params_of(model)),
+    )
     assert out.predictions.shape[:2] == out.label_ids.shape and out.predictions.shape[0] == 6  # chosen + rejected
     assert out.metrics["test_loss"] == pytest.approx(0.693147, abs=1e-6)  # policy == reference: ln 2
     assert out.metrics["test_rewards/margins"] == 0

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step, sgd
-from trainfold.compiled import CompileFallbackWarning
-from trainfold.ensemble import (
+from trainfold.core.losses import causal_lm, cross_entropy
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.tree import flatten
+from trainfold.recipes.ensemble import (
     ensemble_size,
     init_ensemble_state,
     make_ensemble_step,
@@ -21,9 +23,7 @@ from trainfold.ensemble import (
     stack_batches,
     stack_ensemble,
 )
-from trainfold.losses import causal_lm, cross_entropy
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.tree import flatten
+from trainfold.step.compiled import CompileFallbackWarning
 
 CFG = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16)
 FULL = os.environ.get("TRAINFOLD_SLOW") == "full"
@@ -65,7 +65,10 @@ def same_record(a, b) -> bool:
 def test_each_member_steps_like_its_own_make_step_with_its_own_batch_and_hyperparameters(batching):
     k = 3
     models = tiny_models(k)
-    opts = [chain(clip_by_global_norm(0.5), adamw(lr, weight_decay=wd)) for lr, wd in ((1e-2, 0.1), (3e-3, 0.0), (1e-3, 0.3))]
+    opts = [
+        chain(clip_by_global_norm(0.5), adamw(lr, weight_decay=wd))
+        for lr, wd in ((1e-2, 0.1), (3e-3, 0.0), (1e-3, 0.3))
+    ]
     ens = init_ensemble_state(models, opts, seeds=[5, 6, 7])
     members = [init_state(m, o, seed=s) for m, o, s in zip(models, opts, (5, 6, 7))]
     assert all(same_record(x, y) for x, y in zip(split_ensemble(ens), members))
@@ -104,7 +107,9 @@ def test_split_members_continue_as_ordinary_states():
     models = tiny_models(2)
     opt = chain(clip_by_global_norm(1.0), adamw(1e-2))
     g = torch.Generator().manual_seed(3)
-    ens = make_ensemble_step(models[0], causal_lm, opt)(init_ensemble_state(models, opt), stack_batches([lm_batch(g), lm_batch(g)]))
+    ens = make_ensemble_step(models[0], causal_lm, opt)(
+        init_ensemble_state(models, opt), stack_batches([lm_batch(g), lm_batch(g)])
+    )
     member = split_ensemble(ens)[1]
     ordinary = init_state(models[1], opt)
     assert flatten(member).keys() == flatten(ordinary).keys()  # an ordinary checkpoint's layout
@@ -162,8 +167,10 @@ def test_compiled_ensemble_step_matches_the_eager_ensemble_step():
 
 @settings(max_examples=15, deadline=None)
 @given(
-    k=st.integers(1, 4), seed=st.integers(0, 2**16),
-    lrs=st.lists(st.floats(1e-3, 1e-1), min_size=4, max_size=4), clip=st.booleans(),
+    k=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    lrs=st.lists(st.floats(1e-3, 1e-1), min_size=4, max_size=4),
+    clip=st.booleans(),
     batching=st.sampled_from(["vmap", "unroll"]),
 )
 def test_ensemble_of_linear_models_equals_member_steps(k, seed, lrs, clip, batching):
@@ -171,8 +178,9 @@ def test_ensemble_of_linear_models_equals_member_steps(k, seed, lrs, clip, batch
     models = [nn.Linear(3, 4) for _ in range(k)]
     opts = [chain(clip_by_global_norm(0.1), adamw(lr)) if clip else adamw(lr) for lr in lrs[:k]]
     g = torch.Generator().manual_seed(seed)
-    batches = [[{"input": torch.randn(5, 3, generator=g), "labels": torch.randint(0, 4, (5,), generator=g)}]
-               for _ in range(k)]
+    batches = [
+        [{"input": torch.randn(5, 3, generator=g), "labels": torch.randint(0, 4, (5,), generator=g)}] for _ in range(k)
+    ]
     step = make_ensemble_step(models[0], cross_entropy, opts, batching=batching)
     ens = step(init_ensemble_state(models, opts), stack_batches(batches))
     for got, model, opt, batch in zip(split_ensemble(ens), models, opts, batches):

@@ -10,20 +10,28 @@ import pytest
 import torch
 from resume_fixture import ListDataset
 
-from trainfold import TrainingArguments, evaluate, predict, train
-from trainfold.data import eval_loader, pad_collate
-from trainfold.distributed import shard
-from trainfold.evaluation import eval_sets
-from trainfold.losses import causal_lm
+from trainfold import TrainingArguments, evaluate, predict
+from trainfold.core.losses import causal_lm
+from trainfold.data.pipeline import eval_loader, pad_collate
+from trainfold.dist.distributed import shard
+from trainfold.eval.evaluation import eval_sets
+from trainfold.hf import train
 
 transformers = pytest.importorskip("transformers")
 
 
 def llama():  # not GPT-2: HF counts its unshifted labels, so its losses are off by (t - 1) / t
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
-                                      use_cache=False)
+    config = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -36,9 +44,18 @@ def rows(n, seed=0, t=8):
     return out
 
 
-SETTINGS = dict(max_steps=2, per_device_train_batch_size=2, per_device_eval_batch_size=2, learning_rate=1e-2,
-                logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=3,
-                train_sampling_strategy="sequential")
+SETTINGS = dict(
+    max_steps=2,
+    per_device_train_batch_size=2,
+    per_device_eval_batch_size=2,
+    learning_rate=1e-2,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    disable_tqdm=True,
+    seed=3,
+    train_sampling_strategy="sequential",
+)
 
 
 def ours(tmp_path, **over):
@@ -50,8 +67,11 @@ def hf(tmp_path, **over):
 
 
 def eval_keys(history):
-    return [sorted(k for k in h if k not in ("epoch", "step")) for h in history if any("runtime" in k for k in h)
-            and not any(k.startswith("train_") for k in h)]
+    return [
+        sorted(k for k in h if k not in ("epoch", "step"))
+        for h in history
+        if any("runtime" in k for k in h) and not any(k.startswith("train_") for k in h)
+    ]
 
 
 # -- a dict of eval sets -----------------------------------------------------------------------------
@@ -60,13 +80,21 @@ def eval_keys(history):
 def test_a_dict_of_eval_sets_is_logged_set_by_set_with_hfs_metric_names(tmp_path):
     sets = {"short": rows(3, 1), "long": rows(5, 2)}
     over = dict(eval_strategy="steps", eval_steps=1)
-    trainer = transformers.Trainer(model=llama(), args=hf(tmp_path, **over), train_dataset=ListDataset(rows(8)),
-                                   eval_dataset={k: ListDataset(v) for k, v in sets.items()})
+    trainer = transformers.Trainer(
+        model=llama(),
+        args=hf(tmp_path, **over),
+        train_dataset=ListDataset(rows(8)),
+        eval_dataset={k: ListDataset(v) for k, v in sets.items()},
+    )
     trainer.train()
     r = train(llama(), ours(tmp_path, **over), rows(8), sets)
     assert eval_keys(r.log_history) == eval_keys(trainer.state.log_history)
-    assert eval_keys(r.log_history)[0] == ["eval_short_loss", "eval_short_runtime", "eval_short_samples_per_second",
-                                           "eval_short_steps_per_second"]
+    assert eval_keys(r.log_history)[0] == [
+        "eval_short_loss",
+        "eval_short_runtime",
+        "eval_short_samples_per_second",
+        "eval_short_steps_per_second",
+    ]
     hf_evals = [h for h in trainer.state.log_history if "eval_long_loss" in h or "eval_short_loss" in h]
     our_evals = [h for h in r.log_history if "eval_long_loss" in h or "eval_short_loss" in h]
     assert [h["step"] for h in our_evals] == [h["step"] for h in hf_evals] == [1, 1, 2, 2]
@@ -82,8 +110,12 @@ def test_the_best_model_metric_names_one_set_and_a_bare_loss_is_refused_as_hf_do
     assert r.best_checkpoint is not None
     with pytest.raises(KeyError, match="eval_loss.*eval_a_loss.*eval_{name}_"):
         train(llama(), ours(tmp_path / "x", **over), rows(8), sets)
-    trainer = transformers.Trainer(model=llama(), args=hf(tmp_path, **over), train_dataset=ListDataset(rows(8)),
-                                   eval_dataset={k: ListDataset(v) for k, v in sets.items()})
+    trainer = transformers.Trainer(
+        model=llama(),
+        args=hf(tmp_path, **over),
+        train_dataset=ListDataset(rows(8)),
+        eval_dataset={k: ListDataset(v) for k, v in sets.items()},
+    )
     with pytest.raises(KeyError, match="eval_loss"):
         trainer.train()
 
@@ -114,7 +146,8 @@ def test_dataloader_drop_last_drops_the_last_short_eval_batch_as_hf_does(tmp_pat
     assert kept != pytest.approx(evaluate(net, ours(tmp_path), data)["eval_loss"], rel=1e-6)
     r = train(llama(), ours(tmp_path, dataloader_drop_last=True, eval_strategy="steps", eval_steps=2), rows(8), data)
     assert r.log_history[-2]["eval_loss"] == pytest.approx(
-        evaluate(llama(), ours(tmp_path), data[:6], state=r.state)["eval_loss"], rel=1e-6)
+        evaluate(llama(), ours(tmp_path), data[:6], state=r.state)["eval_loss"], rel=1e-6
+    )
 
 
 class PidModel(torch.nn.Module):
@@ -145,8 +178,14 @@ def in_a_worker(items):
 @pytest.mark.parametrize("persistent", [False, True])
 def test_eval_batches_are_loaded_by_dataloader_workers(tmp_path, persistent):
     net = PidModel()
-    args = ours(tmp_path, eval_strategy="steps", eval_steps=1, dataloader_num_workers=2,
-                dataloader_persistent_workers=persistent, dataloader_prefetch_factor=2)
+    args = ours(
+        tmp_path,
+        eval_strategy="steps",
+        eval_steps=1,
+        dataloader_num_workers=2,
+        dataloader_persistent_workers=persistent,
+        dataloader_prefetch_factor=2,
+    )
     r = train(net, args, rows(8), rows(4, 5), data_collator=in_a_worker, compute_loss_func=causal_lm)
     assert r.global_step == 2 and len(net.pids) == 8  # 2 evaluations of 4 rows
     # no worker outlives the run (a persistent one left behind blocks the interpreter's exit forever)

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.checkpoint_policy import should_save
-from trainfold.eval_schedule import check_eval_schedule, resolve_eval_steps, should_evaluate
+from trainfold.ckpt.policy import should_save
+from trainfold.eval.schedule import check_eval_schedule, resolve_eval_steps, should_evaluate
 
 
 def test_should_evaluate_follows_hf_steps_and_epoch_rules():
@@ -24,7 +24,10 @@ def test_should_evaluate_follows_hf_steps_and_epoch_rules():
     assert should_evaluate(6, eval_strategy="epoch", max_steps=6)  # max_steps ends the epoch early
     assert should_evaluate(6, eval_strategy="epoch", last=True)
     assert should_evaluate(5, eval_strategy="steps", eval_steps=4, last=True)
-    assert [e for e in (1.0, 2.0, 3.0) if should_evaluate(0, True, eval_strategy="epoch", epoch=e, eval_delay=2)] == [2.0, 3.0]
+    assert [e for e in (1.0, 2.0, 3.0) if should_evaluate(0, True, eval_strategy="epoch", epoch=e, eval_delay=2)] == [
+        2.0,
+        3.0,
+    ]
     assert not any(should_evaluate(s, s % 2 == 0, eval_strategy="no", last=True) for s in range(10))
     assert resolve_eval_steps(0.1, max_steps=25) == 3
 
@@ -36,8 +39,13 @@ def hf_flow(strategy, eval_steps, delay, max_steps, per_epoch, save_strategy="no
     ``on_epoch_end`` (HF leaves the epoch loop there); an evaluation or a save resets its flag.
     """
     cb = pytest.importorskip("transformers.trainer_callback")
-    args = types.SimpleNamespace(logging_first_step=False, logging_strategy="no", eval_strategy=strategy,
-                                 eval_delay=delay, save_strategy=save_strategy)
+    args = types.SimpleNamespace(
+        logging_first_step=False,
+        logging_strategy="no",
+        eval_strategy=strategy,
+        eval_delay=delay,
+        save_strategy=save_strategy,
+    )
     state = cb.TrainerState(max_steps=max_steps, eval_steps=eval_steps, logging_steps=500, save_steps=save_steps)
     flow = cb.DefaultFlowCallback()
     for step in range(1, max_steps + 1):
@@ -54,29 +62,48 @@ def hf_flow(strategy, eval_steps, delay, max_steps, per_epoch, save_strategy="no
 
 
 @settings(max_examples=60, deadline=None)
-@given(strategy=st.sampled_from(["no", "steps", "epoch"]), eval_steps=st.integers(1, 6), delay=st.integers(0, 8),
-       max_steps=st.integers(1, 20), per_epoch=st.integers(1, 7))
+@given(
+    strategy=st.sampled_from(["no", "steps", "epoch"]),
+    eval_steps=st.integers(1, 6),
+    delay=st.integers(0, 8),
+    max_steps=st.integers(1, 20),
+    per_epoch=st.integers(1, 7),
+)
 def test_should_evaluate_agrees_with_hf_default_flow_callback(strategy, eval_steps, delay, max_steps, per_epoch):
     for step, epoch_end, hf, _ in hf_flow(strategy, eval_steps, delay, max_steps, per_epoch):
-        ours = should_evaluate(step, epoch_end, eval_strategy=strategy, eval_steps=eval_steps, eval_delay=delay,
-                               max_steps=max_steps, epoch=step / per_epoch)
+        ours = should_evaluate(
+            step,
+            epoch_end,
+            eval_strategy=strategy,
+            eval_steps=eval_steps,
+            eval_delay=delay,
+            max_steps=max_steps,
+            epoch=step / per_epoch,
+        )
         assert ours == hf, (step, epoch_end)
 
 
 @settings(max_examples=60, deadline=None)
-@given(strategy=st.sampled_from(["no", "steps", "epoch"]), save_steps=st.integers(1, 6), max_steps=st.integers(1, 20),
-       per_epoch=st.integers(1, 7))
+@given(
+    strategy=st.sampled_from(["no", "steps", "epoch"]),
+    save_steps=st.integers(1, 6),
+    max_steps=st.integers(1, 20),
+    per_epoch=st.integers(1, 7),
+)
 def test_should_save_agrees_with_hf_default_flow_callback(strategy, save_steps, max_steps, per_epoch):
     for step, epoch_end, _, hf in hf_flow("no", None, 0, max_steps, per_epoch, strategy, save_steps):
-        ours = should_save(step, save_strategy=strategy, save_steps=save_steps, epoch_end=epoch_end,
-                           max_steps=max_steps)
+        ours = should_save(
+            step, save_strategy=strategy, save_steps=save_steps, epoch_end=epoch_end, max_steps=max_steps
+        )
         assert ours == hf, (step, epoch_end)
 
 
 def test_eval_on_start_needs_a_strategy_and_eval_data():
     with pytest.raises(ValueError, match="eval_on_start=True needs eval_strategy 'steps' or 'epoch'"):
         check_eval_schedule(eval_strategy="no", eval_on_start=True, has_eval_data=True)
-    with pytest.raises(ValueError, match=r"eval_strategy='steps' needs an eval dataset.*eval_on_start=True needs an eval"):
+    with pytest.raises(
+        ValueError, match=r"eval_strategy='steps' needs an eval dataset.*eval_on_start=True needs an eval"
+    ):
         check_eval_schedule(eval_strategy="steps", eval_on_start=True, has_eval_data=False)
     check_eval_schedule(eval_strategy="epoch", eval_on_start=True, has_eval_data=True)
 

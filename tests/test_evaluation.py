@@ -1,4 +1,4 @@
-"""Tests for trainfold.evaluation: examples, then Hypothesis properties, then bad input."""
+"""Tests for trainfold.eval.evaluation: examples, then Hypothesis properties, then bad input."""
 
 from __future__ import annotations
 
@@ -9,17 +9,17 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.evaluation import (
+from trainfold.core.losses import cross_entropy
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.state import init_state
+from trainfold.eval.evaluation import (
     EvalPrediction,
     check_metrics,
     evaluate,
     predict,
     prefix_metrics,
 )
-from trainfold.losses import cross_entropy
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.optim import sgd
-from trainfold.state import init_state
+from trainfold.optim.base import sgd
 
 VOCAB = 16
 
@@ -104,16 +104,23 @@ def test_compute_metrics_gets_numpy_predictions_and_keys_are_prefixed():
         preds, labels = p
         return {"accuracy": float((preds[:, :-1] == labels[:, 1:])[labels[:, 1:] != -100].mean()), "eval_n": len(preds)}
 
-    m = evaluate(model, None, _batches(rows, 2), compute_metrics=metrics,
-                 preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1), speed_metrics=False)
+    m = evaluate(
+        model,
+        None,
+        _batches(rows, 2),
+        compute_metrics=metrics,
+        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
+        speed_metrics=False,
+    )
     assert set(m) == {"eval_accuracy", "eval_n", "eval_loss"}
     assert m["eval_n"] == 3
     (p,) = got
     assert isinstance(p.predictions, np.ndarray) and isinstance(p.label_ids, np.ndarray)
     assert p.predictions.shape == p.label_ids.shape == (3, 6)
     assert (p.label_ids == _batch(rows)["labels"].numpy()).all()
-    t = evaluate(model, None, _batches(rows, 2), compute_metrics=lambda p: {"n": 1}, metric_key_prefix="val",
-                 speed_metrics=False)
+    t = evaluate(
+        model, None, _batches(rows, 2), compute_metrics=lambda p: {"n": 1}, metric_key_prefix="val", speed_metrics=False
+    )
     assert set(t) == {"val_n", "val_loss"}
 
 
@@ -145,8 +152,15 @@ def test_eval_accumulation_steps_moves_tensors_off_the_device_every_n_batches():
     def argmax(logits, labels):
         return logits.argmax(-1)
 
-    out = predict(model, None, batches, preprocess_logits_for_metrics=argmax, eval_accumulation_steps=3, move=move,
-                  speed_metrics=False)
+    out = predict(
+        model,
+        None,
+        batches,
+        preprocess_logits_for_metrics=argmax,
+        eval_accumulation_steps=3,
+        move=move,
+        speed_metrics=False,
+    )
     # predictions and labels of batches 1-3 move after batch 3, 4-6 after 6, the last at the end
     assert [n for n, _ in moves] == [3] * 6 + [6] * 6 + [7] * 2
     assert [s for _, s in moves[:3]] == [(1, 3), (1, 8), (1, 2)]  # predictions, then labels
@@ -192,11 +206,19 @@ def test_without_compute_metrics_no_predictions_are_gathered():
 def test_a_forward_function_a_classification_loss_and_inputs_for_metrics():
     weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     forward = lambda params, inputs: inputs["input_ids"].float() @ params["w"]
-    batches = [{"input_ids": torch.tensor([[1, 0, 0]]), "labels": torch.tensor([0])},
-               {"input_ids": torch.tensor([[0, 1, 0], [0, 0, 1]]), "labels": torch.tensor([0, 1])}]
+    batches = [
+        {"input_ids": torch.tensor([[1, 0, 0]]), "labels": torch.tensor([0])},
+        {"input_ids": torch.tensor([[0, 1, 0], [0, 0, 1]]), "labels": torch.tensor([0, 1])},
+    ]
     seen = []
-    m = evaluate(forward, {"w": weight}, batches, loss=cross_entropy, include_for_metrics=["inputs"],
-                 compute_metrics=lambda p: seen.append(p) or {"acc": (p.predictions.argmax(-1) == p.label_ids).mean()})
+    m = evaluate(
+        forward,
+        {"w": weight},
+        batches,
+        loss=cross_entropy,
+        include_for_metrics=["inputs"],
+        compute_metrics=lambda p: seen.append(p) or {"acc": (p.predictions.argmax(-1) == p.label_ids).mean()},
+    )
     logits = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
     assert m["eval_loss"] == pytest.approx(F.cross_entropy(logits, torch.tensor([0, 0, 1])).item(), rel=1e-6)
     assert m["eval_acc"] == pytest.approx(1 / 3)
@@ -208,8 +230,14 @@ def test_per_sample_losses_for_metrics_are_each_sample_own_token_mean():
     model = _model()
     rows = _rows([4, 7, 1, 5])
     seen = []
-    m = evaluate(model, None, _batches(rows, 3), include_for_metrics=["loss"], speed_metrics=False,
-                 compute_metrics=lambda p: seen.append(p) or {"mean_sample_loss": np.nanmean(p.losses)})
+    m = evaluate(
+        model,
+        None,
+        _batches(rows, 3),
+        include_for_metrics=["loss"],
+        speed_metrics=False,
+        compute_metrics=lambda p: seen.append(p) or {"mean_sample_loss": np.nanmean(p.losses)},
+    )
     losses = seen[0].losses
     assert losses.shape == (4,) and np.isnan(losses[2])  # one token: nothing to predict
     for i in (0, 1, 3):
@@ -236,8 +264,7 @@ _MODEL = _model(seed=1)
 
 
 @settings(max_examples=20, deadline=None)
-@given(lengths=st.lists(st.integers(2, 12), min_size=1, max_size=7), size=st.integers(1, 7),
-       seed=st.integers(0, 1000))
+@given(lengths=st.lists(st.integers(2, 12), min_size=1, max_size=7), size=st.integers(1, 7), seed=st.integers(0, 1000))
 def test_eval_loss_does_not_depend_on_the_eval_batch_size(lengths, size, seed):
     rows = _rows(lengths, seed)
     m = evaluate(_MODEL, None, _batches(rows, size), speed_metrics=False)
@@ -245,30 +272,48 @@ def test_eval_loss_does_not_depend_on_the_eval_batch_size(lengths, size, seed):
 
 
 @settings(max_examples=20, deadline=None)
-@given(lengths=st.lists(st.integers(1, 10), min_size=1, max_size=6), size=st.integers(1, 6),
-       every=st.none() | st.integers(1, 4))
+@given(
+    lengths=st.lists(st.integers(1, 10), min_size=1, max_size=6),
+    size=st.integers(1, 6),
+    every=st.none() | st.integers(1, 4),
+)
 def test_predictions_are_the_same_for_any_batch_size_and_accumulation(lengths, size, every):
     rows = _rows(lengths)
-    out = predict(_MODEL, None, _batches(rows, size), eval_accumulation_steps=every,
-                  preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1), speed_metrics=False)
-    whole = predict(_MODEL, None, [_batch(rows)], preprocess_logits_for_metrics=lambda lg, lb: lg.argmax(-1),
-                    speed_metrics=False)
+    out = predict(
+        _MODEL,
+        None,
+        _batches(rows, size),
+        eval_accumulation_steps=every,
+        preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
+        speed_metrics=False,
+    )
+    whole = predict(
+        _MODEL, None, [_batch(rows)], preprocess_logits_for_metrics=lambda lg, lb: lg.argmax(-1), speed_metrics=False
+    )
     assert (out.label_ids == whole.label_ids).all()
     mask = whole.label_ids != -100
     assert (out.predictions[mask] == whole.predictions[mask]).all()
 
 
 @settings(max_examples=20, deadline=None)
-@given(lengths=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 6)), min_size=1, max_size=5),
-       vocab=st.integers(1, 3))
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 6)), min_size=1, max_size=5), vocab=st.integers(1, 3)
+)
 def test_padded_predictions_match_hf_nested_concat(lengths, vocab):
     pt_utils = pytest.importorskip("transformers.trainer_pt_utils")
     g = torch.Generator().manual_seed(len(lengths))
-    batches = [{"input_ids": torch.zeros(r, c, dtype=torch.long), "labels": torch.randint(0, 9, (r, c), generator=g)}
-               for r, c in lengths]
+    batches = [
+        {"input_ids": torch.zeros(r, c, dtype=torch.long), "labels": torch.randint(0, 9, (r, c), generator=g)}
+        for r, c in lengths
+    ]
     forward = lambda params, inputs: params["w"].expand(*inputs["input_ids"].shape, vocab) * 1.0
-    out = predict(forward, {"w": torch.arange(vocab, dtype=torch.float32)}, batches, loss=lambda o, y, n: o.sum(),
-                  speed_metrics=False)
+    out = predict(
+        forward,
+        {"w": torch.arange(vocab, dtype=torch.float32)},
+        batches,
+        loss=lambda o, y, n: o.sum(),
+        speed_metrics=False,
+    )
     want_p = want_l = None
     for b in batches:
         logits = forward({"w": torch.arange(vocab, dtype=torch.float32)}, b)
@@ -313,7 +358,9 @@ def test_bad_evaluate_arguments():
     model = _model()
     batches = _batches(_rows([3]), 1)
     with pytest.raises(ValueError, match="eval_accumulation_steps must be a positive int.*0.*prediction_loss_only"):
-        evaluate(model, None, batches, eval_accumulation_steps=0, prediction_loss_only=True, compute_metrics=lambda p: {})
+        evaluate(
+            model, None, batches, eval_accumulation_steps=0, prediction_loss_only=True, compute_metrics=lambda p: {}
+        )
     with pytest.raises(TypeError, match="dicts of tensors"):
         evaluate(model, None, [torch.zeros(1, 3)])
     with pytest.raises(ValueError, match=r"include_for_metrics takes 'inputs' and 'loss', got \['logits'\]"):

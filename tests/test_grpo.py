@@ -13,8 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfold import adamw, init_state, make_step, sgd
-from trainfold.generate import functional_forward, generate, token_logps
-from trainfold.grpo import (
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.recipes.generate import functional_forward, generate, token_logps
+from trainfold.recipes.grpo import (
     combine_rewards,
     group_advantages,
     grpo_objective,
@@ -22,7 +23,6 @@ from trainfold.grpo import (
     make_rollout,
     rollout_metrics,
 )
-from trainfold.models import TinyLM, TinyLMConfig
 
 CFG = TinyLMConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_len=32)
 
@@ -70,8 +70,15 @@ def test_batched_generation_equals_one_prompt_at_a_time_and_stops_after_eos():
 
 def test_generate_runs_hugging_face_models_like_their_own_greedy_search():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     prompt = [3, 7, 9]
@@ -102,7 +109,9 @@ def test_combine_rewards_weights_functions_and_passes_columns():
     def short(prompts, completions, **_):
         return [None if c == "" else 1.0 / len(c) for c in completions]
 
-    total, each = combine_rewards([match, short], ["q", "q", "q"], ["ab", "", "b"], {"answer": ["ab", "x", "x"]}, [2.0, 1.0])
+    total, each = combine_rewards(
+        [match, short], ["q", "q", "q"], ["ab", "", "b"], {"answer": ["ab", "x", "x"]}, [2.0, 1.0]
+    )
     assert total.tolist() == [2.5, 0.0, 1.0]
     assert math.isnan(each[1, 1].item())
 
@@ -111,8 +120,18 @@ rewards_lists = st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_si
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.integers(2, 5).flatmap(lambda g: st.tuples(st.just(g), st.lists(
-    st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=g, max_size=g), min_size=1, max_size=4))))
+@given(
+    st.integers(2, 5).flatmap(
+        lambda g: st.tuples(
+            st.just(g),
+            st.lists(
+                st.lists(st.floats(-1e3, 1e3, allow_nan=False, width=32), min_size=g, max_size=g),
+                min_size=1,
+                max_size=4,
+            ),
+        )
+    )
+)
 def test_advantage_properties(case):
     g, groups = case
     r = torch.tensor([x for grp in groups for x in grp])
@@ -132,8 +151,10 @@ def test_advantage_properties(case):
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.one_of(st.just(math.nan), st.floats(-10, 10, width=32)), min_size=4, max_size=4),
-       st.sampled_from(["group", "batch", "none"]))
+@given(
+    st.lists(st.one_of(st.just(math.nan), st.floats(-10, 10, width=32)), min_size=4, max_size=4),
+    st.sampled_from(["group", "batch", "none"]),
+)
 def test_unscored_rewards_never_make_nan_advantages(rewards, scale):
     r = torch.tensor(rewards)
     adv = group_advantages(r, 2, scale)
@@ -152,8 +173,12 @@ def rollout_batch(seed=0, rows=4, prompt_len=3, completion_len=4):
     completion[0, -1] = 0  # a shorter completion (right padding)
     attention = torch.ones_like(ids)
     attention[0, -1] = 0
-    return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion,
-            "advantages": torch.randn(rows, generator=g)}
+    return {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "completion_mask": completion,
+        "advantages": torch.randn(rows, generator=g),
+    }
 
 
 def inputs(batch):
@@ -203,7 +228,11 @@ def with_block(batch, micro_batches):
     """Mark ``batch`` as the rows of a generation block of ``micro_batches`` (what make_rollout records)."""
     rows = len(batch["advantages"])
     tokens = int(batch["completion_mask"].sum())
-    return {**batch, "generation_tokens": torch.full((rows,), tokens), "generation_micro_batches": torch.full((rows,), micro_batches)}
+    return {
+        **batch,
+        "generation_tokens": torch.full((rows,), tokens),
+        "generation_micro_batches": torch.full((rows,), micro_batches),
+    }
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
@@ -232,7 +261,11 @@ def test_dapo_normalises_every_step_of_a_block_by_its_tokens_per_step():
     obj, bnpo = grpo_objective("dapo"), grpo_objective("bnpo")
     forward, params = functional_forward(model), params_of(model)
     for part in (first, second):  # a block of 2 optimizer steps of 1 micro-batch each
-        marked = {**part, "generation_tokens": torch.full((4,), tokens), "generation_micro_batches": torch.full((4,), 2)}
+        marked = {
+            **part,
+            "generation_tokens": torch.full((4,), tokens),
+            "generation_micro_batches": torch.full((4,), 2),
+        }
         loss, _ = obj(forward, params, marked, obj.count_items(marked))
         own, _ = bnpo(forward, params, part, bnpo.count_items(part))  # normalised by the step's own tokens
         own_tokens = int(part["completion_mask"][:, 1:].sum())
@@ -241,8 +274,14 @@ def test_dapo_normalises_every_step_of_a_block_by_its_tokens_per_step():
 
 def test_rollout_records_its_block_on_every_row():
     model = lm()
-    rollout = make_rollout(model, first_digit_is_seven, encode=lambda s: [1 + int(c) for c in s],
-                           decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2, max_new_tokens=3)
+    rollout = make_rollout(
+        model,
+        first_digit_is_seven,
+        encode=lambda s: [1 + int(c) for c in s],
+        decode=lambda ids: "".join(str(i % 10) for i in ids),
+        num_generations=2,
+        max_new_tokens=3,
+    )
     out = rollout(init_state(model, sgd(0.1)), [{"prompt": ["12", "12"]}, {"prompt": ["3", "3", "4", "4"]}])
     tokens = sum(int(mb["completion_mask"].sum()) for mb in out)
     for mb in out:
@@ -274,9 +313,15 @@ def test_generation_happens_once_per_block_and_old_logps_only_when_the_buffer_ou
     model = lm()
     calls = []
     for spg in (1, 3):
-        rollout = make_rollout(model, first_digit_is_seven, encode=lambda s: [1 + int(c) for c in s],
-                               decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-                               max_new_tokens=3, optimizer_steps_per_generation=spg)
+        rollout = make_rollout(
+            model,
+            first_digit_is_seven,
+            encode=lambda s: [1 + int(c) for c in s],
+            decode=lambda ids: "".join(str(i % 10) for i in ids),
+            num_generations=2,
+            max_new_tokens=3,
+            optimizer_steps_per_generation=spg,
+        )
         calls.clear()
 
         def counted(state, micro_batches, rollout=rollout, spg=spg):
@@ -298,9 +343,15 @@ def test_generation_happens_once_per_block_and_old_logps_only_when_the_buffer_ou
 def test_dapo_in_the_loop_counts_the_block_once_per_micro_batch():
     model = lm()
     blocks = []
-    rollout = make_rollout(model, digit_sum, encode=lambda s: [1 + int(c) for c in s],
-                           decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-                           max_new_tokens=3, optimizer_steps_per_generation=2)
+    rollout = make_rollout(
+        model,
+        digit_sum,
+        encode=lambda s: [1 + int(c) for c in s],
+        decode=lambda ids: "".join(str(i % 10) for i in ids),
+        num_generations=2,
+        max_new_tokens=3,
+        optimizer_steps_per_generation=2,
+    )
 
     def recorded(state, micro_batches):
         out = rollout(state, micro_batches)
@@ -319,9 +370,15 @@ def test_dapo_in_the_loop_counts_the_block_once_per_micro_batch():
 def test_num_iterations_trains_on_each_block_again_with_old_logps():
     model = lm()
     seen = []
-    rollout = make_rollout(model, digit_sum, encode=lambda s: [1 + int(c) for c in s],
-                           decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-                           max_new_tokens=3, num_iterations=2)
+    rollout = make_rollout(
+        model,
+        digit_sum,
+        encode=lambda s: [1 + int(c) for c in s],
+        decode=lambda ids: "".join(str(i % 10) for i in ids),
+        num_generations=2,
+        max_new_tokens=3,
+        num_iterations=2,
+    )
     assert rollout.records_old_logps  # the block outlives its first step
 
     def recorded(state, micro_batches):
@@ -346,8 +403,13 @@ def test_num_iterations_trains_on_each_block_again_with_old_logps():
 
 
 def test_rollout_metrics_average_the_step_rows():
-    mbs = [{"rewards": torch.tensor([1.0, math.nan]), "rewards/f": torch.tensor([2.0, 4.0]),
-            "completion_mask": torch.tensor([[1, 1], [1, 0]])}]
+    mbs = [
+        {
+            "rewards": torch.tensor([1.0, math.nan]),
+            "rewards/f": torch.tensor([2.0, 4.0]),
+            "completion_mask": torch.tensor([[1, 1], [1, 0]]),
+        }
+    ]
     m = rollout_metrics(mbs)
     assert m["reward"].item() == 1.0 and m["rewards/f/mean"].item() == 3.0
 
@@ -393,7 +455,9 @@ def test_errors_name_the_bad_value_and_the_fix():
     with pytest.raises(ValueError, match="max_completion_length"):
         grpo_objective("dr_grpo")
     with pytest.raises(ValueError, match="num_generations=1 must be >= 2.*temperature=0"):
-        make_rollout(lm(), first_digit_is_seven, encode=list, decode=str, num_generations=1, max_new_tokens=2, temperature=0)
+        make_rollout(
+            lm(), first_digit_is_seven, encode=list, decode=str, num_generations=1, max_new_tokens=2, temperature=0
+        )
     model = lm()
     with pytest.raises(KeyError, match="pass ref_params to make_rollout"):
         grpo_objective(beta=0.1)(functional_forward(model), params_of(model), rollout_batch(), torch.tensor(4))
@@ -404,9 +468,16 @@ def test_rollout_and_objective_change_none_of_their_inputs():
     opt = sgd(0.1)
     state = init_state(model, opt, seed=3)
     versions = {k: v._version for k, v in state.params.items()}
-    rollout = make_rollout(model, first_digit_is_seven, encode=lambda s: [1 + int(c) for c in s],
-                           decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-                           max_new_tokens=3, optimizer_steps_per_generation=2, ref_params=params_of(lm(1)))
+    rollout = make_rollout(
+        model,
+        first_digit_is_seven,
+        encode=lambda s: [1 + int(c) for c in s],
+        decode=lambda ids: "".join(str(i % 10) for i in ids),
+        num_generations=2,
+        max_new_tokens=3,
+        optimizer_steps_per_generation=2,
+        ref_params=params_of(lm(1)),
+    )
     prompts = [{"prompt": ["1", "1", "23", "23"], "tag": torch.tensor([0, 0, 1, 1])}]
     out = rollout(state, prompts)
     again = rollout(state, prompts)
@@ -433,19 +504,43 @@ def test_loss_and_metrics_match_trl(tmp_path, loss_type):
     word = Tokenizer(models.WordLevel({n: i for i, n in enumerate(names)}, unk_token="<pad>"))
     word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=word, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.5, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.5,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     policy = LlamaForCausalLM(cfg)
     policy.save_pretrained(tmp_path / "policy")  # TRL loads its reference from the path when beta != 0
     tok.save_pretrained(tmp_path / "policy")
     temperature, beta, eps, eps_high, max_len = 0.7, 0.1, 0.2, 0.28, 5
-    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to=[], num_generations=2,
-                          per_device_train_batch_size=4, max_completion_length=max_len, beta=beta, loss_type=loss_type,
-                          temperature=temperature, epsilon=eps, epsilon_high=eps_high)
-    trainer = trl.GRPOTrainer(model=str(tmp_path / "policy"), reward_funcs=[lambda prompts, completions, **_: [0.0] * len(prompts)],
-                              args=args, train_dataset=datasets.Dataset.from_list([{"prompt": "t5 t6"}] * 4),
-                              processing_class=tok)
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        report_to=[],
+        num_generations=2,
+        per_device_train_batch_size=4,
+        max_completion_length=max_len,
+        beta=beta,
+        loss_type=loss_type,
+        temperature=temperature,
+        epsilon=eps,
+        epsilon_high=eps_high,
+    )
+    trainer = trl.GRPOTrainer(
+        model=str(tmp_path / "policy"),
+        reward_funcs=[lambda prompts, completions, **_: [0.0] * len(prompts)],
+        args=args,
+        train_dataset=datasets.Dataset.from_list([{"prompt": "t5 t6"}] * 4),
+        processing_class=tok,
+    )
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
 
@@ -464,22 +559,37 @@ def test_loss_and_metrics_match_trl(tmp_path, loss_type):
     old = current + 0.4 * torch.randn(current.shape, generator=g)  # some ratios leave the clip range
     ref = current + 0.5 * torch.randn(current.shape, generator=g)
     advantages = torch.randn(4, generator=g)
-    trl_loss = trainer._compute_loss(trainer.model, {
-        "prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion,
-        "completion_mask": completion_mask, "advantages": advantages, "old_per_token_logps": old,
-        "ref_per_token_logps": ref, "num_items_in_batch": completion_mask.sum()}).item()
+    trl_loss = trainer._compute_loss(
+        trainer.model,
+        {
+            "prompt_ids": prompt,
+            "prompt_mask": torch.ones_like(prompt),
+            "completion_ids": completion,
+            "completion_mask": completion_mask,
+            "advantages": advantages,
+            "old_per_token_logps": old,
+            "ref_per_token_logps": ref,
+            "num_items_in_batch": completion_mask.sum(),
+        },
+    ).item()
     trl_metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
     def ours_layout(x):  # TRL keeps completion positions only; ours scores every position t -> t+1
         return torch.cat([torch.zeros(4, 2), x], 1)
 
-    batch = {"input_ids": ids, "attention_mask": attention,
-             "completion_mask": torch.cat([torch.zeros_like(prompt), completion_mask], 1),
-             "advantages": advantages, "old_logps": ours_layout(old), "ref_logps": ours_layout(ref),
-             "generation_tokens": torch.full((4,), int(completion_mask.sum())),  # one micro-batch per generation
-             "generation_micro_batches": torch.full((4,), 1)}
-    obj = grpo_objective(loss_type, epsilon=eps, epsilon_high=eps_high, beta=beta, temperature=temperature,
-                         max_completion_length=max_len)
+    batch = {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "completion_mask": torch.cat([torch.zeros_like(prompt), completion_mask], 1),
+        "advantages": advantages,
+        "old_logps": ours_layout(old),
+        "ref_logps": ours_layout(ref),
+        "generation_tokens": torch.full((4,), int(completion_mask.sum())),  # one micro-batch per generation
+        "generation_micro_batches": torch.full((4,), 1),
+    }
+    obj = grpo_objective(
+        loss_type, epsilon=eps, epsilon_high=eps_high, beta=beta, temperature=temperature, max_completion_length=max_len
+    )
     loss, aux = obj(functional_forward(policy), params, batch, obj.count_items(batch))
     assert loss.item() == pytest.approx(trl_loss, abs=1e-5)
     assert trl_metrics["clip_ratio/region_mean"] > 0
@@ -490,13 +600,20 @@ def test_loss_and_metrics_match_trl(tmp_path, loss_type):
 
 @pytest.mark.parametrize("spg, iterations", [(2, 1), (1, 2)])
 def test_resuming_at_a_generation_boundary_is_bitwise_equal_to_not_stopping(spg, iterations):
-    from trainfold.data import stream
-    from trainfold.samplers import Sampler
+    from trainfold.data.pipeline import stream
+    from trainfold.data.samplers import Sampler
 
     model = lm()
-    rollout = make_rollout(model, digit_sum, encode=lambda s: [1 + int(c) for c in s],
-                           decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-                           max_new_tokens=3, optimizer_steps_per_generation=spg, num_iterations=iterations)
+    rollout = make_rollout(
+        model,
+        digit_sum,
+        encode=lambda s: [1 + int(c) for c in s],
+        decode=lambda ids: "".join(str(i % 10) for i in ids),
+        num_generations=2,
+        max_new_tokens=3,
+        optimizer_steps_per_generation=spg,
+        num_iterations=iterations,
+    )
     opt = adamw(1e-2)
     step = make_step(model, optimizer=opt, objective=grpo_objective())
     data = [{"prompt": str(d)} for d in range(6)]
@@ -520,13 +637,27 @@ def test_resuming_at_a_generation_boundary_is_bitwise_equal_to_not_stopping(spg,
 
 def test_grpo_trains_a_hugging_face_model():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=16,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
-    rollout = make_rollout(model, digit_sum, encode=lambda s: [1 + int(c) for c in s],
-                           decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-                           max_new_tokens=3, optimizer_steps_per_generation=2, ref_params=params_of(model))
+    rollout = make_rollout(
+        model,
+        digit_sum,
+        encode=lambda s: [1 + int(c) for c in s],
+        decode=lambda ids: "".join(str(i % 10) for i in ids),
+        num_generations=2,
+        max_new_tokens=3,
+        optimizer_steps_per_generation=2,
+        ref_params=params_of(model),
+    )
     opt = adamw(1e-2)
     step = make_step(model, optimizer=opt, objective=grpo_objective(beta=0.04))
     start = init_state(model, opt)

@@ -1,4 +1,4 @@
-"""The GRPO run (``trainfold.grpo_run.train``): TRL 1.16's schedule, metrics and settings; resume inside a block."""
+"""The GRPO run (``trainfold.hf.grpo_run.train``): TRL 1.16's schedule, metrics and settings; resume inside a block."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from trainfold import sgd
-from trainfold.data import generation_batches
-from trainfold.grpo import grpo_objective
-from trainfold.grpo_args import GRPOArguments, generation_order
-from trainfold.grpo_metrics import generation_metrics
-from trainfold.grpo_run import BUFFER, grpo_stream, train
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.state import Cursor, init_state
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.state import Cursor, init_state
+from trainfold.data.pipeline import generation_batches
+from trainfold.hf.grpo_args import GRPOArguments, generation_order
+from trainfold.hf.grpo_run import BUFFER, grpo_stream, train
+from trainfold.recipes.grpo import grpo_objective
+from trainfold.recipes.grpo_metrics import generation_metrics
 
 CFG = TinyLMConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_len=16)
 
@@ -38,9 +38,19 @@ def digit_sum(prompts, completions, **_):
 
 
 def grpo_args(tmp_path, **kw):
-    base = dict(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, num_generations=2,
-                max_completion_length=3, report_to="none", disable_tqdm=True, logging_steps=1, learning_rate=1e-2,
-                save_strategy="no", seed=3)
+    base = dict(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_completion_length=3,
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=1,
+        learning_rate=1e-2,
+        save_strategy="no",
+        seed=3,
+    )
     return GRPOArguments(**{**base, **kw})
 
 
@@ -53,8 +63,13 @@ def test_prompt_order_is_trls_repeat_sampler_over_epochs():
     data, g, per, repeats = list(range(11)), 3, 4, 2
     sampler = RepeatSampler(data, mini_repeat_count=g, batch_size=per, repeat_count=repeats, shuffle=True, seed=7)
     for epoch in range(3):  # HF iterates the same sampler each epoch: the generator moves on
-        ours = [i for chunk in generation_order(len(data), per, seed=7, epoch=epoch)
-                for _ in range(repeats) for i in chunk for _ in range(g)]
+        ours = [
+            i
+            for chunk in generation_order(len(data), per, seed=7, epoch=epoch)
+            for _ in range(repeats)
+            for i in chunk
+            for _ in range(g)
+        ]
         assert list(sampler) == ours
     plain = RepeatSampler(data, mini_repeat_count=1, batch_size=per, shuffle=False)
     assert list(plain) == [i for c in generation_order(len(data), per, seed=0, epoch=0, shuffle=False) for i in c]
@@ -81,8 +96,9 @@ def _trl_schedule(b, ga, spg, iterations, g, num_prompts, seed, epochs):
     from trl import GRPOTrainer
     from trl.trainer.utils import RepeatSampler
 
-    config = GRPOArguments(per_device_train_batch_size=b, gradient_accumulation_steps=ga, steps_per_generation=spg,
-                           num_generations=g)
+    config = GRPOArguments(
+        per_device_train_batch_size=b, gradient_accumulation_steps=ga, steps_per_generation=spg, num_generations=g
+    )
     spg = config.generation_steps  # TRL's default: gradient_accumulation_steps
     sampler = RepeatSampler(range(num_prompts), g, batch_size=b * spg // g, repeat_count=iterations * spg, seed=seed)
     stub, labels = _TRLStub(spg, iterations), []
@@ -99,8 +115,9 @@ def _canonical(labels):
     return [seen.setdefault(x, len(seen)) for x in labels]
 
 
-@pytest.mark.parametrize("b, ga, spg, iterations", [(2, 2, None, 1), (2, 2, 4, 1), (2, 2, 4, 2), (2, 2, 1, 1),
-                                                    (2, 4, 2, 1), (4, 2, 2, 3)])
+@pytest.mark.parametrize(
+    "b, ga, spg, iterations", [(2, 2, None, 1), (2, 2, 4, 1), (2, 2, 4, 2), (2, 2, 1, 1), (2, 4, 2, 1), (4, 2, 2, 3)]
+)
 def test_generation_schedule_is_trls_prepare_inputs(tmp_path, b, ga, spg, iterations):
     num_prompts, g, epochs = 8, 2, 2
     labels, trl_prompts = _trl_schedule(b, ga, spg, iterations, g, num_prompts, seed=3, epochs=epochs)
@@ -110,11 +127,22 @@ def test_generation_schedule_is_trls_prepare_inputs(tmp_path, b, ga, spg, iterat
         seen.append(list(idx))
         return digit_sum(prompts, completions)
 
-    args = grpo_args(tmp_path, per_device_train_batch_size=b, gradient_accumulation_steps=ga,
-                     steps_per_generation=spg, num_iterations=iterations)
+    args = grpo_args(
+        tmp_path,
+        per_device_train_batch_size=b,
+        gradient_accumulation_steps=ga,
+        steps_per_generation=spg,
+        num_iterations=iterations,
+    )
     model = lm()
-    run = grpo_stream(model, args, [{"prompt": str(i % 10), "idx": i} for i in range(num_prompts)], record,
-                      encode=encode, decode=decode)
+    run = grpo_stream(
+        model,
+        args,
+        [{"prompt": str(i % 10), "idx": i} for i in range(num_prompts)],
+        record,
+        encode=encode,
+        decode=decode,
+    )
     stream = run.stream()
     state = init_state(model, sgd(0.1), seed=3, extras=stream.extras)
     assert stream.steps_per_epoch * epochs * ga == len(labels)  # TRL: len(dataloader) // GA updates an epoch
@@ -125,8 +153,10 @@ def test_generation_schedule_is_trls_prepare_inputs(tmp_path, b, ga, spg, iterat
         generations.append(len(seen) - before)
         micro.extend(batch)
     assert seen == trl_prompts  # the same prompts, repeated alike, in the same order
-    trl_per_step = [sum(1 for k in range(s * ga, (s + 1) * ga) if k % (args.generation_steps * iterations) == 0)
-                    for s in range(len(labels) // ga)]
+    trl_per_step = [
+        sum(1 for k in range(s * ga, (s + 1) * ga) if k % (args.generation_steps * iterations) == 0)
+        for s in range(len(labels) // ga)
+    ]
     assert generations == trl_per_step  # generated as often as TRL, at the same optimizer steps
 
     def same(x, y):
@@ -139,14 +169,15 @@ def test_generation_schedule_is_trls_prepare_inputs(tmp_path, b, ga, spg, iterat
 
 
 def test_buffered_log_probs_are_the_sampling_policys_at_the_completion_tokens(tmp_path):
-    from trainfold.generate import functional_forward, token_logps
+    from trainfold.recipes.generate import functional_forward, token_logps
 
     args = grpo_args(tmp_path, gradient_accumulation_steps=2, steps_per_generation=4, beta=0.1)
     assert args.records_old_logps  # the generation outlives its first optimizer step
     model = lm()
     ref = {k: v.detach() + 0.01 for k, v in model.named_parameters()}
-    stream = grpo_stream(model, args, [{"prompt": str(d)} for d in range(8)], digit_sum, encode=encode,
-                         decode=decode, ref_params=ref).stream()
+    stream = grpo_stream(
+        model, args, [{"prompt": str(d)} for d in range(8)], digit_sum, encode=encode, decode=decode, ref_params=ref
+    ).stream()
     state = init_state(model, sgd(0.1), seed=3, extras=stream.extras)
     _, batch = stream.prepare(state, next(iter(stream.steps(Cursor()))))
     for mb in batch:
@@ -190,19 +221,38 @@ def test_resume_inside_a_generation_block_is_bitwise(tmp_path, spg, iterations, 
     data = [{"prompt": str(d)} for d in range(8)]
 
     def args(out, **kw):
-        return grpo_args(out, max_steps=4, gradient_accumulation_steps=2, steps_per_generation=spg,
-                         num_iterations=iterations, beta=0.05, **kw)
+        return grpo_args(
+            out,
+            max_steps=4,
+            gradient_accumulation_steps=2,
+            steps_per_generation=spg,
+            num_iterations=iterations,
+            beta=0.05,
+            **kw,
+        )
 
     straight = train(lm(), args(tmp_path / "a"), data, counted, encode=encode, decode=decode)
     assert (stop_at * 2) % (spg * iterations) != 0  # the checkpoint falls inside a block
-    first = train(lm(), args(tmp_path / "b", save_strategy="steps", save_steps=1), data, counted,
-                  encode=encode, decode=decode,
-                  stop=lambda s: int(s.step) >= stop_at)
+    first = train(
+        lm(),
+        args(tmp_path / "b", save_strategy="steps", save_steps=1),
+        data,
+        counted,
+        encode=encode,
+        decode=decode,
+        stop=lambda s: int(s.step) >= stop_at,
+    )
     assert first.status == "stopped" and first.global_step == stop_at
     calls.clear()
-    resumed = train(lm(), args(tmp_path / "b", save_strategy="steps", save_steps=1), data, counted,
-                    encode=encode, decode=decode,
-                    resume_from_checkpoint=True)
+    resumed = train(
+        lm(),
+        args(tmp_path / "b", save_strategy="steps", save_steps=1),
+        data,
+        counted,
+        encode=encode,
+        decode=decode,
+        resume_from_checkpoint=True,
+    )
     block_steps = spg * iterations // 2
     assert len(calls) == 4 // block_steps - stop_at // block_steps - 1  # the open block came from the checkpoint
     assert resumed.global_step == 4
@@ -266,15 +316,21 @@ def test_objective_metrics_are_trls_token_means_per_micro_batch():
     ids = torch.randint(1, 16, (2, 6), generator=g)
     completion = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 0]])
     attention = torch.tensor([[1] * 6, [1, 1, 1, 1, 1, 0]])
-    from trainfold.generate import functional_forward, token_logps
+    from trainfold.recipes.generate import functional_forward, token_logps
 
     params = {k: v.detach() for k, v in model.named_parameters()}
     with torch.no_grad():
         logits = functional_forward(model)(params, {"input_ids": ids, "attention_mask": attention})
         current = token_logps(logits, ids)
     ref = current + 0.3 * torch.randn(current.shape, generator=g)
-    batch = {"input_ids": ids, "attention_mask": attention, "completion_mask": completion,
-             "advantages": torch.tensor([1.0, -1.0]), "ref_logps": ref, "step_micro_batches": torch.tensor([2, 2])}
+    batch = {
+        "input_ids": ids,
+        "attention_mask": attention,
+        "completion_mask": completion,
+        "advantages": torch.tensor([1.0, -1.0]),
+        "ref_logps": ref,
+        "step_micro_batches": torch.tensor([2, 2]),
+    }
     obj = grpo_objective("grpo", beta=0.1)
     _, aux = obj(functional_forward(model), params, batch, obj.count_items(batch))
     mask = completion[:, 1:].float()
@@ -287,7 +343,7 @@ def test_objective_metrics_are_trls_token_means_per_micro_batch():
 
 def test_dapo_normalises_each_micro_batch_by_its_generation_as_trl():
     """TRL: loss = sum(mask * token loss) / (num_items_in_batch * GA / steps_per_generation), per micro-batch."""
-    from trainfold.generate import functional_forward
+    from trainfold.recipes.generate import functional_forward
 
     model = lm()
     params = {k: v.detach() for k, v in model.named_parameters()}
@@ -296,19 +352,41 @@ def test_dapo_normalises_each_micro_batch_by_its_generation_as_trl():
     adv = torch.tensor([0.5, -2.0])
     obj = grpo_objective("dapo")
     for tokens, ga, spg in ((40, 4, 2), (7, 2, 4)):  # one step of two generations; a generation of two steps
-        batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion,
-                 "advantages": adv, "generation_tokens": torch.tensor([tokens] * 2),
-                 "generation_micro_batches": torch.tensor([spg] * 2), "step_micro_batches": torch.tensor([ga] * 2)}
+        batch = {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "completion_mask": completion,
+            "advantages": adv,
+            "generation_tokens": torch.tensor([tokens] * 2),
+            "generation_micro_batches": torch.tensor([spg] * 2),
+            "step_micro_batches": torch.tensor([ga] * 2),
+        }
         loss, _ = obj(functional_forward(model), params, batch, torch.tensor(123))  # the step's count is not used
         on_policy = -(adv * completion[:, 1:].sum(1)).sum()  # ratio 1: each token's loss is -A
         assert loss.item() == pytest.approx(on_policy.item() / (tokens * ga / spg), rel=1e-6)
 
 
 def test_run_logs_kl_with_beta_and_evaluates_eval_prompts(tmp_path):
-    args = grpo_args(tmp_path, beta=0.1, eval_strategy="steps", eval_steps=2, max_steps=2, save_strategy="steps",
-                     save_steps=2, metric_for_best_model="eval_reward", greater_is_better=True)
-    result = train(lm(), args, [{"prompt": str(d)} for d in range(4)], digit_sum, encode=encode, decode=decode,
-                   eval_prompts=[{"prompt": "12"}, {"prompt": "3"}])
+    args = grpo_args(
+        tmp_path,
+        beta=0.1,
+        eval_strategy="steps",
+        eval_steps=2,
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        metric_for_best_model="eval_reward",
+        greater_is_better=True,
+    )
+    result = train(
+        lm(),
+        args,
+        [{"prompt": str(d)} for d in range(4)],
+        digit_sum,
+        encode=encode,
+        decode=decode,
+        eval_prompts=[{"prompt": "12"}, {"prompt": "3"}],
+    )
     assert result.best_checkpoint is not None and result.best_checkpoint.name == "checkpoint-2"
     logs = [e for e in result.log_history if "loss" in e]
     assert logs[0]["kl"] == 0.0 and logs[1]["kl"] > 0  # the reference is the model as given
@@ -332,8 +410,13 @@ def test_a_tokenizer_encodes_prompts_and_decodes_completions_as_trl(tmp_path):
         seen.append((prompts, completions, completion_ids))
         return [float(len(c)) for c in completions]
 
-    train(lm(), grpo_args(tmp_path, max_steps=1, max_completion_length=4), [{"prompt": "t3 t4"}, {"prompt": "t5"}],
-          record, processing_class=tok)
+    train(
+        lm(),
+        grpo_args(tmp_path, max_steps=1, max_completion_length=4),
+        [{"prompt": "t3 t4"}, {"prompt": "t5"}],
+        record,
+        processing_class=tok,
+    )
     prompts, completions, ids = seen[0]
     assert prompts in (["t3 t4"] * 2, ["t5"] * 2)  # one prompt per generation, num_generations times
     for text, c in zip(completions, ids):  # skip_special_tokens: no </s> or <pad> in the text; EOS ends a completion
@@ -378,10 +461,19 @@ def test_settings_resolve_like_grpo_config():
     trl = pytest.importorskip("trl")
     for kw in ({}, {"steps_per_generation": 4}, {"generation_batch_size": 16}):
         ours = GRPOArguments(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4, **kw)
-        theirs = trl.GRPOConfig(output_dir="/tmp/unused", per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                                num_generations=4, use_cpu=True, bf16=False, **kw)
-        assert (ours.generation_steps, ours.generation_batch) == (theirs.steps_per_generation,
-                                                                   theirs.generation_batch_size)
+        theirs = trl.GRPOConfig(
+            output_dir="/tmp/unused",
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            num_generations=4,
+            use_cpu=True,
+            bf16=False,
+            **kw,
+        )
+        assert (ours.generation_steps, ours.generation_batch) == (
+            theirs.steps_per_generation,
+            theirs.generation_batch_size,
+        )
     assert GRPOArguments().loss_type == trl.GRPOConfig(output_dir="/tmp/unused", use_cpu=True, bf16=False).loss_type
 
 
@@ -398,11 +490,23 @@ def test_errors_name_the_setting_the_value_and_the_fix(tmp_path):
     with pytest.raises(ValueError, match=r"(?s)(?=.*loss_type='cispo')(?=.*top_p=0.9)(?=.*learning_rate must be >= 0)"):
         GRPOArguments(loss_type="cispo", top_p=0.9, learning_rate=-1.0)
     with pytest.raises(ValueError, match="2 prompts fill no generation of 4 prompts"):
-        train(lm(), grpo_args(tmp_path, per_device_train_batch_size=8), [{"prompt": "1"}] * 2, digit_sum,
-              encode=encode, decode=decode)
+        train(
+            lm(),
+            grpo_args(tmp_path, per_device_train_batch_size=8),
+            [{"prompt": "1"}] * 2,
+            digit_sum,
+            encode=encode,
+            decode=decode,
+        )
     with pytest.raises(ValueError, match="got 2 reward_weights for 1 reward functions"):
-        train(lm(), grpo_args(tmp_path, reward_weights=[1.0, 2.0]), [{"prompt": "1"}] * 2, digit_sum,
-              encode=encode, decode=decode)
+        train(
+            lm(),
+            grpo_args(tmp_path, reward_weights=[1.0, 2.0]),
+            [{"prompt": "1"}] * 2,
+            digit_sum,
+            encode=encode,
+            decode=decode,
+        )
     with pytest.raises(TypeError, match="takes GRPOArguments"):
         from trainfold import TrainingArguments
 

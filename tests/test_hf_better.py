@@ -13,7 +13,7 @@ import torch
 from resume_fixture import ListDataset
 
 from trainfold import init_state, make_step, sgd
-from trainfold.losses import causal_lm, cross_entropy
+from trainfold.core.losses import causal_lm, cross_entropy
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,10 +23,19 @@ def hf_one_step_update(model, rows, batch_size, accumulation, tmp_path):
     model = copy.deepcopy(model)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=accumulation, max_steps=1, max_grad_norm=0.0, learning_rate=1.0,
-        lr_scheduler_type="constant", report_to="none", save_strategy="no", use_cpu=True,
-        train_sampling_strategy="sequential", disable_tqdm=True, logging_strategy="no",
+        output_dir=str(tmp_path / "hf"),
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        max_steps=1,
+        max_grad_norm=0.0,
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        train_sampling_strategy="sequential",
+        disable_tqdm=True,
+        logging_strategy="no",
     )
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=ListDataset(rows), optimizers=(opt, None))
@@ -60,8 +69,9 @@ def relative_error(update, reference):
 
 def test_gpt2_shifted_label_count(tmp_path):
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32,
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     model = transformers.GPT2LMHeadModel(cfg)
     g = torch.Generator().manual_seed(1)
     rows = []
@@ -74,7 +84,8 @@ def test_gpt2_shifted_label_count(tmp_path):
     def mean_loss(m, batch):  # the true token mean over the shifted labels
         logits = m(input_ids=batch["input_ids"]).logits
         return torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, 64), batch["labels"][:, 1:].reshape(-1), ignore_index=-100)
+            logits[:, :-1].reshape(-1, 64), batch["labels"][:, 1:].reshape(-1), ignore_index=-100
+        )
 
     ref = true_gradient(model, rows, mean_loss)
     ours = trainfold_one_step_update(model, rows, 2, causal_lm)
@@ -86,8 +97,16 @@ def test_gpt2_shifted_label_count(tmp_path):
 
 def test_sequence_classification_with_accumulation(tmp_path):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=2, num_labels=3, pad_token_id=0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_labels=3,
+        pad_token_id=0,
+    )
     model = transformers.LlamaForSequenceClassification(cfg)
     g = torch.Generator().manual_seed(2)
     rows = [{"input_ids": torch.randint(1, 64, (8,), generator=g), "labels": torch.tensor(i % 3)} for i in range(4)]

@@ -7,12 +7,23 @@ import pytest
 import torch
 from resume_fixture import ListDataset
 
-from trainfold import TrainingArguments, train
+from trainfold import TrainingArguments
+from trainfold.hf import train
 
 transformers = pytest.importorskip("transformers")
 
-EVENTS = ("on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end", "on_step_begin",
-          "on_step_end", "on_log", "on_evaluate", "on_save")
+EVENTS = (
+    "on_init_end",
+    "on_train_begin",
+    "on_train_end",
+    "on_epoch_begin",
+    "on_epoch_end",
+    "on_step_begin",
+    "on_step_end",
+    "on_log",
+    "on_evaluate",
+    "on_save",
+)
 
 
 class Recorder(transformers.TrainerCallback):
@@ -23,23 +34,40 @@ class Recorder(transformers.TrainerCallback):
 
     def _record(self, name, args, state, control, **kwargs):
         self.calls.append((name, state.global_step))
-        self.seen.append({"event": name, "output_dir": args.output_dir, "logging_steps": args.logging_steps,
-                          "epoch": state.epoch, "max_steps": state.max_steps, "best_metric": state.best_metric,
-                          "best_model_checkpoint": state.best_model_checkpoint,
-                          "log_history": len(state.log_history), "logs": kwargs.get("logs"),
-                          "metrics": kwargs.get("metrics")})
+        self.seen.append(
+            {
+                "event": name,
+                "output_dir": args.output_dir,
+                "logging_steps": args.logging_steps,
+                "epoch": state.epoch,
+                "max_steps": state.max_steps,
+                "best_metric": state.best_metric,
+                "best_model_checkpoint": state.best_model_checkpoint,
+                "log_history": len(state.log_history),
+                "logs": kwargs.get("logs"),
+                "metrics": kwargs.get("metrics"),
+            }
+        )
 
 
 for _name in EVENTS:
-    setattr(Recorder, _name,
-            lambda self, args, state, control, _n=_name, **kw: self._record(_n, args, state, control, **kw))
+    setattr(
+        Recorder, _name, lambda self, args, state, control, _n=_name, **kw: self._record(_n, args, state, control, **kw)
+    )
 
 
 def llama():
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
-                                   use_cache=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -48,25 +76,48 @@ def rows(n=8, t=8):
     return [{"input_ids": (ids := torch.randint(0, 64, (t,), generator=g)), "labels": ids.clone()} for _ in range(n)]
 
 
-SETTINGS = dict(max_steps=6, per_device_train_batch_size=2, learning_rate=1e-3, logging_steps=2, eval_strategy="steps",
-                eval_steps=3, save_strategy="steps", save_steps=3, metric_for_best_model="loss", seed=7,
-                train_sampling_strategy="sequential", report_to="none", disable_tqdm=True)
+SETTINGS = dict(
+    max_steps=6,
+    per_device_train_batch_size=2,
+    learning_rate=1e-3,
+    logging_steps=2,
+    eval_strategy="steps",
+    eval_steps=3,
+    save_strategy="steps",
+    save_steps=3,
+    metric_for_best_model="loss",
+    seed=7,
+    train_sampling_strategy="sequential",
+    report_to="none",
+    disable_tqdm=True,
+)
 
 
 def hf_run(out, callbacks, compute_metrics=None, n_rows=8, **changes):
     settings = {**SETTINGS, **changes}
     args = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, **settings)
-    trainer = transformers.Trainer(model=llama(), args=args, train_dataset=ListDataset(rows(n_rows)),
-                                   eval_dataset=ListDataset(rows(4)), callbacks=callbacks,
-                                   compute_metrics=compute_metrics)
+    trainer = transformers.Trainer(
+        model=llama(),
+        args=args,
+        train_dataset=ListDataset(rows(n_rows)),
+        eval_dataset=ListDataset(rows(4)),
+        callbacks=callbacks,
+        compute_metrics=compute_metrics,
+    )
     trainer.train()
     return trainer
 
 
 def our_run(out, callbacks, compute_metrics=None, n_rows=8, **changes):
     settings = {**SETTINGS, **changes}
-    return train(llama(), TrainingArguments(output_dir=str(out), **settings), rows(n_rows), rows(4),
-                 callbacks=callbacks, compute_metrics=compute_metrics)
+    return train(
+        llama(),
+        TrainingArguments(output_dir=str(out), **settings),
+        rows(n_rows),
+        rows(4),
+        callbacks=callbacks,
+        compute_metrics=compute_metrics,
+    )
 
 
 def test_events_and_their_steps_match_the_hf_trainer(tmp_path):
@@ -76,8 +127,19 @@ def test_events_and_their_steps_match_the_hf_trainer(tmp_path):
     assert result.status == "completed"
     assert ours.calls == theirs.calls
     assert [c for c in ours.calls if c[0] in ("on_log", "on_evaluate", "on_save", "on_epoch_end")] == [
-        ("on_log", 2), ("on_log", 3), ("on_evaluate", 3), ("on_save", 3), ("on_log", 4), ("on_epoch_end", 4),
-        ("on_log", 6), ("on_log", 6), ("on_evaluate", 6), ("on_save", 6), ("on_epoch_end", 6), ("on_log", 6)]
+        ("on_log", 2),
+        ("on_log", 3),
+        ("on_evaluate", 3),
+        ("on_save", 3),
+        ("on_log", 4),
+        ("on_epoch_end", 4),
+        ("on_log", 6),
+        ("on_log", 6),
+        ("on_evaluate", 6),
+        ("on_save", 6),
+        ("on_epoch_end", 6),
+        ("on_log", 6),
+    ]
 
 
 def test_callbacks_see_hf_shaped_args_state_and_logs(tmp_path):
@@ -92,8 +154,9 @@ def test_callbacks_see_hf_shaped_args_state_and_logs(tmp_path):
         assert mine["epoch"] == pytest.approx(hf["epoch"]), mine["event"]
         assert mine["log_history"] == hf["log_history"], mine["event"]
         assert (mine["best_metric"] is None) == (hf["best_metric"] is None), mine["event"]
-        assert (mine["best_model_checkpoint"] or "").rsplit("/", 1)[-1] == (
-            hf["best_model_checkpoint"] or "").rsplit("/", 1)[-1], mine["event"]
+        assert (mine["best_model_checkpoint"] or "").rsplit("/", 1)[-1] == (hf["best_model_checkpoint"] or "").rsplit(
+            "/", 1
+        )[-1], mine["event"]
         for key in ("logs", "metrics"):
             assert (mine[key] is None) == (hf[key] is None)
             if hf[key] is not None:
@@ -108,12 +171,15 @@ def test_early_stopping_callback_stops_at_the_same_step_as_hf(tmp_path):
         count = iter(scores)
         return lambda prediction: {"score": next(count)}
 
-    settings = dict(max_steps=16, eval_steps=2, save_steps=2, metric_for_best_model="score", greater_is_better=False,
-                    n_rows=10)  # 5 steps an epoch: no evaluation falls on an epoch's last step before step 10
-    trainer = hf_run(tmp_path / "hf", [transformers.EarlyStoppingCallback(early_stopping_patience=2)], scripted(),
-                     **settings)
-    ours = our_run(tmp_path / "tf", [transformers.EarlyStoppingCallback(early_stopping_patience=2)], scripted(),
-                   **settings)
+    settings = dict(
+        max_steps=16, eval_steps=2, save_steps=2, metric_for_best_model="score", greater_is_better=False, n_rows=10
+    )  # 5 steps an epoch: no evaluation falls on an epoch's last step before step 10
+    trainer = hf_run(
+        tmp_path / "hf", [transformers.EarlyStoppingCallback(early_stopping_patience=2)], scripted(), **settings
+    )
+    ours = our_run(
+        tmp_path / "tf", [transformers.EarlyStoppingCallback(early_stopping_patience=2)], scripted(), **settings
+    )
     assert trainer.state.global_step == 8
     assert ours.status == "stopped" and ours.global_step == trainer.state.global_step
 
@@ -129,7 +195,11 @@ def test_control_flags_set_by_a_callback_are_honoured(tmp_path):
     result = our_run(tmp_path / "tf", [Steer(), recorder])
     assert result.status == "stopped" and result.global_step == 5
     assert [c for c in recorder.calls if c[0] in ("on_evaluate", "on_save")] == [
-        ("on_evaluate", 1), ("on_save", 2), ("on_evaluate", 3), ("on_save", 3)]
+        ("on_evaluate", 1),
+        ("on_save", 2),
+        ("on_evaluate", 3),
+        ("on_save", 3),
+    ]
     assert sorted(p.name for p in (tmp_path / "tf").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
     assert recorder.calls[-1] == ("on_train_end", 5)
 
@@ -174,10 +244,16 @@ def test_early_stopping_callback_needs_a_metric_and_evaluation(tmp_path):
     with pytest.raises(ValueError, match="needs metric_for_best_model"):
         our_run(tmp_path, [transformers.EarlyStoppingCallback()], metric_for_best_model=None)
     with pytest.raises(ValueError, match="once"):
-        from trainfold.stopping import early_stopping
+        from trainfold.observe.stopping import early_stopping
 
-        train(llama(), TrainingArguments(output_dir=str(tmp_path), **SETTINGS), rows(), rows(4),
-              callbacks=[transformers.EarlyStoppingCallback()], early_stopping=early_stopping("eval_loss"))
+        train(
+            llama(),
+            TrainingArguments(output_dir=str(tmp_path), **SETTINGS),
+            rows(),
+            rows(4),
+            callbacks=[transformers.EarlyStoppingCallback()],
+            early_stopping=early_stopping("eval_loss"),
+        )
 
 
 def test_should_epoch_stop_is_refused(tmp_path):
@@ -194,8 +270,9 @@ def test_early_stopping_callback_threshold_counts_from_the_last_counted_improvem
         count = iter([10.0, 9.6, 9.2, 8.8, 8.4, 8.0, 7.6, 7.2])  # steady progress of 0.4 an evaluation
         return lambda prediction: {"score": next(count)}
 
-    settings = dict(max_steps=16, eval_steps=2, save_steps=2, metric_for_best_model="score", greater_is_better=False,
-                    n_rows=10)
+    settings = dict(
+        max_steps=16, eval_steps=2, save_steps=2, metric_for_best_model="score", greater_is_better=False, n_rows=10
+    )
 
     def stopper():
         return transformers.EarlyStoppingCallback(early_stopping_patience=2, early_stopping_threshold=0.5)
@@ -206,10 +283,14 @@ def test_early_stopping_callback_threshold_counts_from_the_last_counted_improvem
     assert ours.status == "completed" and ours.global_step == 16  # 0.8 gained over 2 evaluations > 0.5
 
 
-@pytest.mark.parametrize("changes", [
-    dict(eval_strategy="epoch", save_strategy="epoch"),  # steps logs; epoch evaluations and saves
-    dict(logging_strategy="epoch", eval_steps=2, save_strategy="epoch"),  # epoch logs and saves, steps evaluations
-], ids=["eval-save-by-epoch", "log-save-by-epoch"])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(eval_strategy="epoch", save_strategy="epoch"),  # steps logs; epoch evaluations and saves
+        dict(logging_strategy="epoch", eval_steps=2, save_strategy="epoch"),  # epoch logs and saves, steps evaluations
+    ],
+    ids=["eval-save-by-epoch", "log-save-by-epoch"],
+)
 def test_on_epoch_end_comes_where_the_hf_trainer_calls_it_at_an_epochs_last_step(tmp_path, changes):
     # HF at an epoch's last step: on_step_end, the step's logs/evaluations/saves, on_epoch_end, then those by epoch
     theirs, ours = Recorder(), Recorder()

@@ -1,7 +1,7 @@
 """When ``train`` logs, evaluates and saves: step for step what a real ``transformers.Trainer`` does.
 
 Each case runs the Trainer on a tiny Llama with a callback that records ``on_evaluate``,
-``on_save`` and ``on_log``, then ``trainfold.train`` with the same settings, and compares the
+``on_save`` and ``on_log``, then ``trainfold.hf.train`` with the same settings, and compares the
 step numbers: trainfold's eval entries in ``log_history``, the checkpoints on disk, the logs
 (trainfold also logs the last step's partial window, which HF drops) and the best step.
 """
@@ -19,9 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from resume_fixture import ListDataset
 
-from trainfold import TrainingArguments, train
-from trainfold.stopping import early_stopping
-from trainfold.train import BEST
+from trainfold import TrainingArguments
+from trainfold.hf import train
+from trainfold.hf.train import BEST
+from trainfold.observe.stopping import early_stopping
 
 transformers = pytest.importorskip("transformers")
 
@@ -31,8 +32,14 @@ FULL = os.environ.get("TRAINFOLD_SLOW") == "full"
 def llama():
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=8, use_cache=False,
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=8,
+        use_cache=False,
     )
     return transformers.LlamaForCausalLM(cfg)
 
@@ -70,21 +77,36 @@ def checkpoints(out):
 def run_both(tmp_path, n_rows, settings_, score_values, patience=None):
     """Train on ``n_rows`` rows, one per micro-batch, with both trainers; return what each recorded."""
     data, eval_data = rows(n_rows), rows(1)
-    common = dict(per_device_train_batch_size=1, train_sampling_strategy="sequential", report_to="none",
-                  disable_tqdm=True, learning_rate=1e-3, **settings_)
+    common = dict(
+        per_device_train_batch_size=1,
+        train_sampling_strategy="sequential",
+        report_to="none",
+        disable_tqdm=True,
+        learning_rate=1e-3,
+        **settings_,
+    )
     if settings_.get("eval_strategy", "no") != "no":
         common.update(metric_for_best_model="score", greater_is_better=True)
     hf_out, tf_out = tmp_path / "hf", tmp_path / "tf"
     recorder = Recorder()
     trainer = transformers.Trainer(
-        model=llama(), args=transformers.TrainingArguments(output_dir=str(hf_out), use_cpu=True, **common),
-        train_dataset=ListDataset(data), eval_dataset=ListDataset(eval_data), compute_metrics=scores(score_values),
+        model=llama(),
+        args=transformers.TrainingArguments(output_dir=str(hf_out), use_cpu=True, **common),
+        train_dataset=ListDataset(data),
+        eval_dataset=ListDataset(eval_data),
+        compute_metrics=scores(score_values),
         callbacks=[recorder] + ([transformers.EarlyStoppingCallback(patience)] if patience else []),
     )
     trainer.train()
     stopper = early_stopping("score", patience, greater_is_better=True) if patience else None
-    ours = train(llama(), TrainingArguments(output_dir=str(tf_out), **common), data, eval_dataset=eval_data,
-                 compute_metrics=scores(score_values), early_stopping=stopper)
+    ours = train(
+        llama(),
+        TrainingArguments(output_dir=str(tf_out), **common),
+        data,
+        eval_dataset=eval_data,
+        compute_metrics=scores(score_values),
+        early_stopping=stopper,
+    )
     return trainer, recorder, ours, hf_out, tf_out
 
 
@@ -109,16 +131,24 @@ def compare(trainer, recorder, ours, hf_out, tf_out, logging_strategy, save_stra
 
 def test_eval_and_save_steps_equal_to_the_steps_per_epoch(tmp_path):
     """eval_steps == steps per epoch: HF evaluates at every epoch end; trainfold used to skip them all."""
-    settings_ = dict(num_train_epochs=2, eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3,
-                     logging_steps=3)
+    settings_ = dict(
+        num_train_epochs=2, eval_strategy="steps", eval_steps=3, save_strategy="steps", save_steps=3, logging_steps=3
+    )
     trainer, recorder, ours, hf_out, tf_out = run_both(tmp_path, 3, settings_, [1.0, 2.0])
     assert recorder.evaluations == [3, 6] and recorder.saves == [3, 6]
     compare(trainer, recorder, ours, hf_out, tf_out, "steps")
 
 
 def test_load_best_model_at_end_finds_the_best_at_an_epoch_end(tmp_path):
-    settings_ = dict(num_train_epochs=2, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,
-                     logging_steps=2, load_best_model_at_end=True)
+    settings_ = dict(
+        num_train_epochs=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=2,
+        logging_steps=2,
+        load_best_model_at_end=True,
+    )
     trainer, recorder, ours, hf_out, tf_out = run_both(tmp_path, 2, settings_, [2.0, 1.0])
     assert trainer.state.best_model_checkpoint.endswith("checkpoint-2")
     assert ours.best_checkpoint is not None and ours.best_checkpoint.name == "checkpoint-2"
@@ -135,8 +165,9 @@ def test_max_steps_mid_epoch_evaluates_and_saves_by_epoch(tmp_path):
 
 def test_early_stopping_mid_epoch_ends_the_epoch_there(tmp_path):
     """HF leaves the epoch loop when early stopping fires, so on_epoch_end saves (and logs) by epoch there."""
-    settings_ = dict(num_train_epochs=2, eval_strategy="steps", eval_steps=1, save_strategy="epoch",
-                     logging_strategy="epoch")
+    settings_ = dict(
+        num_train_epochs=2, eval_strategy="steps", eval_steps=1, save_strategy="epoch", logging_strategy="epoch"
+    )
     trainer, recorder, ours, hf_out, tf_out = run_both(tmp_path, 4, settings_, [1.0, 0.0], patience=1)
     assert recorder.evaluations == [1, 2] and recorder.saves == [2] and recorder.logs == [2]
     assert ours.status == "stopped"
@@ -160,8 +191,11 @@ def schedules(draw):
     accumulation = draw(st.sampled_from([1, 1, 2, 3]))  # a short last step when it does not divide the rows
     n_rows = draw(st.integers(1, min(8, 4 * accumulation)))
     epochs = draw(st.integers(1, 3))
-    s = {"max_steps": draw(st.sampled_from([-1, -1, 1, 2, 3, 5, 7])), "num_train_epochs": epochs,
-         "gradient_accumulation_steps": accumulation}
+    s = {
+        "max_steps": draw(st.sampled_from([-1, -1, 1, 2, 3, 5, 7])),
+        "num_train_epochs": epochs,
+        "gradient_accumulation_steps": accumulation,
+    }
     s["eval_strategy"] = draw(st.sampled_from(["no", "steps", "epoch"]))
     if s["eval_strategy"] != "no":
         s["eval_steps"] = draw(st.sampled_from([None, *STEPS]))
@@ -204,8 +238,9 @@ def nan_at(loss, steps):
 
 
 def hf_causal_lm(outputs, labels, num_items_in_batch=None):
-    return transformers.loss.loss_utils.ForCausalLMLoss(outputs.logits, labels, vocab_size=16,
-                                                        num_items_in_batch=num_items_in_batch)
+    return transformers.loss.loss_utils.ForCausalLMLoss(
+        outputs.logits, labels, vocab_size=16, num_items_in_batch=num_items_in_batch
+    )
 
 
 def hf_filtered(losses, nan_steps, every):
@@ -223,27 +258,41 @@ def hf_filtered(losses, nan_steps, every):
 
 
 def test_nan_losses_are_filtered_from_the_logged_loss_never_logged_as_nan(tmp_path):
-    from trainfold.losses import causal_lm
+    from trainfold.core.losses import causal_lm
 
     # the first label masked: the shifted and unshifted label counts agree, so a wrapped loss normalises alike
-    data = [{"input_ids": x["input_ids"], "labels": torch.cat([torch.tensor([-100]), x["labels"][1:]])}
-            for x in rows(8)]
+    data = [
+        {"input_ids": x["input_ids"], "labels": torch.cat([torch.tensor([-100]), x["labels"][1:]])} for x in rows(8)
+    ]
     nan_steps = {2, 5, 6}  # windows of 2: [finite, nan], [finite, finite], [nan, nan], [finite, finite]
-    common = dict(max_steps=8, per_device_train_batch_size=1, train_sampling_strategy="sequential", report_to="none",
-                  disable_tqdm=True, learning_rate=1e-2, save_strategy="no")
+    common = dict(
+        max_steps=8,
+        per_device_train_batch_size=1,
+        train_sampling_strategy="sequential",
+        report_to="none",
+        disable_tqdm=True,
+        learning_rate=1e-2,
+        save_strategy="no",
+    )
 
     def hf_run(loss, logging_steps, out):
-        hf_args = transformers.TrainingArguments(output_dir=str(out), use_cpu=True, logging_steps=logging_steps,
-                                                 **common)
-        trainer = transformers.Trainer(model=llama(), args=hf_args, train_dataset=ListDataset(data),
-                                       compute_loss_func=loss)
+        hf_args = transformers.TrainingArguments(
+            output_dir=str(out), use_cpu=True, logging_steps=logging_steps, **common
+        )
+        trainer = transformers.Trainer(
+            model=llama(), args=hf_args, train_dataset=ListDataset(data), compute_loss_func=loss
+        )
         trainer.train()
         return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
     clean = hf_run(hf_causal_lm, 1, tmp_path / "clean")  # the NaN only hides the value: the updates are the same
     hf = hf_run(nan_at(hf_causal_lm, nan_steps), 2, tmp_path / "hf")
-    ours = train(llama(), TrainingArguments(output_dir=str(tmp_path / "tf"), logging_steps=2, **common), data,
-                 compute_loss_func=nan_at(causal_lm, nan_steps))
+    ours = train(
+        llama(),
+        TrainingArguments(output_dir=str(tmp_path / "tf"), logging_steps=2, **common),
+        data,
+        compute_loss_func=nan_at(causal_lm, nan_steps),
+    )
     logged = [h["loss"] for h in ours.log_history if "loss" in h and "train_loss" not in h]
 
     assert hf == pytest.approx(hf_filtered(clean, nan_steps, 2), rel=1e-6)  # HF's rule, as read from trainer.py

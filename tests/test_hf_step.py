@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainfold import adamw, chain, clip_by_global_norm, decay_mask, fit, init_state, make_step, sgd
-from trainfold.losses import causal_lm
+from trainfold.core.losses import causal_lm
 
 transformers = pytest.importorskip("transformers")
 
@@ -14,8 +14,15 @@ transformers = pytest.importorskip("transformers")
 def tiny_llama(seed: int = 0, tie: bool = False):
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, use_cache=False,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        use_cache=False,
     )
     return transformers.LlamaForCausalLM(cfg)
 

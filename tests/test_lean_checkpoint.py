@@ -14,11 +14,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold import checkpoint, tensor_file
-from trainfold.checkpoint import MODEL_FILE, SIDECAR_FILE, STATE_FILE, CheckpointError, load, read_metadata, save
-from trainfold.optim import adamw
-from trainfold.state import init_state, scalar
-from trainfold.tree import flatten
+from trainfold.ckpt import checkpoint, tensor_file
+from trainfold.ckpt.checkpoint import MODEL_FILE, SIDECAR_FILE, STATE_FILE, CheckpointError, load, read_metadata, save
+from trainfold.core.state import init_state, scalar
+from trainfold.core.tree import flatten
+from trainfold.optim.base import adamw
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,8 +26,16 @@ transformers = pytest.importorskip("transformers")
 def llama(seed: int = 0, tie: bool = False):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=tie, use_cache=False)
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -87,8 +95,15 @@ def test_checkpoint_bytes_are_the_trainers_for_the_same_model_and_optimizer(tmp_
     model = llama()
     data = [{"input_ids": r, "labels": r} for r in torch.randint(0, 256, (4, 8), generator=torch.Generator())]
     args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), max_steps=1, per_device_train_batch_size=2, save_strategy="steps",
-        save_steps=1, report_to=[], disable_tqdm=True, use_cpu=True)
+        output_dir=str(tmp_path / "hf"),
+        max_steps=1,
+        per_device_train_batch_size=2,
+        save_strategy="steps",
+        save_steps=1,
+        report_to=[],
+        disable_tqdm=True,
+        use_cpu=True,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         transformers.Trainer(model=model, args=args, train_dataset=data).train()
@@ -130,13 +145,23 @@ def test_the_crc_is_computed_from_the_bytes_as_written_not_read_back(tmp_path, m
 
 
 @settings(max_examples=25, deadline=None)
-@given(tensors=st.dictionaries(st.text("abcxyz_.", min_size=1, max_size=5),
-                               st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.bool,
-                                                          torch.float16, torch.int8, torch.float64]),
-                                         st.lists(st.integers(0, 4), max_size=3)), max_size=5))
+@given(
+    tensors=st.dictionaries(
+        st.text("abcxyz_.", min_size=1, max_size=5),
+        st.tuples(
+            st.sampled_from(
+                [torch.float32, torch.bfloat16, torch.int64, torch.bool, torch.float16, torch.int8, torch.float64]
+            ),
+            st.lists(st.integers(0, 4), max_size=3),
+        ),
+        max_size=5,
+    )
+)
 def test_tensor_files_round_trip_and_are_safetensors(tmp_path_factory, tensors):
-    built = {k: torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.randint(0, 2, shape).to(dtype)
-             for k, (dtype, shape) in tensors.items()}
+    built = {
+        k: torch.randn(shape).to(dtype) if dtype.is_floating_point else torch.randint(0, 2, shape).to(dtype)
+        for k, (dtype, shape) in tensors.items()
+    }
     path = tmp_path_factory.mktemp("tf") / "t.safetensors"
     size, crc = tensor_file.write(path, built, metadata={"format": "pt"})
     data = path.read_bytes()
@@ -203,11 +228,24 @@ def write_format_2(state, model, path: Path, version: int = 2) -> Path:
     safetensors.torch.save_file(flat, path / STATE_FILE, metadata={"format": "pt"})
     weights = {k: v.clone().contiguous() for k, v in checkpoint.model_weights(state, model).items()}
     safetensors.torch.save_file(weights, path / MODEL_FILE, metadata={"format": "pt"})
-    files = {n: {"bytes": (path / n).stat().st_size, "crc32": zlib.crc32((path / n).read_bytes())}
-             for n in (STATE_FILE, MODEL_FILE)}
-    meta = {"format": "trainfold-checkpoint", "format_version": version, "library_version": "0.1", "step": 5,
-            "epoch": 0, "cursor": {"epoch": 0, "position": 0}, "save_only_model": False, "jit": False,
-            "metadata": {}, "settings": {}, "run": None, "files": files}
+    files = {
+        n: {"bytes": (path / n).stat().st_size, "crc32": zlib.crc32((path / n).read_bytes())}
+        for n in (STATE_FILE, MODEL_FILE)
+    }
+    meta = {
+        "format": "trainfold-checkpoint",
+        "format_version": version,
+        "library_version": "0.1",
+        "step": 5,
+        "epoch": 0,
+        "cursor": {"epoch": 0, "position": 0},
+        "save_only_model": False,
+        "jit": False,
+        "metadata": {},
+        "settings": {},
+        "run": None,
+        "files": files,
+    }
     if version == 1:
         del meta["run"]
         (path / SIDECAR_FILE).write_text(json.dumps(meta))
@@ -236,11 +274,15 @@ def test_a_newer_format_is_refused_by_name(tmp_path):
         load(path, like=init_state(torch.nn.Linear(2, 1), adamw(1e-3)))
 
 
-@pytest.mark.parametrize(("change", "field"), [
-    (lambda m: m.pop("tensors"), "tensors"), (lambda m: m.update(frozen=[1]), "frozen"),
-    (lambda m: m.update(tensors={MODEL_FILE: {"params.w": 3}}), "tensors.model.safetensors"),
-    (lambda m: m.update(tensors={**m["tensors"], "x.safetensors": {}}), "files.x.safetensors"),
-])
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda m: m.pop("tensors"), "tensors"),
+        (lambda m: m.update(frozen=[1]), "frozen"),
+        (lambda m: m.update(tensors={MODEL_FILE: {"params.w": 3}}), "tensors.model.safetensors"),
+        (lambda m: m.update(tensors={**m["tensors"], "x.safetensors": {}}), "files.x.safetensors"),
+    ],
+)
 def test_a_malformed_tensors_or_frozen_field_is_refused_naming_it(tmp_path, change, field):
     path = save(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), tmp_path / "c")
     meta = read_metadata(path)

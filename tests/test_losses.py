@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.losses import (
+from trainfold.core.losses import (
     causal_lm,
     count_labels,
     count_shifted_labels,
@@ -95,8 +95,13 @@ def test_negative_labels_other_than_ignore_index_are_rejected():
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**16), n=st.integers(1, 5), t=st.integers(2, 9), eps=st.sampled_from([0.05, 0.1, 0.3]),
-       causal=st.booleans())
+@given(
+    seed=st.integers(0, 2**16),
+    n=st.integers(1, 5),
+    t=st.integers(2, 9),
+    eps=st.sampled_from([0.05, 0.1, 0.3]),
+    causal=st.booleans(),
+)
 def test_label_smoothing_matches_hf_label_smoother_on_one_micro_batch(seed, n, t, eps, causal):
     trainer_pt_utils = pytest.importorskip("transformers.trainer_pt_utils")
     g = torch.Generator().manual_seed(seed)

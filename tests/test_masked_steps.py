@@ -11,8 +11,9 @@ import warnings
 import pytest
 import torch
 
-from trainfold import TrainingArguments, train
-from trainfold.models import TinyLM, TinyLMConfig
+from trainfold import TrainingArguments
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.hf import train
 
 
 def lm() -> TinyLM:
@@ -29,9 +30,17 @@ def rows(n: int, masked: set[int] = frozenset()) -> list[dict]:
 
 
 def settings(tmp_path, **over) -> TrainingArguments:
-    base = dict(output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2, learning_rate=1e-2,
-                train_sampling_strategy="sequential", logging_steps=1, report_to="none", disable_tqdm=True,
-                save_strategy="no")
+    base = dict(
+        output_dir=str(tmp_path),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        learning_rate=1e-2,
+        train_sampling_strategy="sequential",
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
+        save_strategy="no",
+    )
     return TrainingArguments(**{**base, **over})
 
 
@@ -56,15 +65,17 @@ class Stream(torch.utils.data.IterableDataset):
 
 
 def test_fully_masked_map_style_data_is_refused_before_training(tmp_path):
-    with pytest.raises(ValueError, match=r"every one of the 6 rows of train_dataset has no 'labels' that causal_lm "
-                                         r"counts \(all -100, or only the first token"):
+    with pytest.raises(
+        ValueError,
+        match=r"every one of the 6 rows of train_dataset has no 'labels' that causal_lm "
+        r"counts \(all -100, or only the first token",
+    ):
         train(lm(), settings(tmp_path, max_steps=3), rows(6, masked=set(range(6))), stop=at_most(10))
 
 
 def test_fully_masked_streamed_data_ends_at_max_steps_with_a_warning(tmp_path):
     with pytest.warns(RuntimeWarning, match="had no labels other than -100.*the step counts") as caught:
-        result = train(lm(), settings(tmp_path, max_steps=3), Stream(rows(4, masked=set(range(4)))),
-                       stop=at_most(10))
+        result = train(lm(), settings(tmp_path, max_steps=3), Stream(rows(4, masked=set(range(4)))), stop=at_most(10))
     assert result.status == "completed" and result.global_step == 3
     assert int(result.state.nonfinite_losses) == 3
     assert sum("no labels other than -100" in str(w.message) for w in caught) == 3

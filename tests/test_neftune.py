@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from trainfold import init_state, make_step, sgd
-from trainfold.fold import fit
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.neftune import input_embedding, neftune_forward, neftune_noise, neftune_objective
-from trainfold.step import make_forward, train_mode
-from trainfold.tree import flatten, unflatten
+from trainfold.core.fold import fit
+from trainfold.core.forward import make_forward, train_mode
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.tree import flatten, unflatten
+from trainfold.recipes.neftune import input_embedding, neftune_forward, neftune_noise, neftune_objective
 
 SMALL = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16)
 

@@ -16,9 +16,11 @@ from torch import nn
 from torch.func import functional_call
 
 from trainfold import chain, clip_by_global_norm, init_state, make_step, sgd
-from trainfold.fold import any_of, fit, max_steps, trajectory
-from trainfold.losses import cross_entropy
-from trainfold.observe import (
+from trainfold.core.fold import any_of, fit, max_steps, trajectory
+from trainfold.core.losses import cross_entropy
+from trainfold.core.state import Cursor, TrainState, scalar
+from trainfold.core.tree import flatten, global_norm, unflatten
+from trainfold.observe.observers import (
     LOG_MARK,
     LoggingPlan,
     LogMark,
@@ -36,11 +38,9 @@ from trainfold.observe import (
     tap,
     train_summary,
 )
-from trainfold.reporters import make_reporters
-from trainfold.schedules import linear
-from trainfold.state import Cursor, TrainState, scalar
-from trainfold.stopping import early_stopping, patience_exhausted, record_evaluation
-from trainfold.tree import flatten, global_norm, unflatten
+from trainfold.observe.reporters import make_reporters
+from trainfold.observe.stopping import early_stopping, patience_exhausted, record_evaluation
+from trainfold.optim.schedules import linear
 
 # -- a small classification run ----------------------------------------------------------------
 
@@ -244,8 +244,10 @@ def test_window_mean_from_running_sums(losses, cut):
 
 
 @settings(max_examples=60, deadline=None)
-@given(losses=st.lists(st.sampled_from([0.5, 1.0, 2.5, math.nan, math.inf, -math.inf]), min_size=1, max_size=12),
-       every=st.integers(1, 4))
+@given(
+    losses=st.lists(st.sampled_from([0.5, 1.0, 2.5, math.nan, math.inf, -math.inf]), min_size=1, max_size=12),
+    every=st.integers(1, 4),
+)
 def test_non_finite_steps_are_filtered_and_a_window_never_logs_nan_after_a_finite_step(losses, every):
     """Each logged loss is the mean of its window's finite steps, else of every finite step so far."""
     state = TrainState(params={}, buffers={}, opt_state=None)
@@ -253,8 +255,12 @@ def test_non_finite_steps_are_filtered_and_a_window_never_logs_nan_after_a_finit
     recorder = types.SimpleNamespace(log=lambda entry, step: logged.append((step, entry["loss"])))
     for k, loss in enumerate(losses, 1):
         finite = math.isfinite(loss)
-        state = attrs.evolve(state, step=scalar(k), loss_total=state.loss_total + (loss if finite else 0.0),
-                             nonfinite_losses=state.nonfinite_losses + (not finite))
+        state = attrs.evolve(
+            state,
+            step=scalar(k),
+            loss_total=state.loss_total + (loss if finite else 0.0),
+            nonfinite_losses=state.nonfinite_losses + (not finite),
+        )
         state = log_if_due(state, LoggingPlan("steps", every), [recorder], last=k == len(losses))
     start = 0
     for step, value in logged:
@@ -323,10 +329,20 @@ def test_a_logged_evaluated_early_stopped_fold_writes_jsonl(tmp_path):
 
 def test_metric_window_counts_each_step_once_and_skips_the_step_metrics():
     def at(step, **metrics):
-        base = {"loss": torch.tensor(9.0), "grad_norm": torch.tensor(9.0), "learning_rate": torch.tensor(9.0),
-                "num_items": torch.tensor(9.0), "vector": torch.ones(3)}
-        return TrainState(params={}, buffers={}, opt_state=None, step=scalar(step),
-                          metrics={**base, **{k: torch.tensor(v) for k, v in metrics.items()}})
+        base = {
+            "loss": torch.tensor(9.0),
+            "grad_norm": torch.tensor(9.0),
+            "learning_rate": torch.tensor(9.0),
+            "num_items": torch.tensor(9.0),
+            "vector": torch.ones(3),
+        }
+        return TrainState(
+            params={},
+            buffers={},
+            opt_state=None,
+            step=scalar(step),
+            metrics={**base, **{k: torch.tensor(v) for k, v in metrics.items()}},
+        )
 
     window = MetricWindow()
     for state in (at(1, a=1.0), at(1, a=1.0), at(2, a=2.0, b=4.0), at(3, a=6.0)):  # step 1 seen twice (a no-op step)

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, decay_mask_by_name, sgd
-from trainfold.schedules import SCHEDULE_NAMES, constant, cosine, linear, named, warmup_steps_for
+from trainfold.optim.base import adamw, chain, clip_by_global_norm, decay_mask, decay_mask_by_name, sgd
+from trainfold.optim.schedules import SCHEDULE_NAMES, constant, cosine, linear, named, warmup_steps_for
 
 STEPS = 20
 
@@ -58,15 +58,24 @@ hyper = st.fixed_dictionaries(
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**16), h=hyper, impl=st.sampled_from(["fused", "foreach"]), clip=st.sampled_from([None, 0.5, 5.0]))
+@given(
+    seed=st.integers(0, 2**16),
+    h=hyper,
+    impl=st.sampled_from(["fused", "foreach"]),
+    clip=st.sampled_from([None, 0.5, 5.0]),
+)
 def test_adamw_matches_torch_adamw(seed, h, impl, clip):
     params, grads = random_problem(seed)
     ours = adamw(h["lr"], h["b1"], h["b2"], h["eps"], h["wd"], mask=None, implementation=impl)
     if clip is not None:
         ours = chain(clip_by_global_norm(clip), ours)
     ref = run_torch(
-        lambda p: torch.optim.AdamW(list(p.values()), lr=h["lr"], betas=(h["b1"], h["b2"]), eps=h["eps"], weight_decay=h["wd"]),
-        params, grads, clip,
+        lambda p: torch.optim.AdamW(
+            list(p.values()), lr=h["lr"], betas=(h["b1"], h["b2"]), eps=h["eps"], weight_decay=h["wd"]
+        ),
+        params,
+        grads,
+        clip,
     )
     assert_close(run_ours(ours, params, grads), ref)
 
@@ -99,17 +108,28 @@ def test_adamw_mask_matches_two_torch_param_groups():
     assert mask == {"w": True, "b": True, "norm.weight": False, "e": True}
     ref = run_torch(
         lambda p: torch.optim.AdamW(
-            [{"params": [p[k] for k in p if mask[k]], "weight_decay": 0.1},
-             {"params": [p[k] for k in p if not mask[k]], "weight_decay": 0.0}], lr=1e-2),
-        params, grads,
+            [
+                {"params": [p[k] for k in p if mask[k]], "weight_decay": 0.1},
+                {"params": [p[k] for k in p if not mask[k]], "weight_decay": 0.0},
+            ],
+            lr=1e-2,
+        ),
+        params,
+        grads,
     )
     assert_close(run_ours(adamw(1e-2, weight_decay=0.1), params, grads), ref)
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**16), lr=st.floats(1e-3, 0.5), momentum=st.sampled_from([0.0, 0.5, 0.9]),
-       nesterov=st.booleans(), wd=st.sampled_from([0.0, 1e-2]), dampening=st.sampled_from([0.0, 0.3]),
-       masked=st.booleans())
+@given(
+    seed=st.integers(0, 2**16),
+    lr=st.floats(1e-3, 0.5),
+    momentum=st.sampled_from([0.0, 0.5, 0.9]),
+    nesterov=st.booleans(),
+    wd=st.sampled_from([0.0, 1e-2]),
+    dampening=st.sampled_from([0.0, 0.3]),
+    masked=st.booleans(),
+)
 def test_sgd_matches_torch_sgd(seed, lr, momentum, nesterov, wd, dampening, masked):
     nesterov = nesterov and momentum > 0
     dampening = 0.0 if nesterov else dampening
@@ -118,10 +138,18 @@ def test_sgd_matches_torch_sgd(seed, lr, momentum, nesterov, wd, dampening, mask
     ours = run_ours(sgd(lr, momentum, nesterov, wd, dampening, mask=mask if masked else None), params, grads)
     ref = run_torch(
         lambda p: torch.optim.SGD(
-            [{"params": [p[k] for k in p if mask[k]], "weight_decay": wd},
-             {"params": [p[k] for k in p if not mask[k]], "weight_decay": 0.0}],
-            lr=lr, momentum=momentum, nesterov=nesterov, dampening=dampening),
-        params, grads)
+            [
+                {"params": [p[k] for k in p if mask[k]], "weight_decay": wd},
+                {"params": [p[k] for k in p if not mask[k]], "weight_decay": 0.0},
+            ],
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            dampening=dampening,
+        ),
+        params,
+        grads,
+    )
     assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -172,27 +200,39 @@ def test_schedules_agree_with_transformers(kind, total, warmup):
         theirs.append(opt.param_groups[0]["lr"])
         opt.step()
         sched.step()
-    ours = {"linear": linear(0.3, warmup, total), "cosine": cosine(0.3, warmup, total),
-            "constant_with_warmup": constant(0.3, warmup)}[kind]
+    ours = {
+        "linear": linear(0.3, warmup, total),
+        "cosine": cosine(0.3, warmup, total),
+        "constant_with_warmup": constant(0.3, warmup),
+    }[kind]
     assert [ours(k) for k in range(total)] == pytest.approx(theirs, rel=1e-12, abs=1e-15)
 
 
 def _schedule_kwargs(name: str, total: int, warmup: int) -> st.SearchStrategy[dict]:
     cycles = st.sampled_from([0.5, 1.0, 1.5])
     return {
-        "linear": st.just({}), "constant": st.just({}), "constant_with_warmup": st.just({}),
+        "linear": st.just({}),
+        "constant": st.just({}),
+        "constant_with_warmup": st.just({}),
         "cosine": st.fixed_dictionaries({}, optional={"num_cycles": cycles}),
-        "cosine_with_min_lr": st.one_of(st.fixed_dictionaries({"min_lr": st.sampled_from([0.0, 0.03, 0.1])}),
-                                        st.fixed_dictionaries({"min_lr_rate": st.sampled_from([0.0, 0.1, 0.5])})),
+        "cosine_with_min_lr": st.one_of(
+            st.fixed_dictionaries({"min_lr": st.sampled_from([0.0, 0.03, 0.1])}),
+            st.fixed_dictionaries({"min_lr_rate": st.sampled_from([0.0, 0.1, 0.5])}),
+        ),
         "cosine_with_restarts": st.fixed_dictionaries({}, optional={"num_cycles": st.integers(1, 4)}),
-        "polynomial": st.fixed_dictionaries({}, optional={"lr_end": st.sampled_from([0.0, 1e-4, 0.05]),
-                                                          "power": st.sampled_from([0.5, 1.0, 2.0, 3.0])}),
+        "polynomial": st.fixed_dictionaries(
+            {}, optional={"lr_end": st.sampled_from([0.0, 1e-4, 0.05]), "power": st.sampled_from([0.5, 1.0, 2.0, 3.0])}
+        ),
         "inverse_sqrt": st.fixed_dictionaries({}, optional={"timescale": st.integers(1, 20)}),
         "warmup_stable_decay": st.fixed_dictionaries(
             {"num_decay_steps": st.integers(0, max(0, total - warmup))},
-            optional={"warmup_type": st.sampled_from(["linear", "cosine", "1-sqrt"]),
-                      "decay_type": st.sampled_from(["linear", "cosine", "1-sqrt"]),
-                      "min_lr_ratio": st.sampled_from([0.0, 0.1]), "num_cycles": cycles}),
+            optional={
+                "warmup_type": st.sampled_from(["linear", "cosine", "1-sqrt"]),
+                "decay_type": st.sampled_from(["linear", "cosine", "1-sqrt"]),
+                "min_lr_ratio": st.sampled_from([0.0, 0.1]),
+                "num_cycles": cycles,
+            },
+        ),
     }[name]
 
 
@@ -206,8 +246,9 @@ def test_every_named_schedule_agrees_with_transformers(name, total, data):
         assert named(name, 0.3, warmup, total, **kwargs)(total) == kwargs.get("lr_end", 1e-7)
         return
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.3)
-    sched = transformers.get_scheduler(name, opt, num_warmup_steps=warmup, num_training_steps=total,
-                                       scheduler_specific_kwargs=dict(kwargs))
+    sched = transformers.get_scheduler(
+        name, opt, num_warmup_steps=warmup, num_training_steps=total, scheduler_specific_kwargs=dict(kwargs)
+    )
     theirs = []
     for _ in range(total + 3):  # a few steps past the end too
         theirs.append(opt.param_groups[0]["lr"])
@@ -260,18 +301,33 @@ class Net(nn.Module):
 
 def test_decay_mask_uses_module_type_and_name():
     assert decay_mask(Net()) == {
-        "emb.weight": True, "ln_f.scale": False, "gate.scale": False,
-        "head.weight": True, "head.bias": False, "bn.weight": False, "bn.bias": False,
+        "emb.weight": True,
+        "ln_f.scale": False,
+        "gate.scale": False,
+        "head.weight": True,
+        "head.bias": False,
+        "bn.weight": False,
+        "bn.bias": False,
     }
 
 
 def test_decay_mask_on_llama_excludes_rmsnorm():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     mask = decay_mask(transformers.LlamaForCausalLM(cfg))
     off = sorted(k for k, v in mask.items() if not v)
-    assert off == ["model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight", "model.norm.weight"]
+    assert off == [
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+    ]
 
 
 # -- bad input ------------------------------------------------------------------------------------

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfold import init_state, make_step, sgd
-from trainfold.data import pad_collate
-from trainfold.losses import causal_lm
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.packing import check_packable, pack, packed_collate, padding_free_collate
+from trainfold.core.losses import causal_lm
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.data.packing import check_packable, pack, packed_collate, padding_free_collate
+from trainfold.data.pipeline import pad_collate
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -38,8 +38,12 @@ def test_bins_are_those_of_trl_pack_dataset(lengths, max_length, truncate, windo
     datasets.disable_progress_bars()
     rows = [{"input_ids": list(range(100 * i, 100 * i + n))} for i, n in enumerate(lengths)]
     ours = pack(rows, max_length, truncate=truncate, window=window)
-    theirs = trl.data_utils.pack_dataset(datasets.Dataset.from_list(rows), max_length,
-                                         strategy="bfd" if truncate else "bfd_split", map_kwargs={"batch_size": window})
+    theirs = trl.data_utils.pack_dataset(
+        datasets.Dataset.from_list(rows),
+        max_length,
+        strategy="bfd" if truncate else "bfd_split",
+        map_kwargs={"batch_size": window},
+    )
     assert [r["input_ids"] for r in ours] == theirs["input_ids"]
     starts = [[i for i, p in enumerate(r["position_ids"]) if p == 0] for r in ours]
     lens = [[b - a for a, b in zip(s, s[1:] + [len(r["input_ids"])])] for s, r in zip(starts, ours)]
@@ -71,16 +75,33 @@ def test_padding_free_batches_equal_transformers_flattening():
 
 def llama(attn: str):
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation=attn)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation=attn,
+    )
     return transformers.LlamaForCausalLM(cfg)  # use_cache=True, as shipped: the collators turn it off
 
 
 def gpt2():
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                  bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -150,9 +171,19 @@ def test_text_and_length_columns_do_not_survive_packing():
 def run_args(out, **changes):
     from trainfold import TrainingArguments
 
-    settings = dict(output_dir=str(out), max_steps=6, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                    learning_rate=1e-2, seed=3, logging_steps=1, save_strategy="steps", save_steps=3,
-                    report_to="none", disable_tqdm=True)
+    settings = dict(
+        output_dir=str(out),
+        max_steps=6,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        seed=3,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=3,
+        report_to="none",
+        disable_tqdm=True,
+    )
     return TrainingArguments(**{**settings, **changes})
 
 
@@ -167,7 +198,7 @@ LM_SETTINGS = {
 
 @pytest.mark.parametrize("name", sorted(LM_SETTINGS))
 def test_llm_settings_train_and_resume_bitwise(name, tmp_path):
-    from trainfold import train
+    from trainfold.hf import train
 
     docs = documents([3 + (7 * i) % 19 for i in range(40)], seed=5)
     settings = LM_SETTINGS[name]
@@ -182,7 +213,7 @@ def test_llm_settings_train_and_resume_bitwise(name, tmp_path):
 
 
 def test_the_chunked_loss_trains_like_the_plain_one(tmp_path):
-    from trainfold import train
+    from trainfold.hf import train
 
     docs = documents([3 + (5 * i) % 17 for i in range(30)], seed=6)
     plain = train(llama("sdpa"), run_args(tmp_path / "plain", save_strategy="no"), docs)
@@ -195,7 +226,8 @@ def test_the_chunked_loss_trains_like_the_plain_one(tmp_path):
 
 
 def test_llm_settings_refuse_what_they_cannot_do_exactly(tmp_path):
-    from trainfold import TrainingArguments, train
+    from trainfold import TrainingArguments
+    from trainfold.hf import train
 
     docs = documents([4, 5, 6, 7])
     with pytest.raises(ValueError, match="packing_strategy='wrapped' cuts documents"):

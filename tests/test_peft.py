@@ -10,12 +10,14 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainfold import TrainingArguments, checkpoint, train
-from trainfold.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
-from trainfold.checkpoint import STATE_FILE, CheckpointError
-from trainfold.optim import adamw
-from trainfold.state import init_state
-from trainfold.tree import flatten
+from trainfold import TrainingArguments
+from trainfold.ckpt import checkpoint
+from trainfold.ckpt.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
+from trainfold.ckpt.checkpoint import STATE_FILE, CheckpointError
+from trainfold.core.state import init_state
+from trainfold.core.tree import flatten
+from trainfold.hf import train
+from trainfold.optim.base import adamw
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -26,8 +28,15 @@ VOCAB = 64
 def base(seed: int = 0):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, use_cache=False)
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
@@ -42,9 +51,19 @@ def rows():
 
 
 def args(out, **over) -> TrainingArguments:
-    base_args = dict(output_dir=str(out), max_steps=4, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                     learning_rate=1e-2, seed=3, save_strategy="steps", save_steps=2, report_to="none",
-                     disable_tqdm=True, logging_steps=1)
+    base_args = dict(
+        output_dir=str(out),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        seed=3,
+        save_strategy="steps",
+        save_steps=2,
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=1,
+    )
     return TrainingArguments(**{**base_args, **over})
 
 
@@ -67,7 +86,8 @@ def test_a_lora_checkpoint_holds_the_adapter_as_peft_writes_it_and_no_base_weigh
     assert sorted(ours) == sorted(theirs) and any(".lora_A.weight" in k for k in ours)
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     assert json.loads((path / ADAPTER_CONFIG_FILE).read_text()) == json.loads(
-        (tmp_path / "peft" / ADAPTER_CONFIG_FILE).read_text())
+        (tmp_path / "peft" / ADAPTER_CONFIG_FILE).read_text()
+    )
     state_file = safetensors.torch.load_file(path / STATE_FILE)
     frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
     assert frozen and not any(f"buffers.{n}" in state_file for n in frozen)  # the frozen base is in no file
@@ -110,8 +130,11 @@ def test_a_lora_run_resumes_bitwise(straight, tmp_path):
 
 def test_resuming_on_another_base_is_refused_naming_the_frozen_weights(straight):
     _, result, out = straight
-    with pytest.raises(CheckpointError, match=r"field 'frozen': the template's frozen weights are not those.*"
-                                              r"base_model\.model\.model\..*same base weights"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"field 'frozen': the template's frozen weights are not those.*"
+        r"base_model\.model\.model\..*same base weights",
+    ):
         checkpoint.load(out / "checkpoint-4", like=init_state(lora(seed=1), adamw(1e-2)))
     with pytest.raises(CheckpointError, match="frozen weights are not those"):
         checkpoint.load_weights(out / "checkpoint-4", like=init_state(lora(seed=1), adamw(1e-2)))

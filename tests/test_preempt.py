@@ -16,13 +16,13 @@ import attrs
 import pytest
 import torch
 
-from trainfold.checkpoint import checkpoint_path, list_checkpoints, load, read_metadata, save
-from trainfold.checkpoint_policy import rotate
-from trainfold.fold import any_of, fit, trajectory
-from trainfold.optim import sgd
-from trainfold.preempt import EXIT_PREEMPTED, Preemption, exit_status, jit_checkpoint, preemption_guard
-from trainfold.state import init_state, scalar
-from trainfold.tree import flatten
+from trainfold.ckpt.checkpoint import checkpoint_path, list_checkpoints, load, read_metadata, save
+from trainfold.ckpt.policy import rotate
+from trainfold.ckpt.preempt import EXIT_PREEMPTED, Preemption, exit_status, jit_checkpoint, preemption_guard
+from trainfold.core.fold import any_of, fit, trajectory
+from trainfold.core.state import init_state, scalar
+from trainfold.core.tree import flatten
+from trainfold.optim.base import sgd
 
 # The run the subprocesses train: resume_fixture.fold_run, here and in the subprocesses.
 SETUP = textwrap.dedent(
@@ -43,9 +43,9 @@ SETUP = textwrap.dedent(
 TRAIN = SETUP + textwrap.dedent(
     """
     import sys, time
-    from trainfold.checkpoint import checkpoint_path, save
-    from trainfold.preempt import EXIT_PREEMPTED, jit_checkpoint, preemption_guard
-    from trainfold.fold import trajectory
+    from trainfold.ckpt.checkpoint import checkpoint_path, save
+    from trainfold.ckpt.preempt import EXIT_PREEMPTED, jit_checkpoint, preemption_guard
+    from trainfold.core.fold import trajectory
     torch.set_num_threads(1)
     out = sys.argv[1]
     model, step, state, batches = make_run()
@@ -67,8 +67,8 @@ TRAIN = SETUP + textwrap.dedent(
 RESUME = SETUP + textwrap.dedent(
     """
     import sys
-    from trainfold.checkpoint import latest_checkpoint, load, save
-    from trainfold.fold import fit
+    from trainfold.ckpt.checkpoint import latest_checkpoint, load, save
+    from trainfold.core.fold import fit
     torch.set_num_threads(1)
     model, step, fresh, batches = make_run()
     for out in sys.argv[1:]:
@@ -177,8 +177,13 @@ def test_sigterm_saves_at_a_step_boundary_exits_143_and_resumes_bitwise(tmp_path
     plans = [(rng.randint(0, n - 6), rng.uniform(0.0, 0.03)) for _ in range(5)]
     outs = [tmp_path / f"run{i}" for i in range(len(plans))]
     procs = [
-        subprocess.Popen([sys.executable, "-c", TRAIN, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            [sys.executable, "-c", TRAIN, str(out)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for out in outs
     ]
     stopped_at = []
@@ -261,7 +266,7 @@ def test_sigint_in_a_jit_run_saves_like_sigterm_and_reports_130(tmp_path):
 def test_a_signal_during_the_final_save_leaves_the_run_completed(tmp_path, monkeypatch):
     from resume_runs import MAX_STEPS, run
 
-    import trainfold.checkpoint as ckpt
+    import trainfold.ckpt.checkpoint as ckpt
 
     real_save = ckpt.save
 
@@ -281,16 +286,20 @@ def test_a_signal_during_the_final_save_leaves_the_run_completed(tmp_path, monke
 def _safetensors_disk_full():
     from safetensors import SafetensorError
 
-    return SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
-                           'message: "No space left on device" })')
+    return SafetensorError(
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'
+    )
 
 
-@pytest.mark.parametrize("error", [lambda: OSError(28, "No space left on device"), _safetensors_disk_full],
-                         ids=["OSError", "SafetensorError"])
+@pytest.mark.parametrize(
+    "error",
+    [lambda: OSError(28, "No space left on device"), _safetensors_disk_full],
+    ids=["OSError", "SafetensorError"],
+)
 def test_a_full_disk_at_the_jit_save_names_the_path_the_bytes_and_the_intact_checkpoint(tmp_path, monkeypatch, error):
     from resume_runs import run
 
-    from trainfold import tensor_file
+    from trainfold.ckpt import tensor_file
 
     full: list[bool] = []
     real_write = tensor_file.write
@@ -306,8 +315,11 @@ def test_a_full_disk_at_the_jit_save_names_the_path_the_bytes_and_the_intact_che
             signal.raise_signal(signal.SIGTERM)
 
     monkeypatch.setattr(tensor_file, "write", write)
-    with pytest.raises(OSError, match=r"checkpoint-4: the disk is full \(it needs about [\d,]+ bytes, [\d,]+ free\); "
-                                      r"the previous checkpoint .*checkpoint-3 \(step 3\) is intact") as caught:
+    with pytest.raises(
+        OSError,
+        match=r"checkpoint-4: the disk is full \(it needs about [\d,]+ bytes, [\d,]+ free\); "
+        r"the previous checkpoint .*checkpoint-3 \(step 3\) is intact",
+    ) as caught:
         run("tinylm", str(tmp_path), None, [fill_the_disk_then_signal], save_strategy="steps", save_steps=3)
     assert caught.value.errno == 28 and caught.value.filename == str(tmp_path / "checkpoint-4")
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-3"]
@@ -320,7 +332,7 @@ SETUP_SIGNAL = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
     import resume_runs
-    from trainfold.preempt import exit_status
+    from trainfold.ckpt.preempt import exit_status
 
     class SignalOnLen(resume_runs.ListDataset):
         sent = False
@@ -340,8 +352,9 @@ SETUP_SIGNAL = textwrap.dedent(
 
 
 def test_sigterm_while_train_sets_up_ends_preempted_and_writes_nothing(tmp_path):
-    done = subprocess.run([sys.executable, "-c", SETUP_SIGNAL, str(tmp_path / "out")], capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", SETUP_SIGNAL, str(tmp_path / "out")], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == EXIT_PREEMPTED, done.stderr[-2000:]
     assert done.stdout.split() == ["preempted", "0", "None"]
     left = sorted(p.name for p in (tmp_path / "out").iterdir()) if (tmp_path / "out").exists() else []
@@ -371,8 +384,9 @@ def test_cli_sigterm_during_setup_exits_143_and_writes_nothing(tmp_path):
     from resume_fixture import endless_cli_config
 
     config = endless_cli_config(tmp_path, tmp_path / "out")
-    done = subprocess.run([sys.executable, "-c", CLI_SETUP_SIGNAL, str(config)], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", CLI_SETUP_SIGNAL, str(config)], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
     assert done.returncode == EXIT_PREEMPTED, done.stderr[-2000:]
     assert not (tmp_path / "out").exists()
 
@@ -380,11 +394,16 @@ def test_cli_sigterm_during_setup_exits_143_and_writes_nothing(tmp_path):
 def test_cli_ctrl_c_in_a_jit_run_saves_and_exits_130(tmp_path):
     from resume_fixture import endless_cli_config
 
-    from trainfold.checkpoint import is_complete, latest_checkpoint
+    from trainfold.ckpt.checkpoint import is_complete, latest_checkpoint
 
     config = endless_cli_config(tmp_path, tmp_path / "out")
-    proc = subprocess.Popen([sys.executable, "-m", "trainfold", "train", "--config", str(config)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainfold", "train", "--config", str(config)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     log = tmp_path / "out" / "log.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 2):

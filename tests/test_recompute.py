@@ -8,10 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold import TrainingArguments, adamw, init_state, make_step, train
-from trainfold.losses import causal_lm
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.recompute import checkpoint_blocks, recomputing
+from trainfold import TrainingArguments, adamw, init_state, make_step
+from trainfold.core.losses import causal_lm
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.hf import train
+from trainfold.step.recompute import checkpoint_blocks, recomputing
 from trainfold.testing import saved_for_backward
 
 CFG = TinyLMConfig(vocab_size=32, d_model=32, n_layers=4, n_heads=4, max_len=32, dropout=0.1)
@@ -66,8 +67,15 @@ def test_the_model_is_left_as_it_was_even_when_the_step_raises():
 
 def test_hugging_face_llama_blocks_are_its_decoder_layers():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=3,
-                                   num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32)
+    cfg = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
     assert [n for n, _ in checkpoint_blocks(model)] == ["model.layers.0", "model.layers.1", "model.layers.2"]
@@ -81,17 +89,32 @@ def test_hugging_face_llama_blocks_are_its_decoder_layers():
 
 def test_train_takes_the_hf_names_and_refuses_what_it_cannot_do(tmp_path):
     rows = [{"input_ids": list(range(i, i + 12)), "labels": list(range(i, i + 12))} for i in range(16)]
-    base = {"output_dir": str(tmp_path), "max_steps": 3, "per_device_train_batch_size": 4, "logging_steps": 1,
-            "save_strategy": "no", "report_to": "none", "disable_tqdm": True, "learning_rate": 1e-2}
+    base = {
+        "output_dir": str(tmp_path),
+        "max_steps": 3,
+        "per_device_train_batch_size": 4,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "learning_rate": 1e-2,
+    }
     plain = train(lm(), TrainingArguments(**base), rows)
     for name in ("activation_checkpointing", "gradient_checkpointing"):
         again = train(lm(), TrainingArguments(**base, **{name: True}), rows)
         assert [h.get("loss") for h in again.log_history] == [h.get("loss") for h in plain.log_history]
-    assert TrainingArguments(activation_checkpointing=True,
-                             activation_checkpointing_kwargs={"every_n_layers": 2}).checkpoint_every == 2
+    assert (
+        TrainingArguments(
+            activation_checkpointing=True, activation_checkpointing_kwargs={"every_n_layers": 2}
+        ).checkpoint_every
+        == 2
+    )
     for settings_, message in [
         ({"activation_checkpointing": True, "torch_compile": True}, "with torch_compile is not supported yet"),
-        ({"activation_checkpointing": True, "gradient_checkpointing": False}, "disagree; set only activation_checkpointing"),
+        (
+            {"activation_checkpointing": True, "gradient_checkpointing": False},
+            "disagree; set only activation_checkpointing",
+        ),
         ({"gradient_checkpointing_kwargs": {"use_reentrant": True}}, "use_reentrant=True is not supported"),
         ({"activation_checkpointing_kwargs": {"offload": True}}, r"\['offload'\] are not supported"),
         ({"activation_checkpointing_kwargs": {"every_n_layers": 0}}, "every_n_layers must be an int >= 1"),
@@ -106,7 +129,7 @@ def test_a_model_without_blocks_is_named():
 
 
 def test_an_objective_with_a_frozen_reference_forward_checkpoints_too():
-    from trainfold.dpo import dpo_objective, preference_collate
+    from trainfold.recipes.dpo import dpo_objective, preference_collate
 
     policy, ref = lm(), lm(dropout=0.0)
     pairs = [{"prompt_ids": [1, 5, 6], "chosen_ids": [7, 8, 9], "rejected_ids": [10, 11]} for _ in range(4)]
@@ -127,11 +150,24 @@ def _hf(kind: str):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if kind == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=1, max_position_embeddings=32, attention_dropout=0.1, pad_token_id=0))
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(  # dropout 0.1 everywhere, as GPT-2's defaults
-        vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=1, eos_token_id=2))
+        return transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=32,
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=1,
+                max_position_embeddings=32,
+                attention_dropout=0.1,
+                pad_token_id=0,
+            )
+        )
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(  # dropout 0.1 everywhere, as GPT-2's defaults
+            vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=1, eos_token_id=2
+        )
+    )
 
 
 def padded(seed: int) -> list[dict]:
@@ -162,10 +198,20 @@ def test_checkpointing_a_stock_hf_model_with_its_cache_on_gives_the_same_update(
 
 def test_train_with_gradient_checkpointing_on_gpt2_matches_the_run_without(tmp_path):
     g = torch.Generator().manual_seed(4)
-    rows = [{"input_ids": (ids := torch.randint(1, 32, (int(n),), generator=g).tolist()), "labels": ids}
-            for n in torch.randint(4, 14, (12,), generator=g)]  # ragged: the collator pads
-    base = {"output_dir": str(tmp_path), "max_steps": 3, "per_device_train_batch_size": 4, "logging_steps": 1,
-            "save_strategy": "no", "report_to": "none", "disable_tqdm": True, "learning_rate": 1e-2}
+    rows = [
+        {"input_ids": (ids := torch.randint(1, 32, (int(n),), generator=g).tolist()), "labels": ids}
+        for n in torch.randint(4, 14, (12,), generator=g)
+    ]  # ragged: the collator pads
+    base = {
+        "output_dir": str(tmp_path),
+        "max_steps": 3,
+        "per_device_train_batch_size": 4,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "learning_rate": 1e-2,
+    }
     plain = train(_hf("gpt2"), TrainingArguments(**base), rows)
     again = train(_hf("gpt2"), TrainingArguments(**base, gradient_checkpointing=True), rows)
     for k in plain.state.params:
@@ -173,12 +219,14 @@ def test_train_with_gradient_checkpointing_on_gpt2_matches_the_run_without(tmp_p
 
 
 def test_dpo_with_checkpointing_on_a_stock_hf_model_gives_the_same_update():
-    from trainfold.dpo import dpo_objective, preference_collate
+    from trainfold.recipes.dpo import dpo_objective, preference_collate
 
     policy = _hf("llama")
     ref = {k: v.detach().clone() for k, v in policy.named_parameters()}
-    pairs = [{"prompt_ids": [3, 5, 6], "chosen_ids": [7, 8, 9, 4], "rejected_ids": [10, 11]},
-             {"prompt_ids": [3], "chosen_ids": [12], "rejected_ids": [13, 14, 15, 16, 17]}]
+    pairs = [
+        {"prompt_ids": [3, 5, 6], "chosen_ids": [7, 8, 9, 4], "rejected_ids": [10, 11]},
+        {"prompt_ids": [3], "chosen_ids": [12], "rejected_ids": [13, 14, 15, 16, 17]},
+    ]
     micro = [preference_collate(2)(pairs)]  # padded: chosen and rejected rows differ in length
     opt = adamw(1e-2)
     objective = dpo_objective(0.1, ref_params=ref)

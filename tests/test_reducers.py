@@ -1,4 +1,4 @@
-"""Tests for trainfold.reducers: examples, then Hypothesis properties, then bad input."""
+"""Tests for trainfold.eval.reducers: examples, then Hypothesis properties, then bad input."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.reducers import (
+from trainfold.eval.reducers import (
     Reduced,
     Reducer,
     accuracy,
@@ -133,7 +133,9 @@ def test_offloading_moves_every_n_items_and_holds_at_most_n():
         return Reducer(init=r.init, step=step, complete=r.complete)
 
     def chunk_sizes(r):
-        return Reducer(init=r.init, step=lambda acc, x: chunks.append(x.shape[0]) or r.step(acc, x), complete=r.complete)
+        return Reducer(
+            init=r.init, step=lambda acc, x: chunks.append(x.shape[0]) or r.step(acc, x), complete=r.complete
+        )
 
     batches = [torch.full((2, 1 + i % 3), i) for i in range(7)]
     out = transduce(compose(), watch(offloading(3, move)(chunk_sizes(concatenating()))), batches)
@@ -187,8 +189,10 @@ REDUCERS = {
     "summing": (summing, lambda b: int(b.sum())),
     "concatenating": (concatenating, lambda b: b),
     "combine": (lambda: combine({"c": concatenating(), "n": counting()}), lambda b: b),
-    "mapped and filtered": (lambda: compose(filtering(lambda x: x % 2 == 0), mapping(lambda x: x * 3))(summing()),
-                            lambda b: int(b.sum())),
+    "mapped and filtered": (
+        lambda: compose(filtering(lambda x: x % 2 == 0), mapping(lambda x: x * 3))(summing()),
+        lambda b: int(b.sum()),
+    ),
 }
 
 

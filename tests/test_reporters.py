@@ -18,10 +18,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import trainfold.reporters as reporters_module
-from trainfold.args import TrainingArguments
-from trainfold.reporters import JsonlReporter, Reporters, installed_reporters, make_reporters, progress, tracker_key
-from trainfold.state import TrainState, scalar
+import trainfold.observe.reporters as reporters_module
+from trainfold.core.state import TrainState, scalar
+from trainfold.hf.args import TrainingArguments
+from trainfold.observe.reporters import (
+    JsonlReporter,
+    Reporters,
+    installed_reporters,
+    make_reporters,
+    progress,
+    tracker_key,
+)
 
 ENTRIES = [
     ({"loss": 2.5, "grad_norm": 1.25, "learning_rate": 0.001, "epoch": 0.5, "step": 2}, 2),
@@ -96,20 +103,32 @@ def _tensorboard_run(log_dir: Path) -> tuple[dict[str, list], list[str]]:
     acc = EventAccumulator(str(log_dir))
     acc.Reload()
     scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-    texts = [t.tensor_proto.string_val[0].decode() for tag in acc.Tags()["tensors"] if tag.startswith("args")
-             for t in acc.Tensors(tag)]
+    texts = [
+        t.tensor_proto.string_val[0].decode()
+        for tag in acc.Tags()["tensors"]
+        if tag.startswith("args")
+        for t in acc.Tensors(tag)
+    ]
     return scalars, texts
 
 
 def tiny_run(output_dir: Path, **settings):
-    from trainfold.models import TinyLM, TinyLMConfig
-    from trainfold.train import train
+    from trainfold.core.models import TinyLM, TinyLMConfig
+    from trainfold.hf.train import train
 
     torch.manual_seed(0)
     model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
     rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
-    args = TrainingArguments(output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=2,
-                             logging_steps=2, save_strategy="no", disable_tqdm=True, log_level="error", **settings)
+    args = TrainingArguments(
+        output_dir=str(output_dir),
+        max_steps=4,
+        per_device_train_batch_size=2,
+        logging_steps=2,
+        save_strategy="no",
+        disable_tqdm=True,
+        log_level="error",
+        **settings,
+    )
     return train(model, args, rows)
 
 
@@ -135,7 +154,7 @@ def test_trackio_writes_a_local_project(tmp_path):
     script = textwrap.dedent(
         f"""
         import json
-        from trainfold.reporters import make_reporters
+        from trainfold.observe.reporters import make_reporters
         with make_reporters(["trackio"], {str(tmp_path)!r}, run_name="r1", config={{"lr": 0.001}}) as r:
             for entry, step in {ENTRIES!r}:
                 r.log(entry, step)
@@ -365,10 +384,17 @@ def test_with_a_bar_the_log_lines_are_written_above_it():
     assert "eval step 2/4  eval_loss 0.625\n" in text and "4/4" in text.split("eval_loss 0.625")[1]
 
 
-@pytest.mark.parametrize(("log_level", "disable_tqdm", "shown"), [
-    ("passive", None, "lines"), ("info", True, "lines"), ("warning", True, "nothing"),
-    ("warning", False, "bar"), ("error", False, "nothing"), ("critical", None, "nothing"),
-])
+@pytest.mark.parametrize(
+    ("log_level", "disable_tqdm", "shown"),
+    [
+        ("passive", None, "lines"),
+        ("info", True, "lines"),
+        ("warning", True, "nothing"),
+        ("warning", False, "bar"),
+        ("error", False, "nothing"),
+        ("critical", None, "nothing"),
+    ],
+)
 def test_log_level_and_disable_tqdm_as_in_hf(log_level, disable_tqdm, shown):
     pytest.importorskip("tqdm")
     out = io.StringIO()
@@ -390,7 +416,7 @@ def test_a_bad_log_level_is_refused():
 _PIPED_RUN = """
 import sys, tempfile, torch
 from trainfold import TrainingArguments, train
-from trainfold.models import TinyLM, TinyLMConfig
+from trainfold.core.models import TinyLM, TinyLMConfig
 torch.manual_seed(0)
 model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
 rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(12)]
@@ -405,8 +431,13 @@ train(model, args, rows, rows[:4], stop=wait_at_5)
 
 
 def test_a_run_writing_to_a_pipe_prints_each_log_as_it_happens(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", _PIPED_RUN], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PIPED_RUN],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         early, pending, fd = [], "", proc.stderr.fileno()
         while not early or not early[-1].startswith("eval step 4/8"):
@@ -430,8 +461,22 @@ def test_a_run_writing_to_a_pipe_prints_each_log_as_it_happens(tmp_path):
             proc.wait()
     lines = [ln for ln in early + rest if ln.startswith(("step ", "eval ", "done "))]
     assert [ln.split("  ")[0] for ln in lines] == [
-        "step 2/8", "step 4/8", "eval step 4/8", "step 6/8", "step 8/8", "eval step 8/8", "done step 8/8"]
+        "step 2/8",
+        "step 4/8",
+        "eval step 4/8",
+        "step 6/8",
+        "step 8/8",
+        "eval step 8/8",
+        "done step 8/8",
+    ]
     train_line = lines[0].split("  ")
     assert [part.split(" ")[0] for part in train_line[1:]] == [
-        "loss", "lr", "grad_norm", "epoch", "tokens/s", "elapsed", "eta"]
+        "loss",
+        "lr",
+        "grad_norm",
+        "epoch",
+        "tokens/s",
+        "elapsed",
+        "eta",
+    ]
     assert "eval_loss" in lines[2] and "train_loss" in lines[-1]

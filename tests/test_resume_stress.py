@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from trainfold.checkpoint import latest_checkpoint, read_metadata
-from trainfold.preempt import EXIT_PREEMPTED
+from trainfold.ckpt.checkpoint import latest_checkpoint, read_metadata
+from trainfold.ckpt.preempt import EXIT_PREEMPTED
 from trainfold.testing import compare_results
 
 RUNS = Path(__file__).resolve().parent / "resume_runs.py"
@@ -44,8 +44,12 @@ def cpu_load(seconds: float):
 
 
 def start(name: str, out: Path, mode: str, result: Path) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, str(RUNS), name, str(out), mode, str(result)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(RUNS), name, str(out), mode, str(result)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]
     return proc
 

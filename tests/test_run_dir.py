@@ -22,8 +22,9 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
 
-from trainfold import TrainingArguments, checkpoint, run_dir, train
-from trainfold.checkpoint import (
+from trainfold import TrainingArguments
+from trainfold.ckpt import checkpoint, run_dir
+from trainfold.ckpt.checkpoint import (
     MODEL_FILE,
     SIDECAR_FILE,
     STATE_FILE,
@@ -35,20 +36,32 @@ from trainfold.checkpoint import (
     read_metadata,
     save,
 )
-from trainfold.checkpoint_policy import rotate
-from trainfold.history import HISTORY_FILE, LogHistory
-from trainfold.optim import adamw
-from trainfold.state import init_state, scalar
-from trainfold.tree import flatten
+from trainfold.ckpt.policy import rotate
+from trainfold.core.state import init_state, scalar
+from trainfold.core.tree import flatten
+from trainfold.hf import train
+from trainfold.observe.history import HISTORY_FILE, LogHistory
+from trainfold.optim.base import adamw
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def args_for(out: Path, **over) -> TrainingArguments:
     base = dict(
-        output_dir=str(out), max_steps=8, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        learning_rate=1e-2, warmup_steps=2, weight_decay=0.1, max_grad_norm=1.0, seed=11, logging_steps=1,
-        save_strategy="steps", save_steps=2, report_to="none", disable_tqdm=True,
+        output_dir=str(out),
+        max_steps=8,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        warmup_steps=2,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        seed=11,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        report_to="none",
+        disable_tqdm=True,
     )
     return TrainingArguments(**{**base, **over})
 
@@ -56,8 +69,9 @@ def args_for(out: Path, **over) -> TrainingArguments:
 def run(out: Path, *, stop_at: int | None = None, **over):
     stop = (lambda s: int(s.step) >= stop_at) if stop_at is not None else None
     resume = over.pop("resume", None)
-    return train(model(), args_for(out, **over), rows(), data_collator=collate, stop=stop,
-                 resume_from_checkpoint=resume)
+    return train(
+        model(), args_for(out, **over), rows(), data_collator=collate, stop=stop, resume_from_checkpoint=resume
+    )
 
 
 def assert_same_state(a, b) -> None:
@@ -154,11 +168,26 @@ def test_a_run_continued_for_more_steps_is_the_same_run_with_a_warning(tmp_path)
 def test_the_fingerprint_covers_every_trajectory_setting_not_seven():
     base = args_for(Path("x")).to_dict() | {"world_size": 1}
     fp = run_dir.fingerprint(base)
-    for key, value in [("learning_rate", 0.5), ("weight_decay", 0.0), ("seed", 9), ("lr_scheduler_type", "cosine"),
-                       ("optim", "sgd"), ("label_smoothing_factor", 0.1), ("bf16", True), ("warmup_steps", 3)]:
+    for key, value in [
+        ("learning_rate", 0.5),
+        ("weight_decay", 0.0),
+        ("seed", 9),
+        ("lr_scheduler_type", "cosine"),
+        ("optim", "sgd"),
+        ("label_smoothing_factor", 0.1),
+        ("bf16", True),
+        ("warmup_steps", 3),
+    ]:
         assert run_dir.fingerprint({**base, key: value}) != fp, key
-    for key, value in [("logging_steps", 7), ("save_steps", 9), ("output_dir", "y"), ("report_to", ["jsonl"]),
-                       ("dataloader_num_workers", 2), ("overwrite_output_dir", True), ("max_steps", 30)]:
+    for key, value in [
+        ("logging_steps", 7),
+        ("save_steps", 9),
+        ("output_dir", "y"),
+        ("report_to", ["jsonl"]),
+        ("dataloader_num_workers", 2),
+        ("overwrite_output_dir", True),
+        ("max_steps", 30),
+    ]:
         assert run_dir.fingerprint({**base, key: value}) == fp, key
     assert run_dir.fingerprint(base, {"params.w": [[2], "torch.float32"]}) != fp  # the model is part of it
 
@@ -177,9 +206,17 @@ def test_a_second_run_is_refused_with_the_holders_pid_and_host(tmp_path):
 def test_a_dead_holders_lock_is_taken_over_and_said_so(tmp_path, capfd):
     out = tmp_path / "out"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom trainfold.run_dir import lock\nwith lock(sys.argv[1]):\n"
-         "    print('held', flush=True)\n    time.sleep(60)\n", str(out)], stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom trainfold.ckpt.run_dir import lock\nwith lock(sys.argv[1]):\n"
+            "    print('held', flush=True)\n    time.sleep(60)\n",
+            str(out),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
     assert holder.stdout.readline().strip() == "held"
     with pytest.raises(RuntimeError, match=f"pid {holder.pid}"):
         run(out, stop_at=1)
@@ -206,7 +243,7 @@ def test_jit_at_a_saved_step_keeps_that_checkpoint_and_marks_it(tmp_path, monkey
         return path
 
     monkeypatch.setattr(checkpoint, "save", counting_save)
-    monkeypatch.setattr("trainfold.preempt.save", counting_save)
+    monkeypatch.setattr("trainfold.ckpt.preempt.save", counting_save)
     sent = []
 
     def preempt_at_4(s):
@@ -215,8 +252,13 @@ def test_jit_at_a_saved_step_keeps_that_checkpoint_and_marks_it(tmp_path, monkey
             os.kill(os.getpid(), signal.SIGTERM)
         return False
 
-    r = train(model(), args_for(out, enable_jit_checkpoint=True, save_total_limit=1), rows(), data_collator=collate,
-              stop=preempt_at_4)
+    r = train(
+        model(),
+        args_for(out, enable_jit_checkpoint=True, save_total_limit=1),
+        rows(),
+        data_collator=collate,
+        stop=preempt_at_4,
+    )
     assert r.status == "preempted" and r.global_step == 4
     assert written == ["checkpoint-2", "checkpoint-4"]  # not written a second time
     assert os.stat(out / "checkpoint-4" / STATE_FILE).st_ino == inode["checkpoint-4"]
@@ -263,8 +305,12 @@ def test_leftovers_of_dead_writers_are_removed_by_the_next_run_in_one_line(tmp_p
     out = tmp_path / "out"
     run(out, stop_at=2)
     state = attrs.evolve(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), step=scalar(5))
-    for name in (".checkpoint-4.tmp-999999999-ab12cd34", ".checkpoint-4.old-999999999-00ff00ff",
-                 ".checkpoint-6.deleting-999999999-0a0b0c0d", ".checkpoint-8.old-1a2b3c4d"):
+    for name in (
+        ".checkpoint-4.tmp-999999999-ab12cd34",
+        ".checkpoint-4.old-999999999-00ff00ff",
+        ".checkpoint-6.deleting-999999999-0a0b0c0d",
+        ".checkpoint-8.old-1a2b3c4d",
+    ):
         save(state, out / name)
     (out / "checkpoint-2" / ".trainfold.json.tmp-999999999-0f0f0f0f").write_text("{")
     live = out / f".checkpoint-9.tmp-{os.getppid()}-abcdef01"  # a live writer's: kept
@@ -296,7 +342,7 @@ def test_the_sidecar_keeps_a_position_not_the_history_and_the_result_reads_the_f
 
 def test_a_resume_continues_the_history_and_the_metric_window_exactly(tmp_path, straight):
     def objective(forward, params, micro, num_items, key):
-        from trainfold.losses import causal_lm
+        from trainfold.core.losses import causal_lm
 
         inputs = {k: v for k, v in micro.items() if k != "labels"}
         loss = causal_lm(forward(params, inputs), micro["labels"], num_items)
@@ -304,14 +350,26 @@ def test_a_resume_continues_the_history_and_the_metric_window_exactly(tmp_path, 
 
     def go(out, **kw):
         stop_at = kw.pop("stop_at", None)
-        return train(model(), args_for(out, logging_steps=3, save_steps=4, **kw), rows(), data_collator=collate,
-                     objective=objective, stop=(lambda s: int(s.step) >= stop_at) if stop_at else None)
+        return train(
+            model(),
+            args_for(out, logging_steps=3, save_steps=4, **kw),
+            rows(),
+            data_collator=collate,
+            objective=objective,
+            stop=(lambda s: int(s.step) >= stop_at) if stop_at else None,
+        )
 
     ref = go(tmp_path / "ref")
     out = tmp_path / "out"
     go(out, stop_at=5)  # the checkpoint at 4 is mid-window (4..6); entries of step 5's run follow it
-    resumed = train(model(), args_for(out, logging_steps=3, save_steps=4), rows(), data_collator=collate,
-                    objective=objective, resume_from_checkpoint=True)
+    resumed = train(
+        model(),
+        args_for(out, logging_steps=3, save_steps=4),
+        rows(),
+        data_collator=collate,
+        objective=objective,
+        resume_from_checkpoint=True,
+    )
     strip = [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k} for h in ref.log_history]
     got = [{k: v for k, v in h.items() if "runtime" not in k and "per_second" not in k} for h in resumed.log_history]
     assert got[:-1] == strip[:-1]  # every entry, the window means of "double" included, bitwise
@@ -326,11 +384,20 @@ def _altered(path: Path, **changes) -> None:
     (path / SIDECAR_FILE).write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize(("changes", "field"), [
-    ({"files": "abc"}, "files"), ({"settings": None}, "settings"), ({"format_version": "1"}, "format_version"),
-    ({"files": {}}, "files.state.safetensors"), ({"step": -5}, "step"), ({"step": 2**60}, "step"),
-    ({"metadata": 5}, "metadata"), ({"cursor": {"epoch": 0}}, "cursor"), ({"extra": 1}, "extra"),
-])
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"files": "abc"}, "files"),
+        ({"settings": None}, "settings"),
+        ({"format_version": "1"}, "format_version"),
+        ({"files": {}}, "files.state.safetensors"),
+        ({"step": -5}, "step"),
+        ({"step": 2**60}, "step"),
+        ({"metadata": 5}, "metadata"),
+        ({"cursor": {"epoch": 0}}, "cursor"),
+        ({"extra": 1}, "extra"),
+    ],
+)
 def test_a_malformed_sidecar_is_refused_naming_the_path_and_field(tmp_path, changes, field):
     path = save(attrs.evolve(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), step=scalar(3)), tmp_path / "checkpoint-3")
     _altered(path, **changes)
@@ -390,16 +457,21 @@ def _pristine(root: Path):
         net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
         state = attrs.evolve(init_state(net, adamw(1e-3), seed=2), step=scalar(7))
         _SAVED["state"] = state
-        _SAVED["dir"] = save(state, root / "pristine" / "checkpoint-7", model=net, metadata={"note": "x"},
-                             run={"id": "r1", "fingerprint": "f1"})
+        _SAVED["dir"] = save(
+            state,
+            root / "pristine" / "checkpoint-7",
+            model=net,
+            metadata={"note": "x"},
+            run={"id": "r1", "fingerprint": "f1"},
+        )
     return _SAVED["state"], _SAVED["dir"]
 
 
 def _json_values():
     leaves = st.none() | st.booleans() | st.integers(-3, 2**40) | st.floats(allow_nan=False) | st.text(max_size=4)
-    return st.recursive(leaves,
-                        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3),
-                        max_leaves=5)
+    return st.recursive(
+        leaves, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=4), c, max_size=3), max_leaves=5
+    )
 
 
 def _paths(meta, prefix=()):

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.samplers import Sampler, dataset_lengths, make_sampler, padded_cost
+from trainfold.data.samplers import Sampler, dataset_lengths, make_sampler, padded_cost
 from trainfold.testing import sampler_configs, skewed_lengths
 
 FAST = settings(max_examples=60, deadline=None)
@@ -63,8 +63,17 @@ def test_tail_smaller_than_world_is_topped_up_from_the_epoch_start():
 def test_drop_last_keeps_only_micro_batches_full_on_every_rank():
     s = Sampler("sequential", 11, per_device_train_batch_size=2, gradient_accumulation_steps=2, drop_last=True)
     assert s.epoch_batches(0) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[8, 9]]]
-    assert Sampler("batch_rebalance", 11, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                   drop_last=True, lengths=[1] * 11).steps_per_epoch() == 2
+    assert (
+        Sampler(
+            "batch_rebalance",
+            11,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            drop_last=True,
+            lengths=[1] * 11,
+        ).steps_per_epoch()
+        == 2
+    )
 
 
 def test_group_by_length_puts_the_longest_first():
@@ -75,8 +84,14 @@ def test_group_by_length_puts_the_longest_first():
 
 def test_batch_rebalance_splits_by_padded_tokens():
     lengths = [100, 10, 10, 10, 10, 10, 10, 10]
-    s = Sampler("batch_rebalance", 8, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                world_size=2, lengths=lengths)
+    s = Sampler(
+        "batch_rebalance",
+        8,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        world_size=2,
+        lengths=lengths,
+    )
     step = s.global_steps(0)[0]
     micro = [m for rank in step for m in rank]
     assert [0] in micro  # the long sample alone
@@ -87,8 +102,19 @@ def test_batch_rebalance_splits_by_padded_tokens():
 def test_batch_rebalance_balances_ranks_over_an_epoch():
     n, world = 2048, 4
     lengths = lognormal_lengths(n)
-    samplers = [Sampler("batch_rebalance", n, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-                        world_size=world, rank=r, seed=1, lengths=lengths) for r in range(world)]
+    samplers = [
+        Sampler(
+            "batch_rebalance",
+            n,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            world_size=world,
+            rank=r,
+            seed=1,
+            lengths=lengths,
+        )
+        for r in range(world)
+    ]
     totals = [sum(padded_cost(m, lengths) for step in s.epoch_batches(0) for m in step) for s in samplers]
     mean = sum(totals) / world
     assert max(totals) / mean < 1.03, totals
@@ -147,7 +173,7 @@ def test_lengths_from_a_datasets_column():
 @given(st.lists(st.integers(0, 12), min_size=1, max_size=40), st.randoms(use_true_random=False))
 def test_datasets_lengths_are_read_through_arrow_in_one_call(sizes, rnd):
     datasets = pytest.importorskip("datasets")
-    import trainfold.samplers as samplers
+    import trainfold.data.samplers as samplers
 
     rows = {"input_ids": [[7] * n for n in sizes], "length": [3 * n + 1 for n in sizes]}
     picked = rnd.sample(range(len(sizes)), rnd.randint(1, len(sizes)))  # a row selection, as shuffle/select give
@@ -180,7 +206,7 @@ def test_one_micro_batch_per_step_is_the_step_sorted_longest_first():
     lengths = [4, 9, 1, 7, 3, 8, 2]
     s = Sampler("batch_rebalance", 7, per_device_train_batch_size=3, seed=5, lengths=lengths)
     order = s.order(0)
-    expected = [sorted(order[i:i + 3], key=lambda j: -lengths[j]) for i in range(0, 7, 3)]
+    expected = [sorted(order[i : i + 3], key=lambda j: -lengths[j]) for i in range(0, 7, 3)]
     assert [step[0] for step in s.epoch_batches(0)] == expected
 
 
@@ -251,7 +277,7 @@ def test_group_by_length_longest_first_and_sorted_megabatches(s, epoch):
     n, g = s.num_samples, s.global_batch_size
     mega = max(1, min(n // (4 * g), s.megabatch_mult)) * g
     for start in range(0, n, mega):
-        block = [lengths[i] for i in order[start:start + mega]]
+        block = [lengths[i] for i in order[start : start + mega]]
         assert block == sorted(block, reverse=True)
     if s.rank == 0 and s.steps_per_epoch():
         assert order[0] in s.epoch_batches(epoch)[0][0]
@@ -264,7 +290,7 @@ def test_batch_rebalance_groups_are_contiguous_in_length_order(s, epoch):
     g = s.global_batch_size
     lengths = s.lengths
     for step_no, step in enumerate(all_ranks(s, epoch)[: s.num_samples // g]):
-        chunk = order[step_no * g:(step_no + 1) * g]
+        chunk = order[step_no * g : (step_no + 1) * g]
         ordered = sorted(chunk, key=lambda i: -lengths[i])
         groups = [m for rank in step for m in rank]
         assert all(groups)
@@ -272,7 +298,7 @@ def test_batch_rebalance_groups_are_contiguous_in_length_order(s, epoch):
         starts = sorted(ordered.index(m[0]) for m in groups)
         for m in groups:
             at = ordered.index(m[0])
-            assert ordered[at:at + len(m)] == m
+            assert ordered[at : at + len(m)] == m
         assert starts[0] == 0
         assert sum(len(m) for m in groups) / len(groups) == s.per_device_train_batch_size
 
@@ -297,10 +323,24 @@ def test_different_seed_different_order(strategy):
 @given(skewed_lengths(min_size=32, max_size=96), st.integers(1, 4), st.integers(1, 3))
 def test_batch_rebalance_beats_equal_split_on_padded_tokens(lengths, world, accumulation):
     n = len(lengths)
-    s = Sampler("batch_rebalance", n, per_device_train_batch_size=2, gradient_accumulation_steps=accumulation,
-                world_size=world, lengths=lengths, drop_last=True)
-    naive = Sampler("random", n, per_device_train_batch_size=2, gradient_accumulation_steps=accumulation,
-                    world_size=world, lengths=lengths, drop_last=True)
+    s = Sampler(
+        "batch_rebalance",
+        n,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        world_size=world,
+        lengths=lengths,
+        drop_last=True,
+    )
+    naive = Sampler(
+        "random",
+        n,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=accumulation,
+        world_size=world,
+        lengths=lengths,
+        drop_last=True,
+    )
     cost = lambda smp: sum(padded_cost(m, lengths) for step in smp.global_steps(0) for rank in step for m in rank)
     assert cost(s) <= cost(naive)
 

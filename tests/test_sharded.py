@@ -21,15 +21,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainfold import TrainingArguments, train
-from trainfold.data import pad_collate
-from trainfold.divergence import nonfinite_params
-from trainfold.losses import causal_lm
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm
-from trainfold.state import TrainState, init_state
-from trainfold.step import make_step
-from trainfold.tree import flatten
+from trainfold import TrainingArguments
+from trainfold.core.losses import causal_lm
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.state import TrainState, init_state
+from trainfold.core.tree import flatten
+from trainfold.data.pipeline import pad_collate
+from trainfold.hf import train
+from trainfold.observe.divergence import nonfinite_params
+from trainfold.optim.base import GradientTransformation, adamw, chain, clip_by_global_norm
+from trainfold.step.driver import make_step
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -55,7 +56,7 @@ def batch(step: int, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
         labels = ids.clone()
         labels[torch.rand(ids.shape, generator=g) < 0.2] = -100
         n = ROWS // world
-        out.append({"input_ids": ids[rank * n:(rank + 1) * n], "labels": labels[rank * n:(rank + 1) * n]})
+        out.append({"input_ids": ids[rank * n : (rank + 1) * n], "labels": labels[rank * n : (rank + 1) * n]})
     return out
 
 
@@ -66,8 +67,11 @@ def run(step, state: TrainState, rank: int, world: int) -> TrainState:
 
 
 def tensors(state: TrainState) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone().contiguous() for k, v in flatten(state).items()
-            if k.startswith(("params.", "opt_state.", "metrics."))}
+    return {
+        k: v.detach().clone().contiguous()
+        for k, v in flatten(state).items()
+        if k.startswith(("params.", "opt_state.", "metrics."))
+    }
 
 
 def _local_bytes(tree) -> int:
@@ -94,18 +98,30 @@ def rows(n: int = 16) -> list[dict]:
 
 
 def train_args(out: Path, **over) -> TrainingArguments:
-    base = {"output_dir": str(out), "max_steps": 4, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
-            "learning_rate": 1e-2, "max_grad_norm": 0.5, "seed": 1, "save_strategy": "no", "report_to": "none",
-            "disable_tqdm": True, "logging_steps": 1, "eval_strategy": "steps", "eval_steps": 2,
-            "per_device_eval_batch_size": 2}
+    base = {
+        "output_dir": str(out),
+        "max_steps": 4,
+        "per_device_train_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 1e-2,
+        "max_grad_norm": 0.5,
+        "seed": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "disable_tqdm": True,
+        "logging_steps": 1,
+        "eval_strategy": "steps",
+        "eval_steps": 2,
+        "per_device_eval_batch_size": 2,
+    }
     return TrainingArguments(**{**base, **over})
 
 
 def _worker(out: Path, case: str) -> None:
     import torch.distributed as dist
 
-    from trainfold import sharded
-    from trainfold.distributed import group_timeout, process_group_collective
+    from trainfold.dist.distributed import group_timeout, process_group_collective
+    from trainfold.step import sharded
 
     dist.init_process_group("gloo", timeout=group_timeout())  # TRAINFOLD_DIST_TIMEOUT=5 for the error cases
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -128,21 +144,27 @@ def _worker(out: Path, case: str) -> None:
     for name, dropout, recompute in (("plain", 0.0, False), ("dropout", 0.1, False), ("recompute", 0.1, True)):
         net, grads = model(dropout), []
         state = sharded.shard_state(init_state(net, optimizer(), seed=3), mesh)
-        step = make_step(net, causal_lm, _grad_bytes(optimizer(), grads), sharding=mesh,
-                         gradient_checkpointing=recompute)
+        step = make_step(
+            net, causal_lm, _grad_bytes(optimizer(), grads), sharding=mesh, gradient_checkpointing=recompute
+        )
         assert sharded.is_sharded(state)
         with sharded.gathered_bytes() as peak:
             state = run(step, state, rank, world)
         assert sharded.is_sharded(state) and str(state.params["tok.weight"].placements) == "(Shard(dim=0),)"
         save_file(tensors(sharded.gather_state(state)), out / f"{name}-{rank}.safetensors")
-        results[name] = {"state_bytes": _local_bytes(state.params) + _local_bytes(state.opt_state),
-                         "grad_bytes": max(grads), "gathered_peak": peak[0]}
+        results[name] = {
+            "state_bytes": _local_bytes(state.params) + _local_bytes(state.opt_state),
+            "grad_bytes": max(grads),
+            "gathered_peak": peak[0],
+        }
     trained = model()
     res = train(trained, train_args(out / "train", fsdp="full_shard"), rows(), rows(6), data_collator=pad_collate())
     assert sharded.is_sharded(res.state)
     full = sharded.gather_state(res.state)  # a collective: every rank
-    save_file({**tensors(full), **{f"module.{k}": v.detach().clone() for k, v in trained.named_parameters()}},
-              out / f"train-{rank}.safetensors")
+    save_file(
+        {**tensors(full), **{f"module.{k}": v.detach().clone() for k, v in trained.named_parameters()}},
+        out / f"train-{rank}.safetensors",
+    )
     (out / f"train-{rank}.json").write_text(json.dumps([h for h in res.log_history if "eval_loss" in h]))
     net = model(0.1)  # trainfold's data parallelism: the replicated reference with the same dropout masks
     ddp = make_step(net, causal_lm, optimizer(), collective=process_group_collective())
@@ -159,12 +181,25 @@ def ranks(tmp_path_factory) -> Path:
 
 
 def _launch(out: Path, case: str, timeout: float) -> tuple[Path, subprocess.CompletedProcess]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
-           str(Path(__file__).resolve()), str(out), case]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"),
-           **({"TRAINFOLD_DIST_TIMEOUT": "5"} if case.startswith("raise") else {})}
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # a session of its own: a hang is killed with its workers
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={WORLD}",
+        str(Path(__file__).resolve()),
+        str(out),
+        case,
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT / "src"),
+        **({"TRAINFOLD_DIST_TIMEOUT": "5"} if case.startswith("raise") else {}),
+    }
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )  # a session of its own: a hang is killed with its workers
     try:
         stdout, err = proc.communicate(timeout=timeout)
     finally:
@@ -211,8 +246,13 @@ def test_two_sharded_ranks_match_one_process_over_ten_steps_with_accumulation_an
 @pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
 def test_train_with_fsdp_full_shard_under_torchrun_matches_one_process(ranks, tmp_path):
     two = _same_on_every_rank(ranks, "train")
-    one = train(model(), train_args(tmp_path, gradient_accumulation_steps=2 * WORLD), rows(), rows(6),
-                data_collator=pad_collate())
+    one = train(
+        model(),
+        train_args(tmp_path, gradient_accumulation_steps=2 * WORLD),
+        rows(),
+        rows(6),
+        data_collator=pad_collate(),
+    )
     _assert_close(two, tensors(one.state))
     for k in one.state.params:  # the module holds the gathered weights afterwards, as after HF's train()
         assert torch.equal(two[f"module.{k}"], two[f"params.{k}"]), k
@@ -263,7 +303,9 @@ def test_an_error_on_one_rank_ends_both_without_a_hang_and_the_others_name_it(tm
     started = time.monotonic()
     _, done = _launch(tmp_path, case, timeout=200)
     assert done.returncode != 0
-    assert time.monotonic() - started < 150  # the group's timeout is 5 s; rank 1 would sleep 240 s (slack: a loaded CI box)
+    assert (
+        time.monotonic() - started < 150
+    )  # the group's timeout is 5 s; rank 1 would sleep 240 s (slack: a loaded CI box)
     named = "[rank0]: RuntimeError: rank 0 stopped: rank 1 raised KeyError: \"micro-batch has no 'labels' key"
     assert named in done.stderr
     if case == "raise":
@@ -276,8 +318,14 @@ def test_an_error_on_one_rank_ends_both_without_a_hang_and_the_others_name_it(tm
 def test_the_fsdp_benchmark_runs_quick(full_slow):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     for extra in ([], ["--vs-fully-shard"]) if full_slow else ([],):  # reduced: the memory and step-time table
-        done = subprocess.run([sys.executable, "benchmarks/fsdp.py", "--quick", *extra], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sys.executable, "benchmarks/fsdp.py", "--quick", *extra],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         assert ("| FSDP2 fully_shard loop | 1 |" if extra else "| sharded | 1 |") in done.stdout
 
@@ -296,7 +344,7 @@ def one_rank_mesh(tmp_path):
 
 
 def test_shard_and_gather_round_trip_and_a_one_rank_sharded_step_is_the_step(one_rank_mesh):
-    from trainfold import sharded
+    from trainfold.step import sharded
 
     net = model()
     state = init_state(net, optimizer(), seed=3)
@@ -316,7 +364,7 @@ def test_shard_and_gather_round_trip_and_a_one_rank_sharded_step_is_the_step(one
 
 
 def test_an_objective_with_a_frozen_reference_runs_the_reference_on_its_own_params(one_rank_mesh):
-    from trainfold import sharded
+    from trainfold.step import sharded
 
     net = model()
     reference = {k: v * 0.5 for k, v in init_state(net, optimizer()).params.items()}  # plain, never gathered
@@ -338,13 +386,20 @@ def test_an_objective_with_a_frozen_reference_runs_the_reference_on_its_own_para
 @pytest.mark.parametrize("recompute", [False, True])
 def test_a_transformers_llama_steps_sharded_as_unsharded(one_rank_mesh, recompute):
     transformers = pytest.importorskip("transformers")
-    from trainfold import sharded
-    from trainfold.sharded_gather import _layout
+    from trainfold.step import sharded
+    from trainfold.step.sharded_gather import _layout
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-                                      tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
     llama = transformers.LlamaForCausalLM(config)
     state = init_state(llama, optimizer(), seed=3)
     layout = _layout(llama, frozenset(state.params), per_block=True)
@@ -358,25 +413,29 @@ def test_a_transformers_llama_steps_sharded_as_unsharded(one_rank_mesh, recomput
 def test_what_sharding_cannot_do_is_refused_by_name(one_rank_mesh):
     from torch.distributed.fsdp import fully_shard
 
-    from trainfold import sharded
-    from trainfold.ensemble import stack_ensemble
+    from trainfold.recipes.ensemble import stack_ensemble
+    from trainfold.step import sharded
 
     net = model()
-    with pytest.raises(ValueError, match=r"needs a sharded state: state = trainfold.sharded.shard_state"):
+    with pytest.raises(ValueError, match=r"needs a sharded state: state = trainfold.step.sharded.shard_state"):
         make_step(net, causal_lm, optimizer(), sharding=one_rank_mesh)(init_state(net, optimizer()), batch(0, 0, 1))
     with pytest.raises(ValueError, match=r"loss_scaling \(fp16\) with sharding is not supported; use bf16"):
-        from trainfold.amp import LossScaling
+        from trainfold.step.amp import LossScaling
 
-        make_step(net, causal_lm, optimizer(), sharding=one_rank_mesh, loss_scaling=LossScaling(),
-                  autocast=torch.float16)
+        make_step(
+            net, causal_lm, optimizer(), sharding=one_rank_mesh, loss_scaling=LossScaling(), autocast=torch.float16
+        )
     with pytest.raises(ValueError, match=r"compile with sharding is not supported yet.*use the eager sharded step"):
         make_step(net, causal_lm, optimizer(), sharding=one_rank_mesh, compile=True)
-    with pytest.raises(ValueError, match=r"sharding='half' is not .* make_step\(..., sharding=trainfold.sharded"):
+    with pytest.raises(ValueError, match=r"sharding='half' is not .* make_step\(..., sharding=trainfold.step.sharded"):
         make_step(net, causal_lm, optimizer(), sharding="half")
     wrapped = model()
     fully_shard(wrapped, mesh=one_rank_mesh)
-    with pytest.raises(TypeError, match=r"FSDP2 module .* pass the unwrapped module with "
-                                        r"TrainingArguments\(fsdp='full_shard'\) .* sharding="):
+    with pytest.raises(
+        TypeError,
+        match=r"FSDP2 module .* pass the unwrapped module with "
+        r"TrainingArguments\(fsdp='full_shard'\) .* sharding=",
+    ):
         make_step(wrapped, causal_lm, optimizer(), sharding=one_rank_mesh)
     shards = sharded.shard_state(init_state(net, optimizer()), one_rank_mesh)
     with pytest.raises(TypeError, match=r"vmapped ensembles over DTensor shards are not supported \(params is sharded"):
@@ -388,20 +447,27 @@ def test_fsdp_settings_take_full_shard_and_refuse_the_rest_by_name(tmp_path):
     assert TrainingArguments(fsdp="full_shard", save_strategy="no").full_shard
     assert TrainingArguments(fsdp=["full_shard", "auto_wrap"], save_strategy="no").full_shard
     assert not TrainingArguments(fsdp="").full_shard and TrainingArguments(fsdp="").fsdp is None
-    for value, named in (("shard_grad_op", "'shard_grad_op'"), ("full_shard offload", "'offload'"),
-                         ("hybrid_shard", "'hybrid_shard'")):
+    for value, named in (
+        ("shard_grad_op", "'shard_grad_op'"),
+        ("full_shard offload", "'offload'"),
+        ("hybrid_shard", "'hybrid_shard'"),
+    ):
         with pytest.raises(ValueError, match=rf"fsdp='{value}' is not supported \({named}\).*write fsdp='full_shard'"):
             TrainingArguments(fsdp=value, save_strategy="no")
-    assert TrainingArguments(fsdp="full_shard").full_shard  # it saves sharded checkpoints (trainfold.sharded_checkpoint)
+    assert TrainingArguments(fsdp="full_shard").full_shard  # it saves sharded checkpoints (trainfold.ckpt.sharded)
     with pytest.raises(ValueError, match=r"fsdp='full_shard' with fp16 .* use bf16=True"):
         TrainingArguments(fsdp="full_shard", save_strategy="no", fp16=True)
     with pytest.raises(ValueError, match=r"fsdp='full_shard' with torch_compile is not supported yet"):
         TrainingArguments(fsdp="full_shard", save_strategy="no", torch_compile=True)
-    args = TrainingArguments(output_dir=str(tmp_path), fsdp="full_shard", save_strategy="no", max_steps=1,
-                             report_to="none")
+    args = TrainingArguments(
+        output_dir=str(tmp_path), fsdp="full_shard", save_strategy="no", max_steps=1, report_to="none"
+    )
     rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 4
-    with pytest.raises(ValueError, match=r"fsdp='full_shard' shards over the ranks of a torchrun job: run it under "
-                                         r"torchrun"):
+    with pytest.raises(
+        ValueError,
+        match=r"fsdp='full_shard' shards over the ranks of a torchrun job: run it under "
+        r"torchrun",
+    ):
         train(model(), args, rows)
 
 

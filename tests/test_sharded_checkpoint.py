@@ -27,12 +27,12 @@ import safetensors
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainfold import checkpoint as ckpt
-from trainfold import sharded_checkpoint as sc
-from trainfold.optim import adamw
-from trainfold.sharded_storage import shard_file
-from trainfold.state import init_state
-from trainfold.tree import flatten
+from trainfold.ckpt import checkpoint as ckpt
+from trainfold.ckpt import sharded as sc
+from trainfold.ckpt.sharded_storage import shard_file
+from trainfold.core.state import init_state
+from trainfold.core.tree import flatten
+from trainfold.optim.base import adamw
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = 3
@@ -43,19 +43,28 @@ def hf_model():
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=48, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False, use_cache=False)
+        vocab_size=48,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     return transformers.LlamaForCausalLM(config)
 
 
 def full_state(model):
     """The same state in every process: params and Adam moments drawn from a seed, step 3."""
-    from trainfold.state import scalar
+    from trainfold.core.state import scalar
 
     state = init_state(model, adamw(1e-3), seed=7)
     g = torch.Generator().manual_seed(1)
-    noisy = sc._map_tensors(lambda t: t + 0.01 * torch.randn(t.shape, generator=g) if t.is_floating_point() else t,
-                            state)
+    noisy = sc._map_tensors(
+        lambda t: t + 0.01 * torch.randn(t.shape, generator=g) if t.is_floating_point() else t, state
+    )
     return attrs.evolve(noisy, step=scalar(STEP))
 
 
@@ -66,21 +75,25 @@ def shard(state, mesh):
     def one(t):
         return distribute_tensor(t, mesh, [Shard(0)]) if t.dim() >= 1 and t.is_floating_point() else t
 
-    return attrs.evolve(state, params=sc._map_tensors(one, state.params), opt_state=sc._map_tensors(one, state.opt_state))
+    return attrs.evolve(
+        state, params=sc._map_tensors(one, state.params), opt_state=sc._map_tensors(one, state.opt_state)
+    )
 
 
 def local_slabs(state) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    return {k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone().contiguous()
-            for k, v in flatten(state).items()}
+    return {
+        k: (v.to_local() if isinstance(v, DTensor) else v).detach().clone().contiguous()
+        for k, v in flatten(state).items()
+    }
 
 
 # elastic resume through train(fsdp="full_shard"): 2 ranks x batch 2 (global 4), checkpoint-4 resumed on 1, 2, 4 ranks
 
 
 def tiny():
-    from trainfold.models import TinyLM, TinyLMConfig
+    from trainfold.core.models import TinyLM, TinyLMConfig
 
     torch.manual_seed(0)
     return TinyLM(TinyLMConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, max_len=24))
@@ -98,20 +111,34 @@ def rows(n: int = 24) -> list[dict]:
 def run_args(out: Path, **over):
     from trainfold import TrainingArguments
 
-    return TrainingArguments(**{
-        "output_dir": str(out), "max_steps": 8, "per_device_train_batch_size": 2, "learning_rate": 1e-2,
-        "warmup_steps": 2, "weight_decay": 0.1, "max_grad_norm": 1.0, "seed": 11, "logging_steps": 1,
-        "save_strategy": "steps", "save_steps": 4, "report_to": "none", "disable_tqdm": True, **over})
+    return TrainingArguments(
+        **{
+            "output_dir": str(out),
+            "max_steps": 8,
+            "per_device_train_batch_size": 2,
+            "learning_rate": 1e-2,
+            "warmup_steps": 2,
+            "weight_decay": 0.1,
+            "max_grad_norm": 1.0,
+            "seed": 11,
+            "logging_steps": 1,
+            "save_strategy": "steps",
+            "save_steps": 4,
+            "report_to": "none",
+            "disable_tqdm": True,
+            **over,
+        }
+    )
 
 
 def elastic_run(out: Path, resume=None, **over):
-    from trainfold import train
+    from trainfold.hf import train
 
     return train(tiny(), run_args(out, **over), rows(), resume_from_checkpoint=resume)
 
 
 def trained(result) -> dict[str, torch.Tensor]:
-    from trainfold import sharded
+    from trainfold.step import sharded
 
     flat = flatten(sharded.gather_state(result.state) if sharded.is_sharded(result.state) else result.state)
     tensors = {k: v.detach().clone().contiguous() for k, v in flat.items() if k.startswith(("params.", "opt_state."))}
@@ -152,8 +179,13 @@ def _worker(phase: str, out: Path) -> None:
         save_file(local_slabs(loaded), out / f"loaded-2-{rank}.safetensors")
         save_file(local_slabs(state), out / f"saved-2-{rank}.safetensors")
         _failing_async_save(saver, state, out / "faulty", rank)
-        uneven = shard(attrs.evolve(init_state(torch.nn.Linear(3, 1), adamw(1e-3)),
-                                    params={"weight": torch.ones(1, 3), "bias": torch.full((1,), 2.0)}), mesh)
+        uneven = shard(
+            attrs.evolve(
+                init_state(torch.nn.Linear(3, 1), adamw(1e-3)),
+                params={"weight": torch.ones(1, 3), "bias": torch.full((1,), 2.0)},
+            ),
+            mesh,
+        )
         back = ckpt.load(sc.save(uneven, out / "uneven" / "checkpoint-0"), like=uneven)  # rank 1's shards: empty
         save_file({k: v.full_tensor() for k, v in back.params.items()} | local_slabs(back), out / f"uneven-{rank}.st")
         straight = elastic_run(out / "straight", fsdp="full_shard", async_save=True, save_consolidated_model=True)
@@ -164,9 +196,9 @@ def _worker(phase: str, out: Path) -> None:
         with pytest.warns(UserWarning, match="per_device_train_batch_size 2 -> 1, gradient_accumulation_steps 1 -> 1"):
             result = _resume_copy(out, f"resumed-{world}", rank)
         save_file(trained(result), out / f"resumed-{world}-{rank}.safetensors")
-        from trainfold import sharded
-        from trainfold.observe import initial_extras
-        from trainfold.train import default_optimizer
+        from trainfold.hf.train import default_optimizer
+        from trainfold.observe.observers import initial_extras
+        from trainfold.step import sharded
 
         template = init_state(tiny(), default_optimizer(tiny(), run_args(out), 8), extras=initial_extras())
         loaded = ckpt.load(out / "straight" / "checkpoint-8", like=sharded.shard_state(template, mesh))
@@ -199,19 +231,29 @@ def _failing_async_save(saver, state, out: Path, rank: int) -> None:
     finally:
         ckpt.fault_hook = None
     dist.barrier()
-    (out.parent / f"faulty-{rank}.json").write_text(json.dumps({"error": error, "seen": seen,
-                                                                "after": sorted(p.name for p in out.iterdir())}))
+    (out.parent / f"faulty-{rank}.json").write_text(
+        json.dumps({"error": error, "seen": seen, "after": sorted(p.name for p in out.iterdir())})
+    )
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sharded")
     for phase, n in (("save", 2), ("load", 4)):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-               str(Path(__file__).resolve()), phase, str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={n}",
+            str(Path(__file__).resolve()),
+            phase,
+            str(out),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        )
         try:
             _, err = proc.communicate(timeout=240)
         finally:
@@ -274,8 +316,11 @@ def _is_pickle(data: bytes) -> bool:
 
 @pytest.mark.slow  # the torchrun launches of the ranks fixture
 def test_sharded_checkpoints_are_safetensors_and_json_only(ranks):
-    for path in (ranks / "sync" / f"checkpoint-{STEP}", ranks / "async" / f"checkpoint-{STEP}",
-                 ranks / "straight" / "checkpoint-8"):
+    for path in (
+        ranks / "sync" / f"checkpoint-{STEP}",
+        ranks / "async" / f"checkpoint-{STEP}",
+        ranks / "straight" / "checkpoint-8",
+    ):
         names = sorted(p.name for p in path.iterdir())
         assert shard_file(0, 2) in names and shard_file(1, 2) in names and sc.INDEX_FILE in names
         for p in path.iterdir():
@@ -291,7 +336,9 @@ def test_sharded_checkpoints_are_safetensors_and_json_only(ranks):
     index = sc.read_index(ranks / "sync" / f"checkpoint-{STEP}")
     chunks = index["tensors"]["params.model.embed_tokens.weight"]["chunks"]
     assert [(c["file"], c["offsets"], c["sizes"]) for c in chunks] == [
-        (shard_file(0, 2), [0, 0], [24, 16]), (shard_file(1, 2), [24, 0], [24, 16])]
+        (shard_file(0, 2), [0, 0], [24, 16]),
+        (shard_file(1, 2), [24, 0], [24, 16]),
+    ]
 
 
 @pytest.mark.slow  # the torchrun launches of the ranks fixture
@@ -323,8 +370,13 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: flo
         if tol == 0:
             assert torch.equal(got[k], v), k
         else:
-            torch.testing.assert_close(_without_key_bias(k, got[k]), _without_key_bias(k, v), rtol=tol, atol=tol,
-                                       msg=lambda m, k=k: f"{k}: {m}")
+            torch.testing.assert_close(
+                _without_key_bias(k, got[k]),
+                _without_key_bias(k, v),
+                rtol=tol,
+                atol=tol,
+                msg=lambda m, k=k: f"{k}: {m}",
+            )
 
 
 @pytest.mark.slow  # the torchrun launches of the ranks fixture
@@ -361,7 +413,14 @@ def test_a_sharded_train_run_writes_sharded_checkpoints_with_the_full_model(rank
     for step in (4, 8):
         path = ranks / "straight" / f"checkpoint-{step}"
         names = sorted(p.name for p in path.iterdir())
-        assert names == ["config.json", "model.safetensors", shard_file(0, 2), shard_file(1, 2), sc.INDEX_FILE, "trainfold.json"]
+        assert names == [
+            "config.json",
+            "model.safetensors",
+            shard_file(0, 2),
+            shard_file(1, 2),
+            sc.INDEX_FILE,
+            "trainfold.json",
+        ]
         assert ckpt.is_complete(path) and ckpt.read_metadata(path)["step"] == step
     assert not [p for p in (ranks / "straight").iterdir() if p.name.startswith(".checkpoint")]
     like = init_state(tiny(), adamw(1e-3))
@@ -386,11 +445,27 @@ def test_sigterm_to_one_rank_of_a_sharded_run_ends_both_with_one_sharded_jit_che
         port = sock.getsockname()[1]
     procs = []
     for rank in range(2):  # what torchrun sets for each worker
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(ROOT / "src")}
-        procs.append(subprocess.Popen([sys.executable, "-m", "trainfold", "train", "--config", str(config)], cwd=ROOT,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(ROOT / "src"),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "trainfold", "train", "--config", str(config)],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     try:
         log = out / "log.jsonl"
         deadline = time.monotonic() + 120
@@ -440,7 +515,9 @@ def test_a_sharded_checkpoint_refuses_another_model_by_name(ranks):
     import transformers
 
     path = ranks / "sync" / f"checkpoint-{STEP}"
-    with pytest.raises(KeyError, match=r"state.index.json does not fit the template state; .* missing \['opt_state.mu.blocks"):
+    with pytest.raises(
+        KeyError, match=r"state.index.json does not fit the template state; .* missing \['opt_state.mu.blocks"
+    ):
         ckpt.load(path, like=init_state(tiny(), adamw(1e-3)))
     config = hf_model().config
     config.intermediate_size = 32
@@ -483,16 +560,21 @@ def test_a_process_killed_mid_async_save_leaves_no_checkpoint(tmp_path):
     code = f"""
 import os, torch
 from trainfold import checkpoint as ckpt, sharded_checkpoint as sc
-from trainfold.optim import sgd
-from trainfold.state import init_state
+from trainfold.optim.base import sgd
+from trainfold.core.state import init_state
 state = init_state(torch.nn.Linear(3, 2), sgd(0.1))
 ckpt.save(state, ckpt.checkpoint_path({str(tmp_path)!r}, 0))
 ckpt.fault_hook = lambda label: os._exit(3) if label == "save:wrote:sidecar" else None
 sc.Saver(async_save=True).save(state, ckpt.checkpoint_path({str(tmp_path)!r}, 1))
 import time; time.sleep(30)
 """
-    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
-                          timeout=120, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        timeout=120,
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint-0"]
     assert not (tmp_path / "checkpoint-1").exists()
@@ -523,7 +605,7 @@ def test_async_save_in_train_writes_the_same_checkpoints_and_rotates_after_each_
 
 
 def test_the_split_keeps_the_per_device_batch_when_it_can_and_never_grows_it():
-    from trainfold.elastic import split_global_batch
+    from trainfold.ckpt.elastic import split_global_batch
 
     assert split_global_batch(16, world_size=2, per_device=4) == (4, 2)
     assert split_global_batch(16, world_size=8, per_device=4) == (2, 1)
@@ -533,7 +615,7 @@ def test_the_split_keeps_the_per_device_batch_when_it_can_and_never_grows_it():
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 12])
 def test_every_split_makes_the_global_batch(world):
-    from trainfold.elastic import split_global_batch
+    from trainfold.ckpt.elastic import split_global_batch
 
     for per_device in range(1, 13):
         size, steps = split_global_batch(12, world_size=world, per_device=per_device)
@@ -541,16 +623,18 @@ def test_every_split_makes_the_global_batch(world):
 
 
 def test_check_compatible_takes_another_split_of_the_same_global_batch_and_names_a_different_one():
-    from trainfold.checkpoint_policy import check_compatible
+    from trainfold.ckpt.policy import check_compatible
 
     saved = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "world_size": 2, "seed": 1}
     check_compatible(saved, {**saved, "per_device_train_batch_size": 1, "world_size": 4})
-    with pytest.raises(ValueError, match=r"with different settings: per_device_train_batch_size: saved 2, now 1; resume"):
+    with pytest.raises(
+        ValueError, match=r"with different settings: per_device_train_batch_size: saved 2, now 1; resume"
+    ):
         check_compatible(saved, {**saved, "per_device_train_batch_size": 1})
 
 
 def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(tmp_path):
-    from trainfold.elastic import elastic_args
+    from trainfold.ckpt.elastic import elastic_args
 
     saved = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "world_size": 2, "learning_rate": 1e-2}
     path = ckpt.save(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), tmp_path / "checkpoint-0", settings=saved)
@@ -565,7 +649,7 @@ def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(
 
 
 def test_the_run_fingerprint_sees_the_global_batch_not_its_split():
-    from trainfold import run_dir
+    from trainfold.ckpt import run_dir
 
     base = run_args(Path("x")).to_dict() | {"world_size": 2}
     fp = run_dir.fingerprint(base)

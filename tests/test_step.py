@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from trainfold import adamw, chain, clip_by_global_norm, fit, init_state, make_step, sgd
-from trainfold.data import StepBatch
-from trainfold.losses import causal_lm, cross_entropy
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.state import Cursor, scalar
-from trainfold.tree import flatten
+from trainfold.core.losses import causal_lm, cross_entropy
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.state import Cursor, scalar
+from trainfold.core.tree import flatten
+from trainfold.data.pipeline import StepBatch
 
 SMALL = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16)
 
@@ -332,8 +332,11 @@ def test_a_step_in_which_no_parameter_gets_a_gradient_is_an_error():
     model = _Hidden()
     opt = sgd(0.1)
     batch = [{"input": torch.randn(2, 4), "labels": torch.tensor([0, 2])}]
-    with pytest.raises(RuntimeError, match=r"no trainable parameter of _Hidden received a gradient in step 0.*"
-                                           r"FSDP/fully_shard or DTensor"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"no trainable parameter of _Hidden received a gradient in step 0.*"
+        r"FSDP/fully_shard or DTensor",
+    ):
         make_step(model, cross_entropy, opt)(init_state(model, opt), batch)
     detached = make_step(nn.Linear(4, 3), lambda out, y, n: cross_entropy(out.detach(), y, n), opt)
     with pytest.raises(RuntimeError, match="no trainable parameter of Linear received a gradient"):
@@ -370,9 +373,12 @@ def test_fsdp_and_dtensor_modules_are_refused_by_name(one_process_group):
 
     sharded = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
     fully_shard(sharded, mesh=one_process_group)
-    with pytest.raises(TypeError, match=r"cannot train FSDPSequential: it is an FSDP2 module \(torch.distributed."
-                                        r"fsdp.fully_shard\); trainfold shards the state itself: pass the "
-                                        r"unwrapped module with TrainingArguments\(fsdp=.full_shard.\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"cannot train FSDPSequential: it is an FSDP2 module \(torch.distributed."
+        r"fsdp.fully_shard\); trainfold shards the state itself: pass the "
+        r"unwrapped module with TrainingArguments\(fsdp=.full_shard.\)",
+    ):
         make_step(sharded, cross_entropy, sgd(0.1))
     inner = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
     fully_shard(inner[1], mesh=one_process_group)
@@ -416,7 +422,10 @@ def test_optimizer_state_with_unknown_keys_is_named():
     state = init_state(model, opt)
     bad_mu = {("extra.weight" if k == "tok.weight" else k): v for k, v in state.opt_state.mu.items()}
     bad = attrs.evolve(state, opt_state=attrs.evolve(state.opt_state, mu=bad_mu))
-    with pytest.raises(KeyError, match=r"Adam state and params have different keys: missing \['tok.weight'\], unexpected \['extra.weight'\]"):
+    with pytest.raises(
+        KeyError,
+        match=r"Adam state and params have different keys: missing \['tok.weight'\], unexpected \['extra.weight'\]",
+    ):
         make_step(model, causal_lm, opt)(bad, [{"input_ids": ids, "labels": labels}])
 
 

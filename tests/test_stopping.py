@@ -9,10 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.fold import fit
-from trainfold.observe import observing
-from trainfold.state import TrainState
-from trainfold.stopping import (
+from trainfold.core.fold import fit
+from trainfold.core.state import TrainState
+from trainfold.core.tree import flatten, unflatten
+from trainfold.observe.observers import observing
+from trainfold.observe.stopping import (
     EARLY_STOPPING,
     EarlyStoppingRecord,
     early_stopping,
@@ -20,7 +21,6 @@ from trainfold.stopping import (
     record_evaluation,
     update_early_stopping,
 )
-from trainfold.tree import flatten, unflatten
 
 # -- early stopping ------------------------------------------------------------------------------
 

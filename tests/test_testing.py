@@ -8,9 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfold import init_state, make_step, sgd
-from trainfold.losses import causal_lm
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.samplers import LENGTH_STRATEGIES, Sampler
+from trainfold.core.losses import causal_lm
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.data.samplers import LENGTH_STRATEGIES, Sampler
 from trainfold.testing import (
     label_tensors,
     lengths,

@@ -14,9 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainfold import TrainingArguments, checkpoint, train
-from trainfold.history import HISTORY_FILE, LogHistory
-from trainfold.tree import flatten
+from trainfold import TrainingArguments
+from trainfold.ckpt import checkpoint
+from trainfold.core.tree import flatten
+from trainfold.hf import train
+from trainfold.observe.history import HISTORY_FILE, LogHistory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,9 +27,20 @@ from resume_fixture import collate, endless_cli_config, model, rows  # noqa: E40
 
 def settings(tmp: Path, strategy: str, **over) -> TrainingArguments:
     base = dict(
-        output_dir=str(tmp), max_steps=8, per_device_train_batch_size=2, gradient_accumulation_steps=2,
-        learning_rate=1e-2, warmup_steps=2, weight_decay=0.1, max_grad_norm=1.0, seed=11,
-        train_sampling_strategy=strategy, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
+        output_dir=str(tmp),
+        max_steps=8,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        warmup_steps=2,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        seed=11,
+        train_sampling_strategy=strategy,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
     )
     return TrainingArguments(**{**base, **over})
 
@@ -47,8 +60,13 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path):
         straight[strategy] = r
     for strategy, k in CASES:  # first part: stop at k with a checkpoint there
         out = tmp_path / f"{strategy}-{k}"
-        r = train(model(), settings(out, strategy, save_strategy="steps", save_steps=k), rows(), data_collator=collate,
-                  stop=lambda s, k=k: int(s.step) >= k)
+        r = train(
+            model(),
+            settings(out, strategy, save_strategy="steps", save_steps=k),
+            rows(),
+            data_collator=collate,
+            stop=lambda s, k=k: int(s.step) >= k,
+        )
         assert r.status == "stopped" and r.global_step == k
     script = textwrap.dedent(
         f"""
@@ -87,9 +105,16 @@ def test_logged_loss_is_the_window_mean_across_a_resume(tmp_path):
     per_step = losses_of(train(model(), settings(tmp_path / "a", "random"), rows(), data_collator=collate).log_history)
     step_loss = dict(per_step)
     out = tmp_path / "b"
-    train(model(), settings(out, "random", logging_steps=3, save_strategy="steps", save_steps=4), rows(),
-          data_collator=collate, stop=lambda s: int(s.step) >= 4)  # checkpoint mid-window (window 4..6)
-    r = train(model(), settings(out, "random", logging_steps=3), rows(), data_collator=collate, resume_from_checkpoint=True)
+    train(
+        model(),
+        settings(out, "random", logging_steps=3, save_strategy="steps", save_steps=4),
+        rows(),
+        data_collator=collate,
+        stop=lambda s: int(s.step) >= 4,
+    )  # checkpoint mid-window (window 4..6)
+    r = train(
+        model(), settings(out, "random", logging_steps=3), rows(), data_collator=collate, resume_from_checkpoint=True
+    )
     logged = losses_of(r.log_history)
     assert [s for s, _ in logged] == [3, 6, 8]
     for s, value in logged:
@@ -98,7 +123,7 @@ def test_logged_loss_is_the_window_mean_across_a_resume(tmp_path):
 
 
 def test_an_objectives_metrics_are_logged_as_window_means(tmp_path):
-    from trainfold.losses import causal_lm
+    from trainfold.core.losses import causal_lm
 
     def objective(forward, params, micro, num_items, key):  # aux: the summed loss of the micro-batch, x2
         inputs = {k: v for k, v in micro.items() if k != "labels"}
@@ -108,14 +133,28 @@ def test_an_objectives_metrics_are_logged_as_window_means(tmp_path):
     def metric(history):
         return [(h["step"], h["double"]) for h in history if "double" in h]
 
-    per_step = dict(metric(train(model(), settings(tmp_path / "a", "random"), rows(), data_collator=collate,
-                                 objective=objective).log_history))
-    losses = dict(losses_of(train(model(), settings(tmp_path / "b", "random"), rows(), data_collator=collate).log_history))
+    per_step = dict(
+        metric(
+            train(
+                model(), settings(tmp_path / "a", "random"), rows(), data_collator=collate, objective=objective
+            ).log_history
+        )
+    )
+    losses = dict(
+        losses_of(train(model(), settings(tmp_path / "b", "random"), rows(), data_collator=collate).log_history)
+    )
     assert sorted(per_step) == list(range(1, 9))
     for s, value in per_step.items():
         assert value == pytest.approx(2 * losses[s], rel=1e-6)
-    windows = metric(train(model(), settings(tmp_path / "c", "random", logging_steps=3), rows(), data_collator=collate,
-                           objective=objective).log_history)
+    windows = metric(
+        train(
+            model(),
+            settings(tmp_path / "c", "random", logging_steps=3),
+            rows(),
+            data_collator=collate,
+            objective=objective,
+        ).log_history
+    )
     assert [s for s, _ in windows] == [3, 6, 8]
     for s, value in windows:
         window = range(s - 2, s + 1) if s != 8 else range(7, 9)
@@ -123,11 +162,16 @@ def test_an_objectives_metrics_are_logged_as_window_means(tmp_path):
 
 
 def test_a_named_schedule_with_its_kwargs_drives_the_learning_rate(tmp_path):
-    from trainfold.schedules import named
+    from trainfold.optim.schedules import named
 
-    args = settings(tmp_path, "random", lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1})
-    logged = [h["learning_rate"] for h in train(model(), args, rows(), data_collator=collate).log_history
-              if "learning_rate" in h]
+    args = settings(
+        tmp_path, "random", lr_scheduler_type="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr_rate": 0.1}
+    )
+    logged = [
+        h["learning_rate"]
+        for h in train(model(), args, rows(), data_collator=collate).log_history
+        if "learning_rate" in h
+    ]
     expected = named("cosine_with_min_lr", 1e-2, 2, 8, min_lr_rate=0.1)
     assert logged == pytest.approx([expected(k) for k in range(8)], rel=1e-12)
     assert logged[-1] > 1e-3  # held above the floor, where plain cosine would near 0
@@ -136,7 +180,7 @@ def test_a_named_schedule_with_its_kwargs_drives_the_learning_rate(tmp_path):
 def test_a_compiled_run_follows_the_eager_one(tmp_path):
     import warnings
 
-    from trainfold.compiled import CompileFallbackWarning
+    from trainfold.step.compiled import CompileFallbackWarning
 
     assert TrainingArguments(torch_compile_backend="aot_eager").compile == "aot_eager"  # the backend turns it on
     assert TrainingArguments(torch_compile_mode="default").compile is True
@@ -145,24 +189,36 @@ def test_a_compiled_run_follows_the_eager_one(tmp_path):
     eager = losses_of(train(model(), settings(tmp_path / "eager", "random"), rows(), data_collator=collate).log_history)
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileFallbackWarning)
-        compiled = train(model(), settings(tmp_path / "compiled", "random", torch_compile_backend="aot_eager"), rows(),
-                         data_collator=collate)
+        compiled = train(
+            model(),
+            settings(tmp_path / "compiled", "random", torch_compile_backend="aot_eager"),
+            rows(),
+            data_collator=collate,
+        )
     assert compiled.status == "completed"
     assert [s for s, _ in losses_of(compiled.log_history)] == [s for s, _ in eager]
     assert [v for _, v in losses_of(compiled.log_history)] == pytest.approx([v for _, v in eager], rel=1e-4)
 
 
 def test_input_tokens_seen_are_counted_logged_and_resumed(tmp_path):
-    from trainfold.observe import TOKENS_SEEN
+    from trainfold.observe.observers import TOKENS_SEEN
 
     data = rows()
     one_epoch = {"max_steps": -1, "num_train_epochs": 1, "logging_steps": 2}
-    real = train(model(), settings(tmp_path / "real", "sequential", include_num_input_tokens_seen="non_padding",
-                                   **one_epoch), data, data_collator=collate)
+    real = train(
+        model(),
+        settings(tmp_path / "real", "sequential", include_num_input_tokens_seen="non_padding", **one_epoch),
+        data,
+        data_collator=collate,
+    )
     assert int(real.state.extras[TOKENS_SEEN]) == sum(len(r["input_ids"]) for r in data)  # every row once
-    everything = train(model(), settings(tmp_path / "all", "sequential", include_num_input_tokens_seen=True,
-                                         **one_epoch), data, data_collator=collate)
-    micro_batches = [data[i:i + 2] for i in range(0, len(data), 2)]
+    everything = train(
+        model(),
+        settings(tmp_path / "all", "sequential", include_num_input_tokens_seen=True, **one_epoch),
+        data,
+        data_collator=collate,
+    )
+    micro_batches = [data[i : i + 2] for i in range(0, len(data), 2)]
     padded = sum(len(mb) * max(len(r["input_ids"]) for r in mb) for mb in micro_batches)
     assert int(everything.state.extras[TOKENS_SEEN]) == padded  # each micro-batch padded to its longest row
     logged = [h[TOKENS_SEEN] for h in real.log_history if TOKENS_SEEN in h]
@@ -171,19 +227,31 @@ def test_input_tokens_seen_are_counted_logged_and_resumed(tmp_path):
     out = tmp_path / "resumed"
     counting = {"include_num_input_tokens_seen": "non_padding", "logging_steps": 1}
     straight = train(model(), settings(tmp_path / "straight", "random", **counting), data, data_collator=collate)
-    train(model(), settings(out, "random", save_strategy="steps", save_steps=3, **counting), data, data_collator=collate,
-          stop=lambda st: int(st.step) >= 3)
-    resumed = train(model(), settings(out, "random", **counting), data, data_collator=collate,
-                    resume_from_checkpoint=True)
+    train(
+        model(),
+        settings(out, "random", save_strategy="steps", save_steps=3, **counting),
+        data,
+        data_collator=collate,
+        stop=lambda st: int(st.step) >= 3,
+    )
+    resumed = train(
+        model(), settings(out, "random", **counting), data, data_collator=collate, resume_from_checkpoint=True
+    )
     assert int(resumed.state.extras[TOKENS_SEEN]) == int(straight.state.extras[TOKENS_SEEN])
     assert [h[TOKENS_SEEN] for h in resumed.log_history if TOKENS_SEEN in h] == [
-        h[TOKENS_SEEN] for h in straight.log_history if TOKENS_SEEN in h]
+        h[TOKENS_SEEN] for h in straight.log_history if TOKENS_SEEN in h
+    ]
 
 
 def test_preempted_cli_run_exits_143_and_resumes(tmp_path):
     config = endless_cli_config(tmp_path, tmp_path / "out")
-    proc = subprocess.Popen([sys.executable, "-m", "trainfold", "train", "--config", str(config)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainfold", "train", "--config", str(config)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     log = tmp_path / "out" / "log.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
@@ -206,19 +274,38 @@ def test_bad_input_is_refused_before_any_work(tmp_path):
 
 def test_weights_only_checkpoint_cannot_resume_silently(tmp_path):
     out = tmp_path / "w"
-    train(model(), settings(out, "random", save_strategy="steps", save_steps=4, save_only_model=True), rows(),
-          data_collator=collate, stop=lambda s: int(s.step) >= 4)
+    train(
+        model(),
+        settings(out, "random", save_strategy="steps", save_steps=4, save_only_model=True),
+        rows(),
+        data_collator=collate,
+        stop=lambda s: int(s.step) >= 4,
+    )
     with pytest.raises(ValueError, match="model.safetensors|weights only|save_only_model"):
-        train(model(), settings(out, "random", save_only_model=True), rows(), data_collator=collate, resume_from_checkpoint=True)
+        train(
+            model(),
+            settings(out, "random", save_only_model=True),
+            rows(),
+            data_collator=collate,
+            resume_from_checkpoint=True,
+        )
     with pytest.warns(UserWarning):
-        r = train(model(), settings(out, "random", save_only_model=True), rows(), data_collator=collate,
-                  resume_from_checkpoint=True, weights_only_warm_start=True)
+        r = train(
+            model(),
+            settings(out, "random", save_only_model=True),
+            rows(),
+            data_collator=collate,
+            resume_from_checkpoint=True,
+            weights_only_warm_start=True,
+        )
     assert r.global_step == 8
 
 
 def test_changed_accumulation_is_refused_on_resume(tmp_path):
     out = tmp_path / "ga"
-    train(model(), settings(out, "random", save_strategy="steps", save_steps=2), rows(), stop=lambda s: int(s.step) >= 2)
+    train(
+        model(), settings(out, "random", save_strategy="steps", save_steps=2), rows(), stop=lambda s: int(s.step) >= 2
+    )
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         train(model(), settings(out, "random", gradient_accumulation_steps=1), rows(), resume_from_checkpoint=True)
 
@@ -231,12 +318,18 @@ def test_hf_datasets_and_unused_columns(tmp_path):
 
 
 def test_early_stopping_ends_the_run(tmp_path):
-    from trainfold.stopping import early_stopping
+    from trainfold.observe.stopping import early_stopping
 
     ev = rows(8)
-    r = train(model(), settings(tmp_path, "random", max_steps=40, eval_strategy="steps", eval_steps=1, learning_rate=0.0,
-                                warmup_steps=0),
-              rows(), ev, early_stopping=early_stopping("loss", patience=2, threshold=0.0, greater_is_better=False))
+    r = train(
+        model(),
+        settings(
+            tmp_path, "random", max_steps=40, eval_strategy="steps", eval_steps=1, learning_rate=0.0, warmup_steps=0
+        ),
+        rows(),
+        ev,
+        early_stopping=early_stopping("loss", patience=2, threshold=0.0, greater_is_better=False),
+    )
     assert r.status == "stopped"
     assert r.global_step == 3  # lr 0: evals 1, 2, 3 never improve on the first -> stop after 2 without improvement
 
@@ -263,8 +356,9 @@ def test_reporter_files_exist(tmp_path):
 def _tiny_gpt2():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=40, n_positions=24, n_embd=16, n_layer=1, n_head=2,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=40, n_positions=24, n_embd=16, n_layer=1, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     net = transformers.GPT2LMHeadModel(config)
     net.transformer.wpe.weight.requires_grad_(False)  # a frozen parameter
     return transformers, net
@@ -296,9 +390,19 @@ def test_train_writes_the_final_weights_into_the_module_and_save_pretrained_keep
 def test_with_load_best_model_at_end_the_module_holds_the_best_weights(tmp_path):
     net = model()
     # greater_is_better=True on the loss: the best evaluation is the first one (the loss falls)
-    args = settings(tmp_path, "random", max_steps=4, eval_strategy="steps", eval_steps=1, save_strategy="steps",
-                    save_steps=1, load_best_model_at_end=True, metric_for_best_model="loss", greater_is_better=True,
-                    warmup_steps=0)
+    args = settings(
+        tmp_path,
+        "random",
+        max_steps=4,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        greater_is_better=True,
+        warmup_steps=0,
+    )
     r = train(net, args, rows(), rows(6), data_collator=collate)
     assert r.best_checkpoint is not None and r.best_checkpoint.name == "checkpoint-1" and r.global_step == 4
     best = checkpoint.load_weights(r.best_checkpoint, like=r.state)
@@ -308,17 +412,18 @@ def test_with_load_best_model_at_end_the_module_holds_the_best_weights(tmp_path)
 
 
 def test_a_stopped_run_leaves_its_last_state_in_the_module_and_make_step_stays_pure(tmp_path):
-    from trainfold.data import stream
-    from trainfold.fold import fit, max_steps
-    from trainfold.losses import causal_lm
-    from trainfold.optim import sgd
-    from trainfold.samplers import make_sampler
-    from trainfold.state import init_state
-    from trainfold.step import make_step
+    from trainfold.core.fold import fit, max_steps
+    from trainfold.core.losses import causal_lm
+    from trainfold.core.state import init_state
+    from trainfold.data.pipeline import stream
+    from trainfold.data.samplers import make_sampler
+    from trainfold.optim.base import sgd
+    from trainfold.step.driver import make_step
 
     net = model()
-    r = train(net, settings(tmp_path, "random", max_steps=8), rows(), data_collator=collate,
-              stop=lambda s: int(s.step) >= 2)
+    r = train(
+        net, settings(tmp_path, "random", max_steps=8), rows(), data_collator=collate, stop=lambda s: int(s.step) >= 2
+    )
     assert r.status == "stopped" and r.global_step == 2
     _assert_module_holds(net, r.state)
     net, opt = model(), sgd(0.1)

@@ -1,4 +1,4 @@
-"""``trainfold.train`` reproduces ``transformers.Trainer`` where the Trainer is right.
+"""``trainfold.hf.train`` reproduces ``transformers.Trainer`` where the Trainer is right.
 
 A small LlamaForCausalLM from config, the same initial weights and data order (sequential),
 gradient accumulation 2, warmup, weight decay, clipping and the linear schedule, 12 steps.
@@ -12,7 +12,8 @@ import pytest
 import torch
 from resume_fixture import ListDataset as Rows
 
-from trainfold import TrainingArguments, train
+from trainfold import TrainingArguments
+from trainfold.hf import train
 
 transformers = pytest.importorskip("transformers")
 
@@ -22,8 +23,14 @@ STEPS = 12
 def llama():
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        use_cache=False,
     )
     return transformers.LlamaForCausalLM(cfg)
 
@@ -40,9 +47,19 @@ def rows(n=4 * STEPS, t=16):
 
 
 SETTINGS = dict(
-    max_steps=STEPS, per_device_train_batch_size=2, gradient_accumulation_steps=2, learning_rate=3e-3,
-    warmup_steps=3, weight_decay=0.1, max_grad_norm=0.5, lr_scheduler_type="linear", seed=7,
-    train_sampling_strategy="sequential", logging_steps=1, save_strategy="no", report_to="none",
+    max_steps=STEPS,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    learning_rate=3e-3,
+    warmup_steps=3,
+    weight_decay=0.1,
+    max_grad_norm=0.5,
+    lr_scheduler_type="linear",
+    seed=7,
+    train_sampling_strategy="sequential",
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
     disable_tqdm=True,
 )
 
@@ -94,14 +111,26 @@ def test_the_model_passed_in_holds_the_trained_weights(runs):
 
 
 def test_sgd_with_momentum_and_a_min_lr_cosine_agree(tmp_path):
-    settings = {**SETTINGS, "optim": "sgd", "optim_args": "momentum=0.9,nesterov=true", "learning_rate": 3e-2,
-                "lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr_rate": 0.1}}
+    settings = {
+        **SETTINGS,
+        "optim": "sgd",
+        "optim_args": "momentum=0.9,nesterov=true",
+        "learning_rate": 3e-2,
+        "lr_scheduler_type": "cosine_with_min_lr",
+        "lr_scheduler_kwargs": {"min_lr_rate": 0.1},
+    }
     base, data = llama(), rows()
     hf_model = copy.deepcopy(base)
-    trainer = transformers.Trainer(model=hf_model, train_dataset=Rows(data), args=transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), use_cpu=True, **settings))
+    trainer = transformers.Trainer(
+        model=hf_model,
+        train_dataset=Rows(data),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, **settings),
+    )
     trainer.train()
-    assert type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__ == "SGD"
+    assert (
+        type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer).__name__
+        == "SGD"
+    )
     hf_logs = [h for h in trainer.state.log_history if "loss" in h]
     ours = train(base, TrainingArguments(output_dir=str(tmp_path / "tf"), **settings), data)
     our_logs = [h for h in ours.log_history if "loss" in h and "train_loss" not in h]
@@ -115,13 +144,20 @@ def test_label_smoothing_agrees_with_one_micro_batch_per_step(tmp_path):
     settings = {**SETTINGS, "gradient_accumulation_steps": 1, "label_smoothing_factor": 0.1}
     base, data = llama(), rows()
     hf_model = copy.deepcopy(base)
-    trainer = transformers.Trainer(model=hf_model, train_dataset=Rows(data), args=transformers.TrainingArguments(
-        output_dir=str(tmp_path / "hf"), use_cpu=True, **settings))
+    trainer = transformers.Trainer(
+        model=hf_model,
+        train_dataset=Rows(data),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, **settings),
+    )
     trainer.train()
     hf_logs = [h for h in trainer.state.log_history if "loss" in h]
     ours = train(base, TrainingArguments(output_dir=str(tmp_path / "tf"), **settings), data)
     our_logs = [h for h in ours.log_history if "loss" in h and "train_loss" not in h]
-    plain = train(llama(), TrainingArguments(output_dir=str(tmp_path / "plain"), **{**settings, "label_smoothing_factor": 0.0}), data)
+    plain = train(
+        llama(),
+        TrainingArguments(output_dir=str(tmp_path / "plain"), **{**settings, "label_smoothing_factor": 0.0}),
+        data,
+    )
     assert our_logs[0]["loss"] > plain.log_history[0]["loss"]  # smoothing raises the loss of a random model
     assert [o["loss"] for o in our_logs] == pytest.approx([h["loss"] for h in hf_logs], rel=1e-5)
     for name, p in hf_model.named_parameters():

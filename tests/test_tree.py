@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfold import adamw, chain, clip_by_global_norm, init_state
-from trainfold.models import TinyLM, TinyLMConfig
-from trainfold.tree import add, check_keys, flatten, global_norm, scale, tree_map, unflatten, zeros_like
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.tree import add, check_keys, flatten, global_norm, scale, tree_map, unflatten, zeros_like
 
 
 def test_ops_do_not_mutate():

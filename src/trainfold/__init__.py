@@ -9,43 +9,33 @@ record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``sa
 ``train``) which wires them from the HF Trainer's setting names.
 """
 
-from trainfold import (
-    checkpoint,
-    chunked_loss,
-    data,
-    distributed,
-    dpo,
-    evaluation,
-    generate,
-    grpo,
-    grpo_args,
-    grpo_run,
-    losses,
-    observe,
-    optim,
-    packing,
-    reducers,
-    reporters,
-    samplers,
-    schedules,
-    tree,
-)
-from trainfold.args import TrainingArguments
-from trainfold.checkpoint import latest_checkpoint, load, save
-from trainfold.chunked_loss import chunked_causal_lm
-from trainfold.data import StepBatch, keyed, pad_collate, stream
-from trainfold.determinism import warm_up_kernels
-from trainfold.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
-from trainfold.evaluation import EvalPrediction
-from trainfold.fold import any_of, fit, max_steps, max_time, trajectory
-from trainfold.grpo_args import GRPOArguments
-from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, sgd
-from trainfold.packing import pack, packed_collate, padding_free_collate
-from trainfold.samplers import Sampler, make_sampler
-from trainfold.state import Cursor, TrainState, init_state
-from trainfold.step import make_step
-from trainfold.stopping import early_stopping
-from trainfold.train import TrainResult, evaluate, predict, train
+from trainfold import data, observe, optim
+from trainfold.ckpt import checkpoint
+from trainfold.ckpt.checkpoint import latest_checkpoint, load, save
+from trainfold.core import chunked_loss, losses, tree
+from trainfold.core.chunked_loss import chunked_causal_lm
+from trainfold.core.determinism import warm_up_kernels
+from trainfold.core.fold import any_of, fit, max_steps, max_time, trajectory
+from trainfold.core.state import Cursor, TrainState, init_state
+from trainfold.data import packing, samplers
+from trainfold.data.packing import pack, packed_collate, padding_free_collate
+from trainfold.data.pipeline import StepBatch, keyed, pad_collate, stream
+from trainfold.data.samplers import Sampler, make_sampler
+from trainfold.dist import distributed
+from trainfold.eval import evaluation, reducers
+from trainfold.eval.evaluation import EvalPrediction
+from trainfold.hf import grpo_args, grpo_run
+from trainfold.hf.args import TrainingArguments
+from trainfold.hf.grpo_args import GRPOArguments
+from trainfold.hf.train import TrainResult, evaluate, predict, train
+from trainfold.observe import reporters
+from trainfold.observe.stopping import early_stopping
+from trainfold.optim import schedules
+from trainfold.optim.base import adamw, chain, clip_by_global_norm, decay_mask, sgd
+from trainfold.recipes import dpo, ensemble, generate, grpo
+from trainfold.recipes.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
+from trainfold.step import compiled
+from trainfold.step.driver import make_step
 
 __version__ = "0.1.0"
 

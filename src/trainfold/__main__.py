@@ -34,11 +34,20 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainfold.divergence import DIVERGED, EXIT_DIVERGED
-from trainfold.preempt import exit_on_signals, exit_status
+from trainfold.ckpt.preempt import exit_on_signals, exit_status
+from trainfold.observe.divergence import DIVERGED, EXIT_DIVERGED
 
-__all__ = ["main", "load_config", "parse_config", "apply_overrides", "split_resume", "build_model", "build_data",
-           "ConfigError", "EXIT_USAGE"]
+__all__ = [
+    "main",
+    "load_config",
+    "parse_config",
+    "apply_overrides",
+    "split_resume",
+    "build_model",
+    "build_data",
+    "ConfigError",
+    "EXIT_USAGE",
+]
 
 EXIT_USAGE = 2  # argparse's status for a bad command line; also a bad config
 TABLES = ("model", "data", "args")
@@ -48,7 +57,7 @@ _HELP = """\
 The config is a TOML, JSON or YAML (with pyyaml) file, by its extension (.toml, .json, .yaml/.yml),
 with three tables:
 
-  [model]  type = "tinylm" (trainfold.models.TinyLM; config = its TinyLMConfig fields)
+  [model]  type = "tinylm" (trainfold.core.models.TinyLM; config = its TinyLMConfig fields)
            or "hf" (config = a path to a transformers config.json, or a table of it)
   [data]   train = "stdlib" (Python's own source), a .txt file (bytes) or a .jsonl of rows;
            seq_len, max_bytes, eval_fraction (the held-out tail)
@@ -114,8 +123,9 @@ def parse_config(text: str, kind: str, source: str = "<config>") -> dict[str, An
             try:
                 import yaml  # noqa: PLC0415 - optional
             except ModuleNotFoundError:
-                raise ConfigError(f"{source} is YAML, which needs pyyaml: pip install pyyaml "
-                                  "(or write the config as .toml or .json)") from None
+                raise ConfigError(
+                    f"{source} is YAML, which needs pyyaml: pip install pyyaml (or write the config as .toml or .json)"
+                ) from None
             config = yaml.safe_load(text)
         else:
             raise ConfigError(f"{source}: unknown config kind {kind!r}; use toml, json or yaml")
@@ -126,8 +136,9 @@ def parse_config(text: str, kind: str, source: str = "<config>") -> dict[str, An
     if config is None:
         config = {}
     if not isinstance(config, Mapping):
-        raise ConfigError(f"{source}: a config is a table (mapping) of [model], [data] and [args]; "
-                          f"got {type(config).__name__}")
+        raise ConfigError(
+            f"{source}: a config is a table (mapping) of [model], [data] and [args]; got {type(config).__name__}"
+        )
     return dict(config)
 
 
@@ -156,8 +167,11 @@ def _table_problems(config: Mapping[str, Any]) -> list[str]:
         out.append(f"a config has the tables [model], [data] and [args] (and {RESUME}); unknown {unknown}")
     if "args" not in config:
         out.append("the [args] table is missing (it needs at least output_dir and max_steps or num_train_epochs)")
-    out += [f"[{t}] must be a table, got {config[t]!r}"
-            for t in TABLES if t in config and not isinstance(config[t], Mapping)]
+    out += [
+        f"[{t}] must be a table, got {config[t]!r}"
+        for t in TABLES
+        if t in config and not isinstance(config[t], Mapping)
+    ]
     return out
 
 
@@ -198,19 +212,22 @@ def apply_overrides(config: Mapping[str, Any], assignments: list[str]) -> dict[s
         if path[0] not in (*TABLES, RESUME):
             import attrs  # noqa: PLC0415
 
-            from trainfold.args import TrainingArguments  # noqa: PLC0415
+            from trainfold.hf.args import TrainingArguments  # noqa: PLC0415
 
             known = [f.name for f in attrs.fields(TrainingArguments)]
-            hint = (f"--set args.{key}=..." if key in known else
-                    f"one of {[*TABLES, RESUME]}" + (f" (did you mean args.{close[0]}?)"
-                                                     if (close := difflib.get_close_matches(key, known, n=1)) else ""))
+            hint = (
+                f"--set args.{key}=..."
+                if key in known
+                else f"one of {[*TABLES, RESUME]}"
+                + (f" (did you mean args.{close[0]}?)" if (close := difflib.get_close_matches(key, known, n=1)) else "")
+            )
             problems.append(f"--set {item}: the key names its table: {hint}")
             continue
         node = out
         for i, name in enumerate(path[:-1]):
             child = node.setdefault(name, {})
             if not isinstance(child, dict):
-                problems.append(f"--set {item}: {'.'.join(path[:i + 1])} is {child!r}, not a table")
+                problems.append(f"--set {item}: {'.'.join(path[: i + 1])} is {child!r}, not a table")
                 break
             node = child
         else:
@@ -246,7 +263,7 @@ def build_model(spec: dict[str, Any]) -> Any:
         raise ValueError(f"[model] takes type and config; unknown {unknown}")
     kind = spec.get("type", "tinylm")
     if kind == "tinylm":
-        from trainfold.models import TinyLM, TinyLMConfig  # noqa: PLC0415
+        from trainfold.core.models import TinyLM, TinyLMConfig  # noqa: PLC0415
 
         return TinyLM(TinyLMConfig(**spec.get("config", {})))
     if kind == "hf":
@@ -279,7 +296,7 @@ def build_data(spec: dict[str, Any]) -> tuple[list[dict[str, list[int]]], list[d
 
 def _resume_source(value: bool | str | None, output_dir: str) -> bool | str | None:
     """What ``train`` gets: True only when ``output_dir`` holds a checkpoint (else a fresh start), or a checked path."""
-    from trainfold import checkpoint as ckpt  # noqa: PLC0415
+    from trainfold.ckpt import checkpoint as ckpt  # noqa: PLC0415
 
     if value is None or value is False:
         return None
@@ -297,7 +314,7 @@ def _resume_source(value: bool | str | None, output_dir: str) -> bool | str | No
 
 def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[Any, Any, Any, bool | str | None]:
     """Build (args, model, data, resume) from a config, collecting every problem into one ConfigError."""
-    from trainfold.args import TrainingArguments  # noqa: PLC0415
+    from trainfold.hf.args import TrainingArguments  # noqa: PLC0415
 
     config, resume = split_resume(config)
     problems, args, model, data = [], None, None, None
@@ -307,9 +324,9 @@ def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[An
         problems.append(f"[args]: {err}")
     import torch  # noqa: PLC0415
 
-    from trainfold.determinism import warm_up_kernels  # noqa: PLC0415
+    from trainfold.core.determinism import warm_up_kernels  # noqa: PLC0415
 
-    warm_up_kernels()  # before the model's random init too (see trainfold.determinism)
+    warm_up_kernels()  # before the model's random init too (see trainfold.core.determinism)
     torch.manual_seed(args.seed if args is not None else 0)
     for table, build in (("model", build_model), ("data", build_data)):
         try:
@@ -324,21 +341,35 @@ def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[An
 
 
 def _train(ns: argparse.Namespace) -> int:
-    from trainfold.distributed import collective_from_env  # noqa: PLC0415
-    from trainfold.train import train  # noqa: PLC0415
+    from trainfold.dist.distributed import collective_from_env  # noqa: PLC0415
+    from trainfold.hf.train import train  # noqa: PLC0415
 
     try:
         args, model, (train_rows, eval_rows), resume = _prepare(
-            apply_overrides(load_config(ns.config), ns.set or []), ns.resume)
+            apply_overrides(load_config(ns.config), ns.set or []), ns.resume
+        )
     except ConfigError as err:
         print(f"trainfold train: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     with collective_from_env() as collective:
-        result = train(model, args, train_rows, eval_rows if args.eval_strategy != "no" else None,
-                       collective=collective, resume_from_checkpoint=resume)
-    print(json.dumps({"status": result.status, "global_step": result.global_step,
-                      "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
-                      **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float))}}))
+        result = train(
+            model,
+            args,
+            train_rows,
+            eval_rows if args.eval_strategy != "no" else None,
+            collective=collective,
+            resume_from_checkpoint=resume,
+        )
+    print(
+        json.dumps(
+            {
+                "status": result.status,
+                "global_step": result.global_step,
+                "last_checkpoint": str(result.last_checkpoint) if result.last_checkpoint else None,
+                **{k: v for k, v in result.metrics.items() if isinstance(v, (int, float))},
+            }
+        )
+    )
     return _exit_status(result)
 
 
@@ -348,14 +379,28 @@ def _exit_status(result: Any) -> int:
 
 
 def _train_parser(sub: Any) -> None:
-    run = sub.add_parser("train", help="train from a config (TOML, JSON or YAML)", description=_HELP,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    run = sub.add_parser(
+        "train",
+        help="train from a config (TOML, JSON or YAML)",
+        description=_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     run.add_argument("--config", required=True, help="a .toml, .json or .yaml file with [model], [data], [args]")
-    run.add_argument("--set", action="append", metavar="KEY=VALUE",
-                     help="override a config value, e.g. args.max_steps=10 (repeatable; JSON/TOML literals)")
-    run.add_argument("--resume", nargs="?", const=True, default=None, metavar="CHECKPOINT",
-                     help="continue from the latest complete checkpoint in output_dir (a fresh start when there "
-                          "is none yet), or from CHECKPOINT")
+    run.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a config value, e.g. args.max_steps=10 (repeatable; JSON/TOML literals)",
+    )
+    run.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=None,
+        metavar="CHECKPOINT",
+        help="continue from the latest complete checkpoint in output_dir (a fresh start when there "
+        "is none yet), or from CHECKPOINT",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from trainfold.args import TrainingArguments
-from trainfold.models import TinyLM, TinyLMConfig, byte_decode, byte_encode
+from trainfold.core.models import TinyLM, TinyLMConfig, byte_decode, byte_encode
+from trainfold.hf.args import TrainingArguments
 
 __all__ = ["stdlib_text", "byte_chunks", "run_demo"]
 
@@ -48,13 +48,15 @@ def byte_chunks(text: str, seq_len: int) -> list[dict[str, list[int]]]:
     [[97, 98, 99], [100, 101, 102]]
     """
     ids = byte_encode(text)
-    return [{"input_ids": ids[i : i + seq_len], "labels": ids[i : i + seq_len]}
-            for i in range(0, len(ids) - seq_len + 1, seq_len)]
+    return [
+        {"input_ids": ids[i : i + seq_len], "labels": ids[i : i + seq_len]}
+        for i in range(0, len(ids) - seq_len + 1, seq_len)
+    ]
 
 
 def _sample(model: TinyLM, state: Any, prompt: str, n: int = 80, temperature: float = 0.7, seed: int = 0) -> str:
     """Sample a continuation of ``prompt`` with the state's params (a look at what was learned)."""
-    from trainfold.step import make_forward, train_mode  # noqa: PLC0415
+    from trainfold.core.forward import make_forward, train_mode  # noqa: PLC0415
 
     forward = make_forward(model, state.buffers)
     ids = byte_encode(prompt)
@@ -74,14 +76,18 @@ def _print_log(max_steps: int) -> Any:
         if "eval_loss" in logs:
             print(f"  step {int(logs['step']):>5}/{max_steps}  held-out loss {logs['eval_loss']:.3f}", flush=True)
         elif "loss" in logs:
-            print(f"  step {int(logs['step']):>5}/{max_steps}  loss {logs['loss']:.3f}  "
-                  f"lr {logs['learning_rate']:.2e}  grad norm {logs['grad_norm']:.2f}", flush=True)
+            print(
+                f"  step {int(logs['step']):>5}/{max_steps}  loss {logs['loss']:.3f}  "
+                f"lr {logs['learning_rate']:.2e}  grad norm {logs['grad_norm']:.2f}",
+                flush=True,
+            )
 
     return show
 
 
-def run_demo(output_dir: str = "runs/demo", max_steps: int = 800, seq_len: int = 128, max_bytes: int = 2_000_000,
-             seed: int = 0) -> Any:
+def run_demo(
+    output_dir: str = "runs/demo", max_steps: int = 800, seq_len: int = 128, max_bytes: int = 2_000_000, seed: int = 0
+) -> Any:
     """Train TinyLM on stdlib source and report held-out loss before and after; return the result.
 
     >>> import contextlib, io, tempfile
@@ -90,10 +96,10 @@ def run_demo(output_dir: str = "runs/demo", max_steps: int = 800, seq_len: int =
     >>> result.global_step, result.status, printed.getvalue().count("held-out loss")
     (1, 'completed', 3)
     """
-    from trainfold.determinism import warm_up_kernels  # noqa: PLC0415
-    from trainfold.train import train  # noqa: PLC0415
+    from trainfold.core.determinism import warm_up_kernels  # noqa: PLC0415
+    from trainfold.hf.train import train  # noqa: PLC0415
 
-    warm_up_kernels()  # a process's first tanh/exp/... calls can race on threads (trainfold.determinism)
+    warm_up_kernels()  # a process's first tanh/exp/... calls can race on threads (trainfold.core.determinism)
     started = time.monotonic()
     rows = byte_chunks(stdlib_text(max_bytes), seq_len)
     cut = int(len(rows) * 0.97)
@@ -101,26 +107,47 @@ def run_demo(output_dir: str = "runs/demo", max_steps: int = 800, seq_len: int =
     torch.manual_seed(seed)
     model = TinyLM(TinyLMConfig(max_len=seq_len, dropout=0.0))
     params = sum(p.numel() for p in model.parameters())
-    print(f"trainfold demo: TinyLM with {params / 1e3:.0f}k parameters, {len(train_rows)} training rows of "
-          f"{seq_len} bytes of Python's standard library, {len(eval_rows)} held out")
+    print(
+        f"trainfold demo: TinyLM with {params / 1e3:.0f}k parameters, {len(train_rows)} training rows of "
+        f"{seq_len} bytes of Python's standard library, {len(eval_rows)} held out"
+    )
     args = TrainingArguments(
-        output_dir=output_dir, max_steps=max_steps, per_device_train_batch_size=16, per_device_eval_batch_size=32,
-        learning_rate=3e-3, warmup_steps=0.05, lr_scheduler_type="cosine", weight_decay=0.1, seed=seed,
-        logging_steps=max(1, max_steps // 16), eval_strategy="steps", eval_steps=max(1, max_steps // 2), eval_on_start=True,
-        save_steps=max(1, max_steps // 2), save_total_limit=2, report_to=["jsonl"], metric_for_best_model="loss",
-        enable_jit_checkpoint=True, disable_tqdm=True, log_level="warning",  # the observer below prints each log
+        output_dir=output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=16,
+        per_device_eval_batch_size=32,
+        learning_rate=3e-3,
+        warmup_steps=0.05,
+        lr_scheduler_type="cosine",
+        weight_decay=0.1,
+        seed=seed,
+        logging_steps=max(1, max_steps // 16),
+        eval_strategy="steps",
+        eval_steps=max(1, max_steps // 2),
+        eval_on_start=True,
+        save_steps=max(1, max_steps // 2),
+        save_total_limit=2,
+        report_to=["jsonl"],
+        metric_for_best_model="loss",
+        enable_jit_checkpoint=True,
+        disable_tqdm=True,
+        log_level="warning",  # the observer below prints each log
     )
     result = train(model, args, train_rows, eval_rows, observers=[_print_log(max_steps)])
     evals = [h for h in result.log_history if "eval_loss" in h]
     first, last = evals[0]["eval_loss"], evals[-1]["eval_loss"]
-    print(f"\nheld-out loss: {first:.3f} before training -> {last:.3f} after {result.global_step} steps "
-          f"({result.status}, {time.monotonic() - started:.0f} s)")
+    print(
+        f"\nheld-out loss: {first:.3f} before training -> {last:.3f} after {result.global_step} steps "
+        f"({result.status}, {time.monotonic() - started:.0f} s)"
+    )
     prompt = "def __init__(self"
     print(f"sample: {prompt!r} -> {_sample(model, result.state, prompt)!r}")
     where = Path(output_dir).resolve()
     full = lambda p: Path(p).resolve() if p is not None else None  # noqa: E731
-    print(f"results in {where}:\n  log        {where / 'log.jsonl'}\n  checkpoint {full(result.last_checkpoint)}"
-          f"\n  best       {full(result.best_checkpoint)}")
+    print(
+        f"results in {where}:\n  log        {where / 'log.jsonl'}\n  checkpoint {full(result.last_checkpoint)}"
+        f"\n  best       {full(result.best_checkpoint)}"
+    )
     return result
 
 

@@ -52,7 +52,7 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("trainfold.testing needs hypothesis: pip install 'trainfold[test]'") from exc
 
-from trainfold.samplers import LENGTH_STRATEGIES, STRATEGIES, Sampler
+from trainfold.data.samplers import LENGTH_STRATEGIES, STRATEGIES, Sampler
 
 __all__ = [
     "ResumeCheck",
@@ -246,7 +246,7 @@ def sampler_configs(
     max_accumulation: int = 3,
     max_world: int = 3,
 ) -> Sampler:
-    """Valid :class:`~trainfold.samplers.Sampler` records over the given strategies.
+    """Valid :class:`~trainfold.data.samplers.Sampler` records over the given strategies.
 
     Batch size, accumulation, world size, rank, ``drop_last`` and seed vary; length-based
     strategies get skewed or uniform lengths. Example:
@@ -421,13 +421,16 @@ def dump_result(result: Any, result_dir: str | os.PathLike) -> None:
     """Write a ``TrainResult``'s state (safetensors), status and log (JSON) for ``compare_results``."""
     import safetensors.torch  # noqa: PLC0415
 
-    from trainfold.tree import flatten  # noqa: PLC0415
+    from trainfold.core.tree import flatten  # noqa: PLC0415
 
     Path(result_dir).mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().clone().contiguous() for k, v in flatten(result.state).items()}
     safetensors.torch.save_file(tensors, os.path.join(result_dir, "state.safetensors"))
-    logs = [{k: v for k, v in entry.items() if not any(u in k for u in _UNLOGGED)}
-            for entry in result.log_history if "train_runtime" not in entry]  # not one process's summary
+    logs = [
+        {k: v for k, v in entry.items() if not any(u in k for u in _UNLOGGED)}
+        for entry in result.log_history
+        if "train_runtime" not in entry
+    ]  # not one process's summary
     record = {"status": result.status, "global_step": result.global_step, "log_history": logs}
     Path(result_dir, "result.json").write_text(json.dumps(record))
 
@@ -449,9 +452,11 @@ class ResumeCheck:
     def __str__(self) -> str:
         if self.ok:
             return f"stopped at step {self.stopped_at}, resumed to step {self.final_step}: bitwise equal"
-        return (f"stopped at step {self.stopped_at}, resumed to step {self.final_step}: tensors differ "
-                f"{list(self.differing)[:8]}{' ...' if len(self.differing) > 8 else ''}, "
-                f"logs differ at steps {list(self.differing_logs)[:8]}")
+        return (
+            f"stopped at step {self.stopped_at}, resumed to step {self.final_step}: tensors differ "
+            f"{list(self.differing)[:8]}{' ...' if len(self.differing) > 8 else ''}, "
+            f"logs differ at steps {list(self.differing_logs)[:8]}"
+        )
 
 
 def check_resume(
@@ -480,8 +485,13 @@ def check_resume(
     child_env = {**os.environ, **(env or {})}
 
     def start(mode: str, out: Path, result: Path) -> subprocess.Popen[str]:
-        return subprocess.Popen([sys.executable, "-c", _CHILD, target, str(out), mode, str(stop_at), str(result)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env)
+        return subprocess.Popen(
+            [sys.executable, "-c", _CHILD, target, str(out), mode, str(stop_at), str(result)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env,
+        )
 
     def finish(proc: subprocess.Popen[str], what: str) -> None:
         try:
@@ -491,8 +501,10 @@ def check_resume(
             _, err = proc.communicate()
             raise RuntimeError(f"check_resume: the {what} run of {target!r} took over {timeout} s") from None
         if proc.returncode == -signal.SIGTERM and what == "interrupted":
-            raise ValueError(f"check_resume: {target!r} was not preempted (SIGTERM killed it): pass "
-                             "enable_jit_checkpoint=True and the observers to train")
+            raise ValueError(
+                f"check_resume: {target!r} was not preempted (SIGTERM killed it): pass "
+                "enable_jit_checkpoint=True and the observers to train"
+            )
         if proc.returncode != 0:
             raise RuntimeError(f"check_resume: the {what} run of {target!r} exited {proc.returncode}:\n{err[-4000:]}")
 
@@ -505,12 +517,14 @@ def check_resume(
         raise ValueError(
             f"check_resume: {target!r} was not preempted (status {stopped['status']!r} at step "
             f"{stopped['global_step']}): pass enable_jit_checkpoint=True and the observers to train, and "
-            f"stop_at={stop_at} below the run's last step")
+            f"stop_at={stop_at} below the run's last step"
+        )
     resumed_dir = root / "interrupted" / "resumed"
     finish(start("resume", runs["interrupted"][0], resumed_dir), "resumed")
     differing, differing_logs = compare_results(runs["uninterrupted"][1], resumed_dir)
-    return ResumeCheck(int(stopped["global_step"]), int(_read_result(resumed_dir)["global_step"]), differing,
-                       differing_logs)
+    return ResumeCheck(
+        int(stopped["global_step"]), int(_read_result(resumed_dir)["global_step"]), differing, differing_logs
+    )
 
 
 def compare_results(expected: str | os.PathLike, got: str | os.PathLike) -> tuple[tuple[str, ...], tuple[int, ...]]:

@@ -1,0 +1,1 @@
+"""Checkpoints: the safetensors+JSON format, sharded storage, policies, the run directory, preemption."""

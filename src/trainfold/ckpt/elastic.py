@@ -1,0 +1,114 @@
+"""Elastic resume: a checkpoint of N ranks resumes on M, keeping the global batch and the sample order.
+
+Which samples form optimizer step ``s`` depends only on the seed, the epoch and the global batch
+``per_device_train_batch_size × gradient_accumulation_steps × world_size`` (``samplers``): the
+epoch's permutation is cut into global batches before they are dealt to ranks and micro-batches.
+So a resume on another number of ranks trains on the same samples in the same order when it keeps
+the global batch, and its trajectory equals the uninterrupted run's up to float rounding (the
+per-rank sums add up in another order); on the same split it is bitwise equal.
+
+The rule (``split_global_batch``): on ``M`` ranks each rank takes ``G / M`` samples per step, as
+``per_device_train_batch_size`` = the largest divisor of ``G / M`` not above the saved per-device
+batch (so memory per device never grows), and ``gradient_accumulation_steps`` = the rest. A global
+batch that ``M`` does not divide is refused by name. Two things still depend on the split:
+dropout masks (drawn per micro-batch and rank), and an epoch's last, short step (``drop_last``
+keeps whole micro-batches of every rank; a tail with fewer samples than ranks is topped up).
+
+>>> split_global_batch(8, world_size=4, per_device=2)
+(2, 1)
+>>> split_global_batch(8, world_size=1, per_device=2)
+(2, 4)
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BATCH_KEYS", "global_batch", "split_global_batch", "elastic_args"]
+
+BATCH_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size")
+
+
+def global_batch(settings: Mapping[str, Any]) -> int | None:
+    """Return the samples per optimizer step the settings make, or ``None`` when one of ``BATCH_KEYS`` is absent.
+
+    >>> global_batch({"per_device_train_batch_size": 2, "gradient_accumulation_steps": 3, "world_size": 2})
+    12
+    >>> global_batch({"world_size": 2}) is None
+    True
+    """
+    values = [settings.get(k) for k in BATCH_KEYS]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return None
+    return values[0] * values[1] * values[2]
+
+
+def split_global_batch(batch: int, *, world_size: int, per_device: int) -> tuple[int, int]:
+    """Return ``(per_device_train_batch_size, gradient_accumulation_steps)`` giving ``batch`` on ``world_size`` ranks.
+
+    The per-device batch is the largest divisor of ``batch / world_size`` not above ``per_device``.
+
+    >>> split_global_batch(12, world_size=3, per_device=3)
+    (2, 2)
+    >>> split_global_batch(4, world_size=3, per_device=2)
+    Traceback (most recent call last):
+    ...
+    ValueError: the checkpoint's global batch of 4 samples per step cannot be split evenly over 3 ranks; resume on a number of ranks that divides 4 (e.g. 1, 2 or 4), or start a new run with another batch
+    """
+    if batch % world_size:
+        divisors = [d for d in range(1, batch + 1) if batch % d == 0]
+        shown = ", ".join(map(str, divisors[:-1])) + f" or {divisors[-1]}" if len(divisors) > 1 else "1"
+        raise ValueError(
+            f"the checkpoint's global batch of {batch} samples per step cannot be split evenly over {world_size} "
+            f"ranks; resume on a number of ranks that divides {batch} (e.g. {shown}), or start a new run with "
+            "another batch"
+        )
+    per_rank = batch // world_size
+    size = max(d for d in range(1, min(per_device, per_rank) + 1) if per_rank % d == 0)
+    return size, per_rank // size
+
+
+def _saved_settings(resume_from_checkpoint: Any, output_dir: str | os.PathLike) -> Mapping[str, Any] | None:
+    from trainfold.ckpt import checkpoint as ckpt  # noqa: PLC0415 - keeps this module below checkpoint and run_dir
+    from trainfold.ckpt import run_dir  # noqa: PLC0415
+
+    if resume_from_checkpoint is True:
+        record = run_dir.read_run_file(output_dir)  # the run that owns output_dir, which claim resumes
+        return record["settings"] if record is not None else None
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    try:
+        return ckpt.read_metadata(Path(resume_from_checkpoint))["settings"]
+    except (OSError, ValueError):
+        return None  # claim names what is wrong with it
+
+
+def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any:
+    """Return ``args`` with the batch split that keeps the resumed run's global batch on ``world_size`` ranks.
+
+    Unchanged when not resuming, when the checkpoint was written on as many ranks, or when ``args``
+    already make its global batch; otherwise ``per_device_train_batch_size`` and
+    ``gradient_accumulation_steps`` follow ``split_global_batch``, with a warning that says so.
+    """
+    from trainfold.ckpt.run_dir import trajectory_differences  # noqa: PLC0415
+
+    saved = _saved_settings(resume_from_checkpoint, args.output_dir)
+    batch = global_batch(saved or {})
+    here = {**args.to_dict(), "world_size": world_size}
+    if batch is None or saved["world_size"] == world_size or batch == global_batch(here):
+        return args
+    if [d for d in trajectory_differences(saved, here) if d.split(":")[0] in set(saved) - set(BATCH_KEYS)]:
+        return args  # another run's settings: claim refuses it, naming them
+    size, steps = split_global_batch(batch, world_size=world_size, per_device=args.per_device_train_batch_size)
+    warnings.warn(
+        f"resuming a run of {saved['world_size']} ranks on {world_size}: per_device_train_batch_size "
+        f"{args.per_device_train_batch_size} -> {size}, gradient_accumulation_steps {args.gradient_accumulation_steps} "
+        f"-> {steps} keep its global batch of {batch} samples per step (trainfold.ckpt.elastic)",
+        UserWarning,
+        stacklevel=3,
+    )
+    return args.replace(per_device_train_batch_size=size, gradient_accumulation_steps=steps)

@@ -1,0 +1,306 @@
+"""Checkpoint policy: when to save, which checkpoints to keep, which one is best, what a resume may change.
+
+Pure decisions over steps, metric values and settings, plus ``rotate`` which applies the
+retention rule to a directory. The files themselves are written and read by ``checkpoint``.
+
+>>> should_save(6, save_strategy="steps", save_steps=3), greater_is_better_for("eval_accuracy")
+(True, True)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from trainfold.ckpt import checkpoint as _ckpt
+from trainfold.ckpt import elastic
+from trainfold.ckpt.checkpoint import (
+    checkpoint_path,
+    is_complete,
+    list_checkpoints,
+    read_metadata,
+)
+
+__all__ = [
+    "RESUME_KEYS",
+    "should_save",
+    "rotate",
+    "greater_is_better_for",
+    "BestMetric",
+    "best_metric",
+    "update_best",
+    "best_checkpoint",
+    "check_compatible",
+]
+
+# Settings that fix which samples form each optimizer step: a resume must not change them.
+RESUME_KEYS = (
+    "gradient_accumulation_steps",
+    "world_size",
+    "per_device_train_batch_size",
+    "seed",
+    "data_seed",
+    "train_sampling_strategy",
+    "dataloader_drop_last",
+)
+
+
+_SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+
+
+def should_save(
+    step: int,
+    *,
+    save_strategy: str,
+    save_steps: float = 500,
+    epoch_end: bool = False,
+    max_steps: int | None = None,
+    new_best: bool = False,
+    last: bool = False,
+) -> bool:
+    """Say whether to save after optimizer step ``step`` (HF ``save_strategy`` semantics).
+
+    ``"steps"``: every ``save_steps`` steps (a fraction ``< 1`` is a share of ``max_steps``), epoch
+    end or not, and at the run's last step (``last``, or ``step >= max_steps``); ``"epoch"``: when
+    ``epoch_end``, and at the last step when it ends an epoch early (HF ends the epoch there);
+    ``"best"``: when the metric reached a ``new_best``. Call it once per step.
+
+    >>> [s for s in range(1, 8) if should_save(s, save_strategy="steps", save_steps=3, max_steps=7)]
+    [3, 6, 7]
+    >>> [s for s in range(1, 7) if should_save(s, save_strategy="epoch", epoch_end=s % 4 == 0, max_steps=6)]
+    [4, 6]
+    >>> should_save(4, save_strategy="epoch", epoch_end=True), should_save(4, save_strategy="no")
+    (True, False)
+    """
+    if save_strategy not in _SAVE_STRATEGIES:
+        raise ValueError(f"save_strategy {save_strategy!r} is not one of {list(_SAVE_STRATEGIES)}")
+    last = last or (max_steps is not None and step >= max_steps)
+    if save_strategy == "no":
+        return False
+    if save_strategy == "epoch":
+        return epoch_end or last
+    if save_strategy == "best":
+        return new_best
+    if save_steps <= 0:
+        raise ValueError(f"save_steps must be positive, got {save_steps}")
+    if save_steps < 1:
+        if max_steps is None:
+            raise ValueError(f"save_steps={save_steps} is a fraction of max_steps; pass max_steps")
+        save_steps = math.ceil(save_steps * max_steps)
+    if save_steps != int(save_steps):
+        raise ValueError(f"save_steps must be a whole number of steps (or a fraction < 1), got {save_steps}")
+    return step > 0 and (step % int(save_steps) == 0 or last)
+
+
+def _sidecar(path: Path) -> dict[str, Any]:
+    try:
+        return read_metadata(path)
+    except (OSError, ValueError):
+        return {}
+
+
+def rotate(
+    output_dir: str | os.PathLike,
+    save_total_limit: int | None,
+    *,
+    keep: Collection[str | os.PathLike] = (),
+    run_id: str | None = None,
+) -> list[Path]:
+    """Delete the oldest complete checkpoints beyond ``save_total_limit``; return what was deleted.
+
+    Never deleted: the latest checkpoint, any path in ``keep`` (e.g. the best), and JIT
+    checkpoints. So ``save_total_limit=1`` with a best checkpoint keeps both the best and the
+    latest. Incomplete directories are left alone (and malformed ones skipped with a warning).
+    With ``run_id`` only that run's checkpoints are counted and deleted; other runs' stay.
+
+    >>> import tempfile, attrs, torch
+    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.core.state import init_state, scalar
+    >>> from trainfold.ckpt.checkpoint import save
+    >>> out, state = tempfile.mkdtemp(), init_state(torch.nn.Linear(2, 1), sgd(0.1))
+    >>> for step in (1, 2, 3, 4):
+    ...     _ = save(attrs.evolve(state, step=scalar(step)), checkpoint_path(out, step))
+    >>> [p.name for p in rotate(out, 1, keep=[checkpoint_path(out, 2)])]
+    ['checkpoint-1', 'checkpoint-3']
+    """
+    if save_total_limit is None:
+        return []
+    if isinstance(save_total_limit, bool) or not isinstance(save_total_limit, int) or save_total_limit < 1:
+        raise ValueError(f"save_total_limit must be a positive int or None, got {save_total_limit!r}")
+    sidecars = {p: _sidecar(p) for p in list_checkpoints(output_dir)}
+    if run_id is not None:
+        sidecars = {p: m for p, m in sidecars.items() if (m.get("run") or {}).get("id") == run_id}
+    found = list(sidecars)
+    protected = {Path(p).resolve() for p in keep if p is not None}
+    if found:
+        protected.add(found[-1].resolve())
+    deletable = [p for p in found if p.resolve() not in protected and not sidecars[p].get("jit")]
+    excess = len(found) - save_total_limit
+    doomed = deletable[: max(0, excess)]
+    for path in doomed:
+        trash = path.parent / f".{path.name}.deleting-{os.getpid()}-{secrets.token_hex(4)}"
+        _ckpt._point(f"rotate:before:{path.name}")
+        os.rename(path, trash)  # a half-deleted directory never looks like a checkpoint
+        _ckpt._point(f"rotate:renamed:{path.name}")
+        shutil.rmtree(trash, ignore_errors=True)
+        _ckpt._point(f"rotate:removed:{path.name}")
+    return doomed
+
+
+_LOWER_PARTS = ("loss", "perplexity", "error")
+_LOWER_WORDS = {"ppl", "wer", "cer", "ter", "mse", "mae", "rmse", "nll", "eer"}
+_HIGHER_PREFIXES = (
+    "accuracy",
+    "f1",
+    "precision",
+    "recall",
+    "bleu",
+    "rouge",
+    "meteor",
+    "chrf",
+    "auc",
+    "auroc",
+    "exact",
+    "matthews",
+    "pearson",
+    "spearman",
+    "ndcg",
+    "bertscore",
+)
+_HIGHER_WORDS = {"acc", "em", "mcc", "r2", "map", "mrr", "sacrebleu"}
+
+
+def greater_is_better_for(metric_name: str, greater_is_better: bool | None = None) -> bool:
+    """Return whether a larger ``metric_name`` is better: ``greater_is_better`` if given, else from the name.
+
+    The name decides only where the direction is certain: ``loss``, ``perplexity``, ``error``
+    anywhere, or the words ``ppl``, ``wer``, ``cer``, ``mse``, ``mae``, ``rmse``, ``nll`` mean lower
+    is better; ``accuracy``, ``f1``, ``precision``, ``recall``, ``bleu``, ``rouge``, ``meteor``,
+    ``auc``, ``exact_match``, ``matthews``, ``pearson``, ``spearman``, ``ndcg``, ``mrr``, ... mean
+    higher. Unknown or contradictory names raise ``ValueError`` asking for ``greater_is_better``.
+
+    >>> greater_is_better_for("eval_loss"), greater_is_better_for("eval_perplexity")
+    (False, False)
+    >>> greater_is_better_for("eval_rougeL"), greater_is_better_for("bleu", greater_is_better=False)
+    (True, False)
+    """
+    if greater_is_better is not None:
+        return bool(greater_is_better)
+    name = metric_name.lower()
+    words = [w for w in re.split(r"[^a-z0-9]+", name) if w]
+    lower = any(p in name for p in _LOWER_PARTS) or any(w in _LOWER_WORDS for w in words)
+    higher = any(w.startswith(_HIGHER_PREFIXES) or w in _HIGHER_WORDS for w in words)
+    if lower != higher:
+        return higher
+    why = "names both a lower- and a higher-is-better metric" if lower else "is not a metric whose direction is known"
+    raise ValueError(f"metric_for_best_model {metric_name!r} {why}; pass greater_is_better=True or False")
+
+
+@attrs.frozen(eq=False)
+class BestMetric:
+    """The best value of a metric so far and the step it was reached at (``step`` −1: none yet).
+
+    A record of 0-d tensors, so it lives in ``state.extras`` and survives a resume.
+
+    >>> import torch
+    >>> b = BestMetric(torch.tensor(0.25, dtype=torch.float64), torch.tensor(40), greater_is_better=torch.tensor(False))
+    >>> b.value.item(), b.step.item(), update_best(b, 0.2, 50)[0].step.item()
+    (0.25, 40, 50)
+    """
+
+    value: Tensor
+    step: Tensor
+    greater_is_better: Tensor
+
+
+def best_metric(greater_is_better: bool) -> BestMetric:
+    """Return the tracker before any evaluation: value ∓inf, step −1.
+
+    >>> b = best_metric(greater_is_better=False)
+    >>> b.value.item(), b.step.item()
+    (inf, -1)
+    """
+    start = -math.inf if greater_is_better else math.inf
+    return BestMetric(
+        value=torch.tensor(start, dtype=torch.float64),
+        step=torch.tensor(-1, dtype=torch.int64),
+        greater_is_better=torch.tensor(bool(greater_is_better)),
+    )
+
+
+def update_best(best: BestMetric, value: float | Tensor, step: int | Tensor) -> tuple[BestMetric, bool]:
+    """Return ``(tracker, improved)`` after seeing ``value`` at ``step``; ties and NaN do not improve.
+
+    >>> b, up = update_best(best_metric(greater_is_better=True), 0.5, 10)
+    >>> b.value.item(), b.step.item(), up, update_best(b, 0.5, 20)[1]
+    (0.5, 10, True, False)
+    """
+    v = float(value)
+    old = float(best.value)
+    improved = not math.isnan(v) and (v > old if bool(best.greater_is_better) else v < old)
+    if not improved:
+        return best, False
+    return attrs.evolve(
+        best, value=torch.tensor(v, dtype=torch.float64), step=torch.tensor(int(step), dtype=torch.int64)
+    ), True
+
+
+def best_checkpoint(output_dir: str | os.PathLike, best: BestMetric) -> Path | None:
+    """Return the complete checkpoint of the best step, or ``None`` if there is none on disk.
+
+    >>> best_checkpoint("no/such/dir", best_metric(True)) is None
+    True
+    """
+    if int(best.step) < 0:
+        return None
+    path = checkpoint_path(output_dir, int(best.step))
+    return path if is_complete(path) else None
+
+
+def check_compatible(
+    saved_settings: Mapping[str, Any],
+    new_settings: Mapping[str, Any],
+    *,
+    keys: Collection[str] = RESUME_KEYS,
+    source: str | os.PathLike = "the checkpoint",
+) -> None:
+    """Raise ``ValueError`` listing every trajectory setting (``keys``) the new run changes.
+
+    Gradient accumulation, world size, batch size, seeds and sampler fix which samples make each
+    step, so an exact resume needs them unchanged; the first three may change together when their
+    product, the global batch, does not (``trainfold.ckpt.elastic``: another number of ranks). Other
+    settings (schedule, logging, saving) may differ: they come from the new run.
+
+    >>> check_compatible({"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 2, "learning_rate": 1.0})
+    >>> batch = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
+    >>> check_compatible({**batch, "world_size": 2}, {**batch, "gradient_accumulation_steps": 2, "world_size": 1})
+    >>> check_compatible({"world_size": 2}, {"world_size": 4})
+    Traceback (most recent call last):
+    ...
+    ValueError: cannot resume from the checkpoint with different settings: world_size: saved 2, now 4; resume with the saved values or start a new run (warm_start)
+    """
+    absent = object()
+    if elastic.global_batch(saved_settings) is not None and elastic.global_batch(
+        saved_settings
+    ) == elastic.global_batch(new_settings):
+        keys = [k for k in keys if k not in elastic.BATCH_KEYS]  # the same samples per step, split otherwise
+    diffs = [
+        f"{k}: saved {saved_settings.get(k, 'unset')!r}, now {new_settings.get(k, 'unset')!r}"
+        for k in keys
+        if saved_settings.get(k, absent) != new_settings.get(k, absent)
+    ]
+    if diffs:
+        raise ValueError(
+            f"cannot resume from {source} with different settings: {'; '.join(diffs)}; "
+            "resume with the saved values or start a new run (warm_start)"
+        )

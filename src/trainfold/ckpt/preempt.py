@@ -1,0 +1,301 @@
+"""Preemption: turn SIGTERM into a stop at the next step boundary, then a JIT checkpoint.
+
+``preemption_guard()`` installs a SIGTERM handler only while its block runs (the previous handler
+is restored on exit, also on exceptions). The handler only sets a flag; ``guard.stop`` is a stop
+predicate for ``fit``/``trajectory`` (combine with ``any_of``), checked before each batch is drawn,
+so the step in flight finishes and no batch of the next step is drawn. The caller then saves with
+``jit_checkpoint`` (exempt from rotation) and reports preemption, e.g. by exiting with
+``EXIT_PREEMPTED`` (143 = 128 + SIGTERM, what an orchestrator expects from a terminated job).
+
+>>> import os, signal
+>>> from trainfold.core.fold import any_of, fit, max_steps
+>>> with preemption_guard() as guard:
+...     def step(n, batch):
+...         if n == 2:
+...             os.kill(os.getpid(), signal.SIGTERM)  # preempted during the third step
+...         return n + 1
+...     n = fit(step, 0, range(10), stop=guard.stop)
+>>> n, guard.requested()
+(3, True)
+
+Guards nest: a guard entered while another one catches the same signal shares its flag, so a
+signal caught while a script builds its model (an outer ``preemption_guard()``) stops ``train``
+(whose own guard is inside) before its first step. ``train`` catches SIGTERM and SIGINT
+(``JIT_SIGNALS``: Ctrl-C saves like a preemption) and records which one came, and
+``exit_status`` turns that into 143 or 130. ``exit_on_signals()`` is for the time before any guard
+(a command line's imports and setup): the signal then ends the process at once with that status,
+through ``SystemExit``, so ``finally`` blocks and atomic writers clean up.
+
+The orchestrator's grace period must cover one step, one save and a margin (Kubernetes
+``terminationGracePeriodSeconds``; Slurm ``--signal=TERM@<seconds>``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import inspect
+import os
+import shutil
+import signal
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from trainfold.ckpt.checkpoint import checkpoint_path, latest_checkpoint, model_weights, save
+from trainfold.core.collective import Collective
+from trainfold.core.state import TrainState
+from trainfold.core.tree import flatten
+
+__all__ = [
+    "EXIT_PREEMPTED",
+    "JIT_SIGNALS",
+    "Preemption",
+    "exit_on_signals",
+    "exit_status",
+    "guarded",
+    "jit_checkpoint",
+    "preemption_guard",
+]
+
+EXIT_PREEMPTED = 128 + int(signal.SIGTERM)
+JIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what train catches with enable_jit_checkpoint
+
+
+@attrs.frozen
+class Preemption:
+    """The flag a preemption signal sets, and how ranks agree on it.
+
+    ``collective`` (the step's ``Collective``: ``sum_`` over ranks) makes ``requested`` true on
+    every rank as soon as any rank was signalled; every rank must then call it at the same points
+    (``fit`` calls the stop predicate once before each step on every rank).
+
+    >>> class OtherRankSignalled:                 # a collective whose other rank saw SIGTERM
+    ...     rank = 0
+    ...     def sum_(self, tensors):
+    ...         tensors[0] += 1
+    >>> Preemption().stop(None), Preemption(collective=OtherRankSignalled()).stop(None)
+    (False, True)
+    """
+
+    event: threading.Event = attrs.field(factory=threading.Event)
+    collective: Collective | None = None
+    received: list[int] = attrs.field(factory=list, eq=False)  # the signals caught, in order
+
+    def request(self, signum: int | None = None) -> None:
+        """Ask for a stop at the next step boundary (what the signal handler does, with its signal)."""
+        if signum is not None:
+            self.received.append(int(signum))
+        self.event.set()
+
+    @property
+    def signal(self) -> int | None:
+        """Return the first signal caught here, or None (none caught, or another rank's).
+
+        >>> p = Preemption()
+        >>> p.signal, (p.request(signal.SIGINT), p.signal == signal.SIGINT)[1]
+        (None, True)
+        """
+        return self.received[0] if self.received else None
+
+    def requested(self) -> bool:
+        """Say whether a stop was asked for, here or (with a collective) on any rank.
+
+        >>> p = Preemption()
+        >>> p.requested(), (p.request(), p.requested())[1]
+        (False, True)
+        """
+        local = self.event.is_set()
+        if self.collective is None:
+            return local
+        flag = torch.tensor([int(local)], dtype=torch.int64)
+        self.collective.sum_([flag])
+        return int(flag.item()) > 0
+
+    def stop(self, state: Any) -> bool:
+        """The stop predicate: ``fit(step, state, batches, stop=any_of(max_steps(n), guard.stop))``."""
+        return self.requested()
+
+
+@contextlib.contextmanager
+def preemption_guard(
+    signals: Sequence[int] = (signal.SIGTERM,), *, collective: Collective | None = None
+) -> Iterator[Preemption]:
+    """Catch ``signals`` while the block runs, setting the yielded ``Preemption`` flag.
+
+    Outside the block the previous handlers are back, so a SIGTERM there ends the process as
+    usual. Must be entered in the main thread (Python delivers signals only there).
+
+    >>> import signal
+    >>> before = signal.getsignal(signal.SIGTERM)
+    >>> with preemption_guard() as guard:
+    ...     signal.raise_signal(signal.SIGTERM)
+    >>> guard.requested(), signal.getsignal(signal.SIGTERM) is before
+    (True, True)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(
+            "preemption_guard() must be entered in the main thread: Python runs signal handlers "
+            "only there; run the training loop in the main thread"
+        )
+    outer = next((h.flag for h in map(signal.getsignal, signals) if isinstance(h, _SetFlag)), None)
+    if outer is not None:  # nested: share the outer guard's flag, so what it caught stops this block too
+        flag = Preemption(outer.event, collective, outer.received)
+    else:
+        flag = Preemption(collective=collective)
+    handler = _SetFlag(flag)
+    previous: dict[int, Any] = {}
+    try:
+        for s in signals:
+            previous[s] = signal.signal(s, handler)
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+
+@attrs.frozen
+class _SetFlag:
+    """The signal handler of ``preemption_guard``: it only sets the flag (and says which signal)."""
+
+    flag: Preemption
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.flag.request(signum)
+
+
+def guarded(when: Callable[[Mapping[str, Any]], bool], signals: Sequence[int] = JIT_SIGNALS) -> Callable[..., Any]:
+    """Decorate a function so its whole call runs inside ``preemption_guard(signals)`` when ``when(arguments)``.
+
+    ``arguments`` maps the call's parameter names to their values. ``train`` is decorated so its
+    guard is up from its first line (building the state, loading a checkpoint, evaluating at the
+    start), not only around the loop; the loop's own guard nests and shares the flag.
+
+    >>> @guarded(lambda call: call["catch"])
+    ... def work(catch):
+    ...     signal.raise_signal(signal.SIGTERM)   # arrives during setup
+    ...     with preemption_guard() as guard:     # the loop's guard sees it
+    ...         return guard.requested()
+    >>> work(catch=True)
+    True
+    """
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        parameters = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            bound = parameters.bind(*args, **kwargs)
+            bound.apply_defaults()
+            if not when(bound.arguments):
+                return fn(*args, **kwargs)
+            with preemption_guard(signals):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def exit_on_signals(signals: Sequence[int] = (signal.SIGTERM,)) -> Callable[[], None]:
+    """Make ``signals`` end the process with ``SystemExit(128 + signum)``; return a function that undoes it.
+
+    For the setup before a guard (imports, reading a config, building a model): the exit unwinds
+    the stack, so ``finally`` blocks run and an atomic writer removes its temporary directory —
+    nothing is half-written — and the exit status is the one a terminated job reports (143). A
+    ``preemption_guard`` entered later takes the signals over for its block.
+
+    >>> restore = exit_on_signals()
+    >>> try:
+    ...     signal.raise_signal(signal.SIGTERM)
+    ... except SystemExit as e:
+    ...     print(e.code)
+    143
+    >>> restore()
+    """
+
+    def leave(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + int(signum))
+
+    previous = {s: signal.signal(s, leave) for s in signals}
+
+    def restore() -> None:
+        for s, h in previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+
+    return restore
+
+
+def exit_status(status: str, signum: int | None = None) -> int:
+    """Return the process exit status for a run's ``status``: 0, or 128 + the signal when preempted.
+
+    >>> exit_status("completed"), exit_status("preempted"), exit_status("preempted", signal.SIGINT)
+    (0, 143, 130)
+    """
+    if status != "preempted":
+        return 0
+    return 128 + int(signum if signum is not None else signal.SIGTERM)
+
+
+def jit_checkpoint(state: TrainState, output_dir: str | os.PathLike, **save_options: Any) -> Path:
+    """Save ``state`` as ``output_dir/checkpoint-{step}`` marked JIT (never rotated away); return its path.
+
+    ``save_options`` are ``checkpoint.save``'s (model, config, metadata, settings).
+
+    >>> import tempfile, torch
+    >>> from trainfold.ckpt.checkpoint import read_metadata
+    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.core.state import init_state
+    >>> path = jit_checkpoint(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp())
+    >>> path.name, read_metadata(path)["jit"]
+    ('checkpoint-0', True)
+
+    A full disk raises ``OSError(ENOSPC)`` naming the checkpoint's path, the bytes it needs and the
+    previous checkpoint, which is intact (the write goes to a temporary directory that is removed).
+    """
+    path = checkpoint_path(output_dir, int(state.step))
+    try:
+        return save(state, path, jit=True, **save_options)
+    except Exception as e:
+        if not _is_disk_full(e):
+            raise
+        raise OSError(errno.ENOSPC, _disk_full_message(state, path, output_dir, save_options), str(path)) from e
+
+
+def _is_disk_full(e: BaseException) -> bool:
+    """Say whether ``e`` is a full disk or quota: an ``OSError`` or safetensors' own error type."""
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(e)
+    return type(e).__name__ == "SafetensorError" and any(
+        s in text for s in ("No space left", "StorageFull", "os error 28", "code: 28", "Disk quota")
+    )
+
+
+def _disk_full_message(state: TrainState, path: Path, output_dir: str | os.PathLike, options: Mapping[str, Any]) -> str:
+    # each tensor is written once: the weights file, and the rest of the record unless weights only
+    tensors = (
+        model_weights(state, options.get("model")).values()
+        if options.get("save_only_model")
+        else flatten(state).values()
+    )
+    needed = sum(t.numel() * t.element_size() for t in tensors)
+    try:
+        free = f"{shutil.disk_usage(output_dir).free:,} free"
+    except OSError:
+        free = "free space unknown"
+    previous = latest_checkpoint(output_dir)
+    kept = (
+        f"the previous checkpoint {previous} (step {previous.name.rsplit('-', 1)[-1]}) is intact; resume from it"
+        if previous is not None
+        else f"{output_dir} holds no earlier checkpoint"
+    )
+    return (
+        f"the JIT checkpoint of step {int(state.step)} could not be written to {path}: the disk is full "
+        f"(it needs about {needed:,} bytes, {free}); {kept} after freeing space"
+    )

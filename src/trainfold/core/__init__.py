@@ -1,0 +1,1 @@
+"""The base layer: tensor trees, the state record, randomness, forward functions, losses, the fold."""

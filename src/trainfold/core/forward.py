@@ -1,0 +1,68 @@
+"""A module as a function of its tensors: ``make_forward``, ``train_mode``, and the step's type aliases."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+__all__ = ["Batch", "Forward", "Objective", "make_forward", "train_mode", "training_flags"]
+
+Batch = Sequence[Mapping[str, Tensor]]
+Forward = Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Any]
+# objective(forward, params, micro_batch, num_items_in_batch, key) -> (loss, aux)
+Objective = Callable[
+    [Forward, Mapping[str, Tensor], Mapping[str, Tensor], Tensor, torch.Generator], tuple[Tensor, Mapping[str, Tensor]]
+]
+
+
+@contextlib.contextmanager
+def train_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """Set ``model.training`` for the duration, and restore every submodule's flag afterwards.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Dropout(0.5))
+    >>> with train_mode(model, False):
+    ...     inside = model[0].training
+    >>> inside, model[0].training
+    (False, True)
+    """
+    with training_flags(list(model.modules()), training):
+        yield
+
+
+@contextlib.contextmanager
+def training_flags(modules: list[nn.Module], training: bool) -> Iterator[None]:
+    flags = [m.training for m in modules]
+    if all(f == training for f in flags):
+        yield
+        return
+    try:
+        modules[0].train(training)  # the root: modules that override train() see the call
+        yield
+    finally:
+        for m, f in zip(modules, flags):
+            m.training = f
+
+
+def make_forward(model: nn.Module, buffers: Mapping[str, Tensor]) -> Forward:
+    """Return ``forward(params, inputs)``: the model's forward pass on the given tensors.
+
+    It runs in whatever mode the module is in (a fresh module trains: dropout on); wrap calls in
+    ``train_mode(model, False)`` to evaluate, as ``evaluation.evaluate`` does.
+
+    >>> import torch
+    >>> forward = make_forward(torch.nn.Linear(2, 1), {})
+    >>> params = {"weight": torch.tensor([[1.0, 2.0]]), "bias": torch.tensor([0.5])}
+    >>> forward(params, {"input": torch.tensor([[1.0, 1.0]])}).tolist()
+    [[3.5]]
+    """
+
+    def forward(params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
+        return functional_call(model, (params, buffers), args=(), kwargs=dict(inputs), strict=True)
+
+    return forward

@@ -1,0 +1,557 @@
+"""Loss functions ``(outputs, labels, num_items_in_batch) -> Tensor``.
+
+Each loss returns the *sum* over its micro-batch divided by the global ``num_items_in_batch``,
+so adding the losses of the micro-batches of one optimizer step gives the exact mean over
+the whole step, however the samples were split. A loss declares how its items are counted
+with a ``count_items(labels) -> Tensor`` attribute; without one, the step counts the labels
+that are not -100.
+
+>>> import torch
+>>> logits = torch.zeros(1, 3, 4)          # uniform over 4 classes
+>>> labels = torch.tensor([[-100, 1, 2]])  # 2 items after the causal shift
+>>> n = causal_lm.count_items(labels)
+>>> round(causal_lm(logits, labels, n).item(), 4)  # ln 4
+1.3863
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Loss",
+    "causal_lm",
+    "cross_entropy",
+    "mse",
+    "bce_with_logits",
+    "sequence_classification",
+    "default_loss_for",
+    "refuse_unlabelled",
+    "count_labels",
+    "count_shifted_labels",
+    "logits_of",
+    "counter_for",
+    "label_smoothed",
+    "dpo",
+    "dpo_loss_errors",
+    "DPO_LOSS_TYPES",
+]
+
+IGNORE_INDEX = -100
+DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
+
+Loss = Callable[[Any, Tensor, Tensor], Tensor]
+
+
+def logits_of(outputs: Any) -> Tensor:
+    """Return the logits of a model's outputs: a tensor, a mapping with ``"logits"``, or ``.logits``.
+
+    >>> import torch
+    >>> logits_of({"logits": torch.ones(1)}).tolist()
+    [1.0]
+    """
+    if isinstance(outputs, Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and "logits" in outputs:
+        return outputs["logits"]
+    logits = getattr(outputs, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    if isinstance(outputs, (tuple, list)) and outputs and isinstance(outputs[0], Tensor):
+        return outputs[0]
+    raise TypeError(
+        f"cannot find logits in model outputs of type {type(outputs).__name__}: return a tensor, "
+        "a mapping with a 'logits' key, or an object with a .logits attribute"
+    )
+
+
+def count_labels(labels: Tensor) -> Tensor:
+    """Count labels that are not -100.
+
+    >>> import torch
+    >>> count_labels(torch.tensor([1, -100, 3])).item()
+    2
+    """
+    return (labels != IGNORE_INDEX).sum()
+
+
+def count_shifted_labels(labels: Tensor) -> Tensor:
+    """Count labels that are not -100 after the causal shift (``labels[..., 1:]``).
+
+    >>> import torch
+    >>> count_shifted_labels(torch.tensor([[5, 1, -100]])).item()
+    1
+    """
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
+
+
+def counter_for(loss: Callable[..., Tensor]) -> Callable[[Tensor], Tensor]:
+    """Return how ``loss`` counts its items: its ``count_items`` attribute, else ``count_labels``.
+
+    >>> counter_for(causal_lm) is count_shifted_labels
+    True
+    """
+    return getattr(loss, "count_items", count_labels)
+
+
+def _raise_out_of_range(labels: Tensor, num_classes: int) -> None:
+    valid = labels != IGNORE_INDEX
+    bad = labels[valid & ((labels < 0) | (labels >= num_classes))].unique()[:8].tolist()
+    raise ValueError(
+        f"labels {bad} are outside the {num_classes} classes of the logits (valid: 0..{num_classes - 1} "
+        f"or {IGNORE_INDEX} to ignore); check the tokenizer's vocabulary size against the model's"
+    )
+
+
+def _summed_cross_entropy(
+    logits: Tensor, labels: Tensor, num_items: Tensor | int, label_smoothing: float = 0.0
+) -> Tensor:
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}: "
+            "expected logits shaped labels.shape + (num_classes,); check the collator's labels key"
+        )
+    num_classes = logits.shape[-1]
+    if labels.device.type != "cpu" and not torch.compiler.is_compiling():  # a device-side assert there: check first
+        low, high = torch.aminmax(labels) if labels.numel() else (labels.new_zeros(()), labels.new_zeros(()))
+        if int(high) >= num_classes or (int(low) < 0 and bool(((labels < 0) & (labels != IGNORE_INDEX)).any())):
+            _raise_out_of_range(labels, num_classes)
+    try:
+        total = F.cross_entropy(
+            logits.reshape(-1, num_classes).float(),
+            labels.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+            label_smoothing=label_smoothing,
+        )
+    except IndexError:  # on the CPU torch checks the range itself; say what it means
+        _raise_out_of_range(labels, num_classes)
+    # An all-ignored step has num_items 0 and a zero sum: return 0, not NaN.
+    return total / _denominator(num_items)
+
+
+def causal_lm(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int, label_smoothing: float = 0.0) -> Tensor:
+    """Next-token cross-entropy: position t predicts ``labels[t + 1]``; -100 is ignored.
+
+    Returns the summed loss of this micro-batch divided by ``num_items_in_batch``, the count of
+    shifted labels that are not -100 over the whole optimizer step. Logits are upcast to float32.
+
+    >>> import torch
+    >>> logits = torch.zeros(1, 3, 4)              # uniform over 4 tokens: ln 4 per item
+    >>> labels = torch.tensor([[1, 2, -100]])      # one item: position 0 predicts 2
+    >>> round(causal_lm(logits, labels, 1).item(), 4), causal_lm.count_items(labels).item()
+    (1.3863, 1)
+    """
+    logits = logits_of(outputs)
+    if logits.dim() < 3 or logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}: "
+            "causal_lm needs logits shaped (batch, seq, vocab) and labels shaped (batch, seq); for one label "
+            "per sample (sequence classification) use losses.cross_entropy, or compute_loss_func="
+        )
+    # Shift the labels, not the logits: no copy of the (large) logits, and HF's exact arithmetic.
+    shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+    return _summed_cross_entropy(logits, shifted, num_items_in_batch, label_smoothing)
+
+
+causal_lm.count_items = count_shifted_labels  # type: ignore[attr-defined]
+
+
+def cross_entropy(
+    outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int, label_smoothing: float = 0.0
+) -> Tensor:
+    """Cross-entropy for classification and token classification (no shift); -100 is ignored.
+
+    >>> import torch
+    >>> logits = torch.tensor([[0.0, 0.0], [0.0, 0.0]])
+    >>> round(cross_entropy(logits, torch.tensor([0, 1]), torch.tensor(2)).item(), 4)
+    0.6931
+    """
+    return _summed_cross_entropy(logits_of(outputs), labels, num_items_in_batch, label_smoothing)
+
+
+cross_entropy.count_items = count_labels  # type: ignore[attr-defined]
+
+
+def count_elements(labels: Tensor) -> Tensor:
+    """Count every label element (regression and multi-label targets ignore nothing).
+
+    >>> import torch
+    >>> count_elements(torch.zeros(2, 3)).item()
+    6
+    """
+    return torch.tensor(labels.numel())
+
+
+def _denominator(num_items: Tensor | int) -> Tensor | int:
+    return num_items.clamp(min=1) if isinstance(num_items, Tensor) else max(int(num_items), 1)
+
+
+def mse(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+    """Squared error summed over the micro-batch, divided by the step's label count (HF's regression loss).
+
+    Logits must have the labels' shape, or the labels' shape plus a trailing 1 (``num_labels=1``
+    with labels ``[batch]``); anything else is refused rather than broadcast.
+
+    >>> import torch
+    >>> logits, labels = torch.tensor([[1.0], [3.0]]), torch.tensor([0.0, 1.0])
+    >>> mse(logits, labels, mse.count_items(labels)).item()   # (1 + 4) / 2
+    2.5
+    """
+    logits = logits_of(outputs)
+    if logits.shape != labels.shape and logits.shape != (*labels.shape, 1):
+        raise ValueError(
+            f"regression logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}: "
+            "expected the labels' shape, or (batch, 1) logits for (batch,) labels; check num_labels and the labels "
+            "column"
+        )
+    error = logits.float().reshape(labels.shape) - labels.float()
+    return (error * error).sum() / _denominator(num_items_in_batch)
+
+
+mse.count_items = count_elements  # type: ignore[attr-defined]
+
+
+def bce_with_logits(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+    """Binary cross-entropy on logits, summed, divided by the step's label count (HF's multi-label loss).
+
+    >>> import torch
+    >>> logits, labels = torch.zeros(1, 2), torch.tensor([[1.0, 0.0]])
+    >>> round(bce_with_logits(logits, labels, 2).item(), 4)      # ln 2 per label
+    0.6931
+    """
+    logits = logits_of(outputs)
+    if logits.shape != labels.shape:
+        raise ValueError(
+            f"multi-label logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}: "
+            "expected (batch, num_labels) float labels, one 0/1 target per class"
+        )
+    total = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="sum")
+    return total / _denominator(num_items_in_batch)
+
+
+bce_with_logits.count_items = count_elements  # type: ignore[attr-defined]
+
+_CLASS_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def _by_label_dtype(labels: Tensor) -> Loss:
+    if labels.dtype in _CLASS_INDEX_DTYPES:
+        return cross_entropy
+    if labels.dtype.is_floating_point:
+        return bce_with_logits
+    raise TypeError(
+        f"sequence classification labels of dtype {labels.dtype} are neither class indices (int64/int32: "
+        "cross-entropy) nor float targets (multi-label BCE); cast the labels, or set config.problem_type"
+    )
+
+
+def sequence_classification(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+    """HF's rule for ``num_labels > 1`` without ``problem_type``: integer labels → cross-entropy, float → BCE.
+
+    HF decides this from the labels' dtype on the first forward pass; so does this loss, on every call.
+
+    >>> import torch
+    >>> logits = torch.zeros(1, 2)
+    >>> round(sequence_classification(logits, torch.tensor([1]), 1).item(), 4)
+    0.6931
+    >>> round(sequence_classification(logits, torch.tensor([[1.0, 0.0]]), 2).item(), 4)
+    0.6931
+    """
+    return _by_label_dtype(labels)(outputs, labels, num_items_in_batch)
+
+
+def _count_by_label_dtype(labels: Tensor) -> Tensor:
+    return counter_for(_by_label_dtype(labels))(labels)
+
+
+sequence_classification.count_items = _count_by_label_dtype  # type: ignore[attr-defined]
+
+# The head of a transformers class name, and the task its own loss trains.
+_HF_TASKS = (
+    ("ForCausalLM", "causal_lm"),
+    ("ForSequenceClassification", "sequence_classification"),
+    ("ForTokenClassification", "token_classification"),
+    ("ForMaskedLM", "masked_lm"),
+)
+_HF_MAPPINGS = (
+    ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal_lm"),
+    ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "sequence_classification"),
+    ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "token_classification"),
+    ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "masked_lm"),
+    ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "seq2seq"),
+)
+
+
+@functools.cache
+def _hf_class_tasks() -> dict[str, frozenset[str]]:
+    try:
+        from transformers.models.auto import modeling_auto
+    except ImportError:  # pragma: no cover - transformers is optional
+        return {}
+    tasks: dict[str, set[str]] = {}
+    for mapping, task in _HF_MAPPINGS:
+        for names in getattr(modeling_auto, mapping, {}).values():
+            for name in (names,) if isinstance(names, str) else names:
+                tasks.setdefault(name, set()).add(task)
+    return {name: frozenset(t) for name, t in tasks.items()}
+
+
+def model_task(model: Any) -> str | None:
+    """Return the task a model's own loss trains (``"causal_lm"``, ``"sequence_classification"``, ...), or None.
+
+    Read from the class (and its bases): trainfold's ``TinyLM``, transformers' auto-model
+    mappings and class-name heads (``...ForCausalLM``); ``"ambiguous"`` when HF lists the class
+    under several tasks.
+
+    >>> import torch
+    >>> from trainfold.core.models import TinyLM, TinyLMConfig
+    >>> model_task(TinyLM(TinyLMConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=1, max_len=4)))
+    'causal_lm'
+    >>> model_task(torch.nn.Linear(2, 2)) is None
+    True
+    """
+    from trainfold.core.models import TinyLM
+
+    if isinstance(model, TinyLM):
+        return "causal_lm"
+    hf = _hf_class_tasks() if any(c.__module__.startswith("transformers.") for c in type(model).__mro__) else {}
+    for cls in type(model).__mro__:
+        tasks = hf.get(cls.__name__)
+        if tasks:
+            return next(iter(tasks)) if len(tasks) == 1 else "ambiguous"
+        for head, task in _HF_TASKS:
+            if cls.__name__.endswith(head):
+                return task
+    return None
+
+
+def default_loss_for(model: Any, *, defer: bool = False) -> Loss:
+    """Return the loss ``model``'s task trains with, chosen as transformers' own loss would be.
+
+    Causal LMs → :func:`causal_lm`; token classification and masked LM → :func:`cross_entropy`
+    (no shift); sequence classification by ``config.problem_type``, else ``num_labels``: 1 →
+    :func:`mse`, otherwise :func:`sequence_classification` (integer labels → cross-entropy,
+    float labels → BCE, decided from the labels as HF does). Anything else raises ``TypeError``
+    asking for ``compute_loss_func``; with ``defer=True`` (an objective replaces the loss, or an
+    evaluation may need none) the returned loss raises that error only if it is ever called.
+
+    >>> import torch
+    >>> from trainfold.core.models import TinyLM, TinyLMConfig
+    >>> default_loss_for(TinyLM(TinyLMConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=1, max_len=4))).__name__
+    'causal_lm'
+    """
+    task = model_task(model)
+    if task == "causal_lm":
+        return causal_lm
+    if task in ("token_classification", "masked_lm"):
+        return cross_entropy
+    if task == "sequence_classification":
+        return _sequence_classification_loss(model)
+    why = {
+        None: "it is not a model whose task trainfold knows (a causal LM, or a transformers "
+        "...ForSequenceClassification / ...ForTokenClassification / ...ForMaskedLM head)",
+        "ambiguous": "transformers lists its class under several tasks",
+        "seq2seq": "it is a sequence-to-sequence model, whose decoder inputs come from the labels",
+    }.get(task, f"its task {task!r} has no built-in loss")
+    error = TypeError(
+        f"cannot choose a default loss for {type(model).__name__}: {why}. Pass compute_loss_func= (train) or "
+        "loss= (make_step): trainfold.core.losses.causal_lm (next token), losses.cross_entropy (one class per label, "
+        "no shift), losses.mse, losses.bce_with_logits, or your own loss(outputs, labels, num_items_in_batch)"
+    )
+    if not defer:
+        raise error
+
+    def no_default_loss(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+        raise error
+
+    return no_default_loss
+
+
+def _sequence_classification_loss(model: Any) -> Loss:
+    config = getattr(model, "config", None)
+    problem = getattr(config, "problem_type", None)
+    num_labels = getattr(config, "num_labels", None)
+    if problem == "regression":
+        return mse
+    if problem == "single_label_classification":
+        return cross_entropy
+    if problem == "multi_label_classification":
+        return bce_with_logits
+    if problem is not None:
+        raise ValueError(
+            f"config.problem_type={problem!r} of {type(model).__name__} is not one of 'regression', "
+            "'single_label_classification', 'multi_label_classification'; fix the config or pass compute_loss_func="
+        )
+    if num_labels is None:
+        raise TypeError(f"{type(model).__name__} has no config.num_labels: pass compute_loss_func=")
+    return mse if num_labels == 1 else sequence_classification
+
+
+def label_smoothed(loss: Loss, epsilon: float) -> Loss:
+    """Return ``causal_lm`` or ``cross_entropy`` with label smoothing ``epsilon`` (HF's ``label_smoothing_factor``).
+
+    Each item's loss is ``(1 − ε)·nll + ε·mean over classes of −log p``, as HF's ``LabelSmoother``,
+    but summed over the micro-batch and divided by the step's ``num_items_in_batch`` like every
+    loss here (HF divides each micro-batch by its own count, so accumulation changes its result).
+
+    >>> import torch
+    >>> logits, labels = torch.tensor([[2.0, 0.0]]), torch.tensor([0])
+    >>> plain, smooth = cross_entropy(logits, labels, 1), label_smoothed(cross_entropy, 0.1)(logits, labels, 1)
+    >>> round(plain.item(), 4), round(smooth.item(), 4)
+    (0.1269, 0.2269)
+    """
+    if loss is sequence_classification:  # a classifier's default loss: smoothing needs class labels
+        loss = cross_entropy
+    if loss in (mse, bce_with_logits):
+        raise ValueError(
+            f"label smoothing applies to class labels (causal_lm, cross_entropy); {loss.__name__} "
+            "takes float targets: set label_smoothing_factor=0"
+        )
+    if loss not in (causal_lm, cross_entropy):
+        raise ValueError("label smoothing applies to causal_lm and cross_entropy; a custom loss smooths its own labels")
+    if not 0 <= epsilon < 1:
+        raise ValueError(f"label smoothing epsilon must be in [0, 1), got {epsilon}")
+
+    def smoothed(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+        return loss(outputs, labels, num_items_in_batch, label_smoothing=epsilon)
+
+    smoothed.count_items = loss.count_items  # type: ignore[attr-defined]
+    smoothed.smooths = (loss, epsilon)  # type: ignore[attr-defined]  # what it smooths (the compiled step reads it)
+    smoothed.__name__ = f"label_smoothed_{loss.__name__}"
+    return smoothed
+
+
+def warn_no_items(step: int) -> None:
+    """Warn that an optimizer step had no labelled items: it counts, but learns nothing."""
+    warnings.warn(
+        f"optimizer step {step} had no labels other than -100 (num_items_in_batch == 0): the step counts "
+        "(step and data cursor advance) but the parameters and optimizer state are unchanged; its loss is NaN "
+        "and state.nonfinite_losses counts it. Check the collator's padding and label masking",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+def refuse_unlabelled(dataset: Any, loss: Loss, label_key: str = "labels") -> None:
+    """Raise ``ValueError`` when every row of a map-style ``dataset`` has no item ``loss`` would count.
+
+    Rows are read in order until one has a label the loss counts (usually the first); datasets
+    without ``__len__``/``__getitem__``, or rows without ``label_key``, cannot be judged and pass.
+
+    >>> refuse_unlabelled([{"labels": [-100, 4, 5]}], causal_lm) is None
+    True
+    >>> refuse_unlabelled([{"labels": [4, -100]}], causal_lm)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    ValueError: every one of the 1 rows of train_dataset has no 'labels' that causal_lm counts (all -100, ...
+    """
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        return
+    count = counter_for(loss)
+    n = len(dataset)
+    for i in range(n):
+        row = dataset[i]
+        if not isinstance(row, Mapping) or label_key not in row:
+            return
+        try:
+            if int(count(torch.as_tensor(row[label_key]))) > 0:
+                return
+        except (TypeError, ValueError, RuntimeError):  # labels of a form only the collator understands
+            return
+    if n == 0:
+        return
+    causal = count is count_shifted_labels
+    shifted = " (all -100, or only the first token, which a causal LM never predicts)" if causal else " (all -100)"
+    raise ValueError(
+        f"every one of the {n} rows of train_dataset has no {label_key!r} that {getattr(loss, '__name__', 'the loss')} "
+        f"counts{shifted}: every step would learn nothing. Check the label masking (e.g. a completion mask that "
+        "covers the whole row), or pass labels"
+    )
+
+
+# -- preference losses ---------------------------------------------------------------------------
+
+
+def dpo_loss_errors(beta: float, loss_type: str, label_smoothing: float) -> list[str]:
+    """Return every problem with DPO loss settings (empty when they are valid).
+
+    >>> dpo_loss_errors(0.1, "sigmoid", 0.0)
+    []
+    """
+    problems = []
+    if loss_type not in DPO_LOSS_TYPES:
+        problems.append(f"loss_type={loss_type!r} is not one of {list(DPO_LOSS_TYPES)}")
+    if not beta > 0:
+        problems.append(f"beta={beta} must be > 0")
+    if loss_type == "robust" and not 0 <= label_smoothing < 0.5:
+        problems.append(f"label_smoothing={label_smoothing} must be in [0, 0.5) for the robust loss")
+    if loss_type in ("sigmoid", "hinge", "ipo") and label_smoothing != 0:
+        problems.append(
+            f"label_smoothing={label_smoothing} has no effect on loss_type={loss_type!r}; "
+            "use loss_type='robust' for noisy preference labels, or label_smoothing=0"
+        )
+    return problems
+
+
+def dpo(
+    policy_chosen: Tensor,
+    policy_rejected: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    beta: float,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    chosen_lengths: Tensor | None = None,
+    rejected_lengths: Tensor | None = None,
+) -> Tensor:
+    """Return the DPO loss of each pair (shape ``(pairs,)``; take ``.mean()`` for TRL's value).
+
+    With ``ρ = policy − ref`` per sequence and ``Δ = ρ_c − ρ_r``:
+    ``sigmoid`` ``−log σ(βΔ)``; ``hinge`` ``max(0, 1 − βΔ)``;
+    ``ipo`` ``(ρ_c/n_c − ρ_r/n_r − 1/(2β))²`` with the completion lengths ``n`` (needs
+    ``chosen_lengths`` and ``rejected_lengths``); ``robust``
+    ``(−(1−ε)·log σ(βΔ) + ε·log σ(−βΔ)) / (1 − 2ε)`` with ``ε = label_smoothing``.
+
+    >>> import torch
+    >>> t = lambda *x: torch.tensor(x)
+    >>> round(dpo(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.5).item(), 4)  # -log σ(0.5·2)
+    0.3133
+    >>> dpo(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.5, loss_type="hinge").item()
+    0.0
+    """
+    problems = dpo_loss_errors(beta, loss_type, label_smoothing)
+    if loss_type == "ipo" and (chosen_lengths is None or rejected_lengths is None):
+        problems.append("loss_type='ipo' is length-normalised: pass chosen_lengths and rejected_lengths")
+    if problems:
+        raise ValueError("; ".join(problems))
+    chosen_ratio = policy_chosen - ref_chosen
+    rejected_ratio = policy_rejected - ref_rejected
+    z = beta * (chosen_ratio - rejected_ratio)
+    if loss_type == "sigmoid":
+        return -F.logsigmoid(z)
+    if loss_type == "hinge":
+        return torch.relu(1 - z)
+    if loss_type == "ipo":
+        assert chosen_lengths is not None and rejected_lengths is not None
+        margin = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
+        return (margin - 1 / (2 * beta)) ** 2
+    eps = label_smoothing
+    return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+
+
+def __getattr__(name: str) -> Any:
+    """``losses.chunked_causal_lm``: the chunked causal-LM loss lives in ``trainfold.core.chunked_loss`` (a layer above)."""
+    if name == "chunked_causal_lm":
+        from trainfold.core.chunked_loss import chunked_causal_lm  # noqa: PLC0415 - chunked_loss imports this module
+
+        return chunked_causal_lm
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,202 @@
+"""Pure operations on parameter trees: ``dict[str, Tensor]`` and records built from them.
+
+Every function here returns new tensors and leaves its inputs untouched.
+
+>>> import torch
+>>> t = {"w": torch.tensor([3.0]), "b": torch.tensor([4.0])}
+>>> global_norm(t).item()
+5.0
+>>> scale(t, 2.0)["w"].tolist()
+[6.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+Tree = dict[str, Tensor]
+
+__all__ = [
+    "Tree",
+    "tree_map",
+    "zeros_like",
+    "add",
+    "scale",
+    "global_norm",
+    "check_keys",
+    "flatten",
+    "unflatten",
+]
+
+
+def tree_map(fn: Callable[..., Tensor], tree: Mapping[str, Tensor], *rest: Mapping[str, Tensor]) -> Tree:
+    """Apply ``fn`` leaf-wise over trees that share keys.
+
+    >>> import torch
+    >>> tree_map(lambda a, b: a - b, {"x": torch.tensor(3.0)}, {"x": torch.tensor(1.0)})["x"].item()
+    2.0
+    """
+    for other in rest:
+        check_keys(tree, other, "first tree", "other tree")
+    return {k: fn(v, *(r[k] for r in rest)) for k, v in tree.items()}
+
+
+def zeros_like(tree: Mapping[str, Tensor]) -> Tree:
+    """Return a tree of zeros shaped like ``tree``.
+
+    >>> import torch
+    >>> zeros_like({"a": torch.ones(2)})["a"].tolist()
+    [0.0, 0.0]
+    """
+    return {k: torch.zeros_like(v) for k, v in tree.items()}
+
+
+def add(a: Mapping[str, Tensor], b: Mapping[str, Tensor]) -> Tree:
+    """Return ``a + b`` leaf-wise.
+
+    >>> import torch
+    >>> add({"a": torch.tensor(1.0)}, {"a": torch.tensor(2.0)})["a"].item()
+    3.0
+    """
+    check_keys(a, b, "a", "b")
+    keys = list(a)
+    return dict(zip(keys, torch._foreach_add([a[k] for k in keys], [b[k] for k in keys])))
+
+
+def scale(tree: Mapping[str, Tensor], factor: float | Tensor) -> Tree:
+    """Return ``tree * factor`` leaf-wise.
+
+    >>> import torch
+    >>> scale({"a": torch.tensor(1.5)}, 2)["a"].item()
+    3.0
+    """
+    keys = list(tree)
+    if not keys:
+        return {}
+    return dict(zip(keys, torch._foreach_mul([tree[k] for k in keys], factor)))
+
+
+def global_norm(tree: Mapping[str, Tensor] | Iterable[Tensor]) -> Tensor:
+    """Return the 2-norm of all leaves taken together, as a 0-d float32 tensor.
+
+    Computed like ``torch.nn.utils.clip_grad_norm_``: the norm of the per-tensor norms.
+
+    >>> import torch
+    >>> global_norm([torch.tensor([1.0, 2.0]), torch.tensor([2.0])]).item()
+    3.0
+    """
+    leaves = list(tree.values()) if isinstance(tree, Mapping) else list(tree)
+    if not leaves:
+        return torch.zeros((), dtype=torch.float32)
+    norms = torch._foreach_norm(leaves, 2.0)
+    return torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]), 2.0)
+
+
+def check_keys(got: Mapping[str, Any], expected: Mapping[str, Any], got_name: str, expected_name: str) -> None:
+    """Raise ``KeyError`` naming missing and unexpected keys when two trees differ.
+
+    >>> check_keys({"a": 1}, {"a": 2}, "grads", "params")
+    >>> check_keys({"w": 1}, {"b": 2}, "grads", "params")
+    Traceback (most recent call last):
+    ...
+    KeyError: "grads and params have different keys: missing ['b'], unexpected ['w']"
+    """
+    if got.keys() == expected.keys():
+        return
+    missing = sorted(set(expected) - set(got))
+    unexpected = sorted(set(got) - set(expected))
+    raise KeyError(f"{got_name} and {expected_name} have different keys: missing {missing}, unexpected {unexpected}")
+
+
+# -- flattening records to dotted keys (the checkpoint format) ------------------------------------
+
+
+def flatten(node: Any, prefix: str = "") -> Tree:
+    """Flatten a record of tensors, dicts, tuples and attrs records to ``{dotted.key: Tensor}``.
+
+    Keys are ``prefix`` + field names, dict keys and tuple indices joined by dots. ``None``
+    leaves are dropped (the template restores them).
+
+    >>> import torch
+    >>> sorted(flatten({"a": torch.tensor(1), "b": (torch.tensor(2), {"c": torch.tensor(3)})}))
+    ['a', 'b.0', 'b.1.c']
+    """
+    out: Tree = {}
+    _flatten_into(node, prefix, out)
+    return out
+
+
+def _join(prefix: str, key: Any) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def _flatten_into(node: Any, prefix: str, out: Tree) -> None:
+    if node is None:
+        return
+    if isinstance(node, Tensor):
+        out[prefix] = node
+    elif attrs.has(type(node)):
+        for field in attrs.fields(type(node)):
+            _flatten_into(getattr(node, field.name), _join(prefix, field.name), out)
+    elif isinstance(node, Mapping):
+        for k, v in node.items():
+            _flatten_into(v, _join(prefix, k), out)
+    elif isinstance(node, (tuple, list)):
+        for i, v in enumerate(node):
+            _flatten_into(v, _join(prefix, i), out)
+    else:
+        raise TypeError(
+            f"cannot flatten {type(node).__name__} at {prefix or '<root>'!r}: a state record may hold "
+            "only tensors, dicts of tensors, tuples and attrs records; keep configuration in closures"
+        )
+
+
+def unflatten(flat: Mapping[str, Tensor], like: Any, prefix: str = "") -> Any:
+    """Rebuild a record shaped like the template ``like`` from ``flat`` (inverse of ``flatten``).
+
+    Raises ``KeyError`` naming every missing and unexpected key, and ``ValueError`` naming
+    every tensor whose shape or dtype differs from the template.
+
+    >>> import torch
+    >>> like = {"w": torch.zeros(2), "n": (torch.tensor(0),)}
+    >>> out = unflatten({"w": torch.ones(2), "n.0": torch.tensor(7)}, like)
+    >>> out["w"].tolist(), out["n"][0].item()
+    ([1.0, 1.0], 7)
+    """
+    expected = flatten(like, prefix)
+    check_keys(flat, expected, "the loaded tensors", "the template")
+    bad = [
+        f"{k}: loaded {tuple(flat[k].shape)} {flat[k].dtype}, expected {tuple(v.shape)} {v.dtype}"
+        for k, v in expected.items()
+        if flat[k].shape != v.shape or flat[k].dtype != v.dtype
+    ]
+    if bad:
+        raise ValueError("loaded tensors do not match the template:\n  " + "\n  ".join(bad))
+    return _rebuild(flat, like, prefix)
+
+
+def _rebuild(flat: Mapping[str, Tensor], node: Any, prefix: str) -> Any:
+    if node is None:
+        return None
+    if isinstance(node, Tensor):
+        return flat[prefix].to(node.device)
+    if attrs.has(type(node)):
+        changes = {
+            f.name: _rebuild(flat, getattr(node, f.name), _join(prefix, f.name))
+            for f in attrs.fields(type(node))
+            if f.init
+        }
+        return attrs.evolve(node, **changes)
+    if isinstance(node, Mapping):
+        return {k: _rebuild(flat, v, _join(prefix, k)) for k, v in node.items()}
+    if isinstance(node, (tuple, list)):
+        items = [_rebuild(flat, v, _join(prefix, i)) for i, v in enumerate(node)]
+        if hasattr(node, "_fields"):  # namedtuple
+            return type(node)(*items)
+        return type(node)(items)
+    raise TypeError(f"cannot rebuild {type(node).__name__} at {prefix or '<root>'!r}")

@@ -1,0 +1,1 @@
+"""Process groups: collectives, torchrun, failures across ranks, data shards."""

@@ -1,0 +1,1 @@
+"""Evaluation: reducers (transducers over batches), evaluate/predict, schedules."""

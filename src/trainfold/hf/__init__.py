@@ -1,0 +1,1 @@
+"""The HF-compatible surface: TrainingArguments, train/evaluate/predict, TrainerCallbacks, GRPO runs."""

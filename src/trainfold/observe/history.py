@@ -1,0 +1,334 @@
+"""The log history as an append-only file next to the checkpoints, read back lazily.
+
+``HistoryFile`` appends one JSON line per log entry to ``output_dir/log_history.jsonl`` and
+knows where it stands (``position()``: bytes, entries and the CRC-32 of what was written); a
+checkpoint's sidecar keeps that position, not the entries, so a save costs the same at step 10
+and at step 100 000. ``HistoryFile.resume`` truncates the file back to a checkpoint's position
+(after checking that its bytes are the ones the checkpoint saw). ``LogHistory`` is the sequence
+``TrainResult.log_history`` hands out: it reads the file when asked and holds no entries.
+
+>>> import pathlib, tempfile
+>>> path = pathlib.Path(tempfile.mkdtemp()) / HISTORY_FILE
+>>> with HistoryFile(path) as h:
+...     h.append({"loss": 2.5, "step": 1})
+...     at = h.position()
+...     h.append({"loss": 2.0, "step": 2})
+>>> list(LogHistory(path, at["offset"], at["entries"])), len(LogHistory(path, **HistoryFile.span(path)))
+([{'loss': 2.5, 'step': 1}], 2)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+import weakref
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["HISTORY_FILE", "HistoryFile", "LogHistory", "verify", "start", "window_state", "restore_window"]
+
+HISTORY_FILE = "log_history.jsonl"
+_FIX = "resume from another checkpoint, or start fresh (log_history then starts empty)"
+
+
+def _plain(value: Any) -> Any:
+    """JSON for what a metric function may return besides Python numbers (numpy / torch scalars, arrays)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return str(value)
+
+
+def verify(origin: str | os.PathLike, position: Any, *, source: str | os.PathLike) -> None:
+    """Check that ``origin`` starts with the log history a checkpoint (``source``) recorded at ``position``.
+
+    Raises ``ValueError`` naming the file and the checkpoint otherwise; reads, never writes.
+    """
+    origin = Path(origin)
+    if not (
+        isinstance(position, Mapping)
+        and sorted(position) == ["crc32", "entries", "file", "offset"]
+        and all(
+            isinstance(position[k], int) and not isinstance(position[k], bool) and position[k] >= 0
+            for k in ("crc32", "entries", "offset")
+        )
+    ):
+        raise ValueError(
+            f"{source}: field 'metadata.log' must be {{'file', 'offset', 'entries', 'crc32'}} "
+            f"with counts, got {position!r:.100}; {_FIX}"
+        )
+    size = origin.stat().st_size if origin.is_file() else -1
+    if size < position["offset"]:
+        raise ValueError(
+            f"{origin} holds {max(size, 0)} bytes but {source} recorded the log history up to byte "
+            f"{position['offset']}; the file was truncated or replaced; {_FIX}"
+        )
+    crc, entries = 0, 0
+    with open(origin, "rb") as f:
+        left = position["offset"]
+        while left:
+            chunk = f.read(min(left, 1 << 22))
+            crc, entries, left = zlib.crc32(chunk, crc), entries + chunk.count(b"\n"), left - len(chunk)
+    if crc != position["crc32"] or entries != position["entries"]:
+        raise ValueError(
+            f"{origin} differs from the log history {source} recorded (CRC-32 or entry count); "
+            f"a later run rewrote it; {_FIX}"
+        )
+
+
+class HistoryFile:
+    """Append log entries (JSON-ready dicts) to ``path``; ``position()`` says where the file stands.
+
+    A new ``HistoryFile`` empties the file (a fresh start); ``HistoryFile.resume`` continues one.
+    ``sync()`` makes the written entries durable before a checkpoint records the position.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, _at: Mapping[str, int] | None = None) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        at = _at or {"offset": 0, "entries": 0, "crc32": 0}
+        _before_truncating(self.path, at["offset"])
+        self._file = open(self.path, "ab")  # noqa: SIM115 - closed by close()
+        self._file.truncate(at["offset"])
+        self.offset, self.entries, self.crc = at["offset"], at["entries"], at["crc32"]
+
+    @classmethod
+    def resume(
+        cls,
+        path: str | os.PathLike,
+        position: Any,
+        *,
+        source: str | os.PathLike,
+        copy_from: str | os.PathLike | None = None,
+    ) -> HistoryFile:
+        """Continue the history at a checkpoint's ``position`` (its sidecar's ``metadata.log``).
+
+        ``copy_from`` is the history file next to that checkpoint when it is not ``path`` (a
+        checkpoint of another output_dir). Raises ``ValueError`` naming the file and the
+        checkpoint (``source``) when the bytes are not the ones the checkpoint recorded.
+        """
+        path = Path(path)
+        origin = Path(copy_from) if copy_from is not None else path
+        verify(origin, position, source=source)
+        if origin != path:
+            _before_truncating(path, 0)
+            with open(origin, "rb") as src, open(path, "wb") as dst:
+                left = position["offset"]
+                while left:
+                    chunk = src.read(min(left, 1 << 22))
+                    dst.write(chunk)
+                    left -= len(chunk)
+        return cls(path, _at=position)
+
+    @staticmethod
+    def span(path: str | os.PathLike) -> dict[str, int]:
+        """Return ``{"end": bytes, "entries": lines}`` of a whole history file (for ``LogHistory``)."""
+        data = Path(path).read_bytes()
+        return {"end": len(data), "entries": data.count(b"\n")}
+
+    def append(self, entry: Mapping[str, Any]) -> None:
+        """Write ``entry`` as one line (flushed, not fsynced: ``sync`` does that before a save)."""
+        line = (json.dumps(dict(entry), default=_plain) + "\n").encode()
+        self._file.write(line)
+        self._file.flush()
+        self.offset, self.entries, self.crc = self.offset + len(line), self.entries + 1, zlib.crc32(line, self.crc)
+
+    def sync(self) -> None:
+        """Make every appended entry durable (called before a checkpoint records ``position()``)."""
+        os.fsync(self._file.fileno())
+
+    def position(self) -> dict[str, Any]:
+        """Return what a checkpoint's sidecar keeps: the file's name, bytes, entries and CRC-32."""
+        return {"file": self.path.name, "offset": self.offset, "entries": self.entries, "crc32": self.crc}
+
+    def history(self) -> LogHistory:
+        """Return the entries written so far, as a lazy sequence."""
+        return LogHistory(self.path, self.offset, self.entries, self.crc)
+
+    def close(self) -> None:
+        """Close the file; safe to call twice."""
+        if not self._file.closed:
+            self._file.close()
+
+    def __enter__(self) -> HistoryFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_LIVE: weakref.WeakValueDictionary[int, LogHistory] = weakref.WeakValueDictionary()
+
+
+def _before_truncating(path: Path, offset: int) -> None:
+    """Let the live ``LogHistory`` objects of ``path`` that reach past ``offset`` read their entries first."""
+    if not path.exists():
+        return
+    for history in list(_LIVE.values()):
+        if history.end > offset and history._held is None and history.path.exists() and history.path.samefile(path):
+            history._held = list(history._read())
+
+
+class LogHistory(Sequence[dict[str, Any]]):
+    """The first ``entries`` entries (``end`` bytes) of a history file, read when asked, never held.
+
+    Indexing, slicing, ``len``, iteration and ``==`` with a list work as on a list; ``list(h)``
+    makes one (e.g. for ``json.dump``). Reading a large history from the start costs a pass over
+    the file each time: iterate once where you can. When a later run in this process rewrites the
+    file, the entries are read into memory first, so the sequence does not change; when another
+    process rewrote it, reading raises ``ValueError`` (the file's CRC-32 no longer matches ``crc32``).
+    """
+
+    def __init__(self, path: str | os.PathLike, end: int, entries: int, crc32: int | None = None) -> None:
+        self.path, self.end, self.entries, self.crc32 = Path(path), int(end), int(entries), crc32
+        self._held: list[dict[str, Any]] | None = None
+        _LIVE[id(self)] = self
+
+    def _read(self) -> Iterator[dict[str, Any]]:
+        crc, left = 0, self.end
+        with open(self.path, "rb") as f:
+            for line in f:
+                if left <= 0:
+                    break
+                line = line[:left]
+                left -= len(line)
+                crc = zlib.crc32(line, crc)
+                try:
+                    entry = json.loads(line)
+                except ValueError:
+                    raise self._changed() from None
+                yield entry
+        if left > 0 or (self.crc32 is not None and crc != self.crc32):
+            raise self._changed()
+
+    def _changed(self) -> ValueError:
+        return ValueError(
+            f"{self.path} changed since this log history was written (another run in the same "
+            "output_dir rewrote it); keep list(result.log_history) before starting another run there"
+        )
+
+    def __len__(self) -> int:
+        return self.entries
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self._held is not None:
+            return iter(self._held)
+        return self._read()
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            wanted = range(self.entries)[index]
+            picked = set(wanted)
+            rows = {i: e for i, e in enumerate(self) if i in picked}
+            return [rows[i] for i in wanted]
+        i = range(self.entries)[index]  # IndexError as a list raises it
+        for k, entry in enumerate(self):
+            if k == i:
+                return entry
+        raise IndexError(f"{self.path} holds fewer than {i + 1} entries")
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (LogHistory, list, tuple)):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"LogHistory({str(self.path)!r}, {self.entries} entries)"
+
+
+def start(
+    output_dir: str | os.PathLike, source: str | os.PathLike | None, metadata: Mapping[str, Any] | None, *, writer: bool
+) -> HistoryFile | list[dict[str, Any]]:
+    """Return where a run logs: a ``HistoryFile`` in ``output_dir`` (the writer) or a list (other ranks).
+
+    A fresh start (``source`` None) empties the file. A resume continues it from the checkpoint's
+    ``metadata.log`` position (copying the prefix when the checkpoint lies in another directory),
+    or from a format-1 sidecar's ``metadata.log_history`` list. A history file that no longer
+    matches the checkpoint is reported with a warning and the history restarts empty (the
+    training state is not affected).
+    """
+    out = Path(output_dir) / HISTORY_FILE
+    entries: list[dict[str, Any]] = []
+    position = None
+    if source is not None:
+        sidecar = Path(source) / "trainfold.json"
+        metadata = metadata or {}
+        legacy = metadata.get("log_history")
+        if "log" in metadata:
+            position = metadata["log"]
+            if not (
+                isinstance(position, Mapping)
+                and isinstance(position.get("file"), str)
+                and position["file"] == HISTORY_FILE
+            ):
+                raise ValueError(
+                    f"{sidecar}: field 'metadata.log' must name {HISTORY_FILE}, got {position!r:.100}; {_FIX}"
+                )
+            origin = Path(source).parent / HISTORY_FILE
+            try:
+                if writer:
+                    copy = None if origin.resolve() == out.resolve() else origin
+                    return HistoryFile.resume(out, position, source=sidecar, copy_from=copy)
+                verify(origin, position, source=sidecar)
+                return list(LogHistory(origin, position["offset"], position["entries"]))
+            except (OSError, ValueError) as e:
+                if "metadata.log" in str(e):
+                    raise
+                warnings.warn(f"log_history restarts empty: {e}", UserWarning, stacklevel=2)
+        elif legacy is not None:
+            if not (isinstance(legacy, list) and all(isinstance(e, dict) for e in legacy)):
+                raise ValueError(
+                    f"{sidecar}: field 'metadata.log_history' must be a list of dicts, "
+                    f"got {type(legacy).__name__} {legacy!r:.60}; {_FIX}"
+                )
+            entries = legacy
+    if not writer:
+        return list(entries)
+    history = HistoryFile(out)
+    for entry in entries:
+        history.append(entry)
+    return history
+
+
+def window_state(window: Any) -> dict[str, Any]:
+    """Return a ``MetricWindow``'s sums as JSON (the sidecar's ``metadata.window``).
+
+    >>> from trainfold.observe.observers import MetricWindow
+    >>> window_state(MetricWindow({"rewards/margins": (1.5, 2)}, 4))
+    {'sums': {'rewards/margins': [1.5, 2]}, 'last_step': 4}
+    """
+    return {"sums": {k: [t, n] for k, (t, n) in window.sums.items()}, "last_step": window.last_step}
+
+
+def restore_window(window: Any, saved: Any, source: str | os.PathLike) -> None:
+    """Put a checkpoint's ``metadata.window`` back into ``window`` (so the first window after a resume is exact)."""
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    ok = (
+        isinstance(saved, Mapping)
+        and sorted(saved) == ["last_step", "sums"]
+        and count(saved["last_step"])
+        and isinstance(saved["sums"], Mapping)
+        and all(
+            isinstance(v, list)
+            and len(v) == 2
+            and isinstance(v[0], (int, float))
+            and count(v[1])
+            and v[1] > 0
+            and not isinstance(v[0], bool)
+            for v in saved["sums"].values()
+        )
+    )
+    if not ok:
+        raise ValueError(
+            f"{Path(source) / 'trainfold.json'}: field 'metadata.window' must be "
+            f"{{'sums': {{name: [total, steps]}}, 'last_step': int}}, got {saved!r:.100}; {_FIX}"
+        )
+    window.sums = {k: (float(t), int(n)) for k, (t, n) in saved["sums"].items()}
+    window.last_step = int(saved["last_step"])

@@ -1,0 +1,1 @@
+"""Training recipes on top of the step: NEFTune, DPO, GRPO, generation, ensembles."""

@@ -1,0 +1,1 @@
+"""The training step: the micro-batch driver, compiled and sharded variants, mixed precision, recomputation."""

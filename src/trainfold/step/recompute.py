@@ -1,0 +1,170 @@
+"""Gradient (activation) checkpointing as a scope, not a model setting: recompute blocks in backward.
+
+``recomputing(model)`` makes each block of ``model`` keep only its inputs during the forward pass
+and run again in the backward pass (``torch.utils.checkpoint``, non-reentrant, so it works with
+``torch.autograd.grad``), trading about one extra forward for the activations of every block. It
+lasts for the ``with`` block only: the model is left as it was, even when the step raises. The
+step enters it when built with ``make_step(..., gradient_checkpointing=True)`` (or
+``TrainingArguments(gradient_checkpointing=True)``).
+
+Blocks are the model's transformer layers: instances of transformers' ``GradientCheckpointingLayer``
+when there are any, otherwise the children of its longest ``nn.ModuleList`` (``layers``, ``h``,
+``blocks``). Random draws inside a block (dropout) are replayed exactly in the recomputation, so
+gradients equal those without checkpointing.
+
+Inside the scope the KV cache is off, as transformers' ``gradient_checkpointing_enable`` arranges:
+a recomputed block would append its keys and values to the cache a second time. Every module
+config with ``use_cache=True`` reads ``False`` for the duration (restored afterwards), and a
+block called with ``use_cache=True`` or a ``cache``/``past_key_values``/``layer_past`` gets
+``use_cache=False`` and no cache. Training never reads the cache, so the update is unchanged.
+
+>>> import torch
+>>> from trainfold.core.models import TinyLM, TinyLMConfig
+>>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=2, n_heads=2, max_len=8))
+>>> [name for name, _ in checkpoint_blocks(model)]
+['blocks.0', 'blocks.1']
+>>> with recomputing(model):
+...     inside = "forward" in vars(model.blocks[0])
+>>> inside, "forward" in vars(model.blocks[0])
+(True, False)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["checkpoint_blocks", "recomputing", "cache_configs", "cache_off"]
+
+_HF_LAYER = "GradientCheckpointingLayer"
+
+
+def checkpoint_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Return ``(name, module)`` for the blocks :func:`recomputing` checkpoints (see the module doc).
+
+    >>> import torch
+    >>> checkpoint_blocks(torch.nn.Linear(2, 2))
+    []
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    return [(names[id(b)], b) for b in _blocks(list(model.modules()))]
+
+
+@functools.cache
+def _is_hf_layer(cls: type) -> bool:
+    return any(c.__name__ == _HF_LAYER for c in cls.__mro__[1:])
+
+
+def _blocks(modules: list[nn.Module]) -> list[nn.Module]:
+    marked = [m for m in modules if _is_hf_layer(type(m))]
+    if marked:
+        return marked
+    lists = [m for m in modules if isinstance(m, nn.ModuleList) and len(m) > 0]
+    return list(max(lists, key=len)) if lists else []
+
+
+@contextlib.contextmanager
+def recomputing(
+    model: nn.Module,
+    blocks: list[nn.Module] | None = None,
+    every: int = 1,
+    modules: list[nn.Module] | None = None,
+    configs: Sequence[Any] | None = None,
+) -> Iterator[list[nn.Module]]:
+    """Checkpoint every ``every``-th of ``blocks`` (default: :func:`checkpoint_blocks`) for the duration; yield them.
+
+    ``every=2`` checkpoints blocks 0, 2, 4, … (HF's ``every_n_layers``): less recomputation, more
+    memory. ``modules`` is ``list(model.modules())`` when the caller has walked the tree already,
+    ``configs`` its :func:`cache_configs` when the caller has found them already.
+    Raises ``ValueError`` naming the fix when the model has no blocks to checkpoint.
+    """
+    if not (isinstance(every, int) and every >= 1):
+        raise ValueError(f"every must be an int >= 1 (1: every block), got {every!r}")
+    modules = list(model.modules()) if modules is None else modules
+    found = _blocks(modules) if blocks is None else list(blocks)
+    chosen = found[::every]
+    if not chosen:
+        raise ValueError(
+            f"gradient checkpointing found no blocks in {type(model).__name__}: it checkpoints transformers' "
+            "GradientCheckpointingLayer instances or the children of an nn.ModuleList; give the blocks explicitly"
+        )
+    patched: list[tuple[nn.Module, Any]] = []
+    with cache_off(cache_configs(modules) if configs is None else configs):
+        try:
+            for block in chosen:
+                patched.append((block, vars(block).get("forward")))
+                block.forward = _checkpointed(block.forward)  # an instance attribute: shadows the class's forward
+            yield chosen
+        finally:
+            for block, previous in reversed(patched):
+                if previous is None:
+                    del block.forward
+                else:
+                    block.forward = previous
+
+
+def cache_configs(modules: Iterable[nn.Module]) -> list[Any]:
+    """Return the distinct configs (transformers' ``module.config``) of ``modules`` that have a ``use_cache``.
+
+    >>> import types, torch
+    >>> lin = torch.nn.Linear(1, 1)
+    >>> lin.config = types.SimpleNamespace(use_cache=True)
+    >>> len(cache_configs([lin, torch.nn.Linear(1, 1)]))
+    1
+    """
+    found = {id(c): c for m in modules if (c := m.__dict__.get("config")) is not None}  # blocks share one config
+    return [c for c in found.values() if hasattr(c, "use_cache")]
+
+
+@contextlib.contextmanager
+def cache_off(configs: Sequence[Any]) -> Iterator[list[Any]]:
+    """Set ``use_cache=False`` on ``configs`` (from :func:`cache_configs`) for the duration; yield those changed.
+
+    Training never reads a KV cache; the step runs inside this scope with or without
+    checkpointing, so both compute the same thing.
+
+    >>> import types, torch
+    >>> lin = torch.nn.Linear(1, 1)
+    >>> lin.config = types.SimpleNamespace(use_cache=True)
+    >>> with cache_off(cache_configs([lin])) as changed:
+    ...     inside = lin.config.use_cache
+    >>> inside, lin.config.use_cache, len(changed)
+    (False, True, 1)
+    """
+    changed = [c for c in configs if getattr(c, "use_cache", None) is True]
+    try:
+        for config in changed:
+            _set_use_cache(config, False)
+        yield changed
+    finally:
+        for config in changed:
+            _set_use_cache(config, True)
+
+
+def _set_use_cache(config: Any, value: bool) -> None:
+    # transformers' configs validate every setattr (about 10 us); a plain field is written directly.
+    if "use_cache" in getattr(config, "__dict__", {}):
+        config.__dict__["use_cache"] = value
+    else:
+        config.use_cache = value
+
+
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        for name in _CACHE_KWARGS:
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run

@@ -1,0 +1,288 @@
+"""How the sharded step gathers: one transformer block's full params at a time, freed after use (``trainfold.step.sharded``).
+
+``_layout`` finds where each param lives in the module: the root's slots (embeddings, head, final
+norm: gathered for the whole forward) and each block's (``recompute.checkpoint_blocks``; gathered
+when the block runs). A group's ``Shard(0)`` DTensor shards travel in one collective: each local
+shard is padded to DTensor's chunk size, the group's are joined into one buffer and all-gathered;
+the backward pass reduce-scatters (sums) the full gradients the same way, so the gradients arrive
+as this rank's ``Shard(0)`` part of their sum over ranks. Without activation checkpointing the
+full tensors autograd saves are replaced by handles (``saved_tensors_hooks``) and gathered again
+in the backward pass, one group at a time.
+
+>>> _chunk(5, 2), _chunk(1, 4)   # rows per rank of a Shard(0) over 2 and 4 ranks
+(3, 1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from trainfold.step.recompute import checkpoint_blocks
+
+__all__ = ["gathered_bytes"]
+
+# -- where each param lives in the module, and which block gathers it -------------------------------------------
+
+
+Place = tuple[dict[str, Any], str, str]  # (a module's _parameters or _buffers, attribute, canonical name)
+
+
+@attrs.frozen(eq=False)
+class _Layout:
+    """The module's slots: the root's (gathered for the whole forward), each block's, and the buffers'."""
+
+    root: list[Place]
+    blocks: list[tuple[nn.Module, list[Place]]]
+    buffers: list[Place]
+
+    def names(self, places: list[Place]) -> list[str]:
+        return list(dict.fromkeys(name for _, _, name in places))
+
+
+def _layout(model: nn.Module, params: frozenset[str], per_block: bool) -> _Layout:
+    canonical = {id(t): n for n, t in model.named_parameters()}
+    canonical.update({id(t): n for n, t in model.named_buffers()})
+    blocks = checkpoint_blocks(model) if per_block else []
+    owner: dict[int, int] = {}  # id(module) -> block index
+    for i, (_, block) in enumerate(blocks):
+        for m in block.modules():
+            owner[id(m)] = i
+    slots: list[tuple[int, Place]] = []
+    seen: set[int] = set()
+    for m in model.modules():
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        for d in (m._parameters, m._buffers):
+            slots += [(owner.get(id(m), -1), (d, a, canonical[id(t)])) for a, t in d.items() if t is not None]
+    homes: dict[str, set[int]] = {}
+    for where, (_, _, name) in slots:
+        homes.setdefault(name, set()).add(where)
+    home = {n: next(iter(w)) if len(w) == 1 else -1 for n, w in homes.items()}  # shared across blocks: the root's
+    trained = [(home[p[2]], p) for _, p in slots if p[2] in params]
+    return _Layout(
+        root=[p for h, p in trained if h == -1],
+        blocks=[(b, [p for h, p in trained if h == i]) for i, (_, b) in enumerate(blocks)],
+        buffers=[p for _, p in slots if p[2] not in params],
+    )
+
+
+@contextlib.contextmanager
+def _swapped(places: list[Place], values: Mapping[str, Tensor]) -> Iterator[None]:
+    saved = []
+    try:
+        for d, attr, name in places:
+            saved.append(d[attr])
+            d[attr] = values[name]
+        yield
+    finally:
+        for (d, attr, _), old in zip(reversed(places[: len(saved)]), reversed(saved)):
+            d[attr] = old
+
+
+# -- gathering ------------------------------------------------------------------------------------------------
+
+
+_live: dict[int, int] = {}  # id -> bytes of the gathered full params alive now (gathered_bytes measures it)
+_peak = [0]
+
+
+def _track(t: Tensor) -> None:
+    key, nbytes = id(t), t.numel() * t.element_size()
+    _live[key] = nbytes
+    _peak[0] = max(_peak[0], sum(_live.values()))
+    weakref.finalize(t, _live.pop, key, None)
+
+
+@contextlib.contextmanager
+def gathered_bytes() -> Iterator[list[int]]:
+    """Measure the most bytes of gathered full params alive at once while the block runs: ``[peak]`` after it."""
+    _peak[0] = sum(_live.values())
+    out = [0]
+    try:
+        yield out
+    finally:
+        out[0] = _peak[0]
+
+
+def _gather(leaf: Tensor, grad: bool = True) -> Tensor:
+    if not isinstance(leaf, DTensor):
+        return leaf
+    n = leaf.device_mesh.ndim
+    full = leaf.redistribute(leaf.device_mesh, [Replicate()] * n)
+    local = full.to_local(grad_placements=[Partial()] * n) if grad else full.to_local()
+    if hasattr(local, "wait") and type(local) is not Tensor:  # an AsyncCollectiveTensor: wait, keep the autograd edge
+        local = local * 1 if grad else local.wait()
+    _track(local)
+    return local
+
+
+Spec = tuple[Any, int, tuple[torch.Size, ...]]  # (process group, world size, each param's full shape)
+
+
+def _chunk(rows: int, world: int) -> int:
+    return -(-rows // world)  # DTensor's Shard(0): ceil-sized chunks, the last ones short or empty
+
+
+def _all_gather(spec: Spec, locals_: Sequence[Tensor]) -> list[Tensor]:
+    """All-gather the ``Shard(0)`` locals of a group in one collective: each padded to its chunk, flattened, joined."""
+    group, world, shapes = spec
+    pieces = []
+    for t, shape in zip(locals_, shapes):
+        padded = t.new_zeros((_chunk(shape[0], world), *shape[1:]))
+        padded[: t.shape[0]] = t
+        pieces.append(padded.reshape(-1))
+    flat = torch.cat(pieces)
+    out = flat.new_empty(world * flat.numel())
+    dist.all_gather_single(out, flat, group=group)
+    rows, fulls, offset = out.view(world, -1), [], 0
+    for shape in shapes:
+        n = _chunk(shape[0], world) * shape[1:].numel()
+        fulls.append(rows[:, offset : offset + n].reshape(-1, *shape[1:])[: shape[0]].contiguous())
+        offset += n
+    return fulls
+
+
+class _AllGather(torch.autograd.Function):
+    """Forward: one all-gather of a group's shards. Backward: one reduce-scatter (sum) of their full gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, spec: Spec, *locals_: Tensor) -> tuple[Tensor, ...]:
+        ctx.spec, ctx.rows = spec, [t.shape[0] for t in locals_]
+        return tuple(_all_gather(spec, locals_))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
+        group, world, shapes = ctx.spec
+        parts = []
+        for g, shape in zip(grads, shapes):
+            padded = torch.zeros(
+                (world * _chunk(shape[0], world), *shape[1:]), dtype=grads_dtype(grads), device=grads_device(grads)
+            )
+            if g is not None:
+                padded[: shape[0]] = g
+            parts.append(padded.view(world, -1))
+        flat = torch.cat(parts, dim=1).contiguous()
+        out = flat.new_empty(flat.shape[1])
+        dist.reduce_scatter_single(out, flat.view(-1), op=dist.ReduceOp.SUM, group=group)
+        local, offset = [], 0
+        for shape, rows in zip(shapes, ctx.rows):
+            n = _chunk(shape[0], world) * shape[1:].numel()
+            local.append(out[offset : offset + n].view(-1, *shape[1:])[:rows])
+            offset += n
+        return (None, *local)
+
+
+def grads_dtype(grads: Sequence[Tensor | None]) -> torch.dtype:
+    return next(g.dtype for g in grads if g is not None)
+
+
+def grads_device(grads: Sequence[Tensor | None]) -> torch.device:
+    return next(g.device for g in grads if g is not None)
+
+
+def _gather_group(leaves: Sequence[Tensor], grad: bool) -> list[Tensor]:
+    """Return the full tensors of ``leaves``: the ``Shard(0)`` ones of one dtype in one collective, others singly."""
+    coalesced = [
+        i
+        for i, t in enumerate(leaves)
+        if isinstance(t, DTensor) and t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),)
+    ]
+    if len({leaves[i].dtype for i in coalesced}) > 1:
+        coalesced = []
+    out: list[Tensor | None] = [None] * len(leaves)
+    if coalesced:
+        mesh = leaves[coalesced[0]].device_mesh
+        spec = (mesh.get_group(), mesh.size(), tuple(leaves[i].shape for i in coalesced))
+        locals_ = [leaves[i].to_local() for i in coalesced]
+        fulls = _AllGather.apply(spec, *locals_) if grad else _all_gather(spec, locals_)
+        for i, full in zip(coalesced, fulls):
+            _track(full)
+            out[i] = full
+    for i, t in enumerate(leaves):
+        if out[i] is None:
+            out[i] = _gather(t, grad)
+    return out  # type: ignore[return-value]
+
+
+class _Gatherer:
+    """Gathers a group's full params when it runs; drops them after, re-gathering in backward what autograd saved."""
+
+    def __init__(self, layout: _Layout, leaves: Mapping[str, Tensor], free: bool) -> None:
+        self.layout, self.leaves, self.free = layout, leaves, free
+        self.groups = [layout.names(layout.root)] + [layout.names(p) for _, p in layout.blocks]
+        self.registry: dict[int, tuple[int, str, int]] = {}  # storage address -> (group, name, its offset)
+        self.cache: tuple[int, dict[str, Tensor]] | None = None  # the group regathered for backward
+        self.bypass = False  # True while the model runs on other params than the shards
+
+    def gather(self, group: int) -> dict[str, Tensor]:
+        names = self.groups[group]
+        full = dict(zip(names, _gather_group([self.leaves[n] for n in names], grad=True)))
+        if self.free:
+            for n, t in full.items():
+                self.registry[t.untyped_storage().data_ptr()] = (group, n, t.storage_offset())
+        return full
+
+    def forget(self, full: Mapping[str, Tensor]) -> None:
+        for t in full.values():
+            self.registry.pop(t.untyped_storage().data_ptr(), None)
+
+    def pack(self, t: Tensor) -> Any:
+        if type(t) is not Tensor or not self.registry:
+            return t
+        hit = self.registry.get(t.untyped_storage().data_ptr())
+        if hit is None:
+            return t
+        group, name, base = hit
+        return (group, name, tuple(t.shape), t.stride(), t.storage_offset() - base)
+
+    def unpack(self, saved: Any) -> Tensor:
+        if isinstance(saved, Tensor):
+            return saved
+        group, name, shape, stride, offset = saved
+        if self.cache is None or self.cache[0] != group:
+            self.cache = None  # drop the previous group before gathering the next
+            with torch.no_grad():
+                names = self.groups[group]
+                self.cache = (group, dict(zip(names, _gather_group([self.leaves[n] for n in names], grad=False))))
+        full = self.cache[1][name]
+        return full.as_strided(shape, stride, full.storage_offset() + offset)
+
+    @contextlib.contextmanager
+    def patched(self) -> Iterator[None]:
+        """For the duration: each block's forward gathers its params around the block's own forward."""
+        done: list[tuple[nn.Module, Any]] = []
+        try:
+            for i, (block, places) in enumerate(self.layout.blocks, start=1):
+                if places:
+                    done.append((block, vars(block).get("forward")))
+                    block.forward = self._block_forward(block.forward, i, places)
+            yield
+        finally:
+            for block, previous in reversed(done):
+                if previous is None:
+                    del block.forward
+                else:
+                    block.forward = previous
+
+    def _block_forward(self, forward: Callable[..., Any], group: int, places: list[Place]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self.bypass:  # a forward on other params (a frozen reference): functional_call swapped them in
+                return forward(*args, **kwargs)
+            full = self.gather(group)
+            try:
+                with _swapped(places, full):
+                    return forward(*args, **kwargs)
+            finally:
+                self.forget(full)
+
+        return run
