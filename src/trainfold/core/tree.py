@@ -31,6 +31,7 @@ __all__ = [
     "check_keys",
     "flatten",
     "unflatten",
+    "map_tensors",
 ]
 
 
@@ -200,3 +201,36 @@ def _rebuild(flat: Mapping[str, Tensor], node: Any, prefix: str) -> Any:
             return type(node)(*items)
         return type(node)(items)
     raise TypeError(f"cannot rebuild {type(node).__name__} at {prefix or '<root>'!r}")
+
+
+def map_tensors(fn: Callable[..., Any], node: Any, *rest: Any) -> Any:
+    """Apply ``fn`` to every tensor leaf of a nested record, returning a record of the same shape.
+
+    Dicts, lists, tuples, namedtuples and attrs records are rebuilt (attrs by ``evolve`` on their
+    init fields); other leaves (``None``, numbers, strings) are kept. With ``rest``, the records
+    must have ``node``'s structure and ``fn`` gets the matching leaves of all of them.
+
+    >>> import torch
+    >>> out = map_tensors(lambda t: t * 2, {"a": torch.tensor(1), "b": [torch.tensor(2), None, "x"]})
+    >>> out["a"].item(), out["b"][0].item(), out["b"][1:]
+    (2, 4, [None, 'x'])
+    >>> map_tensors(torch.add, (torch.tensor(1),), (torch.tensor(2),))[0].item()
+    3
+    """
+    if isinstance(node, Tensor):
+        return fn(node, *rest)
+    if attrs.has(type(node)):
+        changes = {
+            f.name: map_tensors(fn, getattr(node, f.name), *(getattr(r, f.name) for r in rest))
+            for f in attrs.fields(type(node))
+            if f.init
+        }
+        return attrs.evolve(node, **changes)
+    if isinstance(node, Mapping):
+        return {k: map_tensors(fn, v, *(r[k] for r in rest)) for k, v in node.items()}
+    if isinstance(node, (tuple, list)):
+        items = [map_tensors(fn, v, *(r[i] for r in rest)) for i, v in enumerate(node)]
+        if hasattr(node, "_fields"):  # namedtuple
+            return type(node)(*items)
+        return type(node)(items)
+    return node
