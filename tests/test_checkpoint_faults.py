@@ -24,10 +24,9 @@ import pytest
 import torch
 from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
 
-from trainfold import TrainingArguments
+from trainfold import TrainingArguments, train
 from trainfold.ckpt import checkpoint, run_dir
 from trainfold.core.tree import flatten
-from trainfold.hf import train
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent

@@ -9,11 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold import TrainingArguments
+from trainfold import TrainingArguments, train
 from trainfold.core.losses import cross_entropy
 from trainfold.data.columns import Columns, columns_for, eval_collate, signature_columns, with_columns
 from trainfold.data.pipeline import keyed
-from trainfold.hf import train
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")

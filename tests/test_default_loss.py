@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from resume_fixture import ListDataset as Rows
 from torch import nn
 
-from trainfold import TrainingArguments, adamw, init_state, make_step
+from trainfold import TrainingArguments, adamw, init_state, make_step, train
 from trainfold.core.losses import (
     bce_with_logits,
     causal_lm,
@@ -26,7 +26,6 @@ from trainfold.core.losses import (
     sequence_classification,
 )
 from trainfold.core.models import TinyLM, TinyLMConfig
-from trainfold.hf import train
 from trainfold.testing import on_simulated_ranks
 
 transformers = pytest.importorskip("transformers")

@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from resume_fixture import endless_cli_config
 from safetensors.torch import load_file, save_file
 
-from trainfold import TrainingArguments
+from trainfold import TrainingArguments, train
 from trainfold.ckpt import checkpoint
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import init_state
@@ -46,7 +46,6 @@ from trainfold.dist.distributed import (
 )
 from trainfold.eval.evaluation import evaluate, predict
 from trainfold.eval.reducers import pad_concat
-from trainfold.hf import train
 from trainfold.optim.base import adamw
 from trainfold.step.driver import make_step
 from trainfold.testing import on_simulated_ranks

@@ -8,12 +8,11 @@ import math
 import pytest
 import torch
 
-from trainfold import TrainingArguments
+from trainfold import TrainingArguments, train
 from trainfold.ckpt.checkpoint import list_checkpoints
 from trainfold.core.losses import causal_lm
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import TrainState
-from trainfold.hf import train
 from trainfold.observe.divergence import diverged, nonfinite_params
 from trainfold.optim.base import GradientTransformation, sgd
 

@@ -360,7 +360,7 @@ def args(**kw):
 
 
 def test_train_trains_the_modules_own_storage_bitwise_as_the_pure_fold():
-    from trainfold.hf import train
+    from trainfold import train
 
     model = tiny()
     reference = tiny()
@@ -374,7 +374,7 @@ def test_train_trains_the_modules_own_storage_bitwise_as_the_pure_fold():
 
 
 def test_a_diverged_train_leaves_the_module_holding_the_states_weights():
-    from trainfold.hf import train
+    from trainfold import train
 
     def nan_at_2(outputs, labels, num_items):
         loss = causal_lm(outputs, labels, num_items)
@@ -396,7 +396,7 @@ def test_a_diverged_train_leaves_the_module_holding_the_states_weights():
 
 
 def test_a_train_that_raises_leaves_the_module_with_the_last_completed_steps_weights():
-    from trainfold.hf import train
+    from trainfold import train
 
     def failing_at(n):
         calls = []
@@ -425,7 +425,7 @@ def test_a_train_that_raises_leaves_the_module_with_the_last_completed_steps_wei
 
 
 def test_a_dpo_reference_taken_from_the_module_stays_frozen_while_train_trains_the_module():
-    from trainfold.hf import train
+    from trainfold import train
     from trainfold.recipes.dpo import dpo_objective, preference_collate
 
     model = tiny()

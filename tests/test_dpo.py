@@ -293,8 +293,7 @@ def test_loss_and_metrics_match_trl(tmp_path):
 
 def test_train_keeps_the_preference_columns_the_objective_reads(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from trainfold import TrainingArguments
-    from trainfold.hf import train
+    from trainfold import TrainingArguments, train
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from trainfold import TrainingArguments
+from trainfold import TrainingArguments, train
 from trainfold import evaluate as evaluate_run
-from trainfold.hf import train
 from trainfold.recipes.dpo import dpo_objective, preference_collate
 
 transformers = pytest.importorskip("transformers")

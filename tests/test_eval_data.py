@@ -10,12 +10,11 @@ import pytest
 import torch
 from resume_fixture import ListDataset
 
-from trainfold import TrainingArguments, evaluate, predict
+from trainfold import TrainingArguments, evaluate, predict, train
 from trainfold.core.losses import causal_lm
 from trainfold.data.pipeline import eval_loader, pad_collate
 from trainfold.dist.distributed import shard
 from trainfold.eval.evaluation import eval_sets
-from trainfold.hf import train
 
 transformers = pytest.importorskip("transformers")
 

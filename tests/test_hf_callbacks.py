@@ -7,8 +7,7 @@ import pytest
 import torch
 from resume_fixture import ListDataset
 
-from trainfold import TrainingArguments
-from trainfold.hf import train
+from trainfold import TrainingArguments, train
 
 transformers = pytest.importorskip("transformers")
 

@@ -19,8 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from resume_fixture import ListDataset
 
-from trainfold import TrainingArguments
-from trainfold.hf import train
+from trainfold import TrainingArguments, train
 from trainfold.hf.train import BEST
 from trainfold.observe.stopping import early_stopping
 

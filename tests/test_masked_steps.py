@@ -11,9 +11,8 @@ import warnings
 import pytest
 import torch
 
-from trainfold import TrainingArguments
+from trainfold import TrainingArguments, train
 from trainfold.core.models import TinyLM, TinyLMConfig
-from trainfold.hf import train
 
 
 def lm() -> TinyLM:

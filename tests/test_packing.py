@@ -198,7 +198,7 @@ LM_SETTINGS = {
 
 @pytest.mark.parametrize("name", sorted(LM_SETTINGS))
 def test_llm_settings_train_and_resume_bitwise(name, tmp_path):
-    from trainfold.hf import train
+    from trainfold import train
 
     docs = documents([3 + (7 * i) % 19 for i in range(40)], seed=5)
     settings = LM_SETTINGS[name]
@@ -213,7 +213,7 @@ def test_llm_settings_train_and_resume_bitwise(name, tmp_path):
 
 
 def test_the_chunked_loss_trains_like_the_plain_one(tmp_path):
-    from trainfold.hf import train
+    from trainfold import train
 
     docs = documents([3 + (5 * i) % 17 for i in range(30)], seed=6)
     plain = train(llama("sdpa"), run_args(tmp_path / "plain", save_strategy="no"), docs)
@@ -226,8 +226,7 @@ def test_the_chunked_loss_trains_like_the_plain_one(tmp_path):
 
 
 def test_llm_settings_refuse_what_they_cannot_do_exactly(tmp_path):
-    from trainfold import TrainingArguments
-    from trainfold.hf import train
+    from trainfold import TrainingArguments, train
 
     docs = documents([4, 5, 6, 7])
     with pytest.raises(ValueError, match="packing_strategy='wrapped' cuts documents"):

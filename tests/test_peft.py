@@ -10,13 +10,12 @@ import pytest
 import safetensors.torch
 import torch
 
-from trainfold import TrainingArguments
+from trainfold import TrainingArguments, train
 from trainfold.ckpt import checkpoint
 from trainfold.ckpt.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from trainfold.ckpt.checkpoint import STATE_FILE, CheckpointError
 from trainfold.core.state import init_state
 from trainfold.core.tree import flatten
-from trainfold.hf import train
 from trainfold.optim.base import adamw
 
 transformers = pytest.importorskip("transformers")

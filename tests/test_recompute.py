@@ -8,10 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold import TrainingArguments, adamw, init_state, make_step
+from trainfold import TrainingArguments, adamw, init_state, make_step, train
 from trainfold.core.losses import causal_lm
 from trainfold.core.models import TinyLM, TinyLMConfig
-from trainfold.hf import train
 from trainfold.step.recompute import checkpoint_blocks, recomputing
 from trainfold.testing import saved_for_backward
 

@@ -22,7 +22,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
 
-from trainfold import TrainingArguments
+from trainfold import TrainingArguments, train
 from trainfold.ckpt import checkpoint, run_dir
 from trainfold.ckpt.checkpoint import (
     MODEL_FILE,
@@ -39,7 +39,6 @@ from trainfold.ckpt.checkpoint import (
 from trainfold.ckpt.policy import rotate
 from trainfold.core.state import init_state, scalar
 from trainfold.core.tree import flatten
-from trainfold.hf import train
 from trainfold.observe.history import HISTORY_FILE, LogHistory
 from trainfold.optim.base import adamw
 

@@ -132,7 +132,7 @@ def run_args(out: Path, **over):
 
 
 def elastic_run(out: Path, resume=None, **over):
-    from trainfold.hf import train
+    from trainfold import train
 
     return train(tiny(), run_args(out, **over), rows(), resume_from_checkpoint=resume)
 

@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainfold import TrainingArguments
+from trainfold import TrainingArguments, train
 from trainfold.ckpt import checkpoint
 from trainfold.core.tree import flatten
-from trainfold.hf import train
 from trainfold.observe.history import HISTORY_FILE, LogHistory
 
 ROOT = Path(__file__).resolve().parents[1]
