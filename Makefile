@@ -26,6 +26,7 @@ demo: $(VENV)/.core
 
 test: $(VENV)/.test
 	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.test

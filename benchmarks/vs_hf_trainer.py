@@ -1,4 +1,4 @@
-"""Side-by-side: hand-written eager loop, transformers.Trainer, trainfold.hf.train eager and compiled.
+"""Side-by-side: hand-written eager loop, transformers.Trainer, trainfold.train eager and compiled.
 
 Same Llama-like model, data and hyperparameters (accumulation 2, warmup, clipping, weight decay,
 linear schedule, logging every 10 steps, no saving), the same number of steps. Each run is a fresh
@@ -171,7 +171,7 @@ def run_trainfold(model, rows, batch, steps, device, bf16, output_dir, compiled)
     args = trainfold.TrainingArguments(
         use_cpu=device == "cpu", torch_compile=compiled, **_settings(steps, batch, output_dir, bf16)
     )
-    trainfold.hf.train(model, args, rows, stop=stamp)
+    trainfold.train(model, args, rows, stop=stamp)
     stamps.append(time.perf_counter())
     return stamps[:1] + stamps[1:-1][: steps - 1] + stamps[-1:]
 

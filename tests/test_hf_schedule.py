@@ -1,7 +1,7 @@
 """When ``train`` logs, evaluates and saves: step for step what a real ``transformers.Trainer`` does.
 
 Each case runs the Trainer on a tiny Llama with a callback that records ``on_evaluate``,
-``on_save`` and ``on_log``, then ``trainfold.hf.train`` with the same settings, and compares the
+``on_save`` and ``on_log``, then ``trainfold.train`` with the same settings, and compares the
 step numbers: trainfold's eval entries in ``log_history``, the checkpoints on disk, the logs
 (trainfold also logs the last step's partial window, which HF drops) and the best step.
 """

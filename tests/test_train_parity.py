@@ -1,4 +1,4 @@
-"""``trainfold.hf.train`` reproduces ``transformers.Trainer`` where the Trainer is right.
+"""``trainfold.train`` reproduces ``transformers.Trainer`` where the Trainer is right.
 
 A small LlamaForCausalLM from config, the same initial weights and data order (sequential),
 gradient accumulation 2, warmup, weight decay, clipping and the linear schedule, 12 steps.

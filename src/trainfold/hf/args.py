@@ -47,7 +47,7 @@ _OPT_STR = (str, type(None))
 
 @attrs.frozen(init=False)
 class TrainingArguments:
-    """Settings for ``trainfold.hf.train`` under their HF ``TrainingArguments`` names and defaults.
+    """Settings for ``trainfold.train`` under their HF ``TrainingArguments`` names and defaults.
 
     >>> args = TrainingArguments(max_steps=5)
     >>> args.replace(learning_rate=1e-3).learning_rate, TrainingArguments.from_dict({"max_steps": 3}).max_steps

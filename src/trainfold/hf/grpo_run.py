@@ -1,6 +1,6 @@
-"""``train(model, args, prompts, reward_funcs)``: GRPO as a run of ``trainfold.hf.train``, with TRL 1.16's semantics.
+"""``train(model, args, prompts, reward_funcs)``: GRPO as a run of ``trainfold.train``, with TRL 1.16's semantics.
 
-The run is ``trainfold.hf.train`` fed by a :class:`~trainfold.data.pipeline.StateStream`, so it has every
+The run is ``trainfold.train`` fed by a :class:`~trainfold.data.pipeline.StateStream`, so it has every
 piece of a run: checkpoints (periodic, best, JIT on SIGTERM), bitwise resume, reporters, the
 console, evaluation. What GRPO adds is the generation schedule of TRL's ``GRPOTrainer``:
 
@@ -399,7 +399,7 @@ def grpo_stream(
     ref_params: Any = None,
     eval_prompts: Any = None,
 ) -> GRPORun:
-    """Return the run's :class:`GRPORun`, checked (its ``stream()`` is what ``train`` feeds ``trainfold.hf.train``)."""
+    """Return the run's :class:`GRPORun`, checked (its ``stream()`` is what ``train`` feeds ``trainfold.train``)."""
     if not isinstance(args, GRPOArguments):
         raise TypeError(
             f"grpo train takes GRPOArguments (TrainingArguments + TRL's GRPOConfig names), not "
@@ -479,7 +479,7 @@ def train(
     read back with ``decode``) or a ``processing_class`` tokenizer. ``eval_prompts`` are scored
     like training generations at each evaluation (``eval_reward``, ``eval_rewards/{name}/mean``...).
     With ``beta > 0`` the KL is taken to ``ref_params`` (default: the model's weights as given).
-    The other keywords go to ``trainfold.hf.train`` (``optimizer``, ``observers``,
+    The other keywords go to ``trainfold.train`` (``optimizer``, ``observers``,
     ``resume_from_checkpoint``, ``stop``, ``callbacks``, ``early_stopping``).
 
     >>> import tempfile

@@ -10,7 +10,7 @@ The pieces:
 * :func:`grpo_objective`: the clipped surrogate (``epsilon`` per token) plus ``beta``·KL(k3) to
   the reference, normalised as ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``; plugs into ``make_step``;
 * :func:`train` (``trainfold.hf.grpo_run``): the run, with TRL's ``GRPOConfig`` names and generation
-  schedule, through ``trainfold.hf.train``; ``make_rollout`` and ``grpo_trajectory``
+  schedule, through ``trainfold.train``; ``make_rollout`` and ``grpo_trajectory``
   (``trainfold.recipes.grpo_loop``): a hand-written loop for research code.
 
 Per-token tensors are laid out like the rows: ``input_ids`` is ``prompt + completion`` per row,
