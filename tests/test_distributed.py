@@ -38,12 +38,10 @@ from trainfold.dist.distributed import (
     ProcessGroupCollective,
     agreed_stop,
     collective_from_env,
-    evaluate_sharded,
-    gather_rows,
-    predict_sharded,
     shard,
     shard_bounds,
 )
+from trainfold.eval import evaluate_sharded, gather_rows, predict_sharded
 from trainfold.eval.evaluation import evaluate, predict
 from trainfold.eval.reducers import pad_concat
 from trainfold.optim.base import adamw
