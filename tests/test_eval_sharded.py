@@ -145,6 +145,11 @@ def test_an_objectives_metrics_are_exact_means_over_every_ranks_items():
     ):
         assert sorted(got) == ["eval_loss", "eval_mean_logit"]
         assert got == pytest.approx(whole, rel=1e-12)
+    kw = {"objective": objective, "speed_metrics": False}
+    for got in on_ranks(
+        contiguous(batches, [2]), lambda c, mine: evaluate_sharded(forward, params, mine, collective=c, **kw)
+    ):
+        assert got == pytest.approx(whole, rel=1e-12)
 
 
 def test_a_rank_without_batches_still_gathers_record_predictions():

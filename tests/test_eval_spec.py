@@ -72,6 +72,11 @@ def test_every_keyword_of_the_entry_points_is_a_spec_field(entry):
     assert set(inspect.signature(entry).parameters) - NOT_SETTINGS <= fields
 
 
+@pytest.mark.parametrize(("sharded", "alone"), [(evaluate_sharded, evaluate), (predict_sharded, predict)])
+def test_the_sharded_forms_take_every_setting_of_the_one_process_forms(sharded, alone):
+    assert set(inspect.signature(alone).parameters) <= set(inspect.signature(sharded).parameters)
+
+
 def test_the_keyword_forms_are_the_spec_forms():
     kw = {"compute_metrics": rows, "include_for_metrics": ["inputs"], "eval_accumulation_steps": 1}
     kw |= {"loss": cross_entropy, "speed_metrics": False}

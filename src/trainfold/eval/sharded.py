@@ -49,6 +49,8 @@ def evaluate_sharded(
     eval_accumulation_steps: int | None = None,
     include_for_metrics: Iterable[str] = (),
     main_input_name: str = "input_ids",
+    move: Callable[[Tensor], Tensor] | None = None,
+    objective: Callable[..., Any] | None = None,
 ) -> dict[str, float]:
     """Evaluate this rank's shard (``batches``, from ``shard``) and return the whole eval set's metrics.
 
@@ -58,6 +60,7 @@ def evaluate_sharded(
     (preprocessed) predictions, labels and ``include_for_metrics`` are moved to the host every
     ``eval_accumulation_steps`` batches, then gathered in rank order, i.e. dataset order, and
     ``compute_metrics`` sees the whole set on every rank, so every rank returns the same metrics.
+    An ``objective``'s metrics are merged like the loss: exact means over every rank's items.
     The settings are those of :class:`EvalSpec`; this is ``evaluate_with(EvalSpec(...), ...,
     collective=collective)``, and ``collective=None`` is one process (``evaluate``).
     """
@@ -83,6 +86,8 @@ def predict_sharded(
     eval_accumulation_steps: int | None = None,
     include_for_metrics: Iterable[str] = (),
     main_input_name: str = "input_ids",
+    move: Callable[[Tensor], Tensor] | None = None,
+    objective: Callable[..., Any] | None = None,
 ) -> PredictionOutput:
     """Return the whole set's predictions and labels in dataset order, and its metrics, from this rank's shard.
 
