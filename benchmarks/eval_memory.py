@@ -1,11 +1,12 @@
 """Memory held by accumulated eval predictions: full logits vs argmax vs argmax + eval_accumulation_steps.
 
 A causal LM with a 32k vocabulary (an embedding and a linear head: the head's logits are what
-matters) is evaluated with ``trainfold.eval.evaluation.predict`` on an eval set grown 1x, 4x and 16x:
+matters) is evaluated with ``trainfold.eval.predict_with`` on an eval set grown 1x, 4x and 16x:
 
 (a) full logits accumulated (no ``preprocess_logits_for_metrics``);
 (b) ``preprocess_logits_for_metrics=argmax``;
-(c) argmax and ``eval_accumulation_steps=2``.
+(c) argmax and ``eval_accumulation_steps=2``;
+(d) as (c), through sharded evaluation (``predict_with(spec, ..., collective=)``, one rank).
 
 For each case it reports the peak bytes of predictions waiting on the eval device (counted
 exactly: bytes that ``preprocess_logits_for_metrics`` produced and the ``move`` hook has not yet
@@ -27,7 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainfold.eval.evaluation import predict
+from trainfold.dist import SingleProcess
+from trainfold.eval import EvalSpec, predict_with
 
 VOCAB, D_MODEL, SEQ, BATCH, BASE_BATCHES, ACCUM = 32_000, 64, 32, 4, 2, 2
 
@@ -93,10 +95,22 @@ class _Meter:
 
 
 CASES = {
-    "(a) full logits": (lambda x: x, None),
-    "(b) argmax": (lambda x: x.argmax(-1), None),
-    f"(c) argmax + accum {ACCUM}": (lambda x: x.argmax(-1), ACCUM),
+    "(a) full logits": (lambda x: x, None, False),
+    "(b) argmax": (lambda x: x.argmax(-1), None, False),
+    f"(c) argmax + accum {ACCUM}": (lambda x: x.argmax(-1), ACCUM, False),
+    # sharded evaluation (one rank here) folds with the same pipeline, so it honours eval_accumulation_steps too
+    f"(d) sharded, argmax + accum {ACCUM}": (lambda x: x.argmax(-1), ACCUM, True),
 }
+
+
+def _predict(forward, params, batches, meter: _Meter, reduce, accum: int | None, sharded: bool):
+    spec = EvalSpec(
+        preprocess_logits_for_metrics=meter.preprocess(reduce),
+        eval_accumulation_steps=accum,
+        move=meter.move,
+        speed_metrics=False,
+    )
+    return predict_with(spec, forward, params, batches, collective=SingleProcess() if sharded else None)
 
 
 def run(scales: list[int], device: torch.device) -> list[dict[str, object]]:
@@ -108,7 +122,7 @@ def run(scales: list[int], device: torch.device) -> list[dict[str, object]]:
     for scale in scales:
         batches = _batches(BASE_BATCHES * scale, device)
         full = None
-        for name, (reduce, accum) in CASES.items():
+        for name, (reduce, accum, sharded) in CASES.items():
             meter = _Meter()
             exact_rss = _peak_rss_reset()
             rss0 = _peak_rss_mb()
@@ -116,15 +130,7 @@ def run(scales: list[int], device: torch.device) -> list[dict[str, object]]:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            out = predict(
-                forward,
-                params,
-                batches,
-                preprocess_logits_for_metrics=meter.preprocess(reduce),
-                eval_accumulation_steps=accum,
-                move=meter.move,
-                speed_metrics=False,
-            )
+            out = _predict(forward, params, batches, meter, reduce, accum, sharded)
             seconds = time.perf_counter() - t0
             full = meter.peak if full is None else full
             row = {

@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -38,12 +39,10 @@ from trainfold.dist.distributed import (
     ProcessGroupCollective,
     agreed_stop,
     collective_from_env,
-    evaluate_sharded,
-    gather_rows,
-    predict_sharded,
     shard,
     shard_bounds,
 )
+from trainfold.eval import evaluate_sharded, gather_rows, predict_sharded
 from trainfold.eval.evaluation import evaluate, predict
 from trainfold.eval.reducers import pad_concat
 from trainfold.optim.base import adamw
@@ -132,6 +131,25 @@ def token_accuracy(p) -> dict[str, float]:
     return {"accuracy": float((predicted == labels)[mask].mean())}
 
 
+def per_sample(p) -> dict[str, float]:
+    """Metrics of the inputs and per-sample losses weighted by row index, so they see the dataset order."""
+    index = np.arange(len(p.losses))
+    inputs = np.where(p.inputs < 0, 0, p.inputs)
+    return {
+        "inputs_weighted": int((inputs.sum(1) * index).sum()),
+        "losses_weighted": float(np.nansum(p.losses * index)),
+    }
+
+
+# include_for_metrics and eval_accumulation_steps under sharded evaluation
+INCLUDED = {
+    "compute_metrics": per_sample,
+    "include_for_metrics": ["inputs", "loss"],
+    "eval_accumulation_steps": 1,
+    "speed_metrics": False,
+}
+
+
 def eval_batches(data, size: int = 2):
     return [_pad(data[i : i + size]) for i in range(0, len(data), size)]
 
@@ -195,6 +213,8 @@ def _worker(out: Path) -> None:
         pred = predict_sharded(net, None, mine, collective=c, as_numpy=False, speed_metrics=False)
         (out / f"eval-{r}.json").write_text(json.dumps({"evaluate": metrics, "predict": pred.metrics}))
         save_file({"predictions": pred.predictions, "label_ids": pred.label_ids}, out / f"predict-{r}.safetensors")
+        included = evaluate_sharded(net, None, mine, collective=c, **INCLUDED)
+        (out / f"eval-included-{r}.json").write_text(json.dumps(included))
 
 
 # -- the 2-process run (one launch for every case) ------------------------------------------------
@@ -317,6 +337,16 @@ def test_sharded_evaluation_matches_one_process(ranks):
     valid = ref.label_ids != -100  # logits at padding depend on the batch's width; compare real positions
     assert gathered["predictions"].shape == ref.predictions.shape
     torch.testing.assert_close(gathered["predictions"][valid], ref.predictions[valid], rtol=1e-5, atol=1e-5)
+
+
+def test_sharded_inputs_losses_and_accumulation_match_one_process(ranks):
+    whole = evaluate(model(), None, eval_batches(rows(7)), **INCLUDED)
+    results = [json.loads((ranks / f"eval-included-{r}.json").read_text()) for r in range(WORLD)]
+    assert results[0] == results[1]
+    assert sorted(results[0]) == ["eval_inputs_weighted", "eval_loss", "eval_losses_weighted"]
+    assert results[0]["eval_inputs_weighted"] == whole["eval_inputs_weighted"]  # every input, in dataset order
+    assert results[0]["eval_losses_weighted"] == pytest.approx(whole["eval_losses_weighted"], rel=1e-5)
+    assert results[0]["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)
 
 
 def test_evaluation_during_two_process_training_matches_one_process(ranks, tmp_path):

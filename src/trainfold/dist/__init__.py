@@ -1,1 +1,30 @@
 """Process groups: collectives, torchrun, failures across ranks, data shards."""
+
+from trainfold.dist.distributed import (
+    BUCKET_BYTES,
+    GatherCollective,
+    ProcessGroupCollective,
+    SingleProcess,
+    agreed_stop,
+    collective_from_env,
+    failure_of,
+    group_timeout,
+    joins_torchrun,
+    process_group_collective,
+)
+from trainfold.dist.shards import shard, shard_bounds
+
+__all__ = [
+    "BUCKET_BYTES",
+    "GatherCollective",
+    "ProcessGroupCollective",
+    "SingleProcess",
+    "agreed_stop",
+    "collective_from_env",
+    "failure_of",
+    "group_timeout",
+    "joins_torchrun",
+    "process_group_collective",
+    "shard",
+    "shard_bounds",
+]

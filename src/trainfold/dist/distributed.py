@@ -1,4 +1,4 @@
-"""Data parallelism on ``torch.distributed``: the ``Collective`` the step sums with, and sharded evaluation.
+"""Data parallelism on ``torch.distributed``: the ``Collective`` the step sums with, torchrun, shards of data.
 
 Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set), ``collective_from_env()`` joins
 the process group (NCCL on GPUs, gloo on CPUs) and yields a ``ProcessGroupCollective``; alone it
@@ -6,9 +6,7 @@ yields ``None`` and everything runs in one process. Gradients are summed in buck
 one dtype are flattened into a few large buffers, one ``all_reduce`` each, then copied back.
 
 Evaluation is sharded: each rank evaluates a contiguous slice of the eval set
-(:func:`shard_bounds`, :func:`shard`), and :func:`evaluate_sharded` / :func:`predict_sharded`
-merge the ranks' loss accumulators (sums and counts, with ``mean_loss``'s ``merge``) and gather
-the predictions back in dataset order, so every rank returns what one process would.
+(:func:`shard_bounds`, :func:`shard`); ``trainfold.eval.sharded`` merges the ranks' results.
 
 >>> with collective_from_env() as c:
 ...     print(c)
@@ -23,28 +21,15 @@ import atexit
 import contextlib
 import functools
 import os
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import attrs
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import Tensor
 
-from trainfold.eval.evaluation import (
-    EvalPrediction,
-    PredictionOutput,
-    evaluate,
-    final_metrics,
-    predict,
-    resolve_forward,
-    throughput,
-    to_numpy,
-)
-from trainfold.core.losses import IGNORE_INDEX, causal_lm, counter_for, logits_of
-from trainfold.eval.reducers import fold, mean_loss, merge_all, pad_concat
-from trainfold.core.forward import train_mode
+from trainfold.dist.shards import shard, shard_bounds
 
 __all__ = [
     "BUCKET_BYTES",
@@ -55,10 +40,7 @@ __all__ = [
     "failure_of",
     "group_timeout",
     "collective_from_env",
-    "evaluate_sharded",
-    "gather_rows",
     "joins_torchrun",
-    "predict_sharded",
     "process_group_collective",
     "shard",
     "shard_bounds",
@@ -195,8 +177,9 @@ def process_group_collective(group: Any = None, bucket_bytes: int = BUCKET_BYTES
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return ProcessGroupCollective(dist.get_rank(group), dist.get_world_size(group), group=group, device=device,
-                                  bucket_bytes=bucket_bytes)
+    return ProcessGroupCollective(
+        dist.get_rank(group), dist.get_world_size(group), group=group, device=device, bucket_bytes=bucket_bytes
+    )
 
 
 def _init_group(backend: str | None) -> None:
@@ -368,296 +351,7 @@ def failure_of(exc: BaseException, rank: int, world_size: int) -> BaseException:
     if failed:
         named = "; ".join(f"rank {r} raised {why}" for r, why in sorted(failed.items()))
         return RuntimeError(f"rank {rank} stopped: {named} (this rank's collective then failed: {text[:300]})")
-    return RuntimeError(f"rank {rank} stopped: a collective timed out or lost its peer and no other rank recorded an "
-                        f"error (a rank was killed, or hangs outside the step): {text[:300]}")
-
-
-# -- sharded evaluation -------------------------------------------------------------------------
-
-
-def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
-    """Return ``(start, stop)`` of ``rank``'s contiguous slice of ``n`` items (sizes differ by at most 1).
-
-    Slices in rank order cover ``range(n)`` exactly once, so gathering in rank order is dataset order.
-
-    >>> [shard_bounds(5, r, 3) for r in range(3)]
-    [(0, 1), (1, 3), (3, 5)]
-    """
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank} must be in [0, world_size={world_size}) with world_size >= 1")
-    if n < 0:
-        raise ValueError(f"n={n} items must be >= 0")
-    return n * rank // world_size, n * (rank + 1) // world_size
-
-
-@attrs.frozen
-class _Shard:
-    """A contiguous slice of a dataset, indexable like a dataset."""
-
-    dataset: Any
-    start: int
-    stop: int
-
-    def __len__(self) -> int:
-        return self.stop - self.start
-
-    def __getitem__(self, index: int) -> Any:
-        if not 0 <= index < len(self):
-            raise IndexError(f"index {index} is out of this shard of {len(self)} items")
-        return self.dataset[self.start + index]
-
-
-def shard(dataset: Any, rank: int, world_size: int, multiple_of: int = 1) -> Sequence[Any]:
-    """Return ``rank``'s contiguous slice of ``dataset`` (a sized, indexable dataset) as a dataset.
-
-    Every rank must get at least one item, so ``len(dataset) >= world_size``. With ``multiple_of``
-    only the first ``len(dataset)`` rounded down to a multiple of it are split (HF's eval
-    ``dataloader_drop_last`` under several ranks drops the last global batch that is not whole:
-    pass the eval batch times the world size).
-
-    >>> [list(shard(list("abcde"), r, 2)) for r in range(2)]
-    [['a', 'b'], ['c', 'd', 'e']]
-    >>> [list(shard(list("abcde"), r, 2, multiple_of=2)) for r in range(2)]
-    [['a', 'b'], ['c', 'd']]
-    """
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise TypeError(
-            f"cannot shard a {type(dataset).__name__} without __len__ and __getitem__; evaluate it whole on "
-            "every rank, or give a map-style dataset"
-        )
-    if len(dataset) < world_size:
-        raise ValueError(
-            f"an eval set of {len(dataset)} items cannot give each of {world_size} ranks one; "
-            "evaluate it on every rank unsharded, or use more eval data"
-        )
-    if not isinstance(multiple_of, int) or multiple_of < 1:
-        raise ValueError(f"multiple_of={multiple_of!r} must be a positive int")
-    n = len(dataset) // multiple_of * multiple_of
-    if n < world_size:
-        raise ValueError(
-            f"an eval set of {len(dataset)} items, cut to a multiple of {multiple_of} (drop_last), leaves {n}: it "
-            f"cannot give each of {world_size} ranks one; use more eval data, a smaller eval batch or drop_last=False"
-        )
-    return _Shard(dataset, *shard_bounds(n, rank, world_size))
-
-
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-           torch.int8, torch.uint8, torch.bool)
-_MAX_DIMS = 8
-
-
-def _meta(t: Tensor | None) -> Tensor:
-    """Encode presence, dtype and shape of ``t`` in a fixed-size int64 vector."""
-    meta = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64)
-    if t is None:
-        return meta
-    if t.dim() == 0 or t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
-        raise ValueError(f"cannot gather a {t.dtype} tensor of shape {tuple(t.shape)}: it needs 1 to {_MAX_DIMS} "
-                         f"dims (rows first) and one of the dtypes {[str(d) for d in _DTYPES]}")
-    meta[0], meta[1], meta[2] = 1, _DTYPES.index(t.dtype), t.dim()
-    meta[3 : 3 + t.dim()] = torch.tensor(t.shape)
-    return meta
-
-
-def gather_rows(tensor: Tensor | None, collective: GatherCollective, pad_index: float = IGNORE_INDEX) -> Tensor | None:
-    """Concatenate every rank's rows in rank order, right-padding dim 1 with ``pad_index``; the same on every rank.
-
-    Like ``reducers.pad_concat`` of the ranks' tensors. A rank with nothing passes ``None``; the
-    result is ``None`` when every rank does. Dtypes and dims after the first two must agree.
-
-    >>> gather_rows(torch.tensor([[1, 2], [3, 4]]), SingleProcess()).tolist()
-    [[1, 2], [3, 4]]
-    """
-    metas = collective.all_gather(_meta(tensor))
-    present = [m for m in metas if int(m[0])]
-    if not present:
-        return None
-    kinds = {(int(m[1]), int(m[2]), tuple(m[5 : 3 + int(m[2])].tolist())) for m in present}
-    if len(kinds) > 1:
-        shown = sorted((str(_DTYPES[d]), n, rest) for d, n, rest in kinds)
-        raise ValueError(
-            f"ranks hold tensors that cannot be concatenated (dtype, dims, trailing shape): {shown}; "
-            "make every rank return the same dtype and trailing dims"
-        )
-    dtype_index, ndim, _ = kinds.pop()
-    dims = torch.stack([m[3 : 3 + ndim] for m in present]).amax(0)
-    rows = [int(m[3]) if int(m[0]) else 0 for m in metas]
-    full = (max(rows), *dims[1:].tolist())
-    local = tensor if tensor is not None else torch.empty((0, *full[1:]), dtype=_DTYPES[dtype_index])
-    padded = local.new_full(full, pad_index) if ndim >= 2 else local.new_zeros(full)
-    padded[tuple(slice(0, s) for s in local.shape)] = local
-    pieces = collective.all_gather(padded)
-    return torch.cat([p[:n] for p, n in zip(pieces, rows)])
-
-
-@attrs.frozen(eq=False)
-class _Outputs:
-    """One rank's evaluation of its shard: the loss accumulator and the concatenated tensors."""
-
-    loss_acc: Any
-    labelled: int
-    samples: int
-    batches: int
-    predictions: Any
-    label_ids: Tensor | None
-
-
-def _run_shard(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, Any]], *, loss: Callable[..., Tensor],
-               gather: bool, preprocess: Any, label_key: str, buffers: Any, predictions_of: Callable[[Any], Any]) -> _Outputs:
-    forward, params = resolve_forward(model_or_forward, params, buffers)
-    count_items = counter_for(loss)
-    first = next(iter(params.values()), None)
-    device = first.device if isinstance(first, Tensor) else None
-    pairs, preds, labels, samples, batch_count = [], [], [], 0, 0
-    mode = train_mode(model_or_forward, False) if isinstance(model_or_forward, nn.Module) else contextlib.nullcontext()
-    with mode, torch.inference_mode():
-        for batch in batches:
-            batch = {k: v.to(device) if device is not None and isinstance(v, Tensor) else v for k, v in batch.items()}
-            y = batch.get(label_key)
-            outputs = forward(params, {k: v for k, v in batch.items() if k != label_key})
-            batch_count += 1
-            samples += next((int(v.shape[0]) for v in batch.values() if isinstance(v, Tensor) and v.dim() > 0), 0)
-            if y is not None:
-                n = torch.as_tensor(count_items(y)).reshape(()).to(torch.int64)
-                pairs.append((loss(outputs, y, n).detach().double() * n.double(), n))  # the exact sum, as evaluate does
-            if gather:
-                p = predictions_of(outputs)
-                preds.append(preprocess(p, y) if preprocess is not None else p)
-                if y is not None:
-                    labels.append(y)
-    acc = fold(mean_loss(), [(s.cpu(), n.cpu()) for s, n in pairs])
-    return _Outputs(acc, len(pairs), samples, batch_count, pad_concat(preds) if preds else None,
-                    pad_concat(labels) if labels else None)
-
-
-def _merge(out: _Outputs, collective: GatherCollective, gather: bool, runtime: float) -> dict[str, Any]:
-    """Merge the ranks' outputs: loss accumulators with ``mean_loss().merge``, tensors gathered in rank order."""
-    total, count = out.loss_acc
-    row = torch.tensor([total.item()], dtype=torch.float64)
-    counts = torch.tensor([int(count), out.labelled, out.samples, out.batches], dtype=torch.int64)
-    sums = [r.reshape(()) for r in collective.all_gather(row)]
-    parts = collective.all_gather(counts)
-    reducer = mean_loss()
-    merged = merge_all(reducer, [(s, p[0]) for s, p in zip(sums, parts)])
-    labelled, samples, batches = (int(sum(int(p[i]) for p in parts)) for i in (1, 2, 3))
-    slowest = torch.tensor([runtime], dtype=torch.float64)
-    collective.max_([slowest])
-    merged_out: dict[str, Any] = {"loss": reducer.complete(merged), "labelled": labelled, "samples": samples,
-                                  "batches": batches, "runtime": float(slowest)}
-    if gather:
-        merged_out["predictions"] = _gather_tree(out.predictions, collective)
-        merged_out["label_ids"] = gather_rows(out.label_ids, collective)
-    return merged_out
-
-
-def _gather_tree(tree: Any, collective: GatherCollective) -> Any:
-    if tree is None or isinstance(tree, Tensor):
-        return gather_rows(tree, collective)
-    if isinstance(tree, Mapping):
-        return {k: _gather_tree(v, collective) for k, v in tree.items()}
-    if isinstance(tree, (tuple, list)):
-        return type(tree)(_gather_tree(v, collective) for v in tree)
-    raise TypeError(f"cannot gather predictions of type {type(tree).__name__}: return tensors or tuples/dicts of them")
-
-
-def _sharded(model_or_forward: Any, params: Any, batches: Iterable[Mapping[str, Any]], collective: GatherCollective,
-             *, gather: bool, compute_metrics: Any, prefix: str, as_numpy: bool, speed_metrics: bool,
-             **options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    # What evaluate_sharded and predict_sharded share: run this rank's shard, merge the ranks, make the metrics.
-    start = time.perf_counter()
-    out = _run_shard(model_or_forward, params, batches, gather=gather, **options)
-    merged = _merge(out, collective, gather, time.perf_counter() - start)
-    speed = throughput(merged["runtime"], merged["samples"], merged["batches"]) if speed_metrics else None
-    loss = merged["loss"] if merged["labelled"] else None
-    return merged, final_metrics(merged, loss, compute_metrics, prefix=prefix, as_numpy=as_numpy, speed=speed)
-
-
-def evaluate_sharded(
-    model_or_forward: nn.Module | Callable[..., Any],
-    params: Any,
-    batches: Iterable[Mapping[str, Any]],
-    *,
-    collective: GatherCollective | None,
-    loss: Callable[..., Tensor] = causal_lm,
-    compute_metrics: Callable[[EvalPrediction], Mapping[str, Any]] | None = None,
-    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
-    prediction_loss_only: bool = False,
-    metric_key_prefix: str = "eval",
-    label_key: str = "labels",
-    buffers: Mapping[str, Tensor] | None = None,
-    predictions_of: Callable[[Any], Any] = logits_of,
-    as_numpy: bool = True,
-    speed_metrics: bool = True,
-    eval_accumulation_steps: int | None = None,
-) -> dict[str, float]:
-    """Evaluate this rank's shard (``batches``, from :func:`shard`) and return the whole eval set's metrics.
-
-    Every rank must call it, with the batches of its own contiguous shard. The eval loss is the
-    token-level mean over all ranks: each rank's ``(loss sum, item count)`` accumulator is merged
-    with ``mean_loss``'s ``merge``, never an average of averages. With ``compute_metrics``, the
-    (preprocessed) predictions and labels are gathered in rank order, i.e. dataset order, and
-    ``compute_metrics`` sees the whole set on every rank, so every rank returns the same metrics.
-    ``collective=None`` is one process: it is ``evaluation.evaluate`` (which also takes
-    ``eval_accumulation_steps``; sharded predictions stay on their device until gathered).
-
-    >>> forward = lambda params, inputs: torch.nn.functional.embedding(inputs["input"], params["weight"])
-    >>> params = {"weight": torch.zeros(5, 5)}
-    >>> batches = [{"input": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}]
-    >>> m = evaluate_sharded(forward, params, batches, collective=SingleProcess(), speed_metrics=False)
-    >>> round(m["eval_loss"], 4)  # ln 5, over the 2 labels left after the causal shift
-    1.6094
-    """
-    if collective is None:
-        return evaluate(model_or_forward, params, batches, loss=loss, compute_metrics=compute_metrics,
-                        preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-                        eval_accumulation_steps=eval_accumulation_steps, prediction_loss_only=prediction_loss_only,
-                        metric_key_prefix=metric_key_prefix, label_key=label_key, buffers=buffers,
-                        predictions_of=predictions_of, as_numpy=as_numpy, speed_metrics=speed_metrics)
-    if prediction_loss_only and compute_metrics is not None:
-        raise ValueError("prediction_loss_only=True gathers no predictions, so compute_metrics would never run; "
-                         "drop one of them")
-    _, metrics = _sharded(model_or_forward, params, batches, collective, gather=compute_metrics is not None,
-                          compute_metrics=compute_metrics, prefix=metric_key_prefix, as_numpy=as_numpy,
-                          speed_metrics=speed_metrics, loss=loss, preprocess=preprocess_logits_for_metrics,
-                          label_key=label_key, buffers=buffers, predictions_of=predictions_of)
-    return metrics
-
-
-def predict_sharded(
-    model_or_forward: nn.Module | Callable[..., Any],
-    params: Any,
-    batches: Iterable[Mapping[str, Any]],
-    *,
-    collective: GatherCollective | None,
-    loss: Callable[..., Tensor] = causal_lm,
-    compute_metrics: Callable[[EvalPrediction], Mapping[str, Any]] | None = None,
-    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
-    metric_key_prefix: str = "test",
-    label_key: str = "labels",
-    buffers: Mapping[str, Tensor] | None = None,
-    predictions_of: Callable[[Any], Any] = logits_of,
-    as_numpy: bool = True,
-    speed_metrics: bool = True,
-) -> PredictionOutput:
-    """Return the whole set's predictions and labels in dataset order, and its metrics, from this rank's shard.
-
-    As :func:`evaluate_sharded`, but predictions are always gathered (on every rank);
-    ``collective=None`` is ``evaluation.predict``.
-
-    >>> forward = lambda params, inputs: params["weight"][inputs["input"]]
-    >>> batches = [{"input": torch.tensor([[0, 1]]), "labels": torch.tensor([[0, 1]])}]
-    >>> out = predict_sharded(forward, {"weight": torch.eye(2)}, batches, collective=SingleProcess(), speed_metrics=False)
-    >>> out.predictions.tolist(), out.label_ids.tolist()
-    ([[[1.0, 0.0], [0.0, 1.0]]], [[0, 1]])
-    """
-    if collective is None:
-        return predict(model_or_forward, params, batches, loss=loss, compute_metrics=compute_metrics,
-                       preprocess_logits_for_metrics=preprocess_logits_for_metrics, metric_key_prefix=metric_key_prefix,
-                       label_key=label_key, buffers=buffers, predictions_of=predictions_of, as_numpy=as_numpy,
-                       speed_metrics=speed_metrics)
-    merged, metrics = _sharded(model_or_forward, params, batches, collective, gather=True,
-                               compute_metrics=compute_metrics, prefix=metric_key_prefix, as_numpy=as_numpy,
-                               speed_metrics=speed_metrics, loss=loss, preprocess=preprocess_logits_for_metrics,
-                               label_key=label_key, buffers=buffers, predictions_of=predictions_of)
-    conv = to_numpy if as_numpy else (lambda x: x)
-    return PredictionOutput(conv(merged["predictions"]), conv(merged["label_ids"]), metrics)
+    return RuntimeError(
+        f"rank {rank} stopped: a collective timed out or lost its peer and no other rank recorded an "
+        f"error (a rank was killed, or hangs outside the step): {text[:300]}"
+    )

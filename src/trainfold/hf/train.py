@@ -46,7 +46,8 @@ from trainfold.data.columns import Columns, columns_for, eval_collate, padded_to
 from trainfold.data.llm import lm_inputs
 from trainfold.data.pipeline import StateStream, StepBatch, close_loader, eval_loader, stream
 from trainfold.data.samplers import make_sampler
-from trainfold.dist.distributed import agreed_stop, evaluate_sharded, joins_torchrun, shard
+from trainfold.dist.distributed import agreed_stop, joins_torchrun, shard
+from trainfold.eval import evaluate_sharded
 from trainfold.eval.evaluation import eval_sets
 from trainfold.eval.evaluation import evaluate as evaluate_batches
 from trainfold.eval.evaluation import predict as predict_batches

@@ -1,0 +1,133 @@
+"""Tests for trainfold.eval.spec: the EvalSpec record and the keyword entry points that build it."""
+
+from __future__ import annotations
+
+import inspect
+
+import attrs
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainfold.core.losses import cross_entropy
+from trainfold.eval import (
+    EvalSpec,
+    evaluate,
+    evaluate_sharded,
+    evaluate_with,
+    predict,
+    predict_sharded,
+    predict_with,
+)
+from trainfold.eval.spec import spec_errors
+
+# What the keyword entry points take besides the spec's fields: the model, its tensors, the data, the ranks.
+NOT_SETTINGS = {"model_or_forward", "params", "batches", "buffers", "collective"}
+
+
+def forward(params, inputs):
+    return params["emb"][inputs["input_ids"]]
+
+
+PARAMS = {"emb": torch.randn(6, 6, generator=torch.Generator().manual_seed(0))}
+BATCHES = [
+    {"input_ids": torch.tensor([[1, 2, 3], [4, 5, 0]]), "labels": torch.tensor([[1, 2, 3], [4, 5, -100]])},
+    {"input_ids": torch.tensor([[2, 2]]), "labels": torch.tensor([[3, -100]])},
+]
+
+
+def rows(p):
+    return {"rows": len(p.predictions), "inputs": 0 if p.inputs is None else int(p.inputs.clip(0).sum())}
+
+
+# -- examples ---------------------------------------------------------------------------------------
+
+
+def test_defaults_are_hfs():
+    spec = EvalSpec()
+    assert (spec.metric_key_prefix, spec.label_key, spec.main_input_name) == ("eval", "labels", "input_ids")
+    assert (spec.eval_accumulation_steps, spec.prediction_loss_only, spec.include_for_metrics) == (None, False, ())
+    assert spec.as_numpy and spec.speed_metrics and not spec.gathers
+    assert EvalSpec(compute_metrics=rows).gathers
+
+
+def test_a_spec_is_frozen_and_include_for_metrics_a_tuple():
+    spec = EvalSpec(include_for_metrics=["inputs"])
+    assert spec.include_for_metrics == ("inputs",)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        spec.label_key = "y"  # type: ignore[misc]
+    assert attrs.evolve(spec, label_key="y").label_key == "y"
+
+
+def test_of_takes_the_fields_it_knows_and_leaves_the_rest():
+    spec = EvalSpec.of({"model": object(), "metric_key_prefix": "dev", "eval_accumulation_steps": 3})
+    assert (spec.metric_key_prefix, spec.eval_accumulation_steps) == ("dev", 3)
+
+
+@pytest.mark.parametrize("entry", [evaluate, predict, evaluate_sharded, predict_sharded])
+def test_every_keyword_of_the_entry_points_is_a_spec_field(entry):
+    # EvalSpec.of(locals()) would drop a keyword that is not a field: each one must be one.
+    fields = {f.name for f in attrs.fields(EvalSpec)}
+    assert set(inspect.signature(entry).parameters) - NOT_SETTINGS <= fields
+
+
+@pytest.mark.parametrize(("sharded", "alone"), [(evaluate_sharded, evaluate), (predict_sharded, predict)])
+def test_the_sharded_forms_take_every_setting_of_the_one_process_forms(sharded, alone):
+    assert set(inspect.signature(alone).parameters) <= set(inspect.signature(sharded).parameters)
+
+
+def test_the_keyword_forms_are_the_spec_forms():
+    kw = {"compute_metrics": rows, "include_for_metrics": ["inputs"], "eval_accumulation_steps": 1}
+    kw |= {"loss": cross_entropy, "speed_metrics": False}
+    assert evaluate(forward, PARAMS, BATCHES, **kw) == evaluate_with(EvalSpec(**kw), forward, PARAMS, BATCHES)
+    one = predict(forward, PARAMS, BATCHES, **kw)
+    two = predict_with(EvalSpec(metric_key_prefix="test", **kw), forward, PARAMS, BATCHES)
+    assert one.metrics == two.metrics and sorted(one.metrics) == ["test_inputs", "test_loss", "test_rows"]
+    assert (one.predictions == two.predictions).all() and (one.label_ids == two.label_ids).all()
+
+
+# -- properties -------------------------------------------------------------------------------------
+
+
+@given(
+    prefix=st.sampled_from(["eval", "test", "dev"]),
+    every=st.sampled_from([None, 1, 2]),
+    include=st.sampled_from([[], ["inputs"], ["inputs", "loss"]]),
+    gather=st.booleans(),
+)
+@settings(max_examples=15, deadline=None)
+def test_evaluate_with_keywords_equals_evaluate_with_the_spec(prefix, every, include, gather):
+    kw = {"metric_key_prefix": prefix, "eval_accumulation_steps": every, "include_for_metrics": include}
+    kw |= {"compute_metrics": rows if gather else None, "speed_metrics": False}
+    spec = EvalSpec(**kw)
+    assert evaluate(forward, PARAMS, BATCHES, **kw) == evaluate_with(spec, forward, PARAMS, BATCHES)
+    assert spec_errors(spec) == []
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+
+def test_every_bad_setting_is_named_at_once():
+    with pytest.raises(ValueError) as e:
+        EvalSpec(
+            eval_accumulation_steps=-1,
+            prediction_loss_only=True,
+            compute_metrics=rows,
+            preprocess_logits_for_metrics="argmax",
+            include_for_metrics=["logits"],
+            objective=3,
+        )
+    msg = str(e.value)
+    for part in (
+        "objective must be a function",
+        "eval_accumulation_steps must be a positive int or None, got -1",
+        "prediction_loss_only=True gathers no predictions",
+        "preprocess_logits_for_metrics must be a function, got str",
+        "include_for_metrics takes 'inputs' and 'loss', got ['logits']",
+    ):
+        assert part in msg
+    with pytest.raises(ValueError, match="an objective scores whole batches"):
+        EvalSpec(objective=lambda *a: None, include_for_metrics=["loss"])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'metric_prefix'"):
+        EvalSpec(metric_prefix="eval")  # type: ignore[call-arg]
