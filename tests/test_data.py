@@ -8,15 +8,15 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from trainfold.core.state import Cursor, scalar
-from trainfold.data.pipeline import (
+from trainfold.data import (
     StepBatch,
-    generation_batches,
     keyed,
     pad_collate,
     sample_key,
     stream,
 )
 from trainfold.data.samplers import Sampler, make_sampler
+from trainfold.recipes.grpo_data import generation_batches
 from trainfold.testing import sampler_configs, token_items
 
 FAST = settings(max_examples=40, deadline=None)

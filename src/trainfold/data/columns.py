@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 from torch import nn
 
-from trainfold.data.pipeline import KeyedCollate, keyed, pad_collate
+from trainfold.data.collate import KeyedCollate, keyed, pad_collate
 
 __all__ = ["Columns", "columns_for", "eval_collate", "padded_to_multiple", "signature_columns", "with_columns"]
 
