@@ -184,7 +184,7 @@ class _KeyedSelecting:
 
 
 def with_columns(collate: Callable[..., Any] | None, columns: Columns) -> Callable[..., Any]:
-    """Wrap ``collate`` (default: :func:`~trainfold.data.pipeline.pad_collate`) so it sees only the selected columns.
+    """Wrap ``collate`` (default: :func:`~trainfold.data.collate.pad_collate`) so it sees only the selected columns.
 
     A keyed collator stays keyed.
 
