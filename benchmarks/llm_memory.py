@@ -108,8 +108,8 @@ def throughput_table(steps: int, docs_per_step: int) -> None:
 
     from trainfold import init_state, make_step, sgd  # noqa: PLC0415
     from trainfold.core.losses import causal_lm  # noqa: PLC0415
+    from trainfold.data import pad_collate  # noqa: PLC0415
     from trainfold.data.packing import pack, packed_collate, padding_free_collate  # noqa: PLC0415
-    from trainfold.data.pipeline import pad_collate  # noqa: PLC0415
     from trainfold.data.samplers import Sampler  # noqa: PLC0415
 
     cap = 512

@@ -20,7 +20,8 @@ import warnings
 
 import numpy as np
 
-from trainfold.data.samplers import Sampler, _item_length, make_sampler
+from trainfold.data.lengths import item_length as _item_length
+from trainfold.data.samplers import Sampler, make_sampler
 
 
 def best(fn, rounds: int) -> float:

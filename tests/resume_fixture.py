@@ -11,7 +11,7 @@ import torch
 from trainfold.core.losses import causal_lm
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import init_state
-from trainfold.data.pipeline import keyed, pad_collate
+from trainfold.data import keyed, pad_collate
 from trainfold.optim.base import adamw
 from trainfold.step.driver import make_step
 

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from trainfold import TrainingArguments, train
 from trainfold.core.losses import cross_entropy
+from trainfold.data import keyed
 from trainfold.data.columns import Columns, columns_for, eval_collate, signature_columns, with_columns
-from trainfold.data.pipeline import keyed
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")

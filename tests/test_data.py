@@ -8,15 +8,15 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from trainfold.core.state import Cursor, scalar
-from trainfold.data.pipeline import (
+from trainfold.data import (
     StepBatch,
-    generation_batches,
     keyed,
     pad_collate,
     sample_key,
     stream,
 )
 from trainfold.data.samplers import Sampler, make_sampler
+from trainfold.recipes.grpo_data import generation_batches
 from trainfold.testing import sampler_configs, token_items
 
 FAST = settings(max_examples=40, deadline=None)
@@ -407,3 +407,19 @@ def test_generate_must_return_one_micro_batch_per_prompt_micro_batch():
         list(generation_batches([[[1], [2]]], lambda mbs: mbs[:1], 1))
     with pytest.raises(ValueError, match="optimizer_steps_per_generation=0"):
         list(generation_batches([], lambda mbs: mbs, 0))
+
+
+def test_loader_errors_is_the_one_check_of_the_worker_settings():
+    from trainfold.data import eval_loader, loader_errors
+
+    assert loader_errors(0, False, None) == [] and loader_errors(2, True, 3) == []
+    assert loader_errors(0, True, 2) == [
+        "dataloader_persistent_workers=True needs dataloader_num_workers > 0 (it keeps worker processes alive)",
+        "dataloader_prefetch_factor=2 needs dataloader_num_workers > 0 (workers prefetch)",
+    ]
+    assert loader_errors(1.5, False, -1) == [
+        "dataloader_num_workers=1.5 must be an int >= 0",
+        "dataloader_prefetch_factor=-1 must be a positive int or None",
+    ]
+    with pytest.raises(ValueError, match=r"invalid eval dataloader options: dataloader_num_workers=-1 must be"):
+        eval_loader([1], lambda items: items, 1, dataloader_num_workers=-1)

@@ -34,7 +34,7 @@ from trainfold.ckpt import checkpoint
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import init_state
 from trainfold.core.tree import flatten
-from trainfold.data.pipeline import keyed, pad_collate
+from trainfold.data import keyed, pad_collate
 from trainfold.dist.distributed import (
     ProcessGroupCollective,
     agreed_stop,

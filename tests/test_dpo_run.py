@@ -359,8 +359,8 @@ def test_pad_to_multiple_of_pads_the_width_and_changes_no_number():
 
 
 def test_training_arguments_pad_to_multiple_of_reaches_the_collators(tmp_path):
+    from trainfold.data import PadCollate
     from trainfold.data.columns import padded_to_multiple
-    from trainfold.data.pipeline import PadCollate
 
     assert padded_to_multiple(preference_collate(EOS), 16).pad_to_multiple_of == 16
     assert isinstance(padded_to_multiple(None, 4), PadCollate) and padded_to_multiple(None, 4).pad_to_multiple_of == 4

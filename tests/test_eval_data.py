@@ -12,7 +12,7 @@ from resume_fixture import ListDataset
 
 from trainfold import TrainingArguments, evaluate, predict, train
 from trainfold.core.losses import causal_lm
-from trainfold.data.pipeline import eval_loader, pad_collate
+from trainfold.data import eval_loader, pad_collate
 from trainfold.dist.distributed import shard
 from trainfold.eval.evaluation import eval_sets
 

@@ -600,7 +600,7 @@ def test_loss_and_metrics_match_trl(tmp_path, loss_type):
 
 @pytest.mark.parametrize("spg, iterations", [(2, 1), (1, 2)])
 def test_resuming_at_a_generation_boundary_is_bitwise_equal_to_not_stopping(spg, iterations):
-    from trainfold.data.pipeline import stream
+    from trainfold.data import stream
     from trainfold.data.samplers import Sampler
 
     model = lm()

@@ -11,10 +11,10 @@ import torch
 from trainfold import sgd
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import Cursor, init_state
-from trainfold.data.pipeline import generation_batches
 from trainfold.hf.grpo_args import GRPOArguments, generation_order
 from trainfold.hf.grpo_run import BUFFER, grpo_stream, train
 from trainfold.recipes.grpo import grpo_objective
+from trainfold.recipes.grpo_data import generation_batches
 from trainfold.recipes.grpo_metrics import generation_metrics
 
 CFG = TinyLMConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_len=16)

@@ -138,3 +138,13 @@ def test_label_smoothing_refuses_what_it_cannot_smooth():
         label_smoothed(lambda o, y, n: o.sum(), 0.1)
     with pytest.raises(ValueError, match=r"in \[0, 1\), got 1.5"):
         label_smoothed(causal_lm, 1.5)
+
+
+def test_the_item_counters_have_one_owner():
+    from trainfold.core import chunked_loss, counting, losses
+
+    for name in ("IGNORE_INDEX", "count_labels", "count_shifted_labels", "counter_for", "refuse_unlabelled"):
+        assert getattr(losses, name) is getattr(counting, name)
+    assert losses.chunked_causal_lm is chunked_loss.chunked_causal_lm
+    assert counting.counter_for(losses.cross_entropy) is counting.count_labels
+    assert counting.counter_for(losses.mse) is counting.count_elements

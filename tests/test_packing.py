@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from trainfold import init_state, make_step, sgd
 from trainfold.core.losses import causal_lm
 from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.data import pad_collate
 from trainfold.data.packing import check_packable, pack, packed_collate, padding_free_collate
-from trainfold.data.pipeline import pad_collate
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")

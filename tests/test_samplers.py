@@ -173,7 +173,7 @@ def test_lengths_from_a_datasets_column():
 @given(st.lists(st.integers(0, 12), min_size=1, max_size=40), st.randoms(use_true_random=False))
 def test_datasets_lengths_are_read_through_arrow_in_one_call(sizes, rnd):
     datasets = pytest.importorskip("datasets")
-    import trainfold.data.samplers as samplers
+    import trainfold.data.lengths as samplers
 
     rows = {"input_ids": [[7] * n for n in sizes], "length": [3 * n + 1 for n in sizes]}
     picked = rnd.sample(range(len(sizes)), rnd.randint(1, len(sizes)))  # a row selection, as shuffle/select give
@@ -183,7 +183,7 @@ def test_datasets_lengths_are_read_through_arrow_in_one_call(sizes, rnd):
     def per_item(*args):
         raise AssertionError("measured item by item")
 
-    with mock.patch.object(samplers, "_item_length", per_item):
+    with mock.patch.object(samplers, "item_length", per_item):
         from_column = dataset_lengths(ds)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

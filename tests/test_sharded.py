@@ -26,7 +26,7 @@ from trainfold.core.losses import causal_lm
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import TrainState, init_state
 from trainfold.core.tree import flatten
-from trainfold.data.pipeline import pad_collate
+from trainfold.data import pad_collate
 from trainfold.observe.divergence import nonfinite_params
 from trainfold.optim.base import GradientTransformation, adamw, chain, clip_by_global_norm
 from trainfold.step.driver import make_step

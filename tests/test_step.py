@@ -16,7 +16,7 @@ from trainfold.core.losses import causal_lm, cross_entropy
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import Cursor, scalar
 from trainfold.core.tree import flatten
-from trainfold.data.pipeline import StepBatch
+from trainfold.data import StepBatch
 
 SMALL = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16)
 

@@ -414,7 +414,7 @@ def test_a_stopped_run_leaves_its_last_state_in_the_module_and_make_step_stays_p
     from trainfold.core.fold import fit, max_steps
     from trainfold.core.losses import causal_lm
     from trainfold.core.state import init_state
-    from trainfold.data.pipeline import stream
+    from trainfold.data import stream
     from trainfold.data.samplers import make_sampler
     from trainfold.optim.base import sgd
     from trainfold.step.driver import make_step

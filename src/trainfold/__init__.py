@@ -17,9 +17,8 @@ from trainfold.core.chunked_loss import chunked_causal_lm
 from trainfold.core.determinism import warm_up_kernels
 from trainfold.core.fold import any_of, fit, max_steps, max_time, trajectory
 from trainfold.core.state import Cursor, TrainState, init_state
-from trainfold.data import packing, samplers
+from trainfold.data import StepBatch, keyed, packing, pad_collate, samplers, stream
 from trainfold.data.packing import pack, packed_collate, padding_free_collate
-from trainfold.data.pipeline import StepBatch, keyed, pad_collate, stream
 from trainfold.data.samplers import Sampler, make_sampler
 from trainfold.dist import distributed
 from trainfold.eval import evaluation, reducers

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from trainfold.core.losses import IGNORE_INDEX, count_shifted_labels
+from trainfold.core.counting import IGNORE_INDEX, count_shifted_labels
 
 __all__ = [
     "ChunkedCausalLM",

@@ -16,14 +16,24 @@ that are not -100.
 
 from __future__ import annotations
 
-import functools
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from trainfold.core.chunked_loss import chunked_causal_lm
+from trainfold.core.counting import (
+    IGNORE_INDEX,
+    count_elements,
+    count_labels,
+    count_shifted_labels,
+    counter_for,
+    refuse_unlabelled,
+    warn_no_items,
+)
+from trainfold.core.tasks import model_task
 
 __all__ = [
     "IGNORE_INDEX",
@@ -40,13 +50,12 @@ __all__ = [
     "logits_of",
     "counter_for",
     "label_smoothed",
-    "dpo",
-    "dpo_loss_errors",
-    "DPO_LOSS_TYPES",
+    "chunked_causal_lm",
+    "count_elements",
+    "model_task",
+    "warn_no_items",
 ]
 
-IGNORE_INDEX = -100
-DPO_LOSS_TYPES = ("sigmoid", "hinge", "ipo", "robust")
 
 Loss = Callable[[Any, Tensor, Tensor], Tensor]
 
@@ -71,35 +80,6 @@ def logits_of(outputs: Any) -> Tensor:
         f"cannot find logits in model outputs of type {type(outputs).__name__}: return a tensor, "
         "a mapping with a 'logits' key, or an object with a .logits attribute"
     )
-
-
-def count_labels(labels: Tensor) -> Tensor:
-    """Count labels that are not -100.
-
-    >>> import torch
-    >>> count_labels(torch.tensor([1, -100, 3])).item()
-    2
-    """
-    return (labels != IGNORE_INDEX).sum()
-
-
-def count_shifted_labels(labels: Tensor) -> Tensor:
-    """Count labels that are not -100 after the causal shift (``labels[..., 1:]``).
-
-    >>> import torch
-    >>> count_shifted_labels(torch.tensor([[5, 1, -100]])).item()
-    1
-    """
-    return (labels[..., 1:] != IGNORE_INDEX).sum()
-
-
-def counter_for(loss: Callable[..., Tensor]) -> Callable[[Tensor], Tensor]:
-    """Return how ``loss`` counts its items: its ``count_items`` attribute, else ``count_labels``.
-
-    >>> counter_for(causal_lm) is count_shifted_labels
-    True
-    """
-    return getattr(loss, "count_items", count_labels)
 
 
 def _raise_out_of_range(labels: Tensor, num_classes: int) -> None:
@@ -179,16 +159,6 @@ def cross_entropy(
 
 
 cross_entropy.count_items = count_labels  # type: ignore[attr-defined]
-
-
-def count_elements(labels: Tensor) -> Tensor:
-    """Count every label element (regression and multi-label targets ignore nothing).
-
-    >>> import torch
-    >>> count_elements(torch.zeros(2, 3)).item()
-    6
-    """
-    return torch.tensor(labels.numel())
 
 
 def _denominator(num_items: Tensor | int) -> Tensor | int:
@@ -274,64 +244,6 @@ def _count_by_label_dtype(labels: Tensor) -> Tensor:
 
 
 sequence_classification.count_items = _count_by_label_dtype  # type: ignore[attr-defined]
-
-# The head of a transformers class name, and the task its own loss trains.
-_HF_TASKS = (
-    ("ForCausalLM", "causal_lm"),
-    ("ForSequenceClassification", "sequence_classification"),
-    ("ForTokenClassification", "token_classification"),
-    ("ForMaskedLM", "masked_lm"),
-)
-_HF_MAPPINGS = (
-    ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "causal_lm"),
-    ("MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", "sequence_classification"),
-    ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "token_classification"),
-    ("MODEL_FOR_MASKED_LM_MAPPING_NAMES", "masked_lm"),
-    ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES", "seq2seq"),
-)
-
-
-@functools.cache
-def _hf_class_tasks() -> dict[str, frozenset[str]]:
-    try:
-        from transformers.models.auto import modeling_auto
-    except ImportError:  # pragma: no cover - transformers is optional
-        return {}
-    tasks: dict[str, set[str]] = {}
-    for mapping, task in _HF_MAPPINGS:
-        for names in getattr(modeling_auto, mapping, {}).values():
-            for name in (names,) if isinstance(names, str) else names:
-                tasks.setdefault(name, set()).add(task)
-    return {name: frozenset(t) for name, t in tasks.items()}
-
-
-def model_task(model: Any) -> str | None:
-    """Return the task a model's own loss trains (``"causal_lm"``, ``"sequence_classification"``, ...), or None.
-
-    Read from the class (and its bases): trainfold's ``TinyLM``, transformers' auto-model
-    mappings and class-name heads (``...ForCausalLM``); ``"ambiguous"`` when HF lists the class
-    under several tasks.
-
-    >>> import torch
-    >>> from trainfold.core.models import TinyLM, TinyLMConfig
-    >>> model_task(TinyLM(TinyLMConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=1, max_len=4)))
-    'causal_lm'
-    >>> model_task(torch.nn.Linear(2, 2)) is None
-    True
-    """
-    from trainfold.core.models import TinyLM
-
-    if isinstance(model, TinyLM):
-        return "causal_lm"
-    hf = _hf_class_tasks() if any(c.__module__.startswith("transformers.") for c in type(model).__mro__) else {}
-    for cls in type(model).__mro__:
-        tasks = hf.get(cls.__name__)
-        if tasks:
-            return next(iter(tasks)) if len(tasks) == 1 else "ambiguous"
-        for head, task in _HF_TASKS:
-            if cls.__name__.endswith(head):
-                return task
-    return None
 
 
 def default_loss_for(model: Any, *, defer: bool = False) -> Loss:
@@ -428,130 +340,3 @@ def label_smoothed(loss: Loss, epsilon: float) -> Loss:
     smoothed.smooths = (loss, epsilon)  # type: ignore[attr-defined]  # what it smooths (the compiled step reads it)
     smoothed.__name__ = f"label_smoothed_{loss.__name__}"
     return smoothed
-
-
-def warn_no_items(step: int) -> None:
-    """Warn that an optimizer step had no labelled items: it counts, but learns nothing."""
-    warnings.warn(
-        f"optimizer step {step} had no labels other than -100 (num_items_in_batch == 0): the step counts "
-        "(step and data cursor advance) but the parameters and optimizer state are unchanged; its loss is NaN "
-        "and state.nonfinite_losses counts it. Check the collator's padding and label masking",
-        RuntimeWarning,
-        stacklevel=3,
-    )
-
-
-def refuse_unlabelled(dataset: Any, loss: Loss, label_key: str = "labels") -> None:
-    """Raise ``ValueError`` when every row of a map-style ``dataset`` has no item ``loss`` would count.
-
-    Rows are read in order until one has a label the loss counts (usually the first); datasets
-    without ``__len__``/``__getitem__``, or rows without ``label_key``, cannot be judged and pass.
-
-    >>> refuse_unlabelled([{"labels": [-100, 4, 5]}], causal_lm) is None
-    True
-    >>> refuse_unlabelled([{"labels": [4, -100]}], causal_lm)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-    ...
-    ValueError: every one of the 1 rows of train_dataset has no 'labels' that causal_lm counts (all -100, ...
-    """
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        return
-    count = counter_for(loss)
-    n = len(dataset)
-    for i in range(n):
-        row = dataset[i]
-        if not isinstance(row, Mapping) or label_key not in row:
-            return
-        try:
-            if int(count(torch.as_tensor(row[label_key]))) > 0:
-                return
-        except (TypeError, ValueError, RuntimeError):  # labels of a form only the collator understands
-            return
-    if n == 0:
-        return
-    causal = count is count_shifted_labels
-    shifted = " (all -100, or only the first token, which a causal LM never predicts)" if causal else " (all -100)"
-    raise ValueError(
-        f"every one of the {n} rows of train_dataset has no {label_key!r} that {getattr(loss, '__name__', 'the loss')} "
-        f"counts{shifted}: every step would learn nothing. Check the label masking (e.g. a completion mask that "
-        "covers the whole row), or pass labels"
-    )
-
-
-# -- preference losses ---------------------------------------------------------------------------
-
-
-def dpo_loss_errors(beta: float, loss_type: str, label_smoothing: float) -> list[str]:
-    """Return every problem with DPO loss settings (empty when they are valid).
-
-    >>> dpo_loss_errors(0.1, "sigmoid", 0.0)
-    []
-    """
-    problems = []
-    if loss_type not in DPO_LOSS_TYPES:
-        problems.append(f"loss_type={loss_type!r} is not one of {list(DPO_LOSS_TYPES)}")
-    if not beta > 0:
-        problems.append(f"beta={beta} must be > 0")
-    if loss_type == "robust" and not 0 <= label_smoothing < 0.5:
-        problems.append(f"label_smoothing={label_smoothing} must be in [0, 0.5) for the robust loss")
-    if loss_type in ("sigmoid", "hinge", "ipo") and label_smoothing != 0:
-        problems.append(
-            f"label_smoothing={label_smoothing} has no effect on loss_type={loss_type!r}; "
-            "use loss_type='robust' for noisy preference labels, or label_smoothing=0"
-        )
-    return problems
-
-
-def dpo(
-    policy_chosen: Tensor,
-    policy_rejected: Tensor,
-    ref_chosen: Tensor,
-    ref_rejected: Tensor,
-    beta: float,
-    loss_type: str = "sigmoid",
-    label_smoothing: float = 0.0,
-    chosen_lengths: Tensor | None = None,
-    rejected_lengths: Tensor | None = None,
-) -> Tensor:
-    """Return the DPO loss of each pair (shape ``(pairs,)``; take ``.mean()`` for TRL's value).
-
-    With ``ρ = policy − ref`` per sequence and ``Δ = ρ_c − ρ_r``:
-    ``sigmoid`` ``−log σ(βΔ)``; ``hinge`` ``max(0, 1 − βΔ)``;
-    ``ipo`` ``(ρ_c/n_c − ρ_r/n_r − 1/(2β))²`` with the completion lengths ``n`` (needs
-    ``chosen_lengths`` and ``rejected_lengths``); ``robust``
-    ``(−(1−ε)·log σ(βΔ) + ε·log σ(−βΔ)) / (1 − 2ε)`` with ``ε = label_smoothing``.
-
-    >>> import torch
-    >>> t = lambda *x: torch.tensor(x)
-    >>> round(dpo(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.5).item(), 4)  # -log σ(0.5·2)
-    0.3133
-    >>> dpo(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.5, loss_type="hinge").item()
-    0.0
-    """
-    problems = dpo_loss_errors(beta, loss_type, label_smoothing)
-    if loss_type == "ipo" and (chosen_lengths is None or rejected_lengths is None):
-        problems.append("loss_type='ipo' is length-normalised: pass chosen_lengths and rejected_lengths")
-    if problems:
-        raise ValueError("; ".join(problems))
-    chosen_ratio = policy_chosen - ref_chosen
-    rejected_ratio = policy_rejected - ref_rejected
-    z = beta * (chosen_ratio - rejected_ratio)
-    if loss_type == "sigmoid":
-        return -F.logsigmoid(z)
-    if loss_type == "hinge":
-        return torch.relu(1 - z)
-    if loss_type == "ipo":
-        assert chosen_lengths is not None and rejected_lengths is not None
-        margin = chosen_ratio / chosen_lengths.clamp(min=1) - rejected_ratio / rejected_lengths.clamp(min=1)
-        return (margin - 1 / (2 * beta)) ** 2
-    eps = label_smoothing
-    return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
-
-
-def __getattr__(name: str) -> Any:
-    """``losses.chunked_causal_lm``: the chunked causal-LM loss lives in ``trainfold.core.chunked_loss`` (a layer above)."""
-    if name == "chunked_causal_lm":
-        from trainfold.core.chunked_loss import chunked_causal_lm  # noqa: PLC0415 - chunked_loss imports this module
-
-        return chunked_causal_lm
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,7 @@ Every function here returns new tensors and leaves its inputs untouched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -32,6 +32,7 @@ __all__ = [
     "flatten",
     "unflatten",
     "map_tensors",
+    "map_tensors_with_path",
 ]
 
 
@@ -178,29 +179,7 @@ def unflatten(flat: Mapping[str, Tensor], like: Any, prefix: str = "") -> Any:
     ]
     if bad:
         raise ValueError("loaded tensors do not match the template:\n  " + "\n  ".join(bad))
-    return _rebuild(flat, like, prefix)
-
-
-def _rebuild(flat: Mapping[str, Tensor], node: Any, prefix: str) -> Any:
-    if node is None:
-        return None
-    if isinstance(node, Tensor):
-        return flat[prefix].to(node.device)
-    if attrs.has(type(node)):
-        changes = {
-            f.name: _rebuild(flat, getattr(node, f.name), _join(prefix, f.name))
-            for f in attrs.fields(type(node))
-            if f.init
-        }
-        return attrs.evolve(node, **changes)
-    if isinstance(node, Mapping):
-        return {k: _rebuild(flat, v, _join(prefix, k)) for k, v in node.items()}
-    if isinstance(node, (tuple, list)):
-        items = [_rebuild(flat, v, _join(prefix, i)) for i, v in enumerate(node)]
-        if hasattr(node, "_fields"):  # namedtuple
-            return type(node)(*items)
-        return type(node)(items)
-    raise TypeError(f"cannot rebuild {type(node).__name__} at {prefix or '<root>'!r}")
+    return map_tensors_with_path(lambda path, t: flat[path].to(t.device), like, prefix)
 
 
 def map_tensors(fn: Callable[..., Any], node: Any, *rest: Any) -> Any:
@@ -217,19 +196,40 @@ def map_tensors(fn: Callable[..., Any], node: Any, *rest: Any) -> Any:
     >>> map_tensors(torch.add, (torch.tensor(1),), (torch.tensor(2),))[0].item()
     3
     """
+    return _map(fn, node, rest, None)
+
+
+def map_tensors_with_path(fn: Callable[[str, Tensor], Any], node: Any, prefix: str = "") -> Any:
+    """Apply ``fn(path, tensor)`` to every tensor leaf, ``path`` being its :func:`flatten` key.
+
+    The record is rebuilt as by :func:`map_tensors`; :func:`unflatten` is this with the loaded tensors.
+
+    >>> import torch
+    >>> map_tensors_with_path(lambda path, t: path, {"a": torch.tensor(1), "b": (torch.tensor(2),)})
+    {'a': 'a', 'b': ('b.0',)}
+    """
+    return _map(fn, node, (), prefix)
+
+
+def _map(fn: Callable[..., Any], node: Any, rest: Sequence[Any], path: str | None) -> Any:
+    """The one walker of nested records: ``fn(leaf, *rest_leaves)``, or ``fn(path, leaf)`` when ``path`` is a str."""
     if isinstance(node, Tensor):
-        return fn(node, *rest)
+        return fn(node, *rest) if path is None else fn(path, node)
+
+    def at(key: Any) -> str | None:
+        return None if path is None else _join(path, key)
+
     if attrs.has(type(node)):
         changes = {
-            f.name: map_tensors(fn, getattr(node, f.name), *(getattr(r, f.name) for r in rest))
+            f.name: _map(fn, getattr(node, f.name), [getattr(r, f.name) for r in rest], at(f.name))
             for f in attrs.fields(type(node))
             if f.init
         }
         return attrs.evolve(node, **changes)
     if isinstance(node, Mapping):
-        return {k: map_tensors(fn, v, *(r[k] for r in rest)) for k, v in node.items()}
+        return {k: _map(fn, v, [r[k] for r in rest], at(k)) for k, v in node.items()}
     if isinstance(node, (tuple, list)):
-        items = [map_tensors(fn, v, *(r[i] for r in rest)) for i, v in enumerate(node)]
+        items = [_map(fn, v, [r[i] for r in rest], at(i)) for i, v in enumerate(node)]
         if hasattr(node, "_fields"):  # namedtuple
             return type(node)(*items)
         return type(node)(items)

@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 from torch import nn
 
-from trainfold.data.pipeline import KeyedCollate, keyed, pad_collate
+from trainfold.data.collate import KeyedCollate, keyed, pad_collate
 
 __all__ = ["Columns", "columns_for", "eval_collate", "padded_to_multiple", "signature_columns", "with_columns"]
 
@@ -184,7 +184,7 @@ class _KeyedSelecting:
 
 
 def with_columns(collate: Callable[..., Any] | None, columns: Columns) -> Callable[..., Any]:
-    """Wrap ``collate`` (default: :func:`~trainfold.data.pipeline.pad_collate`) so it sees only the selected columns.
+    """Wrap ``collate`` (default: :func:`~trainfold.data.collate.pad_collate`) so it sees only the selected columns.
 
     A keyed collator stays keyed.
 

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from trainfold.core.forward import train_mode
 from trainfold.core.rng import derive_seed
 from trainfold.core.state import Cursor, TrainState, scalar
-from trainfold.data.pipeline import StateStream, StepBatch
+from trainfold.data import StateStream, StepBatch
 from trainfold.hf.grpo_args import GRPOArguments, generation_order
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run

@@ -42,9 +42,9 @@ from trainfold.core.fold import any_of, trajectory
 from trainfold.core.fold import max_steps as max_steps_stop
 from trainfold.core.losses import default_loss_for, label_smoothed, refuse_unlabelled
 from trainfold.core.state import TrainState, counters, init_state, lend, split_module
+from trainfold.data import StateStream, StepBatch, close_loader, eval_loader, stream
 from trainfold.data.columns import Columns, columns_for, eval_collate, padded_to_multiple, with_columns
 from trainfold.data.llm import lm_inputs
-from trainfold.data.pipeline import StateStream, StepBatch, close_loader, eval_loader, stream
 from trainfold.data.samplers import make_sampler
 from trainfold.dist.distributed import agreed_stop, joins_torchrun, shard
 from trainfold.eval import evaluate_sharded

@@ -30,9 +30,6 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.core.chunked_loss import OutputHead, check_chunk_size, output_head
-from trainfold.core.losses import DPO_LOSS_TYPES as LOSS_TYPES
-from trainfold.core.losses import dpo as dpo_loss
-from trainfold.core.losses import dpo_loss_errors as _loss_errors
 from trainfold.recipes.dpo_logps import (
     MODEL_KEYS,
     PREFERENCE_COLUMNS,
@@ -42,6 +39,9 @@ from trainfold.recipes.dpo_logps import (
     sequence_logps,
     token_means,
 )
+from trainfold.recipes.dpo_loss import DPO_LOSS_TYPES as LOSS_TYPES
+from trainfold.recipes.dpo_loss import dpo as dpo_loss
+from trainfold.recipes.dpo_loss import dpo_loss_errors as _loss_errors
 from trainfold.recipes.dpo_reference import precompute_ref_logps, prepare_reference
 
 __all__ = [

@@ -22,7 +22,6 @@ from trainfold.core.fold import never, trajectory
 from trainfold.core.forward import train_mode
 from trainfold.core.rng import derive_seed
 from trainfold.core.state import TrainState
-from trainfold.data.pipeline import generation_batches
 from trainfold.recipes.generate import functional_forward, generate, pad_right
 from trainfold.recipes.grpo import (
     SCALE_REWARDS,
@@ -33,6 +32,7 @@ from trainfold.recipes.grpo import (
     next_token_logps,
     reward_name,
 )
+from trainfold.recipes.grpo_data import generation_batches
 
 __all__ = ["Rollout", "grpo_trajectory", "make_rollout", "rollout_metrics"]
 

@@ -1,0 +1,172 @@
+"""Collators: items to padded tensor dicts, and keyed collators that draw per-sample randomness.
+
+A collator turns one micro-batch of dataset items into what the model takes. :func:`pad_collate`
+right-pads 1-d sequences per key; :func:`keyed` marks a collator ``fn(items, keys)`` that gets one
+:func:`sample_key` per item, so its randomness depends only on ``(seed, epoch, index)``.
+
+>>> c = pad_collate()
+>>> c([{"input_ids": [1, 2]}, {"input_ids": [3]}])["attention_mask"].tolist()
+[[1, 1], [1, 0]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+from trainfold.core.rng import derive_seed
+
+__all__ = ["DEFAULT_PAD_VALUES", "KeyedCollate", "PadCollate", "keyed", "pad_collate", "sample_key"]
+
+DEFAULT_PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0, "special_tokens_mask": 1}
+
+
+def _as_tensor(value: Any, key: str) -> Tensor:
+    if isinstance(value, Tensor):
+        return value
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise TypeError(
+            f"cannot make a tensor of item key {key!r} (value {value!r:.60}); leave it out with keys=[...]"
+        ) from exc
+
+
+@attrs.frozen
+class PadCollate:
+    """Collate items (mappings) into a dict of tensors, right-padding 1-d sequences per key.
+
+    Each 1-d key is padded to the longest in the micro-batch (rounded up to a multiple of
+    ``pad_to_multiple_of``): ``labels`` with ``label_pad_token_id``, ``attention_mask`` and
+    ``token_type_ids`` with 0, anything else with ``pad_token_id`` (``pad_values`` overrides per
+    key). A missing ``attention_mask`` is made from the ``input_ids`` lengths. Scalars are stacked.
+    Use :func:`pad_collate` to make one.
+
+    >>> c = PadCollate(pad_token_id=9)
+    >>> out = c([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4], "labels": [4]}])
+    >>> out["input_ids"].tolist(), out["labels"].tolist(), out["attention_mask"].tolist()
+    ([[1, 2, 3], [4, 9, 9]], [[1, 2, 3], [4, -100, -100]], [[1, 1, 1], [1, 0, 0]])
+    """
+
+    pad_token_id: int = 0
+    label_pad_token_id: int = -100
+    pad_to_multiple_of: int | None = None
+    keys: tuple[str, ...] | None = None
+    pad_values: tuple[tuple[str, int], ...] = ()
+
+    def pad_value(self, key: str) -> int:
+        """Return the value ``key`` is padded with."""
+        overrides = dict(self.pad_values)
+        if key in overrides:
+            return overrides[key]
+        if key == "labels":
+            return self.label_pad_token_id
+        return DEFAULT_PAD_VALUES.get(key, self.pad_token_id)
+
+    def __call__(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
+        if not items:
+            raise ValueError("cannot collate an empty micro-batch")
+        keys = list(self.keys) if self.keys is not None else list(items[0].keys())
+        for i, item in enumerate(items):
+            missing = [k for k in keys if k not in item]
+            if missing:
+                raise KeyError(f"item {i} of the micro-batch lacks keys {missing} (has {sorted(item.keys())})")
+        out = {k: self._column(k, [_as_tensor(item[k], k) for item in items]) for k in keys}
+        if "attention_mask" not in out and "input_ids" in out and out["input_ids"].dim() == 2:
+            lens = [len(item["input_ids"]) for item in items]  # items may hold lists
+            width = out["input_ids"].shape[1]
+            if all(n == width for n in lens):
+                out["attention_mask"] = torch.ones(len(lens), width, dtype=torch.long)
+            else:
+                out["attention_mask"] = (torch.arange(width) < torch.tensor(lens)[:, None]).long()
+        return out
+
+    def _column(self, key: str, values: list[Tensor]) -> Tensor:
+        if any(v.dim() != 1 for v in values):
+            shapes = {tuple(v.shape) for v in values}
+            if len(shapes) > 1:
+                raise ValueError(
+                    f"key {key!r} has items of different shapes {sorted(shapes)}; only 1-d sequences are padded"
+                )
+            return torch.stack(values)
+        lengths = [v.shape[0] for v in values]
+        width = max(lengths)
+        if self.pad_to_multiple_of:
+            width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        dtype = values[0].dtype
+        values = [v if v.dtype == dtype else v.to(dtype) for v in values]
+        if all(n == width for n in lengths):  # nothing to pad
+            return torch.stack(values)
+        fill = self.pad_value(key)
+        out = pad_sequence(values, batch_first=True, padding_value=fill)
+        return F.pad(out, (0, width - out.shape[1]), value=fill) if out.shape[1] < width else out
+
+
+def pad_collate(
+    pad_token_id: int = 0,
+    label_pad_token_id: int = -100,
+    pad_to_multiple_of: int | None = None,
+    keys: Sequence[str] | None = None,
+    pad_values: Mapping[str, int] | None = None,
+) -> PadCollate:
+    """Return a collator that right-pads ``input_ids``/``attention_mask``/``labels`` (see PadCollate).
+
+    >>> c = pad_collate(pad_to_multiple_of=4)
+    >>> out = c([{"input_ids": [5, 6], "labels": [5, 6]}, {"input_ids": [7], "labels": [7]}])
+    >>> out["input_ids"].tolist(), out["labels"].tolist(), out["attention_mask"].tolist()
+    ([[5, 6, 0, 0], [7, 0, 0, 0]], [[5, 6, -100, -100], [7, -100, -100, -100]], [[1, 1, 0, 0], [1, 0, 0, 0]])
+    """
+    if pad_to_multiple_of is not None and pad_to_multiple_of <= 0:
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} must be a positive int or None")
+    return PadCollate(
+        pad_token_id=pad_token_id,
+        label_pad_token_id=label_pad_token_id,
+        pad_to_multiple_of=pad_to_multiple_of,
+        keys=None if keys is None else tuple(keys),
+        pad_values=tuple(sorted((pad_values or {}).items())),
+    )
+
+
+def sample_key(seed: int, epoch: int, index: int) -> int:
+    """Return the random key of dataset sample ``index`` in ``epoch`` of a run seeded ``seed``.
+
+    >>> sample_key(0, 1, 5) == sample_key(0, 1, 5), sample_key(0, 1, 5) == sample_key(0, 2, 5)
+    (True, False)
+    """
+    return derive_seed(seed, epoch, index)
+
+
+@attrs.frozen
+class KeyedCollate:
+    """A collator called as ``fn(items, keys)``, one :func:`sample_key` per item. Make with :func:`keyed`.
+
+    >>> from trainfold.data import Sampler, stream
+    >>> s = Sampler("sequential", 4, per_device_train_batch_size=2, seed=5)
+    >>> check = KeyedCollate(lambda items, keys: [k == sample_key(5, 0, i) for i, k in zip(items, keys)])
+    >>> [step[0] for step in stream(list(range(4)), s, check, num_epochs=1)]
+    [[True, True], [True, True]]
+    """
+
+    fn: Callable[[Sequence[Any], Sequence[int]], Any]
+
+    def __call__(self, items: Sequence[Any], keys: Sequence[int]) -> Any:
+        return self.fn(items, keys)
+
+
+def keyed(fn: Callable[[Sequence[Any], Sequence[int]], Any]) -> KeyedCollate:
+    """Mark ``fn(items, keys)`` as a collator that draws per-sample randomness from ``keys``.
+
+    >>> import torch
+    >>> def noisy(items, keys):
+    ...     return torch.stack([torch.rand(1, generator=torch.Generator().manual_seed(k)) for k in keys])
+    >>> c = keyed(noisy)
+    >>> c([None], [7]).tolist() == c([None], [7]).tolist()
+    True
+    """
+    return KeyedCollate(fn)
