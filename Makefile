@@ -25,8 +25,8 @@ demo: $(VENV)/.core
 	$(PY) -m trainfold demo
 
 test: $(VENV)/.test
-	$(PY) -m ruff check src tests benchmarks
-	$(PY) -m ruff format --check src tests benchmarks
+	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m ruff format --check src tests benchmarks examples
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.test

@@ -13,7 +13,7 @@ same collapse GRPO shows at scale.
     python examples/grpo_digits.py               # 300 steps, logs every 10
     python examples/grpo_digits.py --steps 40    # shorter
 
-It runs ``trainfold.grpo_run.train`` with TRL's ``GRPOConfig`` names: 16 completions per
+It runs ``trainfold.grpo.train`` with TRL's ``GRPOConfig`` names: 16 completions per
 micro-batch, 2 micro-batches per optimizer step, one generation of 8 prompts x 8 completions every
 ``steps_per_generation=4`` micro-steps (2 optimizer steps), as TRL's ``GRPOTrainer`` would.
 ``run(...)`` returns the mean reward of every generation, so a test can run a short version.
@@ -27,10 +27,10 @@ import time
 
 import torch
 
-from trainfold.generate import generate
-from trainfold.grpo_args import GRPOArguments
-from trainfold.grpo_run import train
-from trainfold.models import TinyLM, TinyLMConfig, byte_decode, byte_encode
+import trainfold
+from trainfold import GRPOArguments
+from trainfold.core.models import TinyLM, TinyLMConfig, byte_decode, byte_encode
+from trainfold.recipes.generate import generate
 
 COMPLETION_LENGTH = 6
 
@@ -58,21 +58,42 @@ def prompts_dataset() -> list[dict]:
     return [{"prompt": f"{d}>"} for d in range(10)]
 
 
-def grpo_arguments(steps: int, seed: int = 0, lr: float = 3e-3, output_dir: str | None = None,
-                   **changes: object) -> GRPOArguments:
+def grpo_arguments(
+    steps: int, seed: int = 0, lr: float = 3e-3, output_dir: str | None = None, **changes: object
+) -> GRPOArguments:
     """Return the example's settings (TRL's names; constant learning rate, no clipping, no checkpoints)."""
     settings = dict(
-        output_dir=output_dir or tempfile.mkdtemp(prefix="grpo_digits_"), max_steps=steps, seed=seed,
-        learning_rate=lr, lr_scheduler_type="constant", max_grad_norm=0.0, weight_decay=0.0,
-        per_device_train_batch_size=16, gradient_accumulation_steps=2, steps_per_generation=4, num_generations=8,
-        max_completion_length=COMPLETION_LENGTH, reward_weights=[0.5, 1.0], loss_type="grpo",
-        save_strategy="no", logging_steps=1, report_to="none", disable_tqdm=True,
+        output_dir=output_dir or tempfile.mkdtemp(prefix="grpo_digits_"),
+        max_steps=steps,
+        seed=seed,
+        learning_rate=lr,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        per_device_train_batch_size=16,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        num_generations=8,
+        max_completion_length=COMPLETION_LENGTH,
+        reward_weights=[0.5, 1.0],
+        loss_type="grpo",
+        save_strategy="no",
+        logging_steps=1,
+        report_to="none",
+        disable_tqdm=True,
     )
     return GRPOArguments(**{**settings, **changes})
 
 
-def run(steps: int = 300, seed: int = 0, lr: float = 3e-3, temperature: float = 1.0, scale_rewards: str = "group",
-        log_every: int = 0, output_dir: str | None = None) -> list[float]:
+def run(
+    steps: int = 300,
+    seed: int = 0,
+    lr: float = 3e-3,
+    temperature: float = 1.0,
+    scale_rewards: str = "group",
+    log_every: int = 0,
+    output_dir: str | None = None,
+) -> list[float]:
     """Train for ``steps`` optimizer steps; return each generation's mean reward (each log's, with ``log_every``).
 
     Runs on one CPU thread (restored afterwards): for a model this small, more threads only add
@@ -83,14 +104,29 @@ def run(steps: int = 300, seed: int = 0, lr: float = 3e-3, temperature: float = 
     try:
         torch.manual_seed(seed)
         model = TinyLM(TinyLMConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=4, max_len=16))
-        args = grpo_arguments(steps, seed, lr, output_dir, temperature=temperature, scale_rewards=scale_rewards,
-                              logging_steps=log_every or 1, log_level="passive" if log_every else "warning")
-        result = train(model, args, prompts_dataset(), [digits, counting], encode=byte_encode, decode=byte_decode)
+        args = grpo_arguments(
+            steps,
+            seed,
+            lr,
+            output_dir,
+            temperature=temperature,
+            scale_rewards=scale_rewards,
+            logging_steps=log_every or 1,
+            log_level="passive" if log_every else "warning",
+        )
+        result = trainfold.grpo.train(
+            model, args, prompts_dataset(), [digits, counting], encode=byte_encode, decode=byte_decode
+        )
     finally:
         torch.set_num_threads(threads)
     if log_every:
-        samples = generate(model, result.state.params, [byte_encode(f"{d}>") for d in range(10)],
-                           max_new_tokens=COMPLETION_LENGTH, temperature=0.0)
+        samples = generate(
+            model,
+            result.state.params,
+            [byte_encode(f"{d}>") for d in range(10)],
+            max_new_tokens=COMPLETION_LENGTH,
+            temperature=0.0,
+        )
         print("greedy completions:", ", ".join(f"{d}>{byte_decode(c)}" for d, c in enumerate(samples)))
     return [entry["reward"] for entry in result.log_history if "reward" in entry]
 
@@ -104,8 +140,10 @@ def main() -> None:
     t0 = time.perf_counter()
     rewards = run(args.steps, args.seed, lr=args.lr, log_every=10)
     head, tail = rewards[:5], rewards[-5:]
-    print(f"mean reward: first 5 generations {sum(head) / len(head):.3f}, last 5 {sum(tail) / len(tail):.3f} "
-          f"({time.perf_counter() - t0:.0f} s)")
+    print(
+        f"mean reward: first 5 generations {sum(head) / len(head):.3f}, last 5 {sum(tail) / len(tail):.3f} "
+        f"({time.perf_counter() - t0:.0f} s)"
+    )
 
 
 if __name__ == "__main__":
