@@ -27,10 +27,9 @@ import time
 
 import torch
 
-from trainfold.generate import generate
-from trainfold.grpo_args import GRPOArguments
-from trainfold.grpo_run import train
-from trainfold.models import TinyLM, TinyLMConfig, byte_decode, byte_encode
+from trainfold.core.models import TinyLM, TinyLMConfig, byte_decode, byte_encode
+from trainfold.hf.grpo import GRPOArguments, train
+from trainfold.recipes.generate import generate
 
 COMPLETION_LENGTH = 6
 

@@ -20,7 +20,7 @@ from trainfold.core.fold import any_of, fit, max_steps, trajectory
 from trainfold.core.losses import cross_entropy
 from trainfold.core.state import Cursor, TrainState, scalar
 from trainfold.core.tree import flatten, global_norm, unflatten
-from trainfold.observe.observers import (
+from trainfold.observe import (
     LOG_MARK,
     LoggingPlan,
     LogMark,
