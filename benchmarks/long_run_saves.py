@@ -46,8 +46,8 @@ def measure(variant: str, steps: int, repeat: int) -> dict[str, float]:
     from trainfold.ckpt import checkpoint as ckpt
     from trainfold.core.models import TinyLM, TinyLMConfig
     from trainfold.core.state import init_state, scalar
+    from trainfold.observe import MetricWindow
     from trainfold.observe.history import HistoryFile, window_state
-    from trainfold.observe.observers import MetricWindow
     from trainfold.optim.base import adamw
 
     torch.manual_seed(0)

@@ -121,7 +121,7 @@ def test_train_with_fp16_scales_checkpoints_and_resumes_the_scaler(tmp_path):
 
 
 def test_an_overflowing_loss_is_skipped_and_left_out_of_the_logged_means():
-    from trainfold.observe.observers import LogMark, log_entry, train_summary
+    from trainfold.observe import LogMark, log_entry, train_summary
 
     def objective(forward, params, micro, num_items, key):  # the second batch's loss overflows
         inputs = {"input_ids": micro["input_ids"]}

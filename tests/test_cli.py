@@ -294,3 +294,13 @@ def test_sigterm_then_resume_continues_bitwise(tmp_path):
     logged = lambda out: [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]  # noqa: E731
     losses = lambda out: {e["step"]: e["loss"] for e in logged(out) if "loss" in e}  # noqa: E731
     assert losses(stopped) == losses(straight)  # every step's logged loss, the resumed ones included
+
+
+def test_the_config_reader_is_its_own_module_and_the_cli_uses_it():
+    import trainfold.__main__ as cli
+    from trainfold import run_config
+
+    assert cli.ConfigError is run_config.ConfigError and cli.load_config is run_config.load_config
+    assert sorted(run_config.CONFIG_KINDS) == [".json", ".toml", ".yaml", ".yml"]
+    with pytest.raises(run_config.ConfigError, match=r"has the extension '\.ini'; use one of \['\.json'"):
+        run_config.load_config("run.ini")

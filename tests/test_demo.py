@@ -35,3 +35,12 @@ def test_demo_command_trains_evaluates_and_checkpoints(tmp_path):
     latest = latest_checkpoint(out)
     assert latest is not None and is_complete(latest) and latest.name == "checkpoint-16"
     assert (out / "log.jsonl").exists() and str(out.resolve()) in done.stdout
+
+
+def test_demo_args_scale_logging_evaluation_and_saves_with_the_run():
+    from trainfold.demo import demo_args
+
+    short, long = demo_args("out", 8), demo_args("out", 1600, seed=3)
+    assert (short.logging_steps, short.eval_steps, short.save_steps) == (1, 4, 4)
+    assert (long.logging_steps, long.eval_steps, long.save_steps, long.seed) == (100, 800, 800, 3)
+    assert long.reporters == ("jsonl",) and long.lr_scheduler_type == "cosine"

@@ -666,3 +666,57 @@ def test_grpo_trains_a_hugging_face_model():
     assert len(states) == 2
     assert all(math.isfinite(states[-1].metrics[k].item()) for k in ("loss", "kl", "reward"))
     assert states[-1].metrics["kl"].item() > 0  # the second step trained on a buffer the first step had changed
+
+
+# -- the layout: rows, the forward adapter, trainfold.grpo -----------------------------------
+
+
+def test_completion_rows_mask_the_prompt_and_pad_right():
+    from trainfold.recipes.grpo_rows import before_eos, completion_rows
+
+    rows = completion_rows([[5, 6], [7]], [[1, 9], [2]], pad=3)
+    assert rows["input_ids"].tolist() == [[5, 6, 1, 9], [7, 2, 3, 3]]
+    assert rows["attention_mask"].tolist() == [[1, 1, 1, 1], [1, 1, 0, 0]]
+    assert rows["completion_mask"].tolist() == [[0, 0, 1, 1], [0, 1, 0, 0]]
+    assert before_eos([4, 2, 5, 2], 2) == [4] and before_eos([4, 5], 2) == [4, 5]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 4)), min_size=1, max_size=4))
+def test_spreading_completion_values_then_gathering_them_gives_them_back(shapes):
+    from trainfold.recipes.grpo_rows import gather_completions, spread_completions
+
+    prompts, lengths = [p for p, _ in shapes], [n for _, n in shapes]
+    width = max(p + n for p, n in shapes)
+    values = torch.arange(len(shapes) * 4, dtype=torch.float32).reshape(len(shapes), 4) + 1
+    kept = torch.stack([torch.cat([v[:n], torch.zeros(4 - n)]) for v, n in zip(values, lengths)])
+    spread = spread_completions(values, prompts, lengths, width)
+    assert torch.equal(gather_completions(spread, prompts, lengths, 4), kept)
+    assert int((spread != 0).sum()) == sum(lengths)  # nothing outside the completion positions
+
+
+def test_functional_forward_is_make_forward_with_the_models_own_tensors_filled_in():
+    from trainfold.core.forward import make_forward
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2)).eval()
+    x = {"input": torch.randn(4, 3)}
+    params = {k: v.detach() + 1 for k, v in model.named_parameters()}
+    buffers = {k: v.detach() for k, v in model.named_buffers()}
+    assert torch.equal(functional_forward(model, buffers)(params, x), make_forward(model, buffers)(params, x))
+    assert torch.equal(functional_forward(model)(params, x), make_forward(model, buffers)(params, x))
+    partial = {"0.weight": params["0.weight"]}  # the rest (a frozen bias, the buffers) from the model
+    own = {k: v.detach() for k, v in model.named_parameters()}
+    expected = make_forward(model, buffers)({**own, **partial}, x)
+    assert torch.equal(functional_forward(model)(partial, x), expected)
+
+
+def test_trainfold_grpo_offers_the_recipe_the_arguments_and_the_run():
+    import trainfold
+    import trainfold.recipes.grpo as recipe
+    from trainfold.hf import grpo_args, grpo_run
+
+    assert trainfold.grpo.__name__ == "trainfold.hf.grpo"
+    assert all(getattr(trainfold.grpo, name) is getattr(recipe, name) for name in recipe.__all__)
+    assert trainfold.grpo.train is grpo_run.train and trainfold.grpo.GRPOArguments is grpo_args.GRPOArguments
+    assert {"make_rollout", "grpo_trajectory", "Rollout", "rollout_metrics"} <= set(recipe.__all__)
+    assert not hasattr(recipe, "train")  # the recipe layer knows nothing of the hf run

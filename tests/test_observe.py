@@ -20,7 +20,7 @@ from trainfold.core.fold import any_of, fit, max_steps, trajectory
 from trainfold.core.losses import cross_entropy
 from trainfold.core.state import Cursor, TrainState, scalar
 from trainfold.core.tree import flatten, global_norm, unflatten
-from trainfold.observe.observers import (
+from trainfold.observe import (
     LOG_MARK,
     LoggingPlan,
     LogMark,
@@ -350,3 +350,30 @@ def test_metric_window_counts_each_step_once_and_skips_the_step_metrics():
     assert window.take() == {"a": 3.0, "b": 4.0}  # b: over the one step that reported it
     window.add(at(4, a=5.0))
     assert window.take() == {"a": 5.0}
+
+
+# -- the vocabularies: each has one owner, which the rest reads ----------------------------------
+
+
+def test_the_logging_vocabularies_are_public_and_checked_against():
+    from trainfold.observe import LOG_LEVELS, LOGGING_STRATEGIES, REPORTERS, TOKEN_COUNTS, counting_input_tokens
+    from trainfold.observe.reporters import progress
+
+    assert LOGGING_STRATEGIES == ("no", "steps", "epoch") and [LoggingPlan(s).strategy for s in LOGGING_STRATEGIES]
+    with pytest.raises(ValueError, match=r"logging_strategy='weekly' is not one of \['no', 'steps', 'epoch'\]"):
+        logging_plan("weekly")
+    assert list(REPORTERS) == ["jsonl", "tensorboard", "trackio", "wandb"]
+    assert "passive" in LOG_LEVELS and "warning" in LOG_LEVELS
+    with pytest.raises(ValueError, match="log_level='loud' is not one of"):
+        progress(3, log_level="loud")
+    assert TOKEN_COUNTS == ("all", "non_padding")
+    with pytest.raises(ValueError, match="mode='some' must be 'all' or 'non_padding'"):
+        counting_input_tokens(lambda s, b: s, "some")
+
+
+def test_state_extras_keys_are_the_owners_constants():
+    from trainfold.observe import TOKENS_SEEN
+    from trainfold.observe.stopping import EARLY_STOPPING
+
+    extras = initial_extras(early_stopping("eval_loss"), tokens_seen=True)
+    assert sorted(extras) == sorted([LOG_MARK, TOKENS_SEEN, EARLY_STOPPING])

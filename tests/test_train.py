@@ -200,7 +200,7 @@ def test_a_compiled_run_follows_the_eager_one(tmp_path):
 
 
 def test_input_tokens_seen_are_counted_logged_and_resumed(tmp_path):
-    from trainfold.observe.observers import TOKENS_SEEN
+    from trainfold.observe import TOKENS_SEEN
 
     data = rows()
     one_epoch = {"max_steps": -1, "num_train_epochs": 1, "logging_steps": 2}

@@ -23,7 +23,7 @@ from trainfold.data.samplers import Sampler, make_sampler
 from trainfold.dist import distributed
 from trainfold.eval import evaluation, reducers
 from trainfold.eval.evaluation import EvalPrediction
-from trainfold.hf import grpo_args, grpo_run
+from trainfold.hf import grpo, grpo_args, grpo_run
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.grpo_args import GRPOArguments
 from trainfold.hf.train import TrainResult, evaluate, predict, train
@@ -31,7 +31,7 @@ from trainfold.observe import reporters
 from trainfold.observe.stopping import early_stopping
 from trainfold.optim import schedules
 from trainfold.optim.base import adamw, chain, clip_by_global_norm, decay_mask, sgd
-from trainfold.recipes import dpo, ensemble, generate, grpo
+from trainfold.recipes import dpo, ensemble, generate
 from trainfold.recipes.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
 from trainfold.step import compiled
 from trainfold.step.driver import make_step

@@ -85,6 +85,55 @@ def _print_log(max_steps: int) -> Any:
     return show
 
 
+def demo_args(output_dir: str, max_steps: int, seed: int = 0) -> TrainingArguments:
+    """Return the demo's settings: cosine schedule, a log every 1/16 of the run, evaluation and saves at halves.
+
+    >>> args = demo_args("runs/demo", 800)
+    >>> args.logging_steps, args.eval_steps, args.lr_scheduler_type
+    (50, 400, 'cosine')
+    """
+    return TrainingArguments(
+        output_dir=output_dir,
+        max_steps=max_steps,
+        per_device_train_batch_size=16,
+        per_device_eval_batch_size=32,
+        learning_rate=3e-3,
+        warmup_steps=0.05,
+        lr_scheduler_type="cosine",
+        weight_decay=0.1,
+        seed=seed,
+        logging_steps=max(1, max_steps // 16),
+        eval_strategy="steps",
+        eval_steps=max(1, max_steps // 2),
+        eval_on_start=True,
+        save_steps=max(1, max_steps // 2),
+        save_total_limit=2,
+        report_to=["jsonl"],
+        metric_for_best_model="loss",
+        enable_jit_checkpoint=True,
+        disable_tqdm=True,
+        log_level="warning",  # the observer below prints each log
+    )
+
+
+def _report(result: Any, model: TinyLM, output_dir: str, started: float) -> None:
+    """Print the held-out loss before and after, a sample, and where the results are."""
+    evals = [h for h in result.log_history if "eval_loss" in h]
+    first, last = evals[0]["eval_loss"], evals[-1]["eval_loss"]
+    print(
+        f"\nheld-out loss: {first:.3f} before training -> {last:.3f} after {result.global_step} steps "
+        f"({result.status}, {time.monotonic() - started:.0f} s)"
+    )
+    prompt = "def __init__(self"
+    print(f"sample: {prompt!r} -> {_sample(model, result.state, prompt)!r}")
+    where = Path(output_dir).resolve()
+    full = lambda p: Path(p).resolve() if p is not None else None  # noqa: E731
+    print(
+        f"results in {where}:\n  log        {where / 'log.jsonl'}\n  checkpoint {full(result.last_checkpoint)}"
+        f"\n  best       {full(result.best_checkpoint)}"
+    )
+
+
 def run_demo(
     output_dir: str = "runs/demo", max_steps: int = 800, seq_len: int = 128, max_bytes: int = 2_000_000, seed: int = 0
 ) -> Any:
@@ -111,43 +160,9 @@ def run_demo(
         f"trainfold demo: TinyLM with {params / 1e3:.0f}k parameters, {len(train_rows)} training rows of "
         f"{seq_len} bytes of Python's standard library, {len(eval_rows)} held out"
     )
-    args = TrainingArguments(
-        output_dir=output_dir,
-        max_steps=max_steps,
-        per_device_train_batch_size=16,
-        per_device_eval_batch_size=32,
-        learning_rate=3e-3,
-        warmup_steps=0.05,
-        lr_scheduler_type="cosine",
-        weight_decay=0.1,
-        seed=seed,
-        logging_steps=max(1, max_steps // 16),
-        eval_strategy="steps",
-        eval_steps=max(1, max_steps // 2),
-        eval_on_start=True,
-        save_steps=max(1, max_steps // 2),
-        save_total_limit=2,
-        report_to=["jsonl"],
-        metric_for_best_model="loss",
-        enable_jit_checkpoint=True,
-        disable_tqdm=True,
-        log_level="warning",  # the observer below prints each log
-    )
+    args = demo_args(output_dir, max_steps, seed)
     result = train(model, args, train_rows, eval_rows, observers=[_print_log(max_steps)])
-    evals = [h for h in result.log_history if "eval_loss" in h]
-    first, last = evals[0]["eval_loss"], evals[-1]["eval_loss"]
-    print(
-        f"\nheld-out loss: {first:.3f} before training -> {last:.3f} after {result.global_step} steps "
-        f"({result.status}, {time.monotonic() - started:.0f} s)"
-    )
-    prompt = "def __init__(self"
-    print(f"sample: {prompt!r} -> {_sample(model, result.state, prompt)!r}")
-    where = Path(output_dir).resolve()
-    full = lambda p: Path(p).resolve() if p is not None else None  # noqa: E731
-    print(
-        f"results in {where}:\n  log        {where / 'log.jsonl'}\n  checkpoint {full(result.last_checkpoint)}"
-        f"\n  best       {full(result.best_checkpoint)}"
-    )
+    _report(result, model, output_dir, started)
     return result
 
 

@@ -54,9 +54,7 @@ from trainfold.eval.evaluation import predict as predict_batches
 from trainfold.eval.schedule import check_eval_schedule, should_evaluate
 from trainfold.hf import callbacks as hf_callbacks
 from trainfold.hf.args import TrainingArguments
-from trainfold.observe import history as log_file
-from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
-from trainfold.observe.observers import (
+from trainfold.observe import (
     MetricWindow,
     counting_input_tokens,
     eval_entry,
@@ -68,6 +66,8 @@ from trainfold.observe.observers import (
     tap,
     train_summary,
 )
+from trainfold.observe import history as log_file
+from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
 from trainfold.observe.reporters import make_reporters
 from trainfold.observe.reporters import progress as make_progress
 from trainfold.observe.stopping import EarlyStopping, patience_exhausted, record_evaluation

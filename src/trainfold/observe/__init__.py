@@ -1,27 +1,21 @@
 """Logging, reporters, the metric history, early stopping and divergence checks."""
 
-from trainfold.observe.observers import (
+from trainfold.observe.entries import (
     LOG_MARK,
-    TOKENS_SEEN,
-    LoggingPlan,
     LogMark,
     MetricWindow,
-    Observer,
-    counting_input_tokens,
     eval_entry,
     filtered_mean_loss,
-    initial_extras,
     log_entry,
-    log_if_due,
     log_mark,
-    logging_plan,
     mark_logged,
-    notify,
-    observing,
-    should_log,
-    tap,
     train_summary,
 )
+from trainfold.observe.log_plan import LOGGING_STRATEGIES, LoggingPlan, logging_plan, should_log
+from trainfold.observe.observers import Observer, initial_extras, log_if_due, notify, observing, tap
+from trainfold.observe.progress import LOG_LEVELS
+from trainfold.observe.reporters import REPORTERS
+from trainfold.observe.tokens import TOKEN_COUNTS, TOKENS_SEEN, counting_input_tokens
 
 __all__ = [
     "LOG_MARK",
@@ -44,4 +38,8 @@ __all__ = [
     "observing",
     "tap",
     "counting_input_tokens",
+    "LOGGING_STRATEGIES",
+    "LOG_LEVELS",
+    "REPORTERS",
+    "TOKEN_COUNTS",
 ]

@@ -315,6 +315,12 @@ class DPOObjective:
         return forward(params, {k: micro_batch[k] for k in MODEL_KEYS if k in micro_batch}), micro_batch["input_ids"]
 
 
+def _check_batch_size(precompute_ref_batch_size: int | None) -> None:
+    size = precompute_ref_batch_size
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+        raise ValueError(f"precompute_ref_batch_size={size!r} must be a positive int or None")
+
+
 def dpo_objective(
     beta: float = 0.1,
     loss_type: str = "sigmoid",
@@ -360,12 +366,7 @@ def dpo_objective(
     if chunk_size is not None:
         check_chunk_size(chunk_size)
     head = None if chunk_size is None else output_head(model)
-    if precompute_ref_batch_size is not None and (
-        isinstance(precompute_ref_batch_size, bool)
-        or not isinstance(precompute_ref_batch_size, int)
-        or precompute_ref_batch_size < 1
-    ):
-        raise ValueError(f"precompute_ref_batch_size={precompute_ref_batch_size!r} must be a positive int or None")
+    _check_batch_size(precompute_ref_batch_size)
     # its own copy: train trains the module's storage in place, and ref_params often are the module's tensors
     frozen = None if ref_params is None else {k: v.detach().clone() for k, v in ref_params.items()}
     return DPOObjective(

@@ -21,26 +21,24 @@ models this serves (tests, examples, RL on CPU) that is fast enough and obviousl
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call
 
-from trainfold.core.forward import train_mode
+from trainfold.core.forward import Forward, make_forward, train_mode
 from trainfold.core.losses import logits_of
 
 __all__ = ["functional_forward", "generate", "pad_right", "token_logps"]
-
-Forward = Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Any]
 
 
 def functional_forward(model: nn.Module, buffers: Mapping[str, Tensor] | None = None) -> Forward:
     """Return ``forward(params, inputs)``: ``model`` run on ``params`` (and ``buffers``), weights untouched.
 
-    Tensors of the model that ``params`` and ``buffers`` do not name (buffers, frozen weights) are
-    taken from the model itself.
+    ``trainfold.core.forward.make_forward`` made lenient: tensors of the model that ``params`` and
+    ``buffers`` do not name (buffers, frozen weights) are taken from the model itself (detached), and
+    ``params`` win over ``buffers`` where both name a tensor.
 
     >>> import torch
     >>> lin = torch.nn.Linear(1, 1)
@@ -54,7 +52,7 @@ def functional_forward(model: nn.Module, buffers: Mapping[str, Tensor] | None = 
         rest = {
             k: v.detach() for k, v in itertools.chain(model.named_parameters(), model.named_buffers()) if k not in given
         }
-        return functional_call(model, {**rest, **given}, args=(), kwargs=dict(inputs), strict=True)
+        return make_forward(model, rest)(given, inputs)
 
     return forward
 

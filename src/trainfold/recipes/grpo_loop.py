@@ -4,7 +4,7 @@
 draws the prompts of ``optimizer_steps_per_generation`` optimizer steps (counted in optimizer
 steps, unlike TRL's micro-step ``steps_per_generation``), calls ``rollout`` once with the latest
 state, and feeds the step one slice of that buffer per optimizer step. The run with TRL's
-semantics, checkpoints and resume inside a generation block is ``trainfold.recipes.grpo.train``
+semantics, checkpoints and resume inside a generation block is ``trainfold.grpo.train``
 (``trainfold.hf.grpo_run``). These names are also importable from ``trainfold.recipes.grpo``.
 """
 
@@ -22,17 +22,11 @@ from trainfold.core.fold import never, trajectory
 from trainfold.core.forward import train_mode
 from trainfold.core.rng import derive_seed
 from trainfold.core.state import TrainState
-from trainfold.recipes.generate import functional_forward, generate, pad_right
-from trainfold.recipes.grpo import (
-    SCALE_REWARDS,
-    RewardFunc,
-    chunk_head,
-    combine_rewards,
-    group_advantages,
-    next_token_logps,
-    reward_name,
-)
+from trainfold.recipes.generate import functional_forward, generate
 from trainfold.recipes.grpo_data import generation_batches
+from trainfold.recipes.grpo_objective import chunk_head, next_token_logps
+from trainfold.recipes.grpo_rewards import SCALE_REWARDS, RewardFunc, combine_rewards, group_advantages, reward_name
+from trainfold.recipes.grpo_rows import before_eos, completion_rows
 
 __all__ = ["Rollout", "grpo_trajectory", "make_rollout", "rollout_metrics"]
 
@@ -41,7 +35,33 @@ _GENERATION_TAG = 0x6E6E
 
 @attrs.frozen(eq=False)
 class Rollout:
-    """Turn prompt micro-batches into training micro-batches with the latest state; see :func:`make_rollout`."""
+    """Turn prompt micro-batches into training micro-batches with the latest state; see :func:`make_rollout`.
+
+    >>> import torch
+    >>> from trainfold import init_state, sgd
+    >>> from trainfold.core.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> def length(prompts, completions, **_): return [float(len(c)) for c in completions]
+    >>> rollout = make_rollout(model, length, encode=lambda s: [1 + int(c) for c in s],
+    ...                        decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
+    ...                        max_new_tokens=3)
+    >>> rollout.num_generations, rollout.records_old_logps
+    (2, False)
+    >>> state = init_state(model, sgd(0.1))
+    >>> prompts = [{"prompt": ["12", "12"]}, {"prompt": ["3", "3"]}]  # 2 micro-batches, 2 generations each
+    >>> out = rollout(state, prompts)
+    >>> len(out), list(out[0]["input_ids"].shape), sorted(out[0])[:5]
+    (2, [2, 5], ['advantages', 'attention_mask', 'completion_mask', 'generation_micro_batches', 'generation_tokens'])
+    >>> again = rollout(state, prompts)  # sampled with a generator seeded from the state
+    >>> all(torch.equal(a[k], b[k]) for a, b in zip(out, again) for k in a)
+    True
+    >>> try:
+    ...     make_rollout(model, length, encode=list, decode=str, num_generations=1, max_new_tokens=3)
+    ... except ValueError as e:
+    ...     print(e)
+    invalid rollout settings: num_generations=1 must be >= 2 (advantages compare completions of one prompt)
+    """
 
     model: nn.Module
     reward_funcs: tuple[RewardFunc, ...]
@@ -98,17 +118,12 @@ class Rollout:
             pad_token_id=self.pad_token_id,
             buffers=state.buffers,
         )
-        completions = [self.decode(_before_eos(c, self.eos_token_id)) for c in completion_ids]
+        completions = [self.decode(before_eos(c, self.eos_token_id)) for c in completion_ids]
         total, each = combine_rewards(self.reward_funcs, prompts, completions, columns, self.reward_weights)
         advantages = group_advantages(total, self.num_generations, self.scale_rewards)
-        ids, attention = pad_right([p + c for p, c in zip(prompt_ids, completion_ids)], self.pad_token_id)
-        completion_mask = attention.clone()
-        for row, p in enumerate(prompt_ids):
-            completion_mask[row, : len(p)] = 0
-        rows: dict[str, Tensor] = {
-            "input_ids": ids,
-            "attention_mask": attention,
-            "completion_mask": completion_mask,
+        rows: dict[str, Tensor] = completion_rows(prompt_ids, completion_ids, self.pad_token_id)
+        ids, attention, completion_mask = rows["input_ids"], rows["attention_mask"], rows["completion_mask"]
+        rows |= {
             "advantages": advantages,
             "rewards": total,
             **{f"rewards/{reward_name(fn)}": each[:, k] for k, fn in enumerate(self.reward_funcs)},
@@ -124,10 +139,6 @@ class Rollout:
         return _split_rows(rows, sizes)
 
 
-def _before_eos(tokens: list[int], eos: int | None) -> list[int]:
-    return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens
-
-
 def _split_rows(rows: Mapping[str, Tensor], sizes: Sequence[int]) -> list[dict[str, Tensor]]:
     out, start = [], 0
     for n in sizes:
@@ -141,6 +152,32 @@ def _split_rows(rows: Mapping[str, Tensor], sizes: Sequence[int]) -> list[dict[s
         out.append(trimmed)
         start += n
     return out
+
+
+def _rollout_problems(r: Rollout) -> list[str]:
+    funcs, reward_weights, num_generations = r.reward_funcs, r.reward_weights, r.num_generations
+    optimizer_steps_per_generation, num_iterations = r.optimizer_steps_per_generation, r.num_iterations
+    scale_rewards, temperature, max_new_tokens = r.scale_rewards, r.temperature, r.max_new_tokens
+    problems = []
+    if not funcs:
+        problems.append("give at least one reward function")
+    if reward_weights is not None and len(reward_weights) != len(funcs):
+        problems.append(f"got {len(reward_weights)} reward_weights for {len(funcs)} reward functions")
+    if num_generations < 2:
+        problems.append(
+            f"num_generations={num_generations} must be >= 2 (advantages compare completions of one prompt)"
+        )
+    if optimizer_steps_per_generation < 1:
+        problems.append(f"optimizer_steps_per_generation={optimizer_steps_per_generation} must be >= 1")
+    if num_iterations < 1:
+        problems.append(f"num_iterations={num_iterations} must be >= 1")
+    if scale_rewards not in SCALE_REWARDS:
+        problems.append(f"scale_rewards={scale_rewards!r} is not one of {list(SCALE_REWARDS)}")
+    if not temperature > 0:
+        problems.append(f"temperature={temperature} must be > 0 (log-probs are computed at this temperature)")
+    if max_new_tokens < 1:
+        problems.append(f"max_new_tokens={max_new_tokens} must be >= 1")
+    return problems
 
 
 def make_rollout(
@@ -177,55 +214,9 @@ def make_rollout(
     ``num_iterations`` (TRL's μ) trains on each block that many times, in the same order.
     ``chunk_size`` (a transformers causal LM) scores the old and reference log-probs ``chunk_size``
     tokens at a time from the final hidden states, never materialising the full logits.
-
-    >>> import torch
-    >>> from trainfold import init_state, sgd
-    >>> from trainfold.core.models import TinyLM, TinyLMConfig
-    >>> _ = torch.manual_seed(0)
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> def length(prompts, completions, **_): return [float(len(c)) for c in completions]
-    >>> rollout = make_rollout(model, length, encode=lambda s: [1 + int(c) for c in s],
-    ...                        decode=lambda ids: "".join(str(i % 10) for i in ids), num_generations=2,
-    ...                        max_new_tokens=3)
-    >>> rollout.num_generations, rollout.records_old_logps
-    (2, False)
-    >>> state = init_state(model, sgd(0.1))
-    >>> prompts = [{"prompt": ["12", "12"]}, {"prompt": ["3", "3"]}]  # 2 micro-batches, 2 generations each
-    >>> out = rollout(state, prompts)
-    >>> len(out), list(out[0]["input_ids"].shape), sorted(out[0])[:5]
-    (2, [2, 5], ['advantages', 'attention_mask', 'completion_mask', 'generation_micro_batches', 'generation_tokens'])
-    >>> again = rollout(state, prompts)  # sampled with a generator seeded from the state
-    >>> all(torch.equal(a[k], b[k]) for a, b in zip(out, again) for k in a)
-    True
-    >>> try:
-    ...     make_rollout(model, length, encode=list, decode=str, num_generations=1, max_new_tokens=3)
-    ... except ValueError as e:
-    ...     print(e)
-    invalid rollout settings: num_generations=1 must be >= 2 (advantages compare completions of one prompt)
     """
     funcs = (reward_funcs,) if callable(reward_funcs) else tuple(reward_funcs)
-    problems = []
-    if not funcs:
-        problems.append("give at least one reward function")
-    if reward_weights is not None and len(reward_weights) != len(funcs):
-        problems.append(f"got {len(reward_weights)} reward_weights for {len(funcs)} reward functions")
-    if num_generations < 2:
-        problems.append(
-            f"num_generations={num_generations} must be >= 2 (advantages compare completions of one prompt)"
-        )
-    if optimizer_steps_per_generation < 1:
-        problems.append(f"optimizer_steps_per_generation={optimizer_steps_per_generation} must be >= 1")
-    if num_iterations < 1:
-        problems.append(f"num_iterations={num_iterations} must be >= 1")
-    if scale_rewards not in SCALE_REWARDS:
-        problems.append(f"scale_rewards={scale_rewards!r} is not one of {list(SCALE_REWARDS)}")
-    if not temperature > 0:
-        problems.append(f"temperature={temperature} must be > 0 (log-probs are computed at this temperature)")
-    if max_new_tokens < 1:
-        problems.append(f"max_new_tokens={max_new_tokens} must be >= 1")
-    if problems:
-        raise ValueError("invalid rollout settings: " + "; ".join(problems))
-    return Rollout(
+    rollout = Rollout(
         model=model,
         reward_funcs=funcs,
         encode=encode,
@@ -242,9 +233,12 @@ def make_rollout(
         # its own copy: train trains the module's storage in place, and ref_params often are the module's tensors
         ref_params=None if ref_params is None else {k: v.detach().clone() for k, v in ref_params.items()},
         prompt_key=prompt_key,
-        head=chunk_head(model, chunk_size, "make_rollout"),
         chunk_size=chunk_size or 0,
     )
+    problems = _rollout_problems(rollout)
+    if problems:
+        raise ValueError("invalid rollout settings: " + "; ".join(problems))
+    return attrs.evolve(rollout, head=chunk_head(model, chunk_size, "make_rollout"))
 
 
 # -- the loop ------------------------------------------------------------------------------
@@ -294,7 +288,7 @@ def grpo_trajectory(
 
     >>> import torch
     >>> from trainfold import make_step
-    >>> from trainfold.recipes.grpo import grpo_objective
+    >>> from trainfold.recipes.grpo_objective import grpo_objective
     >>> from trainfold import init_state, sgd
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
     >>> _ = torch.manual_seed(0)

@@ -1,0 +1,115 @@
+"""GRPO's rewards: reward functions combined with weights, and group-relative advantages.
+
+A reward function is ``reward(prompts, completions, **columns) -> list[float]`` (``None`` or NaN
+for "no score"). :func:`group_advantages` compares each completion with the others of its prompt:
+``(r − mean) / (std + 1e-4)`` per group of ``num_generations`` rows.
+
+>>> import torch
+>>> [round(a, 4) for a in group_advantages(torch.tensor([5.0, 2.0, 4.0, 4.0]), 4).tolist()]
+[0.9933, -1.3906, 0.1987, 0.1987]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["SCALE_REWARDS", "RewardFunc", "combine_rewards", "group_advantages", "reward_name"]
+
+RewardFunc = Callable[..., Sequence[float | None]]
+SCALE_REWARDS = ("group", "batch", "none")
+
+
+def reward_name(fn: RewardFunc) -> str:
+    """Return a reward function's name in metrics: its ``__name__``, else its type's name."""
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def combine_rewards(
+    reward_funcs: Sequence[RewardFunc],
+    prompts: Sequence[Any],
+    completions: Sequence[Any],
+    columns: Mapping[str, Sequence[Any]] | None = None,
+    weights: Sequence[float] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Return ``(total, each)``: the weighted sum of the rewards, and each function's rewards.
+
+    ``each`` has shape ``(rows, functions)``; ``None`` becomes NaN. ``total`` ignores NaN entries
+    (a sum over the scored functions) and is NaN only where no function scored the row.
+
+    >>> def length(prompts, completions, **_): return [float(len(c)) for c in completions]
+    >>> def none_for_b(prompts, completions, **_): return [None if c == "b" else 1.0 for c in completions]
+    >>> total, each = combine_rewards([length, none_for_b], ["p", "p"], ["aa", "b"], weights=[1.0, 2.0])
+    >>> total.tolist()
+    [4.0, 1.0]
+    """
+    if not reward_funcs:
+        raise ValueError("combine_rewards needs at least one reward function")
+    if weights is not None and len(weights) != len(reward_funcs):
+        raise ValueError(
+            f"got {len(weights)} reward weights for {len(reward_funcs)} reward functions; give one weight per function"
+        )
+    cols = dict(columns or {})
+    scores = []
+    for fn in reward_funcs:
+        values = list(fn(list(prompts), list(completions), **cols))
+        if len(values) != len(completions):
+            raise ValueError(
+                f"reward function {reward_name(fn)} returned {len(values)} values for {len(completions)} completions; "
+                "it must return one float (or None) per completion"
+            )
+        scores.append([math.nan if v is None else float(v) for v in values])
+    each = torch.tensor(scores, dtype=torch.float32).T.reshape(len(completions), len(reward_funcs))
+    w = torch.tensor(list(weights) if weights is not None else [1.0] * len(reward_funcs), dtype=torch.float32)
+    total = torch.nansum(each * w, dim=1)
+    total[torch.isnan(each).all(dim=1)] = math.nan
+    return total, each
+
+
+def _nan_mean_std(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    valid = ~torch.isnan(x)
+    count = valid.sum(dim, keepdim=True)
+    mean = torch.where(valid, x, 0.0).sum(dim, keepdim=True) / count.clamp(min=1)
+    sq = torch.where(valid, (x - mean) ** 2, 0.0).sum(dim, keepdim=True)
+    std = torch.where(count > 1, (sq / (count - 1).clamp(min=1)).sqrt(), torch.nan)
+    return mean, std
+
+
+def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "group") -> Tensor:
+    """Return each completion's advantage relative to its group of ``num_generations`` consecutive rows.
+
+    ``A = r − mean_group``, divided by ``std + 1e-4`` where std is the group's unbiased std
+    (``"group"``), the whole batch's (``"batch"``), or not divided (``"none"``). NaN rewards are
+    left out of the means and stds and get advantage 0; no advantage is ever NaN. Computed in
+    float64 (in float32, as TRL computes, the rounding of a group's mean can give equal rewards
+    non-zero advantages: ``(r - mean) / (0 + 1e-4)``), returned as float32.
+
+    >>> import torch
+    >>> [round(a, 4) for a in group_advantages(torch.tensor([1.0, 1.0, 0.0, 2.0]), 2).tolist()]
+    [0.0, 0.0, -0.7071, 0.7071]
+    >>> group_advantages(torch.tensor([1.0, 3.0]), 2, "none").tolist()
+    [-1.0, 1.0]
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {list(SCALE_REWARDS)}")
+    if num_generations < 2:
+        raise ValueError(
+            f"num_generations={num_generations}: group-relative advantages need at least 2 completions per prompt"
+        )
+    if rewards.dim() != 1 or rewards.shape[0] % num_generations:
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} do not split into groups of {num_generations}: pass one reward "
+            "per completion, each prompt's completions consecutive"
+        )
+    groups = rewards.double().reshape(-1, num_generations)  # float64: a group of equal rewards has mean exactly r
+    mean, group_std = _nan_mean_std(groups, dim=1)
+    adv = groups - mean
+    if scale_rewards == "group":
+        adv = adv / (group_std + 1e-4)
+    elif scale_rewards == "batch":
+        adv = adv / (_nan_mean_std(groups.reshape(1, -1), dim=1)[1] + 1e-4)
+    return torch.nan_to_num(adv.reshape(-1), nan=0.0, posinf=0.0, neginf=0.0).float()
