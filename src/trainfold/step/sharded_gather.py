@@ -228,6 +228,7 @@ class Gatherer:
         self.bypass = False  # True while the model runs on other params than the shards
 
     def gather(self, group: int) -> dict[str, Tensor]:
+        """Return the full params of ``group`` (0: the root), registered so that autograd saves handles to them."""
         names = self.groups[group]
         full = dict(zip(names, _gather_group([self.leaves[n] for n in names], grad=True)))
         if self.free:
@@ -236,10 +237,12 @@ class Gatherer:
         return full
 
     def forget(self, full: Mapping[str, Tensor]) -> None:
+        """Stop tracking the full params ``full`` (their group has run)."""
         for t in full.values():
             self.registry.pop(t.untyped_storage().data_ptr(), None)
 
     def pack(self, t: Tensor) -> Any:
+        """``saved_tensors_hooks`` pack: a handle in place of a gathered full param, other tensors as they are."""
         if type(t) is not Tensor or not self.registry:
             return t
         hit = self.registry.get(t.untyped_storage().data_ptr())
@@ -249,6 +252,7 @@ class Gatherer:
         return (group, name, tuple(t.shape), t.stride(), t.storage_offset() - base)
 
     def unpack(self, saved: Any) -> Tensor:
+        """``saved_tensors_hooks`` unpack: gather a handle's group again (one group cached at a time)."""
         if isinstance(saved, Tensor):
             return saved
         group, name, shape, stride, offset = saved
