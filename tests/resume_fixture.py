@@ -13,7 +13,7 @@ from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import init_state
 from trainfold.data import keyed, pad_collate
 from trainfold.optim.base import adamw
-from trainfold.step.driver import make_step
+from trainfold.step import make_step
 
 
 def model():

@@ -259,7 +259,7 @@ def test_resuming_a_fit_is_bitwise_equal_to_not_stopping():
     from trainfold.core.models import TinyLM, TinyLMConfig
     from trainfold.core.state import init_state
     from trainfold.optim.base import adamw
-    from trainfold.step.driver import make_step
+    from trainfold.step import make_step
 
     torch.manual_seed(0)
     model = TinyLM(TinyLMConfig(vocab_size=256, d_model=16, n_layers=1, n_heads=2, max_len=32, dropout=0.1))

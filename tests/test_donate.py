@@ -143,7 +143,7 @@ def test_the_pure_step_never_touches_its_input_versions():
 
 def test_the_global_norm_is_computed_once_logged_and_used_for_clipping(monkeypatch):
     import trainfold.optim.base as optim
-    import trainfold.step.driver as step_module
+    import trainfold.step.eager as step_module
 
     calls = []
     real = step_module.global_norm

@@ -29,7 +29,7 @@ from trainfold.core.tree import flatten
 from trainfold.data import pad_collate
 from trainfold.observe.divergence import nonfinite_params
 from trainfold.optim.base import GradientTransformation, adamw, chain, clip_by_global_norm
-from trainfold.step.driver import make_step
+from trainfold.step import make_step
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
@@ -386,7 +386,7 @@ def test_an_objective_with_a_frozen_reference_runs_the_reference_on_its_own_para
 def test_a_transformers_llama_steps_sharded_as_unsharded(one_rank_mesh, recompute):
     transformers = pytest.importorskip("transformers")
     from trainfold.step import sharded
-    from trainfold.step.sharded_gather import _layout
+    from trainfold.step.sharded_gather import find_layout as _layout
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(

@@ -417,7 +417,7 @@ def test_a_stopped_run_leaves_its_last_state_in_the_module_and_make_step_stays_p
     from trainfold.data import stream
     from trainfold.data.samplers import make_sampler
     from trainfold.optim.base import sgd
-    from trainfold.step.driver import make_step
+    from trainfold.step import make_step
 
     net = model()
     r = train(

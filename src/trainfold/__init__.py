@@ -33,8 +33,7 @@ from trainfold.optim import schedules
 from trainfold.optim.base import adamw, chain, clip_by_global_norm, decay_mask, sgd
 from trainfold.recipes import dpo, ensemble, generate
 from trainfold.recipes.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
-from trainfold.step import compiled
-from trainfold.step.driver import make_step
+from trainfold.step import compiled, make_step
 
 __version__ = "0.1.0"
 

@@ -74,9 +74,8 @@ from trainfold.observe.stopping import EarlyStopping, patience_exhausted, record
 from trainfold.optim.base import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask, sgd
 from trainfold.optim.schedules import named, warmup_steps_for
 from trainfold.recipes.neftune import neftune_objective
-from trainfold.step import sharded
+from trainfold.step import make_step, sharded
 from trainfold.step.amp import SCALER, LossScaling, initial_scaler
-from trainfold.step.driver import make_step
 
 __all__ = ["TrainResult", "train", "evaluate", "predict", "default_optimizer", "BEST"]
 

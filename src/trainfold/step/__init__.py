@@ -1,1 +1,26 @@
-"""The training step: the micro-batch driver, compiled and sharded variants, mixed precision, recomputation."""
+"""The training step: the micro-batch driver, compiled and sharded variants, mixed precision, recomputation.
+
+``make_step`` (``trainfold.step.make``) builds the plan (``plan``) and picks a variant: ``eager``,
+``compiled.compile_step`` (a wrapper around a step) or ``sharded``; every variant composes the
+micro-batch driver (``driver``) and none imports ``make``.
+"""
+
+from trainfold.step.compiled import CompileFallbackWarning, compile_step
+from trainfold.step.driver import accumulate, next_state, open_step, with_donation
+from trainfold.step.eager import eager_step
+from trainfold.step.make import make_step
+from trainfold.step.plan import StepPlan, refuse_sharded, step_plan
+
+__all__ = [
+    "CompileFallbackWarning",
+    "StepPlan",
+    "accumulate",
+    "compile_step",
+    "eager_step",
+    "make_step",
+    "next_state",
+    "open_step",
+    "refuse_sharded",
+    "step_plan",
+    "with_donation",
+]

@@ -50,20 +50,22 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from trainfold.core.forward import make_forward, training_flags
-from trainfold.core.rng import derive_seed, private_rng
 from trainfold.core.state import TrainState
 from trainfold.core.tree import global_norm
 from trainfold.step.driver import (
-    _micro_loss,
-    _Plan,
+    MicroStep,
+    StepStart,
+    accumulate,
     materialized,
+    micro_loss,
     next_state,
     no_gradient_error,
     open_step,
-    summed_grads,
+    sum_over_ranks,
 )
-from trainfold.step.recompute import cache_off, recomputing
-from trainfold.step.sharded_gather import _Gatherer, _Layout, _layout, _swapped, gathered_bytes
+from trainfold.step.plan import StepPlan
+from trainfold.step.recompute import cache_off
+from trainfold.step.sharded_gather import Gatherer, Layout, find_layout, gathered_bytes, swapped
 
 __all__ = [
     "Sharding",
@@ -201,7 +203,7 @@ def sharding_for(full_shard: bool, collective: Any) -> Sharding | None:
 
 
 def make_sharded_step(
-    plan: _Plan, sharding: Sharding | DeviceMesh | str, *, compile: Any = False, compile_mode: str | None = None
+    plan: StepPlan, sharding: Sharding | DeviceMesh | str, *, compile: Any = False, compile_mode: str | None = None
 ) -> Callable[[TrainState, Any], TrainState]:
     """Return the step of ``plan`` over a sharded state (``make_step(..., sharding=...)`` calls it)."""
     if compile:
@@ -217,7 +219,7 @@ def make_sharded_step(
         from trainfold.dist.distributed import process_group_collective
 
         plan = attrs.evolve(plan, collective=process_group_collective(sharding.mesh.get_group()), slots=plan.slots)
-    layouts: dict[frozenset[str], _Layout] = {}
+    layouts: dict[frozenset[str], Layout] = {}
 
     def step(state: TrainState, batch: Sequence[Mapping[str, Tensor]]) -> TrainState:
         if not is_sharded(state):
@@ -227,7 +229,7 @@ def make_sharded_step(
             )
         names = frozenset(state.params)
         if names not in layouts:
-            layouts[names] = _layout(plan.model, names, sharding.per_block)
+            layouts[names] = find_layout(plan.model, names, sharding.per_block)
         try:
             return _step(plan, layouts[names], state, batch)
         except Exception as exc:  # another rank's error, named here; ours, recorded for the others
@@ -242,89 +244,83 @@ def make_sharded_step(
     return step
 
 
-def _step(plan: _Plan, layout: _Layout, state: TrainState, batch: Sequence[Mapping[str, Tensor]]) -> TrainState:
-    cursor, step_no, num_items, done = open_step(plan, state, batch)
+def _step(plan: StepPlan, layout: Layout, state: TrainState, batch: Sequence[Mapping[str, Tensor]]) -> TrainState:
+    start, done = open_step(plan, state, batch)
     if done is not None:
         return done
     assert plan.collective is not None
-    rank = plan.collective.rank
-    keys = list(state.params)
     device = torch.device(next(iter(state.params.values())).device_mesh.device_type)
-    leaves = {k: state.params[k].detach().requires_grad_() for k in keys}
-    leaf_list = [leaves[k] for k in keys]
+    leaves = {k: v.detach().requires_grad_() for k, v in state.params.items()}
     buffers = {k: v.clone() for k, v in state.buffers.items()}
-    n_dev = num_items.to(device)
-    autocast = (
-        torch.autocast(device.type, dtype=plan.autocast) if plan.autocast is not None else contextlib.nullcontext()
-    )
     modules = list(plan.model.modules())
-    grads: list[Tensor | None] | None = None
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    aux_total: dict[str, Tensor] = {}
-    gatherer = _Gatherer(layout, leaves, free=not plan.recompute)
-    recompute = (
-        recomputing(plan.model, every=plan.recompute, modules=modules, configs=plan.cache_configs)
-        if plan.recompute
-        else contextlib.nullcontext()
-    )
+    gatherer = Gatherer(layout, leaves, free=not plan.recompute)
     with (
         training_flags(modules, True),
-        private_rng(device) as generators,
-        _swapped(layout.buffers, buffers),
+        swapped(layout.buffers, buffers),
         cache_off(plan.cache_configs),
         gatherer.patched(),
-        recompute,
+        plan.recompute_scope(modules),
     ):
-        for i, micro in enumerate(batch):
-            seed = derive_seed(int(state.seed), step_no, i, rank)
-            for gen in generators:
-                gen.manual_seed(seed)
-            key = torch.Generator(device=device).manual_seed(seed ^ 1)
-            hooks = (
-                torch.autograd.graph.saved_tensors_hooks(gatherer.pack, gatherer.unpack)
-                if gatherer.free
-                else contextlib.nullcontext()
-            )
-            root = gatherer.gather(0)
-            try:
-                with _swapped(layout.root, root), hooks, autocast:
-                    forward = _forward(plan.model, leaves, buffers, gatherer)
-                    loss, aux = _micro_loss(plan, forward, leaves, micro, n_dev, key)
-            finally:
-                gatherer.forget(root)
-            del root
-            if not loss.requires_grad:
-                raise no_gradient_error(plan.model, step_no)
-            grads = summed_grads(grads, torch.autograd.grad(loss, leaf_list, allow_unused=True))
-            gatherer.cache = None
-            total += loss.detach().float()
-            for name, value in aux.items():
-                aux_total[name] = aux_total.get(name, 0) + value.detach().float()
+        micro = _micro(plan, layout, gatherer, leaves, buffers, start, device)
+        sums = accumulate(micro, batch, (int(state.seed),), start.number, plan.collective.rank, device)
         for d, attr, name in layout.buffers:  # a buffer the module reassigned (not updated in place) is kept
             if name in buffers and d[attr] is not buffers[name]:
                 buffers[name] = d[attr]
-    assert grads is not None
-    grads = [_as_leaf(g, leaf) for g, leaf in zip(materialized(grads, leaf_list, plan.model, step_no), leaf_list)]
-    plan.collective.sum_([total])
-    grad_tree = dict(zip(keys, grads))
+    assert sums.grads is not None
+    leaf_list = list(leaves.values())
+    grads = [
+        _as_leaf(g, leaf) for g, leaf in zip(materialized(sums.grads, leaf_list, plan.model, start.number), leaf_list)
+    ]
+    sum_over_ranks(plan.collective, [sums.loss])  # the gradients are summed already (reduce-scatter)
+    grad_tree = dict(zip(leaves, grads))
     grad_norm = _full(global_norm(grad_tree))
     params, opt_state = plan.optimizer.apply(grad_tree, state.opt_state, state.params)
+    params = {k: params[k].detach() for k in leaves}
     return next_state(
-        plan,
-        state,
-        {k: params[k].detach() for k in keys},
-        buffers,
-        opt_state,
-        cursor,
-        total,
-        grad_norm,
-        num_items,
-        aux_total,
+        plan, state, params, buffers, opt_state, start.cursor, sums.loss, grad_norm, start.num_items, sums.aux
     )
 
 
+def _micro(
+    plan: StepPlan,
+    layout: Layout,
+    gatherer: Gatherer,
+    leaves: dict[str, Tensor],
+    buffers: dict[str, Tensor],
+    start: StepStart,
+    device: torch.device,
+) -> MicroStep:
+    """Return the sharded ``micro``: the root gathered for the forward, blocks as they run, gradients by
+    ``torch.autograd.grad`` (reduce-scattered into shards)."""
+    leaf_list = list(leaves.values())
+    n_dev = start.num_items.to(device)
+    autocast = plan.autocast_scope(device.type)
+
+    def micro(mb: Mapping[str, Tensor], key: torch.Generator) -> tuple[Tensor, Mapping[str, Tensor], Any]:
+        hooks = (
+            torch.autograd.graph.saved_tensors_hooks(gatherer.pack, gatherer.unpack)
+            if gatherer.free
+            else contextlib.nullcontext()
+        )
+        root = gatherer.gather(0)
+        try:
+            with swapped(layout.root, root), hooks, autocast:
+                forward = _forward(plan.model, leaves, buffers, gatherer)
+                loss, aux = micro_loss(plan, forward, leaves, mb, n_dev, key)
+        finally:
+            gatherer.forget(root)
+        del root
+        if not loss.requires_grad:
+            raise no_gradient_error(plan.model, start.number)
+        grads = torch.autograd.grad(loss, leaf_list, allow_unused=True)
+        gatherer.cache = None
+        return loss, aux, grads
+
+    return micro
+
+
 def _forward(
-    model: nn.Module, leaves: Mapping[str, Tensor], buffers: Mapping[str, Tensor], gatherer: _Gatherer
+    model: nn.Module, leaves: Mapping[str, Tensor], buffers: Mapping[str, Tensor], gatherer: Gatherer
 ) -> Callable[..., Any]:
     other = make_forward(model, buffers)
 

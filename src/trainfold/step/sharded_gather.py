@@ -1,6 +1,6 @@
 """How the sharded step gathers: one transformer block's full params at a time, freed after use (``trainfold.step.sharded``).
 
-``_layout`` finds where each param lives in the module: the root's slots (embeddings, head, final
+``find_layout`` finds where each param lives in the module: the root's slots (embeddings, head, final
 norm: gathered for the whole forward) and each block's (``recompute.checkpoint_blocks``; gathered
 when the block runs). A group's ``Shard(0)`` DTensor shards travel in one collective: each local
 shard is padded to DTensor's chunk size, the group's are joined into one buffer and all-gathered;
@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from trainfold.step.recompute import checkpoint_blocks
 
-__all__ = ["gathered_bytes"]
+__all__ = ["Gatherer", "Layout", "find_layout", "gathered_bytes", "swapped"]
 
 # -- where each param lives in the module, and which block gathers it -------------------------------------------
 
@@ -37,7 +37,7 @@ Place = tuple[dict[str, Any], str, str]  # (a module's _parameters or _buffers, 
 
 
 @attrs.frozen(eq=False)
-class _Layout:
+class Layout:
     """The module's slots: the root's (gathered for the whole forward), each block's, and the buffers'."""
 
     root: list[Place]
@@ -45,10 +45,12 @@ class _Layout:
     buffers: list[Place]
 
     def names(self, places: list[Place]) -> list[str]:
+        """Return the distinct canonical names of ``places``, in order."""
         return list(dict.fromkeys(name for _, _, name in places))
 
 
-def _layout(model: nn.Module, params: frozenset[str], per_block: bool) -> _Layout:
+def find_layout(model: nn.Module, params: frozenset[str], per_block: bool) -> Layout:
+    """Return where each of ``params`` lives in ``model``: the root's slots, each block's, and the buffers'."""
     canonical = {id(t): n for n, t in model.named_parameters()}
     canonical.update({id(t): n for n, t in model.named_buffers()})
     blocks = checkpoint_blocks(model) if per_block else []
@@ -69,7 +71,7 @@ def _layout(model: nn.Module, params: frozenset[str], per_block: bool) -> _Layou
         homes.setdefault(name, set()).add(where)
     home = {n: next(iter(w)) if len(w) == 1 else -1 for n, w in homes.items()}  # shared across blocks: the root's
     trained = [(home[p[2]], p) for _, p in slots if p[2] in params]
-    return _Layout(
+    return Layout(
         root=[p for h, p in trained if h == -1],
         blocks=[(b, [p for h, p in trained if h == i]) for i, (_, b) in enumerate(blocks)],
         buffers=[p for _, p in slots if p[2] not in params],
@@ -77,7 +79,8 @@ def _layout(model: nn.Module, params: frozenset[str], per_block: bool) -> _Layou
 
 
 @contextlib.contextmanager
-def _swapped(places: list[Place], values: Mapping[str, Tensor]) -> Iterator[None]:
+def swapped(places: list[Place], values: Mapping[str, Tensor]) -> Iterator[None]:
+    """Put ``values`` (by canonical name) into ``places`` for the duration; restore the old tensors afterwards."""
     saved = []
     try:
         for d, attr, name in places:
@@ -214,10 +217,10 @@ def _gather_group(leaves: Sequence[Tensor], grad: bool) -> list[Tensor]:
     return out  # type: ignore[return-value]
 
 
-class _Gatherer:
+class Gatherer:
     """Gathers a group's full params when it runs; drops them after, re-gathering in backward what autograd saved."""
 
-    def __init__(self, layout: _Layout, leaves: Mapping[str, Tensor], free: bool) -> None:
+    def __init__(self, layout: Layout, leaves: Mapping[str, Tensor], free: bool) -> None:
         self.layout, self.leaves, self.free = layout, leaves, free
         self.groups = [layout.names(layout.root)] + [layout.names(p) for _, p in layout.blocks]
         self.registry: dict[int, tuple[int, str, int]] = {}  # storage address -> (group, name, its offset)
@@ -225,6 +228,7 @@ class _Gatherer:
         self.bypass = False  # True while the model runs on other params than the shards
 
     def gather(self, group: int) -> dict[str, Tensor]:
+        """Return the full params of ``group`` (0: the root), registered so that autograd saves handles to them."""
         names = self.groups[group]
         full = dict(zip(names, _gather_group([self.leaves[n] for n in names], grad=True)))
         if self.free:
@@ -233,10 +237,12 @@ class _Gatherer:
         return full
 
     def forget(self, full: Mapping[str, Tensor]) -> None:
+        """Stop tracking the full params ``full`` (their group has run)."""
         for t in full.values():
             self.registry.pop(t.untyped_storage().data_ptr(), None)
 
     def pack(self, t: Tensor) -> Any:
+        """``saved_tensors_hooks`` pack: a handle in place of a gathered full param, other tensors as they are."""
         if type(t) is not Tensor or not self.registry:
             return t
         hit = self.registry.get(t.untyped_storage().data_ptr())
@@ -246,6 +252,7 @@ class _Gatherer:
         return (group, name, tuple(t.shape), t.stride(), t.storage_offset() - base)
 
     def unpack(self, saved: Any) -> Tensor:
+        """``saved_tensors_hooks`` unpack: gather a handle's group again (one group cached at a time)."""
         if isinstance(saved, Tensor):
             return saved
         group, name, shape, stride, offset = saved
@@ -280,7 +287,7 @@ class _Gatherer:
                 return forward(*args, **kwargs)
             full = self.gather(group)
             try:
-                with _swapped(places, full):
+                with swapped(places, full):
                     return forward(*args, **kwargs)
             finally:
                 self.forget(full)

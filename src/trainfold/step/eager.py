@@ -1,0 +1,146 @@
+"""The eager step: the micro-batch driver over the model's own forward, backward into ``.grad``, one update."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from trainfold.core.forward import Batch, Forward, training_flags
+from trainfold.core.state import TrainState
+from trainfold.core.tree import global_norm
+from trainfold.step.amp import SCALER, ScalerState, unscale_, updated
+from trainfold.step.driver import (
+    MicroStep,
+    StepStart,
+    Sums,
+    accumulate,
+    learning_rate_of,
+    materialized,
+    micro_loss,
+    next_state,
+    no_gradient_error,
+    open_step,
+    sum_over_ranks,
+    with_donation,
+)
+from trainfold.step.plan import StepPlan
+from trainfold.step.recompute import cache_off
+
+__all__ = ["eager_step"]
+
+
+def eager_step(plan: StepPlan) -> Callable[..., TrainState]:
+    """Return ``step(state, batch, *, donate=False) -> state`` of ``plan``, run eagerly (``make_step`` builds it).
+
+    The step carries its plan as ``step.plan``, so that ``compiled.compile_step(step)`` can wrap it.
+
+    >>> import torch
+    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.core.state import init_state
+    >>> from trainfold.core.losses import cross_entropy
+    >>> from trainfold.step.plan import step_plan
+    >>> step = eager_step(step_plan(torch.nn.Linear(3, 2), cross_entropy, sgd(0.1)))
+    >>> batch = [{"input": torch.ones(4, 3), "labels": torch.tensor([0, 1, 1, 0])}]
+    >>> step(init_state(torch.nn.Linear(3, 2), sgd(0.1)), batch).step.item()
+    1
+    """
+    step = with_donation(lambda state, batch, donate: _step(plan, state, batch, donate))
+    step.plan = plan  # type: ignore[attr-defined]
+    return step
+
+
+def _step(plan: StepPlan, state: TrainState, batch: Batch, donate: bool = False) -> TrainState:
+    start, done = open_step(plan, state, batch)
+    if done is not None:
+        return done
+    rank = plan.collective.rank if plan.collective is not None else 0
+    device = next(iter(state.params.values())).device
+    leaves = {k: v.detach().requires_grad_() for k, v in state.params.items()}
+    # running stats update copies; a donated state's own buffers are updated in place
+    buffers = dict(state.buffers) if donate else {k: v.clone() for k, v in state.buffers.items()}
+    scaler = _scaler_of(plan, state)
+    modules = list(plan.model.modules())
+    with (
+        training_flags(modules, True),
+        plan.slots.bound(modules, leaves, buffers) as forward,
+        cache_off(plan.cache_configs),
+        plan.recompute_scope(modules),
+    ):
+        micro = _backward(plan, forward, leaves, start, scaler, device)
+        sums = accumulate(micro, batch, (int(state.seed),), start.number, rank, device)
+    return _update(plan, state, start, leaves, buffers, sums, scaler, donate)
+
+
+def _backward(
+    plan: StepPlan,
+    forward: Forward,
+    leaves: dict[str, Tensor],
+    start: StepStart,
+    scaler: ScalerState | None,
+    device: torch.device,
+) -> MicroStep:
+    """Return the eager ``micro``: forward and loss (under autocast), backward into the leaves' ``.grad``."""
+    leaf_list = list(leaves.values())
+    n_dev = start.num_items.to(device)
+    autocast = plan.autocast_scope(device.type)
+
+    def micro(mb: Mapping[str, Tensor], key: torch.Generator) -> tuple[Tensor, Mapping[str, Tensor], None]:
+        with autocast:
+            loss, aux = micro_loss(plan, forward, leaves, mb, n_dev, key)
+        scaled = loss if scaler is None else loss * scaler.scale.to(loss.device)
+        if not scaled.requires_grad:
+            raise no_gradient_error(plan.model, start.number)
+        # each gradient is added into its leaf's .grad as backward produces it (as .backward() does), so a
+        # second micro-batch never holds a whole second set of gradients
+        torch.autograd.backward(scaled, inputs=leaf_list)
+        return loss, aux, None
+
+    return micro
+
+
+def _update(
+    plan: StepPlan,
+    state: TrainState,
+    start: StepStart,
+    leaves: dict[str, Tensor],
+    buffers: dict[str, Tensor],
+    sums: Sums,
+    scaler: ScalerState | None,
+    donate: bool,
+) -> TrainState:
+    """Sum the gradients over ranks, unscale them (fp16), and apply the optimizer (unless they overflowed)."""
+    leaf_list = list(leaves.values())
+    grads = materialized([leaf.grad for leaf in leaf_list], leaf_list, plan.model, start.number)
+    sum_over_ranks(plan.collective, [*grads, sums.loss])
+    found_inf = None
+    if scaler is not None:
+        assert plan.loss_scaling is not None
+        found_inf = unscale_(grads, scaler)
+        state = attrs.evolve(state, extras={**state.extras, SCALER: updated(scaler, found_inf, plan.loss_scaling)})
+    grad_tree = dict(zip(leaves, grads))
+    grad_norm = global_norm(grad_tree)
+    finish: dict[str, Any] = dict(cursor=start.cursor, loss=sums.loss, grad_norm=grad_norm, num_items=start.num_items)
+    if found_inf is not None and bool(found_inf):  # overflow: skip the update, keep the params and optimizer state
+        return next_state(plan, state, state.params, buffers, state.opt_state, aux=sums.aux, **finish)
+    learning_rate = learning_rate_of(plan.optimizer, state.opt_state)  # before a donated update reuses the tensors
+    params, opt_state = plan.optimizer.apply_owned(
+        grad_tree, state.opt_state, state.params, norm=grad_norm, donate=donate
+    )
+    new_params = {k: params[k].detach() for k in leaves}
+    return next_state(plan, state, new_params, buffers, opt_state, aux=sums.aux, learning_rate=learning_rate, **finish)
+
+
+def _scaler_of(plan: StepPlan, state: TrainState) -> ScalerState | None:
+    if plan.loss_scaling is None:
+        return None
+    scaler = state.extras.get(SCALER)
+    if scaler is None:
+        raise KeyError(
+            f"loss_scaling needs the scaler in state.extras[{SCALER!r}]: "
+            "init_state(..., extras={trainfold.step.amp.SCALER: trainfold.step.amp.initial_scaler(scaling)})"
+        )
+    return scaler

@@ -1,0 +1,78 @@
+"""``make_step``: the plan from its arguments, then the variant they ask for (eager, compiled, sharded)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from trainfold.core.collective import Collective
+from trainfold.core.forward import Batch, Objective
+from trainfold.core.state import TrainState
+from trainfold.optim.base import GradientTransformation
+from trainfold.step.amp import LossScaling
+from trainfold.step.compiled import compile_step, refuse_uncompilable
+from trainfold.step.driver import with_donation
+from trainfold.step.eager import eager_step
+from trainfold.step.plan import step_plan
+from trainfold.step.sharded import make_sharded_step
+
+__all__ = ["make_step"]
+
+
+def make_step(
+    model: nn.Module,
+    loss: Callable[..., Tensor] | None = None,
+    optimizer: GradientTransformation | None = None,
+    *,
+    objective: Objective | None = None,
+    count_items: Callable[[Mapping[str, Tensor]], Tensor] | None = None,
+    label_key: str = "labels",
+    collective: Collective | None = None,
+    autocast: torch.dtype | None = None,
+    compile: bool | str | Callable[..., Any] = False,
+    compile_mode: str | None = None,
+    gradient_checkpointing: bool | int = False,
+    loss_scaling: LossScaling | None = None,
+    sharding: Any = None,
+) -> Callable[[TrainState, Batch], TrainState]:
+    """Return ``step(state, batch) -> state`` for ``model`` (the module doc of ``trainfold.step.driver``).
+
+    ``loss(outputs, labels, num_items_in_batch)`` scores the outputs (default: the loss of the model's
+    task, ``losses.default_loss_for``); the labels (``label_key``) are taken out of each micro-batch
+    before the forward pass. ``objective(forward, params, micro_batch, num_items, key) -> (loss, aux)``
+    replaces forward and loss together; ``aux`` values are summed over micro-batches into
+    ``state.metrics``. ``count_items(micro_batch)`` counts its items (default: the loss's count of the
+    labels). ``collective`` sums counts and gradients across ranks. ``compile=True`` wraps the step
+    in ``compiled.compile_step`` (a string or callable picks the backend, ``compile_mode`` the mode; it
+    warns and stays eager where compiling cannot work). ``gradient_checkpointing=True`` (an int ``n``:
+    every n-th block) recomputes blocks in the backward pass (``trainfold.step.recompute``).
+    ``loss_scaling`` (with ``autocast=torch.float16``) scales the loss dynamically, skipping updates
+    whose gradients overflow (``trainfold.step.amp``; the scaler is ``state.extras[amp.SCALER]``).
+    ``sharding`` (a ``DeviceMesh``, ``sharded.Sharding`` or ``"full_shard"``) steps a state of
+    ``sharded.shard_state``, gathering one block at a time. ``step(state, batch, donate=True)`` (or
+    ``step.donating``) updates ``state``'s tensors in place and invalidates it; results are bitwise equal.
+
+    >>> import torch
+    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.core.state import init_state
+    >>> from trainfold.core.losses import cross_entropy
+    >>> step = make_step(torch.nn.Linear(3, 2), cross_entropy, sgd(0.1))
+    >>> batch = [{"input": torch.ones(4, 3), "labels": torch.tensor([0, 1, 1, 0])}]
+    >>> step(init_state(torch.nn.Linear(3, 2), sgd(0.1)), batch).step.item()
+    1
+    """
+    settings = dict(objective=objective, count_items=count_items, label_key=label_key, collective=collective)
+    precision = dict(autocast=autocast, gradient_checkpointing=gradient_checkpointing, loss_scaling=loss_scaling)
+    plan = step_plan(model, loss, optimizer, **settings, **precision, dtensor_params=sharding is not None)
+    if compile:
+        refuse_uncompilable(plan)
+    if sharding is not None:
+        sharded_step = make_sharded_step(plan, sharding, compile=compile, compile_mode=compile_mode)
+        return with_donation(lambda state, batch, donate: sharded_step(state, batch))  # fresh shards each step
+    step = eager_step(plan)
+    if compile:
+        return compile_step(step, backend="inductor" if compile is True else compile, mode=compile_mode)
+    return step

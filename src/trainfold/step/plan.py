@@ -1,0 +1,160 @@
+"""The configuration a step closes over (``StepPlan``), built and checked once by ``step_plan``."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor, nn
+
+from trainfold.core.collective import Collective
+from trainfold.core.forward import Objective
+from trainfold.core.losses import counter_for, default_loss_for
+from trainfold.optim.base import GradientTransformation
+from trainfold.step.amp import LossScaling
+from trainfold.step.recompute import cache_configs, recomputing
+from trainfold.step.slots import Slots
+
+__all__ = ["StepPlan", "default_counter", "refuse_sharded", "step_plan"]
+
+
+@attrs.frozen
+class StepPlan:
+    """The configuration a step closes over; every step variant (eager, compiled, sharded) reads it.
+
+    >>> import torch
+    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.core.losses import cross_entropy
+    >>> plan = step_plan(torch.nn.Linear(2, 1), cross_entropy, sgd(0.1))
+    >>> plan.label_key, plan.recompute, plan.count_items({"labels": torch.tensor([0, -100, 1])}).item()
+    ('labels', 0, 2)
+    """
+
+    model: nn.Module
+    optimizer: GradientTransformation
+    loss: Callable[..., Tensor]
+    objective: Objective | None
+    count_items: Callable[[Mapping[str, Tensor]], Tensor]
+    label_key: str
+    collective: Collective | None
+    autocast: torch.dtype | None
+    recompute: int = 0  # 0: off; n: checkpoint every n-th block
+    loss_scaling: LossScaling | None = None
+    cache_configs: tuple[Any, ...] = ()  # configs whose KV cache the step turns off (recompute.cache_off)
+    slots: Slots = attrs.field(default=attrs.Factory(lambda plan: Slots(plan.model), takes_self=True))
+
+    def autocast_scope(self, device_type: str) -> contextlib.AbstractContextManager[Any]:
+        """Return the ``torch.autocast`` scope of the forward pass (a no-op scope without ``autocast``)."""
+        return (
+            torch.autocast(device_type, dtype=self.autocast) if self.autocast is not None else contextlib.nullcontext()
+        )
+
+    def recompute_scope(self, modules: list[nn.Module]) -> contextlib.AbstractContextManager[Any]:
+        """Return the activation-checkpointing scope of the step (``recompute.recomputing``; a no-op when off)."""
+        if not self.recompute:
+            return contextlib.nullcontext()
+        return recomputing(self.model, every=self.recompute, modules=modules, configs=self.cache_configs)
+
+
+def step_plan(
+    model: nn.Module,
+    loss: Callable[..., Tensor] | None = None,
+    optimizer: GradientTransformation | None = None,
+    *,
+    objective: Objective | None = None,
+    count_items: Callable[[Mapping[str, Tensor]], Tensor] | None = None,
+    label_key: str = "labels",
+    collective: Collective | None = None,
+    autocast: torch.dtype | None = None,
+    gradient_checkpointing: bool | int = False,
+    loss_scaling: LossScaling | None = None,
+    dtensor_params: bool = False,
+) -> StepPlan:
+    """Return the ``StepPlan`` of ``make_step``'s arguments (same names and defaults), refusing what cannot train.
+
+    ``dtensor_params`` allows DTensor parameters (the sharded step's).
+    """
+    if optimizer is None:
+        raise TypeError("make_step needs an optimizer, e.g. optimizer=trainfold.optim.base.adamw(1e-3)")
+    refuse_sharded(model, dtensor_params=dtensor_params)
+    if loss is None:
+        loss = default_loss_for(model, defer=objective is not None)
+    return StepPlan(
+        model=model,
+        optimizer=optimizer,
+        loss=loss,
+        objective=objective,
+        count_items=count_items or default_counter(loss, objective, label_key),
+        label_key=label_key,
+        collective=collective,
+        autocast=autocast,
+        recompute=int(gradient_checkpointing),
+        loss_scaling=loss_scaling,
+        cache_configs=tuple(cache_configs(model.modules())),
+    )
+
+
+def default_counter(
+    loss: Callable[..., Tensor], objective: Any, label_key: str
+) -> Callable[[Mapping[str, Tensor]], Tensor]:
+    """Return how a step counts a micro-batch's items: the objective's ``count_items``, else the loss's count of
+    the labels, else (no labels) its rows.
+
+    >>> import torch
+    >>> from trainfold.core.losses import causal_lm
+    >>> count = default_counter(causal_lm, None, "labels")
+    >>> count({"labels": torch.tensor([[5, 6, -100]])}).item(), count({"x": torch.ones(3, 2)}).item()
+    (1, 3)
+    """
+    if objective is not None and hasattr(objective, "count_items"):
+        return objective.count_items
+    count_labels = counter_for(loss)
+
+    def count(micro: Mapping[str, Tensor]) -> Tensor:
+        if label_key in micro:
+            return count_labels(micro[label_key])
+        first = next(iter(micro.values()))
+        return torch.tensor(first.shape[0])
+
+    return count
+
+
+def _sharded_kind(cls: type) -> str | None:
+    names = {c.__name__ for c in cls.__mro__}
+    if "FSDPModule" in names:
+        return "an FSDP2 module (torch.distributed.fsdp.fully_shard)"
+    if "FullyShardedDataParallel" in names:
+        return "an FSDP module (FullyShardedDataParallel)"
+    return None
+
+
+def refuse_sharded(model: nn.Module, dtensor_params: bool = False) -> None:
+    """Raise ``TypeError`` when ``model`` is FSDP-wrapped or (unless ``dtensor_params``) holds DTensor parameters.
+
+    The step swaps its own tensors into the model's parameter slots; FSDP gathers its sharded
+    parameters into other tensors for the forward pass, so the step would see no gradient and
+    leave the parameters unchanged. trainfold shards the state itself (``trainfold.step.sharded``).
+
+    >>> import torch
+    >>> refuse_sharded(torch.nn.Linear(2, 2)) is None
+    True
+    """
+    fix = (
+        "trainfold shards the state itself: pass the unwrapped module with TrainingArguments(fsdp='full_shard') "
+        "under torchrun, or make_step(..., sharding=trainfold.step.sharded.make_mesh()) on a state of "
+        "trainfold.step.sharded.shard_state"
+    )
+    for name, module in model.named_modules():
+        kind = _sharded_kind(type(module))
+        if kind is not None:
+            where = f"its submodule {name!r}" if name else "it"
+            raise TypeError(f"cannot train {type(model).__name__}: {where} is {kind}; {fix}")
+    for name, p in [] if dtensor_params else model.named_parameters():
+        if any(c.__name__ == "DTensor" for c in type(p).__mro__):
+            raise TypeError(
+                f"cannot train {type(model).__name__}: parameter {name!r} is a DTensor "
+                "(sharded by torch.distributed.tensor); " + fix
+            )
