@@ -34,6 +34,7 @@ from trainfold.ckpt.elastic import BATCH_KEYS, global_batch, split_global_batch
 from trainfold.ckpt.listing import is_complete, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
 from trainfold.ckpt.run_identity import (
+    RUN_FILE,
     RUN_LENGTH,
     RunIdentity,
     fingerprint,
@@ -46,7 +47,6 @@ from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarn
 from trainfold.core.state import split_module
 
 __all__ = [
-    "RUN_FILE",
     "Claim",
     "read_run_file",
     "resumable",
@@ -56,8 +56,6 @@ __all__ = [
     "resume_point",
     "elastic_args",
 ]
-
-RUN_FILE = "trainfold-run.json"
 
 
 def read_run_file(output_dir: str | os.PathLike) -> dict[str, Any] | None:

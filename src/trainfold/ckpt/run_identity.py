@@ -27,6 +27,7 @@ import attrs
 from trainfold.ckpt.elastic import BATCH_KEYS, global_batch
 
 __all__ = [
+    "RUN_FILE",
     "NOT_TRAJECTORY",
     "RUN_LENGTH",
     "RunIdentity",
@@ -35,6 +36,8 @@ __all__ = [
     "fingerprint",
     "model_signature",
 ]
+
+RUN_FILE = "trainfold-run.json"  # in the output_dir: the run that owns it (trainfold.ckpt.run_dir)
 
 # Settings that do not change which states a run goes through: where and how often it logs, saves,
 # evaluates and reports, and how the data loader is run. Everything else is in the fingerprint.

@@ -21,12 +21,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from trainfold.ckpt.run_identity import RUN_FILE
+from trainfold.ckpt.sidecar import SIDECAR_FILE
+
 __all__ = ["LOCK_FILE", "lock", "remove_leftovers"]
 
 LOCK_FILE = "trainfold.lock"
 
 _LEFTOVER = re.compile(r"^\.checkpoint-\d+\.(tmp|old|deleting)-(?:(\d+)-)?[0-9a-f]+$")
-_FILE_LEFTOVER = re.compile(r"^\.(?:trainfold\.json|trainfold-run\.json)\.tmp-(\d+)(?:-[0-9a-f]+)?$")
+_FILE_LEFTOVER = re.compile(rf"^\.(?:{re.escape(SIDECAR_FILE)}|{re.escape(RUN_FILE)})\.tmp-(\d+)(?:-[0-9a-f]+)?$")
 
 
 def _holder_text() -> str:
