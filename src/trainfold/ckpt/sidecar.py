@@ -78,7 +78,7 @@ def new_sidecar(
     tensors: Mapping[str, Mapping[str, str]] | None = None,
     frozen: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Return the sidecar of a checkpoint at ``step`` and ``cursor`` (epoch, position), in this format, its fields in order."""
+    """Return the sidecar of a checkpoint at ``step`` and ``cursor`` (epoch, position), its fields in order."""
     epoch, position = cursor
     return {
         "format": _FORMAT,
@@ -135,7 +135,7 @@ def _is_int(value: Any) -> bool:
 
 
 def field_error(path: Path, field: str, problem: str, fix: str = _FIX) -> CheckpointError:
-    """Return the ``CheckpointError`` saying that the sidecar ``path``'s ``field`` has ``problem``; ``fix``: what to do."""
+    """Return the ``CheckpointError`` saying that field ``field`` of the sidecar ``path`` has ``problem``."""
     return CheckpointError(f"{path}: field {field!r} {problem}; {fix}")
 
 
