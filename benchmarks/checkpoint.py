@@ -36,7 +36,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from trainfold.ckpt.checkpoint import load, save
+from trainfold.ckpt import load, save
 from trainfold.core.state import init_state
 from trainfold.optim.base import adamw
 

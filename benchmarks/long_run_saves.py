@@ -43,7 +43,7 @@ def measure(variant: str, steps: int, repeat: int) -> dict[str, float]:
     import attrs
     import torch
 
-    from trainfold.ckpt import checkpoint as ckpt
+    from trainfold import ckpt
     from trainfold.core.models import TinyLM, TinyLMConfig
     from trainfold.core.state import init_state, scalar
     from trainfold.observe import MetricWindow

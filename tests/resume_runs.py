@@ -143,7 +143,7 @@ def tinylm_other_data_on_resume(output_dir, resume_from_checkpoint, observers):
 def _main(name: str, output_dir: str, mode: str, result_dir: str) -> int:
     import os  # noqa: PLC0415
 
-    from trainfold.ckpt.checkpoint import latest_checkpoint  # noqa: PLC0415
+    from trainfold.ckpt import latest_checkpoint  # noqa: PLC0415
     from trainfold.ckpt.preempt import JIT_SIGNALS, exit_status, preemption_guard  # noqa: PLC0415
     from trainfold.testing import dump_result  # noqa: PLC0415
 

@@ -86,7 +86,7 @@ def test_the_scaler_must_be_in_the_state_and_is_refused_with_compile():
 
 def test_train_with_fp16_scales_checkpoints_and_resumes_the_scaler(tmp_path):
     from trainfold import TrainingArguments, train
-    from trainfold.ckpt import checkpoint
+    from trainfold import ckpt as checkpoint
 
     rows = [{"input_ids": list(range(i, i + 12)), "labels": list(range(i, i + 12))} for i in range(16)]
     base = {

@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.ckpt.checkpoint import (
+from trainfold.ckpt import (
     INCOMPLETE_MARKER,
     MODEL_FILE,
     SIDECAR_FILE,
@@ -299,7 +299,7 @@ def test_metadata_must_be_json(tmp_path):
 CRASH = textwrap.dedent(
     """
     import sys, time, attrs, torch
-    from trainfold.ckpt.checkpoint import save, checkpoint_path
+    from trainfold.ckpt import save, checkpoint_path
     from trainfold.optim.base import adamw
     from trainfold.core.state import init_state, scalar
     out = sys.argv[1]
@@ -380,7 +380,7 @@ def test_resume_checkpoint_follows_resume_from_checkpoint(tmp_path):
 RESUME = SETUP + textwrap.dedent(
     """
     import sys
-    from trainfold.ckpt.checkpoint import load, save
+    from trainfold.ckpt import load, save
     from trainfold.core.fold import trajectory
     torch.set_num_threads(1)
     model, step, fresh, batches = make_run()

@@ -25,7 +25,8 @@ import torch
 from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
 
 from trainfold import TrainingArguments, train
-from trainfold.ckpt import checkpoint, run_dir
+from trainfold import ckpt as checkpoint
+from trainfold.ckpt import faults, run_dir
 from trainfold.core.tree import flatten
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,6 +63,7 @@ CHILD = textwrap.dedent(f"""
     torch.set_num_threads({torch.get_num_threads()})
     from resume_fixture import collate, model, rows
     from trainfold import TrainingArguments, checkpoint, train
+    from trainfold.ckpt import faults
     out, resume, preempt_at, mode, target = sys.argv[1], sys.argv[2] == "True", int(sys.argv[3]), sys.argv[4], \
         int(sys.argv[5])
     count = [0]
@@ -72,7 +74,7 @@ CHILD = textwrap.dedent(f"""
                 os._exit(17)
             print("at", label, flush=True)
             time.sleep(120)  # the test SIGKILLs us here
-    checkpoint.fault_hook = hook
+    faults.fault_hook = hook
     sent = []
     def preempt(s):
         if int(s.step) == preempt_at and not sent:
@@ -121,11 +123,11 @@ def _labels(tmp: Path, scenario: str) -> list[str]:
             os.kill(os.getpid(), signal.SIGTERM)
         return False
 
-    checkpoint.fault_hook = seen.append
+    faults.fault_hook = seen.append
     try:
         _train(out, resume, stop=preempt)
     finally:
-        checkpoint.fault_hook = None
+        faults.fault_hook = None
     return seen
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from trainfold import ckpt as checkpoint
 from trainfold.__main__ import ConfigError, apply_overrides, load_config, main, split_resume
-from trainfold.ckpt import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainfold.ckpt.checkpoint import is_complete, latest_checkpoint
+from trainfold.ckpt import is_complete, latest_checkpoint
 from trainfold.demo import byte_chunks, stdlib_text
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,7 +30,7 @@ from resume_fixture import endless_cli_config
 from safetensors.torch import load_file, save_file
 
 from trainfold import TrainingArguments, train
-from trainfold.ckpt import checkpoint
+from trainfold import ckpt as checkpoint
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import init_state
 from trainfold.core.tree import flatten

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from trainfold import TrainingArguments, train
-from trainfold.ckpt.checkpoint import list_checkpoints
+from trainfold.ckpt import list_checkpoints
 from trainfold.core.losses import causal_lm
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import TrainState

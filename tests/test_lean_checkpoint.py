@@ -14,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.ckpt import checkpoint, tensor_file
-from trainfold.ckpt.checkpoint import MODEL_FILE, SIDECAR_FILE, STATE_FILE, CheckpointError, load, read_metadata, save
+from trainfold import ckpt as checkpoint
+from trainfold.ckpt import MODEL_FILE, SIDECAR_FILE, STATE_FILE, CheckpointError, load, read_metadata, save, tensor_file
+from trainfold.ckpt.sidecar import sidecar_bytes
 from trainfold.core.state import init_state, scalar
 from trainfold.core.tree import flatten
 from trainfold.optim.base import adamw
@@ -213,7 +214,7 @@ def test_a_weights_file_without_a_tensor_the_sidecar_maps_is_refused(tmp_path):
     size, crc = tensor_file.write(path / MODEL_FILE, tensors)
     meta = read_metadata(path)
     meta["files"][MODEL_FILE] = {"bytes": size, "crc32": crc}  # a consistent, crafted checkpoint
-    (path / SIDECAR_FILE).write_bytes(checkpoint._sidecar_bytes(meta))
+    (path / SIDECAR_FILE).write_bytes(sidecar_bytes(meta))
     with pytest.raises(CheckpointError, match=rf"{path / MODEL_FILE} lacks \['bias'\]"):
         load(path, like=state)
 
@@ -250,7 +251,7 @@ def write_format_2(state, model, path: Path, version: int = 2) -> Path:
         del meta["run"]
         (path / SIDECAR_FILE).write_text(json.dumps(meta))
     else:
-        (path / SIDECAR_FILE).write_bytes(checkpoint._sidecar_bytes(meta))
+        (path / SIDECAR_FILE).write_bytes(sidecar_bytes(meta))
     return path
 
 
@@ -269,7 +270,7 @@ def test_a_format_1_or_2_checkpoint_still_loads_bitwise(tmp_path, version):
 def test_a_newer_format_is_refused_by_name(tmp_path):
     path = save(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), tmp_path / "c")
     meta = read_metadata(path)
-    (path / SIDECAR_FILE).write_bytes(checkpoint._sidecar_bytes({**meta, "format_version": 4}))
+    (path / SIDECAR_FILE).write_bytes(sidecar_bytes({**meta, "format_version": 4}))
     with pytest.raises(CheckpointError, match="has checkpoint format 4.*this trainfold reads format 3: upgrade"):
         load(path, like=init_state(torch.nn.Linear(2, 1), adamw(1e-3)))
 
@@ -287,6 +288,6 @@ def test_a_malformed_tensors_or_frozen_field_is_refused_naming_it(tmp_path, chan
     path = save(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), tmp_path / "c")
     meta = read_metadata(path)
     change(meta)
-    (path / SIDECAR_FILE).write_bytes(checkpoint._sidecar_bytes(meta))
+    (path / SIDECAR_FILE).write_bytes(sidecar_bytes(meta))
     with pytest.raises(CheckpointError, match=rf"{path / SIDECAR_FILE}: field '{field}'"):
         read_metadata(path)

@@ -11,9 +11,9 @@ import safetensors.torch
 import torch
 
 from trainfold import TrainingArguments, train
-from trainfold.ckpt import checkpoint
+from trainfold import ckpt as checkpoint
+from trainfold.ckpt import STATE_FILE, CheckpointError
 from trainfold.ckpt.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
-from trainfold.ckpt.checkpoint import STATE_FILE, CheckpointError
 from trainfold.core.state import init_state
 from trainfold.core.tree import flatten
 from trainfold.optim.base import adamw

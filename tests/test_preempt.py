@@ -16,7 +16,7 @@ import attrs
 import pytest
 import torch
 
-from trainfold.ckpt.checkpoint import checkpoint_path, list_checkpoints, load, read_metadata, save
+from trainfold.ckpt import checkpoint_path, list_checkpoints, load, read_metadata, save
 from trainfold.ckpt.policy import rotate
 from trainfold.ckpt.preempt import EXIT_PREEMPTED, Preemption, exit_status, jit_checkpoint, preemption_guard
 from trainfold.core.fold import any_of, fit, trajectory
@@ -43,7 +43,7 @@ SETUP = textwrap.dedent(
 TRAIN = SETUP + textwrap.dedent(
     """
     import sys, time
-    from trainfold.ckpt.checkpoint import checkpoint_path, save
+    from trainfold.ckpt import checkpoint_path, save
     from trainfold.ckpt.preempt import EXIT_PREEMPTED, jit_checkpoint, preemption_guard
     from trainfold.core.fold import trajectory
     torch.set_num_threads(1)
@@ -67,7 +67,7 @@ TRAIN = SETUP + textwrap.dedent(
 RESUME = SETUP + textwrap.dedent(
     """
     import sys
-    from trainfold.ckpt.checkpoint import latest_checkpoint, load, save
+    from trainfold.ckpt import latest_checkpoint, load, save
     from trainfold.core.fold import fit
     torch.set_num_threads(1)
     model, step, fresh, batches = make_run()
@@ -266,7 +266,7 @@ def test_sigint_in_a_jit_run_saves_like_sigterm_and_reports_130(tmp_path):
 def test_a_signal_during_the_final_save_leaves_the_run_completed(tmp_path, monkeypatch):
     from resume_runs import MAX_STEPS, run
 
-    import trainfold.ckpt.checkpoint as ckpt
+    import trainfold.ckpt.writer as ckpt  # where the run saves through
 
     real_save = ckpt.save
 
@@ -394,7 +394,7 @@ def test_cli_sigterm_during_setup_exits_143_and_writes_nothing(tmp_path):
 def test_cli_ctrl_c_in_a_jit_run_saves_and_exits_130(tmp_path):
     from resume_fixture import endless_cli_config
 
-    from trainfold.ckpt.checkpoint import is_complete, latest_checkpoint
+    from trainfold.ckpt import is_complete, latest_checkpoint
 
     config = endless_cli_config(tmp_path, tmp_path / "out")
     proc = subprocess.Popen(

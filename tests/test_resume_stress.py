@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from trainfold.ckpt.checkpoint import latest_checkpoint, read_metadata
+from trainfold.ckpt import latest_checkpoint, read_metadata
 from trainfold.ckpt.preempt import EXIT_PREEMPTED
 from trainfold.testing import compare_results
 

@@ -23,20 +23,23 @@ from hypothesis import strategies as st
 from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
 
 from trainfold import TrainingArguments, train
-from trainfold.ckpt import checkpoint, run_dir
-from trainfold.ckpt.checkpoint import (
+from trainfold import ckpt as checkpoint
+from trainfold.ckpt import (
     MODEL_FILE,
     SIDECAR_FILE,
     STATE_FILE,
     CheckpointError,
     CheckpointWarning,
     checkpoint_path,
+    faults,
     list_checkpoints,
     load,
     read_metadata,
+    run_dir,
     save,
 )
 from trainfold.ckpt.policy import rotate
+from trainfold.ckpt.sidecar import sidecar_bytes
 from trainfold.core.state import init_state, scalar
 from trainfold.core.tree import flatten
 from trainfold.observe.history import HISTORY_FILE, LogHistory
@@ -208,7 +211,7 @@ def test_a_dead_holders_lock_is_taken_over_and_said_so(tmp_path, capfd):
         [
             sys.executable,
             "-c",
-            "import sys, time\nfrom trainfold.ckpt.run_dir import lock\nwith lock(sys.argv[1]):\n"
+            "import sys, time\nfrom trainfold.ckpt.run_lock import lock\nwith lock(sys.argv[1]):\n"
             "    print('held', flush=True)\n    time.sleep(60)\n",
             str(out),
         ],
@@ -241,7 +244,7 @@ def test_jit_at_a_saved_step_keeps_that_checkpoint_and_marks_it(tmp_path, monkey
         inode[path.name] = os.stat(path / STATE_FILE).st_ino
         return path
 
-    monkeypatch.setattr(checkpoint, "save", counting_save)
+    monkeypatch.setattr("trainfold.ckpt.writer.save", counting_save)
     monkeypatch.setattr("trainfold.ckpt.preempt.save", counting_save)
     sent = []
 
@@ -269,11 +272,11 @@ def _labels_of_a_replace(tmp_path):
     state = attrs.evolve(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), step=scalar(3))
     save(state, checkpoint_path(tmp_path, 3))
     seen = []
-    checkpoint.fault_hook = seen.append
+    faults.fault_hook = seen.append
     try:
         save(state, checkpoint_path(tmp_path, 3))
     finally:
-        checkpoint.fault_hook = None
+        faults.fault_hook = None
     return state, seen
 
 
@@ -288,12 +291,12 @@ def test_a_replace_never_passes_through_zero_visible_checkpoints(tmp_path):
             if at == label:
                 raise KeyboardInterrupt(at)  # stands for the kill: nothing after this point runs
 
-        checkpoint.fault_hook = crash
+        faults.fault_hook = crash
         try:
             with pytest.raises(KeyboardInterrupt):
                 save(state, checkpoint_path(out, 3))
         finally:
-            checkpoint.fault_hook = None
+            faults.fault_hook = None
         assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3"], label
 
 
@@ -406,7 +409,7 @@ def test_a_malformed_sidecar_is_refused_naming_the_path_and_field(tmp_path, chan
 
 def _rewrite(path: Path, meta: dict) -> None:
     body = {k: v for k, v in meta.items() if k != "checksum"}
-    (path / SIDECAR_FILE).write_bytes(checkpoint._sidecar_bytes(body))  # crafted with a consistent checksum
+    (path / SIDECAR_FILE).write_bytes(sidecar_bytes(body))  # crafted with a consistent checksum
 
 
 def test_a_crafted_step_beyond_the_run_or_a_bad_log_position_is_refused_by_train(tmp_path):

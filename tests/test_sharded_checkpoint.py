@@ -27,11 +27,12 @@ import safetensors
 import torch
 from safetensors.torch import load_file, save_file
 
-from trainfold.ckpt import checkpoint as ckpt
+from trainfold import ckpt
+from trainfold.ckpt import faults
 from trainfold.ckpt import sharded as sc
 from trainfold.ckpt.sharded_storage import shard_file
 from trainfold.core.state import init_state
-from trainfold.core.tree import flatten
+from trainfold.core.tree import flatten, map_tensors
 from trainfold.optim.base import adamw
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,9 +63,7 @@ def full_state(model):
 
     state = init_state(model, adamw(1e-3), seed=7)
     g = torch.Generator().manual_seed(1)
-    noisy = sc._map_tensors(
-        lambda t: t + 0.01 * torch.randn(t.shape, generator=g) if t.is_floating_point() else t, state
-    )
+    noisy = map_tensors(lambda t: t + 0.01 * torch.randn(t.shape, generator=g) if t.is_floating_point() else t, state)
     return attrs.evolve(noisy, step=scalar(STEP))
 
 
@@ -75,9 +74,7 @@ def shard(state, mesh):
     def one(t):
         return distribute_tensor(t, mesh, [Shard(0)]) if t.dim() >= 1 and t.is_floating_point() else t
 
-    return attrs.evolve(
-        state, params=sc._map_tensors(one, state.params), opt_state=sc._map_tensors(one, state.opt_state)
-    )
+    return attrs.evolve(state, params=map_tensors(one, state.params), opt_state=map_tensors(one, state.opt_state))
 
 
 def local_slabs(state) -> dict[str, torch.Tensor]:
@@ -220,7 +217,7 @@ def _failing_async_save(saver, state, out: Path, rank: int) -> None:
             if rank == 1:
                 raise OSError(5, "injected write failure")
 
-    ckpt.fault_hook = hook
+    faults.fault_hook = hook
     try:
         saver.save(state, out / f"checkpoint-{STEP}")
         try:
@@ -229,7 +226,7 @@ def _failing_async_save(saver, state, out: Path, rank: int) -> None:
         except (OSError, ckpt.CheckpointError) as e:
             error = str(e)
     finally:
-        ckpt.fault_hook = None
+        faults.fault_hook = None
     dist.barrier()
     (out.parent / f"faulty-{rank}.json").write_text(
         json.dumps({"error": error, "seen": seen, "after": sorted(p.name for p in out.iterdir())})
@@ -535,7 +532,7 @@ def test_an_async_save_is_invisible_until_complete(tmp_path):
 
     state = init_state(torch.nn.Linear(3, 2), adamw(1e-3))
     saver = sc.Saver(async_save=True)
-    ckpt.fault_hook = hook
+    faults.fault_hook = hook
     try:
         path = saver.save(state, ckpt.checkpoint_path(tmp_path, 0))
         assert reached.wait(30) and saver.pending()
@@ -543,7 +540,7 @@ def test_an_async_save_is_invisible_until_complete(tmp_path):
         gate.set()
         assert saver.wait() == path and ckpt.is_complete(path)
     finally:
-        ckpt.fault_hook = None
+        faults.fault_hook = None
 
 
 def test_an_async_save_copies_the_state_before_the_step_changes_it(tmp_path):
@@ -559,12 +556,13 @@ def test_an_async_save_copies_the_state_before_the_step_changes_it(tmp_path):
 def test_a_process_killed_mid_async_save_leaves_no_checkpoint(tmp_path):
     code = f"""
 import os, torch
-from trainfold import checkpoint as ckpt, sharded_checkpoint as sc
+from trainfold import checkpoint as ckpt
+from trainfold.ckpt import faults, sharded as sc
 from trainfold.optim.base import sgd
 from trainfold.core.state import init_state
 state = init_state(torch.nn.Linear(3, 2), sgd(0.1))
 ckpt.save(state, ckpt.checkpoint_path({str(tmp_path)!r}, 0))
-ckpt.fault_hook = lambda label: os._exit(3) if label == "save:wrote:sidecar" else None
+faults.fault_hook = lambda label: os._exit(3) if label == "save:wrote:sidecar" else None
 sc.Saver(async_save=True).save(state, ckpt.checkpoint_path({str(tmp_path)!r}, 1))
 import time; time.sleep(30)
 """
@@ -634,7 +632,7 @@ def test_check_compatible_takes_another_split_of_the_same_global_batch_and_names
 
 
 def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(tmp_path):
-    from trainfold.ckpt.elastic import elastic_args
+    from trainfold.ckpt import elastic_args
 
     saved = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "world_size": 2, "learning_rate": 1e-2}
     path = ckpt.save(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), tmp_path / "checkpoint-0", settings=saved)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trainfold import TrainingArguments, train
-from trainfold.ckpt import checkpoint
+from trainfold import ckpt as checkpoint
 from trainfold.core.tree import flatten
 from trainfold.observe.history import HISTORY_FILE, LogHistory
 

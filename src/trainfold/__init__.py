@@ -9,9 +9,9 @@ record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``sa
 ``train``) which wires them from the HF Trainer's setting names.
 """
 
+from trainfold import ckpt as checkpoint
 from trainfold import data, observe, optim
-from trainfold.ckpt import checkpoint
-from trainfold.ckpt.checkpoint import latest_checkpoint, load, save
+from trainfold.ckpt import latest_checkpoint, load, save
 from trainfold.core import chunked_loss, losses, tree
 from trainfold.core.chunked_loss import chunked_causal_lm
 from trainfold.core.determinism import warm_up_kernels

@@ -127,7 +127,7 @@ def build_data(spec: dict[str, Any]) -> tuple[list[dict[str, list[int]]], list[d
 
 def _resume_source(value: bool | str | None, output_dir: str) -> bool | str | None:
     """What ``train`` gets: True only when ``output_dir`` holds a checkpoint (else a fresh start), or a checked path."""
-    from trainfold.ckpt import checkpoint as ckpt  # noqa: PLC0415
+    from trainfold import ckpt  # noqa: PLC0415
 
     if value is None or value is False:
         return None

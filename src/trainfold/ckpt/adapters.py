@@ -5,7 +5,7 @@ tensors are the trainable params, the frozen base weights are buffers of the sta
 of it holds ``adapter_model.safetensors`` (the adapter under peft's own key names, the adapter
 name removed: ``...q_proj.lora_A.weight``) and ``adapter_config.json`` (the ``LoraConfig``,
 ``inference_mode`` true, as peft writes it), so ``PeftModel.from_pretrained(base, checkpoint)``
-loads it; the frozen base is not written at all (see ``trainfold.ckpt.checkpoint``: it is the module's,
+loads it; the frozen base is not written at all (see ``trainfold.ckpt.layout``: it is the module's,
 fingerprinted at save and checked at resume). Nothing here imports ``peft`` unless the model is one.
 """
 

@@ -13,6 +13,7 @@ batch (so memory per device never grows), and ``gradient_accumulation_steps`` = 
 batch that ``M`` does not divide is refused by name. Two things still depend on the split:
 dropout masks (drawn per micro-batch and rank), and an epoch's last, short step (``drop_last``
 keeps whole micro-batches of every rank; a tail with fewer samples than ranks is topped up).
+``trainfold.ckpt.run_dir.elastic_args`` applies the rule to a resumed run's arguments.
 
 >>> split_global_batch(8, world_size=4, per_device=2)
 (2, 1)
@@ -22,13 +23,10 @@ keeps whole micro-batches of every rank; a tail with fewer samples than ranks is
 
 from __future__ import annotations
 
-import os
-import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-__all__ = ["BATCH_KEYS", "global_batch", "split_global_batch", "elastic_args"]
+__all__ = ["BATCH_KEYS", "global_batch", "split_global_batch"]
 
 BATCH_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size")
 
@@ -70,45 +68,3 @@ def split_global_batch(batch: int, *, world_size: int, per_device: int) -> tuple
     per_rank = batch // world_size
     size = max(d for d in range(1, min(per_device, per_rank) + 1) if per_rank % d == 0)
     return size, per_rank // size
-
-
-def _saved_settings(resume_from_checkpoint: Any, output_dir: str | os.PathLike) -> Mapping[str, Any] | None:
-    from trainfold.ckpt import checkpoint as ckpt  # noqa: PLC0415 - keeps this module below checkpoint and run_dir
-    from trainfold.ckpt import run_dir  # noqa: PLC0415
-
-    if resume_from_checkpoint is True:
-        record = run_dir.read_run_file(output_dir)  # the run that owns output_dir, which claim resumes
-        return record["settings"] if record is not None else None
-    if resume_from_checkpoint is None or resume_from_checkpoint is False:
-        return None
-    try:
-        return ckpt.read_metadata(Path(resume_from_checkpoint))["settings"]
-    except (OSError, ValueError):
-        return None  # claim names what is wrong with it
-
-
-def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any:
-    """Return ``args`` with the batch split that keeps the resumed run's global batch on ``world_size`` ranks.
-
-    Unchanged when not resuming, when the checkpoint was written on as many ranks, or when ``args``
-    already make its global batch; otherwise ``per_device_train_batch_size`` and
-    ``gradient_accumulation_steps`` follow ``split_global_batch``, with a warning that says so.
-    """
-    from trainfold.ckpt.run_dir import trajectory_differences  # noqa: PLC0415
-
-    saved = _saved_settings(resume_from_checkpoint, args.output_dir)
-    batch = global_batch(saved or {})
-    here = {**args.to_dict(), "world_size": world_size}
-    if batch is None or saved["world_size"] == world_size or batch == global_batch(here):
-        return args
-    if [d for d in trajectory_differences(saved, here) if d.split(":")[0] in set(saved) - set(BATCH_KEYS)]:
-        return args  # another run's settings: claim refuses it, naming them
-    size, steps = split_global_batch(batch, world_size=world_size, per_device=args.per_device_train_batch_size)
-    warnings.warn(
-        f"resuming a run of {saved['world_size']} ranks on {world_size}: per_device_train_batch_size "
-        f"{args.per_device_train_batch_size} -> {size}, gradient_accumulation_steps {args.gradient_accumulation_steps} "
-        f"-> {steps} keep its global batch of {batch} samples per step (trainfold.ckpt.elastic)",
-        UserWarning,
-        stacklevel=3,
-    )
-    return args.replace(per_device_train_batch_size=size, gradient_accumulation_steps=steps)

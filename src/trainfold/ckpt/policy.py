@@ -1,7 +1,7 @@
 """Checkpoint policy: when to save, which checkpoints to keep, which one is best, what a resume may change.
 
 Pure decisions over steps, metric values and settings, plus ``rotate`` which applies the
-retention rule to a directory. The files themselves are written and read by ``checkpoint``.
+retention rule to a directory. The files themselves are written and read by ``writer`` and ``reader``.
 
 >>> should_save(6, save_strategy="steps", save_steps=3), greater_is_better_for("eval_accuracy")
 (True, True)
@@ -22,16 +22,14 @@ import attrs
 import torch
 from torch import Tensor
 
-from trainfold.ckpt import checkpoint as _ckpt
 from trainfold.ckpt import elastic
-from trainfold.ckpt.checkpoint import (
-    checkpoint_path,
-    is_complete,
-    list_checkpoints,
-    read_metadata,
-)
+from trainfold.ckpt.faults import point
+from trainfold.ckpt.listing import checkpoint_path, is_complete, list_checkpoints
+from trainfold.ckpt.sidecar import read_metadata
 
 __all__ = [
+    "SAVE_STRATEGIES",
+    "BEST_METRIC_KEY",
     "RESUME_KEYS",
     "should_save",
     "rotate",
@@ -54,8 +52,11 @@ RESUME_KEYS = (
     "dataloader_drop_last",
 )
 
+# The values of ``save_strategy`` (HF's, and "best": save when the metric improves).
+SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
 
-_SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+# The ``state.extras`` key of the best-metric tracker (``BestMetric``), which ``best_checkpoint`` reads.
+BEST_METRIC_KEY = "best_metric"
 
 
 def should_save(
@@ -82,8 +83,8 @@ def should_save(
     >>> should_save(4, save_strategy="epoch", epoch_end=True), should_save(4, save_strategy="no")
     (True, False)
     """
-    if save_strategy not in _SAVE_STRATEGIES:
-        raise ValueError(f"save_strategy {save_strategy!r} is not one of {list(_SAVE_STRATEGIES)}")
+    if save_strategy not in SAVE_STRATEGIES:
+        raise ValueError(f"save_strategy {save_strategy!r} is not one of {list(SAVE_STRATEGIES)}")
     last = last or (max_steps is not None and step >= max_steps)
     if save_strategy == "no":
         return False
@@ -126,7 +127,7 @@ def rotate(
     >>> import tempfile, attrs, torch
     >>> from trainfold.optim.base import sgd
     >>> from trainfold.core.state import init_state, scalar
-    >>> from trainfold.ckpt.checkpoint import save
+    >>> from trainfold.ckpt import save
     >>> out, state = tempfile.mkdtemp(), init_state(torch.nn.Linear(2, 1), sgd(0.1))
     >>> for step in (1, 2, 3, 4):
     ...     _ = save(attrs.evolve(state, step=scalar(step)), checkpoint_path(out, step))
@@ -149,11 +150,11 @@ def rotate(
     doomed = deletable[: max(0, excess)]
     for path in doomed:
         trash = path.parent / f".{path.name}.deleting-{os.getpid()}-{secrets.token_hex(4)}"
-        _ckpt._point(f"rotate:before:{path.name}")
+        point(f"rotate:before:{path.name}")
         os.rename(path, trash)  # a half-deleted directory never looks like a checkpoint
-        _ckpt._point(f"rotate:renamed:{path.name}")
+        point(f"rotate:renamed:{path.name}")
         shutil.rmtree(trash, ignore_errors=True)
-        _ckpt._point(f"rotate:removed:{path.name}")
+        point(f"rotate:removed:{path.name}")
     return doomed
 
 

@@ -47,7 +47,9 @@ from typing import Any
 import attrs
 import torch
 
-from trainfold.ckpt.checkpoint import checkpoint_path, latest_checkpoint, model_weights, save
+from trainfold.ckpt.layout import model_weights
+from trainfold.ckpt.listing import checkpoint_path, latest_checkpoint
+from trainfold.ckpt.writer import save
 from trainfold.core.collective import Collective
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten
@@ -245,10 +247,10 @@ def exit_status(status: str, signum: int | None = None) -> int:
 def jit_checkpoint(state: TrainState, output_dir: str | os.PathLike, **save_options: Any) -> Path:
     """Save ``state`` as ``output_dir/checkpoint-{step}`` marked JIT (never rotated away); return its path.
 
-    ``save_options`` are ``checkpoint.save``'s (model, config, metadata, settings).
+    ``save_options`` are ``writer.save``'s (model, config, metadata, settings).
 
     >>> import tempfile, torch
-    >>> from trainfold.ckpt.checkpoint import read_metadata
+    >>> from trainfold.ckpt import read_metadata
     >>> from trainfold.optim.base import sgd
     >>> from trainfold.core.state import init_state
     >>> path = jit_checkpoint(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp())

@@ -10,11 +10,11 @@ the directory holds only safetensors and JSON, never DCP's pickled ``.metadata``
 - ``state.index.json``: the sharding: per tensor its dtype, global shape and chunks (file, offsets, sizes);
 - ``model.safetensors`` (+ ``config.json``) on request (``consolidate``): the full weights under the
   model's ``state_dict`` names, for ``from_pretrained``;
-- ``trainfold.json``: the sidecar of ``trainfold.ckpt.checkpoint`` (every file's size and CRC-32).
+- ``trainfold.json``: the sidecar of ``trainfold.ckpt.sidecar`` (every file's size and CRC-32).
 
-The directory is built by ``checkpoint.save`` (temporary directory, marker, fsync, atomic rename):
+The directory is built by ``writer.save`` (temporary directory, marker, fsync, atomic rename):
 rank 0 renames it only after DCP has gathered every rank's finished writes. Loading goes through
-DCP's planner too, so a checkpoint of 2 ranks loads into 1, 3 or 4 (``checkpoint.load`` calls
+DCP's planner too, so a checkpoint of 2 ranks loads into 1, 3 or 4 (``reader.load`` calls
 ``load`` here); nothing is pickled and loading never runs code.
 
 ``Saver`` writes a run's checkpoints, sharded or not, synchronously or in a background thread
@@ -39,13 +39,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainfold.ckpt import checkpoint as ckpt
+from trainfold.ckpt import writer
+from trainfold.ckpt.faults import point
+from trainfold.ckpt.layout import model_weights
+from trainfold.ckpt.sidecar import INDEX_FILE, MODEL_FILE, SIDECAR_FILE, CheckpointError, read_metadata
 from trainfold.core.state import TrainState
-from trainfold.core.tree import flatten, unflatten
+from trainfold.core.tree import flatten, map_tensors, unflatten
 
-__all__ = ["INDEX_FILE", "Saver", "is_sharded", "save", "load", "read_index"]
+__all__ = ["Saver", "is_sharded", "save", "load", "read_index"]
 
-INDEX_FILE = "state.index.json"  # as sharded_storage.INDEX_FILE (that module loads DCP: imported when used)
 _NAME_BYTES = 256  # the temporary directory's name, sent from rank 0 to the others
 
 
@@ -84,12 +86,12 @@ def _consolidate(tmp: Path, index: Mapping[str, Any], model: Any) -> dict[str, d
         params={k.removeprefix("params."): v for k, v in full.items() if k[0] == "p"},
         buffers={k.removeprefix("buffers."): v for k, v in full.items() if k[0] == "b"},
     )
-    path = tmp / ckpt.MODEL_FILE
-    safetensors.torch.save_file(ckpt.model_weights(split, model), path, metadata={"format": "pt"})
+    path = tmp / MODEL_FILE
+    safetensors.torch.save_file(model_weights(split, model), path, metadata={"format": "pt"})
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
-    ckpt._point("sharded:wrote:model")
-    return {ckpt.MODEL_FILE: {"bytes": path.stat().st_size, "crc32": _storage().crc32_of(path)}}
+    point("sharded:wrote:model")
+    return {MODEL_FILE: {"bytes": path.stat().st_size, "crc32": _storage().crc32_of(path)}}
 
 
 def _announce(name: str, group: Any) -> str:
@@ -112,7 +114,7 @@ def save(
 ) -> Path:
     """Write the sharded ``state`` to ``directory`` from every rank at once (call it on all of them).
 
-    Rank 0 builds the directory with ``checkpoint.save`` (``options``: its metadata, settings,
+    Rank 0 builds the directory with ``writer.save`` (``options``: its metadata, settings,
     run, jit, save_only_model, config) and renames it into place only after DCP has gathered every
     rank's finished, fsynced shard file; every rank returns once it is there. ``consolidate``
     (implied by ``save_only_model``) also writes ``model.safetensors`` with ``model``'s
@@ -128,10 +130,10 @@ def save(
     if many and dist.get_rank(group) != 0:
         name = _announce("", group)
         if not name:
-            raise ckpt.CheckpointError(f"rank 0 could not start the checkpoint {directory}; its error says why")
+            raise CheckpointError(f"rank 0 could not start the checkpoint {directory}; its error says why")
         _storage().write_shards(directory.parent / name, flat, group)
         if _announce("", group) != "done":  # rank 0 renames it into place: returning means it is there
-            raise ckpt.CheckpointError(f"rank 0 could not complete the checkpoint {directory}; its error says why")
+            raise CheckpointError(f"rank 0 could not complete the checkpoint {directory}; its error says why")
         return directory
     phase = "starting"  # then "writing" (DCP raises on every rank), then "written" (rank 0 alone may fail)
 
@@ -148,7 +150,7 @@ def save(
         return files
 
     try:
-        path = ckpt.save(state, directory, model=model, tensors=tensors, **options)
+        path = writer.save(state, directory, model=model, tensors=tensors, **options)
     except BaseException:
         if many and phase != "writing":
             _announce("", group)  # the other ranks stop waiting and raise
@@ -156,20 +158,6 @@ def save(
     if many:
         _announce("done", group)
     return path
-
-
-def _map_tensors(fn: Callable[[Tensor], Tensor], node: Any) -> Any:
-    if isinstance(node, Tensor):
-        return fn(node)
-    if attrs.has(type(node)):
-        return attrs.evolve(
-            node, **{f.name: _map_tensors(fn, getattr(node, f.name)) for f in attrs.fields(type(node)) if f.init}
-        )
-    if isinstance(node, Mapping):
-        return {k: _map_tensors(fn, v) for k, v in node.items()}
-    if isinstance(node, tuple):
-        return tuple(_map_tensors(fn, v) for v in node)
-    return node
 
 
 def _cpu_copy(t: Tensor) -> Tensor:
@@ -196,7 +184,8 @@ class Saver:
     >>> from trainfold.core.state import init_state
     >>> saver = Saver(async_save=True)
     >>> path = saver.save(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp() + "/checkpoint-0")
-    >>> saver.wait() == path, ckpt.is_complete(path)
+    >>> from trainfold.ckpt import is_complete
+    >>> saver.wait() == path, is_complete(path)
     (True, True)
     """
 
@@ -214,7 +203,7 @@ class Saver:
         wait: bool = False,
         **options: Any,
     ) -> Path:
-        """Save ``state`` to ``directory`` (``checkpoint.save``'s ``options``); return its path (async: to be).
+        """Save ``state`` to ``directory`` (``writer.save``'s ``options``); return its path (async: to be).
 
         ``wait=True`` returns when it is complete, also with ``async_save`` (a JIT save at preemption).
         """
@@ -226,7 +215,7 @@ class Saver:
             write = functools.partial(save, group=self._group, consolidate=self.consolidate, **options)
             commits = not dist.is_initialized() or dist.get_rank() == 0
         else:
-            write, commits = functools.partial(ckpt.save, **options), True
+            write, commits = functools.partial(writer.save, **options), True
 
         def job(staged: TrainState) -> Path:
             path = write(staged, directory)
@@ -236,7 +225,7 @@ class Saver:
 
         if not self.async_save or wait:
             return job(state)
-        staged, outcome = _map_tensors(_cpu_copy, state), {}
+        staged, outcome = map_tensors(_cpu_copy, state), {}
 
         def run() -> None:
             try:
@@ -272,8 +261,8 @@ def _check_file(directory: Path, name: str, meta: Mapping[str, Any]) -> Path:
     path = directory / name
     expected = meta["files"].get(name)
     if expected is None:
-        raise ckpt.CheckpointError(
-            f"{directory / ckpt.SIDECAR_FILE} does not list {name}, which {INDEX_FILE} "
+        raise CheckpointError(
+            f"{directory / SIDECAR_FILE} does not list {name}, which {INDEX_FILE} "
             "names: the checkpoint cannot be checked; resume from an earlier checkpoint"
         )
     if path.is_symlink() or not path.is_file():
@@ -282,13 +271,13 @@ def _check_file(directory: Path, name: str, meta: Mapping[str, Any]) -> Path:
             "resume from latest_checkpoint(output_dir) instead"
         )
     if path.stat().st_size != expected["bytes"]:
-        raise ckpt.CheckpointError(
+        raise CheckpointError(
             f"{path} is truncated or altered: it has {path.stat().st_size} bytes, "
-            f"{ckpt.SIDECAR_FILE} records {expected['bytes']}; resume from an earlier checkpoint"
+            f"{SIDECAR_FILE} records {expected['bytes']}; resume from an earlier checkpoint"
         )
     if _storage().crc32_of(path) != expected["crc32"]:
-        raise ckpt.CheckpointError(
-            f"{path} is corrupted: its CRC-32 differs from the one {ckpt.SIDECAR_FILE} "
+        raise CheckpointError(
+            f"{path} is corrupted: its CRC-32 differs from the one {SIDECAR_FILE} "
             "records; resume from an earlier checkpoint"
         )
     return path
@@ -297,12 +286,12 @@ def _check_file(directory: Path, name: str, meta: Mapping[str, Any]) -> Path:
 def read_index(directory: str | os.PathLike) -> dict[str, Any]:
     """Return the checked JSON index of a sharded checkpoint (sizes and CRCs of it and every shard file)."""
     directory = Path(directory)
-    meta = ckpt.read_metadata(directory)
+    meta = read_metadata(directory)
     path = _check_file(directory, INDEX_FILE, meta)
     index = json.loads(path.read_bytes())
     fmt = _storage().INDEX_FORMAT
     if not isinstance(index, dict) or index.get("format") != fmt or not isinstance(index.get("tensors"), dict):
-        raise ckpt.CheckpointError(
+        raise CheckpointError(
             f'{path} is not a trainfold sharded-state index (no "format": "{fmt}"); resume from another checkpoint'
         )
     for name in sorted({c["file"] for e in index["tensors"].values() for c in e["chunks"]}):
@@ -316,10 +305,10 @@ def load(directory: str | os.PathLike, like: TrainState, *, weights_only: bool =
     ``like``'s DTensors get this rank's slab of each tensor (resharded by DCP's planner to the
     mesh ``like`` is on); its plain tensors get the whole tensor, so one process loads a
     checkpoint of many ranks. No collectives: each rank reads what it needs. ``weights_only``
-    loads params and buffers only (``checkpoint.load_weights``). ``metrics`` load as saved.
+    loads params and buffers only (``reader.load_weights``). ``metrics`` load as saved.
     """
     directory = Path(directory)
-    index, meta = read_index(directory), ckpt.read_metadata(directory)
+    index, meta = read_index(directory), read_metadata(directory)
     saved = index["tensors"]
     base = attrs.evolve(like, metrics={})
     wanted = {k: v for k, v in flatten(base).items() if not weights_only or k.startswith(("params.", "buffers."))}
@@ -357,8 +346,8 @@ def load(directory: str | os.PathLike, like: TrainState, *, weights_only: bool =
     metrics = {k.removeprefix("metrics."): v for k, v in targets.items() if k.startswith("metrics.")}
     state = unflatten({k: v for k, v in targets.items() if not k.startswith("metrics.")}, like=base)
     if int(state.step) != meta["step"]:
-        raise ckpt.CheckpointError(
-            f"{directory / ckpt.SIDECAR_FILE}: field 'step' is {meta['step']} but the "
+        raise CheckpointError(
+            f"{directory / SIDECAR_FILE}: field 'step' is {meta['step']} but the "
             f"shards hold {int(state.step)}; resume from another checkpoint"
         )
     return attrs.evolve(state, metrics=metrics)

@@ -38,11 +38,11 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from trainfold.ckpt import checkpoint as ckpt
+from trainfold.ckpt.faults import point
+from trainfold.ckpt.sidecar import INDEX_FILE, CheckpointError
 from trainfold.core.tree import Tree
 
 __all__ = [
-    "INDEX_FILE",
     "INDEX_FORMAT",
     "ShardWriter",
     "ShardReader",
@@ -52,7 +52,6 @@ __all__ = [
     "read_shards",
 ]
 
-INDEX_FILE = "state.index.json"
 INDEX_FORMAT = "trainfold-sharded-state"
 
 
@@ -136,7 +135,7 @@ class ShardWriter(StorageWriter):
                 "DCP_SHARDING_INFO": json.dumps({k: {"saved_offsets": v} for k, v in offsets.items()}),
             }
             safetensors.torch.save_file(tensors, path, metadata=meta)
-            ckpt._point(f"sharded:wrote:{name}")
+            point(f"sharded:wrote:{name}")
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
             entry = {"file": name, "bytes": path.stat().st_size, "crc32": crc32_of(path)}
@@ -173,7 +172,7 @@ class ShardWriter(StorageWriter):
             entry["chunks"].sort(key=lambda c: c["offsets"])
         self.index = {"format": INDEX_FORMAT, "version": 1, "world_size": len(results), "tensors": tensors}
         self.files[INDEX_FILE] = _write_json(self.directory / INDEX_FILE, self.index)
-        ckpt._point("sharded:wrote:index")
+        point("sharded:wrote:index")
 
 
 class ShardReader(StorageReader):
@@ -242,7 +241,7 @@ def _failed(e: CheckpointException, what: str) -> BaseException:
     first = failures[0][1][0] if failures else None
     if isinstance(first, OSError):  # a full disk stays an OSError (preempt names the bytes it needs)
         return OSError(first.errno, f"{what} failed on {text}")
-    return ckpt.CheckpointError(f"{what} failed on {text}; the checkpoint was not written (the previous one is intact)")
+    return CheckpointError(f"{what} failed on {text}; the checkpoint was not written (the previous one is intact)")
 
 
 def write_shards(tmp: Path, flat: Tree, group: Any) -> ShardWriter:

@@ -249,7 +249,7 @@ class HFCallbacks:
             )
 
     def _sync(self, state: TrainState) -> None:
-        from trainfold.ckpt.checkpoint import checkpoint_path  # noqa: PLC0415
+        from trainfold.ckpt import checkpoint_path  # noqa: PLC0415
         from trainfold.observe import TOKENS_SEEN  # noqa: PLC0415
 
         self._current = state

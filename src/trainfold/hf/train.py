@@ -31,9 +31,8 @@ import attrs
 import torch
 from torch import nn
 
-from trainfold.ckpt import checkpoint as ckpt
-from trainfold.ckpt import policy, run_dir
-from trainfold.ckpt.elastic import elastic_args
+from trainfold import ckpt
+from trainfold.ckpt import elastic_args, policy, run_dir
 from trainfold.ckpt.preempt import JIT_SIGNALS, guarded, jit_checkpoint, preemption_guard
 from trainfold.ckpt.sharded import Saver, is_sharded
 from trainfold.core.collective import Collective

@@ -1,7 +1,7 @@
 """Sharded training (FSDP-style) on torch's own engine: the state's tensors are ``DTensor`` shards on a ``DeviceMesh``.
 
 Data parallelism replicates params, gradients and optimizer moments on every rank; here each rank
-holds ``1/world`` of them. The API (stable; ``trainfold.ckpt.checkpoint`` and resume build on it):
+holds ``1/world`` of them. The API (stable; ``trainfold.ckpt`` and resume build on it):
 
 * ``make_mesh(device_type=None)`` — the 1-D ``DeviceMesh`` over the open process group (``"cuda"`` under
   NCCL, else ``"cpu"``);

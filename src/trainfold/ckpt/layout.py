@@ -1,0 +1,160 @@
+"""Where a state's tensors go in a checkpoint: the weights file under the model's names, the state file, or nowhere.
+
+The params and persistent buffers go to ``model.safetensors`` under the model's ``state_dict`` names
+(tied weights once), or for a ``peft`` model the adapter to ``adapter_model.safetensors``; the frozen
+base weights of a ``peft`` model go nowhere, and their ``fingerprint`` goes into the sidecar.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from trainfold.ckpt import adapters
+from trainfold.ckpt.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
+from trainfold.ckpt.sidecar import CONFIG_FILE, MODEL_FILE
+from trainfold.core.state import TrainState
+from trainfold.core.tree import Tree
+
+__all__ = ["Layout", "layout_of", "model_weights", "fingerprint"]
+
+
+def _state_keys(state: TrainState, model: nn.Module | None) -> dict[str, str]:
+    """Return ``{state_dict name: flattened state key}`` of ``model``'s weights, each tied tensor once."""
+    if model is None:
+        return {**{k: f"buffers.{k}" for k in state.buffers}, **{k: f"params.{k}" for k in state.params}}
+    source = {id(b): n for n, b in model.named_buffers()} | {id(p): n for n, p in model.named_parameters()}
+    out: dict[str, str] = {}
+    done: set[str] = set()
+    for key, value in model.state_dict(keep_vars=True).items():
+        name = source.get(id(value), key)
+        if name in done:
+            continue  # a tied alias: saved once, under its first name
+        if name in state.params:
+            out[key] = f"params.{name}"
+        elif name in state.buffers:
+            out[key] = f"buffers.{name}"
+        else:
+            raise KeyError(
+                f"the model's {key!r} is not in the state (params and buffers); pass the model the "
+                "state was made from (init_state(model, ...))"
+            )
+        done.add(name)
+    return out
+
+
+def _tensor_at(state: TrainState, key: str) -> Tensor:
+    field, name = key.split(".", 1)
+    return (state.params if field == "params" else state.buffers)[name]
+
+
+def model_weights(state: TrainState, model: nn.Module | None = None) -> Tree:
+    """Return the state's weights under ``model``'s ``state_dict`` names, each tied tensor once.
+
+    Non-persistent buffers are left out, as ``state_dict`` leaves them out. Without ``model`` the
+    state's own names are used (params, then all buffers).
+
+    >>> import torch
+    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.core.state import init_state
+    >>> m = torch.nn.BatchNorm1d(2)
+    >>> sorted(model_weights(init_state(m, sgd(0.1)), m))
+    ['bias', 'num_batches_tracked', 'running_mean', 'running_var', 'weight']
+    """
+    return {name: _tensor_at(state, key) for name, key in _state_keys(state, model).items()}
+
+
+_SAMPLES = 1024
+
+
+def _as_words(t: Tensor) -> tuple[Tensor, Tensor]:
+    """Return a tensor's bytes as int32 words, and the 0-3 bytes left over (uint8)."""
+    data = t.detach().reshape(-1).view(torch.uint8) if t.numel() else torch.zeros(0, dtype=torch.uint8)
+    n = data.numel() // 4 * 4
+    try:
+        words = data[:n].view(torch.int32)
+    except RuntimeError:  # a view that does not start on a 4-byte boundary
+        words = data[:n].clone().view(torch.int32)
+    return words, data[n:]
+
+
+def fingerprint(t: Tensor) -> str:
+    """Return a cheap fingerprint of a tensor's dtype, shape and bytes, the same on every device.
+
+    The sum (modulo 2**32, so exact in any order) of its bytes read as int32 words, and the CRC-32
+    of up to 1024 evenly spaced words: one pass over the tensor on its own device (about 1 GB/s on
+    one CPU core; a GPU's memory bandwidth), nothing copied to the CPU but the sample. It tells apart the frozen weights of
+    another base model, another seed or another checkpoint.
+
+    >>> import torch
+    >>> fingerprint(torch.ones(3))
+    'float32[3]:-1098907648:dc7c4e94'
+    >>> fingerprint(torch.ones(3)) == fingerprint(torch.tensor([1.0, 1.0, 1.0 + 2**-23]))
+    False
+    """
+    words, tail = _as_words(t)
+    if words.device.type == "cpu":  # numpy: one thread, no thread-pool wake-up per tensor; it wraps the same
+        total = int(words.numpy().sum(dtype=np.int32)) if words.numel() else 0
+    else:
+        total = int(words.sum(dtype=torch.int32)) if words.numel() else 0
+    k = min(words.numel(), _SAMPLES)
+    picks = torch.arange(k, device=words.device) * max(words.numel() - 1, 0) // max(k - 1, 1)
+    sample = torch.cat([words[picks].cpu().view(torch.uint8), tail.cpu()])
+    crc = zlib.crc32(sample.numpy().tobytes())
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{total}:{crc:08x}".replace(" ", "")
+
+
+@attrs.frozen
+class Layout:
+    """Where each tensor of a state goes: a weights file (under its names), the state file, or nowhere (frozen)."""
+
+    weights_file: str
+    weights: dict[str, str]  # flattened state key -> key in weights_file
+    frozen: tuple[str, ...]  # flattened state keys of frozen base weights, written nowhere
+    config_file: str | None
+    config_text: str | None
+
+
+def layout_of(state: TrainState, model: nn.Module | None, config: Any) -> Layout:
+    """Return where each tensor of ``state`` goes, for ``model`` (``None``: the state's own names) and ``config``."""
+    keys = _state_keys(state, model)
+    if not adapters.is_peft_model(model):
+        if config is None and model is not None:
+            config = getattr(model, "config", None)
+        text = _config_text(config)
+        return Layout(MODEL_FILE, {v: k for k, v in keys.items()}, (), None if text is None else CONFIG_FILE, text)
+    chosen = adapters.adapter_keys(model, {k: _tensor_at(state, v) for k, v in keys.items()})
+    weights = {keys[k]: v for k, v in chosen.items()}
+    frozen = tuple(
+        f"buffers.{n}"
+        for n in adapters.frozen_parameters(model)
+        if f"buffers.{n}" not in weights and n in state.buffers
+    )
+    if config is not None:
+        raise ValueError(
+            "config= was given for a peft model: its checkpoint holds adapter_config.json (the adapter's "
+            "config, from the model), not a config.json; leave config unset"
+        )
+    return Layout(ADAPTER_FILE, weights, frozen, ADAPTER_CONFIG_FILE, adapters.adapter_config_text(model))
+
+
+def _config_text(config: Any) -> str | None:
+    if config is None:
+        return None
+    if hasattr(config, "to_json_string"):
+        return config.to_json_string()
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if isinstance(config, Mapping):
+        return json.dumps(dict(config), indent=2, sort_keys=True) + "\n"
+    raise TypeError(
+        f"config of type {type(config).__name__} cannot be written as config.json: pass a dict, "
+        "or an object with to_dict() or to_json_string() (e.g. a transformers PretrainedConfig)"
+    )

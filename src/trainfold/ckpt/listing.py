@@ -1,0 +1,131 @@
+"""Finding checkpoints: their names, which ones are complete, the latest, the one to resume."""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+
+from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, read_metadata
+
+__all__ = ["checkpoint_path", "is_complete", "list_checkpoints", "latest_checkpoint", "resume_checkpoint"]
+
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
+    """Return ``output_dir/checkpoint-{step}``.
+
+    >>> checkpoint_path("out", 12).as_posix()
+    'out/checkpoint-12'
+    """
+    return Path(output_dir) / f"checkpoint-{int(step)}"
+
+
+def _problem(directory: Path, root: Path | None = None) -> str | None:
+    """Say why ``directory`` is not a usable complete checkpoint (``None``: it is one)."""
+    if directory.is_symlink():
+        return f"it is a symbolic link (to {os.path.realpath(directory)}); checkpoints must lie in the output_dir"
+    if root is not None and directory.resolve().parent != root.resolve():
+        return f"it lies outside {root}"
+    if not directory.is_dir():
+        return "it is not a directory"
+    try:
+        meta = read_metadata(directory)
+    except (OSError, ValueError) as e:
+        return str(e)
+    step = _step_of(directory)
+    if step is not None and step != meta["step"]:
+        return f"its name says step {step} but {SIDECAR_FILE} says step {meta['step']}"
+    for name, entry in meta["files"].items():
+        path = directory / name
+        if path.is_symlink() or not path.is_file():
+            return f"{path} is missing or not a plain file"
+        if path.stat().st_size != entry["bytes"]:
+            return f"{path} has {path.stat().st_size} bytes, {SIDECAR_FILE} records {entry['bytes']}"
+    return None
+
+
+def is_complete(directory: str | os.PathLike) -> bool:
+    """Say whether ``directory`` is a finished checkpoint: no marker, a valid sidecar, every file at its size.
+
+    A directory named ``checkpoint-{n}`` must also hold step ``n``; a symbolic link is never one.
+
+    >>> is_complete("no/such/dir")
+    False
+    """
+    return _problem(Path(directory)) is None
+
+
+def _step_of(path: Path) -> int | None:
+    m = _NAME.match(path.name)
+    return int(m.group(1)) if m else None
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Return the complete ``checkpoint-{step}`` directories in ``output_dir``, oldest step first.
+
+    Never raises on what else is there: a directory named like a checkpoint that is incomplete,
+    malformed, a symbolic link, or holds another step than its name says is skipped with a
+    ``CheckpointWarning`` saying why.
+
+    >>> list_checkpoints("no/such/dir")
+    []
+    """
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = sorted((s, p) for p in root.iterdir() if (s := _step_of(p)) is not None)
+    out = []
+    for _, path in found:
+        problem = _problem(path, root)
+        if problem is None:
+            out.append(path)
+        else:
+            warnings.warn(f"skipping {path}: {problem}", CheckpointWarning, stacklevel=2)
+    return out
+
+
+def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
+    """Return the complete checkpoint with the highest step in ``output_dir``, or ``None``.
+
+    It may be any run's; ``trainfold.ckpt.run_dir.resumable`` finds the latest of one run.
+
+    >>> latest_checkpoint("no/such/dir") is None
+    True
+    """
+    found = list_checkpoints(output_dir)
+    return found[-1] if found else None
+
+
+def resume_checkpoint(
+    resume_from_checkpoint: bool | str | os.PathLike | None, output_dir: str | os.PathLike
+) -> Path | None:
+    """Return the checkpoint that ``resume_from_checkpoint`` (HF semantics) names, or ``None``.
+
+    ``None``/``False``: start fresh; ``True``: the latest complete checkpoint in ``output_dir``
+    (an error if there is none); a path: that checkpoint, which must be complete. ``train`` goes
+    through ``trainfold.ckpt.run_dir.claim``, which takes only checkpoints of the same run.
+
+    >>> resume_checkpoint(False, "out") is None
+    True
+    """
+    if resume_from_checkpoint is None or resume_from_checkpoint is False:
+        return None
+    if resume_from_checkpoint is True:
+        found = latest_checkpoint(output_dir)
+        if found is None:
+            raise FileNotFoundError(
+                f"resume_from_checkpoint=True but {output_dir} holds no complete checkpoint-<step> "
+                "directory; pass a checkpoint path, or resume_from_checkpoint=None to start fresh"
+            )
+        return found
+    path = Path(resume_from_checkpoint)
+    read_metadata(path)  # names the path and what is wrong with it
+    problem = _problem(path)
+    if problem is not None:
+        raise CheckpointError(
+            f"{path} is incomplete or unusable ({problem}); resume from latest_checkpoint({str(path.parent)!r}) instead"
+        )
+    return path

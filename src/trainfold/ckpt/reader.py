@@ -1,0 +1,253 @@
+"""Loading a checkpoint into a template state: every file's size and CRC checked, shapes and names from the template.
+
+Checkpoints of formats 1 and 2 (the whole record in ``state.safetensors``) still load; a sharded
+checkpoint (``trainfold.ckpt.sharded``) is resharded to the template's layout. Loading never runs code.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+from torch import Tensor
+
+from trainfold.ckpt import sharded, tensor_file
+from trainfold.ckpt.layout import fingerprint
+from trainfold.ckpt.sidecar import (
+    INDEX_FILE,
+    MODEL_FILE,
+    SIDECAR_FILE,
+    STATE_FILE,
+    CheckpointError,
+    field_error,
+    read_metadata,
+)
+from trainfold.core.state import TrainState
+from trainfold.core.tree import Tree, unflatten
+
+__all__ = ["load", "load_weights", "warm_start"]
+
+
+def _read_tensors(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
+    path = directory / name
+    if path.is_symlink():
+        raise CheckpointError(f"{path} is a symbolic link; a checkpoint's files must be its own; copy the file in")
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing; the checkpoint is incomplete or was altered; "
+            "resume from latest_checkpoint(output_dir) instead"
+        )
+    size = path.stat().st_size
+    expected = meta["files"].get(name)
+    if expected is None:
+        raise field_error(directory / SIDECAR_FILE, f"files.{name}", "is missing: the file cannot be checked")
+    if size != expected["bytes"]:
+        raise CheckpointError(
+            f"{path} is truncated or altered: it has {size} bytes, {SIDECAR_FILE} records "
+            f"{expected['bytes']}; resume from an earlier checkpoint"
+        )
+    try:
+        return tensor_file.read(path, crc32=expected["crc32"])
+    except tensor_file.TensorFileError as e:
+        raise CheckpointError(f"{e} (the CRC-32 {SIDECAR_FILE} records); resume from an earlier checkpoint") from None
+
+
+def _fit(flat: Mapping[str, Tensor], like: Any, path: Path, note: str = "") -> Any:
+    try:
+        return unflatten(flat, like=like)
+    except KeyError as e:
+        raise KeyError(
+            f"{path} does not fit the template state{note}; was it saved from a different model or "
+            f"optimizer? {e.args[0]}"
+        ) from None
+    except ValueError as e:
+        raise ValueError(f"{path} does not fit the template state{note} (a different model size?): {e}") from None
+
+
+def _frozen(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
+    """Return the template's frozen tensors the checkpoint left out, after checking their fingerprints."""
+    if not meta.get("frozen"):
+        return {}
+    mine = {
+        **{f"buffers.{k}": v for k, v in like.buffers.items()},
+        **{f"params.{k}": v for k, v in like.params.items()},
+    }
+    absent = sorted(k for k in meta["frozen"] if k not in mine)
+    if absent:
+        raise KeyError(
+            f"{directory} was trained on frozen weights the template state lacks: {absent[:5]} "
+            f"({len(absent)} in all); pass the model the run trained, with its frozen base (init_state(model, ...))"
+        )
+    differ = sorted(k for k, fp in meta["frozen"].items() if fingerprint(mine[k]) != fp)
+    if differ:
+        raise CheckpointError(
+            f"{directory / SIDECAR_FILE}: field 'frozen': the template's frozen weights are not those this "
+            f"checkpoint was trained on: {differ[:5]} ({len(differ)} of {len(meta['frozen'])}) differ; build the "
+            "model on the same base weights as the run (the same pretrained checkpoint, or the same seed), "
+            "or start a new run"
+        )
+    return {k: mine[k] for k in meta["frozen"]}
+
+
+def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
+    """Return ``{flattened state key: tensor}`` from the weights files and the frozen weights (the template's)."""
+    out: Tree = {}
+    for name, keys in meta["tensors"].items():
+        data = _read_tensors(directory, name, meta)
+        absent = sorted(v for v in keys.values() if v not in data)
+        if absent:
+            raise CheckpointError(
+                f"{directory / name} lacks {absent[:5]}, which {SIDECAR_FILE} says it holds: the checkpoint was "
+                "altered; resume from an earlier checkpoint"
+            )
+        out.update({k: data[v] for k, v in keys.items()})
+    return {**out, **_frozen(directory, meta, like)}
+
+
+def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
+    """Return the state saved in ``directory``, shaped like the template ``like`` and on its devices.
+
+    Every tensor must match the template's keys, shapes and dtypes, except ``metrics``, which is
+    free-form and loaded as saved. The params come from ``model.safetensors`` (or the adapter file),
+    the rest from ``state.safetensors``; frozen base weights the checkpoint left out are the
+    template's, and their fingerprints must be the recorded ones (``CheckpointError`` naming them
+    otherwise). A weights-only checkpoint raises ``ValueError`` (see ``warm_start``).
+
+    >>> import tempfile, attrs, torch
+    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.core.state import init_state, scalar
+    >>> from trainfold.ckpt import save
+    >>> fresh = init_state(torch.nn.Linear(2, 1), sgd(0.1))
+    >>> path = save(attrs.evolve(fresh, step=scalar(12)), tempfile.mkdtemp() + "/ckpt")
+    >>> load(path, like=fresh).step.item(), fresh.step.item()
+    (12, 0)
+    """
+    directory = Path(directory)
+    meta = read_metadata(directory)
+    if meta.get("save_only_model"):
+        raise ValueError(
+            f"{directory / STATE_FILE} does not exist: {directory} was saved with save_only_model=True "
+            "and holds weights only (no optimizer state, step or data cursor), so training cannot "
+            "resume from it exactly; to start a new run from its weights call "
+            "trainfold.ckpt.warm_start(directory, like=init_state(...)), which restarts the "
+            "optimizer and the schedule"
+        )
+    if INDEX_FILE in meta["files"]:  # written by every rank: resharded to like's layout
+        return sharded.load(directory, like)
+    flat = _read_tensors(directory, STATE_FILE, meta)
+    note = ""
+    if "tensors" in meta:  # format 3: the weights are in their own file(s)
+        weights = _read_weights(directory, meta, like)
+        clash = sorted(set(weights) & set(flat))
+        if clash:
+            raise CheckpointError(
+                f"{directory / STATE_FILE} holds {clash[:3]}, which {SIDECAR_FILE} places in "
+                "a weights file: the checkpoint was altered; resume from an earlier checkpoint"
+            )
+        flat.update(weights)
+        note = f" (with the weights of {', '.join(meta['tensors'])})"
+    metrics = {k.removeprefix("metrics."): v for k, v in flat.items() if k.startswith("metrics.")}
+    rest = {k: v for k, v in flat.items() if not k.startswith("metrics.")}
+    state = _fit(rest, attrs.evolve(like, metrics={}), directory / STATE_FILE, note)
+    saved = {
+        "step": int(state.step),
+        "cursor.epoch": int(state.cursor.epoch),
+        "cursor.position": int(state.cursor.position),
+    }
+    recorded = {
+        "step": meta["step"],
+        "cursor.epoch": meta["cursor"]["epoch"],
+        "cursor.position": meta["cursor"]["position"],
+    }
+    for field, value in saved.items():
+        if recorded[field] != value:
+            raise field_error(directory / SIDECAR_FILE, field, f"is {recorded[field]} but {STATE_FILE} holds {value}")
+    return attrs.evolve(state, metrics=metrics)
+
+
+def _weights_file(meta: Mapping[str, Any]) -> str:
+    return next(iter(meta.get("tensors", {MODEL_FILE: {}})))
+
+
+def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
+    """Return ``like`` with params and buffers from the checkpoint's weights file; nothing else changes.
+
+    The weights file is ``model.safetensors`` (``adapter_model.safetensors`` for a ``peft`` model, whose
+    frozen base must be the template's, as for ``load``). Buffers absent from it (non-persistent
+    ones) keep the template's values. Use it for ``load_best_model_at_end``; to start training from
+    weights, see ``warm_start``.
+
+    >>> import tempfile, attrs, torch
+    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.core.state import init_state, scalar
+    >>> from trainfold.ckpt import save
+    >>> model = torch.nn.Linear(2, 1)
+    >>> trained = init_state(model, sgd(0.1), params={"weight": torch.ones(1, 2), "bias": torch.ones(1)})
+    >>> path = save(attrs.evolve(trained, step=scalar(9)), tempfile.mkdtemp() + "/ckpt", model=model)
+    >>> s = load_weights(path, like=init_state(model, sgd(0.1)))
+    >>> s.params["weight"].tolist(), s.step.item()            # the weights, not the step
+    ([[1.0, 1.0]], 0)
+    """
+    directory = Path(directory)
+    meta = read_metadata(directory)
+    if INDEX_FILE in meta["files"]:
+        return sharded.load(directory, like, weights_only=True)
+    path = directory / _weights_file(meta)
+    if "tensors" not in meta:  # formats 1 and 2: model.safetensors under the state's names
+        flat = _read_tensors(directory, MODEL_FILE, meta)
+        params_in = {k: v for k, v in flat.items() if k in like.params}
+        buffers_in = {k: v for k, v in flat.items() if k not in like.params}
+    else:
+        flat = _read_weights(directory, meta, like)
+        if any(k.startswith("params.") and k[7:] not in flat for k in like.params) and STATE_FILE in meta["files"]:
+            # trainable tensors peft does not save (a base norm unfrozen by hand) are in the state file
+            flat = {
+                **{k: v for k, v in _read_tensors(directory, STATE_FILE, meta).items() if k.startswith("params.")},
+                **flat,
+            }
+        params_in = {k[7:]: v for k, v in flat.items() if k.startswith("params.")}
+        buffers_in = {k[8:]: v for k, v in flat.items() if k.startswith("buffers.")}
+    unexpected = sorted((set(params_in) - set(like.params)) | (set(buffers_in) - set(like.buffers)))
+    missing = sorted(set(like.params) - set(params_in))
+    if unexpected or missing:
+        raise KeyError(
+            f"{path} does not fit the template state; was it saved from a different model? "
+            f"missing {missing}, unexpected {unexpected}"
+        )
+    params = _fit(params_in, like.params, path)
+    kept = {k: buffers_in.get(k, v) for k, v in like.buffers.items()}
+    buffers = _fit(kept, like.buffers, path)
+    return attrs.evolve(like, params=params, buffers=buffers)
+
+
+def warm_start(directory: str | os.PathLike, like: TrainState) -> TrainState:
+    """Start a new run from a checkpoint's weights: ``load_weights`` with a warning.
+
+    Pass a fresh ``like = init_state(...)``: the optimizer state, step (and so the learning-rate
+    schedule), data cursor and metrics are ``like``'s, not the checkpoint's.
+
+    >>> import tempfile, warnings, torch
+    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.core.state import init_state
+    >>> from trainfold.ckpt import save
+    >>> model = torch.nn.Linear(2, 1)
+    >>> ones = {"weight": torch.ones(1, 2), "bias": torch.ones(1)}
+    >>> path = save(init_state(model, sgd(0.1), params=ones), tempfile.mkdtemp() + "/ckpt", model=model)
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     s = warm_start(path, like=init_state(model, sgd(0.1)))
+    >>> s.params["bias"].tolist(), [w.category.__name__ for w in caught]
+    ([1.0], ['UserWarning'])
+    """
+    state = load_weights(directory, like)
+    warnings.warn(
+        f"warm start from the weights in {Path(directory) / _weights_file(read_metadata(directory))}: the "
+        f"optimizer state, schedule and data order restart from step {int(like.step)} (not an exact resume)",
+        UserWarning,
+        stacklevel=2,
+    )
+    return state
