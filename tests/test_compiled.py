@@ -44,6 +44,13 @@ def batches(n_steps: int, micro: int, seed: int = 1, vocab: int = 32, seq: int =
     return out
 
 
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test counts its own compiles: graphs cached by an earlier test (other shapes) must not leak in."""
+    torch._dynamo.reset()
+    yield
+
+
 def counting_backend() -> tuple[list[int], object]:
     compiles = [0]
 
