@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from trainfold.optim.base import adamw, chain, clip_by_global_norm, decay_mask, decay_mask_by_name, sgd
+from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, decay_mask_by_name, sgd
 from trainfold.optim.schedules import SCHEDULE_NAMES, constant, cosine, linear, named, warmup_steps_for
 
 STEPS = 20

@@ -70,7 +70,7 @@ from trainfold.observe.observers import (
 from trainfold.observe.reporters import make_reporters
 from trainfold.observe.reporters import progress as make_progress
 from trainfold.observe.stopping import EarlyStopping, patience_exhausted, record_evaluation
-from trainfold.optim.base import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask, sgd
+from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask, sgd
 from trainfold.optim.schedules import named, warmup_steps_for
 from trainfold.recipes.neftune import neftune_objective
 from trainfold.step import sharded
@@ -144,9 +144,9 @@ def default_optimizer(model: nn.Module, args: TrainingArguments, total_steps: in
 
     >>> import torch
     >>> opt = default_optimizer(torch.nn.Linear(2, 1), TrainingArguments(learning_rate=0.1), total_steps=10)
-    >>> [t.spec["name"] for t in opt.spec["transforms"]]
+    >>> [t.name for t in opt.parts]
     ['clip_by_global_norm', 'adamw']
-    >>> default_optimizer(torch.nn.Linear(2, 1), TrainingArguments(max_grad_norm=0), total_steps=10).spec["name"]
+    >>> default_optimizer(torch.nn.Linear(2, 1), TrainingArguments(max_grad_norm=0), total_steps=10).name
     'adamw'
     """
     warmup = warmup_steps_for(args.warmup_steps, total_steps)

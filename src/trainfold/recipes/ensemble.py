@@ -49,15 +49,8 @@ from trainfold.core.forward import train_mode
 from trainfold.core.losses import counter_for, default_loss_for, warn_no_items
 from trainfold.core.rng import derive_seed, private_rng
 from trainfold.core.state import TrainState, init_state
-from trainfold.optim.base import AdamState, GradientTransformation
-from trainfold.step.compiled import (
-    CompileFallbackWarning,
-    OptimizerPlan,
-    _fresh,
-    adamw_update,
-    optimizer_plan,
-    traceable_loss,
-)
+from trainfold.optim import AdamState, GradientTransformation, OptimizerPlan, adamw_update, optimizer_plan
+from trainfold.step.compiled import CompileFallbackWarning, _fresh, traceable_loss
 from trainfold.step.driver import no_gradient_error, refuse_sharded, with_donation
 
 __all__ = [

@@ -34,7 +34,7 @@ from trainfold.core.losses import counter_for, default_loss_for, warn_no_items
 from trainfold.core.rng import derive_seed, private_rng
 from trainfold.core.state import TrainState, check_live, invalidate
 from trainfold.core.tree import global_norm
-from trainfold.optim.base import GradientTransformation
+from trainfold.optim import GradientTransformation
 from trainfold.step.amp import SCALER, LossScaling, ScalerState, unscale_, updated
 from trainfold.step.recompute import cache_configs, cache_off, recomputing
 
