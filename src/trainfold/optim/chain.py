@@ -49,16 +49,18 @@ class Chain(GradientTransformation):
 
     parts: tuple[GradientTransformation, ...]
     name: str = "chain"
+    slots: tuple[int, ...] = attrs.field(init=False, repr=False)  # the parts that keep a state
+
+    @slots.default
+    def _slots_default(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.parts) if t.keeps_state)
 
     @property
     def keeps_state(self) -> bool:  # type: ignore[override]
-        return any(t.keeps_state for t in self.parts)
-
-    def _slots(self) -> list[int]:
-        return [i for i, t in enumerate(self.parts) if t.keeps_state]
+        return bool(self.slots)
 
     def _split(self, state: Any) -> list[Any]:
-        slots, states = self._slots(), [None] * len(self.parts)
+        slots, states = self.slots, [None] * len(self.parts)
         if len(slots) == 1:
             states[slots[0]] = state
         elif slots:
@@ -74,7 +76,7 @@ class Chain(GradientTransformation):
         return states
 
     def _join(self, states: list[Any]) -> Any:
-        kept = [states[i] for i in self._slots()]
+        kept = [states[i] for i in self.slots]
         return kept[0] if len(kept) == 1 else (tuple(kept) if kept else None)
 
     def _count(self, states: list[Any], count: int | None) -> int | None:

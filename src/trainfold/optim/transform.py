@@ -55,11 +55,16 @@ class StepRule:
 
     def groups(self, params: Mapping[str, Any]) -> list[tuple[list[str], float]]:
         """Return ``[(names, weight_decay), ...]``: the params by decay rate, in ``params`` order, none empty."""
+        decay = self.decay
+        rest = [k for k in params if k not in decay]
+        rates = set(decay.values())
+        if len(rates) == 1:  # one decay rate (adamw): two groups, as torch's decay/no-decay param groups
+            on = [k for k in params if k in decay]
+            return [(keys, wd) for keys, wd in ((on, float(rates.pop())), (rest, 0.0)) if keys]
         by_rate: dict[float, list[str]] = {}
         for k in params:
-            if k in self.decay:
-                by_rate.setdefault(float(self.decay[k]), []).append(k)
-        rest = [k for k in params if k not in self.decay]
+            if k in decay:
+                by_rate.setdefault(float(decay[k]), []).append(k)
         return [(keys, wd) for wd, keys in by_rate.items()] + ([(rest, 0.0)] if rest else [])
 
     def apply(self, params: Tree, updates: Tree) -> Tree:

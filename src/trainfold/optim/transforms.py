@@ -135,9 +135,12 @@ class AddDecayedWeights(GradientTransformation):
 
     def decayed(self, params: Tree) -> list[str]:
         """Return the names of the params ``mask`` marks, in ``params`` order."""
+        return list(self._rates(params))
+
+    def _rates(self, params: Tree) -> dict[str, float]:
         key = tuple(params)
         if key not in self._masks:
-            self._masks[key] = [k for k, d in resolve_mask(self.mask, params).items() if d]
+            self._masks[key] = {k: self.weight_decay for k, d in resolve_mask(self.mask, params).items() if d}
         return self._masks[key]
 
     def init(self, params: Tree) -> None:
@@ -149,7 +152,7 @@ class AddDecayedWeights(GradientTransformation):
         if not self.weight_decay:
             return grads, state
         check_keys(grads, params, "grads", "params")
-        names, out = self.decayed(params), dict(grads)
+        names, out = list(self._rates(params)), dict(grads)
         out.update(
             zip(
                 names,
@@ -161,7 +164,7 @@ class AddDecayedWeights(GradientTransformation):
     def fold(self, rule: StepRule | None, params: Tree, count: int | None) -> StepRule | None:
         if rule is None or rule.decay:  # decoupled decay only right before the learning rate
             return None
-        return StepRule(rule.lr, dict.fromkeys(self.decayed(params), self.weight_decay))
+        return StepRule(rule.lr, self._rates(params))
 
     def elementwise(self) -> tuple[ElementwiseDecay]:
         return (ElementwiseDecay(self),)
