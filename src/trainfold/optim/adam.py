@@ -101,7 +101,14 @@ class ScaleByAdam(GradientTransformation):
         return mu, nu, denom
 
     def update_at(
-        self, grads: Tree, state: AdamState, params: Tree, count: int | None = None, *, owned: bool = False, norm=None
+        self,
+        grads: Tree,
+        state: AdamState,
+        params: Tree,
+        count: int | None = None,
+        *,
+        owned: bool = False,
+        norm: Tensor | None = None,
     ) -> tuple[Tree, AdamState]:
         _check(grads, state, params)
         keys = list(params)

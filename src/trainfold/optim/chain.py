@@ -97,7 +97,14 @@ class Chain(GradientTransformation):
         return None
 
     def update_at(
-        self, grads: Tree, state: Any, params: Tree, count: int | None = None, *, owned: bool = False, norm=None
+        self,
+        grads: Tree,
+        state: Any,
+        params: Tree,
+        count: int | None = None,
+        *,
+        owned: bool = False,
+        norm: Tensor | None = None,
     ) -> tuple[Tree, Any]:
         states = self._split(state)
         count = self._count(states, count)

@@ -143,7 +143,14 @@ class GradientTransformation:
         return None
 
     def update_at(
-        self, grads: Tree, state: Any, params: Tree, count: int | None = None, *, owned: bool = False, norm=None
+        self,
+        grads: Tree,
+        state: Any,
+        params: Tree,
+        count: int | None = None,
+        *,
+        owned: bool = False,
+        norm: Tensor | None = None,
     ) -> tuple[Tree, Any]:
         """``update`` at update ``count`` (from a counting part of the chain); ``owned``: ``grads`` may be reused."""
         return self.update(grads, state, params)

@@ -78,7 +78,14 @@ class ClipByGlobalNorm(GradientTransformation):
         return ()
 
     def update_at(
-        self, grads: Tree, state: tuple, params: Tree, count: int | None = None, *, owned: bool = False, norm=None
+        self,
+        grads: Tree,
+        state: tuple,
+        params: Tree,
+        count: int | None = None,
+        *,
+        owned: bool = False,
+        norm: Tensor | None = None,
     ) -> tuple[Tree, tuple]:
         if not grads:
             return {}, state
@@ -147,7 +154,14 @@ class AddDecayedWeights(GradientTransformation):
         return None
 
     def update_at(
-        self, grads: Tree, state: Any, params: Tree, count: int | None = None, *, owned: bool = False, norm=None
+        self,
+        grads: Tree,
+        state: Any,
+        params: Tree,
+        count: int | None = None,
+        *,
+        owned: bool = False,
+        norm: Tensor | None = None,
     ) -> tuple[Tree, Any]:
         if not self.weight_decay:
             return grads, state
@@ -220,7 +234,14 @@ class ScaleByLearningRate(GradientTransformation):
         return None
 
     def update_at(
-        self, grads: Tree, state: Any, params: Tree, count: int | None = None, *, owned: bool = False, norm=None
+        self,
+        grads: Tree,
+        state: Any,
+        params: Tree,
+        count: int | None = None,
+        *,
+        owned: bool = False,
+        norm: Tensor | None = None,
     ) -> tuple[Tree, Any]:
         rate, keys = self.rate(count), list(grads)
         return dict(zip(keys, torch._foreach_mul([grads[k] for k in keys], -rate))), state
@@ -291,7 +312,14 @@ class Trace(GradientTransformation):
         return state.count
 
     def update_at(
-        self, grads: Tree, state: SgdState, params: Tree, count: int | None = None, *, owned: bool = False, norm=None
+        self,
+        grads: Tree,
+        state: SgdState,
+        params: Tree,
+        count: int | None = None,
+        *,
+        owned: bool = False,
+        norm: Tensor | None = None,
     ) -> tuple[Tree, SgdState]:
         check_keys(grads, params, "grads", "params")
         keys = list(params)
