@@ -38,7 +38,7 @@ import torch
 
 from trainfold.ckpt import load, save
 from trainfold.core.state import init_state
-from trainfold.optim.base import adamw
+from trainfold.optim import adamw
 
 SIZES = {  # name: (hidden, intermediate, layers, vocab); params and bytes in float32
     "tiny": (64, 128, 2, 512),

@@ -35,7 +35,7 @@ from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.tree import flatten
 from trainfold.dist.distributed import ProcessGroupCollective
-from trainfold.optim.base import GradientTransformation
+from trainfold.optim import GradientTransformation
 
 
 def build(args: argparse.Namespace) -> TinyLM:
@@ -52,11 +52,11 @@ def local_bytes(tree) -> int:
 def grad_bytes(opt: GradientTransformation, seen: list[int]) -> GradientTransformation:
     """``opt``, recording the bytes of the gradients (this rank's part) it is given."""
 
-    def apply(grads, state, params):
+    def tap(grads, state, params):  # sees the gradients the optimizer is given, changes nothing
         seen.append(local_bytes(grads))
-        return opt.apply(grads, state, params)
+        return grads, state
 
-    return GradientTransformation(opt.init, opt.update, apply, opt.learning_rate, opt.spec)
+    return chain(GradientTransformation(init=lambda params: None, update=tap, keeps_state=False), opt)
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:

@@ -48,7 +48,7 @@ def measure(variant: str, steps: int, repeat: int) -> dict[str, float]:
     from trainfold.core.state import init_state, scalar
     from trainfold.observe import MetricWindow
     from trainfold.observe.history import HistoryFile, window_state
-    from trainfold.optim.base import adamw
+    from trainfold.optim import adamw
 
     torch.manual_seed(0)
     net = TinyLM(TinyLMConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, max_len=32))

@@ -12,7 +12,7 @@ from trainfold.core.losses import causal_lm
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import init_state
 from trainfold.data import keyed, pad_collate
-from trainfold.optim.base import adamw
+from trainfold.optim import adamw
 from trainfold.step import make_step
 
 

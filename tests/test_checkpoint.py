@@ -46,7 +46,7 @@ from trainfold.ckpt.policy import (
 from trainfold.core.fold import trajectory
 from trainfold.core.state import Cursor, TrainState, init_state, scalar
 from trainfold.core.tree import flatten
-from trainfold.optim.base import adamw, sgd
+from trainfold.optim import adamw, sgd
 
 # The run the resume tests share: resume_fixture.fold_run, here and in the subprocesses.
 SETUP = textwrap.dedent(
@@ -300,7 +300,7 @@ CRASH = textwrap.dedent(
     """
     import sys, time, attrs, torch
     from trainfold.ckpt import save, checkpoint_path
-    from trainfold.optim.base import adamw
+    from trainfold.optim import adamw
     from trainfold.core.state import init_state, scalar
     out = sys.argv[1]
     state = init_state(torch.nn.Linear(64, 64), adamw(1e-3))

@@ -15,7 +15,7 @@ from trainfold import ckpt
 from trainfold.ckpt import faults, policy, sidecar
 from trainfold.ckpt.sidecar import CheckpointError, new_sidecar, sidecar_bytes, validate_sidecar
 from trainfold.core.state import init_state, scalar
-from trainfold.optim.base import sgd
+from trainfold.optim import sgd
 
 # The old trainfold.checkpoint module's __all__: every name stays on trainfold.checkpoint.
 OLD_API = [

@@ -14,12 +14,9 @@ from torch._dynamo.backends.debugging import aot_eager
 from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step, sgd
 from trainfold.core.losses import causal_lm, cross_entropy
 from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.optim import adamw_update, optimizer_plan
 from trainfold.optim.schedules import linear
-from trainfold.step.compiled import (
-    CompileFallbackWarning,
-    adamw_update,
-    optimizer_plan,
-)
+from trainfold.step.compiled import CompileFallbackWarning
 
 CFG = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16)
 FULL = os.environ.get("TRAINFOLD_SLOW") == "full"

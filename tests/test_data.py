@@ -258,7 +258,7 @@ def test_resuming_a_fit_is_bitwise_equal_to_not_stopping():
     from trainfold.core.fold import fit, max_steps
     from trainfold.core.models import TinyLM, TinyLMConfig
     from trainfold.core.state import init_state
-    from trainfold.optim.base import adamw
+    from trainfold.optim import adamw
     from trainfold.step import make_step
 
     torch.manual_seed(0)

@@ -45,7 +45,7 @@ from trainfold.dist.distributed import (
 from trainfold.eval import evaluate_sharded, gather_rows, predict_sharded
 from trainfold.eval.evaluation import evaluate, predict
 from trainfold.eval.reducers import pad_concat
-from trainfold.optim.base import adamw
+from trainfold.optim import adamw
 from trainfold.step import make_step
 from trainfold.testing import on_simulated_ranks
 

@@ -14,7 +14,7 @@ from trainfold.core.losses import causal_lm
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import TrainState
 from trainfold.observe.divergence import diverged, nonfinite_params
-from trainfold.optim.base import GradientTransformation, sgd
+from trainfold.optim import GradientTransformation, sgd
 
 ROWS = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
 

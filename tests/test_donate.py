@@ -142,7 +142,7 @@ def test_the_pure_step_never_touches_its_input_versions():
 
 
 def test_the_global_norm_is_computed_once_logged_and_used_for_clipping(monkeypatch):
-    import trainfold.optim.base as optim
+    import trainfold.optim.transforms as optim
     import trainfold.step.eager as step_module
 
     calls = []

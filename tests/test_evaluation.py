@@ -19,7 +19,7 @@ from trainfold.eval.evaluation import (
     predict,
     prefix_metrics,
 )
-from trainfold.optim.base import sgd
+from trainfold.optim import sgd
 
 VOCAB = 16
 

@@ -19,7 +19,7 @@ from trainfold.ckpt import MODEL_FILE, SIDECAR_FILE, STATE_FILE, CheckpointError
 from trainfold.ckpt.sidecar import sidecar_bytes
 from trainfold.core.state import init_state, scalar
 from trainfold.core.tree import flatten
-from trainfold.optim.base import adamw
+from trainfold.optim import adamw
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from trainfold.optim.base import adamw, chain, clip_by_global_norm, decay_mask, decay_mask_by_name, sgd
+from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, decay_mask_by_name, sgd
 from trainfold.optim.schedules import SCHEDULE_NAMES, constant, cosine, linear, named, warmup_steps_for
 
 STEPS = 20
@@ -356,3 +356,36 @@ def test_chain_state_of_wrong_shape_is_named():
     params = {"w": torch.zeros(1)}
     with pytest.raises(ValueError, match="chain of 2 transformations got a state of 1 parts"):
         opt.apply(params, (sgd(0.1).init(params),), params)
+
+
+# -- composition ----------------------------------------------------------------------------------
+
+
+def test_aliases_are_chains_of_the_small_transforms_with_the_stateful_parts_state():
+    from trainfold.optim import AdamState, SgdState
+
+    params = {"w": torch.zeros(2), "w.bias": torch.zeros(2)}
+    assert [t.name for t in adamw(1e-3).parts] == ["scale_by_adam", "add_decayed_weights", "scale_by_learning_rate"]
+    assert [t.name for t in sgd(0.1).parts] == ["add_decayed_weights", "trace", "scale_by_learning_rate"]
+    assert isinstance(adamw(1e-3).init(params), AdamState) and isinstance(sgd(0.1).init(params), SgdState)
+    clipped = chain(clip_by_global_norm(1.0), adamw(1e-3)).init(params)
+    assert clipped[0] == () and isinstance(clipped[1], AdamState)  # the checkpoint layout: opt_state.1.mu.w
+
+
+def test_the_folded_step_groups_params_as_torch_param_groups():
+    from trainfold.optim import StepRule
+
+    params = dict.fromkeys(["a", "b", "c", "d"])
+    assert StepRule(0.1, {"b": 0.1, "d": 0.1}).groups(params) == [(["b", "d"], 0.1), (["a", "c"], 0.0)]
+    assert StepRule(0.1, {"b": 0.1, "c": 0.2}).groups(params) == [(["b"], 0.1), (["c"], 0.2), (["a", "d"], 0.0)]
+    assert StepRule(0.1).groups(params) == [(["a", "b", "c", "d"], 0.0)]
+
+
+def test_a_chain_built_from_the_parts_is_the_alias_bitwise():
+    from trainfold.optim import add_decayed_weights, scale_by_adam, scale_by_learning_rate
+
+    params, grads = random_problem(11)
+    parts = chain(scale_by_adam(0.8, 0.99), add_decayed_weights(0.1, decay_mask_by_name), scale_by_learning_rate(1e-2))
+    alias = adamw(1e-2, 0.8, 0.99, weight_decay=0.1)
+    ours, theirs = run_ours(parts, params, grads), run_ours(alias, params, grads)
+    assert all(torch.equal(ours[k], theirs[k]) for k in params)

@@ -16,7 +16,7 @@ from trainfold.ckpt import STATE_FILE, CheckpointError
 from trainfold.ckpt.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from trainfold.core.state import init_state
 from trainfold.core.tree import flatten
-from trainfold.optim.base import adamw
+from trainfold.optim import adamw
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -22,7 +22,7 @@ from trainfold.ckpt.preempt import EXIT_PREEMPTED, Preemption, exit_status, jit_
 from trainfold.core.fold import any_of, fit, trajectory
 from trainfold.core.state import init_state, scalar
 from trainfold.core.tree import flatten
-from trainfold.optim.base import sgd
+from trainfold.optim import sgd
 
 # The run the subprocesses train: resume_fixture.fold_run, here and in the subprocesses.
 SETUP = textwrap.dedent(

@@ -43,7 +43,7 @@ from trainfold.ckpt.sidecar import sidecar_bytes
 from trainfold.core.state import init_state, scalar
 from trainfold.core.tree import flatten
 from trainfold.observe.history import HISTORY_FILE, LogHistory
-from trainfold.optim.base import adamw
+from trainfold.optim import adamw
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,7 +28,7 @@ from trainfold.core.state import TrainState, init_state
 from trainfold.core.tree import flatten
 from trainfold.data import pad_collate
 from trainfold.observe.divergence import nonfinite_params
-from trainfold.optim.base import GradientTransformation, adamw, chain, clip_by_global_norm
+from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm
 from trainfold.step import make_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -80,11 +80,11 @@ def _local_bytes(tree) -> int:
 
 
 def _grad_bytes(opt: GradientTransformation, seen: list[int]) -> GradientTransformation:
-    def apply(grads, state, params):
+    def tap(grads, state, params):  # sees the gradients the optimizer is given, changes nothing
         seen.append(_local_bytes(grads))
-        return opt.apply(grads, state, params)
+        return grads, state
 
-    return GradientTransformation(opt.init, opt.update, apply, opt.learning_rate, opt.spec)
+    return chain(GradientTransformation(init=lambda params: None, update=tap, keeps_state=False), opt)
 
 
 def rows(n: int = 16) -> list[dict]:

@@ -33,7 +33,7 @@ from trainfold.ckpt import sharded as sc
 from trainfold.ckpt.sharded_storage import shard_file
 from trainfold.core.state import init_state
 from trainfold.core.tree import flatten, map_tensors
-from trainfold.optim.base import adamw
+from trainfold.optim import adamw
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP = 3
@@ -558,7 +558,7 @@ def test_a_process_killed_mid_async_save_leaves_no_checkpoint(tmp_path):
 import os, torch
 from trainfold import checkpoint as ckpt
 from trainfold.ckpt import faults, sharded as sc
-from trainfold.optim.base import sgd
+from trainfold.optim import sgd
 from trainfold.core.state import init_state
 state = init_state(torch.nn.Linear(3, 2), sgd(0.1))
 ckpt.save(state, ckpt.checkpoint_path({str(tmp_path)!r}, 0))

@@ -416,7 +416,7 @@ def test_a_stopped_run_leaves_its_last_state_in_the_module_and_make_step_stays_p
     from trainfold.core.state import init_state
     from trainfold.data import stream
     from trainfold.data.samplers import make_sampler
-    from trainfold.optim.base import sgd
+    from trainfold.optim import sgd
     from trainfold.step import make_step
 
     net = model()

@@ -29,8 +29,7 @@ from trainfold.hf.grpo_args import GRPOArguments
 from trainfold.hf.train import TrainResult, evaluate, predict, train
 from trainfold.observe import reporters
 from trainfold.observe.stopping import early_stopping
-from trainfold.optim import schedules
-from trainfold.optim.base import adamw, chain, clip_by_global_norm, decay_mask, sgd
+from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, schedules, sgd
 from trainfold.recipes import dpo, ensemble, generate
 from trainfold.recipes.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
 from trainfold.step import compiled, make_step

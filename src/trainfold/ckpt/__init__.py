@@ -25,7 +25,7 @@ there, so some complete checkpoint is always visible). Nothing is pickled and lo
 Checkpoints of formats 1 and 2 (the whole record in ``state.safetensors``) still load.
 
 >>> import tempfile, torch
->>> from trainfold.optim.base import sgd
+>>> from trainfold.optim import sgd
 >>> from trainfold.core.state import init_state
 >>> state = init_state(torch.nn.Linear(2, 1), sgd(0.1), seed=3)
 >>> out = tempfile.mkdtemp()

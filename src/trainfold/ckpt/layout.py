@@ -62,7 +62,7 @@ def model_weights(state: TrainState, model: nn.Module | None = None) -> Tree:
     state's own names are used (params, then all buffers).
 
     >>> import torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state
     >>> m = torch.nn.BatchNorm1d(2)
     >>> sorted(model_weights(init_state(m, sgd(0.1)), m))

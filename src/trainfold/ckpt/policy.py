@@ -125,7 +125,7 @@ def rotate(
     With ``run_id`` only that run's checkpoints are counted and deleted; other runs' stay.
 
     >>> import tempfile, attrs, torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state, scalar
     >>> from trainfold.ckpt import save
     >>> out, state = tempfile.mkdtemp(), init_state(torch.nn.Linear(2, 1), sgd(0.1))

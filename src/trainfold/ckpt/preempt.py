@@ -251,7 +251,7 @@ def jit_checkpoint(state: TrainState, output_dir: str | os.PathLike, **save_opti
 
     >>> import tempfile, torch
     >>> from trainfold.ckpt import read_metadata
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state
     >>> path = jit_checkpoint(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp())
     >>> path.name, read_metadata(path)["jit"]

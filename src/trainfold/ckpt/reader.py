@@ -118,7 +118,7 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
     otherwise). A weights-only checkpoint raises ``ValueError`` (see ``warm_start``).
 
     >>> import tempfile, attrs, torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state, scalar
     >>> from trainfold.ckpt import save
     >>> fresh = init_state(torch.nn.Linear(2, 1), sgd(0.1))
@@ -182,7 +182,7 @@ def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
     weights, see ``warm_start``.
 
     >>> import tempfile, attrs, torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state, scalar
     >>> from trainfold.ckpt import save
     >>> model = torch.nn.Linear(2, 1)
@@ -231,7 +231,7 @@ def warm_start(directory: str | os.PathLike, like: TrainState) -> TrainState:
     schedule), data cursor and metrics are ``like``'s, not the checkpoint's.
 
     >>> import tempfile, warnings, torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state
     >>> from trainfold.ckpt import save
     >>> model = torch.nn.Linear(2, 1)

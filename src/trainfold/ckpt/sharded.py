@@ -180,7 +180,7 @@ class Saver:
     every rank), so the writer thread's collectives never meet the step's.
 
     >>> import tempfile, torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state
     >>> saver = Saver(async_save=True)
     >>> path = saver.save(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp() + "/checkpoint-0")

@@ -156,7 +156,7 @@ def validate_sidecar(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
     names the path and field.
 
     >>> import tempfile, torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state
     >>> from trainfold.ckpt.writer import save
     >>> meta = read_metadata(save(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp() + "/c"))
@@ -281,7 +281,7 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
     the field) when it is missing, unreadable or does not fit the schema (``validate_sidecar``).
 
     >>> import tempfile, torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state
     >>> from trainfold.ckpt.writer import save
     >>> state = init_state(torch.nn.Linear(2, 1), sgd(0.1))

@@ -67,7 +67,7 @@ def mark_jit(directory: str | os.PathLike) -> Path:
     again, and ``directory`` is a complete checkpoint at every moment.
 
     >>> import tempfile, torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state
     >>> from trainfold.ckpt import is_complete
     >>> path = save(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp() + "/checkpoint-0")
@@ -116,7 +116,7 @@ def save(
     returns their ``{name: {"bytes", "crc32"}}`` (``trainfold.ckpt.sharded``). Call it on one rank only.
 
     >>> import tempfile, torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state
     >>> model = torch.nn.Linear(2, 1)
     >>> path = save(init_state(model, sgd(0.1)), tempfile.mkdtemp() + "/checkpoint-7", model=model, metadata={"n": 1})

@@ -1,7 +1,7 @@
 """The training state: one immutable record that a checkpoint snapshots and a resume restores.
 
 >>> import torch
->>> from trainfold.optim.base import sgd
+>>> from trainfold.optim import sgd
 >>> state = init_state(torch.nn.Linear(2, 1), sgd(0.1), seed=3)
 >>> sorted(state.params), state.step.item(), state.seed.item()
 (['bias', 'weight'], 0, 3)
@@ -218,7 +218,7 @@ def init_state(
     weights, as ``train`` does.
 
     >>> import torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> lin = torch.nn.Linear(2, 1)
     >>> init_state(lin, sgd(0.1), copy=False).params["weight"].data_ptr() == lin.weight.data_ptr()
     True
@@ -254,7 +254,7 @@ def lend(model: nn.Module, state: TrainState) -> TrainState:
     dtype or shape stay the state's own.
 
     >>> import torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> lin = torch.nn.Linear(2, 1)
     >>> s = init_state(torch.nn.Linear(2, 1), sgd(0.1))
     >>> lent = lend(lin, s)

@@ -70,7 +70,7 @@ from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
 from trainfold.observe.reporters import make_reporters
 from trainfold.observe.reporters import progress as make_progress
 from trainfold.observe.stopping import EarlyStopping, patience_exhausted, record_evaluation
-from trainfold.optim.base import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask, sgd
+from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask, sgd
 from trainfold.optim.schedules import named, warmup_steps_for
 from trainfold.recipes.neftune import neftune_objective
 from trainfold.step import make_step, sharded
@@ -86,7 +86,7 @@ class TrainResult:
     """What ``train`` returns: the final state, its status and the record of the run.
 
     >>> import torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> model = torch.nn.Linear(2, 1)
     >>> state = init_state(torch.nn.Linear(2, 1), sgd(0.1))   # stands for a trained state
     >>> result = TrainResult(state, "completed", {"train_loss": 0.5}, [])
@@ -143,9 +143,9 @@ def default_optimizer(model: nn.Module, args: TrainingArguments, total_steps: in
 
     >>> import torch
     >>> opt = default_optimizer(torch.nn.Linear(2, 1), TrainingArguments(learning_rate=0.1), total_steps=10)
-    >>> [t.spec["name"] for t in opt.spec["transforms"]]
+    >>> [t.name for t in opt.parts]
     ['clip_by_global_norm', 'adamw']
-    >>> default_optimizer(torch.nn.Linear(2, 1), TrainingArguments(max_grad_norm=0), total_steps=10).spec["name"]
+    >>> default_optimizer(torch.nn.Linear(2, 1), TrainingArguments(max_grad_norm=0), total_steps=10).name
     'adamw'
     """
     warmup = warmup_steps_for(args.warmup_steps, total_steps)

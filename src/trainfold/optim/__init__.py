@@ -1,27 +1,46 @@
-"""Optimizers as chains of gradient transformations, and learning-rate schedules."""
+"""Optimizers as chains of small gradient transformations, and learning-rate schedules.
 
-from trainfold.optim.base import (
-    AdamState,
-    GradientTransformation,
+``adamw`` and ``sgd`` (``base``) are aliases built with ``chain`` (``chain``) from the transforms
+(``adam``: ``scale_by_adam``; ``transforms``: ``clip_by_global_norm``, ``add_decayed_weights``,
+``scale_by_learning_rate``, ``trace``), all implementing ``GradientTransformation`` (``transform``);
+``masks`` picks the params weight decay touches; ``flat`` assembles the element-wise AdamW plan the
+compiled and ensemble steps run; ``schedules`` holds the HF learning-rate schedules.
+"""
+
+from trainfold.optim.adam import AdamState, adamw_update, scale_by_adam
+from trainfold.optim.base import adamw, sgd
+from trainfold.optim.chain import chain
+from trainfold.optim.flat import OptimizerPlan, optimizer_plan
+from trainfold.optim.masks import decay_mask, decay_mask_by_name
+from trainfold.optim.transform import GradientTransformation, StepRule, apply_updates, overwrite
+from trainfold.optim.transforms import (
     SgdState,
-    adamw,
-    apply_updates,
-    chain,
+    add_decayed_weights,
     clip_by_global_norm,
-    decay_mask,
-    decay_mask_by_name,
-    sgd,
+    clip_coefficient,
+    scale_by_learning_rate,
+    trace,
 )
 
 __all__ = [
     "GradientTransformation",
     "AdamState",
     "SgdState",
+    "StepRule",
     "adamw",
     "sgd",
-    "clip_by_global_norm",
     "chain",
+    "scale_by_adam",
+    "add_decayed_weights",
+    "scale_by_learning_rate",
+    "clip_by_global_norm",
+    "clip_coefficient",
+    "trace",
     "apply_updates",
+    "overwrite",
     "decay_mask",
     "decay_mask_by_name",
+    "OptimizerPlan",
+    "optimizer_plan",
+    "adamw_update",
 ]

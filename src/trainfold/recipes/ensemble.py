@@ -45,7 +45,7 @@ from trainfold.core.collective import Collective, item_count, items_in_batch
 from trainfold.core.forward import train_mode
 from trainfold.core.losses import counter_for, default_loss_for, warn_no_items
 from trainfold.core.state import TrainState
-from trainfold.optim.base import AdamState, GradientTransformation
+from trainfold.optim import AdamState, GradientTransformation, OptimizerPlan
 from trainfold.recipes.ensemble_state import (
     ensemble_size,
     init_ensemble_state,
@@ -54,7 +54,7 @@ from trainfold.recipes.ensemble_state import (
     stack_ensemble,
 )
 from trainfold.recipes.ensemble_update import member_hyperparameters, stacked_update
-from trainfold.step.compiled import CompileFallbackWarning, OptimizerPlan, elementwise_optimizer
+from trainfold.step.compiled import CompileFallbackWarning, elementwise_optimizer
 from trainfold.step.driver import accumulate, advanced, no_gradient_error, sum_over_ranks, with_donation
 from trainfold.step.plan import refuse_sharded
 from trainfold.step.traced import fresh_function, traceable_loss

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from trainfold.core.state import TrainState, init_state
 from trainfold.core.tree import flatten, map_tensors
-from trainfold.optim.base import GradientTransformation
+from trainfold.optim import GradientTransformation
 
 __all__ = ["ensemble_size", "init_ensemble_state", "split_ensemble", "stack_batches", "stack_ensemble"]
 

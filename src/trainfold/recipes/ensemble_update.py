@@ -18,8 +18,7 @@ import torch
 from torch import Tensor
 
 from trainfold.core.state import TrainState
-from trainfold.optim.base import AdamState
-from trainfold.step.compiled import OptimizerPlan, adamw_update
+from trainfold.optim import AdamState, OptimizerPlan, adamw_update
 
 __all__ = ["member_hyperparameters", "stacked_update"]
 

@@ -29,7 +29,6 @@ masks differ from the eager step's.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,9 +38,7 @@ from torch import Tensor
 
 from trainfold.core.forward import train_mode
 from trainfold.core.state import TrainState
-from trainfold.core.tree import global_norm
-from trainfold.optim.base import AdamState, GradientTransformation
-from trainfold.optim.schedules import Schedule
+from trainfold.optim import AdamState, GradientTransformation, OptimizerPlan, optimizer_plan
 from trainfold.step.driver import (
     StepStart,
     Sums,
@@ -56,152 +53,9 @@ from trainfold.step.plan import StepPlan
 from trainfold.step.recompute import cache_off
 from trainfold.step.traced import fresh_function, micro_grads, traceable_loss
 
-__all__ = [
-    "CompileFallbackWarning",
-    "OptimizerPlan",
-    "adamw_update",
-    "compile_step",
-    "elementwise_optimizer",
-    "optimizer_plan",
-    "refuse_uncompilable",
-]
+__all__ = ["CompileFallbackWarning", "compile_step", "elementwise_optimizer", "refuse_uncompilable"]
 
 Step = Callable[[TrainState, Sequence[Mapping[str, Tensor]]], TrainState]
-
-
-# -- the optimizer, read as data ------------------------------------------------------------------
-
-
-@attrs.frozen
-class OptimizerPlan:
-    """What the element-wise AdamW path needs from ``chain(clip_by_global_norm..., adamw)``.
-
-    ``clips`` are the ``max_norm`` values applied in order before AdamW; ``decay`` maps each
-    param to its weight decay; ``wrap(opt_state, adam_state)`` puts a new AdamW state back where
-    the optimizer keeps it, and ``adam_of(opt_state)`` takes it out.
-
-    >>> import torch, trainfold
-    >>> opt = trainfold.chain(trainfold.clip_by_global_norm(1.0), trainfold.adamw(0.1, weight_decay=0.01))
-    >>> plan = optimizer_plan(opt)
-    >>> params = {"weight": torch.ones(2, 2), "bias": torch.zeros(2)}
-    >>> plan.decay(params), plan.adam_of(opt.init(params)).count.item()
-    ({'weight': 0.01, 'bias': 0.0}, 0)
-    """
-
-    learning_rate: Schedule
-    b1: float
-    b2: float
-    eps: float
-    clips: tuple[float, ...]
-    groups: Callable[[Mapping[str, Tensor]], list[tuple[list[str], float]]]
-    chained: bool
-
-    def decay(self, params: Mapping[str, Tensor]) -> dict[str, float]:
-        """Return ``{name: weight_decay}`` for ``params``."""
-        return {k: wd for keys, wd in self.groups(params) for k in keys}
-
-    def adam_of(self, opt_state: Any) -> AdamState:
-        """Return the AdamW part of ``opt_state``."""
-        adam = opt_state[-1] if self.chained and isinstance(opt_state, tuple) and opt_state else opt_state
-        if not isinstance(adam, AdamState):
-            raise TypeError(
-                f"expected an AdamW state, got {type(adam).__name__}; build the state with this optimizer's init"
-            )
-        return adam
-
-    def wrap(self, opt_state: Any, adam: AdamState) -> Any:
-        """Return ``opt_state`` with its AdamW part replaced by ``adam``."""
-        return (*opt_state[:-1], adam) if self.chained else adam
-
-    def scalars(self, count: int) -> tuple[float, float, float]:
-        """Return ``(learning_rate, step_size, sqrt(bias_correction2))`` for update ``count + 1``.
-
-        >>> import trainfold
-        >>> [round(x, 4) for x in optimizer_plan(trainfold.adamw(0.1)).scalars(0)]
-        [0.1, 1.0, 0.0316]
-        """
-        rate = float(self.learning_rate(count))
-        t = count + 1
-        return rate, rate / (1.0 - self.b1**t), math.sqrt(1.0 - self.b2**t)
-
-
-def optimizer_plan(optimizer: GradientTransformation) -> OptimizerPlan:
-    """Read ``adamw(...)`` or ``chain(clip_by_global_norm(...), ..., adamw(...))`` as an ``OptimizerPlan``.
-
-    Raises ``TypeError`` naming the part that has no element-wise path.
-
-    >>> import trainfold
-    >>> plan = optimizer_plan(trainfold.chain(trainfold.clip_by_global_norm(1.0), trainfold.adamw(1e-3)))
-    >>> plan.clips, plan.b1, plan.chained
-    ((1.0,), 0.9, True)
-    """
-    chained = optimizer.spec.get("name") == "chain"
-    parts = list(optimizer.spec["transforms"]) if chained else [optimizer]
-    *clips, last = parts
-    max_norms = []
-    for t in clips:
-        if t.spec.get("name") != "clip_by_global_norm":
-            raise TypeError(
-                f"the compiled and ensemble paths support chain(clip_by_global_norm(...), adamw(...)); "
-                f"{t.spec.get('name', 'a custom transformation')} has no element-wise path there"
-            )
-        max_norms.append(float(t.spec["max_norm"]))
-    if last.spec.get("name") != "adamw":
-        name = last.spec.get("name", "a custom transformation")
-        raise TypeError(
-            f"the compiled and ensemble paths support adamw (optionally after clip_by_global_norm), not {name}; "
-            "use trainfold.adamw, or the eager step"
-        )
-    adam = last.spec
-    return OptimizerPlan(
-        learning_rate=adam["learning_rate"],
-        b1=float(adam["b1"]),
-        b2=float(adam["b2"]),
-        eps=float(adam["eps"]),
-        clips=tuple(max_norms),
-        groups=adam["groups"],
-        chained=chained,
-    )
-
-
-# -- element-wise math, shared with the ensemble step ---------------------------------------------
-
-
-def adamw_update(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    mu: Sequence[Tensor],
-    nu: Sequence[Tensor],
-    decay: Sequence[float | Tensor],
-    lr: Tensor,
-    step_size: Tensor,
-    bc2_sqrt: Tensor,
-    b1: float | Tensor,
-    b2: float | Tensor,
-    eps: float | Tensor,
-) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-    """Return new ``(params, mu, nu)`` of one AdamW update, as ``torch.optim.AdamW`` computes it.
-
-    Element-wise ops only (no foreach), so it traces under ``torch.compile`` and works on
-    stacked ensemble tensors: ``lr``, ``step_size`` and ``bc2_sqrt`` broadcast against each tensor.
-
-    >>> import torch
-    >>> one = torch.tensor(1.0)
-    >>> p, m, v = adamw_update([one], [torch.tensor(5.0)], [0 * one], [0 * one], [0.0],
-    ...                        torch.tensor(0.1), torch.tensor(1.0), torch.tensor(0.0316227766), 0.9, 0.999, 1e-8)
-    >>> round(p[0].item(), 4), round(m[0].item(), 4)
-    (0.9, 0.5)
-    """
-    new_p, new_mu, new_nu = [], [], []
-    for p, g, m, v, wd in zip(params, grads, mu, nu, decay):
-        m = torch.lerp(m, g, 1.0 - b1)
-        v = v * b2 + (1.0 - b2) * g * g
-        denom = v.sqrt() / bc2_sqrt + eps
-        scaled = p if isinstance(wd, (int, float)) and wd == 0 else p * (1.0 - lr * wd)
-        new_p.append(scaled - step_size * m / denom)
-        new_mu.append(m)
-        new_nu.append(v)
-    return new_p, new_mu, new_nu
 
 
 # -- the compiled step ----------------------------------------------------------------------------
@@ -299,13 +153,7 @@ def _update(
     step_size: Tensor,
     bc2_sqrt: Tensor,
 ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-    norm = global_norm(grads)
-    for i, max_norm in enumerate(opt.clips):
-        current = global_norm(grads) if i else norm
-        coef = torch.clamp(max_norm / (current + 1e-6), max=1.0)
-        grads = [g * coef for g in grads]
-    new_p, new_mu, new_nu = adamw_update(params, grads, mu, nu, decay, lr, step_size, bc2_sqrt, opt.b1, opt.b2, opt.eps)
-    return norm, new_p, new_mu, new_nu
+    return opt.update(decay, params, grads, mu, nu, lr, step_size, bc2_sqrt)
 
 
 def _update_in_place(

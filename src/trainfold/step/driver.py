@@ -38,7 +38,7 @@ from trainfold.core.forward import Batch, Forward
 from trainfold.core.losses import warn_no_items
 from trainfold.core.rng import derive_seed, private_rng
 from trainfold.core.state import TrainState, check_live, invalidate
-from trainfold.optim.base import GradientTransformation
+from trainfold.optim import GradientTransformation
 from trainfold.step.plan import StepPlan
 
 __all__ = [

@@ -39,7 +39,7 @@ def eager_step(plan: StepPlan) -> Callable[..., TrainState]:
     The step carries its plan as ``step.plan``, so that ``compiled.compile_step(step)`` can wrap it.
 
     >>> import torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state
     >>> from trainfold.core.losses import cross_entropy
     >>> from trainfold.step.plan import step_plan

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from trainfold.core.collective import Collective
 from trainfold.core.forward import Batch, Objective
 from trainfold.core.state import TrainState
-from trainfold.optim.base import GradientTransformation
+from trainfold.optim import GradientTransformation
 from trainfold.step.amp import LossScaling
 from trainfold.step.compiled import compile_step, refuse_uncompilable
 from trainfold.step.driver import with_donation
@@ -56,7 +56,7 @@ def make_step(
     ``step.donating``) updates ``state``'s tensors in place and invalidates it; results are bitwise equal.
 
     >>> import torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state
     >>> from trainfold.core.losses import cross_entropy
     >>> step = make_step(torch.nn.Linear(3, 2), cross_entropy, sgd(0.1))

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from trainfold.core.collective import Collective
 from trainfold.core.forward import Objective
 from trainfold.core.losses import counter_for, default_loss_for
-from trainfold.optim.base import GradientTransformation
+from trainfold.optim import GradientTransformation
 from trainfold.step.amp import LossScaling
 from trainfold.step.recompute import cache_configs, recomputing
 from trainfold.step.slots import Slots
@@ -26,7 +26,7 @@ class StepPlan:
     """The configuration a step closes over; every step variant (eager, compiled, sharded) reads it.
 
     >>> import torch
-    >>> from trainfold.optim.base import sgd
+    >>> from trainfold.optim import sgd
     >>> from trainfold.core.losses import cross_entropy
     >>> plan = step_plan(torch.nn.Linear(2, 1), cross_entropy, sgd(0.1))
     >>> plan.label_key, plan.recompute, plan.count_items({"labels": torch.tensor([0, -100, 1])}).item()
@@ -78,7 +78,7 @@ def step_plan(
     ``dtensor_params`` allows DTensor parameters (the sharded step's).
     """
     if optimizer is None:
-        raise TypeError("make_step needs an optimizer, e.g. optimizer=trainfold.optim.base.adamw(1e-3)")
+        raise TypeError("make_step needs an optimizer, e.g. optimizer=trainfold.adamw(1e-3)")
     refuse_sharded(model, dtensor_params=dtensor_params)
     if loss is None:
         loss = default_loss_for(model, defer=objective is not None)

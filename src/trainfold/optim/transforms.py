@@ -1,0 +1,336 @@
+"""The small transformations: clipping, weight decay, the learning rate, and SGD's momentum (``trace``).
+
+Each is a record of its hyperparameters that owns its paths: the pure ``update``, the in-place one on
+gradients the caller owns, and its traceable element-wise twin for the compiled and ensemble steps.
+
+>>> import torch
+>>> clip = clip_by_global_norm(1.0)
+>>> g, _ = clip.update({"a": torch.tensor([3.0, 4.0])}, clip.init({}), {})
+>>> [round(x, 4) for x in g["a"].tolist()]
+[0.6, 0.8]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+from torch import Tensor
+
+from trainfold.core.state import scalar
+from trainfold.core.tree import Tree, check_keys, global_norm
+from trainfold.optim.masks import Mask, resolve_mask
+from trainfold.optim.schedules import Schedule, as_schedule
+from trainfold.optim.transform import GradientTransformation, StepRule
+
+__all__ = [
+    "AddDecayedWeights",
+    "ClipByGlobalNorm",
+    "ElementwiseClip",
+    "ElementwiseDecay",
+    "ElementwiseRate",
+    "ScaleByLearningRate",
+    "SgdState",
+    "Trace",
+    "add_decayed_weights",
+    "clip_by_global_norm",
+    "clip_coefficient",
+    "scale_by_learning_rate",
+    "trace",
+]
+
+
+def clip_coefficient(norm: Tensor, max_norm: float | Tensor) -> Tensor:
+    """Return the factor that scales gradients of global norm ``norm`` to at most ``max_norm`` (as torch).
+
+    >>> round(clip_coefficient(torch.tensor(5.0), 1.0).item(), 4), clip_coefficient(torch.tensor(0.5), 1.0).item()
+    (0.2, 1.0)
+    """
+    return torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+# -- clipping ---------------------------------------------------------------------------------------
+
+
+def clip_by_global_norm(max_norm: float) -> ClipByGlobalNorm:
+    """Scale gradients so their global 2-norm is at most ``max_norm`` (as ``clip_grad_norm_``).
+
+    >>> clip_by_global_norm(0.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: max_norm must be > 0, got 0.0; leave clipping out of the chain instead
+    """
+    if not max_norm > 0:
+        raise ValueError(f"max_norm must be > 0, got {max_norm}; leave clipping out of the chain instead")
+    return ClipByGlobalNorm(float(max_norm))
+
+
+@attrs.frozen
+class ClipByGlobalNorm(GradientTransformation):
+    """See :func:`clip_by_global_norm`; its state is an empty tuple."""
+
+    max_norm: float
+    name = "clip_by_global_norm"
+
+    def init(self, params: Tree) -> tuple:
+        return ()
+
+    def update_at(
+        self,
+        grads: Tree,
+        state: tuple,
+        params: Tree,
+        count: int | None = None,
+        *,
+        owned: bool = False,
+        norm: Tensor | None = None,
+    ) -> tuple[Tree, tuple]:
+        if not grads:
+            return {}, state
+        coef = clip_coefficient(global_norm(grads) if norm is None or not owned else norm, self.max_norm)
+        if owned:  # the grads are the caller's: rescale them where they are
+            torch._foreach_mul_(list(grads.values()), coef)
+            return grads, state
+        keys = list(grads)
+        return dict(zip(keys, torch._foreach_mul([grads[k] for k in keys], coef))), state
+
+    def elementwise(self) -> tuple[ElementwiseClip]:
+        return (ElementwiseClip(self.max_norm),)
+
+
+@attrs.frozen
+class ElementwiseClip:
+    """Clipping on a list of gradients with element-wise ops (it traces under ``torch.compile``)."""
+
+    max_norm: float
+
+    def __call__(self, grads: Sequence[Tensor], norm: Tensor | None = None) -> list[Tensor]:
+        """Return ``grads`` clipped; ``norm`` is their global norm where the caller has it."""
+        coef = clip_coefficient(global_norm(grads) if norm is None else norm, self.max_norm)
+        return [g * coef for g in grads]
+
+
+# -- weight decay -----------------------------------------------------------------------------------
+
+
+def add_decayed_weights(weight_decay: float = 0.0, mask: Mask | None = None) -> AddDecayedWeights:
+    """Add ``weight_decay * param`` to the update of each param ``mask`` marks (None: every param).
+
+    Before ``scale_by_learning_rate`` it is torch's decoupled decay (``AdamW``); before momentum,
+    torch's coupled one (``SGD(weight_decay=)``). ``mask`` is a ``{name: bool}`` mapping or a
+    function of the params returning one.
+
+    >>> t = add_decayed_weights(0.5, mask={"w": True, "b": False})
+    >>> p = {"w": torch.tensor(2.0), "b": torch.tensor(2.0)}
+    >>> {k: v.item() for k, v in t.update({"w": torch.tensor(1.0), "b": torch.tensor(1.0)}, None, p)[0].items()}
+    {'w': 2.0, 'b': 1.0}
+    """
+    return AddDecayedWeights(float(weight_decay), mask)
+
+
+@attrs.frozen(eq=False)
+class AddDecayedWeights(GradientTransformation):
+    """See :func:`add_decayed_weights`; it keeps no state."""
+
+    weight_decay: float
+    mask: Mask | None = None
+    _masks: dict = attrs.field(factory=dict, init=False, repr=False)
+    name = "add_decayed_weights"
+    keeps_state = False
+
+    def decayed(self, params: Tree) -> list[str]:
+        """Return the names of the params ``mask`` marks, in ``params`` order."""
+        return list(self._rates(params))
+
+    def _rates(self, params: Tree) -> dict[str, float]:
+        key = tuple(params)
+        if key not in self._masks:
+            self._masks[key] = {k: self.weight_decay for k, d in resolve_mask(self.mask, params).items() if d}
+        return self._masks[key]
+
+    def init(self, params: Tree) -> None:
+        return None
+
+    def update_at(
+        self,
+        grads: Tree,
+        state: Any,
+        params: Tree,
+        count: int | None = None,
+        *,
+        owned: bool = False,
+        norm: Tensor | None = None,
+    ) -> tuple[Tree, Any]:
+        if not self.weight_decay:
+            return grads, state
+        check_keys(grads, params, "grads", "params")
+        names, out = list(self._rates(params)), dict(grads)
+        out.update(
+            zip(
+                names,
+                torch._foreach_add([grads[k] for k in names], [params[k] for k in names], alpha=self.weight_decay),
+            )
+        )
+        return out, state
+
+    def fold(self, rule: StepRule | None, params: Tree, count: int | None) -> StepRule | None:
+        if rule is None or rule.decay:  # decoupled decay only right before the learning rate
+            return None
+        return StepRule(rule.lr, self._rates(params))
+
+    def elementwise(self) -> tuple[ElementwiseDecay]:
+        return (ElementwiseDecay(self),)
+
+
+@attrs.frozen(eq=False)
+class ElementwiseDecay:
+    """The decoupled weight decay of each param, for the element-wise AdamW update."""
+
+    transform: AddDecayedWeights
+
+    def __call__(self, params: Tree) -> dict[str, float]:
+        """Return ``{name: weight_decay}`` for every param (0.0 where the mask says no)."""
+        on = set(self.transform.decayed(params))
+        return {k: self.transform.weight_decay if k in on else 0.0 for k in params}
+
+
+# -- the learning rate ------------------------------------------------------------------------------
+
+
+def scale_by_learning_rate(learning_rate: float | Schedule) -> ScaleByLearningRate:
+    """Scale the update by ``-learning_rate`` (a float or a schedule of the update count).
+
+    The count comes from a part of the chain that counts updates (``scale_by_adam``, ``trace``).
+
+    >>> opt = scale_by_learning_rate(0.1)
+    >>> opt.update({"w": torch.tensor(2.0)}, None, {"w": torch.tensor(0.0)})
+    Traceback (most recent call last):
+    ...
+    ValueError: scale_by_learning_rate reads the update count from a part of its chain that counts updates; put it in a chain after scale_by_adam(...) or trace(...)
+    """
+    return ScaleByLearningRate(as_schedule(learning_rate))
+
+
+@attrs.frozen
+class ScaleByLearningRate(GradientTransformation):
+    """See :func:`scale_by_learning_rate`; it keeps no state."""
+
+    schedule: Schedule
+    name = "scale_by_learning_rate"
+    keeps_state = False
+
+    def rate(self, count: int | None) -> float:
+        """Return the learning rate at update ``count``."""
+        if count is None:
+            raise ValueError(
+                "scale_by_learning_rate reads the update count from a part of its chain that counts updates; "
+                "put it in a chain after scale_by_adam(...) or trace(...)"
+            )
+        return self.schedule(count)
+
+    def init(self, params: Tree) -> None:
+        return None
+
+    def update_at(
+        self,
+        grads: Tree,
+        state: Any,
+        params: Tree,
+        count: int | None = None,
+        *,
+        owned: bool = False,
+        norm: Tensor | None = None,
+    ) -> tuple[Tree, Any]:
+        rate, keys = self.rate(count), list(grads)
+        return dict(zip(keys, torch._foreach_mul([grads[k] for k in keys], -rate))), state
+
+    def fold(self, rule: StepRule | None, params: Tree, count: int | None) -> StepRule | None:
+        return StepRule(self.rate(count)) if rule is None else None
+
+    def rate_at(self, state: Any, count: int | None) -> float | None:
+        return self.rate(count)
+
+    def elementwise(self) -> tuple[ElementwiseRate]:
+        return (ElementwiseRate(self.schedule),)
+
+
+@attrs.frozen
+class ElementwiseRate:
+    """The learning-rate schedule of the element-wise AdamW update."""
+
+    schedule: Callable[[int], float]
+
+
+# -- SGD's momentum ---------------------------------------------------------------------------------
+
+
+@attrs.frozen(eq=False)
+class SgdState:
+    """What :func:`trace` (and so ``sgd``) carries between updates: the update count and the momentum buffers.
+
+    >>> from trainfold.optim import sgd
+    >>> opt = sgd(0.1, momentum=0.9)
+    >>> p = {"w": torch.tensor(1.0)}
+    >>> _, state = opt.apply({"w": torch.tensor(2.0)}, opt.init(p), p)
+    >>> state.count.item(), {k: v.item() for k, v in state.momentum.items()}
+    (1, {'w': 2.0})
+    """
+
+    count: Tensor
+    momentum: dict[str, Tensor]
+
+
+def trace(momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False) -> Trace:
+    """Momentum as ``torch.optim.SGD``: ``buf = momentum * buf + (1 - dampening) * g`` (``buf = g`` at first).
+
+    >>> trace(0.0, nesterov=True)
+    Traceback (most recent call last):
+    ...
+    ValueError: nesterov=True needs momentum > 0 and dampening 0 (as torch.optim.SGD)
+    """
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError("nesterov=True needs momentum > 0 and dampening 0 (as torch.optim.SGD)")
+    return Trace(momentum, dampening, nesterov)
+
+
+@attrs.frozen
+class Trace(GradientTransformation):
+    """See :func:`trace`; its state is an :class:`SgdState` (it counts the updates)."""
+
+    momentum: float
+    dampening: float
+    nesterov: bool
+    name = "trace"
+
+    def init(self, params: Tree) -> SgdState:
+        buf = {k: torch.zeros_like(v) for k, v in params.items()} if self.momentum else {}
+        return SgdState(scalar(0), buf)
+
+    def counter(self, state: SgdState) -> Tensor:
+        return state.count
+
+    def update_at(
+        self,
+        grads: Tree,
+        state: SgdState,
+        params: Tree,
+        count: int | None = None,
+        *,
+        owned: bool = False,
+        norm: Tensor | None = None,
+    ) -> tuple[Tree, SgdState]:
+        check_keys(grads, params, "grads", "params")
+        keys = list(params)
+        g, buf = [grads[k] for k in keys], state.momentum
+        if self.momentum:
+            check_keys(buf, params, "SGD momentum state", "params")
+            if int(state.count) == 0:  # torch starts the buffer at the first gradient
+                new = [x.clone() for x in g]
+            else:
+                new = torch._foreach_mul([buf[k] for k in keys], self.momentum)
+                torch._foreach_add_(new, g, alpha=1.0 - self.dampening)
+            buf = dict(zip(keys, new))
+            g = torch._foreach_add(g, new, alpha=self.momentum) if self.nesterov else new
+        return dict(zip(keys, g)), SgdState(state.count + 1, buf)
