@@ -11,6 +11,8 @@ record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``sa
 
 from trainfold import ckpt as checkpoint
 from trainfold import data, observe, optim
+from trainfold import dist as distributed
+from trainfold import eval as evaluation
 from trainfold.ckpt import latest_checkpoint, load, save
 from trainfold.core import chunked_loss, losses, tree
 from trainfold.core.chunked_loss import chunked_causal_lm
@@ -20,8 +22,7 @@ from trainfold.core.state import Cursor, TrainState, init_state
 from trainfold.data import StepBatch, keyed, packing, pad_collate, samplers, stream
 from trainfold.data.packing import pack, packed_collate, padding_free_collate
 from trainfold.data.samplers import Sampler, make_sampler
-from trainfold.dist import distributed
-from trainfold.eval import evaluation, reducers
+from trainfold.eval import reducers
 from trainfold.eval.evaluation import EvalPrediction
 from trainfold.hf import grpo, grpo_args, grpo_run
 from trainfold.hf.args import TrainingArguments

@@ -31,8 +31,10 @@ from trainfold.recipes.grpo import (
     rollout_metrics,
     token_entropy,
 )
+from trainfold.recipes.grpo_data import generation_batches
 
 __all__ = [
+    "generation_batches",
     "GRPO_LOSS_TYPES",
     "SCALE_REWARDS",
     "GRPOObjective",

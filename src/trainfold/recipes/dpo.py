@@ -41,7 +41,7 @@ from trainfold.recipes.dpo_logps import (
 )
 from trainfold.recipes.dpo_loss import DPO_LOSS_TYPES as LOSS_TYPES
 from trainfold.recipes.dpo_loss import dpo as dpo_loss
-from trainfold.recipes.dpo_loss import dpo_loss_errors as _loss_errors
+from trainfold.recipes.dpo_loss import dpo_loss_errors
 from trainfold.recipes.dpo_reference import precompute_ref_logps, prepare_reference
 
 __all__ = [
@@ -358,7 +358,7 @@ def dpo_objective(
     >>> round(loss.item(), 6), aux["rewards/margins"].item()
     (0.693147, 0.0)
     """
-    problems = _loss_errors(beta, loss_type, label_smoothing)
+    problems = dpo_loss_errors(beta, loss_type, label_smoothing)
     if problems:
         raise ValueError("; ".join(problems))
     if chunk_size is not None and model is None:
