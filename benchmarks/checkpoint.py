@@ -48,7 +48,7 @@ SIZES = {  # name: (hidden, intermediate, layers, vocab); params and bytes in fl
 
 
 def llama(size: str):
-    import transformers  # noqa: PLC0415
+    import transformers
 
     hidden, inter, layers, vocab = SIZES[size]
     torch.manual_seed(0)
@@ -67,7 +67,7 @@ def llama(size: str):
 
 
 def lora(model):
-    import peft  # noqa: PLC0415
+    import peft
 
     return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
 
@@ -103,7 +103,7 @@ def dir_bytes(path: Path) -> int:
 
 def hf_trainer(model, root: Path):
     """A Trainer that took one step, so its optimizer holds both AdamW moments."""
-    import transformers  # noqa: PLC0415
+    import transformers
 
     args = transformers.TrainingArguments(
         output_dir=str(root / "hf"),
@@ -134,7 +134,7 @@ def trainfold_state(model):
 
 def compare(model, root: Path, repeat: int) -> dict[str, float]:
     """Bytes and save/load seconds of one model's checkpoint, trainfold's and the Trainer's."""
-    from transformers.trainer_callback import TrainerState  # noqa: PLC0415
+    from transformers.trainer_callback import TrainerState
 
     trainer = hf_trainer(model, root)
     state = trainfold_state(trainer.model)
@@ -202,7 +202,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore")
-    import transformers  # noqa: PLC0415
+    import transformers
 
     transformers.utils.logging.set_verbosity_error()
     root = Path(tempfile.mkdtemp(dir=args.dir, prefix="trainfold-bench-"))

@@ -278,7 +278,7 @@ def main() -> None:
                 f"| {name} | {rank} | {r['state'] / mib:.2f} | {r['grads'] / mib:.2f} | {ratio:.3f} | "
                 f"{r['gathered'] / mib:.2f} | {r['step'] * 1e3:.1f} | {r['step'] / d['step']:.2f}x |"
             )
-    from fsdp_checkpoint import stall_table  # noqa: PLC0415 - benchmarks/fsdp_checkpoint.py: the async-save stall
+    from fsdp_checkpoint import stall_table
 
     print("\n" + stall_table(args))
 

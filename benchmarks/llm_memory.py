@@ -28,10 +28,10 @@ CHUNK = 256  # tokens per chunk
 
 def loss_child(vocab: int, seq: int, variant: str, device: str) -> dict[str, float]:
     """Measure one loss forward + backward (run in its own process on the CPU)."""
-    import resource  # noqa: PLC0415
+    import resource
 
-    from trainfold.core.chunked_loss import chunked_cross_entropy  # noqa: PLC0415
-    from trainfold.core.losses import causal_lm, count_shifted_labels  # noqa: PLC0415
+    from trainfold.core.chunked_loss import chunked_cross_entropy
+    from trainfold.core.losses import causal_lm, count_shifted_labels
 
     torch.manual_seed(0)
     hidden = (torch.randn(1, seq, HIDDEN, device=device) * 0.1).requires_grad_()
@@ -104,13 +104,13 @@ def lognormal_docs(n: int, cap: int, seed: int = 0) -> list[dict[str, list[int]]
 
 
 def throughput_table(steps: int, docs_per_step: int) -> None:
-    import transformers  # noqa: PLC0415
+    import transformers
 
-    from trainfold import init_state, make_step, sgd  # noqa: PLC0415
-    from trainfold.core.losses import causal_lm  # noqa: PLC0415
-    from trainfold.data import pad_collate  # noqa: PLC0415
-    from trainfold.data.packing import pack, packed_collate, padding_free_collate  # noqa: PLC0415
-    from trainfold.data.samplers import Sampler  # noqa: PLC0415
+    from trainfold import init_state, make_step, sgd
+    from trainfold.core.losses import causal_lm
+    from trainfold.data import pad_collate
+    from trainfold.data.packing import pack, packed_collate, padding_free_collate
+    from trainfold.data.samplers import Sampler
 
     cap = 512
     docs = lognormal_docs(steps * docs_per_step, cap)

@@ -67,7 +67,7 @@ def measure(variant: str, steps: int, repeat: int) -> dict[str, float]:
     )
     if variant == "before":
         history: list = list(entries)
-        metadata = lambda: {"log_history": history, "best_metric": None, "best_step": None}  # noqa: E731
+        metadata = lambda: {"log_history": history, "best_metric": None, "best_step": None}
     else:
         log = HistoryFile(out / "log_history.jsonl")
         for e in entries:

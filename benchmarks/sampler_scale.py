@@ -38,8 +38,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--rounds", type=int, default=3)
     ns = parser.parse_args()
-    import datasets  # noqa: PLC0415 - the benchmark is about datasets.Dataset
-    from transformers.trainer_pt_utils import BatchRebalanceSampler  # noqa: PLC0415
+    import datasets
+    from transformers.trainer_pt_utils import BatchRebalanceSampler
 
     warnings.simplefilter("ignore")
     rng = np.random.default_rng(0)

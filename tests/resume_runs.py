@@ -21,10 +21,10 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from resume_fixture import ListDataset  # noqa: E402
+from resume_fixture import ListDataset
 
-from trainfold.hf.args import TrainingArguments  # noqa: E402
-from trainfold.hf.train import train  # noqa: E402
+from trainfold.hf.args import TrainingArguments
+from trainfold.hf.train import train
 
 MAX_STEPS = 8
 VOCAB = 64
@@ -88,7 +88,7 @@ def _llama():
 
 
 def _tinylm():
-    from trainfold.core.models import TinyLM, TinyLMConfig  # noqa: PLC0415
+    from trainfold.core.models import TinyLM, TinyLMConfig
 
     return TinyLM(TinyLMConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, max_len=32, dropout=0.1))
 
@@ -141,11 +141,11 @@ def tinylm_other_data_on_resume(output_dir, resume_from_checkpoint, observers):
 
 
 def _main(name: str, output_dir: str, mode: str, result_dir: str) -> int:
-    import os  # noqa: PLC0415
+    import os
 
-    from trainfold.ckpt import latest_checkpoint  # noqa: PLC0415
-    from trainfold.ckpt.preempt import JIT_SIGNALS, exit_status, preemption_guard  # noqa: PLC0415
-    from trainfold.testing import dump_result  # noqa: PLC0415
+    from trainfold.ckpt import latest_checkpoint
+    from trainfold.ckpt.preempt import JIT_SIGNALS, exit_status, preemption_guard
+    from trainfold.testing import dump_result
 
     if os.environ.get("TRAINFOLD_TEST_NO_WARMUP") == "1":
         sys.modules["trainfold.hf.train"].warm_up_kernels = lambda *a, **k: None  # the module, not the function

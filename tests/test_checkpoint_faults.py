@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
+from resume_fixture import collate, model, rows
 
 from trainfold import TrainingArguments, train
 from trainfold import ckpt as checkpoint

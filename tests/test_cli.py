@@ -291,8 +291,8 @@ def test_sigterm_then_resume_continues_bitwise(tmp_path):
         resumed = load_file(stopped / "checkpoint-120" / name)
         assert sorted(resumed) == sorted(expected)
         assert all((resumed[k] == expected[k]).all() for k in expected)
-    logged = lambda out: [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]  # noqa: E731
-    losses = lambda out: {e["step"]: e["loss"] for e in logged(out) if "loss" in e}  # noqa: E731
+    logged = lambda out: [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    losses = lambda out: {e["step"]: e["loss"] for e in logged(out) if "loss" in e}
     assert losses(stopped) == losses(straight)  # every step's logged loss, the resumed ones included
 
 

@@ -205,7 +205,7 @@ def test_eval_order_is_the_datasets_for_any_number_of_workers():
     assert [b for b in eval_loader((i for i in range(3)), lambda items: items, 2)] == [[0, 1], [2]]  # any iterable
 
 
-class iter_rows(torch.utils.data.IterableDataset):  # noqa: N801 - reads as a function in the tests
+class iter_rows(torch.utils.data.IterableDataset):
     def __init__(self, n):
         self.n = n
 

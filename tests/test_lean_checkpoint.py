@@ -44,7 +44,7 @@ def trained_state(model, seed: int = 1):
     """The model's state with AdamW moments and params moved, as after some steps."""
     state = init_state(model, adamw(1e-3), seed=seed)
     g = torch.Generator().manual_seed(seed)
-    noise = lambda tree: {k: torch.randn(v.shape, generator=g) for k, v in tree.items()}  # noqa: E731
+    noise = lambda tree: {k: torch.randn(v.shape, generator=g) for k, v in tree.items()}
     params = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in state.params.items()}
     opt = attrs.evolve(state.opt_state, mu=noise(state.opt_state.mu), nu=noise(state.opt_state.nu))
     return attrs.evolve(state, params=params, opt_state=opt, step=scalar(5))

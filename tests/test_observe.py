@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_stopping import reference_bad_evals  # noqa: E402 - the reference early stopper, written once
+from test_stopping import reference_bad_evals
 from torch import nn
 from torch.func import functional_call
 
@@ -317,7 +317,7 @@ def test_a_logged_evaluated_early_stopped_fold_writes_jsonl(tmp_path):
         return record_evaluation(es, s, entry)
 
     with make_reporters(["jsonl"], tmp_path, run_name="it") as reporters:
-        log = lambda s: log_if_due(s, plan, reporters)  # noqa: E731
+        log = lambda s: log_if_due(s, plan, reporters)
         final = fit(observing(step, log, evaluate), state, batches, stop=any_of(patience_exhausted(es), max_steps(40)))
     stops = [stopped for _, stopped in reference_bad_evals(evals, 2, 0.02, False)]
     assert stops[-1] and not any(stops[:-1])  # it stopped at the first evaluation the reference stops at

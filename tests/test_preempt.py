@@ -80,7 +80,7 @@ RESUME = SETUP + textwrap.dedent(
 
 def run_setup() -> dict:
     ns: dict = {}
-    exec(SETUP, ns)  # noqa: S102 - the same source the subprocesses run
+    exec(SETUP, ns)
     return ns
 
 

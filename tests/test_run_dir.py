@@ -20,7 +20,7 @@ import torch
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
-from resume_fixture import collate, model, rows  # noqa: E402 - tests/ is on sys.path under pytest
+from resume_fixture import collate, model, rows
 
 from trainfold import TrainingArguments, train
 from trainfold import ckpt as checkpoint

@@ -94,11 +94,11 @@ def build_model(spec: dict[str, Any]) -> Any:
         raise ValueError(f"[model] takes type and config; unknown {unknown}")
     kind = spec.get("type", "tinylm")
     if kind == "tinylm":
-        from trainfold.core.models import TinyLM, TinyLMConfig  # noqa: PLC0415
+        from trainfold.core.models import TinyLM, TinyLMConfig
 
         return TinyLM(TinyLMConfig(**spec.get("config", {})))
     if kind == "hf":
-        import transformers  # noqa: PLC0415
+        import transformers
 
         source = spec.get("config")
         settings = json.loads(Path(source).read_text()) if isinstance(source, str) else dict(source or {})
@@ -109,7 +109,7 @@ def build_model(spec: dict[str, Any]) -> Any:
 
 def build_data(spec: dict[str, Any]) -> tuple[list[dict[str, list[int]]], list[dict[str, list[int]]]]:
     """Return ``(train_rows, eval_rows)`` from the ``[data]`` table."""
-    from trainfold.demo import byte_chunks, stdlib_text  # noqa: PLC0415
+    from trainfold.demo import byte_chunks, stdlib_text
 
     unknown = sorted(set(spec) - {"train", "seq_len", "max_bytes", "eval_fraction"})
     if unknown:
@@ -127,7 +127,7 @@ def build_data(spec: dict[str, Any]) -> tuple[list[dict[str, list[int]]], list[d
 
 def _resume_source(value: bool | str | None, output_dir: str) -> bool | str | None:
     """What ``train`` gets: True only when ``output_dir`` holds a checkpoint (else a fresh start), or a checked path."""
-    from trainfold import ckpt  # noqa: PLC0415
+    from trainfold import ckpt
 
     if value is None or value is False:
         return None
@@ -145,7 +145,7 @@ def _resume_source(value: bool | str | None, output_dir: str) -> bool | str | No
 
 def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[Any, Any, Any, bool | str | None]:
     """Build (args, model, data, resume) from a config, collecting every problem into one ConfigError."""
-    from trainfold.hf.args import TrainingArguments  # noqa: PLC0415
+    from trainfold.hf.args import TrainingArguments
 
     config, resume = split_resume(config)
     problems, args, model, data = [], None, None, None
@@ -153,9 +153,9 @@ def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[An
         args = TrainingArguments.from_dict(config["args"])
     except (TypeError, ValueError) as err:
         problems.append(f"[args]: {err}")
-    import torch  # noqa: PLC0415
+    import torch
 
-    from trainfold.core.determinism import warm_up_kernels  # noqa: PLC0415
+    from trainfold.core.determinism import warm_up_kernels
 
     warm_up_kernels()  # before the model's random init too (see trainfold.core.determinism)
     torch.manual_seed(args.seed if args is not None else 0)
@@ -172,8 +172,8 @@ def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[An
 
 
 def _train(ns: argparse.Namespace) -> int:
-    from trainfold.dist.distributed import collective_from_env  # noqa: PLC0415
-    from trainfold.hf.train import train  # noqa: PLC0415
+    from trainfold.dist.distributed import collective_from_env
+    from trainfold.hf.train import train
 
     try:
         args, model, (train_rows, eval_rows), resume = _prepare(
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     _train_parser(sub)
     ns = parser.parse_args(argv)
     if ns.command == "demo":
-        from trainfold.demo import run_demo  # noqa: PLC0415
+        from trainfold.demo import run_demo
 
         result = run_demo(ns.output_dir, ns.max_steps)
         return _exit_status(result)

@@ -56,7 +56,7 @@ def byte_chunks(text: str, seq_len: int) -> list[dict[str, list[int]]]:
 
 def _sample(model: TinyLM, state: Any, prompt: str, n: int = 80, temperature: float = 0.7, seed: int = 0) -> str:
     """Sample a continuation of ``prompt`` with the state's params (a look at what was learned)."""
-    from trainfold.core.forward import make_forward, train_mode  # noqa: PLC0415
+    from trainfold.core.forward import make_forward, train_mode
 
     forward = make_forward(model, state.buffers)
     ids = byte_encode(prompt)
@@ -127,7 +127,7 @@ def _report(result: Any, model: TinyLM, output_dir: str, started: float) -> None
     prompt = "def __init__(self"
     print(f"sample: {prompt!r} -> {_sample(model, result.state, prompt)!r}")
     where = Path(output_dir).resolve()
-    full = lambda p: Path(p).resolve() if p is not None else None  # noqa: E731
+    full = lambda p: Path(p).resolve() if p is not None else None
     print(
         f"results in {where}:\n  log        {where / 'log.jsonl'}\n  checkpoint {full(result.last_checkpoint)}"
         f"\n  best       {full(result.best_checkpoint)}"
@@ -145,8 +145,8 @@ def run_demo(
     >>> result.global_step, result.status, printed.getvalue().count("held-out loss")
     (1, 'completed', 3)
     """
-    from trainfold.core.determinism import warm_up_kernels  # noqa: PLC0415
-    from trainfold.hf.train import train  # noqa: PLC0415
+    from trainfold.core.determinism import warm_up_kernels
+    from trainfold.hf.train import train
 
     warm_up_kernels()  # a process's first tanh/exp/... calls can race on threads (trainfold.core.determinism)
     started = time.monotonic()

@@ -34,9 +34,9 @@ class ConfigError(ValueError):
 
 def _toml() -> Any:
     try:
-        import tomllib  # noqa: PLC0415
+        import tomllib
     except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]  # noqa: PLC0415
+        import tomli as tomllib  # type: ignore[no-redef]
     return tomllib
 
 
@@ -59,7 +59,7 @@ def parse_config(text: str, kind: str, source: str = "<config>") -> dict[str, An
             config = json.loads(text)
         elif kind == "yaml":
             try:
-                import yaml  # noqa: PLC0415 - optional
+                import yaml
             except ModuleNotFoundError:
                 raise ConfigError(
                     f"{source} is YAML, which needs pyyaml: pip install pyyaml (or write the config as .toml or .json)"
@@ -69,7 +69,7 @@ def parse_config(text: str, kind: str, source: str = "<config>") -> dict[str, An
             raise ConfigError(f"{source}: unknown config kind {kind!r}; use toml, json or yaml")
     except ConfigError:
         raise
-    except Exception as err:  # noqa: BLE001 - every parser's own error class, reported the same way
+    except Exception as err:
         raise ConfigError(f"{source} is not valid {kind.upper()}: {err}") from None
     if config is None:
         config = {}
@@ -125,7 +125,7 @@ def _literal(text: str) -> Any:
         pass
     try:
         return _toml().loads(f"v = {text}")["v"]
-    except Exception:  # noqa: BLE001 - not a TOML literal either: a plain string
+    except Exception:
         return text
 
 
@@ -148,9 +148,9 @@ def apply_overrides(config: Mapping[str, Any], assignments: list[str]) -> dict[s
             problems.append(f"--set {item!r} must be key=value, e.g. --set args.max_steps=10")
             continue
         if path[0] not in (*TABLES, RESUME):
-            import attrs  # noqa: PLC0415
+            import attrs
 
-            from trainfold.hf.args import TrainingArguments  # noqa: PLC0415
+            from trainfold.hf.args import TrainingArguments
 
             known = [f.name for f in attrs.fields(TrainingArguments)]
             hint = (

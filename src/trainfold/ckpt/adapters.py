@@ -66,7 +66,7 @@ def adapter_keys(model: Any, weights: Mapping[str, Tensor]) -> dict[str, str]:
     ``get_peft_model_state_dict`` chooses among them (adapter tensors, ``modules_to_save``, embedding
     layers when it saves them) and names them. Each one it returns must be one of ``weights``' tensors.
     """
-    from peft.utils import get_peft_model_state_dict  # noqa: PLC0415
+    from peft.utils import get_peft_model_state_dict
 
     name = _adapter_name(model)
     chosen = get_peft_model_state_dict(model, state_dict=dict(weights), adapter_name=name)
@@ -82,7 +82,7 @@ def adapter_keys(model: Any, weights: Mapping[str, Tensor]) -> dict[str, str]:
 
 def adapter_config_text(model: Any) -> str:
     """Return ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (``inference_mode`` true)."""
-    import copy  # noqa: PLC0415
+    import copy
 
     name = _adapter_name(model)
     config = copy.deepcopy(model.peft_config[name])

@@ -52,7 +52,7 @@ _NAME_BYTES = 256  # the temporary directory's name, sent from rank 0 to the oth
 
 
 def _storage() -> types.ModuleType:
-    from trainfold.ckpt import sharded_storage  # noqa: PLC0415 - DCP takes seconds to import: only when used
+    from trainfold.ckpt import sharded_storage
 
     return sharded_storage
 
@@ -230,7 +230,7 @@ class Saver:
         def run() -> None:
             try:
                 outcome["path"] = job(staged)
-            except BaseException as e:  # noqa: BLE001 - handed to wait(), which raises it on the main thread
+            except BaseException as e:
                 outcome["error"] = e
 
         thread = threading.Thread(target=run, name=f"trainfold-save-{directory.name}", daemon=True)

@@ -81,7 +81,7 @@ def fit(
     >>> fit(lambda s, b: s + [b], [], "abc"), fit(lambda s, b: s + b, 5, [])
     (['a', 'b', 'c'], 5)
     """
-    for state in _trajectory(step, state, batches, stop, donate, True):  # noqa: B007 - the last one is the result
+    for state in _trajectory(step, state, batches, stop, donate, True):
         pass
     return state
 

@@ -111,7 +111,7 @@ def _arrow_lengths(dataset: Any, names: Sequence[str]) -> list[np.ndarray] | Non
     reads = [_arrow_column(dataset, name) for name in names]
     if any(r is None or r.null_count or not _flat_list(r.type) for r in reads):
         return None
-    import pyarrow.compute as pc  # noqa: PLC0415 - present wherever an arrow column is
+    import pyarrow.compute as pc
 
     return [pc.list_value_length(r).to_numpy().astype(np.int64) for r in reads]
 
@@ -129,7 +129,7 @@ def _arrow_column(dataset: Any, name: str) -> Any:
 
 
 def _pa_types() -> Any:
-    import pyarrow.types  # noqa: PLC0415 - only reached with an arrow column in hand
+    import pyarrow.types
 
     return pyarrow.types
 

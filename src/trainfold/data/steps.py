@@ -57,7 +57,7 @@ class StepBatch(tuple):
     cursor: Cursor
     indices: tuple[tuple[int, ...], ...]
 
-    def __new__(cls, micro_batches: Iterable[Any], cursor: Cursor, indices: Sequence[Sequence[int]] = ()) -> StepBatch:  # noqa: PYI034
+    def __new__(cls, micro_batches: Iterable[Any], cursor: Cursor, indices: Sequence[Sequence[int]] = ()) -> StepBatch:
         self = super().__new__(cls, micro_batches)
         object.__setattr__(self, "cursor", cursor)
         object.__setattr__(self, "indices", tuple(tuple(m) for m in indices))

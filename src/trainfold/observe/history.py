@@ -90,7 +90,7 @@ class HistoryFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         at = _at or {"offset": 0, "entries": 0, "crc32": 0}
         _before_truncating(self.path, at["offset"])
-        self._file = open(self.path, "ab")  # noqa: SIM115 - closed by close()
+        self._file = open(self.path, "ab")
         self._file.truncate(at["offset"])
         self.offset, self.entries, self.crc = at["offset"], at["entries"], at["crc32"]
 

@@ -248,7 +248,7 @@ def progress(
     drawn = None
     if bar and use_tqdm is not False:
         try:
-            from tqdm.auto import tqdm  # noqa: PLC0415 - optional
+            from tqdm.auto import tqdm
         except ImportError:
             if use_tqdm:
                 raise ImportError("use_tqdm=True needs tqdm: pip install 'trainfold[progress]'") from None

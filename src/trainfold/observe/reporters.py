@@ -97,7 +97,7 @@ class Reporters:
         for reporter in self.members:
             try:
                 reporter.close()
-            except Exception as err:  # noqa: BLE001 - close the rest, then raise
+            except Exception as err:
                 first = first or err
         if first is not None:
             raise first
@@ -125,7 +125,7 @@ class Reporters:
             return
         try:  # training failed: close everything, but let the training error be the one raised
             self.close()
-        except Exception as err:  # noqa: BLE001
+        except Exception as err:
             exc.add_note(f"closing the reporters also failed: {err!r}")
 
 

@@ -104,7 +104,7 @@ class TensorBoardReporter:
 
     def __init__(self, log_dir: str | os.PathLike[str], config: Mapping[str, Any] | None = None) -> None:
         try:
-            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - optional
+            from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ImportError(f"report_to 'tensorboard' needs the tensorboard package: {EXTRA}") from None
         self.log_dir = Path(log_dir)
@@ -156,7 +156,7 @@ class TrackioReporter(_TrackerRun):
 
     def __init__(self, project: str, run_name: str | None, config: Mapping[str, Any] | None = None) -> None:
         try:
-            import trackio  # noqa: PLC0415 - optional
+            import trackio
         except ImportError:
             raise ImportError(f"report_to 'trackio' needs the trackio package: {EXTRA}") from None
         self._run: Any = trackio.init(project=project, name=run_name, config=json_ready(dict(config or {})))
@@ -183,7 +183,7 @@ class WandbReporter(_TrackerRun):
         config: Mapping[str, Any] | None = None,
     ) -> None:
         try:
-            import wandb  # noqa: PLC0415 - optional
+            import wandb
         except ImportError:
             raise ImportError(f"report_to 'wandb' needs the wandb package: {EXTRA}") from None
         Path(output_dir).mkdir(parents=True, exist_ok=True)

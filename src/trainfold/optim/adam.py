@@ -78,7 +78,7 @@ class ScaleByAdam(GradientTransformation):
     name = "scale_by_adam"
 
     def init(self, params: Tree) -> AdamState:
-        zeros = lambda: {k: torch.zeros_like(v) for k, v in params.items()}  # noqa: E731
+        zeros = lambda: {k: torch.zeros_like(v) for k, v in params.items()}
         return AdamState(scalar(0), zeros(), zeros())
 
     def counter(self, state: AdamState) -> Tensor:

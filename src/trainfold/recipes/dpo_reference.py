@@ -165,7 +165,7 @@ def _column_digest(dataset: Any, h: Any) -> None:
     arrow for a ``datasets.Dataset`` as item by item for anything else)."""
     with_format = getattr(dataset, "with_format", None)
     if with_format is not None and all(k in getattr(dataset, "column_names", ()) for k in PREFERENCE_COLUMNS):
-        import pyarrow.compute as pc  # noqa: PLC0415 - present wherever a datasets.Dataset is
+        import pyarrow.compute as pc
 
         table = with_format("arrow")[:]
         columns = {
@@ -219,7 +219,7 @@ def _load(path: Path, fingerprint: str, rows: int) -> tuple[Tensor, Tensor] | No
     if not path.is_file():
         return None
     try:
-        from safetensors import safe_open  # noqa: PLC0415
+        from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}

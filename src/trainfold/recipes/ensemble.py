@@ -243,7 +243,7 @@ def _compiled(plan: _EnsemblePlan, compile: bool | str) -> Callable[[TrainState,
                 return _run(traced, grads_fn, update_fn, state, batch, donate)
         except (ValueError, KeyError):
             raise
-        except Exception as err:  # noqa: BLE001 - the eager path re-raises real input errors
+        except Exception as err:
             result = eager(state, batch, donate)
             failed.append(f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:500]}")
             warnings.warn(

@@ -157,9 +157,9 @@ class GRPOObjective:
             n = (micro_batch["generation_tokens"][0] * micro_batch["step_micro_batches"][0]).to(logps)  # generation
         if "step_micro_batches" in micro_batch:  # TRL's metrics: token means per micro-batch, averaged over the step
             share = 1 / micro_batch["step_micro_batches"][0].to(logps)
-            metric = lambda x: (x * mask).sum() / mask.sum().clamp(min=1) * share  # noqa: E731
+            metric = lambda x: (x * mask).sum() / mask.sum().clamp(min=1) * share
         else:  # aggregated like the loss
-            metric = lambda x: self._aggregate(x, mask, n, block)  # noqa: E731
+            metric = lambda x: self._aggregate(x, mask, n, block)
         aux: dict[str, Tensor] = {"entropy": metric(entropy)}
         if self.beta != 0:
             if "ref_logps" not in micro_batch:

@@ -73,7 +73,7 @@ def _why_not(plan: StepPlan) -> str | None:
     try:
         if not torch._dynamo.is_dynamo_supported():
             return "torch.compile is not supported on this Python or platform"
-    except Exception as err:  # noqa: BLE001 - the reason is what matters
+    except Exception as err:
         return f"torch.compile is unavailable ({err})"
     try:
         elementwise_optimizer(plan.optimizer)
@@ -114,7 +114,7 @@ def compile_step(step: Step, *, backend: str | Callable[..., Any] = "inductor", 
             return step(state, batch, donate=donate)
         try:
             return run(state, batch, donate)
-        except Exception as err:  # noqa: BLE001 - the eager step re-raises real input errors
+        except Exception as err:
             result = step(state, batch, donate=donate)  # nothing was written into a donated state yet
             failed.append(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
             fall_back(f"compiling the step failed ({failed[0][:500]})")

@@ -83,7 +83,7 @@ def on_simulated_ranks(world_size: int, fn: Callable[[SimulatedRank], T], *, tim
     def run(rank: int) -> None:
         try:
             results[rank] = fn(SimulatedRank(room, rank))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+        except BaseException as exc:
             errors.append(exc)
             room.barrier.abort()
 

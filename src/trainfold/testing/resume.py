@@ -41,9 +41,9 @@ _UNLOGGED = ("runtime", "per_second", "train_")  # wall-clock numbers, and the s
 
 def dump_result(result: Any, result_dir: str | os.PathLike) -> None:
     """Write a ``TrainResult``'s state (safetensors), status and log (JSON) for ``compare_results``."""
-    import safetensors.torch  # noqa: PLC0415
+    import safetensors.torch
 
-    from trainfold.core.tree import flatten  # noqa: PLC0415
+    from trainfold.core.tree import flatten
 
     Path(result_dir).mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().clone().contiguous() for k, v in flatten(result.state).items()}
@@ -162,7 +162,7 @@ def _finish(proc: subprocess.Popen[str], what: str, target: str, timeout: float)
 
 def compare_results(expected: str | os.PathLike, got: str | os.PathLike) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Return ``(state keys whose tensors differ, steps whose logs differ)`` between two ``dump_result`` folders."""
-    import safetensors.torch  # noqa: PLC0415
+    import safetensors.torch
 
     a = safetensors.torch.load_file(Path(expected) / "state.safetensors")
     b = safetensors.torch.load_file(Path(got) / "state.safetensors")
