@@ -71,7 +71,10 @@ def eager_runner(model):
 
 
 def trainfold_runner(model, compile: bool = False):
-    """Return ``run(batch)`` for trainfold's step folded over batches (pure: ``model`` is not touched), and its params."""
+    """Return ``run(batch)`` for trainfold's step folded over batches, and its params.
+
+    Pure: ``model`` is not touched.
+    """
     opt = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01, mask=None))
     step = make_step(model, causal_lm, opt, compile=compile)
     box = [init_state(model, opt)]

@@ -85,7 +85,8 @@ def main() -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, {steps} steps x {rounds} rounds per variant\n"
     )
     print(
-        "| model | pairs x tokens | reference model (ms/step) | precomputed (ms/step) | speed-up | precompute once (ms) |"
+        "| model | pairs x tokens | reference model (ms/step) | precomputed (ms/step) | speed-up "
+        "| precompute once (ms) |"
     )
     print("|---|---|---|---|---|---|")
     for name, (_, pairs, length) in SIZES.items():

@@ -83,7 +83,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
                 step = make_step(model, optimizer=grad_bytes(opt, grads), collective=collective)
             runs[name] = [step, state, grads, [], 0]
         for i in range(args.warmup + args.rounds):
-            for name, run in runs.items():
+            for run in runs.values():
                 dist.barrier()
                 step, state = run[0], run[1]
                 with sharded.gathered_bytes() as peak:

@@ -86,7 +86,8 @@ def main() -> None:
     for name in steps:
         t = statistics.median(times[name])
         print(
-            f"| {name} | {saved[name] / 2**20:.1f} MiB | {saved[name] / saved['off']:.2f} | {1e3 * t:.0f} | {t / base_t:.2f} |"
+            f"| {name} | {saved[name] / 2**20:.1f} MiB | {saved[name] / saved['off']:.2f} "
+            f"| {1e3 * t:.0f} | {t / base_t:.2f} |"
         )
 
 

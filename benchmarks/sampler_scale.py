@@ -54,9 +54,9 @@ def main() -> None:
         ("length column", with_column, lambda d: [int(n) for n in d["length"]]),
         ("input_ids lists", with_lists, lambda d: [_item_length(d[i], "input_ids", i) for i in range(len(d))]),
     ):
-        arrow = best(lambda: make_sampler("group_by_length", ds, per_device_train_batch_size=8), ns.rounds)
+        arrow = best(lambda ds=ds: make_sampler("group_by_length", ds, per_device_train_batch_size=8), ns.rounds)
         small = ds.select(range(slice_rows))
-        loop = best(lambda: per_row(small), 1) * ns.rows / slice_rows
+        loop = best(lambda per_row=per_row, small=small: per_row(small), 1) * ns.rows / slice_rows
         print(f"| {name} | {arrow:.3f} | {loop:.1f} |")
     print("\n| batch_rebalance epoch plan (per device 8) | trainfold (s) | HF (s) | ratio |")
     print("|---|---|---|---|")
@@ -78,8 +78,8 @@ def main() -> None:
             grad_accum=accumulation,
             rank=0,
         )
-        a = best(lambda: ours.global_steps(0), ns.rounds)
-        b = best(lambda: list(iter(theirs)), ns.rounds)
+        a = best(lambda ours=ours: ours.global_steps(0), ns.rounds)
+        b = best(lambda theirs=theirs: list(iter(theirs)), ns.rounds)
         print(f"| GA {accumulation}, world {world} | {a:.2f} | {b:.2f} | {a / b:.2f} |")
 
 

@@ -122,7 +122,7 @@ def test_a_donated_state_refuses_every_later_use_by_name():
     with pytest.raises(DonatedStateError, match="use the state the step returned"):
         state.params["embed.weight"]
     with pytest.raises(DonatedStateError, match="its opt_state"):
-        state.opt_state[1].mu
+        _ = state.opt_state[1].mu
     with pytest.raises(DonatedStateError, match="donated to step 1"):
         step(state, lm_batch(1), donate=True)
     assert state.step.item() == 0 and new.step.item() == 1  # counters stay readable

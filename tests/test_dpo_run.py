@@ -411,7 +411,7 @@ def test_gradient_checkpointing_trains_dpo_and_equals_the_plain_run(tmp_path, ma
         policy, ref = make(0), make(1)
         attention = [m for n, m in policy.named_modules() if n.endswith(("layers.0.self_attn", "h.0.attn"))][0]
         calls = []
-        attention.register_forward_hook(lambda *_: calls.append(torch.is_grad_enabled()))
+        attention.register_forward_hook(lambda *_, calls=calls: calls.append(torch.is_grad_enabled()))
         args = args_for(
             tmp_path / str(on),
             max_steps=2,

@@ -52,10 +52,11 @@ def split_global_batch(batch: int, *, world_size: int, per_device: int) -> tuple
 
     >>> split_global_batch(12, world_size=3, per_device=3)
     (2, 2)
-    >>> split_global_batch(4, world_size=3, per_device=2)
+    >>> split_global_batch(4, world_size=3, per_device=2)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: the checkpoint's global batch of 4 samples per step cannot be split evenly over 3 ranks; resume on a number of ranks that divides 4 (e.g. 1, 2 or 4), or start a new run with another batch
+    ValueError: the checkpoint's global batch of 4 samples per step cannot be split evenly over 3 ranks; resume on a
+    number of ranks that divides 4 (e.g. 1, 2 or 4), or start a new run with another batch
     """
     if batch % world_size:
         divisors = [d for d in range(1, batch + 1) if batch % d == 0]

@@ -303,10 +303,12 @@ def already_saved(path: str | os.PathLike, run: Mapping[str, str] | None, step: 
 def check_step(meta: Mapping[str, Any], source: str | os.PathLike, total_steps: int) -> None:
     """Refuse a checkpoint whose step lies beyond the run's ``total_steps``, naming the path and field.
 
-    >>> check_step({"step": 10**15}, "out/checkpoint-9", 100)
+    >>> check_step({"step": 10**15}, "out/checkpoint-9", 100)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    trainfold.ckpt.sidecar.CheckpointError: out/checkpoint-9/trainfold.json: field 'step' is 1000000000000000, beyond this run's 100 steps (max_steps / num_train_epochs); it is not a checkpoint of this run: resume from another checkpoint, or raise max_steps
+    trainfold.ckpt.sidecar.CheckpointError: out/checkpoint-9/trainfold.json: field 'step' is 1000000000000000, beyond
+    this run's 100 steps (max_steps / num_train_epochs); it is not a checkpoint of this run: resume from another
+    checkpoint, or raise max_steps
     """
     if meta["step"] > total_steps:
         raise CheckpointError(

@@ -160,10 +160,12 @@ def validate_sidecar(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
     >>> from trainfold.core.state import init_state
     >>> from trainfold.ckpt.writer import save
     >>> meta = read_metadata(save(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp() + "/c"))
-    >>> validate_sidecar({**meta, "files": {}}, "c/trainfold.json")
+    >>> validate_sidecar({**meta, "files": {}}, "c/trainfold.json")  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    trainfold.ckpt.sidecar.CheckpointError: c/trainfold.json: field 'files.state.safetensors' is missing: every tensor file must be listed with its size and CRC; the sidecar is damaged or was not written by trainfold; resume from another checkpoint
+    trainfold.ckpt.sidecar.CheckpointError: c/trainfold.json: field 'files.state.safetensors' is missing: every tensor
+    file must be listed with its size and CRC; the sidecar is damaged or was not written by trainfold; resume from
+    another checkpoint
     """
     path = Path(path)
     version = _check_version(meta, path)

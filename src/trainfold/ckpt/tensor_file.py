@@ -169,7 +169,7 @@ def _entries(path: str | os.PathLike, header: bytes, data_size: int) -> list[tup
         out.append((name, dtype, shape, span[0]))
     out.sort(key=lambda e: e[3])
     end = 0
-    for name, dtype, shape, start in out:
+    for name, _dtype, _shape, start in out:
         if start != end:
             raise TensorFileError(f"{path} is not a readable safetensors file ({name!r} starts at {start}, not {end})")
         end = start + parsed[name]["data_offsets"][1] - parsed[name]["data_offsets"][0]

@@ -231,7 +231,10 @@ class OutputHead:
     weight_name: str | None
 
     def hidden(self, forward: Any, params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Tensor:
-        """Return the final hidden states ``(batch, seq, hidden)`` of ``forward(params, inputs)``, computing no logits."""
+        """Return the final hidden states ``(batch, seq, hidden)`` of ``forward(params, inputs)``.
+
+        It computes no logits.
+        """
         first = next(iter(inputs.values()))
         no_positions = torch.empty(0, dtype=torch.long, device=first.device)
         outputs = forward(params, {**inputs, "logits_to_keep": no_positions, "output_hidden_states": True})

@@ -81,8 +81,8 @@ def fit(
     >>> fit(lambda s, b: s + [b], [], "abc"), fit(lambda s, b: s + b, 5, [])
     (['a', 'b', 'c'], 5)
     """
-    for state in _trajectory(step, state, batches, stop, donate, True):
-        pass
+    for new in _trajectory(step, state, batches, stop, donate, True):
+        state = new
     return state
 
 

@@ -223,7 +223,9 @@ def init_state(
     >>> init_state(lin, sgd(0.1), copy=False).params["weight"].data_ptr() == lin.weight.data_ptr()
     True
 
-    >>> s = init_state(torch.nn.Linear(2, 1), sgd(0.1), seed=7, params={"weight": torch.ones(1, 2), "bias": torch.zeros(1)})
+    >>> s = init_state(
+    ...     torch.nn.Linear(2, 1), sgd(0.1), seed=7, params={"weight": torch.ones(1, 2), "bias": torch.zeros(1)}
+    ... )
     >>> s.params["weight"].tolist(), s.seed.item(), s.step.item()
     ([[1.0, 1.0]], 7, 0)
     """

@@ -311,7 +311,8 @@ def _iterable_stream(
         current = next(steps, None)
         if current is None:
             raise ValueError(
-                f"epoch {epoch} of {type(dataset).__name__} gives no optimizer step (too few samples for the batch sizes)"
+                f"epoch {epoch} of {type(dataset).__name__} gives no optimizer step "
+                "(too few samples for the batch sizes)"
             )
         while current is not None:
             pos, step = current

@@ -19,7 +19,9 @@ def _strategy(value: Any) -> str:
 
 
 def resolve_eval_steps(eval_steps: float | None, logging_steps: float = 500, max_steps: int | None = None) -> int:
-    """Return the eval interval in steps: ``eval_steps``, else ``logging_steps``; a value below 1 is a share of ``max_steps``.
+    """Return the eval interval in steps: ``eval_steps``, else ``logging_steps``.
+
+    A value below 1 is a share of ``max_steps``.
 
     >>> resolve_eval_steps(None, logging_steps=50), resolve_eval_steps(0.25, max_steps=10)
     (50, 3)

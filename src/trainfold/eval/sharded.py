@@ -9,7 +9,9 @@ so every rank returns what one process would on the whole set.
 >>> from trainfold.dist.distributed import SingleProcess
 >>> forward = lambda params, inputs: torch.nn.functional.embedding(inputs["input"], params["weight"])
 >>> batches = [{"input": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}]
->>> m = evaluate_sharded(forward, {"weight": torch.zeros(5, 5)}, batches, collective=SingleProcess(), speed_metrics=False)
+>>> m = evaluate_sharded(
+...     forward, {"weight": torch.zeros(5, 5)}, batches, collective=SingleProcess(), speed_metrics=False
+... )
 >>> round(m["eval_loss"], 4)  # ln 5, over the 2 labels left after the causal shift
 1.6094
 """
@@ -98,7 +100,9 @@ def predict_sharded(
     >>> from trainfold.dist.distributed import SingleProcess
     >>> forward = lambda params, inputs: params["weight"][inputs["input"]]
     >>> batches = [{"input": torch.tensor([[0, 1]]), "labels": torch.tensor([[0, 1]])}]
-    >>> out = predict_sharded(forward, {"weight": torch.eye(2)}, batches, collective=SingleProcess(), speed_metrics=False)
+    >>> out = predict_sharded(
+    ...     forward, {"weight": torch.eye(2)}, batches, collective=SingleProcess(), speed_metrics=False
+    ... )
     >>> out.predictions.tolist(), out.label_ids.tolist()
     ([[[1.0, 0.0], [0.0, 1.0]]], [[0, 1]])
     """

@@ -131,10 +131,11 @@ def optimizer_plan(optimizer: GradientTransformation) -> OptimizerPlan:
     >>> plan = optimizer_plan(chain(clip_by_global_norm(1.0), adamw(1e-3)))
     >>> plan.clips, plan.b1
     ((1.0,), 0.9)
-    >>> optimizer_plan(sgd(0.1))
+    >>> optimizer_plan(sgd(0.1))  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    TypeError: sgd: trace has no element-wise path in the compiled and ensemble steps; they support chain(clip_by_global_norm(...), adamw(...)): use trainfold.adamw, or the eager step
+    TypeError: sgd: trace has no element-wise path in the compiled and ensemble steps; they support
+    chain(clip_by_global_norm(...), adamw(...)): use trainfold.adamw, or the eager step
     """
     parts = list(optimizer.elementwise())
     head: list[ElementwiseClip] = []

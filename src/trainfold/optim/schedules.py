@@ -250,6 +250,24 @@ def warmup_stable_decay(
 
 # -- by name, as TrainingArguments.lr_scheduler_type -----------------------------------------------
 
+
+def _named_warmup_stable_decay(
+    value,
+    warmup,
+    total,
+    num_decay_steps,
+    num_stable_steps=None,
+    warmup_type="linear",
+    decay_type="cosine",
+    min_lr_ratio=0.0,
+    num_cycles=0.5,
+):
+    """``warmup_stable_decay`` taking ``(value, warmup, total)`` first, as every entry of ``_NAMED`` does."""
+    return warmup_stable_decay(
+        value, warmup, num_decay_steps, total, num_stable_steps, warmup_type, decay_type, min_lr_ratio, num_cycles
+    )
+
+
 _NAMED: dict[str, Callable[..., Schedule]] = {
     "linear": lambda value, warmup, total: linear(value, warmup, total),
     "cosine": lambda value, warmup, total, num_cycles=0.5: cosine(value, warmup, total, num_cycles),
@@ -263,11 +281,7 @@ _NAMED: dict[str, Callable[..., Schedule]] = {
     "constant": lambda value, warmup, total: constant(value),
     "constant_with_warmup": lambda value, warmup, total: constant(value, warmup),
     "inverse_sqrt": lambda value, warmup, total, timescale=None: inverse_sqrt(value, warmup, timescale),
-    "warmup_stable_decay": lambda value, warmup, total, num_decay_steps, num_stable_steps=None, warmup_type="linear", decay_type="cosine", min_lr_ratio=0.0, num_cycles=0.5: (
-        warmup_stable_decay(
-            value, warmup, num_decay_steps, total, num_stable_steps, warmup_type, decay_type, min_lr_ratio, num_cycles
-        )
-    ),
+    "warmup_stable_decay": _named_warmup_stable_decay,
 }
 SCHEDULE_NAMES = tuple(_NAMED)
 _NOT_PURE = {"reduce_lr_on_plateau": "it follows evaluation metrics, not the step"}

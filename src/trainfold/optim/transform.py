@@ -45,7 +45,9 @@ class StepRule:
     >>> rule = StepRule(0.5, {"w": 0.1})
     >>> rule.groups({"w": 0, "b": 0})
     [(['w'], 0.1), (['b'], 0.0)]
-    >>> new = rule.apply({"w": torch.tensor(2.0), "b": torch.tensor(2.0)}, {"w": torch.tensor(1.0), "b": torch.tensor(1.0)})
+    >>> new = rule.apply(
+    ...     {"w": torch.tensor(2.0), "b": torch.tensor(2.0)}, {"w": torch.tensor(1.0), "b": torch.tensor(1.0)}
+    ... )
     >>> {k: round(v.item(), 4) for k, v in new.items()}
     {'w': 1.4, 'b': 1.5}
     """

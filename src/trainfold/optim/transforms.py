@@ -205,10 +205,11 @@ def scale_by_learning_rate(learning_rate: float | Schedule) -> ScaleByLearningRa
     The count comes from a part of the chain that counts updates (``scale_by_adam``, ``trace``).
 
     >>> opt = scale_by_learning_rate(0.1)
-    >>> opt.update({"w": torch.tensor(2.0)}, None, {"w": torch.tensor(0.0)})
+    >>> opt.update({"w": torch.tensor(2.0)}, None, {"w": torch.tensor(0.0)})  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: scale_by_learning_rate reads the update count from a part of its chain that counts updates; put it in a chain after scale_by_adam(...) or trace(...)
+    ValueError: scale_by_learning_rate reads the update count from a part of its chain that counts updates; put it in a
+    chain after scale_by_adam(...) or trace(...)
     """
     return ScaleByLearningRate(as_schedule(learning_rate))
 

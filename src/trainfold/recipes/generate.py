@@ -119,9 +119,10 @@ def generate(
     """Sample a completion for each prompt (token id lists); return the completions' token ids.
 
     Tokens are drawn from ``softmax(logits / temperature)`` with ``generator`` (``temperature=0``
-    takes the argmax); a CPU generator also serves a model on another device. A completion stops after its first ``eos_token_id`` (which it keeps) or
-    after ``max_new_tokens`` tokens. The model runs in eval mode (no dropout) on ``params``; the
-    module's own weights and training flag are left as they were.
+    takes the argmax); a CPU generator also serves a model on another device. A completion stops
+    after its first ``eos_token_id`` (which it keeps) or after ``max_new_tokens`` tokens. The model
+    runs in eval mode (no dropout) on ``params``; the module's own weights and training flag are
+    left as they were.
 
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
     >>> _ = torch.manual_seed(0)

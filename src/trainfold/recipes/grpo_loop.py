@@ -245,7 +245,9 @@ def make_rollout(
 
 
 def rollout_metrics(batch: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """Return the step's reward metrics: ``reward`` and ``rewards/<name>/mean`` (NaN-free means), ``completions/mean_length``.
+    """Return the step's reward metrics: ``reward``, ``rewards/<name>/mean``, ``completions/mean_length``.
+
+    The means are NaN-free.
 
     >>> import torch
     >>> mb = {"rewards": torch.tensor([1.0, 3.0]), "completion_mask": torch.tensor([[0, 1], [1, 1]])}

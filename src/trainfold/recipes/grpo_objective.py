@@ -40,7 +40,10 @@ def next_token_logps(
     chunk_size: int,
     temperature: float,
 ) -> Tensor:
-    """Return each next token's log-prob ``(batch, seq - 1)``: from the logits, or chunk by chunk from the hidden states."""
+    """Return each next token's log-prob ``(batch, seq - 1)``.
+
+    From the logits, or chunk by chunk from the hidden states.
+    """
     ids = inputs["input_ids"]
     if head is None:
         return token_logps(logits_of(forward(params, inputs)), ids, temperature)
@@ -164,7 +167,8 @@ class GRPOObjective:
         if self.beta != 0:
             if "ref_logps" not in micro_batch:
                 raise KeyError(
-                    "grpo_objective has beta != 0 but the micro-batch has no 'ref_logps': pass ref_params to make_rollout"
+                    "grpo_objective has beta != 0 but the micro-batch has no 'ref_logps': "
+                    "pass ref_params to make_rollout"
                 )
             ref = micro_batch["ref_logps"].to(logps)
             kl = torch.exp(ref - logps) - (ref - logps) - 1

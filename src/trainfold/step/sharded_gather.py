@@ -1,4 +1,4 @@
-"""How the sharded step gathers: one transformer block's full params at a time, freed after use (``trainfold.step.sharded``).
+"""How ``trainfold.step.sharded`` gathers: one transformer block's full params at a time, freed after use.
 
 ``find_layout`` finds where each param lives in the module: the root's slots (embeddings, head, final
 norm: gathered for the whole forward) and each block's (``recompute.checkpoint_blocks``; gathered
