@@ -56,6 +56,7 @@ RESUME_KEYS = (
 
 
 _SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
+SAVE_STRATEGIES = _SAVE_STRATEGIES  # public: TrainingArguments checks the same names (one owner)
 
 
 def should_save(
