@@ -12,7 +12,7 @@ from trainfold.data.pipeline import loader_errors
 from trainfold.data.samplers import STRATEGIES as SAMPLING_STRATEGIES
 from trainfold.eval.schedule import EVAL_STRATEGIES
 from trainfold.hf.args_features import combination_problems, optim_problems
-from trainfold.observe.observers import LOGGING_STRATEGIES
+from trainfold.observe.observers import LOGGING_STRATEGIES, TOKEN_MODES
 from trainfold.observe.reporters import LOG_LEVELS, REPORTERS
 from trainfold.optim.schedules import schedule_kwargs_problems
 
@@ -239,7 +239,7 @@ _COMPILE_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autot
 def _option_problems(args: Any) -> list[str]:
     """Name the settings whose value is not one trainfold supports."""
     out = []
-    if args.tokens_seen not in ("no", "all", "non_padding"):
+    if args.tokens_seen not in ("no", *TOKEN_MODES):
         out.append(
             f"include_num_input_tokens_seen={args.include_num_input_tokens_seen!r} is not one of "
             "'all', 'non_padding', 'no' (or True / False)"

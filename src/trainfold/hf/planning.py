@@ -6,7 +6,7 @@
 >>> rows = [{"x": [1.0, 2.0], "labels": 0.5}] * 8
 >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=4, per_device_train_batch_size=2,
 ...                          gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=2)
->>> plan = plan_for(model, args, rows, rows, compute_loss_func=lambda out, labels, n: out.sum())
+>>> plan = plan_for(model, args, rows, rows, compute_loss_func=lambda outputs, labels, n: outputs.sum())
 >>> plan.sampler.gradient_accumulation_steps, plan.schedule.total_steps, plan.stops.names
 (2, 4, ('max_steps',))
 """
@@ -23,7 +23,7 @@ from trainfold.ckpt.elastic import elastic_args
 from trainfold.core.collective import Collective
 from trainfold.core.state import TrainState
 from trainfold.hf.callback_checks import check_observers, split_early_stopping
-from trainfold.hf.evaluating import eval_plan_for
+from trainfold.hf.evaluating import EvalPlan, eval_plan_for
 from trainfold.hf.extras import run_extras
 from trainfold.hf.inputs import RunInputs, device_for, run_inputs
 from trainfold.hf.optimizer import default_optimizer
@@ -87,7 +87,6 @@ def plan_for(
     args: Any,
     train_dataset: Any,
     eval_dataset: Any = None,
-    *,
     data_collator: Callable[[list[Any]], Any] | None = None,
     compute_loss_func: Callable[..., Any] | None = None,
     objective: Callable[..., Any] | None = None,
@@ -102,7 +101,7 @@ def plan_for(
     callbacks: Sequence[Any] = (),
     train_stream: Any = None,
 ) -> Plan:
-    """Return the run ``train`` would make of these arguments (``train``'s own), checked, before any step."""
+    """Return the run ``train`` makes of its arguments (the same, in ``train``'s order), checked, before any step."""
     device = device_for(args)
     rank, world_size = world_of(collective)
     args = elastic_args(args, resume_from_checkpoint, world_size)  # another world: the saved global batch
@@ -110,20 +109,8 @@ def plan_for(
     inputs = run_inputs(model, args, train_dataset, eval_dataset, *given, world_size=world_size, device=device)
     sampler = sampler_for(args, inputs.train_dataset, world_size=world_size, rank=rank)
     schedule = schedule_for(args, sampler, train_stream)
-    evals = eval_plan_for(
-        args,
-        inputs.eval_dataset,
-        inputs.eval_collate,
-        total_steps=schedule.total_steps,
-        loss=inputs.loss,
-        device=device,
-        collective=collective,
-        objective=inputs.eval_objective,
-        compute_metrics=compute_metrics,
-        preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-        label_key=inputs.columns.label_key,
-        evaluator=train_stream.evaluate if train_stream is not None else None,
-    )
+    scoring = dict(compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+    evals = _evals(args, inputs, schedule.total_steps, device, collective, train_stream, **scoring)
     check_observers(observers)
     callbacks, early, metric_key = early_stopping_for(args, callbacks, early_stopping)
     optimizer = optimizer or default_optimizer(model, args, schedule.total_steps)
@@ -145,15 +132,46 @@ def plan_for(
         step=step,
         sharding=sharding,
         evals=evals,
-        logging=logging_for(args, schedule.total_steps),
-        checkpoints=CheckpointPlan.from_args(args),
-        reporters=ReporterPlan.from_args(args, writer=rank == 0),
-        stops=stop_rules(schedule.total_steps, early, stop, collective),
         early=early,
         metric_key=metric_key,
         extras=run_extras(args, metric_key=metric_key, early=early, stream_extras=stream_extras),
-        settings={**args.to_dict(), "world_size": world_size},
         callbacks=callbacks,
         observers=tuple(observers),
         stream=train_stream,
+        **_reporting(args, schedule.total_steps, rank, world_size),
+        stops=stop_rules(schedule.total_steps, early, stop, collective),
+    )
+
+
+def _evals(
+    args: Any,
+    inputs: RunInputs,
+    total_steps: int,
+    device: Any,
+    collective: Collective | None,
+    stream: Any,
+    **scoring: Any,
+) -> EvalPlan:
+    return eval_plan_for(
+        args,
+        inputs.eval_dataset,
+        inputs.eval_collate,
+        total_steps=total_steps,
+        loss=inputs.loss,
+        device=device,
+        collective=collective,
+        objective=inputs.eval_objective,
+        label_key=inputs.columns.label_key,
+        evaluator=stream.evaluate if stream is not None else None,
+        **scoring,
+    )
+
+
+def _reporting(args: Any, total_steps: int, rank: int, world_size: int) -> dict[str, Any]:
+    """Return the plan's logging, checkpoint and reporter pieces, and the settings a checkpoint records."""
+    return dict(
+        logging=logging_for(args, total_steps),
+        checkpoints=CheckpointPlan.from_args(args),
+        reporters=ReporterPlan.from_args(args, writer=rank == 0),
+        settings={**args.to_dict(), "world_size": world_size},
     )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -13,6 +15,7 @@ from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.sharded import is_sharded
 from trainfold.core.state import TrainState, init_state, lend
 from trainfold.core.tree import map_tensors
+from trainfold.data.pipeline import close_loader
 from trainfold.hf.plan import Plan
 from trainfold.observe import history as log_file
 from trainfold.observe.observers import MetricWindow
@@ -70,7 +73,10 @@ class Start:
 
 
 def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
-    """Return the run's ``Start``: ``state`` as made, or loaded from ``claim.source`` (checked against the plan)."""
+    """Return the run's ``Start``: ``state`` as made, or loaded from ``claim.source`` (checked against the plan).
+
+    What the run opens is closed when the claim is released: the log history, the eval loaders' workers.
+    """
     source, window, meta = claim.source, MetricWindow(), None
     if source is not None:
         meta = ckpt.read_metadata(source)
@@ -95,4 +101,7 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
         claim.on_release(history.close)
     if plan.sharding is not None:  # a replicated checkpoint resumed sharded: its tensors are distributed
         state = sharded.shard_state(state, plan.sharding.mesh)
+    for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
+        claim.on_release(functools.partial(close_loader, eval_set.loader))
+    Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
     return Start(state, window, history, source)

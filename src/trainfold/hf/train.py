@@ -14,12 +14,31 @@ the latest state, whatever the status — a diverged run leaves it with the inf/
 ``result.state`` (load ``result.last_checkpoint`` for the last finite weights), a run that raises
 leaves it with the weights of the last step that completed. The other parts never change a
 module they are not lent (``result.apply_to(other)`` copies a result into another module).
+
+The arguments: ``compute_loss_func(outputs, labels, num_items_in_batch)`` is the loss (default: the
+model's task's loss, ``losses.default_loss_for``: causal LM, classification, regression...);
+``objective`` replaces the forward pass and loss together. ``eval_dataset`` may be a dict of named
+sets: each is evaluated on its own and logged with metrics ``eval_{name}_*``, as in HF. ``optimizer``
+replaces the default (clipping + AdamW on ``lr_scheduler_type``). ``observers`` are called
+``(state, logs)`` on every log. ``early_stopping`` (from ``trainfold.observe.stopping.early_stopping``)
+and ``stop(state)`` end the run early (status ``stopped``); a SIGTERM with ``enable_jit_checkpoint``
+ends it at the next step boundary with a checkpoint (status ``preempted``). A run whose parameters
+turn inf/NaN stops there (status ``diverged``, a warning, ``metrics["diverged_at_step"]``) without
+saving them; a float16 step that loss scaling skipped is not divergence. ``callbacks`` take
+``transformers.TrainerCallback`` objects (``trainfold.hf.callbacks``). Under ``torchrun`` it joins the
+process group itself (``collective=`` overrides), so N processes of batch B train as one of batch N×B.
+``train_stream`` (a ``data.StateStream``) replaces the sampler and stream with steps made from the
+state they start from: ``trainfold.recipes.grpo.train`` runs GRPO through it.
+
+The run is a ``Plan`` (``hf.plan``), built before any step by ``hf.planning.plan_for`` from these
+arguments: the sampler, schedule, optimizer, step, eval plan (``hf.evaluating``), checkpoint policy,
+reporters and stop rules, each a record of its own; ``hf.run`` holds the side effects after each
+step, ``hf.resume`` the first state.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import time
 import warnings
@@ -39,7 +58,7 @@ from trainfold.core.collective import Collective
 from trainfold.core.determinism import warm_up_kernels
 from trainfold.core.fold import trajectory
 from trainfold.core.state import TrainState, counters
-from trainfold.data.pipeline import StateStream, close_loader, stream
+from trainfold.data.pipeline import StateStream, stream
 from trainfold.dist.distributed import joins_torchrun
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.callback_checks import set_transformers_verbosity
@@ -143,24 +162,7 @@ def train(
 ) -> TrainResult:
     """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record.
 
-    ``compute_loss_func(outputs, labels, num_items_in_batch)`` is the loss (default: the model's task's
-    loss, ``losses.default_loss_for``: causal LM, classification, regression...);
-    ``objective`` replaces the forward pass and loss together. ``eval_dataset`` may be a dict of
-    named sets: each is evaluated on its own and logged with metrics ``eval_{name}_*``, as in HF.
-    ``optimizer`` replaces the default (clipping + AdamW on ``lr_scheduler_type``). ``observers``
-    are called ``(state, logs)`` on every log. ``early_stopping`` (from
-    ``trainfold.observe.stopping.early_stopping``) and ``stop(state)`` end the run early (status
-    ``stopped``); a SIGTERM with ``enable_jit_checkpoint`` ends it at the next step boundary with a
-    checkpoint (status ``preempted``). A run whose parameters turn inf/NaN stops there (status
-    ``diverged``, a warning, ``metrics["diverged_at_step"]``) without saving them; a float16 step
-    that loss scaling skipped is not divergence. ``callbacks`` take ``transformers.TrainerCallback``
-    objects (``trainfold.hf.callbacks``). Under ``torchrun`` it joins the process group itself
-    (``collective=`` overrides), so N processes of batch B train as one of batch N×B. At the end
-    ``model`` holds the final weights (the best ones with ``load_best_model_at_end``), as after
-    HF's ``trainer.train()`` (train the module's own storage: see the module docstring for the rule on
-    divergence and failure). ``train_stream`` (a
-    ``data.StateStream``) replaces the sampler and stream with steps made from the state they start
-    from: ``trainfold.recipes.grpo.train`` runs GRPO through it.
+    The run is ``hf.planning.plan_for``'s ``Plan`` of these arguments (the module docstring says what each does).
 
     >>> import tempfile, torch
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
@@ -179,32 +181,13 @@ def train(
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     rank = collective.rank if collective is not None else 0
     set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
-    plan = plan_for(
-        model,
-        args,
-        train_dataset,
-        eval_dataset,
-        data_collator=data_collator,
-        compute_loss_func=compute_loss_func,
-        objective=objective,
-        compute_metrics=compute_metrics,
-        preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-        optimizer=optimizer,
-        observers=observers,
-        resume_from_checkpoint=resume_from_checkpoint,
-        early_stopping=early_stopping,
-        stop=stop,
-        collective=collective,
-        callbacks=callbacks,
-        train_stream=train_stream,
-    )
+    given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
+    rest = (observers, resume_from_checkpoint, early_stopping, stop, collective, callbacks, train_stream)
+    plan = plan_for(model, args, train_dataset, eval_dataset, *given, *rest)  # train's arguments, in order
     state = initial_state(plan)
     claim = claim_for(plan, state, resume_from_checkpoint)
     with claim.releasing_on_error():  # the lock is held until the run ends (the `with claim` below)
         begin = start(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
-        for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
-            claim.on_release(functools.partial(close_loader, eval_set.loader))
-        Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
     with claim:  # released if the run raises
         result = _session(plan, begin, claim.run)
     return _ending(plan, result)
@@ -249,7 +232,8 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
         if plan.evals.on_start and begin.source is None:
             state, _ = evaluate_and_record(run, state, track=False)
         state, status, signal = _trained(run, hf, state, start_state, bar)
-        samples = (int(state.step) - int(start_state.step)) * plan.samples_per_step if plan.samples_per_step else None
+        per_step = plan.samples_per_step
+        samples = (int(state.step) - int(start_state.step)) * per_step if per_step is not None else None
         summary = train_summary(
             state, start_state, time.monotonic() - started, samples, steps_per_epoch=plan.schedule.steps_per_epoch
         )
@@ -324,7 +308,7 @@ def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[st
     """Return how the run ended, from the stop rule that held: diverged, preempted, stopped or completed."""
     total = run.plan.schedule.total_steps
     if run.diverged or diverged(state, confirm=True):
-        warnings.warn(divergence_message(state, run.saved[-1] if run.saved else None), RuntimeWarning, stacklevel=6)
+        warnings.warn(divergence_message(state, run.saved[-1] if run.saved else None), RuntimeWarning, stacklevel=5)
         return DIVERGED
     if preemption is not None and preemption.requested():
         # A signal after the last step (during the final save) ends nothing: the run is complete.

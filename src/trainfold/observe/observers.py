@@ -57,6 +57,7 @@ __all__ = [
 
 LOG_MARK = "log_mark"
 TOKENS_SEEN = "num_input_tokens_seen"  # the key of the running input-token count in state.extras
+TOKEN_MODES = ("all", "non_padding")  # what counting_input_tokens counts (include_num_input_tokens_seen)
 LOGGING_STRATEGIES = ("no", "steps", "epoch")
 
 # An observer sees the state and the entry just logged: the functional form of a callback.
@@ -483,7 +484,7 @@ def counting_input_tokens(
     >>> int(counted(s, batch).extras[TOKENS_SEEN])
     3
     """
-    if mode not in ("all", "non_padding"):
+    if mode not in TOKEN_MODES:
         raise ValueError(f"mode={mode!r} must be 'all' or 'non_padding'")
 
     def tokens(micro: Mapping[str, Any]) -> int:
