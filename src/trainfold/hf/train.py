@@ -221,11 +221,11 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
     ) as reporters:
         run = Run(
             plan,
-            reporters.including(bar),  # the console shows each log, evaluation and the summary
-            begin.history,
-            begin.window,
-            run_id,
-            Saver(plan.checkpoints.async_save, plan.checkpoints.consolidated),
+            reporters=reporters.including(bar),  # the console shows each log, evaluation and the summary
+            history=begin.history,
+            window=begin.window,
+            run_id=run_id,
+            saver=Saver(plan.checkpoints.async_save, plan.checkpoints.consolidated),
             all_ranks_save=is_sharded(state),
         )
         run, hf = callback_adapter(run, state)  # HF TrainerCallbacks, or None
