@@ -114,7 +114,7 @@ def test_optim_args_are_parsed_like_hf():
 def test_every_setting_has_its_type_checked():
     import attrs
 
-    from trainfold.hf.args import _TYPES
+    from trainfold.hf.args_checks import TYPES as _TYPES
 
     assert set(_TYPES) == {f.name for f in attrs.fields(TrainingArguments)}
 

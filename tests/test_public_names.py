@@ -1,5 +1,5 @@
-"""Every name ``trainfold.__all__`` offered before the restructure still works, with every name its
-old modules exported (``trainfold.checkpoint.save``, ``trainfold.grpo.train`` ...): module paths moved, the API did not."""
+"""Every name ``trainfold.__all__`` offered before the restructure still works, with every name its old
+modules exported (``trainfold.checkpoint.save``, ``trainfold.grpo.train`` ...): module paths moved, the API did not."""
 
 import pytest
 

@@ -19,6 +19,7 @@ from trainfold.core.chunked_loss import chunked_causal_lm
 from trainfold.core.determinism import warm_up_kernels
 from trainfold.core.fold import any_of, fit, max_steps, max_time, trajectory
 from trainfold.core.state import Cursor, TrainState, init_state
+from trainfold.core.version import library_version
 from trainfold.data import StepBatch, keyed, packing, pad_collate, samplers, stream
 from trainfold.data.packing import pack, packed_collate, padding_free_collate
 from trainfold.data.samplers import Sampler, make_sampler
@@ -35,7 +36,7 @@ from trainfold.recipes import dpo, ensemble, generate
 from trainfold.recipes.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
 from trainfold.step import compiled, make_step
 
-__version__ = "0.1.0"
+__version__ = library_version()
 
 __all__ = [
     "Cursor",

@@ -285,10 +285,11 @@ def check_compatible(
     >>> check_compatible({"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 2, "learning_rate": 1.0})
     >>> batch = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
     >>> check_compatible({**batch, "world_size": 2}, {**batch, "gradient_accumulation_steps": 2, "world_size": 1})
-    >>> check_compatible({"world_size": 2}, {"world_size": 4})
+    >>> check_compatible({"world_size": 2}, {"world_size": 4})  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
-    ValueError: cannot resume from the checkpoint with different settings: world_size: saved 2, now 4; resume with the saved values or start a new run (warm_start)
+    ValueError: cannot resume from the checkpoint with different settings: world_size: saved 2, now 4;
+    resume with the saved values or start a new run (warm_start)
     """
     absent = object()
     if elastic.global_batch(saved_settings) is not None and elastic.global_batch(

@@ -17,9 +17,10 @@ import os
 import re
 import zlib
 from collections.abc import Mapping
-from importlib import metadata as _metadata
 from pathlib import Path
 from typing import Any
+
+from trainfold.core.version import library_version
 
 __all__ = [
     "STATE_FILE",
@@ -58,13 +59,6 @@ class CheckpointWarning(UserWarning):
     """A directory named like a checkpoint that ``list_checkpoints`` skipped, and why."""
 
 
-def _version() -> str:
-    try:
-        return _metadata.version("trainfold")
-    except _metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def new_sidecar(
     *,
     step: int,
@@ -83,7 +77,7 @@ def new_sidecar(
     return {
         "format": _FORMAT,
         "format_version": _FORMAT_VERSION,
-        "library_version": _version(),
+        "library_version": library_version(),
         "step": step,
         "epoch": epoch,
         "cursor": {"epoch": epoch, "position": position},

@@ -38,7 +38,8 @@ def loader_errors(num_workers: int, persistent_workers: bool, prefetch_factor: i
             )
         if prefetch_factor is not None:
             errors.append(
-                f"dataloader_prefetch_factor={prefetch_factor} needs dataloader_num_workers > 0 (workers prefetch)"
+                f"dataloader_prefetch_factor needs dataloader_num_workers > 0: dataloader_prefetch_factor="
+                f"{prefetch_factor} needs worker processes to prefetch (set dataloader_num_workers, or leave it None)"
             )
     if prefetch_factor is not None and (not isinstance(prefetch_factor, int) or prefetch_factor <= 0):
         errors.append(f"dataloader_prefetch_factor={prefetch_factor!r} must be a positive int or None")

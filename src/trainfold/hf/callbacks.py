@@ -35,13 +35,23 @@ small gain), and its counter is in the checkpoint.
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from trainfold.core.state import TrainState
+from trainfold.hf.callback_checks import (
+    REFUSED_HOOKS,
+    by_epoch,
+    check_callbacks,
+    check_observers,
+    refused_hooks,
+    set_transformers_verbosity,
+    split_early_stopping,
+    transformers_module,
+)
+from trainfold.hf.extras import BEST
 
 __all__ = [
     "REFUSED_HOOKS",
@@ -55,127 +65,12 @@ __all__ = [
     "set_transformers_verbosity",
 ]
 
-# hook -> why a trainfold run cannot call it
-REFUSED_HOOKS: dict[str, str] = {
-    "on_pre_optimizer_step": "it runs between clipping and the optimizer update, to change gradients in place",
-    "on_optimizer_step": "it runs right after the optimizer update, to change parameters or optimizer state",
-    "on_substep_end": "it runs between the micro-batches of one step, which is a pure function here",
-    "on_prediction_step": "it runs inside evaluation, for each batch",
-}
-
-
-def refused_hooks(callback: Any) -> list[str]:
-    """Return the hooks of ``REFUSED_HOOKS`` that ``callback`` overrides (compared with ``TrainerCallback``).
-
-    >>> import transformers
-    >>> class Clip(transformers.TrainerCallback):
-    ...     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-    ...         pass
-    >>> refused_hooks(Clip()), refused_hooks(transformers.EarlyStoppingCallback())
-    (['on_pre_optimizer_step'], [])
-    """
-    base = _transformers().TrainerCallback if _has_transformers() else None
-    if base is None or not isinstance(callback, base):
-        return []
-    return [h for h in REFUSED_HOOKS if getattr(type(callback), h, None) is not getattr(base, h)]
-
-
-def _has_transformers() -> bool:
-    import importlib.util  # noqa: PLC0415
-
-    return importlib.util.find_spec("transformers") is not None
-
-
-def _transformers() -> Any:
-    import transformers  # noqa: PLC0415 - optional, only when callbacks are given
-
-    return transformers
-
-
-def check_callbacks(callbacks: Sequence[Any]) -> list[Any]:
-    """Return the callbacks as a list of instances (a class is instantiated, as in HF), or raise naming each problem.
-
-    >>> check_callbacks([])
-    []
-    >>> try:
-    ...     check_callbacks([print])
-    ... except TypeError as err:
-    ...     print(str(err).replace("; ", ";\\n"))
-    callbacks take transformers.TrainerCallback objects;
-    got builtin_function_or_method print (a function (state, logs) -> None is an observer: pass it as observers=[...])
-    """
-    out, problems = [], []
-    if not callbacks:
-        return out
-    for cb in callbacks:
-        if not _has_transformers():
-            raise ImportError(
-                "callbacks= takes transformers.TrainerCallback objects, which needs transformers: "
-                "pip install 'trainfold[hf]'"
-            )
-        base = _transformers().TrainerCallback
-        cb = cb() if isinstance(cb, type) and issubclass(cb, base) else cb
-        if not isinstance(cb, base):
-            name = getattr(cb, "__name__", repr(cb))
-            problems.append(
-                f"callbacks take transformers.TrainerCallback objects; got {type(cb).__name__} {name}"
-                + (
-                    " (a function (state, logs) -> None is an observer: pass it as observers=[...])"
-                    if callable(cb)
-                    else ""
-                )
-            )
-            continue
-        for hook in refused_hooks(cb):
-            problems.append(
-                f"{type(cb).__name__} overrides {hook}, which trainfold cannot call: "
-                f"{REFUSED_HOOKS[hook]}. Express the change as a GradientTransformation "
-                "(optimizer=chain(...)) or an objective"
-            )
-        out.append(cb)
-    if problems:
-        raise TypeError("\n".join(problems))
-    return out
-
-
-def split_early_stopping(callbacks: Sequence[Any], args: Any, early_stopping: Any) -> tuple[list[Any], Any]:
-    """Return ``(other_callbacks, early_stopping)``: an ``EarlyStoppingCallback`` becomes trainfold's record.
-
-    It needs ``metric_for_best_model`` and an ``eval_strategy`` (HF asserts both), and cannot be combined
-    with an ``early_stopping=`` argument.
-    """
-    from trainfold.ckpt.policy import greater_is_better_for  # noqa: PLC0415
-    from trainfold.observe.stopping import early_stopping as make_early_stopping  # noqa: PLC0415
-
-    callbacks = check_callbacks(callbacks)
-    stoppers = [cb for cb in callbacks if isinstance(cb, _transformers().EarlyStoppingCallback)]
-    if not stoppers:
-        return callbacks, early_stopping
-    problems = []
-    if len(stoppers) > 1 or early_stopping is not None:
-        problems.append("give early stopping once: one EarlyStoppingCallback, or early_stopping=, not both")
-    if args.metric_key is None:
-        problems.append("EarlyStoppingCallback needs metric_for_best_model (e.g. 'loss'), as in HF")
-    if args.eval_strategy == "no":
-        problems.append("EarlyStoppingCallback needs eval_strategy 'steps' or 'epoch', as in HF")
-    if problems:
-        raise ValueError("\n".join(problems))
-    (cb,) = stoppers
-    metric = args.metric_key
-    stopper = make_early_stopping(
-        metric,
-        patience=int(cb.early_stopping_patience),
-        threshold=float(cb.early_stopping_threshold or 0.0),
-        greater_is_better=greater_is_better_for(metric, args.greater_is_better),
-    )
-    return [c for c in callbacks if c is not cb], stopper
-
 
 def hf_training_arguments(args: Any, *, use_cpu: bool) -> Any:
     """Return a ``transformers.TrainingArguments`` with the settings both share (``report_to="none"``)."""
-    import dataclasses  # noqa: PLC0415
+    import dataclasses
 
-    transformers = _transformers()
+    transformers = transformers_module()
     names = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
     shared = {k: v for k, v in args.to_dict().items() if k in names}
     shared.update(report_to="none", use_cpu=use_cpu or bool(shared.get("use_cpu")))
@@ -202,9 +97,9 @@ class HFCallbacks:
         evaluate: Callable[[TrainState], TrainState] | None,
         save: Callable[[TrainState], None],
         rank: int = 0,
-        best_key: str = "best_metric",
+        best_key: str = BEST,
     ) -> None:
-        transformers = _transformers()
+        transformers = transformers_module()
         self.callbacks = list(callbacks)
         self.args = hf_training_arguments(args, use_cpu=use_cpu)
         self._output_dir, self._best_key = args.output_dir, best_key
@@ -249,8 +144,8 @@ class HFCallbacks:
             )
 
     def _sync(self, state: TrainState) -> None:
-        from trainfold.ckpt import checkpoint_path  # noqa: PLC0415
-        from trainfold.observe import TOKENS_SEEN  # noqa: PLC0415
+        from trainfold.ckpt import checkpoint_path
+        from trainfold.observe import TOKENS_SEEN
 
         self._current = state
         epoch, position = state.cursor.as_tuple()
@@ -371,63 +266,3 @@ class HFCallbacks:
 
     def close(self) -> None:
         """Nothing to release."""
-
-
-_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50, "passive": -1}
-
-
-def set_transformers_verbosity(log_level: str, *, main_process: bool = True) -> int | None:
-    """Set the ``transformers`` logger's level from ``log_level`` as the HF Trainer does; return the level set.
-
-    Only when ``transformers`` is already imported (trainfold never imports it for this). ``passive``
-    keeps the current level; a process other than the main one takes HF's ``log_level_replica``
-    default, ``warning``. Like the Trainer (``logging.set_verbosity`` in its ``__init__``), the level stays.
-
-    >>> set_transformers_verbosity("passive") is None
-    True
-    """
-    if log_level not in _LEVELS:
-        raise ValueError(f"log_level={log_level!r} is not one of {list(_LEVELS)}")
-    logging = sys.modules.get("transformers.utils.logging")  # there once transformers is imported
-    level = _LEVELS[log_level] if main_process else _LEVELS["warning"]
-    if logging is None or level == -1:
-        return None
-    logging.set_verbosity(level)
-    return level
-
-
-def by_epoch(args: Any) -> dict[str, bool]:
-    """Say which of a step's log, evaluation and save HF makes after ``on_epoch_end`` (by epoch), not before.
-
-    >>> from types import SimpleNamespace as A
-    >>> by_epoch(A(logging_strategy="steps", eval_strategy="epoch", save_strategy="best"))
-    {'log': False, 'eval': True, 'save': True}
-    """
-    evaluate = args.eval_strategy == "epoch"
-    return {
-        "log": args.logging_strategy == "epoch",
-        "eval": evaluate,
-        "save": args.save_strategy == "epoch" or (args.save_strategy == "best" and evaluate),
-    }
-
-
-def check_observers(observers: Sequence[Any]) -> None:
-    """Refuse an observer that is not callable, naming ``callbacks=`` for a ``TrainerCallback``.
-
-    >>> check_observers([lambda state, logs: None])
-    >>> class MyCallback:  # stands for a transformers.TrainerCallback subclass
-    ...     on_log = None
-    >>> try:
-    ...     check_observers([MyCallback()])
-    ... except TypeError as err:
-    ...     print(str(err).replace("; ", ";\\n"))
-    observers are functions (state, logs) -> None;
-    MyCallback is not callable (a transformers.TrainerCallback goes in callbacks=[...])
-    """
-    bad = [o for o in observers if not callable(o)]
-    if bad:
-        names = ", ".join(type(o).__name__ for o in bad)
-        raise TypeError(
-            f"observers are functions (state, logs) -> None; {names} is not callable "
-            "(a transformers.TrainerCallback goes in callbacks=[...])"
-        )

@@ -1,0 +1,129 @@
+"""What a run feeds the model: its device, the columns it reads, the loss, the objective and the collators.
+
+>>> import torch
+>>> from trainfold.hf.args import TrainingArguments
+>>> device_for(TrainingArguments(use_cpu=True)).type
+'cpu'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import attrs
+import torch
+from torch import nn
+
+from trainfold.core.losses import default_loss_for, label_smoothed, refuse_unlabelled
+from trainfold.data import StepBatch
+from trainfold.data.columns import Columns, columns_for, eval_collate, padded_to_multiple, with_columns
+from trainfold.data.llm import lm_inputs
+
+__all__ = ["RunInputs", "run_inputs", "device_for", "columns_of", "to_device"]
+
+
+def device_for(args: Any) -> torch.device:
+    """Return the run's device: CUDA when there is one and ``use_cpu`` is off, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() and not args.use_cpu else torch.device("cpu")
+
+
+def columns_of(
+    model: nn.Module,
+    args: Any,
+    data_collator: Callable[..., Any] | None,
+    *,
+    labels_required: bool = False,
+    objective: Any = None,
+) -> Columns:
+    """Return which columns reach ``model`` (HF's ``remove_unused_columns``, ``label_names``; ``data.columns``)."""
+    return columns_for(
+        model,
+        label_names=args.label_names,
+        remove_unused_columns=args.remove_unused_columns,
+        length_column_name=args.length_column_name,
+        default_collator=data_collator is None,
+        labels_required=labels_required,
+        reads=(*getattr(objective, "columns", ()), *getattr(data_collator, "columns", ())),
+    )
+
+
+def to_device(batches: Iterable[StepBatch], device: torch.device) -> Iterator[StepBatch]:
+    """Yield ``batches`` with their tensors on ``device`` (unchanged on the CPU)."""
+    if device.type == "cpu":
+        yield from batches
+        return
+    for b in batches:
+        moved = [
+            {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}
+            for mb in b
+        ]
+        yield StepBatch(moved, b.cursor, getattr(b, "indices", ()))
+
+
+@attrs.frozen
+class RunInputs:
+    """The datasets, loss, objectives and collators of a run, after DPO's ``prepare`` and the LLM settings."""
+
+    train_dataset: Any
+    eval_dataset: Any
+    loss: Callable[..., Any]
+    objective: Callable[..., Any] | None  # the training objective (packing/chunked loss applied; NEFTune not yet)
+    eval_objective: Callable[..., Any] | None  # the user's (prepared) objective: evaluation scores with it
+    columns: Columns
+    collate: Callable[[list[Any]], Any]  # training batches
+    eval_collate: Callable[[list[Any]], Any]  # evaluation batches (no packing)
+
+
+def _loss(
+    model: nn.Module, args: Any, compute_loss_func: Callable[..., Any] | None, objective: Any
+) -> Callable[..., Any]:
+    loss = compute_loss_func or default_loss_for(model, defer=objective is not None)
+    if args.label_smoothing_factor:
+        if objective is not None:
+            raise ValueError(
+                "label_smoothing_factor smooths the loss, but an objective replaces it; smooth inside "
+                "the objective, or set label_smoothing_factor=0"
+            )
+        loss = label_smoothed(loss, args.label_smoothing_factor)  # names the fix for a custom loss
+    return loss
+
+
+def run_inputs(
+    model: nn.Module,
+    args: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+    data_collator: Callable[[list[Any]], Any] | None,
+    compute_loss_func: Callable[..., Any] | None,
+    objective: Callable[..., Any] | None,
+    *,
+    world_size: int = 1,
+    device: torch.device | None = None,
+) -> RunInputs:
+    """Return what the run feeds the model; refuse a dataset that trains nothing, and what cannot be done."""
+    loss = _loss(model, args, compute_loss_func, objective)
+    if objective is None:
+        refuse_unlabelled(train_dataset, loss)  # a fully masked dataset would train nothing, forever
+    elif eval_dataset is not None and world_size > 1:
+        raise NotImplementedError(
+            "evaluating an objective across ranks is not supported yet; evaluate after training "
+            "in one process (trainfold.evaluate(..., objective=...)), or drop eval_dataset"
+        )
+    columns = columns_of(model, args, data_collator, labels_required=objective is None, objective=objective)
+    padded = padded_to_multiple(data_collator, args.pad_to_multiple_of)
+    if getattr(objective, "prepare", None) is not None:  # DPO: precomputed reference log-probs, cached in output_dir
+        objective, train_dataset, eval_dataset = objective.prepare(
+            model, args, train_dataset, eval_dataset, padded, device or device_for(args)
+        )
+    lm = lm_inputs(model, args, train_dataset, data_collator, compute_loss_func, objective)  # packing, chunked loss
+    return RunInputs(
+        train_dataset=lm.train_dataset,
+        eval_dataset=eval_dataset,
+        loss=loss,
+        objective=lm.objective,
+        eval_objective=objective,
+        columns=columns,
+        collate=with_columns(padded_to_multiple(lm.data_collator, args.pad_to_multiple_of), columns),
+        eval_collate=eval_collate(padded, columns),
+    )

@@ -1,0 +1,177 @@
+"""``plan_for``: a run's ``Plan`` from ``train``'s arguments, each piece from its own small function.
+
+>>> import tempfile, torch
+>>> from trainfold.hf.args import TrainingArguments
+>>> model = torch.nn.Linear(2, 1)
+>>> rows = [{"x": [1.0, 2.0], "labels": 0.5}] * 8
+>>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=4, per_device_train_batch_size=2,
+...                          gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=2)
+>>> plan = plan_for(model, args, rows, rows, compute_loss_func=lambda outputs, labels, n: outputs.sum())
+>>> plan.sampler.gradient_accumulation_steps, plan.schedule.total_steps, plan.stops.names
+(2, 4, ('max_steps',))
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from trainfold.ckpt import elastic_args
+from trainfold.core.collective import Collective
+from trainfold.core.state import TrainState
+from trainfold.hf.callback_checks import check_observers, split_early_stopping
+from trainfold.hf.evaluating import EvalPlan, eval_plan_for
+from trainfold.hf.extras import run_extras
+from trainfold.hf.inputs import RunInputs, device_for, run_inputs
+from trainfold.hf.optimizer import default_optimizer
+from trainfold.hf.plan import (
+    CheckpointPlan,
+    Plan,
+    ReporterPlan,
+    StepOptions,
+    logging_for,
+    sampler_for,
+    schedule_for,
+    step_options,
+    stop_rules,
+)
+from trainfold.observe.stopping import EarlyStopping
+from trainfold.recipes.neftune import neftune_objective
+from trainfold.step import make_step
+
+__all__ = ["plan_for", "world_of", "early_stopping_for", "step_for"]
+
+
+def world_of(collective: Collective | None) -> tuple[int, int]:
+    """Return ``(rank, world_size)`` of the run: ``(0, 1)`` alone."""
+    if collective is None:
+        return 0, 1
+    return collective.rank, getattr(collective, "world_size", 1)
+
+
+def early_stopping_for(
+    args: Any, callbacks: Sequence[Any], early_stopping: EarlyStopping | None
+) -> tuple[tuple[Any, ...], EarlyStopping | None, str | None]:
+    """Return ``(callbacks, early stopping, best-model metric)``: an ``EarlyStoppingCallback`` becomes the record.
+
+    Without ``metric_for_best_model`` the early stopper's metric is tracked as best.
+    """
+    if callbacks:  # an EarlyStoppingCallback becomes trainfold's early stopping; the others are checked
+        callbacks, early_stopping = split_early_stopping(callbacks, args, early_stopping)
+    metric_key = args.metric_key
+    if early_stopping is not None and metric_key is None:
+        metric = early_stopping.metric
+        metric_key = metric if metric.startswith("eval_") else f"eval_{metric}"
+    return tuple(callbacks), early_stopping, metric_key
+
+
+def step_for(
+    model: nn.Module, inputs: RunInputs, optimizer: Any, options: StepOptions, collective: Collective | None
+) -> tuple[Callable[..., Any], Any]:
+    """Return ``(step, sharding)``: ``make_step`` with the run's loss, objective (NEFTune's noise) and options."""
+    objective = inputs.objective
+    if options.neftune_noise_alpha is not None:
+        if objective is not None:
+            objective = neftune_objective(model, options.neftune_noise_alpha, inputs.loss, objective=objective)
+        else:
+            objective = neftune_objective(model, options.neftune_noise_alpha, inputs.loss)
+    kwargs = options.make_kwargs(collective)
+    return make_step(model, inputs.loss, optimizer, objective=objective, **kwargs), kwargs["sharding"]
+
+
+def plan_for(
+    model: nn.Module,
+    args: Any,
+    train_dataset: Any,
+    eval_dataset: Any = None,
+    data_collator: Callable[[list[Any]], Any] | None = None,
+    compute_loss_func: Callable[..., Any] | None = None,
+    objective: Callable[..., Any] | None = None,
+    compute_metrics: Callable[..., Any] | None = None,
+    preprocess_logits_for_metrics: Callable[..., Any] | None = None,
+    optimizer: Any = None,
+    observers: Sequence[Callable[[TrainState, Mapping[str, Any]], None]] = (),
+    resume_from_checkpoint: bool | str | os.PathLike | None = None,
+    early_stopping: EarlyStopping | None = None,
+    stop: Callable[[TrainState], bool] | None = None,
+    collective: Collective | None = None,
+    callbacks: Sequence[Any] = (),
+    train_stream: Any = None,
+) -> Plan:
+    """Return the run ``train`` makes of its arguments (the same, in ``train``'s order), checked, before any step."""
+    device = device_for(args)
+    rank, world_size = world_of(collective)
+    args = elastic_args(args, resume_from_checkpoint, world_size)  # another world: the saved global batch
+    given = (data_collator, compute_loss_func, objective)
+    inputs = run_inputs(model, args, train_dataset, eval_dataset, *given, world_size=world_size, device=device)
+    sampler = sampler_for(args, inputs.train_dataset, world_size=world_size, rank=rank)
+    schedule = schedule_for(args, sampler, train_stream)
+    scoring = dict(compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics)
+    evals = _evals(args, inputs, schedule.total_steps, device, collective, train_stream, **scoring)
+    check_observers(observers)
+    callbacks, early, metric_key = early_stopping_for(args, callbacks, early_stopping)
+    optimizer = optimizer or default_optimizer(model, args, schedule.total_steps)
+    options = step_options(args, inputs.columns.label_key)
+    step, sharding = step_for(model, inputs, optimizer, options, collective)
+    stream_extras = train_stream.extras if train_stream is not None else None
+    return Plan(
+        args=args,
+        model=model,
+        device=device,
+        rank=rank,
+        world_size=world_size,
+        collective=collective,
+        inputs=inputs,
+        sampler=sampler,
+        schedule=schedule,
+        optimizer=optimizer,
+        step_options=options,
+        step=step,
+        sharding=sharding,
+        evals=evals,
+        early=early,
+        metric_key=metric_key,
+        extras=run_extras(args, metric_key=metric_key, early=early, stream_extras=stream_extras),
+        callbacks=callbacks,
+        observers=tuple(observers),
+        stream=train_stream,
+        **_reporting(args, schedule.total_steps, rank, world_size),
+        stops=stop_rules(schedule.total_steps, early, stop, collective),
+    )
+
+
+def _evals(
+    args: Any,
+    inputs: RunInputs,
+    total_steps: int,
+    device: Any,
+    collective: Collective | None,
+    stream: Any,
+    **scoring: Any,
+) -> EvalPlan:
+    return eval_plan_for(
+        args,
+        inputs.eval_dataset,
+        inputs.eval_collate,
+        total_steps=total_steps,
+        loss=inputs.loss,
+        device=device,
+        collective=collective,
+        objective=inputs.eval_objective,
+        label_key=inputs.columns.label_key,
+        evaluator=stream.evaluate if stream is not None else None,
+        **scoring,
+    )
+
+
+def _reporting(args: Any, total_steps: int, rank: int, world_size: int) -> dict[str, Any]:
+    """Return the plan's logging, checkpoint and reporter pieces, and the settings a checkpoint records."""
+    return dict(
+        logging=logging_for(args, total_steps),
+        checkpoints=CheckpointPlan.from_args(args),
+        reporters=ReporterPlan.from_args(args, writer=rank == 0),
+        settings={**args.to_dict(), "world_size": world_size},
+    )

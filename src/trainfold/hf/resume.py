@@ -1,0 +1,107 @@
+"""A run's first state: made from its ``Plan``, then (on a resume) loaded from the checkpoint the run dir names."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from trainfold import ckpt
+from trainfold.ckpt import policy, run_dir
+from trainfold.ckpt.sharded import is_sharded
+from trainfold.core.state import TrainState, init_state, lend
+from trainfold.core.tree import map_tensors
+from trainfold.data import close_loader
+from trainfold.hf.plan import Plan
+from trainfold.observe import history as log_file
+from trainfold.observe.observers import MetricWindow
+from trainfold.step import sharded
+
+__all__ = ["initial_state", "on_device", "claim_for", "Start", "start"]
+
+
+def on_device(opt_state: Any, device: torch.device) -> Any:
+    """Return a record with every tensor on ``device``, except integer counters (they stay on the CPU).
+
+    >>> out = on_device({"step": torch.tensor(3), "m": [torch.zeros(2)]}, torch.device("meta"))
+    >>> out["step"].device.type, out["m"][0].device.type
+    ('cpu', 'meta')
+    """
+    return map_tensors(lambda t: t if t.dim() == 0 and not t.is_floating_point() else t.to(device), opt_state)
+
+
+def initial_state(plan: Plan) -> TrainState:
+    """Return the run's first state: the module's own tensors lent (one copy), on the device, sharded if planned."""
+    state = init_state(plan.model, plan.optimizer, seed=plan.args.seed, extras=plan.extras, copy=False)
+    if plan.device.type != "cpu":
+        device = plan.device
+        state = attrs.evolve(
+            state,
+            params={k: v.to(device) for k, v in state.params.items()},
+            buffers={k: v.to(device) for k, v in state.buffers.items()},
+            opt_state=on_device(state.opt_state, device),
+        )
+    if plan.sharding is not None:  # before the resume: a sharded checkpoint loads each rank's slab only
+        state = sharded.shard_state(state, plan.sharding.mesh)
+    return state
+
+
+def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str | os.PathLike | None) -> Any:
+    """Claim the run's output_dir (``ckpt.run_dir.claim``): its lock, and the checkpoint a resume starts from."""
+    return run_dir.claim(
+        plan.args.output_dir,
+        resume_from_checkpoint,
+        plan.settings,
+        run_dir.fingerprint(plan.settings, run_dir.model_signature(state)),
+        overwrite_output_dir=plan.args.overwrite_output_dir,
+        writer=plan.is_writer,
+    )
+
+
+@attrs.frozen(eq=False)
+class Start:
+    """Where a run starts: its state, metric window and log history, and the checkpoint it resumed (or None)."""
+
+    state: TrainState
+    window: MetricWindow
+    history: Any  # a history.HistoryFile on the writer rank, a list elsewhere
+    source: Any = None
+
+
+def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
+    """Return the run's ``Start``: ``state`` as made, or loaded from ``claim.source`` (checked against the plan).
+
+    What the run opens is closed when the claim is released: the log history, the eval loaders' workers.
+    """
+    source, window, meta = claim.source, MetricWindow(), None
+    if source is not None:
+        meta = ckpt.read_metadata(source)
+        run_dir.check_step(meta, source, plan.schedule.total_steps)
+        policy.check_compatible(meta.get("settings", {}), plan.settings, source=source)
+        if weights_only_warm_start:
+            state = ckpt.warm_start(source, like=state)
+        else:
+            state = ckpt.load(source, like=state)
+            if "window" in meta["metadata"]:
+                log_file.restore_window(window, meta["metadata"]["window"], source)
+        if not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
+            state = lend(plan.model, state)
+    resumed = source is not None and not weights_only_warm_start
+    history = log_file.start(
+        plan.args.output_dir,
+        source if resumed else None,
+        meta["metadata"] if resumed else None,
+        writer=plan.is_writer,
+    )
+    if isinstance(history, log_file.HistoryFile):
+        claim.on_release(history.close)
+    if plan.sharding is not None:  # a replicated checkpoint resumed sharded: its tensors are distributed
+        state = sharded.shard_state(state, plan.sharding.mesh)
+    for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
+        claim.on_release(functools.partial(close_loader, eval_set.loader))
+    Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
+    return Start(state, window, history, source)
