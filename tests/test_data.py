@@ -415,7 +415,8 @@ def test_loader_errors_is_the_one_check_of_the_worker_settings():
     assert loader_errors(0, False, None) == [] and loader_errors(2, True, 3) == []
     assert loader_errors(0, True, 2) == [
         "dataloader_persistent_workers=True needs dataloader_num_workers > 0 (it keeps worker processes alive)",
-        "dataloader_prefetch_factor=2 needs dataloader_num_workers > 0 (workers prefetch)",
+        "dataloader_prefetch_factor needs dataloader_num_workers > 0: dataloader_prefetch_factor=2 needs worker "
+        "processes to prefetch (set dataloader_num_workers, or leave it None)",
     ]
     assert loader_errors(1.5, False, -1) == [
         "dataloader_num_workers=1.5 must be an int >= 0",
