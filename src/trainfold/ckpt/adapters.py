@@ -82,14 +82,13 @@ def adapter_keys(model: Any, weights: Mapping[str, Tensor]) -> dict[str, str]:
 
 def adapter_config_text(model: Any) -> str:
     """Return ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (``inference_mode`` true)."""
-    import copy
-
-    name = _adapter_name(model)
-    config = copy.deepcopy(model.peft_config[name])
-    if config.base_model_name_or_path is None:
-        config.base_model_name_or_path = model.base_model.model.__dict__.get("name_or_path", None) or None
-    config.inference_mode = True
+    config = model.peft_config[_adapter_name(model)]
+    # the user's config is not changed; ``to_dict`` of the config itself (no deep copy first) lists each set
+    # (``target_modules``) in the order PEFT's own save lists it: a copied set may iterate in another order
     out = config.to_dict()
+    if out.get("base_model_name_or_path") is None:
+        out["base_model_name_or_path"] = model.base_model.model.__dict__.get("name_or_path", None) or None
+    out["inference_mode"] = True
     out = {k: list(v) if isinstance(v, set) else v for k, v in out.items()}
     if config.task_type is None:
         cls = model._get_base_model_class(is_prompt_tuning=False)
