@@ -128,3 +128,53 @@ def test_read_matches_zlib_for_any_piece_size(tmp_path_factory, sizes, chunk):
     finally:
         tensor_file._CHUNK, tensor_file._WORKERS = old
     assert all(torch.equal(out[k], v) for k, v in tensors.items())
+
+
+# --- save: the tensor files are fsynced in the background, all before the checkpoint is complete ---
+
+
+def _small_state():
+    from trainfold.core.state import init_state
+    from trainfold.optim import adamw
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    return model, init_state(model, adamw(1e-3))
+
+
+def test_save_fsyncs_every_file_before_the_marker_goes_and_the_directory_is_renamed(tmp_path, monkeypatch):
+    from trainfold.ckpt import faults, is_complete, save
+
+    events: list[tuple[str, str]] = []
+    real = os.fsync
+
+    def fsync(fd):
+        real(fd)
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(faults, "fault_hook", lambda label: events.append(("point", label)))
+    model, state = _small_state()
+    path = save(state, tmp_path / "checkpoint-0", model=model)
+    assert is_complete(path)
+    complete = events.index(("point", "save:complete"))
+    synced = {name for kind, name in events[:complete] if kind == "fsync"}
+    assert {p.name for p in path.iterdir()} <= synced  # every file of the checkpoint, before it is complete
+    assert any(name.startswith(".checkpoint-0.tmp-") for name in synced)  # and its directory
+
+
+def test_a_failed_background_fsync_fails_the_save_and_leaves_nothing(tmp_path, monkeypatch):
+    from trainfold.ckpt import save
+
+    real = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("model.safetensors"):
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    model, state = _small_state()
+    with pytest.raises(OSError, match="Input/output error"):
+        save(state, tmp_path / "checkpoint-0", model=model)
+    assert list(tmp_path.iterdir()) == []
