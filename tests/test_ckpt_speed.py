@@ -65,6 +65,15 @@ def test_combine_with_zero_bytes_equals_zlib_run_on_them(n, c):
     assert crc.combine(c, zlib.crc32(bytes(n)), n) == zlib.crc32(bytes(n), c)
 
 
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=20000), st.integers(0, 2**32 - 1))
+def test_the_crc32_in_use_is_zlibs_whichever_implementation(data, start):
+    # ISA-L's when installed, zlib's otherwise: the stored CRCs must not depend on which
+    assert crc.CRC32_BY in ("isal", "zlib")
+    assert crc.crc32(data, start) == zlib.crc32(data, start)
+    assert crc.crc32(memoryview(data)) == zlib.crc32(data)
+
+
 # --- crc.combine: errors ---
 
 

@@ -5,6 +5,9 @@ length of ``b`` (zlib's ``crc32_combine``): appending ``len_b`` bytes multiplies
 ``x^(8 len_b)`` modulo the CRC polynomial over GF(2) (the pre- and post-conditioning cancel), so
 combining costs O(log len_b) polynomial products of 32 bits, not a pass over the bytes.
 
+``crc32(data, value=0)`` is zlib's function, or ISA-L's (``pip install isal``: the same CRC-32 with
+carry-less multiplication, ~3x zlib's speed) when that is installed; the values are the same.
+
 >>> import zlib
 >>> a, b = b"trainfold ", b"checkpoint"
 >>> combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
@@ -14,9 +17,19 @@ True
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+import zlib
+from collections.abc import Callable, Iterable
 
-__all__ = ["combine", "combine_all"]
+__all__ = ["combine", "combine_all", "crc32", "CRC32_BY"]
+
+crc32: Callable[..., int] = zlib.crc32
+CRC32_BY = "zlib"
+try:  # an optional accelerator with the same values: ISA-L's crc32 (PCLMULQDQ)
+    from isal.isal_zlib import crc32  # type: ignore[no-redef]
+
+    CRC32_BY = "isal"
+except ImportError:  # pragma: no cover - depends on the environment
+    pass
 
 _POLY = 0xEDB88320  # the CRC-32 polynomial, bit-reflected (bit 31 is x^0)
 

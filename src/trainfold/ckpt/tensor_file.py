@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 from torch import Tensor
 
 from trainfold.ckpt.crc import combine_all
+from trainfold.ckpt.crc import crc32 as checksum
 
 __all__ = ["write", "read", "TensorFileError", "DTYPES"]
 
@@ -80,7 +80,7 @@ def _write_all(fd: int, data: memoryview, crc: int) -> int:
         done = 0
         while done < len(chunk):
             done += os.write(fd, chunk[done:])
-        crc = zlib.crc32(chunk, crc)
+        crc = checksum(chunk, crc)
     return crc
 
 
@@ -139,14 +139,14 @@ def _read_piece(path: str | os.PathLike, fd: int, offset: int, dest: memoryview)
         if not k:
             raise TensorFileError(f"{path} is not a readable safetensors file (it ended early)")
         got += k
-    return zlib.crc32(dest), len(dest)
+    return checksum(dest), len(dest)
 
 
 def _read_pieces(path: str | os.PathLike, fd: int, pieces: list[tuple[int, memoryview]], crc: int) -> int:
     """Read every ``(offset, dest)`` piece, in threads when there are several; return ``crc`` extended by them.
 
-    ``os.preadv`` and ``zlib.crc32`` release the GIL, so the pieces are read and CRC'd on every
-    core at once; their CRCs are combined in file order (``crc.combine_all``).
+    ``os.preadv`` and ``crc.crc32`` (zlib's or ISA-L's) release the GIL, so the pieces are read and
+    CRC'd on every core at once; their CRCs are combined in file order (``crc.combine_all``).
     """
     workers = min(len(pieces), _WORKERS)
     if workers < 2 or sum(len(dest) for _, dest in pieces) < 2 * _CHUNK:  # threads cost more than they save
@@ -160,7 +160,7 @@ def _crc_of(path: str | os.PathLike) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
+            crc = checksum(chunk, crc)
     return crc
 
 
@@ -242,7 +242,7 @@ def read(path: str | os.PathLike, *, crc32: int | None = None) -> dict[str, Tens
             if crc32 is not None and crc != crc32:
                 raise TensorFileError(f"{path} is corrupted: its CRC-32 is {crc:08x}, not {crc32:08x}") from None
             raise
-        crc = zlib.crc32(header, zlib.crc32(head))
+        crc = checksum(header, checksum(head))
         out: dict[str, Tensor] = {}
         pieces: list[tuple[int, memoryview]] = []  # (file offset, the bytes of a tensor it fills)
         at = 8 + n
