@@ -11,8 +11,9 @@ For each size a ``LlamaForCausalLM`` from config (random weights, float32) with 
   ``_load_rng_state``, ``TrainerState.load_from_json``);
 - **trainfold**: ``checkpoint.save(state, path, model=model)`` of the same model's state with AdamW
   moments (``model.safetensors`` with the params, ``state.safetensors`` with the rest, the sidecar with
-  every file's size and CRC-32, fsync of every file and directory, atomic rename) and
-  ``checkpoint.load(path, like=state)`` (every byte CRC-checked, rebuilt into the template); "without
+  every file's size and CRC-32, fsync of every file and directory (each tensor file's in a background
+  thread while the next is written), atomic rename) and ``checkpoint.load(path, like=state)`` (every
+  byte CRC-checked, 4 MB pieces read and CRC'd in threads, rebuilt into the template); "without
   fsync" times the same save with ``os.fsync`` a no-op, i.e. without the durability the Trainer skips;
 - ``--lora``: the same comparison of a ``peft`` LoRA model (r=8 on the attention projections), and
   trainfold's LoRA checkpoint against its full fine-tuning one.

@@ -7,11 +7,12 @@ import errno
 import os
 import secrets
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from trainfold.ckpt.faults import point
 
-__all__ = ["fsync_dir", "write_bytes", "replace_dir"]
+__all__ = ["fsync_dir", "fsync_file", "write_bytes", "replace_dir", "BackgroundSync"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -21,6 +22,51 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a file's data and size to the disk (through a new descriptor: fsync is per file, not per descriptor)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class BackgroundSync:
+    """Files fsynced in background threads while the caller writes the next; ``wait`` returns once all are durable.
+
+    Used as a context manager: leaving it (normally or by an exception) waits for every fsync, so
+    no thread outlives the save; ``wait`` re-raises the first fsync's error.
+
+    >>> import tempfile
+    >>> path = Path(tempfile.mkdtemp()) / "f"
+    >>> _ = path.write_bytes(b"x")
+    >>> with BackgroundSync() as sync:
+    ...     sync.add(path)
+    ...     sync.wait()
+    1
+    """
+
+    def __init__(self, workers: int = 2) -> None:
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="trainfold-fsync")
+        self._pending: list[Future[None]] = []
+
+    def add(self, path: Path) -> None:
+        """Start fsyncing ``path``."""
+        self._pending.append(self._pool.submit(fsync_file, path))
+
+    def wait(self) -> int:
+        """Return the number of files fsynced once every one added is on the disk."""
+        for future in self._pending:
+            future.result()
+        return len(self._pending)
+
+    def __enter__(self) -> BackgroundSync:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool.shutdown(wait=True)
 
 
 def write_bytes(path: Path, data: bytes) -> None:

@@ -1,7 +1,8 @@
 """Writing a checkpoint: a state's files into a hidden directory, fsynced, then renamed atomically into place.
 
 The directory holds ``checkpoint-is-incomplete.txt`` while files are written; files and
-directories are fsynced, the marker is removed, and the directory is renamed into place (swapped
+directories are fsynced (each tensor file in a background thread while the next is written, all
+of them before the marker goes), the marker is removed, and the directory is renamed into place (swapped
 in atomically with ``renameat2(RENAME_EXCHANGE)`` when one is already there, so some complete
 checkpoint is always visible). Nothing is pickled.
 """
@@ -20,7 +21,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from trainfold.ckpt import tensor_file
-from trainfold.ckpt.atomic import fsync_dir, replace_dir, write_bytes
+from trainfold.ckpt.atomic import BackgroundSync, fsync_dir, replace_dir, write_bytes
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.layout import Layout, fingerprint, layout_of
 from trainfold.ckpt.sidecar import (
@@ -36,6 +37,7 @@ from trainfold.core.tree import flatten
 
 __all__ = ["save", "mark_jit"]
 
+_PT = {"format": "pt"}
 _MARKER_TEXT = b"trainfold is writing this checkpoint; if this file remains, the write failed.\n"
 
 
@@ -135,8 +137,8 @@ def save(
     flat = flatten(state)
     frozen = {k: fingerprint(flat[k]) for k in layout.frozen}
 
-    def write(tmp: Path) -> dict[str, Any]:
-        files = _write_files(tmp, flat, layout, frozen, save_only_model, on_file, tensors)
+    def write(tmp: Path, sync: BackgroundSync) -> dict[str, Any]:
+        files = _write_files(tmp, flat, layout, frozen, save_only_model, on_file, tensors, sync)
         where = {"tensors": {layout.weights_file: layout.weights}, "frozen": frozen} if tensors is None else {}
         cursor = (int(state.cursor.epoch), int(state.cursor.position))
         return new_sidecar(step=int(state.step), cursor=cursor, files=files, **where, **fields)
@@ -144,8 +146,12 @@ def save(
     return _write_in_place(directory, write)
 
 
-def _write_in_place(directory: Path, write: Callable[[Path], dict[str, Any]]) -> Path:
-    """Run ``write(tmp)`` in a hidden sibling under the marker, write the sidecar it returns, swap it in."""
+def _write_in_place(directory: Path, write: Callable[[Path, BackgroundSync], dict[str, Any]]) -> Path:
+    """Run ``write(tmp, sync)`` in a hidden sibling under the marker, write the sidecar it returns, swap it in.
+
+    The files ``write`` hands to ``sync`` are fsynced while it writes the next; all of them are on
+    the disk before the marker goes and the directory is renamed into place.
+    """
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
@@ -153,7 +159,9 @@ def _write_in_place(directory: Path, write: Callable[[Path], dict[str, Any]]) ->
     try:
         marker = tmp / INCOMPLETE_MARKER
         write_bytes(marker, _MARKER_TEXT)
-        write_bytes(tmp / SIDECAR_FILE, sidecar_bytes(write(tmp)))
+        with BackgroundSync() as sync:
+            write_bytes(tmp / SIDECAR_FILE, sidecar_bytes(write(tmp, sync)))
+            sync.wait()
         point("save:wrote:sidecar")
         marker.unlink()
         fsync_dir(tmp)
@@ -174,12 +182,18 @@ def _write_files(
     save_only_model: bool,
     on_file: Callable[[Path], None] | None,
     tensors: Callable[[Path], Mapping[str, dict[str, int]]] | None,
+    sync: BackgroundSync,
 ) -> dict[str, dict[str, int]]:
-    """Write the tensor files (or have ``tensors`` write them) and the config into ``tmp``; return their entries."""
+    """Write the tensor files (or have ``tensors`` write them) and the config into ``tmp``; return their entries.
+
+    Each tensor file is handed to ``sync`` to be fsynced while the next one is written.
+    """
     files: dict[str, dict[str, int]] = {}
 
-    def record(name: str, size: int, crc: int) -> None:
+    def record(name: str, size: int, crc: int, durable: bool = True) -> None:
         files[name] = {"bytes": size, "crc32": crc}
+        if not durable:
+            sync.add(tmp / name)
         if on_file is not None:
             on_file(tmp / name)
         point(f"save:wrote:{name}")
@@ -189,9 +203,10 @@ def _write_files(
     else:
         if not save_only_model:
             rest = {k: v for k, v in flat.items() if k not in layout.weights and k not in frozen}
-            record(STATE_FILE, *tensor_file.write(tmp / STATE_FILE, rest, metadata={"format": "pt"}))
+            record(STATE_FILE, *tensor_file.write(tmp / STATE_FILE, rest, metadata=_PT, fsync=False), durable=False)
         weights = {name: flat[key] for key, name in layout.weights.items()}
-        record(layout.weights_file, *tensor_file.write(tmp / layout.weights_file, weights, metadata={"format": "pt"}))
+        size, crc = tensor_file.write(tmp / layout.weights_file, weights, metadata=_PT, fsync=False)
+        record(layout.weights_file, size, crc, durable=False)
     if layout.config_text is not None:
         data = layout.config_text.encode()
         write_bytes(tmp / layout.config_file, data)
