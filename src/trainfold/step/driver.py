@@ -38,7 +38,6 @@ from trainfold.core.forward import Batch, Forward
 from trainfold.core.losses import warn_no_items
 from trainfold.core.rng import derive_seed, private_rng
 from trainfold.core.state import TrainState, check_live, invalidate
-from trainfold.optim import GradientTransformation
 from trainfold.step.plan import StepPlan
 
 __all__ = [
@@ -49,7 +48,6 @@ __all__ = [
     "advanced",
     "batch_items",
     "empty_step",
-    "learning_rate_of",
     "materialized",
     "micro_loss",
     "micro_seed",
@@ -237,11 +235,6 @@ def sum_over_ranks(collective: Collective | None, tensors: list[Tensor]) -> None
 # -- after the update -----------------------------------------------------------------------------------------
 
 
-def learning_rate_of(optimizer: GradientTransformation, opt_state: Any) -> float:
-    """Return the learning rate ``optimizer`` uses in its next update (NaN when it has none)."""
-    return optimizer.learning_rate(opt_state) if optimizer.learning_rate else float("nan")
-
-
 def next_state(
     plan: StepPlan,
     state: TrainState,
@@ -260,7 +253,7 @@ def next_state(
     ``learning_rate`` is the rate the update used (default: read from ``state.opt_state``).
     """
     if learning_rate is None:
-        learning_rate = learning_rate_of(plan.optimizer, state.opt_state)
+        learning_rate = plan.optimizer.learning_rate(state.opt_state)
     metrics = {
         "loss": loss.detach().cpu(),
         "grad_norm": grad_norm.detach().float().cpu(),

@@ -18,7 +18,6 @@ from trainfold.step.driver import (
     StepStart,
     Sums,
     accumulate,
-    learning_rate_of,
     materialized,
     micro_loss,
     next_state,
@@ -126,7 +125,7 @@ def _update(
     finish: dict[str, Any] = dict(cursor=start.cursor, loss=sums.loss, grad_norm=grad_norm, num_items=start.num_items)
     if found_inf is not None and bool(found_inf):  # overflow: skip the update, keep the params and optimizer state
         return next_state(plan, state, state.params, buffers, state.opt_state, aux=sums.aux, **finish)
-    learning_rate = learning_rate_of(plan.optimizer, state.opt_state)  # before a donated update reuses the tensors
+    learning_rate = plan.optimizer.learning_rate(state.opt_state)  # before a donated update reuses the tensors
     params, opt_state = plan.optimizer.apply_owned(
         grad_tree, state.opt_state, state.params, norm=grad_norm, donate=donate
     )
