@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
+import sys
 import textwrap
+import time
 from pathlib import Path
 
 import torch
@@ -95,3 +101,45 @@ class ListDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return self.rows[i]
+
+
+def sigterm_rank_one_of_cli_ranks(config: Path, out: Path, world: int = 2) -> list[tuple[str, str, int]]:
+    """Run ``python -m trainfold train --config`` as ``world`` ranks (torchrun's env), SIGTERM rank 1 only.
+
+    Waits until the run has logged 3 entries, signals rank 1, and returns each rank's
+    ``(stdout, stderr, returncode)``; a rank that has not exited by then is killed.
+    """
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    procs = []
+    for rank in range(world):  # what torchrun sets for each worker
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": str(root / "src"),
+        }
+        command = [sys.executable, "-m", "trainfold", "train", "--config", str(config)]
+        procs.append(
+            subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    try:
+        log = out / "log.jsonl"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+            assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
+            time.sleep(0.2)
+        procs[1].send_signal(signal.SIGTERM)  # only rank 1
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [(stdout, stderr, p.returncode) for p, (stdout, stderr) in zip(procs, results)]

@@ -15,10 +15,8 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +24,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from resume_fixture import endless_cli_config
+from resume_fixture import endless_cli_config, sigterm_rank_one_of_cli_ranks
 from safetensors.torch import load_file, save_file
 
 from trainfold import TrainingArguments, train
@@ -370,54 +368,13 @@ def test_evaluation_during_two_process_training_matches_one_process(ranks, tmp_p
 # -- preemption: SIGTERM to one rank of the CLI ---------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sigterm_to_one_rank_stops_both_at_one_step_with_one_checkpoint(tmp_path):
     out = tmp_path / "out"
     config = endless_cli_config(tmp_path, out)
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD):  # what torchrun sets for each worker
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(WORLD),
-            "LOCAL_WORLD_SIZE": str(WORLD),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT / "src"),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "trainfold", "train", "--config", str(config)],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    try:
-        log = out / "log.jsonl"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
-            assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
-            time.sleep(0.2)
-        procs[1].send_signal(signal.SIGTERM)  # only rank 1
-        results = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 143, err[-3000:]
-    reports = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _ in results]
+    results = sigterm_rank_one_of_cli_ranks(config, out, WORLD)
+    for _, err, code in results:
+        assert code == 143, err[-3000:]
+    reports = [json.loads(stdout.strip().splitlines()[-1]) for stdout, _, _ in results]
     assert [r["status"] for r in reports] == ["preempted"] * WORLD
     assert reports[0]["global_step"] == reports[1]["global_step"] >= 3
     found = sorted(out.glob("checkpoint-*"))

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -430,53 +429,14 @@ def test_a_sharded_train_run_writes_sharded_checkpoints_with_the_full_model(rank
 
 @pytest.mark.slow
 def test_sigterm_to_one_rank_of_a_sharded_run_ends_both_with_one_sharded_jit_checkpoint(tmp_path):
-    import time
-
-    from resume_fixture import endless_cli_config
+    from resume_fixture import endless_cli_config, sigterm_rank_one_of_cli_ranks
 
     out = tmp_path / "out"
     config = endless_cli_config(tmp_path, out)
     config.write_text(config.read_text().replace("[args]\n", '[args]\nfsdp = "full_shard"\nasync_save = true\n'))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(2):  # what torchrun sets for each worker
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(ROOT / "src"),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "trainfold", "train", "--config", str(config)],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    try:
-        log = out / "log.jsonl"
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
-            assert all(p.poll() is None for p in procs), procs[0].communicate()[1][-3000:]
-            time.sleep(0.2)
-        procs[1].send_signal(signal.SIGTERM)  # only rank 1
-        results = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (_, err) in zip(procs, results):
-        assert p.returncode == 143, err[-3000:]
+    results = sigterm_rank_one_of_cli_ranks(config, out)
+    for _, err, code in results:
+        assert code == 143, err[-3000:]
     step = json.loads(results[0][0].strip().splitlines()[-1])["global_step"]
     found = sorted(out.glob("checkpoint-*"))
     assert [p.name for p in found] == [f"checkpoint-{step}"] and ckpt.is_complete(found[0])
