@@ -309,11 +309,40 @@ def test_an_error_on_one_rank_ends_both_without_a_hang_and_the_others_name_it(tm
         time.monotonic() - started < 150
     )  # the group's timeout is 5 s; rank 1 would sleep 240 s (slack: a loaded CI box)
     named = "[rank0]: RuntimeError: rank 0 stopped: rank 1 raised KeyError: \"micro-batch has no 'labels' key"
-    assert named in done.stderr
-    if case == "raise":
-        cause = done.stderr.split("Root Cause")[-1]  # torchrun names the rank that failed first
-        # exit 1 from the KeyError, or SIGABRT (-6) when gloo's threads abort the exit of a rank that raised
-        assert "rank      : 1 (local_rank: 1)" in cause and ("exitcode  : 1" in cause or "exitcode  : -6" in cause)
+    failures, cause = done.stderr.split("Root Cause")[-2:]
+    if case == "raise-alive":  # rank 1 lives on: rank 0's collective times out and rank 0 names rank 1
+        assert named in done.stderr
+        return
+    # rank 1 exits: torchrun names it as the first failure (exit 1 from the KeyError, or SIGABRT (-6) when
+    # gloo's threads abort the exit of a rank that raised) and stops rank 0 at once (SIGTERM), often before
+    # rank 0's collective has noticed the lost peer; if rank 0 got there first it names rank 1, never the
+    # transport alone (the lost-peer path itself: test_a_lost_peer_is_named_by_the_error_its_rank_recorded)
+    assert "[rank1]: KeyError: \"micro-batch has no 'labels' key" in done.stderr
+    assert "rank      : 1 (local_rank: 1)" in cause and ("exitcode  : 1" in cause or "exitcode  : -6" in cause)
+    raised = [line for line in done.stderr.splitlines() if line.startswith("[rank0]: RuntimeError: ")]
+    if raised:  # the error rank 0 raised (the last one; the transport's comes first, as its cause)
+        assert raised[-1].startswith(named), raised
+    else:
+        assert "rank      : 0 (local_rank: 0)" in failures and "(SIGTERM)" in failures
+
+
+def test_a_lost_peer_is_named_by_the_error_its_rank_recorded(tmp_path):
+    import torch.distributed as dist
+
+    from trainfold.dist.distributed import failure_of
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        lost = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
+        unnamed = failure_of(lost, 0, 2)  # a peer is gone and recorded nothing: killed, or hanging elsewhere
+        assert isinstance(unnamed, RuntimeError) and "no other rank recorded an error" in str(unnamed)
+        own = KeyError("micro-batch has no 'labels' key")
+        assert failure_of(own, 1, 2) is own  # rank 1's own error is recorded in the store and raised as it is
+        named = failure_of(lost, 0, 2)
+        assert str(named).startswith("rank 0 stopped: rank 1 raised KeyError: \"micro-batch has no 'labels' key")
+        assert "Connection closed by peer" in str(named)
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.slow  # 2 spawned processes for each part
