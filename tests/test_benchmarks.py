@@ -55,3 +55,8 @@ def test_long_run_saves_quick():
 def test_checkpoint_vs_trainer_tiny():
     out = run("benchmarks/checkpoint.py", "--sizes", "tiny", "--repeat", "1", "--lora")
     assert "| tiny |" in out and "| tiny LoRA |" in out and "LoRA checkpoint / full fine-tuning" in out
+
+
+def test_peak_memory_tiny():
+    out = run("benchmarks/peak_memory.py", "--models", "tiny", "--steps", "2", "--phases")
+    assert "| tiny |" in out and "hf_trainer: start" in out and "trainfold: start" in out
