@@ -69,6 +69,7 @@ from trainfold.hf.inputs import to_device
 from trainfold.hf.optimizer import default_optimizer
 from trainfold.hf.plan import STOPPING_RULES, Plan, agreed
 from trainfold.hf.planning import plan_for
+from trainfold.hf.released import Released, release_weights, restored
 from trainfold.hf.resume import Start, claim_for, initial_state, start
 from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save
 from trainfold.observe import counting_input_tokens, observing, tap, train_summary
@@ -189,8 +190,9 @@ def train(
     with claim.releasing_on_error():  # the lock is held until the run ends (the `with claim` below)
         begin = start(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
     with claim:  # released if the run raises
+        released = release_weights(plan.model, begin.state)  # fsdp: the module keeps no full copy (hf.released)
         result = _session(plan, begin, claim.run)
-    return _ending(plan, result)
+    return _ending(plan, result, released)
 
 
 @attrs.frozen(eq=False)
@@ -321,7 +323,7 @@ def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[st
     return "completed"
 
 
-def _ending(plan: Plan, ended: _Ended) -> TrainResult:
+def _ending(plan: Plan, ended: _Ended, released: Released | None = None) -> TrainResult:
     """Return the run's ``TrainResult``; the module holds its final weights (the best with load_best_model_at_end)."""
     state, best_path = ended.state, None
     if BEST in state.extras and int(state.extras[BEST].step) >= 0:
@@ -337,5 +339,6 @@ def _ending(plan: Plan, ended: _Ended) -> TrainResult:
         ended.saved[-1] if ended.saved else None,
         ended.signal,
     )
-    result.apply_to(plan.model)  # as HF: the module ends with the final (or best) weights; lent ones are there
+    # as HF: the module ends with the final (or best) weights; lent ones are there, released ones gathered back
+    attrs.evolve(result, state=restored(released, state)).apply_to(plan.model)
     return result
