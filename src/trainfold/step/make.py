@@ -67,7 +67,7 @@ def make_step(
     settings = dict(objective=objective, count_items=count_items, label_key=label_key, collective=collective)
     precision = dict(autocast=autocast, gradient_checkpointing=gradient_checkpointing, loss_scaling=loss_scaling)
     plan = step_plan(model, loss, optimizer, **settings, **precision, dtensor_params=sharding is not None)
-    if compile:
+    if compile and sharding is None:
         refuse_uncompilable(plan)
     if sharding is not None:
         sharded_step = make_sharded_step(plan, sharding, compile=compile, compile_mode=compile_mode)

@@ -220,8 +220,15 @@ def _gather_group(leaves: Sequence[Tensor], grad: bool) -> list[Tensor]:
 class Gatherer:
     """Gathers a group's full params when it runs; drops them after, re-gathering in backward what autograd saved."""
 
-    def __init__(self, layout: Layout, leaves: Mapping[str, Tensor], free: bool) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        leaves: Mapping[str, Tensor],
+        free: bool,
+        compute: Callable[[nn.Module], Callable[..., Any]] | None = None,
+    ) -> None:
         self.layout, self.leaves, self.free = layout, leaves, free
+        self.compute = compute  # compute(block): what runs the block's forward (default: its own forward)
         self.groups = [layout.names(layout.root)] + [layout.names(p) for _, p in layout.blocks]
         self.registry: dict[int, tuple[int, str, int]] = {}  # storage address -> (group, name, its offset)
         self.cache: tuple[int, dict[str, Tensor]] | None = None  # the group regathered for backward
@@ -272,7 +279,8 @@ class Gatherer:
             for i, (block, places) in enumerate(self.layout.blocks, start=1):
                 if places:
                     done.append((block, vars(block).get("forward")))
-                    block.forward = self._block_forward(block.forward, i, places)
+                    forward = block.forward if self.compute is None else self.compute(block)
+                    block.forward = self._block_forward(forward, i, places)
             yield
         finally:
             for block, previous in reversed(done):
