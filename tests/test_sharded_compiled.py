@@ -1,0 +1,160 @@
+"""The compiled sharded step on gloo: each block's forward compiled, the collectives eager, results as the eager step.
+
+Run as a script, this file is the worker of the 2-process tests::
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/test_sharded_compiled.py OUT_DIR BACKEND
+
+It writes what each rank ends with to ``OUT_DIR``; the tests compare. By default the backend is
+``aot_eager`` (the graphs AOTAutograd traces, run without generating code: bitwise the eager step);
+``TRAINFOLD_SLOW=full`` runs inductor too (generated C++ kernels: within float32 rounding).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_sharded import batch, model, optimizer, rows, tensors, train_args
+
+from trainfold import train
+from trainfold.core.losses import causal_lm
+from trainfold.core.state import init_state
+from trainfold.data import pad_collate
+from trainfold.step import make_step
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 2
+STEPS = 3
+CASES = (("dropout", 0.1, False), ("recompute", 0.1, True))  # both with GA 2 and clipping
+
+
+def _worker(out: Path, backend: str) -> None:
+    import torch.distributed as dist
+
+    from trainfold.dist.distributed import group_timeout
+    from trainfold.step import sharded
+
+    dist.init_process_group("gloo", timeout=group_timeout())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = sharded.make_mesh()
+    peaks = {}
+    for name, dropout, recompute in CASES:
+        for compiled in (False, True):
+            net = model(dropout)
+            state = sharded.shard_state(init_state(net, optimizer(), seed=3), mesh)
+            step = make_step(
+                net,
+                causal_lm,
+                optimizer(),
+                sharding=mesh,
+                gradient_checkpointing=recompute,
+                compile=compiled and backend,
+            )
+            with sharded.gathered_bytes() as peak:
+                for s in range(STEPS):
+                    state = step(state, batch(s, rank, world))
+            assert not any("forward" in vars(b) for b in net.blocks)  # the module is left as it was
+            kind = "compiled" if compiled else "eager"
+            save_file(tensors(sharded.gather_state(state)), out / f"{name}-{kind}-{rank}.safetensors")
+            peaks[f"{name}-{kind}"] = peak[0]
+    (out / f"peaks-{rank}.json").write_text(json.dumps(peaks))
+    for kind, over in (("eager", {}), ("compiled", {"torch_compile": True, "torch_compile_backend": backend})):
+        trained = model()
+        args = train_args(
+            out / f"train-{kind}", fsdp="full_shard", gradient_checkpointing=True, max_steps=2, eval_steps=1, **over
+        )
+        res = train(trained, args, rows(), rows(6), data_collator=pad_collate())
+        full = sharded.gather_state(res.state)  # a collective: every rank
+        save_file(tensors(full), out / f"train-{kind}-{rank}.safetensors")
+        evals = [h["eval_loss"] for h in res.log_history if "eval_loss" in h]
+        (out / f"train-{kind}-{rank}.json").write_text(json.dumps(evals))
+    dist.destroy_process_group()
+
+
+def _launch(out: Path, backend: str, timeout: float) -> Path:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
+    cmd += [str(Path(__file__).resolve()), str(out), backend]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-4000:]
+    return out
+
+
+BACKENDS = ["aot_eager", "inductor"] if os.environ.get("TRAINFOLD_SLOW") == "full" else ["aot_eager"]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def ranks(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, _launch(tmp_path_factory.mktemp(f"compiled-{request.param}"), request.param, timeout=600)
+
+
+def _same_on_every_rank(out: Path, name: str) -> dict[str, torch.Tensor]:
+    per_rank = [load_file(out / f"{name}-{r}.safetensors") for r in range(WORLD)]
+    for k in per_rank[0]:
+        assert torch.equal(per_rank[0][k], per_rank[1][k]), f"{name}: {k} differs between ranks"
+    return per_rank[0]
+
+
+def _without_key_bias(key: str, t: torch.Tensor) -> torch.Tensor:
+    """Drop the attention key bias (softmax ignores it: AdamW turns its rounding-noise gradient into lr-sized steps)."""
+    return torch.cat([t[:16], t[32:]]) if key.endswith("qkv.bias") else t
+
+
+def _compare(got: dict, expected: dict, backend: str) -> None:
+    keys = [k for k in expected if k.startswith(("params.", "opt_state.", "metrics."))]
+    assert keys and set(keys) == set(got)
+    for key in keys:
+        if backend == "aot_eager":  # the same aten kernels in the same order, the same dropout masks
+            assert torch.equal(got[key], expected[key]), key
+        else:  # inductor's kernels round differently
+            a, b = _without_key_bias(key, got[key]), _without_key_bias(key, expected[key])
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6, msg=lambda m, key=key: f"{key}: {m}")
+
+
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these (reduced: aot_eager only)
+@pytest.mark.parametrize("case", [name for name, _, _ in CASES])
+def test_the_compiled_sharded_step_equals_the_eager_one_with_accumulation_clipping_dropout_checkpointing(ranks, case):
+    backend, out = ranks
+    _compare(_same_on_every_rank(out, f"{case}-compiled"), _same_on_every_rank(out, f"{case}-eager"), backend)
+
+
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
+def test_train_with_fsdp_and_torch_compile_under_torchrun_equals_the_eager_sharded_train(ranks):
+    backend, out = ranks
+    _compare(_same_on_every_rank(out, "train-compiled"), _same_on_every_rank(out, "train-eager"), backend)
+    evals = {
+        k: [json.loads((out / f"train-{k}-{r}.json").read_text()) for r in range(WORLD)] for k in ("eager", "compiled")
+    }
+    assert len(evals["eager"][0]) == 2 and evals["compiled"][0] == evals["compiled"][1]
+    assert evals["compiled"][0] == pytest.approx(evals["eager"][0], rel=1e-6)
+
+
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
+def test_compiled_blocks_gather_no_more_than_the_eager_step(ranks):
+    _, out = ranks
+    net = model()
+    blocks = [sum(p.nbytes for p in b.parameters()) for b in net.blocks]
+    root = sum(p.nbytes for p in net.parameters()) - sum(blocks)
+    for r in range(WORLD):
+        peaks = json.loads((out / f"peaks-{r}.json").read_text())
+        for name, _, _ in CASES:
+            assert peaks[f"{name}-compiled"] == peaks[f"{name}-eager"] <= root + max(blocks), name
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "aot_eager")
