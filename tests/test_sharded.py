@@ -458,8 +458,6 @@ def test_what_sharding_cannot_do_is_refused_by_name(one_rank_mesh):
         )
     with pytest.raises(ValueError, match=r"compile with sharding compiles each transformer block, and Linear has none"):
         make_step(torch.nn.Linear(2, 2), causal_lm, optimizer(), sharding=one_rank_mesh, compile=True)
-    with pytest.raises(ValueError, match=r"gathers the whole model \(per_block=False\); use Sharding\(mesh\)"):
-        make_step(net, causal_lm, optimizer(), sharding=sharded.Sharding(one_rank_mesh, False), compile="aot_eager")
     with pytest.raises(ValueError, match=r"sharding='half' is not .* make_step\(..., sharding=trainfold.step.sharded"):
         make_step(net, causal_lm, optimizer(), sharding="half")
     wrapped = model()

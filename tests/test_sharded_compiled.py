@@ -31,7 +31,7 @@ from trainfold.step import make_step
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
-STEPS = 3
+STEPS = 2
 CASES = (("dropout", 0.1, False), ("recompute", 0.1, True))  # both with GA 2 and clipping
 
 
@@ -156,6 +156,110 @@ def test_compiled_blocks_gather_no_more_than_the_eager_step(ranks):
         peaks = json.loads((out / f"peaks-{r}.json").read_text())
         for name, _, _ in CASES:
             assert peaks[f"{name}-compiled"] == peaks[f"{name}-eager"] <= root + max(blocks), name
+
+
+# -- one process -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_rank_mesh(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch._dynamo.reset()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def _counting_backend() -> tuple[list[int], object]:
+    from torch._dynamo.backends.debugging import aot_eager
+
+    compiles = [0]
+
+    def backend(gm, example_inputs):
+        compiles[0] += 1
+        return aot_eager(gm, example_inputs)
+
+    return compiles, backend
+
+
+def test_blocks_of_one_class_share_one_graph_that_no_later_step_recompiles(one_rank_mesh):
+    from trainfold.step import sharded
+
+    compiles, backend = _counting_backend()
+    net = model(0.1)
+    state = sharded.shard_state(init_state(net, optimizer(), seed=3), one_rank_mesh)
+    eager = make_step(net, causal_lm, optimizer(), sharding=one_rank_mesh)
+    step = make_step(net, causal_lm, optimizer(), sharding=one_rank_mesh, compile=backend)
+    a = b = state
+    for s in range(3):
+        a, b = eager(a, batch(s, 0, 1)), step(b, batch(s, 0, 1))
+    assert compiles[0] == 1  # 2 blocks, 3 steps of 2 micro-batches: one graph
+    assert all(
+        torch.equal(x, y)
+        for x, y in zip(tensors(sharded.gather_state(a)).values(), tensors(sharded.gather_state(b)).values())
+    )
+    assert not any("forward" in vars(block) for block in net.blocks)
+    logits = net(batch(0, 0, 1)[0]["input_ids"])  # the user's module still runs, eagerly, on its own weights
+    assert logits.shape == (4, 10, 40)
+
+
+def test_an_optimizer_without_an_elementwise_path_updates_the_dtensors(one_rank_mesh):
+    from trainfold.optim import sgd
+    from trainfold.step import sharded
+
+    net, opt = model(), sgd(0.1, momentum=0.9)
+    state = sharded.shard_state(init_state(net, opt, seed=3), one_rank_mesh)
+    eager = make_step(net, causal_lm, opt, sharding=one_rank_mesh)(state, batch(0, 0, 1))
+    compiled = make_step(net, causal_lm, opt, sharding=one_rank_mesh, compile="aot_eager")(state, batch(0, 0, 1))
+    for k in state.params:
+        assert torch.equal(compiled.params[k].full_tensor(), eager.params[k].full_tensor()), k
+
+
+def test_the_inductor_mode_travels_with_torchs_random_kernels():
+    from trainfold.step.sharded_compiled import BlockCompiler
+
+    assert BlockCompiler("inductor").options() == {"fallback_random": True}
+    assert BlockCompiler("inductor", "max-autotune-no-cudagraphs").options() == {
+        "max_autotune": True,
+        "coordinate_descent_tuning": True,
+        "fallback_random": True,
+    }
+    assert BlockCompiler("aot_eager", "default").options() is None
+
+
+def test_a_transformers_llama_with_checkpointing_steps_compiled_as_eager(one_rank_mesh):
+    transformers = pytest.importorskip("transformers")
+    from trainfold.step import sharded
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    llama = transformers.LlamaForCausalLM(config)
+    state = sharded.shard_state(init_state(llama, optimizer(), seed=3), one_rank_mesh)
+    options = dict(sharding=one_rank_mesh, gradient_checkpointing=True)
+    eager = make_step(llama, causal_lm, optimizer(), **options)(state, batch(0, 0, 1))
+    compiled = make_step(llama, causal_lm, optimizer(), compile="aot_eager", **options)(state, batch(0, 0, 1))
+    got, expected = tensors(sharded.gather_state(compiled)), tensors(sharded.gather_state(eager))
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_what_the_compiled_sharded_step_cannot_compile_is_refused_by_name(one_rank_mesh):
+    from trainfold.step import sharded
+
+    with pytest.raises(ValueError, match=r"Linear has none .*use compile=False for this model"):
+        make_step(torch.nn.Linear(2, 2), causal_lm, optimizer(), sharding=one_rank_mesh, compile=True)
+    with pytest.raises(ValueError, match=r"gathers the whole model \(per_block=False\); use Sharding\(mesh\)"):
+        make_step(model(), causal_lm, optimizer(), sharding=sharded.Sharding(one_rank_mesh, False), compile=True)
 
 
 if __name__ == "__main__":
