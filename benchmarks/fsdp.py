@@ -12,6 +12,7 @@ sharded step is slower than the replicated one; what it buys is the memory colum
     python benchmarks/fsdp.py                # prints a markdown table
     python benchmarks/fsdp.py --quick        # a small model, few rounds
     python benchmarks/fsdp.py --compile inductor   # the sharded step eager vs compiled: compile and step time
+    python benchmarks/fsdp.py --prefetch           # without and with the next block's all-gather in flight
 
 ``vs_fully_shard`` (``--vs-fully-shard``; ``benchmarks/gpu.py`` runs it on CUDA, one process per GPU
 on NCCL, in bf16 at ~100M params) compares trainfold's sharded step with torch's FSDP2
@@ -126,7 +127,8 @@ def _variants_worker(rank: int, world: int, port: int, args: argparse.Namespace,
         for name, options in variants(args).items():
             model = build(args)
             state = sharded.shard_state(init_state(model, opt), mesh)
-            runs[name] = [make_step(model, optimizer=opt, sharding=mesh, **options), state, [], 0.0]
+            sharding = sharded.Sharding(mesh, prefetch=options.pop("prefetch", False))
+            runs[name] = [make_step(model, optimizer=opt, sharding=sharding, **options), state, [], 0.0]
         for i in range(1 + args.warmup + args.rounds):
             for run in runs.values():
                 dist.barrier()
@@ -144,8 +146,15 @@ def _variants_worker(rank: int, world: int, port: int, args: argparse.Namespace,
 
 
 def variants(args: argparse.Namespace) -> dict[str, dict]:
-    """The sharded step's variants ``--compile`` compares: ``make_step`` options by row name."""
-    return {"sharded eager": {}, f"sharded compiled ({args.compile})": {"compile": args.compile}}
+    """The sharded step's variants ``--compile`` and ``--prefetch`` compare: ``make_step`` options by row name."""
+    out: dict[str, dict] = {"sharded eager": {}}
+    if args.prefetch:
+        out["sharded eager + prefetch"] = {"prefetch": True}
+    if args.compile:
+        out[f"sharded compiled ({args.compile})"] = {"compile": args.compile}
+        if args.prefetch:
+            out[f"sharded compiled ({args.compile}) + prefetch"] = {"compile": args.compile, "prefetch": True}
+    return out
 
 
 def variants_table(args: argparse.Namespace, world: int = 2) -> str:
@@ -309,13 +318,14 @@ def main() -> None:
         metavar="BACKEND",
         help="only the sharded step eager vs compiled with BACKEND (inductor, aot_eager)",
     )
+    parser.add_argument("--prefetch", action="store_true", help="only the sharded step without and with prefetch")
     args = parser.parse_args()
     if args.vs_fully_shard:
         vs_fully_shard("cpu", 2, quick=args.quick)
         return
     if args.quick:
         args.d_model, args.layers, args.seq, args.rounds, args.warmup = 64, 2, 32, 2, 1
-    if args.compile:
+    if args.compile or args.prefetch:
         print(
             f"TinyLM d_model {args.d_model}, {args.layers} blocks, global batch {args.batch} x {args.seq} tokens, "
             f"2 gloo processes of 1 thread (load average {os.getloadavg()[0]:.1f}), medians of {args.rounds} "

@@ -85,10 +85,16 @@ _SCALAR_NAMES = ("count",)
 
 @attrs.frozen
 class Sharding:
-    """How the step shards: over ``mesh`` (1-D), gathering one block at a time (``per_block``) or the whole model."""
+    """How the step shards: over ``mesh`` (1-D), gathering one block at a time (``per_block``) or the whole model.
+
+    ``prefetch``: start the next block's all-gather before the current block runs (in backward, the
+    previous block's), so that communication overlaps compute; at most two blocks are gathered at
+    once. Off by default: on CPU gloo it measured no faster (README, sharded training).
+    """
 
     mesh: DeviceMesh
     per_block: bool = True
+    prefetch: bool = False
 
 
 def make_mesh(device_type: str | None = None) -> DeviceMesh:
@@ -220,7 +226,7 @@ def make_sharded_step(
         if names not in layouts:
             layouts[names] = find_layout(plan.model, names, sharding.per_block)
         try:
-            return _step(plan, layouts[names], state, batch, compiler, local_update)
+            return _step(plan, layouts[names], state, batch, compiler, local_update, sharding.prefetch)
         except Exception as exc:  # another rank's error, named here; ours, recorded for the others
             from trainfold.dist.distributed import failure_of
 
@@ -257,6 +263,7 @@ def _step(
     batch: Sequence[Mapping[str, Tensor]],
     compiler: BlockCompiler | None = None,
     local_update: bool = False,
+    ahead: bool = False,
 ) -> TrainState:
     start, done = open_step(plan, state, batch)
     if done is not None:
@@ -266,7 +273,7 @@ def _step(
     leaves = {k: v.detach().requires_grad_() for k, v in state.params.items()}
     buffers = {k: v.clone() for k, v in state.buffers.items()}
     modules = list(plan.model.modules())
-    gatherer = Gatherer(layout, leaves, free=not plan.recompute, compute=compiler)
+    gatherer = Gatherer(layout, leaves, free=not plan.recompute, compute=compiler, ahead=ahead)
     with (
         training_flags(modules, True),
         swapped(layout.buffers, buffers),
@@ -330,6 +337,7 @@ def _micro(
             raise no_gradient_error(plan.model, start.number)
         grads = torch.autograd.grad(loss, leaf_list, allow_unused=True)
         gatherer.cache = None
+        gatherer.drain()  # a prefetch no block took (every rank started it alike)
         return loss, aux, grads
 
     return micro
