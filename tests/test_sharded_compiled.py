@@ -46,22 +46,18 @@ def _worker(out: Path, backend: str) -> None:
     mesh = sharded.make_mesh()
     peaks = {}
     for name, dropout, recompute in CASES:
-        for compiled in (False, True):
+        for kind in ("eager", "compiled", "prefetch"):  # prefetch: compiled, the next block's all-gather in flight
             net = model(dropout)
             state = sharded.shard_state(init_state(net, optimizer(), seed=3), mesh)
+            sharding = sharded.Sharding(mesh, prefetch=kind == "prefetch")
+            compile = kind != "eager" and backend
             step = make_step(
-                net,
-                causal_lm,
-                optimizer(),
-                sharding=mesh,
-                gradient_checkpointing=recompute,
-                compile=compiled and backend,
+                net, causal_lm, optimizer(), sharding=sharding, gradient_checkpointing=recompute, compile=compile
             )
             with sharded.gathered_bytes() as peak:
                 for s in range(STEPS):
                     state = step(state, batch(s, rank, world))
             assert not any("forward" in vars(b) for b in net.blocks)  # the module is left as it was
-            kind = "compiled" if compiled else "eager"
             save_file(tensors(sharded.gather_state(state)), out / f"{name}-{kind}-{rank}.safetensors")
             peaks[f"{name}-{kind}"] = peak[0]
     (out / f"peaks-{rank}.json").write_text(json.dumps(peaks))
@@ -134,6 +130,13 @@ def test_the_compiled_sharded_step_equals_the_eager_one_with_accumulation_clippi
 
 
 @pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
+@pytest.mark.parametrize("case", [name for name, _, _ in CASES])
+def test_prefetching_the_next_block_changes_no_bit(ranks, case):
+    _, out = ranks
+    _compare(_same_on_every_rank(out, f"{case}-prefetch"), _same_on_every_rank(out, f"{case}-compiled"), "aot_eager")
+
+
+@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
 def test_train_with_fsdp_and_torch_compile_under_torchrun_equals_the_eager_sharded_train(ranks):
     backend, out = ranks
     # inductor: AdamW turns the rounding of a few near-zero gradients into 5e-6 (measured: 2 of 768 V weights)
@@ -147,15 +150,18 @@ def test_train_with_fsdp_and_torch_compile_under_torchrun_equals_the_eager_shard
 
 
 @pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
-def test_compiled_blocks_gather_no_more_than_the_eager_step(ranks):
+def test_compiled_blocks_gather_as_the_eager_step_and_prefetch_at_most_two_blocks(ranks):
     _, out = ranks
     net = model()
     blocks = [sum(p.nbytes for p in b.parameters()) for b in net.blocks]
     root = sum(p.nbytes for p in net.parameters()) - sum(blocks)
     for r in range(WORLD):
         peaks = json.loads((out / f"peaks-{r}.json").read_text())
+        assert peaks["dropout-eager"] == root + max(blocks)  # one block at a time
+        assert peaks["dropout-prefetch"] == root + 2 * max(blocks)  # and the next one in flight
         for name, _, _ in CASES:
             assert peaks[f"{name}-compiled"] == peaks[f"{name}-eager"] <= root + max(blocks), name
+            assert peaks[f"{name}-prefetch"] <= root + 2 * max(blocks), name
 
 
 # -- one process -----------------------------------------------------------------------------------
