@@ -26,8 +26,10 @@ the block again in the backward pass (with activation checkpointing the recomput
 beyond the shards at most the root's and one block's full params are alive. ``torch.autograd.grad``
 w.r.t. the shards returns ``Shard(0)`` DTensor gradients already summed over ranks (one reduce-scatter
 per group: exact sums, no PREMUL_SUM needed since the loss is divided by the global item count); the optimizer
-(``optim``'s foreach/fused ops run on DTensors) updates the shards, and the global gradient norm
-(logging, ``clip_by_global_norm``) is DTensor's norm over all shards.
+updates the shards (an element-wise one, clipping and AdamW, on their local tensors: ``sharded_update``;
+others through DTensor's ops), and the global gradient norm (logging, ``clip_by_global_norm``) is
+DTensor's norm over all shards. ``compile`` compiles each block's forward (``sharded_compiled``);
+``Sharding(mesh, prefetch=True)`` starts the next block's all-gather before the current block runs.
 
 Alone (a world of one) the same code runs on a one-rank mesh:
 
