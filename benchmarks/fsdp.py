@@ -130,7 +130,7 @@ def _variants_worker(rank: int, world: int, port: int, args: argparse.Namespace,
             sharding = sharded.Sharding(mesh, prefetch=options.pop("prefetch", False))
             runs[name] = [make_step(model, optimizer=opt, sharding=sharding, **options), state, [], 0.0]
         for i in range(1 + args.warmup + args.rounds):
-            for run in runs.values():
+            for run in list(runs.values())[:: 1 if i % 2 else -1]:  # alternate the order: no variant always first
                 dist.barrier()
                 start = time.perf_counter()
                 run[1] = run[0](run[1], batch)
