@@ -223,6 +223,24 @@ def test_an_optimizer_without_an_elementwise_path_updates_the_dtensors(one_rank_
         assert torch.equal(compiled.params[k].full_tensor(), eager.params[k].full_tensor()), k
 
 
+def test_an_elementwise_optimizer_on_the_local_shards_is_bitwise_the_update_on_the_dtensors(one_rank_mesh):
+    from trainfold.optim import GradientTransformation, chain
+    from trainfold.step import sharded
+
+    net = model(0.1)
+    keep = GradientTransformation(init=lambda params: None, update=lambda g, s, p: (g, s), keeps_state=False)
+    states = {}
+    for name, opt in (("local", optimizer()), ("dtensor", chain(keep, optimizer()))):  # no element-wise path
+        state = sharded.shard_state(init_state(net, opt, seed=3), one_rank_mesh)
+        step = make_step(net, causal_lm, opt, sharding=one_rank_mesh)
+        for s in range(2):
+            state = step(state, batch(s, 0, 1))
+        states[name] = sharded.gather_state(state)
+    for k in states["local"].params:
+        assert torch.equal(states["local"].params[k], states["dtensor"].params[k]), k
+    assert str(state.params["tok.weight"].placements) == "(Shard(dim=0),)"
+
+
 def test_the_inductor_mode_travels_with_torchs_random_kernels():
     from trainfold.step.sharded_compiled import BlockCompiler
 

@@ -69,7 +69,7 @@ from trainfold.step.plan import StepPlan
 from trainfold.step.recompute import cache_off
 from trainfold.step.sharded_compiled import BlockCompiler, refuse_uncompilable_sharded
 from trainfold.step.sharded_gather import Gatherer, Layout, find_layout, gathered_bytes, swapped
-from trainfold.step.sharded_update import elementwise, map_param_dicts, update_shards
+from trainfold.step.sharded_update import Update, map_param_dicts, shard_update
 
 __all__ = [
     "Sharding",
@@ -216,7 +216,7 @@ def make_sharded_step(
 
         plan = attrs.evolve(plan, collective=process_group_collective(sharding.mesh.get_group()), slots=plan.slots)
     layouts: dict[frozenset[str], Layout] = {}
-    local_update = elementwise(plan.optimizer)
+    update = shard_update(plan.optimizer)
 
     def step(state: TrainState, batch: Sequence[Mapping[str, Tensor]]) -> TrainState:
         if not is_sharded(state):
@@ -228,7 +228,7 @@ def make_sharded_step(
         if names not in layouts:
             layouts[names] = find_layout(plan.model, names, sharding.per_block)
         try:
-            return _step(plan, layouts[names], state, batch, compiler, local_update, sharding.prefetch)
+            return _step(plan, layouts[names], state, batch, compiler, update, sharding.prefetch)
         except Exception as exc:  # another rank's error, named here; ours, recorded for the others
             from trainfold.dist.distributed import failure_of
 
@@ -263,8 +263,8 @@ def _step(
     layout: Layout,
     state: TrainState,
     batch: Sequence[Mapping[str, Tensor]],
-    compiler: BlockCompiler | None = None,
-    local_update: bool = False,
+    compiler: BlockCompiler | None,
+    update: Update,
     ahead: bool = False,
 ) -> TrainState:
     start, done = open_step(plan, state, batch)
@@ -296,10 +296,7 @@ def _step(
     sum_over_ranks(plan.collective, [sums.loss])  # the gradients are summed already (reduce-scatter)
     grad_tree = dict(zip(leaves, grads))
     grad_norm = _full(global_norm(grad_tree))
-    if local_update:
-        params, opt_state = update_shards(plan.optimizer, grad_tree, state, grad_norm)
-    else:
-        params, opt_state = plan.optimizer.apply(grad_tree, state.opt_state, state.params)
+    params, opt_state = update(grad_tree, state, grad_norm)
     params = {k: params[k].detach() for k in leaves}
     return next_state(
         plan, state, params, buffers, opt_state, start.cursor, sums.loss, grad_norm, start.num_items, sums.aux

@@ -57,7 +57,8 @@ class BlockCompiler:
 
         return {**(torch._inductor.list_mode_options(self.mode) if self.mode else {}), "fallback_random": True}
 
-    def _compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Return ``fn`` under ``torch.compile`` with this compiler's backend and mode."""
         import torch
 
         options = self.options()
@@ -69,11 +70,11 @@ class BlockCompiler:
         if id(block) not in self._bound:
             own = vars(block).get("forward")
             if own is not None:
-                self._bound[id(block)] = self._compile(own)
+                self._bound[id(block)] = self.compile(own)
             else:
                 cls = type(block)
                 if cls not in self._shared:
-                    self._shared[cls] = self._compile(fresh_function(cls.forward))
+                    self._shared[cls] = self.compile(fresh_function(cls.forward))
                 self._bound[id(block)] = functools.partial(self._shared[cls], block)
         return self._bound[id(block)]
 
