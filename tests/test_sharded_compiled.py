@@ -164,6 +164,22 @@ def test_compiled_blocks_gather_as_the_eager_step_and_prefetch_at_most_two_block
             assert peaks[f"{name}-prefetch"] <= root + 2 * max(blocks), name
 
 
+@pytest.mark.slow  # 2 spawned processes (reduced: the quick model, aot_eager; full: inductor)
+def test_the_fsdp_benchmark_times_the_compiled_and_prefetching_variants(full_slow):
+    backend = "inductor" if full_slow else "aot_eager"
+    done = subprocess.run(
+        [sys.executable, "benchmarks/fsdp.py", "--quick", "--compile", backend, "--prefetch"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for row in ("sharded eager", "sharded eager + prefetch", f"sharded compiled ({backend}) + prefetch"):
+        assert f"| {row} | 1 |" in done.stdout, row
+
+
 # -- one process -----------------------------------------------------------------------------------
 
 
