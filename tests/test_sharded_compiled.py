@@ -257,6 +257,38 @@ def test_an_elementwise_optimizer_on_the_local_shards_is_bitwise_the_update_on_t
     assert str(state.params["tok.weight"].placements) == "(Shard(dim=0),)"
 
 
+@pytest.mark.parametrize("recompute", [False, True])
+def test_prefetch_with_two_policy_forwards_and_a_frozen_reference_changes_no_bit(one_rank_mesh, recompute):
+    from trainfold.step import sharded
+
+    net = model(0.1)
+    reference = {k: v * 0.5 for k, v in init_state(net, optimizer()).params.items()}  # plain, never gathered
+
+    def objective(forward, params, micro, n, key):  # DPO's shape: the policy twice, the reference without grad
+        ids = micro["input_ids"]
+        first, second = forward(params, {"input_ids": ids}), forward(params, {"input_ids": ids.flip(0)})
+        with torch.no_grad():
+            ref = forward(reference, {"input_ids": ids})
+        return causal_lm(first + second.flip(0) - ref, micro["labels"], n), {}
+
+    state = sharded.shard_state(init_state(net, optimizer(), seed=3), one_rank_mesh)
+    got = {}
+    for ahead in (False, True):
+        sharding = sharded.Sharding(one_rank_mesh, prefetch=ahead)
+        step = make_step(
+            net, optimizer=optimizer(), objective=objective, sharding=sharding, gradient_checkpointing=recompute
+        )
+        s = state
+        with sharded.gathered_bytes() as peak:
+            for i in range(2):
+                s = step(s, batch(i, 0, 1))
+        got[ahead] = (tensors(sharded.gather_state(s)), peak[0])
+    assert all(torch.equal(got[True][0][k], got[False][0][k]) for k in got[False][0])
+    blocks = [sum(p.nbytes for p in b.parameters()) for b in net.blocks]
+    root = sum(p.nbytes for p in net.parameters()) - sum(blocks)
+    assert got[False][1] <= root + max(blocks) < got[True][1] <= root + 2 * max(blocks)
+
+
 def test_the_inductor_mode_travels_with_torchs_random_kernels():
     from trainfold.step.sharded_compiled import BlockCompiler
 

@@ -7,7 +7,11 @@ shard is padded to DTensor's chunk size, the group's are joined into one buffer 
 the backward pass reduce-scatters (sums) the full gradients the same way, so the gradients arrive
 as this rank's ``Shard(0)`` part of their sum over ranks. Without activation checkpointing the
 full tensors autograd saves are replaced by handles (``saved_tensors_hooks``) and gathered again
-in the backward pass, one group at a time.
+in the backward pass, one group at a time. With ``ahead`` (``Sharding(prefetch=True)``) the all-gather
+of the block expected next (in backward, the previous one) is started (``async_op=True``, :func:`prefetch`)
+before the current one runs, so at most two blocks are gathered at once; a wrong guess is finished
+and dropped, alike on every rank. The reduce-scatter stays synchronous: autograd adds its result
+into the gradients as soon as it returns.
 
 >>> _chunk(5, 2), _chunk(1, 4)   # rows per rank of a Shard(0) over 2 and 4 ranks
 (3, 1)
