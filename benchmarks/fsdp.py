@@ -11,6 +11,8 @@ sharded step is slower than the replicated one; what it buys is the memory colum
 
     python benchmarks/fsdp.py                # prints a markdown table
     python benchmarks/fsdp.py --quick        # a small model, few rounds
+    python benchmarks/fsdp.py --compile inductor   # the sharded step eager vs compiled: compile and step time
+    python benchmarks/fsdp.py --prefetch           # without and with the next block's all-gather in flight
 
 ``vs_fully_shard`` (``--vs-fully-shard``; ``benchmarks/gpu.py`` runs it on CUDA, one process per GPU
 on NCCL, in bf16 at ~100M params) compares trainfold's sharded step with torch's FSDP2
@@ -106,6 +108,70 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _variants_worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    """Time the sharded step's variants (eager, compiled) on the same batch, interleaved; the first step apart."""
+    from trainfold.step import sharded
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        rows = args.batch // world
+        ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+        batch = [{"input_ids": ids[rank * rows : (rank + 1) * rows], "labels": ids[rank * rows : (rank + 1) * rows]}]
+        opt = chain(clip_by_global_norm(1.0), adamw(1e-3))
+        mesh = sharded.make_mesh()
+        runs = {}
+        for name, options in variants(args).items():
+            model = build(args)
+            state = sharded.shard_state(init_state(model, opt), mesh)
+            sharding = sharded.Sharding(mesh, prefetch=options.pop("prefetch", False))
+            runs[name] = [make_step(model, optimizer=opt, sharding=sharding, **options), state, [], 0.0]
+        for i in range(1 + args.warmup + args.rounds):
+            for run in list(runs.values())[:: 1 if i % 2 else -1]:  # alternate the order: no variant always first
+                dist.barrier()
+                start = time.perf_counter()
+                run[1] = run[0](run[1], batch)
+                seconds = time.perf_counter() - start
+                if i == 0:
+                    run[3] = seconds  # the first step: compiles
+                elif i > args.warmup:
+                    run[2].append(seconds)
+        queue.put((rank, {name: {"first": r[3], "step": statistics.median(r[2])} for name, r in runs.items()}))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def variants(args: argparse.Namespace) -> dict[str, dict]:
+    """The sharded step's variants ``--compile`` and ``--prefetch`` compare: ``make_step`` options by row name."""
+    out: dict[str, dict] = {"sharded eager": {}}
+    if args.prefetch:
+        out["sharded eager + prefetch"] = {"prefetch": True}
+    if args.compile:
+        out[f"sharded compiled ({args.compile})"] = {"compile": args.compile}
+        if args.prefetch:
+            out[f"sharded compiled ({args.compile}) + prefetch"] = {"compile": args.compile, "prefetch": True}
+    return out
+
+
+def variants_table(args: argparse.Namespace, world: int = 2) -> str:
+    """Return the markdown table of the sharded step's variants: first step (compile) and median step times."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    mp.start_processes(
+        _variants_worker, args=(world, _free_port(), args, queue), nprocs=world, join=True, start_method="spawn"
+    )
+    per_rank = dict(queue.get() for _ in range(world))
+    lines = ["| variant | rank | first step (s) | step (ms) | step vs eager |", "|---|---:|---:|---:|---:|"]
+    for name in per_rank[0]:
+        for rank in range(world):
+            r, e = per_rank[rank][name], per_rank[rank]["sharded eager"]
+            lines.append(
+                f"| {name} | {rank} | {r['first']:.1f} | {r['step'] * 1e3:.1f} | {r['step'] / e['step']:.2f}x |"
+            )
+    return "\n".join(lines)
 
 
 def _vs_worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
@@ -247,12 +313,26 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="d_model 64, 2 layers, seq 32, 2 rounds")
     parser.add_argument("--vs-fully-shard", action="store_true", help="only the comparison with FSDP2 (tiny on CPU)")
+    parser.add_argument(
+        "--compile",
+        metavar="BACKEND",
+        help="only the sharded step eager vs compiled with BACKEND (inductor, aot_eager)",
+    )
+    parser.add_argument("--prefetch", action="store_true", help="only the sharded step without and with prefetch")
     args = parser.parse_args()
     if args.vs_fully_shard:
         vs_fully_shard("cpu", 2, quick=args.quick)
         return
     if args.quick:
         args.d_model, args.layers, args.seq, args.rounds, args.warmup = 64, 2, 32, 2, 1
+    if args.compile or args.prefetch:
+        print(
+            f"TinyLM d_model {args.d_model}, {args.layers} blocks, global batch {args.batch} x {args.seq} tokens, "
+            f"2 gloo processes of 1 thread (load average {os.getloadavg()[0]:.1f}), medians of {args.rounds} "
+            "interleaved rounds; the first step compiles\n"
+        )
+        print(variants_table(args))
+        return
 
     world = 2
     queue = mp.get_context("spawn").SimpleQueue()

@@ -62,8 +62,11 @@ def _checkpointing_problems(args: Any) -> list[str]:
     every = kwargs.get("every_n_layers", 1)
     if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
         out.append(f"activation_checkpointing_kwargs every_n_layers must be an int >= 1, got {every!r}")
-    if (args.activation_checkpointing or args.gradient_checkpointing) and args.compile:
-        out.append("activation_checkpointing with torch_compile is not supported yet; choose one of the two")
+    if (args.activation_checkpointing or args.gradient_checkpointing) and args.compile and not fsdp_options(args.fsdp):
+        out.append(
+            "activation_checkpointing with torch_compile is not supported yet (it is with fsdp='full_shard'); "
+            "choose one of the two"
+        )
     return out
 
 
@@ -112,8 +115,6 @@ def _fsdp_problems(args: Any) -> list[str]:
     out = []
     if args.fp16:
         out.append("fsdp='full_shard' with fp16 (loss scaling) is not supported; use bf16=True")
-    if args.compile:
-        out.append("fsdp='full_shard' with torch_compile is not supported yet; train the sharded step eagerly")
     return out
 
 

@@ -52,7 +52,8 @@ def make_step(
     ``loss_scaling`` (with ``autocast=torch.float16``) scales the loss dynamically, skipping updates
     whose gradients overflow (``trainfold.step.amp``; the scaler is ``state.extras[amp.SCALER]``).
     ``sharding`` (a ``DeviceMesh``, ``sharded.Sharding`` or ``"full_shard"``) steps a state of
-    ``sharded.shard_state``, gathering one block at a time. ``step(state, batch, donate=True)`` (or
+    ``sharded.shard_state``, gathering one block at a time (with ``compile``: each block's forward compiled,
+    ``sharded_compiled``). ``step(state, batch, donate=True)`` (or
     ``step.donating``) updates ``state``'s tensors in place and invalidates it; results are bitwise equal.
 
     >>> import torch
@@ -67,7 +68,7 @@ def make_step(
     settings = dict(objective=objective, count_items=count_items, label_key=label_key, collective=collective)
     precision = dict(autocast=autocast, gradient_checkpointing=gradient_checkpointing, loss_scaling=loss_scaling)
     plan = step_plan(model, loss, optimizer, **settings, **precision, dtensor_params=sharding is not None)
-    if compile:
+    if compile and sharding is None:  # the sharded step refuses its own (sharded_compiled)
         refuse_uncompilable(plan)
     if sharding is not None:
         sharded_step = make_sharded_step(plan, sharding, compile=compile, compile_mode=compile_mode)

@@ -26,8 +26,10 @@ the block again in the backward pass (with activation checkpointing the recomput
 beyond the shards at most the root's and one block's full params are alive. ``torch.autograd.grad``
 w.r.t. the shards returns ``Shard(0)`` DTensor gradients already summed over ranks (one reduce-scatter
 per group: exact sums, no PREMUL_SUM needed since the loss is divided by the global item count); the optimizer
-(``optim``'s foreach/fused ops run on DTensors) updates the shards, and the global gradient norm
-(logging, ``clip_by_global_norm``) is DTensor's norm over all shards.
+updates the shards (an element-wise one, clipping and AdamW, on their local tensors: ``sharded_update``;
+others through DTensor's ops), and the global gradient norm (logging, ``clip_by_global_norm``) is
+DTensor's norm over all shards. ``compile`` compiles each block's forward (``sharded_compiled``);
+``Sharding(mesh, prefetch=True)`` starts the next block's all-gather before the current block runs.
 
 Alone (a world of one) the same code runs on a one-rank mesh:
 
@@ -65,7 +67,9 @@ from trainfold.step.driver import (
 )
 from trainfold.step.plan import StepPlan
 from trainfold.step.recompute import cache_off
+from trainfold.step.sharded_compiled import BlockCompiler, refuse_uncompilable_sharded
 from trainfold.step.sharded_gather import Gatherer, Layout, find_layout, gathered_bytes, swapped
+from trainfold.step.sharded_update import Update, map_param_dicts, shard_update
 
 __all__ = [
     "Sharding",
@@ -83,10 +87,16 @@ _SCALAR_NAMES = ("count",)
 
 @attrs.frozen
 class Sharding:
-    """How the step shards: over ``mesh`` (1-D), gathering one block at a time (``per_block``) or the whole model."""
+    """How the step shards: over ``mesh`` (1-D), gathering one block at a time (``per_block``) or the whole model.
+
+    ``prefetch``: start the next block's all-gather before the current block runs (in backward, the
+    previous block's), so that communication overlaps compute; at most two blocks are gathered at
+    once. Off by default: on CPU gloo it measured no faster (README, sharded training).
+    """
 
     mesh: DeviceMesh
     per_block: bool = True
+    prefetch: bool = False
 
 
 def make_mesh(device_type: str | None = None) -> DeviceMesh:
@@ -128,23 +138,6 @@ def _distribute(t: Tensor, mesh: DeviceMesh) -> Tensor:
     return distribute_tensor(t.detach().to(mesh.device_type), mesh, _placements(t))
 
 
-def _map_param_dicts(node: Any, keys: frozenset[str], fn: Callable[[Tensor], Tensor]) -> Any:
-    """Apply ``fn`` to the tensors of every dict in ``node`` keyed by the params (an optimizer's moments)."""
-    if isinstance(node, Mapping):
-        if node and frozenset(node) <= keys and all(isinstance(v, Tensor) for v in node.values()):
-            return {k: fn(v) for k, v in node.items()}
-        return {k: _map_param_dicts(v, keys, fn) for k, v in node.items()}
-    if attrs.has(type(node)):
-        return attrs.evolve(
-            node,
-            **{f.name: _map_param_dicts(getattr(node, f.name), keys, fn) for f in attrs.fields(type(node)) if f.init},
-        )
-    if isinstance(node, tuple):
-        items = [_map_param_dicts(v, keys, fn) for v in node]
-        return type(node)(*items) if hasattr(node, "_fields") else tuple(items)
-    return node
-
-
 def shard_state(state: TrainState, mesh: DeviceMesh) -> TrainState:
     """Return ``state`` with its params and param-keyed optimizer tensors as DTensor shards on ``mesh``.
 
@@ -154,7 +147,7 @@ def shard_state(state: TrainState, mesh: DeviceMesh) -> TrainState:
     return attrs.evolve(
         state,
         params={k: _distribute(v, mesh) for k, v in state.params.items()},
-        opt_state=_map_param_dicts(state.opt_state, keys, lambda t: _distribute(t, mesh)),
+        opt_state=map_param_dicts(state.opt_state, keys, lambda t: _distribute(t, mesh)),
     )
 
 
@@ -168,7 +161,7 @@ def gather_state(state: TrainState) -> TrainState:
     return attrs.evolve(
         state,
         params={k: _full(v) for k, v in state.params.items()},
-        opt_state=_map_param_dicts(state.opt_state, keys, _full),
+        opt_state=map_param_dicts(state.opt_state, keys, _full),
     )
 
 
@@ -203,23 +196,27 @@ def sharding_for(full_shard: bool, collective: Any) -> Sharding | None:
 
 
 def make_sharded_step(
-    plan: StepPlan, sharding: Sharding | DeviceMesh | str, *, compile: Any = False, compile_mode: str | None = None
+    plan: StepPlan,
+    sharding: Sharding | DeviceMesh | str,
+    *,
+    compile: bool | str | Callable[..., Any] = False,
+    compile_mode: str | None = None,
 ) -> Callable[[TrainState, Any], TrainState]:
-    """Return the step of ``plan`` over a sharded state (``make_step(..., sharding=...)`` calls it)."""
-    if compile:
-        raise ValueError(
-            "compile with sharding is not supported yet: torch.compile of the gathering step breaks its "
-            "graph at the collectives (measured: 97 s to compile a 2-block TinyLM on CPU, then slower "
-            "than eager); use the eager sharded step (compile=False)"
-        )
+    """Return the step of ``plan`` over a sharded state (``make_step(..., sharding=...)`` calls it).
+
+    ``compile`` (``True``: inductor; a string or callable: that backend) compiles each block's forward
+    (``sharded_compiled``); the collectives and the driver stay eager.
+    """
     sharding = as_sharding(sharding)
     if plan.loss_scaling is not None:
         raise ValueError("loss_scaling (fp16) with sharding is not supported; use bf16 autocast (bf16=True)")
+    compiler = _compiler(plan, sharding, compile, compile_mode)
     if plan.collective is None:
         from trainfold.dist.distributed import process_group_collective
 
         plan = attrs.evolve(plan, collective=process_group_collective(sharding.mesh.get_group()), slots=plan.slots)
     layouts: dict[frozenset[str], Layout] = {}
+    update = shard_update(plan.optimizer)
 
     def step(state: TrainState, batch: Sequence[Mapping[str, Tensor]]) -> TrainState:
         if not is_sharded(state):
@@ -231,7 +228,7 @@ def make_sharded_step(
         if names not in layouts:
             layouts[names] = find_layout(plan.model, names, sharding.per_block)
         try:
-            return _step(plan, layouts[names], state, batch)
+            return _step(plan, layouts[names], state, batch, compiler, update, sharding.prefetch)
         except Exception as exc:  # another rank's error, named here; ours, recorded for the others
             from trainfold.dist.distributed import failure_of
 
@@ -244,7 +241,32 @@ def make_sharded_step(
     return step
 
 
-def _step(plan: StepPlan, layout: Layout, state: TrainState, batch: Sequence[Mapping[str, Tensor]]) -> TrainState:
+def _compiler(plan: StepPlan, sharding: Sharding, compile: Any, mode: str | None) -> BlockCompiler | None:
+    """Return the step's ``BlockCompiler`` (``None``: eager), refusing by name what it cannot compile."""
+    if not compile:
+        return None
+    refuse_uncompilable_sharded(plan.model, sharding.per_block)
+    try:
+        supported = torch._dynamo.is_dynamo_supported()
+    except Exception:
+        supported = False
+    if not supported:
+        from trainfold.step.fallback import fall_back
+
+        fall_back("torch.compile is not supported on this Python or platform")
+        return None
+    return BlockCompiler("inductor" if compile is True else compile, mode)
+
+
+def _step(
+    plan: StepPlan,
+    layout: Layout,
+    state: TrainState,
+    batch: Sequence[Mapping[str, Tensor]],
+    compiler: BlockCompiler | None,
+    update: Update,
+    ahead: bool = False,
+) -> TrainState:
     start, done = open_step(plan, state, batch)
     if done is not None:
         return done
@@ -253,7 +275,7 @@ def _step(plan: StepPlan, layout: Layout, state: TrainState, batch: Sequence[Map
     leaves = {k: v.detach().requires_grad_() for k, v in state.params.items()}
     buffers = {k: v.clone() for k, v in state.buffers.items()}
     modules = list(plan.model.modules())
-    gatherer = Gatherer(layout, leaves, free=not plan.recompute)
+    gatherer = Gatherer(layout, leaves, free=not plan.recompute, compute=compiler, ahead=ahead)
     with (
         training_flags(modules, True),
         swapped(layout.buffers, buffers),
@@ -274,7 +296,7 @@ def _step(plan: StepPlan, layout: Layout, state: TrainState, batch: Sequence[Map
     sum_over_ranks(plan.collective, [sums.loss])  # the gradients are summed already (reduce-scatter)
     grad_tree = dict(zip(leaves, grads))
     grad_norm = _full(global_norm(grad_tree))
-    params, opt_state = plan.optimizer.apply(grad_tree, state.opt_state, state.params)
+    params, opt_state = update(grad_tree, state, grad_norm)
     params = {k: params[k].detach() for k in leaves}
     return next_state(
         plan, state, params, buffers, opt_state, start.cursor, sums.loss, grad_norm, start.num_items, sums.aux
@@ -314,6 +336,7 @@ def _micro(
             raise no_gradient_error(plan.model, start.number)
         grads = torch.autograd.grad(loss, leaf_list, allow_unused=True)
         gatherer.cache = None
+        gatherer.drain()  # a prefetch no block took (every rank started it alike)
         return loss, aux, grads
 
     return micro

@@ -7,7 +7,11 @@ shard is padded to DTensor's chunk size, the group's are joined into one buffer 
 the backward pass reduce-scatters (sums) the full gradients the same way, so the gradients arrive
 as this rank's ``Shard(0)`` part of their sum over ranks. Without activation checkpointing the
 full tensors autograd saves are replaced by handles (``saved_tensors_hooks``) and gathered again
-in the backward pass, one group at a time.
+in the backward pass, one group at a time. With ``ahead`` (``Sharding(prefetch=True)``) the all-gather
+of the block expected next (in backward, the previous one) is started (``async_op=True``, :func:`prefetch`)
+before the current one runs, so at most two blocks are gathered at once; a wrong guess is finished
+and dropped, alike on every rank. The reduce-scatter stays synchronous: autograd adds its result
+into the gradients as soon as it returns.
 
 >>> _chunk(5, 2), _chunk(1, 4)   # rows per rank of a Shard(0) over 2 and 4 ranks
 (3, 1)
@@ -136,8 +140,21 @@ def _chunk(rows: int, world: int) -> int:
     return -(-rows // world)  # DTensor's Shard(0): ceil-sized chunks, the last ones short or empty
 
 
-def _all_gather(spec: Spec, locals_: Sequence[Tensor]) -> list[Tensor]:
-    """All-gather the ``Shard(0)`` locals of a group in one collective: each padded to its chunk, flattened, joined."""
+class Pending:
+    """An all-gather in flight (a prefetch): its work handle, its output and the input it reads until done."""
+
+    def __init__(self, work: Any, out: Tensor, flat: Tensor) -> None:
+        self.work, self.out, self.flat = work, out, flat
+
+    def wait(self) -> Tensor:
+        """Return the gathered buffer once the collective is done (then this record lets go of it)."""
+        self.work.wait()
+        out, self.out, self.flat, self.work = self.out, None, None, None
+        return out
+
+
+def _start(spec: Spec, locals_: Sequence[Tensor], async_op: bool) -> tuple[Any, Tensor, Tensor]:
+    """Start the all-gather of a group's ``Shard(0)`` locals: each padded to its chunk, flattened, joined."""
     group, world, shapes = spec
     pieces = []
     for t, shape in zip(locals_, shapes):
@@ -146,12 +163,19 @@ def _all_gather(spec: Spec, locals_: Sequence[Tensor]) -> list[Tensor]:
         pieces.append(padded.reshape(-1))
     flat = torch.cat(pieces)
     out = flat.new_empty(world * flat.numel())
-    dist.all_gather_single(out, flat, group=group)
+    return dist.all_gather_single(out, flat, group=group, async_op=async_op), out, flat
+
+
+def _all_gather(spec: Spec, locals_: Sequence[Tensor], pending: Pending | None = None) -> list[Tensor]:
+    """All-gather the ``Shard(0)`` locals of a group in one collective (``pending``: the prefetch already started)."""
+    _, world, shapes = spec
+    out = pending.wait() if pending is not None else _start(spec, locals_, async_op=False)[1]
     rows, fulls, offset = out.view(world, -1), [], 0
     for shape in shapes:
         n = _chunk(shape[0], world) * shape[1:].numel()
         fulls.append(rows[:, offset : offset + n].reshape(-1, *shape[1:])[: shape[0]].contiguous())
         offset += n
+    _live.pop(id(out), None)  # a prefetch's buffer is done with (the backend's worker may let go of it later)
     return fulls
 
 
@@ -159,9 +183,9 @@ class _AllGather(torch.autograd.Function):
     """Forward: one all-gather of a group's shards. Backward: one reduce-scatter (sum) of their full gradients."""
 
     @staticmethod
-    def forward(ctx: Any, spec: Spec, *locals_: Tensor) -> tuple[Tensor, ...]:
+    def forward(ctx: Any, spec: Spec, pending: Pending | None, *locals_: Tensor) -> tuple[Tensor, ...]:
         ctx.spec, ctx.rows = spec, [t.shape[0] for t in locals_]
-        return tuple(_all_gather(spec, locals_))
+        return tuple(_all_gather(spec, locals_, pending))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Any, ...]:
@@ -182,7 +206,7 @@ class _AllGather(torch.autograd.Function):
             n = _chunk(shape[0], world) * shape[1:].numel()
             local.append(out[offset : offset + n].view(-1, *shape[1:])[:rows])
             offset += n
-        return (None, *local)
+        return (None, None, *local)
 
 
 def grads_dtype(grads: Sequence[Tensor | None]) -> torch.dtype:
@@ -193,21 +217,39 @@ def grads_device(grads: Sequence[Tensor | None]) -> torch.device:
     return next(g.device for g in grads if g is not None)
 
 
-def _gather_group(leaves: Sequence[Tensor], grad: bool) -> list[Tensor]:
-    """Return the full tensors of ``leaves``: the ``Shard(0)`` ones of one dtype in one collective, others singly."""
-    coalesced = [
+def _coalesced(leaves: Sequence[Tensor]) -> tuple[list[int], Spec | None]:
+    """Return which of ``leaves`` travel in one collective (the 1-D ``Shard(0)`` ones of one dtype) and its spec."""
+    idx = [
         i
         for i, t in enumerate(leaves)
         if isinstance(t, DTensor) and t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),)
     ]
-    if len({leaves[i].dtype for i in coalesced}) > 1:
-        coalesced = []
+    if not idx or len({leaves[i].dtype for i in idx}) > 1:
+        return [], None
+    mesh = leaves[idx[0]].device_mesh
+    return idx, (mesh.get_group(), mesh.size(), tuple(leaves[i].shape for i in idx))
+
+
+def prefetch(leaves: Sequence[Tensor]) -> Pending | None:
+    """Start the all-gather of ``leaves`` (a group's) without waiting: ``_gather_group(leaves, ..., pending)``
+    finishes it. ``None`` when no leaf travels in the group's collective."""
+    idx, spec = _coalesced(leaves)
+    if spec is None:
+        return None
+    with torch.no_grad():  # the gradient flows through the _AllGather that finishes it
+        work, out, flat = _start(spec, [leaves[i].to_local().detach() for i in idx], async_op=True)
+    _track(out)  # gathered bytes while in flight
+    return Pending(work, out, flat)
+
+
+def _gather_group(leaves: Sequence[Tensor], grad: bool, pending: Pending | None = None) -> list[Tensor]:
+    """Return the full tensors of ``leaves``: the ``Shard(0)`` ones of one dtype in one collective (``pending``:
+    already started by :func:`prefetch`), others singly."""
+    coalesced, spec = _coalesced(leaves)
     out: list[Tensor | None] = [None] * len(leaves)
-    if coalesced:
-        mesh = leaves[coalesced[0]].device_mesh
-        spec = (mesh.get_group(), mesh.size(), tuple(leaves[i].shape for i in coalesced))
+    if spec is not None:
         locals_ = [leaves[i].to_local() for i in coalesced]
-        fulls = _AllGather.apply(spec, *locals_) if grad else _all_gather(spec, locals_)
+        fulls = _AllGather.apply(spec, pending, *locals_) if grad else _all_gather(spec, locals_, pending)
         for i, full in zip(coalesced, fulls):
             _track(full)
             out[i] = full
@@ -220,8 +262,18 @@ def _gather_group(leaves: Sequence[Tensor], grad: bool) -> list[Tensor]:
 class Gatherer:
     """Gathers a group's full params when it runs; drops them after, re-gathering in backward what autograd saved."""
 
-    def __init__(self, layout: Layout, leaves: Mapping[str, Tensor], free: bool) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        leaves: Mapping[str, Tensor],
+        free: bool,
+        compute: Callable[[nn.Module], Callable[..., Any]] | None = None,
+        ahead: bool = False,
+    ) -> None:
         self.layout, self.leaves, self.free = layout, leaves, free
+        self.compute = compute  # compute(block): what runs the block's forward (default: its own forward)
+        self.ahead = ahead  # prefetch: start the next block's all-gather before this one runs
+        self.pending: tuple[int, Pending] | None = None
         self.groups = [layout.names(layout.root)] + [layout.names(p) for _, p in layout.blocks]
         self.registry: dict[int, tuple[int, str, int]] = {}  # storage address -> (group, name, its offset)
         self.cache: tuple[int, dict[str, Tensor]] | None = None  # the group regathered for backward
@@ -230,11 +282,37 @@ class Gatherer:
     def gather(self, group: int) -> dict[str, Tensor]:
         """Return the full params of ``group`` (0: the root), registered so that autograd saves handles to them."""
         names = self.groups[group]
-        full = dict(zip(names, _gather_group([self.leaves[n] for n in names], grad=True)))
+        full = dict(zip(names, _gather_group([self.leaves[n] for n in names], grad=True, pending=self._take(group))))
         if self.free:
             for n, t in full.items():
                 self.registry[t.untyped_storage().data_ptr()] = (group, n, t.storage_offset())
+        self._prefetch(group, backward=torch._C._current_graph_task_id() != -1)  # a recomputation runs in backward
         return full
+
+    def _prefetch(self, group: int, backward: bool) -> None:
+        """With ``ahead``: start gathering the block expected next (the next one; in backward, the previous one)."""
+        following = group - 1 if backward else group + 1
+        if not self.ahead or not 1 <= following < len(self.groups):
+            return
+        names = self.groups[following]
+        started = prefetch([self.leaves[n] for n in names])
+        if started is not None:
+            self.pending = (following, started)
+
+    def _take(self, group: int) -> Pending | None:
+        """Return the prefetch of ``group``; a prefetch of another group is finished and dropped (every rank guessed
+        alike, so the collectives still match)."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        if pending[0] != group:
+            pending[1].wait()
+            return None
+        return pending[1]
+
+    def drain(self) -> None:
+        """Finish and drop a prefetch still in flight (the micro-batch is done)."""
+        self._take(-1)
 
     def forget(self, full: Mapping[str, Tensor]) -> None:
         """Stop tracking the full params ``full`` (their group has run)."""
@@ -259,8 +337,10 @@ class Gatherer:
         if self.cache is None or self.cache[0] != group:
             self.cache = None  # drop the previous group before gathering the next
             with torch.no_grad():
-                names = self.groups[group]
-                self.cache = (group, dict(zip(names, _gather_group([self.leaves[n] for n in names], grad=False))))
+                names, pending = self.groups[group], self._take(group)
+                full = _gather_group([self.leaves[n] for n in names], grad=False, pending=pending)
+                self.cache = (group, dict(zip(names, full)))
+            self._prefetch(group, backward=True)
         full = self.cache[1][name]
         return full.as_strided(shape, stride, full.storage_offset() + offset)
 
@@ -272,7 +352,8 @@ class Gatherer:
             for i, (block, places) in enumerate(self.layout.blocks, start=1):
                 if places:
                     done.append((block, vars(block).get("forward")))
-                    block.forward = self._block_forward(block.forward, i, places)
+                    forward = block.forward if self.compute is None else self.compute(block)
+                    block.forward = self._block_forward(forward, i, places)
             yield
         finally:
             for block, previous in reversed(done):
