@@ -8,8 +8,10 @@ base weights of a ``peft`` model go nowhere, and their ``fingerprint`` goes into
 from __future__ import annotations
 
 import json
+import os
 import zlib
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -23,7 +25,7 @@ from trainfold.ckpt.sidecar import CONFIG_FILE, MODEL_FILE
 from trainfold.core.state import TrainState
 from trainfold.core.tree import Tree
 
-__all__ = ["Layout", "layout_of", "model_weights", "fingerprint"]
+__all__ = ["Layout", "layout_of", "model_weights", "fingerprint", "fingerprints"]
 
 
 def _state_keys(state: TrainState, model: nn.Module | None) -> dict[str, str]:
@@ -109,6 +111,26 @@ def fingerprint(t: Tensor) -> str:
     sample = torch.cat([words[picks].cpu().view(torch.uint8), tail.cpu()])
     crc = zlib.crc32(sample.numpy().tobytes())
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{total}:{crc:08x}".replace(" ", "")
+
+
+_THREADED = 1 << 23  # bytes of CPU tensors from which fingerprints are computed in threads
+
+
+def fingerprints(tensors: Mapping[str, Tensor]) -> dict[str, str]:
+    """Return ``{name: fingerprint(tensor)}``, CPU tensors spread over threads (numpy's sum releases the GIL).
+
+    >>> import torch
+    >>> fingerprints({"a": torch.ones(3)}) == {"a": fingerprint(torch.ones(3))}
+    True
+    """
+    total = sum(t.numel() * t.element_size() for t in tensors.values() if t.device.type == "cpu")
+    workers = min(len(tensors), os.cpu_count() or 1, 8)
+    if workers < 2 or total < _THREADED:
+        return {k: fingerprint(t) for k, t in tensors.items()}
+    order = sorted(tensors, key=lambda k: -tensors[k].numel() * tensors[k].element_size())  # the largest first
+    with ThreadPoolExecutor(workers, thread_name_prefix="trainfold-fingerprint") as pool:
+        done = dict(zip(order, pool.map(lambda k: fingerprint(tensors[k]), order), strict=True))
+    return {k: done[k] for k in tensors}
 
 
 @attrs.frozen

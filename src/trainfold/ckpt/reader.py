@@ -16,7 +16,7 @@ import attrs
 from torch import Tensor
 
 from trainfold.ckpt import sharded, tensor_file
-from trainfold.ckpt.layout import fingerprint
+from trainfold.ckpt.layout import fingerprints
 from trainfold.ckpt.sidecar import (
     INDEX_FILE,
     MODEL_FILE,
@@ -84,7 +84,8 @@ def _frozen(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
             f"{directory} was trained on frozen weights the template state lacks: {absent[:5]} "
             f"({len(absent)} in all); pass the model the run trained, with its frozen base (init_state(model, ...))"
         )
-    differ = sorted(k for k, fp in meta["frozen"].items() if fingerprint(mine[k]) != fp)
+    theirs = fingerprints({k: mine[k] for k in meta["frozen"]})
+    differ = sorted(k for k, fp in meta["frozen"].items() if theirs[k] != fp)
     if differ:
         raise CheckpointError(
             f"{directory / SIDECAR_FILE}: field 'frozen': the template's frozen weights are not those this "

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from trainfold.ckpt import tensor_file
 from trainfold.ckpt.atomic import BackgroundSync, Syncs, fsync_dir, replace_dir, write_bytes
 from trainfold.ckpt.faults import point
-from trainfold.ckpt.layout import Layout, fingerprint, layout_of
+from trainfold.ckpt.layout import Layout, fingerprints, layout_of
 from trainfold.ckpt.sidecar import (
     INCOMPLETE_MARKER,
     SIDECAR_FILE,
@@ -146,7 +146,7 @@ def save(
     }
     layout = layout_of(state, model, config)
     flat = flatten(state)
-    frozen = {k: fingerprint(flat[k]) for k in layout.frozen}
+    frozen = fingerprints({k: flat[k] for k in layout.frozen})
 
     def write(tmp: Path, sync: BackgroundSync | None) -> dict[str, Any]:
         files = _write_files(tmp, flat, layout, frozen, save_only_model, on_file, tensors, sync)
@@ -171,11 +171,13 @@ def _write_in_place(
     next, all of them before the marker goes and the directory is renamed into place. Otherwise
     nothing is fsynced here (``sync`` is None): ``syncs`` does it after the rename.
     """
+    blocking = syncs is None
+    if syncs is not None:
+        syncs.wait()  # one at a time: the previous checkpoint is durable (or its failure raised) first
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     point("save:started")
-    blocking = syncs is None
     try:
         marker = tmp / INCOMPLETE_MARKER
         write_bytes(marker, _MARKER_TEXT, fsync=blocking)
