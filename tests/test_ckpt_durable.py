@@ -133,6 +133,26 @@ def test_rotation_deletes_an_older_checkpoint_only_once_the_newer_one_is_durable
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2"]
 
 
+def test_the_best_checkpoint_goes_only_once_the_new_best_is_durable(tmp_path, gate):
+    saver = Saver(fsync="background")
+    model, state = _state(1)
+    best = [checkpoint_path(tmp_path, 1)]  # what hf.run.save keeps: the latest and the best
+    on_commit = functools.partial(lambda path: rotate(tmp_path, 1, keep=[path, *best]))
+    gate.set()
+    saver.save(state, checkpoint_path(tmp_path, 1), model=model, on_commit=on_commit)
+    saver.save(_state(2)[1], checkpoint_path(tmp_path, 2), model=model, on_commit=on_commit)
+    saver.wait()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]  # 1 is the best
+    gate.clear()
+    best[:] = [checkpoint_path(tmp_path, 3)]  # step 3 is the new best
+    saver.save(_state(3)[1], checkpoint_path(tmp_path, 3), model=model, on_commit=on_commit)
+    time.sleep(0.05)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
+    gate.set()
+    saver.wait()
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-3"]
+
+
 def test_the_next_save_waits_for_the_previous_checkpoints_fsyncs(tmp_path, events, monkeypatch):
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (time.sleep(0.01), real(fd), events.append(("fsync", _name(fd)))))
