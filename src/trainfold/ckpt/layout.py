@@ -8,10 +8,8 @@ base weights of a ``peft`` model go nowhere, and their ``fingerprint`` goes into
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -113,24 +111,16 @@ def fingerprint(t: Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{total}:{crc:08x}".replace(" ", "")
 
 
-_THREADED = 1 << 23  # bytes of CPU tensors from which fingerprints are computed in threads
-
-
 def fingerprints(tensors: Mapping[str, Tensor]) -> dict[str, str]:
-    """Return ``{name: fingerprint(tensor)}``, CPU tensors spread over threads (numpy's sum releases the GIL).
+    """Return ``{name: fingerprint(tensor)}``, one after the other.
+
+    One pass over the bytes at memory bandwidth (~8 GB/s here); threads made it slower on 2 cores.
 
     >>> import torch
     >>> fingerprints({"a": torch.ones(3)}) == {"a": fingerprint(torch.ones(3))}
     True
     """
-    total = sum(t.numel() * t.element_size() for t in tensors.values() if t.device.type == "cpu")
-    workers = min(len(tensors), os.cpu_count() or 1, 8)
-    if workers < 2 or total < _THREADED:
-        return {k: fingerprint(t) for k, t in tensors.items()}
-    order = sorted(tensors, key=lambda k: -tensors[k].numel() * tensors[k].element_size())  # the largest first
-    with ThreadPoolExecutor(workers, thread_name_prefix="trainfold-fingerprint") as pool:
-        done = dict(zip(order, pool.map(lambda k: fingerprint(tensors[k]), order), strict=True))
-    return {k: done[k] for k in tensors}
+    return {k: fingerprint(t) for k, t in tensors.items()}
 
 
 @attrs.frozen
