@@ -9,17 +9,21 @@ For each size a ``LlamaForCausalLM`` from config (random weights, float32) with 
   ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``, ``training_args.bin``;
   no fsync) and the resume's loads (``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
   ``_load_rng_state``, ``TrainerState.load_from_json``);
-- **trainfold**: ``checkpoint.save(state, path, model=model)`` of the same model's state with AdamW
-  moments (``model.safetensors`` with the params, ``state.safetensors`` with the rest, the sidecar with
-  every file's size and CRC-32, fsync of every file and directory (each tensor file's in a background
-  thread while the next is written), atomic rename) and ``checkpoint.load(path, like=state)`` (every
-  byte CRC-checked, 4 MB pieces read and CRC'd in threads, rebuilt into the template); "without
-  fsync" times the same save with ``os.fsync`` a no-op, i.e. without the durability the Trainer skips;
+- **trainfold**: the save ``train`` does, ``Saver().save(state, path, model=model)`` of the same
+  model's state with AdamW moments (``model.safetensors`` with the params, ``state.safetensors`` with
+  the rest, the sidecar with every file's size and CRC-32, atomic rename; every file, the directory
+  and its parent then fsynced in a background thread: "durable after" is the time until that ends),
+  "blocking" the save with every fsync before the rename (``save_fsync="blocking"``, the old one);
+  and the load a resume does, ``load(path, like=template, donate=True)`` (every byte CRC-checked,
+  4 MB pieces read and CRC'd in threads straight into the template's tensors; the template, built
+  as a resume builds it, is made outside the timing, as the Trainer's model and optimizer are);
+  "fresh" the load into new memory (``load(path, like=state)``);
 - ``--lora``: the same comparison of a ``peft`` LoRA model (r=8 on the attention projections), and
   trainfold's LoRA checkpoint against its full fine-tuning one.
 
 Each timing is the median of ``--repeat`` runs, trainfold's and the Trainer's interleaved; the files
 are in the page cache (a fresh directory per save, the same one for every load).
+``crc.CRC32_BY`` (printed) says whether zlib's or ISA-L's CRC-32 ran (``pip install isal``).
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from pathlib import Path
 import attrs
 import torch
 
-from trainfold.ckpt import load, save
+from trainfold.ckpt import crc, load, save
+from trainfold.ckpt.sharded import Saver
 from trainfold.core.state import init_state
 from trainfold.optim import adamw
 
@@ -85,13 +90,20 @@ def median_time(fn: Callable[[], object], repeat: int, setup: Callable[[], objec
 
 
 def interleaved(
-    fns: dict[str, Callable[[], object]], repeat: int, setup: Callable[[], object] = lambda: None
+    fns: dict[str, Callable[[], object]],
+    repeat: int,
+    setup: Callable[[], object] = lambda: None,
+    before: dict[str, Callable[[], object]] | None = None,
 ) -> dict[str, float]:
-    """Return each function's median wall time, the functions run in turn ``repeat`` times (``setup()`` first)."""
+    """Return each function's median wall time, the functions run in turn ``repeat`` times.
+
+    ``setup()`` runs before each round, ``before[name]()`` (untimed) before that function only.
+    """
     times: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeat):
         setup()
         for name, fn in fns.items():
+            (before or {}).get(name, lambda: None)()
             t = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t)
@@ -141,26 +153,30 @@ def compare(model, root: Path, repeat: int) -> dict[str, float]:
     state = trainfold_state(trainer.model)
     hf_dir, tf_dir = root / "hf" / "checkpoint-1", root / "tf" / "checkpoint-1"
 
+    saver = Saver(fsync="background")  # train's
+
     def clean() -> None:
+        saver.wait()  # the previous save's background fsync is done (outside the timings)
         shutil.rmtree(hf_dir, ignore_errors=True)
         shutil.rmtree(tf_dir, ignore_errors=True)
 
-    def unsynced() -> None:  # what the save costs without its fsyncs (the Trainer does none)
-        real, os.fsync = os.fsync, lambda fd: None
-        try:
-            save(state, tf_dir, model=trainer.model)
-        finally:
-            os.fsync = real
+    def durable() -> None:  # from the call until its background fsync ended
+        saver.save(state, tf_dir, model=trainer.model)
+        saver.wait()
 
-    without_fsync = median_time(unsynced, repeat, clean)
     saving = interleaved(
         {
-            "trainfold": lambda: save(state, tf_dir, model=trainer.model),
+            "trainfold": lambda: saver.save(state, tf_dir, model=trainer.model),
+            "durable": durable,
+            "blocking": lambda: save(state, tf_dir, model=trainer.model),
             "trainer": lambda: trainer._save_checkpoint(trainer.model, trial=None),
         },
         repeat,
-        clean,
+        before={name: clean for name in ("trainfold", "durable", "blocking", "trainer")},
     )
+    saver.save(state, tf_dir, model=trainer.model)
+    trainer._save_checkpoint(trainer.model, trial=None)
+    saver.wait()
 
     def hf_load() -> None:
         trainer._load_from_checkpoint(str(hf_dir))
@@ -168,14 +184,29 @@ def compare(model, root: Path, repeat: int) -> dict[str, float]:
         trainer._load_rng_state(str(hf_dir))
         TrainerState.load_from_json(str(hf_dir / "trainer_state.json"))
 
-    loading = interleaved({"trainfold": lambda: load(tf_dir, like=state), "trainer": hf_load}, repeat)
+    templates: list = []
+
+    def template() -> None:  # what a resume loads into: the state train builds before it (not timed)
+        templates[:] = [trainfold_state(trainer.model)]
+
+    loading = interleaved(
+        {
+            "trainfold": lambda: load(tf_dir, like=templates.pop(), donate=True),
+            "fresh": lambda: load(tf_dir, like=state),
+            "trainer": hf_load,
+        },
+        repeat,
+        before={"trainfold": template},  # only there: the others' memory churns as it did before
+    )
     out = {
         "tf_bytes": dir_bytes(tf_dir),
         "hf_bytes": dir_bytes(hf_dir),
         "tf_save": saving["trainfold"],
+        "tf_durable": saving["durable"],
+        "tf_blocking": saving["blocking"],
         "hf_save": saving["trainer"],
-        "tf_nosync": without_fsync,
         "tf_load": loading["trainfold"],
+        "tf_fresh": loading["fresh"],
         "hf_load": loading["trainer"],
         "params": sum(p.numel() for p in trainer.model.parameters()),
         "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
@@ -188,9 +219,9 @@ def row(name: str, r: dict[str, float]) -> str:
     return (
         f"| {name} | {r['params'] / 1e6:.2f}M / {r['trainable'] / 1e6:.2f}M | {r['tf_bytes'] / 1e6:.1f} | "
         f"{r['hf_bytes'] / 1e6:.1f} | {r['tf_bytes'] / r['hf_bytes']:.3f} | {r['tf_save']:.3f} | "
-        f"{r['hf_save']:.3f} | {r['tf_save'] / r['hf_save']:.2f} | {r['tf_nosync'] / r['hf_save']:.2f} | "
-        f"{r['tf_load']:.3f} | {r['hf_load']:.3f} | "
-        f"{r['tf_load'] / r['hf_load']:.2f} |"
+        f"{r['hf_save']:.3f} | {r['tf_save'] / r['hf_save']:.2f} | {r['tf_durable']:.3f} | "
+        f"{r['tf_blocking'] / r['hf_save']:.2f} | {r['tf_load']:.3f} | {r['hf_load']:.3f} | "
+        f"{r['tf_load'] / r['hf_load']:.2f} | {r['tf_fresh'] / r['hf_load']:.2f} |"
     )
 
 
@@ -217,13 +248,13 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
     print(
         f"median of {args.repeat}; torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"{torch.get_num_threads()} threads; bytes in MB, times in seconds"
+        f"{torch.get_num_threads()} threads, CRC-32 by {crc.CRC32_BY}; bytes in MB, times in seconds"
     )
     print(
         "| model | params / trainable | trainfold bytes | Trainer bytes | ratio | trainfold save | Trainer save "
-        "| ratio | ratio without fsync | trainfold load | Trainer load | ratio |"
+        "| ratio | durable after | blocking save ratio | trainfold load | Trainer load | ratio | fresh load ratio |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results:
         print(row(name, r))
     full = dict(results)

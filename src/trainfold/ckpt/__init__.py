@@ -19,9 +19,11 @@ A checkpoint is a directory ``output_dir/checkpoint-{step}/`` holding each tenso
   every refusal names the path and the field (``sidecar``).
 
 It is written into a hidden sibling directory that holds ``checkpoint-is-incomplete.txt`` while
-files are written; files and directories are fsynced, the marker is removed, and the directory is
-renamed into place (swapped in atomically with ``renameat2(RENAME_EXCHANGE)`` when one is already
-there, so some complete checkpoint is always visible). Nothing is pickled and loading never runs code.
+files are written; the marker is removed and the directory is renamed into place (swapped in
+atomically with ``renameat2(RENAME_EXCHANGE)`` when one is already there, so some complete
+checkpoint is always visible), its files and directories fsynced before the rename (``save``'s
+default) or after it in a background thread (``save(..., syncs=atomic.Syncs())``, what ``train``
+does: ``writer``). Nothing is pickled and loading never runs code.
 Checkpoints of formats 1 and 2 (the whole record in ``state.safetensors``) still load.
 
 >>> import tempfile, torch

@@ -1,4 +1,8 @@
-"""Durable, atomic file-system writes: write and fsync a file or a directory, swap a directory into place."""
+"""Durable, atomic file-system writes: write and fsync a file or a directory, swap a directory into place.
+
+``Syncs`` makes a directory already renamed into place durable in a background thread: a killed
+process loses nothing (the page cache outlives it), only a machine crash before the fsyncs end can.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,27 @@ import errno
 import os
 import secrets
 import shutil
+import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from trainfold.ckpt.faults import point
 
-__all__ = ["fsync_dir", "fsync_file", "write_bytes", "replace_dir", "BackgroundSync"]
+__all__ = [
+    "FSYNC_MODES",
+    "fsync_dir",
+    "fsync_file",
+    "write_bytes",
+    "replace_dir",
+    "BackgroundSync",
+    "Syncs",
+    "NotDurableError",
+]
+
+# When a run's checkpoint reaches the disk (``save_fsync``): after the rename, in a thread, or before it.
+FSYNC_MODES = ("background", "blocking")
 
 
 def fsync_dir(path: Path) -> None:
@@ -69,12 +88,13 @@ class BackgroundSync:
         self._pool.shutdown(wait=True)
 
 
-def write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it."""
+def write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
+    """Write ``data`` to ``path`` and (``fsync``) fsync it."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            os.fsync(f.fileno())
 
 
 _RENAME_EXCHANGE = 2
@@ -96,21 +116,114 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(b))
 
 
-def replace_dir(tmp: Path, directory: Path) -> None:
-    """Put ``tmp`` at ``directory``; an existing ``directory`` stays visible until the new one is there."""
+def replace_dir(tmp: Path, directory: Path, *, remove_old: bool = True) -> Path | None:
+    """Put ``tmp`` at ``directory``; an existing ``directory`` stays visible until the new one is there.
+
+    The replaced directory is removed, or with ``remove_old=False`` left at the hidden path returned
+    (for the caller to remove once the new one is durable); ``None`` when there was none.
+    """
     if not directory.exists():
         os.rename(tmp, directory)
         point("replace:renamed")
-        return
+        return None
     if _exchange(tmp, directory):  # the old checkpoint is now at tmp's hidden name
         point("replace:exchanged")
-        shutil.rmtree(tmp, ignore_errors=True)
-        point("replace:removed")
-        return
-    old = directory.parent / f".{directory.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-    os.rename(directory, old)  # no atomic swap here: a crash before the next rename leaves only .old-
-    point("replace:moved-aside")
-    os.rename(tmp, directory)
-    point("replace:renamed")
+        old = tmp
+    else:
+        old = directory.parent / f".{directory.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(directory, old)  # no atomic swap here: a crash before the next rename leaves only .old-
+        point("replace:moved-aside")
+        os.rename(tmp, directory)
+        point("replace:renamed")
+    if not remove_old:
+        return old
     shutil.rmtree(old, ignore_errors=True)
     point("replace:removed")
+    return None
+
+
+class NotDurableError(OSError):
+    """A checkpoint renamed into place whose background fsync failed: visible, but maybe lost by a machine crash."""
+
+
+def _make_durable(directory: Path, replaced: Path | None, then: Callable[[Path], Any] | None) -> None:
+    """Fsync every file of ``directory``, the directory and its parent; then drop ``replaced`` and call ``then``."""
+    point(f"durable:started:{directory.name}")
+    for path in sorted(directory.iterdir()):
+        if path.is_file() and not path.is_symlink():
+            try:
+                fsync_file(path)
+            except OSError as e:
+                raise NotDurableError(
+                    e.errno,
+                    f"checkpoint {directory} is written but not durable: the fsync of {path.name} failed "
+                    f"({e.strerror or e}); a machine crash may lose or corrupt it, so the older checkpoints "
+                    "were kept (no rotation); check the disk, then save again or resume from an older checkpoint",
+                    str(path),
+                ) from e
+    for path in (directory, directory.parent):
+        try:
+            fsync_dir(path)
+        except OSError as e:
+            raise NotDurableError(
+                e.errno,
+                f"checkpoint {directory} is written but not durable: the fsync of directory {path} failed "
+                f"({e.strerror or e}); the older checkpoints were kept (no rotation); check the disk",
+                str(path),
+            ) from e
+    point(f"durable:synced:{directory.name}")
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    if then is not None:
+        then(directory)
+
+
+class Syncs:
+    """Checkpoints renamed into place before their fsyncs, made durable one at a time in a background thread.
+
+    ``add(directory, then=fn)`` (after the rename) starts a thread that fsyncs every file of
+    ``directory``, the directory and its parent, removes ``replaced`` (the checkpoint it took the
+    place of), then calls ``then(directory)`` (rotation: an older checkpoint goes only once the newer
+    one is durable). ``wait()`` returns the checkpoints made durable since the last wait, or raises
+    the failure: ``NotDurableError`` naming the checkpoint (its ``then`` never ran, so it is not
+    counted as durable). ``add`` waits for the previous checkpoint first.
+
+    >>> import tempfile
+    >>> done = []
+    >>> syncs = Syncs()
+    >>> syncs.add(Path(tempfile.mkdtemp()), then=done.append)
+    >>> len(syncs.wait()), len(done), syncs.pending()
+    (1, 1, False)
+    """
+
+    def __init__(self) -> None:
+        self._jobs: list[tuple[Path, threading.Thread, dict[str, BaseException]]] = []
+
+    def add(self, directory: Path, *, replaced: Path | None = None, then: Callable[[Path], Any] | None = None) -> None:
+        """Start making ``directory`` durable (see the class); wait for the previous one first."""
+        self.wait()
+        outcome: dict[str, BaseException] = {}
+
+        def run() -> None:
+            try:
+                _make_durable(directory, replaced, then)
+            except BaseException as e:  # raised by wait, in the caller's thread
+                outcome["error"] = e
+
+        thread = threading.Thread(target=run, name=f"trainfold-fsync-{directory.name}", daemon=True)
+        self._jobs.append((directory, thread, outcome))
+        thread.start()
+
+    def pending(self) -> bool:
+        """Say whether a checkpoint is still being made durable."""
+        return any(thread.is_alive() for _, thread, _ in self._jobs)
+
+    def wait(self) -> list[Path]:
+        """Return the checkpoints made durable since the last wait, once they are; raise the first failure."""
+        jobs, self._jobs = self._jobs, []
+        for _, thread, _ in jobs:
+            thread.join()
+        for _, _, outcome in jobs:
+            if "error" in outcome:
+                raise outcome["error"]
+        return [directory for directory, _, _ in jobs]

@@ -23,7 +23,7 @@ from trainfold.ckpt.sidecar import CONFIG_FILE, MODEL_FILE
 from trainfold.core.state import TrainState
 from trainfold.core.tree import Tree
 
-__all__ = ["Layout", "layout_of", "model_weights", "fingerprint"]
+__all__ = ["Layout", "layout_of", "model_weights", "fingerprint", "fingerprints"]
 
 
 def _state_keys(state: TrainState, model: nn.Module | None) -> dict[str, str]:
@@ -109,6 +109,18 @@ def fingerprint(t: Tensor) -> str:
     sample = torch.cat([words[picks].cpu().view(torch.uint8), tail.cpu()])
     crc = zlib.crc32(sample.numpy().tobytes())
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}:{total}:{crc:08x}".replace(" ", "")
+
+
+def fingerprints(tensors: Mapping[str, Tensor]) -> dict[str, str]:
+    """Return ``{name: fingerprint(tensor)}``, one after the other.
+
+    One pass over the bytes at memory bandwidth (~8 GB/s here); threads made it slower on 2 cores.
+
+    >>> import torch
+    >>> fingerprints({"a": torch.ones(3)}) == {"a": fingerprint(torch.ones(3))}
+    True
+    """
+    return {k: fingerprint(t) for k, t in tensors.items()}
 
 
 @attrs.frozen

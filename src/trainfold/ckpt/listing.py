@@ -7,9 +7,10 @@ import re
 import warnings
 from pathlib import Path
 
+from trainfold.ckpt import tensor_file
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, read_metadata
 
-__all__ = ["checkpoint_path", "is_complete", "list_checkpoints", "latest_checkpoint", "resume_checkpoint"]
+__all__ = ["checkpoint_path", "is_complete", "damage", "list_checkpoints", "latest_checkpoint", "resume_checkpoint"]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -56,6 +57,33 @@ def is_complete(directory: str | os.PathLike) -> bool:
     False
     """
     return _problem(Path(directory)) is None
+
+
+def damage(directory: str | os.PathLike) -> str | None:
+    """Say what is wrong with the complete-looking checkpoint ``directory`` (``None``: every file's CRC-32 matches).
+
+    Reads every file the sidecar lists once (in threads). Sizes alone miss a file a machine crash
+    left at its size but with other bytes (a checkpoint renamed into place before its fsyncs ended).
+
+    >>> import tempfile, torch
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.core.state import init_state
+    >>> from trainfold.ckpt import save
+    >>> path = save(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp() + "/checkpoint-0")
+    >>> damage(path) is None, damage("no/such/checkpoint-1")[:27]
+    (True, 'no/such/checkpoint-1 is not')
+    """
+    directory = Path(directory)
+    problem = _problem(directory)
+    if problem is not None:
+        return f"{directory} is not a complete checkpoint: {problem}"
+    for name, entry in read_metadata(directory)["files"].items():
+        crc = tensor_file.crc32_of(directory / name)
+        if crc != entry["crc32"]:
+            return (
+                f"{directory / name} is corrupted: its CRC-32 is {crc:08x}, {SIDECAR_FILE} records {entry['crc32']:08x}"
+            )
+    return None
 
 
 def _step_of(path: Path) -> int | None:

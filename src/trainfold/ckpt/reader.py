@@ -16,7 +16,7 @@ import attrs
 from torch import Tensor
 
 from trainfold.ckpt import sharded, tensor_file
-from trainfold.ckpt.layout import fingerprint
+from trainfold.ckpt.layout import fingerprints
 from trainfold.ckpt.sidecar import (
     INDEX_FILE,
     MODEL_FILE,
@@ -26,13 +26,15 @@ from trainfold.ckpt.sidecar import (
     field_error,
     read_metadata,
 )
-from trainfold.core.state import TrainState
-from trainfold.core.tree import Tree, unflatten
+from trainfold.core.state import TrainState, invalidate
+from trainfold.core.tree import Tree, flatten, unflatten
 
 __all__ = ["load", "load_weights", "warm_start"]
 
+_DONATED = ("params.", "buffers.", "opt_state.")  # what load(donate=True) reads into (invalidate's fields)
 
-def _read_tensors(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
+
+def _read_tensors(directory: Path, name: str, meta: Mapping[str, Any], into: Tree | None = None) -> Tree:
     path = directory / name
     if path.is_symlink():
         raise CheckpointError(f"{path} is a symbolic link; a checkpoint's files must be its own; copy the file in")
@@ -51,7 +53,7 @@ def _read_tensors(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
             f"{expected['bytes']}; resume from an earlier checkpoint"
         )
     try:
-        return tensor_file.read(path, crc32=expected["crc32"])
+        return tensor_file.read(path, crc32=expected["crc32"], into=into)
     except tensor_file.TensorFileError as e:
         raise CheckpointError(f"{e} (the CRC-32 {SIDECAR_FILE} records); resume from an earlier checkpoint") from None
 
@@ -82,7 +84,8 @@ def _frozen(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
             f"{directory} was trained on frozen weights the template state lacks: {absent[:5]} "
             f"({len(absent)} in all); pass the model the run trained, with its frozen base (init_state(model, ...))"
         )
-    differ = sorted(k for k, fp in meta["frozen"].items() if fingerprint(mine[k]) != fp)
+    theirs = fingerprints({k: mine[k] for k in meta["frozen"]})
+    differ = sorted(k for k, fp in meta["frozen"].items() if theirs[k] != fp)
     if differ:
         raise CheckpointError(
             f"{directory / SIDECAR_FILE}: field 'frozen': the template's frozen weights are not those this "
@@ -93,11 +96,15 @@ def _frozen(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
     return {k: mine[k] for k in meta["frozen"]}
 
 
-def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
-    """Return ``{flattened state key: tensor}`` from the weights files and the frozen weights (the template's)."""
+def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState, into: Tree | None = None) -> Tree:
+    """Return ``{flattened state key: tensor}`` from the weights files and the frozen weights (the template's).
+
+    ``into``: ``{flattened state key: tensor}`` to read the weights straight into (``tensor_file.read``).
+    """
     out: Tree = {}
     for name, keys in meta["tensors"].items():
-        data = _read_tensors(directory, name, meta)
+        dest = None if into is None else {v: into[k] for k, v in keys.items() if k in into}
+        data = _read_tensors(directory, name, meta, dest)
         absent = sorted(v for v in keys.values() if v not in data)
         if absent:
             raise CheckpointError(
@@ -108,7 +115,7 @@ def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState) ->
     return {**out, **_frozen(directory, meta, like)}
 
 
-def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
+def load(directory: str | os.PathLike, like: TrainState, *, donate: bool = False) -> TrainState:
     """Return the state saved in ``directory``, shaped like the template ``like`` and on its devices.
 
     Every tensor must match the template's keys, shapes and dtypes, except ``metrics``, which is
@@ -116,6 +123,11 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
     the rest from ``state.safetensors``; frozen base weights the checkpoint left out are the
     template's, and their fingerprints must be the recorded ones (``CheckpointError`` naming them
     otherwise). A weights-only checkpoint raises ``ValueError`` (see ``warm_start``).
+
+    ``donate=True`` reads each tensor straight into the template's own (contiguous CPU ones; a lent
+    module's parameters then hold the checkpoint's): one pass, no fresh memory. The result owns
+    that storage and ``like`` is donated (``trainfold.core.state.invalidate``), also when the load
+    raises (its tensors may hold part of the checkpoint then).
 
     >>> import tempfile, attrs, torch
     >>> from trainfold.optim import sgd
@@ -138,10 +150,21 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
         )
     if INDEX_FILE in meta["files"]:  # written by every rank: resharded to like's layout
         return sharded.load(directory, like)
-    flat = _read_tensors(directory, STATE_FILE, meta)
+    if not donate:
+        return _load(directory, meta, like)
+    try:
+        into = {k: v for k, v in flatten(like).items() if k.startswith(_DONATED)}
+        return _load(directory, meta, like, into=into)
+    finally:
+        invalidate(like)
+
+
+def _load(directory: Path, meta: Mapping[str, Any], like: TrainState, into: Tree | None = None) -> TrainState:
+    """``load`` of a checkpoint written by one rank: its files read (into ``into``'s tensors), checked, rebuilt."""
+    flat = _read_tensors(directory, STATE_FILE, meta, into)
     note = ""
     if "tensors" in meta:  # format 3: the weights are in their own file(s)
-        weights = _read_weights(directory, meta, like)
+        weights = _read_weights(directory, meta, like, into)
         clash = sorted(set(weights) & set(flat))
         if clash:
             raise CheckpointError(

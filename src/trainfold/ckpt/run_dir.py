@@ -31,7 +31,7 @@ from typing import Any
 import attrs
 
 from trainfold.ckpt.elastic import BATCH_KEYS, global_batch, split_global_batch
-from trainfold.ckpt.listing import is_complete, list_checkpoints, resume_checkpoint
+from trainfold.ckpt.listing import damage, is_complete, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
 from trainfold.ckpt.run_identity import (
     RUN_FILE,
@@ -105,13 +105,16 @@ def _catalog(output_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]
     return out
 
 
-def resumable(output_dir: str | os.PathLike, fingerprint: str) -> Path | None:
+def resumable(output_dir: str | os.PathLike, fingerprint: str, *, verify: bool = False) -> Path | None:
     """Return the latest complete checkpoint in ``output_dir`` of the run with ``fingerprint``, or None.
 
     When ``output_dir/trainfold-run.json`` records a run with this fingerprint, its lineage (its
     run id) comes first: a fresh start of the same settings resumes its own checkpoints, not an
     older lineage's later ones (an older lineage's are taken only when it has none).
-    This is what ``resume_from_checkpoint=True`` (and the CLI's ``--resume``) takes.
+    This is what ``resume_from_checkpoint=True`` (and the CLI's ``--resume``) takes. With
+    ``verify`` (``claim`` does) every file's CRC-32 is checked, newest checkpoint first: a damaged
+    one (a machine crash before its background fsync ended) is skipped with a ``CheckpointWarning``
+    naming it and the damage, and the previous one is taken.
 
     >>> resumable("no/such/dir", "f00d") is None
     True
@@ -121,7 +124,19 @@ def resumable(output_dir: str | os.PathLike, fingerprint: str) -> Path | None:
     if recorded is not None and recorded["fingerprint"] == fingerprint:
         own = [(p, m) for p, m in found if m["run"]["id"] == recorded["run_id"]]
         found = own or found  # a lineage killed before its first save: the same settings' latest
-    return found[-1][0] if found else None
+    if not verify:
+        return found[-1][0] if found else None
+    for path, _ in reversed(found):
+        problem = damage(path)
+        if problem is None:
+            return path
+        warnings.warn(
+            f"resume_from_checkpoint=True skips {path}: {problem} (a machine crash before its background fsync "
+            "ended leaves this); resuming from the previous complete checkpoint instead",
+            CheckpointWarning,
+            stacklevel=3,
+        )
+    return None
 
 
 def _describe_others(output_dir: Path, settings: Mapping[str, Any], fingerprint: str) -> str:
@@ -226,7 +241,7 @@ def claim(
             remove_leftovers(root)
         recorded = read_run_file(root)
         if resume_from_checkpoint is True:
-            source = resumable(root, fingerprint)
+            source = resumable(root, fingerprint, verify=True)
             if source is None:
                 others = _catalog(root)
                 raise (ValueError if others else FileNotFoundError)(

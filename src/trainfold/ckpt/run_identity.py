@@ -61,6 +61,7 @@ NOT_TRAJECTORY = frozenset(
         "eval_steps",
         "eval_on_start",
         "async_save",
+        "save_fsync",
         "save_consolidated_model",
         "fsdp",  # sharded or replicated: the same samples, split otherwise
         "eval_delay",

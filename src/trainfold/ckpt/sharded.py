@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainfold.ckpt import writer
+from trainfold.ckpt.atomic import FSYNC_MODES, Syncs
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.layout import model_weights
 from trainfold.ckpt.sidecar import INDEX_FILE, MODEL_FILE, SIDECAR_FILE, CheckpointError, read_metadata
@@ -174,10 +175,13 @@ class Saver:
 
     With ``async_save`` the state is copied to the CPU (the step stalls for that copy only) and a
     thread writes it; the directory appears, complete, when every rank has finished (the rename
-    is the last act). One save runs at a time: the next ``save`` and ``wait`` wait for it, and
-    raise its error. ``on_commit(path)`` runs on the rank that renamed it (rotation, best
-    bookkeeping). Sharded saves get a gloo process group of their own (made on the first, by
-    every rank), so the writer thread's collectives never meet the step's.
+    is the last act). ``fsync="background"`` (the default) makes a replicated checkpoint visible
+    first and durable after (``writer``: renamed into place, then fsynced in a thread);
+    ``"blocking"`` fsyncs before the rename (sharded checkpoints always). One save runs at a
+    time: the next ``save`` and ``wait`` wait for it and its fsyncs, and raise their error
+    (``atomic.NotDurableError`` naming the checkpoint). ``on_commit(path)`` runs on the rank that
+    renamed it once it is durable (rotation, best bookkeeping). Sharded saves get a gloo process
+    group of their own (made on the first, by every rank), so the writer thread's collectives never meet the step's.
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
@@ -191,8 +195,10 @@ class Saver:
 
     async_save: bool = False
     consolidate: bool = False
+    fsync: str = attrs.field(default="background", validator=attrs.validators.in_(FSYNC_MODES))
     _group: Any = attrs.field(default=None, init=False)
     _job: Any = attrs.field(default=None, init=False)
+    _syncs: Syncs = attrs.field(factory=Syncs, init=False)
 
     def save(
         self,
@@ -214,6 +220,9 @@ class Saver:
                 self._group = dist.new_group(backend="gloo")
             write = functools.partial(save, group=self._group, consolidate=self.consolidate, **options)
             commits = not dist.is_initialized() or dist.get_rank() == 0
+        elif self.fsync == "background":  # on_commit once durable, from the fsync thread
+            write = functools.partial(writer.save, syncs=self._syncs, on_durable=on_commit, **options)
+            commits, on_commit = False, None
         else:
             write, commits = functools.partial(writer.save, **options), True
 
@@ -239,19 +248,22 @@ class Saver:
         return directory
 
     def pending(self) -> bool:
-        """Say whether a save is still being written."""
-        return self._job is not None and self._job[0].is_alive()
+        """Say whether a save is still being written or made durable."""
+        return (self._job is not None and self._job[0].is_alive()) or self._syncs.pending()
 
     def wait(self) -> Path | None:
-        """Wait for the save in flight (if any); return its path, or raise its error."""
-        if self._job is None:
-            return None
-        thread, outcome = self._job
-        self._job = None
-        thread.join()
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["path"]
+        """Wait for the save in flight (if any) and its fsyncs; return its path, or raise its error."""
+        path = None
+        if self._job is not None:
+            thread, outcome = self._job
+            self._job = None
+            thread.join()
+            if "error" in outcome:
+                self._syncs.wait()
+                raise outcome["error"]
+            path = outcome["path"]
+        durable = self._syncs.wait()
+        return path if path is not None or not durable else durable[-1]
 
 
 # -- loading ---------------------------------------------------------------------------------------

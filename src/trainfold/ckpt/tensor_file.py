@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -32,7 +33,7 @@ from torch import Tensor
 from trainfold.ckpt.crc import combine_all
 from trainfold.ckpt.crc import crc32 as checksum
 
-__all__ = ["write", "read", "TensorFileError", "DTYPES"]
+__all__ = ["write", "read", "crc32_of", "TensorFileError", "DTYPES"]
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -164,6 +165,37 @@ def _crc_of(path: str | os.PathLike) -> int:
     return crc
 
 
+def crc32_of(path: str | os.PathLike) -> int:
+    """Return the CRC-32 of the file ``path`` (any file), its pieces read and CRC'd in threads.
+
+    >>> import tempfile, zlib
+    >>> path = tempfile.mkdtemp() + "/f"
+    >>> _ = open(path, "wb").write(b"x" * 10_000_000)
+    >>> crc32_of(path) == zlib.crc32(b"x" * 10_000_000)
+    True
+    """
+    size = os.path.getsize(path)
+    scratch = [memoryview(bytearray(min(size, _CHUNK))) for _ in range(min(_WORKERS, -(-size // _CHUNK)))]
+    free = list(scratch)
+    lock = threading.Lock()
+
+    def piece(fd: int, at: int) -> tuple[int, int]:
+        with lock:
+            buf = free.pop()
+        try:
+            return _read_piece(path, fd, at, buf[: min(_CHUNK, size - at)])
+        finally:
+            with lock:
+                free.append(buf)
+
+    with open(path, "rb", buffering=0) as f:
+        if len(scratch) < 2:
+            return _crc_of(path)
+        with ThreadPoolExecutor(len(scratch), thread_name_prefix="trainfold-crc") as pool:
+            done = list(pool.map(lambda at: piece(f.fileno(), at), range(0, size, _CHUNK)))
+    return combine_all(done)
+
+
 def _entries(path: str | os.PathLike, header: bytes, data_size: int) -> list[tuple[str, torch.dtype, list[int], int]]:
     """Return ``(name, dtype, shape, start)`` of each tensor in file order, the header checked against the data."""
     try:
@@ -211,10 +243,23 @@ def _entries(path: str | os.PathLike, header: bytes, data_size: int) -> list[tup
     return out
 
 
-def read(path: str | os.PathLike, *, crc32: int | None = None) -> dict[str, Tensor]:
+def _fits(t: Tensor | None, shape: list[int], dtype: torch.dtype, taken: set[int]) -> bool:
+    """Say whether ``t`` can take a tensor's bytes in place: a contiguous CPU tensor alone in its storage."""
+    if t is None or t.device.type != "cpu" or t.dtype != dtype or list(t.shape) != shape or not t.numel():
+        return False
+    whole = t.is_contiguous() and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    return whole and t.data_ptr() not in taken
+
+
+def read(
+    path: str | os.PathLike, *, crc32: int | None = None, into: Mapping[str, Tensor] | None = None
+) -> dict[str, Tensor]:
     """Return the tensors of the safetensors file ``path`` (CPU, each its own storage).
 
     With ``crc32``, the file's CRC-32 (computed from the bytes as they are read) must equal it.
+    ``into`` maps names to tensors to read straight into (one pass, no fresh memory), where each is a
+    contiguous CPU tensor of the entry's dtype and shape alone in its storage (others get fresh
+    memory); those are overwritten even when the CRC then differs.
     Raises ``TensorFileError`` naming the path: "is corrupted" when the CRC differs, "is not a
     readable safetensors file" when the bytes are not one (and the CRC, if given, matches).
 
@@ -246,8 +291,15 @@ def read(path: str | os.PathLike, *, crc32: int | None = None) -> dict[str, Tens
         out: dict[str, Tensor] = {}
         pieces: list[tuple[int, memoryview]] = []  # (file offset, the bytes of a tensor it fills)
         at = 8 + n
+        taken: set[int] = set()
         for name, dtype, shape, _ in entries:
-            t = torch.empty(shape, dtype=dtype)
+            dest = into.get(name) if into is not None else None
+            t = (
+                dest.detach()
+                if dest is not None and _fits(dest, shape, dtype, taken)
+                else torch.empty(shape, dtype=dtype)
+            )
+            taken.add(t.data_ptr())
             data = _bytes_of(t)
             pieces += [(at + start, data[start : start + _CHUNK]) for start in range(0, len(data), _CHUNK)]
             at += len(data)

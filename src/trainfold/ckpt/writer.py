@@ -1,10 +1,18 @@
-"""Writing a checkpoint: a state's files into a hidden directory, fsynced, then renamed atomically into place.
+"""Writing a checkpoint: a state's files into a hidden directory, renamed atomically into place, fsynced.
 
-The directory holds ``checkpoint-is-incomplete.txt`` while files are written; files and
-directories are fsynced (each tensor file in a background thread while the next is written, all
-of them before the marker goes), the marker is removed, and the directory is renamed into place (swapped
-in atomically with ``renameat2(RENAME_EXCHANGE)`` when one is already there, so some complete
-checkpoint is always visible). Nothing is pickled.
+The directory holds ``checkpoint-is-incomplete.txt`` while files are written; the marker is
+removed and the directory is renamed into place (swapped in atomically with
+``renameat2(RENAME_EXCHANGE)`` when one is already there, so some complete checkpoint is always
+visible). Nothing is pickled. When the files reach the disk is the caller's choice:
+
+- blocking (``syncs=None``, the default of ``save``): every file and directory is fsynced before
+  the rename (each tensor file in a background thread while the next is written), so the
+  checkpoint is durable when ``save`` returns;
+- visible first, durable after (``syncs=atomic.Syncs()``, what ``train`` does): the files are
+  written without waiting for the disk, the directory is renamed into place, and a thread of
+  ``syncs`` fsyncs files, directory and parent, then calls ``on_durable`` (rotation). A killed
+  process loses nothing (the page cache outlives it); a machine crash before the fsyncs end may
+  leave the newest checkpoint truncated or corrupt, which its sizes and CRCs catch on load.
 """
 
 from __future__ import annotations
@@ -21,9 +29,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from trainfold.ckpt import tensor_file
-from trainfold.ckpt.atomic import BackgroundSync, fsync_dir, replace_dir, write_bytes
+from trainfold.ckpt.atomic import BackgroundSync, Syncs, fsync_dir, replace_dir, write_bytes
 from trainfold.ckpt.faults import point
-from trainfold.ckpt.layout import Layout, fingerprint, layout_of
+from trainfold.ckpt.layout import Layout, fingerprints, layout_of
 from trainfold.ckpt.sidecar import (
     INCOMPLETE_MARKER,
     SIDECAR_FILE,
@@ -102,6 +110,8 @@ def save(
     run: Mapping[str, str] | None = None,
     on_file: Callable[[Path], None] | None = None,
     tensors: Callable[[Path], Mapping[str, dict[str, int]]] | None = None,
+    syncs: Syncs | None = None,
+    on_durable: Callable[[Path], Any] | None = None,
 ) -> Path:
     """Write ``state`` to ``directory`` atomically (see the module) and return the directory's path.
 
@@ -115,7 +125,8 @@ def save(
     go into the sidecar. ``save_only_model`` writes the weights but not the record; ``jit`` marks an
     emergency checkpoint that ``rotate`` never deletes; ``on_file(path)`` is called after each file
     (progress; tests crash there). ``tensors(tmp)`` writes its own tensor files into ``tmp`` and
-    returns their ``{name: {"bytes", "crc32"}}`` (``trainfold.ckpt.sharded``). Call it on one rank only.
+    returns their ``{name: {"bytes", "crc32"}}`` (``trainfold.ckpt.sharded``). ``syncs``: fsync after the
+    rename, in its thread (see the module); ``on_durable(path)`` runs once durable. Call it on one rank only.
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
@@ -135,42 +146,59 @@ def save(
     }
     layout = layout_of(state, model, config)
     flat = flatten(state)
-    frozen = {k: fingerprint(flat[k]) for k in layout.frozen}
+    frozen = fingerprints({k: flat[k] for k in layout.frozen})
 
-    def write(tmp: Path, sync: BackgroundSync) -> dict[str, Any]:
+    def write(tmp: Path, sync: BackgroundSync | None) -> dict[str, Any]:
         files = _write_files(tmp, flat, layout, frozen, save_only_model, on_file, tensors, sync)
         where = {"tensors": {layout.weights_file: layout.weights}, "frozen": frozen} if tensors is None else {}
         cursor = (int(state.cursor.epoch), int(state.cursor.position))
         return new_sidecar(step=int(state.step), cursor=cursor, files=files, **where, **fields)
 
-    return _write_in_place(directory, write)
+    if syncs is not None and tensors is not None:
+        raise ValueError("syncs= is for a checkpoint written here; a sharded one (tensors=) is fsynced by its ranks")
+    return _write_in_place(directory, write, syncs, on_durable)
 
 
-def _write_in_place(directory: Path, write: Callable[[Path, BackgroundSync], dict[str, Any]]) -> Path:
+def _write_in_place(
+    directory: Path,
+    write: Callable[[Path, BackgroundSync | None], dict[str, Any]],
+    syncs: Syncs | None = None,
+    on_durable: Callable[[Path], Any] | None = None,
+) -> Path:
     """Run ``write(tmp, sync)`` in a hidden sibling under the marker, write the sidecar it returns, swap it in.
 
-    The files ``write`` hands to ``sync`` are fsynced while it writes the next; all of them are on
-    the disk before the marker goes and the directory is renamed into place.
+    Blocking (``syncs`` None): the files ``write`` hands to ``sync`` are fsynced while it writes the
+    next, all of them before the marker goes and the directory is renamed into place. Otherwise
+    nothing is fsynced here (``sync`` is None): ``syncs`` does it after the rename.
     """
+    blocking = syncs is None
+    if syncs is not None:
+        syncs.wait()  # one at a time: the previous checkpoint is durable (or its failure raised) first
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir()
     point("save:started")
     try:
         marker = tmp / INCOMPLETE_MARKER
-        write_bytes(marker, _MARKER_TEXT)
+        write_bytes(marker, _MARKER_TEXT, fsync=blocking)
         with BackgroundSync() as sync:
-            write_bytes(tmp / SIDECAR_FILE, sidecar_bytes(write(tmp, sync)))
+            write_bytes(tmp / SIDECAR_FILE, sidecar_bytes(write(tmp, sync if blocking else None)), fsync=blocking)
             sync.wait()
         point("save:wrote:sidecar")
         marker.unlink()
-        fsync_dir(tmp)
+        if blocking:
+            fsync_dir(tmp)
         point("save:complete")
-        replace_dir(tmp, directory)
-        fsync_dir(directory.parent)
+        replaced = replace_dir(tmp, directory, remove_old=blocking)  # the old one goes once the new is durable
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if syncs is not None:
+        syncs.add(directory, replaced=replaced, then=on_durable)
+        return directory
+    fsync_dir(directory.parent)
+    if on_durable is not None:
+        on_durable(directory)
     return directory
 
 
@@ -182,17 +210,17 @@ def _write_files(
     save_only_model: bool,
     on_file: Callable[[Path], None] | None,
     tensors: Callable[[Path], Mapping[str, dict[str, int]]] | None,
-    sync: BackgroundSync,
+    sync: BackgroundSync | None,
 ) -> dict[str, dict[str, int]]:
     """Write the tensor files (or have ``tensors`` write them) and the config into ``tmp``; return their entries.
 
-    Each tensor file is handed to ``sync`` to be fsynced while the next one is written.
+    Each tensor file is handed to ``sync`` to be fsynced while the next one is written (``None``: not fsynced here).
     """
     files: dict[str, dict[str, int]] = {}
 
     def record(name: str, size: int, crc: int, durable: bool = True) -> None:
         files[name] = {"bytes": size, "crc32": crc}
-        if not durable:
+        if not durable and sync is not None:
             sync.add(tmp / name)
         if on_file is not None:
             on_file(tmp / name)
@@ -209,6 +237,6 @@ def _write_files(
         record(layout.weights_file, size, crc, durable=False)
     if layout.config_text is not None:
         data = layout.config_text.encode()
-        write_bytes(tmp / layout.config_file, data)
+        write_bytes(tmp / layout.config_file, data, fsync=sync is not None)
         record(layout.config_file, len(data), zlib.crc32(data))
     return files

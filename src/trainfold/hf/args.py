@@ -113,6 +113,7 @@ class TrainingArguments:
     save_total_limit: int | None = None
     save_only_model: bool = False
     async_save: bool = False  # write checkpoints in a thread from CPU copies (trainfold.ckpt.sharded.Saver)
+    save_fsync: str = "background"  # "blocking": fsync before the rename, as before (trainfold.ckpt.writer)
     save_consolidated_model: bool = False  # sharded runs: also model.safetensors, the full weights (from_pretrained)
     metric_for_best_model: str | None = None
     greater_is_better: bool | None = None

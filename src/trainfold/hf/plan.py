@@ -155,6 +155,7 @@ class CheckpointPlan:
     save_only_model: bool = False
     async_save: bool = False
     consolidated: bool = False
+    fsync: str = "background"
 
     @classmethod
     def from_args(cls, args: Any) -> CheckpointPlan:
@@ -167,6 +168,7 @@ class CheckpointPlan:
             args.save_only_model,
             args.async_save,
             args.save_consolidated_model,
+            args.save_fsync,
         )
 
 

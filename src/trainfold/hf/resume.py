@@ -85,7 +85,7 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
         if weights_only_warm_start:
             state = ckpt.warm_start(source, like=state)
         else:
-            state = ckpt.load(source, like=state)
+            state = ckpt.load(source, like=state, donate=True)  # read into the lent module: one pass
             if "window" in meta["metadata"]:
                 log_file.restore_window(window, meta["metadata"]["window"], source)
         if not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
