@@ -398,3 +398,45 @@ def test_resume_from_a_named_corrupt_checkpoint_refuses_it_by_name(tmp_path):
     _damage(bad, "flipped")
     with pytest.raises(CheckpointError, match=rf"{bad / STATE_FILE} is corrupted"):
         run("tinylm", str(tmp_path), str(bad), save_total_limit=None, enable_jit_checkpoint=False)
+
+
+def _crc_bytes(monkeypatch) -> list[int]:
+    """Count the bytes every CRC of a checkpoint file's read sees (tensor_file's checksum)."""
+    from trainfold.ckpt import tensor_file as tf
+
+    seen: list[int] = []
+    real = tf.checksum
+
+    def counting(data, crc=0):
+        seen.append(len(data))
+        return real(data, crc)
+
+    monkeypatch.setattr(tf, "checksum", counting)
+    return seen
+
+
+def test_resume_latest_crc_checks_each_file_once_and_a_named_checkpoint_on_its_load(tmp_path, monkeypatch):
+    from resume_runs import run
+
+    run("tinylm", str(tmp_path), None, save_total_limit=None, enable_jit_checkpoint=False)
+    newest = checkpoint_path(tmp_path, 8)
+    files = sum(f.stat().st_size for f in newest.iterdir() if f.suffix == ".safetensors")
+    seen = _crc_bytes(monkeypatch)
+    run("tinylm", str(tmp_path), True, save_total_limit=None, enable_jit_checkpoint=False)
+    # the claim reads every file of checkpoint-8 once for its CRCs; the load then reads without a second pass
+    assert files <= sum(seen) < 1.5 * files
+    seen.clear()
+    run("tinylm", str(tmp_path), str(newest), save_total_limit=None, enable_jit_checkpoint=False)
+    assert files <= sum(seen) < 1.5 * files  # a named checkpoint: checked by its load (once)
+
+
+def test_a_load_told_its_crcs_were_checked_reads_without_computing_them(tmp_path, monkeypatch):
+    model, state = _state(3)
+    path = save(state, tmp_path / "checkpoint-3", model=model)
+    seen = _crc_bytes(monkeypatch)
+    assert _same(load(path, like=_state(seed=1)[1], crc_checked=True), state) and not seen
+    assert _same(load(path, like=_state(seed=1)[1]), state) and sum(seen) >= (path / STATE_FILE).stat().st_size
+    _damage(path, "flipped")  # what crc_checked=True trusts the caller to have ruled out (listing.damage)
+    with pytest.raises(CheckpointError, match="is corrupted"):
+        load(path, like=_state(seed=1)[1])
+    assert damage(path) is not None

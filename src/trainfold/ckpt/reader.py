@@ -34,7 +34,9 @@ __all__ = ["load", "load_weights", "warm_start"]
 _DONATED = ("params.", "buffers.", "opt_state.")  # what load(donate=True) reads into (invalidate's fields)
 
 
-def _read_tensors(directory: Path, name: str, meta: Mapping[str, Any], into: Tree | None = None) -> Tree:
+def _read_tensors(
+    directory: Path, name: str, meta: Mapping[str, Any], into: Tree | None = None, crc: bool = True
+) -> Tree:
     path = directory / name
     if path.is_symlink():
         raise CheckpointError(f"{path} is a symbolic link; a checkpoint's files must be its own; copy the file in")
@@ -53,7 +55,7 @@ def _read_tensors(directory: Path, name: str, meta: Mapping[str, Any], into: Tre
             f"{expected['bytes']}; resume from an earlier checkpoint"
         )
     try:
-        return tensor_file.read(path, crc32=expected["crc32"], into=into)
+        return tensor_file.read(path, crc32=expected["crc32"] if crc else None, into=into)
     except tensor_file.TensorFileError as e:
         raise CheckpointError(f"{e} (the CRC-32 {SIDECAR_FILE} records); resume from an earlier checkpoint") from None
 
@@ -96,7 +98,9 @@ def _frozen(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
     return {k: mine[k] for k in meta["frozen"]}
 
 
-def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState, into: Tree | None = None) -> Tree:
+def _read_weights(
+    directory: Path, meta: Mapping[str, Any], like: TrainState, into: Tree | None = None, crc: bool = True
+) -> Tree:
     """Return ``{flattened state key: tensor}`` from the weights files and the frozen weights (the template's).
 
     ``into``: ``{flattened state key: tensor}`` to read the weights straight into (``tensor_file.read``).
@@ -104,7 +108,7 @@ def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState, in
     out: Tree = {}
     for name, keys in meta["tensors"].items():
         dest = None if into is None else {v: into[k] for k, v in keys.items() if k in into}
-        data = _read_tensors(directory, name, meta, dest)
+        data = _read_tensors(directory, name, meta, dest, crc)
         absent = sorted(v for v in keys.values() if v not in data)
         if absent:
             raise CheckpointError(
@@ -115,7 +119,9 @@ def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState, in
     return {**out, **_frozen(directory, meta, like)}
 
 
-def load(directory: str | os.PathLike, like: TrainState, *, donate: bool = False) -> TrainState:
+def load(
+    directory: str | os.PathLike, like: TrainState, *, donate: bool = False, crc_checked: bool = False
+) -> TrainState:
     """Return the state saved in ``directory``, shaped like the template ``like`` and on its devices.
 
     Every tensor must match the template's keys, shapes and dtypes, except ``metrics``, which is
@@ -128,6 +134,11 @@ def load(directory: str | os.PathLike, like: TrainState, *, donate: bool = False
     module's parameters then hold the checkpoint's): one pass, no fresh memory. The result owns
     that storage and ``like`` is donated (``trainfold.core.state.invalidate``), also when the load
     raises (its tensors may hold part of the checkpoint then).
+
+    ``crc_checked=True`` says every file's CRC-32 was just checked (``listing.damage``, as
+    ``resume_from_checkpoint=True`` does before it picks the checkpoint): the files are then read
+    without a second CRC pass (their sizes, headers and the frozen weights' fingerprints are still
+    checked).
 
     >>> import tempfile, attrs, torch
     >>> from trainfold.optim import sgd
@@ -150,21 +161,24 @@ def load(directory: str | os.PathLike, like: TrainState, *, donate: bool = False
         )
     if INDEX_FILE in meta["files"]:  # written by every rank: resharded to like's layout
         return sharded.load(directory, like)
+    crc = not crc_checked
     if not donate:
-        return _load(directory, meta, like)
+        return _load(directory, meta, like, crc=crc)
     try:
         into = {k: v for k, v in flatten(like).items() if k.startswith(_DONATED)}
-        return _load(directory, meta, like, into=into)
+        return _load(directory, meta, like, into=into, crc=crc)
     finally:
         invalidate(like)
 
 
-def _load(directory: Path, meta: Mapping[str, Any], like: TrainState, into: Tree | None = None) -> TrainState:
+def _load(
+    directory: Path, meta: Mapping[str, Any], like: TrainState, into: Tree | None = None, crc: bool = True
+) -> TrainState:
     """``load`` of a checkpoint written by one rank: its files read (into ``into``'s tensors), checked, rebuilt."""
-    flat = _read_tensors(directory, STATE_FILE, meta, into)
+    flat = _read_tensors(directory, STATE_FILE, meta, into, crc)
     note = ""
     if "tensors" in meta:  # format 3: the weights are in their own file(s)
-        weights = _read_weights(directory, meta, like, into)
+        weights = _read_weights(directory, meta, like, into, crc)
         clash = sorted(set(weights) & set(flat))
         if clash:
             raise CheckpointError(

@@ -163,6 +163,7 @@ class Claim:
     run: RunIdentity
     source: Path | None
     _stack: contextlib.ExitStack | None = None
+    verified: bool = False  # every file of ``source`` was CRC-checked just now (resume_from_checkpoint=True)
 
     def on_release(self, fn: Any) -> None:
         """Call ``fn()`` when the claim is released (e.g. close the history file)."""
@@ -264,7 +265,7 @@ def claim(
     except BaseException:
         stack.close()
         raise
-    return Claim(run, source, stack)
+    return Claim(run, source, stack, verified=resume_from_checkpoint is True)
 
 
 def _warn_length(source: Path, settings: Mapping[str, Any]) -> None:

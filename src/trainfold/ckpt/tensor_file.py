@@ -132,29 +132,33 @@ def write(
     return len(head) + offset, crc
 
 
-def _read_piece(path: str | os.PathLike, fd: int, offset: int, dest: memoryview) -> tuple[int, int]:
-    """Fill ``dest`` from ``fd`` at ``offset``; return its ``(crc32, length)``."""
+def _read_piece(path: str | os.PathLike, fd: int, offset: int, dest: memoryview, crc: bool = True) -> tuple[int, int]:
+    """Fill ``dest`` from ``fd`` at ``offset``; return its ``(crc32, length)`` (the CRC 0 without ``crc``)."""
     got = 0
     while got < len(dest):
         k = os.preadv(fd, [dest[got:]], offset + got)
         if not k:
             raise TensorFileError(f"{path} is not a readable safetensors file (it ended early)")
         got += k
-    return checksum(dest), len(dest)
+    return (checksum(dest) if crc else 0), len(dest)
 
 
-def _read_pieces(path: str | os.PathLike, fd: int, pieces: list[tuple[int, memoryview]], crc: int) -> int:
+def _read_pieces(path: str | os.PathLike, fd: int, pieces: list[tuple[int, memoryview]], crc: int | None) -> int | None:
     """Read every ``(offset, dest)`` piece, in threads when there are several; return ``crc`` extended by them.
+
+    ``crc=None``: the pieces are only read (no CRC computed; ``None`` returned).
 
     ``os.preadv`` and ``crc.crc32`` (zlib's or ISA-L's) release the GIL, so the pieces are read and
     CRC'd on every core at once; their CRCs are combined in file order (``crc.combine_all``).
     """
     workers = min(len(pieces), _WORKERS)
+    check = crc is not None
     if workers < 2 or sum(len(dest) for _, dest in pieces) < 2 * _CHUNK:  # threads cost more than they save
-        return combine_all((_read_piece(path, fd, at, dest) for at, dest in pieces), crc)
-    with ThreadPoolExecutor(workers, thread_name_prefix="trainfold-read") as pool:  # per call: fork-safe
-        done = list(pool.map(lambda piece: _read_piece(path, fd, *piece), pieces))
-    return combine_all(done, crc)
+        done = [_read_piece(path, fd, at, dest, check) for at, dest in pieces]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="trainfold-read") as pool:  # per call: fork-safe
+            done = list(pool.map(lambda piece: _read_piece(path, fd, *piece, check), pieces))
+    return combine_all(done, crc) if check else None
 
 
 def _crc_of(path: str | os.PathLike) -> int:
@@ -256,7 +260,8 @@ def read(
 ) -> dict[str, Tensor]:
     """Return the tensors of the safetensors file ``path`` (CPU, each its own storage).
 
-    With ``crc32``, the file's CRC-32 (computed from the bytes as they are read) must equal it.
+    With ``crc32``, the file's CRC-32 (computed from the bytes as they are read) must equal it;
+    without, no CRC is computed (the bytes are only read).
     ``into`` maps names to tensors to read straight into (one pass, no fresh memory), where each is a
     contiguous CPU tensor of the entry's dtype and shape alone in its storage (others get fresh
     memory); those are overwritten even when the CRC then differs.
@@ -287,7 +292,7 @@ def read(
             if crc32 is not None and crc != crc32:
                 raise TensorFileError(f"{path} is corrupted: its CRC-32 is {crc:08x}, not {crc32:08x}") from None
             raise
-        crc = checksum(header, checksum(head))
+        crc = checksum(header, checksum(head)) if crc32 is not None else None
         out: dict[str, Tensor] = {}
         pieces: list[tuple[int, memoryview]] = []  # (file offset, the bytes of a tensor it fills)
         at = 8 + n

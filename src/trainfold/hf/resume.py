@@ -85,7 +85,8 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
         if weights_only_warm_start:
             state = ckpt.warm_start(source, like=state)
         else:
-            state = ckpt.load(source, like=state, donate=True)  # read into the lent module: one pass
+            # read into the lent module: one pass (and no second CRC pass after the claim's check)
+            state = ckpt.load(source, like=state, donate=True, crc_checked=claim.verified)
             if "window" in meta["metadata"]:
                 log_file.restore_window(window, meta["metadata"]["window"], source)
         if not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
