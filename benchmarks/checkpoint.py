@@ -78,17 +78,6 @@ def lora(model):
     return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
 
 
-def median_time(fn: Callable[[], object], repeat: int, setup: Callable[[], object] = lambda: None) -> float:
-    """Return the median wall time of ``fn()`` over ``repeat`` runs, each after ``setup()``."""
-    times = []
-    for _ in range(repeat):
-        setup()
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
 def interleaved(
     fns: dict[str, Callable[[], object]],
     repeat: int,
