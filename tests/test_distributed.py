@@ -14,8 +14,6 @@ import copy
 import itertools
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from resume_fixture import endless_cli_config, sigterm_rank_one_of_cli_ranks
 from safetensors.torch import load_file, save_file
+from torchrun import torchrun_ok
 
 from trainfold import TrainingArguments, train
 from trainfold import ckpt as checkpoint
@@ -221,26 +220,7 @@ def _worker(out: Path) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ddp")
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={WORLD}",
-        str(Path(__file__).resolve()),
-        str(out),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )  # a session of its own: a hang is killed with its workers
-    try:
-        _, err = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err[-4000:]
+    torchrun_ok(__file__, out, nproc=WORLD)
     return out
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from torchrun import torchrun
 
 from trainfold import TrainingArguments, train
 from trainfold.core.losses import causal_lm
@@ -183,34 +183,10 @@ def ranks(tmp_path_factory) -> Path:
 
 
 def _launch(out: Path, case: str, timeout: float) -> tuple[Path, subprocess.CompletedProcess]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={WORLD}",
-        str(Path(__file__).resolve()),
-        str(out),
-        case,
-    ]
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT / "src"),
-        **({"TRAINFOLD_DIST_TIMEOUT": "5"} if case.startswith("raise") else {}),
-    }
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )  # a session of its own: a hang is killed with its workers
-    try:
-        stdout, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    done = subprocess.CompletedProcess(cmd, proc.returncode, stdout, err)
+    extra = {"TRAINFOLD_DIST_TIMEOUT": "5"} if case.startswith("raise") else {}
+    done = torchrun(__file__, out, case, nproc=WORLD, timeout=timeout, env=extra)
     if case == "train":
-        assert proc.returncode == 0, err[-4000:]
+        assert done.returncode == 0, done.stderr[-4000:]
     return out, done
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import pytest
 import safetensors
 import torch
 from safetensors.torch import load_file, save_file
+from torchrun import torchrun_ok
 
 from trainfold import ckpt
 from trainfold.ckpt import faults
@@ -236,27 +236,7 @@ def _failing_async_save(saver, state, out: Path, rank: int) -> None:
 def ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sharded")
     for phase, n in (("save", 2), ("load", 4)):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={n}",
-            str(Path(__file__).resolve()),
-            phase,
-            str(out),
-        ]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-        )
-        try:
-            _, err = proc.communicate(timeout=240)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        assert proc.returncode == 0, err[-4000:]
+        torchrun_ok(__file__, phase, out, nproc=n)
     return out
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from test_sharded import batch, model, optimizer, rows, tensors, train_args
+from torchrun import torchrun_ok
 
 from trainfold import train
 from trainfold.core.losses import causal_lm
@@ -75,19 +75,7 @@ def _worker(out: Path, backend: str) -> None:
 
 
 def _launch(out: Path, backend: str, timeout: float) -> Path:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}"]
-    cmd += [str(Path(__file__).resolve()), str(out), backend]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == 0, err[-4000:]
+    torchrun_ok(__file__, out, backend, nproc=WORLD, timeout=timeout)
     return out
 
 
