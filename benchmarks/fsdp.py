@@ -28,6 +28,7 @@ import os
 import socket
 import statistics
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,18 +62,24 @@ def grad_bytes(opt: GradientTransformation, seen: list[int]) -> GradientTransfor
     return chain(GradientTransformation(init=lambda params: None, update=tap, keeps_state=False), opt)
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+def joined(rank: int, world: int, port: int, args: argparse.Namespace) -> tuple[list[dict], Any, Any]:
+    """Join the 2-rank gloo group; return this rank's part of the global batch, the optimizer and the mesh."""
     from trainfold.step import sharded
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    rows = args.batch // world
+    ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    batch = [{"input_ids": ids[rank * rows : (rank + 1) * rows], "labels": ids[rank * rows : (rank + 1) * rows]}]
+    return batch, chain(clip_by_global_norm(1.0), adamw(1e-3)), sharded.make_mesh()
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, queue) -> None:
+    from trainfold.step import sharded
+
+    batch, opt, mesh = joined(rank, world, port, args)
     try:
-        rows = args.batch // world
-        ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
-        batch = [{"input_ids": ids[rank * rows : (rank + 1) * rows], "labels": ids[rank * rows : (rank + 1) * rows]}]
-        opt = chain(clip_by_global_norm(1.0), adamw(1e-3))
-        mesh = sharded.make_mesh()
         runs = {}
         for name in ("ddp", "sharded"):
             model, grads = build(args), []
@@ -114,15 +121,8 @@ def _variants_worker(rank: int, world: int, port: int, args: argparse.Namespace,
     """Time the sharded step's variants (eager, compiled) on the same batch, interleaved; the first step apart."""
     from trainfold.step import sharded
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    batch, opt, mesh = joined(rank, world, port, args)
     try:
-        rows = args.batch // world
-        ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
-        batch = [{"input_ids": ids[rank * rows : (rank + 1) * rows], "labels": ids[rank * rows : (rank + 1) * rows]}]
-        opt = chain(clip_by_global_norm(1.0), adamw(1e-3))
-        mesh = sharded.make_mesh()
         runs = {}
         for name, options in variants(args).items():
             model = build(args)
