@@ -370,6 +370,26 @@ def test_shard_and_gather_round_trip_and_a_one_rank_sharded_step_is_the_step(one
     assert torch.equal(again.params["tok.weight"], stepped.params["tok.weight"])
 
 
+@pytest.mark.parametrize("opt", ["adamw", "sgd"])  # the local-shard fused update, and the DTensor one
+def test_the_sharded_step_never_touches_its_input_state(one_rank_mesh, opt):
+    from trainfold.optim import sgd
+    from trainfold.step import sharded
+
+    net = model()
+    make = optimizer if opt == "adamw" else lambda: chain(clip_by_global_norm(0.5), sgd(0.1, momentum=0.9))
+    state = sharded.shard_state(init_state(net, make(), seed=3), one_rank_mesh)
+    step = make_step(net, causal_lm, make(), sharding=one_rank_mesh)
+    state = step(state, batch(0, 0, 1))  # moments that are not zeros
+    local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in flatten(state).items()}
+    before = {k: (v._version, v.clone()) for k, v in local.items()}
+    after = step(state, batch(1, 0, 1))
+    for k, v in local.items():
+        assert v._version == before[k][0] and torch.equal(v, before[k][1]), k
+    assert not torch.equal(
+        sharded.gather_state(after).params["tok.weight"], sharded.gather_state(state).params["tok.weight"]
+    )
+
+
 def test_an_objective_with_a_frozen_reference_runs_the_reference_on_its_own_params(one_rank_mesh):
     from trainfold.step import sharded
 
