@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from trainfold.dist import quiesce as _quiesce  # noqa: F401  (registers the exit hook: see its docstring)
 from trainfold.dist.shards import shard, shard_bounds
 
 __all__ = [
