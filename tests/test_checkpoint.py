@@ -18,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfold.ckpt import (
+    DURABLE_MARKER,
     INCOMPLETE_MARKER,
     MODEL_FILE,
     SIDECAR_FILE,
@@ -111,7 +112,7 @@ def test_save_writes_the_layout_and_load_restores_every_tensor(tmp_path):
     state = attrs.evolve(state, step=scalar(12), cursor=Cursor(scalar(1), scalar(3)))
     path = save(state, checkpoint_path(tmp_path, 12), metadata={"best_metric": 0.5}, settings={"seed": 0})
     assert path == tmp_path / "checkpoint-12"
-    assert sorted(p.name for p in path.iterdir()) == [MODEL_FILE, STATE_FILE, SIDECAR_FILE]
+    assert sorted(p.name for p in path.iterdir()) == sorted([DURABLE_MARKER, MODEL_FILE, STATE_FILE, SIDECAR_FILE])
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-12"]  # no temporary left behind
     meta = read_metadata(path)
     assert (meta["step"], meta["epoch"], meta["cursor"]) == (12, 1, {"epoch": 1, "position": 3})

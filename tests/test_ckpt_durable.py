@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import functools
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,10 +32,11 @@ from trainfold.ckpt import (
     read_metadata,
     save,
 )
-from trainfold.ckpt.atomic import NotDurableError, Syncs
+from trainfold.ckpt.atomic import NotDurableError, Syncs, is_durable
 from trainfold.ckpt.listing import damage
 from trainfold.ckpt.policy import rotate
 from trainfold.ckpt.sharded import Saver
+from trainfold.ckpt.sidecar import DURABLE_MARKER
 from trainfold.core.state import init_state, scalar
 from trainfold.core.tree import flatten
 from trainfold.optim import adamw
@@ -100,10 +102,25 @@ def test_the_directory_is_renamed_into_place_before_any_fsync_then_every_file_di
     renamed = events.index(("point", "replace:renamed"))
     assert not [e for e in events[:renamed] if e[0] == "fsync"]  # nothing waited for the disk before the rename
     synced = {name for kind, name in events[renamed:] if kind == "fsync"}
-    assert {p.name for p in path.iterdir()} | {"checkpoint-3", tmp_path.name} <= synced
+    files = {p.name for p in path.iterdir()}
+    assert DURABLE_MARKER in files and DURABLE_MARKER not in synced  # written once the rest is on the disk
+    assert (files - {DURABLE_MARKER}) | {"checkpoint-3", tmp_path.name} <= synced
     assert events.index(("point", "durable:synced:checkpoint-3")) > max(
         i for i, e in enumerate(events) if e[0] == "fsync"
     )
+    assert is_durable(path)
+
+
+def test_a_checkpoint_is_marked_durable_only_once_its_fsyncs_end(tmp_path, gate):
+    model, state = _state(4)
+    syncs = Syncs()
+    path = save(state, tmp_path / "checkpoint-4", model=model, syncs=syncs)
+    assert is_complete(path) and not is_durable(path)  # visible, its fsyncs held back by the gate
+    gate.set()
+    syncs.wait()
+    assert is_durable(path)
+    blocking = save(state, tmp_path / "checkpoint-5", model=model)  # fsynced before the rename: durable when seen
+    assert is_durable(blocking)
 
 
 def test_a_checkpoint_is_complete_and_loads_while_its_fsync_still_runs(tmp_path, gate):
@@ -185,7 +202,8 @@ def test_a_blocking_save_is_durable_before_it_is_renamed(tmp_path, events):
     on_durable = []
     path = save(state, tmp_path / "checkpoint-2", model=model, on_durable=on_durable.append)
     complete = events.index(("point", "save:complete"))
-    assert {p.name for p in path.iterdir()} <= {name for kind, name in events[:complete] if kind == "fsync"}
+    files = {p.name for p in path.iterdir()} - {DURABLE_MARKER}  # the marker says the rest is synced
+    assert files <= {name for kind, name in events[:complete] if kind == "fsync"} and is_durable(path)
     assert on_durable == [path] and not [e for e in events if e[1].startswith("durable:")]
 
 
@@ -244,6 +262,7 @@ def test_a_failed_background_fsync_raises_at_the_wait_naming_the_checkpoint_and_
     with pytest.raises(NotDurableError, match=r"checkpoint-2 is written but not durable: the fsync of model"):
         saver.wait()
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]  # not rotated
+    assert is_durable(checkpoint_path(tmp_path, 1)) and not is_durable(checkpoint_path(tmp_path, 2))
     assert _same(load(checkpoint_path(tmp_path, 1), like=first), first)
     assert _same(load(checkpoint_path(tmp_path, 2), like=second), second)  # still readable here
 
@@ -332,7 +351,7 @@ def test_the_jit_save_waits_for_the_previous_checkpoints_fsync_and_is_itself_dur
     assert events.index(("point", "durable:synced:checkpoint-3")) < starts[-1]  # before the JIT save began
     complete = max(i for i, e in enumerate(events) if e == ("point", "save:complete"))
     jit = checkpoint_path(tmp_path, 4)
-    assert read_metadata(jit)["jit"] and {p.name for p in jit.iterdir()} <= {
+    assert read_metadata(jit)["jit"] and {p.name for p in jit.iterdir()} - {DURABLE_MARKER} <= {
         name for kind, name in events[starts[-1] : complete] if kind == "fsync"
     }
 
@@ -358,7 +377,10 @@ def test_save_fsync_must_be_one_of_its_modes(tmp_path):
 # --- a checkpoint a machine crash left corrupt ---
 
 
-def _damage(path: Path, how: str) -> None:
+def _damage(path: Path, how: str, *, crash: bool = True) -> None:
+    """Corrupt ``path``'s state file; ``crash``: as a machine crash before its fsyncs ended (no durable mark)."""
+    if crash:
+        (path / DURABLE_MARKER).unlink()
     data = bytearray((path / STATE_FILE).read_bytes())
     if how == "flipped":
         data[len(data) // 2] ^= 0x40  # the size is right, one byte is not (unsynced blocks after a crash)
@@ -400,6 +422,55 @@ def test_resume_from_a_named_corrupt_checkpoint_refuses_it_by_name(tmp_path):
         run("tinylm", str(tmp_path), str(bad), save_total_limit=None, enable_jit_checkpoint=False)
 
 
+def test_a_durable_checkpoint_damaged_later_stops_the_resumed_run_by_name_before_it_saves(tmp_path):
+    from resume_runs import run
+
+    run("tinylm", str(tmp_path), None, save_total_limit=None, enable_jit_checkpoint=False)
+    shutil.rmtree(checkpoint_path(tmp_path, 8))  # the resume from checkpoint-6 has steps 7 and 8 to run
+    bad = checkpoint_path(tmp_path, 6)
+    _damage(bad, "flipped", crash=False)  # after its fsyncs (bit rot, a bad copy): still marked durable
+    # loaded without a CRC pass, it trains while a thread checks it: stopped after step 7 or at step 8's save
+    with pytest.raises(
+        CheckpointError, match=rf"{bad / STATE_FILE} is corrupted.*resumed from {bad} and stopped after [12] step"
+    ):
+        run("tinylm", str(tmp_path), True, save_total_limit=None, enable_jit_checkpoint=False)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-6"]  # nothing saved
+    assert not is_durable(bad)  # so the next resume checks it before it loads it, and passes over it
+    stepped: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run(
+            "tinylm",
+            str(tmp_path),
+            True,
+            [lambda s, logs: stepped.append(int(s.step))],
+            save_total_limit=None,
+            enable_jit_checkpoint=False,
+        )
+    assert any("skips" in str(w.message) and "checkpoint-6" in str(w.message) for w in caught)
+    assert stepped[0] == 4 and result.global_step == 8  # from checkpoint-3
+
+
+def test_a_resumed_run_saves_only_once_the_checkpoints_crc_check_ended(tmp_path, monkeypatch):
+    from resume_runs import run
+
+    from trainfold.ckpt import verify
+
+    run("tinylm", str(tmp_path), None, save_total_limit=None, enable_jit_checkpoint=False)
+    shutil.rmtree(checkpoint_path(tmp_path, 8))
+    order: list[str] = []
+
+    def slow(directory):
+        time.sleep(0.5)  # a large checkpoint: the first steps run meanwhile
+        order.append(f"checked {Path(directory).name}")
+        return damage(directory)
+
+    monkeypatch.setattr(verify, "damage", slow)
+    monkeypatch.setattr(faults, "fault_hook", lambda label: order.append(label) if label == "save:started" else None)
+    result = run("tinylm", str(tmp_path), True, save_total_limit=None, enable_jit_checkpoint=False)
+    assert result.global_step == 8 and order == ["checked checkpoint-6", "save:started"]
+
+
 def _crc_bytes(monkeypatch) -> list[int]:
     """Count the bytes every CRC of a checkpoint file's read sees (tensor_file's checksum)."""
     from trainfold.ckpt import tensor_file as tf
@@ -423,7 +494,7 @@ def test_resume_latest_crc_checks_each_file_once_and_a_named_checkpoint_on_its_l
     files = sum(f.stat().st_size for f in newest.iterdir() if f.suffix == ".safetensors")
     seen = _crc_bytes(monkeypatch)
     run("tinylm", str(tmp_path), True, save_total_limit=None, enable_jit_checkpoint=False)
-    # the claim reads every file of checkpoint-8 once for its CRCs; the load then reads without a second pass
+    # checkpoint-8 is durable: the load reads it without a CRC pass, a thread then reads each file once for it
     assert files <= sum(seen) < 1.5 * files
     seen.clear()
     run("tinylm", str(tmp_path), str(newest), save_total_limit=None, enable_jit_checkpoint=False)

@@ -12,8 +12,9 @@ import torch
 
 from trainfold import TrainingArguments, train
 from trainfold import ckpt as checkpoint
-from trainfold.ckpt import STATE_FILE, CheckpointError
+from trainfold.ckpt import DURABLE_MARKER, STATE_FILE, CheckpointError
 from trainfold.ckpt.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
+from trainfold.ckpt.atomic import is_durable
 from trainfold.core.state import init_state
 from trainfold.core.tree import flatten
 from trainfold.optim import adamw
@@ -78,7 +79,9 @@ def straight(tmp_path_factory):
 def test_a_lora_checkpoint_holds_the_adapter_as_peft_writes_it_and_no_base_weights(straight, tmp_path):
     model, result, out = straight
     path = out / "checkpoint-4"
-    assert sorted(p.name for p in path.iterdir()) == [ADAPTER_CONFIG_FILE, ADAPTER_FILE, STATE_FILE, "trainfold.json"]
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        [ADAPTER_CONFIG_FILE, ADAPTER_FILE, STATE_FILE, "trainfold.json", DURABLE_MARKER]
+    )
     model.save_pretrained(tmp_path / "peft")  # peft's own save of the trained model
     theirs = safetensors.torch.load_file(tmp_path / "peft" / ADAPTER_FILE)
     ours = safetensors.torch.load_file(path / ADAPTER_FILE)
@@ -139,6 +142,22 @@ def test_resuming_on_another_base_is_refused_naming_the_frozen_weights(straight)
         checkpoint.load_weights(out / "checkpoint-4", like=init_state(lora(seed=1), adamw(1e-2)))
     weights = checkpoint.load_weights(out / "checkpoint-4", like=init_state(lora(), adamw(1e-2)))  # the same base
     assert all(torch.equal(weights.params[k], v) for k, v in result.state.params.items())
+
+
+def test_a_run_resumed_on_another_base_stops_by_name_before_it_saves(tmp_path):
+    out = tmp_path / "stopped"
+    train(lora(), args(out), rows(), stop=lambda s: int(s.step) >= 2)
+    # the base's fingerprints are checked beside the first steps (the load left them out): nothing is saved
+    with pytest.raises(
+        CheckpointError,
+        match=r"field 'frozen': the template's frozen weights are not those.*same base weights.*"
+        r"resumed from .*checkpoint-2 and stopped after [12] step\(s\) from it, before it saved anything",
+    ):
+        train(lora(seed=1), args(out), rows(), resume_from_checkpoint=True)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert is_durable(out / "checkpoint-2")  # the checkpoint is whole: it keeps its mark
+    resumed = train(lora(), args(out), rows(), resume_from_checkpoint=True)  # on its own base it resumes
+    assert resumed.global_step == 4
 
 
 def test_a_model_with_two_adapters_is_refused_by_name(tmp_path):

@@ -390,6 +390,7 @@ def test_a_sharded_train_run_writes_sharded_checkpoints_with_the_full_model(rank
         path = ranks / "straight" / f"checkpoint-{step}"
         names = sorted(p.name for p in path.iterdir())
         assert names == [
+            ckpt.DURABLE_MARKER,
             "config.json",
             "model.safetensors",
             shard_file(0, 2),

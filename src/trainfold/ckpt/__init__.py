@@ -37,7 +37,8 @@ Checkpoints of formats 1 and 2 (the whole record in ``state.safetensors``) still
 
 The modules: ``sidecar`` (the format, its file names and schema), ``layout`` (which tensor goes to
 which file), ``atomic`` (fsync, atomic directory swap), ``writer`` (``save``, ``mark_jit``),
-``reader`` (``load``, ``load_weights``, ``warm_start``), ``listing`` (finding complete checkpoints),
+``reader`` (``load``, ``load_weights``, ``warm_start``), ``listing`` (finding complete checkpoints), ``verify`` (a
+loaded checkpoint's CRC-32s checked in a thread while a resumed run trains),
 ``sharded`` (every rank writes its shards), ``policy`` (when to save, what to keep, the best one),
 ``run_identity``, ``run_lock`` and ``run_dir`` (the output directory of a run), ``elastic`` (the
 batch split on another number of ranks), ``preempt`` (signals and the JIT checkpoint), ``faults``
@@ -52,6 +53,7 @@ from trainfold.ckpt.reader import load, load_weights, warm_start
 from trainfold.ckpt.run_dir import elastic_args
 from trainfold.ckpt.sidecar import (
     CONFIG_FILE,
+    DURABLE_MARKER,
     INCOMPLETE_MARKER,
     INDEX_FILE,
     MODEL_FILE,
@@ -62,6 +64,7 @@ from trainfold.ckpt.sidecar import (
     read_metadata,
     validate_sidecar,
 )
+from trainfold.ckpt.verify import Verification, verify_later
 from trainfold.ckpt.writer import mark_jit, save
 
 __all__ = [
@@ -71,10 +74,13 @@ __all__ = [
     "SIDECAR_FILE",
     "ADAPTER_FILE",
     "ADAPTER_CONFIG_FILE",
+    "DURABLE_MARKER",
     "INCOMPLETE_MARKER",
     "INDEX_FILE",
     "save",
     "load",
+    "verify_later",
+    "Verification",
     "load_weights",
     "warm_start",
     "read_metadata",

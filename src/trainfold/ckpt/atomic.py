@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trainfold.ckpt.faults import point
+from trainfold.ckpt.sidecar import DURABLE_MARKER
 
 __all__ = [
     "FSYNC_MODES",
@@ -28,6 +29,8 @@ __all__ = [
     "BackgroundSync",
     "Syncs",
     "NotDurableError",
+    "mark_durable",
+    "is_durable",
 ]
 
 # When a run's checkpoint reaches the disk (``save_fsync``): after the rename, in a thread, or before it.
@@ -142,6 +145,28 @@ def replace_dir(tmp: Path, directory: Path, *, remove_old: bool = True) -> Path 
     return None
 
 
+def mark_durable(directory: Path) -> None:
+    """Record that every file of ``directory`` is on the disk (call it once their fsyncs returned).
+
+    The marker itself is not fsynced: a crash that loses it only costs the next resume a CRC pass
+    before it starts (``is_durable`` is then False), never a torn checkpoint taken for a whole one.
+    """
+    write_bytes(
+        directory / DURABLE_MARKER,
+        b'{"durable": "every other file of this checkpoint was fsynced before this one was written"}\n',
+        fsync=False,
+    )
+
+
+def is_durable(directory: str | os.PathLike) -> bool:
+    """Say whether ``directory``'s files were all fsynced (``mark_durable``): no machine crash can have torn them.
+
+    >>> is_durable("no/such/checkpoint-1")
+    False
+    """
+    return (Path(directory) / DURABLE_MARKER).is_file()
+
+
 class NotDurableError(OSError):
     """A checkpoint renamed into place whose background fsync failed: visible, but maybe lost by a machine crash."""
 
@@ -172,6 +197,7 @@ def _make_durable(directory: Path, replaced: Path | None, then: Callable[[Path],
                 str(path),
             ) from e
     point(f"durable:synced:{directory.name}")
+    mark_durable(directory)
     if replaced is not None:
         shutil.rmtree(replaced, ignore_errors=True)
     if then is not None:

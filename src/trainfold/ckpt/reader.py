@@ -72,8 +72,23 @@ def _fit(flat: Mapping[str, Tensor], like: Any, path: Path, note: str = "") -> A
         raise ValueError(f"{path} does not fit the template state{note} (a different model size?): {e}") from None
 
 
-def _frozen(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
-    """Return the template's frozen tensors the checkpoint left out, after checking their fingerprints."""
+def frozen_problem(directory: Path, meta: Mapping[str, Any], mine: Mapping[str, Tensor]) -> str | None:
+    """Say how the frozen tensors ``mine`` (``{flattened state key: tensor}``) differ from those the checkpoint
+    was trained on (their recorded fingerprints); ``None``: they are the same."""
+    theirs = fingerprints({k: mine[k] for k in meta["frozen"]})
+    differ = sorted(k for k, fp in meta["frozen"].items() if theirs[k] != fp)
+    if not differ:
+        return None
+    return (
+        f"{directory / SIDECAR_FILE}: field 'frozen': the template's frozen weights are not those this "
+        f"checkpoint was trained on: {differ[:5]} ({len(differ)} of {len(meta['frozen'])}) differ; build the "
+        "model on the same base weights as the run (the same pretrained checkpoint, or the same seed), "
+        "or start a new run"
+    )
+
+
+def _frozen(directory: Path, meta: Mapping[str, Any], like: TrainState, check: bool = True) -> Tree:
+    """Return the template's frozen tensors the checkpoint left out, after (``check``) checking their fingerprints."""
     if not meta.get("frozen"):
         return {}
     mine = {
@@ -86,20 +101,19 @@ def _frozen(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
             f"{directory} was trained on frozen weights the template state lacks: {absent[:5]} "
             f"({len(absent)} in all); pass the model the run trained, with its frozen base (init_state(model, ...))"
         )
-    theirs = fingerprints({k: mine[k] for k in meta["frozen"]})
-    differ = sorted(k for k, fp in meta["frozen"].items() if theirs[k] != fp)
-    if differ:
-        raise CheckpointError(
-            f"{directory / SIDECAR_FILE}: field 'frozen': the template's frozen weights are not those this "
-            f"checkpoint was trained on: {differ[:5]} ({len(differ)} of {len(meta['frozen'])}) differ; build the "
-            "model on the same base weights as the run (the same pretrained checkpoint, or the same seed), "
-            "or start a new run"
-        )
+    problem = frozen_problem(directory, meta, mine) if check else None
+    if problem is not None:
+        raise CheckpointError(problem)
     return {k: mine[k] for k in meta["frozen"]}
 
 
 def _read_weights(
-    directory: Path, meta: Mapping[str, Any], like: TrainState, into: Tree | None = None, crc: bool = True
+    directory: Path,
+    meta: Mapping[str, Any],
+    like: TrainState,
+    into: Tree | None = None,
+    crc: bool = True,
+    frozen: bool = True,
 ) -> Tree:
     """Return ``{flattened state key: tensor}`` from the weights files and the frozen weights (the template's).
 
@@ -116,11 +130,16 @@ def _read_weights(
                 "altered; resume from an earlier checkpoint"
             )
         out.update({k: data[v] for k, v in keys.items()})
-    return {**out, **_frozen(directory, meta, like)}
+    return {**out, **_frozen(directory, meta, like, check=frozen)}
 
 
 def load(
-    directory: str | os.PathLike, like: TrainState, *, donate: bool = False, crc_checked: bool = False
+    directory: str | os.PathLike,
+    like: TrainState,
+    *,
+    donate: bool = False,
+    crc_checked: bool = False,
+    frozen_checked: bool = False,
 ) -> TrainState:
     """Return the state saved in ``directory``, shaped like the template ``like`` and on its devices.
 
@@ -135,10 +154,13 @@ def load(
     that storage and ``like`` is donated (``trainfold.core.state.invalidate``), also when the load
     raises (its tensors may hold part of the checkpoint then).
 
-    ``crc_checked=True`` says every file's CRC-32 was just checked (``listing.damage``, as
-    ``resume_from_checkpoint=True`` does before it picks the checkpoint): the files are then read
-    without a second CRC pass (their sizes, headers and the frozen weights' fingerprints are still
-    checked).
+    ``crc_checked=True`` says the caller checks every file's CRC-32 itself: it just did
+    (``listing.damage``, as ``resume_from_checkpoint=True`` does before it picks a checkpoint not
+    marked durable), or does it in a thread beside the first steps and before anything is saved
+    (``trainfold.ckpt.verify_later``, as a resumed ``train`` does). The files are then read without
+    a CRC pass (their sizes, headers and the frozen weights' fingerprints are still checked).
+    ``frozen_checked=True`` likewise leaves the frozen weights' fingerprints to the caller
+    (``verify_later(directory, frozen=...)``, as a resumed ``train`` does).
 
     >>> import tempfile, attrs, torch
     >>> from trainfold.optim import sgd
@@ -161,24 +183,29 @@ def load(
         )
     if INDEX_FILE in meta["files"]:  # written by every rank: resharded to like's layout
         return sharded.load(directory, like)
-    crc = not crc_checked
+    crc, frozen = not crc_checked, not frozen_checked
     if not donate:
-        return _load(directory, meta, like, crc=crc)
+        return _load(directory, meta, like, crc=crc, frozen=frozen)
     try:
         into = {k: v for k, v in flatten(like).items() if k.startswith(_DONATED)}
-        return _load(directory, meta, like, into=into, crc=crc)
+        return _load(directory, meta, like, into=into, crc=crc, frozen=frozen)
     finally:
         invalidate(like)
 
 
 def _load(
-    directory: Path, meta: Mapping[str, Any], like: TrainState, into: Tree | None = None, crc: bool = True
+    directory: Path,
+    meta: Mapping[str, Any],
+    like: TrainState,
+    into: Tree | None = None,
+    crc: bool = True,
+    frozen: bool = True,
 ) -> TrainState:
     """``load`` of a checkpoint written by one rank: its files read (into ``into``'s tensors), checked, rebuilt."""
     flat = _read_tensors(directory, STATE_FILE, meta, into, crc)
     note = ""
     if "tensors" in meta:  # format 3: the weights are in their own file(s)
-        weights = _read_weights(directory, meta, like, into, crc)
+        weights = _read_weights(directory, meta, like, into, crc, frozen)
         clash = sorted(set(weights) & set(flat))
         if clash:
             raise CheckpointError(

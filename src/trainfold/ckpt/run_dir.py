@@ -30,6 +30,7 @@ from typing import Any
 
 import attrs
 
+from trainfold.ckpt.atomic import is_durable
 from trainfold.ckpt.elastic import BATCH_KEYS, global_batch, split_global_batch
 from trainfold.ckpt.listing import damage, is_complete, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
@@ -114,29 +115,38 @@ def resumable(output_dir: str | os.PathLike, fingerprint: str, *, verify: bool =
     This is what ``resume_from_checkpoint=True`` (and the CLI's ``--resume``) takes. With
     ``verify`` (``claim`` does) every file's CRC-32 is checked, newest checkpoint first: a damaged
     one (a machine crash before its background fsync ended) is skipped with a ``CheckpointWarning``
-    naming it and the damage, and the previous one is taken.
+    naming it and the damage, and the previous one is taken. A checkpoint marked durable (all its
+    fsyncs ended: ``atomic.is_durable``) no crash can have torn, and is taken without that pass
+    (the resume checks its CRC-32s later: ``trainfold.ckpt.verify``).
 
     >>> resumable("no/such/dir", "f00d") is None
     True
     """
+    return _resumable(output_dir, fingerprint, verify=verify)[0]
+
+
+def _resumable(output_dir: str | os.PathLike, fingerprint: str, *, verify: bool) -> tuple[Path | None, bool]:
+    """``resumable``, and whether the checkpoint's CRC-32s were checked just now."""
     found = [(p, m) for p, m in _catalog(output_dir) if (m.get("run") or {}).get("fingerprint") == fingerprint]
     recorded = read_run_file(output_dir)
     if recorded is not None and recorded["fingerprint"] == fingerprint:
         own = [(p, m) for p, m in found if m["run"]["id"] == recorded["run_id"]]
         found = own or found  # a lineage killed before its first save: the same settings' latest
     if not verify:
-        return found[-1][0] if found else None
+        return (found[-1][0] if found else None), False
     for path, _ in reversed(found):
+        if is_durable(path):
+            return path, False
         problem = damage(path)
         if problem is None:
-            return path
+            return path, True
         warnings.warn(
             f"resume_from_checkpoint=True skips {path}: {problem} (a machine crash before its background fsync "
             "ended leaves this); resuming from the previous complete checkpoint instead",
             CheckpointWarning,
             stacklevel=3,
         )
-    return None
+    return None, False
 
 
 def _describe_others(output_dir: Path, settings: Mapping[str, Any], fingerprint: str) -> str:
@@ -163,7 +173,7 @@ class Claim:
     run: RunIdentity
     source: Path | None
     _stack: contextlib.ExitStack | None = None
-    verified: bool = False  # every file of ``source`` was CRC-checked just now (resume_from_checkpoint=True)
+    verified: bool = False  # every file of ``source`` was CRC-checked just now (True's pick of one not durable)
 
     def on_release(self, fn: Any) -> None:
         """Call ``fn()`` when the claim is released (e.g. close the history file)."""
@@ -242,7 +252,7 @@ def claim(
             remove_leftovers(root)
         recorded = read_run_file(root)
         if resume_from_checkpoint is True:
-            source = resumable(root, fingerprint, verify=True)
+            source, verified = _resumable(root, fingerprint, verify=True)
             if source is None:
                 others = _catalog(root)
                 raise (ValueError if others else FileNotFoundError)(
@@ -253,9 +263,10 @@ def claim(
                 )
             run = RunIdentity(read_metadata(source)["run"]["id"], fingerprint)
         elif resume_from_checkpoint is None or resume_from_checkpoint is False:
-            source, run = None, RunIdentity.new(fingerprint)
+            source, run, verified = None, RunIdentity.new(fingerprint), False
         else:
             source, run = _explicit_source(Path(resume_from_checkpoint), settings, fingerprint)
+            verified = False
         if source is not None:
             _warn_length(source, settings)
         if writer and not overwrite_output_dir:
@@ -265,7 +276,7 @@ def claim(
     except BaseException:
         stack.close()
         raise
-    return Claim(run, source, stack, verified=resume_from_checkpoint is True)
+    return Claim(run, source, stack, verified=verified)
 
 
 def _warn_length(source: Path, settings: Mapping[str, Any]) -> None:

@@ -28,6 +28,7 @@ __all__ = [
     "CONFIG_FILE",
     "SIDECAR_FILE",
     "INCOMPLETE_MARKER",
+    "DURABLE_MARKER",
     "INDEX_FILE",
     "MAX_STEP",
     "CheckpointError",
@@ -44,6 +45,9 @@ MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 SIDECAR_FILE = "trainfold.json"
 INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
+# written once every file of the checkpoint is fsynced: a machine crash cannot have torn it (its CRC-32s
+# can then be checked while a resumed run's first steps go, ``trainfold.ckpt.verify``)
+DURABLE_MARKER = "checkpoint-is-durable.json"
 INDEX_FILE = "state.index.json"  # a sharded checkpoint's index of its shard files (trainfold.ckpt.sharded)
 _FORMAT = "trainfold-checkpoint"
 _FORMAT_VERSION = 3  # 1: no run identity, no checksum; 1 and 2: every tensor in state.safetensors

@@ -29,7 +29,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from trainfold.ckpt import tensor_file
-from trainfold.ckpt.atomic import BackgroundSync, Syncs, fsync_dir, replace_dir, write_bytes
+from trainfold.ckpt.atomic import BackgroundSync, Syncs, fsync_dir, mark_durable, replace_dir, write_bytes
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.layout import Layout, fingerprints, layout_of
 from trainfold.ckpt.sidecar import (
@@ -133,8 +133,10 @@ def save(
     >>> from trainfold.core.state import init_state
     >>> model = torch.nn.Linear(2, 1)
     >>> path = save(init_state(model, sgd(0.1)), tempfile.mkdtemp() + "/checkpoint-7", model=model, metadata={"n": 1})
-    >>> path.name, sorted(p.name for p in path.iterdir()), read_metadata(path)["metadata"]
-    ('checkpoint-7', ['model.safetensors', 'state.safetensors', 'trainfold.json'], {'n': 1})
+    >>> path.name, read_metadata(path)["metadata"]
+    ('checkpoint-7', {'n': 1})
+    >>> sorted(p.name for p in path.iterdir())
+    ['checkpoint-is-durable.json', 'model.safetensors', 'state.safetensors', 'trainfold.json']
     """
     directory = Path(directory)
     fields = {
@@ -187,6 +189,7 @@ def _write_in_place(
         point("save:wrote:sidecar")
         marker.unlink()
         if blocking:
+            mark_durable(tmp)  # every file is fsynced already
             fsync_dir(tmp)
         point("save:complete")
         replaced = replace_dir(tmp, directory, remove_old=blocking)  # the old one goes once the new is durable

@@ -13,8 +13,9 @@ import torch
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.sharded import is_sharded
+from trainfold.ckpt.verify import verify_later
 from trainfold.core.state import TrainState, init_state, lend
-from trainfold.core.tree import map_tensors
+from trainfold.core.tree import flatten, map_tensors
 from trainfold.data import close_loader
 from trainfold.hf.plan import Plan
 from trainfold.observe import history as log_file
@@ -70,6 +71,7 @@ class Start:
     window: MetricWindow
     history: Any  # a history.HistoryFile on the writer rank, a list elsewhere
     source: Any = None
+    verification: Any = None  # the CRC-32 check of ``source`` still running (ckpt.verify), waited before a save
 
 
 def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
@@ -77,7 +79,7 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
 
     What the run opens is closed when the claim is released: the log history, the eval loaders' workers.
     """
-    source, window, meta = claim.source, MetricWindow(), None
+    source, window, meta, verification = claim.source, MetricWindow(), None, None
     if source is not None:
         meta = ckpt.read_metadata(source)
         run_dir.check_step(meta, source, plan.schedule.total_steps)
@@ -85,8 +87,15 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
         if weights_only_warm_start:
             state = ckpt.warm_start(source, like=state)
         else:
-            # read into the lent module: one pass (and no second CRC pass after the claim's check)
-            state = ckpt.load(source, like=state, donate=True, crc_checked=claim.verified)
+            # read into the lent module: one pass; its CRC-32s were checked by the claim, or are checked
+            # while the first steps run (alone: under torchrun every rank checks before its first step)
+            later = not claim.verified and plan.world_size == 1 and ckpt.INDEX_FILE not in meta["files"]
+            state = ckpt.load(
+                source, like=state, donate=True, crc_checked=claim.verified or later, frozen_checked=later
+            )
+            if later:  # a LoRA model's frozen base: its fingerprints are checked in the same thread
+                flat = flatten(state)
+                verification = verify_later(source, frozen={k: flat[k] for k in meta.get("frozen", {})})
             if "window" in meta["metadata"]:
                 log_file.restore_window(window, meta["metadata"]["window"], source)
         if not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
@@ -105,4 +114,4 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
     for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
         claim.on_release(functools.partial(close_loader, eval_set.loader))
     Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
-    return Start(state, window, history, source)
+    return Start(state, window, history, source, verification)
