@@ -14,10 +14,15 @@ For each size a ``LlamaForCausalLM`` from config (random weights, float32) with 
   the rest, the sidecar with every file's size and CRC-32, atomic rename; every file, the directory
   and its parent then fsynced in a background thread: "durable after" is the time until that ends),
   "blocking" the save with every fsync before the rename (``save_fsync="blocking"``, the old one);
-  and the load a resume does, ``load(path, like=template, donate=True)`` (every byte CRC-checked,
-  4 MB pieces read and CRC'd in threads straight into the template's tensors; the template, built
-  as a resume builds it, is made outside the timing, as the Trainer's model and optimizer are);
-  "fresh" the load into new memory (``load(path, like=state)``);
+  and the load a resume waits for before its first step: ``load(path, like=template, donate=True,
+  crc_checked=True, frozen_checked=True)`` (the files read straight into the template's tensors)
+  and ``verify_later(path, frozen=...)`` started (every byte's CRC-32, and a LoRA model's frozen
+  base's fingerprints, checked in a thread beside the first steps; nothing is saved before it ends);
+  "CRC-checked after" the time until that check ended; "inline-checked" the load that CRCs each
+  4 MB piece as it reads it (``load(path, like=template, donate=True)``: what a resume under
+  torchrun does); the template, built as a resume builds it, is made outside the timing, as the
+  Trainer's model and optimizer are; "fresh" the inline-checked load into new memory
+  (``load(path, like=state)``);
 - ``--lora``: the same comparison of a ``peft`` LoRA model (r=8 on the attention projections), and
   trainfold's LoRA checkpoint against its full fine-tuning one.
 
@@ -41,9 +46,10 @@ from pathlib import Path
 import attrs
 import torch
 
-from trainfold.ckpt import crc, load, save
+from trainfold.ckpt import crc, load, read_metadata, save, verify_later
 from trainfold.ckpt.sharded import Saver
 from trainfold.core.state import init_state
+from trainfold.core.tree import flatten
 from trainfold.optim import adamw
 
 SIZES = {  # name: (hidden, intermediate, layers, vocab); params and bytes in float32
@@ -140,7 +146,7 @@ def compare(model, root: Path, repeat: int) -> dict[str, float]:
 
     trainer = hf_trainer(model, root)
     state = trainfold_state(trainer.model)
-    hf_dir, tf_dir = root / "hf" / "checkpoint-1", root / "tf" / "checkpoint-1"
+    hf_dir, tf_dir = root / "hf" / "checkpoint-1", root / "tf" / "saved"  # the state is of step 0
 
     saver = Saver(fsync="background")  # train's
 
@@ -174,18 +180,35 @@ def compare(model, root: Path, repeat: int) -> dict[str, float]:
         TrainerState.load_from_json(str(hf_dir / "trainer_state.json"))
 
     templates: list = []
+    checks: list = []
+
+    def settle() -> None:  # a resume's CRC check still running ends before the next timing (not timed)
+        while checks:
+            checks.pop().wait()
 
     def template() -> None:  # what a resume loads into: the state train builds before it (not timed)
+        settle()
         templates[:] = [trainfold_state(trainer.model)]
+
+    def resume() -> None:  # what train(resume_from_checkpoint=...) waits for before its first step
+        loaded = load(tf_dir, like=templates.pop(), donate=True, crc_checked=True, frozen_checked=True)
+        flat, frozen = flatten(loaded), read_metadata(tf_dir).get("frozen", {})
+        checks.append(verify_later(tf_dir, frozen={k: flat[k] for k in frozen}))  # a LoRA base's fingerprints too
+
+    def checked() -> None:  # until the CRC check that runs beside the first steps ended
+        resume()
+        checks.pop().wait()
 
     loading = interleaved(
         {
-            "trainfold": lambda: load(tf_dir, like=templates.pop(), donate=True),
+            "trainfold": resume,
+            "checked": checked,
+            "inline": lambda: load(tf_dir, like=templates.pop(), donate=True),
             "fresh": lambda: load(tf_dir, like=state),
             "trainer": hf_load,
         },
         repeat,
-        before={"trainfold": template},  # only there: the others' memory churns as it did before
+        before={"trainfold": template, "checked": template, "inline": template, "fresh": settle},
     )
     out = {
         "tf_bytes": dir_bytes(tf_dir),
@@ -195,6 +218,8 @@ def compare(model, root: Path, repeat: int) -> dict[str, float]:
         "tf_blocking": saving["blocking"],
         "hf_save": saving["trainer"],
         "tf_load": loading["trainfold"],
+        "tf_checked": loading["checked"],
+        "tf_inline": loading["inline"],
         "tf_fresh": loading["fresh"],
         "hf_load": loading["trainer"],
         "params": sum(p.numel() for p in trainer.model.parameters()),
@@ -210,7 +235,8 @@ def row(name: str, r: dict[str, float]) -> str:
         f"{r['hf_bytes'] / 1e6:.1f} | {r['tf_bytes'] / r['hf_bytes']:.3f} | {r['tf_save']:.3f} | "
         f"{r['hf_save']:.3f} | {r['tf_save'] / r['hf_save']:.2f} | {r['tf_durable']:.3f} | "
         f"{r['tf_blocking'] / r['hf_save']:.2f} | {r['tf_load']:.3f} | {r['hf_load']:.3f} | "
-        f"{r['tf_load'] / r['hf_load']:.2f} | {r['tf_fresh'] / r['hf_load']:.2f} |"
+        f"{r['tf_load'] / r['hf_load']:.2f} | {r['tf_checked']:.3f} | {r['tf_inline'] / r['hf_load']:.2f} | "
+        f"{r['tf_fresh'] / r['hf_load']:.2f} |"
     )
 
 
@@ -241,9 +267,10 @@ def main() -> None:
     )
     print(
         "| model | params / trainable | trainfold bytes | Trainer bytes | ratio | trainfold save | Trainer save "
-        "| ratio | durable after | blocking save ratio | trainfold load | Trainer load | ratio | fresh load ratio |"
+        "| ratio | durable after | blocking save ratio | trainfold load | Trainer load | ratio | CRC-checked after "
+        "| inline-checked load ratio | fresh load ratio |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results:
         print(row(name, r))
     full = dict(results)
