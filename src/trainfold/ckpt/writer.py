@@ -133,10 +133,8 @@ def save(
     >>> from trainfold.core.state import init_state
     >>> model = torch.nn.Linear(2, 1)
     >>> path = save(init_state(model, sgd(0.1)), tempfile.mkdtemp() + "/checkpoint-7", model=model, metadata={"n": 1})
-    >>> path.name, read_metadata(path)["metadata"]
-    ('checkpoint-7', {'n': 1})
-    >>> sorted(p.name for p in path.iterdir())
-    ['checkpoint-is-durable.json', 'model.safetensors', 'state.safetensors', 'trainfold.json']
+    >>> sorted(p.name for p in path.iterdir()), read_metadata(path)["metadata"]
+    (['checkpoint-is-durable.json', 'model.safetensors', 'state.safetensors', 'trainfold.json'], {'n': 1})
     """
     directory = Path(directory)
     fields = {

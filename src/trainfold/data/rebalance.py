@@ -22,14 +22,29 @@ __all__ = ["rebalance_steps"]
 
 def _greedy(costs: list[int], limit: int, k: int) -> list[int] | None:
     """Return the group sizes of a left-to-right fill up to ``limit``, or None past ``k`` groups."""
-    sizes, i, n = [], 0, len(costs)
+    sizes: list[int] = []
+    i, n = 0, len(costs)
     while i < n:
-        size = min(limit // costs[i], n - i)
+        size = limit // costs[i]
         if size == 0 or len(sizes) == k:
             return None
+        if size > n - i:
+            size = n - i
         sizes.append(size)
         i += size
     return sizes
+
+
+def _fits(costs: list[int], limit: int, k: int) -> bool:
+    """Say whether a left-to-right fill up to ``limit`` makes at most ``k`` groups (``_greedy`` is not None)."""
+    i, n, groups = 0, len(costs), 0
+    while i < n:
+        size = limit // costs[i]
+        if size == 0 or groups == k:
+            return False
+        groups += 1
+        i += size
+    return True
 
 
 def _partition(lens: Sequence[int], k: int, world: int, capacity: int) -> list[int]:
@@ -48,7 +63,7 @@ def _partition(lens: Sequence[int], k: int, world: int, capacity: int) -> list[i
     hi = max(lo, costs[0] * -(-len(costs) // k))
     while lo < hi:
         mid = (lo + hi) // 2
-        if _greedy(costs, mid, k) is None:
+        if not _fits(costs, mid, k):
             lo = mid + 1
         else:
             hi = mid
@@ -60,12 +75,12 @@ def _partition(lens: Sequence[int], k: int, world: int, capacity: int) -> list[i
         greedy = _greedy(costs, limit, k)
         if greedy is None:
             continue
-        sizes = _split_to(greedy, costs, k)
+        sizes = greedy if len(greedy) == k else _split_to(greedy, costs, k)
         if tuple(sizes) in tried:  # the same split has the same peak: the first one stays best
             continue
         tried.add(tuple(sizes))
         group_costs = _group_costs(sizes, costs)
-        peak = max(_assign(group_costs, world, capacity)[1])
+        peak = _peak(group_costs, world, capacity)
         if best is None or peak < best[0]:
             best = (peak, sizes)
         if peak <= floor:  # no split has a lighter heaviest rank: later tries cannot win
@@ -106,19 +121,34 @@ def _assign(costs: list[int], world: int, capacity: int) -> tuple[list[list[int]
 
     Return the bins and their loads; a group goes to the least loaded bin with room (lowest index on ties).
     """
-    by_cost = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
+    by_cost = sorted(range(len(costs)), key=costs.__getitem__, reverse=True)  # stable: ties by index
     if world == 1:
         return [by_cost], [sum(costs)]
     bins: list[list[int]] = [[] for _ in range(world)]
-    loads = [0] * world
-    for g in by_cost:
-        best = -1
-        for r in range(world):
-            if len(bins[r]) < capacity and (best < 0 or loads[r] < loads[best]):
-                best = r
-        bins[best].append(g)
-        loads[best] += costs[g]
+    loads = _lpt(costs, by_cost, world, capacity, bins)
     return bins, loads
+
+
+def _lpt(costs: list[int], by_cost: list[int], world: int, capacity: int, bins: list[list[int]] | None) -> list[int]:
+    """Return the bin loads of ``_assign``'s placement (appending each group to ``bins`` when given)."""
+    loads, counts = [0] * world, [0] * world
+    for g in by_cost:
+        best, least = -1, 0
+        for r in range(world):
+            if counts[r] < capacity and (best < 0 or loads[r] < least):
+                best, least = r, loads[r]
+        loads[best] = least + costs[g]
+        counts[best] += 1
+        if bins is not None:
+            bins[best].append(g)
+    return loads
+
+
+def _peak(costs: list[int], world: int, capacity: int) -> int:
+    """Return the heaviest bin's load of ``_assign(costs, world, capacity)``."""
+    if world == 1:
+        return sum(costs)
+    return max(_lpt(costs, sorted(range(len(costs)), key=costs.__getitem__, reverse=True), world, capacity, None))
 
 
 def _rebalance_step(ordered: list[int], lens: list[int], s: Any, k: int, totals: list[int]) -> list[Step]:
