@@ -389,23 +389,31 @@ def _damage(path: Path, how: str, *, crash: bool = True) -> None:
     (path / STATE_FILE).write_bytes(bytes(data))
 
 
+def _resume_latest(out: Path):
+    """``resume_from_checkpoint=True`` in ``out``: the result, the step of each log, the warnings."""
+    from resume_runs import run
+
+    stepped: list[int] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = run(
+            "tinylm",
+            str(out),
+            True,
+            [lambda state, logs: stepped.append(int(state.step))],
+            save_total_limit=None,
+            enable_jit_checkpoint=False,
+        )
+    return result, stepped, caught
+
+
 @pytest.mark.parametrize("how", ["flipped", "truncated"])
 def test_resume_latest_skips_a_corrupt_checkpoint_by_name_and_resumes_the_previous_one(tmp_path, how):
     from resume_runs import run
 
     run("tinylm", str(tmp_path), None, save_total_limit=None, enable_jit_checkpoint=False)
     _damage(checkpoint_path(tmp_path, 8), how)
-    stepped: list[int] = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = run(
-            "tinylm",
-            str(tmp_path),
-            True,
-            [lambda state, logs: stepped.append(int(state.step))],
-            save_total_limit=None,
-            enable_jit_checkpoint=False,
-        )
+    result, stepped, caught = _resume_latest(tmp_path)
     skipped = [str(w.message) for w in caught if "checkpoint-8" in str(w.message)]
     assert skipped and ("corrupted" in skipped[0] if how == "flipped" else "bytes" in skipped[0])
     assert stepped[0] == 7 and result.global_step == 8  # resumed from checkpoint-6
@@ -436,17 +444,7 @@ def test_a_durable_checkpoint_damaged_later_stops_the_resumed_run_by_name_before
         run("tinylm", str(tmp_path), True, save_total_limit=None, enable_jit_checkpoint=False)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-6"]  # nothing saved
     assert not is_durable(bad)  # so the next resume checks it before it loads it, and passes over it
-    stepped: list[int] = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = run(
-            "tinylm",
-            str(tmp_path),
-            True,
-            [lambda s, logs: stepped.append(int(s.step))],
-            save_total_limit=None,
-            enable_jit_checkpoint=False,
-        )
+    result, stepped, caught = _resume_latest(tmp_path)
     assert any("skips" in str(w.message) and "checkpoint-6" in str(w.message) for w in caught)
     assert stepped[0] == 4 and result.global_step == 8  # from checkpoint-3
 
