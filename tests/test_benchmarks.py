@@ -57,6 +57,11 @@ def test_checkpoint_vs_trainer_tiny():
     assert "| tiny |" in out and "| tiny LoRA |" in out and "LoRA checkpoint / full fine-tuning" in out
 
 
+def test_resume_start_tiny():
+    out = run("benchmarks/resume_start.py", "--size", "tiny", "--steps", "1", "--repeat", "1")
+    assert "| inline |" in out and "| beside |" in out
+
+
 def test_peak_memory_tiny():
     out = run("benchmarks/peak_memory.py", "--models", "tiny", "--steps", "2", "--phases")
     assert "| tiny |" in out and "hf_trainer: start" in out and "trainfold: start" in out

@@ -457,16 +457,19 @@ def test_a_resumed_run_saves_only_once_the_checkpoints_crc_check_ended(tmp_path,
     run("tinylm", str(tmp_path), None, save_total_limit=None, enable_jit_checkpoint=False)
     shutil.rmtree(checkpoint_path(tmp_path, 8))
     order: list[str] = []
+    real = verify._piece
 
-    def slow(directory):
-        time.sleep(0.5)  # a large checkpoint: the first steps run meanwhile
-        order.append(f"checked {Path(directory).name}")
-        return damage(directory)
+    def slow(path, at, size):
+        time.sleep(0.2)  # a large checkpoint: the first steps run meanwhile
+        order.append(f"checked {path.name}")
+        return real(path, at, size)
 
-    monkeypatch.setattr(verify, "damage", slow)
+    monkeypatch.setattr(verify, "_piece", slow)
     monkeypatch.setattr(faults, "fault_hook", lambda label: order.append(label) if label == "save:started" else None)
     result = run("tinylm", str(tmp_path), True, save_total_limit=None, enable_jit_checkpoint=False)
-    assert result.global_step == 8 and order == ["checked checkpoint-6", "save:started"]
+    assert result.global_step == 8 and order[-1] == "save:started"  # every piece checked before it
+    files = read_metadata(checkpoint_path(tmp_path, 6))["files"]  # every file the sidecar lists, with its CRC
+    assert len(files) >= 2 and {f"checked {name}" for name in files} <= set(order)
 
 
 def _crc_bytes(monkeypatch) -> list[int]:

@@ -74,16 +74,25 @@ def damage(directory: str | os.PathLike) -> str | None:
     (True, 'no/such/checkpoint-1 is not')
     """
     directory = Path(directory)
-    problem = _problem(directory)
+    problem = incompleteness(directory)
     if problem is not None:
-        return f"{directory} is not a complete checkpoint: {problem}"
+        return problem
     for name, entry in read_metadata(directory)["files"].items():
         crc = tensor_file.crc32_of(directory / name)
         if crc != entry["crc32"]:
-            return (
-                f"{directory / name} is corrupted: its CRC-32 is {crc:08x}, {SIDECAR_FILE} records {entry['crc32']:08x}"
-            )
+            return corruption(directory / name, crc, entry["crc32"])
     return None
+
+
+def incompleteness(directory: Path) -> str | None:
+    """Say why ``directory`` is not a complete checkpoint, by its sidecar and its files' sizes (``None``: it is)."""
+    problem = _problem(directory)
+    return None if problem is None else f"{directory} is not a complete checkpoint: {problem}"
+
+
+def corruption(path: Path, crc: int, recorded: int) -> str:
+    """The words for a file whose CRC-32 is ``crc`` where the sidecar records ``recorded``."""
+    return f"{path} is corrupted: its CRC-32 is {crc:08x}, {SIDECAR_FILE} records {recorded:08x}"
 
 
 def _step_of(path: Path) -> int | None:

@@ -21,14 +21,18 @@ one whether it is whole, to fall back to the previous one (``run_dir.resumable``
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from torch import Tensor
 
-from trainfold.ckpt.listing import damage
+from trainfold.ckpt import tensor_file
+from trainfold.ckpt.crc import combine_all
+from trainfold.ckpt.listing import corruption, incompleteness
 from trainfold.ckpt.reader import frozen_problem
 from trainfold.ckpt.sidecar import DURABLE_MARKER, CheckpointError, read_metadata
 
@@ -36,32 +40,65 @@ __all__ = ["Verification", "verify_later"]
 
 
 class Verification:
-    """The CRC-32 check of every file of a checkpoint, running in a daemon thread (``verify_later``)."""
+    """The CRC-32 check of every file of a checkpoint (and of a frozen base), in a background thread.
+
+    The work is a list of tasks: each 4 MB piece of each file, and the frozen fingerprints. The
+    thread runs at the lowest CPU priority (``_yield_to_training``) and takes them one by one;
+    ``wait`` takes the ones not yet started in the caller's thread, and redoes any a starved
+    background thread still holds, so a wait never depends on idle cores.
+    """
 
     def __init__(self, directory: str | os.PathLike, frozen: Mapping[str, Tensor] | None = None) -> None:
         self.directory = Path(directory)
-        self._frozen = None if frozen is None else dict(frozen)  # None: the load checked them
-        self._problem: list[tuple[str, str | BaseException] | None] = []
-        self._thread = threading.Thread(target=self._run, name=f"trainfold-verify-{self.directory.name}", daemon=True)
+        self._lock = threading.Lock()
+        self._results: dict[int, Any] = {}
+        self._claimed = 0
+        self._tasks: list[Callable[[], Any]] = []
+        self._files: list[tuple[Path, list[int], int]] = []  # a file, its pieces' task numbers, its CRC-32
+        self._frozen_task: int | None = None
+        self._incomplete = incompleteness(self.directory)  # the sidecar and the sizes: a few stat calls
+        if self._incomplete is None:
+            self._plan(read_metadata(self.directory), frozen)
+        self._thread = threading.Thread(target=self._background, name=f"trainfold-verify-{self.directory.name}")
+        self._thread.daemon = True
         self._thread.start()
 
-    def _run(self) -> None:
+    def _plan(self, meta: Mapping[str, Any], frozen: Mapping[str, Tensor] | None) -> None:
+        for name, entry in meta["files"].items():
+            path, size = self.directory / name, entry["bytes"]
+            first = len(self._tasks)
+            for at in range(0, max(size, 1), _PIECE):
+                self._tasks.append(functools.partial(_piece, path, at, min(_PIECE, size - at)))
+            self._files.append((path, list(range(first, len(self._tasks))), entry["crc32"]))
+        if frozen is not None and meta.get("frozen"):  # None: the load checked them
+            self._frozen_task = len(self._tasks)
+            self._tasks.append(functools.partial(frozen_problem, self.directory, meta, dict(frozen)))
+
+    def _run(self, task: int) -> None:
         try:
-            problem = damage(self.directory)
-            if problem is not None:
-                self._problem.append(("damage", problem))
+            result = self._tasks[task]()
+        except Exception as e:  # a file that vanished or shrank: raised by wait, in the caller's thread
+            result = e
+        with self._lock:
+            self._results.setdefault(task, result)
+
+    def _drain(self) -> None:
+        """Run the tasks nobody has started, one at a time, until there are none."""
+        while True:
+            with self._lock:
+                task, self._claimed = self._claimed, self._claimed + 1
+            if task >= len(self._tasks):
                 return
-            meta = read_metadata(self.directory)
-            wrong = None
-            if self._frozen is not None and meta.get("frozen"):
-                wrong = frozen_problem(self.directory, meta, self._frozen)
-            self._problem.append(None if wrong is None else ("frozen", wrong))
-        except BaseException as e:  # raised by wait, in the caller's thread
-            self._problem.append(("error", e))
+            self._run(task)
+
+    def _background(self) -> None:
+        _yield_to_training()
+        self._drain()
 
     def done(self) -> bool:
-        """Say whether the check has ended (``wait`` then returns at once)."""
-        return not self._thread.is_alive()
+        """Say whether every task has a result (``wait`` then returns, or raises, at once)."""
+        with self._lock:
+            return len(self._results) == len(self._tasks)
 
     def wait(self, *, steps: int | None = None, forget_durable: bool = False) -> None:
         """Return once every file matched its CRC-32; raise ``CheckpointError`` naming the damage otherwise.
@@ -70,17 +107,19 @@ class Verification:
         damaged checkpoint loses its durable mark, so ``resume_from_checkpoint=True`` checks it
         before it loads it next time, and takes the previous one.
         """
-        self._thread.join()
-        found = self._problem[0]
-        if found is None:
+        self._drain()
+        for task in range(len(self._tasks)):
+            if task not in self._results:  # the background thread holds it, maybe starved: run it here too
+                self._run(task)
+        kind, problem = self._verdict()
+        if kind is None:
             return
-        kind, problem = found
         if isinstance(problem, BaseException):
             raise CheckpointError(f"{self.directory} could not be checked after it was loaded: {problem}") from problem
         ran = f"this run resumed from {self.directory}" + (
-            "" if steps is None else f" and stopped after {steps} step(s)"
+            "" if steps is None else f" and stopped after {steps} step(s) from it"
         )
-        ran += " from it, before it saved anything (a resume checks the checkpoint while its first steps run)"
+        ran += ", before it saved anything (a resume checks the checkpoint while its first steps run)"
         if kind == "frozen":  # the checkpoint is whole: the model given is not the one it was trained on
             raise CheckpointError(f"{problem}; {ran}")
         if forget_durable:
@@ -93,6 +132,52 @@ class Verification:
                 else ""
             )
         )
+
+    def _verdict(self) -> tuple[str | None, Any]:
+        """Return ``(kind, problem)`` of every task's result: ``(None, None)`` when all is well."""
+        if self._incomplete is not None:
+            return "damage", self._incomplete
+        failed = next((r for r in self._results.values() if isinstance(r, Exception)), None)
+        if failed is not None:
+            return "error", failed
+        for path, pieces, recorded in self._files:
+            crc = combine_all(self._results[i] for i in pieces)
+            if crc != recorded:
+                return "damage", corruption(path, crc, recorded)
+        if self._frozen_task is not None and self._results[self._frozen_task] is not None:
+            return "frozen", self._results[self._frozen_task]
+        return None, None
+
+
+_PIECE = 1 << 22  # bytes CRC'd as one task
+_buffers = threading.local()  # each thread's piece buffer
+
+
+def _piece(path: Path, at: int, size: int) -> tuple[int, int]:
+    """Return the ``(CRC-32, length)`` of ``size`` bytes of ``path`` from offset ``at``."""
+    buf = getattr(_buffers, "buf", None)
+    if buf is None:
+        buf = _buffers.buf = memoryview(bytearray(_PIECE))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return tensor_file._read_piece(path, fd, at, buf[:size])
+    finally:
+        os.close(fd)
+
+
+def _yield_to_training() -> None:
+    """Run this thread (and the CRC threads it starts, which inherit it) at the lowest CPU priority.
+
+    On a CPU-bound run the check then takes a core only when the steps leave it idle: at the same
+    priority its threads preempted the step's intra-op threads, which wait for each other, and three
+    40M-param steps beside a 487 MB check took 10% longer (``benchmarks/resume_start.py``
+    ``--same-priority``); idle, 0.4%. Linux only (``SCHED_IDLE``); elsewhere it runs at the caller's
+    priority. ``Verification.wait`` never depends on it: the caller runs what is left.
+    """
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        pass
 
 
 def verify_later(directory: str | os.PathLike, frozen: Mapping[str, Tensor] | None = None) -> Verification:
