@@ -16,7 +16,7 @@ For each size a ``LlamaForCausalLM`` from config (random weights, float32) with 
   "blocking" the save with every fsync before the rename (``save_fsync="blocking"``, the old one);
   and the load a resume waits for before its first step: ``load(path, like=template, donate=True,
   crc_checked=True, frozen_checked=True)`` (the files read straight into the template's tensors)
-  and ``verify_later(path, frozen=...)`` started (every byte's CRC-32, and a LoRA model's frozen
+  and ``verify_later(path, loaded=state)`` started (every byte's CRC-32, and a LoRA model's frozen
   base's fingerprints, checked in a thread beside the first steps; nothing is saved before it ends);
   "CRC-checked after" the time until that check ended; "inline-checked" the load that CRCs each
   4 MB piece as it reads it (``load(path, like=template, donate=True)``: what a resume under
@@ -46,10 +46,9 @@ from pathlib import Path
 import attrs
 import torch
 
-from trainfold.ckpt import crc, load, read_metadata, save, verify_later
+from trainfold.ckpt import crc, load, save, verify_later
 from trainfold.ckpt.sharded import Saver
 from trainfold.core.state import init_state
-from trainfold.core.tree import flatten
 from trainfold.optim import adamw
 
 SIZES = {  # name: (hidden, intermediate, layers, vocab); params and bytes in float32
@@ -192,8 +191,7 @@ def compare(model, root: Path, repeat: int) -> dict[str, float]:
 
     def resume() -> None:  # what train(resume_from_checkpoint=...) waits for before its first step
         loaded = load(tf_dir, like=templates.pop(), donate=True, crc_checked=True, frozen_checked=True)
-        flat, frozen = flatten(loaded), read_metadata(tf_dir).get("frozen", {})
-        checks.append(verify_later(tf_dir, frozen={k: flat[k] for k in frozen}))  # a LoRA base's fingerprints too
+        checks.append(verify_later(tf_dir, loaded=loaded))  # a LoRA base's fingerprints too
 
     def checked() -> None:  # until the CRC check that runs beside the first steps ended
         resume()

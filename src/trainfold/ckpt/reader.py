@@ -87,7 +87,7 @@ def frozen_problem(directory: Path, meta: Mapping[str, Any], mine: Mapping[str, 
     )
 
 
-def _frozen(directory: Path, meta: Mapping[str, Any], like: TrainState, check: bool = True) -> Tree:
+def frozen_tensors(directory: Path, meta: Mapping[str, Any], like: TrainState, check: bool = True) -> Tree:
     """Return the template's frozen tensors the checkpoint left out, after (``check``) checking their fingerprints."""
     if not meta.get("frozen"):
         return {}
@@ -130,7 +130,7 @@ def _read_weights(
                 "altered; resume from an earlier checkpoint"
             )
         out.update({k: data[v] for k, v in keys.items()})
-    return {**out, **_frozen(directory, meta, like, check=frozen)}
+    return {**out, **frozen_tensors(directory, meta, like, check=frozen)}
 
 
 def load(

@@ -28,13 +28,12 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from torch import Tensor
-
 from trainfold.ckpt import tensor_file
 from trainfold.ckpt.crc import combine_all
 from trainfold.ckpt.listing import corruption, incompleteness
-from trainfold.ckpt.reader import frozen_problem
+from trainfold.ckpt.reader import frozen_problem, frozen_tensors
 from trainfold.ckpt.sidecar import DURABLE_MARKER, CheckpointError, read_metadata
+from trainfold.core.state import TrainState
 
 __all__ = ["Verification", "verify_later"]
 
@@ -48,7 +47,7 @@ class Verification:
     background thread still holds, so a wait never depends on idle cores.
     """
 
-    def __init__(self, directory: str | os.PathLike, frozen: Mapping[str, Tensor] | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike, loaded: TrainState | None = None) -> None:
         self.directory = Path(directory)
         self._lock = threading.Lock()
         self._results: dict[int, Any] = {}
@@ -58,21 +57,22 @@ class Verification:
         self._frozen_task: int | None = None
         self._incomplete = incompleteness(self.directory)  # the sidecar and the sizes: a few stat calls
         if self._incomplete is None:
-            self._plan(read_metadata(self.directory), frozen)
+            self._plan(read_metadata(self.directory), loaded)
         self._thread = threading.Thread(target=self._background, name=f"trainfold-verify-{self.directory.name}")
         self._thread.daemon = True
         self._thread.start()
 
-    def _plan(self, meta: Mapping[str, Any], frozen: Mapping[str, Tensor] | None) -> None:
+    def _plan(self, meta: Mapping[str, Any], loaded: TrainState | None) -> None:
         for name, entry in meta["files"].items():
             path, size = self.directory / name, entry["bytes"]
             first = len(self._tasks)
             for at in range(0, max(size, 1), _PIECE):
                 self._tasks.append(functools.partial(_piece, path, at, min(_PIECE, size - at)))
             self._files.append((path, list(range(first, len(self._tasks))), entry["crc32"]))
-        if frozen is not None and meta.get("frozen"):  # None: the load checked them
+        if loaded is not None and meta.get("frozen"):  # None: the load checked them
+            frozen = frozen_tensors(self.directory, meta, loaded, check=False)  # names any it lacks
             self._frozen_task = len(self._tasks)
-            self._tasks.append(functools.partial(frozen_problem, self.directory, meta, dict(frozen)))
+            self._tasks.append(functools.partial(frozen_problem, self.directory, meta, frozen))
 
     def _run(self, task: int) -> None:
         try:
@@ -180,12 +180,11 @@ def _yield_to_training() -> None:
         pass
 
 
-def verify_later(directory: str | os.PathLike, frozen: Mapping[str, Tensor] | None = None) -> Verification:
+def verify_later(directory: str | os.PathLike, loaded: TrainState | None = None) -> Verification:
     """Start checking every file of checkpoint ``directory`` against its CRC-32 in a thread (``Verification``).
 
-    ``frozen``: the frozen base weights the checkpoint was loaded with (``{flattened state key:
-    tensor}``, e.g. a LoRA model's base), checked against its recorded fingerprints in the same
-    thread (``load(..., frozen_checked=True)`` left them out). They must not change meanwhile (a
-    step never writes frozen weights).
+    ``loaded``: the state ``load(directory, ..., frozen_checked=True)`` returned; its frozen base
+    weights (a LoRA model's base) are checked against the recorded fingerprints in the same thread.
+    They must not change meanwhile (a step never writes frozen weights).
     """
-    return Verification(directory, frozen)
+    return Verification(directory, loaded)

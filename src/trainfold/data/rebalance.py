@@ -35,18 +35,6 @@ def _greedy(costs: list[int], limit: int, k: int) -> list[int] | None:
     return sizes
 
 
-def _fits(costs: list[int], limit: int, k: int) -> bool:
-    """Say whether a left-to-right fill up to ``limit`` makes at most ``k`` groups (``_greedy`` is not None)."""
-    i, n, groups = 0, len(costs), 0
-    while i < n:
-        size = limit // costs[i]
-        if size == 0 or groups == k:
-            return False
-        groups += 1
-        i += size
-    return True
-
-
 def _partition(lens: Sequence[int], k: int, world: int, capacity: int) -> list[int]:
     """Return ``k`` contiguous group sizes of ``lens`` (sorted descending) that balance the ranks.
 
@@ -63,7 +51,7 @@ def _partition(lens: Sequence[int], k: int, world: int, capacity: int) -> list[i
     hi = max(lo, costs[0] * -(-len(costs) // k))
     while lo < hi:
         mid = (lo + hi) // 2
-        if not _fits(costs, mid, k):
+        if _greedy(costs, mid, k) is None:
             lo = mid + 1
         else:
             hi = mid
@@ -121,7 +109,7 @@ def _assign(costs: list[int], world: int, capacity: int) -> tuple[list[list[int]
 
     Return the bins and their loads; a group goes to the least loaded bin with room (lowest index on ties).
     """
-    by_cost = sorted(range(len(costs)), key=costs.__getitem__, reverse=True)  # stable: ties by index
+    by_cost = _by_cost(costs)
     if world == 1:
         return [by_cost], [sum(costs)]
     bins: list[list[int]] = [[] for _ in range(world)]
@@ -148,7 +136,12 @@ def _peak(costs: list[int], world: int, capacity: int) -> int:
     """Return the heaviest bin's load of ``_assign(costs, world, capacity)``."""
     if world == 1:
         return sum(costs)
-    return max(_lpt(costs, sorted(range(len(costs)), key=costs.__getitem__, reverse=True), world, capacity, None))
+    return max(_lpt(costs, _by_cost(costs), world, capacity, None))
+
+
+def _by_cost(costs: list[int]) -> list[int]:
+    """Return the group numbers, most expensive first (a stable sort: ties by number)."""
+    return sorted(range(len(costs)), key=costs.__getitem__, reverse=True)
 
 
 def _rebalance_step(ordered: list[int], lens: list[int], s: Any, k: int, totals: list[int]) -> list[Step]:

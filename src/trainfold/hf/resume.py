@@ -15,7 +15,7 @@ from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.sharded import is_sharded
 from trainfold.ckpt.verify import verify_later
 from trainfold.core.state import TrainState, init_state, lend
-from trainfold.core.tree import flatten, map_tensors
+from trainfold.core.tree import map_tensors
 from trainfold.data import close_loader
 from trainfold.hf.plan import Plan
 from trainfold.observe import history as log_file
@@ -93,9 +93,8 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
             state = ckpt.load(
                 source, like=state, donate=True, crc_checked=claim.verified or later, frozen_checked=later
             )
-            if later:  # a LoRA model's frozen base: its fingerprints are checked in the same thread
-                flat = flatten(state)
-                verification = verify_later(source, frozen={k: flat[k] for k in meta.get("frozen", {})})
+            if later:  # and a LoRA model's frozen base: its fingerprints are checked in the same thread
+                verification = verify_later(source, loaded=state)
             if "window" in meta["metadata"]:
                 log_file.restore_window(window, meta["metadata"]["window"], source)
         if not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
