@@ -5,7 +5,8 @@ trains with ``enable_jit_checkpoint``: HF GPT-2 (``gelu_new`` calls ``torch.tanh
 attention dropout, both from small configs with random weights, and TinyLM with dropout.
 
 Run as a script (the stress test does): ``python resume_runs.py MODEL OUTPUT_DIR MODE RESULT_DIR``
-with MODE ``plain`` or ``resume`` (from the latest checkpoint, if there is one); it prints ``ready``
+with MODE ``plain``, ``resume`` (from the latest checkpoint, if there is one) or ``hold`` (``plain``, then
+print ``trained`` and wait for standard input to close before exiting); it prints ``ready``
 once imported, builds and trains under a ``preemption_guard`` (so a SIGTERM while the model is
 built is caught too), writes the result for ``trainfold.testing`` and exits 0 / 143 / 130.
 ``TRAINFOLD_TEST_NO_WARMUP=1`` switches the kernel warm-up off (to measure what it changes).
@@ -144,16 +145,20 @@ def _main(name: str, output_dir: str, mode: str, result_dir: str) -> int:
     import os
 
     from trainfold.ckpt import latest_checkpoint
-    from trainfold.ckpt.preempt import JIT_SIGNALS, exit_status, preemption_guard
+    from trainfold.ckpt.preempt import JIT_SIGNALS, exit_status, ignore_signals_until_exit, preemption_guard
     from trainfold.testing import dump_result
 
     if os.environ.get("TRAINFOLD_TEST_NO_WARMUP") == "1":
         sys.modules["trainfold.hf.train"].warm_up_kernels = lambda *a, **k: None  # the module, not the function
+    ignore_signals_until_exit(JIT_SIGNALS)  # what the guard restores on its way out: teardown never dies by -15
     with preemption_guard(JIT_SIGNALS):  # from here a SIGTERM stops the run cleanly; train shares the flag
         print("ready", flush=True)
         resume = mode == "resume" and latest_checkpoint(output_dir) is not None
         result = run(name, output_dir, resume)
         dump_result(result, result_dir)  # inside the guard: a signal after train returns ends nothing
+    if mode == "hold":  # the run is over: say so, then wait until the test has signalled (stdin closed)
+        print("trained", flush=True)
+        sys.stdin.read()
     return exit_status(result.status, result.signal)
 
 

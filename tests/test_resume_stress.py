@@ -9,6 +9,9 @@ By default one trial and one uninterrupted run per model; ``TRAINFOLD_SLOW=full`
 uninterrupted runs and 20 trials per model
 (``TRAINFOLD_STRESS_TRIALS`` overrides the count; ``TRAINFOLD_TEST_NO_WARMUP=1`` measures without
 the kernel warm-up).
+
+Two cases are fixed rather than drawn: a SIGTERM after ``train`` has returned (the run must end 0, never
+-15: issue 30), and the moments seed 77 drew for GPT-2 that once landed in the interpreter's teardown.
 """
 
 from __future__ import annotations
@@ -64,23 +67,32 @@ def trials(full_slow: bool) -> int:
     return int(os.environ.get("TRAINFOLD_STRESS_TRIALS", 20 if full_slow else 1))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_sigterm_at_random_moments_resumes_bitwise_in_a_fresh_process(name, tmp_path, full_slow):
-    rng = random.Random(f"{name}-{os.environ.get('TRAINFOLD_STRESS_SEED', 23)}")
+def moments(name: str, seed: object, count: int) -> list[float]:
+    """The fractions of one run's time (model build to final save) at which the trials send SIGTERM."""
+    rng = random.Random(f"{name}-{seed}")
+    return [rng.uniform(0.1, 1.0) for _ in range(count)]
+
+
+# Seed 77's GPT-2 draws (issue 30): 0.964, 0.907 and 0.921 of the run signalled a finished run in its
+# teardown, which then died by -15. Reduced, the latest of them runs; in full, all eight.
+SEED_77 = moments("gpt2", 77, 8)
+
+
+def stress(name: str, fractions: list[float], tmp_path: Path, *, twice: bool) -> list[str]:
+    """SIGTERM one run at each fraction of a lone run's time; every run (resumed when stopped) must be bitwise."""
     outcomes: list[str] = []
     with cpu_load(3600):
         # Two uninterrupted runs at once (reduced: one; each trial's run is another separate process).
-        refs = [start(name, tmp_path / f"ref{i}", "plain", tmp_path / f"ref{i}-result") for i in range(1 + full_slow)]
+        refs = [start(name, tmp_path / f"ref{i}", "plain", tmp_path / f"ref{i}-result") for i in range(1 + twice)]
         began = time.monotonic()  # all imported: from here the model build, setup, steps and saves
         assert [finish(p) for p in refs] == [0] * len(refs)
         lone = (time.monotonic() - began) / len(refs)  # about one run's time after its imports, alone
-        if full_slow:
+        if twice:
             assert compare_results(tmp_path / "ref0-result", tmp_path / "ref1-result") == ((), ())
-        for trial in range(trials(full_slow)):
+        for trial, fraction in enumerate(fractions):
             out, result = tmp_path / f"t{trial}", tmp_path / f"t{trial}-result"
             proc = start(name, out, "plain", result)
-            time.sleep(rng.uniform(0.1, 1.0) * lone)  # from the model build to after the final save
+            time.sleep(fraction * lone)
             proc.send_signal(signal.SIGTERM)
             if finish(proc) == EXIT_PREEMPTED:
                 saved = latest_checkpoint(out)
@@ -90,4 +102,37 @@ def test_sigterm_at_random_moments_resumes_bitwise_in_a_fresh_process(name, tmp_
                 outcomes.append("0")  # the signal came after the last step: the run is complete
             differing, differing_logs = compare_results(tmp_path / "ref0-result", result)
             assert (differing, differing_logs) == ((), ()), f"trial {trial} ({outcomes[-1]}): {differing[:8]}"
+    return outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_sigterm_at_random_moments_resumes_bitwise_in_a_fresh_process(name, tmp_path, full_slow):
+    seed = os.environ.get("TRAINFOLD_STRESS_SEED", 23)
+    outcomes = stress(name, moments(name, seed, trials(full_slow)), tmp_path, twice=full_slow)
     print(f"{name}: {len(outcomes)} trials bitwise equal: {outcomes}")
+
+
+@pytest.mark.slow
+def test_the_seed_77_schedule_resumes_bitwise(tmp_path, full_slow):
+    outcomes = stress("gpt2", SEED_77 if full_slow else [max(SEED_77)], tmp_path, twice=False)
+    print(f"seed 77: {outcomes}")
+
+
+def test_a_sigterm_after_train_returned_leaves_a_completed_run_at_exit_0(tmp_path):
+    """The signal arrives for certain after ``train`` returned (the run says so, then waits): exit 0, not -15."""
+    proc = subprocess.Popen(
+        [sys.executable, str(RUNS), "tinylm", str(tmp_path / "out"), "hold", str(tmp_path / "result")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]
+    assert proc.stdout.readline().strip() == "trained", proc.stderr.read()[-2000:]
+    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
+    proc.stdin.close()  # the run exits; a signal now lands in its teardown (or after it): still 0
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=120) == 0, f"exit {proc.returncode}: {proc.stderr.read()[-3000:]}"

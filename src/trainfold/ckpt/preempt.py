@@ -59,6 +59,7 @@ __all__ = [
     "JIT_SIGNALS",
     "Preemption",
     "exit_on_signals",
+    "ignore_signals_until_exit",
     "exit_status",
     "guarded",
     "jit_checkpoint",
@@ -231,6 +232,24 @@ def exit_on_signals(signals: Sequence[int] = (signal.SIGTERM,)) -> Callable[[], 
             signal.signal(s, h if h is not None else signal.SIG_DFL)
 
     return restore
+
+
+def ignore_signals_until_exit(signals: Sequence[int] = JIT_SIGNALS) -> None:
+    """Ignore ``signals`` from here to the process's exit: its run is over and its exit status is final.
+
+    A job script calls this once its run has ended (or before it enters the ``preemption_guard`` that
+    covers the run, which restores this on its way out): a SIGTERM that then arrives while the
+    interpreter tears down (about a second with torch loaded) would otherwise kill a *completed* run
+    with -15, which a scheduler reads as a failure. The command line does the same after ``train``.
+
+    >>> before = {s: signal.getsignal(s) for s in JIT_SIGNALS}
+    >>> ignore_signals_until_exit()
+    >>> signal.raise_signal(signal.SIGTERM)   # nothing happens
+    >>> for s, h in before.items():
+    ...     _ = signal.signal(s, h)
+    """
+    for s in signals:
+        signal.signal(s, signal.SIG_IGN)
 
 
 def exit_status(status: str, signum: int | None = None) -> int:
