@@ -27,7 +27,7 @@ demo: $(VENV)/.core
 test: $(VENV)/.test
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m ruff format --check src tests benchmarks examples
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/step_overhead.py
