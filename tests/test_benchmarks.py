@@ -65,3 +65,8 @@ def test_resume_start_tiny():
 def test_peak_memory_tiny():
     out = run("benchmarks/peak_memory.py", "--models", "tiny", "--steps", "2", "--phases")
     assert "| tiny |" in out and "hf_trainer: start" in out and "trainfold: start" in out
+
+
+def test_state_hash_quick():
+    out = run("benchmarks/state_hash.py", "--quick")
+    assert "| 0.1M |" in out

@@ -35,8 +35,9 @@ from trainfold.hf.args import TrainingArguments
 from trainfold.hf.inputs import to_device
 from trainfold.hf.planning import plan_for
 from trainfold.hf.resume import on_device
+from trainfold.observe.divergence import first_hash_divergence, state_hash
 
-__all__ = ["Replay", "replay", "saved_arguments"]
+__all__ = ["Divergence", "Replay", "first_divergence", "replay", "saved_arguments"]
 
 
 @attrs.frozen(eq=False)
@@ -180,3 +181,52 @@ def _logged_loss(output_dir: str | os.PathLike, step: int) -> float | None:
             steps[int(entry["step"])] = float(entry["loss"])
     one_step_window = step - 1 in steps or step == 1
     return steps.get(step) if one_step_window else None
+
+
+# -- the first step where two runs differ -------------------------------------------------------------
+
+
+@attrs.frozen
+class Divergence:
+    """Where two runs part ways: the first ``step`` whose state differs, and how it was found.
+
+    ``by`` is ``"hashes"`` when the hash logs pin it (the runs agreed at the step before), ``"replay"``
+    when replaying the steps after the last agreeing hash found it; ``last_agreed`` is the last step
+    known equal (``None``: none).
+    """
+
+    step: int
+    last_agreed: int | None
+    by: str
+
+
+def first_divergence(
+    run_a: str | os.PathLike,
+    run_b: str | os.PathLike,
+    *,
+    model: Callable[[], nn.Module] | None = None,
+    train_dataset: Any = None,
+    train_dataset_b: Any = None,
+) -> Divergence | None:
+    """Return the first step where two runs of one configuration differ (``None``: they agree everywhere logged).
+
+    Both runs must log state hashes (``train(observers=[hash_log(output_dir)])``, per step with
+    ``logging_steps=1``). The first logged step whose hashes differ is the answer when the runs
+    agreed at the step before it. Otherwise, with ``model`` (a function returning the model as the
+    runs built it) and ``train_dataset`` (``train_dataset_b`` for run b, default the same), each step
+    in between is replayed in both runs (:func:`replay`) and the first whose states hash differently
+    is named; without them the logged interval is returned as ``Divergence(first_logged, last_agreed, "hashes")``.
+    """
+    first, last = first_hash_divergence(run_a, run_b)
+    if first is None:
+        return None
+    if last == first - 1 or (last is None and first == 1) or model is None or train_dataset is None:
+        return Divergence(first, last, "hashes")
+    for step in range((last or 0) + 1, first):
+        a = replay(run_a, step, model=model(), train_dataset=train_dataset)
+        b = replay(
+            run_b, step, model=model(), train_dataset=train_dataset if train_dataset_b is None else train_dataset_b
+        )
+        if state_hash(a.state) != state_hash(b.state):
+            return Divergence(step, step - 1 if step > 1 else None, "replay")
+    return Divergence(first, first - 1, "replay")
