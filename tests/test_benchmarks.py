@@ -70,3 +70,8 @@ def test_peak_memory_tiny():
 def test_state_hash_quick():
     out = run("benchmarks/state_hash.py", "--quick")
     assert "| 0.1M |" in out
+
+
+def test_lora_adapters_quick():
+    out = run("benchmarks/lora_adapters.py", "--quick")
+    assert "| ensemble of 4 |" in out and "| 4 sequential runs |" in out
