@@ -1,7 +1,10 @@
 """state_hash, the hash log and first_divergence: two runs of one configuration, one fed a changed row, part
-ways exactly at the first step that reads it (the oracle: the rows replay names for each step)."""
+ways exactly at the first step that reads it (the oracle: the indices the dataset served)."""
 
 from __future__ import annotations
+
+import json
+import shutil
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from trainfold import TrainingArguments, TrainState, first_divergence
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.hf.replay import replay
 from trainfold.hf.train import train
-from trainfold.observe.divergence import hash_log, read_hashes, state_hash
+from trainfold.observe.divergence import HASH_FILE, hash_log, read_hashes, state_hash
 from trainfold.testing.strategies import tensor_dicts
 
 STEPS, CHANGED = 8, 13
@@ -23,11 +26,25 @@ def _model() -> TinyLM:
     return TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
 
 
-def _rows(changed: bool) -> list[dict]:
-    rows = [{"input_ids": [(i + j) % 16 for j in range(4)]} for i in range(24)]
-    if changed:
-        rows[CHANGED] = {"input_ids": [1, 1, 1, 1]}
-    return [{**r, "labels": r["input_ids"]} for r in rows]
+class _Rows(torch.utils.data.Dataset):
+    """24 rows (row CHANGED altered in run b) that record the indices read, in order."""
+
+    def __init__(self, changed: bool) -> None:
+        self.rows = [[(i + j) % 16 for j in range(4)] for i in range(24)]
+        if changed:
+            self.rows[CHANGED] = [1, 1, 1, 1]
+        self.read: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict:
+        self.read.append(int(i))
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def _rows(changed: bool) -> _Rows:
+    return _Rows(changed)
 
 
 def _run(out, rows, logging_steps):
@@ -42,21 +59,22 @@ def _run(out, rows, logging_steps):
         disable_tqdm=True,
     )
     train(_model(), args, rows, observers=[hash_log(out)])
+    return rows.read[1:]  # train reads row 0 once before the first step (its columns)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = {}
-    for logging_steps in (1, 4):
-        for changed in (False, True):
-            out[logging_steps, changed] = tmp_path_factory.mktemp(f"run{logging_steps}{changed}")
-            _run(out[logging_steps, changed], _rows(changed), logging_steps)
-    first_read = next(k for k in range(1, STEPS + 1) if any(CHANGED in m for m in _rows_of(out[1, False], k)))
+    for changed in (False, True):
+        out[1, changed] = tmp_path_factory.mktemp(f"run{changed}")
+        read = _run(out[1, changed], _rows(changed), logging_steps=1)
+        # the same run as if it had logged hashes every 4 steps only
+        out[4, changed] = tmp_path_factory.mktemp(f"sparse{changed}")
+        shutil.copytree(out[1, changed], out[4, changed], dirs_exist_ok=True)
+        lines = (out[1, changed] / HASH_FILE).read_text().splitlines()
+        (out[4, changed] / HASH_FILE).write_text("".join(f"{x}\n" for x in lines if json.loads(x)["step"] % 4 == 0))
+    first_read = read.index(CHANGED) // 2 + 1  # two rows a step: the step that first reads the changed row
     return out, first_read
-
-
-def _rows_of(out, step):
-    return replay(out, step, model=_model(), train_dataset=_rows(False)).rows
 
 
 def test_a_replayed_state_hashes_as_the_run_logged_it(runs):
