@@ -136,3 +136,20 @@ def test_options_the_differentiable_step_cannot_honour_are_refused_together():
     step = make_step(_model(), cross_entropy, sgd(0.1), differentiable=True)
     with pytest.raises(ValueError, match="cannot take a donated state"):
         step(init_state(_model(), sgd(0.1)), _data()[0][0], donate=True)
+
+
+def test_the_hypergradient_is_exact_with_gradient_accumulation():
+    model, (batches, held_out) = _model(), _data()
+    split = [[{k: v[:3] for k, v in b[0].items()}, {k: v[3:] for k, v in b[0].items()}] for b in batches]
+    h = torch.tensor(0.3, dtype=torch.float64, requires_grad=True)
+    whole = _loss_after(model, lambda: sgd(h, momentum=0.9), batches, held_out)
+    parts = _loss_after(model, lambda: sgd(h, momentum=0.9), split, held_out)
+    exact = torch.autograd.grad(parts, h)[0].item()
+
+    def f(x):
+        return _loss_after(
+            model, lambda: sgd(torch.tensor(x, dtype=torch.float64), momentum=0.9), split, held_out
+        ).item()
+
+    assert exact == pytest.approx(_central(f, 0.3), rel=1e-3)
+    assert parts.item() == pytest.approx(whole.item(), rel=1e-12)  # the same samples, split: the same training
