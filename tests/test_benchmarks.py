@@ -65,3 +65,13 @@ def test_resume_start_tiny():
 def test_peak_memory_tiny():
     out = run("benchmarks/peak_memory.py", "--models", "tiny", "--steps", "2", "--phases")
     assert "| tiny |" in out and "hf_trainer: start" in out and "trainfold: start" in out
+
+
+def test_state_hash_quick():
+    out = run("benchmarks/state_hash.py", "--quick")
+    assert "| 0.1M |" in out
+
+
+def test_lora_adapters_quick():
+    out = run("benchmarks/lora_adapters.py", "--quick")
+    assert "| ensemble of 4 |" in out and "speed-up over 4 sequential steps" in out

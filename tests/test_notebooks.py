@@ -26,6 +26,7 @@ EXPECTED = (
     "03_embed_the_step.ipynb",
     "04_dpo.ipynb",
     "05_grpo.ipynb",
+    "06_hypergradient_learning_rate.ipynb",
 )
 CELL_TIMEOUT_S = 300
 

@@ -28,6 +28,7 @@ from trainfold.eval.evaluation import EvalPrediction
 from trainfold.hf import grpo, grpo_args, grpo_run
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.grpo_args import GRPOArguments
+from trainfold.hf.replay import first_divergence, replay
 from trainfold.hf.train import TrainResult, evaluate, predict, train
 from trainfold.observe import reporters
 from trainfold.observe.stopping import early_stopping
@@ -76,6 +77,7 @@ __all__ = [
     "early_stopping",
     "evaluate",
     "fit",
+    "first_divergence",
     "init_state",
     "latest_checkpoint",
     "load",
@@ -91,6 +93,7 @@ __all__ = [
     "padding_free_collate",
     "pad_collate",
     "predict",
+    "replay",
     "save",
     "schedules",
     "sgd",

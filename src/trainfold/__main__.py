@@ -1,4 +1,5 @@
-"""Command line: ``python -m trainfold demo`` and ``python -m trainfold train --config run.toml``.
+"""Command line: ``python -m trainfold demo``, ``python -m trainfold train --config run.toml`` and
+``python -m trainfold replay OUTPUT_DIR --step K`` (``trainfold.hf.replay``).
 
 A config (TOML, JSON, or YAML when pyyaml is installed; chosen by the file's extension) has
 three tables, and optionally ``resume_from_checkpoint`` at the top level or in ``[args]``::
@@ -176,12 +177,12 @@ def _train(ns: argparse.Namespace) -> int:
     from trainfold.hf.train import train
 
     try:
-        args, model, (train_rows, eval_rows), resume = _prepare(
-            apply_overrides(load_config(ns.config), ns.set or []), ns.resume
-        )
+        config = apply_overrides(load_config(ns.config), ns.set or [])
+        args, model, (train_rows, eval_rows), resume = _prepare(config, ns.resume)
     except ConfigError as err:
         print(f"trainfold train: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    _record_config(config, args.output_dir)  # what `trainfold replay` rebuilds the model and data from
     with collective_from_env() as collective:
         result = train(
             model,
@@ -234,6 +235,48 @@ def _train_parser(sub: Any) -> None:
     )
 
 
+# -- replay: recompute a step of a CLI run and print its rows ------------------------------------------
+
+RUN_CONFIG = "trainfold-config.json"  # the config `train` ran with (after --set), in its output_dir
+
+
+def _record_config(config: dict[str, Any], output_dir: str) -> None:
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    (Path(output_dir) / RUN_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+
+
+def _replay(ns: argparse.Namespace) -> int:
+    """Recompute step ``--step`` of the run in ``DIR`` (``trainfold.hf.replay``); print its loss and rows as JSON."""
+    from trainfold.hf.replay import replay
+
+    source = Path(ns.config) if ns.config else Path(ns.output_dir) / RUN_CONFIG
+    try:
+        if not source.is_file():
+            raise ConfigError(f"{source} does not exist: pass --config (the config the run was trained with)")
+        config = load_config(source)
+        config["args"] = {**config.get("args", {}), "output_dir": ns.output_dir}
+        _, model, (train_rows, _), _ = _prepare(config, None)  # the model as the run built it (same seed)
+        again = replay(ns.output_dir, ns.step, model=model, train_dataset=train_rows)
+    except (ConfigError, ValueError, OSError) as err:
+        print(f"trainfold replay: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    shown = {"step": again.step, "loss": again.loss, "logged_loss": again.logged_loss}
+    print(json.dumps({**shown, "start": str(again.start) if again.start else None, "rows": again.rows}))
+    return 0
+
+
+def _replay_parser(sub: Any) -> None:
+    again = sub.add_parser(
+        "replay",
+        help="recompute one step of a run from its nearest checkpoint and print the rows that made it",
+        description="Recompute step K (the update that made state K) of the run in OUTPUT_DIR from the newest "
+        "checkpoint before it; print its loss, the logged loss and the dataset rows of each micro-batch as JSON.",
+    )
+    again.add_argument("output_dir", metavar="OUTPUT_DIR")
+    again.add_argument("--step", type=int, required=True, metavar="K")
+    again.add_argument("--config", help=f"the run's config (default: OUTPUT_DIR/{RUN_CONFIG}, which train writes)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit status."""
     exit_on_signals()  # a SIGTERM during imports and setup ends with 143 (cleanups run); train then catches it
@@ -243,12 +286,15 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--output-dir", default="runs/demo")
     demo.add_argument("--max-steps", type=int, default=800)
     _train_parser(sub)
+    _replay_parser(sub)
     ns = parser.parse_args(argv)
     if ns.command == "demo":
         from trainfold.demo import run_demo
 
         result = run_demo(ns.output_dir, ns.max_steps)
         return _exit_status(result)
+    if ns.command == "replay":
+        return _replay(ns)
     return _train(ns)
 
 

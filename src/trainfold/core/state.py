@@ -16,7 +16,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from trainfold.core.tree import check_keys
+from trainfold.core.tree import check_keys, register_record
 
 __all__ = [
     "Cursor",
@@ -30,6 +30,7 @@ __all__ = [
     "check_live",
     "lend",
     "counters",
+    "refuse_vmapped",
 ]
 
 # What every step reports about itself; present from the first state so the record's
@@ -51,6 +52,7 @@ def initial_metrics() -> dict[str, Tensor]:
     return {k: scalar(0.0, torch.float64 if k == "learning_rate" else torch.float32) for k in METRIC_KEYS}
 
 
+@register_record
 @attrs.frozen(eq=False)
 class Cursor:
     """Where the data stream stands: the epoch, and optimizer steps consumed within it.
@@ -71,6 +73,7 @@ class Cursor:
         return int(self.epoch), int(self.position)
 
 
+@register_record
 @attrs.frozen(eq=False)
 class TrainState:
     """Everything that changes during training, and nothing that configures it.
@@ -100,6 +103,26 @@ class TrainState:
     loss_total: Tensor = attrs.field(factory=lambda: scalar(0.0, torch.float64))
     nonfinite_losses: Tensor = attrs.field(factory=lambda: scalar(0))
     extras: dict[str, Any] = attrs.field(factory=dict)
+
+
+def refuse_vmapped(state: TrainState) -> None:
+    """Raise ``TypeError`` when ``state`` is being traced by ``torch.func.vmap`` (a step cannot run batched).
+
+    A step reads its counters as Python numbers (the step and seed choose the dropout draws, an empty
+    step is skipped), which a vmapped tensor cannot give. ``make_ensemble_step`` is the batched step.
+
+    >>> refuse_vmapped(TrainState(params={"w": torch.zeros(2)}, buffers={}, opt_state=None)) is None
+    True
+    """
+    is_batched = torch._C._functorch.is_batchedtensor
+    if isinstance(state.step, Tensor) and is_batched(state.step):
+        raise TypeError(
+            "a trainfold step cannot run under torch.func.vmap: it reads the state's step and seed as Python "
+            "numbers (they choose each micro-batch's random draws) and skips steps without items, which a "
+            "vmapped state cannot give. To train K stacked states in one step use "
+            "trainfold.make_ensemble_step(model, loss, optimizer) on trainfold.init_ensemble_state(...) (it vmaps "
+            "the forward pass over the members' params); to vmap your own function, map over state.params"
+        )
 
 
 # -- donation ---------------------------------------------------------------------------------------

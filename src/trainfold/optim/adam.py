@@ -95,8 +95,11 @@ class ScaleByAdam(GradientTransformation):
             mu = torch._foreach_lerp(mu, g, 1.0 - self.b1)
             nu = torch._foreach_mul(nu, self.b2)
         torch._foreach_addcmul_(nu, g, g, 1.0 - self.b2)
-        denom = torch._foreach_sqrt(nu)
-        torch._foreach_div_(denom, (1.0 - self.b2 ** (int(state.count) + 1)) ** 0.5)
+        denom, correction = torch._foreach_sqrt(nu), (1.0 - self.b2 ** (int(state.count) + 1)) ** 0.5
+        if in_place:
+            torch._foreach_div_(denom, correction)
+        else:  # sqrt's backward needs its output: a differentiable update must not overwrite it
+            denom = torch._foreach_div(denom, correction)
         torch._foreach_add_(denom, self.eps)
         return mu, nu, denom
 

@@ -15,6 +15,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
+
 __all__ = [
     "SCHEDULE_NAMES",
     "Schedule",
@@ -34,12 +36,16 @@ __all__ = [
 Schedule = Callable[[int], float]
 
 
-def as_schedule(value: float | Schedule) -> Schedule:
+def as_schedule(value: float | torch.Tensor | Schedule) -> Schedule:
     """Return ``value`` as a schedule: a callable stays, a number becomes ``constant(value)``.
 
     >>> as_schedule(0.1)(7)
     0.1
+    >>> as_schedule(torch.tensor(0.5))(3).item()
+    0.5
     """
+    if isinstance(value, torch.Tensor):  # a tensor rate stays one (a differentiable step differentiates through it)
+        return constant(value)  # type: ignore[arg-type]
     return value if callable(value) else constant(float(value))
 
 

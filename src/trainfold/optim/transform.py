@@ -136,6 +136,8 @@ class GradientTransformation:
     def learning_rate(self, state: Any) -> float:
         """Return the learning rate the next update uses (NaN for a transformation without one)."""
         rate = self.rate_at(state, None)
+        if isinstance(rate, Tensor):  # a tensor rate (a differentiable step's): its value
+            return float(rate.detach())
         return float("nan") if rate is None else rate
 
     # -- the protocol chain composes (defaults: a transformation with no fast path) -------------------

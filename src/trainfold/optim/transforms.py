@@ -38,8 +38,23 @@ __all__ = [
     "clip_by_global_norm",
     "clip_coefficient",
     "scale_by_learning_rate",
+    "scaled",
     "trace",
 ]
+
+
+def scaled(tensors: list[Tensor], factor: float | Tensor) -> list[Tensor]:
+    """Return ``[t * factor for t in tensors]``: one ``_foreach_mul``, or a product each if ``factor`` requires grad.
+
+    torch's ``_foreach_mul(TensorList, Tensor)`` cannot differentiate with respect to the scalar tensor (its backward
+    fails with "inconsistent range for TensorList output"), which a differentiable step needs; the values are the same.
+
+    >>> [t.item() for t in scaled([torch.tensor(1.0), torch.tensor(2.0)], torch.tensor(3.0, requires_grad=True))]
+    [3.0, 6.0]
+    """
+    if isinstance(factor, Tensor) and factor.requires_grad:
+        return [t * factor for t in tensors]
+    return torch._foreach_mul(tensors, factor)
 
 
 def clip_coefficient(norm: Tensor, max_norm: float | Tensor) -> Tensor:
@@ -94,7 +109,7 @@ class ClipByGlobalNorm(GradientTransformation):
             torch._foreach_mul_(list(grads.values()), coef)
             return grads, state
         keys = list(grads)
-        return dict(zip(keys, torch._foreach_mul([grads[k] for k in keys], coef))), state
+        return dict(zip(keys, scaled([grads[k] for k in keys], coef))), state
 
     def elementwise(self) -> tuple[ElementwiseClip]:
         return (ElementwiseClip(self.max_norm),)
@@ -245,7 +260,7 @@ class ScaleByLearningRate(GradientTransformation):
         norm: Tensor | None = None,
     ) -> tuple[Tree, Any]:
         rate, keys = self.rate(count), list(grads)
-        return dict(zip(keys, torch._foreach_mul([grads[k] for k in keys], -rate))), state
+        return dict(zip(keys, scaled([grads[k] for k in keys], -rate))), state
 
     def fold(self, rule: StepRule | None, params: Tree, count: int | None) -> StepRule | None:
         return StepRule(self.rate(count)) if rule is None else None
@@ -330,7 +345,7 @@ class Trace(GradientTransformation):
             if int(state.count) == 0:  # torch starts the buffer at the first gradient
                 new = [x.clone() for x in g]
             else:
-                new = torch._foreach_mul([buf[k] for k in keys], self.momentum)
+                new = scaled([buf[k] for k in keys], self.momentum)
                 torch._foreach_add_(new, g, alpha=1.0 - self.dampening)
             buf = dict(zip(keys, new))
             g = torch._foreach_add(g, new, alpha=self.momentum) if self.nesterov else new

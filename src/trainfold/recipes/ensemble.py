@@ -47,6 +47,7 @@ from trainfold.core.losses import counter_for, default_loss_for, warn_no_items
 from trainfold.core.state import TrainState
 from trainfold.optim import AdamState, GradientTransformation, OptimizerPlan
 from trainfold.recipes.ensemble_state import (
+    ensemble_axes,
     ensemble_size,
     init_ensemble_state,
     split_ensemble,
@@ -60,6 +61,7 @@ from trainfold.step.plan import refuse_sharded
 from trainfold.step.traced import fresh_function, traceable_loss
 
 __all__ = [
+    "ensemble_axes",
     "ensemble_size",
     "init_ensemble_state",
     "make_ensemble_step",

@@ -26,7 +26,7 @@ from trainfold.core.state import TrainState, init_state
 from trainfold.core.tree import flatten, map_tensors
 from trainfold.optim import GradientTransformation
 
-__all__ = ["ensemble_size", "init_ensemble_state", "split_ensemble", "stack_batches", "stack_ensemble"]
+__all__ = ["ensemble_axes", "ensemble_size", "init_ensemble_state", "split_ensemble", "stack_batches", "stack_ensemble"]
 
 Batch = Sequence[Mapping[str, Tensor]]
 _STACKED = ("params", "buffers", "opt_state", "step", "seed", "metrics", "loss_total", "nonfinite_losses")
@@ -95,6 +95,24 @@ def split_ensemble(state: TrainState) -> list[TrainState]:
         cursor = attrs.evolve(state.cursor, epoch=state.cursor.epoch.clone(), position=state.cursor.position.clone())
         members.append(attrs.evolve(state, cursor=cursor, extras=dict(state.extras), **fields))
     return members
+
+
+def ensemble_axes(state: TrainState) -> TrainState:
+    """Return the ``in_dims`` (or ``out_dims``) of an ensemble state for ``torch.func.vmap``: 0 on the member axis.
+
+    ``TrainState`` is a pytree; the stacked fields map over their leading axis, the shared cursor
+    and the extras are passed whole (``None``).
+
+    >>> import torch
+    >>> from trainfold import sgd
+    >>> ens = init_ensemble_state(torch.nn.Linear(3, 2), sgd(0.1), size=4)
+    >>> model = torch.nn.Linear(3, 2)
+    >>> member_out = lambda s, x: torch.func.functional_call(model, s.params, (x,))
+    >>> torch.func.vmap(member_out, in_dims=(ensemble_axes(ens), None))(ens, torch.ones(5, 3)).shape
+    torch.Size([4, 5, 2])
+    """
+    ensemble_size(state)  # refuses an ordinary state
+    return attrs.evolve(state, **{name: 0 for name in _STACKED}, cursor=None, extras=None)
 
 
 def ensemble_size(state: TrainState) -> int:

@@ -37,7 +37,7 @@ from trainfold.core.collective import Collective, item_count, items_in_batch
 from trainfold.core.forward import Batch, Forward
 from trainfold.core.losses import warn_no_items
 from trainfold.core.rng import derive_seed, private_rng
-from trainfold.core.state import TrainState, check_live, invalidate
+from trainfold.core.state import TrainState, check_live, invalidate, refuse_vmapped
 from trainfold.step.plan import StepPlan
 
 __all__ = [
@@ -87,6 +87,7 @@ def open_step(plan: StepPlan, state: TrainState, batch: Batch) -> tuple[StepStar
     (:func:`empty_step`), else ``None``. Every step variant starts here."""
     if len(batch) == 0:
         raise ValueError("a step's batch must hold at least one micro-batch")
+    refuse_vmapped(state)
     start = StepStart(getattr(batch, "cursor", state.cursor), int(state.step), batch_items(plan, batch))
     if int(start.num_items) == 0:
         warn_no_items(start.number)

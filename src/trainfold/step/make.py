@@ -14,6 +14,7 @@ from trainfold.core.state import TrainState
 from trainfold.optim import GradientTransformation
 from trainfold.step.amp import LossScaling
 from trainfold.step.compiled import compile_step, refuse_uncompilable
+from trainfold.step.differentiable import check_differentiable, differentiable_step
 from trainfold.step.driver import with_donation
 from trainfold.step.eager import eager_step
 from trainfold.step.plan import step_plan
@@ -37,6 +38,7 @@ def make_step(
     gradient_checkpointing: bool | int = False,
     loss_scaling: LossScaling | None = None,
     sharding: Any = None,
+    differentiable: bool = False,
 ) -> Callable[[TrainState, Batch], TrainState]:
     """Return ``step(state, batch) -> state`` for ``model`` (the module doc of ``trainfold.step.driver``).
 
@@ -53,8 +55,8 @@ def make_step(
     whose gradients overflow (``trainfold.step.amp``; the scaler is ``state.extras[amp.SCALER]``).
     ``sharding`` (a ``DeviceMesh``, ``sharded.Sharding`` or ``"full_shard"``) steps a state of
     ``sharded.shard_state``, gathering one block at a time (with ``compile``: each block's forward compiled,
-    ``sharded_compiled``). ``step(state, batch, donate=True)`` (or
-    ``step.donating``) updates ``state``'s tensors in place and invalidates it; results are bitwise equal.
+    ``sharded_compiled``). ``step(state, batch, donate=True)`` (or ``step.donating``) updates ``state``'s tensors
+    in place and invalidates it (bitwise equal); ``differentiable=True``: ``trainfold.step.differentiable``.
 
     >>> import torch
     >>> from trainfold.optim import sgd
@@ -65,6 +67,8 @@ def make_step(
     >>> step(init_state(torch.nn.Linear(3, 2), sgd(0.1)), batch).step.item()
     1
     """
+    options = dict(compile=compile, sharding=sharding, collective=collective, loss_scaling=loss_scaling)
+    check_differentiable(differentiable, optimizer, gradient_checkpointing=gradient_checkpointing, **options)
     settings = dict(objective=objective, count_items=count_items, label_key=label_key, collective=collective)
     precision = dict(autocast=autocast, gradient_checkpointing=gradient_checkpointing, loss_scaling=loss_scaling)
     plan = step_plan(model, loss, optimizer, **settings, **precision, dtensor_params=sharding is not None)
@@ -73,6 +77,8 @@ def make_step(
     if sharding is not None:
         sharded_step = make_sharded_step(plan, sharding, compile=compile, compile_mode=compile_mode)
         return with_donation(lambda state, batch, donate: sharded_step(state, batch))  # fresh shards each step
+    if differentiable:
+        return differentiable_step(plan)
     step = eager_step(plan)
     if compile:
         return compile_step(step, backend="inductor" if compile is True else compile, mode=compile_mode)
