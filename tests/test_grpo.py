@@ -715,7 +715,7 @@ def test_trainfold_grpo_offers_the_recipe_the_arguments_and_the_run():
     import trainfold.recipes.grpo as recipe
     from trainfold.hf import grpo_args, grpo_run
 
-    assert trainfold.grpo.__name__ == "trainfold.hf.grpo"
+    assert trainfold.grpo.__name__ == "trainfold.grpo"  # a real module (issue 33), re-exporting trainfold.hf.grpo
     assert all(getattr(trainfold.grpo, name) is getattr(recipe, name) for name in recipe.__all__)
     assert trainfold.grpo.train is grpo_run.train and trainfold.grpo.GRPOArguments is grpo_args.GRPOArguments
     assert {"make_rollout", "grpo_trajectory", "Rollout", "rollout_metrics"} <= set(recipe.__all__)
