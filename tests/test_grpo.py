@@ -447,7 +447,7 @@ def test_errors_name_the_bad_value_and_the_fix():
     with pytest.raises(ValueError, match=r"shape \(5,\) do not split into groups of 2"):
         group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
-        combine_rewards([lambda p, c: [0.0]], ["a", "b"], ["x", "y"])
+        combine_rewards([lambda prompts, completions: [0.0]], ["a", "b"], ["x", "y"])
     with pytest.raises(ValueError, match="loss_type='cispo'"):
         grpo_objective("cispo")
     with pytest.raises(KeyError, match="'generation_tokens', which make_rollout records"):

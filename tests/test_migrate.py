@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
+import json
+import runpy
 import signal
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -175,3 +179,211 @@ def test_make_rollout_takes_the_old_keyword_with_a_warning():
     assert new.optimizer_steps_per_generation == 3
     with pytest.raises(TypeError, match="pass only optimizer_steps_per_generation"):
         make_rollout(model, len, steps_per_generation=2, optimizer_steps_per_generation=3, **common)
+
+
+# -- 2. processing_class ------------------------------------------------------------------------------------
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "[PAD]": 1, **{f"w{i}": i + 2 for i in range(30)}}  # pad id 1, not 0
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def _classifier(seed=0):
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, num_labels=3, pad_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.LlamaForSequenceClassification(config)
+
+
+def _sentences(tok, n=8):
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(n):
+        length = int(torch.randint(2, 9, (1,), generator=g))
+        words = " ".join(f"w{int(w)}" for w in torch.randint(0, 30, (length,), generator=g))
+        rows.append({**tok(words), "label": i % 3})
+    return rows
+
+
+def _hf_args(out, **kw):
+    base = dict(output_dir=str(out), max_steps=1, per_device_train_batch_size=8, learning_rate=1e-2, logging_steps=1)
+    return transformers.TrainingArguments(**{**base, "report_to": "none", "use_cpu": True, "save_strategy": "no", **kw})
+
+
+def test_processing_class_pads_with_its_pad_id_as_the_trainer_does(tmp_path):
+    tok = _tokenizer()
+    rows = _sentences(tok)
+    hf = _hf_args(tmp_path / "hf")
+    trainer = transformers.Trainer(_classifier(), args=hf, train_dataset=rows, processing_class=tok)
+    expected = trainer.train() and trainer.state.log_history[0]["loss"]
+    args = TrainingArguments.from_hf(hf).replace(output_dir=str(tmp_path / "tf"), disable_tqdm=True)
+    ours = trainfold.train(_classifier(), args, rows, processing_class=tok).log_history[0]["loss"]
+    # one batch of 8: the same mean of 8 per-row losses, summed in another order at most (float32 rounding)
+    assert ours == pytest.approx(expected, rel=1e-6)
+    zero_padded = trainfold.train(_classifier(), args.replace(output_dir=str(tmp_path / "z")), rows)
+    assert abs(zero_padded.log_history[0]["loss"] - expected) > 1e-3  # padding with 0 trains on other inputs
+    model = _classifier()
+    eval_hf = transformers.Trainer(model, args=hf, processing_class=tok).evaluate(rows)["eval_loss"]
+    assert trainfold.evaluate(model, args, rows, processing_class=tok)["eval_loss"] == pytest.approx(eval_hf, rel=1e-6)
+    predicted = trainfold.predict(model, args, rows, processing_class=tok).predictions
+    reference = transformers.Trainer(model, args=hf, processing_class=tok).predict(rows).predictions
+    assert torch.allclose(torch.as_tensor(predicted), torch.as_tensor(reference), rtol=0, atol=1e-6)
+
+
+def test_every_checkpoint_holds_the_tokenizer(tmp_path):
+    tok = _tokenizer()
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, save_steps=1, per_device_train_batch_size=4, disable_tqdm=True
+    )
+    result = trainfold.train(_classifier(), args, _sentences(tok), processing_class=tok)
+    for step in (1, 2):
+        loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / f"checkpoint-{step}")
+        assert (len(loaded), loaded.pad_token_id, loaded("w3 w4")["input_ids"]) == (32, 1, [5, 6])
+    assert result.last_checkpoint == tmp_path / "checkpoint-2"
+
+
+# -- 9. log_history is a value --------------------------------------------------------------------------------
+
+
+def test_the_log_history_is_a_list_that_outlives_the_output_dir(tmp_path):
+    import shutil
+
+    tok = _tokenizer()
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "o"), max_steps=3, logging_steps=1, per_device_train_batch_size=4, disable_tqdm=True
+    )
+    result = trainfold.train(_classifier(), args, _sentences(tok), processing_class=tok)
+    shutil.rmtree(tmp_path / "o")
+    assert type(result.log_history) is list and len(result.log_history) == 4  # 3 steps + the summary
+    assert [e["step"] for e in result.log_history[:3]] == [1, 2, 3] and "train_runtime" in result.log_history[-1]
+
+
+# -- 5. reward functions are called by keyword, as TRL calls them ---------------------------------------------
+
+
+def test_trls_documented_reward_signature_works_and_a_wrong_one_is_named():
+    from trainfold.grpo import combine_rewards
+
+    def reward_len(completions, **kwargs):  # TRL's documentation's example
+        return [-abs(20 - len(c)) for c in completions]
+
+    def by_column(prompts, completions, answer, **_):
+        return [float(c == a) for c, a in zip(completions, answer, strict=True)]
+
+    total, each = combine_rewards([reward_len, by_column], ["p", "q"], ["x" * 20, "y"], {"answer": ["z", "y"]})
+    assert each.tolist() == [[0.0, 0.0], [-19.0, 1.0]] and total.tolist() == [0.0, -18.0]
+
+    def positional(p, c):
+        return [0.0] * len(c)
+
+    with pytest.raises(TypeError, match="reward function positional cannot be called as TRL calls it"):
+        combine_rewards([positional], ["p"], ["x"])
+
+
+# -- 3. the Trainer's methods after training -------------------------------------------------------------------
+
+
+def test_log_and_save_metrics_print_and_write_what_the_trainer_does(tmp_path, capsys):
+    from trainfold.hf.trainer_methods import log_metrics, save_metrics
+
+    metrics = {"train_runtime": 75.123, "train_loss": 1.234567, "epoch": 3.0, "train_samples": 120, "total_flos": 2**31}
+    trainer = transformers.Trainer(_classifier(), args=_hf_args(tmp_path / "hf"))
+    trainer.log_metrics("train", metrics)
+    expected = capsys.readouterr().out
+    log_metrics("train", metrics)
+    assert capsys.readouterr().out == expected
+    trainer.save_metrics("train", metrics)
+    trainer.save_metrics("eval", {"eval_loss": 0.5})
+    save_metrics("train", metrics, tmp_path / "tf")
+    save_metrics("eval", {"eval_loss": 0.5}, tmp_path / "tf")
+    for name in ("train_results.json", "eval_results.json", "all_results.json"):
+        assert (tmp_path / "tf" / name).read_text() == (tmp_path / "hf" / name).read_text()
+
+
+def test_save_model_state_and_card_after_a_run(tmp_path):
+    from trainfold.hf.trainer_methods import create_model_card, save_model, save_state
+
+    tok = _tokenizer()
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, logging_steps=1, per_device_train_batch_size=4, disable_tqdm=True
+    )
+    model = _classifier()
+    result = trainfold.train(model, args, _sentences(tok), processing_class=tok)
+    save_model(model, tmp_path / "final", tok)
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "final")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "final").pad_token_id == 1
+    save_state(result, args)
+    state = json.loads((tmp_path / "trainer_state.json").read_text())
+    assert (state["global_step"], state["log_history"]) == (2, result.log_history)
+    card = create_model_card(tmp_path, args, result, model_name="tiny-llama", dataset="sentences")
+    assert card.read_text().startswith("# tiny-llama\n") and "- train_loss:" in card.read_text()
+
+
+def test_the_methods_write_and_print_nothing_off_rank_zero(tmp_path, monkeypatch, capsys):
+    from trainfold.hf import trainer_methods
+
+    monkeypatch.setenv("RANK", "1")
+    assert not trainer_methods.is_world_process_zero()
+    trainer_methods.log_metrics("train", {"loss": 1.0})
+    trainer_methods.save_metrics("train", {"loss": 1.0}, tmp_path)
+    trainer_methods.save_model(torch.nn.Linear(2, 1), tmp_path / "m")
+    assert capsys.readouterr().out == "" and list(tmp_path.iterdir()) == []
+
+
+def test_a_grpo_run_saves_its_tokenizer_into_every_checkpoint(tmp_path):
+    from trainfold.core.models import TinyLM, TinyLMConfig
+
+    tok = _tokenizer()
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2, max_len=16))
+    args = GRPOArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=2, report_to="none", disable_tqdm=True, save_steps=1, gradient_checkpointing=False,
+    )  # fmt: skip
+
+    def reward_len(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    trainfold.grpo.train(model, args, [{"prompt": "w1 w2"}, {"prompt": "w3"}], reward_len, processing_class=tok)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "checkpoint-1").pad_token_id == 1
+
+
+# -- 12. an HfArgumentParser script migrates in 8 changed lines ---------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "migration"
+
+
+def _main(name):
+    return runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name=f"migration_{name}")["main"]
+
+
+def _code_lines(path):
+    """The lines of a script after its docstring, blank ones left out."""
+    text = path.read_text()
+    body = text[text.index('"""', 3) + 3 :]
+    return [line for line in body.splitlines() if line.strip()]
+
+
+def test_the_migrated_classification_script_changes_8_lines_and_trains_as_the_trainer(tmp_path):
+    hf, ours = EXAMPLES / "hf_classification.py", EXAMPLES / "trainfold_classification.py"
+    diff = difflib.unified_diff(_code_lines(hf), _code_lines(ours), lineterm="", n=0)
+    added = [line for line in diff if line.startswith("+") and not line.startswith("+++")]
+    assert len(added) <= 8, added
+    _classifier().save_pretrained(tmp_path / "model")
+    _tokenizer().save_pretrained(tmp_path / "model")
+    argv = ["--model_name_or_path", str(tmp_path / "model"), "--max_steps", "4", "--per_device_train_batch_size", "8"]
+    argv += ["--learning_rate", "1e-2", "--logging_steps", "1", "--report_to", "none", "--use_cpu", "true"]
+    expected = _main("hf_classification")([*argv, "--output_dir", str(tmp_path / "hf")])
+    got = _main("trainfold_classification")([*argv, "--output_dir", str(tmp_path / "tf")])
+    assert got["train_loss"] == pytest.approx(expected["train_loss"], rel=1e-6)
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "train_results.json", "all_results.json"):
+        assert (tmp_path / "tf" / name).is_file(), name
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "tf" / "checkpoint-4").pad_token_id == 1

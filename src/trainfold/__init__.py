@@ -45,6 +45,14 @@ from trainfold.eval.evaluation import EvalPrediction
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.grpo_args import GRPOArguments
 from trainfold.hf.train import TrainResult, evaluate, predict, train
+from trainfold.hf.trainer_methods import (
+    create_model_card,
+    is_world_process_zero,
+    log_metrics,
+    save_metrics,
+    save_model,
+    save_state,
+)
 from trainfold.observe.stopping import early_stopping
 from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, sgd
 from trainfold.recipes.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
@@ -113,4 +121,10 @@ __all__ = [
     "trajectory",
     "tree",
     "warm_up_kernels",
+    "save_model",
+    "log_metrics",
+    "save_metrics",
+    "save_state",
+    "create_model_card",
+    "is_world_process_zero",
 ]

@@ -17,6 +17,7 @@ from torch import nn
 
 from trainfold.core.losses import default_loss_for, label_smoothed, refuse_unlabelled
 from trainfold.data import StepBatch
+from trainfold.data.collate import collate_for
 from trainfold.data.columns import Columns, columns_for, eval_collate, padded_to_multiple, with_columns
 from trainfold.data.llm import lm_inputs
 
@@ -100,8 +101,13 @@ def run_inputs(
     *,
     world_size: int = 1,
     device: torch.device | None = None,
+    processing_class: Any = None,
 ) -> RunInputs:
-    """Return what the run feeds the model; refuse a dataset that trains nothing, and what cannot be done."""
+    """Return what the run feeds the model; refuse a dataset that trains nothing, and what cannot be done.
+
+    Without ``data_collator``, batches are padded with ``processing_class``'s pad id (as HF's
+    ``DataCollatorWithPadding``); packing's and padding-free collators pad nothing.
+    """
     loss = _loss(model, args, compute_loss_func, objective)
     if objective is None:
         refuse_unlabelled(train_dataset, loss)  # a fully masked dataset would train nothing, forever
@@ -111,7 +117,8 @@ def run_inputs(
             "in one process (trainfold.evaluate(..., objective=...)), or drop eval_dataset"
         )
     columns = columns_of(model, args, data_collator, labels_required=objective is None, objective=objective)
-    padded = padded_to_multiple(data_collator, args.pad_to_multiple_of)
+    default = data_collator if data_collator is not None else collate_for(processing_class)
+    padded = padded_to_multiple(default, args.pad_to_multiple_of)
     if getattr(objective, "prepare", None) is not None:  # DPO: precomputed reference log-probs, cached in output_dir
         objective, train_dataset, eval_dataset = objective.prepare(
             model, args, train_dataset, eval_dataset, padded, device or device_for(args)
@@ -124,6 +131,6 @@ def run_inputs(
         objective=lm.objective,
         eval_objective=objective,
         columns=columns,
-        collate=with_columns(padded_to_multiple(lm.data_collator, args.pad_to_multiple_of), columns),
+        collate=with_columns(padded_to_multiple(lm.data_collator or default, args.pad_to_multiple_of), columns),
         eval_collate=eval_collate(padded, columns),
     )

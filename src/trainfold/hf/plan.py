@@ -156,9 +156,10 @@ class CheckpointPlan:
     async_save: bool = False
     consolidated: bool = False
     fsync: str = "background"
+    processing_class: Any = None  # the tokenizer or processor: its files go into every checkpoint
 
     @classmethod
-    def from_args(cls, args: Any) -> CheckpointPlan:
+    def from_args(cls, args: Any, processing_class: Any = None) -> CheckpointPlan:
         """Return the plan of ``args``' ``save_strategy``, ``save_steps``, ``save_total_limit``..."""
         return cls(
             args.output_dir,
@@ -169,6 +170,7 @@ class CheckpointPlan:
             args.async_save,
             args.save_consolidated_model,
             args.save_fsync,
+            processing_class,
         )
 
 

@@ -27,6 +27,8 @@ turn inf/NaN stops there (status ``diverged``, a warning, ``metrics["diverged_at
 saving them; a float16 step that loss scaling skipped is not divergence. ``callbacks`` take
 ``transformers.TrainerCallback`` objects (``trainfold.hf.callbacks``). Under ``torchrun`` it joins the
 process group itself (``collective=`` overrides), so N processes of batch B train as one of batch N×B.
+``processing_class`` (a tokenizer or processor, as HF's) pads the default collator's batches with its pad
+id and is saved into every checkpoint (``AutoTokenizer.from_pretrained(checkpoint)`` loads it).
 ``train_stream`` (a ``data.StateStream``) replaces the sampler and stream with steps made from the
 state they start from: ``trainfold.grpo.train`` runs GRPO through it.
 
@@ -189,6 +191,7 @@ def train(
     weights_only_warm_start: bool = False,
     callbacks: Sequence[Any] = (),
     train_stream: StateStream | None = None,
+    processing_class: Any = None,
 ) -> TrainResult:
     """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record.
 
@@ -213,7 +216,7 @@ def train(
     set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
     rest = (observers, resume_from_checkpoint, early_stopping, stop, collective, callbacks, train_stream)
-    plan = plan_for(model, args, train_dataset, eval_dataset, *given, *rest)  # train's arguments, in order
+    plan = plan_for(model, args, train_dataset, eval_dataset, *given, *rest, processing_class=processing_class)
     state = initial_state(plan)
     claim = claim_for(plan, state, resume_from_checkpoint)
     with claim.releasing_on_error():  # the lock is held until the run ends (the `with claim` below)
