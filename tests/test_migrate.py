@@ -387,3 +387,53 @@ def test_the_migrated_classification_script_changes_8_lines_and_trains_as_the_tr
     for name in ("model.safetensors", "config.json", "tokenizer.json", "train_results.json", "all_results.json"):
         assert (tmp_path / "tf" / name).is_file(), name
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "tf" / "checkpoint-4").pad_token_id == 1
+
+
+# -- 6. PEFT ------------------------------------------------------------------------------------------------------
+
+
+def _llama_lm(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _lm_rows():
+    g = torch.Generator().manual_seed(0)
+    return [{"input_ids": torch.randint(2, 32, (int(n),), generator=g).tolist()} for n in torch.randint(3, 9, (12,))]
+
+
+@pytest.mark.parametrize(("task_type", "packing"), [(None, False), (None, True), ("CAUSAL_LM", True)])
+def test_a_peft_model_with_or_without_task_type_trains_with_its_base_models_loss(tmp_path, task_type, packing):
+    peft = pytest.importorskip("peft")
+    rows = [{**r, "labels": r["input_ids"]} for r in _lm_rows()]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, logging_steps=1, disable_tqdm=True,
+        save_strategy="no", packing=packing, max_length=16,
+    )  # fmt: skip
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type=task_type)
+    lora = peft.get_peft_model(_llama_lm(), config)  # no task_type: the generic PeftModel wrapper
+    ours = trainfold.train(lora, args, rows).log_history[0]["loss"]
+    plain = trainfold.train(_llama_lm(), args.replace(output_dir=str(tmp_path / "b")), rows).log_history[0]["loss"]
+    assert ours == plain  # LoRA's B starts at zero: the first step's forward is the base model's, bit for bit
+
+
+# -- 7. evaluation without labels ---------------------------------------------------------------------------------
+
+
+def test_rows_with_only_input_ids_get_an_eval_loss_when_training_builds_their_labels(tmp_path):
+    rows = _lm_rows()  # only input_ids, as SFT rows after tokenization
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, logging_steps=1, disable_tqdm=True,
+        save_strategy="no", packing=True, max_length=16, eval_strategy="steps", eval_steps=2,
+    )  # fmt: skip
+    model = _llama_lm()
+    result = trainfold.train(model, args, rows, eval_dataset=rows[:5])
+    logged = [e["eval_loss"] for e in result.log_history if "eval_loss" in e]
+    labelled = [{**r, "labels": r["input_ids"]} for r in rows[:5]]
+    expected = trainfold.evaluate(model, args.replace(packing=False), labelled)["eval_loss"]
+    assert logged == [expected]
+    assert trainfold.evaluate(model, args, rows[:5])["eval_loss"] == expected

@@ -28,7 +28,7 @@ from trainfold.eval.evaluation import eval_sets
 from trainfold.eval.evaluation import evaluate as evaluate_batches
 from trainfold.eval.evaluation import predict as predict_batches
 from trainfold.eval.schedule import check_eval_schedule, should_evaluate
-from trainfold.hf.inputs import columns_of, device_for
+from trainfold.hf.inputs import columns_of, device_for, eval_labels
 from trainfold.step import sharded
 
 __all__ = ["EvalSet", "EvalPlan", "eval_plan_for", "eval_loader_for", "evaluate", "predict"]
@@ -321,5 +321,6 @@ def _eval_inputs(
         state_tensors = (state.params, state.buffers)
     columns = columns_of(model, args, data_collator, objective=objective)  # keeps the columns it reads
     chosen = data_collator if data_collator is not None else collate_for(processing_class)
-    collate = eval_collate(padded_to_multiple(chosen, args.pad_to_multiple_of), columns)
+    chosen = eval_labels(padded_to_multiple(chosen, args.pad_to_multiple_of), args, data_collator, objective)
+    collate = eval_collate(chosen, columns)
     return (*state_tensors, eval_loader_for(dataset, collate, args, device), columns.label_key)

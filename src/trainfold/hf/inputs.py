@@ -17,11 +17,11 @@ from torch import nn
 
 from trainfold.core.losses import default_loss_for, label_smoothed, refuse_unlabelled
 from trainfold.data import StepBatch
-from trainfold.data.collate import collate_for
+from trainfold.data.collate import collate_for, pad_collate
 from trainfold.data.columns import Columns, columns_for, eval_collate, padded_to_multiple, with_columns
 from trainfold.data.llm import lm_inputs
 
-__all__ = ["RunInputs", "run_inputs", "device_for", "columns_of", "to_device"]
+__all__ = ["RunInputs", "LabelsFromInputs", "eval_labels", "run_inputs", "device_for", "columns_of", "to_device"]
 
 
 def device_for(args: Any) -> torch.device:
@@ -60,6 +60,33 @@ def to_device(batches: Iterable[StepBatch], device: torch.device) -> Iterator[St
             for mb in b
         ]
         yield StepBatch(moved, b.cursor, getattr(b, "indices", ()))
+
+
+@attrs.frozen
+class LabelsFromInputs:
+    """A collator that gives each item without ``labels`` its ``input_ids`` as labels, then calls ``collate``.
+
+    What packing does for training (each document's tokens are its targets), done for evaluation,
+    which never packs: so rows with only ``input_ids`` still get an ``eval_loss``.
+
+    >>> from trainfold.data.collate import pad_collate
+    >>> LabelsFromInputs(pad_collate(pad_token_id=9))([{"input_ids": [1, 2]}, {"input_ids": [3]}])["labels"].tolist()
+    [[1, 2], [3, -100]]
+    """
+
+    collate: Callable[[list[Any]], Any]
+
+    def __call__(self, items: list[Any]) -> Any:
+        return self.collate([item if "labels" in item else {**item, "labels": item["input_ids"]} for item in items])
+
+
+def eval_labels(collate: Callable[..., Any] | None, args: Any, data_collator: Any, objective: Any) -> Any:
+    """Return the evaluation collator: ``LabelsFromInputs`` where training builds labels (packing), else as is."""
+    if data_collator is not None or objective is not None:
+        return collate
+    if not (getattr(args, "packing", False) or getattr(args, "padding_free", False)):
+        return collate
+    return LabelsFromInputs(collate or pad_collate())
 
 
 @attrs.frozen
@@ -132,5 +159,5 @@ def run_inputs(
         eval_objective=objective,
         columns=columns,
         collate=with_columns(padded_to_multiple(lm.data_collator or default, args.pad_to_multiple_of), columns),
-        eval_collate=eval_collate(padded, columns),
+        eval_collate=eval_collate(eval_labels(padded, args, data_collator, objective), columns),
     )
