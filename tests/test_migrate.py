@@ -437,3 +437,58 @@ def test_rows_with_only_input_ids_get_an_eval_loss_when_training_builds_their_la
     expected = trainfold.evaluate(model, args.replace(packing=False), labelled)["eval_loss"]
     assert logged == [expected]
     assert trainfold.evaluate(model, args, rows[:5])["eval_loss"] == expected
+
+
+# -- 8. restore_callback_states_from_checkpoint ---------------------------------------------------------------------
+
+
+class _StopAt3(transformers.TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = control.should_training_stop or state.global_step == 3
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_early_stopping_resumes_with_the_checkpoints_settings_as_the_trainer(tmp_path, restore):
+    """Patience 5 until step 3, resumed with a callback of patience 1: HF takes the checkpoint's 5 when restoring.
+
+    ``greater_is_better=True`` on the loss makes every evaluation after the first one a bad one.
+    """
+    tok = _tokenizer()
+    rows = _sentences(tok)
+    hf = _hf_args(
+        tmp_path / "hf", max_steps=20, eval_strategy="steps", eval_steps=1, save_strategy="steps", save_steps=1,
+        metric_for_best_model="loss",
+        greater_is_better=True, lr_scheduler_type="constant", restore_callback_states_from_checkpoint=restore,
+    )  # fmt: skip
+    stopper = transformers.EarlyStoppingCallback
+    first = transformers.Trainer(_classifier(), args=hf, train_dataset=rows, eval_dataset=rows, processing_class=tok)
+    for callback in (stopper(early_stopping_patience=5), _StopAt3()):
+        first.add_callback(callback)
+    first.train()
+    second = transformers.Trainer(_classifier(), args=hf, train_dataset=rows, eval_dataset=rows, processing_class=tok)
+    second.add_callback(stopper(early_stopping_patience=1))
+    expected = second.train(resume_from_checkpoint=str(tmp_path / "hf" / "checkpoint-3")).global_step
+
+    args = TrainingArguments.from_hf(hf).replace(output_dir=str(tmp_path / "tf"), disable_tqdm=True)
+    given = dict(eval_dataset=rows, processing_class=tok)
+    stop3 = trainfold.train(_classifier(), args, rows, callbacks=[stopper(5)], stop=lambda s: int(s.step) >= 3, **given)
+    assert stop3.global_step == 3
+    resumed = trainfold.train(_classifier(), args, rows, callbacks=[stopper(1)], resume_from_checkpoint=True, **given)
+    assert (resumed.global_step, resumed.status) == (expected, "stopped")
+    assert expected == (6 if restore else 4)  # restored: patience 5 and the count of 2 bad evaluations at step 3
+
+
+# -- 11. another run's directory ------------------------------------------------------------------------------------
+
+
+def test_the_refusal_of_another_runs_directory_names_a_fix_a_transformers_5_script_reaches(tmp_path):
+    tok = _tokenizer()
+    rows = _sentences(tok)
+    hf = _hf_args(tmp_path, max_steps=1, save_strategy="steps", save_steps=1)
+    assert not hasattr(hf, "overwrite_output_dir")  # transformers 5 has no such setting
+    trainfold.train(_classifier(), TrainingArguments.from_hf(hf, disable_tqdm=True), rows, processing_class=tok)
+    other = TrainingArguments.from_hf(hf, disable_tqdm=True, seed=7)
+    with pytest.raises(ValueError, match=r"TrainingArguments.from_hf\(hf_args, overwrite_output_dir=True\)"):
+        trainfold.train(_classifier(), other, rows, processing_class=tok)
+    again = trainfold.train(_classifier(), other.replace(overwrite_output_dir=True), rows, processing_class=tok)
+    assert again.status == "completed"

@@ -120,6 +120,9 @@ class TrainingArguments:
     greater_is_better: bool | None = None
     load_best_model_at_end: bool = False
     enable_jit_checkpoint: bool = False
+    # a resume takes the EarlyStoppingCallback's patience and threshold from the checkpoint, as HF (the counters
+    # are in the state record: always restored)
+    restore_callback_states_from_checkpoint: bool = False
     use_cpu: bool = False
     bf16: bool = False
     fp16: bool = False

@@ -289,6 +289,11 @@ class Plan:
         """Whether this rank writes the run's files (rank 0)."""
         return self.rank == 0
 
+    def with_early_stopping(self, early: EarlyStopping) -> Plan:
+        """Return the plan with ``early`` as its early stopping (settings a resume restored), its stop rule too."""
+        rules = tuple((n, patience_exhausted(early) if n == "early_stopping" else r) for n, r in self.stops.rules)
+        return attrs.evolve(self, early=early, stops=StopRules(rules))
+
     @property
     def samples_per_step(self) -> int | None:
         """Return the samples of one optimizer step over all ranks (None: the stream does not know)."""

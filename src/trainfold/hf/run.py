@@ -124,6 +124,9 @@ def _save_options(run: Run, state: TrainState) -> dict[str, Any]:
         "best_metric": None if none_yet else float(best.value),
         "best_step": None if none_yet else int(best.step),
     }
+    early = run.plan.early
+    if early is not None:  # what restore_callback_states_from_checkpoint restores (an EarlyStoppingCallback's args)
+        metadata["early_stopping"] = {"patience": early.patience, "threshold": early.threshold}
     return dict(
         model=run.plan.model,
         metadata=metadata,

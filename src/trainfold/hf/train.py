@@ -66,7 +66,7 @@ from trainfold.data import StateStream, stream
 from trainfold.dist.distributed import joins_torchrun
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.callback_checks import set_transformers_verbosity
-from trainfold.hf.callbacks import HFCallbacks
+from trainfold.hf.callbacks import HFCallbacks, resumed_callback_states
 from trainfold.hf.evaluating import evaluate, predict
 from trainfold.hf.extras import BEST
 from trainfold.hf.inputs import to_device
@@ -221,6 +221,7 @@ def train(
     claim = claim_for(plan, state, resume_from_checkpoint)
     with claim.releasing_on_error():  # the lock is held until the run ends (the `with claim` below)
         begin = start(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
+    plan, begin = resumed_callback_states(plan, begin, callbacks)  # an EarlyStoppingCallback's, as HF's
     with claim:  # released if the run raises
         released = release_weights(plan.model, begin.state)  # fsdp: the module keeps no full copy (hf.released)
         result = _session(plan, begin, claim.run)
