@@ -492,3 +492,17 @@ def test_the_refusal_of_another_runs_directory_names_a_fix_a_transformers_5_scri
         trainfold.train(_classifier(), other, rows, processing_class=tok)
     again = trainfold.train(_classifier(), other.replace(overwrite_output_dir=True), rows, processing_class=tok)
     assert again.status == "completed"
+
+
+@pytest.mark.parametrize(
+    ("fsdp", "expected"), [("full_shard", ("full_shard",)), ("full_shard auto_wrap", ("full_shard",))]
+)
+def test_transformers_5s_fsdp_true_and_its_filled_in_config_convert(fsdp, expected):
+    hf = transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp=fsdp)
+    assert hf.fsdp is True and hf.fsdp_config["reshard_after_forward"] is True  # what transformers 5 makes of it
+    assert (TrainingArguments.from_hf(hf).fsdp, TrainingArguments.from_hf(hf).full_shard) == ("full_shard", True)
+    with pytest.raises(ValueError, match="fsdp='shard_grad_op' is not supported"):
+        TrainingArguments.from_hf(transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp="shard_grad_op"))
+    custom = transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp=fsdp, fsdp_config={"min_num_params": 9})
+    with pytest.raises(TypeError, match="fsdp_config="):
+        TrainingArguments.from_hf(custom)

@@ -82,6 +82,25 @@ def _source(config: Any) -> str:
     return f"{type(config).__module__.split('.')[0]}.{type(config).__name__}"
 
 
+# what transformers 5 fills fsdp_config with: trainfold's full_shard needs nothing else
+_FSDP_AUTO = {"min_num_params": 0, "xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False}
+
+
+def _fsdp_config_asks_nothing(value: Any) -> bool:
+    """Say whether an ``fsdp_config`` holds only what transformers fills in (and ``reshard_after_forward``)."""
+    return isinstance(value, Mapping) and all(
+        _FSDP_AUTO.get(k) == v or k == "reshard_after_forward" for k, v in value.items()
+    )
+
+
+def _fsdp(value: Any, config: Any) -> Any:
+    """Return transformers 5's ``fsdp=True`` (its strings turn into it) as trainfold's ``fsdp``."""
+    if value is True:
+        options = getattr(config, "fsdp_config", None) or {}
+        return "full_shard" if options.get("reshard_after_forward", True) else "shard_grad_op"
+    return None if value is False else value
+
+
 def _taken(name: str, value: Any, default: Any) -> tuple[bool, Any]:
     """Return ``(keep?, value)`` for a field trainfold has under the same name."""
     if name == "report_to" and value == []:  # transformers' "none", after __post_init__
@@ -120,11 +139,13 @@ def settings_from_hf(
         if name in SCRIPT_FIELDS:
             continue
         if name in known:
-            keep, value = _taken(name, value, defaults.get(name))
+            keep, value = _taken(name, _fsdp(value, config) if name == "fsdp" else value, defaults.get(name))
             if keep:
                 settings[name] = value
             continue
-        if any(value == d for d in reference.get(name, [])):
+        if any(value == d for d in reference.get(name, [])) or (
+            name == "fsdp_config" and _fsdp_config_asks_nothing(value)
+        ):
             continue  # at its default: asks for nothing
         problem = checked[name](value) if name in (checked or {}) else _refusal(name, value, source)
         if problem is not None:

@@ -158,6 +158,10 @@ def run_inputs(
         objective=lm.objective,
         eval_objective=objective,
         columns=columns,
-        collate=with_columns(padded_to_multiple(lm.data_collator or default, args.pad_to_multiple_of), columns),
+        collate=with_columns(padded_to_multiple(_either(lm.data_collator, default), args.pad_to_multiple_of), columns),
         eval_collate=eval_collate(eval_labels(padded, args, data_collator, objective), columns),
     )
+
+
+def _either(collate: Any, default: Any) -> Any:
+    return collate if collate is not None else default
