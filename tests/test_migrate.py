@@ -34,7 +34,8 @@ def _parsed(cls, argv):
 
 @pytest.mark.parametrize("cls", [transformers.TrainingArguments, trl.SFTConfig, trl.DPOConfig, trl.GRPOConfig])
 def test_a_parsed_config_at_its_defaults_converts_with_the_values_transformers_resolved(cls):
-    config = _parsed(cls, ["--output_dir", "out", "--use_cpu", "true"])
+    acting = ["--disable_dropout", "false"] if cls is trl.DPOConfig else []  # the one TRL default that acts
+    config = _parsed(cls, ["--output_dir", "out", "--use_cpu", "true", *acting])
     args = (GRPOArguments if cls is trl.GRPOConfig else TrainingArguments).from_hf(config)
     for f in dataclasses.fields(config):
         if hasattr(args, f.name) and f.name not in ("label_names", "report_to", "generation_batch_size"):
@@ -71,6 +72,12 @@ def test_every_setting_trainfold_cannot_honour_is_refused_by_name_at_once():
     for name in ("push_to_hub=True", "ddp_timeout=60", "dataset_text_field='content'", "use_cache=True"):
         assert name in text
     assert "model.push_to_hub" in text and "model.config.use_cache" in text  # the fix
+
+
+def test_a_trl_default_that_acts_is_refused_until_turned_off():
+    with pytest.raises(TypeError, match=r"disable_dropout=True \(a trl.DPOConfig default that acts\)"):
+        TrainingArguments.from_hf(trl.DPOConfig(output_dir="o", use_cpu=True))
+    assert TrainingArguments.from_hf(trl.DPOConfig(output_dir="o", use_cpu=True, disable_dropout=False)).bf16
 
 
 def test_from_hf_refuses_what_is_not_a_parsed_config():

@@ -7,6 +7,7 @@ its fields is one of:
   transformers' ``__post_init__`` filled in, e.g. ``eval_steps`` from ``logging_steps``, is what it runs);
 * a field for the script, not the trainer (``resume_from_checkpoint``, ``do_train``,
   ``model_init_kwargs``, the masked ``hub_token`` ...): left to the script (``SCRIPT_FIELDS``);
+* a default that acts (DPOConfig's ``disable_dropout=True``: ``ACTING_DEFAULTS``): refused unless turned off;
 * any other field at its default (its dataclass default, or the value a default object of the
   same class holds after ``__post_init__``, e.g. ``accelerator_config``, ``ddp_timeout``,
   ``project``, every TRL setting left alone): it asks for nothing, and is ignored;
@@ -29,7 +30,7 @@ from typing import Any
 
 from trainfold.hf.args_hf import HF_ONLY, hf_only_problem
 
-__all__ = ["SCRIPT_FIELDS", "settings_from_hf", "plain"]
+__all__ = ["SCRIPT_FIELDS", "ACTING_DEFAULTS", "settings_from_hf", "plain"]
 
 # fields a script reads itself (or that only say how to load the model or the data); the trainer never acts on them
 SCRIPT_FIELDS: dict[str, str] = {
@@ -41,6 +42,16 @@ SCRIPT_FIELDS: dict[str, str] = {
     "local_rank": "torchrun sets LOCAL_RANK, which train reads",
     "model_init_kwargs": "load the model yourself: from_pretrained(name, **training_args.model_init_kwargs)",
     "trust_remote_code": "pass it to from_pretrained yourself",
+}
+
+
+# TRL fields whose *default* acts on the run: field -> (the value that does nothing, why the other one is refused)
+ACTING_DEFAULTS: dict[str, tuple[Any, str]] = {
+    "disable_dropout": (
+        False,
+        "TRL sets every dropout probability of the model to 0; trainfold trains the model as given: build it "
+        "without dropout (e.g. from_pretrained(name, attention_dropout=0.0)) and set disable_dropout=False",
+    ),
 }
 
 
@@ -142,6 +153,11 @@ def settings_from_hf(
             keep, value = _taken(name, _fsdp(value, config) if name == "fsdp" else value, defaults.get(name))
             if keep:
                 settings[name] = value
+            continue
+        if name in ACTING_DEFAULTS and name not in (checked or {}):
+            passive, why = ACTING_DEFAULTS[name]
+            if value != passive:
+                refused.append(f"{name}={value!r} (a {source} default that acts) is not taken: {why}")
             continue
         if any(value == d for d in reference.get(name, [])) or (
             name == "fsdp_config" and _fsdp_config_asks_nothing(value)
