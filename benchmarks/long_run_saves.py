@@ -9,8 +9,8 @@ AdamW moments) is saved as ``train._save`` saves it:
 - ``before``: the log history held in a list and written into every sidecar (``metadata.log_history``,
   what trainfold did up to this change), so each save rewrites all of it;
 - ``after``: the entries appended to ``log_history.jsonl`` as they are logged; the sidecar records
-  the file's position (``metadata.log``), and ``TrainResult.log_history`` is a ``LogHistory`` reading
-  the file when asked.
+  the file's position (``metadata.log``); ``TrainResult.log_history`` is the file read back once at
+  the end of the run (a plain list).
 
 Both are written by today's ``checkpoint.save``, which also checksums the sidecar (a second JSON
 encoding of it), so ``before`` costs somewhat more than the old code did; its growth with ``N`` is the point.

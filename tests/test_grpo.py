@@ -447,7 +447,7 @@ def test_errors_name_the_bad_value_and_the_fix():
     with pytest.raises(ValueError, match=r"shape \(5,\) do not split into groups of 2"):
         group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
-        combine_rewards([lambda p, c: [0.0]], ["a", "b"], ["x", "y"])
+        combine_rewards([lambda prompts, completions: [0.0]], ["a", "b"], ["x", "y"])
     with pytest.raises(ValueError, match="loss_type='cispo'"):
         grpo_objective("cispo")
     with pytest.raises(KeyError, match="'generation_tokens', which make_rollout records"):
@@ -715,7 +715,7 @@ def test_trainfold_grpo_offers_the_recipe_the_arguments_and_the_run():
     import trainfold.recipes.grpo as recipe
     from trainfold.hf import grpo_args, grpo_run
 
-    assert trainfold.grpo.__name__ == "trainfold.hf.grpo"
+    assert trainfold.grpo.__name__ == "trainfold.grpo"  # a real module (issue 33), re-exporting trainfold.hf.grpo
     assert all(getattr(trainfold.grpo, name) is getattr(recipe, name) for name in recipe.__all__)
     assert trainfold.grpo.train is grpo_run.train and trainfold.grpo.GRPOArguments is grpo_args.GRPOArguments
     assert {"make_rollout", "grpo_trajectory", "Rollout", "rollout_metrics"} <= set(recipe.__all__)

@@ -9,33 +9,55 @@ record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``sa
 ``train``) which wires them from the HF Trainer's setting names.
 """
 
-from trainfold import ckpt as checkpoint
-from trainfold import data, observe, optim
-from trainfold import dist as distributed
-from trainfold import eval as evaluation
+from trainfold import (
+    checkpoint,
+    chunked_loss,
+    compiled,
+    data,
+    distributed,
+    dpo,
+    ensemble,
+    evaluation,
+    generate,
+    grpo,
+    grpo_args,
+    grpo_run,
+    losses,
+    observe,
+    optim,
+    packing,
+    reducers,
+    reporters,
+    samplers,
+    schedules,
+    tree,
+)
 from trainfold.ckpt import latest_checkpoint, load, save
-from trainfold.core import chunked_loss, losses, tree
 from trainfold.core.chunked_loss import chunked_causal_lm
 from trainfold.core.determinism import warm_up_kernels
 from trainfold.core.fold import any_of, fit, max_steps, max_time, trajectory
 from trainfold.core.state import Cursor, TrainState, init_state
 from trainfold.core.version import library_version
-from trainfold.data import StepBatch, keyed, packing, pad_collate, samplers, stream
+from trainfold.data import StepBatch, keyed, pad_collate, stream
 from trainfold.data.packing import pack, packed_collate, padding_free_collate
 from trainfold.data.samplers import Sampler, make_sampler
-from trainfold.eval import reducers
 from trainfold.eval.evaluation import EvalPrediction
-from trainfold.hf import grpo, grpo_args, grpo_run
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.grpo_args import GRPOArguments
 from trainfold.hf.replay import first_divergence, replay
 from trainfold.hf.train import TrainResult, evaluate, predict, train
-from trainfold.observe import reporters
+from trainfold.hf.trainer_methods import (
+    create_model_card,
+    is_world_process_zero,
+    log_metrics,
+    save_metrics,
+    save_model,
+    save_state,
+)
 from trainfold.observe.stopping import early_stopping
-from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, schedules, sgd
-from trainfold.recipes import dpo, ensemble, generate
+from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, sgd
 from trainfold.recipes.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
-from trainfold.step import compiled, make_step
+from trainfold.step import make_step
 
 __version__ = library_version()
 
@@ -102,4 +124,10 @@ __all__ = [
     "trajectory",
     "tree",
     "warm_up_kernels",
+    "save_model",
+    "log_metrics",
+    "save_metrics",
+    "save_state",
+    "create_model_card",
+    "is_world_process_zero",
 ]

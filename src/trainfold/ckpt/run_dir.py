@@ -306,9 +306,10 @@ def _refuse_other_runs(
         return
     owner = f" (its run file names run {recorded['run_id']})" if recorded is not None else ""
     raise ValueError(
-        f"{root} holds checkpoints of another run{owner}: {_describe_others(root, settings, fingerprint)}; pass "
-        "overwrite_output_dir=True to write this run there anyway, resume that run with its own settings, or "
-        "choose another output_dir"
+        f"{root} holds checkpoints of another run{owner}: {_describe_others(root, settings, fingerprint)}; "
+        "choose another output_dir, resume that run with its own settings, or write this run there anyway with "
+        "trainfold's overwrite_output_dir=True (args.replace(overwrite_output_dir=True), or "
+        "TrainingArguments.from_hf(hf_args, overwrite_output_dir=True): transformers 5 has no such setting)"
     )
 
 

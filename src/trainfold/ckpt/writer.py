@@ -112,6 +112,7 @@ def save(
     tensors: Callable[[Path], Mapping[str, dict[str, int]]] | None = None,
     syncs: Syncs | None = None,
     on_durable: Callable[[Path], Any] | None = None,
+    extra_files: Callable[[Path], Any] | None = None,
 ) -> Path:
     """Write ``state`` to ``directory`` atomically (see the module) and return the directory's path.
 
@@ -126,7 +127,8 @@ def save(
     emergency checkpoint that ``rotate`` never deletes; ``on_file(path)`` is called after each file
     (progress; tests crash there). ``tensors(tmp)`` writes its own tensor files into ``tmp`` and
     returns their ``{name: {"bytes", "crc32"}}`` (``trainfold.ckpt.sharded``). ``syncs``: fsync after the
-    rename, in its thread (see the module); ``on_durable(path)`` runs once durable. Call it on one rank only.
+    rename, in its thread (see the module); ``on_durable(path)`` runs once durable; ``extra_files(tmp)`` adds
+    files that the sidecar does not list (a tokenizer's ``save_pretrained``). Call it on one rank only.
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
@@ -136,7 +138,6 @@ def save(
     >>> sorted(p.name for p in path.iterdir()), read_metadata(path)["metadata"]
     (['checkpoint-is-durable.json', 'model.safetensors', 'state.safetensors', 'trainfold.json'], {'n': 1})
     """
-    directory = Path(directory)
     fields = {
         "metadata": _json(metadata, "save metadata"),
         "settings": _json(settings, "save settings"),
@@ -144,19 +145,18 @@ def save(
         "save_only_model": save_only_model,
         "jit": jit,
     }
-    layout = layout_of(state, model, config)
-    flat = flatten(state)
+    layout, flat = layout_of(state, model, config), flatten(state)
     frozen = fingerprints({k: flat[k] for k in layout.frozen})
 
     def write(tmp: Path, sync: BackgroundSync | None) -> dict[str, Any]:
-        files = _write_files(tmp, flat, layout, frozen, save_only_model, on_file, tensors, sync)
+        files = _write_files(tmp, flat, layout, frozen, save_only_model, on_file, tensors, sync, extra_files)
         where = {"tensors": {layout.weights_file: layout.weights}, "frozen": frozen} if tensors is None else {}
         cursor = (int(state.cursor.epoch), int(state.cursor.position))
         return new_sidecar(step=int(state.step), cursor=cursor, files=files, **where, **fields)
 
     if syncs is not None and tensors is not None:
         raise ValueError("syncs= is for a checkpoint written here; a sharded one (tensors=) is fsynced by its ranks")
-    return _write_in_place(directory, write, syncs, on_durable)
+    return _write_in_place(Path(directory), write, syncs, on_durable)
 
 
 def _write_in_place(
@@ -212,6 +212,7 @@ def _write_files(
     on_file: Callable[[Path], None] | None,
     tensors: Callable[[Path], Mapping[str, dict[str, int]]] | None,
     sync: BackgroundSync | None,
+    extra_files: Callable[[Path], Any] | None = None,
 ) -> dict[str, dict[str, int]]:
     """Write the tensor files (or have ``tensors`` write them) and the config into ``tmp``; return their entries.
 
@@ -240,4 +241,6 @@ def _write_files(
         data = layout.config_text.encode()
         write_bytes(tmp / layout.config_file, data, fsync=sync is not None)
         record(layout.config_file, len(data), zlib.crc32(data))
+    if extra_files is not None:
+        extra_files(tmp)
     return files

@@ -60,6 +60,8 @@ def model_task(model: Any) -> str | None:
 
     if isinstance(model, TinyLM):
         return "causal_lm"
+    if type(model).__name__ == "PeftModel" and hasattr(model, "get_base_model"):  # made without task_type
+        return model_task(model.get_base_model())  # it forwards everything to its base model, loss included
     hf = _hf_class_tasks() if any(c.__module__.startswith("transformers.") for c in type(model).__mro__) else {}
     for cls in type(model).__mro__:
         tasks = hf.get(cls.__name__)

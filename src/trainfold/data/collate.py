@@ -22,7 +22,16 @@ from torch.nn.utils.rnn import pad_sequence
 
 from trainfold.core.rng import derive_seed
 
-__all__ = ["DEFAULT_PAD_VALUES", "KeyedCollate", "PadCollate", "keyed", "pad_collate", "sample_key"]
+__all__ = [
+    "DEFAULT_PAD_VALUES",
+    "KeyedCollate",
+    "PadCollate",
+    "collate_for",
+    "keyed",
+    "pad_collate",
+    "pad_token_id_of",
+    "sample_key",
+]
 
 DEFAULT_PAD_VALUES = {"attention_mask": 0, "token_type_ids": 0, "special_tokens_mask": 1}
 
@@ -131,6 +140,38 @@ def pad_collate(
         keys=None if keys is None else tuple(keys),
         pad_values=tuple(sorted((pad_values or {}).items())),
     )
+
+
+def pad_token_id_of(processing_class: Any) -> int | None:
+    """Return the pad id of a tokenizer, or of a processor's tokenizer (``processing_class`` as HF names it); or None.
+
+    >>> class Tok:
+    ...     pad_token_id = 1
+    >>> class Processor:
+    ...     tokenizer = Tok()
+    >>> pad_token_id_of(Tok()), pad_token_id_of(Processor()), pad_token_id_of(None)
+    (1, 1, None)
+    """
+    for candidate in (processing_class, getattr(processing_class, "tokenizer", None)):
+        pad = getattr(candidate, "pad_token_id", None)
+        if isinstance(pad, int) and not isinstance(pad, bool):
+            return pad
+    return None
+
+
+def collate_for(processing_class: Any) -> PadCollate | None:
+    """Return the default collator of a run given ``processing_class``: ``pad_collate`` padding with its pad id.
+
+    ``None`` when it has no pad id (the run's default, ``pad_collate()``, pads with 0), as HF's
+    ``DataCollatorWithPadding(tokenizer)`` pads ``input_ids`` with the tokenizer's pad id.
+
+    >>> class Tok:
+    ...     pad_token_id = 3
+    >>> collate_for(Tok())([{"input_ids": [5, 6]}, {"input_ids": [7]}])["input_ids"].tolist()
+    [[5, 6], [7, 3]]
+    """
+    pad = pad_token_id_of(processing_class)
+    return None if pad is None else pad_collate(pad_token_id=pad)
 
 
 def sample_key(seed: int, epoch: int, index: int) -> int:

@@ -271,6 +271,9 @@ def check_packable(model: nn.Module) -> None:
 attention stays within each document; Linear.forward takes ['input']: train without packing/padding_free
     """
     params = inspect.signature(model.forward).parameters
+    base = getattr(model, "get_base_model", None)  # a peft model passes position_ids to its base through **kwargs
+    if base is not None and "position_ids" not in params:
+        params = inspect.signature(base().forward).parameters
     if "position_ids" not in params:
         raise ValueError(
             "packing needs a model whose forward takes position_ids (a transformers causal LM), so that attention "

@@ -12,6 +12,14 @@ from trainfold.hf.optimizer import default_optimizer
 from trainfold.hf.plan import Plan
 from trainfold.hf.planning import plan_for
 from trainfold.hf.train import TrainResult
+from trainfold.hf.trainer_methods import (
+    create_model_card,
+    is_world_process_zero,
+    log_metrics,
+    save_metrics,
+    save_model,
+    save_state,
+)
 
 __all__ = [
     "TrainingArguments",
@@ -24,4 +32,10 @@ __all__ = [
     "EvalPlan",
     "HFCallbacks",
     "BEST",
+    "save_model",
+    "log_metrics",
+    "save_metrics",
+    "save_state",
+    "create_model_card",
+    "is_world_process_zero",
 ]

@@ -15,7 +15,7 @@ TypeError: unknown TrainingArguments: 'learnig_rate' (did you mean 'learning_rat
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -24,6 +24,7 @@ from trainfold.ckpt.policy import SAVE_STRATEGIES
 from trainfold.data.samplers import STRATEGIES as SAMPLING_STRATEGIES
 from trainfold.eval.schedule import EVAL_STRATEGIES
 from trainfold.hf.args_checks import problems
+from trainfold.hf.args_convert import settings_from_hf
 from trainfold.hf.args_features import FSDP_FULL_SHARD, OPTIMIZERS, fsdp_options
 from trainfold.hf.args_hf import HF_ONLY, hf_only_problem
 from trainfold.observe.reporters import LOG_LEVELS
@@ -119,6 +120,9 @@ class TrainingArguments:
     greater_is_better: bool | None = None
     load_best_model_at_end: bool = False
     enable_jit_checkpoint: bool = False
+    # a resume takes the EarlyStoppingCallback's patience and threshold from the checkpoint, as HF (the counters
+    # are in the state record: always restored)
+    restore_callback_states_from_checkpoint: bool = False
     use_cpu: bool = False
     bf16: bool = False
     fp16: bool = False
@@ -168,6 +172,44 @@ class TrainingArguments:
     def from_dict(cls, settings: Mapping[str, Any]) -> TrainingArguments:
         """Build from a mapping (a parsed TOML/JSON config), with the same checks."""
         return cls(**dict(settings))
+
+    @classmethod
+    def from_hf(cls, config: Any, **changes: Any) -> TrainingArguments:
+        """Build from a parsed ``transformers.TrainingArguments`` (or a TRL config) as is, then apply ``changes``.
+
+        Keeps every setting trainfold has (as transformers resolved it), ignores the fields that are at
+        their defaults or belong to the script (``resume_from_checkpoint``, ``model_init_kwargs``...),
+        and refuses by name, all at once, the ones trainfold cannot honour (``trainfold.hf.args_convert``).
+
+        >>> import transformers
+        >>> hf = transformers.TrainingArguments(output_dir="out", learning_rate=1e-3, report_to="none")
+        >>> args = TrainingArguments.from_hf(hf, overwrite_output_dir=True)
+        >>> args.learning_rate, args.lr_scheduler_type, args.overwrite_output_dir
+        (0.001, 'linear', True)
+        >>> try:
+        ...     TrainingArguments.from_hf(transformers.TrainingArguments(output_dir="out", push_to_hub=True))
+        ... except TypeError as e:
+        ...     print(str(e).splitlines()[1].split(":")[0])
+          - push_to_hub=True is a transformers.TrainingArguments setting that trainfold does not take
+        """
+        fields = attrs.fields(cls)
+        settings = settings_from_hf(
+            config,
+            known={f.name for f in fields},
+            defaults={f.name: f.default for f in fields},
+            checked=cls.checked_from_hf(),
+        )
+        return cls(**{**cls.resolved_from_hf(settings, config), **changes})
+
+    @classmethod
+    def checked_from_hf(cls) -> dict[str, Callable[[Any], str | None]]:
+        """Return judges of foreign fields this class knows about (none here; GRPO: TRL's): value -> why refused."""
+        return {}
+
+    @classmethod
+    def resolved_from_hf(cls, settings: dict[str, Any], config: Any) -> dict[str, Any]:
+        """Return ``settings`` with what ``config``'s ``__post_init__`` derived undone where this class derives it."""
+        return settings
 
     def to_dict(self) -> dict[str, Any]:
         """Return the settings as JSON-ready values."""

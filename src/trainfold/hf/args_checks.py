@@ -84,6 +84,7 @@ TYPES: dict[str, tuple[type, ...]] = {
     "greater_is_better": (bool, type(None)),
     "load_best_model_at_end": (bool,),
     "enable_jit_checkpoint": (bool,),
+    "restore_callback_states_from_checkpoint": (bool,),
     "use_cpu": (bool,),
     "bf16": (bool,),
     "fp16": (bool,),

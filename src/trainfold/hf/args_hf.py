@@ -115,9 +115,6 @@ HF_ONLY: dict[str, str] = {
     "dataloader_multiprocessing_context": "not supported; the workers start with the platform's default context",
     "dataloader_in_order": "not supported; data order never depends on dataloader_num_workers anyway",
     "ignore_data_skip": "a resume always continues at the exact data position, without reading the skipped batches",
-    "restore_callback_states_from_checkpoint": (
-        "logging, best-model and early-stopping state live in the state record, so a resume always restores them"
-    ),
     "full_determinism": (
         "a step's random draws come from generators seeded by (seed, step); for deterministic "
         "kernels call torch.use_deterministic_algorithms(True) yourself"
@@ -200,7 +197,6 @@ TAKEN_AS_IS: dict[str, tuple[Any, ...]] = {
             "dataloader_in_order",
             "skip_memory_metrics",
             "save_safetensors",
-            "restore_callback_states_from_checkpoint",
             "log_on_each_node",
         ),
         (True,),

@@ -40,6 +40,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+import torch
+
+from trainfold import ckpt
 from trainfold.core.state import TrainState
 from trainfold.hf.callback_checks import (
     REFUSED_HOOKS,
@@ -54,6 +58,7 @@ from trainfold.hf.callback_checks import (
 from trainfold.hf.extras import BEST
 
 __all__ = [
+    "resumed_callback_states",
     "REFUSED_HOOKS",
     "refused_hooks",
     "check_callbacks",
@@ -266,3 +271,28 @@ class HFCallbacks:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+def resumed_callback_states(plan: Any, begin: Any, callbacks: Sequence[Any]) -> tuple[Any, Any]:
+    """Return ``(plan, begin)`` resuming an ``EarlyStoppingCallback`` as HF does: from the checkpoint, or afresh.
+
+    With ``restore_callback_states_from_checkpoint`` its patience and threshold come from the checkpoint
+    (HF re-creates the callback from the ``args`` it saved) and its count of bad evaluations goes on;
+    without (HF's default), the count restarts at 0 under the new callback's settings. trainfold's own
+    ``early_stopping=`` record is part of the state and always goes on.
+    """
+    restore = getattr(plan.args, "restore_callback_states_from_checkpoint", False)
+    given = any(type(cb).__name__ == "EarlyStoppingCallback" for cb in callbacks)
+    if begin.source is None or plan.early is None or not given:
+        return plan, begin
+    if not restore:
+        record = begin.state.extras[plan.early.key]
+        fresh = attrs.evolve(record, bad_evals=torch.zeros_like(record.bad_evals))
+        return plan, attrs.evolve(
+            begin, state=attrs.evolve(begin.state, extras={**begin.state.extras, plan.early.key: fresh})
+        )
+    saved = ckpt.read_metadata(begin.source)["metadata"].get("early_stopping")
+    if not isinstance(saved, Mapping) or sorted(saved) != ["patience", "threshold"]:
+        return plan, begin  # a checkpoint of a run without early stopping: the run's own settings
+    early = attrs.evolve(plan.early, patience=int(saved["patience"]), threshold=float(saved["threshold"]))
+    return plan.with_early_stopping(early), begin

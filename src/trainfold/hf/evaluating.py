@@ -20,6 +20,7 @@ from trainfold.core.collective import Collective
 from trainfold.core.losses import default_loss_for
 from trainfold.core.state import TrainState, split_module
 from trainfold.data import close_loader, eval_loader
+from trainfold.data.collate import collate_for
 from trainfold.data.columns import eval_collate, padded_to_multiple
 from trainfold.dist import shard
 from trainfold.eval import evaluate_sharded
@@ -27,7 +28,7 @@ from trainfold.eval.evaluation import eval_sets
 from trainfold.eval.evaluation import evaluate as evaluate_batches
 from trainfold.eval.evaluation import predict as predict_batches
 from trainfold.eval.schedule import check_eval_schedule, should_evaluate
-from trainfold.hf.inputs import columns_of, device_for
+from trainfold.hf.inputs import columns_of, device_for, eval_labels
 from trainfold.step import sharded
 
 __all__ = ["EvalSet", "EvalPlan", "eval_plan_for", "eval_loader_for", "evaluate", "predict"]
@@ -202,11 +203,13 @@ def evaluate(
     preprocess_logits_for_metrics: Callable[..., Any] | None = None,
     metric_key_prefix: str = "eval",
     objective: Callable[..., Any] | None = None,
+    processing_class: Any = None,
 ) -> dict[str, float]:
     """Evaluate ``state``'s params (default: the model's own) on ``eval_dataset``, in dataset order.
 
     ``objective`` (e.g. the ``dpo_objective`` of the run) scores the batches and adds its metrics
     (``eval_rewards/chosen``...), as during ``train`` (``trainfold.eval.evaluation.evaluate``).
+    ``processing_class`` (a tokenizer or processor): without ``data_collator``, batches are padded with its pad id.
 
     >>> import tempfile, torch
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
@@ -225,7 +228,8 @@ def evaluate(
     """
     metrics: dict[str, float] = {}
     for prefix, dataset in eval_sets(eval_dataset, metric_key_prefix).items():  # a dict: each set, as HF
-        params, buffers, batches, label_key = _eval_inputs(model, args, dataset, state, data_collator, objective)
+        given = (data_collator, objective, processing_class)
+        params, buffers, batches, label_key = _eval_inputs(model, args, dataset, state, *given)
         try:
             metrics.update(
                 evaluate_batches(
@@ -260,6 +264,7 @@ def predict(
     preprocess_logits_for_metrics: Callable[..., Any] | None = None,
     metric_key_prefix: str = "test",
     objective: Callable[..., Any] | None = None,
+    processing_class: Any = None,
 ) -> Any:
     """Return predictions, labels (dataset order) and metrics of ``state``'s params on ``test_dataset``.
 
@@ -278,7 +283,8 @@ def predict(
     """
     if isinstance(test_dataset, dict):
         raise TypeError("predict takes one dataset, not a dict of them (as HF's Trainer.predict); call it per set")
-    params, buffers, batches, label_key = _eval_inputs(model, args, test_dataset, state, data_collator, objective)
+    given = (data_collator, objective, processing_class)
+    params, buffers, batches, label_key = _eval_inputs(model, args, test_dataset, state, *given)
     try:
         return predict_batches(
             model,
@@ -304,6 +310,7 @@ def _eval_inputs(
     state: TrainState | None,
     data_collator: Callable[..., Any] | None,
     objective: Any = None,
+    processing_class: Any = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any, str]:
     """Return ``(params, buffers, batches, label_key)`` for ``evaluate``/``predict``: the state's or the model's."""
     device = device_for(args)
@@ -313,5 +320,7 @@ def _eval_inputs(
     else:
         state_tensors = (state.params, state.buffers)
     columns = columns_of(model, args, data_collator, objective=objective)  # keeps the columns it reads
-    collate = eval_collate(padded_to_multiple(data_collator, args.pad_to_multiple_of), columns)
+    chosen = data_collator if data_collator is not None else collate_for(processing_class)
+    chosen = eval_labels(padded_to_multiple(chosen, args.pad_to_multiple_of), args, data_collator, objective)
+    collate = eval_collate(chosen, columns)
     return (*state_tensors, eval_loader_for(dataset, collate, args, device), columns.label_key)

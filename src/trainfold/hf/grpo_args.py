@@ -23,6 +23,7 @@ use_vllm=True is not taken: generation runs on trainfold.recipes.generate; set u
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -167,6 +168,12 @@ class GRPOArguments(TrainingArguments):
     3 is not divisible by num_generations=2: a generation must hold whole prompt groups
     """
 
+    # TRL's GRPOConfig defaults where they differ from TrainingArguments' (bf16 stays False: TRL resolves its
+    # None to True on every device; from_hf takes the resolved value)
+    learning_rate: float = 1e-6
+    logging_steps: float = 10
+    gradient_checkpointing: bool | None = True
+    remove_unused_columns: bool = False
     num_generations: int = 8
     steps_per_generation: int | None = None
     generation_batch_size: int | None = None
@@ -202,6 +209,30 @@ class GRPOArguments(TrainingArguments):
             raise ValueError("\n  - ".join([str(e).replace("TrainingArguments", "GRPOArguments"), *grpo])) from None
         if grpo:
             raise ValueError("invalid GRPOArguments:\n  - " + "\n  - ".join(grpo))
+
+    @classmethod
+    def checked_from_hf(cls) -> dict[str, Callable[[Any], str | None]]:
+        """Return the judges of TRL's settings that ``GRPOArguments`` does not take (``TRL_ONLY``)."""
+        return {name: functools.partial(_trl_problem, name) for name in TRL_ONLY}
+
+    @classmethod
+    def resolved_from_hf(cls, settings: dict[str, Any], config: Any) -> dict[str, Any]:
+        """Keep ``steps_per_generation`` of a ``GRPOConfig`` that filled in both it and ``generation_batch_size``.
+
+        TRL's ``generation_batch_size`` counts the completions of all processes (``per_device_train_batch_size
+        × world_size × steps_per_generation``); a pair that disagrees (one changed after parsing) is refused.
+        """
+        steps, size = settings.get("steps_per_generation"), settings.get("generation_batch_size")
+        if steps is None or size is None:
+            return settings
+        world = int(getattr(config, "world_size", 1) or 1)
+        expected = settings.get("per_device_train_batch_size", 8) * world * steps
+        if size != expected:
+            raise ValueError(
+                f"{type(config).__name__} has generation_batch_size={size} and steps_per_generation={steps}, which "
+                f"disagree (per_device_train_batch_size x world_size x steps_per_generation = {expected}); set one"
+            )
+        return {k: v for k, v in settings.items() if k != "generation_batch_size"}
 
     @property
     def generation_steps(self) -> int:

@@ -176,6 +176,6 @@ def train(
     refused = sorted({"train_dataset", "eval_dataset", "objective", "train_stream", "compute_loss_func"} & set(run))
     if refused:
         raise TypeError(f"grpo train sets {refused} itself; pass prompts, eval_prompts and reward_funcs instead")
-    return train_run(
-        model, args, prompts, eval_dataset=eval_prompts, objective=plan.objective, train_stream=plan.stream(), **run
-    )
+    stream = plan.stream()  # a processing_class is saved into every checkpoint, as the Trainer's
+    given = dict(eval_dataset=eval_prompts, objective=plan.objective, processing_class=processing_class)
+    return train_run(model, args, prompts, train_stream=stream, **given, **run)

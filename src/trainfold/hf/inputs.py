@@ -17,10 +17,11 @@ from torch import nn
 
 from trainfold.core.losses import default_loss_for, label_smoothed, refuse_unlabelled
 from trainfold.data import StepBatch
+from trainfold.data.collate import collate_for, pad_collate
 from trainfold.data.columns import Columns, columns_for, eval_collate, padded_to_multiple, with_columns
 from trainfold.data.llm import lm_inputs
 
-__all__ = ["RunInputs", "run_inputs", "device_for", "columns_of", "to_device"]
+__all__ = ["RunInputs", "LabelsFromInputs", "eval_labels", "run_inputs", "device_for", "columns_of", "to_device"]
 
 
 def device_for(args: Any) -> torch.device:
@@ -62,6 +63,33 @@ def to_device(batches: Iterable[StepBatch], device: torch.device) -> Iterator[St
 
 
 @attrs.frozen
+class LabelsFromInputs:
+    """A collator that gives each item without ``labels`` its ``input_ids`` as labels, then calls ``collate``.
+
+    What packing does for training (each document's tokens are its targets), done for evaluation,
+    which never packs: so rows with only ``input_ids`` still get an ``eval_loss``.
+
+    >>> from trainfold.data.collate import pad_collate
+    >>> LabelsFromInputs(pad_collate(pad_token_id=9))([{"input_ids": [1, 2]}, {"input_ids": [3]}])["labels"].tolist()
+    [[1, 2], [3, -100]]
+    """
+
+    collate: Callable[[list[Any]], Any]
+
+    def __call__(self, items: list[Any]) -> Any:
+        return self.collate([item if "labels" in item else {**item, "labels": item["input_ids"]} for item in items])
+
+
+def eval_labels(collate: Callable[..., Any] | None, args: Any, data_collator: Any, objective: Any) -> Any:
+    """Return the evaluation collator: ``LabelsFromInputs`` where training builds labels (packing), else as is."""
+    if data_collator is not None or objective is not None:
+        return collate
+    if not (getattr(args, "packing", False) or getattr(args, "padding_free", False)):
+        return collate
+    return LabelsFromInputs(collate or pad_collate())
+
+
+@attrs.frozen
 class RunInputs:
     """The datasets, loss, objectives and collators of a run, after DPO's ``prepare`` and the LLM settings."""
 
@@ -100,8 +128,13 @@ def run_inputs(
     *,
     world_size: int = 1,
     device: torch.device | None = None,
+    processing_class: Any = None,
 ) -> RunInputs:
-    """Return what the run feeds the model; refuse a dataset that trains nothing, and what cannot be done."""
+    """Return what the run feeds the model; refuse a dataset that trains nothing, and what cannot be done.
+
+    Without ``data_collator``, batches are padded with ``processing_class``'s pad id (as HF's
+    ``DataCollatorWithPadding``); packing's and padding-free collators pad nothing.
+    """
     loss = _loss(model, args, compute_loss_func, objective)
     if objective is None:
         refuse_unlabelled(train_dataset, loss)  # a fully masked dataset would train nothing, forever
@@ -111,7 +144,8 @@ def run_inputs(
             "in one process (trainfold.evaluate(..., objective=...)), or drop eval_dataset"
         )
     columns = columns_of(model, args, data_collator, labels_required=objective is None, objective=objective)
-    padded = padded_to_multiple(data_collator, args.pad_to_multiple_of)
+    default = data_collator if data_collator is not None else collate_for(processing_class)
+    padded = padded_to_multiple(default, args.pad_to_multiple_of)
     if getattr(objective, "prepare", None) is not None:  # DPO: precomputed reference log-probs, cached in output_dir
         objective, train_dataset, eval_dataset = objective.prepare(
             model, args, train_dataset, eval_dataset, padded, device or device_for(args)
@@ -124,6 +158,10 @@ def run_inputs(
         objective=lm.objective,
         eval_objective=objective,
         columns=columns,
-        collate=with_columns(padded_to_multiple(lm.data_collator, args.pad_to_multiple_of), columns),
-        eval_collate=eval_collate(padded, columns),
+        collate=with_columns(padded_to_multiple(_either(lm.data_collator, default), args.pad_to_multiple_of), columns),
+        eval_collate=eval_collate(eval_labels(padded, args, data_collator, objective), columns),
     )
+
+
+def _either(collate: Any, default: Any) -> Any:
+    return collate if collate is not None else default

@@ -156,9 +156,10 @@ class CheckpointPlan:
     async_save: bool = False
     consolidated: bool = False
     fsync: str = "background"
+    processing_class: Any = None  # the tokenizer or processor: its files go into every checkpoint
 
     @classmethod
-    def from_args(cls, args: Any) -> CheckpointPlan:
+    def from_args(cls, args: Any, processing_class: Any = None) -> CheckpointPlan:
         """Return the plan of ``args``' ``save_strategy``, ``save_steps``, ``save_total_limit``..."""
         return cls(
             args.output_dir,
@@ -169,6 +170,7 @@ class CheckpointPlan:
             args.async_save,
             args.save_consolidated_model,
             args.save_fsync,
+            processing_class,
         )
 
 
@@ -286,6 +288,11 @@ class Plan:
     def is_writer(self) -> bool:
         """Whether this rank writes the run's files (rank 0)."""
         return self.rank == 0
+
+    def with_early_stopping(self, early: EarlyStopping) -> Plan:
+        """Return the plan with ``early`` as its early stopping (settings a resume restored), its stop rule too."""
+        rules = tuple((n, patience_exhausted(early) if n == "early_stopping" else r) for n, r in self.stops.rules)
+        return attrs.evolve(self, early=early, stops=StopRules(rules))
 
     @property
     def samples_per_step(self) -> int | None:

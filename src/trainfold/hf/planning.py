@@ -100,13 +100,14 @@ def plan_for(
     collective: Collective | None = None,
     callbacks: Sequence[Any] = (),
     train_stream: Any = None,
+    processing_class: Any = None,
 ) -> Plan:
     """Return the run ``train`` makes of its arguments (the same, in ``train``'s order), checked, before any step."""
     device = device_for(args)
     rank, world_size = world_of(collective)
     args = elastic_args(args, resume_from_checkpoint, world_size)  # another world: the saved global batch
-    given = (data_collator, compute_loss_func, objective)
-    inputs = run_inputs(model, args, train_dataset, eval_dataset, *given, world_size=world_size, device=device)
+    given, where = (data_collator, compute_loss_func, objective), dict(world_size=world_size, device=device)
+    inputs = run_inputs(model, args, train_dataset, eval_dataset, *given, **where, processing_class=processing_class)
     sampler = sampler_for(args, inputs.train_dataset, world_size=world_size, rank=rank)
     schedule = schedule_for(args, sampler, train_stream)
     scoring = dict(compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics)
@@ -138,7 +139,7 @@ def plan_for(
         callbacks=callbacks,
         observers=tuple(observers),
         stream=train_stream,
-        **_reporting(args, schedule.total_steps, rank, world_size),
+        **_reporting(args, schedule.total_steps, rank, world_size, processing_class),
         stops=stop_rules(schedule.total_steps, early, stop, collective),
     )
 
@@ -167,11 +168,11 @@ def _evals(
     )
 
 
-def _reporting(args: Any, total_steps: int, rank: int, world_size: int) -> dict[str, Any]:
+def _reporting(args: Any, total_steps: int, rank: int, world_size: int, processing_class: Any) -> dict[str, Any]:
     """Return the plan's logging, checkpoint and reporter pieces, and the settings a checkpoint records."""
     return dict(
         logging=logging_for(args, total_steps),
-        checkpoints=CheckpointPlan.from_args(args),
+        checkpoints=CheckpointPlan.from_args(args, processing_class),
         reporters=ReporterPlan.from_args(args, writer=rank == 0),
         settings={**args.to_dict(), "world_size": world_size},
     )

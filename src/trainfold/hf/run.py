@@ -27,7 +27,16 @@ from trainfold.observe import history as log_file
 from trainfold.observe.divergence import diverged
 from trainfold.observe.stopping import patience_exhausted, record_evaluation
 
-__all__ = ["Run", "record_eval", "evaluate_and_record", "save", "after_step", "callback_adapter", "settle_resume_check"]
+__all__ = [
+    "Run",
+    "saving_files_of",
+    "record_eval",
+    "evaluate_and_record",
+    "save",
+    "after_step",
+    "callback_adapter",
+    "settle_resume_check",
+]
 
 
 @attrs.frozen(eq=False)
@@ -115,13 +124,22 @@ def _save_options(run: Run, state: TrainState) -> dict[str, Any]:
         "best_metric": None if none_yet else float(best.value),
         "best_step": None if none_yet else int(best.step),
     }
+    early = run.plan.early
+    if early is not None:  # what restore_callback_states_from_checkpoint restores (an EarlyStoppingCallback's args)
+        metadata["early_stopping"] = {"patience": early.patience, "threshold": early.threshold}
     return dict(
         model=run.plan.model,
         metadata=metadata,
         settings=run.plan.settings,
         save_only_model=run.plan.checkpoints.save_only_model,
         run=run.run_id.as_dict() if run.run_id is not None else None,
+        extra_files=saving_files_of(run.plan.checkpoints.processing_class),
     )
+
+
+def saving_files_of(processing_class: Any) -> Callable[[Path], Any] | None:
+    """Return what writes ``processing_class``'s files into a checkpoint (its ``save_pretrained``), or None."""
+    return None if processing_class is None else processing_class.save_pretrained
 
 
 def save(run: Run, state: TrainState, *, jit: bool = False) -> Path:

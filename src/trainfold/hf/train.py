@@ -27,8 +27,10 @@ turn inf/NaN stops there (status ``diverged``, a warning, ``metrics["diverged_at
 saving them; a float16 step that loss scaling skipped is not divergence. ``callbacks`` take
 ``transformers.TrainerCallback`` objects (``trainfold.hf.callbacks``). Under ``torchrun`` it joins the
 process group itself (``collective=`` overrides), so N processes of batch B train as one of batch N×B.
+``processing_class`` (a tokenizer or processor, as HF's) pads the default collator's batches with its pad
+id and is saved into every checkpoint (``AutoTokenizer.from_pretrained(checkpoint)`` loads it).
 ``train_stream`` (a ``data.StateStream``) replaces the sampler and stream with steps made from the
-state they start from: ``trainfold.recipes.grpo.train`` runs GRPO through it.
+state they start from: ``trainfold.grpo.train`` runs GRPO through it.
 
 The run is a ``Plan`` (``hf.plan``), built before any step by ``hf.planning.plan_for`` from these
 arguments: the sampler, schedule, optimizer, step, eval plan (``hf.evaluating``), checkpoint policy,
@@ -40,6 +42,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -62,7 +66,7 @@ from trainfold.data import StateStream, stream
 from trainfold.dist.distributed import joins_torchrun
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.callback_checks import set_transformers_verbosity
-from trainfold.hf.callbacks import HFCallbacks
+from trainfold.hf.callbacks import HFCallbacks, resumed_callback_states
 from trainfold.hf.evaluating import evaluate, predict
 from trainfold.hf.extras import BEST
 from trainfold.hf.inputs import to_device
@@ -107,7 +111,7 @@ class TrainResult:
     # ones with ``load_best_model_at_end``)
     status: str
     metrics: dict[str, float]
-    log_history: Sequence[dict[str, Any]]  # read lazily from output_dir/log_history.jsonl on the writer rank
+    log_history: list[dict[str, Any]]  # every log entry of the run (a resumed one: from its start), a plain list
     best_checkpoint: Path | None = None
     last_checkpoint: Path | None = None
     signal: int | None = None  # the signal that preempted the run (SIGTERM, SIGINT): exit 128 + it
@@ -116,6 +120,33 @@ class TrainResult:
     def global_step(self) -> int:
         """Return the optimizer steps done."""
         return int(self.state.step)
+
+    @property
+    def exit_code(self) -> int:
+        """Return the process exit status the run calls for: ``128 + signal`` when preempted (143: SIGTERM), else 0.
+
+        >>> import signal
+        >>> from trainfold.core.state import init_state
+        >>> from trainfold.optim.base import sgd
+        >>> state = init_state(torch.nn.Linear(2, 1), sgd(0.1))
+        >>> TrainResult(state, "preempted", {}, [], signal=signal.SIGTERM).exit_code
+        143
+        >>> TrainResult(state, "completed", {}, []).exit_code
+        0
+        """
+        if self.status != "preempted":
+            return 0
+        return 128 + int(self.signal if self.signal is not None else signal.SIGTERM)
+
+    def exit_if_preempted(self) -> None:
+        """Exit the process with ``exit_code`` (143 after SIGTERM) if the run was preempted; else return.
+
+        Call it right after ``train``, before evaluating or saving: a preempted run is half-trained, its
+        checkpoint is saved, and the scheduler (torchrun, SLURM, Kubernetes) must see a failure to requeue it.
+        """
+        if self.status == "preempted":
+            sys.stdout.flush()
+            raise SystemExit(self.exit_code)
 
     def apply_to(self, model: nn.Module) -> nn.Module:
         """Copy the trained tensors into ``model`` (in place; the one explicit mutation) and return it.
@@ -160,6 +191,7 @@ def train(
     weights_only_warm_start: bool = False,
     callbacks: Sequence[Any] = (),
     train_stream: StateStream | None = None,
+    processing_class: Any = None,
 ) -> TrainResult:
     """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record.
 
@@ -184,11 +216,12 @@ def train(
     set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
     rest = (observers, resume_from_checkpoint, early_stopping, stop, collective, callbacks, train_stream)
-    plan = plan_for(model, args, train_dataset, eval_dataset, *given, *rest)  # train's arguments, in order
+    plan = plan_for(model, args, train_dataset, eval_dataset, *given, *rest, processing_class=processing_class)
     state = initial_state(plan)
     claim = claim_for(plan, state, resume_from_checkpoint)
     with claim.releasing_on_error():  # the lock is held until the run ends (the `with claim` below)
         begin = start(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
+    plan, begin = resumed_callback_states(plan, begin, callbacks)  # an EarlyStoppingCallback's, as HF's
     with claim:  # released if the run raises
         released = release_weights(plan.model, begin.state)  # fsdp: the module keeps no full copy (hf.released)
         result = _session(plan, begin, claim.run)
@@ -247,9 +280,9 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
         run.reporters.log(summary, int(state.step))
         bar.close()
         history = run.history
-        if isinstance(history, log_file.HistoryFile):
+        if isinstance(history, log_file.HistoryFile):  # read back once: the result holds a plain list
             history.close()
-            history = history.history()
+            history = list(history.history())
     return _Ended(state, status, summary, history, run.saved, signal)
 
 

@@ -10,6 +10,7 @@ semantics, checkpoints and resume inside a generation block is ``trainfold.grpo.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -198,6 +199,7 @@ def make_rollout(
     ref_params: Mapping[str, Tensor] | None = None,
     prompt_key: str = "prompt",
     chunk_size: int | None = None,
+    steps_per_generation: int | None = None,
 ) -> Rollout:
     """Return ``rollout(state, prompt_micro_batches) -> micro_batches`` for :func:`grpo_trajectory`.
 
@@ -213,16 +215,16 @@ def make_rollout(
     or ``num_iterations`` above 1) and ``ref_logps`` when ``ref_params`` is given.
     ``num_iterations`` (TRL's μ) trains on each block that many times, in the same order.
     ``chunk_size`` (a transformers causal LM) scores the old and reference log-probs ``chunk_size``
-    tokens at a time from the final hidden states, never materialising the full logits.
+    tokens at a time from the final hidden states, never materialising the full logits. (``steps_per_generation``:
+    the old name of ``optimizer_steps_per_generation``, with a DeprecationWarning.)
     """
-    funcs = (reward_funcs,) if callable(reward_funcs) else tuple(reward_funcs)
     rollout = Rollout(
         model=model,
-        reward_funcs=funcs,
+        reward_funcs=(reward_funcs,) if callable(reward_funcs) else tuple(reward_funcs),
         encode=encode,
         decode=decode,
         num_generations=num_generations,
-        optimizer_steps_per_generation=optimizer_steps_per_generation,
+        optimizer_steps_per_generation=_renamed_steps(steps_per_generation, optimizer_steps_per_generation),
         num_iterations=num_iterations,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -239,6 +241,24 @@ def make_rollout(
     if problems:
         raise ValueError("invalid rollout settings: " + "; ".join(problems))
     return attrs.evolve(rollout, head=chunk_head(model, chunk_size, "make_rollout"))
+
+
+def _renamed_steps(old: int | None, new: int) -> int:
+    """Return ``optimizer_steps_per_generation`` given under its old name ``steps_per_generation`` (warning)."""
+    if old is None:
+        return new
+    if new != 1 and new != old:
+        raise TypeError(
+            f"make_rollout got steps_per_generation={old} and optimizer_steps_per_generation={new}; "
+            "pass only optimizer_steps_per_generation (the new name)"
+        )
+    warnings.warn(
+        "make_rollout(steps_per_generation=) is renamed optimizer_steps_per_generation= (optimizer steps per "
+        "generation, not TRL's micro-steps); pass that name",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return old
 
 
 # -- the loop ------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """GRPO's rewards: reward functions combined with weights, and group-relative advantages.
 
 A reward function is ``reward(prompts, completions, **columns) -> list[float]`` (``None`` or NaN
-for "no score"). :func:`group_advantages` compares each completion with the others of its prompt:
+for "no score"), called by keyword as TRL calls it, so TRL's ``def reward(completions, **kwargs)`` works.
+:func:`group_advantages` compares each completion with the others of its prompt:
 ``(r − mean) / (std + 1e-4)`` per group of ``num_generations`` rows.
 
 >>> import torch
@@ -11,6 +12,7 @@ for "no score"). :func:`group_advantages` compares each completion with the othe
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -56,7 +58,7 @@ def combine_rewards(
     cols = dict(columns or {})
     scores = []
     for fn in reward_funcs:
-        values = list(fn(list(prompts), list(completions), **cols))
+        values = list(_called(fn, list(prompts), list(completions), cols))
         if len(values) != len(completions):
             raise ValueError(
                 f"reward function {reward_name(fn)} returned {len(values)} values for {len(completions)} completions; "
@@ -68,6 +70,21 @@ def combine_rewards(
     total = torch.nansum(each * w, dim=1)
     total[torch.isnan(each).all(dim=1)] = math.nan
     return total, each
+
+
+def _called(fn: RewardFunc, prompts: list[Any], completions: list[Any], columns: dict[str, Any]) -> Any:
+    """Call ``fn`` by keyword, as TRL does; a signature that cannot take the call is named with the fix."""
+    try:
+        inspect.signature(fn).bind(prompts=prompts, completions=completions, **columns)
+    except TypeError as e:
+        raise TypeError(
+            f"reward function {reward_name(fn)} cannot be called as TRL calls it, "
+            f"reward(prompts=..., completions=..., {', '.join(f'{k}=...' for k in columns) or '**columns'}) "
+            f"({e}); name its parameters so, or end them with **kwargs"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): call it and let it say
+        pass
+    return fn(prompts=prompts, completions=completions, **columns)
 
 
 def _nan_mean_std(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
