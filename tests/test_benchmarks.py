@@ -65,3 +65,8 @@ def test_resume_start_tiny():
 def test_peak_memory_tiny():
     out = run("benchmarks/peak_memory.py", "--models", "tiny", "--steps", "2", "--phases")
     assert "| tiny |" in out and "hf_trainer: start" in out and "trainfold: start" in out
+
+
+def test_import_time_one_round():
+    out = run("benchmarks/import_time.py", "--rounds", "1")
+    assert "| import torch, trainfold |" in out and "| from trainfold import train |" in out

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
+import toolz
 import torch
 from torch import Tensor
 
@@ -106,14 +107,11 @@ def compose(*xforms: Transducer) -> Transducer:
 
     >>> transduce(compose(mapping(lambda x: x + 1), mapping(lambda x: x * 2)), collecting(), [1])
     [4]
+
+    Transducers are functions of reducers, so this is function composition (``toolz.compose``): the
+    first transducer wraps the others, hence sees each item first.
     """
-
-    def xform(reducer: Reducer) -> Reducer:
-        for xf in reversed(xforms):
-            reducer = xf(reducer)
-        return reducer
-
-    return xform
+    return toolz.compose(*xforms)
 
 
 def mapping(f: Callable[[Any], Any]) -> Transducer:
