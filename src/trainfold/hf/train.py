@@ -39,9 +39,9 @@ step, ``hf.resume`` the first state.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -75,11 +75,14 @@ from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_rec
 from trainfold.observe import counting_input_tokens, observing, tap, train_summary
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
+from trainfold.observe.logging import set_verbosity
 from trainfold.observe.reporters import make_reporters
 from trainfold.observe.reporters import progress as make_progress
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.optim import GradientTransformation
 from trainfold.step import sharded
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["TrainResult", "train", "evaluate", "predict", "default_optimizer", "BEST"]
 
@@ -182,6 +185,7 @@ def train(
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     rank = collective.rank if collective is not None else 0
     set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
+    set_verbosity(args.log_level, main_process=rank == 0)  # the trainfold logger: events once, from rank 0
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
     rest = (observers, resume_from_checkpoint, early_stopping, stop, collective, callbacks, train_stream)
     plan = plan_for(model, args, train_dataset, eval_dataset, *given, *rest)  # train's arguments, in order
@@ -189,10 +193,19 @@ def train(
     claim = claim_for(plan, state, resume_from_checkpoint)
     with claim.releasing_on_error():  # the lock is held until the run ends (the `with claim` below)
         begin = start(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
+    _log_start(plan, begin)
     with claim:  # released if the run raises
         released = release_weights(plan.model, begin.state)  # fsdp: the module keeps no full copy (hf.released)
         result = _session(plan, begin, claim.run)
     return _ending(plan, result, released)
+
+
+def _log_start(plan: Plan, begin: Start) -> None:
+    total, output_dir = plan.schedule.total_steps, plan.args.output_dir
+    if begin.source is None:
+        _log.info("training %d optimizer steps into %s", total, output_dir)
+    else:
+        _log.info("resuming from %s at step %d of %d", begin.source, int(begin.state.step), total)
 
 
 @attrs.frozen(eq=False)
@@ -313,7 +326,7 @@ def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[st
     """Return how the run ended, from the stop rule that held: diverged, preempted, stopped or completed."""
     total = run.plan.schedule.total_steps
     if run.diverged or diverged(state, confirm=True):
-        warnings.warn(divergence_message(state, run.saved[-1] if run.saved else None), RuntimeWarning, stacklevel=5)
+        _log.error(divergence_message(state, run.saved[-1] if run.saved else None))
         return DIVERGED
     if preemption is not None and preemption.requested():
         # A signal after the last step (during the final save) ends nothing: the run is complete.
@@ -342,6 +355,7 @@ def _ending(plan: Plan, ended: _Ended, released: Released | None = None) -> Trai
         ended.saved[-1] if ended.saved else None,
         ended.signal,
     )
+    _log.info("training %s at step %d (%s)", result.status, result.global_step, plan.args.output_dir)
     # as HF: the module ends with the final (or best) weights; lent ones are there, released ones gathered back
     attrs.evolve(result, state=restored(released, state)).apply_to(plan.model)
     return result
