@@ -39,6 +39,7 @@ step, ``hf.resume`` the first state.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -72,6 +73,7 @@ from trainfold.hf.planning import plan_for
 from trainfold.hf.released import Released, release_weights, restored
 from trainfold.hf.resume import Start, claim_for, initial_state, start
 from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save, settle_resume_check
+from trainfold.hf.validate import check_first_batch, check_train_call, checked_loss, checking_first
 from trainfold.observe import counting_input_tokens, observing, tap, train_summary
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
@@ -184,6 +186,9 @@ def train(
     """
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     rank = collective.rank if collective is not None else 0
+    rows = train_dataset if data_collator is None and train_stream is None else None  # the default collator's
+    check_train_call(model, args, resume_from_checkpoint, compute_metrics, rows)  # bad inputs, named before any work
+    compute_loss_func = checked_loss(compute_loss_func)
     set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
     set_verbosity(args.log_level, main_process=rank == 0)  # the trainfold logger: events once, from rank 0
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
@@ -319,7 +324,7 @@ def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
         dataloader_prefetch_factor=args.dataloader_prefetch_factor,
         dataloader_pin_memory=args.dataloader_pin_memory and plan.device.type == "cuda",
     )
-    return to_device(batches, plan.device)
+    return to_device(checking_first(batches, functools.partial(check_first_batch, plan.model)), plan.device)
 
 
 def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[str], preemption: Any) -> str:
