@@ -50,3 +50,9 @@ def test_star_import_and_dir_offer_every_public_name():
 def test_an_unknown_name_is_an_attribute_error_naming_the_public_names():
     with pytest.raises(AttributeError, match=r"no attribute 'trian'.*trainfold.__all__"):
         trainfold.trian  # noqa: B018
+
+
+def test_the_package_ships_its_type_information_marker():
+    import importlib.resources
+
+    assert importlib.resources.files("trainfold").joinpath("py.typed").is_file()

@@ -241,7 +241,7 @@ def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[An
     except Exception as err:  # any failure to read the user's data is a configuration error: named, exit 2
         problems.append(f"[data]: {err}" if isinstance(err, (ValueError, OSError)) else f"[data]: {err!r}")
     problems += _length_problems(model, data_spec)
-    if problems:
+    if problems or args is None:
         raise ConfigError("\n".join(problems))
     return args, model, data, _resume_source(resume_flag if resume_flag is not None else resume, args.output_dir)
 

@@ -187,7 +187,7 @@ def train(
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     rank = collective.rank if collective is not None else 0
     rows = train_dataset if data_collator is None and train_stream is None else None  # the default collator's
-    check_train_call(model, args, resume_from_checkpoint, compute_metrics, rows)  # bad inputs, named before any work
+    check_train_call(model, args, resume_from_checkpoint, compute_metrics or objective, rows)  # named before any work
     compute_loss_func = checked_loss(compute_loss_func)
     set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
     set_verbosity(args.log_level, main_process=rank == 0)  # the trainfold logger: events once, from rank 0

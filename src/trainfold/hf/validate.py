@@ -28,12 +28,13 @@ def check_train_call(
     model: nn.Module,
     args: Any,
     resume_from_checkpoint: Any,
-    compute_metrics: Callable[..., Any] | None,
+    metrics_from: Callable[..., Any] | None,
     rows: Any = None,
 ) -> None:
     """Refuse a model on ``meta``, a ``resume_from_checkpoint`` of the wrong type, an ``output_dir`` that is a file,
     a ``metric_for_best_model`` no evaluation will produce, and ``rows`` the default collator cannot read
-    (``check_rows``).
+    (``check_rows``). ``metrics_from`` is what reports metrics besides the loss: ``compute_metrics``, or an
+    objective (whose aux values are metrics too); without one only a ``...loss`` metric can be tracked.
 
     >>> from types import SimpleNamespace
     >>> try:
@@ -57,7 +58,7 @@ def check_train_call(
     if Path(args.output_dir).is_file():
         raise ValueError(f"output_dir={args.output_dir!r} is a file; name a directory (it is created if missing)")
     metric = args.metric_for_best_model
-    if metric is not None and compute_metrics is None and not metric.endswith("loss"):
+    if metric is not None and metrics_from is None and not metric.endswith("loss"):
         raise ValueError(
             f"metric_for_best_model={metric!r}, but without compute_metrics evaluation reports only the loss; pass "
             f"compute_metrics=fn (fn(EvalPrediction) -> {{{metric.removeprefix('eval_')!r}: value}}), "

@@ -26,7 +26,7 @@ LOGGER_NAME = "trainfold"
 logger = logging.getLogger(LOGGER_NAME)
 
 # HF's log_level names -> logging levels; passive: keep the level the application set
-VERBOSITY = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
+VERBOSITY: dict[str, int | None] = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING}
 VERBOSITY |= {"error": logging.ERROR, "critical": logging.CRITICAL, "passive": None}
 
 
