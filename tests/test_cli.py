@@ -374,3 +374,12 @@ def test_a_pretrained_model_that_is_not_there_is_a_configuration_error(tmp_path,
     config = write(tmp_path, "run.json", json.dumps({**PLAIN, "model": {"name_or_path": str(tmp_path / "none")}}))
     assert main(["train", "--config", str(config)]) == 2
     assert "[model]: " in capsys.readouterr().err
+
+
+def test_under_torchrun_rank_0_alone_prints_the_result_line(tmp_path):
+    from torchrun import torchrun_ok
+
+    config = write(tmp_path, "run.toml", TOML.replace('report_to = ["jsonl"]', 'report_to = "none"'))
+    done = torchrun_ok(ROOT / "src" / "trainfold" / "__main__.py", "train", "--config", config, nproc=2)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1 and json.loads(lines[0])["global_step"] == 2, done.stdout
