@@ -393,6 +393,6 @@ def combine(reducers: Mapping[str, Reducer]) -> Reducer:
     if all(r.merge is not None for r in parts.values()):
 
         def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-            return {k: parts[k].merge(unreduced(a[k]), unreduced(b[k])) for k in parts}
+            return {k: parts[k].merge(unreduced(a[k]), unreduced(b[k])) for k in parts}  # type: ignore[misc]
 
     return Reducer(init=lambda: {k: r.init() for k, r in parts.items()}, step=step, complete=complete, merge=merge)
