@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench typecheck clean
 
 $(VENV)/.torch:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(VENV)/.core: $(VENV)/.torch pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.torch pyproject.toml
-	$(PIP) install -q -e ".[test,hf,progress,tracking]"
+	$(PIP) install -q -e ".[test,hf,progress,tracking,docs]"
 	touch $@ $(VENV)/.core
 
 demo: $(VENV)/.core
@@ -28,6 +28,11 @@ test: $(VENV)/.test
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m ruff format --check src tests benchmarks examples
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q -d $(VENV)/site  # broken links fail; ~15 s, offline
+
+typecheck: $(VENV)/.test  # mypy over src/ (pyproject's [tool.mypy]); joins `make test` once it reports zero errors
+	$(PIP) install -q "mypy>=1.10"
+	$(PY) -m mypy
 
 bench: $(VENV)/.test
 	$(PY) benchmarks/step_overhead.py

@@ -75,3 +75,8 @@ def test_state_hash_quick():
 def test_lora_adapters_quick():
     out = run("benchmarks/lora_adapters.py", "--quick")
     assert "| ensemble of 4 |" in out and "speed-up over 4 sequential steps" in out
+
+
+def test_import_time_one_round():
+    out = run("benchmarks/import_time.py", "--rounds", "1")
+    assert "| import torch, trainfold |" in out and "| from trainfold import train |" in out

@@ -304,3 +304,82 @@ def test_the_config_reader_is_its_own_module_and_the_cli_uses_it():
     assert sorted(run_config.CONFIG_KINDS) == [".json", ".toml", ".yaml", ".yml"]
     with pytest.raises(run_config.ConfigError, match=r"has the extension '\.ini'; use one of \['\.json'"):
         run_config.load_config("run.ini")
+
+
+# -- configuration errors exit 2 without a traceback; pretrained models and datasets' local files ---------
+
+
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (("d_model = 16", "d_model = -16"), "[model]: 'd_model' must be > 0: -16"),
+        (("seq_len = 32", "seq_len = 64"), "[data]: seq_len 64 exceeds the model's 32 positions; lower seq_len"),
+        (
+            ('train = "stdlib"', 'train = "ROWS"'),
+            "rows.jsonl:2: not a JSON row (Expecting property name enclosed in double quotes, column 2)",
+        ),
+        (('train = "stdlib"', 'train = "data.xlsx"'), "the extension is not one of ['.csv', '.json'"),
+    ],
+)
+def test_a_configuration_error_exits_2_naming_it(tmp_path, capsys, change, needle):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"input_ids": [1, 2], "labels": [1, 2]}\n{input_ids: [1]}\n')
+    config = write(tmp_path, "run.toml", TOML.replace(*change).replace("ROWS", str(rows)))
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trainfold train: error: ") and needle in err and "Traceback" not in err
+
+
+def tiny_pretrained(folder: Path) -> Path:
+    """A tiny GPT-2 with a word-level tokenizer, written by save_pretrained (no download)."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {w: i for i, w in enumerate(["[UNK]", "the", "cat", "sat", "on", "mat", "a", "dog"])}
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(folder)
+    config = transformers.GPT2Config(vocab_size=8, n_positions=16, n_embd=8, n_layer=1, n_head=2)
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    return folder
+
+
+def test_a_pretrained_model_fine_tunes_on_each_local_file_format(tmp_path, capsys):
+    datasets = pytest.importorskip("datasets")
+    model = tiny_pretrained(tmp_path / "model")
+    text = ["the cat sat on the mat", "a dog sat on a mat", "the dog sat on the cat"] * 4
+    ids = [[1, 2, 3, 4], [6, 7, 3, 4]] * 6
+    files = {
+        "rows.jsonl": lambda p: p.write_text("\n".join(json.dumps({"input_ids": i, "labels": i}) for i in ids)),
+        "rows.json": lambda p: p.write_text(json.dumps([{"text": t} for t in text])),
+        "rows.csv": lambda p: datasets.Dataset.from_dict({"text": text}).to_csv(str(p)),
+        "rows.parquet": lambda p: datasets.Dataset.from_dict({"input_ids": ids, "labels": ids}).to_parquet(str(p)),
+        "rows.txt": lambda p: p.write_text("\n".join(text)),
+    }
+    for name, make in files.items():
+        make(tmp_path / name)
+        config = {
+            "model": {"name_or_path": str(model)},
+            "data": {"train": str(tmp_path / name), "seq_len": 4, "eval_fraction": 0.2},
+            "args": {"output_dir": str(tmp_path / "out" / name), "max_steps": 2, "per_device_train_batch_size": 2}
+            | {"save_strategy": "no", "report_to": "none", "disable_tqdm": True},
+        }
+        path = write(tmp_path, "run.json", json.dumps(config))
+        assert main(["train", "--config", str(path)]) == 0, (name, capsys.readouterr().err)
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert (result["status"], result["global_step"]) == ("completed", 2), name
+
+
+def test_a_pretrained_model_that_is_not_there_is_a_configuration_error(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    config = write(tmp_path, "run.json", json.dumps({**PLAIN, "model": {"name_or_path": str(tmp_path / "none")}}))
+    assert main(["train", "--config", str(config)]) == 2
+    assert "[model]: " in capsys.readouterr().err
+
+
+def test_under_torchrun_rank_0_alone_prints_the_result_line(tmp_path):
+    from torchrun import torchrun_ok
+
+    config = write(tmp_path, "run.toml", TOML.replace('report_to = ["jsonl"]', 'report_to = "none"'))
+    done = torchrun_ok(ROOT / "src" / "trainfold" / "__main__.py", "train", "--config", config, nproc=2)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1 and json.loads(lines[0])["global_step"] == 2, done.stdout

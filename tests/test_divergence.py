@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import re
 
 import pytest
 import torch
@@ -51,9 +53,10 @@ def loss_turning(value, at_call):
     return loss
 
 
-def test_nan_loss_stops_the_run_as_diverged_and_keeps_the_finite_checkpoints(tmp_path):
-    with pytest.warns(RuntimeWarning, match=r"diverged at step 3: .*last finite checkpoint is .*checkpoint-2"):
+def test_nan_loss_stops_the_run_as_diverged_and_keeps_the_finite_checkpoints(tmp_path, caplog):
+    with caplog.at_level(logging.ERROR, logger="trainfold"):
         result = train(model(), args(tmp_path, save_total_limit=2), ROWS, compute_loss_func=loss_turning(math.nan, 3))
+    assert re.search(r"diverged at step 3: .*last finite checkpoint is .*checkpoint-2", caplog.text)
     assert result.status == "diverged"
     assert result.metrics["diverged_at_step"] == 3 and result.global_step == 3  # stopped there, not at max_steps
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1", "checkpoint-2"]  # none rotated away
@@ -63,7 +66,7 @@ def test_nan_loss_stops_the_run_as_diverged_and_keeps_the_finite_checkpoints(tmp
     assert at_3["step"] == 3 and at_3["loss"] == pytest.approx((first["loss"] + second["loss"]) / 2)
 
 
-def test_params_that_overflow_with_a_finite_loss_are_never_saved(tmp_path):
+def test_params_that_overflow_with_a_finite_loss_are_never_saved(tmp_path, caplog):
     """An update that writes inf (finite loss and grad norm) is caught before the checkpoint is written."""
     base = sgd(1e-2)
 
@@ -76,8 +79,9 @@ def test_params_that_overflow_with_a_finite_loss_are_never_saved(tmp_path):
 
     state_step = [1]
     overflowing = GradientTransformation(init=base.init, update=update)
-    with pytest.warns(RuntimeWarning, match="diverged at step 2"):
+    with caplog.at_level(logging.ERROR, logger="trainfold"):
         result = train(model(), args(tmp_path, max_steps=2), ROWS, optimizer=overflowing)
+    assert re.search("diverged at step 2", caplog.text)
     assert result.status == "diverged" and result.metrics["diverged_at_step"] == 2
     assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-1"]
 
@@ -118,7 +122,7 @@ def test_nonfinite_params_names_exactly_the_tensors_with_inf_or_nan():
     assert nonfinite_params(params) == ["nan", "infs"]  # a finite tensor whose sum overflows is still finite
 
 
-def test_a_diverged_cli_run_exits_3(tmp_path, capsys):
+def test_a_diverged_cli_run_exits_3(tmp_path, capsys, caplog):
     from trainfold.__main__ import main
 
     data = tmp_path / "rows.jsonl"
@@ -139,6 +143,7 @@ report_to = "none"
 disable_tqdm = true
 save_strategy = "no"
 """)
-    with pytest.warns(RuntimeWarning, match="diverged at step"):
+    with caplog.at_level(logging.ERROR, logger="trainfold"):
         assert main(["train", "--config", str(config)]) == 3
+    assert re.search("diverged at step", caplog.text)
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["status"] == "diverged"

@@ -373,7 +373,7 @@ def test_train_trains_the_modules_own_storage_bitwise_as_the_pure_fold():
     assert again.metrics["train_loss"] == result.metrics["train_loss"]
 
 
-def test_a_diverged_train_leaves_the_module_holding_the_states_weights():
+def test_a_diverged_train_leaves_the_module_holding_the_states_weights(caplog):
     from trainfold import train
 
     def nan_at_2(outputs, labels, num_items):
@@ -388,8 +388,9 @@ def test_a_diverged_train_leaves_the_module_holding_the_states_weights():
 
     counting.count_items = getattr(causal_lm, "count_items", None)
     model = tiny()
-    with pytest.warns(RuntimeWarning, match="diverged"):
+    with caplog.at_level("ERROR", logger="trainfold"):
         result = train(model, args(max_steps=4, gradient_accumulation_steps=1), ROWS, compute_loss_func=counting)
+    assert "diverged" in caplog.text  # the trainfold logger's event
     assert result.status == "diverged"
     assert all(p.data_ptr() == result.state.params[k].data_ptr() for k, p in model.named_parameters())
     assert any(not bool(p.isfinite().all()) for p in model.parameters())

@@ -2,8 +2,9 @@
 
 The kernel is ``python3`` from the ipykernel installed next to this Python, so the notebooks run
 with the same interpreter and packages as the tests. Each runs in a fresh temporary directory
-with ``MPLBACKEND=Agg`` (plots are drawn but never shown) and one CPU thread. Notebooks are committed without
-outputs; a test checks that too.
+with ``MPLBACKEND=Agg`` (plots are drawn but never shown) and one CPU thread. Notebooks ship with their
+outputs (plots inline), so they read on GitHub and in the docs; a test checks every code cell ran, in order,
+without an error. ``python tests/test_notebooks.py`` executes them all again and writes the outputs back.
 """
 
 from __future__ import annotations
@@ -36,12 +37,20 @@ def test_every_notebook_is_executed_here() -> None:
     assert found == sorted(EXPECTED), f"notebooks/ holds {found}; add new ones to EXPECTED so they are executed"
 
 
+PLOTS = set(EXPECTED)  # every notebook draws
+
+
 @pytest.mark.parametrize("name", EXPECTED)
-def test_notebook_is_committed_without_outputs(name: str) -> None:
+def test_notebook_ships_with_the_outputs_of_one_whole_run(name: str) -> None:
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     nbformat.validate(nb)
-    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
-    assert not dirty, f"{name}: code cells {dirty} carry outputs; clear them before committing"
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    counts = [c.execution_count for c in code]
+    assert counts == list(range(1, len(code) + 1)), f"{name}: run it top to bottom once (python {__file__})"
+    outputs = [o for c in code for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"], f"{name}: a cell failed"
+    if name in PLOTS:
+        assert any("image/png" in o.get("data", {}) for o in outputs), f"{name}: its plots are missing"
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3", f"{name}: kernelspec must be python3"
 
 
@@ -68,3 +77,21 @@ def test_notebook_runs(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         pytest.fail(f"{name} failed (kernel {sys.executable}):\n{exc}", pytrace=False)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
     assert not errors, json.dumps(errors, indent=1)[:4000]
+
+
+def execute_in_place() -> None:
+    """Run every notebook top to bottom (inline plots, a scratch directory) and write it back with its outputs."""
+    import os
+    import tempfile
+
+    os.environ.update(OMP_NUM_THREADS="1", PYDEVD_DISABLE_FILE_VALIDATION="1", JUPYTER_PREFER_ENV_PATH="1")
+    os.environ.pop("MPLBACKEND", None)  # the kernel's inline backend: the plots become PNG outputs
+    for name in EXPECTED:
+        nb = nbformat.read(NOTEBOOKS / name, as_version=4)
+        with tempfile.TemporaryDirectory() as scratch:
+            nbclient.NotebookClient(nb, kernel_name="python3", resources={"metadata": {"path": scratch}}).execute()
+        nbformat.write(nb, NOTEBOOKS / name)
+
+
+if __name__ == "__main__":
+    execute_in_place()

@@ -4,12 +4,12 @@
 A config (TOML, JSON, or YAML when pyyaml is installed; chosen by the file's extension) has
 three tables, and optionally ``resume_from_checkpoint`` at the top level or in ``[args]``::
 
-    [model]                 # "tinylm" (this project's byte-level GPT) or "hf" (a transformers config)
-    type = "tinylm"
+    [model]                 # "tinylm" (this project's byte-level GPT), "hf" (a transformers config)
+    type = "tinylm"         # or "pretrained": name_or_path = "gpt2" or a save_pretrained directory
     config = { d_model = 96, n_layers = 3 }      # or, for "hf", a path to config.json (or a table)
 
-    [data]                  # "stdlib" (Python's own source), a .txt file (bytes) or a .jsonl of rows
-    train = "stdlib"
+    [data]                  # "stdlib" (Python's own source), or a local .json/.jsonl/.csv/.parquet/.txt
+    train = "stdlib"        # file read by ``datasets``: rows with input_ids, or text (tokenized, cut)
     seq_len = 128
     eval_fraction = 0.03
 
@@ -55,10 +55,14 @@ _HELP = """\
 The config is a TOML, JSON or YAML (with pyyaml) file, by its extension (.toml, .json, .yaml/.yml),
 with three tables:
 
-  [model]  type = "tinylm" (trainfold.core.models.TinyLM; config = its TinyLMConfig fields)
-           or "hf" (config = a path to a transformers config.json, or a table of it)
-  [data]   train = "stdlib" (Python's own source), a .txt file (bytes) or a .jsonl of rows;
-           seq_len, max_bytes, eval_fraction (the held-out tail)
+  [model]  type = "tinylm" (trainfold.core.models.TinyLM; config = its TinyLMConfig fields),
+           "hf" (config = a path to a transformers config.json, or a table of it: random weights),
+           or "pretrained" (name_or_path = a model name or a save_pretrained directory: its weights)
+  [data]   train = "stdlib" (Python's own source), or a local file that `datasets` reads by its
+           extension (.json, .jsonl, .csv, .parquet, .txt): rows with input_ids (and labels) are
+           taken as they are; a text column (a .txt file is one text) is tokenized (the pretrained
+           model's tokenizer; bytes for tinylm) and cut into rows of seq_len tokens;
+           seq_len, max_bytes (stdlib), eval_fraction (the held-out tail)
   [args]   trainfold.TrainingArguments under their Hugging Face names
   resume_from_checkpoint (top level or in [args]): true (latest checkpoint), or a checkpoint path
 
@@ -83,17 +87,36 @@ The same as JSON: {"model": {"type": "tinylm", "config": {"d_model": 96, "n_laye
   python -m trainfold train --config run.toml --set args.max_steps=10 --set args.report_to='["jsonl"]'
   python -m trainfold train --config run.toml --resume   # after exit 143: continue where it stopped
 
-Exit status: 0 done, 2 bad command line or config (every problem printed at once), 3 diverged, 143 preempted
-(SIGTERM with enable_jit_checkpoint; rerun with --resume).
+Fine-tuning a pretrained model on a CSV file with a text column:
+
+  [model]
+  name_or_path = "path/to/model"     # type = "pretrained" is implied
+  [data]
+  train = "data/train.csv"
+  seq_len = 256
+  [args]
+  output_dir = "runs/ft"
+  num_train_epochs = 1
+
+Output: one JSON line (status, global_step, last_checkpoint, the run's metrics) on stdout, from rank 0
+only under torchrun. Exit status: 0 done, 2 bad command line or config (every problem printed at once,
+no traceback: a malformed .jsonl line is named by file and line), 3 diverged, 143 preempted (SIGTERM with
+enable_jit_checkpoint; rerun with --resume), 130 interrupted (SIGINT).
 """
 
 
 def build_model(spec: dict[str, Any]) -> Any:
-    """Build a model with random weights from the ``[model]`` table."""
-    unknown = sorted(set(spec) - {"type", "config"})
+    """Build the ``[model]`` table's model: random weights from a config, or pretrained ones by name or path."""
+    unknown = sorted(set(spec) - {"type", "config", "name_or_path"})
     if unknown:
-        raise ValueError(f"[model] takes type and config; unknown {unknown}")
-    kind = spec.get("type", "tinylm")
+        raise ValueError(f"[model] takes type, config and name_or_path; unknown {unknown}")
+    kind = spec.get("type", "pretrained" if "name_or_path" in spec else "tinylm")
+    if kind == "pretrained":
+        if "name_or_path" not in spec:
+            raise ValueError("[model] type 'pretrained' needs name_or_path (a local directory or a model name)")
+        import transformers
+
+        return transformers.AutoModelForCausalLM.from_pretrained(spec["name_or_path"])
     if kind == "tinylm":
         from trainfold.core.models import TinyLM, TinyLMConfig
 
@@ -105,25 +128,74 @@ def build_model(spec: dict[str, Any]) -> Any:
         settings = json.loads(Path(source).read_text()) if isinstance(source, str) else dict(source or {})
         config = transformers.AutoConfig.for_model(**settings)
         return transformers.AutoModelForCausalLM.from_config(config)
-    raise ValueError(f"[model] type {kind!r} is not 'tinylm' or 'hf'")
+    raise ValueError(f"[model] type {kind!r} is not 'tinylm', 'hf' or 'pretrained'")
 
 
-def build_data(spec: dict[str, Any]) -> tuple[list[dict[str, list[int]]], list[dict[str, list[int]]]]:
-    """Return ``(train_rows, eval_rows)`` from the ``[data]`` table."""
+def build_data(spec: dict[str, Any], tokenizer: Any = None) -> tuple[Any, Any]:
+    """Return ``(train_rows, eval_rows)`` from the ``[data]`` table: ``stdlib``, or a local file read by ``datasets``.
+
+    Rows with ``input_ids`` are taken as they are; a ``text`` column (and a ``.txt`` file, as one document) is
+    tokenized by ``tokenizer`` (the pretrained model's; bytes for ``tinylm``) and cut into ``seq_len`` rows.
+    """
     from trainfold.demo import byte_chunks, stdlib_text
 
     unknown = sorted(set(spec) - {"train", "seq_len", "max_bytes", "eval_fraction"})
     if unknown:
         raise ValueError(f"[data] takes train, seq_len, max_bytes and eval_fraction; unknown {unknown}")
     source, seq_len = spec.get("train", "stdlib"), int(spec.get("seq_len", 128))
+    if seq_len < 1:
+        raise ValueError(f"[data] seq_len must be a positive number of tokens, got {seq_len}")
     if source == "stdlib":
-        rows = byte_chunks(stdlib_text(int(spec.get("max_bytes", 1_500_000))), seq_len)
-    elif str(source).endswith(".jsonl"):
-        rows = [json.loads(line) for line in Path(source).read_text().splitlines() if line.strip()]
+        rows: Any = byte_chunks(stdlib_text(int(spec.get("max_bytes", 1_500_000))), seq_len)
     else:
-        rows = byte_chunks(Path(source).read_text(encoding="utf-8", errors="replace"), seq_len)
+        rows = _file_rows(Path(source), seq_len, tokenizer)
     cut = len(rows) - max(1, int(len(rows) * float(spec.get("eval_fraction", 0.03))))
-    return rows[:cut], rows[cut:]
+    if isinstance(rows, list):
+        return rows[:cut], rows[cut:]
+    return rows.select(range(cut)), rows.select(range(cut, len(rows)))
+
+
+_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+
+
+def _file_rows(path: Path, seq_len: int, tokenizer: Any) -> Any:
+    """Load a local file with ``datasets`` (its builder by extension); tokenize a ``text`` column into rows."""
+    if path.suffix not in _BUILDERS:
+        raise ValueError(f"[data] train {str(path)!r}: the extension is not one of {sorted(_BUILDERS)} (or 'stdlib')")
+    if not path.is_file():
+        raise ValueError(f"[data] train {str(path)!r} does not exist")
+    if path.suffix == ".jsonl":
+        _check_json_lines(path)
+    import datasets
+
+    kw = {"sample_by": "document"} if path.suffix == ".txt" else {}
+    rows = datasets.load_dataset(_BUILDERS[path.suffix], data_files=str(path), split="train", **kw)
+    if "input_ids" in rows.column_names:
+        return rows
+    if "text" not in rows.column_names:
+        raise ValueError(f"[data] {path}: rows need input_ids (token ids) or text; its columns: {rows.column_names}")
+    from trainfold.core.models import byte_encode
+
+    encode = tokenizer or (lambda text: {"input_ids": byte_encode(text)})
+
+    def chunk(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
+        ids = [i for text in batch["text"] for i in encode(text)["input_ids"]]
+        cut = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
+        return {"input_ids": cut, "labels": cut}
+
+    return rows.map(chunk, batched=True, remove_columns=rows.column_names)
+
+
+def _check_json_lines(path: Path) -> None:
+    """Refuse a malformed ``.jsonl`` line by file, line and column (``datasets`` reports neither)."""
+    with path.open(encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not a JSON row ({err.msg}, column {err.colno})") from None
 
 
 def _resume_source(value: bool | str | None, output_dir: str) -> bool | str | None:
@@ -160,16 +232,44 @@ def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[An
 
     warm_up_kernels()  # before the model's random init too (see trainfold.core.determinism)
     torch.manual_seed(args.seed if args is not None else 0)
-    for table, build in (("model", build_model), ("data", build_data)):
-        try:
-            built = build(dict(config.get(table, {})))
-        except (TypeError, ValueError, OSError) as err:
-            problems.append(f"[{table}]: {err}")
-        else:
-            model, data = (built, data) if table == "model" else (model, built)
-    if problems:
+    model_spec, data_spec = dict(config.get("model", {})), dict(config.get("data", {}))
+    try:
+        model = build_model(model_spec)
+    except (TypeError, ValueError, OSError) as err:
+        problems.append(f"[model]: {err}")
+    try:
+        data = build_data(data_spec, _tokenizer(model_spec))
+    except Exception as err:  # any failure to read the user's data is a configuration error: named, exit 2
+        problems.append(f"[data]: {err}" if isinstance(err, (ValueError, OSError)) else f"[data]: {err!r}")
+    problems += _length_problems(model, data_spec)
+    if problems or args is None:
         raise ConfigError("\n".join(problems))
     return args, model, data, _resume_source(resume_flag if resume_flag is not None else resume, args.output_dir)
+
+
+def _tokenizer(model_spec: dict[str, Any]) -> Any:
+    """The pretrained model's tokenizer, loaded when a ``text`` column needs it; None: bytes (``tinylm``)."""
+    if "name_or_path" not in model_spec:
+        return None
+
+    def encode(text: str) -> Any:
+        import transformers
+
+        return transformers.AutoTokenizer.from_pretrained(model_spec["name_or_path"])(text)
+
+    return encode
+
+
+def _length_problems(model: Any, data_spec: dict[str, Any]) -> list[str]:
+    """A ``seq_len`` longer than the model's positions (``max_len``, ``max_position_embeddings``)."""
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_len", None) or getattr(config, "max_position_embeddings", None)
+    seq_len = data_spec.get("seq_len", 128)
+    if isinstance(limit, int) and isinstance(seq_len, int) and seq_len > limit:
+        return [
+            f"[data]: seq_len {seq_len} exceeds the model's {limit} positions; lower seq_len or raise [model] max_len"
+        ]
+    return []
 
 
 def _train(ns: argparse.Namespace) -> int:
@@ -192,6 +292,8 @@ def _train(ns: argparse.Namespace) -> int:
             collective=collective,
             resume_from_checkpoint=resume,
         )
+    if collective is not None and collective.rank != 0:
+        return _exit_status(result)  # one result line per run: rank 0's
     print(
         json.dumps(
             {

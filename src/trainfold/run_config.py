@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,10 @@ class ConfigError(ValueError):
 
 
 def _toml() -> Any:
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib  # type: ignore[no-redef]
+    else:  # Python 3.10: the tomli backport (a dependency there)
+        import tomli as tomllib
     return tomllib
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import socket
 import sys
@@ -46,6 +47,8 @@ from trainfold.ckpt.run_identity import (
 from trainfold.ckpt.run_lock import lock, remove_leftovers
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, read_metadata
 from trainfold.core.state import split_module
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "Claim",
@@ -140,11 +143,11 @@ def _resumable(output_dir: str | os.PathLike, fingerprint: str, *, verify: bool)
         problem = damage(path)
         if problem is None:
             return path, True
-        warnings.warn(
-            f"resume_from_checkpoint=True skips {path}: {problem} (a machine crash before its background fsync "
-            "ended leaves this); resuming from the previous complete checkpoint instead",
-            CheckpointWarning,
-            stacklevel=3,
+        _log.warning(
+            "resume_from_checkpoint=True skips %s: %s (a machine crash before its background fsync ended leaves "
+            "this); resuming from the previous complete checkpoint instead",
+            path,
+            problem,
         )
     return None, False
 

@@ -23,14 +23,21 @@ class TinyLMConfig:
     >>> cfg = TinyLMConfig(d_model=8, n_layers=1)
     >>> cfg.vocab_size, cfg.to_dict()["model_type"], cfg.to_dict()["d_model"]
     (256, 'trainfold-tinylm', 8)
+    >>> TinyLMConfig(d_model=-16)
+    Traceback (most recent call last):
+    ValueError: 'd_model' must be > 0: -16
     """
 
-    vocab_size: int = 256
-    d_model: int = 96
-    n_layers: int = 3
-    n_heads: int = 4
-    max_len: int = 256
-    dropout: float = 0.0
+    vocab_size: int = attrs.field(default=256, validator=attrs.validators.gt(0))
+    d_model: int = attrs.field(default=96, validator=attrs.validators.gt(0))
+    n_layers: int = attrs.field(default=3, validator=attrs.validators.gt(0))
+    n_heads: int = attrs.field(default=4, validator=attrs.validators.gt(0))
+    max_len: int = attrs.field(default=256, validator=attrs.validators.gt(0))
+    dropout: float = attrs.field(default=0.0, validator=[attrs.validators.ge(0.0), attrs.validators.lt(1.0)])
+
+    def __attrs_post_init__(self) -> None:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}; change either")
 
     def to_dict(self) -> dict:
         """Return the config as plain JSON-ready values."""

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
+import toolz
 import torch
 from torch import Tensor
 
@@ -106,14 +107,11 @@ def compose(*xforms: Transducer) -> Transducer:
 
     >>> transduce(compose(mapping(lambda x: x + 1), mapping(lambda x: x * 2)), collecting(), [1])
     [4]
+
+    Transducers are functions of reducers, so this is function composition (``toolz.compose``): the
+    first transducer wraps the others, hence sees each item first.
     """
-
-    def xform(reducer: Reducer) -> Reducer:
-        for xf in reversed(xforms):
-            reducer = xf(reducer)
-        return reducer
-
-    return xform
+    return toolz.compose(*xforms)
 
 
 def mapping(f: Callable[[Any], Any]) -> Transducer:
@@ -395,6 +393,6 @@ def combine(reducers: Mapping[str, Reducer]) -> Reducer:
     if all(r.merge is not None for r in parts.values()):
 
         def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-            return {k: parts[k].merge(unreduced(a[k]), unreduced(b[k])) for k in parts}
+            return {k: parts[k].merge(unreduced(a[k]), unreduced(b[k])) for k in parts}  # type: ignore[misc]
 
     return Reducer(init=lambda: {k: r.init() for k, r in parts.items()}, step=step, complete=complete, merge=merge)

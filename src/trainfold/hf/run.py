@@ -8,6 +8,7 @@ the checkpoint plan says so; a run whose params turn inf/NaN logs the window tha
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ from trainfold.observe import MetricWindow, eval_entry, log_if_due, notify
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import diverged
 from trainfold.observe.stopping import patience_exhausted, record_evaluation
+
+_logger = logging.getLogger(__name__)
 
 __all__ = [
     "Run",
@@ -150,6 +153,8 @@ def save(run: Run, state: TrainState, *, jit: bool = False) -> Path:
     settle_resume_check(run, int(state.step), block=True)
     options, output_dir = _save_options(run, state), run.plan.checkpoints.output_dir
     path = ckpt.checkpoint_path(output_dir, int(state.step))
+    if run.plan.is_writer:
+        _logger.info("saving %scheckpoint %s", "the preemption " if jit else "", path)
     if jit:
         run.saver.wait()  # an async save in flight is complete (or raised) first
         if run_dir.already_saved(path, options["run"], int(state.step), options["save_only_model"]):

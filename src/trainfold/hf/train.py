@@ -41,11 +41,12 @@ step, ``hf.resume`` the first state.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import signal
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -76,14 +77,18 @@ from trainfold.hf.planning import plan_for
 from trainfold.hf.released import Released, release_weights, restored
 from trainfold.hf.resume import Start, claim_for, initial_state, start
 from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save, settle_resume_check
+from trainfold.hf.validate import check_first_batch, check_train_call, checked_loss, checking_first
 from trainfold.observe import counting_input_tokens, observing, tap, train_summary
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
+from trainfold.observe.logging import set_verbosity
 from trainfold.observe.reporters import make_reporters
 from trainfold.observe.reporters import progress as make_progress
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.optim import GradientTransformation
 from trainfold.step import sharded
+
+_log = logging.getLogger(__name__)
 
 __all__ = ["TrainResult", "train", "evaluate", "predict", "default_optimizer", "BEST"]
 
@@ -213,7 +218,11 @@ def train(
     """
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     rank = collective.rank if collective is not None else 0
+    rows = train_dataset if data_collator is None and train_stream is None else None  # the default collator's
+    check_train_call(model, args, resume_from_checkpoint, compute_metrics or objective, rows)  # named before any work
+    compute_loss_func = checked_loss(compute_loss_func)
     set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
+    set_verbosity(args.log_level, main_process=rank == 0)  # the trainfold logger: events once, from rank 0
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
     rest = (observers, resume_from_checkpoint, early_stopping, stop, collective, callbacks, train_stream)
     plan = plan_for(model, args, train_dataset, eval_dataset, *given, *rest, processing_class=processing_class)
@@ -222,10 +231,19 @@ def train(
     with claim.releasing_on_error():  # the lock is held until the run ends (the `with claim` below)
         begin = start(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
     plan, begin = resumed_callback_states(plan, begin, callbacks)  # an EarlyStoppingCallback's, as HF's
+    _log_start(plan, begin)
     with claim:  # released if the run raises
         released = release_weights(plan.model, begin.state)  # fsdp: the module keeps no full copy (hf.released)
         result = _session(plan, begin, claim.run)
     return _ending(plan, result, released)
+
+
+def _log_start(plan: Plan, begin: Start) -> None:
+    total, output_dir = plan.schedule.total_steps, plan.args.output_dir
+    if begin.source is None:
+        _log.info("training %d optimizer steps into %s", total, output_dir)
+    else:
+        _log.info("resuming from %s at step %d of %d", begin.source, int(begin.state.step), total)
 
 
 @attrs.frozen(eq=False)
@@ -339,14 +357,14 @@ def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
         dataloader_prefetch_factor=args.dataloader_prefetch_factor,
         dataloader_pin_memory=args.dataloader_pin_memory and plan.device.type == "cuda",
     )
-    return to_device(batches, plan.device)
+    return to_device(checking_first(batches, functools.partial(check_first_batch, plan.model)), plan.device)
 
 
 def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[str], preemption: Any) -> str:
     """Return how the run ended, from the stop rule that held: diverged, preempted, stopped or completed."""
     total = run.plan.schedule.total_steps
     if run.diverged or diverged(state, confirm=True):
-        warnings.warn(divergence_message(state, run.saved[-1] if run.saved else None), RuntimeWarning, stacklevel=5)
+        _log.error(divergence_message(state, run.saved[-1] if run.saved else None))
         return DIVERGED
     if preemption is not None and preemption.requested():
         # A signal after the last step (during the final save) ends nothing: the run is complete.
@@ -375,6 +393,7 @@ def _ending(plan: Plan, ended: _Ended, released: Released | None = None) -> Trai
         ended.saved[-1] if ended.saved else None,
         ended.signal,
     )
+    _log.info("training %s at step %d (%s)", result.status, result.global_step, plan.args.output_dir)
     # as HF: the module ends with the final (or best) weights; lent ones are there, released ones gathered back
     attrs.evolve(result, state=restored(released, state)).apply_to(plan.model)
     return result

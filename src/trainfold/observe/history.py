@@ -20,8 +20,8 @@ and at step 100 000. ``HistoryFile.resume`` truncates the file back to a checkpo
 from __future__ import annotations
 
 import json
+import logging
 import os
-import warnings
 import weakref
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
@@ -31,6 +31,7 @@ from typing import Any
 __all__ = ["HISTORY_FILE", "HistoryFile", "LogHistory", "verify", "start", "window_state", "restore_window"]
 
 HISTORY_FILE = "log_history.jsonl"
+_log = logging.getLogger(__name__)
 _FIX = "resume from another checkpoint, or start fresh (log_history then starts empty)"
 
 
@@ -278,7 +279,7 @@ def start(
             except (OSError, ValueError) as e:
                 if "metadata.log" in str(e):
                     raise
-                warnings.warn(f"log_history restarts empty: {e}", UserWarning, stacklevel=2)
+                _log.warning("log_history restarts empty: %s", e)
         elif legacy is not None:
             if not (isinstance(legacy, list) and all(isinstance(e, dict) for e in legacy)):
                 raise ValueError(

@@ -18,7 +18,6 @@ from trainfold.step.differentiable import check_differentiable, differentiable_s
 from trainfold.step.driver import with_donation
 from trainfold.step.eager import eager_step
 from trainfold.step.plan import step_plan
-from trainfold.step.sharded import make_sharded_step
 
 __all__ = ["make_step"]
 
@@ -75,6 +74,8 @@ def make_step(
     if compile and sharding is None:  # the sharded step refuses its own (sharded_compiled)
         refuse_uncompilable(plan)
     if sharding is not None:
+        from trainfold.step.sharded import make_sharded_step  # DTensor's import is 1 s: paid by sharded runs only
+
         sharded_step = make_sharded_step(plan, sharding, compile=compile, compile_mode=compile_mode)
         return with_donation(lambda state, batch, donate: sharded_step(state, batch))  # fresh shards each step
     if differentiable:

@@ -1,0 +1,141 @@
+"""One table of bad inputs to ``train``: each is refused with the built-in error type that fits, a message that
+names the problem (and the offending value), and the fix. Before ``hf.validate`` most of them surfaced from inside
+torch (``IndexError: index out of range in self``) or as an ``AttributeError`` on the user's own object."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from trainfold import TrainingArguments, train
+from trainfold.core.models import TinyLM, TinyLMConfig
+
+ROWS = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
+
+
+def model():
+    torch.manual_seed(0)
+    return TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+
+
+def rows(**row):
+    return [dict(row) for _ in range(8)]
+
+
+def run(tmp_path, dataset=ROWS, *, on=None, **kwargs):
+    settings = dict(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2, report_to="none")
+    settings |= dict(disable_tqdm=True, save_strategy="no", **kwargs.pop("args", {}))
+    return train(on if on is not None else model(), TrainingArguments(**settings), dataset, **kwargs)
+
+
+def a_file(tmp_path):
+    (tmp_path / "out").write_text("not a directory")
+
+
+CASES = {
+    "input ids past the vocabulary": (
+        dict(dataset=rows(input_ids=[1, 2, 99, 3], labels=[1, 2, 3, 4])),
+        ValueError,
+        r"ids outside the model's vocabulary of 16 \(0\.\.15\): min 1, max 99; .*resize_token_embeddings",
+    ),
+    "negative input ids": (
+        dict(dataset=rows(input_ids=[1, -5, 2, 3], labels=[1, 2, 3, 4])),
+        ValueError,
+        r"vocabulary of 16 \(0\.\.15\): min -5, max 3; use the tokenizer the model was trained with",
+    ),
+    "no input_ids": (
+        dict(dataset=rows(labels=[1, 2, 3, 4])),
+        ValueError,
+        r"the batch has no 'input_ids' \(its keys: \['labels'\]\), which TinyLM.forward needs; tokenize the rows",
+    ),
+    "float input_ids": (
+        dict(dataset=rows(input_ids=[1.0, 2.0, 3.0, 4.0], labels=[1, 2, 3, 4])),
+        TypeError,
+        r"input_ids are torch.float32, but token ids are integers; convert them \(ids.long\(\)\)",
+    ),
+    "bool input_ids": (
+        dict(dataset=rows(input_ids=[True, False, True, True], labels=[1, 2, 3, 4])),
+        TypeError,
+        r"input_ids are torch.bool, but token ids are integers",
+    ),
+    "a loss that is not reduced": (
+        dict(compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.sum(-1)),
+        ValueError,
+        r"compute_loss_func returned a tensor of shape \(2, 4\), not a scalar; reduce it: .*/ num_items_in_batch",
+    ),
+    "a loss that is a python float": (
+        dict(compute_loss_func=lambda outputs, labels, num_items_in_batch=None: 1.0),
+        TypeError,
+        r"compute_loss_func returned a float \(1.0\), not a tensor; return the loss as a 0-d tensor",
+    ),
+    "tuple rows": (
+        dict(dataset=[([1, 2, 3, 4], [1, 2, 3, 4])] * 8),
+        TypeError,
+        r"train_dataset\[0\] is a tuple .*: a \(features, label\) pair: write it as \{'input_ids': features",
+    ),
+    "None rows": (
+        dict(dataset=[None] * 8),
+        TypeError,
+        r"train_dataset\[0\] is a NoneType .*a row is a dict of columns",
+    ),
+    "text rows": (dict(dataset=["hello"] * 8), TypeError, r"train_dataset\[0\] is a str \('hello'\): .*tokenize it"),
+    "a dict of columns": (
+        dict(dataset={"input_ids": [[1, 2, 3, 4]] * 8, "labels": [[1, 2, 3, 4]] * 8}),
+        TypeError,
+        r"train_dataset is a dict of columns \['input_ids', 'labels'\], .*datasets.Dataset.from_dict",
+    ),
+    "scalar labels for a causal LM": (
+        dict(dataset=rows(input_ids=[1, 2, 3, 4], labels=1)),
+        ValueError,
+        r"train_dataset\[0\]\['labels'\] \(1\) has shape \(\) but TinyLM predicts every token.*shaped like input_ids",
+    ),
+    "a collator returning a list": (
+        dict(data_collator=lambda batch: [torch.ones(2, 4)]),
+        TypeError,
+        r"the data collator returned a list .*; a collator returns a dict of tensors",
+    ),
+    "a collator returning None": (
+        dict(data_collator=lambda batch: None),
+        TypeError,
+        r"the data collator returned a NoneType",
+    ),
+    "a model on meta": (
+        dict(on=model().to("meta")),
+        ValueError,
+        r"the model's parameters are on the meta device .*\['tok.weight', .*model.to_empty\(device=...\)",
+    ),
+    "resume_from_checkpoint=123": (
+        dict(resume_from_checkpoint=123),
+        TypeError,
+        r"resume_from_checkpoint=123 \(int\) is not a checkpoint; pass True .*, a checkpoint directory",
+    ),
+    "an output_dir that is a file": (
+        dict(setup=a_file),
+        ValueError,
+        r"output_dir='.*out' is a file; name a directory",
+    ),
+    "metric_for_best_model without compute_metrics": (
+        dict(args=dict(metric_for_best_model="accuracy", eval_strategy="steps", eval_steps=1), eval_dataset=ROWS),
+        ValueError,
+        r"metric_for_best_model='accuracy', but without compute_metrics evaluation reports only the loss; pass "
+        r"compute_metrics=fn .*\{'accuracy': value\}\), or metric_for_best_model='loss'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_bad_input_is_refused_naming_the_problem_and_the_fix(case, tmp_path):
+    kwargs, error, message = CASES[case]
+    kwargs = dict(kwargs)
+    kwargs.pop("setup", lambda tmp_path: None)(tmp_path)
+    with pytest.raises(error, match=message), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run(tmp_path, **kwargs)
+
+
+def test_the_checks_let_good_inputs_through_unchanged(tmp_path):
+    """The same call with the table's arguments corrected trains (the checks do not refuse what works)."""
+    done = run(tmp_path, compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.float().mean())
+    assert done.status == "completed" and done.global_step == 1
