@@ -4,7 +4,7 @@ The pieces, bottom up: ``tree`` (pure ops on tensor dicts), ``state`` (the ``Tra
 record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``samplers`` and
 ``data`` (the resumable stream), ``fold`` (``fit``, ``trajectory``), ``reducers`` and
 ``evaluation``, ``checkpoint`` and ``preempt``, ``observe`` and ``reporters``, ``neftune``,
-``dpo``/``grpo``/``generate`` (``grpo.train``: the GRPO run, ``grpo_run``), ``packing`` and
+``dpo``/``grpo``/``sft``/``generate`` (``grpo.train`` and ``sft.train``: the GRPO and SFT runs), ``packing`` and
 ``chunked_loss`` (LLM batches and loss), ``distributed``, and ``train`` (``TrainingArguments`` +
 ``train``) which wires them from the HF Trainer's setting names.
 """
@@ -25,7 +25,7 @@ from trainfold.data.packing import pack, packed_collate, padding_free_collate
 from trainfold.data.samplers import Sampler, make_sampler
 from trainfold.eval import reducers
 from trainfold.eval.evaluation import EvalPrediction
-from trainfold.hf import grpo, grpo_args, grpo_run
+from trainfold.hf import grpo, grpo_args, grpo_run, sft
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.grpo_args import GRPOArguments
 from trainfold.hf.train import TrainResult, evaluate, predict, train
@@ -94,6 +94,7 @@ __all__ = [
     "save",
     "schedules",
     "sgd",
+    "sft",
     "stream",
     "train",
     "trajectory",
