@@ -225,3 +225,43 @@ def test_a_model_name_is_loaded_with_model_init_kwargs(tmp_path):
     assert result.global_step == 1
     with pytest.raises(ValueError, match="model_init_kwargs apply when the model is a name or path"):
         sft.train(copy.deepcopy(llama()), args, prompt_completion_rows(4), processing_class=tokenizer())
+
+
+# -- packing ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.integers(0, 10_000), st.booleans())
+def test_a_packed_sft_step_equals_the_padded_step_on_the_same_rows(seed, chat):
+    from trainfold import init_state, make_step, sgd
+    from trainfold.core.losses import causal_lm
+    from trainfold.data.packing import pack, packed_collate
+
+    rows = chat_rows(4, seed) if chat else prompt_completion_rows(4, seed)
+    prepared = sft_rows(rows, tokenizer(), assistant_only_loss=chat, packing=True)
+    model = llama()
+    opt = sgd(1.0)
+    step = make_step(model, causal_lm, opt)
+    padded = step(init_state(model, opt), [sft_collate(0)(prepared)])
+    packed = step(init_state(model, opt), [packed_collate()(pack(prepared, max_length=48))])
+    assert int(padded.metrics["num_items"]) == int(packed.metrics["num_items"])
+    torch.testing.assert_close(padded.metrics["loss"], packed.metrics["loss"], rtol=1e-5, atol=1e-6)
+    for k in padded.params:  # SGD(lr=1): the update is the gradient
+        torch.testing.assert_close(padded.params[k], packed.params[k], rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_run_trains_and_evaluates_packed_rows(tmp_path):
+    rows = prompt_completion_rows(12)
+    args = SFTArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        packing=True,
+        max_length=32,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_train_batch_size=2,
+        **COMMON,
+    )
+    result = sft.train(llama(), args, rows, eval_dataset=rows[:4], processing_class=tokenizer())
+    assert result.global_step == 2
+    assert any("eval_loss" in h for h in result.log_history)

@@ -4,7 +4,7 @@ The pieces, bottom up: ``tree`` (pure ops on tensor dicts), ``state`` (the ``Tra
 record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``samplers`` and
 ``data`` (the resumable stream), ``fold`` (``fit``, ``trajectory``), ``reducers`` and
 ``evaluation``, ``checkpoint`` and ``preempt``, ``observe`` and ``reporters``, ``neftune``,
-``dpo``/``grpo``/``sft``/``generate`` (``grpo.train`` and ``sft.train``: the GRPO and SFT runs), ``packing`` and
+``dpo``/``grpo``/``sft``/``generate`` (``dpo.train``, ``grpo.train``, ``sft.train``: the runs), ``packing`` and
 ``chunked_loss`` (LLM batches and loss), ``distributed``, and ``train`` (``TrainingArguments`` +
 ``train``) which wires them from the HF Trainer's setting names.
 """
@@ -25,14 +25,14 @@ from trainfold.data.packing import pack, packed_collate, padding_free_collate
 from trainfold.data.samplers import Sampler, make_sampler
 from trainfold.eval import reducers
 from trainfold.eval.evaluation import EvalPrediction
-from trainfold.hf import grpo, grpo_args, grpo_run, sft
+from trainfold.hf import dpo, grpo, grpo_args, grpo_run, sft
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.grpo_args import GRPOArguments
 from trainfold.hf.train import TrainResult, evaluate, predict, train
 from trainfold.observe import reporters
 from trainfold.observe.stopping import early_stopping
 from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, schedules, sgd
-from trainfold.recipes import dpo, ensemble, generate
+from trainfold.recipes import ensemble, generate
 from trainfold.recipes.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
 from trainfold.step import compiled, make_step
 

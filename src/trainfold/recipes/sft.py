@@ -30,7 +30,7 @@ import attrs
 import torch
 from torch import Tensor
 
-__all__ = ["SFTCollate", "is_conversational", "sft_collate", "sft_row", "sft_rows"]
+__all__ = ["SFTCollate", "common_prefix", "is_conversational", "sft_collate", "sft_row", "sft_rows"]
 
 _log = logging.getLogger(__name__)
 _TEXT_KEYS = ("messages", "prompt", "completion")
@@ -49,7 +49,12 @@ def is_conversational(row: Mapping[str, Any]) -> bool:
     return False
 
 
-def _prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Return how many leading token ids ``a`` and ``b`` share (where a tokenized prompt meets its completion).
+
+    >>> common_prefix([1, 2, 3], [1, 2, 4, 5])
+    2
+    """
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -86,7 +91,7 @@ def _tokenized(row: Mapping[str, Any], tokenizer: Any, text_field: str, eos: str
             prompt = tokenizer(text=row["prompt"])["input_ids"]
             both = tokenizer(text=row["prompt"] + completion)
         ids = list(both["input_ids"])
-        n = _prefix(prompt, ids)
+        n = common_prefix(prompt, ids)
         if n < len(prompt):
             _log.warning(
                 "the tokenized prompt is not a prefix of the tokenized prompt+completion; the completion "
