@@ -265,3 +265,17 @@ def test_a_packed_run_trains_and_evaluates_packed_rows(tmp_path):
     result = sft.train(llama(), args, rows, eval_dataset=rows[:4], processing_class=tokenizer())
     assert result.global_step == 2
     assert any("eval_loss" in h for h in result.log_history)
+
+
+def test_peft_config_trains_only_the_adapter(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = SFTArguments(output_dir=str(tmp_path), max_steps=2, learning_rate=1e-2, **COMMON)
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_alpha=4)
+    result = sft.train(model, args, prompt_completion_rows(8), processing_class=tokenizer(), peft_config=config)
+    trained = set(result.state.params)
+    assert trained and all("lora_" in k for k in trained)
+    for k, v in model.state_dict().items():  # the base weights are untouched
+        if k in before:
+            assert torch.equal(v, before[k]), k

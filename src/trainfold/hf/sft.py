@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from trainfold.core.losses import causal_lm
 from trainfold.data.llm import DEFAULT_MAX_LENGTH
 from trainfold.data.packing import pack
 from trainfold.hf.sft_args import SFTArguments
@@ -114,4 +115,6 @@ def train(
         )
     if data_collator is None and not (args.packing or args.padding_free):
         data_collator = sft_collate(_pad_id(processing_class, args), args.pad_to_multiple_of)
+    if not args.loss_chunk_size and kwargs.get("objective") is None:  # SFT's loss, whatever wraps the model (PEFT)
+        kwargs.setdefault("compute_loss_func", causal_lm)
     return train_run(model, args, train_rows, eval_rows, data_collator, callbacks=callbacks, **kwargs)
