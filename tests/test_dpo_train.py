@@ -12,6 +12,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import trainfold
 from trainfold.hf.dpo_args import DPOArguments
@@ -146,3 +148,36 @@ def test_per_step_losses_equal_a_trl_dpo_run(tmp_path, rows, kw):
     if "loss_type" not in kw:  # the first step's reference is the policy itself: every pair's loss is ln 2
         assert ours[0] == pytest.approx(0.6931472, rel=1e-6)
     assert ours == pytest.approx(theirs, rel=1e-5)
+
+
+# -- padding-free DPO ---------------------------------------------------------------------------
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from(["sdpa", "eager"]))
+def test_a_padding_free_dpo_step_equals_the_padded_step(seed, attn):
+    from trainfold import init_state, make_step, sgd
+    from trainfold.recipes.dpo import dpo_objective, preference_collate
+    from trainfold.recipes.dpo_data import padding_free_preference_collate
+
+    items = preference_rows(text_rows(4, seed), tokenizer())
+    model = llama()
+    model.config._attn_implementation = attn
+    ref = {k: v.detach() + 0.01 for k, v in model.named_parameters()}  # a reference other than the policy
+    obj = dpo_objective(0.3, ["sigmoid", "sft"], ref_params=ref)
+    opt = sgd(1.0)
+    step = make_step(model, optimizer=opt, objective=obj, count_items=obj.count_items)
+    padded = step(init_state(model, opt), [preference_collate(None)(items)])
+    flat = step(init_state(model, opt), [padding_free_preference_collate()(items)])
+    torch.testing.assert_close(padded.metrics["loss"], flat.metrics["loss"], rtol=1e-5, atol=1e-6)
+    for k in padded.params:  # SGD(lr=1): the update is the gradient
+        torch.testing.assert_close(padded.params[k], flat.params[k], rtol=1e-5, atol=1e-5)
+
+
+def test_a_padding_free_run_has_the_padded_runs_losses(tmp_path):
+    rows = datasets.Dataset.from_list(text_rows(8))
+    runs = []
+    for free in (False, True):
+        args = DPOArguments(output_dir=str(tmp_path / str(free)), padding_free=free, **COMMON, **RUN)
+        runs.append(losses(trainfold.dpo.train(llama(), args, rows, processing_class=tokenizer()).log_history))
+    assert runs[1] == pytest.approx(runs[0], rel=1e-5)

@@ -1,6 +1,7 @@
 """``DPOArguments``: ``TrainingArguments`` plus TRL 1.16 ``DPOConfig``'s settings, with its names and defaults.
 
-``max_length`` (1024), ``pad_to_multiple_of`` and ``padding_free`` are ``TrainingArguments``' names;
+``max_length`` (1024), ``pad_to_multiple_of`` and ``padding_free`` (one flattened row per micro-batch,
+``trainfold.recipes.dpo_data``) are ``TrainingArguments``' names;
 ``learning_rate`` defaults to 1e-6, ``logging_steps`` to 10, ``gradient_checkpointing`` on and ``bf16`` on
 unless ``fp16``, as ``DPOConfig``. Settings trainfold does not do are refused by name.
 
@@ -28,7 +29,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "router_aux_loss_coef": (None, "MoE auxiliary losses are not added"),
     "activation_offloading": (False, "activations stay on the device"),
     "trust_remote_code": (False, "load the model yourself and pass the module"),
-    "padding_free": (False, "preference batches are padded (chosen rows, then rejected rows)"),
     "truncation_mode": ("keep_start", "keep_end is deprecated in TRL; truncation keeps the start"),
 }
 _DEFAULTS = {"learning_rate": 1e-6, "logging_steps": 10, "gradient_checkpointing": True, "max_length": 1024}

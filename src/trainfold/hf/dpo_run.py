@@ -19,11 +19,12 @@ from typing import Any
 
 from torch import nn
 
+from trainfold.data.packing import check_packable
 from trainfold.hf.dpo_args import DPOArguments
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run
 from trainfold.recipes.dpo import dpo_objective, preference_collate
-from trainfold.recipes.dpo_data import preference_rows
+from trainfold.recipes.dpo_data import padding_free_preference_collate, preference_rows
 
 __all__ = ["prepare_dataset", "train"]
 
@@ -90,9 +91,13 @@ def train(
     )
     tok = processing_class
     pad = args.pad_token or (getattr(tok, "pad_token", None) or getattr(tok, "eos_token", None)) if tok else None
-    collate = preference_collate(
-        None, 0 if pad is None else int(tok.convert_tokens_to_ids(pad)), args.max_length, args.pad_to_multiple_of
-    )
+    if args.padding_free:  # the run's own flattened rows (TrainingArguments' padding_free is for LM rows)
+        check_packable(model)
+        collate: Any = padding_free_preference_collate(None, args.max_length)
+        args = args.replace(padding_free=False)
+    else:
+        pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
+        collate = preference_collate(None, pad_id, args.max_length, args.pad_to_multiple_of)
     train_rows = prepare_dataset(train_dataset, tok, args)
     eval_rows = prepare_dataset(eval_dataset, tok, args)
     return train_run(model, args, train_rows, eval_rows, collate, objective=objective, callbacks=callbacks, **kwargs)

@@ -36,6 +36,8 @@ from trainfold.recipes.dpo_logps import (
     REF_KEYS,
     completion_logps,
     halves,
+    per_sequence,
+    sequence_count,
     sequence_logps,
     token_means,
 )
@@ -171,7 +173,7 @@ def count_pairs(micro_batch: Mapping[str, Tensor]) -> Tensor:
     >>> count_pairs({"input_ids": torch.zeros(6, 3)}).item()
     3
     """
-    rows = micro_batch["input_ids"].shape[0]
+    rows = sequence_count(micro_batch)
     if rows % 2:
         raise ValueError(
             f"a preference micro-batch has {rows} rows; it must hold chosen rows then as many rejected rows"
@@ -288,7 +290,7 @@ class DPOObjective:
         chosen, rejected = halves(logps)
         ref_chosen, ref_rejected = self._ref_logps(forward, inputs, micro_batch)
         ref_chosen, ref_rejected = ref_chosen.to(chosen), ref_rejected.to(chosen)
-        lengths = halves(micro_batch["completion_mask"][:, 1:].sum(-1).to(chosen.dtype))
+        lengths = halves(per_sequence(micro_batch["completion_mask"][:, 1:], micro_batch).to(chosen.dtype))
         losses = dpo_loss(
             chosen,
             rejected,

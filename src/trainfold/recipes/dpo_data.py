@@ -12,13 +12,18 @@ tokenized ``prompt + completion`` (so a token merge at the boundary goes to the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from trainfold.recipes.dpo_logps import PREFERENCE_COLUMNS
+import attrs
+import torch
+from torch import Tensor
+
+from trainfold.recipes.dpo import PreferenceCollate
+from trainfold.recipes.dpo_logps import PREFERENCE_COLUMNS, REF_KEYS
 from trainfold.recipes.sft import common_prefix, is_conversational
 
-__all__ = ["preference_row", "preference_rows"]
+__all__ = ["PaddingFreePreferenceCollate", "padding_free_preference_collate", "preference_row", "preference_rows"]
 
 
 def preference_row(row: Mapping[str, Any], tokenizer: Any = None) -> dict[str, list[int]]:
@@ -68,3 +73,39 @@ def preference_rows(
     """Return a dataset's rows through :func:`preference_row`, without those whose prompt fills ``max_length``."""
     out = [preference_row(r, tokenizer) for r in rows]
     return [r for r in out if max_length is None or len(r["prompt_ids"]) < max_length]
+
+
+@attrs.frozen
+class PaddingFreePreferenceCollate:
+    """Collate preference items into one flattened row; see :func:`padding_free_preference_collate`."""
+
+    padded: PreferenceCollate
+    columns = PreferenceCollate.columns
+
+    def __call__(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
+        batch = self.padded(items)
+        keep = batch["attention_mask"].bool()
+        lengths = batch["attention_mask"].sum(1)
+        out = {
+            "input_ids": batch["input_ids"][keep][None],
+            "completion_mask": batch["completion_mask"][keep][None],
+            "position_ids": torch.cat([torch.arange(int(n)) for n in lengths])[None],
+            "sequence_index": torch.repeat_interleave(torch.arange(len(lengths)), lengths)[None],
+        }
+        return out | {k: batch[k] for k in REF_KEYS if k in batch}
+
+
+def padding_free_preference_collate(
+    eos_token_id: int | None = None, max_length: int | None = None
+) -> PaddingFreePreferenceCollate:
+    """Return a collator of preference items into one row without padding: chosen sequences, then rejected ones.
+
+    Positions restart at each sequence (``position_ids``) and ``sequence_index`` gives each token's
+    sequence, so the DPO objective sums each sequence's completion log-probs apart (a model that keeps
+    documents apart by their positions is needed: ``trainfold.data.packing.check_packable``).
+
+    >>> b = padding_free_preference_collate()([{"prompt_ids": [1], "chosen_ids": [2, 3], "rejected_ids": [4]}])
+    >>> b["input_ids"].tolist(), b["position_ids"].tolist(), b["sequence_index"].tolist()
+    ([[1, 2, 3, 1, 4]], [[0, 1, 2, 0, 1]], [[0, 0, 0, 1, 1]])
+    """
+    return PaddingFreePreferenceCollate(PreferenceCollate(eos_token_id=eos_token_id, max_length=max_length))
