@@ -3,10 +3,8 @@
 * :mod:`~trainfold.recipes.grpo_rewards`: reward functions ``reward(prompts, completions, **columns)
   -> list[float]`` combined with weights, and :func:`group_advantages` per group of ``num_generations``
   completions of one prompt;
-* :mod:`~trainfold.recipes.grpo_loss`: TRL's per-token policy losses (``grpo``... ``cispo``, ``sapo``,
-  ``luspo``, ``vespo``; token- or sequence-level ratios) as a plain function, :func:`policy_token_losses`;
-* :mod:`~trainfold.recipes.grpo_objective`: :func:`grpo_objective`, the policy loss plus
-  ``beta``·KL(k3) to the reference, normalised as the loss type asks;
+* :mod:`~trainfold.recipes.grpo_objective`: :func:`grpo_objective`, the clipped surrogate plus
+  ``beta``·KL(k3) to the reference, normalised as ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``;
 * :mod:`~trainfold.recipes.grpo_loop`: ``make_rollout`` and ``grpo_trajectory``, a hand-written loop
   for research code;
 * :mod:`~trainfold.recipes.grpo_metrics`: what TRL's ``GRPOTrainer`` logs, by its formulas.
@@ -20,7 +18,6 @@ The run with TRL's ``GRPOConfig`` names and generation schedule is ``trainfold.g
 """
 
 from trainfold.recipes.grpo_loop import Rollout, grpo_trajectory, make_rollout, rollout_metrics
-from trainfold.recipes.grpo_loss import PolicyLoss, policy_token_losses
 from trainfold.recipes.grpo_objective import (
     GRPO_LOSS_TYPES,
     GRPOObjective,
@@ -29,22 +26,12 @@ from trainfold.recipes.grpo_objective import (
     next_token_logps,
     token_entropy,
 )
-from trainfold.recipes.grpo_rewards import (
-    SCALE_REWARDS,
-    RewardFunc,
-    combine_rewards,
-    group_advantages,
-    reward_advantages,
-    reward_name,
-)
+from trainfold.recipes.grpo_rewards import SCALE_REWARDS, RewardFunc, combine_rewards, group_advantages, reward_name
 
 __all__ = [
     "GRPO_LOSS_TYPES",
     "SCALE_REWARDS",
     "GRPOObjective",
-    "PolicyLoss",
-    "policy_token_losses",
-    "reward_advantages",
     "RewardFunc",
     "combine_rewards",
     "reward_name",
