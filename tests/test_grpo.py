@@ -448,8 +448,8 @@ def test_errors_name_the_bad_value_and_the_fix():
         group_advantages(torch.zeros(5), 2)
     with pytest.raises(ValueError, match="returned 1 values for 2 completions"):
         combine_rewards([lambda prompts, completions: [0.0]], ["a", "b"], ["x", "y"])
-    with pytest.raises(ValueError, match="loss_type='cispo'"):
-        grpo_objective("cispo")
+    with pytest.raises(ValueError, match="loss_type='gspo'"):
+        grpo_objective("gspo")
     with pytest.raises(KeyError, match="'generation_tokens', which make_rollout records"):
         grpo_objective("dapo").count_items(rollout_batch())
     with pytest.raises(ValueError, match="max_completion_length"):

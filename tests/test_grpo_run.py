@@ -480,15 +480,15 @@ def test_settings_resolve_like_grpo_config():
 def test_errors_name_the_setting_the_value_and_the_fix(tmp_path):
     with pytest.raises(TypeError, match=r"top_k=5 is a trl.GRPOConfig setting.*softmax\(logits / temperature\)"):
         GRPOArguments(top_k=5)
-    with pytest.raises(TypeError, match="importance_sampling_level='sequence'"):
-        GRPOArguments(importance_sampling_level="sequence")
+    with pytest.raises(TypeError, match="mask_truncated_completions=True"):
+        GRPOArguments(mask_truncated_completions=True)
     GRPOArguments(use_vllm=False, top_k=0, importance_sampling_level="token")  # what trainfold does anyway
     with pytest.raises(TypeError, match="'num_generatons' \\(did you mean 'num_generations'\\?\\)"):
         GRPOArguments(num_generatons=4)
     with pytest.raises(ValueError, match="steps_per_generation or generation_batch_size, not both"):
         GRPOArguments(steps_per_generation=2, generation_batch_size=16)
-    with pytest.raises(ValueError, match=r"(?s)(?=.*loss_type='cispo')(?=.*top_p=0.9)(?=.*learning_rate must be >= 0)"):
-        GRPOArguments(loss_type="cispo", top_p=0.9, learning_rate=-1.0)
+    with pytest.raises(ValueError, match=r"(?s)(?=.*loss_type='gspo')(?=.*top_p=0.9)(?=.*learning_rate must be >= 0)"):
+        GRPOArguments(loss_type="gspo", top_p=0.9, learning_rate=-1.0)
     with pytest.raises(ValueError, match="2 prompts fill no generation of 4 prompts"):
         train(
             lm(),

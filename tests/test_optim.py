@@ -219,6 +219,11 @@ def _schedule_kwargs(name: str, total: int, warmup: int) -> st.SearchStrategy[di
             st.fixed_dictionaries({"min_lr": st.sampled_from([0.0, 0.03, 0.1])}),
             st.fixed_dictionaries({"min_lr_rate": st.sampled_from([0.0, 0.1, 0.5])}),
         ),
+        "cosine_warmup_with_min_lr": st.fixed_dictionaries(
+            {"min_lr_rate": st.sampled_from([0.0, 0.1, 0.5])},
+            optional={"num_cycles": cycles, "warmup_lr_rate": st.sampled_from([0.0, 0.2])},
+        )
+        | st.fixed_dictionaries({"min_lr": st.sampled_from([0.0, 0.03])}),
         "cosine_with_restarts": st.fixed_dictionaries({}, optional={"num_cycles": st.integers(1, 4)}),
         "polynomial": st.fixed_dictionaries(
             {}, optional={"lr_end": st.sampled_from([0.0, 1e-4, 0.05]), "power": st.sampled_from([0.5, 1.0, 2.0, 3.0])}
@@ -389,3 +394,32 @@ def test_a_chain_built_from_the_parts_is_the_alias_bitwise():
     alias = adamw(1e-2, 0.8, 0.99, weight_decay=0.1)
     ours, theirs = run_ours(parts, params, grads), run_ours(alias, params, grads)
     assert all(torch.equal(ours[k], theirs[k]) for k in params)
+
+
+@pytest.mark.parametrize(
+    ("total", "warmup", "kwargs"),
+    [
+        (10, 0, {"min_lr_rate": 0.1}),
+        (10, 3, {"min_lr_rate": 0.1}),
+        (12, 4, {"min_lr": 0.03, "num_cycles": 1.0}),
+        (9, 3, {"min_lr_rate": 0.0, "warmup_lr_rate": 0.2}),
+        (5, 5, {"min_lr_rate": 0.5}),
+    ],
+)
+def test_cosine_warmup_with_min_lr_equals_transformers(total, warmup, kwargs):
+    transformers = pytest.importorskip("transformers")
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.3)
+    sched = transformers.get_scheduler(
+        "cosine_warmup_with_min_lr",
+        opt,
+        num_warmup_steps=warmup,
+        num_training_steps=total,
+        scheduler_specific_kwargs=dict(kwargs),
+    )
+    theirs = []
+    for _ in range(total + 3):
+        theirs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    ours = named("cosine_warmup_with_min_lr", 0.3, warmup, total, **kwargs)
+    assert [ours(k) for k in range(total + 3)] == pytest.approx(theirs, rel=1e-12, abs=1e-15)

@@ -4,7 +4,7 @@ The pieces, bottom up: ``tree`` (pure ops on tensor dicts), ``state`` (the ``Tra
 record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``samplers`` and
 ``data`` (the resumable stream), ``fold`` (``fit``, ``trajectory``), ``reducers`` and
 ``evaluation``, ``checkpoint`` and ``preempt``, ``observe`` and ``reporters``, ``neftune``,
-``dpo``/``grpo``/``generate`` (``grpo.train``: the GRPO run, ``grpo_run``), ``packing`` and
+``dpo``/``grpo``/``sft``/``generate`` (``dpo.train``, ``grpo.train``, ``sft.train``: the runs), ``packing`` and
 ``chunked_loss`` (LLM batches and loss), ``distributed``, and ``train`` (``TrainingArguments`` +
 ``train``) which wires them from the HF Trainer's setting names.
 
@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
         reporters,
         samplers,
         schedules,
+        sft,
         tree,
     )
     from trainfold.ckpt import latest_checkpoint, load, save
@@ -92,6 +93,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "grpo_run": ("trainfold.grpo_run", None),
     "reporters": ("trainfold.reporters", None),
     "schedules": ("trainfold.schedules", None),
+    "sft": ("trainfold.sft", None),
     "dpo": ("trainfold.dpo", None),
     "ensemble": ("trainfold.ensemble", None),
     "generate": ("trainfold.generate", None),
@@ -226,6 +228,7 @@ __all__ = [
     "replay",
     "save",
     "schedules",
+    "sft",
     "sgd",
     "stream",
     "train",

@@ -1,8 +1,8 @@
-"""``trainfold.dpo``: :mod:`trainfold.recipes.dpo` under its top-level name.
+"""``trainfold.dpo``: :mod:`trainfold.hf.dpo` under its top-level name.
 
-DPO: the objective, the preference collator, the reference log-probs.
+DPO in one place: the objective, the preference collator, the reference log-probs, ``DPOArguments``
+and the run ``train``.
 """
 
-from trainfold.recipes.dpo import *  # noqa: F403
-from trainfold.recipes.dpo import __all__  # noqa: F401
-from trainfold.recipes.dpo_loss import dpo_loss_errors  # noqa: F401  (offered here before the restructure)
+from trainfold.hf.dpo import *  # noqa: F403
+from trainfold.hf.dpo import __all__  # noqa: F401

@@ -57,8 +57,8 @@ class TrainingArguments:
     Traceback (most recent call last):
     ...
     ValueError: invalid TrainingArguments:
-      - lr_scheduler_type='cosin' is not one of ['linear', 'cosine', 'cosine_with_min_lr', 'cosine_with_restarts',
-      'polynomial', 'constant', 'constant_with_warmup', 'inverse_sqrt', 'warmup_stable_decay']
+      - lr_scheduler_type='cosin' is not one of ['linear', 'cosine', 'cosine_with_min_lr', 'cosine_warmup_with_min_lr',
+      'cosine_with_restarts', 'polynomial', 'constant', 'constant_with_warmup', 'inverse_sqrt', 'warmup_stable_decay']
     """
 
     output_dir: str = "trainer_output"

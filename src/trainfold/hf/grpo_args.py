@@ -30,13 +30,14 @@ import attrs
 import torch
 
 from trainfold.hf.args import TrainingArguments
-from trainfold.recipes.grpo import GRPO_LOSS_TYPES, SCALE_REWARDS
+from trainfold.recipes.grpo import SCALE_REWARDS
+from trainfold.recipes.grpo_loss import PolicyLoss, policy_loss_errors
+from trainfold.recipes.grpo_rewards import MULTI_OBJECTIVE_AGGREGATIONS
 
 __all__ = ["GRPOArguments", "TRL_ONLY", "generation_order"]
 
 _VLLM = "generation runs on trainfold.recipes.generate; set use_vllm=False"
 _SAMPLING = "trainfold.recipes.generate samples from softmax(logits / temperature) only"
-_LOSS = f"the loss types are {list(GRPO_LOSS_TYPES)} (trainfold.recipes.grpo.grpo_objective)"
 _NOT_YET = "not supported by trainfold's GRPO run yet"
 
 # name -> (the value that asks for nothing trainfold does not do, why other values are refused)
@@ -57,12 +58,6 @@ TRL_ONLY: dict[str, tuple[Any, str]] = {
     "repetition_penalty": (1.0, _SAMPLING),
     "generation_kwargs": (None, _SAMPLING),
     "cache_implementation": (None, _SAMPLING),
-    "importance_sampling_level": ("token", "token-level ratios only (GSPO's 'sequence' is " + _NOT_YET + ")"),
-    "multi_objective_aggregation": (
-        "sum_then_normalize",
-        "rewards are summed, then normalised (GDPO " + _NOT_YET + ")",
-    ),
-    "delta": (None, "the two-sided clip of INTELLECT-2 is " + _NOT_YET),
     "mask_truncated_completions": (False, _NOT_YET),
     "top_entropy_quantile": (1.0, _NOT_YET),
     "entropy_coef": (0.0, "the entropy bonus is " + _NOT_YET),
@@ -74,17 +69,6 @@ TRL_ONLY: dict[str, tuple[Any, str]] = {
     "disable_dropout": (False, "the step keeps the model's dropout; build the model with dropout 0 to disable it"),
     "model_init_kwargs": (None, "pass a built model to trainfold.hf.grpo_run.train"),
     "log_completions": (False, "completions are not logged as tables; pass an observer"),
-    **{
-        name: (None, _LOSS)
-        for name in (
-            "sapo_temperature_neg",
-            "sapo_temperature_pos",
-            "vespo_k_pos",
-            "vespo_lambda_pos",
-            "vespo_k_neg",
-            "vespo_lambda_neg",
-        )
-    },
 }
 
 
@@ -118,8 +102,12 @@ def _check_grpo(args: GRPOArguments) -> list[str]:
     for name in ("num_iterations", "max_completion_length"):
         if getattr(args, name) < 1:
             out.append(f"{name}={getattr(args, name)} must be >= 1")
-    if args.loss_type not in GRPO_LOSS_TYPES:
-        out.append(f"loss_type={args.loss_type!r} is not one of {list(GRPO_LOSS_TYPES)}")
+    out += policy_loss_errors(args.policy_loss)
+    if args.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        out.append(
+            f"multi_objective_aggregation={args.multi_objective_aggregation!r} is not one of "
+            f"{list(MULTI_OBJECTIVE_AGGREGATIONS)}"
+        )
     if args.scale_rewards not in SCALE_REWARDS:
         out.append(f"scale_rewards={args.scale_rewards!r} is not one of {list(SCALE_REWARDS)} (or True / False)")
     if args.beta < 0:
@@ -189,6 +177,16 @@ class GRPOArguments(TrainingArguments):
     top_p: float = 1.0
     shuffle_dataset: bool = True
     use_bias_correction_kl: bool = True
+    # the policy loss's other settings (trainfold.recipes.grpo_loss.PolicyLoss) and GDPO's reward aggregation
+    importance_sampling_level: str = "token"
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    multi_objective_aggregation: str = "sum_then_normalize"
 
     def __init__(self, **kwargs: Any) -> None:
         trl = [p for p in (_trl_problem(k, v) for k, v in kwargs.items() if k in TRL_ONLY) if p is not None]
@@ -233,6 +231,13 @@ class GRPOArguments(TrainingArguments):
                 f"disagree (per_device_train_batch_size x world_size x steps_per_generation = {expected}); set one"
             )
         return {k: v for k, v in settings.items() if k != "generation_batch_size"}
+
+    @property
+    def policy_loss(self) -> PolicyLoss:
+        """Return the policy loss's settings (``epsilon_high`` defaults to ``epsilon``)."""
+        names = attrs.fields_dict(PolicyLoss)
+        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        return PolicyLoss(**{**{k: getattr(self, k) for k in names}, "epsilon_high": high})
 
     @property
     def generation_steps(self) -> int:

@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 from torch import Tensor, nn
 
 from trainfold.hf.grpo_args import GRPOArguments
@@ -94,14 +95,16 @@ def grpo_stream(
         ref_params = {k: v for k, v in model.named_parameters() if v.requires_grad}
     if ref_params is not None:  # its own copy: train trains the module's storage in place
         ref_params = {k: v.detach().clone() for k, v in ref_params.items()}
+    policy = attrs.asdict(args.policy_loss)
     objective = grpo_objective(
-        args.loss_type,
-        args.epsilon,
-        args.epsilon_high,
+        policy.pop("loss_type"),
+        policy.pop("epsilon"),
+        policy.pop("epsilon_high"),
         args.beta,
         args.temperature,
         args.max_completion_length,
         args.use_bias_correction_kl,
+        **policy,
     )
     return GRPORun(
         model,

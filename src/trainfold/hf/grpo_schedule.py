@@ -30,8 +30,9 @@ from trainfold.core.state import Cursor, TrainState, scalar
 from trainfold.data import StateStream, StepBatch
 from trainfold.hf.grpo_args import GRPOArguments, generation_order
 from trainfold.recipes.generate import functional_forward, generate
-from trainfold.recipes.grpo import RewardFunc, combine_rewards, group_advantages, next_token_logps, reward_name
+from trainfold.recipes.grpo import RewardFunc, combine_rewards, next_token_logps, reward_name
 from trainfold.recipes.grpo_metrics import generation_metrics
+from trainfold.recipes.grpo_rewards import reward_advantages
 from trainfold.recipes.grpo_rows import before_eos, completion_rows, gather_completions, spread_completions
 
 __all__ = ["BUFFER", "GenerationBuffer", "GRPORun", "empty_buffer"]
@@ -201,7 +202,7 @@ class GRPORun:
             "prompt_ids": prompt_ids,
             "completion_ids": completion_ids,
             "metrics": metrics,
-            "advantages": group_advantages(total, g, a.scale_rewards),
+            "advantages": reward_advantages(each, g, a.reward_weights, a.scale_rewards, a.multi_objective_aggregation),
         }
 
     def generation(

@@ -23,6 +23,7 @@ __all__ = [
     "as_schedule",
     "constant",
     "cosine",
+    "cosine_warmup_with_min_lr",
     "cosine_with_restarts",
     "inverse_sqrt",
     "linear",
@@ -128,6 +129,38 @@ def cosine(
         if step < warmup_steps:
             return _warmup(value, step, warmup_steps)
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
+        return value * max(0.0, factor * (1 - min_lr_rate) + min_lr_rate)
+
+    return schedule
+
+
+def cosine_warmup_with_min_lr(
+    value: float,
+    warmup_steps: int,
+    total_steps: int,
+    num_cycles: float = 0.5,
+    min_lr_rate: float = 0.0,
+    warmup_lr_rate: float | None = None,
+) -> Schedule:
+    """Return HF's ``cosine_warmup_with_min_lr``: :func:`cosine` shifted one step earlier, from a warmup floor.
+
+    Warmup gives ``(step + 1) / warmup_steps`` of ``value`` (the first update is not at 0), or rises
+    linearly from ``warmup_lr_rate`` to 1 over the warmup when that is given; then the cosine decay
+    to ``min_lr_rate * value`` is measured from ``step + 1``.
+
+    >>> s = cosine_warmup_with_min_lr(1.0, 2, 6, min_lr_rate=0.1)
+    >>> [round(s(k), 4) for k in range(7)]
+    [0.5, 1.0, 0.8682, 0.55, 0.2318, 0.1, 0.2318]
+    """
+    _check(total_steps, warmup_steps)
+
+    def schedule(step: int) -> float:
+        if step < warmup_steps:
+            if warmup_lr_rate is None:
+                return value * (step + 1) / max(1, warmup_steps)
+            return value * (warmup_lr_rate + (1 - warmup_lr_rate) * step / max(1, warmup_steps - 1))
+        progress = (step - warmup_steps + 1) / max(1, total_steps - warmup_steps)
         factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
         return value * max(0.0, factor * (1 - min_lr_rate) + min_lr_rate)
 
@@ -274,12 +307,26 @@ def _named_warmup_stable_decay(
     )
 
 
+def _named_cosine_warmup_with_min_lr(
+    value: float,
+    warmup: int,
+    total: int,
+    num_cycles: float = 0.5,
+    min_lr: float | None = None,
+    min_lr_rate: float | None = None,
+    warmup_lr_rate: float | None = None,
+) -> Schedule:
+    rate = _min_rate(value, min_lr, min_lr_rate)
+    return cosine_warmup_with_min_lr(value, warmup, total, num_cycles, rate, warmup_lr_rate)
+
+
 _NAMED: dict[str, Callable[..., Schedule]] = {
     "linear": lambda value, warmup, total: linear(value, warmup, total),
     "cosine": lambda value, warmup, total, num_cycles=0.5: cosine(value, warmup, total, num_cycles),
     "cosine_with_min_lr": lambda value, warmup, total, num_cycles=0.5, min_lr=None, min_lr_rate=None: cosine(
         value, warmup, total, num_cycles, _min_rate(value, min_lr, min_lr_rate)
     ),
+    "cosine_warmup_with_min_lr": _named_cosine_warmup_with_min_lr,
     "cosine_with_restarts": lambda value, warmup, total, num_cycles=1: cosine_with_restarts(
         value, warmup, total, num_cycles
     ),
@@ -295,7 +342,10 @@ _NOT_PURE = {"reduce_lr_on_plateau": "it follows evaluation metrics, not the ste
 
 def _min_rate(value: float, min_lr: float | None, min_lr_rate: float | None) -> float:
     if (min_lr is None) == (min_lr_rate is None):
-        raise ValueError("cosine_with_min_lr needs exactly one of min_lr or min_lr_rate in lr_scheduler_kwargs")
+        raise ValueError(
+            "cosine_with_min_lr and cosine_warmup_with_min_lr need exactly one of min_lr or min_lr_rate in "
+            "lr_scheduler_kwargs"
+        )
     return min_lr_rate if min_lr_rate is not None else min_lr / value
 
 

@@ -36,12 +36,14 @@ from trainfold.recipes.dpo_logps import (
     REF_KEYS,
     completion_logps,
     halves,
+    per_sequence,
+    sequence_count,
     sequence_logps,
     token_means,
 )
 from trainfold.recipes.dpo_loss import DPO_LOSS_TYPES as LOSS_TYPES
 from trainfold.recipes.dpo_loss import dpo as dpo_loss
-from trainfold.recipes.dpo_loss import dpo_loss_errors
+from trainfold.recipes.dpo_loss import dpo_loss_errors, loss_types_of
 from trainfold.recipes.dpo_reference import precompute_ref_logps, prepare_reference
 
 __all__ = [
@@ -161,9 +163,6 @@ def preference_collate(
     )
 
 
-# -- log-probs and the loss ----------------------------------------------------------------
-
-
 # -- the objective -------------------------------------------------------------------------
 
 
@@ -174,7 +173,7 @@ def count_pairs(micro_batch: Mapping[str, Tensor]) -> Tensor:
     >>> count_pairs({"input_ids": torch.zeros(6, 3)}).item()
     3
     """
-    rows = micro_batch["input_ids"].shape[0]
+    rows = sequence_count(micro_batch)
     if rows % 2:
         raise ValueError(
             f"a preference micro-batch has {rows} rows; it must hold chosen rows then as many rejected rows"
@@ -209,13 +208,15 @@ class DPOObjective:
     """
 
     beta: float
-    loss_type: str
+    loss_type: str | tuple[str, ...]
     label_smoothing: float
     ref_params: Mapping[str, Tensor] | None
     head: OutputHead | None = None  # set: log-probs chunk by chunk from the hidden states (loss_chunk_size)
     chunk_size: int = 0
     precompute_ref_log_probs: bool = False  # train scores the datasets once, cached (trainfold.recipes.dpo_reference)
     precompute_ref_batch_size: int | None = None
+    loss_weights: tuple[float, ...] | None = None  # one per loss type (TRL's MPO mix); None: all 1
+    discopop_tau: float = 0.05
     columns = (*PREFERENCE_COLUMNS, *REF_KEYS)  # the item columns train keeps for it
 
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
@@ -289,9 +290,18 @@ class DPOObjective:
         chosen, rejected = halves(logps)
         ref_chosen, ref_rejected = self._ref_logps(forward, inputs, micro_batch)
         ref_chosen, ref_rejected = ref_chosen.to(chosen), ref_rejected.to(chosen)
-        lengths = halves(micro_batch["completion_mask"][:, 1:].sum(-1).to(chosen.dtype))
+        lengths = halves(per_sequence(micro_batch["completion_mask"][:, 1:], micro_batch).to(chosen.dtype))
         losses = dpo_loss(
-            chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type, self.label_smoothing, *lengths
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            self.beta,
+            self.loss_type,
+            self.label_smoothing,
+            *lengths,
+            loss_weights=self.loss_weights,
+            discopop_tau=self.discopop_tau,
         )
         n = num_items_in_batch.to(chosen.dtype)
         reward_c = (self.beta * (chosen - ref_chosen)).detach()
@@ -315,24 +325,35 @@ class DPOObjective:
         return forward(params, {k: micro_batch[k] for k in MODEL_KEYS if k in micro_batch}), micro_batch["input_ids"]
 
 
-def _check_batch_size(precompute_ref_batch_size: int | None) -> None:
-    size = precompute_ref_batch_size
+def _head(model: nn.Module | None, chunk_size: int | None, size: int | None) -> OutputHead | None:
+    """Check the settings and return the output head that ``chunk_size`` needs (None without it)."""
     if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
         raise ValueError(f"precompute_ref_batch_size={size!r} must be a positive int or None")
+    if chunk_size is None:
+        return None
+    if model is None:
+        raise ValueError("dpo_objective(chunk_size=...) needs model= (the causal LM whose output embedding it applies)")
+    check_chunk_size(chunk_size)
+    return output_head(model)
 
 
 def dpo_objective(
     beta: float = 0.1,
-    loss_type: str = "sigmoid",
+    loss_type: str | Sequence[str] = "sigmoid",
     label_smoothing: float = 0.0,
     ref_params: Mapping[str, Tensor] | None = None,
     *,
+    loss_weights: Sequence[float] | None = None,
+    discopop_tau: float = 0.05,
     model: nn.Module | None = None,
     chunk_size: int | None = None,
     precompute_ref_log_probs: bool = False,
     precompute_ref_batch_size: int | None = None,
 ) -> DPOObjective:
     """Return the DPO objective; reference from ``ref_params`` (frozen) or from precomputed item columns.
+
+    ``loss_type`` is one of TRL's 15 (``trainfold.recipes.dpo_loss.dpo``) or a list of them mixed by
+    ``loss_weights`` (TRL's MPO); the loss of a micro-batch is the mean over its pairs, as TRL's.
 
     ``precompute_ref_log_probs=True`` (TRL's name): ``train`` scores the train and eval sets with
     the reference once, before the first step, ``precompute_ref_batch_size`` pairs at a time
@@ -358,20 +379,17 @@ def dpo_objective(
     >>> round(loss.item(), 6), aux["rewards/margins"].item()
     (0.693147, 0.0)
     """
-    problems = dpo_loss_errors(beta, loss_type, label_smoothing)
+    problems = dpo_loss_errors(beta, loss_type, label_smoothing, loss_weights, discopop_tau)
     if problems:
         raise ValueError("; ".join(problems))
-    if chunk_size is not None and model is None:
-        raise ValueError("dpo_objective(chunk_size=...) needs model= (the causal LM whose output embedding it applies)")
-    if chunk_size is not None:
-        check_chunk_size(chunk_size)
-    head = None if chunk_size is None else output_head(model)
-    _check_batch_size(precompute_ref_batch_size)
+    head = _head(model, chunk_size, precompute_ref_batch_size)
     # its own copy: train trains the module's storage in place, and ref_params often are the module's tensors
     frozen = None if ref_params is None else {k: v.detach().clone() for k, v in ref_params.items()}
     return DPOObjective(
         beta=beta,
-        loss_type=loss_type,
+        loss_type=loss_type if isinstance(loss_type, str) else loss_types_of(loss_type),
+        loss_weights=None if loss_weights is None else tuple(float(w) for w in loss_weights),
+        discopop_tau=discopop_tau,
         label_smoothing=label_smoothing,
         ref_params=frozen,
         head=head,

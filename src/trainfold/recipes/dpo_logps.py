@@ -29,13 +29,39 @@ __all__ = [
     "REF_KEYS",
     "completion_logps",
     "halves",
+    "per_sequence",
+    "sequence_count",
     "sequence_logps",
     "token_means",
 ]
 
 PREFERENCE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")  # TRL 1.x's names for tokenized rows
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
-MODEL_KEYS = ("input_ids", "attention_mask")  # what the model sees of a preference batch
+MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")  # what the model sees of a preference batch
+
+
+def per_sequence(x: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
+    """Return per-position values ``x`` ``(rows, seq - 1, ...)`` summed per sequence.
+
+    A padded batch has one sequence per row; a padding-free one (``sequence_index``: each token's
+    sequence, one flattened row) sums each position into the sequence of the token it scores.
+
+    >>> import torch
+    >>> per_sequence(torch.ones(1, 4), {"sequence_index": torch.tensor([[0, 0, 1, 1, 1]])}).tolist()
+    [1.0, 3.0]
+    """
+    if "sequence_index" not in batch:
+        return x.sum(1)
+    index = batch["sequence_index"][0, 1:].to(x.device)
+    out = torch.zeros(sequence_count(batch), *x.shape[2:], dtype=x.dtype, device=x.device)
+    return out.index_add(0, index, x[0])
+
+
+def sequence_count(batch: Mapping[str, Tensor]) -> int:
+    """Return how many sequences (chosen and rejected) a preference batch holds."""
+    if "sequence_index" in batch:
+        return int(batch["sequence_index"].max()) + 1
+    return batch["input_ids"].shape[0]
 
 
 def halves(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -73,11 +99,12 @@ def _row_stats(
     params: Mapping[str, Tensor],
     targets: Tensor,
     chunk_size: int,
+    batch: Mapping[str, Tensor],
 ) -> Tensor:
-    """Return each row's sums of :func:`_position_stats` over its completion tokens, ``(rows, 3)``, without grad."""
+    """Return each sequence's sums of :func:`_position_stats` over its completion tokens, ``(seqs, 3)``, no grad."""
     with torch.no_grad():
         if logits is not None:
-            return _position_stats(logits[:, :-1], targets).sum(1)
+            return per_sequence(_position_stats(logits[:, :-1], targets), batch)
         assert hidden is not None and head is not None
         weight, bias = head.weight(params).detach(), head.bias
         h, y = hidden[:, :-1].detach().reshape(-1, hidden.shape[-1]).to(weight.dtype), targets.reshape(-1)
@@ -85,7 +112,7 @@ def _row_stats(
         for start in range(0, h.shape[0], chunk_size):
             z = h[start : start + chunk_size] @ weight.T
             parts.append(_position_stats(z if bias is None else z + bias, y[start : start + chunk_size]))
-        return torch.cat(parts).reshape(*targets.shape, 3).sum(1)
+        return per_sequence(torch.cat(parts).reshape(*targets.shape, 3), batch)
 
 
 def completion_logps(
@@ -102,11 +129,13 @@ def completion_logps(
     targets = batch["input_ids"][:, 1:].masked_fill(batch["completion_mask"][:, 1:] == 0, -100)
     if head is None:
         logits = logits_of(forward(params, inputs))
-        logps = sequence_logps(logits, batch["input_ids"], batch["completion_mask"])
-        return logps, _row_stats(logits, None, None, params, targets, chunk_size) if stats else None
+        per_token = token_logps(logits, batch["input_ids"]) * batch["completion_mask"][:, 1:].to(logits.dtype)
+        row_stats = _row_stats(logits, None, None, params, targets, chunk_size, batch) if stats else None
+        return per_sequence(per_token, batch), row_stats
     hidden = head.hidden(forward, params, inputs)
     per_token = chunked_token_logps(hidden[:, :-1], head.weight(params), targets, bias=head.bias, chunk_size=chunk_size)
-    return per_token.sum(-1), _row_stats(None, hidden, head, params, targets, chunk_size) if stats else None
+    row_stats = _row_stats(None, hidden, head, params, targets, chunk_size, batch) if stats else None
+    return per_sequence(per_token, batch), row_stats
 
 
 def token_means(stats: Tensor, lengths: tuple[Tensor, Tensor], weight: Tensor) -> dict[str, Tensor]:

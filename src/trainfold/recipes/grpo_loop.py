@@ -25,8 +25,16 @@ from trainfold.core.rng import derive_seed
 from trainfold.core.state import TrainState
 from trainfold.recipes.generate import functional_forward, generate
 from trainfold.recipes.grpo_data import generation_batches
+from trainfold.recipes.grpo_metrics import nanstd
 from trainfold.recipes.grpo_objective import chunk_head, next_token_logps
-from trainfold.recipes.grpo_rewards import SCALE_REWARDS, RewardFunc, combine_rewards, group_advantages, reward_name
+from trainfold.recipes.grpo_rewards import (
+    MULTI_OBJECTIVE_AGGREGATIONS,
+    SCALE_REWARDS,
+    RewardFunc,
+    combine_rewards,
+    reward_advantages,
+    reward_name,
+)
 from trainfold.recipes.grpo_rows import before_eos, completion_rows
 
 __all__ = ["Rollout", "grpo_trajectory", "make_rollout", "rollout_metrics"]
@@ -81,6 +89,7 @@ class Rollout:
     prompt_key: str
     head: OutputHead | None = None  # set: old/ref log-probs chunk by chunk from the hidden states
     chunk_size: int = 0
+    multi_objective_aggregation: str = "sum_then_normalize"  # or "normalize_then_sum" (GDPO)
 
     @property
     def records_old_logps(self) -> bool:
@@ -121,7 +130,9 @@ class Rollout:
         )
         completions = [self.decode(before_eos(c, self.eos_token_id)) for c in completion_ids]
         total, each = combine_rewards(self.reward_funcs, prompts, completions, columns, self.reward_weights)
-        advantages = group_advantages(total, self.num_generations, self.scale_rewards)
+        advantages = reward_advantages(
+            each, self.num_generations, self.reward_weights, self.scale_rewards, self.multi_objective_aggregation
+        )
         rows: dict[str, Tensor] = completion_rows(prompt_ids, completion_ids, self.pad_token_id)
         ids, attention, completion_mask = rows["input_ids"], rows["attention_mask"], rows["completion_mask"]
         rows |= {
@@ -174,6 +185,11 @@ def _rollout_problems(r: Rollout) -> list[str]:
         problems.append(f"num_iterations={num_iterations} must be >= 1")
     if scale_rewards not in SCALE_REWARDS:
         problems.append(f"scale_rewards={scale_rewards!r} is not one of {list(SCALE_REWARDS)}")
+    if r.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        problems.append(
+            f"multi_objective_aggregation={r.multi_objective_aggregation!r} is not one of "
+            f"{list(MULTI_OBJECTIVE_AGGREGATIONS)}"
+        )
     if not temperature > 0:
         problems.append(f"temperature={temperature} must be > 0 (log-probs are computed at this temperature)")
     if max_new_tokens < 1:
@@ -200,6 +216,7 @@ def make_rollout(
     prompt_key: str = "prompt",
     chunk_size: int | None = None,
     steps_per_generation: int | None = None,
+    multi_objective_aggregation: str = "sum_then_normalize",
 ) -> Rollout:
     """Return ``rollout(state, prompt_micro_batches) -> micro_batches`` for :func:`grpo_trajectory`.
 
@@ -217,6 +234,8 @@ def make_rollout(
     ``chunk_size`` (a transformers causal LM) scores the old and reference log-probs ``chunk_size``
     tokens at a time from the final hidden states, never materialising the full logits. (``steps_per_generation``:
     the old name of ``optimizer_steps_per_generation``, with a DeprecationWarning.)
+    ``chunk_size`` (a causal LM) scores the old and reference log-probs chunk by chunk from the final hidden states.
+    ``multi_objective_aggregation="normalize_then_sum"`` is GDPO (``grpo_rewards.reward_advantages``).
     """
     rollout = Rollout(
         model=model,
@@ -232,10 +251,10 @@ def make_rollout(
         pad_token_id=pad_token_id,
         reward_weights=None if reward_weights is None else tuple(float(w) for w in reward_weights),
         scale_rewards=scale_rewards,
-        # its own copy: train trains the module's storage in place, and ref_params often are the module's tensors
         ref_params=None if ref_params is None else {k: v.detach().clone() for k, v in ref_params.items()},
         prompt_key=prompt_key,
         chunk_size=chunk_size or 0,
+        multi_objective_aggregation=multi_objective_aggregation,
     )
     problems = _rollout_problems(rollout)
     if problems:
@@ -265,22 +284,25 @@ def _renamed_steps(old: int | None, new: int) -> int:
 
 
 def rollout_metrics(batch: Iterable[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """Return the step's reward metrics: ``reward``, ``rewards/<name>/mean``, ``completions/mean_length``.
+    """Return the step's reward metrics: ``reward`` and ``reward_std``, ``rewards/<name>/mean`` and ``/std``,
+    ``completions/mean_length``.
 
-    The means are NaN-free.
+    As the run's (TRL's) but over the rows the step trained on; stds are unbiased; the values are
+    NaN-free: a mean with no scored row, or a std with fewer than two, is 0.
 
     >>> import torch
     >>> mb = {"rewards": torch.tensor([1.0, 3.0]), "completion_mask": torch.tensor([[0, 1], [1, 1]])}
-    >>> {k: v.item() for k, v in rollout_metrics([mb]).items()}
-    {'reward': 2.0, 'completions/mean_length': 1.5}
+    >>> {k: round(v.item(), 4) for k, v in rollout_metrics([mb]).items()}
+    {'reward': 2.0, 'reward_std': 1.4142, 'completions/mean_length': 1.5}
     """
     micro = list(batch)
     out: dict[str, Tensor] = {}
     for k in micro[0]:
         if k == "rewards" or k.startswith("rewards/"):
             values = torch.cat([mb[k] for mb in micro]).float()
-            name = "reward" if k == "rewards" else f"{k}/mean"
-            out[name] = values.nanmean() if (~values.isnan()).any() else torch.tensor(0.0)
+            mean, std = ("reward", "reward_std") if k == "rewards" else (f"{k}/mean", f"{k}/std")
+            out[mean] = values.nanmean().nan_to_num(0.0)
+            out[std] = nanstd(values).nan_to_num(0.0)
     lengths = torch.cat([mb["completion_mask"].sum(1) for mb in micro]).float()
     out["completions/mean_length"] = lengths.mean()
     return out

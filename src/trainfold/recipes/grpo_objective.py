@@ -1,6 +1,7 @@
 """GRPO's loss: the clipped surrogate plus ``beta``·KL(k3) to the reference, for ``make_step(objective=...)``.
 
-Token losses are normalised as ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo`` (see :func:`grpo_objective`).
+The policy losses of TRL's loss types are ``trainfold.recipes.grpo_loss``'s; their sums are normalised as
+the loss type asks (see :func:`grpo_objective`).
 Per-token tensors are laid out like the rows: ``input_ids`` is ``prompt + completion`` per row,
 right-padded, and per-token log-probs have shape ``(rows, seq - 1)`` (position t scores token
 t+1), masked by ``completion_mask[:, 1:]``.
@@ -22,10 +23,17 @@ from torch import Tensor, nn
 from trainfold.core.chunked_loss import OutputHead, check_chunk_size, chunked_token_logps, output_head
 from trainfold.core.losses import logits_of
 from trainfold.recipes.generate import token_logps
+from trainfold.recipes.grpo_loss import (
+    GRPO_LOSS_TYPES,
+    PolicyLoss,
+    policy_loss_errors,
+    policy_token_losses,
+    vespo_weights,
+)
 
 __all__ = ["GRPO_LOSS_TYPES", "GRPOObjective", "chunk_head", "grpo_objective", "next_token_logps", "token_entropy"]
 
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+_BY_GENERATION = ("dapo", "cispo", "vespo")  # normalised by the generation's tokens, as TRL's dapo
 _MODEL_KEYS = ("input_ids", "attention_mask")
 
 
@@ -81,9 +89,7 @@ class GRPOObjective:
     (-0.75, ['clip_ratio/high_mean', 'clip_ratio/low_mean'], 0.0, 2.7726)
     """
 
-    loss_type: str
-    epsilon: float
-    epsilon_high: float
+    policy: PolicyLoss
     beta: float
     temperature: float
     max_completion_length: int | None
@@ -91,22 +97,39 @@ class GRPOObjective:
     head: OutputHead | None = None  # set: log-probs chunk by chunk from the hidden states (loss_chunk_size)
     chunk_size: int = 0
 
+    @property
+    def loss_type(self) -> str:
+        """The policy loss's type (``trainfold.recipes.grpo_loss.GRPO_LOSS_TYPES``)."""
+        return self.policy.loss_type
+
+    @property
+    def epsilon(self) -> float:
+        """The lower clip range."""
+        return self.policy.epsilon
+
+    @property
+    def epsilon_high(self) -> float:
+        """The upper clip range (``cispo``: the cap of the ratio)."""
+        return self.policy.epsilon_high
+
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
         """Count what the loss averages over: completion tokens (``bnpo``), the generation block's
-        completion tokens (``dapo``, once per micro-batch), or completions (otherwise)."""
+        completion tokens (``dapo``, ``cispo``, ``vespo``; once per micro-batch), or completions (otherwise)."""
         if self.loss_type == "bnpo":
             return micro_batch["completion_mask"][:, 1:].sum()
-        if self.loss_type == "dapo":
+        if self.loss_type in _BY_GENERATION:
             return _block_size(micro_batch, "generation_tokens")
         return torch.tensor(micro_batch["completion_mask"].shape[0])
 
     def _aggregate(self, per_token: Tensor, mask: Tensor, n: Tensor, block: Tensor | None) -> Tensor:
         masked = per_token * mask
-        if self.loss_type == "grpo":
+        if self.loss_type in ("grpo", "sapo"):
             return (masked.sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n
+        if self.loss_type == "luspo":  # each completion's token sum, averaged over the completions
+            return masked.sum() / n
         if self.loss_type == "bnpo":
             return masked.sum() / n
-        if self.loss_type == "dapo":  # n = the block's tokens x the step's micro-batches (over ranks)
+        if self.loss_type in _BY_GENERATION:  # n = the block's tokens x the step's micro-batches (over ranks)
             assert block is not None
             return masked.sum() * block / n
         assert self.max_completion_length is not None
@@ -147,22 +170,27 @@ class GRPOObjective:
     ) -> tuple[Tensor, dict[str, Tensor]]:
         inputs = {k: micro_batch[k] for k in _MODEL_KEYS if k in micro_batch}
         logps, entropy = self.logps_and_entropy(forward, params, inputs)
+        return self.loss_from_logps(logps, entropy, micro_batch, num_items_in_batch)
+
+    def loss_from_logps(
+        self, logps: Tensor, entropy: Tensor, micro_batch: Mapping[str, Tensor], num_items_in_batch: Tensor
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """Return ``(loss, metrics)`` from the policy's next-token log-probs and entropies ``(rows, seq - 1)``.
+
+        What ``__call__`` does after the forward pass: a plain function of the log-probs and the
+        micro-batch (``completion_mask``, ``advantages``, optional ``old_logps`` and ``ref_logps``).
+        """
         mask = micro_batch["completion_mask"][:, 1:].to(logps.dtype)
         old = micro_batch.get("old_logps")
         old = logps.detach() if old is None else old.to(logps)
-        ratio = torch.exp(logps - old)
         adv = micro_batch["advantages"].to(logps)[:, None]
-        clipped = torch.clamp(ratio, 1 - self.epsilon, 1 + self.epsilon_high)
-        per_token = -torch.min(ratio * adv, clipped * adv)
+        per_token, ratio = policy_token_losses(logps, old, adv, mask, self.policy)
         n = num_items_in_batch.to(logps.dtype)
-        block = _block_size(micro_batch, "generation_micro_batches").to(logps) if self.loss_type == "dapo" else None
-        if self.loss_type == "dapo" and "step_micro_batches" in micro_batch:  # TRL: each micro-batch by its own
-            n = (micro_batch["generation_tokens"][0] * micro_batch["step_micro_batches"][0]).to(logps)  # generation
-        if "step_micro_batches" in micro_batch:  # TRL's metrics: token means per micro-batch, averaged over the step
-            share = 1 / micro_batch["step_micro_batches"][0].to(logps)
-            metric = lambda x: (x * mask).sum() / mask.sum().clamp(min=1) * share
-        else:  # aggregated like the loss
-            metric = lambda x: self._aggregate(x, mask, n, block)
+        by_gen = self.loss_type in _BY_GENERATION
+        block = _block_size(micro_batch, "generation_micro_batches").to(logps) if by_gen else None
+        if by_gen and "step_micro_batches" in micro_batch:  # TRL: each micro-batch by its own generation
+            n = (micro_batch["generation_tokens"][0] * micro_batch["step_micro_batches"][0]).to(logps)
+        metric = self._metric(micro_batch, mask, n, block)
         aux: dict[str, Tensor] = {"entropy": metric(entropy)}
         if self.beta != 0:
             if "ref_logps" not in micro_batch:
@@ -176,12 +204,41 @@ class GRPOObjective:
                 kl = kl * ratio
             per_token = per_token + self.beta * kl
             aux["kl"] = metric(kl.detach())
-        low = ((ratio < 1 - self.epsilon) & (adv < 0)).to(logps.dtype)
-        high = ((ratio > 1 + self.epsilon_high) & (adv > 0)).to(logps.dtype)
-        aux["clip_ratio/low_mean"] = metric(low)
-        aux["clip_ratio/high_mean"] = metric(high)
-        aux["clip_ratio/region_mean"] = metric(low + high)
+        aux.update(_ratio_metrics(self.policy, ratio.detach(), (logps - old).detach(), adv, mask, metric))
         return self._aggregate(per_token, mask, n, block), aux
+
+    def _metric(
+        self, micro_batch: Mapping[str, Tensor], mask: Tensor, n: Tensor, block: Tensor | None
+    ) -> Callable[[Tensor], Tensor]:
+        if "step_micro_batches" in micro_batch:  # TRL's metrics: means per micro-batch, averaged over the step
+            share = 1 / micro_batch["step_micro_batches"][0].to(mask)
+
+            def metric(x: Tensor) -> Tensor:
+                if x.shape[-1] == 1:  # one value per completion (sequence-level ratios): a mean over completions
+                    return x.sum() / x.shape[0] * share
+                return (x * mask).sum() / mask.sum().clamp(min=1) * share
+
+            return metric
+        return lambda x: self._aggregate(x, mask, n, block)  # aggregated like the loss
+
+
+def _ratio_metrics(
+    p: PolicyLoss, ratio: Tensor, log_ratio: Tensor, adv: Tensor, mask: Tensor, metric: Callable[[Tensor], Tensor]
+) -> dict[str, Tensor]:
+    """Return TRL's ratio metrics: clip fractions (clipped losses), ``cispo_clip_ratio``, ``vespo/phi_seq_mean``."""
+    if p.loss_type == "cispo":
+        return {"cispo_clip_ratio": metric(((ratio > p.epsilon_high) & (adv > 0)).to(mask.dtype))}
+    if p.loss_type == "vespo":
+        return {"vespo/phi_seq_mean": metric(vespo_weights(adv, log_ratio, mask, p))}
+    if p.loss_type == "sapo":
+        return {}
+    low = ((ratio < 1 - p.epsilon) & (adv < 0)).to(mask.dtype)
+    high = ((ratio > 1 + p.epsilon_high) & (adv > 0)).to(mask.dtype)
+    return {
+        "clip_ratio/low_mean": metric(low),
+        "clip_ratio/high_mean": metric(high),
+        "clip_ratio/region_mean": metric(low + high),
+    }
 
 
 def token_entropy(logits: Tensor, temperature: float = 1.0) -> Tensor:
@@ -215,15 +272,11 @@ def _block_size(micro_batch: Mapping[str, Tensor], key: str) -> Tensor:
 
 
 def _objective_problems(
-    loss_type: str, epsilon: float, high: float, beta: float, temperature: float, max_completion_length: int | None
+    policy: PolicyLoss, beta: float, temperature: float, max_completion_length: int | None
 ) -> list[str]:
-    problems = []
-    if loss_type not in GRPO_LOSS_TYPES:
-        problems.append(f"loss_type={loss_type!r} is not one of {list(GRPO_LOSS_TYPES)}")
-    if loss_type == "dr_grpo" and (max_completion_length is None or max_completion_length < 1):
+    problems = policy_loss_errors(policy)
+    if policy.loss_type == "dr_grpo" and (max_completion_length is None or max_completion_length < 1):
         problems.append("loss_type='dr_grpo' divides by max_completion_length: pass the rollout's max_new_tokens")
-    if not (0 <= epsilon < 1 and high >= 0):
-        problems.append(f"epsilon={epsilon} must be in [0, 1) and epsilon_high={high} >= 0")
     if beta < 0:
         problems.append(f"beta={beta} must be >= 0")
     if not temperature > 0:
@@ -242,45 +295,48 @@ def grpo_objective(
     *,
     model: nn.Module | None = None,
     chunk_size: int | None = None,
+    **policy: Any,
 ) -> GRPOObjective:
-    """Return the GRPO objective: per token ``−min(r·A, clip(r, 1−ε, 1+ε_high)·A) + β·KL``.
+    """Return the GRPO objective: per token the policy loss (``−min(r·A, clip(r, 1−ε, 1+ε_high)·A)``...) ``+ β·KL``.
 
-    ``r = π_θ / π_old`` with ``π_old`` the micro-batch's ``old_logps`` (else the current
-    log-probs without gradient, so ``r = 1`` but its gradient is ``∇ log π``). KL is the k3
-    estimator ``exp(ref − logπ) − (ref − logπ) − 1`` against the micro-batch's ``ref_logps``,
-    times ``r`` when ``kl_bias_correction`` (as TRL does by default). Token losses are summed over
-    completion tokens, then normalised over the optimizer step:
+    ``r = π_θ / π_old``, ``π_old`` the micro-batch's ``old_logps`` (else the current log-probs without
+    gradient: ``r = 1``, gradient ``∇ log π``). Each ``loss_type``'s policy loss is
+    :func:`trainfold.recipes.grpo_loss.policy_token_losses`; its other settings are keywords
+    (``trainfold.recipes.grpo_loss.PolicyLoss``: TRL's names and defaults). KL is the k3 estimator
+    ``exp(ref − logπ) − (ref − logπ) − 1`` against ``ref_logps``, times ``r`` when ``kl_bias_correction``
+    (TRL's default). Token losses are summed over completion tokens, then normalised over the optimizer step:
 
-    * ``grpo``: each completion's token mean, averaged over the step's completions;
+    * ``grpo``, ``sapo``: each completion's token mean, averaged over the step's completions;
+    * ``luspo``: each completion's token sum, averaged over the step's completions;
     * ``bnpo``: the token mean over all the step's completion tokens (TRL divides per
       micro-batch instead; the two agree with one micro-batch per step);
     * ``dr_grpo``: the token sum over ``completions × max_completion_length``;
-    * ``dapo`` (TRL's default): the token sum over the generation block's completion tokens per
-      optimizer step (its total over all ranks divided by the optimizer steps it feeds). With one
-      optimizer step per generation (``optimizer_steps_per_generation=1``) this is ``bnpo``; with more, every
-      step of a block has the same normaliser, as in TRL. Micro-batches that carry
-      ``step_micro_batches`` (the GRPO run's) are normalised by their own generation's tokens ×
-      ``step_micro_batches / generation_micro_batches``: TRL's ``N_gen · GA / steps_per_generation``,
-      also when one optimizer step spans several generations.
+    * ``dapo`` (TRL's default), ``cispo``, ``vespo``: the token sum over the generation block's completion
+      tokens per optimizer step (its total over all ranks divided by the optimizer steps it feeds): ``bnpo``
+      with one optimizer step per generation; with more, every step of a block has TRL's normaliser.
+      Micro-batches that carry ``step_micro_batches`` (the GRPO run's) are normalised by their own
+      generation's tokens × ``step_micro_batches / generation_micro_batches``: TRL's
+      ``N_gen · GA / steps_per_generation``, also when one optimizer step spans several generations.
 
-    Metrics ``clip_ratio/{low,high,region}_mean`` (and ``kl`` when ``beta != 0``) are aggregated
-    the same way. ``temperature`` must be the sampling temperature. ``chunk_size`` (with ``model``, a
-    transformers causal LM) computes the log-probs ``chunk_size`` tokens at a time from the final
-    hidden states, never materialising the full logits.
+    Metrics (``clip_ratio/{low,high,region}_mean``, ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``kl``)
+    are aggregated the same way. ``temperature`` must be the sampling temperature. ``chunk_size`` (with
+    ``model``, a causal LM) computes the log-probs chunk by chunk from the final hidden states.
 
-    >>> obj = grpo_objective("bnpo")
-    >>> import torch
-    >>> obj.count_items({"completion_mask": torch.tensor([[0, 1, 1], [0, 1, 0]])}).item()
-    3
+    >>> grpo_objective("luspo", importance_sampling_level="sequence").policy.importance_sampling_level
+    'sequence'
     """
+    unknown = sorted(set(policy) - set(attrs.fields_dict(PolicyLoss)))
+    if unknown:
+        raise TypeError(
+            f"grpo_objective got unknown settings {unknown}; the policy-loss settings are those of PolicyLoss"
+        )
     high = epsilon if epsilon_high is None else epsilon_high
-    problems = _objective_problems(loss_type, epsilon, high, beta, temperature, max_completion_length)
+    settings = PolicyLoss(loss_type=loss_type, epsilon=epsilon, epsilon_high=high, **policy)
+    problems = _objective_problems(settings, beta, temperature, max_completion_length)
     if problems:
         raise ValueError("invalid GRPO objective: " + "; ".join(problems))
     return GRPOObjective(
-        loss_type=loss_type,
-        epsilon=epsilon,
-        epsilon_high=high,
+        policy=settings,
         beta=beta,
         temperature=temperature,
         max_completion_length=max_completion_length,

@@ -13,6 +13,7 @@ for "no score"), called by keyword as TRL calls it, so TRL's ``def reward(comple
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,10 +21,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["SCALE_REWARDS", "RewardFunc", "combine_rewards", "group_advantages", "reward_name"]
+__all__ = [
+    "MULTI_OBJECTIVE_AGGREGATIONS",
+    "SCALE_REWARDS",
+    "RewardFunc",
+    "combine_rewards",
+    "group_advantages",
+    "normalized_sum_advantages",
+    "reward_advantages",
+    "reward_name",
+]
 
 RewardFunc = Callable[..., Sequence[float | None]]
 SCALE_REWARDS = ("group", "batch", "none")
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+_log = logging.getLogger(__name__)
 
 
 def reward_name(fn: RewardFunc) -> str:
@@ -68,7 +80,18 @@ def combine_rewards(
     each = torch.tensor(scores, dtype=torch.float32).T.reshape(len(completions), len(reward_funcs))
     w = torch.tensor(list(weights) if weights is not None else [1.0] * len(reward_funcs), dtype=torch.float32)
     total = torch.nansum(each * w, dim=1)
-    total[torch.isnan(each).all(dim=1)] = math.nan
+    unscored = torch.isnan(each).all(dim=1)
+    total[unscored] = math.nan
+    if bool(unscored.any()):  # TRL warns too: such rows get advantage 0 and teach nothing
+        row = int(unscored.nonzero()[0, 0])
+        _log.warning(
+            "all reward functions returned None for %d of %d completions, e.g. prompt=%r completion=%r; "
+            "make at least one reward function score every completion",
+            int(unscored.sum()),
+            len(completions),
+            prompts[row],
+            completions[row],
+        )
     return total, each
 
 
@@ -96,6 +119,18 @@ def _nan_mean_std(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     return mean, std
 
 
+def _check_groups(rewards: Tensor, num_generations: int) -> None:
+    if num_generations < 2:
+        raise ValueError(
+            f"num_generations={num_generations}: group-relative advantages need at least 2 completions per prompt"
+        )
+    if rewards.dim() != 1 or rewards.shape[0] % num_generations:
+        raise ValueError(
+            f"rewards of shape {tuple(rewards.shape)} do not split into groups of {num_generations}: pass one reward "
+            "per completion, each prompt's completions consecutive"
+        )
+
+
 def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "group") -> Tensor:
     """Return each completion's advantage relative to its group of ``num_generations`` consecutive rows.
 
@@ -113,15 +148,7 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale_rewards!r} is not one of {list(SCALE_REWARDS)}")
-    if num_generations < 2:
-        raise ValueError(
-            f"num_generations={num_generations}: group-relative advantages need at least 2 completions per prompt"
-        )
-    if rewards.dim() != 1 or rewards.shape[0] % num_generations:
-        raise ValueError(
-            f"rewards of shape {tuple(rewards.shape)} do not split into groups of {num_generations}: pass one reward "
-            "per completion, each prompt's completions consecutive"
-        )
+    _check_groups(rewards, num_generations)
     groups = rewards.double().reshape(-1, num_generations)  # float64: a group of equal rewards has mean exactly r
     mean, group_std = _nan_mean_std(groups, dim=1)
     adv = groups - mean
@@ -130,3 +157,58 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
     elif scale_rewards == "batch":
         adv = adv / (_nan_mean_std(groups.reshape(1, -1), dim=1)[1] + 1e-4)
     return torch.nan_to_num(adv.reshape(-1), nan=0.0, posinf=0.0, neginf=0.0).float()
+
+
+def normalized_sum_advantages(each: Tensor, num_generations: int, weights: Sequence[float] | None = None) -> Tensor:
+    """Return GDPO's advantages (TRL's ``multi_objective_aggregation="normalize_then_sum"``).
+
+    Each reward function's rewards ``each[:, k]`` are z-scored within their group
+    (``(r − mean) / (unbiased std + 1e-4)``), weighted and summed; the sums are then z-scored over the
+    whole batch. Rows no function scored get advantage 0. Computed in float64, returned as float32.
+
+    >>> import torch
+    >>> each = torch.tensor([[1.0, 2.0], [3.0, 2.0], [0.0, 0.0], [0.0, 4.0]])  # one function varies per group
+    >>> [round(a, 3) for a in normalized_sum_advantages(each, 2).tolist()]
+    [-0.866, 0.866, -0.866, 0.866]
+    """
+    _check_groups(each[:, 0] if each.dim() == 2 else each, num_generations)
+    k = each.shape[1]
+    groups = each.double().reshape(-1, num_generations, k)
+    mean, std = _nan_mean_std(groups, dim=1)
+    z = ((groups - mean) / (std + 1e-4)).reshape(-1, k)
+    w = torch.tensor(list(weights) if weights is not None else [1.0] * k, dtype=torch.float64)
+    total = torch.nansum(z * w, dim=1)
+    total[torch.isnan(each).all(dim=1)] = math.nan
+    mean_all, std_all = _nan_mean_std(total[None], dim=1)
+    adv = (total - mean_all[0]) / (std_all[0] + 1e-4)
+    return torch.nan_to_num(adv, nan=0.0, posinf=0.0, neginf=0.0).float()
+
+
+def reward_advantages(
+    each: Tensor,
+    num_generations: int,
+    weights: Sequence[float] | None = None,
+    scale_rewards: str = "group",
+    multi_objective_aggregation: str = "sum_then_normalize",
+) -> Tensor:
+    """Return the advantages of rewards ``each`` ``(rows, functions)`` by TRL's ``multi_objective_aggregation``.
+
+    ``"sum_then_normalize"`` (TRL's default): :func:`group_advantages` of the weighted sum;
+    ``"normalize_then_sum"`` (GDPO): :func:`normalized_sum_advantages` (``scale_rewards`` unused).
+
+    >>> import torch
+    >>> each = torch.tensor([[1.0], [3.0]])
+    >>> reward_advantages(each, 2, scale_rewards="none").tolist()
+    [-1.0, 1.0]
+    """
+    if multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        raise ValueError(
+            f"multi_objective_aggregation={multi_objective_aggregation!r} is not one of "
+            f"{list(MULTI_OBJECTIVE_AGGREGATIONS)}"
+        )
+    if multi_objective_aggregation == "normalize_then_sum":
+        return normalized_sum_advantages(each, num_generations, weights)
+    w = torch.tensor(list(weights) if weights is not None else [1.0] * each.shape[1], dtype=each.dtype)
+    total = torch.nansum(each * w, dim=1)
+    total[torch.isnan(each).all(dim=1)] = math.nan
+    return group_advantages(total, num_generations, scale_rewards)

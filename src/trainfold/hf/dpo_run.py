@@ -1,0 +1,103 @@
+"""The DPO run: TRL 1.16 ``DPOTrainer``'s data preparation and reference, then ``trainfold.train``.
+
+>>> import tempfile, torch
+>>> from trainfold.core.models import TinyLM, TinyLMConfig
+>>> _ = torch.manual_seed(0)
+>>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+>>> rows = [{"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5]}] * 4
+>>> args = DPOArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2, bf16=False,
+...                     gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no")
+>>> result = train(model, args, rows)
+>>> result.global_step, round(result.log_history[0]["loss"], 4)  # the reference is the model before training
+(2, 0.6931)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from trainfold.data.packing import check_packable
+from trainfold.hf.dpo_args import DPOArguments
+from trainfold.hf.train import TrainResult
+from trainfold.hf.train import train as train_run
+from trainfold.recipes.dpo import dpo_objective, preference_collate
+from trainfold.recipes.dpo_data import padding_free_preference_collate, preference_rows
+
+__all__ = ["prepare_dataset", "train"]
+
+
+def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.Module:
+    if isinstance(model, str):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
+    elif args.model_init_kwargs:
+        raise ValueError("model_init_kwargs apply when the model is a name or path; drop them for a built module")
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
+        for m in model.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+    return model
+
+
+def prepare_dataset(dataset: Any, processing_class: Any, args: DPOArguments) -> list[dict[str, list[int]]] | None:
+    """Return ``dataset``'s rows tokenized as ``DPOTrainer`` does (``trainfold.recipes.dpo_data``)."""
+    if dataset is None:
+        return None
+    rows = (dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset
+    return preference_rows(rows, processing_class, args.max_length)
+
+
+def train(
+    model: nn.Module | str,
+    args: DPOArguments,
+    train_dataset: Any,
+    eval_dataset: Any = None,
+    processing_class: Any = None,
+    ref_model: nn.Module | None = None,
+    peft_config: Any = None,
+    callbacks: Sequence[Any] = (),
+    **kwargs: Any,
+) -> TrainResult:
+    """Train ``model`` with DPO on preference rows as ``DPOTrainer(...).train()`` does; return the run's record.
+
+    The reference is ``ref_model`` when given, else the model as it is before training (TRL reloads it
+    from its path; this needs none); ``precompute_ref_log_probs`` scores the datasets with it once.
+    ``kwargs`` go to ``trainfold.train``.
+    """
+    if not isinstance(args, DPOArguments):
+        raise TypeError(f"trainfold.dpo.train takes DPOArguments (TRL's DPOConfig names), not {type(args).__name__}")
+    model = _model(model, args, peft_config)
+    source = model if ref_model is None else ref_model
+    ref_params = None
+    if not args.precompute_ref_log_probs or ref_model is not None:
+        ref_params = {k: v for k, v in source.named_parameters() if v.requires_grad or ref_model is not None}
+    objective = dpo_objective(
+        args.beta,
+        list(args.loss_type),
+        args.label_smoothing,
+        ref_params,
+        loss_weights=args.loss_weights,
+        discopop_tau=args.discopop_tau,
+        precompute_ref_log_probs=args.precompute_ref_log_probs,
+        precompute_ref_batch_size=args.precompute_ref_batch_size,
+    )
+    tok = processing_class
+    pad = args.pad_token or (getattr(tok, "pad_token", None) or getattr(tok, "eos_token", None)) if tok else None
+    if args.padding_free:  # the run's own flattened rows (TrainingArguments' padding_free is for LM rows)
+        check_packable(model)
+        collate: Any = padding_free_preference_collate(None, args.max_length)
+        args = args.replace(padding_free=False)
+    else:
+        pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
+        collate = preference_collate(None, pad_id, args.max_length, args.pad_to_multiple_of)
+    train_rows = prepare_dataset(train_dataset, tok, args)
+    eval_rows = prepare_dataset(eval_dataset, tok, args)
+    return train_run(model, args, train_rows, eval_rows, collate, objective=objective, callbacks=callbacks, **kwargs)

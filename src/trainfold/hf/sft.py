@@ -1,0 +1,120 @@
+"""SFT in one place (``trainfold.sft``): TRL 1.16 ``SFTTrainer``'s data preparation, then ``trainfold.train``.
+
+:func:`train` prepares the datasets as ``SFTTrainer`` does (``trainfold.recipes.sft``: formats, EOS,
+``completion_only_loss``, ``assistant_only_loss``, truncation), then trains with the causal-LM token-mean
+loss; ``packing`` and ``padding_free`` are ``TrainingArguments``' (``trainfold.data.llm``). The model may
+be a module or a name/path (loaded with ``model_init_kwargs``); ``peft_config`` wraps it with PEFT.
+
+>>> import tempfile, torch
+>>> from trainfold.core.models import TinyLM, TinyLMConfig
+>>> _ = torch.manual_seed(0)
+>>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+>>> rows = [{"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1]}] * 4
+>>> args = SFTArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2, bf16=False,
+...                     gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no")
+>>> train(model, args, rows).global_step
+2
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from trainfold.core.losses import causal_lm
+from trainfold.data.llm import DEFAULT_MAX_LENGTH
+from trainfold.data.packing import pack
+from trainfold.hf.sft_args import SFTArguments
+from trainfold.hf.train import TrainResult
+from trainfold.hf.train import train as train_run
+from trainfold.recipes.sft import SFTCollate, is_conversational, sft_collate, sft_row, sft_rows
+
+__all__ = [
+    "SFTArguments",
+    "SFTCollate",
+    "is_conversational",
+    "prepare_dataset",
+    "sft_collate",
+    "sft_row",
+    "sft_rows",
+    "train",
+]
+
+
+def _model(model: nn.Module | str, args: SFTArguments, peft_config: Any) -> nn.Module:
+    if isinstance(model, str):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
+    elif args.model_init_kwargs:
+        raise ValueError("model_init_kwargs apply when the model is a name or path; drop them for a built module")
+    if peft_config is not None:
+        from peft import get_peft_model
+
+        model = get_peft_model(model, peft_config)
+    return model
+
+
+def _shuffled(rows: list, seed: int) -> Any:
+    from datasets import Dataset  # TRL shuffles with datasets' seeded permutation
+
+    return Dataset.from_list(rows).shuffle(seed=seed)
+
+
+def prepare_dataset(dataset: Any, processing_class: Any, args: SFTArguments, packing: bool) -> Any:
+    """Return ``dataset`` prepared as ``SFTTrainer._prepare_dataset`` does (packing only cuts, in ``train``)."""
+    if dataset is None or (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
+        return dataset
+    rows = sft_rows(
+        (dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset,
+        processing_class,
+        max_length=args.max_length,
+        truncation_mode=args.truncation_mode,
+        packing=packing,
+        dataset_text_field=args.dataset_text_field,
+        completion_only_loss=args.completion_only_loss,
+        assistant_only_loss=args.assistant_only_loss,
+        eos_token=args.eos_token,
+    )
+    return _shuffled(rows, args.seed) if args.shuffle_dataset else rows
+
+
+def _pad_id(processing_class: Any, args: SFTArguments) -> int:
+    if processing_class is None:
+        return 0
+    token = args.pad_token or processing_class.pad_token or processing_class.eos_token
+    return int(processing_class.convert_tokens_to_ids(token))
+
+
+def train(
+    model: nn.Module | str,
+    args: SFTArguments,
+    train_dataset: Any,
+    eval_dataset: Any = None,
+    processing_class: Any = None,
+    peft_config: Any = None,
+    data_collator: Any = None,
+    callbacks: Sequence[Any] = (),
+    **kwargs: Any,
+) -> TrainResult:
+    """Fine-tune ``model`` on ``train_dataset`` as TRL's ``SFTTrainer(...).train()`` does; return the run's record.
+
+    ``kwargs`` go to ``trainfold.train`` (``compute_metrics``, ``observers``, ``resume_from_checkpoint``...).
+    """
+    if not isinstance(args, SFTArguments):
+        raise TypeError(f"trainfold.sft.train takes SFTArguments (TRL's SFTConfig names), not {type(args).__name__}")
+    model = _model(model, args, peft_config)
+    train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing)
+    eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+    eval_rows = prepare_dataset(eval_dataset, processing_class, args, eval_packing)
+    if eval_rows is not None and eval_packing:
+        eval_rows = pack(
+            iter(eval_rows), args.max_length or DEFAULT_MAX_LENGTH, truncate=args.packing_strategy == "bfd"
+        )
+    if data_collator is None and not (args.packing or args.padding_free):
+        data_collator = sft_collate(_pad_id(processing_class, args), args.pad_to_multiple_of)
+    if not args.loss_chunk_size and kwargs.get("objective") is None:  # SFT's loss, whatever wraps the model (PEFT)
+        kwargs.setdefault("compute_loss_func", causal_lm)
+    return train_run(model, args, train_rows, eval_rows, data_collator, callbacks=callbacks, **kwargs)

@@ -1,0 +1,183 @@
+"""``trainfold.dpo.train``: TRL 1.16 ``DPOConfig``'s settings, ``DPOTrainer``'s tokenization and per-step losses.
+
+The references are real TRL runs on a tiny Llama built from a config and a word-level tokenizer
+built here; TRL gets an explicit copy of the initial policy as ``ref_model`` (its ``ref_model=None``
+reloads the model from a path), trainfold its default: the model as it is before training.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import trainfold
+from trainfold.hf.dpo_args import DPOArguments
+from trainfold.recipes.dpo_data import preference_row, preference_rows
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+WORDS = ["<pad>", "<s>", "</s>", "user:", "assistant:"] + [f"w{i}" for i in range(59)]
+TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}assistant: {{ m['content'] }} </s> "
+    "{% else %}user: {{ m['content'] }} {% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    word = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+    word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=word, pad_token="<pad>", eos_token="</s>")
+    tok.chat_template = TEMPLATE
+    return tok
+
+
+def llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def words(g, lo, hi):
+    return " ".join(
+        f"w{int(i)}" for i in torch.randint(0, 59, (int(torch.randint(lo, hi, (), generator=g)),), generator=g)
+    )
+
+
+def text_rows(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        {"prompt": words(g, 1, 5), "chosen": " " + words(g, 1, 5), "rejected": " " + words(g, 1, 5)} for _ in range(n)
+    ]
+
+
+def chat_rows(n, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    say = lambda role: [{"role": role, "content": words(g, 1, 4)}]
+    return [{"prompt": say("user"), "chosen": say("assistant"), "rejected": say("assistant")} for _ in range(n)]
+
+
+COMMON = dict(bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no")
+RUN = dict(
+    max_steps=4,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    learning_rate=1e-2,
+    logging_steps=1,
+    seed=3,
+    beta=0.2,
+    disable_tqdm=True,
+)
+
+
+def trl_trainer(tmp_path, rows, **kw):
+    policy = llama()
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **{**COMMON, **kw})
+    return trl.DPOTrainer(
+        model=policy,
+        ref_model=copy.deepcopy(policy),
+        args=args,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tokenizer(),
+    )
+
+
+def test_dpo_arguments_take_dpo_configs_names_and_defaults():
+    theirs = trl.DPOConfig(output_dir="x", use_cpu=True)
+    ours = DPOArguments(output_dir="x")
+    base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    for name in [f.name for f in dataclasses.fields(trl.DPOConfig) if f.name not in base]:
+        value = getattr(theirs, name)
+        assert getattr(ours, name) == (tuple(value) if isinstance(value, list) else value), name
+    for name in ("learning_rate", "logging_steps", "gradient_checkpointing", "bf16"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    with pytest.raises(ValueError, match="(?s)ld_alpha=0.5 is not supported.*'kto'"):
+        DPOArguments(ld_alpha=0.5, loss_type="kto", bf16=False)
+
+
+@pytest.mark.parametrize("rows", [text_rows(5), chat_rows(5)], ids=["text", "chat"])
+def test_rows_are_tokenized_as_trl_tokenizes_them(tmp_path, rows):
+    theirs = trl_trainer(tmp_path, rows).train_dataset
+    ours = preference_rows(rows, tokenizer())
+    assert ours == [{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in theirs]
+
+
+def test_rows_without_a_prompt_are_refused_by_name():
+    with pytest.raises(KeyError, match=r"lacks \['prompt'\]"):
+        preference_row({"chosen": "a", "rejected": "b"}, tokenizer())
+
+
+def losses(history):
+    return [h["loss"] for h in history if "loss" in h and "train_loss" not in h]
+
+
+@pytest.mark.parametrize(
+    ("rows", "kw"),
+    [
+        (text_rows(16), {}),
+        (chat_rows(16), {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.3]}),
+        (text_rows(16), {"precompute_ref_log_probs": True}),
+    ],
+    ids=["text", "chat-mpo", "precomputed-reference"],
+)
+def test_per_step_losses_equal_a_trl_dpo_run(tmp_path, rows, kw):
+    trainer = trl_trainer(tmp_path, rows, **RUN, **kw)
+    trainer.train()
+    theirs = losses(trainer.state.log_history)
+    args = DPOArguments(output_dir=str(tmp_path / "tf"), **COMMON, **RUN, **kw)
+    result = trainfold.dpo.train(llama(), args, datasets.Dataset.from_list(rows), processing_class=tokenizer())
+    ours = losses(result.log_history)
+    assert len(ours) == len(theirs) == RUN["max_steps"]
+    if "loss_type" not in kw:  # the first step's reference is the policy itself: every pair's loss is ln 2
+        assert ours[0] == pytest.approx(0.6931472, rel=1e-6)
+    assert ours == pytest.approx(theirs, rel=1e-5)
+
+
+# -- padding-free DPO ---------------------------------------------------------------------------
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from(["sdpa", "eager"]))
+def test_a_padding_free_dpo_step_equals_the_padded_step(seed, attn):
+    from trainfold import init_state, make_step, sgd
+    from trainfold.recipes.dpo import dpo_objective, preference_collate
+    from trainfold.recipes.dpo_data import padding_free_preference_collate
+
+    items = preference_rows(text_rows(4, seed), tokenizer())
+    model = llama()
+    model.config._attn_implementation = attn
+    ref = {k: v.detach() + 0.01 for k, v in model.named_parameters()}  # a reference other than the policy
+    obj = dpo_objective(0.3, ["sigmoid", "sft"], ref_params=ref)
+    opt = sgd(1.0)
+    step = make_step(model, optimizer=opt, objective=obj, count_items=obj.count_items)
+    padded = step(init_state(model, opt), [preference_collate(None)(items)])
+    flat = step(init_state(model, opt), [padding_free_preference_collate()(items)])
+    torch.testing.assert_close(padded.metrics["loss"], flat.metrics["loss"], rtol=1e-5, atol=1e-6)
+    for k in padded.params:  # SGD(lr=1): the update is the gradient
+        torch.testing.assert_close(padded.params[k], flat.params[k], rtol=1e-5, atol=1e-5)
+
+
+def test_a_padding_free_run_has_the_padded_runs_losses(tmp_path):
+    rows = datasets.Dataset.from_list(text_rows(8))
+    runs = []
+    for free in (False, True):
+        args = DPOArguments(output_dir=str(tmp_path / str(free)), padding_free=free, **COMMON, **RUN)
+        runs.append(losses(trainfold.dpo.train(llama(), args, rows, processing_class=tokenizer()).log_history))
+    assert runs[1] == pytest.approx(runs[0], rel=1e-5)

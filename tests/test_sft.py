@@ -1,0 +1,281 @@
+"""SFT as TRL 1.16's ``SFTTrainer``: its settings, its data preparation and collator, its per-step losses.
+
+Every reference is a real TRL ``SFTConfig``/``SFTTrainer`` on a tiny Llama built from a config and a
+word-level tokenizer built here (nothing downloaded).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainfold.hf import sft
+from trainfold.hf.sft_args import SFTArguments
+from trainfold.recipes.sft import sft_collate, sft_row, sft_rows
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+WORDS = ["<pad>", "<s>", "</s>", "user:", "assistant:"] + [f"w{i}" for i in range(59)]
+# A chat template whose assistant turns, with their end-of-turn token, are {% generation %} blocks.
+TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}assistant: {% generation %}{{ m['content'] }} </s>"
+    "{% endgeneration %} {% else %}user: {{ m['content'] }} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def tokenizer(template: str | None = TEMPLATE):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    word = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
+    word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=word, pad_token="<pad>", eos_token="</s>")
+    tok.chat_template = template
+    return tok
+
+
+def llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(WORDS),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def words(g: torch.Generator, lo: int, hi: int) -> str:
+    n = int(torch.randint(lo, hi, (), generator=g))
+    return " ".join(f"w{int(i)}" for i in torch.randint(0, 59, (n,), generator=g))
+
+
+def prompt_completion_rows(n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt": words(g, 1, 6), "completion": " " + words(g, 1, 6)} for _ in range(n)]
+
+
+def chat_rows(n: int, seed: int = 1) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    turns = lambda: [
+        {"role": "user", "content": words(g, 1, 4)},
+        {"role": "assistant", "content": words(g, 1, 4)},
+    ]
+    return [{"messages": turns() + (turns() if i % 2 else [])} for i in range(n)]
+
+
+def text_rows(n: int, seed: int = 2) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"text": words(g, 2, 9)} for _ in range(n)]
+
+
+COMMON = dict(bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no")
+
+
+def trl_trainer(tmp_path, rows, **kw):
+    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **{**COMMON, **kw})
+    return trl.SFTTrainer(
+        model=llama(), args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer()
+    )
+
+
+def trl_prepared(tmp_path, rows, **kw):
+    data = trl_trainer(tmp_path, rows, **kw).train_dataset
+    return [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in data]
+
+
+# -- settings -------------------------------------------------------------------------------
+
+
+def test_sft_arguments_take_sft_configs_names_and_defaults():
+    theirs = trl.SFTConfig(output_dir="x", use_cpu=True)
+    ours = SFTArguments(output_dir="x")
+    base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    own = [f.name for f in dataclasses.fields(trl.SFTConfig) if f.name not in base]
+    for name in [*own, "learning_rate", "logging_steps", "gradient_checkpointing", "bf16"]:
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert SFTArguments(fp16=True, gradient_checkpointing=False).bf16 is False
+
+
+def test_settings_trainfold_cannot_honour_are_refused_by_name():
+    with pytest.raises(ValueError, match="loss_type='dft' is not supported"):
+        SFTArguments(loss_type="dft", bf16=False)
+    with pytest.raises(ValueError, match="padding_free=True without packing does not enforce max_length"):
+        SFTArguments(padding_free=True, bf16=False)
+    SFTArguments(padding_free=True, max_length=None, bf16=False)  # TRL takes this too
+    with pytest.raises(ValueError, match="truncation_mode='middle'"):
+        SFTArguments(truncation_mode="middle", bf16=False)
+
+
+# -- data preparation, as TRL's ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rows", "kw"),
+    [
+        (text_rows(6), {}),
+        (text_rows(6), {"max_length": 5}),
+        (prompt_completion_rows(6), {}),
+        (prompt_completion_rows(6), {"completion_only_loss": False}),
+        (prompt_completion_rows(6), {"max_length": 4}),
+        (chat_rows(6), {}),
+        (chat_rows(6), {"assistant_only_loss": True}),
+        (chat_rows(6), {"assistant_only_loss": True, "max_length": 7, "truncation_mode": "keep_end"}),
+        ([{"input_ids": [5, 6, 7, 2]}, {"input_ids": [8, 9]}], {}),
+        ([{"input_ids": [5, 6, 7, 2], "labels": [-100, 6, 7, 2]}, {"input_ids": [8, 9], "labels": [-100, 9]}], {}),
+    ],
+)
+def test_rows_are_prepared_as_trl_prepares_them(tmp_path, rows, kw):
+    ours = sft_rows(rows, tokenizer(), **kw)
+    assert ours == trl_prepared(tmp_path, rows, **kw)
+
+
+def test_assistant_only_loss_without_generation_blocks_is_refused_by_name():
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+    with pytest.raises(ValueError, match=r"no \{% generation %\}"):
+        sft_row(chat_rows(1)[0], tokenizer(plain), assistant_only_loss=True)
+    with pytest.raises(ValueError, match="needs conversational rows"):
+        sft_row(text_rows(1)[0], tokenizer(), assistant_only_loss=True)
+
+
+def test_the_collator_gives_trls_keys_and_values():
+    rows = sft_rows(prompt_completion_rows(3), tokenizer())
+    theirs = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=0, pad_to_multiple_of=4)(rows)
+    ours = sft_collate(0, pad_to_multiple_of=4)(rows)
+    assert sorted(ours) == sorted(theirs)
+    for k in ours:
+        assert ours[k].tolist() == theirs[k].tolist(), k
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000), st.integers(3, 20), st.booleans())
+def test_the_stop_token_is_supervised_and_no_prompt_token_is(seed, max_length, chat):
+    tok = tokenizer()
+    if chat:
+        row = chat_rows(1, seed)[0]
+        done = sft_rows([row], tok, max_length=max_length, assistant_only_loss=True)
+        prompt_words = {w for m in row["messages"] if m["role"] == "user" for w in m["content"].split()}
+        answer_words = {w for m in row["messages"] if m["role"] == "assistant" for w in m["content"].split()}
+    else:
+        row = prompt_completion_rows(1, seed)[0]
+        done = sft_rows([row], tok, max_length=max_length)
+        prompt_words, answer_words = set(row["prompt"].split()), set(row["completion"].split())
+    full = sft_rows([row], tok, max_length=None, assistant_only_loss=chat)[0]
+    assert full["labels"][-1] == full["input_ids"][-1] == tok.eos_token_id  # the stop token is supervised
+    for d in done:  # truncated: whatever is kept is the untruncated row's start, labels unchanged
+        assert d["labels"] == full["labels"][: len(d["labels"])]
+        assert d["input_ids"] == full["input_ids"][: len(d["input_ids"])]
+    supervised = {tok.convert_ids_to_tokens(t) for t in full["labels"] if t != -100}
+    assert not (supervised - answer_words - {"</s>"}), "a prompt or template token is supervised"
+    assert prompt_words.isdisjoint(supervised - answer_words)
+
+
+# -- a run, step by step as TRL's -------------------------------------------------------------
+
+
+RUN = dict(
+    max_steps=4,
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    learning_rate=3e-3,
+    warmup_steps=2,
+    logging_steps=1,
+    seed=5,
+    disable_tqdm=True,
+)
+
+
+def losses(log_history):
+    return [h["loss"] for h in log_history if "loss" in h and "train_loss" not in h]
+
+
+@pytest.mark.parametrize(
+    ("rows", "kw"),
+    [(prompt_completion_rows(24), {}), (chat_rows(24), {"assistant_only_loss": True})],
+    ids=["prompt-completion", "chat-assistant-only"],
+)
+def test_per_step_losses_equal_a_trl_sft_run(tmp_path, rows, kw):
+    trainer = trl_trainer(tmp_path, rows, **RUN, **kw)
+    trainer.train()
+    theirs = losses(trainer.state.log_history)
+    args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **RUN, **kw)
+    ours = losses(sft.train(llama(), args, datasets.Dataset.from_list(rows), processing_class=tokenizer()).log_history)
+    assert len(ours) == len(theirs) == RUN["max_steps"]
+    assert ours == pytest.approx(theirs, rel=1e-5)
+
+
+def test_a_model_name_is_loaded_with_model_init_kwargs(tmp_path):
+    path = tmp_path / "tiny"
+    llama().save_pretrained(path)
+    args = SFTArguments(
+        output_dir=str(tmp_path / "run"), max_steps=1, model_init_kwargs={"dtype": torch.float32}, **COMMON
+    )
+    result = sft.train(str(path), args, prompt_completion_rows(4), processing_class=tokenizer())
+    assert result.global_step == 1
+    with pytest.raises(ValueError, match="model_init_kwargs apply when the model is a name or path"):
+        sft.train(copy.deepcopy(llama()), args, prompt_completion_rows(4), processing_class=tokenizer())
+
+
+# -- packing ----------------------------------------------------------------------------------
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.integers(0, 10_000), st.booleans())
+def test_a_packed_sft_step_equals_the_padded_step_on_the_same_rows(seed, chat):
+    from trainfold import init_state, make_step, sgd
+    from trainfold.core.losses import causal_lm
+    from trainfold.data.packing import pack, packed_collate
+
+    rows = chat_rows(4, seed) if chat else prompt_completion_rows(4, seed)
+    prepared = sft_rows(rows, tokenizer(), assistant_only_loss=chat, packing=True)
+    model = llama()
+    opt = sgd(1.0)
+    step = make_step(model, causal_lm, opt)
+    padded = step(init_state(model, opt), [sft_collate(0)(prepared)])
+    packed = step(init_state(model, opt), [packed_collate()(pack(prepared, max_length=48))])
+    assert int(padded.metrics["num_items"]) == int(packed.metrics["num_items"])
+    torch.testing.assert_close(padded.metrics["loss"], packed.metrics["loss"], rtol=1e-5, atol=1e-6)
+    for k in padded.params:  # SGD(lr=1): the update is the gradient
+        torch.testing.assert_close(padded.params[k], packed.params[k], rtol=1e-5, atol=1e-5)
+
+
+def test_a_packed_run_trains_and_evaluates_packed_rows(tmp_path):
+    rows = prompt_completion_rows(12)
+    args = SFTArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        packing=True,
+        max_length=32,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_train_batch_size=2,
+        **COMMON,
+    )
+    result = sft.train(llama(), args, rows, eval_dataset=rows[:4], processing_class=tokenizer())
+    assert result.global_step == 2
+    assert any("eval_loss" in h for h in result.log_history)
+
+
+def test_peft_config_trains_only_the_adapter(tmp_path):
+    peft = pytest.importorskip("peft")
+    model = llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    args = SFTArguments(output_dir=str(tmp_path), max_steps=2, learning_rate=1e-2, **COMMON)
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_alpha=4)
+    result = sft.train(model, args, prompt_completion_rows(8), processing_class=tokenizer(), peft_config=config)
+    trained = set(result.state.params)
+    assert trained and all("lora_" in k for k in trained)
+    for k, v in model.state_dict().items():  # the base weights are untouched
+        if k in before:
+            assert torch.equal(v, before[k]), k
