@@ -383,3 +383,31 @@ def test_under_torchrun_rank_0_alone_prints_the_result_line(tmp_path):
     done = torchrun_ok(ROOT / "src" / "trainfold" / "__main__.py", "train", "--config", config, nproc=2)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1 and json.loads(lines[0])["global_step"] == 2, done.stdout
+
+
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_while_the_command_imports_torch_ends_it_with_the_conventional_status(tmp_path, signum, status):
+    """``-X importtime`` reports each import as it ends: once torch's is reported, the command is mid-import."""
+    from resume_fixture import endless_cli_config
+
+    config = endless_cli_config(tmp_path, tmp_path / "out")
+    proc = subprocess.Popen(
+        [sys.executable, "-X", "importtime", "-m", "trainfold", "train", "--config", str(config)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )
+    try:
+        for line in proc.stderr:
+            if line.split("|")[-1].strip() == "torch":  # torch is imported inside main(), after its handlers
+                proc.send_signal(signum)
+                break
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == status, rest[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in rest and not (tmp_path / "out").exists()

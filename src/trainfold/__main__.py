@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
 
-from trainfold.ckpt.preempt import exit_on_signals, exit_status
-from trainfold.observe.divergence import DIVERGED, EXIT_DIVERGED
+from trainfold.run_build import build_data, build_model, length_problems, tokenizer_of
 from trainfold.run_config import ConfigError, apply_overrides, load_config, parse_config, split_resume
 
 __all__ = [
@@ -105,99 +105,6 @@ enable_jit_checkpoint; rerun with --resume), 130 interrupted (SIGINT).
 """
 
 
-def build_model(spec: dict[str, Any]) -> Any:
-    """Build the ``[model]`` table's model: random weights from a config, or pretrained ones by name or path."""
-    unknown = sorted(set(spec) - {"type", "config", "name_or_path"})
-    if unknown:
-        raise ValueError(f"[model] takes type, config and name_or_path; unknown {unknown}")
-    kind = spec.get("type", "pretrained" if "name_or_path" in spec else "tinylm")
-    if kind == "pretrained":
-        if "name_or_path" not in spec:
-            raise ValueError("[model] type 'pretrained' needs name_or_path (a local directory or a model name)")
-        import transformers
-
-        return transformers.AutoModelForCausalLM.from_pretrained(spec["name_or_path"])
-    if kind == "tinylm":
-        from trainfold.core.models import TinyLM, TinyLMConfig
-
-        return TinyLM(TinyLMConfig(**spec.get("config", {})))
-    if kind == "hf":
-        import transformers
-
-        source = spec.get("config")
-        settings = json.loads(Path(source).read_text()) if isinstance(source, str) else dict(source or {})
-        config = transformers.AutoConfig.for_model(**settings)
-        return transformers.AutoModelForCausalLM.from_config(config)
-    raise ValueError(f"[model] type {kind!r} is not 'tinylm', 'hf' or 'pretrained'")
-
-
-def build_data(spec: dict[str, Any], tokenizer: Any = None) -> tuple[Any, Any]:
-    """Return ``(train_rows, eval_rows)`` from the ``[data]`` table: ``stdlib``, or a local file read by ``datasets``.
-
-    Rows with ``input_ids`` are taken as they are; a ``text`` column (and a ``.txt`` file, as one document) is
-    tokenized by ``tokenizer`` (the pretrained model's; bytes for ``tinylm``) and cut into ``seq_len`` rows.
-    """
-    from trainfold.demo import byte_chunks, stdlib_text
-
-    unknown = sorted(set(spec) - {"train", "seq_len", "max_bytes", "eval_fraction"})
-    if unknown:
-        raise ValueError(f"[data] takes train, seq_len, max_bytes and eval_fraction; unknown {unknown}")
-    source, seq_len = spec.get("train", "stdlib"), int(spec.get("seq_len", 128))
-    if seq_len < 1:
-        raise ValueError(f"[data] seq_len must be a positive number of tokens, got {seq_len}")
-    if source == "stdlib":
-        rows: Any = byte_chunks(stdlib_text(int(spec.get("max_bytes", 1_500_000))), seq_len)
-    else:
-        rows = _file_rows(Path(source), seq_len, tokenizer)
-    cut = len(rows) - max(1, int(len(rows) * float(spec.get("eval_fraction", 0.03))))
-    if isinstance(rows, list):
-        return rows[:cut], rows[cut:]
-    return rows.select(range(cut)), rows.select(range(cut, len(rows)))
-
-
-_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
-
-
-def _file_rows(path: Path, seq_len: int, tokenizer: Any) -> Any:
-    """Load a local file with ``datasets`` (its builder by extension); tokenize a ``text`` column into rows."""
-    if path.suffix not in _BUILDERS:
-        raise ValueError(f"[data] train {str(path)!r}: the extension is not one of {sorted(_BUILDERS)} (or 'stdlib')")
-    if not path.is_file():
-        raise ValueError(f"[data] train {str(path)!r} does not exist")
-    if path.suffix == ".jsonl":
-        _check_json_lines(path)
-    import datasets
-
-    kw = {"sample_by": "document"} if path.suffix == ".txt" else {}
-    rows = datasets.load_dataset(_BUILDERS[path.suffix], data_files=str(path), split="train", **kw)
-    if "input_ids" in rows.column_names:
-        return rows
-    if "text" not in rows.column_names:
-        raise ValueError(f"[data] {path}: rows need input_ids (token ids) or text; its columns: {rows.column_names}")
-    from trainfold.core.models import byte_encode
-
-    encode = tokenizer or (lambda text: {"input_ids": byte_encode(text)})
-
-    def chunk(batch: dict[str, list[Any]]) -> dict[str, list[list[int]]]:
-        ids = [i for text in batch["text"] for i in encode(text)["input_ids"]]
-        cut = [ids[i : i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
-        return {"input_ids": cut, "labels": cut}
-
-    return rows.map(chunk, batched=True, remove_columns=rows.column_names)
-
-
-def _check_json_lines(path: Path) -> None:
-    """Refuse a malformed ``.jsonl`` line by file, line and column (``datasets`` reports neither)."""
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not a JSON row ({err.msg}, column {err.colno})") from None
-
-
 def _resume_source(value: bool | str | None, output_dir: str) -> bool | str | None:
     """What ``train`` gets: True only when ``output_dir`` holds a checkpoint (else a fresh start), or a checked path."""
     from trainfold import ckpt
@@ -238,38 +145,13 @@ def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[An
     except (TypeError, ValueError, OSError) as err:
         problems.append(f"[model]: {err}")
     try:
-        data = build_data(data_spec, _tokenizer(model_spec))
+        data = build_data(data_spec, tokenizer_of(model_spec))
     except Exception as err:  # any failure to read the user's data is a configuration error: named, exit 2
         problems.append(f"[data]: {err}" if isinstance(err, (ValueError, OSError)) else f"[data]: {err!r}")
-    problems += _length_problems(model, data_spec)
+    problems += length_problems(model, data_spec)
     if problems or args is None:
         raise ConfigError("\n".join(problems))
     return args, model, data, _resume_source(resume_flag if resume_flag is not None else resume, args.output_dir)
-
-
-def _tokenizer(model_spec: dict[str, Any]) -> Any:
-    """The pretrained model's tokenizer, loaded when a ``text`` column needs it; None: bytes (``tinylm``)."""
-    if "name_or_path" not in model_spec:
-        return None
-
-    def encode(text: str) -> Any:
-        import transformers
-
-        return transformers.AutoTokenizer.from_pretrained(model_spec["name_or_path"])(text)
-
-    return encode
-
-
-def _length_problems(model: Any, data_spec: dict[str, Any]) -> list[str]:
-    """A ``seq_len`` longer than the model's positions (``max_len``, ``max_position_embeddings``)."""
-    config = getattr(model, "config", None)
-    limit = getattr(config, "max_len", None) or getattr(config, "max_position_embeddings", None)
-    seq_len = data_spec.get("seq_len", 128)
-    if isinstance(limit, int) and isinstance(seq_len, int) and seq_len > limit:
-        return [
-            f"[data]: seq_len {seq_len} exceeds the model's {limit} positions; lower seq_len or raise [model] max_len"
-        ]
-    return []
 
 
 def _train(ns: argparse.Namespace) -> int:
@@ -309,6 +191,9 @@ def _train(ns: argparse.Namespace) -> int:
 
 def _exit_status(result: Any) -> int:
     """Return the process's exit status for a run's result: 3 diverged, 130/143 preempted by SIGINT/SIGTERM, else 0."""
+    from trainfold.ckpt.preempt import exit_status
+    from trainfold.observe.divergence import DIVERGED, EXIT_DIVERGED
+
     return EXIT_DIVERGED if result.status == DIVERGED else exit_status(result.status, result.signal)
 
 
@@ -379,9 +264,26 @@ def _replay_parser(sub: Any) -> None:
     again.add_argument("--config", help=f"the run's config (default: OUTPUT_DIR/{RUN_CONFIG}, which train writes)")
 
 
+def _leave(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exit_on_signals() -> None:
+    """Make SIGTERM/SIGINT end the command with 143/130 (``finally`` blocks run: nothing is left half-written).
+
+    The command's module imports nothing heavy at its top, so this is in place within milliseconds of the
+    start: a signal during the imports (a few seconds with torch), the setup or after the run (its
+    teardown) ends the job the way a scheduler expects, never by the bare signal (-15); ``train``'s own
+    guard takes the signals over while it runs. ``trainfold.ckpt.preempt.exit_on_signals`` is the same
+    for a script that has imported the layers already.
+    """
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, _leave)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; return the exit status."""
-    exit_on_signals()  # a SIGTERM during imports and setup ends with 143 (cleanups run); train then catches it
+    _exit_on_signals()  # before torch and the layers are imported; train's own guard takes over while it runs
     parser = argparse.ArgumentParser(prog="trainfold", description="Train PyTorch models as a fold of a pure step.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small LM on Python's own source (no downloads)")
