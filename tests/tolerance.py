@@ -1,0 +1,110 @@
+"""Tolerances derived from float32 rounding, for tests that compare runs whose sums differ only in order.
+
+Two float32 sums of the same ``n`` numbers ``x_i`` added in different orders (ranks against one
+process, micro-batch splits, packed against padded rows, a chunked against a whole loss) each lie
+within ``gamma(n - 1) * sum|x_i|`` of the exact sum, ``gamma(k) = k u / (1 - k u)`` with the unit
+roundoff ``u = 2**-24`` (Higham, *Accuracy and Stability of Numerical Algorithms*, 2nd ed., eq. 4.4),
+so they differ by at most ``reordered(n, sum|x_i|) = 2 gamma(n - 1) sum|x_i|``. The bound is linear
+in ``sum|x_i|``, so it holds element by element for gradients, whose every element is such a sum
+(over micro-batches, ranks and, inside the backward's matmuls, tokens).
+
+An optimizer linear in the gradients passes such a difference on unchanged in size: SGD with
+momentum ``b`` moves the params by ``-lr_t m_t``, ``m_t = sum_{s<=t} b**(t-s) g_s``, so gradients that
+differ by at most ``d`` at each of ``T`` steps give params that differ by at most
+``lr d sum_{t<=T} sum_{s<=t} b**(t-s) <= lr d T / (1 - b)`` (``sgd_atol``), plus, per step, one rounding
+of each param to a neighbouring float (``rtol = T eps``, ``eps = 2u``). The gradient of a later step
+is taken at params that already differ by that much; its change (the Hessian times that difference,
+scaled by ``lr`` again) is second order in ``lr`` and left out. Adam is not linear: its first update
+``lr g / (|g| + eps)`` turns the rounding of a gradient that cancels to about ``eps`` into a step of
+up to ``lr``; that is why equivalence tests across summation orders use SGD (+ momentum).
+
+``sum|x_i|`` is measured, not guessed: ``row_abs_grads`` sums the absolute gradients of each row's
+own loss (``|x_i|`` of the terms a step adds up over rows). Inside a row the backward also sums over
+positions, and some elements are cancellations inside the backward itself (the attention key bias,
+whose true gradient is 0: softmax ignores it); so ``grad_atol`` takes, per tensor, the largest
+element's ``sum|x_i|`` and counts every token as a term (``n`` = tokens, not rows). On the tiny
+models of the tests the differences observed are below ``10 u sum|x_i|`` (rows), well inside that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.func import grad
+
+U = 2.0**-24  # float32 unit roundoff
+EPS = 2 * U  # torch.finfo(torch.float32).eps
+
+
+def gamma(k: int) -> float:
+    """Higham's ``gamma_k = k u / (1 - k u)``: the relative error bound of ``k`` float32 roundings."""
+    return k * U / (1 - k * U)
+
+
+def reordered(n: int, abs_sum: float) -> float:
+    """Most by which two float32 sums of the same ``n`` terms (``sum|x_i| = abs_sum``) can differ."""
+    return 2 * gamma(max(n - 1, 0)) * abs_sum
+
+
+def row_abs_grads(loss: Callable[[dict, int], torch.Tensor], params: dict, rows: Iterable[int]) -> dict:
+    """``sum_r |grad loss(params, r)|`` element by element: the sizes of what a step's gradient adds up."""
+    total = {k: torch.zeros_like(v) for k, v in params.items()}
+    for r in rows:
+        for k, g in grad(loss)({k: v.detach() for k, v in params.items()}, r).items():
+            total[k] += g.abs()
+    return total
+
+
+def grad_atol(abs_grads: dict, terms: int) -> dict[str, float]:
+    """Per tensor, the most two summation orders of its gradient can differ (module docstring)."""
+    return {k: reordered(terms, v.max().item()) for k, v in abs_grads.items()}
+
+
+def assert_trees_within(a: dict, b: dict, atol: dict[str, float], rtol: float) -> None:
+    """``a`` and ``b`` agree tensor by tensor within ``atol[key] + rtol |b|`` (``torch.testing.assert_close``)."""
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=atol[k], rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def sgd_atol(lr: float, steps: int, grad_diff: float, momentum: float = 0.0) -> float:
+    """Most by which SGD(+momentum) params can drift apart from gradients ``grad_diff`` apart a step."""
+    return lr * grad_diff * steps / (1 - momentum)
+
+
+def sgd_rtol(steps: int) -> float:
+    """Each step rounds each param once: two runs may land a float apart each time (``eps |p|``)."""
+    return steps * EPS
+
+
+def clipped_sgd_atol(
+    steps: list[tuple[dict, dict, float, float]], lr: float, momentum: float
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Element-wise bounds on how far two clipped SGD(+momentum) runs' params and momenta drift apart.
+
+    ``steps`` holds, per step, ``(grad_atol, abs_grads, norm, max_norm)``: the per-tensor bound on the
+    gradients' difference (``grad_atol``), ``sum|x_i|`` (``row_abs_grads``, which bounds ``|g|``), the
+    reference's gradient norm and the clipping threshold. The clip coefficient ``c = min(1, max_norm /
+    norm)`` of the two runs differs relatively by ``rho = |dg| / |g| + gamma(N)`` (the gradients'
+    difference, and the ``N``-term sum of positive squares taken in another order), so a clipped
+    gradient moves by at most ``c (grad_atol + rho sum|x_i|)``; momentum then adds these up with weights
+    ``momentum**(t - s)`` and the params by ``lr`` times the momenta (``sgd_atol``, per step).
+    """
+    moment: dict[str, torch.Tensor] = {}
+    params: dict[str, torch.Tensor] = {}
+    for atol, abs_grads, norm, max_norm in steps:
+        size = sum(v.numel() for v in abs_grads.values())
+        diff = sum(atol[k] ** 2 * v.numel() for k, v in abs_grads.items()) ** 0.5
+        rho = diff / norm + gamma(size)
+        c = min(1.0, max_norm / norm)
+        for k, s in abs_grads.items():
+            moment[k] = momentum * moment.get(k, 0.0) + c * (atol[k] + rho * s)
+            params[k] = params.get(k, 0.0) + lr * moment[k]
+    return params, moment
+
+
+def assert_within(a: torch.Tensor, b: torch.Tensor, atol: torch.Tensor | float, rtol: float, name: str) -> None:
+    """``|a - b| <= atol + rtol |b|`` element by element (``atol`` a tensor of ``b``'s shape, or a float)."""
+    excess = (a - b).abs() - (atol + rtol * b.abs())
+    assert bool((excess <= 0).all()), f"{name}: off by up to {excess.max().item():.3g} beyond its bound"
