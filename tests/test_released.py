@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tolerance import assert_within, causal_lm_eval_atol, causal_lm_run_bounds
 from torchrun import torchrun_ok
 
 from trainfold import TrainingArguments, train
@@ -66,13 +67,12 @@ def train_args(out: Path, **over) -> TrainingArguments:
     return TrainingArguments(**{**base, **over})
 
 
-# Exact by construction: one micro-batch a rank, so each gradient element is one sum of two terms,
-# g0 + g1 on one process and the reduce-scatter's g0 + g1 on two ranks (float addition commutes;
-# FSDP's divide by the world size of 2 and the step's multiply back are exact). max_grad_norm is
-# above every norm this run reaches, so the clip coefficient is exactly 1.0 on both sides (a
-# different summation order of the norm cannot reach the update). Then every op of the update
-# sees equal inputs and the trained weights are bitwise equal, with AdamW.
-EXACT = {"gradient_accumulation_steps": 1, "max_grad_norm": 1e3}
+# 2 ranks add a step's token terms in another order than 1 process (and FSDP's kernels may round
+# each sum differently), so the runs use SGD with momentum, which passes that difference on unchanged
+# in size, and the params are compared within the bound tests/tolerance.py derives. (AdamW's first
+# step lr g / (|g| + eps) makes a gradient that cancels to about eps a step of up to lr: 1.05e-6
+# after 4 steps on one machine, issue 30.)
+LINEAR = {"optim": "sgd", "optim_args": "momentum=0.9"}
 
 
 def _module_bytes(params) -> int:
@@ -94,7 +94,7 @@ def _worker(out: Path) -> None:
 
     res = train(
         net,
-        train_args(out / "run", fsdp="full_shard", **EXACT),
+        train_args(out / "run", fsdp="full_shard", **LINEAR),
         rows(),
         rows(6),
         data_collator=pad_collate(),
@@ -128,23 +128,28 @@ def ranks(tmp_path_factory) -> Path:
 def test_the_module_holds_no_weights_while_sharded_training_runs_and_the_trained_ones_after(ranks, tmp_path):
     one = train(
         model(),
-        train_args(tmp_path, **{**EXACT, "gradient_accumulation_steps": WORLD}, save_strategy="no"),
+        train_args(tmp_path, **LINEAR, gradient_accumulation_steps=2 * WORLD, save_strategy="no"),
         rows(),
         rows(6),
         data_collator=pad_collate(),
     )
     full = sum(p.nbytes for p in model().parameters())
-    assert all(h["grad_norm"] < EXACT["max_grad_norm"] for h in one.log_history if "grad_norm" in h)  # no clip
+    args = train_args(tmp_path)
+    bound, rtol, _ = causal_lm_run_bounds(
+        model(), rows(), 8, one.log_history, args.learning_rate, 0.9, max_norm=args.max_grad_norm
+    )
     for r in range(WORLD):
         got = json.loads((ranks / f"probe-{r}.json").read_text())
         assert len(got["seen"]) >= 4 and got["full"] == full  # a log per step; the full weights are back
         assert all(s == {"slots": 0, "own": 0} for s in got["seen"]), got["seen"]  # no storage while training
         assert got["same_objects"] and got["tied"]  # the module's own Parameters, tying kept
         expected = [h["eval_loss"] for h in one.log_history if "eval_loss" in h]
-        assert got["evals"] == pytest.approx(expected, rel=1e-6) and len(expected) == 2  # eval on the shards
+        assert len(got["evals"]) == len(expected) == 2  # eval on the shards, at params within the bound
+        for mine, theirs in zip(got["evals"], expected):
+            assert mine == pytest.approx(theirs, abs=causal_lm_eval_atol(model(), rows(6), bound, theirs), rel=0)
         module = load_file(ranks / f"module-{r}.safetensors")
         for k, v in one.state.params.items():
-            torch.testing.assert_close(module[k], v, rtol=0, atol=0, msg=lambda m, k=k: f"{k}: {m}")  # see EXACT
+            assert_within(module[k], v, bound[k], rtol, k)  # see LINEAR
 
 
 # -- one process -----------------------------------------------------------------------------------

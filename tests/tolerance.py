@@ -88,7 +88,8 @@ def clipped_sgd_atol(
     reference's gradient norm and the clipping threshold. The clip coefficient ``c = min(1, max_norm /
     norm)`` of the two runs differs relatively by ``rho = |dg| / |g| + gamma(N)`` (the gradients'
     difference, and the ``N``-term sum of positive squares taken in another order), so a clipped
-    gradient moves by at most ``c (grad_atol + rho sum|x_i|)``; momentum then adds these up with weights
+    gradient moves by at most ``c (grad_atol + rho sum|x_i|)`` (``rho`` is 0 where ``norm (1 + rho)`` is
+    below ``max_norm``: neither run clips); momentum then adds these up with weights
     ``momentum**(t - s)`` and the params by ``lr`` times the momenta (``sgd_atol``, per step).
     """
     moment: dict[str, torch.Tensor] = {}
@@ -98,6 +99,7 @@ def clipped_sgd_atol(
         diff = sum(atol[k] ** 2 * v.numel() for k, v in abs_grads.items()) ** 0.5
         rho = diff / norm + gamma(size)
         c = min(1.0, max_norm / norm)
+        rho = 0.0 if norm * (1 + rho) < max_norm else rho  # neither run clips: c is exactly 1.0 on both
         for k, s in abs_grads.items():
             moment[k] = momentum * moment.get(k, 0.0) + c * (atol[k] + rho * s)
             params[k] = params.get(k, 0.0) + lr * moment[k]
@@ -108,3 +110,84 @@ def assert_within(a: torch.Tensor, b: torch.Tensor, atol: torch.Tensor | float, 
     """``|a - b| <= atol + rtol |b|`` element by element (``atol`` a tensor of ``b``'s shape, or a float)."""
     excess = (a - b).abs() - (atol + rtol * b.abs())
     assert bool((excess <= 0).all()), f"{name}: off by up to {excess.max().item():.3g} beyond its bound"
+
+
+def causal_lm_run_bounds(
+    model: torch.nn.Module,
+    rows: list[dict],
+    rows_per_step: int,
+    history: list[dict],
+    lr: float,
+    momentum: float,
+    *,
+    max_norm: float,
+    counts: list[int] | None = None,
+) -> tuple[dict[str, torch.Tensor], float, Callable[[float], float]]:
+    """Element-wise bounds on two clipped SGD(+momentum) ``train`` runs of a causal LM on ``rows`` that add the
+    same token terms in other orders (ranks, accumulation), and their ``rtol`` (``sgd_rtol``).
+
+    ``model`` holds the initial params. Any step's ``sum|x_i|`` is at most the sum over *every* token of
+    every row (terms are non-negative, so a step's rows, or labels a collator masks, only drop terms), each
+    token's loss divided by the smallest count a step of ``rows_per_step`` rows can have (``counts``: each
+    row's fewest counted labels; all its labels when None). It is measured at the initial params, whose
+    later change (``lr`` per step) moves it only by a second-order amount. A step sums at most its longest
+    rows' tokens. ``history`` is the reference run's log (a ``grad_norm`` per step); ``lr`` bounds the
+    schedule. The third value gives how far a logged training loss ``loss`` may be off: its token losses
+    (positive) in another order, ``reordered(terms, loss)``, plus its first-order change at params within
+    the bound, ``sum sum|x_i| bound`` (the measured sizes bound the loss's gradient too).
+    """
+    from trainfold.core.forward import make_forward
+    from trainfold.core.losses import causal_lm
+
+    forward = make_forward(model, dict(model.named_buffers()))
+    counts = counts if counts is not None else [len(r["labels"]) - 1 for r in rows]
+    fewest = max(sum(sorted(counts)[:rows_per_step]), 1)
+    tokens = [(r, t) for r, row in enumerate(rows) for t in range(1, len(row["labels"])) if row["labels"][t] != -100]
+
+    def loss(p: dict, i: int) -> torch.Tensor:
+        r, t = tokens[i]
+        labels = torch.full((1, len(rows[r]["labels"])), -100)
+        labels[0, t] = rows[r]["labels"][t]
+        return causal_lm(forward(p, {"input_ids": torch.tensor([rows[r]["input_ids"]])}), labels, fewest)
+
+    abs_grads = row_abs_grads(loss, dict(model.named_parameters()), range(len(tokens)))
+    terms = sum(sorted((len(r["input_ids"]) for r in rows), reverse=True)[:rows_per_step])
+    norms = [h["grad_norm"] for h in history if "grad_norm" in h]
+    params, _ = clipped_sgd_atol([(grad_atol(abs_grads, terms), abs_grads, n, max_norm) for n in norms], lr, momentum)
+    slack = sum((abs_grads[k] * params[k]).sum().item() for k in params)
+    return params, sgd_rtol(len(norms)), lambda loss: reordered(terms, loss) + slack
+
+
+def causal_lm_eval_atol(model: torch.nn.Module, rows: list[dict], bound: dict[str, torch.Tensor], loss: float) -> float:
+    """How far two evaluations of the mean causal-LM loss ``loss`` on ``rows`` can be apart, at params within
+    ``bound`` of each other: the tokens' losses (all positive) summed in other batches and orders,
+    ``reordered(tokens, loss)``, plus the loss's first-order change, ``sum |grad| bound``, with ``|grad|``
+    at most ``row_abs_grads`` of the rows (measured at ``model``'s params; the rest is second order)."""
+    from trainfold.core.forward import make_forward
+    from trainfold.core.losses import causal_lm
+
+    forward = make_forward(model, dict(model.named_buffers()))
+    count = sum(len(r["labels"]) - 1 for r in rows)
+    ids = [torch.tensor([r["input_ids"]]) for r in rows]
+    labels = [torch.tensor([r["labels"]]) for r in rows]
+    row = lambda p, r: causal_lm(forward(p, {"input_ids": ids[r]}), labels[r], count)
+    abs_grads = row_abs_grads(row, dict(model.named_parameters()), range(len(rows)))
+    return reordered(count, loss) + sum((abs_grads[k] * bound[k]).sum().item() for k in abs_grads)
+
+
+def causal_lm_step_abs_grads(model: torch.nn.Module, micro_batches: list[dict], params: dict) -> tuple[dict, int]:
+    """``row_abs_grads`` of one step's causal-LM loss on ``micro_batches`` (each row's loss over the step's
+    count) at ``params``, and the number of positions the step sums over (``grad_atol``'s ``terms``)."""
+    from trainfold.core.forward import make_forward
+    from trainfold.core.losses import causal_lm
+
+    forward = make_forward(model, dict(model.named_buffers()))
+    count = sum(int((m["labels"][:, 1:] != -100).sum()) for m in micro_batches)
+    rows = [{k: v[i : i + 1] for k, v in m.items()} for m in micro_batches for i in range(len(m["labels"]))]
+
+    def loss(p: dict, r: int) -> torch.Tensor:
+        inputs = {k: v for k, v in rows[r].items() if k != "labels"}
+        return causal_lm(forward(p, inputs), rows[r]["labels"], max(count, 1))
+
+    terms = sum(m["labels"].numel() for m in micro_batches)
+    return row_abs_grads(loss, params, range(len(rows))), terms
