@@ -122,14 +122,16 @@ def causal_lm_run_bounds(
     *,
     max_norm: float,
     counts: list[int] | None = None,
+    per_token: bool = False,
 ) -> tuple[dict[str, torch.Tensor], float, Callable[[float], float]]:
     """Element-wise bounds on two clipped SGD(+momentum) ``train`` runs of a causal LM on ``rows`` that add the
     same token terms in other orders (ranks, accumulation), and their ``rtol`` (``sgd_rtol``).
 
     ``model`` holds the initial params. Any step's ``sum|x_i|`` is at most the sum over *every* token of
-    every row (terms are non-negative, so a step's rows, or labels a collator masks, only drop terms), each
-    token's loss divided by the smallest count a step of ``rows_per_step`` rows can have (``counts``: each
-    row's fewest counted labels; all its labels when None). It is measured at the initial params, whose
+    every row (terms are non-negative, so a step's rows only drop terms), each row's loss divided by the
+    smallest count a step of ``rows_per_step`` rows can have (``counts``: each row's fewest counted labels;
+    its labels' count when None). Where a collator masks labels at random, ``per_token`` measures each
+    token alone, so that any mask only drops terms. It is measured at the initial params, whose
     later change (``lr`` per step) moves it only by a second-order amount. A step sums at most its longest
     rows' tokens. ``history`` is the reference run's log (a ``grad_norm`` per step); ``lr`` bounds the
     schedule. The third value gives how far a logged training loss ``loss`` may be off: its token losses
@@ -140,17 +142,19 @@ def causal_lm_run_bounds(
     from trainfold.core.losses import causal_lm
 
     forward = make_forward(model, dict(model.named_buffers()))
-    counts = counts if counts is not None else [len(r["labels"]) - 1 for r in rows]
+    counts = counts if counts is not None else [sum(x != -100 for x in r["labels"][1:]) for r in rows]
     fewest = max(sum(sorted(counts)[:rows_per_step]), 1)
-    tokens = [(r, t) for r, row in enumerate(rows) for t in range(1, len(row["labels"])) if row["labels"][t] != -100]
+    positions = [range(1, len(row["labels"])) if per_token else [None] for row in rows]
+    items = [(r, t) for r, row in enumerate(positions) for t in row if t is None or rows[r]["labels"][t] != -100]
 
     def loss(p: dict, i: int) -> torch.Tensor:
-        r, t = tokens[i]
-        labels = torch.full((1, len(rows[r]["labels"])), -100)
-        labels[0, t] = rows[r]["labels"][t]
+        r, t = items[i]
+        labels = torch.tensor([rows[r]["labels"]])
+        if t is not None:  # this token alone
+            labels = torch.full_like(labels, -100).index_fill_(1, torch.tensor([t]), rows[r]["labels"][t])
         return causal_lm(forward(p, {"input_ids": torch.tensor([rows[r]["input_ids"]])}), labels, fewest)
 
-    abs_grads = row_abs_grads(loss, dict(model.named_parameters()), range(len(tokens)))
+    abs_grads = row_abs_grads(loss, dict(model.named_parameters()), range(len(items)))
     terms = sum(sorted((len(r["input_ids"]) for r in rows), reverse=True)[:rows_per_step])
     norms = [h["grad_norm"] for h in history if "grad_norm" in h]
     params, _ = clipped_sgd_atol([(grad_atol(abs_grads, terms), abs_grads, n, max_norm) for n in norms], lr, momentum)
