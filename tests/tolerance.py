@@ -195,3 +195,14 @@ def causal_lm_step_abs_grads(model: torch.nn.Module, micro_batches: list[dict], 
 
     terms = sum(m["labels"].numel() for m in micro_batches)
     return row_abs_grads(loss, params, range(len(rows))), terms
+
+
+def adam_first_step_atol(grad: torch.Tensor, grad_diff: float, lr: float, eps: float = 1e-8) -> torch.Tensor:
+    """Element-wise, how far Adam's first steps from gradients ``grad_diff`` apart can land (lr units).
+
+    Bias-corrected, the first step is ``lr g / (|g| + eps)``, whose slope ``eps / (|g| + eps)**2`` is at most
+    ``eps / (|g| - d + eps)**2`` within ``d`` of the reference gradient ``g``; no step differs by more than
+    ``2 lr``. Where ``|g|`` is near the rounding of a cancelled sum, that is the honest bound: a whole step.
+    """
+    near = (grad.abs() - grad_diff).clamp(min=0)
+    return lr * torch.clamp(grad_diff * eps / (near + eps) ** 2, max=2.0)
