@@ -206,3 +206,54 @@ def adam_first_step_atol(grad: torch.Tensor, grad_diff: float, lr: float, eps: f
     """
     near = (grad.abs() - grad_diff).clamp(min=0)
     return lr * torch.clamp(grad_diff * eps / (near + eps) ** 2, max=2.0)
+
+
+def adam_step_atol(
+    mu_old: torch.Tensor,
+    mu: torch.Tensor,
+    nu: torch.Tensor,
+    grad_diff: float,
+    count: int,
+    lr: float,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+) -> torch.Tensor:
+    """Element-wise, how far two AdamW steps from the *same* state, on gradients ``grad_diff`` apart, can land.
+
+    ``mu_old`` is the first moment before the step, ``mu`` and ``nu`` the reference's after it, ``count`` the
+    step's number (from 1). The reference gradient is ``g = (mu - b1 mu_old) / (1 - b1)``; the other run's
+    moments differ by ``dm = (1 - b1) d`` and ``dv <= (1 - b2)(2|g| + d) d``, so after bias correction the
+    update ``u = m / (sqrt(v) + eps)`` moves by at most ``(|dm| + |u| sqrt(|dv|)) / (sqrt(max(v - dv, 0)) + eps)``
+    (``|sqrt a - sqrt b| <= sqrt|a - b|``), and never by more than twice the largest update: ``|m| / sqrt(v)
+    <= sqrt(sum_s w_s**2 / w'_s)`` by Cauchy-Schwarz, ``w_s`` and ``w'_s`` the moments' weights of gradient
+    ``s``. The decoupled weight decay is the same op on the same params on both sides.
+    """
+    c1, c2 = 1 - b1**count, 1 - b2**count
+    g = (mu - b1 * mu_old) / (1 - b1)
+    dm = (1 - b1) * grad_diff / c1
+    dv = (1 - b2) * (2 * g.abs() + grad_diff) * grad_diff / c2
+    v_hat = nu / c2
+    u = (mu / c1) / (v_hat.sqrt() + eps)
+    moved = (dm + u.abs() * dv.sqrt()) / ((v_hat - dv).clamp(min=0).sqrt() + eps)
+    largest = sum(((1 - b1) * b1**k / c1) ** 2 / ((1 - b2) * b2**k / c2) for k in range(count)) ** 0.5
+    return lr * torch.clamp(moved, max=2 * largest)
+
+
+def adam_step_bounds(prev, want, sizes: dict, terms: int, max_norm: float = float("inf")) -> dict[str, torch.Tensor]:
+    """``adam_step_atol`` per param for a (clipped) AdamW step from state ``prev`` to the reference ``want``,
+    on gradients whose terms have the measured ``sizes`` (``row_abs_grads``) and count ``terms``: the gradients
+    within ``grad_atol``, the clip coefficient within ``rho = |dg| / |g| + gamma(N)`` relative where a run can
+    clip (``clipped_sgd_atol``), so each gradient element within ``grad_atol + rho max sum|x_i|``."""
+    atol, norm = grad_atol(sizes, terms), want.metrics["grad_norm"].item()
+    rho = sum(atol[k] ** 2 * v.numel() for k, v in sizes.items()) ** 0.5 / norm + gamma(
+        sum(v.numel() for v in sizes.values())
+    )
+    rho = rho if norm * (1 + rho) >= max_norm else 0.0
+    adam = lambda state: state[-1] if isinstance(state, tuple) else state
+    before, after = adam(prev.opt_state), adam(want.opt_state)
+    count, lr = int(after.count), want.metrics["learning_rate"].item()
+    return {
+        k: adam_step_atol(before.mu[k], after.mu[k], after.nu[k], atol[k] + rho * sizes[k].max().item(), count, lr)
+        for k in want.params
+    }
