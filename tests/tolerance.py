@@ -123,6 +123,7 @@ def causal_lm_run_bounds(
     max_norm: float,
     counts: list[int] | None = None,
     per_token: bool = False,
+    label_smoothing: float = 0.0,
 ) -> tuple[dict[str, torch.Tensor], float, Callable[[float], float]]:
     """Element-wise bounds on two clipped SGD(+momentum) ``train`` runs of a causal LM on ``rows`` that add the
     same token terms in other orders (ranks, accumulation), and their ``rtol`` (``sgd_rtol``).
@@ -152,7 +153,8 @@ def causal_lm_run_bounds(
         labels = torch.tensor([rows[r]["labels"]])
         if t is not None:  # this token alone
             labels = torch.full_like(labels, -100).index_fill_(1, torch.tensor([t]), rows[r]["labels"][t])
-        return causal_lm(forward(p, {"input_ids": torch.tensor([rows[r]["input_ids"]])}), labels, fewest)
+        logits = forward(p, {"input_ids": torch.tensor([rows[r]["input_ids"]])})
+        return causal_lm(logits, labels, fewest, label_smoothing=label_smoothing)
 
     abs_grads = row_abs_grads(loss, dict(model.named_parameters()), range(len(items)))
     terms = sum(sorted((len(r["input_ids"]) for r in rows), reverse=True)[:rows_per_step])
