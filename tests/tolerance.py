@@ -16,7 +16,9 @@ of each param to a neighbouring float (``rtol = T eps``, ``eps = 2u``). The grad
 is taken at params that already differ by that much; its change (the Hessian times that difference,
 scaled by ``lr`` again) is second order in ``lr`` and left out. Adam is not linear: its first update
 ``lr g / (|g| + eps)`` turns the rounding of a gradient that cancels to about ``eps`` into a step of
-up to ``lr``; that is why equivalence tests across summation orders use SGD (+ momentum).
+up to ``lr``; that is why equivalence tests across summation orders use SGD (+ momentum). Where a path
+supports only AdamW (compiled, ensemble steps), both runs take one step from the same state and
+``adam_step_atol`` bounds that step element by element from the reference's moments, in units of lr.
 
 ``sum|x_i|`` is measured, not guessed: ``row_abs_grads`` sums the absolute gradients of each row's
 own loss (``|x_i|`` of the terms a step adds up over rows). Inside a row the backward also sums over
