@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerance import grad_atol, reordered, row_abs_grads, sgd_rtol
 
-from trainfold import adamw, init_state, make_step
+from trainfold import adamw, init_state, make_step, sgd
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.recipes.dpo import (
     count_pairs,
@@ -155,8 +156,8 @@ def test_reference_equal_to_policy_gives_ln2_and_zero_rewards():
     )
 
 
-def run_steps(objective, items_per_step, model, collate, n_micro=1):
-    opt = adamw(1e-2)
+def run_steps(objective, items_per_step, model, collate, n_micro=1, opt=None):
+    opt = opt or adamw(1e-2)
     step = make_step(model, optimizer=opt, objective=objective)
     state = init_state(model, opt, seed=0)
     for items in items_per_step:
@@ -169,10 +170,22 @@ def test_precomputed_reference_equals_reference_params_and_split_does_not_matter
     policy, ref = lm(0), lm(1)
     collate = preference_collate(EOS)
     items = random_pairs(2, 6)
-    with_ref = run_steps(dpo_objective(0.1, ref_params=params_of(ref)), [items, items], policy, collate)
+    opt = sgd(0.5)  # linear in the gradients: other summation orders are not amplified (tests/tolerance.py)
+    with_ref = run_steps(dpo_objective(0.1, ref_params=params_of(ref)), [items, items], policy, collate, opt=opt)
     stored = precompute_ref_logps(ref, params_of(ref), items, collate, batch_size=4)
     assert "ref_chosen_logps" not in items[0]
-    pre = run_steps(dpo_objective(0.1), [stored, stored], policy, collate, n_micro=3)
+    pre = run_steps(dpo_objective(0.1), [stored, stored], policy, collate, n_micro=3, opt=opt)
+    # The pairs' terms in other orders (micro-batches, reference batches): each step's gradient within
+    # grad_atol of the pairs' measured sizes (at the first params: the rest is second order), and 2 steps
+    # of SGD at 0.5 move the params by 0.5 of each. The metrics, logged by step 2, are its terms reordered
+    # plus their change at params that step 1 left within 0.5 grad_atol: |d metric / d params| times that.
+    objective, forward = dpo_objective(0.1, ref_params=params_of(ref)), functional_forward(policy)
+    count = objective.count_items(collate(items))
+    pair = lambda p, r: objective(forward, p, collate(items[r : r + 1]), count, None)[0]
+    sizes = row_abs_grads(pair, params_of(policy), range(len(items)))
+    terms = collate(items)["input_ids"].numel()
+    atol = {k: 2 * 0.5 * v for k, v in grad_atol(sizes, terms).items()}
+    whole = lambda p: objective(forward, p, collate(items), count, None)
     for k in (
         "loss",
         "rewards/chosen",
@@ -182,9 +195,12 @@ def test_precomputed_reference_equals_reference_params_and_split_does_not_matter
         "logps/chosen",
         "logps/rejected",
     ):
-        assert pre.metrics[k].item() == pytest.approx(with_ref.metrics[k].item(), abs=1e-5), k
+        value = with_ref.metrics[k].item()
+        slope = torch.func.grad(lambda p, k=k: whole(p)[0] if k == "loss" else whole(p)[1][k])(params_of(policy))
+        shift = sum((slope[j].abs() * atol[j] / 2).sum().item() for j in slope)
+        assert pre.metrics[k].item() == pytest.approx(value, abs=reordered(terms, abs(value)) + shift), k
     for k in with_ref.params:
-        torch.testing.assert_close(pre.params[k], with_ref.params[k], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(pre.params[k], with_ref.params[k], atol=atol[k], rtol=sgd_rtol(2))
 
 
 def test_training_raises_the_margin():

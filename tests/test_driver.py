@@ -10,10 +10,12 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerance import EPS, adam_first_step_atol, assert_within, gamma, grad_atol, row_abs_grads
 from torch import nn
 
 from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step
 from trainfold.core.collective import item_count, items_in_batch
+from trainfold.core.forward import make_forward
 from trainfold.core.losses import cross_entropy
 from trainfold.core.rng import derive_seed
 from trainfold.core.tree import flatten
@@ -151,7 +153,26 @@ def test_the_ensemble_sums_counts_losses_and_gradients_over_ranks_like_make_step
     assert torch.equal(mirrored.metrics["loss"], alone.metrics["loss"])
     step = make_step(models[0], cross_entropy, opt, collective=Mirror(2))  # member 0 on its own, same ranks
     own = step(init_state(models[0], opt), member[0])
-    assert torch.allclose(own.params["weight"], mirrored.params["weight"][0], atol=1e-6)
+    # the member in the vmapped ensemble and the model alone add the 2 ranks' 4 rows through other kernels:
+    # gradients within grad_atol of the rows' measured sizes, plus the clip coefficient's relative difference
+    # (|dg| / |g| + gamma(N)) times |g|; AdamW's first step then lands within adam_first_step_atol of its
+    # reference gradient (the first moment / (1 - b1)) (tests/tolerance.py)
+    forward, (x, y), half = make_forward(models[0], {}), member[0][0].values(), int(own.metrics["num_items"]) // 2
+    row = lambda p, r: cross_entropy(forward(p, {"input": x[r : r + 1]}), y[r : r + 1], half)
+    sizes = row_abs_grads(row, init_state(models[0], opt).params, range(4))
+    atol, norm = grad_atol(sizes, 8), own.metrics["grad_norm"].item()
+    rho = (
+        (
+            sum(atol[k] ** 2 * v.numel() for k, v in sizes.items()) ** 0.5 / norm
+            + gamma(sum(v.numel() for v in sizes.values()))
+        )
+        if norm > 0.5
+        else 0.0
+    )
+    for k, v in own.params.items():
+        grad = own.opt_state[1].mu[k] / 0.1  # b1 = 0.9: m = 0.1 g after one step
+        bound = adam_first_step_atol(grad, atol[k] + rho * grad.abs().max().item(), lr=0.1)
+        assert_within(mirrored.params[k][0], v, bound, EPS, k)
 
 
 def test_the_step_variants_never_import_make_step_nor_each_other_backwards():

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tolerance import EPS, causal_lm_step_abs_grads, grad_atol
 
 from trainfold import init_state, make_step, sgd
 from trainfold.core.losses import causal_lm
@@ -102,10 +103,13 @@ def test_a_step_on_simulated_ranks_equals_one_process_on_all_their_samples(world
         step = make_step(_tiny(), causal_lm, opt, collective=c)
         return step(state, [{"input_ids": ids[part], "labels": labels[part]}])
 
+    # the ranks add the token terms in another order: each gradient within grad_atol of the measured sizes,
+    # which SGD moves the params by 0.5 of, rounded once (tests/tolerance.py)
+    atol = grad_atol(*causal_lm_step_abs_grads(_tiny(), [{"input_ids": ids, "labels": labels}], state.params))
     for new in on_simulated_ranks(world, rank_step):
         assert new.metrics["num_items"].item() == alone.metrics["num_items"].item()  # counted over all ranks
         for k in state.params:
-            torch.testing.assert_close(new.params[k], alone.params[k], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(new.params[k], alone.params[k], rtol=EPS, atol=0.5 * atol[k])
 
 
 def test_simulated_ranks_raise_what_a_rank_raised():
