@@ -85,8 +85,8 @@ def replace_dir(tmp: Path, directory: Path, *, remove_old: bool = True) -> Path 
 def mark_durable(directory: Path) -> None:
     """Record that every file of ``directory`` is on the disk (call it once their fsyncs returned).
 
-    The marker itself is not fsynced: a crash that loses it only costs the next resume a CRC pass
-    before it starts (``is_durable`` is then False), never a torn checkpoint taken for a whole one.
+    The marker itself is not fsynced: it tells a reader the fsyncs ended, nothing relies on it (a
+    resume checks every file's hash whatever it says, and sets a torn checkpoint aside).
     """
     write_bytes(
         directory / DURABLE_MARKER,
