@@ -1,285 +1,116 @@
-"""Checkpoint bytes, save and load time: trainfold against a real ``transformers.Trainer``, in one process.
+"""Checkpoint save and verified load against ``safetensors.torch`` + ``load_state_dict``, ABBA interleaved.
 
-Run: ``.venv/bin/python benchmarks/checkpoint.py [--sizes small large] [--repeat 5] [--dir /tmp]``.
+Run: ``.venv/bin/python benchmarks/checkpoint.py [--mb 200 1000] [--rounds 3] [--dir /tmp]``.
 
-For each size a ``LlamaForCausalLM`` from config (random weights, float32) with AdamW state:
+For each size, a stack of ``Linear(1024, 1024)`` layers holding that many MB of float32 weights
+(SGD without momentum: the state is the weights and a few counters), and two ways to checkpoint it:
 
-- **Trainer**: one ``Trainer.train`` step (so ``optimizer.pt`` holds both moments), then
-  ``Trainer._save_checkpoint`` (``model.safetensors`` + ``config.json`` + ``generation_config.json``,
-  ``optimizer.pt``, ``scheduler.pt``, ``rng_state.pth``, ``trainer_state.json``, ``training_args.bin``;
-  no fsync) and the resume's loads (``_load_from_checkpoint``, ``_load_optimizer_and_scheduler``,
-  ``_load_rng_state``, ``TrainerState.load_from_json``);
-- **trainfold**: the save ``train`` does, ``Saver().save(state, path, model=model)`` of the same
-  model's state with AdamW moments (``model.safetensors`` with the params, ``state.safetensors`` with
-  the rest, the sidecar with every file's size and CRC-32, atomic rename; every file, the directory
-  and its parent then fsynced in a background thread: "durable after" is the time until that ends),
-  "blocking" the save with every fsync before the rename (``save_fsync="blocking"``, the old one);
-  and the load a resume waits for before its first step: ``load(path, like=template, donate=True,
-  crc_checked=True, frozen_checked=True)`` (the files read straight into the template's tensors)
-  and ``verify_later(path, loaded=state)`` started (every byte's CRC-32, and a LoRA model's frozen
-  base's fingerprints, checked in a thread beside the first steps; nothing is saved before it ends);
-  "CRC-checked after" the time until that check ended; "inline-checked" the load that CRCs each
-  4 MB piece as it reads it (``load(path, like=template, donate=True)``: what a resume under
-  torchrun does); the template, built as a resume builds it, is made outside the timing, as the
-  Trainer's model and optimizer are; "fresh" the inline-checked load into new memory
-  (``load(path, like=state)``);
-- ``--lora``: the same comparison of a ``peft`` LoRA model (r=8 on the attention projections), and
-  trainfold's LoRA checkpoint against its full fine-tuning one.
+- **trainfold**: ``save(state, path, model=model)`` (the safetensors files, each hashed while it is
+  written, the sidecar, every file and the directory fsynced, then the atomic rename); "visible"
+  the same save with the fsyncs after the rename, in a thread (``syncs=Syncs()``, what ``train``
+  does); the load a resume does: ``load(path, like=template)`` (every file's size and XXH3-64
+  checked in one streaming pass, then ``safetensors.torch.load_file``) and ``lend(model, state)``
+  (the tensors copied into the module's own);
+- **HF**: what ``transformers.Trainer`` does with the weights: ``save_file(model.state_dict(), path)``
+  (no fsync, no hash), and ``load_file(path)`` + ``model.load_state_dict(...)``.
 
-Each timing is the median of ``--repeat`` runs, trainfold's and the Trainer's interleaved; the files
-are in the page cache (a fresh directory per save, the same one for every load).
-``crc.CRC32_BY`` (printed) says whether zlib's or ISA-L's CRC-32 ran (``pip install isal``).
+Each pair is timed ABBA (trainfold, HF, HF, trainfold) ``--rounds`` times; the table gives the median
+of each side and their ratio. The files are in the page cache (a load reads what was just saved).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-import attrs
 import torch
+from safetensors.torch import load_file, save_file
 
-from trainfold.ckpt import crc, load, save, verify_later
-from trainfold.ckpt.sharded import Saver
-from trainfold.core.state import init_state
-from trainfold.optim import adamw
-
-SIZES = {  # name: (hidden, intermediate, layers, vocab); params and bytes in float32
-    "tiny": (64, 128, 2, 512),
-    "small": (256, 688, 4, 8000),  # 7.3M params: a 88 MB checkpoint
-    "large": (768, 2048, 4, 8000),  # 40.6M params: a 487 MB checkpoint
-}
+from trainfold.ckpt import load, save
+from trainfold.ckpt.atomic import Syncs
+from trainfold.core.state import init_state, lend
+from trainfold.optim import sgd
 
 
-def llama(size: str):
-    import transformers
-
-    hidden, inter, layers, vocab = SIZES[size]
+def model_of(mb: int) -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(max(1, mb // 4))])
 
 
-def lora(model):
-    import peft
-
-    return peft.get_peft_model(model, peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]))
-
-
-def interleaved(
-    fns: dict[str, Callable[[], object]],
-    repeat: int,
-    setup: Callable[[], object] = lambda: None,
-    before: dict[str, Callable[[], object]] | None = None,
-) -> dict[str, float]:
-    """Return each function's median wall time, the functions run in turn ``repeat`` times.
-
-    ``setup()`` runs before each round, ``before[name]()`` (untimed) before that function only.
-    """
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeat):
-        setup()
-        for name, fn in fns.items():
-            (before or {}).get(name, lambda: None)()
+def abba(a: Callable[[], object], b: Callable[[], object], rounds: int, before: Callable[[], object]) -> tuple:
+    """Return the median seconds of ``a`` and of ``b``, run in the order a b b a ``rounds`` times."""
+    times: dict[str, list[float]] = {"a": [], "b": []}
+    for _ in range(rounds):
+        for name in "abba":
+            before()
             t = time.perf_counter()
-            fn()
+            (a if name == "a" else b)()
             times[name].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return statistics.median(times["a"]), statistics.median(times["b"])
 
 
-def dir_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def hf_trainer(model, root: Path):
-    """A Trainer that took one step, so its optimizer holds both AdamW moments."""
-    import transformers
-
-    args = transformers.TrainingArguments(
-        output_dir=str(root / "hf"),
-        max_steps=1,
-        per_device_train_batch_size=2,
-        save_strategy="no",
-        report_to=[],
-        logging_strategy="no",
-        disable_tqdm=True,
-        use_cpu=True,
-        learning_rate=1e-3,
-    )
-    ids = torch.randint(0, model.config.vocab_size, (4, 16), generator=torch.Generator().manual_seed(0))
-    data = [{"input_ids": row, "labels": row} for row in ids]
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
-    trainer.train()
-    return trainer
-
-
-def trainfold_state(model):
-    """The state of ``model`` with AdamW moments of the Trainer's shapes, filled as after training."""
-    state = init_state(model, adamw(1e-3))
-    g = torch.Generator().manual_seed(1)
-    mu = {k: torch.randn(v.shape, generator=g) for k, v in state.opt_state.mu.items()}
-    nu = {k: torch.rand(v.shape, generator=g) for k, v in state.opt_state.nu.items()}
-    return attrs.evolve(state, opt_state=attrs.evolve(state.opt_state, mu=mu, nu=nu))
-
-
-def compare(model, root: Path, repeat: int) -> dict[str, float]:
-    """Bytes and save/load seconds of one model's checkpoint, trainfold's and the Trainer's."""
-    from transformers.trainer_callback import TrainerState
-
-    trainer = hf_trainer(model, root)
-    state = trainfold_state(trainer.model)
-    hf_dir, tf_dir = root / "hf" / "checkpoint-1", root / "tf" / "saved"  # the state is of step 0
-
-    saver = Saver(fsync="background")  # train's
+def compare(mb: int, root: Path, rounds: int) -> tuple[dict[str, float], dict[str, float]]:
+    model = model_of(mb)
+    state = init_state(model, sgd(0.1))
+    tf_dir, hf_file = root / "checkpoint-0", root / "hf" / "model.safetensors"
+    hf_file.parent.mkdir(parents=True, exist_ok=True)
+    syncs = Syncs()
 
     def clean() -> None:
-        saver.wait()  # the previous save's background fsync is done (outside the timings)
-        shutil.rmtree(hf_dir, ignore_errors=True)
+        syncs.wait()
         shutil.rmtree(tf_dir, ignore_errors=True)
+        hf_file.unlink(missing_ok=True)
 
-    def durable() -> None:  # from the call until its background fsync ended
-        saver.save(state, tf_dir, model=trainer.model)
-        saver.wait()
-
-    saving = interleaved(
-        {
-            "trainfold": lambda: saver.save(state, tf_dir, model=trainer.model),
-            "durable": durable,
-            "blocking": lambda: save(state, tf_dir, model=trainer.model),
-            "trainer": lambda: trainer._save_checkpoint(trainer.model, trial=None),
-        },
-        repeat,
-        before={name: clean for name in ("trainfold", "durable", "blocking", "trainer")},
+    tf_save, hf_save = abba(
+        lambda: save(state, tf_dir, model=model), lambda: save_file(model.state_dict(), hf_file), rounds, clean
     )
-    saver.save(state, tf_dir, model=trainer.model)
-    trainer._save_checkpoint(trainer.model, trial=None)
-    saver.wait()
+    tf_visible, _ = abba(
+        lambda: save(state, tf_dir, model=model, syncs=syncs), lambda: save_file(model.state_dict(), hf_file), 1, clean
+    )
+    syncs.wait()
+    save(state, tf_dir, model=model)
+    save_file(model.state_dict(), hf_file)
+    template = init_state(model, sgd(0.1), copy=False)  # lent: the module's own tensors, as a resume builds it
+
+    def tf_load() -> None:
+        lend(model, load(tf_dir, like=template))
 
     def hf_load() -> None:
-        trainer._load_from_checkpoint(str(hf_dir))
-        trainer._load_optimizer_and_scheduler(str(hf_dir))
-        trainer._load_rng_state(str(hf_dir))
-        TrainerState.load_from_json(str(hf_dir / "trainer_state.json"))
+        model.load_state_dict(load_file(hf_file))
 
-    templates: list = []
-    checks: list = []
-
-    def settle() -> None:  # a resume's CRC check still running ends before the next timing (not timed)
-        while checks:
-            checks.pop().wait()
-
-    def template() -> None:  # what a resume loads into: the state train builds before it (not timed)
-        settle()
-        templates[:] = [trainfold_state(trainer.model)]
-
-    def resume() -> None:  # what train(resume_from_checkpoint=...) waits for before its first step
-        loaded = load(tf_dir, like=templates.pop(), donate=True, crc_checked=True, frozen_checked=True)
-        checks.append(verify_later(tf_dir, loaded=loaded))  # a LoRA base's fingerprints too
-
-    def checked() -> None:  # until the CRC check that runs beside the first steps ended
-        resume()
-        checks.pop().wait()
-
-    loading = interleaved(
-        {
-            "trainfold": resume,
-            "checked": checked,
-            "inline": lambda: load(tf_dir, like=templates.pop(), donate=True),
-            "fresh": lambda: load(tf_dir, like=state),
-            "trainer": hf_load,
-        },
-        repeat,
-        before={"trainfold": template, "checked": template, "inline": template, "fresh": settle},
-    )
-    out = {
-        "tf_bytes": dir_bytes(tf_dir),
-        "hf_bytes": dir_bytes(hf_dir),
-        "tf_save": saving["trainfold"],
-        "tf_durable": saving["durable"],
-        "tf_blocking": saving["blocking"],
-        "hf_save": saving["trainer"],
-        "tf_load": loading["trainfold"],
-        "tf_checked": loading["checked"],
-        "tf_inline": loading["inline"],
-        "tf_fresh": loading["fresh"],
-        "hf_load": loading["trainer"],
-        "params": sum(p.numel() for p in trainer.model.parameters()),
-        "trainable": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-    }
+    tf_read, hf_read = abba(tf_load, hf_load, rounds, lambda: None)
+    bytes_ = sum(p.stat().st_size for p in tf_dir.iterdir())
     clean()
-    return out
-
-
-def row(name: str, r: dict[str, float]) -> str:
-    return (
-        f"| {name} | {r['params'] / 1e6:.2f}M / {r['trainable'] / 1e6:.2f}M | {r['tf_bytes'] / 1e6:.1f} | "
-        f"{r['hf_bytes'] / 1e6:.1f} | {r['tf_bytes'] / r['hf_bytes']:.3f} | {r['tf_save']:.3f} | "
-        f"{r['hf_save']:.3f} | {r['tf_save'] / r['hf_save']:.2f} | {r['tf_durable']:.3f} | "
-        f"{r['tf_blocking'] / r['hf_save']:.2f} | {r['tf_load']:.3f} | {r['hf_load']:.3f} | "
-        f"{r['tf_load'] / r['hf_load']:.2f} | {r['tf_checked']:.3f} | {r['tf_inline'] / r['hf_load']:.2f} | "
-        f"{r['tf_fresh'] / r['hf_load']:.2f} |"
-    )
+    saving = {"mb": bytes_ / 1e6, "tf_save": tf_save, "tf_visible": tf_visible, "hf_save": hf_save}
+    return saving, {"tf_load": tf_read, "hf_load": hf_read}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", nargs="+", default=["small", "large"], choices=sorted(SIZES))
-    parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--lora", action="store_true", help="also compare LoRA checkpoints")
+    parser.add_argument("--mb", nargs="+", type=int, default=[200, 1000])
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args()
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.filterwarnings("ignore")
-    import transformers
-
-    transformers.utils.logging.set_verbosity_error()
     root = Path(tempfile.mkdtemp(dir=args.dir, prefix="trainfold-bench-"))
-    results = []
+    print(f"ABBA x {args.rounds}, medians; torch {torch.__version__}, {torch.get_num_threads()} threads; seconds")
+    print("| state | trainfold save (fsynced) | visible | HF save_file | ratio | verified load | HF load | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     try:
-        for size in args.sizes:
-            results.append((f"{size}", compare(llama(size), root, args.repeat)))
-            if args.lora:
-                results.append((f"{size} LoRA", compare(lora(llama(size)), root, args.repeat)))
+        for mb in args.mb:
+            s, r = compare(mb, root, args.rounds)
+            print(
+                f"| {s['mb']:.0f} MB | {s['tf_save']:.3f} | {s['tf_visible']:.3f} | {s['hf_save']:.3f} | "
+                f"{s['tf_save'] / s['hf_save']:.2f} | {r['tf_load']:.3f} | {r['hf_load']:.3f} | "
+                f"{r['tf_load'] / r['hf_load']:.2f} |",
+                flush=True,
+            )
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(
-        f"median of {args.repeat}; torch {torch.__version__}, transformers {transformers.__version__}, "
-        f"{torch.get_num_threads()} threads, CRC-32 by {crc.CRC32_BY}; bytes in MB, times in seconds"
-    )
-    print(
-        "| model | params / trainable | trainfold bytes | Trainer bytes | ratio | trainfold save | Trainer save "
-        "| ratio | durable after | blocking save ratio | trainfold load | Trainer load | ratio | CRC-checked after "
-        "| inline-checked load ratio | fresh load ratio |"
-    )
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name, r in results:
-        print(row(name, r))
-    full = dict(results)
-    for size in args.sizes:
-        if args.lora:
-            a, b = full[f"{size} LoRA"], full[size]
-            print(
-                f"{size}: trainfold LoRA checkpoint / full fine-tuning: bytes {a['tf_bytes'] / b['tf_bytes']:.4f} "
-                f"({a['tf_bytes'] / 1e6:.2f} vs {b['tf_bytes'] / 1e6:.1f} MB), save time "
-                f"{a['tf_save'] / b['tf_save']:.3f} ({a['tf_save'] * 1e3:.1f} vs {b['tf_save'] * 1e3:.1f} ms)"
-            )
 
 
 if __name__ == "__main__":

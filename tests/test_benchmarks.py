@@ -52,14 +52,9 @@ def test_long_run_saves_quick():
     assert "| 100 | before |" in out and "| 100 | after |" in out
 
 
-def test_checkpoint_vs_trainer_tiny():
-    out = run("benchmarks/checkpoint.py", "--sizes", "tiny", "--repeat", "1", "--lora")
-    assert "| tiny |" in out and "| tiny LoRA |" in out and "LoRA checkpoint / full fine-tuning" in out
-
-
-def test_resume_start_tiny():
-    out = run("benchmarks/resume_start.py", "--size", "tiny", "--steps", "1", "--repeat", "1")
-    assert "| inline |" in out and "| beside |" in out
+def test_checkpoint_vs_safetensors_tiny():
+    out = run("benchmarks/checkpoint.py", "--mb", "4", "--rounds", "1")
+    assert "| 4 MB |" in out
 
 
 def test_peak_memory_tiny():

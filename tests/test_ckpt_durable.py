@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfold.ckpt import (
+    SIDECAR_FILE,
     STATE_FILE,
     CheckpointError,
     checkpoint_path,
@@ -33,10 +34,9 @@ from trainfold.ckpt import (
     save,
 )
 from trainfold.ckpt.atomic import NotDurableError, Syncs, is_durable
-from trainfold.ckpt.listing import damage
 from trainfold.ckpt.policy import rotate
 from trainfold.ckpt.sharded import Saver
-from trainfold.ckpt.sidecar import DURABLE_MARKER
+from trainfold.ckpt.sidecar import DURABLE_MARKER, sidecar_bytes
 from trainfold.core.state import init_state, scalar
 from trainfold.core.tree import flatten
 from trainfold.optim import adamw
@@ -127,7 +127,7 @@ def test_a_checkpoint_is_complete_and_loads_while_its_fsync_still_runs(tmp_path,
     model, state = _state(5)
     syncs = Syncs()
     path = save(state, tmp_path / "checkpoint-5", model=model, syncs=syncs)
-    assert syncs.pending() and is_complete(path) and damage(path) is None
+    assert syncs.pending() and is_complete(path)
     assert _same(load(path, like=state), state)
     gate.set()
     assert syncs.wait() == [path] and not syncs.pending()
@@ -232,7 +232,7 @@ def test_a_process_killed_before_the_fsync_loses_nothing_it_saved(tmp_path):
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.strip() == "saved", out.stderr
     _, state = _state(4)
-    assert is_complete(path) and damage(path) is None and _same(load(path, like=state), state)
+    assert is_complete(path) and _same(load(path, like=state), state)
 
 
 # --- a failing background fsync ---
@@ -374,19 +374,28 @@ def test_save_fsync_must_be_one_of_its_modes(tmp_path):
         run("tinylm", str(tmp_path), None, save_fsync="later")
 
 
-# --- a checkpoint a machine crash left corrupt ---
+# --- a checkpoint found damaged by its load: set aside, the previous one resumed (D3) ---
 
 
-def _damage(path: Path, how: str, *, crash: bool = True) -> None:
-    """Corrupt ``path``'s state file; ``crash``: as a machine crash before its fsyncs ended (no durable mark)."""
-    if crash:
-        (path / DURABLE_MARKER).unlink()
-    data = bytearray((path / STATE_FILE).read_bytes())
+def _damage(path: Path, how: str, *, other: Path | None = None) -> None:
+    """Damage ``path``'s state file the way ``how`` says (bit rot, a torn write, a bad copy)."""
+    target = path / STATE_FILE
+    data = bytearray(target.read_bytes())
     if how == "flipped":
         data[len(data) // 2] ^= 0x40  # the size is right, one byte is not (unsynced blocks after a crash)
+    elif how == "header":
+        data[0:8] = (len(data) * 3).to_bytes(8, "little")  # the header length rotted
+    elif how == "zeroed":
+        data = bytearray(len(data))  # same size, all zeros
+    elif how == "other-step":
+        data = bytearray((other / STATE_FILE).read_bytes())  # a file copied from another checkpoint
     else:
         data = data[: len(data) // 3]
-    (path / STATE_FILE).write_bytes(bytes(data))
+    target.write_bytes(bytes(data))
+    meta = read_metadata(path)
+    if how in ("truncated", "other-step"):  # the sidecar rewritten for the sizes: only the hash can tell
+        meta["files"][STATE_FILE]["bytes"] = len(data)
+        (path / SIDECAR_FILE).write_bytes(sidecar_bytes(meta))
 
 
 def _resume_latest(out: Path):
@@ -407,108 +416,73 @@ def _resume_latest(out: Path):
     return result, stepped, caught
 
 
-@pytest.mark.parametrize("how", ["flipped", "truncated"])
-def test_resume_latest_skips_a_corrupt_checkpoint_by_name_and_resumes_the_previous_one(tmp_path, how):
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """An uninterrupted run's output_dir (checkpoints 3, 6, 8) and its final state."""
     from resume_runs import run
 
-    run("tinylm", str(tmp_path), None, save_total_limit=None, enable_jit_checkpoint=False)
-    _damage(checkpoint_path(tmp_path, 8), how)
-    result, stepped, caught = _resume_latest(tmp_path)
-    skipped = [str(w.message) for w in caught if "checkpoint-8" in str(w.message)]
-    assert skipped and ("corrupted" in skipped[0] if how == "flipped" else "bytes" in skipped[0])
+    out = tmp_path_factory.mktemp("straight")
+    result = run("tinylm", str(out), None, save_total_limit=None, enable_jit_checkpoint=False)
+    return out, flatten(result.state)
+
+
+@pytest.mark.parametrize("how", ["flipped", "header", "zeroed", "other-step", "truncated"])
+def test_resume_latest_sets_a_damaged_checkpoint_aside_by_name_and_resumes_the_previous_one_bitwise(
+    tmp_path, straight, how
+):
+    out = tmp_path / "out"
+    shutil.copytree(straight[0], out)
+    bad = checkpoint_path(out, 8)
+    _damage(bad, how, other=checkpoint_path(out, 6))
+    result, stepped, caught = _resume_latest(out)
+    said = [str(w.message) for w in caught if f"set {bad} aside" in str(w.message)]
+    assert said and "checkpoint-8.damaged" in said[0] and str(bad / STATE_FILE) in said[0], said
     assert stepped[0] == 7 and result.global_step == 8  # resumed from checkpoint-6
-    assert damage(checkpoint_path(tmp_path, 8)) is None  # and saved step 8 again, intact
+    a = flatten(result.state)
+    assert all(torch.equal(a[k], v) for k, v in straight[1].items() if k != "metrics.num_items")
+    assert (out / "checkpoint-8.damaged" / STATE_FILE).is_file()  # kept, not deleted
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3", "checkpoint-6", "checkpoint-8"]
+    load(checkpoint_path(out, 8), like=result.state)  # step 8 saved again, intact
 
 
-def test_resume_from_a_named_corrupt_checkpoint_refuses_it_by_name(tmp_path):
+def test_two_damaged_checkpoints_are_both_set_aside_and_the_oldest_intact_one_resumed(tmp_path, straight):
+    out = tmp_path / "out"
+    shutil.copytree(straight[0], out)
+    _damage(checkpoint_path(out, 8), "zeroed")
+    _damage(checkpoint_path(out, 6), "flipped")
+    result, stepped, caught = _resume_latest(out)
+    assert stepped[0] == 4 and result.global_step == 8
+    assert sorted(p.name for p in out.glob("*.damaged")) == ["checkpoint-6.damaged", "checkpoint-8.damaged"]
+
+
+def test_resume_from_a_named_damaged_checkpoint_refuses_it_by_name_and_keeps_it(tmp_path, straight):
     from resume_runs import run
 
-    run("tinylm", str(tmp_path), None, save_total_limit=None, enable_jit_checkpoint=False)
-    bad = checkpoint_path(tmp_path, 8)
+    out = tmp_path / "out"
+    shutil.copytree(straight[0], out)
+    bad = checkpoint_path(out, 8)
     _damage(bad, "flipped")
     with pytest.raises(CheckpointError, match=rf"{bad / STATE_FILE} is corrupted"):
-        run("tinylm", str(tmp_path), str(bad), save_total_limit=None, enable_jit_checkpoint=False)
+        run("tinylm", str(out), str(bad), save_total_limit=None, enable_jit_checkpoint=False)
+    assert bad.is_dir() and not list(out.glob("*.damaged"))
 
 
-def test_a_durable_checkpoint_damaged_later_stops_the_resumed_run_by_name_before_it_saves(tmp_path):
+def test_a_resume_hashes_each_file_of_the_checkpoint_once(tmp_path, straight, monkeypatch):
     from resume_runs import run
 
-    run("tinylm", str(tmp_path), None, save_total_limit=None, enable_jit_checkpoint=False)
-    shutil.rmtree(checkpoint_path(tmp_path, 8))  # the resume from checkpoint-6 has steps 7 and 8 to run
-    bad = checkpoint_path(tmp_path, 6)
-    _damage(bad, "flipped", crash=False)  # after its fsyncs (bit rot, a bad copy): still marked durable
-    # loaded without a CRC pass, it trains while a thread checks it: stopped after step 7 or at step 8's save
-    with pytest.raises(
-        CheckpointError, match=rf"{bad / STATE_FILE} is corrupted.*resumed from {bad} and stopped after [12] step"
-    ):
-        run("tinylm", str(tmp_path), True, save_total_limit=None, enable_jit_checkpoint=False)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-3", "checkpoint-6"]  # nothing saved
-    assert not is_durable(bad)  # so the next resume checks it before it loads it, and passes over it
-    result, stepped, caught = _resume_latest(tmp_path)
-    assert any("skips" in str(w.message) and "checkpoint-6" in str(w.message) for w in caught)
-    assert stepped[0] == 4 and result.global_step == 8  # from checkpoint-3
+    from trainfold.ckpt import tensor_file
 
+    out = tmp_path / "out"
+    shutil.copytree(straight[0], out)
+    hashed: list[str] = []
+    real = tensor_file.digest_of
 
-def test_a_resumed_run_saves_only_once_the_checkpoints_crc_check_ended(tmp_path, monkeypatch):
-    from resume_runs import run
+    def counting(path, *args):
+        hashed.append(str(path))
+        return real(path, *args)
 
-    from trainfold.ckpt import verify
-
-    run("tinylm", str(tmp_path), None, save_total_limit=None, enable_jit_checkpoint=False)
-    shutil.rmtree(checkpoint_path(tmp_path, 8))
-    order: list[str] = []
-    real = verify._piece
-
-    def slow(path, at, size):
-        time.sleep(0.2)  # a large checkpoint: the first steps run meanwhile
-        order.append(f"checked {path.name}")
-        return real(path, at, size)
-
-    monkeypatch.setattr(verify, "_piece", slow)
-    monkeypatch.setattr(faults, "fault_hook", lambda label: order.append(label) if label == "save:started" else None)
-    result = run("tinylm", str(tmp_path), True, save_total_limit=None, enable_jit_checkpoint=False)
-    assert result.global_step == 8 and order[-1] == "save:started"  # every piece checked before it
-    files = read_metadata(checkpoint_path(tmp_path, 6))["files"]  # every file the sidecar lists, with its CRC
-    assert len(files) >= 2 and {f"checked {name}" for name in files} <= set(order)
-
-
-def _crc_bytes(monkeypatch) -> list[int]:
-    """Count the bytes every CRC of a checkpoint file's read sees (tensor_file's checksum)."""
-    from trainfold.ckpt import tensor_file as tf
-
-    seen: list[int] = []
-    real = tf.checksum
-
-    def counting(data, crc=0):
-        seen.append(len(data))
-        return real(data, crc)
-
-    monkeypatch.setattr(tf, "checksum", counting)
-    return seen
-
-
-def test_resume_latest_crc_checks_each_file_once_and_a_named_checkpoint_on_its_load(tmp_path, monkeypatch):
-    from resume_runs import run
-
-    run("tinylm", str(tmp_path), None, save_total_limit=None, enable_jit_checkpoint=False)
-    newest = checkpoint_path(tmp_path, 8)
-    files = sum(f.stat().st_size for f in newest.iterdir() if f.suffix == ".safetensors")
-    seen = _crc_bytes(monkeypatch)
-    run("tinylm", str(tmp_path), True, save_total_limit=None, enable_jit_checkpoint=False)
-    # checkpoint-8 is durable: the load reads it without a CRC pass, a thread then reads each file once for it
-    assert files <= sum(seen) < 1.5 * files
-    seen.clear()
-    run("tinylm", str(tmp_path), str(newest), save_total_limit=None, enable_jit_checkpoint=False)
-    assert files <= sum(seen) < 1.5 * files  # a named checkpoint: checked by its load (once)
-
-
-def test_a_load_told_its_crcs_were_checked_reads_without_computing_them(tmp_path, monkeypatch):
-    model, state = _state(3)
-    path = save(state, tmp_path / "checkpoint-3", model=model)
-    seen = _crc_bytes(monkeypatch)
-    assert _same(load(path, like=_state(seed=1)[1], crc_checked=True), state) and not seen
-    assert _same(load(path, like=_state(seed=1)[1]), state) and sum(seen) >= (path / STATE_FILE).stat().st_size
-    _damage(path, "flipped")  # what crc_checked=True trusts the caller to have ruled out (listing.damage)
-    with pytest.raises(CheckpointError, match="is corrupted"):
-        load(path, like=_state(seed=1)[1])
-    assert damage(path) is not None
+    monkeypatch.setattr(tensor_file, "digest_of", counting)
+    run("tinylm", str(out), True, save_total_limit=None, enable_jit_checkpoint=False)
+    newest = checkpoint_path(out, 8)
+    files = sorted(str(newest / f) for f in read_metadata(newest)["files"] if f.endswith(".safetensors"))
+    assert sorted(hashed) == files  # once each, in the load, before the first step

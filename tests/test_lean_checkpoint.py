@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import warnings
 import zlib
 from pathlib import Path
@@ -11,6 +12,7 @@ import attrs
 import pytest
 import safetensors.torch
 import torch
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -76,7 +78,7 @@ def test_the_weights_are_written_once_and_load_back_bitwise(tmp_path, tie):
     assert sorted(in_model) == sorted(set(model.state_dict()) - tied_alias)  # HF's names, a tied weight once
     assert nbytes(in_state) + nbytes(in_model) == nbytes(flatten(state))  # every tensor once, none twice
     meta = read_metadata(path)
-    assert meta["format_version"] == 3 and meta["frozen"] == {}
+    assert meta["format_version"] == 4 and meta["frozen"] == {}
     assert sorted(meta["tensors"][MODEL_FILE]) == sorted(f"params.{k}" for k in state.params)
     loaded = load(path, like=init_state(llama(seed=3, tie=tie), adamw(1e-3)))
     assert_states_equal(loaded, state)
@@ -117,32 +119,34 @@ def test_checkpoint_bytes_are_the_trainers_for_the_same_model_and_optimizer(tmp_
     assert mine - tensors < 16_000  # headers, config and sidecar: a few kB
 
 
-# -- CRCs are the files', computed while writing -----------------------------------------------------------
+# -- hashes are the files', computed while writing ---------------------------------------------------------
 
 
-def test_the_recorded_crc_and_size_are_the_files(tmp_path):
+def test_the_recorded_hash_and_size_are_the_files(tmp_path):
     model = llama()
     path = save(trained_state(model), tmp_path / "c", model=model)
     files = read_metadata(path)["files"]
     assert sorted(files) == ["config.json", MODEL_FILE, STATE_FILE]
     for name, entry in files.items():
         data = (path / name).read_bytes()
-        assert entry == {"bytes": len(data), "crc32": zlib.crc32(data)}, name
+        assert entry == {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_intdigest(data)}, name
 
 
-def test_the_crc_is_computed_from_the_bytes_as_written_not_read_back(tmp_path, monkeypatch):
-    reads: list[str] = []
-    real_open = open
-
-    def spying_open(file, mode="r", *args, **kwargs):
-        if "r" in mode and str(file).endswith(".safetensors"):
-            reads.append(str(file))
-        return real_open(file, mode, *args, **kwargs)
-
-    monkeypatch.setattr("builtins.open", spying_open)
+def test_a_save_hashes_each_tensor_file_once_before_its_fsync(tmp_path, monkeypatch):
+    events: list[str] = []
+    real_digest, real_fsync = tensor_file.digest_of, os.fsync
+    monkeypatch.setattr(
+        tensor_file, "digest_of", lambda p, *a: events.append(f"hash {Path(p).name}") or real_digest(p, *a)
+    )
+    monkeypatch.setattr(
+        os,
+        "fsync",
+        lambda fd: events.append(f"fsync {os.path.basename(os.readlink(f'/proc/self/fd/{fd}'))}") or real_fsync(fd),
+    )
     model = llama()
     save(trained_state(model), tmp_path / "c", model=model)
-    assert reads == []  # no tensor file is opened for reading during a save
+    for name in (STATE_FILE, MODEL_FILE):
+        assert events.count(f"hash {name}") == 1 and events.index(f"hash {name}") < events.index(f"fsync {name}")
 
 
 @settings(max_examples=25, deadline=None)
@@ -164,10 +168,10 @@ def test_tensor_files_round_trip_and_are_safetensors(tmp_path_factory, tensors):
         for k, (dtype, shape) in tensors.items()
     }
     path = tmp_path_factory.mktemp("tf") / "t.safetensors"
-    size, crc = tensor_file.write(path, built, metadata={"format": "pt"})
+    entry = tensor_file.write(path, built, metadata={"format": "pt"})
     data = path.read_bytes()
-    assert (size, crc) == (len(data), zlib.crc32(data))
-    theirs, ours = safetensors.torch.load_file(path), tensor_file.read(path, crc32=crc)
+    assert entry == {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_intdigest(data)}
+    theirs, ours = safetensors.torch.load_file(path), tensor_file.read(path, entry)
     for k, t in built.items():
         assert theirs[k].dtype == ours[k].dtype == t.dtype and torch.equal(theirs[k], t) and torch.equal(ours[k], t)
 
@@ -211,9 +215,9 @@ def test_a_weights_file_without_a_tensor_the_sidecar_maps_is_refused(tmp_path):
     path = save(state, tmp_path / "c", model=model)
     tensors = safetensors.torch.load_file(path / MODEL_FILE)
     del tensors["bias"]
-    size, crc = tensor_file.write(path / MODEL_FILE, tensors)
+    entry = tensor_file.write(path / MODEL_FILE, tensors)
     meta = read_metadata(path)
-    meta["files"][MODEL_FILE] = {"bytes": size, "crc32": crc}  # a consistent, crafted checkpoint
+    meta["files"][MODEL_FILE] = entry  # a consistent, crafted checkpoint
     (path / SIDECAR_FILE).write_bytes(sidecar_bytes(meta))
     with pytest.raises(CheckpointError, match=rf"{path / MODEL_FILE} lacks \['bias'\]"):
         load(path, like=state)
@@ -267,11 +271,30 @@ def test_a_format_1_or_2_checkpoint_still_loads_bitwise(tmp_path, version):
     assert all(torch.equal(weights.params[k], v) for k, v in state.params.items())
 
 
+def test_a_format_3_checkpoint_with_crc32s_still_loads_and_its_crcs_are_checked(tmp_path):
+    model = llama()
+    state = trained_state(model)
+    path = save(state, tmp_path / "c", model=model)
+    meta = read_metadata(path)
+    meta["format_version"] = 3  # as format 3 wrote it: a zlib CRC-32 per file
+    meta["files"] = {
+        n: {"bytes": e["bytes"], "crc32": zlib.crc32((path / n).read_bytes())} for n, e in meta["files"].items()
+    }
+    (path / SIDECAR_FILE).write_bytes(sidecar_bytes(meta))
+    like = init_state(llama(seed=4), adamw(1e-3))
+    assert_states_equal(load(path, like=like), state)
+    data = bytearray((path / STATE_FILE).read_bytes())
+    data[len(data) // 2] ^= 1
+    (path / STATE_FILE).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{path / STATE_FILE} is corrupted: its crc32 is"):
+        load(path, like=like)
+
+
 def test_a_newer_format_is_refused_by_name(tmp_path):
     path = save(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), tmp_path / "c")
     meta = read_metadata(path)
-    (path / SIDECAR_FILE).write_bytes(sidecar_bytes({**meta, "format_version": 4}))
-    with pytest.raises(CheckpointError, match="has checkpoint format 4.*this trainfold reads format 3: upgrade"):
+    (path / SIDECAR_FILE).write_bytes(sidecar_bytes({**meta, "format_version": 5}))
+    with pytest.raises(CheckpointError, match="has checkpoint format 5.*this trainfold reads format 4: upgrade"):
         load(path, like=init_state(torch.nn.Linear(2, 1), adamw(1e-3)))
 
 

@@ -144,14 +144,13 @@ def test_resuming_on_another_base_is_refused_naming_the_frozen_weights(straight)
     assert all(torch.equal(weights.params[k], v) for k, v in result.state.params.items())
 
 
-def test_a_run_resumed_on_another_base_stops_by_name_before_it_saves(tmp_path):
+def test_a_run_resumed_on_another_base_is_refused_by_name_and_the_checkpoint_kept(tmp_path):
     out = tmp_path / "stopped"
     train(lora(), args(out), rows(), stop=lambda s: int(s.step) >= 2)
-    # the base's fingerprints are checked beside the first steps (the load left them out): nothing is saved
+    # the base's fingerprints are checked by the load, before the first step: refused, not set aside
     with pytest.raises(
-        CheckpointError,
-        match=r"field 'frozen': the template's frozen weights are not those.*same base weights.*"
-        r"resumed from .*checkpoint-2 and stopped after [12] step\(s\) from it, before it saved anything",
+        checkpoint.FrozenWeightsError,
+        match=r"checkpoint-2/trainfold.json: field 'frozen': the template's frozen weights are not those.*same base",
     ):
         train(lora(seed=1), args(out), rows(), resume_from_checkpoint=True)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]

@@ -326,6 +326,74 @@ def test_a_full_disk_at_the_jit_save_names_the_path_the_bytes_and_the_intact_che
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the partial write is gone
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_full_disk_at_a_periodic_save_names_the_path_the_bytes_and_the_intact_checkpoint(
+    tmp_path, monkeypatch, async_save
+):
+    from resume_runs import run
+
+    from trainfold.ckpt import tensor_file
+
+    real_write = tensor_file.write
+
+    def write(path, *args, **kwargs):
+        if ".checkpoint-6." in str(path):
+            raise OSError(28, "No space left on device")
+        return real_write(path, *args, **kwargs)
+
+    monkeypatch.setattr(tensor_file, "write", write)
+    with pytest.raises(
+        OSError,
+        match=r"the checkpoint of step 6 could not be written to .*checkpoint-6: the disk is full \(it needs about "
+        r"[\d,]+ bytes, [\d,]+ free\); the previous checkpoint .*checkpoint-3 \(step 3\) is intact",
+    ) as caught:
+        run("tinylm", str(tmp_path), None, save_steps=3, async_save=async_save, enable_jit_checkpoint=False)
+    assert caught.value.errno == 28 and caught.value.filename == str(tmp_path / "checkpoint-6")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-3"]
+
+
+def test_a_full_disk_at_a_log_append_or_the_run_file_names_the_file_and_the_intact_checkpoint(tmp_path, monkeypatch):
+    from resume_runs import run
+
+    from trainfold.observe.history import HISTORY_FILE, HistoryFile
+
+    run("tinylm", str(tmp_path), None, save_steps=3, max_steps=3, enable_jit_checkpoint=False)
+
+    class Full:
+        closed = False
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+    with HistoryFile(tmp_path / HISTORY_FILE, _at={"offset": 0, "entries": 0, "crc32": 0}) as history:
+        real, history._file = history._file, Full()
+        with pytest.raises(
+            OSError,
+            match=r"log entry of step 4 could not be appended to .*log_history.jsonl: the "
+            r"disk is full \(it needs about \d+ bytes, [\d,]+ free\); the previous checkpoint "
+            r".*checkpoint-3 \(step 3\) is intact",
+        ) as caught:
+            history.append({"loss": 1.0, "step": 4})
+        history._file = real
+    assert caught.value.errno == 28
+
+    real_write_text = Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if self.name.startswith(".trainfold-run.json.tmp"):
+            raise OSError(28, "No space left on device")
+        return real_write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(
+        OSError,
+        match=r"the run file .*trainfold-run.json could not be written: the disk is full.*"
+        r"checkpoint-3 \(step 3\) is intact",
+    ) as caught:
+        run("tinylm", str(tmp_path), True, save_steps=3, enable_jit_checkpoint=False)
+    assert caught.value.errno == 28
+
+
 # A SIGTERM while train sets up (here: while the sampler asks the dataset its length).
 SETUP_SIGNAL = textwrap.dedent(
     f"""

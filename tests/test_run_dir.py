@@ -281,9 +281,9 @@ def _labels_of_a_replace(tmp_path):
     return state, seen
 
 
-def test_a_replace_never_passes_through_zero_visible_checkpoints(tmp_path):
+def test_a_replace_cut_short_anywhere_leaves_the_checkpoint_or_the_next_claim_puts_it_back(tmp_path):
     state, labels = _labels_of_a_replace(tmp_path / "probe")
-    assert "replace:exchanged" in labels and "replace:moved-aside" not in labels  # an atomic swap
+    assert labels.index("replace:moved-aside") < labels.index("replace:renamed")  # the old one moves aside first
     for label in labels:
         out = tmp_path / label.replace(":", "_")
         save(state, checkpoint_path(out, 3))
@@ -298,7 +298,12 @@ def test_a_replace_never_passes_through_zero_visible_checkpoints(tmp_path):
                 save(state, checkpoint_path(out, 3))
         finally:
             faults.fault_hook = None
+        if label == "replace:moved-aside":  # between the renames: only the hidden .old- one is there
+            assert list_checkpoints(out) == []
+            with run_dir.lock(out):
+                run_dir.remove_leftovers(out, quiet=True)
         assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3"], label
+        assert torch.equal(load(checkpoint_path(out, 3), like=state).params["weight"], state.params["weight"])
 
 
 # -- 3. leftovers ------------------------------------------------------------------------------------------
@@ -341,6 +346,29 @@ def test_the_sidecar_keeps_a_position_not_the_history_and_the_result_reads_the_f
     assert losses(r.log_history) == losses(straight.log_history)
     small = len((out / "checkpoint-2" / SIDECAR_FILE).read_bytes())
     assert len((out / "checkpoint-8" / SIDECAR_FILE).read_bytes()) <= small + 8  # flat in run length
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated"])
+def test_a_damaged_history_file_is_kept_aside_its_intact_entries_kept_and_the_lost_steps_named(tmp_path, damage):
+    out = tmp_path / "out"
+    run(out, stop_at=6)
+    data = bytearray((out / HISTORY_FILE).read_bytes())
+    lines = data.splitlines(keepends=True)
+    at = sum(len(x) for x in lines[:3]) + 2  # in the fourth entry (step 4)
+    if damage == "flipped":
+        data[at] ^= 0x80
+    else:
+        data = data[:at]
+    (out / HISTORY_FILE).write_bytes(bytes(data))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = run(out, resume=True)
+    said = [str(w.message) for w in caught if "log history" in str(w.message)]
+    assert len(said) == 1 and "kept as log_history.jsonl.damaged" in said[0], said
+    assert "kept its first 3 entries (up to step 3), lost 3 (the logs of steps 4 to 6)" in said[0]
+    assert (out / (HISTORY_FILE + ".damaged")).read_bytes() == bytes(data)  # kept as it was
+    kept = [json.loads(x) for x in lines[:3]]
+    assert list(r.log_history)[:3] == kept and [h["step"] for h in r.log_history][3:] == [7, 8, 8]
 
 
 def test_a_resume_continues_the_history_and_the_metric_window_exactly(tmp_path, straight):
@@ -544,3 +572,40 @@ def test_a_results_log_history_survives_a_later_run_in_the_same_directory(tmp_pa
     stale = LogHistory(out / HISTORY_FILE, len(written), written.count(b"\n"), zlib.crc32(written))
     with pytest.raises(ValueError, match=f"{out / HISTORY_FILE} changed since this log history was written"):
         list(stale)  # what another process holding the old result would see
+
+
+# -- 5. small refusals (D9) ----------------------------------------------------------------------------------
+
+
+def test_an_empty_output_dir_is_refused_by_name_and_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = attrs.evolve(args_for(tmp_path), output_dir="")
+    with pytest.raises(ValueError, match=r"output_dir='' names no directory.*output_dir='out'"):
+        train(model(), args, rows(), data_collator=collate)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_checkpoint_directory_holding_another_step_is_refused_naming_both(tmp_path):
+    state = attrs.evolve(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), step=scalar(4))
+    save(state, checkpoint_path(tmp_path, 4))
+    os.rename(checkpoint_path(tmp_path, 4), checkpoint_path(tmp_path, 6))
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint-6/trainfold.json: field 'step' is 4, but the directory's name"
+        r" says step 6",
+    ):
+        load(checkpoint_path(tmp_path, 6), like=state)
+
+
+def test_every_file_of_a_checkpoint_has_one_mode(tmp_path):
+    model_ = torch.nn.Linear(2, 1)
+    state = init_state(model_, adamw(1e-3))
+
+    def shards(tmp):  # a writer of its own files (as DCP's storage, which makes them 0600)
+        (tmp / "shard-0.safetensors").write_bytes(b"x")
+        os.chmod(tmp / "shard-0.safetensors", 0o600)
+        return {"shard-0.safetensors": {"bytes": 1, "xxh3_64": 0}}
+
+    path = save(state, tmp_path / "c", model=model_, tensors=shards)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()}
+    assert len(set(modes.values())) == 1, modes

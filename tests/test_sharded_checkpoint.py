@@ -385,6 +385,27 @@ def test_a_two_rank_run_resumes_in_one_process_with_accumulation(ranks, tmp_path
 
 
 @pytest.mark.slow  # the torchrun launches of the ranks fixture
+def test_a_one_process_resume_of_a_two_rank_run_that_stopped_before_its_first_step_resumes_again(ranks, tmp_path):
+    import shutil
+
+    from trainfold import train
+
+    out = tmp_path / "out"
+    shutil.copytree(ranks / "ddp", out)
+    shutil.rmtree(out / "checkpoint-8")  # resume_from_checkpoint=True takes checkpoint-4
+
+    def stopped(batch):
+        raise KeyboardInterrupt("stopped before the first step")
+
+    with pytest.warns(UserWarning, match="gradient_accumulation_steps 1 -> 2"), pytest.raises(KeyboardInterrupt):
+        train(tiny(), run_args(out), rows(), data_collator=stopped, resume_from_checkpoint=True)
+    with pytest.warns(UserWarning, match="gradient_accumulation_steps 1 -> 2"):  # the same command: resumed
+        result = elastic_run(out, resume=True)
+    assert result.global_step == 8
+    _close(trained(result), load_file(ranks / "ddp-0.safetensors"), tol=1e-6)
+
+
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 def test_a_sharded_train_run_writes_sharded_checkpoints_with_the_full_model(ranks):
     for step in (4, 8):
         path = ranks / "straight" / f"checkpoint-{step}"
@@ -585,6 +606,23 @@ def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(
         assert elastic_args(args, str(path), 1).gradient_accumulation_steps == 2
     other = args.replace(learning_rate=0.5)  # another run: left to claim, which names the differences
     assert elastic_args(other, str(path), 1) is other
+
+
+def test_the_elastic_split_comes_from_the_checkpoint_not_from_the_run_file_a_failed_start_rewrote(tmp_path):
+    from trainfold.ckpt import elastic_args, run_dir
+
+    two = run_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    saved = {**two.to_dict(), "world_size": 2}  # the checkpoint of a 2-rank run: global batch 4
+    state = init_state(torch.nn.Linear(2, 1), adamw(1e-3))
+    ckpt.save(state, tmp_path / "checkpoint-0", settings=saved, run={"id": "a", "fingerprint": "f"})
+    with pytest.warns(UserWarning, match=r"resuming a run of 2 ranks on 1"):
+        one = elastic_args(two, True, 1)
+    assert one.gradient_accumulation_steps == 2
+    # a 1-process start that stopped before its first step has rewritten the run file with its own split
+    run_dir._write_run_file(tmp_path, run_dir.RunIdentity("b", "f"), {**one.to_dict(), "world_size": 1})
+    for _ in range(2):  # the same 1-process command, again and again: still the checkpoint's global batch
+        with pytest.warns(UserWarning, match=r"resuming a run of 2 ranks on 1"):
+            assert elastic_args(two, True, 1).gradient_accumulation_steps == 2
 
 
 def test_the_run_fingerprint_sees_the_global_batch_not_its_split():

@@ -14,17 +14,17 @@ A checkpoint is a directory ``output_dir/checkpoint-{step}/`` holding each tenso
   metric, where the log history stands), the run settings, the run's identity (``run``: its id
   and the fingerprint of the settings that define the trajectory), which state key each weights
   file holds under which name (``tensors``), the frozen tensors' fingerprints (``frozen``), each
-  file's size and CRC-32 (computed while the file is written, and checked while it is read), and the
-  CRC-32 of the sidecar itself (``checksum``). ``validate_sidecar`` checks it against its schema;
-  every refusal names the path and the field (``sidecar``).
+  file's size and hash (XXH3-64, computed while the file is written and checked in one streaming
+  pass before it is read), and the CRC-32 of the sidecar itself (``checksum``). ``validate_sidecar``
+  checks it against its schema; every refusal names the path and the field (``sidecar``).
 
 It is written into a hidden sibling directory that holds ``checkpoint-is-incomplete.txt`` while
-files are written; the marker is removed and the directory is renamed into place (swapped in
-atomically with ``renameat2(RENAME_EXCHANGE)`` when one is already there, so some complete
-checkpoint is always visible), its files and directories fsynced before the rename (``save``'s
-default) or after it in a background thread (``save(..., syncs=atomic.Syncs())``, what ``train``
-does: ``writer``). Nothing is pickled and loading never runs code.
-Checkpoints of formats 1 and 2 (the whole record in ``state.safetensors``) still load.
+files are written; the marker is removed and the directory is renamed into place with
+``os.replace``, its files and directories fsynced before the rename (``save``'s default) or after
+it in a background thread (``save(..., syncs=atomic.Syncs())``, what ``train`` does: ``writer``).
+A resume that finds a checkpoint damaged sets it aside (renamed, never deleted) and resumes the
+previous one (``listing.set_aside``). Nothing is pickled and loading never runs code.
+Checkpoints of formats 1 to 3 (CRC-32s; in 1 and 2 the whole record in ``state.safetensors``) still load.
 
 >>> import tempfile, torch
 >>> from trainfold.optim import sgd
@@ -36,10 +36,10 @@ Checkpoints of formats 1 and 2 (the whole record in ``state.safetensors``) still
 (True, 3)
 
 The modules: ``sidecar`` (the format, its file names and schema), ``layout`` (which tensor goes to
-which file), ``atomic`` (fsync, atomic directory swap), ``writer`` (``save``, ``mark_jit``),
-``reader`` (``load``, ``load_weights``, ``warm_start``), ``listing`` (finding complete checkpoints), ``verify`` (a
-loaded checkpoint's CRC-32s checked in a thread while a resumed run trains),
-``sharded`` (every rank writes its shards), ``policy`` (when to save, what to keep, the best one),
+which file), ``atomic`` (fsync, directory rename), ``writer`` (``save``, ``mark_jit``),
+``reader`` (``load``, ``load_weights``, ``warm_start``), ``listing`` (finding complete checkpoints),
+``tensor_file`` (safetensors files and their hashes), ``sharded`` (every rank writes its shards),
+``policy`` (when to save, what to keep, the best one),
 ``run_identity``, ``run_lock`` and ``run_dir`` (the output directory of a run), ``elastic`` (the
 batch split on another number of ranks), ``preempt`` (signals and the JIT checkpoint), ``faults``
 (crash points for tests).
@@ -49,7 +49,7 @@ from trainfold.ckpt.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from trainfold.ckpt.layout import fingerprint, model_weights
 from trainfold.ckpt.listing import checkpoint_path, is_complete, latest_checkpoint, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import BEST_METRIC_KEY, SAVE_STRATEGIES
-from trainfold.ckpt.reader import load, load_weights, warm_start
+from trainfold.ckpt.reader import FrozenWeightsError, load, load_weights, warm_start
 from trainfold.ckpt.run_dir import elastic_args
 from trainfold.ckpt.sidecar import (
     CONFIG_FILE,
@@ -64,7 +64,6 @@ from trainfold.ckpt.sidecar import (
     read_metadata,
     validate_sidecar,
 )
-from trainfold.ckpt.verify import Verification, verify_later
 from trainfold.ckpt.writer import mark_jit, save
 
 __all__ = [
@@ -79,8 +78,6 @@ __all__ = [
     "INDEX_FILE",
     "save",
     "load",
-    "verify_later",
-    "Verification",
     "load_weights",
     "warm_start",
     "read_metadata",
@@ -95,6 +92,7 @@ __all__ = [
     "validate_sidecar",
     "CheckpointError",
     "CheckpointWarning",
+    "FrozenWeightsError",
     "SAVE_STRATEGIES",
     "BEST_METRIC_KEY",
     "elastic_args",

@@ -6,14 +6,11 @@ process loses nothing (the page cache outlives it), only a machine crash before 
 
 from __future__ import annotations
 
-import ctypes
-import errno
 import os
 import secrets
 import shutil
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +23,6 @@ __all__ = [
     "fsync_file",
     "write_bytes",
     "replace_dir",
-    "BackgroundSync",
     "Syncs",
     "NotDurableError",
     "mark_durable",
@@ -55,42 +51,6 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-class BackgroundSync:
-    """Files fsynced in background threads while the caller writes the next; ``wait`` returns once all are durable.
-
-    Used as a context manager: leaving it (normally or by an exception) waits for every fsync, so
-    no thread outlives the save; ``wait`` re-raises the first fsync's error.
-
-    >>> import tempfile
-    >>> path = Path(tempfile.mkdtemp()) / "f"
-    >>> _ = path.write_bytes(b"x")
-    >>> with BackgroundSync() as sync:
-    ...     sync.add(path)
-    ...     sync.wait()
-    1
-    """
-
-    def __init__(self, workers: int = 2) -> None:
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="trainfold-fsync")
-        self._pending: list[Future[None]] = []
-
-    def add(self, path: Path) -> None:
-        """Start fsyncing ``path``."""
-        self._pending.append(self._pool.submit(fsync_file, path))
-
-    def wait(self) -> int:
-        """Return the number of files fsynced once every one added is on the disk."""
-        for future in self._pending:
-            future.result()
-        return len(self._pending)
-
-    def __enter__(self) -> BackgroundSync:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._pool.shutdown(wait=True)
-
-
 def write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
     """Write ``data`` to ``path`` and (``fsync``) fsync it."""
     with open(path, "wb") as f:
@@ -100,45 +60,22 @@ def write_bytes(path: Path, data: bytes, *, fsync: bool = True) -> None:
             os.fsync(f.fileno())
 
 
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where it is not available."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
 def replace_dir(tmp: Path, directory: Path, *, remove_old: bool = True) -> Path | None:
-    """Put ``tmp`` at ``directory``; an existing ``directory`` stays visible until the new one is there.
+    """Put ``tmp`` at ``directory`` by ``os.replace``; an existing ``directory`` is moved aside first.
 
     The replaced directory is removed, or with ``remove_old=False`` left at the hidden path returned
-    (for the caller to remove once the new one is durable); ``None`` when there was none.
+    (for the caller to remove once the new one is durable); ``None`` when there was none. A crash
+    between the two renames leaves the old checkpoint at its hidden ``.old-`` name and the new one
+    complete at its ``.tmp-`` name; the older checkpoints stay visible.
     """
-    if not directory.exists():
-        os.rename(tmp, directory)
-        point("replace:renamed")
-        return None
-    if _exchange(tmp, directory):  # the old checkpoint is now at tmp's hidden name
-        point("replace:exchanged")
-        old = tmp
-    else:
+    old = None
+    if directory.exists():
         old = directory.parent / f".{directory.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-        os.rename(directory, old)  # no atomic swap here: a crash before the next rename leaves only .old-
+        os.replace(directory, old)
         point("replace:moved-aside")
-        os.rename(tmp, directory)
-        point("replace:renamed")
-    if not remove_old:
+    os.replace(tmp, directory)
+    point("replace:renamed")
+    if old is None or not remove_old:
         return old
     shutil.rmtree(old, ignore_errors=True)
     point("replace:removed")
@@ -148,8 +85,8 @@ def replace_dir(tmp: Path, directory: Path, *, remove_old: bool = True) -> Path 
 def mark_durable(directory: Path) -> None:
     """Record that every file of ``directory`` is on the disk (call it once their fsyncs returned).
 
-    The marker itself is not fsynced: a crash that loses it only costs the next resume a CRC pass
-    before it starts (``is_durable`` is then False), never a torn checkpoint taken for a whole one.
+    The marker itself is not fsynced: it tells a reader the fsyncs ended, nothing relies on it (a
+    resume checks every file's hash whatever it says, and sets a torn checkpoint aside).
     """
     write_bytes(
         directory / DURABLE_MARKER,

@@ -7,10 +7,9 @@ import re
 import warnings
 from pathlib import Path
 
-from trainfold.ckpt import tensor_file
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, read_metadata
 
-__all__ = ["checkpoint_path", "is_complete", "damage", "list_checkpoints", "latest_checkpoint", "resume_checkpoint"]
+__all__ = ["checkpoint_path", "is_complete", "list_checkpoints", "latest_checkpoint", "resume_checkpoint", "set_aside"]
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -57,42 +56,6 @@ def is_complete(directory: str | os.PathLike) -> bool:
     False
     """
     return _problem(Path(directory)) is None
-
-
-def damage(directory: str | os.PathLike) -> str | None:
-    """Say what is wrong with the complete-looking checkpoint ``directory`` (``None``: every file's CRC-32 matches).
-
-    Reads every file the sidecar lists once (in threads). Sizes alone miss a file a machine crash
-    left at its size but with other bytes (a checkpoint renamed into place before its fsyncs ended).
-
-    >>> import tempfile, torch
-    >>> from trainfold.optim import sgd
-    >>> from trainfold.core.state import init_state
-    >>> from trainfold.ckpt import save
-    >>> path = save(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp() + "/checkpoint-0")
-    >>> damage(path) is None, damage("no/such/checkpoint-1")[:27]
-    (True, 'no/such/checkpoint-1 is not')
-    """
-    directory = Path(directory)
-    problem = incompleteness(directory)
-    if problem is not None:
-        return problem
-    for name, entry in read_metadata(directory)["files"].items():
-        crc = tensor_file.crc32_of(directory / name)
-        if crc != entry["crc32"]:
-            return corruption(directory / name, crc, entry["crc32"])
-    return None
-
-
-def incompleteness(directory: Path) -> str | None:
-    """Say why ``directory`` is not a complete checkpoint, by its sidecar and its files' sizes (``None``: it is)."""
-    problem = _problem(directory)
-    return None if problem is None else f"{directory} is not a complete checkpoint: {problem}"
-
-
-def corruption(path: Path, crc: int, recorded: int) -> str:
-    """The words for a file whose CRC-32 is ``crc`` where the sidecar records ``recorded``."""
-    return f"{path} is corrupted: its CRC-32 is {crc:08x}, {SIDECAR_FILE} records {recorded:08x}"
 
 
 def _step_of(path: Path) -> int | None:
@@ -166,3 +129,31 @@ def resume_checkpoint(
             f"{path} is incomplete or unusable ({problem}); resume from latest_checkpoint({str(path.parent)!r}) instead"
         )
     return path
+
+
+def set_aside(path: str | os.PathLike, cause: BaseException | str) -> Path:
+    """Rename the checkpoint ``path`` that failed to load to ``<name>.damaged`` (never deleted); warn naming both.
+
+    ``list_checkpoints`` no longer sees it, so no later resume or rotation takes it; it stays for inspection.
+
+    >>> import tempfile, warnings
+    >>> path = Path(tempfile.mkdtemp()) / "checkpoint-3"
+    >>> path.mkdir()
+    >>> with warnings.catch_warnings(record=True):
+    ...     warnings.simplefilter("always")
+    ...     set_aside(path, "its files are damaged").name
+    'checkpoint-3.damaged'
+    """
+    path = Path(path)
+    target, n = path.with_name(f"{path.name}.damaged"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged-{n}")
+    os.replace(path, target)
+    warnings.warn(
+        f"resume_from_checkpoint=True set {path} aside as {target.name} (kept, not deleted): it failed to load: "
+        f"{cause}; resuming from the previous complete checkpoint instead",
+        CheckpointWarning,
+        stacklevel=2,
+    )
+    return target

@@ -33,11 +33,9 @@ The orchestrator's grace period must cover one step, one save and a margin (Kube
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import inspect
 import os
-import shutil
 import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -47,12 +45,10 @@ from typing import Any
 import attrs
 import torch
 
-from trainfold.ckpt.layout import model_weights
-from trainfold.ckpt.listing import checkpoint_path, latest_checkpoint
+from trainfold.ckpt.listing import checkpoint_path
 from trainfold.ckpt.writer import save
 from trainfold.core.collective import Collective
 from trainfold.core.state import TrainState
-from trainfold.core.tree import flatten
 
 __all__ = [
     "EXIT_PREEMPTED",
@@ -279,44 +275,4 @@ def jit_checkpoint(state: TrainState, output_dir: str | os.PathLike, **save_opti
     A full disk raises ``OSError(ENOSPC)`` naming the checkpoint's path, the bytes it needs and the
     previous checkpoint, which is intact (the write goes to a temporary directory that is removed).
     """
-    path = checkpoint_path(output_dir, int(state.step))
-    try:
-        return save(state, path, jit=True, **save_options)
-    except Exception as e:
-        if not _is_disk_full(e):
-            raise
-        raise OSError(errno.ENOSPC, _disk_full_message(state, path, output_dir, save_options), str(path)) from e
-
-
-def _is_disk_full(e: BaseException) -> bool:
-    """Say whether ``e`` is a full disk or quota: an ``OSError`` or safetensors' own error type."""
-    if isinstance(e, OSError):
-        return e.errno in (errno.ENOSPC, errno.EDQUOT)
-    text = str(e)
-    return type(e).__name__ == "SafetensorError" and any(
-        s in text for s in ("No space left", "StorageFull", "os error 28", "code: 28", "Disk quota")
-    )
-
-
-def _disk_full_message(state: TrainState, path: Path, output_dir: str | os.PathLike, options: Mapping[str, Any]) -> str:
-    # each tensor is written once: the weights file, and the rest of the record unless weights only
-    tensors = (
-        model_weights(state, options.get("model")).values()
-        if options.get("save_only_model")
-        else flatten(state).values()
-    )
-    needed = sum(t.numel() * t.element_size() for t in tensors)
-    try:
-        free = f"{shutil.disk_usage(output_dir).free:,} free"
-    except OSError:
-        free = "free space unknown"
-    previous = latest_checkpoint(output_dir)
-    kept = (
-        f"the previous checkpoint {previous} (step {previous.name.rsplit('-', 1)[-1]}) is intact; resume from it"
-        if previous is not None
-        else f"{output_dir} holds no earlier checkpoint"
-    )
-    return (
-        f"the JIT checkpoint of step {int(state.step)} could not be written to {path}: the disk is full "
-        f"(it needs about {needed:,} bytes, {free}); {kept} after freeing space"
-    )
+    return save(state, checkpoint_path(output_dir, int(state.step)), jit=True, **save_options)

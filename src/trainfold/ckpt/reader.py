@@ -1,4 +1,4 @@
-"""Loading a checkpoint into a template state: every file's size and CRC checked, shapes and names from the template.
+"""Loading a checkpoint into a template state: every file's size and hash checked, shapes and names from the template.
 
 Checkpoints of formats 1 and 2 (the whole record in ``state.safetensors``) still load; a sharded
 checkpoint (``trainfold.ckpt.sharded``) is resharded to the template's layout. Loading never runs code.
@@ -7,6 +7,7 @@ checkpoint (``trainfold.ckpt.sharded``) is resharded to the template's layout. L
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,17 +27,13 @@ from trainfold.ckpt.sidecar import (
     field_error,
     read_metadata,
 )
-from trainfold.core.state import TrainState, invalidate
-from trainfold.core.tree import Tree, flatten, unflatten
+from trainfold.core.state import TrainState
+from trainfold.core.tree import Tree, unflatten
 
-__all__ = ["load", "load_weights", "warm_start"]
-
-_DONATED = ("params.", "buffers.", "opt_state.")  # what load(donate=True) reads into (invalidate's fields)
+__all__ = ["load", "load_weights", "warm_start", "FrozenWeightsError"]
 
 
-def _read_tensors(
-    directory: Path, name: str, meta: Mapping[str, Any], into: Tree | None = None, crc: bool = True
-) -> Tree:
+def _read_tensors(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
     path = directory / name
     if path.is_symlink():
         raise CheckpointError(f"{path} is a symbolic link; a checkpoint's files must be its own; copy the file in")
@@ -45,19 +42,13 @@ def _read_tensors(
             f"{path} is missing; the checkpoint is incomplete or was altered; "
             "resume from latest_checkpoint(output_dir) instead"
         )
-    size = path.stat().st_size
     expected = meta["files"].get(name)
     if expected is None:
         raise field_error(directory / SIDECAR_FILE, f"files.{name}", "is missing: the file cannot be checked")
-    if size != expected["bytes"]:
-        raise CheckpointError(
-            f"{path} is truncated or altered: it has {size} bytes, {SIDECAR_FILE} records "
-            f"{expected['bytes']}; resume from an earlier checkpoint"
-        )
     try:
-        return tensor_file.read(path, crc32=expected["crc32"] if crc else None, into=into)
+        return tensor_file.read(path, expected)
     except tensor_file.TensorFileError as e:
-        raise CheckpointError(f"{e} (the CRC-32 {SIDECAR_FILE} records); resume from an earlier checkpoint") from None
+        raise CheckpointError(f"{e} (as {SIDECAR_FILE} records); resume from an earlier checkpoint") from None
 
 
 def _fit(flat: Mapping[str, Tensor], like: Any, path: Path, note: str = "") -> Any:
@@ -72,23 +63,12 @@ def _fit(flat: Mapping[str, Tensor], like: Any, path: Path, note: str = "") -> A
         raise ValueError(f"{path} does not fit the template state{note} (a different model size?): {e}") from None
 
 
-def frozen_problem(directory: Path, meta: Mapping[str, Any], mine: Mapping[str, Tensor]) -> str | None:
-    """Say how the frozen tensors ``mine`` (``{flattened state key: tensor}``) differ from those the checkpoint
-    was trained on (their recorded fingerprints); ``None``: they are the same."""
-    theirs = fingerprints({k: mine[k] for k in meta["frozen"]})
-    differ = sorted(k for k, fp in meta["frozen"].items() if theirs[k] != fp)
-    if not differ:
-        return None
-    return (
-        f"{directory / SIDECAR_FILE}: field 'frozen': the template's frozen weights are not those this "
-        f"checkpoint was trained on: {differ[:5]} ({len(differ)} of {len(meta['frozen'])}) differ; build the "
-        "model on the same base weights as the run (the same pretrained checkpoint, or the same seed), "
-        "or start a new run"
-    )
+class FrozenWeightsError(CheckpointError):
+    """The template's frozen base weights are not those a checkpoint was trained on (the checkpoint is intact)."""
 
 
-def frozen_tensors(directory: Path, meta: Mapping[str, Any], like: TrainState, check: bool = True) -> Tree:
-    """Return the template's frozen tensors the checkpoint left out, after (``check``) checking their fingerprints."""
+def frozen_tensors(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
+    """Return the template's frozen tensors the checkpoint left out, after checking their fingerprints."""
     if not meta.get("frozen"):
         return {}
     mine = {
@@ -101,28 +81,23 @@ def frozen_tensors(directory: Path, meta: Mapping[str, Any], like: TrainState, c
             f"{directory} was trained on frozen weights the template state lacks: {absent[:5]} "
             f"({len(absent)} in all); pass the model the run trained, with its frozen base (init_state(model, ...))"
         )
-    problem = frozen_problem(directory, meta, mine) if check else None
-    if problem is not None:
-        raise CheckpointError(problem)
+    theirs = fingerprints({k: mine[k] for k in meta["frozen"]})
+    differ = sorted(k for k, fp in meta["frozen"].items() if theirs[k] != fp)
+    if differ:
+        raise FrozenWeightsError(
+            f"{directory / SIDECAR_FILE}: field 'frozen': the template's frozen weights are not those this "
+            f"checkpoint was trained on: {differ[:5]} ({len(differ)} of {len(meta['frozen'])}) differ; build the "
+            "model on the same base weights as the run (the same pretrained checkpoint, or the same seed), "
+            "or start a new run"
+        )
     return {k: mine[k] for k in meta["frozen"]}
 
 
-def _read_weights(
-    directory: Path,
-    meta: Mapping[str, Any],
-    like: TrainState,
-    into: Tree | None = None,
-    crc: bool = True,
-    frozen: bool = True,
-) -> Tree:
-    """Return ``{flattened state key: tensor}`` from the weights files and the frozen weights (the template's).
-
-    ``into``: ``{flattened state key: tensor}`` to read the weights straight into (``tensor_file.read``).
-    """
+def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
+    """Return ``{flattened state key: tensor}`` from the weights files and the frozen weights (the template's)."""
     out: Tree = {}
     for name, keys in meta["tensors"].items():
-        dest = None if into is None else {v: into[k] for k, v in keys.items() if k in into}
-        data = _read_tensors(directory, name, meta, dest, crc)
+        data = _read_tensors(directory, name, meta)
         absent = sorted(v for v in keys.values() if v not in data)
         if absent:
             raise CheckpointError(
@@ -130,37 +105,19 @@ def _read_weights(
                 "altered; resume from an earlier checkpoint"
             )
         out.update({k: data[v] for k, v in keys.items()})
-    return {**out, **frozen_tensors(directory, meta, like, check=frozen)}
+    return {**out, **frozen_tensors(directory, meta, like)}
 
 
-def load(
-    directory: str | os.PathLike,
-    like: TrainState,
-    *,
-    donate: bool = False,
-    crc_checked: bool = False,
-    frozen_checked: bool = False,
-) -> TrainState:
+def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """Return the state saved in ``directory``, shaped like the template ``like`` and on its devices.
 
-    Every tensor must match the template's keys, shapes and dtypes, except ``metrics``, which is
+    Every file's size and hash are checked first, in one streaming pass each (``tensor_file.check``);
+    then every tensor must match the template's keys, shapes and dtypes, except ``metrics``, which is
     free-form and loaded as saved. The params come from ``model.safetensors`` (or the adapter file),
     the rest from ``state.safetensors``; frozen base weights the checkpoint left out are the
-    template's, and their fingerprints must be the recorded ones (``CheckpointError`` naming them
-    otherwise). A weights-only checkpoint raises ``ValueError`` (see ``warm_start``).
-
-    ``donate=True`` reads each tensor straight into the template's own (contiguous CPU ones; a lent
-    module's parameters then hold the checkpoint's): one pass, no fresh memory. The result owns
-    that storage and ``like`` is donated (``trainfold.core.state.invalidate``), also when the load
-    raises (its tensors may hold part of the checkpoint then).
-
-    ``crc_checked=True`` says the caller checks every file's CRC-32 itself: it just did
-    (``listing.damage``, as ``resume_from_checkpoint=True`` does before it picks a checkpoint not
-    marked durable), or does it in a thread beside the first steps and before anything is saved
-    (``trainfold.ckpt.verify_later``, as a resumed ``train`` does). The files are then read without
-    a CRC pass (their sizes, headers and the frozen weights' fingerprints are still checked).
-    ``frozen_checked=True`` likewise leaves the frozen weights' fingerprints to the caller
-    (``verify_later(directory, frozen=...)``, as a resumed ``train`` does).
+    template's, and their fingerprints must be the recorded ones (``FrozenWeightsError`` naming them
+    otherwise). A directory named ``checkpoint-{n}`` must hold step ``n``. A weights-only checkpoint
+    raises ``ValueError`` (see ``warm_start``). ``like`` is never changed.
 
     >>> import tempfile, attrs, torch
     >>> from trainfold.optim import sgd
@@ -173,6 +130,14 @@ def load(
     """
     directory = Path(directory)
     meta = read_metadata(directory)
+    named = re.fullmatch(r"checkpoint-(\d+)", directory.name)
+    if named and int(named.group(1)) != meta["step"]:
+        raise field_error(
+            directory / SIDECAR_FILE,
+            "step",
+            f"is {meta['step']}, but the directory's name says step {named.group(1)}",
+            "the directory was renamed or its files replaced; load the checkpoint under its own name",
+        )
     if meta.get("save_only_model"):
         raise ValueError(
             f"{directory / STATE_FILE} does not exist: {directory} was saved with save_only_model=True "
@@ -183,29 +148,15 @@ def load(
         )
     if INDEX_FILE in meta["files"]:  # written by every rank: resharded to like's layout
         return sharded.load(directory, like)
-    crc, frozen = not crc_checked, not frozen_checked
-    if not donate:
-        return _load(directory, meta, like, crc=crc, frozen=frozen)
-    try:
-        into = {k: v for k, v in flatten(like).items() if k.startswith(_DONATED)}
-        return _load(directory, meta, like, into=into, crc=crc, frozen=frozen)
-    finally:
-        invalidate(like)
+    return _load(directory, meta, like)
 
 
-def _load(
-    directory: Path,
-    meta: Mapping[str, Any],
-    like: TrainState,
-    into: Tree | None = None,
-    crc: bool = True,
-    frozen: bool = True,
-) -> TrainState:
-    """``load`` of a checkpoint written by one rank: its files read (into ``into``'s tensors), checked, rebuilt."""
-    flat = _read_tensors(directory, STATE_FILE, meta, into, crc)
+def _load(directory: Path, meta: Mapping[str, Any], like: TrainState) -> TrainState:
+    """``load`` of a checkpoint written by one rank: its files checked, read, rebuilt."""
+    flat = _read_tensors(directory, STATE_FILE, meta)
     note = ""
-    if "tensors" in meta:  # format 3: the weights are in their own file(s)
-        weights = _read_weights(directory, meta, like, into, crc, frozen)
+    if "tensors" in meta:  # formats 3 and 4: the weights are in their own file(s)
+        weights = _read_weights(directory, meta, like)
         clash = sorted(set(weights) & set(flat))
         if clash:
             raise CheckpointError(

@@ -2,7 +2,8 @@
 
 - **Resume.** ``resumable`` returns the latest complete checkpoint of this run (same fingerprint,
   and the lineage recorded in the output_dir when there is one); checkpoints of other runs,
-  symbolic links and directories whose name and step disagree are never taken.
+  symbolic links and directories whose name and step disagree are never taken. One that fails to
+  load is ``listing.set_aside`` (renamed, kept) and the previous one is taken (``hf.resume``).
 - **Other runs.** A run into an output_dir holding another run's checkpoints is refused, naming
   the settings that differ, unless ``overwrite_output_dir=True`` (a directory holding only another
   run's log and run file, e.g. of a ``save_strategy="no"`` run, is taken over).
@@ -10,9 +11,6 @@
   what to resume, and records the run (``trainfold.ckpt.run_identity``) in ``trainfold-run.json``.
 - **Elastic resume.** ``elastic_args`` keeps a resumed run's global batch on another number of
   ranks (``trainfold.ckpt.elastic``).
-
->>> resumable("no/such/dir", "f00d") is None
-True
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ from typing import Any
 
 import attrs
 
-from trainfold.ckpt.atomic import is_durable
 from trainfold.ckpt.elastic import BATCH_KEYS, global_batch, split_global_batch
-from trainfold.ckpt.listing import damage, is_complete, list_checkpoints, resume_checkpoint
+from trainfold.ckpt.listing import is_complete, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
 from trainfold.ckpt.run_identity import (
     RUN_FILE,
@@ -46,14 +43,15 @@ from trainfold.ckpt.run_identity import (
 )
 from trainfold.ckpt.run_lock import lock, remove_leftovers
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, read_metadata
+from trainfold.ckpt.writer import disk_full, is_disk_full
 from trainfold.core.state import split_module
 
-_log = logging.getLogger(__name__)
 
 __all__ = [
     "Claim",
     "read_run_file",
     "resumable",
+    "candidates",
     "claim",
     "already_saved",
     "check_step",
@@ -96,7 +94,16 @@ def _write_run_file(output_dir: Path, run: RunIdentity, settings: Mapping[str, A
         "pid": os.getpid(),
     }
     tmp = output_dir / f".{RUN_FILE}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(record, indent=2, default=repr) + "\n")
+    text = json.dumps(record, indent=2, default=repr) + "\n"
+    try:
+        tmp.write_text(text)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if not is_disk_full(e):
+            raise
+        raise disk_full(
+            e, output_dir / RUN_FILE, f"the run file {output_dir / RUN_FILE} could not be written", len(text)
+        ) from e
     os.replace(tmp, output_dir / RUN_FILE)
 
 
@@ -109,47 +116,30 @@ def _catalog(output_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]
     return out
 
 
-def resumable(output_dir: str | os.PathLike, fingerprint: str, *, verify: bool = False) -> Path | None:
+def resumable(output_dir: str | os.PathLike, fingerprint: str) -> Path | None:
     """Return the latest complete checkpoint in ``output_dir`` of the run with ``fingerprint``, or None.
 
     When ``output_dir/trainfold-run.json`` records a run with this fingerprint, its lineage (its
     run id) comes first: a fresh start of the same settings resumes its own checkpoints, not an
     older lineage's later ones (an older lineage's are taken only when it has none).
-    This is what ``resume_from_checkpoint=True`` (and the CLI's ``--resume``) takes. With
-    ``verify`` (``claim`` does) every file's CRC-32 is checked, newest checkpoint first: a damaged
-    one (a machine crash before its background fsync ended) is skipped with a ``CheckpointWarning``
-    naming it and the damage, and the previous one is taken. A checkpoint marked durable (all its
-    fsyncs ended: ``atomic.is_durable``) no crash can have torn, and is taken without that pass
-    (the resume checks its CRC-32s later: ``trainfold.ckpt.verify``).
+    This is what ``resume_from_checkpoint=True`` (and the CLI's ``--resume``) takes; if it fails to
+    load, the resume sets it aside and takes the previous one (``candidates``, ``listing.set_aside``).
 
     >>> resumable("no/such/dir", "f00d") is None
     True
     """
-    return _resumable(output_dir, fingerprint, verify=verify)[0]
+    found = candidates(output_dir, fingerprint)
+    return found[0] if found else None
 
 
-def _resumable(output_dir: str | os.PathLike, fingerprint: str, *, verify: bool) -> tuple[Path | None, bool]:
-    """``resumable``, and whether the checkpoint's CRC-32s were checked just now."""
+def candidates(output_dir: str | os.PathLike, fingerprint: str) -> list[Path]:
+    """Return the complete checkpoints of the run with ``fingerprint`` a resume may take, newest first."""
     found = [(p, m) for p, m in _catalog(output_dir) if (m.get("run") or {}).get("fingerprint") == fingerprint]
     recorded = read_run_file(output_dir)
     if recorded is not None and recorded["fingerprint"] == fingerprint:
         own = [(p, m) for p, m in found if m["run"]["id"] == recorded["run_id"]]
         found = own or found  # a lineage killed before its first save: the same settings' latest
-    if not verify:
-        return (found[-1][0] if found else None), False
-    for path, _ in reversed(found):
-        if is_durable(path):
-            return path, False
-        problem = damage(path)
-        if problem is None:
-            return path, True
-        _log.warning(
-            "resume_from_checkpoint=True skips %s: %s (a machine crash before its background fsync ended leaves "
-            "this); resuming from the previous complete checkpoint instead",
-            path,
-            problem,
-        )
-    return None, False
+    return [p for p, _ in reversed(found)]
 
 
 def _describe_others(output_dir: Path, settings: Mapping[str, Any], fingerprint: str) -> str:
@@ -176,7 +166,7 @@ class Claim:
     run: RunIdentity
     source: Path | None
     _stack: contextlib.ExitStack | None = None
-    verified: bool = False  # every file of ``source`` was CRC-checked just now (True's pick of one not durable)
+    fallback: list[Path] = attrs.Factory(list)  # older checkpoints of the run, newest first (resume=True only)
 
     def on_release(self, fn: Any) -> None:
         """Call ``fn()`` when the claim is released (e.g. close the history file)."""
@@ -223,6 +213,15 @@ def _explicit_source(path: Path, settings: Mapping[str, Any], fp: str) -> tuple[
     return source, RunIdentity.new(fp)
 
 
+def _output_dir(output_dir: str | os.PathLike) -> Path:
+    if not str(output_dir).strip():
+        raise ValueError(
+            f"output_dir={output_dir!r} names no directory (the checkpoints, run file and log history would land in "
+            "the current directory); pass a directory, e.g. output_dir='out' (use '.' to mean the current one)"
+        )
+    return Path(output_dir)
+
+
 def claim(
     output_dir: str | os.PathLike,
     resume_from_checkpoint: bool | str | os.PathLike | None,
@@ -240,7 +239,7 @@ def claim(
     ``overwrite_output_dir`` is False. Use the returned ``Claim`` as a context manager: leaving
     it releases the lock.
     """
-    root = Path(output_dir)
+    root = _output_dir(output_dir)
     stack = contextlib.ExitStack()
     try:
         if writer:
@@ -255,7 +254,8 @@ def claim(
             remove_leftovers(root)
         recorded = read_run_file(root)
         if resume_from_checkpoint is True:
-            source, verified = _resumable(root, fingerprint, verify=True)
+            found = candidates(root, fingerprint)
+            source, fallback = (found[0], found[1:]) if found else (None, [])
             if source is None:
                 others = _catalog(root)
                 raise (ValueError if others else FileNotFoundError)(
@@ -266,10 +266,10 @@ def claim(
                 )
             run = RunIdentity(read_metadata(source)["run"]["id"], fingerprint)
         elif resume_from_checkpoint is None or resume_from_checkpoint is False:
-            source, run, verified = None, RunIdentity.new(fingerprint), False
+            source, run, fallback = None, RunIdentity.new(fingerprint), []
         else:
             source, run = _explicit_source(Path(resume_from_checkpoint), settings, fingerprint)
-            verified = False
+            fallback = []
         if source is not None:
             _warn_length(source, settings)
         if writer and not overwrite_output_dir:
@@ -279,7 +279,7 @@ def claim(
     except BaseException:
         stack.close()
         raise
-    return Claim(run, source, stack, verified=verified)
+    return Claim(run, source, stack, fallback=fallback)
 
 
 def _warn_length(source: Path, settings: Mapping[str, Any]) -> None:
@@ -361,10 +361,14 @@ def resume_point(args: Any, model: Any, *, world_size: int = 1) -> Path | None:
     return resumable(args.output_dir, fingerprint(settings, signature))
 
 
-def _saved_settings(resume_from_checkpoint: Any, output_dir: str | os.PathLike) -> Mapping[str, Any] | None:
-    if resume_from_checkpoint is True:
-        record = read_run_file(output_dir)  # the run that owns output_dir, which claim resumes
-        return record["settings"] if record is not None else None
+def _saved_settings(
+    resume_from_checkpoint: Any, output_dir: str | os.PathLike, here: Mapping[str, Any]
+) -> Mapping[str, Any] | None:
+    if resume_from_checkpoint is True:  # the newest checkpoint of this run but for the batch split: claim resumes it
+        for _, meta in reversed(_catalog(output_dir)):
+            if not [d for d in trajectory_differences(meta["settings"], here) if d.split(":")[0] not in BATCH_KEYS]:
+                return meta["settings"]
+        return None
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
     try:
@@ -376,13 +380,14 @@ def _saved_settings(resume_from_checkpoint: Any, output_dir: str | os.PathLike) 
 def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any:
     """Return ``args`` with the batch split that keeps the resumed run's global batch on ``world_size`` ranks.
 
-    Unchanged when not resuming, when the checkpoint was written on as many ranks, or when ``args``
-    already make its global batch; otherwise ``per_device_train_batch_size`` and
+    The split is read from the checkpoint the resume takes (never from ``trainfold-run.json``, which
+    each start rewrites). Unchanged when not resuming, when the checkpoint was written on as many
+    ranks, or when ``args`` already make its global batch; otherwise ``per_device_train_batch_size`` and
     ``gradient_accumulation_steps`` follow ``split_global_batch``, with a warning that says so.
     """
-    saved = _saved_settings(resume_from_checkpoint, args.output_dir)
-    batch = global_batch(saved or {})
     here = {**args.to_dict(), "world_size": world_size}
+    saved = _saved_settings(resume_from_checkpoint, args.output_dir, here)
+    batch = global_batch(saved or {})
     if batch is None or saved["world_size"] == world_size or batch == global_batch(here):
         return args
     if [d for d in trajectory_differences(saved, here) if d.split(":")[0] in set(saved) - set(BATCH_KEYS)]:

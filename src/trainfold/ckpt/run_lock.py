@@ -1,15 +1,15 @@
 """The output directory's lock (one writing run at a time) and the removal of dead writers' leftovers.
 
-``lock`` takes an exclusive ``flock`` on ``output_dir/trainfold.lock`` for as long as the run
-writes; a second run is refused with the holder's pid and host. The kernel drops the lock of a dead
-process, so a killed run's lock is simply taken over. The run holding the lock removes the
-``.tmp-*``, ``.old-*`` and ``.deleting-*`` directories of dead writers (``remove_leftovers``).
+``lock`` holds ``output_dir/trainfold.lock`` (``filelock``: an OS lock the kernel drops with a dead
+process, on every platform) for as long as the run writes, and records the holder's pid and host in
+``trainfold.lock.json``; a second run is refused naming them, and a killed run's lock is simply taken
+over. The run holding the lock removes the ``.tmp-*`` and ``.deleting-*`` directories of dead
+writers and puts back a checkpoint a replace had moved aside (``remove_leftovers``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -21,19 +21,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import filelock
+
 from trainfold.ckpt.run_identity import RUN_FILE
-from trainfold.ckpt.sidecar import SIDECAR_FILE
+from trainfold.ckpt.sidecar import INCOMPLETE_MARKER, SIDECAR_FILE, read_metadata
 
 __all__ = ["LOCK_FILE", "lock", "remove_leftovers"]
 
 LOCK_FILE = "trainfold.lock"
+_HOLDER_FILE = LOCK_FILE + ".json"
 
-_LEFTOVER = re.compile(r"^\.checkpoint-\d+\.(tmp|old|deleting)-(?:(\d+)-)?[0-9a-f]+$")
+_LEFTOVER = re.compile(r"^\.(checkpoint-\d+)\.(tmp|old|deleting)-(?:(\d+)-)?[0-9a-f]+$")
 _FILE_LEFTOVER = re.compile(rf"^\.(?:{re.escape(SIDECAR_FILE)}|{re.escape(RUN_FILE)})\.tmp-(\d+)(?:-[0-9a-f]+)?$")
-
-
-def _holder_text() -> str:
-    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
 
 
 def _alive(pid: int) -> bool:
@@ -41,17 +40,26 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OSError):
         return True
     return True
 
 
+def _read_holder(path: Path) -> dict[str, Any]:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 @contextlib.contextmanager
 def lock(output_dir: str | os.PathLike) -> Iterator[dict[str, Any] | None]:
-    """Hold an exclusive lock on ``output_dir`` while the block runs; yield the previous holder's record.
+    """Hold an exclusive lock on ``output_dir`` while the block runs; yield the record of a holder that died.
 
     A second holder is refused with ``RuntimeError`` naming the holder's pid and host. The lock
-    of a dead process is gone with it (``flock``), and the yielded record is that process's.
+    of a dead process is gone with it, and the yielded record is that process's (``None`` after a
+    holder that ended normally).
 
     >>> import tempfile
     >>> out = tempfile.mkdtemp()
@@ -66,34 +74,23 @@ def lock(output_dir: str | os.PathLike) -> Iterator[dict[str, Any] | None]:
     """
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    path = root / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    held, holder = filelock.FileLock(root / LOCK_FILE, mode=0o644, is_singleton=False), root / _HOLDER_FILE
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read_holder(fd)
-            raise RuntimeError(
-                f"another trainfold run is writing to this output_dir (pid {holder.get('pid', '?')} on host "
-                f"{holder.get('host', '?')}, lock {path}); wait for it to finish, or give this run another "
-                "output_dir"
-            ) from None
-        previous = _read_holder(fd) or None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, _holder_text().encode(), 0)
-        os.fsync(fd)
+        held.acquire(timeout=0)
+    except filelock.Timeout:
+        record = _read_holder(holder)
+        raise RuntimeError(
+            f"another trainfold run is writing to this output_dir (pid {record.get('pid', '?')} on host "
+            f"{record.get('host', '?')}, lock {root / LOCK_FILE}); wait for it to finish, or give this run another "
+            "output_dir"
+        ) from None
+    try:
+        previous = _read_holder(holder) or None
+        holder.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
         yield previous
-        os.ftruncate(fd, 0)
+        holder.unlink(missing_ok=True)
     finally:
-        os.close(fd)  # releases the flock
-
-
-def _read_holder(fd: int) -> dict[str, Any]:
-    try:
-        record = json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}
+        held.release()
 
 
 # -- leftovers ------------------------------------------------------------------------------------------
@@ -108,11 +105,23 @@ def _size(path: Path) -> int:
     return total
 
 
+def _restorable(old: Path, target: Path) -> bool:
+    """Say whether ``old`` is a complete checkpoint of the step ``target`` names, and ``target`` is free."""
+    if target.exists() or (old / INCOMPLETE_MARKER).exists():
+        return False
+    try:
+        return read_metadata(old)["step"] == int(target.name.removeprefix("checkpoint-"))
+    except (OSError, ValueError):
+        return False
+
+
 def remove_leftovers(output_dir: str | os.PathLike, *, quiet: bool = False) -> list[Path]:
     """Remove the ``.tmp-*``, ``.old-*``, ``.deleting-*`` checkpoint directories of dead writers; return them.
 
-    Call it holding ``lock(output_dir)``. A directory whose name carries the pid of a live process
-    other than this one is left alone. Prints one line to stderr when it removed anything.
+    An ``.old-*`` directory whose checkpoint name is free (a replace killed between its renames,
+    ``atomic.replace_dir``) is renamed back instead. Call it holding ``lock(output_dir)``. A directory
+    whose name carries the pid of a live process other than this one is left alone. Prints one line
+    to stderr when it removed anything.
 
     >>> import tempfile, pathlib
     >>> out = pathlib.Path(tempfile.mkdtemp())
@@ -131,8 +140,12 @@ def remove_leftovers(output_dir: str | os.PathLike, *, quiet: bool = False) -> l
     for path, m in candidates:
         if m is None or path.is_symlink():
             continue
-        pid_text = m.group(2) if m.re is _LEFTOVER else m.group(1)
+        pid_text = m.group(3) if m.re is _LEFTOVER else m.group(1)
         pid = int(pid_text) if pid_text else None
+        if m.re is _LEFTOVER and m.group(2) == "old" and _restorable(path, root / m.group(1)):
+            os.replace(path, root / m.group(1))  # a replace cut short between its two renames: put it back
+            print(f"trainfold: restored {root / m.group(1)} (a replace of it was cut short)", file=sys.stderr)
+            continue
         if pid is not None and (pid == os.getpid() or _alive(pid)):
             continue
         freed += _size(path) if path.is_dir() else path.stat().st_size

@@ -2,9 +2,9 @@
 
 The sidecar holds the library version, step, cursor, caller metadata, the run settings, the run's
 identity (``run``), which state key each weights file holds under which name (``tensors``), the
-frozen tensors' fingerprints (``frozen``), each file's size and CRC-32, and the CRC-32 of the
-sidecar itself (``checksum``). ``validate_sidecar`` checks it against its schema; every refusal
-names the path and the field.
+frozen tensors' fingerprints (``frozen``), each file's size and hash (XXH3-64; CRC-32 before format
+4), and the CRC-32 of the sidecar itself (``checksum``). ``validate_sidecar`` checks it against its
+schema; every refusal names the path and the field.
 
 >>> sorted(new_sidecar(step=3, cursor=(0, 6), files={}))[:4]
 ['cursor', 'epoch', 'files', 'format']
@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainfold.ckpt.tensor_file import HASHES
 from trainfold.core.version import library_version
 
 __all__ = [
@@ -45,12 +46,11 @@ MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 SIDECAR_FILE = "trainfold.json"
 INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
-# written once every file of the checkpoint is fsynced: a machine crash cannot have torn it (its CRC-32s
-# can then be checked while a resumed run's first steps go, ``trainfold.ckpt.verify``)
+# written once every file of the checkpoint is fsynced: a machine crash cannot have torn it
 DURABLE_MARKER = "checkpoint-is-durable.json"
 INDEX_FILE = "state.index.json"  # a sharded checkpoint's index of its shard files (trainfold.ckpt.sharded)
 _FORMAT = "trainfold-checkpoint"
-_FORMAT_VERSION = 3  # 1: no run identity, no checksum; 1 and 2: every tensor in state.safetensors
+_FORMAT_VERSION = 4  # 1: no run identity, no checksum; 1 and 2: every tensor in state.safetensors; 1-3: CRC-32s
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 MAX_STEP = 2**53  # a step beyond it is not a count of optimizer steps
 
@@ -148,7 +148,7 @@ def validate_sidecar(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
     Checked: every field is present with its type and no other is; steps and cursor are counts
     (``0 <= step <= MAX_STEP``); ``tensors`` maps each weights file to ``{state key: file key}``, no
     key in two files; ``frozen`` maps state keys to fingerprints; ``files`` lists every weights file
-    (and ``state.safetensors`` unless weights only), each with ``bytes`` and ``crc32``; ``checksum`` is
+    (and ``state.safetensors`` unless weights only), each with ``bytes`` and its hash; ``checksum`` is
     the CRC-32 of the rest. Formats 1 and 2 (every tensor in ``state.safetensors``, the weights again
     in ``model.safetensors``; format 1 without ``run`` and ``checksum``) are still read. The message
     names the path and field.
@@ -162,7 +162,7 @@ def validate_sidecar(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
     Traceback (most recent call last):
     ...
     trainfold.ckpt.sidecar.CheckpointError: c/trainfold.json: field 'files.state.safetensors' is missing: every tensor
-    file must be listed with its size and CRC; the sidecar is damaged or was not written by trainfold; resume from
+    file must be listed with its size and hash; the sidecar is damaged or was not written by trainfold; resume from
     another checkpoint
     """
     path = Path(path)
@@ -236,7 +236,7 @@ def _check_tensors(meta: dict[str, Any], path: Path) -> None:
         needed = [INDEX_FILE, *([MODEL_FILE] if meta["save_only_model"] else [])]
     for name in needed:
         if name not in files:
-            problem = "is missing: every tensor file must be listed with its size and CRC"
+            problem = "is missing: every tensor file must be listed with its size and hash"
             raise field_error(path, f"files.{name}", problem)
     seen: set[str] = set()
     for name, keys in tensors.items():
@@ -256,10 +256,12 @@ def _check_files(meta: dict[str, Any], path: Path) -> None:
     for name, entry in meta["files"].items():
         if not isinstance(name, str) or not _FILE_NAME.match(name):
             raise field_error(path, "files", f"names {name!r}, which is not a plain file name")
-        if not isinstance(entry, dict) or sorted(entry) != ["bytes", "crc32"]:
-            raise field_error(path, f"files.{name}", f"must be {{'bytes': int, 'crc32': int}}, got {entry!r:.60}")
+        kind = next((k for k in HASHES if isinstance(entry, dict) and sorted(entry) == sorted(["bytes", k])), None)
+        if kind is None:
+            problem = f"must be {{'bytes': int, 'xxh3_64' (or 'crc32'): int}}, got {entry!r:.60}"
+            raise field_error(path, f"files.{name}", problem)
         _count(path, f"files.{name}.bytes", entry["bytes"], 2**62)
-        _count(path, f"files.{name}.crc32", entry["crc32"], 2**32 - 1)
+        _count(path, f"files.{name}.{kind}", entry[kind], 2**64 - 1)
 
 
 def _check_identity(meta: dict[str, Any], path: Path) -> None:

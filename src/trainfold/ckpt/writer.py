@@ -1,27 +1,28 @@
 """Writing a checkpoint: a state's files into a hidden directory, renamed atomically into place, fsynced.
 
 The directory holds ``checkpoint-is-incomplete.txt`` while files are written; the marker is
-removed and the directory is renamed into place (swapped in atomically with
-``renameat2(RENAME_EXCHANGE)`` when one is already there, so some complete checkpoint is always
-visible). Nothing is pickled. When the files reach the disk is the caller's choice:
+removed and the directory is renamed into place with ``os.replace`` (one already there is moved
+aside first: ``atomic.replace_dir``). Each file's hash is computed as it is written. Nothing is
+pickled. When the files reach the disk is the caller's choice:
 
 - blocking (``syncs=None``, the default of ``save``): every file and directory is fsynced before
-  the rename (each tensor file in a background thread while the next is written), so the
-  checkpoint is durable when ``save`` returns;
+  the rename, so the checkpoint is durable when ``save`` returns;
 - visible first, durable after (``syncs=atomic.Syncs()``, what ``train`` does): the files are
   written without waiting for the disk, the directory is renamed into place, and a thread of
   ``syncs`` fsyncs files, directory and parent, then calls ``on_durable`` (rotation). A killed
   process loses nothing (the page cache outlives it); a machine crash before the fsyncs end may
-  leave the newest checkpoint truncated or corrupt, which its sizes and CRCs catch on load.
+  leave the newest checkpoint truncated or corrupt, which its sizes and hashes catch on load
+  (``resume_from_checkpoint=True`` then sets it aside and resumes the previous one).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
 import shutil
-import zlib
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,9 +30,10 @@ from typing import Any
 from torch import Tensor, nn
 
 from trainfold.ckpt import tensor_file
-from trainfold.ckpt.atomic import BackgroundSync, Syncs, fsync_dir, mark_durable, replace_dir, write_bytes
+from trainfold.ckpt.atomic import Syncs, fsync_dir, mark_durable, replace_dir, write_bytes
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.layout import Layout, fingerprints, layout_of
+from trainfold.ckpt.listing import latest_checkpoint, list_checkpoints
 from trainfold.ckpt.sidecar import (
     INCOMPLETE_MARKER,
     SIDECAR_FILE,
@@ -43,7 +45,7 @@ from trainfold.ckpt.sidecar import (
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten
 
-__all__ = ["save", "mark_jit"]
+__all__ = ["save", "mark_jit", "is_disk_full", "disk_full"]
 
 _PT = {"format": "pt"}
 _MARKER_TEXT = b"trainfold is writing this checkpoint; if this file remains, the write failed.\n"
@@ -116,19 +118,15 @@ def save(
 ) -> Path:
     """Write ``state`` to ``directory`` atomically (see the module) and return the directory's path.
 
-    Each tensor is written once: params and persistent buffers to ``model.safetensors`` under
-    ``model``'s ``state_dict`` names (the state's own without ``model``), the rest to
-    ``state.safetensors``; for a ``peft`` model the adapter to ``adapter_model.safetensors`` (+
-    ``adapter_config.json``), its frozen base weights nowhere (their fingerprints to the sidecar).
-    ``config`` (default: ``model.config``; a dict, or an object with ``to_dict``/``to_json_string``)
-    becomes ``config.json``. ``metadata`` (best metric, log history, ...), ``settings`` (checked on
-    resume by ``check_compatible``) and ``run`` (``{"id", "fingerprint"}``, ``trainfold.ckpt.run_dir``)
-    go into the sidecar. ``save_only_model`` writes the weights but not the record; ``jit`` marks an
-    emergency checkpoint that ``rotate`` never deletes; ``on_file(path)`` is called after each file
-    (progress; tests crash there). ``tensors(tmp)`` writes its own tensor files into ``tmp`` and
-    returns their ``{name: {"bytes", "crc32"}}`` (``trainfold.ckpt.sharded``). ``syncs``: fsync after the
-    rename, in its thread (see the module); ``on_durable(path)`` runs once durable; ``extra_files(tmp)`` adds
-    files that the sidecar does not list (a tokenizer's ``save_pretrained``). Call it on one rank only.
+    Each tensor is written once: params and persistent buffers to ``model.safetensors`` under ``model``'s
+    ``state_dict`` names, the rest to ``state.safetensors``; a ``peft`` model's adapter to
+    ``adapter_model.safetensors``, its frozen base nowhere (fingerprints in the sidecar). ``config``
+    (default ``model.config``) becomes ``config.json``; ``metadata``, ``settings`` and ``run`` go into the
+    sidecar. ``save_only_model``: the weights only; ``jit``: never rotated; ``on_file(path)`` after each
+    file; ``tensors(tmp)`` writes its own files and returns their entries (``sharded``); ``syncs``: fsync
+    after the rename, then ``on_durable(path)``; ``extra_files(tmp)`` adds files the sidecar does not list
+    (a tokenizer's ``save_pretrained``). A full disk raises ``OSError(ENOSPC)`` naming the bytes
+    needed and free and the intact previous checkpoint. Call it on one rank only.
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
@@ -138,38 +136,84 @@ def save(
     >>> sorted(p.name for p in path.iterdir()), read_metadata(path)["metadata"]
     (['checkpoint-is-durable.json', 'model.safetensors', 'state.safetensors', 'trainfold.json'], {'n': 1})
     """
-    fields = {
-        "metadata": _json(metadata, "save metadata"),
-        "settings": _json(settings, "save settings"),
-        "run": _check_run(run),
-        "save_only_model": save_only_model,
-        "jit": jit,
-    }
-    layout, flat = layout_of(state, model, config), flatten(state)
+    directory, run = Path(directory), _check_run(run)
+    fields = {"metadata": _json(metadata, "save metadata"), "settings": _json(settings, "save settings")}
+    fields.update(run=run, save_only_model=save_only_model, jit=jit)
+    layout = layout_of(state, model, config)
+    flat = flatten(state)
     frozen = fingerprints({k: flat[k] for k in layout.frozen})
 
-    def write(tmp: Path, sync: BackgroundSync | None) -> dict[str, Any]:
-        files = _write_files(tmp, flat, layout, frozen, save_only_model, on_file, tensors, sync, extra_files)
+    def write(tmp: Path, fsync: bool) -> dict[str, Any]:
+        files = _write_files(tmp, flat, layout, frozen, save_only_model, on_file, tensors, fsync, extra_files)
         where = {"tensors": {layout.weights_file: layout.weights}, "frozen": frozen} if tensors is None else {}
         cursor = (int(state.cursor.epoch), int(state.cursor.position))
         return new_sidecar(step=int(state.step), cursor=cursor, files=files, **where, **fields)
 
     if syncs is not None and tensors is not None:
         raise ValueError("syncs= is for a checkpoint written here; a sharded one (tensors=) is fsynced by its ranks")
-    return _write_in_place(Path(directory), write, syncs, on_durable)
+    try:
+        return _write_in_place(directory, write, syncs, on_durable)
+    except Exception as e:
+        if not is_disk_full(e):
+            raise
+        what = f"the {'JIT ' if jit else ''}checkpoint of step {int(state.step)} could not be written to {directory}"
+        kept = (t for k, t in flat.items() if k in layout.weights or not (save_only_model or k in frozen))
+        raise disk_full(e, directory, what, sum(t.numel() * t.element_size() for t in kept)) from e
+
+
+def is_disk_full(e: BaseException) -> bool:
+    """Say whether ``e`` is a full disk or quota: an ``OSError`` or safetensors' own error type.
+
+    >>> is_disk_full(OSError(errno.ENOSPC, "No space left on device")), is_disk_full(OSError(errno.EIO, "I/O"))
+    (True, False)
+    """
+    if isinstance(e, OSError):
+        return e.errno in (errno.ENOSPC, errno.EDQUOT)
+    text = str(e)
+    return type(e).__name__ == "SafetensorError" and any(
+        s in text for s in ("No space left", "StorageFull", "os error 28", "code: 28", "Disk quota")
+    )
+
+
+def disk_full(e: BaseException, path: str | os.PathLike, what: str, needed: int | None = None) -> OSError:
+    """Return the ``OSError(ENOSPC)`` saying that ``what`` failed at ``path`` on a full disk: the bytes it needs
+    (``needed``) and those free, and the newest intact checkpoint of the output_dir, to resume from.
+
+    >>> import tempfile
+    >>> out = tempfile.mkdtemp()
+    >>> disk_full(OSError(errno.ENOSPC, "full"), out + "/checkpoint-4", "the save", 10).strerror.split(": the disk")[0]
+    'the save'
+    """
+    path = Path(path)
+    root = path.parent if path.name.startswith("checkpoint-") or path.suffix else path
+    try:
+        free = f"{shutil.disk_usage(root if root.exists() else root.parent).free:,} free"
+    except OSError:
+        free = "free space unknown"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        previous = latest_checkpoint(root)
+    if previous is not None and previous == path:
+        previous = ([p for p in list_checkpoints(root) if p != path] or [None])[-1]
+    kept = (
+        f"the previous checkpoint {previous} (step {previous.name.rsplit('-', 1)[-1]}) is intact; resume from it"
+        if previous is not None
+        else f"{root} holds no earlier checkpoint"
+    )
+    needs = f"it needs about {needed:,} bytes, " if needed is not None else ""
+    return OSError(errno.ENOSPC, f"{what}: the disk is full ({needs}{free}); {kept} after freeing space", str(path))
 
 
 def _write_in_place(
     directory: Path,
-    write: Callable[[Path, BackgroundSync | None], dict[str, Any]],
+    write: Callable[[Path, bool], dict[str, Any]],
     syncs: Syncs | None = None,
     on_durable: Callable[[Path], Any] | None = None,
 ) -> Path:
-    """Run ``write(tmp, sync)`` in a hidden sibling under the marker, write the sidecar it returns, swap it in.
+    """Run ``write(tmp, fsync)`` in a hidden sibling under the marker, write the sidecar it returns, swap it in.
 
-    Blocking (``syncs`` None): the files ``write`` hands to ``sync`` are fsynced while it writes the
-    next, all of them before the marker goes and the directory is renamed into place. Otherwise
-    nothing is fsynced here (``sync`` is None): ``syncs`` does it after the rename.
+    Blocking (``syncs`` None): every file is fsynced as it is written, before the marker goes and the
+    directory is renamed into place. Otherwise nothing is fsynced here: ``syncs`` does it after the rename.
     """
     blocking = syncs is None
     if syncs is not None:
@@ -181,9 +225,11 @@ def _write_in_place(
     try:
         marker = tmp / INCOMPLETE_MARKER
         write_bytes(marker, _MARKER_TEXT, fsync=blocking)
-        with BackgroundSync() as sync:
-            write_bytes(tmp / SIDECAR_FILE, sidecar_bytes(write(tmp, sync if blocking else None)), fsync=blocking)
-            sync.wait()
+        write_bytes(tmp / SIDECAR_FILE, sidecar_bytes(write(tmp, blocking)), fsync=blocking)
+        mode = (tmp / SIDECAR_FILE).stat().st_mode & 0o777  # open's: 0666 less the umask
+        for path in tmp.iterdir():  # one mode for every file, whoever wrote it (DCP writes its shards 0600)
+            if path.stat().st_mode & 0o777 != mode:
+                path.chmod(mode)
         point("save:wrote:sidecar")
         marker.unlink()
         if blocking:
@@ -211,19 +257,14 @@ def _write_files(
     save_only_model: bool,
     on_file: Callable[[Path], None] | None,
     tensors: Callable[[Path], Mapping[str, dict[str, int]]] | None,
-    sync: BackgroundSync | None,
+    fsync: bool,
     extra_files: Callable[[Path], Any] | None = None,
 ) -> dict[str, dict[str, int]]:
-    """Write the tensor files (or have ``tensors`` write them) and the config into ``tmp``; return their entries.
-
-    Each tensor file is handed to ``sync`` to be fsynced while the next one is written (``None``: not fsynced here).
-    """
+    """Write the tensor files (or have ``tensors`` write them) and the config into ``tmp``; return their entries."""
     files: dict[str, dict[str, int]] = {}
 
-    def record(name: str, size: int, crc: int, durable: bool = True) -> None:
-        files[name] = {"bytes": size, "crc32": crc}
-        if not durable and sync is not None:
-            sync.add(tmp / name)
+    def record(name: str, entry: dict[str, int]) -> None:
+        files[name] = entry
         if on_file is not None:
             on_file(tmp / name)
         point(f"save:wrote:{name}")
@@ -233,14 +274,12 @@ def _write_files(
     else:
         if not save_only_model:
             rest = {k: v for k, v in flat.items() if k not in layout.weights and k not in frozen}
-            record(STATE_FILE, *tensor_file.write(tmp / STATE_FILE, rest, metadata=_PT, fsync=False), durable=False)
+            record(STATE_FILE, tensor_file.write(tmp / STATE_FILE, rest, metadata=_PT, fsync=fsync))
         weights = {name: flat[key] for key, name in layout.weights.items()}
-        size, crc = tensor_file.write(tmp / layout.weights_file, weights, metadata=_PT, fsync=False)
-        record(layout.weights_file, size, crc, durable=False)
+        record(layout.weights_file, tensor_file.write(tmp / layout.weights_file, weights, metadata=_PT, fsync=fsync))
     if layout.config_text is not None:
-        data = layout.config_text.encode()
-        write_bytes(tmp / layout.config_file, data, fsync=sync is not None)
-        record(layout.config_file, len(data), zlib.crc32(data))
+        config = tensor_file.write_bytes(tmp / layout.config_file, layout.config_text.encode(), fsync=fsync)
+        record(layout.config_file, config)
     if extra_files is not None:
         extra_files(tmp)
     return files

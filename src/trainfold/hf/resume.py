@@ -12,8 +12,8 @@ import torch
 
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
+from trainfold.ckpt.listing import set_aside
 from trainfold.ckpt.sharded import is_sharded
-from trainfold.ckpt.verify import verify_later
 from trainfold.core.state import TrainState, init_state, lend
 from trainfold.core.tree import map_tensors
 from trainfold.data import close_loader
@@ -71,7 +71,39 @@ class Start:
     window: MetricWindow
     history: Any  # a history.HistoryFile on the writer rank, a list elsewhere
     source: Any = None
-    verification: Any = None  # the CRC-32 check of ``source`` still running (ckpt.verify), waited before a save
+
+
+def _load(plan: Plan, claim: Any, state: TrainState) -> tuple[TrainState, Any, dict[str, Any]]:
+    """Return ``(state, source, meta)`` of the claimed checkpoint, loaded (its hashes checked).
+
+    Under ``resume_from_checkpoint=True`` one that fails to load is set aside (``ckpt.listing.set_aside``,
+    by the writer rank) and the next older one is tried; a named checkpoint is refused.
+    """
+    tried = [claim.source, *claim.fallback]
+    for i, source in enumerate(tried):
+        try:
+            meta = ckpt.read_metadata(source)
+        except (ckpt.CheckpointError, FileNotFoundError):
+            meta = None  # the load names what is wrong
+        if meta is not None:  # a checkpoint of another run, or another model: refused, never set aside
+            run_dir.check_step(meta, source, plan.schedule.total_steps)
+            policy.check_compatible(meta.get("settings", {}), plan.settings, source=source)
+        try:
+            loaded = ckpt.load(source, like=state)
+        except (ckpt.CheckpointError, FileNotFoundError) as e:
+            if isinstance(e, ckpt.FrozenWeightsError) or not claim.fallback:
+                raise  # the template's base weights, not the checkpoint, are wrong; or a path was named
+            if plan.is_writer:
+                set_aside(source, e)
+            if i == len(tried) - 1:
+                raise ckpt.CheckpointError(
+                    f"resume_from_checkpoint=True found no intact checkpoint of this run: each failed to load and "
+                    f"was set aside as <name>.damaged ({', '.join(p.name for p in tried)}); the last: {e}; start "
+                    "fresh with resume_from_checkpoint=None"
+                ) from e
+            continue
+        return loaded, source, ckpt.read_metadata(source)
+    raise AssertionError("unreachable")
 
 
 def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
@@ -79,22 +111,15 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
 
     What the run opens is closed when the claim is released: the log history, the eval loaders' workers.
     """
-    source, window, meta, verification = claim.source, MetricWindow(), None, None
+    source, window, meta = claim.source, MetricWindow(), None
     if source is not None:
-        meta = ckpt.read_metadata(source)
-        run_dir.check_step(meta, source, plan.schedule.total_steps)
-        policy.check_compatible(meta.get("settings", {}), plan.settings, source=source)
         if weights_only_warm_start:
+            meta = ckpt.read_metadata(source)
+            run_dir.check_step(meta, source, plan.schedule.total_steps)
+            policy.check_compatible(meta.get("settings", {}), plan.settings, source=source)
             state = ckpt.warm_start(source, like=state)
         else:
-            # read into the lent module: one pass; its CRC-32s were checked by the claim, or are checked
-            # while the first steps run (alone: under torchrun every rank checks before its first step)
-            later = not claim.verified and plan.world_size == 1 and ckpt.INDEX_FILE not in meta["files"]
-            state = ckpt.load(
-                source, like=state, donate=True, crc_checked=claim.verified or later, frozen_checked=later
-            )
-            if later:  # and a LoRA model's frozen base: its fingerprints are checked in the same thread
-                verification = verify_later(source, loaded=state)
+            state, source, meta = _load(plan, claim, state)
             if "window" in meta["metadata"]:
                 log_file.restore_window(window, meta["metadata"]["window"], source)
         if not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
@@ -113,4 +138,4 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
     for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
         claim.on_release(functools.partial(close_loader, eval_set.loader))
     Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
-    return Start(state, window, history, source, verification)
+    return Start(state, window, history, source)

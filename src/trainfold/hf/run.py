@@ -38,7 +38,6 @@ __all__ = [
     "save",
     "after_step",
     "callback_adapter",
-    "settle_resume_check",
 ]
 
 
@@ -55,8 +54,6 @@ class Run:
     all_ranks_save: bool = False  # the state is sharded (DTensors): every rank takes part in each save
     saved: list[Path] = attrs.Factory(list)  # the checkpoints written, in order
     diverged: list[int] = attrs.Factory(list)  # the step after which the params turned inf/NaN, if any
-    verifying: list[Any] = attrs.Factory(list)  # the resumed checkpoint's CRC-32 check still running (ckpt.verify)
-    resumed_step: int = 0  # the step the run started from
 
     @property
     def saves_here(self) -> bool:
@@ -107,15 +104,6 @@ def evaluate_and_record(run: Run, state: TrainState, *, track: bool = True) -> t
     return record_eval(run, state, run.plan.evals.run(run.plan.model, state), track=track)
 
 
-def settle_resume_check(run: Run, step: int, *, block: bool) -> None:
-    """Raise ``CheckpointError`` if the checkpoint the run resumed from failed its CRC-32 check.
-
-    ``block``: wait for the check (before anything is written); otherwise only a finished one is looked at.
-    """
-    if run.verifying and (block or run.verifying[0].done()):
-        run.verifying.pop().wait(steps=step - run.resumed_step, forget_durable=run.plan.is_writer)
-
-
 def _save_options(run: Run, state: TrainState) -> dict[str, Any]:
     best: policy.BestMetric | None = state.extras.get(BEST)
     if run.plan.is_writer:  # the sidecar is rank 0's (the other ranks of a sharded save write their shards)
@@ -146,11 +134,7 @@ def saving_files_of(processing_class: Any) -> Callable[[Path], Any] | None:
 
 
 def save(run: Run, state: TrainState, *, jit: bool = False) -> Path:
-    """Write a checkpoint of ``state`` (rotating old ones); ``jit``: the preemption checkpoint, marked as such.
-
-    Never before the checkpoint the run resumed from has passed its CRC-32 check (``settle_resume_check``).
-    """
-    settle_resume_check(run, int(state.step), block=True)
+    """Write a checkpoint of ``state`` (rotating old ones); ``jit``: the preemption checkpoint, marked as such."""
     options, output_dir = _save_options(run, state), run.plan.checkpoints.output_dir
     path = ckpt.checkpoint_path(output_dir, int(state.step))
     if run.plan.is_writer:
@@ -248,7 +232,6 @@ def after_step(
 
     def after(state: TrainState) -> TrainState:
         step = int(state.step)
-        settle_resume_check(run, step, block=False)
         now = _Moment(step, int(state.cursor.position) == 0, step >= run.plan.schedule.total_steps)
         run.window.add(state)
         if diverged(state):  # log the window that ended in it, then stop: no evaluation, no save

@@ -76,7 +76,7 @@ from trainfold.hf.plan import STOPPING_RULES, Plan, agreed
 from trainfold.hf.planning import plan_for
 from trainfold.hf.released import Released, release_weights, restored
 from trainfold.hf.resume import Start, claim_for, initial_state, start
-from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save, settle_resume_check
+from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save
 from trainfold.hf.validate import check_first_batch, check_train_call, checked_loss, checking_first
 from trainfold.observe import counting_input_tokens, observing, tap, train_summary
 from trainfold.observe import history as log_file
@@ -280,8 +280,6 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
             run_id=run_id,
             saver=Saver(plan.checkpoints.async_save, plan.checkpoints.consolidated, plan.checkpoints.fsync),
             all_ranks_save=is_sharded(state),
-            verifying=[begin.verification] if begin.verification is not None else [],
-            resumed_step=int(state.step),
         )
         run, hf = callback_adapter(run, state)  # HF TrainerCallbacks, or None
         if plan.evals.on_start and begin.source is None:
@@ -318,7 +316,6 @@ def _trained(
         looped, batches = _looped(run, hf, bar), _batches(plan, state)
         for last in trajectory(looped, state, batches, stops.predicate(fired)):
             state = last
-        settle_resume_check(run, int(state.step), block=True)  # the run reports nothing of a corrupt checkpoint
         run.saver.wait()  # the last async save is complete (its error raised) before the run reports
         status = _status(run, state, start_state, fired, preemption)
     return state, status, preemption.signal if status == "preempted" and preemption is not None else None

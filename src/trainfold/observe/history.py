@@ -28,6 +28,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainfold.ckpt.writer import disk_full, is_disk_full
+
 __all__ = ["HISTORY_FILE", "HistoryFile", "LogHistory", "verify", "start", "window_state", "restore_window"]
 
 HISTORY_FILE = "log_history.jsonl"
@@ -132,8 +134,14 @@ class HistoryFile:
     def append(self, entry: Mapping[str, Any]) -> None:
         """Write ``entry`` as one line (flushed, not fsynced: ``sync`` does that before a save)."""
         line = (json.dumps(dict(entry), default=_plain) + "\n").encode()
-        self._file.write(line)
-        self._file.flush()
+        try:
+            self._file.write(line)
+            self._file.flush()
+        except OSError as e:
+            if not is_disk_full(e):
+                raise
+            what = f"the log entry of step {entry.get('step', '?')} could not be appended to {self.path}"
+            raise disk_full(e, self.path, what, len(line)) from e
         self.offset, self.entries, self.crc = self.offset + len(line), self.entries + 1, zlib.crc32(line, self.crc)
 
     def sync(self) -> None:
@@ -249,8 +257,10 @@ def start(
     A fresh start (``source`` None) empties the file. A resume continues it from the checkpoint's
     ``metadata.log`` position (copying the prefix when the checkpoint lies in another directory),
     or from a format-1 sidecar's ``metadata.log_history`` list. A history file that no longer
-    matches the checkpoint is reported with a warning and the history restarts empty (the
-    training state is not affected).
+    matches the checkpoint (a flipped bit, a truncation) is set aside as ``log_history.jsonl.damaged``
+    (the writer renames it, never deletes it); the entries up to the first unreadable line are kept,
+    and a warning names the file, the cause and the steps whose logs were lost (the training state
+    is not affected).
     """
     out = Path(output_dir) / HISTORY_FILE
     entries: list[dict[str, Any]] = []
@@ -279,7 +289,7 @@ def start(
             except (OSError, ValueError) as e:
                 if "metadata.log" in str(e):
                     raise
-                _log.warning("log_history restarts empty: %s", e)
+                entries = _salvage(origin, position, e, sidecar, aside=writer and origin.resolve() == out.resolve())
         elif legacy is not None:
             if not (isinstance(legacy, list) and all(isinstance(e, dict) for e in legacy)):
                 raise ValueError(
@@ -293,6 +303,42 @@ def start(
     for entry in entries:
         history.append(entry)
     return history
+
+
+def _salvage(origin: Path, position: Mapping[str, Any], cause: Exception, sidecar: Path, *, aside: bool) -> list[Any]:
+    """Return the readable entries of a damaged history file up to the checkpoint's position, the first
+    unreadable line ending them; set the file aside (``aside``) and warn which steps lost their logs."""
+    kept: list[dict[str, Any]] = []
+    data = origin.read_bytes()[: position["offset"]] if origin.is_file() else b""
+    for line in data.splitlines(keepends=True):
+        try:
+            entry = json.loads(line) if line.endswith(b"\n") else None
+        except ValueError:
+            entry = None
+        if not isinstance(entry, dict) or len(kept) == position["entries"]:
+            break
+        kept.append(entry)
+    where = ""
+    if aside and origin.is_file():
+        target, n = origin.with_name(origin.name + ".damaged"), 1
+        while target.exists():
+            n += 1
+            target = origin.with_name(f"{origin.name}.damaged-{n}")
+        os.replace(origin, target)
+        where = f"; the file is kept as {target.name}"
+    try:
+        step: Any = json.loads(sidecar.read_bytes())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        step = "?"
+    last = next((e["step"] for e in reversed(kept) if isinstance(e.get("step"), int)), 0)
+    lost = position["entries"] - len(kept)
+    warnings.warn(
+        f"{origin} does not match the log history {sidecar} recorded ({cause}){where}; kept its first "
+        f"{len(kept)} entries (up to step {last}), lost {lost} (the logs of steps {last + 1} to {step})",
+        UserWarning,
+        stacklevel=3,
+    )
+    return kept
 
 
 def window_state(window: Any) -> dict[str, Any]:

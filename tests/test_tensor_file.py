@@ -1,0 +1,138 @@
+"""tensor_file: safetensors files with a hash computed while writing and checked in one streaming pass."""
+
+from __future__ import annotations
+
+import os
+
+import attrs
+import pytest
+import safetensors.torch
+import torch
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainfold.ckpt import load, save, tensor_file
+from trainfold.core.state import init_state, scalar
+from trainfold.core.tree import flatten
+from trainfold.optim import adamw
+
+
+def _tensors(numel=(1 << 21) + 17):
+    torch.manual_seed(0)
+    return {"t0": torch.randn(numel), "t1": torch.randn(numel), "small": torch.arange(3), "empty": torch.zeros(0)}
+
+
+def test_the_entry_is_the_files_size_and_xxh3_and_the_read_returns_the_tensors(tmp_path):
+    path, tensors = tmp_path / "t.safetensors", _tensors()
+    entry = tensor_file.write(path, tensors, fsync=False)
+    data = path.read_bytes()
+    assert entry == {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_intdigest(data)}
+    assert entry["bytes"] > 2 * tensor_file._CHUNK  # several chunks, hashed as written
+    out = tensor_file.read(path, entry)
+    assert sorted(out) == sorted(tensors) and all(torch.equal(out[k], v) for k, v in tensors.items())
+    theirs = safetensors.torch.load_file(path)  # a plain safetensors file
+    assert all(torch.equal(theirs[k], v) for k, v in tensors.items())
+
+
+def test_two_names_sharing_storage_are_each_written_in_full(tmp_path):
+    base = torch.arange(6.0)
+    entry = tensor_file.write(tmp_path / "t.safetensors", {"a": base, "b": base[2:], "c": base.view(2, 3).t()})
+    out = tensor_file.read(tmp_path / "t.safetensors", entry)
+    assert out["b"].tolist() == [2.0, 3.0, 4.0, 5.0] and out["c"].tolist() == [[0.0, 3.0], [1.0, 4.0], [2.0, 5.0]]
+
+
+@settings(max_examples=20, deadline=None)
+@given(where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+def test_one_flipped_bit_anywhere_is_refused_by_name(tmp_path_factory, where, bit):
+    path = tmp_path_factory.mktemp("flip") / "t.safetensors"
+    entry = tensor_file.write(path, {"w": torch.arange(40.0), "n": torch.tensor(3)}, fsync=False)
+    data = bytearray(path.read_bytes())
+    data[int(where * len(data))] ^= 1 << bit
+    path.write_bytes(bytes(data))
+    with pytest.raises(tensor_file.TensorFileError, match=f"{path} is corrupted: its xxh3_64 is"):
+        tensor_file.read(path, entry)
+
+
+def test_a_truncated_file_is_refused_by_its_size_before_it_is_hashed(tmp_path, monkeypatch):
+    path = tmp_path / "t.safetensors"
+    entry = tensor_file.write(path, {"w": torch.arange(40.0)}, fsync=False)
+    path.write_bytes(path.read_bytes()[:-4])
+    monkeypatch.setattr(tensor_file, "digest_of", lambda *a: pytest.fail("hashed a file of the wrong size"))
+    with pytest.raises(tensor_file.TensorFileError, match=f"{path} is truncated or altered: it has"):
+        tensor_file.read(path, entry)
+
+
+def test_a_load_hashes_each_file_once_in_one_pass(tmp_path, monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    state = attrs.evolve(init_state(model, adamw(1e-3)), step=scalar(3))
+    path = save(state, tmp_path / "checkpoint-3", model=model)
+    hashed: list[str] = []
+    real = tensor_file.digest_of
+    monkeypatch.setattr(tensor_file, "digest_of", lambda p, *a: hashed.append(os.path.basename(p)) or real(p, *a))
+    loaded = load(path, like=init_state(model, adamw(1e-3)))
+    assert sorted(hashed) == ["model.safetensors", "state.safetensors"]
+    a, b = flatten(loaded), flatten(state)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_a_load_never_touches_the_template(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    saved = attrs.evolve(init_state(model, adamw(1e-3)), params={"weight": torch.ones(2, 3), "bias": torch.ones(2)})
+    path = save(saved, tmp_path / "c", model=model)
+    like = init_state(torch.nn.Linear(3, 2), adamw(1e-3))
+    before = {k: (v.clone(), v._version) for k, v in flatten(like).items()}
+    loaded = load(path, like=like)
+    assert all(torch.equal(v, before[k][0]) and v._version == before[k][1] for k, v in flatten(like).items())
+    assert torch.equal(loaded.params["weight"], torch.ones(2, 3))
+
+
+# --- save: every file is fsynced before the checkpoint is complete ---
+
+
+def _small_state():
+    from trainfold.core.state import init_state
+    from trainfold.optim import adamw
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    return model, init_state(model, adamw(1e-3))
+
+
+def test_save_fsyncs_every_file_before_the_marker_goes_and_the_directory_is_renamed(tmp_path, monkeypatch):
+    from trainfold.ckpt import DURABLE_MARKER, faults, is_complete, save
+
+    events: list[tuple[str, str]] = []
+    real = os.fsync
+
+    def fsync(fd):
+        real(fd)
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(faults, "fault_hook", lambda label: events.append(("point", label)))
+    model, state = _small_state()
+    path = save(state, tmp_path / "checkpoint-0", model=model)
+    assert is_complete(path)
+    complete = events.index(("point", "save:complete"))
+    synced = {name for kind, name in events[:complete] if kind == "fsync"}
+    files = {p.name for p in path.iterdir()} - {DURABLE_MARKER}  # the marker: written once the rest is synced
+    assert files <= synced  # every file of the checkpoint, before it is complete
+    assert any(name.startswith(".checkpoint-0.tmp-") for name in synced)  # and its directory
+
+
+def test_a_failed_fsync_fails_the_save_and_leaves_nothing(tmp_path, monkeypatch):
+    from trainfold.ckpt import save
+
+    real = os.fsync
+
+    def fsync(fd):
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("model.safetensors"):
+            raise OSError(5, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    model, state = _small_state()
+    with pytest.raises(OSError, match="Input/output error"):
+        save(state, tmp_path / "checkpoint-0", model=model)
+    assert list(tmp_path.iterdir()) == []
