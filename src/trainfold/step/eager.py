@@ -7,9 +7,9 @@ from typing import Any
 
 import attrs
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from trainfold.core.forward import Batch, Forward, training_flags
+from trainfold.core.forward import Batch, Forward, make_forward, training_flags
 from trainfold.core.state import TrainState
 from trainfold.core.tree import global_norm
 from trainfold.step.amp import SCALER, ScalerState, unscale_, updated
@@ -29,7 +29,7 @@ from trainfold.step.driver import (
 from trainfold.step.plan import StepPlan
 from trainfold.step.recompute import cache_off
 
-__all__ = ["eager_step", "only_leaves_need_grad"]
+__all__ = ["eager_step", "is_lent", "only_leaves_need_grad"]
 
 
 def eager_step(plan: StepPlan) -> Callable[..., TrainState]:
@@ -58,20 +58,72 @@ def _step(plan: StepPlan, state: TrainState, batch: Batch, donate: bool = False)
         return done
     rank = plan.collective.rank if plan.collective is not None else 0
     device = next(iter(state.params.values())).device
-    leaves = {k: v.detach().requires_grad_() for k, v in state.params.items()}
-    # running stats update copies; a donated state's own buffers are updated in place
-    buffers = dict(state.buffers) if donate else {k: v.clone() for k, v in state.buffers.items()}
+    lent = donate and is_lent(plan.model, state)
+    if lent:  # the state's params are the module's Parameters: run the module as it is
+        leaves = dict(state.params)
+        for leaf in leaves.values():
+            leaf.grad = None
+        buffers = dict(state.buffers)
+    else:  # the pure path: fresh leaves bound to the module for the call
+        leaves = {k: v.detach().requires_grad_() for k, v in state.params.items()}
+        # running stats update copies; a donated state's own buffers are updated in place
+        buffers = dict(state.buffers) if donate else {k: v.clone() for k, v in state.buffers.items()}
     scaler = _scaler_of(plan, state)
     modules = list(plan.model.modules())
-    with (
-        training_flags(modules, True),
-        plan.slots.bound(modules, leaves, buffers) as forward,
-        cache_off(plan.cache_configs),
-        plan.recompute_scope(modules),
-    ):
+    forward = _lent_forward(plan, leaves, buffers) if lent else _pure_forward(plan, leaves, buffers)
+    with training_flags(modules, True), cache_off(plan.cache_configs), plan.recompute_scope(modules):
         micro = _backward(plan, forward, leaves, start, scaler, device)
         sums = accumulate(micro, batch, (int(state.seed),), start.number, rank, device)
-    return _update(plan, state, start, leaves, buffers, sums, scaler, donate)
+    try:
+        return _update(plan, state, start, leaves, buffers, sums, scaler, donate, lent)
+    finally:
+        if lent:
+            for leaf in leaves.values():
+                leaf.grad = None
+
+
+def is_lent(model: nn.Module, state: TrainState) -> bool:
+    """Say whether ``state`` is lent by ``model``: its params are the module's own ``Parameter`` objects, and its
+    buffers the module's own tensors (``init_state(model, optimizer, copy=False)``).
+
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.core.state import init_state
+    >>> lin = torch.nn.Linear(2, 1)
+    >>> is_lent(lin, init_state(lin, sgd(0.1), copy=False)), is_lent(lin, init_state(lin, sgd(0.1)))
+    (True, False)
+    """
+    own = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    return all(own.get(k) is v for tree in (state.params, state.buffers) for k, v in tree.items())
+
+
+def _pure_forward(plan: StepPlan, leaves: dict[str, Tensor], buffers: dict[str, Tensor]) -> Forward:
+    """Return ``forward(params, inputs)`` through ``functional_call``, writing a buffer the module reassigns (rather
+    than updates in place) for the step's ``leaves`` back into ``buffers``."""
+    model, forward = plan.model, make_forward(plan.model, buffers)
+
+    def bound(params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
+        if params is not leaves:
+            return forward(params, inputs)
+        seen: dict[str, Tensor] = {}
+        hook = model.register_forward_hook(lambda module, args, out: seen.update(module.named_buffers()))
+        try:
+            out = forward(params, inputs)
+        finally:
+            hook.remove()
+        buffers.update({k: v for k, v in seen.items() if k in buffers and v is not buffers[k]})
+        return out
+
+    return bound
+
+
+def _lent_forward(plan: StepPlan, leaves: dict[str, Tensor], buffers: dict[str, Tensor]) -> Forward:
+    """Return ``forward(params, inputs)``: the module as it is for the lent ``leaves``, else ``functional_call``."""
+    other = make_forward(plan.model, buffers)
+
+    def forward(params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
+        return plan.model(**inputs) if params is leaves else other(params, inputs)
+
+    return forward
 
 
 def _backward(
@@ -132,8 +184,12 @@ def _update(
     sums: Sums,
     scaler: ScalerState | None,
     donate: bool,
+    lent: bool = False,
 ) -> TrainState:
-    """Sum the gradients over ranks, unscale them (fp16), and apply the optimizer (unless they overflowed)."""
+    """Sum the gradients over ranks, unscale them (fp16), and apply the optimizer (unless they overflowed).
+
+    A lent state's params (the module's Parameters) are updated in place and stay the next state's params.
+    """
     leaf_list = list(leaves.values())
     grads = materialized([leaf.grad for leaf in leaf_list], leaf_list, plan.model, start.number)
     sum_over_ranks(plan.collective, [*grads, sums.loss])
@@ -148,11 +204,29 @@ def _update(
     if found_inf is not None and bool(found_inf):  # overflow: skip the update, keep the params and optimizer state
         return next_state(plan, state, state.params, buffers, state.opt_state, aux=sums.aux, **finish)
     learning_rate = plan.optimizer.learning_rate(state.opt_state)  # before a donated update reuses the tensors
-    params, opt_state = plan.optimizer.apply_owned(
-        grad_tree, state.opt_state, state.params, norm=grad_norm, donate=donate
-    )
-    new_params = {k: params[k].detach() for k in leaves}
+    with torch.no_grad():
+        params, opt_state = plan.optimizer.apply_owned(
+            grad_tree, state.opt_state, state.params, norm=grad_norm, donate=donate
+        )
+    new_params = {k: state.params[k] if lent else params[k].detach() for k in leaves}
+    if lent:
+        _check_in_place(params, state.params)
+        buffers = _own_buffers(plan.model, buffers)
     return next_state(plan, state, new_params, buffers, opt_state, aux=sums.aux, learning_rate=learning_rate, **finish)
+
+
+def _check_in_place(params: Mapping[str, Tensor], lent: Mapping[str, Tensor]) -> None:
+    """Copy into the lent Parameters any new param the optimizer returned in fresh memory."""
+    with torch.no_grad():
+        for k, p in lent.items():
+            if params[k] is not p:
+                p.copy_(params[k])
+
+
+def _own_buffers(model: nn.Module, buffers: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Return the module's current tensors for ``buffers``' names (a module may reassign a buffer)."""
+    own = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    return {k: own.get(k, v) for k, v in buffers.items()}
 
 
 def _scaler_of(plan: StepPlan, state: TrainState) -> ScalerState | None:

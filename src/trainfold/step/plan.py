@@ -16,7 +16,6 @@ from trainfold.core.losses import counter_for, default_loss_for
 from trainfold.optim import GradientTransformation
 from trainfold.step.amp import LossScaling
 from trainfold.step.recompute import cache_configs, recomputing
-from trainfold.step.slots import Slots
 
 __all__ = ["StepPlan", "default_counter", "refuse_sharded", "step_plan"]
 
@@ -44,7 +43,6 @@ class StepPlan:
     recompute: int = 0  # 0: off; n: checkpoint every n-th block
     loss_scaling: LossScaling | None = None
     cache_configs: tuple[Any, ...] = ()  # configs whose KV cache the step turns off (recompute.cache_off)
-    slots: Slots = attrs.field(default=attrs.Factory(lambda plan: Slots(plan.model), takes_self=True))
 
     def autocast_scope(self, device_type: str) -> contextlib.AbstractContextManager[Any]:
         """Return the ``torch.autocast`` scope of the forward pass (a no-op scope without ``autocast``)."""
