@@ -263,7 +263,7 @@ def claim(
                 )
             run = RunIdentity(read_metadata(source)["run"]["id"], fingerprint)
         elif resume_from_checkpoint is None or resume_from_checkpoint is False:
-            source, run, verified = None, RunIdentity.new(fingerprint), False
+            source, run, verified = None, RunIdentity.new(fingerprint, shared=True), False
         else:
             source, run = _explicit_source(Path(resume_from_checkpoint), settings, fingerprint)
             verified = False
