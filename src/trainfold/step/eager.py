@@ -13,6 +13,7 @@ from trainfold.core.forward import Batch, Forward, make_forward, training_flags
 from trainfold.core.state import TrainState
 from trainfold.core.tree import global_norm
 from trainfold.step.amp import SCALER, ScalerState, unscale_, updated
+from trainfold.step.data_parallel import DataParallel, engine_for
 from trainfold.step.driver import (
     MicroStep,
     StepStart,
@@ -35,7 +36,8 @@ __all__ = ["eager_step", "is_lent", "only_leaves_need_grad"]
 def eager_step(plan: StepPlan) -> Callable[..., TrainState]:
     """Return ``step(state, batch, *, donate=False) -> state`` of ``plan``, run eagerly (``make_step`` builds it).
 
-    The step carries its plan as ``step.plan``, so that ``compiled.compile_step(step)`` can wrap it.
+    The step carries its plan as ``step.plan``, so that ``compiled.compile_step(step)`` can wrap it, and its
+    ``step.engine``: the ``data_parallel.DataParallel`` a lent state steps through across ranks (else None).
 
     >>> import torch
     >>> from trainfold.optim import sgd
@@ -47,12 +49,16 @@ def eager_step(plan: StepPlan) -> Callable[..., TrainState]:
     >>> step(init_state(torch.nn.Linear(3, 2), sgd(0.1)), batch).step.item()
     1
     """
-    step = with_donation(lambda state, batch, donate: _step(plan, state, batch, donate))
+    engine = engine_for(plan.collective, plan.model)  # DDP across ranks, for lent states
+    step = with_donation(lambda state, batch, donate: _step(plan, state, batch, donate, engine))
     step.plan = plan  # type: ignore[attr-defined]
+    step.engine = engine  # type: ignore[attr-defined]
     return step
 
 
-def _step(plan: StepPlan, state: TrainState, batch: Batch, donate: bool = False) -> TrainState:
+def _step(
+    plan: StepPlan, state: TrainState, batch: Batch, donate: bool = False, engine: DataParallel | None = None
+) -> TrainState:
     start, done = open_step(plan, state, batch)
     if done is not None:
         return done
@@ -70,12 +76,16 @@ def _step(plan: StepPlan, state: TrainState, batch: Batch, donate: bool = False)
         buffers = dict(state.buffers) if donate else {k: v.clone() for k, v in state.buffers.items()}
     scaler = _scaler_of(plan, state)
     modules = list(plan.model.modules())
-    forward = _lent_forward(plan, leaves, buffers) if lent else _pure_forward(plan, leaves, buffers)
+    engine = engine if lent else None  # the pure path sums its gradients after backward
+    module = engine.module() if engine is not None else plan.model
+    forward = _lent_forward(module, plan.model, leaves, buffers) if lent else _pure_forward(plan, leaves, buffers)
     with training_flags(modules, True), cache_off(plan.cache_configs), plan.recompute_scope(modules):
         micro = _backward(plan, forward, leaves, start, scaler, device)
+        if engine is not None:
+            micro = engine.syncing_last(micro, len(batch))
         sums = accumulate(micro, batch, (int(state.seed),), start.number, rank, device)
     try:
-        return _update(plan, state, start, leaves, buffers, sums, scaler, donate, lent)
+        return _update(plan, state, start, leaves, buffers, sums, scaler, donate, lent, summed=engine is not None)
     finally:
         if lent:
             for leaf in leaves.values():
@@ -116,12 +126,15 @@ def _pure_forward(plan: StepPlan, leaves: dict[str, Tensor], buffers: dict[str, 
     return bound
 
 
-def _lent_forward(plan: StepPlan, leaves: dict[str, Tensor], buffers: dict[str, Tensor]) -> Forward:
-    """Return ``forward(params, inputs)``: the module as it is for the lent ``leaves``, else ``functional_call``."""
-    other = make_forward(plan.model, buffers)
+def _lent_forward(
+    module: nn.Module, model: nn.Module, leaves: dict[str, Tensor], buffers: dict[str, Tensor]
+) -> Forward:
+    """Return ``forward(params, inputs)``: ``module`` as it is (or its DDP wrapper) for the lent ``leaves``, else
+    ``functional_call`` (a frozen reference's params, say)."""
+    other = make_forward(model, buffers)
 
     def forward(params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
-        return plan.model(**inputs) if params is leaves else other(params, inputs)
+        return module(**inputs) if params is leaves else other(params, inputs)
 
     return forward
 
@@ -185,14 +198,16 @@ def _update(
     scaler: ScalerState | None,
     donate: bool,
     lent: bool = False,
+    summed: bool = False,
 ) -> TrainState:
-    """Sum the gradients over ranks, unscale them (fp16), and apply the optimizer (unless they overflowed).
+    """Sum the gradients over ranks (unless DDP ``summed`` them), unscale them (fp16), and apply the optimizer
+    (unless they overflowed).
 
     A lent state's params (the module's Parameters) are updated in place and stay the next state's params.
     """
     leaf_list = list(leaves.values())
     grads = materialized([leaf.grad for leaf in leaf_list], leaf_list, plan.model, start.number)
-    sum_over_ranks(plan.collective, [*grads, sums.loss])
+    sum_over_ranks(plan.collective, [sums.loss] if summed else [*grads, sums.loss])
     found_inf = None
     if scaler is not None:
         assert plan.loss_scaling is not None
