@@ -27,7 +27,7 @@ from trainfold.step.driver import (
     sum_over_ranks,
     with_donation,
 )
-from trainfold.step.plan import StepPlan
+from trainfold.step.plan import StepPlan, is_fully_sharded
 from trainfold.step.recompute import cache_off
 
 __all__ = ["eager_step", "is_lent", "only_leaves_need_grad"]
@@ -49,22 +49,34 @@ def eager_step(plan: StepPlan) -> Callable[..., TrainState]:
     >>> step(init_state(torch.nn.Linear(3, 2), sgd(0.1)), batch).step.item()
     1
     """
-    engine = engine_for(plan.collective, plan.model)  # DDP across ranks, for lent states
-    step = with_donation(lambda state, batch, donate: _step(plan, state, batch, donate, engine))
+    fsdp = sum_fully_sharded(plan.model)  # FSDP2 sums (not averages) its reduce-scattered gradients
+    engine = None if fsdp else engine_for(plan.collective, plan.model)  # DDP across ranks, for lent states
+    step = with_donation(lambda state, batch, donate: _step(plan, state, batch, donate, engine, fsdp))
     step.plan = plan  # type: ignore[attr-defined]
     step.engine = engine  # type: ignore[attr-defined]
     return step
 
 
 def _step(
-    plan: StepPlan, state: TrainState, batch: Batch, donate: bool = False, engine: DataParallel | None = None
+    plan: StepPlan,
+    state: TrainState,
+    batch: Batch,
+    donate: bool = False,
+    engine: DataParallel | None = None,
+    fsdp: bool = False,
 ) -> TrainState:
+    lent = donate and is_lent(plan.model, state)
+    if fsdp and not lent:
+        raise TypeError(
+            f"{type(plan.model).__name__} is wrapped with fully_shard (FSDP2): its step runs the module as it is, on "
+            "a lent, donated state: state = init_state(model, optimizer, copy=False), then "
+            "step(state, batch, donate=True) (fit and train donate)"
+        )
     start, done = open_step(plan, state, batch)
     if done is not None:
         return done
     rank = plan.collective.rank if plan.collective is not None else 0
     device = next(iter(state.params.values())).device
-    lent = donate and is_lent(plan.model, state)
     if lent:  # the state's params are the module's Parameters: run the module as it is
         leaves = dict(state.params)
         for leaf in leaves.values():
@@ -85,11 +97,28 @@ def _step(
             micro = engine.syncing_last(micro, len(batch))
         sums = accumulate(micro, batch, (int(state.seed),), start.number, rank, device)
     try:
-        return _update(plan, state, start, leaves, buffers, sums, scaler, donate, lent, summed=engine is not None)
+        summed = engine is not None or fsdp  # DDP or FSDP summed the gradients over the ranks in backward
+        return _update(plan, state, start, leaves, buffers, sums, scaler, donate, lent, summed=summed)
     finally:
         if lent:
             for leaf in leaves.values():
                 leaf.grad = None
+
+
+def sum_fully_sharded(model: nn.Module) -> bool:
+    """Make every FSDP2 module of ``model`` sum its reduce-scattered gradients (FSDP divides by the world size;
+    trainfold's losses are already divided by the global item count), and say whether there was one.
+
+    >>> sum_fully_sharded(torch.nn.Linear(2, 2))
+    False
+    """
+    if not is_fully_sharded(model):
+        return False
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return True
 
 
 def is_lent(model: nn.Module, state: TrainState) -> bool:
@@ -215,6 +244,8 @@ def _update(
         state = attrs.evolve(state, extras={**state.extras, SCALER: updated(scaler, found_inf, plan.loss_scaling)})
     grad_tree = dict(zip(leaves, grads))
     grad_norm = global_norm(grad_tree)
+    if hasattr(grad_norm, "full_tensor"):  # DTensor gradients (FSDP2): their norm is reduced over the ranks
+        grad_norm = grad_norm.full_tensor()
     finish: dict[str, Any] = dict(cursor=start.cursor, loss=sums.loss, grad_norm=grad_norm, num_items=start.num_items)
     if found_inf is not None and bool(found_inf):  # overflow: skip the update, keep the params and optimizer state
         return next_state(plan, state, state.params, buffers, state.opt_state, aux=sums.aux, **finish)
