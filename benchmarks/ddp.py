@@ -52,7 +52,7 @@ def micro_batches(args: argparse.Namespace, rank: int) -> list[dict[str, torch.T
 
 def hand(args: argparse.Namespace, group: ProcessGroupCollective) -> Callable[[], float]:
     """Return one step of the hand loop (seconds)."""
-    model = DistributedDataParallel(build(args), broadcast_buffers=False)
+    model = DistributedDataParallel(build(args), forward_sync_buffers=False)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
     batch = micro_batches(args, group.rank)
 

@@ -45,7 +45,7 @@ class DataParallel:
                 self.model,
                 device_ids=[device.index] if device.type == "cuda" else None,
                 process_group=self.collective.group,
-                broadcast_buffers=False,  # each rank keeps its own running statistics, as without DDP
+                forward_sync_buffers=False,  # each rank keeps its own running statistics, as without DDP
             )
             self.ddp.register_comm_hook(self.collective.group, _summed)
         return self.ddp
