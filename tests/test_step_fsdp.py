@@ -121,5 +121,18 @@ def test_a_fully_shard_model_needs_a_lent_donated_state(one_rank):
         step(init_state(wrapped, opt, copy=False), micro_batches(0, 0))
 
 
+def test_train_refuses_a_fully_shard_module_by_name(one_rank, tmp_path):
+    from torch.distributed.fsdp import fully_shard
+
+    from trainfold import TrainingArguments, train
+
+    wrapped = model()
+    fully_shard(wrapped, mesh=one_rank)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none", disable_tqdm=True)
+    rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 4
+    with pytest.raises(TypeError, match=r"train\(\) does not take a module wrapped with fully_shard yet"):
+        train(wrapped, args, rows)
+
+
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))
