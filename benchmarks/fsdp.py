@@ -15,10 +15,12 @@ sharded step is slower than the replicated one; what it buys is the memory colum
     python benchmarks/fsdp.py --prefetch           # without and with the next block's all-gather in flight
 
 ``vs_fully_shard`` (``--vs-fully-shard``; ``benchmarks/gpu.py`` runs it on CUDA, one process per GPU
-on NCCL, in bf16 at ~100M params) compares trainfold's sharded step with torch's FSDP2
-(``fully_shard`` per block and at the root, ``MixedPrecisionPolicy(bf16)``, ``torch.optim.AdamW``,
-a hand-written loop): tokens/s and ``torch.cuda.max_memory_allocated`` per GPU. On CPU it runs the
-same code tiny on 2 gloo processes, so the suite can check it runs.
+on NCCL, in bf16 at ~100M params) compares trainfold's sharded step, and trainfold's lent step on a
+module wrapped with torch's FSDP2 (``make_step`` runs it as it is), with a hand-written FSDP2 loop
+(``fully_shard`` per block and at the root, ``MixedPrecisionPolicy(bf16)``, ``torch.optim.AdamW``):
+tokens/s and ``torch.cuda.max_memory_allocated`` per GPU, and the lent step's time over the hand
+loop's, the two interleaved step by step. On CPU it runs the same code on 2 gloo processes (tiny
+with ``--quick``, so the suite can check it runs).
 """
 
 from __future__ import annotations
@@ -202,6 +204,16 @@ def _vs_worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
                 TinyLMConfig(d_model=cfg["d_model"], n_layers=cfg["layers"], n_heads=cfg["heads"], max_len=seq)
             ).to(device)
 
+        def interleaved(into: dict, sides: dict) -> None:
+            seconds = _interleaved_seconds(sides, cfg, cuda)
+            hand = seconds[next(iter(sides))]
+            for name, values in seconds.items():
+                into[name] = {
+                    "tokens_per_s": rows * seq * world / statistics.median(values),
+                    "max_memory": torch.cuda.max_memory_allocated() if cuda else float("nan"),  # both sides' peak
+                    "ratio": statistics.median(v / h for v, h in zip(values, hand)),
+                }
+
         def timed(name: str, one_step) -> None:
             if cuda:
                 torch.cuda.synchronize()
@@ -233,12 +245,17 @@ def _vs_worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
 
         timed("trainfold sharded", trainfold_step)
         box.clear()  # free the shards before FSDP2 runs
-        ref = model()  # FSDP2, hand-written loop
         policy = MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
-        for block in ref.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        fully_shard(ref, mesh=mesh, mp_policy=policy)
-        optim = torch.optim.AdamW(ref.parameters(), lr=1e-4, foreach=True)
+
+        def wrapped() -> TinyLM:
+            net = model()
+            for block in net.blocks:
+                fully_shard(block, mesh=mesh, mp_policy=policy)
+            fully_shard(net, mesh=mesh, mp_policy=policy)
+            return net
+
+        ref = wrapped()  # FSDP2, hand-written loop
+        optim = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)
 
         def fsdp2_step() -> None:
             loss = causal_lm(ref(input_ids=ids), ids, n)
@@ -247,11 +264,33 @@ def _vs_worker(rank: int, world: int, port: int, cfg: dict, queue) -> None:
             optim.step()
             optim.zero_grad(set_to_none=True)
 
-        timed("FSDP2 fully_shard loop", fsdp2_step)
+        lent_net = wrapped()  # trainfold's lent step on the same FSDP2 module: make_step runs it as it is
+        lent_opt = chain(clip_by_global_norm(1.0), adamw(1e-4, mask=None))
+        lent = {"state": init_state(lent_net, lent_opt, copy=False), "step": make_step(lent_net, causal_lm, lent_opt)}
+
+        def lent_step() -> None:
+            lent["state"] = lent["step"](lent["state"], [{"input_ids": ids, "labels": ids}], donate=True)
+
+        interleaved(out, {"FSDP2 fully_shard loop": fsdp2_step, "trainfold lent (fully_shard)": lent_step})
         queue.put((rank, out))
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+def _interleaved_seconds(sides: dict, cfg: dict, cuda: bool) -> dict[str, list[float]]:
+    """Return each side's step seconds, the sides alternating (which goes first flips every round)."""
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    for i in range(cfg["warmup"] + cfg["steps"]):
+        for name in list(sides) if i % 2 == 0 else list(reversed(sides)):
+            dist.barrier()
+            start = time.perf_counter()
+            sides[name]()
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= cfg["warmup"]:
+                seconds[name].append(time.perf_counter() - start)
+    return seconds
 
 
 def vs_fully_shard(device: str = "cpu", world: int = 2, quick: bool = True) -> None:
@@ -267,13 +306,13 @@ def vs_fully_shard(device: str = "cpu", world: int = 2, quick: bool = True) -> N
             "steps": 20,
             "warmup": 3,
         }
-    else:
+    else:  # quick: tiny, so that the suite can run it; else a ~3M-param model for the ratio
         cfg = {
-            "d_model": 64,
-            "layers": 2,
+            "d_model": 64 if quick else 256,
+            "layers": 2 if quick else 4,
             "heads": 4,
-            "seq": 32,
-            "batch": 2,
+            "seq": 32 if quick else 128,
+            "batch": 2 if quick else 4,
             "bf16": False,
             "steps": 2 if quick else 8,
             "warmup": 1,
@@ -289,12 +328,13 @@ def vs_fully_shard(device: str = "cpu", world: int = 2, quick: bool = True) -> N
         f"\nTinyLM d_model {cfg['d_model']}, {cfg['layers']} blocks, {world} x {device} ({precision}), "
         f"{cfg['batch']} x {cfg['seq']} tokens per rank, medians of {cfg['steps']} steps\n"
     )
-    print("| run | rank | tokens/s (all ranks) | max memory (GiB) |")
-    print("|---|---:|---:|---:|")
+    print("| run | rank | tokens/s (all ranks) | max memory (GiB) | step time / FSDP2 loop's (interleaved) |")
+    print("|---|---:|---:|---:|---:|")
     for name in per_rank[0]:
         for rank in range(world):
             r = per_rank[rank][name]
-            print(f"| {name} | {rank} | {r['tokens_per_s']:.0f} | {r['max_memory'] / 2**30:.2f} |")
+            ratio = f"{r['ratio']:.2f}" if "ratio" in r else "-"
+            print(f"| {name} | {rank} | {r['tokens_per_s']:.0f} | {r['max_memory'] / 2**30:.2f} | {ratio} |")
 
 
 def _free_port() -> int:

@@ -7,8 +7,11 @@
 2. ``benchmarks/ensemble.py --device cuda``: four tiny Llamas in one ensemble step against four
    sequential eager loops (the issue's GPU target: >= 2x).
 3. ``benchmarks/fsdp.py``'s ``vs_fully_shard`` on every GPU (one NCCL process each): trainfold's
-   sharded bf16 step against FSDP2 ``fully_shard`` in a hand-written loop, tokens/s and max memory
-   per GPU. CUDA only (``python benchmarks/fsdp.py --vs-fully-shard`` runs it tiny on CPU).
+   sharded bf16 step and trainfold's lent step on an FSDP2 module (``fully_shard`` per block and the
+   root, ``MixedPrecisionPolicy(bf16)``; ``make_step`` runs it as it is) against the same FSDP2 module
+   in a hand-written loop with ``torch.optim.AdamW``: tokens/s, max memory per GPU, and the lent
+   step's time over the hand loop's (interleaved). CUDA only (``python benchmarks/fsdp.py
+   --vs-fully-shard --quick`` runs it tiny on CPU).
 
 Without CUDA it runs the same code paths smaller (tiny model, float32, CPU; the ensemble part only
 with ``--ensemble``, eager variants), so the suite can test it.

@@ -74,7 +74,9 @@ def test_every_problem_is_reported_at_once():
         ({"lr_scheduler_kwargs": "num_cycles=2"}, "lr_scheduler_kwargs must be dict or None"),
         ({"logging_nan_inf_filter": False}, "logged means always leave out inf/NaN step losses"),
         ({"label_smoothing_factor": 1.0}, r"label_smoothing_factor must be in \[0, 1\), got 1.0"),
-        ({"optim": "adafactor"}, r"optim='adafactor' is not one of \['adamw_torch_fused', 'adamw_torch', 'sgd'\]"),
+        ({"optim": "adamw_8bit"}, r"optim='adamw_8bit' is not supported: .* bitsandbytes package"),
+        ({"optim": "lomo"}, r"optim='lomo' is not supported: LOMO fuses the update into backward"),
+        ({"optim": "adam"}, r"optim='adam' is not one of \['adamw_torch_fused', 'adamw_torch', 'sgd', 'adagrad'"),
         (
             {"optim": "sgd", "optim_args": "momentum=0.9,weight_decay=0.1"},
             r"optim_args \['weight_decay'\] are not taken",

@@ -11,7 +11,6 @@ It trains and evaluates under ``collective_from_env()`` and writes what each ran
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import os
 import sys
@@ -214,6 +213,10 @@ def _worker(out: Path) -> None:
             collective=c,
         )
         (out / f"eval-train-{r}.json").write_text(json.dumps(evals_of(res.log_history)))
+        lent_net, opt = model(), adamw(1e-3)  # a lent, donated state steps through DistributedDataParallel
+        lent_step = make_step(lent_net, optimizer=opt, collective=c)
+        lent_step(init_state(lent_net, opt, copy=False), [collate(rows(4)[:2], [1, 2])], donate=True)
+        (out / f"engine-{r}.json").write_text(json.dumps(type(lent_step.engine.ddp).__name__))
         net = model()  # sharded evaluation of 7 rows: shards of 3 and 4
         mine = eval_batches(list(shard(rows(7), r, WORLD)))
         metrics = evaluate_sharded(net, None, mine, collective=c, compute_metrics=token_accuracy, speed_metrics=False)
@@ -282,6 +285,12 @@ def test_two_processes_of_batch_b_match_one_process_of_batch_2b(ranks, case, tmp
     assert [s for s, _ in losses[0]] == [s for s, _ in expected] == list(range(1, 11))
     for (_, mine), (_, theirs) in zip(losses[0], expected):
         assert mine == pytest.approx(theirs, abs=loss_atol(theirs), rel=0)
+
+
+def test_a_lent_step_across_ranks_runs_the_module_under_distributed_data_parallel(ranks):
+    assert [json.loads((ranks / f"engine-{r}.json").read_text()) for r in range(WORLD)] == [
+        "DistributedDataParallel"
+    ] * WORLD
 
 
 def test_train_under_torchrun_joins_the_process_group_itself(ranks, tmp_path):
@@ -385,7 +394,7 @@ def test_sigterm_to_one_rank_stops_both_at_one_step_with_one_checkpoint(tmp_path
     assert not [p for p in out.iterdir() if p.name.startswith(".") or "tmp" in p.name]
 
 
-# -- in one process: bucketing, and collectives simulated by threads ------------------------------
+# -- in one process: sums, and collectives simulated by threads ------------------------------
 
 
 class _Recorder:
@@ -399,17 +408,16 @@ class _Recorder:
         tensor.mul_(self.world)
 
 
-def test_sum_makes_one_all_reduce_per_bucket(monkeypatch):
+def test_sum_replaces_each_tensor_by_its_sum_over_ranks(monkeypatch):
     rec = _Recorder(2)
     monkeypatch.setattr("trainfold.dist.distributed.dist.all_reduce", rec)
-    floats = [torch.full((4,), float(i)) for i in range(5)]  # 16 bytes each
+    floats = [torch.full((4,), float(i)) for i in range(3)]
     count = torch.tensor(3)
-    ProcessGroupCollective(0, 2, bucket_bytes=64).sum_([*floats, count])
-    assert rec.calls == [(torch.float32, 16), (torch.float32, 4), (torch.int64, 1)]
-    assert [t.tolist() for t in floats] == [[2.0 * i] * 4 for i in range(5)] and count.item() == 6
+    ProcessGroupCollective(0, 2).sum_([*floats, count])
+    assert [t.tolist() for t in floats] == [[2.0 * i] * 4 for i in range(3)] and count.item() == 6
 
 
-def test_a_step_all_reduces_the_count_and_one_gradient_bucket(monkeypatch):
+def test_a_pure_step_sums_the_count_gradients_and_loss_over_ranks(monkeypatch):
     rec = _Recorder(1)
     monkeypatch.setattr("trainfold.dist.distributed.dist.all_reduce", rec)
     net, opt = model(), adamw(1e-3)
@@ -417,37 +425,10 @@ def test_a_step_all_reduces_the_count_and_one_gradient_bucket(monkeypatch):
     state = init_state(net, opt, seed=0)
     alone = make_step(net, optimizer=opt)(state, batch)
     shared = make_step(net, optimizer=opt, collective=ProcessGroupCollective(0, 1))(state, batch)
-    assert len(state.params) > 10
-    assert rec.calls == [(torch.int64, 1), (torch.float32, sum(p.numel() for p in state.params.values()) + 1)]
+    assert len(rec.calls) == 1 + len(state.params) + 1  # the count first, then every gradient and the loss
+    assert rec.calls[0] == (torch.int64, 1)
     for k in alone.params:
         assert torch.equal(alone.params[k], shared.params[k])
-
-
-@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=12), limit=st.integers(4, 200))
-@settings(max_examples=40, deadline=None)
-def test_buckets_coalesce_up_to_the_limit(sizes, limit):
-    rec = _Recorder(3)
-    tensors = [torch.arange(n, dtype=torch.float32) for n in sizes]
-    expected = [3 * t for t in tensors]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("trainfold.dist.distributed.dist.all_reduce", rec)
-        ProcessGroupCollective(0, 3, bucket_bytes=limit).sum_(tensors)
-    for got, want in zip(tensors, expected):
-        assert torch.equal(got, want)
-    numels = [n for _, n in rec.calls]
-    buckets, i = [], 0  # the calls cut the tensors into consecutive runs
-    for n in numels:
-        run = []
-        while sum(run) < n:
-            run.append(sizes[i])
-            i += 1
-        assert sum(run) == n
-        buckets.append(run)
-    assert i == len(sizes)
-    for run in buckets:
-        assert 4 * sum(run) <= limit or len(run) == 1  # within the limit, or one tensor larger than it
-    for run, after in itertools.pairwise(buckets):
-        assert 4 * (sum(run) + after[0]) > limit  # the next tensor did not fit: buckets are as full as allowed
 
 
 def test_sharded_evaluation_on_simulated_ranks_matches_evaluate():

@@ -320,20 +320,32 @@ def test_trajectory_donates_only_when_asked():
     assert bitwise(states[-1], kept[-1])
 
 
-def test_init_state_copy_false_lends_the_module_its_storage():
+def test_init_state_copy_false_lends_the_module_its_parameters():
     model = tiny()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     lent = init_state(model, CLIPPED, copy=False)
-    assert all(lent.params[k].data_ptr() == p.data_ptr() for k, p in model.named_parameters())
+    assert all(lent.params[k] is p for k, p in model.named_parameters())
     step = make_step(model, causal_lm, CLIPPED)
     pure = step(lent, lm_batch(0))  # without donation the module is untouched
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     donated = step(lent, lm_batch(0), donate=True)  # donated: the module holds the trained weights
     assert bitwise(pure, donated)
-    assert all(
-        torch.equal(p, donated.params[k]) and p.data_ptr() == donated.params[k].data_ptr()
-        for k, p in model.named_parameters()
-    )
+    assert all(donated.params[k] is p and p.grad is None for k, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_the_lent_path_equals_the_pure_path_bitwise_over_steps_with_accumulation(dropout):
+    """A lent, donated state runs the module as it is (grads in .grad); a copied state runs functional_call."""
+    opt = chain(clip_by_global_norm(1.0), adamw(1e-2, weight_decay=0.1))
+    pure_model, lent_model = tiny(dropout), tiny(dropout)
+    pure_step, lent_step = make_step(pure_model, causal_lm, opt), make_step(lent_model, causal_lm, opt)
+    pure, lent = init_state(pure_model, opt), init_state(lent_model, opt, copy=False)
+    for i in range(4):
+        pure = pure_step(pure, lm_batch(i, micro=3))
+        lent = lent_step(lent, lm_batch(i, micro=3), donate=True)
+        assert all(lent.params[k] is p for k, p in lent_model.named_parameters())
+    assert bitwise(pure, lent)
+    assert all(torch.equal(p, pure.params[k]) for k, p in lent_model.named_parameters())
 
 
 # -- train: one copy of the weights, and the rule for the module ------------------------------------------

@@ -19,6 +19,7 @@ from trainfold.optim import (
     add_decayed_weights,
     chain,
     clip_by_global_norm,
+    from_torch,
     optimizer_plan,
     scale_by_adam,
     scale_by_learning_rate,
@@ -128,6 +129,23 @@ CASES = {
         bitwise=True,
         schedule=SCHEDULE,
         elementwise=True,
+    ),
+    "from_torch-adagrad": Case(
+        lambda: from_torch(torch.optim.Adagrad, lr=0.1, lr_decay=0.01),
+        lambda p: torch.optim.Adagrad(list(p.values()), lr=0.1, lr_decay=0.01),
+        bitwise=True,
+    ),
+    "from_torch-rmsprop+masked-decay+schedule": Case(
+        lambda: from_torch(torch.optim.RMSprop, lr=SCHEDULE, momentum=0.5, weight_decay=0.1, mask=MASK),
+        scheduled(lambda p: torch.optim.RMSprop(groups(p, 0.1, MASK), lr=1e-2, momentum=0.5), SCHEDULE),
+        bitwise=True,
+        schedule=SCHEDULE,
+    ),
+    "clip+from_torch-adafactor": Case(
+        lambda: chain(clip_by_global_norm(0.5), from_torch(torch.optim.Adafactor, lr=1e-2)),
+        lambda p: torch.optim.Adafactor(list(p.values()), lr=1e-2),
+        clip=0.5,
+        bitwise=True,
     ),
     "sgd-from-parts": Case(
         lambda: chain(add_decayed_weights(0.01), trace(0.5), scale_by_learning_rate(0.05)),

@@ -119,7 +119,6 @@ MODULES = {
         "stream",
     ],
     "distributed": [
-        "BUCKET_BYTES",
         "GatherCollective",
         "ProcessGroupCollective",
         "SingleProcess",

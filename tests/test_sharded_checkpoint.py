@@ -447,6 +447,41 @@ def test_sigterm_to_one_rank_of_a_sharded_run_ends_both_with_one_sharded_jit_che
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
+@pytest.mark.slow
+def test_sigterm_on_a_save_step_of_a_fresh_sharded_run_ends_every_rank_and_resumes_bitwise(tmp_path):
+    """Defect D1: each rank drew its own run id, so rank 0 saw "already saved" while rank 1 began the JIT save."""
+    from resume_fixture import endless_cli_config, sigterm_rank_one_of_cli_ranks
+    from torchrun import torchrun
+
+    def configured(out: Path) -> Path:
+        folder = out.parent / f"{out.name}-config"
+        folder.mkdir()
+        config = endless_cli_config(folder, out)
+        sharded_saves = '[args]\nfsdp = "full_shard"\nsave_steps = 1\nlr_scheduler_type = "constant"\n'
+        config.write_text(config.read_text().replace("[args]\n", sharded_saves).replace('save_strategy = "no"', ""))
+        return config
+
+    def ranks(config: Path, *cli: str) -> None:
+        done = torchrun(ROOT / "src" / "trainfold" / "__main__.py", "train", "--config", config, *cli, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    cut = tmp_path / "cut"
+    config = configured(cut)
+    for _, err, code in sigterm_rank_one_of_cli_ranks(config, cut):  # every step saves: SIGTERM lands on a save
+        assert code == 143, err[-3000:]
+    stopped = max(int(p.name.split("-")[1]) for p in cut.glob("checkpoint-*"))
+    end = f"args.max_steps={stopped + 2}"
+    ranks(config, "--resume", "--set", end)
+    straight = tmp_path / "straight"
+    ranks(configured(straight), "--set", end)
+    for shard in (shard_file(0, 2), shard_file(1, 2)):  # each rank's shards of the params and optimizer state
+        resumed = load_file(cut / f"checkpoint-{stopped + 2}" / shard)
+        expected = load_file(straight / f"checkpoint-{stopped + 2}" / shard)
+        trained = [k for k in expected if k.startswith(("params.", "opt_state."))]
+        assert trained and resumed.keys() == expected.keys()
+        assert all(torch.equal(resumed[k], expected[k]) for k in trained), shard
+
+
 # -- one process -----------------------------------------------------------------------------------
 
 

@@ -378,26 +378,20 @@ def one_process_group(tmp_path):
     dist.destroy_process_group()
 
 
-def test_fsdp_and_dtensor_modules_are_refused_by_name(one_process_group):
+def test_fully_shard_modules_step_lent_states_and_dtensor_modules_are_refused_by_name(one_process_group):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
 
     sharded = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
     fully_shard(sharded, mesh=one_process_group)
-    with pytest.raises(
-        TypeError,
-        match=r"cannot train FSDPSequential: it is an FSDP2 module \(torch.distributed."
-        r"fsdp.fully_shard\); trainfold shards the state itself: pass the "
-        r"unwrapped module with TrainingArguments\(fsdp=.full_shard.\)",
-    ):
-        make_step(sharded, cross_entropy, sgd(0.1))
-    inner = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))
-    fully_shard(inner[1], mesh=one_process_group)
-    with pytest.raises(TypeError, match=r"its submodule '1' is an FSDP2 module"):
-        make_step(inner, cross_entropy, sgd(0.1))
+    step = make_step(sharded, cross_entropy, sgd(0.1))  # FSDP2: the step runs it as it is, on a lent state
+    batch = [{"input": torch.ones(4, 2), "labels": torch.tensor([0, 1, 2, 0])}]
+    with pytest.raises(TypeError, match=r"FSDPSequential is wrapped with fully_shard \(FSDP2\)"):
+        step(init_state(sharded, sgd(0.1)), batch)
+    assert int(step(init_state(sharded, sgd(0.1), copy=False), batch, donate=True).step) == 1
     lin = nn.Linear(2, 3)
     lin.weight = nn.Parameter(distribute_tensor(lin.weight.detach(), one_process_group, [Shard(0)]))
-    with pytest.raises(TypeError, match=r"parameter 'weight' is a DTensor"):
+    with pytest.raises(TypeError, match=r"parameter 'weight' is a DTensor .* wrap the module with .*fully_shard"):
         make_step(lin, cross_entropy, sgd(0.1))
 
 

@@ -188,3 +188,32 @@ def test_label_smoothing_agrees_with_one_micro_batch_per_step(tmp_path):
     )
     for name, p in hf_model.named_parameters():
         assert_within(ours.state.params[name], p.detach(), bound[name], rtol, name)
+
+
+@pytest.mark.parametrize(
+    ("optim", "optim_args", "cls"),
+    [
+        ("adagrad", "lr_decay=0.01", "Adagrad"),
+        ("rmsprop", "momentum=0.5,centered=true", "RMSprop"),
+        ("adafactor", None, "Adafactor"),
+    ],
+)
+def test_the_optimizers_torch_and_transformers_provide_agree(tmp_path, optim, optim_args, cls):
+    """optim= names beyond AdamW and SGD run torch's (or transformers') own optimizer through from_torch."""
+    settings = {**SETTINGS, "max_steps": 4, "optim": optim, "optim_args": optim_args, "learning_rate": 1e-2}
+    base, data = llama(), rows(16)
+    hf_model = copy.deepcopy(base)
+    trainer = transformers.Trainer(
+        model=hf_model,
+        train_dataset=Rows(data),
+        args=transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, **settings),
+    )
+    trainer.train()
+    inner = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert type(inner).__name__ == cls
+    hf_logs = [h for h in trainer.state.log_history if "loss" in h]
+    ours = train(base, TrainingArguments(output_dir=str(tmp_path / "tf"), **settings), data)
+    our_logs = [h for h in ours.log_history if "loss" in h and "train_loss" not in h]
+    assert [o["loss"] for o in our_logs] == pytest.approx([h["loss"] for h in hf_logs], rel=1e-5)
+    for name, p in hf_model.named_parameters():
+        torch.testing.assert_close(ours.state.params[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)

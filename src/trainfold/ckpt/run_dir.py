@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import socket
 import sys
@@ -45,7 +44,6 @@ from trainfold.ckpt.run_lock import lock, remove_leftovers
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, read_metadata
 from trainfold.ckpt.writer import disk_full, is_disk_full
 from trainfold.core.state import split_module
-
 
 __all__ = [
     "Claim",
@@ -266,7 +264,7 @@ def claim(
                 )
             run = RunIdentity(read_metadata(source)["run"]["id"], fingerprint)
         elif resume_from_checkpoint is None or resume_from_checkpoint is False:
-            source, run, fallback = None, RunIdentity.new(fingerprint), []
+            source, run, fallback = None, RunIdentity.new(fingerprint, shared=True), []
         else:
             source, run = _explicit_source(Path(resume_from_checkpoint), settings, fingerprint)
             fallback = []

@@ -145,9 +145,31 @@ class RunIdentity:
     fingerprint: str
 
     @classmethod
-    def new(cls, fingerprint: str) -> RunIdentity:
-        """Draw a fresh lineage id for a run with this fingerprint."""
-        return cls(f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(4)}", fingerprint)
+    def new(cls, fingerprint: str, *, shared: bool = False) -> RunIdentity:
+        """Draw a fresh lineage id for a run with this fingerprint (``shared``: rank 0's, on every rank).
+
+        A run has one lineage: a rank with an id of its own would take rank 0's checkpoints for another
+        run's (and begin a collective save rank 0 never joins). The id travels through the process group's store.
+
+        >>> len(RunIdentity.new("f00d", shared=True).id.split("-"))
+        3
+        """
+        drawn = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
+        return cls(_rank_zeros(drawn) if shared else drawn, fingerprint)
 
     def as_dict(self) -> dict[str, str]:
         return {"id": self.id, "fingerprint": self.fingerprint}
+
+
+def _rank_zeros(drawn: str) -> str:
+    """Return rank 0's ``drawn`` on every rank of the default process group (alone: ``drawn``)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return drawn
+    store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+    key = f"trainfold/run-id/{store.add(f'trainfold/claims/{rank}', 1)}"  # every rank claims in the same order
+    if rank == 0:
+        store.set(key, drawn)
+        return drawn
+    return store.get(key).decode()

@@ -202,7 +202,7 @@ def check_live(state: Any) -> None:
 
 
 def split_module(model: nn.Module, *, copy: bool = True) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Return ``(params, buffers)`` of ``model`` as detached copies (``copy=False``: detached, sharing storage).
+    """Return ``(params, buffers)`` of ``model`` as detached copies (``copy=False``: the module's own tensors).
 
     Trainable parameters go to ``params``; frozen parameters and buffers to ``buffers``. Tied
     parameters appear once, under their first name.
@@ -216,9 +216,9 @@ def split_module(model: nn.Module, *, copy: bool = True) -> tuple[dict[str, Tens
     params: dict[str, Tensor] = {}
     buffers: dict[str, Tensor] = {}
     for name, p in model.named_parameters():
-        (params if p.requires_grad else buffers)[name] = p.detach().clone() if copy else p.detach()
+        (params if p.requires_grad else buffers)[name] = p.detach().clone() if copy else p
     for name, b in model.named_buffers():
-        buffers[name] = b.detach().clone() if copy else b.detach()
+        buffers[name] = b.detach().clone() if copy else b
     return params, buffers
 
 
@@ -235,15 +235,16 @@ def init_state(
 
     ``params`` starts from other trainable tensors than the model's own (e.g. an SFT result before
     DPO); they must have the model's parameter names. The model itself is never changed here.
-    ``copy=False`` lends the model's own storage to the state instead of copying it (one copy of the
-    weights): a step that never donates leaves it alone, but a *donating* step (``fit``,
-    ``step(state, batch, donate=True)``) updates it in place, so the module then holds the trained
-    weights, as ``train`` does.
+    ``copy=False`` *lends* the model to the state: its params are the module's own ``Parameter``
+    objects (and its buffers the module's buffers), one copy of the weights. A step that never
+    donates leaves them alone; a *donating* step (``fit``, ``step(state, batch, donate=True)``) runs
+    the module as it is, gradients arriving in ``.grad`` through ``backward``, and updates the
+    Parameters in place, as ``train`` does (so torch's engines, DDP and ``fully_shard``, work unchanged).
 
     >>> import torch
     >>> from trainfold.optim import sgd
     >>> lin = torch.nn.Linear(2, 1)
-    >>> init_state(lin, sgd(0.1), copy=False).params["weight"].data_ptr() == lin.weight.data_ptr()
+    >>> init_state(lin, sgd(0.1), copy=False).params["weight"] is lin.weight
     True
 
     >>> s = init_state(
@@ -272,7 +273,7 @@ def init_state(
 
 
 def lend(model: nn.Module, state: TrainState) -> TrainState:
-    """Return ``state`` holding ``model``'s own tensors: each value is copied into the module's tensor of that name.
+    """Return ``state`` holding ``model``'s own tensors (its ``Parameter`` objects): each value is copied into them.
 
     After a checkpoint is loaded (fresh tensors), this puts the run back on one copy of the weights:
     a donating step then trains the module's storage. Tensors the module keeps on another device,
@@ -283,7 +284,7 @@ def lend(model: nn.Module, state: TrainState) -> TrainState:
     >>> lin = torch.nn.Linear(2, 1)
     >>> s = init_state(torch.nn.Linear(2, 1), sgd(0.1))
     >>> lent = lend(lin, s)
-    >>> lent.params["weight"].data_ptr() == lin.weight.data_ptr(), torch.equal(lin.weight, s.params["weight"])
+    >>> lent.params["weight"] is lin.weight, torch.equal(lin.weight, s.params["weight"])
     (True, True)
     """
     own = {**dict(model.named_buffers()), **dict(model.named_parameters())}
@@ -300,7 +301,7 @@ def lend(model: nn.Module, state: TrainState) -> TrainState:
             if fits and target.data_ptr() != value.data_ptr():
                 with torch.no_grad():
                     target.copy_(value)
-            out[name] = target.detach() if fits else value
+            out[name] = target if fits else value
         return out
 
     return attrs.evolve(state, params=lent(state.params), buffers=lent(state.buffers))

@@ -1,7 +1,6 @@
 """Process groups: collectives, torchrun, failures across ranks, data shards."""
 
 from trainfold.dist.distributed import (
-    BUCKET_BYTES,
     GatherCollective,
     ProcessGroupCollective,
     SingleProcess,
@@ -15,7 +14,6 @@ from trainfold.dist.distributed import (
 from trainfold.dist.shards import shard, shard_bounds
 
 __all__ = [
-    "BUCKET_BYTES",
     "GatherCollective",
     "ProcessGroupCollective",
     "SingleProcess",

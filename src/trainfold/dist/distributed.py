@@ -2,8 +2,9 @@
 
 Under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` set), ``collective_from_env()`` joins
 the process group (NCCL on GPUs, gloo on CPUs) and yields a ``ProcessGroupCollective``; alone it
-yields ``None`` and everything runs in one process. Gradients are summed in buckets: tensors of
-one dtype are flattened into a few large buffers, one ``all_reduce`` each, then copied back.
+yields ``None`` and everything runs in one process. A lent step's gradients are summed by torch's
+``DistributedDataParallel`` during backward (``trainfold.step.data_parallel``); the collective sums
+what else the ranks share (item counts, losses, the pure path's gradients).
 
 Evaluation is sharded: each rank evaluates a contiguous slice of the eval set
 (:func:`shard_bounds`, :func:`shard`); ``trainfold.eval.sharded`` merges the ranks' results.
@@ -33,7 +34,6 @@ from trainfold.dist import quiesce as _quiesce  # noqa: F401  (registers the exi
 from trainfold.dist.shards import shard, shard_bounds
 
 __all__ = [
-    "BUCKET_BYTES",
     "GatherCollective",
     "ProcessGroupCollective",
     "SingleProcess",
@@ -47,45 +47,40 @@ __all__ = [
     "shard_bounds",
 ]
 
-BUCKET_BYTES = 25 * 2**20
-
 
 @attrs.frozen
 class ProcessGroupCollective:
-    """Sums and gathers over the ranks of a ``torch.distributed`` process group, bucketed.
+    """Sums and gathers over the ranks of a ``torch.distributed`` process group.
 
     ``device`` is where tensors travel (a CUDA device for NCCL, the CPU for gloo); tensors
     elsewhere are copied there and back. Build one with :func:`process_group_collective`;
     its fields need no process group:
 
     >>> c = ProcessGroupCollective(rank=1, world_size=4)
-    >>> c.rank, c.world_size, str(c.device), c.bucket_bytes == BUCKET_BYTES
-    (1, 4, 'cpu', True)
+    >>> c.rank, c.world_size, str(c.device)
+    (1, 4, 'cpu')
     """
 
     rank: int
     world_size: int
     group: Any = None
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
-    bucket_bytes: int = BUCKET_BYTES
 
     def sum_(self, tensors: list[Tensor]) -> None:
-        """Replace each tensor by its sum over all ranks, in place: one ``all_reduce`` per bucket."""
-        for bucket in _buckets(tensors, self.bucket_bytes):
-            flat = torch.cat([t.reshape(-1).to(self.device) for t in bucket])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            offset = 0
-            for t in bucket:
-                n = t.numel()
-                t.copy_(flat[offset : offset + n].view_as(t))
-                offset += n
+        """Replace each tensor by its sum over all ranks, in place (one ``all_reduce`` each)."""
+        for t in tensors:
+            buf = t.to(self.device)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+            if buf is not t:
+                t.copy_(buf)
 
     def max_(self, tensors: list[Tensor]) -> None:
         """Replace each tensor by its maximum over all ranks, in place."""
         for t in tensors:
             buf = t.to(self.device)
             dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
-            t.copy_(buf)
+            if buf is not t:
+                t.copy_(buf)
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Return every rank's ``tensor`` (same shape and dtype on all ranks), in rank order."""
@@ -140,26 +135,7 @@ class GatherCollective(Protocol):
         """Return every rank's tensor, in rank order."""
 
 
-def _buckets(tensors: list[Tensor], limit: int) -> Iterator[list[Tensor]]:
-    """Group tensors by dtype into lists of at most ``limit`` bytes (a larger tensor goes alone)."""
-    by_dtype: dict[torch.dtype, list[Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group in by_dtype.values():
-        bucket: list[Tensor] = []
-        size = 0
-        for t in group:
-            nbytes = t.numel() * t.element_size()
-            if bucket and size + nbytes > limit:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append(t)
-            size += nbytes
-        if bucket:
-            yield bucket
-
-
-def process_group_collective(group: Any = None, bucket_bytes: int = BUCKET_BYTES) -> ProcessGroupCollective:
+def process_group_collective(group: Any = None) -> ProcessGroupCollective:
     """Return the collective of an already initialised process group (default: the world).
 
     NCCL groups communicate on ``cuda:LOCAL_RANK``; others on the CPU.
@@ -178,9 +154,7 @@ def process_group_collective(group: Any = None, bucket_bytes: int = BUCKET_BYTES
     device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return ProcessGroupCollective(
-        dist.get_rank(group), dist.get_world_size(group), group=group, device=device, bucket_bytes=bucket_bytes
-    )
+    return ProcessGroupCollective(dist.get_rank(group), dist.get_world_size(group), group=group, device=device)
 
 
 def _init_group(backend: str | None) -> None:

@@ -226,7 +226,7 @@ class TrainingArguments:
         for item in (self.optim_args or "").replace(" ", "").split(","):
             if item:
                 key, _, value = item.partition("=")
-                out[key] = value.lower() in ("true", "1", "yes") if key == "nesterov" else float(value)
+                out[key] = value.lower() in ("true", "1", "yes") if key in ("nesterov", "centered") else float(value)
         return out
 
     @property

@@ -7,15 +7,13 @@ from typing import Any
 
 __all__ = ["OPTIMIZERS", "FSDP_FULL_SHARD", "fsdp_options", "optim_problems", "combination_problems"]
 
-# optim -> the optim_args it takes (HF's "key=value,key=value" string)
-OPTIMIZERS: dict[str, tuple[str, ...]] = {
-    "adamw_torch_fused": (),
-    "adamw_torch": (),
-    "sgd": ("momentum", "dampening", "nesterov"),
-}
+from trainfold.hf.optimizer import OPTIMIZERS, refused_optimizer
 
 
 def optim_problems(args: Any) -> list[str]:
+    refused = refused_optimizer(args.optim)
+    if refused is not None:
+        return [f"optim={args.optim!r} is not supported: {refused}"]
     if args.optim not in OPTIMIZERS:
         return [f"optim={args.optim!r} is not one of {list(OPTIMIZERS)}"]
     items = [i for i in (args.optim_args or "").replace(" ", "").split(",") if i]
@@ -29,7 +27,7 @@ def optim_problems(args: Any) -> list[str]:
     try:
         options = args.optimizer_options
     except ValueError:
-        return [f"optim_args values must be numbers (nesterov: true/false), got {args.optim_args!r}"]
+        return [f"optim_args values must be numbers (nesterov, centered: true/false), got {args.optim_args!r}"]
     return [
         f"optim_args {k}={v} is not a finite number"
         for k, v in options.items()

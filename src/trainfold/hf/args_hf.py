@@ -110,8 +110,8 @@ HF_ONLY: dict[str, str] = {
     "use_cache": "set model.config.use_cache yourself (activation checkpointing turns it off where it must)",
     "torch_empty_cache_steps": "not supported; call torch.cuda.empty_cache() from an observer if you need it",
     "optim_target_modules": "for GaLore/APOLLO optimizers, which trainfold does not have (optim: adamw_torch_fused, "
-    "adamw_torch, sgd)",
-    "adafactor": _GONE + "Adafactor is not supported (optim: adamw_torch_fused, adamw_torch, sgd)",
+    "adamw_torch, sgd, adagrad, rmsprop, adafactor)",
+    "adafactor": _GONE + "write optim='adafactor'",
     "dataloader_multiprocessing_context": "not supported; the workers start with the platform's default context",
     "dataloader_in_order": "not supported; data order never depends on dataloader_num_workers anyway",
     "ignore_data_skip": "a resume always continues at the exact data position, without reading the skipped batches",

@@ -41,6 +41,7 @@ from trainfold.hf.plan import (
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.recipes.neftune import neftune_objective
 from trainfold.step import make_step
+from trainfold.step.plan import is_fully_sharded
 
 __all__ = ["plan_for", "world_of", "early_stopping_for", "step_for"]
 
@@ -72,6 +73,12 @@ def step_for(
     model: nn.Module, inputs: RunInputs, optimizer: Any, options: StepOptions, collective: Collective | None
 ) -> tuple[Callable[..., Any], Any]:
     """Return ``(step, sharding)``: ``make_step`` with the run's loss, objective (NEFTune's noise) and options."""
+    if is_fully_sharded(model):  # its checkpoints and evaluation are not on torch's DCP yet
+        raise TypeError(
+            f"train() does not take a module wrapped with fully_shard yet ({type(model).__name__}): pass the "
+            "unwrapped module with fsdp='full_shard', or step the wrapped one with make_step on a lent state "
+            "(init_state(model, optimizer, copy=False), then trainfold.fit)"
+        )
     objective = inputs.objective
     if options.neftune_noise_alpha is not None:
         if objective is not None:

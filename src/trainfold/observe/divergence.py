@@ -59,7 +59,7 @@ def nonfinite_params(params: Mapping[str, Tensor]) -> list[str]:
     >>> nonfinite_params({"a": torch.zeros(2), "b": torch.tensor([float("inf")])})
     ['b']
     """
-    return [name for name, t in params.items() if t.is_floating_point() and not _finite(t)]
+    return [name for name, t in params.items() if t.is_floating_point() and not _finite(t.detach())]
 
 
 def _finite(t: Tensor) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import warnings
 import weakref
 import zlib
 from collections.abc import Iterator, Mapping, Sequence

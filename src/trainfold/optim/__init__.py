@@ -3,8 +3,9 @@
 ``adamw`` and ``sgd`` (``base``) are aliases built with ``chain`` (``chain``) from the transforms
 (``adam``: ``scale_by_adam``; ``transforms``: ``clip_by_global_norm``, ``add_decayed_weights``,
 ``scale_by_learning_rate``, ``trace``), all implementing ``GradientTransformation`` (``transform``);
-``masks`` picks the params weight decay touches; ``flat`` assembles the element-wise AdamW plan the
-compiled and ensemble steps run; ``schedules`` holds the HF learning-rate schedules.
+``masks`` picks the params weight decay touches; ``torch_optim.from_torch`` runs any ``torch.optim``
+optimizer; ``flat`` assembles the element-wise AdamW plan the compiled and ensemble steps run;
+``schedules`` holds the HF learning-rate schedules.
 """
 
 from trainfold.optim.adam import AdamState, adamw_update, scale_by_adam
@@ -12,6 +13,7 @@ from trainfold.optim.base import adamw, sgd
 from trainfold.optim.chain import chain
 from trainfold.optim.flat import OptimizerPlan, optimizer_plan
 from trainfold.optim.masks import decay_mask, decay_mask_by_name
+from trainfold.optim.torch_optim import TorchOptimizer, TorchOptState, from_torch
 from trainfold.optim.transform import GradientTransformation, StepRule, apply_updates, overwrite
 from trainfold.optim.transforms import (
     SgdState,
@@ -43,4 +45,7 @@ __all__ = [
     "OptimizerPlan",
     "optimizer_plan",
     "adamw_update",
+    "from_torch",
+    "TorchOptimizer",
+    "TorchOptState",
 ]

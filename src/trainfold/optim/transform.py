@@ -224,7 +224,7 @@ def overwrite(old: Any, new: Any) -> Any:
         )
         if not same:
             return new
-        if old.data_ptr() != new.data_ptr():
+        if _local(old).data_ptr() != _local(new).data_ptr():  # not already written in place
             old.copy_(new)
         return old
     if attrs.has(type(new)) and type(old) is type(new):
@@ -235,3 +235,8 @@ def overwrite(old: Any, new: Any) -> Any:
     if isinstance(new, tuple) and isinstance(old, tuple) and len(old) == len(new):
         return type(new)(overwrite(a, b) for a, b in zip(old, new)) if type(new) is tuple else new
     return new
+
+
+def _local(t: Tensor) -> Tensor:
+    """Return a DTensor's local shard (whose storage is real: a DTensor's own ``data_ptr`` is 0), else ``t``."""
+    return getattr(t, "_local_tensor", t)

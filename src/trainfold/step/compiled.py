@@ -232,7 +232,8 @@ def _apply(
     decay = opt.decay(state.params)
     learning_rate = float(opt.learning_rate(count))
     inputs = ([state.params[k] for k in names], sums.grads, [adam.mu[k] for k in names], [adam.nu[k] for k in names])
-    out = update_graph(opt, [decay[k] for k in names], *inputs, lr, step_size, bc2_sqrt)
+    with torch.no_grad():  # a lent state's params are the module's Parameters, written in place
+        out = update_graph(opt, [decay[k] for k in names], *inputs, lr, step_size, bc2_sqrt)
     norm, new_p, mu, nu = (out, inputs[0], inputs[2], inputs[3]) if donate else out  # donated: written in place
     new_adam = AdamState(adam.count + 1, dict(zip(names, mu)), dict(zip(names, nu)))
     opt_state = opt.wrap(state.opt_state, new_adam)

@@ -7,12 +7,13 @@ from typing import Any
 
 import attrs
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from trainfold.core.forward import Batch, Forward, training_flags
+from trainfold.core.forward import Batch, Forward, make_forward, training_flags
 from trainfold.core.state import TrainState
 from trainfold.core.tree import global_norm
 from trainfold.step.amp import SCALER, ScalerState, unscale_, updated
+from trainfold.step.data_parallel import DataParallel, engine_for
 from trainfold.step.driver import (
     MicroStep,
     StepStart,
@@ -26,16 +27,17 @@ from trainfold.step.driver import (
     sum_over_ranks,
     with_donation,
 )
-from trainfold.step.plan import StepPlan
+from trainfold.step.plan import StepPlan, is_fully_sharded
 from trainfold.step.recompute import cache_off
 
-__all__ = ["eager_step", "only_leaves_need_grad"]
+__all__ = ["eager_step", "is_lent", "only_leaves_need_grad"]
 
 
 def eager_step(plan: StepPlan) -> Callable[..., TrainState]:
     """Return ``step(state, batch, *, donate=False) -> state`` of ``plan``, run eagerly (``make_step`` builds it).
 
-    The step carries its plan as ``step.plan``, so that ``compiled.compile_step(step)`` can wrap it.
+    The step carries its plan as ``step.plan``, so that ``compiled.compile_step(step)`` can wrap it, and its
+    ``step.engine``: the ``data_parallel.DataParallel`` a lent state steps through across ranks (else None).
 
     >>> import torch
     >>> from trainfold.optim import sgd
@@ -47,31 +49,123 @@ def eager_step(plan: StepPlan) -> Callable[..., TrainState]:
     >>> step(init_state(torch.nn.Linear(3, 2), sgd(0.1)), batch).step.item()
     1
     """
-    step = with_donation(lambda state, batch, donate: _step(plan, state, batch, donate))
+    fsdp = sum_fully_sharded(plan.model)  # FSDP2 sums (not averages) its reduce-scattered gradients
+    engine = None if fsdp else engine_for(plan.collective, plan.model)  # DDP across ranks, for lent states
+    step = with_donation(lambda state, batch, donate: _step(plan, state, batch, donate, engine, fsdp))
     step.plan = plan  # type: ignore[attr-defined]
+    step.engine = engine  # type: ignore[attr-defined]
     return step
 
 
-def _step(plan: StepPlan, state: TrainState, batch: Batch, donate: bool = False) -> TrainState:
+def _step(
+    plan: StepPlan,
+    state: TrainState,
+    batch: Batch,
+    donate: bool = False,
+    engine: DataParallel | None = None,
+    fsdp: bool = False,
+) -> TrainState:
+    lent = donate and is_lent(plan.model, state)
+    if fsdp and not lent:
+        raise TypeError(
+            f"{type(plan.model).__name__} is wrapped with fully_shard (FSDP2): its step runs the module as it is, on "
+            "a lent, donated state: state = init_state(model, optimizer, copy=False), then "
+            "step(state, batch, donate=True) (fit and train donate)"
+        )
     start, done = open_step(plan, state, batch)
     if done is not None:
         return done
     rank = plan.collective.rank if plan.collective is not None else 0
     device = next(iter(state.params.values())).device
-    leaves = {k: v.detach().requires_grad_() for k, v in state.params.items()}
-    # running stats update copies; a donated state's own buffers are updated in place
-    buffers = dict(state.buffers) if donate else {k: v.clone() for k, v in state.buffers.items()}
+    if lent:  # the state's params are the module's Parameters: run the module as it is
+        leaves = dict(state.params)
+        for leaf in leaves.values():
+            leaf.grad = None
+        buffers = dict(state.buffers)
+    else:  # the pure path: fresh leaves bound to the module for the call
+        leaves = {k: v.detach().requires_grad_() for k, v in state.params.items()}
+        # running stats update copies; a donated state's own buffers are updated in place
+        buffers = dict(state.buffers) if donate else {k: v.clone() for k, v in state.buffers.items()}
     scaler = _scaler_of(plan, state)
     modules = list(plan.model.modules())
-    with (
-        training_flags(modules, True),
-        plan.slots.bound(modules, leaves, buffers) as forward,
-        cache_off(plan.cache_configs),
-        plan.recompute_scope(modules),
-    ):
+    engine = engine if lent else None  # the pure path sums its gradients after backward
+    module = engine.module() if engine is not None else plan.model
+    forward = _lent_forward(module, plan.model, leaves, buffers) if lent else _pure_forward(plan, leaves, buffers)
+    with training_flags(modules, True), cache_off(plan.cache_configs), plan.recompute_scope(modules):
         micro = _backward(plan, forward, leaves, start, scaler, device)
+        if engine is not None:
+            micro = engine.syncing_last(micro, len(batch))
         sums = accumulate(micro, batch, (int(state.seed),), start.number, rank, device)
-    return _update(plan, state, start, leaves, buffers, sums, scaler, donate)
+    try:
+        summed = engine is not None or fsdp  # DDP or FSDP summed the gradients over the ranks in backward
+        return _update(plan, state, start, leaves, buffers, sums, scaler, donate, lent, summed=summed)
+    finally:
+        if lent:
+            for leaf in leaves.values():
+                leaf.grad = None
+
+
+def sum_fully_sharded(model: nn.Module) -> bool:
+    """Make every FSDP2 module of ``model`` sum its reduce-scattered gradients (FSDP divides by the world size;
+    trainfold's losses are already divided by the global item count), and say whether there was one.
+
+    >>> sum_fully_sharded(torch.nn.Linear(2, 2))
+    False
+    """
+    if not is_fully_sharded(model):
+        return False
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
+    return True
+
+
+def is_lent(model: nn.Module, state: TrainState) -> bool:
+    """Say whether ``state`` is lent by ``model``: its params are the module's own ``Parameter`` objects, and its
+    buffers the module's own tensors (``init_state(model, optimizer, copy=False)``).
+
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.core.state import init_state
+    >>> lin = torch.nn.Linear(2, 1)
+    >>> is_lent(lin, init_state(lin, sgd(0.1), copy=False)), is_lent(lin, init_state(lin, sgd(0.1)))
+    (True, False)
+    """
+    own = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    return all(own.get(k) is v for tree in (state.params, state.buffers) for k, v in tree.items())
+
+
+def _pure_forward(plan: StepPlan, leaves: dict[str, Tensor], buffers: dict[str, Tensor]) -> Forward:
+    """Return ``forward(params, inputs)`` through ``functional_call``, writing a buffer the module reassigns (rather
+    than updates in place) for the step's ``leaves`` back into ``buffers``."""
+    model, forward = plan.model, make_forward(plan.model, buffers)
+
+    def bound(params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
+        if params is not leaves:
+            return forward(params, inputs)
+        seen: dict[str, Tensor] = {}
+        hook = model.register_forward_hook(lambda module, args, out: seen.update(module.named_buffers()))
+        try:
+            out = forward(params, inputs)
+        finally:
+            hook.remove()
+        buffers.update({k: v for k, v in seen.items() if k in buffers and v is not buffers[k]})
+        return out
+
+    return bound
+
+
+def _lent_forward(
+    module: nn.Module, model: nn.Module, leaves: dict[str, Tensor], buffers: dict[str, Tensor]
+) -> Forward:
+    """Return ``forward(params, inputs)``: ``module`` as it is (or its DDP wrapper) for the lent ``leaves``, else
+    ``functional_call`` (a frozen reference's params, say)."""
+    other = make_forward(model, buffers)
+
+    def forward(params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
+        return module(**inputs) if params is leaves else other(params, inputs)
+
+    return forward
 
 
 def _backward(
@@ -132,11 +226,17 @@ def _update(
     sums: Sums,
     scaler: ScalerState | None,
     donate: bool,
+    lent: bool = False,
+    summed: bool = False,
 ) -> TrainState:
-    """Sum the gradients over ranks, unscale them (fp16), and apply the optimizer (unless they overflowed)."""
+    """Sum the gradients over ranks (unless DDP ``summed`` them), unscale them (fp16), and apply the optimizer
+    (unless they overflowed).
+
+    A lent state's params (the module's Parameters) are updated in place and stay the next state's params.
+    """
     leaf_list = list(leaves.values())
     grads = materialized([leaf.grad for leaf in leaf_list], leaf_list, plan.model, start.number)
-    sum_over_ranks(plan.collective, [*grads, sums.loss])
+    sum_over_ranks(plan.collective, [sums.loss] if summed else [*grads, sums.loss])
     found_inf = None
     if scaler is not None:
         assert plan.loss_scaling is not None
@@ -144,15 +244,35 @@ def _update(
         state = attrs.evolve(state, extras={**state.extras, SCALER: updated(scaler, found_inf, plan.loss_scaling)})
     grad_tree = dict(zip(leaves, grads))
     grad_norm = global_norm(grad_tree)
+    if hasattr(grad_norm, "full_tensor"):  # DTensor gradients (FSDP2): their norm is reduced over the ranks
+        grad_norm = grad_norm.full_tensor()
     finish: dict[str, Any] = dict(cursor=start.cursor, loss=sums.loss, grad_norm=grad_norm, num_items=start.num_items)
     if found_inf is not None and bool(found_inf):  # overflow: skip the update, keep the params and optimizer state
         return next_state(plan, state, state.params, buffers, state.opt_state, aux=sums.aux, **finish)
     learning_rate = plan.optimizer.learning_rate(state.opt_state)  # before a donated update reuses the tensors
-    params, opt_state = plan.optimizer.apply_owned(
-        grad_tree, state.opt_state, state.params, norm=grad_norm, donate=donate
-    )
-    new_params = {k: params[k].detach() for k in leaves}
+    with torch.no_grad():
+        params, opt_state = plan.optimizer.apply_owned(
+            grad_tree, state.opt_state, state.params, norm=grad_norm, donate=donate
+        )
+    new_params = {k: state.params[k] if lent else params[k].detach() for k in leaves}
+    if lent:
+        _check_in_place(params, state.params)
+        buffers = _own_buffers(plan.model, buffers)
     return next_state(plan, state, new_params, buffers, opt_state, aux=sums.aux, learning_rate=learning_rate, **finish)
+
+
+def _check_in_place(params: Mapping[str, Tensor], lent: Mapping[str, Tensor]) -> None:
+    """Copy into the lent Parameters any new param the optimizer returned in fresh memory."""
+    with torch.no_grad():
+        for k, p in lent.items():
+            if params[k] is not p:
+                p.copy_(params[k])
+
+
+def _own_buffers(model: nn.Module, buffers: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Return the module's current tensors for ``buffers``' names (a module may reassign a buffer)."""
+    own = {**dict(model.named_buffers()), **dict(model.named_parameters())}
+    return {k: own.get(k, v) for k, v in buffers.items()}
 
 
 def _scaler_of(plan: StepPlan, state: TrainState) -> ScalerState | None:

@@ -56,6 +56,10 @@ def make_step(
     ``sharded.shard_state``, gathering one block at a time (with ``compile``: each block's forward compiled,
     ``sharded_compiled``). ``step(state, batch, donate=True)`` (or ``step.donating``) updates ``state``'s tensors
     in place and invalidates it (bitwise equal); ``differentiable=True``: ``trainfold.step.differentiable``.
+    A *lent* state (``init_state(model, optimizer, copy=False)``: its params are the module's own
+    Parameters), donated, runs the module as it is, gradients arriving in ``.grad`` through backward:
+    across ranks under ``DistributedDataParallel`` (``data_parallel``), and a module the user wrapped
+    with FSDP2 ``fully_shard`` trains this way only.
 
     >>> import torch
     >>> from trainfold.optim import sgd

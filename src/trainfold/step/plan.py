@@ -16,9 +16,8 @@ from trainfold.core.losses import counter_for, default_loss_for
 from trainfold.optim import GradientTransformation
 from trainfold.step.amp import LossScaling
 from trainfold.step.recompute import cache_configs, recomputing
-from trainfold.step.slots import Slots
 
-__all__ = ["StepPlan", "default_counter", "refuse_sharded", "step_plan"]
+__all__ = ["StepPlan", "default_counter", "is_fully_sharded", "refuse_sharded", "step_plan"]
 
 
 @attrs.frozen
@@ -44,7 +43,6 @@ class StepPlan:
     recompute: int = 0  # 0: off; n: checkpoint every n-th block
     loss_scaling: LossScaling | None = None
     cache_configs: tuple[Any, ...] = ()  # configs whose KV cache the step turns off (recompute.cache_off)
-    slots: Slots = attrs.field(default=attrs.Factory(lambda plan: Slots(plan.model), takes_self=True))
 
     def autocast_scope(self, device_type: str) -> contextlib.AbstractContextManager[Any]:
         """Return the ``torch.autocast`` scope of the forward pass (a no-op scope without ``autocast``)."""
@@ -75,11 +73,11 @@ def step_plan(
 ) -> StepPlan:
     """Return the ``StepPlan`` of ``make_step``'s arguments (same names and defaults), refusing what cannot train.
 
-    ``dtensor_params`` allows DTensor parameters (the sharded step's).
+    ``dtensor_params`` allows DTensor parameters (the sharded step's); without it, FSDP2 modules are allowed.
     """
     if optimizer is None:
         raise TypeError("make_step needs an optimizer, e.g. optimizer=trainfold.adamw(1e-3)")
-    refuse_sharded(model, dtensor_params=dtensor_params)
+    refuse_sharded(model, dtensor_params=dtensor_params, fully_shard=not dtensor_params)
     if loss is None:
         loss = default_loss_for(model, defer=objective is not None)
     return StepPlan(
@@ -131,28 +129,39 @@ def _sharded_kind(cls: type) -> str | None:
     return None
 
 
-def refuse_sharded(model: nn.Module, dtensor_params: bool = False) -> None:
+def is_fully_sharded(model: nn.Module) -> bool:
+    """Say whether ``model`` (or a submodule) was wrapped with FSDP2's ``fully_shard``.
+
+    >>> is_fully_sharded(torch.nn.Linear(2, 2))
+    False
+    """
+    return any(any(c.__name__ == "FSDPModule" for c in type(m).__mro__) for m in model.modules())
+
+
+def refuse_sharded(model: nn.Module, dtensor_params: bool = False, fully_shard: bool = False) -> None:
     """Raise ``TypeError`` when ``model`` is FSDP-wrapped or (unless ``dtensor_params``) holds DTensor parameters.
 
-    The step swaps its own tensors into the model's parameter slots; FSDP gathers its sharded
-    parameters into other tensors for the forward pass, so the step would see no gradient and
-    leave the parameters unchanged. trainfold shards the state itself (``trainfold.step.sharded``).
+    ``fully_shard`` allows FSDP2 modules (``torch.distributed.fsdp.fully_shard``): the eager step
+    runs them as they are on a lent, donated state (``init_state(model, optimizer, copy=False)``),
+    their params the state's DTensor shards. Everything else that keeps its parameters elsewhere
+    (FSDP1, DTensor parameters without FSDP2) would see no gradient, so it is refused.
 
     >>> import torch
     >>> refuse_sharded(torch.nn.Linear(2, 2)) is None
     True
     """
     fix = (
-        "trainfold shards the state itself: pass the unwrapped module with TrainingArguments(fsdp='full_shard') "
-        "under torchrun, or make_step(..., sharding=trainfold.step.sharded.make_mesh()) on a state of "
-        "trainfold.step.sharded.shard_state"
+        "wrap the module with torch.distributed.fsdp.fully_shard (FSDP2, per block then the root) and step a "
+        "lent state (init_state(model, optimizer, copy=False), donated), or pass the unwrapped module with "
+        "TrainingArguments(fsdp='full_shard') under torchrun"
     )
+    fsdp2 = fully_shard and is_fully_sharded(model)
     for name, module in model.named_modules():
         kind = _sharded_kind(type(module))
-        if kind is not None:
+        if kind is not None and not (fsdp2 and "FSDP2" in kind):
             where = f"its submodule {name!r}" if name else "it"
             raise TypeError(f"cannot train {type(model).__name__}: {where} is {kind}; {fix}")
-    for name, p in [] if dtensor_params else model.named_parameters():
+    for name, p in [] if dtensor_params or fsdp2 else model.named_parameters():
         if any(c.__name__ == "DTensor" for c in type(p).__mro__):
             raise TypeError(
                 f"cannot train {type(model).__name__}: parameter {name!r} is a DTensor "

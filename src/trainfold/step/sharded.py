@@ -214,7 +214,7 @@ def make_sharded_step(
     if plan.collective is None:
         from trainfold.dist.distributed import process_group_collective
 
-        plan = attrs.evolve(plan, collective=process_group_collective(sharding.mesh.get_group()), slots=plan.slots)
+        plan = attrs.evolve(plan, collective=process_group_collective(sharding.mesh.get_group()))
     layouts: dict[frozenset[str], Layout] = {}
     update = shard_update(plan.optimizer)
 

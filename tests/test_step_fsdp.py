@@ -1,0 +1,138 @@
+"""A model the user wrapped with FSDP2 ``fully_shard`` trains through ``make_step`` on a lent, donated state.
+
+The state's params are the module's own DTensor shards; FSDP gathers and reduce-scatters them
+around the module's forward and backward. 2 gloo ranks (each half of the step's micro-batches)
+must match one process on all of them, to the summation order (SGD + momentum: within 1e-6).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torchrun import torchrun_ok
+
+from trainfold import init_state, make_step, sgd
+from trainfold.core.losses import causal_lm
+from trainfold.core.models import TinyLM, TinyLMConfig
+
+WORLD, ACCUMULATION, STEPS = 2, 2, 3
+
+
+def model() -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM(TinyLMConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, max_len=8))
+
+
+def micro_batches(step: int, rank: int) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for j in range(ACCUMULATION):
+        g = torch.Generator().manual_seed(1000 * step + 10 * rank + j)
+        ids = torch.randint(0, 64, (3, 8), generator=g)
+        labels = ids.clone()
+        labels[torch.rand(3, 8, generator=g) < 0.3] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def _worker(out: Path) -> None:
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from trainfold.dist.distributed import collective_from_env
+
+    with collective_from_env() as c:
+        net = model()
+        for block in net.blocks:
+            fully_shard(block)
+        fully_shard(net)
+        opt = sgd(0.1, momentum=0.9)
+        step = make_step(net, causal_lm, opt, collective=c)
+        state = init_state(net, opt, copy=False)
+        for i in range(STEPS):
+            state = step(state, micro_batches(i, c.rank), donate=True)
+        assert isinstance(net, FSDPModule) and all(state.params[k] is p for k, p in net.named_parameters())
+        full = {k: v.full_tensor() for k, v in state.params.items()}
+        momentum = {f"momentum.{k}": v.full_tensor() for k, v in state.opt_state.momentum.items()}
+        if c.rank == 0:
+            save_file({**full, **momentum}, out / "fsdp.safetensors")
+            (out / "loss.txt").write_text(repr(float(state.metrics["loss"])))
+
+
+@pytest.mark.slow
+def test_a_user_wrapped_fully_shard_model_on_two_ranks_matches_one_process(tmp_path):
+    torchrun_ok(__file__, tmp_path, nproc=WORLD)
+    two = load_file(tmp_path / "fsdp.safetensors")
+    net, opt = model(), sgd(0.1, momentum=0.9)
+    step = make_step(net, causal_lm, opt)
+    state = init_state(net, opt)
+    for i in range(STEPS):
+        state = step(state, [mb for r in range(WORLD) for mb in micro_batches(i, r)])
+    for k, v in state.params.items():
+        torch.testing.assert_close(two[k], v, rtol=0.0, atol=1e-6, msg=k)
+    for k, v in state.opt_state.momentum.items():
+        torch.testing.assert_close(two[f"momentum.{k}"], v, rtol=0.0, atol=1e-6, msg=k)
+    assert float((tmp_path / "loss.txt").read_text()) == pytest.approx(float(state.metrics["loss"]), abs=1e-6)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield init_device_mesh("cpu", (1,))
+    dist.destroy_process_group()
+
+
+def test_a_fully_shard_model_steps_bitwise_as_the_unwrapped_module_on_one_rank(one_rank):
+    from torch.distributed.fsdp import fully_shard
+
+    from trainfold import adamw, chain, clip_by_global_norm
+
+    opt = chain(clip_by_global_norm(0.5), adamw(1e-2, weight_decay=0.1))
+    wrapped, plain = model(), model()
+    for block in wrapped.blocks:
+        fully_shard(block, mesh=one_rank)
+    fully_shard(wrapped, mesh=one_rank)
+    lent_step, pure_step = make_step(wrapped, causal_lm, opt), make_step(plain, causal_lm, opt)
+    lent, pure = init_state(wrapped, opt, copy=False), init_state(plain, opt)
+    for i in range(STEPS):
+        lent, pure = lent_step(lent, micro_batches(i, 0), donate=True), pure_step(pure, micro_batches(i, 0))
+    assert all(lent.params[k] is p for k, p in wrapped.named_parameters())
+    for k, v in pure.params.items():
+        assert torch.equal(lent.params[k].full_tensor(), v), k
+    assert torch.equal(lent.metrics["grad_norm"], pure.metrics["grad_norm"])
+
+
+def test_a_fully_shard_model_needs_a_lent_donated_state(one_rank):
+    from torch.distributed.fsdp import fully_shard
+
+    wrapped, opt = model(), sgd(0.1)
+    fully_shard(wrapped, mesh=one_rank)
+    step = make_step(wrapped, causal_lm, opt)
+    with pytest.raises(
+        TypeError, match=r"wrapped with fully_shard \(FSDP2\).* init_state\(model, optimizer, copy=False"
+    ):
+        step(init_state(wrapped, opt), micro_batches(0, 0))
+    with pytest.raises(TypeError, match=r"lent, donated state"):
+        step(init_state(wrapped, opt, copy=False), micro_batches(0, 0))
+
+
+def test_train_refuses_a_fully_shard_module_by_name(one_rank, tmp_path):
+    from torch.distributed.fsdp import fully_shard
+
+    from trainfold import TrainingArguments, train
+
+    wrapped = model()
+    fully_shard(wrapped, mesh=one_rank)
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none", disable_tqdm=True)
+    rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 4
+    with pytest.raises(TypeError, match=r"train\(\) does not take a module wrapped with fully_shard yet"):
+        train(wrapped, args, rows)
+
+
+if __name__ == "__main__":
+    _worker(Path(sys.argv[1]))
