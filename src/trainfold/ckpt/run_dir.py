@@ -4,9 +4,8 @@
   and the lineage recorded in the output_dir when there is one); checkpoints of other runs,
   symbolic links and directories whose name and step disagree are never taken. One that fails to
   load is ``listing.set_aside`` (renamed, kept) and the previous one is taken (``hf.resume``).
-- **Other runs.** A run into an output_dir holding another run's checkpoints is refused, naming
-  the settings that differ, unless ``overwrite_output_dir=True`` (a directory holding only another
-  run's log and run file, e.g. of a ``save_strategy="no"`` run, is taken over).
+- **Other runs.** A run into an output_dir holding another run's checkpoints is refused, naming the settings
+  that differ, unless ``overwrite_output_dir=True`` (only another run's log and run file: taken over).
 - **Claim.** ``claim`` takes the lock and removes leftovers (``trainfold.ckpt.run_lock``), decides
   what to resume, and records the run (``trainfold.ckpt.run_identity``) in ``trainfold-run.json``.
 - **Elastic resume.** ``elastic_args`` keeps a resumed run's global batch on another number of

@@ -200,8 +200,6 @@ def train(
 ) -> TrainResult:
     """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record.
 
-    The run is ``hf.planning.plan_for``'s ``Plan`` of these arguments (the module docstring says what each does).
-
     >>> import tempfile, torch
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
     >>> _ = torch.manual_seed(0)
@@ -218,9 +216,11 @@ def train(
     """
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     rank = collective.rank if collective is not None else 0
-    rows = train_dataset if data_collator is None and train_stream is None else None  # the default collator's
-    check_train_call(model, args, resume_from_checkpoint, compute_metrics or objective, rows)  # named before any work
-    compute_loss_func = checked_loss(compute_loss_func)
+    rows = train_dataset if data_collator is None and train_stream is None else None
+    check_train_call(
+        model, args, resume_from_checkpoint, compute_metrics or objective, rows
+    )  # rows: default collator's
+    compute_loss_func = checked_loss(compute_loss_func)  # every problem named before any work
     set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
     set_verbosity(args.log_level, main_process=rank == 0)  # the trainfold logger: events once, from rank 0
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)

@@ -220,22 +220,18 @@ def make_rollout(
 ) -> Rollout:
     """Return ``rollout(state, prompt_micro_batches) -> micro_batches`` for :func:`grpo_trajectory`.
 
-    Each prompt micro-batch maps ``prompt_key`` to a list of prompts (each repeated
-    ``num_generations`` times in a row, as ``generation_batches`` does) and any other column to a
-    list or tensor; those columns reach the reward functions as keyword arguments. One call
-    samples every completion of the block with ``state.params`` (generator seeded from
-    ``(state.seed, state.step)``), scores them, computes advantages over the whole block, and
-    returns one micro-batch per prompt micro-batch with ``input_ids``, ``attention_mask``,
-    ``completion_mask``, ``advantages``, ``rewards``, ``rewards/<function name>``, the block's
-    ``generation_tokens`` and ``generation_micro_batches`` (on every row; ``dapo`` reads them), and
-    ``old_logps`` when the buffer outlives the step that generated it (``optimizer_steps_per_generation``
-    or ``num_iterations`` above 1) and ``ref_logps`` when ``ref_params`` is given.
-    ``num_iterations`` (TRL's μ) trains on each block that many times, in the same order.
-    ``chunk_size`` (a transformers causal LM) scores the old and reference log-probs ``chunk_size``
-    tokens at a time from the final hidden states, never materialising the full logits. (``steps_per_generation``:
-    the old name of ``optimizer_steps_per_generation``, with a DeprecationWarning.)
+    Each prompt micro-batch maps ``prompt_key`` to a list of prompts (each repeated ``num_generations`` times in a
+    row, as ``generation_batches`` does) and any other column to a list or tensor; those columns reach the reward
+    functions as keyword arguments. One call samples every completion of the block with ``state.params`` (generator
+    seeded from ``(state.seed, state.step)``), scores them, computes advantages over the whole block, and returns
+    one micro-batch per prompt micro-batch with ``input_ids``, ``attention_mask``, ``completion_mask``,
+    ``advantages``, ``rewards``, ``rewards/<function name>``, the block's ``generation_tokens`` and
+    ``generation_micro_batches`` (on every row; ``dapo`` reads them), and ``old_logps`` when the buffer outlives the
+    step that generated it (``optimizer_steps_per_generation`` or ``num_iterations`` above 1) and ``ref_logps`` when
+    ``ref_params`` is given. ``num_iterations`` (TRL's μ) trains on each block that many times, in the same order.
     ``chunk_size`` (a causal LM) scores the old and reference log-probs chunk by chunk from the final hidden states.
     ``multi_objective_aggregation="normalize_then_sum"`` is GDPO (``grpo_rewards.reward_advantages``).
+    ``steps_per_generation``: the old name of ``optimizer_steps_per_generation`` (a DeprecationWarning).
     """
     rollout = Rollout(
         model=model,

@@ -41,25 +41,18 @@ def make_step(
 ) -> Callable[[TrainState, Batch], TrainState]:
     """Return ``step(state, batch) -> state`` for ``model`` (the module doc of ``trainfold.step.driver``).
 
-    ``loss(outputs, labels, num_items_in_batch)`` scores the outputs (default: the loss of the model's
-    task, ``losses.default_loss_for``); the labels (``label_key``) are taken out of each micro-batch
-    before the forward pass. ``objective(forward, params, micro_batch, num_items, key) -> (loss, aux)``
-    replaces forward and loss together; ``aux`` values are summed over micro-batches into
-    ``state.metrics``. ``count_items(micro_batch)`` counts its items (default: the loss's count of the
-    labels). ``collective`` sums counts and gradients across ranks. ``compile=True`` wraps the step
-    in ``compiled.compile_step`` (a string or callable picks the backend, ``compile_mode`` the mode; it
-    warns and stays eager where compiling cannot work). ``gradient_checkpointing=True`` (an int ``n``:
-    every n-th block) recomputes blocks in the backward pass (``trainfold.step.recompute``).
-    ``loss_scaling`` (with ``autocast=torch.float16``) scales the loss dynamically, skipping updates
-    whose gradients overflow (``trainfold.step.amp``; the scaler is ``state.extras[amp.SCALER]``).
-    ``sharding`` (a ``DeviceMesh``, ``sharded.Sharding`` or ``"full_shard"``) steps a state of
-    ``sharded.shard_state``, gathering one block at a time (with ``compile``: each block's forward compiled,
-    ``sharded_compiled``). ``step(state, batch, donate=True)`` (or ``step.donating``) updates ``state``'s tensors
-    in place and invalidates it (bitwise equal); ``differentiable=True``: ``trainfold.step.differentiable``.
-    A *lent* state (``init_state(model, optimizer, copy=False)``: its params are the module's own
-    Parameters), donated, runs the module as it is, gradients arriving in ``.grad`` through backward:
-    across ranks under ``DistributedDataParallel`` (``data_parallel``), and a module the user wrapped
-    with FSDP2 ``fully_shard`` trains this way only.
+    ``loss(outputs, labels, num_items_in_batch)`` scores the outputs (default: ``losses.default_loss_for`` the
+    model's task; the labels, ``label_key``, leave each micro-batch before the forward pass). ``objective(forward,
+    params, micro_batch, num_items, key) -> (loss, aux)`` replaces forward and loss; ``aux`` is summed into
+    ``state.metrics``. ``count_items(micro_batch)`` counts items (default: the loss's count of the labels);
+    ``collective`` sums counts and gradients across ranks. ``compile``: ``compiled.compile_step`` (backend by name
+    or callable, ``compile_mode``; eager, with a warning, where it cannot). ``gradient_checkpointing`` (an int n:
+    every n-th block): ``step.recompute``. ``loss_scaling`` (with ``autocast=torch.float16``): ``step.amp``.
+    ``sharding`` (a ``DeviceMesh``, ``sharded.Sharding`` or ``"full_shard"``) steps a ``sharded.shard_state``
+    state, one block gathered at a time. ``step(state, batch, donate=True)`` (``step.donating``) updates
+    ``state``'s tensors in place and invalidates it (bitwise equal); a donated *lent* state (``init_state(...,
+    copy=False)``) runs the module as it is, gradients in ``.grad``, across ranks under ``DistributedDataParallel``;
+    a user's FSDP2 ``fully_shard`` module trains only this way. ``differentiable``: ``step.differentiable``.
 
     >>> import torch
     >>> from trainfold.optim import sgd
