@@ -9,6 +9,7 @@ from torch import nn
 from trainfold import init_state, make_step
 from trainfold.ckpt import load, save
 from trainfold.core.losses import cross_entropy
+from trainfold.core.state import lend
 from trainfold.optim import chain, clip_by_global_norm, from_torch, scale_by_learning_rate
 
 
@@ -51,7 +52,7 @@ def test_from_torch_adagrad_equals_torchs_loop_with_a_save_and_load_in_the_middl
 
     second = model(seed=7)  # another start: everything comes from the checkpoint
     step = make_step(second, cross_entropy, opt)
-    state = load(path, like=init_state(second, opt, copy=False), donate=True)
+    state = lend(second, load(path, like=init_state(second, opt)))  # into the module's own Parameters
     assert int(state.opt_state.count) == 3 and bool(state.opt_state.started)
     for b in data[3:]:
         state = step(state, b, donate=True)

@@ -55,8 +55,8 @@ def run(tmp_path_factory):
         disable_tqdm=True,
     )
     train(_model(), args, data)
-    assert data.read[0] == 0
-    served = data.read[1:]  # train looks at row 0 once before the first step (its columns)
+    assert data.read[:2] == [0, 0]
+    served = data.read[2:]  # train looks at row 0 twice before the first step (the input checks, its columns)
     entries = map(json.loads, (out / "log_history.jsonl").read_text().splitlines())
     logged = {e["step"]: e["loss"] for e in entries if "loss" in e}  # the summary entry has train_loss
     return out, served, logged

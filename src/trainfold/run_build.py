@@ -126,6 +126,8 @@ def tokenizer_of(model_spec: dict[str, Any]) -> Any:
 
 def length_problems(model: Any, data_spec: dict[str, Any]) -> list[str]:
     """A ``seq_len`` longer than the model's positions (``max_len``, ``max_position_embeddings``)."""
+    if "seq_len" not in data_spec and data_spec.get("train", "stdlib") != "stdlib":
+        return []  # rows of a file keep their own lengths unless text is cut into seq_len rows
     config = getattr(model, "config", None)
     limit = getattr(config, "max_len", None) or getattr(config, "max_position_embeddings", None)
     seq_len = data_spec.get("seq_len", 128)

@@ -52,8 +52,9 @@ class TorchOptimizer(GradientTransformation):
     cls: type[torch.optim.Optimizer]
     hyperparams: Mapping[str, Any]
     mask: Mask | None = None
-    _engine: dict[str, Any] = attrs.field(factory=dict, repr=False)  # the torch optimizer reused over lent params
-    _kinds: dict[tuple[str, str], type] = attrs.field(factory=dict, repr=False)  # python numbers in torch's state
+    # caches, not settings: the torch optimizer reused over lent params, python numbers in torch's state
+    _engine: dict[str, Any] = attrs.field(factory=dict, repr=False, init=False)
+    _kinds: dict[tuple[str, str], type] = attrs.field(factory=dict, repr=False, init=False)
 
     keeps_state = True
 

@@ -30,7 +30,7 @@ from trainfold.step.driver import (
 from trainfold.step.plan import StepPlan, is_fully_sharded
 from trainfold.step.recompute import cache_off
 
-__all__ = ["eager_step", "is_lent", "only_leaves_need_grad"]
+__all__ = ["eager_step", "is_lent", "only_leaves_need_grad", "pure_forward"]
 
 
 def eager_step(plan: StepPlan) -> Callable[..., TrainState]:
@@ -90,7 +90,7 @@ def _step(
     modules = list(plan.model.modules())
     engine = engine if lent else None  # the pure path sums its gradients after backward
     module = engine.module() if engine is not None else plan.model
-    forward = _lent_forward(module, plan.model, leaves, buffers) if lent else _pure_forward(plan, leaves, buffers)
+    forward = _lent_forward(module, plan.model, leaves, buffers) if lent else pure_forward(plan, leaves, buffers)
     with training_flags(modules, True), cache_off(plan.cache_configs), plan.recompute_scope(modules):
         micro = _backward(plan, forward, leaves, start, scaler, device)
         if engine is not None:
@@ -135,7 +135,7 @@ def is_lent(model: nn.Module, state: TrainState) -> bool:
     return all(own.get(k) is v for tree in (state.params, state.buffers) for k, v in tree.items())
 
 
-def _pure_forward(plan: StepPlan, leaves: dict[str, Tensor], buffers: dict[str, Tensor]) -> Forward:
+def pure_forward(plan: StepPlan, leaves: dict[str, Tensor], buffers: dict[str, Tensor]) -> Forward:
     """Return ``forward(params, inputs)`` through ``functional_call``, writing a buffer the module reassigns (rather
     than updates in place) for the step's ``leaves`` back into ``buffers``."""
     model, forward = plan.model, make_forward(plan.model, buffers)
