@@ -340,29 +340,35 @@ def test_a_failing_rank_leaves_no_checkpoint_and_both_ranks_name_it(ranks):
 def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], tol: float) -> None:
     """Bitwise where ``tol`` is 0; else ``got`` resumed the run on another number of ranks or accumulation steps.
 
-    Then every step sums the same 4 rows' token terms in another order. The runs use clipped SGD + momentum
-    (``run_args``), so ``causal_lm_run_bounds`` bounds the params element by element (tests/tolerance.py: sizes
-    measured at the initial params over all rows, each over the fewest labels 4 rows can have, clip coefficients
-    from the reference's logged grad norms, lr <= 1e-2); steps 1-4 are the same checkpoint, so counting all 8 steps
-    only widens it. A momentum is at most its params' bound over lr (the params move by lr times each momentum).
-    The logged losses are within the bound's ``loss_atol``.
+    Then steps 1-4 are the same (the checkpoint-4 state and the log it carries: bitwise) and steps 5-8 sum the same
+    4 rows' token terms in another order. The runs use clipped SGD + momentum (``run_args``), so
+    ``causal_lm_run_bounds`` over steps 5-8 bounds the params element by element (tests/tolerance.py: sizes measured
+    at the initial params over all rows, each over the fewest labels 4 rows can have, clip coefficients from the
+    reference's logged grad norms, lr <= 1e-2). A momentum is at most its params' bound over lr (the params move by
+    lr times each momentum). Step 5's loss is taken at the same params: its token terms (positive) reordered, at
+    most the 4 longest rows' positions; steps 6-8 within the bound's ``loss_atol``.
     """
-    from tolerance import assert_within, causal_lm_run_bounds
+    from tolerance import assert_within, causal_lm_run_bounds, reordered
 
     assert got.keys() == want.keys()
     if tol == 0:
         for k, v in want.items():
             assert torch.equal(got[k], v), k
         return
-    history = [{"grad_norm": n} for n in want["grad_norms"].tolist()]
+    history = [{"grad_norm": n} for n in want["grad_norms"][4:].tolist()]
     bound, rtol, loss_atol = causal_lm_run_bounds(tiny(), rows(), 4, history, 1e-2, 0.9, max_norm=1.0)
+    terms = sum(sorted(len(r["input_ids"]) for r in rows())[-4:])
     for k, v in want.items():
         name = max((n for n in bound if k.endswith("." + n)), key=len, default=None)  # norm.weight, blocks.0.norm...
         if k == "losses":
-            for a, b in zip(got[k].tolist(), v.tolist()):
+            assert len(v) == 8 and torch.equal(got[k][:4], v[:4])
+            assert got[k][4].item() == pytest.approx(v[4].item(), abs=reordered(terms, v[4].item()), rel=0)
+            for a, b in zip(got[k][5:].tolist(), v[5:].tolist()):
                 assert a == pytest.approx(b, abs=loss_atol(b), rel=0)
-        elif k == "grad_norms" or name is None:
-            assert k == "grad_norms" or torch.equal(got[k], v), k  # the norms are inputs of the bound; counts equal
+        elif k == "grad_norms":  # steps 5-8's are inputs of the bound
+            assert len(v) == 8 and torch.equal(got[k][:4], v[:4])
+        elif name is None:
+            assert torch.equal(got[k], v), k  # counts
         else:
             assert_within(got[k], v, bound[name] if k.startswith("params.") else bound[name] / 1e-2, rtol, k)
 
