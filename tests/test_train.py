@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tolerance import reordered
 
 from trainfold import TrainingArguments, train
 from trainfold import ckpt as checkpoint
@@ -196,7 +197,14 @@ def test_a_compiled_run_follows_the_eager_one(tmp_path):
         )
     assert compiled.status == "completed"
     assert [s for s, _ in losses_of(compiled.log_history)] == [s for s, _ in eager]
-    assert [v for _, v in losses_of(compiled.log_history)] == pytest.approx([v for _, v in eager], rel=1e-4)
+    # Warmup gives step 1 a learning rate of 0 (params unchanged, bitwise), so steps 1 and 2 take their losses at the
+    # same params on both runs: the same token losses (positive) summed in other orders (aot_eager decomposes ops),
+    # within reordered(tokens of a step, loss), a step holding at most 4 rows of the longest length. Later steps
+    # follow chained AdamW steps, whose one-step difference test_compiled.py bounds from the same state.
+    assert [h["learning_rate"] for h in compiled.log_history if "loss" in h][0] == 0.0
+    terms = 4 * max(len(r["input_ids"]) for r in rows())
+    for (_, got), (_, want) in zip(losses_of(compiled.log_history)[:2], eager[:2]):
+        assert got == pytest.approx(want, abs=reordered(terms, want), rel=0)
 
 
 def test_input_tokens_seen_are_counted_logged_and_resumed(tmp_path):
