@@ -74,7 +74,8 @@ def moments(name: str, seed: object, count: int) -> list[float]:
 
 
 # Seed 77's GPT-2 draws (issue 30): 0.964, 0.907 and 0.921 of the run signalled a finished run in its
-# teardown, which then died by -15. Reduced, the latest of them runs; in full, all eight.
+# teardown, which then died by -15. The GPT-2 case runs them after its own draws: reduced, the latest of
+# them; in full, all eight.
 SEED_77 = moments("gpt2", 77, 8)
 
 
@@ -109,14 +110,11 @@ def stress(name: str, fractions: list[float], tmp_path: Path, *, twice: bool) ->
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_sigterm_at_random_moments_resumes_bitwise_in_a_fresh_process(name, tmp_path, full_slow):
     seed = os.environ.get("TRAINFOLD_STRESS_SEED", 23)
-    outcomes = stress(name, moments(name, seed, trials(full_slow)), tmp_path, twice=full_slow)
+    fractions = moments(name, seed, trials(full_slow))
+    if name == "gpt2":  # the fixed regression schedule rides along (one reference run serves both)
+        fractions += SEED_77 if full_slow else [max(SEED_77)]
+    outcomes = stress(name, fractions, tmp_path, twice=full_slow)
     print(f"{name}: {len(outcomes)} trials bitwise equal: {outcomes}")
-
-
-@pytest.mark.slow
-def test_the_seed_77_schedule_resumes_bitwise(tmp_path, full_slow):
-    outcomes = stress("gpt2", SEED_77 if full_slow else [max(SEED_77)], tmp_path, twice=False)
-    print(f"seed 77: {outcomes}")
 
 
 def test_a_sigterm_after_train_returned_leaves_a_completed_run_at_exit_0(tmp_path):

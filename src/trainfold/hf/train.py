@@ -209,7 +209,7 @@ def train(
     ...                          learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True,
     ...                          save_strategy="no")
     >>> result = train(model, args, rows)
-    >>> result.status, result.global_step, round(result.log_history[0]["learning_rate"], 3), "train_loss" in result.metrics
+    >>> result.status, result.global_step, result.log_history[0]["learning_rate"], "train_loss" in result.metrics
     ('completed', 3, 0.01, True)
     """
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
