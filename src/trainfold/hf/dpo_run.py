@@ -21,6 +21,7 @@ from torch import nn
 
 from trainfold.data.packing import check_packable
 from trainfold.hf.dpo_args import DPOArguments
+from trainfold.hf.model_source import model_from
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run
 from trainfold.recipes.dpo import dpo_objective, preference_collate
@@ -30,16 +31,7 @@ __all__ = ["prepare_dataset", "train"]
 
 
 def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.Module:
-    if isinstance(model, str):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
-    elif args.model_init_kwargs:
-        raise ValueError("model_init_kwargs apply when the model is a name or path; drop them for a built module")
-    if peft_config is not None:
-        from peft import get_peft_model
-
-        model = get_peft_model(model, peft_config)
+    model = model_from(model, args.model_init_kwargs, peft_config)
     if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
         for m in model.modules():
             if isinstance(m, nn.Dropout):

@@ -26,6 +26,7 @@ from torch import nn
 from trainfold.core.losses import causal_lm
 from trainfold.data.llm import DEFAULT_MAX_LENGTH
 from trainfold.data.packing import pack
+from trainfold.hf.model_source import model_from
 from trainfold.hf.sft_args import SFTArguments
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run
@@ -41,20 +42,6 @@ __all__ = [
     "sft_rows",
     "train",
 ]
-
-
-def _model(model: nn.Module | str, args: SFTArguments, peft_config: Any) -> nn.Module:
-    if isinstance(model, str):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(model, **(args.model_init_kwargs or {}))
-    elif args.model_init_kwargs:
-        raise ValueError("model_init_kwargs apply when the model is a name or path; drop them for a built module")
-    if peft_config is not None:
-        from peft import get_peft_model
-
-        model = get_peft_model(model, peft_config)
-    return model
 
 
 def _shuffled(rows: list, seed: int) -> Any:
@@ -105,7 +92,7 @@ def train(
     """
     if not isinstance(args, SFTArguments):
         raise TypeError(f"trainfold.sft.train takes SFTArguments (TRL's SFTConfig names), not {type(args).__name__}")
-    model = _model(model, args, peft_config)
+    model = model_from(model, args.model_init_kwargs, peft_config)
     train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing)
     eval_packing = args.packing if args.eval_packing is None else args.eval_packing
     eval_rows = prepare_dataset(eval_dataset, processing_class, args, eval_packing)
