@@ -411,3 +411,11 @@ def test_a_signal_while_the_command_imports_torch_ends_it_with_the_conventional_
             proc.kill()
             proc.wait()
     assert "Traceback" not in rest and not (tmp_path / "out").exists()
+
+
+def test_main_called_from_python_leaves_the_process_signal_handlers_as_it_found_them(tmp_path, capsys):
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    config = tmp_path / "run.toml"
+    config.write_text('[model]\ntype = "nope"\n[args]\noutput_dir = "out"\n')
+    assert main(["train", "--config", str(config)]) == 2
+    assert {s: signal.getsignal(s) for s in before} == before

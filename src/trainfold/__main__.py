@@ -39,6 +39,7 @@ from trainfold.run_config import ConfigError, apply_overrides, load_config, pars
 
 __all__ = [
     "main",
+    "command",
     "load_config",
     "parse_config",
     "apply_overrides",
@@ -268,8 +269,9 @@ def _leave(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
-def _exit_on_signals() -> None:
-    """Make SIGTERM/SIGINT end the command with 143/130 (``finally`` blocks run: nothing is left half-written).
+def _exit_on_signals() -> dict[int, Any]:
+    """Make SIGTERM/SIGINT end the command with 143/130 (``finally`` blocks run: nothing is left half-written);
+    return the handlers they replace.
 
     The command's module imports nothing heavy at its top, so this is in place within milliseconds of the
     start: a signal during the imports (a few seconds with torch), the setup or after the run (its
@@ -277,13 +279,27 @@ def _exit_on_signals() -> None:
     guard takes the signals over while it runs. ``trainfold.ckpt.preempt.exit_on_signals`` is the same
     for a script that has imported the layers already.
     """
-    for s in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(s, _leave)
+    return {s: signal.signal(s, _leave) for s in (signal.SIGTERM, signal.SIGINT)}
+
+
+def command() -> int:
+    """The ``trainfold`` script and ``python -m trainfold``: ``main`` with the handlers kept up to the exit."""
+    _exit_on_signals()
+    return main()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the exit status."""
-    _exit_on_signals()  # before torch and the layers are imported; train's own guard takes over while it runs
+    """Run the command line; return the exit status. The signal handlers it sets are undone on return (a
+    process that calls it keeps its own); ``command`` keeps them up to the process's exit."""
+    previous = _exit_on_signals()  # before torch and the layers are imported; train's own guard takes over
+    try:
+        return _command(argv)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
+def _command(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="trainfold", description="Train PyTorch models as a fold of a pure step.")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train a small LM on Python's own source (no downloads)")
@@ -303,4 +319,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())
