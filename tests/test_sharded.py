@@ -10,7 +10,6 @@ It writes what each rank ends with to ``OUT_DIR`` (safetensors and JSON); the te
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -399,22 +398,6 @@ def test_a_lost_peer_is_named_by_the_error_its_rank_recorded(tmp_path):
         assert "Connection closed by peer" in str(named)
     finally:
         dist.destroy_process_group()
-
-
-@pytest.mark.slow  # 2 spawned processes for each part
-def test_the_fsdp_benchmark_runs_quick(full_slow):
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    for extra in ([], ["--vs-fully-shard"]) if full_slow else ([],):  # reduced: the memory and step-time table
-        done = subprocess.run(
-            [sys.executable, "benchmarks/fsdp.py", "--quick", *extra],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        assert ("| FSDP2 fully_shard loop | 1 |" if extra else "| sharded | 1 |") in done.stdout
 
 
 # -- one process -----------------------------------------------------------------------------------

@@ -228,6 +228,16 @@ def test_the_fsdp_benchmark_times_the_compiled_and_prefetching_variants(full_slo
     assert done.returncode == 0, done.stderr[-3000:]
     for row in ("sharded eager", "sharded eager + prefetch", f"sharded compiled ({backend}) + prefetch"):
         assert f"| {row} | 1 |" in done.stdout, row
+    if full_slow:  # the benchmark's one smoke test; in full also against a hand fully_shard loop
+        vs = subprocess.run(
+            [sys.executable, "benchmarks/fsdp.py", "--quick", "--vs-fully-shard"],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert vs.returncode == 0 and "| FSDP2 fully_shard loop | 1 |" in vs.stdout, vs.stderr[-3000:]
 
 
 # -- one process -----------------------------------------------------------------------------------
