@@ -252,15 +252,20 @@ def _signal_at(step: int, signum: int):
 def test_sigint_in_a_jit_run_saves_like_sigterm_and_reports_130(tmp_path):
     from resume_runs import run
 
+    runner = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever the runner set
     try:
-        result = run("tinylm", str(tmp_path), None, [_signal_at(2, signal.SIGINT)], save_strategy="no")
-    except KeyboardInterrupt:
-        pytest.fail("SIGINT interrupted the run instead of saving a JIT checkpoint")
+        try:
+            result = run("tinylm", str(tmp_path), None, [_signal_at(2, signal.SIGINT)], save_strategy="no")
+        except KeyboardInterrupt:
+            pytest.fail("SIGINT interrupted the run instead of saving a JIT checkpoint")
+        after = signal.getsignal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, runner)
+    assert after is signal.default_int_handler  # the guard is gone after train: the handler it found is back
     assert (result.status, result.global_step, result.signal) == ("preempted", 2, signal.SIGINT)
     assert exit_status(result.status, result.signal) == 130
     (saved,) = list_checkpoints(tmp_path)
     assert saved == result.last_checkpoint and read_metadata(saved)["jit"] is True and read_metadata(saved)["step"] == 2
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the guard is gone after train
 
 
 def test_a_signal_during_the_final_save_leaves_the_run_completed(tmp_path, monkeypatch):
