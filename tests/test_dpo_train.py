@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_chat import llama, word_tokenizer
 
 import trainfold
 from trainfold.hf.dpo_args import DPOArguments
@@ -23,7 +24,6 @@ trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-WORDS = ["<pad>", "<s>", "</s>", "user:", "assistant:"] + [f"w{i}" for i in range(59)]
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}assistant: {{ m['content'] }} </s> "
     "{% else %}user: {{ m['content'] }} {% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
@@ -31,28 +31,7 @@ TEMPLATE = (
 
 
 def tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    word = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
-    word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=word, pad_token="<pad>", eos_token="</s>")
-    tok.chat_template = TEMPLATE
-    return tok
-
-
-def llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(WORDS),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    return word_tokenizer(TEMPLATE)
 
 
 def words(g, lo, hi):

@@ -13,6 +13,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_chat import llama, word_tokenizer
 
 from trainfold.hf import sft
 from trainfold.hf.sft_args import SFTArguments
@@ -22,7 +23,6 @@ trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-WORDS = ["<pad>", "<s>", "</s>", "user:", "assistant:"] + [f"w{i}" for i in range(59)]
 # A chat template whose assistant turns, with their end-of-turn token, are {% generation %} blocks.
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}assistant: {% generation %}{{ m['content'] }} </s>"
@@ -32,28 +32,7 @@ TEMPLATE = (
 
 
 def tokenizer(template: str | None = TEMPLATE):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    word = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<pad>"))
-    word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=word, pad_token="<pad>", eos_token="</s>")
-    tok.chat_template = template
-    return tok
-
-
-def llama():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(WORDS),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    return word_tokenizer(template)
 
 
 def words(g: torch.Generator, lo: int, hi: int) -> str:
