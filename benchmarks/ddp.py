@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step
 from trainfold.core.losses import causal_lm
 from trainfold.core.models import TinyLM, TinyLMConfig
-from trainfold.dist.distributed import ProcessGroupCollective
+from trainfold.distributed.distributed import ProcessGroupCollective
 
 
 def build(args: argparse.Namespace) -> TinyLM:

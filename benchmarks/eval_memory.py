@@ -1,7 +1,7 @@
 """Memory held by accumulated eval predictions: full logits vs argmax vs argmax + eval_accumulation_steps.
 
 A causal LM with a 32k vocabulary (an embedding and a linear head: the head's logits are what
-matters) is evaluated with ``trainfold.eval.predict_with`` on an eval set grown 1x, 4x and 16x:
+matters) is evaluated with ``trainfold.evaluation.predict_with`` on an eval set grown 1x, 4x and 16x:
 
 (a) full logits accumulated (no ``preprocess_logits_for_metrics``);
 (b) ``preprocess_logits_for_metrics=argmax``;
@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trainfold.dist import SingleProcess
-from trainfold.eval import EvalSpec, predict_with
+from trainfold.distributed import SingleProcess
+from trainfold.evaluation import EvalSpec, predict_with
 
 VOCAB, D_MODEL, SEQ, BATCH, BASE_BATCHES, ACCUM = 32_000, 64, 32, 4, 2, 2
 

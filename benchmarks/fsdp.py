@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from trainfold import adamw, chain, clip_by_global_norm, init_state, make_step
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.tree import flatten
-from trainfold.dist.distributed import ProcessGroupCollective
+from trainfold.distributed.distributed import ProcessGroupCollective
 from trainfold.optim import GradientTransformation
 
 

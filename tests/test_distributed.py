@@ -33,16 +33,16 @@ from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import init_state
 from trainfold.core.tree import flatten
 from trainfold.data import keyed, pad_collate, sample_key
-from trainfold.dist.distributed import (
+from trainfold.distributed.distributed import (
     ProcessGroupCollective,
     agreed_stop,
     collective_from_env,
     shard,
     shard_bounds,
 )
-from trainfold.eval import evaluate_sharded, gather_rows, predict_sharded
-from trainfold.eval.evaluation import evaluate, predict
-from trainfold.eval.reducers import pad_concat
+from trainfold.evaluation import evaluate_sharded, gather_rows, predict_sharded
+from trainfold.evaluation.evaluation import evaluate, predict
+from trainfold.evaluation.reducers import pad_concat
 from trainfold.optim import adamw
 from trainfold.step import make_step
 from trainfold.testing import on_simulated_ranks
@@ -304,7 +304,7 @@ def test_train_under_torchrun_joins_the_process_group_itself(ranks, tmp_path):
 
 
 def test_an_explicit_collective_wins_over_torchruns_environment(monkeypatch, tmp_path):
-    from trainfold.dist.distributed import SingleProcess
+    from trainfold.distributed.distributed import SingleProcess
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # no MASTER_ADDR: joining a group here would fail
     monkeypatch.setenv("RANK", "0")
@@ -410,7 +410,7 @@ class _Recorder:
 
 def test_sum_replaces_each_tensor_by_its_sum_over_ranks(monkeypatch):
     rec = _Recorder(2)
-    monkeypatch.setattr("trainfold.dist.distributed.dist.all_reduce", rec)
+    monkeypatch.setattr("trainfold.distributed.distributed.dist.all_reduce", rec)
     floats = [torch.full((4,), float(i)) for i in range(3)]
     count = torch.tensor(3)
     ProcessGroupCollective(0, 2).sum_([*floats, count])
@@ -419,7 +419,7 @@ def test_sum_replaces_each_tensor_by_its_sum_over_ranks(monkeypatch):
 
 def test_a_pure_step_sums_the_count_gradients_and_loss_over_ranks(monkeypatch):
     rec = _Recorder(1)
-    monkeypatch.setattr("trainfold.dist.distributed.dist.all_reduce", rec)
+    monkeypatch.setattr("trainfold.distributed.distributed.dist.all_reduce", rec)
     net, opt = model(), adamw(1e-3)
     batch = [collate(rows(4)[:2], [1, 2]), collate(rows(4)[2:], [3, 4])]
     state = init_state(net, opt, seed=0)

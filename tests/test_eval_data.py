@@ -13,8 +13,8 @@ from resume_fixture import ListDataset
 from trainfold import TrainingArguments, evaluate, predict, train
 from trainfold.core.losses import causal_lm
 from trainfold.data import eval_loader, pad_collate
-from trainfold.dist.distributed import shard
-from trainfold.eval.evaluation import eval_sets
+from trainfold.distributed.distributed import shard
+from trainfold.evaluation.evaluation import eval_sets
 
 transformers = pytest.importorskip("transformers")
 

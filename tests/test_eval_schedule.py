@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfold.ckpt.policy import should_save
-from trainfold.eval.schedule import check_eval_schedule, resolve_eval_steps, should_evaluate
+from trainfold.evaluation.schedule import check_eval_schedule, resolve_eval_steps, should_evaluate
 
 
 def test_should_evaluate_follows_hf_steps_and_epoch_rules():

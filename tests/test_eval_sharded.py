@@ -1,4 +1,4 @@
-"""Tests for trainfold.eval.sharded and trainfold.eval.gather: sharded evaluation is the one-process run, merged.
+"""Tests for trainfold.evaluation.sharded and .gather: sharded evaluation is the one-process run, merged.
 
 Ranks are simulated by threads (``trainfold.testing.on_simulated_ranks``); the forward is a pure
 function of its params, so the ranks share nothing. The 2-process gloo runs are in ``test_distributed``.
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfold.core.losses import IGNORE_INDEX
-from trainfold.eval import (
+from trainfold.evaluation import (
     EvalSpec,
     evaluate,
     evaluate_sharded,
@@ -21,7 +21,7 @@ from trainfold.eval import (
     predict_sharded,
     predict_with,
 )
-from trainfold.eval.gather import all_ranks
+from trainfold.evaluation.gather import all_ranks
 from trainfold.testing import on_simulated_ranks
 
 VOCAB = 11

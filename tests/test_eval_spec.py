@@ -1,4 +1,4 @@
-"""Tests for trainfold.eval.spec: the EvalSpec record and the keyword entry points that build it."""
+"""Tests for trainfold.evaluation.spec: the EvalSpec record and the keyword entry points that build it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfold.core.losses import cross_entropy
-from trainfold.eval import (
+from trainfold.evaluation import (
     EvalSpec,
     evaluate,
     evaluate_sharded,
@@ -20,7 +20,7 @@ from trainfold.eval import (
     predict_sharded,
     predict_with,
 )
-from trainfold.eval.spec import spec_errors
+from trainfold.evaluation.spec import spec_errors
 
 # What the keyword entry points take besides the spec's fields: the model, its tensors, the data, the ranks.
 NOT_SETTINGS = {"model_or_forward", "params", "batches", "buffers", "collective"}

@@ -1,4 +1,4 @@
-"""Tests for trainfold.eval.evaluation: examples, then Hypothesis properties, then bad input."""
+"""Tests for trainfold.evaluation.evaluation: examples, then Hypothesis properties, then bad input."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from trainfold.core.losses import cross_entropy
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import init_state
-from trainfold.eval.evaluation import (
+from trainfold.evaluation.evaluation import (
     EvalPrediction,
     check_metrics,
     evaluate,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from trainfold import TrainingArguments, train
 from trainfold.ckpt import policy
 from trainfold.data import loaders, samplers
-from trainfold.eval import schedule as eval_schedule
+from trainfold.evaluation import schedule as eval_schedule
 from trainfold.hf import args as hf_args
 from trainfold.hf.evaluating import eval_plan_for
 from trainfold.hf.extras import BEST, run_extras

@@ -340,3 +340,12 @@ def test_a_moved_name_is_the_same_object_as_in_the_module_that_owns_it():
     assert trainfold.optim.optimizer_plan is optimizer_plan
     assert trainfold.dpo.dpo_loss is dpo
     assert trainfold.grpo.generation_batches is generation_batches
+
+
+def test_no_subpackage_is_named_after_a_builtin_or_a_build_folder():
+    import builtins
+    import pkgutil
+
+    names = {m.name for m in pkgutil.iter_modules(trainfold.__path__)}
+    assert {"distributed", "evaluation"} <= names
+    assert sorted(n for n in names if hasattr(builtins, n) or n in {"dist", "build", "eval"}) == []

@@ -1,4 +1,4 @@
-"""At exit, gloo's worker threads are let go idle before the interpreter finalizes (``trainfold.dist.quiesce``)."""
+"""At exit, gloo's worker threads are let go idle before the interpreter finalizes (``distributed.quiesce``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainfold.dist.quiesce import quiesce
+from trainfold.distributed.quiesce import quiesce
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def test_it_sees_a_live_gloo_group_s_threads_and_the_job_exits_cleanly(tmp_path)
         import torch, torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Shard, distribute_tensor
-        from trainfold.dist.quiesce import gloo_threads, quiesce
+        from trainfold.distributed.quiesce import gloo_threads, quiesce
         dist.init_process_group("gloo", init_method="file://{tmp_path / "store"}", rank=0, world_size=1)
         mesh = init_device_mesh("cpu", (1,))
         t = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])  # DTensor caches keep the group alive

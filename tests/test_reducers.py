@@ -1,4 +1,4 @@
-"""Tests for trainfold.eval.reducers: examples, then Hypothesis properties, then bad input."""
+"""Tests for trainfold.evaluation.reducers: examples, then Hypothesis properties, then bad input."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.eval.reducers import (
+from trainfold.evaluation.reducers import (
     Reduced,
     Reducer,
     accuracy,

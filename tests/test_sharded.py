@@ -143,7 +143,7 @@ def train_args(out: Path, **over) -> TrainingArguments:
 def _worker(out: Path, case: str) -> None:
     import torch.distributed as dist
 
-    from trainfold.dist.distributed import group_timeout, process_group_collective
+    from trainfold.distributed.distributed import group_timeout, process_group_collective
     from trainfold.step import sharded
 
     dist.init_process_group("gloo", timeout=group_timeout())  # TRAINFOLD_DIST_TIMEOUT=5 for the error cases
@@ -384,7 +384,7 @@ def test_an_error_on_one_rank_ends_both_without_a_hang_and_the_others_name_it(tm
 def test_a_lost_peer_is_named_by_the_error_its_rank_recorded(tmp_path):
     import torch.distributed as dist
 
-    from trainfold.dist.distributed import failure_of
+    from trainfold.distributed.distributed import failure_of
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -49,7 +49,7 @@ CASES = (("dropout", 0.1, False), ("recompute", 0.1, True))  # both with GA 2 an
 def _worker(out: Path, backend: str) -> None:
     import torch.distributed as dist
 
-    from trainfold.dist.distributed import group_timeout
+    from trainfold.distributed.distributed import group_timeout
     from trainfold.step import sharded
 
     dist.init_process_group("gloo", timeout=group_timeout())

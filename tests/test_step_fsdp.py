@@ -41,7 +41,7 @@ def micro_batches(step: int, rank: int) -> list[dict[str, torch.Tensor]]:
 def _worker(out: Path) -> None:
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from trainfold.dist.distributed import collective_from_env
+    from trainfold.distributed.distributed import collective_from_env
 
     with collective_from_env() as c:
         net = model()

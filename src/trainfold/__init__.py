@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from trainfold.data import StepBatch, keyed, pad_collate, stream
     from trainfold.data.packing import pack, packed_collate, padding_free_collate
     from trainfold.data.samplers import Sampler, make_sampler
-    from trainfold.eval.evaluation import EvalPrediction
+    from trainfold.evaluation.evaluation import EvalPrediction
     from trainfold.hf.args import TrainingArguments
     from trainfold.hf.grpo_args import GRPOArguments
     from trainfold.hf.replay import first_divergence, replay
@@ -120,7 +120,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "padding_free_collate": ("trainfold.data.packing", "padding_free_collate"),
     "Sampler": ("trainfold.data.samplers", "Sampler"),
     "make_sampler": ("trainfold.data.samplers", "make_sampler"),
-    "EvalPrediction": ("trainfold.eval.evaluation", "EvalPrediction"),
+    "EvalPrediction": ("trainfold.evaluation.evaluation", "EvalPrediction"),
     "TrainingArguments": ("trainfold.hf.args", "TrainingArguments"),
     "GRPOArguments": ("trainfold.hf.grpo_args", "GRPOArguments"),
     "TrainResult": ("trainfold.hf.train", "TrainResult"),
@@ -148,7 +148,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 }
 
 # the layers: ``trainfold.core`` etc. work after ``import trainfold`` alone, as eager imports used to allow
-_SUBPACKAGES = ("core", "ckpt", "dist", "eval", "hf", "recipes", "step", "testing")
+_SUBPACKAGES = ("core", "ckpt", "distributed", "evaluation", "hf", "recipes", "step", "testing")
 
 __version__ = library_version()
 

@@ -156,7 +156,7 @@ def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[An
 
 
 def _train(ns: argparse.Namespace) -> int:
-    from trainfold.dist.distributed import collective_from_env
+    from trainfold.distributed.distributed import collective_from_env
     from trainfold.hf.train import train
 
     try:

@@ -1,7 +1,7 @@
-"""``trainfold.reducers``: :mod:`trainfold.eval.reducers` under its top-level name.
+"""``trainfold.reducers``: :mod:`trainfold.evaluation.reducers` under its top-level name.
 
 Reducers and transducers.
 """
 
-from trainfold.eval.reducers import *  # noqa: F403
-from trainfold.eval.reducers import __all__  # noqa: F401
+from trainfold.evaluation.reducers import *  # noqa: F403
+from trainfold.evaluation.reducers import __all__  # noqa: F401

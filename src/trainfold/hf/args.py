@@ -22,7 +22,7 @@ import attrs
 
 from trainfold.ckpt.policy import SAVE_STRATEGIES
 from trainfold.data.samplers import STRATEGIES as SAMPLING_STRATEGIES
-from trainfold.eval.schedule import EVAL_STRATEGIES
+from trainfold.evaluation.schedule import EVAL_STRATEGIES
 from trainfold.hf.args_checks import problems
 from trainfold.hf.args_convert import settings_from_hf
 from trainfold.hf.args_features import FSDP_FULL_SHARD, OPTIMIZERS, fsdp_options

@@ -11,7 +11,7 @@ from trainfold.ckpt.atomic import FSYNC_MODES
 from trainfold.ckpt.policy import SAVE_STRATEGIES
 from trainfold.data import loader_errors
 from trainfold.data.samplers import STRATEGIES as SAMPLING_STRATEGIES
-from trainfold.eval.schedule import EVAL_STRATEGIES
+from trainfold.evaluation.schedule import EVAL_STRATEGIES
 from trainfold.hf.args_features import combination_problems, optim_problems
 from trainfold.observe import LOGGING_STRATEGIES, TOKEN_COUNTS
 from trainfold.observe.reporters import LOG_LEVELS, REPORTERS

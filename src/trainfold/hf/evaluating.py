@@ -22,12 +22,12 @@ from trainfold.core.state import TrainState, split_module
 from trainfold.data import close_loader, eval_loader
 from trainfold.data.collate import collate_for
 from trainfold.data.columns import eval_collate, padded_to_multiple
-from trainfold.dist import shard
-from trainfold.eval import evaluate_sharded
-from trainfold.eval.evaluation import eval_sets
-from trainfold.eval.evaluation import evaluate as evaluate_batches
-from trainfold.eval.evaluation import predict as predict_batches
-from trainfold.eval.schedule import check_eval_schedule, should_evaluate
+from trainfold.distributed import shard
+from trainfold.evaluation import evaluate_sharded
+from trainfold.evaluation.evaluation import eval_sets
+from trainfold.evaluation.evaluation import evaluate as evaluate_batches
+from trainfold.evaluation.evaluation import predict as predict_batches
+from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
 from trainfold.hf.inputs import columns_of, device_for, eval_labels
 from trainfold.step import sharded
 
@@ -101,7 +101,7 @@ class EvalPlan:
         return bool(self.sets)
 
     def due(self, step: int, epoch_end: bool = False, *, total_steps: int, steps_per_epoch: int, last: bool = False):
-        """Say whether the run evaluates after ``step`` (``trainfold.eval.schedule.should_evaluate``)."""
+        """Say whether the run evaluates after ``step`` (``trainfold.evaluation.schedule.should_evaluate``)."""
         return self.enabled and should_evaluate(
             step,
             epoch_end,
@@ -208,7 +208,7 @@ def evaluate(
     """Evaluate ``state``'s params (default: the model's own) on ``eval_dataset``, in dataset order.
 
     ``objective`` (e.g. the ``dpo_objective`` of the run) scores the batches and adds its metrics
-    (``eval_rewards/chosen``...), as during ``train`` (``trainfold.eval.evaluation.evaluate``).
+    (``eval_rewards/chosen``...), as during ``train`` (``trainfold.evaluation.evaluation.evaluate``).
     ``processing_class`` (a tokenizer or processor): without ``data_collator``, batches are padded with its pad id.
 
     >>> import tempfile, torch

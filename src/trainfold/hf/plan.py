@@ -23,7 +23,7 @@ from torch import nn
 from trainfold.core.collective import Collective
 from trainfold.core.fold import max_steps as max_steps_stop
 from trainfold.data.samplers import Sampler, make_sampler
-from trainfold.dist.distributed import agreed_stop
+from trainfold.distributed.distributed import agreed_stop
 from trainfold.hf.evaluating import EvalPlan
 from trainfold.observe import LoggingPlan, logging_plan
 from trainfold.observe.stopping import EarlyStopping, patience_exhausted

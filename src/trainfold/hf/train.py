@@ -64,7 +64,7 @@ from trainfold.core.determinism import warm_up_kernels
 from trainfold.core.fold import trajectory
 from trainfold.core.state import TrainState, counters
 from trainfold.data import StateStream, stream
-from trainfold.dist.distributed import joins_torchrun
+from trainfold.distributed.distributed import joins_torchrun
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.callback_checks import set_transformers_verbosity
 from trainfold.hf.callbacks import HFCallbacks, resumed_callback_states

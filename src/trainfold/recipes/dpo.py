@@ -191,7 +191,7 @@ class DPOObjective:
     vocabulary-mean next-token logit), ``entropy`` (chosen and rejected tokens) and
     ``mean_token_accuracy`` (chosen tokens) are token means of each micro-batch, weighted by its
     pairs (TRL averages its micro-batches' token means). Evaluation reduces the same values over
-    the eval batches (``trainfold.eval.evaluation``): ``eval_loss``, ``eval_rewards/chosen``...
+    the eval batches (``trainfold.evaluation.evaluation``): ``eval_loss``, ``eval_rewards/chosen``...
 
     A uniform policy over 16 tokens scores each 2-token completion ``2 ln(1/16)``; with the
     reference 10 nats below it on chosen and 10 above on rejected, the margin is ``beta * 20``:

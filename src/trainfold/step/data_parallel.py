@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from trainfold.dist.distributed import ProcessGroupCollective
+from trainfold.distributed.distributed import ProcessGroupCollective
 
 __all__ = ["DataParallel", "engine_for"]
 

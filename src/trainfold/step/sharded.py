@@ -212,7 +212,7 @@ def make_sharded_step(
         raise ValueError("loss_scaling (fp16) with sharding is not supported; use bf16 autocast (bf16=True)")
     compiler = _compiler(plan, sharding, compile, compile_mode)
     if plan.collective is None:
-        from trainfold.dist.distributed import process_group_collective
+        from trainfold.distributed.distributed import process_group_collective
 
         plan = attrs.evolve(plan, collective=process_group_collective(sharding.mesh.get_group()))
     layouts: dict[frozenset[str], Layout] = {}
@@ -230,7 +230,7 @@ def make_sharded_step(
         try:
             return _step(plan, layouts[names], state, batch, compiler, update, sharding.prefetch)
         except Exception as exc:  # another rank's error, named here; ours, recorded for the others
-            from trainfold.dist.distributed import failure_of
+            from trainfold.distributed.distributed import failure_of
 
             assert plan.collective is not None
             failure = failure_of(exc, plan.collective.rank, sharding.mesh.size())

@@ -1,0 +1,43 @@
+"""Evaluation: reducers (transducers over batches), evaluate/predict (one process or sharded), schedules."""
+
+from trainfold.evaluation.evaluation import (
+    EvalPrediction,
+    EvalSpec,
+    PredictionOutput,
+    check_metrics,
+    eval_sets,
+    evaluate,
+    evaluate_with,
+    final_metrics,
+    predict,
+    predict_with,
+    prefix_metrics,
+    resolve_forward,
+    throughput,
+    to_numpy,
+)
+from trainfold.evaluation.gather import gather_rows
+from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
+from trainfold.evaluation.sharded import evaluate_sharded, predict_sharded
+
+__all__ = [
+    "EvalPrediction",
+    "EvalSpec",
+    "PredictionOutput",
+    "check_eval_schedule",
+    "check_metrics",
+    "eval_sets",
+    "evaluate",
+    "evaluate_sharded",
+    "evaluate_with",
+    "final_metrics",
+    "gather_rows",
+    "predict",
+    "predict_sharded",
+    "predict_with",
+    "prefix_metrics",
+    "resolve_forward",
+    "should_evaluate",
+    "throughput",
+    "to_numpy",
+]

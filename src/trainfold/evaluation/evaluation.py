@@ -1,0 +1,231 @@
+"""Evaluation: a transduction of eval batches under ``torch.inference_mode()``.
+
+``evaluate`` runs the forward pass on given parameters, maps each batch to its summed loss, item
+count and (when metrics need them) its predictions, optionally reduced on the device by
+``preprocess_logits_for_metrics``, and folds these with the reducers of ``trainfold.evaluation.reducers``.
+The eval loss is the token-level mean, ``sum of losses / number of items``, so it does not
+depend on the eval batch size or padding. Predictions come back in the order of ``batches``,
+right-padded with -100 along dim 1, moved to the CPU every ``eval_accumulation_steps`` batches.
+
+>>> import torch
+>>> model = torch.nn.Embedding(5, 5)
+>>> batches = [{"input": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}]
+>>> with torch.no_grad():
+...     _ = model.weight.zero_()
+>>> forward = lambda params, inputs: torch.nn.functional.embedding(inputs["input"], params["weight"])
+>>> m = evaluate(forward, dict(model.named_parameters()), batches, speed_metrics=False)
+>>> round(m["eval_loss"], 4)  # ln 5
+1.6094
+
+When to evaluate (``eval_strategy`` and friends) is decided in ``trainfold.evaluation.schedule``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+from trainfold.core.losses import causal_lm, logits_of
+from trainfold.distributed.distributed import GatherCollective
+from trainfold.evaluation.gather import merged_parts
+from trainfold.evaluation.metrics import (
+    EvalPrediction,
+    PredictionOutput,
+    check_metrics,
+    eval_sets,
+    final_metrics,
+    prefix_metrics,
+    throughput,
+    to_numpy,
+)
+from trainfold.evaluation.pipeline import eval_fold, resolve_forward
+from trainfold.evaluation.reducers import combine
+from trainfold.evaluation.spec import EvalSpec
+
+__all__ = [
+    "EvalPrediction",
+    "EvalSpec",
+    "PredictionOutput",
+    "check_metrics",
+    "eval_sets",
+    "evaluate",
+    "evaluate_with",
+    "final_metrics",
+    "predict",
+    "predict_with",
+    "prefix_metrics",
+    "resolve_forward",
+    "throughput",
+    "to_numpy",
+]
+
+
+def evaluate_with(
+    spec: EvalSpec,
+    model_or_forward: nn.Module | Callable[..., Any],
+    params: Any,
+    batches: Iterable[Mapping[str, Any]],
+    *,
+    buffers: Mapping[str, Tensor] | None = None,
+    collective: GatherCollective | None = None,
+) -> dict[str, float]:
+    """Evaluate ``params`` on ``batches`` as ``spec`` says; return metrics named ``{spec.metric_key_prefix}_*``.
+
+    ``model_or_forward``, ``params`` and ``buffers`` are as for :func:`evaluate`. With a
+    ``collective`` every rank passes the batches of its own shard (``trainfold.distributed.shard``) and
+    gets the whole set's metrics: the ranks' accumulators are merged with the reducers' ``merge``
+    and the predictions gathered in rank order (``trainfold.evaluation.gather``).
+
+    >>> import torch
+    >>> forward = lambda params, inputs: torch.nn.functional.embedding(inputs["input"], params["weight"])
+    >>> batches = [{"input": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}]
+    >>> spec = EvalSpec(metric_key_prefix="dev", speed_metrics=False)
+    >>> {k: round(v, 4) for k, v in evaluate_with(spec, forward, {"weight": torch.zeros(5, 5)}, batches).items()}
+    {'dev_loss': 1.6094}
+    """
+    _, metrics = _outcome(spec, model_or_forward, params, batches, buffers, collective, gather=spec.gathers)
+    return metrics
+
+
+def predict_with(
+    spec: EvalSpec,
+    model_or_forward: nn.Module | Callable[..., Any],
+    params: Any,
+    batches: Iterable[Mapping[str, Any]],
+    *,
+    buffers: Mapping[str, Tensor] | None = None,
+    collective: GatherCollective | None = None,
+) -> PredictionOutput:
+    """Return the predictions and labels of ``batches`` in their order, and the metrics :func:`evaluate_with` gives.
+
+    With a ``collective``, the whole set's, in dataset order, on every rank.
+
+    >>> import torch
+    >>> forward = lambda params, inputs: params["weight"][inputs["input"]]
+    >>> batches = [{"input": torch.tensor([[0, 1]]), "labels": torch.tensor([[0, 1]])}]
+    >>> out = predict_with(EvalSpec(speed_metrics=False), forward, {"weight": torch.eye(2)}, batches)
+    >>> out.predictions.tolist(), out.label_ids.tolist(), sorted(out.metrics)
+    ([[[1.0, 0.0], [0.0, 1.0]]], [[0, 1]], ['eval_loss'])
+    """
+    out, metrics = _outcome(spec, model_or_forward, params, batches, buffers, collective, gather=True)
+    tensors = out.get("tensors") or {}
+    conv = to_numpy if spec.as_numpy else (lambda x: x)
+    return PredictionOutput(conv(tensors.get("predictions")), conv(tensors.get("label_ids")), metrics)
+
+
+def _outcome(
+    spec: EvalSpec,
+    model_or_forward: Any,
+    params: Any,
+    batches: Iterable[Mapping[str, Any]],
+    buffers: Any,
+    collective: GatherCollective | None,
+    *,
+    gather: bool,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    # What every entry point shares: run the pipeline, merge the ranks (if any), time it, make the metrics.
+    start = time.perf_counter()
+    parts, acc = eval_fold(spec, model_or_forward, params, batches, gather=gather, buffers=buffers)
+    if collective is None:
+        out = {**combine(parts).complete(acc), "runtime": time.perf_counter() - start}
+    else:
+        out = merged_parts(parts, acc, collective, time.perf_counter() - start)
+    speed = throughput(out["runtime"], out["samples"], out["batches"]) if spec.speed_metrics else None
+    metrics = final_metrics(
+        out.get("tensors") or {},
+        out["loss"] if out["labelled"] else None,
+        spec.compute_metrics,
+        prefix=spec.metric_key_prefix,
+        as_numpy=spec.as_numpy,
+        speed=speed,
+        objective_metrics=out["metrics"],
+    )
+    return out, metrics
+
+
+def evaluate(
+    model_or_forward: nn.Module | Callable[..., Any],
+    params: Any,
+    batches: Iterable[Mapping[str, Any]],
+    *,
+    loss: Callable[..., Tensor] = causal_lm,
+    compute_metrics: Callable[[EvalPrediction], Mapping[str, Any]] | None = None,
+    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+    eval_accumulation_steps: int | None = None,
+    prediction_loss_only: bool = False,
+    metric_key_prefix: str = "eval",
+    include_for_metrics: Iterable[str] = (),
+    label_key: str = "labels",
+    main_input_name: str = "input_ids",
+    buffers: Mapping[str, Tensor] | None = None,
+    predictions_of: Callable[[Any], Any] = logits_of,
+    as_numpy: bool = True,
+    speed_metrics: bool = True,
+    move: Callable[[Tensor], Tensor] | None = None,
+    objective: Callable[..., Any] | None = None,
+) -> dict[str, float]:
+    """Evaluate ``params`` on ``batches`` and return metrics named ``{metric_key_prefix}_*``.
+
+    ``model_or_forward`` is an ``nn.Module`` (run in eval mode through ``functional_call``; its
+    buffers are used unless ``buffers`` is given) or a ``forward(params, inputs)`` function.
+    ``params`` is a dict of tensors, a ``TrainState`` (its params and buffers), or ``None`` for
+    the module's own. Each batch is a dict of tensors. The other settings make an :class:`EvalSpec`
+    (see it for each): this is ``evaluate_with(EvalSpec(...), model_or_forward, params, batches)``.
+    A NaN or infinite loss in any batch shows in the eval loss (HF drops non-finite batch losses).
+
+    >>> import torch
+    >>> from trainfold.core.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> rows = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    >>> one = evaluate(model, None, [{"input_ids": rows, "labels": rows}], speed_metrics=False,
+    ...                compute_metrics=lambda p: {"rows": p.predictions.shape[0]})
+    >>> sorted(one), one["eval_rows"]
+    (['eval_loss', 'eval_rows'], 2)
+    >>> two = evaluate(model, None, [{"input_ids": r[None], "labels": r[None]} for r in rows], speed_metrics=False)
+    >>> round(one["eval_loss"], 5) == round(two["eval_loss"], 5)  # the token mean: batch size does not matter
+    True
+    """
+    return evaluate_with(EvalSpec.of(locals()), model_or_forward, params, batches, buffers=buffers)
+
+
+def predict(
+    model_or_forward: nn.Module | Callable[..., Any],
+    params: Any,
+    batches: Iterable[Mapping[str, Any]],
+    *,
+    loss: Callable[..., Tensor] = causal_lm,
+    compute_metrics: Callable[[EvalPrediction], Mapping[str, Any]] | None = None,
+    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+    eval_accumulation_steps: int | None = None,
+    metric_key_prefix: str = "test",
+    include_for_metrics: Iterable[str] = (),
+    label_key: str = "labels",
+    main_input_name: str = "input_ids",
+    buffers: Mapping[str, Tensor] | None = None,
+    predictions_of: Callable[[Any], Any] = logits_of,
+    as_numpy: bool = True,
+    speed_metrics: bool = True,
+    move: Callable[[Tensor], Tensor] | None = None,
+    objective: Callable[..., Any] | None = None,
+) -> PredictionOutput:
+    """Return predictions and labels for ``batches`` in their order, and the metrics ``evaluate`` gives.
+
+    Predictions are ``predictions_of(outputs)`` after ``preprocess_logits_for_metrics``, padded
+    with -100 along dim 1; ``label_ids`` is ``None`` when batches have no labels. Metric names
+    are prefixed with ``test`` by default, as in HF. The settings make an :class:`EvalSpec`, as for ``evaluate``.
+
+    >>> import torch
+    >>> from trainfold.core.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> batches = [{"input_ids": torch.tensor([[1, 2, 3, 4]]), "labels": torch.tensor([[1, 2, 3, 4]])},
+    ...            {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[5, 6, 7]])}]
+    >>> out = predict(model, None, batches, speed_metrics=False)
+    >>> list(out.predictions.shape), out.label_ids.tolist(), sorted(out.metrics)
+    ([2, 4, 16], [[1, 2, 3, 4], [5, 6, 7, -100]], ['test_loss'])
+    """
+    return predict_with(EvalSpec.of(locals()), model_or_forward, params, batches, buffers=buffers)
