@@ -172,19 +172,18 @@ def test_a_moved_name_still_imports_from_its_old_module_with_a_deprecation_warni
         from trainfold.losses import no_such_name  # noqa: F401
 
 
-def test_make_rollout_takes_the_old_keyword_with_a_warning():
+def test_make_rollout_steps_per_generation_is_trls_micro_steps():
     from trainfold.grpo import make_rollout
 
     model = torch.nn.Linear(2, 2)
     common = dict(encode=list, decode=list, num_generations=2, max_new_tokens=2)
-    with pytest.warns(DeprecationWarning, match="renamed optimizer_steps_per_generation"):
-        old = make_rollout(model, lambda completions, **_: [0.0] * len(completions), steps_per_generation=3, **common)
-    assert old.optimizer_steps_per_generation == 3
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        new = make_rollout(model, lambda completions, **_: [0.0], optimizer_steps_per_generation=3, **common)
-    assert new.optimizer_steps_per_generation == 3
-    with pytest.raises(TypeError, match="pass only optimizer_steps_per_generation"):
+        warnings.simplefilter("error")  # one unit with the run's (TRL's): no longer a deprecated alias
+        micro = make_rollout(model, lambda completions, **_: [0.0] * len(completions), steps_per_generation=3, **common)
+        steps = make_rollout(model, lambda completions, **_: [0.0], optimizer_steps_per_generation=3, **common)
+    assert (micro.steps_per_generation, micro.optimizer_steps_per_generation) == (3, None)
+    assert (steps.steps_per_generation, steps.optimizer_steps_per_generation) == (None, 3)
+    with pytest.raises(TypeError, match="pass one"):
         make_rollout(model, len, steps_per_generation=2, optimizer_steps_per_generation=3, **common)
 
 
