@@ -68,7 +68,21 @@ def test_padding_free_batches_equal_transformers_flattening():
     theirs = transformers.DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)(rows)
     for key in ("input_ids", "labels", "position_ids"):
         assert ours[key].tolist() == theirs[key].tolist()
-    assert ours["use_cache"] is False and "attention_mask" not in ours
+    assert "attention_mask" not in ours and "use_cache" not in ours  # the step and evaluation turn the cache off
+
+
+def test_padding_free_batches_have_exactly_trls_keys_and_values():
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    rows = documents([4, 1, 6])
+    ours = padding_free_collate()(rows)
+    theirs = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(rows)
+    assert list(ours) == list(theirs)
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), key
+        else:
+            assert ours[key] == value, key
 
 
 # -- a packed step is the unpacked step --------------------------------------------------------------
@@ -86,7 +100,7 @@ def llama(attn: str):
         max_position_embeddings=64,
         attn_implementation=attn,
     )
-    return transformers.LlamaForCausalLM(cfg)  # use_cache=True, as shipped: the collators turn it off
+    return transformers.LlamaForCausalLM(cfg)  # use_cache=True, as shipped: the step and evaluation turn it off
 
 
 def gpt2():

@@ -44,6 +44,7 @@ from trainfold.evaluation.reducers import (
     unreduced,
 )
 from trainfold.evaluation.spec import EvalSpec
+from trainfold.step.recompute import cache_configs, cache_off
 
 __all__ = ["eval_fold", "eval_parts", "resolve_forward"]
 
@@ -295,6 +296,9 @@ def eval_fold(
         steps.append(mapping(_preprocessing(spec.preprocess_logits_for_metrics)))
     parts = eval_parts(gather, spec.eval_accumulation_steps, spec.move)
     reducer = compose(*steps)(combine(parts))
-    mode = train_mode(model_or_forward, False) if isinstance(model_or_forward, nn.Module) else contextlib.nullcontext()
-    with mode, torch.inference_mode():
+    module = isinstance(model_or_forward, nn.Module)
+    mode = train_mode(model_or_forward, False) if module else contextlib.nullcontext()
+    # no KV cache, as TRL's compute_loss: with one, packed rows would attend across their documents
+    no_cache = cache_off(cache_configs(model_or_forward.modules())) if module else contextlib.nullcontext()
+    with mode, no_cache, torch.inference_mode():
         return parts, unreduced(fold(reducer, batches))
