@@ -21,7 +21,7 @@ from torch import nn
 
 from trainfold.data.packing import check_packable
 from trainfold.hf.dpo_args import DPOArguments
-from trainfold.hf.model_source import model_from
+from trainfold.hf.model_source import model_from, processing_class_for
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run
 from trainfold.recipes.dpo import dpo_objective, preference_collate
@@ -62,6 +62,7 @@ def train(
 
     The reference is ``ref_model`` when given, else the model as it is before training (TRL reloads it
     from its path; this needs none); ``precompute_ref_log_probs`` scores the datasets with it once.
+    Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does.
     ``kwargs`` go to ``trainfold.train``.
     """
     if not isinstance(args, DPOArguments):
@@ -81,7 +82,7 @@ def train(
         precompute_ref_log_probs=args.precompute_ref_log_probs,
         precompute_ref_batch_size=args.precompute_ref_batch_size,
     )
-    tok = processing_class
+    tok = processing_class = processing_class_for(model, processing_class)
     pad = args.pad_token or (getattr(tok, "pad_token", None) or getattr(tok, "eos_token", None)) if tok else None
     if args.padding_free:  # the run's own flattened rows (TrainingArguments' padding_free is for LM rows)
         check_packable(model)
@@ -92,4 +93,5 @@ def train(
         collate = preference_collate(None, pad_id, args.max_length, args.pad_to_multiple_of)
     train_rows = prepare_dataset(train_dataset, tok, args)
     eval_rows = prepare_dataset(eval_dataset, tok, args)
-    return train_run(model, args, train_rows, eval_rows, collate, objective=objective, callbacks=callbacks, **kwargs)
+    run = dict(objective=objective, callbacks=callbacks, processing_class=tok)  # checkpoints hold the tokenizer
+    return train_run(model, args, train_rows, eval_rows, collate, **run, **kwargs)
