@@ -31,12 +31,12 @@ from trainfold.core.rng import derive_seed
 from trainfold.core.state import Cursor, TrainState, scalar
 from trainfold.data import StateStream, StepBatch
 from trainfold.hf.grpo_args import GRPOArguments, generation_order
-from trainfold.recipes.generate import functional_forward, generate
-from trainfold.recipes.grpo import RewardFunc, combine_rewards, next_token_logps, reward_name
+from trainfold.recipes.generate import functional_forward
+from trainfold.recipes.grpo import RewardFunc, next_token_logps, reward_name
 from trainfold.recipes.grpo_data import schedule_step
+from trainfold.recipes.grpo_loop import Rollout
 from trainfold.recipes.grpo_metrics import generation_metrics
-from trainfold.recipes.grpo_rewards import reward_advantages
-from trainfold.recipes.grpo_rows import before_eos, completion_rows, gather_completions, spread_completions
+from trainfold.recipes.grpo_rows import completion_rows, gather_completions, spread_completions
 
 __all__ = ["BUFFER", "GenerationBuffer", "GRPORun", "empty_buffer"]
 
@@ -103,6 +103,7 @@ class GRPORun:
     ref_params: Mapping[str, Tensor] | None
     eval_prompts: Any = None
     objective: Any = None  # grpo_objective from args: the run's loss, and eval_loss
+    rollout: Rollout | None = None  # make_rollout from args: sampling and scoring, as the hand loop's
     _encoded: dict[int, list[int]] = attrs.field(factory=dict)  # prompt index -> its tokens (encode is pure)
 
     @property
@@ -174,25 +175,12 @@ class GRPORun:
         prompt_ids = [encoded(i) for i in index]  # before a reward function sees (and may change) the rows
         rows = [copy.deepcopy(dataset[i]) for i in index]  # each repeat its own object
         prompts = [r[self.prompt_key] for r in rows]
-        completion_ids = generate(
-            self.model,
-            state.params,
-            prompt_ids,
-            max_new_tokens=a.max_completion_length,
-            temperature=a.temperature,
-            eos_token_id=self.eos_token_id,
-            generator=torch.Generator().manual_seed(key),
-            pad_token_id=self.pad_token_id,
-            buffers=state.buffers,
-        )
-        eos = self.eos_token_id
-        completions = [self.decode(before_eos(c, eos)) for c in completion_ids]
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != self.prompt_key}
-        columns["completion_ids"] = [list(c) for c in completion_ids]
-        total, each = combine_rewards(self.reward_funcs, prompts, completions, columns, a.reward_weights)
+        out = self.rollout.sample(state, prompt_ids, prompts, columns, key)  # the hand loop's sampling and scoring
+        completion_ids, eos = out.completion_ids, self.eos_token_id
         truncated = torch.tensor([c[-1] not in (eos, self.pad_token_id) for c in completion_ids])
         metrics = generation_metrics(
-            each,
+            out.each,
             self.names,
             g,
             torch.tensor([len(c) for c in completion_ids]),
@@ -205,7 +193,7 @@ class GRPORun:
             "prompt_ids": prompt_ids,
             "completion_ids": completion_ids,
             "metrics": metrics,
-            "advantages": reward_advantages(each, g, a.reward_weights, a.scale_rewards, a.multi_objective_aggregation),
+            "advantages": out.advantages,
         }
 
     def generation(

@@ -37,9 +37,20 @@ from trainfold.recipes.grpo_rewards import (
 )
 from trainfold.recipes.grpo_rows import before_eos, completion_rows
 
-__all__ = ["Rollout", "grpo_trajectory", "make_rollout", "rollout_metrics"]
+__all__ = ["Rollout", "Sampled", "grpo_trajectory", "make_rollout", "rollout_metrics"]
 
 _GENERATION_TAG = 0x6E6E
+
+
+@attrs.frozen(eq=False)
+class Sampled:
+    """One generation, sampled and scored: each row's completion ids, total reward, reward per function
+    (``(rows, functions)``, NaN where a function gave None) and advantage."""
+
+    completion_ids: list[list[int]]
+    rewards: Tensor
+    each: Tensor
+    advantages: Tensor
 
 
 @attrs.frozen(eq=False)
@@ -113,6 +124,40 @@ class Rollout:
                 self.temperature,
             )
 
+    def sample(
+        self,
+        state: TrainState,
+        prompt_ids: Sequence[list[int]],
+        prompts: Sequence[Any],
+        columns: Mapping[str, list],
+        seed: int | None = None,
+    ) -> Sampled:
+        """Sample a completion of each prompt with ``state.params``, score it and return the advantages over the
+        rows' groups of ``num_generations`` (``completion_ids`` join the reward functions' columns, as TRL's).
+
+        The generator is seeded from ``seed``, by default from ``(state.seed, state.step)``; the GRPO run
+        (``trainfold.hf.grpo_schedule``) samples through this method too, seeded per generation.
+        """
+        seed = derive_seed(int(state.seed), int(state.step), _GENERATION_TAG) if seed is None else seed
+        completion_ids = generate(
+            self.model,
+            state.params,
+            prompt_ids,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            eos_token_id=self.eos_token_id,
+            generator=torch.Generator().manual_seed(seed),
+            pad_token_id=self.pad_token_id,
+            buffers=state.buffers,
+        )
+        completions = [self.decode(before_eos(c, self.eos_token_id)) for c in completion_ids]
+        columns = {**columns, "completion_ids": [list(c) for c in completion_ids]}
+        total, each = combine_rewards(self.reward_funcs, prompts, completions, columns, self.reward_weights)
+        advantages = reward_advantages(
+            each, self.num_generations, self.reward_weights, self.scale_rewards, self.multi_objective_aggregation
+        )
+        return Sampled(completion_ids, total, each, advantages)
+
     def __call__(self, state: TrainState, micro_batches: Sequence[Mapping[str, Any]]) -> list[dict[str, Tensor]]:
         sizes = [len(mb[self.prompt_key]) for mb in micro_batches]
         prompts = [p for mb in micro_batches for p in mb[self.prompt_key]]
@@ -122,29 +167,13 @@ class Rollout:
             if k != self.prompt_key
         }
         prompt_ids = [list(self.encode(p)) for p in prompts]
-        key = torch.Generator().manual_seed(derive_seed(int(state.seed), int(state.step), _GENERATION_TAG))
-        completion_ids = generate(
-            self.model,
-            state.params,
-            prompt_ids,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            eos_token_id=self.eos_token_id,
-            generator=key,
-            pad_token_id=self.pad_token_id,
-            buffers=state.buffers,
-        )
-        completions = [self.decode(before_eos(c, self.eos_token_id)) for c in completion_ids]
-        total, each = combine_rewards(self.reward_funcs, prompts, completions, columns, self.reward_weights)
-        advantages = reward_advantages(
-            each, self.num_generations, self.reward_weights, self.scale_rewards, self.multi_objective_aggregation
-        )
-        rows: dict[str, Tensor] = completion_rows(prompt_ids, completion_ids, self.pad_token_id)
+        out = self.sample(state, prompt_ids, prompts, columns)
+        rows: dict[str, Tensor] = completion_rows(prompt_ids, out.completion_ids, self.pad_token_id)
         ids, attention, completion_mask = rows["input_ids"], rows["attention_mask"], rows["completion_mask"]
         rows |= {
-            "advantages": advantages,
-            "rewards": total,
-            **{f"rewards/{reward_name(fn)}": each[:, k] for k, fn in enumerate(self.reward_funcs)},
+            "advantages": out.advantages,
+            "rewards": out.rewards,
+            **{f"rewards/{reward_name(fn)}": out.each[:, k] for k, fn in enumerate(self.reward_funcs)},
             # the block's size, on every row: dapo normalises by its completion tokens per micro-batch
             "generation_tokens": torch.full((len(prompts),), int(completion_mask.sum())),
             "generation_micro_batches": torch.full((len(prompts),), len(micro_batches)),
