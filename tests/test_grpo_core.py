@@ -15,6 +15,7 @@ from trainfold.hf.grpo_args import GRPOArguments, generation_order
 from trainfold.hf.grpo_run import grpo_stream, train
 from trainfold.recipes.grpo_data import GenerationSchedule, generation_batches, schedule_step
 from trainfold.recipes.grpo_loop import grpo_trajectory, make_rollout
+from trainfold.recipes.grpo_objective import grpo_objective
 
 CFG = TinyLMConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_len=16)
 
@@ -133,7 +134,7 @@ def test_default_steps_per_generation_is_the_accumulation():
 # -- the loop and the run: one schedule --------------------------------------------------------
 
 
-@pytest.mark.parametrize("ga, spg, iterations", [(2, 3, 2), (2, 1, 2)])
+@pytest.mark.parametrize("ga, spg, iterations", [(2, 3, 2)])
 def test_the_loop_and_the_run_give_the_same_steps_for_the_same_settings(tmp_path, ga, spg, iterations):
     """steps_per_generation != gradient_accumulation_steps and num_iterations > 1: the same losses, bitwise."""
     b, g, num_prompts = 2, 2, 6
@@ -213,3 +214,47 @@ def test_make_rollout_takes_one_size_in_either_unit():
         make_rollout(model, digit_sum, steps_per_generation=0, **common)
     with pytest.raises(TypeError, match="exactly one"):
         list(generation_batches([], lambda mbs: mbs, 1, steps_per_generation=1))
+
+
+def test_a_real_trl_grpo_trainer_generates_when_the_loop_and_the_run_do(tmp_path):
+    """TRL's GRPOTrainer on a tiny model: generation batch b x steps_per_generation, at the same optimizer steps."""
+    import datasets
+    import trl
+    from tiny_chat import llama, word_tokenizer
+
+    tok, calls = word_tokenizer(None), {"trl": [], "run": [], "loop": []}
+    settings = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, steps_per_generation=3)
+    settings |= dict(num_iterations=2, num_generations=2, max_completion_length=2, max_steps=6, seed=3, logging_steps=1)
+    common = dict(bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no", disable_tqdm=True)
+    config = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **common, **settings)
+    rows = [{"prompt": f"w{i} w{i + 1}"} for i in range(6)]
+
+    def scored(name, step):
+        def reward(prompts, completions, **_):
+            calls[name].append((step(), len(completions)))
+            return [float(len(c)) for c in completions]
+
+        return reward
+
+    trainer = trl.GRPOTrainer(
+        model=llama(), reward_funcs=scored("trl", lambda: trainer.state.global_step), args=config,
+        train_dataset=datasets.Dataset.from_list(rows), processing_class=tok,
+    )  # fmt: skip
+    trainer.train()
+    args = GRPOArguments.from_hf(config, output_dir=str(tmp_path / "run"))
+    result = train(llama(), args, rows, scored("run", lambda: None), processing_class=tok)
+    generated = [e["step"] for e in result.log_history if "reward" in e]  # logged by the steps that generated
+    assert generated == [e["step"] for e in trainer.state.log_history if "reward" in e] == [1, 4]
+
+    model = llama()
+    rollout = make_rollout(
+        model, scored("loop", lambda: len(states)), encode=lambda s: tok(s, add_special_tokens=False)["input_ids"],
+        decode=tok.decode, num_generations=2, max_new_tokens=2, steps_per_generation=3, num_iterations=2,
+    )  # fmt: skip
+    prompts = [[{"prompt": [r["prompt"]]} for r in rows[i : i + 2]] for i in range(0, 6, 2)]  # steps of 2 x 1 prompt
+    step = make_step(model, optimizer=sgd(0.1), objective=grpo_objective("dapo"))
+    states = []  # the loop's reward function reads how many steps are done
+    for s in grpo_trajectory(step, init_state(model, sgd(0.1)), prompts, rollout):
+        states.append(s)
+    assert calls["trl"] == [(0, 6), (3, 6)]  # 6 completions = 2 x 3 micro-steps, every 3 optimizer steps
+    assert [n for _, n in calls["run"]] == [6, 6] and calls["loop"] == calls["trl"] and len(states) == 6
