@@ -88,7 +88,7 @@ class Rollout:
     encode: Callable[[Any], list[int]]
     decode: Callable[[list[int]], Any]
     num_generations: int
-    optimizer_steps_per_generation: int | None  # a generation's size in optimizer steps, or (one is None)
+    optimizer_steps_per_generation: int | None  # a generation's size in optimizer steps (None: the next field's)
     num_iterations: int
     max_new_tokens: int
     temperature: float
@@ -101,7 +101,7 @@ class Rollout:
     head: OutputHead | None = None  # set: old/ref log-probs chunk by chunk from the hidden states
     chunk_size: int = 0
     multi_objective_aggregation: str = "sum_then_normalize"  # or "normalize_then_sum" (GDPO)
-    steps_per_generation: int | None = None  # its size in micro-steps (TRL's unit)
+    steps_per_generation: int | None = None  # or its size in micro-steps (TRL's unit)
 
     @property
     def records_old_logps(self) -> bool:
