@@ -123,6 +123,23 @@ def gpt2():
 MODELS = {"llama-sdpa": lambda: llama("sdpa"), "llama-eager": lambda: llama("eager"), "gpt2": gpt2}
 
 
+def test_evaluating_padding_free_batches_gives_the_padded_loss_with_the_cache_on_in_the_config():
+    """Evaluation runs with use_cache=False (TRL's compute_loss passes it): a KV cache would drop the per-document
+    masks of the flattened row and let documents attend to each other."""
+    from trainfold.evaluation import evaluate
+
+    model, docs = llama("sdpa"), documents([5, 3, 6, 2])
+    assert model.config.use_cache
+    padded = evaluate(model, None, [pad_collate()(docs)], speed_metrics=False)["eval_loss"]
+    flat_batch = padding_free_collate()(docs)
+    flat = evaluate(model, None, [flat_batch], speed_metrics=False)["eval_loss"]
+    assert flat == pytest.approx(padded, rel=1e-5)  # the same token terms, float32 sums in another order
+    with torch.no_grad():  # the cache on: the documents see each other, and the loss moves
+        logits = model(**{k: v for k, v in flat_batch.items() if k != "labels"}, use_cache=True).logits
+    leaked = causal_lm(logits, flat_batch["labels"], causal_lm.count_items(flat_batch["labels"])).item()
+    assert leaked != pytest.approx(padded, rel=1e-3)
+
+
 def one_step(model, batch):
     opt = sgd(1.0)
     return make_step(model, causal_lm, opt)(init_state(model, opt), batch)
