@@ -7,6 +7,8 @@ import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainfold import make_step, sgd
 from trainfold.core.models import TinyLM, TinyLMConfig
@@ -100,6 +102,24 @@ def test_the_loop_counts_steps_per_generation_in_trls_micro_steps(b, ga, spg, it
         ).generation_batch
         == b * spg
     )
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 3), st.integers(1, 5), st.integers(1, 3))
+def test_generations_cover_the_prompt_micro_batches_in_trls_order(num_steps, ga, spg, iterations):
+    ids = list(range(num_steps * ga))
+    prompts = [[[i] for i in ids[s * ga : (s + 1) * ga]] for s in range(num_steps)]
+    calls = []
+
+    def generate(mbs):
+        calls.append([x for mb in mbs for x in mb])
+        return mbs
+
+    steps = list(generation_batches(prompts, generate, steps_per_generation=spg, num_iterations=iterations))
+    chunks = [ids[i : i + spg] for i in range(0, len(ids), spg)]
+    assert calls == chunks  # one generation per steps_per_generation prompt micro-batches, in order
+    assert [x for step in steps for mb in step for x in mb] == [x for c in chunks for _ in range(iterations) for x in c]
+    assert all(len(step) == ga for step in steps[:-1]) and 1 <= len(steps[-1]) <= ga
 
 
 def test_the_loop_generates_lazily_with_the_state_each_step_starts_from():
