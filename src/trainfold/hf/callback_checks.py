@@ -69,7 +69,8 @@ def check_callbacks(callbacks: Sequence[Any]) -> list[Any]:
     callbacks take transformers.TrainerCallback objects;
     got builtin_function_or_method print (a function (state, logs) -> None is an observer: pass it as observers=[...])
     """
-    out, problems = [], []
+    out: list[Any] = []
+    problems: list[str] = []
     if not callbacks:
         return out
     for cb in callbacks:

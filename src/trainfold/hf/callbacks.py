@@ -122,7 +122,7 @@ class HFCallbacks:
         self.control = transformers.TrainerControl()
         self._steps_per_epoch, self._evaluate, self._save, self._saved = steps_per_epoch, evaluate, save, saved
         self._current: TrainState | None = None
-        self._saves_seen, self._saved_steps = len(saved), set()
+        self._saves_seen, self._saved_steps = len(saved), set[int]()
         self._epoch_open = False
         self._warned_log = False
 

@@ -22,7 +22,7 @@ from trainfold.core.state import TrainState, split_module
 from trainfold.data import close_loader, eval_loader
 from trainfold.data.collate import collate_for
 from trainfold.data.columns import eval_collate, padded_to_multiple
-from trainfold.distributed import shard
+from trainfold.distributed import GatherCollective, shard
 from trainfold.evaluation import evaluate_sharded
 from trainfold.evaluation.evaluation import eval_sets
 from trainfold.evaluation.evaluation import evaluate as evaluate_batches
@@ -40,7 +40,7 @@ class EvalSet:
 
     prefix: str
     loader: Any
-    collective: Collective | None = None
+    collective: GatherCollective | None = None
 
 
 def eval_loader_for(dataset: Any, collate: Callable[[list[Any]], Any], args: Any, device: torch.device) -> Any:
@@ -118,7 +118,7 @@ class EvalPlan:
         """Return the metrics of each eval set (one; or each set of a dict, named ``eval_{name}_*``, as HF)."""
         if self.evaluator is not None:
             return [dict(self.evaluator(state))]
-        common = dict(
+        common: dict[str, Any] = dict(
             buffers=state.buffers,
             compute_metrics=self.compute_metrics,
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
@@ -134,6 +134,7 @@ class EvalPlan:
                 for s in self.sets
             ]
         params = sharded.full_params(state.params)
+        assert self.loss is not None  # a run gives eval_plan_for its loss; only an objective run scores without
         return [
             evaluate_sharded(
                 model, params, s.loader, collective=s.collective, loss=self.loss, metric_key_prefix=s.prefix, **common

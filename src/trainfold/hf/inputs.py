@@ -146,8 +146,9 @@ def run_inputs(
     columns = columns_of(model, args, data_collator, labels_required=objective is None, objective=objective)
     default = data_collator if data_collator is not None else collate_for(processing_class)
     padded = padded_to_multiple(default, args.pad_to_multiple_of)
-    if getattr(objective, "prepare", None) is not None:  # DPO: precomputed reference log-probs, cached in output_dir
-        objective, train_dataset, eval_dataset = objective.prepare(
+    prepare = getattr(objective, "prepare", None)
+    if prepare is not None:  # DPO: precomputed reference log-probs, cached in output_dir
+        objective, train_dataset, eval_dataset = prepare(
             model, args, train_dataset, eval_dataset, padded, device or device_for(args)
         )
     lm = lm_inputs(model, args, train_dataset, data_collator, compute_loss_func, objective)  # packing, chunked loss

@@ -113,7 +113,7 @@ def plan_for(
     device = device_for(args)
     rank, world_size = world_of(collective)
     args = elastic_args(args, resume_from_checkpoint, world_size)  # another world: the saved global batch
-    given, where = (data_collator, compute_loss_func, objective), dict(world_size=world_size, device=device)
+    given, where = (data_collator, compute_loss_func, objective), dict[str, Any](world_size=world_size, device=device)
     inputs = run_inputs(model, args, train_dataset, eval_dataset, *given, **where, processing_class=processing_class)
     sampler = sampler_for(args, inputs.train_dataset, world_size=world_size, rank=rank)
     schedule = schedule_for(args, sampler, train_stream)

@@ -147,8 +147,9 @@ def save_model(model: nn.Module, output_dir: str | os.PathLike, processing_class
         return
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(out)
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if save_pretrained is not None:
+        save_pretrained(out)
     else:
         safetensors.torch.save_model(model, str(out / "model.safetensors"))
     if processing_class is not None:
