@@ -47,7 +47,9 @@ SCHEDULERS = SCHEDULE_NAMES
 _Args = TypeVar("_Args", bound="TrainingArguments")  # replace() returns the subclass it is called on
 
 
-@attrs.frozen(init=False)
+# kw_only: __attrs_init__ is called with keywords alone, so a subclass that overrides a default (moving the
+# field to the end) keeps a compatible signature
+@attrs.frozen(init=False, kw_only=True)
 class TrainingArguments:
     """Settings for ``trainfold.train`` under their HF ``TrainingArguments`` names and defaults.
 

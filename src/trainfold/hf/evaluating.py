@@ -28,6 +28,7 @@ from trainfold.evaluation.evaluation import eval_sets
 from trainfold.evaluation.evaluation import evaluate as evaluate_batches
 from trainfold.evaluation.evaluation import predict as predict_batches
 from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
+from trainfold.hf.args import TrainingArguments
 from trainfold.hf.inputs import columns_of, device_for, eval_labels
 from trainfold.step import sharded
 
@@ -43,7 +44,9 @@ class EvalSet:
     collective: GatherCollective | None = None
 
 
-def eval_loader_for(dataset: Any, collate: Callable[[list[Any]], Any], args: Any, device: torch.device) -> Any:
+def eval_loader_for(
+    dataset: Any, collate: Callable[[list[Any]], Any], args: TrainingArguments, device: torch.device
+) -> Any:
     """Return the eval DataLoader in dataset order (never length-grouped), with HF's eval DataLoader settings."""
     return eval_loader(
         dataset,
@@ -58,7 +61,12 @@ def eval_loader_for(dataset: Any, collate: Callable[[list[Any]], Any], args: Any
 
 
 def _eval_set(
-    prefix: str, dataset: Any, collate: Callable[..., Any], args: Any, device: torch.device, collective: Any
+    prefix: str,
+    dataset: Any,
+    collate: Callable[..., Any],
+    args: TrainingArguments,
+    device: torch.device,
+    collective: Any,
 ) -> EvalSet:
     """Return an eval set; under several ranks each scores a contiguous slice (sums, counts, predictions merged)."""
     world = getattr(collective, "world_size", 1) if collective is not None else 1
@@ -144,7 +152,7 @@ class EvalPlan:
 
 
 def eval_plan_for(
-    args: Any,
+    args: TrainingArguments,
     eval_dataset: Any,
     collate: Callable[[list[Any]], Any],
     *,
@@ -194,7 +202,7 @@ def eval_plan_for(
 
 def evaluate(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     eval_dataset: Any,
     *,
     state: TrainState | None = None,
@@ -255,7 +263,7 @@ def evaluate(
 
 def predict(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     test_dataset: Any,
     *,
     state: TrainState | None = None,
@@ -306,7 +314,7 @@ def predict(
 
 def _eval_inputs(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     dataset: Any,
     state: TrainState | None,
     data_collator: Callable[..., Any] | None,
