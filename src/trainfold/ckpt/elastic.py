@@ -40,9 +40,10 @@ def global_batch(settings: Mapping[str, Any]) -> int | None:
     True
     """
     values = [settings.get(k) for k in BATCH_KEYS]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    if len(ints) != len(values):
         return None
-    return values[0] * values[1] * values[2]
+    return ints[0] * ints[1] * ints[2]
 
 
 def split_global_batch(batch: int, *, world_size: int, per_device: int) -> tuple[int, int]:

@@ -385,7 +385,7 @@ def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any
     here = {**args.to_dict(), "world_size": world_size}
     saved = _saved_settings(resume_from_checkpoint, args.output_dir, here)
     batch = global_batch(saved or {})
-    if batch is None or saved["world_size"] == world_size or batch == global_batch(here):
+    if saved is None or batch is None or saved["world_size"] == world_size or batch == global_batch(here):
         return args
     if [d for d in trajectory_differences(saved, here) if d.split(":")[0] in set(saved) - set(BATCH_KEYS)]:
         return args  # another run's settings: claim refuses it, naming them

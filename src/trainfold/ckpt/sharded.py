@@ -31,7 +31,7 @@ import threading
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import safetensors.torch
@@ -47,6 +47,9 @@ from trainfold.ckpt.sidecar import INDEX_FILE, MODEL_FILE, SIDECAR_FILE, Checkpo
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten, map_tensors, unflatten
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 __all__ = ["Saver", "is_sharded", "save", "load", "read_index"]
 
 _NAME_BYTES = 256  # the temporary directory's name, sent from rank 0 to the others
@@ -58,7 +61,7 @@ def _storage() -> types.ModuleType:
     return sharded_storage
 
 
-def _dtensor_type() -> type | None:
+def _dtensor_type() -> type[DTensor] | None:
     """Return ``DTensor`` if its module is loaded (else no tensor can be one, and DCP need not load)."""
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
@@ -83,9 +86,10 @@ def _consolidate(tmp: Path, index: Mapping[str, Any], model: Any) -> dict[str, d
         if k.startswith(("params.", "buffers."))
     }
     _storage().read_shards(full, tmp, index)
-    split = types.SimpleNamespace(
+    split = TrainState(
         params={k.removeprefix("params."): v for k, v in full.items() if k[0] == "p"},
         buffers={k.removeprefix("buffers."): v for k, v in full.items() if k[0] == "b"},
+        opt_state=None,
     )
     path = tmp / MODEL_FILE
     safetensors.torch.save_file(model_weights(split, model), path, metadata={"format": "pt"})
@@ -215,6 +219,7 @@ class Saver:
         """
         self.wait()
         directory = Path(directory)
+        write: Callable[..., Path]  # (state, directory) -> the checkpoint's path
         if is_sharded(state):
             if dist.is_initialized() and self._group is None:
                 self._group = dist.new_group(backend="gloo")
@@ -234,7 +239,7 @@ class Saver:
 
         if not self.async_save or wait:
             return job(state)
-        staged, outcome = map_tensors(_cpu_copy, state), {}
+        staged, outcome = map_tensors(_cpu_copy, state), dict[str, Any]()
 
         def run() -> None:
             try:

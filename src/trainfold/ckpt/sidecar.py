@@ -18,7 +18,7 @@ import re
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from trainfold.ckpt.tensor_file import HASHES
 from trainfold.core.version import library_version
@@ -128,7 +128,7 @@ _TOP = {
 _SINCE = {"run": 2, "checksum": 2, "tensors": 3, "frozen": 3}  # fields a format before these lacks
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -92,7 +92,7 @@ def write(
     >>> write(tempfile.mkdtemp() + "/t.safetensors", {"x": torch.zeros(2, dtype=torch.bfloat16)})["bytes"]
     68
     """
-    seen: set[int] = set()
+    seen: set[int | None] = set()  # None: an empty tensor (no storage)
     plain = {}
     for k in sorted(tensors):
         t = tensors[k].detach().cpu().contiguous()

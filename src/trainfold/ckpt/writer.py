@@ -137,7 +137,7 @@ def save(
     (['checkpoint-is-durable.json', 'model.safetensors', 'state.safetensors', 'trainfold.json'], {'n': 1})
     """
     directory, run = Path(directory), _check_run(run)
-    fields = {"metadata": _json(metadata, "save metadata"), "settings": _json(settings, "save settings")}
+    fields = dict[str, Any](metadata=_json(metadata, "save metadata"), settings=_json(settings, "save settings"))
     fields.update(run=run, save_only_model=save_only_model, jit=jit)
     layout = layout_of(state, model, config)
     flat = flatten(state)
@@ -145,7 +145,7 @@ def save(
 
     def write(tmp: Path, fsync: bool) -> dict[str, Any]:
         files = _write_files(tmp, flat, layout, frozen, save_only_model, on_file, tensors, fsync, extra_files)
-        where = {"tensors": {layout.weights_file: layout.weights}, "frozen": frozen} if tensors is None else {}
+        where = dict[str, Any](tensors={layout.weights_file: layout.weights}, frozen=frozen) if tensors is None else {}
         cursor = (int(state.cursor.epoch), int(state.cursor.position))
         return new_sidecar(step=int(state.step), cursor=cursor, files=files, **where, **fields)
 
@@ -194,7 +194,7 @@ def disk_full(e: BaseException, path: str | os.PathLike, what: str, needed: int 
         warnings.simplefilter("ignore")
         previous = latest_checkpoint(root)
     if previous is not None and previous == path:
-        previous = ([p for p in list_checkpoints(root) if p != path] or [None])[-1]
+        previous = next(reversed([p for p in list_checkpoints(root) if p != path]), None)
     kept = (
         f"the previous checkpoint {previous} (step {previous.name.rsplit('-', 1)[-1]}) is intact; resume from it"
         if previous is not None
@@ -277,7 +277,7 @@ def _write_files(
             record(STATE_FILE, tensor_file.write(tmp / STATE_FILE, rest, metadata=_PT, fsync=fsync))
         weights = {name: flat[key] for key, name in layout.weights.items()}
         record(layout.weights_file, tensor_file.write(tmp / layout.weights_file, weights, metadata=_PT, fsync=fsync))
-    if layout.config_text is not None:
+    if layout.config_file is not None and layout.config_text is not None:
         config = tensor_file.write_bytes(tmp / layout.config_file, layout.config_text.encode(), fsync=fsync)
         record(layout.config_file, config)
     if extra_files is not None:

@@ -63,6 +63,12 @@ def make_forward(model: nn.Module, buffers: Mapping[str, Tensor]) -> Forward:
     """
 
     def forward(params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
-        return functional_call(model, (params, buffers), args=(), kwargs=dict(inputs), strict=True)
+        trees = (_as_dict(params), _as_dict(buffers))
+        return functional_call(model, trees, args=(), kwargs=dict(inputs), strict=True)
 
     return forward
+
+
+def _as_dict(tree: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Return ``tree`` itself when it is a dict (``functional_call`` takes only dicts), else a dict copy."""
+    return tree if isinstance(tree, dict) else dict(tree)

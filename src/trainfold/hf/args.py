@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
@@ -44,9 +44,12 @@ __all__ = [
 # The vocabularies, each owned by the module that acts on it (re-exported here under the names args used)
 INTERVALS = EVAL_STRATEGIES  # eval_strategy's (logging_strategy's are observe.observers.LOGGING_STRATEGIES)
 SCHEDULERS = SCHEDULE_NAMES
+_Args = TypeVar("_Args", bound="TrainingArguments")  # replace() returns the subclass it is called on
 
 
-@attrs.frozen(init=False)
+# kw_only: __attrs_init__ is called with keywords alone, so a subclass that overrides a default (moving the
+# field to the end) keeps a compatible signature
+@attrs.frozen(init=False, kw_only=True)
 class TrainingArguments:
     """Settings for ``trainfold.train`` under their HF ``TrainingArguments`` names and defaults.
 
@@ -215,7 +218,7 @@ class TrainingArguments:
         """Return the settings as JSON-ready values."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.asdict(self).items()}
 
-    def replace(self, **changes: Any) -> TrainingArguments:
+    def replace(self: _Args, **changes: Any) -> _Args:
         """Return a copy with ``changes`` applied (and checked)."""
         return type(self)(**{**attrs.asdict(self, recurse=False), **changes})
 

@@ -163,7 +163,7 @@ def settings_from_hf(
             name == "fsdp_config" and _fsdp_config_asks_nothing(value)
         ):
             continue  # at its default: asks for nothing
-        problem = checked[name](value) if name in (checked or {}) else _refusal(name, value, source)
+        problem = checked[name](value) if checked is not None and name in checked else _refusal(name, value, source)
         if problem is not None:
             refused.append(problem)
     if refused:

@@ -31,12 +31,12 @@ __all__ = ["prepare_dataset", "train"]
 
 
 def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.Module:
-    model = model_from(model, args.model_init_kwargs, peft_config)
+    built = model_from(model, args.model_init_kwargs, peft_config)
     if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
-        for m in model.modules():
+        for m in built.modules():
             if isinstance(m, nn.Dropout):
                 m.p = 0.0
-    return model
+    return built
 
 
 def prepare_dataset(dataset: Any, processing_class: Any, args: DPOArguments) -> list[dict[str, list[int]]] | None:

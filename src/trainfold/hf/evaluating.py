@@ -22,12 +22,13 @@ from trainfold.core.state import TrainState, split_module
 from trainfold.data import close_loader, eval_loader
 from trainfold.data.collate import collate_for
 from trainfold.data.columns import eval_collate, padded_to_multiple
-from trainfold.distributed import shard
+from trainfold.distributed import GatherCollective, shard
 from trainfold.evaluation import evaluate_sharded
 from trainfold.evaluation.evaluation import eval_sets
 from trainfold.evaluation.evaluation import evaluate as evaluate_batches
 from trainfold.evaluation.evaluation import predict as predict_batches
 from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
+from trainfold.hf.args import TrainingArguments
 from trainfold.hf.inputs import columns_of, device_for, eval_labels
 from trainfold.step import sharded
 
@@ -40,10 +41,12 @@ class EvalSet:
 
     prefix: str
     loader: Any
-    collective: Collective | None = None
+    collective: GatherCollective | None = None
 
 
-def eval_loader_for(dataset: Any, collate: Callable[[list[Any]], Any], args: Any, device: torch.device) -> Any:
+def eval_loader_for(
+    dataset: Any, collate: Callable[[list[Any]], Any], args: TrainingArguments, device: torch.device
+) -> Any:
     """Return the eval DataLoader in dataset order (never length-grouped), with HF's eval DataLoader settings."""
     return eval_loader(
         dataset,
@@ -58,7 +61,12 @@ def eval_loader_for(dataset: Any, collate: Callable[[list[Any]], Any], args: Any
 
 
 def _eval_set(
-    prefix: str, dataset: Any, collate: Callable[..., Any], args: Any, device: torch.device, collective: Any
+    prefix: str,
+    dataset: Any,
+    collate: Callable[..., Any],
+    args: TrainingArguments,
+    device: torch.device,
+    collective: Any,
 ) -> EvalSet:
     """Return an eval set; under several ranks each scores a contiguous slice (sums, counts, predictions merged)."""
     world = getattr(collective, "world_size", 1) if collective is not None else 1
@@ -118,7 +126,7 @@ class EvalPlan:
         """Return the metrics of each eval set (one; or each set of a dict, named ``eval_{name}_*``, as HF)."""
         if self.evaluator is not None:
             return [dict(self.evaluator(state))]
-        common = dict(
+        common: dict[str, Any] = dict(
             buffers=state.buffers,
             compute_metrics=self.compute_metrics,
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
@@ -134,6 +142,7 @@ class EvalPlan:
                 for s in self.sets
             ]
         params = sharded.full_params(state.params)
+        assert self.loss is not None  # a run gives eval_plan_for its loss; only an objective run scores without
         return [
             evaluate_sharded(
                 model, params, s.loader, collective=s.collective, loss=self.loss, metric_key_prefix=s.prefix, **common
@@ -143,7 +152,7 @@ class EvalPlan:
 
 
 def eval_plan_for(
-    args: Any,
+    args: TrainingArguments,
     eval_dataset: Any,
     collate: Callable[[list[Any]], Any],
     *,
@@ -193,7 +202,7 @@ def eval_plan_for(
 
 def evaluate(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     eval_dataset: Any,
     *,
     state: TrainState | None = None,
@@ -254,7 +263,7 @@ def evaluate(
 
 def predict(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     test_dataset: Any,
     *,
     state: TrainState | None = None,
@@ -305,7 +314,7 @@ def predict(
 
 def _eval_inputs(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     dataset: Any,
     state: TrainState | None,
     data_collator: Callable[..., Any] | None,

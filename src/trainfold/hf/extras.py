@@ -16,6 +16,7 @@ from typing import Any
 
 from trainfold.ckpt import policy
 from trainfold.ckpt.policy import BEST_METRIC_KEY
+from trainfold.hf.args import TrainingArguments
 from trainfold.observe.observers import initial_extras
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.step.amp import SCALER, LossScaling, initial_scaler
@@ -46,7 +47,7 @@ def best_extras(metric_key: str | None, greater_is_better: bool | None) -> dict[
 
 
 def run_extras(
-    args: Any,
+    args: TrainingArguments,
     *,
     metric_key: str | None = None,
     early: EarlyStopping | None = None,

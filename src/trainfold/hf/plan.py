@@ -24,6 +24,7 @@ from trainfold.core.collective import Collective
 from trainfold.core.fold import max_steps as max_steps_stop
 from trainfold.data.samplers import Sampler, make_sampler
 from trainfold.distributed.distributed import agreed_stop
+from trainfold.hf.args import TrainingArguments
 from trainfold.hf.evaluating import EvalPlan
 from trainfold.observe import LoggingPlan, logging_plan
 from trainfold.observe.stopping import EarlyStopping, patience_exhausted
@@ -47,7 +48,7 @@ __all__ = [
 Stop = Callable[[Any], bool]
 
 
-def sampler_for(args: Any, train_dataset: Any, *, world_size: int = 1, rank: int = 0) -> Sampler:
+def sampler_for(args: TrainingArguments, train_dataset: Any, *, world_size: int = 1, rank: int = 0) -> Sampler:
     """Return the sampler of ``train_sampling_strategy`` over ``train_dataset`` (``data_seed``, else ``seed``)."""
     return make_sampler(
         args.train_sampling_strategy,
@@ -77,7 +78,7 @@ class Schedule:
         return self.steps_per_epoch or self.total_steps
 
 
-def schedule_for(args: Any, sampler: Sampler, stream: Any = None) -> Schedule:
+def schedule_for(args: TrainingArguments, sampler: Sampler, stream: Any = None) -> Schedule:
     """Return the run's ``Schedule``: ``max_steps``, or ``num_train_epochs`` of the sampler's (or stream's) epoch.
 
     >>> from trainfold.hf.args import TrainingArguments
@@ -125,7 +126,7 @@ class StepOptions:
         )
 
 
-def step_options(args: Any, label_key: str = "labels") -> StepOptions:
+def step_options(args: TrainingArguments, label_key: str = "labels") -> StepOptions:
     """Return the step's options: ``bf16``/``fp16`` autocast (fp16 with loss scaling), ``torch_compile``...
 
     >>> from trainfold.hf.args import TrainingArguments
@@ -159,7 +160,7 @@ class CheckpointPlan:
     processing_class: Any = None  # the tokenizer or processor: its files go into every checkpoint
 
     @classmethod
-    def from_args(cls, args: Any, processing_class: Any = None) -> CheckpointPlan:
+    def from_args(cls, args: TrainingArguments, processing_class: Any = None) -> CheckpointPlan:
         """Return the plan of ``args``' ``save_strategy``, ``save_steps``, ``save_total_limit``..."""
         return cls(
             args.output_dir,
@@ -186,7 +187,7 @@ class ReporterPlan:
     bar: bool | None = None  # None: tqdm's own choice (HF's disable_tqdm=None)
 
     @classmethod
-    def from_args(cls, args: Any, *, writer: bool = True) -> ReporterPlan:
+    def from_args(cls, args: TrainingArguments, *, writer: bool = True) -> ReporterPlan:
         """Return the plan of ``report_to``, ``run_name``, ``logging_dir``, ``log_level``, ``disable_tqdm``."""
         bar = None if args.disable_tqdm is None else not args.disable_tqdm
         names = args.reporters if writer else ("none",)
@@ -258,7 +259,7 @@ def agreed(stop: Stop | None, collective: Collective | None) -> Stop | None:
 class Plan:
     """Everything a run is, before it runs: built by ``trainfold.hf.planning.plan_for`` from its arguments."""
 
-    args: Any  # the TrainingArguments (with the elastic resume's global batch)
+    args: TrainingArguments  # the TrainingArguments (with the elastic resume's global batch)
     model: nn.Module
     device: torch.device
     rank: int
@@ -300,6 +301,6 @@ class Plan:
         return self.sampler.global_batch_size if self.stream is None else self.stream.samples_per_step
 
 
-def logging_for(args: Any, total_steps: int) -> LoggingPlan:
+def logging_for(args: TrainingArguments, total_steps: int) -> LoggingPlan:
     """Return the run's ``LoggingPlan`` (``logging_strategy``, ``logging_steps``, ``logging_first_step``)."""
     return logging_plan(args.logging_strategy, args.logging_steps, args.logging_first_step, total_steps=total_steps)

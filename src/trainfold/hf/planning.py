@@ -22,6 +22,7 @@ from torch import nn
 from trainfold.ckpt import elastic_args
 from trainfold.core.collective import Collective
 from trainfold.core.state import TrainState
+from trainfold.hf.args import TrainingArguments
 from trainfold.hf.callback_checks import check_observers, split_early_stopping
 from trainfold.hf.evaluating import EvalPlan, eval_plan_for
 from trainfold.hf.extras import run_extras
@@ -54,7 +55,7 @@ def world_of(collective: Collective | None) -> tuple[int, int]:
 
 
 def early_stopping_for(
-    args: Any, callbacks: Sequence[Any], early_stopping: EarlyStopping | None
+    args: TrainingArguments, callbacks: Sequence[Any], early_stopping: EarlyStopping | None
 ) -> tuple[tuple[Any, ...], EarlyStopping | None, str | None]:
     """Return ``(callbacks, early stopping, best-model metric)``: an ``EarlyStoppingCallback`` becomes the record.
 
@@ -91,7 +92,7 @@ def step_for(
 
 def plan_for(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     train_dataset: Any,
     eval_dataset: Any = None,
     data_collator: Callable[[list[Any]], Any] | None = None,
@@ -113,7 +114,7 @@ def plan_for(
     device = device_for(args)
     rank, world_size = world_of(collective)
     args = elastic_args(args, resume_from_checkpoint, world_size)  # another world: the saved global batch
-    given, where = (data_collator, compute_loss_func, objective), dict(world_size=world_size, device=device)
+    given, where = (data_collator, compute_loss_func, objective), dict[str, Any](world_size=world_size, device=device)
     inputs = run_inputs(model, args, train_dataset, eval_dataset, *given, **where, processing_class=processing_class)
     sampler = sampler_for(args, inputs.train_dataset, world_size=world_size, rank=rank)
     schedule = schedule_for(args, sampler, train_stream)
@@ -152,7 +153,7 @@ def plan_for(
 
 
 def _evals(
-    args: Any,
+    args: TrainingArguments,
     inputs: RunInputs,
     total_steps: int,
     device: Any,
@@ -175,7 +176,9 @@ def _evals(
     )
 
 
-def _reporting(args: Any, total_steps: int, rank: int, world_size: int, processing_class: Any) -> dict[str, Any]:
+def _reporting(
+    args: TrainingArguments, total_steps: int, rank: int, world_size: int, processing_class: Any
+) -> dict[str, Any]:
     """Return the plan's logging, checkpoint and reporter pieces, and the settings a checkpoint records."""
     return dict(
         logging=logging_for(args, total_steps),

@@ -128,7 +128,7 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
     history = log_file.start(
         plan.args.output_dir,
         source if resumed else None,
-        meta["metadata"] if resumed else None,
+        meta["metadata"] if resumed and meta is not None else None,
         writer=plan.is_writer,
     )
     if isinstance(history, log_file.HistoryFile):

@@ -108,12 +108,12 @@ def _save_options(run: Run, state: TrainState) -> dict[str, Any]:
     best: policy.BestMetric | None = state.extras.get(BEST)
     if run.plan.is_writer:  # the sidecar is rank 0's (the other ranks of a sharded save write their shards)
         run.history.sync()  # the entries the sidecar's offset covers are on disk first
-    none_yet = best is None or int(best.step) < 0
+    shown = None if best is None or int(best.step) < 0 else best  # none yet
     metadata = {
         "log": run.history.position() if run.plan.is_writer else None,
         "window": log_file.window_state(run.window),
-        "best_metric": None if none_yet else float(best.value),
-        "best_step": None if none_yet else int(best.step),
+        "best_metric": None if shown is None else float(shown.value),
+        "best_step": None if shown is None else int(shown.step),
     }
     early = run.plan.early
     if early is not None:  # what restore_callback_states_from_checkpoint restores (an EarlyStoppingCallback's args)

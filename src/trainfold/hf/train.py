@@ -223,7 +223,7 @@ def train(
     set_verbosity(args.log_level, main_process=rank == 0)  # the trainfold logger: events once, from rank 0
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
     rest = (observers, resume_from_checkpoint, early_stopping, stop, collective, callbacks, train_stream)
-    plan = plan_for(model, args, train_dataset, eval_dataset, *given, *rest, processing_class=processing_class)
+    plan = plan_for(model, args, train_dataset, eval_dataset, *(given + rest), processing_class=processing_class)
     state = initial_state(plan)
     claim = claim_for(plan, state, resume_from_checkpoint)
     with claim.releasing_on_error():  # the lock is held until the run ends (the `with claim` below)
@@ -322,7 +322,7 @@ def _trained(
 def _looped(run: Run, hf: HFCallbacks | None, bar: Any) -> Callable[[TrainState, Any], TrainState]:
     """Return the step with its side effects: token counting, then log/eval/save (and the HF callbacks' events)."""
     plan, args = run.plan, run.plan.args
-    counted = plan.step.donating
+    counted = plan.step.donating  # type: ignore[attr-defined]  # make_step's steps carry it (with_donation)
     if args.tokens_seen != "no":  # never reuses a state
         counted = counting_input_tokens(counted, args.tokens_seen, args.model_input_name, plan.collective)
     if hf is None:

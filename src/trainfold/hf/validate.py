@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from trainfold.core.tasks import model_task
+from trainfold.hf.args import TrainingArguments
 
 __all__ = ["check_first_batch", "check_rows", "check_train_call", "checked_loss", "checking_first"]
 
@@ -26,7 +27,7 @@ _ROW = "a row is a dict of columns, e.g. {'input_ids': [1, 2, 3], 'labels': [1, 
 
 def check_train_call(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     resume_from_checkpoint: Any,
     metrics_from: Callable[..., Any] | None,
     rows: Any = None,

@@ -92,14 +92,14 @@ class ScaleByAdam(GradientTransformation):
             torch._foreach_lerp_(mu, g, 1.0 - self.b1)
             torch._foreach_mul_(nu, self.b2)
         else:
-            mu = torch._foreach_lerp(mu, g, 1.0 - self.b1)
-            nu = torch._foreach_mul(nu, self.b2)
+            mu = list(torch._foreach_lerp(mu, g, 1.0 - self.b1))  # list(): the stubs say tuple, torch gives a list
+            nu = list(torch._foreach_mul(nu, self.b2))
         torch._foreach_addcmul_(nu, g, g, 1.0 - self.b2)
-        denom, correction = torch._foreach_sqrt(nu), (1.0 - self.b2 ** (int(state.count) + 1)) ** 0.5
+        denom, correction = list(torch._foreach_sqrt(nu)), (1.0 - self.b2 ** (int(state.count) + 1)) ** 0.5
         if in_place:
             torch._foreach_div_(denom, correction)
         else:  # sqrt's backward needs its output: a differentiable update must not overwrite it
-            denom = torch._foreach_div(denom, correction)
+            denom = list(torch._foreach_div(denom, correction))
         torch._foreach_add_(denom, self.eps)
         return mu, nu, denom
 
@@ -138,7 +138,7 @@ class ScaleByAdam(GradientTransformation):
         fusable = self.implementation == "fused" and all(
             p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params.values()
         )
-        new_p, mu_all, nu_all = {}, {}, {}
+        new_p, mu_all, nu_all = dict[str, Tensor](), dict[str, Tensor](), dict[str, Tensor]()
         for keys, wd in rule.groups(params):
             step = self._fused if fusable else self._foreach
             p, mu, nu = step(grads, state, params, keys, rule.lr, wd, donate)
@@ -155,7 +155,7 @@ class ScaleByAdam(GradientTransformation):
         if in_place:
             torch._foreach_mul_(p, 1.0 - lr * wd)
         else:
-            p = torch._foreach_mul(p, 1.0 - lr * wd)
+            p = list(torch._foreach_mul(p, 1.0 - lr * wd))
         torch._foreach_addcdiv_(p, mu, denom, -step_size)
         return p, mu, nu
 

@@ -97,7 +97,7 @@ class GradientTransformation:
         name: str = "a custom transformation",
         keeps_state: bool = True,
     ) -> None:
-        self.init, self.update = init, update  # type: ignore[method-assign]
+        self.init, self.update = init, update  # type: ignore[method-assign,assignment]  # instance overrides the methods
         self.name, self.keeps_state = name, keeps_state
 
     def __repr__(self) -> str:

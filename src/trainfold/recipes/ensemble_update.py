@@ -12,7 +12,7 @@ against each stacked tensor (``trainfold.recipes.ensemble`` runs it).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -23,6 +23,10 @@ from trainfold.optim import AdamState, OptimizerPlan, adamw_update
 __all__ = ["member_hyperparameters", "stacked_update"]
 
 
+@overload
+def _bcast(x: Tensor, like: Tensor) -> Tensor: ...
+@overload
+def _bcast(x: float | Tensor, like: Tensor) -> float | Tensor: ...
 def _bcast(x: float | Tensor, like: Tensor) -> float | Tensor:
     return x.reshape((-1,) + (1,) * (like.dim() - 1)) if isinstance(x, Tensor) else x
 

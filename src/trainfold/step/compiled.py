@@ -30,7 +30,7 @@ masks differ from the eager step's.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -55,7 +55,7 @@ from trainfold.step.traced import fresh_function, micro_grads, traceable_loss
 
 __all__ = ["CompileFallbackWarning", "compile_step", "elementwise_optimizer", "refuse_uncompilable"]
 
-Step = Callable[[TrainState, Sequence[Mapping[str, Tensor]]], TrainState]
+Step = Callable[..., TrainState]  # a step of make_step: step(state, batch, *, donate=False)
 
 
 # -- the compiled step ----------------------------------------------------------------------------
@@ -203,7 +203,8 @@ def _run(
     ):
         sums = accumulate(micro, batch, (int(state.seed),), start.number, rank, device, key=_key(keys, device))
     assert sums.grads is not None
-    sum_over_ranks(plan.collective, [*sums.grads, sums.loss])
+    grads = cast(list[Tensor], sums.grads)  # micro_grads zero-fills unused gradients: none is None
+    sum_over_ranks(plan.collective, [*grads, sums.loss])
     return _apply(plan, opt, update_graph, state, adam, start, buffers, sums, donate)
 
 

@@ -196,7 +196,7 @@ def summed_grads(grads: list[Tensor | None] | None, new: Sequence[Tensor | None]
         return list(new)
     if any(g is None for g in new) or any(g is None for g in grads):
         return [a if b is None else b if a is None else a.add_(b) for a, b in zip(grads, new)]
-    torch._foreach_add_(grads, list(new))
+    torch._foreach_add_([g for g in grads if g is not None], [g for g in new if g is not None])  # none is None
     return grads
 
 

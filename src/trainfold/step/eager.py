@@ -114,8 +114,10 @@ def sum_fully_sharded(model: nn.Module) -> bool:
     """
     if not is_fully_sharded(model):
         return False
+    from torch.distributed.fsdp import FSDPModule  # imported only for a model fully_shard already wrapped
+
     for module in model.modules():
-        if hasattr(module, "set_gradient_divide_factor"):
+        if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
     return True

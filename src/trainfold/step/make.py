@@ -65,9 +65,9 @@ def make_step(
     """
     options = dict(compile=compile, sharding=sharding, collective=collective, loss_scaling=loss_scaling)
     check_differentiable(differentiable, optimizer, gradient_checkpointing=gradient_checkpointing, **options)
-    settings = dict(objective=objective, count_items=count_items, label_key=label_key, collective=collective)
-    precision = dict(autocast=autocast, gradient_checkpointing=gradient_checkpointing, loss_scaling=loss_scaling)
-    plan = step_plan(model, loss, optimizer, **settings, **precision, dtensor_params=sharding is not None)
+    settings: dict[str, Any] = dict(objective=objective, count_items=count_items, label_key=label_key)
+    settings.update(collective=collective, autocast=autocast, gradient_checkpointing=gradient_checkpointing)
+    plan = step_plan(model, loss, optimizer, **settings, loss_scaling=loss_scaling, dtensor_params=sharding is not None)
     if compile and sharding is None:  # the sharded step refuses its own (sharded_compiled)
         refuse_uncompilable(plan)
     if sharding is not None:
