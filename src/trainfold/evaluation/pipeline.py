@@ -300,9 +300,11 @@ def eval_fold(
         steps.append(mapping(_preprocessing(spec.preprocess_logits_for_metrics)))
     parts = eval_parts(gather, spec.eval_accumulation_steps, spec.move)
     reducer = compose(*steps)(combine(parts))
-    module = isinstance(model_or_forward, nn.Module)
-    mode = train_mode(model_or_forward, False) if module else contextlib.nullcontext()
-    # no KV cache, as TRL's compute_loss: with one, packed rows would attend across their documents
-    no_cache = cache_off(cache_configs(model_or_forward.modules())) if module else contextlib.nullcontext()
+    mode: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    no_cache: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if isinstance(model_or_forward, nn.Module):
+        mode = train_mode(model_or_forward, False)
+        # no KV cache, as TRL's compute_loss: with one, packed rows would attend across their documents
+        no_cache = cache_off(cache_configs(model_or_forward.modules()))
     with mode, no_cache, torch.inference_mode():
         return parts, unreduced(fold(reducer, batches))

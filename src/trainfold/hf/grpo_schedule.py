@@ -176,6 +176,7 @@ class GRPORun:
         rows = [copy.deepcopy(dataset[i]) for i in index]  # each repeat its own object
         prompts = [r[self.prompt_key] for r in rows]
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != self.prompt_key}
+        assert self.rollout is not None, "the run sets its rollout before it samples"
         out = self.rollout.sample(state, prompt_ids, prompts, columns, key)  # the hand loop's sampling and scoring
         completion_ids, eos = out.completion_ids, self.eos_token_id
         truncated = torch.tensor([c[-1] not in (eos, self.pad_token_id) for c in completion_ids])
