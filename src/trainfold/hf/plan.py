@@ -27,7 +27,6 @@ from trainfold.distributed.distributed import agreed_stop
 from trainfold.hf.evaluating import EvalPlan
 from trainfold.observe import LoggingPlan, logging_plan
 from trainfold.observe.stopping import EarlyStopping, patience_exhausted
-from trainfold.step import sharded
 from trainfold.step.amp import LossScaling
 
 __all__ = [
@@ -113,6 +112,8 @@ class StepOptions:
 
     def make_kwargs(self, collective: Collective | None) -> dict[str, Any]:
         """Return ``make_step``'s keywords (the sharding is made here, from the collective)."""
+        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
+
         return dict(
             collective=collective,
             label_key=self.label_key,

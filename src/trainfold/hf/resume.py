@@ -20,7 +20,6 @@ from trainfold.data import close_loader
 from trainfold.hf.plan import Plan
 from trainfold.observe import history as log_file
 from trainfold.observe.observers import MetricWindow
-from trainfold.step import sharded
 
 __all__ = ["initial_state", "on_device", "claim_for", "Start", "start"]
 
@@ -47,6 +46,8 @@ def initial_state(plan: Plan) -> TrainState:
             opt_state=on_device(state.opt_state, device),
         )
     if plan.sharding is not None:  # before the resume: a sharded checkpoint loads each rank's slab only
+        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
+
         state = sharded.shard_state(state, plan.sharding.mesh)
     return state
 
@@ -134,6 +135,8 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
     if isinstance(history, log_file.HistoryFile):
         claim.on_release(history.close)
     if plan.sharding is not None:  # a replicated checkpoint resumed sharded: its tensors are distributed
+        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
+
         state = sharded.shard_state(state, plan.sharding.mesh)
     for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
         claim.on_release(functools.partial(close_loader, eval_set.loader))

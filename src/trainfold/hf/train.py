@@ -86,7 +86,6 @@ from trainfold.observe.reporters import make_reporters
 from trainfold.observe.reporters import progress as make_progress
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.optim import GradientTransformation
-from trainfold.step import sharded
 
 _log = logging.getLogger(__name__)
 
@@ -159,6 +158,8 @@ class TrainResult:
         Every parameter (trainable or frozen, a tied one once) and every buffer, persistent or not,
         gets the state's value of the same name, on the module's own device and dtype.
         """
+        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
+
         tensors = {**self.state.buffers, **sharded.full_params(self.state.params)}  # shards: gathered (every rank)
         targets = [*model.named_parameters(), *model.named_buffers()]
         missing = [name for name, _ in targets if name not in tensors]
