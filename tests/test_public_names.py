@@ -315,6 +315,9 @@ MOVED = {
     ("losses", "dpo"): ("dpo", "dpo_loss"),
     ("losses", "dpo_loss_errors"): ("dpo", "dpo_loss_errors"),
     ("losses", "DPO_LOSS_TYPES"): ("dpo", "LOSS_TYPES"),
+    # one meaning per public name: ``trainfold.evaluate``/``predict`` are the run-level ones
+    ("evaluation", "evaluate"): ("evaluation", "evaluate_batches"),
+    ("evaluation", "predict"): ("evaluation", "predict_batches"),
 }
 
 
