@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from trainfold.core.moved import moved_names
 from trainfold.data.packing import check_packable
 from trainfold.hf.dpo_args import DPOArguments
 from trainfold.hf.model_source import model_from
@@ -27,7 +28,7 @@ from trainfold.hf.train import train as train_run
 from trainfold.recipes.dpo import dpo_objective, preference_collate
 from trainfold.recipes.dpo_data import padding_free_preference_collate, preference_rows
 
-__all__ = ["prepare_dataset", "train"]
+__all__ = ["prepare_preference_dataset", "train"]
 
 
 def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.Module:
@@ -39,7 +40,9 @@ def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.M
     return model
 
 
-def prepare_dataset(dataset: Any, processing_class: Any, args: DPOArguments) -> list[dict[str, list[int]]] | None:
+def prepare_preference_dataset(
+    dataset: Any, processing_class: Any, args: DPOArguments
+) -> list[dict[str, list[int]]] | None:
     """Return ``dataset``'s rows tokenized as ``DPOTrainer`` does (``trainfold.recipes.dpo_data``)."""
     if dataset is None:
         return None
@@ -90,6 +93,10 @@ def train(
     else:
         pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
         collate = preference_collate(None, pad_id, args.max_length, args.pad_to_multiple_of)
-    train_rows = prepare_dataset(train_dataset, tok, args)
-    eval_rows = prepare_dataset(eval_dataset, tok, args)
+    train_rows = prepare_preference_dataset(train_dataset, tok, args)
+    eval_rows = prepare_preference_dataset(eval_dataset, tok, args)
     return train_run(model, args, train_rows, eval_rows, collate, objective=objective, callbacks=callbacks, **kwargs)
+
+
+# ``trainfold.sft.prepare_dataset`` is SFT's (one meaning per public name)
+__getattr__ = moved_names(__name__, {"prepare_dataset": (__name__, "prepare_preference_dataset")})

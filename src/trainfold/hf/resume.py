@@ -21,7 +21,7 @@ from trainfold.hf.plan import Plan
 from trainfold.observe import history as log_file
 from trainfold.observe.observers import MetricWindow
 
-__all__ = ["initial_state", "on_device", "claim_for", "Start", "start"]
+__all__ = ["initial_state", "on_device", "claim_for", "Start", "start_run"]
 
 
 def on_device(opt_state: Any, device: torch.device) -> Any:
@@ -107,7 +107,7 @@ def _load(plan: Plan, claim: Any, state: TrainState) -> tuple[TrainState, Any, d
     raise AssertionError("unreachable")
 
 
-def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
+def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
     """Return the run's ``Start``: ``state`` as made, or loaded from ``claim.source`` (checked against the plan).
 
     What the run opens is closed when the claim is released: the log history, the eval loaders' workers.

@@ -75,8 +75,8 @@ from trainfold.hf.optimizer import default_optimizer
 from trainfold.hf.plan import STOPPING_RULES, Plan, agreed
 from trainfold.hf.planning import plan_for
 from trainfold.hf.released import Released, release_weights, restored
-from trainfold.hf.resume import Start, claim_for, initial_state, start
-from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save
+from trainfold.hf.resume import Start, claim_for, initial_state, start_run
+from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save_checkpoint
 from trainfold.hf.validate import check_first_batch, check_train_call, checked_loss, checking_first
 from trainfold.observe import counting_input_tokens, observing, tap, train_summary
 from trainfold.observe import history as log_file
@@ -228,7 +228,7 @@ def train(
     state = initial_state(plan)
     claim = claim_for(plan, state, resume_from_checkpoint)
     with claim.releasing_on_error():  # the lock is held until the run ends (the `with claim` below)
-        begin = start(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
+        begin = start_run(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
     plan, begin = resumed_callback_states(plan, begin, callbacks)  # an EarlyStoppingCallback's, as HF's
     _log_start(plan, begin)
     with claim:  # released if the run raises
@@ -366,7 +366,8 @@ def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[st
         # A signal after the last step (during the final save) ends nothing: the run is complete.
         done, here = int(state.step) >= total, ckpt.checkpoint_path(run.plan.checkpoints.output_dir, int(state.step))
         if run.saves_here and int(state.step) > int(start_state.step) and not (done and here in run.saved):
-            run.saved.append(save(run, state, jit=True))  # none when no step ran here (a signal during setup)
+            # none when no step ran here (a signal during setup)
+            run.saved.append(save_checkpoint(run, state, jit=True))
         return "completed" if done else "preempted"
     if int(state.step) < total and fired and fired[-1] in STOPPING_RULES:
         return "stopped"
