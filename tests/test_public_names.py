@@ -401,7 +401,7 @@ def test_one_meaning_per_public_name():
 
 def test_a_renamed_name_still_resolves_with_a_warning_naming_its_new_home():
     from trainfold.evaluation import evaluation
-    from trainfold.hf import dpo_run
+    from trainfold.hf import dpo_run, plan, resume, run
     from trainfold.recipes import dpo_loss
 
     for module, old, new in [
@@ -411,6 +411,9 @@ def test_a_renamed_name_still_resolves_with_a_warning_naming_its_new_home():
         (dpo_loss, "dpo", "dpo_loss"),
         (dpo_run, "prepare_dataset", "prepare_preference_dataset"),
         (trainfold.dpo, "prepare_dataset", "prepare_preference_dataset"),
+        (run, "save", "save_checkpoint"),
+        (resume, "start", "start_run"),
+        (plan, "Schedule", "RunLength"),
     ]:
         with pytest.warns(DeprecationWarning, match=rf"\.{old} moved: use .*\.{new}$"):
             assert getattr(module, old) is getattr(module, new)

@@ -22,6 +22,7 @@ from torch import nn
 
 from trainfold.core.collective import Collective
 from trainfold.core.fold import max_steps as max_steps_stop
+from trainfold.core.moved import moved_names
 from trainfold.data.samplers import Sampler, make_sampler
 from trainfold.distributed.distributed import agreed_stop
 from trainfold.hf.evaluating import EvalPlan
@@ -304,3 +305,6 @@ class Plan:
 def logging_for(args: Any, total_steps: int) -> LoggingPlan:
     """Return the run's ``LoggingPlan`` (``logging_strategy``, ``logging_steps``, ``logging_first_step``)."""
     return logging_plan(args.logging_strategy, args.logging_steps, args.logging_first_step, total_steps=total_steps)
+
+
+__getattr__ = moved_names(__name__, {"Schedule": (__name__, "RunLength")})  # one meaning per public name

@@ -14,6 +14,7 @@ from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.listing import set_aside
 from trainfold.ckpt.sharded import is_sharded
+from trainfold.core.moved import moved_names
 from trainfold.core.state import TrainState, init_state, lend
 from trainfold.core.tree import map_tensors
 from trainfold.data import close_loader
@@ -142,3 +143,6 @@ def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_st
         claim.on_release(functools.partial(close_loader, eval_set.loader))
     Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
     return Start(state, window, history, source)
+
+
+__getattr__ = moved_names(__name__, {"start": (__name__, "start_run")})  # one meaning per public name

@@ -19,6 +19,7 @@ from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.preempt import jit_checkpoint
 from trainfold.ckpt.sharded import Saver
+from trainfold.core.moved import moved_names
 from trainfold.core.state import TrainState
 from trainfold.hf import callbacks as hf_callbacks
 from trainfold.hf.extras import BEST
@@ -277,3 +278,6 @@ def callback_adapter(run: Run, state: TrainState) -> tuple[Run, hf_callbacks.HFC
     run = attrs.evolve(run, reporters=run.reporters.including(hf))
     hf.begin(state)
     return run, hf
+
+
+__getattr__ = moved_names(__name__, {"save": (__name__, "save_checkpoint")})  # one meaning per public name
