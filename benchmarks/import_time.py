@@ -7,17 +7,21 @@ shows each case's median and its excess over the median of ``import torch`` alon
 cases for another source tree (``PYTHONPATH``), e.g. a checkout of the commit before lazy imports.
 ``python -X importtime -c "import trainfold"`` shows where the time goes, module by module.
 
-Measured (5 rounds, CPU torch 2.13, a shared 2-core machine under load, so walls are long; the excess is what
-counts), before = the eager ``__init__`` of commit 20a02df:
+Measured (5 rounds, CPU torch 2.13, a shared 2-core machine under heavy load: `import torch` alone took 7.7-8.6 s,
+so walls are long and noisy; the excess over each tree's own `import torch` is what counts). Before = commit
+0a06911 (the hf layer imported ``trainfold.step.sharded``, hence DTensor and sympy, at its top; ``__version__``
+read the package metadata on ``import trainfold``); after = this tree (both imported on use):
 
 | case | before: over `import torch` | after | trainfold modules before / after |
 |---|---:|---:|---:|
-| `import torch, trainfold` | +2.41 s | -0.25 s (noise: nothing is imported) | 131 / 3 |
-| the functional core (`TrainState`, `adamw`, `fit`, `init_state`, `make_step`) | +2.76 s | -0.03 s | 131 / 33 |
-| `from trainfold import train` | +3.89 s | +3.02 s | 131 / 112 |
+| `import torch, trainfold` | +1.27 s (metadata) | -0.64 s (noise: nothing is imported) | 3 / 1 |
+| the functional core (`TrainState`, `adamw`, `fit`, `init_state`, `make_step`) | +2.76 s | +0.35 s | 40 / 39 |
+| `from trainfold import train` | +8.00 s | +1.73 s | 117 / 114 |
 
-``train`` still loads DTensor (``trainfold.hf`` imports ``trainfold.step.sharded`` at top level, ~1.3 s of
-``torch.distributed.tensor``) and ``transformers``-free but sympy-heavy parts of torch.
+``python -X importtime -c "from trainfold import train"`` before: 5.6 s of it under ``trainfold.step.sharded``
+(``torch.distributed.tensor`` -> ``torch.fx.experimental.symbolic_shapes`` -> sympy); after: no DTensor, no
+sympy, no transformers (``tests/test_import.py``); what is left is the ~110 trainfold modules the run wires
+(``attrs`` classes, ``torch.utils.data``) at ~10-40 ms each on this machine.
 """
 
 from __future__ import annotations
@@ -66,13 +70,13 @@ def main() -> None:
         for tag, src in trees.items():
             for case, code in CASES.items():
                 runs[tag, case].append(probe(code, src))
-    torch_alone = statistics.median(wall for wall, _, _ in runs["", "import torch"])
-    print("| case | median wall (s) | over `import torch` (s) | trainfold modules | fcntl imported |")
+    torch_alone = {tag: statistics.median(wall for wall, _, _ in runs[tag, "import torch"]) for tag in trees}
+    print("| case | median wall (s) | over its own `import torch` (s) | trainfold modules | fcntl imported |")
     print("|---|---:|---:|---:|---|")
     for (tag, case), samples in runs.items():
         wall = statistics.median(s[0] for s in samples)
         _, modules, fcntl = samples[-1]
-        print(f"| {tag}{case} | {wall:.3f} | {wall - torch_alone:+.3f} | {modules} | {fcntl} |")
+        print(f"| {tag}{case} | {wall:.3f} | {wall - torch_alone[tag]:+.3f} | {modules} | {fcntl} |")
 
 
 if __name__ == "__main__":
