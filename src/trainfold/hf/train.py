@@ -77,7 +77,7 @@ from trainfold.hf.planning import plan_for
 from trainfold.hf.released import Released, release_weights, restored
 from trainfold.hf.resume import Start, claim_for, initial_state, start_run
 from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save_checkpoint
-from trainfold.hf.validate import check_first_batch, check_train_call, checked_loss, checking_first
+from trainfold.hf.validate import check_first_batch, check_train_call, checked_loss, checking_first, data_to_check
 from trainfold.observe import counting_input_tokens, observing, tap, train_summary
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
@@ -175,7 +175,7 @@ class TrainResult:
         return model
 
 
-@guarded(lambda call: call["args"].enable_jit_checkpoint)  # the guard is up from the first line (issue 23)
+@guarded(lambda call: getattr(call["args"], "enable_jit_checkpoint", False))  # up from the first line (issue 23)
 @joins_torchrun  # under torchrun without collective=: join the process group for the run (issue 15, item 2)
 def train(
     model: nn.Module,
@@ -213,12 +213,10 @@ def train(
     >>> result.status, result.global_step, result.log_history[0]["learning_rate"], "train_loss" in result.metrics
     ('completed', 3, 0.01, True)
     """
+    data = data_to_check(train_dataset, eval_dataset, data_collator, train_stream)
+    check_train_call(model, args, resume_from_checkpoint, compute_metrics or objective, **data)
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     rank = collective.rank if collective is not None else 0
-    rows = train_dataset if data_collator is None and train_stream is None else None
-    check_train_call(
-        model, args, resume_from_checkpoint, compute_metrics or objective, rows
-    )  # rows: default collator's
     compute_loss_func = checked_loss(compute_loss_func)  # every problem named before any work
     set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
     set_verbosity(args.log_level, main_process=rank == 0)  # the trainfold logger: events once, from rank 0
