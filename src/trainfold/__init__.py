@@ -149,7 +149,6 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 _SUBPACKAGES = ("core", "ckpt", "distributed", "evaluation", "hf", "recipes", "step", "testing")
 
 
-
 def __getattr__(name: str) -> Any:
     """Import a public name, or a layer, the first time it is asked for, and keep it (PEP 562)."""
     if name == "__version__":  # importlib.metadata costs ~0.1-0.3 s: paid by who asks
