@@ -123,9 +123,9 @@ def _file_text(text: str, path: str) -> Any:
             return _toml().loads(text)
         if kind == "json":
             return json.loads(text)
-        from jsonargparse._loaders_dumpers import yaml_load  # jsonargparse's own YAML reader
+        import jsonargparse
 
-        return yaml_load(text)
+        return jsonargparse.get_loader("yaml")(text)  # jsonargparse's YAML reader (1e-3 is a float there)
     except Exception as err:
         raise ValueError(f"{path} is not valid {kind.upper()}: {err}") from None
 
