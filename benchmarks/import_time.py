@@ -7,17 +7,17 @@ shows each case's median and its excess over the median of ``import torch`` alon
 cases for another source tree (``PYTHONPATH``), e.g. a checkout of the commit before lazy imports.
 ``python -X importtime -c "import trainfold"`` shows where the time goes, module by module.
 
-Measured (5 rounds, CPU torch 2.13, a shared 2-core machine under heavy load: `import torch` alone took 7.7-8.6 s,
-so walls are long and noisy; the excess over each tree's own `import torch` is what counts). Before = commit
-0a06911 (the hf layer imported ``trainfold.step.sharded``, hence DTensor and sympy, at its top; ``__version__``
-read the package metadata on ``import trainfold``); after = this tree (both imported on use):
+Measured (5 rounds, CPU torch 2.13, the shared 2-core machine at a quiet moment: `import torch` 1.30 s),
+before = commit 0a06911 (the hf layer imported ``trainfold.step.sharded``, hence DTensor and sympy, at its
+top; ``__version__`` read the package metadata on ``import trainfold``), after = this tree (both on use):
 
 | case | before: over `import torch` | after | trainfold modules before / after |
 |---|---:|---:|---:|
-| `import torch, trainfold` | +1.27 s (metadata) | -0.64 s (noise: nothing is imported) | 3 / 1 |
-| the functional core (`TrainState`, `adamw`, `fit`, `init_state`, `make_step`) | +2.76 s | +0.35 s | 40 / 39 |
-| `from trainfold import train` | +8.00 s | +1.73 s | 117 / 114 |
+| `import torch, trainfold` | +0.01 s | -0.04 s (noise: nothing is imported) | 3 / 1 |
+| the functional core (`TrainState`, `adamw`, `fit`, `init_state`, `make_step`) | +0.04 s | +0.04 s | 40 / 39 |
+| `from trainfold import train` | +0.81 s | +0.24 s | 117 / 114 |
 
+Under heavy load (`import torch` 7.7-8.6 s) the same cases measured +8.0 s before and +1.7 s after for `train`.
 ``python -X importtime -c "from trainfold import train"`` before: 5.6 s of it under ``trainfold.step.sharded``
 (``torch.distributed.tensor`` -> ``torch.fx.experimental.symbolic_shapes`` -> sympy); after: no DTensor, no
 sympy, no transformers (``tests/test_import.py``); what is left is the ~110 trainfold modules the run wires
