@@ -4,7 +4,7 @@
 draws the prompts of ``optimizer_steps_per_generation`` optimizer steps (counted in optimizer
 steps, unlike TRL's micro-step ``steps_per_generation``), calls ``rollout`` once with the latest
 state, and feeds the step one slice of that buffer per optimizer step. The run with TRL's
-semantics, checkpoints and resume inside a generation block is ``trainfold.grpo.train``
+semantics, checkpoints and resume inside a generation block is ``trainfold.grpo.train_grpo``
 (``trainfold.hf.grpo_run``). These names are also importable from ``trainfold.recipes.grpo``.
 """
 
@@ -323,7 +323,7 @@ def grpo_trajectory(
     ``optimizer_steps_per_generation × num_iterations``), with the prompt stream rebuilt from its
     cursor, is bitwise equal to not stopping. From inside a block, the rest of the block is
     generated anew with the resumed state (and passes not yet run are skipped), so save
-    checkpoints at those multiples, or use ``trainfold.hf.grpo_run.train``, which keeps the block in
+    checkpoints at those multiples, or use ``trainfold.hf.grpo_run.train_grpo``, which keeps the block in
     the state.
 
     >>> import torch
