@@ -18,10 +18,10 @@ top; ``__version__`` read the package metadata on ``import trainfold``), after =
 | `from trainfold import train` | +0.81 s | +0.24 s | 117 / 114 |
 
 Under heavy load (`import torch` 7.7-8.6 s) the same cases measured +8.0 s before and +1.7 s after for `train`.
-``python -X importtime -c "from trainfold import train"`` before (under that load): 5.6 s of it under ``trainfold.step.sharded``
-(``torch.distributed.tensor`` -> ``torch.fx.experimental.symbolic_shapes`` -> sympy); after: no DTensor, no
-sympy, no transformers (``tests/test_import.py``); what is left is the ~110 trainfold modules the run wires
-(``attrs`` classes, ``torch.utils.data``): ~0.23 s of module code together.
+``python -X importtime -c "from trainfold import train"`` before (under that load): 5.6 s of it under
+``trainfold.step.sharded`` (``torch.distributed.tensor`` -> ``torch.fx.experimental.symbolic_shapes`` ->
+sympy); after: no DTensor, no sympy, no transformers (``tests/test_import.py``); what is left is the ~110
+trainfold modules the run wires (``attrs`` classes, ``torch.utils.data``): ~0.23 s of module code together.
 """
 
 from __future__ import annotations
