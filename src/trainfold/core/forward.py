@@ -53,7 +53,7 @@ def make_forward(model: nn.Module, buffers: Mapping[str, Tensor]) -> Forward:
     """Return ``forward(params, inputs)``: the model's forward pass on the given tensors.
 
     It runs in whatever mode the module is in (a fresh module trains: dropout on); wrap calls in
-    ``train_mode(model, False)`` to evaluate, as ``evaluation.evaluate`` does.
+    ``train_mode(model, False)`` to evaluate, as ``evaluation.evaluate_batches`` does.
 
     >>> import torch
     >>> forward = make_forward(torch.nn.Linear(2, 1), {})

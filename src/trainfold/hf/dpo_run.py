@@ -7,7 +7,7 @@
 >>> rows = [{"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5]}] * 4
 >>> args = DPOArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2, bf16=False,
 ...                     gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no")
->>> result = train(model, args, rows)
+>>> result = train_dpo(model, args, rows)
 >>> result.global_step, round(result.log_history[0]["loss"], 4)  # the reference is the model before training
 (2, 0.6931)
 """
@@ -19,6 +19,7 @@ from typing import Any
 
 from torch import nn
 
+from trainfold.core.moved import moved_names
 from trainfold.data.packing import check_packable
 from trainfold.hf.dpo_args import DPOArguments
 from trainfold.hf.model_source import model_from, processing_class_for
@@ -27,7 +28,7 @@ from trainfold.hf.train import train as train_run
 from trainfold.recipes.dpo import dpo_objective, preference_collate
 from trainfold.recipes.dpo_data import padding_free_preference_collate, preference_rows
 
-__all__ = ["prepare_dataset", "train"]
+__all__ = ["prepare_preference_dataset", "train_dpo"]
 
 
 def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.Module:
@@ -39,7 +40,9 @@ def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.M
     return built
 
 
-def prepare_dataset(dataset: Any, processing_class: Any, args: DPOArguments) -> list[dict[str, list[int]]] | None:
+def prepare_preference_dataset(
+    dataset: Any, processing_class: Any, args: DPOArguments
+) -> list[dict[str, list[int]]] | None:
     """Return ``dataset``'s rows tokenized as ``DPOTrainer`` does (``trainfold.recipes.dpo_data``)."""
     if dataset is None:
         return None
@@ -47,7 +50,7 @@ def prepare_dataset(dataset: Any, processing_class: Any, args: DPOArguments) -> 
     return preference_rows(rows, processing_class, args.max_length)
 
 
-def train(
+def train_dpo(
     model: nn.Module | str,
     args: DPOArguments,
     train_dataset: Any,
@@ -66,7 +69,9 @@ def train(
     ``kwargs`` go to ``trainfold.train``.
     """
     if not isinstance(args, DPOArguments):
-        raise TypeError(f"trainfold.dpo.train takes DPOArguments (TRL's DPOConfig names), not {type(args).__name__}")
+        raise TypeError(
+            f"trainfold.dpo.train_dpo takes DPOArguments (TRL's DPOConfig names), not {type(args).__name__}"
+        )
     model = _model(model, args, peft_config)
     source = model if ref_model is None else ref_model
     ref_params = None
@@ -91,7 +96,13 @@ def train(
     else:
         pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
         collate = preference_collate(None, pad_id, args.max_length, args.pad_to_multiple_of)
-    train_rows = prepare_dataset(train_dataset, tok, args)
-    eval_rows = prepare_dataset(eval_dataset, tok, args)
+    train_rows = prepare_preference_dataset(train_dataset, tok, args)
+    eval_rows = prepare_preference_dataset(eval_dataset, tok, args)
     run = dict(objective=objective, callbacks=callbacks, processing_class=tok)  # checkpoints hold the tokenizer
     return train_run(model, args, train_rows, eval_rows, collate, **run, **kwargs)
+
+
+# ``trainfold.sft.prepare_dataset`` is SFT's (one meaning per public name)
+__getattr__ = moved_names(
+    __name__, {"prepare_dataset": (__name__, "prepare_preference_dataset"), "train": (__name__, "train_dpo")}
+)

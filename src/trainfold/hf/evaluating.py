@@ -24,13 +24,10 @@ from trainfold.data.collate import collate_for
 from trainfold.data.columns import eval_collate, padded_to_multiple
 from trainfold.distributed import GatherCollective, shard
 from trainfold.evaluation import evaluate_sharded
-from trainfold.evaluation.evaluation import eval_sets
-from trainfold.evaluation.evaluation import evaluate as evaluate_batches
-from trainfold.evaluation.evaluation import predict as predict_batches
+from trainfold.evaluation.evaluation import eval_sets, evaluate_batches, predict_batches
 from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.inputs import columns_of, device_for, eval_labels
-from trainfold.step import sharded
 
 __all__ = ["EvalSet", "EvalPlan", "eval_plan_for", "eval_loader_for", "evaluate", "predict"]
 
@@ -141,6 +138,8 @@ class EvalPlan:
                 )
                 for s in self.sets
             ]
+        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
+
         params = sharded.full_params(state.params)
         assert self.loss is not None  # a run gives eval_plan_for its loss; only an objective run scores without
         return [
@@ -217,7 +216,7 @@ def evaluate(
     """Evaluate ``state``'s params (default: the model's own) on ``eval_dataset``, in dataset order.
 
     ``objective`` (e.g. the ``dpo_objective`` of the run) scores the batches and adds its metrics
-    (``eval_rewards/chosen``...), as during ``train`` (``trainfold.evaluation.evaluation.evaluate``).
+    (``eval_rewards/chosen``...), as during ``train`` (``trainfold.evaluation.evaluation.evaluate_batches``).
     ``processing_class`` (a tokenizer or processor): without ``data_collator``, batches are padded with its pad id.
 
     >>> import tempfile, torch

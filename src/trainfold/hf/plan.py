@@ -7,7 +7,7 @@ Each piece is a frozen record made by its own function, so it can be built and c
 ...                          gradient_accumulation_steps=2, train_sampling_strategy="sequential")
 >>> sampler = sampler_for(args, list(range(10)))
 >>> sampler.strategy, sampler.global_batch_size, schedule_for(args, sampler)
-('sequential', 4, Schedule(total_steps=6, steps_per_epoch=3, num_epochs=2))
+('sequential', 4, RunLength(total_steps=6, steps_per_epoch=3, num_epochs=2))
 """
 
 from __future__ import annotations
@@ -22,17 +22,17 @@ from torch import nn
 
 from trainfold.core.collective import Collective
 from trainfold.core.fold import max_steps as max_steps_stop
+from trainfold.core.moved import moved_names
 from trainfold.data.samplers import Sampler, make_sampler
 from trainfold.distributed.distributed import agreed_stop
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.evaluating import EvalPlan
 from trainfold.observe import LoggingPlan, logging_plan
 from trainfold.observe.stopping import EarlyStopping, patience_exhausted
-from trainfold.step import sharded
 from trainfold.step.amp import LossScaling
 
 __all__ = [
-    "Schedule",
+    "RunLength",
     "sampler_for",
     "schedule_for",
     "StepOptions",
@@ -65,7 +65,7 @@ def sampler_for(args: TrainingArguments, train_dataset: Any, *, world_size: int 
 
 
 @attrs.frozen
-class Schedule:
+class RunLength:
     """How long the run is: its optimizer steps, the steps of one epoch (None: unknown), the epochs to stream."""
 
     total_steps: int
@@ -78,12 +78,12 @@ class Schedule:
         return self.steps_per_epoch or self.total_steps
 
 
-def schedule_for(args: TrainingArguments, sampler: Sampler, stream: Any = None) -> Schedule:
-    """Return the run's ``Schedule``: ``max_steps``, or ``num_train_epochs`` of the sampler's (or stream's) epoch.
+def schedule_for(args: TrainingArguments, sampler: Sampler, stream: Any = None) -> RunLength:
+    """Return the run's ``RunLength``: ``max_steps``, or ``num_train_epochs`` of the sampler's (or stream's) epoch.
 
     >>> from trainfold.hf.args import TrainingArguments
     >>> schedule_for(TrainingArguments(max_steps=5), sampler_for(TrainingArguments(), list(range(4))))
-    Schedule(total_steps=5, steps_per_epoch=1, num_epochs=None)
+    RunLength(total_steps=5, steps_per_epoch=1, num_epochs=None)
     """
     steps_per_epoch = sampler.steps_per_epoch() if sampler.num_samples is not None else None
     if stream is not None:  # the steps are made from the state (GRPO): the stream knows its epoch
@@ -96,7 +96,7 @@ def schedule_for(args: TrainingArguments, sampler: Sampler, stream: Any = None) 
         )
     else:
         total_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
-    return Schedule(total_steps, steps_per_epoch, None if args.max_steps > 0 else math.ceil(args.num_train_epochs))
+    return RunLength(total_steps, steps_per_epoch, None if args.max_steps > 0 else math.ceil(args.num_train_epochs))
 
 
 @attrs.frozen
@@ -114,6 +114,8 @@ class StepOptions:
 
     def make_kwargs(self, collective: Collective | None) -> dict[str, Any]:
         """Return ``make_step``'s keywords (the sharding is made here, from the collective)."""
+        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
+
         return dict(
             collective=collective,
             label_key=self.label_key,
@@ -267,7 +269,7 @@ class Plan:
     collective: Collective | None
     inputs: Any  # hf.inputs.RunInputs
     sampler: Sampler
-    schedule: Schedule
+    schedule: RunLength
     optimizer: Any
     step_options: StepOptions
     step: Callable[..., Any]
@@ -304,3 +306,6 @@ class Plan:
 def logging_for(args: TrainingArguments, total_steps: int) -> LoggingPlan:
     """Return the run's ``LoggingPlan`` (``logging_strategy``, ``logging_steps``, ``logging_first_step``)."""
     return logging_plan(args.logging_strategy, args.logging_steps, args.logging_first_step, total_steps=total_steps)
+
+
+__getattr__ = moved_names(__name__, {"Schedule": (__name__, "RunLength")})  # one meaning per public name

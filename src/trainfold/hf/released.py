@@ -30,7 +30,6 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.core.state import TrainState
-from trainfold.step import sharded
 
 __all__ = ["Released", "release", "release_weights", "restored"]
 
@@ -73,6 +72,8 @@ def release(model: nn.Module, names: frozenset[str]) -> Released:
 
 def release_weights(model: nn.Module, state: TrainState) -> Released | None:
     """Release ``model``'s trained params when ``state`` holds them as shards (``fsdp``); ``None`` otherwise."""
+    from trainfold.step import sharded  # DTensor (~1 s to import): only on use
+
     if not sharded.is_sharded(state):
         return None
     return release(model, frozenset(state.params))
@@ -86,5 +87,7 @@ def restored(released: Released | None, state: TrainState) -> TrainState:
     """
     if released is None:
         return state
+    from trainfold.step import sharded  # DTensor (~1 s to import): only on use
+
     released.restore(lambda name: sharded.full_params({name: state.params[name]})[name])
     return attrs.evolve(state, params={name: p.detach() for name, p in released.originals.items()})

@@ -14,15 +14,15 @@ from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.listing import set_aside
 from trainfold.ckpt.sharded import is_sharded
+from trainfold.core.moved import moved_names
 from trainfold.core.state import TrainState, init_state, lend
 from trainfold.core.tree import map_tensors
 from trainfold.data import close_loader
 from trainfold.hf.plan import Plan
 from trainfold.observe import history as log_file
 from trainfold.observe.observers import MetricWindow
-from trainfold.step import sharded
 
-__all__ = ["initial_state", "on_device", "claim_for", "Start", "start"]
+__all__ = ["initial_state", "on_device", "claim_for", "Start", "start_run"]
 
 
 def on_device(opt_state: Any, device: torch.device) -> Any:
@@ -47,6 +47,8 @@ def initial_state(plan: Plan) -> TrainState:
             opt_state=on_device(state.opt_state, device),
         )
     if plan.sharding is not None:  # before the resume: a sharded checkpoint loads each rank's slab only
+        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
+
         state = sharded.shard_state(state, plan.sharding.mesh)
     return state
 
@@ -106,7 +108,7 @@ def _load(plan: Plan, claim: Any, state: TrainState) -> tuple[TrainState, Any, d
     raise AssertionError("unreachable")
 
 
-def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
+def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
     """Return the run's ``Start``: ``state`` as made, or loaded from ``claim.source`` (checked against the plan).
 
     What the run opens is closed when the claim is released: the log history, the eval loaders' workers.
@@ -134,8 +136,13 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
     if isinstance(history, log_file.HistoryFile):
         claim.on_release(history.close)
     if plan.sharding is not None:  # a replicated checkpoint resumed sharded: its tensors are distributed
+        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
+
         state = sharded.shard_state(state, plan.sharding.mesh)
     for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
         claim.on_release(functools.partial(close_loader, eval_set.loader))
     Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
     return Start(state, window, history, source)
+
+
+__getattr__ = moved_names(__name__, {"start": (__name__, "start_run")})  # one meaning per public name

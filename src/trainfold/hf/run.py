@@ -19,6 +19,7 @@ from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.preempt import jit_checkpoint
 from trainfold.ckpt.sharded import Saver
+from trainfold.core.moved import moved_names
 from trainfold.core.state import TrainState
 from trainfold.hf import callbacks as hf_callbacks
 from trainfold.hf.extras import BEST
@@ -35,7 +36,7 @@ __all__ = [
     "saving_files_of",
     "record_eval",
     "evaluate_and_record",
-    "save",
+    "save_checkpoint",
     "after_step",
     "callback_adapter",
 ]
@@ -133,7 +134,7 @@ def saving_files_of(processing_class: Any) -> Callable[[Path], Any] | None:
     return None if processing_class is None else processing_class.save_pretrained
 
 
-def save(run: Run, state: TrainState, *, jit: bool = False) -> Path:
+def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
     """Write a checkpoint of ``state`` (rotating old ones); ``jit``: the preemption checkpoint, marked as such."""
     options, output_dir = _save_options(run, state), run.plan.checkpoints.output_dir
     path = ckpt.checkpoint_path(output_dir, int(state.step))
@@ -216,7 +217,7 @@ def _save_if_due(run: Run, state: TrainState, now: _Moment) -> bool:
     if diverged(state, confirm=True):  # never write inf/NaN params over the finite checkpoints
         run.diverged.append(now.step)
         return False
-    run.saved.append(save(run, state))
+    run.saved.append(save_checkpoint(run, state))
     return True
 
 
@@ -270,10 +271,13 @@ def callback_adapter(run: Run, state: TrainState) -> tuple[Run, hf_callbacks.HFC
         saved=run.saved,
         evaluate=evaluate,  # the run below, which reports to the adapter
         history=run.history.history() if isinstance(run.history, log_file.HistoryFile) else run.history,
-        save=lambda s: run.saved.append(save(run, s)) if run.saves_here else None,
+        save=lambda s: run.saved.append(save_checkpoint(run, s)) if run.saves_here else None,
         rank=plan.rank,
         best_key=BEST,
     )
     run = attrs.evolve(run, reporters=run.reporters.including(hf))
     hf.begin(state)
     return run, hf
+
+
+__getattr__ = moved_names(__name__, {"save": (__name__, "save_checkpoint")})  # one meaning per public name

@@ -30,7 +30,7 @@ process group itself (``collective=`` overrides), so N processes of batch B trai
 ``processing_class`` (a tokenizer or processor, as HF's) pads the default collator's batches with its pad
 id and is saved into every checkpoint (``AutoTokenizer.from_pretrained(checkpoint)`` loads it).
 ``train_stream`` (a ``data.StateStream``) replaces the sampler and stream with steps made from the
-state they start from: ``trainfold.grpo.train`` runs GRPO through it.
+state they start from: ``trainfold.grpo.train_grpo`` runs GRPO through it.
 
 The run is a ``Plan`` (``hf.plan``), built before any step by ``hf.planning.plan_for`` from these
 arguments: the sampler, schedule, optimizer, step, eval plan (``hf.evaluating``), checkpoint policy,
@@ -75,9 +75,9 @@ from trainfold.hf.optimizer import default_optimizer
 from trainfold.hf.plan import STOPPING_RULES, Plan, agreed
 from trainfold.hf.planning import plan_for
 from trainfold.hf.released import Released, release_weights, restored
-from trainfold.hf.resume import Start, claim_for, initial_state, start
-from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save
-from trainfold.hf.validate import check_first_batch, check_train_call, checked_loss, checking_first
+from trainfold.hf.resume import Start, claim_for, initial_state, start_run
+from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save_checkpoint
+from trainfold.hf.validate import check_first_batch, check_train_call, checked_loss, checking_first, data_to_check
 from trainfold.observe import counting_input_tokens, observing, tap, train_summary
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
@@ -86,7 +86,6 @@ from trainfold.observe.reporters import make_reporters
 from trainfold.observe.reporters import progress as make_progress
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.optim import GradientTransformation
-from trainfold.step import sharded
 
 _log = logging.getLogger(__name__)
 
@@ -159,6 +158,8 @@ class TrainResult:
         Every parameter (trainable or frozen, a tied one once) and every buffer, persistent or not,
         gets the state's value of the same name, on the module's own device and dtype.
         """
+        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
+
         tensors = {**self.state.buffers, **sharded.full_params(self.state.params)}  # shards: gathered (every rank)
         targets = [*model.named_parameters(), *model.named_buffers()]
         missing = [name for name, _ in targets if name not in tensors]
@@ -174,7 +175,7 @@ class TrainResult:
         return model
 
 
-@guarded(lambda call: call["args"].enable_jit_checkpoint)  # the guard is up from the first line (issue 23)
+@guarded(lambda call: getattr(call["args"], "enable_jit_checkpoint", False))  # up from the first line (issue 23)
 @joins_torchrun  # under torchrun without collective=: join the process group for the run (issue 15, item 2)
 def train(
     model: nn.Module,
@@ -212,12 +213,10 @@ def train(
     >>> result.status, result.global_step, result.log_history[0]["learning_rate"], "train_loss" in result.metrics
     ('completed', 3, 0.01, True)
     """
+    data = data_to_check(train_dataset, eval_dataset, data_collator, train_stream)
+    check_train_call(model, args, resume_from_checkpoint, compute_metrics or objective, **data)
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     rank = collective.rank if collective is not None else 0
-    rows = train_dataset if data_collator is None and train_stream is None else None
-    check_train_call(
-        model, args, resume_from_checkpoint, compute_metrics or objective, rows
-    )  # rows: default collator's
     compute_loss_func = checked_loss(compute_loss_func)  # every problem named before any work
     set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
     set_verbosity(args.log_level, main_process=rank == 0)  # the trainfold logger: events once, from rank 0
@@ -227,7 +226,7 @@ def train(
     state = initial_state(plan)
     claim = claim_for(plan, state, resume_from_checkpoint)
     with claim.releasing_on_error():  # the lock is held until the run ends (the `with claim` below)
-        begin = start(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
+        begin = start_run(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
     plan, begin = resumed_callback_states(plan, begin, callbacks)  # an EarlyStoppingCallback's, as HF's
     _log_start(plan, begin)
     with claim:  # released if the run raises
@@ -365,7 +364,8 @@ def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[st
         # A signal after the last step (during the final save) ends nothing: the run is complete.
         done, here = int(state.step) >= total, ckpt.checkpoint_path(run.plan.checkpoints.output_dir, int(state.step))
         if run.saves_here and int(state.step) > int(start_state.step) and not (done and here in run.saved):
-            run.saved.append(save(run, state, jit=True))  # none when no step ran here (a signal during setup)
+            # none when no step ran here (a signal during setup)
+            run.saved.append(save_checkpoint(run, state, jit=True))
         return "completed" if done else "preempted"
     if int(state.step) < total and fired and fired[-1] in STOPPING_RULES:
         return "stopped"
