@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _command(argv: list[str]) -> int:
     import jsonargparse  # a dependency of trainfold, imported after the signal handlers are in place
+
     if argv[:1] == ["train"]:  # its parser reads the rest (--set spelled as overrides first: read_config)
         return _train(argv[1:])
     try:
