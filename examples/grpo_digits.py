@@ -13,7 +13,7 @@ same collapse GRPO shows at scale.
     python examples/grpo_digits.py               # 300 steps, logs every 10
     python examples/grpo_digits.py --steps 40    # shorter
 
-It runs ``trainfold.grpo.train_grpo`` with TRL's ``GRPOConfig`` names: 16 completions per
+It runs ``trainfold.grpo.train`` with TRL's ``GRPOConfig`` names: 16 completions per
 micro-batch, 2 micro-batches per optimizer step, one generation of 8 prompts x 8 completions every
 ``steps_per_generation=4`` micro-steps (2 optimizer steps), as TRL's ``GRPOTrainer`` would.
 ``run(...)`` returns the mean reward of every generation, so a test can run a short version.
@@ -114,7 +114,7 @@ def run(
             logging_steps=log_every or 1,
             log_level="passive" if log_every else "warning",
         )
-        result = trainfold.grpo.train_grpo(
+        result = trainfold.grpo.train(
             model, args, prompts_dataset(), [digits, counting], encode=byte_encode, decode=byte_decode
         )
     finally:

@@ -1,4 +1,4 @@
-"""``trainfold.dpo.train_dpo``: TRL 1.16 ``DPOConfig``'s settings, ``DPOTrainer``'s tokenization and per-step losses.
+"""``trainfold.dpo.train``: TRL 1.16 ``DPOConfig``'s settings, ``DPOTrainer``'s tokenization and per-step losses.
 
 The references are real TRL runs on a tiny Llama built from a config and a word-level tokenizer
 built here; TRL gets an explicit copy of the initial policy as ``ref_model`` (its ``ref_model=None``
@@ -121,7 +121,7 @@ def test_per_step_losses_equal_a_trl_dpo_run(tmp_path, rows, kw):
     trainer.train()
     theirs = losses(trainer.state.log_history)
     args = DPOArguments(output_dir=str(tmp_path / "tf"), **COMMON, **RUN, **kw)
-    result = trainfold.dpo.train_dpo(llama(), args, datasets.Dataset.from_list(rows), processing_class=tokenizer())
+    result = trainfold.dpo.train(llama(), args, datasets.Dataset.from_list(rows), processing_class=tokenizer())
     ours = losses(result.log_history)
     assert len(ours) == len(theirs) == RUN["max_steps"]
     if "loss_type" not in kw:  # the first step's reference is the policy itself: every pair's loss is ln 2
@@ -158,5 +158,5 @@ def test_a_padding_free_run_has_the_padded_runs_losses(tmp_path):
     runs = []
     for free in (False, True):
         args = DPOArguments(output_dir=str(tmp_path / str(free)), padding_free=free, **COMMON, **RUN)
-        runs.append(losses(trainfold.dpo.train_dpo(llama(), args, rows, processing_class=tokenizer()).log_history))
+        runs.append(losses(trainfold.dpo.train(llama(), args, rows, processing_class=tokenizer()).log_history))
     assert runs[1] == pytest.approx(runs[0], rel=1e-5)

@@ -728,6 +728,6 @@ def test_trainfold_grpo_offers_the_recipe_the_arguments_and_the_run():
 
     assert trainfold.grpo.__name__ == "trainfold.grpo"  # a real module (issue 33), re-exporting trainfold.hf.grpo
     assert all(getattr(trainfold.grpo, name) is getattr(recipe, name) for name in recipe.__all__)
-    assert trainfold.grpo.train_grpo is grpo_run.train_grpo and trainfold.grpo.GRPOArguments is grpo_args.GRPOArguments
+    assert trainfold.grpo.train is grpo_run.train and trainfold.grpo.GRPOArguments is grpo_args.GRPOArguments
     assert {"make_rollout", "grpo_trajectory", "Rollout", "rollout_metrics"} <= set(recipe.__all__)
     assert not hasattr(recipe, "train")  # the recipe layer knows nothing of the hf run

@@ -1,5 +1,4 @@
-"""The GRPO run (``trainfold.hf.grpo_run.train_grpo``): TRL 1.16's schedule, metrics and settings; resume inside
-a block."""
+"""The GRPO run (``trainfold.hf.grpo_run.train``): TRL 1.16's schedule, metrics and settings; resume inside a block."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ from trainfold import sgd
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import Cursor, init_state
 from trainfold.hf.grpo_args import GRPOArguments, generation_order
-from trainfold.hf.grpo_run import BUFFER, grpo_stream
-from trainfold.hf.grpo_run import train_grpo as train
+from trainfold.hf.grpo_run import BUFFER, grpo_stream, train
 from trainfold.recipes.grpo import grpo_objective
 from trainfold.recipes.grpo_data import generation_batches
 from trainfold.recipes.grpo_metrics import generation_metrics

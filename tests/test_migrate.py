@@ -160,7 +160,7 @@ def test_the_names_of_the_issue_import():
     from trainfold.samplers import make_sampler
 
     assert save is trainfold.ckpt.save and causal_lm is trainfold.core.losses.causal_lm
-    assert make_sampler is trainfold.data.samplers.make_sampler and train is trainfold.hf.grpo_run.train_grpo
+    assert make_sampler is trainfold.data.samplers.make_sampler and train is trainfold.hf.grpo_run.train
     assert make_rollout is trainfold.recipes.grpo.make_rollout
 
 
@@ -358,7 +358,7 @@ def test_a_grpo_run_saves_its_tokenizer_into_every_checkpoint(tmp_path):
     def reward_len(completions, **kwargs):
         return [float(len(c)) for c in completions]
 
-    trainfold.grpo.train_grpo(model, args, [{"prompt": "w1 w2"}, {"prompt": "w3"}], reward_len, processing_class=tok)
+    trainfold.grpo.train(model, args, [{"prompt": "w1 w2"}, {"prompt": "w3"}], reward_len, processing_class=tok)
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "checkpoint-1").pad_token_id == 1
 
 

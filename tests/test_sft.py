@@ -189,8 +189,7 @@ def test_per_step_losses_equal_a_trl_sft_run(tmp_path, rows, kw):
     trainer.train()
     theirs = losses(trainer.state.log_history)
     args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **RUN, **kw)
-    result = sft.train_sft(llama(), args, datasets.Dataset.from_list(rows), processing_class=tokenizer())
-    ours = losses(result.log_history)
+    ours = losses(sft.train(llama(), args, datasets.Dataset.from_list(rows), processing_class=tokenizer()).log_history)
     assert len(ours) == len(theirs) == RUN["max_steps"]
     assert ours == pytest.approx(theirs, rel=1e-5)
 
@@ -201,10 +200,10 @@ def test_a_model_name_is_loaded_with_model_init_kwargs(tmp_path):
     args = SFTArguments(
         output_dir=str(tmp_path / "run"), max_steps=1, model_init_kwargs={"dtype": torch.float32}, **COMMON
     )
-    result = sft.train_sft(str(path), args, prompt_completion_rows(4), processing_class=tokenizer())
+    result = sft.train(str(path), args, prompt_completion_rows(4), processing_class=tokenizer())
     assert result.global_step == 1
     with pytest.raises(ValueError, match="model_init_kwargs apply when the model is a name or path"):
-        sft.train_sft(copy.deepcopy(llama()), args, prompt_completion_rows(4), processing_class=tokenizer())
+        sft.train(copy.deepcopy(llama()), args, prompt_completion_rows(4), processing_class=tokenizer())
 
 
 # -- packing ----------------------------------------------------------------------------------
@@ -242,7 +241,7 @@ def test_a_packed_run_trains_and_evaluates_packed_rows(tmp_path):
         per_device_train_batch_size=2,
         **COMMON,
     )
-    result = sft.train_sft(llama(), args, rows, eval_dataset=rows[:4], processing_class=tokenizer())
+    result = sft.train(llama(), args, rows, eval_dataset=rows[:4], processing_class=tokenizer())
     assert result.global_step == 2
     assert any("eval_loss" in h for h in result.log_history)
 
@@ -253,7 +252,7 @@ def test_peft_config_trains_only_the_adapter(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     args = SFTArguments(output_dir=str(tmp_path), max_steps=2, learning_rate=1e-2, **COMMON)
     config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_alpha=4)
-    result = sft.train_sft(model, args, prompt_completion_rows(8), processing_class=tokenizer(), peft_config=config)
+    result = sft.train(model, args, prompt_completion_rows(8), processing_class=tokenizer(), peft_config=config)
     trained = set(result.state.params)
     assert trained and all("lora_" in k for k in trained)
     for k, v in model.state_dict().items():  # the base weights are untouched

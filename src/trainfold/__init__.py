@@ -4,8 +4,8 @@ The pieces, bottom up: ``tree`` (pure ops on tensor dicts), ``state`` (the ``Tra
 record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``samplers`` and
 ``data`` (the resumable stream), ``fold`` (``fit``, ``trajectory``), ``reducers`` and
 ``evaluation``, ``checkpoint`` and ``preempt``, ``observe`` and ``reporters``, ``neftune``,
-``dpo``/``grpo``/``sft``/``generate`` (``dpo.train_dpo``, ``grpo.train_grpo``, ``sft.train_sft``: the runs),
-``packing`` and ``chunked_loss`` (LLM batches and loss), ``distributed``, and ``train`` (``TrainingArguments`` +
+``dpo``/``grpo``/``sft``/``generate`` (``dpo.train``, ``grpo.train``, ``sft.train``: the runs), ``packing`` and
+``chunked_loss`` (LLM batches and loss), ``distributed``, and ``train`` (``TrainingArguments`` +
 ``train``) which wires them from the HF Trainer's setting names.
 
 ``import trainfold`` imports none of them (nor ``torch``): each public name is imported the first

@@ -4,7 +4,4 @@ GRPO in one place: the recipe's pieces, GRPOArguments and the run train.
 """
 
 from trainfold.hf.grpo import *  # noqa: F403
-from trainfold.hf.grpo import (
-    __all__,  # noqa: F401
-    __getattr__,  # noqa: F401  (the names that moved, with a DeprecationWarning)
-)
+from trainfold.hf.grpo import __all__  # noqa: F401

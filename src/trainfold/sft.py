@@ -4,7 +4,4 @@ SFT in one place: TRL's row preparation and collator, ``SFTArguments`` and the r
 """
 
 from trainfold.hf.sft import *  # noqa: F403
-from trainfold.hf.sft import (
-    __all__,  # noqa: F401
-    __getattr__,  # noqa: F401  (the names that moved, with a DeprecationWarning)
-)
+from trainfold.hf.sft import __all__  # noqa: F401

@@ -5,14 +5,14 @@ TRL's tokenization from :mod:`trainfold.recipes.dpo_data`; ``DPOArguments`` (TRL
 from :mod:`trainfold.hf.dpo_args`; the run, :func:`train`, from :mod:`trainfold.hf.dpo_run`.
 
 >>> from trainfold.hf import dpo
->>> dpo.train_dpo is dpo.dpo_run.train_dpo, dpo.dpo_objective(0.1, ["sigmoid", "sft"]).loss_type
+>>> dpo.train is dpo.dpo_run.train, dpo.dpo_objective(0.1, ["sigmoid", "sft"]).loss_type
 (True, ('sigmoid', 'sft'))
 """
 
 from trainfold.core.moved import moved_names
 from trainfold.hf import dpo_args, dpo_run
 from trainfold.hf.dpo_args import DPOArguments
-from trainfold.hf.dpo_run import prepare_preference_dataset, train_dpo
+from trainfold.hf.dpo_run import prepare_preference_dataset, train
 from trainfold.recipes.dpo import (
     LOSS_TYPES,
     PREFERENCE_COLUMNS,
@@ -46,13 +46,7 @@ __all__ = [
     "preference_rows",
     "prepare_preference_dataset",
     "sequence_logps",
-    "train_dpo",
+    "train",
 ]
 
-__getattr__ = moved_names(
-    __name__,
-    {
-        "prepare_dataset": ("trainfold.hf.dpo_run", "prepare_preference_dataset"),
-        "train": ("trainfold.hf.dpo_run", "train_dpo"),
-    },
-)
+__getattr__ = moved_names(__name__, {"prepare_dataset": ("trainfold.hf.dpo_run", "prepare_preference_dataset")})

@@ -7,7 +7,7 @@
 >>> rows = [{"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5]}] * 4
 >>> args = DPOArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2, bf16=False,
 ...                     gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no")
->>> result = train_dpo(model, args, rows)
+>>> result = train(model, args, rows)
 >>> result.global_step, round(result.log_history[0]["loss"], 4)  # the reference is the model before training
 (2, 0.6931)
 """
@@ -28,7 +28,7 @@ from trainfold.hf.train import train as train_run
 from trainfold.recipes.dpo import dpo_objective, preference_collate
 from trainfold.recipes.dpo_data import padding_free_preference_collate, preference_rows
 
-__all__ = ["prepare_preference_dataset", "train_dpo"]
+__all__ = ["prepare_preference_dataset", "train"]
 
 
 def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.Module:
@@ -50,7 +50,7 @@ def prepare_preference_dataset(
     return preference_rows(rows, processing_class, args.max_length)
 
 
-def train_dpo(
+def train(
     model: nn.Module | str,
     args: DPOArguments,
     train_dataset: Any,
@@ -69,9 +69,7 @@ def train_dpo(
     ``kwargs`` go to ``trainfold.train``.
     """
     if not isinstance(args, DPOArguments):
-        raise TypeError(
-            f"trainfold.dpo.train_dpo takes DPOArguments (TRL's DPOConfig names), not {type(args).__name__}"
-        )
+        raise TypeError(f"trainfold.dpo.train takes DPOArguments (TRL's DPOConfig names), not {type(args).__name__}")
     model = _model(model, args, peft_config)
     source = model if ref_model is None else ref_model
     ref_params = None
@@ -103,6 +101,4 @@ def train_dpo(
 
 
 # ``trainfold.sft.prepare_dataset`` is SFT's (one meaning per public name)
-__getattr__ = moved_names(
-    __name__, {"prepare_dataset": (__name__, "prepare_preference_dataset"), "train": (__name__, "train_dpo")}
-)
+__getattr__ = moved_names(__name__, {"prepare_dataset": (__name__, "prepare_preference_dataset")})

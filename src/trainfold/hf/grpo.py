@@ -8,13 +8,12 @@ loop); ``GRPOArguments`` (TRL's ``GRPOConfig`` names) from :mod:`trainfold.hf.gr
 >>> grpo.GRPOArguments(per_device_train_batch_size=4, num_generations=4).generation_batch
 4
 >>> from trainfold.hf import grpo_run
->>> grpo.train_grpo is grpo_run.train_grpo, grpo.grpo_objective("dapo").loss_type
+>>> grpo.train is grpo_run.train, grpo.grpo_objective("dapo").loss_type
 (True, 'dapo')
 """
 
-from trainfold.core.moved import moved_names
 from trainfold.hf.grpo_args import TRL_ONLY, GRPOArguments, generation_order
-from trainfold.hf.grpo_run import BUFFER, GenerationBuffer, GRPORun, grpo_stream, train_grpo
+from trainfold.hf.grpo_run import BUFFER, GenerationBuffer, GRPORun, grpo_stream, train
 from trainfold.recipes.grpo import (
     GRPO_LOSS_TYPES,
     SCALE_REWARDS,
@@ -58,8 +57,5 @@ __all__ = [
     "GenerationBuffer",
     "GRPORun",
     "grpo_stream",
-    "train_grpo",
+    "train",
 ]
-
-# one meaning per public name: trainfold.train is the run
-__getattr__ = moved_names(__name__, {"train": ("trainfold.hf.grpo_run", "train_grpo")})

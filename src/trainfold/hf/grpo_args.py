@@ -68,7 +68,7 @@ TRL_ONLY: dict[str, tuple[Any, str]] = {
     "num_generations_eval": (None, "evaluation samples num_generations completions per prompt"),
     "max_tool_calling_iterations": (None, "tool calling is " + _NOT_YET),
     "disable_dropout": (False, "the step keeps the model's dropout; build the model with dropout 0 to disable it"),
-    "model_init_kwargs": (None, "pass a built model to trainfold.hf.grpo_run.train_grpo"),
+    "model_init_kwargs": (None, "pass a built model to trainfold.hf.grpo_run.train"),
     "log_completions": (False, "completions are not logged as tables; pass an observer"),
 }
 

@@ -1,4 +1,4 @@
-"""``train_grpo(model, args, prompts, reward_funcs)``: GRPO as a run of ``trainfold.train``, with TRL 1.16's semantics.
+"""``train(model, args, prompts, reward_funcs)``: GRPO as a run of ``trainfold.train``, with TRL 1.16's semantics.
 
 The run is ``trainfold.train`` fed by the :class:`~trainfold.hf.grpo_schedule.GRPORun`'s
 :class:`~trainfold.data.StateStream`, so it has every piece of a run: checkpoints (periodic,
@@ -17,14 +17,13 @@ from typing import Any
 import attrs
 from torch import Tensor, nn
 
-from trainfold.core.moved import moved_names
 from trainfold.hf.grpo_args import GRPOArguments
 from trainfold.hf.grpo_schedule import BUFFER, GenerationBuffer, GRPORun
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run
 from trainfold.recipes.grpo import RewardFunc, grpo_objective, make_rollout
 
-__all__ = ["BUFFER", "GenerationBuffer", "GRPORun", "grpo_stream", "train_grpo"]
+__all__ = ["BUFFER", "GenerationBuffer", "GRPORun", "grpo_stream", "train"]
 
 
 def _codec(processing_class: Any, encode: Any, decode: Any) -> tuple[Callable[..., list[int]], Callable[..., Any]]:
@@ -136,7 +135,7 @@ def grpo_stream(
     return GRPORun(model, args, prompts, funcs, enc, dec, eos, pad, prompt_key, ref, eval_prompts, objective, rollout)
 
 
-def train_grpo(
+def train(
     model: nn.Module,
     args: GRPOArguments,
     prompts: Any,
@@ -171,7 +170,7 @@ def train_grpo(
     >>> args = GRPOArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=4,
     ...                      num_generations=2, max_completion_length=3, report_to="none", disable_tqdm=True,
     ...                      save_strategy="no", logging_steps=1)
-    >>> result = train_grpo(model, args, [{"prompt": "12"}, {"prompt": "3"}], sevens,
+    >>> result = train(model, args, [{"prompt": "12"}, {"prompt": "3"}], sevens,
     ...                encode=lambda s: [1 + int(c) for c in s], decode=lambda ids: "".join(str(i % 10) for i in ids))
     >>> result.global_step, {"reward", "rewards/sevens/mean", "entropy"} <= set(result.log_history[0])
     (2, True)
@@ -196,7 +195,3 @@ def train_grpo(
     stream = plan.stream()  # a processing_class is saved into every checkpoint, as the Trainer's
     given = dict(eval_dataset=eval_prompts, objective=plan.objective, processing_class=processing_class)
     return train_run(model, args, prompts, train_stream=stream, **given, **run)
-
-
-# one meaning per public name: trainfold.train is the run
-__getattr__ = moved_names(__name__, {"train": (__name__, "train_grpo")})

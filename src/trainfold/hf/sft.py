@@ -12,7 +12,7 @@ be a module or a name/path (loaded with ``model_init_kwargs``); ``peft_config`` 
 >>> rows = [{"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1]}] * 4
 >>> args = SFTArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2, bf16=False,
 ...                     gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no")
->>> train_sft(model, args, rows).global_step
+>>> train(model, args, rows).global_step
 2
 """
 
@@ -24,7 +24,6 @@ from typing import Any
 from torch import nn
 
 from trainfold.core.losses import causal_lm
-from trainfold.core.moved import moved_names
 from trainfold.data.llm import DEFAULT_MAX_LENGTH
 from trainfold.data.packing import pack
 from trainfold.hf.model_source import model_from, processing_class_for
@@ -41,7 +40,7 @@ __all__ = [
     "sft_collate",
     "sft_row",
     "sft_rows",
-    "train_sft",
+    "train",
 ]
 
 
@@ -76,7 +75,7 @@ def _pad_id(processing_class: Any, args: SFTArguments) -> int:
     return int(processing_class.convert_tokens_to_ids(token))
 
 
-def train_sft(
+def train(
     model: nn.Module | str,
     args: SFTArguments,
     train_dataset: Any,
@@ -93,9 +92,7 @@ def train_sft(
     ``trainfold.train`` (``compute_metrics``, ``observers``, ``resume_from_checkpoint``...).
     """
     if not isinstance(args, SFTArguments):
-        raise TypeError(
-            f"trainfold.sft.train_sft takes SFTArguments (TRL's SFTConfig names), not {type(args).__name__}"
-        )
+        raise TypeError(f"trainfold.sft.train takes SFTArguments (TRL's SFTConfig names), not {type(args).__name__}")
     model = model_from(model, args.model_init_kwargs, peft_config)
     processing_class = processing_class_for(model, processing_class)
     train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing)
@@ -111,7 +108,3 @@ def train_sft(
         kwargs.setdefault("compute_loss_func", causal_lm)
     kwargs.setdefault("processing_class", processing_class)  # checkpoints hold the tokenizer, as the Trainer's
     return train_run(model, args, train_rows, eval_rows, data_collator, callbacks=callbacks, **kwargs)
-
-
-# one meaning per public name: trainfold.train is the run
-__getattr__ = moved_names(__name__, {"train": (__name__, "train_sft")})

@@ -30,7 +30,7 @@ process group itself (``collective=`` overrides), so N processes of batch B trai
 ``processing_class`` (a tokenizer or processor, as HF's) pads the default collator's batches with its pad
 id and is saved into every checkpoint (``AutoTokenizer.from_pretrained(checkpoint)`` loads it).
 ``train_stream`` (a ``data.StateStream``) replaces the sampler and stream with steps made from the
-state they start from: ``trainfold.grpo.train_grpo`` runs GRPO through it.
+state they start from: ``trainfold.grpo.train`` runs GRPO through it.
 
 The run is a ``Plan`` (``hf.plan``), built before any step by ``hf.planning.plan_for`` from these
 arguments: the sampler, schedule, optimizer, step, eval plan (``hf.evaluating``), checkpoint policy,

@@ -9,7 +9,7 @@
   for research code;
 * :mod:`~trainfold.recipes.grpo_metrics`: what TRL's ``GRPOTrainer`` logs, by its formulas.
 
-The run with TRL's ``GRPOConfig`` names and generation schedule is ``trainfold.grpo.train_grpo``
+The run with TRL's ``GRPOConfig`` names and generation schedule is ``trainfold.grpo.train``
 (``trainfold.hf.grpo``: these names plus ``GRPOArguments`` and ``train``).
 
 >>> import torch
