@@ -74,11 +74,11 @@ def test_every_name_of_the_old_checkpoint_module_is_on_the_package_and_the_alias
     )
 
 
-def test_the_sharded_index_name_has_one_owner():
+def test_the_shard_folder_name_has_one_owner():
     from trainfold.ckpt import sharded
 
-    assert ckpt.INDEX_FILE == sidecar.INDEX_FILE == sharded.INDEX_FILE == "state.index.json"
-    assert "INDEX_FILE" not in sharded.__all__
+    assert ckpt.SHARD_DIR == sidecar.SHARD_DIR == sharded.SHARD_DIR == "sharded"
+    assert "SHARD_DIR" not in sharded.__all__
 
 
 def test_a_saved_sidecar_holds_the_fields_of_the_format_in_order(tmp_path):

@@ -29,12 +29,18 @@ from torchrun import torchrun_ok
 from trainfold import ckpt
 from trainfold.ckpt import faults
 from trainfold.ckpt import sharded as sc
-from trainfold.ckpt.sharded_storage import shard_file
 from trainfold.core.state import init_state
 from trainfold.core.tree import flatten, map_tensors
 from trainfold.optim import adamw
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def shard_file(rank: int, world: int) -> str:
+    """Rank ``rank``'s shard file, as DCP's ``HuggingFaceStorageWriter`` names it, in the checkpoint's ``sharded/``."""
+    return f"{ckpt.SHARD_DIR}/shard-{rank + 1:05d}-model-00001-of-00001.safetensors"
+
+
 STEP = 3
 
 
@@ -214,7 +220,7 @@ def _failing_async_save(saver, state, out: Path, rank: int) -> None:
     seen = []
 
     def hook(label):
-        if label.startswith("sharded:wrote:state-"):
+        if label.startswith("sharded:wrote:shard-"):
             seen.append(sorted(p.name for p in out.iterdir()) if out.exists() else [])
             if rank == 1:
                 raise OSError(5, "injected write failure")
@@ -300,9 +306,9 @@ def test_sharded_checkpoints_are_safetensors_and_json_only(ranks):
         ranks / "async" / f"checkpoint-{STEP}",
         ranks / "straight" / "checkpoint-8",
     ):
-        names = sorted(p.name for p in path.iterdir())
-        assert shard_file(0, 2) in names and shard_file(1, 2) in names and sc.INDEX_FILE in names
-        for p in path.iterdir():
+        names = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+        assert shard_file(0, 2) in names and shard_file(1, 2) in names
+        for p in (p for p in path.rglob("*") if p.is_file()):
             if p.suffix == ".json":
                 json.loads(p.read_text())
             else:
@@ -427,14 +433,13 @@ def test_a_one_process_resume_of_a_two_rank_run_that_stopped_before_its_first_st
 def test_a_sharded_train_run_writes_sharded_checkpoints_with_the_full_model(ranks):
     for step in (4, 8):
         path = ranks / "straight" / f"checkpoint-{step}"
-        names = sorted(p.name for p in path.iterdir())
+        names = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
         assert names == [
             ckpt.DURABLE_MARKER,
             "config.json",
             "model.safetensors",
             shard_file(0, 2),
             shard_file(1, 2),
-            sc.INDEX_FILE,
             "trainfold.json",
         ]
         assert ckpt.is_complete(path) and ckpt.read_metadata(path)["step"] == step
@@ -461,7 +466,7 @@ def test_sigterm_to_one_rank_of_a_sharded_run_ends_both_with_one_sharded_jit_che
     found = sorted(out.glob("checkpoint-*"))
     assert [p.name for p in found] == [f"checkpoint-{step}"] and ckpt.is_complete(found[0])
     meta = ckpt.read_metadata(found[0])
-    assert meta["jit"] and sc.INDEX_FILE in meta["files"] and shard_file(1, 2) in meta["files"]
+    assert meta["jit"] and shard_file(0, 2) in meta["files"] and shard_file(1, 2) in meta["files"]
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
@@ -514,10 +519,12 @@ def test_corruption_of_a_shard_is_detected_by_name(ranks, tmp_path):
     data[-3] ^= 0xFF
     shard.write_bytes(bytes(data))
     like = init_state(hf_model(), adamw(1e-3))
-    with pytest.raises(ckpt.CheckpointError, match=r"state-00001-of-00002.safetensors is corrupted: its CRC-32"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"shard-00002-model-00001-of-00001.safetensors is corrupted: its xxh3_64"
+    ):
         ckpt.load(path, like=like)
     shard.write_bytes(bytes(data[:-10]))
-    with pytest.raises(ckpt.CheckpointError, match=r"state-00001-of-00002.safetensors is truncated"):
+    with pytest.raises(ckpt.CheckpointError, match=r"shard-00002-model-00001-of-00001.safetensors is truncated"):
         ckpt.load(path, like=like)
     assert not ckpt.is_complete(path)
 
@@ -527,9 +534,7 @@ def test_a_sharded_checkpoint_refuses_another_model_by_name(ranks):
     import transformers
 
     path = ranks / "sync" / f"checkpoint-{STEP}"
-    with pytest.raises(
-        KeyError, match=r"state.index.json does not fit the template state; .* missing \['opt_state.mu.blocks"
-    ):
+    with pytest.raises(KeyError, match=r"sharded does not fit the template state; .* missing \['opt_state.mu.blocks"):
         ckpt.load(path, like=init_state(tiny(), adamw(1e-3)))
     config = hf_model().config
     config.intermediate_size = 32

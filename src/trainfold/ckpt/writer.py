@@ -227,14 +227,15 @@ def _write_in_place(
         write_bytes(marker, _MARKER_TEXT, fsync=blocking)
         write_bytes(tmp / SIDECAR_FILE, sidecar_bytes(write(tmp, blocking)), fsync=blocking)
         mode = (tmp / SIDECAR_FILE).stat().st_mode & 0o777  # open's: 0666 less the umask
-        for path in tmp.iterdir():  # one mode for every file, whoever wrote it (DCP writes its shards 0600)
-            if path.stat().st_mode & 0o777 != mode:
+        for path in tmp.rglob("*"):  # one mode for every file, whoever wrote it (DCP writes its shards 0600)
+            if path.is_file() and path.stat().st_mode & 0o777 != mode:
                 path.chmod(mode)
         point("save:wrote:sidecar")
         marker.unlink()
         if blocking:
             mark_durable(tmp)  # every file is fsynced already
-            fsync_dir(tmp)
+            for sub in [tmp, *(p for p in tmp.iterdir() if p.is_dir())]:  # sharded/: DCP's files
+                fsync_dir(sub)
         point("save:complete")
         replaced = replace_dir(tmp, directory, remove_old=blocking)  # the old one goes once the new is durable
     except BaseException:
