@@ -668,6 +668,7 @@ def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(
 
 def test_the_elastic_split_comes_from_the_checkpoint_not_from_the_run_file_a_failed_start_rewrote(tmp_path):
     from trainfold.ckpt import elastic_args, run_dir
+    from trainfold.ckpt.run_identity import RunSettings
 
     two = run_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=1)
     saved = {**two.to_dict(), "world_size": 2}  # the checkpoint of a 2-rank run: global batch 4
@@ -677,7 +678,7 @@ def test_the_elastic_split_comes_from_the_checkpoint_not_from_the_run_file_a_fai
         one = elastic_args(two, True, 1)
     assert one.gradient_accumulation_steps == 2
     # a 1-process start that stopped before its first step has rewritten the run file with its own split
-    run_dir._write_run_file(tmp_path, run_dir.RunIdentity("b", "f"), {**one.to_dict(), "world_size": 1})
+    run_dir._write_run_file(tmp_path, run_dir.RunIdentity("b", "f"), RunSettings.of(one, world_size=1))
     for _ in range(2):  # the same 1-process command, again and again: still the checkpoint's global batch
         with pytest.warns(UserWarning, match=r"resuming a run of 2 ranks on 1"):
             assert elastic_args(two, True, 1).gradient_accumulation_steps == 2
@@ -685,12 +686,14 @@ def test_the_elastic_split_comes_from_the_checkpoint_not_from_the_run_file_a_fai
 
 def test_the_run_fingerprint_sees_the_global_batch_not_its_split():
     from trainfold.ckpt import run_dir
+    from trainfold.ckpt.run_identity import RunSettings
 
-    base = run_args(Path("x")).to_dict() | {"world_size": 2}
-    fp = run_dir.fingerprint(base)
-    assert run_dir.fingerprint({**base, "world_size": 1, "gradient_accumulation_steps": 2}) == fp
-    assert run_dir.fingerprint({**base, "world_size": 1}) != fp
-    assert run_dir.fingerprint({**base, "async_save": True, "save_consolidated_model": True}) == fp
+    def fp(world_size, **changes):
+        return run_dir.fingerprint(RunSettings.of(run_args(Path("x"), **changes), world_size=world_size))
+
+    assert fp(1, gradient_accumulation_steps=2) == fp(2)
+    assert fp(1) != fp(2)
+    assert fp(2, async_save=True, save_consolidated_model=True) == fp(2)
 
 
 if __name__ == "__main__":

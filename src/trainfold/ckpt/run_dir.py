@@ -30,15 +30,7 @@ import attrs
 from trainfold.ckpt.elastic import BATCH_KEYS, global_batch, split_global_batch
 from trainfold.ckpt.listing import is_complete, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
-from trainfold.ckpt.run_identity import (
-    RUN_FILE,
-    RUN_LENGTH,
-    RunIdentity,
-    fingerprint,
-    model_signature,
-    trajectory_differences,
-    trajectory_settings,
-)
+from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings, fingerprint, model_signature
 from trainfold.ckpt.run_lock import lock, remove_leftovers
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, read_metadata
 from trainfold.ckpt.writer import disk_full, is_disk_full
@@ -81,12 +73,12 @@ def read_run_file(output_dir: str | os.PathLike) -> dict[str, Any] | None:
     return record
 
 
-def _write_run_file(output_dir: Path, run: RunIdentity, settings: Mapping[str, Any]) -> None:
+def _write_run_file(output_dir: Path, run: RunIdentity, settings: RunSettings) -> None:
     record = {
         "format": "trainfold-run",
         "run_id": run.id,
         "fingerprint": run.fingerprint,
-        "settings": trajectory_settings(settings),
+        "settings": settings.trajectory(),
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }
@@ -139,14 +131,14 @@ def candidates(output_dir: str | os.PathLike, fingerprint: str) -> list[Path]:
     return [p for p, _ in reversed(found)]
 
 
-def _describe_others(output_dir: Path, settings: Mapping[str, Any], fingerprint: str) -> str:
+def _describe_others(output_dir: Path, settings: RunSettings, fingerprint: str) -> str:
     parts = []
     for path, meta in _catalog(output_dir):
         run = meta.get("run")
         if run is None:
             parts.append(f"{path.name} (written without a run identity)")
         elif run["fingerprint"] != fingerprint:
-            diffs = trajectory_differences(meta.get("settings", {}), settings) or ["the model's parameters differ"]
+            diffs = settings.differences(meta.get("settings", {})) or ["the model's parameters differ"]
             parts.append(f"{path.name} (run {run['id']}: {'; '.join(diffs[:4])})")
         else:
             parts.append(f"{path.name} (an earlier lineage {run['id']} of the same settings)")
@@ -192,15 +184,15 @@ class Claim:
         self.release()
 
 
-def _explicit_source(path: Path, settings: Mapping[str, Any], fp: str) -> tuple[Path, RunIdentity]:
+def _explicit_source(path: Path, settings: RunSettings, fp: str) -> tuple[Path, RunIdentity]:
     source = resume_checkpoint(path, path.parent)
     assert source is not None
     meta = read_metadata(source)
-    check_compatible(meta["settings"], settings, source=source)  # the sample order cannot change at all
+    check_compatible(meta["settings"], settings.values, source=source)  # the sample order cannot change at all
     run = meta.get("run")
     if run is not None and run["fingerprint"] == fp:
         return source, RunIdentity(run["id"], fp)
-    diffs = trajectory_differences(meta["settings"], settings) or ["the model's parameters or the run identity"]
+    diffs = settings.differences(meta["settings"]) or ["the model's parameters or the run identity"]
     warnings.warn(
         f"resuming {source} with different settings ({'; '.join(diffs)}): this continues as a new run, "
         "not the one that wrote the checkpoint",
@@ -222,7 +214,7 @@ def _output_dir(output_dir: str | os.PathLike) -> Path:
 def claim(
     output_dir: str | os.PathLike,
     resume_from_checkpoint: bool | str | os.PathLike | None,
-    settings: Mapping[str, Any],
+    settings: RunSettings,
     fingerprint: str,
     *,
     overwrite_output_dir: bool = False,
@@ -279,12 +271,12 @@ def claim(
     return Claim(run, source, stack, fallback=fallback)
 
 
-def _warn_length(source: Path, settings: Mapping[str, Any]) -> None:
+def _warn_length(source: Path, settings: RunSettings) -> None:
     saved = read_metadata(source)["settings"]
     changed = [
-        f"{k} {saved[k]!r} -> {settings[k]!r}"
-        for k in RUN_LENGTH
-        if k in saved and k in settings and saved[k] != settings[k]
+        f"{k} {saved[k]!r} -> {settings.values[k]!r}"
+        for k in settings.length
+        if k in saved and k in settings.values and saved[k] != settings.values[k]
     ]
     if changed:
         warnings.warn(
@@ -295,9 +287,7 @@ def _warn_length(source: Path, settings: Mapping[str, Any]) -> None:
         )
 
 
-def _refuse_other_runs(
-    root: Path, recorded: Mapping[str, Any] | None, settings: Mapping[str, Any], fingerprint: str
-) -> None:
+def _refuse_other_runs(root: Path, recorded: Mapping[str, Any] | None, settings: RunSettings, fingerprint: str) -> None:
     """Refuse a run into a directory holding checkpoints of another run (a run file alone is taken over)."""
     if recorded is not None and recorded["fingerprint"] == fingerprint:
         return  # this run was let in before (overwrite_output_dir), and goes on
@@ -353,17 +343,16 @@ def resume_point(args: Any, model: Any, *, world_size: int = 1) -> Path | None:
     settings, the world size, the model's parameter shapes) and calls ``resumable``.
     """
     params, buffers = split_module(model)
-    settings = {**args.to_dict(), "world_size": world_size}
     signature = model_signature(types.SimpleNamespace(params=params, buffers=buffers))
-    return resumable(args.output_dir, fingerprint(settings, signature))
+    return resumable(args.output_dir, fingerprint(RunSettings.of(args, world_size=world_size), signature))
 
 
 def _saved_settings(
-    resume_from_checkpoint: Any, output_dir: str | os.PathLike, here: Mapping[str, Any]
+    resume_from_checkpoint: Any, output_dir: str | os.PathLike, here: RunSettings
 ) -> Mapping[str, Any] | None:
     if resume_from_checkpoint is True:  # the newest checkpoint of this run but for the batch split: claim resumes it
         for _, meta in reversed(_catalog(output_dir)):
-            if not [d for d in trajectory_differences(meta["settings"], here) if d.split(":")[0] not in BATCH_KEYS]:
+            if not [d for d in here.differences(meta["settings"]) if d.split(":")[0] not in BATCH_KEYS]:
                 return meta["settings"]
         return None
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
@@ -382,12 +371,12 @@ def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any
     ranks, or when ``args`` already make its global batch; otherwise ``per_device_train_batch_size`` and
     ``gradient_accumulation_steps`` follow ``split_global_batch``, with a warning that says so.
     """
-    here = {**args.to_dict(), "world_size": world_size}
+    here = RunSettings.of(args, world_size=world_size)
     saved = _saved_settings(resume_from_checkpoint, args.output_dir, here)
     batch = global_batch(saved or {})
-    if batch is None or saved["world_size"] == world_size or batch == global_batch(here):
+    if batch is None or saved["world_size"] == world_size or batch == global_batch(here.values):
         return args
-    if [d for d in trajectory_differences(saved, here) if d.split(":")[0] in set(saved) - set(BATCH_KEYS)]:
+    if [d for d in here.differences(saved) if d.split(":")[0] in set(saved) - set(BATCH_KEYS)]:
         return args  # another run's settings: claim refuses it, naming them
     size, steps = split_global_batch(batch, world_size=world_size, per_device=args.per_device_train_batch_size)
     warnings.warn(

@@ -13,6 +13,7 @@ import torch
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.listing import set_aside
+from trainfold.ckpt.run_identity import RunSettings
 from trainfold.ckpt.sharded import is_sharded
 from trainfold.core.state import TrainState, init_state, lend
 from trainfold.core.tree import map_tensors
@@ -53,11 +54,12 @@ def initial_state(plan: Plan) -> TrainState:
 
 def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str | os.PathLike | None) -> Any:
     """Claim the run's output_dir (``ckpt.run_dir.claim``): its lock, and the checkpoint a resume starts from."""
+    settings = RunSettings.of(plan.args, world_size=plan.settings["world_size"])
     return run_dir.claim(
         plan.args.output_dir,
         resume_from_checkpoint,
-        plan.settings,
-        run_dir.fingerprint(plan.settings, run_dir.model_signature(state)),
+        settings,
+        run_dir.fingerprint(settings, run_dir.model_signature(state)),
         overwrite_output_dir=plan.args.overwrite_output_dir,
         writer=plan.is_writer,
     )
