@@ -263,7 +263,6 @@ def test_jit_at_a_saved_step_keeps_that_checkpoint_and_marks_it(tmp_path, monkey
         return path
 
     monkeypatch.setattr("trainfold.ckpt.writer.save", counting_save)
-    monkeypatch.setattr("trainfold.ckpt.preempt.save", counting_save)
     sent = []
 
     def preempt_at_4(s):

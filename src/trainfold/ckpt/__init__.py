@@ -48,7 +48,7 @@ batch split on another number of ranks), ``preempt`` (signals and the JIT checkp
 from trainfold.ckpt.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from trainfold.ckpt.layout import fingerprint, model_weights
 from trainfold.ckpt.listing import checkpoint_path, is_complete, latest_checkpoint, list_checkpoints, resume_checkpoint
-from trainfold.ckpt.policy import BEST_METRIC_KEY, SAVE_STRATEGIES
+from trainfold.ckpt.policy import SAVE_STRATEGIES
 from trainfold.ckpt.reader import FrozenWeightsError, load, load_weights, warm_start
 from trainfold.ckpt.run_dir import elastic_args
 from trainfold.ckpt.sidecar import (
@@ -65,6 +65,7 @@ from trainfold.ckpt.sidecar import (
     validate_sidecar,
 )
 from trainfold.ckpt.writer import mark_jit, save
+from trainfold.evaluation.best import BEST_METRIC_KEY
 
 __all__ = [
     "STATE_FILE",

@@ -1,22 +1,11 @@
 """Sharded checkpoints on ``torch.distributed.checkpoint`` (DCP): every rank writes its DTensor shards as safetensors.
 
-A state whose params and optimizer state are ``DTensor`` shards (``fsdp="full_shard"``) is saved by
-all ranks at once with ``dcp.save`` and DCP's own ``HuggingFaceStorageWriter``
-(``save_distributed``), so the directory holds only safetensors and JSON, never a pickle:
-
-- ``sharded/shard-{rank}-model-00001-of-00001.safetensors``: rank ``rank``'s slab of every tensor
-  under the state's dotted names (``trainfold.core.tree.flatten``), the slab offsets in each file's
-  ``DCP_SHARDING_INFO`` header; a replicated tensor (counters) once, on one rank;
-- ``model.safetensors`` (+ ``config.json``) on request (``consolidate``): the full weights under the
-  model's ``state_dict`` names, for ``from_pretrained``;
-- ``trainfold.json``: the sidecar of ``trainfold.ckpt.sidecar``: every file's size and hash, each
-  shard's taken by the rank that wrote it.
-
-The directory is built by ``writer.save`` (temporary directory, marker, fsync, atomic rename):
-rank 0 renames it only after DCP has gathered every rank's finished, fsynced writes. Loading
-checks every file's hash, then DCP's ``HuggingFaceStorageReader`` and load planner reshard it
-onto the template's mesh, so a checkpoint of 2 ranks loads into 1, 3 or 4. ``Saver`` writes a
-run's checkpoints, sharded or not, synchronously or from CPU copies in a thread (``async_save``).
+A state of ``DTensor`` shards (``fsdp="full_shard"``) is saved by all ranks at once with ``dcp.save``
+and DCP's ``HuggingFaceStorageWriter`` into ``sharded/`` (one safetensors file per rank, the slab
+offsets in its header; never a pickle), with ``model.safetensors`` on request (``consolidate``, for
+``from_pretrained``). ``writer.save`` builds the directory (marker, fsync, atomic rename) and rank 0
+renames it once DCP has gathered every rank's fsynced file and hash. ``load`` checks every hash, then
+DCP's ``HuggingFaceStorageReader`` and load planner reshard onto the template's mesh (2 ranks -> 1, 3, 4).
 """
 
 from __future__ import annotations
@@ -104,11 +93,7 @@ def _failed(e: BaseException, what: str) -> BaseException:
 
 
 def _write_shards(tmp: Path, flat: dict[str, Tensor], group: Any) -> dict[str, dict[str, int]]:
-    """Write ``flat`` into ``tmp/sharded`` from every rank of ``group`` (``dcp.save``); return the files' entries.
-
-    A failure on any rank raises on every rank, naming the rank (DCP's ``CheckpointException`` is a
-    ``BaseException``: it becomes an ``OSError`` or a ``CheckpointError``).
-    """
+    """Write ``flat`` into ``tmp/sharded`` from every rank of ``group`` (``dcp.save``); return the files' entries."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -351,11 +336,8 @@ def read_index(directory: str | os.PathLike) -> dict[str, Any]:
             "checkpoint was altered; resume from an earlier checkpoint"
         )
     for name in listed:
-        path = directory / name
-        if path.is_symlink():
-            raise CheckpointError(f"{path} is a symbolic link; a checkpoint's files must be its own; copy the file in")
         try:
-            tensor_file.check(path, meta["files"][name])
+            tensor_file.check(directory / name, meta["files"][name])
         except tensor_file.TensorFileError as e:
             raise CheckpointError(f"{e} (as trainfold.json records); resume from an earlier checkpoint") from None
     try:

@@ -33,7 +33,7 @@ from trainfold.ckpt import tensor_file
 from trainfold.ckpt.atomic import Syncs, fsync_dir, mark_durable, replace_dir, write_bytes
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.layout import Layout, fingerprints, layout_of
-from trainfold.ckpt.listing import latest_checkpoint, list_checkpoints
+from trainfold.ckpt.listing import checkpoint_path, latest_checkpoint, list_checkpoints
 from trainfold.ckpt.sidecar import (
     INCOMPLETE_MARKER,
     SIDECAR_FILE,
@@ -45,7 +45,7 @@ from trainfold.ckpt.sidecar import (
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten
 
-__all__ = ["save", "mark_jit", "is_disk_full", "disk_full"]
+__all__ = ["save", "jit_checkpoint", "mark_jit", "is_disk_full", "disk_full"]
 
 _PT = {"format": "pt"}
 _MARKER_TEXT = b"trainfold is writing this checkpoint; if this file remains, the write failed.\n"
@@ -284,3 +284,21 @@ def _write_files(
     if extra_files is not None:
         extra_files(tmp)
     return files
+
+
+def jit_checkpoint(state: TrainState, output_dir: str | os.PathLike, **save_options: Any) -> Path:
+    """Save ``state`` as ``output_dir/checkpoint-{step}`` marked JIT (never rotated away); return its path.
+
+    ``save_options`` are ``writer.save``'s (model, config, metadata, settings).
+
+    >>> import tempfile, torch
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.core.state import init_state
+    >>> path = jit_checkpoint(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp())
+    >>> path.name, read_metadata(path)["jit"]
+    ('checkpoint-0', True)
+
+    A full disk raises ``OSError(ENOSPC)`` naming the checkpoint's path, the bytes it needs and the
+    previous checkpoint, which is intact (the write goes to a temporary directory that is removed).
+    """
+    return save(state, checkpoint_path(output_dir, int(state.step)), jit=True, **save_options)
