@@ -203,10 +203,11 @@ def test_each_setting_declares_on_its_field_whether_it_changes_the_trajectory():
     fields = {f.name: f.metadata.get(TRAJECTORY, True) for f in attrs.fields(TrainingArguments)}
     assert fields["logging_steps"] is False and fields["save_steps"] is False and fields["fsdp"] is False
     assert fields["max_steps"] == fields["num_train_epochs"] == "length"
-    assert fields["learning_rate"] is True and fields["gradient_accumulation_steps"] is True
+    assert fields["learning_rate"] is True and fields["gradient_accumulation_steps"] == "samples"
+    assert fields["seed"] == fields["dataloader_drop_last"] == "samples"
     settings = RunSettings.of(args_for(Path("x")), world_size=1)
     assert "logging_steps" not in settings.trajectory() and "max_steps" not in settings.trajectory()
-    assert settings.trajectory()["world_size"] == 1  # an extra setting is in the trajectory
+    assert settings.trajectory()["world_size"] == 1 and "world_size" in settings.samples  # an extra setting
     assert settings.differences({**settings.values, "logging_steps": 1, "seed": 3}) == [
         f"seed: 3 there, {settings.values['seed']!r} here"
     ]

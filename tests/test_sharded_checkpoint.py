@@ -623,7 +623,7 @@ def test_async_save_in_train_writes_the_same_checkpoints_and_rotates_after_each_
 
 
 def test_the_split_keeps_the_per_device_batch_when_it_can_and_never_grows_it():
-    from trainfold.ckpt.elastic import split_global_batch
+    from trainfold.data.global_batch import split_global_batch
 
     assert split_global_batch(16, world_size=2, per_device=4) == (4, 2)
     assert split_global_batch(16, world_size=8, per_device=4) == (2, 1)
@@ -633,7 +633,7 @@ def test_the_split_keeps_the_per_device_batch_when_it_can_and_never_grows_it():
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 12])
 def test_every_split_makes_the_global_batch(world):
-    from trainfold.ckpt.elastic import split_global_batch
+    from trainfold.data.global_batch import split_global_batch
 
     for per_device in range(1, 13):
         size, steps = split_global_batch(12, world_size=world, per_device=per_device)
@@ -642,13 +642,17 @@ def test_every_split_makes_the_global_batch(world):
 
 def test_check_compatible_takes_another_split_of_the_same_global_batch_and_names_a_different_one():
     from trainfold.ckpt.policy import check_compatible
+    from trainfold.ckpt.run_identity import RunSettings
 
-    saved = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "world_size": 2, "seed": 1}
-    check_compatible(saved, {**saved, "per_device_train_batch_size": 1, "world_size": 4})
+    def settings(world_size, **over):
+        return RunSettings.of(run_args(Path("x"), **over), world_size=world_size)
+
+    saved = settings(2).values  # 2 ranks x batch 2
+    check_compatible(saved, settings(4, per_device_train_batch_size=1))
     with pytest.raises(
         ValueError, match=r"with different settings: per_device_train_batch_size: saved 2, now 1; resume"
     ):
-        check_compatible(saved, {**saved, "per_device_train_batch_size": 1})
+        check_compatible(saved, settings(2, per_device_train_batch_size=1))
 
 
 def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(tmp_path):

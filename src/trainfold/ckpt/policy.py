@@ -17,31 +17,20 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from trainfold.ckpt import elastic
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.listing import checkpoint_path, is_complete, list_checkpoints
+from trainfold.ckpt.run_identity import RunSettings
 from trainfold.ckpt.sidecar import read_metadata
+from trainfold.data import global_batch as elastic
 from trainfold.evaluation.best import BestMetric
 
 __all__ = [
     "SAVE_STRATEGIES",
-    "RESUME_KEYS",
     "should_save",
     "rotate",
     "best_checkpoint",
     "check_compatible",
 ]
-
-# Settings that fix which samples form each optimizer step: a resume must not change them.
-RESUME_KEYS = (
-    "gradient_accumulation_steps",
-    "world_size",
-    "per_device_train_batch_size",
-    "seed",
-    "data_seed",
-    "train_sampling_strategy",
-    "dataloader_drop_last",
-)
 
 # The values of ``save_strategy`` (HF's, and "best": save when the metric improves).
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
@@ -160,28 +149,27 @@ def best_checkpoint(output_dir: str | os.PathLike, best: BestMetric) -> Path | N
 
 
 def check_compatible(
-    saved_settings: Mapping[str, Any],
-    new_settings: Mapping[str, Any],
-    *,
-    keys: Collection[str] = RESUME_KEYS,
-    source: str | os.PathLike = "the checkpoint",
+    saved_settings: Mapping[str, Any], settings: RunSettings, *, source: str | os.PathLike = "the checkpoint"
 ) -> None:
-    """Raise ``ValueError`` listing every trajectory setting (``keys``) the new run changes.
+    """Raise ``ValueError`` listing every sample-order setting (``settings.samples``) the new run changes.
 
-    Gradient accumulation, world size, batch size, seeds and sampler fix which samples make each
-    step, so an exact resume needs them unchanged; the first three may change together when their
-    product, the global batch, does not (``trainfold.ckpt.elastic``: another number of ranks). Other
-    settings (schedule, logging, saving) may differ: they come from the new run.
+    Those settings (declared ``SAMPLE_ORDER`` on their fields, and the world size) fix which samples
+    make each step, so an exact resume needs them unchanged; the batch split may change when the
+    global batch does not (``trainfold.data.global_batch``: another number of ranks). Other settings
+    (schedule, logging, saving) may differ: they come from the new run.
 
-    >>> check_compatible({"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 2, "learning_rate": 1.0})
     >>> batch = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
-    >>> check_compatible({**batch, "world_size": 2}, {**batch, "gradient_accumulation_steps": 2, "world_size": 1})
-    >>> check_compatible({"world_size": 2}, {"world_size": 4})  # doctest: +NORMALIZE_WHITESPACE
+    >>> keys = (*batch, "world_size")
+    >>> check_compatible({**batch, "world_size": 2}, RunSettings({**batch, "gradient_accumulation_steps": 2,
+    ...     "world_size": 1}, samples=keys))
+    >>> new = RunSettings({**batch, "world_size": 4}, samples=keys)
+    >>> check_compatible({**batch, "world_size": 2}, new)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
     ValueError: cannot resume from the checkpoint with different settings: world_size: saved 2, now 4;
     resume with the saved values or start a new run (warm_start)
     """
+    new_settings, keys = settings.values, settings.samples
     absent = object()
     if elastic.global_batch(saved_settings) is not None and elastic.global_batch(
         saved_settings

@@ -17,7 +17,6 @@ import attrs
 from torch import Tensor
 
 from trainfold.ckpt import sharded, tensor_file
-from trainfold.ckpt.layout import fingerprints
 from trainfold.ckpt.sidecar import (
     MODEL_FILE,
     SIDECAR_FILE,
@@ -27,6 +26,7 @@ from trainfold.ckpt.sidecar import (
     is_sharded_checkpoint,
     read_metadata,
 )
+from trainfold.core.fingerprint import fingerprints
 from trainfold.core.state import TrainState
 from trainfold.core.tree import Tree, unflatten
 

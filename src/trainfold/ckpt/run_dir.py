@@ -1,15 +1,10 @@
 """The output directory of a run: which run it holds, what to resume, and the claim that takes it.
 
-- **Resume.** ``resumable`` returns the latest complete checkpoint of this run (same fingerprint,
-  and the lineage recorded in the output_dir when there is one); checkpoints of other runs,
-  symbolic links and directories whose name and step disagree are never taken. One that fails to
-  load is ``listing.set_aside`` (renamed, kept) and the previous one is taken (``hf.resume``).
-- **Other runs.** A run into an output_dir holding another run's checkpoints is refused, naming the settings
-  that differ, unless ``overwrite_output_dir=True`` (only another run's log and run file: taken over).
-- **Claim.** ``claim`` takes the lock and removes leftovers (``trainfold.ckpt.run_lock``), decides
-  what to resume, and records the run (``trainfold.ckpt.run_identity``) in ``trainfold-run.json``.
-- **Elastic resume.** ``elastic_args`` keeps a resumed run's global batch on another number of
-  ranks (``trainfold.ckpt.elastic``).
+``claim`` takes the lock and removes leftovers (``run_lock``), decides what to resume (``resumable``:
+the latest complete checkpoint of this run's fingerprint and lineage; never another run's, a symbolic
+link, or one whose name and step disagree), refuses a fresh start among another run's checkpoints
+naming the settings that differ (unless ``overwrite_output_dir``), and records the run in
+``trainfold-run.json``. ``elastic_args`` keeps a resumed run's global batch on another number of ranks.
 """
 
 from __future__ import annotations
@@ -27,7 +22,6 @@ from typing import Any
 
 import attrs
 
-from trainfold.ckpt.elastic import BATCH_KEYS, global_batch, split_global_batch
 from trainfold.ckpt.listing import is_complete, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
 from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings, fingerprint, model_signature
@@ -35,6 +29,7 @@ from trainfold.ckpt.run_lock import lock, remove_leftovers
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, read_metadata
 from trainfold.ckpt.writer import disk_full, is_disk_full
 from trainfold.core.state import split_module
+from trainfold.data.global_batch import BATCH_KEYS, global_batch, split_global_batch
 
 __all__ = [
     "Claim",
@@ -188,7 +183,7 @@ def _explicit_source(path: Path, settings: RunSettings, fp: str) -> tuple[Path, 
     source = resume_checkpoint(path, path.parent)
     assert source is not None
     meta = read_metadata(source)
-    check_compatible(meta["settings"], settings.values, source=source)  # the sample order cannot change at all
+    check_compatible(meta["settings"], settings, source=source)  # the sample order cannot change at all
     run = meta.get("run")
     if run is not None and run["fingerprint"] == fp:
         return source, RunIdentity(run["id"], fp)
@@ -382,7 +377,7 @@ def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any
     warnings.warn(
         f"resuming a run of {saved['world_size']} ranks on {world_size}: per_device_train_batch_size "
         f"{args.per_device_train_batch_size} -> {size}, gradient_accumulation_steps {args.gradient_accumulation_steps} "
-        f"-> {steps} keep its global batch of {batch} samples per step (trainfold.ckpt.elastic)",
+        f"-> {steps} keep its global batch of {batch} samples per step (trainfold.data.global_batch)",
         UserWarning,
         stacklevel=3,
     )

@@ -1,11 +1,8 @@
-"""A run's identity: the settings that define its trajectory, their fingerprint, and the run's lineage id.
+"""A run's identity: the fingerprint of the settings and model that define its trajectory, and its lineage id.
 
-A run is defined by the settings that fix its trajectory (every setting but those whose field
-declares ``metadata=BOOKKEEPING`` or ``RUN_LENGTH``), the world size, and the model's
-parameter names, shapes and dtypes: their hash is the run's ``fingerprint``. Two processes with the
-same fingerprint are the same run; a restart after a preemption computes the same fingerprint and
-so finds its checkpoints. The run ``id`` names a lineage: it is drawn at a fresh start, inherited on
-resume, and recorded in every checkpoint's sidecar and in ``output_dir/trainfold-run.json``.
+Settings whose field declares ``metadata=BOOKKEEPING`` or ``RUN_LENGTH`` are left out; a restart
+computes the same fingerprint and so finds its checkpoints. The ``id`` names a lineage: drawn at a
+fresh start, inherited on resume, recorded in every sidecar and in ``output_dir/trainfold-run.json``.
 
 >>> RunIdentity("ab12", "f00d").as_dict()
 {'id': 'ab12', 'fingerprint': 'f00d'}
@@ -22,13 +19,14 @@ from typing import Any
 
 import attrs
 
-from trainfold.ckpt.elastic import BATCH_KEYS, global_batch
+from trainfold.data.global_batch import BATCH_KEYS, global_batch
 
 __all__ = [
     "RUN_FILE",
     "TRAJECTORY",
     "BOOKKEEPING",
     "RUN_LENGTH",
+    "SAMPLE_ORDER",
     "RunSettings",
     "RunIdentity",
     "fingerprint",
@@ -41,6 +39,7 @@ RUN_FILE = "trainfold-run.json"  # in the output_dir: the run that owns it (trai
 TRAJECTORY = "trajectory"  # the metadata key; absent or True: the setting is part of the trajectory
 BOOKKEEPING = {TRAJECTORY: False}  # where and how often a run logs, saves, evaluates, loads data: not its states
 RUN_LENGTH = {TRAJECTORY: "length"}  # how long it goes on: a run can be continued (HF's larger max_steps)
+SAMPLE_ORDER = {TRAJECTORY: "samples"}  # which samples form each step (seed, batch, sampler): no resume changes it
 
 
 @attrs.frozen
@@ -48,8 +47,8 @@ class RunSettings:
     """A run's settings by name, and which of them its record's fields declare outside the trajectory.
 
     ``of(record)`` reads an attrs record (``TrainingArguments``) generically: every field's value,
-    and its ``metadata`` (``BOOKKEEPING``, ``RUN_LENGTH``); a plain mapping has every setting in the
-    trajectory. The batch enters the fingerprint as the global batch (``trainfold.ckpt.elastic``).
+    and its ``metadata`` (``BOOKKEEPING``, ``RUN_LENGTH``, ``SAMPLE_ORDER``); a plain mapping has every
+    setting in the trajectory. The batch enters the fingerprint as the global batch (``trainfold.data.global_batch``).
 
     >>> @attrs.frozen
     ... class Args:
@@ -65,17 +64,19 @@ class RunSettings:
     values: dict[str, Any]
     bookkeeping: frozenset[str] = frozenset()
     length: tuple[str, ...] = ()
+    samples: tuple[str, ...] = ()  # the sample-order settings (``SAMPLE_ORDER``) and the extra ones (world size)
 
     @classmethod
     def of(cls, record: Any, **extra: Any) -> RunSettings:
         """Read ``record``'s settings (an attrs instance, or a mapping), plus ``extra`` ones (``world_size``)."""
         if isinstance(record, Mapping):
-            return cls({**record, **extra})
+            return cls({**record, **extra}, samples=tuple(extra))
         fields = attrs.fields(type(record))
         values = record.to_dict() if hasattr(record, "to_dict") else attrs.asdict(record)
         bookkeeping = frozenset(f.name for f in fields if f.metadata.get(TRAJECTORY) is False)
         length = tuple(f.name for f in fields if f.metadata.get(TRAJECTORY) == "length")
-        return cls({**values, **extra}, bookkeeping, length)
+        samples = tuple(f.name for f in fields if f.metadata.get(TRAJECTORY) == "samples") + tuple(extra)
+        return cls({**values, **extra}, bookkeeping, length, samples)
 
     def trajectory(self, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Return the trajectory settings of these, or of ``settings`` (another run's, judged by these fields)."""

@@ -1,18 +1,11 @@
-"""Writing a checkpoint: a state's files into a hidden directory, renamed atomically into place, fsynced.
+"""Writing a checkpoint: its files into a hidden directory under a marker, fsynced, renamed into place.
 
-The directory holds ``checkpoint-is-incomplete.txt`` while files are written; the marker is
-removed and the directory is renamed into place with ``os.replace`` (one already there is moved
-aside first: ``atomic.replace_dir``). Each file's hash is computed as it is written. Nothing is
-pickled. When the files reach the disk is the caller's choice:
-
-- blocking (``syncs=None``, the default of ``save``): every file and directory is fsynced before
-  the rename, so the checkpoint is durable when ``save`` returns;
-- visible first, durable after (``syncs=atomic.Syncs()``, what ``train`` does): the files are
-  written without waiting for the disk, the directory is renamed into place, and a thread of
-  ``syncs`` fsyncs files, directory and parent, then calls ``on_durable`` (rotation). A killed
-  process loses nothing (the page cache outlives it); a machine crash before the fsyncs end may
-  leave the newest checkpoint truncated or corrupt, which its sizes and hashes catch on load
-  (``resume_from_checkpoint=True`` then sets it aside and resumes the previous one).
+Each file's hash is taken as it is written; nothing is pickled. Blocking (``syncs=None``, ``save``'s
+default): every file and directory is fsynced before the ``os.replace``, so the checkpoint is durable
+when ``save`` returns. Visible first (``syncs=atomic.Syncs()``, what ``train`` does): a thread fsyncs
+after the rename, then calls ``on_durable`` (rotation); a killed process loses nothing, and a machine
+crash before the fsyncs end leaves a torn checkpoint that its sizes and hashes catch on load (a resume
+then sets it aside and takes the previous one).
 """
 
 from __future__ import annotations
@@ -32,7 +25,7 @@ from torch import Tensor, nn
 from trainfold.ckpt import tensor_file
 from trainfold.ckpt.atomic import Syncs, fsync_dir, mark_durable, replace_dir, write_bytes
 from trainfold.ckpt.faults import point
-from trainfold.ckpt.layout import Layout, fingerprints, layout_of
+from trainfold.ckpt.layout import Layout, layout_of
 from trainfold.ckpt.listing import checkpoint_path, latest_checkpoint, list_checkpoints
 from trainfold.ckpt.sidecar import (
     INCOMPLETE_MARKER,
@@ -42,6 +35,7 @@ from trainfold.ckpt.sidecar import (
     read_metadata,
     sidecar_bytes,
 )
+from trainfold.core.fingerprint import fingerprints
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten
 

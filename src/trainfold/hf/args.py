@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 
 from trainfold.ckpt.policy import SAVE_STRATEGIES
-from trainfold.ckpt.run_identity import BOOKKEEPING, RUN_LENGTH
+from trainfold.ckpt.run_identity import BOOKKEEPING, RUN_LENGTH, SAMPLE_ORDER
 from trainfold.data.samplers import STRATEGIES as SAMPLING_STRATEGIES
 from trainfold.evaluation.schedule import EVAL_STRATEGIES
 from trainfold.hf.args_checks import problems
@@ -54,6 +54,7 @@ class TrainingArguments:
     A setting that does not change which states a run goes through (logging, saving, evaluation,
     data-loader plumbing) says so on its field (``metadata=BOOKKEEPING``; ``RUN_LENGTH`` for
     ``max_steps``/``num_train_epochs``): the run's fingerprint leaves it out (``trainfold.ckpt.run_identity``).
+    One that fixes which samples form each step says ``metadata=SAMPLE_ORDER``: no resume may change it.
 
     >>> args = TrainingArguments(max_steps=5)
     >>> args.replace(learning_rate=1e-3).learning_rate, TrainingArguments.from_dict({"max_steps": 3}).max_steps
@@ -71,9 +72,9 @@ class TrainingArguments:
     overwrite_output_dir: bool = attrs.field(default=False, metadata=BOOKKEEPING)
     num_train_epochs: float = attrs.field(default=3.0, metadata=RUN_LENGTH)
     max_steps: int = attrs.field(default=-1, metadata=RUN_LENGTH)
-    per_device_train_batch_size: int = 8
+    per_device_train_batch_size: int = attrs.field(default=8, metadata=SAMPLE_ORDER)
     per_device_eval_batch_size: int = attrs.field(default=8, metadata=BOOKKEEPING)
-    gradient_accumulation_steps: int = 1
+    gradient_accumulation_steps: int = attrs.field(default=1, metadata=SAMPLE_ORDER)
     learning_rate: float = 5e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -85,9 +86,9 @@ class TrainingArguments:
     lr_scheduler_type: str = "linear"
     lr_scheduler_kwargs: dict[str, Any] | None = None
     warmup_steps: float = 0
-    seed: int = 42
-    data_seed: int | None = None
-    train_sampling_strategy: str = "random"
+    seed: int = attrs.field(default=42, metadata=SAMPLE_ORDER)
+    data_seed: int | None = attrs.field(default=None, metadata=SAMPLE_ORDER)
+    train_sampling_strategy: str = attrs.field(default="random", metadata=SAMPLE_ORDER)
     length_column_name: str = "length"
     model_input_name: str = "input_ids"
     eval_strategy: str = attrs.field(default="no", metadata=BOOKKEEPING)
@@ -100,7 +101,7 @@ class TrainingArguments:
     dataloader_persistent_workers: bool = attrs.field(default=False, metadata=BOOKKEEPING)
     dataloader_prefetch_factor: int | None = attrs.field(default=None, metadata=BOOKKEEPING)
     dataloader_pin_memory: bool = attrs.field(default=True, metadata=BOOKKEEPING)
-    dataloader_drop_last: bool = False
+    dataloader_drop_last: bool = attrs.field(default=False, metadata=SAMPLE_ORDER)
     remove_unused_columns: bool = True
     label_names: tuple[str, ...] = ("labels",)
     neftune_noise_alpha: float | None = None
