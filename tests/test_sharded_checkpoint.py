@@ -527,6 +527,9 @@ def test_corruption_of_a_shard_is_detected_by_name(ranks, tmp_path):
     with pytest.raises(ckpt.CheckpointError, match=r"shard-00002-model-00001-of-00001.safetensors is truncated"):
         ckpt.load(path, like=like)
     assert not ckpt.is_complete(path)
+    shutil.copy(path / shard_file(0, 2), path / ckpt.SHARD_DIR / "extra.safetensors")  # DCP's reader would read it
+    with pytest.raises(ckpt.CheckpointError, match=r"sharded holds .*extra.safetensors.*, but .* lists"):
+        sc.read_index(path)
 
 
 @pytest.mark.slow  # the torchrun launches of the ranks fixture

@@ -109,24 +109,10 @@ def sidecar_bytes(sidecar: Mapping[str, Any]) -> bytes:
 
 
 _FIX = "the sidecar is damaged or was not written by trainfold; resume from another checkpoint"
-_TOP = {
-    "format",
-    "format_version",
-    "library_version",
-    "step",
-    "epoch",
-    "cursor",
-    "save_only_model",
-    "jit",
-    "metadata",
-    "settings",
-    "run",
-    "tensors",
-    "frozen",
-    "files",
-    "checksum",
-}
 _SINCE = {"run": 2, "checksum": 2, "tensors": 3, "frozen": 3}  # fields a format before these lacks
+
+
+_TOP = {*new_sidecar(step=0, cursor=(0, 0), files={}), "checksum"}  # every field of the format
 
 
 def _is_int(value: Any) -> bool:
