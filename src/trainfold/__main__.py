@@ -192,7 +192,7 @@ def _train(argv: list[str]) -> int:
 
 def _exit_status(result: Any) -> int:
     """Return the process's exit status for a run's result: 3 diverged, 130/143 preempted by SIGINT/SIGTERM, else 0."""
-    from trainfold.ckpt.preempt import exit_status
+    from trainfold.core.preempt import exit_status
     from trainfold.observe.divergence import DIVERGED, EXIT_DIVERGED
 
     return EXIT_DIVERGED if result.status == DIVERGED else exit_status(result.status, result.signal)
@@ -284,7 +284,7 @@ def _exit_on_signals() -> dict[int, Any]:
     The command's module imports nothing heavy at its top, so this is in place within milliseconds of the
     start: a signal during the imports (a few seconds with torch), the setup or after the run (its
     teardown) ends the job the way a scheduler expects, never by the bare signal (-15); ``train``'s own
-    guard takes the signals over while it runs. ``trainfold.ckpt.preempt.exit_on_signals`` is the same
+    guard takes the signals over while it runs. ``trainfold.core.preempt.exit_on_signals`` is the same
     for a script that has imported the layers already.
     """
     return {s: signal.signal(s, _leave) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -13,6 +13,7 @@ import torch
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.listing import set_aside
+from trainfold.ckpt.run_identity import RunSettings
 from trainfold.ckpt.sharded import is_sharded
 from trainfold.core.moved import moved_names
 from trainfold.core.state import TrainState, init_state, lend
@@ -53,13 +54,19 @@ def initial_state(plan: Plan) -> TrainState:
     return state
 
 
+def run_settings(plan: Plan) -> RunSettings:
+    """Return the run's settings as its checkpoints judge them (each field's trajectory metadata, the world size)."""
+    return RunSettings.of(plan.args, world_size=plan.settings["world_size"])
+
+
 def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str | os.PathLike | None) -> Any:
     """Claim the run's output_dir (``ckpt.run_dir.claim``): its lock, and the checkpoint a resume starts from."""
+    settings = run_settings(plan)
     return run_dir.claim(
         plan.args.output_dir,
         resume_from_checkpoint,
-        plan.settings,
-        run_dir.fingerprint(plan.settings, run_dir.model_signature(state)),
+        settings,
+        run_dir.fingerprint(settings, run_dir.model_signature(state)),
         overwrite_output_dir=plan.args.overwrite_output_dir,
         writer=plan.is_writer,
     )
@@ -89,7 +96,7 @@ def _load(plan: Plan, claim: Any, state: TrainState) -> tuple[TrainState, Any, d
             meta = None  # the load names what is wrong
         if meta is not None:  # a checkpoint of another run, or another model: refused, never set aside
             run_dir.check_step(meta, source, plan.schedule.total_steps)
-            policy.check_compatible(meta.get("settings", {}), plan.settings, source=source)
+            policy.check_compatible(meta.get("settings", {}), run_settings(plan), source=source)
         try:
             loaded = ckpt.load(source, like=state)
         except (ckpt.CheckpointError, FileNotFoundError) as e:
@@ -118,7 +125,7 @@ def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_st
         if weights_only_warm_start:
             meta = ckpt.read_metadata(source)
             run_dir.check_step(meta, source, plan.schedule.total_steps)
-            policy.check_compatible(meta.get("settings", {}), plan.settings, source=source)
+            policy.check_compatible(meta.get("settings", {}), run_settings(plan), source=source)
             state = ckpt.warm_start(source, like=state)
         else:
             state, source, meta = _load(plan, claim, state)

@@ -17,10 +17,11 @@ import attrs
 
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
-from trainfold.ckpt.preempt import jit_checkpoint
 from trainfold.ckpt.sharded import Saver
+from trainfold.ckpt.writer import jit_checkpoint
 from trainfold.core.moved import moved_names
 from trainfold.core.state import TrainState
+from trainfold.evaluation import best as best_metric
 from trainfold.hf import callbacks as hf_callbacks
 from trainfold.hf.extras import BEST
 from trainfold.hf.plan import Plan
@@ -93,7 +94,7 @@ def record_eval(
                 f"{sorted(metrics)}; name one of them (without or with the 'eval_' prefix)"
                 + ("; with a dict eval_dataset each set's metrics are named eval_{name}_*" if named else "")
             )
-        best, new_best = policy.update_best(state.extras[BEST], metrics[key], int(state.step))
+        best, new_best = best_metric.update_best(state.extras[BEST], metrics[key], int(state.step))
         state = attrs.evolve(state, extras={**state.extras, BEST: best})
     if run.plan.early is not None:
         state = record_evaluation(run.plan.early, state, metrics)
@@ -106,7 +107,7 @@ def evaluate_and_record(run: Run, state: TrainState, *, track: bool = True) -> t
 
 
 def _save_options(run: Run, state: TrainState) -> dict[str, Any]:
-    best: policy.BestMetric | None = state.extras.get(BEST)
+    best: best_metric.BestMetric | None = state.extras.get(BEST)
     if run.plan.is_writer:  # the sidecar is rank 0's (the other ranks of a sharded save write their shards)
         run.history.sync()  # the entries the sidecar's offset covers are on disk first
     shown = None if best is None or int(best.step) < 0 else best  # none yet
@@ -147,7 +148,7 @@ def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
         if run.all_ranks_save:
             return run.saver.save(state, path, jit=True, wait=True, **options)
         return jit_checkpoint(state, output_dir, **options)
-    best: policy.BestMetric | None = state.extras.get(BEST)
+    best: best_metric.BestMetric | None = state.extras.get(BEST)
     keep = [path]
     if best is not None and int(best.step) >= 0:
         keep.append(ckpt.checkpoint_path(output_dir, int(best.step)))

@@ -57,11 +57,11 @@ from torch import nn
 
 from trainfold import ckpt
 from trainfold.ckpt import policy
-from trainfold.ckpt.preempt import JIT_SIGNALS, guarded, preemption_guard
 from trainfold.ckpt.sharded import Saver, is_sharded
 from trainfold.core.collective import Collective
 from trainfold.core.determinism import warm_up_kernels
 from trainfold.core.fold import trajectory
+from trainfold.core.preempt import JIT_SIGNALS, guarded, preemption_guard
 from trainfold.core.state import TrainState, counters
 from trainfold.data import StateStream, stream
 from trainfold.distributed.distributed import joins_torchrun

@@ -1,4 +1,6 @@
-"""Elastic resume: a checkpoint of N ranks resumes on M, keeping the global batch and the sample order.
+"""The global batch: the samples of one optimizer step, and its split over ranks and micro-batches.
+
+A checkpoint of N ranks resumes on M (elastic resume) by keeping it.
 
 Which samples form optimizer step ``s`` depends only on the seed, the epoch and the global batch
 ``per_device_train_batch_size × gradient_accumulation_steps × world_size`` (``samplers``): the
