@@ -174,7 +174,7 @@ def check_compatible(
     if elastic.global_batch(saved_settings) is not None and elastic.global_batch(
         saved_settings
     ) == elastic.global_batch(new_settings):
-        keys = [k for k in keys if k not in elastic.BATCH_KEYS]  # the same samples per step, split otherwise
+        keys = tuple(k for k in keys if k not in elastic.BATCH_KEYS)  # the same samples per step, split otherwise
     diffs = [
         f"{k}: saved {saved_settings.get(k, 'unset')!r}, now {new_settings.get(k, 'unset')!r}"
         for k in keys

@@ -304,18 +304,15 @@ class Saver:
         return path if path is not None or not durable else durable[-1]
 
 
-# -- loading ---------------------------------------------------------------------------------------
-
-
 def _tensors_of(directory: Path) -> dict[str, dict[str, Any]]:
     """Return ``{key: {"dtype", "shape", "chunks": [{"file", "offsets", "sizes"}]}}`` from the shard files' headers."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, TensorStorageMetadata
 
     md = HuggingFaceStorageReader(str(directory / SHARD_DIR)).read_metadata()
-    out = {
-        k: {"dtype": str(m.properties.dtype).removeprefix("torch."), "shape": list(m.size), "chunks": []}
-        for k, m in md.state_dict_metadata.items()
-    }
+    out: dict[str, dict[str, Any]] = {}
+    for k, m in md.state_dict_metadata.items():
+        assert isinstance(m, TensorStorageMetadata)  # a state holds only tensors
+        out[k] = {"dtype": str(m.properties.dtype).removeprefix("torch."), "shape": list(m.size), "chunks": []}
     for index, info in md.storage_data.items():
         chunk = {"file": f"{SHARD_DIR}/{Path(info.relative_path).name}", "offsets": list(index.offset or [])}
         out[index.fqn]["chunks"].append({**chunk, "sizes": list(info.shape)})
