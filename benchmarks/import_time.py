@@ -16,8 +16,8 @@ counts), before = the eager ``__init__`` of commit 20a02df:
 | the functional core (`TrainState`, `adamw`, `fit`, `init_state`, `make_step`) | +2.76 s | -0.03 s | 131 / 33 |
 | `from trainfold import train` | +3.89 s | +3.02 s | 131 / 112 |
 
-``train`` still loads DTensor (``trainfold.hf`` imports ``trainfold.step.sharded`` at top level, ~1.3 s of
-``torch.distributed.tensor``) and ``transformers``-free but sympy-heavy parts of torch.
+``train`` loads ``transformers``-free but sympy-heavy parts of torch (DTensor and FSDP2 load only when a run
+shards: ``trainfold.step.fsdp`` imports them lazily).
 """
 
 from __future__ import annotations

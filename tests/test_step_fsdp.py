@@ -121,17 +121,34 @@ def test_a_fully_shard_model_needs_a_lent_donated_state(one_rank):
         step(init_state(wrapped, opt, copy=False), micro_batches(0, 0))
 
 
-def test_train_refuses_a_fully_shard_module_by_name(one_rank, tmp_path):
-    from torch.distributed.fsdp import fully_shard
+def test_train_takes_a_user_wrapped_fully_shard_module_and_trains_it_as_the_unwrapped_one(one_rank, tmp_path):
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from trainfold import TrainingArguments, train
 
-    wrapped = model()
+    wrapped, plain = model(), model()
+    for block in wrapped.blocks:
+        fully_shard(block, mesh=one_rank)
     fully_shard(wrapped, mesh=one_rank)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none", disable_tqdm=True)
-    rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 4
-    with pytest.raises(TypeError, match=r"train\(\) does not take a module wrapped with fully_shard yet"):
-        train(wrapped, args, rows)
+    rows = [{"input_ids": [1, 2, 3, i], "labels": [1, 2, 3, i]} for i in range(8)]
+
+    def args(name: str) -> TrainingArguments:
+        return TrainingArguments(
+            output_dir=str(tmp_path / name),
+            max_steps=2,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            report_to="none",
+            disable_tqdm=True,
+            save_strategy="no",
+            learning_rate=1e-2,
+        )
+
+    sharded, alone = train(wrapped, args("wrapped"), rows), train(plain, args("plain"), rows)
+    assert isinstance(wrapped, FSDPModule) and all(sharded.state.params[k] is p for k, p in wrapped.named_parameters())
+    for k, p in plain.named_parameters():
+        assert torch.equal(dict(wrapped.named_parameters())[k].full_tensor(), p), k
+    assert [h["loss"] for h in sharded.log_history[:-1]] == [h["loss"] for h in alone.log_history[:-1]]
 
 
 if __name__ == "__main__":

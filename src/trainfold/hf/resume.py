@@ -15,12 +15,11 @@ from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.listing import set_aside
 from trainfold.ckpt.sharded import is_sharded
 from trainfold.core.state import TrainState, init_state, lend
-from trainfold.core.tree import map_tensors
+from trainfold.core.tree import flatten, map_tensors, unflatten
 from trainfold.data import close_loader
 from trainfold.hf.plan import Plan
 from trainfold.observe import history as log_file
 from trainfold.observe.observers import MetricWindow
-from trainfold.step import sharded
 
 __all__ = ["initial_state", "on_device", "claim_for", "Start", "start"]
 
@@ -36,7 +35,8 @@ def on_device(opt_state: Any, device: torch.device) -> Any:
 
 
 def initial_state(plan: Plan) -> TrainState:
-    """Return the run's first state: the module's own tensors lent (one copy), on the device, sharded if planned."""
+    """Return the run's first state: the module's own tensors lent (one copy), on the device (a ``fully_shard``
+    module's: its DTensor shards, and optimizer state of the same layout)."""
     state = init_state(plan.model, plan.optimizer, seed=plan.args.seed, extras=plan.extras, copy=False)
     if plan.device.type != "cpu":
         device = plan.device
@@ -46,8 +46,6 @@ def initial_state(plan: Plan) -> TrainState:
             buffers={k: v.to(device) for k, v in state.buffers.items()},
             opt_state=on_device(state.opt_state, device),
         )
-    if plan.sharding is not None:  # before the resume: a sharded checkpoint loads each rank's slab only
-        state = sharded.shard_state(state, plan.sharding.mesh)
     return state
 
 
@@ -111,7 +109,7 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
 
     What the run opens is closed when the claim is released: the log history, the eval loaders' workers.
     """
-    source, window, meta = claim.source, MetricWindow(), None
+    source, window, meta, begin_state = claim.source, MetricWindow(), None, state
     if source is not None:
         if weights_only_warm_start:
             meta = ckpt.read_metadata(source)
@@ -122,7 +120,9 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
             state, source, meta = _load(plan, claim, state)
             if "window" in meta["metadata"]:
                 log_file.restore_window(window, meta["metadata"]["window"], source)
-        if not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
+        if plan.sharding is not None:  # a fully_shard module: the loaded tensors go into its DTensor shards
+            state = lend_sharded(plan.model, state, like=begin_state)
+        elif not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
             state = lend(plan.model, state)
     resumed = source is not None and not weights_only_warm_start
     history = log_file.start(
@@ -133,9 +133,29 @@ def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start:
     )
     if isinstance(history, log_file.HistoryFile):
         claim.on_release(history.close)
-    if plan.sharding is not None:  # a replicated checkpoint resumed sharded: its tensors are distributed
-        state = sharded.shard_state(state, plan.sharding.mesh)
     for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
         claim.on_release(functools.partial(close_loader, eval_set.loader))
     Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
     return Start(state, window, history, source)
+
+
+def lend_sharded(model: torch.nn.Module, state: TrainState, *, like: TrainState) -> TrainState:
+    """Return the loaded ``state`` laid out as ``like`` (a ``fully_shard`` module's lent state) on the module's
+    own DTensor params: each loaded value is copied into them; a full tensor (a checkpoint of one process, or of
+    a replicated run) is first cut to this rank's shard of ``like``'s placement."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def fit(value: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
+        if isinstance(template, DTensor) and not isinstance(value, DTensor):  # every rank holds the whole tensor
+            value = distribute_tensor(value, template.device_mesh, template.placements, src_data_rank=None)
+        return value
+
+    templates = flatten(like)
+    flat = {k: fit(v, templates[k]) if k in templates else v for k, v in flatten(state).items()}
+    state = unflatten(flat, like=state)
+    own = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state.params.items():
+            if own[name] is not value:
+                own[name].copy_(value)
+    return attrs.evolve(state, params={name: own[name] for name in state.params})
