@@ -151,5 +151,24 @@ def test_train_takes_a_user_wrapped_fully_shard_module_and_trains_it_as_the_unwr
     assert [h["loss"] for h in sharded.log_history[:-1]] == [h["loss"] for h in alone.log_history[:-1]]
 
 
+@pytest.mark.parametrize("reshard", [True, False])
+def test_full_shard_options_reach_fully_shard(one_rank, reshard):
+    from torch.distributed.tensor import DTensor
+
+    from trainfold.step.fsdp import FullShard, fully_shard_model
+
+    net = fully_shard_model(model(), one_rank, FullShard(reshard_after_forward=reshard, param_dtype=torch.bfloat16))
+    seen = []
+    net.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(next(m.parameters()).dtype))
+    ids = torch.randint(0, 64, (2, 8))
+    net(input_ids=ids).sum()  # a forward that will be followed by a backward (autograd on)
+    assert seen == [torch.bfloat16]  # MixedPrecisionPolicy(param_dtype=bf16): the gathered params are bf16
+    assert isinstance(next(net.blocks[0].parameters()), DTensor) == reshard  # resharded after forward, or kept
+    if reshard:  # the shards (the state's params) stay fp32
+        assert all(p.dtype == torch.float32 for p in net.blocks[0].parameters())
+    with pytest.raises(ValueError, match=r"this run is on the CPU already \(a 'cpu' mesh\): drop 'offload'"):
+        fully_shard_model(model(), one_rank, FullShard(offload=True))
+
+
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))

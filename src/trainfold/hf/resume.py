@@ -20,6 +20,7 @@ from trainfold.data import close_loader
 from trainfold.hf.plan import Plan
 from trainfold.observe import history as log_file
 from trainfold.observe.observers import MetricWindow
+from trainfold.step.fsdp import placed_like
 
 __all__ = ["initial_state", "on_device", "claim_for", "Start", "start"]
 
@@ -143,15 +144,8 @@ def lend_sharded(model: torch.nn.Module, state: TrainState, *, like: TrainState)
     """Return the loaded ``state`` laid out as ``like`` (a ``fully_shard`` module's lent state) on the module's
     own DTensor params: each loaded value is copied into them; a full tensor (a checkpoint of one process, or of
     a replicated run) is first cut to this rank's shard of ``like``'s placement."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    def fit(value: torch.Tensor, template: torch.Tensor) -> torch.Tensor:
-        if isinstance(template, DTensor) and not isinstance(value, DTensor):  # every rank holds the whole tensor
-            value = distribute_tensor(value, template.device_mesh, template.placements, src_data_rank=None)
-        return value
-
-    templates = flatten(like)
-    flat = {k: fit(v, templates[k]) if k in templates else v for k, v in flatten(state).items()}
+    templates = flatten(like)  # a full tensor where the template has a shard: every rank holds the whole tensor
+    flat = {k: placed_like(v, templates[k]) if k in templates else v for k, v in flatten(state).items()}
     state = unflatten(flat, like=state)
     own = dict(model.named_parameters())
     with torch.no_grad():

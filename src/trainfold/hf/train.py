@@ -53,7 +53,7 @@ from typing import Any
 
 import attrs
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from trainfold import ckpt
 from trainfold.ckpt import policy
@@ -85,6 +85,7 @@ from trainfold.observe.reporters import make_reporters
 from trainfold.observe.reporters import progress as make_progress
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.optim import GradientTransformation
+from trainfold.step.fsdp import placed_like
 
 _log = logging.getLogger(__name__)
 
@@ -168,7 +169,7 @@ class TrainResult:
         with torch.no_grad():
             for name, target in targets:
                 if tensors[name] is not target:  # a lent tensor already is the module's own
-                    target.copy_(_placed_like(tensors[name], target))
+                    target.copy_(placed_like(tensors[name], target))
         return model
 
 
@@ -388,16 +389,3 @@ def _ending(plan: Plan, ended: _Ended) -> TrainResult:
     _log.info("training %s at step %d (%s)", result.status, result.global_step, plan.args.output_dir)
     result.apply_to(plan.model)  # as HF: the module ends with the final (or best) weights; lent ones are there
     return result
-
-
-def _placed_like(value: Tensor, target: Tensor) -> Tensor:
-    """Return ``value`` as ``target`` holds it: a DTensor's full tensor for a plain target (every rank: a
-    collective), a plain tensor cut to a DTensor target's shard (each rank its own)."""
-    value_sharded, target_sharded = hasattr(value, "full_tensor"), hasattr(target, "full_tensor")
-    if value_sharded and not target_sharded:
-        return value.full_tensor()
-    if target_sharded and not value_sharded:
-        from torch.distributed.tensor import distribute_tensor
-
-        return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
-    return value

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from trainfold.core.forward import Batch, Forward, make_forward, training_flags
 from trainfold.core.state import TrainState
 from trainfold.core.tree import global_norm
+from trainfold.distributed.distributed import failure_of
 from trainfold.step.amp import SCALER, ScalerState, unscale_, updated
 from trainfold.step.data_parallel import DataParallel, engine_for
 from trainfold.step.driver import (
@@ -52,7 +53,20 @@ def eager_step(plan: StepPlan) -> Callable[..., TrainState]:
     """
     fsdp = summing(plan.model)  # FSDP2 sums (not averages) its reduce-scattered gradients
     engine = None if fsdp else engine_for(plan.collective, plan.model)  # DDP across ranks, for lent states
-    step = with_donation(lambda state, batch, donate: _step(plan, state, batch, donate, engine, fsdp))
+    world = getattr(plan.collective, "world_size", 1)
+
+    def run(state: TrainState, batch: Batch, donate: bool) -> TrainState:
+        try:
+            return _step(plan, state, batch, donate, engine, fsdp)
+        except Exception as exc:  # another rank's error (DDP's or FSDP's collective lost it), named here; ours,
+            if world < 2:  # recorded for the others
+                raise
+            failure = failure_of(exc, plan.collective.rank, world)  # type: ignore[union-attr]
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    step = with_donation(run)
     step.plan = plan  # type: ignore[attr-defined]
     step.engine = engine  # type: ignore[attr-defined]
     return step

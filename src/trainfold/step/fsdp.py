@@ -22,7 +22,7 @@ FullShard(layer_classes=(), reshard_after_forward=False, offload=True, param_dty
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -33,7 +33,16 @@ from torch import nn
 from trainfold.step.plan import is_fully_sharded
 from trainfold.step.recompute import checkpoint_blocks
 
-__all__ = ["FullShard", "FSDP_OPTIONS", "FSDP_CONFIG_KEYS", "make_mesh", "layer_blocks", "fully_shard_model"]
+__all__ = [
+    "FullShard",
+    "FSDP_OPTIONS",
+    "FSDP_CONFIG_KEYS",
+    "make_mesh",
+    "layer_blocks",
+    "fully_shard_model",
+    "placed_like",
+    "refuse_engine_options",
+]
 
 # fsdp= words trainfold does exactly with fully_shard ("auto_wrap": it wraps per block anyway)
 FSDP_OPTIONS = ("full_shard", "auto_wrap", "offload")
@@ -163,6 +172,11 @@ def fully_shard_model(model: nn.Module, mesh: Any, spec: FullShard = FullShard()
 
     if is_fully_sharded(model):
         return model
+    if spec.offload and mesh.device_type == "cpu":
+        raise ValueError(
+            "fsdp offload (CPUOffloadPolicy) keeps params on the CPU between their uses on an accelerator; this run "
+            "is on the CPU already (a 'cpu' mesh): drop 'offload'"
+        )
     options: dict[str, Any] = dict(
         mesh=mesh,
         reshard_after_forward=spec.reshard_after_forward,
@@ -213,8 +227,39 @@ def _set_sync(model: nn.Module, sync: bool) -> None:
         module.set_requires_gradient_sync(sync, recurse=True)
 
 
-def dtensors(tree: Mapping[str, Any]) -> Iterator[Any]:
-    """Yield the DTensors among ``tree``'s values."""
-    from torch.distributed.tensor import DTensor
+def placed_like(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Return ``value`` laid out as ``target``: a DTensor's full tensor for a plain target (a collective: every
+    rank calls it), a plain tensor cut to a DTensor target's placement (each rank its own part of the whole
+    tensor it holds), else ``value``.
 
-    return (v for v in tree.values() if isinstance(v, DTensor))
+    >>> placed_like(torch.ones(2), torch.zeros(2)).tolist()
+    [1.0, 1.0]
+    """
+    if hasattr(value, "full_tensor") and not hasattr(target, "full_tensor"):
+        return value.full_tensor()
+    if hasattr(target, "full_tensor") and not hasattr(value, "full_tensor"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(value, target.device_mesh, target.placements, src_data_rank=None)
+    return value
+
+
+def refuse_engine_options(model: nn.Module, *, sharding: Any = None, compile: Any = False) -> None:
+    """Raise ``TypeError`` for ``make_step(sharding=...)`` (shard with ``fully_shard`` instead) and for ``compile``
+    with a ``fully_shard`` module, each naming the fix.
+
+    >>> refuse_engine_options(torch.nn.Linear(2, 2), compile=True) is None
+    True
+    """
+    if sharding is not None:
+        raise TypeError(
+            f"make_step(sharding={sharding!r}) is not taken: shard with torch's FSDP2 instead: wrap the module "
+            "with torch.distributed.fsdp.fully_shard per block, then the root "
+            "(trainfold.step.fsdp.fully_shard_model(model, mesh)), make a lent state (init_state(model, "
+            "optimizer, copy=False)) and step it donated (step(state, batch, donate=True); fit and train donate)"
+        )
+    if compile and is_fully_sharded(model):
+        raise TypeError(
+            f"compile={compile!r} with a fully_shard (FSDP2) module is not supported: the compiled step traces "
+            "the pure path, which cannot run FSDP's hooks; drop compile (torch_compile) for a sharded run"
+        )

@@ -16,7 +16,8 @@ from trainfold.step.amp import LossScaling
 from trainfold.step.compiled import compile_step, refuse_uncompilable
 from trainfold.step.differentiable import check_differentiable, differentiable_step
 from trainfold.step.eager import eager_step
-from trainfold.step.plan import is_fully_sharded, step_plan
+from trainfold.step.fsdp import refuse_engine_options
+from trainfold.step.plan import step_plan
 
 __all__ = ["make_step"]
 
@@ -66,18 +67,7 @@ def make_step(
     check_differentiable(differentiable, optimizer, gradient_checkpointing=gradient_checkpointing, **options)
     settings = dict(objective=objective, count_items=count_items, label_key=label_key, collective=collective)
     precision = dict(autocast=autocast, gradient_checkpointing=gradient_checkpointing, loss_scaling=loss_scaling)
-    if sharding is not None:
-        raise TypeError(
-            f"make_step(sharding={sharding!r}) is not taken: shard with torch's FSDP2 instead: wrap the module "
-            "with torch.distributed.fsdp.fully_shard per block, then the root "
-            "(trainfold.step.fsdp.fully_shard_model(model, mesh)), make a lent state (init_state(model, "
-            "optimizer, copy=False)) and step it donated (step(state, batch, donate=True); fit and train donate)"
-        )
-    if compile and is_fully_sharded(model):
-        raise TypeError(
-            f"compile={compile!r} with a fully_shard (FSDP2) module is not supported: the compiled step traces "
-            "the pure path, which cannot run FSDP's hooks; drop compile (torch_compile) for a sharded run"
-        )
+    refuse_engine_options(model, sharding=sharding, compile=compile)
     plan = step_plan(model, loss, optimizer, **settings, **precision)
     if compile:
         refuse_uncompilable(plan)
