@@ -170,5 +170,26 @@ def test_full_shard_options_reach_fully_shard(one_rank, reshard):
         fully_shard_model(model(), one_rank, FullShard(offload=True))
 
 
+def test_an_async_save_reads_a_fully_shard_module_on_the_callers_thread_only(one_rank, tmp_path):
+    """FSDP2's state_dict pre-hook reshards the module: from the writer thread it would race the next forward."""
+    import threading
+
+    from trainfold import ckpt
+    from trainfold.ckpt.sharded import Saver
+    from trainfold.step.fsdp import fully_shard_model
+
+    net = fully_shard_model(model(), one_rank)
+    threads = []
+    net.register_state_dict_pre_hook(lambda *args, **kwargs: threads.append(threading.current_thread()))
+    opt = sgd(0.1)
+    state = make_step(net, causal_lm, opt)(init_state(net, opt, copy=False), micro_batches(0, 0), donate=True)
+    saver = Saver(async_save=True, consolidate=True)
+    path = saver.save(state, tmp_path / "checkpoint-1", model=net)
+    assert saver.wait() == path and ckpt.is_complete(path) and (path / "model.safetensors").exists()
+    assert threads and all(t is threading.main_thread() for t in threads)
+    full = load_file(path / "model.safetensors")
+    assert all(torch.equal(full[k], v.full_tensor()) for k, v in state.params.items())
+
+
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]))

@@ -169,6 +169,39 @@ def _cpu_copy(t: Tensor) -> Tensor:
     return t.detach().to("cpu", copy=True)
 
 
+def _fully_sharded(model: Any) -> bool:
+    """Say whether ``model`` is an FSDP2 module (a peft one keeps its own class: its layout asks for it)."""
+    from trainfold.ckpt.adapters import is_peft_model
+
+    fsdp = model is not None and any(c.__name__ == "FSDPModule" for c in type(model).__mro__)
+    return fsdp and not is_peft_model(model)
+
+
+class _Structure:
+    """What a checkpoint reads of a ``fully_shard`` module (its names, its config), taken on the caller's thread.
+
+    FSDP2's ``state_dict`` pre-hook reshards the module: called from an async save's writer thread, it
+    would reshard the module under the next step's forward.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._params, self._buffers = list(model.named_parameters()), list(model.named_buffers())
+        self._state = model.state_dict(keep_vars=True)
+
+    def named_parameters(self) -> Any:
+        return iter(self._params)
+
+    def named_buffers(self) -> Any:
+        return iter(self._buffers)
+
+    def state_dict(self, keep_vars: bool = False) -> dict[str, Any]:
+        return dict(self._state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+
 @attrs.define(eq=False)
 class Saver:
     """Write a run's checkpoints: sharded ones from every rank, replicated ones from the caller; sync or async.
@@ -215,6 +248,8 @@ class Saver:
         """
         self.wait()
         directory = Path(directory)
+        if self.async_save and not wait and _fully_sharded(options.get("model")):
+            options["model"] = _Structure(options["model"])  # read here, not in the writer thread
         if is_sharded(state):
             if dist.is_initialized() and self._group is None:
                 self._group = dist.new_group(backend="gloo")
