@@ -567,11 +567,20 @@ def test_the_refusal_of_another_runs_directory_names_a_fix_a_transformers_5_scri
     ("fsdp", "expected"), [("full_shard", ("full_shard",)), ("full_shard auto_wrap", ("full_shard",))]
 )
 def test_transformers_5s_fsdp_true_and_its_filled_in_config_convert(fsdp, expected):
+    from trainfold.step.fsdp import FullShard
+
     hf = transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp=fsdp)
     assert hf.fsdp is True and hf.fsdp_config["reshard_after_forward"] is True  # what transformers 5 makes of it
     assert (TrainingArguments.from_hf(hf).fsdp, TrainingArguments.from_hf(hf).full_shard) == ("full_shard", True)
-    with pytest.raises(ValueError, match="fsdp='shard_grad_op' is not supported"):
-        TrainingArguments.from_hf(transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp="shard_grad_op"))
+    assert TrainingArguments.from_hf(hf).fsdp_config == {"reshard_after_forward": True}  # the rest: transformers'
+    assert TrainingArguments.from_hf(hf).fsdp_plan == FullShard()
+    grad_op = transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp="shard_grad_op")
+    assert not TrainingArguments.from_hf(grad_op).fsdp_plan.reshard_after_forward  # fully_shard's SHARD_GRAD_OP
+    offload = transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp=f"{fsdp} offload")
+    assert TrainingArguments.from_hf(offload).fsdp_plan.offload
+    layers = {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    named = transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp=fsdp, fsdp_config=layers)
+    assert TrainingArguments.from_hf(named).fsdp_plan.layer_classes == ("LlamaDecoderLayer",)
     custom = transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp=fsdp, fsdp_config={"min_num_params": 9})
-    with pytest.raises(TypeError, match="fsdp_config="):
+    with pytest.raises(ValueError, match=r"fsdp_config\['min_num_params'\]=9 is not supported"):
         TrainingArguments.from_hf(custom)

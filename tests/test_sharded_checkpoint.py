@@ -141,24 +141,28 @@ def elastic_run(out: Path, resume=None, **over):
     return train(tiny(), run_args(out, **over), rows(), resume_from_checkpoint=resume)
 
 
-def trained(result) -> dict[str, torch.Tensor]:
-    from trainfold.step import sharded
+def gathered(state):
+    """The state with every DTensor as its full tensor (a collective: every rank calls it)."""
+    return map_tensors(lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t, state)
 
-    flat = flatten(sharded.gather_state(result.state) if sharded.is_sharded(result.state) else result.state)
+
+def trained(result) -> dict[str, torch.Tensor]:
+    flat = flatten(gathered(result.state))
     tensors = {k: v.detach().clone().contiguous() for k, v in flat.items() if k.startswith(("params.", "opt_state."))}
     logged = [h for h in result.log_history if "loss" in h and "train_loss" not in h]
     losses, norms = [h["loss"] for h in logged], [h["grad_norm"] for h in logged]
     return {**tensors, "losses": torch.tensor(losses, dtype=torch.float64), "grad_norms": torch.tensor(norms)}
 
 
-def _resume_copy(out: Path, name: str, rank: int):
-    """Resume checkpoint-4 of the sharded 2-rank run, sharded, in a copy of its output_dir (made by rank 0)."""
+def _resume_copy(out: Path, name: str, rank: int, source: str = "straight"):
+    """Resume checkpoint-4 of the sharded 2-rank run (or ``source``), sharded, in a copy of its output_dir (made by
+    rank 0)."""
     import shutil
 
     import torch.distributed as dist
 
     if rank == 0:
-        shutil.copytree(out / "straight", out / name)
+        shutil.copytree(out / source, out / name)
     dist.barrier()
     return elastic_run(out / name, resume=str(out / name / "checkpoint-4"), fsdp="full_shard")
 
@@ -197,18 +201,19 @@ def _worker(phase: str, out: Path) -> None:
         save_file(trained(straight), out / f"straight-{rank}.safetensors")
         save_file(trained(_resume_copy(out, "resumed-2", rank)), out / f"resumed-2-{rank}.safetensors")
         save_file(trained(elastic_run(out / "ddp")), out / f"ddp-{rank}.safetensors")  # replicated: rank 0 saves
+        grown = _resume_copy(out, "grown", rank, source="single")  # a one-process checkpoint onto 2 fully_shard ranks
+        save_file(trained(grown), out / f"grown-{rank}.safetensors")
     else:
         with pytest.warns(UserWarning, match="per_device_train_batch_size 2 -> 1, gradient_accumulation_steps 1 -> 1"):
             result = _resume_copy(out, f"resumed-{world}", rank)
         save_file(trained(result), out / f"resumed-{world}-{rank}.safetensors")
         from trainfold.hf.train import default_optimizer
         from trainfold.observe.observers import initial_extras
-        from trainfold.step import sharded
 
         template = init_state(tiny(), default_optimizer(tiny(), run_args(out), 8), extras=initial_extras())
-        loaded = ckpt.load(out / "straight" / "checkpoint-8", like=sharded.shard_state(template, mesh))
-        assert sharded.is_sharded(loaded)
-        save_file(local_slabs(sharded.gather_state(loaded)), out / f"loaded-{world}-{rank}.safetensors")
+        loaded = ckpt.load(out / "straight" / "checkpoint-8", like=shard(template, mesh))
+        assert sc.is_sharded(loaded)
+        save_file(local_slabs(gathered(loaded)), out / f"loaded-{world}-{rank}.safetensors")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -244,6 +249,7 @@ def _failing_async_save(saver, state, out: Path, rank: int) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sharded")
+    save_file(trained(elastic_run(out / "single", gradient_accumulation_steps=2)), out / "single.safetensors")
     for phase, n in (("save", 2), ("load", 4)):
         torchrun_ok(__file__, phase, out, nproc=n)
     return out
@@ -391,6 +397,13 @@ def test_a_two_rank_run_resumes_on_four_ranks_within_fp32_rounding(ranks):
     straight = load_file(ranks / "straight-0.safetensors")
     for r in range(4):
         _close(load_file(ranks / f"resumed-4-{r}.safetensors"), straight, tol=1e-6)
+
+
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
+def test_a_one_process_run_resumes_on_two_fully_shard_ranks(ranks):
+    single = load_file(ranks / "single.safetensors")
+    for r in range(2):
+        _close(load_file(ranks / f"grown-{r}.safetensors"), single, tol=1e-6)
 
 
 @pytest.mark.slow  # the torchrun launches of the ranks fixture

@@ -26,19 +26,19 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainfold.ckpt import tensor_file, writer
+from trainfold.ckpt.adapters import is_peft_model
 from trainfold.ckpt.atomic import FSYNC_MODES, Syncs
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.layout import model_weights
 from trainfold.ckpt.sidecar import MODEL_FILE, SHARD_DIR, CheckpointError, read_metadata
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten, map_tensors, unflatten
+from trainfold.step.fsdp import held_structure
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 __all__ = ["Saver", "is_sharded", "save", "load", "read_index"]
-
-_NAME_BYTES = 256  # the temporary directory's name, sent from rank 0 to the others
 
 
 def _dtensor_type() -> type[DTensor] | None:
@@ -135,11 +135,9 @@ def _consolidate(tmp: Path, model: Any) -> dict[str, dict[str, int]]:
 
 def _announce(name: str, group: Any) -> str:
     """Send rank 0's ``name`` (the temporary directory; empty: it failed) to every rank; return it."""
-    buf = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
-    data = name.encode()
-    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
-    dist.broadcast(buf, group=group, group_src=0)
-    return bytes(buf.tolist()).rstrip(b"\0").decode()
+    box = [name]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return str(box[0])
 
 
 def save(
@@ -253,6 +251,8 @@ class Saver:
         self.wait()
         directory = Path(directory)
         write: Callable[..., Path]  # (state, directory) -> the checkpoint's path
+        if self.async_save and not wait and not is_peft_model(options.get("model")):  # a peft one: its own layout
+            options["model"] = held_structure(options.get("model"))  # read here, not in the writer thread
         if is_sharded(state):
             if dist.is_initialized() and self._group is None:
                 self._group = dist.new_group(backend="gloo")

@@ -26,10 +26,11 @@ from trainfold.data.samplers import STRATEGIES as SAMPLING_STRATEGIES
 from trainfold.evaluation.schedule import EVAL_STRATEGIES
 from trainfold.hf.args_checks import problems
 from trainfold.hf.args_convert import settings_from_hf
-from trainfold.hf.args_features import FSDP_FULL_SHARD, OPTIMIZERS, fsdp_options
+from trainfold.hf.args_features import FSDP_FULL_SHARD, OPTIMIZERS
 from trainfold.hf.args_hf import HF_ONLY, hf_only_problem
 from trainfold.observe.reporters import LOG_LEVELS
 from trainfold.optim.schedules import SCHEDULE_NAMES
+from trainfold.step.fsdp import FullShard, fsdp_words
 
 __all__ = [
     "TrainingArguments",
@@ -156,8 +157,9 @@ class TrainingArguments:
         None  # TRL's name: collated widths rounded up to a multiple (trainfold.data.columns)
     )
     loss_chunk_size: int = 0  # tokens per chunk of the chunked causal-LM cross-entropy; 0: off
-    # HF's name; "full_shard": params and optimizer state as shards
+    # HF's names; "full_shard": torch's fully_shard per block (step.fsdp); fsdp_config: transformer_layer_cls_to_wrap...
     fsdp: str | tuple[str, ...] | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    fsdp_config: dict[str, Any] | None = attrs.field(default=None, metadata=BOOKKEEPING)
 
     def __init__(self, **kwargs: Any) -> None:
         known = [f.name for f in attrs.fields(type(self))]
@@ -259,8 +261,13 @@ class TrainingArguments:
 
     @property
     def full_shard(self) -> bool:
-        """Whether ``fsdp`` asks for sharded training (``"full_shard"``, with or without ``auto_wrap``)."""
-        return fsdp_options(self.fsdp) in FSDP_FULL_SHARD
+        """Whether ``fsdp`` asks for sharded training (``"full_shard"``, with or without ``auto_wrap``, ``offload``)."""
+        return "full_shard" in fsdp_words(self.fsdp)
+
+    @property
+    def fsdp_plan(self) -> FullShard | None:
+        """Return how ``fsdp``/``fsdp_config`` (and ``bf16``) wrap the model with ``fully_shard`` (None: off)."""
+        return FullShard.from_args(self.fsdp, self.fsdp_config, bf16=self.bf16) if self.full_shard else None
 
     @property
     def checkpoint_every(self) -> int:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from trainfold.core.collective import Collective
+from trainfold.core.forward import training_flags
 from trainfold.core.losses import default_loss_for
 from trainfold.core.state import TrainState, split_module
 from trainfold.data import close_loader, eval_loader
@@ -28,6 +29,7 @@ from trainfold.evaluation.evaluation import eval_sets, evaluate_batches, predict
 from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.inputs import columns_of, device_for, eval_labels
+from trainfold.step.plan import is_fully_sharded
 
 __all__ = ["EvalSet", "EvalPlan", "eval_plan_for", "eval_loader_for", "evaluate", "predict"]
 
@@ -138,16 +140,38 @@ class EvalPlan:
                 )
                 for s in self.sets
             ]
-        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
-
-        params = sharded.full_params(state.params)
+        runs: Any = module_forward(model) if is_fully_sharded(model) else model
         assert self.loss is not None  # a run gives eval_plan_for its loss; only an objective run scores without
         return [
             evaluate_sharded(
-                model, params, s.loader, collective=s.collective, loss=self.loss, metric_key_prefix=s.prefix, **common
+                runs,
+                state.params,
+                s.loader,
+                collective=s.collective,
+                loss=self.loss,
+                metric_key_prefix=s.prefix,
+                **common,
             )
             for s in self.sets
         ]
+
+
+def module_forward(model: nn.Module) -> Callable[[Any, Mapping[str, Any]], Any]:
+    """Return ``forward(params, inputs)`` running ``model`` as it is, in eval mode, without autograd: a
+    ``fully_shard`` module (its params the state's, lent), whose hooks cannot run under ``inference_mode``.
+
+    >>> lin = torch.nn.Linear(2, 1)
+    >>> with torch.inference_mode():
+    ...     module_forward(lin)(None, {"input": torch.ones(1, 2)}).requires_grad
+    False
+    """
+    modules = list(model.modules())
+
+    def forward(params: Any, inputs: Mapping[str, Any]) -> Any:
+        with torch.inference_mode(False), torch.no_grad(), training_flags(modules, False):
+            return model(**inputs)
+
+    return forward
 
 
 def eval_plan_for(

@@ -30,6 +30,7 @@ from trainfold.hf.evaluating import EvalPlan
 from trainfold.observe import LoggingPlan, logging_plan
 from trainfold.observe.stopping import EarlyStopping, patience_exhausted
 from trainfold.step.amp import LossScaling
+from trainfold.step.fsdp import FullShard
 
 __all__ = [
     "RunLength",
@@ -109,13 +110,11 @@ class StepOptions:
     compile_mode: str | None = None
     gradient_checkpointing: int = 0
     loss_scaling: LossScaling | None = None
-    full_shard: bool = False
+    fsdp: FullShard | None = None  # fsdp="full_shard": the model is wrapped with fully_shard first (step.fsdp)
     neftune_noise_alpha: float | None = None
 
     def make_kwargs(self, collective: Collective | None) -> dict[str, Any]:
-        """Return ``make_step``'s keywords (the sharding is made here, from the collective)."""
-        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
-
+        """Return ``make_step``'s keywords."""
         return dict(
             collective=collective,
             label_key=self.label_key,
@@ -124,7 +123,6 @@ class StepOptions:
             compile_mode=self.compile_mode,
             gradient_checkpointing=self.gradient_checkpointing,
             loss_scaling=self.loss_scaling,
-            sharding=sharded.sharding_for(self.full_shard, collective),
         )
 
 
@@ -142,7 +140,7 @@ def step_options(args: TrainingArguments, label_key: str = "labels") -> StepOpti
         compile_mode=args.torch_compile_mode,
         gradient_checkpointing=args.checkpoint_every,
         loss_scaling=LossScaling() if args.fp16 else None,
-        full_shard=args.full_shard,
+        fsdp=args.fsdp_plan,
         neftune_noise_alpha=args.neftune_noise_alpha,
     )
 
@@ -273,7 +271,7 @@ class Plan:
     optimizer: Any
     step_options: StepOptions
     step: Callable[..., Any]
-    sharding: Any
+    sharding: Any  # the DeviceMesh of a fully_shard module (fsdp), else None
     evals: EvalPlan
     logging: LoggingPlan
     checkpoints: CheckpointPlan

@@ -42,6 +42,7 @@ from trainfold.hf.plan import (
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.recipes.neftune import neftune_objective
 from trainfold.step import make_step
+from trainfold.step.fsdp import fully_shard_model, make_mesh
 from trainfold.step.plan import is_fully_sharded
 
 __all__ = ["plan_for", "world_of", "early_stopping_for", "step_for"]
@@ -73,13 +74,17 @@ def early_stopping_for(
 def step_for(
     model: nn.Module, inputs: RunInputs, optimizer: Any, options: StepOptions, collective: Collective | None
 ) -> tuple[Callable[..., Any], Any]:
-    """Return ``(step, sharding)``: ``make_step`` with the run's loss, objective (NEFTune's noise) and options."""
-    if is_fully_sharded(model):  # its checkpoints and evaluation are not on torch's DCP yet
-        raise TypeError(
-            f"train() does not take a module wrapped with fully_shard yet ({type(model).__name__}): pass the "
-            "unwrapped module with fsdp='full_shard', or step the wrapped one with make_step on a lent state "
-            "(init_state(model, optimizer, copy=False), then trainfold.fit)"
-        )
+    """Return ``(step, mesh)``: ``make_step`` with the run's loss, objective (NEFTune's noise) and options.
+
+    ``fsdp="full_shard"`` wraps ``model`` with ``fully_shard`` first (``step.fsdp``; in place, before its
+    state is made); ``mesh`` is the mesh of a fully-sharded module (None otherwise).
+    """
+    mesh = None
+    if options.fsdp is not None and not is_fully_sharded(model):
+        mesh = make_mesh(getattr(collective, "group", None))
+        fully_shard_model(model, mesh, options.fsdp)
+    elif is_fully_sharded(model):  # the user's own fully_shard: its params carry their mesh
+        mesh = next(p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh"))
     objective = inputs.objective
     if options.neftune_noise_alpha is not None:
         if objective is not None:
@@ -87,7 +92,7 @@ def step_for(
         else:
             objective = neftune_objective(model, options.neftune_noise_alpha, inputs.loss)
     kwargs = options.make_kwargs(collective)
-    return make_step(model, inputs.loss, optimizer, objective=objective, **kwargs), kwargs["sharding"]
+    return make_step(model, inputs.loss, optimizer, objective=objective, **kwargs), mesh
 
 
 def plan_for(

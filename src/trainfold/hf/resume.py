@@ -17,11 +17,12 @@ from trainfold.ckpt.run_identity import RunSettings
 from trainfold.ckpt.sharded import is_sharded
 from trainfold.core.moved import moved_names
 from trainfold.core.state import TrainState, init_state, lend
-from trainfold.core.tree import map_tensors
+from trainfold.core.tree import flatten, map_tensors, unflatten
 from trainfold.data import close_loader
 from trainfold.hf.plan import Plan
 from trainfold.observe import history as log_file
 from trainfold.observe.observers import MetricWindow
+from trainfold.step.fsdp import placed_like
 
 __all__ = ["initial_state", "on_device", "claim_for", "Start", "start_run"]
 
@@ -37,7 +38,8 @@ def on_device(opt_state: Any, device: torch.device) -> Any:
 
 
 def initial_state(plan: Plan) -> TrainState:
-    """Return the run's first state: the module's own tensors lent (one copy), on the device, sharded if planned."""
+    """Return the run's first state: the module's own tensors lent (one copy), on the device (a ``fully_shard``
+    module's: its DTensor shards, and optimizer state of the same layout)."""
     state = init_state(plan.model, plan.optimizer, seed=plan.args.seed, extras=plan.extras, copy=False)
     if plan.device.type != "cpu":
         device = plan.device
@@ -47,10 +49,6 @@ def initial_state(plan: Plan) -> TrainState:
             buffers={k: v.to(device) for k, v in state.buffers.items()},
             opt_state=on_device(state.opt_state, device),
         )
-    if plan.sharding is not None:  # before the resume: a sharded checkpoint loads each rank's slab only
-        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
-
-        state = sharded.shard_state(state, plan.sharding.mesh)
     return state
 
 
@@ -120,7 +118,7 @@ def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_st
 
     What the run opens is closed when the claim is released: the log history, the eval loaders' workers.
     """
-    source, window, meta = claim.source, MetricWindow(), None
+    source, window, meta, begin_state = claim.source, MetricWindow(), None, state
     if source is not None:
         if weights_only_warm_start:
             meta = ckpt.read_metadata(source)
@@ -131,7 +129,9 @@ def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_st
             state, source, meta = _load(plan, claim, state)
             if "window" in meta["metadata"]:
                 log_file.restore_window(window, meta["metadata"]["window"], source)
-        if not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
+        if plan.sharding is not None:  # a fully_shard module: the loaded tensors go into its DTensor shards
+            state = lend_sharded(plan.model, state, like=begin_state)
+        elif not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
             state = lend(plan.model, state)
     resumed = source is not None and not weights_only_warm_start
     history = log_file.start(
@@ -142,10 +142,6 @@ def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_st
     )
     if isinstance(history, log_file.HistoryFile):
         claim.on_release(history.close)
-    if plan.sharding is not None:  # a replicated checkpoint resumed sharded: its tensors are distributed
-        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
-
-        state = sharded.shard_state(state, plan.sharding.mesh)
     for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
         claim.on_release(functools.partial(close_loader, eval_set.loader))
     Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
@@ -153,3 +149,18 @@ def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_st
 
 
 __getattr__ = moved_names(__name__, {"start": (__name__, "start_run")})  # one meaning per public name
+
+
+def lend_sharded(model: torch.nn.Module, state: TrainState, *, like: TrainState) -> TrainState:
+    """Return the loaded ``state`` laid out as ``like`` (a ``fully_shard`` module's lent state) on the module's
+    own DTensor params: each loaded value is copied into them; a full tensor (a checkpoint of one process, or of
+    a replicated run) is first cut to this rank's shard of ``like``'s placement."""
+    templates = flatten(like)  # a full tensor where the template has a shard: every rank holds the whole tensor
+    flat = {k: placed_like(v, templates[k]) if k in templates else v for k, v in flatten(state).items()}
+    state = unflatten(flat, like=state)
+    own = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state.params.items():
+            if own[name] is not value:
+                own[name].copy_(value)
+    return attrs.evolve(state, params={name: own[name] for name in state.params})

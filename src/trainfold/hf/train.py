@@ -74,7 +74,6 @@ from trainfold.hf.inputs import to_device
 from trainfold.hf.optimizer import default_optimizer
 from trainfold.hf.plan import STOPPING_RULES, Plan, agreed
 from trainfold.hf.planning import plan_for
-from trainfold.hf.released import Released, release_weights, restored
 from trainfold.hf.resume import Start, claim_for, initial_state, start_run
 from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save_checkpoint
 from trainfold.hf.validate import check_first_batch, check_train_call, checked_loss, checking_first, data_to_check
@@ -86,6 +85,7 @@ from trainfold.observe.reporters import make_reporters
 from trainfold.observe.reporters import progress as make_progress
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.optim import GradientTransformation
+from trainfold.step.fsdp import placed_like
 
 _log = logging.getLogger(__name__)
 
@@ -158,9 +158,7 @@ class TrainResult:
         Every parameter (trainable or frozen, a tied one once) and every buffer, persistent or not,
         gets the state's value of the same name, on the module's own device and dtype.
         """
-        from trainfold.step import sharded  # DTensor (~1 s to import): only on use
-
-        tensors = {**self.state.buffers, **sharded.full_params(self.state.params)}  # shards: gathered (every rank)
+        tensors = {**self.state.buffers, **self.state.params}
         targets = [*model.named_parameters(), *model.named_buffers()]
         missing = [name for name, _ in targets if name not in tensors]
         if missing:
@@ -170,8 +168,8 @@ class TrainResult:
             )
         with torch.no_grad():
             for name, target in targets:
-                if target.data_ptr() != tensors[name].data_ptr() or target.shape != tensors[name].shape:
-                    target.copy_(tensors[name])  # a lent tensor already is the module's own
+                if tensors[name] is not target:  # a lent tensor already is the module's own
+                    target.copy_(placed_like(tensors[name], target))
         return model
 
 
@@ -230,9 +228,8 @@ def train(
     plan, begin = resumed_callback_states(plan, begin, callbacks)  # an EarlyStoppingCallback's, as HF's
     _log_start(plan, begin)
     with claim:  # released if the run raises
-        released = release_weights(plan.model, begin.state)  # fsdp: the module keeps no full copy (hf.released)
         result = _session(plan, begin, claim.run)
-    return _ending(plan, result, released)
+    return _ending(plan, result)
 
 
 def _log_start(plan: Plan, begin: Start) -> None:
@@ -372,7 +369,7 @@ def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[st
     return "completed"
 
 
-def _ending(plan: Plan, ended: _Ended, released: Released | None = None) -> TrainResult:
+def _ending(plan: Plan, ended: _Ended) -> TrainResult:
     """Return the run's ``TrainResult``; the module holds its final weights (the best with load_best_model_at_end)."""
     state, best_path = ended.state, None
     if BEST in state.extras and int(state.extras[BEST].step) >= 0:
@@ -389,6 +386,5 @@ def _ending(plan: Plan, ended: _Ended, released: Released | None = None) -> Trai
         ended.signal,
     )
     _log.info("training %s at step %d (%s)", result.status, result.global_step, plan.args.output_dir)
-    # as HF: the module ends with the final (or best) weights; lent ones are there, released ones gathered back
-    attrs.evolve(result, state=restored(released, state)).apply_to(plan.model)
+    result.apply_to(plan.model)  # as HF: the module ends with the final (or best) weights; lent ones are there
     return result

@@ -1,7 +1,7 @@
 """The micro-batch driver every step variant composes: count, seed, accumulate, reduce, and the next state.
 
 A step's ``batch`` is one optimizer step's worth of data: a sequence of micro-batches (dicts of
-tensors). Every variant (``eager``, ``compiled``, ``sharded``, ``recipes.ensemble``) runs the
+tensors). Every variant (``eager``, ``compiled``, ``differentiable``, ``recipes.ensemble``) runs the
 same pieces, in this order:
 
 1. :func:`open_step` counts ``num_items_in_batch`` over all micro-batches and all ranks before the
