@@ -15,11 +15,13 @@ from hypothesis import strategies as st
 from trainfold.core.losses import IGNORE_INDEX
 from trainfold.evaluation import (
     EvalSpec,
-    evaluate,
     evaluate_sharded,
     evaluate_with,
     predict_sharded,
     predict_with,
+)
+from trainfold.evaluation import (
+    evaluate_batches as evaluate,
 )
 from trainfold.evaluation.gather import all_ranks
 from trainfold.testing import on_simulated_ranks

@@ -13,12 +13,16 @@ from hypothesis import strategies as st
 from trainfold.core.losses import cross_entropy
 from trainfold.evaluation import (
     EvalSpec,
-    evaluate,
     evaluate_sharded,
     evaluate_with,
-    predict,
     predict_sharded,
     predict_with,
+)
+from trainfold.evaluation import (
+    evaluate_batches as evaluate,
+)
+from trainfold.evaluation import (
+    predict_batches as predict,
 )
 from trainfold.evaluation.spec import spec_errors
 

@@ -126,7 +126,7 @@ MODELS = {"llama-sdpa": lambda: llama("sdpa"), "llama-eager": lambda: llama("eag
 def test_evaluating_padding_free_batches_gives_the_padded_loss_with_the_cache_on_in_the_config():
     """Evaluation runs with use_cache=False (TRL's compute_loss passes it): a KV cache would drop the per-document
     masks of the flattened row and let documents attend to each other."""
-    from trainfold.evaluation import evaluate
+    from trainfold.evaluation import evaluate_batches as evaluate
 
     model, docs = llama("sdpa"), documents([5, 3, 6, 2])
     assert model.config.use_cache

@@ -11,7 +11,7 @@ naming its new home.
 ...     warnings.simplefilter("always")
 ...     fn = getattr_("dpo")
 >>> fn.__name__, str(caught[0].message)
-('dpo', 'trainfold.losses.dpo moved: use trainfold.dpo.dpo_loss')
+('dpo_loss', 'trainfold.losses.dpo moved: use trainfold.dpo.dpo_loss')
 """
 
 from __future__ import annotations
