@@ -117,7 +117,7 @@ def default_optimizer(model: nn.Module, args: Any, total_steps: int) -> Gradient
             args.adam_epsilon,
             args.weight_decay,
             mask=mask,
-            implementation="fused" if args.optim == "adamw_torch_fused" else "foreach",
+            fused=True if args.optim == "adamw_torch_fused" else None,
         )
     else:
         opt = from_torch(_torch_class(args.optim), lr=schedule, mask=mask, **_hf_options(args))
