@@ -61,7 +61,7 @@ def grad_bytes(opt: GradientTransformation, seen: list[int]) -> GradientTransfor
         seen.append(local_bytes(grads))
         return grads, state
 
-    return chain(GradientTransformation(init=lambda params: None, update=tap, keeps_state=False), opt)
+    return chain(GradientTransformation(init=lambda params: (), update=tap), opt)
 
 
 def joined(rank: int, world: int, port: int, args: argparse.Namespace) -> tuple[list[dict], Any, Any]:
