@@ -103,6 +103,18 @@ def test_fused_adamw_is_bitwise_torch_fused():
         assert torch.equal(ours[k], ref[k]), k
 
 
+@pytest.mark.parametrize("kernel", [{"fused": True}, {"foreach": True}, {}])
+def test_adamw_reads_gradients_of_any_layout_as_torch_reads_a_params_own_grad(kernel):
+    # autograd.grad and vmap can return a gradient strided unlike its param (pytorch/pytorch#106951), where
+    # torch.optim's .grad always matches the param's layout; torch's fused kernel would read it in the param's layout
+    params, grads = random_problem(8)
+    strided = [{k: v.t().contiguous().t() if v.dim() == 2 else v for k, v in g.items()} for g in grads]
+    assert any(not v.is_contiguous() for v in strided[0].values())
+    ours = run_ours(adamw(1e-2, weight_decay=0.1, mask=None, **kernel), params, strided)
+    ref = run_torch(lambda p: torch.optim.AdamW(list(p.values()), lr=1e-2, weight_decay=0.1, **kernel), params, grads)
+    assert all(torch.equal(ours[k], ref[k]) for k in ref)
+
+
 def test_adamw_mask_matches_two_torch_param_groups():
     params, grads = random_problem(3)
     mask = decay_mask_by_name(params)

@@ -85,6 +85,9 @@ def _torch_adam(
     differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in every)
     if differentiable:  # torch differentiates its single-tensor kernel only
         fused, foreach = None, False
+    if fused:  # torch's fused kernel assumes each grad has its param's strides (pytorch/pytorch#106951; on CPU it
+        # reads a transposed or vmapped grad in the param's layout, silently): give it copies in that layout
+        grads = [g if g.stride() == p.stride() else torch.empty_like(p).copy_(g) for g, p in zip(grads, params)]
     on_device = bool(fused)  # torch keeps a fused optimizer's step counts on the params' device
     # the differentiable kernel computes the bias corrections from the step tensor: float64, as the others in Python
     dtype = torch.float64 if differentiable else torch.float32
