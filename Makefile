@@ -27,11 +27,11 @@ demo: $(VENV)/.core
 test: $(VENV)/.test
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m ruff format --check src tests benchmarks examples
+	$(PY) -m mypy  # zero errors on src/ (pyproject's [tool.mypy])
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q -d $(VENV)/site  # broken links fail; ~15 s, offline
 
-typecheck: $(VENV)/.test  # mypy over src/ (pyproject's [tool.mypy]); joins `make test` once it reports zero errors
-	$(PIP) install -q "mypy>=1.10"
+typecheck: $(VENV)/.test  # mypy over src/ alone (pyproject's [tool.mypy]); `make test` runs it too
 	$(PY) -m mypy
 
 bench: $(VENV)/.test

@@ -1,6 +1,6 @@
 """How long a sharded checkpoint stalls the step: synchronous vs ``async_save``, on 2 gloo processes (CPU).
 
-Each rank holds half of a TinyLM's params and AdamW moments (``trainfold.step.sharded``) and trains;
+Each rank holds half of a TinyLM's params and AdamW moments (``fully_shard``: ``trainfold.step.fsdp``) and trains;
 every round it saves a sharded checkpoint (``trainfold.ckpt.sharded.Saver``, safetensors
 shards + JSON index) after a step. The stall is the time the training loop is blocked by the
 save call: the whole write when synchronous; with ``async_save`` the copy of the shards to the
@@ -34,7 +34,7 @@ from trainfold.core.models import TinyLM, TinyLMConfig
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str, queue) -> None:
     from trainfold.ckpt.sharded import Saver
-    from trainfold.step import sharded
+    from trainfold.step.fsdp import fully_shard_model, make_mesh
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -45,20 +45,20 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out_dir:
         rows = args.batch // world
         ids = torch.randint(0, 256, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
         batch = [{"input_ids": ids[rank * rows : (rank + 1) * rows], "labels": ids[rank * rows : (rank + 1) * rows]}]
-        mesh = sharded.make_mesh()
-        state = sharded.shard_state(init_state(model, adamw(1e-3)), mesh)
-        step = make_step(model, optimizer=adamw(1e-3), sharding=mesh)
+        fully_shard_model(model, make_mesh())
+        state = init_state(model, adamw(1e-3), copy=False)  # lent: the module's DTensor shards
+        step = make_step(model, optimizer=adamw(1e-3))
         times: dict[str, list[float]] = {"step": [], "sync": [], "async": [], "step in flight": [], "write": []}
         savers = {"sync": Saver(), "async": Saver(async_save=True)}
         for i in range(args.warmup + args.rounds):
             for mode, saver in savers.items():
                 dist.barrier()
                 start = time.perf_counter()
-                state = step(state, batch)
+                state = step(state, batch, donate=True)
                 stepped = time.perf_counter()
                 saver.save(state, Path(out_dir) / mode / f"checkpoint-{i}", model=model)
                 saved = time.perf_counter()
-                state = step(state, batch)  # runs while an async save writes
+                state = step(state, batch, donate=True)  # runs while an async save writes
                 after = time.perf_counter()
                 saver.wait()
                 done = time.perf_counter()

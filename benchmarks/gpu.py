@@ -6,12 +6,11 @@
    trainfold compiled.
 2. ``benchmarks/ensemble.py --device cuda``: four tiny Llamas in one ensemble step against four
    sequential eager loops (the issue's GPU target: >= 2x).
-3. ``benchmarks/fsdp.py``'s ``vs_fully_shard`` on every GPU (one NCCL process each): trainfold's
-   sharded bf16 step and trainfold's lent step on an FSDP2 module (``fully_shard`` per block and the
-   root, ``MixedPrecisionPolicy(bf16)``; ``make_step`` runs it as it is) against the same FSDP2 module
-   in a hand-written loop with ``torch.optim.AdamW``: tokens/s, max memory per GPU, and the lent
-   step's time over the hand loop's (interleaved). CUDA only (``python benchmarks/fsdp.py
-   --vs-fully-shard --quick`` runs it tiny on CPU).
+3. ``benchmarks/fsdp.py``'s ``vs_fully_shard`` on every GPU (one NCCL process each, bf16):
+   ``trainfold.train(fsdp="full_shard")`` (``fully_shard`` per decoder layer and the root,
+   ``MixedPrecisionPolicy(bf16, fp32)``, a lent state) against a hand-written loop on the same FSDP2
+   wrapping with ``torch.optim.AdamW``, jobs interleaved: step time and ``torch.cuda.max_memory_allocated``
+   per GPU, and their ratios. CUDA only (``python benchmarks/fsdp.py --quick`` runs it tiny on CPU).
 
 Without CUDA it runs the same code paths smaller (tiny model, float32, CPU; the ensemble part only
 with ``--ensemble``, eager variants), so the suite can test it.

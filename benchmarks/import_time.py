@@ -7,17 +7,21 @@ shows each case's median and its excess over the median of ``import torch`` alon
 cases for another source tree (``PYTHONPATH``), e.g. a checkout of the commit before lazy imports.
 ``python -X importtime -c "import trainfold"`` shows where the time goes, module by module.
 
-Measured (5 rounds, CPU torch 2.13, a shared 2-core machine under load, so walls are long; the excess is what
-counts), before = the eager ``__init__`` of commit 20a02df:
+Measured (5 rounds, CPU torch 2.13, the shared 2-core machine at a quiet moment: `import torch` 1.30 s),
+before = commit 0a06911 (the hf layer imported ``trainfold.step.sharded``, hence DTensor and sympy, at its
+top; ``__version__`` read the package metadata on ``import trainfold``), after = this tree (both on use):
 
 | case | before: over `import torch` | after | trainfold modules before / after |
 |---|---:|---:|---:|
-| `import torch, trainfold` | +2.41 s | -0.25 s (noise: nothing is imported) | 131 / 3 |
-| the functional core (`TrainState`, `adamw`, `fit`, `init_state`, `make_step`) | +2.76 s | -0.03 s | 131 / 33 |
-| `from trainfold import train` | +3.89 s | +3.02 s | 131 / 112 |
+| `import torch, trainfold` | +0.01 s | -0.04 s (noise: nothing is imported) | 3 / 1 |
+| the functional core (`TrainState`, `adamw`, `fit`, `init_state`, `make_step`) | +0.04 s | +0.04 s | 40 / 39 |
+| `from trainfold import train` | +0.81 s | +0.24 s | 117 / 114 |
 
-``train`` still loads DTensor (``trainfold.hf`` imports ``trainfold.step.sharded`` at top level, ~1.3 s of
-``torch.distributed.tensor``) and ``transformers``-free but sympy-heavy parts of torch.
+Under heavy load (`import torch` 7.7-8.6 s) the same cases measured +8.0 s before and +1.7 s after for `train`.
+``python -X importtime -c "from trainfold import train"`` before (under that load): 5.6 s of it under
+``trainfold.step.sharded`` (``torch.distributed.tensor`` -> ``torch.fx.experimental.symbolic_shapes`` ->
+sympy); after: no DTensor, no sympy, no transformers (``tests/test_import.py``); what is left is the ~110
+trainfold modules the run wires (``attrs`` classes, ``torch.utils.data``): ~0.23 s of module code together.
 """
 
 from __future__ import annotations
@@ -66,13 +70,13 @@ def main() -> None:
         for tag, src in trees.items():
             for case, code in CASES.items():
                 runs[tag, case].append(probe(code, src))
-    torch_alone = statistics.median(wall for wall, _, _ in runs["", "import torch"])
-    print("| case | median wall (s) | over `import torch` (s) | trainfold modules | fcntl imported |")
+    torch_alone = {tag: statistics.median(wall for wall, _, _ in runs[tag, "import torch"]) for tag in trees}
+    print("| case | median wall (s) | over its own `import torch` (s) | trainfold modules | fcntl imported |")
     print("|---|---:|---:|---:|---|")
     for (tag, case), samples in runs.items():
         wall = statistics.median(s[0] for s in samples)
         _, modules, fcntl = samples[-1]
-        print(f"| {tag}{case} | {wall:.3f} | {wall - torch_alone:+.3f} | {modules} | {fcntl} |")
+        print(f"| {tag}{case} | {wall:.3f} | {wall - torch_alone[tag]:+.3f} | {modules} | {fcntl} |")
 
 
 if __name__ == "__main__":

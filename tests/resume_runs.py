@@ -145,7 +145,7 @@ def _main(name: str, output_dir: str, mode: str, result_dir: str) -> int:
     import os
 
     from trainfold.ckpt import latest_checkpoint
-    from trainfold.ckpt.preempt import JIT_SIGNALS, exit_status, ignore_signals_until_exit, preemption_guard
+    from trainfold.core.preempt import JIT_SIGNALS, exit_status, ignore_signals_until_exit, preemption_guard
     from trainfold.testing import dump_result
 
     if os.environ.get("TRAINFOLD_TEST_NO_WARMUP") == "1":

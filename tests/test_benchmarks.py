@@ -85,3 +85,10 @@ def test_lora_adapters_quick():
 def test_import_time_one_round():
     out = run("benchmarks/import_time.py", "--rounds", "1")
     assert "| import torch, trainfold |" in out and "| from trainfold import train |" in out
+
+
+@pytest.mark.slow  # 2 jobs of 2 spawned processes (a tiny Llama, 3 steps each)
+def test_fsdp_quick_compares_train_full_shard_with_a_hand_fully_shard_loop():
+    out = run("benchmarks/fsdp.py", "--quick")
+    rows = [line for line in out.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
+    assert len(rows) == 2 and all(len(line.split("|")) == 9 for line in rows)

@@ -35,18 +35,11 @@ from trainfold.ckpt import (
     save,
     warm_start,
 )
-from trainfold.ckpt.policy import (
-    best_checkpoint,
-    best_metric,
-    check_compatible,
-    greater_is_better_for,
-    rotate,
-    should_save,
-    update_best,
-)
+from trainfold.ckpt.policy import best_checkpoint, check_compatible, rotate, should_save
 from trainfold.core.fold import trajectory
 from trainfold.core.state import Cursor, TrainState, init_state, scalar
 from trainfold.core.tree import flatten
+from trainfold.evaluation.best import best_metric, greater_is_better_for, update_best
 from trainfold.optim import adamw, sgd
 
 # The run the resume tests share: resume_fixture.fold_run, here and in the subprocesses.
@@ -518,22 +511,22 @@ def test_best_metric_tracker_survives_a_save_and_load(tmp_path):
     assert (loaded.value.item(), loaded.step.item(), bool(loaded.greater_is_better)) == (0.7, 2, True)
 
 
-def test_check_compatible_lists_every_trajectory_difference():
-    saved = {
-        "gradient_accumulation_steps": 2,
-        "world_size": 1,
-        "per_device_train_batch_size": 8,
-        "seed": 0,
-        "learning_rate": 1e-3,
-    }
-    check_compatible(saved, {**saved, "learning_rate": 5e-4, "warmup_steps": 10})
-    changed = {**saved, "gradient_accumulation_steps": 4}
-    del changed["per_device_train_batch_size"]
+def test_check_compatible_lists_every_sample_order_difference():
+    from trainfold import TrainingArguments
+    from trainfold.ckpt.run_identity import RunSettings
+
+    def settings(**over):
+        base = dict(gradient_accumulation_steps=2, per_device_train_batch_size=8, seed=0, learning_rate=1e-3)
+        return RunSettings.of(TrainingArguments(**{**base, **over}), world_size=1)
+
+    saved = settings().values
+    check_compatible(saved, settings(learning_rate=5e-4, warmup_steps=10))  # the schedule may change
     with pytest.raises(
         ValueError,
-        match=r"gradient_accumulation_steps: saved 2, now 4; per_device_train_batch_size: saved 8, now 'unset'",
+        match=r"from out/checkpoint-3 with different settings: gradient_accumulation_steps: saved 2, now 4; "
+        r"seed: saved 0, now 3; resume",
     ):
-        check_compatible(saved, changed, source="out/checkpoint-3")
+        check_compatible(saved, settings(gradient_accumulation_steps=4, seed=3), source="out/checkpoint-3")
 
 
 # -- transformers ---------------------------------------------------------------------------------------

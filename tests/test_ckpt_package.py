@@ -74,11 +74,11 @@ def test_every_name_of_the_old_checkpoint_module_is_on_the_package_and_the_alias
     )
 
 
-def test_the_sharded_index_name_has_one_owner():
+def test_the_shard_folder_name_has_one_owner():
     from trainfold.ckpt import sharded
 
-    assert ckpt.INDEX_FILE == sidecar.INDEX_FILE == sharded.INDEX_FILE == "state.index.json"
-    assert "INDEX_FILE" not in sharded.__all__
+    assert ckpt.SHARD_DIR == sidecar.SHARD_DIR == sharded.SHARD_DIR == "sharded"
+    assert "SHARD_DIR" not in sharded.__all__
 
 
 def test_a_saved_sidecar_holds_the_fields_of_the_format_in_order(tmp_path):
@@ -175,10 +175,12 @@ def test_the_save_strategies_are_policys_and_should_save_names_them():
 
 
 def test_the_best_metric_tracker_lives_under_its_extras_key_and_survives_a_checkpoint(tmp_path):
-    best, _ = policy.update_best(policy.best_metric(greater_is_better=False), 0.25, 3)
+    from trainfold.evaluation import best as tracker
+
+    best, _ = tracker.update_best(tracker.best_metric(greater_is_better=False), 0.25, 3)
     state = init_state(torch.nn.Linear(2, 1), sgd(0.1), extras={ckpt.BEST_METRIC_KEY: best})
     back = ckpt.load(ckpt.save(state, tmp_path / "c"), like=state)
-    assert ckpt.BEST_METRIC_KEY == policy.BEST_METRIC_KEY == "best_metric"
+    assert ckpt.BEST_METRIC_KEY == tracker.BEST_METRIC_KEY == "best_metric"
     assert (back.extras["best_metric"].value.item(), back.extras["best_metric"].step.item()) == (0.25, 3)
 
 

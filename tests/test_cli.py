@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -15,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from trainfold import ckpt as checkpoint
-from trainfold.__main__ import ConfigError, apply_overrides, load_config, main, split_resume
+from trainfold.__main__ import ConfigError, main, read_config, split_resume
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,6 +44,7 @@ PLAIN = {
         "report_to": ["jsonl"],
     },
 }
+SOURCES = [("run.toml", TOML), ("run.json", json.dumps(PLAIN)), ("run.yaml", "YAML"), ("run.yml", "YAML")]
 YAML = """
 model: {type: tinylm, config: {d_model: 16, n_layers: 1, n_heads: 2, max_len: 32}}
 data: {train: stdlib, seq_len: 32, max_bytes: 20000}
@@ -59,6 +59,7 @@ args:
 
 def write(folder: Path, name: str, text: str, out: Path | None = None) -> Path:
     path = folder / name
+    text = YAML if text == "YAML" else text
     path.write_text(text.replace("OUT", str(out or folder / "out")))
     return path
 
@@ -73,15 +74,27 @@ def cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
 # -- formats, help ---------------------------------------------------------------------------------
 
 
+def tables(*argv: str) -> dict:
+    """The config's three tables as the train command reads them (the unset [model]/[data] keys left out)."""
+    config = read_config(list(argv))
+    return {t: config[t] for t in ("model", "data", "args")}
+
+
 def test_toml_json_and_yaml_configs_read_the_same(tmp_path):
-    configs = [
-        load_config(write(tmp_path, "run.toml", TOML)),
-        load_config(write(tmp_path, "run.json", json.dumps(PLAIN))),
-    ]
-    if importlib.util.find_spec("yaml") is not None:  # YAML needs pyyaml (installed with the test environment)
-        configs += [load_config(write(tmp_path, "run.yaml", YAML)), load_config(write(tmp_path, "run.yml", YAML))]
+    configs = [tables("--config", str(write(tmp_path, name, text))) for name, text in SOURCES]
     expected = json.loads(json.dumps(PLAIN).replace("OUT", str(tmp_path / "out")))
+    expected["data"]["eval_fraction"] = 0.03  # the [data] table's default, filled in by the parser
     assert all(c == expected for c in configs)
+
+
+def test_print_config_shows_the_merged_config_which_reads_back_the_same(tmp_path, capsys):
+    config = str(write(tmp_path, "run.toml", TOML))
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--config", config, "--set", "args.max_steps=7", "--print_config"])
+    assert done.value.code == 0
+    printed = write(tmp_path, "printed.yaml", capsys.readouterr().out)
+    assert tables("--config", str(printed)) == tables("--config", config, "--args.max_steps=7")
+    assert tables("--config", str(printed))["args"]["max_steps"] == 7
 
 
 def test_a_json_config_trains(tmp_path, capsys):
@@ -115,26 +128,43 @@ def test_help_documents_the_config_format_with_an_example(capsys):
 # -- --set -----------------------------------------------------------------------------------------
 
 
-def test_set_overrides_nest_and_parse_literals():
-    config = apply_overrides(
-        PLAIN,
+def test_set_overrides_nest_and_parse_literals(tmp_path):
+    config = read_config(
         [
+            "--config",
+            str(write(tmp_path, "run.json", json.dumps(PLAIN))),
+            "--set",
             "args.max_steps=10",
+            "--set",
             "args.learning_rate=1e-3",
+            "--set",
             'args.report_to=["jsonl"]',
-            "args.output_dir=runs/x",
+            "--set=args.output_dir=runs/x",
+            "--set",
             "args.disable_tqdm=true",
-            "args.run_name='7'",
+            "--set",
+            "args.save_strategy=no",
+            "--set",
             "args.eval_steps=null",
+            "--set",
             "model.config.d_model=8",
+            "--data.seq_len=16",  # jsonargparse's own spelling of the same
+            "--set",
             "resume_from_checkpoint=true",
-        ],
+        ]
     )
     assert config["args"]["max_steps"] == 10 and config["args"]["learning_rate"] == 1e-3
     assert config["args"]["report_to"] == ["jsonl"] and config["args"]["output_dir"] == "runs/x"
-    assert config["args"]["disable_tqdm"] is True and config["args"]["run_name"] == "7"
-    assert config["args"]["eval_steps"] is None and config["model"]["config"]["d_model"] == 8
-    assert config["resume_from_checkpoint"] is True and PLAIN["args"]["max_steps"] == 2  # the input is unchanged
+    assert config["args"]["disable_tqdm"] is True and config["args"]["save_strategy"] == "no"  # not YAML's False
+    assert config["args"]["eval_steps"] is None
+    assert config["model"]["config"] == {**PLAIN["model"]["config"], "d_model": 8}
+    assert config["data"]["seq_len"] == 16 and config["resume_from_checkpoint"] is True
+    assert PLAIN["args"]["max_steps"] == 2
+
+
+def test_a_set_after_the_config_wins_wherever_it_is_written(tmp_path):
+    config = str(write(tmp_path, "run.toml", TOML))
+    assert tables("--set", "args.max_steps=9", "--config", config)["args"]["max_steps"] == 9
 
 
 def test_set_runs_with_the_override(tmp_path, capsys):
@@ -159,10 +189,18 @@ def test_set_runs_with_the_override(tmp_path, capsys):
 
 def test_bad_set_items_are_named():
     with pytest.raises(ConfigError) as err:
-        apply_overrides(PLAIN, ["max_steps=10", "args.max_steps", "args.max_steps.x=1", "learnig_rate=1"])
+        read_config(["--set", "max_steps=10", "--set", "args.max_steps", "--set", "learnig_rate=1"])
     text = str(err.value)
     assert "--set args.max_steps=..." in text and "must be key=value" in text
-    assert "args.max_steps is 2, not a table" in text and "did you mean args.learning_rate?" in text
+    assert "did you mean args.learning_rate?" in text
+
+
+def test_a_value_of_the_wrong_type_for_a_typed_table_is_named(tmp_path):
+    config = str(write(tmp_path, "run.toml", TOML))
+    with pytest.raises(ConfigError, match=r"data\.seq_len"):
+        read_config(["--config", config, "--set", "data.seq_len=long"])
+    with pytest.raises(ConfigError, match=r"unrecognized arguments: --model.layers=2"):
+        read_config(["--config", config, "--set", "model.layers=2"])
 
 
 # -- resume_from_checkpoint in the config ------------------------------------------------------------
@@ -209,13 +247,14 @@ def test_config_errors_are_printed_together_and_exit_2(tmp_path, capsys):
         ("run.json", '{"args": ', "is not valid JSON"),
         ("run.ini", "", "extension '.ini'"),
         ("run3.toml", "[args\n", "is not valid TOML"),
-        ("run4.toml", "[other]\n", "unknown ['other']"),
+        ("run4.toml", "[other]\nx = 1\n", "'other.x' is not accepted"),
+        ("run5.json", '{"model": {}}', "required: args"),
     ]:
         assert main(["train", "--config", str(write(tmp_path, name, text))]) == 2
         assert needle in capsys.readouterr().err, name
     assert main(["train", "--config", str(tmp_path / "missing.toml")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    assert main(["train", "--config", str(write(tmp_path, "run5.toml", TOML)), "--resume", str(tmp_path / "nope")]) == 2
+    assert main(["train", "--config", str(write(tmp_path, "run6.toml", TOML)), "--resume", str(tmp_path / "nope")]) == 2
     assert "--resume" in capsys.readouterr().err
 
 
@@ -296,14 +335,14 @@ def test_sigterm_then_resume_continues_bitwise(tmp_path):
     assert losses(stopped) == losses(straight)  # every step's logged loss, the resumed ones included
 
 
-def test_the_config_reader_is_its_own_module_and_the_cli_uses_it():
+def test_the_config_reader_is_its_own_module_and_the_cli_uses_it(tmp_path):
     import trainfold.__main__ as cli
     from trainfold import run_config
 
-    assert cli.ConfigError is run_config.ConfigError and cli.load_config is run_config.load_config
+    assert cli.ConfigError is run_config.ConfigError and cli.read_config is run_config.read_config
     assert sorted(run_config.CONFIG_KINDS) == [".json", ".toml", ".yaml", ".yml"]
     with pytest.raises(run_config.ConfigError, match=r"has the extension '\.ini'; use one of \['\.json'"):
-        run_config.load_config("run.ini")
+        run_config.read_config(["--config", str(write(tmp_path, "run.ini", TOML))])
 
 
 # -- configuration errors exit 2 without a traceback; pretrained models and datasets' local files ---------

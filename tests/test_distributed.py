@@ -41,7 +41,8 @@ from trainfold.distributed.distributed import (
     shard_bounds,
 )
 from trainfold.evaluation import evaluate_sharded, gather_rows, predict_sharded
-from trainfold.evaluation.evaluation import evaluate, predict
+from trainfold.evaluation.evaluation import evaluate_batches as evaluate
+from trainfold.evaluation.evaluation import predict_batches as predict
 from trainfold.evaluation.reducers import pad_concat
 from trainfold.optim import adamw
 from trainfold.step import make_step

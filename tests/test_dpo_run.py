@@ -262,7 +262,7 @@ def test_a_generic_objective_is_evaluated_too(tmp_path):
 
 
 def test_eval_errors_name_the_fix(tmp_path):
-    from trainfold.evaluation.evaluation import evaluate as evaluate_batches
+    from trainfold.evaluation.evaluation import evaluate_batches
 
     batch = preference_collate(EOS)(random_pairs(0, 2, vocab=32))
     model = tiny_llama(0, vocab=32)

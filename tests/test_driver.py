@@ -184,9 +184,9 @@ def test_the_step_variants_never_import_make_step_nor_each_other_backwards():
             node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
         } | {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert not any("trainfold.step.make" in mods for name, mods in imported.items() if name not in ("__init__",))
-    variants = {"trainfold.step.eager", "trainfold.step.compiled", "trainfold.step.sharded"}
+    variants = {"trainfold.step.eager", "trainfold.step.compiled", "trainfold.step.fsdp"}
     assert not imported["driver"] & variants
-    assert "trainfold.step.compiled" not in imported["eager"] | imported["sharded"]
+    assert "trainfold.step.compiled" not in imported["eager"] | imported["fsdp"]
 
 
 # -- properties -----------------------------------------------------------------------------------------------

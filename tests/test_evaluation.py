@@ -15,10 +15,10 @@ from trainfold.core.state import init_state
 from trainfold.evaluation.evaluation import (
     EvalPrediction,
     check_metrics,
-    evaluate,
-    predict,
     prefix_metrics,
 )
+from trainfold.evaluation.evaluation import evaluate_batches as evaluate
+from trainfold.evaluation.evaluation import predict_batches as predict
 from trainfold.optim import sgd
 
 VOCAB = 16

@@ -13,6 +13,7 @@ from trainfold import TrainingArguments, train
 from trainfold.ckpt import policy
 from trainfold.data import loaders, samplers
 from trainfold.evaluation import schedule as eval_schedule
+from trainfold.evaluation.best import greater_is_better_for
 from trainfold.hf import args as hf_args
 from trainfold.hf.evaluating import eval_plan_for
 from trainfold.hf.extras import BEST, run_extras
@@ -172,7 +173,7 @@ def test_extras_hold_one_record_per_owner(fp16, tokens, metric):
     assert (observers.TOKENS_SEEN in extras) is tokens and ("grad_scaler" in extras) is fp16
     assert (BEST in extras) is (metric is not None)
     if metric is not None:
-        assert bool(extras[BEST].greater_is_better) is policy.greater_is_better_for(metric)
+        assert bool(extras[BEST].greater_is_better) is greater_is_better_for(metric)
 
 
 # -- errors --------------------------------------------------------------------------------------------

@@ -21,7 +21,15 @@ def loaded_after(code: str) -> list[str]:
 
 
 def test_import_trainfold_loads_no_layer_and_not_torch():
-    assert loaded_after("import trainfold") == ["trainfold", "trainfold.core", "trainfold.core.version"]
+    assert loaded_after("import trainfold") == ["trainfold"]
+
+
+def test_the_version_is_read_from_the_package_metadata_when_asked():
+    probe = "import sys, trainfold; print('importlib.metadata' in sys.modules, trainfold.__version__)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    from trainfold.core.version import library_version
+
+    assert done.stdout.split() == ["False", library_version()]  # importlib.metadata: ~0.1-0.3 s, paid on use
 
 
 def test_import_trainfold_works_where_posix_only_modules_do_not_exist():
@@ -56,3 +64,12 @@ def test_the_package_ships_its_type_information_marker():
     import importlib.resources
 
     assert importlib.resources.files("trainfold").joinpath("py.typed").is_file()
+
+
+def test_train_loads_neither_dtensor_nor_transformers_until_a_run_needs_them():
+    """``torch.distributed.tensor`` (FSDP's DTensor, ~1 s with sympy) is imported by a sharded run alone."""
+    loaded = loaded_after("from trainfold import train")
+    assert "trainfold.hf.train" in loaded
+    assert [
+        m for m in loaded if m.startswith(("torch.distributed.tensor", "transformers", "trainfold.step.sharded"))
+    ] == []

@@ -24,10 +24,11 @@ def rows(**row):
     return [dict(row) for _ in range(8)]
 
 
-def run(tmp_path, dataset=ROWS, *, on=None, **kwargs):
+def run(tmp_path, dataset=ROWS, *, on=None, args_as_dict=False, **kwargs):
     settings = dict(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2, report_to="none")
     settings |= dict(disable_tqdm=True, save_strategy="no", **kwargs.pop("args", {}))
-    return train(on if on is not None else model(), TrainingArguments(**settings), dataset, **kwargs)
+    args = settings if args_as_dict else TrainingArguments(**settings)
+    return train(on if on is not None else model(), args, dataset, **kwargs)
 
 
 def a_file(tmp_path):
@@ -121,6 +122,28 @@ CASES = {
         ValueError,
         r"metric_for_best_model='accuracy', but without compute_metrics evaluation reports only the loss; pass "
         r"compute_metrics=fn .*\{'accuracy': value\}\), or metric_for_best_model='loss'",
+    ),
+    "rows that are lists": (
+        dict(dataset=[[1, 2, 3, 4]] * 8),
+        TypeError,
+        r"train_dataset\[0\] is a list .*: a list: name its columns, \{'input_ids': \[...\], 'labels': \[...\]\}",
+    ),
+    "eval rows that are text": (
+        dict(args=dict(eval_strategy="steps", eval_steps=1), eval_dataset=["hello"] * 4),
+        TypeError,
+        r"eval_dataset\[0\] is a str \('hello'\): it is text: tokenize it first",
+    ),
+    "an empty dataset": (dict(dataset=[]), ValueError, r"train_dataset is empty \(0 rows\); pass the rows to train on"),
+    "no dataset": (dict(dataset=None), TypeError, r"train_dataset is None; pass the rows to train on"),
+    "args given as a dict": (
+        dict(args_as_dict=True),
+        TypeError,
+        r"args is a dict, not TrainingArguments; pass trainfold.TrainingArguments\(\*\*settings\)",
+    ),
+    "a function instead of a module": (
+        dict(on=lambda input_ids: input_ids),
+        TypeError,
+        r"model is a function, not a torch.nn.Module; pass the module whose parameters train",
     ),
 }
 

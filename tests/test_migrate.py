@@ -172,19 +172,18 @@ def test_a_moved_name_still_imports_from_its_old_module_with_a_deprecation_warni
         from trainfold.losses import no_such_name  # noqa: F401
 
 
-def test_make_rollout_takes_the_old_keyword_with_a_warning():
+def test_make_rollout_steps_per_generation_is_trls_micro_steps():
     from trainfold.grpo import make_rollout
 
     model = torch.nn.Linear(2, 2)
     common = dict(encode=list, decode=list, num_generations=2, max_new_tokens=2)
-    with pytest.warns(DeprecationWarning, match="renamed optimizer_steps_per_generation"):
-        old = make_rollout(model, lambda completions, **_: [0.0] * len(completions), steps_per_generation=3, **common)
-    assert old.optimizer_steps_per_generation == 3
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        new = make_rollout(model, lambda completions, **_: [0.0], optimizer_steps_per_generation=3, **common)
-    assert new.optimizer_steps_per_generation == 3
-    with pytest.raises(TypeError, match="pass only optimizer_steps_per_generation"):
+        warnings.simplefilter("error")  # one unit with the run's (TRL's): no longer a deprecated alias
+        micro = make_rollout(model, lambda completions, **_: [0.0] * len(completions), steps_per_generation=3, **common)
+        steps = make_rollout(model, lambda completions, **_: [0.0], optimizer_steps_per_generation=3, **common)
+    assert (micro.steps_per_generation, micro.optimizer_steps_per_generation) == (3, None)
+    assert (steps.steps_per_generation, steps.optimizer_steps_per_generation) == (None, 3)
+    with pytest.raises(TypeError, match="pass one"):
         make_rollout(model, len, steps_per_generation=2, optimizer_steps_per_generation=3, **common)
 
 
@@ -396,6 +395,69 @@ def test_the_migrated_classification_script_changes_8_lines_and_trains_as_the_tr
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "tf" / "checkpoint-4").pad_token_id == 1
 
 
+def _script(name):
+    return runpy.run_path(str(EXAMPLES / f"{name}.py"), run_name=f"migration_{name}")
+
+
+def _added_lines(before, after):
+    diff = difflib.unified_diff(_code_lines(EXAMPLES / before), _code_lines(EXAMPLES / after), lineterm="", n=0)
+    return [line for line in diff if line.startswith("+") and not line.startswith("+++")]
+
+
+def _write_rows(path, kind):
+    g = torch.Generator().manual_seed(0)
+    say = lambda: " ".join(f"w{int(i)}" for i in torch.randint(0, 59, (int(torch.randint(1, 5, (), generator=g)),)))
+    if kind == "dpo":
+        rows = [{"prompt": say(), "chosen": " " + say(), "rejected": " " + say()} for _ in range(16)]
+    else:
+        rows = [{"prompt": say(), "completion": " " + say()} for _ in range(16)]
+    path.mkdir()
+    (path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.mark.parametrize(
+    ("kind", "trainer", "extra"), [("dpo", "DPOTrainer", ["--beta", "0.2"]), ("sft", "SFTTrainer", [])]
+)
+def test_trls_example_script_migrates_in_8_changed_lines_with_trls_per_step_losses(
+    tmp_path, monkeypatch, kind, trainer, extra
+):
+    import trl
+    from tiny_chat import llama, word_tokenizer
+
+    assert len(_added_lines(f"trl_{kind}.py", f"trainfold_{kind}.py")) <= 8
+    llama().save_pretrained(tmp_path / "model")
+    word_tokenizer(None).save_pretrained(tmp_path / "model")
+    _write_rows(tmp_path / "data", kind)
+    argv = ["--model_name_or_path", str(tmp_path / "model"), "--dataset_name", str(tmp_path / "data"), *extra]
+    argv += ["--max_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    argv += ["--learning_rate", "1e-2", "--logging_steps", "1", "--seed", "3", "--use_cpu", "true"]
+    argv += ["--bf16", "false", "--gradient_checkpointing", "false", "--report_to", "none", "--save_strategy", "no"]
+    losses = {}
+    trl_train, tf_train = getattr(trl, trainer).train, getattr(trainfold, kind).train
+
+    def recorded_trl(self, *a, **kw):
+        out = trl_train(self, *a, **kw)
+        losses["trl"] = [h["loss"] for h in self.state.log_history if "loss" in h and "train_loss" not in h]
+        return out
+
+    def recorded_trainfold(*a, **kw):
+        result = tf_train(*a, **kw)
+        losses["trainfold"] = [h["loss"] for h in result.log_history if "loss" in h and "train_loss" not in h]
+        return result
+
+    monkeypatch.setattr(getattr(trl, trainer), "train", recorded_trl)
+    monkeypatch.setattr(getattr(trainfold, kind), "train", recorded_trainfold)
+    for name in (f"trl_{kind}", f"trainfold_{kind}"):
+        script = _script(name)
+        parsed = script["make_parser"]().parse_args_and_config([*argv, "--output_dir", str(tmp_path / name)])
+        script["main"](*parsed)
+        assert (tmp_path / name / "model.safetensors").is_file()
+    assert len(losses["trainfold"]) == 4
+    if kind == "dpo":  # the first step's reference is the policy itself: every pair's loss is ln 2
+        assert losses["trainfold"][0] == pytest.approx(0.6931472, rel=1e-6)
+    assert losses["trainfold"] == pytest.approx(losses["trl"], rel=1e-5)  # as tests/test_{dpo,sft}_train's runs
+
+
 # -- 6. PEFT ------------------------------------------------------------------------------------------------------
 
 
@@ -505,11 +567,20 @@ def test_the_refusal_of_another_runs_directory_names_a_fix_a_transformers_5_scri
     ("fsdp", "expected"), [("full_shard", ("full_shard",)), ("full_shard auto_wrap", ("full_shard",))]
 )
 def test_transformers_5s_fsdp_true_and_its_filled_in_config_convert(fsdp, expected):
+    from trainfold.step.fsdp import FullShard
+
     hf = transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp=fsdp)
     assert hf.fsdp is True and hf.fsdp_config["reshard_after_forward"] is True  # what transformers 5 makes of it
     assert (TrainingArguments.from_hf(hf).fsdp, TrainingArguments.from_hf(hf).full_shard) == ("full_shard", True)
-    with pytest.raises(ValueError, match="fsdp='shard_grad_op' is not supported"):
-        TrainingArguments.from_hf(transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp="shard_grad_op"))
+    assert TrainingArguments.from_hf(hf).fsdp_config == {"reshard_after_forward": True}  # the rest: transformers'
+    assert TrainingArguments.from_hf(hf).fsdp_plan == FullShard()
+    grad_op = transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp="shard_grad_op")
+    assert not TrainingArguments.from_hf(grad_op).fsdp_plan.reshard_after_forward  # fully_shard's SHARD_GRAD_OP
+    offload = transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp=f"{fsdp} offload")
+    assert TrainingArguments.from_hf(offload).fsdp_plan.offload
+    layers = {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    named = transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp=fsdp, fsdp_config=layers)
+    assert TrainingArguments.from_hf(named).fsdp_plan.layer_classes == ("LlamaDecoderLayer",)
     custom = transformers.TrainingArguments(output_dir="o", use_cpu=True, fsdp=fsdp, fsdp_config={"min_num_params": 9})
-    with pytest.raises(TypeError, match="fsdp_config="):
+    with pytest.raises(ValueError, match=r"fsdp_config\['min_num_params'\]=9 is not supported"):
         TrainingArguments.from_hf(custom)

@@ -68,7 +68,21 @@ def test_padding_free_batches_equal_transformers_flattening():
     theirs = transformers.DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)(rows)
     for key in ("input_ids", "labels", "position_ids"):
         assert ours[key].tolist() == theirs[key].tolist()
-    assert ours["use_cache"] is False and "attention_mask" not in ours
+    assert "attention_mask" not in ours and "use_cache" not in ours  # the step and evaluation turn the cache off
+
+
+def test_padding_free_batches_have_exactly_trls_keys_and_values():
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    rows = documents([4, 1, 6])
+    ours = padding_free_collate()(rows)
+    theirs = DataCollatorForLanguageModeling(pad_token_id=0, padding_free=True)(rows)
+    assert list(ours) == list(theirs)
+    for key, value in theirs.items():
+        if isinstance(value, torch.Tensor):
+            assert ours[key].dtype == value.dtype and torch.equal(ours[key], value), key
+        else:
+            assert ours[key] == value, key
 
 
 # -- a packed step is the unpacked step --------------------------------------------------------------
@@ -86,7 +100,7 @@ def llama(attn: str):
         max_position_embeddings=64,
         attn_implementation=attn,
     )
-    return transformers.LlamaForCausalLM(cfg)  # use_cache=True, as shipped: the collators turn it off
+    return transformers.LlamaForCausalLM(cfg)  # use_cache=True, as shipped: the step and evaluation turn it off
 
 
 def gpt2():
@@ -107,6 +121,23 @@ def gpt2():
 
 
 MODELS = {"llama-sdpa": lambda: llama("sdpa"), "llama-eager": lambda: llama("eager"), "gpt2": gpt2}
+
+
+def test_evaluating_padding_free_batches_gives_the_padded_loss_with_the_cache_on_in_the_config():
+    """Evaluation runs with use_cache=False (TRL's compute_loss passes it): a KV cache would drop the per-document
+    masks of the flattened row and let documents attend to each other."""
+    from trainfold.evaluation import evaluate
+
+    model, docs = llama("sdpa"), documents([5, 3, 6, 2])
+    assert model.config.use_cache
+    padded = evaluate(model, None, [pad_collate()(docs)], speed_metrics=False)["eval_loss"]
+    flat_batch = padding_free_collate()(docs)
+    flat = evaluate(model, None, [flat_batch], speed_metrics=False)["eval_loss"]
+    assert flat == pytest.approx(padded, rel=1e-5)  # the same token terms, float32 sums in another order
+    with torch.no_grad():  # the cache on: the documents see each other, and the loss moves
+        logits = model(**{k: v for k, v in flat_batch.items() if k != "labels"}, use_cache=True).logits
+    leaked = causal_lm(logits, flat_batch["labels"], causal_lm.count_items(flat_batch["labels"])).item()
+    assert leaked != pytest.approx(padded, rel=1e-3)
 
 
 def one_step(model, batch):

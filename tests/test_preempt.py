@@ -18,8 +18,9 @@ import torch
 
 from trainfold.ckpt import checkpoint_path, list_checkpoints, load, read_metadata, save
 from trainfold.ckpt.policy import rotate
-from trainfold.ckpt.preempt import EXIT_PREEMPTED, Preemption, exit_status, jit_checkpoint, preemption_guard
+from trainfold.ckpt.writer import jit_checkpoint
 from trainfold.core.fold import any_of, fit, trajectory
+from trainfold.core.preempt import EXIT_PREEMPTED, Preemption, exit_status, preemption_guard
 from trainfold.core.state import init_state, scalar
 from trainfold.core.tree import flatten
 from trainfold.optim import sgd
@@ -44,7 +45,8 @@ TRAIN = SETUP + textwrap.dedent(
     """
     import sys, time
     from trainfold.ckpt import checkpoint_path, save
-    from trainfold.ckpt.preempt import EXIT_PREEMPTED, jit_checkpoint, preemption_guard
+    from trainfold.ckpt.writer import jit_checkpoint
+    from trainfold.core.preempt import EXIT_PREEMPTED, preemption_guard
     from trainfold.core.fold import trajectory
     torch.set_num_threads(1)
     out = sys.argv[1]
@@ -405,7 +407,7 @@ SETUP_SIGNAL = textwrap.dedent(
     import os, signal, sys
     sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
     import resume_runs
-    from trainfold.ckpt.preempt import exit_status
+    from trainfold.core.preempt import exit_status
 
     class SignalOnLen(resume_runs.ListDataset):
         sent = False

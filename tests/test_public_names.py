@@ -312,6 +312,9 @@ MOVED = {
     ("losses", "dpo"): ("dpo", "dpo_loss"),
     ("losses", "dpo_loss_errors"): ("dpo", "dpo_loss_errors"),
     ("losses", "DPO_LOSS_TYPES"): ("dpo", "LOSS_TYPES"),
+    # one meaning per public name: ``trainfold.evaluate``/``predict`` are the run-level ones
+    ("evaluation", "evaluate"): ("evaluation", "evaluate_batches"),
+    ("evaluation", "predict"): ("evaluation", "predict_batches"),
 }
 
 
@@ -330,10 +333,10 @@ def test_an_old_module_name_offers_every_name_it_exported(module):
 
 
 def test_a_moved_name_is_the_same_object_as_in_the_module_that_owns_it():
-    from trainfold.recipes.dpo_loss import dpo
+    from trainfold.recipes.dpo_loss import dpo_loss
     from trainfold.recipes.grpo_data import generation_batches
 
-    assert trainfold.dpo.dpo_loss is dpo
+    assert trainfold.dpo.dpo_loss is dpo_loss
     assert trainfold.grpo.generation_batches is generation_batches
 
 
@@ -344,3 +347,68 @@ def test_no_subpackage_is_named_after_a_builtin_or_a_build_folder():
     names = {m.name for m in pkgutil.iter_modules(trainfold.__path__)}
     assert {"distributed", "evaluation"} <= names
     assert sorted(n for n in names if hasattr(builtins, n) or n in {"dist", "build", "eval"}) == []
+
+
+# public names still bound to two objects, each with why it is left for now; fixing one fails the test below
+# until it is taken off this list, and a new double meaning fails it too
+TWO_MEANINGS = {
+    "Layout": "trainfold.ckpt.layout and trainfold.step.sharded_gather (ckpt / step owners)",
+    "fingerprint": "trainfold.ckpt.layout and trainfold.ckpt.run_identity (ckpt owner)",
+    "is_sharded": "trainfold.ckpt.sharded and trainfold.step.sharded (ckpt / step owners)",
+    "load": "trainfold.load and trainfold.ckpt.sharded.load (ckpt owner)",
+    "save": "trainfold.save and trainfold.ckpt.sharded.save (ckpt owner)",
+    "write_bytes": "trainfold.ckpt.atomic and trainfold.ckpt.tensor_file (ckpt owner)",
+    "generate": "the module trainfold.generate and its function generate",
+    "train": "trainfold.train and the runs dpo.train, grpo.train, sft.train (a public API decision)",
+}
+
+
+def public_bindings() -> dict[str, dict[object, list[str]]]:
+    """Every name in the ``__all__`` of trainfold and of each public module, with what each module binds it to."""
+    import importlib
+    import pkgutil
+    import warnings
+
+    names: dict[str, dict[object, list[str]]] = {}
+    modules = ["trainfold"] + [
+        m.name
+        for m in pkgutil.walk_packages(trainfold.__path__, "trainfold.")
+        if not any(part.startswith("_") for part in m.name.split("."))
+    ]
+    for module_name in modules:
+        module = importlib.import_module(module_name)
+        for name in getattr(module, "__all__", ()):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)
+                value = getattr(module, name)
+            key = value if isinstance(value, (str, int, float, tuple, frozenset)) else id(value)
+            names.setdefault(name, {}).setdefault(key, []).append(module_name)
+    return names
+
+
+def test_one_meaning_per_public_name():
+    bindings = public_bindings()
+    doubles = {name: list(by.values()) for name, by in bindings.items() if len(by) > 1}
+    assert sorted(set(doubles) - set(TWO_MEANINGS)) == [], {n: doubles[n] for n in set(doubles) - set(TWO_MEANINGS)}
+    assert sorted(set(TWO_MEANINGS) - set(doubles)) == []  # fixed: take it off TWO_MEANINGS
+    assert bindings["evaluate"] and len(bindings["evaluate"]) == 1  # the run-level evaluate alone
+
+
+def test_a_renamed_name_still_resolves_with_a_warning_naming_its_new_home():
+    from trainfold.evaluation import evaluation
+    from trainfold.hf import dpo_run, plan, resume, run
+    from trainfold.recipes import dpo_loss
+
+    for module, old, new in [
+        (evaluation, "evaluate", "evaluate_batches"),
+        (evaluation, "predict", "predict_batches"),
+        (trainfold.evaluation, "evaluate", "evaluate_batches"),
+        (dpo_loss, "dpo", "dpo_loss"),
+        (dpo_run, "prepare_dataset", "prepare_preference_dataset"),
+        (trainfold.dpo, "prepare_dataset", "prepare_preference_dataset"),
+        (run, "save", "save_checkpoint"),
+        (resume, "start", "start_run"),
+        (plan, "Schedule", "RunLength"),
+    ]:
+        with pytest.warns(DeprecationWarning, match=rf"\.{old} moved: use .*\.{new}$"):
+            assert getattr(module, old) is getattr(module, new)

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from trainfold.ckpt import latest_checkpoint, read_metadata
-from trainfold.ckpt.preempt import EXIT_PREEMPTED
+from trainfold.core.preempt import EXIT_PREEMPTED
 from trainfold.testing import compare_results
 
 RUNS = Path(__file__).resolve().parent / "resume_runs.py"

@@ -40,6 +40,7 @@ from trainfold.ckpt import (
     save,
 )
 from trainfold.ckpt.policy import rotate
+from trainfold.ckpt.run_identity import TRAJECTORY, RunSettings
 from trainfold.ckpt.sidecar import sidecar_bytes
 from trainfold.core.state import init_state, scalar
 from trainfold.core.tree import flatten
@@ -169,8 +170,10 @@ def test_a_run_continued_for_more_steps_is_the_same_run_with_a_warning(tmp_path)
 
 
 def test_the_fingerprint_covers_every_trajectory_setting_not_seven():
-    base = args_for(Path("x")).to_dict() | {"world_size": 1}
-    fp = run_dir.fingerprint(base)
+    def fp(**changes):
+        return run_dir.fingerprint(RunSettings.of(args_for(Path("x")).replace(**changes), world_size=1))
+
+    base = fp()
     for key, value in [
         ("learning_rate", 0.5),
         ("weight_decay", 0.0),
@@ -181,7 +184,7 @@ def test_the_fingerprint_covers_every_trajectory_setting_not_seven():
         ("bf16", True),
         ("warmup_steps", 3),
     ]:
-        assert run_dir.fingerprint({**base, key: value}) != fp, key
+        assert fp(**{key: value}) != base, key
     for key, value in [
         ("logging_steps", 7),
         ("save_steps", 9),
@@ -191,8 +194,23 @@ def test_the_fingerprint_covers_every_trajectory_setting_not_seven():
         ("overwrite_output_dir", True),
         ("max_steps", 30),
     ]:
-        assert run_dir.fingerprint({**base, key: value}) == fp, key
-    assert run_dir.fingerprint(base, {"params.w": [[2], "torch.float32"]}) != fp  # the model is part of it
+        assert fp(**{key: value}) == base, key
+    settings = RunSettings.of(args_for(Path("x")), world_size=1)
+    assert run_dir.fingerprint(settings, {"params.w": [[2], "torch.float32"]}) != base  # the model is part of it
+
+
+def test_each_setting_declares_on_its_field_whether_it_changes_the_trajectory():
+    fields = {f.name: f.metadata.get(TRAJECTORY, True) for f in attrs.fields(TrainingArguments)}
+    assert fields["logging_steps"] is False and fields["save_steps"] is False and fields["fsdp"] is False
+    assert fields["max_steps"] == fields["num_train_epochs"] == "length"
+    assert fields["learning_rate"] is True and fields["gradient_accumulation_steps"] == "samples"
+    assert fields["seed"] == fields["dataloader_drop_last"] == "samples"
+    settings = RunSettings.of(args_for(Path("x")), world_size=1)
+    assert "logging_steps" not in settings.trajectory() and "max_steps" not in settings.trajectory()
+    assert settings.trajectory()["world_size"] == 1 and "world_size" in settings.samples  # an extra setting
+    assert settings.differences({**settings.values, "logging_steps": 1, "seed": 3}) == [
+        f"seed: 3 there, {settings.values['seed']!r} here"
+    ]
 
 
 # -- 1. the lock ---------------------------------------------------------------------------------------
@@ -246,7 +264,6 @@ def test_jit_at_a_saved_step_keeps_that_checkpoint_and_marks_it(tmp_path, monkey
         return path
 
     monkeypatch.setattr("trainfold.ckpt.writer.save", counting_save)
-    monkeypatch.setattr("trainfold.ckpt.preempt.save", counting_save)
     sent = []
 
     def preempt_at_4(s):

@@ -1,4 +1,4 @@
-"""Sharded training on gloo: 2 ranks holding DTensor shards train as 1 process, in about half the memory.
+"""FSDP2 on gloo: 2 ranks of a ``fully_shard`` module (lent state: its DTensor shards) train as 1 process.
 
 Run as a script, this file is the worker of the 2-process tests::
 
@@ -81,8 +81,22 @@ def batch(step: int, rank: int, world: int) -> list[dict[str, torch.Tensor]]:
 
 def run(step, state: TrainState, rank: int, world: int) -> TrainState:
     for s in range(STEPS):
-        state = step(state, batch(s, rank, world))
+        state = step(state, batch(s, rank, world), donate=True)
     return state
+
+
+def sharded_net(net, mesh):
+    """``net`` wrapped with fully_shard per block, then the root (what fsdp='full_shard' does)."""
+    from trainfold.step.fsdp import fully_shard_model
+
+    return fully_shard_model(net, mesh)
+
+
+def gathered(state):
+    """The state with every DTensor as its full tensor (a collective: every rank calls it)."""
+    from trainfold.core.tree import map_tensors
+
+    return map_tensors(lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t, state)
 
 
 def tensors(state: TrainState) -> dict[str, torch.Tensor]:
@@ -104,7 +118,7 @@ def _grad_bytes(opt: GradientTransformation, seen: list[int]) -> GradientTransfo
         seen.append(_local_bytes(grads))
         return grads, state
 
-    return chain(GradientTransformation(init=lambda params: None, update=tap, keeps_state=False), opt)
+    return chain(GradientTransformation(init=lambda params: (), update=tap), opt)
 
 
 def rows(n: int = 16) -> list[dict]:
@@ -142,22 +156,25 @@ def train_args(out: Path, **over) -> TrainingArguments:
 
 def _worker(out: Path, case: str) -> None:
     import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Shard, distribute_tensor
 
+    from trainfold.ckpt.sharded import is_sharded
     from trainfold.distributed.distributed import group_timeout, process_group_collective
-    from trainfold.step import sharded
+    from trainfold.step.fsdp import make_mesh
 
     dist.init_process_group("gloo", timeout=group_timeout())  # TRAINFOLD_DIST_TIMEOUT=5 for the error cases
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = sharded.make_mesh()
+    mesh, collective = make_mesh(), process_group_collective()
     if case.startswith("raise"):  # rank 1 fails inside a step; rank 0 must not wait for it forever
-        net = model()
-        state = sharded.shard_state(init_state(net, optimizer()), mesh)
-        step = make_step(net, causal_lm, optimizer(), sharding=mesh)
+        net = sharded_net(model(), mesh)
+        state = init_state(net, optimizer(), copy=False)
+        step = make_step(net, causal_lm, optimizer(), collective=collective)
         bad = batch(0, rank, world)
         if rank == 1:
             bad = [{"input_ids": b["input_ids"]} for b in bad]  # no labels: a KeyError on this rank only
         try:
-            step(state, bad)
+            step(state, bad, donate=True)
         except KeyError:
             if case == "raise-alive":  # rank 1 lives on outside the step (a notebook that caught it)
                 time.sleep(240)
@@ -166,36 +183,32 @@ def _worker(out: Path, case: str) -> None:
     results: dict = {}
     cases = (("plain", 0.0, False, linear), ("dropout", 0.1, False, linear), ("recompute", 0.1, True, linear))
     for name, dropout, recompute, opt in cases:
-        net, grads = model(dropout), []
-        state = sharded.shard_state(init_state(net, opt(), seed=3), mesh)
-        step = make_step(net, causal_lm, _grad_bytes(opt(), grads), sharding=mesh, gradient_checkpointing=recompute)
-        assert sharded.is_sharded(state)
-        with sharded.gathered_bytes() as peak:
-            state = run(step, state, rank, world)
-        assert sharded.is_sharded(state) and str(state.params["tok.weight"].placements) == "(Shard(dim=0),)"
-        save_file(tensors(sharded.gather_state(state)), out / f"{name}-{rank}.safetensors")
+        net, grads = sharded_net(model(dropout), mesh), []
+        state = init_state(net, opt(), seed=3, copy=False)
+        step = make_step(
+            net, causal_lm, _grad_bytes(opt(), grads), collective=collective, gradient_checkpointing=recompute
+        )
+        state = run(step, state, rank, world)
+        assert is_sharded(state) and str(state.params["tok.weight"].placements) == "(Shard(dim=0),)"
+        save_file(tensors(gathered(state)), out / f"{name}-{rank}.safetensors")
         results[name] = {
             "state_bytes": _local_bytes(state.params) + _local_bytes(state.opt_state),
             "grad_bytes": max(grads),
-            "gathered_peak": peak[0],
         }
     trained = model()
     res = train(
         trained, train_args(out / "train", fsdp="full_shard", **LINEAR), rows(), rows(6), data_collator=pad_collate()
     )
-    assert sharded.is_sharded(res.state)
-    full = sharded.gather_state(res.state)  # a collective: every rank
-    save_file(
-        {**tensors(full), **{f"module.{k}": v.detach().clone() for k, v in trained.named_parameters()}},
-        out / f"train-{rank}.safetensors",
-    )
+    assert isinstance(trained, FSDPModule) and is_sharded(res.state)  # the module is torch's FSDP2 module
+    assert all(res.state.params[k] is p for k, p in trained.named_parameters())  # lent: its own DTensors
+    save_file(tensors(gathered(res.state)), out / f"train-{rank}.safetensors")
     (out / f"train-{rank}.json").write_text(json.dumps([h for h in res.log_history if "eval_loss" in h]))
-    net = model(0.1)  # trainfold's data parallelism: the replicated reference with the same dropout masks
-    ddp = make_step(net, causal_lm, linear(), collective=process_group_collective())
+    net = model(0.1)  # data parallelism: the replicated reference with the same dropout masks
+    ddp = make_step(net, causal_lm, linear(), collective=collective)
     save_file(tensors(run(ddp, init_state(net, linear(), seed=3), rank, world)), out / f"ddp-{rank}.safetensors")
     poisoned = torch.zeros(4, 2)
     poisoned[3, 0] = float("nan")  # on rank 1's shard only
-    results["nonfinite"] = nonfinite_params(sharded.shard_state(TrainState({"w": poisoned}, {}, None), mesh).params)
+    results["nonfinite"] = nonfinite_params({"w": distribute_tensor(poisoned, mesh, [Shard(0)])})
     (out / f"bytes-{rank}.json").write_text(json.dumps(results))
     # a group left to static destruction can abort the process at exit under gloo ("terminate called without
     # an active exception", after every result was written): the worker that opened it closes it
@@ -294,8 +307,6 @@ def test_train_with_fsdp_full_shard_under_torchrun_matches_one_process(ranks, tm
     )
     for k in one.state.params:  # 2 ranks, another summation order: within the derived bound (tests/tolerance.py)
         assert_within(two[f"params.{k}"], ref[f"params.{k}"], bound[k], rtol, k)
-    for k in one.state.params:  # the module holds the gathered weights afterwards, as after HF's train()
-        assert torch.equal(two[f"module.{k}"], two[f"params.{k}"]), k
     evals = [json.loads((ranks / f"train-{r}.json").read_text()) for r in range(WORLD)]
     expected = [h for h in one.log_history if "eval_loss" in h]
     assert evals[0] == evals[1] and [e["step"] for e in evals[0]] == [e["step"] for e in expected] == [2, 4]
@@ -341,17 +352,6 @@ def test_each_rank_holds_about_half_the_state(ranks):
 def test_every_rank_sees_a_nan_in_another_ranks_shard(ranks):
     got = [json.loads((ranks / f"bytes-{r}.json").read_text())["nonfinite"] for r in range(WORLD)]
     assert got == [["w"], ["w"]]  # a diverged run stops on every rank, not on the one holding the NaN
-
-
-@pytest.mark.slow  # 2 processes under torchrun: one launch for all of these
-def test_one_block_is_gathered_at_a_time(ranks):
-    net = model()
-    blocks = [sum(p.nbytes for p in b.parameters()) for b in net.blocks]
-    root = sum(p.nbytes for p in net.parameters()) - sum(blocks)
-    for r in range(WORLD):
-        got = json.loads((ranks / f"bytes-{r}.json").read_text())
-        assert got["plain"]["gathered_peak"] == root + max(blocks)  # never both blocks: freed after use
-        assert got["recompute"]["gathered_peak"] <= root + max(blocks)
 
 
 @pytest.mark.slow  # a torchrun launch each
@@ -413,149 +413,121 @@ def one_rank_mesh(tmp_path):
     dist.destroy_process_group()
 
 
-def test_shard_and_gather_round_trip_and_a_one_rank_sharded_step_is_the_step(one_rank_mesh):
-    from trainfold.step import sharded
+def test_a_one_rank_fully_shard_step_is_the_step_bitwise_and_donates(one_rank_mesh):
+    from trainfold.core.state import DonatedStateError
 
-    net = model()
-    state = init_state(net, optimizer(), seed=3)
-    shards = sharded.shard_state(state, one_rank_mesh)
-    assert sharded.is_sharded(shards) and not sharded.is_sharded(state)
-    assert type(shards.opt_state[1].count) is torch.Tensor  # counters stay plain
-    back = sharded.gather_state(shards)
-    assert all(torch.equal(back.params[k], state.params[k]) for k in state.params)
-    step = make_step(net, causal_lm, optimizer(), sharding=one_rank_mesh)
-    stepped = sharded.gather_state(step(shards, batch(0, 0, 1)))
-    plain = make_step(net, causal_lm, optimizer())(state, batch(0, 0, 1))
-    _assert_equal(tensors(stepped), tensors(plain))
-    hollow = model().to("meta")  # the step needs only the module's structure: its own weights can go
-    step = make_step(hollow, causal_lm, optimizer(), sharding=one_rank_mesh)
-    again = sharded.gather_state(step(shards, batch(0, 0, 1)))
-    assert torch.equal(again.params["tok.weight"], stepped.params["tok.weight"])
+    net = sharded_net(model(), one_rank_mesh)
+    state = init_state(net, optimizer(), seed=3, copy=False)
+    assert type(state.opt_state[1].count) is torch.Tensor  # counters stay plain
+    step, plain_step = make_step(net, causal_lm, optimizer()), make_step(model(), causal_lm, optimizer())
+    plain = init_state(model(), optimizer(), seed=3)
+    for s in range(3):
+        before, state = state, step(state, batch(s, 0, 1), donate=True)
+        plain = plain_step(plain, batch(s, 0, 1))
+    with pytest.raises(DonatedStateError):
+        before.params["tok.weight"]
+    _assert_equal(tensors(gathered(state)), tensors(plain))
+    assert torch.equal(state.metrics["loss"], plain.metrics["loss"])
 
 
-@pytest.mark.parametrize("opt", ["adamw", "sgd"])  # the local-shard fused update, and the DTensor one
-def test_the_sharded_step_never_touches_its_input_state(one_rank_mesh, opt):
-    from trainfold.optim import sgd
-    from trainfold.step import sharded
-
-    net = model()
-    make = optimizer if opt == "adamw" else lambda: chain(clip_by_global_norm(0.5), sgd(0.1, momentum=0.9))
-    state = sharded.shard_state(init_state(net, make(), seed=3), one_rank_mesh)
-    step = make_step(net, causal_lm, make(), sharding=one_rank_mesh)
-    state = step(state, batch(0, 0, 1))  # moments that are not zeros
-    local = {k: v.to_local() if hasattr(v, "to_local") else v for k, v in flatten(state).items()}
-    before = {k: (v._version, v.clone()) for k, v in local.items()}
-    after = step(state, batch(1, 0, 1))
-    for k, v in local.items():
-        assert v._version == before[k][0] and torch.equal(v, before[k][1]), k
-    assert not torch.equal(
-        sharded.gather_state(after).params["tok.weight"], sharded.gather_state(state).params["tok.weight"]
-    )
-
-
-def test_an_objective_with_a_frozen_reference_runs_the_reference_on_its_own_params(one_rank_mesh):
-    from trainfold.step import sharded
-
-    net = model()
-    reference = {k: v * 0.5 for k, v in init_state(net, optimizer()).params.items()}  # plain, never gathered
+def test_an_objective_with_a_frozen_reference_on_a_fully_shard_module_is_refused_by_name(one_rank_mesh):
+    reference = {k: v * 0.5 for k, v in init_state(model(), optimizer()).params.items()}
 
     def objective(forward, params, micro, n, key):
         logits = forward(params, {"input_ids": micro["input_ids"]})
         with torch.no_grad():
             ref = forward(reference, {"input_ids": micro["input_ids"]})
-        return causal_lm(logits - ref, micro["labels"], n), {"ref_mean": ref.mean() * 0}
+        return causal_lm(logits - ref, micro["labels"], n), {}
 
-    state = init_state(net, optimizer(), seed=3)
-    plain = make_step(net, optimizer=optimizer(), objective=objective)(state, batch(0, 0, 1))
-    step = make_step(net, optimizer=optimizer(), objective=objective, sharding=one_rank_mesh)
-    shards = step(sharded.shard_state(state, one_rank_mesh), batch(0, 0, 1))
-    _assert_equal(tensors(sharded.gather_state(shards)), tensors(plain))
-    assert torch.equal(shards.metrics["loss"], plain.metrics["loss"])  # one rank: the same ops in the same order
+    net = sharded_net(model(), one_rank_mesh)
+    step = make_step(net, optimizer=optimizer(), objective=objective)
+    with pytest.raises(TypeError, match=r"runs on its own params only, so an objective cannot call forward on other"):
+        step(init_state(net, optimizer(), seed=3, copy=False), batch(0, 0, 1), donate=True)
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-def test_a_transformers_llama_steps_sharded_as_unsharded(one_rank_mesh, recompute):
+def test_a_transformers_llama_is_wrapped_per_decoder_layer_and_steps_as_unwrapped(one_rank_mesh, recompute):
     transformers = pytest.importorskip("transformers")
-    from trainfold.step import sharded
-    from trainfold.step.sharded_gather import find_layout as _layout
+    from torch.distributed.fsdp import FSDPModule
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-        tie_word_embeddings=True,
+    from trainfold.step.fsdp import layer_blocks
+
+    def llama():
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=40,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=32,
+            tie_word_embeddings=True,
+        )
+        return transformers.LlamaForCausalLM(config)
+
+    wrapped = llama()
+    assert [type(b).__name__ for b in layer_blocks(wrapped)] == ["LlamaDecoderLayer"] * 2  # _no_split_modules
+    sharded_net(wrapped, one_rank_mesh)
+    assert all(isinstance(b, FSDPModule) for b in wrapped.model.layers) and isinstance(wrapped, FSDPModule)
+    plain = make_step(llama(), causal_lm, optimizer(), gradient_checkpointing=recompute)(
+        init_state(llama(), optimizer(), seed=3), batch(0, 0, 1)
     )
-    llama = transformers.LlamaForCausalLM(config)
-    state = init_state(llama, optimizer(), seed=3)
-    layout = _layout(llama, frozenset(state.params), per_block=True)
-    assert [len(places) for _, places in layout.blocks] == [9, 9]  # each decoder layer gathers its own 9 tensors
-    plain = make_step(llama, causal_lm, optimizer(), gradient_checkpointing=recompute)(state, batch(0, 0, 1))
-    step = make_step(llama, causal_lm, optimizer(), sharding=one_rank_mesh, gradient_checkpointing=recompute)
-    got = sharded.gather_state(step(sharded.shard_state(state, one_rank_mesh), batch(0, 0, 1)))
-    _assert_equal(tensors(got), tensors(plain))
+    step = make_step(wrapped, causal_lm, optimizer(), gradient_checkpointing=recompute)
+    got = step(init_state(wrapped, optimizer(), seed=3, copy=False), batch(0, 0, 1), donate=True)
+    _assert_equal(tensors(gathered(got)), tensors(plain))
 
 
-def test_what_sharding_cannot_do_is_refused_by_name(one_rank_mesh):
-    from torch.distributed.fsdp import fully_shard
-
+def test_what_fsdp_cannot_do_is_refused_by_name(one_rank_mesh):
     from trainfold.recipes.ensemble import stack_ensemble
-    from trainfold.step import sharded
 
     net = model()
-    with pytest.raises(ValueError, match=r"needs a sharded state: state = trainfold.step.sharded.shard_state"):
-        make_step(net, causal_lm, optimizer(), sharding=one_rank_mesh)(init_state(net, optimizer()), batch(0, 0, 1))
-    with pytest.raises(ValueError, match=r"loss_scaling \(fp16\) with sharding is not supported; use bf16"):
-        from trainfold.step.amp import LossScaling
-
-        make_step(
-            net, causal_lm, optimizer(), sharding=one_rank_mesh, loss_scaling=LossScaling(), autocast=torch.float16
-        )
-    with pytest.raises(ValueError, match=r"compile with sharding compiles each transformer block, and Linear has none"):
-        make_step(torch.nn.Linear(2, 2), causal_lm, optimizer(), sharding=one_rank_mesh, compile=True)
-    with pytest.raises(ValueError, match=r"sharding='half' is not .* make_step\(..., sharding=trainfold.step.sharded"):
-        make_step(net, causal_lm, optimizer(), sharding="half")
-    wrapped = model()
-    fully_shard(wrapped, mesh=one_rank_mesh)
-    with pytest.raises(
-        TypeError,
-        match=r"FSDP2 module .* pass the unwrapped module with TrainingArguments\(fsdp='full_shard'\)",
-    ):
-        make_step(wrapped, causal_lm, optimizer(), sharding=one_rank_mesh)
-    shards = sharded.shard_state(init_state(net, optimizer()), one_rank_mesh)
+    with pytest.raises(TypeError, match=r"make_step\(sharding=.*fully_shard.*init_state\(model, optimizer, copy=False"):
+        make_step(net, causal_lm, optimizer(), sharding=one_rank_mesh)
+    wrapped = sharded_net(model(), one_rank_mesh)
+    with pytest.raises(TypeError, match=r"compile=True with a fully_shard \(FSDP2\) module is not supported"):
+        make_step(wrapped, causal_lm, optimizer(), compile=True)
+    with pytest.raises(TypeError, match=r"wrapped with fully_shard \(FSDP2\).*lent, donated state"):
+        make_step(wrapped, causal_lm, optimizer())(init_state(wrapped, optimizer()), batch(0, 0, 1))
+    shards = init_state(wrapped, optimizer(), copy=False)
     with pytest.raises(TypeError, match=r"vmapped ensembles over DTensor shards are not supported \(params is sharded"):
         stack_ensemble([shards, shards])
-    assert sharded.full_params({"w": torch.ones(1)})["w"].tolist() == [1.0]
+    with pytest.raises(ValueError, match=r"transformer_layer_cls_to_wrap'\]=\['Nope'\] names no module of TinyLM"):
+        from trainfold.step.fsdp import FullShard, fully_shard_model
+
+        fully_shard_model(model(), one_rank_mesh, FullShard(layer_classes=("Nope",)))
 
 
-def test_fsdp_settings_take_full_shard_and_refuse_the_rest_by_name(tmp_path):
+def test_fsdp_settings_take_what_fully_shard_does_and_refuse_the_rest_by_name(tmp_path):
+    from trainfold.step.fsdp import FullShard
+
     assert TrainingArguments(fsdp="full_shard", save_strategy="no").full_shard
     assert TrainingArguments(fsdp=["full_shard", "auto_wrap"], save_strategy="no").full_shard
     assert not TrainingArguments(fsdp="").full_shard and TrainingArguments(fsdp="").fsdp is None
-    for value, named in (
-        ("shard_grad_op", "'shard_grad_op'"),
-        ("full_shard offload", "'offload'"),
-        ("hybrid_shard", "'hybrid_shard'"),
-    ):
-        with pytest.raises(ValueError, match=rf"fsdp='{value}' is not supported \({named}\).*write fsdp='full_shard'"):
+    args = TrainingArguments(
+        fsdp="full_shard offload",
+        bf16=True,
+        fsdp_config={"transformer_layer_cls_to_wrap": "Block", "reshard_after_forward": False, "xla": False},
+    )
+    expected = FullShard(("Block",), reshard_after_forward=False, offload=True, param_dtype=torch.bfloat16)
+    assert args.fsdp_plan == expected
+    assert TrainingArguments(fsdp="full_shard").fsdp_plan == FullShard()
+    for value, named in (("shard_grad_op", "'shard_grad_op'"), ("hybrid_shard", "'hybrid_shard'")):
+        with pytest.raises(ValueError, match=rf"fsdp='{value}' is not supported: {named}.*write fsdp='full_shard'"):
             TrainingArguments(fsdp=value, save_strategy="no")
-    assert TrainingArguments(fsdp="full_shard").full_shard  # it saves sharded checkpoints (trainfold.ckpt.sharded)
+    with pytest.raises(ValueError, match=r"fsdp_config\['limit_all_gathers'\]=True is not supported"):
+        TrainingArguments(fsdp="full_shard", fsdp_config={"limit_all_gathers": True})
+    with pytest.raises(ValueError, match=r"fsdp_config is set but fsdp is not"):
+        TrainingArguments(fsdp_config={"reshard_after_forward": False})
     with pytest.raises(ValueError, match=r"fsdp='full_shard' with fp16 .* use bf16=True"):
         TrainingArguments(fsdp="full_shard", save_strategy="no", fp16=True)
-    assert TrainingArguments(fsdp="full_shard", save_strategy="no", torch_compile=True, gradient_checkpointing=True)
+    with pytest.raises(ValueError, match=r"fsdp='full_shard' with torch_compile is not supported"):
+        TrainingArguments(fsdp="full_shard", save_strategy="no", torch_compile=True)
     args = TrainingArguments(
         output_dir=str(tmp_path), fsdp="full_shard", save_strategy="no", max_steps=1, report_to="none"
     )
     rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 4
-    with pytest.raises(
-        ValueError,
-        match=r"fsdp='full_shard' shards over the ranks of a torchrun job: run it under "
-        r"torchrun",
-    ):
+    with pytest.raises(ValueError, match=r"fsdp='full_shard' shards over the ranks of a torchrun job: run it under"):
         train(model(), args, rows)
 
 

@@ -29,12 +29,18 @@ from torchrun import torchrun_ok
 from trainfold import ckpt
 from trainfold.ckpt import faults
 from trainfold.ckpt import sharded as sc
-from trainfold.ckpt.sharded_storage import shard_file
 from trainfold.core.state import init_state
 from trainfold.core.tree import flatten, map_tensors
 from trainfold.optim import adamw
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def shard_file(rank: int, world: int) -> str:
+    """Rank ``rank``'s shard file, as DCP's ``HuggingFaceStorageWriter`` names it, in the checkpoint's ``sharded/``."""
+    return f"{ckpt.SHARD_DIR}/shard-{rank + 1:05d}-model-00001-of-00001.safetensors"
+
+
 STEP = 3
 
 
@@ -135,24 +141,28 @@ def elastic_run(out: Path, resume=None, **over):
     return train(tiny(), run_args(out, **over), rows(), resume_from_checkpoint=resume)
 
 
-def trained(result) -> dict[str, torch.Tensor]:
-    from trainfold.step import sharded
+def gathered(state):
+    """The state with every DTensor as its full tensor (a collective: every rank calls it)."""
+    return map_tensors(lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t, state)
 
-    flat = flatten(sharded.gather_state(result.state) if sharded.is_sharded(result.state) else result.state)
+
+def trained(result) -> dict[str, torch.Tensor]:
+    flat = flatten(gathered(result.state))
     tensors = {k: v.detach().clone().contiguous() for k, v in flat.items() if k.startswith(("params.", "opt_state."))}
     logged = [h for h in result.log_history if "loss" in h and "train_loss" not in h]
     losses, norms = [h["loss"] for h in logged], [h["grad_norm"] for h in logged]
     return {**tensors, "losses": torch.tensor(losses, dtype=torch.float64), "grad_norms": torch.tensor(norms)}
 
 
-def _resume_copy(out: Path, name: str, rank: int):
-    """Resume checkpoint-4 of the sharded 2-rank run, sharded, in a copy of its output_dir (made by rank 0)."""
+def _resume_copy(out: Path, name: str, rank: int, source: str = "straight"):
+    """Resume checkpoint-4 of the sharded 2-rank run (or ``source``), sharded, in a copy of its output_dir (made by
+    rank 0)."""
     import shutil
 
     import torch.distributed as dist
 
     if rank == 0:
-        shutil.copytree(out / "straight", out / name)
+        shutil.copytree(out / source, out / name)
     dist.barrier()
     return elastic_run(out / name, resume=str(out / name / "checkpoint-4"), fsdp="full_shard")
 
@@ -191,18 +201,19 @@ def _worker(phase: str, out: Path) -> None:
         save_file(trained(straight), out / f"straight-{rank}.safetensors")
         save_file(trained(_resume_copy(out, "resumed-2", rank)), out / f"resumed-2-{rank}.safetensors")
         save_file(trained(elastic_run(out / "ddp")), out / f"ddp-{rank}.safetensors")  # replicated: rank 0 saves
+        grown = _resume_copy(out, "grown", rank, source="single")  # a one-process checkpoint onto 2 fully_shard ranks
+        save_file(trained(grown), out / f"grown-{rank}.safetensors")
     else:
         with pytest.warns(UserWarning, match="per_device_train_batch_size 2 -> 1, gradient_accumulation_steps 1 -> 1"):
             result = _resume_copy(out, f"resumed-{world}", rank)
         save_file(trained(result), out / f"resumed-{world}-{rank}.safetensors")
         from trainfold.hf.train import default_optimizer
         from trainfold.observe.observers import initial_extras
-        from trainfold.step import sharded
 
         template = init_state(tiny(), default_optimizer(tiny(), run_args(out), 8), extras=initial_extras())
-        loaded = ckpt.load(out / "straight" / "checkpoint-8", like=sharded.shard_state(template, mesh))
-        assert sharded.is_sharded(loaded)
-        save_file(local_slabs(sharded.gather_state(loaded)), out / f"loaded-{world}-{rank}.safetensors")
+        loaded = ckpt.load(out / "straight" / "checkpoint-8", like=shard(template, mesh))
+        assert sc.is_sharded(loaded)
+        save_file(local_slabs(gathered(loaded)), out / f"loaded-{world}-{rank}.safetensors")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -214,7 +225,7 @@ def _failing_async_save(saver, state, out: Path, rank: int) -> None:
     seen = []
 
     def hook(label):
-        if label.startswith("sharded:wrote:state-"):
+        if label.startswith("sharded:wrote:shard-"):
             seen.append(sorted(p.name for p in out.iterdir()) if out.exists() else [])
             if rank == 1:
                 raise OSError(5, "injected write failure")
@@ -238,6 +249,7 @@ def _failing_async_save(saver, state, out: Path, rank: int) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("sharded")
+    save_file(trained(elastic_run(out / "single", gradient_accumulation_steps=2)), out / "single.safetensors")
     for phase, n in (("save", 2), ("load", 4)):
         torchrun_ok(__file__, phase, out, nproc=n)
     return out
@@ -300,9 +312,9 @@ def test_sharded_checkpoints_are_safetensors_and_json_only(ranks):
         ranks / "async" / f"checkpoint-{STEP}",
         ranks / "straight" / "checkpoint-8",
     ):
-        names = sorted(p.name for p in path.iterdir())
-        assert shard_file(0, 2) in names and shard_file(1, 2) in names and sc.INDEX_FILE in names
-        for p in path.iterdir():
+        names = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+        assert shard_file(0, 2) in names and shard_file(1, 2) in names
+        for p in (p for p in path.rglob("*") if p.is_file()):
             if p.suffix == ".json":
                 json.loads(p.read_text())
             else:
@@ -388,6 +400,13 @@ def test_a_two_rank_run_resumes_on_four_ranks_within_fp32_rounding(ranks):
 
 
 @pytest.mark.slow  # the torchrun launches of the ranks fixture
+def test_a_one_process_run_resumes_on_two_fully_shard_ranks(ranks):
+    single = load_file(ranks / "single.safetensors")
+    for r in range(2):
+        _close(load_file(ranks / f"grown-{r}.safetensors"), single, tol=1e-6)
+
+
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
 @pytest.mark.parametrize("run", ["straight", "ddp"])
 def test_a_two_rank_run_resumes_in_one_process_with_accumulation(ranks, tmp_path, run):
     import shutil
@@ -427,14 +446,13 @@ def test_a_one_process_resume_of_a_two_rank_run_that_stopped_before_its_first_st
 def test_a_sharded_train_run_writes_sharded_checkpoints_with_the_full_model(ranks):
     for step in (4, 8):
         path = ranks / "straight" / f"checkpoint-{step}"
-        names = sorted(p.name for p in path.iterdir())
+        names = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
         assert names == [
             ckpt.DURABLE_MARKER,
             "config.json",
             "model.safetensors",
             shard_file(0, 2),
             shard_file(1, 2),
-            sc.INDEX_FILE,
             "trainfold.json",
         ]
         assert ckpt.is_complete(path) and ckpt.read_metadata(path)["step"] == step
@@ -461,7 +479,7 @@ def test_sigterm_to_one_rank_of_a_sharded_run_ends_both_with_one_sharded_jit_che
     found = sorted(out.glob("checkpoint-*"))
     assert [p.name for p in found] == [f"checkpoint-{step}"] and ckpt.is_complete(found[0])
     meta = ckpt.read_metadata(found[0])
-    assert meta["jit"] and sc.INDEX_FILE in meta["files"] and shard_file(1, 2) in meta["files"]
+    assert meta["jit"] and shard_file(0, 2) in meta["files"] and shard_file(1, 2) in meta["files"]
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
 
@@ -514,12 +532,17 @@ def test_corruption_of_a_shard_is_detected_by_name(ranks, tmp_path):
     data[-3] ^= 0xFF
     shard.write_bytes(bytes(data))
     like = init_state(hf_model(), adamw(1e-3))
-    with pytest.raises(ckpt.CheckpointError, match=r"state-00001-of-00002.safetensors is corrupted: its CRC-32"):
+    with pytest.raises(
+        ckpt.CheckpointError, match=r"shard-00002-model-00001-of-00001.safetensors is corrupted: its xxh3_64"
+    ):
         ckpt.load(path, like=like)
     shard.write_bytes(bytes(data[:-10]))
-    with pytest.raises(ckpt.CheckpointError, match=r"state-00001-of-00002.safetensors is truncated"):
+    with pytest.raises(ckpt.CheckpointError, match=r"shard-00002-model-00001-of-00001.safetensors is truncated"):
         ckpt.load(path, like=like)
     assert not ckpt.is_complete(path)
+    shutil.copy(path / shard_file(0, 2), path / ckpt.SHARD_DIR / "extra.safetensors")  # DCP's reader would read it
+    with pytest.raises(ckpt.CheckpointError, match=r"sharded holds .*extra.safetensors.*, but .* lists"):
+        sc.read_index(path)
 
 
 @pytest.mark.slow  # the torchrun launches of the ranks fixture
@@ -527,9 +550,7 @@ def test_a_sharded_checkpoint_refuses_another_model_by_name(ranks):
     import transformers
 
     path = ranks / "sync" / f"checkpoint-{STEP}"
-    with pytest.raises(
-        KeyError, match=r"state.index.json does not fit the template state; .* missing \['opt_state.mu.blocks"
-    ):
+    with pytest.raises(KeyError, match=r"sharded does not fit the template state; .* missing \['opt_state.mu.blocks"):
         ckpt.load(path, like=init_state(tiny(), adamw(1e-3)))
     config = hf_model().config
     config.intermediate_size = 32
@@ -618,7 +639,7 @@ def test_async_save_in_train_writes_the_same_checkpoints_and_rotates_after_each_
 
 
 def test_the_split_keeps_the_per_device_batch_when_it_can_and_never_grows_it():
-    from trainfold.ckpt.elastic import split_global_batch
+    from trainfold.data.global_batch import split_global_batch
 
     assert split_global_batch(16, world_size=2, per_device=4) == (4, 2)
     assert split_global_batch(16, world_size=8, per_device=4) == (2, 1)
@@ -628,7 +649,7 @@ def test_the_split_keeps_the_per_device_batch_when_it_can_and_never_grows_it():
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 6, 12])
 def test_every_split_makes_the_global_batch(world):
-    from trainfold.ckpt.elastic import split_global_batch
+    from trainfold.data.global_batch import split_global_batch
 
     for per_device in range(1, 13):
         size, steps = split_global_batch(12, world_size=world, per_device=per_device)
@@ -637,13 +658,17 @@ def test_every_split_makes_the_global_batch(world):
 
 def test_check_compatible_takes_another_split_of_the_same_global_batch_and_names_a_different_one():
     from trainfold.ckpt.policy import check_compatible
+    from trainfold.ckpt.run_identity import RunSettings
 
-    saved = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "world_size": 2, "seed": 1}
-    check_compatible(saved, {**saved, "per_device_train_batch_size": 1, "world_size": 4})
+    def settings(world_size, **over):
+        return RunSettings.of(run_args(Path("x"), **over), world_size=world_size)
+
+    saved = settings(2).values  # 2 ranks x batch 2
+    check_compatible(saved, settings(4, per_device_train_batch_size=1))
     with pytest.raises(
         ValueError, match=r"with different settings: per_device_train_batch_size: saved 2, now 1; resume"
     ):
-        check_compatible(saved, {**saved, "per_device_train_batch_size": 1})
+        check_compatible(saved, settings(2, per_device_train_batch_size=1))
 
 
 def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(tmp_path):
@@ -663,6 +688,7 @@ def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(
 
 def test_the_elastic_split_comes_from_the_checkpoint_not_from_the_run_file_a_failed_start_rewrote(tmp_path):
     from trainfold.ckpt import elastic_args, run_dir
+    from trainfold.ckpt.run_identity import RunSettings
 
     two = run_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=1)
     saved = {**two.to_dict(), "world_size": 2}  # the checkpoint of a 2-rank run: global batch 4
@@ -672,7 +698,7 @@ def test_the_elastic_split_comes_from_the_checkpoint_not_from_the_run_file_a_fai
         one = elastic_args(two, True, 1)
     assert one.gradient_accumulation_steps == 2
     # a 1-process start that stopped before its first step has rewritten the run file with its own split
-    run_dir._write_run_file(tmp_path, run_dir.RunIdentity("b", "f"), {**one.to_dict(), "world_size": 1})
+    run_dir._write_run_file(tmp_path, run_dir.RunIdentity("b", "f"), RunSettings.of(one, world_size=1))
     for _ in range(2):  # the same 1-process command, again and again: still the checkpoint's global batch
         with pytest.warns(UserWarning, match=r"resuming a run of 2 ranks on 1"):
             assert elastic_args(two, True, 1).gradient_accumulation_steps == 2
@@ -680,12 +706,14 @@ def test_the_elastic_split_comes_from_the_checkpoint_not_from_the_run_file_a_fai
 
 def test_the_run_fingerprint_sees_the_global_batch_not_its_split():
     from trainfold.ckpt import run_dir
+    from trainfold.ckpt.run_identity import RunSettings
 
-    base = run_args(Path("x")).to_dict() | {"world_size": 2}
-    fp = run_dir.fingerprint(base)
-    assert run_dir.fingerprint({**base, "world_size": 1, "gradient_accumulation_steps": 2}) == fp
-    assert run_dir.fingerprint({**base, "world_size": 1}) != fp
-    assert run_dir.fingerprint({**base, "async_save": True, "save_consolidated_model": True}) == fp
+    def fp(world_size, **changes):
+        return run_dir.fingerprint(RunSettings.of(run_args(Path("x"), **changes), world_size=world_size))
+
+    assert fp(1, gradient_accumulation_steps=2) == fp(2)
+    assert fp(1) != fp(2)
+    assert fp(2, async_save=True, save_consolidated_model=True) == fp(2)
 
 
 if __name__ == "__main__":

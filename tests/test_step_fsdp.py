@@ -121,17 +121,74 @@ def test_a_fully_shard_model_needs_a_lent_donated_state(one_rank):
         step(init_state(wrapped, opt, copy=False), micro_batches(0, 0))
 
 
-def test_train_refuses_a_fully_shard_module_by_name(one_rank, tmp_path):
-    from torch.distributed.fsdp import fully_shard
+def test_train_takes_a_user_wrapped_fully_shard_module_and_trains_it_as_the_unwrapped_one(one_rank, tmp_path):
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from trainfold import TrainingArguments, train
 
-    wrapped = model()
+    wrapped, plain = model(), model()
+    for block in wrapped.blocks:
+        fully_shard(block, mesh=one_rank)
     fully_shard(wrapped, mesh=one_rank)
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, report_to="none", disable_tqdm=True)
-    rows = [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 4
-    with pytest.raises(TypeError, match=r"train\(\) does not take a module wrapped with fully_shard yet"):
-        train(wrapped, args, rows)
+    rows = [{"input_ids": [1, 2, 3, i], "labels": [1, 2, 3, i]} for i in range(8)]
+
+    def args(name: str) -> TrainingArguments:
+        return TrainingArguments(
+            output_dir=str(tmp_path / name),
+            max_steps=2,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            report_to="none",
+            disable_tqdm=True,
+            save_strategy="no",
+            learning_rate=1e-2,
+        )
+
+    sharded, alone = train(wrapped, args("wrapped"), rows), train(plain, args("plain"), rows)
+    assert isinstance(wrapped, FSDPModule) and all(sharded.state.params[k] is p for k, p in wrapped.named_parameters())
+    for k, p in plain.named_parameters():
+        assert torch.equal(dict(wrapped.named_parameters())[k].full_tensor(), p), k
+    assert [h["loss"] for h in sharded.log_history[:-1]] == [h["loss"] for h in alone.log_history[:-1]]
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_full_shard_options_reach_fully_shard(one_rank, reshard):
+    from torch.distributed.tensor import DTensor
+
+    from trainfold.step.fsdp import FullShard, fully_shard_model
+
+    net = fully_shard_model(model(), one_rank, FullShard(reshard_after_forward=reshard, param_dtype=torch.bfloat16))
+    seen = []
+    net.blocks[0].register_forward_pre_hook(lambda m, a: seen.append(next(m.parameters()).dtype))
+    ids = torch.randint(0, 64, (2, 8))
+    net(input_ids=ids).sum()  # a forward that will be followed by a backward (autograd on)
+    assert seen == [torch.bfloat16]  # MixedPrecisionPolicy(param_dtype=bf16): the gathered params are bf16
+    assert isinstance(next(net.blocks[0].parameters()), DTensor) == reshard  # resharded after forward, or kept
+    if reshard:  # the shards (the state's params) stay fp32
+        assert all(p.dtype == torch.float32 for p in net.blocks[0].parameters())
+    with pytest.raises(ValueError, match=r"this run is on the CPU already \(a 'cpu' mesh\): drop 'offload'"):
+        fully_shard_model(model(), one_rank, FullShard(offload=True))
+
+
+def test_an_async_save_reads_a_fully_shard_module_on_the_callers_thread_only(one_rank, tmp_path):
+    """FSDP2's state_dict pre-hook reshards the module: from the writer thread it would race the next forward."""
+    import threading
+
+    from trainfold import ckpt
+    from trainfold.ckpt.sharded import Saver
+    from trainfold.step.fsdp import fully_shard_model
+
+    net = fully_shard_model(model(), one_rank)
+    threads = []
+    net.register_state_dict_pre_hook(lambda *args, **kwargs: threads.append(threading.current_thread()))
+    opt = sgd(0.1)
+    state = make_step(net, causal_lm, opt)(init_state(net, opt, copy=False), micro_batches(0, 0), donate=True)
+    saver = Saver(async_save=True, consolidate=True)
+    path = saver.save(state, tmp_path / "checkpoint-1", model=net)
+    assert saver.wait() == path and ckpt.is_complete(path) and (path / "model.safetensors").exists()
+    assert threads and all(t is threading.main_thread() for t in threads)
+    full = load_file(path / "model.safetensors")
+    assert all(torch.equal(full[k], v.full_tensor()) for k, v in state.params.items())
 
 
 if __name__ == "__main__":

@@ -21,8 +21,6 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from trainfold.core.version import library_version
-
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and editors
     from trainfold import (
         checkpoint,
@@ -150,12 +148,14 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 # the layers: ``trainfold.core`` etc. work after ``import trainfold`` alone, as eager imports used to allow
 _SUBPACKAGES = ("core", "ckpt", "distributed", "evaluation", "hf", "recipes", "step", "testing")
 
-__version__ = library_version()
-
 
 def __getattr__(name: str) -> Any:
     """Import a public name, or a layer, the first time it is asked for, and keep it (PEP 562)."""
-    if name in _LAZY:
+    if name == "__version__":  # importlib.metadata costs ~0.1-0.3 s: paid by who asks
+        from trainfold.core.version import library_version
+
+        value: Any = library_version()
+    elif name in _LAZY:
         module_name, attribute = _LAZY[name]
         module = importlib.import_module(module_name)
         value = module if attribute is None else getattr(module, attribute)
@@ -168,7 +168,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__, *_SUBPACKAGES})
+    return sorted({*globals(), *__all__, *_SUBPACKAGES, "__version__"})
 
 
 __all__ = [

@@ -1,8 +1,8 @@
 """Command line: ``python -m trainfold demo``, ``python -m trainfold train --config run.toml`` and
-``python -m trainfold replay OUTPUT_DIR --step K`` (``trainfold.hf.replay``).
+``python -m trainfold replay OUTPUT_DIR --step K`` (``trainfold.hf.replay``), parsed by jsonargparse.
 
-A config (TOML, JSON, or YAML when pyyaml is installed; chosen by the file's extension) has
-three tables, and optionally ``resume_from_checkpoint`` at the top level or in ``[args]``::
+A config (TOML, JSON or YAML, by the file's extension) has three tables, and optionally
+``resume_from_checkpoint`` at the top level or in ``[args]``::
 
     [model]                 # "tinylm" (this project's byte-level GPT), "hf" (a transformers config)
     type = "tinylm"         # or "pretrained": name_or_path = "gpt2" or a save_pretrained directory
@@ -17,17 +17,17 @@ three tables, and optionally ``resume_from_checkpoint`` at the top level or in `
     output_dir = "runs/cli"
     max_steps = 100
 
-``--set args.max_steps=10`` overrides one value (a dotted path; the value is read as a JSON or
-TOML literal, else taken as a string). ``--resume`` continues from the latest complete checkpoint
-in ``output_dir`` (and starts at step 0 when there is none yet); ``--resume PATH`` from that one.
-Exit status: 0 when the run ends, 2 for a bad command line or config (the problems are printed
-together, without a traceback), 3 when it diverged (params inf/NaN), 143 when preempted (SIGTERM
-with ``enable_jit_checkpoint = true``), 130 for Ctrl-C (SIGINT) in such a run.
+The tables are typed arguments (``trainfold.run_config.train_parser``): ``--args.max_steps=10`` or
+``--set args.max_steps=10`` overrides one value (a dotted path; the value is read as YAML/JSON against
+the declared type), ``--print_config`` prints the merged config. ``--resume`` continues from the latest
+complete checkpoint in ``output_dir`` (and starts at step 0 when there is none yet); ``--resume PATH``
+from that one. Exit status: 0 when the run ends, 2 for a bad command line or config (the problems are
+printed without a traceback), 3 when it diverged (params inf/NaN), 143 when preempted (SIGTERM with
+``enable_jit_checkpoint = true``), 130 for Ctrl-C (SIGINT) in such a run.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import sys
@@ -35,14 +35,12 @@ from pathlib import Path
 from typing import Any
 
 from trainfold.run_build import build_data, build_model, length_problems, tokenizer_of
-from trainfold.run_config import ConfigError, apply_overrides, load_config, parse_config, split_resume
+from trainfold.run_config import ConfigError, read_config, recorded, split_resume, train_parser
 
 __all__ = [
     "main",
     "command",
-    "load_config",
-    "parse_config",
-    "apply_overrides",
+    "read_config",
     "split_resume",
     "build_model",
     "build_data",
@@ -53,8 +51,7 @@ __all__ = [
 EXIT_USAGE = 2  # argparse's status for a bad command line; also a bad config
 
 _HELP = """\
-The config is a TOML, JSON or YAML (with pyyaml) file, by its extension (.toml, .json, .yaml/.yml),
-with three tables:
+The config is a TOML, JSON or YAML file, by its extension (.toml, .json, .yaml/.yml), with three tables:
 
   [model]  type = "tinylm" (trainfold.core.models.TinyLM; config = its TinyLMConfig fields),
            "hf" (config = a path to a transformers config.json, or a table of it: random weights),
@@ -86,6 +83,8 @@ The same as JSON: {"model": {"type": "tinylm", "config": {"d_model": 96, "n_laye
                    "args": {"output_dir": "runs/cli", "max_steps": 200}}
 
   python -m trainfold train --config run.toml --set args.max_steps=10 --set args.report_to='["jsonl"]'
+  python -m trainfold train --config run.toml --args.max_steps=10 --model.config.d_model=64
+  python -m trainfold train --config run.toml --print_config     # the merged config, as YAML
   python -m trainfold train --config run.toml --resume   # after exit 143: continue where it stopped
 
 Fine-tuning a pretrained model on a CSV file with a text column:
@@ -100,9 +99,9 @@ Fine-tuning a pretrained model on a CSV file with a text column:
   num_train_epochs = 1
 
 Output: one JSON line (status, global_step, last_checkpoint, the run's metrics) on stdout, from rank 0
-only under torchrun. Exit status: 0 done, 2 bad command line or config (every problem printed at once,
-no traceback: a malformed .jsonl line is named by file and line), 3 diverged, 143 preempted (SIGTERM with
-enable_jit_checkpoint; rerun with --resume), 130 interrupted (SIGINT).
+only under torchrun. Exit status: 0 done, 2 bad command line or config (printed without a traceback;
+the [args] problems all at once; a malformed .jsonl line is named by file and line), 3 diverged,
+143 preempted (SIGTERM with enable_jit_checkpoint; rerun with --resume), 130 interrupted (SIGINT).
 """
 
 
@@ -125,7 +124,7 @@ def _resume_source(value: bool | str | None, output_dir: str) -> bool | str | No
 
 
 def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[Any, Any, Any, bool | str | None]:
-    """Build (args, model, data, resume) from a config, collecting every problem into one ConfigError."""
+    """Build (args, model, data, resume) from the parsed tables, collecting every problem into one ConfigError."""
     from trainfold.hf.args import TrainingArguments
 
     config, resume = split_resume(config)
@@ -155,13 +154,14 @@ def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[An
     return args, model, data, _resume_source(resume_flag if resume_flag is not None else resume, args.output_dir)
 
 
-def _train(ns: argparse.Namespace) -> int:
+def _train(argv: list[str]) -> int:
     from trainfold.distributed.distributed import collective_from_env
     from trainfold.hf.train import train
 
     try:
-        config = apply_overrides(load_config(ns.config), ns.set or [])
-        args, model, (train_rows, eval_rows), resume = _prepare(config, ns.resume)
+        config = read_config(argv, _train_parser())
+        resume_flag = config.pop("resume")
+        args, model, (train_rows, eval_rows), resume = _prepare(config, resume_flag)
     except ConfigError as err:
         print(f"trainfold train: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -192,34 +192,28 @@ def _train(ns: argparse.Namespace) -> int:
 
 def _exit_status(result: Any) -> int:
     """Return the process's exit status for a run's result: 3 diverged, 130/143 preempted by SIGINT/SIGTERM, else 0."""
-    from trainfold.ckpt.preempt import exit_status
+    from trainfold.core.preempt import exit_status
     from trainfold.observe.divergence import DIVERGED, EXIT_DIVERGED
 
     return EXIT_DIVERGED if result.status == DIVERGED else exit_status(result.status, result.signal)
 
 
-def _train_parser(sub: Any) -> None:
-    run = sub.add_parser(
-        "train",
-        help="train from a config (TOML, JSON or YAML)",
-        description=_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    run.add_argument("--config", required=True, help="a .toml, .json or .yaml file with [model], [data], [args]")
-    run.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. args.max_steps=10 (repeatable; JSON/TOML literals)",
-    )
-    run.add_argument(
-        "--resume",
-        nargs="?",
-        const=True,
-        default=None,
-        metavar="CHECKPOINT",
-        help="continue from the latest complete checkpoint in output_dir (a fresh start when there "
-        "is none yet), or from CHECKPOINT",
+def _formatter() -> Any:
+    import argparse
+
+    import jsonargparse
+
+    class Help(jsonargparse.DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        """jsonargparse's help, with the description's example kept as written."""
+
+    return Help
+
+
+def _train_parser() -> Any:
+    return train_parser(
+        prog="trainfold train",
+        description="Train from a config (TOML, JSON or YAML).\n\n" + _HELP,
+        formatter_class=_formatter(),
     )
 
 
@@ -230,21 +224,21 @@ RUN_CONFIG = "trainfold-config.json"  # the config `train` ran with (after --set
 
 def _record_config(config: dict[str, Any], output_dir: str) -> None:
     Path(output_dir).mkdir(parents=True, exist_ok=True)
-    (Path(output_dir) / RUN_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True, default=str))
+    (Path(output_dir) / RUN_CONFIG).write_text(recorded(config))
 
 
-def _replay(ns: argparse.Namespace) -> int:
-    """Recompute step ``--step`` of the run in ``DIR`` (``trainfold.hf.replay``); print its loss and rows as JSON."""
+def _replay(output_dir: str, step: int, config_path: str | None) -> int:
+    """Recompute step ``step`` of the run in ``output_dir`` (``trainfold.hf.replay``); print its loss and rows."""
     from trainfold.hf.replay import replay
 
-    source = Path(ns.config) if ns.config else Path(ns.output_dir) / RUN_CONFIG
+    source = Path(config_path) if config_path else Path(output_dir) / RUN_CONFIG
     try:
         if not source.is_file():
             raise ConfigError(f"{source} does not exist: pass --config (the config the run was trained with)")
-        config = load_config(source)
-        config["args"] = {**config.get("args", {}), "output_dir": ns.output_dir}
+        config = read_config(["--config", str(source), f"--args.output_dir={output_dir}"])
+        config.pop("resume")
         _, model, (train_rows, _), _ = _prepare(config, None)  # the model as the run built it (same seed)
-        again = replay(ns.output_dir, ns.step, model=model, train_dataset=train_rows)
+        again = replay(output_dir, step, model=model, train_dataset=train_rows)
     except (ConfigError, ValueError, OSError) as err:
         print(f"trainfold replay: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -253,16 +247,30 @@ def _replay(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _replay_parser(sub: Any) -> None:
-    again = sub.add_parser(
-        "replay",
-        help="recompute one step of a run from its nearest checkpoint and print the rows that made it",
+def _parser() -> Any:
+    """The command line: ``demo``, ``train`` (its own parser, run on the rest of the line) and ``replay``."""
+    import jsonargparse
+
+    parser = jsonargparse.ArgumentParser(
+        prog="trainfold", description="Train PyTorch models as a fold of a pure step.", exit_on_error=False
+    )
+    commands = parser.add_subcommands(dest="command")
+    demo = jsonargparse.ArgumentParser(description="Train a small LM on Python's own source (no downloads).")
+    demo.add_argument("--output_dir", "--output-dir", default="runs/demo")
+    demo.add_argument("--max_steps", "--max-steps", type=int, default=800)
+    commands.add_subcommand("demo", demo, help="train a small LM on Python's own source (no downloads)")
+    commands.add_subcommand("train", _train_parser(), help="train from a config (TOML, JSON or YAML)")
+    again = jsonargparse.ArgumentParser(
         description="Recompute step K (the update that made state K) of the run in OUTPUT_DIR from the newest "
-        "checkpoint before it; print its loss, the logged loss and the dataset rows of each micro-batch as JSON.",
+        "checkpoint before it; print its loss, the logged loss and the dataset rows of each micro-batch as JSON."
     )
     again.add_argument("output_dir", metavar="OUTPUT_DIR")
     again.add_argument("--step", type=int, required=True, metavar="K")
     again.add_argument("--config", help=f"the run's config (default: OUTPUT_DIR/{RUN_CONFIG}, which train writes)")
+    commands.add_subcommand(
+        "replay", again, help="recompute one step of a run from its nearest checkpoint and print the rows that made it"
+    )
+    return parser
 
 
 def _leave(signum: int, frame: Any) -> None:
@@ -276,7 +284,7 @@ def _exit_on_signals() -> dict[int, Any]:
     The command's module imports nothing heavy at its top, so this is in place within milliseconds of the
     start: a signal during the imports (a few seconds with torch), the setup or after the run (its
     teardown) ends the job the way a scheduler expects, never by the bare signal (-15); ``train``'s own
-    guard takes the signals over while it runs. ``trainfold.ckpt.preempt.exit_on_signals`` is the same
+    guard takes the signals over while it runs. ``trainfold.core.preempt.exit_on_signals`` is the same
     for a script that has imported the layers already.
     """
     return {s: signal.signal(s, _leave) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -293,29 +301,27 @@ def main(argv: list[str] | None = None) -> int:
     process that calls it keeps its own); ``command`` keeps them up to the process's exit."""
     previous = _exit_on_signals()  # before torch and the layers are imported; train's own guard takes over
     try:
-        return _command(argv)
+        return _command(sys.argv[1:] if argv is None else list(argv))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
 
 
-def _command(argv: list[str] | None) -> int:
-    parser = argparse.ArgumentParser(prog="trainfold", description="Train PyTorch models as a fold of a pure step.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train a small LM on Python's own source (no downloads)")
-    demo.add_argument("--output-dir", default="runs/demo")
-    demo.add_argument("--max-steps", type=int, default=800)
-    _train_parser(sub)
-    _replay_parser(sub)
-    ns = parser.parse_args(argv)
+def _command(argv: list[str]) -> int:
+    import jsonargparse  # a dependency of trainfold, imported after the signal handlers are in place
+
+    if argv[:1] == ["train"]:  # its parser reads the rest (--set spelled as overrides first: read_config)
+        return _train(argv[1:])
+    try:
+        ns = _parser().parse_args(argv)
+    except jsonargparse.ArgumentError as err:
+        print(f"trainfold: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
     if ns.command == "demo":
         from trainfold.demo import run_demo
 
-        result = run_demo(ns.output_dir, ns.max_steps)
-        return _exit_status(result)
-    if ns.command == "replay":
-        return _replay(ns)
-    return _train(ns)
+        return _exit_status(run_demo(ns.demo.output_dir, ns.demo.max_steps))
+    return _replay(ns.replay.output_dir, ns.replay.step, ns.replay.config)
 
 
 if __name__ == "__main__":

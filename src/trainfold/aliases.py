@@ -16,22 +16,6 @@ naming its new home.
 
 from __future__ import annotations
 
-import importlib
-import warnings
-from collections.abc import Callable, Mapping
-from typing import Any
+from trainfold.core.moved import moved_names
 
 __all__ = ["moved_names"]
-
-
-def moved_names(module: str, moved: Mapping[str, tuple[str, str]]) -> Callable[[str], Any]:
-    """Return a module ``__getattr__`` that finds each ``moved`` name (old name -> (new module, new name)), warning."""
-
-    def __getattr__(name: str) -> Any:
-        if name not in moved:
-            raise AttributeError(f"module {module!r} has no attribute {name!r}")
-        home, new = moved[name]
-        warnings.warn(f"{module}.{name} moved: use {home}.{new}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(home), new)
-
-    return __getattr__

@@ -5,4 +5,7 @@ and the run ``train``.
 """
 
 from trainfold.hf.dpo import *  # noqa: F403
-from trainfold.hf.dpo import __all__  # noqa: F401
+from trainfold.hf.dpo import (
+    __all__,  # noqa: F401
+    __getattr__,  # noqa: F401  (the names that moved, with a DeprecationWarning)
+)

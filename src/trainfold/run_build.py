@@ -16,9 +16,6 @@ __all__ = ["build_model", "build_data", "tokenizer_of", "length_problems"]
 
 def build_model(spec: dict[str, Any]) -> Any:
     """Build the ``[model]`` table's model: random weights from a config, or pretrained ones by name or path."""
-    unknown = sorted(set(spec) - {"type", "config", "name_or_path"})
-    if unknown:
-        raise ValueError(f"[model] takes type, config and name_or_path; unknown {unknown}")
     kind = spec.get("type", "pretrained" if "name_or_path" in spec else "tinylm")
     if kind == "pretrained":
         if "name_or_path" not in spec:
@@ -48,9 +45,6 @@ def build_data(spec: dict[str, Any], tokenizer: Any = None) -> tuple[Any, Any]:
     """
     from trainfold.demo import byte_chunks, stdlib_text
 
-    unknown = sorted(set(spec) - {"train", "seq_len", "max_bytes", "eval_fraction"})
-    if unknown:
-        raise ValueError(f"[data] takes train, seq_len, max_bytes and eval_fraction; unknown {unknown}")
     source, seq_len = spec.get("train", "stdlib"), int(spec.get("seq_len", 128))
     if seq_len < 1:
         raise ValueError(f"[data] seq_len must be a positive number of tokens, got {seq_len}")

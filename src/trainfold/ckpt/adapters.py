@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from torch import Tensor, nn
 
@@ -31,7 +31,7 @@ ADAPTER_FILE = "adapter_model.safetensors"
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 
 
-def is_peft_model(model: Any) -> bool:
+def is_peft_model(model: Any) -> TypeGuard[nn.Module]:
     """Say whether ``model`` is a ``peft.PeftModel`` (without importing ``peft`` when it is not loaded).
 
     >>> import torch

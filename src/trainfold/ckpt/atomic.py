@@ -1,4 +1,4 @@
-"""Durable, atomic file-system writes: write and fsync a file or a directory, swap a directory into place.
+"""Durable, atomic file-system writes: fsync a file or a directory, swap a directory into place with ``os.replace``.
 
 ``Syncs`` makes a directory already renamed into place durable in a background thread: a killed
 process loses nothing (the page cache outlives it), only a machine crash before the fsyncs end can.
@@ -20,30 +20,21 @@ from trainfold.ckpt.sidecar import DURABLE_MARKER
 __all__ = [
     "FSYNC_MODES",
     "fsync_dir",
-    "fsync_file",
     "write_bytes",
     "replace_dir",
     "Syncs",
     "NotDurableError",
-    "mark_durable",
     "is_durable",
+    "mark_durable",
 ]
 
 # When a run's checkpoint reaches the disk (``save_fsync``): after the rename, in a thread, or before it.
 FSYNC_MODES = ("background", "blocking")
+_DURABLE_TEXT = b'{"durable": "every other file of this checkpoint was fsynced before this one was written"}\n'
 
 
 def fsync_dir(path: Path) -> None:
-    """Flush a directory's entries (the names created, renamed or removed in it) to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    """Flush a file's data and size to the disk (through a new descriptor: fsync is per file, not per descriptor)."""
+    """Flush a file, or a directory's entries, to the disk (through a new descriptor: fsync is per file)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -64,9 +55,8 @@ def replace_dir(tmp: Path, directory: Path, *, remove_old: bool = True) -> Path 
     """Put ``tmp`` at ``directory`` by ``os.replace``; an existing ``directory`` is moved aside first.
 
     The replaced directory is removed, or with ``remove_old=False`` left at the hidden path returned
-    (for the caller to remove once the new one is durable); ``None`` when there was none. A crash
-    between the two renames leaves the old checkpoint at its hidden ``.old-`` name and the new one
-    complete at its ``.tmp-`` name; the older checkpoints stay visible.
+    (for the caller to remove once the new one is durable). A crash between the two renames leaves
+    the old checkpoint at its ``.old-`` name, which the next run puts back (``run_lock``).
     """
     old = None
     if directory.exists():
@@ -82,21 +72,8 @@ def replace_dir(tmp: Path, directory: Path, *, remove_old: bool = True) -> Path 
     return None
 
 
-def mark_durable(directory: Path) -> None:
-    """Record that every file of ``directory`` is on the disk (call it once their fsyncs returned).
-
-    The marker itself is not fsynced: it tells a reader the fsyncs ended, nothing relies on it (a
-    resume checks every file's hash whatever it says, and sets a torn checkpoint aside).
-    """
-    write_bytes(
-        directory / DURABLE_MARKER,
-        b'{"durable": "every other file of this checkpoint was fsynced before this one was written"}\n',
-        fsync=False,
-    )
-
-
 def is_durable(directory: str | os.PathLike) -> bool:
-    """Say whether ``directory``'s files were all fsynced (``mark_durable``): no machine crash can have torn them.
+    """Say whether every file of ``directory`` was fsynced (its marker, written after them, is there).
 
     >>> is_durable("no/such/checkpoint-1")
     False
@@ -104,33 +81,30 @@ def is_durable(directory: str | os.PathLike) -> bool:
     return (Path(directory) / DURABLE_MARKER).is_file()
 
 
+def mark_durable(directory: Path) -> None:
+    """Record that every file of ``directory`` is on the disk (unsynced: nothing relies on it, hashes are checked)."""
+    write_bytes(directory / DURABLE_MARKER, _DURABLE_TEXT, fsync=False)
+
+
 class NotDurableError(OSError):
     """A checkpoint renamed into place whose background fsync failed: visible, but maybe lost by a machine crash."""
 
 
-def _make_durable(directory: Path, replaced: Path | None, then: Callable[[Path], Any] | None) -> None:
-    """Fsync every file of ``directory``, the directory and its parent; then drop ``replaced`` and call ``then``."""
+def make_durable(directory: Path, replaced: Path | None = None, then: Callable[[Path], Any] | None = None) -> None:
+    """Fsync every file of ``directory``, it and its parent, mark it durable; then drop ``replaced``, call ``then``."""
     point(f"durable:started:{directory.name}")
-    for path in sorted(directory.iterdir()):
-        if path.is_file() and not path.is_symlink():
-            try:
-                fsync_file(path)
-            except OSError as e:
-                raise NotDurableError(
-                    e.errno,
-                    f"checkpoint {directory} is written but not durable: the fsync of {path.name} failed "
-                    f"({e.strerror or e}); a machine crash may lose or corrupt it, so the older checkpoints "
-                    "were kept (no rotation); check the disk, then save again or resume from an older checkpoint",
-                    str(path),
-                ) from e
-    for path in (directory, directory.parent):
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
+    dirs = sorted(p for p in directory.rglob("*") if p.is_dir())
+    for path in [*files, *dirs, directory, directory.parent]:
         try:
             fsync_dir(path)
         except OSError as e:
             raise NotDurableError(
                 e.errno,
-                f"checkpoint {directory} is written but not durable: the fsync of directory {path} failed "
-                f"({e.strerror or e}); the older checkpoints were kept (no rotation); check the disk",
+                f"checkpoint {directory} is written but not durable: the fsync of "
+                f"{path.name if path.parent == directory else path} failed "
+                f"({e.strerror or e}); a machine crash may lose or corrupt it, so the older checkpoints "
+                "were kept (no rotation); check the disk, then save again or resume from an older checkpoint",
                 str(path),
             ) from e
     point(f"durable:synced:{directory.name}")
@@ -144,12 +118,10 @@ def _make_durable(directory: Path, replaced: Path | None, then: Callable[[Path],
 class Syncs:
     """Checkpoints renamed into place before their fsyncs, made durable one at a time in a background thread.
 
-    ``add(directory, then=fn)`` (after the rename) starts a thread that fsyncs every file of
-    ``directory``, the directory and its parent, removes ``replaced`` (the checkpoint it took the
-    place of), then calls ``then(directory)`` (rotation: an older checkpoint goes only once the newer
-    one is durable). ``wait()`` returns the checkpoints made durable since the last wait, or raises
-    the failure: ``NotDurableError`` naming the checkpoint (its ``then`` never ran, so it is not
-    counted as durable). ``add`` waits for the previous checkpoint first.
+    ``add(directory, replaced=, then=)`` starts a thread running ``make_durable``: rotation (``then``)
+    removes an older checkpoint only once the newer one is durable. ``wait()`` returns the checkpoints
+    made durable since the last wait, or raises the failure (``NotDurableError`` naming the
+    checkpoint; its ``then`` never ran). ``add`` waits for the previous checkpoint first.
 
     >>> import tempfile
     >>> done = []
@@ -169,7 +141,7 @@ class Syncs:
 
         def run() -> None:
             try:
-                _make_durable(directory, replaced, then)
+                make_durable(directory, replaced, then)
             except BaseException as e:  # raised by wait, in the caller's thread
                 outcome["error"] = e
 

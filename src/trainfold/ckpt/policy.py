@@ -3,60 +3,37 @@
 Pure decisions over steps, metric values and settings, plus ``rotate`` which applies the
 retention rule to a directory. The files themselves are written and read by ``writer`` and ``reader``.
 
->>> should_save(6, save_strategy="steps", save_steps=3), greater_is_better_for("eval_accuracy")
-(True, True)
+>>> should_save(6, save_strategy="steps", save_steps=3)
+True
 """
 
 from __future__ import annotations
 
 import math
 import os
-import re
 import secrets
 import shutil
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
-import torch
-from torch import Tensor
-
-from trainfold.ckpt import elastic
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.listing import checkpoint_path, is_complete, list_checkpoints
+from trainfold.ckpt.run_identity import RunSettings
 from trainfold.ckpt.sidecar import read_metadata
+from trainfold.data import global_batch as elastic
+from trainfold.evaluation.best import BestMetric
 
 __all__ = [
     "SAVE_STRATEGIES",
-    "BEST_METRIC_KEY",
-    "RESUME_KEYS",
     "should_save",
     "rotate",
-    "greater_is_better_for",
-    "BestMetric",
-    "best_metric",
-    "update_best",
     "best_checkpoint",
     "check_compatible",
 ]
 
-# Settings that fix which samples form each optimizer step: a resume must not change them.
-RESUME_KEYS = (
-    "gradient_accumulation_steps",
-    "world_size",
-    "per_device_train_batch_size",
-    "seed",
-    "data_seed",
-    "train_sampling_strategy",
-    "dataloader_drop_last",
-)
-
 # The values of ``save_strategy`` (HF's, and "best": save when the metric improves).
 SAVE_STRATEGIES = ("no", "steps", "epoch", "best")
-
-# The ``state.extras`` key of the best-metric tracker (``BestMetric``), which ``best_checkpoint`` reads.
-BEST_METRIC_KEY = "best_metric"
 
 
 def should_save(
@@ -158,107 +135,10 @@ def rotate(
     return doomed
 
 
-_LOWER_PARTS = ("loss", "perplexity", "error")
-_LOWER_WORDS = {"ppl", "wer", "cer", "ter", "mse", "mae", "rmse", "nll", "eer"}
-_HIGHER_PREFIXES = (
-    "accuracy",
-    "f1",
-    "precision",
-    "recall",
-    "bleu",
-    "rouge",
-    "meteor",
-    "chrf",
-    "auc",
-    "auroc",
-    "exact",
-    "matthews",
-    "pearson",
-    "spearman",
-    "ndcg",
-    "bertscore",
-)
-_HIGHER_WORDS = {"acc", "em", "mcc", "r2", "map", "mrr", "sacrebleu"}
-
-
-def greater_is_better_for(metric_name: str, greater_is_better: bool | None = None) -> bool:
-    """Return whether a larger ``metric_name`` is better: ``greater_is_better`` if given, else from the name.
-
-    The name decides only where the direction is certain: ``loss``, ``perplexity``, ``error``
-    anywhere, or the words ``ppl``, ``wer``, ``cer``, ``mse``, ``mae``, ``rmse``, ``nll`` mean lower
-    is better; ``accuracy``, ``f1``, ``precision``, ``recall``, ``bleu``, ``rouge``, ``meteor``,
-    ``auc``, ``exact_match``, ``matthews``, ``pearson``, ``spearman``, ``ndcg``, ``mrr``, ... mean
-    higher. Unknown or contradictory names raise ``ValueError`` asking for ``greater_is_better``.
-
-    >>> greater_is_better_for("eval_loss"), greater_is_better_for("eval_perplexity")
-    (False, False)
-    >>> greater_is_better_for("eval_rougeL"), greater_is_better_for("bleu", greater_is_better=False)
-    (True, False)
-    """
-    if greater_is_better is not None:
-        return bool(greater_is_better)
-    name = metric_name.lower()
-    words = [w for w in re.split(r"[^a-z0-9]+", name) if w]
-    lower = any(p in name for p in _LOWER_PARTS) or any(w in _LOWER_WORDS for w in words)
-    higher = any(w.startswith(_HIGHER_PREFIXES) or w in _HIGHER_WORDS for w in words)
-    if lower != higher:
-        return higher
-    why = "names both a lower- and a higher-is-better metric" if lower else "is not a metric whose direction is known"
-    raise ValueError(f"metric_for_best_model {metric_name!r} {why}; pass greater_is_better=True or False")
-
-
-@attrs.frozen(eq=False)
-class BestMetric:
-    """The best value of a metric so far and the step it was reached at (``step`` −1: none yet).
-
-    A record of 0-d tensors, so it lives in ``state.extras`` and survives a resume.
-
-    >>> import torch
-    >>> b = BestMetric(torch.tensor(0.25, dtype=torch.float64), torch.tensor(40), greater_is_better=torch.tensor(False))
-    >>> b.value.item(), b.step.item(), update_best(b, 0.2, 50)[0].step.item()
-    (0.25, 40, 50)
-    """
-
-    value: Tensor
-    step: Tensor
-    greater_is_better: Tensor
-
-
-def best_metric(greater_is_better: bool) -> BestMetric:
-    """Return the tracker before any evaluation: value ∓inf, step −1.
-
-    >>> b = best_metric(greater_is_better=False)
-    >>> b.value.item(), b.step.item()
-    (inf, -1)
-    """
-    start = -math.inf if greater_is_better else math.inf
-    return BestMetric(
-        value=torch.tensor(start, dtype=torch.float64),
-        step=torch.tensor(-1, dtype=torch.int64),
-        greater_is_better=torch.tensor(bool(greater_is_better)),
-    )
-
-
-def update_best(best: BestMetric, value: float | Tensor, step: int | Tensor) -> tuple[BestMetric, bool]:
-    """Return ``(tracker, improved)`` after seeing ``value`` at ``step``; ties and NaN do not improve.
-
-    >>> b, up = update_best(best_metric(greater_is_better=True), 0.5, 10)
-    >>> b.value.item(), b.step.item(), up, update_best(b, 0.5, 20)[1]
-    (0.5, 10, True, False)
-    """
-    v = float(value)
-    old = float(best.value)
-    improved = not math.isnan(v) and (v > old if bool(best.greater_is_better) else v < old)
-    if not improved:
-        return best, False
-    return attrs.evolve(
-        best, value=torch.tensor(v, dtype=torch.float64), step=torch.tensor(int(step), dtype=torch.int64)
-    ), True
-
-
 def best_checkpoint(output_dir: str | os.PathLike, best: BestMetric) -> Path | None:
     """Return the complete checkpoint of the best step, or ``None`` if there is none on disk.
 
+    >>> from trainfold.evaluation.best import best_metric
     >>> best_checkpoint("no/such/dir", best_metric(True)) is None
     True
     """
@@ -269,33 +149,32 @@ def best_checkpoint(output_dir: str | os.PathLike, best: BestMetric) -> Path | N
 
 
 def check_compatible(
-    saved_settings: Mapping[str, Any],
-    new_settings: Mapping[str, Any],
-    *,
-    keys: Collection[str] = RESUME_KEYS,
-    source: str | os.PathLike = "the checkpoint",
+    saved_settings: Mapping[str, Any], settings: RunSettings, *, source: str | os.PathLike = "the checkpoint"
 ) -> None:
-    """Raise ``ValueError`` listing every trajectory setting (``keys``) the new run changes.
+    """Raise ``ValueError`` listing every sample-order setting (``settings.samples``) the new run changes.
 
-    Gradient accumulation, world size, batch size, seeds and sampler fix which samples make each
-    step, so an exact resume needs them unchanged; the first three may change together when their
-    product, the global batch, does not (``trainfold.ckpt.elastic``: another number of ranks). Other
-    settings (schedule, logging, saving) may differ: they come from the new run.
+    Those settings (declared ``SAMPLE_ORDER`` on their fields, and the world size) fix which samples
+    make each step, so an exact resume needs them unchanged; the batch split may change when the
+    global batch does not (``trainfold.data.global_batch``: another number of ranks). Other settings
+    (schedule, logging, saving) may differ: they come from the new run.
 
-    >>> check_compatible({"gradient_accumulation_steps": 2}, {"gradient_accumulation_steps": 2, "learning_rate": 1.0})
     >>> batch = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
-    >>> check_compatible({**batch, "world_size": 2}, {**batch, "gradient_accumulation_steps": 2, "world_size": 1})
-    >>> check_compatible({"world_size": 2}, {"world_size": 4})  # doctest: +NORMALIZE_WHITESPACE
+    >>> keys = (*batch, "world_size")
+    >>> check_compatible({**batch, "world_size": 2}, RunSettings({**batch, "gradient_accumulation_steps": 2,
+    ...     "world_size": 1}, samples=keys))
+    >>> new = RunSettings({**batch, "world_size": 4}, samples=keys)
+    >>> check_compatible({**batch, "world_size": 2}, new)  # doctest: +NORMALIZE_WHITESPACE
     Traceback (most recent call last):
     ...
     ValueError: cannot resume from the checkpoint with different settings: world_size: saved 2, now 4;
     resume with the saved values or start a new run (warm_start)
     """
+    new_settings, keys = settings.values, settings.samples
     absent = object()
     if elastic.global_batch(saved_settings) is not None and elastic.global_batch(
         saved_settings
     ) == elastic.global_batch(new_settings):
-        keys = [k for k in keys if k not in elastic.BATCH_KEYS]  # the same samples per step, split otherwise
+        keys = tuple(k for k in keys if k not in elastic.BATCH_KEYS)  # the same samples per step, split otherwise
     diffs = [
         f"{k}: saved {saved_settings.get(k, 'unset')!r}, now {new_settings.get(k, 'unset')!r}"
         for k in keys

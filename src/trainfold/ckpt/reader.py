@@ -17,16 +17,16 @@ import attrs
 from torch import Tensor
 
 from trainfold.ckpt import sharded, tensor_file
-from trainfold.ckpt.layout import fingerprints
 from trainfold.ckpt.sidecar import (
-    INDEX_FILE,
     MODEL_FILE,
     SIDECAR_FILE,
     STATE_FILE,
     CheckpointError,
     field_error,
+    is_sharded_checkpoint,
     read_metadata,
 )
+from trainfold.core.fingerprint import fingerprints
 from trainfold.core.state import TrainState
 from trainfold.core.tree import Tree, unflatten
 
@@ -146,7 +146,7 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
             "trainfold.ckpt.warm_start(directory, like=init_state(...)), which restarts the "
             "optimizer and the schedule"
         )
-    if INDEX_FILE in meta["files"]:  # written by every rank: resharded to like's layout
+    if is_sharded_checkpoint(meta):  # written by every rank: resharded to like's layout
         return sharded.load(directory, like)
     return _load(directory, meta, like)
 
@@ -209,7 +209,7 @@ def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """
     directory = Path(directory)
     meta = read_metadata(directory)
-    if INDEX_FILE in meta["files"]:
+    if is_sharded_checkpoint(meta):
         return sharded.load(directory, like, weights_only=True)
     path = directory / _weights_file(meta)
     if "tensors" not in meta:  # formats 1 and 2: model.safetensors under the state's names

@@ -1,15 +1,10 @@
 """The output directory of a run: which run it holds, what to resume, and the claim that takes it.
 
-- **Resume.** ``resumable`` returns the latest complete checkpoint of this run (same fingerprint,
-  and the lineage recorded in the output_dir when there is one); checkpoints of other runs,
-  symbolic links and directories whose name and step disagree are never taken. One that fails to
-  load is ``listing.set_aside`` (renamed, kept) and the previous one is taken (``hf.resume``).
-- **Other runs.** A run into an output_dir holding another run's checkpoints is refused, naming the settings
-  that differ, unless ``overwrite_output_dir=True`` (only another run's log and run file: taken over).
-- **Claim.** ``claim`` takes the lock and removes leftovers (``trainfold.ckpt.run_lock``), decides
-  what to resume, and records the run (``trainfold.ckpt.run_identity``) in ``trainfold-run.json``.
-- **Elastic resume.** ``elastic_args`` keeps a resumed run's global batch on another number of
-  ranks (``trainfold.ckpt.elastic``).
+``claim`` takes the lock and removes leftovers (``run_lock``), decides what to resume (``resumable``:
+the latest complete checkpoint of this run's fingerprint and lineage; never another run's, a symbolic
+link, or one whose name and step disagree), refuses a fresh start among another run's checkpoints
+naming the settings that differ (unless ``overwrite_output_dir``), and records the run in
+``trainfold-run.json``. ``elastic_args`` keeps a resumed run's global batch on another number of ranks.
 """
 
 from __future__ import annotations
@@ -27,22 +22,14 @@ from typing import Any
 
 import attrs
 
-from trainfold.ckpt.elastic import BATCH_KEYS, global_batch, split_global_batch
 from trainfold.ckpt.listing import is_complete, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
-from trainfold.ckpt.run_identity import (
-    RUN_FILE,
-    RUN_LENGTH,
-    RunIdentity,
-    fingerprint,
-    model_signature,
-    trajectory_differences,
-    trajectory_settings,
-)
+from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings, fingerprint, model_signature
 from trainfold.ckpt.run_lock import lock, remove_leftovers
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, read_metadata
 from trainfold.ckpt.writer import disk_full, is_disk_full
 from trainfold.core.state import split_module
+from trainfold.data.global_batch import BATCH_KEYS, global_batch, split_global_batch
 
 __all__ = [
     "Claim",
@@ -81,12 +68,12 @@ def read_run_file(output_dir: str | os.PathLike) -> dict[str, Any] | None:
     return record
 
 
-def _write_run_file(output_dir: Path, run: RunIdentity, settings: Mapping[str, Any]) -> None:
+def _write_run_file(output_dir: Path, run: RunIdentity, settings: RunSettings) -> None:
     record = {
         "format": "trainfold-run",
         "run_id": run.id,
         "fingerprint": run.fingerprint,
-        "settings": trajectory_settings(settings),
+        "settings": settings.trajectory(),
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }
@@ -139,14 +126,14 @@ def candidates(output_dir: str | os.PathLike, fingerprint: str) -> list[Path]:
     return [p for p, _ in reversed(found)]
 
 
-def _describe_others(output_dir: Path, settings: Mapping[str, Any], fingerprint: str) -> str:
+def _describe_others(output_dir: Path, settings: RunSettings, fingerprint: str) -> str:
     parts = []
     for path, meta in _catalog(output_dir):
         run = meta.get("run")
         if run is None:
             parts.append(f"{path.name} (written without a run identity)")
         elif run["fingerprint"] != fingerprint:
-            diffs = trajectory_differences(meta.get("settings", {}), settings) or ["the model's parameters differ"]
+            diffs = settings.differences(meta.get("settings", {})) or ["the model's parameters differ"]
             parts.append(f"{path.name} (run {run['id']}: {'; '.join(diffs[:4])})")
         else:
             parts.append(f"{path.name} (an earlier lineage {run['id']} of the same settings)")
@@ -192,7 +179,7 @@ class Claim:
         self.release()
 
 
-def _explicit_source(path: Path, settings: Mapping[str, Any], fp: str) -> tuple[Path, RunIdentity]:
+def _explicit_source(path: Path, settings: RunSettings, fp: str) -> tuple[Path, RunIdentity]:
     source = resume_checkpoint(path, path.parent)
     assert source is not None
     meta = read_metadata(source)
@@ -200,7 +187,7 @@ def _explicit_source(path: Path, settings: Mapping[str, Any], fp: str) -> tuple[
     run = meta.get("run")
     if run is not None and run["fingerprint"] == fp:
         return source, RunIdentity(run["id"], fp)
-    diffs = trajectory_differences(meta["settings"], settings) or ["the model's parameters or the run identity"]
+    diffs = settings.differences(meta["settings"]) or ["the model's parameters or the run identity"]
     warnings.warn(
         f"resuming {source} with different settings ({'; '.join(diffs)}): this continues as a new run, "
         "not the one that wrote the checkpoint",
@@ -222,7 +209,7 @@ def _output_dir(output_dir: str | os.PathLike) -> Path:
 def claim(
     output_dir: str | os.PathLike,
     resume_from_checkpoint: bool | str | os.PathLike | None,
-    settings: Mapping[str, Any],
+    settings: RunSettings,
     fingerprint: str,
     *,
     overwrite_output_dir: bool = False,
@@ -279,12 +266,12 @@ def claim(
     return Claim(run, source, stack, fallback=fallback)
 
 
-def _warn_length(source: Path, settings: Mapping[str, Any]) -> None:
+def _warn_length(source: Path, settings: RunSettings) -> None:
     saved = read_metadata(source)["settings"]
     changed = [
-        f"{k} {saved[k]!r} -> {settings[k]!r}"
-        for k in RUN_LENGTH
-        if k in saved and k in settings and saved[k] != settings[k]
+        f"{k} {saved[k]!r} -> {settings.values[k]!r}"
+        for k in settings.length
+        if k in saved and k in settings.values and saved[k] != settings.values[k]
     ]
     if changed:
         warnings.warn(
@@ -295,9 +282,7 @@ def _warn_length(source: Path, settings: Mapping[str, Any]) -> None:
         )
 
 
-def _refuse_other_runs(
-    root: Path, recorded: Mapping[str, Any] | None, settings: Mapping[str, Any], fingerprint: str
-) -> None:
+def _refuse_other_runs(root: Path, recorded: Mapping[str, Any] | None, settings: RunSettings, fingerprint: str) -> None:
     """Refuse a run into a directory holding checkpoints of another run (a run file alone is taken over)."""
     if recorded is not None and recorded["fingerprint"] == fingerprint:
         return  # this run was let in before (overwrite_output_dir), and goes on
@@ -353,17 +338,16 @@ def resume_point(args: Any, model: Any, *, world_size: int = 1) -> Path | None:
     settings, the world size, the model's parameter shapes) and calls ``resumable``.
     """
     params, buffers = split_module(model)
-    settings = {**args.to_dict(), "world_size": world_size}
     signature = model_signature(types.SimpleNamespace(params=params, buffers=buffers))
-    return resumable(args.output_dir, fingerprint(settings, signature))
+    return resumable(args.output_dir, fingerprint(RunSettings.of(args, world_size=world_size), signature))
 
 
 def _saved_settings(
-    resume_from_checkpoint: Any, output_dir: str | os.PathLike, here: Mapping[str, Any]
+    resume_from_checkpoint: Any, output_dir: str | os.PathLike, here: RunSettings
 ) -> Mapping[str, Any] | None:
     if resume_from_checkpoint is True:  # the newest checkpoint of this run but for the batch split: claim resumes it
         for _, meta in reversed(_catalog(output_dir)):
-            if not [d for d in trajectory_differences(meta["settings"], here) if d.split(":")[0] not in BATCH_KEYS]:
+            if not [d for d in here.differences(meta["settings"]) if d.split(":")[0] not in BATCH_KEYS]:
                 return meta["settings"]
         return None
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
@@ -382,18 +366,18 @@ def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any
     ranks, or when ``args`` already make its global batch; otherwise ``per_device_train_batch_size`` and
     ``gradient_accumulation_steps`` follow ``split_global_batch``, with a warning that says so.
     """
-    here = {**args.to_dict(), "world_size": world_size}
+    here = RunSettings.of(args, world_size=world_size)
     saved = _saved_settings(resume_from_checkpoint, args.output_dir, here)
     batch = global_batch(saved or {})
-    if batch is None or saved["world_size"] == world_size or batch == global_batch(here):
+    if saved is None or batch is None or saved["world_size"] == world_size or batch == global_batch(here.values):
         return args
-    if [d for d in trajectory_differences(saved, here) if d.split(":")[0] in set(saved) - set(BATCH_KEYS)]:
+    if [d for d in here.differences(saved) if d.split(":")[0] in set(saved) - set(BATCH_KEYS)]:
         return args  # another run's settings: claim refuses it, naming them
     size, steps = split_global_batch(batch, world_size=world_size, per_device=args.per_device_train_batch_size)
     warnings.warn(
         f"resuming a run of {saved['world_size']} ranks on {world_size}: per_device_train_batch_size "
         f"{args.per_device_train_batch_size} -> {size}, gradient_accumulation_steps {args.gradient_accumulation_steps} "
-        f"-> {steps} keep its global batch of {batch} samples per step (trainfold.ckpt.elastic)",
+        f"-> {steps} keep its global batch of {batch} samples per step (trainfold.data.global_batch)",
         UserWarning,
         stacklevel=3,
     )

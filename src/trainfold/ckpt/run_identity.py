@@ -1,16 +1,11 @@
-"""A run's identity: the settings that define its trajectory, their fingerprint, and the run's lineage id.
+"""A run's identity: the fingerprint of the settings and model that define its trajectory, and its lineage id.
 
-A run is defined by the settings that fix its trajectory (everything in ``TrainingArguments`` but
-logging, saving, evaluation, reporting and data-loader plumbing), the world size, and the model's
-parameter names, shapes and dtypes: their hash is the run's ``fingerprint``. Two processes with the
-same fingerprint are the same run; a restart after a preemption computes the same fingerprint and
-so finds its checkpoints. The run ``id`` names a lineage: it is drawn at a fresh start, inherited on
-resume, and recorded in every checkpoint's sidecar and in ``output_dir/trainfold-run.json``.
+Settings whose field declares ``metadata=BOOKKEEPING`` or ``RUN_LENGTH`` are left out; a restart
+computes the same fingerprint and so finds its checkpoints. The ``id`` names a lineage: drawn at a
+fresh start, inherited on resume, recorded in every sidecar and in ``output_dir/trainfold-run.json``.
 
->>> fingerprint({"learning_rate": 0.1, "logging_steps": 5}) == fingerprint({"learning_rate": 0.1, "logging_steps": 1})
-True
->>> trajectory_differences({"learning_rate": 0.1, "seed": 1}, {"learning_rate": 0.2, "seed": 1})
-['learning_rate: 0.1 there, 0.2 here']
+>>> RunIdentity("ab12", "f00d").as_dict()
+{'id': 'ab12', 'fingerprint': 'f00d'}
 """
 
 from __future__ import annotations
@@ -24,87 +19,78 @@ from typing import Any
 
 import attrs
 
-from trainfold.ckpt.elastic import BATCH_KEYS, global_batch
+from trainfold.data.global_batch import BATCH_KEYS, global_batch
 
 __all__ = [
     "RUN_FILE",
-    "NOT_TRAJECTORY",
+    "TRAJECTORY",
+    "BOOKKEEPING",
     "RUN_LENGTH",
+    "SAMPLE_ORDER",
+    "RunSettings",
     "RunIdentity",
-    "trajectory_settings",
-    "trajectory_differences",
     "fingerprint",
     "model_signature",
 ]
 
 RUN_FILE = "trainfold-run.json"  # in the output_dir: the run that owns it (trainfold.ckpt.run_dir)
 
-# Settings that do not change which states a run goes through: where and how often it logs, saves,
-# evaluates and reports, and how the data loader is run. Everything else is in the fingerprint.
-NOT_TRAJECTORY = frozenset(
-    {
-        "output_dir",
-        "overwrite_output_dir",
-        "logging_strategy",
-        "logging_steps",
-        "logging_first_step",
-        "logging_nan_inf_filter",
-        "report_to",
-        "run_name",
-        "disable_tqdm",
-        "save_strategy",
-        "save_steps",
-        "save_total_limit",
-        "save_only_model",
-        "enable_jit_checkpoint",
-        "eval_strategy",
-        "eval_steps",
-        "eval_on_start",
-        "async_save",
-        "save_fsync",
-        "save_consolidated_model",
-        "fsdp",  # sharded or replicated: the same samples, split otherwise
-        "eval_delay",
-        "eval_accumulation_steps",
-        "per_device_eval_batch_size",
-        "prediction_loss_only",
-        "metric_for_best_model",
-        "greater_is_better",
-        "load_best_model_at_end",
-        "dataloader_num_workers",
-        "dataloader_persistent_workers",
-        "dataloader_prefetch_factor",
-        "dataloader_pin_memory",
-        # recomputing activations gives the same gradients bitwise (tests/test_recompute.py): turn it on to fit memory
-        "activation_checkpointing",
-        "activation_checkpointing_kwargs",
-        "gradient_checkpointing",
-        "gradient_checkpointing_kwargs",
-    }
-)
-
-# How long the run goes on: not part of the fingerprint, so a run can be continued for more steps
-# (HF's resume with a larger max_steps); a resume that changes it says that the schedule changes.
-RUN_LENGTH = ("max_steps", "num_train_epochs")
+# A setting declares what it is for the run's identity on its own attrs field, as ``metadata=``:
+TRAJECTORY = "trajectory"  # the metadata key; absent or True: the setting is part of the trajectory
+BOOKKEEPING = {TRAJECTORY: False}  # where and how often a run logs, saves, evaluates, loads data: not its states
+RUN_LENGTH = {TRAJECTORY: "length"}  # how long it goes on: a run can be continued (HF's larger max_steps)
+SAMPLE_ORDER = {TRAJECTORY: "samples"}  # which samples form each step (seed, batch, sampler): no resume changes it
 
 
-def trajectory_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """Return the settings that define the trajectory (all but ``NOT_TRAJECTORY`` and ``RUN_LENGTH``), by name.
+@attrs.frozen
+class RunSettings:
+    """A run's settings by name, and which of them its record's fields declare outside the trajectory.
 
-    >>> trajectory_settings({"seed": 3, "save_steps": 10, "learning_rate": 0.1})
-    {'learning_rate': 0.1, 'seed': 3}
+    ``of(record)`` reads an attrs record (``TrainingArguments``) generically: every field's value,
+    and its ``metadata`` (``BOOKKEEPING``, ``RUN_LENGTH``, ``SAMPLE_ORDER``); a plain mapping has every
+    setting in the trajectory. The batch enters the fingerprint as the global batch (``trainfold.data.global_batch``).
+
+    >>> @attrs.frozen
+    ... class Args:
+    ...     learning_rate: float = 0.1
+    ...     logging_steps: int = attrs.field(default=5, metadata=BOOKKEEPING)
+    >>> a, b = RunSettings.of(Args()), RunSettings.of(Args(logging_steps=1))
+    >>> a.trajectory(), fingerprint(a) == fingerprint(b)
+    ({'learning_rate': 0.1}, True)
+    >>> RunSettings.of(Args(0.2)).differences({"learning_rate": 0.1, "logging_steps": 1})
+    ['learning_rate: 0.1 there, 0.2 here']
     """
-    return {k: settings[k] for k in sorted(settings) if k not in NOT_TRAJECTORY and k not in RUN_LENGTH}
 
+    values: dict[str, Any]
+    bookkeeping: frozenset[str] = frozenset()
+    length: tuple[str, ...] = ()
+    samples: tuple[str, ...] = ()  # the sample-order settings (``SAMPLE_ORDER``) and the extra ones (world size)
 
-def trajectory_differences(there: Mapping[str, Any], here: Mapping[str, Any]) -> list[str]:
-    """List every trajectory setting whose value differs between two settings dicts."""
-    a, b = trajectory_settings(there), trajectory_settings(here)
-    return [
-        f"{k}: {a.get(k, 'unset')!r} there, {b.get(k, 'unset')!r} here"
-        for k in sorted(set(a) | set(b))
-        if a.get(k, "unset") != b.get(k, "unset")
-    ]
+    @classmethod
+    def of(cls, record: Any, **extra: Any) -> RunSettings:
+        """Read ``record``'s settings (an attrs instance, or a mapping), plus ``extra`` ones (``world_size``)."""
+        if isinstance(record, Mapping):
+            return cls({**record, **extra}, samples=tuple(extra))
+        fields = attrs.fields(type(record))
+        values = record.to_dict() if hasattr(record, "to_dict") else attrs.asdict(record)
+        bookkeeping = frozenset(f.name for f in fields if f.metadata.get(TRAJECTORY) is False)
+        length = tuple(f.name for f in fields if f.metadata.get(TRAJECTORY) == "length")
+        samples = tuple(f.name for f in fields if f.metadata.get(TRAJECTORY) == "samples") + tuple(extra)
+        return cls({**values, **extra}, bookkeeping, length, samples)
+
+    def trajectory(self, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Return the trajectory settings of these, or of ``settings`` (another run's, judged by these fields)."""
+        values = self.values if settings is None else settings
+        return {k: values[k] for k in sorted(values) if k not in self.bookkeeping and k not in self.length}
+
+    def differences(self, there: Mapping[str, Any]) -> list[str]:
+        """List every trajectory setting whose value differs between ``there`` (a checkpoint's) and these."""
+        a, b = self.trajectory(there), self.trajectory()
+        return [
+            f"{k}: {a.get(k, 'unset')!r} there, {b.get(k, 'unset')!r} here"
+            for k in sorted(set(a) | set(b))
+            if a.get(k, "unset") != b.get(k, "unset")
+        ]
 
 
 def model_signature(state: Any) -> dict[str, list[Any]]:
@@ -116,13 +102,9 @@ def model_signature(state: Any) -> dict[str, list[Any]]:
     return {k: [list(v.shape), str(v.dtype)] for k, v in sorted(tensors.items())}
 
 
-def fingerprint(settings: Mapping[str, Any], model: Mapping[str, Any] | None = None) -> str:
-    """Return the hash (16 hex digits) of the trajectory settings and the model signature.
-
-    The batch enters as the global batch (``trainfold.ckpt.elastic``): a run resumed on another number
-    of ranks with the same samples per step is the same run.
-    """
-    body = {"settings": _batch_as_global(trajectory_settings(settings)), "model": dict(model or {})}
+def fingerprint(settings: RunSettings, model: Mapping[str, Any] | None = None) -> str:
+    """Return the hash (16 hex digits) of the trajectory settings (the batch as the global batch) and the model."""
+    body = {"settings": _batch_as_global(settings.trajectory()), "model": dict(model or {})}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 

@@ -1,10 +1,7 @@
-"""The output directory's lock (one writing run at a time) and the removal of dead writers' leftovers.
+"""The output directory's lock (one writing run at a time, ``filelock``) and the removal of dead writers' leftovers.
 
-``lock`` holds ``output_dir/trainfold.lock`` (``filelock``: an OS lock the kernel drops with a dead
-process, on every platform) for as long as the run writes, and records the holder's pid and host in
-``trainfold.lock.json``; a second run is refused naming them, and a killed run's lock is simply taken
-over. The run holding the lock removes the ``.tmp-*`` and ``.deleting-*`` directories of dead
-writers and puts back a checkpoint a replace had moved aside (``remove_leftovers``).
+The holder's pid and host are recorded in ``trainfold.lock.json``, so a second run is refused naming
+them; the lock of a killed run is gone with it and simply taken over.
 """
 
 from __future__ import annotations

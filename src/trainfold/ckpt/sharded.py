@@ -1,64 +1,47 @@
-"""Sharded checkpoints: every rank writes its DTensor shards as safetensors, indexed in JSON, on DCP's planner.
+"""Sharded checkpoints on ``torch.distributed.checkpoint`` (DCP): every rank writes its DTensor shards as safetensors.
 
-A state whose params and optimizer state are ``DTensor`` shards (``fsdp="full_shard"``) is saved by
-all ranks at once with ``torch.distributed.checkpoint`` (DCP) and a storage writer of its own, so
-the directory holds only safetensors and JSON, never DCP's pickled ``.metadata``:
-
-- ``state-{rank}-of-{world}.safetensors``: rank ``rank``'s slab of every tensor, under the state's
-  dotted names (``trainfold.core.tree.flatten``); replicated tensors (buffers, counters) once, on one rank;
-  each file's header also carries DCP's ``DCP_SHARDING_INFO`` (the slab offsets);
-- ``state.index.json``: the sharding: per tensor its dtype, global shape and chunks (file, offsets, sizes);
-- ``model.safetensors`` (+ ``config.json``) on request (``consolidate``): the full weights under the
-  model's ``state_dict`` names, for ``from_pretrained``;
-- ``trainfold.json``: the sidecar of ``trainfold.ckpt.sidecar`` (every file's size and CRC-32).
-
-The directory is built by ``writer.save`` (temporary directory, marker, fsync, atomic rename):
-rank 0 renames it only after DCP has gathered every rank's finished writes. Loading goes through
-DCP's planner too, so a checkpoint of 2 ranks loads into 1, 3 or 4 (``reader.load`` calls
-``load`` here); nothing is pickled and loading never runs code.
-
-``Saver`` writes a run's checkpoints, sharded or not, synchronously or in a background thread
-(``async_save``): the step stalls only for the copy of the state to the CPU.
+A state of ``DTensor`` shards (``fsdp="full_shard"``) is saved by all ranks at once with ``dcp.save``
+and DCP's ``HuggingFaceStorageWriter`` into ``sharded/`` (one safetensors file per rank, the slab
+offsets in its header; never a pickle), with ``model.safetensors`` on request (``consolidate``, for
+``from_pretrained``). ``writer.save`` builds the directory (marker, fsync, atomic rename) and rank 0
+renames it once DCP has gathered every rank's fsynced file and hash. ``load`` checks every hash, then
+DCP's ``HuggingFaceStorageReader`` and load planner reshard onto the template's mesh (2 ranks -> 1, 3, 4).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-import json
 import os
 import sys
 import threading
-import types
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from trainfold.ckpt import writer
+from trainfold.ckpt import tensor_file, writer
+from trainfold.ckpt.adapters import is_peft_model
 from trainfold.ckpt.atomic import FSYNC_MODES, Syncs
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.layout import model_weights
-from trainfold.ckpt.sidecar import INDEX_FILE, MODEL_FILE, SIDECAR_FILE, CheckpointError, read_metadata
+from trainfold.ckpt.sidecar import MODEL_FILE, SHARD_DIR, CheckpointError, read_metadata
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten, map_tensors, unflatten
+from trainfold.step.fsdp import held_structure
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["Saver", "is_sharded", "save", "load", "read_index"]
 
-_NAME_BYTES = 256  # the temporary directory's name, sent from rank 0 to the others
 
-
-def _storage() -> types.ModuleType:
-    from trainfold.ckpt import sharded_storage
-
-    return sharded_storage
-
-
-def _dtensor_type() -> type | None:
+def _dtensor_type() -> type[DTensor] | None:
     """Return ``DTensor`` if its module is loaded (else no tensor can be one, and DCP need not load)."""
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
@@ -75,33 +58,86 @@ def is_sharded(state: Any) -> bool:
     return dtensor is not None and any(isinstance(t, dtensor) for t in flatten(state).values())
 
 
-def _consolidate(tmp: Path, index: Mapping[str, Any], model: Any) -> dict[str, dict[str, int]]:
+@functools.cache
+def _writer_type() -> type:
+    """DCP's safetensors writer, each shard file hashed by the rank that wrote it (imported late: DCP loads slowly)."""
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.futures import Future
+
+    class Writer(HuggingFaceStorageWriter):
+        files: dict[str, dict[str, int]]
+
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            results = super().write_data(plan, planner).wait()
+            entries = {}
+            for name in sorted({r.storage_data.relative_path for r in results}):
+                entries[name] = tensor_file.digest_of(Path(self.path) / name)
+                point(f"sharded:wrote:{name}")
+            out: Future[list[Any]] = Future()  # the entry travels to the coordinator with DCP's results
+            named = [(r, r.storage_data.relative_path) for r in results]
+            out.set_result([dataclasses.replace(r, storage_data=(n, entries[n])) for r, n in named])
+            return out
+
+        def finish(self, metadata: Any, results: list[list[Any]]) -> None:
+            self.files = {f"{SHARD_DIR}/{r.storage_data[0]}": r.storage_data[1] for rs in results for r in rs}
+
+    return Writer
+
+
+def _failed(e: BaseException, what: str) -> BaseException:
+    """Return the error to raise for DCP's ``CheckpointException`` (a ``BaseException``): per rank, by name."""
+    failures = sorted(e.failures.items())  # type: ignore[attr-defined]
+    text = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in failures)
+    first = failures[0][1][0] if failures else None
+    if isinstance(first, OSError):  # a full disk stays an OSError (the run names the bytes it needs)
+        return OSError(first.errno, f"{what} failed on {text}")
+    return CheckpointError(f"{what} failed on {text}; the checkpoint was not written (the previous one is intact)")
+
+
+def _write_shards(tmp: Path, flat: dict[str, Tensor], group: Any) -> dict[str, dict[str, int]]:
+    """Write ``flat`` into ``tmp/sharded`` from every rank of ``group`` (``dcp.save``); return the files' entries."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    storage = _writer_type()(str(tmp / SHARD_DIR), save_distributed=True)
+    try:
+        dcp.save(dict(flat), storage_writer=storage, process_group=group, no_dist=not dist.is_initialized())
+    except CheckpointException as e:
+        raise _failed(e, f"writing the shards of {tmp}") from None
+    return getattr(storage, "files", {})
+
+
+def _read_shards(targets: dict[str, Tensor], directory: Path) -> None:
+    """Fill ``targets`` in place from the shard files (``dcp.load``, no collectives: each rank reads its part)."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(targets, storage_reader=dcp.HuggingFaceStorageReader(str(directory / SHARD_DIR)), no_dist=True)
+
+
+def _consolidate(tmp: Path, model: Any) -> dict[str, dict[str, int]]:
     """Write ``model.safetensors`` from the shard files just written (rank 0, one process); return its entry."""
+    saved = _tensors_of(tmp)
     full = {
-        k: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
-        for k, e in index["tensors"].items()
-        if k.startswith(("params.", "buffers."))
+        k: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"])) for k, e in saved.items() if k[:2] in ("pa", "bu")
     }
-    _storage().read_shards(full, tmp, index)
-    split = types.SimpleNamespace(
-        params={k.removeprefix("params."): v for k, v in full.items() if k[0] == "p"},
-        buffers={k.removeprefix("buffers."): v for k, v in full.items() if k[0] == "b"},
+    _read_shards(full, tmp)
+    split = TrainState(
+        params={k.removeprefix("params."): v for k, v in full.items() if k.startswith("params.")},
+        buffers={k.removeprefix("buffers."): v for k, v in full.items() if k.startswith("buffers.")},
+        opt_state=None,
     )
-    path = tmp / MODEL_FILE
-    safetensors.torch.save_file(model_weights(split, model), path, metadata={"format": "pt"})
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
+    entry = tensor_file.write(tmp / MODEL_FILE, model_weights(split, model), metadata={"format": "pt"})
     point("sharded:wrote:model")
-    return {MODEL_FILE: {"bytes": path.stat().st_size, "crc32": _storage().crc32_of(path)}}
+    return {MODEL_FILE: entry}
 
 
 def _announce(name: str, group: Any) -> str:
     """Send rank 0's ``name`` (the temporary directory; empty: it failed) to every rank; return it."""
-    buf = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
-    data = name.encode()
-    buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
-    dist.broadcast(buf, group=group, group_src=0)
-    return bytes(buf.tolist()).rstrip(b"\0").decode()
+    box = [name]
+    dist.broadcast_object_list(box, group=group, group_src=0)
+    return str(box[0])
 
 
 def save(
@@ -132,7 +168,7 @@ def save(
         name = _announce("", group)
         if not name:
             raise CheckpointError(f"rank 0 could not start the checkpoint {directory}; its error says why")
-        _storage().write_shards(directory.parent / name, flat, group)
+        _write_shards(directory.parent / name, flat, group)
         if _announce("", group) != "done":  # rank 0 renames it into place: returning means it is there
             raise CheckpointError(f"rank 0 could not complete the checkpoint {directory}; its error says why")
         return directory
@@ -143,11 +179,10 @@ def save(
         if many:
             _announce(tmp.name, group)
         phase = "writing"
-        writer = _storage().write_shards(tmp, flat, group)
+        files = _write_shards(tmp, flat, group)
         phase = "written"
-        files = dict(writer.files)
         if consolidate or only_model:
-            files.update(_consolidate(tmp, writer.index, model))
+            files.update(_consolidate(tmp, model))
         return files
 
     try:
@@ -215,6 +250,9 @@ class Saver:
         """
         self.wait()
         directory = Path(directory)
+        write: Callable[..., Path]  # (state, directory) -> the checkpoint's path
+        if self.async_save and not wait and not is_peft_model(options.get("model")):  # a peft one: its own layout
+            options["model"] = held_structure(options.get("model"))  # read here, not in the writer thread
         if is_sharded(state):
             if dist.is_initialized() and self._group is None:
                 self._group = dist.new_group(backend="gloo")
@@ -234,7 +272,7 @@ class Saver:
 
         if not self.async_save or wait:
             return job(state)
-        staged, outcome = map_tensors(_cpu_copy, state), {}
+        staged, outcome = map_tensors(_cpu_copy, state), dict[str, Any]()
 
         def run() -> None:
             try:
@@ -266,49 +304,50 @@ class Saver:
         return path if path is not None or not durable else durable[-1]
 
 
-# -- loading ---------------------------------------------------------------------------------------
+def _tensors_of(directory: Path) -> dict[str, dict[str, Any]]:
+    """Return ``{key: {"dtype", "shape", "chunks": [{"file", "offsets", "sizes"}]}}`` from the shard files' headers."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, TensorStorageMetadata
 
-
-def _check_file(directory: Path, name: str, meta: Mapping[str, Any]) -> Path:
-    path = directory / name
-    expected = meta["files"].get(name)
-    if expected is None:
-        raise CheckpointError(
-            f"{directory / SIDECAR_FILE} does not list {name}, which {INDEX_FILE} "
-            "names: the checkpoint cannot be checked; resume from an earlier checkpoint"
-        )
-    if path.is_symlink() or not path.is_file():
-        raise FileNotFoundError(
-            f"{path} is missing; the checkpoint is incomplete or was altered; "
-            "resume from latest_checkpoint(output_dir) instead"
-        )
-    if path.stat().st_size != expected["bytes"]:
-        raise CheckpointError(
-            f"{path} is truncated or altered: it has {path.stat().st_size} bytes, "
-            f"{SIDECAR_FILE} records {expected['bytes']}; resume from an earlier checkpoint"
-        )
-    if _storage().crc32_of(path) != expected["crc32"]:
-        raise CheckpointError(
-            f"{path} is corrupted: its CRC-32 differs from the one {SIDECAR_FILE} "
-            "records; resume from an earlier checkpoint"
-        )
-    return path
+    md = HuggingFaceStorageReader(str(directory / SHARD_DIR)).read_metadata()
+    out: dict[str, dict[str, Any]] = {}
+    for k, m in md.state_dict_metadata.items():
+        assert isinstance(m, TensorStorageMetadata)  # a state holds only tensors
+        out[k] = {"dtype": str(m.properties.dtype).removeprefix("torch."), "shape": list(m.size), "chunks": []}
+    for index, info in md.storage_data.items():
+        chunk = {"file": f"{SHARD_DIR}/{Path(info.relative_path).name}", "offsets": list(index.offset or [])}
+        out[index.fqn]["chunks"].append({**chunk, "sizes": list(info.shape)})
+    for entry in out.values():
+        entry["chunks"].sort(key=lambda c: c["offsets"])
+    return dict(sorted(out.items()))
 
 
 def read_index(directory: str | os.PathLike) -> dict[str, Any]:
-    """Return the checked JSON index of a sharded checkpoint (sizes and CRCs of it and every shard file)."""
+    """Return the index of a sharded checkpoint (per tensor its dtype, shape, chunks), every shard file checked first.
+
+    Each shard file's size and hash must be those the sidecar records, and ``sharded/`` must hold no
+    other file (DCP's reader reads every safetensors file there).
+    """
     directory = Path(directory)
     meta = read_metadata(directory)
-    path = _check_file(directory, INDEX_FILE, meta)
-    index = json.loads(path.read_bytes())
-    fmt = _storage().INDEX_FORMAT
-    if not isinstance(index, dict) or index.get("format") != fmt or not isinstance(index.get("tensors"), dict):
+    listed = sorted(n for n in meta["files"] if n.startswith(f"{SHARD_DIR}/"))
+    present = sorted(f"{SHARD_DIR}/{p.name}" for p in (directory / SHARD_DIR).glob("*")) if listed else []
+    if present != listed:
         raise CheckpointError(
-            f'{path} is not a trainfold sharded-state index (no "format": "{fmt}"); resume from another checkpoint'
+            f"{directory / SHARD_DIR} holds {present}, but {directory / 'trainfold.json'} lists {listed}: the "
+            "checkpoint was altered; resume from an earlier checkpoint"
         )
-    for name in sorted({c["file"] for e in index["tensors"].values() for c in e["chunks"]}):
-        _check_file(directory, name, meta)
-    return index
+    for name in listed:
+        try:
+            tensor_file.check(directory / name, meta["files"][name])
+        except tensor_file.TensorFileError as e:
+            raise CheckpointError(f"{e} (as trainfold.json records); resume from an earlier checkpoint") from None
+    try:
+        tensors = _tensors_of(directory)
+    except Exception as e:  # a header that hashes right but is not safetensors: written so, never loadable
+        raise CheckpointError(
+            f"{directory / SHARD_DIR} holds unreadable shards ({e}); resume from another one"
+        ) from None
+    return {"format": "dcp-huggingface", "world_size": len(listed), "tensors": tensors}
 
 
 def load(directory: str | os.PathLike, like: TrainState, *, weights_only: bool = False) -> TrainState:
@@ -320,35 +359,29 @@ def load(directory: str | os.PathLike, like: TrainState, *, weights_only: bool =
     loads params and buffers only (``reader.load_weights``). ``metrics`` load as saved.
     """
     directory = Path(directory)
-    index, meta = read_index(directory), read_metadata(directory)
-    saved = index["tensors"]
+    saved, meta = read_index(directory)["tensors"], read_metadata(directory)
+    where = directory / SHARD_DIR
     base = attrs.evolve(like, metrics={})
     wanted = {k: v for k, v in flatten(base).items() if not weights_only or k.startswith(("params.", "buffers."))}
     missing = sorted(k for k in wanted if k not in saved and not (weights_only and k.startswith("buffers.")))
     unexpected = [] if weights_only else sorted(k for k in saved if k not in wanted and not k.startswith("metrics."))
     if missing or unexpected:
         raise KeyError(
-            f"{directory / INDEX_FILE} does not fit the template state; was it saved from a different "
+            f"{where} does not fit the template state; was it saved from a different "
             f"model or optimizer? missing {missing[:8]}, unexpected {unexpected[:8]}"
         )
     bad = [
-        f"{k}: saved {saved[k]['shape']} {saved[k]['dtype']}, expected {list(v.shape)} "
-        f"{str(v.dtype).removeprefix('torch.')}"
+        f"{k}: saved {saved[k]['shape']} {saved[k]['dtype']}, expected {list(v.shape)} {str(v.dtype)[6:]}"
         for k, v in wanted.items()
         if k in saved and (saved[k]["shape"] != list(v.shape) or saved[k]["dtype"] != str(v.dtype)[6:])
     ]
     if bad:
-        raise ValueError(
-            f"{directory / INDEX_FILE} does not fit the template state (a different model size?): " + "; ".join(bad[:8])
-        )
+        raise ValueError(f"{where} does not fit the template state (a different model size?): " + "; ".join(bad[:8]))
     targets = {k: torch.empty_like(v) for k, v in wanted.items() if k in saved}
     if not weights_only:
-        targets |= {
-            k: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"]))
-            for k, e in saved.items()
-            if k.startswith("metrics.")
-        }
-    _storage().read_shards(targets, directory, index)
+        metrics = {k: e for k, e in saved.items() if k.startswith("metrics.")}
+        targets |= {k: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"])) for k, e in metrics.items()}
+    _read_shards(targets, directory)
     if weights_only:
         return attrs.evolve(
             like,
@@ -359,7 +392,7 @@ def load(directory: str | os.PathLike, like: TrainState, *, weights_only: bool =
     state = unflatten({k: v for k, v in targets.items() if not k.startswith("metrics.")}, like=base)
     if int(state.step) != meta["step"]:
         raise CheckpointError(
-            f"{directory / SIDECAR_FILE}: field 'step' is {meta['step']} but the "
+            f"{directory / 'trainfold.json'}: field 'step' is {meta['step']} but the "
             f"shards hold {int(state.step)}; resume from another checkpoint"
         )
     return attrs.evolve(state, metrics=metrics)

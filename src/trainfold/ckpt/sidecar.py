@@ -18,7 +18,7 @@ import re
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from trainfold.ckpt.tensor_file import HASHES
 from trainfold.core.version import library_version
@@ -30,7 +30,8 @@ __all__ = [
     "SIDECAR_FILE",
     "INCOMPLETE_MARKER",
     "DURABLE_MARKER",
-    "INDEX_FILE",
+    "SHARD_DIR",
+    "is_sharded_checkpoint",
     "MAX_STEP",
     "CheckpointError",
     "CheckpointWarning",
@@ -48,10 +49,10 @@ SIDECAR_FILE = "trainfold.json"
 INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
 # written once every file of the checkpoint is fsynced: a machine crash cannot have torn it
 DURABLE_MARKER = "checkpoint-is-durable.json"
-INDEX_FILE = "state.index.json"  # a sharded checkpoint's index of its shard files (trainfold.ckpt.sharded)
+SHARD_DIR = "sharded"  # a sharded checkpoint's folder of DCP shard files (trainfold.ckpt.sharded)
 _FORMAT = "trainfold-checkpoint"
 _FORMAT_VERSION = 4  # 1: no run identity, no checksum; 1 and 2: every tensor in state.safetensors; 1-3: CRC-32s
-_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_FILE_NAME = re.compile(rf"^(?:{SHARD_DIR}/)?[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 MAX_STEP = 2**53  # a step beyond it is not a count of optimizer steps
 
 
@@ -108,27 +109,13 @@ def sidecar_bytes(sidecar: Mapping[str, Any]) -> bytes:
 
 
 _FIX = "the sidecar is damaged or was not written by trainfold; resume from another checkpoint"
-_TOP = {
-    "format",
-    "format_version",
-    "library_version",
-    "step",
-    "epoch",
-    "cursor",
-    "save_only_model",
-    "jit",
-    "metadata",
-    "settings",
-    "run",
-    "tensors",
-    "frozen",
-    "files",
-    "checksum",
-}
 _SINCE = {"run": 2, "checksum": 2, "tensors": 3, "frozen": 3}  # fields a format before these lacks
 
 
-def _is_int(value: Any) -> bool:
+_TOP = {*new_sidecar(step=0, cursor=(0, 0), files={}), "checksum"}  # every field of the format
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -232,8 +219,16 @@ def _check_tensors(meta: dict[str, Any], path: Path) -> None:
     if not isinstance(tensors, dict) or not all(isinstance(v, dict) for v in tensors.values()):
         raise field_error(path, "tensors", f"must map file names to {{state key: file key}}, got {tensors!r:.60}")
     needed = [*([] if meta["save_only_model"] else [STATE_FILE]), *tensors]
-    if INDEX_FILE in files:  # trainfold.ckpt.sharded: the index, model.safetensors on request
-        needed = [INDEX_FILE, *([MODEL_FILE] if meta["save_only_model"] else [])]
+    if "state.index.json" in files:
+        raise field_error(
+            path,
+            "files",
+            "lists state.index.json: a sharded checkpoint of trainfold's own storage "
+            "(before DCP's safetensors storage)",
+            "load it with the trainfold release that wrote it",
+        )
+    if is_sharded_checkpoint(meta):  # trainfold.ckpt.sharded: the shards, model.safetensors on request
+        needed = [MODEL_FILE] if meta["save_only_model"] else []
     for name in needed:
         if name not in files:
             problem = "is missing: every tensor file must be listed with its size and hash"
@@ -250,6 +245,15 @@ def _check_tensors(meta: dict[str, Any], path: Path) -> None:
     frozen = meta.get("frozen", {})
     if not isinstance(frozen, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in frozen.items()):
         raise field_error(path, "frozen", f"must map state keys to fingerprints (strings), got {frozen!r:.60}")
+
+
+def is_sharded_checkpoint(meta: Mapping[str, Any]) -> bool:
+    """Say whether the sidecar ``meta`` is a sharded checkpoint's (its files include ``sharded/`` ones).
+
+    >>> is_sharded_checkpoint({"files": {"sharded/shard-00001-model-00001-of-00001.safetensors": {}}})
+    True
+    """
+    return any(name.startswith(f"{SHARD_DIR}/") for name in meta["files"])
 
 
 def _check_files(meta: dict[str, Any], path: Path) -> None:

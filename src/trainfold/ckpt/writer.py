@@ -1,18 +1,11 @@
-"""Writing a checkpoint: a state's files into a hidden directory, renamed atomically into place, fsynced.
+"""Writing a checkpoint: its files into a hidden directory under a marker, fsynced, renamed into place.
 
-The directory holds ``checkpoint-is-incomplete.txt`` while files are written; the marker is
-removed and the directory is renamed into place with ``os.replace`` (one already there is moved
-aside first: ``atomic.replace_dir``). Each file's hash is computed as it is written. Nothing is
-pickled. When the files reach the disk is the caller's choice:
-
-- blocking (``syncs=None``, the default of ``save``): every file and directory is fsynced before
-  the rename, so the checkpoint is durable when ``save`` returns;
-- visible first, durable after (``syncs=atomic.Syncs()``, what ``train`` does): the files are
-  written without waiting for the disk, the directory is renamed into place, and a thread of
-  ``syncs`` fsyncs files, directory and parent, then calls ``on_durable`` (rotation). A killed
-  process loses nothing (the page cache outlives it); a machine crash before the fsyncs end may
-  leave the newest checkpoint truncated or corrupt, which its sizes and hashes catch on load
-  (``resume_from_checkpoint=True`` then sets it aside and resumes the previous one).
+Each file's hash is taken as it is written; nothing is pickled. Blocking (``syncs=None``, ``save``'s
+default): every file and directory is fsynced before the ``os.replace``, so the checkpoint is durable
+when ``save`` returns. Visible first (``syncs=atomic.Syncs()``, what ``train`` does): a thread fsyncs
+after the rename, then calls ``on_durable`` (rotation); a killed process loses nothing, and a machine
+crash before the fsyncs end leaves a torn checkpoint that its sizes and hashes catch on load (a resume
+then sets it aside and takes the previous one).
 """
 
 from __future__ import annotations
@@ -32,8 +25,8 @@ from torch import Tensor, nn
 from trainfold.ckpt import tensor_file
 from trainfold.ckpt.atomic import Syncs, fsync_dir, mark_durable, replace_dir, write_bytes
 from trainfold.ckpt.faults import point
-from trainfold.ckpt.layout import Layout, fingerprints, layout_of
-from trainfold.ckpt.listing import latest_checkpoint, list_checkpoints
+from trainfold.ckpt.layout import Layout, layout_of
+from trainfold.ckpt.listing import checkpoint_path, latest_checkpoint, list_checkpoints
 from trainfold.ckpt.sidecar import (
     INCOMPLETE_MARKER,
     SIDECAR_FILE,
@@ -42,10 +35,11 @@ from trainfold.ckpt.sidecar import (
     read_metadata,
     sidecar_bytes,
 )
+from trainfold.core.fingerprint import fingerprints
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten
 
-__all__ = ["save", "mark_jit", "is_disk_full", "disk_full"]
+__all__ = ["save", "jit_checkpoint", "mark_jit", "is_disk_full", "disk_full"]
 
 _PT = {"format": "pt"}
 _MARKER_TEXT = b"trainfold is writing this checkpoint; if this file remains, the write failed.\n"
@@ -137,7 +131,7 @@ def save(
     (['checkpoint-is-durable.json', 'model.safetensors', 'state.safetensors', 'trainfold.json'], {'n': 1})
     """
     directory, run = Path(directory), _check_run(run)
-    fields = {"metadata": _json(metadata, "save metadata"), "settings": _json(settings, "save settings")}
+    fields = dict[str, Any](metadata=_json(metadata, "save metadata"), settings=_json(settings, "save settings"))
     fields.update(run=run, save_only_model=save_only_model, jit=jit)
     layout = layout_of(state, model, config)
     flat = flatten(state)
@@ -145,7 +139,7 @@ def save(
 
     def write(tmp: Path, fsync: bool) -> dict[str, Any]:
         files = _write_files(tmp, flat, layout, frozen, save_only_model, on_file, tensors, fsync, extra_files)
-        where = {"tensors": {layout.weights_file: layout.weights}, "frozen": frozen} if tensors is None else {}
+        where = dict[str, Any](tensors={layout.weights_file: layout.weights}, frozen=frozen) if tensors is None else {}
         cursor = (int(state.cursor.epoch), int(state.cursor.position))
         return new_sidecar(step=int(state.step), cursor=cursor, files=files, **where, **fields)
 
@@ -194,7 +188,7 @@ def disk_full(e: BaseException, path: str | os.PathLike, what: str, needed: int 
         warnings.simplefilter("ignore")
         previous = latest_checkpoint(root)
     if previous is not None and previous == path:
-        previous = ([p for p in list_checkpoints(root) if p != path] or [None])[-1]
+        previous = next(reversed([p for p in list_checkpoints(root) if p != path]), None)
     kept = (
         f"the previous checkpoint {previous} (step {previous.name.rsplit('-', 1)[-1]}) is intact; resume from it"
         if previous is not None
@@ -227,14 +221,15 @@ def _write_in_place(
         write_bytes(marker, _MARKER_TEXT, fsync=blocking)
         write_bytes(tmp / SIDECAR_FILE, sidecar_bytes(write(tmp, blocking)), fsync=blocking)
         mode = (tmp / SIDECAR_FILE).stat().st_mode & 0o777  # open's: 0666 less the umask
-        for path in tmp.iterdir():  # one mode for every file, whoever wrote it (DCP writes its shards 0600)
-            if path.stat().st_mode & 0o777 != mode:
+        for path in tmp.rglob("*"):  # one mode for every file, whoever wrote it (DCP writes its shards 0600)
+            if path.is_file() and path.stat().st_mode & 0o777 != mode:
                 path.chmod(mode)
         point("save:wrote:sidecar")
         marker.unlink()
         if blocking:
             mark_durable(tmp)  # every file is fsynced already
-            fsync_dir(tmp)
+            for sub in [tmp, *(p for p in tmp.iterdir() if p.is_dir())]:  # sharded/: DCP's files
+                fsync_dir(sub)
         point("save:complete")
         replaced = replace_dir(tmp, directory, remove_old=blocking)  # the old one goes once the new is durable
     except BaseException:
@@ -277,9 +272,27 @@ def _write_files(
             record(STATE_FILE, tensor_file.write(tmp / STATE_FILE, rest, metadata=_PT, fsync=fsync))
         weights = {name: flat[key] for key, name in layout.weights.items()}
         record(layout.weights_file, tensor_file.write(tmp / layout.weights_file, weights, metadata=_PT, fsync=fsync))
-    if layout.config_text is not None:
+    if layout.config_file is not None and layout.config_text is not None:
         config = tensor_file.write_bytes(tmp / layout.config_file, layout.config_text.encode(), fsync=fsync)
         record(layout.config_file, config)
     if extra_files is not None:
         extra_files(tmp)
     return files
+
+
+def jit_checkpoint(state: TrainState, output_dir: str | os.PathLike, **save_options: Any) -> Path:
+    """Save ``state`` as ``output_dir/checkpoint-{step}`` marked JIT (never rotated away); return its path.
+
+    ``save_options`` are ``writer.save``'s (model, config, metadata, settings).
+
+    >>> import tempfile, torch
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.core.state import init_state
+    >>> path = jit_checkpoint(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp())
+    >>> path.name, read_metadata(path)["jit"]
+    ('checkpoint-0', True)
+
+    A full disk raises ``OSError(ENOSPC)`` naming the checkpoint's path, the bytes it needs and the
+    previous checkpoint, which is intact (the write goes to a temporary directory that is removed).
+    """
+    return save(state, checkpoint_path(output_dir, int(state.step)), jit=True, **save_options)

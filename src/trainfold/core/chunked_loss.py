@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol, cast
 
 import attrs
 import torch
@@ -114,7 +114,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(
             grad_h,
             None if grad_w is None else grad_w.to(weight.dtype),
-            None if grad_b is None else grad_b.to(bias.dtype),
+            None if grad_b is None or bias is None else grad_b.to(bias.dtype),
         )
         return total
 
@@ -219,6 +219,16 @@ def _refusal(model: nn.Module) -> str | None:
     return None
 
 
+class _CausalLM(Protocol):
+    def get_output_embeddings(self) -> nn.Linear: ...
+
+
+def _output_layer(model: nn.Module) -> nn.Linear:
+    """Return ``model.get_output_embeddings()``, which ``_refusal`` checked is an ``nn.Linear``."""
+    # cast: nn.Module's stubs type every attribute as Tensor | Module, so a subclass's method is not callable
+    return cast(_CausalLM, model).get_output_embeddings()
+
+
 @attrs.frozen(eq=False)
 class OutputHead:
     """Where a causal LM's logits come from: its final hidden states times its output embedding (+ bias).
@@ -242,21 +252,21 @@ class OutputHead:
 
     def weight(self, params: Mapping[str, Tensor]) -> Tensor:
         """Return the output embedding ``(vocab, hidden)`` of ``params``."""
-        if self.weight_name in params:
+        if self.weight_name is not None and self.weight_name in params:
             return params[self.weight_name]
-        return self.model.get_output_embeddings().weight
+        return _output_layer(self.model).weight
 
     @property
     def bias(self) -> Tensor | None:
         """Return the output layer's bias, if it has one."""
-        return self.model.get_output_embeddings().bias
+        return _output_layer(self.model).bias
 
 
 def _reproduces_logits(head: OutputHead) -> bool:
     """Check once, on three tokens in eval mode, that ``hidden @ weight.T + bias`` gives the model's own logits."""
     model = head.model
     was_training = [m.training for m in model.modules()]
-    weight = head.model.get_output_embeddings().weight
+    weight = _output_layer(head.model).weight
     ids = torch.arange(3, device=weight.device)[None] % weight.shape[0]
 
     def forward(params: Any, inputs: Mapping[str, Tensor]) -> Any:
@@ -281,7 +291,7 @@ def output_head(model: nn.Module) -> OutputHead:
     final hidden states times the output embedding are the model's own logits.
     """
     reason = _refusal(model)
-    weight = model.get_output_embeddings().weight if reason is None else None
+    weight = _output_layer(model).weight if reason is None else None
     head = (
         None
         if weight is None

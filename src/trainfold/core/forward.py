@@ -53,7 +53,7 @@ def make_forward(model: nn.Module, buffers: Mapping[str, Tensor]) -> Forward:
     """Return ``forward(params, inputs)``: the model's forward pass on the given tensors.
 
     It runs in whatever mode the module is in (a fresh module trains: dropout on); wrap calls in
-    ``train_mode(model, False)`` to evaluate, as ``evaluation.evaluate`` does.
+    ``train_mode(model, False)`` to evaluate, as ``evaluation.evaluate_batches`` does.
 
     >>> import torch
     >>> forward = make_forward(torch.nn.Linear(2, 1), {})
@@ -63,6 +63,12 @@ def make_forward(model: nn.Module, buffers: Mapping[str, Tensor]) -> Forward:
     """
 
     def forward(params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
-        return functional_call(model, (params, buffers), args=(), kwargs=dict(inputs), strict=True)
+        trees = (_as_dict(params), _as_dict(buffers))
+        return functional_call(model, trees, args=(), kwargs=dict(inputs), strict=True)
 
     return forward
+
+
+def _as_dict(tree: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Return ``tree`` itself when it is a dict (``functional_call`` takes only dicts), else a dict copy."""
+    return tree if isinstance(tree, dict) else dict(tree)

@@ -213,7 +213,7 @@ bce_with_logits.count_items = count_elements  # type: ignore[attr-defined]
 _CLASS_INDEX_DTYPES = (torch.int64, torch.int32)
 
 
-def _by_label_dtype(labels: Tensor) -> Loss:
+def _by_label_dtype(labels: Tensor) -> Callable[[Any, Tensor, Tensor | int], Tensor]:
     if labels.dtype in _CLASS_INDEX_DTYPES:
         return cross_entropy
     if labels.dtype.is_floating_point:

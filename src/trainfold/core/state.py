@@ -293,15 +293,14 @@ def lend(model: nn.Module, state: TrainState) -> TrainState:
         out = {}
         for name, value in tree.items():
             target = own.get(name)
-            fits = target is not None and (target.device, target.dtype, target.shape) == (
-                value.device,
-                value.dtype,
-                value.shape,
-            )
-            if fits and target.data_ptr() != value.data_ptr():
+            placement = (value.device, value.dtype, value.shape)
+            if target is None or (target.device, target.dtype, target.shape) != placement:
+                out[name] = value
+                continue
+            if target.data_ptr() != value.data_ptr():
                 with torch.no_grad():
                     target.copy_(value)
-            out[name] = target if fits else value
+            out[name] = target
         return out
 
     return attrs.evolve(state, params=lent(state.params), buffers=lent(state.buffers))

@@ -43,7 +43,8 @@ def signature_columns(model: nn.Module) -> tuple[str, ...]:
     >>> signature_columns(torch.nn.Linear(2, 1))
     ('input',)
     """
-    inspected = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base_model = getattr(model, "get_base_model", None)
+    inspected = model if base_model is None else base_model()
     params = inspect.signature(inspected.forward).parameters.values()
     variadic = (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
     return tuple(p.name for p in params if p.kind not in variadic)
@@ -172,10 +173,10 @@ class _Selecting:
 class _KeyedSelecting:
     """``_Selecting`` for a keyed collator ``fn(items, keys)``."""
 
-    collate: Callable[[list[Any], Sequence[int]], Any]
+    collate: Callable[[Sequence[Any], Sequence[int]], Any]
     columns: Columns
 
-    def __call__(self, items: list[Any], keys: Sequence[int]) -> Any:
+    def __call__(self, items: Sequence[Any], keys: Sequence[int]) -> Any:
         selected = [self.columns.select(item) for item in items]
         batch = self.collate(selected, keys)
         if items:
@@ -239,17 +240,18 @@ def padded_to_multiple(collate: Callable[..., Any] | None, pad_to_multiple_of: i
         return collate
     if collate is None:
         return pad_collate(pad_to_multiple_of=pad_to_multiple_of)
-    has = attrs.has(type(collate)) and "pad_to_multiple_of" in attrs.fields_dict(type(collate))
-    if not has:
+    cls = type(collate)
+    if not (attrs.has(cls) and "pad_to_multiple_of" in attrs.fields_dict(cls)):
         raise TypeError(
             f"pad_to_multiple_of={pad_to_multiple_of} cannot apply to data_collator "
             f"{type(collate).__name__}, which has no pad_to_multiple_of field; pad inside the collator "
             "and leave TrainingArguments.pad_to_multiple_of=None"
         )
-    current = collate.pad_to_multiple_of
+    padding: Any = collate  # an attrs collator with the field (checked above; type(collate) does not narrow it)
+    current = padding.pad_to_multiple_of
     if current not in (None, pad_to_multiple_of):
         raise ValueError(
             f"TrainingArguments.pad_to_multiple_of={pad_to_multiple_of} but data_collator "
             f"{type(collate).__name__} pads to a multiple of {current}; set one of them"
         )
-    return attrs.evolve(collate, pad_to_multiple_of=pad_to_multiple_of)
+    return attrs.evolve(padding, pad_to_multiple_of=pad_to_multiple_of)

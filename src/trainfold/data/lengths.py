@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
@@ -16,6 +16,10 @@ import torch
 __all__ = ["PREFERENCE_COLUMNS", "dataset_lengths", "int_tuple", "item_length", "padded_cost", "preference_length"]
 
 
+@overload
+def int_tuple(values: None) -> None: ...
+@overload
+def int_tuple(values: Sequence[Any] | np.ndarray) -> tuple[int, ...]: ...
 def int_tuple(values: Sequence[Any] | np.ndarray | None) -> tuple[int, ...] | None:
     """Return ``values`` as a tuple of Python ints (``None`` stays ``None``).
 

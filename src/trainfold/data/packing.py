@@ -6,7 +6,8 @@ each document sees only itself and its loss counts only its own targets. Three r
 - ``position_ids`` restart at 0 at every document, and no ``attention_mask`` is passed: Hugging Face
   models (transformers 5) then confine attention to each document (``masking_utils`` finds the
   document boundaries from the positions, for sdpa, eager and flash attention alike). The KV cache
-  must be off for that (``use_cache=False``), so the collators put it in every batch;
+  must be off for that: the step and evaluation run with ``use_cache=False`` (``step.recompute.cache_off``),
+  as TRL's ``compute_loss`` passes it, so batches hold only TRL's keys;
 - each document's first label is -100: after the causal shift the last token of one document would
   otherwise be trained to predict the first token of the next;
 - padding, where a batch needs it, is a document of its own (positions from 0, labels -100).
@@ -193,8 +194,19 @@ def _pad_tail(row: dict[str, list[Any]], length: int, pad_token_id: int, input_k
 
 
 def _tensors(rows: Sequence[dict[str, list[Any]]]) -> dict[str, Any]:
-    batch: dict[str, Any] = {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in rows[0]}
-    batch["use_cache"] = False  # a KV cache turns off the per-document attention masks
+    return {k: torch.tensor([r[k] for r in rows], dtype=torch.long) for k in rows[0]}
+
+
+def _flattened(row: dict[str, list[Any]]) -> dict[str, Any]:
+    """Return one flattened row as TRL's padding-free collator does: with the documents' boundaries for the
+    varlen kernels (``cu_seq_lens_q``/``_k``, int32), the longest document (``max_length_q``/``_k``) and each
+    token's document (``seq_idx``, int32)."""
+    batch = _tensors([row])
+    starts = batch["position_ids"][0] == 0
+    bounds = torch.cat([starts.nonzero().flatten(), torch.tensor([starts.numel()])]).to(torch.int32)
+    longest = int(bounds.diff().max())
+    batch.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=longest, max_length_k=longest)
+    batch["seq_idx"] = (starts.cumsum(0) - 1).to(torch.int32)[None]
     return batch
 
 
@@ -242,20 +254,24 @@ class PaddingFreeCollate:
     def __call__(self, items: list[Mapping[str, Any]]) -> dict[str, Any]:
         if items and all("position_ids" in item for item in items):  # packed rows: documents already marked
             rows = [{k: _as_list(v) for k, v in it.items() if not isinstance(v, (str, int, float))} for it in items]
-            return _tensors([{k: [x for r in rows for x in r[k]] for k in rows[0]}])
+            return _flattened({k: [x for r in rows for x in r[k]] for k in rows[0]})
         docs = [_document(item, i, self.input_key) for i, item in enumerate(items)]
         docs = [d for d in docs if d[self.input_key]]
         if not docs:
             raise ValueError("every row of this micro-batch is empty: nothing to train on")
-        return _tensors([_join(docs)])
+        return _flattened(_join(docs))
 
 
 def padding_free_collate() -> PaddingFreeCollate:
     """Return the padding-free collator (TRL's ``padding_free=True``): each micro-batch becomes one row.
 
+    The keys are TRL's ``DataCollatorForLanguageModeling(padding_free=True)``'s (and any other per-token column).
+
     >>> out = padding_free_collate()([{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}])
     >>> out["input_ids"].tolist(), out["position_ids"].tolist(), out["labels"].tolist()
     ([[1, 2, 3, 4, 5]], [[0, 1, 2, 0, 1]], [[-100, 2, 3, -100, 5]])
+    >>> out["cu_seq_lens_q"].tolist(), out["max_length_k"], out["seq_idx"].tolist()
+    ([0, 3, 5], 3, [[0, 0, 0, 1, 1]])
     """
     return PaddingFreeCollate()
 

@@ -92,7 +92,7 @@ def _split_to(sizes: list[int], costs: list[int], k: int) -> list[int]:
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     heap = [(-size * costs[start], start, size) for start, size in zip(starts, sizes)]
     heapq.heapify(heap)
-    done = []
+    done: list[tuple[int, int]] = []
     while len(heap) + len(done) < k:
         _, start, size = heapq.heappop(heap)
         if size == 1:

@@ -120,6 +120,7 @@ class Sampler:
             return list(range(n))
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
         if self.strategy == "group_by_length":
+            assert self.lengths is not None  # the validator requires lengths for length strategies
             return _group_by_length(perm, self.lengths, self.megabatch_mult, self.global_batch_size)
         return perm
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from trainfold.core.rng import derive_seed
 from trainfold.core.state import Cursor, scalar
@@ -74,7 +74,7 @@ class StepBatch(tuple):
 
 
 @attrs.frozen
-class _Keyed:
+class _Keyed(Dataset[tuple[int, int, Any]]):
     """Dataset view indexed by ``(epoch, index)``: returns ``(epoch, index, item)``."""
 
     dataset: Any
@@ -192,7 +192,7 @@ def stream(
     )
     if dataloader_drop_last is not None and dataloader_drop_last != sampler.drop_last:
         sampler = attrs.evolve(sampler, drop_last=dataloader_drop_last)
-    begin = (0, 0) if start is None else start.as_tuple() if isinstance(start, Cursor) else tuple(start)
+    begin = (0, 0) if start is None else start.as_tuple() if isinstance(start, Cursor) else (start[0], start[1])
     if begin[0] < 0 or begin[1] < 0:
         raise ValueError(f"start cursor {begin} must have epoch >= 0 and position >= 0")
     loader_options = _loader_options(

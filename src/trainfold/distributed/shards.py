@@ -30,7 +30,7 @@ def shard_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
 
 
 @attrs.frozen
-class _Shard:
+class _Shard(Sequence[Any]):
     """A contiguous slice of a dataset, indexable like a dataset."""
 
     dataset: Any
@@ -40,7 +40,7 @@ class _Shard:
     def __len__(self) -> int:
         return self.stop - self.start
 
-    def __getitem__(self, index: int) -> Any:
+    def __getitem__(self, index: int) -> Any:  # type: ignore[override]  # int indices only, as a Dataset
         if not 0 <= index < len(self):
             raise IndexError(f"index {index} is out of this shard of {len(self)} items")
         return self.dataset[self.start + index]

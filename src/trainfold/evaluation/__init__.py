@@ -1,15 +1,16 @@
 """Evaluation: reducers (transducers over batches), evaluate/predict (one process or sharded), schedules."""
 
+from trainfold.core.moved import moved_names
 from trainfold.evaluation.evaluation import (
     EvalPrediction,
     EvalSpec,
     PredictionOutput,
     check_metrics,
     eval_sets,
-    evaluate,
+    evaluate_batches,
     evaluate_with,
     final_metrics,
-    predict,
+    predict_batches,
     predict_with,
     prefix_metrics,
     resolve_forward,
@@ -27,12 +28,12 @@ __all__ = [
     "check_eval_schedule",
     "check_metrics",
     "eval_sets",
-    "evaluate",
+    "evaluate_batches",
     "evaluate_sharded",
     "evaluate_with",
     "final_metrics",
     "gather_rows",
-    "predict",
+    "predict_batches",
     "predict_sharded",
     "predict_with",
     "prefix_metrics",
@@ -41,3 +42,8 @@ __all__ = [
     "throughput",
     "to_numpy",
 ]
+
+__getattr__ = moved_names(
+    __name__,
+    {"evaluate": (__name__, "evaluate_batches"), "predict": (__name__, "predict_batches")},
+)

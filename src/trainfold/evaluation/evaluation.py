@@ -1,6 +1,6 @@
 """Evaluation: a transduction of eval batches under ``torch.inference_mode()``.
 
-``evaluate`` runs the forward pass on given parameters, maps each batch to its summed loss, item
+``evaluate_batches`` runs the forward pass on given parameters, maps each batch to its summed loss, item
 count and (when metrics need them) its predictions, optionally reduced on the device by
 ``preprocess_logits_for_metrics``, and folds these with the reducers of ``trainfold.evaluation.reducers``.
 The eval loss is the token-level mean, ``sum of losses / number of items``, so it does not
@@ -13,7 +13,7 @@ right-padded with -100 along dim 1, moved to the CPU every ``eval_accumulation_s
 >>> with torch.no_grad():
 ...     _ = model.weight.zero_()
 >>> forward = lambda params, inputs: torch.nn.functional.embedding(inputs["input"], params["weight"])
->>> m = evaluate(forward, dict(model.named_parameters()), batches, speed_metrics=False)
+>>> m = evaluate_batches(forward, dict(model.named_parameters()), batches, speed_metrics=False)
 >>> round(m["eval_loss"], 4)  # ln 5
 1.6094
 
@@ -29,6 +29,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from trainfold.core.losses import causal_lm, logits_of
+from trainfold.core.moved import moved_names
 from trainfold.distributed.distributed import GatherCollective
 from trainfold.evaluation.gather import merged_parts
 from trainfold.evaluation.metrics import (
@@ -51,10 +52,10 @@ __all__ = [
     "PredictionOutput",
     "check_metrics",
     "eval_sets",
-    "evaluate",
+    "evaluate_batches",
     "evaluate_with",
     "final_metrics",
-    "predict",
+    "predict_batches",
     "predict_with",
     "prefix_metrics",
     "resolve_forward",
@@ -74,7 +75,7 @@ def evaluate_with(
 ) -> dict[str, float]:
     """Evaluate ``params`` on ``batches`` as ``spec`` says; return metrics named ``{spec.metric_key_prefix}_*``.
 
-    ``model_or_forward``, ``params`` and ``buffers`` are as for :func:`evaluate`. With a
+    ``model_or_forward``, ``params`` and ``buffers`` are as for :func:`evaluate_batches`. With a
     ``collective`` every rank passes the batches of its own shard (``trainfold.distributed.shard``) and
     gets the whole set's metrics: the ranks' accumulators are merged with the reducers' ``merge``
     and the predictions gathered in rank order (``trainfold.evaluation.gather``).
@@ -146,7 +147,7 @@ def _outcome(
     return out, metrics
 
 
-def evaluate(
+def evaluate_batches(
     model_or_forward: nn.Module | Callable[..., Any],
     params: Any,
     batches: Iterable[Mapping[str, Any]],
@@ -181,18 +182,19 @@ def evaluate(
     >>> _ = torch.manual_seed(0)
     >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
     >>> rows = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
-    >>> one = evaluate(model, None, [{"input_ids": rows, "labels": rows}], speed_metrics=False,
+    >>> one = evaluate_batches(model, None, [{"input_ids": rows, "labels": rows}], speed_metrics=False,
     ...                compute_metrics=lambda p: {"rows": p.predictions.shape[0]})
     >>> sorted(one), one["eval_rows"]
     (['eval_loss', 'eval_rows'], 2)
-    >>> two = evaluate(model, None, [{"input_ids": r[None], "labels": r[None]} for r in rows], speed_metrics=False)
+    >>> rows_one_by_one = [{"input_ids": r[None], "labels": r[None]} for r in rows]
+    >>> two = evaluate_batches(model, None, rows_one_by_one, speed_metrics=False)
     >>> round(one["eval_loss"], 5) == round(two["eval_loss"], 5)  # the token mean: batch size does not matter
     True
     """
     return evaluate_with(EvalSpec.of(locals()), model_or_forward, params, batches, buffers=buffers)
 
 
-def predict(
+def predict_batches(
     model_or_forward: nn.Module | Callable[..., Any],
     params: Any,
     batches: Iterable[Mapping[str, Any]],
@@ -212,11 +214,12 @@ def predict(
     move: Callable[[Tensor], Tensor] | None = None,
     objective: Callable[..., Any] | None = None,
 ) -> PredictionOutput:
-    """Return predictions and labels for ``batches`` in their order, and the metrics ``evaluate`` gives.
+    """Return predictions and labels for ``batches`` in their order, and the metrics ``evaluate_batches`` gives.
 
     Predictions are ``predictions_of(outputs)`` after ``preprocess_logits_for_metrics``, padded
     with -100 along dim 1; ``label_ids`` is ``None`` when batches have no labels. Metric names
-    are prefixed with ``test`` by default, as in HF. The settings make an :class:`EvalSpec`, as for ``evaluate``.
+    are prefixed with ``test`` by default, as in HF. The settings make an :class:`EvalSpec`, as for
+    ``evaluate_batches``.
 
     >>> import torch
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
@@ -224,8 +227,16 @@ def predict(
     >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
     >>> batches = [{"input_ids": torch.tensor([[1, 2, 3, 4]]), "labels": torch.tensor([[1, 2, 3, 4]])},
     ...            {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[5, 6, 7]])}]
-    >>> out = predict(model, None, batches, speed_metrics=False)
+    >>> out = predict_batches(model, None, batches, speed_metrics=False)
     >>> list(out.predictions.shape), out.label_ids.tolist(), sorted(out.metrics)
     ([2, 4, 16], [[1, 2, 3, 4], [5, 6, 7, -100]], ['test_loss'])
     """
     return predict_with(EvalSpec.of(locals()), model_or_forward, params, batches, buffers=buffers)
+
+
+# ``trainfold.evaluate``/``predict`` are the run-level ones (a model, TrainingArguments and a dataset); these
+# take params and batches, and had the same names before (one meaning per public name)
+__getattr__ = moved_names(
+    __name__,
+    {"evaluate": (__name__, "evaluate_batches"), "predict": (__name__, "predict_batches")},
+)

@@ -44,6 +44,7 @@ from trainfold.evaluation.reducers import (
     unreduced,
 )
 from trainfold.evaluation.spec import EvalSpec
+from trainfold.step.recompute import cache_configs, cache_off
 
 __all__ = ["eval_fold", "eval_parts", "resolve_forward"]
 
@@ -123,8 +124,9 @@ def _run_batch(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
 def _objective_items(plan: _Plan, batch: Mapping[str, Any]) -> Tensor:
     # As the step counts: ``objective.count_items``, else the loss's count of the labels, else the rows.
     objective, label_key = plan.spec.objective, plan.spec.label_key
-    if hasattr(objective, "count_items"):
-        return _items(objective.count_items, batch)
+    count_items = getattr(objective, "count_items", None)
+    if count_items is not None:
+        return _items(count_items, batch)
     if label_key in batch:
         return _items(plan.count_items, batch[label_key])
     return _items(_num_samples, batch)
@@ -133,6 +135,7 @@ def _objective_items(plan: _Plan, batch: Mapping[str, Any]) -> Tensor:
 def _run_objective(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
     # The objective's loss and metrics are means over the count it is given: times the count, they are sums.
     spec = plan.spec
+    assert spec.objective is not None  # _run_batch calls this only for a spec with an objective
     count = _objective_items(plan, batch)
     key = torch.Generator(device=plan.device or "cpu").manual_seed(0)
     loss, aux = spec.objective(plan.forward, plan.params, batch, count.to(plan.device or "cpu"), key)
@@ -164,13 +167,15 @@ def _run_objective(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
 def _metric_means() -> Reducer:
     """Average each metric over items: step on ``({name: sum}, item_count)``; each name has its own count."""
     one = mean_loss()
+    merge_one = one.merge
+    assert merge_one is not None  # mean_loss merges
 
     def step(acc: dict[str, Any], x: tuple[Mapping[str, Tensor], Tensor]) -> dict[str, Any]:
         sums, n = x
         return {**acc, **{k: one.step(acc.get(k, one.init()), (v, n)) for k, v in sums.items()}}
 
     def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-        return {k: one.merge(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
+        return {k: merge_one(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
 
     return Reducer(init=dict, step=step, complete=lambda acc: {k: one.complete(v) for k, v in acc.items()}, merge=merge)
 
@@ -295,6 +300,11 @@ def eval_fold(
         steps.append(mapping(_preprocessing(spec.preprocess_logits_for_metrics)))
     parts = eval_parts(gather, spec.eval_accumulation_steps, spec.move)
     reducer = compose(*steps)(combine(parts))
-    mode = train_mode(model_or_forward, False) if isinstance(model_or_forward, nn.Module) else contextlib.nullcontext()
-    with mode, torch.inference_mode():
+    mode: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    no_cache: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+    if isinstance(model_or_forward, nn.Module):
+        mode = train_mode(model_or_forward, False)
+        # no KV cache, as TRL's compute_loss: with one, packed rows would attend across their documents
+        no_cache = cache_off(cache_configs(model_or_forward.modules()))
+    with mode, no_cache, torch.inference_mode():
         return parts, unreduced(fold(reducer, batches))

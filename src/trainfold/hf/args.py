@@ -16,19 +16,21 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 
 from trainfold.ckpt.policy import SAVE_STRATEGIES
+from trainfold.ckpt.run_identity import BOOKKEEPING, RUN_LENGTH, SAMPLE_ORDER
 from trainfold.data.samplers import STRATEGIES as SAMPLING_STRATEGIES
 from trainfold.evaluation.schedule import EVAL_STRATEGIES
 from trainfold.hf.args_checks import problems
 from trainfold.hf.args_convert import settings_from_hf
-from trainfold.hf.args_features import FSDP_FULL_SHARD, OPTIMIZERS, fsdp_options
+from trainfold.hf.args_features import FSDP_FULL_SHARD, OPTIMIZERS
 from trainfold.hf.args_hf import HF_ONLY, hf_only_problem
 from trainfold.observe.reporters import LOG_LEVELS
 from trainfold.optim.schedules import SCHEDULE_NAMES
+from trainfold.step.fsdp import FullShard, fsdp_words
 
 __all__ = [
     "TrainingArguments",
@@ -44,11 +46,19 @@ __all__ = [
 # The vocabularies, each owned by the module that acts on it (re-exported here under the names args used)
 INTERVALS = EVAL_STRATEGIES  # eval_strategy's (logging_strategy's are observe.observers.LOGGING_STRATEGIES)
 SCHEDULERS = SCHEDULE_NAMES
+_Args = TypeVar("_Args", bound="TrainingArguments")  # replace() returns the subclass it is called on
 
 
-@attrs.frozen(init=False)
+# kw_only: __attrs_init__ is called with keywords alone, so a subclass that overrides a default (moving the
+# field to the end) keeps a compatible signature
+@attrs.frozen(init=False, kw_only=True)
 class TrainingArguments:
     """Settings for ``trainfold.train`` under their HF ``TrainingArguments`` names and defaults.
+
+    A setting that does not change which states a run goes through (logging, saving, evaluation,
+    data-loader plumbing) says so on its field (``metadata=BOOKKEEPING``; ``RUN_LENGTH`` for
+    ``max_steps``/``num_train_epochs``): the run's fingerprint leaves it out (``trainfold.ckpt.run_identity``).
+    One that fixes which samples form each step says ``metadata=SAMPLE_ORDER``: no resume may change it.
 
     >>> args = TrainingArguments(max_steps=5)
     >>> args.replace(learning_rate=1e-3).learning_rate, TrainingArguments.from_dict({"max_steps": 3}).max_steps
@@ -61,13 +71,14 @@ class TrainingArguments:
       'cosine_with_restarts', 'polynomial', 'constant', 'constant_with_warmup', 'inverse_sqrt', 'warmup_stable_decay']
     """
 
-    output_dir: str = "trainer_output"
-    overwrite_output_dir: bool = False  # write into an output_dir that holds another run's checkpoints
-    num_train_epochs: float = 3.0
-    max_steps: int = -1
-    per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
+    output_dir: str = attrs.field(default="trainer_output", metadata=BOOKKEEPING)
+    # write into an output_dir that holds another run's checkpoints
+    overwrite_output_dir: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    num_train_epochs: float = attrs.field(default=3.0, metadata=RUN_LENGTH)
+    max_steps: int = attrs.field(default=-1, metadata=RUN_LENGTH)
+    per_device_train_batch_size: int = attrs.field(default=8, metadata=SAMPLE_ORDER)
+    per_device_eval_batch_size: int = attrs.field(default=8, metadata=BOOKKEEPING)
+    gradient_accumulation_steps: int = attrs.field(default=1, metadata=SAMPLE_ORDER)
     learning_rate: float = 5e-5
     weight_decay: float = 0.0
     adam_beta1: float = 0.9
@@ -79,47 +90,50 @@ class TrainingArguments:
     lr_scheduler_type: str = "linear"
     lr_scheduler_kwargs: dict[str, Any] | None = None
     warmup_steps: float = 0
-    seed: int = 42
-    data_seed: int | None = None
-    train_sampling_strategy: str = "random"
+    seed: int = attrs.field(default=42, metadata=SAMPLE_ORDER)
+    data_seed: int | None = attrs.field(default=None, metadata=SAMPLE_ORDER)
+    train_sampling_strategy: str = attrs.field(default="random", metadata=SAMPLE_ORDER)
     length_column_name: str = "length"
     model_input_name: str = "input_ids"
-    eval_strategy: str = "no"
-    eval_steps: float | None = None
-    eval_on_start: bool = False
-    eval_delay: float = 0
-    eval_accumulation_steps: int | None = None
-    prediction_loss_only: bool = False
-    dataloader_num_workers: int = 0
-    dataloader_persistent_workers: bool = False
-    dataloader_prefetch_factor: int | None = None
-    dataloader_pin_memory: bool = True
-    dataloader_drop_last: bool = False
+    eval_strategy: str = attrs.field(default="no", metadata=BOOKKEEPING)
+    eval_steps: float | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    eval_on_start: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    eval_delay: float = attrs.field(default=0, metadata=BOOKKEEPING)
+    eval_accumulation_steps: int | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    prediction_loss_only: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    dataloader_num_workers: int = attrs.field(default=0, metadata=BOOKKEEPING)
+    dataloader_persistent_workers: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    dataloader_prefetch_factor: int | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    dataloader_pin_memory: bool = attrs.field(default=True, metadata=BOOKKEEPING)
+    dataloader_drop_last: bool = attrs.field(default=False, metadata=SAMPLE_ORDER)
     remove_unused_columns: bool = True
     label_names: tuple[str, ...] = ("labels",)
     neftune_noise_alpha: float | None = None
     label_smoothing_factor: float = 0.0
-    logging_strategy: str = "steps"
-    logging_steps: float = 500
-    logging_first_step: bool = False
-    logging_nan_inf_filter: bool = True
+    logging_strategy: str = attrs.field(default="steps", metadata=BOOKKEEPING)
+    logging_steps: float = attrs.field(default=500, metadata=BOOKKEEPING)
+    logging_first_step: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    logging_nan_inf_filter: bool = attrs.field(default=True, metadata=BOOKKEEPING)
     include_num_input_tokens_seen: str | bool = "no"
-    report_to: str | tuple[str, ...] = "none"
-    run_name: str | None = None
+    report_to: str | tuple[str, ...] = attrs.field(default="none", metadata=BOOKKEEPING)
+    run_name: str | None = attrs.field(default=None, metadata=BOOKKEEPING)
     logging_dir: str | None = None  # HF 4's name (HF 5: $TENSORBOARD_LOGGING_DIR); the TensorBoard directory
-    disable_tqdm: bool | None = None
+    disable_tqdm: bool | None = attrs.field(default=None, metadata=BOOKKEEPING)
     log_level: str = "passive"  # HF's names; the console shows log lines at passive/info/debug
-    save_strategy: str = "steps"
-    save_steps: float = 500
-    save_total_limit: int | None = None
-    save_only_model: bool = False
-    async_save: bool = False  # write checkpoints in a thread from CPU copies (trainfold.ckpt.sharded.Saver)
-    save_fsync: str = "background"  # "blocking": fsync before the rename, as before (trainfold.ckpt.writer)
-    save_consolidated_model: bool = False  # sharded runs: also model.safetensors, the full weights (from_pretrained)
-    metric_for_best_model: str | None = None
-    greater_is_better: bool | None = None
-    load_best_model_at_end: bool = False
-    enable_jit_checkpoint: bool = False
+    save_strategy: str = attrs.field(default="steps", metadata=BOOKKEEPING)
+    save_steps: float = attrs.field(default=500, metadata=BOOKKEEPING)
+    save_total_limit: int | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    save_only_model: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    # write checkpoints in a thread from CPU copies (trainfold.ckpt.sharded.Saver)
+    async_save: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    # "blocking": fsync before the rename, as before (trainfold.ckpt.writer)
+    save_fsync: str = attrs.field(default="background", metadata=BOOKKEEPING)
+    # sharded runs: also model.safetensors, the full weights (from_pretrained)
+    save_consolidated_model: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    metric_for_best_model: str | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    greater_is_better: bool | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    load_best_model_at_end: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    enable_jit_checkpoint: bool = attrs.field(default=False, metadata=BOOKKEEPING)
     # a resume takes the EarlyStoppingCallback's patience and threshold from the checkpoint, as HF (the counters
     # are in the state record: always restored)
     restore_callback_states_from_checkpoint: bool = False
@@ -129,10 +143,11 @@ class TrainingArguments:
     torch_compile: bool = False
     torch_compile_backend: str | None = None  # setting it turns torch_compile on, as in HF
     torch_compile_mode: str | None = None
-    activation_checkpointing: bool | None = None
-    activation_checkpointing_kwargs: dict[str, Any] | None = None
-    gradient_checkpointing: bool | None = None  # HF's older name for activation_checkpointing
-    gradient_checkpointing_kwargs: dict[str, Any] | None = None
+    activation_checkpointing: bool | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    activation_checkpointing_kwargs: dict[str, Any] | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    # HF's older name for activation_checkpointing
+    gradient_checkpointing: bool | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    gradient_checkpointing_kwargs: dict[str, Any] | None = attrs.field(default=None, metadata=BOOKKEEPING)
     # LLM batches and loss (TRL's SFTConfig names; see trainfold.data.llm)
     packing: bool = False
     packing_strategy: str = "bfd"
@@ -142,7 +157,9 @@ class TrainingArguments:
         None  # TRL's name: collated widths rounded up to a multiple (trainfold.data.columns)
     )
     loss_chunk_size: int = 0  # tokens per chunk of the chunked causal-LM cross-entropy; 0: off
-    fsdp: str | tuple[str, ...] | None = None  # HF's name; "full_shard": params and optimizer state as shards
+    # HF's names; "full_shard": torch's fully_shard per block (step.fsdp); fsdp_config: transformer_layer_cls_to_wrap...
+    fsdp: str | tuple[str, ...] | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    fsdp_config: dict[str, Any] | None = attrs.field(default=None, metadata=BOOKKEEPING)
 
     def __init__(self, **kwargs: Any) -> None:
         known = [f.name for f in attrs.fields(type(self))]
@@ -215,7 +232,7 @@ class TrainingArguments:
         """Return the settings as JSON-ready values."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in attrs.asdict(self).items()}
 
-    def replace(self, **changes: Any) -> TrainingArguments:
+    def replace(self: _Args, **changes: Any) -> _Args:
         """Return a copy with ``changes`` applied (and checked)."""
         return type(self)(**{**attrs.asdict(self, recurse=False), **changes})
 
@@ -244,8 +261,13 @@ class TrainingArguments:
 
     @property
     def full_shard(self) -> bool:
-        """Whether ``fsdp`` asks for sharded training (``"full_shard"``, with or without ``auto_wrap``)."""
-        return fsdp_options(self.fsdp) in FSDP_FULL_SHARD
+        """Whether ``fsdp`` asks for sharded training (``"full_shard"``, with or without ``auto_wrap``, ``offload``)."""
+        return "full_shard" in fsdp_words(self.fsdp)
+
+    @property
+    def fsdp_plan(self) -> FullShard | None:
+        """Return how ``fsdp``/``fsdp_config`` (and ``bf16``) wrap the model with ``fully_shard`` (None: off)."""
+        return FullShard.from_args(self.fsdp, self.fsdp_config, bf16=self.bf16) if self.full_shard else None
 
     @property
     def checkpoint_every(self) -> int:

@@ -102,6 +102,7 @@ TYPES: dict[str, tuple[type, ...]] = {
     "loss_chunk_size": (int,),
     "pad_to_multiple_of": _OPT_INT,
     "fsdp": (str, tuple, type(None)),
+    "fsdp_config": (dict, type(None)),
 }
 
 

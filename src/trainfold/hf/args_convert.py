@@ -29,6 +29,7 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 from trainfold.hf.args_hf import HF_ONLY, hf_only_problem
+from trainfold.step.fsdp import FSDP_CONFIG_PASSIVE
 
 __all__ = ["SCRIPT_FIELDS", "ACTING_DEFAULTS", "settings_from_hf", "plain"]
 
@@ -93,22 +94,18 @@ def _source(config: Any) -> str:
     return f"{type(config).__module__.split('.')[0]}.{type(config).__name__}"
 
 
-# what transformers 5 fills fsdp_config with: trainfold's full_shard needs nothing else
-_FSDP_AUTO = {"min_num_params": 0, "xla": False, "xla_fsdp_v2": False, "xla_fsdp_grad_ckpt": False}
-
-
-def _fsdp_config_asks_nothing(value: Any) -> bool:
-    """Say whether an ``fsdp_config`` holds only what transformers fills in (and ``reshard_after_forward``)."""
-    return isinstance(value, Mapping) and all(
-        _FSDP_AUTO.get(k) == v or k == "reshard_after_forward" for k, v in value.items()
-    )
+def _fsdp_config(value: Any) -> Any:
+    """Return an ``fsdp_config`` without what transformers fills in by itself (None when nothing is left)."""
+    if not isinstance(value, Mapping):
+        return value
+    left = {k: v for k, v in value.items() if FSDP_CONFIG_PASSIVE.get(k, object()) != v}
+    return left or None
 
 
 def _fsdp(value: Any, config: Any) -> Any:
     """Return transformers 5's ``fsdp=True`` (its strings turn into it) as trainfold's ``fsdp``."""
     if value is True:
-        options = getattr(config, "fsdp_config", None) or {}
-        return "full_shard" if options.get("reshard_after_forward", True) else "shard_grad_op"
+        return "full_shard"  # reshard_after_forward travels in fsdp_config (trainfold.step.fsdp)
     return None if value is False else value
 
 
@@ -150,7 +147,8 @@ def settings_from_hf(
         if name in SCRIPT_FIELDS:
             continue
         if name in known:
-            keep, value = _taken(name, _fsdp(value, config) if name == "fsdp" else value, defaults.get(name))
+            value = _fsdp(value, config) if name == "fsdp" else _fsdp_config(value) if name == "fsdp_config" else value
+            keep, value = _taken(name, value, defaults.get(name))
             if keep:
                 settings[name] = value
             continue
@@ -159,11 +157,9 @@ def settings_from_hf(
             if value != passive:
                 refused.append(f"{name}={value!r} (a {source} default that acts) is not taken: {why}")
             continue
-        if any(value == d for d in reference.get(name, [])) or (
-            name == "fsdp_config" and _fsdp_config_asks_nothing(value)
-        ):
+        if any(value == d for d in reference.get(name, [])):
             continue  # at its default: asks for nothing
-        problem = checked[name](value) if name in (checked or {}) else _refusal(name, value, source)
+        problem = checked[name](value) if checked is not None and name in checked else _refusal(name, value, source)
         if problem is not None:
             refused.append(problem)
     if refused:

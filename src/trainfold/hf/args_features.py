@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["OPTIMIZERS", "FSDP_FULL_SHARD", "fsdp_options", "optim_problems", "combination_problems"]
+__all__ = ["OPTIMIZERS", "FSDP_FULL_SHARD", "optim_problems", "combination_problems"]
 
 from trainfold.hf.optimizer import OPTIMIZERS, refused_optimizer
+from trainfold.step.fsdp import FSDP_OPTIONS, fsdp_problems, fsdp_words
 
 
 def optim_problems(args: Any) -> list[str]:
@@ -60,11 +61,8 @@ def _checkpointing_problems(args: Any) -> list[str]:
     every = kwargs.get("every_n_layers", 1)
     if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
         out.append(f"activation_checkpointing_kwargs every_n_layers must be an int >= 1, got {every!r}")
-    if (args.activation_checkpointing or args.gradient_checkpointing) and args.compile and not fsdp_options(args.fsdp):
-        out.append(
-            "activation_checkpointing with torch_compile is not supported yet (it is with fsdp='full_shard'); "
-            "choose one of the two"
-        )
+    if (args.activation_checkpointing or args.gradient_checkpointing) and args.compile:
+        out.append("activation_checkpointing with torch_compile is not supported yet; choose one of the two")
     return out
 
 
@@ -91,28 +89,20 @@ def _llm_problems(args: Any) -> list[str]:
     return out
 
 
-FSDP_FULL_SHARD = (("full_shard",), ("auto_wrap", "full_shard"))  # auto_wrap: trainfold gathers per block anyway
-
-
-def fsdp_options(value: Any) -> tuple[str, ...]:
-    words = value.split() if isinstance(value, str) else list(value or ())
-    return tuple(sorted(str(w) for w in words))
+FSDP_FULL_SHARD = FSDP_OPTIONS  # the fsdp= words trainfold takes (torch's fully_shard does each exactly)
 
 
 def _fsdp_problems(args: Any) -> list[str]:
-    options = fsdp_options(args.fsdp)
-    if not options:
-        return []
-    if options not in FSDP_FULL_SHARD:
-        other = [o for o in options if o not in ("full_shard", "auto_wrap")]
-        return [
-            f"fsdp={args.fsdp!r} is not supported ({', '.join(repr(o) for o in other) or 'the combination'}): "
-            "trainfold shards params, gradients and optimizer state over all ranks (DTensor Shard(0)) and gathers "
-            "one block at a time; write fsdp='full_shard'"
-        ]
-    out = []
+    out = fsdp_problems(args.fsdp, args.fsdp_config)
+    if not fsdp_words(args.fsdp):
+        return out
     if args.fp16:
         out.append("fsdp='full_shard' with fp16 (loss scaling) is not supported; use bf16=True")
+    if args.compile:
+        out.append(
+            "fsdp='full_shard' with torch_compile is not supported: the compiled step cannot run FSDP2's hooks; "
+            "drop torch_compile for a sharded run"
+        )
     return out
 
 

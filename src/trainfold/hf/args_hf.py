@@ -28,8 +28,8 @@ _HUB = (
     "call model.push_to_hub(...) yourself"
 )
 _FSDP = (
-    "trainfold shards by itself with fsdp='full_shard' (params and optimizer state as DTensor shards, "
-    "gathered one transformer block at a time); there is nothing to configure"
+    "trainfold applies torch's fully_shard per transformer block with fsdp='full_shard'; name the block "
+    "classes with fsdp_config={'transformer_layer_cls_to_wrap': [...]} (default: the model's _no_split_modules)"
 )
 _DDP = (
     "trainfold's data parallelism is its own gradient all-reduce, not torch's DistributedDataParallel, so "
@@ -60,7 +60,7 @@ HF_ONLY: dict[str, str] = {
         _HUB,
     ),
     "deepspeed": "DeepSpeed is not supported; trainfold trains data parallel under torchrun",
-    **dict.fromkeys(("fsdp_config", "fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap"), _FSDP),
+    **dict.fromkeys(("fsdp_min_num_params", "fsdp_transformer_layer_cls_to_wrap"), _FSDP),
     **dict.fromkeys(
         (
             "ddp_find_unused_parameters",
@@ -152,7 +152,6 @@ TAKEN_AS_IS: dict[str, tuple[Any, ...]] = {
             "hub_model_id",
             "hub_revision",
             "deepspeed",
-            "fsdp_config",
             "optim_target_modules",
             "tf32",
             "liger_kernel_config",

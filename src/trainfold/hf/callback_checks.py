@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from trainfold.hf.args import TrainingArguments
 from trainfold.observe.reporters import LOG_LEVELS
 
 __all__ = [
@@ -69,7 +70,8 @@ def check_callbacks(callbacks: Sequence[Any]) -> list[Any]:
     callbacks take transformers.TrainerCallback objects;
     got builtin_function_or_method print (a function (state, logs) -> None is an observer: pass it as observers=[...])
     """
-    out, problems = [], []
+    out: list[Any] = []
+    problems: list[str] = []
     if not callbacks:
         return out
     for cb in callbacks:
@@ -103,13 +105,15 @@ def check_callbacks(callbacks: Sequence[Any]) -> list[Any]:
     return out
 
 
-def split_early_stopping(callbacks: Sequence[Any], args: Any, early_stopping: Any) -> tuple[list[Any], Any]:
+def split_early_stopping(
+    callbacks: Sequence[Any], args: TrainingArguments, early_stopping: Any
+) -> tuple[list[Any], Any]:
     """Return ``(other_callbacks, early_stopping)``: an ``EarlyStoppingCallback`` becomes trainfold's record.
 
     It needs ``metric_for_best_model`` and an ``eval_strategy`` (HF asserts both), and cannot be combined
     with an ``early_stopping=`` argument.
     """
-    from trainfold.ckpt.policy import greater_is_better_for
+    from trainfold.evaluation.best import greater_is_better_for
     from trainfold.observe.stopping import early_stopping as make_early_stopping
 
     callbacks = check_callbacks(callbacks)
@@ -127,6 +131,7 @@ def split_early_stopping(callbacks: Sequence[Any], args: Any, early_stopping: An
         raise ValueError("\n".join(problems))
     (cb,) = stoppers
     metric = args.metric_key
+    assert metric is not None  # refused above
     stopper = make_early_stopping(
         metric,
         patience=int(cb.early_stopping_patience),
@@ -159,7 +164,7 @@ def set_transformers_verbosity(log_level: str, *, main_process: bool = True) -> 
     return level
 
 
-def by_epoch(args: Any) -> dict[str, bool]:
+def by_epoch(args: TrainingArguments) -> dict[str, bool]:
     """Say which of a step's log, evaluation and save HF makes after ``on_epoch_end`` (by epoch), not before.
 
     >>> from types import SimpleNamespace as A

@@ -45,6 +45,7 @@ import torch
 
 from trainfold import ckpt
 from trainfold.core.state import TrainState
+from trainfold.hf.args import TrainingArguments
 from trainfold.hf.callback_checks import (
     REFUSED_HOOKS,
     by_epoch,
@@ -71,7 +72,7 @@ __all__ = [
 ]
 
 
-def hf_training_arguments(args: Any, *, use_cpu: bool) -> Any:
+def hf_training_arguments(args: TrainingArguments, *, use_cpu: bool) -> Any:
     """Return a ``transformers.TrainingArguments`` with the settings both share (``report_to="none"``)."""
     import dataclasses
 
@@ -92,7 +93,7 @@ class HFCallbacks:
     def __init__(
         self,
         callbacks: Sequence[Any],
-        args: Any,
+        args: TrainingArguments,
         *,
         total_steps: int,
         steps_per_epoch: int,
@@ -122,7 +123,7 @@ class HFCallbacks:
         self.control = transformers.TrainerControl()
         self._steps_per_epoch, self._evaluate, self._save, self._saved = steps_per_epoch, evaluate, save, saved
         self._current: TrainState | None = None
-        self._saves_seen, self._saved_steps = len(saved), set()
+        self._saves_seen, self._saved_steps = len(saved), set[int]()
         self._epoch_open = False
         self._warned_log = False
 

@@ -9,9 +9,10 @@ from :mod:`trainfold.hf.dpo_args`; the run, :func:`train`, from :mod:`trainfold.
 (True, ('sigmoid', 'sft'))
 """
 
+from trainfold.core.moved import moved_names
 from trainfold.hf import dpo_args, dpo_run
 from trainfold.hf.dpo_args import DPOArguments
-from trainfold.hf.dpo_run import prepare_dataset, train
+from trainfold.hf.dpo_run import prepare_preference_dataset, train
 from trainfold.recipes.dpo import (
     LOSS_TYPES,
     PREFERENCE_COLUMNS,
@@ -43,7 +44,9 @@ __all__ = [
     "preference_collate",
     "preference_row",
     "preference_rows",
-    "prepare_dataset",
+    "prepare_preference_dataset",
     "sequence_logps",
     "train",
 ]
+
+__getattr__ = moved_names(__name__, {"prepare_dataset": ("trainfold.hf.dpo_run", "prepare_preference_dataset")})

@@ -19,27 +19,30 @@ from typing import Any
 
 from torch import nn
 
+from trainfold.core.moved import moved_names
 from trainfold.data.packing import check_packable
 from trainfold.hf.dpo_args import DPOArguments
-from trainfold.hf.model_source import model_from
+from trainfold.hf.model_source import model_from, processing_class_for
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run
 from trainfold.recipes.dpo import dpo_objective, preference_collate
 from trainfold.recipes.dpo_data import padding_free_preference_collate, preference_rows
 
-__all__ = ["prepare_dataset", "train"]
+__all__ = ["prepare_preference_dataset", "train"]
 
 
 def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.Module:
-    model = model_from(model, args.model_init_kwargs, peft_config)
+    built = model_from(model, args.model_init_kwargs, peft_config)
     if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
-        for m in model.modules():
+        for m in built.modules():
             if isinstance(m, nn.Dropout):
                 m.p = 0.0
-    return model
+    return built
 
 
-def prepare_dataset(dataset: Any, processing_class: Any, args: DPOArguments) -> list[dict[str, list[int]]] | None:
+def prepare_preference_dataset(
+    dataset: Any, processing_class: Any, args: DPOArguments
+) -> list[dict[str, list[int]]] | None:
     """Return ``dataset``'s rows tokenized as ``DPOTrainer`` does (``trainfold.recipes.dpo_data``)."""
     if dataset is None:
         return None
@@ -62,6 +65,7 @@ def train(
 
     The reference is ``ref_model`` when given, else the model as it is before training (TRL reloads it
     from its path; this needs none); ``precompute_ref_log_probs`` scores the datasets with it once.
+    Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does.
     ``kwargs`` go to ``trainfold.train``.
     """
     if not isinstance(args, DPOArguments):
@@ -81,7 +85,7 @@ def train(
         precompute_ref_log_probs=args.precompute_ref_log_probs,
         precompute_ref_batch_size=args.precompute_ref_batch_size,
     )
-    tok = processing_class
+    tok = processing_class = processing_class_for(model, processing_class)
     pad = args.pad_token or (getattr(tok, "pad_token", None) or getattr(tok, "eos_token", None)) if tok else None
     if args.padding_free:  # the run's own flattened rows (TrainingArguments' padding_free is for LM rows)
         check_packable(model)
@@ -90,6 +94,11 @@ def train(
     else:
         pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
         collate = preference_collate(None, pad_id, args.max_length, args.pad_to_multiple_of)
-    train_rows = prepare_dataset(train_dataset, tok, args)
-    eval_rows = prepare_dataset(eval_dataset, tok, args)
-    return train_run(model, args, train_rows, eval_rows, collate, objective=objective, callbacks=callbacks, **kwargs)
+    train_rows = prepare_preference_dataset(train_dataset, tok, args)
+    eval_rows = prepare_preference_dataset(eval_dataset, tok, args)
+    run = dict(objective=objective, callbacks=callbacks, processing_class=tok)  # checkpoints hold the tokenizer
+    return train_run(model, args, train_rows, eval_rows, collate, **run, **kwargs)
+
+
+# ``trainfold.sft.prepare_dataset`` is SFT's (one meaning per public name)
+__getattr__ = moved_names(__name__, {"prepare_dataset": (__name__, "prepare_preference_dataset")})

@@ -17,19 +17,19 @@ import torch
 from torch import nn
 
 from trainfold.core.collective import Collective
+from trainfold.core.forward import training_flags
 from trainfold.core.losses import default_loss_for
 from trainfold.core.state import TrainState, split_module
 from trainfold.data import close_loader, eval_loader
 from trainfold.data.collate import collate_for
 from trainfold.data.columns import eval_collate, padded_to_multiple
-from trainfold.distributed import shard
+from trainfold.distributed import GatherCollective, shard
 from trainfold.evaluation import evaluate_sharded
-from trainfold.evaluation.evaluation import eval_sets
-from trainfold.evaluation.evaluation import evaluate as evaluate_batches
-from trainfold.evaluation.evaluation import predict as predict_batches
+from trainfold.evaluation.evaluation import eval_sets, evaluate_batches, predict_batches
 from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
+from trainfold.hf.args import TrainingArguments
 from trainfold.hf.inputs import columns_of, device_for, eval_labels
-from trainfold.step import sharded
+from trainfold.step.plan import is_fully_sharded
 
 __all__ = ["EvalSet", "EvalPlan", "eval_plan_for", "eval_loader_for", "evaluate", "predict"]
 
@@ -40,10 +40,12 @@ class EvalSet:
 
     prefix: str
     loader: Any
-    collective: Collective | None = None
+    collective: GatherCollective | None = None
 
 
-def eval_loader_for(dataset: Any, collate: Callable[[list[Any]], Any], args: Any, device: torch.device) -> Any:
+def eval_loader_for(
+    dataset: Any, collate: Callable[[list[Any]], Any], args: TrainingArguments, device: torch.device
+) -> Any:
     """Return the eval DataLoader in dataset order (never length-grouped), with HF's eval DataLoader settings."""
     return eval_loader(
         dataset,
@@ -58,7 +60,12 @@ def eval_loader_for(dataset: Any, collate: Callable[[list[Any]], Any], args: Any
 
 
 def _eval_set(
-    prefix: str, dataset: Any, collate: Callable[..., Any], args: Any, device: torch.device, collective: Any
+    prefix: str,
+    dataset: Any,
+    collate: Callable[..., Any],
+    args: TrainingArguments,
+    device: torch.device,
+    collective: Any,
 ) -> EvalSet:
     """Return an eval set; under several ranks each scores a contiguous slice (sums, counts, predictions merged)."""
     world = getattr(collective, "world_size", 1) if collective is not None else 1
@@ -118,7 +125,7 @@ class EvalPlan:
         """Return the metrics of each eval set (one; or each set of a dict, named ``eval_{name}_*``, as HF)."""
         if self.evaluator is not None:
             return [dict(self.evaluator(state))]
-        common = dict(
+        common: dict[str, Any] = dict(
             buffers=state.buffers,
             compute_metrics=self.compute_metrics,
             preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
@@ -133,17 +140,42 @@ class EvalPlan:
                 )
                 for s in self.sets
             ]
-        params = sharded.full_params(state.params)
+        runs: Any = module_forward(model) if is_fully_sharded(model) else model
+        assert self.loss is not None  # a run gives eval_plan_for its loss; only an objective run scores without
         return [
             evaluate_sharded(
-                model, params, s.loader, collective=s.collective, loss=self.loss, metric_key_prefix=s.prefix, **common
+                runs,
+                state.params,
+                s.loader,
+                collective=s.collective,
+                loss=self.loss,
+                metric_key_prefix=s.prefix,
+                **common,
             )
             for s in self.sets
         ]
 
 
+def module_forward(model: nn.Module) -> Callable[[Any, Mapping[str, Any]], Any]:
+    """Return ``forward(params, inputs)`` running ``model`` as it is, in eval mode, without autograd: a
+    ``fully_shard`` module (its params the state's, lent), whose hooks cannot run under ``inference_mode``.
+
+    >>> lin = torch.nn.Linear(2, 1)
+    >>> with torch.inference_mode():
+    ...     module_forward(lin)(None, {"input": torch.ones(1, 2)}).requires_grad
+    False
+    """
+    modules = list(model.modules())
+
+    def forward(params: Any, inputs: Mapping[str, Any]) -> Any:
+        with torch.inference_mode(False), torch.no_grad(), training_flags(modules, False):
+            return model(**inputs)
+
+    return forward
+
+
 def eval_plan_for(
-    args: Any,
+    args: TrainingArguments,
     eval_dataset: Any,
     collate: Callable[[list[Any]], Any],
     *,
@@ -193,7 +225,7 @@ def eval_plan_for(
 
 def evaluate(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     eval_dataset: Any,
     *,
     state: TrainState | None = None,
@@ -208,7 +240,7 @@ def evaluate(
     """Evaluate ``state``'s params (default: the model's own) on ``eval_dataset``, in dataset order.
 
     ``objective`` (e.g. the ``dpo_objective`` of the run) scores the batches and adds its metrics
-    (``eval_rewards/chosen``...), as during ``train`` (``trainfold.evaluation.evaluation.evaluate``).
+    (``eval_rewards/chosen``...), as during ``train`` (``trainfold.evaluation.evaluation.evaluate_batches``).
     ``processing_class`` (a tokenizer or processor): without ``data_collator``, batches are padded with its pad id.
 
     >>> import tempfile, torch
@@ -254,7 +286,7 @@ def evaluate(
 
 def predict(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     test_dataset: Any,
     *,
     state: TrainState | None = None,
@@ -305,7 +337,7 @@ def predict(
 
 def _eval_inputs(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     dataset: Any,
     state: TrainState | None,
     data_collator: Callable[..., Any] | None,

@@ -2,7 +2,7 @@
 
 The keys and their owners: ``log_mark`` and ``num_input_tokens_seen`` (``observe.observers``), each early
 stopper's ``key`` (``observe.stopping``), ``grad_scaler`` (``step.amp``), ``best_metric`` (here: the
-tracker of ``metric_for_best_model``, a ``ckpt.policy.BestMetric``), and what a ``StateStream`` keeps.
+tracker of ``metric_for_best_model``, a ``evaluation.best.BestMetric``), and what a ``StateStream`` keeps.
 
 >>> from trainfold.hf.args import TrainingArguments
 >>> sorted(run_extras(TrainingArguments(fp16=True), metric_key="eval_loss"))
@@ -14,15 +14,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from trainfold.ckpt import policy
-from trainfold.ckpt.policy import BEST_METRIC_KEY
+from trainfold.evaluation import best
+from trainfold.evaluation.best import BEST_METRIC_KEY
+from trainfold.hf.args import TrainingArguments
 from trainfold.observe.observers import initial_extras
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.step.amp import SCALER, LossScaling, initial_scaler
 
 __all__ = ["BEST", "best_extras", "scaler_extras", "run_extras"]
 
-BEST = BEST_METRIC_KEY  # the key of the best-metric tracker in state.extras (owned by ckpt.policy)
+BEST = BEST_METRIC_KEY  # the key of the best-metric tracker in state.extras (owned by evaluation.best)
 
 
 def scaler_extras(fp16: bool) -> dict[str, Any]:
@@ -42,11 +43,11 @@ def best_extras(metric_key: str | None, greater_is_better: bool | None) -> dict[
     """
     if metric_key is None:
         return {}
-    return {BEST: policy.best_metric(policy.greater_is_better_for(metric_key, greater_is_better))}
+    return {BEST: best.best_metric(best.greater_is_better_for(metric_key, greater_is_better))}
 
 
 def run_extras(
-    args: Any,
+    args: TrainingArguments,
     *,
     metric_key: str | None = None,
     early: EarlyStopping | None = None,

@@ -7,11 +7,11 @@ loop); ``GRPOArguments`` (TRL's ``GRPOConfig`` names) from :mod:`trainfold.hf.gr
 >>> from trainfold.hf import grpo
 >>> grpo.GRPOArguments(per_device_train_batch_size=4, num_generations=4).generation_batch
 4
->>> grpo.train is grpo.grpo_run.train, grpo.grpo_objective("dapo").loss_type
+>>> from trainfold.hf import grpo_run
+>>> grpo.train is grpo_run.train, grpo.grpo_objective("dapo").loss_type
 (True, 'dapo')
 """
 
-from trainfold.hf import grpo_args, grpo_run
 from trainfold.hf.grpo_args import TRL_ONLY, GRPOArguments, generation_order
 from trainfold.hf.grpo_run import BUFFER, GenerationBuffer, GRPORun, grpo_stream, train
 from trainfold.recipes.grpo import (
@@ -58,6 +58,4 @@ __all__ = [
     "GRPORun",
     "grpo_stream",
     "train",
-    "grpo_args",
-    "grpo_run",
 ]

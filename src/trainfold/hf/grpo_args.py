@@ -31,6 +31,7 @@ import torch
 
 from trainfold.hf.args import TrainingArguments
 from trainfold.recipes.grpo import SCALE_REWARDS
+from trainfold.recipes.grpo_data import GenerationSchedule
 from trainfold.recipes.grpo_loss import PolicyLoss, policy_loss_errors
 from trainfold.recipes.grpo_rewards import MULTI_OBJECTIVE_AGGREGATIONS
 
@@ -257,9 +258,14 @@ class GRPOArguments(TrainingArguments):
         return self.generation_batch // self.num_generations
 
     @property
+    def generation_schedule(self) -> GenerationSchedule:
+        """Return the run's schedule (``trainfold.recipes.grpo_data``): TRL's, in micro-steps."""
+        return GenerationSchedule(self.generation_steps, self.num_iterations, self.gradient_accumulation_steps)
+
+    @property
     def records_old_logps(self) -> bool:
         """Whether a generation outlives an optimizer step, so the sampling policy's log-probs are kept (TRL's rule)."""
-        return self.gradient_accumulation_steps % (self.generation_steps * self.num_iterations) != 0
+        return self.generation_schedule.records_old_logps
 
 
 @functools.lru_cache(maxsize=8)

@@ -21,7 +21,7 @@ from trainfold.hf.grpo_args import GRPOArguments
 from trainfold.hf.grpo_schedule import BUFFER, GenerationBuffer, GRPORun
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run
-from trainfold.recipes.grpo import RewardFunc, grpo_objective
+from trainfold.recipes.grpo import RewardFunc, grpo_objective, make_rollout
 
 __all__ = ["BUFFER", "GenerationBuffer", "GRPORun", "grpo_stream", "train"]
 
@@ -60,6 +60,29 @@ def _run_problems(args: GRPOArguments, prompts: Any, funcs: tuple[RewardFunc, ..
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         problems.append("the GRPO run is single-process for now; run it without torchrun")
     return problems
+
+
+def _rollout(
+    model: nn.Module, args: GRPOArguments, funcs: tuple[RewardFunc, ...], codec: tuple, eos: Any, pad: int, key: str
+) -> Any:
+    """Return the hand loop's sampling and scoring with the run's settings (the run keeps its own buffer)."""
+    return make_rollout(
+        model,
+        funcs,
+        encode=codec[0],
+        decode=codec[1],
+        num_generations=args.num_generations,
+        max_new_tokens=args.max_completion_length,
+        steps_per_generation=args.generation_steps,
+        num_iterations=args.num_iterations,
+        temperature=args.temperature,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        reward_weights=args.reward_weights,
+        scale_rewards=args.scale_rewards,
+        prompt_key=key,
+        multi_objective_aggregation=args.multi_objective_aggregation,
+    )
 
 
 def grpo_stream(
@@ -106,20 +129,10 @@ def grpo_stream(
         args.use_bias_correction_kl,
         **policy,
     )
-    return GRPORun(
-        model,
-        args,
-        prompts,
-        funcs,
-        enc,
-        dec,
-        eos,
-        pad if pad is not None else (eos or 0),
-        prompt_key,
-        ref_params if args.beta != 0 else None,
-        eval_prompts,
-        objective,
-    )
+    pad = pad if pad is not None else (eos or 0)
+    rollout = _rollout(model, args, funcs, (enc, dec), eos, pad, prompt_key)
+    ref = ref_params if args.beta != 0 else None
+    return GRPORun(model, args, prompts, funcs, enc, dec, eos, pad, prompt_key, ref, eval_prompts, objective, rollout)
 
 
 def train(

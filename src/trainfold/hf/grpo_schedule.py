@@ -3,9 +3,11 @@
 * prompts are drawn in TRL's ``RepeatSampler`` order (``grpo_args.generation_order``): each
   generation takes ``generation_batch / num_generations`` distinct prompts, each repeated
   ``num_generations`` times, every repeat its own copy (a reward function may change one);
-* micro-step ``k`` (counted within the epoch) generates when ``k % (steps_per_generation ×
-  num_iterations) == 0``, with the state the step starts from, shuffles the generation's rows
-  (seeded), and trains on slice ``k % steps_per_generation`` of it, as ``_prepare_inputs`` does;
+* micro-step ``k`` (counted within the epoch) follows the GRPO core's schedule
+  (``trainfold.recipes.grpo_data.schedule_step``, the hand loop's too): it generates when
+  ``k % (steps_per_generation × num_iterations) == 0``, with the state the step starts from,
+  shuffles the generation's rows (seeded), and trains on slice ``k % steps_per_generation`` of it,
+  as ``_prepare_inputs`` does;
 * the generation lives in the state (``state.extras[BUFFER]``, a :class:`GenerationBuffer` of
   fixed shapes), so a checkpoint taken inside a generation block resumes bitwise;
 * each step that generated logs TRL's metrics of its generations (``grpo_metrics``).
@@ -29,11 +31,12 @@ from trainfold.core.rng import derive_seed
 from trainfold.core.state import Cursor, TrainState, scalar
 from trainfold.data import StateStream, StepBatch
 from trainfold.hf.grpo_args import GRPOArguments, generation_order
-from trainfold.recipes.generate import functional_forward, generate
-from trainfold.recipes.grpo import RewardFunc, combine_rewards, next_token_logps, reward_name
+from trainfold.recipes.generate import functional_forward
+from trainfold.recipes.grpo import RewardFunc, next_token_logps, reward_name
+from trainfold.recipes.grpo_data import schedule_step
+from trainfold.recipes.grpo_loop import Rollout
 from trainfold.recipes.grpo_metrics import generation_metrics
-from trainfold.recipes.grpo_rewards import reward_advantages
-from trainfold.recipes.grpo_rows import before_eos, completion_rows, gather_completions, spread_completions
+from trainfold.recipes.grpo_rows import completion_rows, gather_completions, spread_completions
 
 __all__ = ["BUFFER", "GenerationBuffer", "GRPORun", "empty_buffer"]
 
@@ -100,6 +103,7 @@ class GRPORun:
     ref_params: Mapping[str, Tensor] | None
     eval_prompts: Any = None
     objective: Any = None  # grpo_objective from args: the run's loss, and eval_loss
+    rollout: Rollout | None = None  # make_rollout from args: sampling and scoring, as the hand loop's
     _encoded: dict[int, list[int]] = attrs.field(factory=dict)  # prompt index -> its tokens (encode is pure)
 
     @property
@@ -109,7 +113,7 @@ class GRPORun:
     @property
     def block(self) -> int:
         """Micro-steps per generation block (TRL's ``generate_every``)."""
-        return self.args.generation_steps * self.args.num_iterations
+        return self.args.generation_schedule.block
 
     def order(self, epoch: int) -> tuple[tuple[int, ...], ...]:
         a = self.args
@@ -171,25 +175,13 @@ class GRPORun:
         prompt_ids = [encoded(i) for i in index]  # before a reward function sees (and may change) the rows
         rows = [copy.deepcopy(dataset[i]) for i in index]  # each repeat its own object
         prompts = [r[self.prompt_key] for r in rows]
-        completion_ids = generate(
-            self.model,
-            state.params,
-            prompt_ids,
-            max_new_tokens=a.max_completion_length,
-            temperature=a.temperature,
-            eos_token_id=self.eos_token_id,
-            generator=torch.Generator().manual_seed(key),
-            pad_token_id=self.pad_token_id,
-            buffers=state.buffers,
-        )
-        eos = self.eos_token_id
-        completions = [self.decode(before_eos(c, eos)) for c in completion_ids]
         columns = {k: [r[k] for r in rows] for k in rows[0] if k != self.prompt_key}
-        columns["completion_ids"] = [list(c) for c in completion_ids]
-        total, each = combine_rewards(self.reward_funcs, prompts, completions, columns, a.reward_weights)
+        assert self.rollout is not None, "the run sets its rollout before it samples"
+        out = self.rollout.sample(state, prompt_ids, prompts, columns, key)  # the hand loop's sampling and scoring
+        completion_ids, eos = out.completion_ids, self.eos_token_id
         truncated = torch.tensor([c[-1] not in (eos, self.pad_token_id) for c in completion_ids])
         metrics = generation_metrics(
-            each,
+            out.each,
             self.names,
             g,
             torch.tensor([len(c) for c in completion_ids]),
@@ -202,7 +194,7 @@ class GRPORun:
             "prompt_ids": prompt_ids,
             "completion_ids": completion_ids,
             "metrics": metrics,
-            "advantages": reward_advantages(each, g, a.reward_weights, a.scale_rewards, a.multi_objective_aggregation),
+            "advantages": out.advantages,
         }
 
     def generation(
@@ -263,13 +255,19 @@ class GRPORun:
 
     def prepare(self, state: TrainState, step: _Step) -> tuple[TrainState, StepBatch]:
         """Return the state holding the step's generation buffer, and the step's micro-batches."""
-        buffer, made, micro = state.extras[BUFFER], [], []
-        device = next(iter(state.params.values())).device
-        for k in step.micro_steps:
-            if k % self.block == 0:  # TRL: _step % generate_every == 0
-                buffer, metrics = self.generation(state, step.epoch, k // self.block, step.order[k // self.block])
-                made.append(metrics)
-            micro.append(self.micro_batch(buffer, k % self.args.generation_steps, len(step.micro_steps), device))
+        device, made = next(iter(state.params.values())).device, []
+        size = len(step.micro_steps)
+
+        def generate(number: int) -> GenerationBuffer:
+            buffer, metrics = self.generation(state, step.epoch, number, step.order[number])
+            made.append(metrics)
+            return buffer
+
+        def part(buffer: GenerationBuffer, index: int) -> dict[str, Tensor]:
+            return self.micro_batch(buffer, index, size, device)
+
+        schedule = self.args.generation_schedule
+        buffer, micro, _ = schedule_step(schedule, state.extras[BUFFER], step.micro_steps, generate, part)
         metrics = {k: v for k, v in state.metrics.items() if not k.startswith(_GENERATION_METRICS)}
         if made:  # logged with the step that generated, as TRL logs them with the generation
             metrics.update({k: torch.stack([m[k] for m in made]).mean() for k in made[0]})

@@ -20,18 +20,19 @@ from trainfold.data import StepBatch
 from trainfold.data.collate import collate_for, pad_collate
 from trainfold.data.columns import Columns, columns_for, eval_collate, padded_to_multiple, with_columns
 from trainfold.data.llm import lm_inputs
+from trainfold.hf.args import TrainingArguments
 
 __all__ = ["RunInputs", "LabelsFromInputs", "eval_labels", "run_inputs", "device_for", "columns_of", "to_device"]
 
 
-def device_for(args: Any) -> torch.device:
+def device_for(args: TrainingArguments) -> torch.device:
     """Return the run's device: CUDA when there is one and ``use_cpu`` is off, else the CPU."""
     return torch.device("cuda") if torch.cuda.is_available() and not args.use_cpu else torch.device("cpu")
 
 
 def columns_of(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     data_collator: Callable[..., Any] | None,
     *,
     labels_required: bool = False,
@@ -80,7 +81,7 @@ class LabelsFromInputs:
         return self.collate([item if "labels" in item else {**item, "labels": item["input_ids"]} for item in items])
 
 
-def eval_labels(collate: Callable[..., Any] | None, args: Any, data_collator: Any, objective: Any) -> Any:
+def eval_labels(collate: Callable[..., Any] | None, args: TrainingArguments, data_collator: Any, objective: Any) -> Any:
     """Return the evaluation collator: ``LabelsFromInputs`` where training builds labels (packing), else as is."""
     if data_collator is not None or objective is not None:
         return collate
@@ -104,7 +105,7 @@ class RunInputs:
 
 
 def _loss(
-    model: nn.Module, args: Any, compute_loss_func: Callable[..., Any] | None, objective: Any
+    model: nn.Module, args: TrainingArguments, compute_loss_func: Callable[..., Any] | None, objective: Any
 ) -> Callable[..., Any]:
     loss = compute_loss_func or default_loss_for(model, defer=objective is not None)
     if args.label_smoothing_factor:
@@ -119,7 +120,7 @@ def _loss(
 
 def run_inputs(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     train_dataset: Any,
     eval_dataset: Any,
     data_collator: Callable[[list[Any]], Any] | None,
@@ -146,8 +147,9 @@ def run_inputs(
     columns = columns_of(model, args, data_collator, labels_required=objective is None, objective=objective)
     default = data_collator if data_collator is not None else collate_for(processing_class)
     padded = padded_to_multiple(default, args.pad_to_multiple_of)
-    if getattr(objective, "prepare", None) is not None:  # DPO: precomputed reference log-probs, cached in output_dir
-        objective, train_dataset, eval_dataset = objective.prepare(
+    prepare = getattr(objective, "prepare", None)
+    if prepare is not None:  # DPO: precomputed reference log-probs, cached in output_dir
+        objective, train_dataset, eval_dataset = prepare(
             model, args, train_dataset, eval_dataset, padded, device or device_for(args)
         )
     lm = lm_inputs(model, args, train_dataset, data_collator, compute_loss_func, objective)  # packing, chunked loss

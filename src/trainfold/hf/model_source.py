@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["model_from"]
+__all__ = ["model_from", "processing_class_for"]
 
 
 def model_from(
@@ -32,3 +32,21 @@ def model_from(
 
         model = get_peft_model(model, peft_config)
     return model
+
+
+def processing_class_for(model: Any, processing_class: Any = None) -> Any:
+    """Return ``processing_class``, or, as TRL's trainers do without one, the tokenizer saved beside the
+    model (``AutoTokenizer.from_pretrained`` of the path it was loaded from); ``None`` for a model built
+    from a config.
+
+    >>> processing_class_for(nn.Linear(2, 2)) is None
+    True
+    """
+    if processing_class is not None:
+        return processing_class
+    source = getattr(getattr(model, "config", None), "_name_or_path", "")
+    if not source:
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(source)

@@ -108,7 +108,7 @@ def default_optimizer(model: nn.Module, args: Any, total_steps: int) -> Gradient
     mask = decay_mask(model)
     if args.optim == "sgd":  # HF: torch.optim.SGD with the decay/no-decay groups, options from optim_args
         options = {"weight_decay": args.weight_decay, **args.optimizer_options}
-        opt = sgd(schedule, mask=mask, **options)
+        opt: GradientTransformation = sgd(schedule, mask=mask, **options)
     elif args.optim in ("adamw_torch", "adamw_torch_fused"):
         opt = adamw(
             schedule,

@@ -7,7 +7,7 @@ Each piece is a frozen record made by its own function, so it can be built and c
 ...                          gradient_accumulation_steps=2, train_sampling_strategy="sequential")
 >>> sampler = sampler_for(args, list(range(10)))
 >>> sampler.strategy, sampler.global_batch_size, schedule_for(args, sampler)
-('sequential', 4, Schedule(total_steps=6, steps_per_epoch=3, num_epochs=2))
+('sequential', 4, RunLength(total_steps=6, steps_per_epoch=3, num_epochs=2))
 """
 
 from __future__ import annotations
@@ -22,16 +22,18 @@ from torch import nn
 
 from trainfold.core.collective import Collective
 from trainfold.core.fold import max_steps as max_steps_stop
+from trainfold.core.moved import moved_names
 from trainfold.data.samplers import Sampler, make_sampler
 from trainfold.distributed.distributed import agreed_stop
+from trainfold.hf.args import TrainingArguments
 from trainfold.hf.evaluating import EvalPlan
 from trainfold.observe import LoggingPlan, logging_plan
 from trainfold.observe.stopping import EarlyStopping, patience_exhausted
-from trainfold.step import sharded
 from trainfold.step.amp import LossScaling
+from trainfold.step.fsdp import FullShard
 
 __all__ = [
-    "Schedule",
+    "RunLength",
     "sampler_for",
     "schedule_for",
     "StepOptions",
@@ -47,7 +49,7 @@ __all__ = [
 Stop = Callable[[Any], bool]
 
 
-def sampler_for(args: Any, train_dataset: Any, *, world_size: int = 1, rank: int = 0) -> Sampler:
+def sampler_for(args: TrainingArguments, train_dataset: Any, *, world_size: int = 1, rank: int = 0) -> Sampler:
     """Return the sampler of ``train_sampling_strategy`` over ``train_dataset`` (``data_seed``, else ``seed``)."""
     return make_sampler(
         args.train_sampling_strategy,
@@ -64,7 +66,7 @@ def sampler_for(args: Any, train_dataset: Any, *, world_size: int = 1, rank: int
 
 
 @attrs.frozen
-class Schedule:
+class RunLength:
     """How long the run is: its optimizer steps, the steps of one epoch (None: unknown), the epochs to stream."""
 
     total_steps: int
@@ -77,12 +79,12 @@ class Schedule:
         return self.steps_per_epoch or self.total_steps
 
 
-def schedule_for(args: Any, sampler: Sampler, stream: Any = None) -> Schedule:
-    """Return the run's ``Schedule``: ``max_steps``, or ``num_train_epochs`` of the sampler's (or stream's) epoch.
+def schedule_for(args: TrainingArguments, sampler: Sampler, stream: Any = None) -> RunLength:
+    """Return the run's ``RunLength``: ``max_steps``, or ``num_train_epochs`` of the sampler's (or stream's) epoch.
 
     >>> from trainfold.hf.args import TrainingArguments
     >>> schedule_for(TrainingArguments(max_steps=5), sampler_for(TrainingArguments(), list(range(4))))
-    Schedule(total_steps=5, steps_per_epoch=1, num_epochs=None)
+    RunLength(total_steps=5, steps_per_epoch=1, num_epochs=None)
     """
     steps_per_epoch = sampler.steps_per_epoch() if sampler.num_samples is not None else None
     if stream is not None:  # the steps are made from the state (GRPO): the stream knows its epoch
@@ -95,7 +97,7 @@ def schedule_for(args: Any, sampler: Sampler, stream: Any = None) -> Schedule:
         )
     else:
         total_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
-    return Schedule(total_steps, steps_per_epoch, None if args.max_steps > 0 else math.ceil(args.num_train_epochs))
+    return RunLength(total_steps, steps_per_epoch, None if args.max_steps > 0 else math.ceil(args.num_train_epochs))
 
 
 @attrs.frozen
@@ -108,11 +110,11 @@ class StepOptions:
     compile_mode: str | None = None
     gradient_checkpointing: int = 0
     loss_scaling: LossScaling | None = None
-    full_shard: bool = False
+    fsdp: FullShard | None = None  # fsdp="full_shard": the model is wrapped with fully_shard first (step.fsdp)
     neftune_noise_alpha: float | None = None
 
     def make_kwargs(self, collective: Collective | None) -> dict[str, Any]:
-        """Return ``make_step``'s keywords (the sharding is made here, from the collective)."""
+        """Return ``make_step``'s keywords."""
         return dict(
             collective=collective,
             label_key=self.label_key,
@@ -121,11 +123,10 @@ class StepOptions:
             compile_mode=self.compile_mode,
             gradient_checkpointing=self.gradient_checkpointing,
             loss_scaling=self.loss_scaling,
-            sharding=sharded.sharding_for(self.full_shard, collective),
         )
 
 
-def step_options(args: Any, label_key: str = "labels") -> StepOptions:
+def step_options(args: TrainingArguments, label_key: str = "labels") -> StepOptions:
     """Return the step's options: ``bf16``/``fp16`` autocast (fp16 with loss scaling), ``torch_compile``...
 
     >>> from trainfold.hf.args import TrainingArguments
@@ -139,7 +140,7 @@ def step_options(args: Any, label_key: str = "labels") -> StepOptions:
         compile_mode=args.torch_compile_mode,
         gradient_checkpointing=args.checkpoint_every,
         loss_scaling=LossScaling() if args.fp16 else None,
-        full_shard=args.full_shard,
+        fsdp=args.fsdp_plan,
         neftune_noise_alpha=args.neftune_noise_alpha,
     )
 
@@ -159,7 +160,7 @@ class CheckpointPlan:
     processing_class: Any = None  # the tokenizer or processor: its files go into every checkpoint
 
     @classmethod
-    def from_args(cls, args: Any, processing_class: Any = None) -> CheckpointPlan:
+    def from_args(cls, args: TrainingArguments, processing_class: Any = None) -> CheckpointPlan:
         """Return the plan of ``args``' ``save_strategy``, ``save_steps``, ``save_total_limit``..."""
         return cls(
             args.output_dir,
@@ -186,7 +187,7 @@ class ReporterPlan:
     bar: bool | None = None  # None: tqdm's own choice (HF's disable_tqdm=None)
 
     @classmethod
-    def from_args(cls, args: Any, *, writer: bool = True) -> ReporterPlan:
+    def from_args(cls, args: TrainingArguments, *, writer: bool = True) -> ReporterPlan:
         """Return the plan of ``report_to``, ``run_name``, ``logging_dir``, ``log_level``, ``disable_tqdm``."""
         bar = None if args.disable_tqdm is None else not args.disable_tqdm
         names = args.reporters if writer else ("none",)
@@ -258,7 +259,7 @@ def agreed(stop: Stop | None, collective: Collective | None) -> Stop | None:
 class Plan:
     """Everything a run is, before it runs: built by ``trainfold.hf.planning.plan_for`` from its arguments."""
 
-    args: Any  # the TrainingArguments (with the elastic resume's global batch)
+    args: TrainingArguments  # the TrainingArguments (with the elastic resume's global batch)
     model: nn.Module
     device: torch.device
     rank: int
@@ -266,11 +267,11 @@ class Plan:
     collective: Collective | None
     inputs: Any  # hf.inputs.RunInputs
     sampler: Sampler
-    schedule: Schedule
+    schedule: RunLength
     optimizer: Any
     step_options: StepOptions
     step: Callable[..., Any]
-    sharding: Any
+    sharding: Any  # the DeviceMesh of a fully_shard module (fsdp), else None
     evals: EvalPlan
     logging: LoggingPlan
     checkpoints: CheckpointPlan
@@ -300,6 +301,9 @@ class Plan:
         return self.sampler.global_batch_size if self.stream is None else self.stream.samples_per_step
 
 
-def logging_for(args: Any, total_steps: int) -> LoggingPlan:
+def logging_for(args: TrainingArguments, total_steps: int) -> LoggingPlan:
     """Return the run's ``LoggingPlan`` (``logging_strategy``, ``logging_steps``, ``logging_first_step``)."""
     return logging_plan(args.logging_strategy, args.logging_steps, args.logging_first_step, total_steps=total_steps)
+
+
+__getattr__ = moved_names(__name__, {"Schedule": (__name__, "RunLength")})  # one meaning per public name

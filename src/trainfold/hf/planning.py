@@ -22,6 +22,7 @@ from torch import nn
 from trainfold.ckpt import elastic_args
 from trainfold.core.collective import Collective
 from trainfold.core.state import TrainState
+from trainfold.hf.args import TrainingArguments
 from trainfold.hf.callback_checks import check_observers, split_early_stopping
 from trainfold.hf.evaluating import EvalPlan, eval_plan_for
 from trainfold.hf.extras import run_extras
@@ -41,6 +42,7 @@ from trainfold.hf.plan import (
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.recipes.neftune import neftune_objective
 from trainfold.step import make_step
+from trainfold.step.fsdp import fully_shard_model, make_mesh
 from trainfold.step.plan import is_fully_sharded
 
 __all__ = ["plan_for", "world_of", "early_stopping_for", "step_for"]
@@ -54,7 +56,7 @@ def world_of(collective: Collective | None) -> tuple[int, int]:
 
 
 def early_stopping_for(
-    args: Any, callbacks: Sequence[Any], early_stopping: EarlyStopping | None
+    args: TrainingArguments, callbacks: Sequence[Any], early_stopping: EarlyStopping | None
 ) -> tuple[tuple[Any, ...], EarlyStopping | None, str | None]:
     """Return ``(callbacks, early stopping, best-model metric)``: an ``EarlyStoppingCallback`` becomes the record.
 
@@ -72,13 +74,17 @@ def early_stopping_for(
 def step_for(
     model: nn.Module, inputs: RunInputs, optimizer: Any, options: StepOptions, collective: Collective | None
 ) -> tuple[Callable[..., Any], Any]:
-    """Return ``(step, sharding)``: ``make_step`` with the run's loss, objective (NEFTune's noise) and options."""
-    if is_fully_sharded(model):  # its checkpoints and evaluation are not on torch's DCP yet
-        raise TypeError(
-            f"train() does not take a module wrapped with fully_shard yet ({type(model).__name__}): pass the "
-            "unwrapped module with fsdp='full_shard', or step the wrapped one with make_step on a lent state "
-            "(init_state(model, optimizer, copy=False), then trainfold.fit)"
-        )
+    """Return ``(step, mesh)``: ``make_step`` with the run's loss, objective (NEFTune's noise) and options.
+
+    ``fsdp="full_shard"`` wraps ``model`` with ``fully_shard`` first (``step.fsdp``; in place, before its
+    state is made); ``mesh`` is the mesh of a fully-sharded module (None otherwise).
+    """
+    mesh = None
+    if options.fsdp is not None and not is_fully_sharded(model):
+        mesh = make_mesh(getattr(collective, "group", None))
+        fully_shard_model(model, mesh, options.fsdp)
+    elif is_fully_sharded(model):  # the user's own fully_shard: its params carry their mesh
+        mesh = next(p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh"))
     objective = inputs.objective
     if options.neftune_noise_alpha is not None:
         if objective is not None:
@@ -86,12 +92,12 @@ def step_for(
         else:
             objective = neftune_objective(model, options.neftune_noise_alpha, inputs.loss)
     kwargs = options.make_kwargs(collective)
-    return make_step(model, inputs.loss, optimizer, objective=objective, **kwargs), kwargs["sharding"]
+    return make_step(model, inputs.loss, optimizer, objective=objective, **kwargs), mesh
 
 
 def plan_for(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     train_dataset: Any,
     eval_dataset: Any = None,
     data_collator: Callable[[list[Any]], Any] | None = None,
@@ -113,7 +119,7 @@ def plan_for(
     device = device_for(args)
     rank, world_size = world_of(collective)
     args = elastic_args(args, resume_from_checkpoint, world_size)  # another world: the saved global batch
-    given, where = (data_collator, compute_loss_func, objective), dict(world_size=world_size, device=device)
+    given, where = (data_collator, compute_loss_func, objective), dict[str, Any](world_size=world_size, device=device)
     inputs = run_inputs(model, args, train_dataset, eval_dataset, *given, **where, processing_class=processing_class)
     sampler = sampler_for(args, inputs.train_dataset, world_size=world_size, rank=rank)
     schedule = schedule_for(args, sampler, train_stream)
@@ -152,7 +158,7 @@ def plan_for(
 
 
 def _evals(
-    args: Any,
+    args: TrainingArguments,
     inputs: RunInputs,
     total_steps: int,
     device: Any,
@@ -175,7 +181,9 @@ def _evals(
     )
 
 
-def _reporting(args: Any, total_steps: int, rank: int, world_size: int, processing_class: Any) -> dict[str, Any]:
+def _reporting(
+    args: TrainingArguments, total_steps: int, rank: int, world_size: int, processing_class: Any
+) -> dict[str, Any]:
     """Return the plan's logging, checkpoint and reporter pieces, and the settings a checkpoint records."""
     return dict(
         logging=logging_for(args, total_steps),

@@ -13,16 +13,18 @@ import torch
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.listing import set_aside
+from trainfold.ckpt.run_identity import RunSettings
 from trainfold.ckpt.sharded import is_sharded
+from trainfold.core.moved import moved_names
 from trainfold.core.state import TrainState, init_state, lend
-from trainfold.core.tree import map_tensors
+from trainfold.core.tree import flatten, map_tensors, unflatten
 from trainfold.data import close_loader
 from trainfold.hf.plan import Plan
 from trainfold.observe import history as log_file
 from trainfold.observe.observers import MetricWindow
-from trainfold.step import sharded
+from trainfold.step.fsdp import placed_like
 
-__all__ = ["initial_state", "on_device", "claim_for", "Start", "start"]
+__all__ = ["initial_state", "on_device", "claim_for", "Start", "start_run"]
 
 
 def on_device(opt_state: Any, device: torch.device) -> Any:
@@ -36,7 +38,8 @@ def on_device(opt_state: Any, device: torch.device) -> Any:
 
 
 def initial_state(plan: Plan) -> TrainState:
-    """Return the run's first state: the module's own tensors lent (one copy), on the device, sharded if planned."""
+    """Return the run's first state: the module's own tensors lent (one copy), on the device (a ``fully_shard``
+    module's: its DTensor shards, and optimizer state of the same layout)."""
     state = init_state(plan.model, plan.optimizer, seed=plan.args.seed, extras=plan.extras, copy=False)
     if plan.device.type != "cpu":
         device = plan.device
@@ -46,18 +49,22 @@ def initial_state(plan: Plan) -> TrainState:
             buffers={k: v.to(device) for k, v in state.buffers.items()},
             opt_state=on_device(state.opt_state, device),
         )
-    if plan.sharding is not None:  # before the resume: a sharded checkpoint loads each rank's slab only
-        state = sharded.shard_state(state, plan.sharding.mesh)
     return state
+
+
+def run_settings(plan: Plan) -> RunSettings:
+    """Return the run's settings as its checkpoints judge them (each field's trajectory metadata, the world size)."""
+    return RunSettings.of(plan.args, world_size=plan.settings["world_size"])
 
 
 def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str | os.PathLike | None) -> Any:
     """Claim the run's output_dir (``ckpt.run_dir.claim``): its lock, and the checkpoint a resume starts from."""
+    settings = run_settings(plan)
     return run_dir.claim(
         plan.args.output_dir,
         resume_from_checkpoint,
-        plan.settings,
-        run_dir.fingerprint(plan.settings, run_dir.model_signature(state)),
+        settings,
+        run_dir.fingerprint(settings, run_dir.model_signature(state)),
         overwrite_output_dir=plan.args.overwrite_output_dir,
         writer=plan.is_writer,
     )
@@ -87,7 +94,7 @@ def _load(plan: Plan, claim: Any, state: TrainState) -> tuple[TrainState, Any, d
             meta = None  # the load names what is wrong
         if meta is not None:  # a checkpoint of another run, or another model: refused, never set aside
             run_dir.check_step(meta, source, plan.schedule.total_steps)
-            policy.check_compatible(meta.get("settings", {}), plan.settings, source=source)
+            policy.check_compatible(meta.get("settings", {}), run_settings(plan), source=source)
         try:
             loaded = ckpt.load(source, like=state)
         except (ckpt.CheckpointError, FileNotFoundError) as e:
@@ -106,36 +113,54 @@ def _load(plan: Plan, claim: Any, state: TrainState) -> tuple[TrainState, Any, d
     raise AssertionError("unreachable")
 
 
-def start(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
+def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
     """Return the run's ``Start``: ``state`` as made, or loaded from ``claim.source`` (checked against the plan).
 
     What the run opens is closed when the claim is released: the log history, the eval loaders' workers.
     """
-    source, window, meta = claim.source, MetricWindow(), None
+    source, window, meta, begin_state = claim.source, MetricWindow(), None, state
     if source is not None:
         if weights_only_warm_start:
             meta = ckpt.read_metadata(source)
             run_dir.check_step(meta, source, plan.schedule.total_steps)
-            policy.check_compatible(meta.get("settings", {}), plan.settings, source=source)
+            policy.check_compatible(meta.get("settings", {}), run_settings(plan), source=source)
             state = ckpt.warm_start(source, like=state)
         else:
             state, source, meta = _load(plan, claim, state)
             if "window" in meta["metadata"]:
                 log_file.restore_window(window, meta["metadata"]["window"], source)
-        if not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
+        if plan.sharding is not None:  # a fully_shard module: the loaded tensors go into its DTensor shards
+            state = lend_sharded(plan.model, state, like=begin_state)
+        elif not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
             state = lend(plan.model, state)
     resumed = source is not None and not weights_only_warm_start
     history = log_file.start(
         plan.args.output_dir,
         source if resumed else None,
-        meta["metadata"] if resumed else None,
+        meta["metadata"] if resumed and meta is not None else None,
         writer=plan.is_writer,
     )
     if isinstance(history, log_file.HistoryFile):
         claim.on_release(history.close)
-    if plan.sharding is not None:  # a replicated checkpoint resumed sharded: its tensors are distributed
-        state = sharded.shard_state(state, plan.sharding.mesh)
     for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
         claim.on_release(functools.partial(close_loader, eval_set.loader))
     Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
     return Start(state, window, history, source)
+
+
+__getattr__ = moved_names(__name__, {"start": (__name__, "start_run")})  # one meaning per public name
+
+
+def lend_sharded(model: torch.nn.Module, state: TrainState, *, like: TrainState) -> TrainState:
+    """Return the loaded ``state`` laid out as ``like`` (a ``fully_shard`` module's lent state) on the module's
+    own DTensor params: each loaded value is copied into them; a full tensor (a checkpoint of one process, or of
+    a replicated run) is first cut to this rank's shard of ``like``'s placement."""
+    templates = flatten(like)  # a full tensor where the template has a shard: every rank holds the whole tensor
+    flat = {k: placed_like(v, templates[k]) if k in templates else v for k, v in flatten(state).items()}
+    state = unflatten(flat, like=state)
+    own = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state.params.items():
+            if own[name] is not value:
+                own[name].copy_(value)
+    return attrs.evolve(state, params={name: own[name] for name in state.params})

@@ -17,9 +17,11 @@ import attrs
 
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
-from trainfold.ckpt.preempt import jit_checkpoint
 from trainfold.ckpt.sharded import Saver
+from trainfold.ckpt.writer import jit_checkpoint
+from trainfold.core.moved import moved_names
 from trainfold.core.state import TrainState
+from trainfold.evaluation import best as best_metric
 from trainfold.hf import callbacks as hf_callbacks
 from trainfold.hf.extras import BEST
 from trainfold.hf.plan import Plan
@@ -35,7 +37,7 @@ __all__ = [
     "saving_files_of",
     "record_eval",
     "evaluate_and_record",
-    "save",
+    "save_checkpoint",
     "after_step",
     "callback_adapter",
 ]
@@ -92,7 +94,7 @@ def record_eval(
                 f"{sorted(metrics)}; name one of them (without or with the 'eval_' prefix)"
                 + ("; with a dict eval_dataset each set's metrics are named eval_{name}_*" if named else "")
             )
-        best, new_best = policy.update_best(state.extras[BEST], metrics[key], int(state.step))
+        best, new_best = best_metric.update_best(state.extras[BEST], metrics[key], int(state.step))
         state = attrs.evolve(state, extras={**state.extras, BEST: best})
     if run.plan.early is not None:
         state = record_evaluation(run.plan.early, state, metrics)
@@ -105,15 +107,15 @@ def evaluate_and_record(run: Run, state: TrainState, *, track: bool = True) -> t
 
 
 def _save_options(run: Run, state: TrainState) -> dict[str, Any]:
-    best: policy.BestMetric | None = state.extras.get(BEST)
+    best: best_metric.BestMetric | None = state.extras.get(BEST)
     if run.plan.is_writer:  # the sidecar is rank 0's (the other ranks of a sharded save write their shards)
         run.history.sync()  # the entries the sidecar's offset covers are on disk first
-    none_yet = best is None or int(best.step) < 0
+    shown = None if best is None or int(best.step) < 0 else best  # none yet
     metadata = {
         "log": run.history.position() if run.plan.is_writer else None,
         "window": log_file.window_state(run.window),
-        "best_metric": None if none_yet else float(best.value),
-        "best_step": None if none_yet else int(best.step),
+        "best_metric": None if shown is None else float(shown.value),
+        "best_step": None if shown is None else int(shown.step),
     }
     early = run.plan.early
     if early is not None:  # what restore_callback_states_from_checkpoint restores (an EarlyStoppingCallback's args)
@@ -133,7 +135,7 @@ def saving_files_of(processing_class: Any) -> Callable[[Path], Any] | None:
     return None if processing_class is None else processing_class.save_pretrained
 
 
-def save(run: Run, state: TrainState, *, jit: bool = False) -> Path:
+def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
     """Write a checkpoint of ``state`` (rotating old ones); ``jit``: the preemption checkpoint, marked as such."""
     options, output_dir = _save_options(run, state), run.plan.checkpoints.output_dir
     path = ckpt.checkpoint_path(output_dir, int(state.step))
@@ -146,7 +148,7 @@ def save(run: Run, state: TrainState, *, jit: bool = False) -> Path:
         if run.all_ranks_save:
             return run.saver.save(state, path, jit=True, wait=True, **options)
         return jit_checkpoint(state, output_dir, **options)
-    best: policy.BestMetric | None = state.extras.get(BEST)
+    best: best_metric.BestMetric | None = state.extras.get(BEST)
     keep = [path]
     if best is not None and int(best.step) >= 0:
         keep.append(ckpt.checkpoint_path(output_dir, int(best.step)))
@@ -216,7 +218,7 @@ def _save_if_due(run: Run, state: TrainState, now: _Moment) -> bool:
     if diverged(state, confirm=True):  # never write inf/NaN params over the finite checkpoints
         run.diverged.append(now.step)
         return False
-    run.saved.append(save(run, state))
+    run.saved.append(save_checkpoint(run, state))
     return True
 
 
@@ -270,10 +272,13 @@ def callback_adapter(run: Run, state: TrainState) -> tuple[Run, hf_callbacks.HFC
         saved=run.saved,
         evaluate=evaluate,  # the run below, which reports to the adapter
         history=run.history.history() if isinstance(run.history, log_file.HistoryFile) else run.history,
-        save=lambda s: run.saved.append(save(run, s)) if run.saves_here else None,
+        save=lambda s: run.saved.append(save_checkpoint(run, s)) if run.saves_here else None,
         rank=plan.rank,
         best_key=BEST,
     )
     run = attrs.evolve(run, reporters=run.reporters.including(hf))
     hf.begin(state)
     return run, hf
+
+
+__getattr__ = moved_names(__name__, {"save": (__name__, "save_checkpoint")})  # one meaning per public name

@@ -26,7 +26,7 @@ from torch import nn
 from trainfold.core.losses import causal_lm
 from trainfold.data.llm import DEFAULT_MAX_LENGTH
 from trainfold.data.packing import pack
-from trainfold.hf.model_source import model_from
+from trainfold.hf.model_source import model_from, processing_class_for
 from trainfold.hf.sft_args import SFTArguments
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run
@@ -88,11 +88,13 @@ def train(
 ) -> TrainResult:
     """Fine-tune ``model`` on ``train_dataset`` as TRL's ``SFTTrainer(...).train()`` does; return the run's record.
 
-    ``kwargs`` go to ``trainfold.train`` (``compute_metrics``, ``observers``, ``resume_from_checkpoint``...).
+    Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does. ``kwargs`` go to
+    ``trainfold.train`` (``compute_metrics``, ``observers``, ``resume_from_checkpoint``...).
     """
     if not isinstance(args, SFTArguments):
         raise TypeError(f"trainfold.sft.train takes SFTArguments (TRL's SFTConfig names), not {type(args).__name__}")
     model = model_from(model, args.model_init_kwargs, peft_config)
+    processing_class = processing_class_for(model, processing_class)
     train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing)
     eval_packing = args.packing if args.eval_packing is None else args.eval_packing
     eval_rows = prepare_dataset(eval_dataset, processing_class, args, eval_packing)
@@ -104,4 +106,5 @@ def train(
         data_collator = sft_collate(_pad_id(processing_class, args), args.pad_to_multiple_of)
     if not args.loss_chunk_size and kwargs.get("objective") is None:  # SFT's loss, whatever wraps the model (PEFT)
         kwargs.setdefault("compute_loss_func", causal_lm)
+    kwargs.setdefault("processing_class", processing_class)  # checkpoints hold the tokenizer, as the Trainer's
     return train_run(model, args, train_rows, eval_rows, data_collator, callbacks=callbacks, **kwargs)

@@ -57,11 +57,11 @@ from torch import nn
 
 from trainfold import ckpt
 from trainfold.ckpt import policy
-from trainfold.ckpt.preempt import JIT_SIGNALS, guarded, preemption_guard
 from trainfold.ckpt.sharded import Saver, is_sharded
 from trainfold.core.collective import Collective
 from trainfold.core.determinism import warm_up_kernels
 from trainfold.core.fold import trajectory
+from trainfold.core.preempt import JIT_SIGNALS, guarded, preemption_guard
 from trainfold.core.state import TrainState, counters
 from trainfold.data import StateStream, stream
 from trainfold.distributed.distributed import joins_torchrun
@@ -74,10 +74,9 @@ from trainfold.hf.inputs import to_device
 from trainfold.hf.optimizer import default_optimizer
 from trainfold.hf.plan import STOPPING_RULES, Plan, agreed
 from trainfold.hf.planning import plan_for
-from trainfold.hf.released import Released, release_weights, restored
-from trainfold.hf.resume import Start, claim_for, initial_state, start
-from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save
-from trainfold.hf.validate import check_first_batch, check_train_call, checked_loss, checking_first
+from trainfold.hf.resume import Start, claim_for, initial_state, start_run
+from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save_checkpoint
+from trainfold.hf.validate import check_first_batch, check_train_call, checked_loss, checking_first, data_to_check
 from trainfold.observe import counting_input_tokens, observing, tap, train_summary
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
@@ -86,7 +85,7 @@ from trainfold.observe.reporters import make_reporters
 from trainfold.observe.reporters import progress as make_progress
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.optim import GradientTransformation
-from trainfold.step import sharded
+from trainfold.step.fsdp import placed_like
 
 _log = logging.getLogger(__name__)
 
@@ -159,7 +158,7 @@ class TrainResult:
         Every parameter (trainable or frozen, a tied one once) and every buffer, persistent or not,
         gets the state's value of the same name, on the module's own device and dtype.
         """
-        tensors = {**self.state.buffers, **sharded.full_params(self.state.params)}  # shards: gathered (every rank)
+        tensors = {**self.state.buffers, **self.state.params}
         targets = [*model.named_parameters(), *model.named_buffers()]
         missing = [name for name, _ in targets if name not in tensors]
         if missing:
@@ -169,12 +168,12 @@ class TrainResult:
             )
         with torch.no_grad():
             for name, target in targets:
-                if target.data_ptr() != tensors[name].data_ptr() or target.shape != tensors[name].shape:
-                    target.copy_(tensors[name])  # a lent tensor already is the module's own
+                if tensors[name] is not target:  # a lent tensor already is the module's own
+                    target.copy_(placed_like(tensors[name], target))
         return model
 
 
-@guarded(lambda call: call["args"].enable_jit_checkpoint)  # the guard is up from the first line (issue 23)
+@guarded(lambda call: getattr(call["args"], "enable_jit_checkpoint", False))  # up from the first line (issue 23)
 @joins_torchrun  # under torchrun without collective=: join the process group for the run (issue 15, item 2)
 def train(
     model: nn.Module,
@@ -212,28 +211,25 @@ def train(
     >>> result.status, result.global_step, result.log_history[0]["learning_rate"], "train_loss" in result.metrics
     ('completed', 3, 0.01, True)
     """
+    data = data_to_check(train_dataset, eval_dataset, data_collator, train_stream)
+    check_train_call(model, args, resume_from_checkpoint, compute_metrics or objective, **data)
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     rank = collective.rank if collective is not None else 0
-    rows = train_dataset if data_collator is None and train_stream is None else None
-    check_train_call(
-        model, args, resume_from_checkpoint, compute_metrics or objective, rows
-    )  # rows: default collator's
     compute_loss_func = checked_loss(compute_loss_func)  # every problem named before any work
     set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
     set_verbosity(args.log_level, main_process=rank == 0)  # the trainfold logger: events once, from rank 0
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
     rest = (observers, resume_from_checkpoint, early_stopping, stop, collective, callbacks, train_stream)
-    plan = plan_for(model, args, train_dataset, eval_dataset, *given, *rest, processing_class=processing_class)
+    plan = plan_for(model, args, train_dataset, eval_dataset, *(given + rest), processing_class=processing_class)
     state = initial_state(plan)
     claim = claim_for(plan, state, resume_from_checkpoint)
     with claim.releasing_on_error():  # the lock is held until the run ends (the `with claim` below)
-        begin = start(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
+        begin = start_run(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
     plan, begin = resumed_callback_states(plan, begin, callbacks)  # an EarlyStoppingCallback's, as HF's
     _log_start(plan, begin)
     with claim:  # released if the run raises
-        released = release_weights(plan.model, begin.state)  # fsdp: the module keeps no full copy (hf.released)
         result = _session(plan, begin, claim.run)
-    return _ending(plan, result, released)
+    return _ending(plan, result)
 
 
 def _log_start(plan: Plan, begin: Start) -> None:
@@ -322,7 +318,7 @@ def _trained(
 def _looped(run: Run, hf: HFCallbacks | None, bar: Any) -> Callable[[TrainState, Any], TrainState]:
     """Return the step with its side effects: token counting, then log/eval/save (and the HF callbacks' events)."""
     plan, args = run.plan, run.plan.args
-    counted = plan.step.donating
+    counted = plan.step.donating  # type: ignore[attr-defined]  # make_step's steps carry it (with_donation)
     if args.tokens_seen != "no":  # never reuses a state
         counted = counting_input_tokens(counted, args.tokens_seen, args.model_input_name, plan.collective)
     if hf is None:
@@ -365,14 +361,15 @@ def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[st
         # A signal after the last step (during the final save) ends nothing: the run is complete.
         done, here = int(state.step) >= total, ckpt.checkpoint_path(run.plan.checkpoints.output_dir, int(state.step))
         if run.saves_here and int(state.step) > int(start_state.step) and not (done and here in run.saved):
-            run.saved.append(save(run, state, jit=True))  # none when no step ran here (a signal during setup)
+            # none when no step ran here (a signal during setup)
+            run.saved.append(save_checkpoint(run, state, jit=True))
         return "completed" if done else "preempted"
     if int(state.step) < total and fired and fired[-1] in STOPPING_RULES:
         return "stopped"
     return "completed"
 
 
-def _ending(plan: Plan, ended: _Ended, released: Released | None = None) -> TrainResult:
+def _ending(plan: Plan, ended: _Ended) -> TrainResult:
     """Return the run's ``TrainResult``; the module holds its final weights (the best with load_best_model_at_end)."""
     state, best_path = ended.state, None
     if BEST in state.extras and int(state.extras[BEST].step) >= 0:
@@ -389,6 +386,5 @@ def _ending(plan: Plan, ended: _Ended, released: Released | None = None) -> Trai
         ended.signal,
     )
     _log.info("training %s at step %d (%s)", result.status, result.global_step, plan.args.output_dir)
-    # as HF: the module ends with the final (or best) weights; lent ones are there, released ones gathered back
-    attrs.evolve(result, state=restored(released, state)).apply_to(plan.model)
+    result.apply_to(plan.model)  # as HF: the module ends with the final (or best) weights; lent ones are there
     return result

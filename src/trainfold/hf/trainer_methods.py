@@ -21,6 +21,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from trainfold.hf.args import TrainingArguments
+
 __all__ = [
     "is_world_process_zero",
     "format_metrics",
@@ -103,7 +105,7 @@ def save_metrics(split: str, metrics: Mapping[str, Any], output_dir: str | os.Pa
         path.write_text(json.dumps({**every, **metrics}, indent=4, sort_keys=True))
 
 
-def save_state(result: Any, args: Any) -> None:
+def save_state(result: Any, args: TrainingArguments) -> None:
     """Write ``args.output_dir/trainer_state.json``: the run's step, epoch, best checkpoint and log history.
 
     ``result`` is what ``train`` returned; the file has ``Trainer.save_state``'s main fields.
@@ -147,8 +149,9 @@ def save_model(model: nn.Module, output_dir: str | os.PathLike, processing_class
         return
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if hasattr(model, "save_pretrained"):
-        model.save_pretrained(out)
+    save_pretrained = getattr(model, "save_pretrained", None)
+    if save_pretrained is not None:
+        save_pretrained(out)
     else:
         safetensors.torch.save_model(model, str(out / "model.safetensors"))
     if processing_class is not None:
@@ -157,7 +160,7 @@ def save_model(model: nn.Module, output_dir: str | os.PathLike, processing_class
 
 def create_model_card(
     output_dir: str | os.PathLike,
-    args: Any,
+    args: TrainingArguments,
     result: Any = None,
     *,
     model_name: str | None = None,

@@ -18,21 +18,41 @@ import torch
 from torch import nn
 
 from trainfold.core.tasks import model_task
+from trainfold.hf.args import TrainingArguments
 
-__all__ = ["check_first_batch", "check_rows", "check_train_call", "checked_loss", "checking_first"]
+__all__ = ["check_first_batch", "check_rows", "check_train_call", "checked_loss", "checking_first", "data_to_check"]
 
 _ROW = "a row is a dict of columns, e.g. {'input_ids': [1, 2, 3], 'labels': [1, 2, 3]}"
 
 
+def data_to_check(train_dataset: Any, eval_dataset: Any, data_collator: Any, train_stream: Any) -> dict[str, Any]:
+    """``check_train_call``'s data keywords for a ``train`` call: the rows the default collator will read.
+
+    >>> data_to_check([{"input_ids": [1]}], None, None, None)
+    {'rows': [{'input_ids': [1]}], 'eval_rows': None, 'no_data': False}
+    """
+    default = data_collator is None
+    return {
+        "rows": train_dataset if default and train_stream is None else None,
+        "eval_rows": eval_dataset if default else None,
+        "no_data": train_dataset is None and train_stream is None,
+    }
+
+
 def check_train_call(
     model: nn.Module,
-    args: Any,
+    args: TrainingArguments,
     resume_from_checkpoint: Any,
     metrics_from: Callable[..., Any] | None,
     rows: Any = None,
+    *,
+    eval_rows: Any = None,
+    no_data: bool = False,
 ) -> None:
-    """Refuse a model on ``meta``, a ``resume_from_checkpoint`` of the wrong type, an ``output_dir`` that is a file,
-    a ``metric_for_best_model`` no evaluation will produce, and ``rows`` the default collator cannot read
+    """Refuse a model that is not a module or is on ``meta``, ``args`` that are not ``TrainingArguments``, no
+    data (``no_data``: neither a dataset nor a stream), a ``resume_from_checkpoint`` of the wrong type, an
+    ``output_dir`` that is a file, a ``metric_for_best_model`` no evaluation will produce, and ``rows`` (and
+    ``eval_rows``: one eval set; a dict of named sets is not looked into) the default collator cannot read
     (``check_rows``). ``metrics_from`` is what reports metrics besides the loss: ``compute_metrics``, or an
     objective (whose aux values are metrics too); without one only a ``...loss`` metric can be tracked.
 
@@ -43,6 +63,7 @@ def check_train_call(
     ...     print(str(err).split(";")[0])
     resume_from_checkpoint=123 (int) is not a checkpoint
     """
+    _check_call_types(model, args, no_data)
     meta = [name for name, p in model.named_parameters() if p.is_meta]
     if meta:
         raise ValueError(
@@ -66,6 +87,32 @@ def check_train_call(
         )
     if rows is not None:
         check_rows(rows, model=model)
+        if _size(rows) == 0:
+            raise ValueError("train_dataset is empty (0 rows); pass the rows to train on")
+    if eval_rows is not None and not isinstance(eval_rows, Mapping):
+        check_rows(eval_rows, "eval_dataset", model=model)
+
+
+def _size(rows: Any) -> int | None:
+    try:
+        return len(rows)
+    except TypeError:
+        return None  # a stream
+
+
+def _check_call_types(model: Any, args: Any, no_data: bool) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model is a {type(model).__name__}, not a torch.nn.Module; pass the module whose parameters train "
+            "(e.g. AutoModelForCausalLM.from_pretrained(...))"
+        )
+    if isinstance(args, Mapping) or not hasattr(args, "output_dir"):
+        raise TypeError(
+            f"args is a {type(args).__name__}, not TrainingArguments; pass trainfold.TrainingArguments(**settings) "
+            "(or TrainingArguments.from_hf(hf_args) for a transformers.TrainingArguments)"
+        )
+    if no_data:
+        raise TypeError("train_dataset is None; pass the rows to train on (a list of dicts or a datasets.Dataset)")
 
 
 def check_rows(dataset: Any, name: str = "train_dataset", model: nn.Module | None = None) -> None:

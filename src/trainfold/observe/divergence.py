@@ -65,7 +65,7 @@ def nonfinite_params(params: Mapping[str, Tensor]) -> list[str]:
 def _finite(t: Tensor) -> bool:
     # Any inf/NaN element makes the float32 sum inf/NaN, so a finite sum settles it in one reduction (5x faster
     # than isfinite(t).all() on CPU); only a sum that overflows from finite values needs the exact check.
-    # A DTensor shard's reductions are partial: reduced over every rank, so all ranks agree (trainfold.step.sharded).
+    # A DTensor shard's reductions are partial: reduced over every rank, so all ranks agree (trainfold.step.fsdp).
     return math.isfinite(float(_whole(torch.sum(t, dtype=torch.float32)))) or bool(_whole(torch.isfinite(t).all()))
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -126,7 +127,8 @@ class Reporters:
         try:  # training failed: close everything, but let the training error be the one raised
             self.close()
         except Exception as err:
-            exc.add_note(f"closing the reporters also failed: {err!r}")
+            if sys.version_info >= (3, 11):  # Python 3.10 has no exception notes
+                exc.add_note(f"closing the reporters also failed: {err!r}")
 
 
 # name -> the package it needs (None: built in)
@@ -156,7 +158,7 @@ def _names(report_to: str | Sequence[str] | None) -> list[str]:
     if "all" in names:
         return installed_reporters()
     unknown = [n for n in names if n not in REPORTERS]
-    missing = [n for n in names if n in REPORTERS and REPORTERS[n] and importlib.util.find_spec(REPORTERS[n]) is None]
+    missing = [n for n in names if (package := REPORTERS.get(n)) and importlib.util.find_spec(package) is None]
     errors = [f"unknown reporter {n!r}; choose from {sorted(REPORTERS)}, 'all' or 'none'" for n in unknown]
     errors += [f"report_to {n!r} needs the {REPORTERS[n]} package, which is not installed: {EXTRA}" for n in missing]
     if errors:

@@ -11,7 +11,6 @@ picks the params weight decay touches; ``torch_optim.from_torch`` runs any ``tor
 from trainfold.optim.adam import AdamState, scale_by_adam
 from trainfold.optim.base import adamw, sgd
 from trainfold.optim.chain import chain
-from trainfold.optim.flat import OptimizerPlan, optimizer_plan  # noqa: F401  transitional, for step/sharded*.py
 from trainfold.optim.masks import decay_mask, decay_mask_by_name
 from trainfold.optim.torch_optim import TorchOptimizer, TorchOptState, from_torch
 from trainfold.optim.transform import GradientTransformation, apply_updates, overwrite

@@ -62,7 +62,8 @@ def decay_mask(model: nn.Module) -> dict[str, bool]:
     >>> decay_mask(m)
     {'0.weight': True, '0.bias': False, '1.weight': False, '1.bias': False}
     """
-    norm_types = (nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.modules.batchnorm._NormBase)
+    norm_types: tuple[type[nn.Module], ...] = (nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm)
+    norm_types += (nn.modules.batchnorm._NormBase,)
     norm_types += (nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()
     in_norm: set[str] = set()
     for mod_name, module in model.named_modules():

@@ -264,7 +264,10 @@ def warmup_stable_decay(
         problems.append("give total_steps or num_stable_steps")
     if problems:
         raise ValueError("invalid warmup_stable_decay schedule: " + "; ".join(problems))
-    stable = num_stable_steps if num_stable_steps is not None else total_steps - warmup_steps - num_decay_steps
+    stable = num_stable_steps
+    if stable is None:
+        assert total_steps is not None  # checked above
+        stable = total_steps - warmup_steps - num_decay_steps
     rise = _SHAPES[warmup_type]
 
     def fall(x: float) -> float:
@@ -346,7 +349,10 @@ def _min_rate(value: float, min_lr: float | None, min_lr_rate: float | None) -> 
             "cosine_with_min_lr and cosine_warmup_with_min_lr need exactly one of min_lr or min_lr_rate in "
             "lr_scheduler_kwargs"
         )
-    return min_lr_rate if min_lr_rate is not None else min_lr / value
+    if min_lr_rate is not None:
+        return min_lr_rate
+    assert min_lr is not None  # exactly one is given (checked above)
+    return min_lr / value
 
 
 def schedule_kwargs_problems(name: str, kwargs: Mapping[str, Any]) -> list[str]:

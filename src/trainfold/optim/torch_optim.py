@@ -130,7 +130,8 @@ class TorchOptimizer(GradientTransformation):
 
     def _new_engine(self, named: list[tuple[str, Tensor]]) -> torch.optim.Optimizer:
         ordered = self._ordered(named)
-        engine = self.cls(self._groups(ordered))
+        # a subclass takes its defaults as keywords; the stubs give type[Optimizer] the base's (params, defaults)
+        engine = self.cls(self._groups(ordered))  # type: ignore[call-arg]
         engine._trainfold_order = [n for n, _ in ordered]  # type: ignore[attr-defined]
         return engine
 

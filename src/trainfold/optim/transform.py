@@ -45,7 +45,7 @@ class GradientTransformation:
         update: Callable[[Tree, Any, Tree], tuple[Tree, Any]],
         name: str = "a custom transformation",
     ) -> None:
-        self.init, self.update = init, update  # type: ignore[method-assign]
+        self.init, self.update = init, update  # type: ignore[method-assign,assignment]  # instance overrides the methods
         self.name = name
 
     def __repr__(self) -> str:

@@ -49,7 +49,7 @@ def scaled(tensors: list[Tensor], factor: float | Tensor) -> list[Tensor]:
     """
     if isinstance(factor, Tensor) and factor.requires_grad:
         return [t * factor for t in tensors]
-    return torch._foreach_mul(tensors, factor)
+    return list(torch._foreach_mul(tensors, factor))  # list(): the stubs say tuple, torch gives a list
 
 
 def clip_coefficient(norm: Tensor, max_norm: float | Tensor) -> Tensor:
@@ -231,5 +231,5 @@ class Trace(GradientTransformation):
                 new = scaled([buf[k] for k in keys], self.momentum)
                 torch._foreach_add_(new, g, alpha=1.0 - self.dampening)
             buf = dict(zip(keys, new))
-            g = torch._foreach_add(g, new, alpha=self.momentum) if self.nesterov else new
+            g = list(torch._foreach_add(g, new, alpha=self.momentum)) if self.nesterov else new
         return dict(zip(keys, g)), SgdState(state.count + 1, buf)

@@ -42,8 +42,7 @@ from trainfold.recipes.dpo_logps import (
     token_means,
 )
 from trainfold.recipes.dpo_loss import DPO_LOSS_TYPES as LOSS_TYPES
-from trainfold.recipes.dpo_loss import dpo as dpo_loss
-from trainfold.recipes.dpo_loss import dpo_loss_errors, loss_types_of
+from trainfold.recipes.dpo_loss import dpo_loss, dpo_loss_errors, loss_types_of
 from trainfold.recipes.dpo_reference import precompute_ref_logps, prepare_reference
 
 __all__ = [
@@ -352,7 +351,7 @@ def dpo_objective(
 ) -> DPOObjective:
     """Return the DPO objective; reference from ``ref_params`` (frozen) or from precomputed item columns.
 
-    ``loss_type`` is one of TRL's 15 (``trainfold.recipes.dpo_loss.dpo``) or a list of them mixed by
+    ``loss_type`` is one of TRL's 15 (``trainfold.recipes.dpo_loss.dpo_loss``) or a list of them mixed by
     ``loss_weights`` (TRL's MPO); the loss of a micro-batch is the mean over its pairs, as TRL's.
 
     ``precompute_ref_log_probs=True`` (TRL's name): ``train`` scores the train and eval sets with

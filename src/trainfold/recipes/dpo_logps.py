@@ -14,7 +14,7 @@ halves. :func:`token_means` gives TRL's token-weighted metrics (``logits/chosen`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch import Tensor
@@ -115,6 +115,26 @@ def _row_stats(
         return per_sequence(torch.cat(parts).reshape(*targets.shape, 3), batch)
 
 
+@overload
+def completion_logps(
+    forward: Callable[..., Any],
+    params: Mapping[str, Tensor],
+    inputs: Mapping[str, Tensor],
+    batch: Mapping[str, Tensor],
+    head: OutputHead | None,
+    chunk_size: int,
+    stats: Literal[False] = False,
+) -> tuple[Tensor, None]: ...
+@overload
+def completion_logps(
+    forward: Callable[..., Any],
+    params: Mapping[str, Tensor],
+    inputs: Mapping[str, Tensor],
+    batch: Mapping[str, Tensor],
+    head: OutputHead | None,
+    chunk_size: int,
+    stats: Literal[True],
+) -> tuple[Tensor, Tensor]: ...
 def completion_logps(
     forward: Callable[..., Any],
     params: Mapping[str, Tensor],

@@ -6,7 +6,7 @@ can call :func:`dpo` from any loop. A list of loss types with ``loss_weights`` i
 ``Σ_k w_k · ℓ_k`` per pair, whose mean over the pairs is TRL's ``Σ_k w_k · mean ℓ_k``.
 
 >>> import torch
->>> dpo(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.1).shape
+>>> dpo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.1).shape
 torch.Size([1])
 """
 
@@ -18,7 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["DPO_LOSS_TYPES", "dpo", "dpo_loss_errors", "loss_types_of"]
+from trainfold.core.moved import moved_names
+
+__all__ = ["DPO_LOSS_TYPES", "dpo_loss", "dpo_loss_errors", "loss_types_of"]
 
 DPO_LOSS_TYPES = (
     "sigmoid",
@@ -145,7 +147,7 @@ def _one(
     return (-pc.sum() / nc.sum()).expand(pc.shape[0])
 
 
-def dpo(
+def dpo_loss(
     policy_chosen: Tensor,
     policy_rejected: Tensor,
     ref_chosen: Tensor,
@@ -175,11 +177,12 @@ def dpo(
 
     >>> import torch
     >>> t = lambda *x: torch.tensor(x)
-    >>> round(dpo(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.5).item(), 4)  # -log σ(0.5·2)
+    >>> round(dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.5).item(), 4)  # -log σ(0.5·2)
     0.3133
-    >>> dpo(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.5, loss_type="hinge").item()
+    >>> dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), beta=0.5, loss_type="hinge").item()
     0.0
-    >>> round(dpo(t(-1.0), t(-3.0), t(-2.0), t(-2.0), 0.5, ["sigmoid", "hinge"], loss_weights=[2.0, 1.0]).item(), 4)
+    >>> mixed = dpo_loss(t(-1.0), t(-3.0), t(-2.0), t(-2.0), 0.5, ["sigmoid", "hinge"], loss_weights=[2.0, 1.0])
+    >>> round(mixed.item(), 4)
     0.6265
     """
     problems = dpo_loss_errors(beta, loss_type, label_smoothing, loss_weights, discopop_tau)
@@ -198,3 +201,6 @@ def dpo(
         total = part if total is None else total + part
     assert total is not None
     return total
+
+
+__getattr__ = moved_names(__name__, {"dpo": (__name__, "dpo_loss")})  # ``trainfold.dpo`` is the module

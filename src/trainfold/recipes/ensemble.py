@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -307,8 +307,9 @@ def _run(
     with train_mode(plan.model, True):
         sums = accumulate(micro, batch, seeds, int(state.step.max()), rank, device, loss_shape=(k,))
     assert sums.grads is not None
-    sum_over_ranks(plan.collective, [*sums.grads, sums.loss])
-    return _updated(opts, state, buffers, sums.grads, sums.loss, num_items, cursor, donate)
+    grads = cast(list[Tensor], sums.grads)  # the member micro-step zero-fills unused gradients: none is None
+    sum_over_ranks(plan.collective, [*grads, sums.loss])
+    return _updated(opts, state, buffers, grads, sums.loss, num_items, cursor, donate)
 
 
 def _member_counter(plan: _EnsemblePlan, k: int) -> Callable[[Mapping[str, Tensor]], Tensor]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import safetensors.torch
@@ -50,7 +50,7 @@ def adapter_count(state: TrainState) -> int:
     sizes = {v.shape[0] if v.dim() else None for v in state.params.values()}
     if len(sizes) != 1 or None in sizes:
         raise ValueError(f"not an adapter ensemble state: the params' leading sizes are {sorted(map(str, sizes))}")
-    return int(sizes.pop())
+    return int(next(s for s in sizes if s is not None))
 
 
 def _parts(optimizer: Any) -> list[Any]:
@@ -137,7 +137,8 @@ def make_adapter_ensemble_step(
 
     def step(state: TrainState, batch: Batch) -> TrainState:
         k = adapter_count(state)
-        counts = torch.stack([sum(count(mb[label_key][m]) for mb in batch) for m in range(k)])
+        sums = [sum(count(mb[label_key][m]) for mb in batch) for m in range(k)]
+        counts = torch.stack(cast(list[Tensor], sums))  # cast: sum()'s stubs add its start, 0, to the type
         leaves = {n: p.detach().requires_grad_() for n, p in state.params.items()}
         buffers = state.buffers
 
@@ -153,10 +154,11 @@ def make_adapter_ensemble_step(
                     pytree.tree_map(lambda t, m=m: t[m] if isinstance(t, Tensor) else t, outputs) for m in range(k)
                 ]
                 each = torch.stack([loss(member[m], mb[label_key][m], counts[m]) for m in range(k)])
-                new = torch.autograd.grad(each.sum(), list(leaves.values()), allow_unused=True)
-                new = [torch.zeros_like(p) if g is None else g for g, p in zip(new, leaves.values())]
+                found = torch.autograd.grad(each.sum(), list(leaves.values()), allow_unused=True)
+                new = [torch.zeros_like(p) if g is None else g for g, p in zip(found, leaves.values())]
                 grads = new if grads is None else [a + b for a, b in zip(grads, new)]
                 losses += each.detach().float()
+        assert grads is not None  # counts (above) refuses a step of no micro-batches
         tree = dict(zip(leaves, grads))
         params = {n: p.detach() for n, p in state.params.items()}
         updates, opt_state = optimizer.update(tree, state.opt_state, params)

@@ -112,7 +112,8 @@ def ensemble_axes(state: TrainState) -> TrainState:
     torch.Size([4, 5, 2])
     """
     ensemble_size(state)  # refuses an ordinary state
-    return attrs.evolve(state, **{name: 0 for name in _STACKED}, cursor=None, extras=None)
+    # vmap's in_dims: a pytree shaped like the state, its leaves axes or None, which TrainState's fields do not type
+    return attrs.evolve(state, **{name: 0 for name in _STACKED}, cursor=None, extras=None)  # type: ignore[arg-type]
 
 
 def ensemble_size(state: TrainState) -> int:

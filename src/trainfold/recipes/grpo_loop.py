@@ -1,16 +1,16 @@
 """GRPO's hand-written loop for research code: ``make_rollout`` and ``grpo_trajectory``.
 
-``grpo_trajectory(step, state, prompt_stream, rollout)`` is a plain fold: ``data.generation_batches``
-draws the prompts of ``optimizer_steps_per_generation`` optimizer steps (counted in optimizer
-steps, unlike TRL's micro-step ``steps_per_generation``), calls ``rollout`` once with the latest
-state, and feeds the step one slice of that buffer per optimizer step. The run with TRL's
-semantics, checkpoints and resume inside a generation block is ``trainfold.grpo.train``
-(``trainfold.hf.grpo_run``). These names are also importable from ``trainfold.recipes.grpo``.
+``grpo_trajectory(step, state, prompt_stream, rollout)`` is a plain fold over the schedule the GRPO run
+uses too (``grpo_data``, TRL's units): a generation holds ``steps_per_generation`` micro-batches
+(micro-steps; or ``optimizer_steps_per_generation`` optimizer steps), is made by one ``rollout`` call
+with the latest state, and micro-step ``k`` trains on its slice ``k % steps_per_generation``,
+``num_iterations`` passes over it. The run with TRL's prompt order, checkpoints and resume inside a
+generation block is ``trainfold.grpo.train`` (``trainfold.hf.grpo_run``). These names are also
+importable from ``trainfold.recipes.grpo``.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -37,9 +37,20 @@ from trainfold.recipes.grpo_rewards import (
 )
 from trainfold.recipes.grpo_rows import before_eos, completion_rows
 
-__all__ = ["Rollout", "grpo_trajectory", "make_rollout", "rollout_metrics"]
+__all__ = ["Rollout", "Sampled", "grpo_trajectory", "make_rollout", "rollout_metrics"]
 
 _GENERATION_TAG = 0x6E6E
+
+
+@attrs.frozen(eq=False)
+class Sampled:
+    """One generation, sampled and scored: each row's completion ids, total reward, reward per function
+    (``(rows, functions)``, NaN where a function gave None) and advantage."""
+
+    completion_ids: list[list[int]]
+    rewards: Tensor
+    each: Tensor
+    advantages: Tensor
 
 
 @attrs.frozen(eq=False)
@@ -77,7 +88,7 @@ class Rollout:
     encode: Callable[[Any], list[int]]
     decode: Callable[[list[int]], Any]
     num_generations: int
-    optimizer_steps_per_generation: int
+    optimizer_steps_per_generation: int | None  # a generation's size in optimizer steps (None: the next field's)
     num_iterations: int
     max_new_tokens: int
     temperature: float
@@ -90,11 +101,17 @@ class Rollout:
     head: OutputHead | None = None  # set: old/ref log-probs chunk by chunk from the hidden states
     chunk_size: int = 0
     multi_objective_aggregation: str = "sum_then_normalize"  # or "normalize_then_sum" (GDPO)
+    steps_per_generation: int | None = None  # or its size in micro-steps (TRL's unit)
 
     @property
     def records_old_logps(self) -> bool:
-        """Whether the buffer outlives one optimizer step, so the sampling policy's log-probs are kept."""
-        return self.optimizer_steps_per_generation * self.num_iterations > 1
+        """Whether a generation may outlive one optimizer step, so the sampling policy's log-probs are kept.
+
+        With ``steps_per_generation`` (micro-steps) whenever it feeds more than one micro-step: the
+        rollout does not know the accumulation that TRL's sharper rule (``GRPOArguments.records_old_logps``) reads.
+        """
+        size = self.steps_per_generation or self.optimizer_steps_per_generation or 1
+        return size * self.num_iterations > 1
 
     def _logps(self, params: Mapping[str, Tensor], buffers: Mapping[str, Tensor], ids: Tensor, mask: Tensor) -> Tensor:
         with torch.no_grad(), train_mode(self.model, False):
@@ -107,6 +124,40 @@ class Rollout:
                 self.temperature,
             )
 
+    def sample(
+        self,
+        state: TrainState,
+        prompt_ids: Sequence[list[int]],
+        prompts: Sequence[Any],
+        columns: Mapping[str, list],
+        seed: int | None = None,
+    ) -> Sampled:
+        """Sample a completion of each prompt with ``state.params``, score it and return the advantages over the
+        rows' groups of ``num_generations`` (``completion_ids`` join the reward functions' columns, as TRL's).
+
+        The generator is seeded from ``seed``, by default from ``(state.seed, state.step)``; the GRPO run
+        (``trainfold.hf.grpo_schedule``) samples through this method too, seeded per generation.
+        """
+        seed = derive_seed(int(state.seed), int(state.step), _GENERATION_TAG) if seed is None else seed
+        completion_ids = generate(
+            self.model,
+            state.params,
+            prompt_ids,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            eos_token_id=self.eos_token_id,
+            generator=torch.Generator().manual_seed(seed),
+            pad_token_id=self.pad_token_id,
+            buffers=state.buffers,
+        )
+        completions = [self.decode(before_eos(c, self.eos_token_id)) for c in completion_ids]
+        columns = {**columns, "completion_ids": [list(c) for c in completion_ids]}
+        total, each = combine_rewards(self.reward_funcs, prompts, completions, columns, self.reward_weights)
+        advantages = reward_advantages(
+            each, self.num_generations, self.reward_weights, self.scale_rewards, self.multi_objective_aggregation
+        )
+        return Sampled(completion_ids, total, each, advantages)
+
     def __call__(self, state: TrainState, micro_batches: Sequence[Mapping[str, Any]]) -> list[dict[str, Tensor]]:
         sizes = [len(mb[self.prompt_key]) for mb in micro_batches]
         prompts = [p for mb in micro_batches for p in mb[self.prompt_key]]
@@ -116,29 +167,13 @@ class Rollout:
             if k != self.prompt_key
         }
         prompt_ids = [list(self.encode(p)) for p in prompts]
-        key = torch.Generator().manual_seed(derive_seed(int(state.seed), int(state.step), _GENERATION_TAG))
-        completion_ids = generate(
-            self.model,
-            state.params,
-            prompt_ids,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            eos_token_id=self.eos_token_id,
-            generator=key,
-            pad_token_id=self.pad_token_id,
-            buffers=state.buffers,
-        )
-        completions = [self.decode(before_eos(c, self.eos_token_id)) for c in completion_ids]
-        total, each = combine_rewards(self.reward_funcs, prompts, completions, columns, self.reward_weights)
-        advantages = reward_advantages(
-            each, self.num_generations, self.reward_weights, self.scale_rewards, self.multi_objective_aggregation
-        )
-        rows: dict[str, Tensor] = completion_rows(prompt_ids, completion_ids, self.pad_token_id)
+        out = self.sample(state, prompt_ids, prompts, columns)
+        rows: dict[str, Tensor] = completion_rows(prompt_ids, out.completion_ids, self.pad_token_id)
         ids, attention, completion_mask = rows["input_ids"], rows["attention_mask"], rows["completion_mask"]
         rows |= {
-            "advantages": advantages,
-            "rewards": total,
-            **{f"rewards/{reward_name(fn)}": each[:, k] for k, fn in enumerate(self.reward_funcs)},
+            "advantages": out.advantages,
+            "rewards": out.rewards,
+            **{f"rewards/{reward_name(fn)}": out.each[:, k] for k, fn in enumerate(self.reward_funcs)},
             # the block's size, on every row: dapo normalises by its completion tokens per micro-batch
             "generation_tokens": torch.full((len(prompts),), int(completion_mask.sum())),
             "generation_micro_batches": torch.full((len(prompts),), len(micro_batches)),
@@ -168,7 +203,7 @@ def _split_rows(rows: Mapping[str, Tensor], sizes: Sequence[int]) -> list[dict[s
 
 def _rollout_problems(r: Rollout) -> list[str]:
     funcs, reward_weights, num_generations = r.reward_funcs, r.reward_weights, r.num_generations
-    optimizer_steps_per_generation, num_iterations = r.optimizer_steps_per_generation, r.num_iterations
+    num_iterations = r.num_iterations
     scale_rewards, temperature, max_new_tokens = r.scale_rewards, r.temperature, r.max_new_tokens
     problems = []
     if not funcs:
@@ -179,8 +214,9 @@ def _rollout_problems(r: Rollout) -> list[str]:
         problems.append(
             f"num_generations={num_generations} must be >= 2 (advantages compare completions of one prompt)"
         )
-    if optimizer_steps_per_generation < 1:
-        problems.append(f"optimizer_steps_per_generation={optimizer_steps_per_generation} must be >= 1")
+    for name in ("steps_per_generation", "optimizer_steps_per_generation"):
+        if getattr(r, name) is not None and getattr(r, name) < 1:
+            problems.append(f"{name}={getattr(r, name)} must be >= 1")
     if num_iterations < 1:
         problems.append(f"num_iterations={num_iterations} must be >= 1")
     if scale_rewards not in SCALE_REWARDS:
@@ -205,7 +241,7 @@ def make_rollout(
     decode: Callable[[list[int]], Any],
     num_generations: int,
     max_new_tokens: int,
-    optimizer_steps_per_generation: int = 1,
+    optimizer_steps_per_generation: int | None = None,
     num_iterations: int = 1,
     temperature: float = 1.0,
     eos_token_id: int | None = None,
@@ -226,12 +262,12 @@ def make_rollout(
     seeded from ``(state.seed, state.step)``), scores them, computes advantages over the whole block, and returns
     one micro-batch per prompt micro-batch with ``input_ids``, ``attention_mask``, ``completion_mask``,
     ``advantages``, ``rewards``, ``rewards/<function name>``, the block's ``generation_tokens`` and
-    ``generation_micro_batches`` (on every row; ``dapo`` reads them), and ``old_logps`` when the buffer outlives the
-    step that generated it (``optimizer_steps_per_generation`` or ``num_iterations`` above 1) and ``ref_logps`` when
-    ``ref_params`` is given. ``num_iterations`` (TRL's μ) trains on each block that many times, in the same order.
-    ``chunk_size`` (a causal LM) scores the old and reference log-probs chunk by chunk from the final hidden states.
+    ``generation_micro_batches`` (on every row; ``dapo`` reads them), and ``old_logps`` when a generation may outlive
+    the step that made it (``Rollout.records_old_logps``) and ``ref_logps`` when ``ref_params`` is given.
+    :func:`grpo_trajectory` calls it once per generation of ``steps_per_generation`` micro-batches (TRL's micro-steps)
+    or ``optimizer_steps_per_generation`` optimizer steps (one of them; default 1 optimizer step), ``num_iterations``
+    passes (TRL's μ). ``chunk_size`` (a causal LM) scores the old and reference log-probs chunk by chunk.
     ``multi_objective_aggregation="normalize_then_sum"`` is GDPO (``grpo_rewards.reward_advantages``).
-    ``steps_per_generation``: the old name of ``optimizer_steps_per_generation`` (a DeprecationWarning).
     """
     rollout = Rollout(
         model=model,
@@ -239,7 +275,7 @@ def make_rollout(
         encode=encode,
         decode=decode,
         num_generations=num_generations,
-        optimizer_steps_per_generation=_renamed_steps(steps_per_generation, optimizer_steps_per_generation),
+        optimizer_steps_per_generation=_one_size(steps_per_generation, optimizer_steps_per_generation),
         num_iterations=num_iterations,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -251,6 +287,7 @@ def make_rollout(
         prompt_key=prompt_key,
         chunk_size=chunk_size or 0,
         multi_objective_aggregation=multi_objective_aggregation,
+        steps_per_generation=steps_per_generation,
     )
     problems = _rollout_problems(rollout)
     if problems:
@@ -258,22 +295,16 @@ def make_rollout(
     return attrs.evolve(rollout, head=chunk_head(model, chunk_size, "make_rollout"))
 
 
-def _renamed_steps(old: int | None, new: int) -> int:
-    """Return ``optimizer_steps_per_generation`` given under its old name ``steps_per_generation`` (warning)."""
-    if old is None:
-        return new
-    if new != 1 and new != old:
+def _one_size(steps_per_generation: int | None, optimizer_steps_per_generation: int | None) -> int | None:
+    """Return ``optimizer_steps_per_generation`` (1 when neither size is given); refuse both sizes at once."""
+    if steps_per_generation is None:
+        return 1 if optimizer_steps_per_generation is None else optimizer_steps_per_generation
+    if optimizer_steps_per_generation is not None:
         raise TypeError(
-            f"make_rollout got steps_per_generation={old} and optimizer_steps_per_generation={new}; "
-            "pass only optimizer_steps_per_generation (the new name)"
+            f"make_rollout got steps_per_generation={steps_per_generation} (micro-steps, TRL's unit) and "
+            f"optimizer_steps_per_generation={optimizer_steps_per_generation}; pass one"
         )
-    warnings.warn(
-        "make_rollout(steps_per_generation=) is renamed optimizer_steps_per_generation= (optimizer steps per "
-        "generation, not TRL's micro-steps); pass that name",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return old
+    return None
 
 
 # -- the loop ------------------------------------------------------------------------------
@@ -314,17 +345,16 @@ def grpo_trajectory(
     """Yield the state after each optimizer step of GRPO training (lazily; see ``fold.trajectory``).
 
     ``prompt_stream`` yields one optimizer step of prompt micro-batches at a time (e.g.
-    ``data.stream``); ``data.generation_batches`` groups ``rollout.optimizer_steps_per_generation``
-    steps, calls ``rollout`` once on the block with the state reached so far, and feeds the step one
-    slice per optimizer step (``rollout.num_iterations`` passes over the block). Each yielded
-    state's metrics add :func:`rollout_metrics` of the slice it trained on.
+    ``data.stream``; its steps' length is the accumulation). ``grpo_data.generation_batches`` runs
+    TRL's schedule (the GRPO run's): each generation takes the next ``rollout.steps_per_generation``
+    prompt micro-batches (micro-steps; or ``rollout.optimizer_steps_per_generation`` optimizer
+    steps), calls ``rollout`` once on them with the state reached so far, and micro-step ``k``
+    trains on slice ``k % steps_per_generation`` (``rollout.num_iterations`` passes). Each yielded
+    state's metrics add :func:`rollout_metrics` of the micro-batches it trained on.
 
-    Resuming from a state saved at a generation boundary (``state.step`` a multiple of
-    ``optimizer_steps_per_generation × num_iterations``), with the prompt stream rebuilt from its
-    cursor, is bitwise equal to not stopping. From inside a block, the rest of the block is
-    generated anew with the resumed state (and passes not yet run are skipped), so save
-    checkpoints at those multiples, or use ``trainfold.hf.grpo_run.train``, which keeps the block in
-    the state.
+    Resuming from the end of a generation's last pass (one that ends a prompt step), with the prompt
+    stream rebuilt from its cursor, is bitwise equal to not stopping; from inside a generation the
+    rest of it is generated anew (``trainfold.grpo.train`` keeps the generation in the state).
 
     >>> import torch
     >>> from trainfold import make_step
@@ -355,11 +385,13 @@ def grpo_trajectory(
         latest[0] = new
         return new
 
+    micro_steps = getattr(rollout, "steps_per_generation", None)
     batches = generation_batches(
         prompt_stream,
         generate_block,
-        rollout.optimizer_steps_per_generation,
+        None if micro_steps is not None else rollout.optimizer_steps_per_generation,
         rollout.num_generations,
         getattr(rollout, "num_iterations", 1),
+        steps_per_generation=micro_steps,
     )
     yield from trajectory(observed, state, batches, stop)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -111,7 +111,8 @@ def neftune_forward(model: nn.Module, forward: Forward, alpha: float, key: torch
             return forward(params, inputs)
         rest = {k: v for k, v in inputs.items() if k not in ("input_ids", "inputs_embeds")}
         if "input_ids" in inputs:
-            weight = params[name] if name is not None and name in params else emb.weight
+            # input_embedding checked emb.weight is a Tensor; nn.Module's stubs type it Tensor | Module
+            weight = params[name] if name is not None and name in params else cast(Tensor, emb.weight)
             embeds = functional_call(emb, {"weight": weight}, (inputs["input_ids"],))
         elif "inputs_embeds" in inputs:
             embeds = inputs["inputs_embeds"]

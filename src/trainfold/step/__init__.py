@@ -1,8 +1,9 @@
-"""The training step: the micro-batch driver, compiled and sharded variants, mixed precision, recomputation.
+"""The training step: the micro-batch driver, compiled variant, FSDP2 and DDP engines, mixed precision, recomputation.
 
-``make_step`` (``trainfold.step.make``) builds the plan (``plan``) and picks a variant: ``eager``,
-``compiled.compile_step`` (a wrapper around a step) or ``sharded``; every variant composes the
-micro-batch driver (``driver``) and none imports ``make``.
+``make_step`` (``trainfold.step.make``) builds the plan (``plan``) and picks a variant: ``eager`` (which runs
+a lent state's module as it is, under DDP (``data_parallel``) or FSDP2 (``fsdp``) across ranks) or
+``compiled.compile_step`` (a wrapper around a step); every variant composes the micro-batch driver
+(``driver``) and none imports ``make``.
 """
 
 from trainfold.step.compiled import CompileFallbackWarning, compile_step

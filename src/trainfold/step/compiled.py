@@ -19,7 +19,7 @@ masks differ from the eager step's.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -44,7 +44,7 @@ from trainfold.step.traced import fresh_function, micro_grads, traceable_loss
 
 __all__ = ["CompileFallbackWarning", "compile_step", "refuse_uncompilable"]
 
-Step = Callable[[TrainState, Sequence[Mapping[str, Tensor]]], TrainState]
+Step = Callable[..., TrainState]  # a step of make_step: step(state, batch, *, donate=False)
 
 
 # -- the compiled step ----------------------------------------------------------------------------
@@ -140,7 +140,8 @@ def _run(
     ):
         sums = accumulate(micro, batch, (int(state.seed),), start.number, rank, device, key=_key(keys, device))
     assert sums.grads is not None
-    sum_over_ranks(plan.collective, [*sums.grads, sums.loss])
+    grads = cast(list[Tensor], sums.grads)  # micro_grads zero-fills unused gradients: none is None
+    sum_over_ranks(plan.collective, [*grads, sums.loss])
     return _apply(plan, state, start, buffers, sums, donate)
 
 

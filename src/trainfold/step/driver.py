@@ -1,7 +1,7 @@
 """The micro-batch driver every step variant composes: count, seed, accumulate, reduce, and the next state.
 
 A step's ``batch`` is one optimizer step's worth of data: a sequence of micro-batches (dicts of
-tensors). Every variant (``eager``, ``compiled``, ``sharded``, ``recipes.ensemble``) runs the
+tensors). Every variant (``eager``, ``compiled``, ``differentiable``, ``recipes.ensemble``) runs the
 same pieces, in this order:
 
 1. :func:`open_step` counts ``num_items_in_batch`` over all micro-batches and all ranks before the
@@ -196,7 +196,7 @@ def summed_grads(grads: list[Tensor | None] | None, new: Sequence[Tensor | None]
         return list(new)
     if any(g is None for g in new) or any(g is None for g in grads):
         return [a if b is None else b if a is None else a.add_(b) for a, b in zip(grads, new)]
-    torch._foreach_add_(grads, list(new))
+    torch._foreach_add_([g for g in grads if g is not None], [g for g in new if g is not None])  # none is None
     return grads
 
 

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from trainfold.core.forward import Batch, Forward, make_forward, training_flags
 from trainfold.core.state import TrainState
 from trainfold.core.tree import global_norm
+from trainfold.distributed.distributed import failure_of
 from trainfold.step.amp import SCALER, ScalerState, unscale_, updated
 from trainfold.step.data_parallel import DataParallel, engine_for
 from trainfold.step.driver import (
@@ -27,6 +28,7 @@ from trainfold.step.driver import (
     sum_over_ranks,
     with_donation,
 )
+from trainfold.step.fsdp import summing, syncing_last
 from trainfold.step.plan import StepPlan, is_fully_sharded
 from trainfold.step.recompute import cache_off
 
@@ -49,9 +51,22 @@ def eager_step(plan: StepPlan) -> Callable[..., TrainState]:
     >>> step(init_state(torch.nn.Linear(3, 2), sgd(0.1)), batch).step.item()
     1
     """
-    fsdp = sum_fully_sharded(plan.model)  # FSDP2 sums (not averages) its reduce-scattered gradients
+    fsdp = summing(plan.model)  # FSDP2 sums (not averages) its reduce-scattered gradients
     engine = None if fsdp else engine_for(plan.collective, plan.model)  # DDP across ranks, for lent states
-    step = with_donation(lambda state, batch, donate: _step(plan, state, batch, donate, engine, fsdp))
+    world = getattr(plan.collective, "world_size", 1)
+
+    def run(state: TrainState, batch: Batch, donate: bool) -> TrainState:
+        try:
+            return _step(plan, state, batch, donate, engine, fsdp)
+        except Exception as exc:  # another rank's error (DDP's or FSDP's collective lost it), named here; ours,
+            if world < 2:  # recorded for the others
+                raise
+            failure = failure_of(exc, plan.collective.rank, world)  # type: ignore[union-attr]
+            if failure is exc:
+                raise
+            raise failure from exc
+
+    step = with_donation(run)
     step.plan = plan  # type: ignore[attr-defined]
     step.engine = engine  # type: ignore[attr-defined]
     return step
@@ -92,9 +107,11 @@ def _step(
     module = engine.module() if engine is not None else plan.model
     forward = _lent_forward(module, plan.model, leaves, buffers) if lent else pure_forward(plan, leaves, buffers)
     with training_flags(modules, True), cache_off(plan.cache_configs), plan.recompute_scope(modules):
-        micro = _backward(plan, forward, leaves, start, scaler, device)
+        micro = _backward(plan, forward, leaves, start, scaler, device, fsdp=fsdp and lent)
         if engine is not None:
             micro = engine.syncing_last(micro, len(batch))
+        elif fsdp:  # FSDP2: reduce-scatter once per step, after the last micro-batch
+            micro = syncing_last(plan.model, micro, len(batch))
         sums = accumulate(micro, batch, (int(state.seed),), start.number, rank, device)
     try:
         summed = engine is not None or fsdp  # DDP or FSDP summed the gradients over the ranks in backward
@@ -103,22 +120,6 @@ def _step(
         if lent:
             for leaf in leaves.values():
                 leaf.grad = None
-
-
-def sum_fully_sharded(model: nn.Module) -> bool:
-    """Make every FSDP2 module of ``model`` sum its reduce-scattered gradients (FSDP divides by the world size;
-    trainfold's losses are already divided by the global item count), and say whether there was one.
-
-    >>> sum_fully_sharded(torch.nn.Linear(2, 2))
-    False
-    """
-    if not is_fully_sharded(model):
-        return False
-    for module in model.modules():
-        if hasattr(module, "set_gradient_divide_factor"):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
-    return True
 
 
 def is_lent(model: nn.Module, state: TrainState) -> bool:
@@ -161,9 +162,18 @@ def _lent_forward(
     """Return ``forward(params, inputs)``: ``module`` as it is (or its DDP wrapper) for the lent ``leaves``, else
     ``functional_call`` (a frozen reference's params, say)."""
     other = make_forward(model, buffers)
+    fsdp = is_fully_sharded(model)
 
     def forward(params: Mapping[str, Tensor], inputs: Mapping[str, Tensor]) -> Any:
-        return module(**inputs) if params is leaves else other(params, inputs)
+        if params is leaves:
+            return module(**inputs)
+        if fsdp:  # FSDP's hooks would put the module's own gathered params back in place of these
+            raise TypeError(
+                f"{type(model).__name__} is wrapped with fully_shard (FSDP2): it runs on its own params only, so "
+                "an objective cannot call forward on other params (a frozen reference); keep the reference in a "
+                "module of its own, or precompute its outputs (e.g. DPO's reference log-probs)"
+            )
+        return other(params, inputs)
 
     return forward
 
@@ -175,12 +185,17 @@ def _backward(
     start: StepStart,
     scaler: ScalerState | None,
     device: torch.device,
+    fsdp: bool = False,
 ) -> MicroStep:
-    """Return the eager ``micro``: forward and loss (under autocast), backward into the leaves' ``.grad``."""
+    """Return the eager ``micro``: forward and loss (under autocast), backward into the leaves' ``.grad``.
+
+    Under FSDP2 (``fsdp``) the graph holds the gathered params, not the leaves (the shards): backward runs
+    over the whole graph and FSDP's hooks reduce-scatter into the leaves' ``.grad``.
+    """
     leaf_list = list(leaves.values())
     n_dev = start.num_items.to(device)
     autocast = plan.autocast_scope(device.type)
-    inputs = None if only_leaves_need_grad(plan) else leaf_list
+    inputs = None if fsdp or only_leaves_need_grad(plan) else leaf_list
 
     def micro(mb: Mapping[str, Tensor], key: torch.Generator) -> tuple[Tensor, Mapping[str, Tensor], None]:
         with autocast:

@@ -1,4 +1,4 @@
-"""``make_step``: the plan from its arguments, then the variant they ask for (eager, compiled, sharded)."""
+"""``make_step``: the plan from its arguments, then the variant they ask for (eager, compiled, differentiable)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from trainfold.optim import GradientTransformation
 from trainfold.step.amp import LossScaling
 from trainfold.step.compiled import compile_step, refuse_uncompilable
 from trainfold.step.differentiable import check_differentiable, differentiable_step
-from trainfold.step.driver import with_donation
 from trainfold.step.eager import eager_step
+from trainfold.step.fsdp import refuse_engine_options
 from trainfold.step.plan import step_plan
 
 __all__ = ["make_step"]
@@ -48,11 +48,11 @@ def make_step(
     ``collective`` sums counts and gradients across ranks. ``compile``: ``compiled.compile_step`` (backend by name
     or callable, ``compile_mode``; eager, with a warning, where it cannot). ``gradient_checkpointing`` (an int n:
     every n-th block): ``step.recompute``. ``loss_scaling`` (with ``autocast=torch.float16``): ``step.amp``.
-    ``sharding`` (a ``DeviceMesh``, ``sharded.Sharding`` or ``"full_shard"``) steps a ``sharded.shard_state``
-    state, one block gathered at a time. ``step(state, batch, donate=True)`` (``step.donating``) updates
-    ``state``'s tensors in place and invalidates it (bitwise equal); a donated *lent* state (``init_state(...,
-    copy=False)``) runs the module as it is, gradients in ``.grad``, across ranks under ``DistributedDataParallel``;
-    a user's FSDP2 ``fully_shard`` module trains only this way. ``differentiable``: ``step.differentiable``.
+    ``step(state, batch, donate=True)`` (``step.donating``) updates ``state``'s tensors in place and
+    invalidates it (bitwise equal); a donated *lent* state (``init_state(..., copy=False)``) runs the module as
+    it is, gradients in ``.grad``, across ranks under ``DistributedDataParallel``. Sharded training: wrap the
+    module with FSDP2's ``fully_shard`` (``step.fsdp.fully_shard_model``: per block, then the root) and step a
+    lent, donated state; ``sharding=`` is refused with that fix. ``differentiable``: ``step.differentiable``.
 
     >>> import torch
     >>> from trainfold.optim import sgd
@@ -65,16 +65,16 @@ def make_step(
     """
     options = dict(compile=compile, sharding=sharding, collective=collective, loss_scaling=loss_scaling)
     check_differentiable(differentiable, optimizer, gradient_checkpointing=gradient_checkpointing, **options)
-    settings = dict(objective=objective, count_items=count_items, label_key=label_key, collective=collective)
-    precision = dict(autocast=autocast, gradient_checkpointing=gradient_checkpointing, loss_scaling=loss_scaling)
-    plan = step_plan(model, loss, optimizer, **settings, **precision, dtensor_params=sharding is not None)
-    if compile and sharding is None:  # the sharded step refuses its own (sharded_compiled)
+    settings: dict[str, Any] = dict(
+        objective=objective, count_items=count_items, label_key=label_key, collective=collective
+    )
+    precision: dict[str, Any] = dict(
+        autocast=autocast, gradient_checkpointing=gradient_checkpointing, loss_scaling=loss_scaling
+    )
+    refuse_engine_options(model, sharding=sharding, compile=compile)
+    plan = step_plan(model, loss, optimizer, **settings, **precision)
+    if compile:
         refuse_uncompilable(plan)
-    if sharding is not None:
-        from trainfold.step.sharded import make_sharded_step  # DTensor's import is 1 s: paid by sharded runs only
-
-        sharded_step = make_sharded_step(plan, sharding, compile=compile, compile_mode=compile_mode)
-        return with_donation(lambda state, batch, donate: sharded_step(state, batch))  # fresh shards each step
     if differentiable:
         return differentiable_step(plan)
     step = eager_step(plan)

@@ -22,7 +22,7 @@ __all__ = ["StepPlan", "default_counter", "is_fully_sharded", "refuse_sharded", 
 
 @attrs.frozen
 class StepPlan:
-    """The configuration a step closes over; every step variant (eager, compiled, sharded) reads it.
+    """The configuration a step closes over; every step variant (eager, compiled, differentiable) reads it.
 
     >>> import torch
     >>> from trainfold.optim import sgd
@@ -69,15 +69,14 @@ def step_plan(
     autocast: torch.dtype | None = None,
     gradient_checkpointing: bool | int = False,
     loss_scaling: LossScaling | None = None,
-    dtensor_params: bool = False,
 ) -> StepPlan:
     """Return the ``StepPlan`` of ``make_step``'s arguments (same names and defaults), refusing what cannot train.
 
-    ``dtensor_params`` allows DTensor parameters (the sharded step's); without it, FSDP2 modules are allowed.
+    FSDP2 (``fully_shard``) modules are allowed: they step on a lent, donated state.
     """
     if optimizer is None:
         raise TypeError("make_step needs an optimizer, e.g. optimizer=trainfold.adamw(1e-3)")
-    refuse_sharded(model, dtensor_params=dtensor_params, fully_shard=not dtensor_params)
+    refuse_sharded(model, fully_shard=True)
     if loss is None:
         loss = default_loss_for(model, defer=objective is not None)
     return StepPlan(
@@ -138,8 +137,8 @@ def is_fully_sharded(model: nn.Module) -> bool:
     return any(any(c.__name__ == "FSDPModule" for c in type(m).__mro__) for m in model.modules())
 
 
-def refuse_sharded(model: nn.Module, dtensor_params: bool = False, fully_shard: bool = False) -> None:
-    """Raise ``TypeError`` when ``model`` is FSDP-wrapped or (unless ``dtensor_params``) holds DTensor parameters.
+def refuse_sharded(model: nn.Module, fully_shard: bool = False) -> None:
+    """Raise ``TypeError`` when ``model`` is FSDP-wrapped or holds DTensor parameters.
 
     ``fully_shard`` allows FSDP2 modules (``torch.distributed.fsdp.fully_shard``): the eager step
     runs them as they are on a lent, donated state (``init_state(model, optimizer, copy=False)``),
@@ -161,7 +160,7 @@ def refuse_sharded(model: nn.Module, dtensor_params: bool = False, fully_shard: 
         if kind is not None and not (fsdp2 and "FSDP2" in kind):
             where = f"its submodule {name!r}" if name else "it"
             raise TypeError(f"cannot train {type(model).__name__}: {where} is {kind}; {fix}")
-    for name, p in [] if dtensor_params or fsdp2 else model.named_parameters():
+    for name, p in [] if fsdp2 else model.named_parameters():
         if any(c.__name__ == "DTensor" for c in type(p).__mro__):
             raise TypeError(
                 f"cannot train {type(model).__name__}: parameter {name!r} is a DTensor "

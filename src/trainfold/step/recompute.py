@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -61,11 +61,15 @@ def _is_hf_layer(cls: type) -> bool:
 
 
 def _blocks(modules: list[nn.Module]) -> list[nn.Module]:
-    marked = [m for m in modules if _is_hf_layer(type(m))]
+    # cast: mypy checks a type[Module] against Hashable through Module's instance __hash__
+    marked = [m for m in modules if _is_hf_layer(cast(type, type(m)))]
     if marked:
         return marked
     lists = [m for m in modules if isinstance(m, nn.ModuleList) and len(m) > 0]
-    return list(max(lists, key=len)) if lists else []
+    if not lists:
+        return []
+    longest = max(lists, key=len)
+    return list(longest)
 
 
 @contextlib.contextmanager

@@ -85,8 +85,8 @@ def micro_grads(
     forward = make_forward(plan.model, buffers)
     with plan.autocast_scope(num_items.device.type):
         loss, aux = micro_loss(plan, forward, leaves, micro, num_items, key)
-    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
-    if all(g is None for g in grads):  # known when tracing: the eager step then raises the error that names it
+    found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+    if all(g is None for g in found):  # known when tracing: the eager step then raises the error that names it
         raise no_gradient_error(plan.model, -1)
-    grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves.values())]
+    grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(found, leaves.values())]
     return loss.detach().float(), {k: v.detach().float() for k, v in aux.items()}, grads

@@ -1,4 +1,6 @@
-"""Elastic resume: a checkpoint of N ranks resumes on M, keeping the global batch and the sample order.
+"""The global batch: the samples of one optimizer step, and its split over ranks and micro-batches.
+
+A checkpoint of N ranks resumes on M (elastic resume) by keeping it.
 
 Which samples form optimizer step ``s`` depends only on the seed, the epoch and the global batch
 ``per_device_train_batch_size × gradient_accumulation_steps × world_size`` (``samplers``): the
@@ -40,9 +42,10 @@ def global_batch(settings: Mapping[str, Any]) -> int | None:
     True
     """
     values = [settings.get(k) for k in BATCH_KEYS]
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+    ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    if len(ints) != len(values):
         return None
-    return values[0] * values[1] * values[2]
+    return ints[0] * ints[1] * ints[2]
 
 
 def split_global_batch(batch: int, *, world_size: int, per_device: int) -> tuple[int, int]:

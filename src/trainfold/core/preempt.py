@@ -4,7 +4,7 @@
 is restored on exit, also on exceptions). The handler only sets a flag; ``guard.stop`` is a stop
 predicate for ``fit``/``trajectory`` (combine with ``any_of``), checked before each batch is drawn,
 so the step in flight finishes and no batch of the next step is drawn. The caller then saves with
-``jit_checkpoint`` (exempt from rotation) and reports preemption, e.g. by exiting with
+``trainfold.ckpt.writer.jit_checkpoint`` (exempt from rotation) and reports preemption, e.g. by exiting with
 ``EXIT_PREEMPTED`` (143 = 128 + SIGTERM, what an orchestrator expects from a terminated job).
 
 >>> import os, signal
@@ -35,20 +35,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import os
 import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
-from trainfold.ckpt.listing import checkpoint_path
-from trainfold.ckpt.writer import save
 from trainfold.core.collective import Collective
-from trainfold.core.state import TrainState
 
 __all__ = [
     "EXIT_PREEMPTED",
@@ -58,7 +53,6 @@ __all__ = [
     "ignore_signals_until_exit",
     "exit_status",
     "guarded",
-    "jit_checkpoint",
     "preemption_guard",
 ]
 
@@ -257,22 +251,3 @@ def exit_status(status: str, signum: int | None = None) -> int:
     if status != "preempted":
         return 0
     return 128 + int(signum if signum is not None else signal.SIGTERM)
-
-
-def jit_checkpoint(state: TrainState, output_dir: str | os.PathLike, **save_options: Any) -> Path:
-    """Save ``state`` as ``output_dir/checkpoint-{step}`` marked JIT (never rotated away); return its path.
-
-    ``save_options`` are ``writer.save``'s (model, config, metadata, settings).
-
-    >>> import tempfile, torch
-    >>> from trainfold.ckpt import read_metadata
-    >>> from trainfold.optim import sgd
-    >>> from trainfold.core.state import init_state
-    >>> path = jit_checkpoint(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp())
-    >>> path.name, read_metadata(path)["jit"]
-    ('checkpoint-0', True)
-
-    A full disk raises ``OSError(ENOSPC)`` naming the checkpoint's path, the bytes it needs and the
-    previous checkpoint, which is intact (the write goes to a temporary directory that is removed).
-    """
-    return save(state, checkpoint_path(output_dir, int(state.step)), jit=True, **save_options)
