@@ -75,7 +75,7 @@ def trainfold_runner(model, compile: bool = False):
 
     Pure: ``model`` is not touched.
     """
-    opt = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01, mask=None))
+    opt = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01, mask=None, fused=True))
     step = make_step(model, causal_lm, opt, compile=compile)
     box = [init_state(model, opt)]
 

@@ -76,7 +76,7 @@ def hand(args: argparse.Namespace, group: ProcessGroupCollective) -> Callable[[]
 def ours(args: argparse.Namespace, group: ProcessGroupCollective) -> Callable[[], float]:
     """Return one step of trainfold's lent, donated step (seconds)."""
     model = build(args)
-    opt = chain(clip_by_global_norm(1.0), adamw(1e-3, mask=None))
+    opt = chain(clip_by_global_norm(1.0), adamw(1e-3, mask=None, fused=True))
     step = make_step(model, causal_lm, opt, collective=group)
     box = [init_state(model, opt, copy=False)]
     batch = micro_batches(args, group.rank)

@@ -54,7 +54,7 @@ def sequential_runner(attn: str, device: str = "cpu"):
 def ensemble_runner(compile: bool, batching: str = "vmap", device: str = "cpu"):
     """Return ``run(member_batches)``: one ensemble step over all K members."""
     models = [build("eager" if batching == "vmap" else "sdpa", seed=m, device=device) for m in range(K)]
-    opt = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01, mask=None))
+    opt = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01, mask=None, fused=True))
     step = make_ensemble_step(models[0], causal_lm, opt, batching=batching, compile=compile)
     box = [init_ensemble_state(models, opt)]
 

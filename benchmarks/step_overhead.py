@@ -88,7 +88,7 @@ def hand_runner(model):
 
 def trainfold_runner(model):
     """Return ``run(batch)`` for trainfold's step, each state donated to the next, and a way to read its params."""
-    opt = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01, mask=None))
+    opt = chain(clip_by_global_norm(1.0), adamw(1e-3, weight_decay=0.01, mask=None, fused=True))
     step = make_step(model, causal_lm, opt)
     step = getattr(step, "donating", step)  # before donation existed: the pure step
     try:

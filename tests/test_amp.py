@@ -43,7 +43,7 @@ def test_the_scale_and_the_params_follow_torch_grad_scaler():
         opt.zero_grad(set_to_none=True)
         ref_scales.append(scaler.get_scale())
 
-    model, ours = lm(), adamw(1e-3, mask=None, implementation="foreach")
+    model, ours = lm(), adamw(1e-3, mask=None, foreach=True)
     step = make_step(model, causal_lm, ours, autocast=torch.float16, loss_scaling=scaling)
     state = init_state(model, ours, extras={SCALER: initial_scaler(scaling)})
     scales, skipped = [], 0

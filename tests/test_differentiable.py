@@ -125,7 +125,7 @@ def test_the_differentiable_step_computes_the_eager_steps_values(opt, ulps):
 
 def test_a_hyperparameter_requiring_grad_is_refused_without_the_flag():
     lr = torch.tensor(0.1, requires_grad=True)
-    with pytest.raises(ValueError, match=r"require grad at \['sgd.parts\[2\].schedule.<value>'\].*differentiable=True"):
+    with pytest.raises(ValueError, match=r"require grad at \['sgd.schedule.<value>'\].*differentiable=True"):
         make_step(_model(), cross_entropy, sgd(lr))
     make_step(_model(), cross_entropy, sgd(lr.detach()))  # a tensor without grad is a plain hyperparameter
 

@@ -10,7 +10,7 @@ from trainfold import init_state, make_step
 from trainfold.ckpt import load, save
 from trainfold.core.losses import cross_entropy
 from trainfold.core.state import lend
-from trainfold.optim import chain, clip_by_global_norm, from_torch, scale_by_learning_rate
+from trainfold.optim import chain, clip_by_global_norm, from_torch
 
 
 def model(seed: int = 0) -> nn.Module:
@@ -88,7 +88,3 @@ def test_from_torch_reports_the_learning_rate_it_used():
 def test_from_torch_refuses_what_is_not_a_torch_optimizer():
     with pytest.raises(TypeError, match="torch.optim.Optimizer class"):
         from_torch(torch.optim.lr_scheduler.StepLR, lr=0.1)
-    with pytest.raises(TypeError, match="put it last in a chain"):
-        opt = chain(from_torch(torch.optim.SGD, lr=0.1), scale_by_learning_rate(0.5))
-        p = {"w": torch.ones(2)}
-        opt.apply({"w": torch.ones(2)}, opt.init(p), p)

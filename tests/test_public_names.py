@@ -104,7 +104,7 @@ MODULES = {
         "chunked_token_logps",
         "output_head",
     ],
-    "compiled": ["CompileFallbackWarning", "OptimizerPlan", "adamw_update", "compile_step", "optimizer_plan"],
+    "compiled": ["CompileFallbackWarning", "compile_step"],
     "data": [
         "KeyedCollate",
         "PadCollate",
@@ -305,9 +305,6 @@ MODULES = {
 # names that moved up to the layer they belong to (a lower layer cannot offer a higher one's names):
 # (old module, old name) -> (the module name in ``__all__`` that offers it now, its name there)
 MOVED = {
-    ("compiled", "OptimizerPlan"): ("optim", "OptimizerPlan"),
-    ("compiled", "adamw_update"): ("optim", "adamw_update"),
-    ("compiled", "optimizer_plan"): ("optim", "optimizer_plan"),
     ("data", "generation_batches"): ("grpo", "generation_batches"),
     ("distributed", "evaluate_sharded"): ("evaluation", "evaluate_sharded"),
     ("distributed", "predict_sharded"): ("evaluation", "predict_sharded"),
@@ -336,11 +333,9 @@ def test_an_old_module_name_offers_every_name_it_exported(module):
 
 
 def test_a_moved_name_is_the_same_object_as_in_the_module_that_owns_it():
-    from trainfold.optim.flat import optimizer_plan
     from trainfold.recipes.dpo_loss import dpo_loss
     from trainfold.recipes.grpo_data import generation_batches
 
-    assert trainfold.optim.optimizer_plan is optimizer_plan
     assert trainfold.dpo.dpo_loss is dpo_loss
     assert trainfold.grpo.generation_batches is generation_batches
 

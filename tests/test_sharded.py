@@ -114,11 +114,15 @@ def _local_bytes(tree) -> int:
 
 
 def _grad_bytes(opt: GradientTransformation, seen: list[int]) -> GradientTransformation:
-    def tap(grads, state, params):  # sees the gradients the optimizer is given, changes nothing
-        seen.append(_local_bytes(grads))
-        return grads, state
+    """``opt`` itself (its state, its apply), recording the bytes of the gradients it is given."""
+    tapped = GradientTransformation(opt.init, opt.update, name=opt.name)
 
-    return chain(GradientTransformation(init=lambda params: None, update=tap, keeps_state=False), opt)
+    def apply(grads, state, params, donate=False):
+        seen.append(_local_bytes(grads))
+        return opt.apply(grads, state, params, donate=donate)
+
+    tapped.apply, tapped.learning_rate = apply, opt.learning_rate  # type: ignore[method-assign]
+    return tapped
 
 
 def rows(n: int = 16) -> list[dict]:

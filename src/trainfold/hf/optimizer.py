@@ -86,7 +86,7 @@ def refused_optimizer(name: str) -> str | None:
 def default_optimizer(model: nn.Module, args: Any, total_steps: int) -> GradientTransformation:
     """Return the HF Trainer's optimizer: clipping at ``max_grad_norm``, then ``optim`` on the schedule.
 
-    ``optim`` is AdamW (``adamw_torch_fused``: torch's fused kernel; ``adamw_torch``: foreach ops),
+    ``optim`` is AdamW (torch's kernels: ``adamw_torch_fused`` the fused one, ``adamw_torch`` AdamW's default),
     ``sgd`` (``optim_args`` momentum, dampening, nesterov), or torch's ``Adagrad`` / ``RMSprop`` or
     transformers' ``Adafactor`` through ``from_torch``, with HF's arguments. Biases and normalisation
     weights are not decayed (by module type and by name).
@@ -117,7 +117,7 @@ def default_optimizer(model: nn.Module, args: Any, total_steps: int) -> Gradient
             args.adam_epsilon,
             args.weight_decay,
             mask=mask,
-            implementation="fused" if args.optim == "adamw_torch_fused" else "foreach",
+            fused=True if args.optim == "adamw_torch_fused" else None,
         )
     else:
         opt = from_torch(_torch_class(args.optim), lr=schedule, mask=mask, **_hf_options(args))

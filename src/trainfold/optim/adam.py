@@ -1,12 +1,11 @@
-"""``scale_by_adam``: Adam's moments and bias corrections, with torch's fused and foreach steps.
+"""Adam, computed by torch's own kernels: ``adamw`` steps the params, ``scale_by_adam`` is its chain part.
 
-Followed by ``add_decayed_weights`` and ``scale_by_learning_rate`` (as in ``adamw``) the three fold
-into one step on the params: torch's fused AdamW kernel (bitwise ``AdamW(fused=True)``) or its
-``_foreach`` ops (bitwise ``AdamW(foreach=True)``). ``adamw_update`` is the same step written with
-element-wise ops only, which traces under ``torch.compile`` and works on stacked ensemble tensors.
+Both call torch's functional Adam (``torch.optim.adam.adam``, what ``torch.optim.Adam`` and
+``AdamW`` run), which picks the fused, foreach or single-tensor kernel as ``torch.optim.AdamW``
+does (``fused=`` / ``foreach=`` as there). So ``adamw`` is bitwise ``torch.optim.AdamW`` with the
+same arguments: there is one AdamW, torch's. The moments live in an :class:`AdamState`.
 
 >>> import torch
->>> from trainfold.optim import adamw
 >>> opt = adamw(0.1)
 >>> p = {"w": torch.tensor([1.0])}
 >>> new, s = opt.apply({"w": torch.tensor([5.0])}, opt.init(p), p)
@@ -21,19 +20,21 @@ from collections.abc import Sequence
 import attrs
 import torch
 from torch import Tensor
+from torch.optim.adam import adam as torch_adam
 
 from trainfold.core.state import scalar
 from trainfold.core.tree import Tree, check_keys
-from trainfold.optim.transform import GradientTransformation, StepRule
+from trainfold.optim.masks import Mask, decay_mask_by_name
+from trainfold.optim.schedules import Schedule, as_schedule
+from trainfold.optim.transform import GradientTransformation, rate_value
+from trainfold.optim.transforms import AddDecayedWeights
 
-__all__ = ["AdamState", "ElementwiseAdam", "ScaleByAdam", "adamw_update", "scale_by_adam"]
-
-IMPLEMENTATIONS = ("fused", "foreach")
+__all__ = ["AdamState", "AdamW", "ScaleByAdam", "adamw", "scale_by_adam"]
 
 
 @attrs.frozen(eq=False)
 class AdamState:
-    """What :func:`scale_by_adam` (and so ``adamw``) carries between updates: the count and the two moments.
+    """What :func:`scale_by_adam` and ``adamw`` carry between updates: the count and the two moments.
 
     >>> from trainfold.optim import adamw
     >>> opt = adamw(0.1)
@@ -48,23 +49,174 @@ class AdamState:
     nu: dict[str, Tensor]
 
 
-def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, implementation: str = "fused") -> ScaleByAdam:
-    """Scale gradients to Adam's bias-corrected ``mu / (sqrt(nu) + eps)`` (torch's form of the denominator).
+def _check_betas(b1: float, b2: float) -> None:
+    for name, value in (("b1", b1), ("b2", b2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {value}")
 
-    ``implementation`` picks the step once the learning rate folds in: ``"fused"`` (torch's fused
-    kernel, on CPU and CUDA float params; elsewhere ``"foreach"``) or ``"foreach"``.
 
+def _zeros(params: Tree) -> AdamState:
+    return AdamState(
+        scalar(0),
+        {k: torch.zeros_like(v) for k, v in params.items()},
+        {k: torch.zeros_like(v) for k, v in params.items()},
+    )
+
+
+def _torch_adam(
+    params: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    mu: Sequence[Tensor],
+    nu: Sequence[Tensor],
+    count: int,
+    *,
+    lr: float | Tensor,
+    b1: float,
+    b2: float,
+    eps: float,
+    weight_decay: float,
+    fused: bool | None,
+    foreach: bool | None,
+) -> None:
+    """Run torch's functional AdamW (decoupled decay) on the lists, in place, as update ``count + 1``."""
+    if not params:
+        return
+    every = [*params, *grads, *mu, *nu]
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in every)
+    if differentiable:  # torch differentiates its single-tensor kernel only
+        fused, foreach = None, False
+    if fused:  # torch's fused kernel assumes each grad has its param's strides (pytorch/pytorch#106951; on CPU it
+        # reads a transposed or vmapped grad in the param's layout, silently): give it copies in that layout
+        grads = [g if g.stride() == p.stride() else torch.empty_like(p).copy_(g) for g, p in zip(grads, params)]
+    on_device = bool(fused)  # torch keeps a fused optimizer's step counts on the params' device
+    # the differentiable kernel computes the bias corrections from the step tensor: float64, as the others in Python
+    dtype = torch.float64 if differentiable else torch.float32
+    steps = [torch.tensor(float(count), dtype=dtype, device=p.device if on_device else "cpu") for p in params]
+    torch_adam(
+        list(params),
+        list(grads),
+        list(mu),
+        list(nu),
+        [],
+        steps,
+        foreach=foreach,
+        fused=fused,
+        differentiable=differentiable,
+        has_complex=any(p.is_complex() for p in params),
+        decoupled_weight_decay=True,
+        amsgrad=False,
+        beta1=b1,
+        beta2=b2,
+        lr=lr,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=False,
+    )
+
+
+@attrs.frozen(eq=False)
+class AdamW(GradientTransformation):
+    """``torch.optim.AdamW`` as a transformation (``adamw`` builds it); its state is an :class:`AdamState`.
+
+    ``apply`` runs torch's kernel once per weight-decay group (as torch's decay / no-decay param
+    groups); ``update`` is ``apply``'s new params minus the old.
+    """
+
+    schedule: Schedule
+    b1: float
+    b2: float
+    eps: float
+    decay: AddDecayedWeights
+    fused: bool | None = None
+    foreach: bool | None = None
+    name = "adamw"
+
+    def init(self, params: Tree) -> AdamState:
+        return _zeros(params)
+
+    def learning_rate(self, state: AdamState) -> float:
+        return rate_value(self.schedule(int(state.count)))
+
+    def update(self, grads: Tree, state: AdamState, params: Tree) -> tuple[Tree, AdamState]:
+        new, new_state = self.apply(grads, state, params)
+        return {k: new[k] - params[k] for k in params}, new_state
+
+    def apply(self, grads: Tree, state: AdamState, params: Tree, *, donate: bool = False) -> tuple[Tree, AdamState]:
+        check_keys(grads, params, "grads", "params")
+        check_keys(state.mu, params, "Adam state", "params")
+        fresh = (lambda t: t) if donate else (lambda t: t.clone())
+        keys = list(params)
+        p = {k: fresh(params[k]) for k in keys}
+        mu = {k: fresh(state.mu[k]) for k in keys}
+        nu = {k: fresh(state.nu[k]) for k in keys}
+        count = int(state.count)
+        on = set(self.decay.decayed(params)) if self.decay.weight_decay else set()
+        for names, wd in (
+            ([k for k in keys if k in on], self.decay.weight_decay),
+            ([k for k in keys if k not in on], 0.0),
+        ):
+            _torch_adam(
+                [p[k] for k in names],
+                [grads[k] for k in names],
+                [mu[k] for k in names],
+                [nu[k] for k in names],
+                count,
+                lr=self.schedule(count),
+                b1=self.b1,
+                b2=self.b2,
+                eps=self.eps,
+                weight_decay=wd,
+                fused=self.fused,
+                foreach=self.foreach,
+            )
+        return p, AdamState(state.count + 1, mu, nu)
+
+
+def adamw(
+    learning_rate: float | Schedule = 1e-3,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    mask: Mask | None = decay_mask_by_name,
+    *,
+    fused: bool | None = None,
+    foreach: bool | None = None,
+) -> AdamW:
+    """AdamW as ``torch.optim.AdamW`` (its kernels): decoupled weight decay on the params ``mask`` marks True.
+
+    ``mask`` is a ``{name: bool}`` mapping, a function of the params returning one, or ``None``
+    to decay every param. ``fused`` and ``foreach`` pick torch's kernel as in ``torch.optim.AdamW``
+    (``None``: torch's default for the params' device).
+
+    >>> opt = adamw(0.1, fused=True)
+    >>> p = {"w": torch.tensor([1.0])}
+    >>> new, s = opt.apply({"w": torch.tensor([5.0])}, opt.init(p), p)
+    >>> round(new["w"].item(), 4), s.count.item(), opt.name
+    (0.9, 1, 'adamw')
+    """
+    _check_betas(b1, b2)
+    if fused and foreach:
+        raise ValueError("adamw takes fused=True or foreach=True, not both (as torch.optim.AdamW)")
+    decay = AddDecayedWeights(float(weight_decay), mask)
+    return AdamW(as_schedule(learning_rate), float(b1), float(b2), float(eps), decay, fused, foreach)
+
+
+def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> ScaleByAdam:
+    """Scale gradients to Adam's bias-corrected ``mu / (sqrt(nu) + eps)`` (torch's kernel, torch's denominator).
+
+    >>> opt = scale_by_adam()
+    >>> p = {"w": torch.tensor([1.0])}
+    >>> u, s = opt.update({"w": torch.tensor([5.0])}, opt.init(p), p)
+    >>> round(u["w"].item(), 4), s.count.item()
+    (1.0, 1)
     >>> scale_by_adam(b1=1.0)
     Traceback (most recent call last):
     ...
     ValueError: b1 must be in [0, 1), got 1.0
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be 'fused' or 'foreach', got {implementation!r}")
-    for name, value in (("b1", b1), ("b2", b2)):
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {value}")
-    return ScaleByAdam(float(b1), float(b2), float(eps), implementation)
+    _check_betas(b1, b2)
+    return ScaleByAdam(float(b1), float(b2), float(eps))
 
 
 @attrs.frozen
@@ -74,168 +226,22 @@ class ScaleByAdam(GradientTransformation):
     b1: float = 0.9
     b2: float = 0.999
     eps: float = 1e-8
-    implementation: str = "fused"
     name = "scale_by_adam"
 
     def init(self, params: Tree) -> AdamState:
-        zeros = lambda: {k: torch.zeros_like(v) for k, v in params.items()}
-        return AdamState(scalar(0), zeros(), zeros())
+        return _zeros(params)
 
-    def counter(self, state: AdamState) -> Tensor:
-        return state.count
-
-    def _moments(self, grads: Tree, state: AdamState, keys: list[str], in_place: bool) -> tuple[list, list, list]:
-        """Return the new moments of ``keys`` and the denominators ``sqrt(nu) / sqrt(bc2) + eps``."""
-        g = [grads[k] for k in keys]
-        mu, nu = [state.mu[k] for k in keys], [state.nu[k] for k in keys]
-        if in_place:  # the same kernels, written into the state's own tensors
-            torch._foreach_lerp_(mu, g, 1.0 - self.b1)
-            torch._foreach_mul_(nu, self.b2)
-        else:
-            mu = list(torch._foreach_lerp(mu, g, 1.0 - self.b1))  # list(): the stubs say tuple, torch gives a list
-            nu = list(torch._foreach_mul(nu, self.b2))
-        torch._foreach_addcmul_(nu, g, g, 1.0 - self.b2)
-        denom, correction = list(torch._foreach_sqrt(nu)), (1.0 - self.b2 ** (int(state.count) + 1)) ** 0.5
-        if in_place:
-            torch._foreach_div_(denom, correction)
-        else:  # sqrt's backward needs its output: a differentiable update must not overwrite it
-            denom = list(torch._foreach_div(denom, correction))
-        torch._foreach_add_(denom, self.eps)
-        return mu, nu, denom
-
-    def update_at(
-        self,
-        grads: Tree,
-        state: AdamState,
-        params: Tree,
-        count: int | None = None,
-        *,
-        owned: bool = False,
-        norm: Tensor | None = None,
-    ) -> tuple[Tree, AdamState]:
-        _check(grads, state, params)
+    def update(self, grads: Tree, state: AdamState, params: Tree) -> tuple[Tree, AdamState]:
+        check_keys(grads, params, "grads", "params")
+        check_keys(state.mu, params, "Adam state", "params")
         keys = list(params)
-        mu, nu, denom = self._moments(grads, state, keys, in_place=False)
-        upd = torch._foreach_div(mu, denom)
-        torch._foreach_mul_(upd, 1.0 / (1.0 - self.b1 ** (int(state.count) + 1)))
-        return dict(zip(keys, upd)), AdamState(state.count + 1, dict(zip(keys, mu)), dict(zip(keys, nu)))
-
-    def apply_at(
-        self,
-        grads: Tree,
-        state: AdamState,
-        params: Tree,
-        count: int | None = None,
-        rule: StepRule | None = None,
-        *,
-        owned: bool = False,
-        norm: Tensor | None = None,
-        donate: bool = False,
-    ) -> tuple[Tree, AdamState]:
-        if rule is None:  # no learning rate after it: the generic path
-            return super().apply_at(grads, state, params, count, owned=owned, norm=norm, donate=donate)
-        _check(grads, state, params)
-        fusable = self.implementation == "fused" and all(
-            p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params.values()
+        # torch's step at lr 1 from zero params is exactly minus the update
+        out = [torch.zeros_like(grads[k]) for k in keys]
+        mu, nu = [state.mu[k].clone() for k in keys], [state.nu[k].clone() for k in keys]
+        _torch_adam(
+            out, [grads[k] for k in keys], mu, nu, int(state.count),
+            lr=1.0, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=0.0, fused=None, foreach=None,
+        )  # fmt: skip
+        return dict(zip(keys, torch._foreach_neg(out))), AdamState(
+            state.count + 1, dict(zip(keys, mu)), dict(zip(keys, nu))
         )
-        new_p, mu_all, nu_all = dict[str, Tensor](), dict[str, Tensor](), dict[str, Tensor]()
-        for keys, wd in rule.groups(params):
-            step = self._fused if fusable else self._foreach
-            p, mu, nu = step(grads, state, params, keys, rule.lr, wd, donate)
-            new_p.update(zip(keys, p))
-            mu_all.update(zip(keys, mu))
-            nu_all.update(zip(keys, nu))
-        return {k: new_p[k] for k in params}, AdamState(state.count + 1, mu_all, nu_all)
-
-    def _foreach(self, grads: Tree, state: AdamState, params: Tree, keys: list[str], lr: float, wd: float, in_place):
-        """One group's step with ``_foreach`` ops, as ``torch.optim.AdamW(foreach=True)``."""
-        mu, nu, denom = self._moments(grads, state, keys, in_place)
-        step_size = lr / (1.0 - self.b1 ** (int(state.count) + 1))
-        p = [params[k] for k in keys]
-        if in_place:
-            torch._foreach_mul_(p, 1.0 - lr * wd)
-        else:
-            p = list(torch._foreach_mul(p, 1.0 - lr * wd))
-        torch._foreach_addcdiv_(p, mu, denom, -step_size)
-        return p, mu, nu
-
-    def _fused(self, grads: Tree, state: AdamState, params: Tree, keys: list[str], lr: float, wd: float, in_place):
-        """One group's step with torch's fused kernel, on fresh copies (in place: the state's own buffers)."""
-        fresh = (lambda t: t) if in_place else (lambda t: t.clone())
-        p = [fresh(params[k]) for k in keys]
-        mu = [fresh(state.mu[k]) for k in keys]
-        nu = [fresh(state.nu[k]) for k in keys]
-        steps = torch.full((len(keys),), float(int(state.count) + 1), device=p[0].device).unbind()
-        torch._fused_adamw_(
-            p,
-            [grads[k] for k in keys],
-            mu,
-            nu,
-            [],
-            list(steps),
-            lr=lr,
-            beta1=self.b1,
-            beta2=self.b2,
-            weight_decay=wd,
-            eps=self.eps,
-            amsgrad=False,
-            maximize=False,
-        )
-        return p, mu, nu
-
-    def elementwise(self) -> tuple[ElementwiseAdam]:
-        return (ElementwiseAdam(self.b1, self.b2, self.eps),)
-
-
-def _check(grads: Tree, state: AdamState, params: Tree) -> None:
-    check_keys(grads, params, "grads", "params")
-    check_keys(state.mu, params, "Adam state", "params")
-
-
-@attrs.frozen
-class ElementwiseAdam:
-    """Adam's hyperparameters for :func:`adamw_update`, the element-wise step."""
-
-    b1: float
-    b2: float
-    eps: float
-
-    def __call__(self, params, grads, mu, nu, decay, lr, step_size, bc2_sqrt):
-        """Return new ``(params, mu, nu)``: :func:`adamw_update` with these hyperparameters."""
-        return adamw_update(params, grads, mu, nu, decay, lr, step_size, bc2_sqrt, self.b1, self.b2, self.eps)
-
-
-def adamw_update(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    mu: Sequence[Tensor],
-    nu: Sequence[Tensor],
-    decay: Sequence[float | Tensor],
-    lr: Tensor,
-    step_size: Tensor,
-    bc2_sqrt: Tensor,
-    b1: float | Tensor,
-    b2: float | Tensor,
-    eps: float | Tensor,
-) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
-    """Return new ``(params, mu, nu)`` of one AdamW update, as ``torch.optim.AdamW`` computes it.
-
-    Element-wise ops only (no foreach), so it traces under ``torch.compile`` and works on
-    stacked ensemble tensors: ``lr``, ``step_size`` and ``bc2_sqrt`` broadcast against each tensor.
-
-    >>> one = torch.tensor(1.0)
-    >>> p, m, v = adamw_update([one], [torch.tensor(5.0)], [0 * one], [0 * one], [0.0],
-    ...                        torch.tensor(0.1), torch.tensor(1.0), torch.tensor(0.0316227766), 0.9, 0.999, 1e-8)
-    >>> round(p[0].item(), 4), round(m[0].item(), 4)
-    (0.9, 0.5)
-    """
-    new_p, new_mu, new_nu = [], [], []
-    for p, g, m, v, wd in zip(params, grads, mu, nu, decay):
-        m = torch.lerp(m, g, 1.0 - b1)
-        v = v * b2 + (1.0 - b2) * g * g
-        denom = v.sqrt() / bc2_sqrt + eps
-        scaled = p if isinstance(wd, (int, float)) and wd == 0 else p * (1.0 - lr * wd)
-        new_p.append(scaled - step_size * m / denom)
-        new_mu.append(m)
-        new_nu.append(v)
-    return new_p, new_mu, new_nu

@@ -8,7 +8,7 @@ update from the graph; :func:`grad_hyperparameters` lets it refuse such an optim
 >>> import torch
 >>> from trainfold.optim import sgd
 >>> grad_hyperparameters(sgd(torch.tensor(0.1, requires_grad=True), momentum=0.9))
-['sgd.parts[2].schedule.<value>']
+['sgd.schedule.<value>']
 >>> grad_hyperparameters(sgd(0.1))
 []
 """
@@ -27,7 +27,7 @@ __all__ = ["grad_hyperparameters"]
 def grad_hyperparameters(optimizer: Any) -> list[str]:
     """Return where ``optimizer`` holds tensors that require grad: its fields, and the values its schedules close over.
 
-    Each place is named by the path from the optimizer (``sgd.parts[2].schedule.<value>``: the
+    Each place is named by the path from the optimizer (``sgd.schedule.<value>``: the
     ``value`` a constant schedule closes over). A schedule's globals are not searched: pass a tensor
     hyperparameter in (a closure, an argument) rather than reading it from a module's namespace.
 

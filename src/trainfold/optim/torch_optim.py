@@ -27,7 +27,7 @@ from torch import Tensor
 from trainfold.core.tree import Tree, check_keys
 from trainfold.optim.masks import Mask, resolve_mask
 from trainfold.optim.schedules import as_schedule
-from trainfold.optim.transform import GradientTransformation, StepRule, overwrite
+from trainfold.optim.transform import GradientTransformation, overwrite
 
 __all__ = ["TorchOptState", "TorchOptimizer", "from_torch"]
 
@@ -56,8 +56,6 @@ class TorchOptimizer(GradientTransformation):
     _engine: dict[str, Any] = attrs.field(factory=dict, repr=False, init=False)
     _kinds: dict[tuple[str, str], type] = attrs.field(factory=dict, repr=False, init=False)
 
-    keeps_state = True
-
     @property
     def name(self) -> str:  # type: ignore[override]
         """``cls``'s name, for error messages."""
@@ -73,39 +71,19 @@ class TorchOptimizer(GradientTransformation):
         zero = torch.zeros((), dtype=torch.int64)
         return TorchOptState(count=zero, started=torch.zeros((), dtype=torch.bool), slots=slots)
 
-    def counter(self, state: Any) -> Tensor | None:
-        return state.count
-
-    def rate_at(self, state: Any, count: int | None) -> float | None:
-        return self._rate(int(state.count))
+    def learning_rate(self, state: Any) -> float:
+        rate = self._rate(int(state.count))
+        return float("nan") if rate is None else rate
 
     def _rate(self, count: int) -> float | None:
         lr = self.hyperparams.get("lr")
         return None if lr is None or isinstance(lr, Tensor) else float(as_schedule(lr)(count))
 
-    def fold(self, rule: StepRule | None, params: Tree, count: int | None) -> StepRule | None:
-        return None
-
-    def update_at(
-        self, grads: Tree, state: Any, params: Tree, count: int | None = None, *, owned: bool = False, norm: Any = None
-    ) -> tuple[Tree, Any]:
-        new_params, new_state = self.apply_at(grads, state, params, count)
+    def update(self, grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
+        new_params, new_state = self.apply(grads, state, params)
         return {k: new_params[k] - params[k] for k in params}, new_state
 
-    def apply_at(
-        self,
-        grads: Tree,
-        state: Any,
-        params: Tree,
-        count: int | None = None,
-        rule: StepRule | None = None,
-        *,
-        owned: bool = False,
-        norm: Any = None,
-        donate: bool = False,
-    ) -> tuple[Tree, Any]:
-        if rule is not None:
-            raise TypeError(f"{self.name} (from_torch) steps the params itself: put it last in a chain")
+    def apply(self, grads: Tree, state: Any, params: Tree, *, donate: bool = False) -> tuple[Tree, Any]:
         check_keys(grads, params, "grads", "params")
         if donate:  # torch steps the given tensors (the module's Parameters, when lent) and the state in place
             return self._step(params, grads, state, self._lent_engine(params))

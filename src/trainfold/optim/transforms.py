@@ -1,7 +1,6 @@
 """The small transformations: clipping, weight decay, the learning rate, and SGD's momentum (``trace``).
 
-Each is a record of its hyperparameters that owns its paths: the pure ``update``, the in-place one on
-gradients the caller owns, and its traceable element-wise twin for the compiled and ensemble steps.
+Each is a record of its hyperparameters with a pure ``update``; ``chain`` composes them.
 
 >>> import torch
 >>> clip = clip_by_global_norm(1.0)
@@ -12,7 +11,6 @@ gradients the caller owns, and its traceable element-wise twin for the compiled 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
@@ -23,14 +21,11 @@ from trainfold.core.state import scalar
 from trainfold.core.tree import Tree, check_keys, global_norm
 from trainfold.optim.masks import Mask, resolve_mask
 from trainfold.optim.schedules import Schedule, as_schedule
-from trainfold.optim.transform import GradientTransformation, StepRule
+from trainfold.optim.transform import GradientTransformation, rate_value
 
 __all__ = [
     "AddDecayedWeights",
     "ClipByGlobalNorm",
-    "ElementwiseClip",
-    "ElementwiseDecay",
-    "ElementwiseRate",
     "ScaleByLearningRate",
     "SgdState",
     "Trace",
@@ -92,39 +87,12 @@ class ClipByGlobalNorm(GradientTransformation):
     def init(self, params: Tree) -> tuple:
         return ()
 
-    def update_at(
-        self,
-        grads: Tree,
-        state: tuple,
-        params: Tree,
-        count: int | None = None,
-        *,
-        owned: bool = False,
-        norm: Tensor | None = None,
-    ) -> tuple[Tree, tuple]:
+    def update(self, grads: Tree, state: tuple, params: Tree) -> tuple[Tree, tuple]:
         if not grads:
             return {}, state
-        coef = clip_coefficient(global_norm(grads) if norm is None or not owned else norm, self.max_norm)
-        if owned:  # the grads are the caller's: rescale them where they are
-            torch._foreach_mul_(list(grads.values()), coef)
-            return grads, state
+        coef = clip_coefficient(global_norm(grads), self.max_norm)
         keys = list(grads)
         return dict(zip(keys, scaled([grads[k] for k in keys], coef))), state
-
-    def elementwise(self) -> tuple[ElementwiseClip]:
-        return (ElementwiseClip(self.max_norm),)
-
-
-@attrs.frozen
-class ElementwiseClip:
-    """Clipping on a list of gradients with element-wise ops (it traces under ``torch.compile``)."""
-
-    max_norm: float
-
-    def __call__(self, grads: Sequence[Tensor], norm: Tensor | None = None) -> list[Tensor]:
-        """Return ``grads`` clipped; ``norm`` is their global norm where the caller has it."""
-        coef = clip_coefficient(global_norm(grads) if norm is None else norm, self.max_norm)
-        return [g * coef for g in grads]
 
 
 # -- weight decay -----------------------------------------------------------------------------------
@@ -133,13 +101,13 @@ class ElementwiseClip:
 def add_decayed_weights(weight_decay: float = 0.0, mask: Mask | None = None) -> AddDecayedWeights:
     """Add ``weight_decay * param`` to the update of each param ``mask`` marks (None: every param).
 
-    Before ``scale_by_learning_rate`` it is torch's decoupled decay (``AdamW``); before momentum,
-    torch's coupled one (``SGD(weight_decay=)``). ``mask`` is a ``{name: bool}`` mapping or a
-    function of the params returning one.
+    Before ``scale_by_learning_rate`` it is decoupled decay (as ``AdamW``); before momentum,
+    coupled (as ``SGD(weight_decay=)``). ``mask`` is a ``{name: bool}`` mapping or a function of
+    the params returning one.
 
     >>> t = add_decayed_weights(0.5, mask={"w": True, "b": False})
     >>> p = {"w": torch.tensor(2.0), "b": torch.tensor(2.0)}
-    >>> {k: v.item() for k, v in t.update({"w": torch.tensor(1.0), "b": torch.tensor(1.0)}, None, p)[0].items()}
+    >>> {k: v.item() for k, v in t.update({"w": torch.tensor(1.0), "b": torch.tensor(1.0)}, (), p)[0].items()}
     {'w': 2.0, 'b': 1.0}
     """
     return AddDecayedWeights(float(weight_decay), mask)
@@ -147,136 +115,63 @@ def add_decayed_weights(weight_decay: float = 0.0, mask: Mask | None = None) -> 
 
 @attrs.frozen(eq=False)
 class AddDecayedWeights(GradientTransformation):
-    """See :func:`add_decayed_weights`; it keeps no state."""
+    """See :func:`add_decayed_weights`; its state is an empty tuple."""
 
     weight_decay: float
     mask: Mask | None = None
     _masks: dict = attrs.field(factory=dict, init=False, repr=False)
     name = "add_decayed_weights"
-    keeps_state = False
 
     def decayed(self, params: Tree) -> list[str]:
-        """Return the names of the params ``mask`` marks, in ``params`` order."""
-        return list(self._rates(params))
-
-    def _rates(self, params: Tree) -> dict[str, float]:
+        """Return the names of the params ``mask`` marks, in ``params`` order (cached per key set)."""
         key = tuple(params)
         if key not in self._masks:
-            self._masks[key] = {k: self.weight_decay for k, d in resolve_mask(self.mask, params).items() if d}
+            self._masks[key] = [k for k, d in resolve_mask(self.mask, params).items() if d]
         return self._masks[key]
 
-    def init(self, params: Tree) -> None:
-        return None
+    def init(self, params: Tree) -> tuple:
+        return ()
 
-    def update_at(
-        self,
-        grads: Tree,
-        state: Any,
-        params: Tree,
-        count: int | None = None,
-        *,
-        owned: bool = False,
-        norm: Tensor | None = None,
-    ) -> tuple[Tree, Any]:
+    def update(self, grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
         if not self.weight_decay:
             return grads, state
         check_keys(grads, params, "grads", "params")
-        names, out = list(self._rates(params)), dict(grads)
-        out.update(
-            zip(
-                names,
-                torch._foreach_add([grads[k] for k in names], [params[k] for k in names], alpha=self.weight_decay),
-            )
-        )
+        names, out = self.decayed(params), dict(grads)
+        decayed = torch._foreach_add([grads[k] for k in names], [params[k] for k in names], alpha=self.weight_decay)
+        out.update(zip(names, decayed))
         return out, state
-
-    def fold(self, rule: StepRule | None, params: Tree, count: int | None) -> StepRule | None:
-        if rule is None or rule.decay:  # decoupled decay only right before the learning rate
-            return None
-        return StepRule(rule.lr, self._rates(params))
-
-    def elementwise(self) -> tuple[ElementwiseDecay]:
-        return (ElementwiseDecay(self),)
-
-
-@attrs.frozen(eq=False)
-class ElementwiseDecay:
-    """The decoupled weight decay of each param, for the element-wise AdamW update."""
-
-    transform: AddDecayedWeights
-
-    def __call__(self, params: Tree) -> dict[str, float]:
-        """Return ``{name: weight_decay}`` for every param (0.0 where the mask says no)."""
-        on = set(self.transform.decayed(params))
-        return {k: self.transform.weight_decay if k in on else 0.0 for k in params}
 
 
 # -- the learning rate ------------------------------------------------------------------------------
 
 
 def scale_by_learning_rate(learning_rate: float | Schedule) -> ScaleByLearningRate:
-    """Scale the update by ``-learning_rate`` (a float or a schedule of the update count).
+    """Scale the update by ``-learning_rate`` (a float or a schedule of the update count, which it keeps).
 
-    The count comes from a part of the chain that counts updates (``scale_by_adam``, ``trace``).
-
-    >>> opt = scale_by_learning_rate(0.1)
-    >>> opt.update({"w": torch.tensor(2.0)}, None, {"w": torch.tensor(0.0)})  # doctest: +NORMALIZE_WHITESPACE
-    Traceback (most recent call last):
-    ...
-    ValueError: scale_by_learning_rate reads the update count from a part of its chain that counts updates; put it in a
-    chain after scale_by_adam(...) or trace(...)
+    >>> opt = scale_by_learning_rate(lambda step: 0.1 * (step + 1))
+    >>> u, count = opt.update({"w": torch.tensor(2.0)}, opt.init({}), {})
+    >>> round(u["w"].item(), 4), count.item(), round(opt.learning_rate(count), 4)
+    (-0.2, 1, 0.2)
     """
     return ScaleByLearningRate(as_schedule(learning_rate))
 
 
 @attrs.frozen
 class ScaleByLearningRate(GradientTransformation):
-    """See :func:`scale_by_learning_rate`; it keeps no state."""
+    """See :func:`scale_by_learning_rate`; its state is the update count (a 0-d int64 tensor)."""
 
     schedule: Schedule
     name = "scale_by_learning_rate"
-    keeps_state = False
 
-    def rate(self, count: int | None) -> float:
-        """Return the learning rate at update ``count``."""
-        if count is None:
-            raise ValueError(
-                "scale_by_learning_rate reads the update count from a part of its chain that counts updates; "
-                "put it in a chain after scale_by_adam(...) or trace(...)"
-            )
-        return self.schedule(count)
+    def init(self, params: Tree) -> Tensor:
+        return scalar(0)
 
-    def init(self, params: Tree) -> None:
-        return None
+    def update(self, grads: Tree, state: Tensor, params: Tree) -> tuple[Tree, Tensor]:
+        rate, keys = self.schedule(int(state)), list(grads)
+        return dict(zip(keys, scaled([grads[k] for k in keys], -rate))), state + 1
 
-    def update_at(
-        self,
-        grads: Tree,
-        state: Any,
-        params: Tree,
-        count: int | None = None,
-        *,
-        owned: bool = False,
-        norm: Tensor | None = None,
-    ) -> tuple[Tree, Any]:
-        rate, keys = self.rate(count), list(grads)
-        return dict(zip(keys, scaled([grads[k] for k in keys], -rate))), state
-
-    def fold(self, rule: StepRule | None, params: Tree, count: int | None) -> StepRule | None:
-        return StepRule(self.rate(count)) if rule is None else None
-
-    def rate_at(self, state: Any, count: int | None) -> float | None:
-        return self.rate(count)
-
-    def elementwise(self) -> tuple[ElementwiseRate]:
-        return (ElementwiseRate(self.schedule),)
-
-
-@attrs.frozen
-class ElementwiseRate:
-    """The learning-rate schedule of the element-wise AdamW update."""
-
-    schedule: Callable[[int], float]
+    def learning_rate(self, state: Tensor) -> float:
+        return rate_value(self.schedule(int(state)))
 
 
 # -- SGD's momentum ---------------------------------------------------------------------------------
@@ -324,19 +219,7 @@ class Trace(GradientTransformation):
         buf = {k: torch.zeros_like(v) for k, v in params.items()} if self.momentum else {}
         return SgdState(scalar(0), buf)
 
-    def counter(self, state: SgdState) -> Tensor:
-        return state.count
-
-    def update_at(
-        self,
-        grads: Tree,
-        state: SgdState,
-        params: Tree,
-        count: int | None = None,
-        *,
-        owned: bool = False,
-        norm: Tensor | None = None,
-    ) -> tuple[Tree, SgdState]:
+    def update(self, grads: Tree, state: SgdState, params: Tree) -> tuple[Tree, SgdState]:
         check_keys(grads, params, "grads", "params")
         keys = list(params)
         g, buf = [grads[k] for k in keys], state.momentum

@@ -6,10 +6,10 @@ once for all members with ``torch.func.vmap`` over ``functional_call``, scores e
 loss (outside vmap, so losses may check their inputs), and takes all members' gradients with one
 ``torch.autograd.grad`` of the summed losses (members share no parameter, so each gets exactly its
 own gradient). Counting, seeding, summing over micro-batches and ranks and the step's metrics are
-the micro-batch driver's (``trainfold.step.driver``). Clipping and AdamW run element-wise on the
-stacked tensors, with per-member learning rates, weight decays and bias corrections as broadcast
-tensors: no ``torch._foreach_*`` op, which vmap cannot batch. Members may differ in initial
-weights, seeds and optimizer hyperparameters (pass one optimizer per member).
+the micro-batch driver's (``trainfold.step.driver``). Then each member's optimizer (any
+transformation: ``adamw``, ``sgd``, ``from_torch(...)``, chains) applies its update to that
+member's slice of the stacked params and optimizer state, outside vmap, exactly as ``make_step``
+would. Members may differ in initial weights, seeds and optimizers (pass one optimizer per member).
 
 Speed on CPU (``benchmarks/ensemble.py``): the matmuls of small models already keep the cores
 busy, so an eager vmapped step is no faster than K sequential steps. Compiled, the step pays
@@ -45,7 +45,8 @@ from trainfold.core.collective import Collective, item_count, items_in_batch
 from trainfold.core.forward import train_mode
 from trainfold.core.losses import counter_for, default_loss_for, warn_no_items
 from trainfold.core.state import TrainState
-from trainfold.optim import AdamState, GradientTransformation, OptimizerPlan
+from trainfold.core.tree import global_norm, map_tensors
+from trainfold.optim import GradientTransformation, overwrite
 from trainfold.recipes.ensemble_state import (
     ensemble_axes,
     ensemble_size,
@@ -54,8 +55,7 @@ from trainfold.recipes.ensemble_state import (
     stack_batches,
     stack_ensemble,
 )
-from trainfold.recipes.ensemble_update import member_hyperparameters, stacked_update
-from trainfold.step.compiled import CompileFallbackWarning, elementwise_optimizer
+from trainfold.step.compiled import CompileFallbackWarning
 from trainfold.step.driver import accumulate, advanced, no_gradient_error, sum_over_ranks, with_donation
 from trainfold.step.plan import refuse_sharded
 from trainfold.step.traced import fresh_function, traceable_loss
@@ -122,7 +122,7 @@ class _EnsemblePlan:
     label_key: str
     shared: bool
     unroll: bool
-    optimizers: tuple[OptimizerPlan, ...] = ()
+    optimizers: tuple[GradientTransformation, ...] = ()
     collective: Collective | None = None
 
 
@@ -184,7 +184,7 @@ def make_ensemble_step(
     Each tensor of each micro-batch has a leading member axis (``stack_batches`` builds it);
     with ``shared_batch=True`` every member sees the same, unstacked micro-batches. Member m's
     update equals ``make_step(model, loss, optimizer_m)`` on its own batch, up to float rounding.
-    The optimizer (one, or one per member) must be ``adamw`` or ``chain(clip_by_global_norm, adamw)``.
+    The optimizer is one transformation for all members, or one per member.
     ``batching="vmap"`` runs one forward pass for all members (``torch.func.vmap``; every op needs a
     batching rule); ``"unroll"`` runs the members one after another on views of the stacked tensors
     (no batching rule needed; under ``compile=True`` all members in one graph, on CPU the faster choice
@@ -214,25 +214,25 @@ def make_ensemble_step(
     refuse_sharded(model)
     loss = default_loss_for(model) if loss is None else loss
     optimizers = [optimizer] if isinstance(optimizer, GradientTransformation) else list(optimizer)
-    opts = tuple(elementwise_optimizer(o) for o in optimizers)  # TypeError names an unsupported part
+    bad = [o for o in optimizers if not isinstance(o, GradientTransformation)]
+    if bad:
+        raise TypeError(f"optimizer must be a transformation (e.g. trainfold.adamw(1e-3)) or one per member; got {bad}")
+    opts = tuple(optimizers)
     if batching not in ("vmap", "unroll"):
         raise ValueError(f"batching must be 'vmap' or 'unroll', got {batching!r}")
-    if len({len(o.clips) for o in opts}) > 1:
-        raise ValueError("ensemble members' optimizers must all clip, or none; got chains of different lengths")
     counter = count_items or _counter(loss, label_key)
     plan = _EnsemblePlan(model, loss, counter, label_key, shared_batch, batching == "unroll", opts, collective)
     return with_donation(_compiled(plan, compile) if compile else _eager(plan))
 
 
 def _eager(plan: _EnsemblePlan) -> Callable[[TrainState, Batch, bool], TrainState]:
-    return lambda state, batch, donate: _run(plan, _grads, stacked_update, state, batch, donate)
+    return lambda state, batch, donate: _run(plan, _grads, state, batch, donate)
 
 
 def _compiled(plan: _EnsemblePlan, compile: bool | str) -> Callable[[TrainState, Batch, bool], TrainState]:
     """Return ``run(state, batch, donate)`` under ``torch.compile``, eager (with a warning) once compiling failed."""
     backend = compile if isinstance(compile, str) else "inductor"
     grads_fn = torch.compile(fresh_function(_grads), backend=backend, fullgraph=True)
-    update_fn = torch.compile(fresh_function(stacked_update), backend=backend, fullgraph=True)
     traced = attrs.evolve(plan, loss=traceable_loss(plan.loss))
     eager = _eager(plan)
     failed: list[str] = []
@@ -242,7 +242,7 @@ def _compiled(plan: _EnsemblePlan, compile: bool | str) -> Callable[[TrainState,
             return eager(state, batch, donate)
         try:
             with torch._dynamo.config.patch(trace_autograd_ops=True):
-                return _run(traced, grads_fn, update_fn, state, batch, donate)
+                return _run(traced, grads_fn, state, batch, donate)
         except (ValueError, KeyError):
             raise
         except Exception as err:
@@ -272,7 +272,6 @@ def _counter(loss: Callable[..., Tensor], label_key: str) -> Callable[[Mapping[s
 def _run(
     plan: _EnsemblePlan,
     grads_fn: Callable[..., Any],
-    update_fn: Callable[..., Any],
     state: TrainState,
     batch: Batch,
     donate: bool = False,
@@ -310,7 +309,7 @@ def _run(
     assert sums.grads is not None
     grads = cast(list[Tensor], sums.grads)  # the member micro-step zero-fills unused gradients: none is None
     sum_over_ranks(plan.collective, [*grads, sums.loss])
-    return _updated(opts, update_fn, state, buffers, grads, sums.loss, num_items, cursor, donate)
+    return _updated(opts, state, buffers, grads, sums.loss, num_items, cursor, donate)
 
 
 def _member_counter(plan: _EnsemblePlan, k: int) -> Callable[[Mapping[str, Tensor]], Tensor]:
@@ -320,7 +319,7 @@ def _member_counter(plan: _EnsemblePlan, k: int) -> Callable[[Mapping[str, Tenso
     return count
 
 
-def _member_optimizers(opts: Sequence[OptimizerPlan], k: int) -> list[OptimizerPlan]:
+def _member_optimizers(opts: Sequence[GradientTransformation], k: int) -> list[GradientTransformation]:
     if len(opts) == 1:
         return list(opts) * k
     if len(opts) != k:
@@ -329,8 +328,7 @@ def _member_optimizers(opts: Sequence[OptimizerPlan], k: int) -> list[OptimizerP
 
 
 def _updated(
-    opts: list[OptimizerPlan],
-    update_fn: Callable[..., Any],
+    opts: list[GradientTransformation],
     state: TrainState,
     buffers: dict[str, Tensor],
     grads: list[Tensor],
@@ -339,36 +337,35 @@ def _updated(
     cursor: Any,
     donate: bool,
 ) -> TrainState:
-    """Apply the update to the members with items and return the next ensemble state with its metrics."""
+    """Apply each member's optimizer to its slice and return the next ensemble state with its metrics.
+
+    A member without items learns nothing (params and optimizer state kept) but its step counts; its loss is NaN.
+    """
     keys = list(state.params)
-    device = state.params[keys[0]].device
-    adam = opts[0].adam_of(state.opt_state)
-    hyper, rates = member_hyperparameters(opts, state, adam, device)
-    active = num_items > 0
-    norm, new_p, mu, nu = update_fn(
-        params=[state.params[n] for n in keys],
-        grads=grads,
-        mu=[adam.mu[n] for n in keys],
-        nu=[adam.nu[n] for n in keys],
-        active=active.to(device),
-        **hyper,
-    )
-    new_p, mu, nu = list(new_p), list(mu), list(nu)
-    if donate:  # the new values go into the donated state's tensors, one at a time
-        for olds, news in ((state.params, new_p), (adam.mu, mu), (adam.nu, nu)):
-            for i, name in enumerate(keys):
-                olds[name].copy_(news[i])
-                news[i] = olds[name]
-    # A member without items learns nothing (params and moments kept) but its step counts; its loss is NaN.
+    active = (num_items > 0).tolist()
+    params, opt_states, norms, rates = [], [], [], []
+    with torch.no_grad():
+        for m, opt in enumerate(opts):
+            member = {n: state.params[n][m] for n in keys}
+            member_grads = {n: g[m] for n, g in zip(keys, grads)}
+            member_state = map_tensors(lambda t, m=m: t[m], state.opt_state)
+            norms.append(global_norm(member_grads).detach().float().cpu() if active[m] else torch.tensor(0.0))
+            rates.append(opt.learning_rate(member_state))
+            if active[m]:
+                member, member_state = opt.apply(member_grads, member_state, member)
+            params.append(member)
+            opt_states.append(member_state)
+        new_params = {n: torch.stack([p[n] for p in params]) for n in keys}
+        opt_state = map_tensors(lambda *ts: torch.stack(ts), opt_states[0], *opt_states[1:])
+        if donate:  # the new values go into the donated state's stacked tensors
+            new_params, opt_state = overwrite(state.params, new_params), overwrite(state.opt_state, opt_state)
     fresh = {
-        "loss": torch.where(active, total.cpu(), torch.tensor(float("nan"))),
-        "grad_norm": torch.where(active, norm.detach().float().cpu(), 0.0),
-        "learning_rate": rates,
+        "loss": torch.where(torch.tensor(active), total.cpu(), torch.tensor(float("nan"))),
+        "grad_norm": torch.stack(norms),
+        "learning_rate": torch.tensor(rates, dtype=torch.float64),
         "num_items": num_items.float(),
     }
-    new_adam = AdamState(adam.count + active.to(adam.count.dtype), dict(zip(keys, mu)), dict(zip(keys, nu)))
-    opt_state = opts[0].wrap(state.opt_state, new_adam)
-    return advanced(state, fresh, params=dict(zip(keys, new_p)), buffers=buffers, opt_state=opt_state, cursor=cursor)
+    return advanced(state, fresh, params=new_params, buffers=buffers, opt_state=opt_state, cursor=cursor)
 
 
 def _check_batch(batch: Batch, k: int, shared: bool) -> None:

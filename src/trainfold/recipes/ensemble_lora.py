@@ -42,7 +42,7 @@ from trainfold.step.driver import advanced
 __all__ = ["adapter_count", "init_adapter_ensemble", "make_adapter_ensemble_step", "save_adapters"]
 
 Batch = Sequence[Mapping[str, Tensor]]
-_ELEMENTWISE = {"add_decayed_weights", "trace", "scale_by_learning_rate", "scale_by_adam"}
+_ELEMENTWISE = {"adamw", "sgd", "add_decayed_weights", "trace", "scale_by_learning_rate", "scale_by_adam"}
 
 
 def adapter_count(state: TrainState) -> int:

@@ -1,30 +1,19 @@
 """Run the pure step under ``torch.compile``: the same results as the eager step, faster.
 
 ``compile_step(step)`` wraps a step of ``make_step`` (``make_step(..., compile=True)`` does it). The
-step is split into two compiled graphs, called from the micro-batch driver (``trainfold.step.driver``)
-that keeps every Python-level decision of the eager step (counting ``num_items`` before the forward,
-seeding, the learning rate, metrics, the cursor):
-
-* the *micro-batch graph*: forward, loss and ``torch.autograd.grad`` over leaves made inside
-  the graph (``p.detach().requires_grad_()``), one call per micro-batch. Accumulation steps
-  reuse it, so compile time does not grow with the accumulation count;
-* the *update graph*: pre-clip gradient norm, ``clip_by_global_norm`` and the element-wise
-  AdamW update, fused by the compiler. Learning rate and bias corrections come in as 0-d
-  tensors, so a schedule never triggers a recompile.
-
-Gradients are summed (and all-reduced by a collective) between the two graphs, exactly as in
-the eager step. A donated state (``step(state, batch, donate=True)``) is updated by a twin of the
-update graph that writes the new params and moments into the state's own tensors. The optimizer
-must be ``adamw(...)`` or ``chain(clip_by_global_norm(...), ..., adamw(...))``; for anything else,
-or when ``torch.compile`` is unavailable or fails on the model or objective, the step warns with a
-``CompileFallbackWarning`` naming the reason and runs eagerly.
+micro-batch driver (``trainfold.step.driver``) keeps every Python-level decision of the eager step
+(counting ``num_items`` before the forward, seeding, the learning rate, metrics, the cursor) and calls
+one compiled graph per micro-batch: forward, loss and ``torch.autograd.grad`` over leaves made inside
+the graph (``p.detach().requires_grad_()``). Accumulation steps reuse it, so compile time does not grow
+with the accumulation count. Gradients are summed (and all-reduced by a collective) after it, and the
+optimizer's own ``apply`` runs on them as in the eager step: any transformation works (``adamw`` runs
+torch's fused or foreach kernels), and a donated state is updated in place. When ``torch.compile`` is
+unavailable or fails on the model or objective, the step warns with a ``CompileFallbackWarning``
+naming the reason and runs eagerly.
 
 Dropout inside a compiled graph draws from the compiler's own generator, seeded from the same
 ``(seed, step, micro, rank)`` seed as the eager step: it is deterministic and resumable, but its
 masks differ from the eager step's.
-
->>> sorted(optimizer_plan(__import__("trainfold").adamw(1e-3)).clips)
-[]
 """
 
 from __future__ import annotations
@@ -38,7 +27,7 @@ from torch import Tensor
 
 from trainfold.core.forward import train_mode
 from trainfold.core.state import TrainState
-from trainfold.optim import AdamState, GradientTransformation, OptimizerPlan, optimizer_plan
+from trainfold.core.tree import global_norm
 from trainfold.step.driver import (
     StepStart,
     Sums,
@@ -53,20 +42,12 @@ from trainfold.step.plan import StepPlan
 from trainfold.step.recompute import cache_off
 from trainfold.step.traced import fresh_function, micro_grads, traceable_loss
 
-__all__ = ["CompileFallbackWarning", "compile_step", "elementwise_optimizer", "refuse_uncompilable"]
+__all__ = ["CompileFallbackWarning", "compile_step", "refuse_uncompilable"]
 
 Step = Callable[..., TrainState]  # a step of make_step: step(state, batch, *, donate=False)
 
 
 # -- the compiled step ----------------------------------------------------------------------------
-
-
-def elementwise_optimizer(optimizer: GradientTransformation) -> OptimizerPlan:
-    """Return ``optimizer`` read as the element-wise AdamW plan the compiled and ensemble steps run.
-
-    The one place those steps read an optimizer; ``TypeError`` names a part without an element-wise path.
-    """
-    return optimizer_plan(optimizer)
 
 
 def _why_not(plan: StepPlan) -> str | None:
@@ -75,10 +56,6 @@ def _why_not(plan: StepPlan) -> str | None:
             return "torch.compile is not supported on this Python or platform"
     except Exception as err:
         return f"torch.compile is unavailable ({err})"
-    try:
-        elementwise_optimizer(plan.optimizer)
-    except (TypeError, KeyError, AttributeError) as err:
-        return f"optimizer: {err}"
     return None
 
 
@@ -94,9 +71,9 @@ def compile_step(step: Step, *, backend: str | Callable[..., Any] = "inductor", 
     >>> from trainfold.core.losses import cross_entropy
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
-    ...     step = compile_step(make_step(torch.nn.Linear(2, 2), cross_entropy, sgd(0.1)))
-    >>> [type(w.message).__name__ for w in caught]
-    ['CompileFallbackWarning']
+    ...     step = compile_step(make_step(torch.nn.Linear(2, 2), cross_entropy, sgd(0.1)), backend="aot_eager")
+    >>> [type(w.message).__name__ for w in caught], step.plan.optimizer.name
+    ([], 'sgd')
     """
     plan = getattr(step, "plan", None)
     if not isinstance(plan, StepPlan):
@@ -126,59 +103,20 @@ def compile_step(step: Step, *, backend: str | Callable[..., Any] = "inductor", 
 
 
 def _compiled_run(plan: StepPlan, backend: Any, mode: str | None) -> Callable[[TrainState, Any, bool], TrainState]:
-    """Return ``run(state, batch, donate)`` over the step's graphs (compiled on first use)."""
-    opt = elementwise_optimizer(plan.optimizer)
+    """Return ``run(state, batch, donate)`` over the step's micro-batch graph (compiled on first use)."""
     traced = attrs.evolve(plan, loss=traceable_loss(plan.loss))
     grad_graph = torch.compile(fresh_function(micro_grads), backend=backend, mode=mode, fullgraph=True)
-    update_graphs = {False: torch.compile(fresh_function(_update), backend=backend, mode=mode, fullgraph=True)}
     keys: dict[torch.device, torch.Generator] = {}  # one per device, reseeded per micro-batch
 
     def run(state: TrainState, batch: Sequence[Mapping[str, Tensor]], donate: bool) -> TrainState:
-        if donate and True not in update_graphs:  # the in-place twin, compiled on the first donated step
-            twin = fresh_function(_update_in_place)
-            update_graphs[True] = torch.compile(twin, backend=backend, mode=mode, fullgraph=True)
-        return _run(traced, opt, grad_graph, update_graphs[donate], keys, state, batch, donate)
+        return _run(traced, grad_graph, keys, state, batch, donate)
 
     return run
 
 
-def _update(
-    opt: OptimizerPlan,
-    decay: list[float],
-    params: list[Tensor],
-    grads: list[Tensor],
-    mu: list[Tensor],
-    nu: list[Tensor],
-    lr: Tensor,
-    step_size: Tensor,
-    bc2_sqrt: Tensor,
-) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:
-    return opt.update(decay, params, grads, mu, nu, lr, step_size, bc2_sqrt)
-
-
-def _update_in_place(
-    opt: OptimizerPlan,
-    decay: list[float],
-    params: list[Tensor],
-    grads: list[Tensor],
-    mu: list[Tensor],
-    nu: list[Tensor],
-    lr: Tensor,
-    step_size: Tensor,
-    bc2_sqrt: Tensor,
-) -> Tensor:
-    """``_update`` written into ``params``, ``mu`` and ``nu`` (the compiler writes its kernels' results there)."""
-    norm, new_p, new_mu, new_nu = _update(opt, decay, params, grads, mu, nu, lr, step_size, bc2_sqrt)
-    for dst, src in zip([*params, *mu, *nu], [*new_p, *new_mu, *new_nu]):
-        dst.copy_(src)
-    return norm
-
-
 def _run(
     plan: StepPlan,
-    opt: OptimizerPlan,
     grad_graph: Callable[..., Any],
-    update_graph: Callable[..., Any],
     keys: dict[torch.device, torch.Generator],
     state: TrainState,
     batch: Sequence[Mapping[str, Tensor]],
@@ -187,7 +125,6 @@ def _run(
     start, done = open_step(plan, state, batch)
     if done is not None:  # no items: the eager step's empty step (it warned, counts the step, learns nothing)
         return done
-    adam = opt.adam_of(state.opt_state)
     rank = plan.collective.rank if plan.collective is not None else 0
     device = next(iter(state.params.values())).device
     buffers = dict(state.buffers) if donate else {k: v.clone() for k, v in state.buffers.items()}
@@ -205,7 +142,7 @@ def _run(
     assert sums.grads is not None
     grads = cast(list[Tensor], sums.grads)  # micro_grads zero-fills unused gradients: none is None
     sum_over_ranks(plan.collective, [*grads, sums.loss])
-    return _apply(plan, opt, update_graph, state, adam, start, buffers, sums, donate)
+    return _apply(plan, state, start, buffers, sums, donate)
 
 
 def _key(keys: dict[torch.device, torch.Generator], device: torch.device) -> torch.Generator:
@@ -215,30 +152,15 @@ def _key(keys: dict[torch.device, torch.Generator], device: torch.device) -> tor
 
 
 def _apply(
-    plan: StepPlan,
-    opt: OptimizerPlan,
-    update_graph: Callable[..., Any],
-    state: TrainState,
-    adam: AdamState,
-    start: StepStart,
-    buffers: dict[str, Tensor],
-    sums: Sums,
-    donate: bool,
+    plan: StepPlan, state: TrainState, start: StepStart, buffers: dict[str, Tensor], sums: Sums, donate: bool
 ) -> TrainState:
-    """Run the update graph on the summed gradients and return the next state."""
-    names = list(state.params)
-    device = state.params[names[0]].device
-    count = int(adam.count)
-    lr, step_size, bc2_sqrt = (torch.tensor(x, dtype=torch.float32, device=device) for x in opt.scalars(count))
-    decay = opt.decay(state.params)
-    learning_rate = float(opt.learning_rate(count))
-    inputs = ([state.params[k] for k in names], sums.grads, [adam.mu[k] for k in names], [adam.nu[k] for k in names])
+    """Apply the optimizer to the summed gradients (in place when donated) and return the next state."""
+    assert sums.grads is not None
+    grads = dict(zip(state.params, sums.grads))
+    norm = global_norm(grads)
+    learning_rate = plan.optimizer.learning_rate(state.opt_state)  # before a donated update reuses the tensors
     with torch.no_grad():  # a lent state's params are the module's Parameters, written in place
-        out = update_graph(opt, [decay[k] for k in names], *inputs, lr, step_size, bc2_sqrt)
-    norm, new_p, mu, nu = (out, inputs[0], inputs[2], inputs[3]) if donate else out  # donated: written in place
-    new_adam = AdamState(adam.count + 1, dict(zip(names, mu)), dict(zip(names, nu)))
-    opt_state = opt.wrap(state.opt_state, new_adam)
-    params = dict(zip(names, new_p))
+        params, opt_state = plan.optimizer.apply(grads, state.opt_state, state.params, donate=donate)
     return next_state(
         plan, state, params, buffers, opt_state, start.cursor, sums.loss, norm, start.num_items, sums.aux, learning_rate
     )

@@ -266,9 +266,7 @@ def _update(
         return next_state(plan, state, state.params, buffers, state.opt_state, aux=sums.aux, **finish)
     learning_rate = plan.optimizer.learning_rate(state.opt_state)  # before a donated update reuses the tensors
     with torch.no_grad():
-        params, opt_state = plan.optimizer.apply_owned(
-            grad_tree, state.opt_state, state.params, norm=grad_norm, donate=donate
-        )
+        params, opt_state = plan.optimizer.apply(grad_tree, state.opt_state, state.params, donate=donate)
     new_params = {k: state.params[k] if lent else params[k].detach() for k in leaves}
     if lent:
         _check_in_place(params, state.params)
