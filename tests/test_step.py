@@ -260,7 +260,9 @@ def test_cross_entropy_update_is_independent_of_micro_batch_split(seed, n, data)
     count = int((y != -100).sum())
     forward = make_forward(model, {})
     row = lambda p, r: cross_entropy(forward(p, {"input": x[r : r + 1]}), y[r : r + 1], count)
-    atol = grad_atol(row_abs_grads(row, state.params, range(n)), n)
+    # each row's own products (forward 5 + 8 inputs, the 3-class softmax; backward through the 3 logits) may
+    # run in another kernel when the batch has another shape: inner = 5 + 8 + 3 + 3 (tolerance.grad_atol)
+    atol = grad_atol(row_abs_grads(row, state.params, range(n)), n, inner=19)
     assert_trees_within(whole.opt_state.momentum, parts.opt_state.momentum, atol, rtol=0)
     assert_trees_within(whole.params, parts.params, {k: 0.5 * v for k, v in atol.items()}, rtol=EPS)
 
