@@ -155,8 +155,7 @@ def _apply(
     plan: StepPlan, state: TrainState, start: StepStart, buffers: dict[str, Tensor], sums: Sums, donate: bool
 ) -> TrainState:
     """Apply the optimizer to the summed gradients (in place when donated) and return the next state."""
-    assert sums.grads is not None
-    grads = dict(zip(state.params, sums.grads))
+    grads = dict(zip(state.params, cast(list[Tensor], sums.grads)))  # zero-filled: none is None
     norm = global_norm(grads)
     learning_rate = plan.optimizer.learning_rate(state.opt_state)  # before a donated update reuses the tensors
     with torch.no_grad():  # a lent state's params are the module's Parameters, written in place
