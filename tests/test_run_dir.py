@@ -171,7 +171,7 @@ def test_a_run_continued_for_more_steps_is_the_same_run_with_a_warning(tmp_path)
 
 def test_the_fingerprint_covers_every_trajectory_setting_not_seven():
     def fp(**changes):
-        return run_dir.fingerprint(RunSettings.of(args_for(Path("x")).replace(**changes), world_size=1))
+        return run_dir.settings_fingerprint(RunSettings.of(args_for(Path("x")).replace(**changes), world_size=1))
 
     base = fp()
     for key, value in [
@@ -196,7 +196,10 @@ def test_the_fingerprint_covers_every_trajectory_setting_not_seven():
     ]:
         assert fp(**{key: value}) == base, key
     settings = RunSettings.of(args_for(Path("x")), world_size=1)
-    assert run_dir.fingerprint(settings, {"params.w": [[2], "torch.float32"]}) != base  # the model is part of it
+    # the model is part of it
+    assert (
+        run_dir.settings_fingerprint(settings, {"params.w": [[2], "torch.float32"]}) != base
+    )  # the model is part of it
 
 
 def test_each_setting_declares_on_its_field_whether_it_changes_the_trajectory():

@@ -180,7 +180,8 @@ def _worker(phase: str, out: Path) -> None:
     if phase == "save":
         model = hf_model()
         state = shard(full_state(model), mesh)
-        sc.save(state, out / "sync" / f"checkpoint-{STEP}", model=model, consolidate=True, settings={"world_size": 2})
+        sync = out / "sync" / f"checkpoint-{STEP}"
+        sc.save_sharded(state, sync, model=model, consolidate=True, settings={"world_size": 2})
         saver = sc.Saver(async_save=True)
         path = saver.save(state, out / "async" / f"checkpoint-{STEP}", model=model)
         assert saver.wait() == path
@@ -195,7 +196,8 @@ def _worker(phase: str, out: Path) -> None:
             ),
             mesh,
         )
-        back = ckpt.load(sc.save(uneven, out / "uneven" / "checkpoint-0"), like=uneven)  # rank 1's shards: empty
+        # rank 1's shards: empty
+        back = ckpt.load(sc.save_sharded(uneven, out / "uneven" / "checkpoint-0"), like=uneven)
         save_file({k: v.full_tensor() for k, v in back.params.items()} | local_slabs(back), out / f"uneven-{rank}.st")
         straight = elastic_run(out / "straight", fsdp="full_shard", async_save=True, save_consolidated_model=True)
         save_file(trained(straight), out / f"straight-{rank}.safetensors")
@@ -709,7 +711,7 @@ def test_the_run_fingerprint_sees_the_global_batch_not_its_split():
     from trainfold.ckpt.run_identity import RunSettings
 
     def fp(world_size, **changes):
-        return run_dir.fingerprint(RunSettings.of(run_args(Path("x"), **changes), world_size=world_size))
+        return run_dir.settings_fingerprint(RunSettings.of(run_args(Path("x"), **changes), world_size=world_size))
 
     assert fp(1, gradient_accumulation_steps=2) == fp(2)
     assert fp(1) != fp(2)

@@ -147,7 +147,7 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
             "optimizer and the schedule"
         )
     if is_sharded_checkpoint(meta):  # written by every rank: resharded to like's layout
-        return sharded.load(directory, like)
+        return sharded.load_sharded(directory, like)
     return _load(directory, meta, like)
 
 
@@ -210,7 +210,7 @@ def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
     directory = Path(directory)
     meta = read_metadata(directory)
     if is_sharded_checkpoint(meta):
-        return sharded.load(directory, like, weights_only=True)
+        return sharded.load_sharded(directory, like, weights_only=True)
     path = directory / _weights_file(meta)
     if "tensors" not in meta:  # formats 1 and 2: model.safetensors under the state's names
         flat = _read_tensors(directory, MODEL_FILE, meta)

@@ -24,7 +24,7 @@ import attrs
 
 from trainfold.ckpt.listing import is_complete, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
-from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings, fingerprint, model_signature
+from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings, model_signature, settings_fingerprint
 from trainfold.ckpt.run_lock import lock, remove_leftovers
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, read_metadata
 from trainfold.ckpt.writer import disk_full, is_disk_full
@@ -339,7 +339,7 @@ def resume_point(args: Any, model: Any, *, world_size: int = 1) -> Path | None:
     """
     params, buffers = split_module(model)
     signature = model_signature(types.SimpleNamespace(params=params, buffers=buffers))
-    return resumable(args.output_dir, fingerprint(RunSettings.of(args, world_size=world_size), signature))
+    return resumable(args.output_dir, settings_fingerprint(RunSettings.of(args, world_size=world_size), signature))
 
 
 def _saved_settings(

@@ -29,7 +29,7 @@ __all__ = [
     "SAMPLE_ORDER",
     "RunSettings",
     "RunIdentity",
-    "fingerprint",
+    "settings_fingerprint",
     "model_signature",
 ]
 
@@ -55,7 +55,7 @@ class RunSettings:
     ...     learning_rate: float = 0.1
     ...     logging_steps: int = attrs.field(default=5, metadata=BOOKKEEPING)
     >>> a, b = RunSettings.of(Args()), RunSettings.of(Args(logging_steps=1))
-    >>> a.trajectory(), fingerprint(a) == fingerprint(b)
+    >>> a.trajectory(), settings_fingerprint(a) == settings_fingerprint(b)
     ({'learning_rate': 0.1}, True)
     >>> RunSettings.of(Args(0.2)).differences({"learning_rate": 0.1, "logging_steps": 1})
     ['learning_rate: 0.1 there, 0.2 here']
@@ -102,7 +102,7 @@ def model_signature(state: Any) -> dict[str, list[Any]]:
     return {k: [list(v.shape), str(v.dtype)] for k, v in sorted(tensors.items())}
 
 
-def fingerprint(settings: RunSettings, model: Mapping[str, Any] | None = None) -> str:
+def settings_fingerprint(settings: RunSettings, model: Mapping[str, Any] | None = None) -> str:
     """Return the hash (16 hex digits) of the trajectory settings (the batch as the global batch) and the model."""
     body = {"settings": _batch_as_global(settings.trajectory()), "model": dict(model or {})}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=repr).encode()).hexdigest()[:16]

@@ -38,7 +38,7 @@ from trainfold.step.fsdp import held_structure
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["Saver", "is_sharded", "save", "load", "read_index"]
+__all__ = ["Saver", "is_sharded", "save_sharded", "load_sharded", "read_index"]
 
 
 def _dtensor_type() -> type[DTensor] | None:
@@ -140,7 +140,7 @@ def _announce(name: str, group: Any) -> str:
     return str(box[0])
 
 
-def save(
+def save_sharded(
     state: TrainState,
     directory: str | os.PathLike,
     *,
@@ -256,7 +256,7 @@ class Saver:
         if is_sharded(state):
             if dist.is_initialized() and self._group is None:
                 self._group = dist.new_group(backend="gloo")
-            write = functools.partial(save, group=self._group, consolidate=self.consolidate, **options)
+            write = functools.partial(save_sharded, group=self._group, consolidate=self.consolidate, **options)
             commits = not dist.is_initialized() or dist.get_rank() == 0
         elif self.fsync == "background":  # on_commit once durable, from the fsync thread
             write = functools.partial(writer.save, syncs=self._syncs, on_durable=on_commit, **options)
@@ -350,7 +350,7 @@ def read_index(directory: str | os.PathLike) -> dict[str, Any]:
     return {"format": "dcp-huggingface", "world_size": len(listed), "tensors": tensors}
 
 
-def load(directory: str | os.PathLike, like: TrainState, *, weights_only: bool = False) -> TrainState:
+def load_sharded(directory: str | os.PathLike, like: TrainState, *, weights_only: bool = False) -> TrainState:
     """Return the sharded checkpoint in ``directory`` laid out like ``like``, on any number of ranks.
 
     ``like``'s DTensors get this rank's slab of each tensor (resharded by DCP's planner to the

@@ -26,7 +26,7 @@ import safetensors.torch
 import xxhash
 from torch import Tensor
 
-__all__ = ["write", "read", "check", "digest_of", "write_bytes", "TensorFileError", "HASHES"]
+__all__ = ["write", "read", "check", "digest_of", "write_hashed", "TensorFileError", "HASHES"]
 
 HASHES = ("xxh3_64", "crc32")  # the hash a file entry records: the current one, then the one of formats 1 to 3
 _CHUNK = 1 << 23  # bytes hashed at a time
@@ -48,11 +48,11 @@ class _Crc32:
         return self.value
 
 
-def write_bytes(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> dict[str, int]:
+def write_hashed(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> dict[str, int]:
     """Write ``data`` to ``path`` and return its entry ``{"bytes", "xxh3_64"}``.
 
     >>> import tempfile
-    >>> write_bytes(tempfile.mkdtemp() + "/f", b"abc")["bytes"]
+    >>> write_hashed(tempfile.mkdtemp() + "/f", b"abc")["bytes"]
     3
     """
     with open(path, "wb") as f:
@@ -96,7 +96,7 @@ def digest_of(path: str | os.PathLike, kind: str = "xxh3_64") -> dict[str, int]:
 
     >>> import tempfile
     >>> path = tempfile.mkdtemp() + "/f"
-    >>> _ = write_bytes(path, b"abc")
+    >>> _ = write_hashed(path, b"abc")
     >>> digest_of(path, "crc32") == {"bytes": 3, "crc32": zlib.crc32(b"abc")}
     True
     """
@@ -114,7 +114,7 @@ def check(path: str | os.PathLike, entry: Mapping[str, int]) -> None:
 
     >>> import tempfile
     >>> path = tempfile.mkdtemp() + "/f"
-    >>> check(path, write_bytes(path, b"abc"))
+    >>> check(path, write_hashed(path, b"abc"))
     >>> check(path, {"bytes": 3, "xxh3_64": 1})
     Traceback (most recent call last):
     ...

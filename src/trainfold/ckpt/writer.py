@@ -273,7 +273,7 @@ def _write_files(
         weights = {name: flat[key] for key, name in layout.weights.items()}
         record(layout.weights_file, tensor_file.write(tmp / layout.weights_file, weights, metadata=_PT, fsync=fsync))
     if layout.config_file is not None and layout.config_text is not None:
-        config = tensor_file.write_bytes(tmp / layout.config_file, layout.config_text.encode(), fsync=fsync)
+        config = tensor_file.write_hashed(tmp / layout.config_file, layout.config_text.encode(), fsync=fsync)
         record(layout.config_file, config)
     if extra_files is not None:
         extra_files(tmp)
