@@ -43,8 +43,8 @@ def _check_stackable(name: str, nodes: Sequence[Any]) -> None:
         if any(any(c.__name__ == "DTensor" for c in type(t).__mro__) for t in tensors):
             raise TypeError(
                 f"vmapped ensembles over DTensor shards are not supported ({name} is sharded; torch's "
-                "vmap does not run on DTensors): stack full states (trainfold.step.sharded.gather_state), or "
-                "train each member on its own with make_step(..., sharding=)"
+                "vmap does not run on DTensors): stack full states (each DTensor's full_tensor()), or train "
+                "each member on its own fully_shard module (a lent, donated state: init_state(..., copy=False))"
             )
         shapes = {(tuple(t.shape), t.dtype) for t in tensors}
         if len(shapes) > 1:
