@@ -164,6 +164,8 @@ def test_full_shard_options_reach_fully_shard(one_rank, reshard):
     net(input_ids=ids).sum()  # a forward that will be followed by a backward (autograd on)
     assert seen == [torch.bfloat16]  # MixedPrecisionPolicy(param_dtype=bf16): the gathered params are bf16
     assert isinstance(next(net.blocks[0].parameters()), DTensor) == reshard  # resharded after forward, or kept
+    root_own = [p for n, p in net.named_parameters() if not n.startswith("blocks.")]
+    assert root_own and not any(isinstance(p, DTensor) for p in root_own)  # the root keeps its own for backward
     if reshard:  # the shards (the state's params) stay fp32
         assert all(p.dtype == torch.float32 for p in net.blocks[0].parameters())
     with pytest.raises(ValueError, match=r"this run is on the CPU already \(a 'cpu' mesh\): drop 'offload'"):

@@ -201,6 +201,24 @@ def check_live(state: Any) -> None:
             value._refuse()
 
 
+def resharded(model: nn.Module) -> nn.Module:
+    """Put every FSDP2 module of ``model`` back on its shards (``FSDPModule.reshard``) and return ``model``.
+
+    After a forward without backward (evaluation), the root of a ``fully_shard`` model keeps its
+    parameters gathered (torch's default for the root); its registered parameters are then the
+    gathered tensors, not the DTensor shards a lent state holds. Other modules are left as they are.
+
+    >>> import torch
+    >>> lin = torch.nn.Linear(2, 1)
+    >>> resharded(lin) is lin
+    True
+    """
+    for module in model.modules():
+        if any(c.__name__ == "FSDPModule" for c in type(module).__mro__):
+            module.reshard()  # type: ignore[operator]  # FSDPModule.reshard (torch.distributed.fsdp)
+    return model
+
+
 def split_module(model: nn.Module, *, copy: bool = True) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Return ``(params, buffers)`` of ``model`` as detached copies (``copy=False``: the module's own tensors).
 
@@ -215,6 +233,7 @@ def split_module(model: nn.Module, *, copy: bool = True) -> tuple[dict[str, Tens
     """
     params: dict[str, Tensor] = {}
     buffers: dict[str, Tensor] = {}
+    resharded(model)
     for name, p in model.named_parameters():
         (params if p.requires_grad else buffers)[name] = p.detach().clone() if copy else p
     for name, b in model.named_buffers():

@@ -19,7 +19,7 @@ from torch import nn
 from trainfold.core.collective import Collective
 from trainfold.core.forward import training_flags
 from trainfold.core.losses import default_loss_for
-from trainfold.core.state import TrainState, split_module
+from trainfold.core.state import TrainState, resharded, split_module
 from trainfold.data import close_loader, eval_loader
 from trainfold.data.collate import collate_for
 from trainfold.data.columns import eval_collate, padded_to_multiple
@@ -142,7 +142,7 @@ class EvalPlan:
             ]
         runs: Any = module_forward(model) if is_fully_sharded(model) else model
         assert self.loss is not None  # a run gives eval_plan_for its loss; only an objective run scores without
-        return [
+        results = [
             evaluate_sharded(
                 runs,
                 state.params,
@@ -154,6 +154,8 @@ class EvalPlan:
             )
             for s in self.sets
         ]
+        resharded(model)  # FSDP2's root keeps its params gathered after a forward: back on the state's shards
+        return results
 
 
 def module_forward(model: nn.Module) -> Callable[[Any, Mapping[str, Any]], Any]:

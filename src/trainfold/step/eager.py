@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.core.forward import Batch, Forward, make_forward, training_flags
-from trainfold.core.state import TrainState
+from trainfold.core.state import TrainState, resharded
 from trainfold.core.tree import global_norm
 from trainfold.distributed.distributed import failure_of
 from trainfold.step.amp import SCALER, ScalerState, unscale_, updated
@@ -80,7 +80,7 @@ def _step(
     engine: DataParallel | None = None,
     fsdp: bool = False,
 ) -> TrainState:
-    lent = donate and is_lent(plan.model, state)
+    lent = donate and is_lent(resharded(plan.model) if fsdp else plan.model, state)
     if fsdp and not lent:
         raise TypeError(
             f"{type(plan.model).__name__} is wrapped with fully_shard (FSDP2): its step runs the module as it is, on "

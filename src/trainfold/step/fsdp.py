@@ -187,7 +187,9 @@ def fully_shard_model(model: nn.Module, mesh: Any, spec: FullShard = FullShard()
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=spec.param_dtype, reduce_dtype=torch.float32)
     for block in layer_blocks(model, spec.layer_classes):
         fully_shard(block, **options)
-    fully_shard(model, **options)
+    # the root's params (embeddings, head) are needed again at once by backward: torch's own choice (None)
+    # keeps them gathered after forward, as a hand fully_shard(model) does (True re-gathered them per micro-batch)
+    fully_shard(model, **{**options, "reshard_after_forward": None if spec.reshard_after_forward else False})
     return model
 
 
