@@ -107,6 +107,29 @@ def test_a_fully_shard_model_steps_bitwise_as_the_unwrapped_module_on_one_rank(o
     assert torch.equal(lent.metrics["grad_norm"], pure.metrics["grad_norm"])
 
 
+def test_a_forward_without_backward_between_steps_leaves_the_state_lent(one_rank):
+    """The root of a fully_shard model keeps its params gathered after a forward (torch's default for the root):
+    the step puts it back on the shards the lent state holds, and steps it as if nothing had run."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    opt, nets = sgd(0.1, momentum=0.9), [model(), model()]
+    for net in nets:
+        for block in net.blocks:
+            fully_shard(block, mesh=one_rank)
+        fully_shard(net, mesh=one_rank)
+    steps = [make_step(net, causal_lm, opt) for net in nets]
+    states = [init_state(net, opt, copy=False) for net in nets]
+    states = [step(s, micro_batches(0, 0), donate=True) for step, s in zip(steps, states)]
+    with torch.no_grad():
+        nets[0](input_ids=micro_batches(1, 0)[0]["input_ids"])  # evaluation in the user's own loop
+    assert not isinstance(nets[0].tok.weight, DTensor)  # the root holds its gathered params now
+    states = [step(s, micro_batches(1, 0), donate=True) for step, s in zip(steps, states)]
+    assert all(states[0].params[k] is p for k, p in nets[0].named_parameters())
+    for k, v in states[1].params.items():
+        assert torch.equal(states[0].params[k].full_tensor(), v.full_tensor()), k
+
+
 def test_a_fully_shard_model_needs_a_lent_donated_state(one_rank):
     from torch.distributed.fsdp import fully_shard
 

@@ -80,7 +80,9 @@ def _step(
     engine: DataParallel | None = None,
     fsdp: bool = False,
 ) -> TrainState:
-    lent = donate and is_lent(resharded(plan.model) if fsdp else plan.model, state)
+    lent = donate and is_lent(plan.model, state)
+    if fsdp and donate and not lent:  # after a forward without backward the root may hold its gathered params
+        lent = is_lent(resharded(plan.model), state)
     if fsdp and not lent:
         raise TypeError(
             f"{type(plan.model).__name__} is wrapped with fully_shard (FSDP2): its step runs the module as it is, on "
