@@ -289,8 +289,8 @@ class _Structure:
 
     def __init__(self, model: Any) -> None:
         self._model = model
+        self._state = model.state_dict(keep_vars=True)  # first: its pre-hook puts a gathered root back on shards
         self._params, self._buffers = list(model.named_parameters()), list(model.named_buffers())
-        self._state = model.state_dict(keep_vars=True)
 
     def named_parameters(self) -> Any:
         return iter(self._params)
