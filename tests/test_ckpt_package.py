@@ -89,7 +89,7 @@ def test_a_saved_sidecar_holds_the_fields_of_the_format_in_order(tmp_path):
 
 
 def test_new_sidecar_makes_a_valid_sidecar_once_its_checksum_is_added(tmp_path):
-    files = {"model.safetensors": {"bytes": 10, "crc32": 1}, "state.safetensors": {"bytes": 20, "crc32": 2}}
+    files = {"model.safetensors": {"bytes": 10, "xxh3_64": 1}, "state.safetensors": {"bytes": 20, "xxh3_64": 2}}
     meta = json.loads(
         sidecar_bytes(new_sidecar(step=4, cursor=(1, 8), files=files, run={"id": "a", "fingerprint": "b"}))
     )
@@ -112,14 +112,14 @@ def test_new_sidecar_makes_a_valid_sidecar_once_its_checksum_is_added(tmp_path):
     jit=st.booleans(),
 )
 def test_any_new_sidecar_round_trips_through_its_bytes_and_validates(step, epoch, position, metadata, jit):
-    files = {"model.safetensors": {"bytes": 1, "crc32": 0}, "state.safetensors": {"bytes": 2, "crc32": 0}}
+    files = {"model.safetensors": {"bytes": 1, "xxh3_64": 0}, "state.safetensors": {"bytes": 2, "xxh3_64": 0}}
     record = new_sidecar(step=step, cursor=(epoch, position), files=files, metadata=metadata, jit=jit)
     meta = json.loads(sidecar_bytes(record))
     assert validate_sidecar(meta, "c/trainfold.json") == {**record, "checksum": meta["checksum"]}
 
 
 def test_a_sidecar_altered_after_its_checksum_is_refused_by_field():
-    files = {"model.safetensors": {"bytes": 1, "crc32": 0}, "state.safetensors": {"bytes": 2, "crc32": 0}}
+    files = {"model.safetensors": {"bytes": 1, "xxh3_64": 0}, "state.safetensors": {"bytes": 2, "xxh3_64": 0}}
     meta = json.loads(sidecar_bytes(new_sidecar(step=3, cursor=(0, 3), files=files)))
     with pytest.raises(CheckpointError, match=r"c/trainfold.json: field 'checksum' does not match"):
         validate_sidecar({**meta, "metadata": {"x": 1}}, "c/trainfold.json")

@@ -223,7 +223,7 @@ def test_a_weights_file_without_a_tensor_the_sidecar_maps_is_refused(tmp_path):
         load(path, like=state)
 
 
-# -- older formats still resume -------------------------------------------------------------------------------
+# -- formats before 4 are refused by name ---------------------------------------------------------------------
 
 
 def write_format_2(state, model, path: Path, version: int = 2) -> Path:
@@ -259,35 +259,39 @@ def write_format_2(state, model, path: Path, version: int = 2) -> Path:
     return path
 
 
-@pytest.mark.parametrize("version", [1, 2])
-def test_a_format_1_or_2_checkpoint_still_loads_bitwise(tmp_path, version):
-    model = llama()
-    state = trained_state(model)
-    path = write_format_2(state, model, tmp_path / "checkpoint-5", version)
-    assert checkpoint.is_complete(path) and checkpoint.list_checkpoints(tmp_path) == [path]
-    like = init_state(llama(seed=4), adamw(1e-3))
-    assert_states_equal(load(path, like=like), state)
-    weights = checkpoint.load_weights(path, like=like)
-    assert all(torch.equal(weights.params[k], v) for k, v in state.params.items())
-
-
-def test_a_format_3_checkpoint_with_crc32s_still_loads_and_its_crcs_are_checked(tmp_path):
-    model = llama()
-    state = trained_state(model)
-    path = save(state, tmp_path / "c", model=model)
+def write_format_3(state, model, path: Path) -> Path:
+    """A checkpoint as format 3 wrote it: as format 4, but a zlib CRC-32 per file."""
+    save(state, path, model=model)
     meta = read_metadata(path)
-    meta["format_version"] = 3  # as format 3 wrote it: a zlib CRC-32 per file
+    meta.update(format_version=3, library_version="0.3")
     meta["files"] = {
         n: {"bytes": e["bytes"], "crc32": zlib.crc32((path / n).read_bytes())} for n, e in meta["files"].items()
     }
     (path / SIDECAR_FILE).write_bytes(sidecar_bytes(meta))
+    return path
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_a_checkpoint_of_a_format_before_4_is_refused_naming_the_release_and_the_fix(tmp_path, version):
+    model = llama()
+    state = trained_state(model)
+    path = tmp_path / "checkpoint-5"
+    if version == 3:
+        write_format_3(attrs.evolve(state, step=scalar(5)), model, path)
+    else:
+        write_format_2(state, model, path, version)
+    release = "0.3" if version == 3 else "0.1"
+    refusal = (
+        rf"{path / SIDECAR_FILE}: field 'format_version' is {version}: the checkpoint was written by trainfold "
+        rf"{release}.*reads format 4 only; load it with trainfold {release} and save it again, or start a new run "
+        rf"from its weights \(its model.safetensors loads with from_pretrained\)"
+    )
     like = init_state(llama(seed=4), adamw(1e-3))
-    assert_states_equal(load(path, like=like), state)
-    data = bytearray((path / STATE_FILE).read_bytes())
-    data[len(data) // 2] ^= 1
-    (path / STATE_FILE).write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=rf"{path / STATE_FILE} is corrupted: its crc32 is"):
-        load(path, like=like)
+    for read in (read_metadata, lambda p: load(p, like=like), lambda p: checkpoint.warm_start(p, like=like)):
+        with pytest.raises(CheckpointError, match=refusal):
+            read(path)
+    with pytest.warns(checkpoint.CheckpointWarning, match="field 'format_version'"):
+        assert not checkpoint.is_complete(path) and checkpoint.list_checkpoints(tmp_path) == []
 
 
 def test_a_newer_format_is_refused_by_name(tmp_path):

@@ -155,7 +155,7 @@ def test_a_renamed_checkpoint_or_a_symlink_out_of_the_output_dir_is_never_taken(
         found = list_checkpoints(out)
     assert [p.name for p in found] == ["checkpoint-2"]
     text = " ".join(str(w.message) for w in caught)
-    assert "name says step 99 but trainfold.json says step 4" in text and "symbolic link" in text
+    assert "field 'step' is 4, but the directory's name says step 99" in text and "symbolic link" in text
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", CheckpointWarning)
         assert run_dir.resumable(out, read_metadata(out / "checkpoint-2")["run"]["fingerprint"]) == out / "checkpoint-2"

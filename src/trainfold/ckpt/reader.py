@@ -1,13 +1,11 @@
 """Loading a checkpoint into a template state: every file's size and hash checked, shapes and names from the template.
 
-Checkpoints of formats 1 and 2 (the whole record in ``state.safetensors``) still load; a sharded
-checkpoint (``trainfold.ckpt.sharded``) is resharded to the template's layout. Loading never runs code.
+A sharded checkpoint (``trainfold.ckpt.sharded``) is resharded to the template's layout. Loading never runs code.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,18 +33,13 @@ __all__ = ["load", "load_weights", "warm_start", "FrozenWeightsError"]
 
 def _read_tensors(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
     path = directory / name
-    if path.is_symlink():
-        raise CheckpointError(f"{path} is a symbolic link; a checkpoint's files must be its own; copy the file in")
-    if not path.is_file():
+    if path.is_symlink() or not path.is_file():
         raise FileNotFoundError(
-            f"{path} is missing; the checkpoint is incomplete or was altered; "
+            f"{path} is missing or not a plain file of its own; the checkpoint is incomplete or was altered; "
             "resume from latest_checkpoint(output_dir) instead"
         )
-    expected = meta["files"].get(name)
-    if expected is None:
-        raise field_error(directory / SIDECAR_FILE, f"files.{name}", "is missing: the file cannot be checked")
     try:
-        return tensor_file.read(path, expected)
+        return tensor_file.read(path, meta["files"][name])
     except tensor_file.TensorFileError as e:
         raise CheckpointError(f"{e} (as {SIDECAR_FILE} records); resume from an earlier checkpoint") from None
 
@@ -130,15 +123,7 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """
     directory = Path(directory)
     meta = read_metadata(directory)
-    named = re.fullmatch(r"checkpoint-(\d+)", directory.name)
-    if named and int(named.group(1)) != meta["step"]:
-        raise field_error(
-            directory / SIDECAR_FILE,
-            "step",
-            f"is {meta['step']}, but the directory's name says step {named.group(1)}",
-            "the directory was renamed or its files replaced; load the checkpoint under its own name",
-        )
-    if meta.get("save_only_model"):
+    if meta["save_only_model"]:
         raise ValueError(
             f"{directory / STATE_FILE} does not exist: {directory} was saved with save_only_model=True "
             "and holds weights only (no optimizer state, step or data cursor), so training cannot "
@@ -153,39 +138,26 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
 
 def _load(directory: Path, meta: Mapping[str, Any], like: TrainState) -> TrainState:
     """``load`` of a checkpoint written by one rank: its files checked, read, rebuilt."""
-    flat = _read_tensors(directory, STATE_FILE, meta)
-    note = ""
-    if "tensors" in meta:  # formats 3 and 4: the weights are in their own file(s)
-        weights = _read_weights(directory, meta, like)
-        clash = sorted(set(weights) & set(flat))
-        if clash:
-            raise CheckpointError(
-                f"{directory / STATE_FILE} holds {clash[:3]}, which {SIDECAR_FILE} places in "
-                "a weights file: the checkpoint was altered; resume from an earlier checkpoint"
-            )
-        flat.update(weights)
-        note = f" (with the weights of {', '.join(meta['tensors'])})"
+    flat, weights = _read_tensors(directory, STATE_FILE, meta), _read_weights(directory, meta, like)
+    clash = sorted(set(weights) & set(flat))
+    if clash:
+        raise CheckpointError(
+            f"{directory / STATE_FILE} holds {clash[:3]}, which {SIDECAR_FILE} places in "
+            "a weights file: the checkpoint was altered; resume from an earlier checkpoint"
+        )
+    flat.update(weights)
+    note = f" (with the weights of {', '.join(meta['tensors'])})"
     metrics = {k.removeprefix("metrics."): v for k, v in flat.items() if k.startswith("metrics.")}
     rest = {k: v for k, v in flat.items() if not k.startswith("metrics.")}
     state = _fit(rest, attrs.evolve(like, metrics={}), directory / STATE_FILE, note)
-    saved = {
-        "step": int(state.step),
-        "cursor.epoch": int(state.cursor.epoch),
-        "cursor.position": int(state.cursor.position),
-    }
-    recorded = {
-        "step": meta["step"],
-        "cursor.epoch": meta["cursor"]["epoch"],
-        "cursor.position": meta["cursor"]["position"],
-    }
-    for field, value in saved.items():
-        if recorded[field] != value:
-            raise field_error(directory / SIDECAR_FILE, field, f"is {recorded[field]} but {STATE_FILE} holds {value}")
+    for field, value, recorded in [
+        ("step", state.step, meta["step"]),
+        ("cursor.epoch", state.cursor.epoch, meta["cursor"]["epoch"]),
+        ("cursor.position", state.cursor.position, meta["cursor"]["position"]),
+    ]:
+        if recorded != int(value):
+            raise field_error(directory / SIDECAR_FILE, field, f"is {recorded} but {STATE_FILE} holds {int(value)}")
     return attrs.evolve(state, metrics=metrics)
-
-
-def _weights_file(meta: Mapping[str, Any]) -> str:
-    return next(iter(meta.get("tensors", {MODEL_FILE: {}})))
 
 
 def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
@@ -211,21 +183,14 @@ def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
     meta = read_metadata(directory)
     if is_sharded_checkpoint(meta):
         return sharded.load_sharded(directory, like, weights_only=True)
-    path = directory / _weights_file(meta)
-    if "tensors" not in meta:  # formats 1 and 2: model.safetensors under the state's names
-        flat = _read_tensors(directory, MODEL_FILE, meta)
-        params_in = {k: v for k, v in flat.items() if k in like.params}
-        buffers_in = {k: v for k, v in flat.items() if k not in like.params}
-    else:
-        flat = _read_weights(directory, meta, like)
-        if any(k.startswith("params.") and k[7:] not in flat for k in like.params) and STATE_FILE in meta["files"]:
-            # trainable tensors peft does not save (a base norm unfrozen by hand) are in the state file
-            flat = {
-                **{k: v for k, v in _read_tensors(directory, STATE_FILE, meta).items() if k.startswith("params.")},
-                **flat,
-            }
-        params_in = {k[7:]: v for k, v in flat.items() if k.startswith("params.")}
-        buffers_in = {k[8:]: v for k, v in flat.items() if k.startswith("buffers.")}
+    path = directory / next(iter(meta["tensors"]), MODEL_FILE)
+    flat = _read_weights(directory, meta, like)
+    if any(f"params.{k}" not in flat for k in like.params) and STATE_FILE in meta["files"]:
+        # trainable tensors peft does not save (a base norm unfrozen by hand) are in the state file
+        state_params = _read_tensors(directory, STATE_FILE, meta)
+        flat = {**{k: v for k, v in state_params.items() if k.startswith("params.")}, **flat}
+    params_in = {k[7:]: v for k, v in flat.items() if k.startswith("params.")}
+    buffers_in = {k[8:]: v for k, v in flat.items() if k.startswith("buffers.")}
     unexpected = sorted((set(params_in) - set(like.params)) | (set(buffers_in) - set(like.buffers)))
     missing = sorted(set(like.params) - set(params_in))
     if unexpected or missing:
@@ -260,7 +225,7 @@ def warm_start(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """
     state = load_weights(directory, like)
     warnings.warn(
-        f"warm start from the weights in {Path(directory) / _weights_file(read_metadata(directory))}: the "
+        f"warm start from the weights in {directory}: the "
         f"optimizer state, schedule and data order restart from step {int(like.step)} (not an exact resume)",
         UserWarning,
         stacklevel=2,

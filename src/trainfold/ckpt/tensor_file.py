@@ -3,7 +3,7 @@
 The hash is XXH3-64 (``xxhash``, ~6 GB/s on one core against ~1 GB/s for zlib's CRC-32, measured for
 the choice). ``write`` has ``save_file`` write the file, then hashes it in one streaming pass while its
 pages are in the page cache, before the fsync; ``read`` checks size and hash in one streaming pass,
-then calls ``load_file``. Checkpoints of formats 1 to 3 record zlib CRC-32s (``"crc32"``), still checked.
+then calls ``load_file``.
 
 >>> import tempfile, torch
 >>> path = tempfile.mkdtemp() + "/t.safetensors"
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import errno
 import os
-import zlib
 from collections.abc import Mapping
 
 import safetensors
@@ -26,26 +25,13 @@ import safetensors.torch
 import xxhash
 from torch import Tensor
 
-__all__ = ["write", "read", "check", "digest_of", "write_hashed", "TensorFileError", "HASHES"]
+__all__ = ["write", "read", "check", "digest_of", "write_hashed", "TensorFileError"]
 
-HASHES = ("xxh3_64", "crc32")  # the hash a file entry records: the current one, then the one of formats 1 to 3
 _CHUNK = 1 << 23  # bytes hashed at a time
 
 
 class TensorFileError(ValueError):
     """A file that is not a readable safetensors file, or whose size or hash is not the recorded one."""
-
-
-class _Crc32:
-    """zlib's CRC-32 behind ``xxhash``'s ``update``/``intdigest`` (formats 1 to 3 record it)."""
-
-    value = 0
-
-    def update(self, data: bytes | memoryview) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def intdigest(self) -> int:
-        return self.value
 
 
 def write_hashed(path: str | os.PathLike, data: bytes, *, fsync: bool = True) -> dict[str, int]:
@@ -91,22 +77,15 @@ def write(
     return entry
 
 
-def digest_of(path: str | os.PathLike, kind: str = "xxh3_64") -> dict[str, int]:
-    """Return the entry ``{"bytes", kind}`` of the file ``path``, hashed in one streaming pass.
-
-    >>> import tempfile
-    >>> path = tempfile.mkdtemp() + "/f"
-    >>> _ = write_hashed(path, b"abc")
-    >>> digest_of(path, "crc32") == {"bytes": 3, "crc32": zlib.crc32(b"abc")}
-    True
-    """
-    h, size = xxhash.xxh3_64() if kind == "xxh3_64" else _Crc32(), 0
+def digest_of(path: str | os.PathLike) -> dict[str, int]:
+    """Return the entry ``{"bytes", "xxh3_64"}`` of the file ``path``, hashed in one streaming pass."""
+    h, size = xxhash.xxh3_64(), 0
     buf = memoryview(bytearray(_CHUNK))
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
             h.update(buf[:n])
             size += n
-    return {"bytes": size, kind: h.intdigest()}
+    return {"bytes": size, "xxh3_64": h.intdigest()}
 
 
 def check(path: str | os.PathLike, entry: Mapping[str, int]) -> None:
@@ -123,10 +102,9 @@ def check(path: str | os.PathLike, entry: Mapping[str, int]) -> None:
     size = os.path.getsize(path)
     if size != entry["bytes"]:
         raise TensorFileError(f"{path} is truncated or altered: it has {size} bytes, not {entry['bytes']}")
-    kind = next(k for k in HASHES if k in entry)
-    got = digest_of(path, kind)[kind]
-    if got != entry[kind]:
-        raise TensorFileError(f"{path} is corrupted: its {kind} is {got:016x}, not {entry[kind]:016x}")
+    got = digest_of(path)["xxh3_64"]
+    if got != entry["xxh3_64"]:
+        raise TensorFileError(f"{path} is corrupted: its xxh3_64 is {got:016x}, not {entry['xxh3_64']:016x}")
 
 
 def read(path: str | os.PathLike, entry: Mapping[str, int] | None = None) -> dict[str, Tensor]:
