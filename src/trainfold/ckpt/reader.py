@@ -26,7 +26,7 @@ from trainfold.ckpt.sidecar import (
 )
 from trainfold.core.fingerprint import fingerprints
 from trainfold.core.state import TrainState
-from trainfold.core.tree import Tree, unflatten
+from trainfold.core.tree import Tree, flatten, unflatten
 
 __all__ = ["load", "load_weights", "warm_start", "FrozenWeightsError"]
 
@@ -62,12 +62,9 @@ class FrozenWeightsError(CheckpointError):
 
 def frozen_tensors(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
     """Return the template's frozen tensors the checkpoint left out, after checking their fingerprints."""
-    if not meta.get("frozen"):
+    if not meta["frozen"]:
         return {}
-    mine = {
-        **{f"buffers.{k}": v for k, v in like.buffers.items()},
-        **{f"params.{k}": v for k, v in like.params.items()},
-    }
+    mine = flatten({"buffers": like.buffers, "params": like.params})
     absent = sorted(k for k in meta["frozen"] if k not in mine)
     if absent:
         raise KeyError(

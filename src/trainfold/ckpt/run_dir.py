@@ -1,9 +1,9 @@
 """The output directory of a run: which run it holds, what to resume, and the claim that takes it.
 
-``claim`` takes the lock and removes leftovers (``run_lock``), decides what to resume (``resumable``:
-the latest complete checkpoint of this run's fingerprint and lineage; never another run's, a symbolic
-link, or one whose name and step disagree), refuses a fresh start among another run's checkpoints
-naming the settings that differ (unless ``overwrite_output_dir``), and records the run in
+``claim`` takes the lock and removes leftovers (``run_lock``), decides what to resume (``candidates``:
+the complete checkpoints of this run's fingerprint and lineage, newest first; never another run's, a
+symbolic link, or one whose name and step disagree), refuses a fresh start among another run's
+checkpoints naming the settings that differ (unless ``overwrite_output_dir``), and records the run in
 ``trainfold-run.json``. ``elastic_args`` keeps a resumed run's global batch on another number of ranks.
 """
 
@@ -20,13 +20,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import attrs
-
 from trainfold.ckpt.listing import is_complete, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
 from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings, model_signature, settings_fingerprint
 from trainfold.ckpt.run_lock import lock, remove_leftovers
-from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, read_metadata
+from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointWarning, field_error, read_metadata
 from trainfold.ckpt.writer import disk_full, is_disk_full
 from trainfold.core.state import split_module
 from trainfold.data.global_batch import BATCH_KEYS, global_batch, split_global_batch
@@ -52,32 +50,18 @@ def read_run_file(output_dir: str | os.PathLike) -> dict[str, Any] | None:
     path = Path(output_dir) / RUN_FILE
     if not path.is_file():
         return None
-    try:
+    with contextlib.suppress(OSError, ValueError):
         record = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        warnings.warn(f"ignoring {path}: not valid JSON ({e})", CheckpointWarning, stacklevel=2)
-        return None
-    if not (
-        isinstance(record, dict)
-        and isinstance(record.get("run_id"), str)
-        and isinstance(record.get("fingerprint"), str)
-        and isinstance(record.get("settings"), dict)
-    ):
-        warnings.warn(f"ignoring {path}: it lacks run_id, fingerprint or settings", CheckpointWarning, stacklevel=2)
-        return None
-    return record
+        if isinstance(record, dict) and all(isinstance(record.get(k), str) for k in ("run_id", "fingerprint")):
+            return record
+    warnings.warn(f"ignoring {path}: it is not JSON with a run_id and a fingerprint", CheckpointWarning, stacklevel=2)
+    return None
 
 
 def _write_run_file(output_dir: Path, run: RunIdentity, settings: RunSettings) -> None:
-    record = {
-        "format": "trainfold-run",
-        "run_id": run.id,
-        "fingerprint": run.fingerprint,
-        "settings": settings.trajectory(),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-    }
-    tmp = output_dir / f".{RUN_FILE}.tmp-{os.getpid()}"
+    record: dict[str, Any] = {"format": "trainfold-run", "run_id": run.id, "fingerprint": run.fingerprint}
+    record |= {"settings": settings.trajectory(), "host": socket.gethostname(), "pid": os.getpid()}
+    tmp, path = output_dir / f".{RUN_FILE}.tmp-{os.getpid()}", output_dir / RUN_FILE
     text = json.dumps(record, indent=2, default=repr) + "\n"
     try:
         tmp.write_text(text)
@@ -85,10 +69,8 @@ def _write_run_file(output_dir: Path, run: RunIdentity, settings: RunSettings) -
         tmp.unlink(missing_ok=True)
         if not is_disk_full(e):
             raise
-        raise disk_full(
-            e, output_dir / RUN_FILE, f"the run file {output_dir / RUN_FILE} could not be written", len(text)
-        ) from e
-    os.replace(tmp, output_dir / RUN_FILE)
+        raise disk_full(e, path, f"the run file {path} could not be written", len(text)) from e
+    os.replace(tmp, path)
 
 
 def _catalog(output_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
@@ -100,14 +82,12 @@ def _catalog(output_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]
     return out
 
 
-def resumable(output_dir: str | os.PathLike, fingerprint: str) -> Path | None:
-    """Return the latest complete checkpoint in ``output_dir`` of the run with ``fingerprint``, or None.
+def _fingerprint(meta: Mapping[str, Any]) -> str | None:
+    return (meta["run"] or {}).get("fingerprint")
 
-    When ``output_dir/trainfold-run.json`` records a run with this fingerprint, its lineage (its
-    run id) comes first: a fresh start of the same settings resumes its own checkpoints, not an
-    older lineage's later ones (an older lineage's are taken only when it has none).
-    This is what ``resume_from_checkpoint=True`` (and the CLI's ``--resume``) takes; if it fails to
-    load, the resume sets it aside and takes the previous one (``candidates``, ``listing.set_aside``).
+
+def resumable(output_dir: str | os.PathLike, fingerprint: str) -> Path | None:
+    """Return the checkpoint ``resume_from_checkpoint=True`` takes for the run with ``fingerprint``, or None.
 
     >>> resumable("no/such/dir", "f00d") is None
     True
@@ -117,51 +97,45 @@ def resumable(output_dir: str | os.PathLike, fingerprint: str) -> Path | None:
 
 
 def candidates(output_dir: str | os.PathLike, fingerprint: str) -> list[Path]:
-    """Return the complete checkpoints of the run with ``fingerprint`` a resume may take, newest first."""
-    found = [(p, m) for p, m in _catalog(output_dir) if (m.get("run") or {}).get("fingerprint") == fingerprint]
+    """Return the complete checkpoints of the run with ``fingerprint`` a resume may take, newest first.
+
+    When ``trainfold-run.json`` records a run with this fingerprint, its lineage (run id) comes first: a
+    fresh start of the same settings resumes its own checkpoints, not an older lineage's later ones
+    (those are taken only when it has none). A resume sets aside one that fails to load and takes the next.
+    """
+    found = [(p, m["run"]["id"]) for p, m in _catalog(output_dir) if _fingerprint(m) == fingerprint]
     recorded = read_run_file(output_dir)
     if recorded is not None and recorded["fingerprint"] == fingerprint:
-        own = [(p, m) for p, m in found if m["run"]["id"] == recorded["run_id"]]
-        found = own or found  # a lineage killed before its first save: the same settings' latest
+        found = [(p, i) for p, i in found if i == recorded["run_id"]] or found
     return [p for p, _ in reversed(found)]
 
 
-def _describe_others(output_dir: Path, settings: RunSettings, fingerprint: str) -> str:
+def _describe(catalog: list[tuple[Path, dict[str, Any]]], settings: RunSettings, fingerprint: str) -> str:
+    """Say whose each of the last four checkpoints of ``catalog`` is, and the settings that differ from these."""
     parts = []
-    for path, meta in _catalog(output_dir):
-        run = meta.get("run")
+    for path, meta in catalog[-4:]:
+        run = meta["run"]
         if run is None:
             parts.append(f"{path.name} (written without a run identity)")
-        elif run["fingerprint"] != fingerprint:
-            diffs = settings.differences(meta.get("settings", {})) or ["the model's parameters differ"]
-            parts.append(f"{path.name} (run {run['id']}: {'; '.join(diffs[:4])})")
-        else:
+        elif run["fingerprint"] == fingerprint:
             parts.append(f"{path.name} (an earlier lineage {run['id']} of the same settings)")
-    return ", ".join(parts[-4:]) or "no complete checkpoint"
+        else:
+            diffs = settings.differences(meta["settings"]) or ["the model's parameters differ"]
+            parts.append(f"{path.name} (run {run['id']}: {'; '.join(diffs[:4])})")
+    return ", ".join(parts) or "no complete checkpoint"
 
 
-# -- the claim ------------------------------------------------------------------------------------------
+class Claim(contextlib.ExitStack):
+    """What ``claim`` decided: the run's identity, the checkpoint to resume (or None), the held lock.
 
-
-@attrs.define
-class Claim:
-    """What ``claim`` decided: the run's identity, the checkpoint to resume (or None), the held lock."""
+    ``fallback``: older checkpoints of the run, newest first (``resume_from_checkpoint=True`` only).
+    Leaving it (``close``) releases the lock and calls what ``on_release`` added.
+    """
 
     run: RunIdentity
-    source: Path | None
-    _stack: contextlib.ExitStack | None = None
-    fallback: list[Path] = attrs.Factory(list)  # older checkpoints of the run, newest first (resume=True only)
-
-    def on_release(self, fn: Any) -> None:
-        """Call ``fn()`` when the claim is released (e.g. close the history file)."""
-        if self._stack is not None:
-            self._stack.callback(fn)
-
-    def release(self) -> None:
-        """Release the lock (idempotent)."""
-        if self._stack is not None:
-            self._stack.close()
-            self._stack = None
+    source: Path | None = None
+    fallback: tuple[Path, ...] = ()
+    on_release = contextlib.ExitStack.callback
 
     @contextlib.contextmanager
     def releasing_on_error(self) -> Iterator[Claim]:
@@ -169,24 +143,32 @@ class Claim:
         try:
             yield self
         except BaseException:
-            self.release()
+            self.close()
             raise
 
-    def __enter__(self) -> Claim:
-        return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-def _explicit_source(path: Path, settings: RunSettings, fp: str) -> tuple[Path, RunIdentity]:
-    source = resume_checkpoint(path, path.parent)
+def _source(
+    root: Path, resume: bool | str | os.PathLike | None, settings: RunSettings, fp: str
+) -> tuple[Path | None, tuple[Path, ...], RunIdentity]:
+    """Return the checkpoint to resume, the older ones to fall back on, and the run's identity."""
+    if resume is None or resume is False:
+        return None, (), RunIdentity.new(fp, shared=True)
+    if resume is True:
+        found = candidates(root, fp)
+        if not found:
+            others = _catalog(root)
+            raise (ValueError if others else FileNotFoundError)(
+                f"resume_from_checkpoint=True but {root} holds no complete checkpoint of this run (fingerprint "
+                f"{fp}); found: {_describe(others, settings, fp)}; resume with the settings that wrote them, "
+                "pass a checkpoint path, or resume_from_checkpoint=None to start fresh"
+            )
+        return found[0], tuple(found[1:]), RunIdentity(read_metadata(found[0])["run"]["id"], fp)
+    source = resume_checkpoint(resume, Path(resume).parent)
     assert source is not None
     meta = read_metadata(source)
     check_compatible(meta["settings"], settings, source=source)  # the sample order cannot change at all
-    run = meta.get("run")
-    if run is not None and run["fingerprint"] == fp:
-        return source, RunIdentity(run["id"], fp)
+    if _fingerprint(meta) == fp:
+        return source, (), RunIdentity(meta["run"]["id"], fp)
     diffs = settings.differences(meta["settings"]) or ["the model's parameters or the run identity"]
     warnings.warn(
         f"resuming {source} with different settings ({'; '.join(diffs)}): this continues as a new run, "
@@ -194,16 +176,7 @@ def _explicit_source(path: Path, settings: RunSettings, fp: str) -> tuple[Path, 
         UserWarning,
         stacklevel=3,
     )
-    return source, RunIdentity.new(fp)
-
-
-def _output_dir(output_dir: str | os.PathLike) -> Path:
-    if not str(output_dir).strip():
-        raise ValueError(
-            f"output_dir={output_dir!r} names no directory (the checkpoints, run file and log history would land in "
-            "the current directory); pass a directory, e.g. output_dir='out' (use '.' to mean the current one)"
-        )
-    return Path(output_dir)
+    return source, (), RunIdentity.new(fp)
 
 
 def claim(
@@ -220,14 +193,17 @@ def claim(
     ``writer=False`` (ranks other than 0) only decides what to resume. Raises when another run
     holds the lock, when ``resume_from_checkpoint=True`` finds no checkpoint of this run (naming
     what it skipped), or when a fresh start would mix with another run's checkpoints and
-    ``overwrite_output_dir`` is False. Use the returned ``Claim`` as a context manager: leaving
-    it releases the lock.
+    ``overwrite_output_dir`` is False. Leaving the returned ``Claim`` (a context manager) releases the lock.
     """
-    root = _output_dir(output_dir)
-    stack = contextlib.ExitStack()
-    try:
+    if not str(output_dir).strip():
+        raise ValueError(
+            f"output_dir={output_dir!r} names no directory (the checkpoints, run file and log history would land in "
+            "the current directory); pass a directory, e.g. output_dir='out' (use '.' to mean the current one)"
+        )
+    root, held = Path(output_dir), Claim()
+    with held.releasing_on_error():
         if writer:
-            previous = stack.enter_context(lock(root))
+            previous = held.enter_context(lock(root))
             if previous and previous.get("pid") != os.getpid():
                 print(
                     f"trainfold: took over the lock of {root} left by pid {previous.get('pid')} on host "
@@ -237,41 +213,20 @@ def claim(
                 )
             remove_leftovers(root)
         recorded = read_run_file(root)
-        if resume_from_checkpoint is True:
-            found = candidates(root, fingerprint)
-            source, fallback = (found[0], found[1:]) if found else (None, [])
-            if source is None:
-                others = _catalog(root)
-                raise (ValueError if others else FileNotFoundError)(
-                    f"resume_from_checkpoint=True but {root} holds no complete checkpoint of this run "
-                    f"(fingerprint {fingerprint}); found: {_describe_others(root, settings, fingerprint)}; resume "
-                    "with the settings that wrote them, pass a checkpoint path, or resume_from_checkpoint=None "
-                    "to start fresh"
-                )
-            run = RunIdentity(read_metadata(source)["run"]["id"], fingerprint)
-        elif resume_from_checkpoint is None or resume_from_checkpoint is False:
-            source, run, fallback = None, RunIdentity.new(fingerprint, shared=True), []
-        else:
-            source, run = _explicit_source(Path(resume_from_checkpoint), settings, fingerprint)
-            fallback = []
-        if source is not None:
-            _warn_length(source, settings)
+        held.source, held.fallback, held.run = _source(root, resume_from_checkpoint, settings, fingerprint)
+        if held.source is not None:
+            _warn_length(held.source, settings)
         if writer and not overwrite_output_dir:
             _refuse_other_runs(root, recorded, settings, fingerprint)
         if writer:
-            _write_run_file(root, run, settings)
-    except BaseException:
-        stack.close()
-        raise
-    return Claim(run, source, stack, fallback=fallback)
+            _write_run_file(root, held.run, settings)
+    return held
 
 
 def _warn_length(source: Path, settings: RunSettings) -> None:
-    saved = read_metadata(source)["settings"]
+    saved, here = read_metadata(source)["settings"], settings.values
     changed = [
-        f"{k} {saved[k]!r} -> {settings.values[k]!r}"
-        for k in settings.length
-        if k in saved and k in settings.values and saved[k] != settings.values[k]
+        f"{k} {saved[k]!r} -> {here[k]!r}" for k in settings.length if k in saved and saved[k] != here.get(k, saved[k])
     ]
     if changed:
         warnings.warn(
@@ -286,12 +241,12 @@ def _refuse_other_runs(root: Path, recorded: Mapping[str, Any] | None, settings:
     """Refuse a run into a directory holding checkpoints of another run (a run file alone is taken over)."""
     if recorded is not None and recorded["fingerprint"] == fingerprint:
         return  # this run was let in before (overwrite_output_dir), and goes on
-    foreign = [p for p, m in _catalog(root) if (m.get("run") or {}).get("fingerprint") != fingerprint]
-    if not foreign:
+    catalog = _catalog(root)
+    if all(_fingerprint(m) == fingerprint for _, m in catalog):
         return
     owner = f" (its run file names run {recorded['run_id']})" if recorded is not None else ""
     raise ValueError(
-        f"{root} holds checkpoints of another run{owner}: {_describe_others(root, settings, fingerprint)}; "
+        f"{root} holds checkpoints of another run{owner}: {_describe(catalog, settings, fingerprint)}; "
         "choose another output_dir, resume that run with its own settings, or write this run there anyway with "
         "trainfold's overwrite_output_dir=True (args.replace(overwrite_output_dir=True), or "
         "TrainingArguments.from_hf(hf_args, overwrite_output_dir=True): transformers 5 has no such setting)"
@@ -299,63 +254,53 @@ def _refuse_other_runs(root: Path, recorded: Mapping[str, Any] | None, settings:
 
 
 def already_saved(path: str | os.PathLike, run: Mapping[str, str] | None, step: int, save_only_model: bool) -> bool:
-    """Say whether ``path`` is a complete checkpoint this run wrote at ``step`` (so a JIT save may keep it).
-
-    >>> already_saved("no/such/checkpoint-3", {"id": "a", "fingerprint": "b"}, 3, False)
-    False
-    """
+    """Say whether ``path`` is a complete checkpoint this run wrote at ``step`` (so a JIT save may keep it)."""
     if run is None or not is_complete(path):
         return False
-    try:
-        meta = read_metadata(path)
-    except (OSError, ValueError):
-        return False
-    return meta.get("run") == dict(run) and meta["step"] == step and meta["save_only_model"] == save_only_model
+    meta = read_metadata(path)
+    return meta["run"] == dict(run) and meta["step"] == step and meta["save_only_model"] == save_only_model
 
 
 def check_step(meta: Mapping[str, Any], source: str | os.PathLike, total_steps: int) -> None:
-    """Refuse a checkpoint whose step lies beyond the run's ``total_steps``, naming the path and field.
-
-    >>> check_step({"step": 10**15}, "out/checkpoint-9", 100)  # doctest: +NORMALIZE_WHITESPACE
-    Traceback (most recent call last):
-    ...
-    trainfold.ckpt.sidecar.CheckpointError: out/checkpoint-9/trainfold.json: field 'step' is 1000000000000000, beyond
-    this run's 100 steps (max_steps / num_train_epochs); it is not a checkpoint of this run: resume from another
-    checkpoint, or raise max_steps
-    """
+    """Refuse a checkpoint whose step lies beyond the run's ``total_steps``, naming the path and field."""
     if meta["step"] > total_steps:
-        raise CheckpointError(
-            f"{Path(source) / SIDECAR_FILE}: field 'step' is {meta['step']}, beyond this run's {total_steps} "
-            "steps (max_steps / num_train_epochs); it is not a checkpoint of this run: resume from another "
-            "checkpoint, or raise max_steps"
+        raise field_error(
+            Path(source) / SIDECAR_FILE,
+            "step",
+            f"is {meta['step']}, beyond this run's {total_steps} steps (max_steps / num_train_epochs): "
+            "it is not a checkpoint of this run",
+            "resume from another checkpoint, or raise max_steps",
         )
 
 
 def resume_point(args: Any, model: Any, *, world_size: int = 1) -> Path | None:
     """Return the checkpoint ``train(model, args, ..., resume_from_checkpoint=True)`` would resume, or None.
 
-    For a command line's ``--resume``: it computes the run's fingerprint as ``train`` does (the
-    settings, the world size, the model's parameter shapes) and calls ``resumable``.
+    For a command line's ``--resume``: the run's fingerprint as ``train`` computes it (the settings,
+    the world size, the model's parameter shapes), then ``resumable``.
     """
     params, buffers = split_module(model)
     signature = model_signature(types.SimpleNamespace(params=params, buffers=buffers))
     return resumable(args.output_dir, settings_fingerprint(RunSettings.of(args, world_size=world_size), signature))
 
 
-def _saved_settings(
-    resume_from_checkpoint: Any, output_dir: str | os.PathLike, here: RunSettings
-) -> Mapping[str, Any] | None:
-    if resume_from_checkpoint is True:  # the newest checkpoint of this run but for the batch split: claim resumes it
-        for _, meta in reversed(_catalog(output_dir)):
-            if not [d for d in here.differences(meta["settings"]) if d.split(":")[0] not in BATCH_KEYS]:
-                return meta["settings"]
+def _resumed_settings(resume: Any, output_dir: str | os.PathLike, here: RunSettings) -> Mapping[str, Any] | None:
+    """Return the settings of the checkpoint the resume takes (``None``: not resuming, or another run's)."""
+    if resume is True:  # the newest checkpoint of this run but for the batch split: claim resumes it
+        found = [m["settings"] for _, m in _catalog(output_dir)]
+        return next((s for s in reversed(found) if not _other_run(here, s)), None)
+    if resume is None or resume is False:
         return None
-    if resume_from_checkpoint is None or resume_from_checkpoint is False:
-        return None
-    try:
-        return read_metadata(Path(resume_from_checkpoint))["settings"]
-    except (OSError, ValueError):
-        return None  # claim names what is wrong with it
+    with contextlib.suppress(OSError, ValueError):  # else claim names what is wrong with it
+        saved = read_metadata(Path(resume))["settings"]
+        return None if _other_run(here, saved, lenient=True) else saved
+    return None
+
+
+def _other_run(here: RunSettings, saved: Mapping[str, Any], lenient: bool = False) -> bool:
+    """Say whether ``saved`` differs from ``here`` beyond the batch split (``lenient``: in settings ``saved`` has)."""
+    names = {d.split(":")[0] for d in here.differences(saved)} - set(BATCH_KEYS)
+    return bool(names & set(saved) if lenient else names)
 
 
 def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any:
@@ -367,12 +312,10 @@ def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any
     ``gradient_accumulation_steps`` follow ``split_global_batch``, with a warning that says so.
     """
     here = RunSettings.of(args, world_size=world_size)
-    saved = _saved_settings(resume_from_checkpoint, args.output_dir, here)
+    saved = _resumed_settings(resume_from_checkpoint, args.output_dir, here)
     batch = global_batch(saved or {})
     if saved is None or batch is None or saved["world_size"] == world_size or batch == global_batch(here.values):
         return args
-    if [d for d in here.differences(saved) if d.split(":")[0] in set(saved) - set(BATCH_KEYS)]:
-        return args  # another run's settings: claim refuses it, naming them
     size, steps = split_global_batch(batch, world_size=world_size, per_device=args.per_device_train_batch_size)
     warnings.warn(
         f"resuming a run of {saved['world_size']} ranks on {world_size}: per_device_train_batch_size "

@@ -224,7 +224,9 @@ def _check_tensors(meta: dict[str, Any], path: Path) -> None:
         if not _strings(keys):
             raise field_error(path, f"tensors.{name}", f"must map state keys to file keys (strings), got {keys!r:.60}")
         if seen & set(keys):
-            raise field_error(path, f"tensors.{name}", f"holds {sorted(seen & set(keys))[:3]}, which another file holds")
+            raise field_error(
+                path, f"tensors.{name}", f"holds {sorted(seen & set(keys))[:3]}, which another file holds"
+            )
         seen |= set(keys)
     if not _strings(meta["frozen"]):
         raise field_error(path, "frozen", f"must map state keys to fingerprints (strings), got {meta['frozen']!r:.60}")
