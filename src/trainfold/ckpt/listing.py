@@ -7,7 +7,7 @@ import re
 import warnings
 from pathlib import Path
 
-from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, read_metadata
+from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, check_name, read_metadata
 
 __all__ = ["checkpoint_path", "is_complete", "list_checkpoints", "latest_checkpoint", "resume_checkpoint", "set_aside"]
 
@@ -32,7 +32,8 @@ def _problem(directory: Path, root: Path | None = None) -> str | None:
     if not directory.is_dir():
         return "it is not a directory"
     try:
-        meta = read_metadata(directory)  # also: a name that says another step
+        meta = read_metadata(directory)
+        check_name(directory, meta)
     except (OSError, ValueError) as e:
         return str(e)
     for name, entry in meta["files"].items():  # sizes only: loading checks the hashes

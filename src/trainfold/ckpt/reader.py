@@ -20,6 +20,7 @@ from trainfold.ckpt.sidecar import (
     SIDECAR_FILE,
     STATE_FILE,
     CheckpointError,
+    check_name,
     field_error,
     is_sharded_checkpoint,
     read_metadata,
@@ -120,6 +121,7 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """
     directory = Path(directory)
     meta = read_metadata(directory)
+    check_name(directory, meta)
     if meta["save_only_model"]:
         raise ValueError(
             f"{directory / STATE_FILE} does not exist: {directory} was saved with save_only_model=True "

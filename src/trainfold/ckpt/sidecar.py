@@ -39,6 +39,7 @@ __all__ = [
     "sidecar_bytes",
     "validate_sidecar",
     "read_metadata",
+    "check_name",
 ]
 
 STATE_FILE = "state.safetensors"
@@ -241,8 +242,7 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
     """Return the checkpoint's JSON sidecar (step, cursor, metadata, settings, run, files), validated.
 
     Raises ``FileNotFoundError`` or ``CheckpointError`` (a ``ValueError``) naming the path (and
-    the field) when it is missing, unreadable, does not fit the schema (``validate_sidecar``), or
-    a directory named ``checkpoint-{n}`` holds another step than ``n``.
+    the field) when it is missing, unreadable or does not fit the schema (``validate_sidecar``).
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
@@ -269,9 +269,16 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
         meta = json.loads(path.read_bytes())
     except (ValueError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path} is corrupted (not valid JSON: {e}); resume from an earlier checkpoint") from None
-    meta = validate_sidecar(meta, path)
+    return validate_sidecar(meta, path)
+
+
+def check_name(directory: Path, meta: Mapping[str, Any]) -> None:
+    """Refuse a directory named ``checkpoint-{n}`` whose sidecar ``meta`` holds another step than ``n``."""
     named = re.fullmatch(r"checkpoint-(\d+)", directory.name)
     if named and int(named.group(1)) != meta["step"]:
-        problem = f"is {meta['step']}, but the directory's name says step {named.group(1)}"
-        raise field_error(path, "step", problem, "it was renamed or its files replaced; use it under its own name")
-    return meta
+        raise field_error(
+            directory / SIDECAR_FILE,
+            "step",
+            f"is {meta['step']}, but the directory's name says step {named.group(1)}",
+            "it was renamed or its files replaced; use it under its own name",
+        )
