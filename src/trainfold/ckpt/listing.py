@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import os
-import re
 import warnings
 from pathlib import Path
 
-from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointError, CheckpointWarning, check_name, read_metadata
+from trainfold.ckpt.sidecar import (
+    SIDECAR_FILE,
+    CheckpointError,
+    CheckpointWarning,
+    check_name,
+    read_metadata,
+    step_in_name,
+)
 
 __all__ = ["checkpoint_path", "is_complete", "list_checkpoints", "latest_checkpoint", "resume_checkpoint", "set_aside"]
-
-_NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
@@ -23,14 +27,10 @@ def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
     return Path(output_dir) / f"checkpoint-{int(step)}"
 
 
-def _problem(directory: Path, root: Path | None = None) -> str | None:
+def _problem(directory: Path) -> str | None:
     """Say why ``directory`` is not a usable complete checkpoint (``None``: it is one)."""
     if directory.is_symlink():
         return f"it is a symbolic link (to {os.path.realpath(directory)}); checkpoints must lie in the output_dir"
-    if root is not None and directory.resolve().parent != root.resolve():
-        return f"it lies outside {root}"
-    if not directory.is_dir():
-        return "it is not a directory"
     try:
         meta = read_metadata(directory)
         check_name(directory, meta)
@@ -56,11 +56,6 @@ def is_complete(directory: str | os.PathLike) -> bool:
     return _problem(Path(directory)) is None
 
 
-def _step_of(path: Path) -> int | None:
-    m = _NAME.match(path.name)
-    return int(m.group(1)) if m else None
-
-
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """Return the complete ``checkpoint-{step}`` directories in ``output_dir``, oldest step first.
 
@@ -74,10 +69,10 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = sorted((s, p) for p in root.iterdir() if (s := _step_of(p)) is not None)
+    found = sorted((s, p) for p in root.iterdir() if (s := step_in_name(p)) is not None)
     out = []
     for _, path in found:
-        problem = _problem(path, root)
+        problem = _problem(path)
         if problem is None:
             out.append(path)
         else:
@@ -133,14 +128,6 @@ def set_aside(path: str | os.PathLike, cause: BaseException | str) -> Path:
     """Rename the checkpoint ``path`` that failed to load to ``<name>.damaged`` (never deleted); warn naming both.
 
     ``list_checkpoints`` no longer sees it, so no later resume or rotation takes it; it stays for inspection.
-
-    >>> import tempfile, warnings
-    >>> path = Path(tempfile.mkdtemp()) / "checkpoint-3"
-    >>> path.mkdir()
-    >>> with warnings.catch_warnings(record=True):
-    ...     warnings.simplefilter("always")
-    ...     set_aside(path, "its files are damaged").name
-    'checkpoint-3.damaged'
     """
     path = Path(path)
     target, n = path.with_name(f"{path.name}.damaged"), 1

@@ -3,9 +3,6 @@
 Settings whose field declares ``metadata=BOOKKEEPING`` or ``RUN_LENGTH`` are left out; a restart
 computes the same fingerprint and so finds its checkpoints. The ``id`` names a lineage: drawn at a
 fresh start, inherited on resume, recorded in every sidecar and in ``output_dir/trainfold-run.json``.
-
->>> RunIdentity("ab12", "f00d").as_dict()
-{'id': 'ab12', 'fingerprint': 'f00d'}
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from trainfold.core.tree import flatten
 from trainfold.data.global_batch import BATCH_KEYS, global_batch
 
 __all__ = [
@@ -95,10 +93,7 @@ class RunSettings:
 
 def model_signature(state: Any) -> dict[str, list[Any]]:
     """Return ``{name: [shape, dtype]}`` of a state's params and buffers (part of the fingerprint)."""
-    tensors = {
-        **{f"buffers.{k}": v for k, v in state.buffers.items()},
-        **{f"params.{k}": v for k, v in state.params.items()},
-    }
+    tensors = flatten({"buffers": state.buffers, "params": state.params})
     return {k: [list(v.shape), str(v.dtype)] for k, v in sorted(tensors.items())}
 
 
@@ -132,9 +127,6 @@ class RunIdentity:
 
         A run has one lineage: a rank with an id of its own would take rank 0's checkpoints for another
         run's (and begin a collective save rank 0 never joins). The id travels through the process group's store.
-
-        >>> len(RunIdentity.new("f00d", shared=True).id.split("-"))
-        3
         """
         drawn = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
         return cls(_rank_zeros(drawn) if shared else drawn, fingerprint)

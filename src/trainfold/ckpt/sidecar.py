@@ -40,6 +40,7 @@ __all__ = [
     "validate_sidecar",
     "read_metadata",
     "check_name",
+    "step_in_name",
 ]
 
 STATE_FILE = "state.safetensors"
@@ -109,22 +110,8 @@ def sidecar_bytes(sidecar: Mapping[str, Any]) -> bytes:
 
 
 _FIX = "the sidecar is damaged or was not written by trainfold; resume from another checkpoint"
-# every field of the format after "format" and "format_version", with its type (a count: an int in [0, MAX_STEP])
-_TYPES: dict[str, Any] = {
-    "library_version": str,
-    "step": int,
-    "epoch": int,
-    "cursor": dict,
-    "save_only_model": bool,
-    "jit": bool,
-    "metadata": dict,
-    "settings": dict,
-    "run": (dict, type(None)),
-    "tensors": dict,
-    "frozen": dict,
-    "files": dict,
-    "checksum": int,
-}
+# every field of the format and its type, as new_sidecar makes it (``run`` may also be null)
+_TYPES = {k: type(v) for k, v in new_sidecar(step=0, cursor=(0, 0), files={}, run={}).items()} | {"checksum": int}
 
 
 def field_error(path: Path, field: str, problem: str, fix: str = _FIX) -> CheckpointError:
@@ -153,16 +140,15 @@ def validate_sidecar(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
     """
     path = Path(path)
     _check_version(meta, path)
-    for name in _TYPES:
-        if name not in meta:
-            raise field_error(path, name, "is missing")
-    extra = sorted(set(meta) - {*_TYPES, "format", "format_version"})
-    if extra:
-        raise field_error(path, extra[0], "is not a field of the checkpoint format")
+    missing, extra = sorted(set(_TYPES) - set(meta)), sorted(set(meta) - set(_TYPES))
+    if missing or extra:
+        raise field_error(
+            path, (missing or extra)[0], "is missing" if missing else "is not a field of the checkpoint format"
+        )
     for name, kind in _TYPES.items():
-        if not isinstance(meta[name], kind) or (kind is int and isinstance(meta[name], bool)):
-            kind_name = getattr(kind, "__name__", "dict or null")
-            raise field_error(path, name, f"must be a {kind_name}, got {type(meta[name]).__name__} {meta[name]!r:.60}")
+        value = meta[name]
+        if type(value) is not kind and (name, value) != ("run", None):  # exactly: a bool is no count
+            raise field_error(path, name, f"must be a {kind.__name__}, got {type(value).__name__} {value!r:.60}")
     _count(path, "step", meta["step"])
     if sorted(meta["cursor"]) != ["epoch", "position"]:
         raise field_error(path, "cursor", f"must hold exactly 'epoch' and 'position', got {sorted(meta['cursor'])}")
@@ -272,13 +258,19 @@ def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:
     return validate_sidecar(meta, path)
 
 
+def step_in_name(directory: Path) -> int | None:
+    """Return the step ``n`` of a directory named ``checkpoint-{n}`` (else ``None``)."""
+    named = re.fullmatch(r"checkpoint-(\d+)", directory.name)
+    return int(named.group(1)) if named else None
+
+
 def check_name(directory: Path, meta: Mapping[str, Any]) -> None:
     """Refuse a directory named ``checkpoint-{n}`` whose sidecar ``meta`` holds another step than ``n``."""
-    named = re.fullmatch(r"checkpoint-(\d+)", directory.name)
-    if named and int(named.group(1)) != meta["step"]:
+    named = step_in_name(directory)
+    if named is not None and named != meta["step"]:
         raise field_error(
             directory / SIDECAR_FILE,
             "step",
-            f"is {meta['step']}, but the directory's name says step {named.group(1)}",
+            f"is {meta['step']}, but the directory's name says step {named}",
             "it was renamed or its files replaced; use it under its own name",
         )
