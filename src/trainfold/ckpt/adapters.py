@@ -24,7 +24,6 @@ __all__ = [
     "is_peft_model",
     "adapter_keys",
     "adapter_config_text",
-    "frozen_parameters",
 ]
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -32,12 +31,7 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 
 
 def is_peft_model(model: Any) -> TypeGuard[nn.Module]:
-    """Say whether ``model`` is a ``peft.PeftModel`` (without importing ``peft`` when it is not loaded).
-
-    >>> import torch
-    >>> is_peft_model(torch.nn.Linear(2, 1)), is_peft_model(None)
-    (False, False)
-    """
+    """Say whether ``model`` is a ``peft.PeftModel`` (without importing ``peft`` when it is not loaded)."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(model, peft.PeftModel)
 
@@ -94,15 +88,3 @@ def adapter_config_text(model: Any) -> str:
         cls = model._get_base_model_class(is_prompt_tuning=False)
         out["auto_mapping"] = {"base_model_class": cls.__name__, "parent_library": cls.__module__}
     return json.dumps(out, indent=2, sort_keys=True)
-
-
-def frozen_parameters(model: nn.Module) -> list[str]:
-    """Return the names of ``model``'s frozen parameters (``requires_grad=False``), a tied one once.
-
-    >>> import torch
-    >>> m = torch.nn.Linear(2, 1)
-    >>> _ = m.weight.requires_grad_(False)
-    >>> frozen_parameters(m)
-    ['weight']
-    """
-    return [n for n, p in model.named_parameters() if not p.requires_grad]

@@ -91,8 +91,8 @@ def layout_of(state: TrainState, model: nn.Module | None, config: Any) -> Layout
     weights = {keys[k]: v for k, v in chosen.items()}
     frozen = tuple(
         f"buffers.{n}"
-        for n in adapters.frozen_parameters(model)
-        if f"buffers.{n}" not in weights and n in state.buffers
+        for n, p in model.named_parameters()
+        if not p.requires_grad and f"buffers.{n}" not in weights and n in state.buffers
     )
     if config is not None:
         raise ValueError(

@@ -188,19 +188,9 @@ def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
         # trainable tensors peft does not save (a base norm unfrozen by hand) are in the state file
         state_params = _read_tensors(directory, STATE_FILE, meta)
         flat = {**{k: v for k, v in state_params.items() if k.startswith("params.")}, **flat}
-    params_in = {k[7:]: v for k, v in flat.items() if k.startswith("params.")}
-    buffers_in = {k[8:]: v for k, v in flat.items() if k.startswith("buffers.")}
-    unexpected = sorted((set(params_in) - set(like.params)) | (set(buffers_in) - set(like.buffers)))
-    missing = sorted(set(like.params) - set(params_in))
-    if unexpected or missing:
-        raise KeyError(
-            f"{path} does not fit the template state; was it saved from a different model? "
-            f"missing {missing}, unexpected {unexpected}"
-        )
-    params = _fit(params_in, like.params, path)
-    kept = {k: buffers_in.get(k, v) for k, v in like.buffers.items()}
-    buffers = _fit(kept, like.buffers, path)
-    return attrs.evolve(like, params=params, buffers=buffers)
+    weights = {"params": like.params, "buffers": like.buffers}  # absent buffers (non-persistent): the template's
+    loaded = _fit({**flatten({"buffers": like.buffers}), **flat}, weights, path)
+    return attrs.evolve(like, **loaded)
 
 
 def warm_start(directory: str | os.PathLike, like: TrainState) -> TrainState:
@@ -224,8 +214,8 @@ def warm_start(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """
     state = load_weights(directory, like)
     warnings.warn(
-        f"warm start from the weights in {directory}: the "
-        f"optimizer state, schedule and data order restart from step {int(like.step)} (not an exact resume)",
+        f"warm start from the weights in {directory}: the optimizer state, schedule and data order restart "
+        f"from step {int(like.step)} (not an exact resume)",
         UserWarning,
         stacklevel=2,
     )
