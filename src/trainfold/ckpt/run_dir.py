@@ -153,23 +153,30 @@ def _source(
     """Return the checkpoint to resume, the older ones to fall back on, and the run's identity."""
     if resume is None or resume is False:
         return None, (), RunIdentity.new(fp, shared=True)
-    if resume is True:
-        found = candidates(root, fp)
-        if not found:
-            others = _catalog(root)
-            raise (ValueError if others else FileNotFoundError)(
-                f"resume_from_checkpoint=True but {root} holds no complete checkpoint of this run (fingerprint "
-                f"{fp}); found: {_describe(others, settings, fp)}; resume with the settings that wrote them, "
-                "pass a checkpoint path, or resume_from_checkpoint=None to start fresh"
-            )
-        return found[0], tuple(found[1:]), RunIdentity(read_metadata(found[0])["run"]["id"], fp)
-    source = resume_checkpoint(resume, Path(resume).parent)
-    assert source is not None
+    found = candidates(root, fp) if resume is True else [Path(resume)]
+    if not found:
+        others = _catalog(root)
+        raise (ValueError if others else FileNotFoundError)(
+            f"resume_from_checkpoint=True but {root} holds no complete checkpoint of this run (fingerprint "
+            f"{fp}); found: {_describe(others, settings, fp)}; resume with the settings that wrote them, "
+            "pass a checkpoint path, or resume_from_checkpoint=None to start fresh"
+        )
+    source, here = found[0], settings.values
+    if resume is not True:
+        resume_checkpoint(source, source.parent)  # complete, or refused naming what is wrong with it
     meta = read_metadata(source)
     check_compatible(meta["settings"], settings, source=source)  # the sample order cannot change at all
+    saved, length = meta["settings"], [k for k in settings.length if k in meta["settings"] and k in here]
+    if changed := [f"{k} {saved[k]!r} -> {here[k]!r}" for k in length if saved[k] != here[k]]:
+        warnings.warn(
+            f"resuming {source} with {', '.join(changed)}: the run goes on for a different number of steps, "
+            "so a schedule that depends on the total (linear, cosine, ...) differs from the saved run's",
+            UserWarning,
+            stacklevel=3,
+        )
     if _fingerprint(meta) == fp:
-        return source, (), RunIdentity(meta["run"]["id"], fp)
-    diffs = settings.differences(meta["settings"]) or ["the model's parameters or the run identity"]
+        return source, tuple(found[1:]), RunIdentity(meta["run"]["id"], fp)
+    diffs = settings.differences(saved) or ["the model's parameters or the run identity"]
     warnings.warn(
         f"resuming {source} with different settings ({'; '.join(diffs)}): this continues as a new run, "
         "not the one that wrote the checkpoint",
@@ -214,27 +221,11 @@ def claim(
             remove_leftovers(root)
         recorded = read_run_file(root)
         held.source, held.fallback, held.run = _source(root, resume_from_checkpoint, settings, fingerprint)
-        if held.source is not None:
-            _warn_length(held.source, settings)
         if writer and not overwrite_output_dir:
             _refuse_other_runs(root, recorded, settings, fingerprint)
         if writer:
             _write_run_file(root, held.run, settings)
     return held
-
-
-def _warn_length(source: Path, settings: RunSettings) -> None:
-    saved, here = read_metadata(source)["settings"], settings.values
-    changed = [
-        f"{k} {saved[k]!r} -> {here[k]!r}" for k in settings.length if k in saved and saved[k] != here.get(k, saved[k])
-    ]
-    if changed:
-        warnings.warn(
-            f"resuming {source} with {', '.join(changed)}: the run goes on for a different number of steps, "
-            "so a schedule that depends on the total (linear, cosine, ...) differs from the saved run's",
-            UserWarning,
-            stacklevel=3,
-        )
 
 
 def _refuse_other_runs(root: Path, recorded: Mapping[str, Any] | None, settings: RunSettings, fingerprint: str) -> None:
