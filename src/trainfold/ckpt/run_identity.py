@@ -69,12 +69,11 @@ class RunSettings:
         """Read ``record``'s settings (an attrs instance, or a mapping), plus ``extra`` ones (``world_size``)."""
         if isinstance(record, Mapping):
             return cls({**record, **extra}, samples=tuple(extra))
-        fields = attrs.fields(type(record))
         values = record.to_dict() if hasattr(record, "to_dict") else attrs.asdict(record)
-        bookkeeping = frozenset(f.name for f in fields if f.metadata.get(TRAJECTORY) is False)
-        length = tuple(f.name for f in fields if f.metadata.get(TRAJECTORY) == "length")
-        samples = tuple(f.name for f in fields if f.metadata.get(TRAJECTORY) == "samples") + tuple(extra)
-        return cls({**values, **extra}, bookkeeping, length, samples)
+        kinds = [(f.name, f.metadata.get(TRAJECTORY)) for f in attrs.fields(type(record))]
+        length, samples = ([n for n, k in kinds if k == kind] for kind in ("length", "samples"))
+        bookkeeping = frozenset(n for n, k in kinds if k is False)
+        return cls({**values, **extra}, bookkeeping, tuple(length), (*samples, *extra))
 
     def trajectory(self, settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Return the trajectory settings of these, or of ``settings`` (another run's, judged by these fields)."""

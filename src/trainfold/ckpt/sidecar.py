@@ -119,9 +119,10 @@ def field_error(path: Path, field: str, problem: str, fix: str = _FIX) -> Checkp
     return CheckpointError(f"{path}: field {field!r} {problem}; {fix}")
 
 
-def _count(path: Path, field: str, value: Any, top: int = MAX_STEP) -> None:
+def _count(path: Path, field: str, value: Any, top: int = MAX_STEP) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= top:
         raise field_error(path, field, f"must be an int in [0, {top}], got {value!r}")
+    return value
 
 
 def _strings(value: Any) -> bool:
@@ -168,9 +169,7 @@ def validate_sidecar(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
 def _check_version(meta: Any, path: Path) -> None:
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
         raise CheckpointError(f'{path} is not a trainfold checkpoint sidecar (no "format": "{_FORMAT}")')
-    version, release = meta.get("format_version"), meta.get("library_version")
-    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise field_error(path, "format_version", f"must be a positive int, got {version!r}")
+    version, release = _count(path, "format_version", meta.get("format_version")), meta.get("library_version")
     if version > _FORMAT_VERSION:
         raise CheckpointError(
             f"{path} has checkpoint format {version}, written by trainfold {release}; "
