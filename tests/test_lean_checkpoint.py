@@ -294,6 +294,24 @@ def test_a_checkpoint_of_a_format_before_4_is_refused_naming_the_release_and_the
         assert not checkpoint.is_complete(path) and checkpoint.list_checkpoints(tmp_path) == []
 
 
+def test_a_fresh_run_never_mixes_into_checkpoints_of_an_earlier_format(tmp_path):
+    from trainfold.ckpt import run_dir
+    from trainfold.ckpt.run_identity import RunSettings
+
+    model = llama()
+    old = write_format_2(trained_state(model), model, tmp_path / "checkpoint-5")
+    before = sorted((p.name, p.read_bytes()) for p in old.iterdir())
+    settings = RunSettings({"learning_rate": 0.1})
+    refusal = r"holds checkpoints of another run: checkpoint-5 \(an earlier checkpoint format.*overwrite_output_dir"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", checkpoint.CheckpointWarning)  # list_checkpoints skips it, naming why
+        with pytest.raises(ValueError, match=refusal):
+            run_dir.claim(tmp_path, None, settings, "f00d")
+        with run_dir.claim(tmp_path, None, settings, "f00d", overwrite_output_dir=True) as held:
+            assert held.source is None
+    assert sorted((p.name, p.read_bytes()) for p in old.iterdir()) == before  # kept as it was
+
+
 def test_a_newer_format_is_refused_by_name(tmp_path):
     path = save(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), tmp_path / "c")
     meta = read_metadata(path)

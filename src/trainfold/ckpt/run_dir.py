@@ -24,7 +24,7 @@ from trainfold.ckpt.listing import is_complete, list_checkpoints, resume_checkpo
 from trainfold.ckpt.policy import check_compatible
 from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings, model_signature, settings_fingerprint
 from trainfold.ckpt.run_lock import lock, remove_leftovers
-from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointWarning, field_error, read_metadata
+from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointWarning, OldFormatError, field_error, read_metadata
 from trainfold.ckpt.writer import disk_full, is_disk_full
 from trainfold.core.state import split_module
 from trainfold.data.global_batch import BATCH_KEYS, global_batch, split_global_batch
@@ -232,12 +232,20 @@ def _refuse_other_runs(root: Path, recorded: Mapping[str, Any] | None, settings:
     """Refuse a run into a directory holding checkpoints of another run (a run file alone is taken over)."""
     if recorded is not None and recorded["fingerprint"] == fingerprint:
         return  # this run was let in before (overwrite_output_dir), and goes on
-    catalog = _catalog(root)
-    if all(_fingerprint(m) == fingerprint for _, m in catalog):
+    catalog, older = _catalog(root), []
+    for path in sorted(root.glob("checkpoint-*")):  # an earlier format's: list_checkpoints skips it, not this run's
+        try:
+            read_metadata(path)
+        except OldFormatError:
+            older.append(f"{path.name} (an earlier checkpoint format, another trainfold release's)")
+        except (OSError, ValueError):
+            pass
+    if all(_fingerprint(m) == fingerprint for _, m in catalog) and not older:
         return
     owner = f" (its run file names run {recorded['run_id']})" if recorded is not None else ""
+    found = ", ".join([*older, _describe(catalog, settings, fingerprint)] if catalog else older)
     raise ValueError(
-        f"{root} holds checkpoints of another run{owner}: {_describe(catalog, settings, fingerprint)}; "
+        f"{root} holds checkpoints of another run{owner}: {found}; "
         "choose another output_dir, resume that run with its own settings, or write this run there anyway with "
         "trainfold's overwrite_output_dir=True (args.replace(overwrite_output_dir=True), or "
         "TrainingArguments.from_hf(hf_args, overwrite_output_dir=True): transformers 5 has no such setting)"

@@ -33,6 +33,7 @@ __all__ = [
     "is_sharded_checkpoint",
     "MAX_STEP",
     "CheckpointError",
+    "OldFormatError",
     "CheckpointWarning",
     "field_error",
     "new_sidecar",
@@ -59,6 +60,10 @@ MAX_STEP = 2**53  # a step beyond it is not a count of optimizer steps
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names the path, the field and what to do."""
+
+
+class OldFormatError(CheckpointError):
+    """A checkpoint of a format before 4: only the trainfold release that wrote it reads it."""
 
 
 class CheckpointWarning(UserWarning):
@@ -176,13 +181,10 @@ def _check_version(meta: Any, path: Path) -> None:
             f"this trainfold reads format {_FORMAT_VERSION}: upgrade trainfold"
         )
     if version < _FORMAT_VERSION:
-        raise field_error(
-            path,
-            "format_version",
-            f"is {version}: the checkpoint was written by trainfold {release}, and this trainfold reads "
-            f"format {_FORMAT_VERSION} only",
-            f"load it with trainfold {release} and save it again, or start a new run from its weights "
-            f"(its {MODEL_FILE} loads with from_pretrained)",
+        raise OldFormatError(
+            f"{path}: field 'format_version' is {version}: the checkpoint was written by trainfold {release}, and "
+            f"this trainfold reads format {_FORMAT_VERSION} only; load it with trainfold {release} and save it "
+            f"again, or start a new run from its weights (its {MODEL_FILE} loads with from_pretrained)"
         )
 
 
