@@ -3,8 +3,9 @@
 ``claim`` takes the lock and removes leftovers (``run_lock``), decides what to resume (``candidates``:
 the complete checkpoints of this run's fingerprint and lineage, newest first; never another run's, a
 symbolic link, or one whose name and step disagree), refuses a fresh start among another run's
-checkpoints naming the settings that differ (unless ``overwrite_output_dir``), and records the run in
-``trainfold-run.json``. ``elastic_args`` keeps a resumed run's global batch on another number of ranks.
+checkpoints (or an earlier format's) naming the settings that differ (unless ``overwrite_output_dir``),
+and records the run in ``trainfold-run.json``. ``elastic_args`` keeps a resumed run's global batch on
+another number of ranks.
 """
 
 from __future__ import annotations
@@ -195,12 +196,9 @@ def claim(
     overwrite_output_dir: bool = False,
     writer: bool = True,
 ) -> Claim:
-    """Take ``output_dir`` for a run: lock it, clean it, decide what to resume, record the run.
+    """Take ``output_dir`` for a run (the module's docstring says how); leaving the ``Claim`` releases the lock.
 
-    ``writer=False`` (ranks other than 0) only decides what to resume. Raises when another run
-    holds the lock, when ``resume_from_checkpoint=True`` finds no checkpoint of this run (naming
-    what it skipped), or when a fresh start would mix with another run's checkpoints and
-    ``overwrite_output_dir`` is False. Leaving the returned ``Claim`` (a context manager) releases the lock.
+    ``writer=False`` (ranks other than 0) only decides what to resume.
     """
     if not str(output_dir).strip():
         raise ValueError(

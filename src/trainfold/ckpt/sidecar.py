@@ -137,12 +137,9 @@ def _strings(value: Any) -> bool:
 def validate_sidecar(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
     """Return ``meta`` (a parsed ``trainfold.json``) if it fits the schema, else raise ``CheckpointError``.
 
-    Checked: format 4 (an older one is refused, naming the release that wrote it); every field is
-    present with its type and no other is; steps and cursor are counts (``0 <= step <= MAX_STEP``);
-    ``tensors`` maps each weights file to ``{state key: file key}``, no key in two files; ``frozen``
-    maps state keys to fingerprints; ``files`` lists every weights file (and ``state.safetensors``
-    unless weights only), each with ``bytes`` and ``xxh3_64``; ``checksum`` is the CRC-32 of the rest.
-    The message names the path and field.
+    Format 4 only (``OldFormatError`` names the release that wrote an older one); every field present with
+    its type; counts in ``[0, MAX_STEP]``; every tensor file listed with ``bytes`` and ``xxh3_64``; ``tensors``
+    maps each weights file to ``{state key: file key}``, no key in two files; ``checksum`` the CRC-32 of the rest.
     """
     path = Path(path)
     _check_version(meta, path)
