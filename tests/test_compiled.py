@@ -288,3 +288,20 @@ def test_a_label_smoothed_loss_compiles_without_falling_back():
     smoothed = eager(state, batches(3, 2)[0]).metrics["loss"].item()
     assert abs(first.metrics["loss"].item() - smoothed) < 1e-5  # the smoothing is in the graph:
     assert abs(smoothed - plain) > 1e-4  # without it the loss differs by more
+
+
+def test_an_out_of_range_label_in_a_compiled_step_raises_naming_it():
+    """The built-in losses are traced as they are: inside the graph the kernel's bounds check fails, and the
+    eager step (the fallback) raises the loss's own error naming the label; the state is untouched."""
+    model = torch.nn.Linear(3, 4)
+    step = make_step(model, cross_entropy, sgd(0.1), compile="aot_eager")
+    state = init_state(model, sgd(0.1))
+    before = {k: v.clone() for k, v in state.params.items()}
+    good = [{"input": torch.ones(2, 3), "labels": torch.tensor([0, 3])}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileFallbackWarning)
+        state = step(state, good)  # compiles, no fallback
+    bad = [{"input": torch.ones(2, 3), "labels": torch.tensor([0, 9])}]
+    with pytest.raises(ValueError, match="9"):
+        step(state, bad)
+    assert not all(torch.equal(state.params[k], before[k]) for k in before)  # the good step did learn

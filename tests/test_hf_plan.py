@@ -77,7 +77,7 @@ def test_plan_is_built_without_training(tmp_path):
     assert [s.prefix for s in plan.evals.sets] == ["eval_a", "eval_b"]
     assert [s for s in range(1, 5) if plan.evals.due(s, total_steps=4, steps_per_epoch=2)] == [2, 4]
     assert plan.stops.names == ("max_steps",) and plan.schedule.total_steps == 4
-    assert plan.checkpoints == CheckpointPlan(str(tmp_path), "no", 500, None, False, False, False)
+    assert plan.checkpoints == CheckpointPlan(str(tmp_path), "no", 500, None, False, False, True)
     assert plan.reporters.names == ("none",) and plan.reporters.bar is False
     assert plan.settings["world_size"] == 1 and plan.settings["gradient_accumulation_steps"] == 3
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing trained

@@ -154,9 +154,9 @@ def trained(result) -> dict[str, torch.Tensor]:
     return {**tensors, "losses": torch.tensor(losses, dtype=torch.float64), "grad_norms": torch.tensor(norms)}
 
 
-def _resume_copy(out: Path, name: str, rank: int, source: str = "straight"):
+def _resume_copy(out: Path, name: str, rank: int, source: str = "straight", **over):
     """Resume checkpoint-4 of the sharded 2-rank run (or ``source``), sharded, in a copy of its output_dir (made by
-    rank 0)."""
+    rank 0); ``over``: TrainingArguments changed for the resumed run."""
     import shutil
 
     import torch.distributed as dist
@@ -164,7 +164,7 @@ def _resume_copy(out: Path, name: str, rank: int, source: str = "straight"):
     if rank == 0:
         shutil.copytree(out / source, out / name)
     dist.barrier()
-    return elastic_run(out / name, resume=str(out / name / "checkpoint-4"), fsdp="full_shard")
+    return elastic_run(out / name, resume=str(out / name / "checkpoint-4"), fsdp="full_shard", **over)
 
 
 # -- the worker ------------------------------------------------------------------------------------
@@ -199,9 +199,14 @@ def _worker(phase: str, out: Path) -> None:
         # rank 1's shards: empty
         back = ckpt.load(sc.save_sharded(uneven, out / "uneven" / "checkpoint-0"), like=uneven)
         save_file({k: v.full_tensor() for k, v in back.params.items()} | local_slabs(back), out / f"uneven-{rank}.st")
-        straight = elastic_run(out / "straight", fsdp="full_shard", async_save=True, save_consolidated_model=True)
+        from trainfold import train
+
+        straight = elastic_run(out / "straight", fsdp="full_shard", async_save=True)  # model.safetensors: default
         save_file(trained(straight), out / f"straight-{rank}.safetensors")
-        save_file(trained(_resume_copy(out, "resumed-2", rank)), out / f"resumed-2-{rank}.safetensors")
+        llama = train(hf_model(), run_args(out / "llama", fsdp="full_shard", max_steps=2, save_steps=2), rows())
+        save_file(trained(llama), out / f"llama-{rank}.safetensors")
+        resumed = _resume_copy(out, "resumed-2", rank, save_consolidated_model=False)  # its checkpoint-8: shards only
+        save_file(trained(resumed), out / f"resumed-2-{rank}.safetensors")
         save_file(trained(elastic_run(out / "ddp")), out / f"ddp-{rank}.safetensors")  # replicated: rank 0 saves
         grown = _resume_copy(out, "grown", rank, source="single")  # a one-process checkpoint onto 2 fully_shard ranks
         save_file(trained(grown), out / f"grown-{rank}.safetensors")
@@ -301,6 +306,32 @@ def test_the_consolidated_model_loads_with_from_pretrained(ranks):
     expected = full_state(hf_model()).params
     for name, p in loaded.named_parameters():
         assert torch.equal(p, expected[name]), name
+
+
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
+def test_a_sharded_train_run_loads_with_from_pretrained_by_default(ranks):
+    transformers = pytest.importorskip("transformers")
+    path = ranks / "llama" / "checkpoint-2"  # train(fsdp="full_shard") of a Llama, save_consolidated_model untouched
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(path)
+    trained_params = load_file(ranks / "llama-0.safetensors")
+    names = [name for name, _ in loaded.named_parameters()]
+    assert sorted(f"params.{n}" for n in names) == sorted(k for k in trained_params if k.startswith("params."))
+    assert not torch.equal(trained_params["params.lm_head.weight"], hf_model().lm_head.weight)  # it trained
+    for name, p in loaded.named_parameters():
+        assert torch.equal(p, trained_params[f"params.{name}"]), name
+
+
+@pytest.mark.slow  # the torchrun launches of the ranks fixture
+def test_save_consolidated_model_false_leaves_the_full_model_out(ranks):
+    path = ranks / "resumed-2" / "checkpoint-8"
+    names = sorted(p.name for p in path.iterdir())
+    assert "model.safetensors" not in names and ckpt.SHARD_DIR in names and ckpt.is_complete(path)
+    like = init_state(tiny(), adamw(1e-3))  # the shards alone give the weights
+    weights = ckpt.load_weights(path, like=like)
+    straight = load_file(ranks / "straight-0.safetensors")
+    assert all(torch.equal(v, straight[f"params.{k}"]) for k, v in weights.params.items())
 
 
 def _is_pickle(data: bytes) -> bool:

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold import adamw, chain, clip_by_global_norm, init_state
+from trainfold import adamw, chain, clip_by_global_norm, init_state, sgd
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.tree import (
     add,
@@ -188,3 +188,31 @@ def test_unflatten_inverts_flatten_on_state_records(record):
 def test_map_tensors_with_rest_needs_the_same_structure():
     with pytest.raises(KeyError):
         map_tensors(torch.add, {"a": torch.tensor(1)}, {"b": torch.tensor(1)})
+
+
+def test_flatten_keys_are_the_checkpoint_names():
+    """Checkpoints store these strings: the walk (torch's pytree) must not change one of them."""
+    extras = {"pair": Pair(torch.zeros(1), None), "n": {"k": (torch.ones(1),)}}
+    state = init_state(torch.nn.Linear(2, 1), chain(clip_by_global_norm(1.0), adamw(1e-3)), extras=extras)
+    counters = ["step", "seed", "cursor.epoch", "cursor.position", "metrics.loss", "metrics.grad_norm"]
+    counters += ["metrics.learning_rate", "metrics.num_items", "loss_total", "nonfinite_losses"]
+    assert list(flatten(state)) == [
+        "params.weight",
+        "params.bias",
+        "opt_state.1.count",
+        "opt_state.1.mu.weight",
+        "opt_state.1.mu.bias",
+        "opt_state.1.nu.weight",
+        "opt_state.1.nu.bias",
+        *counters,
+        "extras.pair.0",  # a namedtuple by index, as any tuple; None dropped
+        "extras.n.k.0",
+    ]
+    momentum = init_state(torch.nn.Linear(2, 1), sgd(0.1, momentum=0.9))
+    assert list(flatten(momentum, "state"))[:5] == [
+        "state.params.weight",
+        "state.params.bias",
+        "state.opt_state.count",
+        "state.opt_state.momentum.weight",
+        "state.opt_state.momentum.bias",
+    ]

@@ -128,8 +128,8 @@ class TrainingArguments:
     async_save: bool = attrs.field(default=False, metadata=BOOKKEEPING)
     # "blocking": fsync before the rename, as before (trainfold.ckpt.writer)
     save_fsync: str = attrs.field(default="background", metadata=BOOKKEEPING)
-    # sharded runs: also model.safetensors, the full weights (from_pretrained)
-    save_consolidated_model: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    # sharded runs: also model.safetensors, the full weights (from_pretrained); False saves rank 0 the gather
+    save_consolidated_model: bool = attrs.field(default=True, metadata=BOOKKEEPING)
     metric_for_best_model: str | None = attrs.field(default=None, metadata=BOOKKEEPING)
     greater_is_better: bool | None = attrs.field(default=None, metadata=BOOKKEEPING)
     load_best_model_at_end: bool = attrs.field(default=False, metadata=BOOKKEEPING)

@@ -155,7 +155,7 @@ class CheckpointPlan:
     total_limit: int | None = None
     save_only_model: bool = False
     async_save: bool = False
-    consolidated: bool = False
+    consolidated: bool = True
     fsync: str = "background"
     processing_class: Any = None  # the tokenizer or processor: its files go into every checkpoint
 

@@ -58,7 +58,7 @@ from trainfold.recipes.ensemble_state import (
 from trainfold.step.compiled import CompileFallbackWarning
 from trainfold.step.driver import accumulate, advanced, no_gradient_error, sum_over_ranks, with_donation
 from trainfold.step.plan import refuse_sharded
-from trainfold.step.traced import fresh_function, traceable_loss
+from trainfold.step.traced import fresh_function
 
 __all__ = [
     "ensemble_axes",
@@ -233,7 +233,6 @@ def _compiled(plan: _EnsemblePlan, compile: bool | str) -> Callable[[TrainState,
     """Return ``run(state, batch, donate)`` under ``torch.compile``, eager (with a warning) once compiling failed."""
     backend = compile if isinstance(compile, str) else "inductor"
     grads_fn = torch.compile(fresh_function(_grads), backend=backend, fullgraph=True)
-    traced = attrs.evolve(plan, loss=traceable_loss(plan.loss))
     eager = _eager(plan)
     failed: list[str] = []
 
@@ -242,7 +241,7 @@ def _compiled(plan: _EnsemblePlan, compile: bool | str) -> Callable[[TrainState,
             return eager(state, batch, donate)
         try:
             with torch._dynamo.config.patch(trace_autograd_ops=True):
-                return _run(traced, grads_fn, state, batch, donate)
+                return _run(plan, grads_fn, state, batch, donate)
         except (ValueError, KeyError):
             raise
         except Exception as err:

@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
-import attrs
 import torch
 from torch import Tensor
 
@@ -40,7 +39,7 @@ from trainfold.step.driver import (
 from trainfold.step.fallback import CompileFallbackWarning, fall_back, refuse_uncompilable
 from trainfold.step.plan import StepPlan
 from trainfold.step.recompute import cache_off
-from trainfold.step.traced import fresh_function, micro_grads, traceable_loss
+from trainfold.step.traced import fresh_function, micro_grads
 
 __all__ = ["CompileFallbackWarning", "compile_step", "refuse_uncompilable"]
 
@@ -104,12 +103,11 @@ def compile_step(step: Step, *, backend: str | Callable[..., Any] = "inductor", 
 
 def _compiled_run(plan: StepPlan, backend: Any, mode: str | None) -> Callable[[TrainState, Any, bool], TrainState]:
     """Return ``run(state, batch, donate)`` over the step's micro-batch graph (compiled on first use)."""
-    traced = attrs.evolve(plan, loss=traceable_loss(plan.loss))
     grad_graph = torch.compile(fresh_function(micro_grads), backend=backend, mode=mode, fullgraph=True)
     keys: dict[torch.device, torch.Generator] = {}  # one per device, reseeded per micro-batch
 
     def run(state: TrainState, batch: Sequence[Mapping[str, Tensor]], donate: bool) -> TrainState:
-        return _run(traced, grad_graph, keys, state, batch, donate)
+        return _run(plan, grad_graph, keys, state, batch, donate)
 
     return run
 

@@ -1,63 +1,26 @@
-"""What a compiled graph runs: a micro-batch's gradients, loss twins without data-dependent checks, fresh copies.
+"""What a compiled graph runs: a micro-batch's gradients, over fresh copies of the functions compiled.
 
->>> from trainfold.core.losses import cross_entropy
->>> traceable_loss(cross_entropy) is cross_entropy, fresh_function(len) is len
-(False, True)
+The built-in losses trace as they are (their label-range checks step aside while compiling; inside a
+graph an out-of-range label fails in the kernel's own bounds check).
+
+>>> fresh_function(len) is len
+True
 """
 
 from __future__ import annotations
 
-import functools
 import types
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from trainfold.core.forward import make_forward
-from trainfold.core.losses import IGNORE_INDEX, causal_lm, cross_entropy, logits_of
 from trainfold.step.driver import micro_loss, no_gradient_error
 from trainfold.step.plan import StepPlan
 
-__all__ = ["fresh_function", "micro_grads", "traceable_loss"]
-
-
-def _summed_ce(logits: Tensor, labels: Tensor, num_items: Tensor, label_smoothing: float = 0.0) -> Tensor:
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}")
-    total = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
-        labels.reshape(-1),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-        label_smoothing=label_smoothing,
-    )
-    return total / num_items.clamp(min=1)
-
-
-def _traced_causal_lm(outputs: Any, labels: Tensor, num_items: Tensor, label_smoothing: float = 0.0) -> Tensor:
-    shifted = F.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)  # as causal_lm: shift labels, not logits
-    return _summed_ce(logits_of(outputs), shifted, num_items, label_smoothing)
-
-
-def _traced_cross_entropy(outputs: Any, labels: Tensor, num_items: Tensor, label_smoothing: float = 0.0) -> Tensor:
-    return _summed_ce(logits_of(outputs), labels, num_items, label_smoothing)
-
-
-def traceable_loss(loss: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    """Return ``loss``, or for the built-in losses their twin without the data-dependent label check.
-
-    The built-ins check label ranges with Python control flow on tensor values (``int(tensor)``,
-    ``try``/``except`` around the kernel), which no single graph can hold; inside a graph an
-    out-of-range label still fails, in the kernel's own bounds check.
-    """
-    twins = {causal_lm: _traced_causal_lm, cross_entropy: _traced_cross_entropy}
-    base, epsilon = getattr(loss, "smooths", (loss, 0.0))  # label_smoothed(causal_lm, eps) and the like
-    if base in twins:
-        return functools.partial(twins[base], label_smoothing=epsilon) if epsilon else twins[base]
-    return loss
+__all__ = ["fresh_function", "micro_grads"]
 
 
 def fresh_function(fn: Callable[..., Any]) -> Callable[..., Any]:
