@@ -450,7 +450,6 @@ def test_a_sharded_train_run_writes_sharded_checkpoints_with_the_full_model(rank
         path = ranks / "straight" / f"checkpoint-{step}"
         names = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
         assert names == [
-            ckpt.DURABLE_MARKER,
             "config.json",
             "model.safetensors",
             shard_file(0, 2),

@@ -14,9 +14,9 @@ import dataclasses
 import functools
 import os
 import sys
-import threading
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,6 @@ from torch import Tensor
 
 from trainfold.ckpt import tensor_file, writer
 from trainfold.ckpt.adapters import is_peft_model
-from trainfold.ckpt.atomic import FSYNC_MODES, Syncs
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.layout import model_weights
 from trainfold.ckpt.sidecar import MODEL_FILE, SHARD_DIR, CheckpointError, read_metadata
@@ -209,14 +208,11 @@ class Saver:
     """Write a run's checkpoints: sharded ones from every rank, replicated ones from the caller; sync or async.
 
     With ``async_save`` the state is copied to the CPU (the step stalls for that copy only) and a
-    thread writes it; the directory appears, complete, when every rank has finished (the rename
-    is the last act). ``fsync="background"`` (the default) makes a replicated checkpoint visible
-    first and durable after (``writer``: renamed into place, then fsynced in a thread);
-    ``"blocking"`` fsyncs before the rename (sharded checkpoints always). One save runs at a
-    time: the next ``save`` and ``wait`` wait for it and its fsyncs, and raise their error
-    (``atomic.NotDurableError`` naming the checkpoint). ``on_commit(path)`` runs on the rank that
-    renamed it once it is durable (rotation, best bookkeeping). Sharded saves get a gloo process
-    group of their own (made on the first, by every rank), so the writer thread's collectives never meet the step's.
+    worker thread writes it; the directory appears, complete and fsynced, when every rank has
+    finished (the rename is the last act). One save runs at a time: the next ``save`` and ``wait``
+    wait for it and raise its error. ``on_commit(path)`` runs on the rank that renamed it, once it
+    is in place (rotation, best bookkeeping). Sharded saves get a gloo process group of their own
+    (made on the first, by every rank), so the writer thread's collectives never meet the step's.
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
@@ -230,10 +226,8 @@ class Saver:
 
     async_save: bool = False
     consolidate: bool = False
-    fsync: str = attrs.field(default="background", validator=attrs.validators.in_(FSYNC_MODES))
     _group: Any = attrs.field(default=None, init=False)
-    _job: Any = attrs.field(default=None, init=False)
-    _syncs: Syncs = attrs.field(factory=Syncs, init=False)
+    _job: Future[Path] | None = attrs.field(default=None, init=False)
 
     def save(
         self,
@@ -249,20 +243,16 @@ class Saver:
         ``wait=True`` returns when it is complete, also with ``async_save`` (a JIT save at preemption).
         """
         self.wait()
-        directory = Path(directory)
-        write: Callable[..., Path]  # (state, directory) -> the checkpoint's path
-        if self.async_save and not wait and not is_peft_model(options.get("model")):  # a peft one: its own layout
+        directory, later = Path(directory), self.async_save and not wait
+        if later and not is_peft_model(options.get("model")):  # a peft one: its own layout
             options["model"] = held_structure(options.get("model"))  # read here, not in the writer thread
+        write: Callable[..., Path] = functools.partial(writer.save, **options)
+        commits = True
         if is_sharded(state):
             if dist.is_initialized() and self._group is None:
                 self._group = dist.new_group(backend="gloo")
             write = functools.partial(save_sharded, group=self._group, consolidate=self.consolidate, **options)
             commits = not dist.is_initialized() or dist.get_rank() == 0
-        elif self.fsync == "background":  # on_commit once durable, from the fsync thread
-            write = functools.partial(writer.save, syncs=self._syncs, on_durable=on_commit, **options)
-            commits, on_commit = False, None
-        else:
-            write, commits = functools.partial(writer.save, **options), True
 
         def job(staged: TrainState) -> Path:
             path = write(staged, directory)
@@ -270,38 +260,21 @@ class Saver:
                 on_commit(path)
             return path
 
-        if not self.async_save or wait:
+        if not later:
             return job(state)
-        staged, outcome = map_tensors(_cpu_copy, state), dict[str, Any]()
-
-        def run() -> None:
-            try:
-                outcome["path"] = job(staged)
-            except BaseException as e:
-                outcome["error"] = e
-
-        thread = threading.Thread(target=run, name=f"trainfold-save-{directory.name}", daemon=True)
-        thread.start()
-        self._job = (thread, outcome)
+        pool = ThreadPoolExecutor(1, thread_name_prefix="trainfold-save")
+        self._job = pool.submit(job, map_tensors(_cpu_copy, state))
+        pool.shutdown(wait=False)
         return directory
 
     def pending(self) -> bool:
-        """Say whether a save is still being written or made durable."""
-        return (self._job is not None and self._job[0].is_alive()) or self._syncs.pending()
+        """Say whether a save is still being written."""
+        return self._job is not None and not self._job.done()
 
     def wait(self) -> Path | None:
-        """Wait for the save in flight (if any) and its fsyncs; return its path, or raise its error."""
-        path = None
-        if self._job is not None:
-            thread, outcome = self._job
-            self._job = None
-            thread.join()
-            if "error" in outcome:
-                self._syncs.wait()
-                raise outcome["error"]
-            path = outcome["path"]
-        durable = self._syncs.wait()
-        return path if path is not None or not durable else durable[-1]
+        """Wait for the save in flight (if any); return its path, or raise its error."""
+        job, self._job = self._job, None
+        return None if job is None else job.result()
 
 
 def _tensors_of(directory: Path) -> dict[str, dict[str, Any]]:

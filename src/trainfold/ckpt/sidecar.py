@@ -29,7 +29,6 @@ __all__ = [
     "CONFIG_FILE",
     "SIDECAR_FILE",
     "INCOMPLETE_MARKER",
-    "DURABLE_MARKER",
     "SHARD_DIR",
     "is_sharded_checkpoint",
     "MAX_STEP",
@@ -47,8 +46,6 @@ MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 SIDECAR_FILE = "trainfold.json"
 INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
-# written once every file of the checkpoint is fsynced: a machine crash cannot have torn it
-DURABLE_MARKER = "checkpoint-is-durable.json"
 SHARD_DIR = "sharded"  # a sharded checkpoint's folder of DCP shard files (trainfold.ckpt.sharded)
 _FORMAT = "trainfold-checkpoint"
 _FORMAT_VERSION = 4  # 1: no run identity, no checksum; 1 and 2: every tensor in state.safetensors; 1-3: CRC-32s
