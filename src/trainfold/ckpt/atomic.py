@@ -9,7 +9,7 @@ from pathlib import Path
 
 from trainfold.ckpt.faults import point
 
-__all__ = ["fsync_dir", "write_bytes", "replace_dir"]
+__all__ = ["fsync_dir", "replace_dir"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -21,14 +21,6 @@ def fsync_dir(path: Path) -> None:
         raise OSError(e.errno, f"fsync failed ({e.strerror}); check the disk, then save again", str(path)) from e
     finally:
         os.close(fd)
-
-
-def write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def replace_dir(tmp: Path, directory: Path) -> None:

@@ -18,10 +18,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from trainfold.ckpt import tensor_file
-from trainfold.ckpt.atomic import fsync_dir, replace_dir, write_bytes
+from trainfold.ckpt.atomic import fsync_dir, replace_dir
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.layout import layout_of
 from trainfold.ckpt.listing import checkpoint_path, list_checkpoints
@@ -53,15 +53,13 @@ def _json(value: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
 
 
 def _check_run(run: Mapping[str, Any] | None) -> dict[str, str] | None:
-    if run is None:
-        return None
-    if (
-        not isinstance(run, Mapping)
-        or sorted(run) != ["fingerprint", "id"]
-        or not all(isinstance(v, str) and v for v in run.values())
+    if run is not None and not (
+        isinstance(run, Mapping)
+        and sorted(run) == ["fingerprint", "id"]
+        and all(isinstance(v, str) and v for v in run.values())
     ):
         raise TypeError(f"run must be {{'id': str, 'fingerprint': str}} (see trainfold.ckpt.run_dir), got {run!r}")
-    return {"id": run["id"], "fingerprint": run["fingerprint"]}
+    return None if run is None else {"id": run["id"], "fingerprint": run["fingerprint"]}
 
 
 def mark_jit(directory: str | os.PathLike) -> Path:
@@ -83,7 +81,8 @@ def mark_jit(directory: str | os.PathLike) -> Path:
     if meta.get("jit"):
         return directory
     tmp = directory / f".{SIDECAR_FILE}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    write_bytes(tmp, sidecar_bytes({**meta, "jit": True}))
+    tmp.write_bytes(sidecar_bytes({**meta, "jit": True}))
+    fsync_dir(tmp)
     point("mark_jit:wrote")
     os.replace(tmp, directory / SIDECAR_FILE)
     point("mark_jit:replaced")
@@ -111,10 +110,9 @@ def save(
     ``state_dict`` names, the rest to ``state.safetensors``; a ``peft`` model's adapter to
     ``adapter_model.safetensors``, its frozen base nowhere (fingerprints in the sidecar). ``config``
     (default ``model.config``) becomes ``config.json``; ``metadata``, ``settings`` and ``run`` go into the
-    sidecar. ``save_only_model``: the weights only; ``jit``: never rotated; ``tensors(tmp)`` writes its
-    own files and returns their entries (``sharded``); ``extra_files(tmp)`` adds files the sidecar does
-    not list (a tokenizer's ``save_pretrained``). A full disk raises ``OSError(ENOSPC)`` naming the bytes
-    needed and free and the intact previous checkpoint. Call it on one rank only.
+    sidecar. ``save_only_model``: the weights only; ``jit``: never rotated; ``tensors(tmp)`` writes its own
+    files, returns their entries (``sharded``); ``extra_files(tmp)``: unlisted files (a tokenizer's). A full
+    disk raises ``OSError(ENOSPC)`` naming the bytes needed, free, and the intact previous checkpoint.
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
@@ -124,41 +122,43 @@ def save(
     >>> sorted(p.name for p in path.iterdir()), read_metadata(path)["metadata"]
     (['model.safetensors', 'state.safetensors', 'trainfold.json'], {'n': 1})
     """
-    directory, run = Path(directory), _check_run(run)
-    fields = dict[str, Any](metadata=_json(metadata, "save metadata"), settings=_json(settings, "save settings"))
-    fields.update(run=run, save_only_model=save_only_model, jit=jit)
-    layout = layout_of(state, model, config)
-    flat = flatten(state)
+    layout, flat = layout_of(state, model, config), flatten(state)
     frozen = fingerprints({k: flat[k] for k in layout.frozen})
     parts = {layout.weights_file: {name: flat[key] for key, name in layout.weights.items()}}
     if not save_only_model:
         parts = {STATE_FILE: {k: v for k, v in flat.items() if k not in layout.weights and k not in frozen}, **parts}
+    fields = dict[str, Any](metadata=_json(metadata, "save metadata"), settings=_json(settings, "save settings"))
+    fields.update(run=_check_run(run), save_only_model=save_only_model, jit=jit, step=int(state.step))
+    fields.update(cursor=(int(state.cursor.epoch), int(state.cursor.position)))
+    if tensors is None:  # a sharded state's sidecar lists its shard files only
+        fields.update(tensors={layout.weights_file: layout.weights}, frozen=frozen)
 
     def fill(tmp: Path) -> dict[str, Any]:
-        files, where = dict[str, dict[str, int]](), dict[str, Any]()
-        if tensors is not None:  # a sharded state: every rank's shards and their index
-            files.update(tensors(tmp))
-        else:
-            for name, part in parts.items():
-                files[name] = tensor_file.write(tmp / name, part, metadata=_PT, fsync=False)
-                point(f"save:wrote:{name}")
-            where = dict(tensors={layout.weights_file: layout.weights}, frozen=frozen)
+        files = dict(tensors(tmp)) if tensors is not None else _write_parts(tmp, parts)
         if layout.config_file is not None and layout.config_text is not None:
             text = layout.config_text.encode()
             files[layout.config_file] = tensor_file.write_hashed(tmp / layout.config_file, text, fsync=False)
         if extra_files is not None:
             extra_files(tmp)
-        cursor = (int(state.cursor.epoch), int(state.cursor.position))
-        return new_sidecar(step=int(state.step), cursor=cursor, files=files, **where, **fields)
+        return new_sidecar(files=files, **fields)
 
     try:
-        return _commit(directory, fill)
+        return _commit(Path(directory), fill)
     except Exception as e:
         if not is_disk_full(e):
             raise
         what = f"the {'JIT ' if jit else ''}checkpoint of step {int(state.step)} could not be written to {directory}"
         needed = sum(t.numel() * t.element_size() for part in parts.values() for t in part.values())
         raise disk_full(e, directory, what, needed) from e
+
+
+def _write_parts(tmp: Path, parts: Mapping[str, Mapping[str, Tensor]]) -> dict[str, dict[str, int]]:
+    """Write each tensor file of ``parts`` into ``tmp`` (fsynced later, with the rest); return their entries."""
+    files = {}
+    for name, part in parts.items():
+        files[name] = tensor_file.write(tmp / name, part, metadata=_PT, fsync=False)
+        point(f"save:wrote:{name}")
+    return files
 
 
 def _commit(directory: Path, fill: Callable[[Path], dict[str, Any]]) -> Path:
@@ -188,11 +188,7 @@ def _commit(directory: Path, fill: Callable[[Path], dict[str, Any]]) -> Path:
 
 
 def is_disk_full(e: BaseException) -> bool:
-    """Say whether ``e`` is a full disk or quota: an ``OSError`` or safetensors' own error type.
-
-    >>> is_disk_full(OSError(errno.ENOSPC, "No space left on device")), is_disk_full(OSError(errno.EIO, "I/O"))
-    (True, False)
-    """
+    """Say whether ``e`` is a full disk or quota: an ``OSError`` or safetensors' own error type."""
     if isinstance(e, OSError):
         return e.errno in (errno.ENOSPC, errno.EDQUOT)
     full = ("No space left", "StorageFull", "os error 28", "code: 28", "Disk quota")
@@ -201,13 +197,7 @@ def is_disk_full(e: BaseException) -> bool:
 
 def disk_full(e: BaseException, path: str | os.PathLike, what: str, needed: int | None = None) -> OSError:
     """Return the ``OSError(ENOSPC)`` saying that ``what`` failed at ``path`` on a full disk: the bytes it needs
-    (``needed``) and those free, and the newest intact checkpoint of the output_dir, to resume from.
-
-    >>> import tempfile
-    >>> out = tempfile.mkdtemp()
-    >>> disk_full(OSError(errno.ENOSPC, "full"), out + "/checkpoint-4", "the save", 10).strerror.split(": the disk")[0]
-    'the save'
-    """
+    (``needed``) and those free, and the newest intact checkpoint of the output_dir, to resume from."""
     path = Path(path)
     root = path.parent if path.name.startswith("checkpoint-") or path.suffix else path
     try:
@@ -217,12 +207,9 @@ def disk_full(e: BaseException, path: str | os.PathLike, what: str, needed: int 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         previous = [p for p in list_checkpoints(root) if p != path]
-    step = previous[-1].name.rsplit("-", 1)[-1] if previous else None
-    kept = (
-        f"the previous checkpoint {previous[-1]} (step {step}) is intact; resume from it"
-        if previous
-        else (f"{root} holds no earlier checkpoint")
-    )
+    kept = f"{root} holds no earlier checkpoint"
+    if previous:
+        kept = f"the previous checkpoint {previous[-1]} (step {previous[-1].name[11:]}) is intact; resume from it"
     needs = f"it needs about {needed:,} bytes, " if needed is not None else ""
     return OSError(errno.ENOSPC, f"{what}: the disk is full ({needs}{free}); {kept} after freeing space", str(path))
 
@@ -238,8 +225,5 @@ def jit_checkpoint(state: TrainState, output_dir: str | os.PathLike, **save_opti
     >>> path = jit_checkpoint(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp())
     >>> path.name, read_metadata(path)["jit"]
     ('checkpoint-0', True)
-
-    A full disk raises ``OSError(ENOSPC)`` naming the checkpoint's path, the bytes it needs and the
-    previous checkpoint, which is intact (the write goes to a temporary directory that is removed).
     """
     return save(state, checkpoint_path(output_dir, int(state.step)), jit=True, **save_options)
