@@ -13,9 +13,10 @@ import dataclasses
 import functools
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -253,9 +254,16 @@ class Saver:
 
         if not later:
             return job(state)
-        pool = ThreadPoolExecutor(1, thread_name_prefix="trainfold-save")
-        self._job = pool.submit(job, map_tensors(_cpu_copy, state))
-        pool.shutdown(wait=False)
+        staged, self._job = map_tensors(_cpu_copy, state), Future()
+
+        def run(future: Future[Path]) -> None:
+            try:
+                future.set_result(job(staged))
+            except BaseException as e:  # raised by wait, in the caller's thread
+                future.set_exception(e)
+
+        # a daemon, not an executor's worker: a process whose peers died exits without waiting for its collectives
+        threading.Thread(target=run, args=(self._job,), name=f"trainfold-save-{directory.name}", daemon=True).start()
         return directory
 
     def pending(self) -> bool:

@@ -177,7 +177,7 @@ def _commit(directory: Path, fill: Callable[[Path], dict[str, Any]]) -> Path:
                 path.chmod(mode)
                 fsync_dir(path)
         (tmp / INCOMPLETE_MARKER).unlink()
-        for sub in [*(p for p in tmp.iterdir() if p.is_dir()), tmp]:  # sharded/: DCP's files
+        for sub in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:  # sharded/: DCP's files
             fsync_dir(sub)
         point("save:complete")
         replace_dir(tmp, directory)
