@@ -6,9 +6,8 @@ For each size, a stack of ``Linear(1024, 1024)`` layers holding that many MB of 
 (SGD without momentum: the state is the weights and a few counters), and two ways to checkpoint it:
 
 - **trainfold**: ``save(state, path, model=model)`` (the safetensors files, each hashed while it is
-  written, the sidecar, every file and the directory fsynced, then the atomic rename); "visible"
-  the same save with the fsyncs after the rename, in a thread (``syncs=Syncs()``, what ``train``
-  does); the load a resume does: ``load(path, like=template)`` (every file's size and XXH3-64
+  written, the sidecar, every file and the directory fsynced, the atomic rename, the parent
+  fsynced: what ``train`` does); the load a resume does: ``load(path, like=template)`` (every file's size and XXH3-64
   checked in one streaming pass, then ``safetensors.torch.load_file``) and ``lend(model, state)``
   (the tensors copied into the module's own);
 - **HF**: what ``transformers.Trainer`` does with the weights: ``save_file(model.state_dict(), path)``
@@ -32,7 +31,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from trainfold.ckpt import load, save
-from trainfold.ckpt.atomic import Syncs
 from trainfold.core.state import init_state, lend
 from trainfold.optim import sgd
 
@@ -59,20 +57,14 @@ def compare(mb: int, root: Path, rounds: int) -> tuple[dict[str, float], dict[st
     state = init_state(model, sgd(0.1))
     tf_dir, hf_file = root / "checkpoint-0", root / "hf" / "model.safetensors"
     hf_file.parent.mkdir(parents=True, exist_ok=True)
-    syncs = Syncs()
 
     def clean() -> None:
-        syncs.wait()
         shutil.rmtree(tf_dir, ignore_errors=True)
         hf_file.unlink(missing_ok=True)
 
     tf_save, hf_save = abba(
         lambda: save(state, tf_dir, model=model), lambda: save_file(model.state_dict(), hf_file), rounds, clean
     )
-    tf_visible, _ = abba(
-        lambda: save(state, tf_dir, model=model, syncs=syncs), lambda: save_file(model.state_dict(), hf_file), 1, clean
-    )
-    syncs.wait()
     save(state, tf_dir, model=model)
     save_file(model.state_dict(), hf_file)
     template = init_state(model, sgd(0.1), copy=False)  # lent: the module's own tensors, as a resume builds it
@@ -86,7 +78,7 @@ def compare(mb: int, root: Path, rounds: int) -> tuple[dict[str, float], dict[st
     tf_read, hf_read = abba(tf_load, hf_load, rounds, lambda: None)
     bytes_ = sum(p.stat().st_size for p in tf_dir.iterdir())
     clean()
-    saving = {"mb": bytes_ / 1e6, "tf_save": tf_save, "tf_visible": tf_visible, "hf_save": hf_save}
+    saving = {"mb": bytes_ / 1e6, "tf_save": tf_save, "hf_save": hf_save}
     return saving, {"tf_load": tf_read, "hf_load": hf_read}
 
 
@@ -98,13 +90,13 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(dir=args.dir, prefix="trainfold-bench-"))
     print(f"ABBA x {args.rounds}, medians; torch {torch.__version__}, {torch.get_num_threads()} threads; seconds")
-    print("| state | trainfold save (fsynced) | visible | HF save_file | ratio | verified load | HF load | ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| state | trainfold save (fsynced) | HF save_file | ratio | verified load | HF load | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     try:
         for mb in args.mb:
             s, r = compare(mb, root, args.rounds)
             print(
-                f"| {s['mb']:.0f} MB | {s['tf_save']:.3f} | {s['tf_visible']:.3f} | {s['hf_save']:.3f} | "
+                f"| {s['mb']:.0f} MB | {s['tf_save']:.3f} | {s['hf_save']:.3f} | "
                 f"{s['tf_save'] / s['hf_save']:.2f} | {r['tf_load']:.3f} | {r['hf_load']:.3f} | "
                 f"{r['tf_load'] / r['hf_load']:.2f} |",
                 flush=True,

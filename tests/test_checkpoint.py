@@ -18,12 +18,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainfold.ckpt import (
-    DURABLE_MARKER,
     INCOMPLETE_MARKER,
     MODEL_FILE,
     SIDECAR_FILE,
     STATE_FILE,
     checkpoint_path,
+    faults,
     is_complete,
     latest_checkpoint,
     list_checkpoints,
@@ -105,7 +105,7 @@ def test_save_writes_the_layout_and_load_restores_every_tensor(tmp_path):
     state = attrs.evolve(state, step=scalar(12), cursor=Cursor(scalar(1), scalar(3)))
     path = save(state, checkpoint_path(tmp_path, 12), metadata={"best_metric": 0.5}, settings={"seed": 0})
     assert path == tmp_path / "checkpoint-12"
-    assert sorted(p.name for p in path.iterdir()) == sorted([DURABLE_MARKER, MODEL_FILE, STATE_FILE, SIDECAR_FILE])
+    assert sorted(p.name for p in path.iterdir()) == sorted([MODEL_FILE, STATE_FILE, SIDECAR_FILE])
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint-12"]  # no temporary left behind
     meta = read_metadata(path)
     assert (meta["step"], meta["epoch"], meta["cursor"]) == (12, 1, {"epoch": 1, "position": 3})
@@ -293,16 +293,18 @@ def test_metadata_must_be_json(tmp_path):
 CRASH = textwrap.dedent(
     """
     import sys, time, attrs, torch
-    from trainfold.ckpt import save, checkpoint_path
+    from trainfold.ckpt import save, checkpoint_path, faults
     from trainfold.optim import adamw
     from trainfold.core.state import init_state, scalar
     out = sys.argv[1]
     state = init_state(torch.nn.Linear(64, 64), adamw(1e-3))
     save(attrs.evolve(state, step=scalar(1)), checkpoint_path(out, 1))
-    def pause(path):
-        print("wrote", path.name, flush=True)
-        time.sleep(60)
-    save(attrs.evolve(state, step=scalar(int(sys.argv[2]))), checkpoint_path(out, int(sys.argv[2])), on_file=pause)
+    def pause(label):
+        if label.startswith("save:wrote:"):
+            print("wrote", label.removeprefix("save:wrote:"), flush=True)
+            time.sleep(60)
+    faults.fault_hook = pause
+    save(attrs.evolve(state, step=scalar(int(sys.argv[2]))), checkpoint_path(out, int(sys.argv[2])))
     """
 )
 
@@ -325,14 +327,16 @@ def test_kill_9_during_save_leaves_the_previous_complete_checkpoint(tmp_path, se
     assert read_metadata(tmp_path / "checkpoint-1")["step"] == 1
 
 
-def test_an_error_during_save_removes_the_temporary_and_keeps_the_old_checkpoint(tmp_path):
+def test_an_error_during_save_removes_the_temporary_and_keeps_the_old_checkpoint(tmp_path, monkeypatch):
     save(small_state(seed=0), tmp_path / "c")
 
-    def fail(path):
-        raise OSError(f"disk full while writing {path.name}")
+    def fail(label):
+        if label.startswith("save:wrote:"):
+            raise OSError(f"disk full while writing {label}")
 
+    monkeypatch.setattr(faults, "fault_hook", fail)
     with pytest.raises(OSError, match="disk full"):
-        save(small_state(seed=1), tmp_path / "c", on_file=fail)
+        save(small_state(seed=1), tmp_path / "c")
     assert [p.name for p in tmp_path.iterdir()] == ["c"]
     assert_states_equal(load(tmp_path / "c", like=small_state()), small_state(seed=0))
 

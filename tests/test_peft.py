@@ -12,9 +12,8 @@ import torch
 
 from trainfold import TrainingArguments, train
 from trainfold import ckpt as checkpoint
-from trainfold.ckpt import DURABLE_MARKER, STATE_FILE, CheckpointError
+from trainfold.ckpt import STATE_FILE, CheckpointError
 from trainfold.ckpt.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
-from trainfold.ckpt.atomic import is_durable
 from trainfold.core.state import init_state
 from trainfold.core.tree import flatten
 from trainfold.optim import adamw
@@ -80,7 +79,7 @@ def test_a_lora_checkpoint_holds_the_adapter_as_peft_writes_it_and_no_base_weigh
     model, result, out = straight
     path = out / "checkpoint-4"
     assert sorted(p.name for p in path.iterdir()) == sorted(
-        [ADAPTER_CONFIG_FILE, ADAPTER_FILE, STATE_FILE, "trainfold.json", DURABLE_MARKER]
+        [ADAPTER_CONFIG_FILE, ADAPTER_FILE, STATE_FILE, "trainfold.json"]
     )
     model.save_pretrained(tmp_path / "peft")  # peft's own save of the trained model
     theirs = safetensors.torch.load_file(tmp_path / "peft" / ADAPTER_FILE)
@@ -154,7 +153,7 @@ def test_a_run_resumed_on_another_base_is_refused_by_name_and_the_checkpoint_kep
     ):
         train(lora(seed=1), args(out), rows(), resume_from_checkpoint=True)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
-    assert is_durable(out / "checkpoint-2")  # the checkpoint is whole: it keeps its mark
+    assert checkpoint.is_complete(out / "checkpoint-2")  # the checkpoint is whole: kept as it was
     resumed = train(lora(), args(out), rows(), resume_from_checkpoint=True)  # on its own base it resumes
     assert resumed.global_step == 4
 

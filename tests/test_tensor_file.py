@@ -100,7 +100,7 @@ def _small_state():
 
 
 def test_save_fsyncs_every_file_before_the_marker_goes_and_the_directory_is_renamed(tmp_path, monkeypatch):
-    from trainfold.ckpt import DURABLE_MARKER, faults, is_complete, save
+    from trainfold.ckpt import faults, is_complete, save
 
     events: list[tuple[str, str]] = []
     real = os.fsync
@@ -116,7 +116,7 @@ def test_save_fsyncs_every_file_before_the_marker_goes_and_the_directory_is_rena
     assert is_complete(path)
     complete = events.index(("point", "save:complete"))
     synced = {name for kind, name in events[:complete] if kind == "fsync"}
-    files = {p.name for p in path.iterdir()} - {DURABLE_MARKER}  # the marker: written once the rest is synced
+    files = {p.name for p in path.iterdir()}
     assert files <= synced  # every file of the checkpoint, before it is complete
     assert any(name.startswith(".checkpoint-0.tmp-") for name in synced)  # and its directory
 

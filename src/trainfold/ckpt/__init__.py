@@ -30,7 +30,6 @@ from trainfold.ckpt.reader import FrozenWeightsError, load, load_weights, warm_s
 from trainfold.ckpt.run_dir import elastic_args
 from trainfold.ckpt.sidecar import (
     CONFIG_FILE,
-    DURABLE_MARKER,
     INCOMPLETE_MARKER,
     MODEL_FILE,
     SHARD_DIR,
@@ -52,7 +51,6 @@ __all__ = [
     "SIDECAR_FILE",
     "ADAPTER_FILE",
     "ADAPTER_CONFIG_FILE",
-    "DURABLE_MARKER",
     "INCOMPLETE_MARKER",
     "SHARD_DIR",
     "save",

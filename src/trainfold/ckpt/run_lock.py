@@ -28,8 +28,11 @@ __all__ = ["LOCK_FILE", "lock", "remove_leftovers"]
 LOCK_FILE = "trainfold.lock"
 _HOLDER_FILE = LOCK_FILE + ".json"
 
-_LEFTOVER = re.compile(r"^\.(checkpoint-\d+)\.(tmp|old|deleting)-(?:(\d+)-)?[0-9a-f]+$")
-_FILE_LEFTOVER = re.compile(rf"^\.(?:{re.escape(SIDECAR_FILE)}|{re.escape(RUN_FILE)})\.tmp-(\d+)(?:-[0-9a-f]+)?$")
+# a dead writer's checkpoint directory (a save, a replace, a rotation) or file rewrite (mark_jit, the run file)
+_LEFTOVER = re.compile(
+    rf"^\.(checkpoint-\d+|{re.escape(SIDECAR_FILE)}|{re.escape(RUN_FILE)})\.(tmp|old|deleting)"
+    r"-(?:(\d+)(?:-[0-9a-f]+)?|[0-9a-f]+)$"
+)
 
 
 def _alive(pid: int) -> bool:
@@ -37,7 +40,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except (PermissionError, OSError):
+    except OSError:  # another user's process
         return True
     return True
 
@@ -57,17 +60,6 @@ def lock(output_dir: str | os.PathLike) -> Iterator[dict[str, Any] | None]:
     A second holder is refused with ``RuntimeError`` naming the holder's pid and host. The lock
     of a dead process is gone with it, and the yielded record is that process's (``None`` after a
     holder that ended normally).
-
-    >>> import tempfile
-    >>> out = tempfile.mkdtemp()
-    >>> with lock(out):
-    ...     try:
-    ...         with lock(out):
-    ...             pass
-    ...     except RuntimeError as e:
-    ...         print(str(e).split(" (")[0])
-    ...
-    another trainfold run is writing to this output_dir
     """
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -90,16 +82,10 @@ def lock(output_dir: str | os.PathLike) -> Iterator[dict[str, Any] | None]:
         held.release()
 
 
-# -- leftovers ------------------------------------------------------------------------------------------
-
-
 def _size(path: Path) -> int:
-    total = 0
-    for p in path.rglob("*"):
-        with contextlib.suppress(OSError):
-            if p.is_file() and not p.is_symlink():
-                total += p.stat().st_size
-    return total
+    with contextlib.suppress(OSError):
+        return sum(p.stat().st_size for p in [path, *path.rglob("*")] if p.is_file() and not p.is_symlink())
+    return 0
 
 
 def _restorable(old: Path, target: Path) -> bool:
@@ -113,45 +99,30 @@ def _restorable(old: Path, target: Path) -> bool:
 
 
 def remove_leftovers(output_dir: str | os.PathLike, *, quiet: bool = False) -> list[Path]:
-    """Remove the ``.tmp-*``, ``.old-*``, ``.deleting-*`` checkpoint directories of dead writers; return them.
+    """Remove the ``.tmp-*``, ``.old-*``, ``.deleting-*`` checkpoint directories and files of dead writers.
 
     An ``.old-*`` directory whose checkpoint name is free (a replace killed between its renames,
-    ``atomic.replace_dir``) is renamed back instead. Call it holding ``lock(output_dir)``. A directory
-    whose name carries the pid of a live process other than this one is left alone. Prints one line
-    to stderr when it removed anything.
-
-    >>> import tempfile, pathlib
-    >>> out = pathlib.Path(tempfile.mkdtemp())
-    >>> (out / ".checkpoint-4.tmp-999999999-ab12").mkdir()
-    >>> [p.name for p in remove_leftovers(out, quiet=True)], list(out.iterdir())
-    (['.checkpoint-4.tmp-999999999-ab12'], [])
+    ``atomic.replace_dir``) is renamed back instead. Call it holding ``lock(output_dir)``. A leftover
+    whose name carries the pid of a live process (or this one's) is left alone. Returns what it removed,
+    and says so in one line on stderr.
     """
     root = Path(output_dir)
     if not root.is_dir():
         return []
+    places = [root, *(d for d in sorted(root.glob("checkpoint-*")) if d.is_dir() and not d.is_symlink())]
     gone, freed = [], 0
-    candidates = [(p, _LEFTOVER.match(p.name)) for p in sorted(root.iterdir())]
-    for sub in sorted(root.glob("checkpoint-*")) + [root]:  # a sidecar or run file rewrite cut short
-        if sub.is_dir() and not sub.is_symlink():
-            candidates += [(p, _FILE_LEFTOVER.match(p.name)) for p in sorted(sub.iterdir())]
-    for path, m in candidates:
+    for path in (p for d in places for p in sorted(d.iterdir())):
+        m = _LEFTOVER.match(path.name)
         if m is None or path.is_symlink():
             continue
-        pid_text = m.group(3) if m.re is _LEFTOVER else m.group(1)
-        pid = int(pid_text) if pid_text else None
-        if m.re is _LEFTOVER and m.group(2) == "old" and _restorable(path, root / m.group(1)):
-            os.replace(path, root / m.group(1))  # a replace cut short between its two renames: put it back
-            print(f"trainfold: restored {root / m.group(1)} (a replace of it was cut short)", file=sys.stderr)
-            continue
-        if pid is not None and (pid == os.getpid() or _alive(pid)):
-            continue
-        freed += _size(path) if path.is_dir() else path.stat().st_size
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            with contextlib.suppress(OSError):
-                path.unlink()
-        gone.append(path)
+        target, pid = root / m.group(1), int(m.group(3) or 0)
+        if m.group(2) == "old" and _restorable(path, target):
+            os.replace(path, target)  # a replace cut short between its two renames: put it back
+            print(f"trainfold: restored {target} (a replace of it was cut short)", file=sys.stderr)
+        elif not pid or (pid != os.getpid() and not _alive(pid)):
+            freed += _size(path)
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            gone.append(path)
     if gone and not quiet:
         names = ", ".join(p.name for p in gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
         print(

@@ -2,10 +2,9 @@
 
 A state of ``DTensor`` shards (``fsdp="full_shard"``) is saved by all ranks at once with ``dcp.save``
 and DCP's ``HuggingFaceStorageWriter`` into ``sharded/`` (one safetensors file per rank, the slab
-offsets in its header; never a pickle), with ``model.safetensors`` on request (``consolidate``, for
-``from_pretrained``). ``writer.save`` builds the directory (marker, fsync, atomic rename) and rank 0
-renames it once DCP has gathered every rank's fsynced file and hash. ``load`` checks every hash, then
-DCP's ``HuggingFaceStorageReader`` and load planner reshard onto the template's mesh (2 ranks -> 1, 3, 4).
+offsets in its header), with ``model.safetensors`` on request (``consolidate``); rank 0's ``writer.save``
+puts the directory into place once every rank's file and hash are in. ``load`` checks every hash, then
+DCP's reader and load planner reshard onto the template's mesh (2 ranks -> 1, 3, 4).
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +27,6 @@ from torch import Tensor
 
 from trainfold.ckpt import tensor_file, writer
 from trainfold.ckpt.adapters import is_peft_model
-from trainfold.ckpt.atomic import FSYNC_MODES, Syncs
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.layout import model_weights
 from trainfold.ckpt.sidecar import MODEL_FILE, SHARD_DIR, CheckpointError, read_metadata
@@ -38,7 +37,7 @@ from trainfold.step.fsdp import held_structure
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["Saver", "is_sharded", "save_sharded", "load_sharded", "read_index"]
+__all__ = ["Saver", "is_sharded", "save_sharded", "load_sharded"]
 
 
 def _dtensor_type() -> type[DTensor] | None:
@@ -48,12 +47,7 @@ def _dtensor_type() -> type[DTensor] | None:
 
 
 def is_sharded(state: Any) -> bool:
-    """Say whether any tensor of ``state`` is a ``DTensor`` (then every rank takes part in its checkpoint).
-
-    >>> import torch
-    >>> is_sharded({"w": torch.zeros(2)})
-    False
-    """
+    """Say whether any tensor of ``state`` is a ``DTensor`` (then every rank takes part in its checkpoint)."""
     dtensor = _dtensor_type()
     return dtensor is not None and any(isinstance(t, dtensor) for t in flatten(state).values())
 
@@ -118,17 +112,14 @@ def _read_shards(targets: dict[str, Tensor], directory: Path) -> None:
 
 def _consolidate(tmp: Path, model: Any) -> dict[str, dict[str, int]]:
     """Write ``model.safetensors`` from the shard files just written (rank 0, one process); return its entry."""
-    saved = _tensors_of(tmp)
-    full = {
-        k: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"])) for k, e in saved.items() if k[:2] in ("pa", "bu")
-    }
+    full = _empty(_metadata(tmp), ("params.", "buffers."))
     _read_shards(full, tmp)
     split = TrainState(
         params={k.removeprefix("params."): v for k, v in full.items() if k.startswith("params.")},
         buffers={k.removeprefix("buffers."): v for k, v in full.items() if k.startswith("buffers.")},
         opt_state=None,
     )
-    entry = tensor_file.write(tmp / MODEL_FILE, model_weights(split, model), metadata={"format": "pt"})
+    entry = tensor_file.write(tmp / MODEL_FILE, model_weights(split, model), metadata={"format": "pt"}, fsync=False)
     point("sharded:wrote:model")
     return {MODEL_FILE: entry}
 
@@ -209,14 +200,11 @@ class Saver:
     """Write a run's checkpoints: sharded ones from every rank, replicated ones from the caller; sync or async.
 
     With ``async_save`` the state is copied to the CPU (the step stalls for that copy only) and a
-    thread writes it; the directory appears, complete, when every rank has finished (the rename
-    is the last act). ``fsync="background"`` (the default) makes a replicated checkpoint visible
-    first and durable after (``writer``: renamed into place, then fsynced in a thread);
-    ``"blocking"`` fsyncs before the rename (sharded checkpoints always). One save runs at a
-    time: the next ``save`` and ``wait`` wait for it and its fsyncs, and raise their error
-    (``atomic.NotDurableError`` naming the checkpoint). ``on_commit(path)`` runs on the rank that
-    renamed it once it is durable (rotation, best bookkeeping). Sharded saves get a gloo process
-    group of their own (made on the first, by every rank), so the writer thread's collectives never meet the step's.
+    worker thread writes it; the directory appears, complete and fsynced, when every rank has
+    finished (the rename is the last act). One save runs at a time: the next ``save`` and ``wait``
+    wait for it and raise its error. ``on_commit(path)`` runs on the rank that renamed it, once it
+    is in place (rotation, best bookkeeping). Sharded saves get a gloo process group of their own
+    (made on the first, by every rank), so the writer thread's collectives never meet the step's.
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
@@ -230,10 +218,8 @@ class Saver:
 
     async_save: bool = False
     consolidate: bool = False
-    fsync: str = attrs.field(default="background", validator=attrs.validators.in_(FSYNC_MODES))
     _group: Any = attrs.field(default=None, init=False)
-    _job: Any = attrs.field(default=None, init=False)
-    _syncs: Syncs = attrs.field(factory=Syncs, init=False)
+    _job: Future[Path] | None = attrs.field(default=None, init=False)
 
     def save(
         self,
@@ -249,20 +235,16 @@ class Saver:
         ``wait=True`` returns when it is complete, also with ``async_save`` (a JIT save at preemption).
         """
         self.wait()
-        directory = Path(directory)
-        write: Callable[..., Path]  # (state, directory) -> the checkpoint's path
-        if self.async_save and not wait and not is_peft_model(options.get("model")):  # a peft one: its own layout
+        directory, later = Path(directory), self.async_save and not wait
+        if later and not is_peft_model(options.get("model")):  # a peft one: its own layout
             options["model"] = held_structure(options.get("model"))  # read here, not in the writer thread
+        write: Callable[..., Path] = functools.partial(writer.save, **options)
+        commits = True
         if is_sharded(state):
             if dist.is_initialized() and self._group is None:
                 self._group = dist.new_group(backend="gloo")
             write = functools.partial(save_sharded, group=self._group, consolidate=self.consolidate, **options)
             commits = not dist.is_initialized() or dist.get_rank() == 0
-        elif self.fsync == "background":  # on_commit once durable, from the fsync thread
-            write = functools.partial(writer.save, syncs=self._syncs, on_durable=on_commit, **options)
-            commits, on_commit = False, None
-        else:
-            write, commits = functools.partial(writer.save, **options), True
 
         def job(staged: TrainState) -> Path:
             path = write(staged, directory)
@@ -270,64 +252,43 @@ class Saver:
                 on_commit(path)
             return path
 
-        if not self.async_save or wait:
+        if not later:
             return job(state)
-        staged, outcome = map_tensors(_cpu_copy, state), dict[str, Any]()
+        staged, self._job = map_tensors(_cpu_copy, state), Future()
 
-        def run() -> None:
+        def run(future: Future[Path]) -> None:
             try:
-                outcome["path"] = job(staged)
-            except BaseException as e:
-                outcome["error"] = e
+                future.set_result(job(staged))
+            except BaseException as e:  # raised by wait, in the caller's thread
+                future.set_exception(e)
 
-        thread = threading.Thread(target=run, name=f"trainfold-save-{directory.name}", daemon=True)
-        thread.start()
-        self._job = (thread, outcome)
+        # a daemon, not an executor's worker: a process whose peers died exits without waiting for its collectives
+        threading.Thread(target=run, args=(self._job,), name=f"trainfold-save-{directory.name}", daemon=True).start()
         return directory
 
     def pending(self) -> bool:
-        """Say whether a save is still being written or made durable."""
-        return (self._job is not None and self._job[0].is_alive()) or self._syncs.pending()
+        """Say whether a save is still being written."""
+        return self._job is not None and not self._job.done()
 
     def wait(self) -> Path | None:
-        """Wait for the save in flight (if any) and its fsyncs; return its path, or raise its error."""
-        path = None
-        if self._job is not None:
-            thread, outcome = self._job
-            self._job = None
-            thread.join()
-            if "error" in outcome:
-                self._syncs.wait()
-                raise outcome["error"]
-            path = outcome["path"]
-        durable = self._syncs.wait()
-        return path if path is not None or not durable else durable[-1]
+        """Wait for the save in flight (if any); return its path, or raise its error."""
+        job, self._job = self._job, None
+        return None if job is None else job.result()
 
 
-def _tensors_of(directory: Path) -> dict[str, dict[str, Any]]:
-    """Return ``{key: {"dtype", "shape", "chunks": [{"file", "offsets", "sizes"}]}}`` from the shard files' headers."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader, TensorStorageMetadata
+def _metadata(directory: Path) -> Any:
+    """DCP's metadata of the shard files in ``directory``, from their headers: per key its size and dtype, chunks."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    md = HuggingFaceStorageReader(str(directory / SHARD_DIR)).read_metadata()
-    out: dict[str, dict[str, Any]] = {}
-    for k, m in md.state_dict_metadata.items():
-        assert isinstance(m, TensorStorageMetadata)  # a state holds only tensors
-        out[k] = {"dtype": str(m.properties.dtype).removeprefix("torch."), "shape": list(m.size), "chunks": []}
-    for index, info in md.storage_data.items():
-        chunk = {"file": f"{SHARD_DIR}/{Path(info.relative_path).name}", "offsets": list(index.offset or [])}
-        out[index.fqn]["chunks"].append({**chunk, "sizes": list(info.shape)})
-    for entry in out.values():
-        entry["chunks"].sort(key=lambda c: c["offsets"])
-    return dict(sorted(out.items()))
+    return HuggingFaceStorageReader(str(directory / SHARD_DIR)).read_metadata()
 
 
-def read_index(directory: str | os.PathLike) -> dict[str, Any]:
-    """Return the index of a sharded checkpoint (per tensor its dtype, shape, chunks), every shard file checked first.
+def _checked(directory: Path) -> Any:
+    """Return DCP's metadata of the shards (read from their headers), every shard file checked first.
 
     Each shard file's size and hash must be those the sidecar records, and ``sharded/`` must hold no
     other file (DCP's reader reads every safetensors file there).
     """
-    directory = Path(directory)
     meta = read_metadata(directory)
     listed = sorted(n for n in meta["files"] if n.startswith(f"{SHARD_DIR}/"))
     present = sorted(f"{SHARD_DIR}/{p.name}" for p in (directory / SHARD_DIR).glob("*")) if listed else []
@@ -342,12 +303,15 @@ def read_index(directory: str | os.PathLike) -> dict[str, Any]:
         except tensor_file.TensorFileError as e:
             raise CheckpointError(f"{e} (as trainfold.json records); resume from an earlier checkpoint") from None
     try:
-        tensors = _tensors_of(directory)
+        return _metadata(directory)
     except Exception as e:  # a header that hashes right but is not safetensors: written so, never loadable
-        raise CheckpointError(
-            f"{directory / SHARD_DIR} holds unreadable shards ({e}); resume from another one"
-        ) from None
-    return {"format": "dcp-huggingface", "world_size": len(listed), "tensors": tensors}
+        raise CheckpointError(f"{directory / SHARD_DIR} holds unreadable shards ({e}); resume from another") from None
+
+
+def _empty(md: Any, prefixes: tuple[str, ...]) -> dict[str, Tensor]:
+    """Return an empty tensor of each saved key under ``prefixes`` (DCP's metadata ``md``), to read it into."""
+    items = md.state_dict_metadata.items()
+    return {k: torch.empty(list(m.size), dtype=m.properties.dtype) for k, m in items if k.startswith(prefixes)}
 
 
 def load_sharded(directory: str | os.PathLike, like: TrainState, *, weights_only: bool = False) -> TrainState:
@@ -359,8 +323,8 @@ def load_sharded(directory: str | os.PathLike, like: TrainState, *, weights_only
     loads params and buffers only (``reader.load_weights``). ``metrics`` load as saved.
     """
     directory = Path(directory)
-    saved, meta = read_index(directory)["tensors"], read_metadata(directory)
-    where = directory / SHARD_DIR
+    md, where, step = _checked(directory), directory / SHARD_DIR, read_metadata(directory)["step"]
+    saved = {k: (list(m.size), str(m.properties.dtype)[6:]) for k, m in md.state_dict_metadata.items()}
     base = attrs.evolve(like, metrics={})
     wanted = {k: v for k, v in flatten(base).items() if not weights_only or k.startswith(("params.", "buffers."))}
     missing = sorted(k for k in wanted if k not in saved and not (weights_only and k.startswith("buffers.")))
@@ -371,28 +335,23 @@ def load_sharded(directory: str | os.PathLike, like: TrainState, *, weights_only
             f"model or optimizer? missing {missing[:8]}, unexpected {unexpected[:8]}"
         )
     bad = [
-        f"{k}: saved {saved[k]['shape']} {saved[k]['dtype']}, expected {list(v.shape)} {str(v.dtype)[6:]}"
+        f"{k}: saved {saved[k][0]} {saved[k][1]}, expected {list(v.shape)} {str(v.dtype)[6:]}"
         for k, v in wanted.items()
-        if k in saved and (saved[k]["shape"] != list(v.shape) or saved[k]["dtype"] != str(v.dtype)[6:])
+        if saved.get(k, (list(v.shape), str(v.dtype)[6:])) != (list(v.shape), str(v.dtype)[6:])
     ]
     if bad:
         raise ValueError(f"{where} does not fit the template state (a different model size?): " + "; ".join(bad[:8]))
     targets = {k: torch.empty_like(v) for k, v in wanted.items() if k in saved}
-    if not weights_only:
-        metrics = {k: e for k, e in saved.items() if k.startswith("metrics.")}
-        targets |= {k: torch.empty(e["shape"], dtype=getattr(torch, e["dtype"])) for k, e in metrics.items()}
+    targets |= {} if weights_only else _empty(md, ("metrics.",))
     _read_shards(targets, directory)
     if weights_only:
-        return attrs.evolve(
-            like,
-            params={k: targets[f"params.{k}"] for k in like.params},
-            buffers={k: targets.get(f"buffers.{k}", v) for k, v in like.buffers.items()},
-        )
+        buffers = {k: targets.get(f"buffers.{k}", v) for k, v in like.buffers.items()}
+        return attrs.evolve(like, params={k: targets[f"params.{k}"] for k in like.params}, buffers=buffers)
     metrics = {k.removeprefix("metrics."): v for k, v in targets.items() if k.startswith("metrics.")}
     state = unflatten({k: v for k, v in targets.items() if not k.startswith("metrics.")}, like=base)
-    if int(state.step) != meta["step"]:
+    if int(state.step) != step:
         raise CheckpointError(
-            f"{directory / 'trainfold.json'}: field 'step' is {meta['step']} but the "
+            f"{directory / 'trainfold.json'}: field 'step' is {step} but the "
             f"shards hold {int(state.step)}; resume from another checkpoint"
         )
     return attrs.evolve(state, metrics=metrics)

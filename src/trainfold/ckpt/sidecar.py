@@ -28,7 +28,6 @@ __all__ = [
     "CONFIG_FILE",
     "SIDECAR_FILE",
     "INCOMPLETE_MARKER",
-    "DURABLE_MARKER",
     "SHARD_DIR",
     "is_sharded_checkpoint",
     "MAX_STEP",
@@ -49,8 +48,6 @@ MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 SIDECAR_FILE = "trainfold.json"
 INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
-# written once every file of the checkpoint is fsynced: a machine crash cannot have torn it
-DURABLE_MARKER = "checkpoint-is-durable.json"
 SHARD_DIR = "sharded"  # a sharded checkpoint's folder of DCP shard files (trainfold.ckpt.sharded)
 _FORMAT = "trainfold-checkpoint"
 _FORMAT_VERSION = 4  # the only one read: XXH3-64 hashes, the weights in their own files

@@ -27,7 +27,7 @@ from trainfold.evaluation.schedule import EVAL_STRATEGIES
 from trainfold.hf.args_checks import problems
 from trainfold.hf.args_convert import settings_from_hf
 from trainfold.hf.args_features import FSDP_FULL_SHARD, OPTIMIZERS
-from trainfold.hf.args_hf import HF_ONLY, hf_only_problem
+from trainfold.hf.args_hf import HF_ONLY, REMOVED, hf_only_problem
 from trainfold.observe.reporters import LOG_LEVELS
 from trainfold.optim.schedules import SCHEDULE_NAMES
 from trainfold.step.fsdp import FullShard, fsdp_words
@@ -126,8 +126,6 @@ class TrainingArguments:
     save_only_model: bool = attrs.field(default=False, metadata=BOOKKEEPING)
     # write checkpoints in a thread from CPU copies (trainfold.ckpt.sharded.Saver)
     async_save: bool = attrs.field(default=False, metadata=BOOKKEEPING)
-    # "blocking": fsync before the rename, as before (trainfold.ckpt.writer)
-    save_fsync: str = attrs.field(default="background", metadata=BOOKKEEPING)
     # sharded runs: also model.safetensors, the full weights (from_pretrained); False saves rank 0 the gather
     save_consolidated_model: bool = attrs.field(default=True, metadata=BOOKKEEPING)
     metric_for_best_model: str | None = attrs.field(default=None, metadata=BOOKKEEPING)
@@ -165,7 +163,7 @@ class TrainingArguments:
         known = [f.name for f in attrs.fields(type(self))]
         unknown = [k for k in kwargs if k not in known]
         hf_only = [p for p in (hf_only_problem(k, kwargs[k]) for k in unknown) if p is not None]
-        typos = [k for k in unknown if k not in HF_ONLY]
+        typos = [k for k in unknown if k not in HF_ONLY and k not in REMOVED]
         if typos or hf_only:
             hints = []
             for name in typos:

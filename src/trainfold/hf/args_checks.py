@@ -7,7 +7,6 @@ from typing import Any
 
 import attrs
 
-from trainfold.ckpt.atomic import FSYNC_MODES
 from trainfold.ckpt.policy import SAVE_STRATEGIES
 from trainfold.data import loader_errors
 from trainfold.data.samplers import STRATEGIES as SAMPLING_STRATEGIES
@@ -78,7 +77,6 @@ TYPES: dict[str, tuple[type, ...]] = {
     "save_total_limit": _OPT_INT,
     "save_only_model": (bool,),
     "async_save": (bool,),
-    "save_fsync": (str,),
     "save_consolidated_model": (bool,),
     "metric_for_best_model": _OPT_STR,
     "greater_is_better": (bool, type(None)),
@@ -194,7 +192,6 @@ _CHOICES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("eval_strategy", EVAL_STRATEGIES),
     ("logging_strategy", LOGGING_STRATEGIES),
     ("save_strategy", SAVE_STRATEGIES),
-    ("save_fsync", FSYNC_MODES),
     ("log_level", LOG_LEVELS),
 )
 

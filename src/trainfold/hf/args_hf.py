@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["HF_ONLY", "TAKEN_AS_IS", "hf_only_problem"]
+__all__ = ["HF_ONLY", "REMOVED", "TAKEN_AS_IS", "hf_only_problem"]
 
 _HUB = (
     "trainfold never uploads; after training copy the weights into the model (result.apply_to(model)) and "
@@ -143,6 +143,11 @@ HF_ONLY: dict[str, str] = {
     ),
 }
 
+# trainfold's own settings that are gone -> why, and what to do instead
+REMOVED: dict[str, str] = {
+    "save_fsync": "checkpoints are now always fsynced before they are renamed into place; drop the argument",
+}
+
 # name -> the values that ask for what trainfold does anyway (mostly HF's defaults): taken, with no effect
 TAKEN_AS_IS: dict[str, tuple[Any, ...]] = {
     **dict.fromkeys(
@@ -215,11 +220,13 @@ def _taken(name: str, value: Any) -> bool:
 
 
 def hf_only_problem(name: str, value: Any) -> str | None:
-    """Return why trainfold refuses the HF setting ``name=value``, or ``None`` (not an HF-only name, or a no-op value).
+    """Return why trainfold refuses ``name=value`` (an HF setting or a removed one), or ``None`` (a no-op value).
 
     >>> hf_only_problem("deepspeed", "ds.json").split(": ", 1)[1]
     'DeepSpeed is not supported; trainfold trains data parallel under torchrun'
     """
+    if name in REMOVED:
+        return f"{name}={value!r} was removed from trainfold: {REMOVED[name]}"
     if name not in HF_ONLY or _taken(name, value):
         return None
     why = HF_ONLY[name].replace("{value}", repr(value))

@@ -156,7 +156,6 @@ class CheckpointPlan:
     save_only_model: bool = False
     async_save: bool = False
     consolidated: bool = True
-    fsync: str = "background"
     processing_class: Any = None  # the tokenizer or processor: its files go into every checkpoint
 
     @classmethod
@@ -170,7 +169,6 @@ class CheckpointPlan:
             args.save_only_model,
             args.async_save,
             args.save_consolidated_model,
-            args.save_fsync,
             processing_class,
         )
 

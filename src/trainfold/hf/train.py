@@ -272,7 +272,7 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
             history=begin.history,
             window=begin.window,
             run_id=run_id,
-            saver=Saver(plan.checkpoints.async_save, plan.checkpoints.consolidated, plan.checkpoints.fsync),
+            saver=Saver(plan.checkpoints.async_save, plan.checkpoints.consolidated),
             all_ranks_save=is_sharded(state),
         )
         run, hf = callback_adapter(run, state)  # HF TrainerCallbacks, or None
