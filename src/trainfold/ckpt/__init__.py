@@ -16,14 +16,13 @@ deleted) and takes the previous one. Nothing is pickled; loading never runs code
 >>> load(path, like=state).seed.item()
 3
 
-Modules: ``sidecar`` (the format), ``layout`` (which tensor goes where), ``adapters`` (peft),
-``tensor_file`` and ``atomic`` (hashed files, fsync, rename), ``writer``, ``reader``, ``listing``,
+Modules: ``sidecar`` (the format), ``layout`` (which tensor goes where, peft adapters),
+``tensor_file`` (hashed files), ``writer`` (fsync, rename), ``reader``, ``listing``,
 ``sharded`` (DCP), ``policy`` (when to save, what to keep), ``run_identity``, ``run_lock`` and
 ``run_dir`` (the output directory of a run), ``faults`` (crash points for tests).
 """
 
-from trainfold.ckpt.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
-from trainfold.ckpt.layout import model_weights
+from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, ADAPTER_FILE, model_weights
 from trainfold.ckpt.listing import checkpoint_path, is_complete, latest_checkpoint, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import SAVE_STRATEGIES
 from trainfold.ckpt.reader import FrozenWeightsError, load, load_weights, warm_start

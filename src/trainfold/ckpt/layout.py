@@ -1,26 +1,101 @@
 """Where a state's tensors go in a checkpoint: the weights file under the model's names, the state file, or nowhere.
 
 The params and persistent buffers go to ``model.safetensors`` under the model's ``state_dict`` names
-(tied weights once), or for a ``peft`` model the adapter to ``adapter_model.safetensors``; the frozen
-base weights of a ``peft`` model go nowhere, and their ``fingerprint`` goes into the sidecar.
+(tied weights once). A ``peft`` model (``get_peft_model(base, LoraConfig(...))``) trains as any module,
+its adapter tensors the trainable params and its frozen base weights buffers of the state; its
+checkpoint holds what ``PeftModel.save_pretrained`` writes: ``adapter_model.safetensors`` (peft's key
+names, the adapter name removed) and ``adapter_config.json`` (``inference_mode`` true), so
+``PeftModel.from_pretrained(base, checkpoint)`` loads it. The frozen base goes nowhere: its
+``fingerprint`` goes into the sidecar and is checked at resume. ``peft`` is imported only for a peft model.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 from torch import Tensor, nn
 
-from trainfold.ckpt import adapters
-from trainfold.ckpt.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from trainfold.ckpt.sidecar import CONFIG_FILE, MODEL_FILE
 from trainfold.core.state import TrainState
 from trainfold.core.tree import Tree
 
-__all__ = ["Layout", "layout_of", "model_weights"]
+__all__ = [
+    "ADAPTER_FILE",
+    "ADAPTER_CONFIG_FILE",
+    "Layout",
+    "layout_of",
+    "model_weights",
+    "is_peft_model",
+    "adapter_keys",
+    "adapter_config_text",
+]
+
+ADAPTER_FILE = "adapter_model.safetensors"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+
+
+def is_peft_model(model: Any) -> TypeGuard[nn.Module]:
+    """Say whether ``model`` is a ``peft.PeftModel`` (without importing ``peft`` when it is not loaded)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+def _adapter_name(model: Any) -> str:
+    names = sorted(model.peft_config)
+    if len(names) != 1:
+        raise ValueError(
+            f"the PeftModel has adapters {names}: a trainfold checkpoint holds one adapter (as "
+            "adapter_model.safetensors); train one at a time (model.delete_adapter(name) for the others)"
+        )
+    config = model.peft_config[names[0]]
+    if config.is_prompt_learning:
+        raise ValueError(
+            f"the PeftModel's adapter {names[0]!r} is {config.peft_type} (prompt learning): peft saves prompt "
+            "embeddings computed from the module, not the trained tensors, so trainfold cannot write them from "
+            "the state; use an adapter such as LoRA, or save with model.save_pretrained after apply_to(model)"
+        )
+    return names[0]
+
+
+def adapter_keys(model: Any, weights: Mapping[str, Tensor]) -> dict[str, str]:
+    """Return ``{state_dict name: adapter file key}`` of what ``PeftModel.save_pretrained`` would write.
+
+    ``weights`` maps ``model``'s ``state_dict`` names to the state's tensors; peft's own
+    ``get_peft_model_state_dict`` chooses among them (adapter tensors, ``modules_to_save``, embedding
+    layers when it saves them) and names them. Each one it returns must be one of ``weights``' tensors.
+    """
+    from peft.utils import get_peft_model_state_dict
+
+    name = _adapter_name(model)
+    chosen = get_peft_model_state_dict(model, state_dict=dict(weights), adapter_name=name)
+    by_id = {id(v): k for k, v in weights.items()}
+    foreign = sorted(k for k, v in chosen.items() if id(v) not in by_id)
+    if foreign:
+        raise ValueError(
+            f"peft's adapter state dict has {foreign[:5]}, which are not tensors of the state; trainfold "
+            "writes adapter_model.safetensors from the trained state only"
+        )
+    return {by_id[id(v)]: k for k, v in chosen.items()}
+
+
+def adapter_config_text(model: Any) -> str:
+    """Return ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (``inference_mode`` true)."""
+    config = model.peft_config[_adapter_name(model)]
+    # the user's config is not changed; ``to_dict`` of the config itself (no deep copy first) lists each set
+    # (``target_modules``) in the order PEFT's own save lists it: a copied set may iterate in another order
+    out = config.to_dict()
+    if out.get("base_model_name_or_path") is None:
+        out["base_model_name_or_path"] = model.base_model.model.__dict__.get("name_or_path", None) or None
+    out["inference_mode"] = True
+    out = {k: list(v) if isinstance(v, set) else v for k, v in out.items()}
+    if config.task_type is None:
+        cls = model._get_base_model_class(is_prompt_tuning=False)
+        out["auto_mapping"] = {"base_model_class": cls.__name__, "parent_library": cls.__module__}
+    return json.dumps(out, indent=2, sort_keys=True)
 
 
 def _state_keys(state: TrainState, model: nn.Module | None) -> dict[str, str]:
@@ -82,12 +157,12 @@ class Layout:
 def layout_of(state: TrainState, model: nn.Module | None, config: Any) -> Layout:
     """Return where each tensor of ``state`` goes, for ``model`` (``None``: the state's own names) and ``config``."""
     keys = _state_keys(state, model)
-    if not adapters.is_peft_model(model):
+    if not is_peft_model(model):
         if config is None and model is not None:
             config = getattr(model, "config", None)
         text = _config_text(config)
         return Layout(MODEL_FILE, {v: k for k, v in keys.items()}, (), None if text is None else CONFIG_FILE, text)
-    chosen = adapters.adapter_keys(model, {k: _tensor_at(state, v) for k, v in keys.items()})
+    chosen = adapter_keys(model, {k: _tensor_at(state, v) for k, v in keys.items()})
     weights = {keys[k]: v for k, v in chosen.items()}
     frozen = tuple(
         f"buffers.{n}"
@@ -99,7 +174,7 @@ def layout_of(state: TrainState, model: nn.Module | None, config: Any) -> Layout
             "config= was given for a peft model: its checkpoint holds adapter_config.json (the adapter's "
             "config, from the model), not a config.json; leave config unset"
         )
-    return Layout(ADAPTER_FILE, weights, frozen, ADAPTER_CONFIG_FILE, adapters.adapter_config_text(model))
+    return Layout(ADAPTER_FILE, weights, frozen, ADAPTER_CONFIG_FILE, adapter_config_text(model))
 
 
 def _config_text(config: Any) -> str | None:

@@ -21,7 +21,6 @@ from typing import Any
 from torch import Tensor, nn
 
 from trainfold.ckpt import tensor_file
-from trainfold.ckpt.atomic import fsync_dir, replace_dir
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.layout import layout_of
 from trainfold.ckpt.listing import checkpoint_path, list_checkpoints
@@ -161,10 +160,23 @@ def _write_parts(tmp: Path, parts: Mapping[str, Mapping[str, Tensor]]) -> dict[s
     return files
 
 
+def fsync_dir(path: Path) -> None:
+    """Flush a file, or a directory's entries, to the disk; a failure names the path."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:  # os.fsync's error names no file
+        raise OSError(e.errno, f"fsync failed ({e.strerror}); check the disk, then save again", str(path)) from e
+    finally:
+        os.close(fd)
+
+
 def _commit(directory: Path, fill: Callable[[Path], dict[str, Any]]) -> Path:
     """Run ``fill(tmp)`` in a hidden sibling under the marker, write the sidecar it returns, fsync, swap it in."""
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.parent / f".{directory.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp, old = (
+        directory.parent / f".{directory.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}" for kind in ("tmp", "old")
+    )
     tmp.mkdir()
     point("save:started")
     try:
@@ -180,10 +192,18 @@ def _commit(directory: Path, fill: Callable[[Path], dict[str, Any]]) -> Path:
         for sub in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:  # sharded/: DCP's files
             fsync_dir(sub)
         point("save:complete")
-        replace_dir(tmp, directory)
+        if directory.exists():  # moved aside first: a crash between the renames leaves it there, run_lock puts it back
+            os.replace(directory, old)
+            point("replace:moved-aside")
+        os.replace(tmp, directory)
+        point("replace:renamed")
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    fsync_dir(directory.parent)  # the rename is durable before the replaced checkpoint goes
+    if old.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        point("replace:removed")
     return directory
 
 

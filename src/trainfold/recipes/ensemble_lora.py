@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.utils import _pytree as pytree
 
-from trainfold.ckpt.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE, adapter_config_text, adapter_keys
+from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, ADAPTER_FILE, adapter_config_text, adapter_keys
 from trainfold.core.forward import training_flags
 from trainfold.core.losses import counter_for, default_loss_for
 from trainfold.core.state import TrainState, init_state
