@@ -25,7 +25,7 @@ def _tensors(numel=(1 << 21) + 17):
 
 def test_the_entry_is_the_files_size_and_xxh3_and_the_read_returns_the_tensors(tmp_path):
     path, tensors = tmp_path / "t.safetensors", _tensors()
-    entry = tensor_file.write(path, tensors, fsync=False)
+    entry = tensor_file.write(path, tensors)
     data = path.read_bytes()
     assert entry == {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_intdigest(data)}
     assert entry["bytes"] > 2 * tensor_file._CHUNK  # several chunks, hashed as written
@@ -46,7 +46,7 @@ def test_two_names_sharing_storage_are_each_written_in_full(tmp_path):
 @given(where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
 def test_one_flipped_bit_anywhere_is_refused_by_name(tmp_path_factory, where, bit):
     path = tmp_path_factory.mktemp("flip") / "t.safetensors"
-    entry = tensor_file.write(path, {"w": torch.arange(40.0), "n": torch.tensor(3)}, fsync=False)
+    entry = tensor_file.write(path, {"w": torch.arange(40.0), "n": torch.tensor(3)})
     data = bytearray(path.read_bytes())
     data[int(where * len(data))] ^= 1 << bit
     path.write_bytes(bytes(data))
@@ -56,7 +56,7 @@ def test_one_flipped_bit_anywhere_is_refused_by_name(tmp_path_factory, where, bi
 
 def test_a_truncated_file_is_refused_by_its_size_before_it_is_hashed(tmp_path, monkeypatch):
     path = tmp_path / "t.safetensors"
-    entry = tensor_file.write(path, {"w": torch.arange(40.0)}, fsync=False)
+    entry = tensor_file.write(path, {"w": torch.arange(40.0)})
     path.write_bytes(path.read_bytes()[:-4])
     monkeypatch.setattr(tensor_file, "digest_of", lambda *a: pytest.fail("hashed a file of the wrong size"))
     with pytest.raises(tensor_file.TensorFileError, match=f"{path} is truncated or altered: it has"):

@@ -118,7 +118,7 @@ def _consolidate(tmp: Path, model: Any) -> dict[str, dict[str, int]]:
         buffers={k.removeprefix("buffers."): v for k, v in full.items() if k.startswith("buffers.")},
         opt_state=None,
     )
-    entry = tensor_file.write(tmp / MODEL_FILE, model_weights(split, model), metadata={"format": "pt"}, fsync=False)
+    entry = tensor_file.write(tmp / MODEL_FILE, model_weights(split, model), metadata={"format": "pt"})
     point("sharded:wrote:model")
     return {MODEL_FILE: entry}
 

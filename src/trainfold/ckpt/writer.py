@@ -31,6 +31,7 @@ from trainfold.ckpt.sidecar import (
     new_sidecar,
     read_metadata,
     sidecar_bytes,
+    validate_sidecar,
 )
 from trainfold.core.fingerprint import fingerprints
 from trainfold.core.state import TrainState
@@ -49,16 +50,6 @@ def _json(value: Mapping[str, Any] | None, what: str) -> dict[str, Any]:
     except (TypeError, ValueError) as e:
         raise TypeError(f"{what} must be JSON-serialisable (plain numbers, strings, lists, dicts): {e}") from None
     return value
-
-
-def _check_run(run: Mapping[str, Any] | None) -> dict[str, str] | None:
-    if run is not None and not (
-        isinstance(run, Mapping)
-        and sorted(run) == ["fingerprint", "id"]
-        and all(isinstance(v, str) and v for v in run.values())
-    ):
-        raise TypeError(f"run must be {{'id': str, 'fingerprint': str}} (see trainfold.ckpt.run_dir), got {run!r}")
-    return None if run is None else {"id": run["id"], "fingerprint": run["fingerprint"]}
 
 
 def mark_jit(directory: str | os.PathLike) -> Path:
@@ -127,7 +118,9 @@ def save(
     if not save_only_model:
         parts = {STATE_FILE: {k: v for k, v in flat.items() if k not in layout.weights and k not in frozen}, **parts}
     fields = dict[str, Any](metadata=_json(metadata, "save metadata"), settings=_json(settings, "save settings"))
-    fields.update(run=_check_run(run), save_only_model=save_only_model, jit=jit, step=int(state.step))
+    fields.update(
+        run=None if run is None else dict(run), save_only_model=save_only_model, jit=jit, step=int(state.step)
+    )
     fields.update(cursor=(int(state.cursor.epoch), int(state.cursor.position)))
     if tensors is None:  # a sharded state's sidecar lists its shard files only
         fields.update(tensors={layout.weights_file: layout.weights}, frozen=frozen)
@@ -136,7 +129,8 @@ def save(
         files = dict(tensors(tmp)) if tensors is not None else _write_parts(tmp, parts)
         if layout.config_file is not None and layout.config_text is not None:
             text = layout.config_text.encode()
-            files[layout.config_file] = tensor_file.write_hashed(tmp / layout.config_file, text, fsync=False)
+            (tmp / layout.config_file).write_bytes(text)
+            files[layout.config_file] = tensor_file.digest_of(tmp / layout.config_file)
         if extra_files is not None:
             extra_files(tmp)
         return new_sidecar(files=files, **fields)
@@ -155,7 +149,7 @@ def _write_parts(tmp: Path, parts: Mapping[str, Mapping[str, Tensor]]) -> dict[s
     """Write each tensor file of ``parts`` into ``tmp`` (fsynced later, with the rest); return their entries."""
     files = {}
     for name, part in parts.items():
-        files[name] = tensor_file.write(tmp / name, part, metadata=_PT, fsync=False)
+        files[name] = tensor_file.write(tmp / name, part, metadata=_PT)
         point(f"save:wrote:{name}")
     return files
 
@@ -181,7 +175,9 @@ def _commit(directory: Path, fill: Callable[[Path], dict[str, Any]]) -> Path:
     point("save:started")
     try:
         (tmp / INCOMPLETE_MARKER).write_bytes(_MARKER_TEXT)
-        (tmp / SIDECAR_FILE).write_bytes(sidecar_bytes(fill(tmp)))
+        body = sidecar_bytes(fill(tmp))
+        validate_sidecar(json.loads(body), tmp / SIDECAR_FILE)  # what is written can be read (a bad run= is refused)
+        (tmp / SIDECAR_FILE).write_bytes(body)
         point("save:wrote:sidecar")
         mode = (tmp / SIDECAR_FILE).stat().st_mode & 0o777  # open's: 0666 less the umask
         for path in sorted(tmp.rglob("*")):  # one mode for every file, whoever wrote it (DCP writes its shards 0600)
