@@ -1,8 +1,4 @@
-"""Checkpoint policy: when to save, which checkpoints to keep, which one is best, what a resume may change.
-
-Pure decisions over steps, metric values and settings, plus ``rotate`` which applies the
-retention rule to a directory. The files themselves are written and read by ``writer`` and ``reader``.
-"""
+"""Checkpoint policy: when to save, which checkpoints to keep (``rotate``), the best one, what a resume may change."""
 
 from __future__ import annotations
 
@@ -69,13 +65,6 @@ def should_save(
     return step > 0 and (step % int(save_steps) == 0 or last)
 
 
-def _sidecar(path: Path) -> dict[str, Any]:
-    try:
-        return read_metadata(path)
-    except (OSError, ValueError):
-        return {}
-
-
 def rotate(
     output_dir: str | os.PathLike,
     save_total_limit: int | None,
@@ -104,7 +93,7 @@ def rotate(
         return []
     if isinstance(save_total_limit, bool) or not isinstance(save_total_limit, int) or save_total_limit < 1:
         raise ValueError(f"save_total_limit must be a positive int or None, got {save_total_limit!r}")
-    sidecars = {p: _sidecar(p) for p in list_checkpoints(output_dir)}
+    sidecars = {p: read_metadata(p) for p in list_checkpoints(output_dir)}  # complete ones: their sidecars read
     found = [p for p, m in sidecars.items() if run_id is None or (m.get("run") or {}).get("id") == run_id]
     protected = {Path(p).resolve() for p in [*keep, *found[-1:]] if p is not None}
     deletable = [p for p in found if p.resolve() not in protected and not sidecars[p].get("jit")]
@@ -136,13 +125,6 @@ def check_compatible(
     make each step, so an exact resume needs them unchanged; the batch split may change when the
     global batch does not (``trainfold.data.global_batch``: another number of ranks). Other settings
     (schedule, logging, saving) may differ: they come from the new run.
-
-    >>> new = RunSettings({"seed": 1, "world_size": 4}, samples=("seed", "world_size"))
-    >>> check_compatible({"seed": 1, "world_size": 2}, new)  # doctest: +NORMALIZE_WHITESPACE
-    Traceback (most recent call last):
-    ...
-    ValueError: cannot resume from the checkpoint with different settings: world_size: saved 2, now 4;
-    resume with the saved values or start a new run (warm_start)
     """
     new_settings, keys = settings.values, settings.samples
     absent, batch = object(), elastic.global_batch(saved_settings)
