@@ -1,8 +1,7 @@
-"""A run's identity: the fingerprint of the settings and model that define its trajectory, and its lineage id.
+"""A run's identity: the fingerprint of its trajectory's settings and model, and its lineage id.
 
-Settings whose field declares ``metadata=BOOKKEEPING`` or ``RUN_LENGTH`` are left out; a restart
-computes the same fingerprint and so finds its checkpoints. The ``id`` names a lineage: drawn at a
-fresh start, inherited on resume, recorded in every sidecar and in ``output_dir/trainfold-run.json``.
+Settings declared ``metadata=BOOKKEEPING`` or ``RUN_LENGTH`` are left out: a restart finds its checkpoints.
+The ``id`` names a lineage: drawn at a fresh start, inherited on resume, recorded in every sidecar.
 """
 
 from __future__ import annotations
@@ -98,22 +97,18 @@ def model_signature(state: Any) -> dict[str, list[Any]]:
 
 def settings_fingerprint(settings: RunSettings, model: Mapping[str, Any] | None = None) -> str:
     """Return the hash (16 hex digits) of the trajectory settings (the batch as the global batch) and the model."""
-    body = {"settings": _batch_as_global(settings.trajectory()), "model": dict(model or {})}
+    values = settings.trajectory()
+    if (batch := global_batch(values)) is not None:  # not its split over ranks and accumulation steps
+        values = {k: v for k, v in values.items() if k not in BATCH_KEYS} | {"global_train_batch_size": batch}
+    body = {"settings": values, "model": dict(model or {})}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=repr).encode()).hexdigest()[:16]
-
-
-def _batch_as_global(settings: dict[str, Any]) -> dict[str, Any]:
-    batch = global_batch(settings)
-    if batch is None:
-        return settings
-    return {**{k: v for k, v in settings.items() if k not in BATCH_KEYS}, "global_train_batch_size": batch}
 
 
 @attrs.frozen
 class RunIdentity:
-    """A run's lineage ``id`` and the ``fingerprint`` of its trajectory; ``as_dict`` goes into the sidecar.
+    """A run's lineage ``id`` and the ``fingerprint`` of its trajectory (``attrs.asdict`` goes into the sidecar).
 
-    >>> RunIdentity("ab12", "f00d").as_dict()
+    >>> attrs.asdict(RunIdentity("ab12", "f00d"))
     {'id': 'ab12', 'fingerprint': 'f00d'}
     """
 
@@ -121,28 +116,19 @@ class RunIdentity:
     fingerprint: str
 
     @classmethod
-    def new(cls, fingerprint: str, *, shared: bool = False) -> RunIdentity:
-        """Draw a fresh lineage id for a run with this fingerprint (``shared``: rank 0's, on every rank).
+    def new(cls, fingerprint: str) -> RunIdentity:
+        """Draw a fresh lineage id, rank 0's on every rank of the default process group (D1: one lineage).
 
-        A run has one lineage: a rank with an id of its own would take rank 0's checkpoints for another
-        run's (and begin a collective save rank 0 never joins). The id travels through the process group's store.
+        A rank with an id of its own would take rank 0's checkpoints for another run's (and begin a
+        collective save rank 0 never joins); the id travels through the process group's store.
         """
+        import torch.distributed as dist
+
         drawn = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
-        return cls(_rank_zeros(drawn) if shared else drawn, fingerprint)
-
-    def as_dict(self) -> dict[str, str]:
-        return {"id": self.id, "fingerprint": self.fingerprint}
-
-
-def _rank_zeros(drawn: str) -> str:
-    """Return rank 0's ``drawn`` on every rank of the default process group (alone: ``drawn``)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return drawn
-    store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
-    key = f"trainfold/run-id/{store.add(f'trainfold/claims/{rank}', 1)}"  # every rank claims in the same order
-    if rank == 0:
-        store.set(key, drawn)
-        return drawn
-    return store.get(key).decode()
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(drawn, fingerprint)
+        store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+        key = f"trainfold/run-id/{store.add(f'trainfold/claims/{rank}', 1)}"  # every rank claims in the same order
+        if rank == 0:
+            store.set(key, drawn)
+        return cls(drawn if rank == 0 else store.get(key).decode(), fingerprint)

@@ -125,7 +125,7 @@ def _save_options(run: Run, state: TrainState) -> dict[str, Any]:
         metadata=metadata,
         settings=run.plan.settings,
         save_only_model=run.plan.checkpoints.save_only_model,
-        run=run.run_id.as_dict() if run.run_id is not None else None,
+        run=attrs.asdict(run.run_id) if run.run_id is not None else None,
         extra_files=saving_files_of(run.plan.checkpoints.processing_class),
     )
 
