@@ -12,22 +12,21 @@ import contextlib
 import json
 import os
 import socket
-import types
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainfold.ckpt.listing import is_complete, list_checkpoints, resume_checkpoint
+from trainfold.ckpt.listing import list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
-from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings, model_signature, settings_fingerprint
+from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings, settings_fingerprint
 from trainfold.ckpt.run_lock import lock, remove_leftovers
 from trainfold.ckpt.sidecar import CheckpointWarning, OldFormatError, read_metadata
 from trainfold.ckpt.writer import disk_full, is_disk_full
 from trainfold.core.state import split_module
 from trainfold.data.global_batch import BATCH_KEYS, global_batch, split_global_batch
 
-__all__ = ["Claim", "resumable", "candidates", "claim", "already_saved", "resume_point", "elastic_args"]
+__all__ = ["Claim", "resumable", "candidates", "claim", "resume_point", "elastic_args"]
 
 
 def _recorded(output_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -83,9 +82,8 @@ def resumable(output_dir: str | os.PathLike, fingerprint: str) -> Path | None:
 def candidates(output_dir: str | os.PathLike, fingerprint: str) -> list[Path]:
     """Return the complete checkpoints of the run with ``fingerprint`` a resume may take, newest first.
 
-    When ``trainfold-run.json`` records a run with this fingerprint, its lineage (run id) comes first: a
-    fresh start of the same settings resumes its own checkpoints, not an older lineage's later ones
-    (those are taken only when it has none). A resume sets aside one that fails to load and takes the next.
+    The lineage ``trainfold-run.json`` records comes first: a fresh start of the same settings resumes its
+    own checkpoints, and an older lineage's later ones only when it has none.
     """
     found = [(p, m["run"]["id"]) for p, m in _catalog(output_dir) if _fingerprint(m) == fingerprint]
     recorded = _recorded(output_dir)
@@ -121,15 +119,6 @@ class Claim(contextlib.ExitStack):
     fallback: tuple[Path, ...] = ()
     on_release = contextlib.ExitStack.callback
 
-    @contextlib.contextmanager
-    def releasing_on_error(self) -> Iterator[Claim]:
-        """Release the lock if the block raises (the run never started)."""
-        try:
-            yield self
-        except BaseException:
-            self.close()
-            raise
-
 
 def _source(
     root: Path, resume: bool | str | os.PathLike | None, settings: RunSettings, fp: str
@@ -154,7 +143,6 @@ def _source(
         warnings.warn(
             f"resuming {source} with {', '.join(changed)}: the run goes on for a different number of steps, "
             "so a schedule that depends on the total (linear, cosine, ...) differs from the saved run's",
-            UserWarning,
             stacklevel=3,
         )
     if _fingerprint(meta) == fp:
@@ -163,7 +151,6 @@ def _source(
     warnings.warn(
         f"resuming {source} with different settings ({'; '.join(diffs)}): this continues as a new run, "
         "not the one that wrote the checkpoint",
-        UserWarning,
         stacklevel=3,
     )
     return source, (), RunIdentity.new(fp)
@@ -188,22 +175,24 @@ def claim(
             "the current directory); pass a directory, e.g. output_dir='out' (use '.' to mean the current one)"
         )
     root, held = Path(output_dir), Claim()
-    with held.releasing_on_error():
+    try:
         if writer:
             held.enter_context(lock(root))
             remove_leftovers(root)
-        recorded = _recorded(root)
         held.source, held.fallback, held.run = _source(root, resume_from_checkpoint, settings, fingerprint)
         if writer and not overwrite_output_dir:
-            _refuse_other_runs(root, recorded, settings, fingerprint)
+            _refuse_other_runs(root, settings, fingerprint)
         if writer:
             _write_run_file(root, held.run, settings)
+    except BaseException:
+        held.close()  # the run never started: the lock is released
+        raise
     return held
 
 
-def _refuse_other_runs(root: Path, recorded: Mapping[str, Any] | None, settings: RunSettings, fingerprint: str) -> None:
+def _refuse_other_runs(root: Path, settings: RunSettings, fingerprint: str) -> None:
     """Refuse a run into a directory holding checkpoints of another run (a run file alone is taken over)."""
-    if recorded is not None and recorded["fingerprint"] == fingerprint:
+    if (recorded := _recorded(root)) is not None and recorded["fingerprint"] == fingerprint:
         return  # this run was let in before (overwrite_output_dir), and goes on
     catalog, older = _catalog(root), []
     for path in sorted(root.glob("checkpoint-*")):  # an earlier format's: list_checkpoints skips it, not this run's
@@ -225,29 +214,18 @@ def _refuse_other_runs(root: Path, recorded: Mapping[str, Any] | None, settings:
     )
 
 
-def already_saved(path: str | os.PathLike, run: Mapping[str, str] | None, step: int, save_only_model: bool) -> bool:
-    """Say whether ``path`` is a complete checkpoint this run wrote at ``step`` (so a JIT save may keep it)."""
-    if run is None or not is_complete(path):
-        return False
-    meta = read_metadata(path)
-    return meta["run"] == dict(run) and meta["step"] == step and meta["save_only_model"] == save_only_model
-
-
 def resume_point(args: Any, model: Any, *, world_size: int = 1) -> Path | None:
     """Return the checkpoint ``train(model, args, ..., resume_from_checkpoint=True)`` would resume, or None.
 
-    For a command line's ``--resume``: the run's fingerprint as ``train`` computes it (the settings,
-    the world size, the model's parameter shapes), then ``resumable``.
+    For a command line's ``--resume``: ``resumable`` with the run's fingerprint as ``train`` computes it.
     """
-    params, buffers = split_module(model)
-    signature = model_signature(types.SimpleNamespace(params=params, buffers=buffers))
-    return resumable(args.output_dir, settings_fingerprint(RunSettings.of(args, world_size=world_size), signature))
+    fingerprint = settings_fingerprint(RunSettings.of(args, world_size=world_size), *split_module(model))
+    return resumable(args.output_dir, fingerprint)
 
 
-def _split_only(here: RunSettings, saved: Mapping[str, Any], lenient: bool = False) -> bool:
-    """Say whether ``saved`` differs from ``here`` in the batch split alone (``lenient``: among the settings it has)."""
-    names = {d.split(":")[0] for d in here.differences(saved)} - set(BATCH_KEYS)
-    return not (names & set(saved) if lenient else names)
+def _split_only(here: RunSettings, saved: Mapping[str, Any]) -> bool:
+    """Say whether the settings ``saved`` (a checkpoint's) differ from ``here`` in the batch split alone."""
+    return not {d.split(":")[0] for d in here.differences(saved)} & set(saved) - set(BATCH_KEYS)
 
 
 def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any:
@@ -258,14 +236,13 @@ def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any
     ranks, or when ``args`` already make its global batch; otherwise ``per_device_train_batch_size`` and
     ``gradient_accumulation_steps`` follow ``split_global_batch``, with a warning that says so.
     """
-    here, saved = RunSettings.of(args, world_size=world_size), None
+    here, found = RunSettings.of(args, world_size=world_size), []
     if resume_from_checkpoint is True:  # the newest checkpoint of this run but for the split: claim resumes it
-        found = (m["settings"] for _, m in reversed(_catalog(args.output_dir)))
-        saved = next((s for s in found if _split_only(here, s)), None)
+        found = [m["settings"] for _, m in _catalog(args.output_dir)]
     elif resume_from_checkpoint is not None and resume_from_checkpoint is not False:
         with contextlib.suppress(OSError, ValueError):  # else claim names what is wrong with it
-            saved = read_metadata(Path(resume_from_checkpoint))["settings"]
-            saved = saved if _split_only(here, saved, lenient=True) else None
+            found = [read_metadata(Path(resume_from_checkpoint))["settings"]]
+    saved = next((s for s in reversed(found) if _split_only(here, s)), None)
     batch = global_batch(saved or {})
     if saved is None or batch is None or saved["world_size"] == world_size or batch == global_batch(here.values):
         return args
@@ -274,7 +251,6 @@ def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any
         f"resuming a run of {saved['world_size']} ranks on {world_size}: per_device_train_batch_size "
         f"{args.per_device_train_batch_size} -> {size}, gradient_accumulation_steps {args.gradient_accumulation_steps} "
         f"-> {steps} keep its global batch of {batch} samples per step (trainfold.data.global_batch)",
-        UserWarning,
         stacklevel=3,
     )
     return args.replace(per_device_train_batch_size=size, gradient_accumulation_steps=steps)

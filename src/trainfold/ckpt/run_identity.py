@@ -27,7 +27,6 @@ __all__ = [
     "RunSettings",
     "RunIdentity",
     "settings_fingerprint",
-    "model_signature",
 ]
 
 RUN_FILE = "trainfold-run.json"  # in the output_dir: the run that owns it (trainfold.ckpt.run_dir)
@@ -89,18 +88,16 @@ class RunSettings:
         ]
 
 
-def model_signature(state: Any) -> dict[str, list[Any]]:
-    """Return ``{name: [shape, dtype]}`` of a state's params and buffers (part of the fingerprint)."""
-    tensors = flatten({"buffers": state.buffers, "params": state.params})
-    return {k: [list(v.shape), str(v.dtype)] for k, v in sorted(tensors.items())}
-
-
-def settings_fingerprint(settings: RunSettings, model: Mapping[str, Any] | None = None) -> str:
-    """Return the hash (16 hex digits) of the trajectory settings (the batch as the global batch) and the model."""
+def settings_fingerprint(
+    settings: RunSettings, params: Mapping[str, Any] | None = None, buffers: Mapping[str, Any] | None = None
+) -> str:
+    """Return the hash (16 hex digits) of the trajectory settings (the batch as the global batch) and the model's
+    tensors (their names, shapes and dtypes)."""
     values = settings.trajectory()
     if (batch := global_batch(values)) is not None:  # not its split over ranks and accumulation steps
         values = {k: v for k, v in values.items() if k not in BATCH_KEYS} | {"global_train_batch_size": batch}
-    body = {"settings": values, "model": dict(model or {})}
+    tensors = sorted(flatten({"buffers": buffers or {}, "params": params or {}}).items())
+    body = {"settings": values, "model": {k: [list(v.shape), str(v.dtype)] for k, v in tensors}}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 

@@ -78,7 +78,7 @@ def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str 
         plan.args.output_dir,
         resume_from_checkpoint,
         settings,
-        run_dir.settings_fingerprint(settings, run_dir.model_signature(state)),
+        run_dir.settings_fingerprint(settings, state.params, state.buffers),
         overwrite_output_dir=plan.args.overwrite_output_dir,
         writer=plan.is_writer,
     )
