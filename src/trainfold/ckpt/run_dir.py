@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,8 +42,7 @@ def _recorded(output_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def _write_run_file(output_dir: Path, run: RunIdentity, settings: RunSettings) -> None:
-    record: dict[str, Any] = {"format": "trainfold-run", "run_id": run.id, "fingerprint": run.fingerprint}
-    record |= {"settings": settings.trajectory(), "host": socket.gethostname(), "pid": os.getpid()}
+    record = dict(format="trainfold-run", run_id=run.id, fingerprint=run.fingerprint, settings=settings.trajectory())
     tmp, path = output_dir / f".{RUN_FILE}.tmp-{os.getpid()}", output_dir / RUN_FILE
     text = json.dumps(record, indent=2, default=repr) + "\n"
     try:
@@ -80,11 +78,8 @@ def resumable(output_dir: str | os.PathLike, fingerprint: str) -> Path | None:
 
 
 def candidates(output_dir: str | os.PathLike, fingerprint: str) -> list[Path]:
-    """Return the complete checkpoints of the run with ``fingerprint`` a resume may take, newest first.
-
-    The lineage ``trainfold-run.json`` records comes first: a fresh start of the same settings resumes its
-    own checkpoints, and an older lineage's later ones only when it has none.
-    """
+    """Return the complete checkpoints of the run with ``fingerprint`` a resume may take, newest first: those of
+    the lineage ``trainfold-run.json`` records first (a fresh start of the same settings resumes its own)."""
     found = [(p, m["run"]["id"]) for p, m in _catalog(output_dir) if _fingerprint(m) == fingerprint]
     recorded = _recorded(output_dir)
     if recorded is not None and recorded["fingerprint"] == fingerprint:
@@ -108,20 +103,16 @@ def _describe(catalog: list[tuple[Path, dict[str, Any]]], settings: RunSettings,
 
 
 class Claim(contextlib.ExitStack):
-    """What ``claim`` decided: the run's identity, the checkpoint to resume (or None), the held lock.
-
-    ``fallback``: older checkpoints of the run, newest first (``resume_from_checkpoint=True`` only).
-    Leaving it (``close``) releases the lock and calls what ``on_release`` added.
-    """
+    """What ``claim`` decided: the run's identity, the checkpoint to resume (or None) and, under
+    ``resume_from_checkpoint=True``, older ones to fall back on; leaving it releases the lock (and ``callback``s)."""
 
     run: RunIdentity
     source: Path | None = None
     fallback: tuple[Path, ...] = ()
-    on_release = contextlib.ExitStack.callback
 
 
 def _source(
-    root: Path, resume: bool | str | os.PathLike | None, settings: RunSettings, fp: str
+    root: Path, resume: Any, settings: RunSettings, fp: str
 ) -> tuple[Path | None, tuple[Path, ...], RunIdentity]:
     """Return the checkpoint to resume, the older ones to fall back on, and the run's identity."""
     if resume is None or resume is False:
@@ -229,13 +220,9 @@ def _split_only(here: RunSettings, saved: Mapping[str, Any]) -> bool:
 
 
 def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any:
-    """Return ``args`` with the batch split that keeps the resumed run's global batch on ``world_size`` ranks.
-
-    The split is read from the checkpoint the resume takes (never from ``trainfold-run.json``, which
-    each start rewrites). Unchanged when not resuming, when the checkpoint was written on as many
-    ranks, or when ``args`` already make its global batch; otherwise ``per_device_train_batch_size`` and
-    ``gradient_accumulation_steps`` follow ``split_global_batch``, with a warning that says so.
-    """
+    """Return ``args`` with the batch split (``split_global_batch``, said in a warning) that keeps the resumed run's
+    global batch on ``world_size`` ranks, read from the checkpoint the resume takes (never ``trainfold-run.json``,
+    which each start rewrites); ``args`` themselves when not resuming or when they already make that batch."""
     here, found = RunSettings.of(args, world_size=world_size), []
     if resume_from_checkpoint is True:  # the newest checkpoint of this run but for the split: claim resumes it
         found = [m["settings"] for _, m in _catalog(args.output_dir)]

@@ -81,11 +81,8 @@ class RunSettings:
     def differences(self, there: Mapping[str, Any]) -> list[str]:
         """List every trajectory setting whose value differs between ``there`` (a checkpoint's) and these."""
         a, b = self.trajectory(there), self.trajectory()
-        return [
-            f"{k}: {a.get(k, 'unset')!r} there, {b.get(k, 'unset')!r} here"
-            for k in sorted(set(a) | set(b))
-            if a.get(k, "unset") != b.get(k, "unset")
-        ]
+        differ = [k for k in sorted(set(a) | set(b)) if a.get(k, "unset") != b.get(k, "unset")]
+        return [f"{k}: {a.get(k, 'unset')!r} there, {b.get(k, 'unset')!r} here" for k in differ]
 
 
 def settings_fingerprint(
@@ -114,11 +111,8 @@ class RunIdentity:
 
     @classmethod
     def new(cls, fingerprint: str) -> RunIdentity:
-        """Draw a fresh lineage id, rank 0's on every rank of the default process group (D1: one lineage).
-
-        A rank with an id of its own would take rank 0's checkpoints for another run's (and begin a
-        collective save rank 0 never joins); the id travels through the process group's store.
-        """
+        """Draw a fresh lineage id: rank 0's on every rank, through the process group's store (D1: a rank with an
+        id of its own would take rank 0's checkpoints for another run's, and begin saves rank 0 never joins)."""
         import torch.distributed as dist
 
         drawn = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"

@@ -1,8 +1,4 @@
-"""The output directory's lock (one writing run at a time, ``filelock``) and the removal of dead writers' leftovers.
-
-The holder's pid and host are recorded in ``trainfold.lock.json``, so a second run is refused naming
-them; the lock of a killed run is gone with it and simply taken over.
-"""
+"""The output directory's lock (one writing run at a time, ``filelock``) and the removal of dead writers' leftovers."""
 
 from __future__ import annotations
 
@@ -56,7 +52,7 @@ def _holder(path: Path) -> dict[str, Any]:
 def lock(output_dir: str | os.PathLike) -> Iterator[None]:
     """Hold an exclusive lock on ``output_dir`` while the block runs (a dead holder's is taken over, said on stderr).
 
-    A second holder is refused with ``RuntimeError`` naming the holder's pid and host.
+    A second holder is refused with ``RuntimeError`` naming the holder's pid and host (``trainfold.lock.json``).
     """
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -93,14 +89,10 @@ def remove_leftovers(output_dir: str | os.PathLike, *, quiet: bool = False) -> l
     instead. A leftover named with a live pid (or this one's) is kept. Call it holding ``lock(output_dir)``;
     returns what it removed, said in one line on stderr.
     """
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    places = [root, *(d for d in sorted(root.glob("checkpoint-*")) if d.is_dir() and not d.is_symlink())]
-    gone: list[Path] = []
-    for path in (p for d in places for p in sorted(d.iterdir())):
+    root, gone = Path(output_dir), []
+    for path in sorted([*root.glob(".*"), *root.glob("checkpoint-*/.*")]):  # in the dir, or in its checkpoints
         m = _LEFTOVER.match(path.name)
-        if m is None or path.is_symlink():
+        if m is None or path.is_symlink() or path.parent.is_symlink():
             continue
         target, pid = root / m.group(1), int(m.group(3) or 0)
         if m.group(2) == "old" and not target.exists() and is_complete(path):

@@ -153,9 +153,9 @@ def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_st
         writer=plan.is_writer,
     )
     if isinstance(history, log_file.HistoryFile):
-        claim.on_release(history.close)
+        claim.callback(history.close)
     for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
-        claim.on_release(functools.partial(close_loader, eval_set.loader))
+        claim.callback(functools.partial(close_loader, eval_set.loader))
     Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
     return Start(state, window, history, source)
 
