@@ -1,10 +1,8 @@
 """The output directory of a run: which run it holds, what to resume, and the claim that takes it.
 
-``claim`` takes the lock and removes leftovers (``run_lock``), picks what to resume (``candidates``), refuses
-a fresh start among another run's (or an earlier format's) checkpoints naming the settings that differ (unless
-``overwrite_output_dir``) and records the run in ``trainfold-run.json``. ``elastic_args`` keeps a resumed
-run's global batch on another number of ranks.
-"""
+``claim`` takes the lock, removes leftovers (``run_lock``), picks what to resume (``candidates``), refuses a start
+among another run's (or an earlier format's) checkpoints naming the differing settings (unless
+``overwrite_output_dir``) and records the run in ``trainfold-run.json``."""
 
 from __future__ import annotations
 
@@ -80,11 +78,9 @@ def resumable(output_dir: str | os.PathLike, fingerprint: str) -> Path | None:
 def candidates(output_dir: str | os.PathLike, fingerprint: str) -> list[Path]:
     """Return the complete checkpoints of the run with ``fingerprint`` a resume may take, newest first: those of
     the lineage ``trainfold-run.json`` records first (a fresh start of the same settings resumes its own)."""
-    found = [(p, m["run"]["id"]) for p, m in _catalog(output_dir) if _fingerprint(m) == fingerprint]
-    recorded = _recorded(output_dir)
-    if recorded is not None and recorded["fingerprint"] == fingerprint:
-        found = [(p, i) for p, i in found if i == recorded["run_id"]] or found
-    return [p for p, _ in reversed(found)]
+    lineage = (_recorded(output_dir) or {}).get("run_id")  # a lineage id has one fingerprint
+    found = [(p, m["run"]["id"]) for p, m in reversed(_catalog(output_dir)) if _fingerprint(m) == fingerprint]
+    return [p for p, i in found if i == lineage] or [p for p, _ in found]
 
 
 def _describe(catalog: list[tuple[Path, dict[str, Any]]], settings: RunSettings, fingerprint: str) -> str:
@@ -206,17 +202,15 @@ def _refuse_other_runs(root: Path, settings: RunSettings, fingerprint: str) -> N
 
 
 def resume_point(args: Any, model: Any, *, world_size: int = 1) -> Path | None:
-    """Return the checkpoint ``train(model, args, ..., resume_from_checkpoint=True)`` would resume, or None.
-
-    For a command line's ``--resume``: ``resumable`` with the run's fingerprint as ``train`` computes it.
-    """
+    """Return the checkpoint ``train(model, args, ..., resume_from_checkpoint=True)`` would resume, or None (for a
+    command line's ``--resume``: ``resumable`` with the run's fingerprint as ``train`` computes it)."""
     fingerprint = settings_fingerprint(RunSettings.of(args, world_size=world_size), *split_module(model))
     return resumable(args.output_dir, fingerprint)
 
 
 def _split_only(here: RunSettings, saved: Mapping[str, Any]) -> bool:
     """Say whether the settings ``saved`` (a checkpoint's) differ from ``here`` in the batch split alone."""
-    return not {d.split(":")[0] for d in here.differences(saved)} & set(saved) - set(BATCH_KEYS)
+    return all(k in BATCH_KEYS or v == here.values.get(k) for k, v in here.trajectory(saved).items())
 
 
 def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any:

@@ -1,8 +1,5 @@
-"""A run's identity: the fingerprint of its trajectory's settings and model, and its lineage id.
-
-Settings declared ``metadata=BOOKKEEPING`` or ``RUN_LENGTH`` are left out: a restart finds its checkpoints.
-The ``id`` names a lineage: drawn at a fresh start, inherited on resume, recorded in every sidecar.
-"""
+"""A run's identity: the fingerprint of its trajectory (settings not declared ``BOOKKEEPING`` or ``RUN_LENGTH``, the
+model's tensors) and its lineage id (drawn at a fresh start, inherited on resume, recorded in every sidecar)."""
 
 from __future__ import annotations
 

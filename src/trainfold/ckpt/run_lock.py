@@ -73,7 +73,6 @@ def lock(output_dir: str | os.PathLike) -> Iterator[None]:
                 f"trainfold: took over the lock of {root} left by pid {previous.get('pid')} on host "
                 f"{previous.get('host')} (no longer running)",
                 file=sys.stderr,
-                flush=True,
             )
         holder.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
         yield
