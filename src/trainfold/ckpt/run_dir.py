@@ -108,7 +108,7 @@ class Claim(contextlib.ExitStack):
 
 
 def _source(
-    root: Path, resume: Any, settings: RunSettings, fp: str
+    root: Path, resume: bool | str | os.PathLike | None, settings: RunSettings, fp: str
 ) -> tuple[Path | None, tuple[Path, ...], RunIdentity]:
     """Return the checkpoint to resume, the older ones to fall back on, and the run's identity."""
     if resume is None or resume is False:
