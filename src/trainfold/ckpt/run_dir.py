@@ -1,53 +1,33 @@
 """The output directory of a run: which run it holds, what to resume, and the claim that takes it.
 
-``claim`` takes the lock and removes leftovers (``run_lock``), decides what to resume (``candidates``:
-the complete checkpoints of this run's fingerprint and lineage, newest first; never another run's, a
-symbolic link, or one whose name and step disagree), refuses a fresh start among another run's
-checkpoints (or an earlier format's) naming the settings that differ (unless ``overwrite_output_dir``),
-and records the run in ``trainfold-run.json``. ``elastic_args`` keeps a resumed run's global batch on
-another number of ranks.
-"""
+``claim`` takes the lock, removes leftovers (``run_lock``), picks what to resume (``candidates``), refuses a start
+among another run's (or an earlier format's) checkpoints naming the differing settings (unless
+``overwrite_output_dir``) and records the run in ``trainfold-run.json``."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import socket
-import sys
-import types
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainfold.ckpt.listing import is_complete, list_checkpoints, resume_checkpoint
+from trainfold.ckpt.listing import list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
-from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings, model_signature, settings_fingerprint
+from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings, settings_fingerprint
 from trainfold.ckpt.run_lock import lock, remove_leftovers
-from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointWarning, OldFormatError, field_error, read_metadata
+from trainfold.ckpt.sidecar import CheckpointWarning, OldFormatError, read_metadata
 from trainfold.ckpt.writer import disk_full, is_disk_full
 from trainfold.core.state import split_module
 from trainfold.data.global_batch import BATCH_KEYS, global_batch, split_global_batch
 
-__all__ = [
-    "Claim",
-    "read_run_file",
-    "resumable",
-    "candidates",
-    "claim",
-    "already_saved",
-    "check_step",
-    "resume_point",
-    "elastic_args",
-]
+__all__ = ["Claim", "resumable", "candidates", "claim", "resume_point", "elastic_args"]
 
 
-def read_run_file(output_dir: str | os.PathLike) -> dict[str, Any] | None:
-    """Return ``output_dir/trainfold-run.json`` (``run_id``, ``fingerprint``, ``settings``), or None.
-
-    A malformed file is reported with a warning and treated as absent.
-    """
+def _recorded(output_dir: str | os.PathLike) -> dict[str, Any] | None:
+    """Return ``trainfold-run.json`` (``run_id``, ``fingerprint``, ``settings``), or None (warned if malformed)."""
     path = Path(output_dir) / RUN_FILE
     if not path.is_file():
         return None
@@ -60,17 +40,16 @@ def read_run_file(output_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def _write_run_file(output_dir: Path, run: RunIdentity, settings: RunSettings) -> None:
-    record: dict[str, Any] = {"format": "trainfold-run", "run_id": run.id, "fingerprint": run.fingerprint}
-    record |= {"settings": settings.trajectory(), "host": socket.gethostname(), "pid": os.getpid()}
+    record = dict(format="trainfold-run", run_id=run.id, fingerprint=run.fingerprint, settings=settings.trajectory())
     tmp, path = output_dir / f".{RUN_FILE}.tmp-{os.getpid()}", output_dir / RUN_FILE
     text = json.dumps(record, indent=2, default=repr) + "\n"
     try:
         tmp.write_text(text)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        if not is_disk_full(e):
-            raise
-        raise disk_full(e, path, f"the run file {path} could not be written", len(text)) from e
+        if is_disk_full(e):
+            raise disk_full(e, path, f"the run file {path} could not be written", len(text)) from e
+        raise
     os.replace(tmp, path)
 
 
@@ -93,22 +72,15 @@ def resumable(output_dir: str | os.PathLike, fingerprint: str) -> Path | None:
     >>> resumable("no/such/dir", "f00d") is None
     True
     """
-    found = candidates(output_dir, fingerprint)
-    return found[0] if found else None
+    return next(iter(candidates(output_dir, fingerprint)), None)
 
 
 def candidates(output_dir: str | os.PathLike, fingerprint: str) -> list[Path]:
-    """Return the complete checkpoints of the run with ``fingerprint`` a resume may take, newest first.
-
-    When ``trainfold-run.json`` records a run with this fingerprint, its lineage (run id) comes first: a
-    fresh start of the same settings resumes its own checkpoints, not an older lineage's later ones
-    (those are taken only when it has none). A resume sets aside one that fails to load and takes the next.
-    """
-    found = [(p, m["run"]["id"]) for p, m in _catalog(output_dir) if _fingerprint(m) == fingerprint]
-    recorded = read_run_file(output_dir)
-    if recorded is not None and recorded["fingerprint"] == fingerprint:
-        found = [(p, i) for p, i in found if i == recorded["run_id"]] or found
-    return [p for p, _ in reversed(found)]
+    """Return the complete checkpoints of the run with ``fingerprint`` a resume may take, newest first: those of
+    the lineage ``trainfold-run.json`` records first (a fresh start of the same settings resumes its own)."""
+    lineage = (_recorded(output_dir) or {}).get("run_id")  # a lineage id has one fingerprint
+    found = [(p, m["run"]["id"]) for p, m in reversed(_catalog(output_dir)) if _fingerprint(m) == fingerprint]
+    return [p for p, i in found if i == lineage] or [p for p, _ in found]
 
 
 def _describe(catalog: list[tuple[Path, dict[str, Any]]], settings: RunSettings, fingerprint: str) -> str:
@@ -127,25 +99,12 @@ def _describe(catalog: list[tuple[Path, dict[str, Any]]], settings: RunSettings,
 
 
 class Claim(contextlib.ExitStack):
-    """What ``claim`` decided: the run's identity, the checkpoint to resume (or None), the held lock.
-
-    ``fallback``: older checkpoints of the run, newest first (``resume_from_checkpoint=True`` only).
-    Leaving it (``close``) releases the lock and calls what ``on_release`` added.
-    """
+    """What ``claim`` decided: the run's identity, the checkpoint to resume (or None) and, under
+    ``resume_from_checkpoint=True``, older ones to fall back on; leaving it releases the lock (and ``callback``s)."""
 
     run: RunIdentity
     source: Path | None = None
     fallback: tuple[Path, ...] = ()
-    on_release = contextlib.ExitStack.callback
-
-    @contextlib.contextmanager
-    def releasing_on_error(self) -> Iterator[Claim]:
-        """Release the lock if the block raises (the run never started)."""
-        try:
-            yield self
-        except BaseException:
-            self.close()
-            raise
 
 
 def _source(
@@ -153,8 +112,10 @@ def _source(
 ) -> tuple[Path | None, tuple[Path, ...], RunIdentity]:
     """Return the checkpoint to resume, the older ones to fall back on, and the run's identity."""
     if resume is None or resume is False:
-        return None, (), RunIdentity.new(fp, shared=True)
+        return None, (), RunIdentity.new(fp)
     found = candidates(root, fp) if resume is True else [Path(resume)]
+    if resume is not True:
+        resume_checkpoint(resume, root)  # complete, or refused naming what is wrong with it
     if not found:
         others = _catalog(root)
         raise (ValueError if others else FileNotFoundError)(
@@ -162,17 +123,13 @@ def _source(
             f"{fp}); found: {_describe(others, settings, fp)}; resume with the settings that wrote them, "
             "pass a checkpoint path, or resume_from_checkpoint=None to start fresh"
         )
-    source, here = found[0], settings.values
-    if resume is not True:
-        resume_checkpoint(source, source.parent)  # complete, or refused naming what is wrong with it
-    meta = read_metadata(source)
-    check_compatible(meta["settings"], settings, source=source)  # the sample order cannot change at all
-    saved, length = meta["settings"], [k for k in settings.length if k in meta["settings"] and k in here]
-    if changed := [f"{k} {saved[k]!r} -> {here[k]!r}" for k in length if saved[k] != here[k]]:
+    source, meta, here = found[0], read_metadata(found[0]), settings.values
+    saved = meta["settings"]
+    check_compatible(saved, settings, source=source)  # the sample order cannot change at all
+    if changed := [f"{k} {saved[k]!r} -> {here[k]!r}" for k in settings.length if saved.get(k, here[k]) != here[k]]:
         warnings.warn(
             f"resuming {source} with {', '.join(changed)}: the run goes on for a different number of steps, "
             "so a schedule that depends on the total (linear, cosine, ...) differs from the saved run's",
-            UserWarning,
             stacklevel=3,
         )
     if _fingerprint(meta) == fp:
@@ -181,7 +138,6 @@ def _source(
     warnings.warn(
         f"resuming {source} with different settings ({'; '.join(diffs)}): this continues as a new run, "
         "not the one that wrote the checkpoint",
-        UserWarning,
         stacklevel=3,
     )
     return source, (), RunIdentity.new(fp)
@@ -206,29 +162,24 @@ def claim(
             "the current directory); pass a directory, e.g. output_dir='out' (use '.' to mean the current one)"
         )
     root, held = Path(output_dir), Claim()
-    with held.releasing_on_error():
+    try:
         if writer:
-            previous = held.enter_context(lock(root))
-            if previous and previous.get("pid") != os.getpid():
-                print(
-                    f"trainfold: took over the lock of {root} left by pid {previous.get('pid')} on host "
-                    f"{previous.get('host')} (no longer running)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            held.enter_context(lock(root))
             remove_leftovers(root)
-        recorded = read_run_file(root)
         held.source, held.fallback, held.run = _source(root, resume_from_checkpoint, settings, fingerprint)
         if writer and not overwrite_output_dir:
-            _refuse_other_runs(root, recorded, settings, fingerprint)
+            _refuse_other_runs(root, settings, fingerprint)
         if writer:
             _write_run_file(root, held.run, settings)
+    except BaseException:
+        held.close()  # the run never started: the lock is released
+        raise
     return held
 
 
-def _refuse_other_runs(root: Path, recorded: Mapping[str, Any] | None, settings: RunSettings, fingerprint: str) -> None:
+def _refuse_other_runs(root: Path, settings: RunSettings, fingerprint: str) -> None:
     """Refuse a run into a directory holding checkpoints of another run (a run file alone is taken over)."""
-    if recorded is not None and recorded["fingerprint"] == fingerprint:
+    if (recorded := _recorded(root)) is not None and recorded["fingerprint"] == fingerprint:
         return  # this run was let in before (overwrite_output_dir), and goes on
     catalog, older = _catalog(root), []
     for path in sorted(root.glob("checkpoint-*")):  # an earlier format's: list_checkpoints skips it, not this run's
@@ -250,66 +201,29 @@ def _refuse_other_runs(root: Path, recorded: Mapping[str, Any] | None, settings:
     )
 
 
-def already_saved(path: str | os.PathLike, run: Mapping[str, str] | None, step: int, save_only_model: bool) -> bool:
-    """Say whether ``path`` is a complete checkpoint this run wrote at ``step`` (so a JIT save may keep it)."""
-    if run is None or not is_complete(path):
-        return False
-    meta = read_metadata(path)
-    return meta["run"] == dict(run) and meta["step"] == step and meta["save_only_model"] == save_only_model
-
-
-def check_step(meta: Mapping[str, Any], source: str | os.PathLike, total_steps: int) -> None:
-    """Refuse a checkpoint whose step lies beyond the run's ``total_steps``, naming the path and field."""
-    if meta["step"] > total_steps:
-        raise field_error(
-            Path(source) / SIDECAR_FILE,
-            "step",
-            f"is {meta['step']}, beyond this run's {total_steps} steps (max_steps / num_train_epochs): "
-            "it is not a checkpoint of this run",
-            "resume from another checkpoint, or raise max_steps",
-        )
-
-
 def resume_point(args: Any, model: Any, *, world_size: int = 1) -> Path | None:
-    """Return the checkpoint ``train(model, args, ..., resume_from_checkpoint=True)`` would resume, or None.
-
-    For a command line's ``--resume``: the run's fingerprint as ``train`` computes it (the settings,
-    the world size, the model's parameter shapes), then ``resumable``.
-    """
-    params, buffers = split_module(model)
-    signature = model_signature(types.SimpleNamespace(params=params, buffers=buffers))
-    return resumable(args.output_dir, settings_fingerprint(RunSettings.of(args, world_size=world_size), signature))
+    """Return the checkpoint ``train(model, args, ..., resume_from_checkpoint=True)`` would resume, or None (for a
+    command line's ``--resume``: ``resumable`` with the run's fingerprint as ``train`` computes it)."""
+    fingerprint = settings_fingerprint(RunSettings.of(args, world_size=world_size), *split_module(model))
+    return resumable(args.output_dir, fingerprint)
 
 
-def _resumed_settings(resume: Any, output_dir: str | os.PathLike, here: RunSettings) -> Mapping[str, Any] | None:
-    """Return the settings of the checkpoint the resume takes (``None``: not resuming, or another run's)."""
-    if resume is True:  # the newest checkpoint of this run but for the batch split: claim resumes it
-        found = [m["settings"] for _, m in _catalog(output_dir)]
-        return next((s for s in reversed(found) if not _other_run(here, s)), None)
-    if resume is None or resume is False:
-        return None
-    with contextlib.suppress(OSError, ValueError):  # else claim names what is wrong with it
-        saved = read_metadata(Path(resume))["settings"]
-        return None if _other_run(here, saved, lenient=True) else saved
-    return None
-
-
-def _other_run(here: RunSettings, saved: Mapping[str, Any], lenient: bool = False) -> bool:
-    """Say whether ``saved`` differs from ``here`` beyond the batch split (``lenient``: in settings ``saved`` has)."""
-    names = {d.split(":")[0] for d in here.differences(saved)} - set(BATCH_KEYS)
-    return bool(names & set(saved) if lenient else names)
+def _split_only(here: RunSettings, saved: Mapping[str, Any]) -> bool:
+    """Say whether the settings ``saved`` (a checkpoint's) differ from ``here`` in the batch split alone."""
+    return all(k in BATCH_KEYS or v == here.values.get(k) for k, v in here.trajectory(saved).items())
 
 
 def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any:
-    """Return ``args`` with the batch split that keeps the resumed run's global batch on ``world_size`` ranks.
-
-    The split is read from the checkpoint the resume takes (never from ``trainfold-run.json``, which
-    each start rewrites). Unchanged when not resuming, when the checkpoint was written on as many
-    ranks, or when ``args`` already make its global batch; otherwise ``per_device_train_batch_size`` and
-    ``gradient_accumulation_steps`` follow ``split_global_batch``, with a warning that says so.
-    """
-    here = RunSettings.of(args, world_size=world_size)
-    saved = _resumed_settings(resume_from_checkpoint, args.output_dir, here)
+    """Return ``args`` with the batch split (``split_global_batch``, said in a warning) that keeps the resumed run's
+    global batch on ``world_size`` ranks, read from the checkpoint the resume takes (never ``trainfold-run.json``,
+    which each start rewrites); ``args`` themselves when not resuming or when they already make that batch."""
+    here, found = RunSettings.of(args, world_size=world_size), []
+    if resume_from_checkpoint is True:  # the newest checkpoint of this run but for the split: claim resumes it
+        found = [m["settings"] for _, m in _catalog(args.output_dir)]
+    elif resume_from_checkpoint is not None and resume_from_checkpoint is not False:
+        with contextlib.suppress(OSError, ValueError):  # else claim names what is wrong with it
+            found = [read_metadata(Path(resume_from_checkpoint))["settings"]]
+    saved = next((s for s in reversed(found) if _split_only(here, s)), None)
     batch = global_batch(saved or {})
     if saved is None or batch is None or saved["world_size"] == world_size or batch == global_batch(here.values):
         return args
@@ -318,7 +232,6 @@ def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any
         f"resuming a run of {saved['world_size']} ranks on {world_size}: per_device_train_batch_size "
         f"{args.per_device_train_batch_size} -> {size}, gradient_accumulation_steps {args.gradient_accumulation_steps} "
         f"-> {steps} keep its global batch of {batch} samples per step (trainfold.data.global_batch)",
-        UserWarning,
         stacklevel=3,
     )
     return args.replace(per_device_train_batch_size=size, gradient_accumulation_steps=steps)

@@ -1,9 +1,5 @@
-"""A run's identity: the fingerprint of the settings and model that define its trajectory, and its lineage id.
-
-Settings whose field declares ``metadata=BOOKKEEPING`` or ``RUN_LENGTH`` are left out; a restart
-computes the same fingerprint and so finds its checkpoints. The ``id`` names a lineage: drawn at a
-fresh start, inherited on resume, recorded in every sidecar and in ``output_dir/trainfold-run.json``.
-"""
+"""A run's identity: the fingerprint of its trajectory (settings not declared ``BOOKKEEPING`` or ``RUN_LENGTH``, the
+model's tensors) and its lineage id (drawn at a fresh start, inherited on resume, recorded in every sidecar)."""
 
 from __future__ import annotations
 
@@ -28,7 +24,6 @@ __all__ = [
     "RunSettings",
     "RunIdentity",
     "settings_fingerprint",
-    "model_signature",
 ]
 
 RUN_FILE = "trainfold-run.json"  # in the output_dir: the run that owns it (trainfold.ckpt.run_dir)
@@ -83,37 +78,28 @@ class RunSettings:
     def differences(self, there: Mapping[str, Any]) -> list[str]:
         """List every trajectory setting whose value differs between ``there`` (a checkpoint's) and these."""
         a, b = self.trajectory(there), self.trajectory()
-        return [
-            f"{k}: {a.get(k, 'unset')!r} there, {b.get(k, 'unset')!r} here"
-            for k in sorted(set(a) | set(b))
-            if a.get(k, "unset") != b.get(k, "unset")
-        ]
+        differ = [k for k in sorted(set(a) | set(b)) if a.get(k, "unset") != b.get(k, "unset")]
+        return [f"{k}: {a.get(k, 'unset')!r} there, {b.get(k, 'unset')!r} here" for k in differ]
 
 
-def model_signature(state: Any) -> dict[str, list[Any]]:
-    """Return ``{name: [shape, dtype]}`` of a state's params and buffers (part of the fingerprint)."""
-    tensors = flatten({"buffers": state.buffers, "params": state.params})
-    return {k: [list(v.shape), str(v.dtype)] for k, v in sorted(tensors.items())}
-
-
-def settings_fingerprint(settings: RunSettings, model: Mapping[str, Any] | None = None) -> str:
-    """Return the hash (16 hex digits) of the trajectory settings (the batch as the global batch) and the model."""
-    body = {"settings": _batch_as_global(settings.trajectory()), "model": dict(model or {})}
+def settings_fingerprint(
+    settings: RunSettings, params: Mapping[str, Any] | None = None, buffers: Mapping[str, Any] | None = None
+) -> str:
+    """Return the hash (16 hex digits) of the trajectory settings (the batch as the global batch) and the model's
+    tensors (their names, shapes and dtypes)."""
+    values = settings.trajectory()
+    if (batch := global_batch(values)) is not None:  # not its split over ranks and accumulation steps
+        values = {k: v for k, v in values.items() if k not in BATCH_KEYS} | {"global_train_batch_size": batch}
+    tensors = sorted(flatten({"buffers": buffers or {}, "params": params or {}}).items())
+    body = {"settings": values, "model": {k: [list(v.shape), str(v.dtype)] for k, v in tensors}}
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=repr).encode()).hexdigest()[:16]
-
-
-def _batch_as_global(settings: dict[str, Any]) -> dict[str, Any]:
-    batch = global_batch(settings)
-    if batch is None:
-        return settings
-    return {**{k: v for k, v in settings.items() if k not in BATCH_KEYS}, "global_train_batch_size": batch}
 
 
 @attrs.frozen
 class RunIdentity:
-    """A run's lineage ``id`` and the ``fingerprint`` of its trajectory; ``as_dict`` goes into the sidecar.
+    """A run's lineage ``id`` and the ``fingerprint`` of its trajectory (``attrs.asdict`` goes into the sidecar).
 
-    >>> RunIdentity("ab12", "f00d").as_dict()
+    >>> attrs.asdict(RunIdentity("ab12", "f00d"))
     {'id': 'ab12', 'fingerprint': 'f00d'}
     """
 
@@ -121,28 +107,16 @@ class RunIdentity:
     fingerprint: str
 
     @classmethod
-    def new(cls, fingerprint: str, *, shared: bool = False) -> RunIdentity:
-        """Draw a fresh lineage id for a run with this fingerprint (``shared``: rank 0's, on every rank).
+    def new(cls, fingerprint: str) -> RunIdentity:
+        """Draw a fresh lineage id: rank 0's on every rank, through the process group's store (D1: a rank with an
+        id of its own would take rank 0's checkpoints for another run's, and begin saves rank 0 never joins)."""
+        import torch.distributed as dist
 
-        A run has one lineage: a rank with an id of its own would take rank 0's checkpoints for another
-        run's (and begin a collective save rank 0 never joins). The id travels through the process group's store.
-        """
         drawn = f"{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}-{secrets.token_hex(4)}"
-        return cls(_rank_zeros(drawn) if shared else drawn, fingerprint)
-
-    def as_dict(self) -> dict[str, str]:
-        return {"id": self.id, "fingerprint": self.fingerprint}
-
-
-def _rank_zeros(drawn: str) -> str:
-    """Return rank 0's ``drawn`` on every rank of the default process group (alone: ``drawn``)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return drawn
-    store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
-    key = f"trainfold/run-id/{store.add(f'trainfold/claims/{rank}', 1)}"  # every rank claims in the same order
-    if rank == 0:
-        store.set(key, drawn)
-        return drawn
-    return store.get(key).decode()
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return cls(drawn, fingerprint)
+        store, rank = dist.distributed_c10d._get_default_store(), dist.get_rank()
+        key = f"trainfold/run-id/{store.add(f'trainfold/claims/{rank}', 1)}"  # every rank claims in the same order
+        if rank == 0:
+            store.set(key, drawn)
+        return cls(drawn if rank == 0 else store.get(key).decode(), fingerprint)

@@ -15,6 +15,7 @@ from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.listing import set_aside
 from trainfold.ckpt.run_identity import RunSettings
 from trainfold.ckpt.sharded import is_sharded
+from trainfold.ckpt.sidecar import SIDECAR_FILE, field_error
 from trainfold.core.moved import moved_names
 from trainfold.core.state import TrainState, init_state, lend
 from trainfold.core.tree import flatten, map_tensors, unflatten
@@ -57,6 +58,19 @@ def run_settings(plan: Plan) -> RunSettings:
     return RunSettings.of(plan.args, world_size=plan.settings["world_size"])
 
 
+def _check_resumable(plan: Plan, meta: dict[str, Any], source: str | os.PathLike) -> None:
+    """Refuse a checkpoint of another run: its step beyond the plan's total, or another sample order."""
+    if meta["step"] > plan.schedule.total_steps:
+        raise field_error(
+            Path(source) / SIDECAR_FILE,
+            "step",
+            f"is {meta['step']}, beyond this run's {plan.schedule.total_steps} steps (max_steps / num_train_epochs): "
+            "it is not a checkpoint of this run",
+            "resume from another checkpoint, or raise max_steps",
+        )
+    policy.check_compatible(meta.get("settings", {}), run_settings(plan), source=source)
+
+
 def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str | os.PathLike | None) -> Any:
     """Claim the run's output_dir (``ckpt.run_dir.claim``): its lock, and the checkpoint a resume starts from."""
     settings = run_settings(plan)
@@ -64,7 +78,7 @@ def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str 
         plan.args.output_dir,
         resume_from_checkpoint,
         settings,
-        run_dir.settings_fingerprint(settings, run_dir.model_signature(state)),
+        run_dir.settings_fingerprint(settings, state.params, state.buffers),
         overwrite_output_dir=plan.args.overwrite_output_dir,
         writer=plan.is_writer,
     )
@@ -93,8 +107,7 @@ def _load(plan: Plan, claim: Any, state: TrainState) -> tuple[TrainState, Any, d
         except (ckpt.CheckpointError, FileNotFoundError):
             meta = None  # the load names what is wrong
         if meta is not None:  # a checkpoint of another run, or another model: refused, never set aside
-            run_dir.check_step(meta, source, plan.schedule.total_steps)
-            policy.check_compatible(meta.get("settings", {}), run_settings(plan), source=source)
+            _check_resumable(plan, meta, source)
         try:
             loaded = ckpt.load(source, like=state)
         except (ckpt.CheckpointError, FileNotFoundError) as e:
@@ -122,8 +135,7 @@ def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_st
     if source is not None:
         if weights_only_warm_start:
             meta = ckpt.read_metadata(source)
-            run_dir.check_step(meta, source, plan.schedule.total_steps)
-            policy.check_compatible(meta.get("settings", {}), run_settings(plan), source=source)
+            _check_resumable(plan, meta, source)
             state = ckpt.warm_start(source, like=state)
         else:
             state, source, meta = _load(plan, claim, state)
@@ -141,9 +153,9 @@ def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_st
         writer=plan.is_writer,
     )
     if isinstance(history, log_file.HistoryFile):
-        claim.on_release(history.close)
+        claim.callback(history.close)
     for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
-        claim.on_release(functools.partial(close_loader, eval_set.loader))
+        claim.callback(functools.partial(close_loader, eval_set.loader))
     Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
     return Start(state, window, history, source)
 

@@ -125,7 +125,7 @@ def _save_options(run: Run, state: TrainState) -> dict[str, Any]:
         metadata=metadata,
         settings=run.plan.settings,
         save_only_model=run.plan.checkpoints.save_only_model,
-        run=run.run_id.as_dict() if run.run_id is not None else None,
+        run=attrs.asdict(run.run_id) if run.run_id is not None else None,
         extra_files=saving_files_of(run.plan.checkpoints.processing_class),
     )
 
@@ -133,6 +133,14 @@ def _save_options(run: Run, state: TrainState) -> dict[str, Any]:
 def saving_files_of(processing_class: Any) -> Callable[[Path], Any] | None:
     """Return what writes ``processing_class``'s files into a checkpoint (its ``save_pretrained``), or None."""
     return None if processing_class is None else processing_class.save_pretrained
+
+
+def _already_saved(path: Path, run: Mapping[str, str] | None, step: int, save_only_model: bool) -> bool:
+    """Say whether ``path`` is a complete checkpoint this run wrote at ``step`` (so the JIT save keeps it)."""
+    if run is None or not ckpt.is_complete(path):
+        return False
+    meta = ckpt.read_metadata(path)
+    return meta["run"] == dict(run) and meta["step"] == step and meta["save_only_model"] == save_only_model
 
 
 def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
@@ -143,7 +151,7 @@ def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
         _logger.info("saving %scheckpoint %s", "the preemption " if jit else "", path)
     if jit:
         run.saver.wait()  # an async save in flight is complete (or raised) first
-        if run_dir.already_saved(path, options["run"], int(state.step), options["save_only_model"]):
+        if _already_saved(path, options["run"], int(state.step), options["save_only_model"]):
             return ckpt.mark_jit(path) if run.plan.is_writer else path  # the same state is there, complete: mark it
         if run.all_ranks_save:
             return run.saver.save(state, path, jit=True, wait=True, **options)

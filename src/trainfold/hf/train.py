@@ -223,11 +223,10 @@ def train(
     plan = plan_for(model, args, train_dataset, eval_dataset, *(given + rest), processing_class=processing_class)
     state = initial_state(plan)
     claim = claim_for(plan, state, resume_from_checkpoint)
-    with claim.releasing_on_error():  # the lock is held until the run ends (the `with claim` below)
+    with claim:  # the lock is held until the run ends, and released if it raises
         begin = start_run(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
-    plan, begin = resumed_callback_states(plan, begin, callbacks)  # an EarlyStoppingCallback's, as HF's
-    _log_start(plan, begin)
-    with claim:  # released if the run raises
+        plan, begin = resumed_callback_states(plan, begin, callbacks)  # an EarlyStoppingCallback's, as HF's
+        _log_start(plan, begin)
         result = _session(plan, begin, claim.run)
     return _ending(plan, result)
 
