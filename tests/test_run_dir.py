@@ -619,10 +619,12 @@ def test_every_file_of_a_checkpoint_has_one_mode(tmp_path):
     state = init_state(model_, adamw(1e-3))
 
     def shards(tmp):  # a writer of its own files (as DCP's storage, which makes them 0600)
-        (tmp / "shard-0.safetensors").write_bytes(b"x")
-        os.chmod(tmp / "shard-0.safetensors", 0o600)
-        return {"shard-0.safetensors": {"bytes": 1, "xxh3_64": 0}}
+        (tmp / "sharded").mkdir()
+        (tmp / "sharded/shard-0.safetensors").write_bytes(b"x")
+        os.chmod(tmp / "sharded/shard-0.safetensors", 0o600)
+        return {"sharded/shard-0.safetensors": {"bytes": 1, "xxh3_64": 0}}
 
     path = save(state, tmp_path / "c", model=model_, tensors=shards)
-    modes = {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()}
+    modes = {p.name: p.stat().st_mode & 0o777 for p in path.rglob("*") if p.is_file()}
+    assert "shard-0.safetensors" in modes
     assert len(set(modes.values())) == 1, modes

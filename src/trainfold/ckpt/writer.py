@@ -96,13 +96,11 @@ def save(
 ) -> Path:
     """Write ``state`` to ``directory`` atomically (see the module) and return the directory's path.
 
-    Each tensor is written once: params and persistent buffers to ``model.safetensors`` under ``model``'s
-    ``state_dict`` names, the rest to ``state.safetensors``; a ``peft`` model's adapter to
-    ``adapter_model.safetensors``, its frozen base nowhere (fingerprints in the sidecar). ``config``
-    (default ``model.config``) becomes ``config.json``; ``metadata``, ``settings`` and ``run`` go into the
-    sidecar. ``save_only_model``: the weights only; ``jit``: never rotated; ``tensors(tmp)`` writes its own
-    files, returns their entries (``sharded``); ``extra_files(tmp)``: unlisted files (a tokenizer's). A full
-    disk raises ``OSError(ENOSPC)`` naming the bytes needed, free, and the intact previous checkpoint.
+    Each tensor once (``layout``): the weights under ``model``'s ``state_dict`` names (a ``peft`` model: its
+    adapter), the rest to ``state.safetensors``. ``config`` (default ``model.config``) becomes ``config.json``;
+    ``metadata``, ``settings``, ``run`` go into the sidecar. ``save_only_model``: the weights only; ``jit``:
+    never rotated; ``tensors(tmp)`` writes its own files (``sharded``); ``extra_files(tmp)``: unlisted files
+    (a tokenizer's). A full disk raises ``OSError(ENOSPC)`` naming the bytes needed and free and the previous one.
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
@@ -118,9 +116,7 @@ def save(
     if not save_only_model:
         parts = {STATE_FILE: {k: v for k, v in flat.items() if k not in layout.weights and k not in frozen}, **parts}
     fields = dict[str, Any](metadata=_json(metadata, "save metadata"), settings=_json(settings, "save settings"))
-    fields.update(
-        run=None if run is None else dict(run), save_only_model=save_only_model, jit=jit, step=int(state.step)
-    )
+    fields.update(run=run and dict(run), save_only_model=save_only_model, jit=jit, step=int(state.step))
     fields.update(cursor=(int(state.cursor.epoch), int(state.cursor.position)))
     if tensors is None:  # a sharded state's sidecar lists its shard files only
         fields.update(tensors={layout.weights_file: layout.weights}, frozen=frozen)
@@ -128,8 +124,7 @@ def save(
     def fill(tmp: Path) -> dict[str, Any]:
         files = dict(tensors(tmp)) if tensors is not None else _write_parts(tmp, parts)
         if layout.config_file is not None and layout.config_text is not None:
-            text = layout.config_text.encode()
-            (tmp / layout.config_file).write_bytes(text)
+            (tmp / layout.config_file).write_bytes(layout.config_text.encode())
             files[layout.config_file] = tensor_file.digest_of(tmp / layout.config_file)
         if extra_files is not None:
             extra_files(tmp)
