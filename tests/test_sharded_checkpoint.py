@@ -590,7 +590,7 @@ def test_a_sharded_checkpoint_refuses_another_model_by_name(ranks):
         ckpt.load(path, like=init_state(tiny(), adamw(1e-3)))
     config = hf_model().config
     config.intermediate_size = 32
-    with pytest.raises(ValueError, match=r"mlp.down_proj.weight: saved \[16, 24\] float32, expected \[16, 32\]"):
+    with pytest.raises(ValueError, match=r"mlp.down_proj.weight: loaded \(16, 24\) torch.float32, expected \(16, 32\)"):
         ckpt.load(path, like=init_state(transformers.LlamaForCausalLM(config), adamw(1e-3)))
 
 

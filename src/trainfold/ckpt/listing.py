@@ -46,9 +46,8 @@ def _problem(directory: Path) -> str | None:
 
 
 def is_complete(directory: str | os.PathLike) -> bool:
-    """Say whether ``directory`` is a finished checkpoint: no marker, a valid sidecar, every file at its size.
-
-    A directory named ``checkpoint-{n}`` must also hold step ``n``; a symbolic link is never one.
+    """Say whether ``directory`` is a finished checkpoint: no marker, a valid sidecar, every file at its size,
+    step ``n`` if it is named ``checkpoint-{n}``, and no symbolic link.
 
     >>> is_complete("no/such/dir")
     False
@@ -66,14 +65,10 @@ def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     >>> list_checkpoints("no/such/dir")
     []
     """
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = sorted((s, p) for p in root.iterdir() if (s := step_in_name(p)) is not None)
-    out = []
+    root, out = Path(output_dir), []
+    found = sorted((s, p) for p in (root.iterdir() if root.is_dir() else ()) if (s := step_in_name(p)) is not None)
     for _, path in found:
-        problem = _problem(path)
-        if problem is None:
+        if (problem := _problem(path)) is None:
             out.append(path)
         else:
             warnings.warn(f"skipping {path}: {problem}", CheckpointWarning, stacklevel=2)
@@ -107,8 +102,7 @@ def resume_checkpoint(
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
     if resume_from_checkpoint is True:
-        found = latest_checkpoint(output_dir)
-        if found is None:
+        if (found := latest_checkpoint(output_dir)) is None:
             raise FileNotFoundError(
                 f"resume_from_checkpoint=True but {output_dir} holds no complete checkpoint-<step> "
                 "directory; pass a checkpoint path, or resume_from_checkpoint=None to start fresh"
@@ -116,8 +110,7 @@ def resume_checkpoint(
         return found
     path = Path(resume_from_checkpoint)
     read_metadata(path)  # names the path, the field and what is wrong with it
-    problem = _problem(path)
-    if problem is not None:
+    if (problem := _problem(path)) is not None:
         raise CheckpointError(
             f"{path} is incomplete or unusable ({problem}); resume from latest_checkpoint({str(path.parent)!r}) instead"
         )
