@@ -6,14 +6,7 @@ import os
 import warnings
 from pathlib import Path
 
-from trainfold.ckpt.sidecar import (
-    SIDECAR_FILE,
-    CheckpointError,
-    CheckpointWarning,
-    check_name,
-    read_metadata,
-    step_in_name,
-)
+from trainfold.ckpt.sidecar import CheckpointError, CheckpointWarning, check_name, read_metadata, step_in_name
 
 __all__ = ["checkpoint_path", "is_complete", "list_checkpoints", "latest_checkpoint", "resume_checkpoint", "set_aside"]
 
@@ -41,7 +34,7 @@ def _problem(directory: Path) -> str | None:
         if path.is_symlink() or not path.is_file():
             return f"{path} is missing or not a plain file"
         if path.stat().st_size != entry["bytes"]:
-            return f"{path} has {path.stat().st_size} bytes, {SIDECAR_FILE} records {entry['bytes']}"
+            return f"{path} has {path.stat().st_size} bytes, trainfold.json records {entry['bytes']}"
     return None
 
 
@@ -58,9 +51,8 @@ def is_complete(directory: str | os.PathLike) -> bool:
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """Return the complete ``checkpoint-{step}`` directories in ``output_dir``, oldest step first.
 
-    Never raises on what else is there: a directory named like a checkpoint that is incomplete,
-    malformed, a symbolic link, or holds another step than its name says is skipped with a
-    ``CheckpointWarning`` saying why.
+    Never raises: a directory named like one that is not a complete checkpoint (``is_complete``) is skipped
+    with a ``CheckpointWarning`` saying why.
 
     >>> list_checkpoints("no/such/dir")
     []
@@ -92,9 +84,8 @@ def resume_checkpoint(
 ) -> Path | None:
     """Return the checkpoint that ``resume_from_checkpoint`` (HF semantics) names, or ``None``.
 
-    ``None``/``False``: start fresh; ``True``: the latest complete checkpoint in ``output_dir``
-    (an error if there is none); a path: that checkpoint, which must be complete. ``train`` goes
-    through ``trainfold.ckpt.run_dir.claim``, which takes only checkpoints of the same run.
+    ``None``/``False``: start fresh; ``True``: the latest complete one in ``output_dir`` (an error if none); a
+    path: that one, which must be complete. (``train``'s ``run_dir.claim`` takes only the same run's.)
 
     >>> resume_checkpoint(False, "out") is None
     True
@@ -122,11 +113,9 @@ def set_aside(path: str | os.PathLike, cause: BaseException | str) -> Path:
 
     ``list_checkpoints`` no longer sees it, so no later resume or rotation takes it; it stays for inspection.
     """
-    path = Path(path)
-    target, n = path.with_name(f"{path.name}.damaged"), 1
-    while target.exists():
+    path, n = Path(path), 1
+    while (target := path.with_name(f"{path.name}.damaged" + (f"-{n}" if n > 1 else ""))).exists():
         n += 1
-        target = path.with_name(f"{path.name}.damaged-{n}")
     os.replace(path, target)
     warnings.warn(
         f"resume_from_checkpoint=True set {path} aside as {target.name} (kept, not deleted): it failed to load: "

@@ -26,7 +26,7 @@ from trainfold.ckpt.sidecar import (
     is_sharded_checkpoint,
     read_metadata,
 )
-from trainfold.core.fingerprint import fingerprints
+from trainfold.core.fingerprint import fingerprint
 from trainfold.core.state import TrainState
 from trainfold.core.tree import Tree, flatten, unflatten
 
@@ -55,12 +55,10 @@ def _read_file(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
 def _fit(flat: Mapping[str, Tensor], like: Any, path: Path) -> Any:
     try:
         return unflatten(flat, like=like)
-    except KeyError as e:
-        raise KeyError(
-            f"{path} does not fit the template state; was it saved from a different model or optimizer? {e.args[0]}"
+    except (KeyError, ValueError) as e:  # naming each key missing or unexpected, each shape or dtype that differs
+        raise type(e)(
+            f"{path} does not fit the template state (a different model, optimizer or size?): {e.args[0]}"
         ) from None
-    except ValueError as e:
-        raise ValueError(f"{path} does not fit the template state (a different model size?): {e}") from None
 
 
 def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
@@ -75,21 +73,12 @@ def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState) ->
             )
         out.update({k: data[v] for k, v in keys.items()})
     mine = flatten({"buffers": like.buffers, "params": like.params})
-    absent = sorted(k for k in meta["frozen"] if k not in mine)
-    if absent:
-        raise KeyError(
-            f"{directory} was trained on frozen weights the template state lacks: {absent[:5]} ({len(absent)} in "
-            "all); pass the model the run trained, with its frozen base (init_state(model, ...))"
-        )
-    differ = sorted(
-        k for k, fp in fingerprints({k: mine[k] for k in meta["frozen"]}).items() if fp != meta["frozen"][k]
-    )
-    if differ:
+    if differ := sorted(k for k, fp in meta["frozen"].items() if k not in mine or fingerprint(mine[k]) != fp):
         raise FrozenWeightsError(
             f"{directory / SIDECAR_FILE}: field 'frozen': the template's frozen weights are not those this "
-            f"checkpoint was trained on: {differ[:5]} ({len(differ)} of {len(meta['frozen'])}) differ; build the "
-            "model on the same base weights as the run (the same pretrained checkpoint, or the same seed), "
-            "or start a new run"
+            f"checkpoint was trained on: {differ[:5]} ({len(differ)} of {len(meta['frozen'])}) differ or are absent; "
+            "build the model, with its frozen base, on the same base weights as the run (the same pretrained "
+            "checkpoint, or the same seed), or start a new run"
         )
     return out | {k: mine[k] for k in meta["frozen"]}
 
@@ -97,13 +86,10 @@ def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState) ->
 def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """Return the state saved in ``directory``, shaped like the template ``like`` and on its devices.
 
-    Every file's size and hash are checked first, in one streaming pass each (``tensor_file.check``);
-    then every tensor must match the template's keys, shapes and dtypes, except ``metrics``, which is
-    free-form and loaded as saved. The params come from ``model.safetensors`` (or the adapter file),
-    the rest from ``state.safetensors``; frozen base weights the checkpoint left out are the
-    template's, and their fingerprints must be the recorded ones (``FrozenWeightsError`` naming them
-    otherwise). A directory named ``checkpoint-{n}`` must hold step ``n``. A weights-only checkpoint
-    raises ``ValueError`` (see ``warm_start``). ``like`` is never changed.
+    Every file's size and hash are checked first; then every tensor must match the template's keys, shapes
+    and dtypes (``metrics``, free-form, load as saved). Frozen base weights the checkpoint left out are the
+    template's, their fingerprints checked (``FrozenWeightsError``). A directory named ``checkpoint-{n}``
+    must hold step ``n``; a weights-only checkpoint raises ``ValueError`` (see ``warm_start``).
 
     >>> import tempfile, attrs, torch
     >>> from trainfold.optim import sgd
@@ -119,10 +105,9 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
     check_name(directory, meta)
     if meta["save_only_model"]:
         raise ValueError(
-            f"{directory / STATE_FILE} does not exist: {directory} was saved with save_only_model=True and holds "
-            "weights only (no optimizer state, step or data cursor), so training cannot resume from it exactly; "
-            "to start a new run from its weights call trainfold.ckpt.warm_start(directory, like=init_state(...)), "
-            "which restarts the optimizer and the schedule"
+            f"{directory / STATE_FILE} does not exist: {directory} was saved with save_only_model=True (weights "
+            "only: no optimizer state, step or data cursor to resume); to start a new run from its weights call "
+            "trainfold.ckpt.warm_start(directory, like=init_state(...)), which restarts the optimizer and schedule"
         )
     if is_sharded_checkpoint(meta):  # written by every rank: resharded to like's layout
         flat, source = sharded.read_sharded(directory, flatten(base)), directory / SHARD_DIR
@@ -149,10 +134,8 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
 def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """Return ``like`` with params and buffers from the checkpoint's weights file; nothing else changes.
 
-    The weights file is ``model.safetensors`` (``adapter_model.safetensors`` for a ``peft`` model, whose
-    frozen base must be the template's, as for ``load``). Buffers absent from it (non-persistent
-    ones) keep the template's values. Use it for ``load_best_model_at_end``; to start training from
-    weights, see ``warm_start``.
+    The weights file is ``model.safetensors`` (``adapter_model.safetensors`` for a ``peft`` model, whose frozen
+    base must be the template's); buffers absent from it (non-persistent) keep the template's values.
 
     >>> import tempfile, attrs, torch
     >>> from trainfold.optim import sgd
@@ -191,13 +174,12 @@ def warm_start(directory: str | os.PathLike, like: TrainState) -> TrainState:
     >>> from trainfold.core.state import init_state
     >>> from trainfold.ckpt import save
     >>> model = torch.nn.Linear(2, 1)
-    >>> ones = {"weight": torch.ones(1, 2), "bias": torch.ones(1)}
-    >>> path = save(init_state(model, sgd(0.1), params=ones), tempfile.mkdtemp() + "/ckpt", model=model)
+    >>> path = save(init_state(model, sgd(0.1)), tempfile.mkdtemp() + "/ckpt", model=model)
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
     ...     s = warm_start(path, like=init_state(model, sgd(0.1)))
-    >>> s.params["bias"].tolist(), [w.category.__name__ for w in caught]
-    ([1.0], ['UserWarning'])
+    >>> [w.category.__name__ for w in caught]
+    ['UserWarning']
     """
     state = load_weights(directory, like)
     warnings.warn(

@@ -74,16 +74,6 @@ def _writer_type() -> type:
     return Writer
 
 
-def _failed(e: BaseException, what: str) -> BaseException:
-    """The error to raise for DCP's ``CheckpointException`` (a ``BaseException``): per rank, by name."""
-    failures = sorted(e.failures.items())  # type: ignore[attr-defined]
-    text = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in failures)
-    first = failures[0][1][0] if failures else None
-    if isinstance(first, OSError):  # a full disk stays an OSError (the run names the bytes it needs)
-        return OSError(first.errno, f"{what} failed on {text}")
-    return CheckpointError(f"{what} failed on {text}; the checkpoint was not written (the previous one is intact)")
-
-
 def _write_shards(tmp: Path, flat: dict[str, Tensor], group: Any) -> dict[str, dict[str, int]]:
     """Write ``flat`` into ``tmp/sharded`` from every rank of ``group`` (``dcp.save``); return the files' entries."""
     import torch.distributed.checkpoint as dcp
@@ -92,8 +82,14 @@ def _write_shards(tmp: Path, flat: dict[str, Tensor], group: Any) -> dict[str, d
     storage = _writer_type()(str(tmp / SHARD_DIR), save_distributed=True)
     try:
         dcp.save(dict(flat), storage_writer=storage, process_group=group, no_dist=not dist.is_initialized())
-    except CheckpointException as e:
-        raise _failed(e, f"writing the shards of {tmp}") from None
+    except CheckpointException as e:  # a BaseException: re-raised on every rank, naming each that failed
+        failures = sorted(e.failures.items())
+        text = f"writing the shards of {tmp} failed on " + "; ".join(
+            f"rank {r}: {type(x).__name__}: {x}" for r, (x, _) in failures
+        )
+        if failures and isinstance(failures[0][1][0], OSError):  # a full disk stays one (the run names the bytes)
+            raise OSError(failures[0][1][0].errno, text) from None
+        raise CheckpointError(f"{text}; the checkpoint was not written (the previous one is intact)") from None
     return storage.files
 
 
@@ -141,11 +137,10 @@ def save_sharded(
 ) -> Path:
     """Write the sharded ``state`` to ``directory`` from every rank at once (call it on all of them).
 
-    Rank 0 builds the directory with ``writer.save`` (``options``: its metadata, settings, run, jit,
-    save_only_model, config) and renames it into place once DCP has gathered every rank's finished shard
-    file; every rank returns once it is there. ``consolidate`` (implied by ``save_only_model``) also writes
-    ``model.safetensors`` under ``model``'s ``state_dict`` names. ``group``: the process group of the
-    collectives (default: the world). A failure on any rank raises on every rank, naming the rank.
+    Rank 0's ``writer.save`` (with ``options``) renames it into place once DCP has every rank's shard file; every
+    rank returns once it is there. ``consolidate`` (implied by ``save_only_model``) also writes ``model.safetensors``
+    under ``model``'s names. ``group``: the collectives' (default: the world). A failure on any rank raises on
+    every rank, naming the rank.
     """
     directory, flat = Path(directory), flatten(state)
     if options.get("save_only_model"):
@@ -209,8 +204,7 @@ class Saver:
     >>> from trainfold.core.state import init_state
     >>> saver = Saver(async_save=True)
     >>> path = saver.save(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp() + "/checkpoint-0")
-    >>> from trainfold.ckpt import is_complete
-    >>> saver.wait() == path, is_complete(path)
+    >>> saver.wait() == path, path.exists()
     (True, True)
     """
 
@@ -239,14 +233,12 @@ class Saver:
         sharded = is_sharded(state)
         if sharded and dist.is_initialized() and self._group is None:
             self._group = dist.new_group(backend="gloo")
-        write = (
-            functools.partial(save_sharded, group=self._group, consolidate=self.consolidate) if sharded else writer.save
-        )
+        write = functools.partial(save_sharded, group=self._group, consolidate=self.consolidate)
         commits = not sharded or not dist.is_initialized() or dist.get_rank() == 0
 
         def run(staged: TrainState) -> None:
             try:
-                path = write(staged, directory, **options)
+                path = (write if sharded else writer.save)(staged, directory, **options)
                 if on_commit is not None and commits:
                     on_commit(path)
                 job.set_result(path)
