@@ -586,7 +586,7 @@ def test_a_sharded_checkpoint_refuses_another_model_by_name(ranks):
     import transformers
 
     path = ranks / "sync" / f"checkpoint-{STEP}"
-    with pytest.raises(KeyError, match=r"sharded does not fit the template state .* missing \['opt_state.mu.blocks"):
+    with pytest.raises(KeyError, match=r"sharded does not fit the template .* missing \['opt_state.mu.blocks"):
         ckpt.load(path, like=init_state(tiny(), adamw(1e-3)))
     config = hf_model().config
     config.intermediate_size = 32

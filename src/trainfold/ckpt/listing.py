@@ -75,8 +75,7 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     >>> latest_checkpoint("no/such/dir") is None
     True
     """
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
+    return next(reversed(list_checkpoints(output_dir)), None)
 
 
 def resume_checkpoint(

@@ -1,7 +1,5 @@
-"""Loading a checkpoint into a template state: every file's size and hash checked, shapes and names from the template.
-
-A sharded checkpoint (``trainfold.ckpt.sharded``) is resharded to the template's layout. Loading never runs code.
-"""
+"""Loading a checkpoint into a template state (a sharded one resharded to its layout): every file's size and hash
+checked, shapes and names from the template. Loading never runs code."""
 
 from __future__ import annotations
 
@@ -56,9 +54,7 @@ def _fit(flat: Mapping[str, Tensor], like: Any, path: Path) -> Any:
     try:
         return unflatten(flat, like=like)
     except (KeyError, ValueError) as e:  # naming each key missing or unexpected, each shape or dtype that differs
-        raise type(e)(
-            f"{path} does not fit the template state (a different model, optimizer or size?): {e.args[0]}"
-        ) from None
+        raise type(e)(f"{path} does not fit the template (a different model or optimizer?): {e.args[0]}") from None
 
 
 def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
@@ -66,11 +62,8 @@ def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState) ->
     out: Tree = {}
     for name, keys in meta["tensors"].items():
         data = _read_file(directory, name, meta)
-        absent = sorted(v for v in keys.values() if v not in data)
-        if absent:
-            raise CheckpointError(
-                f"{directory / name} lacks {absent[:5]}, which {SIDECAR_FILE} says it holds: {_ALTERED}"
-            )
+        if absent := sorted(v for v in keys.values() if v not in data):
+            raise CheckpointError(f"{directory / name} lacks {absent[:5]}, listed in {SIDECAR_FILE}: {_ALTERED}")
         out.update({k: data[v] for k, v in keys.items()})
     mine = flatten({"buffers": like.buffers, "params": like.params})
     if differ := sorted(k for k, fp in meta["frozen"].items() if k not in mine or fingerprint(mine[k]) != fp):
@@ -115,9 +108,7 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
         flat, source = _read_file(directory, STATE_FILE, meta), directory / STATE_FILE
         weights = _read_weights(directory, meta, like)
         if clash := sorted(set(weights) & set(flat)):
-            raise CheckpointError(
-                f"{source} holds {clash[:3]}, which {SIDECAR_FILE} places in a weights file: {_ALTERED}"
-            )
+            raise CheckpointError(f"{source} holds {clash[:3]}, which {SIDECAR_FILE} places elsewhere: {_ALTERED}")
         flat |= weights
     metrics = {k.removeprefix("metrics."): v for k, v in flat.items() if k.startswith("metrics.")}
     state = _fit({k: v for k, v in flat.items() if not k.startswith("metrics.")}, base, source)

@@ -1,8 +1,6 @@
 """Sharded checkpoints on ``torch.distributed.checkpoint`` (DCP): every rank writes its DTensor shards as safetensors.
 
-``dcp.save`` with DCP's ``HuggingFaceStorageWriter`` writes ``sharded/`` (a file per rank); rank 0's ``writer.save``
-renames the directory into place once every file's hash is in. ``read_sharded`` checks every hash, then DCP's
-reader and load planner reshard onto the template's mesh.
+DCP's ``HuggingFaceStorageWriter`` writes ``sharded/``, a file per rank; its reader and load planner reshard them.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -32,20 +30,12 @@ from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten, map_tensors
 from trainfold.step.fsdp import held_structure
 
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
-
 __all__ = ["Saver", "is_sharded", "save_sharded", "read_sharded"]
-
-
-def _dtensor_type() -> type[DTensor] | None:
-    """``DTensor`` if its module is loaded (else no tensor can be one, and DCP need not load)."""
-    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
 def is_sharded(state: Any) -> bool:
     """Say whether any tensor of ``state`` is a ``DTensor`` (then every rank takes part in its checkpoint)."""
-    dtensor = _dtensor_type()
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # not loaded: none is one
     return dtensor is not None and any(isinstance(t, dtensor) for t in flatten(state).values())
 
 
@@ -137,11 +127,9 @@ def save_sharded(
 ) -> Path:
     """Write the sharded ``state`` to ``directory`` from every rank at once (call it on all of them).
 
-    Rank 0's ``writer.save`` (with ``options``) renames it into place once DCP has every rank's shard file; every
-    rank returns once it is there. ``consolidate`` (implied by ``save_only_model``) also writes ``model.safetensors``
-    under ``model``'s names. ``group``: the collectives' (default: the world). A failure on any rank raises on
-    every rank, naming the rank.
-    """
+    Rank 0's ``writer.save`` (with ``options``) renames it into place once DCP has every rank's hashed shard file;
+    every rank returns once it is there, or raises for a failure on any rank, naming it. ``consolidate`` (implied
+    by ``save_only_model``): also ``model.safetensors``. ``group``: the collectives' (default: the world)."""
     directory, flat = Path(directory), flatten(state)
     if options.get("save_only_model"):
         consolidate, flat = True, {k: v for k, v in flat.items() if k.startswith(("params.", "buffers."))}
@@ -181,23 +169,22 @@ def save_sharded(
     return path
 
 
-def _cpu_copy(t: Tensor) -> Tensor:
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(t, dtensor):
-        local = t.to_local().detach().to("cpu", copy=True)
-        return dtensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    return t.detach().to("cpu", copy=True)
+def _cpu_copy(t: Any) -> Tensor:
+    """A CPU copy of ``t`` (of a DTensor: of its local shard, on the same mesh)."""
+    if not is_sharded(t):
+        return t.detach().to("cpu", copy=True)
+    local = t.to_local().detach().to("cpu", copy=True)
+    return type(t).from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
 @attrs.define(eq=False)
 class Saver:
     """Write a run's checkpoints: sharded ones from every rank, replicated ones from the caller; sync or async.
 
-    ``async_save``: the state is copied to the CPU (the step stalls for that copy only) and a daemon thread
-    writes it; it appears, complete, when every rank has finished. One save runs at a time: the next ``save``
-    and ``wait`` wait for it and raise its error. ``on_commit(path)`` runs on the rank that renamed it into
-    place. Sharded saves get a gloo process group of their own (made on the first, by every rank), so the
-    writer thread's collectives never meet the step's.
+    ``async_save``: a daemon thread writes a CPU copy (the step stalls for the copy only). One save runs at a
+    time: the next ``save`` and ``wait`` wait for it and raise its error. ``on_commit(path)`` runs on the rank
+    that renamed it into place. Sharded saves get a gloo group of their own (made on the first, by every rank),
+    so the writer thread's collectives never meet the step's.
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
@@ -223,9 +210,7 @@ class Saver:
         **options: Any,
     ) -> Path:
         """Save ``state`` to ``directory`` (``writer.save``'s ``options``); return its path (async: to be).
-
-        ``wait=True`` returns when it is complete, also with ``async_save`` (a JIT save at preemption).
-        """
+        ``wait=True`` returns once it is complete, also with ``async_save`` (a JIT save at preemption)."""
         self.wait()
         directory, later, job = Path(directory), self.async_save and not wait, Future[Path]()
         if later and not is_peft_model(options.get("model")):  # a peft one: its own layout
@@ -266,11 +251,10 @@ class Saver:
 
 
 def read_sharded(directory: str | os.PathLike, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Return the checkpoint's tensors by flattened key (see ``_read``; ``metrics`` as saved), each file checked first.
+    """Return the checkpoint's tensors by flattened key (``_read``), each listed file (and no other) checked first.
 
-    A DTensor of ``like`` gets this rank's slab (resharded by DCP's planner to its mesh), a plain tensor the
-    whole: any number of ranks loads it. ``sharded/`` must hold just the files the sidecar lists.
-    """
+    A DTensor of ``like`` gets this rank's slab (resharded to its mesh), a plain tensor the whole: any number of
+    ranks loads it."""
     directory = Path(directory)
     files = read_metadata(directory)["files"]
     listed = sorted(n for n in files if n.startswith(f"{SHARD_DIR}/"))
