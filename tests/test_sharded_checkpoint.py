@@ -586,11 +586,11 @@ def test_a_sharded_checkpoint_refuses_another_model_by_name(ranks):
     import transformers
 
     path = ranks / "sync" / f"checkpoint-{STEP}"
-    with pytest.raises(KeyError, match=r"sharded does not fit the template state; .* missing \['opt_state.mu.blocks"):
+    with pytest.raises(KeyError, match=r"sharded does not fit the template .* missing \['opt_state.mu.blocks"):
         ckpt.load(path, like=init_state(tiny(), adamw(1e-3)))
     config = hf_model().config
     config.intermediate_size = 32
-    with pytest.raises(ValueError, match=r"mlp.down_proj.weight: saved \[16, 24\] float32, expected \[16, 32\]"):
+    with pytest.raises(ValueError, match=r"mlp.down_proj.weight: loaded \(16, 24\) torch.float32, expected \(16, 32\)"):
         ckpt.load(path, like=init_state(transformers.LlamaForCausalLM(config), adamw(1e-3)))
 
 

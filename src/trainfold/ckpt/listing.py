@@ -6,14 +6,7 @@ import os
 import warnings
 from pathlib import Path
 
-from trainfold.ckpt.sidecar import (
-    SIDECAR_FILE,
-    CheckpointError,
-    CheckpointWarning,
-    check_name,
-    read_metadata,
-    step_in_name,
-)
+from trainfold.ckpt.sidecar import CheckpointError, CheckpointWarning, check_name, read_metadata, step_in_name
 
 __all__ = ["checkpoint_path", "is_complete", "list_checkpoints", "latest_checkpoint", "resume_checkpoint", "set_aside"]
 
@@ -41,14 +34,13 @@ def _problem(directory: Path) -> str | None:
         if path.is_symlink() or not path.is_file():
             return f"{path} is missing or not a plain file"
         if path.stat().st_size != entry["bytes"]:
-            return f"{path} has {path.stat().st_size} bytes, {SIDECAR_FILE} records {entry['bytes']}"
+            return f"{path} has {path.stat().st_size} bytes, trainfold.json records {entry['bytes']}"
     return None
 
 
 def is_complete(directory: str | os.PathLike) -> bool:
-    """Say whether ``directory`` is a finished checkpoint: no marker, a valid sidecar, every file at its size.
-
-    A directory named ``checkpoint-{n}`` must also hold step ``n``; a symbolic link is never one.
+    """Say whether ``directory`` is a finished checkpoint: no marker, a valid sidecar, every file at its size,
+    step ``n`` if it is named ``checkpoint-{n}``, and no symbolic link.
 
     >>> is_complete("no/such/dir")
     False
@@ -59,21 +51,16 @@ def is_complete(directory: str | os.PathLike) -> bool:
 def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
     """Return the complete ``checkpoint-{step}`` directories in ``output_dir``, oldest step first.
 
-    Never raises on what else is there: a directory named like a checkpoint that is incomplete,
-    malformed, a symbolic link, or holds another step than its name says is skipped with a
-    ``CheckpointWarning`` saying why.
+    Never raises: a directory named like one that is not a complete checkpoint (``is_complete``) is skipped
+    with a ``CheckpointWarning`` saying why.
 
     >>> list_checkpoints("no/such/dir")
     []
     """
-    root = Path(output_dir)
-    if not root.is_dir():
-        return []
-    found = sorted((s, p) for p in root.iterdir() if (s := step_in_name(p)) is not None)
-    out = []
+    root, out = Path(output_dir), []
+    found = sorted((s, p) for p in (root.iterdir() if root.is_dir() else ()) if (s := step_in_name(p)) is not None)
     for _, path in found:
-        problem = _problem(path)
-        if problem is None:
+        if (problem := _problem(path)) is None:
             out.append(path)
         else:
             warnings.warn(f"skipping {path}: {problem}", CheckpointWarning, stacklevel=2)
@@ -88,8 +75,7 @@ def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     >>> latest_checkpoint("no/such/dir") is None
     True
     """
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
+    return next(reversed(list_checkpoints(output_dir)), None)
 
 
 def resume_checkpoint(
@@ -97,9 +83,8 @@ def resume_checkpoint(
 ) -> Path | None:
     """Return the checkpoint that ``resume_from_checkpoint`` (HF semantics) names, or ``None``.
 
-    ``None``/``False``: start fresh; ``True``: the latest complete checkpoint in ``output_dir``
-    (an error if there is none); a path: that checkpoint, which must be complete. ``train`` goes
-    through ``trainfold.ckpt.run_dir.claim``, which takes only checkpoints of the same run.
+    ``None``/``False``: start fresh; ``True``: the latest complete one in ``output_dir`` (an error if none); a
+    path: that one, which must be complete. (``train``'s ``run_dir.claim`` takes only the same run's.)
 
     >>> resume_checkpoint(False, "out") is None
     True
@@ -107,8 +92,7 @@ def resume_checkpoint(
     if resume_from_checkpoint is None or resume_from_checkpoint is False:
         return None
     if resume_from_checkpoint is True:
-        found = latest_checkpoint(output_dir)
-        if found is None:
+        if (found := latest_checkpoint(output_dir)) is None:
             raise FileNotFoundError(
                 f"resume_from_checkpoint=True but {output_dir} holds no complete checkpoint-<step> "
                 "directory; pass a checkpoint path, or resume_from_checkpoint=None to start fresh"
@@ -116,8 +100,7 @@ def resume_checkpoint(
         return found
     path = Path(resume_from_checkpoint)
     read_metadata(path)  # names the path, the field and what is wrong with it
-    problem = _problem(path)
-    if problem is not None:
+    if (problem := _problem(path)) is not None:
         raise CheckpointError(
             f"{path} is incomplete or unusable ({problem}); resume from latest_checkpoint({str(path.parent)!r}) instead"
         )
@@ -129,11 +112,9 @@ def set_aside(path: str | os.PathLike, cause: BaseException | str) -> Path:
 
     ``list_checkpoints`` no longer sees it, so no later resume or rotation takes it; it stays for inspection.
     """
-    path = Path(path)
-    target, n = path.with_name(f"{path.name}.damaged"), 1
-    while target.exists():
+    path, n = Path(path), 1
+    while (target := path.with_name(f"{path.name}.damaged" + (f"-{n}" if n > 1 else ""))).exists():
         n += 1
-        target = path.with_name(f"{path.name}.damaged-{n}")
     os.replace(path, target)
     warnings.warn(
         f"resume_from_checkpoint=True set {path} aside as {target.name} (kept, not deleted): it failed to load: "

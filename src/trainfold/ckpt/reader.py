@@ -1,7 +1,5 @@
-"""Loading a checkpoint into a template state: every file's size and hash checked, shapes and names from the template.
-
-A sharded checkpoint (``trainfold.ckpt.sharded``) is resharded to the template's layout. Loading never runs code.
-"""
+"""Loading a checkpoint into a template state (a sharded one resharded to its layout): every file's size and hash
+checked, shapes and names from the template. Loading never runs code."""
 
 from __future__ import annotations
 
@@ -17,6 +15,7 @@ from torch import Tensor
 from trainfold.ckpt import sharded, tensor_file
 from trainfold.ckpt.sidecar import (
     MODEL_FILE,
+    SHARD_DIR,
     SIDECAR_FILE,
     STATE_FILE,
     CheckpointError,
@@ -25,14 +24,20 @@ from trainfold.ckpt.sidecar import (
     is_sharded_checkpoint,
     read_metadata,
 )
-from trainfold.core.fingerprint import fingerprints
+from trainfold.core.fingerprint import fingerprint
 from trainfold.core.state import TrainState
 from trainfold.core.tree import Tree, flatten, unflatten
 
 __all__ = ["load", "load_weights", "warm_start", "FrozenWeightsError"]
 
+_ALTERED = "the checkpoint was altered; resume from an earlier checkpoint"
 
-def _read_tensors(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
+
+class FrozenWeightsError(CheckpointError):
+    """The template's frozen base weights are not those a checkpoint was trained on (the checkpoint is intact)."""
+
+
+def _read_file(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
     path = directory / name
     if path.is_symlink() or not path.is_file():
         raise FileNotFoundError(
@@ -45,70 +50,39 @@ def _read_tensors(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
         raise CheckpointError(f"{e} (as {SIDECAR_FILE} records); resume from an earlier checkpoint") from None
 
 
-def _fit(flat: Mapping[str, Tensor], like: Any, path: Path, note: str = "") -> Any:
+def _fit(flat: Mapping[str, Tensor], like: Any, path: Path) -> Any:
     try:
         return unflatten(flat, like=like)
-    except KeyError as e:
-        raise KeyError(
-            f"{path} does not fit the template state{note}; was it saved from a different model or "
-            f"optimizer? {e.args[0]}"
-        ) from None
-    except ValueError as e:
-        raise ValueError(f"{path} does not fit the template state{note} (a different model size?): {e}") from None
-
-
-class FrozenWeightsError(CheckpointError):
-    """The template's frozen base weights are not those a checkpoint was trained on (the checkpoint is intact)."""
-
-
-def frozen_tensors(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
-    """Return the template's frozen tensors the checkpoint left out, after checking their fingerprints."""
-    if not meta["frozen"]:
-        return {}
-    mine = flatten({"buffers": like.buffers, "params": like.params})
-    absent = sorted(k for k in meta["frozen"] if k not in mine)
-    if absent:
-        raise KeyError(
-            f"{directory} was trained on frozen weights the template state lacks: {absent[:5]} "
-            f"({len(absent)} in all); pass the model the run trained, with its frozen base (init_state(model, ...))"
-        )
-    theirs = fingerprints({k: mine[k] for k in meta["frozen"]})
-    differ = sorted(k for k, fp in meta["frozen"].items() if theirs[k] != fp)
-    if differ:
-        raise FrozenWeightsError(
-            f"{directory / SIDECAR_FILE}: field 'frozen': the template's frozen weights are not those this "
-            f"checkpoint was trained on: {differ[:5]} ({len(differ)} of {len(meta['frozen'])}) differ; build the "
-            "model on the same base weights as the run (the same pretrained checkpoint, or the same seed), "
-            "or start a new run"
-        )
-    return {k: mine[k] for k in meta["frozen"]}
+    except (KeyError, ValueError) as e:  # naming each key missing or unexpected, each shape or dtype that differs
+        raise type(e)(f"{path} does not fit the template (a different model or optimizer?): {e.args[0]}") from None
 
 
 def _read_weights(directory: Path, meta: Mapping[str, Any], like: TrainState) -> Tree:
-    """Return ``{flattened state key: tensor}`` from the weights files and the frozen weights (the template's)."""
+    """``{state key: tensor}`` of the weights files, and the frozen weights: the template's, fingerprints checked."""
     out: Tree = {}
     for name, keys in meta["tensors"].items():
-        data = _read_tensors(directory, name, meta)
-        absent = sorted(v for v in keys.values() if v not in data)
-        if absent:
-            raise CheckpointError(
-                f"{directory / name} lacks {absent[:5]}, which {SIDECAR_FILE} says it holds: the checkpoint was "
-                "altered; resume from an earlier checkpoint"
-            )
+        data = _read_file(directory, name, meta)
+        if absent := sorted(v for v in keys.values() if v not in data):
+            raise CheckpointError(f"{directory / name} lacks {absent[:5]}, listed in {SIDECAR_FILE}: {_ALTERED}")
         out.update({k: data[v] for k, v in keys.items()})
-    return {**out, **frozen_tensors(directory, meta, like)}
+    mine = flatten({"buffers": like.buffers, "params": like.params})
+    if differ := sorted(k for k, fp in meta["frozen"].items() if k not in mine or fingerprint(mine[k]) != fp):
+        raise FrozenWeightsError(
+            f"{directory / SIDECAR_FILE}: field 'frozen': the template's frozen weights are not those this "
+            f"checkpoint was trained on: {differ[:5]} ({len(differ)} of {len(meta['frozen'])}) differ or are absent; "
+            "build the model, with its frozen base, on the same base weights as the run (the same pretrained "
+            "checkpoint, or the same seed), or start a new run"
+        )
+    return out | {k: mine[k] for k in meta["frozen"]}
 
 
 def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """Return the state saved in ``directory``, shaped like the template ``like`` and on its devices.
 
-    Every file's size and hash are checked first, in one streaming pass each (``tensor_file.check``);
-    then every tensor must match the template's keys, shapes and dtypes, except ``metrics``, which is
-    free-form and loaded as saved. The params come from ``model.safetensors`` (or the adapter file),
-    the rest from ``state.safetensors``; frozen base weights the checkpoint left out are the
-    template's, and their fingerprints must be the recorded ones (``FrozenWeightsError`` naming them
-    otherwise). A directory named ``checkpoint-{n}`` must hold step ``n``. A weights-only checkpoint
-    raises ``ValueError`` (see ``warm_start``). ``like`` is never changed.
+    Every file's size and hash are checked first; then every tensor must match the template's keys, shapes
+    and dtypes (``metrics``, free-form, load as saved). Frozen base weights the checkpoint left out are the
+    template's, their fingerprints checked (``FrozenWeightsError``). A directory named ``checkpoint-{n}``
+    must hold step ``n``; a weights-only checkpoint raises ``ValueError`` (see ``warm_start``).
 
     >>> import tempfile, attrs, torch
     >>> from trainfold.optim import sgd
@@ -119,53 +93,40 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
     >>> load(path, like=fresh).step.item(), fresh.step.item()
     (12, 0)
     """
-    directory = Path(directory)
+    directory, base = Path(directory), attrs.evolve(like, metrics={})
     meta = read_metadata(directory)
     check_name(directory, meta)
     if meta["save_only_model"]:
         raise ValueError(
-            f"{directory / STATE_FILE} does not exist: {directory} was saved with save_only_model=True "
-            "and holds weights only (no optimizer state, step or data cursor), so training cannot "
-            "resume from it exactly; to start a new run from its weights call "
-            "trainfold.ckpt.warm_start(directory, like=init_state(...)), which restarts the "
-            "optimizer and the schedule"
+            f"{directory / STATE_FILE} does not exist: {directory} was saved with save_only_model=True (weights "
+            "only: no optimizer state, step or data cursor to resume); to start a new run from its weights call "
+            "trainfold.ckpt.warm_start(directory, like=init_state(...)), which restarts the optimizer and schedule"
         )
     if is_sharded_checkpoint(meta):  # written by every rank: resharded to like's layout
-        return sharded.load_sharded(directory, like)
-    return _load(directory, meta, like)
-
-
-def _load(directory: Path, meta: Mapping[str, Any], like: TrainState) -> TrainState:
-    """``load`` of a checkpoint written by one rank: its files checked, read, rebuilt."""
-    flat, weights = _read_tensors(directory, STATE_FILE, meta), _read_weights(directory, meta, like)
-    clash = sorted(set(weights) & set(flat))
-    if clash:
-        raise CheckpointError(
-            f"{directory / STATE_FILE} holds {clash[:3]}, which {SIDECAR_FILE} places in "
-            "a weights file: the checkpoint was altered; resume from an earlier checkpoint"
-        )
-    flat.update(weights)
-    note = f" (with the weights of {', '.join(meta['tensors'])})"
+        flat, source = sharded.read_sharded(directory, flatten(base)), directory / SHARD_DIR
+    else:
+        flat, source = _read_file(directory, STATE_FILE, meta), directory / STATE_FILE
+        weights = _read_weights(directory, meta, like)
+        if clash := sorted(set(weights) & set(flat)):
+            raise CheckpointError(f"{source} holds {clash[:3]}, which {SIDECAR_FILE} places elsewhere: {_ALTERED}")
+        flat |= weights
     metrics = {k.removeprefix("metrics."): v for k, v in flat.items() if k.startswith("metrics.")}
-    rest = {k: v for k, v in flat.items() if not k.startswith("metrics.")}
-    state = _fit(rest, attrs.evolve(like, metrics={}), directory / STATE_FILE, note)
+    state = _fit({k: v for k, v in flat.items() if not k.startswith("metrics.")}, base, source)
     for field, value, recorded in [
         ("step", state.step, meta["step"]),
         ("cursor.epoch", state.cursor.epoch, meta["cursor"]["epoch"]),
         ("cursor.position", state.cursor.position, meta["cursor"]["position"]),
     ]:
         if recorded != int(value):
-            raise field_error(directory / SIDECAR_FILE, field, f"is {recorded} but {STATE_FILE} holds {int(value)}")
+            raise field_error(directory / SIDECAR_FILE, field, f"is {recorded} but {source.name} holds {int(value)}")
     return attrs.evolve(state, metrics=metrics)
 
 
 def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
     """Return ``like`` with params and buffers from the checkpoint's weights file; nothing else changes.
 
-    The weights file is ``model.safetensors`` (``adapter_model.safetensors`` for a ``peft`` model, whose
-    frozen base must be the template's, as for ``load``). Buffers absent from it (non-persistent
-    ones) keep the template's values. Use it for ``load_best_model_at_end``; to start training from
-    weights, see ``warm_start``.
+    The weights file is ``model.safetensors`` (``adapter_model.safetensors`` for a ``peft`` model, whose frozen
+    base must be the template's); buffers absent from it (non-persistent) keep the template's values.
 
     >>> import tempfile, attrs, torch
     >>> from trainfold.optim import sgd
@@ -178,19 +139,19 @@ def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
     >>> s.params["weight"].tolist(), s.step.item()            # the weights, not the step
     ([[1.0, 1.0]], 0)
     """
-    directory = Path(directory)
+    directory, weights = Path(directory), {"params": like.params, "buffers": like.buffers}
     meta = read_metadata(directory)
     if is_sharded_checkpoint(meta):
-        return sharded.load_sharded(directory, like, weights_only=True)
-    path = directory / next(iter(meta["tensors"]), MODEL_FILE)
-    flat = _read_weights(directory, meta, like)
-    if any(f"params.{k}" not in flat for k in like.params) and STATE_FILE in meta["files"]:
-        # trainable tensors peft does not save (a base norm unfrozen by hand) are in the state file
-        state_params = _read_tensors(directory, STATE_FILE, meta)
-        flat = {**{k: v for k, v in state_params.items() if k.startswith("params.")}, **flat}
-    weights = {"params": like.params, "buffers": like.buffers}  # absent buffers (non-persistent): the template's
-    loaded = _fit({**flatten({"buffers": like.buffers}), **flat}, weights, path)
-    return attrs.evolve(like, **loaded)
+        flat, source = sharded.read_sharded(directory, flatten(weights)), directory / SHARD_DIR
+    else:
+        flat, source = _read_weights(directory, meta, like), directory / next(iter(meta["tensors"]), MODEL_FILE)
+        if any(f"params.{k}" not in flat for k in like.params) and STATE_FILE in meta["files"]:
+            # trainable tensors peft does not save (a base norm unfrozen by hand) are in the state file
+            flat = _read_file(directory, STATE_FILE, meta) | flat
+    flat = {k: v for k, v in flat.items() if k.startswith(("params.", "buffers."))}
+    return attrs.evolve(
+        like, **_fit(flatten({"buffers": like.buffers}) | flat, weights, source)
+    )  # absent buffers: like's
 
 
 def warm_start(directory: str | os.PathLike, like: TrainState) -> TrainState:
@@ -204,13 +165,12 @@ def warm_start(directory: str | os.PathLike, like: TrainState) -> TrainState:
     >>> from trainfold.core.state import init_state
     >>> from trainfold.ckpt import save
     >>> model = torch.nn.Linear(2, 1)
-    >>> ones = {"weight": torch.ones(1, 2), "bias": torch.ones(1)}
-    >>> path = save(init_state(model, sgd(0.1), params=ones), tempfile.mkdtemp() + "/ckpt", model=model)
+    >>> path = save(init_state(model, sgd(0.1)), tempfile.mkdtemp() + "/ckpt", model=model)
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
     ...     s = warm_start(path, like=init_state(model, sgd(0.1)))
-    >>> s.params["bias"].tolist(), [w.category.__name__ for w in caught]
-    ([1.0], ['UserWarning'])
+    >>> [w.category.__name__ for w in caught]
+    ['UserWarning']
     """
     state = load_weights(directory, like)
     warnings.warn(

@@ -1,10 +1,6 @@
 """Sharded checkpoints on ``torch.distributed.checkpoint`` (DCP): every rank writes its DTensor shards as safetensors.
 
-A state of ``DTensor`` shards (``fsdp="full_shard"``) is saved by all ranks at once with ``dcp.save``
-and DCP's ``HuggingFaceStorageWriter`` into ``sharded/`` (one safetensors file per rank, the slab
-offsets in its header), with ``model.safetensors`` on request (``consolidate``); rank 0's ``writer.save``
-puts the directory into place once every rank's file and hash are in. ``load`` checks every hash, then
-DCP's reader and load planner reshard onto the template's mesh (2 ranks -> 1, 3, 4).
+DCP's ``HuggingFaceStorageWriter`` writes ``sharded/``, a file per rank; its reader and load planner reshard them.
 """
 
 from __future__ import annotations
@@ -15,10 +11,10 @@ import os
 import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import torch
@@ -26,28 +22,20 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainfold.ckpt import tensor_file, writer
+from trainfold.ckpt.adapters import is_peft_model
 from trainfold.ckpt.faults import point
-from trainfold.ckpt.layout import is_peft_model, model_weights
+from trainfold.ckpt.layout import model_weights
 from trainfold.ckpt.sidecar import MODEL_FILE, SHARD_DIR, CheckpointError, read_metadata
 from trainfold.core.state import TrainState
-from trainfold.core.tree import flatten, map_tensors, unflatten
+from trainfold.core.tree import flatten, map_tensors
 from trainfold.step.fsdp import held_structure
 
-if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
-
-__all__ = ["Saver", "is_sharded", "save_sharded", "load_sharded"]
-
-
-def _dtensor_type() -> type[DTensor] | None:
-    """Return ``DTensor`` if its module is loaded (else no tensor can be one, and DCP need not load)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
+__all__ = ["Saver", "is_sharded", "save_sharded", "read_sharded"]
 
 
 def is_sharded(state: Any) -> bool:
     """Say whether any tensor of ``state`` is a ``DTensor`` (then every rank takes part in its checkpoint)."""
-    dtensor = _dtensor_type()
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # not loaded: none is one
     return dtensor is not None and any(isinstance(t, dtensor) for t in flatten(state).values())
 
 
@@ -58,33 +46,22 @@ def _writer_type() -> type:
     from torch.futures import Future
 
     class Writer(HuggingFaceStorageWriter):
-        files: dict[str, dict[str, int]]
+        files: dict[str, dict[str, int]] = {}
 
         def write_data(self, plan: Any, planner: Any) -> Any:
-            results = super().write_data(plan, planner).wait()
-            entries = {}
+            results, entries = super().write_data(plan, planner).wait(), {}
             for name in sorted({r.storage_data.relative_path for r in results}):
                 entries[name] = tensor_file.digest_of(Path(self.path) / name)
                 point(f"sharded:wrote:{name}")
-            out: Future[list[Any]] = Future()  # the entry travels to the coordinator with DCP's results
+            out: Future[list[Any]] = Future()  # each entry travels to the coordinator with DCP's results
             named = [(r, r.storage_data.relative_path) for r in results]
-            out.set_result([dataclasses.replace(r, storage_data=(n, entries[n])) for r, n in named])
+            out.set_result([dataclasses.replace(r, storage_data={n: entries[n]}) for r, n in named])
             return out
 
         def finish(self, metadata: Any, results: list[list[Any]]) -> None:
-            self.files = {f"{SHARD_DIR}/{r.storage_data[0]}": r.storage_data[1] for rs in results for r in rs}
+            self.files = {f"{SHARD_DIR}/{n}": e for rs in results for r in rs for n, e in r.storage_data.items()}
 
     return Writer
-
-
-def _failed(e: BaseException, what: str) -> BaseException:
-    """Return the error to raise for DCP's ``CheckpointException`` (a ``BaseException``): per rank, by name."""
-    failures = sorted(e.failures.items())  # type: ignore[attr-defined]
-    text = "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in failures)
-    first = failures[0][1][0] if failures else None
-    if isinstance(first, OSError):  # a full disk stays an OSError (the run names the bytes it needs)
-        return OSError(first.errno, f"{what} failed on {text}")
-    return CheckpointError(f"{what} failed on {text}; the checkpoint was not written (the previous one is intact)")
 
 
 def _write_shards(tmp: Path, flat: dict[str, Tensor], group: Any) -> dict[str, dict[str, int]]:
@@ -95,39 +72,48 @@ def _write_shards(tmp: Path, flat: dict[str, Tensor], group: Any) -> dict[str, d
     storage = _writer_type()(str(tmp / SHARD_DIR), save_distributed=True)
     try:
         dcp.save(dict(flat), storage_writer=storage, process_group=group, no_dist=not dist.is_initialized())
-    except CheckpointException as e:
-        raise _failed(e, f"writing the shards of {tmp}") from None
-    return getattr(storage, "files", {})
+    except CheckpointException as e:  # a BaseException: re-raised on every rank, naming each that failed
+        failures = sorted(e.failures.items())
+        text = f"writing the shards of {tmp} failed on " + "; ".join(
+            f"rank {r}: {type(x).__name__}: {x}" for r, (x, _) in failures
+        )
+        if failures and isinstance(failures[0][1][0], OSError):  # a full disk stays one (the run names the bytes)
+            raise OSError(failures[0][1][0].errno, text) from None
+        raise CheckpointError(f"{text}; the checkpoint was not written (the previous one is intact)") from None
+    return storage.files
 
 
-def _read_shards(targets: dict[str, Tensor], directory: Path) -> None:
-    """Fill ``targets`` in place from the shard files (``dcp.load``, no collectives: each rank reads its part)."""
-    import torch.distributed.checkpoint as dcp
+def _read(directory: Path, like: Mapping[str, Tensor], whole: tuple[str, ...]) -> dict[str, Tensor]:
+    """Every saved key: ``like``'s (same shape, dtype) read into its layout, those under ``whole`` as saved, any
+    other a zero-stride view of its shape and dtype (no memory), for the template check to refuse by name."""
+    from torch.distributed.checkpoint import HuggingFaceStorageReader, load
 
+    storage, targets, out = HuggingFaceStorageReader(str(directory / SHARD_DIR)), {}, {}
+    try:
+        saved: dict[str, Any] = storage.read_metadata().state_dict_metadata
+    except Exception as e:  # a header that hashes right but is not safetensors: written so, never loadable
+        raise CheckpointError(f"{directory / SHARD_DIR} holds unreadable shards ({e}); resume from another") from None
+    for k, m in saved.items():
+        size, dtype, t = torch.Size(m.size), m.properties.dtype, like.get(k)
+        if t is not None and (t.shape, t.dtype) == (size, dtype):
+            targets[k] = torch.empty_like(t)
+        elif t is None and k.startswith(whole):
+            targets[k] = torch.empty(size, dtype=dtype)
+        out[k] = targets.get(k, torch.zeros((), dtype=dtype).expand(size))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(targets, storage_reader=dcp.HuggingFaceStorageReader(str(directory / SHARD_DIR)), no_dist=True)
+        load(targets, storage_reader=storage, no_dist=True)
+    return out
 
 
 def _consolidate(tmp: Path, model: Any) -> dict[str, dict[str, int]]:
     """Write ``model.safetensors`` from the shard files just written (rank 0, one process); return its entry."""
-    full = _empty(_metadata(tmp), ("params.", "buffers."))
-    _read_shards(full, tmp)
-    split = TrainState(
-        params={k.removeprefix("params."): v for k, v in full.items() if k.startswith("params.")},
-        buffers={k.removeprefix("buffers."): v for k, v in full.items() if k.startswith("buffers.")},
-        opt_state=None,
-    )
-    entry = tensor_file.write(tmp / MODEL_FILE, model_weights(split, model), metadata={"format": "pt"})
+    full = _read(tmp, {}, ("params.", "buffers."))
+    part = lambda p: {k.removeprefix(p): v for k, v in full.items() if k.startswith(p)}
+    weights = model_weights(TrainState(params=part("params."), buffers=part("buffers."), opt_state=None), model)
+    entry = tensor_file.write(tmp / MODEL_FILE, weights, metadata={"format": "pt"})
     point("sharded:wrote:model")
     return {MODEL_FILE: entry}
-
-
-def _announce(name: str, group: Any) -> str:
-    """Send rank 0's ``name`` (the temporary directory; empty: it failed) to every rank; return it."""
-    box = [name]
-    dist.broadcast_object_list(box, group=group, group_src=0)
-    return str(box[0])
 
 
 def save_sharded(
@@ -141,77 +127,71 @@ def save_sharded(
 ) -> Path:
     """Write the sharded ``state`` to ``directory`` from every rank at once (call it on all of them).
 
-    Rank 0 builds the directory with ``writer.save`` (``options``: its metadata, settings,
-    run, jit, save_only_model, config) and renames it into place only after DCP has gathered every
-    rank's finished, fsynced shard file; every rank returns once it is there. ``consolidate``
-    (implied by ``save_only_model``) also writes ``model.safetensors`` with ``model``'s
-    ``state_dict`` names. ``group``: the process group of the collectives (default: the world). A
-    failure on any rank raises on every rank, naming the rank.
-    """
-    directory = Path(directory)
-    flat = flatten(state)
-    only_model = bool(options.get("save_only_model"))
-    if only_model:
-        flat = {k: v for k, v in flat.items() if k.startswith(("params.", "buffers."))}
+    Rank 0's ``writer.save`` (with ``options``) renames it into place once DCP has every rank's hashed shard file;
+    every rank returns once it is there, or raises for a failure on any rank, naming it. ``consolidate`` (implied
+    by ``save_only_model``): also ``model.safetensors``. ``group``: the collectives' (default: the world)."""
+    directory, flat = Path(directory), flatten(state)
+    if options.get("save_only_model"):
+        consolidate, flat = True, {k: v for k, v in flat.items() if k.startswith(("params.", "buffers."))}
     many = dist.is_initialized() and dist.get_world_size(group) > 1
+
+    def announce(name: str) -> str:  # rank 0's name (the temporary directory; "done"; empty: it failed) to all
+        box = [name]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        return str(box[0])
+
     if many and dist.get_rank(group) != 0:
-        name = _announce("", group)
-        if not name:
+        if not (name := announce("")):
             raise CheckpointError(f"rank 0 could not start the checkpoint {directory}; its error says why")
         _write_shards(directory.parent / name, flat, group)
-        if _announce("", group) != "done":  # rank 0 renames it into place: returning means it is there
+        if announce("") != "done":  # rank 0 renames it into place: returning means it is there
             raise CheckpointError(f"rank 0 could not complete the checkpoint {directory}; its error says why")
         return directory
-    phase = "starting"  # then "writing" (DCP raises on every rank), then "written" (rank 0 alone may fail)
+    writing = False  # while DCP writes, a failure raises on every rank by itself
 
     def tensors(tmp: Path) -> dict[str, dict[str, int]]:
-        nonlocal phase
+        nonlocal writing
         if many:
-            _announce(tmp.name, group)
-        phase = "writing"
+            announce(tmp.name)
+        writing = True
         files = _write_shards(tmp, flat, group)
-        phase = "written"
-        if consolidate or only_model:
-            files.update(_consolidate(tmp, model))
-        return files
+        writing = False
+        return files | (_consolidate(tmp, model) if consolidate else {})
 
     try:
         path = writer.save(state, directory, model=model, tensors=tensors, **options)
     except BaseException:
-        if many and phase != "writing":
-            _announce("", group)  # the other ranks stop waiting and raise
+        if many and not writing:
+            announce("")  # the other ranks stop waiting and raise
         raise
     if many:
-        _announce("done", group)
+        announce("done")
     return path
 
 
-def _cpu_copy(t: Tensor) -> Tensor:
-    dtensor = _dtensor_type()
-    if dtensor is not None and isinstance(t, dtensor):
-        local = t.to_local().detach().to("cpu", copy=True)
-        return dtensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
-    return t.detach().to("cpu", copy=True)
+def _cpu_copy(t: Any) -> Tensor:
+    """A CPU copy of ``t`` (of a DTensor: of its local shard, on the same mesh)."""
+    if not is_sharded(t):
+        return t.detach().to("cpu", copy=True)
+    local = t.to_local().detach().to("cpu", copy=True)
+    return type(t).from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
 @attrs.define(eq=False)
 class Saver:
     """Write a run's checkpoints: sharded ones from every rank, replicated ones from the caller; sync or async.
 
-    With ``async_save`` the state is copied to the CPU (the step stalls for that copy only) and a
-    worker thread writes it; the directory appears, complete and fsynced, when every rank has
-    finished (the rename is the last act). One save runs at a time: the next ``save`` and ``wait``
-    wait for it and raise its error. ``on_commit(path)`` runs on the rank that renamed it, once it
-    is in place (rotation, best bookkeeping). Sharded saves get a gloo process group of their own
-    (made on the first, by every rank), so the writer thread's collectives never meet the step's.
+    ``async_save``: a daemon thread writes a CPU copy (the step stalls for the copy only). One save runs at a
+    time: the next ``save`` and ``wait`` wait for it and raise its error. ``on_commit(path)`` runs on the rank
+    that renamed it into place. Sharded saves get a gloo group of their own (made on the first, by every rank),
+    so the writer thread's collectives never meet the step's.
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd
     >>> from trainfold.core.state import init_state
     >>> saver = Saver(async_save=True)
     >>> path = saver.save(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp() + "/checkpoint-0")
-    >>> from trainfold.ckpt import is_complete
-    >>> saver.wait() == path, is_complete(path)
+    >>> saver.wait() == path, path.exists()
     (True, True)
     """
 
@@ -230,39 +210,34 @@ class Saver:
         **options: Any,
     ) -> Path:
         """Save ``state`` to ``directory`` (``writer.save``'s ``options``); return its path (async: to be).
-
-        ``wait=True`` returns when it is complete, also with ``async_save`` (a JIT save at preemption).
-        """
+        ``wait=True`` returns once it is complete, also with ``async_save`` (a JIT save at preemption)."""
         self.wait()
-        directory, later = Path(directory), self.async_save and not wait
+        directory, later, job = Path(directory), self.async_save and not wait, Future[Path]()
         if later and not is_peft_model(options.get("model")):  # a peft one: its own layout
             options["model"] = held_structure(options.get("model"))  # read here, not in the writer thread
-        write: Callable[..., Path] = functools.partial(writer.save, **options)
-        commits = True
-        if is_sharded(state):
-            if dist.is_initialized() and self._group is None:
-                self._group = dist.new_group(backend="gloo")
-            write = functools.partial(save_sharded, group=self._group, consolidate=self.consolidate, **options)
-            commits = not dist.is_initialized() or dist.get_rank() == 0
+        sharded = is_sharded(state)
+        if sharded and dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        write = functools.partial(save_sharded, group=self._group, consolidate=self.consolidate)
+        commits = not sharded or not dist.is_initialized() or dist.get_rank() == 0
 
-        def job(staged: TrainState) -> Path:
-            path = write(staged, directory)
-            if on_commit is not None and commits:
-                on_commit(path)
-            return path
+        def run(staged: TrainState) -> None:
+            try:
+                path = (write if sharded else writer.save)(staged, directory, **options)
+                if on_commit is not None and commits:
+                    on_commit(path)
+                job.set_result(path)
+            except BaseException as e:  # raised by wait (or below), in the caller's thread
+                job.set_exception(e)
 
         if not later:
-            return job(state)
-        staged, self._job = map_tensors(_cpu_copy, state), Future()
-
-        def run(future: Future[Path]) -> None:
-            try:
-                future.set_result(job(staged))
-            except BaseException as e:  # raised by wait, in the caller's thread
-                future.set_exception(e)
-
+            run(state)
+            return job.result()
+        self._job = job
         # a daemon, not an executor's worker: a process whose peers died exits without waiting for its collectives
-        threading.Thread(target=run, args=(self._job,), name=f"trainfold-save-{directory.name}", daemon=True).start()
+        threading.Thread(
+            target=run, args=(map_tensors(_cpu_copy, state),), name=f"trainfold-save-{directory.name}", daemon=True
+        ).start()
         return directory
 
     def pending(self) -> bool:
@@ -275,22 +250,15 @@ class Saver:
         return None if job is None else job.result()
 
 
-def _metadata(directory: Path) -> Any:
-    """DCP's metadata of the shard files in ``directory``, from their headers: per key its size and dtype, chunks."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
+def read_sharded(directory: str | os.PathLike, like: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Return the checkpoint's tensors by flattened key (``_read``), each listed file (and no other) checked first.
 
-    return HuggingFaceStorageReader(str(directory / SHARD_DIR)).read_metadata()
-
-
-def _checked(directory: Path) -> Any:
-    """Return DCP's metadata of the shards (read from their headers), every shard file checked first.
-
-    Each shard file's size and hash must be those the sidecar records, and ``sharded/`` must hold no
-    other file (DCP's reader reads every safetensors file there).
-    """
-    meta = read_metadata(directory)
-    listed = sorted(n for n in meta["files"] if n.startswith(f"{SHARD_DIR}/"))
-    present = sorted(f"{SHARD_DIR}/{p.name}" for p in (directory / SHARD_DIR).glob("*")) if listed else []
+    A DTensor of ``like`` gets this rank's slab (resharded to its mesh), a plain tensor the whole: any number of
+    ranks loads it."""
+    directory = Path(directory)
+    files = read_metadata(directory)["files"]
+    listed = sorted(n for n in files if n.startswith(f"{SHARD_DIR}/"))
+    present = sorted(f"{SHARD_DIR}/{p.name}" for p in (directory / SHARD_DIR).glob("*"))
     if present != listed:
         raise CheckpointError(
             f"{directory / SHARD_DIR} holds {present}, but {directory / 'trainfold.json'} lists {listed}: the "
@@ -298,59 +266,7 @@ def _checked(directory: Path) -> Any:
         )
     for name in listed:
         try:
-            tensor_file.check(directory / name, meta["files"][name])
+            tensor_file.check(directory / name, files[name])
         except tensor_file.TensorFileError as e:
             raise CheckpointError(f"{e} (as trainfold.json records); resume from an earlier checkpoint") from None
-    try:
-        return _metadata(directory)
-    except Exception as e:  # a header that hashes right but is not safetensors: written so, never loadable
-        raise CheckpointError(f"{directory / SHARD_DIR} holds unreadable shards ({e}); resume from another") from None
-
-
-def _empty(md: Any, prefixes: tuple[str, ...]) -> dict[str, Tensor]:
-    """Return an empty tensor of each saved key under ``prefixes`` (DCP's metadata ``md``), to read it into."""
-    items = md.state_dict_metadata.items()
-    return {k: torch.empty(list(m.size), dtype=m.properties.dtype) for k, m in items if k.startswith(prefixes)}
-
-
-def load_sharded(directory: str | os.PathLike, like: TrainState, *, weights_only: bool = False) -> TrainState:
-    """Return the sharded checkpoint in ``directory`` laid out like ``like``, on any number of ranks.
-
-    ``like``'s DTensors get this rank's slab of each tensor (resharded by DCP's planner to the
-    mesh ``like`` is on); its plain tensors get the whole tensor, so one process loads a
-    checkpoint of many ranks. No collectives: each rank reads what it needs. ``weights_only``
-    loads params and buffers only (``reader.load_weights``). ``metrics`` load as saved.
-    """
-    directory = Path(directory)
-    md, where, step = _checked(directory), directory / SHARD_DIR, read_metadata(directory)["step"]
-    saved = {k: (list(m.size), str(m.properties.dtype)[6:]) for k, m in md.state_dict_metadata.items()}
-    base = attrs.evolve(like, metrics={})
-    wanted = {k: v for k, v in flatten(base).items() if not weights_only or k.startswith(("params.", "buffers."))}
-    missing = sorted(k for k in wanted if k not in saved and not (weights_only and k.startswith("buffers.")))
-    unexpected = [] if weights_only else sorted(k for k in saved if k not in wanted and not k.startswith("metrics."))
-    if missing or unexpected:
-        raise KeyError(
-            f"{where} does not fit the template state; was it saved from a different "
-            f"model or optimizer? missing {missing[:8]}, unexpected {unexpected[:8]}"
-        )
-    bad = [
-        f"{k}: saved {saved[k][0]} {saved[k][1]}, expected {list(v.shape)} {str(v.dtype)[6:]}"
-        for k, v in wanted.items()
-        if saved.get(k, (list(v.shape), str(v.dtype)[6:])) != (list(v.shape), str(v.dtype)[6:])
-    ]
-    if bad:
-        raise ValueError(f"{where} does not fit the template state (a different model size?): " + "; ".join(bad[:8]))
-    targets = {k: torch.empty_like(v) for k, v in wanted.items() if k in saved}
-    targets |= {} if weights_only else _empty(md, ("metrics.",))
-    _read_shards(targets, directory)
-    if weights_only:
-        buffers = {k: targets.get(f"buffers.{k}", v) for k, v in like.buffers.items()}
-        return attrs.evolve(like, params={k: targets[f"params.{k}"] for k in like.params}, buffers=buffers)
-    metrics = {k.removeprefix("metrics."): v for k, v in targets.items() if k.startswith("metrics.")}
-    state = unflatten({k: v for k, v in targets.items() if not k.startswith("metrics.")}, like=base)
-    if int(state.step) != step:
-        raise CheckpointError(
-            f"{directory / 'trainfold.json'}: field 'step' is {step} but the "
-            f"shards hold {int(state.step)}; resume from another checkpoint"
-        )
-    return attrs.evolve(state, metrics=metrics)
+    return _read(directory, like, ("metrics.",))
