@@ -22,9 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainfold.ckpt import tensor_file, writer
-from trainfold.ckpt.adapters import is_peft_model
 from trainfold.ckpt.faults import point
-from trainfold.ckpt.layout import model_weights
+from trainfold.ckpt.layout import is_peft_model, model_weights
 from trainfold.ckpt.sidecar import MODEL_FILE, SHARD_DIR, CheckpointError, read_metadata
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten, map_tensors
