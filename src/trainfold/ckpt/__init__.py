@@ -1,12 +1,10 @@
 """Checkpoints: atomic, verified snapshots of the ``TrainState`` record; sharded storage, policies, the run directory.
 
-``output_dir/checkpoint-{step}/`` holds each tensor once: ``model.safetensors`` (+ ``config.json``) under
-the model's ``state_dict`` names, so ``from_pretrained`` loads it (a ``peft`` model: the adapter files);
-``state.safetensors`` with the rest of the record (optimizer state, counters, seed, cursor, metrics);
-``trainfold.json``, the sidecar (``sidecar``): version, step, cursor, run settings and identity, every
-file's size and XXH3-64 hash. It is written into a hidden sibling under an "incomplete" marker and
-renamed into place with ``os.replace``; a resume that finds one damaged sets it aside (renamed, never
-deleted) and takes the previous one. Nothing is pickled; loading never runs code.
+``output_dir/checkpoint-{step}/`` holds each tensor once: ``model.safetensors`` (+ ``config.json``) under the
+model's ``state_dict`` names, so ``from_pretrained`` loads it (a ``peft`` model: the adapter files);
+``state.safetensors``, the rest of the record; ``trainfold.json``, the sidecar: step, cursor, run settings
+and identity, every file's size and XXH3-64 hash. Written in a hidden sibling, fsynced, renamed into place;
+a resume that finds one damaged sets it aside and takes the previous one. Nothing is pickled.
 
 >>> import tempfile, torch
 >>> from trainfold.optim import sgd
@@ -16,10 +14,9 @@ deleted) and takes the previous one. Nothing is pickled; loading never runs code
 >>> load(path, like=state).seed.item()
 3
 
-Modules: ``sidecar`` (the format), ``layout`` (which tensor goes where, peft adapters),
-``tensor_file`` (hashed files), ``writer`` (fsync, rename), ``reader``, ``listing``,
-``sharded`` (DCP), ``policy`` (when to save, what to keep), ``run_identity``, ``run_lock`` and
-``run_dir`` (the output directory of a run), ``faults`` (crash points for tests).
+Modules: ``sidecar`` (the format), ``layout`` (which tensor goes where), ``tensor_file``, ``writer``,
+``reader``, ``listing``, ``sharded`` (DCP), ``policy``, ``run_identity``/``run_lock``/``run_dir`` (a run's
+output directory), ``faults`` (crash points for tests).
 """
 
 from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, ADAPTER_FILE, model_weights
