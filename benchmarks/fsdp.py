@@ -20,8 +20,8 @@ loop's (medians over the jobs).
     python benchmarks/fsdp.py --quick        # a tiny Llama, 1 round (the suite's smoke test)
 
 Peak RSS under glibc's default malloc moves by up to ~±60 MiB from job to job on both sides (the mmap threshold
-rises with the first large free, after which freed 0.1-32 MiB tensors stay in the heap, fragmented in an order
-that gloo's threads' timing changes). ``--fixed-mmap-threshold`` runs the jobs with
+rises with the first large free, after which freed 0.1-32 MiB tensors stay in the heap, fragmented differently
+from job to job). ``--fixed-mmap-threshold`` runs the jobs with
 ``MALLOC_MMAP_THRESHOLD_=131072`` (glibc's initial threshold, held fixed: every tensor of 128 KiB or more is its
 own mapping, returned when freed), where each side's peak repeats to the MiB and the ratio is what the two hold.
 
