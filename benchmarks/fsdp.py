@@ -19,6 +19,12 @@ loop's (medians over the jobs).
     python benchmarks/fsdp.py                # ~21M-param Llama, 2 rounds (4 jobs)
     python benchmarks/fsdp.py --quick        # a tiny Llama, 1 round (the suite's smoke test)
 
+Peak RSS under glibc's default malloc moves by up to ~±60 MiB from job to job on both sides (the mmap threshold
+rises with the first large free, after which freed 0.1-32 MiB tensors stay in the heap, fragmented differently
+from job to job). ``--fixed-mmap-threshold`` runs the jobs with
+``MALLOC_MMAP_THRESHOLD_=131072`` (glibc's initial threshold, held fixed: every tensor of 128 KiB or more is its
+own mapping, returned when freed), where each side's peak repeats to the MiB and the ratio is what the two hold.
+
 The full run then prints ``benchmarks/fsdp_checkpoint.py``'s table (how long a sharded save stalls the step).
 
 ``benchmarks/gpu.py`` runs ``vs_fully_shard`` on CUDA (one NCCL process per GPU, bf16): the same two sides
@@ -175,11 +181,14 @@ def compare(cfg: dict, world: int = 2, rounds: int = 2) -> str:
             jobs[side].append(run_job(side, cfg, world))
     n_params = sum(p.numel() for p in llama(cfg["size"]).parameters())
     memory = "max allocated (MiB)" if cfg["device"] == "cuda" else "peak RSS (MiB)"
+    fixed = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    threshold = f", MALLOC_MMAP_THRESHOLD_={fixed}" if fixed else ""
     lines = [
         f"Llama {n_params / 1e6:.1f}M params ({cfg['size']}), {world} x {cfg['device']} "
         f"({'bf16' if cfg['bf16'] else 'fp32'}), global batch {cfg['batch']} x {SIZES[cfg['size']]['seq']} tokens, "
         f"accumulation {cfg['accumulation']}, {cfg['steps']} steps a job ({cfg['warmup']} warm-up), "
-        f"{rounds} job(s) a side interleaved, load average {os.getloadavg()[0]:.1f}\n",
+        f"{rounds} job(s) a side interleaved, load average {os.getloadavg()[0]:.1f}"
+        f"{threshold}\n",
         f"| rank | hand step (ms) | trainfold step (ms) | step ratio | hand {memory} | trainfold {memory} "
         "| memory ratio |",
         "|---:|---:|---:|---:|---:|---:|---:|",
@@ -208,7 +217,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="first steps of a job left out of its median")
     parser.add_argument("--rounds", type=int, default=2, help="jobs per side (interleaved)")
     parser.add_argument("--quick", action="store_true", help="a tiny Llama, 3 steps, one job a side")
+    parser.add_argument(
+        "--fixed-mmap-threshold", action="store_true", help="jobs under MALLOC_MMAP_THRESHOLD_=131072 (see above)"
+    )
     ns = parser.parse_args()
+    if ns.fixed_mmap_threshold:  # read by glibc when each spawned job starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = "131072"
     cfg = dict(size="small", batch=ns.batch, accumulation=2, steps=ns.steps, warmup=ns.warmup, device="cpu")
     if ns.quick:
         cfg.update(size="tiny", steps=3, warmup=1)
@@ -217,6 +231,8 @@ def main() -> None:
     if ns.quick:  # the checkpoint stall has its own smoke run (python benchmarks/fsdp_checkpoint.py --quick)
         return
     from fsdp_checkpoint import stall_table
+
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)  # the stall under the default malloc
 
     stall = argparse.Namespace(batch=ns.batch, seq=128, d_model=256, layers=4, rounds=5, warmup=1)
     print("\n" + stall_table(stall))

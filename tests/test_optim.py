@@ -8,7 +8,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, decay_mask_by_name, sgd, trace
+from trainfold.optim import (
+    GradientTransformation,
+    adamw,
+    chain,
+    clip_by_global_norm,
+    decay_mask,
+    decay_mask_by_name,
+    sgd,
+    trace,
+)
 from trainfold.optim.schedules import SCHEDULE_NAMES, constant, cosine, linear, named, warmup_steps_for
 
 STEPS = 20
@@ -179,6 +188,45 @@ def test_clip_matches_clip_grad_norm(seed, max_norm):
     torch.nn.utils.clip_grad_norm_(leaves, max_norm)
     for leaf, k in zip(leaves, g):
         torch.testing.assert_close(ours[k], leaf.grad, rtol=1e-6, atol=1e-7)
+
+
+def _received(seen: list) -> GradientTransformation:
+    """A last chain part that records the gradients it receives (and steps nothing)."""
+
+    def update(grads, state, params):
+        seen.append(dict(grads))
+        return {k: torch.zeros_like(v) for k, v in grads.items()}, state
+
+    return GradientTransformation(init=lambda params: (), update=update)
+
+
+def test_a_donated_chain_clips_the_gradients_in_place_bitwise_as_the_pure_apply():
+    params, grads = random_problem(7)
+    pure_seen, donated_seen = [], []
+    pure_opt, donated_opt = (
+        chain(clip_by_global_norm(0.5), _received(pure_seen)),
+        chain(clip_by_global_norm(0.5), _received(donated_seen)),
+    )
+    given_grads = {k: v.clone() for k, v in grads[0].items()}
+    pure_opt.apply(grads[0], pure_opt.init(params), params)
+    donated_opt.apply(given_grads, donated_opt.init(params), {k: v.clone() for k, v in params.items()}, donate=True)
+    # no gradient-sized copy: the last part gets the donated tensors themselves, scaled in place
+    assert all(donated_seen[0][k] is given_grads[k] for k in grads[0])
+    assert all(pure_seen[0][k] is not grads[0][k] for k in grads[0])  # the pure apply leaves its inputs alone
+    assert all(torch.equal(donated_seen[0][k], pure_seen[0][k]) for k in grads[0])
+    assert not torch.equal(pure_seen[0]["w"], grads[0]["w"])  # the clip did act
+
+
+def test_a_donated_clip_of_gradients_sharing_memory_scales_each_element_once():
+    shared = torch.tensor([3.0, 4.0])
+    flat = torch.tensor([3.0, 4.0, 0.0, 0.0])
+    for grads in ({"a": shared, "b": shared}, {"a": torch.tensor([5.0]).expand(2)}):  # one tensor twice; a broadcast
+        pure, _ = clip_by_global_norm(1.0).update({k: v.clone() for k, v in grads.items()}, (), {})
+        donated, _ = clip_by_global_norm(1.0).donated_update(grads, (), {})
+        assert all(torch.equal(donated[k], pure[k]) for k in grads)
+    views = {"a": flat[:2], "b": flat[2:]}  # disjoint views of one buffer (FSDP's sharded gradients): in place
+    clip_by_global_norm(1.0).donated_update(views, (), {})
+    assert torch.allclose(flat, torch.tensor([0.6, 0.8, 0.0, 0.0]))
 
 
 def test_schedule_as_learning_rate_is_read_at_the_update_count():

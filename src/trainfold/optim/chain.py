@@ -28,7 +28,9 @@ def chain(*transforms: GradientTransformation, name: str = "chain") -> Chain:
     """Compose transformations left to right; ``name`` names the composite in error messages.
 
     The state is the tuple of the parts' states. ``apply`` runs every part's ``update`` but the
-    last one's, whose ``apply`` steps the params (``adamw`` last: torch's AdamW kernels).
+    last one's, whose ``apply`` steps the params (``adamw`` last: torch's AdamW kernels); a donated
+    ``apply`` runs their ``donated_update`` (``clip_by_global_norm`` scales the donated gradients in
+    place: no gradient-sized copy), bitwise the same.
 
     >>> import torch
     >>> from trainfold.optim import scale_by_adam, scale_by_learning_rate
@@ -69,7 +71,7 @@ class Chain(GradientTransformation):
     def apply(self, grads: Tree, state: Any, params: Tree, *, donate: bool = False) -> tuple[Tree, tuple[Any, ...]]:
         states = list(self._split(state))
         for i, t in enumerate(self.parts[:-1]):
-            grads, new = t.update(grads, states[i], params)
+            grads, new = t.donated_update(grads, states[i], params) if donate else t.update(grads, states[i], params)
             states[i] = overwrite(states[i], new) if donate else new
         new_params, states[-1] = self.parts[-1].apply(grads, states[-1], params, donate=donate)
         return new_params, tuple(states)

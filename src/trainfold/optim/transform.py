@@ -1,11 +1,13 @@
 """The gradient transformation: a pure ``(init, update)`` pair, as optax's.
 
-``update(grads, state, params) -> (updates, state)`` returns deltas to add to the params. Two more
+``update(grads, state, params) -> (updates, state)`` returns deltas to add to the params. Three more
 methods have defaults every transformation inherits: ``apply(grads, state, params, donate=)``
 returns the new params (a transformation that steps params itself, as ``adamw`` through torch's
 kernels, overrides it; with ``donate=True`` the params and state tensors are updated in place and
-returned, bitwise what ``apply`` returns), and ``learning_rate(state)`` is the rate the next
-update uses (NaN where there is none). Nothing passed in is changed unless donated.
+returned, bitwise what ``apply`` returns, and the gradients are donated too: a chain's clipping
+scales them in place), ``donated_update`` is ``update`` free to write into the gradients (``update``
+unless a transformation overrides it), and ``learning_rate(state)`` is the rate the next update
+uses (NaN where there is none). Nothing passed in is changed unless donated.
 
 >>> import torch
 >>> half = GradientTransformation(init=lambda params: (),
@@ -58,6 +60,11 @@ class GradientTransformation:
     def update(self, grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
         """Return ``(updates, new_state)``: the deltas to add to ``params``."""
         raise NotImplementedError
+
+    def donated_update(self, grads: Tree, state: Any, params: Tree) -> tuple[Tree, Any]:
+        """Return what ``update`` returns, free to write into ``grads`` (a donated ``apply``'s: the caller is done
+        with them), so that the updates need not be new memory; ``update`` unless overridden."""
+        return self.update(grads, state, params)
 
     def apply(self, grads: Tree, state: Any, params: Tree, *, donate: bool = False) -> tuple[Tree, Any]:
         """Return ``(new_params, new_state)`` for one update; ``donate``: written into ``params`` and ``state``.

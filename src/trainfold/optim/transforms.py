@@ -94,6 +94,39 @@ class ClipByGlobalNorm(GradientTransformation):
         keys = list(grads)
         return dict(zip(keys, scaled([grads[k] for k in keys], coef))), state
 
+    def donated_update(self, grads: Tree, state: tuple, params: Tree) -> tuple[Tree, tuple]:
+        """``update`` scaling the donated ``grads`` in place (as ``clip_grad_norm_``): the same values, no copy.
+
+        >>> g = {"a": torch.tensor([3.0, 4.0])}
+        >>> out, _ = clip_by_global_norm(1.0).donated_update(g, (), {})
+        >>> out["a"] is g["a"], [round(x, 4) for x in g["a"].tolist()]
+        (True, [0.6, 0.8])
+        """
+        tensors = list(grads.values())
+        if not _disjoint(tensors) or any(t.requires_grad for t in tensors):  # a differentiable step's: its graph
+            return self.update(grads, state, params)
+        torch._foreach_mul_(tensors, clip_coefficient(global_norm(grads), self.max_norm))
+        return dict(grads), state
+
+
+def _disjoint(tensors: list[Tensor]) -> bool:
+    """Say whether ``tensors`` are dense and share no memory (autograd may hand out one tensor for two leaves, or
+    a broadcast view), so that scaling each in place scales every element once.
+
+    >>> g = torch.ones(4)
+    >>> _disjoint([g[:2], g[2:]]), _disjoint([g, g]), _disjoint([torch.ones(1).expand(3)])
+    (True, False, False)
+    """
+    spans = []
+    for t in tensors:
+        local = getattr(t, "_local_tensor", t)  # a DTensor: its shard (its own data_ptr is 0)
+        if not local.is_contiguous():
+            return False
+        if local.numel():
+            spans.append((local.data_ptr(), local.data_ptr() + local.numel() * local.element_size()))
+    spans.sort()
+    return all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+
 
 # -- weight decay -----------------------------------------------------------------------------------
 
