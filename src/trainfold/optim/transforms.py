@@ -119,7 +119,7 @@ def _disjoint(tensors: list[Tensor]) -> bool:
     """
     spans = []
     for t in tensors:
-        local = getattr(t, "_local_tensor", t)  # a DTensor: its shard (its own data_ptr is 0)
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: its shard (its own data_ptr is 0)
         if not local.is_contiguous():
             return False
         if local.numel():
