@@ -65,6 +65,22 @@ def _compose(n: int, cuts: list[bool]) -> list[int]:
 # -- examples --------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_step_takes_the_gradients_norm_once_for_its_log_and_its_clipping(monkeypatch, donate):
+    model = lm()
+    ids, labels = lm_samples(1, 4, 12)
+    opt = chain(clip_by_global_norm(1e-3), sgd(0.1))  # the clip acts
+    state, batch = init_state(model, opt), [{"input_ids": ids, "labels": labels}]
+    expected = make_step(lm(), causal_lm, opt)(init_state(lm(), opt), batch)  # the same model, computed apart
+    real, calls = torch._foreach_norm, []
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    new = make_step(model, causal_lm, opt)(state, batch, donate=donate)
+    assert len(calls) == 1  # the log's norm is the one the clip uses: one pass over the gradients
+    assert float(new.metrics["grad_norm"]) > 1e-3 and all(
+        torch.equal(new.params[k], expected.params[k]) for k in expected.params
+    )
+
+
 def test_step_matches_eager_backward_and_sgd_bitwise():
     model = lm()
     ids, labels = lm_samples(1, 4, 12)

@@ -12,7 +12,9 @@ Every function here returns new tensors and leaves its inputs untouched.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -29,6 +31,7 @@ __all__ = [
     "add",
     "scale",
     "global_norm",
+    "known_norm",
     "check_keys",
     "flatten",
     "unflatten",
@@ -85,6 +88,29 @@ def scale(tree: Mapping[str, Tensor], factor: float | Tensor) -> Tree:
     return dict(zip(keys, torch._foreach_mul([tree[k] for k in keys], factor)))
 
 
+# (tree, its norm) that a step computed already: global_norm of that very mapping returns it (known_norm)
+_KNOWN_NORM: contextvars.ContextVar[tuple[object, Tensor] | None] = contextvars.ContextVar("known_norm", default=None)
+
+
+@contextlib.contextmanager
+def known_norm(tree: Mapping[str, Tensor], norm: Tensor) -> Iterator[None]:
+    """Within the block, ``global_norm(tree)`` of this very mapping returns ``norm`` (its tensors unchanged since).
+
+    The step computes the gradients' norm for its log; a chain's clipping then reuses it (no second pass).
+
+    >>> import torch
+    >>> grads = {"a": torch.tensor([3.0, 4.0])}
+    >>> with known_norm(grads, global_norm(grads)):
+    ...     global_norm(grads) is global_norm(grads), global_norm(dict(grads)) is global_norm(grads)
+    (True, False)
+    """
+    token = _KNOWN_NORM.set((tree, norm))
+    try:
+        yield
+    finally:
+        _KNOWN_NORM.reset(token)
+
+
 def global_norm(tree: Mapping[str, Tensor] | Iterable[Tensor]) -> Tensor:
     """Return the 2-norm of all leaves taken together, as a 0-d float32 tensor.
 
@@ -94,6 +120,9 @@ def global_norm(tree: Mapping[str, Tensor] | Iterable[Tensor]) -> Tensor:
     >>> global_norm([torch.tensor([1.0, 2.0]), torch.tensor([2.0])]).item()
     3.0
     """
+    known = _KNOWN_NORM.get()
+    if known is not None and known[0] is tree:
+        return known[1]
     leaves = list(tree.values()) if isinstance(tree, Mapping) else list(tree)
     if not leaves:
         return torch.zeros((), dtype=torch.float32)

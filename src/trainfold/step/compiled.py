@@ -26,7 +26,7 @@ from torch import Tensor
 
 from trainfold.core.forward import train_mode
 from trainfold.core.state import TrainState
-from trainfold.core.tree import global_norm
+from trainfold.core.tree import global_norm, known_norm
 from trainfold.step.driver import (
     StepStart,
     Sums,
@@ -156,7 +156,7 @@ def _apply(
     grads = dict(zip(state.params, cast(list[Tensor], sums.grads)))  # zero-filled: none is None
     norm = global_norm(grads)
     learning_rate = plan.optimizer.learning_rate(state.opt_state)  # before a donated update reuses the tensors
-    with torch.no_grad():  # a lent state's params are the module's Parameters, written in place
+    with torch.no_grad(), known_norm(grads, norm):  # a lent state's params are the module's, written in place
         params, opt_state = plan.optimizer.apply(grads, state.opt_state, state.params, donate=donate)
     return next_state(
         plan, state, params, buffers, opt_state, start.cursor, sums.loss, norm, start.num_items, sums.aux, learning_rate

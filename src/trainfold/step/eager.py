@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from trainfold.core.forward import Batch, Forward, make_forward, training_flags
 from trainfold.core.state import TrainState, resharded
-from trainfold.core.tree import global_norm
+from trainfold.core.tree import global_norm, known_norm
 from trainfold.distributed.distributed import failure_of
 from trainfold.step.amp import SCALER, ScalerState, unscale_, updated
 from trainfold.step.data_parallel import DataParallel, engine_for
@@ -260,14 +260,14 @@ def _update(
         found_inf = unscale_(grads, scaler)
         state = attrs.evolve(state, extras={**state.extras, SCALER: updated(scaler, found_inf, plan.loss_scaling)})
     grad_tree = dict(zip(leaves, grads))
-    grad_norm = global_norm(grad_tree)
+    norm = grad_norm = global_norm(grad_tree)
     if hasattr(grad_norm, "full_tensor"):  # DTensor gradients (FSDP2): their norm is reduced over the ranks
         grad_norm = grad_norm.full_tensor()
     finish: dict[str, Any] = dict(cursor=start.cursor, loss=sums.loss, grad_norm=grad_norm, num_items=start.num_items)
     if found_inf is not None and bool(found_inf):  # overflow: skip the update, keep the params and optimizer state
         return next_state(plan, state, state.params, buffers, state.opt_state, aux=sums.aux, **finish)
     learning_rate = plan.optimizer.learning_rate(state.opt_state)  # before a donated update reuses the tensors
-    with torch.no_grad():
+    with torch.no_grad(), known_norm(grad_tree, norm):  # a chain's clipping reuses the norm
         params, opt_state = plan.optimizer.apply(grad_tree, state.opt_state, state.params, donate=donate)
     new_params = {k: state.params[k] if lent else params[k].detach() for k in leaves}
     if lent:
