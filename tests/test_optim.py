@@ -475,3 +475,28 @@ def test_cosine_warmup_with_min_lr_equals_transformers(total, warmup, kwargs):
         sched.step()
     ours = named("cosine_warmup_with_min_lr", 0.3, warmup, total, **kwargs)
     assert [ours(k) for k in range(total + 3)] == pytest.approx(theirs, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_chain_lets_only_its_first_part_reuse_the_steps_known_norm(donate):
+    from trainfold.core.tree import known_norm
+    from trainfold.optim.transform import GradientTransformation
+
+    def doubled_in_place(grads, state, params):  # returns the very mapping it changed
+        for g in grads.values():
+            g.mul_(2.0)
+        return grads, state
+
+    double = GradientTransformation(init=lambda params: (), update=doubled_in_place)
+    params = {"a": torch.zeros(2)}
+    first = {"a": torch.tensor([3.0, 4.0])}  # norm 5; the "known" 10 shows whether the clip took it
+    with known_norm(first, torch.tensor(10.0)):
+        opt = chain(clip_by_global_norm(1.0), sgd(1.0))
+        clipped, _ = opt.apply(first, opt.init(params), params, donate=donate)
+    assert torch.allclose(clipped["a"], torch.tensor([-0.3, -0.4]))  # the first part used the step's norm
+    later = {"a": torch.tensor([3.0, 4.0])}
+    with known_norm(later, torch.tensor(5.0)):  # stale once the first part doubles the gradients in place
+        opt = chain(double, clip_by_global_norm(1.0), sgd(1.0))
+        params = {"a": torch.zeros(2)}  # a donated apply stepped the first params in place
+        clipped, _ = opt.apply(later, opt.init(params), params, donate=donate)
+    assert torch.allclose(clipped["a"], torch.tensor([-0.6, -0.8]))  # the clip took the norm of [6, 8]: 10

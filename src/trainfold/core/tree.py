@@ -32,6 +32,7 @@ __all__ = [
     "scale",
     "global_norm",
     "known_norm",
+    "known_or_global_norm",
     "check_keys",
     "flatten",
     "unflatten",
@@ -88,27 +89,35 @@ def scale(tree: Mapping[str, Tensor], factor: float | Tensor) -> Tree:
     return dict(zip(keys, torch._foreach_mul([tree[k] for k in keys], factor)))
 
 
-# (tree, its norm) that a step computed already: global_norm of that very mapping returns it (known_norm)
+# (gradients, their norm) a step computed for its log, for the clipping to reuse (known_norm)
 _KNOWN_NORM: contextvars.ContextVar[tuple[object, Tensor] | None] = contextvars.ContextVar("known_norm", default=None)
 
 
 @contextlib.contextmanager
-def known_norm(tree: Mapping[str, Tensor], norm: Tensor) -> Iterator[None]:
-    """Within the block, ``global_norm(tree)`` of this very mapping returns ``norm`` (its tensors unchanged since).
+def known_norm(tree: Mapping[str, Tensor] | None, norm: Tensor | None = None) -> Iterator[None]:
+    """Within the block, ``known_or_global_norm(tree)`` of this very mapping is ``norm`` (``tree=None``: none is).
 
-    The step computes the gradients' norm for its log; a chain's clipping then reuses it (no second pass).
+    The step computes the gradients' norm for its log, then lets the optimizer's clipping reuse it. Only
+    the built-in clipping asks, and a chain forgets the norm after its first part (which may have changed
+    the gradients in place), so nothing can see a stale one.
 
     >>> import torch
     >>> grads = {"a": torch.tensor([3.0, 4.0])}
-    >>> with known_norm(grads, global_norm(grads)):
-    ...     global_norm(grads) is global_norm(grads), global_norm(dict(grads)) is global_norm(grads)
-    (True, False)
+    >>> with known_norm(grads, torch.tensor(5.0)):
+    ...     known_or_global_norm(grads).item(), known_or_global_norm(dict(grads)).item()
+    (5.0, 5.0)
     """
-    token = _KNOWN_NORM.set((tree, norm))
+    token = _KNOWN_NORM.set(None if tree is None or norm is None else (tree, norm))
     try:
         yield
     finally:
         _KNOWN_NORM.reset(token)
+
+
+def known_or_global_norm(tree: Mapping[str, Tensor]) -> Tensor:
+    """Return the norm ``known_norm`` gives for this very mapping, else ``global_norm(tree)``."""
+    known = _KNOWN_NORM.get()
+    return known[1] if known is not None and known[0] is tree else global_norm(tree)
 
 
 def global_norm(tree: Mapping[str, Tensor] | Iterable[Tensor]) -> Tensor:
@@ -120,9 +129,6 @@ def global_norm(tree: Mapping[str, Tensor] | Iterable[Tensor]) -> Tensor:
     >>> global_norm([torch.tensor([1.0, 2.0]), torch.tensor([2.0])]).item()
     3.0
     """
-    known = _KNOWN_NORM.get()
-    if known is not None and known[0] is tree:
-        return known[1]
     leaves = list(tree.values()) if isinstance(tree, Mapping) else list(tree)
     if not leaves:
         return torch.zeros((), dtype=torch.float32)

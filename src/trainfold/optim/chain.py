@@ -13,12 +13,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
 import attrs
 
-from trainfold.core.tree import Tree
+from trainfold.core.tree import Tree, known_norm
 from trainfold.optim.transform import GradientTransformation, overwrite
 
 __all__ = ["Chain", "chain"]
@@ -65,15 +66,18 @@ class Chain(GradientTransformation):
     def update(self, grads: Tree, state: Any, params: Tree) -> tuple[Tree, tuple[Any, ...]]:
         states = list(self._split(state))
         for i, t in enumerate(self.parts):
-            grads, states[i] = t.update(grads, states[i], params)
+            with known_norm(None) if i else contextlib.nullcontext():  # the step's norm: the first part's gradients
+                grads, states[i] = t.update(grads, states[i], params)
         return grads, tuple(states)
 
     def apply(self, grads: Tree, state: Any, params: Tree, *, donate: bool = False) -> tuple[Tree, tuple[Any, ...]]:
         states = list(self._split(state))
         for i, t in enumerate(self.parts[:-1]):
-            grads, new = t.donated_update(grads, states[i], params) if donate else t.update(grads, states[i], params)
+            with known_norm(None) if i else contextlib.nullcontext():  # the step's norm: the first part's gradients
+                grads, new = (t.donated_update if donate else t.update)(grads, states[i], params)
             states[i] = overwrite(states[i], new) if donate else new
-        new_params, states[-1] = self.parts[-1].apply(grads, states[-1], params, donate=donate)
+        with known_norm(None) if len(self.parts) > 1 else contextlib.nullcontext():
+            new_params, states[-1] = self.parts[-1].apply(grads, states[-1], params, donate=donate)
         return new_params, tuple(states)
 
     def learning_rate(self, state: Any) -> float:

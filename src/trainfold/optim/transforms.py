@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from trainfold.core.state import scalar
-from trainfold.core.tree import Tree, check_keys, global_norm
+from trainfold.core.tree import Tree, check_keys, known_or_global_norm
 from trainfold.optim.masks import Mask, resolve_mask
 from trainfold.optim.schedules import Schedule, as_schedule
 from trainfold.optim.transform import GradientTransformation, rate_value
@@ -90,7 +90,7 @@ class ClipByGlobalNorm(GradientTransformation):
     def update(self, grads: Tree, state: tuple, params: Tree) -> tuple[Tree, tuple]:
         if not grads:
             return {}, state
-        coef = clip_coefficient(global_norm(grads), self.max_norm)
+        coef = clip_coefficient(known_or_global_norm(grads), self.max_norm)
         keys = list(grads)
         return dict(zip(keys, scaled([grads[k] for k in keys], coef))), state
 
@@ -105,7 +105,7 @@ class ClipByGlobalNorm(GradientTransformation):
         tensors = list(grads.values())
         if not _disjoint(tensors) or any(t.requires_grad for t in tensors):  # a differentiable step's: its graph
             return self.update(grads, state, params)
-        torch._foreach_mul_(tensors, clip_coefficient(global_norm(grads), self.max_norm))
+        torch._foreach_mul_(tensors, clip_coefficient(known_or_global_norm(grads), self.max_norm))
         return dict(grads), state
 
 
