@@ -78,7 +78,7 @@ def test_the_weights_are_written_once_and_load_back_bitwise(tmp_path, tie):
     assert sorted(in_model) == sorted(set(model.state_dict()) - tied_alias)  # HF's names, a tied weight once
     assert nbytes(in_state) + nbytes(in_model) == nbytes(flatten(state))  # every tensor once, none twice
     meta = read_metadata(path)
-    assert meta["format_version"] == 4 and meta["frozen"] == {}
+    assert meta["format_version"] == 5 and meta["frozen"] == {}
     assert sorted(meta["tensors"][MODEL_FILE]) == sorted(f"params.{k}" for k in state.params)
     loaded = load(path, like=init_state(llama(seed=3, tie=tie), adamw(1e-3)))
     assert_states_equal(loaded, state)
@@ -283,7 +283,7 @@ def test_a_checkpoint_of_a_format_before_4_is_refused_naming_the_release_and_the
     release = "0.3" if version == 3 else "0.1"
     refusal = (
         rf"{path / SIDECAR_FILE}: field 'format_version' is {version}: the checkpoint was written by trainfold "
-        rf"{release}.*reads format 4 only; load it with trainfold {release} and save it again, or start a new run "
+        rf"{release}.*reads formats 4-5; load it with trainfold {release} and save it again, or start a new run "
         rf"from its weights \(its model.safetensors loads with from_pretrained\)"
     )
     like = init_state(llama(seed=4), adamw(1e-3))
@@ -315,9 +315,33 @@ def test_a_fresh_run_never_mixes_into_checkpoints_of_an_earlier_format(tmp_path)
 def test_a_newer_format_is_refused_by_name(tmp_path):
     path = save(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), tmp_path / "c")
     meta = read_metadata(path)
-    (path / SIDECAR_FILE).write_bytes(sidecar_bytes({**meta, "format_version": 5}))
-    with pytest.raises(CheckpointError, match="has checkpoint format 5.*this trainfold reads format 4: upgrade"):
+    (path / SIDECAR_FILE).write_bytes(sidecar_bytes({**meta, "format_version": 6}))
+    with pytest.raises(CheckpointError, match="has checkpoint format 6.*this trainfold reads format 5: upgrade"):
         load(path, like=init_state(torch.nn.Linear(2, 1), adamw(1e-3)))
+
+
+def as_format_4(path: Path) -> dict:
+    """Rewrite the sidecar of the checkpoint ``path`` as format 4 wrote it: each file hashed whole."""
+    meta = read_metadata(path)
+    meta.update(format_version=4, files={n: tensor_file.digest_of(path / n, None) for n in meta["files"]})
+    (path / SIDECAR_FILE).write_bytes(sidecar_bytes(meta))
+    return meta
+
+
+def test_a_checkpoint_of_format_4_hashed_whole_loads_bitwise_and_its_damage_is_refused(tmp_path):
+    model = torch.nn.Linear(2048, 2304)  # 18.9 MB of weights: two chunks, hashed otherwise in format 5
+    state = attrs.evolve(init_state(model, adamw(1e-3)), step=scalar(4))
+    path = save(state, tmp_path / "checkpoint-4", model=model)
+    assert read_metadata(path)["format_version"] == 5
+    meta = as_format_4(path)
+    assert meta["files"][MODEL_FILE] != read_metadata(save(state, tmp_path / "again", model=model))["files"][MODEL_FILE]
+    like = init_state(torch.nn.Linear(2048, 2304), adamw(1e-3))
+    assert_states_equal(load(path, like=like), state)
+    data = bytearray((path / MODEL_FILE).read_bytes())
+    data[-5] ^= 1  # in the second chunk
+    (path / MODEL_FILE).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{path / MODEL_FILE} is corrupted: its xxh3_64 is"):
+        load(path, like=like)
 
 
 @pytest.mark.parametrize(

@@ -26,13 +26,35 @@ def _tensors(numel=(1 << 21) + 17):
 def test_the_entry_is_the_files_size_and_xxh3_and_the_read_returns_the_tensors(tmp_path):
     path, tensors = tmp_path / "t.safetensors", _tensors()
     entry = tensor_file.write(path, tensors)
-    data = path.read_bytes()
-    assert entry == {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_intdigest(data)}
-    assert entry["bytes"] > 2**24  # larger than one buffer would have been
+    data, chunk = path.read_bytes(), 16 << 20
+    assert len(data) > chunk  # two chunks, the second partial
+    digests = b"".join(
+        xxhash.xxh3_64_intdigest(data[i : i + chunk]).to_bytes(8, "little") for i in range(0, len(data), chunk)
+    )
+    assert entry == {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_intdigest(digests)}
+    assert tensor_file.digest_of(path, None) == {"bytes": len(data), "xxh3_64": xxhash.xxh3_64_intdigest(data)}
     out = tensor_file.read(path, entry)
     assert sorted(out) == sorted(tensors) and all(torch.equal(out[k], v) for k, v in tensors.items())
     theirs = safetensors.torch.load_file(path)  # a plain safetensors file
     assert all(torch.equal(theirs[k], v) for k, v in tensors.items())
+
+
+def test_a_file_of_one_chunk_hashes_as_itself_in_both_formats(tmp_path):
+    path = tmp_path / "t.safetensors"
+    entry = tensor_file.write(path, {"w": torch.arange(1 << 20, dtype=torch.float32)})  # 4 MiB
+    assert entry["xxh3_64"] == xxhash.xxh3_64_intdigest(path.read_bytes())
+    assert tensor_file.digest_of(path, None) == entry == tensor_file.digest_of(path, 8 << 20)
+
+
+@pytest.mark.parametrize("offset", [0, (16 << 20) - 1, 16 << 20, -1])
+def test_a_flipped_bit_in_any_chunk_is_refused_by_name(tmp_path, offset):
+    path = tmp_path / "t.safetensors"
+    entry = tensor_file.write(path, _tensors())
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(tensor_file.TensorFileError, match=f"{path} is corrupted: its xxh3_64 is"):
+        tensor_file.read(path, entry)
 
 
 def test_two_names_sharing_storage_are_each_written_in_full(tmp_path):

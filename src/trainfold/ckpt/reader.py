@@ -21,6 +21,7 @@ from trainfold.ckpt.sidecar import (
     CheckpointError,
     check_name,
     field_error,
+    hash_chunk,
     is_sharded_checkpoint,
     read_metadata,
 )
@@ -45,7 +46,7 @@ def _read_file(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
             "resume from latest_checkpoint(output_dir) instead"
         )
     try:
-        return tensor_file.read(path, meta["files"][name])
+        return tensor_file.read(path, meta["files"][name], hash_chunk(meta))
     except tensor_file.TensorFileError as e:
         raise CheckpointError(f"{e} (as {SIDECAR_FILE} records); resume from an earlier checkpoint") from None
 

@@ -24,7 +24,7 @@ from torch import Tensor
 from trainfold.ckpt import tensor_file, writer
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.layout import is_peft_model, model_weights
-from trainfold.ckpt.sidecar import MODEL_FILE, SHARD_DIR, CheckpointError, read_metadata
+from trainfold.ckpt.sidecar import MODEL_FILE, SHARD_DIR, CheckpointError, hash_chunk, read_metadata
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten, map_tensors
 from trainfold.step.fsdp import held_structure
@@ -255,7 +255,8 @@ def read_sharded(directory: str | os.PathLike, like: Mapping[str, Tensor]) -> di
     A DTensor of ``like`` gets this rank's slab (resharded to its mesh), a plain tensor the whole: any number of
     ranks loads it."""
     directory = Path(directory)
-    files = read_metadata(directory)["files"]
+    meta = read_metadata(directory)
+    files = meta["files"]
     listed = sorted(n for n in files if n.startswith(f"{SHARD_DIR}/"))
     present = sorted(f"{SHARD_DIR}/{p.name}" for p in (directory / SHARD_DIR).glob("*"))
     if present != listed:
@@ -265,7 +266,7 @@ def read_sharded(directory: str | os.PathLike, like: Mapping[str, Tensor]) -> di
         )
     for name in listed:
         try:
-            tensor_file.check(directory / name, files[name])
+            tensor_file.check(directory / name, files[name], hash_chunk(meta))
         except tensor_file.TensorFileError as e:
             raise CheckpointError(f"{e} (as trainfold.json records); resume from an earlier checkpoint") from None
     return _read(directory, like, ("metrics.",))

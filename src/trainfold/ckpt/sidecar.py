@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from trainfold.ckpt.tensor_file import CHUNK
 from trainfold.core.version import library_version
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "INCOMPLETE_MARKER",
     "SHARD_DIR",
     "is_sharded_checkpoint",
+    "hash_chunk",
     "MAX_STEP",
     "CheckpointError",
     "OldFormatError",
@@ -50,7 +52,8 @@ SIDECAR_FILE = "trainfold.json"
 INCOMPLETE_MARKER = "checkpoint-is-incomplete.txt"
 SHARD_DIR = "sharded"  # a sharded checkpoint's folder of DCP shard files (trainfold.ckpt.sharded)
 _FORMAT = "trainfold-checkpoint"
-_FORMAT_VERSION = 4  # the only one read: XXH3-64 hashes, the weights in their own files
+_FORMAT_VERSION = 5  # XXH3-64 hashes by chunks (tensor_file), the weights in their own files; 4 is read too
+_OLDEST_READ = 4  # whole-file hashes
 _FILE_NAME = re.compile(rf"^(?:{SHARD_DIR}/)?[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 MAX_STEP = 2**53  # a step beyond it is not a count of optimizer steps
 
@@ -174,11 +177,11 @@ def _check_version(meta: Any, path: Path) -> None:
             f"{path} has checkpoint format {version}, written by trainfold {release}; "
             f"this trainfold reads format {_FORMAT_VERSION}: upgrade trainfold"
         )
-    if version < _FORMAT_VERSION:
+    if version < _OLDEST_READ:
         raise OldFormatError(
             f"{path}: field 'format_version' is {version}: the checkpoint was written by trainfold {release}, and "
-            f"this trainfold reads format {_FORMAT_VERSION} only; load it with trainfold {release} and save it "
-            f"again, or start a new run from its weights (its {MODEL_FILE} loads with from_pretrained)"
+            f"this trainfold reads formats {_OLDEST_READ}-{_FORMAT_VERSION}; load it with trainfold {release} and save "
+            f"it again, or start a new run from its weights (its {MODEL_FILE} loads with from_pretrained)"
         )
 
 
@@ -212,6 +215,11 @@ def _check_tensors(meta: dict[str, Any], path: Path) -> None:
         seen |= set(keys)
     if not _strings(meta["frozen"]):
         raise field_error(path, "frozen", f"must map state keys to fingerprints (strings), got {meta['frozen']!r:.60}")
+
+
+def hash_chunk(meta: Mapping[str, Any]) -> int | None:
+    """Return the chunk size of the file hashes of the sidecar ``meta`` (``tensor_file.digest_of``; format 4: whole)."""
+    return None if meta["format_version"] == 4 else CHUNK
 
 
 def is_sharded_checkpoint(meta: Mapping[str, Any]) -> bool:

@@ -1,7 +1,9 @@
 """Safetensors files through ``safetensors.torch``, each hashed (XXH3-64) as written and checked before reading.
 
 ``write``: ``save_file``, then one hash pass over the file mapped in memory (its pages still in the page
-cache); ``read``: one such pass checks size and hash, then ``load_file``. (XXH3-64: ~6 GB/s on one core.)
+cache); ``read``: one such pass checks size and hash, then ``load_file``. A file's hash (format 5) is the
+XXH3-64 of its 16 MiB chunks' XXH3-64s, hashed in parallel threads (xxhash releases the GIL); a file of one
+chunk, as every file of format 4, hashes as itself. (XXH3-64: ~14 GB/s on one core here, ~20 on two.)
 
 >>> import tempfile, torch
 >>> path = tempfile.mkdtemp() + "/t.safetensors"
@@ -18,13 +20,14 @@ import errno
 import mmap
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 
 import safetensors
 import safetensors.torch
 import xxhash
 from torch import Tensor
 
-__all__ = ["write", "read", "check", "digest_of", "TensorFileError"]
+__all__ = ["CHUNK", "write", "read", "check", "digest_of", "TensorFileError"]
 
 
 class TensorFileError(ValueError):
@@ -57,35 +60,45 @@ def write(
     return digest_of(path)
 
 
-def digest_of(path: str | os.PathLike) -> dict[str, int]:
-    """Return the entry ``{"bytes", "xxh3_64"}`` of the file ``path``, hashed in one pass over it mapped in memory.
+CHUNK = 16 << 20  # the bytes of a chunk hashed on its own (format 5): a multiple of every mmap granularity
 
-    Mapped, not read: the hash reads the page cache directly (about 3x faster than through a buffer here).
-    """
-    h = xxhash.xxh3_64()
+
+def digest_of(path: str | os.PathLike, chunk: int | None = CHUNK) -> dict[str, int]:
+    """Return the entry ``{"bytes", "xxh3_64"}`` of the file ``path``: its hash by ``chunk``-byte chunks (the module
+    says how; ``None``: whole, format 4's), each read from the page cache through a map of the file (not a buffer)."""
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size:  # an empty file cannot be mapped
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                if hasattr(mapped, "madvise"):  # not on Windows
-                    mapped.madvise(mmap.MADV_SEQUENTIAL)
-                h.update(mapped)
-    return {"bytes": size, "xxh3_64": h.intdigest()}
+        size, fd = os.fstat(f.fileno()).st_size, f.fileno()
+        if chunk is None or size <= chunk:
+            return {"bytes": size, "xxh3_64": _hash_span(fd, 0, size)}
+        starts = range(0, size, chunk)
+        with ThreadPoolExecutor(min(len(starts), os.cpu_count() or 1)) as pool:
+            digests = pool.map(lambda start: _hash_span(fd, start, min(chunk, size - start)), starts)
+            joined = b"".join(d.to_bytes(8, "little") for d in digests)
+    return {"bytes": size, "xxh3_64": xxhash.xxh3_64_intdigest(joined)}
 
 
-def check(path: str | os.PathLike, entry: Mapping[str, int]) -> None:
-    """Raise ``TensorFileError`` naming ``path`` unless its size and hash are those ``entry`` records."""
+def _hash_span(fd: int, start: int, length: int) -> int:
+    if not length:  # an empty file cannot be mapped
+        return xxhash.xxh3_64_intdigest(b"")
+    with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=start) as mapped:
+        if hasattr(mapped, "madvise"):  # not on Windows
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+        return xxhash.xxh3_64_intdigest(mapped)
+
+
+def check(path: str | os.PathLike, entry: Mapping[str, int], chunk: int | None = CHUNK) -> None:
+    """Raise ``TensorFileError`` naming ``path`` unless its size and hash (``digest_of``) are ``entry``'s."""
     size = os.path.getsize(path)
     if size != entry["bytes"]:
         raise TensorFileError(f"{path} is truncated or altered: it has {size} bytes, not {entry['bytes']}")
-    got = digest_of(path)["xxh3_64"]
+    got = digest_of(path, chunk)["xxh3_64"]
     if got != entry["xxh3_64"]:
         raise TensorFileError(f"{path} is corrupted: its xxh3_64 is {got:016x}, not {entry['xxh3_64']:016x}")
 
 
-def read(path: str | os.PathLike, entry: Mapping[str, int]) -> dict[str, Tensor]:
+def read(path: str | os.PathLike, entry: Mapping[str, int], chunk: int | None = CHUNK) -> dict[str, Tensor]:
     """Return the tensors of the safetensors file ``path`` (CPU), after ``check``-ing it against ``entry``."""
-    check(path, entry)
+    check(path, entry, chunk)
     try:
         return safetensors.torch.load_file(path)
     except (safetensors.SafetensorError, ValueError, OSError) as e:
