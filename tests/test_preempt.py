@@ -18,7 +18,6 @@ import torch
 
 from trainfold.ckpt import checkpoint_path, list_checkpoints, load, read_metadata, save
 from trainfold.ckpt.policy import rotate
-from trainfold.ckpt.writer import jit_checkpoint
 from trainfold.core.fold import any_of, fit, trajectory
 from trainfold.core.preempt import EXIT_PREEMPTED, Preemption, exit_status, preemption_guard
 from trainfold.core.state import init_state, scalar
@@ -45,7 +44,6 @@ TRAIN = SETUP + textwrap.dedent(
     """
     import sys, time
     from trainfold.ckpt import checkpoint_path, save
-    from trainfold.ckpt.writer import jit_checkpoint
     from trainfold.core.preempt import EXIT_PREEMPTED, preemption_guard
     from trainfold.core.fold import trajectory
     torch.set_num_threads(1)
@@ -60,7 +58,7 @@ TRAIN = SETUP + textwrap.dedent(
         if not guard.requested():
             sys.stdin.readline()  # finished first: wait inside the guard until the test is done signalling
         if guard.requested():
-            jit_checkpoint(state, out, model=model)
+            save(state, checkpoint_path(out, int(state.step)), jit=True, model=model)
             sys.exit(EXIT_PREEMPTED)
     save(state, checkpoint_path(out, int(state.step)), model=model)
     """
@@ -154,7 +152,7 @@ def test_guard_refuses_a_thread_other_than_main():
 
 def test_jit_checkpoints_are_marked_and_never_rotated(tmp_path):
     state = init_state(torch.nn.Linear(2, 1), sgd(0.1))
-    jit_checkpoint(state, tmp_path)  # step 0
+    save(state, checkpoint_path(tmp_path, 0), jit=True)  # step 0
     for s in (1, 2, 3):
         save(attrs.evolve(state, step=scalar(s)), checkpoint_path(tmp_path, s))  # checkpoint-{s} holds step s
     assert read_metadata(tmp_path / "checkpoint-0")["jit"] is True

@@ -45,10 +45,7 @@ def _read_file(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
             f"{path} is missing or not a plain file of its own; the checkpoint is incomplete or was altered; "
             "resume from latest_checkpoint(output_dir) instead"
         )
-    try:
-        return tensor_file.read(path, meta["files"][name], hash_chunk(meta))
-    except tensor_file.TensorFileError as e:
-        raise CheckpointError(f"{e} (as {SIDECAR_FILE} records); resume from an earlier checkpoint") from None
+    return tensor_file.read(path, meta["files"][name], hash_chunk(meta))
 
 
 def _fit(flat: Mapping[str, Tensor], like: Any, path: Path) -> Any:

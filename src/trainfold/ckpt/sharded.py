@@ -265,8 +265,5 @@ def read_sharded(directory: str | os.PathLike, like: Mapping[str, Tensor]) -> di
             "checkpoint was altered; resume from an earlier checkpoint"
         )
     for name in listed:
-        try:
-            tensor_file.check(directory / name, files[name], hash_chunk(meta))
-        except tensor_file.TensorFileError as e:
-            raise CheckpointError(f"{e} (as trainfold.json records); resume from an earlier checkpoint") from None
+        tensor_file.check(directory / name, files[name], hash_chunk(meta))
     return _read(directory, like, ("metrics.",))

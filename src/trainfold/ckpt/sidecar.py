@@ -20,7 +20,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from trainfold.ckpt.tensor_file import CHUNK
 from trainfold.core.version import library_version
 
 __all__ = [
@@ -32,6 +31,7 @@ __all__ = [
     "SHARD_DIR",
     "is_sharded_checkpoint",
     "hash_chunk",
+    "CHUNK",
     "MAX_STEP",
     "CheckpointError",
     "OldFormatError",
@@ -54,6 +54,7 @@ SHARD_DIR = "sharded"  # a sharded checkpoint's folder of DCP shard files (train
 _FORMAT = "trainfold-checkpoint"
 _FORMAT_VERSION = 5  # XXH3-64 hashes by chunks (tensor_file), the weights in their own files; 4 is read too
 _OLDEST_READ = 4  # whole-file hashes
+CHUNK = 16 << 20  # the bytes of a chunk hashed on its own (format 5): a multiple of every mmap granularity
 _FILE_NAME = re.compile(rf"^(?:{SHARD_DIR}/)?[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 MAX_STEP = 2**53  # a step beyond it is not a count of optimizer steps
 

@@ -27,11 +27,16 @@ import safetensors.torch
 import xxhash
 from torch import Tensor
 
-__all__ = ["CHUNK", "write", "read", "check", "digest_of", "TensorFileError"]
+from trainfold.ckpt.sidecar import CHUNK, CheckpointError
+
+__all__ = ["write", "read", "check", "digest_of", "TensorFileError"]
 
 
-class TensorFileError(ValueError):
+class TensorFileError(CheckpointError):
     """A file that is not a readable safetensors file, or whose size or hash is not the recorded one."""
+
+
+_FIX = "resume from an earlier checkpoint"
 
 
 def write(
@@ -58,9 +63,6 @@ def write(
             raise OSError(errno.ENOSPC, f"{path}: {e}", str(path)) from e
         raise TypeError(f"{path}: safetensors cannot store these tensors: {e}") from None
     return digest_of(path)
-
-
-CHUNK = 16 << 20  # the bytes of a chunk hashed on its own (format 5): a multiple of every mmap granularity
 
 
 def digest_of(path: str | os.PathLike, chunk: int | None = CHUNK) -> dict[str, int]:
@@ -90,10 +92,10 @@ def check(path: str | os.PathLike, entry: Mapping[str, int], chunk: int | None =
     """Raise ``TensorFileError`` naming ``path`` unless its size and hash (``digest_of``) are ``entry``'s."""
     size = os.path.getsize(path)
     if size != entry["bytes"]:
-        raise TensorFileError(f"{path} is truncated or altered: it has {size} bytes, not {entry['bytes']}")
+        raise TensorFileError(f"{path} is truncated or altered: it has {size} bytes, not {entry['bytes']}; {_FIX}")
     got = digest_of(path, chunk)["xxh3_64"]
     if got != entry["xxh3_64"]:
-        raise TensorFileError(f"{path} is corrupted: its xxh3_64 is {got:016x}, not {entry['xxh3_64']:016x}")
+        raise TensorFileError(f"{path} is corrupted: its xxh3_64 is {got:016x}, not {entry['xxh3_64']:016x}; {_FIX}")
 
 
 def read(path: str | os.PathLike, entry: Mapping[str, int], chunk: int | None = CHUNK) -> dict[str, Tensor]:
@@ -102,4 +104,4 @@ def read(path: str | os.PathLike, entry: Mapping[str, int], chunk: int | None = 
     try:
         return safetensors.torch.load_file(path)
     except (safetensors.SafetensorError, ValueError, OSError) as e:
-        raise TensorFileError(f"{path} is not a readable safetensors file ({e})") from None
+        raise TensorFileError(f"{path} is not a readable safetensors file ({e}); {_FIX}") from None

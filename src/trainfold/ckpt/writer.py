@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from trainfold.ckpt import tensor_file
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.layout import layout_of
-from trainfold.ckpt.listing import checkpoint_path, list_checkpoints
+from trainfold.ckpt.listing import list_checkpoints
 from trainfold.ckpt.sidecar import (
     INCOMPLETE_MARKER,
     SIDECAR_FILE,
@@ -37,7 +37,7 @@ from trainfold.core.fingerprint import fingerprints
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten
 
-__all__ = ["save", "jit_checkpoint", "mark_jit", "is_disk_full", "disk_full"]
+__all__ = ["save", "mark_jit", "is_disk_full", "disk_full"]
 
 _PT = {"format": "pt"}
 _MARKER_TEXT = b"trainfold is writing this checkpoint; if this file remains, the write failed.\n"
@@ -223,18 +223,3 @@ def disk_full(e: BaseException, path: str | os.PathLike, what: str, needed: int 
         kept = f"the previous checkpoint {previous[-1]} (step {previous[-1].name[11:]}) is intact; resume from it"
     needs = f"it needs about {needed:,} bytes, " if needed is not None else ""
     return OSError(errno.ENOSPC, f"{what}: the disk is full ({needs}{free}); {kept} after freeing space", str(path))
-
-
-def jit_checkpoint(state: TrainState, output_dir: str | os.PathLike, **save_options: Any) -> Path:
-    """Save ``state`` as ``output_dir/checkpoint-{step}`` marked JIT (never rotated away); return its path.
-
-    ``save_options`` are ``writer.save``'s (model, config, metadata, settings).
-
-    >>> import tempfile, torch
-    >>> from trainfold.optim import sgd
-    >>> from trainfold.core.state import init_state
-    >>> path = jit_checkpoint(init_state(torch.nn.Linear(2, 1), sgd(0.1)), tempfile.mkdtemp())
-    >>> path.name, read_metadata(path)["jit"]
-    ('checkpoint-0', True)
-    """
-    return save(state, checkpoint_path(output_dir, int(state.step)), jit=True, **save_options)

@@ -18,7 +18,6 @@ import attrs
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.sharded import Saver
-from trainfold.ckpt.writer import jit_checkpoint
 from trainfold.core.moved import moved_names
 from trainfold.core.state import TrainState
 from trainfold.evaluation import best as best_metric
@@ -153,9 +152,7 @@ def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
         run.saver.wait()  # an async save in flight is complete (or raised) first
         if _already_saved(path, options["run"], int(state.step), options["save_only_model"]):
             return ckpt.mark_jit(path) if run.plan.is_writer else path  # the same state is there, complete: mark it
-        if run.all_ranks_save:
-            return run.saver.save(state, path, jit=True, wait=True, **options)
-        return jit_checkpoint(state, output_dir, **options)
+        return run.saver.save(state, path, jit=True, wait=True, **options)
     best: best_metric.BestMetric | None = state.extras.get(BEST)
     keep = [path]
     if best is not None and int(best.step) >= 0:
