@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 
 import attrs
@@ -11,6 +12,7 @@ import torch
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors import SafetensorError
 
 from trainfold.ckpt import load, save, tensor_file
 from trainfold.core.state import init_state, scalar
@@ -163,3 +165,15 @@ def test_a_failed_fsync_fails_the_save_and_leaves_nothing(tmp_path, monkeypatch)
 def test_the_digest_of_an_empty_file_is_that_of_no_bytes(tmp_path):
     (tmp_path / "empty").write_bytes(b"")  # an empty file cannot be mapped: hashed as no bytes
     assert tensor_file.digest_of(tmp_path / "empty") == {"bytes": 0, "xxh3_64": xxhash.xxh3_64_intdigest(b"")}
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EACCES])
+def test_an_io_error_inside_safetensors_is_an_oserror_with_its_errno(tmp_path, monkeypatch, code):
+    from trainfold.ckpt.writer import is_disk_full
+
+    message = f'Error while serializing: IoError(Os {{ code: {code}, kind: Other, message: "failed" }})'
+    monkeypatch.setattr(safetensors.torch, "save_file", lambda *a, **k: (_ for _ in ()).throw(SafetensorError(message)))
+    with pytest.raises(OSError) as caught:
+        tensor_file.write(tmp_path / "t.safetensors", {"w": torch.ones(2)})
+    assert caught.value.errno == code and caught.value.filename == str(tmp_path / "t.safetensors")
+    assert is_disk_full(caught.value) == (code != errno.EACCES)

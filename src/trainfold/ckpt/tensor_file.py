@@ -16,9 +16,9 @@ chunk, as every file of format 4, hashes as itself. (XXH3-64: ~14 GB/s on one co
 
 from __future__ import annotations
 
-import errno
 import mmap
 import os
+import re
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
@@ -59,8 +59,8 @@ def write(
     try:
         safetensors.torch.save_file(plain, path, metadata=dict(metadata) if metadata else None)
     except (ValueError, RuntimeError, safetensors.SafetensorError) as e:
-        if "No space" in str(e) or "os error 28" in str(e):
-            raise OSError(errno.ENOSPC, f"{path}: {e}", str(path)) from e
+        if failed := re.search(r"(?:os error|code:) (\d+)", str(e)):  # an I/O error (a full disk, ...) stays one
+            raise OSError(int(failed.group(1)), f"{path}: {e}", str(path)) from e
         raise TypeError(f"{path}: safetensors cannot store these tensors: {e}") from None
     return digest_of(path)
 
