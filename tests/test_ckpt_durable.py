@@ -329,13 +329,16 @@ def test_a_resume_hashes_each_file_of_the_checkpoint_once(tmp_path, straight, mo
     out = tmp_path / "out"
     shutil.copytree(straight[0], out)
     hashed: list[str] = []
-    real = tensor_file.digest_of
 
-    def counting(path, *args):
-        hashed.append(str(path))
-        return real(path, *args)
+    def counting(real):
+        def hashing(path, *args):
+            hashed.append(str(path))
+            return real(path, *args)
 
-    monkeypatch.setattr(tensor_file, "digest_of", counting)
+        return hashing
+
+    for name in ("digest_of", "read"):  # each hashes the file it is given (read: over the tensors it returns)
+        monkeypatch.setattr(tensor_file, name, counting(getattr(tensor_file, name)))
     run("tinylm", str(out), True, save_total_limit=None, enable_jit_checkpoint=False)
     newest = checkpoint_path(out, 8)
     files = sorted(str(newest / f) for f in read_metadata(newest)["files"] if f.endswith(".safetensors"))

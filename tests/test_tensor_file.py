@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 
 import attrs
@@ -91,11 +92,14 @@ def test_a_load_hashes_each_file_once_in_one_pass(tmp_path, monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     state = attrs.evolve(init_state(model, adamw(1e-3)), step=scalar(3))
     path = save(state, tmp_path / "checkpoint-3", model=model)
-    hashed: list[str] = []
-    real = tensor_file.digest_of
-    monkeypatch.setattr(tensor_file, "digest_of", lambda p, *a: hashed.append(os.path.basename(p)) or real(p, *a))
+    hashed: list[int] = []
+    real = tensor_file._hash
+    monkeypatch.setattr(
+        tensor_file, "_hash", lambda pieces, *a: hashed.append(sum(map(len, pieces))) or real(pieces, *a)
+    )
+    monkeypatch.setattr(tensor_file, "digest_of", lambda *a: pytest.fail("read the file again to hash it"))
     loaded = load(path, like=init_state(model, adamw(1e-3)))
-    assert sorted(hashed) == ["model.safetensors", "state.safetensors"]
+    assert sorted(hashed) == sorted(os.path.getsize(path / n) for n in ("model.safetensors", "state.safetensors"))
     a, b = flatten(loaded), flatten(state)
     assert all(torch.equal(a[k], b[k]) for k in b)
 
@@ -177,3 +181,35 @@ def test_an_io_error_inside_safetensors_is_an_oserror_with_its_errno(tmp_path, m
         tensor_file.write(tmp_path / "t.safetensors", {"w": torch.ones(2)})
     assert caught.value.errno == code and caught.value.filename == str(tmp_path / "t.safetensors")
     assert is_disk_full(caught.value) == (code != errno.EACCES)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.binary(max_size=3000),
+    cuts=st.lists(st.integers(0, 3000), max_size=6),
+    chunk=st.sampled_from([None, 1, 7, 64, 4096]),
+)
+def test_the_hash_of_pieces_is_that_of_their_bytes_end_to_end_however_they_are_cut(data, cuts, chunk):
+    bounds = sorted({0, len(data), *(c for c in cuts if c <= len(data))})
+    pieces = [memoryview(data)[a:b] for a, b in itertools.pairwise(bounds)]
+    assert tensor_file._hash(pieces, chunk) == tensor_file._hash([memoryview(data)], chunk)
+    if chunk is None or len(data) <= chunk:
+        assert tensor_file._hash(pieces, chunk) == xxhash.xxh3_64_intdigest(data)
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int8, torch.bool, torch.float64]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 40), max_size=3), min_size=1, max_size=6),
+    dtypes=st.lists(st.sampled_from(DTYPES), min_size=6, max_size=6),
+    chunk=st.sampled_from([64, 1000, 4096, None]),
+)
+def test_a_read_hashes_the_returned_tensors_as_the_file_is_hashed(tmp_path_factory, shapes, dtypes, chunk):
+    torch.manual_seed(0)
+    tensors = {f"t{i}": (torch.rand(s) * 100).to(d) for i, (s, d) in enumerate(zip(shapes, dtypes))}
+    path = tmp_path_factory.mktemp("read") / "t.safetensors"
+    tensor_file.write(path, tensors)
+    out = tensor_file.read(path, tensor_file.digest_of(path, chunk), chunk)  # refused if the two hashes differ
+    assert sorted(out) == sorted(tensors) and all(torch.equal(out[k], v) for k, v in tensors.items())

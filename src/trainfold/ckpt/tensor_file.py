@@ -1,9 +1,11 @@
-"""Safetensors files through ``safetensors.torch``, each hashed (XXH3-64) as written and checked before reading.
+"""Safetensors files through ``safetensors``, each hashed (XXH3-64) as written and checked before use.
 
 ``write``: ``save_file``, then one hash pass over the file mapped in memory (its pages still in the page
-cache); ``read``: one such pass checks size and hash, then ``load_file``. A file's hash (format 5) is the
-XXH3-64 of its 16 MiB chunks' XXH3-64s, hashed in parallel threads (xxhash releases the GIL); a file of one
-chunk, as every file of format 4, hashes as itself. (XXH3-64: ~14 GB/s on one core here, ~20 on two.)
+cache). ``read``: ``safe_open`` maps the file; the hash runs over the bytes it returns (the header, then each
+tensor in file order: safetensors lays them end to end), so the copy that follows (``lend``,
+``load_state_dict``) finds them mapped; no tensor is returned before size and hash match. A file's hash
+(format 5) is the XXH3-64 of its 16 MiB chunks' XXH3-64s, hashed in threads (xxhash releases the GIL); a
+file of one chunk, as every file of format 4, hashes as itself. (XXH3-64: ~14 GB/s on one core here.)
 
 >>> import tempfile, torch
 >>> path = tempfile.mkdtemp() + "/t.safetensors"
@@ -16,6 +18,8 @@ chunk, as every file of format 4, hashes as itself. (XXH3-64: ~14 GB/s on one co
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import mmap
 import os
 import re
@@ -24,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import safetensors
 import safetensors.torch
+import torch
 import xxhash
 from torch import Tensor
 
@@ -66,42 +71,67 @@ def write(
 
 
 def digest_of(path: str | os.PathLike, chunk: int | None = CHUNK) -> dict[str, int]:
-    """Return the entry ``{"bytes", "xxh3_64"}`` of the file ``path``: its hash by ``chunk``-byte chunks (the module
-    says how; ``None``: whole, format 4's), each read from the page cache through a map of the file (not a buffer)."""
+    """Return the entry ``{"bytes", "xxh3_64"}`` of the file ``path``, hashed by ``chunk``-byte chunks (the module says
+    how; ``None``: whole, format 4's) through a map of the file (not read through a buffer)."""
     with open(path, "rb") as f:
-        size, fd = os.fstat(f.fileno()).st_size, f.fileno()
-        if chunk is None or size <= chunk:
-            return {"bytes": size, "xxh3_64": _hash_span(fd, 0, size)}
-        starts = range(0, size, chunk)
-        with ThreadPoolExecutor(min(len(starts), os.cpu_count() or 1)) as pool:
-            digests = pool.map(lambda start: _hash_span(fd, start, min(chunk, size - start)), starts)
-            joined = b"".join(d.to_bytes(8, "little") for d in digests)
-    return {"bytes": size, "xxh3_64": xxhash.xxh3_64_intdigest(joined)}
+        size = os.fstat(f.fileno()).st_size
+        if not size:  # an empty file cannot be mapped
+            return {"bytes": 0, "xxh3_64": _hash([], chunk)}
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+            if hasattr(mapped, "madvise"):  # not on Windows
+                mapped.madvise(mmap.MADV_SEQUENTIAL)
+            return {"bytes": size, "xxh3_64": _hash([memoryview(mapped)], chunk)}
 
 
-def _hash_span(fd: int, start: int, length: int) -> int:
-    if not length:  # an empty file cannot be mapped
-        return xxhash.xxh3_64_intdigest(b"")
-    with mmap.mmap(fd, length, access=mmap.ACCESS_READ, offset=start) as mapped:
-        if hasattr(mapped, "madvise"):  # not on Windows
-            mapped.madvise(mmap.MADV_SEQUENTIAL)
-        return xxhash.xxh3_64_intdigest(mapped)
+def _hash(pieces: list[memoryview], chunk: int | None) -> int:
+    """Return the hash of the bytes of ``pieces`` laid end to end (``digest_of`` says which)."""
+    starts = list(itertools.accumulate((len(p) for p in pieces), initial=0))
+    size = starts.pop()
+    span = size if chunk is None or size <= chunk else chunk
+
+    def part(lo: int) -> int:  # the XXH3-64 of the bytes [lo, lo + span)
+        h = xxhash.xxh3_64()
+        for i in range(max(bisect.bisect_right(starts, lo) - 1, 0), len(pieces)):
+            if starts[i] >= lo + span:
+                break
+            h.update(pieces[i][max(lo - starts[i], 0) : lo + span - starts[i]])
+        return h.intdigest()
+
+    if span == size:
+        return part(0)
+    with ThreadPoolExecutor(min(-(-size // span), os.cpu_count() or 1)) as pool:
+        return xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in pool.map(part, range(0, size, span))))
 
 
-def check(path: str | os.PathLike, entry: Mapping[str, int], chunk: int | None = CHUNK) -> None:
-    """Raise ``TensorFileError`` naming ``path`` unless its size and hash (``digest_of``) are ``entry``'s."""
-    size = os.path.getsize(path)
-    if size != entry["bytes"]:
-        raise TensorFileError(f"{path} is truncated or altered: it has {size} bytes, not {entry['bytes']}; {_FIX}")
-    got = digest_of(path, chunk)["xxh3_64"]
+def _check(path: str | os.PathLike, entry: Mapping[str, int], got: int) -> None:
     if got != entry["xxh3_64"]:
         raise TensorFileError(f"{path} is corrupted: its xxh3_64 is {got:016x}, not {entry['xxh3_64']:016x}; {_FIX}")
 
 
+def _size(path: str | os.PathLike, entry: Mapping[str, int]) -> int:
+    if (size := os.path.getsize(path)) != entry["bytes"]:
+        raise TensorFileError(f"{path} is truncated or altered: it has {size} bytes, not {entry['bytes']}; {_FIX}")
+    return size
+
+
+def check(path: str | os.PathLike, entry: Mapping[str, int], chunk: int | None = CHUNK) -> None:
+    """Raise ``TensorFileError`` naming ``path`` unless its size and hash (``digest_of``) are ``entry``'s."""
+    _size(path, entry)
+    _check(path, entry, digest_of(path, chunk)["xxh3_64"])
+
+
 def read(path: str | os.PathLike, entry: Mapping[str, int], chunk: int | None = CHUNK) -> dict[str, Tensor]:
-    """Return the tensors of the safetensors file ``path`` (CPU), after ``check``-ing it against ``entry``."""
-    check(path, entry, chunk)
+    """Return the tensors of the safetensors file ``path`` (CPU, mapped from it), checked against ``entry`` (the
+    module says how)."""
+    size = _size(path, entry)
     try:
-        return safetensors.torch.load_file(path)
+        with safetensors.safe_open(path, "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.offset_keys()}
     except (safetensors.SafetensorError, ValueError, OSError) as e:
+        check(path, entry, chunk)  # a damaged file is named so
         raise TensorFileError(f"{path} is not a readable safetensors file ({e}); {_FIX}") from None
+    data = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors.values()]
+    with open(path, "rb") as f:
+        header = f.read(size - sum(len(d) for d in data))
+    _check(path, entry, _hash([memoryview(header), *data], chunk))
+    return tensors
