@@ -13,7 +13,7 @@ import torch
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.listing import set_aside
-from trainfold.ckpt.run_identity import RunSettings
+from trainfold.ckpt.run_identity import RunSettings, settings_fingerprint
 from trainfold.ckpt.sharded import is_sharded
 from trainfold.ckpt.sidecar import SIDECAR_FILE, field_error
 from trainfold.core.moved import moved_names
@@ -78,7 +78,7 @@ def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str 
         plan.args.output_dir,
         resume_from_checkpoint,
         settings,
-        run_dir.settings_fingerprint(settings, state.params, state.buffers),
+        settings_fingerprint(settings, state.params, state.buffers),
         overwrite_output_dir=plan.args.overwrite_output_dir,
         writer=plan.is_writer,
     )
