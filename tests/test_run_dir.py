@@ -310,7 +310,7 @@ def test_a_replace_cut_short_anywhere_leaves_the_checkpoint_or_the_next_claim_pu
         if label == "replace:moved-aside":  # between the renames: only the hidden .old- one is there
             assert list_checkpoints(out) == []
             with run_dir.lock(out):
-                run_dir.remove_leftovers(out, quiet=True)
+                run_dir.remove_leftovers(out)
         assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3"], label
         assert torch.equal(load(checkpoint_path(out, 3), like=state).params["weight"], state.params["weight"])
 
