@@ -40,7 +40,7 @@ from trainfold.ckpt import (
     save,
 )
 from trainfold.ckpt.policy import rotate
-from trainfold.ckpt.run_identity import TRAJECTORY, RunSettings
+from trainfold.ckpt.run_identity import TRAJECTORY, RunSettings, settings_fingerprint
 from trainfold.ckpt.sidecar import sidecar_bytes
 from trainfold.core.state import init_state, scalar
 from trainfold.core.tree import flatten
@@ -137,14 +137,6 @@ def test_the_same_settings_in_a_new_process_are_the_same_run(tmp_path, straight)
     assert len(ids) == 1  # one lineage across the two processes
 
 
-def test_resume_point_names_what_resume_from_checkpoint_true_takes(tmp_path):
-    out = tmp_path / "out"
-    assert run_dir.resume_point(args_for(out), model()) is None
-    run(out, stop_at=5)
-    assert run_dir.resume_point(args_for(out), model()) == out / "checkpoint-4"
-    assert run_dir.resume_point(args_for(out, seed=12), model()) is None  # another run's
-
-
 def test_a_renamed_checkpoint_or_a_symlink_out_of_the_output_dir_is_never_taken(tmp_path):
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
     run(out, stop_at=4)
@@ -171,7 +163,7 @@ def test_a_run_continued_for_more_steps_is_the_same_run_with_a_warning(tmp_path)
 
 def test_the_fingerprint_covers_every_trajectory_setting_not_seven():
     def fp(**changes):
-        return run_dir.settings_fingerprint(RunSettings.of(args_for(Path("x")).replace(**changes), world_size=1))
+        return settings_fingerprint(RunSettings.of(args_for(Path("x")).replace(**changes), world_size=1))
 
     base = fp()
     for key, value in [
@@ -196,7 +188,7 @@ def test_the_fingerprint_covers_every_trajectory_setting_not_seven():
     ]:
         assert fp(**{key: value}) == base, key
     settings = RunSettings.of(args_for(Path("x")), world_size=1)
-    assert run_dir.settings_fingerprint(settings, {"w": torch.zeros(2)}) != base  # the model is part of it
+    assert settings_fingerprint(settings, {"w": torch.zeros(2)}) != base  # the model is part of it
 
 
 def test_each_setting_declares_on_its_field_whether_it_changes_the_trajectory():
@@ -318,7 +310,7 @@ def test_a_replace_cut_short_anywhere_leaves_the_checkpoint_or_the_next_claim_pu
         if label == "replace:moved-aside":  # between the renames: only the hidden .old- one is there
             assert list_checkpoints(out) == []
             with run_dir.lock(out):
-                run_dir.remove_leftovers(out, quiet=True)
+                run_dir.remove_leftovers(out)
         assert [p.name for p in list_checkpoints(out)] == ["checkpoint-3"], label
         assert torch.equal(load(checkpoint_path(out, 3), like=state).params["weight"], state.params["weight"])
 

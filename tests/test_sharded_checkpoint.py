@@ -741,11 +741,10 @@ def test_the_elastic_split_comes_from_the_checkpoint_not_from_the_run_file_a_fai
 
 
 def test_the_run_fingerprint_sees_the_global_batch_not_its_split():
-    from trainfold.ckpt import run_dir
-    from trainfold.ckpt.run_identity import RunSettings
+    from trainfold.ckpt.run_identity import RunSettings, settings_fingerprint
 
     def fp(world_size, **changes):
-        return run_dir.settings_fingerprint(RunSettings.of(run_args(Path("x"), **changes), world_size=world_size))
+        return settings_fingerprint(RunSettings.of(run_args(Path("x"), **changes), world_size=world_size))
 
     assert fp(1, gradient_accumulation_steps=2) == fp(2)
     assert fp(1) != fp(2)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from trainfold.ckpt.sidecar import CheckpointError, CheckpointWarning, check_name, read_metadata, step_in_name
 
-__all__ = ["checkpoint_path", "is_complete", "list_checkpoints", "latest_checkpoint", "resume_checkpoint", "set_aside"]
+__all__ = ["checkpoint_path", "is_complete", "list_checkpoints", "latest_checkpoint", "resume_checkpoint"]
 
 
 def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
@@ -105,21 +105,3 @@ def resume_checkpoint(
             f"{path} is incomplete or unusable ({problem}); resume from latest_checkpoint({str(path.parent)!r}) instead"
         )
     return path
-
-
-def set_aside(path: str | os.PathLike, cause: BaseException | str) -> Path:
-    """Rename the checkpoint ``path`` that failed to load to ``<name>.damaged`` (never deleted); warn naming both.
-
-    ``list_checkpoints`` no longer sees it, so no later resume or rotation takes it; it stays for inspection.
-    """
-    path, n = Path(path), 1
-    while (target := path.with_name(f"{path.name}.damaged" + (f"-{n}" if n > 1 else ""))).exists():
-        n += 1
-    os.replace(path, target)
-    warnings.warn(
-        f"resume_from_checkpoint=True set {path} aside as {target.name} (kept, not deleted): it failed to load: "
-        f"{cause}; resuming from the previous complete checkpoint instead",
-        CheckpointWarning,
-        stacklevel=2,
-    )
-    return target

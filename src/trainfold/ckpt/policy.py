@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import shutil
@@ -16,6 +15,7 @@ from trainfold.ckpt.run_identity import RunSettings
 from trainfold.ckpt.sidecar import read_metadata
 from trainfold.data import global_batch as elastic
 from trainfold.evaluation.best import BestMetric
+from trainfold.evaluation.schedule import steps_interval
 
 __all__ = [
     "SAVE_STRATEGIES",
@@ -54,15 +54,7 @@ def should_save(
     last = last or (max_steps is not None and step >= max_steps)
     if save_strategy != "steps":
         return {"no": False, "epoch": epoch_end or last, "best": new_best}[save_strategy]
-    if save_steps <= 0:
-        raise ValueError(f"save_steps must be positive, got {save_steps}")
-    if save_steps < 1:
-        if max_steps is None:
-            raise ValueError(f"save_steps={save_steps} is a fraction of max_steps; pass max_steps")
-        save_steps = math.ceil(save_steps * max_steps)
-    if save_steps != int(save_steps):
-        raise ValueError(f"save_steps must be a whole number of steps (or a fraction < 1), got {save_steps}")
-    return step > 0 and (step % int(save_steps) == 0 or last)
+    return step > 0 and (step % steps_interval(save_steps, max_steps, "save_steps") == 0 or last)
 
 
 def rotate(

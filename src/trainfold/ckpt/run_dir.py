@@ -16,14 +16,13 @@ from typing import Any
 
 from trainfold.ckpt.listing import list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
-from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings, settings_fingerprint
+from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings
 from trainfold.ckpt.run_lock import lock, remove_leftovers
 from trainfold.ckpt.sidecar import CheckpointWarning, OldFormatError, read_metadata
 from trainfold.ckpt.writer import disk_full, is_disk_full
-from trainfold.core.state import split_module
 from trainfold.data.global_batch import BATCH_KEYS, global_batch, split_global_batch
 
-__all__ = ["Claim", "resumable", "candidates", "claim", "resume_point", "elastic_args"]
+__all__ = ["Claim", "resumable", "candidates", "claim", "elastic_args"]
 
 
 def _recorded(output_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -199,13 +198,6 @@ def _refuse_other_runs(root: Path, settings: RunSettings, fingerprint: str) -> N
         "trainfold's overwrite_output_dir=True (args.replace(overwrite_output_dir=True), or "
         "TrainingArguments.from_hf(hf_args, overwrite_output_dir=True): transformers 5 has no such setting)"
     )
-
-
-def resume_point(args: Any, model: Any, *, world_size: int = 1) -> Path | None:
-    """Return the checkpoint ``train(model, args, ..., resume_from_checkpoint=True)`` would resume, or None (for a
-    command line's ``--resume``: ``resumable`` with the run's fingerprint as ``train`` computes it)."""
-    fingerprint = settings_fingerprint(RunSettings.of(args, world_size=world_size), *split_module(model))
-    return resumable(args.output_dir, fingerprint)
 
 
 def _split_only(here: RunSettings, saved: Mapping[str, Any]) -> bool:

@@ -40,8 +40,8 @@ class RunSettings:
     """A run's settings by name, and which of them its record's fields declare outside the trajectory.
 
     ``of(record)`` reads an attrs record (``TrainingArguments``) generically: every field's value,
-    and its ``metadata`` (``BOOKKEEPING``, ``RUN_LENGTH``, ``SAMPLE_ORDER``); a plain mapping has every
-    setting in the trajectory. The batch enters the fingerprint as the global batch (``trainfold.data.global_batch``).
+    and its ``metadata`` (``BOOKKEEPING``, ``RUN_LENGTH``, ``SAMPLE_ORDER``). The batch enters the
+    fingerprint as the global batch (``trainfold.data.global_batch``).
 
     >>> @attrs.frozen
     ... class Args:
@@ -61,9 +61,7 @@ class RunSettings:
 
     @classmethod
     def of(cls, record: Any, **extra: Any) -> RunSettings:
-        """Read ``record``'s settings (an attrs instance, or a mapping), plus ``extra`` ones (``world_size``)."""
-        if isinstance(record, Mapping):
-            return cls({**record, **extra}, samples=tuple(extra))
+        """Read ``record``'s settings (an attrs instance), plus ``extra`` ones (``world_size``)."""
         values = record.to_dict() if hasattr(record, "to_dict") else attrs.asdict(record)
         kinds = [(f.name, f.metadata.get(TRAJECTORY)) for f in attrs.fields(type(record))]
         length, samples = ([n for n, k in kinds if k == kind] for kind in ("length", "samples"))

@@ -81,7 +81,7 @@ def lock(output_dir: str | os.PathLike) -> Iterator[None]:
         held.release()
 
 
-def remove_leftovers(output_dir: str | os.PathLike, *, quiet: bool = False) -> list[Path]:
+def remove_leftovers(output_dir: str | os.PathLike) -> list[Path]:
     """Remove the ``.tmp-*``, ``.old-*``, ``.deleting-*`` checkpoint directories and files of dead writers.
 
     An ``.old-*`` checkpoint whose name is free (a replace killed between its renames) is put back
@@ -102,7 +102,7 @@ def remove_leftovers(output_dir: str | os.PathLike, *, quiet: bool = False) -> l
         if not pid or (pid != os.getpid() and not _alive(pid)):
             shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
             gone.append(path)
-    if gone and not quiet:
+    if gone:
         names = ", ".join(p.name for p in gone[:3]) + (f" and {len(gone) - 3} more" if len(gone) > 3 else "")
         print(f"trainfold: removed {len(gone)} leftover(s) of interrupted writes in {root}: {names}", file=sys.stderr)
     return gone

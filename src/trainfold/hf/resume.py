@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,9 @@ import torch
 
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
-from trainfold.ckpt.listing import set_aside
-from trainfold.ckpt.run_identity import RunSettings
+from trainfold.ckpt.run_identity import RunSettings, settings_fingerprint
 from trainfold.ckpt.sharded import is_sharded
-from trainfold.ckpt.sidecar import SIDECAR_FILE, field_error
+from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointWarning, field_error
 from trainfold.core.moved import moved_names
 from trainfold.core.state import TrainState, init_state, lend
 from trainfold.core.tree import flatten, map_tensors, unflatten
@@ -78,7 +78,7 @@ def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str 
         plan.args.output_dir,
         resume_from_checkpoint,
         settings,
-        run_dir.settings_fingerprint(settings, state.params, state.buffers),
+        settings_fingerprint(settings, state.params, state.buffers),
         overwrite_output_dir=plan.args.overwrite_output_dir,
         writer=plan.is_writer,
     )
@@ -97,7 +97,7 @@ class Start:
 def _load(plan: Plan, claim: Any, state: TrainState) -> tuple[TrainState, Any, dict[str, Any]]:
     """Return ``(state, source, meta)`` of the claimed checkpoint, loaded (its hashes checked).
 
-    Under ``resume_from_checkpoint=True`` one that fails to load is set aside (``ckpt.listing.set_aside``,
+    Under ``resume_from_checkpoint=True`` one that fails to load is set aside (``_set_aside``,
     by the writer rank) and the next older one is tried; a named checkpoint is refused.
     """
     tried = [claim.source, *claim.fallback]
@@ -114,7 +114,7 @@ def _load(plan: Plan, claim: Any, state: TrainState) -> tuple[TrainState, Any, d
             if isinstance(e, ckpt.FrozenWeightsError) or not claim.fallback:
                 raise  # the template's base weights, not the checkpoint, are wrong; or a path was named
             if plan.is_writer:
-                set_aside(source, e)
+                _set_aside(source, e)
             if i == len(tried) - 1:
                 raise ckpt.CheckpointError(
                     f"resume_from_checkpoint=True found no intact checkpoint of this run: each failed to load and "
@@ -124,6 +124,24 @@ def _load(plan: Plan, claim: Any, state: TrainState) -> tuple[TrainState, Any, d
             continue
         return loaded, source, ckpt.read_metadata(source)
     raise AssertionError("unreachable")
+
+
+def _set_aside(path: str | os.PathLike, cause: BaseException | str) -> Path:
+    """Rename the checkpoint ``path`` that failed to load to ``<name>.damaged`` (never deleted); warn naming both.
+
+    ``list_checkpoints`` no longer sees it, so no later resume or rotation takes it; it stays for inspection.
+    """
+    path, n = Path(path), 1
+    while (target := path.with_name(f"{path.name}.damaged" + (f"-{n}" if n > 1 else ""))).exists():
+        n += 1
+    os.replace(path, target)
+    warnings.warn(
+        f"resume_from_checkpoint=True set {path} aside as {target.name} (kept, not deleted): it failed to load: "
+        f"{cause}; resuming from the previous complete checkpoint instead",
+        CheckpointWarning,
+        stacklevel=2,
+    )
+    return target
 
 
 def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
