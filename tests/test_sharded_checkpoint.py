@@ -708,7 +708,7 @@ def test_check_compatible_takes_another_split_of_the_same_global_batch_and_names
 
 
 def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(tmp_path):
-    from trainfold.ckpt import elastic_args
+    from trainfold.hf.planning import elastic_args
 
     saved = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "world_size": 2, "learning_rate": 1e-2}
     path = ckpt.save(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), tmp_path / "checkpoint-0", settings=saved)
@@ -723,8 +723,9 @@ def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(
 
 
 def test_the_elastic_split_comes_from_the_checkpoint_not_from_the_run_file_a_failed_start_rewrote(tmp_path):
-    from trainfold.ckpt import elastic_args, run_dir
+    from trainfold.ckpt import run_dir
     from trainfold.ckpt.run_identity import RunSettings
+    from trainfold.hf.planning import elastic_args
 
     two = run_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=1)
     saved = {**two.to_dict(), "world_size": 2}  # the checkpoint of a 2-rank run: global batch 4

@@ -23,7 +23,6 @@ from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, ADAPTER_FILE, model_weigh
 from trainfold.ckpt.listing import checkpoint_path, is_complete, latest_checkpoint, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import SAVE_STRATEGIES
 from trainfold.ckpt.reader import FrozenWeightsError, load, load_weights, warm_start
-from trainfold.ckpt.run_dir import elastic_args
 from trainfold.ckpt.sidecar import (
     CONFIG_FILE,
     INCOMPLETE_MARKER,
@@ -68,5 +67,4 @@ __all__ = [
     "FrozenWeightsError",
     "SAVE_STRATEGIES",
     "BEST_METRIC_KEY",
-    "elastic_args",
 ]

@@ -20,9 +20,8 @@ from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings
 from trainfold.ckpt.run_lock import lock, remove_leftovers
 from trainfold.ckpt.sidecar import CheckpointWarning, OldFormatError, read_metadata
 from trainfold.ckpt.writer import disk_full, is_disk_full
-from trainfold.data.global_batch import BATCH_KEYS, global_batch, split_global_batch
 
-__all__ = ["Claim", "resumable", "candidates", "claim", "elastic_args"]
+__all__ = ["Claim", "resumable", "candidates", "claim"]
 
 
 def _recorded(output_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -198,32 +197,3 @@ def _refuse_other_runs(root: Path, settings: RunSettings, fingerprint: str) -> N
         "trainfold's overwrite_output_dir=True (args.replace(overwrite_output_dir=True), or "
         "TrainingArguments.from_hf(hf_args, overwrite_output_dir=True): transformers 5 has no such setting)"
     )
-
-
-def _split_only(here: RunSettings, saved: Mapping[str, Any]) -> bool:
-    """Say whether the settings ``saved`` (a checkpoint's) differ from ``here`` in the batch split alone."""
-    return all(k in BATCH_KEYS or v == here.values.get(k) for k, v in here.trajectory(saved).items())
-
-
-def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any:
-    """Return ``args`` with the batch split (``split_global_batch``, said in a warning) that keeps the resumed run's
-    global batch on ``world_size`` ranks, read from the checkpoint the resume takes (never ``trainfold-run.json``,
-    which each start rewrites); ``args`` themselves when not resuming or when they already make that batch."""
-    here, found = RunSettings.of(args, world_size=world_size), []
-    if resume_from_checkpoint is True:  # the newest checkpoint of this run but for the split: claim resumes it
-        found = [m["settings"] for _, m in _catalog(args.output_dir)]
-    elif resume_from_checkpoint is not None and resume_from_checkpoint is not False:
-        with contextlib.suppress(OSError, ValueError):  # else claim names what is wrong with it
-            found = [read_metadata(Path(resume_from_checkpoint))["settings"]]
-    saved = next((s for s in reversed(found) if _split_only(here, s)), None)
-    batch = global_batch(saved or {})
-    if saved is None or batch is None or saved["world_size"] == world_size or batch == global_batch(here.values):
-        return args
-    size, steps = split_global_batch(batch, world_size=world_size, per_device=args.per_device_train_batch_size)
-    warnings.warn(
-        f"resuming a run of {saved['world_size']} ranks on {world_size}: per_device_train_batch_size "
-        f"{args.per_device_train_batch_size} -> {size}, gradient_accumulation_steps {args.gradient_accumulation_steps} "
-        f"-> {steps} keep its global batch of {batch} samples per step (trainfold.data.global_batch)",
-        stacklevel=3,
-    )
-    return args.replace(per_device_train_batch_size=size, gradient_accumulation_steps=steps)
