@@ -138,7 +138,7 @@ def _strings(value: Any) -> bool:
 def validate_sidecar(meta: Any, path: str | os.PathLike) -> dict[str, Any]:
     """Return ``meta`` (a parsed ``trainfold.json``) if it fits the schema, else raise ``CheckpointError``.
 
-    Format 4 only (``OldFormatError`` names the release that wrote an older one); every field present with
+    Formats 4 and 5 (``OldFormatError`` names the release that wrote an older one); every field present with
     its type; counts in ``[0, MAX_STEP]``; every tensor file listed with ``bytes`` and ``xxh3_64``; ``tensors``
     maps each weights file to ``{state key: file key}``, no key in two files; ``checksum`` the CRC-32 of the rest.
     """
