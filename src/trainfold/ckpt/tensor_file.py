@@ -1,11 +1,11 @@
 """Safetensors files through ``safetensors``, each hashed (XXH3-64) as written and checked before use.
 
-``write``: ``save_file``, then one hash pass over the file mapped in memory (its pages still in the page
-cache). ``read``: ``safe_open`` maps the file; the hash runs over the bytes it returns (the header, then each
-tensor in file order: safetensors lays them end to end), so the copy that follows (``lend``,
-``load_state_dict``) finds them mapped; no tensor is returned before size and hash match. A file's hash
-(format 5) is the XXH3-64 of its 16 MiB chunks' XXH3-64s, hashed in threads (xxhash releases the GIL); a
-file of one chunk, as every file of format 4, hashes as itself. (XXH3-64: ~14 GB/s on one core here.)
+``write``: ``save_file``; ``read``: ``safe_open`` maps the file. Both hash it alike: over the bytes ``safe_open``
+returns, its header then each tensor in file order (safetensors lays them end to end). So a write proves the
+file readable while its pages are in the page cache, and the copy after a read (``lend``, ``load_state_dict``)
+finds them mapped; no tensor is returned before size and hash match. A file's hash (format 5) is the XXH3-64
+of its 16 MiB chunks' XXH3-64s, hashed in threads (xxhash releases the GIL); a file of one chunk, as every
+file of format 4, hashes as itself. (XXH3-64: ~14 GB/s on one core here.)
 
 >>> import tempfile, torch
 >>> path = tempfile.mkdtemp() + "/t.safetensors"
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import mmap
 import os
 import re
 from collections.abc import Mapping
@@ -34,7 +33,7 @@ from torch import Tensor
 
 from trainfold.ckpt.sidecar import CHUNK, CheckpointError
 
-__all__ = ["write", "read", "check", "digest_of", "TensorFileError"]
+__all__ = ["write", "read", "digest_of", "entry_of", "TensorFileError"]
 
 
 class TensorFileError(CheckpointError):
@@ -71,16 +70,24 @@ def write(
 
 
 def digest_of(path: str | os.PathLike, chunk: int | None = CHUNK) -> dict[str, int]:
-    """Return the entry ``{"bytes", "xxh3_64"}`` of the file ``path``, hashed by ``chunk``-byte chunks (the module says
-    how; ``None``: whole, format 4's) through a map of the file (not read through a buffer)."""
+    """Return the entry ``{"bytes", "xxh3_64"}`` of the safetensors file ``path``, hashed as ``read`` checks it."""
+    return {"bytes": os.path.getsize(path), "xxh3_64": _mapped(path, chunk)[1]}
+
+
+def entry_of(data: bytes) -> dict[str, int]:
+    """Return the entry of a file holding ``data`` (a ``config.json``), hashed as the module says."""
+    return {"bytes": len(data), "xxh3_64": _hash([memoryview(data)], CHUNK)}
+
+
+def _mapped(path: str | os.PathLike, chunk: int | None) -> tuple[dict[str, Tensor], int]:
+    """Return the tensors of the safetensors file ``path`` as ``safe_open`` maps them, and the hash of the file taken
+    over them: its header, then each tensor in file order (safetensors lays them end to end)."""
+    with safetensors.safe_open(path, "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.offset_keys()}
+    data = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors.values()]
     with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if not size:  # an empty file cannot be mapped
-            return {"bytes": 0, "xxh3_64": _hash([], chunk)}
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            if hasattr(mapped, "madvise"):  # not on Windows
-                mapped.madvise(mmap.MADV_SEQUENTIAL)
-            return {"bytes": size, "xxh3_64": _hash([memoryview(mapped)], chunk)}
+        header = f.read(os.fstat(f.fileno()).st_size - sum(len(d) for d in data))
+    return tensors, _hash([memoryview(header), *data], chunk)
 
 
 def _hash(pieces: list[memoryview], chunk: int | None) -> int:
@@ -103,35 +110,15 @@ def _hash(pieces: list[memoryview], chunk: int | None) -> int:
         return xxhash.xxh3_64_intdigest(b"".join(d.to_bytes(8, "little") for d in pool.map(part, range(0, size, span))))
 
 
-def _check(path: str | os.PathLike, entry: Mapping[str, int], got: int) -> None:
-    if got != entry["xxh3_64"]:
-        raise TensorFileError(f"{path} is corrupted: its xxh3_64 is {got:016x}, not {entry['xxh3_64']:016x}; {_FIX}")
-
-
-def _size(path: str | os.PathLike, entry: Mapping[str, int]) -> int:
+def read(path: str | os.PathLike, entry: Mapping[str, int], chunk: int | None = CHUNK) -> dict[str, Tensor]:
+    """Return the tensors of the safetensors file ``path`` (CPU, mapped from it) once its size and hash are ``entry``'s;
+    else raise ``TensorFileError`` naming it."""
     if (size := os.path.getsize(path)) != entry["bytes"]:
         raise TensorFileError(f"{path} is truncated or altered: it has {size} bytes, not {entry['bytes']}; {_FIX}")
-    return size
-
-
-def check(path: str | os.PathLike, entry: Mapping[str, int], chunk: int | None = CHUNK) -> None:
-    """Raise ``TensorFileError`` naming ``path`` unless its size and hash (``digest_of``) are ``entry``'s."""
-    _size(path, entry)
-    _check(path, entry, digest_of(path, chunk)["xxh3_64"])
-
-
-def read(path: str | os.PathLike, entry: Mapping[str, int], chunk: int | None = CHUNK) -> dict[str, Tensor]:
-    """Return the tensors of the safetensors file ``path`` (CPU, mapped from it), checked against ``entry`` (the
-    module says how)."""
-    size = _size(path, entry)
     try:
-        with safetensors.safe_open(path, "pt") as f:
-            tensors = {k: f.get_tensor(k) for k in f.offset_keys()}
-    except (safetensors.SafetensorError, ValueError, OSError) as e:
-        check(path, entry, chunk)  # a damaged file is named so
-        raise TensorFileError(f"{path} is not a readable safetensors file ({e}); {_FIX}") from None
-    data = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors.values()]
-    with open(path, "rb") as f:
-        header = f.read(size - sum(len(d) for d in data))
-    _check(path, entry, _hash([memoryview(header), *data], chunk))
+        tensors, got = _mapped(path, chunk)
+    except (safetensors.SafetensorError, ValueError) as e:
+        raise TensorFileError(f"{path} is corrupted: safetensors cannot read it ({e}); {_FIX}") from None
+    if got != entry["xxh3_64"]:
+        raise TensorFileError(f"{path} is corrupted: its xxh3_64 is {got:016x}, not {entry['xxh3_64']:016x}; {_FIX}")
     return tensors

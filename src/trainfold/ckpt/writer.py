@@ -125,7 +125,7 @@ def save(
         files = dict(tensors(tmp)) if tensors is not None else _write_parts(tmp, parts)
         if layout.config_file is not None and layout.config_text is not None:
             (tmp / layout.config_file).write_bytes(layout.config_text.encode())
-            files[layout.config_file] = tensor_file.digest_of(tmp / layout.config_file)
+            files[layout.config_file] = tensor_file.entry_of(layout.config_text.encode())
         if extra_files is not None:
             extra_files(tmp)
         return new_sidecar(files=files, **fields)
