@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from trainfold.ckpt.sidecar import CONFIG_FILE, MODEL_FILE
 from trainfold.core.state import TrainState
-from trainfold.core.tree import Tree
+from trainfold.core.tree import Tree, flatten
 
 __all__ = [
     "ADAPTER_FILE",
@@ -122,11 +122,6 @@ def _state_keys(state: TrainState, model: nn.Module | None) -> dict[str, str]:
     return out
 
 
-def _tensor_at(state: TrainState, key: str) -> Tensor:
-    field, name = key.split(".", 1)
-    return (state.params if field == "params" else state.buffers)[name]
-
-
 def model_weights(state: TrainState, model: nn.Module | None = None) -> Tree:
     """Return the state's weights under ``model``'s ``state_dict`` names, each tied tensor once.
 
@@ -140,7 +135,8 @@ def model_weights(state: TrainState, model: nn.Module | None = None) -> Tree:
     >>> sorted(model_weights(init_state(m, sgd(0.1)), m))
     ['bias', 'num_batches_tracked', 'running_mean', 'running_var', 'weight']
     """
-    return {name: _tensor_at(state, key) for name, key in _state_keys(state, model).items()}
+    flat = flatten({"buffers": state.buffers, "params": state.params})
+    return {name: flat[key] for name, key in _state_keys(state, model).items()}
 
 
 @attrs.frozen
@@ -162,7 +158,7 @@ def layout_of(state: TrainState, model: nn.Module | None, config: Any) -> Layout
             config = getattr(model, "config", None)
         text = _config_text(config)
         return Layout(MODEL_FILE, {v: k for k, v in keys.items()}, (), None if text is None else CONFIG_FILE, text)
-    chosen = adapter_keys(model, {k: _tensor_at(state, v) for k, v in keys.items()})
+    chosen = adapter_keys(model, model_weights(state, model))
     weights = {keys[k]: v for k, v in chosen.items()}
     frozen = tuple(
         f"buffers.{n}"

@@ -239,10 +239,6 @@ class Saver:
         ).start()
         return directory
 
-    def pending(self) -> bool:
-        """Say whether a save is still being written."""
-        return self._job is not None and not self._job.done()
-
     def wait(self) -> Path | None:
         """Wait for the save in flight (if any); return its path, or raise its error."""
         job, self._job = self._job, None

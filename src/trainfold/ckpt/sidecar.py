@@ -188,9 +188,6 @@ def _check_version(meta: Any, path: Path) -> None:
 
 def _check_tensors(meta: dict[str, Any], path: Path) -> None:
     files, tensors = meta["files"], meta["tensors"]
-    if "state.index.json" in files:
-        problem = "lists state.index.json: a sharded checkpoint of trainfold's own storage (before DCP's)"
-        raise field_error(path, "files", problem, "load it with the trainfold release that wrote it")
     for name, entry in files.items():
         if not isinstance(name, str) or not _FILE_NAME.match(name):
             raise field_error(path, "files", f"names {name!r}, which is not a plain file name")
