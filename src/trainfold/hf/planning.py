@@ -207,10 +207,10 @@ def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any
     global batch on ``world_size`` ranks, read from the checkpoint the resume takes (never ``trainfold-run.json``,
     which each start rewrites); ``args`` themselves when not resuming or when they already make that batch."""
     here, found = RunSettings.of(args, world_size=world_size), []
-    if resume_from_checkpoint is True:  # the newest checkpoint of this run but for the split: claim resumes it
-        found = [read_metadata(path)["settings"] for path in list_checkpoints(args.output_dir)]
-    elif resume_from_checkpoint is not None and resume_from_checkpoint is not False:
-        with contextlib.suppress(OSError, ValueError):  # else claim names what is wrong with it
+    with contextlib.suppress(OSError, ValueError):  # one unreadable (or gone since listed): claim names what is wrong
+        if resume_from_checkpoint is True:  # the newest checkpoint of this run but for the split: claim resumes it
+            found = [read_metadata(path)["settings"] for path in list_checkpoints(args.output_dir)]
+        elif resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             found = [read_metadata(resume_from_checkpoint)["settings"]]
     saved = next((s for s in reversed(found) if _split_only(here, s)), None)
     batch = global_batch(saved or {})
