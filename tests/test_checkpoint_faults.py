@@ -156,7 +156,7 @@ def _trial(tmp: Path, scenario: str, index: int, mode: str, straight, fp: str) -
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", checkpoint.CheckpointWarning)
         run_lock.remove_leftovers(out)  # what the next run's claim does first (puts a moved-aside one back)
-        found = run_dir.resumable(out, fp)
+        found = next(iter(run_dir.candidates(out, fp)), None)
     assert found is not None and checkpoint.is_complete(found), f"{scenario} #{index}: no checkpoint of the run"
     resumed = _train(out, True)
     assert resumed.global_step == 8

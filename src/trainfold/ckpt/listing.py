@@ -1,14 +1,15 @@
-"""Finding checkpoints: their names, which ones are complete, the latest, the one to resume."""
+"""Finding checkpoints: their names, which ones are complete (each sidecar read once), the latest, the one to resume."""
 
 from __future__ import annotations
 
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 from trainfold.ckpt.sidecar import CheckpointError, CheckpointWarning, check_name, read_metadata, step_in_name
 
-__all__ = ["checkpoint_path", "is_complete", "list_checkpoints", "latest_checkpoint", "resume_checkpoint"]
+__all__ = ["checkpoint_path", "is_complete", "catalog", "list_checkpoints", "latest_checkpoint", "resume_checkpoint"]
 
 
 def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
@@ -20,13 +21,12 @@ def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
     return Path(output_dir) / f"checkpoint-{int(step)}"
 
 
-def _problem(directory: Path) -> str | None:
-    """Say why ``directory`` is not a usable complete checkpoint (``None``: it is one)."""
+def _examine(directory: Path) -> dict[str, Any] | str:
+    """Return the sidecar of the complete checkpoint ``directory``, or say why it is not a usable one."""
     if directory.is_symlink():
         return f"it is a symbolic link (to {os.path.realpath(directory)}); checkpoints must lie in the output_dir"
     try:
-        meta = read_metadata(directory)
-        check_name(directory, meta)
+        check_name(directory, meta := read_metadata(directory))
     except (OSError, ValueError) as e:
         return str(e)
     for name, entry in meta["files"].items():  # sizes only: loading checks the hashes
@@ -35,7 +35,7 @@ def _problem(directory: Path) -> str | None:
             return f"{path} is missing or not a plain file"
         if path.stat().st_size != entry["bytes"]:
             return f"{path} has {path.stat().st_size} bytes, trainfold.json records {entry['bytes']}"
-    return None
+    return meta
 
 
 def is_complete(directory: str | os.PathLike) -> bool:
@@ -45,32 +45,37 @@ def is_complete(directory: str | os.PathLike) -> bool:
     >>> is_complete("no/such/dir")
     False
     """
-    return _problem(Path(directory)) is None
+    return not isinstance(_examine(Path(directory)), str)
 
 
-def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
-    """Return the complete ``checkpoint-{step}`` directories in ``output_dir``, oldest step first.
+def catalog(output_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
+    """Return ``(path, sidecar)`` of each complete ``checkpoint-{step}`` directory in ``output_dir``, oldest step first.
 
     Never raises: a directory named like one that is not a complete checkpoint (``is_complete``) is skipped
     with a ``CheckpointWarning`` saying why.
 
-    >>> list_checkpoints("no/such/dir")
+    >>> catalog("no/such/dir")
     []
     """
     root, out = Path(output_dir), []
     found = sorted((s, p) for p in (root.iterdir() if root.is_dir() else ()) if (s := step_in_name(p)) is not None)
     for _, path in found:
-        if (problem := _problem(path)) is None:
-            out.append(path)
+        if isinstance(meta := _examine(path), str):
+            warnings.warn(f"skipping {path}: {meta}", CheckpointWarning, stacklevel=2)
         else:
-            warnings.warn(f"skipping {path}: {problem}", CheckpointWarning, stacklevel=2)
+            out.append((path, meta))
     return out
+
+
+def list_checkpoints(output_dir: str | os.PathLike) -> list[Path]:
+    """Return the paths of ``catalog(output_dir)``: the complete checkpoints, oldest step first."""
+    return [path for path, _ in catalog(output_dir)]
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
     """Return the complete checkpoint with the highest step in ``output_dir``, or ``None``.
 
-    It may be any run's; ``trainfold.ckpt.run_dir.resumable`` finds the latest of one run.
+    It may be any run's; ``trainfold.ckpt.run_dir.candidates`` lists one run's.
 
     >>> latest_checkpoint("no/such/dir") is None
     True
@@ -100,7 +105,7 @@ def resume_checkpoint(
         return found
     path = Path(resume_from_checkpoint)
     read_metadata(path)  # names the path, the field and what is wrong with it
-    if (problem := _problem(path)) is not None:
+    if isinstance(problem := _examine(path), str):
         raise CheckpointError(
             f"{path} is incomplete or unusable ({problem}); resume from latest_checkpoint({str(path.parent)!r}) instead"
         )

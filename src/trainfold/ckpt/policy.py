@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from trainfold.ckpt.faults import point
-from trainfold.ckpt.listing import checkpoint_path, is_complete, list_checkpoints
+from trainfold.ckpt.listing import catalog, checkpoint_path, is_complete
 from trainfold.ckpt.run_identity import RunSettings
-from trainfold.ckpt.sidecar import read_metadata
 from trainfold.data import global_batch as elastic
 from trainfold.evaluation.best import BestMetric
 from trainfold.evaluation.schedule import steps_interval
@@ -85,7 +84,7 @@ def rotate(
         return []
     if isinstance(save_total_limit, bool) or not isinstance(save_total_limit, int) or save_total_limit < 1:
         raise ValueError(f"save_total_limit must be a positive int or None, got {save_total_limit!r}")
-    sidecars = {p: read_metadata(p) for p in list_checkpoints(output_dir)}  # complete ones: their sidecars read
+    sidecars = dict(catalog(output_dir))  # the complete ones
     found = [p for p, m in sidecars.items() if run_id is None or (m.get("run") or {}).get("id") == run_id]
     protected = {Path(p).resolve() for p in [*keep, *found[-1:]] if p is not None}
     deletable = [p for p in found if p.resolve() not in protected and not sidecars[p].get("jit")]

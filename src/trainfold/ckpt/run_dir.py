@@ -12,16 +12,16 @@ import os
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from trainfold.ckpt.listing import list_checkpoints, resume_checkpoint
+from trainfold.ckpt.listing import catalog, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
 from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings
 from trainfold.ckpt.run_lock import lock, remove_leftovers
 from trainfold.ckpt.sidecar import CheckpointWarning, OldFormatError, read_metadata
 from trainfold.ckpt.writer import disk_full, is_disk_full
 
-__all__ = ["Claim", "resumable", "candidates", "claim"]
+__all__ = ["Claim", "candidates", "claim"]
 
 
 def _recorded(output_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -51,33 +51,20 @@ def _write_run_file(output_dir: Path, run: RunIdentity, settings: RunSettings) -
     os.replace(tmp, path)
 
 
-def _catalog(output_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
-    """Return ``(path, sidecar)`` of each complete checkpoint in ``output_dir``, oldest first."""
-    out = []
-    for path in list_checkpoints(output_dir):
-        with contextlib.suppress(OSError, ValueError):
-            out.append((path, read_metadata(path)))
-    return out
-
-
 def _fingerprint(meta: Mapping[str, Any]) -> str | None:
     return (meta["run"] or {}).get("fingerprint")
 
 
-def resumable(output_dir: str | os.PathLike, fingerprint: str) -> Path | None:
-    """Return the checkpoint ``resume_from_checkpoint=True`` takes for the run with ``fingerprint``, or None.
-
-    >>> resumable("no/such/dir", "f00d") is None
-    True
-    """
-    return next(iter(candidates(output_dir, fingerprint)), None)
-
-
 def candidates(output_dir: str | os.PathLike, fingerprint: str) -> list[Path]:
     """Return the complete checkpoints of the run with ``fingerprint`` a resume may take, newest first: those of
-    the lineage ``trainfold-run.json`` records first (a fresh start of the same settings resumes its own)."""
+    the lineage ``trainfold-run.json`` records first (a fresh start of the same settings resumes its own).
+    ``resume_from_checkpoint=True`` takes the first, and falls back on the others in turn if it cannot load it.
+
+    >>> candidates("no/such/dir", "f00d")
+    []
+    """
     lineage = (_recorded(output_dir) or {}).get("run_id")  # a lineage id has one fingerprint
-    found = [(p, m["run"]["id"]) for p, m in reversed(_catalog(output_dir)) if _fingerprint(m) == fingerprint]
+    found = [(p, m["run"]["id"]) for p, m in reversed(catalog(output_dir)) if _fingerprint(m) == fingerprint]
     return [p for p, i in found if i == lineage] or [p for p, _ in found]
 
 
@@ -111,11 +98,9 @@ def _source(
     """Return the checkpoint to resume, the older ones to fall back on, and the run's identity."""
     if resume is None or resume is False:
         return None, (), RunIdentity.new(fp)
-    found = candidates(root, fp) if resume is True else [Path(resume)]
-    if resume is not True:
-        resume_checkpoint(resume, root)  # complete, or refused naming what is wrong with it
+    found = candidates(root, fp) if resume is True else [cast(Path, resume_checkpoint(resume, root))]  # or refused
     if not found:
-        others = _catalog(root)
+        others = catalog(root)
         raise (ValueError if others else FileNotFoundError)(
             f"resume_from_checkpoint=True but {root} holds no complete checkpoint of this run (fingerprint "
             f"{fp}); found: {_describe(others, settings, fp)}; resume with the settings that wrote them, "
@@ -179,7 +164,7 @@ def _refuse_other_runs(root: Path, settings: RunSettings, fingerprint: str) -> N
     """Refuse a run into a directory holding checkpoints of another run (a run file alone is taken over)."""
     if (recorded := _recorded(root)) is not None and recorded["fingerprint"] == fingerprint:
         return  # this run was let in before (overwrite_output_dir), and goes on
-    catalog, older = _catalog(root), []
+    complete, older = catalog(root), []
     for path in sorted(root.glob("checkpoint-*")):  # an earlier format's: list_checkpoints skips it, not this run's
         try:
             read_metadata(path)
@@ -187,10 +172,10 @@ def _refuse_other_runs(root: Path, settings: RunSettings, fingerprint: str) -> N
             older.append(f"{path.name} (an earlier checkpoint format, another trainfold release's)")
         except (OSError, ValueError):
             pass
-    if all(_fingerprint(m) == fingerprint for _, m in catalog) and not older:
+    if all(_fingerprint(m) == fingerprint for _, m in complete) and not older:
         return
     owner = f" (its run file names run {recorded['run_id']})" if recorded is not None else ""
-    found = ", ".join([*older, _describe(catalog, settings, fingerprint)] if catalog else older)
+    found = ", ".join([*older, _describe(complete, settings, fingerprint)] if complete else older)
     raise ValueError(
         f"{root} holds checkpoints of another run{owner}: {found}; "
         "choose another output_dir, resume that run with its own settings, or write this run there anyway with "

@@ -21,7 +21,8 @@ from typing import Any
 
 from torch import nn
 
-from trainfold.ckpt import list_checkpoints, read_metadata
+from trainfold.ckpt import read_metadata
+from trainfold.ckpt.listing import catalog
 from trainfold.ckpt.run_identity import RunSettings
 from trainfold.core.collective import Collective
 from trainfold.core.state import TrainState
@@ -209,7 +210,7 @@ def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any
     here, found = RunSettings.of(args, world_size=world_size), []
     with contextlib.suppress(OSError, ValueError):  # one unreadable (or gone since listed): claim names what is wrong
         if resume_from_checkpoint is True:  # the newest checkpoint of this run but for the split: claim resumes it
-            found = [read_metadata(path)["settings"] for path in list_checkpoints(args.output_dir)]
+            found = [meta["settings"] for _, meta in catalog(args.output_dir)]
         elif resume_from_checkpoint is not None and resume_from_checkpoint is not False:
             found = [read_metadata(resume_from_checkpoint)["settings"]]
     saved = next((s for s in reversed(found) if _split_only(here, s)), None)

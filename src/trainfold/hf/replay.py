@@ -26,8 +26,7 @@ import torch
 from torch import nn
 
 from trainfold import ckpt
-from trainfold.ckpt.listing import list_checkpoints
-from trainfold.ckpt.sidecar import read_metadata
+from trainfold.ckpt.listing import catalog
 from trainfold.core.determinism import warm_up_kernels
 from trainfold.core.state import TrainState, init_state
 from trainfold.data import StepBatch, stream
@@ -67,13 +66,13 @@ def saved_arguments(output_dir: str | os.PathLike) -> TrainingArguments:
     ...
     FileNotFoundError: no complete checkpoint in no/such/dir records the run's arguments; pass args= ...
     """
-    found = list_checkpoints(output_dir)
+    found = catalog(output_dir)
     if not found:
         raise FileNotFoundError(
             f"no complete checkpoint in {output_dir} records the run's arguments; "
             "pass args= (the run's TrainingArguments)"
         )
-    settings = read_metadata(found[-1])["settings"]
+    settings = found[-1][1]["settings"]
     world_size = int(settings.get("world_size", 1))
     if world_size != 1:
         raise ValueError(
@@ -138,7 +137,7 @@ def replay(
 
 def _start_checkpoint(output_dir: str | os.PathLike, step: int) -> Path | None:
     """Return the newest complete checkpoint at or before step ``step - 1`` (``None``: start from the model)."""
-    before = [p for p in list_checkpoints(output_dir) if int(read_metadata(p)["step"]) < step]
+    before = [p for p, meta in catalog(output_dir) if meta["step"] < step]
     return before[-1] if before else None
 
 
