@@ -17,7 +17,7 @@ from typing import Any, cast
 from trainfold.ckpt.listing import catalog, resume_checkpoint
 from trainfold.ckpt.policy import check_compatible
 from trainfold.ckpt.run_identity import RUN_FILE, RunIdentity, RunSettings
-from trainfold.ckpt.run_lock import lock, remove_leftovers
+from trainfold.ckpt.run_lock import lock, read_record, remove_leftovers
 from trainfold.ckpt.sidecar import CheckpointWarning, OldFormatError, read_metadata
 from trainfold.ckpt.writer import disk_full, is_disk_full
 
@@ -27,13 +27,11 @@ __all__ = ["Claim", "candidates", "claim"]
 def _recorded(output_dir: str | os.PathLike) -> dict[str, Any] | None:
     """Return ``trainfold-run.json`` (``run_id``, ``fingerprint``, ``settings``), or None (warned if malformed)."""
     path = Path(output_dir) / RUN_FILE
-    if not path.is_file():
-        return None
-    with contextlib.suppress(OSError, ValueError):
-        record = json.loads(path.read_text())
-        if isinstance(record, dict) and all(isinstance(record.get(k), str) for k in ("run_id", "fingerprint")):
-            return record
-    warnings.warn(f"ignoring {path}: it is not JSON with a run_id and a fingerprint", CheckpointWarning, stacklevel=2)
+    record = read_record(path)
+    if all(isinstance(record.get(k), str) for k in ("run_id", "fingerprint")):
+        return record
+    if path.exists():
+        warnings.warn(f"ignoring {path}: it is not JSON with a run_id and a fingerprint", CheckpointWarning, 2)
     return None
 
 

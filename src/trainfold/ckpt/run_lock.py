@@ -20,7 +20,7 @@ from trainfold.ckpt.listing import is_complete
 from trainfold.ckpt.run_identity import RUN_FILE
 from trainfold.ckpt.sidecar import SIDECAR_FILE, read_metadata, step_in_name
 
-__all__ = ["LOCK_FILE", "lock", "remove_leftovers"]
+__all__ = ["LOCK_FILE", "lock", "read_record", "remove_leftovers"]
 
 LOCK_FILE = "trainfold.lock"
 
@@ -41,7 +41,8 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _holder(path: Path) -> dict[str, Any]:
+def read_record(path: Path) -> dict[str, Any]:
+    """Return the JSON object in the file ``path`` (the lock holder's, the run file); ``{}`` if there is none."""
     with contextlib.suppress(OSError, ValueError):
         record = json.loads(path.read_text())
         return record if isinstance(record, dict) else {}
@@ -60,14 +61,14 @@ def lock(output_dir: str | os.PathLike) -> Iterator[None]:
     try:
         held.acquire(timeout=0)
     except filelock.Timeout:
-        record = _holder(holder)
+        record = read_record(holder)
         raise RuntimeError(
             f"another trainfold run is writing to this output_dir (pid {record.get('pid', '?')} on host "
             f"{record.get('host', '?')}, lock {root / LOCK_FILE}); wait for it to finish, or give this run another "
             "output_dir"
         ) from None
     try:
-        previous = _holder(holder)  # left by a holder that died (one that ended removed it)
+        previous = read_record(holder)  # left by a holder that died (one that ended removed it)
         if previous and previous.get("pid") != os.getpid():
             print(
                 f"trainfold: took over the lock of {root} left by pid {previous.get('pid')} on host "
