@@ -621,3 +621,18 @@ def test_every_file_of_a_checkpoint_has_one_mode(tmp_path):
     modes = {p.name: p.stat().st_mode & 0o777 for p in path.rglob("*") if p.is_file()}
     assert "shard-0.safetensors" in modes
     assert len(set(modes.values())) == 1, modes
+
+
+@pytest.mark.parametrize("text", ["{not json", '["a list"]', '{"run_id": 3, "fingerprint": "f00d"}'])
+def test_a_damaged_run_file_is_ignored_by_name_and_rewritten(tmp_path, text):
+    settings = RunSettings({"learning_rate": 0.1})
+    (tmp_path / "trainfold-run.json").write_text(text)
+    with pytest.warns(CheckpointWarning, match=r"ignoring .*trainfold-run\.json: it is not JSON with a run_id"):
+        with run_dir.claim(tmp_path, None, settings, "f00d") as held:
+            pass
+    record = json.loads((tmp_path / "trainfold-run.json").read_text())
+    assert (record["run_id"], record["fingerprint"]) == (held.run.id, "f00d")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)  # the rewritten file is read without a word
+        with run_dir.claim(tmp_path, None, settings, "f00d"):
+            pass
