@@ -57,6 +57,11 @@ def test_checkpoint_vs_safetensors_tiny():
     assert "| 4 MB |" in out
 
 
+def test_listing_reads_each_sidecar_once_small():
+    out = run("benchmarks/listing.py", "--checkpoints", "5", "--rounds", "1")
+    assert out.startswith("5 checkpoints: each sidecar read once ")
+
+
 def test_peak_memory_tiny():
     out = run(
         "benchmarks/peak_memory.py",
