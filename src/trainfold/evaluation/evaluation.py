@@ -111,7 +111,8 @@ def predict_with(
     >>> out.predictions.tolist(), out.label_ids.tolist(), sorted(out.metrics)
     ([[[1.0, 0.0], [0.0, 1.0]]], [[0, 1]], ['eval_loss'])
     """
-    out, metrics = _outcome(spec, model_or_forward, params, batches, buffers, collective, gather=True)
+    gather = not spec.prediction_loss_only  # as HF: the loss alone, no predictions
+    out, metrics = _outcome(spec, model_or_forward, params, batches, buffers, collective, gather=gather)
     tensors = out.get("tensors") or {}
     conv = to_numpy if spec.as_numpy else (lambda x: x)
     return PredictionOutput(conv(tensors.get("predictions")), conv(tensors.get("label_ids")), metrics)
@@ -204,6 +205,7 @@ def predict_batches(
     preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
     eval_accumulation_steps: int | None = None,
     metric_key_prefix: str = "test",
+    prediction_loss_only: bool = False,
     include_for_metrics: Iterable[str] = (),
     label_key: str = "labels",
     main_input_name: str = "input_ids",
@@ -217,7 +219,8 @@ def predict_batches(
     """Return predictions and labels for ``batches`` in their order, and the metrics ``evaluate_batches`` gives.
 
     Predictions are ``predictions_of(outputs)`` after ``preprocess_logits_for_metrics``, padded
-    with -100 along dim 1; ``label_ids`` is ``None`` when batches have no labels. Metric names
+    with -100 along dim 1; ``label_ids`` is ``None`` when batches have no labels (both are ``None``
+    with ``prediction_loss_only``, as in HF). Metric names
     are prefixed with ``test`` by default, as in HF. The settings make an :class:`EvalSpec`, as for
     ``evaluate_batches``.
 

@@ -31,7 +31,7 @@ from typing import Any
 from trainfold.hf.args_hf import HF_ONLY, hf_only_problem
 from trainfold.step.fsdp import FSDP_CONFIG_PASSIVE
 
-__all__ = ["SCRIPT_FIELDS", "ACTING_DEFAULTS", "settings_from_hf", "plain"]
+__all__ = ["SCRIPT_FIELDS", "ACTING_DEFAULTS", "settings_from_hf", "plain", "built_aside"]
 
 # fields a script reads itself (or that only say how to load the model or the data); the trainer never acts on them
 SCRIPT_FIELDS: dict[str, str] = {
@@ -70,6 +70,27 @@ def plain(value: Any) -> Any:
     return value
 
 
+def built_aside(cls: Any, **kwargs: Any) -> Any:
+    """Return ``cls(**kwargs)`` (a transformers or TRL arguments class), leaving accelerate's state as it was.
+
+    transformers' ``TrainingArguments.__post_init__`` clears accelerate's shared ``AcceleratorState``
+    and ``PartialState``: a ``Trainer`` of the same process would fail at its next ``train``/``evaluate``
+    (``'AcceleratorState' object has no attribute 'distributed_type'``). Their contents are restored.
+    """
+    try:
+        from accelerate.state import AcceleratorState, PartialState
+    except ImportError:  # no accelerate: nothing to keep
+        return cls(**kwargs)
+    kept = [(shared, dict(shared)) for shared in (AcceleratorState._shared_state, PartialState._shared_state)]
+    try:
+        return cls(**kwargs)
+    finally:
+        for shared, before in kept:
+            if before:  # an initialised state: back as it was (an empty one may keep what was built)
+                shared.clear()
+                shared.update(before)
+
+
 def _defaults(config: Any) -> dict[str, Any]:
     """Return each field's dataclass default, and what a default object of the class holds after ``__post_init__``."""
     out: dict[str, Any] = {}
@@ -82,7 +103,7 @@ def _defaults(config: Any) -> dict[str, Any]:
             out[f.name] = []
     same_device = {k: getattr(config, k) for k in ("use_cpu", "fsdp") if hasattr(config, k)}
     try:  # the values transformers' __post_init__ fills in (accelerator_config, report_to, fsdp_config ...)
-        fresh = type(config)(output_dir=getattr(config, "output_dir", None), **same_device)
+        fresh = built_aside(type(config), output_dir=getattr(config, "output_dir", None), **same_device)
     except Exception:  # a config class that cannot be built this way: the dataclass defaults alone
         return out
     for f in dataclasses.fields(config):

@@ -46,6 +46,7 @@ import torch
 from trainfold import ckpt
 from trainfold.core.state import TrainState
 from trainfold.hf.args import TrainingArguments
+from trainfold.hf.args_convert import built_aside
 from trainfold.hf.callback_checks import (
     REFUSED_HOOKS,
     by_epoch,
@@ -80,7 +81,7 @@ def hf_training_arguments(args: TrainingArguments, *, use_cpu: bool) -> Any:
     names = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
     shared = {k: v for k, v in args.to_dict().items() if k in names}
     shared.update(report_to="none", use_cpu=use_cpu or bool(shared.get("use_cpu")))
-    return transformers.TrainingArguments(**shared)
+    return built_aside(transformers.TrainingArguments, **shared)  # a Trainer of the process keeps working
 
 
 class HFCallbacks:

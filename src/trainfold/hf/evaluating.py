@@ -327,11 +327,12 @@ def predict(
             loss=compute_loss_func or default_loss_for(model, defer=True),
             buffers=buffers,
             objective=objective,
-            compute_metrics=compute_metrics,
+            compute_metrics=None if args.prediction_loss_only else compute_metrics,
             label_key=label_key,
             preprocess_logits_for_metrics=preprocess_logits_for_metrics,
             eval_accumulation_steps=args.eval_accumulation_steps,
             metric_key_prefix=metric_key_prefix,
+            prediction_loss_only=args.prediction_loss_only,  # as HF: predictions and label_ids None, only the loss
         )
     finally:
         close_loader(batches)  # persistent workers end with the call

@@ -232,10 +232,11 @@ def after_step(
 ) -> Callable[[TrainState], TrainState]:
     """Return the side effects after each step as ``state -> state``: log, evaluate, save.
 
-    With ``epoch_closed`` (the HF callbacks' ``on_epoch_end``), an epoch's last step runs as HF's: its
-    step-driven log/evaluation/save, then ``epoch_closed``, then those by epoch (``*_strategy="epoch"``).
+    An epoch's last step runs as HF's: its step-driven log/evaluation/save, then ``epoch_closed`` (the
+    HF callbacks' ``on_epoch_end``, if any), then those by epoch (``*_strategy="epoch"``), so the log
+    history has HF's order (an evaluation by steps before the epoch's log by epoch).
     """
-    late = hf_callbacks.by_epoch(run.plan.args) if epoch_closed is not None else {}
+    late = hf_callbacks.by_epoch(run.plan.args)
 
     def after(state: TrainState) -> TrainState:
         step = int(state.step)
@@ -244,18 +245,19 @@ def after_step(
         if diverged(state):  # log the window that ended in it, then stop: no evaluation, no save
             run.diverged.append(step)
             now.last = True
+        closing = late if now.epoch_end or now.last else {}  # elsewhere all at once (logging_first_step ...)
         for by_epoch in (False, True):
             if by_epoch:
-                if epoch_closed is None or not (now.epoch_end or now.last):
+                if not (now.epoch_end or now.last):
                     break
-                state = epoch_closed(state)
-            if late.get("log", False) is by_epoch:
+                state = epoch_closed(state) if epoch_closed is not None else state
+            if closing.get("log", False) is by_epoch:
                 state = _log(run, state, now)
             if run.diverged:
                 continue
-            if late.get("eval", False) is by_epoch:
+            if closing.get("eval", False) is by_epoch:
                 state = _evaluate(run, state, now)
-            if late.get("save", False) is by_epoch and not _save_if_due(run, state, now):
+            if closing.get("save", False) is by_epoch and not _save_if_due(run, state, now):
                 return state
         return state
 

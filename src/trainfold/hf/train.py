@@ -378,7 +378,7 @@ def _ending(plan: Plan, ended: _Ended) -> TrainResult:
     result = TrainResult(
         state,
         ended.status,
-        ended.summary,
+        {k: v for k, v in ended.summary.items() if k != "step"},  # HF's TrainOutput.metrics: the step is not one
         ended.history,
         best_path,
         ended.saved[-1] if ended.saved else None,

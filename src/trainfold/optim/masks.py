@@ -38,13 +38,17 @@ def resolve_mask(mask: Mask | None, params: Mapping[str, Any]) -> dict[str, bool
 def decay_mask_by_name(params: Mapping[str, Any]) -> dict[str, bool]:
     """Return ``{name: decay?}``: biases and normalisation weights (judged by name) are not decayed.
 
+    A name with ``bias`` anywhere is not decayed, as in HF (T5's ``relative_attention_bias.weight``).
+
     >>> decay_mask_by_name({"h.0.ln_1.weight": 0, "h.0.attn.bias": 0, "wte.weight": 0, "norm1.weight": 0})
     {'h.0.ln_1.weight': False, 'h.0.attn.bias': False, 'wte.weight': True, 'norm1.weight': False}
+    >>> decay_mask_by_name({"block.0.relative_attention_bias.weight": 0})
+    {'block.0.relative_attention_bias.weight': False}
     """
 
     def decays(name: str) -> bool:
         parts = name.lower().split(".")
-        if "bias" in parts[-1]:
+        if "bias" in name.lower():
             return False
         return not any(_NORM_NAME.search(p) for p in parts[:-1] or parts)
 

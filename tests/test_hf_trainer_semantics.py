@@ -1,0 +1,121 @@
+"""What a script migrating from ``transformers.Trainer`` reads back is HF's: keys, order, shapes, decay groups.
+
+Each case runs the real ``transformers.Trainer`` and trainfold on the same tiny model and data in one process.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from resume_fixture import ListDataset
+
+import trainfold
+from trainfold.optim.masks import decay_mask
+
+transformers = pytest.importorskip("transformers")
+
+
+def llama():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def row(i):
+    ids = [1 + (i * 7 + j) % 30 for j in range(8)]
+    return {"input_ids": ids, "labels": [-100, *ids[1:]]}
+
+
+ROWS = [row(i) for i in range(10)]
+
+
+def hf_args(path, **settings):
+    return transformers.TrainingArguments(
+        output_dir=str(path), use_cpu=True, report_to="none", disable_tqdm=True, save_strategy="no", **settings
+    )
+
+
+def test_from_hf_and_callbacks_leave_a_trainer_of_the_same_process_working(tmp_path):
+    # transformers' TrainingArguments.__post_init__ clears accelerate's shared state: building one aside (the
+    # defaults from_hf compares with, the args HF callbacks get) made the script's Trainer fail at its next call
+    args = hf_args(tmp_path, max_steps=1, per_device_train_batch_size=2)
+    trainer = transformers.Trainer(model=llama(), args=args, train_dataset=ListDataset(ROWS))
+    ours = trainfold.TrainingArguments.from_hf(args)
+    assert "eval_loss" in trainer.evaluate(ListDataset(ROWS[:2]))
+    trainfold.train(llama(), ours, ROWS, callbacks=[transformers.TrainerCallback()])
+    assert trainer.train().global_step == 1
+
+
+def test_predict_with_prediction_loss_only_returns_the_loss_alone_as_hf(tmp_path):
+    args = hf_args(tmp_path, prediction_loss_only=True, per_device_eval_batch_size=4)
+    ours = trainfold.TrainingArguments.from_hf(args)
+    model = llama()
+    theirs = transformers.Trainer(model=model, args=args).predict(ListDataset(ROWS))
+    out = trainfold.predict(model, ours, ROWS)
+    assert theirs.predictions is None and theirs.label_ids is None
+    assert out.predictions is None and out.label_ids is None  # were the whole set's logits and labels
+    assert out.metrics["test_loss"] == pytest.approx(theirs.metrics["test_loss"], rel=1e-5)
+
+
+def test_the_decay_groups_are_hfs_a_bias_anywhere_in_the_name_is_not_decayed(tmp_path):
+    # T5's relative_attention_bias is an Embedding: its ".weight" was decayed (HF: any name with "bias" is not)
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2)
+    model = transformers.T5ForConditionalGeneration(cfg)
+    trainer = transformers.Trainer(model=model, args=hf_args(tmp_path, weight_decay=0.1))
+    theirs = set(trainer.get_decay_parameter_names(model)) & {n for n, _ in model.named_parameters()}  # not tied twins
+    assert {n for n, decays in decay_mask(model).items() if decays} == theirs
+    assert "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight" not in theirs
+
+
+def test_train_metrics_have_hfs_keys(tmp_path):
+    settings = dict(max_steps=2, per_device_train_batch_size=2, logging_steps=1)
+    hf_model = llama()
+    theirs = transformers.Trainer(
+        model=hf_model, args=hf_args(tmp_path / "hf", **settings), train_dataset=ListDataset(ROWS)
+    ).train()
+    ours = trainfold.train(llama(), trainfold.TrainingArguments.from_hf(hf_args(tmp_path / "tf", **settings)), ROWS)
+    assert sorted(ours.metrics) == sorted(theirs.metrics)  # no "step": TrainOutput.metrics has none
+    assert ours.metrics["train_loss"] == pytest.approx(theirs.metrics["train_loss"], rel=1e-5)
+    assert ours.log_history[-1]["step"] == 2  # the log entry keeps it, as HF's log_history
+
+
+def test_an_evaluation_by_steps_at_an_epoch_end_is_logged_before_the_epochs_log_as_hf(tmp_path):
+    # logging by epoch, evaluating by steps: HF evaluates at the step's end, then logs at the epoch's end;
+    # trainfold kept this order only when HF callbacks were given
+    settings = dict(
+        num_train_epochs=2,
+        per_device_train_batch_size=4,
+        logging_strategy="epoch",
+        eval_strategy="steps",
+        eval_steps=3,
+        train_sampling_strategy="sequential",
+    )
+    model = llama()
+    trainer = transformers.Trainer(
+        model=copy.deepcopy(model),
+        args=hf_args(tmp_path / "hf", **settings),
+        train_dataset=ListDataset(ROWS),
+        eval_dataset=ListDataset(ROWS[:2]),
+    )
+    trainer.train()
+    ours = trainfold.train(
+        model, trainfold.TrainingArguments.from_hf(hf_args(tmp_path / "tf", **settings)), ROWS, eval_dataset=ROWS[:2]
+    )
+
+    def shape(history):
+        return [(h["step"], "eval_loss" in h, "loss" in h, "train_loss" in h) for h in history]
+
+    assert shape(ours.log_history) == shape(trainer.state.log_history)
+    assert shape(ours.log_history)[-3:] == [(6, True, False, False), (6, False, True, False), (6, False, False, True)]
