@@ -119,3 +119,49 @@ def test_an_evaluation_by_steps_at_an_epoch_end_is_logged_before_the_epochs_log_
 
     assert shape(ours.log_history) == shape(trainer.state.log_history)
     assert shape(ours.log_history)[-3:] == [(6, True, False, False), (6, False, True, False), (6, False, False, True)]
+
+
+class EpochsSeen(transformers.TrainerCallback):
+    def __init__(self):
+        self.epochs = []
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.epochs.append(round(state.epoch, 6))
+
+
+def test_a_logged_epoch_counts_micro_batches_as_hf_in_an_epoch_with_a_short_last_step(tmp_path):
+    # 10 rows in micro-batches of 2, accumulation 2: 5 micro-batches, 3 steps; HF's epoch after step 1 is 2/5 = 0.4
+    # (trainfold said 1/3), in the log history and in the state a TrainerCallback reads
+    settings = dict(
+        num_train_epochs=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        train_sampling_strategy="sequential",
+    )
+    seen_hf, seen_tf = EpochsSeen(), EpochsSeen()
+    model = llama()
+    trainer = transformers.Trainer(
+        model=copy.deepcopy(model),
+        args=hf_args(tmp_path / "hf", **settings),
+        train_dataset=ListDataset(ROWS),
+        eval_dataset=ListDataset(ROWS[:2]),
+        callbacks=[seen_hf],
+    )
+    trainer.train()
+    ours = trainfold.train(
+        model,
+        trainfold.TrainingArguments.from_hf(hf_args(tmp_path / "tf", **settings)),
+        ROWS,
+        eval_dataset=ROWS[:2],
+        callbacks=[seen_tf],
+    )
+
+    def epochs(history):
+        return [(h["step"], round(h["epoch"], 6)) for h in history]
+
+    assert epochs(ours.log_history) == epochs(trainer.state.log_history)
+    assert epochs(ours.log_history)[:3] == [(1, 0.4), (2, 0.8), (2, 0.8)]
+    assert seen_tf.epochs == seen_hf.epochs

@@ -99,6 +99,7 @@ class HFCallbacks:
         total_steps: int,
         steps_per_epoch: int,
         use_cpu: bool,
+        epoch_span: float | None = None,  # what state.epoch divides the epoch's steps done by (RunLength.epoch_span)
         saved: list[Path],
         history: Sequence[dict[str, Any]],
         evaluate: Callable[[TrainState], TrainState] | None,
@@ -122,7 +123,7 @@ class HFCallbacks:
         )
         self.state.log_history = list(history)  # HF's in-memory list, appended on every log
         self.control = transformers.TrainerControl()
-        self._steps_per_epoch, self._evaluate, self._save, self._saved = steps_per_epoch, evaluate, save, saved
+        self._epoch_span, self._evaluate, self._save, self._saved = epoch_span or steps_per_epoch, evaluate, save, saved
         self._current: TrainState | None = None
         self._saves_seen, self._saved_steps = len(saved), set[int]()
         self._epoch_open = False
@@ -157,7 +158,7 @@ class HFCallbacks:
         self._current = state
         epoch, position = state.cursor.as_tuple()
         self.state.global_step = int(state.step)
-        self.state.epoch = epoch + position / self._steps_per_epoch
+        self.state.epoch = epoch + position / self._epoch_span
         if TOKENS_SEEN in state.extras:
             self.state.num_input_tokens_seen = int(state.extras[TOKENS_SEEN])
         best = state.extras.get(self._best_key)

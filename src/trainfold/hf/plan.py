@@ -7,7 +7,10 @@ Each piece is a frozen record made by its own function, so it can be built and c
 ...                          gradient_accumulation_steps=2, train_sampling_strategy="sequential")
 >>> sampler = sampler_for(args, list(range(10)))
 >>> sampler.strategy, sampler.global_batch_size, schedule_for(args, sampler)
-('sequential', 4, RunLength(total_steps=6, steps_per_epoch=3, num_epochs=2))
+('sequential', 4, RunLength(total_steps=6, steps_per_epoch=3, num_epochs=2, micro_per_step=2.5))
+
+An epoch of 5 micro-batches in steps of 2 is 3 steps, the last short: a log after step 2 says epoch 0.8 (4 of
+5 micro-batches, as HF), ``epoch_span`` 2.5.
 """
 
 from __future__ import annotations
@@ -72,11 +75,17 @@ class RunLength:
     total_steps: int
     steps_per_epoch: int | None
     num_epochs: int | None  # None: max_steps ends the run
+    micro_per_step: float | None = None  # an epoch's micro-batches / accumulation: what a logged epoch counts (HF's)
 
     @property
     def epoch_steps(self) -> int:
         """Return the steps of one epoch, or the run's when the dataset has no length."""
         return self.steps_per_epoch or self.total_steps
+
+    @property
+    def epoch_span(self) -> float:
+        """Return what a logged ``epoch`` divides the steps done in the epoch by (as HF: micro-batches done / all)."""
+        return self.micro_per_step or self.epoch_steps
 
 
 def schedule_for(args: TrainingArguments, sampler: Sampler, stream: Any = None) -> RunLength:
@@ -84,7 +93,7 @@ def schedule_for(args: TrainingArguments, sampler: Sampler, stream: Any = None) 
 
     >>> from trainfold.hf.args import TrainingArguments
     >>> schedule_for(TrainingArguments(max_steps=5), sampler_for(TrainingArguments(), list(range(4))))
-    RunLength(total_steps=5, steps_per_epoch=1, num_epochs=None)
+    RunLength(total_steps=5, steps_per_epoch=1, num_epochs=None, micro_per_step=1.0)
     """
     steps_per_epoch = sampler.steps_per_epoch() if sampler.num_samples is not None else None
     if stream is not None:  # the steps are made from the state (GRPO): the stream knows its epoch
@@ -97,7 +106,17 @@ def schedule_for(args: TrainingArguments, sampler: Sampler, stream: Any = None) 
         )
     else:
         total_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
-    return RunLength(total_steps, steps_per_epoch, None if args.max_steps > 0 else math.ceil(args.num_train_epochs))
+    epochs = None if args.max_steps > 0 else math.ceil(args.num_train_epochs)
+    return RunLength(total_steps, steps_per_epoch, epochs, None if stream is not None else _micro_per_step(sampler))
+
+
+def _micro_per_step(sampler: Sampler) -> float | None:
+    # HF's epoch is micro-batches done / the epoch's: a share of steps but in a short last step (one process)
+    if sampler.num_samples is None or sampler.world_size > 1 or sampler.strategy == "batch_rebalance":
+        return None
+    n, size = sampler.num_samples, sampler.per_device_train_batch_size
+    micro = n // size if sampler.drop_last else -(-n // size)
+    return micro / sampler.gradient_accumulation_steps if micro else None
 
 
 @attrs.frozen

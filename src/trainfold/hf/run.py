@@ -76,7 +76,7 @@ def record_eval(
     """
     metrics: dict[str, Any] = {}
     for one in results:
-        entry = eval_entry(one, state, steps_per_epoch=run.plan.schedule.epoch_steps)
+        entry = eval_entry(one, state, steps_per_epoch=run.plan.schedule.epoch_span)
         run.history.append(entry)
         run.reporters.log(entry, int(state.step))
         notify(run.plan.observers, state, entry)
@@ -184,7 +184,7 @@ def _log(run: Run, state: TrainState, now: _Moment) -> TrainState:
         plan.logging,
         [run],
         plan.observers,
-        steps_per_epoch=plan.schedule.epoch_steps,
+        steps_per_epoch=plan.schedule.epoch_span,
         epoch_end=now.epoch_end,
         last=now.last,
         window=run.window,
@@ -275,6 +275,7 @@ def callback_adapter(run: Run, state: TrainState) -> tuple[Run, hf_callbacks.HFC
         plan.args,
         total_steps=plan.schedule.total_steps,
         steps_per_epoch=plan.schedule.epoch_steps,
+        epoch_span=plan.schedule.epoch_span,
         use_cpu=plan.device.type == "cpu",
         saved=run.saved,
         evaluate=evaluate,  # the run below, which reports to the adapter

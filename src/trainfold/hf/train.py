@@ -281,7 +281,11 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
         per_step = plan.samples_per_step
         samples = (int(state.step) - int(start_state.step)) * per_step if per_step is not None else None
         summary = train_summary(
-            state, start_state, time.monotonic() - started, samples, steps_per_epoch=plan.schedule.steps_per_epoch
+            state,
+            start_state,
+            time.monotonic() - started,
+            samples,
+            steps_per_epoch=plan.schedule.steps_per_epoch and plan.schedule.epoch_span,
         )
         if status == DIVERGED:
             summary["diverged_at_step"] = int(state.step)

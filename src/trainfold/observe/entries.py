@@ -86,7 +86,7 @@ def mark_logged(state: TrainState, key: str = LOG_MARK) -> TrainState:
     return attrs.evolve(state, extras={**state.extras, key: mark})
 
 
-def _epoch(state: TrainState, steps_per_epoch: int | None) -> float:
+def _epoch(state: TrainState, steps_per_epoch: float | None) -> float:
     epoch, position = state.cursor.as_tuple()
     if not steps_per_epoch:
         return float(epoch)
@@ -94,7 +94,7 @@ def _epoch(state: TrainState, steps_per_epoch: int | None) -> float:
 
 
 def log_entry(
-    state: TrainState, mark: LogMark | None = None, *, steps_per_epoch: int | None = None
+    state: TrainState, mark: LogMark | None = None, *, steps_per_epoch: float | None = None
 ) -> dict[str, float]:
     """Return the log entry for the window since ``mark`` (default: the state's own mark).
 
@@ -220,7 +220,7 @@ def eval_entry(
     state: TrainState | None = None,
     *,
     prefix: str = "eval",
-    steps_per_epoch: int | None = None,
+    steps_per_epoch: float | None = None,
 ) -> dict[str, Any]:
     """Return an evaluation's log entry: every metric under ``{prefix}_``, then ``epoch`` and ``step``.
 
@@ -241,7 +241,7 @@ def train_summary(
     runtime: float,
     num_samples: int | None = None,
     *,
-    steps_per_epoch: int | None = None,
+    steps_per_epoch: float | None = None,
 ) -> dict[str, float]:
     """Return the end-of-training entry for the steps from ``start`` to ``state`` (this run only).
 

@@ -49,7 +49,7 @@ def log_if_due(
     reporters: Sequence[Any] = (),
     observers: Iterable[Observer] = (),
     *,
-    steps_per_epoch: int | None = None,
+    steps_per_epoch: float | None = None,
     epoch_end: bool = False,
     last: bool = False,
     window: MetricWindow | None = None,
