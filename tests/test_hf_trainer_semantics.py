@@ -165,3 +165,34 @@ def test_a_logged_epoch_counts_micro_batches_as_hf_in_an_epoch_with_a_short_last
     assert epochs(ours.log_history) == epochs(trainer.state.log_history)
     assert epochs(ours.log_history)[:3] == [(1, 0.4), (2, 0.8), (2, 0.8)]
     assert seen_tf.epochs == seen_hf.epochs
+
+
+def test_counting_tokens_every_log_has_hfs_keys(tmp_path):
+    # HF adds num_input_tokens_seen to every log (evaluations and the summary too) and the session's train_runtime
+    # and train_tokens_per_second to each training log
+    settings = dict(
+        max_steps=4,
+        per_device_train_batch_size=2,
+        logging_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        include_num_input_tokens_seen="all",
+    )
+    model = llama()
+    trainer = transformers.Trainer(
+        model=copy.deepcopy(model),
+        args=hf_args(tmp_path / "hf", **settings),
+        train_dataset=ListDataset(ROWS),
+        eval_dataset=ListDataset(ROWS[:2]),
+    )
+    theirs = trainer.train()
+    ours = trainfold.train(
+        model, trainfold.TrainingArguments.from_hf(hf_args(tmp_path / "tf", **settings)), ROWS, eval_dataset=ROWS[:2]
+    )
+    hf_keys = [sorted(set(h) - {"total_flos"}) for h in trainer.state.log_history]  # trainfold counts no FLOPs
+    assert [sorted(h) for h in ours.log_history] == hf_keys
+    assert [h["num_input_tokens_seen"] for h in ours.log_history] == [
+        h["num_input_tokens_seen"] for h in trainer.state.log_history
+    ]
+    assert all(h["train_tokens_per_second"] > 0 for h in ours.log_history if "loss" in h)
+    assert sorted(ours.metrics) == sorted(theirs.metrics)

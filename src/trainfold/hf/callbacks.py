@@ -259,7 +259,7 @@ class HFCallbacks:
         after the summary, ``on_epoch_end`` (if an epoch is open) first and ``on_train_end`` last."""
         self.state.log_history.append(dict(entry))
         logs = {k: v for k, v in entry.items() if k != "step"}
-        summary = "train_runtime" in logs
+        summary = "train_loss" in logs  # a log counting tokens has a train_runtime too
         if summary and self._epoch_open:  # HF ends the last epoch before it logs the summary
             history, self.state.log_history = self.state.log_history, self.state.log_history[:-1]
             self._close_epoch()

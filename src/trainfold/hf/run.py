@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from trainfold.evaluation import best as best_metric
 from trainfold.hf import callbacks as hf_callbacks
 from trainfold.hf.extras import BEST
 from trainfold.hf.plan import Plan
-from trainfold.observe import MetricWindow, eval_entry, log_if_due, notify
+from trainfold.observe import TOKENS_SEEN, MetricWindow, eval_entry, log_if_due, notify
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import diverged
 from trainfold.observe.stopping import patience_exhausted, record_evaluation
@@ -55,6 +56,7 @@ class Run:
     all_ranks_save: bool = False  # the state is sharded (DTensors): every rank takes part in each save
     saved: list[Path] = attrs.Factory(list)  # the checkpoints written, in order
     diverged: list[int] = attrs.Factory(list)  # the step after which the params turned inf/NaN, if any
+    session: tuple[float, int] | None = None  # when this call began (time.monotonic) and the tokens seen then
 
     @property
     def saves_here(self) -> bool:
@@ -62,7 +64,15 @@ class Run:
         return self.plan.is_writer or self.all_ranks_save
 
     def log(self, entry: Mapping[str, Any], step: int) -> None:
-        """Append ``entry`` to the history and send it to the reporters (a reporter for ``log_if_due``)."""
+        """Append ``entry`` to the history and send it to the reporters (a reporter for ``log_if_due``).
+
+        Counting input tokens, a log also has this call's ``train_runtime`` and ``train_tokens_per_second``, as HF's.
+        """
+        if self.session is not None and TOKENS_SEEN in entry:
+            runtime, seen = time.monotonic() - self.session[0], entry[TOKENS_SEEN] - self.session[1]
+            rate = round(seen / runtime, 3) if runtime > 0 else float("nan")
+            last = {"step": entry["step"]} if "step" in entry else {}  # last, as HF
+            entry = {**entry, "train_runtime": round(runtime, 4), "train_tokens_per_second": rate, **last}
         self.history.append(dict(entry))
         self.reporters.log(entry, step)
 

@@ -77,7 +77,7 @@ from trainfold.hf.planning import plan_for
 from trainfold.hf.resume import Start, claim_for, initial_state, start_run
 from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save_checkpoint
 from trainfold.hf.validate import check_first_batch, check_train_call, checked_loss, checking_first, data_to_check
-from trainfold.observe import counting_input_tokens, observing, tap, train_summary
+from trainfold.observe import TOKENS_SEEN, counting_input_tokens, observing, tap, train_summary
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
 from trainfold.observe.logging import set_verbosity
@@ -273,6 +273,7 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
             run_id=run_id,
             saver=Saver(plan.checkpoints.async_save, plan.checkpoints.consolidated),
             all_ranks_save=is_sharded(state),
+            session=(started, int(state.extras[TOKENS_SEEN])) if TOKENS_SEEN in state.extras else None,
         )
         run, hf = callback_adapter(run, state)  # HF TrainerCallbacks, or None
         if plan.evals.on_start and begin.source is None:

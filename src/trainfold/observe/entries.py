@@ -121,7 +121,7 @@ def log_entry(
             f"{int(mark.step)}; call log_entry only after a step (should_log decides when)"
         )
     metrics = state.metrics
-    tokens = {TOKENS_SEEN: int(state.extras[TOKENS_SEEN])} if TOKENS_SEEN in state.extras else {}
+    tokens = _tokens(state)
     return {
         "loss": filtered_mean_loss(state, mark),
         "grad_norm": float(metrics["grad_norm"]),
@@ -224,6 +224,8 @@ def eval_entry(
 ) -> dict[str, Any]:
     """Return an evaluation's log entry: every metric under ``{prefix}_``, then ``epoch`` and ``step``.
 
+    A state that counts input tokens adds ``num_input_tokens_seen``, as HF adds it to every log.
+
     >>> eval_entry({"loss": 1.5, "eval_accuracy": 0.5})
     {'eval_loss': 1.5, 'eval_accuracy': 0.5}
     """
@@ -231,8 +233,13 @@ def eval_entry(
     entry = {(k if k.startswith(head) else head + k): _value(v) for k, v in metrics.items()}
     if state is not None:
         entry["epoch"] = _epoch(state, steps_per_epoch)
+        entry.update(_tokens(state))
         entry["step"] = int(state.step)
     return entry
+
+
+def _tokens(state: TrainState) -> dict[str, int]:
+    return {TOKENS_SEEN: int(state.extras[TOKENS_SEEN])} if TOKENS_SEEN in state.extras else {}
 
 
 def train_summary(
@@ -264,5 +271,6 @@ def train_summary(
         "train_steps_per_second": per_second(steps),
         "train_loss": loss,
         "epoch": _epoch(state, steps_per_epoch),
+        **_tokens(state),  # num_input_tokens_seen, as HF
         "step": int(state.step),
     }

@@ -146,7 +146,7 @@ class Progress:
         numbers = {k: v for k, v in entry.items() if k not in _SKIP and isinstance(v, (int, float))}
         if any(k.startswith(("eval_", "test_")) for k in numbers):
             head = "eval "
-        elif "train_runtime" in numbers:
+        elif "train_loss" in numbers:  # the summary (a log counting tokens has a train_runtime too)
             head = "done "
         else:
             head = ""

@@ -51,7 +51,7 @@ def dump_result(result: Any, result_dir: str | os.PathLike) -> None:
     logs = [
         {k: v for k, v in entry.items() if not any(u in k for u in _UNLOGGED)}
         for entry in result.log_history
-        if "train_runtime" not in entry
+        if "train_loss" not in entry
     ]  # not one process's summary
     record = {"status": result.status, "global_step": result.global_step, "log_history": logs}
     Path(result_dir, "result.json").write_text(json.dumps(record))
