@@ -196,3 +196,17 @@ def test_counting_tokens_every_log_has_hfs_keys(tmp_path):
     ]
     assert all(h["train_tokens_per_second"] > 0 for h in ours.log_history if "loss" in h)
     assert sorted(ours.metrics) == sorted(theirs.metrics)
+
+
+def test_remove_unused_columns_false_leaves_a_text_column_out_of_the_default_collation_as_hf(tmp_path):
+    # HF's default_data_collator leaves strings out; trainfold's refused the run ("cannot make a tensor of ... 'text'")
+    rows = [{**r, "text": f"row {i}"} for i, r in enumerate(ROWS)]
+    settings = dict(max_steps=2, per_device_train_batch_size=2, logging_steps=1, remove_unused_columns=False)
+    model = llama()
+    trainer = transformers.Trainer(
+        model=copy.deepcopy(model), args=hf_args(tmp_path / "hf", **settings), train_dataset=ListDataset(rows)
+    )
+    trainer.train()
+    ours = trainfold.train(model, trainfold.TrainingArguments.from_hf(hf_args(tmp_path / "tf", **settings)), rows)
+    theirs = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert [h["loss"] for h in ours.log_history if "loss" in h] == pytest.approx(theirs, rel=1e-5)

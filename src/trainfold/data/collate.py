@@ -55,12 +55,16 @@ class PadCollate:
     ``pad_to_multiple_of``): ``labels`` with ``label_pad_token_id``, ``attention_mask`` and
     ``token_type_ids`` with 0, anything else with ``pad_token_id`` (``pad_values`` overrides per
     key). A missing ``attention_mask`` is made from the ``input_ids`` lengths. Scalars are stacked.
+    Without ``keys``, a key whose first item holds a string or ``None`` is left out, as HF's
+    ``default_data_collator`` leaves it (``remove_unused_columns=False`` keeps a text column).
     Use :func:`pad_collate` to make one.
 
     >>> c = PadCollate(pad_token_id=9)
     >>> out = c([{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}, {"input_ids": [4], "labels": [4]}])
     >>> out["input_ids"].tolist(), out["labels"].tolist(), out["attention_mask"].tolist()
     ([[1, 2, 3], [4, 9, 9]], [[1, 2, 3], [4, -100, -100]], [[1, 1, 1], [1, 0, 0]])
+    >>> sorted(c([{"input_ids": [1], "text": "a"}, {"input_ids": [2], "text": "b"}]))
+    ['attention_mask', 'input_ids']
     """
 
     pad_token_id: int = 0
@@ -81,7 +85,10 @@ class PadCollate:
     def __call__(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
         if not items:
             raise ValueError("cannot collate an empty micro-batch")
-        keys = list(self.keys) if self.keys is not None else list(items[0].keys())
+        if self.keys is not None:
+            keys = list(self.keys)
+        else:
+            keys = [k for k, v in items[0].items() if v is not None and not isinstance(v, str)]
         for i, item in enumerate(items):
             missing = [k for k in keys if k not in item]
             if missing:
