@@ -6,6 +6,7 @@ Each case runs the real ``transformers.Trainer`` and trainfold on the same tiny 
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 import torch
@@ -210,3 +211,21 @@ def test_remove_unused_columns_false_leaves_a_text_column_out_of_the_default_col
     ours = trainfold.train(model, trainfold.TrainingArguments.from_hf(hf_args(tmp_path / "tf", **settings)), rows)
     theirs = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert [h["loss"] for h in ours.log_history if "loss" in h] == pytest.approx(theirs, rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("keyword", "fix"),
+    [
+        ("optimizers", "optimizer=trainfold.optim.from_torch"),
+        ("tokenizer", "processing_class="),
+        ("model_init", "model_init()"),
+    ],
+)
+def test_trainer_keywords_taken_another_way_are_refused_by_name_with_the_fix(tmp_path, keyword, fix):
+    # were Python's bare "got an unexpected keyword argument 'optimizers'"
+    model = llama()
+    value = {"optimizers": (torch.optim.SGD(model.parameters(), lr=0.1), None), "tokenizer": None, "model_init": llama}
+    args = trainfold.TrainingArguments(output_dir=str(tmp_path), max_steps=1, save_strategy="no", disable_tqdm=True)
+    for call in (trainfold.train, trainfold.evaluate):
+        with pytest.raises(TypeError, match=rf"{call.__name__}\(\) takes no {keyword}= .*{re.escape(fix)}"):
+            call(model, args, ROWS, **{keyword: value[keyword]})

@@ -29,6 +29,7 @@ from trainfold.evaluation.evaluation import eval_sets, evaluate_batches, predict
 from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.inputs import columns_of, device_for, eval_labels
+from trainfold.hf.validate import refusing_trainer_keywords
 from trainfold.step.plan import is_fully_sharded
 
 __all__ = ["EvalSet", "EvalPlan", "eval_plan_for", "eval_loader_for", "evaluate", "predict"]
@@ -225,6 +226,7 @@ def eval_plan_for(
 # -- evaluate / predict outside a run ---------------------------------------------------------------
 
 
+@refusing_trainer_keywords
 def evaluate(
     model: nn.Module,
     args: TrainingArguments,
@@ -286,6 +288,7 @@ def evaluate(
     return metrics
 
 
+@refusing_trainer_keywords
 def predict(
     model: nn.Module,
     args: TrainingArguments,

@@ -65,6 +65,7 @@ from trainfold.core.preempt import JIT_SIGNALS, guarded, preemption_guard
 from trainfold.core.state import TrainState, counters
 from trainfold.data import StateStream, stream
 from trainfold.distributed.distributed import joins_torchrun
+from trainfold.hf import validate as checks
 from trainfold.hf.args import TrainingArguments
 from trainfold.hf.callback_checks import set_transformers_verbosity
 from trainfold.hf.callbacks import HFCallbacks, resumed_callback_states
@@ -76,7 +77,6 @@ from trainfold.hf.plan import STOPPING_RULES, Plan, agreed
 from trainfold.hf.planning import plan_for
 from trainfold.hf.resume import Start, claim_for, initial_state, start_run
 from trainfold.hf.run import Run, after_step, callback_adapter, evaluate_and_record, save_checkpoint
-from trainfold.hf.validate import check_first_batch, check_train_call, checked_loss, checking_first, data_to_check
 from trainfold.observe import TOKENS_SEEN, counting_input_tokens, observing, tap, train_summary
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
@@ -173,6 +173,7 @@ class TrainResult:
         return model
 
 
+@checks.refusing_trainer_keywords  # optimizers=, model_init=, tokenizer= ...: named, with the fix
 @guarded(lambda call: getattr(call["args"], "enable_jit_checkpoint", False))  # up from the first line (issue 23)
 @joins_torchrun  # under torchrun without collective=: join the process group for the run (issue 15, item 2)
 def train(
@@ -211,11 +212,11 @@ def train(
     >>> result.status, result.global_step, result.log_history[0]["learning_rate"], "train_loss" in result.metrics
     ('completed', 3, 0.01, True)
     """
-    data = data_to_check(train_dataset, eval_dataset, data_collator, train_stream)
-    check_train_call(model, args, resume_from_checkpoint, compute_metrics or objective, **data)
+    data = checks.data_to_check(train_dataset, eval_dataset, data_collator, train_stream)
+    checks.check_train_call(model, args, resume_from_checkpoint, compute_metrics or objective, **data)
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     rank = collective.rank if collective is not None else 0
-    compute_loss_func = checked_loss(compute_loss_func)  # every problem named before any work
+    compute_loss_func = checks.checked_loss(compute_loss_func)  # every problem named before any work
     set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
     set_verbosity(args.log_level, main_process=rank == 0)  # the trainfold logger: events once, from rank 0
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
@@ -352,7 +353,9 @@ def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
         dataloader_prefetch_factor=args.dataloader_prefetch_factor,
         dataloader_pin_memory=args.dataloader_pin_memory and plan.device.type == "cuda",
     )
-    return to_device(checking_first(batches, functools.partial(check_first_batch, plan.model)), plan.device)
+    return to_device(
+        checks.checking_first(batches, functools.partial(checks.check_first_batch, plan.model)), plan.device
+    )
 
 
 def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[str], preemption: Any) -> str:

@@ -20,7 +20,52 @@ from torch import nn
 from trainfold.core.tasks import model_task
 from trainfold.hf.args import TrainingArguments
 
-__all__ = ["check_first_batch", "check_rows", "check_train_call", "checked_loss", "checking_first", "data_to_check"]
+__all__ = [
+    "check_first_batch",
+    "check_rows",
+    "check_train_call",
+    "checked_loss",
+    "checking_first",
+    "data_to_check",
+    "TRAINER_ONLY",
+    "refusing_trainer_keywords",
+]
+
+# transformers.Trainer's keywords that train/evaluate/predict take another way: name -> what to write instead
+TRAINER_ONLY = {
+    "tokenizer": "the older name of processing_class; write processing_class=...",
+    "optimizers": (
+        "the optimizer and its schedule are built from args (optim, learning_rate, lr_scheduler_type ...), "
+        "so no torch optimizer object is taken; another optimizer is optimizer=trainfold.optim.from_torch("
+        "torch.optim.X, lr=..., ...), its lr a float or a function of the step"
+    ),
+    "optimizer_cls_and_kwargs": "write optimizer=trainfold.optim.from_torch(cls, **kwargs)",
+    "model_init": "build the model and pass it: train(model_init(), args, ...) (there is no hyperparameter search)",
+}
+
+
+def refusing_trainer_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``fn`` to refuse ``transformers.Trainer``'s keywords it takes another way by name, with the fix.
+
+    >>> @refusing_trainer_keywords
+    ... def run(model, processing_class=None):
+    ...     return model
+    >>> try:
+    ...     run(1, tokenizer=None)
+    ... except TypeError as err:
+    ...     print(err)  # doctest: +ELLIPSIS
+    run() takes no tokenizer= (a transformers.Trainer keyword): the older name of processing_class; ...
+    """
+
+    @functools.wraps(fn)
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        named = [f"{k}= (a transformers.Trainer keyword): {TRAINER_ONLY[k]}" for k in kwargs if k in TRAINER_ONLY]
+        if named:
+            raise TypeError(f"{fn.__name__}() takes no " + "; no ".join(named))
+        return fn(*args, **kwargs)
+
+    return refusing
+
 
 _ROW = "a row is a dict of columns, e.g. {'input_ids': [1, 2, 3], 'labels': [1, 2, 3]}"
 
