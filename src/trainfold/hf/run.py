@@ -255,19 +255,22 @@ def after_step(
         if diverged(state):  # log the window that ended in it, then stop: no evaluation, no save
             run.diverged.append(step)
             now.last = True
-        closing = late if now.epoch_end or now.last else {}  # elsewhere all at once (logging_first_step ...)
+
+        def late_here(kind: str) -> bool:  # by epoch, at a step that closes one (early stopping may close it)
+            return late.get(kind, False) and (now.epoch_end or now.last)
+
         for by_epoch in (False, True):
             if by_epoch:
                 if not (now.epoch_end or now.last):
                     break
                 state = epoch_closed(state) if epoch_closed is not None else state
-            if closing.get("log", False) is by_epoch:
+            if late_here("log") is by_epoch:
                 state = _log(run, state, now)
             if run.diverged:
                 continue
-            if closing.get("eval", False) is by_epoch:
+            if late_here("eval") is by_epoch:
                 state = _evaluate(run, state, now)
-            if closing.get("save", False) is by_epoch and not _save_if_due(run, state, now):
+            if late_here("save") is by_epoch and not _save_if_due(run, state, now):
                 return state
         return state
 
