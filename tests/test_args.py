@@ -212,7 +212,7 @@ def test_hf_settings_say_why_and_what_instead_all_at_once():
             fsdp_min_num_params=9,
             auto_find_batch_size=True,
             save_safetensors=False,
-            include_for_metrics=["inputs"],
+            include_inputs_for_metrics=True,
             group_by_length=True,
             learnig_rate=1e-3,
         )
@@ -226,7 +226,8 @@ def test_hf_settings_say_why_and_what_instead_all_at_once():
         "fsdp_min_num_params=9 is",
         "auto_find_batch_size=True is",
         "save_safetensors=False is",
-        "include_for_metrics=['inputs'] is",
+        "include_inputs_for_metrics=True is a transformers.TrainingArguments setting that trainfold does not take: "
+        "removed from transformers; write include_for_metrics=['inputs']",
         "group_by_length=True is",
         "write train_sampling_strategy='group_by_length'",
         "set per_device_train_batch_size",

@@ -229,3 +229,26 @@ def test_trainer_keywords_taken_another_way_are_refused_by_name_with_the_fix(tmp
     for call in (trainfold.train, trainfold.evaluate):
         with pytest.raises(TypeError, match=rf"{call.__name__}\(\) takes no {keyword}= .*{re.escape(fix)}"):
             call(model, args, ROWS, **{keyword: value[keyword]})
+
+
+def test_include_for_metrics_inputs_gives_compute_metrics_hfs_inputs(tmp_path):
+    # was refused by name though the evaluation underneath gathers inputs; 'loss' (HF: the batch mean per sample)
+    # stays refused by name
+    seen = []
+
+    def metrics(p):
+        seen.append(p.inputs)
+        return {"tokens": float((p.inputs > 0).sum())}
+
+    rows = [{"input_ids": r["input_ids"][: 3 + i % 5], "labels": r["labels"][: 3 + i % 5]} for i, r in enumerate(ROWS)]
+    args = hf_args(tmp_path, per_device_eval_batch_size=3, include_for_metrics=["inputs"])
+    ours = trainfold.TrainingArguments.from_hf(args)
+    pad = trainfold.pad_collate()  # right-pads input_ids with 0, labels with -100: a collator for both
+    model = llama()
+    trainer = transformers.Trainer(model=model, args=args, data_collator=pad, compute_metrics=metrics)
+    theirs = trainer.evaluate(ListDataset(rows))
+    mine = trainfold.evaluate(model, ours, rows, data_collator=pad, compute_metrics=metrics)
+    assert mine["eval_tokens"] == theirs["eval_tokens"] > 0
+    assert seen[0].shape == seen[1].shape and (seen[0] == seen[1]).all()  # padded with -100 across batches, as HF
+    with pytest.raises(ValueError, match="include_for_metrics has 'loss'.*batch's mean loss"):
+        trainfold.TrainingArguments(include_for_metrics=["loss"])

@@ -41,6 +41,7 @@ def test_a_parsed_config_at_its_defaults_converts_with_the_values_transformers_r
         if hasattr(args, f.name) and f.name not in ("label_names", "report_to", "generation_batch_size"):
             value = getattr(config, f.name)
             value = value.value if hasattr(value, "value") else value
+            value = tuple(value) if isinstance(value, list) else value  # include_for_metrics: [] is ()
             assert getattr(args, f.name) == value, f.name
     assert args.report_to == "none" and args.label_names == ("labels",)
 
@@ -98,6 +99,7 @@ def test_grpo_arguments_defaults_are_grpo_configs_field_by_field():
         if hasattr(ours, f.name) and f.name not in exceptions:
             value = getattr(config, f.name)
             value = value.value if hasattr(value, "value") else value
+            value = tuple(value) if isinstance(value, list) else value  # include_for_metrics: [] is ()
             if getattr(ours, f.name) != value:
                 differ.append((f.name, getattr(ours, f.name), value))
     assert differ == []

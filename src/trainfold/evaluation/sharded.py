@@ -90,10 +90,11 @@ def predict_sharded(
     main_input_name: str = "input_ids",
     move: Callable[[Tensor], Tensor] | None = None,
     objective: Callable[..., Any] | None = None,
+    prediction_loss_only: bool = False,
 ) -> PredictionOutput:
     """Return the whole set's predictions and labels in dataset order, and its metrics, from this rank's shard.
 
-    As :func:`evaluate_sharded`, but predictions are always gathered (on every rank);
+    As :func:`evaluate_sharded`, but predictions are gathered (on every rank) unless ``prediction_loss_only``;
     ``collective=None`` is ``predict``.
 
     >>> import torch

@@ -101,6 +101,7 @@ class TrainingArguments:
     eval_delay: float = attrs.field(default=0, metadata=BOOKKEEPING)
     eval_accumulation_steps: int | None = attrs.field(default=None, metadata=BOOKKEEPING)
     prediction_loss_only: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    include_for_metrics: tuple[str, ...] = attrs.field(default=(), metadata=BOOKKEEPING)  # ("inputs",): as HF
     dataloader_num_workers: int = attrs.field(default=0, metadata=BOOKKEEPING)
     dataloader_persistent_workers: bool = attrs.field(default=False, metadata=BOOKKEEPING)
     dataloader_prefetch_factor: int | None = attrs.field(default=None, metadata=BOOKKEEPING)
@@ -171,7 +172,7 @@ class TrainingArguments:
                 hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             raise TypeError("\n".join(([f"unknown TrainingArguments: {', '.join(hints)}"] if hints else []) + hf_only))
         kwargs = {k: v for k, v in kwargs.items() if k in known}  # the rest are HF settings with no effect here
-        for key in ("report_to", "label_names", "fsdp"):
+        for key in ("report_to", "label_names", "fsdp", "include_for_metrics"):
             if isinstance(kwargs.get(key), list):
                 kwargs[key] = tuple(kwargs[key])
         if kwargs.get("fsdp") in ("", ()):  # HF's "off"

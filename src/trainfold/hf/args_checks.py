@@ -53,6 +53,7 @@ TYPES: dict[str, tuple[type, ...]] = {
     "eval_delay": _NUM,
     "eval_accumulation_steps": _OPT_INT,
     "prediction_loss_only": (bool,),
+    "include_for_metrics": (tuple,),
     "dataloader_num_workers": (int,),
     "dataloader_persistent_workers": (bool,),
     "dataloader_prefetch_factor": _OPT_INT,
@@ -217,6 +218,17 @@ def _range_problems(args: Any) -> list[str]:
         value = getattr(args, name)
         if value is not None and (value <= 0 or (value >= 1 and value != int(value))):
             out.append(f"{name} must be a positive int, or a float < 1 (a ratio of total steps), got {value}")
+    for name in sorted(set(args.include_for_metrics) - {"inputs"}):
+        out.append(
+            f"include_for_metrics has {name!r}; it takes 'inputs' (EvalPrediction.inputs, as HF)"
+            + (
+                ": HF's 'loss' gives each sample its batch's mean loss, which trainfold does not make; compute a "
+                "per-sample loss in compute_metrics, or use trainfold.evaluation.evaluate_batches(include_for_metrics="
+                "['loss']) for each sample's own"
+                if name == "loss"
+                else ""
+            )
+        )
     if args.max_steps <= 0 and args.num_train_epochs <= 0:
         out.append("training needs max_steps > 0 or num_train_epochs > 0")
     if args.adam_epsilon <= 0:

@@ -101,6 +101,7 @@ class EvalPlan:
     prediction_loss_only: bool = False
     accumulation_steps: int | None = None
     label_key: str = "labels"
+    include_for_metrics: tuple[str, ...] = ()  # ("inputs",): compute_metrics gets EvalPrediction.inputs
     evaluator: Callable[[TrainState], Mapping[str, float]] | None = None  # a StateStream's own evaluation
 
     @property
@@ -133,6 +134,7 @@ class EvalPlan:
             label_key=self.label_key,
             eval_accumulation_steps=self.accumulation_steps,
             prediction_loss_only=self.prediction_loss_only,
+            include_for_metrics=self.include_for_metrics,
         )
         if self.objective is not None:  # single process (train refuses a sharded objective evaluation)
             return [
@@ -219,6 +221,7 @@ def eval_plan_for(
         loss,
         prediction_loss_only=args.prediction_loss_only,
         accumulation_steps=args.eval_accumulation_steps,
+        include_for_metrics=args.include_for_metrics,
         **scoring,
     )
 
@@ -243,8 +246,7 @@ def evaluate(
 ) -> dict[str, float]:
     """Evaluate ``state``'s params (default: the model's own) on ``eval_dataset``, in dataset order.
 
-    ``objective`` (e.g. the ``dpo_objective`` of the run) scores the batches and adds its metrics
-    (``eval_rewards/chosen``...), as during ``train`` (``trainfold.evaluation.evaluation.evaluate_batches``).
+    ``objective`` (the run's ``dpo_objective``...) scores the batches and adds its metrics, as during ``train``.
     ``processing_class`` (a tokenizer or processor): without ``data_collator``, batches are padded with its pad id.
 
     >>> import tempfile, torch
@@ -280,6 +282,7 @@ def evaluate(
                     preprocess_logits_for_metrics=preprocess_logits_for_metrics,
                     eval_accumulation_steps=args.eval_accumulation_steps,
                     prediction_loss_only=args.prediction_loss_only,
+                    include_for_metrics=args.include_for_metrics,
                     metric_key_prefix=prefix,
                 )
             )
@@ -336,6 +339,7 @@ def predict(
             eval_accumulation_steps=args.eval_accumulation_steps,
             metric_key_prefix=metric_key_prefix,
             prediction_loss_only=args.prediction_loss_only,  # as HF: predictions and label_ids None, only the loss
+            include_for_metrics=args.include_for_metrics,
         )
     finally:
         close_loader(batches)  # persistent workers end with the call
