@@ -252,3 +252,27 @@ def test_include_for_metrics_inputs_gives_compute_metrics_hfs_inputs(tmp_path):
     assert seen[0].shape == seen[1].shape and (seen[0] == seen[1]).all()  # padded with -100 across batches, as HF
     with pytest.raises(ValueError, match="include_for_metrics has 'loss'.*batch's mean loss"):
         trainfold.TrainingArguments(include_for_metrics=["loss"])
+
+
+def test_a_seq2seq_model_trains_as_hf_with_decoder_inputs_in_the_batches_and_cross_entropy(tmp_path):
+    # the refusal of a default loss names the fix; with it, T5 (relative_attention_bias not decayed) trains as HF
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2, dropout_rate=0.0)
+    cfg.decoder_start_token_id, cfg.pad_token_id = 0, 0
+    model = transformers.T5ForConditionalGeneration(cfg)
+    rows = []
+    for i in range(4):
+        labels = [1 + (2 * i + j) % 30 for j in range(4)]
+        shifted = model._shift_right(torch.tensor([labels]))[0].tolist()  # what DataCollatorForSeq2Seq(model=) adds
+        rows.append({"input_ids": ROWS[i]["input_ids"][:6], "labels": labels, "decoder_input_ids": shifted})
+    settings = dict(max_steps=2, per_device_train_batch_size=2, logging_steps=1, weight_decay=0.1, learning_rate=1e-2)
+    args = trainfold.TrainingArguments.from_hf(hf_args(tmp_path / "tf", **settings))
+    with pytest.raises(TypeError, match="put decoder_input_ids in the batches"):
+        trainfold.train(copy.deepcopy(model), args, rows)
+    theirs = copy.deepcopy(model)
+    transformers.Trainer(
+        model=theirs, args=hf_args(tmp_path / "hf", **settings), train_dataset=ListDataset(rows)
+    ).train()
+    trainfold.train(model, args, rows, compute_loss_func=trainfold.losses.cross_entropy)
+    for name, p in theirs.named_parameters():
+        assert torch.equal(p, model.get_parameter(name)), name

@@ -272,7 +272,9 @@ def default_loss_for(model: Any, *, defer: bool = False) -> Loss:
         None: "it is not a model whose task trainfold knows (a causal LM, or a transformers "
         "...ForSequenceClassification / ...ForTokenClassification / ...ForMaskedLM head)",
         "ambiguous": "transformers lists its class under several tasks",
-        "seq2seq": "it is a sequence-to-sequence model, whose decoder inputs come from the labels",
+        "seq2seq": "it is a sequence-to-sequence model, whose decoder inputs come from the labels, which the step "
+        "keeps from the model: put decoder_input_ids in the batches (transformers.DataCollatorForSeq2Seq(tokenizer, "
+        "model=model) adds them) and take losses.cross_entropy (as the model's own loss, equal to HF's)",
     }.get(task, f"its task {task!r} has no built-in loss")
     error = TypeError(
         f"cannot choose a default loss for {type(model).__name__}: {why}. Pass compute_loss_func= (train) or "
