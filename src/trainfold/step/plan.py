@@ -15,7 +15,7 @@ from trainfold.core.forward import Objective
 from trainfold.core.losses import counter_for, default_loss_for
 from trainfold.optim import GradientTransformation
 from trainfold.step.amp import LossScaling
-from trainfold.step.recompute import cache_configs, recomputing
+from trainfold.step.recompute import cache_configs, own_blocks, own_checkpointing, recomputing
 
 __all__ = ["StepPlan", "default_counter", "is_fully_sharded", "refuse_sharded", "step_plan"]
 
@@ -51,10 +51,17 @@ class StepPlan:
         )
 
     def recompute_scope(self, modules: list[nn.Module]) -> contextlib.AbstractContextManager[Any]:
-        """Return the activation-checkpointing scope of the step (``recompute.recomputing``; a no-op when off)."""
-        if not self.recompute:
+        """Return the activation-checkpointing scope of the step (``recompute.recomputing``; a no-op when off).
+
+        A model whose own checkpointing is on (``model.gradient_checkpointing_enable()``) is checkpointed here
+        instead, on the same blocks, with its own switched off for the step: see ``recompute.own_checkpointing``.
+        """
+        own = own_checkpointing(modules)
+        if not (self.recompute or own):
             return contextlib.nullcontext()
-        return recomputing(self.model, every=self.recompute, modules=modules, configs=self.cache_configs)
+        blocks = None if self.recompute else own_blocks(own)
+        every = self.recompute or 1
+        return recomputing(self.model, blocks, every, modules=modules, configs=self.cache_configs, own=own)
 
 
 def step_plan(
