@@ -164,3 +164,57 @@ def test_a_model_with_two_adapters_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"adapters \['default', 'other'\].*one adapter"):
         checkpoint.save(init_state(model, adamw(1e-3)), tmp_path / "c", model=model)
     assert not (tmp_path / "c").exists()
+
+
+def _adapter_run(config, out):
+    """Train ``base()`` with the adapter ``config`` for 4 steps (checkpoints at 2 and 4): the model, the result."""
+    model = peft.get_peft_model(base(), config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return model, train(model, args(out), rows())
+
+
+def _same_as_peft_writes(model, path, tmp_path):
+    """The checkpoint's adapter files are what ``save_pretrained`` writes, and ``from_pretrained`` gives its logits."""
+    model.save_pretrained(tmp_path / "peft")
+    theirs = safetensors.torch.load_file(tmp_path / "peft" / ADAPTER_FILE)
+    ours = safetensors.torch.load_file(path / ADAPTER_FILE)
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    config = json.loads((tmp_path / "peft" / ADAPTER_CONFIG_FILE).read_text())
+    assert json.loads((path / ADAPTER_CONFIG_FILE).read_text()) == config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reloaded = peft.PeftModel.from_pretrained(base(), path).eval()
+    ids = torch.randint(0, VOCAB, (3, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=ids).logits, model.eval()(input_ids=ids).logits)
+
+
+def test_a_vera_checkpoint_holds_its_shared_projections_as_peft_writes_them_and_resumes_bitwise(tmp_path):
+    # VeRA's vera_A / vera_B are one tensor held by every adapted layer; the state keeps it once, under the first
+    # layer's name, and peft's state dict wanted it under the model's own: the first save raised peft's ValueError
+    config = peft.VeraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model, result = _adapter_run(config, tmp_path / "run")
+    _same_as_peft_writes(model, tmp_path / "run" / "checkpoint-4", tmp_path)
+    assert any("vera_A" in k for k in safetensors.torch.load_file(tmp_path / "run" / "checkpoint-4" / ADAPTER_FILE))
+    out = tmp_path / "stopped"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        train(peft.get_peft_model(base(), config), args(out), rows(), stop=lambda s: int(s.step) >= 2)
+        resumed = train(peft.get_peft_model(base(), config), args(out), rows(), resume_from_checkpoint=True)
+    assert all(torch.equal(resumed.state.params[k], v) for k, v in result.state.params.items())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(target_modules="all-linear", use_rslora=True),
+        dict(target_modules=["q_proj", "v_proj"], use_dora=True, modules_to_save=["lm_head"]),
+        dict(target_modules=["embed_tokens", "q_proj"], bias="lora_only"),
+    ],
+    ids=["all-linear-rslora", "dora-modules_to_save", "embedding"],
+)
+def test_lora_variants_checkpoint_as_peft_saves_them(options, tmp_path):
+    model, _ = _adapter_run(peft.LoraConfig(r=4, task_type="CAUSAL_LM", **options), tmp_path / "run")
+    _same_as_peft_writes(model, tmp_path / "run" / "checkpoint-4", tmp_path)
