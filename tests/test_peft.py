@@ -218,3 +218,46 @@ def test_a_vera_checkpoint_holds_its_shared_projections_as_peft_writes_them_and_
 def test_lora_variants_checkpoint_as_peft_saves_them(options, tmp_path):
     model, _ = _adapter_run(peft.LoraConfig(r=4, task_type="CAUSAL_LM", **options), tmp_path / "run")
     _same_as_peft_writes(model, tmp_path / "run" / "checkpoint-4", tmp_path)
+
+
+def _adalora(orth_reg_weight: float):
+    config = peft.AdaLoraConfig(
+        init_r=4, target_r=2, total_step=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+    )
+    config.orth_reg_weight = orth_reg_weight
+    return peft.get_peft_model(base(), config)
+
+
+def test_adalora_is_refused_by_name_while_its_forward_adds_a_regularizer_the_step_would_drop(tmp_path):
+    # transformers.Trainer trains on outputs.loss, into which AdaLoRA's forward adds orth_reg_weight * ||PP^T - I||;
+    # the step's loss comes from the logits: the term was silently dropped (a different loss and trajectory)
+    with pytest.raises(ValueError, match=r"AdaLoRA adapter 'default' has orth_reg_weight=0.5.*orth_reg_weight=0.0"):
+        train(_adalora(0.5), args(tmp_path / "a"), rows())
+    ids = rows()[0]["input_ids"][None]
+    with torch.no_grad():  # the term is there: the model's own loss is above the logits' cross entropy
+        model = _adalora(0.5).train()
+        own = model(input_ids=ids, labels=ids).loss
+        plain = torch.nn.functional.cross_entropy(model(input_ids=ids).logits[0, :-1], ids[0, 1:])
+    assert own > plain + 0.1
+
+
+def test_adalora_without_the_regularizer_trains_as_the_hf_trainer(tmp_path):
+    settings = dict(max_steps=3, per_device_train_batch_size=4, learning_rate=5e-2, optim="sgd", seed=7)
+    settings |= dict(logging_steps=1, report_to="none", save_strategy="no", max_grad_norm=0, disable_tqdm=True)
+    data = rows()
+
+    class Sequential(transformers.Trainer):
+        def _get_train_sampler(self, *unused, **unused_too):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    theirs = _adalora(0.0)
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), use_cpu=True, **settings)
+    trainer = Sequential(model=theirs, args=hf_args, train_dataset=data)
+    trainer.train()
+    ours = _adalora(0.0)
+    sequential = TrainingArguments(output_dir=str(tmp_path / "tf"), train_sampling_strategy="sequential", **settings)
+    result = train(ours, sequential, data)
+    hf_losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert [h["loss"] for h in result.log_history if "loss" in h] == pytest.approx(hf_losses, rel=1e-6)
+    for (name, a), b in zip(theirs.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

@@ -17,7 +17,14 @@ from trainfold.optim import GradientTransformation
 from trainfold.step.amp import LossScaling
 from trainfold.step.recompute import cache_configs, own_blocks, own_checkpointing, recomputing
 
-__all__ = ["StepPlan", "default_counter", "is_fully_sharded", "refuse_sharded", "step_plan"]
+__all__ = [
+    "StepPlan",
+    "default_counter",
+    "is_fully_sharded",
+    "refuse_forward_regularizer",
+    "refuse_sharded",
+    "step_plan",
+]
 
 
 @attrs.frozen
@@ -84,6 +91,8 @@ def step_plan(
     if optimizer is None:
         raise TypeError("make_step needs an optimizer, e.g. optimizer=trainfold.adamw(1e-3)")
     refuse_sharded(model, fully_shard=True)
+    if objective is None:
+        refuse_forward_regularizer(model)
     if loss is None:
         loss = default_loss_for(model, defer=objective is not None)
     return StepPlan(
@@ -99,6 +108,26 @@ def step_plan(
         loss_scaling=loss_scaling,
         cache_configs=tuple(cache_configs(model.modules())),
     )
+
+
+def refuse_forward_regularizer(model: nn.Module) -> None:
+    """Raise ``ValueError`` for a PEFT AdaLoRA model whose forward adds its orthogonal regularizer to ``outputs.loss``.
+
+    The step's loss is computed from the outputs without ``labels`` reaching the model, so that term (which
+    ``transformers.Trainer`` trains with) would be dropped without a word.
+
+    >>> refuse_forward_regularizer(torch.nn.Linear(2, 1)) is None
+    True
+    """
+    configs = getattr(model, "peft_config", None)
+    for name, config in configs.items() if isinstance(configs, Mapping) else ():
+        if getattr(config, "orth_reg_weight", 0) and str(getattr(config, "peft_type", "")).endswith("ADALORA"):
+            raise ValueError(
+                f"the AdaLoRA adapter {name!r} has orth_reg_weight={config.orth_reg_weight}: its forward adds that "
+                "regularizer to outputs.loss, which the step does not use (the loss comes from the logits), so it "
+                "would be silently dropped; set AdaLoraConfig(orth_reg_weight=0.0), or pass an objective that "
+                "adds it (peft computes it when labels reach the forward)"
+            )
 
 
 def default_counter(
