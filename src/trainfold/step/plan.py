@@ -111,7 +111,8 @@ def step_plan(
 
 
 def refuse_forward_regularizer(model: nn.Module) -> None:
-    """Raise ``ValueError`` for a PEFT AdaLoRA model whose forward adds its orthogonal regularizer to ``outputs.loss``.
+    """Raise ``ValueError`` for a model whose forward adds a term to ``outputs.loss``: a PEFT AdaLoRA adapter's
+    orthogonal regularizer, a mixture of experts' router loss (``config.output_router_logits``).
 
     The step's loss is computed from the outputs without ``labels`` reaching the model, so that term (which
     ``transformers.Trainer`` trains with) would be dropped without a word.
@@ -119,6 +120,14 @@ def refuse_forward_regularizer(model: nn.Module) -> None:
     >>> refuse_forward_regularizer(torch.nn.Linear(2, 1)) is None
     True
     """
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False) is True and getattr(config, "router_aux_loss_coef", None):
+        raise ValueError(
+            f"{type(model).__name__} has config.output_router_logits=True: its forward adds router_aux_loss_coef "
+            f"({config.router_aux_loss_coef}) times the experts' load-balancing loss to outputs.loss, which the step "
+            "does not use (the loss comes from the logits), so it would be silently dropped; set "
+            "config.output_router_logits=False, or pass an objective that adds outputs.aux_loss"
+        )
     configs = getattr(model, "peft_config", None)
     for name, config in configs.items() if isinstance(configs, Mapping) else ():
         if getattr(config, "orth_reg_weight", 0) and str(getattr(config, "peft_type", "")).endswith("ADALORA"):
