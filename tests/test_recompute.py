@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.checkpoint import checkpoint
 
 from trainfold import TrainingArguments, adamw, init_state, make_step, sgd, train
 from trainfold.core.losses import causal_lm
@@ -328,3 +329,33 @@ def test_own_hf_checkpointing_is_refused_by_name_where_the_step_cannot_take_it_o
     model.gradient_checkpointing_enable()
     with pytest.raises(ValueError, match="its own gradient checkpointing on.*gradient_checkpointing_disable"):
         make_step(model, causal_lm, sgd(0.1, momentum=0.9), **option)
+
+
+class _OwnFlag(torch.nn.Module):
+    """A module with transformers' flag and its own torch checkpoint, and no blocks the step could checkpoint."""
+
+    def __init__(self, on: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+        self.gradient_checkpointing = on
+
+    def forward(self, input):
+        h = checkpoint(self.a, input, use_reentrant=False) if self.gradient_checkpointing else self.a(input)
+        return self.b(torch.tanh(h))
+
+
+def test_a_module_whose_own_checkpointing_has_no_blocks_runs_whole_with_the_states_weights():
+    loss = lambda out, labels, n: ((out - labels) ** 2).sum() / n
+    g = torch.Generator().manual_seed(0)
+    data = [[{"input": torch.randn(8, 4, generator=g), "labels": torch.randn(8, 1, generator=g)}] for _ in range(3)]
+    states = []
+    for on in (False, True):
+        model, opt = _OwnFlag(on), sgd(0.1, momentum=0.9)
+        step, state = make_step(model, loss, opt), init_state(model, opt)
+        for batch in data:
+            state = step(state, batch)
+        states.append(state)
+        assert model.gradient_checkpointing is on  # restored
+    for k in states[0].params:
+        assert torch.equal(states[0].params[k], states[1].params[k]), k

@@ -15,7 +15,7 @@ from trainfold.core.forward import Objective
 from trainfold.core.losses import counter_for, default_loss_for
 from trainfold.optim import GradientTransformation
 from trainfold.step.amp import LossScaling
-from trainfold.step.recompute import cache_configs, own_blocks, own_checkpointing, recomputing
+from trainfold.step.recompute import cache_configs, own_blocks, own_checkpointing, own_off, recomputing
 
 __all__ = [
     "StepPlan",
@@ -61,12 +61,15 @@ class StepPlan:
         """Return the activation-checkpointing scope of the step (``recompute.recomputing``; a no-op when off).
 
         A model whose own checkpointing is on (``model.gradient_checkpointing_enable()``) is checkpointed here
-        instead, on the same blocks, with its own switched off for the step: see ``recompute.own_checkpointing``.
+        instead, on the same blocks, with its own switched off for the step: see ``recompute.own_checkpointing``
+        (a model without blocks to checkpoint then runs whole).
         """
         own = own_checkpointing(modules)
         if not (self.recompute or own):
             return contextlib.nullcontext()
-        blocks = None if self.recompute else own_blocks(own)
+        blocks = None if self.recompute else own_blocks(own, modules)
+        if blocks == []:
+            return own_off(own)
         every = self.recompute or 1
         return recomputing(self.model, blocks, every, modules=modules, configs=self.cache_configs, own=own)
 

@@ -45,6 +45,7 @@ __all__ = [
     "recomputing",
     "own_checkpointing",
     "own_blocks",
+    "own_off",
     "refuse_own_checkpointing",
     "cache_configs",
     "cache_off",
@@ -109,17 +110,13 @@ def recomputing(
             "GradientCheckpointingLayer instances or the children of an nn.ModuleList; give the blocks explicitly"
         )
     patched: list[tuple[nn.Module, Any]] = []
-    with cache_off(cache_configs(modules) if configs is None else configs):
+    with cache_off(cache_configs(modules) if configs is None else configs), own_off(own):
         try:
-            for module in own:
-                module.__dict__["gradient_checkpointing"] = False  # as transformers sets it
             for block in chosen:
                 patched.append((block, vars(block).get("forward")))
                 block.forward = _checkpointed(block, block.forward)  # an instance attribute: shadows the class's
             yield chosen
         finally:
-            for module in own:
-                module.__dict__["gradient_checkpointing"] = True
             for block, previous in reversed(patched):
                 if previous is None:
                     del block.forward
@@ -155,9 +152,22 @@ def refuse_own_checkpointing(model: nn.Module, *, compile: bool, differentiable:
         )
 
 
-def own_blocks(own: Sequence[nn.Module]) -> list[nn.Module] | None:
-    """Return the transformers layers among ``own`` (HF's ``every_n_layers`` choice), or ``None`` if there are none."""
-    return [m for m in own if _is_hf_layer(cast(type, type(m)))] or None
+def own_blocks(own: Sequence[nn.Module], modules: list[nn.Module]) -> list[nn.Module]:
+    """Return the blocks that stand for ``own``: the transformers layers among them (HF's ``every_n_layers``
+    choice), else the blocks :func:`checkpoint_blocks` finds in ``modules`` (maybe none)."""
+    return [m for m in own if _is_hf_layer(cast(type, type(m)))] or _blocks(modules)
+
+
+@contextlib.contextmanager
+def own_off(own: Sequence[nn.Module]) -> Iterator[None]:
+    """Switch the own checkpointing of ``own`` (:func:`own_checkpointing`) off for the duration."""
+    try:
+        for module in own:
+            module.__dict__["gradient_checkpointing"] = False  # as transformers sets it
+        yield
+    finally:
+        for module in own:
+            module.__dict__["gradient_checkpointing"] = True
 
 
 def cache_configs(modules: Iterable[nn.Module]) -> list[Any]:
