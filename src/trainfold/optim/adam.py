@@ -190,6 +190,10 @@ def adamw(
 ) -> AdamW:
     """AdamW as ``torch.optim.AdamW`` (its kernels): decoupled weight decay on the params ``mask`` marks True.
 
+    Two defaults are HF ``TrainingArguments``', not ``torch.optim.AdamW``'s: ``weight_decay`` 0.0 (torch: 0.01)
+    and ``mask`` :func:`decay_mask_by_name` (no decay for biases and norms; torch decays every param, as
+    ``mask=None`` does). With the same arguments the results are torch's, bitwise.
+
     ``mask`` is a ``{name: bool}`` mapping, a function of the params returning one, or ``None``
     to decay every param. ``fused`` and ``foreach`` pick torch's kernel as in ``torch.optim.AdamW``
     (``None``: torch's default for the params' device); ``maximize`` ascends the objective, as there.
