@@ -320,3 +320,23 @@ def test_lora_dora_with_modules_to_save_trains_as_the_hf_trainer_on_padded_accum
     assert logged(result.log_history, "learning_rate") == logged(trainer.state.log_history, "learning_rate")
     for (name, a), b in zip(theirs.named_parameters(), ours.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_resume_with_another_adapter_config_is_refused_by_name_and_from_pretrained_resumes(straight, tmp_path):
+    # lora_alpha changes the forward, not a shape: the run's fingerprint matched and the resume went on silently
+    _, result, _ = straight
+    out = tmp_path / "stopped"
+    train(lora(), args(out), rows(), stop=lambda s: int(s.step) >= 2)
+    other = peft.get_peft_model(
+        base(), peft.LoraConfig(r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    )
+    with pytest.raises(
+        CheckpointError, match=r"adapter_config.json: .*\(lora_alpha: 8 there, 32 here\).*from_pretrained"
+    ):
+        train(other, args(out), rows(), resume_from_checkpoint=True)
+    assert checkpoint.is_complete(out / "checkpoint-2")  # refused, not set aside
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rebuilt = peft.PeftModel.from_pretrained(base(), out / "checkpoint-2", is_trainable=True)
+    resumed = train(rebuilt, args(out), rows(), resume_from_checkpoint=True)
+    assert all(torch.equal(resumed.state.params[k], v) for k, v in result.state.params.items())
