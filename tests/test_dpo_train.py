@@ -160,3 +160,41 @@ def test_a_padding_free_run_has_the_padded_runs_losses(tmp_path):
         args = DPOArguments(output_dir=str(tmp_path / str(free)), padding_free=free, **COMMON, **RUN)
         runs.append(losses(trainfold.dpo.train(llama(), args, rows, processing_class=tokenizer()).log_history))
     assert runs[1] == pytest.approx(runs[0], rel=1e-5)
+
+
+def test_peft_config_draws_trls_adapter_and_trains_as_trl(tmp_path):
+    """TRL seeds with ``args.seed`` before ``get_peft_model``: the same adapter, the same steps, the global RNG kept."""
+    peft = pytest.importorskip("peft")
+    config = lambda: peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8, lora_dropout=0.0)
+    rows, kw = text_rows(8), dict(**COMMON, **{**RUN, "max_steps": 2, "gradient_accumulation_steps": 1})
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, disable_dropout=False, **kw)
+    data = datasets.Dataset.from_list(rows)
+    trainer = trl.DPOTrainer(
+        model=llama(), args=args, train_dataset=data, processing_class=tokenizer(), peft_config=config()
+    )
+    adapter = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    trainer.train()
+    model = llama()
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    ours = trainfold.dpo.train(
+        model,
+        DPOArguments(output_dir=str(tmp_path / "tf"), disable_dropout=False, **kw).replace(learning_rate=0.0),
+        data,
+        processing_class=tokenizer(),
+        peft_config=config(),
+    )
+    assert torch.equal(torch.random.get_rng_state(), before)  # drawn from the run's seed, not the caller's RNG
+    assert set(ours.state.params) == set(adapter)
+    for k, v in adapter.items():  # learning rate 0: the adapter as drawn
+        assert torch.equal(ours.state.params[k], v), k
+    trained = trainfold.dpo.train(
+        llama(),
+        DPOArguments(output_dir=str(tmp_path / "tf2"), disable_dropout=False, **kw),
+        data,
+        processing_class=tokenizer(),
+        peft_config=config(),
+    )
+    assert losses(trained.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
+    grad_norms = lambda h: [e["grad_norm"] for e in h if "grad_norm" in e]
+    assert grad_norms(trained.log_history) == pytest.approx(grad_norms(trainer.state.log_history), rel=1e-4)

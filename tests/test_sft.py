@@ -258,3 +258,26 @@ def test_peft_config_trains_only_the_adapter(tmp_path):
     for k, v in model.state_dict().items():  # the base weights are untouched
         if k in before:
             assert torch.equal(v, before[k]), k
+
+
+def test_peft_config_draws_trls_adapter_and_trains_as_trl(tmp_path):
+    """TRL seeds with ``args.seed`` before ``get_peft_model``: the same adapter, hence the same per-step losses."""
+    peft = pytest.importorskip("peft")
+    config = lambda: peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8, lora_dropout=0.0)
+    rows, kw = prompt_completion_rows(8), {**RUN, "max_steps": 2, "learning_rate": 5e-2}
+    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **COMMON, **kw)
+    data = datasets.Dataset.from_list(rows)
+    trainer = trl.SFTTrainer(
+        model=llama(), args=args, train_dataset=data, processing_class=tokenizer(), peft_config=config()
+    )
+    trainer.train()
+    ours = sft.train(
+        llama(),
+        SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw),
+        data,
+        processing_class=tokenizer(),
+        peft_config=config(),
+    )
+    grad_norms = lambda h: [e["grad_norm"] for e in h if "grad_norm" in e]
+    assert grad_norms(ours.log_history) == pytest.approx(grad_norms(trainer.state.log_history), rel=1e-4)
+    assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)

@@ -32,7 +32,7 @@ __all__ = ["prepare_preference_dataset", "train"]
 
 
 def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.Module:
-    built = model_from(model, args.model_init_kwargs, peft_config)
+    built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
     if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
         for m in built.modules():
             if isinstance(m, nn.Dropout):

@@ -93,7 +93,7 @@ def train(
     """
     if not isinstance(args, SFTArguments):
         raise TypeError(f"trainfold.sft.train takes SFTArguments (TRL's SFTConfig names), not {type(args).__name__}")
-    model = model_from(model, args.model_init_kwargs, peft_config)
+    model = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
     processing_class = processing_class_for(model, processing_class)
     train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing)
     eval_packing = args.packing if args.eval_packing is None else args.eval_packing
