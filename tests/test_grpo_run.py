@@ -424,6 +424,62 @@ def test_a_tokenizer_encodes_prompts_and_decodes_completions_as_trl(tmp_path):
         assert 1 not in c[:-1]
 
 
+def _trl_grpo(tmp_path, funcs, rows, peft_config=None, **kw):
+    """A TRL ``GRPOTrainer`` on a tiny Llama saved under ``tmp_path`` (with a chat-template tokenizer)."""
+    trl, datasets = pytest.importorskip("trl"), pytest.importorskip("datasets")
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from tiny_chat import llama, word_tokenizer
+
+    tok = word_tokenizer("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}")
+    llama().save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    common = dict(max_steps=1, per_device_train_batch_size=4, num_generations=2, max_completion_length=3, seed=5)
+    common |= dict(report_to="none", save_strategy="no", disable_tqdm=True, bf16=False, use_cpu=True, **kw)
+    args = GRPOArguments.from_hf(trl.GRPOConfig(output_dir=str(tmp_path / "tf"), **common))
+    config = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), **common)  # the last config made: its accelerator
+    data = datasets.Dataset.from_list(rows)
+    model = str(tmp_path / "model")
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=funcs, args=config, train_dataset=data, peft_config=peft_config)
+    return trainer, args, data, tok
+
+
+def test_a_chat_prompts_completions_reach_the_reward_functions_as_trls(tmp_path):
+    seen = {"trl": [], "tf": []}
+    chat = [{"prompt": [{"role": "user", "content": f"w{i} w{i + 1}"}]} for i in range(4)]
+
+    def recorder(who):
+        def reward(prompts, completions, completion_ids, **_):
+            seen[who].append((completions, completion_ids))
+            return [float(len(c[0]["content"])) for c in completions]
+
+        reward.__name__ = "length"
+        return reward
+
+    trainer, args, data, tok = _trl_grpo(tmp_path, [recorder("trl")], chat)
+    trainer.train()
+    train(str(tmp_path / "model"), args, data, [recorder("tf")])  # the tokenizer saved with the model, as TRL
+    shape = lambda c: [(list(m), m["role"]) for m in c]
+    for who in ("trl", "tf"):
+        completions, ids = seen[who][0]
+        assert [shape(c) for c in completions] == [[(["role", "content"], "assistant")]] * 4, who
+        assert [c[0]["content"] for c in completions] == [tok.decode(i, skip_special_tokens=True) for i in ids]
+
+
+def test_peft_config_draws_trls_adapter(tmp_path):
+    peft = pytest.importorskip("peft")
+    config = lambda: peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_alpha=4, lora_dropout=0.0)
+    rows = [{"prompt": f"w{i} w{i + 1}"} for i in range(4)]
+    reward = lambda completions, **_: [float(len(c)) for c in completions]
+    trainer, args, data, _ = _trl_grpo(tmp_path, [reward], rows, peft_config=config(), learning_rate=0.0)
+    adapter = {k: v for k, v in trainer.model.named_parameters() if v.requires_grad}
+    ours = train(str(tmp_path / "model"), args, data, [reward], peft_config=config())
+    assert set(ours.state.params) == set(adapter)
+    for k, v in adapter.items():  # learning rate 0: the adapter as drawn
+        assert torch.equal(ours.state.params[k], v), k
+
+
 # -- repeated prompts are independent objects ----------------------------------------------
 
 

@@ -104,6 +104,7 @@ class GRPORun:
     eval_prompts: Any = None
     objective: Any = None  # grpo_objective from args: the run's loss, and eval_loss
     rollout: Rollout | None = None  # make_rollout from args: sampling and scoring, as the hand loop's
+    processing_class: Any = None  # the tokenizer (checkpoints hold it), when the run has one
     _encoded: dict[int, list[int]] = attrs.field(factory=dict)  # prompt index -> its tokens (encode is pure)
 
     @property
