@@ -198,3 +198,19 @@ def test_peft_config_draws_trls_adapter_and_trains_as_trl(tmp_path):
     assert losses(trained.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
     grad_norms = lambda h: [e["grad_norm"] for e in h if "grad_norm" in e]
     assert grad_norms(trained.log_history) == pytest.approx(grad_norms(trainer.state.log_history), rel=1e-4)
+
+
+@pytest.mark.parametrize("logging_steps", [10, 2])
+def test_the_end_of_training_entry_holds_the_metrics_trls_holds(tmp_path, logging_steps):
+    """A window no step log was due for is in TRL's last entry (``log_history[-1]["rewards/margins"]``)."""
+    kw = dict(**COMMON, **{**RUN, "max_steps": 2, "gradient_accumulation_steps": 1, "logging_steps": logging_steps})
+    trainer = trl_trainer(tmp_path, text_rows(8), **kw)
+    trainer.train()
+    args = DPOArguments(output_dir=str(tmp_path / "tf"), **kw)
+    ours = trainfold.dpo.train(llama(), args, datasets.Dataset.from_list(text_rows(8)), processing_class=tokenizer())
+    theirs, last = trainer.state.log_history[-1], ours.log_history[-1]
+    ignored = {"total_flos", "num_tokens", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
+    assert set(last) - ignored == set(theirs) - ignored
+    assert ("rewards/margins" in last) is (logging_steps == 10)
+    for k in set(last) - ignored:
+        assert last[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
