@@ -281,3 +281,22 @@ def test_peft_config_draws_trls_adapter_and_trains_as_trl(tmp_path):
     grad_norms = lambda h: [e["grad_norm"] for e in h if "grad_norm" in e]
     assert grad_norms(ours.log_history) == pytest.approx(grad_norms(trainer.state.log_history), rel=1e-4)
     assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_entropy_and_token_accuracy_are_logged_as_trls(tmp_path, packing):
+    """TRL's SFT metrics, per step (one micro-batch each) and in the end-of-training entry, as TRL's tests read them."""
+    kw = {**RUN, "gradient_accumulation_steps": 1, "learning_rate": 0.1, "warmup_steps": 0, "max_steps": 4}
+    kw |= {"packing": True, "max_length": 16} if packing else {}
+    rows = prompt_completion_rows(2) * 8  # learnt within a few steps: the accuracy leaves 0
+    trainer = trl_trainer(tmp_path, rows, **kw)
+    trainer.train()
+    args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw)
+    ours = sft.train(llama(), args, rows, processing_class=tokenizer()).log_history
+    steps = lambda h, k: [e[k] for e in h if "loss" in e and "train_loss" not in e]
+    for k in ("entropy", "mean_token_accuracy"):
+        assert steps(ours, k) == pytest.approx(steps(trainer.state.log_history, k), rel=1e-5, abs=1e-6), k
+    assert max(steps(ours, "mean_token_accuracy")) > 0  # the accuracy is not trivially 0 here
+    args = args.replace(logging_steps=10, output_dir=str(tmp_path / "end"))  # TRL's tests: no step log is due
+    end = sft.train(llama(), args, rows, processing_class=tokenizer()).log_history[-1]
+    assert end["train_loss"] is not None and end["mean_token_accuracy"] is not None and end["entropy"] > 0

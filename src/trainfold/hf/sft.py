@@ -23,14 +23,13 @@ from typing import Any
 
 from torch import nn
 
-from trainfold.core.losses import causal_lm
 from trainfold.data.llm import DEFAULT_MAX_LENGTH
 from trainfold.data.packing import pack
 from trainfold.hf.model_source import model_from, processing_class_for
 from trainfold.hf.sft_args import SFTArguments
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run
-from trainfold.recipes.sft import SFTCollate, is_conversational, sft_collate, sft_row, sft_rows
+from trainfold.recipes.sft import SFTCollate, is_conversational, sft_collate, sft_loss, sft_row, sft_rows
 
 __all__ = [
     "SFTArguments",
@@ -105,6 +104,6 @@ def train(
     if data_collator is None and not (args.packing or args.padding_free):
         data_collator = sft_collate(_pad_id(processing_class, args), args.pad_to_multiple_of)
     if not args.loss_chunk_size and kwargs.get("objective") is None:  # SFT's loss, whatever wraps the model (PEFT)
-        kwargs.setdefault("compute_loss_func", causal_lm)
+        kwargs.setdefault("compute_loss_func", sft_loss)  # causal_lm, logging TRL's entropy and mean_token_accuracy
     kwargs.setdefault("processing_class", processing_class)  # checkpoints hold the tokenizer, as the Trainer's
     return train_run(model, args, train_rows, eval_rows, data_collator, callbacks=callbacks, **kwargs)
