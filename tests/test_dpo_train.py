@@ -98,9 +98,22 @@ def test_rows_are_tokenized_as_trl_tokenizes_them(tmp_path, rows):
     assert ours == [{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in theirs]
 
 
-def test_rows_without_a_prompt_are_refused_by_name():
-    with pytest.raises(KeyError, match=r"lacks \['prompt'\]"):
-        preference_row({"chosen": "a", "rejected": "b"}, tokenizer())
+def implicit(rows):
+    """``rows`` with the prompt inside chosen and rejected, as TRL's implicit-prompt datasets hold them."""
+    return [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in rows]
+
+
+@pytest.mark.parametrize("rows", [implicit(text_rows(6)), implicit(chat_rows(6))], ids=["text", "chat"])
+def test_an_implicit_prompt_is_extracted_as_trl_extracts_it(tmp_path, rows):
+    theirs = trl_trainer(tmp_path, rows).train_dataset
+    ours = preference_rows(rows, tokenizer())
+    assert ours == [{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in theirs]
+    assert all(r["prompt_ids"] for r in ours)
+
+
+def test_rows_without_chosen_or_rejected_are_refused_by_name():
+    with pytest.raises(KeyError, match=r"lacks \['rejected'\]"):
+        preference_row({"prompt": "a", "chosen": "b"}, tokenizer())
 
 
 def losses(history):
