@@ -480,6 +480,40 @@ def test_peft_config_draws_trls_adapter(tmp_path):
         assert torch.equal(ours.state.params[k], v), k
 
 
+def test_trls_keyword_names_train_as_trainfolds(tmp_path):
+    """``GRPOTrainer(model=, reward_funcs=, args=, train_dataset=, eval_dataset=)`` moves over with its names."""
+    rows, kw = [{"prompt": "12"}, {"prompt": "3"}], dict(encode=encode, decode=decode)
+    args = grpo_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2)
+    ours = train(lm(), args, rows, digit_sum, eval_prompts=rows, **kw).log_history
+    theirs = train(model=lm(), reward_funcs=[digit_sum], args=args, train_dataset=rows, eval_dataset=rows, **kw)
+    assert theirs.log_history[:-1] == ours[:-1]
+    with pytest.raises(TypeError, match="got prompts and train_dataset"):
+        train(lm(), args, rows, digit_sum, train_dataset=rows, **kw)
+    with pytest.raises(TypeError, match="needs the prompts"):
+        train(lm(), args, reward_funcs=digit_sum, **kw)
+
+
+@pytest.mark.parametrize("reward", ["org/reward-model", torch.nn.Linear(2, 1)], ids=["name", "module"])
+def test_a_reward_model_is_refused_by_name(tmp_path, reward):
+    with pytest.raises(TypeError, match=r"reward models \(.*\) are not supported.*wrap the model"):
+        train(lm(), grpo_args(tmp_path), [{"prompt": "1"}] * 2, [digit_sum, reward], encode=encode, decode=decode)
+
+
+def test_a_trl_config_is_refused_with_the_conversion():
+    trl = pytest.importorskip("trl")
+    import trainfold
+
+    config = dict(output_dir="x", use_cpu=True, bf16=False, report_to="none")
+    with pytest.raises(TypeError, match=r"GRPOArguments\.from_hf\(config\)"):
+        train(lm(), trl.GRPOConfig(**config), [{"prompt": "1"}] * 2, digit_sum, encode=encode, decode=decode)
+    with pytest.raises(TypeError, match=r"SFTArguments\.from_hf\(config\)"):
+        trainfold.sft.train(lm(), trl.SFTConfig(**config), [{"input_ids": [1, 2]}])
+    with pytest.raises(TypeError, match=r"DPOArguments\.from_hf\(config\)"):
+        trainfold.dpo.train(
+            lm(), trl.DPOConfig(**config), [{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}]
+        )
+
+
 # -- repeated prompts are independent objects ----------------------------------------------
 
 

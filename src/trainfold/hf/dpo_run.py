@@ -69,7 +69,10 @@ def train(
     ``kwargs`` go to ``trainfold.train``.
     """
     if not isinstance(args, DPOArguments):
-        raise TypeError(f"trainfold.dpo.train takes DPOArguments (TRL's DPOConfig names), not {type(args).__name__}")
+        raise TypeError(
+            f"trainfold.dpo.train takes DPOArguments (TRL's DPOConfig names), not {type(args).__name__}; "
+            f"convert a trl.DPOConfig with DPOArguments.from_hf(config)"
+        )
     model = _model(model, args, peft_config)
     source = model if ref_model is None else ref_model
     ref_params = None

@@ -91,7 +91,10 @@ def train(
     ``trainfold.train`` (``compute_metrics``, ``observers``, ``resume_from_checkpoint``...).
     """
     if not isinstance(args, SFTArguments):
-        raise TypeError(f"trainfold.sft.train takes SFTArguments (TRL's SFTConfig names), not {type(args).__name__}")
+        raise TypeError(
+            f"trainfold.sft.train takes SFTArguments (TRL's SFTConfig names), not {type(args).__name__}; "
+            f"convert a trl.SFTConfig with SFTArguments.from_hf(config)"
+        )
     model = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
     processing_class = processing_class_for(model, processing_class)
     train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing)
