@@ -300,3 +300,24 @@ def test_entropy_and_token_accuracy_are_logged_as_trls(tmp_path, packing):
     args = args.replace(logging_steps=10, output_dir=str(tmp_path / "end"))  # TRL's tests: no step log is due
     end = sft.train(llama(), args, rows, processing_class=tokenizer()).log_history[-1]
     assert end["train_loss"] is not None and end["mean_token_accuracy"] is not None and end["entropy"] > 0
+
+
+def test_evaluation_logs_trls_entropy_and_token_accuracy(tmp_path):
+    """One eval batch: TRL's batch means are the token means trainfold takes over the eval set."""
+    rows = prompt_completion_rows(2) * 8
+    kw = {**RUN, "gradient_accumulation_steps": 1, "learning_rate": 0.1, "warmup_steps": 0, "max_steps": 2}
+    kw |= {"eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 4}
+    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **COMMON, **kw)
+    data = datasets.Dataset.from_list(rows)
+    trainer = trl.SFTTrainer(model=llama(), args=args, train_dataset=data, eval_dataset=data.select(range(4)),
+                             processing_class=tokenizer())  # fmt: skip
+    trainer.train()
+    theirs = next(e for e in trainer.state.log_history if "eval_loss" in e)
+    args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw)
+    history = sft.train(
+        llama(), args, data, eval_dataset=data.select(range(4)), processing_class=tokenizer()
+    ).log_history
+    ours = next(e for e in history if "eval_loss" in e)
+    assert ours["eval_mean_token_accuracy"] > 0
+    for k in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+        assert ours[k] == pytest.approx(theirs[k], rel=1e-5), k
