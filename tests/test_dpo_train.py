@@ -227,3 +227,20 @@ def test_the_end_of_training_entry_holds_the_metrics_trls_holds(tmp_path, loggin
     assert ("rewards/margins" in last) is (logging_steps == 10)
     for k in set(last) - ignored:
         assert last[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
+
+
+def test_a_streamed_dataset_is_tokenized_as_read_and_trains_as_trl(tmp_path):
+    stream = lambda: datasets.Dataset.from_list(text_rows(12)).to_iterable_dataset()
+    kw = dict(**COMMON, **{**RUN, "max_steps": 3, "gradient_accumulation_steps": 1})
+    policy = llama()
+    trainer = trl.DPOTrainer(
+        model=policy,
+        ref_model=copy.deepcopy(policy),
+        args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **kw),
+        train_dataset=stream(),
+        processing_class=tokenizer(),
+    )
+    trainer.train()
+    ours = trainfold.dpo.train(llama(), DPOArguments(output_dir=str(tmp_path / "tf"), **kw), stream(),
+                               processing_class=tokenizer())  # fmt: skip
+    assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)

@@ -321,3 +321,19 @@ def test_evaluation_logs_trls_entropy_and_token_accuracy(tmp_path):
     assert ours["eval_mean_token_accuracy"] > 0
     for k in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
         assert ours[k] == pytest.approx(theirs[k], rel=1e-5), k
+
+
+def test_a_streamed_dataset_is_prepared_as_read_and_trains_as_trl(tmp_path):
+    """A ``datasets.IterableDataset`` (no length) trains in its order, rows prepared as they are read, as TRL's."""
+    stream = lambda: datasets.Dataset.from_list(prompt_completion_rows(12)).to_iterable_dataset()
+    kw = {**RUN, "max_steps": 3, "gradient_accumulation_steps": 1}
+    trainer = trl.SFTTrainer(
+        model=llama(),
+        args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **COMMON, **kw),
+        train_dataset=stream(),
+        processing_class=tokenizer(),
+    )
+    trainer.train()
+    args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw)
+    ours = sft.train(llama(), args, stream(), processing_class=tokenizer())
+    assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)

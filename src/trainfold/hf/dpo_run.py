@@ -23,6 +23,7 @@ from trainfold.core.moved import moved_names
 from trainfold.data.packing import check_packable
 from trainfold.hf.dpo_args import DPOArguments
 from trainfold.hf.model_source import model_from, processing_class_for
+from trainfold.hf.sft import PreparedStream
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run
 from trainfold.recipes.dpo import dpo_objective, preference_collate
@@ -40,12 +41,13 @@ def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.M
     return built
 
 
-def prepare_preference_dataset(
-    dataset: Any, processing_class: Any, args: DPOArguments
-) -> list[dict[str, list[int]]] | None:
-    """Return ``dataset``'s rows tokenized as ``DPOTrainer`` does (``trainfold.recipes.dpo_data``)."""
+def prepare_preference_dataset(dataset: Any, processing_class: Any, args: DPOArguments) -> Any:
+    """Return ``dataset``'s rows tokenized as ``DPOTrainer`` does (``trainfold.recipes.dpo_data``); a dataset
+    without a length (streaming) is tokenized as it is read, in its order, as TRL reads it."""
     if dataset is None:
         return None
+    if not hasattr(dataset, "__len__"):
+        return PreparedStream(dataset, lambda rows: preference_rows(rows, processing_class, args.max_length))
     rows = (dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset
     return preference_rows(rows, processing_class, args.max_length)
 

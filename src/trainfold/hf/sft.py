@@ -18,9 +18,11 @@ be a module or a name/path (loaded with ``model_init_kwargs``); ``peft_config`` 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from trainfold.data.llm import DEFAULT_MAX_LENGTH
@@ -32,6 +34,7 @@ from trainfold.hf.train import train as train_run
 from trainfold.recipes.sft import SFTCollate, is_conversational, sft_collate, sft_loss, sft_row, sft_rows
 
 __all__ = [
+    "PreparedStream",
     "SFTArguments",
     "SFTCollate",
     "is_conversational",
@@ -49,13 +52,25 @@ def _shuffled(rows: list, seed: int) -> Any:
     return Dataset.from_list(rows).shuffle(seed=seed)
 
 
+class PreparedStream(torch.utils.data.IterableDataset):
+    """A dataset without a length (``datasets.IterableDataset``, streaming) prepared row by row as it is read."""
+
+    def __init__(self, rows: Any, prepare: Any) -> None:
+        self.rows, self.prepare = rows, prepare
+
+    def __iter__(self) -> Any:
+        for row in self.rows:
+            yield from self.prepare([row])
+
+
 def prepare_dataset(dataset: Any, processing_class: Any, args: SFTArguments, packing: bool) -> Any:
-    """Return ``dataset`` prepared as ``SFTTrainer._prepare_dataset`` does (packing only cuts, in ``train``)."""
+    """Return ``dataset`` prepared as ``SFTTrainer._prepare_dataset`` does (packing only cuts, in ``train``); a
+    dataset without a length (streaming) is prepared as it is read, in its order, as TRL reads it."""
     if dataset is None or (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
         return dataset
-    rows = sft_rows(
-        (dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset,
-        processing_class,
+    prepare = functools.partial(
+        sft_rows,
+        tokenizer=processing_class,
         max_length=args.max_length,
         truncation_mode=args.truncation_mode,
         packing=packing,
@@ -64,6 +79,9 @@ def prepare_dataset(dataset: Any, processing_class: Any, args: SFTArguments, pac
         assistant_only_loss=args.assistant_only_loss,
         eos_token=args.eos_token,
     )
+    if not hasattr(dataset, "__len__"):
+        return PreparedStream(dataset, prepare)
+    rows = prepare((dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset)
     return _shuffled(rows, args.seed) if args.shuffle_dataset else rows
 
 
