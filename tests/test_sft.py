@@ -337,3 +337,24 @@ def test_a_streamed_dataset_is_prepared_as_read_and_trains_as_trl(tmp_path):
     args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw)
     ours = sft.train(llama(), args, stream(), processing_class=tokenizer())
     assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
+
+
+def test_a_formatting_func_makes_the_text_as_trls(tmp_path):
+    rows = [{"q": r["prompt"], "a": r["completion"]} for r in prompt_completion_rows(12)]
+    fmt = lambda row: "user: " + row["q"] + " assistant:" + row["a"]
+    kw = {**RUN, "max_steps": 3, "gradient_accumulation_steps": 1}
+    trainer = trl.SFTTrainer(
+        model=llama(),
+        args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **COMMON, **kw),
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tokenizer(),
+        formatting_func=fmt,
+    )
+    trainer.train()
+    args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw)
+    ours = sft.train(llama(), args, datasets.Dataset.from_list(rows), processing_class=tokenizer(), formatting_func=fmt)
+    assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
+    with pytest.raises(ValueError, match="formatting_func turns the rows into text"):
+        sft.train(
+            llama(), args.replace(completion_only_loss=True), rows, processing_class=tokenizer(), formatting_func=fmt
+        )

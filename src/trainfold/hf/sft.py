@@ -63,11 +63,24 @@ class PreparedStream(torch.utils.data.IterableDataset):
             yield from self.prepare([row])
 
 
-def prepare_dataset(dataset: Any, processing_class: Any, args: SFTArguments, packing: bool) -> Any:
+def _formatted(rows: Any, formatting_func: Any) -> Any:
+    """``rows`` with TRL's ``formatting_func(row)`` as their ``text`` (rows of token ids as they are)."""
+    return (row if "input_ids" in row else {**row, "text": formatting_func(row)} for row in rows)
+
+
+def prepare_dataset(
+    dataset: Any, processing_class: Any, args: SFTArguments, packing: bool, formatting_func: Any = None
+) -> Any:
     """Return ``dataset`` prepared as ``SFTTrainer._prepare_dataset`` does (packing only cuts, in ``train``); a
-    dataset without a length (streaming) is prepared as it is read, in its order, as TRL reads it."""
+    dataset without a length (streaming) is prepared as it is read, in its order, as TRL reads it.
+    ``formatting_func(row) -> str`` makes each row's text, as TRL's."""
     if dataset is None or (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
         return dataset
+    if formatting_func is not None and args.completion_only_loss:
+        raise ValueError(
+            "formatting_func turns the rows into text, which has no completion to train on alone "
+            "(as TRL refuses it): format the rows into prompt and completion yourself, or set completion_only_loss=None"
+        )
     prepare = functools.partial(
         sft_rows,
         tokenizer=processing_class,
@@ -79,6 +92,8 @@ def prepare_dataset(dataset: Any, processing_class: Any, args: SFTArguments, pac
         assistant_only_loss=args.assistant_only_loss,
         eos_token=args.eos_token,
     )
+    if formatting_func is not None:
+        prepare = functools.partial(lambda base, rows: base(_formatted(rows, formatting_func)), prepare)
     if not hasattr(dataset, "__len__"):
         return PreparedStream(dataset, prepare)
     rows = prepare((dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset)
@@ -101,6 +116,7 @@ def train(
     peft_config: Any = None,
     data_collator: Any = None,
     callbacks: Sequence[Any] = (),
+    formatting_func: Any = None,
     **kwargs: Any,
 ) -> TrainResult:
     """Fine-tune ``model`` on ``train_dataset`` as TRL's ``SFTTrainer(...).train()`` does; return the run's record.
@@ -115,9 +131,9 @@ def train(
         )
     model = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
     processing_class = processing_class_for(model, processing_class)
-    train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing)
+    train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing, formatting_func)
     eval_packing = args.packing if args.eval_packing is None else args.eval_packing
-    eval_rows = prepare_dataset(eval_dataset, processing_class, args, eval_packing)
+    eval_rows = prepare_dataset(eval_dataset, processing_class, args, eval_packing, formatting_func)
     if eval_rows is not None and eval_packing:
         eval_rows = pack(
             iter(eval_rows), args.max_length or DEFAULT_MAX_LENGTH, truncate=args.packing_strategy == "bfd"
