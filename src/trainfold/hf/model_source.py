@@ -36,7 +36,7 @@ def model_from(
     """
     if seed is None:
         return _built(model, model_init_kwargs, peft_config)
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):  # every device, named: no warning
         torch.manual_seed(seed)
         return _built(model, model_init_kwargs, peft_config)
 
