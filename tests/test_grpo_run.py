@@ -424,7 +424,7 @@ def test_a_tokenizer_encodes_prompts_and_decodes_completions_as_trl(tmp_path):
         assert 1 not in c[:-1]
 
 
-def _trl_grpo(tmp_path, funcs, rows, peft_config=None, **kw):
+def _trl_grpo(tmp_path, funcs, rows, peft_config=None, eval_dataset=None, **kw):
     """A TRL ``GRPOTrainer`` on a tiny Llama saved under ``tmp_path`` (with a chat-template tokenizer)."""
     trl, datasets = pytest.importorskip("trl"), pytest.importorskip("datasets")
     import sys
@@ -441,7 +441,10 @@ def _trl_grpo(tmp_path, funcs, rows, peft_config=None, **kw):
     config = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), **common)  # the last config made: its accelerator
     data = datasets.Dataset.from_list(rows)
     model = str(tmp_path / "model")
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=funcs, args=config, train_dataset=data, peft_config=peft_config)
+    evals = None if eval_dataset is None else datasets.Dataset.from_list(eval_dataset)
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=funcs, args=config, train_dataset=data, eval_dataset=evals, peft_config=peft_config
+    )
     return trainer, args, data, tok
 
 
@@ -465,6 +468,19 @@ def test_a_chat_prompts_completions_reach_the_reward_functions_as_trls(tmp_path)
         completions, ids = seen[who][0]
         assert [shape(c) for c in completions] == [[(["role", "content"], "assistant")]] * 4, who
         assert [c[0]["content"] for c in completions] == [tok.decode(i, skip_special_tokens=True) for i in ids]
+
+
+def test_an_evaluation_logs_trls_metric_names(tmp_path):
+    rows = [{"prompt": f"w{i} w{i + 1}"} for i in range(4)]
+    reward = lambda completions, **_: [float(len(c)) for c in completions]
+    kw = dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4, beta=0.1)
+    trainer, args, data, _ = _trl_grpo(tmp_path, [reward], rows, eval_dataset=rows, **kw)
+    trainer.train()
+    ours = train(str(tmp_path / "model"), args, data, [reward], eval_dataset=rows).log_history
+    evals = lambda h: next(e for e in h if "eval_loss" in e)
+    timing = {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_num_tokens"}
+    assert set(evals(ours)) == set(evals(trainer.state.log_history)) - timing
+    assert {"eval_entropy", "eval_kl", "eval_clip_ratio/low_min"} <= set(evals(ours))
 
 
 def test_peft_config_draws_trls_adapter(tmp_path):

@@ -275,8 +275,9 @@ class GRPORun:
         state = attrs.evolve(state, metrics=metrics, extras={**state.extras, BUFFER: buffer})
         return state, StepBatch(micro, step.cursor)
 
-    def _eval_loss(self, state: TrainState, out: Mapping[str, Any]) -> Tensor:
-        """Return the objective on one eval batch, as TRL's evaluation: on-policy, not split or accumulated."""
+    def _eval_loss(self, state: TrainState, out: Mapping[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Return the objective and its metrics on one eval batch, as TRL's evaluation: on-policy, not split or
+        accumulated."""
         device = next(iter(state.params.values())).device
         mb = completion_rows(out["prompt_ids"], out["completion_ids"], self.pad_token_id)
         rows = mb["input_ids"].shape[0]
@@ -292,10 +293,10 @@ class GRPORun:
             )
         mb = {k: v.to(device) for k, v in mb.items()}
         with torch.no_grad(), train_mode(self.model, False):
-            loss, _ = self.objective(
+            loss, aux = self.objective(
                 functional_forward(self.model, state.buffers), state.params, mb, self.objective.count_items(mb)
             )
-        return loss.cpu()
+        return loss.cpu(), {k: v.cpu() for k, v in aux.items()}
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Return ``eval_loss`` and TRL's generation metrics on the eval prompts, averaged over eval batches."""
@@ -309,8 +310,9 @@ class GRPORun:
         made, losses = [], []
         for i, b in enumerate(batches):
             out = self.sample(state, self.eval_prompts, b, derive_seed(seed, step, i, _EVAL), encoded)
-            made.append(out["metrics"])
-            losses.append(float(self._eval_loss(state, out)) * len(b))  # HF: a mean over the eval rows
+            loss, aux = self._eval_loss(state, out)  # TRL logs the objective's metrics (entropy...) of each batch
+            made.append({**out["metrics"], **aux})
+            losses.append(float(loss) * len(b))  # HF: a mean over the eval rows
         metrics = {f"eval_{k}": float(torch.stack([m[k] for m in made]).mean()) for k in made[0]}
         return {"eval_loss": sum(losses) / n, **metrics}
 
