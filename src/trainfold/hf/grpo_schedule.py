@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -307,14 +308,17 @@ class GRPORun:
         def encoded(i: int) -> list[int]:
             return list(self.encode(self.eval_prompts[i][self.prompt_key]))
 
-        made, losses = [], []
+        made, losses, started = [], [], time.monotonic()
         for i, b in enumerate(batches):
             out = self.sample(state, self.eval_prompts, b, derive_seed(seed, step, i, _EVAL), encoded)
             loss, aux = self._eval_loss(state, out)  # TRL logs the objective's metrics (entropy...) of each batch
             made.append({**out["metrics"], **aux})
             losses.append(float(loss) * len(b))  # HF: a mean over the eval rows
         metrics = {f"eval_{k}": float(torch.stack([m[k] for m in made]).mean()) for k in made[0]}
-        return {"eval_loss": sum(losses) / n, **metrics}
+        runtime = time.monotonic() - started  # HF's speeds: completions (n x num_generations) and batches per second
+        speeds = {"samples": n * self.args.num_generations / runtime, "steps": len(batches) / runtime}
+        timing = {"eval_runtime": runtime, **{f"eval_{k}_per_second": v for k, v in speeds.items()}}
+        return {"eval_loss": sum(losses) / n, **timing, **metrics}
 
     def stream(self) -> StateStream:
         a = self.args
