@@ -98,9 +98,22 @@ def test_rows_are_tokenized_as_trl_tokenizes_them(tmp_path, rows):
     assert ours == [{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in theirs]
 
 
-def test_rows_without_a_prompt_are_refused_by_name():
-    with pytest.raises(KeyError, match=r"lacks \['prompt'\]"):
-        preference_row({"chosen": "a", "rejected": "b"}, tokenizer())
+def implicit(rows):
+    """``rows`` with the prompt inside chosen and rejected, as TRL's implicit-prompt datasets hold them."""
+    return [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in rows]
+
+
+@pytest.mark.parametrize("rows", [implicit(text_rows(6)), implicit(chat_rows(6))], ids=["text", "chat"])
+def test_an_implicit_prompt_is_extracted_as_trl_extracts_it(tmp_path, rows):
+    theirs = trl_trainer(tmp_path, rows).train_dataset
+    ours = preference_rows(rows, tokenizer())
+    assert ours == [{k: r[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} for r in theirs]
+    assert all(r["prompt_ids"] for r in ours)
+
+
+def test_rows_without_chosen_or_rejected_are_refused_by_name():
+    with pytest.raises(KeyError, match=r"lacks \['rejected'\]"):
+        preference_row({"prompt": "a", "chosen": "b"}, tokenizer())
 
 
 def losses(history):
@@ -160,3 +173,74 @@ def test_a_padding_free_run_has_the_padded_runs_losses(tmp_path):
         args = DPOArguments(output_dir=str(tmp_path / str(free)), padding_free=free, **COMMON, **RUN)
         runs.append(losses(trainfold.dpo.train(llama(), args, rows, processing_class=tokenizer()).log_history))
     assert runs[1] == pytest.approx(runs[0], rel=1e-5)
+
+
+def test_peft_config_draws_trls_adapter_and_trains_as_trl(tmp_path):
+    """TRL seeds with ``args.seed`` before ``get_peft_model``: the same adapter, the same steps, the global RNG kept."""
+    peft = pytest.importorskip("peft")
+    config = lambda: peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8, lora_dropout=0.0)
+    rows, kw = text_rows(8), dict(**COMMON, **{**RUN, "max_steps": 2, "gradient_accumulation_steps": 1})
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, disable_dropout=False, **kw)
+    data = datasets.Dataset.from_list(rows)
+    trainer = trl.DPOTrainer(
+        model=llama(), args=args, train_dataset=data, processing_class=tokenizer(), peft_config=config()
+    )
+    adapter = {k: v.detach().clone() for k, v in trainer.model.named_parameters() if v.requires_grad}
+    trainer.train()
+    model = llama()
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    ours = trainfold.dpo.train(
+        model,
+        DPOArguments(output_dir=str(tmp_path / "tf"), disable_dropout=False, **kw).replace(learning_rate=0.0),
+        data,
+        processing_class=tokenizer(),
+        peft_config=config(),
+    )
+    assert torch.equal(torch.random.get_rng_state(), before)  # drawn from the run's seed, not the caller's RNG
+    assert set(ours.state.params) == set(adapter)
+    for k, v in adapter.items():  # learning rate 0: the adapter as drawn
+        assert torch.equal(ours.state.params[k], v), k
+    trained = trainfold.dpo.train(
+        llama(),
+        DPOArguments(output_dir=str(tmp_path / "tf2"), disable_dropout=False, **kw),
+        data,
+        processing_class=tokenizer(),
+        peft_config=config(),
+    )
+    assert losses(trained.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
+    grad_norms = lambda h: [e["grad_norm"] for e in h if "grad_norm" in e]
+    assert grad_norms(trained.log_history) == pytest.approx(grad_norms(trainer.state.log_history), rel=1e-4)
+
+
+@pytest.mark.parametrize("logging_steps", [10, 2])
+def test_the_end_of_training_entry_holds_the_metrics_trls_holds(tmp_path, logging_steps):
+    """A window no step log was due for is in TRL's last entry (``log_history[-1]["rewards/margins"]``)."""
+    kw = dict(**COMMON, **{**RUN, "max_steps": 2, "gradient_accumulation_steps": 1, "logging_steps": logging_steps})
+    trainer = trl_trainer(tmp_path, text_rows(8), **kw)
+    trainer.train()
+    args = DPOArguments(output_dir=str(tmp_path / "tf"), **kw)
+    ours = trainfold.dpo.train(llama(), args, datasets.Dataset.from_list(text_rows(8)), processing_class=tokenizer())
+    theirs, last = trainer.state.log_history[-1], ours.log_history[-1]
+    ignored = {"total_flos", "num_tokens", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
+    assert set(last) - ignored == set(theirs) - ignored
+    assert ("rewards/margins" in last) is (logging_steps == 10)
+    for k in set(last) - ignored:
+        assert last[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
+
+
+def test_a_streamed_dataset_is_tokenized_as_read_and_trains_as_trl(tmp_path):
+    stream = lambda: datasets.Dataset.from_list(text_rows(12)).to_iterable_dataset()
+    kw = dict(**COMMON, **{**RUN, "max_steps": 3, "gradient_accumulation_steps": 1})
+    policy = llama()
+    trainer = trl.DPOTrainer(
+        model=policy,
+        ref_model=copy.deepcopy(policy),
+        args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **kw),
+        train_dataset=stream(),
+        processing_class=tokenizer(),
+    )
+    trainer.train()
+    ours = trainfold.dpo.train(llama(), DPOArguments(output_dir=str(tmp_path / "tf"), **kw), stream(),
+                               processing_class=tokenizer())  # fmt: skip
+    assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)

@@ -607,6 +607,13 @@ def test_loss_and_metrics_match_trl(tmp_path, loss_type):
     if loss_type in ("bnpo", "dapo"):  # our metrics aggregate like the loss; TRL's are token means, as these are
         for k in ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"):
             assert aux[k].item() == pytest.approx(trl_metrics[k], abs=1e-5), k
+    # the GRPO run's micro-batches (step_micro_batches) log TRL's per-completion extremes too
+    _, run_aux = obj(
+        functional_forward(policy), params, {**batch, "step_micro_batches": torch.full((4,), 1)}, obj.count_items(batch)
+    )
+    assert trl_metrics["clip_ratio/low_min"] != trl_metrics["clip_ratio/high_max"]
+    for k in ("clip_ratio/low_min", "clip_ratio/high_max"):
+        assert run_aux[k].item() == pytest.approx(trl_metrics[k], abs=1e-6), k
 
 
 @pytest.mark.parametrize("spg, iterations", [(2, 1), (1, 2)])

@@ -424,6 +424,112 @@ def test_a_tokenizer_encodes_prompts_and_decodes_completions_as_trl(tmp_path):
         assert 1 not in c[:-1]
 
 
+def _trl_grpo(tmp_path, funcs, rows, peft_config=None, eval_dataset=None, **kw):
+    """A TRL ``GRPOTrainer`` on a tiny Llama saved under ``tmp_path`` (with a chat-template tokenizer)."""
+    trl, datasets = pytest.importorskip("trl"), pytest.importorskip("datasets")
+    import sys
+
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from tiny_chat import llama, word_tokenizer
+
+    tok = word_tokenizer("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}")
+    llama().save_pretrained(tmp_path / "model")
+    tok.save_pretrained(tmp_path / "model")
+    common = dict(max_steps=1, per_device_train_batch_size=4, num_generations=2, max_completion_length=3, seed=5)
+    common |= dict(report_to="none", save_strategy="no", disable_tqdm=True, bf16=False, use_cpu=True, **kw)
+    args = GRPOArguments.from_hf(trl.GRPOConfig(output_dir=str(tmp_path / "tf"), **common))
+    config = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), **common)  # the last config made: its accelerator
+    data = datasets.Dataset.from_list(rows)
+    model = str(tmp_path / "model")
+    evals = None if eval_dataset is None else datasets.Dataset.from_list(eval_dataset)
+    trainer = trl.GRPOTrainer(
+        model=model, reward_funcs=funcs, args=config, train_dataset=data, eval_dataset=evals, peft_config=peft_config
+    )
+    return trainer, args, data, tok
+
+
+def test_a_chat_prompts_completions_reach_the_reward_functions_as_trls(tmp_path):
+    seen = {"trl": [], "tf": []}
+    chat = [{"prompt": [{"role": "user", "content": f"w{i} w{i + 1}"}]} for i in range(4)]
+
+    def recorder(who):
+        def reward(prompts, completions, completion_ids, **_):
+            seen[who].append((completions, completion_ids))
+            return [float(len(c[0]["content"])) for c in completions]
+
+        reward.__name__ = "length"
+        return reward
+
+    trainer, args, data, tok = _trl_grpo(tmp_path, [recorder("trl")], chat)
+    trainer.train()
+    train(str(tmp_path / "model"), args, data, [recorder("tf")])  # the tokenizer saved with the model, as TRL
+    shape = lambda c: [(list(m), m["role"]) for m in c]
+    for who in ("trl", "tf"):
+        completions, ids = seen[who][0]
+        assert [shape(c) for c in completions] == [[(["role", "content"], "assistant")]] * 4, who
+        assert [c[0]["content"] for c in completions] == [tok.decode(i, skip_special_tokens=True) for i in ids]
+
+
+def test_an_evaluation_logs_trls_metric_names(tmp_path):
+    rows = [{"prompt": f"w{i} w{i + 1}"} for i in range(4)]
+    reward = lambda completions, **_: [float(len(c)) for c in completions]
+    kw = dict(eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4, beta=0.1)
+    trainer, args, data, _ = _trl_grpo(tmp_path, [reward], rows, eval_dataset=rows, **kw)
+    trainer.train()
+    ours = train(str(tmp_path / "model"), args, data, [reward], eval_dataset=rows).log_history
+    evals = lambda h: next(e for e in h if "eval_loss" in e)
+    assert set(evals(ours)) == set(evals(trainer.state.log_history)) - {"eval_num_tokens"}
+    assert {"eval_entropy", "eval_kl", "eval_clip_ratio/low_min"} <= set(evals(ours))
+
+
+def test_peft_config_draws_trls_adapter(tmp_path):
+    peft = pytest.importorskip("peft")
+    config = lambda: peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], lora_alpha=4, lora_dropout=0.0)
+    rows = [{"prompt": f"w{i} w{i + 1}"} for i in range(4)]
+    reward = lambda completions, **_: [float(len(c)) for c in completions]
+    trainer, args, data, _ = _trl_grpo(tmp_path, [reward], rows, peft_config=config(), learning_rate=0.0)
+    adapter = {k: v for k, v in trainer.model.named_parameters() if v.requires_grad}
+    ours = train(str(tmp_path / "model"), args, data, [reward], peft_config=config())
+    assert set(ours.state.params) == set(adapter)
+    for k, v in adapter.items():  # learning rate 0: the adapter as drawn
+        assert torch.equal(ours.state.params[k], v), k
+
+
+def test_trls_keyword_names_train_as_trainfolds(tmp_path):
+    """``GRPOTrainer(model=, reward_funcs=, args=, train_dataset=, eval_dataset=)`` moves over with its names."""
+    rows, kw = [{"prompt": "12"}, {"prompt": "3"}], dict(encode=encode, decode=decode)
+    args = grpo_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2)
+    ours = train(lm(), args, rows, digit_sum, eval_prompts=rows, **kw).log_history
+    theirs = train(model=lm(), reward_funcs=[digit_sum], args=args, train_dataset=rows, eval_dataset=rows, **kw)
+    untimed = lambda h: [{k: v for k, v in e.items() if "runtime" not in k and "_per_second" not in k} for e in h[:-1]]
+    assert untimed(theirs.log_history) == untimed(ours)
+    with pytest.raises(TypeError, match="got prompts and train_dataset"):
+        train(lm(), args, rows, digit_sum, train_dataset=rows, **kw)
+    with pytest.raises(TypeError, match="needs the prompts"):
+        train(lm(), args, reward_funcs=digit_sum, **kw)
+
+
+@pytest.mark.parametrize("reward", ["org/reward-model", torch.nn.Linear(2, 1)], ids=["name", "module"])
+def test_a_reward_model_is_refused_by_name(tmp_path, reward):
+    with pytest.raises(TypeError, match=r"reward models \(.*\) are not supported.*wrap the model"):
+        train(lm(), grpo_args(tmp_path), [{"prompt": "1"}] * 2, [digit_sum, reward], encode=encode, decode=decode)
+
+
+def test_a_trl_config_is_refused_with_the_conversion():
+    trl = pytest.importorskip("trl")
+    import trainfold
+
+    config = dict(output_dir="x", use_cpu=True, bf16=False, report_to="none")
+    with pytest.raises(TypeError, match=r"GRPOArguments\.from_hf\(config\)"):
+        train(lm(), trl.GRPOConfig(**config), [{"prompt": "1"}] * 2, digit_sum, encode=encode, decode=decode)
+    with pytest.raises(TypeError, match=r"SFTArguments\.from_hf\(config\)"):
+        trainfold.sft.train(lm(), trl.SFTConfig(**config), [{"input_ids": [1, 2]}])
+    with pytest.raises(TypeError, match=r"DPOArguments\.from_hf\(config\)"):
+        trainfold.dpo.train(
+            lm(), trl.DPOConfig(**config), [{"prompt_ids": [1], "chosen_ids": [2], "rejected_ids": [3]}]
+        )
+
+
 # -- repeated prompts are independent objects ----------------------------------------------
 
 

@@ -162,3 +162,17 @@ def test_the_checks_let_good_inputs_through_unchanged(tmp_path):
     """The same call with the table's arguments corrected trains (the checks do not refuse what works)."""
     done = run(tmp_path, compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.float().mean())
     assert done.status == "completed" and done.global_step == 1
+
+
+def test_a_loss_defined_by_exec_without_a_module_name_is_checked_and_trains(tmp_path):
+    # exec() in a namespace without __name__ (a doc runner, some notebook kernels) leaves __module__ None, which
+    # the check read as a string: AttributeError before any work
+    namespace: dict = {}
+    exec("def loss(outputs, labels, num_items_in_batch=None):\n    return outputs.float().mean()", namespace)
+    assert namespace["loss"].__module__ is None
+    done = run(tmp_path, compute_loss_func=namespace["loss"])
+    assert done.status == "completed" and done.global_step == 1
+    namespace2: dict = {}
+    exec("def loss(outputs, labels, num_items_in_batch=None):\n    return 1.0", namespace2)
+    with pytest.raises(TypeError, match=r"compute_loss_func returned a float \(1.0\), not a tensor"):
+        run(tmp_path / "b", compute_loss_func=namespace2["loss"])

@@ -15,6 +15,7 @@ from trainfold.optim import (
     clip_by_global_norm,
     decay_mask,
     decay_mask_by_name,
+    from_torch,
     sgd,
     trace,
 )
@@ -500,3 +501,35 @@ def test_a_chain_lets_only_its_first_part_reuse_the_steps_known_norm(donate):
         params = {"a": torch.zeros(2)}  # a donated apply stepped the first params in place
         clipped, _ = opt.apply(later, opt.init(params), params, donate=donate)
     assert torch.allclose(clipped["a"], torch.tensor([-0.6, -0.8]))  # the clip took the norm of [6, 8]: 10
+
+
+@pytest.mark.parametrize("kernel", [dict(foreach=False), dict(foreach=True), dict(fused=True)])
+def test_adamw_maximize_is_torch_adamw_maximize_bitwise(kernel):
+    params, grads = random_problem(3)
+    ours = run_ours(adamw(1e-2, weight_decay=0.1, mask=None, maximize=True, **kernel), params, grads)
+    ref = run_torch(
+        lambda p: torch.optim.AdamW(p.values(), lr=1e-2, weight_decay=0.1, maximize=True, **kernel), params, grads
+    )
+    for k in ref:
+        assert torch.equal(ours[k], ref[k]), k
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_sgd_maximize_matches_torch_sgd_maximize(nesterov):
+    params, grads = random_problem(4)
+    options = dict(momentum=0.9, nesterov=nesterov, weight_decay=0.01)
+    ours = run_ours(sgd(0.05, maximize=True, **options), params, grads)
+    ref = run_torch(lambda p: torch.optim.SGD(p.values(), lr=0.05, maximize=True, **options), params, grads)
+    assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+    ascended = run_ours(sgd(0.05, **options), params, grads)
+    assert not torch.allclose(ours["w"], ascended["w"])  # the direction changed
+
+
+def test_adamw_amsgrad_is_refused_naming_from_torch_which_runs_it_bitwise():
+    with pytest.raises(ValueError, match=r"amsgrad=True.*from_torch\(torch.optim.AdamW, lr=\.\.\., amsgrad=True"):
+        adamw(1e-2, amsgrad=True)
+    params, grads = random_problem(5)
+    ours = run_ours(from_torch(torch.optim.AdamW, lr=1e-2, amsgrad=True, weight_decay=0.1), params, grads)
+    ref = run_torch(lambda p: torch.optim.AdamW(p.values(), lr=1e-2, amsgrad=True, weight_decay=0.1), params, grads)
+    for k in ref:
+        assert torch.equal(ours[k], ref[k]), k

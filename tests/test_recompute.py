@@ -7,8 +7,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.utils.checkpoint import checkpoint
 
-from trainfold import TrainingArguments, adamw, init_state, make_step, train
+from trainfold import TrainingArguments, adamw, init_state, make_step, sgd, train
 from trainfold.core.losses import causal_lm
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.step.recompute import checkpoint_blocks, recomputing
@@ -251,3 +252,110 @@ def test_a_block_called_with_a_cache_gets_none_inside_the_scope():
         out = model[0][0](x, cache=object(), use_cache=True)
     out.sum().backward()
     assert seen == [(None, False), (None, False)]  # the forward and its recomputation
+
+
+def _steps(model, opt, n: int, **options):
+    step, state = make_step(model, causal_lm, opt, **options), init_state(model, opt)  # a copied state
+    for i in range(n):
+        state = step(state, batch(i))
+    return state
+
+
+def test_a_copied_state_recomputes_with_its_own_weights_not_the_modules():
+    # the recomputation in backward ran after the step had unbound its tensors, so from the second step on it
+    # read the module's (initial) weights: silently wrong gradients (the reference: the step without checkpointing)
+    opt = sgd(0.1, momentum=0.9)
+    plain = _steps(lm(), opt, 3)
+    recomputed = _steps(lm(), opt, 3, gradient_checkpointing=True)
+    for k in plain.params:
+        assert torch.equal(plain.params[k], recomputed.params[k]), k
+
+
+def _llama(transformers):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        use_cache=False,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_model_with_its_own_hf_checkpointing_on_trains_as_without_it(reentrant):
+    # transformers' gradient_checkpointing_enable() recomputed with the module's own weights (reentrant: and put
+    # the gradients in the module's .grad); the step now checkpoints those blocks itself, the flags off meanwhile
+    transformers = pytest.importorskip("transformers")
+    opt = sgd(0.1, momentum=0.9)
+    plain = _steps(_llama(transformers), opt, 3)
+    model = _llama(transformers)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    calls = []
+    model.model.layers[1].mlp.register_forward_hook(lambda *a: calls.append(1))
+    own = _steps(model, opt, 3)
+    for k in plain.params:
+        assert torch.equal(plain.params[k], own.params[k]), k
+    assert len(calls) == 6  # each step: the forward and the recomputation
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)  # restored
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_peft_with_reentrant_hf_checkpointing_and_no_input_grads_trains_its_adapter():
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    opt = sgd(0.1, momentum=0.9)
+
+    def lora():
+        config = peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        return peft.get_peft_model(_llama(transformers), config)
+
+    plain = _steps(lora(), opt, 2)
+    model = lora()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    own = _steps(model, opt, 2)
+    for k in plain.params:
+        assert torch.equal(plain.params[k], own.params[k]), k
+
+
+@pytest.mark.parametrize("option", [{"differentiable": True}, {"compile": True}])
+def test_own_hf_checkpointing_is_refused_by_name_where_the_step_cannot_take_it_over(option):
+    transformers = pytest.importorskip("transformers")
+    model = _llama(transformers)
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ValueError, match="its own gradient checkpointing on.*gradient_checkpointing_disable"):
+        make_step(model, causal_lm, sgd(0.1, momentum=0.9), **option)
+
+
+class _OwnFlag(torch.nn.Module):
+    """A module with transformers' flag and its own torch checkpoint, and no blocks the step could checkpoint."""
+
+    def __init__(self, on: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+        self.gradient_checkpointing = on
+
+    def forward(self, input):
+        h = checkpoint(self.a, input, use_reentrant=False) if self.gradient_checkpointing else self.a(input)
+        return self.b(torch.tanh(h))
+
+
+def test_a_module_whose_own_checkpointing_has_no_blocks_runs_whole_with_the_states_weights():
+    loss = lambda out, labels, n: ((out - labels) ** 2).sum() / n
+    g = torch.Generator().manual_seed(0)
+    data = [[{"input": torch.randn(8, 4, generator=g), "labels": torch.randn(8, 1, generator=g)}] for _ in range(3)]
+    states = []
+    for on in (False, True):
+        model, opt = _OwnFlag(on), sgd(0.1, momentum=0.9)
+        step, state = make_step(model, loss, opt), init_state(model, opt)
+        for batch in data:
+            state = step(state, batch)
+        states.append(state)
+        assert model.gradient_checkpointing is on  # restored
+    for k in states[0].params:
+        assert torch.equal(states[0].params[k], states[1].params[k]), k

@@ -258,3 +258,103 @@ def test_peft_config_trains_only_the_adapter(tmp_path):
     for k, v in model.state_dict().items():  # the base weights are untouched
         if k in before:
             assert torch.equal(v, before[k]), k
+
+
+def test_peft_config_draws_trls_adapter_and_trains_as_trl(tmp_path):
+    """TRL seeds with ``args.seed`` before ``get_peft_model``: the same adapter, hence the same per-step losses."""
+    peft = pytest.importorskip("peft")
+    config = lambda: peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8, lora_dropout=0.0)
+    rows, kw = prompt_completion_rows(8), {**RUN, "max_steps": 2, "learning_rate": 5e-2}
+    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **COMMON, **kw)
+    data = datasets.Dataset.from_list(rows)
+    trainer = trl.SFTTrainer(
+        model=llama(), args=args, train_dataset=data, processing_class=tokenizer(), peft_config=config()
+    )
+    trainer.train()
+    ours = sft.train(
+        llama(),
+        SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw),
+        data,
+        processing_class=tokenizer(),
+        peft_config=config(),
+    )
+    grad_norms = lambda h: [e["grad_norm"] for e in h if "grad_norm" in e]
+    assert grad_norms(ours.log_history) == pytest.approx(grad_norms(trainer.state.log_history), rel=1e-4)
+    assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_entropy_and_token_accuracy_are_logged_as_trls(tmp_path, packing):
+    """TRL's SFT metrics, per step (one micro-batch each) and in the end-of-training entry, as TRL's tests read them."""
+    kw = {**RUN, "gradient_accumulation_steps": 1, "learning_rate": 0.1, "warmup_steps": 0, "max_steps": 4}
+    kw |= {"packing": True, "max_length": 16} if packing else {}
+    rows = prompt_completion_rows(2) * 8  # learnt within a few steps: the accuracy leaves 0
+    trainer = trl_trainer(tmp_path, rows, **kw)
+    trainer.train()
+    args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw)
+    ours = sft.train(llama(), args, rows, processing_class=tokenizer()).log_history
+    steps = lambda h, k: [e[k] for e in h if "loss" in e and "train_loss" not in e]
+    for k in ("entropy", "mean_token_accuracy"):
+        assert steps(ours, k) == pytest.approx(steps(trainer.state.log_history, k), rel=1e-5, abs=1e-6), k
+    assert max(steps(ours, "mean_token_accuracy")) > 0  # the accuracy is not trivially 0 here
+    args = args.replace(logging_steps=10, output_dir=str(tmp_path / "end"))  # TRL's tests: no step log is due
+    end = sft.train(llama(), args, rows, processing_class=tokenizer()).log_history[-1]
+    assert end["train_loss"] is not None and end["mean_token_accuracy"] is not None and end["entropy"] > 0
+
+
+def test_evaluation_logs_trls_entropy_and_token_accuracy(tmp_path):
+    """One eval batch: TRL's batch means are the token means trainfold takes over the eval set."""
+    rows = prompt_completion_rows(2) * 8
+    kw = {**RUN, "gradient_accumulation_steps": 1, "learning_rate": 0.1, "warmup_steps": 0, "max_steps": 2}
+    kw |= {"eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 4}
+    args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **COMMON, **kw)
+    data = datasets.Dataset.from_list(rows)
+    trainer = trl.SFTTrainer(model=llama(), args=args, train_dataset=data, eval_dataset=data.select(range(4)),
+                             processing_class=tokenizer())  # fmt: skip
+    trainer.train()
+    theirs = next(e for e in trainer.state.log_history if "eval_loss" in e)
+    args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw)
+    history = sft.train(
+        llama(), args, data, eval_dataset=data.select(range(4)), processing_class=tokenizer()
+    ).log_history
+    ours = next(e for e in history if "eval_loss" in e)
+    assert ours["eval_mean_token_accuracy"] > 0
+    for k in ("eval_loss", "eval_entropy", "eval_mean_token_accuracy"):
+        assert ours[k] == pytest.approx(theirs[k], rel=1e-5), k
+
+
+def test_a_streamed_dataset_is_prepared_as_read_and_trains_as_trl(tmp_path):
+    """A ``datasets.IterableDataset`` (no length) trains in its order, rows prepared as they are read, as TRL's."""
+    stream = lambda: datasets.Dataset.from_list(prompt_completion_rows(12)).to_iterable_dataset()
+    kw = {**RUN, "max_steps": 3, "gradient_accumulation_steps": 1}
+    trainer = trl.SFTTrainer(
+        model=llama(),
+        args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **COMMON, **kw),
+        train_dataset=stream(),
+        processing_class=tokenizer(),
+    )
+    trainer.train()
+    args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw)
+    ours = sft.train(llama(), args, stream(), processing_class=tokenizer())
+    assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
+
+
+def test_a_formatting_func_makes_the_text_as_trls(tmp_path):
+    rows = [{"q": r["prompt"], "a": r["completion"]} for r in prompt_completion_rows(12)]
+    fmt = lambda row: "user: " + row["q"] + " assistant:" + row["a"]
+    kw = {**RUN, "max_steps": 3, "gradient_accumulation_steps": 1}
+    trainer = trl.SFTTrainer(
+        model=llama(),
+        args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **COMMON, **kw),
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=tokenizer(),
+        formatting_func=fmt,
+    )
+    trainer.train()
+    args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw)
+    ours = sft.train(llama(), args, datasets.Dataset.from_list(rows), processing_class=tokenizer(), formatting_func=fmt)
+    assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
+    with pytest.raises(ValueError, match="formatting_func turns the rows into text"):
+        sft.train(
+            llama(), args.replace(completion_only_loss=True), rows, processing_class=tokenizer(), formatting_func=fmt
+        )

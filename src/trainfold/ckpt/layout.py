@@ -20,7 +20,7 @@ import attrs
 from torch import Tensor, nn
 
 from trainfold.ckpt.sidecar import CONFIG_FILE, MODEL_FILE
-from trainfold.core.state import TrainState
+from trainfold.core.state import TrainState, with_aliases
 from trainfold.core.tree import Tree, flatten
 
 __all__ = [
@@ -71,7 +71,7 @@ def adapter_keys(model: Any, weights: Mapping[str, Tensor]) -> dict[str, str]:
     from peft.utils import get_peft_model_state_dict
 
     name = _adapter_name(model)
-    chosen = get_peft_model_state_dict(model, state_dict=dict(weights), adapter_name=name)
+    chosen = get_peft_model_state_dict(model, state_dict=with_aliases(model, weights), adapter_name=name)
     by_id = {id(v): k for k, v in weights.items()}
     foreign = sorted(k for k, v in chosen.items() if id(v) not in by_id)
     if foreign:

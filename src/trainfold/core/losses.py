@@ -106,7 +106,7 @@ def _summed_cross_entropy(
             _raise_out_of_range(labels, num_classes)
     try:
         total = F.cross_entropy(
-            logits.reshape(-1, num_classes).float(),
+            _wide(logits.reshape(-1, num_classes)),
             labels.reshape(-1),
             ignore_index=IGNORE_INDEX,
             reduction="sum",
@@ -122,7 +122,7 @@ def causal_lm(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int, la
     """Next-token cross-entropy: position t predicts ``labels[t + 1]``; -100 is ignored.
 
     Returns the summed loss of this micro-batch divided by ``num_items_in_batch``, the count of
-    shifted labels that are not -100 over the whole optimizer step. Logits are upcast to float32.
+    shifted labels that are not -100 over the whole optimizer step. Logits are upcast to float32 (float64 stays).
 
     >>> import torch
     >>> logits = torch.zeros(1, 3, 4)              # uniform over 4 tokens: ln 4 per item
@@ -161,6 +161,16 @@ def cross_entropy(
 cross_entropy.count_items = count_labels  # type: ignore[attr-defined]
 
 
+def _wide(t: Tensor) -> Tensor:
+    """Return ``t`` in float32, or float64 when it is float64 (upcast, never down: a float64 model keeps its precision).
+
+    >>> import torch
+    >>> _wide(torch.ones(1, dtype=torch.bfloat16)).dtype, _wide(torch.ones(1, dtype=torch.float64)).dtype
+    (torch.float32, torch.float64)
+    """
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def _denominator(num_items: Tensor | int) -> Tensor | int:
     return num_items.clamp(min=1) if isinstance(num_items, Tensor) else max(int(num_items), 1)
 
@@ -183,7 +193,7 @@ def mse(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tenso
             "expected the labels' shape, or (batch, 1) logits for (batch,) labels; check num_labels and the labels "
             "column"
         )
-    error = logits.float().reshape(labels.shape) - labels.float()
+    error = _wide(logits).reshape(labels.shape) - _wide(labels)
     return (error * error).sum() / _denominator(num_items_in_batch)
 
 
@@ -204,7 +214,7 @@ def bce_with_logits(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | i
             f"multi-label logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}: "
             "expected (batch, num_labels) float labels, one 0/1 target per class"
         )
-    total = F.binary_cross_entropy_with_logits(logits.float(), labels.float(), reduction="sum")
+    total = F.binary_cross_entropy_with_logits(_wide(logits), _wide(labels), reduction="sum")
     return total / _denominator(num_items_in_batch)
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "lend",
     "counters",
     "refuse_vmapped",
+    "with_aliases",
 ]
 
 # What every step reports about itself; present from the first state so the record's
@@ -239,6 +240,22 @@ def split_module(model: nn.Module, *, copy: bool = True) -> tuple[dict[str, Tens
     for name, b in model.named_buffers():
         buffers[name] = b.detach().clone() if copy else b
     return params, buffers
+
+
+def with_aliases(model: nn.Module, weights: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Return ``weights`` (``model``'s ``state_dict`` names, a shared tensor once) with each other name of a shared
+    tensor bound to the same tensor.
+
+    A tensor several modules hold (VeRA's shared projections, tied embeddings) has a ``state_dict`` name
+    in each; the state keeps it once, under the first, while ``peft`` looks it up under another.
+
+    >>> lin = torch.nn.Linear(1, 1)
+    >>> sorted(with_aliases(torch.nn.Sequential(lin, lin), {"0.weight": torch.zeros(1, 1)}))
+    ['0.weight', '1.weight']
+    """
+    first: dict[int, str] = {}
+    names = {k: first.setdefault(id(v), k) for k, v in model.state_dict(keep_vars=True).items()}
+    return {**weights, **{k: weights[f] for k, f in names.items() if f in weights}}
 
 
 def init_state(

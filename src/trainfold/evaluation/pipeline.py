@@ -98,12 +98,17 @@ def _run_batch(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
     labels = batch.get(spec.label_key)
     inputs = {k: v for k, v in batch.items() if k != spec.label_key}
     outputs = plan.forward(plan.params, inputs)
-    loss_sum = count = None
+    loss_sum = count = sums = None
     if labels is not None:
         count = _items(plan.count_items, labels)
         # The loss divides its sum by the count it is given; multiply back for the exact sum
         # (also right for a loss that returns a plain mean).
         loss_sum = spec.loss(outputs, labels, count).detach().double() * count.to(torch.float64)
+        metrics = getattr(spec.loss, "metrics", None)  # a loss's own metrics (SFT's entropy...), as the step's
+        if metrics is not None:
+            sums = {
+                k: v.detach().double() * count.to(torch.float64) for k, v in metrics(outputs, labels, count).items()
+            }
     tensors: dict[str, Any] = {}
     if plan.gather:
         tensors["predictions"] = spec.predictions_of(outputs)
@@ -118,7 +123,7 @@ def _run_batch(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
             tensors["inputs"] = inputs[spec.main_input_name]
         if "loss" in spec.include_for_metrics and labels is not None:
             tensors["losses"] = _sample_losses(plan, outputs, labels)
-    return _BatchOut(loss_sum=loss_sum, count=count, num_samples=_num_samples(batch), tensors=tensors)
+    return _BatchOut(loss_sum=loss_sum, count=count, num_samples=_num_samples(batch), tensors=tensors, metric_sums=sums)
 
 
 def _objective_items(plan: _Plan, batch: Mapping[str, Any]) -> Tensor:

@@ -23,6 +23,7 @@ from trainfold.core.moved import moved_names
 from trainfold.data.packing import check_packable
 from trainfold.hf.dpo_args import DPOArguments
 from trainfold.hf.model_source import model_from, processing_class_for
+from trainfold.hf.sft import PreparedStream
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run
 from trainfold.recipes.dpo import dpo_objective, preference_collate
@@ -32,7 +33,7 @@ __all__ = ["prepare_preference_dataset", "train"]
 
 
 def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.Module:
-    built = model_from(model, args.model_init_kwargs, peft_config)
+    built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
     if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
         for m in built.modules():
             if isinstance(m, nn.Dropout):
@@ -40,12 +41,13 @@ def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.M
     return built
 
 
-def prepare_preference_dataset(
-    dataset: Any, processing_class: Any, args: DPOArguments
-) -> list[dict[str, list[int]]] | None:
-    """Return ``dataset``'s rows tokenized as ``DPOTrainer`` does (``trainfold.recipes.dpo_data``)."""
+def prepare_preference_dataset(dataset: Any, processing_class: Any, args: DPOArguments) -> Any:
+    """Return ``dataset``'s rows tokenized as ``DPOTrainer`` does (``trainfold.recipes.dpo_data``); a dataset
+    without a length (streaming) is tokenized as it is read, in its order, as TRL reads it."""
     if dataset is None:
         return None
+    if not hasattr(dataset, "__len__"):
+        return PreparedStream(dataset, lambda rows: preference_rows(rows, processing_class, args.max_length))
     rows = (dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset
     return preference_rows(rows, processing_class, args.max_length)
 
@@ -69,7 +71,10 @@ def train(
     ``kwargs`` go to ``trainfold.train``.
     """
     if not isinstance(args, DPOArguments):
-        raise TypeError(f"trainfold.dpo.train takes DPOArguments (TRL's DPOConfig names), not {type(args).__name__}")
+        raise TypeError(
+            f"trainfold.dpo.train takes DPOArguments (TRL's DPOConfig names), not {type(args).__name__}; "
+            f"convert a trl.DPOConfig with DPOArguments.from_hf(config)"
+        )
     model = _model(model, args, peft_config)
     source = model if ref_model is None else ref_model
     ref_params = None

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from trainfold.hf.grpo_args import GRPOArguments
 from trainfold.hf.grpo_schedule import BUFFER, GenerationBuffer, GRPORun
+from trainfold.hf.model_source import model_from, processing_class_for
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run
 from trainfold.recipes.grpo import RewardFunc, grpo_objective, make_rollout
@@ -85,11 +86,40 @@ def _rollout(
     )
 
 
+def _datasets(prompts: Any, eval_prompts: Any, run: dict[str, Any]) -> tuple[Any, Any]:
+    """Return the prompts and eval prompts, given by trainfold's names or TRL's (taken out of ``run``)."""
+    refused = sorted({"objective", "train_stream", "compute_loss_func"} & set(run))
+    if refused:
+        raise TypeError(f"grpo train sets {refused} itself; pass prompts, eval_prompts and reward_funcs instead")
+    for trl_name, ours, given in (
+        ("train_dataset", "prompts", prompts),
+        ("eval_dataset", "eval_prompts", eval_prompts),
+    ):
+        if trl_name in run and given is not None:
+            raise TypeError(f"grpo train got {ours} and {trl_name} (TRL's name for it); give one of them")
+    prompts, eval_prompts = run.pop("train_dataset", prompts), run.pop("eval_dataset", eval_prompts)
+    if prompts is None:
+        raise TypeError("grpo train needs the prompts: train(model, args, prompts, reward_funcs)")
+    return prompts, eval_prompts
+
+
+def _reward_funcs(reward_funcs: Any) -> tuple[RewardFunc, ...]:
+    """Return the reward functions as a tuple; refuse TRL's reward models (a name or a module) by name."""
+    funcs = (reward_funcs,) if callable(reward_funcs) or isinstance(reward_funcs, str) else tuple(reward_funcs or ())
+    models = [f if isinstance(f, str) else type(f).__name__ for f in funcs if isinstance(f, (str, nn.Module))]
+    if models:
+        raise TypeError(
+            f"reward models ({models}) are not supported: trainfold calls reward functions only; wrap the model "
+            "in a function reward(prompts, completions, **kwargs) -> list[float] that scores with it"
+        )
+    return funcs
+
+
 def grpo_stream(
-    model: nn.Module,
+    model: nn.Module | str,
     args: GRPOArguments,
     prompts: Any,
-    reward_funcs: RewardFunc | Sequence[RewardFunc],
+    reward_funcs: RewardFunc | Sequence[RewardFunc] | None,
     *,
     encode: Any = None,
     decode: Any = None,
@@ -99,14 +129,18 @@ def grpo_stream(
     prompt_key: str = "prompt",
     ref_params: Any = None,
     eval_prompts: Any = None,
+    peft_config: Any = None,
 ) -> GRPORun:
     """Return the run's :class:`GRPORun`, checked (its ``stream()`` is what ``train`` feeds ``trainfold.train``)."""
     if not isinstance(args, GRPOArguments):
         raise TypeError(
             f"grpo train takes GRPOArguments (TrainingArguments + TRL's GRPOConfig names), not "
-            f"{type(args).__name__}; e.g. GRPOArguments(**args.to_dict(), num_generations=8)"
+            f"{type(args).__name__}; convert a trl.GRPOConfig with GRPOArguments.from_hf(config)"
         )
-    funcs = (reward_funcs,) if callable(reward_funcs) else tuple(reward_funcs)
+    module: nn.Module = model_from(model, None, peft_config, seed=args.seed)  # a name/path loaded, TRL's adapter
+    if encode is None and decode is None:  # as TRL: the tokenizer saved with the model when none is given
+        processing_class = processing_class_for(module, processing_class)
+    funcs = _reward_funcs(reward_funcs)
     problems = _run_problems(args, prompts, funcs)
     if problems:
         raise ValueError("cannot run GRPO: " + "; ".join(problems))
@@ -115,7 +149,7 @@ def grpo_stream(
     eos = eos_token_id if eos_token_id is not None else getattr(tok, "eos_token_id", None)
     pad = pad_token_id if pad_token_id is not None else getattr(tok, "pad_token_id", None)
     if ref_params is None and args.beta != 0:  # TRL's reference: the model as it was given
-        ref_params = {k: v for k, v in model.named_parameters() if v.requires_grad}
+        ref_params = {k: v for k, v in module.named_parameters() if v.requires_grad}
     if ref_params is not None:  # its own copy: train trains the module's storage in place
         ref_params = {k: v.detach().clone() for k, v in ref_params.items()}
     policy = attrs.asdict(args.policy_loss)
@@ -130,16 +164,17 @@ def grpo_stream(
         **policy,
     )
     pad = pad if pad is not None else (eos or 0)
-    rollout = _rollout(model, args, funcs, (enc, dec), eos, pad, prompt_key)
+    rollout = _rollout(module, args, funcs, (enc, dec), eos, pad, prompt_key)
     ref = ref_params if args.beta != 0 else None
-    return GRPORun(model, args, prompts, funcs, enc, dec, eos, pad, prompt_key, ref, eval_prompts, objective, rollout)
+    parts = (module, args, prompts, funcs, enc, dec, eos, pad, prompt_key, ref, eval_prompts, objective, rollout)
+    return GRPORun(*parts, processing_class=processing_class)
 
 
 def train(
-    model: nn.Module,
+    model: nn.Module | str,
     args: GRPOArguments,
-    prompts: Any,
-    reward_funcs: RewardFunc | Sequence[RewardFunc],
+    prompts: Any = None,
+    reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
     *,
     eval_prompts: Any = None,
     encode: Callable[[Any], list[int]] | None = None,
@@ -149,18 +184,17 @@ def train(
     pad_token_id: int | None = None,
     prompt_key: str = "prompt",
     ref_params: Mapping[str, Tensor] | None = None,
+    peft_config: Any = None,
     **run: Any,
 ) -> TrainResult:
     """Train ``model`` with GRPO on ``prompts`` scored by ``reward_funcs``, as TRL's ``GRPOTrainer`` does.
 
-    ``prompts`` is a map-style dataset of rows with a ``prompt_key`` column; the other columns
-    reach each reward function ``fn(prompts, completions, completion_ids=..., **columns) ->
-    list[float | None]`` as keyword arguments. Prompts are tokenized with ``encode`` (completions
-    read back with ``decode``) or a ``processing_class`` tokenizer. ``eval_prompts`` are scored
-    like training generations at each evaluation (``eval_reward``, ``eval_rewards/{name}/mean``...).
-    With ``beta > 0`` the KL is taken to ``ref_params`` (default: the model's weights as given).
-    The other keywords go to ``trainfold.train`` (``optimizer``, ``observers``,
-    ``resume_from_checkpoint``, ``stop``, ``callbacks``, ``early_stopping``).
+    ``prompts`` (TRL's ``train_dataset``) has a ``prompt_key`` column; its others reach each reward function
+    ``fn(prompts, completions, completion_ids=..., **columns) -> list[float | None]`` by keyword. Prompts are
+    tokenized with ``encode`` (read back with ``decode``) or a tokenizer. ``eval_prompts`` (``eval_dataset``) are
+    scored at each evaluation (``eval_reward``...). With ``beta > 0`` the KL is taken to ``ref_params`` (default:
+    the weights as given). ``model`` may be a name or path; ``peft_config`` wraps it (the adapter drawn from
+    ``args.seed``, as TRL's). Other keywords go to ``trainfold.train``.
 
     >>> import tempfile, torch
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
@@ -175,6 +209,7 @@ def train(
     >>> result.global_step, {"reward", "rewards/sevens/mean", "entropy"} <= set(result.log_history[0])
     (2, True)
     """
+    prompts, eval_prompts = _datasets(prompts, eval_prompts, run)  # TRL's train_dataset=, eval_dataset= too
     plan = grpo_stream(
         model,
         args,
@@ -188,10 +223,8 @@ def train(
         prompt_key=prompt_key,
         ref_params=ref_params,
         eval_prompts=eval_prompts,
+        peft_config=peft_config,
     )
-    refused = sorted({"train_dataset", "eval_dataset", "objective", "train_stream", "compute_loss_func"} & set(run))
-    if refused:
-        raise TypeError(f"grpo train sets {refused} itself; pass prompts, eval_prompts and reward_funcs instead")
     stream = plan.stream()  # a processing_class is saved into every checkpoint, as the Trainer's
-    given = dict(eval_dataset=eval_prompts, objective=plan.objective, processing_class=processing_class)
-    return train_run(model, args, prompts, train_stream=stream, **given, **run)
+    given = dict(eval_dataset=eval_prompts, objective=plan.objective, processing_class=plan.processing_class)
+    return train_run(plan.model, args, prompts, train_stream=stream, **given, **run)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -104,6 +105,7 @@ class GRPORun:
     eval_prompts: Any = None
     objective: Any = None  # grpo_objective from args: the run's loss, and eval_loss
     rollout: Rollout | None = None  # make_rollout from args: sampling and scoring, as the hand loop's
+    processing_class: Any = None  # the tokenizer (checkpoints hold it), when the run has one
     _encoded: dict[int, list[int]] = attrs.field(factory=dict)  # prompt index -> its tokens (encode is pure)
 
     @property
@@ -274,8 +276,9 @@ class GRPORun:
         state = attrs.evolve(state, metrics=metrics, extras={**state.extras, BUFFER: buffer})
         return state, StepBatch(micro, step.cursor)
 
-    def _eval_loss(self, state: TrainState, out: Mapping[str, Any]) -> Tensor:
-        """Return the objective on one eval batch, as TRL's evaluation: on-policy, not split or accumulated."""
+    def _eval_loss(self, state: TrainState, out: Mapping[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
+        """Return the objective and its metrics on one eval batch, as TRL's evaluation: on-policy, not split or
+        accumulated."""
         device = next(iter(state.params.values())).device
         mb = completion_rows(out["prompt_ids"], out["completion_ids"], self.pad_token_id)
         rows = mb["input_ids"].shape[0]
@@ -291,10 +294,10 @@ class GRPORun:
             )
         mb = {k: v.to(device) for k, v in mb.items()}
         with torch.no_grad(), train_mode(self.model, False):
-            loss, _ = self.objective(
+            loss, aux = self.objective(
                 functional_forward(self.model, state.buffers), state.params, mb, self.objective.count_items(mb)
             )
-        return loss.cpu()
+        return loss.cpu(), {k: v.cpu() for k, v in aux.items()}
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
         """Return ``eval_loss`` and TRL's generation metrics on the eval prompts, averaged over eval batches."""
@@ -305,13 +308,17 @@ class GRPORun:
         def encoded(i: int) -> list[int]:
             return list(self.encode(self.eval_prompts[i][self.prompt_key]))
 
-        made, losses = [], []
+        made, losses, started = [], [], time.monotonic()
         for i, b in enumerate(batches):
             out = self.sample(state, self.eval_prompts, b, derive_seed(seed, step, i, _EVAL), encoded)
-            made.append(out["metrics"])
-            losses.append(float(self._eval_loss(state, out)) * len(b))  # HF: a mean over the eval rows
+            loss, aux = self._eval_loss(state, out)  # TRL logs the objective's metrics (entropy...) of each batch
+            made.append({**out["metrics"], **aux})
+            losses.append(float(loss) * len(b))  # HF: a mean over the eval rows
         metrics = {f"eval_{k}": float(torch.stack([m[k] for m in made]).mean()) for k in made[0]}
-        return {"eval_loss": sum(losses) / n, **metrics}
+        runtime = time.monotonic() - started  # HF's speeds: completions (n x num_generations) and batches per second
+        speeds = {"samples": n * self.args.num_generations / runtime, "steps": len(batches) / runtime}
+        timing = {"eval_runtime": runtime, **{f"eval_{k}_per_second": v for k, v in speeds.items()}}
+        return {"eval_loss": sum(losses) / n, **timing, **metrics}
 
     def stream(self) -> StateStream:
         a = self.args

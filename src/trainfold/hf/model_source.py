@@ -11,16 +11,37 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["model_from", "processing_class_for"]
 
 
 def model_from(
-    model: nn.Module | str, model_init_kwargs: Mapping[str, Any] | None = None, peft_config: Any = None
+    model: nn.Module | str,
+    model_init_kwargs: Mapping[str, Any] | None = None,
+    peft_config: Any = None,
+    seed: int | None = None,
 ) -> Any:
     """Return ``model`` (or ``AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs)`` for a name or
-    path), wrapped by ``peft.get_peft_model`` when ``peft_config`` is given, as TRL's trainers take it."""
+    path), wrapped by ``peft.get_peft_model`` when ``peft_config`` is given, as TRL's trainers take it.
+
+    With ``seed`` (the run's), what is initialised at random here (PEFT's adapter weights, weights missing
+    from the checkpoint) is drawn as TRL draws it, after ``set_seed(args.seed)``; the global generators are
+    left as they were.
+
+    >>> lin, before = nn.Linear(2, 2), torch.random.get_rng_state()
+    >>> model_from(lin, seed=3) is lin, torch.equal(before, torch.random.get_rng_state())
+    (True, True)
+    """
+    if seed is None:
+        return _built(model, model_init_kwargs, peft_config)
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):  # every device, named: no warning
+        torch.manual_seed(seed)
+        return _built(model, model_init_kwargs, peft_config)
+
+
+def _built(model: nn.Module | str, model_init_kwargs: Mapping[str, Any] | None, peft_config: Any) -> Any:
     if isinstance(model, str):
         from transformers import AutoModelForCausalLM
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
 import warnings
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
+from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, adapter_config_text, is_peft_model
 from trainfold.ckpt.run_identity import RunSettings, settings_fingerprint
 from trainfold.ckpt.sharded import is_sharded
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointWarning, field_error
@@ -69,6 +71,30 @@ def _check_resumable(plan: Plan, meta: dict[str, Any], source: str | os.PathLike
             "resume from another checkpoint, or raise max_steps",
         )
     policy.check_compatible(meta.get("settings", {}), run_settings(plan), source=source)
+    _check_adapter(plan.model, source)
+
+
+_ADAPTER_PLACE = ("base_model_name_or_path", "revision")  # where the base came from: its weights are checked apart
+
+
+def _check_adapter(model: torch.nn.Module, source: str | os.PathLike) -> None:
+    """Refuse a PEFT checkpoint whose ``adapter_config.json`` differs from the model's adapter config.
+
+    Another ``lora_alpha``, ``use_rslora`` or dropout keeps every shape (the run's fingerprint) but changes the
+    forward: the resumed run would continue another trajectory without a word.
+    """
+    path = Path(source) / ADAPTER_CONFIG_FILE
+    if not (is_peft_model(model) and path.is_file()):
+        return
+    saved, now = json.loads(path.read_text()), json.loads(adapter_config_text(model))
+    differ = sorted(k for k in saved.keys() | now.keys() if k not in _ADAPTER_PLACE and saved.get(k) != now.get(k))
+    if differ:
+        shown = ", ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} here" for k in differ[:4])
+        raise ckpt.CheckpointError(
+            f"{path}: the checkpoint's adapter config is not the model's ({shown}); resume with the adapter config "
+            "that wrote it (PeftModel.from_pretrained(base, checkpoint, is_trainable=True) rebuilds it), or start a "
+            "new run in another output_dir"
+        )
 
 
 def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str | os.PathLike | None) -> Any:

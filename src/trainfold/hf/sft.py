@@ -18,21 +18,23 @@ be a module or a name/path (loaded with ``model_init_kwargs``); ``peft_config`` 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
-from trainfold.core.losses import causal_lm
 from trainfold.data.llm import DEFAULT_MAX_LENGTH
 from trainfold.data.packing import pack
 from trainfold.hf.model_source import model_from, processing_class_for
 from trainfold.hf.sft_args import SFTArguments
 from trainfold.hf.train import TrainResult
 from trainfold.hf.train import train as train_run
-from trainfold.recipes.sft import SFTCollate, is_conversational, sft_collate, sft_row, sft_rows
+from trainfold.recipes.sft import SFTCollate, is_conversational, sft_collate, sft_loss, sft_row, sft_rows
 
 __all__ = [
+    "PreparedStream",
     "SFTArguments",
     "SFTCollate",
     "is_conversational",
@@ -50,13 +52,38 @@ def _shuffled(rows: list, seed: int) -> Any:
     return Dataset.from_list(rows).shuffle(seed=seed)
 
 
-def prepare_dataset(dataset: Any, processing_class: Any, args: SFTArguments, packing: bool) -> Any:
-    """Return ``dataset`` prepared as ``SFTTrainer._prepare_dataset`` does (packing only cuts, in ``train``)."""
+class PreparedStream(torch.utils.data.IterableDataset):
+    """A dataset without a length (``datasets.IterableDataset``, streaming) prepared row by row as it is read."""
+
+    def __init__(self, rows: Any, prepare: Any) -> None:
+        self.rows, self.prepare = rows, prepare
+
+    def __iter__(self) -> Any:
+        for row in self.rows:
+            yield from self.prepare([row])
+
+
+def _formatted(rows: Any, formatting_func: Any) -> Any:
+    """``rows`` with TRL's ``formatting_func(row)`` as their ``text`` (rows of token ids as they are)."""
+    return (row if "input_ids" in row else {**row, "text": formatting_func(row)} for row in rows)
+
+
+def prepare_dataset(
+    dataset: Any, processing_class: Any, args: SFTArguments, packing: bool, formatting_func: Any = None
+) -> Any:
+    """Return ``dataset`` prepared as ``SFTTrainer._prepare_dataset`` does (packing only cuts, in ``train``); a
+    dataset without a length (streaming) is prepared as it is read, in its order, as TRL reads it.
+    ``formatting_func(row) -> str`` makes each row's text, as TRL's."""
     if dataset is None or (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
         return dataset
-    rows = sft_rows(
-        (dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset,
-        processing_class,
+    if formatting_func is not None and args.completion_only_loss:
+        raise ValueError(
+            "formatting_func turns the rows into text, which has no completion to train on alone "
+            "(as TRL refuses it): format the rows into prompt and completion yourself, or set completion_only_loss=None"
+        )
+    prepare = functools.partial(
+        sft_rows,
+        tokenizer=processing_class,
         max_length=args.max_length,
         truncation_mode=args.truncation_mode,
         packing=packing,
@@ -65,6 +92,11 @@ def prepare_dataset(dataset: Any, processing_class: Any, args: SFTArguments, pac
         assistant_only_loss=args.assistant_only_loss,
         eos_token=args.eos_token,
     )
+    if formatting_func is not None:
+        prepare = functools.partial(lambda base, rows: base(_formatted(rows, formatting_func)), prepare)
+    if not hasattr(dataset, "__len__"):
+        return PreparedStream(dataset, prepare)
+    rows = prepare((dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset)
     return _shuffled(rows, args.seed) if args.shuffle_dataset else rows
 
 
@@ -84,6 +116,7 @@ def train(
     peft_config: Any = None,
     data_collator: Any = None,
     callbacks: Sequence[Any] = (),
+    formatting_func: Any = None,
     **kwargs: Any,
 ) -> TrainResult:
     """Fine-tune ``model`` on ``train_dataset`` as TRL's ``SFTTrainer(...).train()`` does; return the run's record.
@@ -92,12 +125,15 @@ def train(
     ``trainfold.train`` (``compute_metrics``, ``observers``, ``resume_from_checkpoint``...).
     """
     if not isinstance(args, SFTArguments):
-        raise TypeError(f"trainfold.sft.train takes SFTArguments (TRL's SFTConfig names), not {type(args).__name__}")
-    model = model_from(model, args.model_init_kwargs, peft_config)
+        raise TypeError(
+            f"trainfold.sft.train takes SFTArguments (TRL's SFTConfig names), not {type(args).__name__}; "
+            f"convert a trl.SFTConfig with SFTArguments.from_hf(config)"
+        )
+    model = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
     processing_class = processing_class_for(model, processing_class)
-    train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing)
+    train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing, formatting_func)
     eval_packing = args.packing if args.eval_packing is None else args.eval_packing
-    eval_rows = prepare_dataset(eval_dataset, processing_class, args, eval_packing)
+    eval_rows = prepare_dataset(eval_dataset, processing_class, args, eval_packing, formatting_func)
     if eval_rows is not None and eval_packing:
         eval_rows = pack(
             iter(eval_rows), args.max_length or DEFAULT_MAX_LENGTH, truncate=args.packing_strategy == "bfd"
@@ -105,6 +141,6 @@ def train(
     if data_collator is None and not (args.packing or args.padding_free):
         data_collator = sft_collate(_pad_id(processing_class, args), args.pad_to_multiple_of)
     if not args.loss_chunk_size and kwargs.get("objective") is None:  # SFT's loss, whatever wraps the model (PEFT)
-        kwargs.setdefault("compute_loss_func", causal_lm)
+        kwargs.setdefault("compute_loss_func", sft_loss)  # causal_lm, logging TRL's entropy and mean_token_accuracy
     kwargs.setdefault("processing_class", processing_class)  # checkpoints hold the tokenizer, as the Trainer's
     return train_run(model, args, train_rows, eval_rows, data_collator, callbacks=callbacks, **kwargs)

@@ -289,6 +289,7 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
             samples,
             steps_per_epoch=plan.schedule.steps_per_epoch and plan.schedule.epoch_span,
         )
+        summary.update(run.window.pending)  # as TRL's end-of-training entry: a window no step log was due for
         if status == DIVERGED:
             summary["diverged_at_step"] = int(state.step)
         run.history.append(summary)

@@ -308,7 +308,8 @@ def checked_loss(loss: Callable[..., Any] | None) -> Callable[..., Any] | None:
     compute_loss_func returned a float (2.0), not a tensor
     """
 
-    if not inspect.isfunction(loss) or loss.__module__.startswith(("trainfold.core.", "trainfold.recipes.")):
+    # a function made by exec() in a namespace without __name__ has __module__ None
+    if not inspect.isfunction(loss) or (loss.__module__ or "").startswith(("trainfold.core.", "trainfold.recipes.")):
         return loss  # trainfold's own losses, and loss objects (their methods stay reachable)
 
     @functools.wraps(loss)

@@ -190,6 +190,7 @@ class MetricWindow:
 
     sums: dict[str, tuple[float, int]] = attrs.field(factory=dict)  # name -> (sum, steps that reported it)
     last_step: int = -1
+    pending: dict[str, float] = attrs.field(factory=dict)  # the last window when logged only at the run's end
 
     def add(self, state: TrainState) -> None:
         """Count ``state``'s metrics into the window (once per step)."""

@@ -75,7 +75,11 @@ def log_if_due(
         return state
     entry = log_entry(state, steps_per_epoch=steps_per_epoch)
     if window is not None:
-        entry.update(window.take())
+        means = window.take()
+        entry.update(means)
+        # a log only the run's end asks for: TRL leaves this window to its end-of-training entry, so it goes there too
+        only_at_end = not should_log(plan, int(state.step), int(log_mark(state).step), epoch_end=epoch_end)
+        window.pending = means if last and only_at_end else {}
     for reporter in reporters:
         reporter.log(entry, entry["step"])
     notify(observers, state, entry)

@@ -77,6 +77,7 @@ def _torch_adam(
     weight_decay: float,
     fused: bool | None,
     foreach: bool | None,
+    maximize: bool = False,
 ) -> None:
     """Run torch's functional AdamW (decoupled decay) on the lists, in place, as update ``count + 1``."""
     if not params:
@@ -110,7 +111,7 @@ def _torch_adam(
         lr=lr,
         weight_decay=weight_decay,
         eps=eps,
-        maximize=False,
+        maximize=maximize,
     )
 
 
@@ -129,6 +130,7 @@ class AdamW(GradientTransformation):
     decay: AddDecayedWeights
     fused: bool | None = None
     foreach: bool | None = None
+    maximize: bool = False
     name = "adamw"
 
     def init(self, params: Tree) -> AdamState:
@@ -168,6 +170,7 @@ class AdamW(GradientTransformation):
                 weight_decay=wd,
                 fused=self.fused,
                 foreach=self.foreach,
+                maximize=self.maximize,
             )
         return p, AdamState(state.count + 1, mu, nu)
 
@@ -182,12 +185,19 @@ def adamw(
     *,
     fused: bool | None = None,
     foreach: bool | None = None,
+    maximize: bool = False,
+    amsgrad: bool = False,
 ) -> AdamW:
     """AdamW as ``torch.optim.AdamW`` (its kernels): decoupled weight decay on the params ``mask`` marks True.
 
+    Two defaults are HF ``TrainingArguments``', not ``torch.optim.AdamW``'s: ``weight_decay`` 0.0 (torch: 0.01)
+    and ``mask`` :func:`decay_mask_by_name` (no decay for biases and norms; torch decays every param, as
+    ``mask=None`` does). With the same arguments the results are torch's, bitwise.
+
     ``mask`` is a ``{name: bool}`` mapping, a function of the params returning one, or ``None``
     to decay every param. ``fused`` and ``foreach`` pick torch's kernel as in ``torch.optim.AdamW``
-    (``None``: torch's default for the params' device).
+    (``None``: torch's default for the params' device); ``maximize`` ascends the objective, as there.
+    ``amsgrad=True`` is refused by name: ``from_torch(torch.optim.AdamW, amsgrad=True, ...)`` runs it.
 
     >>> opt = adamw(0.1, fused=True)
     >>> p = {"w": torch.tensor([1.0])}
@@ -198,8 +208,15 @@ def adamw(
     _check_betas(b1, b2)
     if fused and foreach:
         raise ValueError("adamw takes fused=True or foreach=True, not both (as torch.optim.AdamW)")
+    if amsgrad:
+        raise ValueError(
+            "adamw(amsgrad=True) is not supported (its state holds the two moments only); use "
+            "trainfold.optim.from_torch(torch.optim.AdamW, lr=..., amsgrad=True, weight_decay=..., mask=...), which "
+            "runs torch's AdamW with its state in the TrainState"
+        )
     decay = AddDecayedWeights(float(weight_decay), mask)
-    return AdamW(as_schedule(learning_rate), float(b1), float(b2), float(eps), decay, fused, foreach)
+    schedule = as_schedule(learning_rate)
+    return AdamW(schedule, float(b1), float(b2), float(eps), decay, fused, foreach, bool(maximize))
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> ScaleByAdam:

@@ -34,10 +34,13 @@ def sgd(
     weight_decay: float = 0.0,
     dampening: float = 0.0,
     mask: Mask | None = None,
+    *,
+    maximize: bool = False,
 ) -> SGD:
     """SGD with optional momentum, dampening, Nesterov and (coupled) weight decay, as ``torch.optim.SGD``.
 
-    ``mask`` (as in :func:`adamw`; ``None`` decays every param) picks the params weight decay applies to.
+    ``mask`` (as in :func:`adamw`; ``None`` decays every param) picks the params weight decay applies to;
+    ``maximize`` ascends the objective (the gradients negated first, as torch does).
 
     >>> import torch
     >>> opt = sgd(0.5)
@@ -45,9 +48,8 @@ def sgd(
     >>> opt.apply({"w": torch.tensor(2.0)}, opt.init(p), p)[0]["w"].item()
     0.0
     """
-    return SGD(
-        as_schedule(learning_rate), AddDecayedWeights(float(weight_decay), mask), trace(momentum, dampening, nesterov)
-    )
+    decay = AddDecayedWeights(float(weight_decay), mask)
+    return SGD(as_schedule(learning_rate), decay, trace(momentum, dampening, nesterov), bool(maximize))
 
 
 @attrs.frozen(eq=False)
@@ -57,6 +59,7 @@ class SGD(GradientTransformation):
     schedule: Schedule
     decay: AddDecayedWeights
     trace: Trace
+    maximize: bool = False
     name = "sgd"
 
     def init(self, params: Tree) -> SgdState:
@@ -66,6 +69,8 @@ class SGD(GradientTransformation):
         return rate_value(self.schedule(int(state.count)))
 
     def update(self, grads: Tree, state: SgdState, params: Tree) -> tuple[Tree, SgdState]:
+        if self.maximize:
+            grads = {k: -g for k, g in grads.items()}
         decayed, _ = self.decay.update(grads, (), params)
         direction, new_state = self.trace.update(decayed, state, params)
         keys = list(direction)

@@ -23,7 +23,30 @@ from trainfold.recipes.dpo import PreferenceCollate
 from trainfold.recipes.dpo_logps import PREFERENCE_COLUMNS, REF_KEYS
 from trainfold.recipes.sft import common_prefix, is_conversational
 
-__all__ = ["PaddingFreePreferenceCollate", "padding_free_preference_collate", "preference_row", "preference_rows"]
+__all__ = [
+    "PaddingFreePreferenceCollate",
+    "implicit_prompt",
+    "padding_free_preference_collate",
+    "preference_row",
+    "preference_rows",
+]
+
+
+def implicit_prompt(chosen: Any, rejected: Any) -> dict[str, Any]:
+    """Return ``prompt``, ``chosen`` and ``rejected`` split off two full texts or conversations as TRL 1.16 splits
+    rows without a prompt: the prompt is what they share up to the first differing character or message (a space
+    right before that character stays with the completions).
+
+    >>> implicit_prompt("Sky? It is blue.", "Sky? It is green.")
+    {'prompt': 'Sky? It is', 'chosen': ' blue.', 'rejected': ' green.'}
+    """
+    n = min(len(chosen), len(rejected))
+    cut = next((i for i in range(n) if chosen[i] != rejected[i]), None)
+    if cut is None:  # one is the start of the other: TRL's loop ends at the last shared index
+        cut = max(n - 1, 0)
+    elif cut > 0 and chosen[cut - 1] == " ":
+        cut -= 1
+    return {"prompt": chosen[:cut], "chosen": chosen[cut:], "rejected": rejected[cut:]}
 
 
 def preference_row(row: Mapping[str, Any], tokenizer: Any = None) -> dict[str, list[int]]:
@@ -36,11 +59,14 @@ def preference_row(row: Mapping[str, Any], tokenizer: Any = None) -> dict[str, l
     """
     if all(k in row for k in PREFERENCE_COLUMNS):
         return {k: list(row[k]) for k in PREFERENCE_COLUMNS}
+    if "prompt" not in row and "chosen" in row and "rejected" in row:
+        row = {**row, **implicit_prompt(row["chosen"], row["rejected"])}
     missing = [k for k in ("prompt", "chosen", "rejected") if k not in row]
     if missing:
         raise KeyError(
             f"preference row lacks {missing} (has {sorted(row)}): give prompt, chosen and rejected (text or "
-            "messages), or prompt_ids, chosen_ids and rejected_ids; an implicit prompt is not extracted"
+            "messages; without prompt, it is the start chosen and rejected share), or prompt_ids, chosen_ids and "
+            "rejected_ids"
         )
     if tokenizer is None:
         raise ValueError("preference rows of text need processing_class=<a tokenizer>; or give token ids")

@@ -205,6 +205,9 @@ class GRPOObjective:
             per_token = per_token + self.beta * kl
             aux["kl"] = metric(kl.detach())
         aux.update(_ratio_metrics(self.policy, ratio.detach(), (logps - old).detach(), adv, mask, metric))
+        if "step_micro_batches" in micro_batch and "clip_ratio/low_mean" in aux:  # TRL's per-micro-batch extremes
+            share = 1 / micro_batch["step_micro_batches"][0].to(mask)
+            aux.update(_clip_extremes(self.policy, ratio.detach(), adv, mask, share))
         return self._aggregate(per_token, mask, n, block), aux
 
     def _metric(
@@ -238,6 +241,23 @@ def _ratio_metrics(
         "clip_ratio/low_mean": metric(low),
         "clip_ratio/high_mean": metric(high),
         "clip_ratio/region_mean": metric(low + high),
+    }
+
+
+def _clip_extremes(p: PolicyLoss, ratio: Tensor, adv: Tensor, mask: Tensor, share: Tensor) -> dict[str, Tensor]:
+    """Return TRL's ``clip_ratio/low_min`` and ``clip_ratio/high_max``: the least low-clipped and the most
+    high-clipped completion's fraction of clipped tokens in the micro-batch (NaN-skipping), times ``share``."""
+
+    def per_completion(x: Tensor) -> Tensor:
+        fractions = x[:, 0] if x.shape[-1] == 1 else (x * mask).sum(-1) / mask.sum(-1)
+        return fractions[~torch.isnan(fractions)]
+
+    low = per_completion(((ratio < 1 - p.epsilon) & (adv < 0)).to(mask.dtype))
+    high = per_completion(((ratio > 1 + p.epsilon_high) & (adv > 0)).to(mask.dtype))
+    nan = torch.full((), float("nan"), dtype=mask.dtype, device=mask.device)
+    return {
+        "clip_ratio/low_min": (low.min() if low.numel() else nan) * share,
+        "clip_ratio/high_max": (high.max() if high.numel() else nan) * share,
     }
 
 
@@ -318,9 +338,9 @@ def grpo_objective(
       generation's tokens × ``step_micro_batches / generation_micro_batches``: TRL's
       ``N_gen · GA / steps_per_generation``, also when one optimizer step spans several generations.
 
-    Metrics (``clip_ratio/{low,high,region}_mean``, ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``kl``)
-    are aggregated the same way. ``temperature`` must be the sampling temperature. ``chunk_size`` (with
-    ``model``, a causal LM) computes the log-probs chunk by chunk from the final hidden states.
+    Metrics (``clip_ratio/{low,high,region}_mean``, ``cispo_clip_ratio``, ``vespo/phi_seq_mean``, ``kl``) are
+    aggregated the same way (the run adds TRL's ``clip_ratio/{low_min,high_max}``). ``temperature`` must be the
+    sampling temperature; ``chunk_size`` (with ``model``, a causal LM) takes the log-probs chunk by chunk.
 
     >>> grpo_objective("luspo", importance_sampling_level="sequence").policy.importance_sampling_level
     'sequence'

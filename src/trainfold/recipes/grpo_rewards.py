@@ -43,6 +43,12 @@ def reward_name(fn: RewardFunc) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
+def _as_reply(prompt: Any, completion: Any) -> Any:
+    """Return ``completion`` as TRL's ``GRPOTrainer`` gives it: an assistant message list for a chat prompt."""
+    chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], Mapping) and "role" in prompt[0]
+    return [{"role": "assistant", "content": completion}] if chat and isinstance(completion, str) else completion
+
+
 def combine_rewards(
     reward_funcs: Sequence[RewardFunc],
     prompts: Sequence[Any],
@@ -60,7 +66,15 @@ def combine_rewards(
     >>> total, each = combine_rewards([length, none_for_b], ["p", "p"], ["aa", "b"], weights=[1.0, 2.0])
     >>> total.tolist()
     [4.0, 1.0]
+
+    A text completion of a conversational prompt (a message list) reaches the functions as TRL passes it,
+    ``[{"role": "assistant", "content": text}]``:
+
+    >>> chat = [{"role": "user", "content": "hi"}]
+    >>> combine_rewards([lambda completions, **_: [len(completions[0][0]["content"])]], [chat], ["abc"])[0].tolist()
+    [3.0]
     """
+    completions = [_as_reply(p, c) for p, c in zip(prompts, completions)]
     if not reward_funcs:
         raise ValueError("combine_rewards needs at least one reward function")
     if weights is not None and len(weights) != len(reward_funcs):

@@ -30,7 +30,18 @@ import attrs
 import torch
 from torch import Tensor
 
-__all__ = ["SFTCollate", "common_prefix", "is_conversational", "sft_collate", "sft_row", "sft_rows"]
+from trainfold.core.losses import IGNORE_INDEX, causal_lm, logits_of
+
+__all__ = [
+    "SFTCollate",
+    "common_prefix",
+    "is_conversational",
+    "sft_collate",
+    "sft_loss",
+    "sft_row",
+    "sft_rows",
+    "sft_token_metrics",
+]
 
 _log = logging.getLogger(__name__)
 _TEXT_KEYS = ("messages", "prompt", "completion")
@@ -217,3 +228,39 @@ def sft_collate(pad_token_id: int, pad_to_multiple_of: int | None = None) -> Cal
     ([[1, 2, 3, 0]], [[1, 1, 1, 0]], [[1, 2, 3, -100]])
     """
     return SFTCollate(pad_token_id, pad_to_multiple_of)
+
+
+def sft_token_metrics(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> dict[str, Tensor]:
+    """Return TRL's SFT metrics of a micro-batch: ``entropy`` (of the next-token distribution) and
+    ``mean_token_accuracy`` (top-1 hits) summed over the supervised positions, over ``num_items_in_batch``.
+
+    Summed over a step's micro-batches, each is its token mean over the step (TRL's with one micro-batch per step;
+    with more, TRL averages the micro-batches' token means).
+
+    >>> logits = torch.tensor([[[2.0, 0.0], [0.0, 2.0], [0.0, 0.0]]])
+    >>> m = sft_token_metrics(logits, torch.tensor([[-100, -100, 0]]), 1)  # position 1 predicts token 0: a miss
+    >>> round(m["entropy"].item(), 4), m["mean_token_accuracy"].item()
+    (0.3653, 0.0)
+    """
+    with torch.no_grad():
+        logits = logits_of(outputs).float()
+        target = torch.nn.functional.pad(labels[..., 1:], (0, 1), value=IGNORE_INDEX)
+        valid = target != IGNORE_INDEX
+        logp = torch.log_softmax(logits, dim=-1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        hits = (logits.argmax(-1) == target) & valid
+        n = torch.as_tensor(num_items_in_batch, dtype=logits.dtype, device=logits.device).clamp(min=1)
+        return {"entropy": (entropy * valid).sum() / n, "mean_token_accuracy": hits.sum() / n}
+
+
+def sft_loss(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> Tensor:
+    """The SFT loss: ``causal_lm`` (the token mean over the step), with TRL's metrics (:func:`sft_token_metrics`).
+
+    >>> round(sft_loss(torch.zeros(1, 3, 4), torch.tensor([[1, 2, -100]]), 1).item(), 4)  # ln 4
+    1.3863
+    """
+    return causal_lm(outputs, labels, num_items_in_batch)
+
+
+sft_loss.count_items = causal_lm.count_items  # type: ignore[attr-defined]
+sft_loss.metrics = sft_token_metrics  # type: ignore[attr-defined]

@@ -172,7 +172,8 @@ def micro_loss(
     num_items: Tensor,
     key: torch.Generator,
 ) -> tuple[Tensor, Mapping[str, Tensor]]:
-    """Return ``(loss, aux)`` of one micro-batch: the plan's objective, else its loss on the model's outputs."""
+    """Return ``(loss, aux)`` of one micro-batch: the plan's objective, else its loss on the model's outputs (``aux``
+    from the loss's ``metrics(outputs, labels, num_items)`` when it has one: ``recipes.sft.sft_loss``'s)."""
     if plan.objective is not None:
         return plan.objective(forward, leaves, micro, num_items, key)
     if plan.label_key not in micro:
@@ -180,9 +181,10 @@ def micro_loss(
             f"micro-batch has no {plan.label_key!r} key (keys: {sorted(micro)}); the collator must provide "
             f"labels, or pass label_key= to make_step, or an objective that needs none"
         )
-    inputs = {k: v for k, v in micro.items() if k != plan.label_key}
+    inputs, labels = {k: v for k, v in micro.items() if k != plan.label_key}, micro[plan.label_key]
     outputs = forward(leaves, inputs)
-    return plan.loss(outputs, micro[plan.label_key], num_items), {}
+    metrics = getattr(plan.loss, "metrics", None)
+    return plan.loss(outputs, labels, num_items), ({} if metrics is None else metrics(outputs, labels, num_items))
 
 
 def summed_grads(grads: list[Tensor | None] | None, new: Sequence[Tensor | None]) -> list[Tensor | None]:

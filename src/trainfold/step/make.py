@@ -18,6 +18,7 @@ from trainfold.step.differentiable import check_differentiable, differentiable_s
 from trainfold.step.eager import eager_step
 from trainfold.step.fsdp import refuse_engine_options
 from trainfold.step.plan import step_plan
+from trainfold.step.recompute import refuse_own_checkpointing
 
 __all__ = ["make_step"]
 
@@ -72,6 +73,7 @@ def make_step(
         autocast=autocast, gradient_checkpointing=gradient_checkpointing, loss_scaling=loss_scaling
     )
     refuse_engine_options(model, sharding=sharding, compile=compile)
+    refuse_own_checkpointing(model, compile=bool(compile), differentiable=differentiable)
     plan = step_plan(model, loss, optimizer, **settings, **precision)
     if compile:
         refuse_uncompilable(plan)

@@ -15,9 +15,16 @@ from trainfold.core.forward import Objective
 from trainfold.core.losses import counter_for, default_loss_for
 from trainfold.optim import GradientTransformation
 from trainfold.step.amp import LossScaling
-from trainfold.step.recompute import cache_configs, recomputing
+from trainfold.step.recompute import cache_configs, own_blocks, own_checkpointing, own_off, recomputing
 
-__all__ = ["StepPlan", "default_counter", "is_fully_sharded", "refuse_sharded", "step_plan"]
+__all__ = [
+    "StepPlan",
+    "default_counter",
+    "is_fully_sharded",
+    "refuse_forward_regularizer",
+    "refuse_sharded",
+    "step_plan",
+]
 
 
 @attrs.frozen
@@ -51,10 +58,20 @@ class StepPlan:
         )
 
     def recompute_scope(self, modules: list[nn.Module]) -> contextlib.AbstractContextManager[Any]:
-        """Return the activation-checkpointing scope of the step (``recompute.recomputing``; a no-op when off)."""
-        if not self.recompute:
+        """Return the activation-checkpointing scope of the step (``recompute.recomputing``; a no-op when off).
+
+        A model whose own checkpointing is on (``model.gradient_checkpointing_enable()``) is checkpointed here
+        instead, on the same blocks, with its own switched off for the step: see ``recompute.own_checkpointing``
+        (a model without blocks to checkpoint then runs whole).
+        """
+        own = own_checkpointing(modules)
+        if not (self.recompute or own):
             return contextlib.nullcontext()
-        return recomputing(self.model, every=self.recompute, modules=modules, configs=self.cache_configs)
+        blocks = None if self.recompute else own_blocks(own, modules)
+        if blocks == []:
+            return own_off(own)
+        every = self.recompute or 1
+        return recomputing(self.model, blocks, every, modules=modules, configs=self.cache_configs, own=own)
 
 
 def step_plan(
@@ -77,6 +94,8 @@ def step_plan(
     if optimizer is None:
         raise TypeError("make_step needs an optimizer, e.g. optimizer=trainfold.adamw(1e-3)")
     refuse_sharded(model, fully_shard=True)
+    if objective is None:
+        refuse_forward_regularizer(model)
     if loss is None:
         loss = default_loss_for(model, defer=objective is not None)
     return StepPlan(
@@ -92,6 +111,35 @@ def step_plan(
         loss_scaling=loss_scaling,
         cache_configs=tuple(cache_configs(model.modules())),
     )
+
+
+def refuse_forward_regularizer(model: nn.Module) -> None:
+    """Raise ``ValueError`` for a model whose forward adds a term to ``outputs.loss``: a PEFT AdaLoRA adapter's
+    orthogonal regularizer, a mixture of experts' router loss (``config.output_router_logits``).
+
+    The step's loss is computed from the outputs without ``labels`` reaching the model, so that term (which
+    ``transformers.Trainer`` trains with) would be dropped without a word.
+
+    >>> refuse_forward_regularizer(torch.nn.Linear(2, 1)) is None
+    True
+    """
+    config: Any = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False) is True and getattr(config, "router_aux_loss_coef", None):
+        raise ValueError(
+            f"{type(model).__name__} has config.output_router_logits=True: its forward adds router_aux_loss_coef "
+            f"({config.router_aux_loss_coef}) times the experts' load-balancing loss to outputs.loss, which the step "
+            "does not use (the loss comes from the logits), so it would be silently dropped; set "
+            "config.output_router_logits=False, or pass an objective that adds outputs.aux_loss"
+        )
+    configs = getattr(model, "peft_config", None)
+    for name, config in configs.items() if isinstance(configs, Mapping) else ():
+        if getattr(config, "orth_reg_weight", 0) and str(getattr(config, "peft_type", "")).endswith("ADALORA"):
+            raise ValueError(
+                f"the AdaLoRA adapter {name!r} has orth_reg_weight={config.orth_reg_weight}: its forward adds that "
+                "regularizer to outputs.loss, which the step does not use (the loss comes from the logits), so it "
+                "would be silently dropped; set AdaLoraConfig(orth_reg_weight=0.0), or pass an objective that "
+                "adds it (peft computes it when labels reach the forward)"
+            )
 
 
 def default_counter(

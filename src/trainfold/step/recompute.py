@@ -37,9 +37,19 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, cast
 
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["checkpoint_blocks", "recomputing", "cache_configs", "cache_off"]
+__all__ = [
+    "checkpoint_blocks",
+    "recomputing",
+    "own_checkpointing",
+    "own_blocks",
+    "own_off",
+    "refuse_own_checkpointing",
+    "cache_configs",
+    "cache_off",
+]
 
 _HF_LAYER = "GradientCheckpointingLayer"
 
@@ -79,12 +89,14 @@ def recomputing(
     every: int = 1,
     modules: list[nn.Module] | None = None,
     configs: Sequence[Any] | None = None,
+    own: Sequence[nn.Module] = (),
 ) -> Iterator[list[nn.Module]]:
     """Checkpoint every ``every``-th of ``blocks`` (default: :func:`checkpoint_blocks`) for the duration; yield them.
 
     ``every=2`` checkpoints blocks 0, 2, 4, … (HF's ``every_n_layers``): less recomputation, more
     memory. ``modules`` is ``list(model.modules())`` when the caller has walked the tree already,
-    ``configs`` its :func:`cache_configs` when the caller has found them already.
+    ``configs`` its :func:`cache_configs` when the caller has found them already. ``own``: modules
+    whose own checkpointing (:func:`own_checkpointing`) is switched off for the duration.
     Raises ``ValueError`` naming the fix when the model has no blocks to checkpoint.
     """
     if not (isinstance(every, int) and every >= 1):
@@ -98,11 +110,11 @@ def recomputing(
             "GradientCheckpointingLayer instances or the children of an nn.ModuleList; give the blocks explicitly"
         )
     patched: list[tuple[nn.Module, Any]] = []
-    with cache_off(cache_configs(modules) if configs is None else configs):
+    with cache_off(cache_configs(modules) if configs is None else configs), own_off(own):
         try:
             for block in chosen:
                 patched.append((block, vars(block).get("forward")))
-                block.forward = _checkpointed(block.forward)  # an instance attribute: shadows the class's forward
+                block.forward = _checkpointed(block, block.forward)  # an instance attribute: shadows the class's
             yield chosen
         finally:
             for block, previous in reversed(patched):
@@ -110,6 +122,52 @@ def recomputing(
                     del block.forward
                 else:
                     block.forward = previous
+
+
+def own_checkpointing(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """Return the modules whose own gradient checkpointing is on (transformers' ``gradient_checkpointing_enable()``).
+
+    Such a module recomputes in backward with the weights it holds then, which are not the step's
+    (a copied state's); the step checkpoints the same blocks itself instead, with those switched off.
+
+    >>> import transformers
+    >>> config = transformers.LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=2,
+    ...                                   num_attention_heads=2, num_key_value_heads=2)
+    >>> model = transformers.LlamaForCausalLM(config)
+    >>> model.activation_checkpointing_enable()
+    >>> [type(m).__name__ for m in own_checkpointing(model.modules())]
+    ['LlamaModel', 'LlamaDecoderLayer', 'LlamaDecoderLayer']
+    """
+    return [m for m in modules if m.__dict__.get("gradient_checkpointing") is True]
+
+
+def refuse_own_checkpointing(model: nn.Module, *, compile: bool, differentiable: bool) -> None:
+    """Raise ``ValueError`` naming the fix when ``model``'s own checkpointing is on and the step cannot take it over."""
+    option = "differentiable" if differentiable else "compile"
+    if (compile or differentiable) and own_checkpointing(model.modules()):
+        raise ValueError(
+            f"{type(model).__name__} has its own gradient checkpointing on (model.gradient_checkpointing_enable()), "
+            f"which make_step(..., {option}=...) does not support: its recomputation would not read the step's "
+            "tensors; call model.gradient_checkpointing_disable() (the eager step checkpoints such a model itself)"
+        )
+
+
+def own_blocks(own: Sequence[nn.Module], modules: list[nn.Module]) -> list[nn.Module]:
+    """Return the blocks that stand for ``own``: the transformers layers among them (HF's ``every_n_layers``
+    choice), else the blocks :func:`checkpoint_blocks` finds in ``modules`` (maybe none)."""
+    return [m for m in own if _is_hf_layer(cast(type, type(m)))] or _blocks(modules)
+
+
+@contextlib.contextmanager
+def own_off(own: Sequence[nn.Module]) -> Iterator[None]:
+    """Switch the own checkpointing of ``own`` (:func:`own_checkpointing`) off for the duration."""
+    try:
+        for module in own:
+            module.__dict__["gradient_checkpointing"] = False  # as transformers sets it
+        yield
+    finally:
+        for module in own:
+            module.__dict__["gradient_checkpointing"] = True
 
 
 def cache_configs(modules: Iterable[nn.Module]) -> list[Any]:
@@ -161,7 +219,7 @@ def _set_use_cache(config: Any, value: bool) -> None:
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
-def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
+def _checkpointed(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forward)
     def run(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("use_cache"):
@@ -169,6 +227,31 @@ def _checkpointed(forward: Callable[..., Any]) -> Callable[..., Any]:
         for name in _CACHE_KWARGS:
             if kwargs.get(name) is not None:
                 kwargs[name] = None
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(_replaying(block, forward), *args, use_reentrant=False, **kwargs)
 
     return run
+
+
+def _replaying(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """Return ``forward`` such that its recomputation reads the tensors the first call read.
+
+    The pure step binds its tensors to the module only for the forward pass (``functional_call``);
+    backward, which recomputes the block, runs after, when the module holds its own weights again,
+    which differ from a copied state's once it has stepped. So the block's tensors are taken at the
+    call and bound again for the recomputation where the block holds others (a lent state's module,
+    FSDP2's gathered params, holds the same ones: nothing is rebound).
+    """
+    held = _tensors(block)
+
+    def again(*args: Any, **kwargs: Any) -> Any:
+        now = _tensors(block)
+        if all(now.get(k) is v for k, v in held.items()):
+            return forward(*args, **kwargs)
+        with _reparametrize_module(block, held):
+            return forward(*args, **kwargs)
+
+    return again
+
+
+def _tensors(block: nn.Module) -> dict[str, Any]:
+    return {**dict(block.named_parameters(remove_duplicate=False)), **dict(block.named_buffers(remove_duplicate=False))}
