@@ -28,7 +28,7 @@ from trainfold.evaluation import evaluate_sharded
 from trainfold.evaluation.evaluation import eval_sets, evaluate_batches, predict_batches
 from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
 from trainfold.hf.args import TrainingArguments
-from trainfold.hf.inputs import columns_of, device_for, eval_labels
+from trainfold.hf.inputs import columns_of, device_for, eval_labels, own_loss_objective
 from trainfold.hf.validate import refusing_trainer_keywords
 from trainfold.step.plan import is_fully_sharded
 
@@ -266,8 +266,8 @@ def evaluate(
     """
     metrics: dict[str, float] = {}
     for prefix, dataset in eval_sets(eval_dataset, metric_key_prefix).items():  # a dict: each set, as HF
-        given = (data_collator, objective, processing_class)
-        params, buffers, batches, label_key = _eval_inputs(model, args, dataset, state, *given)
+        given = (data_collator, objective, processing_class, compute_loss_func)
+        params, buffers, batches, label_key, objective = _eval_inputs(model, args, dataset, state, *given)
         try:
             metrics.update(
                 evaluate_batches(
@@ -323,8 +323,8 @@ def predict(
     """
     if isinstance(test_dataset, dict):
         raise TypeError("predict takes one dataset, not a dict of them (as HF's Trainer.predict); call it per set")
-    given = (data_collator, objective, processing_class)
-    params, buffers, batches, label_key = _eval_inputs(model, args, test_dataset, state, *given)
+    given = (data_collator, objective, processing_class, compute_loss_func)
+    params, buffers, batches, label_key, objective = _eval_inputs(model, args, test_dataset, state, *given)
     try:
         return predict_batches(
             model,
@@ -353,9 +353,11 @@ def _eval_inputs(
     data_collator: Callable[..., Any] | None,
     objective: Any = None,
     processing_class: Any = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any, str]:
-    """Return ``(params, buffers, batches, label_key)`` for ``evaluate``/``predict``: the state's or the model's."""
-    device = device_for(args)
+    compute_loss_func: Any = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any, str, Any]:
+    """Return ``(params, buffers, batches, label_key, objective)`` for ``evaluate``/``predict``: the state's tensors
+    or the model's; ``objective``, or the model's own loss where trainfold has none for its task."""
+    device, objective = device_for(args), own_loss_objective(model, compute_loss_func, objective, evaluation=True)
     if state is None:
         params, buffers = split_module(model)
         state_tensors = ({k: v.to(device) for k, v in params.items()}, {k: v.to(device) for k, v in buffers.items()})
@@ -365,4 +367,4 @@ def _eval_inputs(
     chosen = data_collator if data_collator is not None else collate_for(processing_class)
     chosen = eval_labels(padded_to_multiple(chosen, args.pad_to_multiple_of), args, data_collator, objective)
     collate = eval_collate(chosen, columns)
-    return (*state_tensors, eval_loader_for(dataset, collate, args, device), columns.label_key)
+    return (*state_tensors, eval_loader_for(dataset, collate, args, device), columns.label_key, objective)

@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 from trainfold.core.losses import default_loss_for, label_smoothed, refuse_unlabelled
+from trainfold.core.model_loss import model_loss
+from trainfold.core.tasks import model_task
 from trainfold.data import StepBatch
 from trainfold.data.collate import collate_for, pad_collate
 from trainfold.data.columns import Columns, columns_for, eval_collate, padded_to_multiple, with_columns
@@ -104,6 +106,19 @@ class RunInputs:
     eval_collate: Callable[[list[Any]], Any]  # evaluation batches (no packing)
 
 
+# the tasks trainfold has a loss for (losses.default_loss_for), and seq2seq, whose refusal names the fix
+_TASKS_WITH_LOSSES = ("causal_lm", "token_classification", "masked_lm", "sequence_classification", "seq2seq")
+
+
+def own_loss_objective(model: nn.Module, compute_loss_func: Any, objective: Any, *, evaluation: bool = False) -> Any:
+    """Return ``objective``, or where ``transformers.Trainer`` would train with the loss the model returns and
+    trainfold knows no loss for its task (no ``compute_loss_func``, no objective), ``core.model_loss`` of it
+    (``evaluation``: the one scoring it)."""
+    if compute_loss_func is not None or objective is not None or model_task(model) in _TASKS_WITH_LOSSES:
+        return objective
+    return model_loss(model, evaluation=evaluation)
+
+
 def _loss(
     model: nn.Module, args: TrainingArguments, compute_loss_func: Callable[..., Any] | None, objective: Any
 ) -> Callable[..., Any]:
@@ -158,7 +173,7 @@ def run_inputs(
         eval_dataset=eval_dataset,
         loss=loss,
         objective=lm.objective,
-        eval_objective=objective,
+        eval_objective=getattr(objective, "for_evaluation", objective),  # the model's own loss: scored by rows
         columns=columns,
         collate=with_columns(padded_to_multiple(_either(lm.data_collator, default), args.pad_to_multiple_of), columns),
         eval_collate=eval_collate(eval_labels(padded, args, data_collator, objective), columns),

@@ -71,7 +71,7 @@ from trainfold.hf.callback_checks import set_transformers_verbosity
 from trainfold.hf.callbacks import HFCallbacks, resumed_callback_states
 from trainfold.hf.evaluating import evaluate, predict
 from trainfold.hf.extras import BEST
-from trainfold.hf.inputs import to_device
+from trainfold.hf.inputs import own_loss_objective, to_device
 from trainfold.hf.optimizer import default_optimizer
 from trainfold.hf.plan import STOPPING_RULES, Plan, agreed
 from trainfold.hf.planning import plan_for
@@ -217,6 +217,7 @@ def train(
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     rank = collective.rank if collective is not None else 0
     compute_loss_func = checks.checked_loss(compute_loss_func)  # every problem named before any work
+    objective = own_loss_objective(model, compute_loss_func, objective)  # a model whose task trainfold has no loss for
     set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
     set_verbosity(args.log_level, main_process=rank == 0)  # the trainfold logger: events once, from rank 0
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
