@@ -131,3 +131,36 @@ def test_a_model_returning_no_loss_is_refused_naming_the_fix():
     args = trainfold.TrainingArguments.from_hf(hf_args(eval_strategy="no", max_steps=1))
     with pytest.raises(ValueError, match=r"Plain returned no loss \(its outputs: \['logits'\]\).*compute_loss_func="):
         trainfold.train(Plain(), args, rows(), data_collator=collate)
+
+
+class DoubleOutput(torch.nn.Module):
+    """transformers' test RegressionModel with double_output: ``(loss, y, y)``, and ``**kwargs``."""
+
+    def __init__(self, a: float = 1.5, b: float = 2.5) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.tensor(a))
+        self.b = torch.nn.Parameter(torch.tensor(b))
+
+    def forward(self, input_x, labels=None, **kwargs):
+        y = input_x * self.a + self.b
+        return (y, y) if labels is None else (torch.nn.functional.mse_loss(y, labels), y, y)
+
+
+def test_several_outputs_are_predicted_as_a_tuple_and_the_default_collation_trains_as_the_trainer():
+    data = rows(20)
+    args = hf_args(gradient_accumulation_steps=1, eval_strategy="no", optim="adamw_torch")
+    trainer = transformers.Trainer(DoubleOutput(), args, train_dataset=data)  # default_data_collator on both sides
+    expected = trainer.predict(data)
+    ours = trainfold.TrainingArguments.from_hf(args)
+    predicted = trainfold.predict(DoubleOutput(), ours, data)
+    assert isinstance(predicted.predictions, tuple) and len(predicted.predictions) == 2
+    for mine, theirs in zip(predicted.predictions, expected.predictions):
+        torch.testing.assert_close(torch.as_tensor(mine), torch.as_tensor(theirs))
+    assert predicted.metrics["test_loss"] == pytest.approx(expected.metrics["test_loss"], rel=1e-6)
+    trainer.train()
+    model = DoubleOutput()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainfold.train(model, ours, data)
+    for name in ("a", "b"):  # one micro-batch per step: the same sums in the same order, under AdamW too
+        torch.testing.assert_close(getattr(model, name), getattr(trainer.model, name))

@@ -11,7 +11,7 @@ tuple's first element), normalised as the Trainer normalises it:
   Trainer's division by the accumulation steps).
 
 Evaluation weighs each batch's loss by its rows, as the Trainer's ``eval_loss``; its predictions are the outputs
-but the loss (one tensor: itself), from the same forward.
+but the loss (one tensor: itself; several: their tuple), from the same forward.
 
 >>> import torch
 >>> class Regression(torch.nn.Module):
@@ -76,14 +76,15 @@ def _rows(batch: Mapping[str, Any]) -> int:
 
 
 def _without_loss(outputs: Any) -> Any:
-    """The outputs but the loss, as the Trainer's predictions: one tensor as itself, several as a tuple."""
+    """The outputs but the loss, as the Trainer's predictions: one tensor as itself, several as a tuple (under
+    ``"logits"``, where ``losses.logits_of`` finds the predictions)."""
     if isinstance(outputs, Mapping):
         rest = [v for k, v in outputs.items() if k != "loss"]
     elif isinstance(outputs, (tuple, list)):
         rest = list(outputs[1:])
     else:
         return outputs
-    return rest[0] if len(rest) == 1 else tuple(rest)
+    return rest[0] if len(rest) == 1 else {"logits": tuple(rest)}
 
 
 def model_loss(model: nn.Module, *, label_key: str = "labels", evaluation: bool = False) -> Any:
