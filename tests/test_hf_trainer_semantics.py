@@ -276,3 +276,17 @@ def test_a_seq2seq_model_trains_as_hf_with_decoder_inputs_in_the_batches_and_cro
     trainfold.train(model, args, rows, compute_loss_func=trainfold.losses.cross_entropy)
     for name, p in theirs.named_parameters():
         assert torch.equal(p, model.get_parameter(name)), name
+
+
+@pytest.mark.parametrize("resume", ["bogus", True], ids=["a-path", "true"])
+def test_a_resume_that_finds_no_checkpoint_raises_the_trainers_error_and_words(tmp_path, resume):
+    args = hf_args(tmp_path / "out", max_steps=1, per_device_train_batch_size=2)
+    given = str(tmp_path / "checkpoint-5-bogus") if resume == "bogus" else True
+    trainer = transformers.Trainer(model=llama(), args=args, train_dataset=ListDataset(ROWS))
+    with pytest.raises(Exception) as theirs:
+        trainer.train(resume_from_checkpoint=given)
+    with pytest.raises(Exception) as ours:
+        trainfold.train(llama(), trainfold.TrainingArguments.from_hf(args), ROWS, resume_from_checkpoint=given)
+    assert isinstance(ours.value, type(theirs.value)) and isinstance(ours.value, FileNotFoundError)
+    words = str(theirs.value).split(str(given) if resume == "bogus" else str(tmp_path))[0]  # up to the path
+    assert str(ours.value).startswith(words), (str(ours.value), str(theirs.value))

@@ -27,7 +27,7 @@ from trainfold.observe import history as log_file
 from trainfold.observe.observers import MetricWindow
 from trainfold.step.fsdp import placed_like
 
-__all__ = ["initial_state", "on_device", "claim_for", "Start", "start_run"]
+__all__ = ["initial_state", "on_device", "claim_for", "NoCheckpointError", "Start", "start_run"]
 
 
 def on_device(opt_state: Any, device: torch.device) -> Any:
@@ -97,17 +97,28 @@ def _check_adapter(model: torch.nn.Module, source: str | os.PathLike) -> None:
         )
 
 
+class NoCheckpointError(FileNotFoundError, ValueError):
+    """``resume_from_checkpoint`` finds no checkpoint: a ``FileNotFoundError``, and the ``ValueError`` that
+    ``transformers.Trainer`` raises, with its words ("Can't find a valid checkpoint at ...")."""
+
+
 def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str | os.PathLike | None) -> Any:
     """Claim the run's output_dir (``ckpt.run_dir.claim``): its lock, and the checkpoint a resume starts from."""
     settings = run_settings(plan)
-    return run_dir.claim(
-        plan.args.output_dir,
-        resume_from_checkpoint,
-        settings,
-        settings_fingerprint(settings, state.params, state.buffers),
-        overwrite_output_dir=plan.args.overwrite_output_dir,
-        writer=plan.is_writer,
-    )
+    try:
+        return run_dir.claim(
+            plan.args.output_dir,
+            resume_from_checkpoint,
+            settings,
+            settings_fingerprint(settings, state.params, state.buffers),
+            overwrite_output_dir=plan.args.overwrite_output_dir,
+            writer=plan.is_writer,
+        )
+    except FileNotFoundError as e:
+        lead = f"Can't find a valid checkpoint at {resume_from_checkpoint}"  # transformers.Trainer's words
+        if resume_from_checkpoint is True:
+            lead = f"No valid checkpoint found in output directory ({plan.args.output_dir})"
+        raise NoCheckpointError(f"{lead}: {e}") from None
 
 
 @attrs.frozen(eq=False)
