@@ -47,6 +47,18 @@ def hf_args(path, **settings):
     )
 
 
+def side_by_side(tmp_path, settings, rows=ROWS, eval_rows=None, hf_callbacks=(), tf_callbacks=()):
+    """Train one Llama with a real Trainer and with trainfold on the same settings: (trainer, its output, ours)."""
+    model, evals = llama(), {} if eval_rows is None else {"eval_dataset": ListDataset(eval_rows)}
+    args = hf_args(tmp_path / "hf", **settings)
+    trainer = transformers.Trainer(
+        model=copy.deepcopy(model), args=args, train_dataset=ListDataset(rows), callbacks=list(hf_callbacks), **evals
+    )
+    theirs = trainer.train()
+    ours = trainfold.TrainingArguments.from_hf(hf_args(tmp_path / "tf", **settings))
+    return trainer, theirs, trainfold.train(model, ours, rows, eval_dataset=eval_rows, callbacks=list(tf_callbacks))
+
+
 def test_from_hf_and_callbacks_leave_a_trainer_of_the_same_process_working(tmp_path):
     # transformers' TrainingArguments.__post_init__ clears accelerate's shared state: building one aside (the
     # defaults from_hf compares with, the args HF callbacks get) made the script's Trainer fail at its next call
@@ -103,17 +115,7 @@ def test_an_evaluation_by_steps_at_an_epoch_end_is_logged_before_the_epochs_log_
         eval_steps=3,
         train_sampling_strategy="sequential",
     )
-    model = llama()
-    trainer = transformers.Trainer(
-        model=copy.deepcopy(model),
-        args=hf_args(tmp_path / "hf", **settings),
-        train_dataset=ListDataset(ROWS),
-        eval_dataset=ListDataset(ROWS[:2]),
-    )
-    trainer.train()
-    ours = trainfold.train(
-        model, trainfold.TrainingArguments.from_hf(hf_args(tmp_path / "tf", **settings)), ROWS, eval_dataset=ROWS[:2]
-    )
+    trainer, _, ours = side_by_side(tmp_path, settings, eval_rows=ROWS[:2])
 
     def shape(history):
         return [(h["step"], "eval_loss" in h, "loss" in h, "train_loss" in h) for h in history]
@@ -143,21 +145,8 @@ def test_a_logged_epoch_counts_micro_batches_as_hf_in_an_epoch_with_a_short_last
         train_sampling_strategy="sequential",
     )
     seen_hf, seen_tf = EpochsSeen(), EpochsSeen()
-    model = llama()
-    trainer = transformers.Trainer(
-        model=copy.deepcopy(model),
-        args=hf_args(tmp_path / "hf", **settings),
-        train_dataset=ListDataset(ROWS),
-        eval_dataset=ListDataset(ROWS[:2]),
-        callbacks=[seen_hf],
-    )
-    trainer.train()
-    ours = trainfold.train(
-        model,
-        trainfold.TrainingArguments.from_hf(hf_args(tmp_path / "tf", **settings)),
-        ROWS,
-        eval_dataset=ROWS[:2],
-        callbacks=[seen_tf],
+    trainer, _, ours = side_by_side(
+        tmp_path, settings, eval_rows=ROWS[:2], hf_callbacks=[seen_hf], tf_callbacks=[seen_tf]
     )
 
     def epochs(history):
@@ -179,17 +168,7 @@ def test_counting_tokens_every_log_has_hfs_keys(tmp_path):
         eval_steps=2,
         include_num_input_tokens_seen="all",
     )
-    model = llama()
-    trainer = transformers.Trainer(
-        model=copy.deepcopy(model),
-        args=hf_args(tmp_path / "hf", **settings),
-        train_dataset=ListDataset(ROWS),
-        eval_dataset=ListDataset(ROWS[:2]),
-    )
-    theirs = trainer.train()
-    ours = trainfold.train(
-        model, trainfold.TrainingArguments.from_hf(hf_args(tmp_path / "tf", **settings)), ROWS, eval_dataset=ROWS[:2]
-    )
+    trainer, theirs, ours = side_by_side(tmp_path, settings, eval_rows=ROWS[:2])
     hf_keys = [sorted(set(h) - {"total_flos"}) for h in trainer.state.log_history]  # trainfold counts no FLOPs
     assert [sorted(h) for h in ours.log_history] == hf_keys
     assert [h["num_input_tokens_seen"] for h in ours.log_history] == [
@@ -203,12 +182,7 @@ def test_remove_unused_columns_false_leaves_a_text_column_out_of_the_default_col
     # HF's default_data_collator leaves strings out; trainfold's refused the run ("cannot make a tensor of ... 'text'")
     rows = [{**r, "text": f"row {i}"} for i, r in enumerate(ROWS)]
     settings = dict(max_steps=2, per_device_train_batch_size=2, logging_steps=1, remove_unused_columns=False)
-    model = llama()
-    trainer = transformers.Trainer(
-        model=copy.deepcopy(model), args=hf_args(tmp_path / "hf", **settings), train_dataset=ListDataset(rows)
-    )
-    trainer.train()
-    ours = trainfold.train(model, trainfold.TrainingArguments.from_hf(hf_args(tmp_path / "tf", **settings)), rows)
+    trainer, _, ours = side_by_side(tmp_path, settings, rows=rows)
     theirs = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert [h["loss"] for h in ours.log_history if "loss" in h] == pytest.approx(theirs, rel=1e-5)
 

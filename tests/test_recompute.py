@@ -66,18 +66,7 @@ def test_the_model_is_left_as_it_was_even_when_the_step_raises():
 
 
 def test_hugging_face_llama_blocks_are_its_decoder_layers():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=32,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    model = _llama(pytest.importorskip("transformers"))
     assert [n for n, _ in checkpoint_blocks(model)] == ["model.layers.0", "model.layers.1", "model.layers.2"]
     opt = adamw(1e-2)
     state = init_state(model, opt)

@@ -239,7 +239,9 @@ def _replaying(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., A
     backward, which recomputes the block, runs after, when the module holds its own weights again,
     which differ from a copied state's once it has stepped. So the block's tensors are taken at the
     call and bound again for the recomputation where the block holds others (a lent state's module,
-    FSDP2's gathered params, holds the same ones: nothing is rebound).
+    FSDP2's gathered params, holds the same ones: nothing is rebound). The binding is torch's own, the one
+    ``torch.func.functional_call`` makes (``_reparametrize_module``); ``functional_call`` itself is not used
+    because it goes through the block's ``__call__``, whose hooks ran once already, in the first pass.
     """
     held = _tensors(block)
 
