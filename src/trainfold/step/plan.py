@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -146,7 +146,7 @@ def collective_of(model: nn.Module) -> Collective | None:
         return None
     from trainfold.distributed.distributed import process_group_collective
 
-    return process_group_collective(group)
+    return cast(Collective, process_group_collective(group))  # frozen attrs: its rank reads as the protocol's
 
 
 def refuse_data_parallel(model: nn.Module) -> None:
