@@ -46,8 +46,10 @@ def make_step(
     model's task; the labels, ``label_key``, leave each micro-batch before the forward pass). ``objective(forward,
     params, micro_batch, num_items, key) -> (loss, aux)`` replaces forward and loss; ``aux`` is summed into
     ``state.metrics``. ``count_items(micro_batch)`` counts items (default: the loss's count of the labels);
-    ``collective`` sums counts and gradients across ranks. ``compile``: ``compiled.compile_step`` (backend by name
-    or callable, ``compile_mode``; eager, with a warning, where it cannot). ``gradient_checkpointing`` (an int n:
+    ``collective`` sums counts and gradients across ranks (default: None, or for a ``fully_shard`` module the
+    group of its mesh, ``plan.collective_of``; a ``DistributedDataParallel`` module is refused). ``compile``:
+    ``compiled.compile_step`` (backend by name or callable, ``compile_mode``; eager, with a warning, where it
+    cannot). ``gradient_checkpointing`` (an int n:
     every n-th block): ``step.recompute``. ``loss_scaling`` (with ``autocast=torch.float16``): ``step.amp``.
     ``step(state, batch, donate=True)`` (``step.donating``) updates ``state``'s tensors in place and
     invalidates it (bitwise equal); a donated *lent* state (``init_state(..., copy=False)``) runs the module as
