@@ -741,6 +741,28 @@ def test_the_elastic_split_comes_from_the_checkpoint_not_from_the_run_file_a_fai
             assert elastic_args(two, True, 1).gradient_accumulation_steps == 2
 
 
+def test_the_elastic_split_applies_again_to_a_checkpoint_its_own_resume_wrote_on_the_same_world(tmp_path):
+    """Issue 44.7: 2 ranks x batch 2 x GA 2 resumed on 1 process (GA 4) writes checkpoint-8 with world_size 1 and GA 4;
+    the same 1-process command (GA 2) resumes it again with GA 4, on the world size the checkpoint was written on."""
+    from trainfold.core.state import scalar
+    from trainfold.hf.planning import elastic_args
+
+    command = run_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    state = init_state(torch.nn.Linear(2, 1), adamw(1e-3))
+    ckpt.save(
+        attrs.evolve(state, step=scalar(6)), tmp_path / "checkpoint-6", settings={**command.to_dict(), "world_size": 2}
+    )
+    with pytest.warns(UserWarning, match=r"resuming a run of 2 ranks on 1: .*gradient_accumulation_steps 2 -> 4"):
+        first = elastic_args(command, True, 1)
+    ckpt.save(
+        attrs.evolve(state, step=scalar(8)), tmp_path / "checkpoint-8", settings={**first.to_dict(), "world_size": 1}
+    )
+    for resume in (True, str(tmp_path / "checkpoint-8")):
+        with pytest.warns(UserWarning, match=r"resuming a run of 1 ranks on 1: .*gradient_accumulation_steps 2 -> 4"):
+            assert elastic_args(command, resume, 1).gradient_accumulation_steps == 4
+        assert elastic_args(command, resume, 2) is command  # the command's own split: its global batch of 8
+
+
 def test_the_run_fingerprint_sees_the_global_batch_not_its_split():
     from trainfold.ckpt.run_identity import RunSettings, settings_fingerprint
 

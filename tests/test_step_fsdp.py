@@ -38,7 +38,9 @@ def micro_batches(step: int, rank: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _worker(out: Path) -> None:
+def _worker(out: Path, form: str) -> None:
+    """Step a hand-wrapped fully_shard TinyLM on this rank's micro-batches; ``form``: ``"collective"`` passes
+    ``collective=`` to ``make_step``, ``"alone"`` does not (docs/distributed.md's form: the mesh's group counts)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from trainfold.distributed.distributed import collective_from_env
@@ -49,7 +51,7 @@ def _worker(out: Path) -> None:
             fully_shard(block)
         fully_shard(net)
         opt = sgd(0.1, momentum=0.9)
-        step = make_step(net, causal_lm, opt, collective=c)
+        step = make_step(net, causal_lm, opt, **({"collective": c} if form == "collective" else {}))
         state = init_state(net, opt, copy=False)
         for i in range(STEPS):
             state = step(state, micro_batches(i, c.rank), donate=True)
@@ -57,14 +59,17 @@ def _worker(out: Path) -> None:
         full = {k: v.full_tensor() for k, v in state.params.items()}
         momentum = {f"momentum.{k}": v.full_tensor() for k, v in state.opt_state.momentum.items()}
         if c.rank == 0:
-            save_file({**full, **momentum}, out / "fsdp.safetensors")
-            (out / "loss.txt").write_text(repr(float(state.metrics["loss"])))
+            save_file({**full, **momentum}, out / f"fsdp-{form}.safetensors")
+            (out / f"loss-{form}.txt").write_text(repr(float(state.metrics["loss"])))
 
 
 @pytest.mark.slow
-def test_a_user_wrapped_fully_shard_model_on_two_ranks_matches_one_process(tmp_path):
-    torchrun_ok(__file__, tmp_path, nproc=WORLD)
-    two = load_file(tmp_path / "fsdp.safetensors")
+@pytest.mark.parametrize("form", ["collective", "alone"])
+def test_a_user_wrapped_fully_shard_model_on_two_ranks_matches_one_process(tmp_path, form):
+    """Issue 44.1 (``alone``): without ``collective=`` the step counted each rank's items alone while FSDP summed
+    the ranks' gradients: gradients x world size (params 0.18 off after 5 SGD steps)."""
+    torchrun_ok(__file__, tmp_path, form, nproc=WORLD)
+    two = load_file(tmp_path / f"fsdp-{form}.safetensors")
     net, opt = model(), sgd(0.1, momentum=0.9)
     step = make_step(net, causal_lm, opt)
     state = init_state(net, opt)
@@ -74,7 +79,8 @@ def test_a_user_wrapped_fully_shard_model_on_two_ranks_matches_one_process(tmp_p
         torch.testing.assert_close(two[k], v, rtol=0.0, atol=1e-6, msg=k)
     for k, v in state.opt_state.momentum.items():
         torch.testing.assert_close(two[f"momentum.{k}"], v, rtol=0.0, atol=1e-6, msg=k)
-    assert float((tmp_path / "loss.txt").read_text()) == pytest.approx(float(state.metrics["loss"]), abs=1e-6)
+    loss = float((tmp_path / f"loss-{form}.txt").read_text())
+    assert loss == pytest.approx(float(state.metrics["loss"]), abs=1e-6)
 
 
 @pytest.fixture
@@ -128,6 +134,22 @@ def test_a_forward_without_backward_between_steps_leaves_the_state_lent(one_rank
     assert all(states[0].params[k] is p for k, p in nets[0].named_parameters())
     for k, v in states[1].params.items():
         assert torch.equal(states[0].params[k].full_tensor(), v.full_tensor()), k
+
+
+def test_a_user_wrapped_distributed_data_parallel_module_is_refused_with_the_fix(one_rank):
+    """Issue 44.1: DDP averages the ranks' gradients, the step divides by the items of every rank (or its own)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainfold import TrainingArguments, train
+
+    ddp = DistributedDataParallel(model())
+    with pytest.raises(
+        TypeError, match=r"wrapped with DistributedDataParallel.*pass the module it wraps \(ddp.module\)"
+    ):
+        make_step(ddp, causal_lm, sgd(0.1))
+    args = TrainingArguments(output_dir="unused", max_steps=1, report_to="none", disable_tqdm=True)
+    with pytest.raises(TypeError, match=r"DistributedDataParallel"):
+        train(ddp, args, [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}] * 4)
 
 
 def test_a_fully_shard_model_needs_a_lent_donated_state(one_rank):
@@ -217,4 +239,4 @@ def test_an_async_save_reads_a_fully_shard_module_on_the_callers_thread_only(one
 
 
 if __name__ == "__main__":
-    _worker(Path(sys.argv[1]))
+    _worker(Path(sys.argv[1]), sys.argv[2])

@@ -42,6 +42,8 @@ __all__ = [
     "group_timeout",
     "collective_from_env",
     "joins_torchrun",
+    "launched_by_torchrun",
+    "join_torchrun_group",
     "process_group_collective",
     "shard",
     "shard_bounds",
@@ -225,6 +227,26 @@ def collective_from_env(backend: str | None = None) -> Iterator[ProcessGroupColl
     if owned:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def launched_by_torchrun() -> bool:
+    """Say whether torchrun started this process: its rendezvous is in the environment, on any number of ranks
+    (``--nproc_per_node=1`` included).
+
+    >>> launched_by_torchrun() == all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+    True
+    """
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def join_torchrun_group() -> None:
+    """Join torchrun's process group (of any world size, one included) unless one is open; it stays open until
+    the interpreter exits, as a group ``joins_torchrun`` opens. Raise ``RuntimeError`` outside torchrun."""
+    if dist.is_initialized():
+        return
+    if not launched_by_torchrun():
+        raise RuntimeError("join_torchrun_group() needs torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...)")
+    _init_group(None)
 
 
 def _under_torchrun() -> bool:

@@ -123,7 +123,7 @@ def plan_for(
     """Return the run ``train`` makes of its arguments (the same, in ``train``'s order), checked, before any step."""
     device = device_for(args)
     rank, world_size = world_of(collective)
-    args = elastic_args(args, resume_from_checkpoint, world_size)  # another world: the saved global batch
+    args = elastic_args(args, resume_from_checkpoint, world_size)  # the saved global batch, on any world
     given, where = (data_collator, compute_loss_func, objective), dict[str, Any](world_size=world_size, device=device)
     inputs = run_inputs(model, args, train_dataset, eval_dataset, *given, **where, processing_class=processing_class)
     sampler = sampler_for(args, inputs.train_dataset, world_size=world_size, rank=rank)
@@ -215,7 +215,9 @@ def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any
             found = [read_metadata(resume_from_checkpoint)["settings"]]
     saved = next((s for s in reversed(found) if _split_only(here, s)), None)
     batch = global_batch(saved or {})
-    if saved is None or batch is None or saved["world_size"] == world_size or batch == global_batch(here.values):
+    # whenever the global batch differs, not only on another world size: a run of 2 ranks resumed on 1 saves its
+    # later checkpoints with the adjusted split (1 rank), and the same 1-process command resumes those again
+    if saved is None or batch is None or batch == global_batch(here.values):
         return args
     size, steps = split_global_batch(batch, world_size=world_size, per_device=args.per_device_train_batch_size)
     warnings.warn(

@@ -125,15 +125,22 @@ class FullShard:
 def make_mesh(group: Any = None, device_type: str | None = None) -> Any:
     """Return the 1-D ``DeviceMesh`` over the ranks of ``group`` (default: the world).
 
+    Under torchrun without an open process group (``--nproc_per_node=1``: nothing joined one), it joins
+    torchrun's group first: a one-rank mesh is a valid FSDP run.
+
     ``device_type`` defaults to ``"cuda"`` when the group's backend is NCCL, else ``"cpu"`` (gloo).
     """
     from torch.distributed.device_mesh import DeviceMesh
 
+    from trainfold.distributed.distributed import join_torchrun_group, launched_by_torchrun
+
+    if not dist.is_initialized() and launched_by_torchrun():  # torchrun --nproc_per_node=1: a one-rank mesh
+        join_torchrun_group()
     if not dist.is_initialized():
         raise ValueError(
             "fsdp='full_shard' shards over the ranks of a torchrun job: run it under torchrun "
-            "(python -m torch.distributed.run --nproc_per_node N your_script.py), or drop fsdp to train "
-            "in one process"
+            "(python -m torch.distributed.run --nproc_per_node N your_script.py; N=1 is a one-rank mesh), or "
+            "drop fsdp to train in one process"
         )
     group = group if group is not None else dist.group.WORLD
     if device_type is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 import torch
@@ -19,8 +19,10 @@ from trainfold.step.recompute import cache_configs, own_blocks, own_checkpointin
 
 __all__ = [
     "StepPlan",
+    "collective_of",
     "default_counter",
     "is_fully_sharded",
+    "refuse_data_parallel",
     "refuse_forward_regularizer",
     "refuse_sharded",
     "step_plan",
@@ -94,6 +96,9 @@ def step_plan(
     if optimizer is None:
         raise TypeError("make_step needs an optimizer, e.g. optimizer=trainfold.adamw(1e-3)")
     refuse_sharded(model, fully_shard=True)
+    refuse_data_parallel(model)
+    if collective is None:  # a fully_shard module sums its gradients over its mesh: count the items there too
+        collective = collective_of(model)
     if objective is None:
         refuse_forward_regularizer(model)
     if loss is None:
@@ -111,6 +116,58 @@ def step_plan(
         loss_scaling=loss_scaling,
         cache_configs=tuple(cache_configs(model.modules())),
     )
+
+
+def collective_of(model: nn.Module) -> Collective | None:
+    """Return the collective of the process group an FSDP2 (``fully_shard``) ``model`` is sharded over, when it
+    spans several ranks; else None.
+
+    FSDP sums the ranks' gradients, so a step without ``collective=`` must count ``num_items_in_batch`` over the
+    same ranks: counted on each rank alone, the gradients came out world-size times too large.
+
+    >>> collective_of(torch.nn.Linear(2, 2)) is None
+    True
+    """
+    import torch.distributed as dist
+
+    if not (is_fully_sharded(model) and dist.is_available() and dist.is_initialized()):
+        return None
+    mesh = next((p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh")), None)
+    if mesh is None:
+        return None
+    group = mesh.get_group() if mesh.ndim == 1 else dist.group.WORLD
+    if mesh.ndim != 1 and mesh.size() != dist.get_world_size():
+        raise ValueError(
+            f"{type(model).__name__} is sharded over a {mesh.ndim}-D mesh of {mesh.size()} of the "
+            f"{dist.get_world_size()} ranks: pass make_step(collective=...) over the ranks that share its batch "
+            "(trainfold.distributed.distributed.process_group_collective(group))"
+        )
+    if dist.get_world_size(group) < 2:
+        return None
+    from trainfold.distributed.distributed import process_group_collective
+
+    return cast(Collective, process_group_collective(group))  # frozen attrs: its rank reads as the protocol's
+
+
+def refuse_data_parallel(model: nn.Module) -> None:
+    """Raise ``TypeError`` for a module the user wrapped with ``DistributedDataParallel``: DDP averages the ranks'
+    gradients, while the step divides each loss by the item count of every rank (or, without a collective, of its
+    own): the gradients would be the one-process ones divided by the world size (or mixed per-rank means).
+
+    >>> refuse_data_parallel(torch.nn.Linear(2, 2)) is None
+    True
+    """
+    for name, module in model.named_modules():
+        if any(c.__name__ == "DistributedDataParallel" for c in type(module).__mro__):
+            where = f"its submodule {name!r} is" if name else "it is"
+            raise TypeError(
+                f"cannot train {type(model).__name__}: {where} wrapped with DistributedDataParallel, which averages "
+                "the ranks' gradients while trainfold's loss is already divided by the items of all ranks; pass the "
+                "module it wraps (ddp.module) with make_step(..., collective=trainfold.distributed.distributed."
+                "process_group_collective()) and step a lent, donated state (init_state(module, optimizer, "
+                "copy=False); step(state, batch, donate=True)): trainfold runs it under DistributedDataParallel "
+                "itself, summing the gradients (train(...) under torchrun does all this)"
+            )
 
 
 def refuse_forward_regularizer(model: nn.Module) -> None:
