@@ -188,21 +188,14 @@ def create_model_card(
 ) -> Path | None:
     """Write ``output_dir/README.md``: the model's name, origin, data, the settings and the final metrics.
 
-        A plain Markdown card (``Trainer.create_model_card`` writes one from the Hub's template); returns
-        its path on rank 0, ``None`` elsewhere.
+    A plain Markdown card (``Trainer.create_model_card`` writes one from the Hub's template); returns
+    its path on rank 0, ``None`` elsewhere.
 
-        >>> import tempfile
-        >>> from trainfold.ckpt.layout import (
-        ADAPTER_CONFIG_FILE,
-        ADAPTER_FILE,
-        adapter_config_text,
-        has_injected_adapter,
-        injected_adapter_weights,
-    )
-    from trainfold.hf.args import TrainingArguments
-        >>> path = create_model_card(tempfile.mkdtemp(), TrainingArguments(learning_rate=1e-3), model_name="tiny")
-        >>> path.read_text().splitlines()[0], "- learning_rate: 0.001" in path.read_text()
-        ('# tiny', True)
+    >>> import tempfile
+    >>> from trainfold.hf.args import TrainingArguments
+    >>> path = create_model_card(tempfile.mkdtemp(), TrainingArguments(learning_rate=1e-3), model_name="tiny")
+    >>> path.read_text().splitlines()[0], "- learning_rate: 0.001" in path.read_text()
+    ('# tiny', True)
     """
     if not is_world_process_zero():
         return None
