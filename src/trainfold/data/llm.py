@@ -24,6 +24,7 @@ from torch import nn
 
 from trainfold.core.chunked_loss import chunked_causal_lm
 from trainfold.core.losses import causal_lm, default_loss_for
+from trainfold.data.lengths import PREFERENCE_COLUMNS
 from trainfold.data.packing import check_packable, pack, packed_collate, padding_free_collate
 
 __all__ = ["DEFAULT_MAX_LENGTH", "LMInputs", "lm_inputs", "truncated", "truncates"]
@@ -40,12 +41,28 @@ class LMInputs:
     objective: Callable[..., Any] | None
 
 
+def _preference_rows(dataset: Any) -> bool:
+    """Say whether ``dataset``'s first row is a DPO preference row (``prompt_ids``, ``chosen_ids``...)."""
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")) or not len(dataset):
+        return False
+    row = dataset[0]
+    return isinstance(row, Mapping) and all(k in row for k in PREFERENCE_COLUMNS)
+
+
 def _refusals(
     model: nn.Module, args: Any, train_dataset: Any, data_collator: Any, compute_loss_func: Any, objective: Any
 ) -> list[str]:
     out = []
     batching = "packing" if args.packing else "padding_free"
-    if (args.packing or args.padding_free) and data_collator is not None:
+    if (args.packing or args.padding_free) and _preference_rows(train_dataset):
+        out.append(
+            f"{batching}=True packs or flattens rows of input_ids, not DPO's preference rows (prompt_ids, "
+            "chosen_ids, rejected_ids): run trainfold.dpo.train with DPOArguments(padding_free=True), or keep "
+            "padding_free=False and packing=False and pass "
+            "data_collator=trainfold.recipes.dpo_data.padding_free_preference_collate() (flattened chosen and "
+            "rejected rows)"
+        )
+    elif (args.packing or args.padding_free) and data_collator is not None:
         out.append(
             f"{batching}=True builds its own batches (positions restart at each document); "
             "drop data_collator, or set packing=False and padding_free=False"
