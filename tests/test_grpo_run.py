@@ -642,3 +642,12 @@ def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_pa
     logged = lambda h: [(e["step"], e["progress"]) for e in h if "progress" in e]
     assert logged(ours) == logged(trainer.state.log_history)  # a float32 sum over a count, as TRL's
     assert logged(ours) == [(1, 0.0), (2, pytest.approx(1 / 3)), (3, pytest.approx(2 / 3))]
+
+
+def test_bf16_defaults_differ_from_grpo_configs_as_documented(tmp_path):
+    """docs/rl.md: ``GRPOConfig()`` resolves ``bf16=None`` to ``not fp16`` on every device; ``GRPOArguments()``
+    keeps ``False``, and ``from_hf`` takes the resolved value."""
+    trl = pytest.importorskip("trl")
+    theirs = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    assert theirs.bf16 is True and trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp16=True).bf16 is False
+    assert GRPOArguments().bf16 is False and GRPOArguments.from_hf(theirs).bf16 is True
