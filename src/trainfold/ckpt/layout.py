@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 import attrs
 from torch import Tensor, nn
@@ -117,7 +117,7 @@ def adapter_config_text(model: Any) -> str:
     """Return ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (``inference_mode`` true), for
     a ``PeftModel`` or the base module it wraps."""
     config = model.peft_config[_adapter_name(model)]
-    inner = model.base_model.model if is_peft_model(model) else model  # PeftModel._get_base_model_class's
+    inner = cast(Any, model).base_model.model if is_peft_model(model) else model  # PeftModel._get_base_model_class's
     # the user's config is not changed; ``to_dict`` of the config itself (no deep copy first) lists each set
     # (``target_modules``) in the order PEFT's own save lists it: a copied set may iterate in another order
     out = config.to_dict()

@@ -175,7 +175,7 @@ class GRPORun:
         a, per_epoch = self.args, self.steps_per_epoch()
         total = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * per_epoch)
         epoch, position = state.cursor.as_tuple()
-        fields = dict(
+        fields: dict[str, Any] = dict(
             epoch=epoch + position / per_epoch,
             global_step=int(state.step),
             max_steps=total,
@@ -206,7 +206,7 @@ class GRPORun:
         rows = [copy.deepcopy(dataset[i]) for i in index]  # each repeat its own object
         prompts = [r[self.prompt_key] for r in rows]
         logged: dict[str, list[float]] = {}
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k != self.prompt_key}
+        columns: dict[str, Any] = {k: [r[k] for r in rows] for k in rows[0] if k != self.prompt_key}
         columns |= {
             "trainer_state": self.trainer_state(state),
             "log_metric": lambda name, value: logged.setdefault(name, []).append(float(value)),
