@@ -175,6 +175,20 @@ def test_a_padding_free_run_has_the_padded_runs_losses(tmp_path):
     assert runs[1] == pytest.approx(runs[0], rel=1e-5)
 
 
+@pytest.mark.parametrize("collator", [True, False], ids=["with-collator", "without"])
+def test_padding_free_by_hand_on_preference_rows_is_refused_naming_dpos_own_padding_free(tmp_path, collator):
+    """``trainfold.train`` with ``padding_free=True`` on DPO's rows: "drop data_collator" would not help, the refusal
+    names DPO's own padding-free collator and run."""
+    from trainfold.recipes.dpo import dpo_objective, preference_collate
+
+    items, model = preference_rows(text_rows(4), tokenizer()), llama()
+    args = trainfold.TrainingArguments(output_dir=str(tmp_path), max_steps=1, padding_free=True, report_to="none")
+    objective = dpo_objective(0.1, ["sigmoid"], ref_params={k: v.detach().clone() for k, v in model.named_parameters()})
+    collate = preference_collate(None) if collator else None
+    with pytest.raises(ValueError, match=r"not DPO's preference rows.*trainfold\.dpo\.train.*padding_free_preference_"):
+        trainfold.train(model, args, items, data_collator=collate, objective=objective)
+
+
 def test_peft_config_draws_trls_adapter_and_trains_as_trl(tmp_path):
     """TRL seeds with ``args.seed`` before ``get_peft_model``: the same adapter, the same steps, the global RNG kept."""
     peft = pytest.importorskip("peft")

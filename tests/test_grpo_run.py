@@ -617,3 +617,37 @@ def test_errors_name_the_setting_the_value_and_the_fix(tmp_path):
         from trainfold import TrainingArguments
 
         train(lm(), TrainingArguments(), [{"prompt": "1"}], digit_sum, encode=encode, decode=decode)
+
+
+def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_path):
+    """A TRL reward function reading ``trainer_state`` and calling ``log_metric``/``log_extra`` runs as in TRL: the
+    same counters at each generation, the metric logged under its name with TRL's values."""
+    seen = {"trl": [], "tf": []}
+
+    def recorder(who):
+        def shaped(completions, trainer_state, log_metric, log_extra, **_):
+            s = trainer_state
+            seen[who].append((s.global_step, s.max_steps, s.epoch, s.num_train_epochs, s.logging_steps))
+            log_metric("progress", s.global_step / s.max_steps)
+            log_extra("length", [len(c) for c in completions])
+            return [float(len(c)) for c in completions]
+
+        return shaped
+
+    rows = [{"prompt": f"w{i} w{i + 1}"} for i in range(8)]
+    trainer, args, data, _ = _trl_grpo(tmp_path, [recorder("trl")], rows, max_steps=3, logging_steps=1)
+    trainer.train()
+    ours = train(str(tmp_path / "model"), args, data, [recorder("tf")]).log_history
+    assert seen["tf"] == seen["trl"] and len(seen["tf"]) == 3
+    logged = lambda h: [(e["step"], e["progress"]) for e in h if "progress" in e]
+    assert logged(ours) == logged(trainer.state.log_history)  # a float32 sum over a count, as TRL's
+    assert logged(ours) == [(1, 0.0), (2, pytest.approx(1 / 3)), (3, pytest.approx(2 / 3))]
+
+
+def test_bf16_defaults_differ_from_grpo_configs_as_documented(tmp_path):
+    """docs/rl.md: ``GRPOConfig()`` resolves ``bf16=None`` to ``not fp16`` on every device; ``GRPOArguments()``
+    keeps ``False``, and ``from_hf`` takes the resolved value."""
+    trl = pytest.importorskip("trl")
+    theirs = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    assert theirs.bf16 is True and trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp16=True).bf16 is False
+    assert GRPOArguments().bf16 is False and GRPOArguments.from_hf(theirs).bf16 is True

@@ -340,3 +340,39 @@ def test_a_resume_with_another_adapter_config_is_refused_by_name_and_from_pretra
         rebuilt = peft.PeftModel.from_pretrained(base(), out / "checkpoint-2", is_trainable=True)
     resumed = train(rebuilt, args(out), rows(), resume_from_checkpoint=True)
     assert all(torch.equal(resumed.state.params[k], v) for k, v in result.state.params.items())
+
+
+def test_save_model_after_an_sft_run_with_peft_config_saves_the_adapter_as_peft_does(tmp_path):
+    """TRL's ``--use_peft`` script moved over (``examples/migration/trainfold_sft.py``): ``trainfold.save_model`` of
+    the module given to ``sft.train(..., peft_config=)`` writes ``PeftModel.save_pretrained``'s files, which
+    ``PeftModel.from_pretrained(base)`` loads with the trained model's logits."""
+    import trainfold
+    from trainfold import sft
+
+    config = lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    model = base()
+    sft_args = sft.SFTArguments(
+        output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+        bf16=False, gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no",
+    )  # fmt: skip
+    result = sft.train(model, sft_args, [{"input_ids": r.tolist()} for r in torch.randint(0, VOCAB, (8, 10))],
+                       peft_config=config())  # fmt: skip
+    trainfold.save_model(model, tmp_path / "final")
+    assert sorted(p.name for p in (tmp_path / "final").iterdir()) == [ADAPTER_CONFIG_FILE, ADAPTER_FILE]
+    theirs = result.apply_to(peft.get_peft_model(base(), config()))
+    theirs.save_pretrained(tmp_path / "peft")  # peft's own save of the same trained adapter
+    ours_w = safetensors.torch.load_file(tmp_path / "final" / ADAPTER_FILE)
+    theirs_w = safetensors.torch.load_file(tmp_path / "peft" / ADAPTER_FILE)
+    assert sorted(ours_w) == sorted(theirs_w) and all(torch.equal(ours_w[k], theirs_w[k]) for k in theirs_w)
+    assert json.loads((tmp_path / "final" / ADAPTER_CONFIG_FILE).read_text()) == json.loads(
+        (tmp_path / "peft" / ADAPTER_CONFIG_FILE).read_text()
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        reloaded = peft.PeftModel.from_pretrained(base(), tmp_path / "final")
+    ids = torch.randint(0, VOCAB, (3, 10), generator=torch.Generator().manual_seed(1))
+    model.eval(), reloaded.eval()
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+        assert torch.equal(reloaded(input_ids=ids).logits, expected)
+        assert not torch.equal(base()(input_ids=ids).logits, expected)  # the adapter was trained

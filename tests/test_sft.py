@@ -306,7 +306,7 @@ def test_evaluation_logs_trls_entropy_and_token_accuracy(tmp_path):
     """One eval batch: TRL's batch means are the token means trainfold takes over the eval set."""
     rows = prompt_completion_rows(2) * 8
     kw = {**RUN, "gradient_accumulation_steps": 1, "learning_rate": 0.1, "warmup_steps": 0, "max_steps": 2}
-    kw |= {"eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 4}
+    kw |= {"eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 8}
     args = trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **COMMON, **kw)
     data = datasets.Dataset.from_list(rows)
     trainer = trl.SFTTrainer(model=llama(), args=args, train_dataset=data, eval_dataset=data.select(range(4)),
@@ -358,3 +358,74 @@ def test_a_formatting_func_makes_the_text_as_trls(tmp_path):
         sft.train(
             llama(), args.replace(completion_only_loss=True), rows, processing_class=tokenizer(), formatting_func=fmt
         )
+
+
+def test_a_formatting_func_with_prompt_completion_rows_is_refused_where_trl_refuses_or_ignores_it(tmp_path):
+    rows = prompt_completion_rows(4)
+    fmt = lambda row: "user: " + row["prompt"] + " assistant:" + row["completion"]
+    args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, max_steps=1)
+    config = trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **COMMON)
+    data = datasets.Dataset.from_list(rows)
+    with pytest.raises(ValueError, match="formatting function was provided while `completion_only_loss=True`"):
+        trl.SFTTrainer(model=llama(), args=config, train_dataset=data, processing_class=tokenizer(),
+                       formatting_func=fmt)  # fmt: skip
+    with pytest.raises(ValueError, match="completion_only_loss=True`, which is incompatible"):
+        sft.train(llama(), args, rows, processing_class=tokenizer(), formatting_func=fmt)
+    # completion_only_loss=False: TRL tokenizes prompt + completion (its EOS goes to the unused text) and drops
+    # the formatted text silently
+    off = dataclasses.replace(config, completion_only_loss=False)
+    with_fmt = trl.SFTTrainer(
+        model=llama(), args=off, train_dataset=data, processing_class=tokenizer(), formatting_func=fmt
+    ).train_dataset
+    without = trl.SFTTrainer(model=llama(), args=off, train_dataset=data, processing_class=tokenizer()).train_dataset
+    assert list(with_fmt["input_ids"]) == [r[:-1] for r in without["input_ids"]]
+    with pytest.raises(ValueError, match="formatting_func would be ignored"):
+        sft.train(
+            llama(), args.replace(completion_only_loss=False), rows, processing_class=tokenizer(), formatting_func=fmt
+        )
+
+
+@pytest.mark.parametrize("mask", ["assistant_masks", "completion_mask"])
+def test_skip_prepare_dataset_with_mask_columns_and_no_labels_is_refused_as_trl_refuses_it(tmp_path, mask):
+    rows = [{"input_ids": [5, 6, 7, 2], mask: [0, 0, 1, 1]}] * 4
+    skip = {"skip_prepare_dataset": True}
+    config = trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, dataset_kwargs=skip, **COMMON)
+    with pytest.raises(ValueError, match="has mask columns but no 'labels'"):
+        trl.SFTTrainer(
+            model=llama(), args=config, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer()
+        )
+    args = SFTArguments(output_dir=str(tmp_path / "tf"), dataset_kwargs=skip, max_steps=1, **COMMON)
+    for data in (rows, datasets.Dataset.from_list(rows)):
+        with pytest.raises(ValueError, match=rf"train dataset has mask columns \['{mask}'\] but no 'labels'"):
+            sft.train(llama(), args, data, processing_class=tokenizer())
+    with pytest.raises(ValueError, match="eval dataset has mask columns"):
+        sft.train(llama(), args, [{"input_ids": [5, 6]}] * 4, rows, processing_class=tokenizer())
+    labelled = [{**r, "labels": [-100, -100, 7, 2]} for r in rows]  # labels given: trained as given
+    assert sft.train(llama(), args, labelled, processing_class=tokenizer()).global_step == 1
+
+
+def test_train_with_max_length_and_no_packing_truncates_the_rows_as_trl(tmp_path):
+    """``trainfold.train`` with ``TrainingArguments.from_hf(SFTConfig(max_length=6))``: rows cut to 6 tokens and rows
+    left with no label dropped, train and eval, as ``SFTTrainer`` prepares them (one eval batch: TRL's eval_loss is
+    a mean of batch means, trainfold's the token mean)."""
+    import trainfold
+
+    g = torch.Generator().manual_seed(4)
+    rows = []
+    for _ in range(16):
+        n, k = int(torch.randint(4, 14, (), generator=g)), int(torch.randint(1, 9, (), generator=g))
+        ids = torch.randint(3, 60, (n,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * min(k, n - 1) + ids[min(k, n - 1) :]})
+    kw = {**RUN, "max_length": 6, "eval_strategy": "steps", "eval_steps": 2, "per_device_eval_batch_size": 8}
+    config = trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **COMMON, **kw)
+    trainer = trl.SFTTrainer(
+        model=llama(), args=config, train_dataset=datasets.Dataset.from_list(rows),
+        eval_dataset=datasets.Dataset.from_list(rows[:8]), processing_class=tokenizer(),
+    )  # fmt: skip
+    assert len(trainer.train_dataset) < len(rows)  # some rows were left with no label
+    trainer.train()
+    args = trainfold.TrainingArguments.from_hf(dataclasses.replace(config, output_dir=str(tmp_path / "tf")))
+    ours = trainfold.train(llama(), args, rows, rows[:8], processing_class=tokenizer()).log_history
+    assert losses(ours) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
+    evals = lambda h: [e["eval_loss"] for e in h if "eval_loss" in e]
+    assert evals(ours) == pytest.approx(evals(trainer.state.log_history), rel=1e-5) and len(evals(ours)) == 2

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 import attrs
 from torch import Tensor, nn
@@ -32,6 +32,8 @@ __all__ = [
     "is_peft_model",
     "adapter_keys",
     "adapter_config_text",
+    "has_injected_adapter",
+    "injected_adapter_weights",
 ]
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -82,18 +84,49 @@ def adapter_keys(model: Any, weights: Mapping[str, Tensor]) -> dict[str, str]:
     return {by_id[id(v)]: k for k, v in chosen.items()}
 
 
+def has_injected_adapter(model: Any) -> bool:
+    """Say whether ``model`` is the base module a ``PeftModel`` wraps (``get_peft_model(model, config)`` injects
+    the adapter layers into it and leaves it ``peft_config``), not the ``PeftModel`` itself."""
+    peft = sys.modules.get("peft")
+    if peft is None or is_peft_model(model) or not isinstance(getattr(model, "peft_config", None), dict):
+        return False
+    if getattr(model, "_hf_peft_config_loaded", False):  # transformers' own adapters: its save_pretrained saves them
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) for m in model.modules())
+
+
+def injected_adapter_weights(model: Any) -> dict[str, Tensor]:
+    """Return what ``PeftModel.save_pretrained`` writes to ``adapter_model.safetensors`` for the ``PeftModel``
+    that wraps ``model`` (see :func:`has_injected_adapter`): peft's adapter state dict under the wrapper's names."""
+    from peft.utils import PeftType, get_peft_model_state_dict
+
+    name = _adapter_name(model)
+    if model.peft_config[name].peft_type != PeftType.LORA:
+        raise ValueError(
+            f"{type(model).__name__} holds a {model.peft_config[name].peft_type} adapter injected by "
+            "get_peft_model, whose PeftModel is not at hand: wrap the model yourself (model = "
+            "peft.get_peft_model(model, peft_config)), train that module, and save it"
+        )
+    chosen = get_peft_model_state_dict(model, adapter_name=name)
+    return {f"base_model.model.{k}": v.contiguous() for k, v in chosen.items()}
+
+
 def adapter_config_text(model: Any) -> str:
-    """Return ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (``inference_mode`` true)."""
+    """Return ``adapter_config.json`` as ``PeftModel.save_pretrained`` writes it (``inference_mode`` true), for
+    a ``PeftModel`` or the base module it wraps."""
     config = model.peft_config[_adapter_name(model)]
+    inner = cast(Any, model).base_model.model if is_peft_model(model) else model  # PeftModel._get_base_model_class's
     # the user's config is not changed; ``to_dict`` of the config itself (no deep copy first) lists each set
     # (``target_modules``) in the order PEFT's own save lists it: a copied set may iterate in another order
     out = config.to_dict()
     if out.get("base_model_name_or_path") is None:
-        out["base_model_name_or_path"] = model.base_model.model.__dict__.get("name_or_path", None) or None
+        out["base_model_name_or_path"] = inner.__dict__.get("name_or_path", None) or None
     out["inference_mode"] = True
     out = {k: list(v) if isinstance(v, set) else v for k, v in out.items()}
     if config.task_type is None:
-        cls = model._get_base_model_class(is_prompt_tuning=False)
+        cls = type(inner)
         out["auto_mapping"] = {"base_model_class": cls.__name__, "parent_library": cls.__module__}
     return json.dumps(out, indent=2, sort_keys=True)
 

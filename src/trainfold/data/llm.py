@@ -15,17 +15,19 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
+import torch
 from torch import nn
 
 from trainfold.core.chunked_loss import chunked_causal_lm
 from trainfold.core.losses import causal_lm, default_loss_for
+from trainfold.data.lengths import PREFERENCE_COLUMNS
 from trainfold.data.packing import check_packable, pack, packed_collate, padding_free_collate
 
-__all__ = ["DEFAULT_MAX_LENGTH", "LMInputs", "lm_inputs"]
+__all__ = ["DEFAULT_MAX_LENGTH", "LMInputs", "lm_inputs", "truncated", "truncates"]
 
 DEFAULT_MAX_LENGTH = 1024  # TRL's SFTConfig.max_length
 
@@ -39,12 +41,28 @@ class LMInputs:
     objective: Callable[..., Any] | None
 
 
+def _preference_rows(dataset: Any) -> bool:
+    """Say whether ``dataset``'s first row is a DPO preference row (``prompt_ids``, ``chosen_ids``...)."""
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")) or not len(dataset):
+        return False
+    row = dataset[0]
+    return isinstance(row, Mapping) and all(k in row for k in PREFERENCE_COLUMNS)
+
+
 def _refusals(
     model: nn.Module, args: Any, train_dataset: Any, data_collator: Any, compute_loss_func: Any, objective: Any
 ) -> list[str]:
     out = []
     batching = "packing" if args.packing else "padding_free"
-    if (args.packing or args.padding_free) and data_collator is not None:
+    if (args.packing or args.padding_free) and _preference_rows(train_dataset):
+        out.append(
+            f"{batching}=True packs or flattens rows of input_ids, not DPO's preference rows (prompt_ids, "
+            "chosen_ids, rejected_ids): run trainfold.dpo.train with DPOArguments(padding_free=True), or keep "
+            "padding_free=False and packing=False and pass "
+            "data_collator=trainfold.recipes.dpo_data.padding_free_preference_collate() (flattened chosen and "
+            "rejected rows)"
+        )
+    elif (args.packing or args.padding_free) and data_collator is not None:
         out.append(
             f"{batching}=True builds its own batches (positions restart at each document); "
             "drop data_collator, or set packing=False and padding_free=False"
@@ -73,6 +91,66 @@ def _refusals(
     return out
 
 
+def _cut(row: Mapping[str, Any], cut: slice) -> dict[str, Any]:
+    """``row`` with ``input_ids`` and every column as long (labels, masks, positions) cut by ``cut``."""
+    n = len(row["input_ids"])
+    return {
+        k: v[cut] if not isinstance(v, (str, bytes)) and hasattr(v, "__len__") and len(v) == n else v
+        for k, v in row.items()
+    }
+
+
+def _supervised(row: Mapping[str, Any]) -> bool:
+    labels = row.get("labels")
+    if labels is None or isinstance(labels, (int, float)) or not hasattr(labels, "__len__"):
+        return True  # no token labels (the collator's, or a sequence-level label): nothing to judge
+    return bool((torch.as_tensor(labels) != -100).any())
+
+
+class _TruncatedStream(torch.utils.data.IterableDataset):
+    """A dataset without a length, its rows truncated as they are read (TRL's ``IterableDataset.map``)."""
+
+    def __init__(self, rows: Any, cut: slice) -> None:
+        self.rows, self.cut = rows, cut
+
+    def __iter__(self) -> Iterator[Any]:
+        for row in self.rows:
+            done = _cut(row, self.cut) if isinstance(row, Mapping) and "input_ids" in row else row
+            if _supervised(done):
+                yield done
+
+
+def truncated(dataset: Any, max_length: int, truncation_mode: str = "keep_start") -> Any:
+    """Return ``dataset``'s rows cut to ``max_length`` tokens, as TRL's ``SFTTrainer`` truncates without packing.
+
+    ``input_ids`` and every column as long (``labels``, ``attention_mask``...) keep their start (``"keep_end"``:
+    their end); rows left with no label (all ``-100``) are dropped, as TRL drops them. Rows without
+    ``input_ids`` (a collator that tokenizes) are left as they are. A dataset with a length is returned as a
+    list (as it is when nothing changes: the dataset itself); one without is truncated as it is read.
+
+    >>> truncated([{"input_ids": [1, 2, 3], "labels": [-100, 2, 3], "score": 1.0}], 2)
+    [{'input_ids': [1, 2], 'labels': [-100, 2], 'score': 1.0}]
+    >>> truncated([{"input_ids": [1, 2, 3], "labels": [-100, -100, 3]}], 2, "keep_start")  # nothing left to learn
+    []
+    """
+    cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        return _TruncatedStream(dataset, cut)
+    rows = [dataset[i] for i in range(len(dataset))]
+    if not rows or not all(isinstance(r, Mapping) and "input_ids" in r for r in rows):
+        return dataset
+    if all(len(r["input_ids"]) <= max_length and _supervised(r) for r in rows):
+        return dataset  # nothing to cut or drop: the dataset as given (its arrow columns, its type)
+    return [done for done in (_cut(r, cut) for r in rows) if _supervised(done)]
+
+
+def truncates(args: Any, objective: Any) -> bool:
+    """Say whether ``args`` truncate the rows (TRL's ``max_length`` without packing): not when an objective reads
+    rows of its own, nor for rows SFT takes as given (``dataset_kwargs={"skip_prepare_dataset": True}``)."""
+    skipped = (getattr(args, "dataset_kwargs", None) or {}).get("skip_prepare_dataset")
+    return args.max_length is not None and not args.packing and objective is None and not skipped
+
+
 def lm_inputs(
     model: nn.Module,
     args: Any,
@@ -81,7 +159,10 @@ def lm_inputs(
     compute_loss_func: Callable[..., Any] | None,
     objective: Callable[..., Any] | None,
 ) -> LMInputs:
-    """Return the dataset, collator and objective that ``args``' packing and chunked-loss settings ask for."""
+    """Return the dataset, collator and objective that ``args``' packing, truncation and chunked-loss settings ask
+    for: ``max_length`` without packing truncates the rows (:func:`truncated`)."""
+    if truncates(args, objective):
+        train_dataset = truncated(train_dataset, args.max_length, getattr(args, "truncation_mode", "keep_start"))
     if not (args.packing or args.padding_free or args.loss_chunk_size):
         return LMInputs(train_dataset, data_collator, objective)
     problems = _refusals(model, args, train_dataset, data_collator, compute_loss_func, objective)

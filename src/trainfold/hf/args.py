@@ -150,7 +150,9 @@ class TrainingArguments:
     # LLM batches and loss (TRL's SFTConfig names; see trainfold.data.llm)
     packing: bool = False
     packing_strategy: str = "bfd"
-    max_length: int | None = None  # tokens per packed row; None: TRL's 1024
+    # tokens per packed row (None: TRL's 1024); without packing, rows of token ids are cut to it as TRL's SFTTrainer
+    # cuts them (data.llm.truncated; None: not cut)
+    max_length: int | None = None
     padding_free: bool = False
     pad_to_multiple_of: int | None = (
         None  # TRL's name: collated widths rounded up to a multiple (trainfold.data.columns)

@@ -158,7 +158,7 @@ class GRPOArguments(TrainingArguments):
     """
 
     # TRL's GRPOConfig defaults where they differ from TrainingArguments' (bf16 stays False: TRL resolves its
-    # None to True on every device; from_hf takes the resolved value)
+    # None to not fp16, True on every device; from_hf takes the resolved value; docs/rl.md says so)
     learning_rate: float = 1e-6
     logging_steps: float = 10
     gradient_checkpointing: bool | None = True

@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 
 from trainfold.core.forward import train_mode
 from trainfold.core.rng import derive_seed
-from trainfold.core.state import Cursor, TrainState, scalar
+from trainfold.core.state import METRIC_KEYS, Cursor, TrainState, scalar
 from trainfold.data import StateStream, StepBatch
 from trainfold.hf.grpo_args import GRPOArguments, generation_order
 from trainfold.recipes.generate import functional_forward
@@ -43,7 +44,6 @@ __all__ = ["BUFFER", "GenerationBuffer", "GRPORun", "empty_buffer"]
 
 BUFFER = "grpo_generation"  # the key of the generation buffer in state.extras
 _GENERATE, _SHUFFLE, _EVAL = 0x6E6E, 0x5348, 0xE7A1
-_GENERATION_METRICS = ("reward", "rewards/", "frac_reward_zero_std", "completions/")
 
 
 @attrs.frozen(eq=False)
@@ -168,16 +168,50 @@ class GRPORun:
                 )
         return torch.cat(out)
 
+    def trainer_state(self, state: TrainState) -> Any:
+        """Return TRL's ``trainer_state`` keyword of the reward functions: a ``transformers.TrainerState`` holding
+        the run's counters when ``state`` is the state a step starts from (``global_step``: steps done, ``epoch``,
+        ``max_steps``, ``num_train_epochs``, the logging/eval/save intervals); its ``log_history`` is empty."""
+        a, per_epoch = self.args, self.steps_per_epoch()
+        total = a.max_steps if a.max_steps > 0 else math.ceil(a.num_train_epochs * per_epoch)
+        epoch, position = state.cursor.as_tuple()
+        fields: dict[str, Any] = dict(
+            epoch=epoch + position / per_epoch,
+            global_step=int(state.step),
+            max_steps=total,
+            num_train_epochs=-(-total // per_epoch),
+            logging_steps=a.logging_steps,
+            eval_steps=a.eval_steps or 0,
+            save_steps=a.save_steps,
+            train_batch_size=a.per_device_train_batch_size,
+        )
+        try:
+            import transformers
+        except ImportError:  # the same fields, by attribute
+            return types.SimpleNamespace(**fields, log_history=[])
+        return transformers.TrainerState(**fields)
+
     def sample(
         self, state: TrainState, dataset: Any, indices: Sequence[int], key: int, encoded: Callable[[int], list[int]]
     ) -> dict[str, Any]:
-        """Generate ``num_generations`` completions of each prompt, score them; return rows and metrics."""
+        """Generate ``num_generations`` completions of each prompt, score them; return rows and metrics.
+
+        The reward functions get TRL's keywords besides the columns: ``trainer_state`` (:meth:`trainer_state`),
+        ``log_metric(name, value)`` (logged as ``name``, the mean of a generation's values, as TRL's) and
+        ``log_extra(column, values)`` (columns of TRL's completions table, which trainfold does not write: taken,
+        unused, as TRL without ``log_completions``)."""
         a, g = self.args, self.args.num_generations
         index = [i for i in indices for _ in range(g)]
         prompt_ids = [encoded(i) for i in index]  # before a reward function sees (and may change) the rows
         rows = [copy.deepcopy(dataset[i]) for i in index]  # each repeat its own object
         prompts = [r[self.prompt_key] for r in rows]
-        columns = {k: [r[k] for r in rows] for k in rows[0] if k != self.prompt_key}
+        logged: dict[str, list[float]] = {}
+        columns: dict[str, Any] = {k: [r[k] for r in rows] for k in rows[0] if k != self.prompt_key}
+        columns |= {
+            "trainer_state": self.trainer_state(state),
+            "log_metric": lambda name, value: logged.setdefault(name, []).append(float(value)),
+            "log_extra": lambda column, values: None,
+        }
         assert self.rollout is not None, "the run sets its rollout before it samples"
         out = self.rollout.sample(state, prompt_ids, prompts, columns, key)  # the hand loop's sampling and scoring
         completion_ids, eos = out.completion_ids, self.eos_token_id
@@ -191,6 +225,8 @@ class GRPORun:
             a.reward_weights,
             a.scale_rewards,
         )
+        for name, values in logged.items():  # TRL's mean: a float32 sum over a count
+            metrics[name] = torch.tensor(float(torch.tensor(sum(values))) / len(values), dtype=torch.float64)
         return {
             "index": index,
             "prompt_ids": prompt_ids,
@@ -270,9 +306,11 @@ class GRPORun:
 
         schedule = self.args.generation_schedule
         buffer, micro, _ = schedule_step(schedule, state.extras[BUFFER], step.micro_steps, generate, part)
-        metrics = {k: v for k, v in state.metrics.items() if not k.startswith(_GENERATION_METRICS)}
+        # the last generation's metrics (built-in, and the reward functions' log_metric) end here; the step
+        # writes its own again
+        metrics = {k: v for k, v in state.metrics.items() if k in METRIC_KEYS}
         if made:  # logged with the step that generated, as TRL logs them with the generation
-            metrics.update({k: torch.stack([m[k] for m in made]).mean() for k in made[0]})
+            metrics.update(_means(made))
         state = attrs.evolve(state, metrics=metrics, extras={**state.extras, BUFFER: buffer})
         return state, StepBatch(micro, step.cursor)
 
@@ -314,7 +352,7 @@ class GRPORun:
             loss, aux = self._eval_loss(state, out)  # TRL logs the objective's metrics (entropy...) of each batch
             made.append({**out["metrics"], **aux})
             losses.append(float(loss) * len(b))  # HF: a mean over the eval rows
-        metrics = {f"eval_{k}": float(torch.stack([m[k] for m in made]).mean()) for k in made[0]}
+        metrics = {f"eval_{k}": float(v) for k, v in _means(made).items()}
         runtime = time.monotonic() - started  # HF's speeds: completions (n x num_generations) and batches per second
         speeds = {"samples": n * self.args.num_generations / runtime, "steps": len(batches) / runtime}
         timing = {"eval_runtime": runtime, **{f"eval_{k}_per_second": v for k, v in speeds.items()}}
@@ -334,3 +372,9 @@ class GRPORun:
             },
             evaluate=self.evaluate if self.eval_prompts is not None else None,
         )
+
+
+def _means(made: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Each metric's mean over the generations that logged it (a reward function's ``log_metric`` may skip one)."""
+    names = dict.fromkeys(k for m in made for k in m)
+    return {k: torch.stack([m[k] for m in made if k in m]).mean() for k in names}

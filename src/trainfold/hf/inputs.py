@@ -21,7 +21,7 @@ from trainfold.core.tasks import model_task
 from trainfold.data import StepBatch
 from trainfold.data.collate import collate_for, pad_collate
 from trainfold.data.columns import Columns, columns_for, eval_collate, padded_to_multiple, with_columns
-from trainfold.data.llm import lm_inputs
+from trainfold.data.llm import lm_inputs, truncated, truncates
 from trainfold.hf.args import TrainingArguments
 
 __all__ = ["RunInputs", "LabelsFromInputs", "eval_labels", "run_inputs", "device_for", "columns_of", "to_device"]
@@ -152,6 +152,8 @@ def run_inputs(
     ``DataCollatorWithPadding``); packing's and padding-free collators pad nothing.
     """
     loss = _loss(model, args, compute_loss_func, objective)
+    if eval_dataset is not None and truncates(args, objective):  # as the training rows (lm_inputs), as TRL
+        eval_dataset = _truncated_eval(eval_dataset, args)
     if objective is None:
         refuse_unlabelled(train_dataset, loss)  # a fully masked dataset would train nothing, forever
     elif eval_dataset is not None and world_size > 1:
@@ -178,6 +180,14 @@ def run_inputs(
         collate=with_columns(padded_to_multiple(_either(lm.data_collator, default), args.pad_to_multiple_of), columns),
         eval_collate=eval_collate(eval_labels(padded, args, data_collator, objective), columns),
     )
+
+
+def _truncated_eval(eval_dataset: Any, args: TrainingArguments) -> Any:
+    mode, n = getattr(args, "truncation_mode", "keep_start"), args.max_length
+    assert n is not None, "truncates(args, objective) is true"
+    if isinstance(eval_dataset, dict):
+        return {name: truncated(rows, n, mode) for name, rows in eval_dataset.items()}
+    return truncated(eval_dataset, n, mode)
 
 
 def _either(collate: Any, default: Any) -> Any:

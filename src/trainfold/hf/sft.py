@@ -68,14 +68,65 @@ def _formatted(rows: Any, formatting_func: Any) -> Any:
     return (row if "input_ids" in row else {**row, "text": formatting_func(row)} for row in rows)
 
 
+def _first_row(dataset: Any) -> Any:
+    """Return the dataset's first row (TRL reads ``next(iter(dataset))``), or ``None`` for a one-pass iterator."""
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        return dataset[0] if len(dataset) else None
+    if iter(dataset) is dataset:  # a generator: reading its first row would lose it
+        return None
+    return next(iter(dataset), None)
+
+
+def _formatting_problem(row: Any, completion_only_loss: bool | None) -> str | None:
+    """Why ``formatting_func`` cannot make these rows' text, as TRL decides it from the first row."""
+    if row is None or "input_ids" in row or not ("prompt" in row and "completion" in row):
+        return None
+    if completion_only_loss is None or completion_only_loss:  # TRL: None is on for prompt-completion rows
+        return (
+            "formatting_func turns the rows into text, which has no completion to train on alone "
+            "(TRL refuses it: 'A formatting function was provided while `completion_only_loss=True`, which is "
+            "incompatible'); apply your formatting function before passing the dataset, or set "
+            "completion_only_loss=False with rows that have no prompt and completion columns"
+        )
+    return (  # TRL tokenizes the prompt and completion and drops the formatted text without a word
+        "formatting_func would be ignored: rows with prompt and completion columns are tokenized from those, "
+        "not from the formatted text (TRL drops it silently); remove the prompt and completion columns "
+        "(rename them), or drop formatting_func"
+    )
+
+
+def _skipped_problems(datasets: dict[str, Any], data_collator: Any) -> list[str]:
+    """TRL's refusal of rows with mask columns and no labels when ``skip_prepare_dataset`` skips label building."""
+    trl_collator = type(data_collator).__name__ == "DataCollatorForLanguageModeling"
+    if data_collator is not None and not trl_collator:
+        return []  # a collator of the user's own reads the masks itself
+    out = []
+    for name, dataset in datasets.items():
+        if dataset is None:
+            continue
+        columns = getattr(dataset, "column_names", None) or list(_first_row(dataset) or ())
+        if "labels" not in columns and ("completion_mask" in columns or "assistant_masks" in columns):
+            masks = [c for c in ("completion_mask", "assistant_masks") if c in columns]
+            out.append(
+                f"the {name} dataset has mask columns {masks} but no 'labels', and "
+                "dataset_kwargs={'skip_prepare_dataset': True} skips label building, so it would train on the "
+                "full sequence (TRL refuses it); add a 'labels' column (-100 for non-loss tokens) or drop "
+                "skip_prepare_dataset"
+            )
+    return out
+
+
 def prepare_dataset(
     dataset: Any, processing_class: Any, args: SFTArguments, packing: bool, formatting_func: Any = None
 ) -> Any:
     """Return ``dataset`` prepared as ``SFTTrainer._prepare_dataset`` does (packing only cuts, in ``train``); a
     dataset without a length (streaming) is prepared as it is read, in its order, as TRL reads it.
-    ``formatting_func(row) -> str`` makes each row's text, as TRL's."""
+    ``formatting_func(row) -> str`` makes each row's text, as TRL's; with prompt-completion rows it is refused."""
     if dataset is None or (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
         return dataset
+    problem = None if formatting_func is None else _formatting_problem(_first_row(dataset), args.completion_only_loss)
+    if problem is not None:
+        raise ValueError(problem)
     if formatting_func is not None and args.completion_only_loss:
         raise ValueError(
             "formatting_func turns the rows into text, which has no completion to train on alone "
@@ -129,6 +180,10 @@ def train(
             f"trainfold.sft.train takes SFTArguments (TRL's SFTConfig names), not {type(args).__name__}; "
             f"convert a trl.SFTConfig with SFTArguments.from_hf(config)"
         )
+    if (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
+        problems = _skipped_problems({"train": train_dataset, "eval": eval_dataset}, data_collator)
+        if problems:
+            raise ValueError("cannot train on these rows as given:\n  - " + "\n  - ".join(problems))
     model = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
     processing_class = processing_class_for(model, processing_class)
     train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing, formatting_func)

@@ -21,6 +21,13 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from trainfold.ckpt.layout import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_FILE,
+    adapter_config_text,
+    has_injected_adapter,
+    injected_adapter_weights,
+)
 from trainfold.hf.args import TrainingArguments
 
 __all__ = [
@@ -138,6 +145,9 @@ def save_model(model: nn.Module, output_dir: str | os.PathLike, processing_class
     After ``train`` the module holds the trained (or best) weights, so this is ``Trainer.save_model``: a
     transformers (or peft) model through its ``save_pretrained``, any other module's ``state_dict`` to
     ``model.safetensors``. Nothing is pickled (no ``training_args.bin``: ``args.to_dict()`` is JSON).
+    The base module of a run with ``peft_config`` (TRL's ``--use_peft``: ``get_peft_model`` injected the
+    adapter into it) saves what TRL's final ``save_model`` saves, ``PeftModel.save_pretrained``'s adapter
+    files (``adapter_model.safetensors``, ``adapter_config.json``), which ``PeftModel.from_pretrained`` loads.
 
     >>> import pathlib, tempfile, torch
     >>> out = pathlib.Path(tempfile.mkdtemp())
@@ -150,12 +160,20 @@ def save_model(model: nn.Module, output_dir: str | os.PathLike, processing_class
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_pretrained = getattr(model, "save_pretrained", None)
-    if save_pretrained is not None:
+    if has_injected_adapter(model):  # the base a PeftModel wraps (trainfold.sft.train(model, peft_config=...))
+        _save_adapter(model, out)
+    elif save_pretrained is not None:
         save_pretrained(out)
     else:
         safetensors.torch.save_model(model, str(out / "model.safetensors"))
     if processing_class is not None:
         processing_class.save_pretrained(out)
+
+
+def _save_adapter(model: nn.Module, out: Path) -> None:
+    weights = injected_adapter_weights(model)
+    safetensors.torch.save_file(weights, str(out / ADAPTER_FILE), metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG_FILE).write_text(adapter_config_text(model))
 
 
 def create_model_card(
