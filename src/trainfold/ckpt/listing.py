@@ -7,9 +7,24 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from trainfold.ckpt.sidecar import CheckpointError, CheckpointWarning, check_name, read_metadata, step_in_name
+from trainfold.ckpt.sidecar import (
+    SIDECAR_FILE,
+    CheckpointError,
+    CheckpointWarning,
+    check_name,
+    read_metadata,
+    step_in_name,
+)
 
-__all__ = ["checkpoint_path", "is_complete", "catalog", "list_checkpoints", "latest_checkpoint", "resume_checkpoint"]
+__all__ = [
+    "checkpoint_path",
+    "is_complete",
+    "catalog",
+    "damaged_checkpoints",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "resume_checkpoint",
+]
 
 
 def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
@@ -64,6 +79,24 @@ def catalog(output_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
             warnings.warn(f"skipping {path}: {meta}", CheckpointWarning, stacklevel=2)
         else:
             out.append((path, meta))
+    return out
+
+
+def damaged_checkpoints(output_dir: str | os.PathLike) -> list[tuple[Path, str]]:
+    """Return ``(path, why)`` of each ``checkpoint-{step}`` directory of ``output_dir`` that trainfold wrote (it holds
+    a sidecar; writes are renamed into place only once complete) but that is no longer complete: a file is missing
+    or truncated, or the sidecar is damaged. A directory without a sidecar (another tool's) is not listed.
+
+    >>> damaged_checkpoints("no/such/dir")
+    []
+    """
+    root = Path(output_dir)
+    found = sorted((s, p) for p in (root.iterdir() if root.is_dir() else ()) if (s := step_in_name(p)) is not None)
+    out = []
+    for _, path in found:
+        if path.is_dir() and not path.is_symlink() and (path / SIDECAR_FILE).is_file():
+            if isinstance(why := _examine(path), str):
+                out.append((path, why))
     return out
 
 
