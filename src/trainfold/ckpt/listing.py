@@ -7,14 +7,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from trainfold.ckpt.sidecar import (
-    SIDECAR_FILE,
-    CheckpointError,
-    CheckpointWarning,
-    check_name,
-    read_metadata,
-    step_in_name,
-)
+from trainfold.ckpt.sidecar import CheckpointError, CheckpointWarning, check_name, read_metadata, step_in_name
 
 __all__ = [
     "checkpoint_path",
@@ -82,10 +75,11 @@ def catalog(output_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
     return out
 
 
-def damaged_checkpoints(output_dir: str | os.PathLike) -> list[tuple[Path, str]]:
-    """Return ``(path, why)`` of each ``checkpoint-{step}`` directory of ``output_dir`` that trainfold wrote (it holds
-    a sidecar; writes are renamed into place only once complete) but that is no longer complete: a file is missing
-    or truncated, or the sidecar is damaged. A directory without a sidecar (another tool's) is not listed.
+def damaged_checkpoints(output_dir: str | os.PathLike) -> list[tuple[Path, str, dict[str, Any]]]:
+    """Return ``(path, why, sidecar)`` of each ``checkpoint-{step}`` directory of ``output_dir`` whose sidecar is
+    intact but whose files are not (one missing or of another size): a checkpoint trainfold wrote (writes are
+    renamed into place only once complete) damaged since. A directory whose sidecar cannot be read (another
+    tool's, a malformed sibling) is not listed.
 
     >>> damaged_checkpoints("no/such/dir")
     []
@@ -94,9 +88,14 @@ def damaged_checkpoints(output_dir: str | os.PathLike) -> list[tuple[Path, str]]
     found = sorted((s, p) for p in (root.iterdir() if root.is_dir() else ()) if (s := step_in_name(p)) is not None)
     out = []
     for _, path in found:
-        if path.is_dir() and not path.is_symlink() and (path / SIDECAR_FILE).is_file():
-            if isinstance(why := _examine(path), str):
-                out.append((path, why))
+        if not path.is_dir() or path.is_symlink():
+            continue
+        try:
+            check_name(path, meta := read_metadata(path))
+        except (OSError, ValueError):
+            continue
+        if isinstance(why := _examine(path), str):
+            out.append((path, why, meta))
     return out
 
 

@@ -121,8 +121,9 @@ def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str 
             lead = f"No valid checkpoint found in output directory ({plan.args.output_dir})"
         raise NoCheckpointError(f"{lead}: {e}") from None
     if resume_from_checkpoint is True and plan.is_writer:  # held: a damaged one the run would save over is kept
-        for path, why in damaged_checkpoints(plan.args.output_dir):
-            _set_aside(path, why)
+        for path, why, meta in damaged_checkpoints(plan.args.output_dir):
+            if (meta.get("run") or {}).get("fingerprint") == claim.run.fingerprint:  # this run's, not another's
+                _set_aside(path, why)
     return claim
 
 
