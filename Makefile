@@ -28,8 +28,11 @@ test: $(VENV)/.test
 	$(PY) -m ruff check src tests benchmarks examples
 	$(PY) -m ruff format --check src tests benchmarks examples
 	$(PY) -m mypy  # zero errors on src/ (pyproject's [tool.mypy])
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20
-	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q -d $(VENV)/site  # broken links fail; ~15 s, offline
+	# the docs build runs even when a test fails (a red run shows everything at once); either failing fails `make`.
+	# mkdocs --strict: broken links fail; ~15 s, offline
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20; tests=$$?; \
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q -d $(VENV)/site; docs=$$?; \
+	test $$tests -eq 0 && test $$docs -eq 0
 
 typecheck: $(VENV)/.test  # mypy over src/ alone (pyproject's [tool.mypy]); `make test` runs it too
 	$(PY) -m mypy

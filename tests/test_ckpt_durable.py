@@ -343,3 +343,60 @@ def test_a_resume_hashes_each_file_of_the_checkpoint_once(tmp_path, straight, mo
     newest = checkpoint_path(out, 8)
     files = sorted(str(newest / f) for f in read_metadata(newest)["files"] if f.endswith(".safetensors"))
     assert sorted(hashed) == files  # once each, in the load, before the first step
+
+
+# --- every file the sidecar lists is checked on load; a damaged checkpoint is kept until the user removes it ---
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40  # same size: only the hash can tell
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_config_json_fails_the_load_by_name(tmp_path):
+    from trainfold.ckpt import CONFIG_FILE
+    from trainfold.ckpt.tensor_file import TensorFileError
+    from trainfold.core.models import TinyLM, TinyLMConfig
+
+    model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    state = init_state(model, adamw(1e-3))
+    path = save(state, tmp_path / "checkpoint-0", model=model)
+    assert CONFIG_FILE in read_metadata(path)["files"]  # hashed when written
+    _flip(path / CONFIG_FILE)  # was loaded without a look: from_pretrained(checkpoint) then read the damaged config
+    with pytest.raises(TensorFileError, match=rf"{path / CONFIG_FILE} is corrupted: its xxh3_64 is"):
+        load(path, like=state)
+    (path / CONFIG_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match=rf"{path / CONFIG_FILE} is missing .*, though {SIDECAR_FILE} lists it"):
+        load(path, like=state)
+
+
+def test_a_damaged_consolidated_model_of_a_sharded_checkpoint_fails_the_load_by_name(tmp_path):
+    from trainfold.ckpt import MODEL_FILE
+    from trainfold.ckpt.sharded import save_sharded
+    from trainfold.ckpt.tensor_file import TensorFileError
+    from trainfold.core.models import TinyLM, TinyLMConfig
+
+    model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    state = init_state(model, adamw(1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's, without a process group
+        path = save_sharded(state, tmp_path / "checkpoint-0", model=model, consolidate=True)
+        load(path, like=state)  # intact: loads
+        _flip(path / MODEL_FILE)  # the shards are intact: the load read them only
+        with pytest.raises(TensorFileError, match=rf"{path / MODEL_FILE} is corrupted: its xxh3_64 is"):
+            load(path, like=state)
+
+
+def test_a_truncated_checkpoint_is_set_aside_and_kept_not_saved_over(tmp_path, straight):
+    out = tmp_path / "out"
+    shutil.copytree(straight[0], out)
+    bad = checkpoint_path(out, 8)
+    data = (bad / STATE_FILE).read_bytes()
+    (bad / STATE_FILE).write_bytes(data[: len(data) // 3])  # the sidecar's size disagrees: listing skips it
+    result, stepped, caught = _resume_latest(out)
+    assert stepped[0] == 7 and result.global_step == 8  # resumed from checkpoint-6
+    assert [str(w.message) for w in caught if f"set {bad} aside as checkpoint-8.damaged" in str(w.message)]
+    kept = out / "checkpoint-8.damaged" / STATE_FILE
+    assert kept.read_bytes() == data[: len(data) // 3]  # was deleted when the resumed run saved step 8 over it
+    load(checkpoint_path(out, 8), like=result.state)  # step 8 saved again, intact

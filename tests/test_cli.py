@@ -369,6 +369,16 @@ def test_a_configuration_error_exits_2_naming_it(tmp_path, capsys, change, needl
     assert err.startswith("trainfold train: error: ") and needle in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("content", ["", "\n  \n"])
+def test_an_empty_jsonl_file_exits_2_naming_it(tmp_path, capsys, content):
+    rows = tmp_path / "rows.jsonl"  # was "[data]: StopIteration()"
+    rows.write_text(content)
+    config = write(tmp_path, "run.toml", TOML.replace('train = "stdlib"', f'train = "{rows}"'))
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert f"[data]: {rows} holds no rows (the file is empty or blank); write one JSON row per line, e.g. " in err
+
+
 def tiny_pretrained(folder: Path) -> Path:
     """A tiny GPT-2 with a word-level tokenizer, written by save_pretrained (no download)."""
     transformers = pytest.importorskip("transformers")

@@ -31,6 +31,16 @@ def run(tmp_path, dataset=ROWS, *, on=None, args_as_dict=False, **kwargs):
     return train(on if on is not None else model(), args, dataset, **kwargs)
 
 
+def classifier():
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, num_labels=3
+    )
+    return LlamaForSequenceClassification(config.__class__(**{**config.to_dict(), "pad_token_id": 0}))
+
+
 def a_file(tmp_path):
     (tmp_path / "out").write_text("not a directory")
 
@@ -140,6 +150,40 @@ CASES = {
         TypeError,
         r"args is a dict, not TrainingArguments; pass trainfold.TrainingArguments\(\*\*settings\)",
     ),
+    "float labels for a classification head": (
+        dict(on=classifier(), dataset=rows(input_ids=[1, 2, 3, 4], labels=1.0)),
+        ValueError,
+        r"do not fit labels of shape \(2,\) \(torch.float32\): float labels mean multi-label targets .*; if they are "
+        r"class ids, make them integers .*ClassLabel.* for single-label cross-entropy",
+    ),
+    "text labels for a classification head": (
+        dict(on=classifier(), dataset=rows(input_ids=[1, 2, 3, 4], label="positive")),
+        TypeError,
+        r"the rows' 'label' holds text \('positive'\), not class ids; map the names to ids, e.g. label2id = .*"
+        r"class_encode_column\('label'\): a datasets.ClassLabel\), and give the model num_labels=len\(label2id\)",
+    ),
+    "a generator as the dataset": (
+        dict(dataset=(row for row in ROWS)),
+        TypeError,
+        r"train_dataset is a generator, which is read once and has no length.*; pass train_dataset=list\(rows\), or "
+        r"datasets.Dataset.from_generator\(fn\)",
+    ),
+    "a generator as the eval dataset": (
+        dict(args=dict(eval_strategy="steps", eval_steps=1), eval_dataset=iter(ROWS)),
+        TypeError,
+        r"eval_dataset is a list_iterator, which is read once",
+    ),
+    "a torch.optim optimizer object": (
+        dict(optimizer=torch.optim.SGD(model().parameters(), lr=0.1, momentum=0.9)),
+        TypeError,
+        r"optimizer is a torch.optim.SGD object; .* write optimizer=trainfold.optim.from_torch\(torch.optim.SGD, "
+        r"lr=0.1, \.\.\.\) with the same keyword arguments",
+    ),
+    "an optimizer that is no optimizer": (
+        dict(optimizer="adamw"),
+        TypeError,
+        r"optimizer is a str, not a trainfold optimizer \(init/update\); pass trainfold.optim.adamw",
+    ),
     "a function instead of a module": (
         dict(on=lambda input_ids: input_ids),
         TypeError,
@@ -176,3 +220,42 @@ def test_a_loss_defined_by_exec_without_a_module_name_is_checked_and_trains(tmp_
     exec("def loss(outputs, labels, num_items_in_batch=None):\n    return 1.0", namespace2)
     with pytest.raises(TypeError, match=r"compute_loss_func returned a float \(1.0\), not a tensor"):
         run(tmp_path / "b", compute_loss_func=namespace2["loss"])
+
+
+def test_transformers_training_arguments_are_taken_as_from_hf_converts_them(tmp_path):
+    # was NotAnAttrsClassError from deep inside the plan; TrainingArguments.from_hf is exact (it refuses by name
+    # what trainfold cannot honour), so train takes the HF object as the user would convert it
+    import transformers
+
+    settings = dict(
+        max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, report_to="none", save_strategy="no"
+    )
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path / "hf"), **settings)
+    taken = train(model(), hf_args, ROWS)
+    converted = train(model(), TrainingArguments.from_hf(hf_args, output_dir=str(tmp_path / "ours")), ROWS)
+    assert taken.status == "completed" and taken.global_step == 2
+    assert all(torch.equal(taken.state.params[k], converted.state.params[k]) for k in converted.state.params)
+    refused = transformers.TrainingArguments(output_dir=str(tmp_path / "x"), push_to_hub=True, report_to="none")
+    with pytest.raises(TypeError, match=r"push_to_hub=True is a transformers.TrainingArguments setting"):
+        train(model(), refused, ROWS)
+
+
+def test_an_empty_eval_set_warns_naming_it(tmp_path):
+    with pytest.warns(UserWarning, match=r"eval_dataset is empty \(0 rows\): every evaluation reports no loss"):
+        run(tmp_path, args=dict(eval_strategy="steps", eval_steps=1), eval_dataset=[])
+
+
+def test_eval_rows_without_labels_warn_naming_the_columns(tmp_path):
+    unlabelled = [{"input_ids": row["input_ids"]} for row in ROWS]
+    with pytest.warns(UserWarning, match=r"eval_dataset\[0\] has no label column \(\['labels', 'label', 'label_ids'\]; "
+                      r"its keys: \['input_ids'\]\): evaluation computes no eval_loss"):  # fmt: skip
+        run(tmp_path, args=dict(eval_strategy="steps", eval_steps=1), eval_dataset=unlabelled)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(tmp_path / "b", args=dict(eval_strategy="steps", eval_steps=1), eval_dataset=ROWS)
+        run(
+            tmp_path / "c",
+            args=dict(eval_strategy="steps", eval_steps=1),
+            eval_dataset=[{"input_ids": [1, 2], "label": [1, 2]}] * 2,
+        )
+    assert not [w for w in caught if "eval_dataset" in str(w.message)]  # labelled rows, 'label' renamed: no warning

@@ -537,3 +537,33 @@ def test_fsdp_settings_take_what_fully_shard_does_and_refuse_the_rest_by_name(tm
 
 if __name__ == "__main__":
     _worker(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "train")
+
+
+def test_a_collective_outside_the_step_names_a_lost_peer_instead_of_the_transport_error(tmp_path, monkeypatch):
+    # a rank killed while the others sum (counting items, agreeing to stop), gather (evaluation) or meet at the
+    # end of train got gloo's bare "Connection closed by peer"; the step's own collectives were named already
+    import torch.distributed as dist
+
+    from trainfold.distributed.distributed import ProcessGroupCollective, failure_of
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        lost = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1234")
+
+        def closed(*args, **kwargs):
+            raise lost
+
+        monkeypatch.setattr(dist, "all_reduce", closed)
+        monkeypatch.setattr(dist, "all_gather", closed)
+        collective = ProcessGroupCollective(rank=0, world_size=2)
+        for call in (lambda: collective.sum_([torch.ones(1)]), lambda: collective.all_gather(torch.ones(1))):
+            with pytest.raises(
+                RuntimeError,
+                match=r"rank 0 stopped: a collective timed out or lost its peer .*torchrun's error summary names the "
+                r"rank that exited .* start every rank again with resume_from_checkpoint=True.*Connection closed",
+            ) as raised:
+                call()
+            assert raised.value.__cause__ is lost
+            assert failure_of(raised.value, 0, 2) is raised.value  # named once, when the step raises it again
+    finally:
+        dist.destroy_process_group()

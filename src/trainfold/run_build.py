@@ -91,6 +91,7 @@ def _file_rows(path: Path, seq_len: int, tokenizer: Any) -> Any:
 
 def _check_json_lines(path: Path) -> None:
     """Refuse a malformed ``.jsonl`` line by file, line and column (``datasets`` reports neither)."""
+    found = 0
     with path.open(encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -99,6 +100,12 @@ def _check_json_lines(path: Path) -> None:
                 json.loads(line)
             except json.JSONDecodeError as err:
                 raise ValueError(f"{path}:{number}: not a JSON row ({err.msg}, column {err.colno})") from None
+            found += 1
+    if not found:
+        raise ValueError(
+            f"{path} holds no rows (the file is empty or blank); write one JSON row per line, e.g. "
+            '{"text": "..."} or {"input_ids": [1, 2, 3], "labels": [1, 2, 3]}'
+        )
 
 
 def tokenizer_of(model_spec: dict[str, Any]) -> Any:

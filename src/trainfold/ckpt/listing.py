@@ -9,7 +9,15 @@ from typing import Any
 
 from trainfold.ckpt.sidecar import CheckpointError, CheckpointWarning, check_name, read_metadata, step_in_name
 
-__all__ = ["checkpoint_path", "is_complete", "catalog", "list_checkpoints", "latest_checkpoint", "resume_checkpoint"]
+__all__ = [
+    "checkpoint_path",
+    "is_complete",
+    "catalog",
+    "damaged_checkpoints",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "resume_checkpoint",
+]
 
 
 def checkpoint_path(output_dir: str | os.PathLike, step: int) -> Path:
@@ -64,6 +72,30 @@ def catalog(output_dir: str | os.PathLike) -> list[tuple[Path, dict[str, Any]]]:
             warnings.warn(f"skipping {path}: {meta}", CheckpointWarning, stacklevel=2)
         else:
             out.append((path, meta))
+    return out
+
+
+def damaged_checkpoints(output_dir: str | os.PathLike) -> list[tuple[Path, str, dict[str, Any]]]:
+    """Return ``(path, why, sidecar)`` of each ``checkpoint-{step}`` directory of ``output_dir`` whose sidecar is
+    intact but whose files are not (one missing or of another size): a checkpoint trainfold wrote (writes are
+    renamed into place only once complete) damaged since. A directory whose sidecar cannot be read (another
+    tool's, a malformed sibling) is not listed.
+
+    >>> damaged_checkpoints("no/such/dir")
+    []
+    """
+    root = Path(output_dir)
+    found = sorted((s, p) for p in (root.iterdir() if root.is_dir() else ()) if (s := step_in_name(p)) is not None)
+    out = []
+    for _, path in found:
+        if not path.is_dir() or path.is_symlink():
+            continue
+        try:
+            check_name(path, meta := read_metadata(path))
+        except (OSError, ValueError):
+            continue
+        if isinstance(why := _examine(path), str):
+            out.append((path, why, meta))
     return out
 
 

@@ -48,6 +48,21 @@ def _read_file(directory: Path, name: str, meta: Mapping[str, Any]) -> Tree:
     return tensor_file.read(path, meta["files"][name], hash_chunk(meta))
 
 
+def _check_the_rest(directory: Path, meta: Mapping[str, Any], read: set[str]) -> None:
+    """Check every file the sidecar lists that loading did not read (``config.json``, a sharded checkpoint's
+    consolidated ``model.safetensors``): a damaged one fails the load as a damaged tensor file does."""
+    for name in sorted(set(meta["files"]) - read):
+        if name.startswith(f"{SHARD_DIR}/"):
+            continue  # read_sharded checked them
+        path = directory / name
+        if path.is_symlink() or not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing or not a plain file of its own, though {SIDECAR_FILE} lists it; the checkpoint "
+                "is incomplete or was altered; resume from latest_checkpoint(output_dir) instead"
+            )
+        tensor_file.check(path, meta["files"][name], hash_chunk(meta))
+
+
 def _fit(flat: Mapping[str, Tensor], like: Any, path: Path) -> Any:
     try:
         return unflatten(flat, like=like)
@@ -102,12 +117,14 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
         )
     if is_sharded_checkpoint(meta):  # written by every rank: resharded to like's layout
         flat, source = sharded.read_sharded(directory, flatten(base)), directory / SHARD_DIR
+        _check_the_rest(directory, meta, set())
     else:
         flat, source = _read_file(directory, STATE_FILE, meta), directory / STATE_FILE
         weights = _read_weights(directory, meta, like)
         if clash := sorted(set(weights) & set(flat)):
             raise CheckpointError(f"{source} holds {clash[:3]}, which {SIDECAR_FILE} places elsewhere: {_ALTERED}")
         flat |= weights
+        _check_the_rest(directory, meta, {STATE_FILE, *meta["tensors"]})
     metrics = {k.removeprefix("metrics."): v for k, v in flat.items() if k.startswith("metrics.")}
     state = _fit({k: v for k, v in flat.items() if not k.startswith("metrics.")}, base, source)
     for field, value, recorded in [
@@ -141,11 +158,14 @@ def load_weights(directory: str | os.PathLike, like: TrainState) -> TrainState:
     meta = read_metadata(directory)
     if is_sharded_checkpoint(meta):
         flat, source = sharded.read_sharded(directory, flatten(weights)), directory / SHARD_DIR
+        read: set[str] = set()
     else:
         flat, source = _read_weights(directory, meta, like), directory / next(iter(meta["tensors"]), MODEL_FILE)
+        read = set(meta["tensors"])
         if any(f"params.{k}" not in flat for k in like.params) and STATE_FILE in meta["files"]:
             # trainable tensors peft does not save (a base norm unfrozen by hand) are in the state file
             flat = _read_file(directory, STATE_FILE, meta) | flat
+    _check_the_rest(directory, meta, read | {STATE_FILE})  # the optimizer state, not loaded here, is not read
     flat = {k: v for k, v in flat.items() if k.startswith(("params.", "buffers."))}
     return attrs.evolve(
         like, **_fit(flatten({"buffers": like.buffers}) | flat, weights, source)

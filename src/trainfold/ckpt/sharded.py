@@ -27,6 +27,7 @@ from trainfold.ckpt.layout import is_peft_model, model_weights
 from trainfold.ckpt.sidecar import MODEL_FILE, SHARD_DIR, CheckpointError, hash_chunk, read_metadata
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten, map_tensors
+from trainfold.distributed.distributed import named_failures
 from trainfold.step.fsdp import held_structure
 
 __all__ = ["Saver", "is_sharded", "save_sharded", "read_sharded"]
@@ -136,7 +137,8 @@ def save_sharded(
 
     def announce(name: str) -> str:  # rank 0's name (the temporary directory; "done"; empty: it failed) to all
         box = [name]
-        dist.broadcast_object_list(box, group=group, group_src=0)
+        with named_failures(dist.get_rank(group), dist.get_world_size(group)):  # a killed rank named, not gloo's
+            dist.broadcast_object_list(box, group=group, group_src=0)
         return str(box[0])
 
     if many and dist.get_rank(group) != 0:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from trainfold.ckpt.sidecar import CHUNK, CheckpointError
 
-__all__ = ["write", "read", "digest_of", "entry_of", "TensorFileError"]
+__all__ = ["write", "read", "check", "digest_of", "entry_of", "TensorFileError"]
 
 
 class TensorFileError(CheckpointError):
@@ -122,3 +122,30 @@ def read(path: str | os.PathLike, entry: Mapping[str, int], chunk: int | None = 
     if got != entry["xxh3_64"]:
         raise TensorFileError(f"{path} is corrupted: its xxh3_64 is {got:016x}, not {entry['xxh3_64']:016x}; {_FIX}")
     return tensors
+
+
+def check(path: str | os.PathLike, entry: Mapping[str, int], chunk: int | None = CHUNK) -> None:
+    """Raise ``TensorFileError`` unless the file ``path`` has ``entry``'s size and hash: a safetensors file as ``read``
+    hashes it (its tensors are dropped), any other (``config.json``) over its bytes as ``entry_of``.
+
+    >>> import tempfile, pathlib
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "config.json"
+    >>> _ = path.write_text('{"a": 1}')
+    >>> entry = entry_of(b'{"a": 1}')
+    >>> check(path, entry)
+    >>> _ = path.write_text('{"a": 2}')
+    >>> try:
+    ...     check(path, entry)
+    ... except TensorFileError as err:
+    ...     print(str(err).split(": ")[0].endswith("config.json is corrupted"))
+    True
+    """
+    if str(path).endswith(".safetensors"):
+        read(path, entry, chunk)
+        return
+    if (size := os.path.getsize(path)) != entry["bytes"]:
+        raise TensorFileError(f"{path} is truncated or altered: it has {size} bytes, not {entry['bytes']}; {_FIX}")
+    with open(path, "rb") as f:
+        got = _hash([memoryview(f.read())], chunk)
+    if got != entry["xxh3_64"]:
+        raise TensorFileError(f"{path} is corrupted: its xxh3_64 is {got:016x}, not {entry['xxh3_64']:016x}; {_FIX}")

@@ -210,9 +210,18 @@ def bce_with_logits(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | i
     """
     logits = logits_of(outputs)
     if logits.shape != labels.shape:
+        ids = labels.dim() == logits.dim() - 1  # one float per row: class ids written as floats, most likely
         raise ValueError(
-            f"multi-label logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)}: "
-            "expected (batch, num_labels) float labels, one 0/1 target per class"
+            f"multi-label logits of shape {tuple(logits.shape)} do not fit labels of shape {tuple(labels.shape)} "
+            f"({labels.dtype}): float labels mean multi-label targets (HF's rule), (batch, num_labels), one 0/1 "
+            "target per class"
+            + (
+                "; if they are class ids, make them integers (dataset.map(lambda r: {'labels': int(r['labels'])}), "
+                "or cast the column to datasets.ClassLabel) for single-label cross-entropy; for one regression "
+                "target per row, give the model num_labels=1"
+                if ids
+                else ""
+            )
         )
     total = F.binary_cross_entropy_with_logits(_wide(logits), _wide(labels), reduction="sum")
     return total / _denominator(num_items_in_batch)

@@ -99,6 +99,7 @@ class Columns:
             )
         if not self.labels_required or not isinstance(batch, Mapping) or self.label_key in batch:
             return
+        _refuse_text_labels(item, self.label_key)
         dropped = self.dropped(item)
         hint = [f"remove_unused_columns dropped {dropped} (not arguments of {self.model_name}.forward)"] * bool(dropped)
         present = [k for k in (*HF_LABEL_COLUMNS, "labels") if k in batch and k != self.label_key]
@@ -107,6 +108,27 @@ class Columns:
         else:
             hint.append("name the label column with label_names=[...] (it is kept), or pass an objective")
         raise KeyError(f"micro-batch has no {self.label_key!r} key (keys: {sorted(batch)}); " + "; ".join(hint))
+
+
+def _refuse_text_labels(item: Mapping[str, Any], label_key: str) -> None:
+    """Refuse labels that are text (class names): no collator makes tensors of them, so they were dropped.
+
+    >>> try:
+    ...     _refuse_text_labels({"input_ids": [1], "label": "pos"}, "labels")
+    ... except TypeError as err:
+    ...     print(str(err).split(";")[0])
+    the rows' 'label' holds text ('pos'), not class ids
+    """
+    for name in (label_key, *HF_LABEL_COLUMNS):
+        value = item.get(name)
+        first = value[0] if isinstance(value, (list, tuple)) and value else value
+        if isinstance(first, str):
+            raise TypeError(
+                f"the rows' {name!r} holds text ({value!r:.40}), not class ids; map the names to ids, e.g. "
+                "label2id = {name: i for i, name in enumerate(sorted(set(names)))} and dataset.map(lambda r: "
+                f"{{{name!r}: label2id[r[{name!r}]]}}) (or dataset.class_encode_column({name!r}): a "
+                "datasets.ClassLabel), and give the model num_labels=len(label2id), label2id and id2label"
+            )
 
 
 def columns_for(

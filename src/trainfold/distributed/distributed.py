@@ -39,6 +39,7 @@ __all__ = [
     "SingleProcess",
     "agreed_stop",
     "failure_of",
+    "named_failures",
     "group_timeout",
     "collective_from_env",
     "joins_torchrun",
@@ -70,25 +71,28 @@ class ProcessGroupCollective:
 
     def sum_(self, tensors: list[Tensor]) -> None:
         """Replace each tensor by its sum over all ranks, in place (one ``all_reduce`` each)."""
-        for t in tensors:
-            buf = t.to(self.device)
-            dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
-            if buf is not t:
-                t.copy_(buf)
+        with named_failures(self.rank, self.world_size):
+            for t in tensors:
+                buf = t.to(self.device)
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
+                if buf is not t:
+                    t.copy_(buf)
 
     def max_(self, tensors: list[Tensor]) -> None:
         """Replace each tensor by its maximum over all ranks, in place."""
-        for t in tensors:
-            buf = t.to(self.device)
-            dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
-            if buf is not t:
-                t.copy_(buf)
+        with named_failures(self.rank, self.world_size):
+            for t in tensors:
+                buf = t.to(self.device)
+                dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+                if buf is not t:
+                    t.copy_(buf)
 
     def all_gather(self, tensor: Tensor) -> list[Tensor]:
         """Return every rank's ``tensor`` (same shape and dtype on all ranks), in rank order."""
         buf = tensor.to(self.device).contiguous()
         out = [torch.empty_like(buf) for _ in range(self.world_size)]
-        dist.all_gather(out, buf, group=self.group)
+        with named_failures(self.rank, self.world_size):
+            dist.all_gather(out, buf, group=self.group)
         return [t.to(tensor.device) for t in out]
 
 
@@ -278,8 +282,10 @@ def joins_torchrun(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         if not dist.is_initialized():
             _init_group(None)
-        result = fn(*args, **{**kwargs, "collective": process_group_collective()})
-        dist.barrier()  # no rank goes on while another still writes (rank 0's last checkpoint)
+        collective = process_group_collective()
+        result = fn(*args, **{**kwargs, "collective": collective})
+        with named_failures(collective.rank, collective.world_size):
+            dist.barrier()  # no rank goes on while another still writes (rank 0's last checkpoint)
         return result
 
     return joined
@@ -318,6 +324,22 @@ def _store() -> Any:
         return None
 
 
+@contextlib.contextmanager
+def named_failures(rank: int, world_size: int) -> Iterator[None]:
+    """Raise a collective's lost-peer error (gloo's "Connection closed by peer", a timeout) as ``failure_of`` names it.
+
+    >>> with named_failures(0, 1):
+    ...     pass
+    """
+    try:
+        yield
+    except RuntimeError as exc:
+        failure = failure_of(exc, rank, world_size)
+        if failure is exc:
+            raise
+        raise failure from exc
+
+
 def failure_of(exc: BaseException, rank: int, world_size: int) -> BaseException:
     """Return the error to raise on ``rank`` for ``exc`` in a step: a lost peer is named by the rank that failed.
 
@@ -329,9 +351,9 @@ def failure_of(exc: BaseException, rank: int, world_size: int) -> BaseException:
     KeyError('x')
     """
     store = _store() if world_size > 1 else None
-    if store is None:
-        return exc
     text = str(exc)
+    if store is None or text.startswith(f"rank {rank} stopped: "):  # alone, or named already (inside the step)
+        return exc
     if not any(marker in text for marker in _LOST_PEER):
         try:
             store.set(f"{_FAILED}{rank}", f"{type(exc).__name__}: {text}"[:2000])
@@ -350,5 +372,7 @@ def failure_of(exc: BaseException, rank: int, world_size: int) -> BaseException:
         return RuntimeError(f"rank {rank} stopped: {named} (this rank's collective then failed: {text[:300]})")
     return RuntimeError(
         f"rank {rank} stopped: a collective timed out or lost its peer and no other rank recorded an "
-        f"error (a rank was killed, or hangs outside the step): {text[:300]}"
+        f"error (a rank was killed, or hangs outside the step); torchrun's error summary names the rank that exited "
+        "(exitcode -9: killed); the checkpoints are intact: start every rank again with resume_from_checkpoint=True "
+        f"to go on from the latest. The transport said: {text[:300]}"
     )

@@ -8,7 +8,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -20,11 +21,27 @@ from trainfold.core.model_loss import model_loss
 from trainfold.core.tasks import model_task
 from trainfold.data import StepBatch
 from trainfold.data.collate import collate_for, pad_collate
-from trainfold.data.columns import Columns, columns_for, eval_collate, padded_to_multiple, with_columns
+from trainfold.data.columns import (
+    HF_LABEL_COLUMNS,
+    Columns,
+    columns_for,
+    eval_collate,
+    padded_to_multiple,
+    with_columns,
+)
 from trainfold.data.llm import lm_inputs, truncated, truncates
 from trainfold.hf.args import TrainingArguments
 
-__all__ = ["RunInputs", "LabelsFromInputs", "eval_labels", "run_inputs", "device_for", "columns_of", "to_device"]
+__all__ = [
+    "RunInputs",
+    "LabelsFromInputs",
+    "eval_labels",
+    "run_inputs",
+    "device_for",
+    "columns_of",
+    "to_device",
+    "warn_about_eval_rows",
+]
 
 
 def device_for(args: TrainingArguments) -> torch.device:
@@ -192,3 +209,34 @@ def _truncated_eval(eval_dataset: Any, args: TrainingArguments) -> Any:
 
 def _either(collate: Any, default: Any) -> Any:
     return collate if collate is not None else default
+
+
+def warn_about_eval_rows(rows: Any, label_names: Sequence[str] | None, loss_from_rows: bool = True) -> None:
+    """Warn when the eval set has no rows, or (``loss_from_rows``) its first row has no label column.
+
+    Evaluation would run and report nothing, or no loss: a silent result the user did not mean.
+    """
+    if rows is None or isinstance(rows, (Mapping, torch.utils.data.IterableDataset)):
+        return
+    size = len(rows) if hasattr(rows, "__len__") else None
+    if size == 0:
+        warnings.warn(
+            "eval_dataset is empty (0 rows): every evaluation reports no loss and no metrics; pass the rows to "
+            "evaluate on, or eval_dataset=None (and eval_strategy='no')",
+            UserWarning,
+            stacklevel=4,
+        )
+        return
+    if not loss_from_rows or size is None or not hasattr(rows, "__getitem__"):
+        return
+    row = rows[0]
+    names = list(label_names or ("labels",))
+    names += [k for k in HF_LABEL_COLUMNS if "labels" in names]  # renamed to 'labels' by the default collators
+    if isinstance(row, Mapping) and not any(k in row for k in names):
+        warnings.warn(
+            f"eval_dataset[0] has no label column ({names}; its keys: {sorted(row)}): evaluation computes no "
+            "eval_loss and compute_metrics gets no label_ids; add the labels to the eval rows, or set label_names "
+            "to the column that holds them",
+            UserWarning,
+            stacklevel=4,
+        )

@@ -15,7 +15,7 @@ from torch import nn
 from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask, from_torch, sgd
 from trainfold.optim.schedules import named, warmup_steps_for
 
-__all__ = ["OPTIMIZERS", "REFUSED", "default_optimizer", "refused_optimizer"]
+__all__ = ["OPTIMIZERS", "REFUSED", "check_optimizer", "default_optimizer", "refused_optimizer"]
 
 # optim -> the optim_args it takes (HF's "key=value,key=value" string), as HF's Trainer reads them
 OPTIMIZERS: dict[str, tuple[str, ...]] = {
@@ -143,3 +143,28 @@ def _hf_options(args: Any) -> dict[str, Any]:
     if "centered" in options:
         options["centered"] = bool(options["centered"])
     return options
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """Refuse a ``torch.optim.Optimizer`` object (its state would live outside the TrainState), naming the fix.
+
+    >>> try:
+    ...     check_optimizer(torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1))
+    ... except TypeError as err:
+    ...     print(str(err).split(";")[0])
+    optimizer is a torch.optim.SGD object
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        cls = type(optimizer)
+        lr = optimizer.param_groups[0].get("lr", "...") if optimizer.param_groups else "..."
+        raise TypeError(
+            f"optimizer is a torch.optim.{cls.__name__} object; train takes a trainfold optimizer, whose state lives "
+            f"in the TrainState (checkpointed, resumed bitwise): write optimizer=trainfold.optim.from_torch("
+            f"{cls.__module__.split('.')[0]}.optim.{cls.__name__}, lr={lr}, ...) with the same keyword arguments "
+            "(without the params: from_torch gives it the model's)"
+        )
+    if optimizer is not None and not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(
+            f"optimizer is a {type(optimizer).__name__}, not a trainfold optimizer (init/update); pass "
+            "trainfold.optim.adamw(...), chain(...), or trainfold.optim.from_torch(torch.optim.X, lr=..., ...)"
+        )

@@ -15,6 +15,7 @@ import torch
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, adapter_config_text, is_peft_model
+from trainfold.ckpt.listing import damaged_checkpoints
 from trainfold.ckpt.run_identity import RunSettings, settings_fingerprint
 from trainfold.ckpt.sharded import is_sharded
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointWarning, field_error
@@ -106,7 +107,7 @@ def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str 
     """Claim the run's output_dir (``ckpt.run_dir.claim``): its lock, and the checkpoint a resume starts from."""
     settings = run_settings(plan)
     try:
-        return run_dir.claim(
+        claim = run_dir.claim(
             plan.args.output_dir,
             resume_from_checkpoint,
             settings,
@@ -119,6 +120,11 @@ def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str 
         if resume_from_checkpoint is True:
             lead = f"No valid checkpoint found in output directory ({plan.args.output_dir})"
         raise NoCheckpointError(f"{lead}: {e}") from None
+    if resume_from_checkpoint is True and plan.is_writer:  # held: a damaged one the run would save over is kept
+        for path, why, meta in damaged_checkpoints(plan.args.output_dir):
+            if (meta.get("run") or {}).get("fingerprint") == claim.run.fingerprint:  # this run's, not another's
+                _set_aside(path, why)
+    return claim
 
 
 @attrs.frozen(eq=False)

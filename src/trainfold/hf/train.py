@@ -212,7 +212,8 @@ def train(
     >>> result.status, result.global_step, result.log_history[0]["learning_rate"], "train_loss" in result.metrics
     ('completed', 3, 0.01, True)
     """
-    data = checks.data_to_check(train_dataset, eval_dataset, data_collator, train_stream)
+    args = checks.trainfold_arguments(args)  # a transformers.TrainingArguments: TrainingArguments.from_hf, exactly
+    data = checks.data_to_check(train_dataset, eval_dataset, data_collator, train_stream, optimizer, objective)
     checks.check_train_call(model, args, resume_from_checkpoint, compute_metrics or objective, **data)
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
     rank = collective.rank if collective is not None else 0

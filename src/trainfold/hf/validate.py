@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -19,9 +20,14 @@ from torch import nn
 
 from trainfold.core.tasks import model_task
 from trainfold.hf.args import TrainingArguments
+from trainfold.hf.inputs import warn_about_eval_rows
+from trainfold.hf.optimizer import check_optimizer
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "check_first_batch",
+    "check_not_iterators",
     "check_rows",
     "check_train_call",
     "checked_loss",
@@ -29,6 +35,7 @@ __all__ = [
     "data_to_check",
     "TRAINER_ONLY",
     "refusing_trainer_keywords",
+    "trainfold_arguments",
 ]
 
 # transformers.Trainer's keywords that train/evaluate/predict take another way: name -> what to write instead
@@ -70,17 +77,28 @@ def refusing_trainer_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
 _ROW = "a row is a dict of columns, e.g. {'input_ids': [1, 2, 3], 'labels': [1, 2, 3]}"
 
 
-def data_to_check(train_dataset: Any, eval_dataset: Any, data_collator: Any, train_stream: Any) -> dict[str, Any]:
-    """``check_train_call``'s data keywords for a ``train`` call: the rows the default collator will read.
+def data_to_check(
+    train_dataset: Any,
+    eval_dataset: Any,
+    data_collator: Any,
+    train_stream: Any,
+    optimizer: Any = None,
+    objective: Any = None,
+) -> dict[str, Any]:
+    """``check_train_call``'s keywords for a ``train`` call: the rows the default collator will read, the optimizer,
+    and whether the eval rows' labels give the loss (no ``objective``); a generator as a dataset is refused here.
 
     >>> data_to_check([{"input_ids": [1]}], None, None, None)
-    {'rows': [{'input_ids': [1]}], 'eval_rows': None, 'no_data': False}
+    {'rows': [{'input_ids': [1]}], 'eval_rows': None, 'no_data': False, 'optimizer': None, 'loss_from_rows': True}
     """
+    check_not_iterators(train_dataset=train_dataset, eval_dataset=eval_dataset)
     default = data_collator is None
     return {
         "rows": train_dataset if default and train_stream is None else None,
         "eval_rows": eval_dataset if default else None,
         "no_data": train_dataset is None and train_stream is None,
+        "optimizer": optimizer,
+        "loss_from_rows": objective is None,
     }
 
 
@@ -93,13 +111,17 @@ def check_train_call(
     *,
     eval_rows: Any = None,
     no_data: bool = False,
+    optimizer: Any = None,
+    loss_from_rows: bool = True,
 ) -> None:
     """Refuse a model that is not a module or is on ``meta``, ``args`` that are not ``TrainingArguments``, no
     data (``no_data``: neither a dataset nor a stream), a ``resume_from_checkpoint`` of the wrong type, an
     ``output_dir`` that is a file, a ``metric_for_best_model`` no evaluation will produce, and ``rows`` (and
     ``eval_rows``: one eval set; a dict of named sets is not looked into) the default collator cannot read
-    (``check_rows``). ``metrics_from`` is what reports metrics besides the loss: ``compute_metrics``, or an
-    objective (whose aux values are metrics too); without one only a ``...loss`` metric can be tracked.
+    (``check_rows``), and an ``optimizer`` that is a ``torch.optim`` object; warn about an empty eval set and
+    (``loss_from_rows``) eval rows without labels. ``metrics_from`` is what reports metrics besides the loss:
+    ``compute_metrics``, or an objective (whose aux values are metrics too); without one only a ``...loss``
+    metric can be tracked.
 
     >>> from types import SimpleNamespace
     >>> try:
@@ -136,6 +158,8 @@ def check_train_call(
             raise ValueError("train_dataset is empty (0 rows); pass the rows to train on")
     if eval_rows is not None and not isinstance(eval_rows, Mapping):
         check_rows(eval_rows, "eval_dataset", model=model)
+    check_optimizer(optimizer)
+    warn_about_eval_rows(eval_rows, args.label_names, loss_from_rows)
 
 
 def _size(rows: Any) -> int | None:
@@ -143,6 +167,40 @@ def _size(rows: Any) -> int | None:
         return len(rows)
     except TypeError:
         return None  # a stream
+
+
+def trainfold_arguments(args: Any) -> Any:
+    """Return ``args``, a ``transformers.TrainingArguments`` (or a TRL config) converted by ``from_hf``, exactly.
+
+    ``TrainingArguments.from_hf`` keeps every setting as transformers resolved it and refuses, by name, the ones
+    trainfold cannot honour, so taking the HF object is the conversion the user would write; anything else is
+    returned as it is (and checked by ``check_train_call``).
+    """
+    if isinstance(args, TrainingArguments) or not type(args).__module__.startswith(("transformers.", "trl.")):
+        return args
+    if not hasattr(args, "to_dict"):
+        return args
+    _log.info("converting %s with trainfold.TrainingArguments.from_hf", type(args).__name__)
+    return TrainingArguments.from_hf(args)
+
+
+def check_not_iterators(**datasets: Any) -> None:
+    """Refuse a generator or other one-pass iterator as a dataset: it has no length and cannot be read again.
+
+    >>> try:
+    ...     check_not_iterators(train_dataset=(r for r in [{"input_ids": [1]}]))
+    ... except TypeError as err:
+    ...     print(str(err).split(",")[0])
+    train_dataset is a generator
+    """
+    for name, data in datasets.items():
+        if isinstance(data, Iterator) and not isinstance(data, torch.utils.data.IterableDataset):
+            raise TypeError(
+                f"{name} is a {type(data).__name__}, which is read once and has no length, so the sampler can "
+                f"neither shuffle it, count its epochs nor resume it; pass {name}=list(rows), or "
+                "datasets.Dataset.from_generator(fn) (fn returns a new generator), or a torch.utils.data."
+                "IterableDataset (a stream: set max_steps)"
+            )
 
 
 def _check_call_types(model: Any, args: Any, no_data: bool) -> None:

@@ -3,7 +3,9 @@
 Both call torch's functional Adam (``torch.optim.adam.adam``, what ``torch.optim.Adam`` and
 ``AdamW`` run), which picks the fused, foreach or single-tensor kernel as ``torch.optim.AdamW``
 does (``fused=`` / ``foreach=`` as there). So ``adamw`` is bitwise ``torch.optim.AdamW`` with the
-same arguments: there is one AdamW, torch's. The moments live in an :class:`AdamState`.
+same arguments, ``fused`` and ``foreach`` included: there is one AdamW, torch's. (torch's kernels differ from
+each other in the last bits on some CPUs, AVX-512 ones among them: the fused kernel is not bitwise the
+single-tensor one.) The moments live in an :class:`AdamState`.
 
 >>> import torch
 >>> opt = adamw(0.1)
