@@ -98,6 +98,21 @@ def test_early_stop_ends_the_run_after_patience_evaluations_without_improvement(
     assert int(state.extras["early_stopping"].bad_evals) == 2
 
 
+def test_a_run_resumed_after_it_stopped_early_stops_before_its_first_step(tmp_path: Path) -> None:
+    model, step, state, batch = _linear(lr=0.0)
+    hooks = [
+        loop.evaluate(batch, every=2, model=model, loss=cross_entropy),
+        loop.early_stop("eval_loss", patience=2),
+        loop.save(every=2),
+    ]
+    state, log = loop.run(step, state, lambda s: [batch] * 40, hooks=hooks, output_dir=tmp_path)
+    assert (log.status, int(state.step)) == ("stopped", 6)
+    again, log = loop.run(
+        step, init_state(model, sgd(0.0)), lambda s: [batch] * 40, hooks=hooks, output_dir=tmp_path, resume=True
+    )
+    assert (log.status, log.stop_reason, int(again.step), log.saved) == ("stopped", "early_stop", 6, [])
+
+
 def test_save_keeps_the_newest_and_the_best(tmp_path: Path) -> None:
     model, step, state, batch = _linear()
     values = iter([3.0, 1.0, 2.0, 2.5, 2.7, 2.9])

@@ -181,12 +181,10 @@ def early_stop(
     0
     """
     config = early_stopping(metric, patience, threshold, greater_is_better, key=key)
-    exhausted = patience_exhausted(config)
 
     def judged(state: TrainState, run: RunLog) -> TrainState:
-        state = record_evaluation(config, state, run.metrics)
-        if exhausted(state):
-            run.stop("early_stop")
-        return state
+        return record_evaluation(config, state, run.metrics)
 
-    return Hook(None, Every(), kind="judge", extras={key: EarlyStoppingRecord()}, judge=judged, name="early_stop")
+    extras = {key: EarlyStoppingRecord()}
+    halts = patience_exhausted(config)  # a run resumed after it stopped early stops at once
+    return Hook(None, Every(), kind="judge", extras=extras, judge=judged, name="early_stop", halts=halts)

@@ -107,7 +107,8 @@ class Hook:
 
     ``kind`` is its slot in ``EVENTS``; ``extras`` the records it keeps in ``state.extras`` (added to the first
     state, so a checkpoint carries them and a resume continues them); ``judge(state, log)`` runs once after each
-    new evaluation, in the ``judge`` slot.
+    new evaluation, in the ``judge`` slot; ``halts(state)`` is a stop rule the hook adds to the run's (checked
+    before each step, a resumed run's first included): when it holds the run ends with status ``stopped``.
 
     >>> Hook(lambda state, log: None, 10).every
     Every(steps=10, epochs=None, seconds=None, at_end=False)
@@ -119,6 +120,7 @@ class Hook:
     extras: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
     judge: Callable[[Any, Any], Any] | None = None
     name: str = ""
+    halts: Callable[[Any], bool] | None = None
 
 
 def every(

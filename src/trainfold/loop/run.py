@@ -106,7 +106,8 @@ def _trained(
     log.step = int(state.step)
     clock = _Clock(hooks, log, int(state.cursor.epoch), int(state.step))
     looped = _with_hooks(step, clock)
-    stops = any_of(stop or never, log.stopping, guard.stop if guard is not None else never)
+    halts = [_halting(hook, log) for hook in hooks if hook.halts is not None]
+    stops = any_of(stop or never, log.stopping, *halts, guard.stop if guard is not None else never)
     state = fit(looped, state, data(state) if callable(data) else data, stops)
     if log.diverged_at is not None or diverged(state, confirm=True):
         log.diverged_at = int(state.step) if log.diverged_at is None else log.diverged_at
@@ -136,6 +137,18 @@ def _with_hooks(
     if donating is not None:
         looped.donating = lambda state, batch: clock.after(donating(state, batch))  # type: ignore[attr-defined]
     return looped
+
+
+def _halting(hook: Hook, log: RunLog) -> Callable[[TrainState], bool]:
+    """Return ``hook.halts`` as a stop rule that records the hook's name as the reason the run stopped."""
+
+    def halts(state: TrainState) -> bool:
+        if hook.halts is not None and hook.halts(state):
+            log.stop(hook.name or "a hook")
+            return True
+        return False
+
+    return halts
 
 
 def _find_best(state: TrainState, log: RunLog) -> None:
