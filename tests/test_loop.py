@@ -210,3 +210,13 @@ def test_sigterm_saves_a_checkpoint_and_ends_the_run_preempted(tmp_path: Path) -
     resumed, log = loop_runs.train(str(out), resume=True)
     whole, _ = loop_runs.train(str(tmp_path / "whole"))
     assert log.resumed_from == out / "checkpoint-13" and _equal(resumed, whole)
+
+
+def test_a_signal_during_the_last_step_ends_nothing_the_run_completes(tmp_path: Path) -> None:
+    out = tmp_path / "last"
+    proc = _held(out, loop_runs.STEPS)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate("go\n", timeout=120)
+    assert proc.returncode == 0, stderr
+    assert f"status completed {loop_runs.STEPS}" in stdout
+    assert ckpt.read_metadata(out / f"checkpoint-{loop_runs.STEPS}")["jit"] is False  # the run's own last save

@@ -113,7 +113,8 @@ def _trained(
         log.diverged_at = int(state.step) if log.diverged_at is None else log.diverged_at
         log.status = "diverged"
         _log.error(divergence_message(state, log.saved[-1] if log.saved else None))
-    elif guard is not None and guard.requested():
+    elif guard is not None and guard.requested() and not (stop is not None and stop(state)):
+        # (a signal after the last step ends nothing: the run is complete, and ends as one)
         if int(state.step) > int(start.step):  # none when no step ran here (a signal during setup)
             log.saved.append(log.directory.save(state, jit=True))
         log.status, log.signal = "preempted", guard.signal
