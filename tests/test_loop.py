@@ -220,3 +220,19 @@ def test_a_signal_during_the_last_step_ends_nothing_the_run_completes(tmp_path: 
     assert proc.returncode == 0, stderr
     assert f"status completed {loop_runs.STEPS}" in stdout
     assert ckpt.read_metadata(out / f"checkpoint-{loop_runs.STEPS}")["jit"] is False  # the run's own last save
+
+
+def test_what_changes_during_an_hf_run_lives_in_a_mutable_record_not_in_the_frozen_run() -> None:
+    import attrs
+
+    from trainfold.hf.run import Run
+
+    fields = attrs.fields_dict(Run)
+    assert not {"saved", "diverged"} & set(fields)  # were lists mutated inside the frozen Run (5 sites)
+    record = fields["record"].default.factory()
+    assert isinstance(record, loop.RunLog)
+    record.saved.append(Path("checkpoint-1"))
+    record.diverged_at = 3  # a plain attrs.define: assignment is how it changes
+    assert (record.saved, record.diverged_at) == ([Path("checkpoint-1")], 3)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        Run.__setattr__(object.__new__(Run), "record", record)

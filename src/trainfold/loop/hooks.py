@@ -53,7 +53,8 @@ def _positive(name: str, kind: type) -> Callable[[Any, Any, Any], None]:
     def check(instance: Any, attribute: Any, value: Any) -> None:
         if value is None:
             return
-        if isinstance(value, bool) or not isinstance(value, (kind, int)) or not value > 0:
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or (kind is int and not isinstance(value, int)) or not value > 0:
             raise ValueError(f"every: {name}={value!r} must be a positive {kind.__name__} or None")
 
     return check
@@ -96,6 +97,10 @@ def _every(value: Every | int | None) -> Every:
     return Every(steps=value)
 
 
+def _extras(value: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(value)
+
+
 def _kind(instance: Any, attribute: Any, value: str) -> None:
     if value not in KINDS:
         raise ValueError(f"Hook: kind={value!r} is not one of {list(KINDS)} (the slots of loop.EVENTS)")
@@ -117,7 +122,7 @@ class Hook:
     fn: Callable[[Any, Any], Any] | None
     every: Every = attrs.field(default=None, converter=_every)
     kind: str = attrs.field(default="hook", validator=_kind)
-    extras: Mapping[str, Any] = attrs.field(factory=dict, converter=dict)
+    extras: Mapping[str, Any] = attrs.field(factory=dict, converter=_extras)
     judge: Callable[[Any, Any], Any] | None = None
     name: str = ""
     halts: Callable[[Any], bool] | None = None
