@@ -236,3 +236,31 @@ def test_what_changes_during_an_hf_run_lives_in_a_mutable_record_not_in_the_froz
     assert (record.saved, record.diverged_at) == ([Path("checkpoint-1")], 3)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         Run.__setattr__(object.__new__(Run), "record", record)
+
+
+def test_an_epochs_schedule_fires_when_the_stream_closes_every_nth_epoch() -> None:
+    model, step, state, data = loop_runs.parts()  # 40 rows, 8 a step: 5 steps an epoch
+    fired: list[tuple[int, int]] = []
+    hook = loop.every(fn=lambda state, log: fired.append((log.step, int(state.cursor.epoch))), epochs=2)
+    state, log = loop.run(step, state, data, hooks=[hook], stop=lambda s: int(s.step) >= 22)
+    assert fired == [(10, 2), (20, 4)]
+
+
+def test_log_entries_go_to_the_history_and_to_each_reporter() -> None:
+    model, step, state, batch = _linear()
+    got: list[dict[str, Any]] = []
+
+    class Reporter:
+        def log(self, entry: dict[str, Any], step: int) -> None:
+            got.append({**entry, "reported_at": step})
+
+    state, log = loop.run(step, state, [batch] * 5, hooks=[loop.log(every=2, to=[Reporter()])])
+    assert [e["step"] for e in log.history] == [2, 4, 5]  # and the window that the end closes
+    assert [e["reported_at"] for e in got] == [2, 4, 5] and all(e["loss"] > 0 for e in got)
+
+
+def test_a_run_with_other_settings_is_refused_the_directory_naming_them(tmp_path: Path) -> None:
+    model, step, state, batch = _linear()
+    loop.run(step, state, [batch] * 2, hooks=[loop.save(every=1)], output_dir=tmp_path, settings={"lr": 0.1})
+    with pytest.raises(ValueError, match="lr"):
+        loop.run(step, state, [batch] * 2, hooks=[loop.save(every=1)], output_dir=tmp_path, settings={"lr": 0.2})
