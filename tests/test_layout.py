@@ -1,10 +1,10 @@
 """The package's layout rules, checked with ``ast``: layers, cycles, private names, sizes.
 
 Layers, bottom up (a module imports only from its own layer or lower ones, lazily or not):
-``core`` < ``distributed`` < ``optim`` < ``data`` < ``step`` < ``evaluation`` < ``ckpt`` < ``observe`` < ``recipes``
-< ``hf`` < the top-level modules (``trainfold/__init__``, ``__main__``, ``demo``, ``testing``).
+``core`` < ``distributed`` < ``optim`` < ``data`` < ``step`` < ``evaluation`` < ``ckpt`` < ``observe`` < ``loop``
+< ``recipes`` < ``hf`` < the top-level modules (``trainfold/__init__``, ``__main__``, ``demo``, ``testing``).
 No module imports another module's ``_private`` name; no two modules import each other, even
-through others; no module is over 400 lines and no function over 60.
+through others; no module is over 500 lines and no function over 60.
 
 Run it as a script to list every violation: ``python tests/test_layout.py``.
 """
@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "trainfold"
-LAYERS = ("core", "distributed", "optim", "data", "step", "evaluation", "ckpt", "observe", "recipes", "hf")
-MAX_MODULE_LINES = 400
+LAYERS = ("core", "distributed", "optim", "data", "step", "evaluation", "ckpt", "observe", "loop", "recipes", "hf")
+MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 
 

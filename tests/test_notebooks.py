@@ -28,6 +28,7 @@ EXPECTED = (
     "04_dpo.ipynb",
     "05_grpo.ipynb",
     "06_hypergradient_learning_rate.ipynb",
+    "07_loop.ipynb",
 )
 CELL_TIMEOUT_S = 300
 

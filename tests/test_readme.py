@@ -21,6 +21,7 @@ PAGES = (
     "docs/performance.md",
     "docs/notebooks.md",
     "docs/pure.md",
+    "docs/loop.md",
 )
 RUN_ELSEWHERE = {"docs/migration.md": "tests/test_migrate_docs.py", "docs/rl.md": "tests/test_docs_rl.py"}
 

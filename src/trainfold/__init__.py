@@ -146,7 +146,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
 }
 
 # the layers: ``trainfold.core`` etc. work after ``import trainfold`` alone, as eager imports used to allow
-_SUBPACKAGES = ("core", "ckpt", "distributed", "evaluation", "hf", "recipes", "step", "testing")
+_SUBPACKAGES = ("core", "ckpt", "distributed", "evaluation", "hf", "loop", "recipes", "step", "testing")
 
 
 def __getattr__(name: str) -> Any:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +18,13 @@ from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, adapter_config_text, is_p
 from trainfold.ckpt.listing import damaged_checkpoints
 from trainfold.ckpt.run_identity import RunSettings, settings_fingerprint
 from trainfold.ckpt.sharded import is_sharded
-from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointWarning, field_error
+from trainfold.ckpt.sidecar import SIDECAR_FILE, field_error
 from trainfold.core.moved import moved_names
 from trainfold.core.state import TrainState, init_state, lend
 from trainfold.core.tree import flatten, map_tensors, unflatten
 from trainfold.data import close_loader
 from trainfold.hf.plan import Plan
+from trainfold.loop.directory import load_newest
 from trainfold.observe import history as log_file
 from trainfold.observe.observers import MetricWindow
 from trainfold.step.fsdp import placed_like
@@ -61,7 +62,7 @@ def run_settings(plan: Plan) -> RunSettings:
     return RunSettings.of(plan.args, world_size=plan.settings["world_size"])
 
 
-def _check_resumable(plan: Plan, meta: dict[str, Any], source: str | os.PathLike) -> None:
+def _check_resumable(plan: Plan, meta: Mapping[str, Any], source: str | os.PathLike) -> None:
     """Refuse a checkpoint of another run: its step beyond the plan's total, or another sample order."""
     if meta["step"] > plan.schedule.total_steps:
         raise field_error(
@@ -137,56 +138,6 @@ class Start:
     source: Any = None
 
 
-def _load(plan: Plan, claim: Any, state: TrainState) -> tuple[TrainState, Any, dict[str, Any]]:
-    """Return ``(state, source, meta)`` of the claimed checkpoint, loaded (its hashes checked).
-
-    Under ``resume_from_checkpoint=True`` one that fails to load is set aside (``_set_aside``,
-    by the writer rank) and the next older one is tried; a named checkpoint is refused.
-    """
-    tried = [claim.source, *claim.fallback]
-    for i, source in enumerate(tried):
-        try:
-            meta = ckpt.read_metadata(source)
-        except (ckpt.CheckpointError, FileNotFoundError):
-            meta = None  # the load names what is wrong
-        if meta is not None:  # a checkpoint of another run, or another model: refused, never set aside
-            _check_resumable(plan, meta, source)
-        try:
-            loaded = ckpt.load(source, like=state)
-        except (ckpt.CheckpointError, FileNotFoundError) as e:
-            if isinstance(e, ckpt.FrozenWeightsError) or not claim.fallback:
-                raise  # the template's base weights, not the checkpoint, are wrong; or a path was named
-            if plan.is_writer:
-                _set_aside(source, e)
-            if i == len(tried) - 1:
-                raise ckpt.CheckpointError(
-                    f"resume_from_checkpoint=True found no intact checkpoint of this run: each failed to load and "
-                    f"was set aside as <name>.damaged ({', '.join(p.name for p in tried)}); the last: {e}; start "
-                    "fresh with resume_from_checkpoint=None"
-                ) from e
-            continue
-        return loaded, source, ckpt.read_metadata(source)
-    raise AssertionError("unreachable")
-
-
-def _set_aside(path: str | os.PathLike, cause: BaseException | str) -> Path:
-    """Rename the checkpoint ``path`` that failed to load to ``<name>.damaged`` (never deleted); warn naming both.
-
-    ``list_checkpoints`` no longer sees it, so no later resume or rotation takes it; it stays for inspection.
-    """
-    path, n = Path(path), 1
-    while (target := path.with_name(f"{path.name}.damaged" + (f"-{n}" if n > 1 else ""))).exists():
-        n += 1
-    os.replace(path, target)
-    warnings.warn(
-        f"resume_from_checkpoint=True set {path} aside as {target.name} (kept, not deleted): it failed to load: "
-        f"{cause}; resuming from the previous complete checkpoint instead",
-        CheckpointWarning,
-        stacklevel=2,
-    )
-    return target
-
-
 def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
     """Return the run's ``Start``: ``state`` as made, or loaded from ``claim.source`` (checked against the plan).
 
@@ -199,7 +150,8 @@ def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_st
             _check_resumable(plan, meta, source)
             state = ckpt.warm_start(source, like=state)
         else:
-            state, source, meta = _load(plan, claim, state)
+            check = functools.partial(_check_resumable, plan)  # another run's checkpoint: refused, never set aside
+            state, source, meta = load_newest(claim, state, check=check, writer=plan.is_writer)
             if "window" in meta["metadata"]:
                 log_file.restore_window(window, meta["metadata"]["window"], source)
         if plan.sharding is not None:  # a fully_shard module: the loaded tensors go into its DTensor shards

@@ -25,6 +25,8 @@ from trainfold.evaluation import best as best_metric
 from trainfold.hf import callbacks as hf_callbacks
 from trainfold.hf.extras import BEST
 from trainfold.hf.plan import Plan
+from trainfold.loop.directory import already_saved
+from trainfold.loop.record import RunLog
 from trainfold.observe import TOKENS_SEEN, MetricWindow, eval_entry, log_if_due, notify
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import diverged
@@ -54,8 +56,7 @@ class Run:
     run_id: run_dir.RunIdentity | None = None
     saver: Saver = attrs.field(factory=Saver)  # sync or async (async_save); sharded states: every rank writes
     all_ranks_save: bool = False  # the state is sharded (DTensors): every rank takes part in each save
-    saved: list[Path] = attrs.Factory(list)  # the checkpoints written, in order
-    diverged: list[int] = attrs.Factory(list)  # the step after which the params turned inf/NaN, if any
+    record: RunLog = attrs.Factory(RunLog)  # what changes as it goes (a mutable record): .saved, .diverged_at
     session: tuple[float, int] | None = None  # when this call began (time.monotonic) and the tokens seen then
 
     @property
@@ -144,14 +145,6 @@ def saving_files_of(processing_class: Any) -> Callable[[Path], Any] | None:
     return None if processing_class is None else processing_class.save_pretrained
 
 
-def _already_saved(path: Path, run: Mapping[str, str] | None, step: int, save_only_model: bool) -> bool:
-    """Say whether ``path`` is a complete checkpoint this run wrote at ``step`` (so the JIT save keeps it)."""
-    if run is None or not ckpt.is_complete(path):
-        return False
-    meta = ckpt.read_metadata(path)
-    return meta["run"] == dict(run) and meta["step"] == step and meta["save_only_model"] == save_only_model
-
-
 def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
     """Write a checkpoint of ``state`` (rotating old ones); ``jit``: the preemption checkpoint, marked as such."""
     options, output_dir = _save_options(run, state), run.plan.checkpoints.output_dir
@@ -160,7 +153,7 @@ def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
         _logger.info("saving %scheckpoint %s", "the preemption " if jit else "", path)
     if jit:
         run.saver.wait()  # an async save in flight is complete (or raised) first
-        if _already_saved(path, options["run"], int(state.step), options["save_only_model"]):
+        if already_saved(path, options["run"], int(state.step), options["save_only_model"]):
             return ckpt.mark_jit(path) if run.plan.is_writer else path  # the same state is there, complete: mark it
         return run.saver.save(state, path, jit=True, wait=True, **options)
     best: best_metric.BestMetric | None = state.extras.get(BEST)
@@ -231,10 +224,15 @@ def _save_if_due(run: Run, state: TrainState, now: _Moment) -> bool:
     if not due:
         return True
     if diverged(state, confirm=True):  # never write inf/NaN params over the finite checkpoints
-        run.diverged.append(now.step)
+        _diverged_at(run, now.step)
         return False
-    run.saved.append(save_checkpoint(run, state))
+    run.record.saved.append(save_checkpoint(run, state))
     return True
+
+
+def _diverged_at(run: Run, step: int) -> None:
+    if run.record.diverged_at is None:  # the first step whose params are not finite
+        run.record.diverged_at = step
 
 
 def after_step(
@@ -253,7 +251,7 @@ def after_step(
         now = _Moment(step, int(state.cursor.position) == 0, step >= run.plan.schedule.total_steps)
         run.window.add(state)
         if diverged(state):  # log the window that ended in it, then stop: no evaluation, no save
-            run.diverged.append(step)
+            _diverged_at(run, step)
             now.last = True
 
         def late_here(kind: str) -> bool:  # by epoch, at a step that closes one (early stopping may close it)
@@ -266,7 +264,7 @@ def after_step(
                 state = epoch_closed(state) if epoch_closed is not None else state
             if late_here("log") is by_epoch:
                 state = _log(run, state, now)
-            if run.diverged:
+            if run.record.diverged_at is not None:
                 continue
             if late_here("eval") is by_epoch:
                 state = _evaluate(run, state, now)
@@ -290,10 +288,10 @@ def callback_adapter(run: Run, state: TrainState) -> tuple[Run, hf_callbacks.HFC
         steps_per_epoch=plan.schedule.epoch_steps,
         epoch_span=plan.schedule.epoch_span,
         use_cpu=plan.device.type == "cpu",
-        saved=run.saved,
+        saved=run.record.saved,
         evaluate=evaluate,  # the run below, which reports to the adapter
         history=run.history.history() if isinstance(run.history, log_file.HistoryFile) else run.history,
-        save=lambda s: run.saved.append(save_checkpoint(run, s)) if run.saves_here else None,
+        save=lambda s: run.record.saved.append(save_checkpoint(run, s)) if run.saves_here else None,
         rank=plan.rank,
         best_key=BEST,
     )

@@ -301,7 +301,7 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
         if isinstance(history, log_file.HistoryFile):  # read back once: the result holds a plain list
             history.close()
             history = list(history.history())
-    return _Ended(state, status, summary, history, run.saved, signal)
+    return _Ended(state, status, summary, history, run.record.saved, signal)
 
 
 def _trained(
@@ -311,7 +311,7 @@ def _trained(
     plan = run.plan
     fired: list[str] = []  # the name of the stop rule that ended the loop
     stops = plan.stops.including("callbacks", agreed(hf.stop, plan.collective) if hf is not None else None)
-    stops = stops.including("diverged", lambda _state: bool(run.diverged))
+    stops = stops.including("diverged", lambda _state: run.record.diverged_at is not None)
     guard = preemption_guard(JIT_SIGNALS, collective=plan.collective) if plan.args.enable_jit_checkpoint else None
     with guard or contextlib.nullcontext() as preemption:
         stops = stops.including("preempted", preemption.stop if preemption is not None else None)
@@ -364,15 +364,15 @@ def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
 def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[str], preemption: Any) -> str:
     """Return how the run ended, from the stop rule that held: diverged, preempted, stopped or completed."""
     total = run.plan.schedule.total_steps
-    if run.diverged or diverged(state, confirm=True):
-        _log.error(divergence_message(state, run.saved[-1] if run.saved else None))
+    if run.record.diverged_at is not None or diverged(state, confirm=True):
+        _log.error(divergence_message(state, run.record.saved[-1] if run.record.saved else None))
         return DIVERGED
     if preemption is not None and preemption.requested():
         # A signal after the last step (during the final save) ends nothing: the run is complete.
         done, here = int(state.step) >= total, ckpt.checkpoint_path(run.plan.checkpoints.output_dir, int(state.step))
-        if run.saves_here and int(state.step) > int(start_state.step) and not (done and here in run.saved):
+        if run.saves_here and int(state.step) > int(start_state.step) and not (done and here in run.record.saved):
             # none when no step ran here (a signal during setup)
-            run.saved.append(save_checkpoint(run, state, jit=True))
+            run.record.saved.append(save_checkpoint(run, state, jit=True))
         return "completed" if done else "preempted"
     if int(state.step) < total and fired and fired[-1] in STOPPING_RULES:
         return "stopped"
