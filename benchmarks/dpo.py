@@ -20,7 +20,7 @@ import torch
 
 from trainfold import adamw, init_state, make_step
 from trainfold.core.models import TinyLM, TinyLMConfig
-from trainfold.recipes.dpo import dpo_objective, precompute_ref_logps, preference_collate
+from trainfold.dpo.objective import dpo_objective, precompute_ref_logps, preference_collate
 
 SIZES = {
     "tiny": (TinyLMConfig(vocab_size=256, d_model=96, n_layers=3, n_heads=4, max_len=256), 8, 64),

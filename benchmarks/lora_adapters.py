@@ -69,7 +69,7 @@ def run_variant(variant: str, size: str, k: int, steps: int) -> dict[str, float]
     from trainfold import ensemble as ens
     from trainfold import init_state, make_step, sgd
     from trainfold.core.losses import causal_lm
-    from trainfold.recipes.ensemble_lora import init_adapter_ensemble, make_adapter_ensemble_step
+    from trainfold.ensemble.lora import init_adapter_ensemble, make_adapter_ensemble_step
 
     model, batches, rows = _build(size, k)
     opt = sgd(1e-2, momentum=0.9)
@@ -113,7 +113,7 @@ def interleaved(size: str, k: int, rounds: int) -> list[float]:
     from trainfold import ensemble as ens
     from trainfold import init_state, make_step, sgd
     from trainfold.core.losses import causal_lm
-    from trainfold.recipes.ensemble_lora import init_adapter_ensemble, make_adapter_ensemble_step
+    from trainfold.ensemble.lora import init_adapter_ensemble, make_adapter_ensemble_step
 
     model, batches, _ = _build(size, k)
     opt = sgd(1e-2, momentum=0.9)

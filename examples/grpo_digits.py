@@ -29,8 +29,8 @@ import torch
 
 import trainfold
 from trainfold import GRPOArguments
+from trainfold.core.generate import generate
 from trainfold.core.models import TinyLM, TinyLMConfig, byte_decode, byte_encode
-from trainfold.recipes.generate import generate
 
 COMPLETION_LENGTH = 6
 

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from resume_fixture import ListDataset
 
-from trainfold.hf.args import TrainingArguments
-from trainfold.hf.train import train
+from trainfold.trainer.args import TrainingArguments
+from trainfold.trainer.train import train
 
 MAX_STEPS = 8
 VOCAB = 64
@@ -149,7 +149,7 @@ def _main(name: str, output_dir: str, mode: str, result_dir: str) -> int:
     from trainfold.testing import dump_result
 
     if os.environ.get("TRAINFOLD_TEST_NO_WARMUP") == "1":
-        sys.modules["trainfold.hf.train"].warm_up_kernels = lambda *a, **k: None  # the module, not the function
+        sys.modules["trainfold.trainer.train"].warm_up_kernels = lambda *a, **k: None  # the module, not the function
     ignore_signals_until_exit(JIT_SIGNALS)  # what the guard restores on its way out: teardown never dies by -15
     with preemption_guard(JIT_SIGNALS):  # from here a SIGTERM stops the run cleanly; train shares the flag
         print("ready", flush=True)

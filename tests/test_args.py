@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from trainfold.hf.args import TrainingArguments
+from trainfold.trainer.args import TrainingArguments
 
 
 def test_defaults_match_transformers_where_names_are_shared():
@@ -116,7 +116,7 @@ def test_optim_args_are_parsed_like_hf():
 def test_every_setting_has_its_type_checked():
     import attrs
 
-    from trainfold.hf.args_checks import TYPES as _TYPES
+    from trainfold.trainer.args_checks import TYPES as _TYPES
 
     assert set(_TYPES) == {f.name for f in attrs.fields(TrainingArguments)}
 

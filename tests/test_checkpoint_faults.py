@@ -62,7 +62,8 @@ CHILD = textwrap.dedent(f"""
     import torch
     torch.set_num_threads({torch.get_num_threads()})
     from resume_fixture import collate, model, rows
-    from trainfold import TrainingArguments, checkpoint, train
+    from trainfold import TrainingArguments, train
+    from trainfold import ckpt as checkpoint
     from trainfold.ckpt import faults
     out, resume, preempt_at, mode, target = sys.argv[1], sys.argv[2] == "True", int(sys.argv[3]), sys.argv[4], \
         int(sys.argv[5])

@@ -178,7 +178,7 @@ def test_shapes_that_do_not_fit_are_refused():
 
 
 def test_dpo_log_probs_chunk_by_chunk_equal_the_logits_path():
-    from trainfold.recipes.dpo import dpo_objective, preference_collate
+    from trainfold.dpo.objective import dpo_objective, preference_collate
 
     model = llama()
     params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
@@ -206,7 +206,7 @@ def test_dpo_log_probs_chunk_by_chunk_equal_the_logits_path():
 
 
 def test_grpo_log_probs_chunk_by_chunk_equal_the_logits_path():
-    from trainfold.recipes.grpo import grpo_objective
+    from trainfold.grpo.objective import grpo_objective
 
     model = llama()
     params = {k: v.detach().clone().requires_grad_() for k, v in model.named_parameters()}
@@ -240,7 +240,7 @@ def test_grpo_log_probs_chunk_by_chunk_equal_the_logits_path():
 
 
 def test_rollout_scores_old_and_reference_log_probs_chunk_by_chunk_alike():
-    from trainfold.recipes.grpo import make_rollout
+    from trainfold.grpo.loop import make_rollout
 
     model = llama()
     opt = sgd(0.1)

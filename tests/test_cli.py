@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from trainfold import ckpt as checkpoint
-from trainfold.__main__ import ConfigError, main, read_config, split_resume
+from trainfold.cli.main import ConfigError, main, read_config, split_resume
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -336,8 +336,8 @@ def test_sigterm_then_resume_continues_bitwise(tmp_path):
 
 
 def test_the_config_reader_is_its_own_module_and_the_cli_uses_it(tmp_path):
-    import trainfold.__main__ as cli
-    from trainfold import run_config
+    import trainfold.cli.main as cli
+    from trainfold.cli import config as run_config
 
     assert cli.ConfigError is run_config.ConfigError and cli.read_config is run_config.read_config
     assert sorted(run_config.CONFIG_KINDS) == [".json", ".toml", ".yaml", ".yml"]

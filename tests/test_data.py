@@ -16,7 +16,7 @@ from trainfold.data import (
     stream,
 )
 from trainfold.data.samplers import Sampler, make_sampler
-from trainfold.recipes.grpo_data import generation_batches
+from trainfold.grpo.data import generation_batches
 from trainfold.testing import sampler_configs, token_items
 
 FAST = settings(max_examples=40, deadline=None)

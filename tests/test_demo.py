@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from trainfold.ckpt import is_complete, latest_checkpoint
-from trainfold.demo import byte_chunks, stdlib_text
+from trainfold.cli.demo import byte_chunks, stdlib_text
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def test_demo_command_trains_evaluates_and_checkpoints(tmp_path):
 
 
 def test_demo_args_scale_logging_evaluation_and_saves_with_the_run():
-    from trainfold.demo import demo_args
+    from trainfold.cli.demo import demo_args
 
     short, long = demo_args("out", 8), demo_args("out", 1600, seed=3)
     assert (short.logging_steps, short.eval_steps, short.save_steps) == (1, 4, 4)

@@ -50,7 +50,7 @@ def test_the_warm_up_leaves_the_global_rng_and_grad_mode_alone():
 def test_train_warms_up_before_its_first_step(tmp_path, monkeypatch):
     from resume_runs import run
 
-    train_module = sys.modules["trainfold.hf.train"]  # the package's `train` attribute is the function
+    train_module = sys.modules["trainfold.trainer.train"]  # the package's `train` attribute is the function
 
     order: list[str] = []
     monkeypatch.setattr(train_module, "warm_up_kernels", lambda **kw: order.append(f"warm {kw}"))

@@ -123,7 +123,7 @@ def test_nonfinite_params_names_exactly_the_tensors_with_inf_or_nan():
 
 
 def test_a_diverged_cli_run_exits_3(tmp_path, capsys, caplog):
-    from trainfold.__main__ import main
+    from trainfold.cli.main import main
 
     data = tmp_path / "rows.jsonl"
     data.write_text("\n".join(json.dumps(r) for r in ROWS))

@@ -19,7 +19,7 @@ from trainfold.core.losses import causal_lm, cross_entropy
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import DonatedStateError, is_donated
 from trainfold.core.tree import flatten
-from trainfold.recipes.ensemble import init_ensemble_state, make_ensemble_step, stack_batches
+from trainfold.ensemble.stack import init_ensemble_state, make_ensemble_step, stack_batches
 
 CFG = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=8)
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")
@@ -414,7 +414,7 @@ def test_a_train_that_raises_leaves_the_module_with_the_last_completed_steps_wei
 
 def test_a_dpo_reference_taken_from_the_module_stays_frozen_while_train_trains_the_module():
     from trainfold import train
-    from trainfold.recipes.dpo import dpo_objective, preference_collate
+    from trainfold.dpo.objective import dpo_objective, preference_collate
 
     model = tiny()
     initial = {k: v.detach().clone() for k, v in model.named_parameters()}

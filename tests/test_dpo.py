@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from tolerance import grad_atol, reordered, row_abs_grads, sgd_rtol
 
 from trainfold import adamw, init_state, make_step, sgd
+from trainfold.core.generate import functional_forward
 from trainfold.core.models import TinyLM, TinyLMConfig
-from trainfold.recipes.dpo import (
+from trainfold.dpo.objective import (
     count_pairs,
     dpo_loss,
     dpo_objective,
@@ -22,7 +23,6 @@ from trainfold.recipes.dpo import (
     preference_collate,
     sequence_logps,
 )
-from trainfold.recipes.generate import functional_forward
 
 CFG = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=32)
 EOS = 2

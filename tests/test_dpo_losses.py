@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.recipes.dpo import dpo_loss, dpo_objective, preference_collate
-from trainfold.recipes.dpo_loss import DPO_LOSS_TYPES
+from trainfold.dpo.loss import DPO_LOSS_TYPES
+from trainfold.dpo.objective import dpo_loss, dpo_objective, preference_collate
 
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")

@@ -15,7 +15,7 @@ from tolerance import EPS
 
 from trainfold import TrainingArguments, train
 from trainfold import evaluate as evaluate_run
-from trainfold.recipes.dpo import dpo_objective, preference_collate
+from trainfold.dpo.objective import dpo_objective, preference_collate
 
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
@@ -348,7 +348,7 @@ def test_pad_to_multiple_of_pads_the_width_and_changes_no_number():
     width = plain["input_ids"].shape[1]
     for k in ("input_ids", "attention_mask", "completion_mask"):
         assert torch.equal(padded[k][:, :width], plain[k]) and not padded[k][:, width:].any(), k
-    from trainfold.recipes.generate import functional_forward
+    from trainfold.core.generate import functional_forward
 
     obj = dpo_objective(0.1, ref_params=params_of(ref))
     a = obj(functional_forward(model), params_of(model), plain, obj.count_items(plain))
@@ -497,8 +497,8 @@ def test_precompute_in_other_batches_equals_the_reference_on_the_fly_within_roun
     # The precompute pads 3 pairs per forward where training pads 2: float32 rounding, not bitwise.
     from tolerance import grad_atol, reordered, row_abs_grads, sgd_atol, sgd_rtol
 
-    from trainfold.recipes.dpo_reference import reference_logps
-    from trainfold.recipes.generate import functional_forward
+    from trainfold.core.generate import functional_forward
+    from trainfold.dpo.reference import reference_logps
 
     model, ref, rows = tiny_llama(0, vocab=32), params_of(tiny_llama(1, vocab=32)), random_pairs(9, 8, vocab=32)
     collate = preference_collate(EOS)
@@ -586,7 +586,7 @@ def test_without_ref_params_a_resume_with_the_trained_module_is_refused_by_name(
 
 
 def test_the_cache_is_keyed_by_data_and_reference_and_never_trusts_a_bad_file(tmp_path):
-    from trainfold.recipes.dpo_reference import prepare_reference, reference_fingerprint
+    from trainfold.dpo.reference import prepare_reference, reference_fingerprint
 
     model = tiny_llama(0, vocab=32)
     rows = random_pairs(2, 4, vocab=32)

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from tiny_chat import llama, word_tokenizer
 
 import trainfold
-from trainfold.hf.dpo_args import DPOArguments
-from trainfold.recipes.dpo_data import preference_row, preference_rows
+from trainfold.dpo.args import DPOArguments
+from trainfold.dpo.data import preference_row, preference_rows
 
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")
@@ -149,8 +149,8 @@ def test_per_step_losses_equal_a_trl_dpo_run(tmp_path, rows, kw):
 @given(st.integers(0, 10_000), st.sampled_from(["sdpa", "eager"]))
 def test_a_padding_free_dpo_step_equals_the_padded_step(seed, attn):
     from trainfold import init_state, make_step, sgd
-    from trainfold.recipes.dpo import dpo_objective, preference_collate
-    from trainfold.recipes.dpo_data import padding_free_preference_collate
+    from trainfold.dpo.data import padding_free_preference_collate
+    from trainfold.dpo.objective import dpo_objective, preference_collate
 
     items = preference_rows(text_rows(4, seed), tokenizer())
     model = llama()
@@ -179,7 +179,7 @@ def test_a_padding_free_run_has_the_padded_runs_losses(tmp_path):
 def test_padding_free_by_hand_on_preference_rows_is_refused_naming_dpos_own_padding_free(tmp_path, collator):
     """``trainfold.train`` with ``padding_free=True`` on DPO's rows: "drop data_collator" would not help, the refusal
     names DPO's own padding-free collator and run."""
-    from trainfold.recipes.dpo import dpo_objective, preference_collate
+    from trainfold.dpo.objective import dpo_objective, preference_collate
 
     items, model = preference_rows(text_rows(4), tokenizer()), llama()
     args = trainfold.TrainingArguments(output_dir=str(tmp_path), max_steps=1, padding_free=True, report_to="none")

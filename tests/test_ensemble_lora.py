@@ -10,13 +10,13 @@ import torch
 from trainfold import ensemble as ens
 from trainfold import init_state, make_step, sgd
 from trainfold.core.losses import causal_lm
-from trainfold.optim import chain, clip_by_global_norm
-from trainfold.recipes.ensemble_lora import (
+from trainfold.ensemble.lora import (
     adapter_count,
     init_adapter_ensemble,
     make_adapter_ensemble_step,
     save_adapters,
 )
+from trainfold.optim import chain, clip_by_global_norm
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from trainfold import TrainingArguments, TrainState, first_divergence
 from trainfold.core.models import TinyLM, TinyLMConfig
-from trainfold.hf.replay import replay
-from trainfold.hf.train import train
 from trainfold.observe.divergence import HASH_FILE, hash_log, read_hashes, state_hash
 from trainfold.testing.strategies import tensor_dicts
+from trainfold.trainer.replay import replay
+from trainfold.trainer.train import train
 
 STEPS, CHANGED = 8, 13
 

@@ -14,16 +14,11 @@ from hypothesis import strategies as st
 from tolerance import EPS, grad_atol, reordered, row_abs_grads
 
 from trainfold import adamw, init_state, make_step, sgd
+from trainfold.core.generate import functional_forward, generate, token_logps
 from trainfold.core.models import TinyLM, TinyLMConfig
-from trainfold.recipes.generate import functional_forward, generate, token_logps
-from trainfold.recipes.grpo import (
-    combine_rewards,
-    group_advantages,
-    grpo_objective,
-    grpo_trajectory,
-    make_rollout,
-    rollout_metrics,
-)
+from trainfold.grpo.loop import grpo_trajectory, make_rollout, rollout_metrics
+from trainfold.grpo.objective import grpo_objective
+from trainfold.grpo.rewards import combine_rewards, group_advantages
 
 CFG = TinyLMConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_len=32)
 
@@ -690,7 +685,7 @@ def test_grpo_trains_a_hugging_face_model():
 
 
 def test_completion_rows_mask_the_prompt_and_pad_right():
-    from trainfold.recipes.grpo_rows import before_eos, completion_rows
+    from trainfold.grpo.rows import before_eos, completion_rows
 
     rows = completion_rows([[5, 6], [7]], [[1, 9], [2]], pad=3)
     assert rows["input_ids"].tolist() == [[5, 6, 1, 9], [7, 2, 3, 3]]
@@ -702,7 +697,7 @@ def test_completion_rows_mask_the_prompt_and_pad_right():
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 4)), min_size=1, max_size=4))
 def test_spreading_completion_values_then_gathering_them_gives_them_back(shapes):
-    from trainfold.recipes.grpo_rows import gather_completions, spread_completions
+    from trainfold.grpo.rows import gather_completions, spread_completions
 
     prompts, lengths = [p for p, _ in shapes], [n for _, n in shapes]
     width = max(p + n for p, n in shapes)
@@ -730,10 +725,11 @@ def test_functional_forward_is_make_forward_with_the_models_own_tensors_filled_i
 
 def test_trainfold_grpo_offers_the_recipe_the_arguments_and_the_run():
     import trainfold
-    import trainfold.recipes.grpo as recipe
-    from trainfold.hf import grpo_args, grpo_run
+    import trainfold.grpo as recipe
+    from trainfold.grpo import args as grpo_args
+    from trainfold.grpo import run as grpo_run
 
-    assert trainfold.grpo.__name__ == "trainfold.grpo"  # a real module (issue 33), re-exporting trainfold.hf.grpo
+    assert trainfold.grpo.__name__ == "trainfold.grpo"  # a real module (issue 33), re-exporting trainfold.grpo
     assert all(getattr(trainfold.grpo, name) is getattr(recipe, name) for name in recipe.__all__)
     assert trainfold.grpo.train is grpo_run.train and trainfold.grpo.GRPOArguments is grpo_args.GRPOArguments
     assert {"make_rollout", "grpo_trajectory", "Rollout", "rollout_metrics"} <= set(recipe.__all__)

@@ -1,4 +1,4 @@
-"""GRPO's one schedule (``trainfold.recipes.grpo_data``): the hand loop and the run count ``steps_per_generation`` in
+"""GRPO's one schedule (``trainfold.grpo.data``): the hand loop and the run count ``steps_per_generation`` in
 TRL's micro-steps, and give the same steps for the same settings."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from trainfold import make_step, sgd
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import init_state
-from trainfold.hf.grpo_args import GRPOArguments, generation_order
-from trainfold.hf.grpo_run import grpo_stream, train
-from trainfold.recipes.grpo_data import GenerationSchedule, generation_batches, schedule_step
-from trainfold.recipes.grpo_loop import grpo_trajectory, make_rollout
-from trainfold.recipes.grpo_objective import grpo_objective
+from trainfold.grpo.args import GRPOArguments, generation_order
+from trainfold.grpo.data import GenerationSchedule, generation_batches, schedule_step
+from trainfold.grpo.loop import grpo_trajectory, make_rollout
+from trainfold.grpo.objective import grpo_objective
+from trainfold.grpo.run import grpo_stream, train
 
 CFG = TinyLMConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_len=16)
 

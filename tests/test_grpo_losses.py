@@ -15,8 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.recipes.grpo_loss import GRPO_LOSS_TYPES, PolicyLoss, policy_token_losses
-from trainfold.recipes.grpo_objective import grpo_objective
+from trainfold.grpo.loss import GRPO_LOSS_TYPES, PolicyLoss, policy_token_losses
+from trainfold.grpo.objective import grpo_objective
 
 trl = pytest.importorskip("trl")
 
@@ -184,7 +184,7 @@ def trl_gdpo(each: torch.Tensor, g: int, weights: torch.Tensor) -> torch.Tensor:
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 10_000), st.sampled_from([2, 4]), st.integers(1, 3), st.booleans())
 def test_normalize_then_sum_is_trls_gdpo(seed, g, funcs, with_none):
-    from trainfold.recipes.grpo_rewards import reward_advantages
+    from trainfold.grpo.rewards import reward_advantages
 
     gen = torch.Generator().manual_seed(seed)
     each = torch.randint(0, 5, (4 * g, funcs), generator=gen).float()  # ties are common: z-scores of equal rewards
@@ -198,7 +198,7 @@ def test_normalize_then_sum_is_trls_gdpo(seed, g, funcs, with_none):
 
 
 def test_a_completion_no_reward_function_scores_is_warned_about(caplog):
-    from trainfold.recipes.grpo_rewards import combine_rewards
+    from trainfold.grpo.rewards import combine_rewards
 
     def never(prompts, completions, **_):
         return [None] * len(completions)
@@ -217,8 +217,8 @@ def test_a_completion_no_reward_function_scores_is_warned_about(caplog):
 
 
 def test_the_research_loops_metrics_carry_each_reward_functions_std():
-    from trainfold.recipes.grpo_loop import rollout_metrics
-    from trainfold.recipes.grpo_metrics import nanstd
+    from trainfold.grpo.loop import rollout_metrics
+    from trainfold.grpo.metrics import nanstd
 
     mbs = [
         {
@@ -238,7 +238,7 @@ def test_the_research_loops_metrics_carry_each_reward_functions_std():
 
 
 def test_grpo_arguments_take_the_new_loss_settings_and_refuse_bad_ones():
-    from trainfold.hf.grpo_args import GRPOArguments
+    from trainfold.grpo.args import GRPOArguments
 
     args = GRPOArguments(loss_type="luspo", importance_sampling_level="sequence", sapo_temperature_neg=2.0)
     assert args.policy_loss == PolicyLoss("luspo", importance_sampling_level="sequence", sapo_temperature_neg=2.0)

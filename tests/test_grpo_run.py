@@ -1,4 +1,4 @@
-"""The GRPO run (``trainfold.hf.grpo_run.train``): TRL 1.16's schedule, metrics and settings; resume inside a block."""
+"""The GRPO run (``trainfold.grpo.run.train``): TRL 1.16's schedule, metrics and settings; resume inside a block."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 from trainfold import sgd
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import Cursor, init_state
-from trainfold.hf.grpo_args import GRPOArguments, generation_order
-from trainfold.hf.grpo_run import BUFFER, grpo_stream, train
-from trainfold.recipes.grpo import grpo_objective
-from trainfold.recipes.grpo_data import generation_batches
-from trainfold.recipes.grpo_metrics import generation_metrics
+from trainfold.grpo.args import GRPOArguments, generation_order
+from trainfold.grpo.data import generation_batches
+from trainfold.grpo.metrics import generation_metrics
+from trainfold.grpo.objective import grpo_objective
+from trainfold.grpo.run import BUFFER, grpo_stream, train
 
 CFG = TinyLMConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_len=16)
 
@@ -169,7 +169,7 @@ def test_generation_schedule_is_trls_prepare_inputs(tmp_path, b, ga, spg, iterat
 
 
 def test_buffered_log_probs_are_the_sampling_policys_at_the_completion_tokens(tmp_path):
-    from trainfold.recipes.generate import functional_forward, token_logps
+    from trainfold.core.generate import functional_forward, token_logps
 
     args = grpo_args(tmp_path, gradient_accumulation_steps=2, steps_per_generation=4, beta=0.1)
     assert args.records_old_logps  # the generation outlives its first optimizer step
@@ -316,7 +316,7 @@ def test_objective_metrics_are_trls_token_means_per_micro_batch():
     ids = torch.randint(1, 16, (2, 6), generator=g)
     completion = torch.tensor([[0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1, 0]])
     attention = torch.tensor([[1] * 6, [1, 1, 1, 1, 1, 0]])
-    from trainfold.recipes.generate import functional_forward, token_logps
+    from trainfold.core.generate import functional_forward, token_logps
 
     params = {k: v.detach() for k, v in model.named_parameters()}
     with torch.no_grad():
@@ -343,7 +343,7 @@ def test_objective_metrics_are_trls_token_means_per_micro_batch():
 
 def test_dapo_normalises_each_micro_batch_by_its_generation_as_trl():
     """TRL: loss = sum(mask * token loss) / (num_items_in_batch * GA / steps_per_generation), per micro-batch."""
-    from trainfold.recipes.generate import functional_forward
+    from trainfold.core.generate import functional_forward
 
     model = lm()
     params = {k: v.detach() for k, v in model.named_parameters()}

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainfold.hf.args import TrainingArguments
-from trainfold.hf.optimizer import OPTIMIZERS, REFUSED, default_optimizer
 from trainfold.optim import AdamState, SgdState, TorchOptState
+from trainfold.trainer.args import TrainingArguments
+from trainfold.trainer.optimizer import OPTIMIZERS, REFUSED, default_optimizer
 
 OptimizerNames = pytest.importorskip("transformers.training_args").OptimizerNames
 HF_NAMES = sorted(o.value for o in OptimizerNames)

@@ -14,14 +14,14 @@ from trainfold.ckpt import policy
 from trainfold.data import loaders, samplers
 from trainfold.evaluation import schedule as eval_schedule
 from trainfold.evaluation.best import greater_is_better_for
-from trainfold.hf import args as hf_args
-from trainfold.hf.evaluating import eval_plan_for
-from trainfold.hf.extras import BEST, run_extras
-from trainfold.hf.plan import CheckpointPlan, StopRules, sampler_for, schedule_for, step_options, stop_rules
-from trainfold.hf.planning import plan_for
-from trainfold.hf.resume import initial_state, on_device
 from trainfold.observe import observers, reporters
 from trainfold.observe.stopping import early_stopping
+from trainfold.trainer import args as hf_args
+from trainfold.trainer.evaluating import eval_plan_for
+from trainfold.trainer.extras import BEST, run_extras
+from trainfold.trainer.plan import CheckpointPlan, StopRules, sampler_for, schedule_for, step_options, stop_rules
+from trainfold.trainer.planning import plan_for
+from trainfold.trainer.resume import initial_state, on_device
 
 
 def rows(n: int = 8) -> list[dict]:

@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from resume_fixture import ListDataset
 
 from trainfold import TrainingArguments, train
-from trainfold.hf.train import BEST
 from trainfold.observe.stopping import early_stopping
+from trainfold.trainer.train import BEST
 
 transformers = pytest.importorskip("transformers")
 

@@ -247,7 +247,7 @@ def test_a_seq2seq_model_trains_as_hf_with_decoder_inputs_in_the_batches_and_cro
     transformers.Trainer(
         model=theirs, args=hf_args(tmp_path / "hf", **settings), train_dataset=ListDataset(rows)
     ).train()
-    trainfold.train(model, args, rows, compute_loss_func=trainfold.losses.cross_entropy)
+    trainfold.train(model, args, rows, compute_loss_func=trainfold.core.losses.cross_entropy)
     for name, p in theirs.named_parameters():
         assert torch.equal(p, model.get_parameter(name)), name
 

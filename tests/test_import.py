@@ -39,7 +39,7 @@ def test_import_trainfold_works_where_posix_only_modules_do_not_exist():
 
 def test_the_functional_core_does_not_load_the_hf_layer_or_transformers():
     loaded = loaded_after("from trainfold import TrainState, adamw, fit, init_state, make_step, stream")
-    assert [m for m in loaded if m.startswith(("trainfold.hf", "trainfold.recipes", "transformers"))] == []
+    assert [m for m in loaded if m.startswith(("trainfold.trainer", "trainfold.loop", "transformers"))] == []
 
 
 def test_a_lazy_name_is_the_owning_modules_object_and_is_kept():
@@ -69,7 +69,7 @@ def test_the_package_ships_its_type_information_marker():
 def test_train_loads_neither_dtensor_nor_transformers_until_a_run_needs_them():
     """``torch.distributed.tensor`` (FSDP's DTensor, ~1 s with sympy) is imported by a sharded run alone."""
     loaded = loaded_after("from trainfold import train")
-    assert "trainfold.hf.train" in loaded
+    assert "trainfold.trainer.train" in loaded
     assert [
         m for m in loaded if m.startswith(("torch.distributed.tensor", "transformers", "trainfold.step.sharded"))
     ] == []

@@ -1,8 +1,10 @@
 """The package's layout rules, checked with ``ast``: layers, cycles, private names, sizes.
 
 Layers, bottom up (a module imports only from its own layer or lower ones, lazily or not):
-``core`` < ``distributed`` < ``optim`` < ``data`` < ``step`` < ``evaluation`` < ``ckpt`` < ``observe`` < ``loop``
-< ``recipes`` < ``hf`` < the top-level modules (``trainfold/__init__``, ``__main__``, ``demo``, ``testing``).
+``core`` < ``distributed`` < ``optim`` < ``data`` < ``step`` < ``evaluation`` < ``ckpt`` < ``observe`` < ``ensemble``
+< ``loop`` < ``trainer`` < ``sft`` < ``dpo`` < ``grpo`` < ``reward`` < ``kto`` < ``cli`` < the top level
+(``trainfold/__init__``, ``__main__``, ``testing``). The order of the algorithms is the order they build on each
+other (DPO's rows reuse SFT's).
 No module imports another module's ``_private`` name; no two modules import each other, even
 through others; no module is over 500 lines and no function over 60.
 
@@ -17,7 +19,25 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "trainfold"
-LAYERS = ("core", "distributed", "optim", "data", "step", "evaluation", "ckpt", "observe", "loop", "recipes", "hf")
+LAYERS = (
+    "core",
+    "distributed",
+    "optim",
+    "data",
+    "step",
+    "evaluation",
+    "ckpt",
+    "observe",
+    "ensemble",
+    "loop",
+    "trainer",
+    "sft",
+    "dpo",
+    "grpo",
+    "reward",
+    "kto",
+    "cli",
+)
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 60
 
@@ -36,7 +56,7 @@ def layer(name: str) -> int:
     parts = name.split(".")
     if len(parts) > 1 and parts[1] in LAYERS:
         return LAYERS.index(parts[1])
-    return len(LAYERS)  # the top: trainfold/__init__, __main__, demo, testing
+    return len(LAYERS)  # the top: trainfold/__init__, __main__, testing
 
 
 def imports(name: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str, str, int]]:
@@ -167,7 +187,7 @@ def test_modules_and_functions_are_short():
 def test_the_checker_sees_a_cycle_and_a_layer_violation():
     edges = {"trainfold.core.a": {"trainfold.step.b"}, "trainfold.step.b": {"trainfold.core.a"}, "trainfold.x": set()}
     assert cycles(edges) == [["trainfold.core.a", "trainfold.step.b"]]
-    assert layer("trainfold.core.a") < layer("trainfold.step.b") < layer("trainfold.demo")
+    assert layer("trainfold.core.a") < layer("trainfold.step.b") < layer("trainfold.cli.demo")
 
 
 if __name__ == "__main__":

@@ -42,11 +42,11 @@ def test_a_run_logs_its_start_saves_and_end_as_info_events_without_warnings(tmp_
         warnings.simplefilter("error")  # a normal run warns about nothing
         train(model(), args(tmp_path), ROWS)
     got = events(caplog)
-    assert ("trainfold.hf.train", f"training 2 optimizer steps into {tmp_path}") in got
-    assert [m for n, m in got if n == "trainfold.hf.run"] == [
+    assert ("trainfold.trainer.train", f"training 2 optimizer steps into {tmp_path}") in got
+    assert [m for n, m in got if n == "trainfold.trainer.run"] == [
         f"saving checkpoint {tmp_path / f'checkpoint-{k}'}" for k in (1, 2)
     ]
-    assert got[-1] == ("trainfold.hf.train", f"training completed at step 2 ({tmp_path})")
+    assert got[-1] == ("trainfold.trainer.train", f"training completed at step 2 ({tmp_path})")
     assert all(r.levelno == logging.INFO for r in caplog.records if r.name.startswith(LOGGER_NAME))
 
 
@@ -54,7 +54,7 @@ def test_a_resume_logs_where_it_resumes(tmp_path, caplog, restored_level):
     train(model(), args(tmp_path, max_steps=1), ROWS)
     with caplog.at_level(logging.INFO, logger=LOGGER_NAME), pytest.warns(UserWarning, match="max_steps 1 -> 2"):
         train(model(), args(tmp_path, max_steps=2), ROWS, resume_from_checkpoint=True)  # misuse: still a warning
-    assert ("trainfold.hf.train", f"resuming from {tmp_path / 'checkpoint-1'} at step 1 of 2") in events(caplog)
+    assert ("trainfold.trainer.train", f"resuming from {tmp_path / 'checkpoint-1'} at step 1 of 2") in events(caplog)
 
 
 def test_log_level_sets_the_trainfold_logger_and_replicas_log_warnings_only(caplog, restored_level):

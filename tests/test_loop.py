@@ -225,7 +225,7 @@ def test_a_signal_during_the_last_step_ends_nothing_the_run_completes(tmp_path: 
 def test_what_changes_during_an_hf_run_lives_in_a_mutable_record_not_in_the_frozen_run() -> None:
     import attrs
 
-    from trainfold.hf.run import Run
+    from trainfold.trainer.run import Run
 
     fields = attrs.fields_dict(Run)
     assert not {"saved", "diverged"} & set(fields)  # were lists mutated inside the frozen Run (5 sites)

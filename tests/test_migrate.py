@@ -17,8 +17,8 @@ import torch
 import trainfold
 from trainfold import GRPOArguments, TrainingArguments
 from trainfold.core.state import init_state
-from trainfold.hf.train import TrainResult
 from trainfold.optim import sgd
+from trainfold.trainer.train import TrainResult
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -156,22 +156,22 @@ def test_every_exported_module_name_is_a_module_that_imports(name):
 
 
 def test_the_names_of_the_issue_import():
-    from trainfold.checkpoint import save
+    from trainfold.ckpt import save
+    from trainfold.core.losses import causal_lm
+    from trainfold.data.samplers import make_sampler
     from trainfold.grpo import make_rollout, train
-    from trainfold.losses import causal_lm
-    from trainfold.samplers import make_sampler
 
     assert save is trainfold.ckpt.save and causal_lm is trainfold.core.losses.causal_lm
-    assert make_sampler is trainfold.data.samplers.make_sampler and train is trainfold.hf.grpo_run.train
-    assert make_rollout is trainfold.recipes.grpo.make_rollout
+    assert make_sampler is trainfold.data.samplers.make_sampler and train is trainfold.grpo.run.train
+    assert make_rollout is trainfold.grpo.make_rollout
 
 
 def test_a_moved_name_still_imports_from_its_old_module_with_a_deprecation_warning():
-    with pytest.warns(DeprecationWarning, match="trainfold.losses.dpo moved: use trainfold.dpo.dpo_loss"):
-        from trainfold.losses import dpo
+    with pytest.warns(DeprecationWarning, match="trainfold.core.losses.dpo moved: use trainfold.dpo.dpo_loss"):
+        from trainfold.core.losses import dpo
     assert dpo is trainfold.dpo.dpo_loss
     with pytest.raises(ImportError):
-        from trainfold.losses import no_such_name  # noqa: F401
+        from trainfold.core.losses import no_such_name  # noqa: F401
 
 
 def test_make_rollout_steps_per_generation_is_trls_micro_steps():
@@ -299,7 +299,7 @@ def test_trls_documented_reward_signature_works_and_a_wrong_one_is_named():
 
 
 def test_log_and_save_metrics_print_and_write_what_the_trainer_does(tmp_path, capsys):
-    from trainfold.hf.trainer_methods import log_metrics, save_metrics
+    from trainfold.trainer.trainer_methods import log_metrics, save_metrics
 
     metrics = {"train_runtime": 75.123, "train_loss": 1.234567, "epoch": 3.0, "train_samples": 120, "total_flos": 2**31}
     trainer = transformers.Trainer(_classifier(), args=_hf_args(tmp_path / "hf"))
@@ -316,7 +316,7 @@ def test_log_and_save_metrics_print_and_write_what_the_trainer_does(tmp_path, ca
 
 
 def test_save_model_state_and_card_after_a_run(tmp_path):
-    from trainfold.hf.trainer_methods import create_model_card, save_model, save_state
+    from trainfold.trainer.trainer_methods import create_model_card, save_model, save_state
 
     tok = _tokenizer()
     args = TrainingArguments(
@@ -336,7 +336,7 @@ def test_save_model_state_and_card_after_a_run(tmp_path):
 
 
 def test_the_methods_write_and_print_nothing_off_rank_zero(tmp_path, monkeypatch, capsys):
-    from trainfold.hf import trainer_methods
+    from trainfold.trainer import trainer_methods
 
     monkeypatch.setenv("RANK", "1")
     assert not trainer_methods.is_world_process_zero()

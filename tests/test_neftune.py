@@ -15,8 +15,8 @@ from trainfold import init_state, make_step, sgd
 from trainfold.core.fold import fit
 from trainfold.core.forward import make_forward, train_mode
 from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.core.neftune import input_embedding, neftune_forward, neftune_noise, neftune_objective
 from trainfold.core.tree import flatten, unflatten
-from trainfold.recipes.neftune import input_embedding, neftune_forward, neftune_noise, neftune_objective
 
 SMALL = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16)
 

@@ -438,7 +438,7 @@ def test_sigterm_while_train_sets_up_ends_preempted_and_writes_nothing(tmp_path)
 CLI_SETUP_SIGNAL = textwrap.dedent(
     """
     import os, signal, sys
-    import trainfold.__main__ as cli
+    import trainfold.cli.main as cli
 
     real = cli.build_model
 

@@ -1,340 +1,55 @@
-"""Every name ``trainfold.__all__`` offered before the restructure still works, with every name its old
-modules exported (``trainfold.checkpoint.save``, ``trainfold.grpo.train`` ...): module paths moved, the API did not."""
+"""The public names as they are today: ``trainfold.__all__``, the algorithm packages' runs and Arguments, and no
+old module path kept alive (nothing was released: no shims, no alias tables)."""
+
+import importlib
 
 import pytest
 
 import trainfold
 
 TOP = [
-    "Cursor",
-    "EvalPrediction",
-    "GRPOArguments",
-    "Sampler",
-    "StepBatch",
-    "TrainResult",
-    "TrainState",
-    "TrainingArguments",
-    "adamw",
-    "any_of",
-    "chain",
-    "checkpoint",
-    "chunked_causal_lm",
-    "chunked_loss",
-    "clip_by_global_norm",
-    "compiled",
-    "data",
-    "decay_mask",
-    "distributed",
-    "dpo",
-    "early_stopping",
-    "ensemble",
-    "evaluate",
-    "evaluation",
-    "fit",
-    "generate",
-    "grpo",
-    "grpo_args",
-    "grpo_run",
-    "init_ensemble_state",
-    "init_state",
-    "keyed",
-    "latest_checkpoint",
-    "load",
-    "losses",
-    "make_ensemble_step",
-    "make_sampler",
-    "make_step",
-    "max_steps",
-    "max_time",
-    "observe",
-    "optim",
-    "pack",
-    "packed_collate",
-    "packing",
-    "pad_collate",
-    "padding_free_collate",
-    "predict",
-    "reducers",
-    "reporters",
-    "samplers",
-    "save",
-    "schedules",
-    "sgd",
-    "split_ensemble",
-    "stream",
-    "train",
-    "trajectory",
-    "tree",
-    "warm_up_kernels",
-]
+    "Cursor", "EvalPrediction", "GRPOArguments", "Sampler", "StepBatch", "TrainResult", "TrainState",
+    "TrainingArguments", "adamw", "any_of", "chain", "chunked_causal_lm", "ckpt", "clip_by_global_norm", "core",
+    "create_model_card", "data", "decay_mask", "distributed", "dpo", "early_stopping", "ensemble", "evaluate",
+    "evaluation", "first_divergence", "fit", "grpo", "init_ensemble_state", "init_state", "is_world_process_zero",
+    "keyed", "latest_checkpoint", "load", "log_metrics", "loop", "make_ensemble_step", "make_sampler", "make_step",
+    "max_steps", "max_time", "observe", "optim", "pack", "packed_collate", "pad_collate", "padding_free_collate",
+    "predict", "replay", "save", "save_metrics", "save_model", "save_state", "sft", "sgd", "split_ensemble", "step",
+    "stream", "train", "trainer", "trajectory", "warm_up_kernels",
+]  # fmt: skip
 
-# the old module names in ``__all__`` and the names each of those modules exported
-MODULES = {
-    "checkpoint": [
-        "ADAPTER_CONFIG_FILE",
-        "ADAPTER_FILE",
-        "CONFIG_FILE",
-        "CheckpointError",
-        "CheckpointWarning",
-        "INCOMPLETE_MARKER",
-        "MODEL_FILE",
-        "SIDECAR_FILE",
-        "STATE_FILE",
-        "checkpoint_path",
-        "fingerprint",
-        "is_complete",
-        "latest_checkpoint",
-        "list_checkpoints",
-        "load",
-        "load_weights",
-        "mark_jit",
-        "model_weights",
-        "read_metadata",
-        "resume_checkpoint",
-        "save",
-        "validate_sidecar",
-        "warm_start",
-    ],
-    "chunked_loss": [
-        "ChunkedCausalLM",
-        "OutputHead",
-        "check_chunk_size",
-        "chunked_causal_lm",
-        "chunked_cross_entropy",
-        "chunked_token_logps",
-        "output_head",
-    ],
-    "compiled": ["CompileFallbackWarning", "compile_step"],
-    "data": [
-        "KeyedCollate",
-        "PadCollate",
-        "StateStream",
-        "StepBatch",
-        "close_loader",
-        "eval_loader",
-        "generation_batches",
-        "keyed",
-        "pad_collate",
-        "sample_key",
-        "stream",
-    ],
-    "distributed": [
-        "GatherCollective",
-        "ProcessGroupCollective",
-        "SingleProcess",
-        "agreed_stop",
-        "collective_from_env",
-        "evaluate_sharded",
-        "failure_of",
-        "gather_rows",
-        "group_timeout",
-        "joins_torchrun",
-        "predict_sharded",
-        "process_group_collective",
-        "shard",
-        "shard_bounds",
-    ],
-    "dpo": [
-        "DPOObjective",
-        "LOSS_TYPES",
-        "PREFERENCE_COLUMNS",
-        "PreferenceCollate",
-        "count_pairs",
-        "dpo_loss",
-        "dpo_objective",
-        "precompute_ref_logps",
-        "preference_collate",
-        "sequence_logps",
-    ],
-    "ensemble": [
-        "ensemble_size",
-        "init_ensemble_state",
-        "make_ensemble_step",
-        "split_ensemble",
-        "stack_batches",
-        "stack_ensemble",
-    ],
-    "evaluation": [
-        "EvalPrediction",
-        "PredictionOutput",
-        "check_metrics",
-        "eval_sets",
-        "evaluate",
-        "final_metrics",
-        "predict",
-        "prefix_metrics",
-        "resolve_forward",
-        "throughput",
-        "to_numpy",
-    ],
-    "generate": ["functional_forward", "generate", "pad_right", "token_logps"],
-    "grpo": [
-        "GRPOObjective",
-        "GRPO_LOSS_TYPES",
-        "RewardFunc",
-        "SCALE_REWARDS",
-        "chunk_head",
-        "combine_rewards",
-        "group_advantages",
-        "grpo_objective",
-        "next_token_logps",
-        "reward_name",
-        "token_entropy",
-    ],
-    "grpo_args": ["GRPOArguments", "TRL_ONLY", "generation_order"],
-    "grpo_run": ["BUFFER", "GRPORun", "GenerationBuffer", "grpo_stream", "train"],
-    "losses": [
-        "DPO_LOSS_TYPES",
-        "IGNORE_INDEX",
-        "Loss",
-        "bce_with_logits",
-        "causal_lm",
-        "count_labels",
-        "count_shifted_labels",
-        "counter_for",
-        "cross_entropy",
-        "default_loss_for",
-        "dpo",
-        "dpo_loss_errors",
-        "label_smoothed",
-        "logits_of",
-        "mse",
-        "refuse_unlabelled",
-        "sequence_classification",
-    ],
-    "observe": [
-        "LOG_MARK",
-        "LogMark",
-        "LoggingPlan",
-        "MetricWindow",
-        "Observer",
-        "TOKENS_SEEN",
-        "counting_input_tokens",
-        "eval_entry",
-        "filtered_mean_loss",
-        "initial_extras",
-        "log_entry",
-        "log_if_due",
-        "log_mark",
-        "logging_plan",
-        "mark_logged",
-        "notify",
-        "observing",
-        "should_log",
-        "tap",
-        "train_summary",
-    ],
-    "optim": [
-        "AdamState",
-        "GradientTransformation",
-        "SgdState",
-        "adamw",
-        "apply_updates",
-        "chain",
-        "clip_by_global_norm",
-        "decay_mask",
-        "decay_mask_by_name",
-        "sgd",
-    ],
-    "packing": ["PACKING_WINDOW", "check_packable", "pack", "packed_collate", "padding_free_collate"],
-    "reducers": [
-        "Reduced",
-        "Reducer",
-        "Transducer",
-        "accuracy",
-        "collecting",
-        "combine",
-        "compose",
-        "concatenating",
-        "counting",
-        "filtering",
-        "fold",
-        "is_reduced",
-        "mapping",
-        "mean_loss",
-        "merge_all",
-        "offloading",
-        "pad_concat",
-        "summing",
-        "taking",
-        "transduce",
-        "unreduced",
-    ],
-    "reporters": [
-        "JsonlReporter",
-        "Progress",
-        "REPORTERS",
-        "Reporter",
-        "Reporters",
-        "TensorBoardReporter",
-        "TrackioReporter",
-        "WandbReporter",
-        "installed_reporters",
-        "make_reporters",
-        "progress",
-        "tensorboard_dir",
-        "tracker_key",
-    ],
-    "samplers": [
-        "LENGTH_STRATEGIES",
-        "STRATEGIES",
-        "Sampler",
-        "dataset_lengths",
-        "make_sampler",
-        "padded_cost",
-        "preference_length",
-    ],
-    "schedules": [
-        "SCHEDULE_NAMES",
-        "Schedule",
-        "as_schedule",
-        "constant",
-        "cosine",
-        "cosine_with_restarts",
-        "inverse_sqrt",
-        "linear",
-        "named",
-        "polynomial",
-        "schedule_kwargs_problems",
-        "warmup_stable_decay",
-        "warmup_steps_for",
-    ],
-    "tree": ["Tree", "add", "check_keys", "flatten", "global_norm", "scale", "tree_map", "unflatten", "zeros_like"],
+# each algorithm package: its run, its Arguments and a piece of it, as the docs name them
+ALGORITHMS = {
+    "sft": ["train", "SFTArguments", "sft_collate", "prepare_dataset"],
+    "dpo": ["train", "DPOArguments", "dpo_loss", "dpo_objective", "preference_collate"],
+    "grpo": ["train", "GRPOArguments", "grpo_objective", "make_rollout", "generation_batches"],
 }
-
-# names that moved up to the layer they belong to (a lower layer cannot offer a higher one's names):
-# (old module, old name) -> (the module name in ``__all__`` that offers it now, its name there)
-MOVED = {
-    ("data", "generation_batches"): ("grpo", "generation_batches"),
-    ("distributed", "evaluate_sharded"): ("evaluation", "evaluate_sharded"),
-    ("distributed", "predict_sharded"): ("evaluation", "predict_sharded"),
-    ("distributed", "gather_rows"): ("evaluation", "gather_rows"),
-    ("losses", "dpo"): ("dpo", "dpo_loss"),
-    ("losses", "dpo_loss_errors"): ("dpo", "dpo_loss_errors"),
-    ("losses", "DPO_LOSS_TYPES"): ("dpo", "LOSS_TYPES"),
-    # one meaning per public name: ``trainfold.evaluate``/``predict`` are the run-level ones
-    ("evaluation", "evaluate"): ("evaluation", "evaluate_batches"),
-    ("evaluation", "predict"): ("evaluation", "predict_batches"),
-}
+GONE = ["losses", "samplers", "reducers", "reporters", "schedules", "tree", "checkpoint", "packing", "preempt",
+        "compiled", "generate", "grpo_args", "grpo_run", "chunked_loss", "hf", "recipes", "aliases"]  # fmt: skip
 
 
-def test_every_old_top_level_name_is_exported():
-    assert [name for name in TOP if name not in trainfold.__all__ or not hasattr(trainfold, name)] == []
+def test_the_top_level_names_are_exactly_todays():
+    assert sorted(trainfold.__all__) == sorted(TOP)
+    assert [name for name in TOP if not hasattr(trainfold, name)] == []
 
 
-@pytest.mark.parametrize("module", sorted(MODULES))
-def test_an_old_module_name_offers_every_name_it_exported(module):
-    missing = []
-    for name in MODULES[module]:
-        home, new = MOVED.get((module, name), (module, name))
-        if not hasattr(getattr(trainfold, home), new):
-            missing.append(f"{home}.{new}")
-    assert missing == []
+@pytest.mark.parametrize("package", sorted(ALGORITHMS))
+def test_each_algorithm_package_offers_its_run_arguments_and_pieces(package):
+    module = importlib.import_module(f"trainfold.{package}")
+    assert [name for name in ALGORITHMS[package] if not hasattr(module, name)] == []
+    assert set(ALGORITHMS[package]) <= set(module.__all__)
 
 
-def test_a_moved_name_is_the_same_object_as_in_the_module_that_owns_it():
-    from trainfold.recipes.dpo_loss import dpo_loss
-    from trainfold.recipes.grpo_data import generation_batches
+@pytest.mark.parametrize("old", GONE)
+def test_no_old_module_path_is_kept_alive(old):
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module(f"trainfold.{old}")
+    assert not hasattr(trainfold, old)
+
+
+def test_a_public_name_is_the_same_object_as_in_the_module_that_owns_it():
+    from trainfold.dpo.loss import dpo_loss
+    from trainfold.grpo.data import generation_batches
 
     assert trainfold.dpo.dpo_loss is dpo_loss
     assert trainfold.grpo.generation_batches is generation_batches
@@ -352,9 +67,8 @@ def test_no_subpackage_is_named_after_a_builtin_or_a_build_folder():
 # public names still bound to two objects, each with why it is left for now; fixing one fails the test below
 # until it is taken off this list, and a new double meaning fails it too
 TWO_MEANINGS = {
-    "generate": "the module trainfold.generate and its function generate",
     "train": "trainfold.train and the runs dpo.train, grpo.train, sft.train (a public API decision)",
-    # the hooks of issue 45, always written with their namespace: loop.evaluate(eval_data, every=), loop.save(every=)
+    # the hooks of the loop tier, always written with their namespace: loop.evaluate(eval_data, every=), loop.save()
     "evaluate": "trainfold.evaluate (a run's evaluation) and the hook loop.evaluate",
     "save": "trainfold.save (a checkpoint) and the hook loop.save",
 }
@@ -390,23 +104,3 @@ def test_one_meaning_per_public_name():
     assert sorted(set(TWO_MEANINGS) - set(doubles)) == []  # fixed: take it off TWO_MEANINGS
     run_level = [mods for mods in bindings["evaluate"].values() if not mods[0].startswith("trainfold.loop")]
     assert len(run_level) == 1  # the run-level evaluate alone (besides the hook loop.evaluate)
-
-
-def test_a_renamed_name_still_resolves_with_a_warning_naming_its_new_home():
-    from trainfold.evaluation import evaluation
-    from trainfold.hf import dpo_run, plan, resume, run
-    from trainfold.recipes import dpo_loss
-
-    for module, old, new in [
-        (evaluation, "evaluate", "evaluate_batches"),
-        (evaluation, "predict", "predict_batches"),
-        (trainfold.evaluation, "evaluate", "evaluate_batches"),
-        (dpo_loss, "dpo", "dpo_loss"),
-        (dpo_run, "prepare_dataset", "prepare_preference_dataset"),
-        (trainfold.dpo, "prepare_dataset", "prepare_preference_dataset"),
-        (run, "save", "save_checkpoint"),
-        (resume, "start", "start_run"),
-        (plan, "Schedule", "RunLength"),
-    ]:
-        with pytest.warns(DeprecationWarning, match=rf"\.{old} moved: use .*\.{new}$"):
-            assert getattr(module, old) is getattr(module, new)

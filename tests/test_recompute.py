@@ -118,7 +118,7 @@ def test_a_model_without_blocks_is_named():
 
 
 def test_an_objective_with_a_frozen_reference_forward_checkpoints_too():
-    from trainfold.recipes.dpo import dpo_objective, preference_collate
+    from trainfold.dpo.objective import dpo_objective, preference_collate
 
     policy, ref = lm(), lm(dropout=0.0)
     pairs = [{"prompt_ids": [1, 5, 6], "chosen_ids": [7, 8, 9], "rejected_ids": [10, 11]} for _ in range(4)]
@@ -208,7 +208,7 @@ def test_train_with_gradient_checkpointing_on_gpt2_matches_the_run_without(tmp_p
 
 
 def test_dpo_with_checkpointing_on_a_stock_hf_model_gives_the_same_update():
-    from trainfold.recipes.dpo import dpo_objective, preference_collate
+    from trainfold.dpo.objective import dpo_objective, preference_collate
 
     policy = _hf("llama")
     ref = {k: v.detach().clone() for k, v in policy.named_parameters()}

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from trainfold import TrainingArguments, ckpt
-from trainfold.__main__ import main
+from trainfold.cli.main import main
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.tree import flatten
-from trainfold.hf.replay import replay
-from trainfold.hf.train import train
+from trainfold.trainer.replay import replay
+from trainfold.trainer.train import train
 
 STEPS, BATCH, ACCUMULATION = 7, 2, 2
 

@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 import trainfold.observe.reporters as reporters_module
 from trainfold.core.state import TrainState, scalar
-from trainfold.hf.args import TrainingArguments
 from trainfold.observe.reporters import (
     JsonlReporter,
     Reporters,
@@ -29,6 +28,7 @@ from trainfold.observe.reporters import (
     progress,
     tracker_key,
 )
+from trainfold.trainer.args import TrainingArguments
 
 ENTRIES = [
     ({"loss": 2.5, "grad_norm": 1.25, "learning_rate": 0.001, "epoch": 0.5, "step": 2}, 2),
@@ -114,7 +114,7 @@ def _tensorboard_run(log_dir: Path) -> tuple[dict[str, list], list[str]]:
 
 def tiny_run(output_dir: Path, **settings):
     from trainfold.core.models import TinyLM, TinyLMConfig
-    from trainfold.hf.train import train
+    from trainfold.trainer.train import train
 
     torch.manual_seed(0)
     model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_chat import llama, word_tokenizer
 
-from trainfold.hf import sft
-from trainfold.hf.sft_args import SFTArguments
-from trainfold.recipes.sft import sft_collate, sft_row, sft_rows
+from trainfold.sft import run as sft
+from trainfold.sft.args import SFTArguments
+from trainfold.sft.data import sft_collate, sft_row, sft_rows
 
 trl = pytest.importorskip("trl")
 transformers = pytest.importorskip("transformers")

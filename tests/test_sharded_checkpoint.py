@@ -214,8 +214,8 @@ def _worker(phase: str, out: Path) -> None:
         with pytest.warns(UserWarning, match="per_device_train_batch_size 2 -> 1, gradient_accumulation_steps 1 -> 1"):
             result = _resume_copy(out, f"resumed-{world}", rank)
         save_file(trained(result), out / f"resumed-{world}-{rank}.safetensors")
-        from trainfold.hf.train import default_optimizer
         from trainfold.observe.observers import initial_extras
+        from trainfold.trainer.train import default_optimizer
 
         template = init_state(tiny(), default_optimizer(tiny(), run_args(out), 8), extras=initial_extras())
         loaded = ckpt.load(out / "straight" / "checkpoint-8", like=shard(template, mesh))
@@ -628,7 +628,7 @@ def test_an_async_save_copies_the_state_before_the_step_changes_it(tmp_path):
 def test_a_process_killed_mid_async_save_leaves_no_checkpoint(tmp_path):
     code = f"""
 import os, torch
-from trainfold import checkpoint as ckpt
+from trainfold import ckpt
 from trainfold.ckpt import faults, sharded as sc
 from trainfold.optim import sgd
 from trainfold.core.state import init_state
@@ -708,7 +708,7 @@ def test_check_compatible_takes_another_split_of_the_same_global_batch_and_names
 
 
 def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(tmp_path):
-    from trainfold.hf.planning import elastic_args
+    from trainfold.trainer.planning import elastic_args
 
     saved = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1, "world_size": 2, "learning_rate": 1e-2}
     path = ckpt.save(init_state(torch.nn.Linear(2, 1), adamw(1e-3)), tmp_path / "checkpoint-0", settings=saved)
@@ -725,7 +725,7 @@ def test_a_resume_on_ranks_that_cannot_keep_the_global_batch_is_refused_by_name(
 def test_the_elastic_split_comes_from_the_checkpoint_not_from_the_run_file_a_failed_start_rewrote(tmp_path):
     from trainfold.ckpt import run_dir
     from trainfold.ckpt.run_identity import RunSettings
-    from trainfold.hf.planning import elastic_args
+    from trainfold.trainer.planning import elastic_args
 
     two = run_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=1)
     saved = {**two.to_dict(), "world_size": 2}  # the checkpoint of a 2-rank run: global batch 4
@@ -745,7 +745,7 @@ def test_the_elastic_split_applies_again_to_a_checkpoint_its_own_resume_wrote_on
     """Issue 44.7: 2 ranks x batch 2 x GA 2 resumed on 1 process (GA 4) writes checkpoint-8 with world_size 1 and GA 4;
     the same 1-process command (GA 2) resumes it again with GA 4, on the world size the checkpoint was written on."""
     from trainfold.core.state import scalar
-    from trainfold.hf.planning import elastic_args
+    from trainfold.trainer.planning import elastic_args
 
     command = run_args(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2)
     state = init_state(torch.nn.Linear(2, 1), adamw(1e-3))

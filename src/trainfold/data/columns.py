@@ -252,7 +252,7 @@ def padded_to_multiple(collate: Callable[..., Any] | None, pad_to_multiple_of: i
     ``packed_collate``) gets the value. A collator that sets another value, or has no such
     field, is an error: the setting would not apply.
 
-    >>> from trainfold.recipes.dpo import preference_collate
+    >>> from trainfold.dpo.objective import preference_collate
     >>> padded_to_multiple(preference_collate(2), 8).pad_to_multiple_of
     8
     >>> padded_to_multiple(None, None) is None

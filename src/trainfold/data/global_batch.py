@@ -15,7 +15,7 @@ batch (so memory per device never grows), and ``gradient_accumulation_steps`` = 
 batch that ``M`` does not divide is refused by name. Two things still depend on the split:
 dropout masks (drawn per micro-batch and rank), and an epoch's last, short step (``drop_last``
 keeps whole micro-batches of every rank; a tail with fewer samples than ranks is topped up).
-``trainfold.hf.planning.elastic_args`` applies the rule to a resumed run's arguments.
+``trainfold.trainer.planning.elastic_args`` applies the rule to a resumed run's arguments.
 
 >>> split_global_batch(8, world_size=4, per_device=2)
 (2, 1)

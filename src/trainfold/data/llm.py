@@ -5,7 +5,7 @@ settings ask for (TRL's names: ``packing``, ``packing_strategy``, ``max_length``
 trainfold's ``loss_chunk_size``), or the inputs unchanged when none is set. Every combination it
 cannot do exactly is refused by name before any work is done.
 
->>> from trainfold.hf.args import TrainingArguments
+>>> from trainfold.trainer.args import TrainingArguments
 >>> from trainfold.core.models import TinyLM, TinyLMConfig
 >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
 >>> rows = [{"input_ids": [1, 2, 3]}]
@@ -59,7 +59,7 @@ def _refusals(
             f"{batching}=True packs or flattens rows of input_ids, not DPO's preference rows (prompt_ids, "
             "chosen_ids, rejected_ids): run trainfold.dpo.train with DPOArguments(padding_free=True), or keep "
             "padding_free=False and packing=False and pass "
-            "data_collator=trainfold.recipes.dpo_data.padding_free_preference_collate() (flattened chosen and "
+            "data_collator=trainfold.dpo.data.padding_free_preference_collate() (flattened chosen and "
             "rejected rows)"
         )
     elif (args.packing or args.padding_free) and data_collator is not None:

@@ -1,6 +1,5 @@
 """Evaluation: reducers (transducers over batches), evaluate/predict (one process or sharded), schedules."""
 
-from trainfold.core.moved import moved_names
 from trainfold.evaluation.evaluation import (
     EvalPrediction,
     EvalSpec,
@@ -42,8 +41,3 @@ __all__ = [
     "throughput",
     "to_numpy",
 ]
-
-__getattr__ = moved_names(
-    __name__,
-    {"evaluate": (__name__, "evaluate_batches"), "predict": (__name__, "predict_batches")},
-)

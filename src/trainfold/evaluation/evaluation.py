@@ -29,7 +29,6 @@ from typing import Any
 from torch import Tensor, nn
 
 from trainfold.core.losses import causal_lm, logits_of
-from trainfold.core.moved import moved_names
 from trainfold.distributed.distributed import GatherCollective
 from trainfold.evaluation.gather import merged_parts
 from trainfold.evaluation.metrics import (
@@ -239,7 +238,3 @@ def predict_batches(
 
 # ``trainfold.evaluate``/``predict`` are the run-level ones (a model, TrainingArguments and a dataset); these
 # take params and batches, and had the same names before (one meaning per public name)
-__getattr__ = moved_names(
-    __name__,
-    {"evaluate": (__name__, "evaluate_batches"), "predict": (__name__, "predict_batches")},
-)

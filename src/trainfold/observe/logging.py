@@ -1,6 +1,6 @@
 """The ``trainfold`` logger: training, checkpoint and resume events, on the main process by default.
 
-Every module logs to ``logging.getLogger(__name__)``, a child of ``"trainfold"`` (``trainfold.hf.train``,
+Every module logs to ``logging.getLogger(__name__)``, a child of ``"trainfold"`` (``trainfold.trainer.train``,
 ``trainfold.ckpt.run_dir``, ...), so one line configures them all, as for any library::
 
     import logging

@@ -1,7 +1,7 @@
 """The micro-batch driver every step variant composes: count, seed, accumulate, reduce, and the next state.
 
 A step's ``batch`` is one optimizer step's worth of data: a sequence of micro-batches (dicts of
-tensors). Every variant (``eager``, ``compiled``, ``differentiable``, ``recipes.ensemble``) runs the
+tensors). Every variant (``eager``, ``compiled``, ``differentiable``, ``ensemble.stack``) runs the
 same pieces, in this order:
 
 1. :func:`open_step` counts ``num_items_in_batch`` over all micro-batches and all ranks before the
@@ -173,7 +173,7 @@ def micro_loss(
     key: torch.Generator,
 ) -> tuple[Tensor, Mapping[str, Tensor]]:
     """Return ``(loss, aux)`` of one micro-batch: the plan's objective, else its loss on the model's outputs (``aux``
-    from the loss's ``metrics(outputs, labels, num_items)`` when it has one: ``recipes.sft.sft_loss``'s)."""
+    from the loss's ``metrics(outputs, labels, num_items)`` when it has one: ``sft.sft_loss``'s)."""
     if plan.objective is not None:
         return plan.objective(forward, leaves, micro, num_items, key)
     if plan.label_key not in micro:

@@ -1,0 +1,1 @@
+"""The command line (``python -m trainfold``): its config reader, builders and the demo."""

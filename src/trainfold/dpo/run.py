@@ -1,0 +1,107 @@
+"""The DPO run: TRL 1.16 ``DPOTrainer``'s data preparation and reference, then ``trainfold.train``.
+
+>>> import tempfile, torch
+>>> from trainfold.core.models import TinyLM, TinyLMConfig
+>>> _ = torch.manual_seed(0)
+>>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+>>> rows = [{"prompt_ids": [1, 2], "chosen_ids": [3, 4], "rejected_ids": [5]}] * 4
+>>> args = DPOArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2, bf16=False,
+...                     gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no")
+>>> result = train(model, args, rows)
+>>> result.global_step, round(result.log_history[0]["loss"], 4)  # the reference is the model before training
+(2, 0.6931)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from trainfold.data.packing import check_packable
+from trainfold.dpo.args import DPOArguments
+from trainfold.dpo.data import padding_free_preference_collate, preference_rows
+from trainfold.dpo.objective import dpo_objective, preference_collate
+from trainfold.sft.run import PreparedStream
+from trainfold.trainer.model_source import model_from, processing_class_for
+from trainfold.trainer.train import TrainResult
+from trainfold.trainer.train import train as train_run
+
+__all__ = ["prepare_preference_dataset", "train"]
+
+
+def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.Module:
+    built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
+    if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
+        for m in built.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+    return built
+
+
+def prepare_preference_dataset(dataset: Any, processing_class: Any, args: DPOArguments) -> Any:
+    """Return ``dataset``'s rows tokenized as ``DPOTrainer`` does (``trainfold.dpo.data``); a dataset
+    without a length (streaming) is tokenized as it is read, in its order, as TRL reads it."""
+    if dataset is None:
+        return None
+    if not hasattr(dataset, "__len__"):
+        return PreparedStream(dataset, lambda rows: preference_rows(rows, processing_class, args.max_length))
+    rows = (dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset
+    return preference_rows(rows, processing_class, args.max_length)
+
+
+def train(
+    model: nn.Module | str,
+    args: DPOArguments,
+    train_dataset: Any,
+    eval_dataset: Any = None,
+    processing_class: Any = None,
+    ref_model: nn.Module | None = None,
+    peft_config: Any = None,
+    callbacks: Sequence[Any] = (),
+    **kwargs: Any,
+) -> TrainResult:
+    """Train ``model`` with DPO on preference rows as ``DPOTrainer(...).train()`` does; return the run's record.
+
+    The reference is ``ref_model`` when given, else the model as it is before training (TRL reloads it
+    from its path; this needs none); ``precompute_ref_log_probs`` scores the datasets with it once.
+    Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does.
+    ``kwargs`` go to ``trainfold.train``.
+    """
+    if not isinstance(args, DPOArguments):
+        raise TypeError(
+            f"trainfold.dpo.train takes DPOArguments (TRL's DPOConfig names), not {type(args).__name__}; "
+            f"convert a trl.DPOConfig with DPOArguments.from_hf(config)"
+        )
+    model = _model(model, args, peft_config)
+    source = model if ref_model is None else ref_model
+    ref_params = None
+    if not args.precompute_ref_log_probs or ref_model is not None:
+        ref_params = {k: v for k, v in source.named_parameters() if v.requires_grad or ref_model is not None}
+    objective = dpo_objective(
+        args.beta,
+        list(args.loss_type),
+        args.label_smoothing,
+        ref_params,
+        loss_weights=args.loss_weights,
+        discopop_tau=args.discopop_tau,
+        precompute_ref_log_probs=args.precompute_ref_log_probs,
+        precompute_ref_batch_size=args.precompute_ref_batch_size,
+    )
+    tok = processing_class = processing_class_for(model, processing_class)
+    pad = args.pad_token or (getattr(tok, "pad_token", None) or getattr(tok, "eos_token", None)) if tok else None
+    if args.padding_free:  # the run's own flattened rows (TrainingArguments' padding_free is for LM rows)
+        check_packable(model)
+        collate: Any = padding_free_preference_collate(None, args.max_length)
+        args = args.replace(padding_free=False)
+    else:
+        pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
+        collate = preference_collate(None, pad_id, args.max_length, args.pad_to_multiple_of)
+    train_rows = prepare_preference_dataset(train_dataset, tok, args)
+    eval_rows = prepare_preference_dataset(eval_dataset, tok, args)
+    run = dict(objective=objective, callbacks=callbacks, processing_class=tok)  # checkpoints hold the tokenizer
+    return train_run(model, args, train_rows, eval_rows, collate, **run, **kwargs)
+
+
+# ``trainfold.sft.prepare_dataset`` is SFT's (one meaning per public name)

@@ -1,0 +1,54 @@
+"""GRPO in one place (``trainfold.grpo``): the recipe's pieces, ``GRPOArguments`` and the run ``train``.
+
+The pieces come from :mod:`trainfold.grpo` (rewards, advantages, the objective, the hand
+loop); ``GRPOArguments`` (TRL's ``GRPOConfig`` names) from :mod:`trainfold.grpo.args`; the run,
+:func:`train`, from :mod:`trainfold.grpo.run`.
+
+>>> from trainfold.trainer import grpo
+>>> grpo.GRPOArguments(per_device_train_batch_size=4, num_generations=4).generation_batch
+4
+>>> from trainfold.trainer import grpo_run
+>>> grpo.train is grpo_run.train, grpo.grpo_objective("dapo").loss_type
+(True, 'dapo')
+"""
+
+from trainfold.grpo.args import TRL_ONLY, GRPOArguments, generation_order
+from trainfold.grpo.data import generation_batches
+from trainfold.grpo.loop import Rollout, grpo_trajectory, make_rollout, rollout_metrics
+from trainfold.grpo.objective import (
+    GRPO_LOSS_TYPES,
+    GRPOObjective,
+    chunk_head,
+    grpo_objective,
+    next_token_logps,
+    token_entropy,
+)
+from trainfold.grpo.rewards import SCALE_REWARDS, RewardFunc, combine_rewards, group_advantages, reward_name
+from trainfold.grpo.run import BUFFER, GenerationBuffer, GRPORun, grpo_stream, train
+
+__all__ = [
+    "generation_batches",
+    "GRPO_LOSS_TYPES",
+    "SCALE_REWARDS",
+    "GRPOObjective",
+    "RewardFunc",
+    "combine_rewards",
+    "reward_name",
+    "group_advantages",
+    "grpo_objective",
+    "chunk_head",
+    "next_token_logps",
+    "token_entropy",
+    "Rollout",
+    "make_rollout",
+    "grpo_trajectory",
+    "rollout_metrics",
+    "GRPOArguments",
+    "TRL_ONLY",
+    "generation_order",
+    "BUFFER",
+    "GenerationBuffer",
+    "GRPORun",
+    "grpo_stream",
+    "train",
+]

@@ -1,0 +1,291 @@
+"""``GRPOArguments``: ``TrainingArguments`` plus TRL's ``GRPOConfig`` names, and TRL's prompt order.
+
+The GRPO settings keep TRL 1.16's names, meanings and defaults: ``per_device_train_batch_size``
+counts completions; ``steps_per_generation`` counts **micro-steps** (micro-batches) and defaults to
+``gradient_accumulation_steps``, so one generation of ``per_device_train_batch_size ×
+steps_per_generation`` completions feeds that many micro-batches, and is trained on
+``num_iterations`` times before the next one. A TRL setting trainfold cannot honour exactly is
+refused by name, with the reason (``TRL_ONLY``); a value that asks for what trainfold does anyway
+is taken.
+
+>>> args = GRPOArguments(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4)
+>>> args.generation_steps, args.generation_batch, args.prompts_per_generation
+(2, 8, 2)
+>>> try:
+...     GRPOArguments(use_vllm=True)
+... except TypeError as e:
+...     print(str(e).replace("a trl.GRPOConfig setting that trainfold does not take", "not taken"))
+use_vllm=True is not taken: generation runs on trainfold.core.generate; set use_vllm=False
+>>> generation_order(6, 2, seed=0, epoch=0)  # TRL's RepeatSampler: a seeded permutation, whole chunks
+[[2, 5], [3, 0], [1, 4]]
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from trainfold.grpo.data import GenerationSchedule
+from trainfold.grpo.loss import PolicyLoss, policy_loss_errors
+from trainfold.grpo.rewards import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
+from trainfold.trainer.args import TrainingArguments
+
+__all__ = ["GRPOArguments", "TRL_ONLY", "generation_order"]
+
+_VLLM = "generation runs on trainfold.core.generate; set use_vllm=False"
+_SAMPLING = "trainfold.core.generate samples from softmax(logits / temperature) only"
+_NOT_YET = "not supported by trainfold's GRPO run yet"
+
+# name -> (the value that asks for nothing trainfold does not do, why other values are refused)
+TRL_ONLY: dict[str, tuple[Any, str]] = {
+    "use_vllm": (False, _VLLM),
+    **{
+        name: (None, _VLLM)
+        for name in (
+            "vllm_mode",
+            "vllm_server_base_url",
+            "vllm_model_impl",
+            "vllm_importance_sampling_correction",
+            "vllm_gpu_memory_utilization",
+        )
+    },
+    "top_k": (0, _SAMPLING),
+    "min_p": (None, _SAMPLING),
+    "repetition_penalty": (1.0, _SAMPLING),
+    "generation_kwargs": (None, _SAMPLING),
+    "cache_implementation": (None, _SAMPLING),
+    "mask_truncated_completions": (False, _NOT_YET),
+    "top_entropy_quantile": (1.0, _NOT_YET),
+    "entropy_coef": (0.0, "the entropy bonus is " + _NOT_YET),
+    "use_adaptive_entropy": (False, _NOT_YET),
+    "sync_ref_model": (False, "TR-DPO style reference syncing is " + _NOT_YET),
+    "off_policy_mask_threshold": (None, _NOT_YET),
+    "num_generations_eval": (None, "evaluation samples num_generations completions per prompt"),
+    "max_tool_calling_iterations": (None, "tool calling is " + _NOT_YET),
+    "disable_dropout": (False, "the step keeps the model's dropout; build the model with dropout 0 to disable it"),
+    "model_init_kwargs": (None, "pass a built model to trainfold.grpo.run.train"),
+    "log_completions": (False, "completions are not logged as tables; pass an observer"),
+}
+
+
+def _trl_problem(name: str, value: Any) -> str | None:
+    taken, why = TRL_ONLY[name]
+    if value == taken or (taken is None and value is None):
+        return None
+    return f"{name}={value!r} is a trl.GRPOConfig setting that trainfold does not take: {why}"
+
+
+def _check_grpo(args: GRPOArguments) -> list[str]:
+    out = []
+    b, g = args.per_device_train_batch_size, args.num_generations
+    if args.steps_per_generation is not None and args.generation_batch_size is not None:
+        out.append("set steps_per_generation or generation_batch_size, not both (as in TRL)")
+    elif args.generation_batch_size is not None and (args.generation_batch_size < 1 or args.generation_batch_size % b):
+        out.append(
+            f"generation_batch_size={args.generation_batch_size} must be a positive multiple of "
+            f"per_device_train_batch_size={b}"
+        )
+    if args.steps_per_generation is not None and args.steps_per_generation < 1:
+        out.append(f"steps_per_generation={args.steps_per_generation} must be >= 1 (micro-steps per generation)")
+    if g < 2:
+        out.append(f"num_generations={g} must be >= 2 (advantages compare completions of one prompt)")
+    elif not out and args.generation_batch % g:
+        out.append(
+            f"the generation batch per_device_train_batch_size x steps_per_generation = {b} x "
+            f"{args.generation_steps} = {args.generation_batch} is not divisible by num_generations={g}: "
+            "a generation must hold whole prompt groups"
+        )
+    for name in ("num_iterations", "max_completion_length"):
+        if getattr(args, name) < 1:
+            out.append(f"{name}={getattr(args, name)} must be >= 1")
+    out += policy_loss_errors(args.policy_loss)
+    if args.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
+        out.append(
+            f"multi_objective_aggregation={args.multi_objective_aggregation!r} is not one of "
+            f"{list(MULTI_OBJECTIVE_AGGREGATIONS)}"
+        )
+    if args.scale_rewards not in SCALE_REWARDS:
+        out.append(f"scale_rewards={args.scale_rewards!r} is not one of {list(SCALE_REWARDS)} (or True / False)")
+    if args.beta < 0:
+        out.append(f"beta={args.beta} must be >= 0")
+    high = args.epsilon if args.epsilon_high is None else args.epsilon_high
+    if not (0 <= args.epsilon < 1 and high >= 0):
+        out.append(f"epsilon={args.epsilon} must be in [0, 1) and epsilon_high={high} >= 0")
+    if not args.temperature > 0:
+        out.append(f"temperature={args.temperature} must be > 0 (log-probs are computed at this temperature)")
+    if args.top_p != 1.0:
+        out.append(f"top_p={args.top_p} is not supported: {_SAMPLING}; set top_p=1.0")
+    if args.reward_weights is not None and not args.reward_weights:
+        out.append("reward_weights=() gives no weight; pass one per reward function, or None for all 1.0")
+    for name, fix in (
+        ("packing", "False"),
+        ("padding_free", "False"),
+        ("loss_chunk_size", "0"),
+        ("label_smoothing_factor", "0.0"),
+        ("neftune_noise_alpha", "None"),
+    ):
+        if getattr(args, name) not in (False, 0, None):
+            out.append(f"{name}={getattr(args, name)!r} does not apply to GRPO's objective; set {name}={fix}")
+    if args.train_sampling_strategy != "random":
+        out.append(
+            f"train_sampling_strategy={args.train_sampling_strategy!r}: GRPO draws prompts in TRL's "
+            "RepeatSampler order; use shuffle_dataset=False for dataset order"
+        )
+    return out
+
+
+@attrs.frozen(init=False)
+class GRPOArguments(TrainingArguments):
+    """``TrainingArguments`` plus TRL ``GRPOConfig``'s GRPO settings (TRL 1.16's defaults).
+
+    ``per_device_train_batch_size`` counts completions. ``steps_per_generation`` (micro-steps;
+    default ``gradient_accumulation_steps``) or ``generation_batch_size`` (completions) sizes one
+    generation. ``scale_rewards`` takes ``"group"``, ``"batch"``, ``"none"`` (``True``/``False`` as
+    TRL). ``top_p`` must stay 1.0.
+
+    >>> GRPOArguments(scale_rewards=False, reward_weights=[1, 0.5]).scale_rewards
+    'none'
+    >>> try:
+    ...     GRPOArguments(per_device_train_batch_size=3, num_generations=2)
+    ... except ValueError as e:
+    ...     print(str(e).split(" = ")[-1])
+    3 is not divisible by num_generations=2: a generation must hold whole prompt groups
+    """
+
+    # TRL's GRPOConfig defaults where they differ from TrainingArguments' (bf16 stays False: TRL resolves its
+    # None to not fp16, True on every device; from_hf takes the resolved value; docs/rl.md says so)
+    learning_rate: float = 1e-6
+    logging_steps: float = 10
+    gradient_checkpointing: bool | None = True
+    remove_unused_columns: bool = False
+    num_generations: int = 8
+    steps_per_generation: int | None = None
+    generation_batch_size: int | None = None
+    num_iterations: int = 1
+    max_completion_length: int = 512
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    loss_type: str = "dapo"
+    scale_rewards: str = "group"
+    reward_weights: tuple[float, ...] | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    shuffle_dataset: bool = True
+    use_bias_correction_kl: bool = True
+    # the policy loss's other settings (trainfold.grpo.loss.PolicyLoss) and GDPO's reward aggregation
+    importance_sampling_level: str = "token"
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    multi_objective_aggregation: str = "sum_then_normalize"
+
+    def __init__(self, **kwargs: Any) -> None:
+        trl = [p for p in (_trl_problem(k, v) for k, v in kwargs.items() if k in TRL_ONLY) if p is not None]
+        if trl:
+            raise TypeError("\n".join(trl))
+        kwargs = {k: v for k, v in kwargs.items() if k not in TRL_ONLY}
+        if isinstance(kwargs.get("scale_rewards"), bool):
+            kwargs["scale_rewards"] = "group" if kwargs["scale_rewards"] else "none"
+        if isinstance(kwargs.get("reward_weights"), list):
+            kwargs["reward_weights"] = tuple(float(w) for w in kwargs["reward_weights"])
+        super().__init__(**kwargs)
+
+    def __attrs_post_init__(self) -> None:
+        grpo = _check_grpo(self)
+        try:
+            super().__attrs_post_init__()
+        except ValueError as e:
+            raise ValueError("\n  - ".join([str(e).replace("TrainingArguments", "GRPOArguments"), *grpo])) from None
+        if grpo:
+            raise ValueError("invalid GRPOArguments:\n  - " + "\n  - ".join(grpo))
+
+    @classmethod
+    def checked_from_hf(cls) -> dict[str, Callable[[Any], str | None]]:
+        """Return the judges of TRL's settings that ``GRPOArguments`` does not take (``TRL_ONLY``)."""
+        return {name: functools.partial(_trl_problem, name) for name in TRL_ONLY}
+
+    @classmethod
+    def resolved_from_hf(cls, settings: dict[str, Any], config: Any) -> dict[str, Any]:
+        """Keep ``steps_per_generation`` of a ``GRPOConfig`` that filled in both it and ``generation_batch_size``.
+
+        TRL's ``generation_batch_size`` counts the completions of all processes (``per_device_train_batch_size
+        × world_size × steps_per_generation``); a pair that disagrees (one changed after parsing) is refused.
+        """
+        steps, size = settings.get("steps_per_generation"), settings.get("generation_batch_size")
+        if steps is None or size is None:
+            return settings
+        world = int(getattr(config, "world_size", 1) or 1)
+        expected = settings.get("per_device_train_batch_size", 8) * world * steps
+        if size != expected:
+            raise ValueError(
+                f"{type(config).__name__} has generation_batch_size={size} and steps_per_generation={steps}, which "
+                f"disagree (per_device_train_batch_size x world_size x steps_per_generation = {expected}); set one"
+            )
+        return {k: v for k, v in settings.items() if k != "generation_batch_size"}
+
+    @property
+    def policy_loss(self) -> PolicyLoss:
+        """Return the policy loss's settings (``epsilon_high`` defaults to ``epsilon``)."""
+        names = attrs.fields_dict(PolicyLoss)
+        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        return PolicyLoss(**{**{k: getattr(self, k) for k in names}, "epsilon_high": high})
+
+    @property
+    def generation_steps(self) -> int:
+        """Return TRL's resolved ``steps_per_generation``: micro-steps that one generation feeds."""
+        if self.generation_batch_size is not None:
+            return self.generation_batch_size // self.per_device_train_batch_size
+        return self.steps_per_generation or self.gradient_accumulation_steps
+
+    @property
+    def generation_batch(self) -> int:
+        """Return the completions of one generation (``per_device_train_batch_size × steps_per_generation``)."""
+        return self.per_device_train_batch_size * self.generation_steps
+
+    @property
+    def prompts_per_generation(self) -> int:
+        """Return the distinct prompts of one generation."""
+        return self.generation_batch // self.num_generations
+
+    @property
+    def generation_schedule(self) -> GenerationSchedule:
+        """Return the run's schedule (``trainfold.grpo.data``): TRL's, in micro-steps."""
+        return GenerationSchedule(self.generation_steps, self.num_iterations, self.gradient_accumulation_steps)
+
+    @property
+    def records_old_logps(self) -> bool:
+        """Whether a generation outlives an optimizer step, so the sampling policy's log-probs are kept (TRL's rule)."""
+        return self.generation_schedule.records_old_logps
+
+
+@functools.lru_cache(maxsize=8)
+def _permutations(num_prompts: int, seed: int, epochs: int) -> tuple[tuple[int, ...], ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(tuple(torch.randperm(num_prompts, generator=g).tolist()) for _ in range(epochs))
+
+
+def generation_order(
+    num_prompts: int, prompts_per_generation: int, *, seed: int, epoch: int, shuffle: bool = True
+) -> list[list[int]]:
+    """Return epoch ``epoch``'s generations as lists of prompt indices, in TRL's ``RepeatSampler`` order.
+
+    TRL's sampler draws one ``torch.randperm`` per epoch from one generator seeded with ``seed``,
+    cuts it into chunks of ``prompts_per_generation`` and drops an incomplete last chunk; the
+    repeats (``num_generations`` per prompt, ``num_iterations × steps_per_generation`` per chunk)
+    are the run's, not the order's.
+
+    >>> generation_order(5, 2, seed=0, epoch=0, shuffle=False)
+    [[0, 1], [2, 3]]
+    """
+    order = list(range(num_prompts)) if not shuffle else list(_permutations(num_prompts, seed, epoch + 1)[epoch])
+    chunks = [order[i : i + prompts_per_generation] for i in range(0, num_prompts, prompts_per_generation)]
+    return [c for c in chunks if len(c) == prompts_per_generation]

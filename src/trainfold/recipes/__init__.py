@@ -1,1 +1,0 @@
-"""Training recipes on top of the step: NEFTune, DPO, GRPO, generation, ensembles."""

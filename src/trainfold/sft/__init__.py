@@ -1,0 +1,23 @@
+"""SFT in one place: TRL's row preparation and collator (``data``), ``SFTArguments`` (``args``) and the run (``run``).
+
+>>> from trainfold import sft
+>>> sft.train is sft.run.train, sft.SFTArguments().completion_only_loss is None
+(True, True)
+"""
+
+from trainfold.sft.args import SFTArguments
+from trainfold.sft.data import SFTCollate, is_conversational, sft_collate, sft_loss, sft_row, sft_rows
+from trainfold.sft.run import PreparedStream, prepare_dataset, train
+
+__all__ = [
+    "PreparedStream",
+    "SFTArguments",
+    "SFTCollate",
+    "is_conversational",
+    "prepare_dataset",
+    "sft_collate",
+    "sft_loss",
+    "sft_row",
+    "sft_rows",
+    "train",
+]

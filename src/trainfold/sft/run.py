@@ -1,0 +1,189 @@
+"""SFT in one place (``trainfold.sft``): TRL 1.16 ``SFTTrainer``'s data preparation, then ``trainfold.train``.
+
+:func:`train` prepares the datasets as ``SFTTrainer`` does (``trainfold.sft.data``: formats, EOS,
+``completion_only_loss``, ``assistant_only_loss``, truncation), then trains with the causal-LM token-mean
+loss; ``packing`` and ``padding_free`` are ``TrainingArguments``' (``trainfold.data.llm``). The model may
+be a module or a name/path (loaded with ``model_init_kwargs``); ``peft_config`` wraps it with PEFT.
+
+>>> import tempfile, torch
+>>> from trainfold.core.models import TinyLM, TinyLMConfig
+>>> _ = torch.manual_seed(0)
+>>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+>>> rows = [{"input_ids": [1, 2, 3, 4], "completion_mask": [0, 0, 1, 1]}] * 4
+>>> args = SFTArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2, bf16=False,
+...                     gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no")
+>>> train(model, args, rows).global_step
+2
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainfold.data.llm import DEFAULT_MAX_LENGTH
+from trainfold.data.packing import pack
+from trainfold.sft.args import SFTArguments
+from trainfold.sft.data import sft_collate, sft_loss, sft_rows
+from trainfold.trainer.model_source import model_from, processing_class_for
+from trainfold.trainer.train import TrainResult
+from trainfold.trainer.train import train as train_run
+
+
+def _shuffled(rows: list, seed: int) -> Any:
+    from datasets import Dataset  # TRL shuffles with datasets' seeded permutation
+
+    return Dataset.from_list(rows).shuffle(seed=seed)
+
+
+class PreparedStream(torch.utils.data.IterableDataset):
+    """A dataset without a length (``datasets.IterableDataset``, streaming) prepared row by row as it is read."""
+
+    def __init__(self, rows: Any, prepare: Any) -> None:
+        self.rows, self.prepare = rows, prepare
+
+    def __iter__(self) -> Any:
+        for row in self.rows:
+            yield from self.prepare([row])
+
+
+def _formatted(rows: Any, formatting_func: Any) -> Any:
+    """``rows`` with TRL's ``formatting_func(row)`` as their ``text`` (rows of token ids as they are)."""
+    return (row if "input_ids" in row else {**row, "text": formatting_func(row)} for row in rows)
+
+
+def _first_row(dataset: Any) -> Any:
+    """Return the dataset's first row (TRL reads ``next(iter(dataset))``), or ``None`` for a one-pass iterator."""
+    if hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__"):
+        return dataset[0] if len(dataset) else None
+    if iter(dataset) is dataset:  # a generator: reading its first row would lose it
+        return None
+    return next(iter(dataset), None)
+
+
+def _formatting_problem(row: Any, completion_only_loss: bool | None) -> str | None:
+    """Why ``formatting_func`` cannot make these rows' text, as TRL decides it from the first row."""
+    if row is None or "input_ids" in row or not ("prompt" in row and "completion" in row):
+        return None
+    if completion_only_loss is None or completion_only_loss:  # TRL: None is on for prompt-completion rows
+        return (
+            "formatting_func turns the rows into text, which has no completion to train on alone "
+            "(TRL refuses it: 'A formatting function was provided while `completion_only_loss=True`, which is "
+            "incompatible'); apply your formatting function before passing the dataset, or set "
+            "completion_only_loss=False with rows that have no prompt and completion columns"
+        )
+    return (  # TRL tokenizes the prompt and completion and drops the formatted text without a word
+        "formatting_func would be ignored: rows with prompt and completion columns are tokenized from those, "
+        "not from the formatted text (TRL drops it silently); remove the prompt and completion columns "
+        "(rename them), or drop formatting_func"
+    )
+
+
+def _skipped_problems(datasets: dict[str, Any], data_collator: Any) -> list[str]:
+    """TRL's refusal of rows with mask columns and no labels when ``skip_prepare_dataset`` skips label building."""
+    trl_collator = type(data_collator).__name__ == "DataCollatorForLanguageModeling"
+    if data_collator is not None and not trl_collator:
+        return []  # a collator of the user's own reads the masks itself
+    out = []
+    for name, dataset in datasets.items():
+        if dataset is None:
+            continue
+        columns = getattr(dataset, "column_names", None) or list(_first_row(dataset) or ())
+        if "labels" not in columns and ("completion_mask" in columns or "assistant_masks" in columns):
+            masks = [c for c in ("completion_mask", "assistant_masks") if c in columns]
+            out.append(
+                f"the {name} dataset has mask columns {masks} but no 'labels', and "
+                "dataset_kwargs={'skip_prepare_dataset': True} skips label building, so it would train on the "
+                "full sequence (TRL refuses it); add a 'labels' column (-100 for non-loss tokens) or drop "
+                "skip_prepare_dataset"
+            )
+    return out
+
+
+def prepare_dataset(
+    dataset: Any, processing_class: Any, args: SFTArguments, packing: bool, formatting_func: Any = None
+) -> Any:
+    """Return ``dataset`` prepared as ``SFTTrainer._prepare_dataset`` does (packing only cuts, in ``train``); a
+    dataset without a length (streaming) is prepared as it is read, in its order, as TRL reads it.
+    ``formatting_func(row) -> str`` makes each row's text, as TRL's; with prompt-completion rows it is refused."""
+    if dataset is None or (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
+        return dataset
+    problem = None if formatting_func is None else _formatting_problem(_first_row(dataset), args.completion_only_loss)
+    if problem is not None:
+        raise ValueError(problem)
+    if formatting_func is not None and args.completion_only_loss:
+        raise ValueError(
+            "formatting_func turns the rows into text, which has no completion to train on alone "
+            "(as TRL refuses it): format the rows into prompt and completion yourself, or set completion_only_loss=None"
+        )
+    prepare = functools.partial(
+        sft_rows,
+        tokenizer=processing_class,
+        max_length=args.max_length,
+        truncation_mode=args.truncation_mode,
+        packing=packing,
+        dataset_text_field=args.dataset_text_field,
+        completion_only_loss=args.completion_only_loss,
+        assistant_only_loss=args.assistant_only_loss,
+        eos_token=args.eos_token,
+    )
+    if formatting_func is not None:
+        prepare = functools.partial(lambda base, rows: base(_formatted(rows, formatting_func)), prepare)
+    if not hasattr(dataset, "__len__"):
+        return PreparedStream(dataset, prepare)
+    rows = prepare((dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset)
+    return _shuffled(rows, args.seed) if args.shuffle_dataset else rows
+
+
+def _pad_id(processing_class: Any, args: SFTArguments) -> int:
+    if processing_class is None:
+        return 0
+    token = args.pad_token or processing_class.pad_token or processing_class.eos_token
+    return int(processing_class.convert_tokens_to_ids(token))
+
+
+def train(
+    model: nn.Module | str,
+    args: SFTArguments,
+    train_dataset: Any,
+    eval_dataset: Any = None,
+    processing_class: Any = None,
+    peft_config: Any = None,
+    data_collator: Any = None,
+    callbacks: Sequence[Any] = (),
+    formatting_func: Any = None,
+    **kwargs: Any,
+) -> TrainResult:
+    """Fine-tune ``model`` on ``train_dataset`` as TRL's ``SFTTrainer(...).train()`` does; return the run's record.
+
+    Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does. ``kwargs`` go to
+    ``trainfold.train`` (``compute_metrics``, ``observers``, ``resume_from_checkpoint``...).
+    """
+    if not isinstance(args, SFTArguments):
+        raise TypeError(
+            f"trainfold.sft.train takes SFTArguments (TRL's SFTConfig names), not {type(args).__name__}; "
+            f"convert a trl.SFTConfig with SFTArguments.from_hf(config)"
+        )
+    if (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
+        problems = _skipped_problems({"train": train_dataset, "eval": eval_dataset}, data_collator)
+        if problems:
+            raise ValueError("cannot train on these rows as given:\n  - " + "\n  - ".join(problems))
+    model = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
+    processing_class = processing_class_for(model, processing_class)
+    train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing, formatting_func)
+    eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+    eval_rows = prepare_dataset(eval_dataset, processing_class, args, eval_packing, formatting_func)
+    if eval_rows is not None and eval_packing:
+        eval_rows = pack(
+            iter(eval_rows), args.max_length or DEFAULT_MAX_LENGTH, truncate=args.packing_strategy == "bfd"
+        )
+    if data_collator is None and not (args.packing or args.padding_free):
+        data_collator = sft_collate(_pad_id(processing_class, args), args.pad_to_multiple_of)
+    if not args.loss_chunk_size and kwargs.get("objective") is None:  # SFT's loss, whatever wraps the model (PEFT)
+        kwargs.setdefault("compute_loss_func", sft_loss)  # causal_lm, logging TRL's entropy and mean_token_accuracy
+    kwargs.setdefault("processing_class", processing_class)  # checkpoints hold the tokenizer, as the Trainer's
+    return train_run(model, args, train_rows, eval_rows, data_collator, callbacks=callbacks, **kwargs)

@@ -1,0 +1,187 @@
+"""A run's first state: made from its ``Plan``, then (on a resume) loaded from the checkpoint the run dir names."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from trainfold import ckpt
+from trainfold.ckpt import policy, run_dir
+from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, adapter_config_text, is_peft_model
+from trainfold.ckpt.listing import damaged_checkpoints
+from trainfold.ckpt.run_identity import RunSettings, settings_fingerprint
+from trainfold.ckpt.sharded import is_sharded
+from trainfold.ckpt.sidecar import SIDECAR_FILE, field_error
+from trainfold.core.state import TrainState, init_state, lend
+from trainfold.core.tree import flatten, map_tensors, unflatten
+from trainfold.data import close_loader
+from trainfold.loop.directory import load_newest, set_aside
+from trainfold.observe import history as log_file
+from trainfold.observe.observers import MetricWindow
+from trainfold.step.fsdp import placed_like
+from trainfold.trainer.plan import Plan
+
+__all__ = ["initial_state", "on_device", "claim_for", "NoCheckpointError", "Start", "start_run"]
+
+
+def on_device(opt_state: Any, device: torch.device) -> Any:
+    """Return a record with every tensor on ``device``, except integer counters (they stay on the CPU).
+
+    >>> out = on_device({"step": torch.tensor(3), "m": [torch.zeros(2)]}, torch.device("meta"))
+    >>> out["step"].device.type, out["m"][0].device.type
+    ('cpu', 'meta')
+    """
+    return map_tensors(lambda t: t if t.dim() == 0 and not t.is_floating_point() else t.to(device), opt_state)
+
+
+def initial_state(plan: Plan) -> TrainState:
+    """Return the run's first state: the module's own tensors lent (one copy), on the device (a ``fully_shard``
+    module's: its DTensor shards, and optimizer state of the same layout)."""
+    state = init_state(plan.model, plan.optimizer, seed=plan.args.seed, extras=plan.extras, copy=False)
+    if plan.device.type != "cpu":
+        device = plan.device
+        state = attrs.evolve(
+            state,
+            params={k: v.to(device) for k, v in state.params.items()},
+            buffers={k: v.to(device) for k, v in state.buffers.items()},
+            opt_state=on_device(state.opt_state, device),
+        )
+    return state
+
+
+def run_settings(plan: Plan) -> RunSettings:
+    """Return the run's settings as its checkpoints judge them (each field's trajectory metadata, the world size)."""
+    return RunSettings.of(plan.args, world_size=plan.settings["world_size"])
+
+
+def _check_resumable(plan: Plan, meta: Mapping[str, Any], source: str | os.PathLike) -> None:
+    """Refuse a checkpoint of another run: its step beyond the plan's total, or another sample order."""
+    if meta["step"] > plan.schedule.total_steps:
+        raise field_error(
+            Path(source) / SIDECAR_FILE,
+            "step",
+            f"is {meta['step']}, beyond this run's {plan.schedule.total_steps} steps (max_steps / num_train_epochs): "
+            "it is not a checkpoint of this run",
+            "resume from another checkpoint, or raise max_steps",
+        )
+    policy.check_compatible(meta.get("settings", {}), run_settings(plan), source=source)
+    _check_adapter(plan.model, source)
+
+
+_ADAPTER_PLACE = ("base_model_name_or_path", "revision")  # where the base came from: its weights are checked apart
+
+
+def _check_adapter(model: torch.nn.Module, source: str | os.PathLike) -> None:
+    """Refuse a PEFT checkpoint whose ``adapter_config.json`` differs from the model's adapter config.
+
+    Another ``lora_alpha``, ``use_rslora`` or dropout keeps every shape (the run's fingerprint) but changes the
+    forward: the resumed run would continue another trajectory without a word.
+    """
+    path = Path(source) / ADAPTER_CONFIG_FILE
+    if not (is_peft_model(model) and path.is_file()):
+        return
+    saved, now = json.loads(path.read_text()), json.loads(adapter_config_text(model))
+    differ = sorted(k for k in saved.keys() | now.keys() if k not in _ADAPTER_PLACE and saved.get(k) != now.get(k))
+    if differ:
+        shown = ", ".join(f"{k}: {saved.get(k)!r} there, {now.get(k)!r} here" for k in differ[:4])
+        raise ckpt.CheckpointError(
+            f"{path}: the checkpoint's adapter config is not the model's ({shown}); resume with the adapter config "
+            "that wrote it (PeftModel.from_pretrained(base, checkpoint, is_trainable=True) rebuilds it), or start a "
+            "new run in another output_dir"
+        )
+
+
+class NoCheckpointError(FileNotFoundError, ValueError):
+    """``resume_from_checkpoint`` finds no checkpoint: a ``FileNotFoundError``, and the ``ValueError`` that
+    ``transformers.Trainer`` raises, with its words ("Can't find a valid checkpoint at ...")."""
+
+
+def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str | os.PathLike | None) -> Any:
+    """Claim the run's output_dir (``ckpt.run_dir.claim``): its lock, and the checkpoint a resume starts from."""
+    settings = run_settings(plan)
+    try:
+        claim = run_dir.claim(
+            plan.args.output_dir,
+            resume_from_checkpoint,
+            settings,
+            settings_fingerprint(settings, state.params, state.buffers),
+            overwrite_output_dir=plan.args.overwrite_output_dir,
+            writer=plan.is_writer,
+        )
+    except FileNotFoundError as e:
+        lead = f"Can't find a valid checkpoint at {resume_from_checkpoint}"  # transformers.Trainer's words
+        if resume_from_checkpoint is True:
+            lead = f"No valid checkpoint found in output directory ({plan.args.output_dir})"
+        raise NoCheckpointError(f"{lead}: {e}") from None
+    if resume_from_checkpoint is True and plan.is_writer:  # held: a damaged one the run would save over is kept
+        for path, why, meta in damaged_checkpoints(plan.args.output_dir):
+            if (meta.get("run") or {}).get("fingerprint") == claim.run.fingerprint:  # this run's, not another's
+                set_aside(path, why)
+    return claim
+
+
+@attrs.frozen(eq=False)
+class Start:
+    """Where a run starts: its state, metric window and log history, and the checkpoint it resumed (or None)."""
+
+    state: TrainState
+    window: MetricWindow
+    history: Any  # a history.HistoryFile on the writer rank, a list elsewhere
+    source: Any = None
+
+
+def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
+    """Return the run's ``Start``: ``state`` as made, or loaded from ``claim.source`` (checked against the plan).
+
+    What the run opens is closed when the claim is released: the log history, the eval loaders' workers.
+    """
+    source, window, meta, begin_state = claim.source, MetricWindow(), None, state
+    if source is not None:
+        if weights_only_warm_start:
+            meta = ckpt.read_metadata(source)
+            _check_resumable(plan, meta, source)
+            state = ckpt.warm_start(source, like=state)
+        else:
+            check = functools.partial(_check_resumable, plan)  # another run's checkpoint: refused, never set aside
+            state, source, meta = load_newest(claim, state, check=check, writer=plan.is_writer)
+            if "window" in meta["metadata"]:
+                log_file.restore_window(window, meta["metadata"]["window"], source)
+        if plan.sharding is not None:  # a fully_shard module: the loaded tensors go into its DTensor shards
+            state = lend_sharded(plan.model, state, like=begin_state)
+        elif not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
+            state = lend(plan.model, state)
+    resumed = source is not None and not weights_only_warm_start
+    history = log_file.start(
+        plan.args.output_dir,
+        source if resumed else None,
+        meta["metadata"] if resumed and meta is not None else None,
+        writer=plan.is_writer,
+    )
+    if isinstance(history, log_file.HistoryFile):
+        claim.callback(history.close)
+    for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
+        claim.callback(functools.partial(close_loader, eval_set.loader))
+    Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
+    return Start(state, window, history, source)
+
+
+def lend_sharded(model: torch.nn.Module, state: TrainState, *, like: TrainState) -> TrainState:
+    """Return the loaded ``state`` laid out as ``like`` (a ``fully_shard`` module's lent state) on the module's
+    own DTensor params: each loaded value is copied into them; a full tensor (a checkpoint of one process, or of
+    a replicated run) is first cut to this rank's shard of ``like``'s placement."""
+    templates = flatten(like)  # a full tensor where the template has a shard: every rank holds the whole tensor
+    flat = {k: placed_like(v, templates[k]) if k in templates else v for k, v in flatten(state).items()}
+    state = unflatten(flat, like=state)
+    own = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in state.params.items():
+            if own[name] is not value:
+                own[name].copy_(value)
+    return attrs.evolve(state, params={name: own[name] for name in state.params})
