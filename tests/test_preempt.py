@@ -238,6 +238,22 @@ def test_a_nested_guard_sees_what_the_outer_guard_caught():
     assert outer.received == [signal.SIGTERM, signal.SIGTERM]
 
 
+def test_a_nested_guard_leaves_a_signal_the_outer_code_ignores_ignored():
+    """What the command line does for a SIGINT inherited as ignored (issue 44, item 10): train's guard keeps it."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with preemption_guard((signal.SIGTERM,)), preemption_guard((signal.SIGTERM, signal.SIGINT)) as inner:
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)
+            assert not inner.requested()
+        with preemption_guard((signal.SIGTERM, signal.SIGINT)) as alone:  # not nested: it catches both
+            signal.raise_signal(signal.SIGINT)
+            assert alone.signal == signal.SIGINT
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
 def _signal_at(step: int, signum: int):
     """An observer that sends this process ``signum`` once a step >= ``step`` is logged."""
     sent: list[int] = []
