@@ -151,14 +151,41 @@ def test_guard_refuses_a_thread_other_than_main():
     assert len(errors) == 1 and "main thread" in str(errors[0])
 
 
-def test_jit_checkpoints_are_marked_and_never_rotated(tmp_path):
+def test_jit_checkpoints_are_marked_and_rotated_once_a_newer_one_exists(tmp_path):
     state = init_state(torch.nn.Linear(2, 1), sgd(0.1))
     save(state, checkpoint_path(tmp_path, 0), jit=True)  # step 0
-    for s in (1, 2, 3):
-        save(attrs.evolve(state, step=scalar(s)), checkpoint_path(tmp_path, s))  # checkpoint-{s} holds step s
     assert read_metadata(tmp_path / "checkpoint-0")["jit"] is True
     rotate(tmp_path, 1)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-0", "checkpoint-3"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-0"]  # the newest: kept
+    for s in (1, 2, 3):
+        save(attrs.evolve(state, step=scalar(s)), checkpoint_path(tmp_path, s))  # checkpoint-{s} holds step s
+    save(attrs.evolve(state, step=scalar(4)), checkpoint_path(tmp_path, 4), jit=True)
+    rotate(tmp_path, 1, keep=[checkpoint_path(tmp_path, 2)])  # 2: the best
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_repeated_preemptions_with_save_total_limit_1_keep_one_checkpoint_and_resume_bitwise(tmp_path):
+    """Issue 44, item 13: each preemption leaves a JIT checkpoint; the older ones (JIT or periodic) are rotated."""
+    from resume_runs import MAX_STEPS, run
+
+    from trainfold.ckpt.sidecar import STATE_FILE
+
+    straight = run("tinylm", str(tmp_path / "straight"), None, save_total_limit=1)
+    out, kept = tmp_path / "stopped", []
+    for n, at in enumerate((1, 2, 4, 5, 7)):  # save_steps=3: a periodic checkpoint-3 and -6 between the JIT ones
+        result = run("tinylm", str(out), n > 0, [_signal_at(at, signal.SIGTERM)], save_total_limit=1)
+        assert (result.status, result.global_step) == ("preempted", at)
+        kept.append([p.name for p in list_checkpoints(out)])
+    assert kept == [[f"checkpoint-{at}"] for at in (1, 2, 4, 5, 7)]
+    assert read_metadata(out / "checkpoint-7")["jit"] is True
+    done = run("tinylm", str(out), True, save_total_limit=1)
+    assert (done.status, done.global_step) == ("completed", MAX_STEPS)
+    assert [p.name for p in list_checkpoints(out)] == [f"checkpoint-{MAX_STEPS}"]
+    expected = safetensors.torch.load_file(tmp_path / "straight" / f"checkpoint-{MAX_STEPS}" / STATE_FILE)
+    resumed = safetensors.torch.load_file(out / f"checkpoint-{MAX_STEPS}" / STATE_FILE)
+    assert sorted(resumed) == sorted(expected) and all(torch.equal(resumed[k], expected[k]) for k in expected)
+    losses = lambda result: [(e["step"], e["loss"]) for e in result.log_history if "loss" in e]
+    assert losses(done) == losses(straight)
 
 
 # -- SIGTERM at a random moment in a real training process -------------------------------------------

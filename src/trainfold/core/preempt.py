@@ -4,8 +4,8 @@
 is restored on exit, also on exceptions). The handler only sets a flag; ``guard.stop`` is a stop
 predicate for ``fit``/``trajectory`` (combine with ``any_of``), checked before each batch is drawn,
 so the step in flight finishes and no batch of the next step is drawn. The caller then saves with
-``trainfold.ckpt.save(..., jit=True)`` (exempt from rotation) and reports preemption, e.g. by exiting with
-``EXIT_PREEMPTED`` (143 = 128 + SIGTERM, what an orchestrator expects from a terminated job).
+``trainfold.ckpt.save(..., jit=True)`` (marked as the preemption checkpoint) and reports preemption, e.g. by
+exiting with ``EXIT_PREEMPTED`` (143 = 128 + SIGTERM, what an orchestrator expects from a terminated job).
 
 >>> import os, signal
 >>> from trainfold.core.fold import any_of, fit, max_steps
