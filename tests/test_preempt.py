@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -406,14 +407,8 @@ def test_a_full_disk_at_a_log_append_or_the_run_file_names_the_file_and_the_inta
 
     run("tinylm", str(tmp_path), None, save_steps=3, max_steps=3, enable_jit_checkpoint=False)
 
-    class Full:
-        closed = False
-
-        def write(self, data):
-            raise OSError(28, "No space left on device")
-
     with HistoryFile(tmp_path / HISTORY_FILE, _at={"offset": 0, "entries": 0, "crc32": 0}) as history:
-        real, history._file = history._file, Full()
+        _point_at_dev_full(tmp_path / HISTORY_FILE)  # writes fail with ENOSPC, as on a full disk
         with pytest.raises(
             OSError,
             match=r"log entry of step 4 could not be appended to .*log_history.jsonl: the "
@@ -421,7 +416,6 @@ def test_a_full_disk_at_a_log_append_or_the_run_file_names_the_file_and_the_inta
             r".*checkpoint-3 \(step 3\) is intact",
         ) as caught:
             history.append({"loss": 1.0, "step": 4})
-        history._file = real
     assert caught.value.errno == 28
 
     real_write_text = Path.write_text
@@ -439,6 +433,68 @@ def test_a_full_disk_at_a_log_append_or_the_run_file_names_the_file_and_the_inta
     ) as caught:
         run("tinylm", str(tmp_path), True, save_steps=3, enable_jit_checkpoint=False)
     assert caught.value.errno == 28
+
+
+def _fill_the_disk_under(path: Path, step: int):
+    """An observer that, once step ``step`` is logged, points this process's open file ``path`` at /dev/full
+    (every later write to it fails with ENOSPC, as on a full disk; the file itself stays as it was)."""
+    done: list[bool] = []
+
+    def observe(state, logs):
+        if int(state.step) >= step and not done:
+            done.append(True)
+            _point_at_dev_full(path)
+
+    return observe
+
+
+def _point_at_dev_full(path: Path) -> None:
+    fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    (fd,) = [fd for fd in fds if os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(path)]
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, fd)
+    os.close(full)
+
+
+def test_a_full_disk_at_a_log_append_in_a_run_raises_the_named_error_alone_and_the_run_resumes(tmp_path):
+    """Issue 44, item 12: closing the log history after the failed append raised a second, bare ENOSPC."""
+    from resume_runs import MAX_STEPS, run
+
+    full = _fill_the_disk_under(tmp_path / "log_history.jsonl", 4)
+    with pytest.raises(OSError) as caught:
+        run("tinylm", str(tmp_path), None, [full], enable_jit_checkpoint=False)
+    assert caught.value.errno == 28 and caught.value.filename == str(tmp_path / "log_history.jsonl")
+    assert re.search(
+        r"the log entry of step 5 could not be appended to .*log_history.jsonl: the disk is full \(it needs about "
+        r"\d+ bytes, [\d,]+ free\); the previous checkpoint .*checkpoint-3 \(step 3\) is intact",
+        str(caught.value),
+    ), str(caught.value)
+    done = run("tinylm", str(tmp_path), True, enable_jit_checkpoint=False)  # space freed: resume from checkpoint-3
+    assert done.global_step == MAX_STEPS
+    assert [e["step"] for e in done.log_history if "loss" in e] == list(range(1, MAX_STEPS + 1))
+
+
+def test_a_full_disk_at_the_lock_record_names_the_file_and_the_intact_checkpoint(tmp_path, monkeypatch):
+    from resume_runs import run
+
+    run("tinylm", str(tmp_path), None, save_steps=3, max_steps=3, enable_jit_checkpoint=False)
+    real_write_text = Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if self.name == "trainfold.lock.json":
+            raise OSError(28, "No space left on device")
+        return real_write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(
+        OSError,
+        match=r"the lock record .*trainfold.lock.json could not be written: the disk is full \(it needs about "
+        r"\d+ bytes, [\d,]+ free\); the previous checkpoint .*checkpoint-3 \(step 3\) is intact",
+    ) as caught:
+        run("tinylm", str(tmp_path), True, save_steps=3, enable_jit_checkpoint=False)
+    assert caught.value.errno == 28 and caught.value.filename == str(tmp_path / "trainfold.lock.json")
+    monkeypatch.undo()
+    assert run("tinylm", str(tmp_path), True, save_steps=3, enable_jit_checkpoint=False).status == "completed"
 
 
 # A SIGTERM while train sets up (here: while the sampler asks the dataset its length).

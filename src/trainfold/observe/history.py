@@ -19,6 +19,7 @@ and at step 100 000. ``HistoryFile.resume`` truncates the file back to a checkpo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -94,7 +95,7 @@ class HistoryFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         at = _at or {"offset": 0, "entries": 0, "crc32": 0}
         _before_truncating(self.path, at["offset"])
-        self._file = open(self.path, "ab")
+        self._file = open(self.path, "ab", buffering=0)  # unbuffered: nothing is left to write at close
         self._file.truncate(at["offset"])
         self.offset, self.entries, self.crc = at["offset"], at["entries"], at["crc32"]
 
@@ -133,12 +134,18 @@ class HistoryFile:
         return {"end": len(data), "entries": data.count(b"\n")}
 
     def append(self, entry: Mapping[str, Any]) -> None:
-        """Write ``entry`` as one line (flushed, not fsynced: ``sync`` does that before a save)."""
+        """Write ``entry`` as one line (written through, not fsynced: ``sync`` does that before a save).
+
+        A failed write (a full disk: ``OSError(ENOSPC)`` naming the file, the bytes and the intact checkpoint)
+        leaves the file as it was before it: a part of the line written is cut off again."""
         line = (json.dumps(dict(entry), default=_plain) + "\n").encode()
         try:
-            self._file.write(line)
-            self._file.flush()
+            done = 0
+            while done < len(line):  # an unbuffered write may write a part
+                done += self._file.write(line[done:])
         except OSError as e:
+            with contextlib.suppress(OSError):
+                self._file.truncate(self.offset)
             if not is_disk_full(e):
                 raise
             what = f"the log entry of step {entry.get('step', '?')} could not be appended to {self.path}"
