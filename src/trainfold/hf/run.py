@@ -169,12 +169,18 @@ def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
         keep=keep,
         run_id=options["run"]["id"] if options["run"] is not None else None,
     )
+
+    def committed(_: Path) -> None:  # once the checkpoint is complete
+        rotate()
+        if isinstance(run.history, log_file.HistoryFile):
+            run.history.checkpointed()  # an earlier run's history, kept until now, is no longer needed
+
     if jit:  # rotates like any other save (HF's too): a preempted run's older JIT checkpoints do not pile up
         run.saver.wait()  # an async save in flight is complete (or raised) first
         if _already_saved(path, options["run"], int(state.step), options["save_only_model"]):
             return ckpt.mark_jit(path) if run.plan.is_writer else path  # the same state is there, complete: mark it
-        return run.saver.save(state, path, jit=True, wait=True, on_commit=lambda _: rotate(), **options)
-    return run.saver.save(state, path, on_commit=lambda _: rotate(), **options)  # rotates once it is complete
+        return run.saver.save(state, path, jit=True, wait=True, on_commit=committed, **options)
+    return run.saver.save(state, path, on_commit=committed, **options)
 
 
 @attrs.define
