@@ -538,3 +538,17 @@ def test_a_sigint_the_process_inherited_as_ignored_does_not_preempt_the_run(tmp_
     result = json.loads(done.stdout.splitlines()[-1])
     assert (result["status"], result["global_step"]) == ("completed", 4)
     assert checkpoint.list_checkpoints(tmp_path / "out") == []  # no JIT checkpoint: nothing preempted it
+
+
+def test_a_jit_run_in_a_process_that_ignores_both_signals_is_refused_by_name(tmp_path, capsys):
+    config = write(tmp_path, "run.toml", TOML.replace("max_steps = 2", "max_steps = 2\nenable_jit_checkpoint = true"))
+    before = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert main(["train", "--config", str(config)]) == 2
+        after = {s: signal.getsignal(s) for s in before}
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert after == {s: signal.SIG_IGN for s in before}  # as it found them
+    err = capsys.readouterr().err
+    assert "ignores both SIGTERM and SIGINT" in err and "enable_jit_checkpoint = false" in err, err
