@@ -451,11 +451,11 @@ def test_rotate_keeps_the_best_and_the_latest_with_limit_1(tmp_path):
     assert names(tmp_path) == ["checkpoint-2", "checkpoint-3"]
 
 
-def test_rotate_never_deletes_a_jit_checkpoint_or_an_incomplete_one(tmp_path):
-    make_checkpoints(tmp_path, [1, 2, 3, 4], jit=[1])
+def test_rotate_deletes_an_older_jit_checkpoint_but_never_the_newest_or_an_incomplete_one(tmp_path):
+    make_checkpoints(tmp_path, [1, 2, 3, 4, 5], jit=[1, 5])
     (tmp_path / "checkpoint-0").mkdir()
     rotate(tmp_path, 1)
-    assert names(tmp_path) == ["checkpoint-1", "checkpoint-4"]
+    assert names(tmp_path) == ["checkpoint-5"]
     assert (tmp_path / "checkpoint-0").is_dir()
     with pytest.raises(ValueError, match="save_total_limit must be a positive int"):
         rotate(tmp_path, 0)

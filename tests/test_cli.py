@@ -468,3 +468,97 @@ def test_main_called_from_python_leaves_the_process_signal_handlers_as_it_found_
     config.write_text('[model]\ntype = "nope"\n[args]\noutput_dir = "out"\n')
     assert main(["train", "--config", str(config)]) == 2
     assert {s: signal.getsignal(s) for s in before} == before
+
+
+# The command line's own entry point, then a teardown held open until stdin closes: the interpreter's teardown
+# after a run (a second with torch loaded) made as long as the test needs to signal inside it.
+HELD_TEARDOWN = """
+import sys
+from trainfold.cli.main import command
+sys.argv = ["trainfold", "train", "--config", sys.argv[1]]
+status = command()
+sys.stdout.flush()
+sys.stdin.read()
+sys.exit(status)
+"""
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_after_the_result_line_leaves_the_exit_status_0(tmp_path, signum):
+    config = write(tmp_path, "run.toml", TOML.replace("max_steps = 2", "max_steps = 2\nenable_jit_checkpoint = true"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HELD_TEARDOWN, str(config)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        line = proc.stdout.readline()
+        assert json.loads(line)["status"] == "completed", line
+        proc.send_signal(signum)  # the run is over and its result printed: the status must stay 0
+        _, err = proc.communicate(input="", timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err[-2000:]
+
+
+# Runs the real command line in a process that inherited SIGINT as ignored (as `nohup ... &` leaves it); its
+# run sends itself SIGINT once step 2 is logged (an observer added to train's call, nothing else changed).
+INHERITED_SIGINT = """
+import os, signal, sys
+print("inherited", signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True)
+import trainfold.trainer.train as trainer
+from trainfold.cli.main import command
+real = trainer.train
+
+def interrupt(state, logs):
+    if int(state.step) == 2:
+        os.kill(os.getpid(), signal.SIGINT)
+
+def train(*args, observers=(), **kwargs):
+    return real(*args, observers=[*observers, interrupt], **kwargs)
+
+trainer.train = train
+sys.argv = ["trainfold", "train", "--config", sys.argv[1]]
+sys.exit(command())
+"""
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "no-jit"])
+def test_a_sigint_the_process_inherited_as_ignored_does_not_preempt_the_run(tmp_path, jit):
+    settings = f"max_steps = 4\nlogging_steps = 1\nenable_jit_checkpoint = {str(jit).lower()}"
+    text = TOML.replace("max_steps = 2", settings)
+    config = write(tmp_path, "run.toml", text)
+    done = subprocess.run(
+        [sys.executable, "-c", INHERITED_SIGINT, str(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"},
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert done.stdout.startswith("inherited True"), done.stdout
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert (result["status"], result["global_step"]) == ("completed", 4)
+    assert checkpoint.list_checkpoints(tmp_path / "out") == []  # no JIT checkpoint: nothing preempted it
+
+
+def test_a_jit_run_in_a_process_that_ignores_both_signals_is_refused_by_name(tmp_path, capsys):
+    config = write(tmp_path, "run.toml", TOML.replace("max_steps = 2", "max_steps = 2\nenable_jit_checkpoint = true"))
+    before = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        assert main(["train", "--config", str(config)]) == 2
+        after = {s: signal.getsignal(s) for s in before}
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert after == {s: signal.SIG_IGN for s in before}  # as it found them
+    err = capsys.readouterr().err
+    assert "ignores both SIGTERM and SIGINT" in err and "enable_jit_checkpoint = false" in err, err

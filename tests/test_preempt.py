@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -151,14 +152,41 @@ def test_guard_refuses_a_thread_other_than_main():
     assert len(errors) == 1 and "main thread" in str(errors[0])
 
 
-def test_jit_checkpoints_are_marked_and_never_rotated(tmp_path):
+def test_jit_checkpoints_are_marked_and_rotated_once_a_newer_one_exists(tmp_path):
     state = init_state(torch.nn.Linear(2, 1), sgd(0.1))
     save(state, checkpoint_path(tmp_path, 0), jit=True)  # step 0
-    for s in (1, 2, 3):
-        save(attrs.evolve(state, step=scalar(s)), checkpoint_path(tmp_path, s))  # checkpoint-{s} holds step s
     assert read_metadata(tmp_path / "checkpoint-0")["jit"] is True
     rotate(tmp_path, 1)
-    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-0", "checkpoint-3"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-0"]  # the newest: kept
+    for s in (1, 2, 3):
+        save(attrs.evolve(state, step=scalar(s)), checkpoint_path(tmp_path, s))  # checkpoint-{s} holds step s
+    save(attrs.evolve(state, step=scalar(4)), checkpoint_path(tmp_path, 4), jit=True)
+    rotate(tmp_path, 1, keep=[checkpoint_path(tmp_path, 2)])  # 2: the best
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["checkpoint-2", "checkpoint-4"]
+
+
+def test_repeated_preemptions_with_save_total_limit_1_keep_one_checkpoint_and_resume_bitwise(tmp_path):
+    """Issue 44, item 13: each preemption leaves a JIT checkpoint; the older ones (JIT or periodic) are rotated."""
+    from resume_runs import MAX_STEPS, run
+
+    from trainfold.ckpt.sidecar import STATE_FILE
+
+    straight = run("tinylm", str(tmp_path / "straight"), None, save_total_limit=1)
+    out, kept = tmp_path / "stopped", []
+    for n, at in enumerate((1, 2, 4, 5, 7)):  # save_steps=3: a periodic checkpoint-3 and -6 between the JIT ones
+        result = run("tinylm", str(out), n > 0, [_signal_at(at, signal.SIGTERM)], save_total_limit=1)
+        assert (result.status, result.global_step) == ("preempted", at)
+        kept.append([p.name for p in list_checkpoints(out)])
+    assert kept == [[f"checkpoint-{at}"] for at in (1, 2, 4, 5, 7)]
+    assert read_metadata(out / "checkpoint-7")["jit"] is True
+    done = run("tinylm", str(out), True, save_total_limit=1)
+    assert (done.status, done.global_step) == ("completed", MAX_STEPS)
+    assert [p.name for p in list_checkpoints(out)] == [f"checkpoint-{MAX_STEPS}"]
+    expected = safetensors.torch.load_file(tmp_path / "straight" / f"checkpoint-{MAX_STEPS}" / STATE_FILE)
+    resumed = safetensors.torch.load_file(out / f"checkpoint-{MAX_STEPS}" / STATE_FILE)
+    assert sorted(resumed) == sorted(expected) and all(torch.equal(resumed[k], expected[k]) for k in expected)
+    losses = lambda result: [(e["step"], e["loss"]) for e in result.log_history if "loss" in e]
+    assert losses(done) == losses(straight)
 
 
 # -- SIGTERM at a random moment in a real training process -------------------------------------------
@@ -236,6 +264,22 @@ def test_a_nested_guard_sees_what_the_outer_guard_caught():
             assert inner.requested() and inner.signal == signal.SIGTERM
         signal.raise_signal(signal.SIGTERM)
     assert outer.received == [signal.SIGTERM, signal.SIGTERM]
+
+
+def test_a_nested_guard_leaves_a_signal_the_outer_code_ignores_ignored():
+    """What the command line does for a SIGINT inherited as ignored (issue 44, item 10): train's guard keeps it."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with preemption_guard((signal.SIGTERM,)), preemption_guard((signal.SIGTERM, signal.SIGINT)) as inner:
+            assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+            signal.raise_signal(signal.SIGINT)
+            assert not inner.requested()
+        with preemption_guard((signal.SIGTERM, signal.SIGINT)) as alone:  # not nested: it catches both
+            signal.raise_signal(signal.SIGINT)
+            assert alone.signal == signal.SIGINT
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 def _signal_at(step: int, signum: int):
@@ -363,14 +407,8 @@ def test_a_full_disk_at_a_log_append_or_the_run_file_names_the_file_and_the_inta
 
     run("tinylm", str(tmp_path), None, save_steps=3, max_steps=3, enable_jit_checkpoint=False)
 
-    class Full:
-        closed = False
-
-        def write(self, data):
-            raise OSError(28, "No space left on device")
-
     with HistoryFile(tmp_path / HISTORY_FILE, _at={"offset": 0, "entries": 0, "crc32": 0}) as history:
-        real, history._file = history._file, Full()
+        _point_at_dev_full(tmp_path / HISTORY_FILE)  # writes fail with ENOSPC, as on a full disk
         with pytest.raises(
             OSError,
             match=r"log entry of step 4 could not be appended to .*log_history.jsonl: the "
@@ -378,7 +416,6 @@ def test_a_full_disk_at_a_log_append_or_the_run_file_names_the_file_and_the_inta
             r".*checkpoint-3 \(step 3\) is intact",
         ) as caught:
             history.append({"loss": 1.0, "step": 4})
-        history._file = real
     assert caught.value.errno == 28
 
     real_write_text = Path.write_text
@@ -396,6 +433,68 @@ def test_a_full_disk_at_a_log_append_or_the_run_file_names_the_file_and_the_inta
     ) as caught:
         run("tinylm", str(tmp_path), True, save_steps=3, enable_jit_checkpoint=False)
     assert caught.value.errno == 28
+
+
+def _fill_the_disk_under(path: Path, step: int):
+    """An observer that, once step ``step`` is logged, points this process's open file ``path`` at /dev/full
+    (every later write to it fails with ENOSPC, as on a full disk; the file itself stays as it was)."""
+    done: list[bool] = []
+
+    def observe(state, logs):
+        if int(state.step) >= step and not done:
+            done.append(True)
+            _point_at_dev_full(path)
+
+    return observe
+
+
+def _point_at_dev_full(path: Path) -> None:
+    fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    (fd,) = [fd for fd in fds if os.path.realpath(f"/proc/self/fd/{fd}") == os.path.realpath(path)]
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, fd)
+    os.close(full)
+
+
+def test_a_full_disk_at_a_log_append_in_a_run_raises_the_named_error_alone_and_the_run_resumes(tmp_path):
+    """Issue 44, item 12: closing the log history after the failed append raised a second, bare ENOSPC."""
+    from resume_runs import MAX_STEPS, run
+
+    full = _fill_the_disk_under(tmp_path / "log_history.jsonl", 4)
+    with pytest.raises(OSError) as caught:
+        run("tinylm", str(tmp_path), None, [full], enable_jit_checkpoint=False)
+    assert caught.value.errno == 28 and caught.value.filename == str(tmp_path / "log_history.jsonl")
+    assert re.search(
+        r"the log entry of step 5 could not be appended to .*log_history.jsonl: the disk is full \(it needs about "
+        r"\d+ bytes, [\d,]+ free\); the previous checkpoint .*checkpoint-3 \(step 3\) is intact",
+        str(caught.value),
+    ), str(caught.value)
+    done = run("tinylm", str(tmp_path), True, enable_jit_checkpoint=False)  # space freed: resume from checkpoint-3
+    assert done.global_step == MAX_STEPS
+    assert [e["step"] for e in done.log_history if "loss" in e] == list(range(1, MAX_STEPS + 1))
+
+
+def test_a_full_disk_at_the_lock_record_names_the_file_and_the_intact_checkpoint(tmp_path, monkeypatch):
+    from resume_runs import run
+
+    run("tinylm", str(tmp_path), None, save_steps=3, max_steps=3, enable_jit_checkpoint=False)
+    real_write_text = Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if self.name == "trainfold.lock.json":
+            raise OSError(28, "No space left on device")
+        return real_write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(
+        OSError,
+        match=r"the lock record .*trainfold.lock.json could not be written: the disk is full \(it needs about "
+        r"\d+ bytes, [\d,]+ free\); the previous checkpoint .*checkpoint-3 \(step 3\) is intact",
+    ) as caught:
+        run("tinylm", str(tmp_path), True, save_steps=3, enable_jit_checkpoint=False)
+    assert caught.value.errno == 28 and caught.value.filename == str(tmp_path / "trainfold.lock.json")
+    monkeypatch.undo()
+    assert run("tinylm", str(tmp_path), True, save_steps=3, enable_jit_checkpoint=False).status == "completed"
 
 
 # A SIGTERM while train sets up (here: while the sampler asks the dataset its length).

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from trainfold.ckpt import list_checkpoints
 from trainfold.testing import ResumeCheck, check_resume
 
 RUNS = Path(__file__).resolve().parent / "resume_runs.py"
@@ -15,7 +16,8 @@ def test_a_run_that_resumes_bitwise_passes(tmp_path):
     check = check_resume(f"{RUNS}:tinylm", stop_at=3, workdir=tmp_path)
     assert check == ResumeCheck(stopped_at=3, final_step=8, differing=(), differing_logs=())
     assert check.ok and str(check) == "stopped at step 3, resumed to step 8: bitwise equal"
-    assert (tmp_path / "interrupted" / "output" / "checkpoint-3").is_dir()  # the JIT checkpoint it resumed from
+    kept = [p.name for p in list_checkpoints(tmp_path / "interrupted" / "output")]
+    assert kept == ["checkpoint-6", "checkpoint-8"]  # save_total_limit=2: the JIT checkpoint-3 it resumed from rotated
 
 
 @pytest.mark.slow

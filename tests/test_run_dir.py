@@ -359,7 +359,7 @@ def test_the_sidecar_keeps_a_position_not_the_history_and_the_result_reads_the_f
 
 
 @pytest.mark.parametrize("damage", ["flipped", "truncated"])
-def test_a_damaged_history_file_is_kept_aside_its_intact_entries_kept_and_the_lost_steps_named(tmp_path, damage):
+def test_a_damaged_history_file_is_kept_aside_its_readable_lines_kept_and_what_was_lost_named(tmp_path, damage):
     out = tmp_path / "out"
     run(out, stop_at=6)
     data = bytearray((out / HISTORY_FILE).read_bytes())
@@ -375,10 +375,44 @@ def test_a_damaged_history_file_is_kept_aside_its_intact_entries_kept_and_the_lo
         r = run(out, resume=True)
     said = [str(w.message) for w in caught if "log history" in str(w.message)]
     assert len(said) == 1 and "kept as log_history.jsonl.damaged" in said[0], said
-    assert "kept its first 3 entries (up to step 3), lost 3 (the logs of steps 4 to 6)" in said[0]
     assert (out / (HISTORY_FILE + ".damaged")).read_bytes() == bytes(data)  # kept as it was
-    kept = [json.loads(x) for x in lines[:3]]
-    assert list(r.log_history)[:3] == kept and [h["step"] for h in r.log_history][3:] == [7, 8, 8]
+    if damage == "flipped":  # the lines after the damaged one are kept (issue 44, item 11)
+        assert "kept 5 of its 6 entries; dropped line 4, which could not be read" in said[0], said
+        kept = [json.loads(x) for x in lines[:3] + lines[4:6]]
+    else:
+        assert "kept 3 of its 6 entries; lost the last 3 (the file was cut: the logs of steps 4 to 6)" in said[0]
+        kept = [json.loads(x) for x in lines[:3]]
+    assert list(r.log_history)[: len(kept)] == kept and [h["step"] for h in r.log_history][len(kept) :] == [7, 8, 8]
+
+
+def test_a_fresh_start_that_dies_before_its_first_checkpoint_leaves_the_older_runs_history(tmp_path, straight):
+    """Issue 44, item 11: the fresh start emptied log_history.jsonl at once; the resume that went back to the
+    older run's checkpoint then found its history gone."""
+    from trainfold.observe.history import PREVIOUS_FILE
+
+    out = tmp_path / "out"
+    run(out, stop_at=6)  # checkpoints 2, 4, 6 and their history
+
+    def dies_after_step_1(state):
+        if int(state.step) >= 1:
+            raise RuntimeError("killed")
+        return False
+
+    for _ in range(2):  # a fresh start, and another one, each dead after logging step 1, before any checkpoint
+        with pytest.raises(RuntimeError, match="killed"):
+            train(
+                model(), args_for(out, overwrite_output_dir=True), rows(), data_collator=collate, stop=dies_after_step_1
+            )
+        assert [json.loads(x)["step"] for x in (out / HISTORY_FILE).read_text().splitlines()] == [1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "does not match the log history" warning: nothing was lost
+        resumed = run(out, resume=True)
+    assert [p.name for p in list_checkpoints(out)][-1] == "checkpoint-8"
+    assert losses(resumed.log_history) == losses(straight.log_history)  # steps 1-6 of the older run, then 7, 8
+    assert not (out / PREVIOUS_FILE).exists()  # its first checkpoint made the set-aside history unneeded
+    r = run(out, stop_at=3, overwrite_output_dir=True, save_steps=2)  # a fresh start that saves: the old history goes
+    assert r.global_step == 3 and not (out / PREVIOUS_FILE).exists()
+    assert losses(map(json.loads, (out / HISTORY_FILE).read_text().splitlines())) == losses(r.log_history)[:3]
 
 
 def test_a_resume_continues_the_history_and_the_metric_window_exactly(tmp_path, straight):

@@ -65,9 +65,11 @@ def rotate(
 ) -> list[Path]:
     """Delete the oldest complete checkpoints beyond ``save_total_limit``; return what was deleted.
 
-    Never deleted: the latest checkpoint, any path in ``keep`` (e.g. the best), and JIT
-    checkpoints. So ``save_total_limit=1`` with a best checkpoint keeps both the best and the
-    latest. Incomplete directories are left alone (and malformed ones skipped with a warning).
+    Never deleted: the latest checkpoint and any path in ``keep`` (e.g. the best). A JIT checkpoint
+    is rotated like any other once a newer complete one exists (HF rotates it too), so a run preempted
+    again and again keeps ``save_total_limit`` of them. So ``save_total_limit=1`` with a best
+    checkpoint keeps both the best and the latest. Incomplete directories are left alone (and
+    malformed ones skipped with a warning).
     With ``run_id`` only that run's checkpoints are counted and deleted; other runs' stay.
 
     >>> import tempfile, attrs, torch
@@ -87,7 +89,7 @@ def rotate(
     sidecars = dict(catalog(output_dir))  # the complete ones
     found = [p for p, m in sidecars.items() if run_id is None or (m.get("run") or {}).get("id") == run_id]
     protected = {Path(p).resolve() for p in [*keep, *found[-1:]] if p is not None}
-    deletable = [p for p in found if p.resolve() not in protected and not sidecars[p].get("jit")]
+    deletable = [p for p in found if p.resolve() not in protected]
     doomed = deletable[: max(0, len(found) - save_total_limit)]
     for path in doomed:
         trash = path.parent / f".{path.name}.deleting-{os.getpid()}-{secrets.token_hex(4)}"

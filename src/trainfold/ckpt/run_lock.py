@@ -19,6 +19,7 @@ import filelock
 from trainfold.ckpt.listing import is_complete
 from trainfold.ckpt.run_identity import RUN_FILE
 from trainfold.ckpt.sidecar import SIDECAR_FILE, read_metadata, step_in_name
+from trainfold.ckpt.writer import disk_full, is_disk_full
 
 __all__ = ["LOCK_FILE", "lock", "read_record", "remove_leftovers"]
 
@@ -75,11 +76,24 @@ def lock(output_dir: str | os.PathLike) -> Iterator[None]:
                 f"{previous.get('host')} (no longer running)",
                 file=sys.stderr,
             )
-        holder.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}))
+        _write_record(holder)
         yield
         holder.unlink(missing_ok=True)
     finally:
         held.release()
+
+
+def _write_record(holder: Path) -> None:
+    """Write the lock holder's record (pid, host, time); a full disk raises ``OSError(ENOSPC)`` naming the file,
+    the bytes and the intact checkpoint, as a save does, and leaves no partial record."""
+    record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()})
+    try:
+        holder.write_text(record)
+    except OSError as e:
+        holder.unlink(missing_ok=True)
+        if not is_disk_full(e):
+            raise
+        raise disk_full(e, holder, f"the lock record {holder} could not be written", len(record)) from e
 
 
 def remove_leftovers(output_dir: str | os.PathLike) -> list[Path]:

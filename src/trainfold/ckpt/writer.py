@@ -98,9 +98,9 @@ def save(
 
     Each tensor once (``layout``): the weights under ``model``'s ``state_dict`` names (a ``peft`` model: its
     adapter), the rest to ``state.safetensors``. ``config`` (default ``model.config``) becomes ``config.json``;
-    ``metadata``, ``settings``, ``run`` go into the sidecar. ``save_only_model``: the weights only; ``jit``:
-    never rotated; ``tensors(tmp)`` writes its own files (``sharded``); ``extra_files(tmp)``: unlisted files
-    (a tokenizer's). A full disk raises ``OSError(ENOSPC)`` naming the bytes needed and free and the previous one.
+    ``metadata``, ``settings``, ``run`` go into the sidecar. ``save_only_model``: the weights only; ``jit``: marks
+    the preemption checkpoint; ``tensors(tmp)`` writes its own files (``sharded``); ``extra_files(tmp)``: unlisted
+    files (a tokenizer's). A full disk raises ``OSError(ENOSPC)`` naming the bytes needed and free and the previous one.
 
     >>> import tempfile, torch
     >>> from trainfold.optim import sgd

@@ -155,6 +155,7 @@ def _prepare(config: dict[str, Any], resume_flag: bool | str | None) -> tuple[An
 
 
 def _train(argv: list[str]) -> int:
+    from trainfold.core.preempt import ignore_signals_until_exit
     from trainfold.distributed.distributed import collective_from_env
     from trainfold.trainer.train import train
 
@@ -162,19 +163,22 @@ def _train(argv: list[str]) -> int:
         config = read_config(argv, _train_parser())
         resume_flag = config.pop("resume")
         args, model, (train_rows, eval_rows), resume = _prepare(config, resume_flag)
+        keeping_ignored = _keeping_ignored(args.enable_jit_checkpoint)
     except ConfigError as err:
         print(f"trainfold train: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     _record_config(config, args.output_dir)  # what `trainfold replay` rebuilds the model and data from
     with collective_from_env() as collective:
-        result = train(
-            model,
-            args,
-            train_rows,
-            eval_rows if args.eval_strategy != "no" else None,
-            collective=collective,
-            resume_from_checkpoint=resume,
-        )
+        with keeping_ignored:
+            result = train(
+                model,
+                args,
+                train_rows,
+                eval_rows if args.eval_strategy != "no" else None,
+                collective=collective,
+                resume_from_checkpoint=resume,
+            )
+        ignore_signals_until_exit()  # the run is over: a signal in the teardown must not turn its status into -15
     if collective is not None and collective.rank != 0:
         return _exit_status(result)  # one result line per run: rank 0's
     print(
@@ -188,6 +192,25 @@ def _train(argv: list[str]) -> int:
         )
     )
     return _exit_status(result)
+
+
+def _keeping_ignored(jit: bool) -> Any:
+    """Enter around ``train``: with ``enable_jit_checkpoint``, a guard for the signals this command catches, so
+    ``train``'s own guard (nested in it) leaves a signal the process inherited as ignored (``nohup ... &``) ignored."""
+    import contextlib
+
+    from trainfold.core.preempt import JIT_SIGNALS, preemption_guard
+
+    caught = [s for s in JIT_SIGNALS if signal.getsignal(s) != signal.SIG_IGN]
+    if not jit or len(caught) == len(JIT_SIGNALS):
+        return contextlib.nullcontext()
+    if not caught:
+        raise ConfigError(
+            "enable_jit_checkpoint = true, but this process ignores both SIGTERM and SIGINT (it inherited them as "
+            "ignored), so nothing can preempt the run; set enable_jit_checkpoint = false, or start the command "
+            "without ignoring SIGTERM"
+        )
+    return preemption_guard(caught)
 
 
 def _exit_status(result: Any) -> int:
@@ -284,16 +307,23 @@ def _exit_on_signals() -> dict[int, Any]:
     The command's module imports nothing heavy at its top, so this is in place within milliseconds of the
     start: a signal during the imports (a few seconds with torch), the setup or after the run (its
     teardown) ends the job the way a scheduler expects, never by the bare signal (-15); ``train``'s own
-    guard takes the signals over while it runs. ``trainfold.core.preempt.exit_on_signals`` is the same
-    for a script that has imported the layers already.
+    guard takes the signals over while it runs. A signal the process inherited as ignored (SIGINT under
+    ``nohup ... &``) keeps no handler: it stays ignored, through ``train`` too (``_keeping_ignored``).
+    ``trainfold.core.preempt.exit_on_signals`` is the same for a script that has imported the layers already.
     """
-    return {s: signal.signal(s, _leave) for s in (signal.SIGTERM, signal.SIGINT)}
+    caught = [s for s in (signal.SIGTERM, signal.SIGINT) if signal.getsignal(s) != signal.SIG_IGN]
+    return {s: signal.signal(s, _leave) for s in caught}
 
 
 def command() -> int:
-    """The ``trainfold`` script and ``python -m trainfold``: ``main`` with the handlers kept up to the exit."""
+    """The ``trainfold`` script and ``python -m trainfold``: ``main`` with the handlers kept up to the exit.
+
+    Once a run is over (its result printed, its status final), SIGTERM and SIGINT are ignored up to the exit
+    (``ignore_signals_until_exit``): a signal during the interpreter's teardown (about a second with torch)
+    does not turn a completed run into -15 / -2.
+    """
     _exit_on_signals()
-    return main()
+    return _command(sys.argv[1:])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -319,8 +349,11 @@ def _command(argv: list[str]) -> int:
         return EXIT_USAGE
     if ns.command == "demo":
         from trainfold.cli.demo import run_demo
+        from trainfold.core.preempt import ignore_signals_until_exit
 
-        return _exit_status(run_demo(ns.demo.output_dir, ns.demo.max_steps))
+        result = run_demo(ns.demo.output_dir, ns.demo.max_steps)
+        ignore_signals_until_exit()  # the run is over (see _train)
+        return _exit_status(result)
     return _replay(ns.replay.output_dir, ns.replay.step, ns.replay.config)
 
 

@@ -4,8 +4,8 @@
 is restored on exit, also on exceptions). The handler only sets a flag; ``guard.stop`` is a stop
 predicate for ``fit``/``trajectory`` (combine with ``any_of``), checked before each batch is drawn,
 so the step in flight finishes and no batch of the next step is drawn. The caller then saves with
-``trainfold.ckpt.save(..., jit=True)`` (exempt from rotation) and reports preemption, e.g. by exiting with
-``EXIT_PREEMPTED`` (143 = 128 + SIGTERM, what an orchestrator expects from a terminated job).
+``trainfold.ckpt.save(..., jit=True)`` (marked as the preemption checkpoint) and reports preemption, e.g. by
+exiting with ``EXIT_PREEMPTED`` (143 = 128 + SIGTERM, what an orchestrator expects from a terminated job).
 
 >>> import os, signal
 >>> from trainfold.core.fold import any_of, fit, max_steps
@@ -20,7 +20,9 @@ so the step in flight finishes and no batch of the next step is drawn. The calle
 
 Guards nest: a guard entered while another one catches the same signal shares its flag, so a
 signal caught while a script builds its model (an outer ``preemption_guard()``) stops ``train``
-(whose own guard is inside) before its first step. ``train`` catches SIGTERM and SIGINT
+(whose own guard is inside) before its first step. A nested guard leaves a signal that is ignored
+(``SIG_IGN``) ignored: the outer code chose not to catch it (the command line keeps a SIGINT that
+the process inherited as ignored, ``nohup ... &``, ignored through ``train``). ``train`` catches SIGTERM and SIGINT
 (``JIT_SIGNALS``: Ctrl-C saves like a preemption) and records which one came, and
 ``exit_status`` turns that into 143 or 130. ``exit_on_signals()`` is for the time before any guard
 (a command line's imports and setup): the signal then ends the process at once with that status,
@@ -139,6 +141,7 @@ def preemption_guard(
     outer = next((h.flag for h in map(signal.getsignal, signals) if isinstance(h, _SetFlag)), None)
     if outer is not None:  # nested: share the outer guard's flag, so what it caught stops this block too
         flag = Preemption(outer.event, collective, outer.received)
+        signals = [s for s in signals if signal.getsignal(s) != signal.SIG_IGN]  # the outer code left it ignored
     else:
         flag = Preemption(collective=collective)
     handler = _SetFlag(flag)

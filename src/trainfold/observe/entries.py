@@ -19,7 +19,9 @@ tensors, so a checkpoint carries it):
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -29,7 +31,11 @@ from torch import Tensor
 from trainfold.core.state import TrainState, scalar
 from trainfold.observe.tokens import TOKENS_SEEN
 
+_FIX_WINDOW = "resume from another checkpoint, or start fresh (log_history then starts empty)"
+
 __all__ = [
+    "window_state",
+    "restore_window",
     "LOG_MARK",
     "LogMark",
     "MetricWindow",
@@ -275,3 +281,42 @@ def train_summary(
         **_tokens(state),  # num_input_tokens_seen, as HF
         "step": int(state.step),
     }
+
+
+def window_state(window: Any) -> dict[str, Any]:
+    """Return a ``MetricWindow``'s sums as JSON (the sidecar's ``metadata.window``).
+
+    >>> window_state(MetricWindow({"rewards/margins": (1.5, 2)}, 4))
+    {'sums': {'rewards/margins': [1.5, 2]}, 'last_step': 4}
+    """
+    return {"sums": {k: [t, n] for k, (t, n) in window.sums.items()}, "last_step": window.last_step}
+
+
+def restore_window(window: Any, saved: Any, source: str | os.PathLike) -> None:
+    """Put a checkpoint's ``metadata.window`` back into ``window`` (so the first window after a resume is exact)."""
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    ok = (
+        isinstance(saved, Mapping)
+        and sorted(saved) == ["last_step", "sums"]
+        and count(saved["last_step"])
+        and isinstance(saved["sums"], Mapping)
+        and all(
+            isinstance(v, list)
+            and len(v) == 2
+            and isinstance(v[0], (int, float))
+            and count(v[1])
+            and v[1] > 0
+            and not isinstance(v[0], bool)
+            for v in saved["sums"].values()
+        )
+    )
+    if not ok:
+        raise ValueError(
+            f"{Path(source) / 'trainfold.json'}: field 'metadata.window' must be "
+            f"{{'sums': {{name: [total, steps]}}, 'last_step': int}}, got {saved!r:.100}; {_FIX_WINDOW}"
+        )
+    window.sums = {k: (float(t), int(n)) for k, (t, n) in saved["sums"].items()}
+    window.last_step = int(saved["last_step"])

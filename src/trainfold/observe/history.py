@@ -19,6 +19,7 @@ and at step 100 000. ``HistoryFile.resume`` truncates the file back to a checkpo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,11 +30,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from trainfold.ckpt.listing import catalog
 from trainfold.ckpt.writer import disk_full, is_disk_full
+from trainfold.observe.entries import restore_window, window_state  # the metric window's, kept here too
 
 __all__ = ["HISTORY_FILE", "HistoryFile", "LogHistory", "verify", "start", "window_state", "restore_window"]
 
 HISTORY_FILE = "log_history.jsonl"
+PREVIOUS_FILE = HISTORY_FILE + ".previous"  # the newest checkpoint's history, while a fresh run has no checkpoint yet
 _log = logging.getLogger(__name__)
 _FIX = "resume from another checkpoint, or start fresh (log_history then starts empty)"
 
@@ -94,7 +98,7 @@ class HistoryFile:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         at = _at or {"offset": 0, "entries": 0, "crc32": 0}
         _before_truncating(self.path, at["offset"])
-        self._file = open(self.path, "ab")
+        self._file = open(self.path, "ab", buffering=0)  # unbuffered: nothing is left to write at close
         self._file.truncate(at["offset"])
         self.offset, self.entries, self.crc = at["offset"], at["entries"], at["crc32"]
 
@@ -133,17 +137,27 @@ class HistoryFile:
         return {"end": len(data), "entries": data.count(b"\n")}
 
     def append(self, entry: Mapping[str, Any]) -> None:
-        """Write ``entry`` as one line (flushed, not fsynced: ``sync`` does that before a save)."""
+        """Write ``entry`` as one line (written through, not fsynced: ``sync`` does that before a save).
+
+        A failed write (a full disk: ``OSError(ENOSPC)`` naming the file, the bytes and the intact checkpoint)
+        leaves the file as it was before it: a part of the line written is cut off again."""
         line = (json.dumps(dict(entry), default=_plain) + "\n").encode()
         try:
-            self._file.write(line)
-            self._file.flush()
+            done = 0
+            while done < len(line):  # an unbuffered write may write a part
+                done += self._file.write(line[done:])
         except OSError as e:
+            with contextlib.suppress(OSError):
+                self._file.truncate(self.offset)
             if not is_disk_full(e):
                 raise
             what = f"the log entry of step {entry.get('step', '?')} could not be appended to {self.path}"
             raise disk_full(e, self.path, what, len(line)) from e
         self.offset, self.entries, self.crc = self.offset + len(line), self.entries + 1, zlib.crc32(line, self.crc)
+
+    def checkpointed(self) -> None:
+        """Say that a checkpoint of this run is complete: the history a fresh start set aside is not needed anymore."""
+        self.path.with_name(PREVIOUS_FILE).unlink(missing_ok=True)
 
     def sync(self) -> None:
         """Make every appended entry durable (called before a checkpoint records ``position()``)."""
@@ -255,13 +269,16 @@ def start(
 ) -> HistoryFile | list[dict[str, Any]]:
     """Return where a run logs: a ``HistoryFile`` in ``output_dir`` (the writer) or a list (other ranks).
 
-    A fresh start (``source`` None) empties the file. A resume continues it from the checkpoint's
-    ``metadata.log`` position (copying the prefix when the checkpoint lies in another directory),
-    or from a format-1 sidecar's ``metadata.log_history`` list. A history file that no longer
-    matches the checkpoint (a flipped bit, a truncation) is set aside as ``log_history.jsonl.damaged``
-    (the writer renames it, never deletes it); the entries up to the first unreadable line are kept,
-    and a warning names the file, the cause and the steps whose logs were lost (the training state
-    is not affected).
+    A fresh start (``source`` None) empties the file; when the newest checkpoint of ``output_dir`` recorded
+    it, it is first moved aside as ``log_history.jsonl.previous``, kept until the new run's first checkpoint
+    is complete (``HistoryFile.checkpointed``): a resume that goes back to that checkpoint meanwhile (the
+    new run died before saving) continues it from there. A resume continues the history from the
+    checkpoint's ``metadata.log`` position (copying the prefix when the checkpoint lies in another
+    directory, or in the set-aside file), or from a format-1 sidecar's ``metadata.log_history`` list. A
+    history file that no longer matches the checkpoint (a flipped bit, a truncation) is set aside as
+    ``log_history.jsonl.damaged`` (the writer renames it, never deletes it); its readable lines are kept
+    (an unreadable line is dropped, the lines after it kept), and a warning names the file, the cause,
+    the lines dropped and the steps whose logs were cut off (the training state is not affected).
     """
     out = Path(output_dir) / HISTORY_FILE
     entries: list[dict[str, Any]] = []
@@ -280,7 +297,7 @@ def start(
                 raise ValueError(
                     f"{sidecar}: field 'metadata.log' must name {HISTORY_FILE}, got {position!r:.100}; {_FIX}"
                 )
-            origin = Path(source).parent / HISTORY_FILE
+            origin = _recorded_in(Path(source).parent, position, sidecar)
             try:
                 if writer:
                     copy = None if origin.resolve() == out.resolve() else origin
@@ -300,25 +317,53 @@ def start(
             entries = legacy
     if not writer:
         return list(entries)
+    if source is None:
+        _keep_for_checkpoints(out)
     history = HistoryFile(out)
     for entry in entries:
         history.append(entry)
     return history
 
 
+def _keep_for_checkpoints(out: Path) -> None:
+    """Before a fresh start empties ``out``: move it aside (``PREVIOUS_FILE``) when the newest complete checkpoint
+    of its directory recorded it, so that a resume from that checkpoint still finds its history."""
+    if not out.is_file() or out.stat().st_size == 0:
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a malformed checkpoint: the resume that may come names it
+        logged = [(p, m["metadata"]["log"]) for p, m in catalog(out.parent) if "log" in (m.get("metadata") or {})]
+    if logged:
+        with contextlib.suppress(OSError, ValueError):
+            verify(out, logged[-1][1], source=logged[-1][0])
+            os.replace(out, out.with_name(PREVIOUS_FILE))
+
+
+def _recorded_in(folder: Path, position: Any, sidecar: Path) -> Path:
+    """Return the history file of ``folder`` that holds what a checkpoint recorded: ``HISTORY_FILE``, or the one a
+    fresh start set aside (``PREVIOUS_FILE``) when that run died before its first checkpoint."""
+    origin, previous = folder / HISTORY_FILE, folder / PREVIOUS_FILE
+    if not previous.is_file():
+        return origin
+    for candidate in (origin, previous):
+        with contextlib.suppress(OSError, ValueError):
+            verify(candidate, position, source=sidecar)
+            if candidate == previous:
+                _log.info("continuing the log history of %s from %s (set aside by a later start)", sidecar, previous)
+            return candidate
+    return origin
+
+
 def _salvage(origin: Path, position: Mapping[str, Any], cause: Exception, sidecar: Path, *, aside: bool) -> list[Any]:
-    """Return the readable entries of a damaged history file up to the checkpoint's position, the first
-    unreadable line ending them; set the file aside (``aside``) and warn which steps lost their logs."""
-    kept: list[dict[str, Any]] = []
+    """Return the readable entries of a damaged history file up to the checkpoint's position (an unreadable line
+    is dropped, the lines after it kept); set the file aside (``aside``) and warn what was lost."""
     data = origin.read_bytes()[: position["offset"]] if origin.is_file() else b""
-    for line in data.splitlines(keepends=True):
-        try:
-            entry = json.loads(line) if line.endswith(b"\n") else None
-        except ValueError:
-            entry = None
-        if not isinstance(entry, dict) or len(kept) == position["entries"]:
-            break
-        kept.append(entry)
+    lines = data.split(b"\n")[:-1][: position["entries"]]  # whole lines: a line cut off at the end is lost
+    parsed = [_entry(line) for line in lines]
+    kept, bad = (
+        [e for e in parsed if isinstance(e, dict)],
+        [n for n, e in enumerate(parsed, 1) if not isinstance(e, dict)],
+    )
     where = ""
     if aside and origin.is_file():
         target, n = origin.with_name(origin.name + ".damaged"), 1
@@ -332,51 +377,20 @@ def _salvage(origin: Path, position: Mapping[str, Any], cause: Exception, sideca
     except (OSError, ValueError, KeyError, TypeError):
         step = "?"
     last = next((e["step"] for e in reversed(kept) if isinstance(e.get("step"), int)), 0)
-    lost = position["entries"] - len(kept)
-    warnings.warn(
-        f"{origin} does not match the log history {sidecar} recorded ({cause}){where}; kept its first "
-        f"{len(kept)} entries (up to step {last}), lost {lost} (the logs of steps {last + 1} to {step})",
-        UserWarning,
-        stacklevel=3,
-    )
+    cut, said = position["entries"] - len(lines), f"kept {len(kept)} of its {position['entries']} entries"
+    if bad:
+        said += f"; dropped line {', '.join(map(str, bad))}, which could not be read"
+    if cut:
+        said += f"; lost the last {cut} (the file was cut: the logs of steps {last + 1} to {step})"
+    if not bad and not cut:
+        said += "; every line reads, but a logged value may differ from what was logged"
+    text = f"{origin} does not match the log history {sidecar} recorded ({cause}){where}; {said}"
+    warnings.warn(text, UserWarning, stacklevel=3)
     return kept
 
 
-def window_state(window: Any) -> dict[str, Any]:
-    """Return a ``MetricWindow``'s sums as JSON (the sidecar's ``metadata.window``).
-
-    >>> from trainfold.observe.observers import MetricWindow
-    >>> window_state(MetricWindow({"rewards/margins": (1.5, 2)}, 4))
-    {'sums': {'rewards/margins': [1.5, 2]}, 'last_step': 4}
-    """
-    return {"sums": {k: [t, n] for k, (t, n) in window.sums.items()}, "last_step": window.last_step}
-
-
-def restore_window(window: Any, saved: Any, source: str | os.PathLike) -> None:
-    """Put a checkpoint's ``metadata.window`` back into ``window`` (so the first window after a resume is exact)."""
-
-    def count(v: Any) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    ok = (
-        isinstance(saved, Mapping)
-        and sorted(saved) == ["last_step", "sums"]
-        and count(saved["last_step"])
-        and isinstance(saved["sums"], Mapping)
-        and all(
-            isinstance(v, list)
-            and len(v) == 2
-            and isinstance(v[0], (int, float))
-            and count(v[1])
-            and v[1] > 0
-            and not isinstance(v[0], bool)
-            for v in saved["sums"].values()
-        )
-    )
-    if not ok:
-        raise ValueError(
-            f"{Path(source) / 'trainfold.json'}: field 'metadata.window' must be "
-            f"{{'sums': {{name: [total, steps]}}, 'last_step': int}}, got {saved!r:.100}; {_FIX}"
-        )
-    window.sums = {k: (float(t), int(n)) for k, (t, n) in saved["sums"].items()}
-    window.last_step = int(saved["last_step"])
+def _entry(line: bytes) -> Any:
+    """Return the JSON value of a history ``line``, or None where it does not parse (a damaged line)."""
+    with contextlib.suppress(ValueError):
+        return json.loads(line)
+    return None

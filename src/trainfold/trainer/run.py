@@ -150,11 +150,6 @@ def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
     path = ckpt.checkpoint_path(output_dir, int(state.step))
     if run.plan.is_writer:
         _logger.info("saving %scheckpoint %s", "the preemption " if jit else "", path)
-    if jit:
-        run.saver.wait()  # an async save in flight is complete (or raised) first
-        if already_saved(path, options["run"], int(state.step), options["save_only_model"]):
-            return ckpt.mark_jit(path) if run.plan.is_writer else path  # the same state is there, complete: mark it
-        return run.saver.save(state, path, jit=True, wait=True, **options)
     best: best_metric.BestMetric | None = state.extras.get(BEST)
     keep = [path]
     if best is not None and int(best.step) >= 0:
@@ -166,7 +161,18 @@ def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
         keep=keep,
         run_id=options["run"]["id"] if options["run"] is not None else None,
     )
-    return run.saver.save(state, path, on_commit=lambda _: rotate(), **options)  # rotates once it is complete
+
+    def committed(_: Path) -> None:  # once the checkpoint is complete
+        rotate()
+        if isinstance(run.history, log_file.HistoryFile):
+            run.history.checkpointed()  # an earlier run's history, kept until now, is no longer needed
+
+    if jit:  # rotates like any other save (HF's too): a preempted run's older JIT checkpoints do not pile up
+        run.saver.wait()  # an async save in flight is complete (or raised) first
+        if already_saved(path, options["run"], int(state.step), options["save_only_model"]):
+            return ckpt.mark_jit(path) if run.plan.is_writer else path  # the same state is there, complete: mark it
+        return run.saver.save(state, path, jit=True, wait=True, on_commit=committed, **options)
+    return run.saver.save(state, path, on_commit=committed, **options)
 
 
 @attrs.define
