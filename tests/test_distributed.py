@@ -40,7 +40,7 @@ from trainfold.distributed.distributed import (
     shard,
     shard_bounds,
 )
-from trainfold.evaluation import evaluate_sharded, gather_rows, predict_sharded
+from trainfold.evaluation import evaluate_batches, gather_rows, predict_batches
 from trainfold.evaluation.evaluation import evaluate_batches as evaluate
 from trainfold.evaluation.evaluation import predict_batches as predict
 from trainfold.evaluation.reducers import pad_concat
@@ -220,11 +220,11 @@ def _worker(out: Path) -> None:
         (out / f"engine-{r}.json").write_text(json.dumps(type(lent_step.engine.ddp).__name__))
         net = model()  # sharded evaluation of 7 rows: shards of 3 and 4
         mine = eval_batches(list(shard(rows(7), r, WORLD)))
-        metrics = evaluate_sharded(net, None, mine, collective=c, compute_metrics=token_accuracy, speed_metrics=False)
-        pred = predict_sharded(net, None, mine, collective=c, as_numpy=False, speed_metrics=False)
+        metrics = evaluate_batches(net, None, mine, collective=c, compute_metrics=token_accuracy, speed_metrics=False)
+        pred = predict_batches(net, None, mine, collective=c, as_numpy=False, speed_metrics=False)
         (out / f"eval-{r}.json").write_text(json.dumps({"evaluate": metrics, "predict": pred.metrics}))
         save_file({"predictions": pred.predictions, "label_ids": pred.label_ids}, out / f"predict-{r}.safetensors")
-        included = evaluate_sharded(net, None, mine, collective=c, **INCLUDED)
+        included = evaluate_batches(net, None, mine, collective=c, **INCLUDED)
         (out / f"eval-included-{r}.json").write_text(json.dumps(included))
 
 
@@ -439,7 +439,7 @@ def test_sharded_evaluation_on_simulated_ranks_matches_evaluate():
 
     def rank_eval(c):
         mine = eval_batches(list(shard(data, c.rank, c.world_size)), 2)
-        return evaluate_sharded(
+        return evaluate_batches(
             nets[c.rank], None, mine, collective=c, compute_metrics=token_accuracy, speed_metrics=False
         )
 
@@ -458,7 +458,7 @@ def test_a_loss_only_sharded_evaluation_merges_sums_and_counts():
     parts = [data[:3], data[3:]]
     got = on_simulated_ranks(
         2,
-        lambda c: evaluate_sharded(
+        lambda c: evaluate_batches(
             nets[c.rank], None, eval_batches(parts[c.rank], 3), collective=c, speed_metrics=False
         ),
     )
@@ -496,7 +496,7 @@ def test_predictions_come_back_in_dataset_order():
     nets = [copy.deepcopy(net) for _ in range(2)]
     got = on_simulated_ranks(
         2,
-        lambda c: predict_sharded(
+        lambda c: predict_batches(
             nets[c.rank],
             None,
             eval_batches(list(shard(data, c.rank, 2)), 2),
@@ -550,7 +550,7 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="prediction_loss_only=True"):
         on_simulated_ranks(
             1,
-            lambda c: evaluate_sharded(
+            lambda c: evaluate_batches(
                 model(), None, [], collective=c, prediction_loss_only=True, compute_metrics=token_accuracy
             ),
         )

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 from trainfold.core.losses import IGNORE_INDEX
 from trainfold.evaluation import (
     EvalSpec,
-    evaluate_sharded,
+    evaluate_batches,
     evaluate_with,
-    predict_sharded,
+    predict_batches,
     predict_with,
 )
 from trainfold.evaluation import (
@@ -86,7 +86,7 @@ def test_include_for_metrics_sharded_matches_one_process():
     whole = evaluate(forward, params, batches, **kw)
     got = on_ranks(
         contiguous(batches, [2, 3]),
-        lambda c, mine: evaluate_sharded(forward, params, mine, collective=c, eval_accumulation_steps=1, **kw),
+        lambda c, mine: evaluate_batches(forward, params, mine, collective=c, eval_accumulation_steps=1, **kw),
     )
     assert whole["eval_rows"] == 9
     for metrics in got:
@@ -149,7 +149,7 @@ def test_an_objectives_metrics_are_exact_means_over_every_ranks_items():
         assert got == pytest.approx(whole, rel=1e-12)
     kw = {"objective": objective, "speed_metrics": False}
     for got in on_ranks(
-        contiguous(batches, [2]), lambda c, mine: evaluate_sharded(forward, params, mine, collective=c, **kw)
+        contiguous(batches, [2]), lambda c, mine: evaluate_batches(forward, params, mine, collective=c, **kw)
     ):
         assert got == pytest.approx(whole, rel=1e-12)
 
@@ -179,7 +179,7 @@ def test_the_runtime_is_the_slowest_ranks():
     params, batches = make_params(), make_batches(4, 2)
     got = on_ranks(
         contiguous(batches, [1]),
-        lambda c, mine: evaluate_sharded(forward, params, mine if c.rank else mine * 30, collective=c),
+        lambda c, mine: evaluate_batches(forward, params, mine if c.rank else mine * 30, collective=c),
     )
     assert got[0]["eval_runtime"] == got[1]["eval_runtime"] > 0
 
@@ -214,16 +214,16 @@ def test_sharded_settings_are_checked_on_every_path():
     params, batches = make_params(), make_batches(2, 1)
     with pytest.raises(ValueError, match="eval_accumulation_steps must be a positive int or None, got 0"):
         on_simulated_ranks(
-            2, lambda c: evaluate_sharded(forward, params, batches, collective=c, eval_accumulation_steps=0)
+            2, lambda c: evaluate_batches(forward, params, batches, collective=c, eval_accumulation_steps=0)
         )
     with pytest.raises(ValueError, match=r"include_for_metrics takes 'inputs' and 'loss', got \['logits'\]"):
         on_simulated_ranks(
-            1, lambda c: predict_sharded(forward, params, batches, collective=c, include_for_metrics=["logits"])
+            1, lambda c: predict_batches(forward, params, batches, collective=c, include_for_metrics=["logits"])
         )
     with pytest.raises(KeyError, match="batches have no 'tokens' key"):
         on_simulated_ranks(
             1,
-            lambda c: evaluate_sharded(
+            lambda c: evaluate_batches(
                 forward,
                 params,
                 batches,

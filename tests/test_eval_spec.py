@@ -13,9 +13,7 @@ from hypothesis import strategies as st
 from trainfold.core.losses import cross_entropy
 from trainfold.evaluation import (
     EvalSpec,
-    evaluate_sharded,
     evaluate_with,
-    predict_sharded,
     predict_with,
 )
 from trainfold.evaluation import (
@@ -27,7 +25,6 @@ from trainfold.evaluation import (
 from trainfold.evaluation.spec import spec_errors
 
 # What the keyword entry points take besides the spec's fields: the model, its tensors, the data, the ranks.
-NOT_SETTINGS = {"model_or_forward", "params", "batches", "buffers", "collective"}
 
 
 def forward(params, inputs):
@@ -69,16 +66,11 @@ def test_of_takes_the_fields_it_knows_and_leaves_the_rest():
     assert (spec.metric_key_prefix, spec.eval_accumulation_steps) == ("dev", 3)
 
 
-@pytest.mark.parametrize("entry", [evaluate, predict, evaluate_sharded, predict_sharded])
-def test_every_keyword_of_the_entry_points_is_a_spec_field(entry):
-    # EvalSpec.of(locals()) would drop a keyword that is not a field: each one must be one.
-    fields = {f.name for f in attrs.fields(EvalSpec)}
-    assert set(inspect.signature(entry).parameters) - NOT_SETTINGS <= fields
-
-
-@pytest.mark.parametrize(("sharded", "alone"), [(evaluate_sharded, evaluate), (predict_sharded, predict)])
-def test_the_sharded_forms_take_every_setting_of_the_one_process_forms(sharded, alone):
-    assert set(inspect.signature(alone).parameters) <= set(inspect.signature(sharded).parameters)
+@pytest.mark.parametrize("entry", [evaluate, predict])
+def test_the_entry_points_take_the_spec_fields_as_keywords_and_refuse_others(entry):
+    assert list(inspect.signature(entry).parameters)[3:] == ["buffers", "collective", "settings"]
+    with pytest.raises(TypeError, match="label_kye"):
+        entry(forward, PARAMS, BATCHES, label_kye="y")
 
 
 def test_the_keyword_forms_are_the_spec_forms():

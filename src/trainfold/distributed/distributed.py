@@ -7,7 +7,8 @@ yields ``None`` and everything runs in one process. A lent step's gradients are 
 what else the ranks share (item counts, losses, the pure path's gradients).
 
 Evaluation is sharded: each rank evaluates a contiguous slice of the eval set
-(:func:`shard_bounds`, :func:`shard`); ``trainfold.evaluation.sharded`` merges the ranks' results.
+(:func:`shard_bounds`, :func:`shard`); ``trainfold.evaluation.evaluate_batches(..., collective=)`` merges
+the ranks' results.
 
 >>> with collective_from_env() as c:
 ...     print(c)

@@ -18,7 +18,6 @@ from trainfold.evaluation.evaluation import (
 )
 from trainfold.evaluation.gather import gather_rows
 from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
-from trainfold.evaluation.sharded import evaluate_sharded, predict_sharded
 
 __all__ = [
     "EvalPrediction",
@@ -28,12 +27,10 @@ __all__ = [
     "check_metrics",
     "eval_sets",
     "evaluate_batches",
-    "evaluate_sharded",
     "evaluate_with",
     "final_metrics",
     "gather_rows",
     "predict_batches",
-    "predict_sharded",
     "predict_with",
     "prefix_metrics",
     "resolve_forward",

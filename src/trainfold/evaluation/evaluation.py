@@ -28,7 +28,6 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from trainfold.core.losses import causal_lm, logits_of
 from trainfold.distributed.distributed import GatherCollective
 from trainfold.evaluation.gather import merged_parts
 from trainfold.evaluation.metrics import (
@@ -152,29 +151,21 @@ def evaluate_batches(
     params: Any,
     batches: Iterable[Mapping[str, Any]],
     *,
-    loss: Callable[..., Tensor] = causal_lm,
-    compute_metrics: Callable[[EvalPrediction], Mapping[str, Any]] | None = None,
-    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
-    eval_accumulation_steps: int | None = None,
-    prediction_loss_only: bool = False,
-    metric_key_prefix: str = "eval",
-    include_for_metrics: Iterable[str] = (),
-    label_key: str = "labels",
-    main_input_name: str = "input_ids",
     buffers: Mapping[str, Tensor] | None = None,
-    predictions_of: Callable[[Any], Any] = logits_of,
-    as_numpy: bool = True,
-    speed_metrics: bool = True,
-    move: Callable[[Tensor], Tensor] | None = None,
-    objective: Callable[..., Any] | None = None,
+    collective: GatherCollective | None = None,
+    **settings: Any,
 ) -> dict[str, float]:
     """Evaluate ``params`` on ``batches`` and return metrics named ``{metric_key_prefix}_*``.
 
     ``model_or_forward`` is an ``nn.Module`` (run in eval mode through ``functional_call``; its
     buffers are used unless ``buffers`` is given) or a ``forward(params, inputs)`` function.
     ``params`` is a dict of tensors, a ``TrainState`` (its params and buffers), or ``None`` for
-    the module's own. Each batch is a dict of tensors. The other settings make an :class:`EvalSpec`
-    (see it for each): this is ``evaluate_with(EvalSpec(...), model_or_forward, params, batches)``.
+    the module's own. Each batch is a dict of tensors. The keyword ``settings`` are the fields of
+    :class:`EvalSpec` (``loss``, ``compute_metrics``, ``eval_accumulation_steps``, ``metric_key_prefix`` ...;
+    see it for each): this is ``evaluate_with(EvalSpec(**settings), model_or_forward, params, batches)``.
+    With ``collective`` (every rank calls it with the batches of its own contiguous shard, from
+    ``trainfold.distributed.shard``), each rank's ``(loss sum, item count)`` and metric accumulators are merged
+    with the reducers' ``merge`` (never an average of averages) and every rank returns the whole set's metrics.
     A NaN or infinite loss in any batch shows in the eval loss (HF drops non-finite batch losses).
 
     >>> import torch
@@ -191,7 +182,9 @@ def evaluate_batches(
     >>> round(one["eval_loss"], 5) == round(two["eval_loss"], 5)  # the token mean: batch size does not matter
     True
     """
-    return evaluate_with(EvalSpec.of(locals()), model_or_forward, params, batches, buffers=buffers)
+    return evaluate_with(
+        EvalSpec(**settings), model_or_forward, params, batches, buffers=buffers, collective=collective
+    )
 
 
 def predict_batches(
@@ -199,29 +192,17 @@ def predict_batches(
     params: Any,
     batches: Iterable[Mapping[str, Any]],
     *,
-    loss: Callable[..., Tensor] = causal_lm,
-    compute_metrics: Callable[[EvalPrediction], Mapping[str, Any]] | None = None,
-    preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
-    eval_accumulation_steps: int | None = None,
-    metric_key_prefix: str = "test",
-    prediction_loss_only: bool = False,
-    include_for_metrics: Iterable[str] = (),
-    label_key: str = "labels",
-    main_input_name: str = "input_ids",
     buffers: Mapping[str, Tensor] | None = None,
-    predictions_of: Callable[[Any], Any] = logits_of,
-    as_numpy: bool = True,
-    speed_metrics: bool = True,
-    move: Callable[[Tensor], Tensor] | None = None,
-    objective: Callable[..., Any] | None = None,
+    collective: GatherCollective | None = None,
+    **settings: Any,
 ) -> PredictionOutput:
     """Return predictions and labels for ``batches`` in their order, and the metrics ``evaluate_batches`` gives.
 
     Predictions are ``predictions_of(outputs)`` after ``preprocess_logits_for_metrics``, padded
     with -100 along dim 1; ``label_ids`` is ``None`` when batches have no labels (both are ``None``
     with ``prediction_loss_only``, as in HF). Metric names
-    are prefixed with ``test`` by default, as in HF. The settings make an :class:`EvalSpec`, as for
-    ``evaluate_batches``.
+    are prefixed with ``test`` by default, as in HF. The ``settings`` and ``collective`` are
+    ``evaluate_batches``'s: with ``collective``, every rank gets the whole set's predictions, in dataset order.
 
     >>> import torch
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
@@ -233,7 +214,8 @@ def predict_batches(
     >>> list(out.predictions.shape), out.label_ids.tolist(), sorted(out.metrics)
     ([2, 4, 16], [[1, 2, 3, 4], [5, 6, 7, -100]], ['test_loss'])
     """
-    return predict_with(EvalSpec.of(locals()), model_or_forward, params, batches, buffers=buffers)
+    spec = EvalSpec(**{"metric_key_prefix": "test", **settings})
+    return predict_with(spec, model_or_forward, params, batches, buffers=buffers, collective=collective)
 
 
 # ``trainfold.evaluate``/``predict`` are the run-level ones (a model, TrainingArguments and a dataset); these

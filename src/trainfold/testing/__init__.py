@@ -15,7 +15,7 @@ Needs ``hypothesis`` (the ``test`` extra). Each strategy is a function returning
         ...
 
 ``on_simulated_ranks(world_size, fn)`` runs ``fn(collective)`` on threads that stand for ranks, so
-a distributed path (``make_step(collective=...)``, ``evaluate_sharded``) is tested in one process;
+a distributed path (``make_step(collective=...)``, ``evaluate_batches``) is tested in one process;
 ``saved_for_backward(fn)`` measures the activations autograd keeps while ``fn`` runs.
 ``check_resume("my_run.py:run", stop_at=k)`` checks that your own run, stopped by SIGTERM at step
 ``k`` and resumed in a fresh process, ends bitwise equal to the same run never stopped.

@@ -26,7 +26,7 @@ class _Room:
 
 @attrs.frozen
 class SimulatedRank:
-    """One rank of a world simulated by threads: the collective ``make_step`` and ``evaluate_sharded`` take.
+    """One rank of a world simulated by threads: the collective ``make_step`` and ``evaluate_batches`` take.
 
     Sums, maxima and gathers go through a shared room and a barrier, in rank order, as
     ``ProcessGroupCollective`` does over a process group. Make them with :func:`on_simulated_ranks`.

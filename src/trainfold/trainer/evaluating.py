@@ -24,7 +24,6 @@ from trainfold.data import close_loader, eval_loader
 from trainfold.data.collate import collate_for
 from trainfold.data.columns import eval_collate, padded_to_multiple
 from trainfold.distributed import GatherCollective, shard
-from trainfold.evaluation import evaluate_sharded
 from trainfold.evaluation.evaluation import eval_sets, evaluate_batches, predict_batches
 from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
 from trainfold.step.plan import is_fully_sharded
@@ -146,7 +145,7 @@ class EvalPlan:
         runs: Any = module_forward(model) if is_fully_sharded(model) else model
         assert self.loss is not None  # a run gives eval_plan_for its loss; only an objective run scores without
         results = [
-            evaluate_sharded(
+            evaluate_batches(
                 runs,
                 state.params,
                 s.loader,
