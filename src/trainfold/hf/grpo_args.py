@@ -30,12 +30,15 @@ import attrs
 import torch
 
 from trainfold.hf.args import TrainingArguments
+from trainfold.hf.setting import redeclared, setting
 from trainfold.recipes.grpo import SCALE_REWARDS
 from trainfold.recipes.grpo_data import GenerationSchedule
 from trainfold.recipes.grpo_loss import PolicyLoss, policy_loss_errors
 from trainfold.recipes.grpo_rewards import MULTI_OBJECTIVE_AGGREGATIONS
 
 __all__ = ["GRPOArguments", "TRL_ONLY", "generation_order"]
+
+_BASE = attrs.fields(TrainingArguments)
 
 _VLLM = "generation runs on trainfold.recipes.generate; set use_vllm=False"
 _SAMPLING = "trainfold.recipes.generate samples from softmax(logits / temperature) only"
@@ -104,13 +107,6 @@ def _check_grpo(args: GRPOArguments) -> list[str]:
         if getattr(args, name) < 1:
             out.append(f"{name}={getattr(args, name)} must be >= 1")
     out += policy_loss_errors(args.policy_loss)
-    if args.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
-        out.append(
-            f"multi_objective_aggregation={args.multi_objective_aggregation!r} is not one of "
-            f"{list(MULTI_OBJECTIVE_AGGREGATIONS)}"
-        )
-    if args.scale_rewards not in SCALE_REWARDS:
-        out.append(f"scale_rewards={args.scale_rewards!r} is not one of {list(SCALE_REWARDS)} (or True / False)")
     if args.beta < 0:
         out.append(f"beta={args.beta} must be >= 0")
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -122,15 +118,17 @@ def _check_grpo(args: GRPOArguments) -> list[str]:
         out.append(f"top_p={args.top_p} is not supported: {_SAMPLING}; set top_p=1.0")
     if args.reward_weights is not None and not args.reward_weights:
         out.append("reward_weights=() gives no weight; pass one per reward function, or None for all 1.0")
-    for name, fix in (
-        ("packing", "False"),
-        ("padding_free", "False"),
-        ("loss_chunk_size", "0"),
-        ("label_smoothing_factor", "0.0"),
-        ("neftune_noise_alpha", "None"),
-    ):
-        if getattr(args, name) not in (False, 0, None):
-            out.append(f"{name}={getattr(args, name)!r} does not apply to GRPO's objective; set {name}={fix}")
+    objective = (
+        (args.packing, "packing", False),
+        (args.padding_free, "padding_free", False),
+        (args.loss_chunk_size, "loss_chunk_size", 0),
+        (args.label_smoothing_factor, "label_smoothing_factor", 0.0),
+        (args.neftune_noise_alpha, "neftune_noise_alpha", None),
+        (args.max_length, "max_length", None),  # max_completion_length bounds what is generated
+    )
+    for value, name, fix in objective:
+        if value not in (False, 0, None):
+            out.append(f"{name}={value!r} does not apply to GRPO's objective; set {name}={fix!r}")
     if args.train_sampling_strategy != "random":
         out.append(
             f"train_sampling_strategy={args.train_sampling_strategy!r}: GRPO draws prompts in TRL's "
@@ -159,10 +157,10 @@ class GRPOArguments(TrainingArguments):
 
     # TRL's GRPOConfig defaults where they differ from TrainingArguments' (bf16 stays False: TRL resolves its
     # None to True on every device; from_hf takes the resolved value)
-    learning_rate: float = 1e-6
-    logging_steps: float = 10
-    gradient_checkpointing: bool | None = True
-    remove_unused_columns: bool = False
+    learning_rate: float = redeclared(_BASE.learning_rate, 1e-6)
+    logging_steps: float = redeclared(_BASE.logging_steps, 10)
+    gradient_checkpointing: bool | None = redeclared(_BASE.gradient_checkpointing, True)
+    remove_unused_columns: bool = redeclared(_BASE.remove_unused_columns, False)
     num_generations: int = 8
     steps_per_generation: int | None = None
     generation_batch_size: int | None = None
@@ -172,7 +170,9 @@ class GRPOArguments(TrainingArguments):
     epsilon: float = 0.2
     epsilon_high: float | None = None
     loss_type: str = "dapo"
-    scale_rewards: str = "group"
+    scale_rewards: str = setting(
+        "group", choices=SCALE_REWARDS, converter=lambda v: ("group" if v else "none") if isinstance(v, bool) else v
+    )
     reward_weights: tuple[float, ...] | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -187,27 +187,18 @@ class GRPOArguments(TrainingArguments):
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
-    multi_objective_aggregation: str = "sum_then_normalize"
+    multi_objective_aggregation: str = setting("sum_then_normalize", choices=MULTI_OBJECTIVE_AGGREGATIONS)
 
     def __init__(self, **kwargs: Any) -> None:
         trl = [p for p in (_trl_problem(k, v) for k, v in kwargs.items() if k in TRL_ONLY) if p is not None]
         if trl:
             raise TypeError("\n".join(trl))
-        kwargs = {k: v for k, v in kwargs.items() if k not in TRL_ONLY}
-        if isinstance(kwargs.get("scale_rewards"), bool):
-            kwargs["scale_rewards"] = "group" if kwargs["scale_rewards"] else "none"
-        if isinstance(kwargs.get("reward_weights"), list):
-            kwargs["reward_weights"] = tuple(float(w) for w in kwargs["reward_weights"])
-        super().__init__(**kwargs)
+        super().__init__(**{k: v for k, v in kwargs.items() if k not in TRL_ONLY})
 
-    def __attrs_post_init__(self) -> None:
-        grpo = _check_grpo(self)
-        try:
-            super().__attrs_post_init__()
-        except ValueError as e:
-            raise ValueError("\n  - ".join([str(e).replace("TrainingArguments", "GRPOArguments"), *grpo])) from None
-        if grpo:
-            raise ValueError("invalid GRPOArguments:\n  - " + "\n  - ".join(grpo))
+    @classmethod
+    def combined_checks(cls) -> tuple[Callable[[Any], list[str]], ...]:
+        """Return ``TrainingArguments``' checks of settings together, and GRPO's."""
+        return (*super().combined_checks(), _check_grpo)
 
     @classmethod
     def checked_from_hf(cls) -> dict[str, Callable[[Any], str | None]]:
