@@ -391,3 +391,28 @@ def test_sft_assistant_masks_of_rows_used_as_given_are_used_or_refused(monkeypat
     batch = plan.inputs.collate(list(plan.inputs.train_dataset)[:2])
     trained = batch["labels"] != -100  # the labels the loss reads (shifted inside it): the assistant tokens only
     assert trained[:, :2].sum() == 0, f"assistant_masks are ignored: every token is trained ({batch['labels']})"
+
+
+# -- the declarations agree with the peers ---------------------------------------------------------------
+
+HF4_NAMES = {"overwrite_output_dir", "model_input_name", "logging_dir"}  # transformers 4's names, gone in 5
+
+
+def test_each_fields_hf_name_is_a_peers_field_and_no_hf_only_entry_is_a_field():
+    import dataclasses
+
+    import transformers
+    import trl
+
+    from trainfold.hf.args_hf import HF_ONLY, TAKEN_AS_IS
+
+    peers = {TrainingArguments: transformers.TrainingArguments, SFTArguments: trl.SFTConfig}
+    peers.update({DPOArguments: trl.DPOConfig, GRPOArguments: trl.GRPOConfig})
+    theirs = {f.name for peer in peers.values() for f in dataclasses.fields(peer)}
+    for cls in CLASSES:
+        for field in attrs.fields(cls):
+            hf = spec_of(field).hf
+            assert hf is None or hf in theirs or hf in HF4_NAMES, f"{cls.__name__}.{field.name}: hf={hf!r}"
+            assert hf is not None or field.name not in theirs, f"{field.name} is a peer's setting: say its name"
+        assert not set(HF_ONLY) & set(attrs.fields_dict(cls)), "a field is also listed as HF-only"
+        assert not set(TAKEN_AS_IS) & set(attrs.fields_dict(cls)), "a field is also listed as taken as is"
