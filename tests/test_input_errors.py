@@ -138,7 +138,7 @@ CASES = {
     "args given as a dict": (
         dict(args_as_dict=True),
         TypeError,
-        r"args is a dict, not TrainingArguments; pass trainfold.TrainingArguments\(\*\*settings\)",
+        r"args is a dict, not trainfold's TrainingArguments; pass trainfold.TrainingArguments\(\*\*settings\)",
     ),
     "a function instead of a module": (
         dict(on=lambda input_ids: input_ids),

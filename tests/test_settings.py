@@ -205,7 +205,9 @@ def _train(cls: type, args: Any, text_rows: bool) -> None:
             return [len(c) / 10 for c in completions]
 
         prompts = [{"prompt": _words(i, 2)} for i in range(8)]
-        grpo_run.train(llama(), args, prompts, reward, processing_class=tok)
+        model = llama()
+        model.head_dropout = torch.nn.Dropout(0.1)  # a dropout for disable_dropout to turn off
+        grpo_run.train(model, args, prompts, reward, processing_class=tok)
 
 
 def changed_value(cls: type, field: attrs.Attribute, default: Any) -> Any:  # type: ignore[type-arg]
@@ -416,3 +418,43 @@ def test_each_fields_hf_name_is_a_peers_field_and_no_hf_only_entry_is_a_field():
             assert hf is not None or field.name not in theirs, f"{field.name} is a peer's setting: say its name"
         assert not set(HF_ONLY) & set(attrs.fields_dict(cls)), "a field is also listed as HF-only"
         assert not set(TAKEN_AS_IS) & set(attrs.fields_dict(cls)), "a field is also listed as taken as is"
+
+
+# -- settings are read as attributes, not named as strings ----------------------------------------------
+
+# names that other vocabularies share with a field (not readings of the arguments): why each is a string there
+SAME_WORD = {
+    "learning_rate": "the log entry HF's Trainer writes (log_history[i]['learning_rate'])",
+    "max_steps": "core.fold.max_steps and the stop rule of that name",
+    "save_only_model": "the checkpoint sidecar's key",
+    "weight_decay": "torch.optim's keyword and param-group key",
+    "steps_per_generation": "the GRPO research loop's own parameter",
+}
+
+
+def test_no_field_is_named_as_a_string_in_two_modules_besides_its_declaration():
+    """The metric of issue 45 item 3: fields named as a string constant in >= 2 src files besides their declaration."""
+    import ast
+    import inspect
+    import pathlib
+
+    declared: dict[str, set[pathlib.Path]] = {}
+    for cls in CLASSES:
+        path = pathlib.Path(inspect.getfile(cls)).resolve()
+        for name in cls.__dict__.get("__annotations__", {}):
+            declared.setdefault(name, set()).add(path)
+    files: dict[str, set[pathlib.Path]] = {}
+    for path in pathlib.Path(inspect.getfile(TrainingArguments)).parents[1].rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in declared and path.resolve() not in declared[node.value]:
+                files.setdefault(node.value, set()).add(path.resolve())
+    named = {name for name, where in files.items() if len(where) >= 2}
+    assert named <= set(SAME_WORD), sorted(named - set(SAME_WORD))
+
+
+def test_a_transformers_training_arguments_given_to_train_is_refused_naming_from_hf(tmp_path):
+    import transformers
+
+    hf_args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none")
+    with pytest.raises(TypeError, match=r"args is a transformers.TrainingArguments, .*TrainingArguments.from_hf"):
+        hf_train.train(_Regression(), hf_args, [{"x": [1.0, 2.0], "labels": 0.5}] * 4)

@@ -43,10 +43,10 @@ def _refusals(
     model: nn.Module, args: Any, train_dataset: Any, data_collator: Any, compute_loss_func: Any, objective: Any
 ) -> list[str]:
     out = []
-    batching = "packing" if args.packing else "padding_free"
     if (args.packing or args.padding_free) and data_collator is not None:
         out.append(
-            f"{batching}=True builds its own batches (positions restart at each document); "
+            f"{'packing=True' if args.packing else 'padding_free=True'} builds its own batches (positions restart "
+            "at each document); "
             "drop data_collator, or set packing=False and padding_free=False"
         )
     if args.packing and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):

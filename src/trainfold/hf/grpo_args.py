@@ -39,6 +39,15 @@ from trainfold.recipes.grpo_rewards import MULTI_OBJECTIVE_AGGREGATIONS
 __all__ = ["GRPOArguments", "TRL_ONLY", "generation_order"]
 
 _BASE = attrs.fields(TrainingArguments)
+# max_length: max_completion_length bounds what is generated
+_NOT_GRPOS = (
+    (_BASE.packing, False),
+    (_BASE.padding_free, False),
+    (_BASE.loss_chunk_size, 0),
+    (_BASE.label_smoothing_factor, 0.0),
+    (_BASE.neftune_noise_alpha, None),
+    (_BASE.max_length, None),
+)
 
 _VLLM = "generation runs on trainfold.recipes.generate; set use_vllm=False"
 _SAMPLING = "trainfold.recipes.generate samples from softmax(logits / temperature) only"
@@ -70,8 +79,6 @@ TRL_ONLY: dict[str, tuple[Any, str]] = {
     "off_policy_mask_threshold": (None, _NOT_YET),
     "num_generations_eval": (None, "evaluation samples num_generations completions per prompt"),
     "max_tool_calling_iterations": (None, "tool calling is " + _NOT_YET),
-    "disable_dropout": (False, "the step keeps the model's dropout; build the model with dropout 0 to disable it"),
-    "model_init_kwargs": (None, "pass a built model to trainfold.hf.grpo_run.train"),
     "log_completions": (False, "completions are not logged as tables; pass an observer"),
 }
 
@@ -118,17 +125,10 @@ def _check_grpo(args: GRPOArguments) -> list[str]:
         out.append(f"top_p={args.top_p} is not supported: {_SAMPLING}; set top_p=1.0")
     if args.reward_weights is not None and not args.reward_weights:
         out.append("reward_weights=() gives no weight; pass one per reward function, or None for all 1.0")
-    objective = (
-        (args.packing, "packing", False),
-        (args.padding_free, "padding_free", False),
-        (args.loss_chunk_size, "loss_chunk_size", 0),
-        (args.label_smoothing_factor, "label_smoothing_factor", 0.0),
-        (args.neftune_noise_alpha, "neftune_noise_alpha", None),
-        (args.max_length, "max_length", None),  # max_completion_length bounds what is generated
-    )
-    for value, name, fix in objective:
+    for field, fix in _NOT_GRPOS:  # settings of a token-level causal-LM loss that GRPO's objective does not have
+        value = getattr(args, field.name)
         if value not in (False, 0, None):
-            out.append(f"{name}={value!r} does not apply to GRPO's objective; set {name}={fix!r}")
+            out.append(f"{field.name}={value!r} does not apply to GRPO's objective; set {field.name}={fix!r}")
     if args.train_sampling_strategy != "random":
         out.append(
             f"train_sampling_strategy={args.train_sampling_strategy!r}: GRPO draws prompts in TRL's "
@@ -188,6 +188,8 @@ class GRPOArguments(TrainingArguments):
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     multi_objective_aggregation: str = setting("sum_then_normalize", choices=MULTI_OBJECTIVE_AGGREGATIONS)
+    disable_dropout: bool = False  # TRL's: every nn.Dropout of the policy at p=0
+    model_init_kwargs: dict[str, Any] | None = None  # from_pretrained's keywords when the model is a name or path
 
     def __init__(self, **kwargs: Any) -> None:
         trl = [p for p in (_trl_problem(k, v) for k, v in kwargs.items() if k in TRL_ONLY) if p is not None]
@@ -212,17 +214,18 @@ class GRPOArguments(TrainingArguments):
         TRL's ``generation_batch_size`` counts the completions of all processes (``per_device_train_batch_size
         × world_size × steps_per_generation``); a pair that disagrees (one changed after parsing) is refused.
         """
-        steps, size = settings.get("steps_per_generation"), settings.get("generation_batch_size")
+        fields = attrs.fields(cls)
+        steps, size = settings.get(fields.steps_per_generation.name), settings.get(fields.generation_batch_size.name)
         if steps is None or size is None:
             return settings
         world = int(getattr(config, "world_size", 1) or 1)
-        expected = settings.get("per_device_train_batch_size", 8) * world * steps
+        expected = settings.get(fields.per_device_train_batch_size.name, 8) * world * steps
         if size != expected:
             raise ValueError(
                 f"{type(config).__name__} has generation_batch_size={size} and steps_per_generation={steps}, which "
                 f"disagree (per_device_train_batch_size x world_size x steps_per_generation = {expected}); set one"
             )
-        return {k: v for k, v in settings.items() if k != "generation_batch_size"}
+        return {k: v for k, v in settings.items() if k != fields.generation_batch_size.name}
 
     @property
     def policy_loss(self) -> PolicyLoss:

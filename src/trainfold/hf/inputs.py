@@ -87,7 +87,7 @@ def eval_labels(collate: Callable[..., Any] | None, args: TrainingArguments, dat
     """Return the evaluation collator: ``LabelsFromInputs`` where training builds labels (packing), else as is."""
     if data_collator is not None or objective is not None:
         return collate
-    if not (getattr(args, "packing", False) or getattr(args, "padding_free", False)):
+    if not (args.packing or args.padding_free):
         return collate
     return LabelsFromInputs(collate or pad_collate())
 
