@@ -149,7 +149,7 @@ def spec_of(field: attrs.Attribute) -> Setting:  # type: ignore[type-arg]
 
 
 @functools.cache
-def _hints(cls: type) -> dict[str, Any]:
+def _hints(cls: Any) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
@@ -189,7 +189,7 @@ def as_declared(cls: type, settings: Mapping[str, Any]) -> dict[str, Any]:
 
 def default_of(field: attrs.Attribute, record: Any) -> Any:  # type: ignore[type-arg]
     """Return ``field``'s default for ``record`` (a factory's value, computed from ``record`` where it takes it)."""
-    default = field.default
+    default: Any = field.default
     if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
         return default.factory(record) if default.takes_self else default.factory()
     return default
@@ -271,7 +271,7 @@ def setting_problems(record: Any) -> tuple[list[str], set[str]]:
     finite, range, choices, refused values and its own check.
     """
     cls, out, bad = type(record), [], set()
-    hints = _hints(cls)
+    hints = _hints(cls)  # type: ignore[arg-type]  # a class is hashable; typeshed says type[Any] is not
     for field in attrs.fields(cls):
         value = getattr(record, field.name)
         wrong = type_problem(field.name, value, hints[field.name])
