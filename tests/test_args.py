@@ -113,14 +113,6 @@ def test_optim_args_are_parsed_like_hf():
     assert args.optimizer_options == {"momentum": 0.9, "nesterov": True, "dampening": 0.0}
 
 
-def test_every_setting_has_its_type_checked():
-    import attrs
-
-    from trainfold.trainer.args_checks import TYPES as _TYPES
-
-    assert set(_TYPES) == {f.name for f in attrs.fields(TrainingArguments)}
-
-
 # -- non-finite settings (issue 15, item 9) -------------------------------------------------------
 
 NAN, INF = float("nan"), float("inf")
@@ -151,7 +143,7 @@ def test_non_finite_settings_are_refused_by_name_all_at_once():
         "eval_steps=nan is not",
         "num_train_epochs=nan is not",
         "logging_steps=inf is not",
-        "seed=1180591620717411303424 is out of range",
+        "seed must be in [0, 9223372036854775807], got 1180591620717411303424",
     ):
         assert needle in text
     assert "cannot convert" not in text and text.count("\n  - ") == 10  # one line per setting, nothing doubled

@@ -148,7 +148,7 @@ CASES = {
     "args given as a dict": (
         dict(args_as_dict=True),
         TypeError,
-        r"args is a dict, not TrainingArguments; pass trainfold.TrainingArguments\(\*\*settings\)",
+        r"args is a dict, not trainfold's TrainingArguments; pass trainfold.TrainingArguments\(\*\*settings\)",
     ),
     "float labels for a classification head": (
         dict(on=classifier(), dataset=rows(input_ids=[1, 2, 3, 4], labels=1.0)),

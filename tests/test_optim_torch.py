@@ -88,3 +88,43 @@ def test_from_torch_reports_the_learning_rate_it_used():
 def test_from_torch_refuses_what_is_not_a_torch_optimizer():
     with pytest.raises(TypeError, match="torch.optim.Optimizer class"):
         from_torch(torch.optim.lr_scheduler.StepLR, lr=0.1)
+
+
+class _CountingSGD(torch.optim.SGD):
+    """SGD that keeps a Python int in its state, as LBFGS keeps ``n_iter``: the step scales by it."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                state["calls"] = state.get("calls", 0) + 1
+                if not isinstance(state["calls"], int):
+                    raise TypeError(f"calls came back as {type(state['calls']).__name__}, torch keeps an int")
+                p.add_(p.grad, alpha=-group["lr"] * state["calls"])
+
+
+def test_a_fresh_from_torch_continues_a_started_state_with_torchs_python_numbers():
+    p = {"w": torch.tensor([1.0, 2.0])}
+    g = {"w": torch.tensor([1.0, -1.0])}
+    opt = from_torch(_CountingSGD, lr=0.1)
+    state = opt.init(p)
+    one, state = opt.apply(g, state, p)
+    again = from_torch(_CountingSGD, lr=0.1)  # another process: nothing learnt, no init called
+    two, state2 = again.apply(g, state, one)
+    ref, _ = opt.apply(g, state, one)
+    assert torch.equal(two["w"], ref["w"]) and int(state2.slots["w"]["calls"].item()) == 2
+
+
+def test_the_torch_engine_is_a_declared_holder_not_a_hidden_cache():
+    import attrs
+
+    from trainfold.optim.torch_optim import TorchEngine, TorchOptimizer
+
+    opt = from_torch(torch.optim.SGD, lr=0.1)
+    assert attrs.fields_dict(TorchOptimizer)["engine"].type in ("TorchEngine", TorchEngine)
+    assert not any(f.name.startswith("_") for f in attrs.fields(TorchOptimizer))
+    net = model()
+    state = init_state(net, opt, copy=False)
+    state = make_step(net, cross_entropy, opt)(state, batches(1)[0], donate=True)
+    assert isinstance(opt.engine.optimizer, torch.optim.SGD)  # the live optimizer, where the record says it is

@@ -276,7 +276,7 @@ def test_llm_settings_refuse_what_they_cannot_do_exactly(tmp_path):
     from trainfold import TrainingArguments, train
 
     docs = documents([4, 5, 6, 7])
-    with pytest.raises(ValueError, match="packing_strategy='wrapped' cuts documents"):
+    with pytest.raises(ValueError, match="packing_strategy='wrapped' is not supported: it cuts documents"):
         TrainingArguments(packing=True, packing_strategy="wrapped")
     with pytest.raises(ValueError, match="neftune_noise_alpha scales its noise"):
         TrainingArguments(padding_free=True, neftune_noise_alpha=5.0)

@@ -28,9 +28,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
+from trainfold.data.samplers import Sampler
+
 __all__ = ["BATCH_KEYS", "global_batch", "split_global_batch"]
 
-BATCH_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size")
+# the sampler's fields whose product is the global batch (samplers.Sampler), as a run's saved settings name them
+_SPLIT = attrs.fields(Sampler)
+BATCH_KEYS = (_SPLIT.per_device_train_batch_size.name, _SPLIT.gradient_accumulation_steps.name, _SPLIT.world_size.name)
 
 
 def global_batch(settings: Mapping[str, Any]) -> int | None:

@@ -27,7 +27,7 @@ from trainfold.core.losses import causal_lm, default_loss_for
 from trainfold.data.lengths import PREFERENCE_COLUMNS
 from trainfold.data.packing import check_packable, pack, packed_collate, padding_free_collate
 
-__all__ = ["DEFAULT_MAX_LENGTH", "LMInputs", "lm_inputs", "truncated", "truncates"]
+__all__ = ["DEFAULT_MAX_LENGTH", "LMInputs", "lm_inputs", "truncated", "truncated_as", "truncates"]
 
 DEFAULT_MAX_LENGTH = 1024  # TRL's SFTConfig.max_length
 
@@ -64,7 +64,8 @@ def _refusals(
         )
     elif (args.packing or args.padding_free) and data_collator is not None:
         out.append(
-            f"{batching}=True builds its own batches (positions restart at each document); "
+            f"{'packing=True' if args.packing else 'padding_free=True'} builds its own batches (positions restart "
+            "at each document); "
             "drop data_collator, or set packing=False and padding_free=False"
         )
     if args.packing and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
@@ -151,6 +152,14 @@ def truncates(args: Any, objective: Any) -> bool:
     return args.max_length is not None and not args.packing and objective is None and not skipped
 
 
+def truncated_as(dataset: Any, args: Any) -> Any:
+    """``dataset`` cut to ``args.max_length`` from the side ``args`` names (SFT's ``truncation_mode``; else the end)."""
+    mode = args.truncation_mode if hasattr(args, "truncation_mode") else "keep_start"
+    if isinstance(dataset, dict):  # named eval sets
+        return {name: truncated(rows, args.max_length, mode) for name, rows in dataset.items()}
+    return truncated(dataset, args.max_length, mode)
+
+
 def lm_inputs(
     model: nn.Module,
     args: Any,
@@ -162,7 +171,7 @@ def lm_inputs(
     """Return the dataset, collator and objective that ``args``' packing, truncation and chunked-loss settings ask
     for: ``max_length`` without packing truncates the rows (:func:`truncated`)."""
     if truncates(args, objective):
-        train_dataset = truncated(train_dataset, args.max_length, getattr(args, "truncation_mode", "keep_start"))
+        train_dataset = truncated_as(train_dataset, args)
     if not (args.packing or args.padding_free or args.loss_chunk_size):
         return LMInputs(train_dataset, data_collator, objective)
     problems = _refusals(model, args, train_dataset, data_collator, compute_loss_func, objective)

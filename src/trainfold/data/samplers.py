@@ -56,10 +56,13 @@ def _config_errors(s: Sampler) -> list[str]:
     errors = []
     if s.strategy not in STRATEGIES:
         errors.append(f"strategy={s.strategy!r} is not one of {list(STRATEGIES)}")
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "world_size", "megabatch_mult"):
-        value = getattr(s, name)
+    counts = attrs.fields(Sampler)
+    for field in (counts.per_device_train_batch_size, counts.gradient_accumulation_steps, counts.world_size):
+        value = getattr(s, field.name)
         if not isinstance(value, int) or value <= 0:
-            errors.append(f"{name}={value!r} must be a positive int")
+            errors.append(f"{field.name}={value!r} must be a positive int")
+    if not isinstance(s.megabatch_mult, int) or s.megabatch_mult <= 0:
+        errors.append(f"megabatch_mult={s.megabatch_mult!r} must be a positive int")
     if isinstance(s.world_size, int) and not 0 <= s.rank < max(s.world_size, 1):
         errors.append(f"rank={s.rank!r} must be in [0, world_size={s.world_size})")
     if s.num_samples is not None and s.num_samples < 0:

@@ -33,8 +33,20 @@ from trainfold.grpo.data import GenerationSchedule
 from trainfold.grpo.loss import PolicyLoss, policy_loss_errors
 from trainfold.grpo.rewards import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 from trainfold.trainer.args import TrainingArguments
+from trainfold.trainer.setting import redeclared, setting
 
 __all__ = ["GRPOArguments", "TRL_ONLY", "generation_order"]
+
+_BASE = attrs.fields(TrainingArguments)
+# max_length: max_completion_length bounds what is generated
+_NOT_GRPOS = (
+    (_BASE.packing, False),
+    (_BASE.padding_free, False),
+    (_BASE.loss_chunk_size, 0),
+    (_BASE.label_smoothing_factor, 0.0),
+    (_BASE.neftune_noise_alpha, None),
+    (_BASE.max_length, None),
+)
 
 _VLLM = "generation runs on trainfold.core.generate; set use_vllm=False"
 _SAMPLING = "trainfold.core.generate samples from softmax(logits / temperature) only"
@@ -66,8 +78,6 @@ TRL_ONLY: dict[str, tuple[Any, str]] = {
     "off_policy_mask_threshold": (None, _NOT_YET),
     "num_generations_eval": (None, "evaluation samples num_generations completions per prompt"),
     "max_tool_calling_iterations": (None, "tool calling is " + _NOT_YET),
-    "disable_dropout": (False, "the step keeps the model's dropout; build the model with dropout 0 to disable it"),
-    "model_init_kwargs": (None, "pass a built model to trainfold.grpo.run.train"),
     "log_completions": (False, "completions are not logged as tables; pass an observer"),
 }
 
@@ -103,13 +113,6 @@ def _check_grpo(args: GRPOArguments) -> list[str]:
         if getattr(args, name) < 1:
             out.append(f"{name}={getattr(args, name)} must be >= 1")
     out += policy_loss_errors(args.policy_loss)
-    if args.multi_objective_aggregation not in MULTI_OBJECTIVE_AGGREGATIONS:
-        out.append(
-            f"multi_objective_aggregation={args.multi_objective_aggregation!r} is not one of "
-            f"{list(MULTI_OBJECTIVE_AGGREGATIONS)}"
-        )
-    if args.scale_rewards not in SCALE_REWARDS:
-        out.append(f"scale_rewards={args.scale_rewards!r} is not one of {list(SCALE_REWARDS)} (or True / False)")
     if args.beta < 0:
         out.append(f"beta={args.beta} must be >= 0")
     high = args.epsilon if args.epsilon_high is None else args.epsilon_high
@@ -121,15 +124,10 @@ def _check_grpo(args: GRPOArguments) -> list[str]:
         out.append(f"top_p={args.top_p} is not supported: {_SAMPLING}; set top_p=1.0")
     if args.reward_weights is not None and not args.reward_weights:
         out.append("reward_weights=() gives no weight; pass one per reward function, or None for all 1.0")
-    for name, fix in (
-        ("packing", "False"),
-        ("padding_free", "False"),
-        ("loss_chunk_size", "0"),
-        ("label_smoothing_factor", "0.0"),
-        ("neftune_noise_alpha", "None"),
-    ):
-        if getattr(args, name) not in (False, 0, None):
-            out.append(f"{name}={getattr(args, name)!r} does not apply to GRPO's objective; set {name}={fix}")
+    for field, fix in _NOT_GRPOS:  # settings of a token-level causal-LM loss that GRPO's objective does not have
+        value = getattr(args, field.name)
+        if value not in (False, 0, None):
+            out.append(f"{field.name}={value!r} does not apply to GRPO's objective; set {field.name}={fix!r}")
     if args.train_sampling_strategy != "random":
         out.append(
             f"train_sampling_strategy={args.train_sampling_strategy!r}: GRPO draws prompts in TRL's "
@@ -158,10 +156,10 @@ class GRPOArguments(TrainingArguments):
 
     # TRL's GRPOConfig defaults where they differ from TrainingArguments' (bf16 stays False: TRL resolves its
     # None to not fp16, True on every device; from_hf takes the resolved value; docs/rl.md says so)
-    learning_rate: float = 1e-6
-    logging_steps: float = 10
-    gradient_checkpointing: bool | None = True
-    remove_unused_columns: bool = False
+    learning_rate: float = redeclared(_BASE.learning_rate, 1e-6)
+    logging_steps: float = redeclared(_BASE.logging_steps, 10)
+    gradient_checkpointing: bool | None = redeclared(_BASE.gradient_checkpointing, True)
+    remove_unused_columns: bool = redeclared(_BASE.remove_unused_columns, False)
     num_generations: int = 8
     steps_per_generation: int | None = None
     generation_batch_size: int | None = None
@@ -171,7 +169,9 @@ class GRPOArguments(TrainingArguments):
     epsilon: float = 0.2
     epsilon_high: float | None = None
     loss_type: str = "dapo"
-    scale_rewards: str = "group"
+    scale_rewards: str = setting(
+        "group", choices=SCALE_REWARDS, converter=lambda v: ("group" if v else "none") if isinstance(v, bool) else v
+    )
     reward_weights: tuple[float, ...] | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -186,27 +186,20 @@ class GRPOArguments(TrainingArguments):
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
-    multi_objective_aggregation: str = "sum_then_normalize"
+    multi_objective_aggregation: str = setting("sum_then_normalize", choices=MULTI_OBJECTIVE_AGGREGATIONS)
+    disable_dropout: bool = False  # TRL's: every nn.Dropout of the policy at p=0
+    model_init_kwargs: dict[str, Any] | None = None  # from_pretrained's keywords when the model is a name or path
 
     def __init__(self, **kwargs: Any) -> None:
         trl = [p for p in (_trl_problem(k, v) for k, v in kwargs.items() if k in TRL_ONLY) if p is not None]
         if trl:
             raise TypeError("\n".join(trl))
-        kwargs = {k: v for k, v in kwargs.items() if k not in TRL_ONLY}
-        if isinstance(kwargs.get("scale_rewards"), bool):
-            kwargs["scale_rewards"] = "group" if kwargs["scale_rewards"] else "none"
-        if isinstance(kwargs.get("reward_weights"), list):
-            kwargs["reward_weights"] = tuple(float(w) for w in kwargs["reward_weights"])
-        super().__init__(**kwargs)
+        super().__init__(**{k: v for k, v in kwargs.items() if k not in TRL_ONLY})
 
-    def __attrs_post_init__(self) -> None:
-        grpo = _check_grpo(self)
-        try:
-            super().__attrs_post_init__()
-        except ValueError as e:
-            raise ValueError("\n  - ".join([str(e).replace("TrainingArguments", "GRPOArguments"), *grpo])) from None
-        if grpo:
-            raise ValueError("invalid GRPOArguments:\n  - " + "\n  - ".join(grpo))
+    @classmethod
+    def combined_checks(cls) -> tuple[Callable[[Any], list[str]], ...]:
+        """Return ``TrainingArguments``' checks of settings together, and GRPO's."""
+        return (*super().combined_checks(), _check_grpo)
 
     @classmethod
     def checked_from_hf(cls) -> dict[str, Callable[[Any], str | None]]:
@@ -220,17 +213,18 @@ class GRPOArguments(TrainingArguments):
         TRL's ``generation_batch_size`` counts the completions of all processes (``per_device_train_batch_size
         × world_size × steps_per_generation``); a pair that disagrees (one changed after parsing) is refused.
         """
-        steps, size = settings.get("steps_per_generation"), settings.get("generation_batch_size")
+        fields = attrs.fields(cls)
+        steps, size = settings.get(fields.steps_per_generation.name), settings.get(fields.generation_batch_size.name)
         if steps is None or size is None:
             return settings
         world = int(getattr(config, "world_size", 1) or 1)
-        expected = settings.get("per_device_train_batch_size", 8) * world * steps
+        expected = settings.get(fields.per_device_train_batch_size.name, 8) * world * steps
         if size != expected:
             raise ValueError(
                 f"{type(config).__name__} has generation_batch_size={size} and steps_per_generation={steps}, which "
                 f"disagree (per_device_train_batch_size x world_size x steps_per_generation = {expected}); set one"
             )
-        return {k: v for k, v in settings.items() if k != "generation_batch_size"}
+        return {k: v for k, v in settings.items() if k != fields.generation_batch_size.name}
 
     @property
     def policy_loss(self) -> PolicyLoss:

@@ -139,7 +139,11 @@ def grpo_stream(
             f"grpo train takes GRPOArguments (TrainingArguments + TRL's GRPOConfig names), not "
             f"{type(args).__name__}; convert a trl.GRPOConfig with GRPOArguments.from_hf(config)"
         )
-    module: nn.Module = model_from(model, None, peft_config, seed=args.seed)  # a name/path loaded, TRL's adapter
+    module: nn.Module = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)  # TRL's adapter too
+    if args.disable_dropout:  # as TRL: no dropout in the policy
+        for m in module.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
     if encode is None and decode is None:  # as TRL: the tokenizer saved with the model when none is given
         processing_class = processing_class_for(module, processing_class)
     funcs = _reward_funcs(reward_funcs)

@@ -17,7 +17,7 @@ torch optimizer, lets torch's own ``step`` run, and takes it back. The record's 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -29,7 +29,7 @@ from trainfold.optim.masks import Mask, resolve_mask
 from trainfold.optim.schedules import as_schedule
 from trainfold.optim.transform import GradientTransformation, overwrite
 
-__all__ = ["TorchOptState", "TorchOptimizer", "from_torch"]
+__all__ = ["TorchOptState", "TorchOptimizer", "TorchEngine", "from_torch"]
 
 
 @attrs.frozen(eq=False)
@@ -39,6 +39,32 @@ class TorchOptState:
     count: Tensor
     started: Tensor
     slots: dict[str, dict[str, Tensor]]
+
+
+@attrs.define(eq=False)
+class TorchEngine:
+    """The torch side of a ``TorchOptimizer``: a declared, mutable holder, never a setting and never checkpointed.
+
+    It keeps the ``torch.optim.Optimizer`` that donated updates step, reused while the same tensors
+    are lent (``key``: their ids; ``params`` keeps them alive so the ids stay theirs), and ``kinds``:
+    the state entries torch keeps as Python numbers (a ``step`` count as ``int``...), stored as
+    float64 tensors in ``TorchOptState`` and handed back to torch as their type. All of it is
+    rebuilt from the params: a new optimizer when other tensors are lent, the kinds by a dry step
+    when a state reaches an engine that has not learnt them (a ``TorchOptimizer`` made afresh).
+    """
+
+    key: tuple[int, ...] | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    params: list[Tensor] = attrs.Factory(list)
+    kinds: dict[tuple[str, str], type] = attrs.Factory(dict)
+    learnt: bool = False  # whether kinds holds what torch's first step makes
+
+    def lent(self, params: Tree, build: Callable[[], torch.optim.Optimizer]) -> torch.optim.Optimizer:
+        """Return the optimizer over ``params`` (the lent tensors), built anew when they are other tensors."""
+        key = tuple(id(p) for p in params.values())
+        if self.optimizer is None or self.key != key:
+            self.key, self.optimizer, self.params = key, build(), list(params.values())
+        return self.optimizer
 
 
 @attrs.frozen(eq=False)
@@ -52,9 +78,8 @@ class TorchOptimizer(GradientTransformation):
     cls: type[torch.optim.Optimizer]
     hyperparams: Mapping[str, Any]
     mask: Mask | None = None
-    # caches, not settings: the torch optimizer reused over lent params, python numbers in torch's state
-    _engine: dict[str, Any] = attrs.field(factory=dict, repr=False, init=False)
-    _kinds: dict[tuple[str, str], type] = attrs.field(factory=dict, repr=False, init=False)
+    # the torch side, declared as what it is: a mutable holder of the live optimizer (see TorchEngine)
+    engine: TorchEngine = attrs.field(factory=TorchEngine, repr=False, init=False)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -64,6 +89,7 @@ class TorchOptimizer(GradientTransformation):
     def init(self, params: Tree) -> TorchOptState:
         """Return the state before the first update: torch's state keys, shapes and dtypes, as placeholders."""
         slots = {}
+        self.engine.learnt = True  # the dry step below tells the kinds
         for name, shaped in self._dry_state(params).items():
             kept = {k: self._placeholder(name, k, v, params[name]) for k, v in shaped.items() if v is not None}
             if kept:
@@ -85,6 +111,9 @@ class TorchOptimizer(GradientTransformation):
 
     def apply(self, grads: Tree, state: Any, params: Tree, *, donate: bool = False) -> tuple[Tree, Any]:
         check_keys(grads, params, "grads", "params")
+        if bool(state.started) and not self.engine.learnt:  # a state this engine has not seen made: learn the kinds
+            self._dry_state(params)
+            self.engine.learnt = True
         if donate:  # torch steps the given tensors (the module's Parameters, when lent) and the state in place
             return self._step(params, grads, state, self._lent_engine(params))
         fresh = {k: v.detach().clone() for k, v in params.items()}
@@ -143,10 +172,7 @@ class TorchOptimizer(GradientTransformation):
         return [x for x in named if decayed.get(x[0], False)] + [x for x in named if not decayed.get(x[0], False)]
 
     def _lent_engine(self, params: Tree) -> torch.optim.Optimizer:
-        key = tuple(id(p) for p in params.values())
-        if self._engine.get("key") != key:
-            self._engine.update(key=key, engine=self._new_engine(list(params.items())), params=list(params.values()))
-        return self._engine["engine"]
+        return self.engine.lent(params, lambda: self._new_engine(list(params.items())))
 
     # -- torch's state <-> tensors ---------------------------------------------------------------------------
 
@@ -170,17 +196,22 @@ class TorchOptimizer(GradientTransformation):
             p.grad = torch.zeros_like(p)
         engine.step()
         by_id = {id(p): n for n, p in named}
-        return {by_id[id(p)]: dict(s) for p, s in engine.state.items()}
+        dry = {by_id[id(p)]: dict(s) for p, s in engine.state.items()}
+        for name, entries in dry.items():
+            self.engine.kinds.update(
+                {(name, k): type(v) for k, v in entries.items() if not isinstance(v, (Tensor, type(None)))}
+            )
+        return dry
 
     def _placeholder(self, name: str, key: str, value: Any, param: Tensor) -> Tensor:
         if not isinstance(value, Tensor):
-            self._kinds[(name, key)] = type(value)
             return torch.zeros((), dtype=torch.float64)
         device = param.device if value.device.type == "meta" else value.device
         return torch.zeros(value.shape, dtype=value.dtype, device=device)
 
     def _torch_state(self, name: str, slots: Mapping[str, Tensor]) -> dict[str, Any]:
-        return {k: self._kinds[(name, k)](v.item()) if (name, k) in self._kinds else v for k, v in slots.items()}
+        kinds = self.engine.kinds
+        return {k: kinds[(name, k)](v.item()) if (name, k) in kinds else v for k, v in slots.items()}
 
     def _stored(self, name: str, torch_state: Mapping[str, Any]) -> dict[str, Tensor]:
         out = {}
@@ -189,7 +220,7 @@ class TorchOptimizer(GradientTransformation):
                 continue
             out[k] = v if isinstance(v, Tensor) else torch.tensor(float(v), dtype=torch.float64)
             if not isinstance(v, Tensor):
-                self._kinds[(name, k)] = type(v)
+                self.engine.kinds[(name, k)] = type(v)
         return out
 
 

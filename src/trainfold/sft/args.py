@@ -12,33 +12,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from trainfold.trainer.args import TrainingArguments
+from trainfold.trainer.setting import ONE_PROCESS, redeclared, setting
 
 __all__ = ["SFTArguments"]
 
-# SFTConfig settings whose other values trainfold does not do: name -> (the value it does, why)
-_REFUSED: dict[str, tuple[Any, str]] = {
-    "loss_type": ("nll", "the loss is the causal-LM token mean; for a chunked one set loss_chunk_size"),
-    "chat_template_path": (None, "set the tokenizer's chat_template before calling train"),
-    "router_aux_loss_coef": (None, "MoE auxiliary losses are not added; compose an objective"),
-    "activation_offloading": (False, "activations stay on the device"),
-    "trust_remote_code": (False, "load the model yourself and pass the module"),
-}
-_DEFAULTS = {"learning_rate": 2e-5, "logging_steps": 10, "gradient_checkpointing": True, "max_length": 1024}
+_BASE = attrs.fields(TrainingArguments)
 
 
-def _problems(a: SFTArguments) -> list[str]:
-    out = [
-        f"{name}={getattr(a, name)!r} is not supported: {why}; set {name}={value!r}"
-        for name, (value, why) in _REFUSED.items()
-        if getattr(a, name) != value
-    ]
-    if a.truncation_mode not in ("keep_start", "keep_end"):
-        out.append(f"truncation_mode={a.truncation_mode!r} is not one of ['keep_start', 'keep_end']")
+def _packing_problems(a: SFTArguments) -> list[str]:
+    out = []
     if a.padding_free and not a.packing and a.max_length is not None:
         out.append(
             "padding_free=True without packing does not enforce max_length (as TRL refuses it): enable packing, "
@@ -57,32 +45,37 @@ class SFTArguments(TrainingArguments):
     False
     """
 
-    model_init_kwargs: dict[str, Any] | None = None  # from_pretrained's keywords when the model is a name or path
-    trust_remote_code: bool = False
-    router_aux_loss_coef: float | None = None
-    chat_template_path: str | None = None
+    # SFTConfig's defaults where they differ from TrainingArguments' (bf16: on unless fp16)
+    learning_rate: float = redeclared(_BASE.learning_rate, 2e-5)
+    logging_steps: float = redeclared(_BASE.logging_steps, 10)
+    gradient_checkpointing: bool | None = redeclared(_BASE.gradient_checkpointing, True)
+    max_length: int | None = redeclared(_BASE.max_length, 1024)
+    bf16: bool = redeclared(_BASE.bf16, attrs.Factory(lambda self: not self.fp16, takes_self=True))
+    # from_pretrained's keywords when the model is a name or path
+    model_init_kwargs: dict[str, Any] | None = None
+    trust_remote_code: bool = setting(False, only=(False, "load the model yourself and pass the module"))
+    router_aux_loss_coef: float | None = setting(
+        None, only=(None, "MoE auxiliary losses are not added; compose an objective")
+    )
+    chat_template_path: str | None = setting(
+        None, only=(None, "set the tokenizer's chat_template before calling train")
+    )
     dataset_text_field: str = "text"
     dataset_kwargs: dict[str, Any] | None = None  # {"skip_prepare_dataset": True}: rows are used as given
-    dataset_num_proc: int | None = None  # accepted; preparation runs in this process
+    dataset_num_proc: int | None = setting(None, only=(None, ONE_PROCESS))
     eos_token: str | None = None
-    truncation_mode: str = "keep_start"
+    truncation_mode: str = setting("keep_start", choices=("keep_start", "keep_end"))
     shuffle_dataset: bool = False
     eval_packing: bool | None = None  # None: as packing
     completion_only_loss: bool | None = None  # None: on for prompt-completion rows
     assistant_only_loss: bool = False
-    loss_type: str = "nll"
-    activation_offloading: bool = False
+    loss_type: str = setting(
+        "nll", only=("nll", "the loss is the causal-LM token mean; for a chunked one set loss_chunk_size")
+    )
+    activation_offloading: bool = setting(False, only=(False, "activations stay on the device"))
     pad_token: str | None = None
 
-    def __init__(self, **kwargs: Any) -> None:
-        kwargs = {**_DEFAULTS, "bf16": not kwargs.get("fp16", False), **kwargs}
-        super().__init__(**kwargs)
-
-    def __attrs_post_init__(self) -> None:
-        sft = _problems(self)
-        try:
-            super().__attrs_post_init__()
-        except ValueError as e:
-            raise ValueError("\n  - ".join([str(e).replace("TrainingArguments", "SFTArguments"), *sft])) from None
-        if sft:
-            raise ValueError("invalid SFTArguments:\n  - " + "\n  - ".join(sft))
+    @classmethod
+    def combined_checks(cls) -> tuple[Callable[[Any], list[str]], ...]:
+        """Return ``TrainingArguments``' checks of settings together, and SFT's packing ones."""
+        return (*super().combined_checks(), _packing_problems)

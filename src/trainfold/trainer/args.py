@@ -21,16 +21,30 @@ from typing import Any, TypeVar
 import attrs
 
 from trainfold.ckpt.policy import SAVE_STRATEGIES
-from trainfold.ckpt.run_identity import BOOKKEEPING, RUN_LENGTH, SAMPLE_ORDER
 from trainfold.data.samplers import STRATEGIES as SAMPLING_STRATEGIES
 from trainfold.evaluation.schedule import EVAL_STRATEGIES
+from trainfold.observe import LOGGING_STRATEGIES, TOKEN_COUNTS
 from trainfold.observe.reporters import LOG_LEVELS
 from trainfold.optim.schedules import SCHEDULE_NAMES
 from trainfold.step.fsdp import FullShard, fsdp_words
-from trainfold.trainer.args_checks import problems
+from trainfold.trainer.args_checks import (
+    COMPILE_MODES,
+    NAN_INF_FILTER,
+    REFUSED_OPTIMIZERS,
+    SEED_MAX,
+    WRAPPED,
+    finite_values,
+    interval_steps,
+    known_reporters,
+    metrics_inputs,
+    not_empty,
+    problems,
+    training_problems,
+)
 from trainfold.trainer.args_convert import settings_from_hf
 from trainfold.trainer.args_features import FSDP_FULL_SHARD, OPTIMIZERS
 from trainfold.trainer.args_hf import HF_ONLY, REMOVED, hf_only_problem
+from trainfold.trainer.setting import as_declared, setting
 
 __all__ = [
     "TrainingArguments",
@@ -55,10 +69,11 @@ _Args = TypeVar("_Args", bound="TrainingArguments")  # replace() returns the sub
 class TrainingArguments:
     """Settings for ``trainfold.train`` under their HF ``TrainingArguments`` names and defaults.
 
-    A setting that does not change which states a run goes through (logging, saving, evaluation,
-    data-loader plumbing) says so on its field (``metadata=BOOKKEEPING``; ``RUN_LENGTH`` for
-    ``max_steps``/``num_train_epochs``): the run's fingerprint leaves it out (``trainfold.ckpt.run_identity``).
-    One that fixes which samples form each step says ``metadata=SAMPLE_ORDER``: no resume may change it.
+    Each setting is declared once, on its field (``trainfold.trainer.setting``): its annotation is its type, and
+    ``setting(...)`` gives its range, choices, refused values, HF name and what it is for the run's identity:
+    one that does not change which states a run goes through (logging, saving, evaluation, data-loader
+    plumbing) says ``trajectory=False``, ``max_steps``/``num_train_epochs`` say ``"length"``, and one that
+    fixes which samples form each step says ``"samples"``: no resume may change it (``trainfold.ckpt.run_identity``).
 
     >>> args = TrainingArguments(max_steps=5)
     >>> args.replace(learning_rate=1e-3).learning_rate, TrainingArguments.from_dict({"max_steps": 3}).max_steps
@@ -71,68 +86,70 @@ class TrainingArguments:
       'cosine_with_restarts', 'polynomial', 'constant', 'constant_with_warmup', 'inverse_sqrt', 'warmup_stable_decay']
     """
 
-    output_dir: str = attrs.field(default="trainer_output", metadata=BOOKKEEPING)
-    # write into an output_dir that holds another run's checkpoints
-    overwrite_output_dir: bool = attrs.field(default=False, metadata=BOOKKEEPING)
-    num_train_epochs: float = attrs.field(default=3.0, metadata=RUN_LENGTH)
-    max_steps: int = attrs.field(default=-1, metadata=RUN_LENGTH)
-    per_device_train_batch_size: int = attrs.field(default=8, metadata=SAMPLE_ORDER)
-    per_device_eval_batch_size: int = attrs.field(default=8, metadata=BOOKKEEPING)
-    gradient_accumulation_steps: int = attrs.field(default=1, metadata=SAMPLE_ORDER)
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    optim: str = "adamw_torch_fused"
-    optim_args: str | None = None
-    lr_scheduler_type: str = "linear"
-    lr_scheduler_kwargs: dict[str, Any] | None = None
-    warmup_steps: float = 0
-    seed: int = attrs.field(default=42, metadata=SAMPLE_ORDER)
-    data_seed: int | None = attrs.field(default=None, metadata=SAMPLE_ORDER)
-    train_sampling_strategy: str = attrs.field(default="random", metadata=SAMPLE_ORDER)
+    output_dir: str = setting("trainer_output", trajectory=False)
+    # write into an output_dir that holds another run's checkpoints (HF 4's name)
+    overwrite_output_dir: bool = setting(False, trajectory=False)
+    num_train_epochs: float = setting(3.0, trajectory="length", hint="set a number of epochs, or max_steps")
+    max_steps: int = setting(-1, trajectory="length")
+    per_device_train_batch_size: int = setting(8, range="(0, inf)", trajectory="samples")
+    per_device_eval_batch_size: int = setting(8, range="(0, inf)", trajectory=False)
+    gradient_accumulation_steps: int = setting(1, range="(0, inf)", trajectory="samples")
+    learning_rate: float = setting(5e-5, range="[0, inf)", hint="e.g. 5e-5")
+    weight_decay: float = setting(0.0, range="[0, inf)", hint="0 turns decay off")
+    adam_beta1: float = setting(0.9, range="[0, 1)", hint="e.g. 0.9")
+    adam_beta2: float = setting(0.999, range="[0, 1)", hint="e.g. 0.999")
+    adam_epsilon: float = setting(1e-8, range="(0, inf)", hint="it keeps Adam's division by sqrt(v) finite; e.g. 1e-8")
+    max_grad_norm: float = setting(1.0, range="[0, inf)", hint="0 turns clipping off")
+    optim: str = setting("adamw_torch_fused", choices=tuple(OPTIMIZERS), refuse=REFUSED_OPTIMIZERS)
+    optim_args: str | None = None  # "momentum=0.9,nesterov=true": the optimizer's own keywords
+    lr_scheduler_type: str = "linear"  # its vocabulary and kwargs: trainfold.optim.schedules
+    lr_scheduler_kwargs: dict[str, Any] | None = setting(None, check=finite_values)
+    warmup_steps: float = setting(0, range="[0, inf)", hint="0 for no warmup")
+    seed: int = setting(42, range=f"[0, {SEED_MAX}]", trajectory="samples", hint="a seed is the state's int64")
+    data_seed: int | None = setting(None, range=f"[0, {SEED_MAX}]", trajectory="samples")
+    train_sampling_strategy: str = setting("random", choices=SAMPLING_STRATEGIES, trajectory="samples")
     length_column_name: str = "length"
-    model_input_name: str = "input_ids"
-    eval_strategy: str = attrs.field(default="no", metadata=BOOKKEEPING)
-    eval_steps: float | None = attrs.field(default=None, metadata=BOOKKEEPING)
-    eval_on_start: bool = attrs.field(default=False, metadata=BOOKKEEPING)
-    eval_delay: float = attrs.field(default=0, metadata=BOOKKEEPING)
-    eval_accumulation_steps: int | None = attrs.field(default=None, metadata=BOOKKEEPING)
-    prediction_loss_only: bool = attrs.field(default=False, metadata=BOOKKEEPING)
-    include_for_metrics: tuple[str, ...] = attrs.field(default=(), metadata=BOOKKEEPING)  # ("inputs",): as HF
-    dataloader_num_workers: int = attrs.field(default=0, metadata=BOOKKEEPING)
-    dataloader_persistent_workers: bool = attrs.field(default=False, metadata=BOOKKEEPING)
-    dataloader_prefetch_factor: int | None = attrs.field(default=None, metadata=BOOKKEEPING)
-    dataloader_pin_memory: bool = attrs.field(default=True, metadata=BOOKKEEPING)
-    dataloader_drop_last: bool = attrs.field(default=False, metadata=SAMPLE_ORDER)
+    model_input_name: str = setting("input_ids")
+    eval_strategy: str = setting("no", choices=EVAL_STRATEGIES, trajectory=False)
+    eval_steps: float | None = setting(None, check=interval_steps, trajectory=False, hint="None uses logging_steps")
+    eval_on_start: bool = setting(False, trajectory=False)
+    eval_delay: float = setting(0, range="[0, inf)", trajectory=False, hint="0 for no delay")
+    eval_accumulation_steps: int | None = setting(None, range="[1, inf)", trajectory=False)
+    prediction_loss_only: bool = setting(False, trajectory=False)
+    include_for_metrics: tuple[str, ...] = setting((), check=metrics_inputs, trajectory=False)  # ("inputs",): as HF
+    dataloader_num_workers: int = setting(0, trajectory=False)  # with the two below: data.loader_errors
+    dataloader_persistent_workers: bool = setting(False, trajectory=False)
+    dataloader_prefetch_factor: int | None = setting(None, trajectory=False)
+    dataloader_pin_memory: bool = setting(True, trajectory=False)
+    dataloader_drop_last: bool = setting(False, trajectory="samples")
     remove_unused_columns: bool = True
-    label_names: tuple[str, ...] = ("labels",)
-    neftune_noise_alpha: float | None = None
-    label_smoothing_factor: float = 0.0
-    logging_strategy: str = attrs.field(default="steps", metadata=BOOKKEEPING)
-    logging_steps: float = attrs.field(default=500, metadata=BOOKKEEPING)
-    logging_first_step: bool = attrs.field(default=False, metadata=BOOKKEEPING)
-    logging_nan_inf_filter: bool = attrs.field(default=True, metadata=BOOKKEEPING)
-    include_num_input_tokens_seen: str | bool = "no"
-    report_to: str | tuple[str, ...] = attrs.field(default="none", metadata=BOOKKEEPING)
-    run_name: str | None = attrs.field(default=None, metadata=BOOKKEEPING)
-    logging_dir: str | None = None  # HF 4's name (HF 5: $TENSORBOARD_LOGGING_DIR); the TensorBoard directory
-    disable_tqdm: bool | None = attrs.field(default=None, metadata=BOOKKEEPING)
-    log_level: str = "passive"  # HF's names; the console shows log lines at passive/info/debug
-    save_strategy: str = attrs.field(default="steps", metadata=BOOKKEEPING)
-    save_steps: float = attrs.field(default=500, metadata=BOOKKEEPING)
-    save_total_limit: int | None = attrs.field(default=None, metadata=BOOKKEEPING)
-    save_only_model: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    label_names: tuple[str, ...] = setting(("labels",), check=not_empty, hint="e.g. ('labels',)")
+    neftune_noise_alpha: float | None = setting(None, range="(0, inf)", hint="None turns NEFTune off")
+    label_smoothing_factor: float = setting(0.0, range="[0, 1)", hint="0 turns smoothing off")
+    logging_strategy: str = setting("steps", choices=LOGGING_STRATEGIES, trajectory=False)
+    logging_steps: float = setting(500, check=interval_steps, trajectory=False, hint="e.g. 500")
+    logging_first_step: bool = setting(False, trajectory=False)
+    logging_nan_inf_filter: bool = setting(True, trajectory=False, only=(True, NAN_INF_FILTER))
+    include_num_input_tokens_seen: str | bool = setting("no", choices=("no", *TOKEN_COUNTS, True, False))
+    report_to: str | tuple[str, ...] = setting("none", check=known_reporters, trajectory=False)
+    run_name: str | None = setting(None, trajectory=False)
+    # HF 4's name (HF 5: $TENSORBOARD_LOGGING_DIR); the TensorBoard directory
+    logging_dir: str | None = setting(None, trajectory=False)
+    disable_tqdm: bool | None = setting(None, trajectory=False)
+    # HF's names; the console shows log lines at passive/info/debug
+    log_level: str = setting("passive", choices=LOG_LEVELS, trajectory=False)
+    save_strategy: str = setting("steps", choices=SAVE_STRATEGIES, trajectory=False)
+    save_steps: float = setting(500, check=interval_steps, trajectory=False, hint="e.g. 500")
+    save_total_limit: int | None = setting(None, range="[1, inf)", trajectory=False)
+    save_only_model: bool = setting(False, trajectory=False)
     # write checkpoints in a thread from CPU copies (trainfold.ckpt.sharded.Saver)
-    async_save: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    async_save: bool = setting(False, trajectory=False, hf=None)
     # sharded runs: also model.safetensors, the full weights (from_pretrained); False saves rank 0 the gather
-    save_consolidated_model: bool = attrs.field(default=True, metadata=BOOKKEEPING)
-    metric_for_best_model: str | None = attrs.field(default=None, metadata=BOOKKEEPING)
-    greater_is_better: bool | None = attrs.field(default=None, metadata=BOOKKEEPING)
-    load_best_model_at_end: bool = attrs.field(default=False, metadata=BOOKKEEPING)
-    enable_jit_checkpoint: bool = attrs.field(default=False, metadata=BOOKKEEPING)
+    save_consolidated_model: bool = setting(True, trajectory=False, hf=None)
+    metric_for_best_model: str | None = setting(None, trajectory=False)
+    greater_is_better: bool | None = setting(None, trajectory=False)
+    load_best_model_at_end: bool = setting(False, trajectory=False)
+    enable_jit_checkpoint: bool = setting(False, trajectory=False)
     # a resume takes the EarlyStoppingCallback's patience and threshold from the checkpoint, as HF (the counters
     # are in the state record: always restored)
     restore_callback_states_from_checkpoint: bool = False
@@ -141,26 +158,26 @@ class TrainingArguments:
     fp16: bool = False
     torch_compile: bool = False
     torch_compile_backend: str | None = None  # setting it turns torch_compile on, as in HF
-    torch_compile_mode: str | None = None
-    activation_checkpointing: bool | None = attrs.field(default=None, metadata=BOOKKEEPING)
-    activation_checkpointing_kwargs: dict[str, Any] | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    torch_compile_mode: str | None = setting(None, choices=COMPILE_MODES)
+    activation_checkpointing: bool | None = setting(None, trajectory=False)
+    activation_checkpointing_kwargs: dict[str, Any] | None = setting(None, trajectory=False)
     # HF's older name for activation_checkpointing
-    gradient_checkpointing: bool | None = attrs.field(default=None, metadata=BOOKKEEPING)
-    gradient_checkpointing_kwargs: dict[str, Any] | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    gradient_checkpointing: bool | None = setting(None, trajectory=False)
+    gradient_checkpointing_kwargs: dict[str, Any] | None = setting(None, trajectory=False)
     # LLM batches and loss (TRL's SFTConfig names; see trainfold.data.llm)
-    packing: bool = False
-    packing_strategy: str = "bfd"
+    packing: bool = setting(False)
+    packing_strategy: str = setting("bfd", choices=("bfd", "bfd_split"), refuse={"wrapped": WRAPPED})
     # tokens per packed row (None: TRL's 1024); without packing, rows of token ids are cut to it as TRL's SFTTrainer
     # cuts them (data.llm.truncated; None: not cut)
-    max_length: int | None = None
-    padding_free: bool = False
-    pad_to_multiple_of: int | None = (
-        None  # TRL's name: collated widths rounded up to a multiple (trainfold.data.columns)
-    )
-    loss_chunk_size: int = 0  # tokens per chunk of the chunked causal-LM cross-entropy; 0: off
+    max_length: int | None = setting(None, range="[1, inf)")
+    padding_free: bool = setting(False)
+    # collated widths rounded up to a multiple (trainfold.data.columns)
+    pad_to_multiple_of: int | None = setting(None, range="[1, inf)")
+    # tokens per chunk of the chunked causal-LM cross-entropy; 0: off
+    loss_chunk_size: int = setting(0, range="[0, inf)", hf=None)
     # HF's names; "full_shard": torch's fully_shard per block (step.fsdp); fsdp_config: transformer_layer_cls_to_wrap...
-    fsdp: str | tuple[str, ...] | None = attrs.field(default=None, metadata=BOOKKEEPING)
-    fsdp_config: dict[str, Any] | None = attrs.field(default=None, metadata=BOOKKEEPING)
+    fsdp: str | tuple[str, ...] | None = setting(None, trajectory=False, converter=lambda v: v or None)
+    fsdp_config: dict[str, Any] | None = setting(None, trajectory=False)
 
     def __init__(self, **kwargs: Any) -> None:
         known = [f.name for f in attrs.fields(type(self))]
@@ -174,17 +191,18 @@ class TrainingArguments:
                 hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             raise TypeError("\n".join(([f"unknown TrainingArguments: {', '.join(hints)}"] if hints else []) + hf_only))
         kwargs = {k: v for k, v in kwargs.items() if k in known}  # the rest are HF settings with no effect here
-        for key in ("report_to", "label_names", "fsdp", "include_for_metrics"):
-            if isinstance(kwargs.get(key), list):
-                kwargs[key] = tuple(kwargs[key])
-        if kwargs.get("fsdp") in ("", ()):  # HF's "off"
-            kwargs["fsdp"] = None
+        kwargs = as_declared(type(self), kwargs)  # lists as the fields' tuples
         self.__attrs_init__(**kwargs)  # type: ignore[attr-defined]
 
     def __attrs_post_init__(self) -> None:
         found = problems(self)
         if found:
-            raise ValueError("invalid TrainingArguments:\n  - " + "\n  - ".join(found))
+            raise ValueError(f"invalid {type(self).__name__}:\n  - " + "\n  - ".join(found))
+
+    @classmethod
+    def combined_checks(cls) -> tuple[Callable[[Any], list[str]], ...]:
+        """Return the checks of settings taken together (each field's own are declared on it): args -> problems."""
+        return (training_problems,)
 
     @classmethod
     def from_dict(cls, settings: Mapping[str, Any]) -> TrainingArguments:

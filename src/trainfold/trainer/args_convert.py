@@ -101,9 +101,8 @@ def _defaults(config: Any) -> dict[str, Any]:
             out[f.name] = [plain(f.default_factory())]
         else:
             out[f.name] = []
-    same_device = {k: getattr(config, k) for k in ("use_cpu", "fsdp") if hasattr(config, k)}
     try:  # the values transformers' __post_init__ fills in (accelerator_config, report_to, fsdp_config ...)
-        fresh = built_aside(type(config), output_dir=getattr(config, "output_dir", None), **same_device)
+        fresh = built_aside(type(config), output_dir=config.output_dir, use_cpu=config.use_cpu, fsdp=config.fsdp)
     except Exception:  # a config class that cannot be built this way: the dataclass defaults alone
         return out
     for f in dataclasses.fields(config):

@@ -8,15 +8,13 @@ from typing import Any
 __all__ = ["OPTIMIZERS", "FSDP_FULL_SHARD", "optim_problems", "combination_problems"]
 
 from trainfold.step.fsdp import FSDP_OPTIONS, fsdp_problems, fsdp_words
-from trainfold.trainer.optimizer import OPTIMIZERS, refused_optimizer
+from trainfold.trainer.optimizer import OPTIMIZERS
 
 
 def optim_problems(args: Any) -> list[str]:
-    refused = refused_optimizer(args.optim)
-    if refused is not None:
-        return [f"optim={args.optim!r} is not supported: {refused}"]
+    """Return what is wrong with ``optim_args`` for ``optim`` (``optim`` itself is checked on its field)."""
     if args.optim not in OPTIMIZERS:
-        return [f"optim={args.optim!r} is not one of {list(OPTIMIZERS)}"]
+        return []
     items = [i for i in (args.optim_args or "").replace(" ", "").split(",") if i]
     bad = [i for i in items if "=" not in i]
     if bad:
@@ -38,14 +36,17 @@ def optim_problems(args: Any) -> list[str]:
 
 def _checkpointing_problems(args: Any) -> list[str]:
     out = []
-    pairs = (
-        ("activation_checkpointing", "gradient_checkpointing"),
-        ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"),
-    )
-    for new, old in pairs:
-        a, b = getattr(args, new), getattr(args, old)
-        if a is not None and b is not None and a != b:
-            out.append(f"{new}={a!r} and its older name {old}={b!r} disagree; set only {new}")
+    a, b = args.activation_checkpointing, args.gradient_checkpointing
+    if a is not None and b is not None and a != b:
+        out.append(
+            f"activation_checkpointing={a!r} and its older name gradient_checkpointing={b!r} disagree; set only it"
+        )
+    a, b = args.activation_checkpointing_kwargs, args.gradient_checkpointing_kwargs
+    if a is not None and b is not None and a != b:
+        out.append(
+            f"activation_checkpointing_kwargs={a!r} and its older name gradient_checkpointing_kwargs={b!r} disagree; "
+            "set only activation_checkpointing_kwargs"
+        )
     kwargs = args.checkpointing_kwargs
     unknown = sorted(set(kwargs) - {"every_n_layers", "use_reentrant"})
     if unknown:
@@ -68,19 +69,6 @@ def _checkpointing_problems(args: Any) -> list[str]:
 
 def _llm_problems(args: Any) -> list[str]:
     out = []
-    if args.packing_strategy == "wrapped":
-        out.append(
-            "packing_strategy='wrapped' cuts documents at row ends, so a document's tail would be trained "
-            "without its start; use 'bfd' (truncate long documents) or 'bfd_split' (split them)"
-        )
-    elif args.packing_strategy not in ("bfd", "bfd_split"):
-        out.append(f"packing_strategy={args.packing_strategy!r} is not one of ['bfd', 'bfd_split']")
-    if args.max_length is not None and args.max_length < 1:
-        out.append(f"max_length must be a positive int (tokens per packed row) or None, got {args.max_length}")
-    if args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1:
-        out.append(f"pad_to_multiple_of must be a positive int or None, got {args.pad_to_multiple_of}")
-    if args.loss_chunk_size < 0:
-        out.append(f"loss_chunk_size must be >= 0 (tokens per chunk; 0 turns chunking off), got {args.loss_chunk_size}")
     if (args.packing or args.padding_free) and args.neftune_noise_alpha is not None:
         out.append(
             "neftune_noise_alpha scales its noise by each sequence's length, which packed and padding-free "

@@ -32,12 +32,13 @@ _FSDP = (
     "classes with fsdp_config={'transformer_layer_cls_to_wrap': [...]} (default: the model's _no_split_modules)"
 )
 _DDP = (
-    "trainfold's data parallelism is its own gradient all-reduce, not torch's DistributedDataParallel, so "
-    "the DDP settings have nothing to set; run under torchrun"
+    "trainfold wraps the module in torch's DistributedDataParallel itself (trainfold.step.data_parallel: a hook "
+    "sums the buckets, no_sync on all but a step's last micro-batch) and does not expose DDP's options; run under "
+    "torchrun"
 )
 _ACCELERATE = "trainfold does not run on accelerate; the device and torchrun's environment decide placement"
 _TRACKIO = "set the project with the TRACKIO_PROJECT environment variable (report_to='trackio' logs locally)"
-_LOG_LEVEL = "trainfold reports through Python's warnings and its reporters; configure Python's logging yourself"
+_LOG_LEVEL = "only the main process logs (log_level sets its level); configure other ranks' logging yourself"
 _EVAL_LOOP = "evaluation is one reducer pipeline (compute_metrics gets predictions and label_ids); not settable"
 _SCRIPT = "transformers' Trainer ignores it too (it is for your script); call train, evaluate or predict"
 _GONE = "removed from transformers; "
@@ -80,7 +81,7 @@ HF_ONLY: dict[str, str] = {
         "each step; set per_device_train_batch_size (and gradient_accumulation_steps to keep "
         "the global batch)"
     ),
-    **dict.fromkeys(("log_level", "log_level_replica", "log_on_each_node"), _LOG_LEVEL),
+    **dict.fromkeys(("log_level_replica", "log_on_each_node"), _LOG_LEVEL),
     "save_safetensors": "checkpoints are always safetensors (nothing is pickled); drop the setting",
     "save_on_each_node": "rank 0 writes the checkpoints, to output_dir; use a shared output_dir",
     "include_inputs_for_metrics": _GONE + "write include_for_metrics=['inputs']",
@@ -206,7 +207,6 @@ TAKEN_AS_IS: dict[str, tuple[Any, ...]] = {
     "hub_strategy": ("every_save",),
     "debug": ("", []),
     "local_rank": (-1,),
-    "log_level": ("passive",),
     "log_level_replica": ("warning",),
 }
 

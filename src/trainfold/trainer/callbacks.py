@@ -80,7 +80,7 @@ def hf_training_arguments(args: TrainingArguments, *, use_cpu: bool) -> Any:
     transformers = transformers_module()
     names = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
     shared = {k: v for k, v in args.to_dict().items() if k in names}
-    shared.update(report_to="none", use_cpu=use_cpu or bool(shared.get("use_cpu")))
+    shared.update(report_to="none", use_cpu=use_cpu or args.use_cpu)
     return built_aside(transformers.TrainingArguments, **shared)  # a Trainer of the process keeps working
 
 
@@ -284,7 +284,7 @@ def resumed_callback_states(plan: Any, begin: Any, callbacks: Sequence[Any]) -> 
     without (HF's default), the count restarts at 0 under the new callback's settings. trainfold's own
     ``early_stopping=`` record is part of the state and always goes on.
     """
-    restore = getattr(plan.args, "restore_callback_states_from_checkpoint", False)
+    restore = plan.args.restore_callback_states_from_checkpoint
     given = any(type(cb).__name__ == "EarlyStoppingCallback" for cb in callbacks)
     if begin.source is None or plan.early is None or not given:
         return plan, begin

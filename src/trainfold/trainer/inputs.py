@@ -29,7 +29,7 @@ from trainfold.data.columns import (
     padded_to_multiple,
     with_columns,
 )
-from trainfold.data.llm import lm_inputs, truncated, truncates
+from trainfold.data.llm import lm_inputs, truncated_as, truncates
 from trainfold.trainer.args import TrainingArguments
 
 __all__ = [
@@ -104,7 +104,7 @@ def eval_labels(collate: Callable[..., Any] | None, args: TrainingArguments, dat
     """Return the evaluation collator: ``LabelsFromInputs`` where training builds labels (packing), else as is."""
     if data_collator is not None or objective is not None:
         return collate
-    if not (getattr(args, "packing", False) or getattr(args, "padding_free", False)):
+    if not (args.packing or args.padding_free):
         return collate
     return LabelsFromInputs(collate or pad_collate())
 
@@ -170,7 +170,7 @@ def run_inputs(
     """
     loss = _loss(model, args, compute_loss_func, objective)
     if eval_dataset is not None and truncates(args, objective):  # as the training rows (lm_inputs), as TRL
-        eval_dataset = _truncated_eval(eval_dataset, args)
+        eval_dataset = truncated_as(eval_dataset, args)
     if objective is None:
         refuse_unlabelled(train_dataset, loss)  # a fully masked dataset would train nothing, forever
     elif eval_dataset is not None and world_size > 1:
@@ -197,14 +197,6 @@ def run_inputs(
         collate=with_columns(padded_to_multiple(_either(lm.data_collator, default), args.pad_to_multiple_of), columns),
         eval_collate=eval_collate(eval_labels(padded, args, data_collator, objective), columns),
     )
-
-
-def _truncated_eval(eval_dataset: Any, args: TrainingArguments) -> Any:
-    mode, n = getattr(args, "truncation_mode", "keep_start"), args.max_length
-    assert n is not None, "truncates(args, objective) is true"
-    if isinstance(eval_dataset, dict):
-        return {name: truncated(rows, n, mode) for name, rows in eval_dataset.items()}
-    return truncated(eval_dataset, n, mode)
 
 
 def _either(collate: Any, default: Any) -> Any:

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import safetensors.torch
 import torch
 from torch import nn
@@ -29,6 +30,9 @@ from trainfold.ckpt.layout import (
     injected_adapter_weights,
 )
 from trainfold.trainer.args import TrainingArguments
+
+_F = attrs.fields(TrainingArguments)
+_SAME_NAMED = (_F.max_steps, _F.num_train_epochs, _F.logging_steps, _F.eval_steps, _F.save_steps)
 
 __all__ = [
     "is_world_process_zero",
@@ -125,11 +129,7 @@ def save_state(result: Any, args: TrainingArguments) -> None:
     state = {
         "global_step": result.global_step,
         "epoch": epochs[-1] if epochs else None,
-        "max_steps": args.max_steps,
-        "num_train_epochs": args.num_train_epochs,
-        "logging_steps": args.logging_steps,
-        "eval_steps": args.eval_steps,
-        "save_steps": args.save_steps,
+        **{f.name: getattr(args, f.name) for f in _SAME_NAMED},  # TrainerState keeps these under their own names
         "train_batch_size": args.per_device_train_batch_size,
         "best_model_checkpoint": None if best is None else str(best),
         "log_history": history,

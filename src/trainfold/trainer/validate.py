@@ -123,9 +123,8 @@ def check_train_call(
     ``compute_metrics``, or an objective (whose aux values are metrics too); without one only a ``...loss``
     metric can be tracked.
 
-    >>> from types import SimpleNamespace
     >>> try:
-    ...     check_train_call(nn.Linear(2, 1), SimpleNamespace(output_dir="out", metric_for_best_model=None), 123, None)
+    ...     check_train_call(nn.Linear(2, 1), TrainingArguments(output_dir="out"), 123, None)
     ... except TypeError as err:
     ...     print(str(err).split(";")[0])
     resume_from_checkpoint=123 (int) is not a checkpoint
@@ -209,9 +208,10 @@ def _check_call_types(model: Any, args: Any, no_data: bool) -> None:
             f"model is a {type(model).__name__}, not a torch.nn.Module; pass the module whose parameters train "
             "(e.g. AutoModelForCausalLM.from_pretrained(...))"
         )
-    if isinstance(args, Mapping) or not hasattr(args, "output_dir"):
+    if not isinstance(args, TrainingArguments):
         raise TypeError(
-            f"args is a {type(args).__name__}, not TrainingArguments; pass trainfold.TrainingArguments(**settings) "
+            f"args is a {_qualified(type(args))}, not trainfold's TrainingArguments; pass "
+            "trainfold.TrainingArguments(**settings) "
             "(or TrainingArguments.from_hf(hf_args) for a transformers.TrainingArguments)"
         )
     if no_data:
@@ -294,6 +294,12 @@ def _takes_input_ids(model: nn.Module) -> bool:
     except (TypeError, ValueError):
         return False
     return "input_ids" in parameters
+
+
+def _qualified(kind: type) -> str:
+    """Return ``kind``'s name, with its package unless a builtin (``transformers.TrainingArguments``, ``dict``)."""
+    package = kind.__module__.split(".")[0]
+    return kind.__name__ if package == "builtins" else f"{package}.{kind.__name__}"
 
 
 def check_first_batch(model: nn.Module, micro_batch: Any, label_key: str = "labels") -> None:
