@@ -332,7 +332,9 @@ def test_save_model_state_and_card_after_a_run(tmp_path):
     state = json.loads((tmp_path / "trainer_state.json").read_text())
     assert (state["global_step"], state["log_history"]) == (2, result.log_history)
     card = create_model_card(tmp_path, args, result, model_name="tiny-llama", dataset="sentences")
-    assert card.read_text().startswith("# tiny-llama\n") and "- train_loss:" in card.read_text()
+    text = card.read_text()
+    assert text.startswith("---\nlibrary_name: transformers\n") and "\n# tiny-llama\n" in text
+    assert "- train_loss:" in text
 
 
 def test_the_methods_write_and_print_nothing_off_rank_zero(tmp_path, monkeypatch, capsys):

@@ -59,6 +59,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
     from trainfold.hf.grpo_args import GRPOArguments
     from trainfold.hf.replay import first_divergence, replay
     from trainfold.hf.train import TrainResult, evaluate, predict, train
+    from trainfold.hf.trainer_facade import Trainer
     from trainfold.hf.trainer_methods import (
         create_model_card,
         is_world_process_zero,
@@ -122,6 +123,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "TrainingArguments": ("trainfold.hf.args", "TrainingArguments"),
     "GRPOArguments": ("trainfold.hf.grpo_args", "GRPOArguments"),
     "TrainResult": ("trainfold.hf.train", "TrainResult"),
+    "Trainer": ("trainfold.hf.trainer_facade", "Trainer"),
     "evaluate": ("trainfold.hf.train", "evaluate"),
     "predict": ("trainfold.hf.train", "predict"),
     "train": ("trainfold.hf.train", "train"),
@@ -179,6 +181,7 @@ __all__ = [
     "StepBatch",
     "TrainResult",
     "TrainState",
+    "Trainer",
     "TrainingArguments",
     "adamw",
     "checkpoint",

@@ -1,0 +1,209 @@
+"""The Trainer-shaped facades: script-shaped flows run against the real transformers / TRL trainers.
+
+Each ``*_script`` below makes the calls a public example script makes, in its order (written here, not
+copied): the same function runs with the peer's trainer class and with trainfold's, so a script moves by
+changing its import line, and the two runs must agree step by step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import trainfold
+from trainfold.hf.trainer_facade import Trainer
+
+# -- tiny local model and data -------------------------------------------------------------------------------
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "[PAD]": 1, **{f"w{i}": i + 2 for i in range(30)}}
+    inner = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    inner.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=inner, pad_token="[PAD]", unk_token="[UNK]")
+
+
+def _classifier_dir(tmp_path):
+    config = transformers.LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, num_labels=3, pad_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    path = tmp_path / "model"
+    transformers.LlamaForSequenceClassification(config).save_pretrained(path)
+    _tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def _sentences(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        words = " ".join(
+            f"w{int(w)}" for w in torch.randint(0, 30, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g)
+        )
+        rows.append({"sentence": words, "label": i % 3})
+    return rows
+
+
+# -- transformers' run_classification, its calls in its order ------------------------------------------------------
+
+
+def classification_script(Trainer, argv, model_dir):  # Trainer: the class the script imports
+    parser = transformers.HfArgumentParser(transformers.TrainingArguments)
+    (training_args,) = parser.parse_args_into_dataclasses(args=argv)
+    transformers.set_seed(training_args.seed)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(model_dir)
+
+    def tokenized(rows):
+        return [{**tokenizer(r["sentence"]), "label": r["label"]} for r in rows]
+
+    train_dataset, eval_dataset, predict_dataset = (
+        tokenized(_sentences(16, 0)),
+        tokenized(_sentences(6, 1)),
+        tokenized(_sentences(5, 2)),
+    )
+
+    def compute_metrics(p):
+        preds = p.predictions[0] if isinstance(p.predictions, tuple) else p.predictions
+        return {"accuracy": float((preds.argmax(-1) == p.label_ids).mean())}
+
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        compute_metrics=compute_metrics,
+        processing_class=tokenizer,
+        data_collator=transformers.DataCollatorWithPadding(tokenizer),
+    )
+    out = {}
+    train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    metrics = train_result.metrics
+    metrics["train_samples"] = len(train_dataset)
+    trainer.save_model()
+    trainer.log_metrics("train", metrics)
+    trainer.save_metrics("train", metrics)
+    trainer.save_state()
+    out["losses"] = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    metrics = trainer.evaluate(eval_dataset=eval_dataset)
+    metrics["eval_samples"] = len(eval_dataset)
+    trainer.log_metrics("eval", metrics)
+    trainer.save_metrics("eval", metrics)
+    out["eval"] = metrics
+    predictions = trainer.predict(predict_dataset, metric_key_prefix="predict").predictions
+    out["predictions"] = predictions
+    if trainer.is_world_process_zero():
+        (training_args.output_dir and open(f"{training_args.output_dir}/predict_results.txt", "w")).write(
+            "\n".join(str(int(p)) for p in predictions.argmax(-1))
+        )
+    kwargs = {"finetuned_from": model_dir, "tasks": "text-classification"}
+    trainer.create_model_card(**kwargs)
+    out["history"] = trainer.state.log_history
+    return out
+
+
+def _argv(out, *extra):
+    argv = [
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "4",
+        "--per_device_train_batch_size",
+        "4",
+        "--learning_rate",
+        "1e-2",
+    ]
+    argv += ["--logging_steps", "1", "--report_to", "none", "--use_cpu", "true", "--save_steps", "2", "--seed", "3"]
+    return [*argv, "--eval_strategy", "steps", "--eval_steps", "2", "--disable_tqdm", "true", *extra]
+
+
+def _without_times(metrics):
+    return {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k}
+
+
+def test_run_classification_moves_by_its_import_and_trains_evaluates_and_saves_as_the_trainer(tmp_path):
+    model_dir = _classifier_dir(tmp_path)
+    hf = classification_script(transformers.Trainer, _argv(tmp_path / "hf"), model_dir)
+    ours = classification_script(trainfold.Trainer, _argv(tmp_path / "tf"), model_dir)
+    assert len(ours["losses"]) == 4
+    assert ours["losses"] == pytest.approx(hf["losses"], rel=1e-6)  # one batch order, one mean: float32 rounding
+    assert _without_times(ours["eval"]).keys() == _without_times(hf["eval"]).keys()
+    assert _without_times(ours["eval"]) == pytest.approx(_without_times(hf["eval"]), rel=1e-5)
+    assert torch.allclose(torch.as_tensor(ours["predictions"]), torch.as_tensor(hf["predictions"]), atol=1e-5)
+    hf_evals = [e for e in hf["history"] if "eval_loss" in e]
+    our_evals = [e for e in ours["history"] if "eval_loss" in e]
+    assert [e["step"] for e in our_evals] == [e["step"] for e in hf_evals] == [2, 4, 4]  # two in train, then evaluate()
+    out = tmp_path / "tf"
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(out)
+    assert transformers.AutoTokenizer.from_pretrained(out).pad_token_id == 1 and loaded.config.num_labels == 3
+    for name in ("train_results.json", "eval_results.json", "all_results.json", "trainer_state.json", "README.md"):
+        assert (out / name).is_file(), name
+    state = json.loads((out / "trainer_state.json").read_text())
+    assert state["global_step"] == 4 and [e.get("loss") for e in state["log_history"][:1]] == [ours["losses"][0]]
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\n") and "text-classification" in card and model_dir in card
+
+
+def test_the_trainer_resumes_bitwise_from_its_checkpoint(tmp_path):
+    import shutil
+
+    model_dir = _classifier_dir(tmp_path)
+    whole = classification_script(trainfold.Trainer, _argv(tmp_path / "a"), model_dir)
+    shutil.copytree(tmp_path / "a" / "checkpoint-2", tmp_path / "b" / "checkpoint-2")  # a run stopped after step 2
+    again = classification_script(
+        trainfold.Trainer,
+        _argv(tmp_path / "b", "--resume_from_checkpoint", str(tmp_path / "b" / "checkpoint-2")),
+        model_dir,
+    )
+    assert again["losses"][-2:] == whole["losses"][2:] and again["eval"]["eval_loss"] == whole["eval"]["eval_loss"]
+
+
+def _tiny_model(tmp_path):
+    model_dir = _classifier_dir(tmp_path)
+    return transformers.AutoModelForSequenceClassification.from_pretrained(model_dir)
+
+
+def test_what_the_facade_cannot_honour_is_refused_by_name_with_the_functional_alternative(tmp_path):
+    model = _tiny_model(tmp_path)
+    args = trainfold.TrainingArguments(output_dir=str(tmp_path / "o"), report_to="none")
+    with pytest.raises(TypeError, match=r"model_init=.*build the model yourself"):
+        Trainer(model, args, model_init=lambda: model)
+    with pytest.raises(TypeError, match=r"optimizers=.*trainfold.train\(\.\.\., optimizer="):
+        Trainer(model, args, optimizers=(torch.optim.SGD(model.parameters(), 0.1), None))
+    trainer = Trainer(model, args)
+    with pytest.raises(TypeError, match="push_to_hub is not supported.*save_model"):
+        trainer.push_to_hub()
+    with pytest.raises(TypeError, match="hyperparameter_search"):
+        trainer.hyperparameter_search()
+    with pytest.raises(TypeError, match="ignore_keys"):
+        trainer.evaluate([{"input_ids": [2, 3], "labels": 0}], ignore_keys=["past_key_values"])
+    with pytest.raises(ValueError, match="evaluation requires an eval_dataset"):
+        trainer.evaluate()
+    with pytest.raises(TypeError, match="model= a torch module"):
+        Trainer("some/model", args)
+
+
+def test_args_may_be_trainfolds_own_or_absent(tmp_path, monkeypatch):
+    model = _tiny_model(tmp_path)
+    args = trainfold.TrainingArguments(output_dir=str(tmp_path / "o"), report_to="none", learning_rate=3e-3)
+    assert Trainer(model, args).args is args
+    monkeypatch.chdir(tmp_path)
+    assert Trainer(model).args.output_dir == "trainer_output"  # HF's default
+
+
+def test_create_model_card_takes_every_keyword_of_the_trainers(tmp_path):
+    import inspect
+
+    model = _tiny_model(tmp_path)
+    trainer = Trainer(model, trainfold.TrainingArguments(output_dir=str(tmp_path / "o"), report_to="none"))
+    names = [p for p in inspect.signature(transformers.Trainer.create_model_card).parameters if p != "self"]
+    trainer.create_model_card(**{name: name if name != "tags" else ["a", "b"] for name in names})
+    card = (tmp_path / "o" / "README.md").read_text()
+    assert "license: license" in card and "- a\n- b\n" in card and "Tasks: tasks" in card
