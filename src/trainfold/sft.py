@@ -4,4 +4,7 @@ SFT in one place: TRL's row preparation and collator, ``SFTArguments`` and the r
 """
 
 from trainfold.hf.sft import *  # noqa: F403
-from trainfold.hf.sft import __all__  # noqa: F401
+from trainfold.hf.sft import __all__ as _hf_all
+from trainfold.hf.sft_trainer import SFTTrainer  # the facade, for moving a TRL script by its import
+
+__all__ = [*_hf_all, "SFTTrainer"]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import attrs
 from torch import nn
@@ -37,7 +37,16 @@ from trainfold.hf.args import TrainingArguments
 from trainfold.hf.evaluating import evaluate, predict
 from trainfold.hf.train import TrainResult, train
 
-__all__ = ["Trainer", "TrainOutput", "FacadeState", "arguments_for", "refuse"]
+__all__ = [
+    "Trainer",
+    "TrainOutput",
+    "FacadeState",
+    "Console",
+    "arguments_for",
+    "model_name_of",
+    "refuse",
+    "refused_keywords",
+]
 
 
 class TrainOutput(NamedTuple):
@@ -63,7 +72,27 @@ class FacadeState:
         return None if self.best_checkpoint is None else str(self.best_checkpoint)
 
 
-def refuse(what: str, instead: str) -> None:
+class Console:
+    """``trainer.accelerator`` as TRL's scripts use it: ``print`` on the world's rank 0, ``is_main_process``."""
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this process is the world's rank 0."""
+        return methods.is_world_process_zero()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Print on the world's rank 0 only, as ``accelerate.Accelerator.print``."""
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+
+def model_name_of(model: Any) -> str:
+    """Return the last part of a model's name or path, as TRL names its default ``output_dir`` (``{name}-SFT``)."""
+    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    return name.rstrip("/").split("/")[-1] or type(model).__name__
+
+
+def refuse(what: str, instead: str) -> NoReturn:
     """Raise ``TypeError`` saying that the facade cannot honour ``what``, and what to call instead."""
     raise TypeError(f"{what} is not supported by trainfold's Trainer-shaped facade; {instead}")
 
@@ -86,10 +115,14 @@ _REFUSED_INIT = {
     "adamw(...))), or set optim/lr_scheduler_type in the arguments",
     "optimizer_cls_and_kwargs": "pass trainfold.train(..., optimizer=trainfold.optim.from_torch(cls, **kwargs))",
     "quantization_config": "load the quantized model yourself and pass the module",
+    "reward_processing_classes": "tokenize inside a reward function reward(prompts, completions, **kwargs)",
+    "tools": "tool calling is not supported; call tools inside a reward function",
+    "rollout_func": "generation is trainfold.grpo's own; build another rollout with trainfold.grpo.make_rollout",
+    "environment_factory": "environments are not supported; score completions with reward functions",
 }
 
 
-def _refused_keywords(given: dict[str, Any]) -> None:
+def refused_keywords(given: dict[str, Any]) -> None:
     """Refuse, all at once, every keyword given a value the facade cannot honour."""
     bad = [k for k, v in given.items() if v not in (None, (None, None))]
     if bad:
@@ -120,7 +153,7 @@ class Trainer:
         optimizer_cls_and_kwargs: Any = None,
         preprocess_logits_for_metrics: Callable[..., Any] | None = None,
     ) -> None:
-        _refused_keywords(
+        refused_keywords(
             dict(model_init=model_init, optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
         )
         if not isinstance(model, nn.Module):
@@ -247,6 +280,14 @@ class Trainer:
     def add_callback(self, callback: Any) -> None:
         """Add a ``TrainerCallback`` (or its class) for the next ``train``."""
         self.callbacks.append(callback() if isinstance(callback, type) else callback)
+
+    @property
+    def accelerator(self) -> Console:
+        """What TRL's scripts call ``trainer.accelerator.print`` on (trainfold runs no accelerate)."""
+        return Console()
+
+    def end(self) -> None:
+        """Do nothing: ``train`` closes its reporters and process group itself (``Trainer.end``, transformers 5.18)."""
 
     def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
         """Refused: trainfold never uploads."""
