@@ -343,3 +343,18 @@ def test_trl_facades_take_trl_configs_and_refuse_what_they_cannot_honour(tmp_pat
         trainfold.dpo.DPOTrainer(llama(), args=trainfold.dpo.DPOArguments(bf16=False), data_collator=list)
     with pytest.raises(TypeError, match="push_to_hub"):
         trainer.push_to_hub(dataset_name="x")
+
+
+# -- item 2: a peer's config taken as it is; overrides by keyword win -------------------------------------------------
+
+
+def test_an_override_by_keyword_wins_over_what_from_hf_would_refuse():
+    import trl
+
+    reward = trl.RewardConfig(output_dir="o", use_cpu=True, report_to="none")  # disable_dropout=True: TRL's default
+    args = trainfold.TrainingArguments.from_hf(reward, disable_dropout=False)
+    assert args.learning_rate == 1e-4 and args.bf16 == reward.bf16  # TRL's defaults, as TRL resolved them here
+    pushed = trl.SFTConfig(output_dir="o", use_cpu=True, push_to_hub=True, report_to="none")
+    assert trainfold.TrainingArguments.from_hf(pushed, push_to_hub=False).output_dir == "o"
+    with pytest.raises(TypeError, match="push_to_hub=True"):  # not overridden: still refused by name
+        trainfold.TrainingArguments.from_hf(pushed)

@@ -25,7 +25,7 @@ from trainfold.ckpt.run_identity import BOOKKEEPING, RUN_LENGTH, SAMPLE_ORDER
 from trainfold.data.samplers import STRATEGIES as SAMPLING_STRATEGIES
 from trainfold.evaluation.schedule import EVAL_STRATEGIES
 from trainfold.hf.args_checks import problems
-from trainfold.hf.args_convert import settings_from_hf
+from trainfold.hf.args_convert import settings_from_hf, turned_off
 from trainfold.hf.args_features import FSDP_FULL_SHARD, OPTIMIZERS
 from trainfold.hf.args_hf import HF_ONLY, REMOVED, hf_only_problem
 from trainfold.observe.reporters import LOG_LEVELS
@@ -196,6 +196,7 @@ class TrainingArguments:
         Keeps every setting trainfold has (as transformers resolved it), ignores the fields that are at
         their defaults or belong to the script (``resume_from_checkpoint``, ``model_init_kwargs``...),
         and refuses by name, all at once, the ones trainfold cannot honour (``trainfold.hf.args_convert``).
+        A keyword in ``changes`` always wins over the config's field, even one that would be refused.
 
         >>> import transformers
         >>> hf = transformers.TrainingArguments(output_dir="out", learning_rate=1e-3, report_to="none")
@@ -214,7 +215,10 @@ class TrainingArguments:
             known={f.name for f in fields},
             defaults={f.name: f.default for f in fields},
             checked=cls.checked_from_hf(),
+            overridden=set(changes),  # a keyword wins over the config's value, refused or not
         )
+        names = {f.name for f in fields}
+        changes = {k: v for k, v in changes.items() if k in names or not turned_off(k, v)}  # nothing left to do
         return cls(**{**cls.resolved_from_hf(settings, config), **changes})
 
     @classmethod
