@@ -37,27 +37,29 @@ def reward_model(model: nn.Module | str, args: RewardArguments, peft_config: Any
     """Return the model a reward run trains, as ``RewardTrainer`` builds it: a name or path loaded with
     ``AutoModelForSequenceClassification`` and ``num_labels=1`` (its head drawn from ``args.seed``), a module
     checked to have one label; wrapped by ``peft_config``; its dropout off with ``disable_dropout``."""
+    labels = getattr(getattr(model, "config", None), "num_labels", 1)
+    if not isinstance(model, str) and labels != 1:
+        raise ValueError(
+            f"the model has num_labels={labels}, but a reward model outputs one score per sequence: build it "
+            "with num_labels=1, or pass its name or path to have it loaded so"
+        )
     with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))):
         torch.manual_seed(args.seed)  # TRL's set_seed(args.seed) before loading: the new head, the adapter
+        built: Any = model
         if isinstance(model, str):
             from transformers import AutoModelForSequenceClassification
 
             kwargs = {**(args.model_init_kwargs or {}), "num_labels": 1}
-            model = AutoModelForSequenceClassification.from_pretrained(model, **kwargs)
-        elif getattr(getattr(model, "config", None), "num_labels", 1) != 1:
-            raise ValueError(
-                f"the model has num_labels={model.config.num_labels}, but a reward model outputs one score per "
-                "sequence: build it with num_labels=1, or pass its name or path to have it loaded so"
-            )
+            built = AutoModelForSequenceClassification.from_pretrained(model, **kwargs)
         if peft_config is not None:
             from peft import get_peft_model
 
-            model = get_peft_model(model, peft_config)
+            built = get_peft_model(built, peft_config)
     if args.disable_dropout:  # TRL's default
-        for m in model.modules():
+        for m in built.modules():
             if isinstance(m, nn.Dropout):
                 m.p = 0.0
-    return model
+    return built
 
 
 def pad_id_for(model: Any, tokenizer: Any, args: RewardArguments) -> int:
