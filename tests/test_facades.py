@@ -358,3 +358,10 @@ def test_an_override_by_keyword_wins_over_what_from_hf_would_refuse():
     assert trainfold.TrainingArguments.from_hf(pushed, push_to_hub=False).output_dir == "o"
     with pytest.raises(TypeError, match="push_to_hub=True"):  # not overridden: still refused by name
         trainfold.TrainingArguments.from_hf(pushed)
+
+
+def test_a_trl_facade_refuses_another_trainfold_arguments_class_with_the_one_it_takes(tmp_path):
+    from tiny_chat import llama
+
+    with pytest.raises(TypeError, match="takes SFTArguments .* not TrainingArguments: build SFTArguments"):
+        trainfold.sft.SFTTrainer(llama(), trainfold.TrainingArguments(output_dir=str(tmp_path)))

@@ -98,14 +98,21 @@ def refuse(what: str, instead: str) -> NoReturn:
 
 
 def arguments_for(args: Any, cls: type[TrainingArguments], default_output_dir: str) -> Any:
-    """Return ``args`` as ``cls``: as given, built from a peer's config (``cls.from_hf``) or another trainfold
-    ``TrainingArguments`` (its values, ``cls``'s defaults for the rest), or ``cls`` at its defaults for ``None``."""
+    """Return ``args`` as ``cls``: as given, built from a peer's config (``cls.from_hf``: a
+    ``transformers.TrainingArguments`` or TRL config), or ``cls`` at its defaults for ``None``.
+
+    Another trainfold arguments class is refused: which of its values stand for the TRL settings it lacks
+    cannot be told apart from its defaults (TRL's ``SFTConfig(**args.to_dict())`` has no such fields).
+    """
     if args is None:
         return cls(output_dir=default_output_dir)
     if isinstance(args, cls):
         return args
-    if isinstance(args, TrainingArguments):  # TRL: SFTConfig(**args.to_dict()) for a plain TrainingArguments
-        return cls(**attrs.asdict(args, recurse=False))
+    if isinstance(args, TrainingArguments):
+        raise TypeError(
+            f"this trainer takes {cls.__name__} (or the peer's own config object), not {type(args).__name__}: "
+            f"build {cls.__name__}(...) with the same settings"
+        )
     return cls.from_hf(args)
 
 
