@@ -1,14 +1,14 @@
 """The Trainer-shaped facades: script-shaped flows run against the real transformers / TRL trainers.
 
-Each ``*_script`` below makes the calls a public example script makes, in its order (written here, not
-copied): the same function runs with the peer's trainer class and with trainfold's, so a script moves by
-changing its import line, and the two runs must agree step by step.
+``classification_script`` makes the calls transformers' ``run_classification.py`` makes, in its order (written
+here, not copied); TRL's ``sft.py`` and ``dpo.py`` are run as installed (``trl/scripts/``). Each runs with the
+peer's trainer class and with trainfold's in its place, so a script moves by changing its import line, and
+the two runs must agree step by step.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -210,9 +210,7 @@ def test_create_model_card_takes_every_keyword_of_the_trainers(tmp_path):
     assert "license: license" in card and "- a\n- b\n" in card and "Tasks: tasks" in card
 
 
-# -- TRL's sft.py and dpo.py: the example scripts' shapes (examples/migration/trl_*.py), the trainer class swapped --
-
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "migration"
+# -- TRL's own sft.py and dpo.py (the installed trl/scripts/), run with only the trainer class swapped ----------
 
 
 def _preference_or_completion_rows(path, kind):
@@ -245,6 +243,7 @@ def _recording(cls, into, key):
 
 @pytest.mark.parametrize("kind", ["sft", "dpo"])
 def test_trls_script_moves_by_its_import_with_trls_per_step_losses_and_eval(tmp_path, monkeypatch, kind):
+    import importlib
     import runpy
 
     import trl
@@ -263,7 +262,7 @@ def test_trls_script_moves_by_its_import_with_trls_per_step_losses_and_eval(tmp_
     got = {}
     for who, cls in (("trl", getattr(trl, name)), ("trainfold", getattr(getattr(trainfold, kind), name))):
         monkeypatch.setattr(trl, name, _recording(cls, got, who))  # the script's `from trl import ...` line
-        script = runpy.run_path(str(EXAMPLES / f"trl_{kind}.py"), run_name=f"facade_{kind}")
+        script = runpy.run_path(importlib.import_module(f"trl.scripts.{kind}").__file__, run_name=f"facade_{kind}")
         parsed = script["make_parser"]().parse_args_and_config([*argv, "--output_dir", str(tmp_path / who)])
         script["main"](*parsed)
     assert len(got["trainfold"]) == 4

@@ -163,3 +163,43 @@ def test_settings_trainfold_cannot_honour_are_refused_by_name():
     )
     with pytest.raises(ValueError, match="num_labels=3.*num_labels=1"):
         trainfold.reward.train(model, RewardArguments(bf16=False), [])
+
+
+def test_trls_own_reward_script_runs_with_only_its_trainer_swapped(tmp_path, monkeypatch):
+    """The installed ``trl/scripts/reward.py`` itself, run twice: with TRL's RewardTrainer, then with trainfold's
+    in its place (the one line a user changes: ``from trl import RewardTrainer``)."""
+    import json
+    import runpy
+
+    import trl.scripts.reward as script_module
+
+    llama().save_pretrained(tmp_path / "model")
+    tokenizer().save_pretrained(tmp_path / "model")
+    (tmp_path / "data").mkdir()
+    for split, part in (("train", rows("explicit")), ("test", rows("explicit", n=8, seed=1))):
+        (tmp_path / "data" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
+    argv = ["--model_name_or_path", str(tmp_path / "model"), "--dataset_name", str(tmp_path / "data")]
+    argv += ["--max_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
+    argv += ["--learning_rate", "1e-2", "--logging_steps", "1", "--seed", "3", "--use_cpu", "true", "--bf16", "false"]
+    argv += ["--gradient_checkpointing", "false", "--report_to", "none", "--save_strategy", "no"]
+    argv += ["--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "8"]
+    got = {}
+    for who, cls in (("trl", trl.RewardTrainer), ("trainfold", trainfold.reward.RewardTrainer)):
+
+        class Recorded(cls):
+            def train(self, *a, _who=who, **kw):
+                out = super().train(*a, **kw)
+                got[_who] = _history(self)
+                return out
+
+        monkeypatch.setattr(trl, "RewardTrainer", Recorded)
+        script = runpy.run_path(script_module.__file__, run_name=f"reward_{who}")
+        parsed = script["make_parser"]().parse_args_and_config([*argv, "--output_dir", str(tmp_path / who)])
+        script["main"](*parsed)
+    (ours, our_evals), (theirs, their_evals) = got["trainfold"], got["trl"]
+    assert len(ours) == 4
+    for name in METRICS:
+        assert [e[name] for e in ours] == pytest.approx([e[name] for e in theirs], rel=1e-5, abs=1e-6), name
+    assert [e["eval_loss"] for e in our_evals] == pytest.approx([e["eval_loss"] for e in their_evals], rel=1e-5)
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "trainfold")
+    assert loaded.config.num_labels == 1 and transformers.AutoTokenizer.from_pretrained(tmp_path / "trainfold")

@@ -15,7 +15,7 @@ from trainfold.hf.dpo_run import policy_model, preference_collator, prepare_pref
 from trainfold.hf.dpo_run import train as dpo_train
 from trainfold.hf.model_source import processing_class_for
 from trainfold.hf.train import TrainResult
-from trainfold.hf.trainer_facade import Trainer, arguments_for, model_name_of, refused_keywords
+from trainfold.hf.trainer_facade import Trainer, arguments_for, init_kwargs, model_name_of, refused_keywords
 
 __all__ = ["DPOTrainer"]
 
@@ -46,12 +46,10 @@ class DPOTrainer(Trainer):
                 "DPOTrainer(data_collator=...) is not supported by trainfold's facade: the run pads preference rows "
                 "itself (pad_token, max_length, pad_to_multiple_of, padding_free in DPOArguments)"
             )
-        args = arguments_for(args, DPOArguments, f"{model_name_of(model)}-DPO")
-        module = policy_model(
-            model, args if isinstance(model, str) else args.replace(model_init_kwargs=None), peft_config
-        )
+        given, args = args, arguments_for(args, DPOArguments, f"{model_name_of(model)}-DPO")
+        module = policy_model(model, args.replace(model_init_kwargs=init_kwargs(model, given)), peft_config)
         if isinstance(ref_model, str):
-            ref_model = policy_model(ref_model, args)
+            ref_model = policy_model(ref_model, args.replace(model_init_kwargs=init_kwargs(ref_model, given)))
         tok = processing_class_for(module, processing_class)
         super().__init__(
             module, args, None, train_dataset, eval_dataset, tok, compute_metrics=compute_metrics, callbacks=callbacks

@@ -15,7 +15,7 @@ from trainfold.hf.grpo_args import GRPOArguments
 from trainfold.hf.grpo_run import train as grpo_train
 from trainfold.hf.model_source import model_from, processing_class_for
 from trainfold.hf.train import TrainResult
-from trainfold.hf.trainer_facade import Trainer, arguments_for, model_name_of, refuse, refused_keywords
+from trainfold.hf.trainer_facade import Trainer, arguments_for, init_kwargs, model_name_of, refuse, refused_keywords
 
 __all__ = ["GRPOTrainer"]
 
@@ -57,8 +57,8 @@ class GRPOTrainer(Trainer):
                 environment_factory=environment_factory,
             )
         )
-        args = arguments_for(args, GRPOArguments, f"{model_name_of(model)}-GRPO")
-        module = model_from(model, None, peft_config, seed=args.seed)
+        given, args = args, arguments_for(args, GRPOArguments, f"{model_name_of(model)}-GRPO")
+        module = model_from(model, init_kwargs(model, given), peft_config, seed=args.seed)
         tok = processing_class_for(module, processing_class)
         super().__init__(module, args, None, train_dataset, eval_dataset, tok, callbacks=callbacks)
         self.reward_funcs = reward_funcs

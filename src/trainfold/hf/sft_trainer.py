@@ -16,7 +16,7 @@ from trainfold.hf.sft import default_collator, prepare_eval_dataset
 from trainfold.hf.sft import train as sft_train
 from trainfold.hf.sft_args import SFTArguments
 from trainfold.hf.train import TrainResult
-from trainfold.hf.trainer_facade import Trainer, arguments_for, model_name_of, refused_keywords
+from trainfold.hf.trainer_facade import Trainer, arguments_for, init_kwargs, model_name_of, refused_keywords
 from trainfold.recipes.sft import sft_loss
 
 __all__ = ["SFTTrainer"]
@@ -52,8 +52,8 @@ class SFTTrainer(Trainer):
                 quantization_config=quantization_config,
             )
         )
-        args = arguments_for(args, SFTArguments, f"{model_name_of(model)}-SFT")
-        module = model_from(model, args.model_init_kwargs if isinstance(model, str) else None, peft_config, args.seed)
+        given, args = args, arguments_for(args, SFTArguments, f"{model_name_of(model)}-SFT")
+        module = model_from(model, init_kwargs(model, given), peft_config, args.seed)
         super().__init__(
             module,
             args,

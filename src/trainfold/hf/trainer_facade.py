@@ -86,6 +86,12 @@ class Console:
             print(*args, **kwargs)
 
 
+def init_kwargs(model: Any, given: Any) -> dict[str, Any] | None:
+    """Return the ``from_pretrained`` keywords for ``model`` when it is a name or path: the given arguments'
+    ``model_init_kwargs`` (a TRL config's included, which ``from_hf`` leaves to the script), else ``None``."""
+    return dict(getattr(given, "model_init_kwargs", None) or {}) if isinstance(model, str) else None
+
+
 def model_name_of(model: Any) -> str:
     """Return the last part of a model's name or path, as TRL names its default ``output_dir`` (``{name}-SFT``)."""
     name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or ""

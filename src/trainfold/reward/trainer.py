@@ -12,7 +12,7 @@ from typing import Any
 
 from trainfold.hf.model_source import processing_class_for
 from trainfold.hf.train import TrainResult
-from trainfold.hf.trainer_facade import Trainer, arguments_for, model_name_of, refused_keywords
+from trainfold.hf.trainer_facade import Trainer, arguments_for, init_kwargs, model_name_of, refused_keywords
 from trainfold.reward.args import RewardArguments
 from trainfold.reward.data import reward_collate
 from trainfold.reward.loss import reward_objective
@@ -50,10 +50,8 @@ class RewardTrainer(Trainer):
                 quantization_config=quantization_config,
             )
         )
-        args = arguments_for(args, RewardArguments, f"{model_name_of(model)}-Reward")
-        module = reward_model(
-            model, args if isinstance(model, str) else args.replace(model_init_kwargs=None), peft_config
-        )
+        given, args = args, arguments_for(args, RewardArguments, f"{model_name_of(model)}-Reward")
+        module = reward_model(model, args.replace(model_init_kwargs=init_kwargs(model, given)), peft_config)
         tok = processing_class_for(module, processing_class)
         collate = data_collator or reward_collate(pad_id_for(module, tok, args), args.pad_to_multiple_of)
         super().__init__(
