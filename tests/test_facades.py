@@ -364,3 +364,24 @@ def test_a_trl_facade_refuses_another_trainfold_arguments_class_with_the_one_it_
 
     with pytest.raises(TypeError, match="takes SFTArguments .* not TrainingArguments: build SFTArguments"):
         trainfold.sft.SFTTrainer(llama(), trainfold.TrainingArguments(output_dir=str(tmp_path)))
+
+
+def test_dpo_trainer_evaluates_and_predicts_against_the_reference_fixed_when_built(tmp_path):
+    from tiny_chat import llama, word_tokenizer
+
+    pairs = [
+        {"prompt": "w1 w2", "chosen": " w3", "rejected": " w4 w5"},
+        {"prompt": "w6", "chosen": " w7", "rejected": " w8"},
+    ]
+    args = trainfold.dpo.DPOArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, learning_rate=1e-2, bf16=False,
+        gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no",
+    )  # fmt: skip
+    trainer = trainfold.dpo.DPOTrainer(llama(), args=args, train_dataset=pairs, processing_class=word_tokenizer(None))
+    before = trainer.evaluate(pairs)
+    assert before["eval_loss"] == pytest.approx(0.6931472, rel=1e-6)  # the policy is its reference
+    trainer.train()
+    after, predicted = trainer.evaluate(pairs), trainer.predict(pairs)
+    assert after["eval_loss"] < before["eval_loss"] and after["eval_rewards/margins"] > 0
+    assert predicted.metrics["test_loss"] == pytest.approx(after["eval_loss"], rel=1e-6)
+    assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [2]  # the one after training
