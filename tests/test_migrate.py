@@ -166,14 +166,6 @@ def test_the_names_of_the_issue_import():
     assert make_rollout is trainfold.grpo.make_rollout
 
 
-def test_a_moved_name_still_imports_from_its_old_module_with_a_deprecation_warning():
-    with pytest.warns(DeprecationWarning, match="trainfold.core.losses.dpo moved: use trainfold.dpo.dpo_loss"):
-        from trainfold.core.losses import dpo
-    assert dpo is trainfold.dpo.dpo_loss
-    with pytest.raises(ImportError):
-        from trainfold.core.losses import no_such_name  # noqa: F401
-
-
 def test_make_rollout_steps_per_generation_is_trls_micro_steps():
     from trainfold.grpo import make_rollout
 
@@ -332,7 +324,9 @@ def test_save_model_state_and_card_after_a_run(tmp_path):
     state = json.loads((tmp_path / "trainer_state.json").read_text())
     assert (state["global_step"], state["log_history"]) == (2, result.log_history)
     card = create_model_card(tmp_path, args, result, model_name="tiny-llama", dataset="sentences")
-    assert card.read_text().startswith("# tiny-llama\n") and "- train_loss:" in card.read_text()
+    text = card.read_text()
+    assert text.startswith("---\nlibrary_name: transformers\n") and "\n# tiny-llama\n" in text
+    assert "- train_loss:" in text
 
 
 def test_the_methods_write_and_print_nothing_off_rank_zero(tmp_path, monkeypatch, capsys):

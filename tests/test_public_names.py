@@ -8,21 +8,22 @@ import pytest
 import trainfold
 
 TOP = [
-    "Cursor", "EvalPrediction", "GRPOArguments", "Sampler", "StepBatch", "TrainResult", "TrainState",
+    "Cursor", "EvalPrediction", "GRPOArguments", "Sampler", "StepBatch", "TrainResult", "TrainState", "Trainer",
     "TrainingArguments", "adamw", "any_of", "chain", "chunked_causal_lm", "ckpt", "clip_by_global_norm", "core",
     "create_model_card", "data", "decay_mask", "distributed", "dpo", "early_stopping", "ensemble", "evaluate",
     "evaluation", "first_divergence", "fit", "grpo", "init_ensemble_state", "init_state", "is_world_process_zero",
     "keyed", "latest_checkpoint", "load", "log_metrics", "loop", "make_ensemble_step", "make_sampler", "make_step",
     "max_steps", "max_time", "observe", "optim", "pack", "packed_collate", "pad_collate", "padding_free_collate",
-    "predict", "replay", "save", "save_metrics", "save_model", "save_state", "sft", "sgd", "split_ensemble", "step",
-    "stream", "train", "trainer", "trajectory", "warm_up_kernels",
+    "predict", "replay", "reward", "save", "save_metrics", "save_model", "save_state", "sft", "sgd",
+    "split_ensemble", "step", "stream", "train", "trainer", "trajectory", "warm_up_kernels",
 ]  # fmt: skip
 
 # each algorithm package: its run, its Arguments and a piece of it, as the docs name them
 ALGORITHMS = {
-    "sft": ["train", "SFTArguments", "sft_collate", "prepare_dataset"],
-    "dpo": ["train", "DPOArguments", "dpo_loss", "dpo_objective", "preference_collate"],
-    "grpo": ["train", "GRPOArguments", "grpo_objective", "make_rollout", "generation_batches"],
+    "sft": ["train", "SFTArguments", "SFTTrainer", "sft_collate", "prepare_dataset"],
+    "dpo": ["train", "DPOArguments", "DPOTrainer", "dpo_loss", "dpo_objective", "preference_collate"],
+    "grpo": ["train", "GRPOArguments", "GRPOTrainer", "grpo_objective", "make_rollout", "generation_batches"],
+    "reward": ["train", "RewardArguments", "RewardTrainer"],
 }
 GONE = ["losses", "samplers", "reducers", "reporters", "schedules", "tree", "checkpoint", "packing", "preempt",
         "compiled", "generate", "grpo_args", "grpo_run", "chunked_loss", "hf", "recipes", "aliases"]  # fmt: skip

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         loop,
         observe,
         optim,
+        reward,
         sft,
         step,
         trainer,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, sgd
     from trainfold.step import make_step
     from trainfold.trainer.args import TrainingArguments
+    from trainfold.trainer.facade import Trainer
     from trainfold.trainer.replay import first_divergence, replay
     from trainfold.trainer.train import TrainResult, evaluate, predict, train
     from trainfold.trainer.trainer_methods import (

@@ -27,8 +27,10 @@ from trainfold.dpo.objective import (
     sequence_logps,
 )
 from trainfold.dpo.run import prepare_preference_dataset, train
+from trainfold.dpo.trainer import DPOTrainer  # the facade, for moving a TRL script by its import
 
 __all__ = [
+    "DPOTrainer",
     "LOSS_TYPES",
     "PREFERENCE_COLUMNS",
     "DPOArguments",

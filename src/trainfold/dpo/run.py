@@ -28,10 +28,11 @@ from trainfold.trainer.model_source import model_from, processing_class_for
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
 
-__all__ = ["prepare_preference_dataset", "train"]
+__all__ = ["policy_model", "prepare_preference_dataset", "preference_collator", "reference_objective", "train"]
 
 
-def _model(model: nn.Module | str, args: DPOArguments, peft_config: Any) -> nn.Module:
+def policy_model(model: nn.Module | str, args: DPOArguments, peft_config: Any = None) -> nn.Module:
+    """Return the model DPO trains: loaded by name, wrapped by PEFT, its dropout off with ``disable_dropout``."""
     built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
     if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
         for m in built.modules():
@@ -49,6 +50,34 @@ def prepare_preference_dataset(dataset: Any, processing_class: Any, args: DPOArg
         return PreparedStream(dataset, lambda rows: preference_rows(rows, processing_class, args.max_length))
     rows = (dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset
     return preference_rows(rows, processing_class, args.max_length)
+
+
+def reference_objective(model: nn.Module, args: DPOArguments, ref_model: nn.Module | None = None) -> Any:
+    """Return the DPO objective of ``args``, its reference ``ref_model`` or ``model`` as it is now (copied)."""
+    source = model if ref_model is None else ref_model
+    ref_params = None
+    if not args.precompute_ref_log_probs or ref_model is not None:
+        ref_params = {k: v for k, v in source.named_parameters() if v.requires_grad or ref_model is not None}
+    return dpo_objective(
+        args.beta,
+        list(args.loss_type),
+        args.label_smoothing,
+        ref_params,
+        loss_weights=args.loss_weights,
+        discopop_tau=args.discopop_tau,
+        precompute_ref_log_probs=args.precompute_ref_log_probs,
+        precompute_ref_batch_size=args.precompute_ref_batch_size,
+    )
+
+
+def preference_collator(model: nn.Module, args: DPOArguments, tok: Any) -> tuple[Any, DPOArguments]:
+    """Return the run's preference collator and its arguments (padding-free rows are the collator's, not the run's)."""
+    pad = args.pad_token or (getattr(tok, "pad_token", None) or getattr(tok, "eos_token", None)) if tok else None
+    if args.padding_free:  # the run's own flattened rows (TrainingArguments' padding_free is for LM rows)
+        check_packable(model)
+        return padding_free_preference_collate(None, args.max_length), args.replace(padding_free=False)
+    pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
+    return preference_collate(None, pad_id, args.max_length, args.pad_to_multiple_of), args
 
 
 def train(
@@ -74,30 +103,10 @@ def train(
             f"trainfold.dpo.train takes DPOArguments (TRL's DPOConfig names), not {type(args).__name__}; "
             f"convert a trl.DPOConfig with DPOArguments.from_hf(config)"
         )
-    model = _model(model, args, peft_config)
-    source = model if ref_model is None else ref_model
-    ref_params = None
-    if not args.precompute_ref_log_probs or ref_model is not None:
-        ref_params = {k: v for k, v in source.named_parameters() if v.requires_grad or ref_model is not None}
-    objective = dpo_objective(
-        args.beta,
-        list(args.loss_type),
-        args.label_smoothing,
-        ref_params,
-        loss_weights=args.loss_weights,
-        discopop_tau=args.discopop_tau,
-        precompute_ref_log_probs=args.precompute_ref_log_probs,
-        precompute_ref_batch_size=args.precompute_ref_batch_size,
-    )
+    model = policy_model(model, args, peft_config)
+    objective = kwargs.pop("objective", None) or reference_objective(model, args, ref_model)  # a facade's own
     tok = processing_class = processing_class_for(model, processing_class)
-    pad = args.pad_token or (getattr(tok, "pad_token", None) or getattr(tok, "eos_token", None)) if tok else None
-    if args.padding_free:  # the run's own flattened rows (TrainingArguments' padding_free is for LM rows)
-        check_packable(model)
-        collate: Any = padding_free_preference_collate(None, args.max_length)
-        args = args.replace(padding_free=False)
-    else:
-        pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
-        collate = preference_collate(None, pad_id, args.max_length, args.pad_to_multiple_of)
+    collate, args = preference_collator(model, args, tok)
     train_rows = prepare_preference_dataset(train_dataset, tok, args)
     eval_rows = prepare_preference_dataset(eval_dataset, tok, args)
     run = dict(objective=objective, callbacks=callbacks, processing_class=tok)  # checkpoints hold the tokenizer

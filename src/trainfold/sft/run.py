@@ -146,6 +146,22 @@ def _pad_id(processing_class: Any, args: SFTArguments) -> int:
     return int(processing_class.convert_tokens_to_ids(token))
 
 
+def prepare_eval_dataset(dataset: Any, processing_class: Any, args: SFTArguments, formatting_func: Any = None) -> Any:
+    """Return an eval ``dataset`` prepared as ``SFTTrainer`` prepares it (packed with ``eval_packing``)."""
+    eval_packing = args.packing if args.eval_packing is None else args.eval_packing
+    rows = prepare_dataset(dataset, processing_class, args, eval_packing, formatting_func)
+    if rows is not None and eval_packing:
+        rows = pack(iter(rows), args.max_length or DEFAULT_MAX_LENGTH, truncate=args.packing_strategy == "bfd")
+    return rows
+
+
+def default_collator(processing_class: Any, args: SFTArguments, data_collator: Any = None) -> Any:
+    """Return ``data_collator``, or TRL's padding collator where rows are neither packed nor padding-free."""
+    if data_collator is None and not (args.packing or args.padding_free):
+        return sft_collate(_pad_id(processing_class, args), args.pad_to_multiple_of)
+    return data_collator
+
+
 def train(
     model: nn.Module | str,
     args: SFTArguments,
@@ -175,14 +191,8 @@ def train(
     model = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
     processing_class = processing_class_for(model, processing_class)
     train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing, formatting_func)
-    eval_packing = args.packing if args.eval_packing is None else args.eval_packing
-    eval_rows = prepare_dataset(eval_dataset, processing_class, args, eval_packing, formatting_func)
-    if eval_rows is not None and eval_packing:
-        eval_rows = pack(
-            iter(eval_rows), args.max_length or DEFAULT_MAX_LENGTH, truncate=args.packing_strategy == "bfd"
-        )
-    if data_collator is None and not (args.packing or args.padding_free):
-        data_collator = sft_collate(_pad_id(processing_class, args), args.pad_to_multiple_of)
+    eval_rows = prepare_eval_dataset(eval_dataset, processing_class, args, formatting_func)
+    data_collator = default_collator(processing_class, args, data_collator)
     if not args.loss_chunk_size and kwargs.get("objective") is None:  # SFT's loss, whatever wraps the model (PEFT)
         kwargs.setdefault("compute_loss_func", sft_loss)  # causal_lm, logging TRL's entropy and mean_token_accuracy
     kwargs.setdefault("processing_class", processing_class)  # checkpoints hold the tokenizer, as the Trainer's

@@ -41,7 +41,7 @@ from trainfold.trainer.args_checks import (
     problems,
     training_problems,
 )
-from trainfold.trainer.args_convert import settings_from_hf
+from trainfold.trainer.args_convert import settings_from_hf, turned_off
 from trainfold.trainer.args_features import FSDP_FULL_SHARD, OPTIMIZERS
 from trainfold.trainer.args_hf import HF_ONLY, REMOVED, hf_only_problem
 from trainfold.trainer.setting import as_declared, setting
@@ -216,6 +216,7 @@ class TrainingArguments:
         Keeps every setting trainfold has (as transformers resolved it), ignores the fields that are at
         their defaults or belong to the script (``resume_from_checkpoint``, ``model_init_kwargs``...),
         and refuses by name, all at once, the ones trainfold cannot honour (``trainfold.trainer.args_convert``).
+        A keyword in ``changes`` always wins over the config's field, even one that would be refused.
 
         >>> import transformers
         >>> hf = transformers.TrainingArguments(output_dir="out", learning_rate=1e-3, report_to="none")
@@ -234,7 +235,10 @@ class TrainingArguments:
             known={f.name for f in fields},
             defaults={f.name: f.default for f in fields},
             checked=cls.checked_from_hf(),
+            overridden=set(changes),  # a keyword wins over the config's value, refused or not
         )
+        names = {f.name for f in fields}
+        changes = {k: v for k, v in changes.items() if k in names or not turned_off(k, v)}  # nothing left to do
         return cls(**{**cls.resolved_from_hf(settings, config), **changes})
 
     @classmethod

@@ -31,7 +31,7 @@ from typing import Any
 from trainfold.step.fsdp import FSDP_CONFIG_PASSIVE
 from trainfold.trainer.args_hf import HF_ONLY, hf_only_problem
 
-__all__ = ["SCRIPT_FIELDS", "ACTING_DEFAULTS", "settings_from_hf", "plain", "built_aside"]
+__all__ = ["SCRIPT_FIELDS", "ACTING_DEFAULTS", "settings_from_hf", "plain", "built_aside", "turned_off"]
 
 # fields a script reads itself (or that only say how to load the model or the data); the trainer never acts on them
 SCRIPT_FIELDS: dict[str, str] = {
@@ -54,6 +54,15 @@ ACTING_DEFAULTS: dict[str, tuple[Any, str]] = {
         "without dropout (e.g. from_pretrained(name, attention_dropout=0.0)) and set disable_dropout=False",
     ),
 }
+
+
+def turned_off(name: str, value: Any) -> bool:
+    """Say whether ``name=value`` turns off a TRL default that acts (``disable_dropout=False``): nothing to set.
+
+    >>> turned_off("disable_dropout", False), turned_off("disable_dropout", True), turned_off("beta", 0.1)
+    (True, False, False)
+    """
+    return name in ACTING_DEFAULTS and value == ACTING_DEFAULTS[name][0]
 
 
 def plain(value: Any) -> Any:
@@ -146,13 +155,15 @@ def settings_from_hf(
     known: Collection[str],
     defaults: Mapping[str, Any] | None = None,
     checked: Mapping[str, Callable[[Any], str | None]] | None = None,
+    overridden: Collection[str] = (),
 ) -> dict[str, Any]:
     """Return the settings of ``config`` (a transformers/TRL dataclass) that a class with fields ``known`` takes.
 
     ``defaults``: that class's own defaults (a ``None`` in ``config`` over a non-None default is left
     out). ``checked``: the class's own judges of fields it does not have (``GRPOArguments``' ``TRL_ONLY``):
-    each returns why a value is refused, or ``None`` for a value that asks for nothing. Raises
-    ``TypeError`` naming every field that cannot be honoured.
+    each returns why a value is refused, or ``None`` for a value that asks for nothing. ``overridden``: the
+    fields the caller sets itself (``from_hf``'s keywords), neither read nor judged. Raises ``TypeError``
+    naming every field that cannot be honoured.
     """
     if not dataclasses.is_dataclass(config) or isinstance(config, type):
         raise TypeError(
@@ -164,7 +175,7 @@ def settings_from_hf(
     refused: list[str] = []
     for f in dataclasses.fields(config):
         name, value = f.name, plain(getattr(config, f.name, None))
-        if name in SCRIPT_FIELDS:
+        if name in SCRIPT_FIELDS or name in overridden:
             continue
         if name in known:
             value = _fsdp(value, config) if name == "fsdp" else _fsdp_config(value) if name == "fsdp_config" else value

@@ -176,6 +176,27 @@ def _save_adapter(model: nn.Module, out: Path) -> None:
     (out / ADAPTER_CONFIG_FILE).write_text(adapter_config_text(model))
 
 
+def _listed(value: str | list[str] | None) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def _front_matter(language: Any, license: Any, tags: Any, finetuned_from: Any, datasets: list[str]) -> list[str]:
+    """Return the card's YAML metadata lines (the Hub reads them), as ``Trainer.create_model_card`` writes them."""
+    lines = ["---", "library_name: transformers"]
+    if license:
+        lines.append(f"license: {license}")
+    if finetuned_from:
+        lines.append(f"base_model: {finetuned_from}")
+    for key, values in (
+        ("language", _listed(language)),
+        ("tags", ["trainfold", *_listed(tags)]),
+        ("datasets", datasets),
+    ):
+        if values:
+            lines += [f"{key}:", *(f"- {v}" for v in values)]
+    return [*lines, "---", ""]
+
+
 def create_model_card(
     output_dir: str | os.PathLike,
     args: TrainingArguments,
@@ -183,30 +204,42 @@ def create_model_card(
     *,
     model_name: str | None = None,
     finetuned_from: str | None = None,
-    dataset: str | None = None,
-    tags: list[str] | None = None,
+    dataset: str | list[str] | None = None,
+    tags: str | list[str] | None = None,
+    language: str | list[str] | None = None,
+    license: str | None = None,
+    tasks: str | list[str] | None = None,
+    dataset_tags: str | list[str] | None = None,
+    dataset_args: str | list[str] | None = None,
 ) -> Path | None:
     """Write ``output_dir/README.md``: the model's name, origin, data, the settings and the final metrics.
 
-    A plain Markdown card (``Trainer.create_model_card`` writes one from the Hub's template); returns
-    its path on rank 0, ``None`` elsewhere.
+    A Markdown card with YAML metadata; takes ``Trainer.create_model_card``'s keywords (``language``,
+    ``license``, ``tasks``, ``dataset_tags``, ``dataset_args`` too); returns its path on rank 0, ``None`` elsewhere.
 
     >>> import tempfile
     >>> from trainfold.trainer.args import TrainingArguments
-    >>> path = create_model_card(tempfile.mkdtemp(), TrainingArguments(learning_rate=1e-3), model_name="tiny")
-    >>> path.read_text().splitlines()[0], "- learning_rate: 0.001" in path.read_text()
-    ('# tiny', True)
+    >>> path = create_model_card(tempfile.mkdtemp(), TrainingArguments(learning_rate=1e-3), model_name="tiny",
+    ...                          tasks="text-classification", license="apache-2.0")
+    >>> text = path.read_text()
+    >>> text.splitlines()[:3], "# tiny" in text, "- learning_rate: 0.001" in text
+    (['---', 'library_name: transformers', 'license: apache-2.0'], True, True)
     """
     if not is_world_process_zero():
         return None
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    lines = [f"# {model_name or out.name}", ""]
-    if finetuned_from or dataset:
+    names = _listed(dataset)
+    lines = _front_matter(language, license, tags, finetuned_from, _listed(dataset_tags) or names)
+    lines += [f"# {model_name or out.name}", ""]
+    if finetuned_from or names:
         origin = f"fine-tuned from {finetuned_from}" if finetuned_from else "trained"
-        lines += [f"This model was {origin}" + (f" on {dataset}." if dataset else "."), ""]
-    if tags:
-        lines += ["Tags: " + ", ".join(tags), ""]
+        data = " on " + ", ".join(
+            f"{n} ({a})" if a else n for n, a in zip(names, _listed(dataset_args) + [""] * len(names))
+        )
+        lines += [f"This model was {origin}" + (data if names else "") + ".", ""]
+    if tasks:
+        lines += ["Tasks: " + ", ".join(_listed(tasks)), ""]
     lines += ["## Training settings", ""]
     lines += [f"- {k}: {v}" for k, v in sorted(args.to_dict().items()) if v not in (None, (), [], {})]
     if result is not None:

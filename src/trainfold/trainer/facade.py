@@ -1,0 +1,311 @@
+"""``Trainer``: ``transformers.Trainer``'s shape over ``trainfold.train``/``evaluate``/``predict``, for moving scripts.
+
+It exists so that an existing script moves by changing its imports: ``Trainer(model, args, ...)`` takes
+the peer's keywords (``args`` a trainfold ``TrainingArguments`` or the script's own
+``transformers.TrainingArguments``, converted with ``from_hf``), and its methods are the functional API's:
+``train`` is ``trainfold.train``, ``evaluate``/``predict`` are ``trainfold.evaluate``/``predict``,
+``save_model``, ``log_metrics``, ``save_metrics``, ``save_state``, ``create_model_card`` and
+``is_world_process_zero`` are ``trainfold.trainer.trainer_methods``. It has no logic of its own: new code calls
+the functions, which stay the documented path. What it cannot honour (``model_init``, ``optimizers``,
+``push_to_hub``, ``hyperparameter_search``...) is refused by name with the functional alternative.
+
+>>> import tempfile, torch
+>>> from trainfold.core.models import TinyLM, TinyLMConfig
+>>> _ = torch.manual_seed(0)
+>>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+>>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
+>>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=4,
+...                          report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=1)
+>>> trainer = Trainer(model, args, train_dataset=rows, eval_dataset=rows)
+>>> out = trainer.train()
+>>> out.global_step, len(trainer.state.log_history), sorted(trainer.evaluate())[:2]
+(2, 3, ['epoch', 'eval_loss'])
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple, NoReturn
+
+import attrs
+from torch import nn
+
+from trainfold.trainer import trainer_methods as methods
+from trainfold.trainer.args import TrainingArguments
+from trainfold.trainer.evaluating import evaluate, predict
+from trainfold.trainer.train import TrainResult, train
+
+__all__ = [
+    "Trainer",
+    "TrainOutput",
+    "FacadeState",
+    "Console",
+    "arguments_for",
+    "model_name_of",
+    "refuse",
+    "refused_keywords",
+]
+
+
+class TrainOutput(NamedTuple):
+    """What ``Trainer.train`` returns, as ``transformers.trainer_utils.TrainOutput``: unpacks the same way."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+@attrs.frozen
+class FacadeState:
+    """``trainer.state``: the run's step, epoch, best checkpoint and log history (evaluations included), read-only."""
+
+    global_step: int = 0
+    epoch: float | None = None
+    log_history: list[dict[str, Any]] = attrs.field(factory=list)
+    best_checkpoint: Path | None = None
+
+    @property
+    def best_model_checkpoint(self) -> str | None:
+        """HF's name for ``best_checkpoint``, as a string."""
+        return None if self.best_checkpoint is None else str(self.best_checkpoint)
+
+
+class Console:
+    """``trainer.accelerator`` as TRL's scripts use it: ``print`` on the world's rank 0, ``is_main_process``."""
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this process is the world's rank 0."""
+        return methods.is_world_process_zero()
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """Print on the world's rank 0 only, as ``accelerate.Accelerator.print``."""
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+
+def init_kwargs(model: Any, given: Any) -> dict[str, Any] | None:
+    """Return the ``from_pretrained`` keywords for ``model`` when it is a name or path: the given arguments'
+    ``model_init_kwargs`` (a TRL config's included, which ``from_hf`` leaves to the script), else ``None``."""
+    return dict(getattr(given, "model_init_kwargs", None) or {}) if isinstance(model, str) else None
+
+
+def model_name_of(model: Any) -> str:
+    """Return the last part of a model's name or path, as TRL names its default ``output_dir`` (``{name}-SFT``)."""
+    name = model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    return name.rstrip("/").split("/")[-1] or type(model).__name__
+
+
+def refuse(what: str, instead: str) -> NoReturn:
+    """Raise ``TypeError`` saying that the facade cannot honour ``what``, and what to call instead."""
+    raise TypeError(f"{what} is not supported by trainfold's Trainer-shaped facade; {instead}")
+
+
+def arguments_for(args: Any, cls: type[TrainingArguments], default_output_dir: str) -> Any:
+    """Return ``args`` as ``cls``: as given, built from a peer's config (``cls.from_hf``: a
+    ``transformers.TrainingArguments`` or TRL config), or ``cls`` at its defaults for ``None``.
+
+    Another trainfold arguments class is refused: which of its values stand for the TRL settings it lacks
+    cannot be told apart from its defaults (TRL's ``SFTConfig(**args.to_dict())`` has no such fields).
+    """
+    if args is None:
+        return cls(output_dir=default_output_dir)
+    if isinstance(args, cls):
+        return args
+    if isinstance(args, TrainingArguments):
+        raise TypeError(
+            f"this trainer takes {cls.__name__} (or the peer's own config object), not {type(args).__name__}: "
+            f"build {cls.__name__}(...) with the same settings"
+        )
+    return cls.from_hf(args)
+
+
+_REFUSED_INIT = {
+    "model_init": "build the model yourself and pass it as model (trainfold runs no hyperparameter search)",
+    "optimizers": "pass a trainfold optimizer to trainfold.train(..., optimizer=chain(clip_by_global_norm(1.0), "
+    "adamw(...))), or set optim/lr_scheduler_type in the arguments",
+    "optimizer_cls_and_kwargs": "pass trainfold.train(..., optimizer=trainfold.optim.from_torch(cls, **kwargs))",
+    "quantization_config": "load the quantized model yourself and pass the module",
+    "reward_processing_classes": "tokenize inside a reward function reward(prompts, completions, **kwargs)",
+    "tools": "tool calling is not supported; call tools inside a reward function",
+    "rollout_func": "generation is trainfold.grpo's own; build another rollout with trainfold.grpo.make_rollout",
+    "environment_factory": "environments are not supported; score completions with reward functions",
+}
+
+
+def refused_keywords(given: dict[str, Any]) -> None:
+    """Refuse, all at once, every keyword given a value the facade cannot honour."""
+    bad = [k for k, v in given.items() if v not in (None, (None, None))]
+    if bad:
+        refuse(", ".join(f"{k}=" for k in bad), "; ".join(f"{k}: {_REFUSED_INIT.get(k, 'drop it')}" for k in bad))
+
+
+class Trainer:
+    """``transformers.Trainer``'s constructor and methods over ``trainfold.train`` (see the module doc).
+
+    For moving an existing script; new code calls ``trainfold.train``, ``evaluate``, ``predict``.
+    """
+
+    arguments_class: type[TrainingArguments] = TrainingArguments
+
+    def __init__(
+        self,
+        model: nn.Module | None = None,
+        args: Any = None,
+        data_collator: Callable[[list[Any]], Any] | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        model_init: Any = None,
+        compute_loss_func: Callable[..., Any] | None = None,
+        compute_metrics: Callable[..., Any] | None = None,
+        callbacks: Sequence[Any] | None = None,
+        optimizers: Any = (None, None),
+        optimizer_cls_and_kwargs: Any = None,
+        preprocess_logits_for_metrics: Callable[..., Any] | None = None,
+    ) -> None:
+        refused_keywords(
+            dict(model_init=model_init, optimizers=optimizers, optimizer_cls_and_kwargs=optimizer_cls_and_kwargs)
+        )
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"Trainer needs model= a torch module, got {type(model).__name__}; load it yourself first")
+        self.args = arguments_for(args, self.arguments_class, "trainer_output")
+        self.model, self.processing_class = model, processing_class
+        self.data_collator, self.train_dataset, self.eval_dataset = data_collator, train_dataset, eval_dataset
+        self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.callbacks = list(callbacks or ())
+        self.result: TrainResult | None = None  # what the last train returned
+        self._evaluations: list[dict[str, Any]] = []  # HF logs each evaluate() into state.log_history
+
+    # -- the run -------------------------------------------------------------------------------------------
+
+    def _run(self, resume_from_checkpoint: Any) -> TrainResult:
+        """Return ``trainfold.train`` of this trainer's values (the TRL facades call their recipe's run)."""
+        return train(
+            self.model,
+            self.args,
+            self.train_dataset,
+            self.eval_dataset,
+            self.data_collator,
+            compute_loss_func=self.compute_loss_func,
+            compute_metrics=self.compute_metrics,
+            preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
+            resume_from_checkpoint=resume_from_checkpoint,
+            callbacks=self.callbacks,
+            processing_class=self.processing_class,
+        )
+
+    def _scoring(self) -> dict[str, Any]:
+        """Return the keywords ``trainfold.evaluate``/``predict`` score this trainer's data with."""
+        return dict(
+            data_collator=self.data_collator,
+            compute_loss_func=self.compute_loss_func,
+            compute_metrics=self.compute_metrics,
+            preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
+            processing_class=self.processing_class,
+        )
+
+    def _eval_rows(self, dataset: Any) -> Any:
+        """Return ``dataset`` as ``evaluate``/``predict`` read it (the TRL facades prepare it as their run does)."""
+        return dataset
+
+    def train(
+        self, resume_from_checkpoint: bool | str | os.PathLike | None = None, trial: Any = None, **kwargs: Any
+    ) -> TrainOutput:
+        """Train as ``trainfold.train`` does; return HF's ``TrainOutput`` (``self.result`` holds trainfold's record)."""
+        if trial is not None:
+            refuse("train(trial=...)", "trainfold runs no hyperparameter search; loop over settings yourself")
+        if kwargs.get("ignore_keys_for_eval") is not None or set(kwargs) - {"ignore_keys_for_eval"}:
+            refuse(f"train({', '.join(f'{k}=' for k in kwargs)})", "call trainfold.train with the keywords it takes")
+        self.result = self._run(resume_from_checkpoint)
+        self._evaluations = []
+        return TrainOutput(self.result.global_step, self.result.metrics.get("train_loss", 0.0), self.result.metrics)
+
+    @property
+    def state(self) -> FacadeState:
+        """Return the run's state as HF's ``trainer.state`` reads it (``log_history``, ``global_step``...)."""
+        if self.result is None:
+            return FacadeState(log_history=list(self._evaluations))
+        history = list(self.result.log_history)
+        epochs = [e["epoch"] for e in history if "epoch" in e]
+        epoch = epochs[-1] if epochs else None
+        best = self.result.best_checkpoint
+        return FacadeState(self.result.global_step, epoch, history + self._evaluations, best)
+
+    def evaluate(
+        self, eval_dataset: Any = None, ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval"
+    ) -> dict[str, float]:
+        """Evaluate the model as ``trainfold.evaluate``; the metrics are logged into ``state.log_history``, as HF's."""
+        if ignore_keys is not None:
+            refuse("evaluate(ignore_keys=...)", "drop the keys in compute_metrics or preprocess_logits_for_metrics")
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset; pass one here or to the Trainer")
+        metrics = evaluate(
+            self.model, self.args, self._eval_rows(dataset), metric_key_prefix=metric_key_prefix, **self._scoring()
+        )
+        state = self.state
+        if state.epoch is not None:
+            metrics["epoch"] = state.epoch  # HF's evaluate returns the dict it logged, the epoch added
+        self._evaluations.append({**metrics, "step": state.global_step})
+        return metrics
+
+    def predict(self, test_dataset: Any, ignore_keys: list[str] | None = None, metric_key_prefix: str = "test") -> Any:
+        """Return predictions, label ids and metrics as ``trainfold.predict``."""
+        if ignore_keys is not None:
+            refuse("predict(ignore_keys=...)", "drop the keys in preprocess_logits_for_metrics")
+        rows = self._eval_rows(test_dataset)
+        return predict(self.model, self.args, rows, metric_key_prefix=metric_key_prefix, **self._scoring())
+
+    # -- after training: trainfold.trainer.trainer_methods ------------------------------------------------------------
+
+    def save_model(self, output_dir: str | os.PathLike | None = None, _internal_call: bool = False) -> None:
+        """Save the model (a PEFT model: its adapter) and the tokenizer for ``from_pretrained``."""
+        methods.save_model(self.model, output_dir or self.args.output_dir, self.processing_class)
+
+    def log_metrics(self, split: str, metrics: dict[str, Any]) -> None:
+        """Print ``metrics`` as ``Trainer.log_metrics``."""
+        methods.log_metrics(split, metrics)
+
+    def save_metrics(self, split: str, metrics: dict[str, Any], combined: bool = True) -> None:
+        """Write ``{split}_results.json`` (and ``all_results.json``) into ``args.output_dir``."""
+        methods.save_metrics(split, metrics, self.args.output_dir, combined)
+
+    def save_state(self) -> None:
+        """Write ``trainer_state.json`` into ``args.output_dir``."""
+        methods.save_state(self.state, self.args)
+
+    def create_model_card(self, **kwargs: Any) -> None:
+        """Write ``README.md`` into ``args.output_dir``; takes HF's keywords (``tasks``, ``license``...)."""
+        methods.create_model_card(self.args.output_dir, self.args, self.result, **kwargs)
+
+    def is_world_process_zero(self) -> bool:
+        """Whether this process is the world's rank 0."""
+        return methods.is_world_process_zero()
+
+    def is_local_process_zero(self) -> bool:
+        """Whether this process is its machine's rank 0."""
+        return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a ``TrainerCallback`` (or its class) for the next ``train``."""
+        self.callbacks.append(callback() if isinstance(callback, type) else callback)
+
+    @property
+    def accelerator(self) -> Console:
+        """What TRL's scripts call ``trainer.accelerator.print`` on (trainfold runs no accelerate)."""
+        return Console()
+
+    def end(self) -> None:
+        """Do nothing: ``train`` closes its reporters and process group itself (``Trainer.end``, transformers 5.18)."""
+
+    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: trainfold never uploads."""
+        refuse("push_to_hub", "save_model(output_dir), then upload it yourself (model.push_to_hub or huggingface_hub)")
+
+    def hyperparameter_search(self, *args: Any, **kwargs: Any) -> None:
+        """Refused: trainfold runs no hyperparameter search."""
+        refuse("hyperparameter_search", "loop over settings yourself, calling trainfold.train for each")
