@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "trainfold"
-LAYERS = ("core", "distributed", "optim", "data", "step", "evaluation", "ckpt", "observe", "recipes", "hf")
+LAYERS = ("core", "distributed", "optim", "data", "step", "evaluation", "ckpt", "observe", "recipes", "hf", "kto")
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
