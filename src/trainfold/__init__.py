@@ -4,8 +4,8 @@ The pieces, bottom up: ``tree`` (pure ops on tensor dicts), ``state`` (the ``Tra
 record), ``losses``, ``optim`` and ``schedules``, ``step`` (``make_step``), ``samplers`` and
 ``data`` (the resumable stream), ``fold`` (``fit``, ``trajectory``), ``reducers`` and
 ``evaluation``, ``checkpoint`` and ``preempt``, ``observe`` and ``reporters``, ``neftune``,
-``dpo``/``grpo``/``sft``/``generate`` (``dpo.train``, ``grpo.train``, ``sft.train``: the runs), ``packing`` and
-``chunked_loss`` (LLM batches and loss), ``distributed``, and ``train`` (``TrainingArguments`` +
+``dpo``/``grpo``/``sft``/``kto``/``generate`` (``dpo.train``, ``grpo.train``, ``sft.train``, ``kto.train``: the
+runs), ``packing`` and ``chunked_loss`` (LLM batches and loss), ``distributed``, and ``train`` (``TrainingArguments`` +
 ``train``) which wires them from the HF Trainer's setting names.
 
 ``import trainfold`` imports none of them (nor ``torch``): each public name is imported the first
@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers and
         grpo,
         grpo_args,
         grpo_run,
+        kto,
         losses,
         observe,
         optim,
@@ -93,6 +94,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "schedules": ("trainfold.schedules", None),
     "sft": ("trainfold.sft", None),
     "dpo": ("trainfold.dpo", None),
+    "kto": ("trainfold.kto", None),
     "ensemble": ("trainfold.ensemble", None),
     "generate": ("trainfold.generate", None),
     "compiled": ("trainfold.compiled", None),
@@ -198,6 +200,7 @@ __all__ = [
     "grpo",
     "grpo_args",
     "grpo_run",
+    "kto",
     "observe",
     "reducers",
     "reporters",

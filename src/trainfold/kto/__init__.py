@@ -13,8 +13,8 @@ The pieces: unpaired rows and their tokenization (:mod:`trainfold.kto.rows`), th
 from trainfold.kto.args import KTOArguments
 from trainfold.kto.collate import REF_COLUMNS, UnpairedCollate, unpaired_collate
 from trainfold.kto.loss import KTO_LOSS_TYPES, kl_estimate, kto_loss, kto_loss_errors
-from trainfold.kto.objective import KTOObjective, kto_objective, sequence_logps
-from trainfold.kto.reference import reference_logps, with_reference
+from trainfold.kto.objective import KTOObjective, kto_objective, unpaired_logps
+from trainfold.kto.reference import unpaired_reference_logps, with_reference_logps
 from trainfold.kto.rows import KL_COLUMN, UNPAIRED_COLUMNS, unpair, unpaired_row, unpaired_rows, with_kl_completions
 from trainfold.kto.run import prepare_unpaired_dataset, train
 
@@ -31,13 +31,13 @@ __all__ = [
     "kto_loss_errors",
     "kto_objective",
     "prepare_unpaired_dataset",
-    "reference_logps",
-    "sequence_logps",
+    "unpaired_reference_logps",
+    "unpaired_logps",
     "train",
     "unpair",
     "unpaired_collate",
     "unpaired_row",
     "unpaired_rows",
     "with_kl_completions",
-    "with_reference",
+    "with_reference_logps",
 ]

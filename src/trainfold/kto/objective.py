@@ -27,16 +27,16 @@ from torch import Tensor, nn
 
 from trainfold.kto.collate import REF_COLUMNS, UnpairedCollate
 from trainfold.kto.loss import kl_estimate, kto_loss, kto_loss_errors
-from trainfold.kto.reference import prepare_reference
+from trainfold.kto.reference import prepare_reference_logps
 from trainfold.kto.rows import KL_COLUMN, UNPAIRED_COLUMNS
 from trainfold.recipes.dpo_logps import completion_logps
 
-__all__ = ["KTOObjective", "kto_objective", "sequence_logps"]
+__all__ = ["KTOObjective", "kto_objective", "unpaired_logps"]
 
 _MODEL_KEYS = ("input_ids", "attention_mask")
 
 
-def sequence_logps(
+def unpaired_logps(
     forward: Callable[..., Any], params: Mapping[str, Tensor], batch: Mapping[str, Tensor], prefix: str = ""
 ) -> Tensor:
     """Return each row's summed completion log-prob of the ``prefix`` sequences of a collated batch."""
@@ -99,7 +99,7 @@ class KTOObjective:
         ref = self.ref_params or {k: v.detach() for k, v in model.named_parameters()}
         sizes = (self.precompute_ref_batch_size or args.per_device_train_batch_size,
                  self.precompute_ref_batch_size or args.per_device_eval_batch_size)  # fmt: skip
-        train_dataset, eval_dataset = prepare_reference(
+        train_dataset, eval_dataset = prepare_reference_logps(
             model, ref, train_dataset, eval_dataset, collate, device=device, batch_sizes=sizes, kl=self.calculate_kl
         )
         return attrs.evolve(self, ref_params=None, precompute_ref_log_probs=False), train_dataset, eval_dataset
@@ -114,8 +114,8 @@ class KTOObjective:
                 )
             return micro["ref_logps"], micro["ref_KL_logps"] if self.calculate_kl else None
         with torch.no_grad():
-            ref_kl = sequence_logps(forward, self.ref_params, micro, "KL_") if self.calculate_kl else None
-            return sequence_logps(forward, self.ref_params, micro), ref_kl
+            ref_kl = unpaired_logps(forward, self.ref_params, micro, "KL_") if self.calculate_kl else None
+            return unpaired_logps(forward, self.ref_params, micro), ref_kl
 
     def __call__(
         self,
@@ -130,7 +130,7 @@ class KTOObjective:
         inputs = {k: micro_batch[k] for k in _MODEL_KEYS}
         logps, stats = completion_logps(forward, params, inputs, micro_batch, None, 0, stats=True)
         with torch.no_grad():
-            kl_logps = sequence_logps(forward, params, micro_batch, "KL_") if self.calculate_kl else None
+            kl_logps = unpaired_logps(forward, params, micro_batch, "KL_") if self.calculate_kl else None
         ref_logps, ref_kl_logps = self._reference(forward, micro_batch)
         kl = kl_estimate(kl_logps, ref_kl_logps) if kl_logps is not None else torch.zeros((), device=logps.device)
         label = micro_batch["label"].to(device=logps.device, dtype=torch.bool)

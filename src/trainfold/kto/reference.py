@@ -1,8 +1,8 @@
 """KTO's reference log-probs computed once, before training (``precompute_ref_log_probs``).
 
-:func:`reference_logps` scores unpaired rows with the reference (eval mode, no grad, in row order, through the
+:func:`unpaired_reference_logps` scores unpaired rows with the reference (eval mode, no grad, in row order, through the
 training collator): each row's completion and, with a KL term, its mismatched KL completion.
-:func:`prepare_reference` adds them to the train and eval rows as ``ref_logps`` and ``ref_KL_logps``.
+:func:`prepare_reference_logps` adds them to the train and eval rows as ``ref_logps`` and ``ref_KL_logps``.
 They are computed at each start of ``train`` (a resumed run included) from the reference it is given.
 
 >>> import torch
@@ -10,7 +10,8 @@ They are computed at each start of ``train`` (a resumed run included) from the r
 >>> from trainfold.kto.collate import unpaired_collate
 >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
 >>> rows = [{"prompt_ids": [1], "completion_ids": [4], "KL_completion_ids": [5], "label": True}]
->>> out = with_reference(rows, *reference_logps(model, dict(model.named_parameters()), rows, unpaired_collate()))
+>>> scored = unpaired_reference_logps(model, dict(model.named_parameters()), rows, unpaired_collate())
+>>> out = with_reference_logps(rows, *scored)
 >>> sorted(out[0]), "ref_logps" in rows[0]
 (['KL_completion_ids', 'completion_ids', 'label', 'prompt_ids', 'ref_KL_logps', 'ref_logps'], False)
 """
@@ -28,7 +29,7 @@ from trainfold.kto.collate import REF_COLUMNS
 from trainfold.recipes.dpo_logps import completion_logps
 from trainfold.recipes.generate import functional_forward
 
-__all__ = ["prepare_reference", "reference_logps", "with_reference"]
+__all__ = ["prepare_reference_logps", "unpaired_reference_logps", "with_reference_logps"]
 
 
 def _side(
@@ -39,7 +40,7 @@ def _side(
     return completion_logps(forward, params, inputs, side, None, 0)[0].float().cpu()
 
 
-def reference_logps(
+def unpaired_reference_logps(
     model: nn.Module,
     ref_params: Mapping[str, Tensor],
     rows: Any,
@@ -71,7 +72,7 @@ def reference_logps(
     return (torch.cat(main) if main else empty), ((torch.cat(mismatched) if mismatched else empty) if kl else None)
 
 
-def with_reference(rows: Any, ref: Tensor, ref_kl: Tensor | None) -> Any:
+def with_reference_logps(rows: Any, ref: Tensor, ref_kl: Tensor | None) -> Any:
     """Return ``rows`` with ``ref_logps`` (and ``ref_KL_logps``) added: a list of new dicts, or a ``datasets.Dataset``
     with the columns added; nothing passed in is changed."""
     columns = {REF_COLUMNS[0]: ref.tolist()} | ({} if ref_kl is None else {REF_COLUMNS[1]: ref_kl.tolist()})
@@ -82,7 +83,7 @@ def with_reference(rows: Any, ref: Tensor, ref_kl: Tensor | None) -> Any:
     return [{**dict(r), **{k: v[i] for k, v in columns.items()}} for i, r in enumerate(rows)]
 
 
-def prepare_reference(
+def prepare_reference_logps(
     model: nn.Module,
     ref_params: Mapping[str, Tensor],
     train_dataset: Any,
@@ -97,7 +98,7 @@ def prepare_reference(
     ref = {k: v.detach().to(device) for k, v in ref_params.items()}
 
     def scored(rows: Any, size: int) -> Any:
-        return with_reference(rows, *reference_logps(model, ref, rows, collate, batch_size=size, kl=kl))
+        return with_reference_logps(rows, *unpaired_reference_logps(model, ref, rows, collate, batch_size=size, kl=kl))
 
     train_dataset = scored(train_dataset, batch_sizes[0])
     if isinstance(eval_dataset, Mapping):
