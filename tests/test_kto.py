@@ -67,7 +67,7 @@ RUN = dict(
 )
 
 
-def trl_trainer(tmp_path, rows, **kw):
+def trl_trainer(tmp_path, rows, eval_rows=None, **kw):
     policy = llama()
     args = trl.KTOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **{**COMMON, **kw})
     return trl.KTOTrainer(
@@ -75,6 +75,7 @@ def trl_trainer(tmp_path, rows, **kw):
         ref_model=copy.deepcopy(policy),
         args=args,
         train_dataset=datasets.Dataset.from_list(rows),
+        eval_dataset=None if eval_rows is None else datasets.Dataset.from_list(eval_rows),
         processing_class=tokenizer(),
     )
 
@@ -116,6 +117,9 @@ def test_kto_arguments_take_kto_configs_names_and_defaults():
         assert getattr(ours, name) == getattr(theirs, name), name
     for name in ("learning_rate", "logging_steps", "gradient_checkpointing", "bf16", "train_sampling_strategy"):
         assert getattr(ours, name) == getattr(theirs, name), name
+    config = trl.KTOConfig(output_dir="x", use_cpu=True, beta=0.3, loss_type="apo_zero_unpaired", undesirable_weight=2)
+    converted = KTOArguments.from_hf(config)
+    assert (converted.beta, converted.loss_type, converted.undesirable_weight) == (0.3, "apo_zero_unpaired", 2.0)
 
 
 # -- rows -----------------------------------------------------------------------------------------
@@ -207,3 +211,23 @@ def test_a_stopped_and_resumed_run_is_bitwise_equal_to_an_uninterrupted_one(tmp_
         assert torch.equal(resumed.state.params[k], whole.state.params[k]), k
     losses = lambda r: [h["loss"] for h in step_entries(r.log_history)]
     assert losses(resumed) == losses(whole)
+
+
+def test_evaluation_equals_trls_evaluate(tmp_path):
+    """TRL's ``eval_loss`` (batch means weighted by rows) and eval metrics (unweighted means of batch values: equal
+    to trainfold's row-weighted ones for eval batches of one size, here 3 + 3; the KL rows rotate in blocks of
+    ``per_device_train_batch_size``, for the eval set too)."""
+    rows, held_out = text_rows(12), text_rows(6, seed=7)
+    kw = {**RUN, "max_steps": 2, "per_device_eval_batch_size": 3, "eval_strategy": "steps", "eval_steps": 2}
+    trainer = trl_trainer(tmp_path, rows, held_out, **kw)
+    trainer.train()
+    theirs = [h for h in trainer.state.log_history if "eval_loss" in h][-1]
+    args = KTOArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw)
+    result = trainfold.kto.train(
+        llama(), args, datasets.Dataset.from_list(rows), datasets.Dataset.from_list(held_out), tokenizer()
+    )
+    ours = [h for h in result.log_history if "eval_loss" in h][-1]
+    timing = {"eval_runtime", "eval_samples_per_second", "eval_steps_per_second", "eval_num_tokens", "step"}
+    assert set(theirs) - timing == set(ours) - timing
+    for k in set(theirs) - timing:
+        assert ours[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
