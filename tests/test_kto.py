@@ -231,3 +231,21 @@ def test_evaluation_equals_trls_evaluate(tmp_path):
     assert set(theirs) - timing == set(ours) - timing
     for k in set(theirs) - timing:
         assert ours[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
+
+
+def test_inputs_kto_cannot_use_are_refused_by_name(tmp_path):
+    obj = kto.kto_objective()
+    rows = unpaired_rows(text_rows(2), tokenizer(), kl_batch_size=None)
+    batch = kto.unpaired_collate()(rows)
+    with pytest.raises(KeyError, match="needs the KL sequences"):
+        obj(functional_forward(llama()), {}, batch, obj.count_items(batch))
+    with pytest.raises(KeyError, match="needs 'label'"):
+        obj.count_items({k: v for k, v in batch.items() if k != "label"})
+    with pytest.raises(KeyError, match=r"lacks \['label'\]"):
+        kto.unpaired_collate()([{"prompt_ids": [1], "completion_ids": [2]}])
+    with pytest.raises(KeyError, match=r"unpaired row lacks \['label'\]"):
+        kto.unpaired_row({"prompt": "w1", "completion": " w2"}, tokenizer())
+    stream = datasets.Dataset.from_list(text_rows(4)).to_iterable_dataset()
+    args = KTOArguments(output_dir=str(tmp_path), **COMMON, **RUN)
+    with pytest.raises(TypeError, match="a streamed dataset is not supported"):
+        trainfold.kto.train(llama(), args, stream, processing_class=tokenizer())

@@ -79,6 +79,11 @@ class KTOObjective:
 
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
         """Count the rows of ``micro_batch``."""
+        if "label" not in micro_batch:
+            raise KeyError(
+                f"a KTO micro-batch needs 'label' (True: desirable), has {sorted(micro_batch)}; collate the rows "
+                "with unpaired_collate()"
+            )
         return torch.tensor(micro_batch["label"].shape[0])
 
     def count_samples(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
@@ -126,13 +131,18 @@ class KTOObjective:
         key: torch.Generator | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         if self.calculate_kl and "KL_input_ids" not in micro_batch:
-            raise KeyError(f"loss_type={self.loss_type!r} needs the KL sequences: prepare rows with kl_batch_size")
+            raise KeyError(
+                f"loss_type={self.loss_type!r} needs the KL sequences (KL_input_ids): prepare the rows with "
+                "unpaired_rows(..., kl_batch_size=<per_device_train_batch_size>), or use loss_type='apo_zero_unpaired'"
+            )
         inputs = {k: micro_batch[k] for k in _MODEL_KEYS}
         logps, stats = completion_logps(forward, params, inputs, micro_batch, None, 0, stats=True)
         with torch.no_grad():
             kl_logps = unpaired_logps(forward, params, micro_batch, "KL_") if self.calculate_kl else None
         ref_logps, ref_kl_logps = self._reference(forward, micro_batch)
-        kl = kl_estimate(kl_logps, ref_kl_logps) if kl_logps is not None else torch.zeros((), device=logps.device)
+        kl = torch.zeros((), device=logps.device)  # TRL's KL without KL rows (apo_zero_unpaired)
+        if kl_logps is not None and ref_kl_logps is not None:
+            kl = kl_estimate(kl_logps, ref_kl_logps)
         label = micro_batch["label"].to(device=logps.device, dtype=torch.bool)
         losses = kto_loss(
             logps, ref_logps, label, kl, self.beta, self.loss_type, self.desirable_weight, self.undesirable_weight
