@@ -13,6 +13,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny_chat import llama, word_tokenizer
 
 import trainfold
@@ -123,6 +125,18 @@ def test_kto_arguments_take_kto_configs_names_and_defaults():
 
 
 # -- rows -----------------------------------------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(st.integers(3, 60), min_size=1, max_size=3), min_size=1, max_size=11), st.integers(2, 5))
+def test_kl_completions_are_the_blocks_completions_rotated_by_one(completions, size):
+    rows = [{"prompt_ids": [1], "completion_ids": c, "label": True} for c in completions]
+    out = kto.with_kl_completions(rows, size)
+    assert [r["completion_ids"] for r in out] == completions and rows[0].keys() == {"prompt_ids", "completion_ids",
+                                                                                      "label"}  # fmt: skip
+    for start in range(0, len(rows), size):
+        block = completions[start : start + size]
+        assert [r["KL_completion_ids"] for r in out[start : start + size]] == [block[-1], *block[:-1]]
 
 
 @pytest.mark.parametrize("rows", [text_rows(7), paired_chat_rows(4)], ids=["unpaired-text", "paired-chat"])
@@ -249,3 +263,24 @@ def test_inputs_kto_cannot_use_are_refused_by_name(tmp_path):
     args = KTOArguments(output_dir=str(tmp_path), **COMMON, **RUN)
     with pytest.raises(TypeError, match="a streamed dataset is not supported"):
         trainfold.kto.train(llama(), args, stream, processing_class=tokenizer())
+
+
+def test_a_peft_run_takes_the_model_without_its_adapter_as_reference_as_trl(tmp_path):
+    """TRL's ``ref_model=None`` with ``peft_config``: the adapter disabled is the reference; trainfold's reference
+    is the adapter as drawn (LoRA's B = 0: the same function)."""
+    peft = pytest.importorskip("peft")
+    config = lambda: peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8, lora_dropout=0.0)
+    rows, kw = text_rows(12), dict(**COMMON, **{**RUN, "max_steps": 2, "gradient_accumulation_steps": 1})
+    args = trl.KTOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **kw)
+    data = datasets.Dataset.from_list(rows)
+    trainer = trl.KTOTrainer(
+        model=llama(), args=args, train_dataset=data, processing_class=tokenizer(), peft_config=config()
+    )
+    trainer.train()
+    ours = trainfold.kto.train(
+        llama(), KTOArguments(output_dir=str(tmp_path / "tf"), **kw), data, processing_class=tokenizer(),
+        peft_config=config(),
+    )  # fmt: skip
+    losses = lambda h: [e["loss"] for e in step_entries(h)]
+    assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
+    assert losses(ours.log_history)[1] != pytest.approx(0.5, abs=1e-4)  # the adapter moved: not 1 - σ(0)
