@@ -139,12 +139,17 @@ def test_kl_completions_are_the_blocks_completions_rotated_by_one(completions, s
         assert [r["KL_completion_ids"] for r in out[start : start + size]] == [block[-1], *block[:-1]]
 
 
-@pytest.mark.parametrize("rows", [text_rows(7), paired_chat_rows(4)], ids=["unpaired-text", "paired-chat"])
-def test_rows_are_prepared_as_trl_prepares_them(tmp_path, rows):
-    theirs = trl_trainer(tmp_path, rows, per_device_train_batch_size=3).train_dataset
-    ours = unpaired_rows(rows, tokenizer(), max_length=1024, kl_batch_size=3)
+@pytest.mark.parametrize(
+    ("rows", "max_length"),
+    [(text_rows(7), 1024), (text_rows(9), 3), (paired_chat_rows(4), 1024)],
+    ids=["unpaired-text", "long-prompts-dropped", "paired-chat"],
+)
+def test_rows_are_prepared_as_trl_prepares_them(tmp_path, rows, max_length):
+    theirs = trl_trainer(tmp_path, rows, per_device_train_batch_size=3, max_length=max_length).train_dataset
+    ours = unpaired_rows(rows, tokenizer(), max_length=max_length, kl_batch_size=3)
     keys = ("prompt_ids", "completion_ids", "label", "KL_completion_ids")
     assert ours == [{k: r[k] for k in keys} for r in theirs]
+    assert len(ours) < len(rows) if max_length == 3 else len(ours) >= len(rows)
 
 
 def test_objective_equals_trls_compute_loss_and_metrics(tmp_path):
@@ -183,8 +188,16 @@ def step_entries(history):
         (paired_chat_rows(12), {"desirable_weight": 1.3, "undesirable_weight": 0.7}),
         (text_rows(24), {"loss_type": "apo_zero_unpaired"}),
         (text_rows(24), {"precompute_ref_log_probs": True}),
+        (text_rows(24), {"max_length": 5, "pad_to_multiple_of": 4}),
     ],
-    ids=["text", "text-no-accumulation", "paired-chat-weights", "apo-zero-unpaired", "precomputed-reference"],
+    ids=[
+        "text",
+        "text-no-accumulation",
+        "paired-chat-weights",
+        "apo-zero-unpaired",
+        "precomputed-reference",
+        "truncated-padded",
+    ],  # fmt: skip
 )
 def test_per_step_losses_equal_a_trl_kto_run(tmp_path, rows, kw):
     run, mixed = {**RUN, **kw}, "label" in rows[0]  # unpaired rows: every block of 3 has both labels
