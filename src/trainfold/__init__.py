@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         ensemble,
         evaluation,
         grpo,
+        kto,
         loop,
         observe,
         optim,

@@ -1,0 +1,105 @@
+"""The KTO run: TRL 1.16 ``KTOTrainer``'s data preparation and reference, then ``trainfold.train``.
+
+>>> import tempfile, torch
+>>> from trainfold.core.models import TinyLM, TinyLMConfig
+>>> _ = torch.manual_seed(0)
+>>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+>>> rows = [{"prompt_ids": [1, 2], "completion_ids": [3 + i % 3], "label": i % 2 == 0} for i in range(4)]
+>>> args = KTOArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=2, bf16=False,
+...                     gradient_checkpointing=False, report_to="none", disable_tqdm=True, save_strategy="no")
+>>> result = train(model, args, rows)
+>>> result.global_step, round(result.log_history[0]["loss"], 6)  # the reference is the model before training: 1 - σ(0)
+(2, 0.5)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from trainfold.kto.args import KTOArguments
+from trainfold.kto.collate import unpaired_collate
+from trainfold.kto.objective import kto_objective
+from trainfold.kto.rows import unpaired_rows
+from trainfold.trainer.model_source import model_from, processing_class_for
+from trainfold.trainer.train import TrainResult
+from trainfold.trainer.train import train as train_run
+
+__all__ = ["prepare_unpaired_dataset", "train"]
+
+
+def _model(model: nn.Module | str, args: KTOArguments, peft_config: Any) -> nn.Module:
+    built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
+    if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
+        for m in built.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+    return built
+
+
+def prepare_unpaired_dataset(dataset: Any, processing_class: Any, args: KTOArguments) -> Any:
+    """Return ``dataset``'s rows prepared as ``KTOTrainer`` prepares them (``trainfold.kto.rows``); the KL
+    completions rotate within blocks of ``per_device_train_batch_size`` rows, for the eval set too (as TRL)."""
+    if dataset is None:
+        return None
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(
+            f"trainfold.kto.train needs a map-style dataset (a list or a datasets.Dataset), got "
+            f"{type(dataset).__name__}: a streamed dataset is not supported; load it (datasets.load_dataset without "
+            "streaming) or materialise it with list(...)"
+        )
+    kl = None if args.loss_type == "apo_zero_unpaired" else args.per_device_train_batch_size
+    rows = (dataset[i] for i in range(len(dataset)))
+    return unpaired_rows(rows, processing_class, args.max_length, kl)
+
+
+def train(
+    model: nn.Module | str,
+    args: KTOArguments,
+    train_dataset: Any,
+    eval_dataset: Any = None,
+    processing_class: Any = None,
+    ref_model: nn.Module | None = None,
+    peft_config: Any = None,
+    callbacks: Sequence[Any] = (),
+    **kwargs: Any,
+) -> TrainResult:
+    """Train ``model`` with KTO on unpaired (or paired) rows as ``KTOTrainer(...).train()`` does; return the record.
+
+    The reference is ``ref_model`` when given, else the model as it is before training (TRL reloads it from its
+    path; this needs none); ``precompute_ref_log_probs`` scores the datasets with it once. Without
+    ``processing_class`` the tokenizer saved with the model is loaded, as TRL does. ``kwargs`` go to
+    ``trainfold.train``.
+    """
+    if not isinstance(args, KTOArguments):
+        raise TypeError(
+            f"trainfold.kto.train takes KTOArguments (TRL's KTOConfig names), not {type(args).__name__}; "
+            f"convert a trl.KTOConfig with KTOArguments.from_hf(config)"
+        )
+    model = _model(model, args, peft_config)
+    source = model if ref_model is None else ref_model
+    ref_params = None
+    if not args.precompute_ref_log_probs or ref_model is not None:
+        ref_params = {k: v for k, v in source.named_parameters() if v.requires_grad or ref_model is not None}
+    objective = kto_objective(
+        args.beta,
+        args.loss_type,
+        ref_params,
+        desirable_weight=args.desirable_weight,
+        undesirable_weight=args.undesirable_weight,
+        precompute_ref_log_probs=args.precompute_ref_log_probs,
+        precompute_ref_batch_size=args.precompute_ref_batch_size,
+    )
+    tok = processing_class_for(model, processing_class)
+    pad = (getattr(tok, "pad_token", None) or getattr(tok, "eos_token", None)) if tok is not None else None
+    pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
+    collate = unpaired_collate(pad_id, args.max_length, args.pad_to_multiple_of)
+    train_rows = prepare_unpaired_dataset(train_dataset, tok, args)
+    if isinstance(eval_dataset, dict):
+        eval_rows: Any = {k: prepare_unpaired_dataset(v, tok, args) for k, v in eval_dataset.items()}
+    else:
+        eval_rows = prepare_unpaired_dataset(eval_dataset, tok, args)
+    run = dict(objective=objective, callbacks=callbacks, processing_class=tok)  # checkpoints hold the tokenizer
+    return train_run(model, args, train_rows, eval_rows, collate, **run, **kwargs)
