@@ -1,16 +1,18 @@
-"""The LLM settings of ``TrainingArguments`` as one value: packing, padding-free batches, chunked loss.
+"""How an LLM run batches its rows, as one value (``LMBatching``): packing, truncation, padding-free, chunked loss.
 
-``lm_inputs(model, args, ...)`` returns the training dataset, collator and objective those
-settings ask for (TRL's names: ``packing``, ``packing_strategy``, ``max_length``, ``padding_free``;
-trainfold's ``loss_chunk_size``), or the inputs unchanged when none is set. Every combination it
-cannot do exactly is refused by name before any work is done.
+``lm_inputs(model, batching, ...)`` returns the training dataset, collator and objective those settings
+ask for (TRL's names: ``packing``, ``packing_strategy``, ``max_length``, ``padding_free``; trainfold's
+``loss_chunk_size``), or the inputs unchanged when none is set. Every combination it cannot do exactly
+is refused by name before any work is done. The trainer builds the record from its arguments
+(``trainfold.trainer.inputs.lm_batching_for``); nothing here reads an arguments object.
 
->>> from trainfold.trainer.args import TrainingArguments
 >>> from trainfold.core.models import TinyLM, TinyLMConfig
 >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
 >>> rows = [{"input_ids": [1, 2, 3]}]
->>> lm_inputs(model, TrainingArguments(), rows, None, None, None).train_dataset is rows
+>>> lm_inputs(model, LMBatching(), rows, None, None, None).train_dataset is rows
 True
+>>> lm_inputs(model, LMBatching(max_length=2), rows, None, None, None).train_dataset
+[{'input_ids': [1, 2]}]
 """
 
 from __future__ import annotations
@@ -27,9 +29,28 @@ from trainfold.core.losses import causal_lm, default_loss_for
 from trainfold.data.lengths import PREFERENCE_COLUMNS
 from trainfold.data.packing import check_packable, pack, packed_collate, padding_free_collate
 
-__all__ = ["DEFAULT_MAX_LENGTH", "LMInputs", "lm_inputs", "truncated", "truncated_as", "truncates"]
+__all__ = ["DEFAULT_MAX_LENGTH", "LMBatching", "LMInputs", "lm_inputs", "truncated", "truncated_as", "truncates"]
 
 DEFAULT_MAX_LENGTH = 1024  # TRL's SFTConfig.max_length
+
+
+@attrs.frozen
+class LMBatching:
+    """How rows of token ids become batches: TRL's packing, truncation and padding-free settings, and the chunked loss.
+
+    ``max_length`` is the packed row's length with ``packing`` (None: TRL's 1024), else the length rows are
+    cut to (None: not cut), from the side ``truncation_mode`` names; ``prepared=False``: rows are taken as
+    given (SFT's ``skip_prepare_dataset``), never cut.
+    """
+
+    packing: bool = False
+    packing_strategy: str = "bfd"
+    padding_free: bool = False
+    max_length: int | None = None
+    truncation_mode: str = "keep_start"
+    loss_chunk_size: int = 0
+    label_smoothing_factor: float = 0.0
+    prepared: bool = True
 
 
 @attrs.frozen(eq=False)
@@ -50,7 +71,7 @@ def _preference_rows(dataset: Any) -> bool:
 
 
 def _refusals(
-    model: nn.Module, args: Any, train_dataset: Any, data_collator: Any, compute_loss_func: Any, objective: Any
+    model: nn.Module, args: LMBatching, train_dataset: Any, data_collator: Any, compute_loss_func: Any, objective: Any
 ) -> list[str]:
     out = []
     batching = "packing" if args.packing else "padding_free"
@@ -145,31 +166,30 @@ def truncated(dataset: Any, max_length: int, truncation_mode: str = "keep_start"
     return [done for done in (_cut(r, cut) for r in rows) if _supervised(done)]
 
 
-def truncates(args: Any, objective: Any) -> bool:
-    """Say whether ``args`` truncate the rows (TRL's ``max_length`` without packing): not when an objective reads
-    rows of its own, nor for rows SFT takes as given (``dataset_kwargs={"skip_prepare_dataset": True}``)."""
-    skipped = (getattr(args, "dataset_kwargs", None) or {}).get("skip_prepare_dataset")
-    return args.max_length is not None and not args.packing and objective is None and not skipped
+def truncates(batching: LMBatching, objective: Any) -> bool:
+    """Say whether ``batching`` truncates the rows (TRL's ``max_length`` without packing): not when an objective
+    reads rows of its own, nor for rows taken as given (SFT's ``skip_prepare_dataset``)."""
+    return batching.max_length is not None and not batching.packing and objective is None and batching.prepared
 
 
-def truncated_as(dataset: Any, args: Any) -> Any:
-    """``dataset`` cut to ``args.max_length`` from the side ``args`` names (SFT's ``truncation_mode``; else the end)."""
-    mode = args.truncation_mode if hasattr(args, "truncation_mode") else "keep_start"
+def truncated_as(dataset: Any, batching: LMBatching) -> Any:
+    """``dataset`` (or a dict of named sets) cut to ``batching.max_length`` from the side it names."""
+    assert batching.max_length is not None, "truncates(batching, objective) says when to cut"
     if isinstance(dataset, dict):  # named eval sets
-        return {name: truncated(rows, args.max_length, mode) for name, rows in dataset.items()}
-    return truncated(dataset, args.max_length, mode)
+        return {name: truncated_as(rows, batching) for name, rows in dataset.items()}
+    return truncated(dataset, batching.max_length, batching.truncation_mode)
 
 
 def lm_inputs(
     model: nn.Module,
-    args: Any,
+    args: LMBatching,
     train_dataset: Any,
     data_collator: Callable[..., Any] | None,
     compute_loss_func: Callable[..., Any] | None,
     objective: Callable[..., Any] | None,
 ) -> LMInputs:
     """Return the dataset, collator and objective that ``args``' packing, truncation and chunked-loss settings ask
-    for: ``max_length`` without packing truncates the rows (:func:`truncated`)."""
+    for (``args``: an :class:`LMBatching`): ``max_length`` without packing truncates the rows (:func:`truncated`)."""
     if truncates(args, objective):
         train_dataset = truncated_as(train_dataset, args)
     if not (args.packing or args.padding_free or args.loss_chunk_size):

@@ -29,7 +29,7 @@ from trainfold.data.columns import (
     padded_to_multiple,
     with_columns,
 )
-from trainfold.data.llm import lm_inputs, truncated_as, truncates
+from trainfold.data.llm import LMBatching, lm_inputs, truncated_as, truncates
 from trainfold.trainer.args import TrainingArguments
 
 __all__ = [
@@ -169,8 +169,9 @@ def run_inputs(
     ``DataCollatorWithPadding``); packing's and padding-free collators pad nothing.
     """
     loss = _loss(model, args, compute_loss_func, objective)
-    if eval_dataset is not None and truncates(args, objective):  # as the training rows (lm_inputs), as TRL
-        eval_dataset = truncated_as(eval_dataset, args)
+    batching = lm_batching_for(args)
+    if eval_dataset is not None and truncates(batching, objective):  # as the training rows (lm_inputs), as TRL
+        eval_dataset = truncated_as(eval_dataset, batching)
     if objective is None:
         refuse_unlabelled(train_dataset, loss)  # a fully masked dataset would train nothing, forever
     elif eval_dataset is not None and world_size > 1:
@@ -186,7 +187,7 @@ def run_inputs(
         objective, train_dataset, eval_dataset = prepare(
             model, args, train_dataset, eval_dataset, padded, device or device_for(args)
         )
-    lm = lm_inputs(model, args, train_dataset, data_collator, compute_loss_func, objective)  # packing, chunked loss
+    lm = lm_inputs(model, batching, train_dataset, data_collator, compute_loss_func, objective)  # packing, chunked loss
     return RunInputs(
         train_dataset=lm.train_dataset,
         eval_dataset=eval_dataset,
@@ -196,6 +197,20 @@ def run_inputs(
         columns=columns,
         collate=with_columns(padded_to_multiple(_either(lm.data_collator, default), args.pad_to_multiple_of), columns),
         eval_collate=eval_collate(eval_labels(padded, args, data_collator, objective), columns),
+    )
+
+
+def lm_batching_for(args: TrainingArguments) -> LMBatching:
+    """The arguments' LLM batching settings as the record ``data.llm`` takes (SFT's truncation side, if any)."""
+    return LMBatching(
+        packing=args.packing,
+        packing_strategy=args.packing_strategy,
+        padding_free=args.padding_free,
+        max_length=args.max_length,
+        truncation_mode=getattr(args, "truncation_mode", "keep_start"),  # SFTArguments' field, not HF's
+        loss_chunk_size=args.loss_chunk_size,
+        label_smoothing_factor=args.label_smoothing_factor,
+        prepared=not (getattr(args, "dataset_kwargs", None) or {}).get("skip_prepare_dataset"),
     )
 
 
