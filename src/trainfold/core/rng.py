@@ -80,7 +80,11 @@ def global_rng_states() -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(gauss),
         },
-        "random": {"version": version, "state": [int(x) for x in internal], "gauss_next": gauss_next},
+        "random": {  # 624 words and a position, each < 2**32
+            "version": version,
+            "state": _b64(np.asarray(internal, dtype="<u4").tobytes()),
+            "gauss_next": gauss_next,
+        },
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
@@ -101,7 +105,8 @@ def restore_global_rng(states: Mapping[str, Any]) -> None:
     keys = np.frombuffer(base64.b64decode(n["keys"]), dtype="<u4").astype(np.uint32)
     np.random.set_state((n["bit_generator"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
     r = states["random"]
-    random.setstate((r["version"], tuple(r["state"]), r["gauss_next"]))
+    internal = tuple(int(x) for x in np.frombuffer(base64.b64decode(r["state"]), dtype="<u4"))
+    random.setstate((r["version"], internal, r["gauss_next"]))
 
 
 def seed_global_rng(seed: int) -> None:
