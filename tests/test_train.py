@@ -385,7 +385,10 @@ def test_train_writes_the_final_weights_into_the_module_and_save_pretrained_keep
     assert net.lm_head.weight is net.transformer.wte.weight  # tied
     before = {k: v.clone() for k, v in net.state_dict().items()}
     data = [{k: v for k, v in r.items() if k != "note"} for r in rows()]
-    r = train(net, settings(tmp_path / "run", "random", max_steps=3), data)
+    from trainfold.data import pad_collate
+
+    # GPT-2 has no pad id: ragged rows need a collator that pads (the default one refuses, as HF's)
+    r = train(net, settings(tmp_path / "run", "random", max_steps=3), data, data_collator=pad_collate())
     _assert_module_holds(net, r.state)
     assert net.lm_head.weight is net.transformer.wte.weight  # still tied, to the trained tensor
     assert not torch.equal(net.state_dict()["transformer.wte.weight"], before["transformer.wte.weight"])
