@@ -135,7 +135,7 @@ class TrainingArguments:
     enable_jit_checkpoint: bool = attrs.field(default=False, metadata=BOOKKEEPING)
     # a resume takes the EarlyStoppingCallback's patience and threshold from the checkpoint, as HF (the counters
     # are in the state record: always restored)
-    restore_callback_states_from_checkpoint: bool = False
+    restore_callback_states_from_checkpoint: bool = attrs.field(default=False, metadata=BOOKKEEPING)  # not the run's
     use_cpu: bool = False
     bf16: bool = False
     fp16: bool = False
