@@ -44,14 +44,11 @@ def make_step(
 
     ``loss(outputs, labels, num_items_in_batch)`` scores the outputs (default: ``losses.default_loss_for`` the
     model's task; the labels, ``label_key``, leave each micro-batch before the forward pass). ``objective(forward,
-    params, micro_batch, num_items, key) -> (loss, aux)`` replaces forward and loss; ``aux`` holds the
-    micro-batch's metrics as means over it: ``state.metrics`` gets their mean over the step, each micro-batch
-    weighted by its items (``aux_reduction = "sum"`` on the objective: they are divided by ``num_items``, as the
-    loss, and summed; ``driver.aux_weights``). ``count_items(micro_batch)`` counts items (default: the loss's count
-    of the labels); ``collective`` sums counts and gradients across ranks. ``compile``: ``compiled.compile_step``
-    (backend by name or callable, ``compile_mode``; eager, with a warning, where it cannot).
-    ``gradient_checkpointing`` (an int n: every n-th block): ``step.recompute``. ``loss_scaling`` (with
-    ``autocast=torch.float16``): ``step.amp``.
+    params, micro_batch, num_items, key) -> (loss, aux)`` replaces forward and loss (``aux``: means, weighed by
+    items, ``driver.aux_weights``). ``count_items(micro_batch)`` counts items (default: the loss's count of the
+    labels); ``collective`` sums counts and gradients across ranks. ``compile``: ``compiled.compile_step`` (backend
+    by name or callable, ``compile_mode``; eager, with a warning, where it cannot). ``gradient_checkpointing`` (an
+    int n: every n-th block): ``step.recompute``. ``loss_scaling`` (with ``autocast=torch.float16``): ``step.amp``.
     ``step(state, batch, donate=True)`` (``step.donating``) updates ``state``'s tensors in place and
     invalidates it (bitwise equal); a donated *lent* state (``init_state(..., copy=False)``) runs the module as
     it is, gradients in ``.grad``, across ranks under ``DistributedDataParallel``. Sharded training: wrap the
