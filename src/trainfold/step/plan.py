@@ -96,9 +96,9 @@ def step_plan(
     refuse_sharded(model, fully_shard=True)
     if objective is None:
         refuse_forward_regularizer(model)
-    elif getattr(objective, "aux_reduction", "mean") not in ("mean", "sum"):
+    elif (reduction := getattr(objective, "aux_reduction", "mean")) not in ("mean", "sum"):
         raise ValueError(
-            f"objective.aux_reduction is {objective.aux_reduction!r}; set 'mean' (its aux are each micro-batch's "
+            f"objective.aux_reduction is {reduction!r}; set 'mean' (its aux are each micro-batch's "
             "means: the step logs their mean weighted by items) or 'sum' (they are divided by num_items_in_batch, "
             "as the loss: the step sums them)"
         )
