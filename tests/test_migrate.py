@@ -227,7 +227,15 @@ def test_processing_class_pads_with_its_pad_id_as_the_trainer_does(tmp_path):
     ours = trainfold.train(_classifier(), args, rows, processing_class=tok).log_history[0]["loss"]
     # one batch of 8: the same mean of 8 per-row losses, summed in another order at most (float32 rounding)
     assert ours == pytest.approx(expected, rel=1e-6)
-    zero_padded = trainfold.train(_classifier(), args.replace(output_dir=str(tmp_path / "z")), rows)
+    # without processing_class: padded with the model's config.pad_token_id (1), the tokenizer's too (was 0)
+    model_padded = trainfold.train(_classifier(), args.replace(output_dir=str(tmp_path / "z")), rows)
+    assert model_padded.log_history[0]["loss"] == pytest.approx(expected, rel=1e-6)
+
+    def pad_0(items):
+        return trainfold.data.pad_collate()([{"input_ids": r["input_ids"], "labels": r["label"]} for r in items])
+
+    zero = args.replace(output_dir=str(tmp_path / "0"))
+    zero_padded = trainfold.train(_classifier(), zero, rows, data_collator=pad_0)
     assert abs(zero_padded.log_history[0]["loss"] - expected) > 1e-3  # padding with 0 trains on other inputs
     model = _classifier()
     eval_hf = transformers.Trainer(model, args=hf, processing_class=tok).evaluate(rows)["eval_loss"]
@@ -457,13 +465,15 @@ def test_trls_example_script_migrates_in_8_changed_lines_with_trls_per_step_loss
 # -- 6. PEFT ------------------------------------------------------------------------------------------------------
 
 
-def _llama_lm(seed=0):
+def _llama_lm(seed=0, pad_token_id=None):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, max_position_embeddings=64, use_cache=False,
     )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(config)
+    model.config.pad_token_id = pad_token_id  # set after building: the same weights (no padding_idx row)
+    return model
 
 
 def _lm_rows():
@@ -480,9 +490,10 @@ def test_a_peft_model_with_or_without_task_type_trains_with_its_base_models_loss
         save_strategy="no", packing=packing, max_length=16,
     )  # fmt: skip
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type=task_type)
-    lora = peft.get_peft_model(_llama_lm(), config)  # no task_type: the generic PeftModel wrapper
+    lora = peft.get_peft_model(_llama_lm(pad_token_id=0), config)  # no task_type: the generic PeftModel wrapper
     ours = trainfold.train(lora, args, rows).log_history[0]["loss"]
-    plain = trainfold.train(_llama_lm(), args.replace(output_dir=str(tmp_path / "b")), rows).log_history[0]["loss"]
+    plain = trainfold.train(_llama_lm(pad_token_id=0), args.replace(output_dir=str(tmp_path / "b")), rows)
+    plain = plain.log_history[0]["loss"]
     assert ours == plain  # LoRA's B starts at zero: the first step's forward is the base model's, bit for bit
 
 
@@ -495,7 +506,7 @@ def test_rows_with_only_input_ids_get_an_eval_loss_when_training_builds_their_la
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, logging_steps=1, disable_tqdm=True,
         save_strategy="no", packing=True, max_length=16, eval_strategy="steps", eval_steps=2,
     )  # fmt: skip
-    model = _llama_lm()
+    model = _llama_lm(pad_token_id=0)  # eval rows are padded (not packed): with the model's pad id
     result = trainfold.train(model, args, rows, eval_dataset=rows[:5])
     logged = [e["eval_loss"] for e in result.log_history if "eval_loss" in e]
     labelled = [{**r, "labels": r["input_ids"]} for r in rows[:5]]

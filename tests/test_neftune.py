@@ -195,7 +195,11 @@ def test_wraps_another_objective_and_frozen_embeddings():
     objective = neftune_objective(model, 5.0, objective=inner)
     assert input_embedding(model) == (model.tok, "tok.weight")
     state = fit(make_step(model, optimizer=sgd(0.1), objective=objective), init_state(model, sgd(0.1)), batches(1))
-    assert calls == [1, 1] and state.metrics["aux"].item() == 2.0 and state.metrics["num_items"].item() == 5
+    assert calls == [1, 1] and state.metrics["aux"].item() == 1.0 and state.metrics["num_items"].item() == 5
+    inner.aux_reduction = "sum"  # carried by the wrapper: its aux summed over the micro-batches
+    wrapped = neftune_objective(model, 5.0, objective=inner)
+    state = fit(make_step(model, optimizer=sgd(0.1), objective=wrapped), init_state(model, sgd(0.1)), batches(1))
+    assert wrapped.aux_reduction == "sum" and state.metrics["aux"].item() == 2.0
 
 
 def test_hugging_face_model():

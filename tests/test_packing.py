@@ -103,6 +103,13 @@ def llama(attn: str):
     return transformers.LlamaForCausalLM(cfg)  # use_cache=True, as shipped: the step and evaluation turn it off
 
 
+def padded(model):
+    """``model`` with a pad id: unpacked documents of several lengths are padded (the default collator refuses
+    without one, as transformers.Trainer's)."""
+    model.config.pad_token_id = 0
+    return model
+
+
 def gpt2():
     torch.manual_seed(0)
     cfg = transformers.GPT2Config(
@@ -243,12 +250,12 @@ def test_llm_settings_train_and_resume_bitwise(name, tmp_path):
 
     docs = documents([3 + (7 * i) % 19 for i in range(40)], seed=5)
     settings = LM_SETTINGS[name]
-    straight = train(llama("sdpa"), run_args(tmp_path / "straight", **settings), docs)
+    straight = train(padded(llama("sdpa")), run_args(tmp_path / "straight", **settings), docs)
     assert straight.status == "completed" and straight.global_step == 6
     out = tmp_path / "stopped"
-    first = train(llama("sdpa"), run_args(out, **settings), docs, stop=lambda s: int(s.step) >= 3)
+    first = train(padded(llama("sdpa")), run_args(out, **settings), docs, stop=lambda s: int(s.step) >= 3)
     assert first.global_step == 3
-    resumed = train(llama("sdpa"), run_args(out, **settings), docs, resume_from_checkpoint=True)
+    resumed = train(padded(llama("sdpa")), run_args(out, **settings), docs, resume_from_checkpoint=True)
     for k, v in straight.state.params.items():
         assert torch.equal(v, resumed.state.params[k]), k
 
@@ -258,8 +265,8 @@ def test_the_chunked_loss_trains_like_the_plain_one(tmp_path):
 
     docs = documents([3 + (5 * i) % 17 for i in range(30)], seed=6)
     linear = {"save_strategy": "no", "optim": "sgd", "optim_args": "momentum=0.9"}  # see tests/tolerance.py
-    plain = train(llama("sdpa"), run_args(tmp_path / "plain", **linear), docs)
-    chunked = train(llama("sdpa"), run_args(tmp_path / "chunked", loss_chunk_size=7, **linear), docs)
+    plain = train(padded(llama("sdpa")), run_args(tmp_path / "plain", **linear), docs)
+    chunked = train(padded(llama("sdpa")), run_args(tmp_path / "chunked", loss_chunk_size=7, **linear), docs)
     # the chunks add the head's token terms in another order: within the bound of SGD + momentum runs
     args = run_args(tmp_path)
     bound, rtol, loss_atol = causal_lm_run_bounds(

@@ -96,7 +96,7 @@ def test_a_lora_checkpoint_holds_the_adapter_as_peft_writes_it_and_no_base_weigh
     assert sorted(checkpoint.read_metadata(path)["frozen"]) == sorted(f"buffers.{n}" for n in frozen)
     on_disk = sum(p.stat().st_size for p in path.iterdir())
     base_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    assert on_disk < base_bytes / 2  # a tiny base: the sidecar and counters are most of the rest
+    assert on_disk < base_bytes  # a tiny base: the sidecar (the global generators' states too) is most of the rest
 
 
 def test_peft_from_pretrained_gives_identical_logits(straight):

@@ -152,11 +152,13 @@ def _hf(kind: str):
                 pad_token_id=0,
             )
         )
-    return transformers.GPT2LMHeadModel(
+    gpt2 = transformers.GPT2LMHeadModel(
         transformers.GPT2Config(  # dropout 0.1 everywhere, as GPT-2's defaults
             vocab_size=32, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=1, eos_token_id=2
         )
     )
+    gpt2.config.pad_token_id = 0  # ragged rows: the default collator pads with the model's pad id
+    return gpt2
 
 
 def padded(seed: int) -> list[dict]:

@@ -59,7 +59,9 @@ def hf_model():
         tie_word_embeddings=False,
         use_cache=False,
     )
-    return transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(config)
+    model.config.pad_token_id = 0  # ragged rows: the default collator pads with the model's pad id (same weights)
+    return model
 
 
 def full_state(model):

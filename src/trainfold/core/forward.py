@@ -15,6 +15,8 @@ __all__ = ["Batch", "Forward", "Objective", "make_forward", "train_mode", "train
 Batch = Sequence[Mapping[str, Tensor]]
 Forward = Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Any]
 # objective(forward, params, micro_batch, num_items_in_batch, key) -> (loss, aux)
+# loss: the micro-batch's summed loss / num_items_in_batch (summed over micro-batches); aux: the micro-batch's
+# means (the step's: their item-weighted mean), or, with objective.aux_reduction = "sum", normalised as the loss
 Objective = Callable[
     [Forward, Mapping[str, Tensor], Mapping[str, Tensor], Tensor, torch.Generator], tuple[Tensor, Mapping[str, Tensor]]
 ]

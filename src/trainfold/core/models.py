@@ -39,6 +39,12 @@ class TinyLMConfig:
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model {self.d_model} is not a multiple of n_heads {self.n_heads}; change either")
 
+    @property
+    def pad_token_id(self) -> int:
+        """The id ``train``'s default collator pads with: any id does, right padding is neither attended to (the
+        attention is causal) nor scored (its labels are -100)."""
+        return 0
+
     def to_dict(self) -> dict:
         """Return the config as plain JSON-ready values."""
         return {"model_type": "trainfold-tinylm", **attrs.asdict(self)}

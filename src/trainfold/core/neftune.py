@@ -175,4 +175,7 @@ def neftune_objective(
         neftune.count_items = lambda micro: count_labels(labels_of(micro))  # type: ignore[attr-defined]
     elif hasattr(objective, "count_items"):
         neftune.count_items = objective.count_items  # type: ignore[attr-defined]
+    reduction = getattr(objective, "aux_reduction", None)  # how the step reduces its aux (DPO's: summed)
+    if reduction is not None:
+        neftune.aux_reduction = reduction  # type: ignore[attr-defined]
     return neftune

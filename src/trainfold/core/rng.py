@@ -1,13 +1,18 @@
-"""Randomness that is a pure function of integers: seed derivation and private generator states."""
+"""Randomness that is a pure function of integers: seed derivation and private generator states; and the
+process's global generators (torch, numpy, ``random``) as JSON, for a checkpoint to carry across a resume."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
-from collections.abc import Iterator
+import random
+from collections.abc import Iterator, Mapping
+from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["derive_seed", "private_rng"]
+__all__ = ["derive_seed", "private_rng", "global_rng_states", "restore_global_rng", "seed_global_rng"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -43,3 +48,75 @@ def private_rng(device: torch.device) -> Iterator[list[torch.Generator]]:
     finally:
         for g, s in zip(generators, saved):
             g.set_state(s)
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def global_rng_states() -> dict[str, Any]:
+    """Return the states of the process's global generators as plain JSON values (no pickle).
+
+    ``torch``: the CPU generator's state (and ``cuda``: each initialised CUDA device's), base64 bytes;
+    ``numpy``: the legacy ``np.random`` MT19937 state; ``random``: ``random.getstate()``. What a collator
+    that draws from them (``DataCollatorForLanguageModeling``) continues from after
+    :func:`restore_global_rng`.
+
+    >>> import json
+    >>> saved = json.loads(json.dumps(global_rng_states()))   # JSON round trip
+    >>> a = (torch.rand(2).tolist(), np.random.rand(), random.random())
+    >>> restore_global_rng(saved)
+    >>> (torch.rand(2).tolist(), np.random.rand(), random.random()) == a
+    True
+    """
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, internal, gauss_next = random.getstate()
+    states: dict[str, Any] = {
+        "torch": _b64(torch.get_rng_state().numpy().tobytes()),
+        "numpy": {
+            "bit_generator": name,
+            "keys": _b64(np.asarray(keys, dtype="<u4").tobytes()),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(gauss),
+        },
+        "random": {  # 624 words and a position, each < 2**32
+            "version": version,
+            "state": _b64(np.asarray(internal, dtype="<u4").tobytes()),
+            "gauss_next": gauss_next,
+        },
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
+    return states
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+
+def restore_global_rng(states: Mapping[str, Any]) -> None:
+    """Set the process's global generators to ``states`` (from :func:`global_rng_states`)."""
+    torch.set_rng_state(_bytes_tensor(states["torch"]))
+    for device, text in enumerate(states.get("cuda", ())):
+        if torch.cuda.is_available() and device < torch.cuda.device_count():
+            torch.cuda.set_rng_state(_bytes_tensor(text), device)
+    n = states["numpy"]
+    keys = np.frombuffer(base64.b64decode(n["keys"]), dtype="<u4").astype(np.uint32)
+    np.random.set_state((n["bit_generator"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    r = states["random"]
+    internal = tuple(int(x) for x in np.frombuffer(base64.b64decode(r["state"]), dtype="<u4"))
+    random.setstate((r["version"], internal, r["gauss_next"]))
+
+
+def seed_global_rng(seed: int) -> None:
+    """Seed torch's CPU generator, the legacy ``np.random`` and ``random`` from one integer (as DataLoader
+    workers seed them, but for any ``seed``).
+
+    >>> seed_global_rng(7); a = (torch.rand(1).item(), np.random.rand(), random.random())
+    >>> seed_global_rng(7); (torch.rand(1).item(), np.random.rand(), random.random()) == a
+    True
+    """
+    torch.default_generator.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)

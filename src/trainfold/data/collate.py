@@ -28,6 +28,7 @@ __all__ = [
     "PadCollate",
     "collate_for",
     "keyed",
+    "model_pad_collate",
     "pad_collate",
     "pad_token_id_of",
     "sample_key",
@@ -67,14 +68,14 @@ class PadCollate:
     ['attention_mask', 'input_ids']
     """
 
-    pad_token_id: int = 0
+    pad_token_id: int | None = 0  # None: no pad id is known; padding a key padded with it is refused
     label_pad_token_id: int = -100
     pad_to_multiple_of: int | None = None
     keys: tuple[str, ...] | None = None
     pad_values: tuple[tuple[str, int], ...] = ()
 
-    def pad_value(self, key: str) -> int:
-        """Return the value ``key`` is padded with."""
+    def pad_value(self, key: str) -> int | None:
+        """Return the value ``key`` is padded with (``None``: the unknown ``pad_token_id``)."""
         overrides = dict(self.pad_values)
         if key in overrides:
             return overrides[key]
@@ -120,12 +121,19 @@ class PadCollate:
         if all(n == width for n in lengths):  # nothing to pad
             return torch.stack(values)
         fill = self.pad_value(key)
+        if fill is None:
+            raise ValueError(
+                f"the rows' {key!r} need padding (lengths {sorted(set(lengths))}, padded to {width}) but no pad id "
+                f"is known to pad them with (PadCollate(pad_token_id=None)): give one (train(..., "
+                "processing_class=tokenizer) pads with its pad_token_id, else the model's config.pad_token_id is "
+                "used: set it), pass a data_collator that pads, or make the rows equal in length"
+            )
         out = pad_sequence(values, batch_first=True, padding_value=fill)
         return F.pad(out, (0, width - out.shape[1]), value=fill) if out.shape[1] < width else out
 
 
 def pad_collate(
-    pad_token_id: int = 0,
+    pad_token_id: int | None = 0,
     label_pad_token_id: int = -100,
     pad_to_multiple_of: int | None = None,
     keys: Sequence[str] | None = None,
@@ -179,6 +187,27 @@ def collate_for(processing_class: Any) -> PadCollate | None:
     """
     pad = pad_token_id_of(processing_class)
     return None if pad is None else pad_collate(pad_token_id=pad)
+
+
+def model_pad_collate(model: Any) -> PadCollate:
+    """Return the default collator of a run without a collator or a ``processing_class``: ``pad_collate`` padding
+    with the model's ``config.pad_token_id``; without one it refuses to pad ``input_ids`` (rows of one length
+    collate), as ``transformers.Trainer``'s ``default_data_collator`` refuses ragged rows.
+
+    >>> from types import SimpleNamespace
+    >>> model_pad_collate(SimpleNamespace(config=SimpleNamespace(pad_token_id=1))).pad_token_id
+    1
+    >>> c = model_pad_collate(SimpleNamespace(config=SimpleNamespace(pad_token_id=None)))
+    >>> c([{"input_ids": [5, 6], "labels": [5, 6]}, {"input_ids": [7, 8], "labels": [7, 8]}])["input_ids"].tolist()
+    [[5, 6], [7, 8]]
+    >>> try:
+    ...     c([{"input_ids": [5, 6]}, {"input_ids": [7]}])
+    ... except ValueError as e:
+    ...     print(str(e)[:61])
+    the rows' 'input_ids' need padding (lengths [1, 2], padded to
+    """
+    pad = getattr(getattr(model, "config", None), "pad_token_id", None)
+    return pad_collate(pad_token_id=pad if isinstance(pad, int) and not isinstance(pad, bool) else None)
 
 
 def sample_key(seed: int, epoch: int, index: int) -> int:

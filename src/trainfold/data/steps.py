@@ -12,7 +12,11 @@ as its batch sampler, so workers load in parallel while the order stays the samp
 Per-sample randomness in a collator: wrap it with :func:`~trainfold.data.collate.keyed`; it is then
 called as ``collate(items, keys)`` with one integer key per item, ``sample_key(seed, epoch, index)``.
 Build a ``torch.Generator().manual_seed(key)`` from it; the same sample in the same epoch always
-draws the same numbers, whatever the worker, batch or resume point.
+draws the same numbers, whatever the worker, batch or resume point. A collator that draws from the global
+generators (torch's, ``np.random``, ``random``: ``DataCollatorForLanguageModeling``) draws, in this process, where
+the process's generators are (``train`` saves them with each checkpoint and restores them on resume); in a
+DataLoader worker (``dataloader_num_workers > 0``), from generators seeded before each micro-batch from the
+sampler's seed, the epoch and the micro-batch's first sample.
 
 >>> from trainfold.data import Sampler, pad_collate
 >>> data = [{"input_ids": [1] * n} for n in (1, 2, 3, 4, 5)]
@@ -33,15 +37,17 @@ from typing import Any
 
 import attrs
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from trainfold.core.rng import derive_seed
+from trainfold.core.rng import derive_seed, seed_global_rng
 from trainfold.core.state import Cursor, scalar
 from trainfold.data.collate import KeyedCollate, sample_key
 from trainfold.data.loaders import ignore_sigterm, loader_errors
 from trainfold.data.samplers import Sampler
 
 __all__ = ["StateStream", "StepBatch", "stream"]
+
+_WORKER_DRAWS = 0xC011A7E  # mixed into the seed of a worker's global generators before each micro-batch
 
 
 class StepBatch(tuple):
@@ -102,6 +108,10 @@ class _Collate:
         items = [t[2] for t in triples]
         if isinstance(self.collate, KeyedCollate):
             return self.collate(items, [sample_key(self.seed, e, i) for e, i, _ in triples])
+        if triples and get_worker_info() is not None:  # a worker collates ahead, and a resume restarts the workers:
+            # its global generators are seeded from the micro-batch (its epoch and first sample), so a collator
+            # drawing from them (DataCollatorForLanguageModeling) draws the same whatever the resume point
+            seed_global_rng(derive_seed(self.seed, _WORKER_DRAWS, triples[0][0], triples[0][1]))
         return self.collate(items)
 
 

@@ -217,6 +217,7 @@ class DPOObjective:
     loss_weights: tuple[float, ...] | None = None  # one per loss type (TRL's MPO mix); None: all 1
     discopop_tau: float = 0.05
     columns = (*PREFERENCE_COLUMNS, *REF_KEYS)  # the item columns train keeps for it
+    aux_reduction = "sum"  # its metrics are divided by the step's pair count, as its loss: the step sums them
 
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
         """Count the pairs of ``micro_batch``."""

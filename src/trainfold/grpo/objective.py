@@ -96,6 +96,7 @@ class GRPOObjective:
     kl_bias_correction: bool
     head: OutputHead | None = None  # set: log-probs chunk by chunk from the hidden states (loss_chunk_size)
     chunk_size: int = 0
+    aux_reduction = "sum"  # its metrics are shares of the step's (normalised as its loss, or times 1/micro-batches)
 
     @property
     def loss_type(self) -> str:

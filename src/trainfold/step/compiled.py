@@ -31,6 +31,7 @@ from trainfold.step.driver import (
     StepStart,
     Sums,
     accumulate,
+    aux_weights,
     next_state,
     open_step,
     sum_over_ranks,
@@ -136,7 +137,10 @@ def _run(
         cache_off(plan.cache_configs),
         torch._dynamo.config.patch(trace_autograd_ops=True),
     ):
-        sums = accumulate(micro, batch, (int(state.seed),), start.number, rank, device, key=_key(keys, device))
+        weights = aux_weights(plan, batch)
+        sums = accumulate(
+            micro, batch, (int(state.seed),), start.number, rank, device, key=_key(keys, device), aux_weights=weights
+        )
     assert sums.grads is not None
     grads = cast(list[Tensor], sums.grads)  # micro_grads zero-fills unused gradients: none is None
     sum_over_ranks(plan.collective, [*grads, sums.loss])

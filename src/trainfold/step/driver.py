@@ -46,6 +46,7 @@ __all__ = [
     "Sums",
     "accumulate",
     "advanced",
+    "aux_weights",
     "batch_items",
     "empty_step",
     "materialized",
@@ -139,13 +140,15 @@ def accumulate(
     *,
     key: torch.Generator | None = None,
     loss_shape: tuple[int, ...] = (),
+    aux_weights: Sequence[float] | None = None,
 ) -> Sums:
     """Run ``micro(micro_batch, key)`` over ``batch`` and return the :class:`Sums` of what it returns.
 
     Before each micro-batch the default generators of ``device`` are seeded from
     :func:`micro_seed` (and restored afterwards), and the objective's ``key`` is seeded from it too
     (``key``: one generator reseeded each time; ``None``: a fresh one). Losses and ``aux`` values are
-    summed as float32, detached; gradients with :func:`summed_grads` (into the first micro-batch's, so
+    summed as float32, detached, each micro-batch's ``aux`` times its ``aux_weights`` entry when given
+    (:func:`aux_weights`: a mean); gradients with :func:`summed_grads` (into the first micro-batch's, so
     ``micro`` returns gradients it owns).
     """
     sums = Sums(torch.zeros(loss_shape, dtype=torch.float32, device=device), {})
@@ -159,9 +162,34 @@ def accumulate(
             if grads is not None:
                 sums.grads = summed_grads(sums.grads, grads)
             sums.loss += loss.detach().float()
+            weight = 1.0 if aux_weights is None else aux_weights[i]
             for name, value in aux.items():
-                sums.aux[name] = sums.aux.get(name, 0) + value.detach().float()
+                sums.aux[name] = sums.aux.get(name, 0) + value.detach().float() * weight
     return sums
+
+
+def aux_weights(plan: StepPlan, batch: Batch) -> list[float] | None:
+    """Return the weight of each micro-batch's ``aux`` metrics in the step's: its share of the step's items on
+    this rank (``plan.count_items``), or ``None`` (summed) where they are shares of the step's value already.
+
+    An objective's ``aux`` values are its micro-batch's means (``aux_reduction = "mean"``, the default): the step
+    reports their mean weighted by items, the exact mean over the step of a metric per item (the plain mean of
+    micro-batches of equally many items). An objective with ``aux_reduction = "sum"`` (the built-in DPO and GRPO
+    objectives) divides its ``aux`` as its loss, by ``num_items_in_batch``: they are summed, as the loss is; so are
+    a loss's own ``metrics``.
+
+    >>> from trainfold.optim import sgd
+    >>> from trainfold.step.plan import step_plan
+    >>> plan = step_plan(torch.nn.Linear(1, 1), optimizer=sgd(0.1), objective=lambda *a: None)
+    >>> aux_weights(plan, [{"labels": torch.tensor([1, 2, 3])}, {"labels": torch.tensor([4, -100])}])
+    [0.75, 0.25]
+    """
+    reduction = getattr(plan.objective, "aux_reduction", "mean")
+    if plan.objective is None or reduction == "sum":
+        return None
+    counts = [float(item_count(plan.count_items(mb))) for mb in batch]
+    total = sum(counts)
+    return [c / total for c in counts] if total > 0 else [1 / len(counts)] * len(counts)
 
 
 def micro_loss(

@@ -20,6 +20,7 @@ from trainfold.step.driver import (
     StepStart,
     Sums,
     accumulate,
+    aux_weights,
     materialized,
     micro_loss,
     next_state,
@@ -114,7 +115,9 @@ def _step(
             micro = engine.syncing_last(micro, len(batch))
         elif fsdp:  # FSDP2: reduce-scatter once per step, after the last micro-batch
             micro = syncing_last(plan.model, micro, len(batch))
-        sums = accumulate(micro, batch, (int(state.seed),), start.number, rank, device)
+        sums = accumulate(
+            micro, batch, (int(state.seed),), start.number, rank, device, aux_weights=aux_weights(plan, batch)
+        )
     try:
         summed = engine is not None or fsdp  # DDP or FSDP summed the gradients over the ranks in backward
         return _update(plan, state, start, leaves, buffers, sums, scaler, donate, lent, summed=summed)

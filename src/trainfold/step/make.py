@@ -42,18 +42,18 @@ def make_step(
 ) -> Callable[[TrainState, Batch], TrainState]:
     """Return ``step(state, batch) -> state`` for ``model`` (the module doc of ``trainfold.step.driver``).
 
-    ``loss(outputs, labels, num_items_in_batch)`` scores the outputs (default: ``losses.default_loss_for`` the model's
-    task; the labels, ``label_key``, leave each micro-batch before the forward pass). ``objective(forward, params,
-    micro_batch, num_items, key) -> (loss, aux)`` replaces forward and loss; ``aux`` is summed into ``state.metrics``.
-    ``count_items(micro_batch)`` counts items (default: the loss's count of the labels); ``collective`` sums counts and
-    gradients across ranks (a ``fully_shard`` module's default: its mesh's). ``compile``: ``compiled.compile_step``
-    (backend by name or callable, ``compile_mode``; eager, with a warning, where it cannot). ``gradient_checkpointing``
-    (an int n: every n-th block): ``step.recompute``. ``loss_scaling`` (with ``autocast=torch.float16``): ``step.amp``.
-    ``step(state, batch, donate=True)`` (``step.donating``) updates ``state``'s tensors in place and invalidates it
-    (bitwise equal); a donated *lent* state (``init_state(..., copy=False)``) runs the module as it is, gradients in
-    ``.grad``, across ranks under ``DistributedDataParallel``. Sharded training: wrap the module with FSDP2's
-    ``fully_shard`` (``step.fsdp.fully_shard_model``: per block, then the root) and step a lent, donated state;
-    ``sharding=`` is refused with that fix. ``differentiable``: ``step.differentiable``.
+    ``loss(outputs, labels, num_items_in_batch)`` scores the outputs (default: ``losses.default_loss_for`` the
+    model's task; the labels, ``label_key``, leave each micro-batch before the forward pass). ``objective(forward,
+    params, micro_batch, num_items, key) -> (loss, aux)`` replaces forward and loss (``aux``: means, weighed by
+    items, ``driver.aux_weights``). ``count_items(micro_batch)`` counts items (default: the loss's count of the
+    labels); ``collective`` sums counts and gradients across ranks (a ``fully_shard`` module's default: its mesh's).
+    ``compile``: ``compiled.compile_step`` (backend by name or callable, ``compile_mode``; eager, with a warning,
+    where it cannot). ``gradient_checkpointing`` (an int n: every n-th block): ``step.recompute``. ``loss_scaling`` (with ``autocast=torch.float16``): ``step.amp``.
+    ``step(state, batch, donate=True)`` (``step.donating``) updates ``state``'s tensors in place and
+    invalidates it (bitwise equal); a donated *lent* state (``init_state(..., copy=False)``) runs the module as
+    it is, gradients in ``.grad``, across ranks under ``DistributedDataParallel``. Sharded training: wrap the
+    module with FSDP2's ``fully_shard`` (``step.fsdp.fully_shard_model``: per block, then the root) and step a
+    lent, donated state; ``sharding=`` is refused with that fix. ``differentiable``: ``step.differentiable``.
 
     >>> import torch
     >>> from trainfold.optim import sgd

@@ -152,7 +152,7 @@ class TrainingArguments:
     enable_jit_checkpoint: bool = setting(False, trajectory=False)
     # a resume takes the EarlyStoppingCallback's patience and threshold from the checkpoint, as HF (the counters
     # are in the state record: always restored)
-    restore_callback_states_from_checkpoint: bool = False
+    restore_callback_states_from_checkpoint: bool = setting(False, trajectory=False)  # a resume's, not the run's
     use_cpu: bool = False
     bf16: bool = False
     fp16: bool = False

@@ -21,7 +21,7 @@ from trainfold.core.forward import training_flags
 from trainfold.core.losses import default_loss_for
 from trainfold.core.state import TrainState, resharded, split_module
 from trainfold.data import close_loader, eval_loader
-from trainfold.data.collate import collate_for
+from trainfold.data.collate import collate_for, model_pad_collate
 from trainfold.data.columns import eval_collate, padded_to_multiple
 from trainfold.distributed import GatherCollective, shard
 from trainfold.evaluation.evaluation import eval_sets, evaluate_batches, predict_batches
@@ -364,6 +364,7 @@ def _eval_inputs(
         state_tensors = (state.params, state.buffers)
     columns = columns_of(model, args, data_collator, objective=objective)  # keeps the columns it reads
     chosen = data_collator if data_collator is not None else collate_for(processing_class)
+    chosen = chosen if chosen is not None else model_pad_collate(model)  # the model's pad id, or a refusal
     chosen = eval_labels(padded_to_multiple(chosen, args.pad_to_multiple_of), args, data_collator, objective)
     collate = eval_collate(chosen, columns)
     return (*state_tensors, eval_loader_for(dataset, collate, args, device), columns.label_key, objective)

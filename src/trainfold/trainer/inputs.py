@@ -20,7 +20,7 @@ from trainfold.core.losses import default_loss_for, label_smoothed, refuse_unlab
 from trainfold.core.model_loss import model_loss
 from trainfold.core.tasks import model_task
 from trainfold.data import StepBatch
-from trainfold.data.collate import collate_for, pad_collate
+from trainfold.data.collate import collate_for, model_pad_collate, pad_collate
 from trainfold.data.columns import (
     HF_LABEL_COLUMNS,
     Columns,
@@ -166,7 +166,8 @@ def run_inputs(
     """Return what the run feeds the model; refuse a dataset that trains nothing, and what cannot be done.
 
     Without ``data_collator``, batches are padded with ``processing_class``'s pad id (as HF's
-    ``DataCollatorWithPadding``); packing's and padding-free collators pad nothing.
+    ``DataCollatorWithPadding``), else with the model's ``config.pad_token_id``; without either, rows that need
+    padding are refused (``collate.model_pad_collate``); packing's and padding-free collators pad nothing.
     """
     loss = _loss(model, args, compute_loss_func, objective)
     batching = lm_batching_for(args)
@@ -181,6 +182,7 @@ def run_inputs(
         )
     columns = columns_of(model, args, data_collator, labels_required=objective is None, objective=objective)
     default = data_collator if data_collator is not None else collate_for(processing_class)
+    default = default if default is not None else model_pad_collate(model)  # the model's pad id, or a refusal
     padded = padded_to_multiple(default, args.pad_to_multiple_of)
     prepare = getattr(objective, "prepare", None)
     if prepare is not None:  # DPO: precomputed reference log-probs, cached in output_dir

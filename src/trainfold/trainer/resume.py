@@ -5,7 +5,8 @@ from __future__ import annotations
 import functools
 import json
 import os
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, adapter_config_text, is_p
 from trainfold.ckpt.listing import damaged_checkpoints
 from trainfold.ckpt.run_identity import RunSettings, settings_fingerprint
 from trainfold.ckpt.sharded import is_sharded
-from trainfold.ckpt.sidecar import SIDECAR_FILE, field_error
+from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointWarning, field_error
+from trainfold.core.rng import restore_global_rng
 from trainfold.core.state import TrainState, init_state, lend
 from trainfold.core.tree import flatten, map_tensors, unflatten
 from trainfold.data import close_loader
@@ -28,7 +30,15 @@ from trainfold.observe.observers import MetricWindow
 from trainfold.step.fsdp import placed_like
 from trainfold.trainer.plan import Plan
 
-__all__ = ["initial_state", "on_device", "claim_for", "NoCheckpointError", "Start", "start_run"]
+__all__ = [
+    "initial_state",
+    "on_device",
+    "claim_for",
+    "NoCheckpointError",
+    "Start",
+    "start_run",
+    "continuing_global_rng",
+]
 
 
 def on_device(opt_state: Any, device: torch.device) -> Any:
@@ -135,6 +145,7 @@ class Start:
     window: MetricWindow
     history: Any  # a history.HistoryFile on the writer rank, a list elsewhere
     source: Any = None
+    global_rng: Mapping[str, Any] | None = None  # the checkpoint's global generator states, by rank
 
 
 def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
@@ -169,7 +180,28 @@ def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_st
     for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
         claim.callback(functools.partial(close_loader, eval_set.loader))
     Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
-    return Start(state, window, history, source)
+    saved_rng = meta["metadata"].get("global_rng") if resumed and meta is not None else None
+    return Start(state, window, history, source, saved_rng)
+
+
+def continuing_global_rng(batches: Iterable[Any], saved: Mapping[str, Any] | None, rank: int) -> Iterator[Any]:
+    """Yield ``batches``, the global generators first set to this rank's ``saved`` states (a resume's).
+
+    Set when the first batch is drawn, right before its collation (after what ran since the checkpoint was
+    loaded: ``on_train_begin`` callbacks), so a collator drawing from torch's, numpy's or ``random``'s global
+    generator continues the draws of the run that saved them, as if it had never stopped.
+    """
+    if saved is not None:
+        if str(rank) in saved:
+            restore_global_rng(saved[str(rank)])
+        else:
+            warnings.warn(
+                f"the checkpoint holds the global random generators' states of rank(s) {sorted(saved)} only, not "
+                f"rank {rank}'s: a collator drawing from them on rank {rank} does not continue its draws",
+                CheckpointWarning,
+                stacklevel=2,
+            )
+    yield from batches
 
 
 def lend_sharded(model: torch.nn.Module, state: TrainState, *, like: TrainState) -> TrainState:

@@ -19,6 +19,7 @@ import attrs
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.sharded import Saver
+from trainfold.core.rng import global_rng_states
 from trainfold.core.state import TrainState
 from trainfold.evaluation import best as best_metric
 from trainfold.loop.directory import already_saved
@@ -57,6 +58,7 @@ class Run:
     all_ranks_save: bool = False  # the state is sharded (DTensors): every rank takes part in each save
     record: RunLog = attrs.Factory(RunLog)  # what changes as it goes (a mutable record): .saved, .diverged_at
     session: tuple[float, int] | None = None  # when this call began (time.monotonic) and the tokens seen then
+    global_rng: Mapping[str, Any] | None = None  # a resume's saved global generator states (Start.global_rng)
 
     @property
     def saves_here(self) -> bool:
@@ -125,6 +127,9 @@ def _save_options(run: Run, state: TrainState) -> dict[str, Any]:
         "window": log_file.window_state(run.window),
         "best_metric": None if shown is None else float(shown.value),
         "best_step": None if shown is None else int(shown.step),
+        # the global generators a collator draws from, as they are after the last step's collation (the stream
+        # collates each step when it is drawn, never ahead); a resume restores them before its first collation
+        "global_rng": {str(run.plan.rank): global_rng_states()},
     }
     early = run.plan.early
     if early is not None:  # what restore_callback_states_from_checkpoint restores (an EarlyStoppingCallback's args)

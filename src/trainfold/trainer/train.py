@@ -84,7 +84,7 @@ from trainfold.trainer.inputs import own_loss_objective, to_device
 from trainfold.trainer.optimizer import default_optimizer
 from trainfold.trainer.plan import STOPPING_RULES, Plan, agreed
 from trainfold.trainer.planning import plan_for
-from trainfold.trainer.resume import Start, claim_for, initial_state, start_run
+from trainfold.trainer.resume import Start, claim_for, continuing_global_rng, initial_state, start_run
 from trainfold.trainer.run import Run, after_step, callback_adapter, evaluate_and_record, save_checkpoint
 
 _log = logging.getLogger(__name__)
@@ -277,6 +277,7 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
             saver=Saver(plan.checkpoints.async_save, plan.checkpoints.consolidated),
             all_ranks_save=is_sharded(state),
             session=(started, int(state.extras[TOKENS_SEEN])) if TOKENS_SEEN in state.extras else None,
+            global_rng=begin.global_rng,
         )
         run, hf = callback_adapter(run, state)  # HF TrainerCallbacks, or None
         if plan.evals.on_start and begin.source is None:
@@ -315,7 +316,7 @@ def _trained(
     guard = preemption_guard(JIT_SIGNALS, collective=plan.collective) if plan.args.enable_jit_checkpoint else None
     with guard or contextlib.nullcontext() as preemption:
         stops = stops.including("preempted", preemption.stop if preemption is not None else None)
-        looped, batches = _looped(run, hf, bar), _batches(plan, state)
+        looped, batches = _looped(run, hf, bar), continuing_global_rng(_batches(plan, state), run.global_rng, plan.rank)
         for last in trajectory(looped, state, batches, stops.predicate(fired)):
             state = last
         run.saver.wait()  # the last async save is complete (its error raised) before the run reports

@@ -144,8 +144,9 @@ def check_train_call(
         )
     if Path(args.output_dir).is_file():
         raise ValueError(f"output_dir={args.output_dir!r} is a file; name a directory (it is created if missing)")
-    metric = args.metric_for_best_model
-    if metric is not None and metrics_from is None and not metric.endswith("loss"):
+    metric = args.metric_for_best_model  # unread without evaluation, as in HF
+    evaluates = getattr(args, "eval_strategy", "no") != "no"
+    if metric is not None and evaluates and metrics_from is None and not metric.endswith("loss"):
         raise ValueError(
             f"metric_for_best_model={metric!r}, but without compute_metrics evaluation reports only the loss; pass "
             f"compute_metrics=fn (fn(EvalPrediction) -> {{{metric.removeprefix('eval_')!r}: value}}), "
@@ -304,7 +305,9 @@ def _qualified(kind: type) -> str:
 
 def check_first_batch(model: nn.Module, micro_batch: Any, label_key: str = "labels") -> None:
     """Refuse a collated micro-batch the model cannot take: not a dict, no ``input_ids``, ids that are not
-    integers or lie outside the vocabulary, one label per row for a model that predicts every token.
+    integers or lie outside the vocabulary of a model that embeds them (a module without input embeddings takes
+    any ``input_ids``, as transformers.Trainer's float features), one label per row for a model that predicts every
+    token.
 
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
     >>> model = TinyLM(TinyLMConfig(vocab_size=8, d_model=4, n_layers=1, n_heads=1, max_len=4))
@@ -331,12 +334,12 @@ def check_first_batch(model: nn.Module, micro_batch: Any, label_key: str = "labe
         return
     if not isinstance(ids, torch.Tensor):
         return
-    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+    vocab = _vocab_size(model)  # None: the model embeds no token ids (a custom module's float features are fine)
+    if vocab is not None and (ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex()):
         raise TypeError(
             f"input_ids are {ids.dtype}, but token ids are integers; convert them (ids.long()), or check that the "
             "column holds token ids (a tokenizer's output), not features or a mask"
         )
-    vocab = _vocab_size(model)
     if vocab is not None and ids.numel():
         low, high = torch.aminmax(ids)
         if int(low) < 0 or int(high) >= vocab:
