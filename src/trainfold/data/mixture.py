@@ -1,0 +1,209 @@
+"""Mixtures of streaming sources, and the resumable step stream over a source: global batches dealt to ranks.
+
+``mix({name: source}, weights={name: w})`` draws a fixed number of rows from each source in every
+global batch (levanter's "stable mixtures"): the counts are the weights' shares of the batch, rounded
+by largest remainder, so which rows form a batch depends only on the sources' positions, never on
+how many rows another source's filter dropped.
+
+``source_stream(source, ...)`` forms each optimizer step's global batch first, then cuts it into
+micro-batches of ``per_device_train_batch_size`` and deals them round-robin to the ranks (as
+``Sampler`` does), so the rows of a step do not depend on the world size. Each :class:`StepBatch`
+carries the cursor after it: ``position`` counts steps, ``streams`` holds each source's row position
+and fingerprint; resuming from it continues exactly, at any world size keeping the global batch.
+
+>>> from trainfold.data.transforms import Mapped
+>>> class Count:  # a stand-in source: row i is i
+...     num_rows = 10**9
+...     def rows(self, start):
+...         return ((p + 1, p) for p in itertools.count(start))
+...     def fingerprint(self):
+...         return 7
+>>> m = mix({"a": Mapped(Count(), lambda r: ("a", r)), "b": Mapped(Count(), lambda r: ("b", r))},
+...         weights={"a": 3, "b": 1})
+>>> m.counts(4)
+{'a': 3, 'b': 1}
+>>> steps = list(source_stream(m, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2))
+>>> sorted(steps[1][0] + steps[1][1]), steps[1].cursor.streams.tolist()
+([('a', 3), ('a', 4), ('a', 5), ('b', 1)], [[6, 7], [2, 7]])
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+
+from trainfold.core.state import Cursor, scalar
+from trainfold.data.dealing import cut, deal
+from trainfold.data.filestream import ShardChangedError, is_source
+from trainfold.data.steps import StepBatch
+
+__all__ = ["Mixture", "mix", "source_stream"]
+
+
+@attrs.frozen(eq=False)
+class Mixture:
+    """Named sources and their weights; build it with :func:`mix`."""
+
+    sources: dict[str, Any]
+    weights: dict[str, float]
+    seed: int = 0
+
+    def counts(self, global_batch: int) -> dict[str, int]:
+        """Rows of each source in a global batch of ``global_batch`` rows (largest remainder rounding).
+
+        >>> Mixture({"a": None, "b": None, "c": None}, {"a": 1, "b": 1, "c": 1}).counts(4)
+        {'a': 2, 'b': 1, 'c': 1}
+        """
+        total = sum(self.weights.values())
+        exact = {k: global_batch * w / total for k, w in self.weights.items()}
+        out = {k: int(v) for k, v in exact.items()}
+        by_remainder = sorted(exact, key=lambda k: (-(exact[k] - out[k]), list(exact).index(k)))
+        for k in by_remainder[: global_batch - sum(out.values())]:
+            out[k] += 1
+        starved = [k for k, n in out.items() if n == 0 and self.weights[k] > 0]
+        if starved:
+            raise ValueError(
+                f"a global batch of {global_batch} rows gives sources {starved} no row (weights {self.weights}); "
+                "a stable mixture draws whole rows per batch: raise the global batch or those weights"
+            )
+        return out
+
+
+def mix(sources: Mapping[str, Any], *, weights: Mapping[str, float], seed: int = 0) -> Mixture:
+    """Mix named streaming sources: every global batch holds a fixed number of rows of each.
+
+    The rows of a batch are shuffled by a permutation seeded by ``(seed, step)``.
+    """
+    if set(sources) != set(weights):
+        raise ValueError(
+            f"mix() needs one weight per source: sources {sorted(sources)}, weights {sorted(weights)}; "
+            "name the same sources in both"
+        )
+    bad = {k: w for k, w in weights.items() if not isinstance(w, (int, float)) or w < 0 or w != w}
+    if bad or not any(weights.values()):
+        raise ValueError(f"mixture weights must be numbers >= 0, not all zero; got {dict(weights)}")
+    for name, source in sources.items():
+        if not is_source(source):
+            raise TypeError(
+                f"source {name!r} is a {type(source).__name__}; mix() takes trainfold.data.files(...) sources"
+            )
+    return Mixture(dict(sources), {k: float(weights[k]) for k in sources}, seed)
+
+
+def _components(source: Any) -> tuple[list[Any], Callable[[int], list[int]], int | None]:
+    """The sources a stream reads, the rows each gives per global batch, and the batch shuffle's seed."""
+    if isinstance(source, Mixture):
+        names = list(source.sources)
+        return [source.sources[k] for k in names], lambda g: [source.counts(g)[k] for k in names], source.seed
+    return [source], lambda g: [g], None
+
+
+def _start_positions(components: list[Any], start: Cursor | None) -> tuple[int, list[int]]:
+    """The step and each source's row position a stream starts from, after checking the fingerprints."""
+    if start is None:
+        return 0, [0] * len(components)
+    epoch, step = start.as_tuple()
+    if start.streams is None:
+        if (epoch, step) != (0, 0):
+            raise ValueError(
+                f"cursor {(epoch, step)} has no stream positions: it was made by a dataset with a length, not a "
+                "streaming source; resume with the data the checkpoint was trained on"
+            )
+        return 0, [0] * len(components)
+    recorded = start.streams.tolist()
+    if len(recorded) != len(components):
+        raise ValueError(
+            f"the cursor holds positions of {len(recorded)} source(s) but the stream reads {len(components)}; "
+            "resume with the same sources (and mixture) the checkpoint was trained on"
+        )
+    for i, (source, (_, fp)) in enumerate(zip(components, recorded)):
+        if int(source.fingerprint()) != fp:
+            raise ShardChangedError(
+                f"source {i}'s shards or order settings are not those the checkpoint was trained on (fingerprint "
+                f"{fp} recorded, {source.fingerprint()} now): a shard was changed, removed or added, or the seed "
+                "or shuffle_window changed; restore them, or start a new run"
+            )
+    return step, [p for p, _ in recorded]
+
+
+def global_batches(source: Any, global_batch: int, start: Cursor | None = None) -> Iterator[tuple[list[Any], Cursor]]:
+    """Yield each global batch's rows, with the cursor after it, from ``start`` on.
+
+    >>> from trainfold.data.transforms import Mapped
+    >>> class Count:
+    ...     num_rows = 100
+    ...     def rows(self, start):
+    ...         return ((p + 1, p) for p in itertools.count(start))
+    ...     def fingerprint(self):
+    ...         return 1
+    >>> rows, after = next(global_batches(Count(), 3))
+    >>> rows, after.as_tuple(), after.streams.tolist()
+    ([0, 1, 2], (0, 1), [[3, 1]])
+    """
+    components, counts_of, mix_seed = _components(source)
+    counts = counts_of(global_batch)
+    step, positions = _start_positions(components, start)
+    fingerprints = [int(c.fingerprint()) for c in components]
+    readers = [c.rows(p) for c, p in zip(components, positions)]
+    while True:
+        rows: list[Any] = []
+        for i, (reader, n) in enumerate(zip(readers, counts)):
+            for pos, row in itertools.islice(reader, n):
+                positions[i] = pos
+                rows.append(row)
+        if mix_seed is not None:
+            rows = [rows[j] for j in np.random.default_rng([mix_seed, 3, step]).permutation(len(rows))]
+        step += 1
+        streams = torch.tensor([[p, f] for p, f in zip(positions, fingerprints)], dtype=torch.int64)
+        yield rows, Cursor(scalar(0), scalar(step), streams)
+
+
+def source_stream(
+    source: Any,
+    *,
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int = 1,
+    world_size: int = 1,
+    rank: int = 0,
+    collate: Callable[[list[Any]], Any] | None = None,
+    start: Cursor | None = None,
+    max_steps: int | None = None,
+) -> Iterator[StepBatch]:
+    """Yield this rank's optimizer steps over a streaming source (or mixture) from ``start`` (a cursor).
+
+    The global batch is ``per_device_train_batch_size × gradient_accumulation_steps × world_size`` rows;
+    rank ``r`` gets micro-batches ``r, r + world_size, ...`` of it, each passed to ``collate`` (default:
+    the list of rows). ``max_steps`` counts from the start of the run (a resumed stream stops at the same
+    step). ``StepBatch.indices`` holds each micro-batch's row ordinals in the run (``step × global + i``).
+    """
+    sizes = {
+        "per_device_train_batch_size": per_device_train_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "world_size": world_size,
+    }
+    bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
+    if bad or not 0 <= rank < world_size:
+        raise ValueError(f"invalid stream sizes {bad or sizes} / rank {rank}: sizes are ints >= 1, 0 <= rank < world")
+    if not (is_source(source) or isinstance(source, Mixture)):
+        raise TypeError(
+            f"source_stream takes a trainfold.data.files(...) source or mix(...), got {type(source).__name__}"
+        )
+    g = per_device_train_batch_size * gradient_accumulation_steps * world_size
+    mine = deal(cut(list(range(g)), per_device_train_batch_size), world_size)[rank]
+    collate = collate or _as_list
+    done = 0 if start is None else start.as_tuple()[1]
+    batches = global_batches(source, g, start)
+    while max_steps is None or done < max_steps:
+        rows, after = next(batches)
+        base = done * g
+        yield StepBatch([collate([rows[i] for i in m]) for m in mine], after, [[base + i for i in m] for m in mine])
+        done += 1
+
+
+def _as_list(rows: list[Any]) -> list[Any]:
+    return rows
