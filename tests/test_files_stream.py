@@ -225,3 +225,56 @@ def test_a_cursor_of_a_map_style_dataset_is_refused(shards):
                 make_source(shards, "plain"), per_device_train_batch_size=2, start=Cursor(scalar(0), scalar(3))
             )
         )
+
+
+# -- trainfold.train over a streaming source ----------------------------------------------------------
+
+
+def token_shards(d: Path) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(5)
+    for k in range(3):
+        ids = [
+            torch.randint(0, 40, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(9)
+        ]
+        table = pa.table({"input_ids": ids, "labels": ids, "n": [len(i) for i in ids]})
+        pq.write_table(table, d / f"tok-{k}.parquet", row_group_size=4)
+    return d
+
+
+def token_source(d: Path):
+    src = files(str(d / "*.parquet"), seed=1, shuffle_window=5, columns=["input_ids", "labels", "n"])
+    return src.filter(lambda r: r["n"] > 4).map(lambda r: {"input_ids": r["input_ids"], "labels": r["labels"]})
+
+
+def test_train_on_a_source_resumed_twice_ends_bitwise_as_the_uninterrupted_run(tmp_path):
+    from resume_fixture import model
+
+    from trainfold import TrainingArguments, train
+
+    d = token_shards(tmp_path / "shards")
+
+    def args(out: Path) -> TrainingArguments:
+        return TrainingArguments(
+            output_dir=str(out),
+            max_steps=6,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            learning_rate=1e-2,
+            report_to="none",
+            disable_tqdm=True,
+            save_strategy="steps",
+            save_steps=2,
+        )
+
+    whole = train(model(), args(tmp_path / "whole"), token_source(d))
+    for stop_at in (2, 4, None):  # two stops, two resumes
+        stop = None if stop_at is None else (lambda s, n=stop_at: int(s.step) >= n)
+        resumed = train(
+            model(), args(tmp_path / "parts"), token_source(d), resume_from_checkpoint=stop_at != 2 or None, stop=stop
+        )
+    assert int(resumed.state.step) == int(whole.state.step) == 6
+    assert resumed.state.cursor.streams.tolist() == whole.state.cursor.streams.tolist()
+    for k, v in whole.state.params.items():
+        assert torch.equal(v, resumed.state.params[k]), k

@@ -10,7 +10,7 @@ The modules: ``samplers`` (each epoch's order, a pure function of ``(seed, epoch
 from trainfold.data.collate import KeyedCollate, PadCollate, keyed, pad_collate, sample_key
 from trainfold.data.filestream import ShardChangedError, files, is_source
 from trainfold.data.loaders import close_loader, eval_loader, loader_errors
-from trainfold.data.mixture import Mixture, mix, source_stream
+from trainfold.data.mixture import Mixture, is_stream_source, mix, source_steps, source_stream, stream_cursor
 from trainfold.data.samplers import (
     LENGTH_STRATEGIES,
     STRATEGIES,
@@ -37,6 +37,7 @@ __all__ = [
     "eval_loader",
     "files",
     "is_source",
+    "is_stream_source",
     "keyed",
     "loader_errors",
     "make_sampler",
@@ -45,6 +46,8 @@ __all__ = [
     "padded_cost",
     "preference_length",
     "sample_key",
+    "source_steps",
     "source_stream",
     "stream",
+    "stream_cursor",
 ]

@@ -38,11 +38,13 @@ import numpy as np
 import torch
 
 from trainfold.core.state import Cursor, scalar
+from trainfold.data.collate import KeyedCollate, sample_key
 from trainfold.data.dealing import cut, deal
 from trainfold.data.filestream import ShardChangedError, is_source
+from trainfold.data.samplers import Sampler
 from trainfold.data.steps import StepBatch
 
-__all__ = ["Mixture", "mix", "source_stream"]
+__all__ = ["Mixture", "is_stream_source", "mix", "source_steps", "source_stream", "stream_cursor"]
 
 
 @attrs.frozen(eq=False)
@@ -93,6 +95,26 @@ def mix(sources: Mapping[str, Any], *, weights: Mapping[str, float], seed: int =
                 f"source {name!r} is a {type(source).__name__}; mix() takes trainfold.data.files(...) sources"
             )
     return Mixture(dict(sources), {k: float(weights[k]) for k in sources}, seed)
+
+
+def is_stream_source(obj: Any) -> bool:
+    """Return whether ``obj`` is a streaming source or a mixture of them (what ``source_stream`` reads).
+
+    >>> is_stream_source([1]), is_stream_source(Mixture({}, {}))
+    (False, True)
+    """
+    return is_source(obj) or isinstance(obj, Mixture)
+
+
+def stream_cursor(source: Any) -> Cursor:
+    """Return the cursor a run over ``source`` starts from: step 0, each source at row 0 with its fingerprint.
+
+    A run's first state holds it, so its checkpoints (and the template a resume loads them into) have
+    the same structure from the first step on.
+    """
+    components, _, _ = _components(source)
+    streams = torch.tensor([[0, int(c.fingerprint())] for c in components], dtype=torch.int64)
+    return Cursor(scalar(0), scalar(0), streams)
 
 
 def _components(source: Any) -> tuple[list[Any], Callable[[int], list[int]], int | None]:
@@ -170,16 +192,19 @@ def source_stream(
     gradient_accumulation_steps: int = 1,
     world_size: int = 1,
     rank: int = 0,
-    collate: Callable[[list[Any]], Any] | None = None,
+    collate: Callable[..., Any] | None = None,
     start: Cursor | None = None,
+    seed: int = 0,
     max_steps: int | None = None,
 ) -> Iterator[StepBatch]:
     """Yield this rank's optimizer steps over a streaming source (or mixture) from ``start`` (a cursor).
 
     The global batch is ``per_device_train_batch_size × gradient_accumulation_steps × world_size`` rows;
     rank ``r`` gets micro-batches ``r, r + world_size, ...`` of it, each passed to ``collate`` (default:
-    the list of rows). ``max_steps`` counts from the start of the run (a resumed stream stops at the same
-    step). ``StepBatch.indices`` holds each micro-batch's row ordinals in the run (``step × global + i``).
+    the list of rows; a :func:`~trainfold.data.keyed` collator also gets each row's key
+    ``sample_key(seed, 0, ordinal)``). ``max_steps`` counts from the start of the run (a resumed stream
+    stops at the same step). ``StepBatch.indices`` holds each micro-batch's row ordinals in the run
+    (``step × global + i``).
     """
     sizes = {
         "per_device_train_batch_size": per_device_train_batch_size,
@@ -189,7 +214,7 @@ def source_stream(
     bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
     if bad or not 0 <= rank < world_size:
         raise ValueError(f"invalid stream sizes {bad or sizes} / rank {rank}: sizes are ints >= 1, 0 <= rank < world")
-    if not (is_source(source) or isinstance(source, Mixture)):
+    if not is_stream_source(source):
         raise TypeError(
             f"source_stream takes a trainfold.data.files(...) source or mix(...), got {type(source).__name__}"
         )
@@ -200,10 +225,49 @@ def source_stream(
     batches = global_batches(source, g, start)
     while max_steps is None or done < max_steps:
         rows, after = next(batches)
-        base = done * g
-        yield StepBatch([collate([rows[i] for i in m]) for m in mine], after, [[base + i for i in m] for m in mine])
+        ordinals = [[done * g + i for i in m] for m in mine]
+        micro = [_collated(collate, seed, [rows[i] for i in m], o) for m, o in zip(mine, ordinals)]
+        yield StepBatch(micro, after, ordinals)
         done += 1
+
+
+def _collated(collate: Callable[..., Any], seed: int, rows: list[Any], ordinals: list[int]) -> Any:
+    if isinstance(collate, KeyedCollate):
+        return collate(rows, [sample_key(seed, 0, o) for o in ordinals])
+    return collate(rows)
 
 
 def _as_list(rows: list[Any]) -> list[Any]:
     return rows
+
+
+def source_steps(
+    source: Any,
+    sampler: Sampler,
+    collate: Callable[..., Any],
+    *,
+    start: Cursor | None = None,
+    num_epochs: int | None = None,
+    max_steps: int | None = None,
+    **loader_options: Any,
+) -> Iterator[StepBatch]:
+    """:func:`~trainfold.data.stream`'s call over a streaming source: ``source_stream`` with the sampler's sizes.
+
+    A source is one endless stream (``num_epochs`` must be ``None``: give ``max_steps``). It is read in
+    this process: the ``dataloader_*`` options start no workers (the order never depends on them).
+    """
+    if num_epochs is not None:
+        raise ValueError(
+            f"num_epochs={num_epochs} over a streaming source: its epochs run on into each other; give max_steps"
+        )
+    return source_stream(
+        source,
+        per_device_train_batch_size=sampler.per_device_train_batch_size,
+        gradient_accumulation_steps=sampler.gradient_accumulation_steps,
+        world_size=sampler.world_size,
+        rank=sampler.rank,
+        collate=collate,
+        start=start,
+        seed=sampler.seed,
+        max_steps=max_steps,
+    )
