@@ -278,3 +278,15 @@ def test_train_on_a_source_resumed_twice_ends_bitwise_as_the_uninterrupted_run(t
     assert resumed.state.cursor.streams.tolist() == whole.state.cursor.streams.tolist()
     for k, v in whole.state.params.items():
         assert torch.equal(v, resumed.state.params[k]), k
+
+
+def test_streaming_doc_examples_run(tmp_path, monkeypatch):
+    import re
+
+    monkeypatch.chdir(tmp_path)
+    page = Path(__file__).resolve().parents[1] / "docs" / "streaming.md"
+    blocks = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    assert len(blocks) >= 2
+    namespace: dict = {"__name__": "streaming_doc"}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/streaming.md python block {i + 1}", "exec"), namespace)
