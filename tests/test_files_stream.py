@@ -290,3 +290,13 @@ def test_streaming_doc_examples_run(tmp_path, monkeypatch):
     namespace: dict = {"__name__": "streaming_doc"}
     for i, block in enumerate(blocks):
         exec(compile(block, f"docs/streaming.md python block {i + 1}", "exec"), namespace)
+
+
+def test_changed_mixture_weights_are_refused_on_resume(shards):
+    def mixture(weights):
+        a, b = files(str(shards / "part-0.parquet")), files(str(shards / "part-1.parquet"))
+        return mix({"a": a, "b": b}, weights=weights)
+
+    first = next(source_stream(mixture({"a": 1, "b": 1}), per_device_train_batch_size=4))
+    with pytest.raises(ShardChangedError, match="or mixture weights changed"):
+        next(source_stream(mixture({"a": 3, "b": 1}), per_device_train_batch_size=4, start=first.cursor))

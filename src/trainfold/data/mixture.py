@@ -23,12 +23,13 @@ and fingerprint; resuming from it continues exactly, at any world size keeping t
 >>> m.counts(4)
 {'a': 3, 'b': 1}
 >>> steps = list(source_stream(m, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2))
->>> sorted(steps[1][0] + steps[1][1]), steps[1].cursor.streams.tolist()
-([('a', 3), ('a', 4), ('a', 5), ('b', 1)], [[6, 7], [2, 7]])
+>>> sorted(steps[1][0] + steps[1][1]), steps[1].cursor.streams[:, 0].tolist()  # each source's row position
+([('a', 3), ('a', 4), ('a', 5), ('b', 1)], [6, 2])
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -36,7 +37,9 @@ from typing import Any
 import attrs
 import numpy as np
 import torch
+import xxhash
 
+from trainfold.core.rng import derive_seed
 from trainfold.core.state import Cursor, scalar
 from trainfold.data.collate import KeyedCollate, sample_key
 from trainfold.data.dealing import cut, deal
@@ -112,23 +115,32 @@ def stream_cursor(source: Any) -> Cursor:
     A run's first state holds it, so its checkpoints (and the template a resume loads them into) have
     the same structure from the first step on.
     """
-    components, _, _ = _components(source)
-    streams = torch.tensor([[0, int(c.fingerprint())] for c in components], dtype=torch.int64)
+    _, _, _, fingerprints = _components(source)
+    streams = torch.tensor([[0, f] for f in fingerprints], dtype=torch.int64)
     return Cursor(scalar(0), scalar(0), streams)
 
 
-def _components(source: Any) -> tuple[list[Any], Callable[[int], list[int]], int | None]:
-    """The sources a stream reads, the rows each gives per global batch, and the batch shuffle's seed."""
+def _components(source: Any) -> tuple[list[Any], Callable[[int], list[int]], int | None, list[int]]:
+    """The sources a stream reads, the rows each gives per global batch, the batch shuffle's seed, and the
+    fingerprint recorded for each (a mixture's weights and seed folded in: changing them changes the batches)."""
     if isinstance(source, Mixture):
         names = list(source.sources)
-        return [source.sources[k] for k in names], lambda g: [source.counts(g)[k] for k in names], source.seed
-    return [source], lambda g: [g], None
+        settings = xxhash.xxh3_64_intdigest(repr((source.seed, sorted(source.weights.items()))).encode())
+        fingerprints = [derive_seed(int(source.sources[k].fingerprint()), settings) for k in names]
+        counts_of = functools.partial(_counts, source, names)
+        return [source.sources[k] for k in names], counts_of, source.seed, fingerprints
+    return [source], lambda g: [g], None, [int(source.fingerprint())]
 
 
-def _start_positions(components: list[Any], start: Cursor | None) -> tuple[int, list[int]]:
+def _counts(mixture: Mixture, names: list[str], global_batch: int) -> list[int]:
+    counts = mixture.counts(global_batch)
+    return [counts[k] for k in names]
+
+
+def _start_positions(fingerprints: list[int], start: Cursor | None) -> tuple[int, list[int]]:
     """The step and each source's row position a stream starts from, after checking the fingerprints."""
     if start is None:
-        return 0, [0] * len(components)
+        return 0, [0] * len(fingerprints)
     epoch, step = start.as_tuple()
     if start.streams is None:
         if (epoch, step) != (0, 0):
@@ -136,19 +148,19 @@ def _start_positions(components: list[Any], start: Cursor | None) -> tuple[int, 
                 f"cursor {(epoch, step)} has no stream positions: it was made by a dataset with a length, not a "
                 "streaming source; resume with the data the checkpoint was trained on"
             )
-        return 0, [0] * len(components)
+        return 0, [0] * len(fingerprints)
     recorded = start.streams.tolist()
-    if len(recorded) != len(components):
+    if len(recorded) != len(fingerprints):
         raise ValueError(
-            f"the cursor holds positions of {len(recorded)} source(s) but the stream reads {len(components)}; "
+            f"the cursor holds positions of {len(recorded)} source(s) but the stream reads {len(fingerprints)}; "
             "resume with the same sources (and mixture) the checkpoint was trained on"
         )
-    for i, (source, (_, fp)) in enumerate(zip(components, recorded)):
-        if int(source.fingerprint()) != fp:
+    for i, (now, (_, fp)) in enumerate(zip(fingerprints, recorded)):
+        if now != fp:
             raise ShardChangedError(
                 f"source {i}'s shards or order settings are not those the checkpoint was trained on (fingerprint "
-                f"{fp} recorded, {source.fingerprint()} now): a shard was changed, removed or added, or the seed "
-                "or shuffle_window changed; restore them, or start a new run"
+                f"{fp} recorded, {now} now): a shard was changed, removed or added, or the seed, shuffle_window "
+                "or mixture weights changed; restore them, or start a new run"
             )
     return step, [p for p, _ in recorded]
 
@@ -167,10 +179,9 @@ def global_batches(source: Any, global_batch: int, start: Cursor | None = None) 
     >>> rows, after.as_tuple(), after.streams.tolist()
     ([0, 1, 2], (0, 1), [[3, 1]])
     """
-    components, counts_of, mix_seed = _components(source)
+    components, counts_of, mix_seed, fingerprints = _components(source)
     counts = counts_of(global_batch)
-    step, positions = _start_positions(components, start)
-    fingerprints = [int(c.fingerprint()) for c in components]
+    step, positions = _start_positions(fingerprints, start)
     readers = [c.rows(p) for c, p in zip(components, positions)]
     while True:
         rows: list[Any] = []
