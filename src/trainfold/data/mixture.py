@@ -58,6 +58,14 @@ class Mixture:
     weights: dict[str, float]
     seed: int = 0
 
+    def filter(self, fn: Callable[[Any], bool]) -> Mixture:
+        """Filter each source (before mixing: the rows per source per batch stay fixed)."""
+        return attrs.evolve(self, sources={k: s.filter(fn) for k, s in self.sources.items()})
+
+    def map(self, fn: Callable[[Any], Any]) -> Mixture:
+        """Transform each source's rows."""
+        return attrs.evolve(self, sources={k: s.map(fn) for k, s in self.sources.items()})
+
     def counts(self, global_batch: int) -> dict[str, int]:
         """Rows of each source in a global batch of ``global_batch`` rows (largest remainder rounding).
 
