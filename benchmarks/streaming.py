@@ -21,20 +21,21 @@ import time
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trainfold.data import files
 
 
-def write(folder: Path, rows: int, shards: int, row_group: int) -> str:
+def write(folder: Path, rows: int, shards: int, row_group: int, narrow: bool = False) -> str:
     per = rows // shards
     for k in range(shards):
-        ids = pa.array(range(k * per, (k + 1) * per), pa.int64())
-        text = pa.array(
-            [f"row {i:012d} " + "lorem ipsum dolor sit amet consectetur" for i in range(k * per, (k + 1) * per)]
-        )
-        pq.write_table(pa.table({"id": ids, "text": text}), folder / f"part-{k:03d}.parquet", row_group_size=row_group)
+        columns = {"id": pa.array(np.arange(k * per, (k + 1) * per, dtype=np.int64))}
+        if not narrow:
+            texts = [f"row {i:012d} " + "lorem ipsum dolor sit amet consectetur" for i in range(k * per, (k + 1) * per)]
+            columns["text"] = pa.array(texts)
+        pq.write_table(pa.table(columns), folder / f"part-{k:03d}.parquet", row_group_size=row_group)
     return str(folder / "*.parquet")
 
 
@@ -100,10 +101,21 @@ def main() -> None:
     parser.add_argument("--row-group", type=int, default=20_000)
     parser.add_argument("--window", type=int, default=10_000)
     parser.add_argument("--quick", action="store_true", help="20k rows (the test suite's run)")
+    parser.add_argument(
+        "--resume-only", action="store_true", help="only files()' resume time, in the middle of --rows (ids only)"
+    )
     ns = parser.parse_args()
     if ns.quick:
         ns.rows, ns.shards, ns.row_group, ns.window = 20_000, 4, 1000, 1000
     warnings.filterwarnings("ignore")
+    if ns.resume_only:
+        with tempfile.TemporaryDirectory() as d:
+            pattern = write(Path(d), ns.rows, ns.shards, ns.row_group, narrow=True)
+            print("| resume (ids only) | seconds to the first row |\n|---|---|")
+            for position in (ns.rows // 100, ns.rows // 2):
+                seconds, _ = timed(lambda p=position: next(files(pattern, shuffle_window=ns.window).rows(p)))
+                print(f"| files() at row {position:,} of {ns.rows:,} | {seconds:.3f} |")
+        return
     with tempfile.TemporaryDirectory() as d:
         pattern = write(Path(d), ns.rows, ns.shards, ns.row_group)
         n = ns.rows // ns.shards * ns.shards
