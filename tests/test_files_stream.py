@@ -300,3 +300,14 @@ def test_changed_mixture_weights_are_refused_on_resume(shards):
     first = next(source_stream(mixture({"a": 1, "b": 1}), per_device_train_batch_size=4))
     with pytest.raises(ShardChangedError, match="or mixture weights changed"):
         next(source_stream(mixture({"a": 3, "b": 1}), per_device_train_batch_size=4, start=first.cursor))
+
+
+def test_an_arrow_stream_file_as_datasets_caches_them_streams_and_seeks(tmp_path):
+    table = pa.table({"id": list(range(30))})
+    with pa.ipc.new_stream(str(tmp_path / "cache.arrow"), table.schema) as w:  # the IPC stream format
+        for batch in table.to_batches(max_chunksize=7):
+            w.write_batch(batch)
+    src = files(str(tmp_path / "cache.arrow"), seed=2, shuffle_window=5)
+    epoch = [r["id"] for _, r in itertools.islice(src.rows(30), 30)]
+    assert sorted(epoch) == list(range(30))
+    assert [r["id"] for _, r in itertools.islice(src.rows(30 + 17), 5)] == epoch[17:22]
