@@ -105,8 +105,8 @@ def _digest(path: str, size: int) -> int:
 def _expand(paths_or_glob: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> list[str]:
     patterns = [paths_or_glob] if isinstance(paths_or_glob, (str, os.PathLike)) else list(paths_or_glob)
     out: list[str] = []
-    for pattern in map(os.fspath, patterns):
-        if glob.has_magic(pattern):
+    for pattern in [str(os.fspath(p)) for p in patterns]:
+        if any(c in pattern for c in "*?["):
             found = sorted(glob.glob(pattern))
             if not found:
                 raise FileNotFoundError(f"no file matches {pattern!r}; check the path and the pattern")
