@@ -311,3 +311,22 @@ def test_an_arrow_stream_file_as_datasets_caches_them_streams_and_seeks(tmp_path
     epoch = [r["id"] for _, r in itertools.islice(src.rows(30), 30)]
     assert sorted(epoch) == list(range(30))
     assert [r["id"] for _, r in itertools.islice(src.rows(30 + 17), 5)] == epoch[17:22]
+
+
+def test_train_on_a_source_is_the_same_with_dataloader_workers(tmp_path):
+    """The source is read in the training process: ``dataloader_num_workers`` changes nothing (the order least)."""
+    from resume_fixture import model
+
+    from trainfold import TrainingArguments, train
+
+    d = token_shards(tmp_path / "shards")
+    ends = []
+    for workers in (0, 2):
+        args = TrainingArguments(
+            output_dir=str(tmp_path / f"w{workers}"), max_steps=3, per_device_train_batch_size=2,
+            dataloader_num_workers=workers, report_to="none", disable_tqdm=True, save_strategy="no",
+        )  # fmt: skip
+        ends.append(train(model(), args, token_source(d)).state)
+    assert ends[0].cursor.streams.tolist() == ends[1].cursor.streams.tolist()
+    for k, v in ends[0].params.items():
+        assert torch.equal(v, ends[1].params[k]), k
