@@ -330,3 +330,21 @@ def test_train_on_a_source_is_the_same_with_dataloader_workers(tmp_path):
     assert ends[0].cursor.streams.tolist() == ends[1].cursor.streams.tolist()
     for k, v in ends[0].params.items():
         assert torch.equal(v, ends[1].params[k]), k
+
+
+def test_a_json_lines_shard_is_cut_into_blocks_and_a_resume_reads_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(filestream, "_JSON_BLOCK_BYTES", 200)
+    lines = [json.dumps({"id": i, "text": "x" * (i % 7), "extra": None if i % 3 else i}) for i in range(200)]
+    (tmp_path / "rows.jsonl").write_text("\n".join(lines) + "\n\n")  # a blank line at the end
+    src = files(str(tmp_path / "rows.jsonl"), seed=0, shuffle_window=6)
+    assert len(src.shards[0].blocks) > 20 and src.num_rows == 200
+    epoch = [r for _, r in itertools.islice(src.rows(0), 200)]
+    assert sorted(r["id"] for r in epoch) == list(range(200))
+    assert all(r["extra"] == (None if r["id"] % 3 else r["id"]) for r in epoch)
+    want = [r for _, r in itertools.islice(src.rows(200 + 123), 3)]
+    reads = []
+    real = filestream._read_block
+    monkeypatch.setattr(filestream, "_read_block", lambda shard, b, cols: reads.append(b) or real(shard, b, cols))
+    again = files(str(tmp_path / "rows.jsonl"), seed=0, shuffle_window=6)
+    assert [r for _, r in itertools.islice(again.rows(200 + 123), 3)] == want
+    assert 0 < len(reads) <= 3, f"a resume read {len(reads)} of {len(src.shards[0].blocks)} blocks"

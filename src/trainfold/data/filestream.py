@@ -5,7 +5,7 @@ Arrow file's batch table) and never the data up front. The row at absolute posit
 ``p // num_rows``, index ``i = p % num_rows``) is a pure function of ``(seed, epoch, i)``:
 
 1. the epoch's order of shards is a seeded permutation, and within each shard the order of its blocks
-   (Parquet row groups, Arrow record batches; a JSON Lines file is one block);
+   (Parquet row groups, Arrow record batches, JSON Lines cut at line ends every 4 MiB);
 2. the rows of that block order are cut into windows of ``shuffle_window`` rows, and each window is
    permuted by its own seeded permutation.
 
@@ -50,6 +50,7 @@ __all__ = ["FileSource", "Shard", "ShardChangedError", "Source", "files", "is_so
 _FORMATS = {".parquet": "parquet", ".arrow": "arrow", ".feather": "arrow", ".ipc": "arrow", ".jsonl": "jsonl"}
 _FORMATS[".json"] = "jsonl"
 _EDGE = 1 << 16  # bytes hashed at each end of a shard: a Parquet footer, an Arrow file's footer
+_JSON_BLOCK_BYTES = 1 << 22  # a JSON Lines file is cut into blocks of about this size, at line ends
 
 
 class ShardChangedError(RuntimeError):
@@ -88,6 +89,8 @@ class Shard:
     size: int
     digest: int
     blocks: tuple[int, ...]
+    offsets: tuple[int, ...] = ()  # JSON Lines: each block's first byte, then the end
+    schema: Any = None  # JSON Lines: the schema every block is parsed with (inferred from the whole file)
 
 
 def _digest(path: str, size: int) -> int:
@@ -146,8 +149,23 @@ def _open_shard(path: str) -> tuple[Shard, Any]:
         blocks, schema = tuple(b.num_rows for b in batches), batches.schema
     else:
         table = _read_json(path)
-        blocks, schema = (table.num_rows,), table.schema
+        schema = table.schema
+        blocks, offsets = _json_blocks(path)
+        if sum(blocks) != table.num_rows:  # lines that are not one row each: one block
+            blocks, offsets = (table.num_rows,), (0, size)
+        return Shard(path, fmt, size, digest, blocks, offsets, schema), schema
     return Shard(path, fmt, size, digest, blocks), schema
+
+
+def _json_blocks(path: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Cut a JSON Lines file at line ends about every ``_JSON_BLOCK_BYTES``: rows per block, byte offsets."""
+    blocks, offsets = [], [0]
+    with open(path, "rb") as f:
+        while chunk := f.read(_JSON_BLOCK_BYTES):
+            chunk += f.readline()  # on to the end of the line
+            blocks.append(sum(1 for line in chunk.split(b"\n") if line.strip()))
+            offsets.append(offsets[-1] + len(chunk))
+    return tuple(blocks), tuple(offsets)
 
 
 class _Batches(list):  # type: ignore[type-arg]
@@ -337,5 +355,10 @@ def _read_block(shard: Shard, b: int, columns: tuple[str, ...] | None) -> Any:
     if shard.format == "arrow":
         table = pa.Table.from_batches([_arrow_batches(shard.path)[b]])
     else:
-        table = _read_json(shard.path)
+        import pyarrow.json as pj
+
+        with open(shard.path, "rb") as f:
+            f.seek(shard.offsets[b])
+            data = f.read(shard.offsets[b + 1] - shard.offsets[b])
+        table = pj.read_json(pa.BufferReader(data), parse_options=pj.ParseOptions(explicit_schema=shard.schema))
     return table if cols is None else table.select(cols)
