@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -94,6 +96,18 @@ def resume_times(pattern: str, n: int, window: int) -> list[tuple[str, float]]:
     return [(f"files() at row {position:,} (epoch 3)", seconds_files), (f"datasets at row {n // 2:,}", seconds_hf)]
 
 
+def peak_rss(pattern: str, start: int, n: int, window: int) -> float:
+    """Peak RSS (MiB) of a fresh process that opens the source and reads ``n`` rows from ``start``."""
+    code = (
+        "import itertools, resource, sys; from trainfold.data import files; "
+        f"src = files({pattern!r}, shuffle_window={window}); "
+        f"sum(1 for _ in itertools.islice(src.rows({start}), {n})); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1]) / 1024  # Linux: KiB
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=2_000_000)
@@ -102,12 +116,22 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=10_000)
     parser.add_argument("--quick", action="store_true", help="20k rows (the test suite's run)")
     parser.add_argument(
+        "--rss", action="store_true", help="peak RSS reading 500k rows of --rows / 20, / 10 and of --rows (ids only)"
+    )
+    parser.add_argument(
         "--resume-only", action="store_true", help="only files()' resume time, in the middle of --rows (ids only)"
     )
     ns = parser.parse_args()
     if ns.quick:
         ns.rows, ns.shards, ns.row_group, ns.window = 20_000, 4, 1000, 1000
     warnings.filterwarnings("ignore")
+    if ns.rss:
+        print("| dataset | peak RSS reading 500,000 rows from its middle (MiB) |\n|---|---|")
+        for rows in (ns.rows // 20, ns.rows // 10, ns.rows):
+            with tempfile.TemporaryDirectory() as d:
+                pattern = write(Path(d), rows, ns.shards, ns.row_group, narrow=True)
+                print(f"| {rows:,} rows | {peak_rss(pattern, rows // 2, 500_000, ns.window):.1f} |")
+        return
     if ns.resume_only:
         with tempfile.TemporaryDirectory() as d:
             pattern = write(Path(d), ns.rows, ns.shards, ns.row_group, narrow=True)
