@@ -97,3 +97,9 @@ def test_fsdp_quick_compares_train_full_shard_with_a_hand_fully_shard_loop():
     out = run("benchmarks/fsdp.py", "--quick")
     rows = [line for line in out.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
     assert len(rows) == 2 and all(len(line.split("|")) == 9 for line in rows)
+
+
+def test_streaming_quick():
+    pytest.importorskip("datasets")
+    out = run("benchmarks/streaming.py", "--quick")
+    assert "| files(), shuffled |" in out and "| datasets streaming, file order |" in out

@@ -243,6 +243,28 @@ def test_the_end_of_training_entry_holds_the_metrics_trls_holds(tmp_path, loggin
         assert last[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
 
 
+def test_a_file_source_is_tokenized_at_its_position_and_trains_as_trl(tmp_path):
+    """``dpo.train(train_dataset=trainfold.data.files(...))`` in file order: TRL's losses on the same rows streamed."""
+    import pyarrow.parquet as pq
+
+    rows = text_rows(12)
+    pq.write_table(datasets.Dataset.from_list(rows).data.table, tmp_path / "pairs.parquet", row_group_size=5)
+    kw = dict(**COMMON, **{**RUN, "max_steps": 3, "gradient_accumulation_steps": 1})
+    policy = llama()
+    trainer = trl.DPOTrainer(
+        model=policy,
+        ref_model=copy.deepcopy(policy),
+        args=trl.DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **kw),
+        train_dataset=datasets.Dataset.from_list(rows).to_iterable_dataset(),
+        processing_class=tokenizer(),
+    )
+    trainer.train()
+    source = trainfold.data.files(str(tmp_path / "pairs.parquet"), shuffle=False)
+    ours = trainfold.dpo.train(llama(), DPOArguments(output_dir=str(tmp_path / "tf"), **kw), source,
+                               processing_class=tokenizer())  # fmt: skip
+    assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
+
+
 def test_a_streamed_dataset_is_tokenized_as_read_and_trains_as_trl(tmp_path):
     stream = lambda: datasets.Dataset.from_list(text_rows(12)).to_iterable_dataset()
     kw = dict(**COMMON, **{**RUN, "max_steps": 3, "gradient_accumulation_steps": 1})

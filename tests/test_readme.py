@@ -23,7 +23,11 @@ PAGES = (
     "docs/pure.md",
     "docs/loop.md",
 )
-RUN_ELSEWHERE = {"docs/migration.md": "tests/test_migrate_docs.py", "docs/rl.md": "tests/test_docs_rl.py"}
+RUN_ELSEWHERE = {
+    "docs/migration.md": "tests/test_migrate_docs.py",
+    "docs/rl.md": "tests/test_docs_rl.py",
+    "docs/streaming.md": "tests/test_files_stream.py",
+}
 
 
 def python_blocks(page: str) -> list[str]:

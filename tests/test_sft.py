@@ -339,6 +339,29 @@ def test_a_streamed_dataset_is_prepared_as_read_and_trains_as_trl(tmp_path):
     assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
 
 
+def test_a_file_source_trains_as_trl_on_the_same_rows_streamed_in_file_order(tmp_path):
+    """``sft.train(train_dataset=trainfold.data.files(...))``: rows prepared at their position, as TRL's stream."""
+    import pyarrow.parquet as pq
+
+    from trainfold.data import files
+
+    rows = prompt_completion_rows(12)
+    pq.write_table(datasets.Dataset.from_list(rows).data.table, tmp_path / "rows.parquet", row_group_size=5)
+    kw = {**RUN, "max_steps": 3, "gradient_accumulation_steps": 1}
+    trainer = trl.SFTTrainer(
+        model=llama(),
+        args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **COMMON, **kw),
+        train_dataset=datasets.Dataset.from_list(rows).to_iterable_dataset(),
+        processing_class=tokenizer(),
+    )
+    trainer.train()
+    args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw)
+    source = files(str(tmp_path / "rows.parquet"), shuffle=False)
+    ours = sft.train(llama(), args, source, processing_class=tokenizer())
+    assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
+    assert ours.state.cursor.streams[0, 0].item() == 3 * args.per_device_train_batch_size
+
+
 def test_a_formatting_func_makes_the_text_as_trls(tmp_path):
     rows = [{"q": r["prompt"], "a": r["completion"]} for r in prompt_completion_rows(12)]
     fmt = lambda row: "user: " + row["q"] + " assistant:" + row["a"]

@@ -58,12 +58,17 @@ def initial_metrics() -> dict[str, Tensor]:
 class Cursor:
     """Where the data stream stands: the epoch, and optimizer steps consumed within it.
 
+    ``streams`` is ``None`` except for a streaming source (``trainfold.data.files``): then an int64
+    tensor of shape ``(sources, 2)``, each row a source's absolute row position (before filters) and
+    its fingerprint, so a resume seeks each source to where it stood and refuses changed shards.
+
     >>> Cursor().as_tuple(), Cursor(epoch=scalar(1), position=scalar(4)).as_tuple()
     ((0, 0), (1, 4))
     """
 
     epoch: Tensor = attrs.field(factory=lambda: scalar(0))
     position: Tensor = attrs.field(factory=lambda: scalar(0))
+    streams: Tensor | None = None
 
     def as_tuple(self) -> tuple[int, int]:
         """Return ``(epoch, position)`` as Python ints.

@@ -2,11 +2,15 @@
 
 The modules: ``samplers`` (each epoch's order, a pure function of ``(seed, epoch)``), ``collate``
 (padding and keyed collators), ``steps`` (the resumable ``stream`` of StepBatches), ``loaders``
-(DataLoader settings and the eval DataLoader), ``columns``, ``packing`` and ``llm``.
+(DataLoader settings and the eval DataLoader), ``columns``, ``packing`` and ``llm``; ``filestream``
+(``files``: streaming sources over sharded Parquet / Arrow / JSON Lines files) and ``mixture`` (``mix`` and
+``source_stream``, the resumable step stream over a source).
 """
 
 from trainfold.data.collate import KeyedCollate, PadCollate, keyed, pad_collate, sample_key
+from trainfold.data.filestream import ShardChangedError, files, is_source
 from trainfold.data.loaders import close_loader, eval_loader, loader_errors
+from trainfold.data.mixture import Mixture, is_stream_source, mix, source_steps, source_stream, stream_cursor
 from trainfold.data.samplers import (
     LENGTH_STRATEGIES,
     STRATEGIES,
@@ -22,6 +26,8 @@ __all__ = [
     "LENGTH_STRATEGIES",
     "STRATEGIES",
     "KeyedCollate",
+    "Mixture",
+    "ShardChangedError",
     "PadCollate",
     "Sampler",
     "StateStream",
@@ -29,12 +35,19 @@ __all__ = [
     "close_loader",
     "dataset_lengths",
     "eval_loader",
+    "files",
+    "is_source",
+    "is_stream_source",
     "keyed",
     "loader_errors",
     "make_sampler",
+    "mix",
     "pad_collate",
     "padded_cost",
     "preference_length",
     "sample_key",
+    "source_steps",
+    "source_stream",
     "stream",
+    "stream_cursor",
 ]

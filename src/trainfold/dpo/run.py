@@ -14,11 +14,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
+from trainfold.data.mixture import is_stream_source
 from trainfold.data.packing import check_packable
 from trainfold.dpo.args import DPOArguments
 from trainfold.dpo.data import padding_free_preference_collate, preference_rows
@@ -46,6 +48,9 @@ def prepare_preference_dataset(dataset: Any, processing_class: Any, args: DPOArg
     without a length (streaming) is tokenized as it is read, in its order, as TRL reads it."""
     if dataset is None:
         return None
+    if is_stream_source(dataset):  # trainfold.data.files / mix: each row tokenized at its position (dropped: none)
+        prepare = functools.partial(_preference_row, processing_class, args.max_length)
+        return dataset.map(prepare).filter(_is_row)
     if not hasattr(dataset, "__len__"):
         return PreparedStream(dataset, lambda rows: preference_rows(rows, processing_class, args.max_length))
     rows = (dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset
@@ -78,6 +83,15 @@ def preference_collator(model: nn.Module, args: DPOArguments, tok: Any) -> tuple
         return padding_free_preference_collate(None, args.max_length), args.replace(padding_free=False)
     pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
     return preference_collate(None, pad_id, args.max_length, args.pad_to_multiple_of), args
+
+
+def _preference_row(processing_class: Any, max_length: int | None, row: Any) -> Any:
+    rows = preference_rows([row], processing_class, max_length)
+    return rows[0] if rows else None  # a prompt as long as max_length is dropped, as TRL drops it
+
+
+def _is_row(row: Any) -> bool:
+    return row is not None
 
 
 def train(

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from trainfold.data.llm import DEFAULT_MAX_LENGTH
+from trainfold.data.mixture import is_stream_source
 from trainfold.data.packing import pack
 from trainfold.sft.args import SFTArguments
 from trainfold.sft.data import sft_collate, sft_loss, sft_rows
@@ -133,10 +134,21 @@ def prepare_dataset(
     )
     if formatting_func is not None:
         prepare = functools.partial(lambda base, rows: base(_formatted(rows, formatting_func)), prepare)
+    if is_stream_source(dataset):  # trainfold.data.files / mix: each row prepared at its position (dropped: none)
+        return dataset.map(functools.partial(_prepared_row, prepare)).filter(_is_row)
     if not hasattr(dataset, "__len__"):
         return PreparedStream(dataset, prepare)
     rows = prepare((dataset[i] for i in range(len(dataset))) if hasattr(dataset, "__getitem__") else dataset)
     return _shuffled(rows, args.seed) if args.shuffle_dataset else rows
+
+
+def _prepared_row(prepare: Any, row: Any) -> Any:
+    prepared = prepare([row])
+    return prepared[0] if prepared else None  # a row left without labels is dropped, as TRL drops it
+
+
+def _is_row(row: Any) -> bool:
+    return row is not None
 
 
 def _pad_id(processing_class: Any, args: SFTArguments) -> int:

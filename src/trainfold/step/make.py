@@ -47,8 +47,8 @@ def make_step(
     params, micro_batch, num_items, key) -> (loss, aux)`` replaces forward and loss (``aux``: means, weighed by
     items, ``driver.aux_weights``). ``count_items(micro_batch)`` counts items (default: the loss's count of the
     labels); ``collective`` sums counts and gradients across ranks (a ``fully_shard`` module's default: its mesh's).
-    ``compile``: ``compiled.compile_step`` (backend by name or callable, ``compile_mode``; eager, with a warning,
-    where it cannot). ``gradient_checkpointing`` (an int n: every n-th block): ``step.recompute``. ``loss_scaling`` (with ``autocast=torch.float16``): ``step.amp``.
+    ``compile``: ``compiled.compile_step`` (eager, with a warning, where it cannot). ``gradient_checkpointing`` (an
+    int n: every n-th block): ``step.recompute``. ``loss_scaling`` (with ``autocast=torch.float16``): ``step.amp``.
     ``step(state, batch, donate=True)`` (``step.donating``) updates ``state``'s tensors in place and
     invalidates it (bitwise equal); a donated *lent* state (``init_state(..., copy=False)``) runs the module as
     it is, gradients in ``.grad``, across ranks under ``DistributedDataParallel``. Sharded training: wrap the

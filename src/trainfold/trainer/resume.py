@@ -24,6 +24,7 @@ from trainfold.core.rng import restore_global_rng
 from trainfold.core.state import TrainState, init_state, lend
 from trainfold.core.tree import flatten, map_tensors, unflatten
 from trainfold.data import close_loader
+from trainfold.data.mixture import is_stream_source, stream_cursor
 from trainfold.loop.directory import load_newest, set_aside
 from trainfold.observe import history as log_file
 from trainfold.observe.observers import MetricWindow
@@ -55,6 +56,8 @@ def initial_state(plan: Plan) -> TrainState:
     """Return the run's first state: the module's own tensors lent (one copy), on the device (a ``fully_shard``
     module's: its DTensor shards, and optimizer state of the same layout)."""
     state = init_state(plan.model, plan.optimizer, seed=plan.args.seed, extras=plan.extras, copy=False)
+    if is_stream_source(plan.inputs.train_dataset):  # the cursor holds each source's row position from step 0
+        state = attrs.evolve(state, cursor=stream_cursor(plan.inputs.train_dataset))
     if plan.device.type != "cpu":
         device = plan.device
         state = attrs.evolve(

@@ -63,7 +63,7 @@ from trainfold.core.determinism import warm_up_kernels
 from trainfold.core.fold import trajectory
 from trainfold.core.preempt import JIT_SIGNALS, guarded, preemption_guard
 from trainfold.core.state import TrainState, counters
-from trainfold.data import StateStream, stream
+from trainfold.data import StateStream, is_stream_source, source_steps, stream
 from trainfold.distributed.distributed import joins_torchrun
 from trainfold.observe import TOKENS_SEEN, counting_input_tokens, observing, tap, train_summary
 from trainfold.observe import history as log_file
@@ -345,7 +345,7 @@ def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
     if plan.stream is not None:
         return plan.stream.steps(state.cursor)
     args = plan.args
-    batches = stream(
+    batches = (source_steps if is_stream_source(plan.inputs.train_dataset) else stream)(  # files(...): its cursor
         plan.inputs.train_dataset,
         plan.sampler,
         plan.inputs.collate,

@@ -1,0 +1,159 @@
+"""Streaming sources against ``datasets`` streaming on the same Parquet shards, in one process.
+
+Run: ``python benchmarks/streaming.py [--rows 2000000] [--shards 8] [--row-group 20000]``. Prints two tables:
+
+1. rows/s reading every row once: ``trainfold.data.files`` (shuffled: seeded shard, row-group and
+   window permutations; and in file order) against ``datasets.load_dataset("parquet", streaming=True)``
+   (with ``.shuffle(buffer_size=window)``, and in file order). Ratios are trainfold / datasets.
+2. resume time: opening the source and reading its first row at the middle of epoch 3
+   (``files``: seek to the row group under the position) against ``datasets``' ``load_state_dict`` at
+   the same share of one epoch (it re-reads the current shard and skips to the row).
+
+Rows are ``{"id": int, "text": ~60 characters}``. ``--quick`` runs a small version (the test suite's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from trainfold.data import files
+
+
+def write(folder: Path, rows: int, shards: int, row_group: int, narrow: bool = False) -> str:
+    per = rows // shards
+    for k in range(shards):
+        columns = {"id": pa.array(np.arange(k * per, (k + 1) * per, dtype=np.int64))}
+        if not narrow:
+            texts = [f"row {i:012d} " + "lorem ipsum dolor sit amet consectetur" for i in range(k * per, (k + 1) * per)]
+            columns["text"] = pa.array(texts)
+        pq.write_table(pa.table(columns), folder / f"part-{k:03d}.parquet", row_group_size=row_group)
+    return str(folder / "*.parquet")
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+def count(rows) -> int:
+    n = 0
+    for _ in rows:
+        n += 1
+    return n
+
+
+def hf_stream(pattern: str, window: int | None):
+    import datasets
+
+    ds = datasets.load_dataset("parquet", data_files=pattern, split="train", streaming=True)
+    return ds.shuffle(seed=0, buffer_size=window) if window else ds
+
+
+def throughput(pattern: str, n: int, window: int) -> list[tuple[str, float]]:
+    cases = {
+        "files(), shuffled": lambda: count(
+            r for _, r in itertools.islice(files(pattern, shuffle_window=window).rows(0), n)
+        ),
+        "files(), file order": lambda: count(r for _, r in itertools.islice(files(pattern, shuffle=False).rows(0), n)),
+        "datasets streaming, shuffle buffer": lambda: count(hf_stream(pattern, window)),
+        "datasets streaming, file order": lambda: count(hf_stream(pattern, None)),
+    }
+    out = []
+    for name, fn in cases.items():
+        seconds, got = timed(fn)
+        assert got == n, (name, got, n)
+        out.append((name, n / seconds))
+    return out
+
+
+def resume_times(pattern: str, n: int, window: int) -> list[tuple[str, float]]:
+    position = 3 * n + n // 2
+    seconds_files, _ = timed(lambda: next(files(pattern, shuffle_window=window).rows(position)))
+    ds = hf_stream(pattern, None)
+    it = iter(ds)
+    for _ in range(n // 2):
+        next(it)
+    state = ds.state_dict()
+
+    def hf_resume():
+        again = hf_stream(pattern, None)
+        again.load_state_dict(state)
+        return next(iter(again))
+
+    seconds_hf, _ = timed(hf_resume)
+    return [(f"files() at row {position:,} (epoch 3)", seconds_files), (f"datasets at row {n // 2:,}", seconds_hf)]
+
+
+def peak_rss(pattern: str, start: int, n: int, window: int) -> float:
+    """Peak RSS (MiB) of a fresh process that opens the source and reads ``n`` rows from ``start``."""
+    code = (
+        "import itertools, resource, sys; from trainfold.data import files; "
+        f"src = files({pattern!r}, shuffle_window={window}); "
+        f"sum(1 for _ in itertools.islice(src.rows({start}), {n})); "
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(done.stdout.split()[-1]) / 1024  # Linux: KiB
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=2_000_000)
+    parser.add_argument("--shards", type=int, default=8)
+    parser.add_argument("--row-group", type=int, default=20_000)
+    parser.add_argument("--window", type=int, default=10_000)
+    parser.add_argument("--quick", action="store_true", help="20k rows (the test suite's run)")
+    parser.add_argument(
+        "--rss", action="store_true", help="peak RSS reading 500k rows of --rows / 20, / 10 and of --rows (ids only)"
+    )
+    parser.add_argument(
+        "--resume-only", action="store_true", help="only files()' resume time, in the middle of --rows (ids only)"
+    )
+    ns = parser.parse_args()
+    if ns.quick:
+        ns.rows, ns.shards, ns.row_group, ns.window = 20_000, 4, 1000, 1000
+    warnings.filterwarnings("ignore")
+    if ns.rss:
+        print("| dataset | peak RSS reading 500,000 rows from its middle (MiB) |\n|---|---|")
+        for rows in (ns.rows // 20, ns.rows // 10, ns.rows):
+            with tempfile.TemporaryDirectory() as d:
+                pattern = write(Path(d), rows, ns.shards, ns.row_group, narrow=True)
+                print(f"| {rows:,} rows | {peak_rss(pattern, rows // 2, 500_000, ns.window):.1f} |")
+        return
+    if ns.resume_only:
+        with tempfile.TemporaryDirectory() as d:
+            pattern = write(Path(d), ns.rows, ns.shards, ns.row_group, narrow=True)
+            print("| resume (ids only) | seconds to the first row |\n|---|---|")
+            for position in (ns.rows // 100, ns.rows // 2):
+                seconds, _ = timed(lambda p=position: next(files(pattern, shuffle_window=ns.window).rows(p)))
+                print(f"| files() at row {position:,} of {ns.rows:,} | {seconds:.3f} |")
+        return
+    with tempfile.TemporaryDirectory() as d:
+        pattern = write(Path(d), ns.rows, ns.shards, ns.row_group)
+        n = ns.rows // ns.shards * ns.shards
+        rates = throughput(pattern, n, ns.window)
+        print(f"\n{n:,} rows in {ns.shards} Parquet shards, row groups of {ns.row_group:,}, window {ns.window:,}\n")
+        print("| reader | rows/s | vs datasets (same order kind) |\n|---|---|---|")
+        baseline = {"shuffled": rates[2][1], "file order": rates[3][1]}
+        for name, rate in rates:
+            kind = "shuffled" if "shuffle" in name else "file order"
+            print(f"| {name} | {rate:,.0f} | {rate / baseline[kind]:.2f}x |")
+        print("\n| resume | seconds to the first row |\n|---|---|")
+        for name, seconds in resume_times(pattern, n, ns.window):
+            print(f"| {name} | {seconds:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

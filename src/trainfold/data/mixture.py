@@ -1,0 +1,292 @@
+"""Mixtures of streaming sources, and the resumable step stream over a source: global batches dealt to ranks.
+
+``mix({name: source}, weights={name: w})`` draws a fixed number of rows from each source in every
+global batch (levanter's "stable mixtures"): the counts are the weights' shares of the batch, rounded
+by largest remainder, so which rows form a batch depends only on the sources' positions, never on
+how many rows another source's filter dropped.
+
+``source_stream(source, ...)`` forms each optimizer step's global batch first, then cuts it into
+micro-batches of ``per_device_train_batch_size`` and deals them round-robin to the ranks (as
+``Sampler`` does), so the rows of a step do not depend on the world size. Each :class:`StepBatch`
+carries the cursor after it: ``position`` counts steps, ``streams`` holds each source's row position
+and fingerprint; resuming from it continues exactly, at any world size keeping the global batch.
+
+>>> from trainfold.data.transforms import Mapped
+>>> class Count:  # a stand-in source: row i is i
+...     num_rows = 10**9
+...     def rows(self, start):
+...         return ((p + 1, p) for p in itertools.count(start))
+...     def fingerprint(self):
+...         return 7
+>>> m = mix({"a": Mapped(Count(), lambda r: ("a", r)), "b": Mapped(Count(), lambda r: ("b", r))},
+...         weights={"a": 3, "b": 1})
+>>> m.counts(4)
+{'a': 3, 'b': 1}
+>>> steps = list(source_stream(m, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2))
+>>> sorted(steps[1][0] + steps[1][1]), steps[1].cursor.streams[:, 0].tolist()  # each source's row position
+([('a', 3), ('a', 4), ('a', 5), ('b', 1)], [6, 2])
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+import torch
+import xxhash
+
+from trainfold.core.rng import derive_seed
+from trainfold.core.state import Cursor, scalar
+from trainfold.data.collate import KeyedCollate, sample_key
+from trainfold.data.dealing import cut, deal
+from trainfold.data.filestream import ShardChangedError, is_source
+from trainfold.data.samplers import Sampler
+from trainfold.data.steps import StepBatch
+
+__all__ = ["Mixture", "is_stream_source", "mix", "source_steps", "source_stream", "stream_cursor"]
+
+
+@attrs.frozen(eq=False)
+class Mixture:
+    """Named sources and their weights; build it with :func:`mix`."""
+
+    sources: dict[str, Any]
+    weights: dict[str, float]
+    seed: int = 0
+
+    def filter(self, fn: Callable[[Any], bool]) -> Mixture:
+        """Filter each source (before mixing: the rows per source per batch stay fixed)."""
+        return attrs.evolve(self, sources={k: s.filter(fn) for k, s in self.sources.items()})
+
+    def map(self, fn: Callable[[Any], Any]) -> Mixture:
+        """Transform each source's rows."""
+        return attrs.evolve(self, sources={k: s.map(fn) for k, s in self.sources.items()})
+
+    def counts(self, global_batch: int) -> dict[str, int]:
+        """Rows of each source in a global batch of ``global_batch`` rows (largest remainder rounding).
+
+        >>> Mixture({"a": None, "b": None, "c": None}, {"a": 1, "b": 1, "c": 1}).counts(4)
+        {'a': 2, 'b': 1, 'c': 1}
+        """
+        total = sum(self.weights.values())
+        exact = {k: global_batch * w / total for k, w in self.weights.items()}
+        out = {k: int(v) for k, v in exact.items()}
+        by_remainder = sorted(exact, key=lambda k: (-(exact[k] - out[k]), list(exact).index(k)))
+        for k in by_remainder[: global_batch - sum(out.values())]:
+            out[k] += 1
+        starved = [k for k, n in out.items() if n == 0 and self.weights[k] > 0]
+        if starved:
+            raise ValueError(
+                f"a global batch of {global_batch} rows gives sources {starved} no row (weights {self.weights}); "
+                "a stable mixture draws whole rows per batch: raise the global batch or those weights"
+            )
+        return out
+
+
+def mix(sources: Mapping[str, Any], *, weights: Mapping[str, float], seed: int = 0) -> Mixture:
+    """Mix named streaming sources: every global batch holds a fixed number of rows of each.
+
+    The rows of a batch are shuffled by a permutation seeded by ``(seed, step)``.
+    """
+    if set(sources) != set(weights):
+        raise ValueError(
+            f"mix() needs one weight per source: sources {sorted(sources)}, weights {sorted(weights)}; "
+            "name the same sources in both"
+        )
+    bad = {k: w for k, w in weights.items() if not isinstance(w, (int, float)) or w < 0 or w != w}
+    if bad or not any(weights.values()):
+        raise ValueError(f"mixture weights must be numbers >= 0, not all zero; got {dict(weights)}")
+    for name, source in sources.items():
+        if not is_source(source):
+            raise TypeError(
+                f"source {name!r} is a {type(source).__name__}; mix() takes trainfold.data.files(...) sources"
+            )
+    return Mixture(dict(sources), {k: float(weights[k]) for k in sources}, seed)
+
+
+def is_stream_source(obj: Any) -> bool:
+    """Return whether ``obj`` is a streaming source or a mixture of them (what ``source_stream`` reads).
+
+    >>> is_stream_source([1]), is_stream_source(Mixture({}, {}))
+    (False, True)
+    """
+    return is_source(obj) or isinstance(obj, Mixture)
+
+
+def stream_cursor(source: Any) -> Cursor:
+    """Return the cursor a run over ``source`` starts from: step 0, each source at row 0 with its fingerprint.
+
+    A run's first state holds it, so its checkpoints (and the template a resume loads them into) have
+    the same structure from the first step on.
+    """
+    _, _, _, fingerprints = _components(source)
+    streams = torch.tensor([[0, f] for f in fingerprints], dtype=torch.int64)
+    return Cursor(scalar(0), scalar(0), streams)
+
+
+def _components(source: Any) -> tuple[list[Any], Callable[[int], list[int]], int | None, list[int]]:
+    """The sources a stream reads, the rows each gives per global batch, the batch shuffle's seed, and the
+    fingerprint recorded for each (a mixture's weights and seed folded in: changing them changes the batches)."""
+    if isinstance(source, Mixture):
+        names = list(source.sources)
+        settings = xxhash.xxh3_64_intdigest(repr((source.seed, sorted(source.weights.items()))).encode())
+        fingerprints = [derive_seed(int(source.sources[k].fingerprint()), settings) for k in names]
+        counts_of = functools.partial(_counts, source, names)
+        return [source.sources[k] for k in names], counts_of, source.seed, fingerprints
+    return [source], lambda g: [g], None, [int(source.fingerprint())]
+
+
+def _counts(mixture: Mixture, names: list[str], global_batch: int) -> list[int]:
+    counts = mixture.counts(global_batch)
+    return [counts[k] for k in names]
+
+
+def _start_positions(fingerprints: list[int], start: Cursor | None) -> tuple[int, list[int]]:
+    """The step and each source's row position a stream starts from, after checking the fingerprints."""
+    if start is None:
+        return 0, [0] * len(fingerprints)
+    epoch, step = start.as_tuple()
+    if start.streams is None:
+        if (epoch, step) != (0, 0):
+            raise ValueError(
+                f"cursor {(epoch, step)} has no stream positions: it was made by a dataset with a length, not a "
+                "streaming source; resume with the data the checkpoint was trained on"
+            )
+        return 0, [0] * len(fingerprints)
+    recorded = start.streams.tolist()
+    if len(recorded) != len(fingerprints):
+        raise ValueError(
+            f"the cursor holds positions of {len(recorded)} source(s) but the stream reads {len(fingerprints)}; "
+            "resume with the same sources (and mixture) the checkpoint was trained on"
+        )
+    for i, (now, (_, fp)) in enumerate(zip(fingerprints, recorded)):
+        if now != fp:
+            raise ShardChangedError(
+                f"source {i}'s shards or order settings are not those the checkpoint was trained on (fingerprint "
+                f"{fp} recorded, {now} now): a shard was changed, removed or added, or the seed, shuffle_window "
+                "or mixture weights changed; restore them, or start a new run"
+            )
+    return step, [p for p, _ in recorded]
+
+
+def global_batches(source: Any, global_batch: int, start: Cursor | None = None) -> Iterator[tuple[list[Any], Cursor]]:
+    """Yield each global batch's rows, with the cursor after it, from ``start`` on.
+
+    >>> from trainfold.data.transforms import Mapped
+    >>> class Count:
+    ...     num_rows = 100
+    ...     def rows(self, start):
+    ...         return ((p + 1, p) for p in itertools.count(start))
+    ...     def fingerprint(self):
+    ...         return 1
+    >>> rows, after = next(global_batches(Count(), 3))
+    >>> rows, after.as_tuple(), after.streams.tolist()
+    ([0, 1, 2], (0, 1), [[3, 1]])
+    """
+    components, counts_of, mix_seed, fingerprints = _components(source)
+    counts = counts_of(global_batch)
+    step, positions = _start_positions(fingerprints, start)
+    readers = [c.rows(p) for c, p in zip(components, positions)]
+    while True:
+        rows: list[Any] = []
+        for i, (reader, n) in enumerate(zip(readers, counts)):
+            for pos, row in itertools.islice(reader, n):
+                positions[i] = pos
+                rows.append(row)
+        if mix_seed is not None:
+            rows = [rows[j] for j in np.random.default_rng([mix_seed, 3, step]).permutation(len(rows))]
+        step += 1
+        streams = torch.tensor([[p, f] for p, f in zip(positions, fingerprints)], dtype=torch.int64)
+        yield rows, Cursor(scalar(0), scalar(step), streams)
+
+
+def source_stream(
+    source: Any,
+    *,
+    per_device_train_batch_size: int,
+    gradient_accumulation_steps: int = 1,
+    world_size: int = 1,
+    rank: int = 0,
+    collate: Callable[..., Any] | None = None,
+    start: Cursor | None = None,
+    seed: int = 0,
+    max_steps: int | None = None,
+) -> Iterator[StepBatch]:
+    """Yield this rank's optimizer steps over a streaming source (or mixture) from ``start`` (a cursor).
+
+    The global batch is ``per_device_train_batch_size × gradient_accumulation_steps × world_size`` rows;
+    rank ``r`` gets micro-batches ``r, r + world_size, ...`` of it, each passed to ``collate`` (default:
+    the list of rows; a :func:`~trainfold.data.keyed` collator also gets each row's key
+    ``sample_key(seed, 0, ordinal)``). ``max_steps`` counts from the start of the run (a resumed stream
+    stops at the same step). ``StepBatch.indices`` holds each micro-batch's row ordinals in the run
+    (``step × global + i``).
+    """
+    sizes = {
+        "per_device_train_batch_size": per_device_train_batch_size,
+        "gradient_accumulation_steps": gradient_accumulation_steps,
+        "world_size": world_size,
+    }
+    bad = {k: v for k, v in sizes.items() if not isinstance(v, int) or v < 1}
+    if bad or not 0 <= rank < world_size:
+        raise ValueError(f"invalid stream sizes {bad or sizes} / rank {rank}: sizes are ints >= 1, 0 <= rank < world")
+    if not is_stream_source(source):
+        raise TypeError(
+            f"source_stream takes a trainfold.data.files(...) source or mix(...), got {type(source).__name__}"
+        )
+    g = per_device_train_batch_size * gradient_accumulation_steps * world_size
+    mine = deal(cut(list(range(g)), per_device_train_batch_size), world_size)[rank]
+    collate = collate or _as_list
+    done = 0 if start is None else start.as_tuple()[1]
+    batches = global_batches(source, g, start)
+    while max_steps is None or done < max_steps:
+        rows, after = next(batches)
+        ordinals = [[done * g + i for i in m] for m in mine]
+        micro = [_collated(collate, seed, [rows[i] for i in m], o) for m, o in zip(mine, ordinals)]
+        yield StepBatch(micro, after, ordinals)
+        done += 1
+
+
+def _collated(collate: Callable[..., Any], seed: int, rows: list[Any], ordinals: list[int]) -> Any:
+    if isinstance(collate, KeyedCollate):
+        return collate(rows, [sample_key(seed, 0, o) for o in ordinals])
+    return collate(rows)
+
+
+def _as_list(rows: list[Any]) -> list[Any]:
+    return rows
+
+
+def source_steps(
+    source: Any,
+    sampler: Sampler,
+    collate: Callable[..., Any],
+    *,
+    start: Cursor | None = None,
+    num_epochs: int | None = None,
+    max_steps: int | None = None,
+    **loader_options: Any,
+) -> Iterator[StepBatch]:
+    """:func:`~trainfold.data.stream`'s call over a streaming source: ``source_stream`` with the sampler's sizes.
+
+    A source is one endless stream (``num_epochs`` must be ``None``: give ``max_steps``). It is read in
+    this process: the ``dataloader_*`` options start no workers (the order never depends on them).
+    """
+    if num_epochs is not None:
+        raise ValueError(
+            f"num_epochs={num_epochs} over a streaming source: its epochs run on into each other; give max_steps"
+        )
+    return source_stream(
+        source,
+        per_device_train_batch_size=sampler.per_device_train_batch_size,
+        gradient_accumulation_steps=sampler.gradient_accumulation_steps,
+        world_size=sampler.world_size,
+        rank=sampler.rank,
+        collate=collate,
+        start=start,
+        seed=sampler.seed,
+        max_steps=max_steps,
+    )

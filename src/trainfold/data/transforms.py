@@ -1,0 +1,96 @@
+"""Filter and map over a streaming source: positions stay the unfiltered ones, so resumes stay exact.
+
+>>> import itertools
+>>> class Count:  # a stand-in source: the row at position p is p
+...     num_rows = 10
+...     def rows(self, start):
+...         return ((p + 1, p % 10) for p in itertools.count(start))
+>>> odd = Filtered(Count(), lambda r: r % 2 == 1).map(lambda r: r * 10)
+>>> list(itertools.islice(odd.rows(4), 3))  # (position after, row)
+[(6, 50), (8, 70), (10, 90)]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+__all__ = ["Filtered", "Mapped"]
+
+
+@attrs.frozen(eq=False)
+class Filtered:
+    """The rows of ``base`` that ``fn`` accepts, at their unfiltered positions.
+
+    ``fn`` sees the row only, which is a pure function of its position, so the kept rows are too: a
+    resume from a position yields exactly the rows an uninterrupted stream yields after it. A filter
+    that keeps no row of a whole epoch raises ``ValueError`` (the stream would never end).
+    """
+
+    base: Any
+    fn: Callable[[Any], bool]
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of one epoch before the filter (how many it keeps is unknown until read)."""
+        return int(self.base.num_rows)
+
+    def fingerprint(self) -> int:
+        """The base's fingerprint (the filter's code is not fingerprinted)."""
+        return int(self.base.fingerprint())
+
+    def filter(self, fn: Callable[[Any], bool]) -> Filtered:
+        """Filter again."""
+        return Filtered(self, fn)
+
+    def map(self, fn: Callable[[Any], Any]) -> Mapped:
+        """Transform each kept row."""
+        return Mapped(self, fn)
+
+    def rows(self, start: int) -> Iterator[tuple[int, Any]]:
+        """Yield ``(position after, row)`` for each kept row from ``start`` on."""
+        n = self.num_rows
+        clean_from = -(-start // n) * n  # the first epoch read from its first row
+        kept_since = None
+        for pos, row in self.base.rows(start):
+            if self.fn(row):
+                kept_since = pos
+                yield pos, row
+            elif pos % n == 0 and pos - n >= clean_from and (kept_since is None or kept_since <= pos - n):
+                raise ValueError(
+                    f"the filter {getattr(self.fn, '__qualname__', self.fn)!r} kept none of the {n} rows of epoch "
+                    f"{pos // n - 1} of the source: a stream of no rows cannot make a batch; check the filter "
+                    "(or the columns it reads)"
+                )
+
+
+@attrs.frozen(eq=False)
+class Mapped:
+    """The rows of ``base`` transformed by ``fn`` (positions unchanged)."""
+
+    base: Any
+    fn: Callable[[Any], Any]
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of one epoch of the base."""
+        return int(self.base.num_rows)
+
+    def fingerprint(self) -> int:
+        """The base's fingerprint."""
+        return int(self.base.fingerprint())
+
+    def filter(self, fn: Callable[[Any], bool]) -> Filtered:
+        """Keep the mapped rows ``fn`` accepts."""
+        return Filtered(self, fn)
+
+    def map(self, fn: Callable[[Any], Any]) -> Mapped:
+        """Transform again."""
+        return Mapped(self, fn)
+
+    def rows(self, start: int) -> Iterator[tuple[int, Any]]:
+        """Yield ``(position after, fn(row))`` from ``start`` on."""
+        for pos, row in self.base.rows(start):
+            yield pos, self.fn(row)
