@@ -448,6 +448,13 @@ def test_each_fields_hf_name_is_a_peers_field_and_no_hf_only_entry_is_a_field():
         assert not set(TAKEN_AS_IS) & set(attrs.fields_dict(cls)), "a field is also listed as taken as is"
 
 
+def test_trls_auto_pad_to_multiple_of_is_none_for_every_class():
+    """TRL's configs default ``pad_to_multiple_of`` to ``"auto"`` (128 on Neuron only, else None), declared once."""
+    for cls in CLASSES:
+        assert cls(**_base(cls, "out"), pad_to_multiple_of="auto").pad_to_multiple_of is None, cls.__name__
+        assert cls(**_base(cls, "out"), pad_to_multiple_of=8).pad_to_multiple_of == 8
+
+
 # -- settings are read as attributes, not named as strings ----------------------------------------------
 
 # names that other vocabularies share with a field (not readings of the arguments): why each is a string there
