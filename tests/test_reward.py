@@ -159,7 +159,7 @@ def test_bradley_terry_is_trls_formula_and_the_objective_splits_exactly():
 def test_settings_trainfold_cannot_honour_are_refused_by_name():
     with pytest.raises(ValueError, match="chat_template_path='t.jinja' is not supported"):
         RewardArguments(bf16=False, chat_template_path="t.jinja")
-    with pytest.raises(ValueError, match="center_rewards_coefficient=-1"):
+    with pytest.raises(ValueError, match="center_rewards_coefficient must be >= 0, got -1"):
         RewardArguments(bf16=False, center_rewards_coefficient=-1)
     model = transformers.LlamaForSequenceClassification(
         transformers.LlamaConfig(**{**llama().config.to_dict(), "num_labels": 3})

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import pytest
 import torch
+import transformers
 from settings_walk import differences, shape
 from tiny_chat import llama, word_tokenizer
 
@@ -25,12 +26,16 @@ from trainfold.dpo import run as dpo_run
 from trainfold.dpo.args import DPOArguments
 from trainfold.grpo import run as grpo_run
 from trainfold.grpo.args import GRPOArguments
+from trainfold.kto import run as kto_run
+from trainfold.kto.args import KTOArguments
+from trainfold.reward import run as reward_run
+from trainfold.reward.args import RewardArguments
 from trainfold.sft import run as sft
 from trainfold.sft.args import SFTArguments
 from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.setting import spec_of
 
-CLASSES = (TrainingArguments, SFTArguments, DPOArguments, GRPOArguments)
+CLASSES = (TrainingArguments, SFTArguments, DPOArguments, GRPOArguments, KTOArguments, RewardArguments)
 TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}assistant: {{ m['content'] }} </s> "
     "{% else %}user: {{ m['content'] }} {% endif %}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
@@ -64,6 +69,7 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "fsdp": ("full_shard", {}),
     # SFT, DPO, GRPO
     "model_init_kwargs": ({"dtype": "float32"}, {}),
+    "chat_template_path": ("template.jinja", {}),
     "dataset_text_field": ("body", {}),
     "completion_only_loss": (False, {}),
     "importance_sampling_level": ("sequence", {}),
@@ -96,6 +102,9 @@ CLASS_VALUES: dict[tuple[type, str], tuple[Any, dict[str, Any]]] = {
     (GRPOArguments, "num_generations"): (4, {"per_device_train_batch_size": 4}),
     (SFTArguments, "max_length"): (3, {}),
     (DPOArguments, "max_length"): (3, {}),
+    (KTOArguments, "max_length"): (5, {}),
+    (KTOArguments, "loss_type"): ("apo_zero_unpaired", {}),
+    (RewardArguments, "max_length"): (4, {}),
 }
 
 # fields whose effect comes after the plan: a run of each shows it (test_bookkeeping_settings_show_in_the_run)
@@ -201,6 +210,24 @@ def _train(cls: type, args: Any, text_rows: bool) -> None:
         model = llama()
         model.head_dropout = torch.nn.Dropout(0.1)  # a dropout for disable_dropout to turn off
         dpo_run.train(model, args, rows, rows[:4], processing_class=tok)
+    elif cls is KTOArguments:
+        rows = [
+            {"prompt": _words(i, 2), "completion": " " + _words(i + 1, 2 + i % 3), "label": i % 3 != 0}
+            for i in range(8)
+        ]
+        model = llama()
+        model.head_dropout = torch.nn.Dropout(0.1)  # a dropout for disable_dropout to turn off
+        kto_run.train(model, args, rows, rows[:4], processing_class=tok)
+    elif cls is RewardArguments:
+        rows = [
+            {"prompt": _words(i, 2), "chosen": " " + _words(i, 2), "rejected": " " + _words(i + 3, 1 + i % 3)}
+            for i in range(8)
+        ]
+        config = {k: v for k, v in llama().config.to_dict().items() if k not in ("id2label", "label2id")}
+        torch.manual_seed(0)
+        model = transformers.LlamaForSequenceClassification(transformers.LlamaConfig(**config, num_labels=1))
+        model.head_dropout = torch.nn.Dropout(0.1)  # a dropout for disable_dropout to turn off
+        reward_run.train(model, args, rows, rows[:4], processing_class=tok)
     else:
 
         def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
@@ -410,6 +437,7 @@ def test_each_fields_hf_name_is_a_peers_field_and_no_hf_only_entry_is_a_field():
 
     peers = {TrainingArguments: transformers.TrainingArguments, SFTArguments: trl.SFTConfig}
     peers.update({DPOArguments: trl.DPOConfig, GRPOArguments: trl.GRPOConfig})
+    peers.update({KTOArguments: trl.KTOConfig, RewardArguments: trl.RewardConfig})
     theirs = {f.name for peer in peers.values() for f in dataclasses.fields(peer)}
     for cls in CLASSES:
         for field in attrs.fields(cls):
@@ -418,6 +446,13 @@ def test_each_fields_hf_name_is_a_peers_field_and_no_hf_only_entry_is_a_field():
             assert hf is not None or field.name not in theirs, f"{field.name} is a peer's setting: say its name"
         assert not set(HF_ONLY) & set(attrs.fields_dict(cls)), "a field is also listed as HF-only"
         assert not set(TAKEN_AS_IS) & set(attrs.fields_dict(cls)), "a field is also listed as taken as is"
+
+
+def test_trls_auto_pad_to_multiple_of_is_none_for_every_class():
+    """TRL's configs default ``pad_to_multiple_of`` to ``"auto"`` (128 on Neuron only, else None), declared once."""
+    for cls in CLASSES:
+        assert cls(**_base(cls, "out"), pad_to_multiple_of="auto").pad_to_multiple_of is None, cls.__name__
+        assert cls(**_base(cls, "out"), pad_to_multiple_of=8).pad_to_multiple_of == 8
 
 
 # -- settings are read as attributes, not named as strings ----------------------------------------------

@@ -77,7 +77,7 @@ def reference_objective(model: nn.Module, args: DPOArguments, ref_model: nn.Modu
 
 def preference_collator(model: nn.Module, args: DPOArguments, tok: Any) -> tuple[Any, DPOArguments]:
     """Return the run's preference collator and its arguments (padding-free rows are the collator's, not the run's)."""
-    pad = args.pad_token or (getattr(tok, "pad_token", None) or getattr(tok, "eos_token", None)) if tok else None
+    pad = (args.pad_token or tok.pad_token or tok.eos_token) if tok else None
     if args.padding_free:  # the run's own flattened rows (TrainingArguments' padding_free is for LM rows)
         check_packable(model)
         return padding_free_preference_collate(None, args.max_length), args.replace(padding_free=False)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from trainfold.dpo.args import DPOArguments
 from trainfold.dpo.run import policy_model, preference_collator, prepare_preference_dataset, reference_objective
 from trainfold.dpo.run import train as dpo_train
@@ -18,6 +20,8 @@ from trainfold.trainer.model_source import processing_class_for
 from trainfold.trainer.train import TrainResult
 
 __all__ = ["DPOTrainer"]
+
+_INIT = attrs.fields(DPOArguments).model_init_kwargs  # the from_pretrained keywords of a model given by name
 
 
 class DPOTrainer(Trainer):
@@ -47,9 +51,9 @@ class DPOTrainer(Trainer):
                 "itself (pad_token, max_length, pad_to_multiple_of, padding_free in DPOArguments)"
             )
         given, args = args, arguments_for(args, DPOArguments, f"{model_name_of(model)}-DPO")
-        module = policy_model(model, args.replace(model_init_kwargs=init_kwargs(model, given)), peft_config)
+        module = policy_model(model, args.replace(model_init_kwargs=init_kwargs(model, given, _INIT)), peft_config)
         if isinstance(ref_model, str):
-            ref_model = policy_model(ref_model, args.replace(model_init_kwargs=init_kwargs(ref_model, given)))
+            ref_model = policy_model(ref_model, args.replace(model_init_kwargs=init_kwargs(ref_model, given, _INIT)))
         tok = processing_class_for(module, processing_class)
         super().__init__(
             module, args, None, train_dataset, eval_dataset, tok, compute_metrics=compute_metrics, callbacks=callbacks

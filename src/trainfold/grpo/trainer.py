@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from trainfold.grpo.args import GRPOArguments
 from trainfold.grpo.run import train as grpo_train
 from trainfold.trainer.facade import Trainer, arguments_for, init_kwargs, model_name_of, refuse, refused_keywords
@@ -18,6 +20,8 @@ from trainfold.trainer.model_source import model_from, processing_class_for
 from trainfold.trainer.train import TrainResult
 
 __all__ = ["GRPOTrainer"]
+
+_INIT = attrs.fields(GRPOArguments).model_init_kwargs  # the from_pretrained keywords of a model given by name
 
 _EVALUATION = (
     "GRPO scores its eval_dataset during train: set eval_strategy (and eval_steps) and read eval_reward... "
@@ -58,7 +62,7 @@ class GRPOTrainer(Trainer):
             )
         )
         given, args = args, arguments_for(args, GRPOArguments, f"{model_name_of(model)}-GRPO")
-        module = model_from(model, init_kwargs(model, given), peft_config, seed=args.seed)
+        module = model_from(model, init_kwargs(model, given, _INIT), peft_config, seed=args.seed)
         tok = processing_class_for(module, processing_class)
         super().__init__(module, args, None, train_dataset, eval_dataset, tok, callbacks=callbacks)
         self.reward_funcs = reward_funcs

@@ -93,7 +93,7 @@ def train(
         precompute_ref_batch_size=args.precompute_ref_batch_size,
     )
     tok = processing_class_for(model, processing_class)
-    pad = (getattr(tok, "pad_token", None) or getattr(tok, "eos_token", None)) if tok is not None else None
+    pad = (tok.pad_token or tok.eos_token) if tok is not None else None
     pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
     collate = unpaired_collate(pad_id, args.max_length, args.pad_to_multiple_of)
     train_rows = prepare_unpaired_dataset(train_dataset, tok, args)

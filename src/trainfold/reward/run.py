@@ -51,6 +51,8 @@ def reward_model(model: nn.Module | str, args: RewardArguments, peft_config: Any
 
             kwargs = {**(args.model_init_kwargs or {}), "num_labels": 1}
             built = AutoModelForSequenceClassification.from_pretrained(model, **kwargs)
+        elif args.model_init_kwargs:
+            raise ValueError("model_init_kwargs apply when the model is a name or path; drop them for a built module")
         if peft_config is not None:
             from peft import get_peft_model
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from trainfold.reward.args import RewardArguments
 from trainfold.reward.data import reward_collate
 from trainfold.reward.loss import reward_objective
@@ -20,6 +22,8 @@ from trainfold.trainer.model_source import processing_class_for
 from trainfold.trainer.train import TrainResult
 
 __all__ = ["RewardTrainer"]
+
+_INIT = attrs.fields(RewardArguments).model_init_kwargs  # the from_pretrained keywords of a model given by name
 
 
 class RewardTrainer(Trainer):
@@ -51,7 +55,7 @@ class RewardTrainer(Trainer):
             )
         )
         given, args = args, arguments_for(args, RewardArguments, f"{model_name_of(model)}-Reward")
-        module = reward_model(model, args.replace(model_init_kwargs=init_kwargs(model, given)), peft_config)
+        module = reward_model(model, args.replace(model_init_kwargs=init_kwargs(model, given, _INIT)), peft_config)
         tok = processing_class_for(module, processing_class)
         collate = data_collator or reward_collate(pad_id_for(module, tok, args), args.pad_to_multiple_of)
         super().__init__(

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
+
 from trainfold.sft.args import SFTArguments
 from trainfold.sft.data import sft_loss
 from trainfold.sft.run import default_collator, prepare_eval_dataset
@@ -20,6 +22,8 @@ from trainfold.trainer.model_source import model_from, processing_class_for
 from trainfold.trainer.train import TrainResult
 
 __all__ = ["SFTTrainer"]
+
+_INIT = attrs.fields(SFTArguments).model_init_kwargs  # the from_pretrained keywords of a model given by name
 
 
 class SFTTrainer(Trainer):
@@ -53,7 +57,7 @@ class SFTTrainer(Trainer):
             )
         )
         given, args = args, arguments_for(args, SFTArguments, f"{model_name_of(model)}-SFT")
-        module = model_from(model, init_kwargs(model, given), peft_config, args.seed)
+        module = model_from(model, init_kwargs(model, given, _INIT), peft_config, args.seed)
         super().__init__(
             module,
             args,

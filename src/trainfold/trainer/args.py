@@ -60,6 +60,12 @@ __all__ = [
 # The vocabularies, each owned by the module that acts on it (re-exported here under the names args used)
 INTERVALS = EVAL_STRATEGIES  # eval_strategy's (logging_strategy's are observe.observers.LOGGING_STRATEGIES)
 SCHEDULERS = SCHEDULE_NAMES
+
+
+def _auto_is_none(value: Any) -> Any:
+    return None if value == "auto" else value
+
+
 _Args = TypeVar("_Args", bound="TrainingArguments")  # replace() returns the subclass it is called on
 
 
@@ -171,8 +177,8 @@ class TrainingArguments:
     # cuts them (data.llm.truncated; None: not cut)
     max_length: int | None = setting(None, range="[1, inf)")
     padding_free: bool = setting(False)
-    # collated widths rounded up to a multiple (trainfold.data.columns)
-    pad_to_multiple_of: int | None = setting(None, range="[1, inf)")
+    # collated widths rounded up to a multiple (trainfold.data.columns); TRL's "auto" (128 on Neuron only) is None
+    pad_to_multiple_of: int | None = setting(None, range="[1, inf)", converter=_auto_is_none)
     # tokens per chunk of the chunked causal-LM cross-entropy; 0: off
     loss_chunk_size: int = setting(0, range="[0, inf)", hf=None)
     # HF's names; "full_shard": torch's fully_shard per block (step.fsdp); fsdp_config: transformer_layer_cls_to_wrap...

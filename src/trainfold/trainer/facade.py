@@ -86,10 +86,11 @@ class Console:
             print(*args, **kwargs)
 
 
-def init_kwargs(model: Any, given: Any) -> dict[str, Any] | None:
-    """Return the ``from_pretrained`` keywords for ``model`` when it is a name or path: the given arguments'
-    ``model_init_kwargs`` (a TRL config's included, which ``from_hf`` leaves to the script), else ``None``."""
-    return dict(getattr(given, "model_init_kwargs", None) or {}) if isinstance(model, str) else None
+def init_kwargs(model: Any, given: Any, field: Any) -> dict[str, Any] | None:
+    """Return the ``from_pretrained`` keywords for ``model`` when it is a name or path: the given arguments' value of
+    ``field`` (the Arguments class's ``model_init_kwargs`` field; a TRL config's value included, which ``from_hf``
+    leaves to the script), else ``None``."""
+    return dict(getattr(given, field.name, None) or {}) if isinstance(model, str) else None
 
 
 def model_name_of(model: Any) -> str:

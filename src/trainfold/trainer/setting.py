@@ -137,9 +137,24 @@ def setting(
     return attrs.field(default=default, metadata={SPEC: spec, TRAJECTORY: trajectory}, converter=converter)
 
 
-def redeclared(field: attrs.Attribute, default: Any) -> Any:  # type: ignore[type-arg]
-    """Return ``field`` (a base class's) with another default: a subclass's peer default, the rest unchanged."""
-    return attrs.field(default=default, metadata=dict(field.metadata), converter=field.converter)
+def redeclared(field: attrs.Attribute, default: Any, **changes: Any) -> Any:  # type: ignore[type-arg]
+    """Return ``field`` (a base class's) with another default: a subclass's peer default, the rest unchanged but
+    for ``changes`` to its ``Setting`` (e.g. ``only=``: a value the subclass's algorithm cannot take).
+
+    >>> @attrs.frozen
+    ... class Base:
+    ...     packed: bool = setting(False, hf="packing")
+    >>> @attrs.frozen
+    ... class Sub(Base):
+    ...     packed: bool = redeclared(attrs.fields(Base).packed, False, only=(False, "no packing here"))
+    >>> spec_of(attrs.fields(Sub).packed).hf, setting_problems(Sub(packed=True))[0]
+    ('packing', ['packed=True is not supported: no packing here; set packed=False'])
+    """
+    metadata = dict(field.metadata)
+    if changes:
+        spec = attrs.evolve(spec_of(field), **changes)
+        metadata.update({SPEC: spec, TRAJECTORY: spec.trajectory})
+    return attrs.field(default=default, metadata=metadata, converter=field.converter)
 
 
 def spec_of(field: attrs.Attribute) -> Setting:  # type: ignore[type-arg]
