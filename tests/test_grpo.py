@@ -725,12 +725,11 @@ def test_functional_forward_is_make_forward_with_the_models_own_tensors_filled_i
 
 def test_trainfold_grpo_offers_the_recipe_the_arguments_and_the_run():
     import trainfold
-    import trainfold.grpo as recipe
     from trainfold.grpo import args as grpo_args
+    from trainfold.grpo import loop, objective
     from trainfold.grpo import run as grpo_run
 
-    assert trainfold.grpo.__name__ == "trainfold.grpo"  # a real module (issue 33), re-exporting trainfold.grpo
-    assert all(getattr(trainfold.grpo, name) is getattr(recipe, name) for name in recipe.__all__)
+    assert trainfold.grpo.__name__ == "trainfold.grpo"  # one folder: the pieces, the Arguments and the run
     assert trainfold.grpo.train is grpo_run.train and trainfold.grpo.GRPOArguments is grpo_args.GRPOArguments
-    assert {"make_rollout", "grpo_trajectory", "Rollout", "rollout_metrics"} <= set(recipe.__all__)
-    assert not hasattr(recipe, "train")  # the recipe layer knows nothing of the hf run
+    assert {"make_rollout", "grpo_trajectory", "Rollout", "rollout_metrics"} <= set(trainfold.grpo.__all__)
+    assert trainfold.grpo.make_rollout is loop.make_rollout and trainfold.grpo.grpo_objective is objective.grpo_objective

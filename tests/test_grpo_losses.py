@@ -243,5 +243,5 @@ def test_grpo_arguments_take_the_new_loss_settings_and_refuse_bad_ones():
     args = GRPOArguments(loss_type="luspo", importance_sampling_level="sequence", sapo_temperature_neg=2.0)
     assert args.policy_loss == PolicyLoss("luspo", importance_sampling_level="sequence", sapo_temperature_neg=2.0)
     assert GRPOArguments(multi_objective_aggregation="normalize_then_sum").multi_objective_aggregation
-    with pytest.raises(ValueError, match="(?s)importance_sampling_level='tok'.*multi_objective_aggregation='sum'"):
+    with pytest.raises(ValueError, match="(?s)multi_objective_aggregation='sum'.*importance_sampling_level='tok'"):
         GRPOArguments(importance_sampling_level="tok", multi_objective_aggregation="sum")

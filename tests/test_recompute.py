@@ -102,7 +102,7 @@ def test_train_takes_the_hf_names_and_refuses_what_it_cannot_do(tmp_path):
         ({"activation_checkpointing": True, "torch_compile": True}, "with torch_compile is not supported yet"),
         (
             {"activation_checkpointing": True, "gradient_checkpointing": False},
-            "disagree; set only activation_checkpointing",
+            "activation_checkpointing=True and its older name gradient_checkpointing=False disagree; set only it",
         ),
         ({"gradient_checkpointing_kwargs": {"use_reentrant": True}}, "use_reentrant=True is not supported"),
         ({"activation_checkpointing_kwargs": {"offload": True}}, r"\['offload'\] are not supported"),

@@ -166,11 +166,12 @@ def test_trackio_writes_a_local_project(tmp_path):
     env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "TRACKIO_PROJECT": "proj"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    logs = json.loads(done.stdout.split("LOGS=")[-1].splitlines()[0])
+    printed = {line.split("=", 1)[0]: line.split("=", 1)[1] for line in done.stdout.splitlines() if "=" in line}
+    logs = json.loads(printed["LOGS"])  # whole lines: a logged value may hold the script's own text
     assert (tmp_path / "trackio" / "proj.db").exists()
     assert [(row["step"], row.get("train/loss")) for row in logs if "train/loss" in row] == [(2, 2.5), (4, 2.0)]
     assert any(row.get("eval/accuracy") == 0.5 and row["step"] == 4 for row in logs)
-    config = json.loads(done.stdout.split("CONFIG=")[-1].splitlines()[0])
+    config = json.loads(printed["CONFIG"])
     assert config["lr"] == 0.001  # the hyperparameters, logged once at the start
 
 

@@ -4,8 +4,8 @@ The pieces (collator, losses, objective, reference precompute) come from :mod:`t
 TRL's tokenization from :mod:`trainfold.dpo.data`; ``DPOArguments`` (TRL's ``DPOConfig`` names)
 from :mod:`trainfold.dpo.args`; the run, :func:`train`, from :mod:`trainfold.dpo.run`.
 
->>> from trainfold.trainer import dpo
->>> dpo.train is dpo.dpo_run.train, dpo.dpo_objective(0.1, ["sigmoid", "sft"]).loss_type
+>>> from trainfold import dpo
+>>> dpo.train is dpo.run.train, dpo.dpo_objective(0.1, ["sigmoid", "sft"]).loss_type
 (True, ('sigmoid', 'sft'))
 """
 

@@ -1,14 +1,14 @@
 """GRPO in one place (``trainfold.grpo``): the recipe's pieces, ``GRPOArguments`` and the run ``train``.
 
-The pieces come from :mod:`trainfold.grpo` (rewards, advantages, the objective, the hand
-loop); ``GRPOArguments`` (TRL's ``GRPOConfig`` names) from :mod:`trainfold.grpo.args`; the run,
+The pieces: rewards and advantages (:mod:`trainfold.grpo.rewards`), the objective and its losses
+(``objective``, ``loss``), completion rows (``rows``), the generation schedule (``data``, ``schedule``), TRL's
+metrics (``metrics``) and the hand loop (``loop``); ``GRPOArguments`` (TRL's ``GRPOConfig`` names) from :mod:`trainfold.grpo.args`; the run,
 :func:`train`, from :mod:`trainfold.grpo.run`.
 
->>> from trainfold.trainer import grpo
+>>> from trainfold import grpo
 >>> grpo.GRPOArguments(per_device_train_batch_size=4, num_generations=4).generation_batch
 4
->>> from trainfold.trainer import grpo_run
->>> grpo.train is grpo_run.train, grpo.grpo_objective("dapo").loss_type
+>>> grpo.train is grpo.run.train, grpo.grpo_objective("dapo").loss_type
 (True, 'dapo')
 """
 
