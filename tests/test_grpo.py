@@ -732,4 +732,5 @@ def test_trainfold_grpo_offers_the_recipe_the_arguments_and_the_run():
     assert trainfold.grpo.__name__ == "trainfold.grpo"  # one folder: the pieces, the Arguments and the run
     assert trainfold.grpo.train is grpo_run.train and trainfold.grpo.GRPOArguments is grpo_args.GRPOArguments
     assert {"make_rollout", "grpo_trajectory", "Rollout", "rollout_metrics"} <= set(trainfold.grpo.__all__)
-    assert trainfold.grpo.make_rollout is loop.make_rollout and trainfold.grpo.grpo_objective is objective.grpo_objective
+    assert trainfold.grpo.make_rollout is loop.make_rollout
+    assert trainfold.grpo.grpo_objective is objective.grpo_objective

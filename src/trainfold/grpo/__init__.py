@@ -2,8 +2,8 @@
 
 The pieces: rewards and advantages (:mod:`trainfold.grpo.rewards`), the objective and its losses
 (``objective``, ``loss``), completion rows (``rows``), the generation schedule (``data``, ``schedule``), TRL's
-metrics (``metrics``) and the hand loop (``loop``); ``GRPOArguments`` (TRL's ``GRPOConfig`` names) from :mod:`trainfold.grpo.args`; the run,
-:func:`train`, from :mod:`trainfold.grpo.run`.
+metrics (``metrics``) and the hand loop (``loop``); ``GRPOArguments`` (TRL's ``GRPOConfig`` names) from
+:mod:`trainfold.grpo.args`; the run, :func:`train`, from :mod:`trainfold.grpo.run`.
 
 >>> from trainfold import grpo
 >>> grpo.GRPOArguments(per_device_train_batch_size=4, num_generations=4).generation_batch
