@@ -41,10 +41,10 @@ def _checkpointing_problems(args: Any) -> list[str]:
         out.append(
             f"activation_checkpointing={a!r} and its older name gradient_checkpointing={b!r} disagree; set only it"
         )
-    a, b = args.activation_checkpointing_kwargs, args.gradient_checkpointing_kwargs
-    if a is not None and b is not None and a != b:
+    ka, kb = args.activation_checkpointing_kwargs, args.gradient_checkpointing_kwargs
+    if ka is not None and kb is not None and ka != kb:
         out.append(
-            f"activation_checkpointing_kwargs={a!r} and its older name gradient_checkpointing_kwargs={b!r} disagree; "
+            f"activation_checkpointing_kwargs={ka!r} and its older name gradient_checkpointing_kwargs={kb!r} disagree; "
             "set only activation_checkpointing_kwargs"
         )
     kwargs = args.checkpointing_kwargs

@@ -203,7 +203,7 @@ def _split_only(here: RunSettings, saved: Mapping[str, Any]) -> bool:
     return all(k in BATCH_KEYS or v == here.values.get(k) for k, v in here.trajectory(saved).items())
 
 
-def elastic_args(args: Any, resume_from_checkpoint: Any, world_size: int) -> Any:
+def elastic_args(args: TrainingArguments, resume_from_checkpoint: Any, world_size: int) -> TrainingArguments:
     """Return ``args`` with the batch split (``split_global_batch``, said in a warning) that keeps the resumed run's
     global batch on ``world_size`` ranks, read from the checkpoint the resume takes (never ``trainfold-run.json``,
     which each start rewrites); ``args`` themselves when not resuming or when they already make that batch."""
