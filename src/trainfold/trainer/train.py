@@ -60,12 +60,12 @@ from trainfold.ckpt import policy
 from trainfold.ckpt.sharded import Saver, is_sharded
 from trainfold.core.collective import Collective
 from trainfold.core.determinism import warm_up_kernels
-from trainfold.core.fold import trajectory
 from trainfold.core.preempt import JIT_SIGNALS, guarded, preemption_guard
 from trainfold.core.state import TrainState, counters
 from trainfold.data import StateStream, stream
 from trainfold.distributed.distributed import joins_torchrun
-from trainfold.observe import TOKENS_SEEN, counting_input_tokens, observing, tap, train_summary
+from trainfold.loop.run import run as loop_run
+from trainfold.observe import TOKENS_SEEN, counting_input_tokens, train_summary
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
 from trainfold.observe.logging import set_verbosity
@@ -85,7 +85,7 @@ from trainfold.trainer.optimizer import default_optimizer
 from trainfold.trainer.plan import STOPPING_RULES, Plan, agreed
 from trainfold.trainer.planning import plan_for
 from trainfold.trainer.resume import Start, claim_for, initial_state, start_run
-from trainfold.trainer.run import Run, after_step, callback_adapter, evaluate_and_record, save_checkpoint
+from trainfold.trainer.run import Run, callback_adapter, evaluate_and_record, run_hooks, save_checkpoint
 
 _log = logging.getLogger(__name__)
 
@@ -307,36 +307,39 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
 def _trained(
     run: Run, hf: HFCallbacks | None, state: TrainState, start_state: TrainState, bar: Any
 ) -> tuple[TrainState, str, int | None]:
-    """Step from ``state`` until a stop rule holds; return the last state, the status and a preempting signal."""
-    plan = run.plan
+    """Step from ``state`` with ``loop.run`` until a stop rule holds; return the last state, status and signal."""
+    plan, total = run.plan, run.plan.schedule.total_steps
     fired: list[str] = []  # the name of the stop rule that ended the loop
     stops = plan.stops.including("callbacks", agreed(hf.stop, plan.collective) if hf is not None else None)
-    stops = stops.including("diverged", lambda _state: run.record.diverged_at is not None)
     guard = preemption_guard(JIT_SIGNALS, collective=plan.collective) if plan.args.enable_jit_checkpoint else None
     with guard or contextlib.nullcontext() as preemption:
         stops = stops.including("preempted", preemption.stop if preemption is not None else None)
-        looped, batches = _looped(run, hf, bar), _batches(plan, state)
-        for last in trajectory(looped, state, batches, stops.predicate(fired)):
-            state = last
-        run.saver.wait()  # the last async save is complete (its error raised) before the run reports
-        status = _status(run, state, start_state, fired, preemption)
-    return state, status, preemption.signal if status == "preempted" and preemption is not None else None
+        status = functools.partial(_status, run, start_state, fired, preemption)
+        state, log = loop_run(
+            _step(run, hf),
+            state,
+            _batches(plan, state),
+            hooks=run_hooks(run, hf, bar),
+            stop=stops.predicate(fired),
+            epoch_closed=lambda s: int(s.cursor.position) == 0 or int(s.step) >= total,  # HF: the last step too
+            status=status,
+            log=run.record,
+        )
+    return state, log.status, preemption.signal if log.status == "preempted" and preemption is not None else None
 
 
-def _looped(run: Run, hf: HFCallbacks | None, bar: Any) -> Callable[[TrainState, Any], TrainState]:
-    """Return the step with its side effects: token counting, then log/eval/save (and the HF callbacks' events)."""
+def _step(run: Run, hf: HFCallbacks | None) -> Callable[[TrainState, Any], TrainState]:
+    """Return the run's step (donating: the run never reuses a state): token counting, HF's on_step_begin."""
     plan, args = run.plan, run.plan.args
     counted = plan.step.donating  # type: ignore[attr-defined]  # make_step's steps carry it (with_donation)
     if args.tokens_seen != "no":  # never reuses a state
         counted = counting_input_tokens(counted, args.tokens_seen, args.model_input_name, plan.collective)
-    if hf is None:
-        looped = observing(counted, after_step(run), tap(bar.update))
-    else:  # on_step_begin before the step, on_step_end before its log/eval/save
-        looped = observing(hf.wrap(counted), hf.step_end, after_step(run, hf.epoch_closed), hf.after, tap(bar.update))
+    if hf is not None:  # on_epoch_begin, on_step_begin before the step
+        counted = hf.wrap(counted)
     if plan.stream is not None:  # each step's batch is made from the state it starts from
-        prepare = plan.stream.prepare
-        return lambda state, item: looped(*prepare(state, item))
-    return looped
+        prepare, stepped = plan.stream.prepare, counted
+        return lambda state, item: stepped(*prepare(state, item))
+    return counted
 
 
 def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
@@ -361,8 +364,9 @@ def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
     )
 
 
-def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[str], preemption: Any) -> str:
+def _status(run: Run, start_state: TrainState, fired: list[str], preemption: Any, state: TrainState, _: Any) -> str:
     """Return how the run ended, from the stop rule that held: diverged, preempted, stopped or completed."""
+    run.saver.wait()  # the last async save is complete (its error raised) before the run reports
     total = run.plan.schedule.total_steps
     if run.record.diverged_at is not None or diverged(state, confirm=True):
         _log.error(divergence_message(state, run.record.saved[-1] if run.record.saved else None))
