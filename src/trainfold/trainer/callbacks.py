@@ -45,6 +45,7 @@ import torch
 
 from trainfold import ckpt
 from trainfold.core.state import TrainState
+from trainfold.loop.hooks import Every, Hook
 from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.args_convert import built_aside
 from trainfold.trainer.callback_checks import (
@@ -191,6 +192,15 @@ class HFCallbacks:
             return step(state, batch)
 
         return stepped
+
+    def hooks(self) -> list[Hook]:
+        """Return the adapter as ``loop`` hooks: ``on_step_end`` before the step's log, evaluation and save, the
+        epoch's close before those by epoch, what the callbacks asked for after them (also after divergence)."""
+        return [
+            Hook(lambda state, log: self.step_end(state), 1, after_divergence=True, name="on_step_end"),
+            Hook(lambda state, log: self.epoch_closed(state), Every(epochs=1), after_divergence=True, name="epoch"),
+            Hook(lambda state, log: self.after(state), 1, kind="after", name="callbacks"),
+        ]
 
     def step_end(self, state: TrainState) -> TrainState:
         """``on_step_end`` after the step, before its log, evaluation and save."""

@@ -250,16 +250,14 @@ def run_hooks(run: Run, hf: hf_callbacks.HFCallbacks | None, bar: Any) -> list[H
     one, each on its plan's ``due`` rule; the HF callbacks' events are hooks too: ``on_step_end`` before the log,
     ``on_epoch_end`` before those by epoch, what the callbacks asked for (and the progress bar) after them.
     """
-    late, now = hf_callbacks.by_epoch(run.plan.args), _Now()
+    plan, now = run.plan, _Now()
+    late = hf_callbacks.by_epoch(plan.logging.strategy, plan.evals.strategy, plan.checkpoints.strategy)
 
     def when(kind: str) -> Every:
         return Every(epochs=1) if late.get(kind, False) else Every(steps=1)
 
     hooks = [Hook(_window(run, now), 1, after_divergence=True, name="window")]
-    if hf is not None:
-        hooks.append(Hook(lambda state, log: hf.step_end(state), 1, after_divergence=True, name="on_step_end"))
-        hooks.append(Hook(lambda state, log: hf.epoch_closed(state), Every(epochs=1), after_divergence=True))
-        hooks.append(Hook(lambda state, log: hf.after(state), 1, kind="after", name="callbacks"))
+    hooks += hf.hooks() if hf is not None else []
     hooks.append(Hook(functools.partial(_log, run, now), when("log"), kind="log", name="log"))
     hooks.append(Hook(functools.partial(_evaluate, run, now), when("eval"), kind="evaluate", name="evaluate"))
     hooks.append(Hook(functools.partial(_save, run, now), when("save"), kind="save", name="checkpoint"))

@@ -235,26 +235,14 @@ def train(
 
 
 def _log_start(plan: Plan, begin: Start) -> None:
-    total, output_dir = plan.schedule.total_steps, plan.args.output_dir
+    total, output_dir = plan.schedule.total_steps, plan.checkpoints.output_dir
     if begin.source is None:
         _log.info("training %d optimizer steps into %s", total, output_dir)
     else:
         _log.info("resuming from %s at step %d of %d", begin.source, int(begin.state.step), total)
 
 
-@attrs.frozen(eq=False)
-class _Ended:
-    """What the run left when its session closed: the last state, its status and the run's record."""
-
-    state: TrainState
-    status: str
-    summary: dict[str, Any]
-    history: Any
-    saved: Sequence[Path]
-    signal: int | None
-
-
-def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
+def _session(plan: Plan, begin: Start, run_id: Any) -> TrainResult:
     """Run the plan from ``begin``: open the reporters, evaluate on start, step until a stop rule holds, report."""
     state, start_state, started = begin.state, counters(begin.state), time.monotonic()  # no second weight copy
     bar = make_progress(
@@ -301,7 +289,9 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
         if isinstance(history, log_file.HistoryFile):  # read back once: the result holds a plain list
             history.close()
             history = list(history.history())
-    return _Ended(state, status, summary, history, run.record.saved, signal)
+    metrics = {k: v for k, v in summary.items() if k != "step"}  # HF's TrainOutput.metrics: the step is not one
+    last = run.record.saved[-1] if run.record.saved else None
+    return TrainResult(state, status, metrics, history, None, last, signal)
 
 
 def _trained(
@@ -311,7 +301,7 @@ def _trained(
     plan, total = run.plan, run.plan.schedule.total_steps
     fired: list[str] = []  # the name of the stop rule that ended the loop
     stops = plan.stops.including("callbacks", agreed(hf.stop, plan.collective) if hf is not None else None)
-    guard = preemption_guard(JIT_SIGNALS, collective=plan.collective) if plan.args.enable_jit_checkpoint else None
+    guard = preemption_guard(JIT_SIGNALS, collective=plan.collective) if plan.checkpoints.jit else None
     with guard or contextlib.nullcontext() as preemption:
         stops = stops.including("preempted", preemption.stop if preemption is not None else None)
         status = functools.partial(_status, run, start_state, fired, preemption)
@@ -383,22 +373,14 @@ def _status(run: Run, start_state: TrainState, fired: list[str], preemption: Any
     return "completed"
 
 
-def _ending(plan: Plan, ended: _Ended) -> TrainResult:
+def _ending(plan: Plan, result: TrainResult) -> TrainResult:
     """Return the run's ``TrainResult``; the module holds its final weights (the best with load_best_model_at_end)."""
-    state, best_path = ended.state, None
+    state = result.state
     if BEST in state.extras and int(state.extras[BEST].step) >= 0:
-        best_path = policy.best_checkpoint(plan.args.output_dir, state.extras[BEST])
-        if plan.args.load_best_model_at_end and best_path is not None and ended.status != "preempted":
+        best_path = policy.best_checkpoint(plan.checkpoints.output_dir, state.extras[BEST])
+        if plan.checkpoints.load_best and best_path is not None and result.status != "preempted":
             state = ckpt.load_weights(best_path, like=state)
-    result = TrainResult(
-        state,
-        ended.status,
-        {k: v for k, v in ended.summary.items() if k != "step"},  # HF's TrainOutput.metrics: the step is not one
-        ended.history,
-        best_path,
-        ended.saved[-1] if ended.saved else None,
-        ended.signal,
-    )
-    _log.info("training %s at step %d (%s)", result.status, result.global_step, plan.args.output_dir)
+        result = attrs.evolve(result, state=state, best_checkpoint=best_path)
+    _log.info("training %s at step %d (%s)", result.status, result.global_step, plan.checkpoints.output_dir)
     result.apply_to(plan.model)  # as HF: the module ends with the final (or best) weights; lent ones are there
     return result
