@@ -195,11 +195,12 @@ class HFCallbacks:
 
     def hooks(self) -> list[Hook]:
         """Return the adapter as ``loop`` hooks: ``on_step_end`` before the step's log, evaluation and save, the
-        epoch's close before those by epoch, what the callbacks asked for after them (also after divergence)."""
+        epoch's close (``on_epoch_end``) before those by epoch, after them ``on_save`` for a save just made and
+        what the callbacks asked for; all also after divergence."""
         return [
             Hook(lambda state, log: self.step_end(state), 1, after_divergence=True, name="on_step_end"),
             Hook(lambda state, log: self.epoch_closed(state), Every(epochs=1), after_divergence=True, name="epoch"),
-            Hook(lambda state, log: self.after(state), 1, kind="after", name="callbacks"),
+            Hook(lambda state, log: self._settle(state), 1, kind="after", name="callbacks"),
         ]
 
     def step_end(self, state: TrainState) -> TrainState:
@@ -214,13 +215,6 @@ class HFCallbacks:
         epoch: ``on_save`` for a save just made, what callbacks asked for, then ``on_epoch_end`` (HF's order)."""
         state = self._settle(state)
         self._close_epoch()
-        return state
-
-    def after(self, state: TrainState) -> TrainState:
-        """After the step's log/evaluation/save: ``on_save``, what callbacks asked for, ``on_epoch_end``."""
-        state = self._settle(state)
-        if int(state.cursor.position) == 0:
-            self._close_epoch()
         return state
 
     def _settle(self, state: TrainState) -> TrainState:
