@@ -59,7 +59,6 @@ from trainfold import ckpt
 from trainfold.ckpt import policy
 from trainfold.ckpt.sharded import Saver, is_sharded
 from trainfold.core.collective import Collective
-from trainfold.core.determinism import warm_up_kernels
 from trainfold.core.preempt import JIT_SIGNALS, guarded, preemption_guard
 from trainfold.core.state import TrainState, counters
 from trainfold.data import StateStream, stream
@@ -68,7 +67,6 @@ from trainfold.loop.run import run as loop_run
 from trainfold.observe import TOKENS_SEEN, counting_input_tokens, train_summary
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
-from trainfold.observe.logging import set_verbosity
 from trainfold.observe.reporters import make_reporters
 from trainfold.observe.reporters import progress as make_progress
 from trainfold.observe.stopping import EarlyStopping
@@ -76,7 +74,6 @@ from trainfold.optim import GradientTransformation
 from trainfold.step.fsdp import placed_like
 from trainfold.trainer import validate as checks
 from trainfold.trainer.args import TrainingArguments
-from trainfold.trainer.callback_checks import set_transformers_verbosity
 from trainfold.trainer.callbacks import HFCallbacks, resumed_callback_states
 from trainfold.trainer.evaluating import evaluate, predict
 from trainfold.trainer.extras import BEST
@@ -215,12 +212,8 @@ def train(
     args = checks.trainfold_arguments(args)  # a transformers.TrainingArguments: TrainingArguments.from_hf, exactly
     data = checks.data_to_check(train_dataset, eval_dataset, data_collator, train_stream, optimizer, objective)
     checks.check_train_call(model, args, resume_from_checkpoint, compute_metrics or objective, **data)
-    warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
-    rank = collective.rank if collective is not None else 0
     compute_loss_func = checks.checked_loss(compute_loss_func)  # every problem named before any work
     objective = own_loss_objective(model, compute_loss_func, objective)  # a model whose task trainfold has no loss for
-    set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
-    set_verbosity(args.log_level, main_process=rank == 0)  # the trainfold logger: events once, from rank 0
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
     rest = (observers, resume_from_checkpoint, early_stopping, stop, collective, callbacks, train_stream)
     plan = plan_for(model, args, train_dataset, eval_dataset, *(given + rest), processing_class=processing_class)
