@@ -264,3 +264,67 @@ def test_a_run_with_other_settings_is_refused_the_directory_naming_them(tmp_path
     loop.run(step, state, [batch] * 2, hooks=[loop.save(every=1)], output_dir=tmp_path, settings={"lr": 0.1})
     with pytest.raises(ValueError, match="lr"):
         loop.run(step, state, [batch] * 2, hooks=[loop.save(every=1)], output_dir=tmp_path, settings={"lr": 0.2})
+
+
+def _recorded(order: list[tuple[int, str]], name: str, **options: Any) -> loop.Hook:
+    return loop.Hook(lambda state, log: order.append((log.step, name)), name=name, **options)
+
+
+def test_a_step_closes_an_epoch_when_the_run_or_a_hook_says_so_and_the_after_slot_follows_the_epoch() -> None:
+    model, step, state, batch = _linear()  # a list of batches: its cursor never enters another epoch
+    order: list[tuple[int, str]] = []
+
+    def early(state: Any, log: loop.RunLog) -> None:
+        if log.step == 2:
+            log.close_epoch()  # as HF's early stopping closes the epoch it fires in
+
+    hooks = [
+        _recorded(order, "after", every=loop.Every(steps=1), kind="after"),
+        _recorded(order, "epoch", every=loop.Every(epochs=1)),
+        loop.Hook(early, 1),
+    ]
+    loop.run(step, state, [batch] * 5, hooks=hooks, epoch_closed=lambda s: int(s.step) == 4)
+    assert order == [(1, "after"), (2, "epoch"), (2, "after"), (3, "after"), (4, "epoch"), (4, "after"), (5, "after")]
+    events = loop.EVENTS
+    assert events.index(("epoch", "save")) < events.index(("after", "after")) < events.index(("end", "hook"))
+
+
+def test_after_a_diverged_step_only_hooks_declared_after_divergence_fire() -> None:
+    import attrs
+
+    model, step, state, batch = _linear()
+    nan = float("nan")
+
+    def breaking(state: Any, batch: Any) -> Any:  # the third step's update turns the params NaN
+        state = step(state, batch)
+        if int(state.step) < 3:
+            return state
+        return attrs.evolve(
+            state, params={k: v * nan for k, v in state.params.items()}, metrics={**state.metrics, "loss": nan}
+        )
+
+    order: list[tuple[int, str]] = []
+    hooks = [
+        _recorded(order, "plain", every=1),
+        _recorded(order, "declared", every=1, after_divergence=True),
+        _recorded(order, "after", every=1, kind="after"),  # the after slot fires by default, as the log does
+        _recorded(order, "no after", every=1, kind="after", after_divergence=False),
+    ]
+    state, log = loop.run(breaking, state, [batch] * 10, hooks=hooks)
+    assert (log.status, log.diverged_at, int(state.step)) == ("diverged", 3, 3)
+    assert [name for s, name in order if s == 2] == ["plain", "declared", "after", "no after"]
+    assert [name for s, name in order if s == 3] == ["declared", "after"]
+
+
+def test_a_status_function_tells_how_the_run_ended() -> None:
+    model, step, state, batch = _linear()
+    seen: list[int] = []
+    state, log = loop.run(
+        step,
+        state,
+        [batch] * 5,
+        hooks=[_recorded([], "end", every=loop.Every(at_end=True))],
+        stop=lambda s: int(s.step) >= 3,
+        status=lambda state, log: seen.append(int(state.step)) or "stopped",
+    )
+    assert (log.status, seen, int(state.step)) == ("stopped", [3], 3)

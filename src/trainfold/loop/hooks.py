@@ -4,9 +4,12 @@ A hook is a function ``fn(state, log) -> state | None`` (``log`` the run's ``Run
 state is unchanged) with a schedule ``every`` and a ``kind``, the slot of ``EVENTS`` it fires in.
 After each step the run walks ``EVENTS`` in order: each hook of the slot's kind fires when its
 schedule is due in the slot's phase: ``step`` (every n steps, or every so many seconds), ``epoch`` (the
-step closed an epoch: every n epochs), ``end`` (after the run's last step: ``at_end``). A hook fires at
-most once per step, in the first phase it is due in. The ``judge`` slot runs each hook's ``judge``
-(early stopping, the best metric) once after every new evaluation.
+step closed an epoch: every n epochs), ``after`` (after the epoch's hooks: a progress bar, what settles
+the step), ``end`` (after the run's last step: ``at_end``). A hook fires at most once per step, in the
+first phase it is due in. The ``judge`` slot runs each hook's ``judge`` (early stopping, the best metric)
+once after every new evaluation. A step closes an epoch when the data's cursor enters the next one, when
+``loop.run``'s ``epoch_closed(state)`` holds, or when a hook says so (``log.close_epoch()``). After a step
+whose params diverged only the hooks declared ``after_divergence`` fire (by default the log and after slots).
 
 >>> seen = []
 >>> hook = every(2, lambda state, log: seen.append(state))
@@ -14,6 +17,8 @@ most once per step, in the first phase it is due in. The ``judge`` slot runs eac
 (True, False, 'hook')
 >>> [slot for phase, slot in EVENTS if phase == "step"]
 ['hook', 'log', 'evaluate', 'judge', 'save']
+>>> [phase for phase, slot in EVENTS if slot == "after"]
+['after']
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ from typing import Any
 
 import attrs
 
-__all__ = ["EVENTS", "KINDS", "PHASES", "Every", "Hook", "every", "flat_hooks", "hook_extras"]
+__all__ = ["AFTER_DIVERGENCE", "EVENTS", "KINDS", "PHASES", "Every", "Hook", "every", "flat_hooks", "hook_extras"]
 
 # The order of what happens after a step: the one place it is written. Step-driven before epoch-driven
 # (HF: an evaluation by steps comes before the epoch's log), and in each phase HF's order: callbacks,
-# log, evaluate, what reads the evaluation (early stopping, the best metric), save.
+# log, evaluate, what reads the evaluation (early stopping, the best metric), save; then, after the epoch's,
+# what settles the step (HF: the callbacks' requests and on_epoch_end, the progress bar).
 EVENTS: tuple[tuple[str, str], ...] = (
     ("step", "hook"),
     ("step", "log"),
@@ -39,14 +45,16 @@ EVENTS: tuple[tuple[str, str], ...] = (
     ("epoch", "evaluate"),
     ("epoch", "judge"),
     ("epoch", "save"),
+    ("after", "after"),
     ("end", "hook"),
     ("end", "log"),
     ("end", "evaluate"),
     ("end", "judge"),
     ("end", "save"),
 )
-PHASES = ("step", "epoch", "end")
-KINDS = ("hook", "log", "evaluate", "judge", "save")
+PHASES = ("step", "epoch", "after", "end")
+KINDS = ("hook", "log", "evaluate", "judge", "save", "after")
+AFTER_DIVERGENCE = ("log", "after")  # the slots whose hooks fire after a diverged step unless a hook says otherwise
 
 
 def _positive(name: str, kind: type) -> Callable[[Any, Any, Any], None]:
@@ -110,13 +118,15 @@ def _kind(instance: Any, attribute: Any, value: str) -> None:
 class Hook:
     """A function the run calls between steps: ``fn(state, log) -> state | None`` when ``every`` is due.
 
-    ``kind`` is its slot in ``EVENTS``; ``extras`` the records it keeps in ``state.extras`` (added to the first
-    state, so a checkpoint carries them and a resume continues them); ``judge(state, log)`` runs once after each
-    new evaluation, in the ``judge`` slot; ``halts(state)`` is a stop rule the hook adds to the run's (checked
-    before each step, a resumed run's first included): when it holds the run ends with status ``stopped``.
+        ``kind`` is its slot in ``EVENTS``; ``extras`` the records it keeps in ``state.extras`` (added to the first
+        state, so a checkpoint carries them and a resume continues them); ``judge(state, log)`` runs once after each
+        new evaluation, in the ``judge`` slot; ``halts(state)`` is a stop rule the hook adds to the run's (checked
+        before each step, a resumed run's first included): when it holds the run ends with status ``stopped``.
+    ``after_divergence``: whether it fires after a step whose params turned inf/NaN (default: its slot is in
+    ``AFTER_DIVERGENCE``; a save or an evaluation of non-finite params never is).
 
-    >>> Hook(lambda state, log: None, 10).every
-    Every(steps=10, epochs=None, seconds=None, at_end=False)
+        >>> Hook(lambda state, log: None, 10).every
+        Every(steps=10, epochs=None, seconds=None, at_end=False)
     """
 
     fn: Callable[[Any, Any], Any] | None
@@ -126,6 +136,9 @@ class Hook:
     judge: Callable[[Any, Any], Any] | None = None
     name: str = ""
     halts: Callable[[Any], bool] | None = None
+    after_divergence: bool = attrs.field(
+        default=attrs.Factory(lambda self: self.kind in AFTER_DIVERGENCE, takes_self=True)
+    )
 
 
 def every(

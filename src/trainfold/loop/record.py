@@ -43,6 +43,7 @@ class RunLog:
     resumed_from: Path | None = None  # the checkpoint this call started from
     summary: dict[str, Any] = attrs.Factory(dict)  # the end-of-run entry: runtime, train_loss, steps per second
     directory: Any = attrs.field(default=None, repr=False)  # the ``loop.directory.RunDir`` the run owns, or None
+    closing: bool = False  # the step just made closes an epoch (``close_epoch``; reset before each step's hooks)
     marks: dict[int, Any] = attrs.field(factory=dict, repr=False)  # per hook: when it last fired (schedules)
 
     def record(self, entry: Mapping[str, Any]) -> None:
@@ -56,6 +57,11 @@ class RunLog:
         """Ask the run to stop before its next step; the first reason asked for is kept."""
         if self.stop_reason is None:
             self.stop_reason = reason
+
+    def close_epoch(self) -> None:
+        """Mark the step just made as closing an epoch: the epoch's hooks fire after its step hooks (HF closes one
+        when early stopping fires, or at the run's last step)."""
+        self.closing = True
 
     def stopping(self, state: Any) -> bool:
         """The stop predicate of the run: a hook asked to stop."""

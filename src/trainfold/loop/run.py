@@ -51,6 +51,9 @@ def run(
     output_dir: str | os.PathLike | None = None,
     resume: bool | str | os.PathLike = False,
     settings: dict[str, Any] | None = None,
+    epoch_closed: Callable[[TrainState], bool] | None = None,
+    status: Callable[[TrainState, RunLog], str] | None = None,
+    log: RunLog | None = None,
 ) -> tuple[TrainState, RunLog]:
     """Fold ``step`` over ``data`` from ``state``, firing ``hooks`` after each step; return ``(state, RunLog)``.
 
@@ -62,11 +65,15 @@ def run(
     checkpoints (``loop.save``), the log history, and SIGTERM/SIGINT: the step in flight finishes, a
     checkpoint is saved and the run returns with status ``preempted`` (``log.exit_code``: 143).
     ``resume=True`` continues bitwise from the newest intact checkpoint (a path: that one).
+
+    ``epoch_closed(state)`` also closes an epoch at a step (its epoch hooks fire; HF: the run's last step);
+    ``status(state, log)`` says how the run ended in place of the rules above (HF's: a preempted run whose
+    steps are all done completed); ``log`` is the ``RunLog`` to record into (a new one by default).
     """
     hooks = flat_hooks(hooks)
     _check(hooks, data, output_dir, resume)
     state = attrs.evolve(state, extras={**hook_extras(hooks), **state.extras})  # a resume loads into the same shape
-    log = RunLog()
+    log = RunLog() if log is None else log
     with contextlib.ExitStack() as stack:
         guard = None
         if output_dir is not None:
@@ -74,7 +81,7 @@ def run(
             log.directory = stack.enter_context(open_run_dir(output_dir, state, resume=resume, settings=settings))
             state, log.resumed_from = log.directory.start(state)
             log.history = log.directory.entries()
-        state = _trained(step, state, data, hooks, stop, log, guard)
+        state = _trained(step, state, data, hooks, _Rules(stop, epoch_closed, status), log, guard)
     return state, log
 
 
@@ -92,24 +99,37 @@ def _check(hooks: tuple[Hook, ...], data: Data, output_dir: Any, resume: Any) ->
         raise ValueError("loop.save needs a directory to save into: pass output_dir= to loop.run")
 
 
+@attrs.frozen
+class _Rules:
+    """The run's rules given to ``run``: when it stops, when a step closes an epoch, how its status is told."""
+
+    stop: Callable[[TrainState], bool] | None = None
+    epoch_closed: Callable[[TrainState], bool] | None = None
+    status: Callable[[TrainState, RunLog], str] | None = None
+
+
 def _trained(
     step: Callable[[TrainState, Any], TrainState],
     state: TrainState,
     data: Data,
     hooks: tuple[Hook, ...],
-    stop: Callable[[TrainState], bool] | None,
+    rules: _Rules,
     log: RunLog,
     guard: Preemption | None,
 ) -> TrainState:
     """Run the steps from ``state``, then the end: the run's status, the JIT save, the ``at_end`` hooks."""
-    start, began = counters(state), time.monotonic()
+    start, began, stop = counters(state), time.monotonic(), rules.stop
     log.step = int(state.step)
-    clock = _Clock(hooks, log, int(state.cursor.epoch), int(state.step))
+    clock = _Clock(hooks, log, int(state.cursor.epoch), int(state.step), rules.epoch_closed)
     looped = _with_hooks(step, clock)
     halts = [_halting(hook, log) for hook in hooks if hook.halts is not None]
     stops = any_of(stop or never, log.stopping, *halts, guard.stop if guard is not None else never)
     state = fit(looped, state, data(state) if callable(data) else data, stops)
-    if log.diverged_at is not None or diverged(state, confirm=True):
+    if rules.status is not None:
+        log.status = rules.status(state, log)
+        if log.status in ("completed", "stopped"):
+            state = clock.fire(state, "end")
+    elif log.diverged_at is not None or diverged(state, confirm=True):
         log.diverged_at = int(state.step) if log.diverged_at is None else log.diverged_at
         log.status = "diverged"
         _log.error(divergence_message(state, log.saved[-1] if log.saved else None))
@@ -168,31 +188,35 @@ class _Clock:
     log: RunLog
     epoch: int  # the epoch the cursor was in before the step
     first: int  # the step the run started at: no hook fires for it (a resumed run's was done before)
+    closes: Callable[[TrainState], bool] | None = None  # run's epoch_closed: a step that closes an epoch
     started: float = attrs.field(factory=time.monotonic)
 
     def after(self, state: TrainState) -> TrainState:
         """Run the hooks due after the step that made ``state``; stop the run if its params diverged."""
-        self.log.step = int(state.step)
+        self.log.step, self.log.closing = int(state.step), False
         if diverged(state):  # log the window that ended in it, then stop: no evaluation, no save
             self.log.diverged_at = self.log.step
             self.log.stop("diverged")
         state = self.fire(state, "step")
-        epoch = int(state.cursor.epoch)
-        if epoch > self.epoch:
-            self.epoch = epoch
+        epoch = int(state.cursor.epoch)  # epochs done; one closed before the cursor enters the next is its + 1
+        if epoch > self.epoch or self.log.closing or (self.closes is not None and self.closes(state)):
+            self.log.closing, self.epoch = True, epoch if epoch > self.epoch else epoch + 1
             state = self.fire(state, "epoch")
-        return state
+        return self.fire(state, "after")
 
     def fire(self, state: TrainState, phase: str) -> TrainState:
-        """Fire the hooks due in ``phase`` (``step``, ``epoch``, ``end``), slot by slot as ``EVENTS`` orders."""
+        """Fire the hooks due in ``phase`` (``step``, ``epoch``, ``after``, ``end``), slot by slot as ``EVENTS`` orders;
+        after a diverged step only those declared ``after_divergence``."""
         for when, slot in EVENTS:
-            if when != phase or (self.log.diverged_at is not None and slot != "log"):
+            if when != phase:
                 continue
             for i, hook in enumerate(self.hooks):
                 state = self._one(state, i, hook, phase, slot)
         return state
 
     def _one(self, state: TrainState, i: int, hook: Hook, phase: str, slot: str) -> TrainState:
+        if self.log.diverged_at is not None and not hook.after_divergence:
+            return state
         marks = self.log.marks.setdefault(i, {"step": self.first, "time": self.started, "evaluations": 0})
         if slot == "judge":
             if hook.judge is None or marks["evaluations"] >= self.log.evaluations:

@@ -164,19 +164,15 @@ def set_transformers_verbosity(log_level: str, *, main_process: bool = True) -> 
     return level
 
 
-def by_epoch(args: TrainingArguments) -> dict[str, bool]:
-    """Say which of a step's log, evaluation and save HF makes after ``on_epoch_end`` (by epoch), not before.
+def by_epoch(logging: str, evaluation: str, saving: str) -> dict[str, bool]:
+    """Say which of a step's log, evaluation and save HF makes after ``on_epoch_end`` (by epoch), not before, from
+    the logging, eval and save strategies.
 
-    >>> from types import SimpleNamespace as A
-    >>> by_epoch(A(logging_strategy="steps", eval_strategy="epoch", save_strategy="best"))
+    >>> by_epoch("steps", "epoch", "best")
     {'log': False, 'eval': True, 'save': True}
     """
-    evaluate = args.eval_strategy == "epoch"
-    return {
-        "log": args.logging_strategy == "epoch",
-        "eval": evaluate,
-        "save": args.save_strategy == "epoch" or (args.save_strategy == "best" and evaluate),
-    }
+    evaluate = evaluation == "epoch"
+    return {"log": logging == "epoch", "eval": evaluate, "save": saving == "epoch" or (saving == "best" and evaluate)}
 
 
 def check_observers(observers: Sequence[Any]) -> None:

@@ -45,6 +45,7 @@ import torch
 
 from trainfold import ckpt
 from trainfold.core.state import TrainState
+from trainfold.loop.hooks import Every, Hook
 from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.args_convert import built_aside
 from trainfold.trainer.callback_checks import (
@@ -192,6 +193,16 @@ class HFCallbacks:
 
         return stepped
 
+    def hooks(self) -> list[Hook]:
+        """Return the adapter as ``loop`` hooks: ``on_step_end`` before the step's log, evaluation and save, the
+        epoch's close (``on_epoch_end``) before those by epoch, after them ``on_save`` for a save just made and
+        what the callbacks asked for; all also after divergence."""
+        return [
+            Hook(lambda state, log: self.step_end(state), 1, after_divergence=True, name="on_step_end"),
+            Hook(lambda state, log: self.epoch_closed(state), Every(epochs=1), after_divergence=True, name="epoch"),
+            Hook(lambda state, log: self._settle(state), 1, kind="after", name="callbacks"),
+        ]
+
     def step_end(self, state: TrainState) -> TrainState:
         """``on_step_end`` after the step, before its log, evaluation and save."""
         self._sync(state)
@@ -204,13 +215,6 @@ class HFCallbacks:
         epoch: ``on_save`` for a save just made, what callbacks asked for, then ``on_epoch_end`` (HF's order)."""
         state = self._settle(state)
         self._close_epoch()
-        return state
-
-    def after(self, state: TrainState) -> TrainState:
-        """After the step's log/evaluation/save: ``on_save``, what callbacks asked for, ``on_epoch_end``."""
-        state = self._settle(state)
-        if int(state.cursor.position) == 0:
-            self._close_epoch()
         return state
 
     def _settle(self, state: TrainState) -> TrainState:

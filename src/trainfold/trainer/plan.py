@@ -175,6 +175,8 @@ class CheckpointPlan:
     async_save: bool = False
     consolidated: bool = True
     processing_class: Any = None  # the tokenizer or processor: its files go into every checkpoint
+    load_best: bool = False  # load_best_model_at_end: the module ends with the best checkpoint's weights
+    jit: bool = False  # enable_jit_checkpoint: SIGTERM/SIGINT save a checkpoint and end the run (preempted)
 
     @classmethod
     def from_args(cls, args: TrainingArguments, processing_class: Any = None) -> CheckpointPlan:
@@ -188,6 +190,8 @@ class CheckpointPlan:
             args.async_save,
             args.save_consolidated_model,
             processing_class,
+            args.load_best_model_at_end,
+            args.enable_jit_checkpoint,
         )
 
 

@@ -19,21 +19,24 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from trainfold.ckpt import read_metadata
 from trainfold.ckpt.listing import catalog
 from trainfold.ckpt.run_identity import RunSettings
 from trainfold.core.collective import Collective
+from trainfold.core.determinism import warm_up_kernels
 from trainfold.core.neftune import neftune_objective
 from trainfold.core.state import TrainState
 from trainfold.data.global_batch import BATCH_KEYS, global_batch, split_global_batch
+from trainfold.observe.logging import set_verbosity
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.step import make_step
 from trainfold.step.fsdp import fully_shard_model, make_mesh
 from trainfold.step.plan import is_fully_sharded
 from trainfold.trainer.args import TrainingArguments
-from trainfold.trainer.callback_checks import check_observers, split_early_stopping
+from trainfold.trainer.callback_checks import check_observers, set_transformers_verbosity, split_early_stopping
 from trainfold.trainer.evaluating import EvalPlan, eval_plan_for
 from trainfold.trainer.extras import run_extras
 from trainfold.trainer.inputs import RunInputs, device_for, run_inputs
@@ -121,8 +124,8 @@ def plan_for(
     processing_class: Any = None,
 ) -> Plan:
     """Return the run ``train`` makes of its arguments (the same, in ``train``'s order), checked, before any step."""
-    device = device_for(args)
-    rank, world_size = world_of(collective)
+    device, (rank, world_size) = device_for(args), world_of(collective)
+    _process_settings(args, rank == 0)  # kernels warmed up, the loggers' verbosity: as the HF Trainer's __init__
     args = elastic_args(args, resume_from_checkpoint, world_size)  # the saved global batch, on any world
     given, where = (data_collator, compute_loss_func, objective), dict[str, Any](world_size=world_size, device=device)
     inputs = run_inputs(model, args, train_dataset, eval_dataset, *given, **where, processing_class=processing_class)
@@ -160,6 +163,14 @@ def plan_for(
         **_reporting(args, schedule.total_steps, rank, world_size, processing_class),
         stops=stop_rules(schedule.total_steps, early, stop, collective),
     )
+
+
+def _process_settings(args: TrainingArguments, main_process: bool) -> None:
+    """Set what ``args`` say of this process: the kernels warmed up (see determinism) and the verbosity of the
+    transformers and trainfold loggers (events once, from rank 0)."""
+    warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))
+    set_transformers_verbosity(args.log_level, main_process=main_process)
+    set_verbosity(args.log_level, main_process=main_process)
 
 
 def _evals(

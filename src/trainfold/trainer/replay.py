@@ -22,12 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import attrs
-import torch
 from torch import nn
 
 from trainfold import ckpt
 from trainfold.ckpt.listing import catalog
-from trainfold.core.determinism import warm_up_kernels
 from trainfold.core.state import TrainState, init_state
 from trainfold.data import StepBatch, stream
 from trainfold.observe.divergence import first_hash_divergence, state_hash
@@ -119,7 +117,6 @@ def replay(
     if step < 1:
         raise ValueError(f"step must be >= 1 (step k is the update that made state k), got {step}")
     args = (args or saved_arguments(output_dir)).replace(report_to="none", disable_tqdm=True)
-    warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))
     plan = plan_for(model, args, train_dataset, None, data_collator, compute_loss_func, objective, optimizer=optimizer)
     if step > plan.schedule.total_steps:
         raise ValueError(

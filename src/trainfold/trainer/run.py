@@ -1,7 +1,7 @@
 """A run in progress: its ``Plan`` with what it opened, and the side effects after each step (log, eval, save).
 
-``after_step(run)`` is ``state -> state``: it logs when the logging plan says so, evaluates when the
-eval plan says so (tracking the best metric and early stopping in ``state.extras``), and saves when
+``run_hooks(run, ...)`` are ``loop`` hooks: they log when the logging plan says so, evaluate when the
+eval plan says so (tracking the best metric and early stopping in ``state.extras``), and save when
 the checkpoint plan says so; a run whose params turn inf/NaN logs the window that ended in it and stops.
 """
 
@@ -23,6 +23,7 @@ from trainfold.core.rng import global_rng_states
 from trainfold.core.state import TrainState
 from trainfold.evaluation import best as best_metric
 from trainfold.loop.directory import already_saved
+from trainfold.loop.hooks import Every, Hook
 from trainfold.loop.record import RunLog
 from trainfold.observe import TOKENS_SEEN, MetricWindow, eval_entry, log_if_due, notify
 from trainfold.observe import history as log_file
@@ -40,7 +41,7 @@ __all__ = [
     "record_eval",
     "evaluate_and_record",
     "save_checkpoint",
-    "after_step",
+    "run_hooks",
     "callback_adapter",
 ]
 
@@ -181,108 +182,98 @@ def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
 
 
 @attrs.define
-class _Moment:
-    """Where a step ended: its number, whether it closed an epoch or the run, and whether it set a new best."""
+class _Now:
+    """What the step's hooks tell each other: early stopping closed its epoch, its evaluation set a new best."""
 
-    step: int
-    epoch_end: bool
-    last: bool
+    closed: bool = False
     new_best: bool = False
 
+    def moment(self, run: Run, state: TrainState, log: RunLog) -> tuple[bool, bool]:
+        """Return where the step that made ``state`` ended: (closes an epoch, is the run's last)."""
+        last = int(state.step) >= run.plan.schedule.total_steps or log.diverged_at is not None
+        return int(state.cursor.position) == 0 or self.closed, last
 
-def _log(run: Run, state: TrainState, now: _Moment) -> TrainState:
-    plan = run.plan
+
+def _log(run: Run, now: _Now, state: TrainState, log: RunLog, *, last: bool = False) -> TrainState:
+    plan, (epoch_end, at_end) = run.plan, now.moment(run, state, log)
     return log_if_due(
         state,
         plan.logging,
         [run],
         plan.observers,
         steps_per_epoch=plan.schedule.epoch_span,
-        epoch_end=now.epoch_end,
-        last=now.last,
+        epoch_end=epoch_end,
+        last=at_end or last,
         window=run.window,
     )
 
 
-def _evaluate(run: Run, state: TrainState, now: _Moment) -> TrainState:
-    schedule = run.plan.schedule
-    due = run.plan.evals.due(
-        now.step, now.epoch_end, total_steps=schedule.total_steps, steps_per_epoch=schedule.epoch_steps, last=now.last
-    )
-    if not due:
+def _evaluate(run: Run, now: _Now, state: TrainState, log: RunLog) -> TrainState:
+    schedule, (epoch_end, last) = run.plan.schedule, now.moment(run, state, log)
+    if not run.plan.evals.due(
+        int(state.step), epoch_end, total_steps=schedule.total_steps, steps_per_epoch=schedule.epoch_steps, last=last
+    ):
         return state
     state, now.new_best = evaluate_and_record(run, state)
     early = run.plan.early
     if early is not None and patience_exhausted(early)(state):  # HF ends the epoch here: its on_epoch_end
-        now.epoch_end = True  # logs and saves by epoch at this step
-        state = _log(run, state, attrs.evolve(now, last=True))
+        now.closed = True
+        log.close_epoch()  # logs and saves by epoch at this step
+        state = _log(run, now, state, log, last=True)
     return state
 
 
-def _save_if_due(run: Run, state: TrainState, now: _Moment) -> bool:
-    """Save when the checkpoint plan says so; return False when the params are not finite (nothing saved)."""
-    plan = run.plan.checkpoints
+def _save(run: Run, now: _Now, state: TrainState, log: RunLog) -> None:
+    """Save when the checkpoint plan says so; params that are not finite are never saved (the run stops)."""
+    plan, (epoch_end, last), new_best = run.plan.checkpoints, now.moment(run, state, log), now.new_best
     due = run.saves_here and policy.should_save(
-        now.step,
+        int(state.step),
         save_strategy=plan.strategy,
         save_steps=plan.steps,
-        epoch_end=now.epoch_end,
+        epoch_end=epoch_end,
         max_steps=run.plan.schedule.total_steps,
-        new_best=now.new_best,
-        last=now.last,
+        new_best=new_best,
+        last=last,
     )
     if not due:
-        return True
+        return
     if diverged(state, confirm=True):  # never write inf/NaN params over the finite checkpoints
-        _diverged_at(run, now.step)
-        return False
-    run.record.saved.append(save_checkpoint(run, state))
-    return True
+        log.diverged_at = int(state.step) if log.diverged_at is None else log.diverged_at
+        log.stop("diverged")
+        return
+    log.saved.append(save_checkpoint(run, state))
 
 
-def _diverged_at(run: Run, step: int) -> None:
-    if run.record.diverged_at is None:  # the first step whose params are not finite
-        run.record.diverged_at = step
-
-
-def after_step(
-    run: Run, epoch_closed: Callable[[TrainState], TrainState] | None = None
-) -> Callable[[TrainState], TrainState]:
-    """Return the side effects after each step as ``state -> state``: log, evaluate, save.
-
-    An epoch's last step runs as HF's: its step-driven log/evaluation/save, then ``epoch_closed`` (the
-    HF callbacks' ``on_epoch_end``, if any), then those by epoch (``*_strategy="epoch"``), so the log
-    history has HF's order (an evaluation by steps before the epoch's log by epoch).
-    """
-    late = hf_callbacks.by_epoch(run.plan.args)
-
-    def after(state: TrainState) -> TrainState:
-        step = int(state.step)
-        now = _Moment(step, int(state.cursor.position) == 0, step >= run.plan.schedule.total_steps)
+def _window(run: Run, now: _Now) -> Callable[[TrainState, RunLog], None]:
+    def add(state: TrainState, log: RunLog) -> None:
+        now.closed = now.new_best = False
         run.window.add(state)
-        if diverged(state):  # log the window that ended in it, then stop: no evaluation, no save
-            _diverged_at(run, step)
-            now.last = True
+        if log.diverged_at is not None:  # the run's last step: HF closes its epoch
+            log.close_epoch()
 
-        def late_here(kind: str) -> bool:  # by epoch, at a step that closes one (early stopping may close it)
-            return late.get(kind, False) and (now.epoch_end or now.last)
+    return add
 
-        for by_epoch in (False, True):
-            if by_epoch:
-                if not (now.epoch_end or now.last):
-                    break
-                state = epoch_closed(state) if epoch_closed is not None else state
-            if late_here("log") is by_epoch:
-                state = _log(run, state, now)
-            if run.record.diverged_at is not None:
-                continue
-            if late_here("eval") is by_epoch:
-                state = _evaluate(run, state, now)
-            if late_here("save") is by_epoch and not _save_if_due(run, state, now):
-                return state
-        return state
 
-    return after
+def run_hooks(run: Run, hf: hf_callbacks.HFCallbacks | None, bar: Any) -> list[Hook]:
+    """Return the run's side effects after each step as ``loop`` hooks, HF's order from ``loop.EVENTS``.
+
+    Log, evaluation and save fire by steps, or (``*_strategy="epoch"``) in the epoch phase of a step that closes
+    one, each on its plan's ``due`` rule; the HF callbacks' events are hooks too: ``on_step_end`` before the log,
+    ``on_epoch_end`` before those by epoch, what the callbacks asked for (and the progress bar) after them.
+    """
+    plan, now = run.plan, _Now()
+    late = hf_callbacks.by_epoch(plan.logging.strategy, plan.evals.strategy, plan.checkpoints.strategy)
+
+    def when(kind: str) -> Every:
+        return Every(epochs=1) if late.get(kind, False) else Every(steps=1)
+
+    hooks = [Hook(_window(run, now), 1, after_divergence=True, name="window")]
+    hooks += hf.hooks() if hf is not None else []
+    hooks.append(Hook(functools.partial(_log, run, now), when("log"), kind="log", name="log"))
+    hooks.append(Hook(functools.partial(_evaluate, run, now), when("eval"), kind="evaluate", name="evaluate"))
+    hooks.append(Hook(functools.partial(_save, run, now), when("save"), kind="save", name="checkpoint"))
+    hooks.append(Hook(lambda state, log: bar.update(state), 1, kind="after", name="progress"))
+    return hooks
 
 
 def callback_adapter(run: Run, state: TrainState) -> tuple[Run, hf_callbacks.HFCallbacks | None]:

@@ -59,16 +59,14 @@ from trainfold import ckpt
 from trainfold.ckpt import policy
 from trainfold.ckpt.sharded import Saver, is_sharded
 from trainfold.core.collective import Collective
-from trainfold.core.determinism import warm_up_kernels
-from trainfold.core.fold import trajectory
 from trainfold.core.preempt import JIT_SIGNALS, guarded, preemption_guard
 from trainfold.core.state import TrainState, counters
 from trainfold.data import StateStream, is_stream_source, source_steps, stream
 from trainfold.distributed.distributed import joins_torchrun
-from trainfold.observe import TOKENS_SEEN, counting_input_tokens, observing, tap, train_summary
+from trainfold.loop.run import run as loop_run
+from trainfold.observe import TOKENS_SEEN, counting_input_tokens, train_summary
 from trainfold.observe import history as log_file
 from trainfold.observe.divergence import DIVERGED, diverged, divergence_message
-from trainfold.observe.logging import set_verbosity
 from trainfold.observe.reporters import make_reporters
 from trainfold.observe.reporters import progress as make_progress
 from trainfold.observe.stopping import EarlyStopping
@@ -76,7 +74,6 @@ from trainfold.optim import GradientTransformation
 from trainfold.step.fsdp import placed_like
 from trainfold.trainer import validate as checks
 from trainfold.trainer.args import TrainingArguments
-from trainfold.trainer.callback_checks import set_transformers_verbosity
 from trainfold.trainer.callbacks import HFCallbacks, resumed_callback_states
 from trainfold.trainer.evaluating import evaluate, predict
 from trainfold.trainer.extras import BEST
@@ -85,7 +82,7 @@ from trainfold.trainer.optimizer import default_optimizer
 from trainfold.trainer.plan import STOPPING_RULES, Plan, agreed
 from trainfold.trainer.planning import plan_for
 from trainfold.trainer.resume import Start, claim_for, continuing_global_rng, initial_state, start_run
-from trainfold.trainer.run import Run, after_step, callback_adapter, evaluate_and_record, save_checkpoint
+from trainfold.trainer.run import Run, callback_adapter, evaluate_and_record, run_hooks, save_checkpoint
 
 _log = logging.getLogger(__name__)
 
@@ -215,12 +212,8 @@ def train(
     args = checks.trainfold_arguments(args)  # a transformers.TrainingArguments: TrainingArguments.from_hf, exactly
     data = checks.data_to_check(train_dataset, eval_dataset, data_collator, train_stream, optimizer, objective)
     checks.check_train_call(model, args, resume_from_checkpoint, compute_metrics or objective, **data)
-    warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))  # see determinism
-    rank = collective.rank if collective is not None else 0
     compute_loss_func = checks.checked_loss(compute_loss_func)  # every problem named before any work
     objective = own_loss_objective(model, compute_loss_func, objective)  # a model whose task trainfold has no loss for
-    set_transformers_verbosity(args.log_level, main_process=rank == 0)  # as the HF Trainer's __init__
-    set_verbosity(args.log_level, main_process=rank == 0)  # the trainfold logger: events once, from rank 0
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
     rest = (observers, resume_from_checkpoint, early_stopping, stop, collective, callbacks, train_stream)
     plan = plan_for(model, args, train_dataset, eval_dataset, *(given + rest), processing_class=processing_class)
@@ -235,26 +228,14 @@ def train(
 
 
 def _log_start(plan: Plan, begin: Start) -> None:
-    total, output_dir = plan.schedule.total_steps, plan.args.output_dir
+    total, output_dir = plan.schedule.total_steps, plan.checkpoints.output_dir
     if begin.source is None:
         _log.info("training %d optimizer steps into %s", total, output_dir)
     else:
         _log.info("resuming from %s at step %d of %d", begin.source, int(begin.state.step), total)
 
 
-@attrs.frozen(eq=False)
-class _Ended:
-    """What the run left when its session closed: the last state, its status and the run's record."""
-
-    state: TrainState
-    status: str
-    summary: dict[str, Any]
-    history: Any
-    saved: Sequence[Path]
-    signal: int | None
-
-
-def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
+def _session(plan: Plan, begin: Start, run_id: Any) -> TrainResult:
     """Run the plan from ``begin``: open the reporters, evaluate on start, step until a stop rule holds, report."""
     state, start_state, started = begin.state, counters(begin.state), time.monotonic()  # no second weight copy
     bar = make_progress(
@@ -302,42 +283,47 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> _Ended:
         if isinstance(history, log_file.HistoryFile):  # read back once: the result holds a plain list
             history.close()
             history = list(history.history())
-    return _Ended(state, status, summary, history, run.record.saved, signal)
+    metrics = {k: v for k, v in summary.items() if k != "step"}  # HF's TrainOutput.metrics: the step is not one
+    last = run.record.saved[-1] if run.record.saved else None
+    return TrainResult(state, status, metrics, history, None, last, signal)
 
 
 def _trained(
     run: Run, hf: HFCallbacks | None, state: TrainState, start_state: TrainState, bar: Any
 ) -> tuple[TrainState, str, int | None]:
-    """Step from ``state`` until a stop rule holds; return the last state, the status and a preempting signal."""
-    plan = run.plan
+    """Step from ``state`` with ``loop.run`` until a stop rule holds; return the last state, status and signal."""
+    plan, total = run.plan, run.plan.schedule.total_steps
     fired: list[str] = []  # the name of the stop rule that ended the loop
     stops = plan.stops.including("callbacks", agreed(hf.stop, plan.collective) if hf is not None else None)
-    stops = stops.including("diverged", lambda _state: run.record.diverged_at is not None)
-    guard = preemption_guard(JIT_SIGNALS, collective=plan.collective) if plan.args.enable_jit_checkpoint else None
+    guard = preemption_guard(JIT_SIGNALS, collective=plan.collective) if plan.checkpoints.jit else None
     with guard or contextlib.nullcontext() as preemption:
         stops = stops.including("preempted", preemption.stop if preemption is not None else None)
-        looped, batches = _looped(run, hf, bar), continuing_global_rng(_batches(plan, state), run.global_rng, plan.rank)
-        for last in trajectory(looped, state, batches, stops.predicate(fired)):
-            state = last
-        run.saver.wait()  # the last async save is complete (its error raised) before the run reports
-        status = _status(run, state, start_state, fired, preemption)
-    return state, status, preemption.signal if status == "preempted" and preemption is not None else None
+        status = functools.partial(_status, run, start_state, fired, preemption)
+        state, log = loop_run(
+            _step(run, hf),
+            state,
+            continuing_global_rng(_batches(plan, state), run.global_rng, plan.rank),
+            hooks=run_hooks(run, hf, bar),
+            stop=stops.predicate(fired),
+            epoch_closed=lambda s: int(s.cursor.position) == 0 or int(s.step) >= total,  # HF: the last step too
+            status=status,
+            log=run.record,
+        )
+    return state, log.status, preemption.signal if log.status == "preempted" and preemption is not None else None
 
 
-def _looped(run: Run, hf: HFCallbacks | None, bar: Any) -> Callable[[TrainState, Any], TrainState]:
-    """Return the step with its side effects: token counting, then log/eval/save (and the HF callbacks' events)."""
+def _step(run: Run, hf: HFCallbacks | None) -> Callable[[TrainState, Any], TrainState]:
+    """Return the run's step (donating: the run never reuses a state): token counting, HF's on_step_begin."""
     plan, args = run.plan, run.plan.args
     counted = plan.step.donating  # type: ignore[attr-defined]  # make_step's steps carry it (with_donation)
     if args.tokens_seen != "no":  # never reuses a state
         counted = counting_input_tokens(counted, args.tokens_seen, args.model_input_name, plan.collective)
-    if hf is None:
-        looped = observing(counted, after_step(run), tap(bar.update))
-    else:  # on_step_begin before the step, on_step_end before its log/eval/save
-        looped = observing(hf.wrap(counted), hf.step_end, after_step(run, hf.epoch_closed), hf.after, tap(bar.update))
+    if hf is not None:  # on_epoch_begin, on_step_begin before the step
+        counted = hf.wrap(counted)
     if plan.stream is not None:  # each step's batch is made from the state it starts from
-        prepare = plan.stream.prepare
-        return lambda state, item: looped(*prepare(state, item))
-    return looped
+        prepare, stepped = plan.stream.prepare, counted
+        return lambda state, item: stepped(*prepare(state, item))
+    return counted
 
 
 def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
@@ -362,8 +348,9 @@ def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
     )
 
 
-def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[str], preemption: Any) -> str:
+def _status(run: Run, start_state: TrainState, fired: list[str], preemption: Any, state: TrainState, _: Any) -> str:
     """Return how the run ended, from the stop rule that held: diverged, preempted, stopped or completed."""
+    run.saver.wait()  # the last async save is complete (its error raised) before the run reports
     total = run.plan.schedule.total_steps
     if run.record.diverged_at is not None or diverged(state, confirm=True):
         _log.error(divergence_message(state, run.record.saved[-1] if run.record.saved else None))
@@ -380,22 +367,14 @@ def _status(run: Run, state: TrainState, start_state: TrainState, fired: list[st
     return "completed"
 
 
-def _ending(plan: Plan, ended: _Ended) -> TrainResult:
+def _ending(plan: Plan, result: TrainResult) -> TrainResult:
     """Return the run's ``TrainResult``; the module holds its final weights (the best with load_best_model_at_end)."""
-    state, best_path = ended.state, None
+    state = result.state
     if BEST in state.extras and int(state.extras[BEST].step) >= 0:
-        best_path = policy.best_checkpoint(plan.args.output_dir, state.extras[BEST])
-        if plan.args.load_best_model_at_end and best_path is not None and ended.status != "preempted":
+        best_path = policy.best_checkpoint(plan.checkpoints.output_dir, state.extras[BEST])
+        if plan.checkpoints.load_best and best_path is not None and result.status != "preempted":
             state = ckpt.load_weights(best_path, like=state)
-    result = TrainResult(
-        state,
-        ended.status,
-        {k: v for k, v in ended.summary.items() if k != "step"},  # HF's TrainOutput.metrics: the step is not one
-        ended.history,
-        best_path,
-        ended.saved[-1] if ended.saved else None,
-        ended.signal,
-    )
-    _log.info("training %s at step %d (%s)", result.status, result.global_step, plan.args.output_dir)
+        result = attrs.evolve(result, state=state, best_checkpoint=best_path)
+    _log.info("training %s at step %d (%s)", result.status, result.global_step, plan.checkpoints.output_dir)
     result.apply_to(plan.model)  # as HF: the module ends with the final (or best) weights; lent ones are there
     return result
