@@ -17,6 +17,7 @@ True
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch import nn
 from trainfold.core.chunked_loss import chunked_causal_lm
 from trainfold.core.losses import causal_lm, default_loss_for
 from trainfold.data.lengths import PREFERENCE_COLUMNS
+from trainfold.data.mixture import is_stream_source
 from trainfold.data.packing import check_packable, pack, packed_collate, padding_free_collate
 
 __all__ = ["DEFAULT_MAX_LENGTH", "LMBatching", "LMInputs", "lm_inputs", "truncated", "truncated_as", "truncates"]
@@ -129,6 +131,10 @@ def _supervised(row: Mapping[str, Any]) -> bool:
     return bool((torch.as_tensor(labels) != -100).any())
 
 
+def _cut_row(row: Any, cut: slice) -> Any:
+    return _cut(row, cut) if isinstance(row, Mapping) and "input_ids" in row else row
+
+
 class _TruncatedStream(torch.utils.data.IterableDataset):
     """A dataset without a length, its rows truncated as they are read (TRL's ``IterableDataset.map``)."""
 
@@ -137,7 +143,7 @@ class _TruncatedStream(torch.utils.data.IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         for row in self.rows:
-            done = _cut(row, self.cut) if isinstance(row, Mapping) and "input_ids" in row else row
+            done = _cut_row(row, self.cut)
             if _supervised(done):
                 yield done
 
@@ -156,6 +162,8 @@ def truncated(dataset: Any, max_length: int, truncation_mode: str = "keep_start"
     []
     """
     cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+    if is_stream_source(dataset):  # a streaming source: its own map and filter, so a resume seeks exactly
+        return dataset.map(functools.partial(_cut_row, cut=cut)).filter(_supervised)
     if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
         return _TruncatedStream(dataset, cut)
     rows = [dataset[i] for i in range(len(dataset))]

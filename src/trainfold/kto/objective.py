@@ -63,6 +63,8 @@ class KTOObjective:
     step's metrics carry over to the next.
     """
 
+    aux_reduction = "sum"  # its metrics are shares of the step's rows, as its loss: the step sums them
+
     beta: float
     loss_type: str
     desirable_weight: float

@@ -59,6 +59,7 @@ class RewardObjective:
 
     center_rewards_coefficient: float | None = None
     columns = REWARD_COLUMNS
+    aux_reduction = "sum"  # its metrics are shares of the step's pairs, as its loss: the step sums them
 
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
         """Count the pairs of ``micro_batch`` (half its rows)."""
