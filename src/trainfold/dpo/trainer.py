@@ -13,7 +13,7 @@ from typing import Any
 from trainfold.dpo.args import DPOArguments
 from trainfold.dpo.run import policy_model, preference_collator, prepare_preference_dataset, reference_objective
 from trainfold.dpo.run import train as dpo_train
-from trainfold.trainer.facade import PeerTrainer
+from trainfold.trainer.facade import PeerTrainer, peer_keywords
 
 __all__ = ["DPOTrainer"]
 
@@ -22,19 +22,9 @@ class DPOTrainer(PeerTrainer):
     """TRL ``DPOTrainer``'s constructor and methods over ``trainfold.dpo.train`` (see the module doc)."""
 
     arguments_class = DPOArguments
-    keywords = (
-        "model",
-        "ref_model",
-        "args",
-        "data_collator",
-        "train_dataset",
-        "eval_dataset",
-        "processing_class",
-        "compute_metrics",
-        "callbacks",
-        "optimizers",
-        "quantization_config",
-        "peft_config",
+    keywords = peer_keywords(
+        before_args=("ref_model",),
+        without=("compute_loss_func", "optimizer_cls_and_kwargs", "preprocess_logits_for_metrics"),
     )
     own_collator = (
         "the run pads preference rows itself (pad_token, max_length, pad_to_multiple_of, padding_free in DPOArguments)"

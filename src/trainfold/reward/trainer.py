@@ -17,7 +17,7 @@ from trainfold.reward.data import reward_collate
 from trainfold.reward.loss import reward_objective
 from trainfold.reward.run import pad_id_for, prepare_reward_dataset, reward_model
 from trainfold.reward.run import train as reward_train
-from trainfold.trainer.facade import PeerTrainer
+from trainfold.trainer.facade import PeerTrainer, peer_keywords
 
 __all__ = ["RewardTrainer"]
 
@@ -26,21 +26,7 @@ class RewardTrainer(PeerTrainer):
     """TRL ``RewardTrainer``'s constructor and methods over ``trainfold.reward.train`` (see the module doc)."""
 
     arguments_class = RewardArguments
-    keywords = (
-        "model",
-        "args",
-        "data_collator",
-        "train_dataset",
-        "eval_dataset",
-        "processing_class",
-        "compute_metrics",
-        "callbacks",
-        "optimizers",
-        "optimizer_cls_and_kwargs",
-        "preprocess_logits_for_metrics",
-        "quantization_config",
-        "peft_config",
-    )
+    keywords = peer_keywords(without=("compute_loss_func",))
     run_name = "Reward"
     run = staticmethod(reward_train)
     load_model = staticmethod(reward_model)

@@ -15,7 +15,7 @@ from trainfold.sft.args import SFTArguments
 from trainfold.sft.data import sft_loss
 from trainfold.sft.run import default_collator, prepare_eval_dataset
 from trainfold.sft.run import train as sft_train
-from trainfold.trainer.facade import PeerTrainer
+from trainfold.trainer.facade import PeerTrainer, peer_keywords
 
 __all__ = ["SFTTrainer"]
 
@@ -24,23 +24,7 @@ class SFTTrainer(PeerTrainer):
     """TRL ``SFTTrainer``'s constructor and methods over ``trainfold.sft.train`` (see the module doc)."""
 
     arguments_class = SFTArguments
-    keywords = (
-        "model",
-        "args",
-        "data_collator",
-        "train_dataset",
-        "eval_dataset",
-        "processing_class",
-        "compute_loss_func",
-        "compute_metrics",
-        "callbacks",
-        "optimizers",
-        "optimizer_cls_and_kwargs",
-        "preprocess_logits_for_metrics",
-        "quantization_config",
-        "peft_config",
-        "formatting_func",
-    )
+    keywords = peer_keywords(extra=("formatting_func",))
     run_name = "SFT"
     run = staticmethod(sft_train)
     run_extras = ("formatting_func",)

@@ -42,6 +42,7 @@ from trainfold.trainer.train import TrainResult, train
 __all__ = [
     "Trainer",
     "PeerTrainer",
+    "peer_keywords",
     "TrainOutput",
     "FacadeState",
     "Console",
@@ -325,6 +326,31 @@ _TRAINER_KEYWORDS = (  # the keywords a TRL trainer passes on to transformers.Tr
     "preprocess_logits_for_metrics",
 )
 _RUN_KEYWORDS = ("data_collator", "compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics", "objective")
+
+
+_HF_KEYWORDS = (  # transformers.Trainer's constructor after model, in order
+    "args",
+    "data_collator",
+    "train_dataset",
+    "eval_dataset",
+    "processing_class",
+    "compute_loss_func",
+    "compute_metrics",
+    "callbacks",
+    "optimizers",
+    "optimizer_cls_and_kwargs",
+    "preprocess_logits_for_metrics",
+)
+
+
+def peer_keywords(
+    *, before_args: tuple[str, ...] = (), without: tuple[str, ...] = (), extra: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """Return a TRL trainer's constructor keywords, in order, as they differ from ``transformers.Trainer``'s:
+    ``before_args`` follow ``model``, ``without`` are dropped, and ``quantization_config``, ``peft_config``
+    and ``extra`` come last."""
+    kept = tuple(k for k in _HF_KEYWORDS if k not in without)
+    return ("model", *before_args, *kept, "quantization_config", "peft_config", *extra)
 
 
 def _load(model: Any, args: Any, peft_config: Any) -> nn.Module:
