@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.core.chunked_loss import OutputHead, check_chunk_size, output_head
+from trainfold.data.collate import check_completion_padding
 from trainfold.dpo.logps import (
     MODEL_KEYS,
     PREFERENCE_COLUMNS,
@@ -146,14 +147,7 @@ def preference_collate(
     ...     "input_ids"].tolist()
     [[1, 5, 2, 0], [1, 6, 2, 0]]
     """
-    problems = []
-    if max_length is not None and max_length < 2:
-        problems.append(f"max_length={max_length} leaves no completion token to score; use None or >= 2")
-    multiple = pad_to_multiple_of
-    if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
-        problems.append(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive int or None")
-    if problems:
-        raise ValueError("; ".join(problems))
+    check_completion_padding(max_length, pad_to_multiple_of)
     return PreferenceCollate(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
