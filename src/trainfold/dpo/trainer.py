@@ -33,7 +33,8 @@ class DPOTrainer(PeerTrainer):
     run = staticmethod(dpo_train)
     load_model = staticmethod(policy_model)
 
-    def _finish(self, given: Any, ref_model: Any = None) -> None:
+    def _finish(self, given: Any, **rest: Any) -> None:
+        ref_model = rest["ref_model"]
         if isinstance(ref_model, str):
             ref_model = policy_model(ref_model, self._loading(self.args, ref_model, given))
         self.ref_model = ref_model

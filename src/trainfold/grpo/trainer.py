@@ -47,6 +47,7 @@ class GRPOTrainer(PeerTrainer):
     required = ("model", "reward_funcs")
     refused = (*PeerTrainer.refused, "reward_processing_classes", "tools", "rollout_func", "environment_factory")
     run_name = "GRPO"
+    reward_funcs: Any  # kept by _finish
 
     def _run(self, resume_from_checkpoint: Any) -> TrainResult:
         return grpo_train(

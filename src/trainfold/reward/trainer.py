@@ -35,7 +35,7 @@ class RewardTrainer(PeerTrainer):
     def _collator(self, model: nn.Module, processing_class: Any, args: Any, given: Any) -> Any:
         return given or reward_collate(pad_id_for(model, processing_class, args), args.pad_to_multiple_of)
 
-    def _finish(self, given: Any) -> None:
+    def _finish(self, given: Any, **rest: Any) -> None:
         self.objective = reward_objective(self.args.center_rewards_coefficient)
 
     def _eval_rows(self, dataset: Any) -> Any:

@@ -28,6 +28,7 @@ class SFTTrainer(PeerTrainer):
     run_name = "SFT"
     run = staticmethod(sft_train)
     run_extras = ("formatting_func",)
+    formatting_func: Any  # kept by _finish
 
     def _eval_rows(self, dataset: Any) -> Any:
         return prepare_eval_dataset(dataset, self.processing_class, self.args, self.formatting_func)

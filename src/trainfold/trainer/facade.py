@@ -397,7 +397,7 @@ class PeerTrainer(Trainer):
             refuse(f"{type(self).__name__}(data_collator=...)", self.own_collator)
         model, given, peft_config = values.pop("model"), values.pop("args"), values.pop("peft_config", None)
         args = arguments_for(given, self.arguments_class, f"{model_name_of(model)}-{self.run_name}")
-        module = self.load_model(model, self._loading(args, model, given), peft_config)
+        module = type(self).load_model(model, self._loading(args, model, given), peft_config)
         tok = processing_class_for(module, values.pop("processing_class"))  # as TRL: the tokenizer saved with the model
         common = {k: values.pop(k) for k in _TRAINER_KEYWORDS if k in values}
         common["data_collator"] = self._collator(module, tok, args, common.get("data_collator"))
