@@ -8,11 +8,13 @@ the two runs must agree step by step.
 
 from __future__ import annotations
 
+import inspect
 import json
 
 import pytest
 import torch
 import transformers
+import trl
 
 import trainfold
 from trainfold.trainer.facade import Trainer
@@ -385,3 +387,27 @@ def test_dpo_trainer_evaluates_and_predicts_against_the_reference_fixed_when_bui
     assert after["eval_loss"] < before["eval_loss"] and after["eval_rewards/margins"] > 0
     assert predicted.metrics["test_loss"] == pytest.approx(after["eval_loss"], rel=1e-6)
     assert [e["step"] for e in trainer.state.log_history if "eval_loss" in e] == [2]  # the one after training
+
+
+def test_each_trl_facade_takes_its_peers_constructor_keywords_in_order():
+    """The facades declare their keywords as data (``PeerTrainer``); the signature a script calls stays TRL's."""
+    from trainfold.dpo import DPOTrainer
+    from trainfold.grpo import GRPOTrainer
+    from trainfold.reward import RewardTrainer
+    from trainfold.sft import SFTTrainer
+
+    for ours, theirs in (
+        (SFTTrainer, trl.SFTTrainer),
+        (DPOTrainer, trl.DPOTrainer),
+        (GRPOTrainer, trl.GRPOTrainer),
+        (RewardTrainer, trl.RewardTrainer),
+    ):
+        names = list(inspect.signature(ours).parameters)
+        peer = inspect.signature(theirs).parameters
+        assert names == [n for n in peer if n in names], ours.__name__
+        for name in set(names) - {"reward_funcs"}:  # TRL defaults it for environment_factory, which is refused
+            assert inspect.signature(ours).parameters[name].default == peer[name].default, (ours.__name__, name)
+    with pytest.raises(TypeError, match="reward_funcs"):
+        GRPOTrainer(model=torch.nn.Linear(1, 1))
+    with pytest.raises(TypeError, match="the run pads preference rows itself"):
+        DPOTrainer(torch.nn.Linear(1, 1), None, None, lambda rows: rows)

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
-__all__ = ["Batch", "Forward", "Objective", "make_forward", "train_mode", "training_flags"]
+__all__ = [
+    "Batch",
+    "Forward",
+    "LossAux",
+    "ModelInputsObjective",
+    "Objective",
+    "Tensors",
+    "make_forward",
+    "train_mode",
+    "training_flags",
+]
 
 Batch = Sequence[Mapping[str, Tensor]]
 Forward = Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Any]
@@ -20,6 +30,33 @@ Forward = Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Any]
 Objective = Callable[
     [Forward, Mapping[str, Tensor], Mapping[str, Tensor], Tensor, torch.Generator], tuple[Tensor, Mapping[str, Tensor]]
 ]
+
+Tensors = Mapping[str, Tensor]
+LossAux = tuple[Tensor, dict[str, Tensor]]
+
+
+class ModelInputsObjective:
+    """An ``Objective`` that draws no randomness (``key`` unused) and whose model sees only ``model_keys`` of a
+    micro-batch: calling it hands ``loss_of`` the forward, the parameters, those inputs, the whole micro-batch
+    and the step's item count. The preference, GRPO, KTO and reward objectives are such."""
+
+    __slots__ = ()
+    model_keys: ClassVar[tuple[str, ...]] = ("input_ids", "attention_mask")
+
+    def __call__(
+        self,
+        forward: Forward,
+        params: Tensors,
+        micro_batch: Tensors,
+        num_items_in_batch: Tensor,
+        key: torch.Generator | None = None,
+    ) -> LossAux:
+        inputs = {k: micro_batch[k] for k in self.model_keys if k in micro_batch}
+        return self.loss_of(forward, params, inputs, micro_batch, num_items_in_batch)
+
+    def loss_of(self, forward: Forward, params: Tensors, inputs: Tensors, micro: Tensors, n: Tensor) -> LossAux:
+        """Return the micro-batch's loss over ``n`` (the step's items) and its aux metrics."""
+        raise NotImplementedError
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_PAD_VALUES",
     "KeyedCollate",
     "PadCollate",
+    "check_completion_padding",
     "collate_for",
     "keyed",
     "model_pad_collate",
@@ -155,6 +156,25 @@ def pad_collate(
         keys=None if keys is None else tuple(keys),
         pad_values=tuple(sorted((pad_values or {}).items())),
     )
+
+
+def check_completion_padding(max_length: int | None, pad_to_multiple_of: int | None) -> None:
+    """Refuse, all at once, the settings of a prompt-and-completion collator that cannot make a batch to score.
+
+    >>> try:
+    ...     check_completion_padding(1, 0)
+    ... except ValueError as e:
+    ...     print(str(e).split("; ")[::2])
+    ['max_length=1 leaves no completion token to score', 'pad_to_multiple_of=0 must be a positive int or None']
+    """
+    problems = []
+    if max_length is not None and max_length < 2:
+        problems.append(f"max_length={max_length} leaves no completion token to score; use None or >= 2")
+    multiple = pad_to_multiple_of
+    if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
+        problems.append(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive int or None")
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 def pad_token_id_of(processing_class: Any) -> int | None:

@@ -21,7 +21,32 @@ __all__ = ["Filtered", "Mapped"]
 
 
 @attrs.frozen(eq=False)
-class Filtered:
+class _Derived:
+    """Rows derived from ``base``'s at its positions: the same epoch length and fingerprint, and more
+    transforms on top."""
+
+    base: Any
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of one epoch of the base (before any filter: how many one keeps is unknown until read)."""
+        return int(self.base.num_rows)
+
+    def fingerprint(self) -> int:
+        """The base's fingerprint (a transform's code is not fingerprinted)."""
+        return int(self.base.fingerprint())
+
+    def filter(self, fn: Callable[[Any], bool]) -> Filtered:
+        """Keep the rows ``fn`` accepts."""
+        return Filtered(self, fn)
+
+    def map(self, fn: Callable[[Any], Any]) -> Mapped:
+        """Transform each row."""
+        return Mapped(self, fn)
+
+
+@attrs.frozen(eq=False)
+class Filtered(_Derived):
     """The rows of ``base`` that ``fn`` accepts, at their unfiltered positions.
 
     ``fn`` sees the row only, which is a pure function of its position, so the kept rows are too: a
@@ -29,25 +54,7 @@ class Filtered:
     that keeps no row of a whole epoch raises ``ValueError`` (the stream would never end).
     """
 
-    base: Any
     fn: Callable[[Any], bool]
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of one epoch before the filter (how many it keeps is unknown until read)."""
-        return int(self.base.num_rows)
-
-    def fingerprint(self) -> int:
-        """The base's fingerprint (the filter's code is not fingerprinted)."""
-        return int(self.base.fingerprint())
-
-    def filter(self, fn: Callable[[Any], bool]) -> Filtered:
-        """Filter again."""
-        return Filtered(self, fn)
-
-    def map(self, fn: Callable[[Any], Any]) -> Mapped:
-        """Transform each kept row."""
-        return Mapped(self, fn)
 
     def rows(self, start: int) -> Iterator[tuple[int, Any]]:
         """Yield ``(position after, row)`` for each kept row from ``start`` on."""
@@ -67,28 +74,10 @@ class Filtered:
 
 
 @attrs.frozen(eq=False)
-class Mapped:
+class Mapped(_Derived):
     """The rows of ``base`` transformed by ``fn`` (positions unchanged)."""
 
-    base: Any
     fn: Callable[[Any], Any]
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of one epoch of the base."""
-        return int(self.base.num_rows)
-
-    def fingerprint(self) -> int:
-        """The base's fingerprint."""
-        return int(self.base.fingerprint())
-
-    def filter(self, fn: Callable[[Any], bool]) -> Filtered:
-        """Keep the mapped rows ``fn`` accepts."""
-        return Filtered(self, fn)
-
-    def map(self, fn: Callable[[Any], Any]) -> Mapped:
-        """Transform again."""
-        return Mapped(self, fn)
 
     def rows(self, start: int) -> Iterator[tuple[int, Any]]:
         """Yield ``(position after, fn(row))`` from ``start`` on."""

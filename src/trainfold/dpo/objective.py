@@ -30,6 +30,8 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.core.chunked_loss import OutputHead, check_chunk_size, output_head
+from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tensors
+from trainfold.data.collate import check_completion_padding
 from trainfold.dpo.logps import (
     MODEL_KEYS,
     PREFERENCE_COLUMNS,
@@ -146,14 +148,7 @@ def preference_collate(
     ...     "input_ids"].tolist()
     [[1, 5, 2, 0], [1, 6, 2, 0]]
     """
-    problems = []
-    if max_length is not None and max_length < 2:
-        problems.append(f"max_length={max_length} leaves no completion token to score; use None or >= 2")
-    multiple = pad_to_multiple_of
-    if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
-        problems.append(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive int or None")
-    if problems:
-        raise ValueError("; ".join(problems))
+    check_completion_padding(max_length, pad_to_multiple_of)
     return PreferenceCollate(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
@@ -181,7 +176,7 @@ def count_pairs(micro_batch: Mapping[str, Tensor]) -> Tensor:
 
 
 @attrs.frozen(eq=False)
-class DPOObjective:
+class DPOObjective(ModelInputsObjective):
     """The DPO objective for ``make_step(..., objective=...)``; make one with :func:`dpo_objective`.
 
     Returns the summed pair losses divided by the step's pair count, and TRL's metrics
@@ -218,6 +213,7 @@ class DPOObjective:
     discopop_tau: float = 0.05
     columns = (*PREFERENCE_COLUMNS, *REF_KEYS)  # the item columns train keeps for it
     aux_reduction = "sum"  # its metrics are divided by the step's pair count, as its loss: the step sums them
+    model_keys = MODEL_KEYS
 
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
         """Count the pairs of ``micro_batch``."""
@@ -277,20 +273,12 @@ class DPOObjective:
         with torch.no_grad():
             return halves(completion_logps(forward, self.ref_params, inputs, micro, self.head, self.chunk_size)[0])
 
-    def __call__(
-        self,
-        forward: Callable[..., Any],
-        params: Mapping[str, Tensor],
-        micro_batch: Mapping[str, Tensor],
-        num_items_in_batch: Tensor,
-        key: torch.Generator | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        inputs = {k: micro_batch[k] for k in MODEL_KEYS if k in micro_batch}
-        logps, stats = completion_logps(forward, params, inputs, micro_batch, self.head, self.chunk_size, stats=True)
+    def loss_of(self, forward: Forward, params: Tensors, inputs: Tensors, micro: Tensors, n: Tensor) -> LossAux:
+        logps, stats = completion_logps(forward, params, inputs, micro, self.head, self.chunk_size, stats=True)
         chosen, rejected = halves(logps)
-        ref_chosen, ref_rejected = self._ref_logps(forward, inputs, micro_batch)
+        ref_chosen, ref_rejected = self._ref_logps(forward, inputs, micro)
         ref_chosen, ref_rejected = ref_chosen.to(chosen), ref_rejected.to(chosen)
-        lengths = halves(per_sequence(micro_batch["completion_mask"][:, 1:], micro_batch).to(chosen.dtype))
+        lengths = halves(per_sequence(micro["completion_mask"][:, 1:], micro).to(chosen.dtype))
         losses = dpo_loss(
             chosen,
             rejected,
@@ -303,7 +291,7 @@ class DPOObjective:
             loss_weights=self.loss_weights,
             discopop_tau=self.discopop_tau,
         )
-        n = num_items_in_batch.to(chosen.dtype)
+        n = n.to(chosen.dtype)
         reward_c = (self.beta * (chosen - ref_chosen)).detach()
         reward_r = (self.beta * (rejected - ref_rejected)).detach()
         aux = {
@@ -322,7 +310,9 @@ class DPOObjective:
     ) -> tuple[Any, Tensor]:
         """Return what ``compute_metrics`` scores, as TRL's ``prediction_step``: the policy's outputs on the batch
         rows (its chosen rows, then its rejected rows) and, as ``label_ids``, their ``input_ids``."""
-        return forward(params, {k: micro_batch[k] for k in MODEL_KEYS if k in micro_batch}), micro_batch["input_ids"]
+        return forward(params, {k: micro_batch[k] for k in self.model_keys if k in micro_batch}), micro_batch[
+            "input_ids"
+        ]
 
 
 def _head(model: nn.Module | None, chunk_size: int | None, size: int | None) -> OutputHead | None:

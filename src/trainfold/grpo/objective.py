@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.core.chunked_loss import OutputHead, check_chunk_size, chunked_token_logps, output_head
+from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tensors
 from trainfold.core.generate import token_logps
 from trainfold.core.losses import logits_of
 from trainfold.grpo.loss import (
@@ -34,7 +35,6 @@ from trainfold.grpo.loss import (
 __all__ = ["GRPO_LOSS_TYPES", "GRPOObjective", "chunk_head", "grpo_objective", "next_token_logps", "token_entropy"]
 
 _BY_GENERATION = ("dapo", "cispo", "vespo")  # normalised by the generation's tokens, as TRL's dapo
-_MODEL_KEYS = ("input_ids", "attention_mask")
 
 
 # -- log-probs -----------------------------------------------------------------------------
@@ -75,7 +75,7 @@ def chunk_head(model: nn.Module | None, chunk_size: int | None, what: str) -> Ou
 
 
 @attrs.frozen
-class GRPOObjective:
+class GRPOObjective(ModelInputsObjective):
     """The clipped-surrogate objective for ``make_step(..., objective=...)``; see :func:`grpo_objective`.
 
     With no ``old_logps`` the ratio is 1, so the ``grpo`` loss is minus the mean advantage:
@@ -161,17 +161,9 @@ class GRPOObjective:
         with torch.no_grad():
             return logps, _chunked_entropy(hidden[:, :-1], weight, self.head.bias, self.chunk_size, self.temperature)
 
-    def __call__(
-        self,
-        forward: Callable[..., Any],
-        params: Mapping[str, Tensor],
-        micro_batch: Mapping[str, Tensor],
-        num_items_in_batch: Tensor,
-        key: torch.Generator | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        inputs = {k: micro_batch[k] for k in _MODEL_KEYS if k in micro_batch}
+    def loss_of(self, forward: Forward, params: Tensors, inputs: Tensors, micro: Tensors, n: Tensor) -> LossAux:
         logps, entropy = self.logps_and_entropy(forward, params, inputs)
-        return self.loss_from_logps(logps, entropy, micro_batch, num_items_in_batch)
+        return self.loss_from_logps(logps, entropy, micro, n)
 
     def loss_from_logps(
         self, logps: Tensor, entropy: Tensor, micro_batch: Mapping[str, Tensor], num_items_in_batch: Tensor

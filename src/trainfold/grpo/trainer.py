@@ -11,17 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import attrs
-
 from trainfold.grpo.args import GRPOArguments
 from trainfold.grpo.run import train as grpo_train
-from trainfold.trainer.facade import Trainer, arguments_for, init_kwargs, model_name_of, refuse, refused_keywords
-from trainfold.trainer.model_source import model_from, processing_class_for
+from trainfold.trainer.facade import PeerTrainer, refuse
 from trainfold.trainer.train import TrainResult
 
 __all__ = ["GRPOTrainer"]
-
-_INIT = attrs.fields(GRPOArguments).model_init_kwargs  # the from_pretrained keywords of a model given by name
 
 _EVALUATION = (
     "GRPO scores its eval_dataset during train: set eval_strategy (and eval_steps) and read eval_reward... "
@@ -29,43 +24,30 @@ _EVALUATION = (
 )
 
 
-class GRPOTrainer(Trainer):
+class GRPOTrainer(PeerTrainer):
     """TRL ``GRPOTrainer``'s constructor and methods over ``trainfold.grpo.train`` (see the module doc)."""
 
     arguments_class = GRPOArguments
-
-    def __init__(
-        self,
-        model: Any,
-        reward_funcs: Any,
-        args: Any = None,
-        train_dataset: Any = None,
-        eval_dataset: Any = None,
-        processing_class: Any = None,
-        reward_processing_classes: Any = None,
-        callbacks: Any = None,
-        optimizers: Any = (None, None),
-        quantization_config: Any = None,
-        peft_config: Any = None,
-        tools: Any = None,
-        rollout_func: Any = None,
-        environment_factory: Any = None,
-    ) -> None:
-        refused_keywords(
-            dict(
-                optimizers=optimizers,
-                quantization_config=quantization_config,
-                reward_processing_classes=reward_processing_classes,
-                tools=tools,
-                rollout_func=rollout_func,
-                environment_factory=environment_factory,
-            )
-        )
-        given, args = args, arguments_for(args, GRPOArguments, f"{model_name_of(model)}-GRPO")
-        module = model_from(model, init_kwargs(model, given, _INIT), peft_config, seed=args.seed)
-        tok = processing_class_for(module, processing_class)
-        super().__init__(module, args, None, train_dataset, eval_dataset, tok, callbacks=callbacks)
-        self.reward_funcs = reward_funcs
+    keywords = (
+        "model",
+        "reward_funcs",
+        "args",
+        "train_dataset",
+        "eval_dataset",
+        "processing_class",
+        "reward_processing_classes",
+        "callbacks",
+        "optimizers",
+        "quantization_config",
+        "peft_config",
+        "tools",
+        "rollout_func",
+        "environment_factory",
+    )
+    required = ("model", "reward_funcs")
+    refused = (*PeerTrainer.refused, "reward_processing_classes", "tools", "rollout_func", "environment_factory")
+    run_name = "GRPO"
+    reward_funcs: Any  # kept by _finish
 
     def _run(self, resume_from_checkpoint: Any) -> TrainResult:
         return grpo_train(

@@ -21,6 +21,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from trainfold.data.collate import check_completion_padding
 from trainfold.kto.rows import KL_COLUMN, UNPAIRED_COLUMNS
 
 __all__ = ["REF_COLUMNS", "UnpairedCollate", "unpaired_collate"]
@@ -91,12 +92,5 @@ def unpaired_collate(
     ...     "input_ids"].tolist()
     [[1, 5, 0, 0]]
     """
-    problems = []
-    if max_length is not None and max_length < 2:
-        problems.append(f"max_length={max_length} leaves no completion token to score; use None or >= 2")
-    multiple = pad_to_multiple_of
-    if multiple is not None and (isinstance(multiple, bool) or not isinstance(multiple, int) or multiple < 1):
-        problems.append(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive int or None")
-    if problems:
-        raise ValueError("; ".join(problems))
+    check_completion_padding(max_length, pad_to_multiple_of)
     return UnpairedCollate(pad_token_id=pad_token_id, max_length=max_length, pad_to_multiple_of=pad_to_multiple_of)

@@ -25,6 +25,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tensors
 from trainfold.dpo.logps import completion_logps
 from trainfold.kto.collate import REF_COLUMNS, UnpairedCollate
 from trainfold.kto.loss import kl_estimate, kto_loss, kto_loss_errors
@@ -49,7 +50,7 @@ def _mean(x: Tensor, rows: Tensor) -> Tensor:
 
 
 @attrs.frozen(eq=False)
-class KTOObjective:
+class KTOObjective(ModelInputsObjective):
     """The KTO objective; make one with :func:`kto_objective`.
 
     Returns the summed row losses divided by the step's row count (its ``num_items_in_batch``), so with
@@ -124,33 +125,25 @@ class KTOObjective:
             ref_kl = unpaired_logps(forward, self.ref_params, micro, "KL_") if self.calculate_kl else None
             return unpaired_logps(forward, self.ref_params, micro), ref_kl
 
-    def __call__(
-        self,
-        forward: Callable[..., Any],
-        params: Mapping[str, Tensor],
-        micro_batch: Mapping[str, Tensor],
-        num_items_in_batch: Tensor,
-        key: torch.Generator | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        if self.calculate_kl and "KL_input_ids" not in micro_batch:
+    def loss_of(self, forward: Forward, params: Tensors, inputs: Tensors, micro: Tensors, n: Tensor) -> LossAux:
+        if self.calculate_kl and "KL_input_ids" not in micro:
             raise KeyError(
                 f"loss_type={self.loss_type!r} needs the KL sequences (KL_input_ids): prepare the rows with "
                 "unpaired_rows(..., kl_batch_size=<per_device_train_batch_size>), or use loss_type='apo_zero_unpaired'"
             )
-        inputs = {k: micro_batch[k] for k in _MODEL_KEYS}
-        logps, stats = completion_logps(forward, params, inputs, micro_batch, None, 0, stats=True)
+        logps, stats = completion_logps(forward, params, inputs, micro, None, 0, stats=True)
         with torch.no_grad():
-            kl_logps = unpaired_logps(forward, params, micro_batch, "KL_") if self.calculate_kl else None
-        ref_logps, ref_kl_logps = self._reference(forward, micro_batch)
+            kl_logps = unpaired_logps(forward, params, micro, "KL_") if self.calculate_kl else None
+        ref_logps, ref_kl_logps = self._reference(forward, micro)
         kl = torch.zeros((), device=logps.device)  # TRL's KL without KL rows (apo_zero_unpaired)
         if kl_logps is not None and ref_kl_logps is not None:
             kl = kl_estimate(kl_logps, ref_kl_logps)
-        label = micro_batch["label"].to(device=logps.device, dtype=torch.bool)
+        label = micro["label"].to(device=logps.device, dtype=torch.bool)
         losses = kto_loss(
             logps, ref_logps, label, kl, self.beta, self.loss_type, self.desirable_weight, self.undesirable_weight
         )
-        metrics = self._metrics(logps, ref_logps, label, kl, stats, micro_batch, num_items_in_batch)
-        return losses.sum() / num_items_in_batch.to(logps.dtype), metrics
+        metrics = self._metrics(logps, ref_logps, label, kl, stats, micro, n)
+        return losses.sum() / n.to(logps.dtype), metrics
 
     def _metrics(
         self,

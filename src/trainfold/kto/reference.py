@@ -24,9 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainfold.core.forward import train_mode
-from trainfold.core.generate import functional_forward
 from trainfold.dpo.logps import completion_logps
+from trainfold.dpo.reference import score_with_reference
 from trainfold.kto.collate import REF_COLUMNS
 
 __all__ = ["prepare_reference_logps", "unpaired_reference_logps", "with_reference_logps"]
@@ -51,23 +50,18 @@ def unpaired_reference_logps(
 ) -> tuple[Tensor, Tensor | None]:
     """Return the reference's summed completion log-probs of every row, and of its KL completion (None without
     ``kl``), float32, ``batch_size`` rows at a time."""
-    if not (hasattr(rows, "__len__") and hasattr(rows, "__getitem__")):
-        raise TypeError(
-            f"precompute_ref_log_probs needs a map-style dataset, got {type(rows).__name__}; pass a list or a "
-            "datasets.Dataset, or precompute_ref_log_probs=False (as TRL)"
-        )
-    params = {k: v.detach() for k, v in ref_params.items()}
-    device = next(iter(params.values())).device
-    forward = functional_forward(model, {k: v.to(device) for k, v in model.named_buffers()})
     main, mismatched = [], []
-    with torch.no_grad(), train_mode(model, False):
-        for start in range(0, len(rows), batch_size):
-            items = [{k: v for k, v in dict(rows[i]).items() if k not in REF_COLUMNS}
-                     for i in range(start, min(start + batch_size, len(rows)))]  # fmt: skip
-            batch = {k: v.to(device) for k, v in collate(items).items()}
-            main.append(_side(forward, params, batch, ""))
-            if kl:
-                mismatched.append(_side(forward, params, batch, "KL_"))
+
+    def score(forward: Callable[..., Any], params: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> None:
+        main.append(_side(forward, params, batch, ""))
+        if kl:
+            mismatched.append(_side(forward, params, batch, "KL_"))
+
+    device = next(iter(ref_params.values())).device
+    buffers = {k: v.to(device) for k, v in model.named_buffers()}
+    score_with_reference(
+        model, ref_params, rows, collate, score, batch_size=batch_size, buffers=buffers, drop=REF_COLUMNS
+    )
     empty = torch.zeros(0)
     return (torch.cat(main) if main else empty), ((torch.cat(mismatched) if mismatched else empty) if kl else None)
 

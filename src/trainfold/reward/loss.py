@@ -18,7 +18,7 @@ per micro-batch, weighted by its pairs: TRL averages them over micro-batches).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -26,12 +26,11 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tensors
 from trainfold.dpo.objective import count_pairs
 from trainfold.reward.data import REWARD_COLUMNS
 
 __all__ = ["RewardObjective", "bradley_terry", "reward_objective"]
-
-_MODEL_KEYS = ("input_ids", "attention_mask")
 
 
 def bradley_terry(
@@ -54,7 +53,7 @@ def _logits(outputs: Any) -> Tensor:
 
 
 @attrs.frozen(eq=False)
-class RewardObjective:
+class RewardObjective(ModelInputsObjective):
     """The reward model's objective for ``trainfold.train(objective=...)``; see the module doc."""
 
     center_rewards_coefficient: float | None = None
@@ -69,18 +68,11 @@ class RewardObjective:
         """Count the dataset rows of ``micro_batch``: its pairs."""
         return count_pairs(micro_batch)
 
-    def __call__(
-        self,
-        forward: Callable[..., Any],
-        params: Mapping[str, Tensor],
-        micro_batch: Mapping[str, Tensor],
-        num_items_in_batch: Tensor,
-        key: torch.Generator | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        logits = _logits(forward(params, {k: micro_batch[k] for k in _MODEL_KEYS if k in micro_batch}))
+    def loss_of(self, forward: Forward, params: Tensors, inputs: Tensors, micro: Tensors, n: Tensor) -> LossAux:
+        logits = _logits(forward(params, inputs))
         chosen, rejected = torch.chunk(logits.squeeze(-1), chunks=2)
-        losses = bradley_terry(chosen, rejected, micro_batch.get("margin"), self.center_rewards_coefficient)
-        n = num_items_in_batch.to(losses.dtype)
+        losses = bradley_terry(chosen, rejected, micro.get("margin"), self.center_rewards_coefficient)
+        n = n.to(losses.dtype)
         with torch.no_grad():
             share = chosen.shape[0] / n  # this micro-batch's part of the step's pairs
             every = logits.detach()

@@ -24,10 +24,11 @@ the functions, which stay the documented path. What it cannot honour (``model_in
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, ClassVar, NamedTuple, NoReturn
 
 import attrs
 from torch import nn
@@ -35,10 +36,13 @@ from torch import nn
 from trainfold.trainer import trainer_methods as methods
 from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.evaluating import evaluate, predict
+from trainfold.trainer.model_source import model_from, processing_class_for
 from trainfold.trainer.train import TrainResult, train
 
 __all__ = [
     "Trainer",
+    "PeerTrainer",
+    "peer_keywords",
     "TrainOutput",
     "FacadeState",
     "Console",
@@ -310,3 +314,119 @@ class Trainer:
     def hyperparameter_search(self, *args: Any, **kwargs: Any) -> None:
         """Refused: trainfold runs no hyperparameter search."""
         refuse("hyperparameter_search", "loop over settings yourself, calling trainfold.train for each")
+
+
+_TRAINER_KEYWORDS = (  # the keywords a TRL trainer passes on to transformers.Trainer
+    "data_collator",
+    "train_dataset",
+    "eval_dataset",
+    "compute_loss_func",
+    "compute_metrics",
+    "callbacks",
+    "preprocess_logits_for_metrics",
+)
+_RUN_KEYWORDS = ("data_collator", "compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics", "objective")
+
+
+_HF_KEYWORDS = (  # transformers.Trainer's constructor after model, in order
+    "args",
+    "data_collator",
+    "train_dataset",
+    "eval_dataset",
+    "processing_class",
+    "compute_loss_func",
+    "compute_metrics",
+    "callbacks",
+    "optimizers",
+    "optimizer_cls_and_kwargs",
+    "preprocess_logits_for_metrics",
+)
+
+
+def peer_keywords(
+    *, before_args: tuple[str, ...] = (), without: tuple[str, ...] = (), extra: tuple[str, ...] = ()
+) -> tuple[str, ...]:
+    """Return a TRL trainer's constructor keywords, in order, as they differ from ``transformers.Trainer``'s:
+    ``before_args`` follow ``model``, ``without`` are dropped, and ``quantization_config``, ``peft_config``
+    and ``extra`` come last."""
+    kept = tuple(k for k in _HF_KEYWORDS if k not in without)
+    return ("model", *before_args, *kept, "quantization_config", "peft_config", *extra)
+
+
+def _load(model: Any, args: Any, peft_config: Any) -> nn.Module:
+    """Return ``model`` as a module: loaded by name with ``args.model_init_kwargs``, wrapped by ``peft_config``."""
+    return model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
+
+
+class PeerTrainer(Trainer):
+    """A TRL trainer's constructor over its trainfold run, declared as data by each subclass.
+
+    A subclass names its peer's constructor keywords in order (``keywords``; ``required`` have no default,
+    ``optimizers`` defaults to ``(None, None)``, the rest to ``None``), the ones it refuses (``refused``), the
+    ``output_dir`` suffix (``run_name``), its run (``run``) and how it loads a model given by name
+    (``load_model``). Building one is the same for all: refuse, convert ``args``, load the model with the
+    arguments' ``model_init_kwargs``, take the tokenizer saved with it, then ``_finish`` with what is left.
+    """
+
+    keywords: ClassVar[tuple[str, ...]] = ()
+    required: ClassVar[tuple[str, ...]] = ("model",)
+    refused: ClassVar[tuple[str, ...]] = ("optimizers", "optimizer_cls_and_kwargs", "quantization_config")
+    own_collator: ClassVar[str | None] = None  # why data_collator= is refused, where the run pads rows itself
+    run_name: ClassVar[str] = ""
+    run: ClassVar[Callable[..., TrainResult]]
+    load_model: ClassVar[Callable[[Any, Any, Any], nn.Module]] = staticmethod(_load)
+    applied: ClassVar[Mapping[str, Any]] = {"model_init_kwargs": None}  # what building the trainer did already
+    run_extras: ClassVar[tuple[str, ...]] = ()  # the peer's own keywords the run takes too
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        P = inspect.Parameter
+
+        def default(name: str) -> Any:
+            return P.empty if name in cls.required else (None, None) if name == "optimizers" else None
+
+        params = [P(name, P.POSITIONAL_OR_KEYWORD, default=default(name), annotation=Any) for name in cls.keywords]
+        cls.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+
+    def __init__(self, *positional: Any, **keywords: Any) -> None:
+        bound = type(self).__signature__.bind(*positional, **keywords)  # type: ignore[attr-defined]
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        refused_keywords({k: values.pop(k) for k in self.refused if k in values})
+        if self.own_collator is not None and values.get("data_collator") is not None:
+            refuse(f"{type(self).__name__}(data_collator=...)", self.own_collator)
+        model, given, peft_config = values.pop("model"), values.pop("args"), values.pop("peft_config", None)
+        args = arguments_for(given, self.arguments_class, f"{model_name_of(model)}-{self.run_name}")
+        module = type(self).load_model(model, self._loading(args, model, given), peft_config)
+        tok = processing_class_for(module, values.pop("processing_class"))  # as TRL: the tokenizer saved with the model
+        common = {k: values.pop(k) for k in _TRAINER_KEYWORDS if k in values}
+        common["data_collator"] = self._collator(module, tok, args, common.get("data_collator"))
+        super().__init__(module, args, processing_class=tok, **common)
+        self._finish(given, **values)
+
+    def _loading(self, args: Any, model: Any, given: Any) -> Any:
+        """Return ``args`` with the ``model_init_kwargs`` that load ``model`` (given as a name) from ``given``."""
+        field = attrs.fields(self.arguments_class).model_init_kwargs
+        return args.replace(model_init_kwargs=init_kwargs(model, given, field))
+
+    def _collator(self, model: nn.Module, processing_class: Any, args: Any, given: Any) -> Any:
+        """Return the collator the trainer keeps: the one given (a subclass may build its run's own)."""
+        return given
+
+    def _finish(self, given: Any, **rest: Any) -> None:
+        """Keep the peer's own keywords (``formatting_func``, ``reward_funcs``...) as attributes."""
+        for name, value in rest.items():
+            setattr(self, name, value)
+
+    def _run(self, resume_from_checkpoint: Any) -> TrainResult:
+        named = {k: getattr(self, k, None) for k in (*_RUN_KEYWORDS, *self.run_extras)}
+        return type(self).run(
+            self.model,
+            self.args.replace(**self.applied),
+            self.train_dataset,
+            self.eval_dataset,
+            self.processing_class,
+            callbacks=self.callbacks,
+            resume_from_checkpoint=resume_from_checkpoint,
+            **{k: v for k, v in named.items() if v is not None},  # None: the run's own (SFT's loss, DPO's reference)
+        )
