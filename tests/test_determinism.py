@@ -50,10 +50,10 @@ def test_the_warm_up_leaves_the_global_rng_and_grad_mode_alone():
 def test_train_warms_up_before_its_first_step(tmp_path, monkeypatch):
     from resume_runs import run
 
-    train_module = sys.modules["trainfold.trainer.train"]  # the package's `train` attribute is the function
+    from trainfold.trainer import planning  # plan_for sets the process's settings: the warm-up among them
 
     order: list[str] = []
-    monkeypatch.setattr(train_module, "warm_up_kernels", lambda **kw: order.append(f"warm {kw}"))
+    monkeypatch.setattr(planning, "warm_up_kernels", lambda **kw: order.append(f"warm {kw}"))
     run(
         "tinylm",
         str(tmp_path),
