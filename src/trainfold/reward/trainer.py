@@ -30,7 +30,11 @@ class RewardTrainer(PeerTrainer):
     run_name = "Reward"
     run = staticmethod(reward_train)
     load_model = staticmethod(reward_model)
-    applied = {"model_init_kwargs": None, "disable_dropout": False}  # loaded (and dropout off) already
+
+    @staticmethod
+    def loaded(args: Any) -> Any:
+        """The arguments the run gets: the model is loaded and its dropout off already (``reward_model``)."""
+        return args.replace(model_init_kwargs=None, disable_dropout=False)
 
     def _collator(self, model: nn.Module, processing_class: Any, args: Any, given: Any) -> Any:
         return given or reward_collate(pad_id_for(model, processing_class, args), args.pad_to_multiple_of)

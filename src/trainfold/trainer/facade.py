@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple, NoReturn
 
@@ -375,8 +375,12 @@ class PeerTrainer(Trainer):
     run_name: ClassVar[str] = ""
     run: ClassVar[Callable[..., TrainResult]]
     load_model: ClassVar[Callable[[Any, Any, Any], nn.Module]] = staticmethod(_load)
-    applied: ClassVar[Mapping[str, Any]] = {"model_init_kwargs": None}  # what building the trainer did already
     run_extras: ClassVar[tuple[str, ...]] = ()  # the peer's own keywords the run takes too
+
+    @staticmethod
+    def loaded(args: Any) -> Any:
+        """The arguments the run gets: building the trainer loaded the model, so its keywords are spent."""
+        return args.replace(model_init_kwargs=None)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -422,7 +426,7 @@ class PeerTrainer(Trainer):
         named = {k: getattr(self, k, None) for k in (*_RUN_KEYWORDS, *self.run_extras)}
         return type(self).run(
             self.model,
-            self.args.replace(**self.applied),
+            self.loaded(self.args),
             self.train_dataset,
             self.eval_dataset,
             self.processing_class,
