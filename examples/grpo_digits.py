@@ -115,7 +115,7 @@ def run(
             log_level="passive" if log_every else "warning",
         )
         result = trainfold.grpo.train(
-            model, args, prompts_dataset(), [digits, counting], encode=byte_encode, decode=byte_decode
+            model, args, prompts_dataset(), [digits, counting], codec=trainfold.grpo.Codec(byte_encode, byte_decode)
         )
     finally:
         torch.set_num_threads(threads)

@@ -239,36 +239,6 @@ def test_grpo_log_probs_chunk_by_chunk_equal_the_logits_path():
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
 
 
-def test_rollout_scores_old_and_reference_log_probs_chunk_by_chunk_alike():
-    from trainfold.grpo.loop import make_rollout
-
-    model = llama()
-    opt = sgd(0.1)
-    state = init_state(model, opt)
-    ref = {k: v.detach() + 0.01 for k, v in state.params.items()}
-    settings_ = dict(
-        encode=lambda s: [1 + int(c) for c in s],
-        decode=lambda ids: "".join(str(i % 10) for i in ids),
-        num_generations=2,
-        max_new_tokens=4,
-        optimizer_steps_per_generation=2,
-        ref_params=ref,
-    )
-
-    def reward(prompts, completions, **_):
-        return [float(len(c)) for c in completions]
-
-    prompts = [{"prompt": ["12", "12"]}, {"prompt": ["3", "3"]}]
-    plain = make_rollout(model, reward, **settings_)(state, prompts)
-    chunked = make_rollout(model, reward, chunk_size=3, **settings_)(state, prompts)
-    for a, b in zip(plain, chunked):
-        assert torch.equal(a["input_ids"], b["input_ids"])
-        torch.testing.assert_close(b["old_logps"], a["old_logps"], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(b["ref_logps"], a["ref_logps"], rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="chunk_size must be a positive int"):
-        make_rollout(model, reward, chunk_size=0, **settings_)
-
-
 @settings(max_examples=6, deadline=None)
 @given(st.lists(st.integers(1, 3), min_size=1, max_size=4).filter(lambda s: sum(s) <= 6), st.integers(0, 5))
 def test_the_chunked_update_does_not_depend_on_how_the_step_is_split(split, seed):

@@ -16,7 +16,6 @@ from trainfold.data import (
     stream,
 )
 from trainfold.data.samplers import Sampler, make_sampler
-from trainfold.grpo.data import generation_batches
 from trainfold.testing import sampler_configs, token_items
 
 FAST = settings(max_examples=40, deadline=None)
@@ -298,73 +297,6 @@ def test_start_accepts_an_epoch_position_pair():
     )
 
 
-# -- generation batching ---------------------------------------------------------------------
-
-
-def test_generate_runs_once_per_block_and_the_steps_cover_it_once():
-    calls = []
-
-    def generate(micro_batches):
-        calls.append(len(micro_batches))
-        return [{"input_ids": torch.cat([mb["input_ids"], mb["input_ids"]], dim=1)} for mb in micro_batches]
-
-    data = items_of([1, 2, 3, 4, 5, 6, 7])
-    s = Sampler("sequential", 7, per_device_train_batch_size=2)
-    prompts = list(stream(data, s, pad_collate(), num_epochs=1))
-    out = list(generation_batches(iter(prompts), generate, optimizer_steps_per_generation=3, num_generations=2))
-    assert calls == [3, 1]  # blocks of 3 steps, then the epoch's last step alone
-    assert [b.cursor.as_tuple() for b in out] == [b.cursor.as_tuple() for b in prompts]
-    assert [b.indices for b in out] == [b.indices for b in prompts]
-    first = out[0][0]["input_ids"]
-    assert first.shape == (4, 4)  # 2 prompts x 2 generations, doubled length
-    assert first[:, 0].tolist() == [1, 1, 2, 2]  # generations of a prompt are consecutive
-
-
-@settings(max_examples=30, deadline=None)
-@given(st.integers(1, 12), st.integers(1, 3), st.integers(1, 4), st.integers(1, 3))
-def test_generation_blocks_partition_the_prompt_steps(num_steps, micro_per_step, steps_per_generation, generations):
-    prompts = [[[10 * s + m] for m in range(micro_per_step)] for s in range(num_steps)]
-    calls = []
-
-    def generate(mbs):
-        calls.append([x for mb in mbs for x in mb])
-        return [list(mb) for mb in mbs]
-
-    out = list(generation_batches(prompts, generate, steps_per_generation, generations))
-    assert len(calls) == -(-num_steps // steps_per_generation)
-    assert [list(step) for step in out] == [[[x] * generations for mb in step for x in mb] for step in prompts]
-    assert sorted(x for c in calls for x in c) == sorted(
-        x for step in prompts for mb in step for x in mb for _ in range(generations)
-    )
-
-
-def test_each_block_is_yielded_num_iterations_times_in_order():
-    prompts = [[[s]] for s in range(5)]  # 5 steps of one micro-batch
-    calls = []
-
-    def generate(mbs):
-        calls.append([x for mb in mbs for x in mb])
-        return [list(mb) for mb in mbs]
-
-    out = [step[0][0] for step in generation_batches(prompts, generate, 2, num_iterations=3)]
-    assert calls == [[0, 1], [2, 3], [4]]  # generated once per block
-    assert out == [0, 1] * 3 + [2, 3] * 3 + [4] * 3
-
-
-def test_generation_blocks_realign_after_a_resume():
-    data = items_of([1] * 8)
-    s = Sampler("sequential", 8, per_device_train_batch_size=1)
-    calls = []
-
-    def generate(mbs):
-        calls.append(len(mbs))
-        return mbs
-
-    start = Cursor(scalar(0), scalar(3))
-    list(generation_batches(stream(data, s, pad_collate(), start=start, num_epochs=1), generate, 2))
-    assert calls == [1, 2, 2]  # step 4 closes the interrupted block; then blocks of 2
-
-
 # -- bad input -------------------------------------------------------------------------------
 
 
@@ -400,13 +332,6 @@ def test_collate_errors_name_the_problem():
         pad_collate()([{"text": {"a": 1}}])
     with pytest.raises(ValueError, match="pad_to_multiple_of=0"):
         pad_collate(pad_to_multiple_of=0)
-
-
-def test_generate_must_return_one_micro_batch_per_prompt_micro_batch():
-    with pytest.raises(ValueError, match="generate returned 1 micro-batches for 2"):
-        list(generation_batches([[[1], [2]]], lambda mbs: mbs[:1], 1))
-    with pytest.raises(ValueError, match="optimizer_steps_per_generation=0"):
-        list(generation_batches([], lambda mbs: mbs, 0))
 
 
 def test_loader_errors_is_the_one_check_of_the_worker_settings():

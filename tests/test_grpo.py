@@ -1,4 +1,5 @@
-"""GRPO: sampling, rewards, group-relative advantages, the clipped loss, the generation-buffer loop."""
+"""GRPO: sampling, rewards, group-relative advantages, the clipped loss, a research loop (``loop.run`` over the
+run's generation stream)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,20 @@ import os
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerance import EPS, grad_atol, reordered, row_abs_grads
 
-from trainfold import adamw, init_state, make_step, sgd
+from trainfold import adamw, init_state, loop, make_step, sgd
 from trainfold.core.generate import functional_forward, generate, token_logps
 from trainfold.core.models import TinyLM, TinyLMConfig
-from trainfold.grpo.loop import grpo_trajectory, make_rollout, rollout_metrics
+from trainfold.grpo.args import GRPOArguments
 from trainfold.grpo.objective import grpo_objective
 from trainfold.grpo.rewards import combine_rewards, group_advantages
+from trainfold.grpo.run import BUFFER, Codec, grpo_stream
 
 CFG = TinyLMConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_len=32)
 
@@ -30,6 +33,23 @@ def lm(seed: int = 0) -> TinyLM:
 
 def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+CODEC = Codec(lambda s: [1 + int(c) for c in s], lambda ids: "".join(str(i % 10) for i in ids))
+
+
+def grpo_run(model, reward, **settings):
+    """The run's generation stream on 8 one-digit prompts: 4 completions per micro-batch, 2 per prompt."""
+    settings = {"per_device_train_batch_size": 4, "num_generations": 2, "max_completion_length": 3, **settings}
+    prompts = [{"prompt": str(d)} for d in range(8)]
+    return grpo_stream(model, GRPOArguments(seed=1, **settings), prompts, reward, codec=CODEC)
+
+
+def research_loop(model, run, opt, steps, **kwargs):
+    """``loop.run`` over the run's stream: the research loop, ``steps`` optimizer steps."""
+    step = make_step(model, optimizer=opt, objective=run.objective)
+    state = init_state(model, opt, seed=run.args.seed)
+    return loop.run(step, state, run.stream(), stop=lambda s: int(s.step) >= steps, **kwargs)
 
 
 # -- generate -------------------------------------------------------------------------------
@@ -221,7 +241,7 @@ def test_kl_to_an_identical_reference_is_zero_and_to_another_is_positive():
 
 
 def with_block(batch, micro_batches):
-    """Mark ``batch`` as the rows of a generation block of ``micro_batches`` (what make_rollout records)."""
+    """Mark ``batch`` as the rows of a generation block of ``micro_batches`` (what the run's stream records)."""
     rows = len(batch["advantages"])
     tokens = int(batch["completion_mask"].sum())
     return {
@@ -278,23 +298,6 @@ def test_dapo_normalises_every_step_of_a_block_by_its_tokens_per_step():
         assert loss.item() == pytest.approx(own.item() * own_tokens / (tokens / 2), rel=1e-5)
 
 
-def test_rollout_records_its_block_on_every_row():
-    model = lm()
-    rollout = make_rollout(
-        model,
-        first_digit_is_seven,
-        encode=lambda s: [1 + int(c) for c in s],
-        decode=lambda ids: "".join(str(i % 10) for i in ids),
-        num_generations=2,
-        max_new_tokens=3,
-    )
-    out = rollout(init_state(model, sgd(0.1)), [{"prompt": ["12", "12"]}, {"prompt": ["3", "3", "4", "4"]}])
-    tokens = sum(int(mb["completion_mask"].sum()) for mb in out)
-    for mb in out:
-        assert mb["generation_tokens"].tolist() == [tokens] * len(mb["advantages"])
-        assert mb["generation_micro_batches"].tolist() == [2] * len(mb["advantages"])
-
-
 def test_dr_grpo_divides_by_the_maximum_completion_length():
     model = lm()
     batch = rollout_batch()
@@ -315,109 +318,30 @@ def digit_sum(prompts, completions, **_):
     return [sum(int(ch) for ch in c) / 10 for c in completions]
 
 
-def test_generation_happens_once_per_block_and_old_logps_only_when_the_buffer_outlives_a_step():
-    model = lm()
-    calls = []
-    for spg in (1, 3):
-        rollout = make_rollout(
-            model,
-            first_digit_is_seven,
-            encode=lambda s: [1 + int(c) for c in s],
-            decode=lambda ids: "".join(str(i % 10) for i in ids),
-            num_generations=2,
-            max_new_tokens=3,
-            optimizer_steps_per_generation=spg,
-        )
-        calls.clear()
+@pytest.mark.parametrize("spg, iterations", [(1, 1), (3, 1), (1, 2)])
+def test_the_research_loop_generates_once_per_block_with_the_state_it_starts_from(spg, iterations):
+    """loop.run over the run's stream: a generation every steps_per_generation x num_iterations micro-steps, made
+    with the state the step starts from; old log-probs kept only when the generation outlives its step."""
+    model, calls, fed, rewarded = lm(), [], [], []
 
-        def counted(state, micro_batches, rollout=rollout, spg=spg):
-            calls.append(int(state.step))
-            out = rollout(state, micro_batches)
-            assert ("old_logps" in out[0]) == (spg > 1)
-            return out
+    def recorded(prompts, completions, trainer_state, **_):
+        calls.append(trainer_state.global_step)
+        return digit_sum(prompts, completions)
 
-        counted.optimizer_steps_per_generation, counted.num_generations = spg, 2
-        opt = adamw(1e-3)
-        step = make_step(model, optimizer=opt, objective=grpo_objective())
-        prompts = [[{"prompt": ["12", "3"]}, {"prompt": ["4"]}] for _ in range(6)]  # 6 steps, 2 micro-batches
-        states = list(grpo_trajectory(step, init_state(model, opt), prompts, counted))
-        assert [int(s.step) for s in states] == [1, 2, 3, 4, 5, 6]
-        assert calls == list(range(0, 6, spg))  # generated with the latest state, once per block
-        assert "reward" in states[-1].metrics and "clip_ratio/region_mean" in states[-1].metrics
+    run = grpo_run(model, recorded, steps_per_generation=spg, num_iterations=iterations)
 
+    def seen(s, log):
+        fed.append(s.extras[BUFFER].advantages.clone())
+        rewarded.append("reward" in s.metrics)
 
-def test_dapo_in_the_loop_counts_the_block_once_per_micro_batch():
-    model = lm()
-    blocks = []
-    rollout = make_rollout(
-        model,
-        digit_sum,
-        encode=lambda s: [1 + int(c) for c in s],
-        decode=lambda ids: "".join(str(i % 10) for i in ids),
-        num_generations=2,
-        max_new_tokens=3,
-        optimizer_steps_per_generation=2,
-    )
-
-    def recorded(state, micro_batches):
-        out = rollout(state, micro_batches)
-        blocks.append(sum(int(mb["completion_mask"].sum()) for mb in out))
-        return out
-
-    recorded.optimizer_steps_per_generation, recorded.num_generations = 2, 2
-    opt = sgd(0.1)
-    step = make_step(model, optimizer=opt, objective=grpo_objective("dapo"))
-    prompts = [[{"prompt": ["12", "12"]}, {"prompt": ["3", "3"]}] for _ in range(4)]  # 4 steps of 2 micro-batches
-    states = list(grpo_trajectory(step, init_state(model, opt), prompts, recorded))
-    assert len(blocks) == 2 and all(math.isfinite(s.metrics["loss"].item()) for s in states)
-    assert [s.metrics["num_items"].item() for s in states] == [2 * blocks[0]] * 2 + [2 * blocks[1]] * 2
-
-
-def test_num_iterations_trains_on_each_block_again_with_old_logps():
-    model = lm()
-    seen = []
-    rollout = make_rollout(
-        model,
-        digit_sum,
-        encode=lambda s: [1 + int(c) for c in s],
-        decode=lambda ids: "".join(str(i % 10) for i in ids),
-        num_generations=2,
-        max_new_tokens=3,
-        num_iterations=2,
-    )
-    assert rollout.records_old_logps  # the block outlives its first step
-
-    def recorded(state, micro_batches):
-        out = rollout(state, micro_batches)
-        assert "old_logps" in out[0]
-        seen.append(int(state.step))
-        return out
-
-    recorded.optimizer_steps_per_generation, recorded.num_generations, recorded.num_iterations = 1, 2, 2
-    opt = sgd(0.1)
-    step = make_step(model, optimizer=opt, objective=grpo_objective())
-    fed = []
-
-    def observed(s, b):
-        fed.append(b[0]["advantages"])
-        return step(s, b)
-
-    prompts = [[{"prompt": ["12", "12", "3", "3"]}] for _ in range(3)]
-    states = list(grpo_trajectory(observed, init_state(model, opt), prompts, recorded))
-    assert [int(s.step) for s in states] == [1, 2, 3, 4, 5, 6] and seen == [0, 2, 4]
-    assert all(torch.equal(fed[i], fed[i + 1]) for i in (0, 2, 4))  # the same slice, twice
-
-
-def test_rollout_metrics_average_the_step_rows():
-    mbs = [
-        {
-            "rewards": torch.tensor([1.0, math.nan]),
-            "rewards/f": torch.tensor([2.0, 4.0]),
-            "completion_mask": torch.tensor([[1, 1], [1, 0]]),
-        }
-    ]
-    m = rollout_metrics(mbs)
-    assert m["reward"].item() == 1.0 and m["rewards/f/mean"].item() == 3.0
+    hooks = [loop.every(1, seen)]
+    state, log = research_loop(model, run, adamw(1e-3), 6, hooks=hooks)
+    assert int(state.step) == 6 and log.status == "completed"
+    assert calls == list(range(0, 6, spg * iterations))  # the latest state, once per block
+    assert (state.extras[BUFFER].old_logps is not None) == (spg * iterations > 1)
+    assert rewarded == [k in calls for k in range(6)] and "clip_ratio/region_mean" in state.metrics
+    if iterations == 2:  # each generation trained on twice
+        assert all(torch.equal(fed[i], fed[i + 1]) for i in (0, 2, 4))
 
 
 def _example():
@@ -456,44 +380,36 @@ def test_errors_name_the_bad_value_and_the_fix():
         combine_rewards([lambda prompts, completions: [0.0]], ["a", "b"], ["x", "y"])
     with pytest.raises(ValueError, match="loss_type='gspo'"):
         grpo_objective("gspo")
-    with pytest.raises(KeyError, match="'generation_tokens', which make_rollout records"):
+    with pytest.raises(KeyError, match="'generation_tokens', which grpo_stream's batches carry"):
         grpo_objective("dapo").count_items(rollout_batch())
     with pytest.raises(ValueError, match="max_completion_length"):
         grpo_objective("dr_grpo")
-    with pytest.raises(ValueError, match="num_generations=1 must be >= 2.*temperature=0"):
-        make_rollout(
-            lm(), first_digit_is_seven, encode=list, decode=str, num_generations=1, max_new_tokens=2, temperature=0
-        )
+    with pytest.raises(ValueError, match="(?s)num_generations=1 must be >= 2.*temperature=0"):
+        grpo_run(lm(), first_digit_is_seven, num_generations=1, temperature=0)
+    with pytest.raises(TypeError, match=r"needs codec=trainfold.grpo.Codec\(encode, decode\)"):
+        grpo_stream(lm(), GRPOArguments(per_device_train_batch_size=2, num_generations=2), [{"prompt": "1"}], len)
     model = lm()
-    with pytest.raises(KeyError, match="pass ref_params to make_rollout"):
+    with pytest.raises(KeyError, match="grpo_stream's batches .beta > 0 scores the reference"):
         grpo_objective(beta=0.1)(functional_forward(model), params_of(model), rollout_batch(), torch.tensor(4))
 
 
-def test_rollout_and_objective_change_none_of_their_inputs():
+def test_the_stream_and_the_objective_change_none_of_their_inputs():
     model = lm()
     opt = sgd(0.1)
+    run = grpo_run(model, first_digit_is_seven, steps_per_generation=2, beta=0.05)  # the reference: the model
+    prompts = [dict(p) for p in run.prompts]
     state = init_state(model, opt, seed=3)
+    state = attrs.evolve(state, extras={**run.stream().extras, **state.extras})
     versions = {k: v._version for k, v in state.params.items()}
-    rollout = make_rollout(
-        model,
-        first_digit_is_seven,
-        encode=lambda s: [1 + int(c) for c in s],
-        decode=lambda ids: "".join(str(i % 10) for i in ids),
-        num_generations=2,
-        max_new_tokens=3,
-        optimizer_steps_per_generation=2,
-        ref_params=params_of(lm(1)),
-    )
-    prompts = [{"prompt": ["1", "1", "23", "23"], "tag": torch.tensor([0, 0, 1, 1])}]
-    out = rollout(state, prompts)
-    again = rollout(state, prompts)
-    assert prompts[0]["prompt"] == ["1", "1", "23", "23"] and prompts[0]["tag"].tolist() == [0, 0, 1, 1]
-    assert all(torch.equal(out[0][k], again[0][k]) for k in out[0])  # seeded from the state
+    item = next(iter(run.steps(state.cursor)))
+    _, out = run.prepare(state, item)
+    _, again = run.prepare(state, item)
+    assert run.prompts == prompts  # each repeat a reward function sees is its own copy
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(out, again) for k in a)  # seeded from the state
     assert {k: v._version for k, v in state.params.items()} == versions
-    batch_versions = {k: v._version for k, v in out[0].items()}
-    obj = grpo_objective(beta=0.05)
-    make_step(model, optimizer=opt, objective=obj)(state, out)
-    assert {k: v._version for k, v in out[0].items()} == batch_versions
+    batch_versions = [{k: v._version for k, v in mb.items()} for mb in out]
+    make_step(model, optimizer=opt, objective=run.objective)(state, out)
+    assert [{k: v._version for k, v in mb.items()} for mb in out] == batch_versions
 
 
 # -- parity with TRL ------------------------------------------------------------------------
@@ -611,41 +527,19 @@ def test_loss_and_metrics_match_trl(tmp_path, loss_type):
         assert run_aux[k].item() == pytest.approx(trl_metrics[k], abs=1e-6), k
 
 
-@pytest.mark.parametrize("spg, iterations", [(2, 1), (1, 2)])
-def test_resuming_at_a_generation_boundary_is_bitwise_equal_to_not_stopping(spg, iterations):
-    from trainfold.data import stream
-    from trainfold.data.samplers import Sampler
-
-    model = lm()
-    rollout = make_rollout(
-        model,
-        digit_sum,
-        encode=lambda s: [1 + int(c) for c in s],
-        decode=lambda ids: "".join(str(i % 10) for i in ids),
-        num_generations=2,
-        max_new_tokens=3,
-        optimizer_steps_per_generation=spg,
-        num_iterations=iterations,
-    )
-    opt = adamw(1e-2)
-    step = make_step(model, optimizer=opt, objective=grpo_objective())
-    data = [{"prompt": str(d)} for d in range(6)]
-    sampler = Sampler("random", len(data), per_device_train_batch_size=2, seed=5)
-
-    def collate(items):
-        return {"prompt": [it["prompt"] for it in items]}
-
-    def prompts(state):
-        return stream(data, sampler, collate, start=state.cursor, max_steps=6 // iterations)
-
-    start = init_state(model, opt, seed=1)
-    straight = list(grpo_trajectory(step, start, prompts(start), rollout))
-    first = list(grpo_trajectory(step, start, prompts(start), rollout, stop=lambda s: int(s.step) >= 2))
-    resumed = list(grpo_trajectory(step, first[-1], prompts(first[-1]), rollout))
-    assert len(straight) == 6 and len(first) + len(resumed) == 6
-    assert not torch.equal(straight[-1].params["tok.weight"], start.params["tok.weight"])
-    for k in straight[-1].params:
-        assert torch.equal(straight[-1].params[k], resumed[-1].params[k])
+@pytest.mark.parametrize("spg, iterations", [(3, 1), (1, 2)])
+def test_the_research_loop_resumes_bitwise_inside_a_generation_block(tmp_path, spg, iterations):
+    """loop.run over the run's stream, stopped at step 2 (inside a block of 3 micro-steps) and resumed from its
+    checkpoint, ends bitwise where the uninterrupted loop does: the generation is in the state."""
+    run = grpo_run(lm(), digit_sum, steps_per_generation=spg, num_iterations=iterations)
+    straight, _ = research_loop(lm(), run, adamw(1e-2), 6)
+    first, log = research_loop(lm(), run, adamw(1e-2), 2, hooks=[loop.save(every=1)], output_dir=tmp_path)
+    resumed, again = research_loop(lm(), run, adamw(1e-2), 6, hooks=[loop.save(every=1)], output_dir=tmp_path,
+                                   resume=True)  # fmt: skip
+    assert int(first.step) == 2 and again.resumed_from is not None and int(resumed.step) == 6
+    assert not torch.equal(straight.params["tok.weight"], run.model.tok.weight)
+    for k in straight.params:
+        assert torch.equal(straight.params[k], resumed.params[k]), k
 
 
 def test_grpo_trains_a_hugging_face_model():
@@ -661,24 +555,10 @@ def test_grpo_trains_a_hugging_face_model():
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
-    rollout = make_rollout(
-        model,
-        digit_sum,
-        encode=lambda s: [1 + int(c) for c in s],
-        decode=lambda ids: "".join(str(i % 10) for i in ids),
-        num_generations=2,
-        max_new_tokens=3,
-        optimizer_steps_per_generation=2,
-        ref_params=params_of(model),
-    )
-    opt = adamw(1e-2)
-    step = make_step(model, optimizer=opt, objective=grpo_objective(beta=0.04))
-    start = init_state(model, opt)
-    prompts = [[{"prompt": ["12", "3"]}] for _ in range(2)]
-    states = list(grpo_trajectory(step, start, prompts, rollout))
-    assert len(states) == 2
-    assert all(math.isfinite(states[-1].metrics[k].item()) for k in ("loss", "kl", "reward"))
-    assert states[-1].metrics["kl"].item() > 0  # the second step trained on a buffer the first step had changed
+    run = grpo_run(model, digit_sum, steps_per_generation=2, beta=0.04)  # the reference: the model as given
+    state, _ = research_loop(model, run, adamw(1e-2), 2)
+    assert all(math.isfinite(state.metrics[k].item()) for k in ("loss", "kl", "entropy"))
+    assert state.metrics["kl"].item() > 0  # the second step trained on a buffer the first step had changed
 
 
 # -- the layout: rows, the forward adapter, trainfold.grpo -----------------------------------
@@ -726,11 +606,11 @@ def test_functional_forward_is_make_forward_with_the_models_own_tensors_filled_i
 def test_trainfold_grpo_offers_the_recipe_the_arguments_and_the_run():
     import trainfold
     from trainfold.grpo import args as grpo_args
-    from trainfold.grpo import loop, objective
-    from trainfold.grpo import run as grpo_run
+    from trainfold.grpo import objective
+    from trainfold.grpo import run as run_module
 
     assert trainfold.grpo.__name__ == "trainfold.grpo"  # one folder: the pieces, the Arguments and the run
-    assert trainfold.grpo.train is grpo_run.train and trainfold.grpo.GRPOArguments is grpo_args.GRPOArguments
-    assert {"make_rollout", "grpo_trajectory", "Rollout", "rollout_metrics"} <= set(trainfold.grpo.__all__)
-    assert trainfold.grpo.make_rollout is loop.make_rollout
+    assert trainfold.grpo.train is run_module.train and trainfold.grpo.GRPOArguments is grpo_args.GRPOArguments
+    assert {"grpo_stream", "Codec", "GRPORun"} <= set(trainfold.grpo.__all__)
+    assert not {"make_rollout", "grpo_trajectory", "Rollout"} & set(trainfold.grpo.__all__)  # one driver: loop.run
     assert trainfold.grpo.grpo_objective is objective.grpo_objective

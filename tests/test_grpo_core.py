@@ -1,5 +1,5 @@
-"""GRPO's one schedule (``trainfold.grpo.data``): the hand loop and the run count ``steps_per_generation`` in
-TRL's micro-steps, and give the same steps for the same settings."""
+"""GRPO's one schedule (``trainfold.grpo.data``) counts ``steps_per_generation`` in TRL's micro-steps; one driver:
+the research loop (``loop.run`` over the run's stream) and ``train`` give the same steps for the same settings."""
 
 from __future__ import annotations
 
@@ -7,17 +7,13 @@ import types
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from trainfold import make_step, sgd
+from trainfold import loop, make_step, sgd
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import init_state
-from trainfold.grpo.args import GRPOArguments, generation_order
-from trainfold.grpo.data import GenerationSchedule, generation_batches, schedule_step
-from trainfold.grpo.loop import grpo_trajectory, make_rollout
-from trainfold.grpo.objective import grpo_objective
-from trainfold.grpo.run import grpo_stream, train
+from trainfold.grpo.args import GRPOArguments
+from trainfold.grpo.data import GenerationSchedule, schedule_step
+from trainfold.grpo.run import Codec, grpo_stream, train
 
 CFG = TinyLMConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_len=16)
 
@@ -33,6 +29,9 @@ def encode(s):
 
 def decode(ids):
     return "".join(str(i % 10) for i in ids)
+
+
+CODEC = Codec(encode, decode)
 
 
 def digit_sum(prompts, completions, **_):
@@ -77,68 +76,30 @@ def _canonical(labels):
 @pytest.mark.parametrize(
     "b, ga, spg, iterations", [(2, 2, 2, 1), (2, 2, 4, 1), (2, 2, 3, 2), (2, 2, 1, 1), (2, 4, 2, 1), (4, 2, 2, 3)]
 )
-def test_the_loop_counts_steps_per_generation_in_trls_micro_steps(b, ga, spg, iterations):
-    """The hand loop's schedule is TRL's ``_prepare_inputs``: generation batch = b x spg, at the same micro-steps."""
-    generations = 2 * ga  # whole generations (TRL's sampler never cuts one) that fill whole prompt steps
-    trl, trl_generated_at = _trl_micro_steps(b, spg, iterations, generations * spg * iterations)
-    rows = iter(range(generations * spg * b))
-    prompts = [[[next(rows) for _ in range(b)] for _ in range(ga)] for _ in range(generations * spg // ga)]
-    made, sizes = [], []
+def test_the_schedule_counts_steps_per_generation_in_trls_micro_steps(b, ga, spg, iterations):
+    """The run's schedule is TRL's ``_prepare_inputs``: generation batch = b x spg, made at the same micro-steps,
+    every micro-step on the same slice of it."""
+    generations = 2 * ga
+    micro_steps = generations * spg * iterations
+    trl, trl_generated_at = _trl_micro_steps(b, spg, iterations, micro_steps)
+    args = GRPOArguments(
+        per_device_train_batch_size=b, gradient_accumulation_steps=ga, steps_per_generation=spg, num_generations=2,
+        num_iterations=iterations,
+    )  # fmt: skip
+    schedule, made = args.generation_schedule, []
 
-    def generate(micro_batches):
-        sizes.append(sum(len(mb) for mb in micro_batches))
-        made.append(len(made))
-        return [(made[-1], i) for i in range(len(micro_batches))]  # a generation's slice i
+    def generate(number):
+        made.append(number)
+        return number
 
-    steps = list(generation_batches(prompts, generate, steps_per_generation=spg, num_iterations=iterations))
-    assert all(len(s) == ga for s in steps) and len(steps) == len(trl) // ga  # optimizer steps of GA micro-steps
-    ours = [label for step in steps for label in step]
+    ours = []
+    for first in range(0, micro_steps, ga):  # optimizer steps of GA micro-steps, the generation held across them
+        held = made[-1] if made else None
+        _, micro, _ = schedule_step(schedule, held, range(first, first + ga), generate, lambda g, i: (g, i))
+        ours += micro
     assert _canonical(ours) == _canonical(trl)  # the same slice at every micro-step, reuse included
-    assert set(sizes) == {b * spg}  # TRL's generation batch: per_device_train_batch_size x steps_per_generation
-    assert len(made) == len(trl_generated_at)
-    assert (
-        GRPOArguments(
-            per_device_train_batch_size=b, gradient_accumulation_steps=ga, steps_per_generation=spg, num_generations=2
-        ).generation_batch
-        == b * spg
-    )
-
-
-@settings(max_examples=40, deadline=None)
-@given(st.integers(1, 8), st.integers(1, 3), st.integers(1, 5), st.integers(1, 3))
-def test_generations_cover_the_prompt_micro_batches_in_trls_order(num_steps, ga, spg, iterations):
-    ids = list(range(num_steps * ga))
-    prompts = [[[i] for i in ids[s * ga : (s + 1) * ga]] for s in range(num_steps)]
-    calls = []
-
-    def generate(mbs):
-        calls.append([x for mb in mbs for x in mb])
-        return mbs
-
-    steps = list(generation_batches(prompts, generate, steps_per_generation=spg, num_iterations=iterations))
-    chunks = [ids[i : i + spg] for i in range(0, len(ids), spg)]
-    assert calls == chunks  # one generation per steps_per_generation prompt micro-batches, in order
-    assert [x for step in steps for mb in step for x in mb] == [x for c in chunks for _ in range(iterations) for x in c]
-    assert all(len(step) == ga for step in steps[:-1]) and 1 <= len(steps[-1]) <= ga
-
-
-def test_the_loop_generates_lazily_with_the_state_each_step_starts_from():
-    prompts = [[[1], [2]], [[3], [4]], [[5], [6]]]  # 3 optimizer steps of 2 micro-batches
-    log = []
-
-    def generate(mbs):
-        log.append(("generate", [x for mb in mbs for x in mb]))
-        return mbs
-
-    for step in generation_batches(prompts, generate, steps_per_generation=3):
-        log.append(("step", [x for mb in step for x in mb]))
-    assert log == [
-        ("generate", [1, 2, 3]),
-        ("step", [1, 2]),
-        ("generate", [4, 5, 6]),  # only when step 2 needs the second generation's first slice
-        ("step", [3, 4]),
-        ("step", [5, 6]),
-    ]
+    assert [k for k in range(micro_steps) if schedule.generates(k)] == trl_generated_at
+    assert args.generation_batch == b * spg  # TRL's generation batch: per_device_train_batch_size x spg
 
 
 def test_default_steps_per_generation_is_the_accumulation():
@@ -151,11 +112,11 @@ def test_default_steps_per_generation_is_the_accumulation():
     assert (generation, micro, made) == (1, [("old", 1), (1, 0), (1, 1)], 1)  # micro-step 3 ends the held one
 
 
-# -- the loop and the run: one schedule --------------------------------------------------------
+# -- one driver: the research loop is loop.run over the run's stream ---------------------------
 
 
 @pytest.mark.parametrize("ga, spg, iterations", [(2, 3, 2)])
-def test_the_loop_and_the_run_give_the_same_steps_for_the_same_settings(tmp_path, ga, spg, iterations):
+def test_the_research_loop_and_train_give_the_same_steps_for_the_same_settings(tmp_path, ga, spg, iterations):
     """steps_per_generation != gradient_accumulation_steps and num_iterations > 1: the same losses, bitwise."""
     b, g, num_prompts = 2, 2, 6
     args = GRPOArguments(
@@ -173,70 +134,37 @@ def test_the_loop_and_the_run_give_the_same_steps_for_the_same_settings(tmp_path
         save_strategy="no",
         seed=3,
     )
-    generations = num_prompts // args.prompts_per_generation
-    steps = generations * spg * iterations // ga
+    steps = num_prompts // args.prompts_per_generation * spg * iterations // ga
     args = args.replace(max_steps=steps)
     data = [{"prompt": str(i % 10)} for i in range(num_prompts)]
-    run_losses = []
+    run_losses, loop_losses = [], []
     result = train(
         lm(),
         args,
         data,
         digit_sum,
-        encode=encode,
-        decode=decode,
+        codec=CODEC,
         optimizer=sgd(0.1),
         observers=[lambda s, _: run_losses.append(s.metrics["loss"].item())],
     )
 
-    # the loop, fed the run's prompts in TRL's order and the run's own sampling: only the schedule is the loop's
     model = lm()
-    run = grpo_stream(model, args, data, digit_sum, encode=encode, decode=decode)
-    order = generation_order(num_prompts, args.prompts_per_generation, seed=args.seed, epoch=0)
-    rows = [i for chunk in order for i in chunk for _ in range(g)]
-    micro = [{"idx": rows[i : i + b]} for i in range(0, len(rows), b)]
-    prompts = [micro[i : i + ga] for i in range(0, len(micro), ga)]
-    made = []
-
-    def rollout(state, micro_batches):
-        number = len(made)
-        assert [i for mb in micro_batches for i in mb["idx"]] == [i for i in order[number] for _ in range(g)]
-        buffer, _ = run.generation(state, 0, number, order[number])
-        made.append(int(state.step))
-        return [run.micro_batch(buffer, i, ga, torch.device("cpu")) for i in range(len(micro_batches))]
-
-    rollout.steps_per_generation, rollout.num_iterations, rollout.num_generations = spg, iterations, 1
+    run = grpo_stream(model, args, data, digit_sum, codec=CODEC)
     step = make_step(model, optimizer=sgd(0.1), objective=run.objective)
-    states = list(grpo_trajectory(step, init_state(model, sgd(0.1), seed=args.seed), prompts, rollout))
-    loop_losses = [s.metrics["loss"].item() for s in states]
-    assert len(made) == generations and len(loop_losses) == steps == result.global_step
-    assert len(set(loop_losses)) > 1
+    state, _ = loop.run(
+        step,
+        init_state(model, sgd(0.1), seed=args.seed),
+        run.stream(),
+        stop=lambda s: int(s.step) >= steps,
+        hooks=[loop.every(1, lambda s, _: loop_losses.append(s.metrics["loss"].item()))],
+    )
+    assert len(loop_losses) == steps == result.global_step and len(set(loop_losses)) > 1
     assert loop_losses == run_losses
     for k, v in result.state.params.items():
-        assert torch.equal(states[-1].params[k], v), k
+        assert torch.equal(state.params[k], v), k
 
 
-def test_make_rollout_takes_one_size_in_either_unit():
-    model = lm()
-    common = dict(encode=encode, decode=decode, num_generations=2, max_new_tokens=2)
-    micro = make_rollout(model, digit_sum, steps_per_generation=3, **common)
-    assert (micro.steps_per_generation, micro.optimizer_steps_per_generation, micro.records_old_logps) == (
-        3,
-        None,
-        True,
-    )
-    steps = make_rollout(model, digit_sum, optimizer_steps_per_generation=2, **common)
-    assert (steps.steps_per_generation, steps.optimizer_steps_per_generation) == (None, 2)
-    assert not make_rollout(model, digit_sum, **common).records_old_logps
-    with pytest.raises(TypeError, match="steps_per_generation=2 .*optimizer_steps_per_generation=3; pass one"):
-        make_rollout(model, digit_sum, steps_per_generation=2, optimizer_steps_per_generation=3, **common)
-    with pytest.raises(ValueError, match="steps_per_generation=0 must be >= 1"):
-        make_rollout(model, digit_sum, steps_per_generation=0, **common)
-    with pytest.raises(TypeError, match="exactly one"):
-        list(generation_batches([], lambda mbs: mbs, 1, steps_per_generation=1))
-
-
-def test_a_real_trl_grpo_trainer_generates_when_the_loop_and_the_run_do(tmp_path):
+def test_a_real_trl_grpo_trainer_generates_when_the_research_loop_and_the_run_do(tmp_path):
     """TRL's GRPOTrainer on a tiny model: generation batch b x steps_per_generation, at the same optimizer steps."""
     import datasets
     import trl
@@ -250,8 +178,9 @@ def test_a_real_trl_grpo_trainer_generates_when_the_loop_and_the_run_do(tmp_path
     rows = [{"prompt": f"w{i} w{i + 1}"} for i in range(6)]
 
     def scored(name, step):
-        def reward(prompts, completions, **_):
-            calls[name].append((step(), len(completions)))
+        def reward(prompts, completions, **kwargs):
+            done = step() if name == "trl" else kwargs["trainer_state"].global_step  # TRL's keyword, as TRL's
+            calls[name].append((done, len(completions)))
             return [float(len(c)) for c in completions]
 
         return reward
@@ -266,15 +195,10 @@ def test_a_real_trl_grpo_trainer_generates_when_the_loop_and_the_run_do(tmp_path
     generated = [e["step"] for e in result.log_history if "reward" in e]  # logged by the steps that generated
     assert generated == [e["step"] for e in trainer.state.log_history if "reward" in e] == [1, 4]
 
-    model = llama()
-    rollout = make_rollout(
-        model, scored("loop", lambda: len(states)), encode=lambda s: tok(s, add_special_tokens=False)["input_ids"],
-        decode=tok.decode, num_generations=2, max_new_tokens=2, steps_per_generation=3, num_iterations=2,
-    )  # fmt: skip
-    prompts = [[{"prompt": [r["prompt"]]} for r in rows[i : i + 2]] for i in range(0, 6, 2)]  # steps of 2 x 1 prompt
-    step = make_step(model, optimizer=sgd(0.1), objective=grpo_objective("dapo"))
-    states = []  # the loop's reward function reads how many steps are done
-    for s in grpo_trajectory(step, init_state(model, sgd(0.1)), prompts, rollout):
-        states.append(s)
+    model = llama()  # the research loop: loop.run over the run's stream, the reward reading the step from TRL's keyword
+    run = grpo_stream(model, args, rows, scored("loop", lambda: None), processing_class=tok)
+    step = make_step(model, optimizer=sgd(0.1), objective=run.objective)
+    start = init_state(model, sgd(0.1), seed=args.seed)
+    state, _ = loop.run(step, start, run.stream(), stop=lambda s: int(s.step) >= 6)
     assert calls["trl"] == [(0, 6), (3, 6)]  # 6 completions = 2 x 3 micro-steps, every 3 optimizer steps
-    assert [n for _, n in calls["run"]] == [6, 6] and calls["loop"] == calls["trl"] and len(states) == 6
+    assert calls["run"] == calls["loop"] == calls["trl"] and int(state.step) == 6

@@ -216,27 +216,6 @@ def test_a_completion_no_reward_function_scores_is_warned_about(caplog):
     assert total[1].isnan()
 
 
-def test_the_research_loops_metrics_carry_each_reward_functions_std():
-    from trainfold.grpo.loop import rollout_metrics
-    from trainfold.grpo.metrics import nanstd
-
-    mbs = [
-        {
-            "rewards": torch.tensor([1.0, 2.0]),
-            "rewards/f": torch.tensor([1.0, torch.nan]),
-            "completion_mask": torch.ones(2, 3),
-        },
-        {
-            "rewards": torch.tensor([4.0, 0.0]),
-            "rewards/f": torch.tensor([3.0, 0.0]),
-            "completion_mask": torch.ones(2, 3),
-        },
-    ]
-    m = rollout_metrics(mbs)
-    assert m["rewards/f/std"].item() == pytest.approx(nanstd(torch.tensor([1.0, 3.0, 0.0])).item())
-    assert m["reward_std"].item() == pytest.approx(torch.tensor([1.0, 2.0, 4.0, 0.0]).std().item())
-
-
 def test_grpo_arguments_take_the_new_loss_settings_and_refuse_bad_ones():
     from trainfold.grpo.args import GRPOArguments
 

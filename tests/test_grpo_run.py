@@ -12,10 +12,9 @@ from trainfold import sgd
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import Cursor, init_state
 from trainfold.grpo.args import GRPOArguments, generation_order
-from trainfold.grpo.data import generation_batches
 from trainfold.grpo.metrics import generation_metrics
 from trainfold.grpo.objective import grpo_objective
-from trainfold.grpo.run import BUFFER, grpo_stream, train
+from trainfold.grpo.run import BUFFER, Codec, grpo_stream, train
 
 CFG = TinyLMConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_len=16)
 
@@ -31,6 +30,9 @@ def encode(s):
 
 def decode(ids):
     return "".join(str(i % 10) for i in ids)
+
+
+CODEC = Codec(encode, decode)
 
 
 def digit_sum(prompts, completions, **_):
@@ -140,8 +142,7 @@ def test_generation_schedule_is_trls_prepare_inputs(tmp_path, b, ga, spg, iterat
         args,
         [{"prompt": str(i % 10), "idx": i} for i in range(num_prompts)],
         record,
-        encode=encode,
-        decode=decode,
+        codec=CODEC,
     )
     stream = run.stream()
     state = init_state(model, sgd(0.1), seed=3, extras=stream.extras)
@@ -176,7 +177,7 @@ def test_buffered_log_probs_are_the_sampling_policys_at_the_completion_tokens(tm
     model = lm()
     ref = {k: v.detach() + 0.01 for k, v in model.named_parameters()}
     stream = grpo_stream(
-        model, args, [{"prompt": str(d)} for d in range(8)], digit_sum, encode=encode, decode=decode, ref_params=ref
+        model, args, [{"prompt": str(d)} for d in range(8)], digit_sum, codec=CODEC, ref_params=ref
     ).stream()
     state = init_state(model, sgd(0.1), seed=3, extras=stream.extras)
     _, batch = stream.prepare(state, next(iter(stream.steps(Cursor()))))
@@ -201,7 +202,7 @@ def test_steps_per_generation_counts_micro_steps_like_trl(tmp_path):
         return digit_sum(prompts, completions)
 
     args = grpo_args(tmp_path, gradient_accumulation_steps=2, steps_per_generation=4, max_steps=4)
-    result = train(lm(), args, [{"prompt": str(d)} for d in range(8)], counted, encode=encode, decode=decode)
+    result = train(lm(), args, [{"prompt": str(d)} for d in range(8)], counted, codec=CODEC)
     assert result.global_step == 4 and calls == [8, 8]
     assert [("reward" in e) for e in result.log_history[:4]] == [True, False, True, False]
     assert all("entropy" in e and "clip_ratio/region_mean" in e for e in result.log_history[:4])
@@ -231,15 +232,14 @@ def test_resume_inside_a_generation_block_is_bitwise(tmp_path, spg, iterations, 
             **kw,
         )
 
-    straight = train(lm(), args(tmp_path / "a"), data, counted, encode=encode, decode=decode)
+    straight = train(lm(), args(tmp_path / "a"), data, counted, codec=CODEC)
     assert (stop_at * 2) % (spg * iterations) != 0  # the checkpoint falls inside a block
     first = train(
         lm(),
         args(tmp_path / "b", save_strategy="steps", save_steps=1),
         data,
         counted,
-        encode=encode,
-        decode=decode,
+        codec=CODEC,
         stop=lambda s: int(s.step) >= stop_at,
     )
     assert first.status == "stopped" and first.global_step == stop_at
@@ -249,8 +249,7 @@ def test_resume_inside_a_generation_block_is_bitwise(tmp_path, spg, iterations, 
         args(tmp_path / "b", save_strategy="steps", save_steps=1),
         data,
         counted,
-        encode=encode,
-        decode=decode,
+        codec=CODEC,
         resume_from_checkpoint=True,
     )
     block_steps = spg * iterations // 2
@@ -276,12 +275,12 @@ def test_sigterm_inside_a_generation_block_saves_it_and_resumes_bitwise(tmp_path
 
     data = [{"prompt": str(d)} for d in range(8)]
     args = grpo_args(tmp_path / "a", max_steps=4, gradient_accumulation_steps=2, steps_per_generation=4)
-    straight = train(lm(), args, data, digit_sum, encode=encode, decode=decode)
+    straight = train(lm(), args, data, digit_sum, codec=CODEC)
     jit = args.replace(output_dir=str(tmp_path / "b"), enable_jit_checkpoint=True)
-    first = train(lm(), jit, data, interrupting, encode=encode, decode=decode)
+    first = train(lm(), jit, data, interrupting, codec=CODEC)
     assert first.status == "preempted" and first.global_step == 3 and first.last_checkpoint.name == "checkpoint-3"
     calls.clear()
-    resumed = train(lm(), jit, data, interrupting, encode=encode, decode=decode, resume_from_checkpoint=True)
+    resumed = train(lm(), jit, data, interrupting, codec=CODEC, resume_from_checkpoint=True)
     assert resumed.global_step == 4 and calls == []  # step 4 trained on the saved generation
     for k in straight.state.params:
         assert torch.equal(straight.state.params[k], resumed.state.params[k]), k
@@ -383,8 +382,7 @@ def test_run_logs_kl_with_beta_and_evaluates_eval_prompts(tmp_path):
         args,
         [{"prompt": str(d)} for d in range(4)],
         digit_sum,
-        encode=encode,
-        decode=decode,
+        codec=CODEC,
         eval_prompts=[{"prompt": "12"}, {"prompt": "3"}],
     )
     assert result.best_checkpoint is not None and result.best_checkpoint.name == "checkpoint-2"
@@ -497,7 +495,7 @@ def test_peft_config_draws_trls_adapter(tmp_path):
 
 def test_trls_keyword_names_train_as_trainfolds(tmp_path):
     """``GRPOTrainer(model=, reward_funcs=, args=, train_dataset=, eval_dataset=)`` moves over with its names."""
-    rows, kw = [{"prompt": "12"}, {"prompt": "3"}], dict(encode=encode, decode=decode)
+    rows, kw = [{"prompt": "12"}, {"prompt": "3"}], dict(codec=CODEC)
     args = grpo_args(tmp_path, max_steps=2, eval_strategy="steps", eval_steps=2)
     ours = train(lm(), args, rows, digit_sum, eval_prompts=rows, **kw).log_history
     theirs = train(model=lm(), reward_funcs=[digit_sum], args=args, train_dataset=rows, eval_dataset=rows, **kw)
@@ -512,7 +510,7 @@ def test_trls_keyword_names_train_as_trainfolds(tmp_path):
 @pytest.mark.parametrize("reward", ["org/reward-model", torch.nn.Linear(2, 1)], ids=["name", "module"])
 def test_a_reward_model_is_refused_by_name(tmp_path, reward):
     with pytest.raises(TypeError, match=r"reward models \(.*\) are not supported.*wrap the model"):
-        train(lm(), grpo_args(tmp_path), [{"prompt": "1"}] * 2, [digit_sum, reward], encode=encode, decode=decode)
+        train(lm(), grpo_args(tmp_path), [{"prompt": "1"}] * 2, [digit_sum, reward], codec=CODEC)
 
 
 def test_a_trl_config_is_refused_with_the_conversion():
@@ -521,7 +519,7 @@ def test_a_trl_config_is_refused_with_the_conversion():
 
     config = dict(output_dir="x", use_cpu=True, bf16=False, report_to="none")
     with pytest.raises(TypeError, match=r"GRPOArguments\.from_hf\(config\)"):
-        train(lm(), trl.GRPOConfig(**config), [{"prompt": "1"}] * 2, digit_sum, encode=encode, decode=decode)
+        train(lm(), trl.GRPOConfig(**config), [{"prompt": "1"}] * 2, digit_sum, codec=CODEC)
     with pytest.raises(TypeError, match=r"SFTArguments\.from_hf\(config\)"):
         trainfold.sft.train(lm(), trl.SFTConfig(**config), [{"input_ids": [1, 2]}])
     with pytest.raises(TypeError, match=r"DPOArguments\.from_hf\(config\)"):
@@ -544,20 +542,11 @@ def test_a_reward_function_that_changes_one_repeat_changes_no_other(tmp_path):
 
     data = [{"prompt": {"text": str(d)}, "tags": []} for d in range(2)]
     args = grpo_args(tmp_path, max_steps=2)
-    train(lm(), args, data, meddling, encode=lambda p: encode(p["text"]), decode=decode)
+    train(lm(), args, data, meddling, codec=Codec(lambda p: encode(p["text"]), decode))
     for texts, tags in seen:
         assert texts[0].endswith("!") and not any(t.endswith("!") for t in texts[1:])
         assert tags[0] == ["x"] and all(t == [] for t in tags[1:])
     assert data == [{"prompt": {"text": "0"}, "tags": []}, {"prompt": {"text": "1"}, "tags": []}]
-
-
-def test_generation_batches_repeats_rows_as_independent_objects():
-    prompts = [[{"prompt": [[{"role": "user"}]], "n": torch.tensor([1])}]]  # 1 step, 1 micro-batch, 1 conversation
-    out = list(generation_batches(prompts, lambda mbs: mbs, 1, num_generations=3))
-    rows = out[0][0]["prompt"]
-    rows[0][0]["role"] = "changed"
-    assert [r[0]["role"] for r in rows] == ["changed", "user", "user"]
-    assert prompts[0][0]["prompt"] == [[{"role": "user"}]] and out[0][0]["n"].tolist() == [1, 1, 1]
 
 
 # -- settings ------------------------------------------------------------------------------
@@ -601,8 +590,7 @@ def test_errors_name_the_setting_the_value_and_the_fix(tmp_path):
             grpo_args(tmp_path, per_device_train_batch_size=8),
             [{"prompt": "1"}] * 2,
             digit_sum,
-            encode=encode,
-            decode=decode,
+            codec=CODEC,
         )
     with pytest.raises(ValueError, match="got 2 reward_weights for 1 reward functions"):
         train(
@@ -610,13 +598,12 @@ def test_errors_name_the_setting_the_value_and_the_fix(tmp_path):
             grpo_args(tmp_path, reward_weights=[1.0, 2.0]),
             [{"prompt": "1"}] * 2,
             digit_sum,
-            encode=encode,
-            decode=decode,
+            codec=CODEC,
         )
     with pytest.raises(TypeError, match="takes GRPOArguments"):
         from trainfold import TrainingArguments
 
-        train(lm(), TrainingArguments(), [{"prompt": "1"}], digit_sum, encode=encode, decode=decode)
+        train(lm(), TrainingArguments(), [{"prompt": "1"}], digit_sum, codec=CODEC)
 
 
 def test_reward_functions_get_trls_trainer_state_log_metric_and_log_extra(tmp_path):

@@ -8,7 +8,6 @@ import importlib
 import json
 import runpy
 import signal
-import warnings
 from pathlib import Path
 
 import pytest
@@ -159,26 +158,11 @@ def test_the_names_of_the_issue_import():
     from trainfold.ckpt import save
     from trainfold.core.losses import causal_lm
     from trainfold.data.samplers import make_sampler
-    from trainfold.grpo import make_rollout, train
+    from trainfold.grpo import grpo_stream, train
 
     assert save is trainfold.ckpt.save and causal_lm is trainfold.core.losses.causal_lm
     assert make_sampler is trainfold.data.samplers.make_sampler and train is trainfold.grpo.run.train
-    assert make_rollout is trainfold.grpo.make_rollout
-
-
-def test_make_rollout_steps_per_generation_is_trls_micro_steps():
-    from trainfold.grpo import make_rollout
-
-    model = torch.nn.Linear(2, 2)
-    common = dict(encode=list, decode=list, num_generations=2, max_new_tokens=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # one unit with the run's (TRL's): no longer a deprecated alias
-        micro = make_rollout(model, lambda completions, **_: [0.0] * len(completions), steps_per_generation=3, **common)
-        steps = make_rollout(model, lambda completions, **_: [0.0], optimizer_steps_per_generation=3, **common)
-    assert (micro.steps_per_generation, micro.optimizer_steps_per_generation) == (3, None)
-    assert (steps.steps_per_generation, steps.optimizer_steps_per_generation) == (None, 3)
-    with pytest.raises(TypeError, match="pass one"):
-        make_rollout(model, len, steps_per_generation=2, optimizer_steps_per_generation=3, **common)
+    assert grpo_stream is trainfold.grpo.run.grpo_stream
 
 
 # -- 2. processing_class ------------------------------------------------------------------------------------

@@ -463,7 +463,6 @@ SAME_WORD = {
     "max_steps": "core.fold.max_steps and the stop rule of that name",
     "save_only_model": "the checkpoint sidecar's key",
     "weight_decay": "torch.optim's keyword and param-group key",
-    "steps_per_generation": "the GRPO research loop's own parameter",
 }
 
 

@@ -1,9 +1,11 @@
 """GRPO in one place (``trainfold.grpo``): the recipe's pieces, ``GRPOArguments`` and the run ``train``.
 
 The pieces: rewards and advantages (:mod:`trainfold.grpo.rewards`), the objective and its losses
-(``objective``, ``loss``), completion rows (``rows``), the generation schedule (``data``, ``schedule``), TRL's
-metrics (``metrics``) and the hand loop (``loop``); ``GRPOArguments`` (TRL's ``GRPOConfig`` names) from
-:mod:`trainfold.grpo.args`; the run, :func:`train`, from :mod:`trainfold.grpo.run`.
+(``objective``, ``loss``), completion rows (``rows``), the generation schedule (``data``) and the stream that runs
+it (``schedule``), TRL's metrics (``metrics``); ``GRPOArguments`` (TRL's ``GRPOConfig`` names) from
+:mod:`trainfold.grpo.args`; the run, :func:`train`, from :mod:`trainfold.grpo.run`. One driver: :func:`train` runs
+the stream of :func:`grpo_stream` through ``trainfold.loop.run``, and so does a research loop,
+``loop.run(step, state, grpo_stream(...).stream(), hooks=...)``.
 
 >>> from trainfold import grpo
 >>> grpo.GRPOArguments(per_device_train_batch_size=4, num_generations=4).generation_batch
@@ -13,8 +15,7 @@ metrics (``metrics``) and the hand loop (``loop``); ``GRPOArguments`` (TRL's ``G
 """
 
 from trainfold.grpo.args import TRL_ONLY, GRPOArguments, generation_order
-from trainfold.grpo.data import generation_batches
-from trainfold.grpo.loop import Rollout, grpo_trajectory, make_rollout, rollout_metrics
+from trainfold.grpo.data import GenerationSchedule
 from trainfold.grpo.objective import (
     GRPO_LOSS_TYPES,
     GRPOObjective,
@@ -24,12 +25,12 @@ from trainfold.grpo.objective import (
     token_entropy,
 )
 from trainfold.grpo.rewards import SCALE_REWARDS, RewardFunc, combine_rewards, group_advantages, reward_name
-from trainfold.grpo.run import BUFFER, GenerationBuffer, GRPORun, grpo_stream, train
+from trainfold.grpo.run import BUFFER, Codec, GenerationBuffer, GRPORun, grpo_stream, train
 from trainfold.grpo.trainer import GRPOTrainer  # the facade, for moving a TRL script by its import
 
 __all__ = [
     "GRPOTrainer",
-    "generation_batches",
+    "GenerationSchedule",
     "GRPO_LOSS_TYPES",
     "SCALE_REWARDS",
     "GRPOObjective",
@@ -41,14 +42,11 @@ __all__ = [
     "chunk_head",
     "next_token_logps",
     "token_entropy",
-    "Rollout",
-    "make_rollout",
-    "grpo_trajectory",
-    "rollout_metrics",
     "GRPOArguments",
     "TRL_ONLY",
     "generation_order",
     "BUFFER",
+    "Codec",
     "GenerationBuffer",
     "GRPORun",
     "grpo_stream",

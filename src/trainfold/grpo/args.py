@@ -29,7 +29,7 @@ from typing import Any
 import attrs
 import torch
 
-from trainfold.grpo.data import GenerationSchedule
+from trainfold.grpo.data import GenerationSchedule, Sampling
 from trainfold.grpo.loss import PolicyLoss, policy_loss_errors
 from trainfold.grpo.rewards import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 from trainfold.trainer.args import TrainingArguments
@@ -254,6 +254,19 @@ class GRPOArguments(TrainingArguments):
     def generation_schedule(self) -> GenerationSchedule:
         """Return the run's schedule (``trainfold.grpo.data``): TRL's, in micro-steps."""
         return GenerationSchedule(self.generation_steps, self.num_iterations, self.gradient_accumulation_steps)
+
+    @property
+    def sampling(self) -> Sampling:
+        """Return what one generation is: completions per prompt, their length and temperature, reward scaling."""
+        weights = None if self.reward_weights is None else tuple(float(w) for w in self.reward_weights)
+        return Sampling(
+            self.num_generations,
+            self.max_completion_length,
+            self.temperature,
+            weights,
+            self.scale_rewards,
+            self.multi_objective_aggregation,
+        )
 
     @property
     def records_old_logps(self) -> bool:

@@ -189,7 +189,7 @@ class GRPOObjective(ModelInputsObjective):
             if "ref_logps" not in micro_batch:
                 raise KeyError(
                     "grpo_objective has beta != 0 but the micro-batch has no 'ref_logps': "
-                    "pass ref_params to make_rollout"
+                    "run it on grpo_stream's batches (beta > 0 scores the reference), or pass ref_logps"
                 )
             ref = micro_batch["ref_logps"].to(logps)
             kl = torch.exp(ref - logps) - (ref - logps) - 1
@@ -278,8 +278,8 @@ def _chunked_entropy(
 def _block_size(micro_batch: Mapping[str, Tensor], key: str) -> Tensor:
     if key not in micro_batch:
         raise KeyError(
-            f"loss_type='dapo' needs the micro-batch's {key!r}, which make_rollout records; "
-            "build the micro-batches with make_rollout, or choose loss_type='bnpo'"
+            f"loss_type='dapo' needs the micro-batch's {key!r}, which grpo_stream's batches carry; "
+            "train on grpo_stream(...).stream(), or choose loss_type='bnpo'"
         )
     return micro_batch[key][0]
 
@@ -289,7 +289,7 @@ def _objective_problems(
 ) -> list[str]:
     problems = policy_loss_errors(policy)
     if policy.loss_type == "dr_grpo" and (max_completion_length is None or max_completion_length < 1):
-        problems.append("loss_type='dr_grpo' divides by max_completion_length: pass the rollout's max_new_tokens")
+        problems.append("loss_type='dr_grpo' divides by max_completion_length: pass the run's max_completion_length")
     if beta < 0:
         problems.append(f"beta={beta} must be >= 0")
     if not temperature > 0:

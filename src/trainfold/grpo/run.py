@@ -11,40 +11,21 @@ objective's ``kl`` (``beta > 0``), ``entropy`` and ``clip_ratio/*``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 from torch import Tensor, nn
 
 from trainfold.grpo.args import GRPOArguments
-from trainfold.grpo.loop import make_rollout
-from trainfold.grpo.objective import grpo_objective
+from trainfold.grpo.objective import GRPOObjective, grpo_objective
 from trainfold.grpo.rewards import RewardFunc
-from trainfold.grpo.schedule import BUFFER, GenerationBuffer, GRPORun
+from trainfold.grpo.schedule import BUFFER, Codec, GenerationBuffer, GRPORun
 from trainfold.trainer.model_source import model_from, processing_class_for
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
 
-__all__ = ["BUFFER", "GenerationBuffer", "GRPORun", "grpo_stream", "train"]
-
-
-def _codec(processing_class: Any, encode: Any, decode: Any) -> tuple[Callable[..., list[int]], Callable[..., Any]]:
-    if processing_class is None:
-        if encode is None or decode is None:
-            raise TypeError(
-                "grpo train needs encode= and decode= (prompt -> token ids, ids -> completion), "
-                "or processing_class= (a transformers tokenizer)"
-            )
-        return encode, decode
-    tok = processing_class
-
-    def tok_encode(prompt: Any) -> list[int]:
-        if not isinstance(prompt, str):  # conversational: the chat template with the generation prompt
-            prompt = tok.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-        return list(tok(prompt, add_special_tokens=False)["input_ids"])
-
-    return encode or tok_encode, decode or (lambda ids: tok.decode(ids, skip_special_tokens=True))
+__all__ = ["BUFFER", "Codec", "GenerationBuffer", "GRPORun", "grpo_stream", "train"]
 
 
 def _run_problems(args: GRPOArguments, prompts: Any, funcs: tuple[RewardFunc, ...]) -> list[str]:
@@ -63,29 +44,6 @@ def _run_problems(args: GRPOArguments, prompts: Any, funcs: tuple[RewardFunc, ..
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         problems.append("the GRPO run is single-process for now; run it without torchrun")
     return problems
-
-
-def _rollout(
-    model: nn.Module, args: GRPOArguments, funcs: tuple[RewardFunc, ...], codec: tuple, eos: Any, pad: int, key: str
-) -> Any:
-    """Return the hand loop's sampling and scoring with the run's settings (the run keeps its own buffer)."""
-    return make_rollout(
-        model,
-        funcs,
-        encode=codec[0],
-        decode=codec[1],
-        num_generations=args.num_generations,
-        max_new_tokens=args.max_completion_length,
-        steps_per_generation=args.generation_steps,
-        num_iterations=args.num_iterations,
-        temperature=args.temperature,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        reward_weights=args.reward_weights,
-        scale_rewards=args.scale_rewards,
-        prompt_key=key,
-        multi_objective_aggregation=args.multi_objective_aggregation,
-    )
 
 
 def _datasets(prompts: Any, eval_prompts: Any, run: dict[str, Any]) -> tuple[Any, Any]:
@@ -123,43 +81,70 @@ def grpo_stream(
     prompts: Any,
     reward_funcs: RewardFunc | Sequence[RewardFunc] | None,
     *,
-    encode: Any = None,
-    decode: Any = None,
+    codec: Codec | None = None,
     processing_class: Any = None,
-    eos_token_id: int | None = None,
-    pad_token_id: int | None = None,
     prompt_key: str = "prompt",
-    ref_params: Any = None,
+    ref_params: Mapping[str, Tensor] | None = None,
     eval_prompts: Any = None,
     peft_config: Any = None,
 ) -> GRPORun:
-    """Return the run's :class:`GRPORun`, checked (its ``stream()`` is what ``train`` feeds ``trainfold.train``)."""
+    """Return the run's :class:`GRPORun`, checked: its ``stream()`` is what ``train`` runs, and what a research
+    loop runs with ``trainfold.loop.run(step, state, run.stream(), hooks=...)`` (``step`` trains ``run.objective``).
+
+    >>> import torch
+    >>> from trainfold import init_state, loop, make_step, sgd
+    >>> from trainfold.core.models import TinyLM, TinyLMConfig
+    >>> _ = torch.manual_seed(0)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    >>> def sevens(prompts, completions, **_): return [c.count("7") / 3 for c in completions]
+    >>> args = GRPOArguments(per_device_train_batch_size=4, num_generations=2, max_completion_length=3)
+    >>> codec = Codec(lambda s: [1 + int(c) for c in s], lambda ids: "".join(str(i % 10) for i in ids))
+    >>> run = grpo_stream(model, args, [{"prompt": "12"}, {"prompt": "3"}], sevens, codec=codec)
+    >>> step = make_step(model, optimizer=sgd(0.1), objective=run.objective)
+    >>> state, log = loop.run(step, init_state(model, sgd(0.1), seed=args.seed), run.stream(),
+    ...                       stop=lambda s: int(s.step) >= 2, hooks=[loop.log(every=1)])
+    >>> int(state.step), len(log.history), {"loss", "reward", "rewards/sevens/mean"} <= set(state.metrics)
+    (2, 2, True)
+    """
     if not isinstance(args, GRPOArguments):
         raise TypeError(
             f"grpo train takes GRPOArguments (TrainingArguments + TRL's GRPOConfig names), not "
             f"{type(args).__name__}; convert a trl.GRPOConfig with GRPOArguments.from_hf(config)"
         )
-    module: nn.Module = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)  # TRL's adapter too
-    if args.disable_dropout:  # as TRL: no dropout in the policy
-        for m in module.modules():
-            if isinstance(m, nn.Dropout):
-                m.p = 0.0
-    if encode is None and decode is None:  # as TRL: the tokenizer saved with the model when none is given
+    module = _policy(model, args, peft_config)
+    if codec is None:  # as TRL: the tokenizer saved with the model when none is given
         processing_class = processing_class_for(module, processing_class)
     funcs = _reward_funcs(reward_funcs)
     problems = _run_problems(args, prompts, funcs)
     if problems:
         raise ValueError("cannot run GRPO: " + "; ".join(problems))
-    enc, dec = _codec(processing_class, encode, decode)
-    tok = processing_class
-    eos = eos_token_id if eos_token_id is not None else getattr(tok, "eos_token_id", None)
-    pad = pad_token_id if pad_token_id is not None else getattr(tok, "pad_token_id", None)
+    if codec is None and processing_class is None:
+        raise TypeError(
+            "grpo train needs codec=trainfold.grpo.Codec(encode, decode) (prompt -> token ids, ids -> completion), "
+            "or processing_class= (a transformers tokenizer)"
+        )
     if ref_params is None and args.beta != 0:  # TRL's reference: the model as it was given
         ref_params = {k: v for k, v in module.named_parameters() if v.requires_grad}
-    if ref_params is not None:  # its own copy: train trains the module's storage in place
-        ref_params = {k: v.detach().clone() for k, v in ref_params.items()}
+    codec = codec or Codec.of(processing_class)  # its own copy of the reference: train trains the module in place
+    ref = None if args.beta == 0 or ref_params is None else {k: v.detach().clone() for k, v in ref_params.items()}
+    parts = (module, args, prompts, funcs, codec, args.sampling, _objective(args), prompt_key, ref, eval_prompts)
+    return GRPORun(*parts, processing_class=processing_class)
+
+
+def _policy(model: nn.Module | str, args: GRPOArguments, peft_config: Any) -> nn.Module:
+    """Return the policy module: loaded when ``model`` is a name, wrapped by TRL's adapter, without dropout if asked."""
+    module: nn.Module = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
+    if args.disable_dropout:  # as TRL: no dropout in the policy
+        for m in module.modules():
+            if isinstance(m, nn.Dropout):
+                m.p = 0.0
+    return module
+
+
+def _objective(args: GRPOArguments) -> GRPOObjective:
+    """Return the run's objective from its policy-loss settings."""
     policy = attrs.asdict(args.policy_loss)
-    objective = grpo_objective(
+    return grpo_objective(
         policy.pop("loss_type"),
         policy.pop("epsilon"),
         policy.pop("epsilon_high"),
@@ -169,11 +154,6 @@ def grpo_stream(
         args.use_bias_correction_kl,
         **policy,
     )
-    pad = pad if pad is not None else (eos or 0)
-    rollout = _rollout(module, args, funcs, (enc, dec), eos, pad, prompt_key)
-    ref = ref_params if args.beta != 0 else None
-    parts = (module, args, prompts, funcs, enc, dec, eos, pad, prompt_key, ref, eval_prompts, objective, rollout)
-    return GRPORun(*parts, processing_class=processing_class)
 
 
 def train(
@@ -183,11 +163,8 @@ def train(
     reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
     *,
     eval_prompts: Any = None,
-    encode: Callable[[Any], list[int]] | None = None,
-    decode: Callable[[list[int]], Any] | None = None,
+    codec: Codec | None = None,
     processing_class: Any = None,
-    eos_token_id: int | None = None,
-    pad_token_id: int | None = None,
     prompt_key: str = "prompt",
     ref_params: Mapping[str, Tensor] | None = None,
     peft_config: Any = None,
@@ -197,7 +174,8 @@ def train(
 
     ``prompts`` (TRL's ``train_dataset``) has a ``prompt_key`` column; its others reach each reward function
     ``fn(prompts, completions, completion_ids=..., **columns) -> list[float | None]`` by keyword. Prompts are
-    tokenized with ``encode`` (read back with ``decode``) or a tokenizer. ``eval_prompts`` (``eval_dataset``) are
+    tokenized by ``codec`` (a :class:`Codec`: ``encode``, ``decode``, the eos and pad ids) or by the tokenizer
+    ``processing_class`` (default: the one saved with the model). ``eval_prompts`` (``eval_dataset``) are
     scored at each evaluation (``eval_reward``...). With ``beta > 0`` the KL is taken to ``ref_params`` (default:
     the weights as given). ``model`` may be a name or path; ``peft_config`` wraps it (the adapter drawn from
     ``args.seed``, as TRL's). Other keywords go to ``trainfold.train``.
@@ -210,8 +188,8 @@ def train(
     >>> args = GRPOArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=4,
     ...                      num_generations=2, max_completion_length=3, report_to="none", disable_tqdm=True,
     ...                      save_strategy="no", logging_steps=1)
-    >>> result = train(model, args, [{"prompt": "12"}, {"prompt": "3"}], sevens,
-    ...                encode=lambda s: [1 + int(c) for c in s], decode=lambda ids: "".join(str(i % 10) for i in ids))
+    >>> codec = Codec(lambda s: [1 + int(c) for c in s], lambda ids: "".join(str(i % 10) for i in ids))
+    >>> result = train(model, args, [{"prompt": "12"}, {"prompt": "3"}], sevens, codec=codec)
     >>> result.global_step, {"reward", "rewards/sevens/mean", "entropy"} <= set(result.log_history[0])
     (2, True)
     """
@@ -221,11 +199,8 @@ def train(
         args,
         prompts,
         reward_funcs,
-        encode=encode,
-        decode=decode,
+        codec=codec,
         processing_class=processing_class,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
         prompt_key=prompt_key,
         ref_params=ref_params,
         eval_prompts=eval_prompts,

@@ -4,7 +4,7 @@
   generation takes ``generation_batch / num_generations`` distinct prompts, each repeated
   ``num_generations`` times, every repeat its own copy (a reward function may change one);
 * micro-step ``k`` (counted within the epoch) follows the GRPO core's schedule
-  (``trainfold.grpo.data.schedule_step``, the hand loop's too): it generates when
+  (``trainfold.grpo.data.schedule_step``): it generates when
   ``k % (steps_per_generation × num_iterations) == 0``, with the state the step starts from,
   shuffles the generation's rows (seeded), and trains on slice ``k % steps_per_generation`` of it,
   as ``_prepare_inputs`` does;
@@ -12,7 +12,11 @@
   fixed shapes), so a checkpoint taken inside a generation block resumes bitwise;
 * each step that generated logs TRL's metrics of its generations (``grpo_metrics``).
 
-Sampling is seeded from ``(args.seed, epoch, generation)``, never from global RNG state.
+Sampling is seeded from ``(args.seed, epoch, generation)``, never from global RNG state. Completions are
+sampled at one seam, :meth:`GRPORun.complete` (state + prompt ids -> completion ids); the sampling policy's
+old log-probs are scored once per generation (``GRPORun.generation``).
+
+The research loop is this stream too: ``trainfold.loop.run(step, state, run.stream(), hooks=...)``.
 """
 
 from __future__ import annotations
@@ -29,22 +33,57 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.core.forward import train_mode
-from trainfold.core.generate import functional_forward
+from trainfold.core.generate import functional_forward, generate
 from trainfold.core.rng import derive_seed
 from trainfold.core.state import METRIC_KEYS, Cursor, TrainState, scalar
 from trainfold.data import StateStream, StepBatch
 from trainfold.grpo.args import GRPOArguments, generation_order
-from trainfold.grpo.data import schedule_step
-from trainfold.grpo.loop import Rollout
+from trainfold.grpo.data import Sampling, schedule_step
 from trainfold.grpo.metrics import generation_metrics
 from trainfold.grpo.objective import next_token_logps
-from trainfold.grpo.rewards import RewardFunc, reward_name
-from trainfold.grpo.rows import completion_rows, gather_completions, spread_completions
+from trainfold.grpo.rewards import RewardFunc, combine_rewards, reward_advantages, reward_name
+from trainfold.grpo.rows import before_eos, completion_rows, gather_completions, spread_completions
 
-__all__ = ["BUFFER", "GenerationBuffer", "GRPORun", "empty_buffer"]
+__all__ = ["BUFFER", "Codec", "GenerationBuffer", "GRPORun", "empty_buffer"]
 
 BUFFER = "grpo_generation"  # the key of the generation buffer in state.extras
 _GENERATE, _SHUFFLE, _EVAL = 0x6E6E, 0x5348, 0xE7A1
+
+
+@attrs.frozen
+class Codec:
+    """How prompts become token ids and sampled ids become completions: ``encode``, ``decode`` and the eos and
+    pad ids (``pad_token_id`` None: the eos id, else 0).
+
+    >>> codec = Codec(lambda s: [1 + int(c) for c in s], lambda ids: "".join(str(i - 1) for i in ids), eos_token_id=0)
+    >>> codec.encode("12"), codec.decode([2, 3]), codec.pad
+    ([2, 3], '12', 0)
+    """
+
+    encode: Callable[[Any], list[int]]
+    decode: Callable[[list[int]], Any]
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    @property
+    def pad(self) -> int:
+        """The id completions are padded with."""
+        return self.pad_token_id if self.pad_token_id is not None else (self.eos_token_id or 0)
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> Codec:
+        """Return a transformers tokenizer's codec: a conversational prompt through its chat template (with the
+        generation prompt), no special tokens added, special tokens skipped when decoding."""
+
+        def encode(prompt: Any) -> list[int]:
+            if not isinstance(prompt, str):
+                prompt = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+            return list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+
+        def decode(ids: list[int]) -> Any:
+            return tokenizer.decode(ids, skip_special_tokens=True)
+
+        return cls(encode, decode, tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
 @attrs.frozen(eq=False)
@@ -97,15 +136,12 @@ class GRPORun:
     args: GRPOArguments
     prompts: Any
     reward_funcs: tuple[RewardFunc, ...]
-    encode: Callable[[Any], list[int]]
-    decode: Callable[[list[int]], Any]
-    eos_token_id: int | None
-    pad_token_id: int
-    prompt_key: str
-    ref_params: Mapping[str, Tensor] | None
+    codec: Codec
+    sampling: Sampling  # GRPOArguments.sampling: what one generation is
+    objective: Any  # grpo_objective from args: the run's loss, and eval_loss
+    prompt_key: str = "prompt"
+    ref_params: Mapping[str, Tensor] | None = None  # the KL's reference (beta > 0)
     eval_prompts: Any = None
-    objective: Any = None  # grpo_objective from args: the run's loss, and eval_loss
-    rollout: Rollout | None = None  # make_rollout from args: sampling and scoring, as the hand loop's
     processing_class: Any = None  # the tokenizer (checkpoints hold it), when the run has one
     _encoded: dict[int, list[int]] = attrs.field(factory=dict)  # prompt index -> its tokens (encode is pure)
 
@@ -148,7 +184,7 @@ class GRPORun:
 
     def prompt_ids(self, index: int) -> list[int]:
         if index not in self._encoded:
-            self._encoded[index] = list(self.encode(self.prompts[index][self.prompt_key]))
+            self._encoded[index] = list(self.codec.encode(self.prompts[index][self.prompt_key]))
         return self._encoded[index]
 
     def _logps(
@@ -201,7 +237,7 @@ class GRPORun:
         ``log_metric(name, value)`` (logged as ``name``, the mean of a generation's values, as TRL's) and
         ``log_extra(column, values)`` (columns of TRL's completions table, which trainfold does not write: taken,
         unused, as TRL without ``log_completions``)."""
-        a, g = self.args, self.args.num_generations
+        a, g = self.sampling, self.sampling.num_generations
         index = [i for i in indices for _ in range(g)]
         prompt_ids = [encoded(i) for i in index]  # before a reward function sees (and may change) the rows
         rows = [copy.deepcopy(dataset[i]) for i in index]  # each repeat its own object
@@ -213,12 +249,14 @@ class GRPORun:
             "log_metric": lambda name, value: logged.setdefault(name, []).append(float(value)),
             "log_extra": lambda column, values: None,
         }
-        assert self.rollout is not None, "the run sets its rollout before it samples"
-        out = self.rollout.sample(state, prompt_ids, prompts, columns, key)  # the hand loop's sampling and scoring
-        completion_ids, eos = out.completion_ids, self.eos_token_id
-        truncated = torch.tensor([c[-1] not in (eos, self.pad_token_id) for c in completion_ids])
+        completion_ids, eos = self.complete(state, prompt_ids, key), self.codec.eos_token_id
+        completions = [self.codec.decode(before_eos(c, eos)) for c in completion_ids]
+        columns["completion_ids"] = [list(c) for c in completion_ids]  # as TRL's
+        _, each = combine_rewards(self.reward_funcs, prompts, completions, columns, a.reward_weights)
+        advantages = reward_advantages(each, g, a.reward_weights, a.scale_rewards, a.multi_objective_aggregation)
+        truncated = torch.tensor([c[-1] not in (eos, self.codec.pad) for c in completion_ids])
         metrics = generation_metrics(
-            out.each,
+            each,
             self.names,
             g,
             torch.tensor([len(c) for c in completion_ids]),
@@ -233,8 +271,23 @@ class GRPORun:
             "prompt_ids": prompt_ids,
             "completion_ids": completion_ids,
             "metrics": metrics,
-            "advantages": out.advantages,
+            "advantages": advantages,
         }
+
+    def complete(self, state: TrainState, prompt_ids: Sequence[list[int]], seed: int) -> list[list[int]]:
+        """Return a completion of each prompt sampled with ``state.params`` (the generator seeded with ``seed``): the
+        seam where generation happens."""
+        return generate(
+            self.model,
+            state.params,
+            prompt_ids,
+            max_new_tokens=self.sampling.max_completion_length,
+            temperature=self.sampling.temperature,
+            eos_token_id=self.codec.eos_token_id,
+            generator=torch.Generator().manual_seed(seed),
+            pad_token_id=self.codec.pad,
+            buffers=state.buffers,
+        )
 
     def generation(
         self, state: TrainState, epoch: int, number: int, indices: Sequence[int]
@@ -249,10 +302,10 @@ class GRPORun:
         completion_ids = [out["completion_ids"][i] for i in order]
         lengths = [len(c) for c in completion_ids]
         width = a.max_completion_length
-        padded = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
+        padded = torch.full((rows, width), self.codec.pad, dtype=torch.long)
         for row, c in enumerate(completion_ids):
             padded[row, : len(c)] = torch.tensor(c, dtype=torch.long)
-        batch = completion_rows(prompt_ids, completion_ids, self.pad_token_id)
+        batch = completion_rows(prompt_ids, completion_ids, self.codec.pad)
         device = next(iter(state.params.values())).device
         plens = [len(p) for p in prompt_ids]
 
@@ -279,7 +332,7 @@ class GRPORun:
         index, lengths = buffer.prompt_index[rows].tolist(), buffer.completion_length[rows].tolist()
         prompt_ids = [self.prompt_ids(i) for i in index]
         completions = [c[:n].tolist() for c, n in zip(buffer.completion_ids[rows], lengths)]
-        mb = completion_rows(prompt_ids, completions, self.pad_token_id)
+        mb = completion_rows(prompt_ids, completions, self.codec.pad)
         width, plens = mb["input_ids"].shape[1] - 1, [len(p) for p in prompt_ids]
         mb.update(
             advantages=buffer.advantages[rows],
@@ -319,7 +372,7 @@ class GRPORun:
         """Return the objective and its metrics on one eval batch, as TRL's evaluation: on-policy, not split or
         accumulated."""
         device = next(iter(state.params.values())).device
-        mb = completion_rows(out["prompt_ids"], out["completion_ids"], self.pad_token_id)
+        mb = completion_rows(out["prompt_ids"], out["completion_ids"], self.codec.pad)
         rows = mb["input_ids"].shape[0]
         mb.update(
             advantages=out["advantages"],
@@ -345,7 +398,7 @@ class GRPORun:
         seed, step = int(state.seed), int(state.step)
 
         def encoded(i: int) -> list[int]:
-            return list(self.encode(self.eval_prompts[i][self.prompt_key]))
+            return list(self.codec.encode(self.eval_prompts[i][self.prompt_key]))
 
         made, losses, started = [], [], time.monotonic()
         for i, b in enumerate(batches):

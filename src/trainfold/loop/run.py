@@ -28,6 +28,7 @@ import attrs
 from trainfold.core.fold import any_of, fit, never
 from trainfold.core.preempt import JIT_SIGNALS, Preemption, preemption_guard
 from trainfold.core.state import TrainState, counters
+from trainfold.data import StateStream
 from trainfold.loop.directory import open_run_dir
 from trainfold.loop.hooks import EVENTS, Hook, every, flat_hooks, hook_extras
 from trainfold.loop.record import RunLog
@@ -38,7 +39,7 @@ _log = logging.getLogger(__name__)
 
 __all__ = ["run", "every"]
 
-Data = Iterable[Any] | Callable[[TrainState], Iterable[Any]]
+Data = Iterable[Any] | Callable[[TrainState], Iterable[Any]] | StateStream
 
 
 def run(
@@ -64,13 +65,17 @@ def run(
     its lock and identity (``settings``, e.g. the hyperparameters, and the model's tensors), atomic verified
     checkpoints (``loop.save``), the log history, and SIGTERM/SIGINT: the step in flight finishes, a
     checkpoint is saved and the run returns with status ``preempted`` (``log.exit_code``: 143).
-    ``resume=True`` continues bitwise from the newest intact checkpoint (a path: that one).
+    ``resume=True`` continues bitwise from the newest intact checkpoint (a path: that one). ``data`` may also be a
+    ``data.StateStream`` (GRPO's generations, ``trainfold.grpo.grpo_stream(...).stream()``): each step's batch is
+    made from the state that step starts from, and its ``extras`` (a buffer) are part of every checkpoint.
 
     ``epoch_closed(state)`` also closes an epoch at a step (its epoch hooks fire; HF: the run's last step);
     ``status(state, log)`` says how the run ended in place of the rules above (HF's: a preempted run whose
     steps are all done completed); ``log`` is the ``RunLog`` to record into (a new one by default).
     """
     hooks = flat_hooks(hooks)
+    if isinstance(data, StateStream):
+        step, data, state = _over_stream(step, data, state)
     _check(hooks, data, output_dir, resume)
     state = attrs.evolve(state, extras={**hook_extras(hooks), **state.extras})  # a resume loads into the same shape
     log = RunLog() if log is None else log
@@ -97,6 +102,18 @@ def _check(hooks: tuple[Hook, ...], data: Data, output_dir: Any, resume: Any) ->
         )
     if output_dir is None and any(h.kind == "save" and h.name == "save" for h in hooks):  # loop.save
         raise ValueError("loop.save needs a directory to save into: pass output_dir= to loop.run")
+
+
+def _over_stream(
+    step: Callable[[TrainState, Any], TrainState], stream: StateStream, state: TrainState
+) -> tuple[Callable[[TrainState, Any], TrainState], Callable[[TrainState], Iterable[Any]], TrainState]:
+    """Return the step that prepares its batch from the state it starts from, the steps from the state's cursor,
+    and the state holding the stream's extras (the template a checkpoint loads into)."""
+
+    def prepared(state: TrainState, item: Any) -> TrainState:
+        return step(*stream.prepare(state, item))
+
+    return prepared, lambda s: stream.steps(s.cursor), attrs.evolve(state, extras={**stream.extras, **state.extras})
 
 
 @attrs.frozen

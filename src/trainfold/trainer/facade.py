@@ -135,7 +135,7 @@ _REFUSED_INIT = {
     "quantization_config": "load the quantized model yourself and pass the module",
     "reward_processing_classes": "tokenize inside a reward function reward(prompts, completions, **kwargs)",
     "tools": "tool calling is not supported; call tools inside a reward function",
-    "rollout_func": "generation is trainfold.grpo's own; build another rollout with trainfold.grpo.make_rollout",
+    "rollout_func": "generation is trainfold.grpo's own (GRPORun.complete); run your own loop with trainfold.loop.run",
     "environment_factory": "environments are not supported; score completions with reward functions",
 }
 
