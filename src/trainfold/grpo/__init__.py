@@ -15,7 +15,7 @@ the stream of :func:`grpo_stream` through ``trainfold.loop.run``, and so does a 
 """
 
 from trainfold.grpo.args import TRL_ONLY, GRPOArguments, generation_order
-from trainfold.grpo.data import GenerationSchedule
+from trainfold.grpo.data import GenerationSchedule, Sampling
 from trainfold.grpo.objective import (
     GRPO_LOSS_TYPES,
     GRPOObjective,
@@ -31,6 +31,7 @@ from trainfold.grpo.trainer import GRPOTrainer  # the facade, for moving a TRL s
 __all__ = [
     "GRPOTrainer",
     "GenerationSchedule",
+    "Sampling",
     "GRPO_LOSS_TYPES",
     "SCALE_REWARDS",
     "GRPOObjective",

@@ -39,13 +39,13 @@ _log = logging.getLogger(__name__)
 
 __all__ = ["run", "every"]
 
-Data = Iterable[Any] | Callable[[TrainState], Iterable[Any]] | StateStream
+Data = Iterable[Any] | Callable[[TrainState], Iterable[Any]]
 
 
 def run(
     step: Callable[[TrainState, Any], TrainState],
     state: TrainState,
-    data: Data,
+    data: Data | StateStream,
     *,
     hooks: Sequence[Any] = (),
     stop: Callable[[TrainState], bool] | None = None,
