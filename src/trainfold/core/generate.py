@@ -144,12 +144,9 @@ def generate(
 ) -> list[list[int]]:
     """Sample a completion for each prompt (token id lists); return the completions' token ids.
 
-    Tokens are drawn from ``softmax(logits / temperature)`` with ``generator`` (``temperature=0``
-    takes the argmax), restricted to the ``top_k`` / ``top_p`` tokens (:func:`filter_logits`) when given;
-    a CPU generator also serves a model on another device. A completion stops
-    after its first ``eos_token_id`` (which it keeps) or after ``max_new_tokens`` tokens. The model
-    runs in eval mode (no dropout) on ``params``; the module's own weights and training flag are
-    left as they were.
+    Tokens are drawn from ``softmax(filter_logits(logits / temperature, top_k, top_p))`` with ``generator``
+    (``temperature=0``: argmax; a CPU generator serves any device). A completion stops after its first
+    ``eos_token_id`` (kept) or ``max_new_tokens`` tokens; the model runs in eval mode on ``params``, untouched.
 
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
     >>> _ = torch.manual_seed(0)
