@@ -23,9 +23,9 @@ from trainfold.rollout import Completion, EngineDied, LocalEngine, RolloutEngine
 from trainfold.rollout.process import ProcessEngine
 
 EOS = 3
-HAS_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.is_available()
-NO_VLLM = pytest.mark.skipif(not HAS_VLLM, reason="vllm backend: needs vllm and a CUDA GPU")
-BACKENDS = ["local", "process", pytest.param("vllm", marks=NO_VLLM)]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.device_count() >= 2
+NO_VLLM = pytest.mark.skipif(not HAS_VLLM, reason="vllm backend: needs vllm and 2 CUDA GPUs (server, trainer)")
+BACKENDS = ["local", "process"]
 
 
 def tiny_model(seed=0):
@@ -42,11 +42,7 @@ def shifted(model, by):
 def make_engine(backend, model):
     if backend == "local":
         return LocalEngine(model, eos_token_id=EOS)
-    if backend == "process":
-        return ProcessEngine(model, eos_token_id=EOS, bucket_mb=0.001)  # tiny buckets: many of them
-    from trainfold.rollout.vllm import VLLMEngine
-
-    return VLLMEngine.for_tests(model, eos_token_id=EOS)
+    return ProcessEngine(model, eos_token_id=EOS, bucket_mb=0.001)  # tiny buckets: many of them
 
 
 @pytest.fixture(scope="module")
@@ -228,3 +224,77 @@ def test_a_dead_server_is_named_by_poll_submit_and_publish(model):
 def test_completion_round_trips_its_dict(model):
     (c,) = reference(model, model.state_dict(), requests("dict", n=1), 7)
     assert Completion.from_dict(c.to_dict()).same_as(c)
+
+
+# -- the vLLM engine: the same contract, against itself (its kernels are not the local engine's) -------------
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(tmp_path_factory):
+    import subprocess
+    import time
+
+    import requests
+    import transformers
+
+    from trainfold.rollout.vllm import VLLMEngine
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=128, eos_token_id=EOS,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("llama")
+    llama.save_pretrained(path)
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_BATCH_INVARIANT": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    server = subprocess.Popen(
+        ["vllm", "serve", str(path), "--port", "8765", "--load-format", "dummy", "--enforce-eager",
+         "--skip-tokenizer-init", "--max-model-len", "128", "--gpu-memory-utilization", "0.3",
+         "--weight-transfer-config", '{"backend": "nccl"}', "--logprobs-mode", "processed_logprobs"],
+        env=env,
+    )  # fmt: skip
+    for _ in range(300):
+        try:
+            if requests.get("http://127.0.0.1:8765/health", timeout=2).status_code == 200:
+                break
+        except requests.ConnectionError:
+            time.sleep(1)
+    torch.cuda.set_device(1)
+    engine = VLLMEngine("http://127.0.0.1:8765", str(path), eos_token_id=EOS, pause_mode="wait")
+    yield engine, llama
+    engine.close()
+    server.terminate()
+    server.wait(timeout=60)
+
+
+@NO_VLLM
+def test_vllm_engine_is_deterministic_and_versions_its_completions(vllm_engine):
+    engine, llama = vllm_engine
+    engine.publish(0, llama.state_dict())
+    engine.submit(requests("vllm-a", top_k=4))
+    engine.publish(1, shifted(llama, 1))
+    engine.submit(requests("vllm-b", top_k=4) + requests("vllm-c", top_k=4))
+    got = poll_all(engine, 12)
+    assert [c.version_spans for c in got] == [((0, 0),)] * 4 + [((1, 0),)] * 8
+    for b, c in zip(got[4:8], got[8:]):
+        assert b.completion_ids == c.completion_ids and torch.equal(b.logps, c.logps)
+
+
+@NO_VLLM
+def test_vllm_engine_keeps_its_version_when_a_publish_fails_and_round_trips_state(vllm_engine):
+    engine, llama = vllm_engine
+    engine.publish(5, llama.state_dict())
+
+    def breaks_midway():
+        yield from list(llama.state_dict().items())[:2]
+        raise OSError("lost the shard")
+
+    with pytest.raises(OSError, match="lost the shard"):
+        engine.publish(6, breaks_midway())
+    assert engine.version == 5
+    engine.submit(requests("vllm-sd"))
+    state = engine.state_dict()
+    got = engine.poll()
+    engine.load_state_dict(state)
+    assert_same(engine.poll(), got)
