@@ -103,16 +103,20 @@ def test_the_same_request_gives_the_same_completion(engine, model):
 
 
 def test_each_completion_records_the_version_published_before_its_submit(engine, model):
-    v0, v1 = model.state_dict(), shifted(model, 1)
+    v0, v1, v2 = model.state_dict(), shifted(model, 1), shifted(model, 2)
     engine.publish(10, v0)
     engine.submit(requests("ver-a"))
     engine.publish(11, v1)  # a publish while requests may still be generating
     engine.submit(requests("ver-b"))
-    got = poll_all(engine, 8)
-    assert [c.version_spans for c in got] == [((10, 0),)] * 4 + [((11, 0),)] * 4
+    engine.publish(12, v2)  # the process engine receives these into the buffers version 10 used
+    engine.publish(13, v0)
+    engine.submit(requests("ver-c"))
+    got = poll_all(engine, 12)
+    assert [c.version_spans for c in got] == [((10, 0),)] * 4 + [((11, 0),)] * 4 + [((13, 0),)] * 4
     assert_same(got[:4], reference(model, v0, requests("ver-a"), 10))
-    assert_same(got[4:], reference(model, v1, requests("ver-b"), 11))
-    assert all(c.token_versions().tolist() == [11] * len(c.completion_ids) for c in got[4:])
+    assert_same(got[4:8], reference(model, v1, requests("ver-b"), 11))
+    assert_same(got[8:], reference(model, v0, requests("ver-c"), 13))
+    assert all(c.token_versions().tolist() == [11] * len(c.completion_ids) for c in got[4:8])
 
 
 def test_a_publish_that_fails_midway_leaves_the_old_version(engine, model):

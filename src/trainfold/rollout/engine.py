@@ -161,13 +161,14 @@ class RolloutEngine(Protocol):
     def close(self) -> None: ...
 
 
-def gather_weights(weights: Weights | Callable[[], Weights]) -> list[tuple[str, Tensor]]:
+def gather_weights(weights: Weights | Callable[[], Weights], copy: bool = True) -> list[tuple[str, Tensor]]:
     """Return ``weights`` as a list of (name, full CPU-or-device tensor), in one fixed-order pass.
 
     Sharded (FSDP2 ``DTensor``) weights are gathered here with ``full_tensor()`` — every collective of the
     publish runs in this pass, before any byte moves to the engine, so no trainer collective interleaves
-    with the transfer (trl#7131, open-instruct#1649). Tensors are detached and copied, so the optimizer
-    changing the trainer's tensors afterwards cannot reach the engine.
+    with the transfer (trl#7131, open-instruct#1649). Tensors are detached and, with ``copy`` (for an engine
+    that keeps them), copied, so the optimizer changing the trainer's tensors afterwards cannot reach the
+    engine; an engine whose publish returns only once the bytes are sent passes ``copy=False``.
 
     >>> import torch
     >>> [(n, t.tolist()) for n, t in gather_weights({"w": torch.ones(2)})]
@@ -178,7 +179,7 @@ def gather_weights(weights: Weights | Callable[[], Weights]) -> list[tuple[str, 
     out = []
     for name, tensor in pairs:
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-        out.append((str(name), full.detach().clone()))
+        out.append((str(name), full.detach().clone() if copy else full.detach()))
     return out
 
 

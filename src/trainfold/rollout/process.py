@@ -38,14 +38,37 @@ def _completion_message(c: Completion) -> dict[str, Any]:
     return {**c.to_dict(), "logps": c.logps.tolist()}  # float32 -> float -> float32 is exact
 
 
-def _receive_weights(channel: WeightChannel, inbox: Any, staged: dict[int, dict[str, Tensor]], ack: Any) -> None:
-    """Server thread: receive each announced publish into fresh tensors, stage it by version, ack."""
+class _Buffers:
+    """The server's weights in use and the spare tensors a publish replaced (received into next time)."""
+
+    def __init__(self, weights: dict[str, Tensor]) -> None:
+        self.weights = weights
+        self.staged: dict[int, dict[str, Tensor]] = {}
+        self.spare: dict[str, Tensor] = {}
+        self.lock = threading.Lock()
+
+    def take_spare(self) -> dict[str, Tensor]:
+        with self.lock:
+            spare, self.spare = self.spare, {}
+        return spare
+
+    def apply(self, version: int) -> None:
+        with self.lock:
+            new = self.staged.pop(version)
+            self.spare.update((k, self.weights[k]) for k in new if k in self.weights)
+            self.weights = {**self.weights, **new}
+
+
+def _receive_weights(channel: WeightChannel, inbox: Any, buffers: _Buffers, ack: Any) -> None:
+    """Server thread: receive each announced publish (into spare tensors where it can), stage it, ack."""
     while True:
         message = inbox.get()
         if message is None:
             return
         version, metas, buckets = message
-        staged[version] = channel.receive(metas, buckets)
+        received = channel.receive(metas, buckets, into=buffers.take_spare())
+        with buffers.lock:
+            buffers.staged[version] = received
         ack.put(version)
 
 
@@ -53,17 +76,17 @@ def _serve(model: nn.Module, config: dict[str, Any], commands: Any, results: Any
     """The server process: one model copy; publishes staged by the receiver thread, applied in command order."""
     torch.set_num_threads(config["threads"])
     channel = WeightChannel("127.0.0.1", config["port"], 1, config["backend"], config["timeout_s"])
-    staged: dict[int, dict[str, Tensor]] = {}
-    receiver = threading.Thread(target=_receive_weights, args=(channel, inbox, staged, ack), daemon=True)
-    receiver.start()
     device = channel.device
-    weights = {k: v.detach().to(device) for k, v in model.to(device).state_dict().items()}
+    buffers = _Buffers({k: v.detach().to(device) for k, v in model.to(device).state_dict().items()})
+    receiver = threading.Thread(target=_receive_weights, args=(channel, inbox, buffers, ack), daemon=True)
+    receiver.start()
     version = -1
     for kind, payload in iter(commands.get, ("close", None)):
         if kind == "publish":
-            weights = {**weights, **staged.pop(payload)}
+            buffers.apply(payload)
             version = payload
             continue
+        weights = buffers.weights
         for d in payload:  # submit
             request = RolloutRequest.from_dict(d)
             try:
@@ -130,7 +153,7 @@ class ProcessEngine:
 
     def publish(self, version: int, weights: Weights) -> None:
         self._check_alive("publish")
-        pairs = gather_weights(weights)  # every collective of the publish runs here, before the transfer
+        pairs = gather_weights(weights, copy=False)  # every collective runs here; the bytes are sent before return
         check_weights(self._shapes, pairs)
         metas: list[TensorMeta] = [(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in pairs]
         buckets = plan_buckets(metas, self.bucket_bytes)

@@ -24,17 +24,26 @@ def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name.removeprefix("torch."))
 
 
-def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int) -> list[list[int]]:
-    """Return the tensor indices of each bucket, in order: consecutive tensors up to ``bucket_bytes``.
+def plan_buckets(metas: Sequence[TensorMeta], bucket_bytes: int, direct_bytes: int = 2**20) -> list[list[int]]:
+    """Return the tensor indices of each bucket, in order.
+
+    A tensor of at least ``direct_bytes`` is a bucket of its own (sent from its own memory, no copy); the
+    smaller ones between two such are packed, consecutive, up to ``bucket_bytes`` a bucket.
 
     >>> plan_buckets([("a", (2,), "float32"), ("b", (2,), "float32"), ("c", (8,), "float32")], 16)
     [[0, 1], [2]]
+    >>> plan_buckets([("a", (2,), "float32"), ("big", (4,), "float32"), ("b", (2,), "float32")], 64, 16)
+    [[0], [1], [2]]
     """
     buckets: list[list[int]] = []
-    size = 0
+    size = bucket_bytes + 1  # no open bucket
     for i, (_, shape, dtype) in enumerate(metas):
         n = _nbytes(shape, dtype)
-        if not buckets or size + n > bucket_bytes:
+        if n >= direct_bytes:
+            buckets.append([i])
+            size = bucket_bytes + 1
+            continue
+        if size + n > bucket_bytes:
             buckets.append([])
             size = 0
         buckets[-1].append(i)
@@ -70,28 +79,40 @@ class WeightChannel:
         self.group.broadcast([t], opts).wait()
 
     def send(self, tensors: Sequence[Tensor], buckets: Sequence[Sequence[int]]) -> None:
-        """Broadcast ``tensors`` to the server, bucket by bucket."""
+        """Broadcast ``tensors`` to the server, bucket by bucket (a one-tensor bucket from its own memory)."""
         for bucket in buckets:
-            if len(bucket) == 1:
-                self._broadcast(_as_bytes(tensors[bucket[0]].to(self.device)))
-                continue
-            flat = torch.cat([_as_bytes(tensors[i].to(self.device)) for i in bucket])
-            self._broadcast(flat)
+            parts = [_as_bytes(tensors[i].to(self.device)) for i in bucket]
+            self._broadcast(parts[0] if len(parts) == 1 else torch.cat(parts))
 
-    def receive(self, metas: Sequence[TensorMeta], buckets: Sequence[Sequence[int]]) -> dict[str, Tensor]:
-        """Return the tensors the trainer sends for ``metas``, as ``send`` bucketed them."""
+    def receive(
+        self, metas: Sequence[TensorMeta], buckets: Sequence[Sequence[int]], into: dict[str, Tensor] | None = None
+    ) -> dict[str, Tensor]:
+        """Return the tensors the trainer sends for ``metas``, as ``send`` bucketed them.
+
+        ``into`` offers buffers to reuse (name -> tensor of the same shape and dtype, no longer read by
+        anyone): one-tensor buckets are received straight into them, packed ones copied out of the bucket.
+        """
+        spare = into or {}
         out: dict[str, Tensor] = {}
         for bucket in buckets:
             sizes = [_nbytes(metas[i][1], metas[i][2]) for i in bucket]
-            flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-            self._broadcast(flat)
-            offset = 0
-            for i, n in zip(bucket, sizes):
-                name, shape, dtype = metas[i]
-                piece = flat[offset : offset + n] if len(bucket) > 1 else flat
-                out[name] = piece.view(_dtype(dtype)).reshape(shape)
-                offset += n
+            targets = [self._buffer(metas[i], spare) for i in bucket]
+            if len(bucket) == 1:
+                self._broadcast(_as_bytes(targets[0]))
+            else:
+                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+                self._broadcast(flat)
+                for target, piece in zip(targets, torch.split(flat, sizes)):
+                    _as_bytes(target).copy_(piece)
+            out.update((metas[i][0], t) for i, t in zip(bucket, targets))
         return out
+
+    def _buffer(self, meta: TensorMeta, spare: dict[str, Tensor]) -> Tensor:
+        name, shape, dtype = meta
+        old = spare.pop(name, None)
+        if old is not None and tuple(old.shape) == tuple(shape) and old.dtype == _dtype(dtype) and old.is_contiguous():
+            return old
+        return torch.empty(shape, dtype=_dtype(dtype), device=self.device)
 
     def close(self) -> None:
         try:
