@@ -77,7 +77,7 @@ def _serve(model: nn.Module, config: dict[str, Any], commands: Any, results: Any
     torch.set_num_threads(config["threads"])
     channel = WeightChannel("127.0.0.1", config["port"], 1, config["backend"], config["timeout_s"])
     device = channel.device
-    buffers = _Buffers({k: v.detach().to(device) for k, v in model.to(device).state_dict().items()})
+    buffers = _Buffers({k: v.detach().to(device).clone() for k, v in model.to(device).state_dict().items()})
     receiver = threading.Thread(target=_receive_weights, args=(channel, inbox, buffers, ack), daemon=True)
     receiver.start()
     version = -1

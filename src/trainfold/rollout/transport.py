@@ -94,9 +94,10 @@ class WeightChannel:
         """
         spare = into or {}
         out: dict[str, Tensor] = {}
+        used: set[int] = set()  # storages taken: tied weights share one, and must not here
         for bucket in buckets:
             sizes = [_nbytes(metas[i][1], metas[i][2]) for i in bucket]
-            targets = [self._buffer(metas[i], spare) for i in bucket]
+            targets = [self._buffer(metas[i], spare, used) for i in bucket]
             if len(bucket) == 1:
                 self._broadcast(_as_bytes(targets[0]))
             else:
@@ -107,10 +108,12 @@ class WeightChannel:
             out.update((metas[i][0], t) for i, t in zip(bucket, targets))
         return out
 
-    def _buffer(self, meta: TensorMeta, spare: dict[str, Tensor]) -> Tensor:
+    def _buffer(self, meta: TensorMeta, spare: dict[str, Tensor], used: set[int]) -> Tensor:
         name, shape, dtype = meta
         old = spare.pop(name, None)
-        if old is not None and tuple(old.shape) == tuple(shape) and old.dtype == _dtype(dtype) and old.is_contiguous():
+        fits = old is not None and tuple(old.shape) == tuple(shape) and old.dtype == _dtype(dtype)
+        if old is not None and fits and old.is_contiguous() and old.untyped_storage().data_ptr() not in used:
+            used.add(old.untyped_storage().data_ptr())
             return old
         return torch.empty(shape, dtype=_dtype(dtype), device=self.device)
 
