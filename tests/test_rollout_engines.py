@@ -104,6 +104,7 @@ def test_the_same_request_gives_the_same_completion(engine, model):
 
 def test_each_completion_records_the_version_published_before_its_submit(engine, model):
     v0, v1, v2 = model.state_dict(), shifted(model, 1), shifted(model, 2)
+    before = {k: v.clone() for k, v in v0.items()}
     engine.publish(10, v0)
     engine.submit(requests("ver-a"))
     engine.publish(11, v1)  # a publish while requests may still be generating
@@ -117,6 +118,7 @@ def test_each_completion_records_the_version_published_before_its_submit(engine,
     assert_same(got[4:8], reference(model, v1, requests("ver-b"), 11))
     assert_same(got[8:], reference(model, v0, requests("ver-c"), 13))
     assert all(c.token_versions().tolist() == [11] * len(c.completion_ids) for c in got[4:8])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the trainer's model untouched
 
 
 def test_a_publish_that_fails_midway_leaves_the_old_version(engine, model):

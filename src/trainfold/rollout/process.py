@@ -9,6 +9,7 @@ timing. The server dying is noticed by ``submit``/``poll``/``publish``, which ra
 
 from __future__ import annotations
 
+import copy
 import queue
 import socket
 import threading
@@ -73,7 +74,10 @@ def _receive_weights(channel: WeightChannel, inbox: Any, buffers: _Buffers, ack:
 
 
 def _serve(model: nn.Module, config: dict[str, Any], commands: Any, results: Any, inbox: Any, ack: Any) -> None:
-    """The server process: one model copy; publishes staged by the receiver thread, applied in command order."""
+    """The server process: one model copy; publishes staged by the receiver thread, applied in command order.
+
+    The model's tensors arrive in shared memory (torch.multiprocessing), so the weights start as clones.
+    """
     torch.set_num_threads(config["threads"])
     channel = WeightChannel("127.0.0.1", config["port"], 1, config["backend"], config["timeout_s"])
     device = channel.device
@@ -127,7 +131,8 @@ class ProcessEngine:
         port = _free_port()
         config = {"port": port, "backend": backend, "timeout_s": timeout_s, "eos": eos_token_id, "pad": pad_token_id}
         config["threads"] = torch.get_num_threads()
-        args = (model, config, self._commands, self._results, self._inbox, self._ack)
+        # a copy: torch.multiprocessing moves the tensors it sends into shared memory, shared with the server
+        args = (copy.deepcopy(model), config, self._commands, self._results, self._inbox, self._ack)
         self.process = ctx.Process(target=_serve, args=args, daemon=True, name="trainfold-rollout-server")
         self.process.start()
         self._channel = WeightChannel("127.0.0.1", port, 0, backend, timeout_s)
