@@ -17,13 +17,21 @@ from trainfold.rollout.engine import (
     gather_weights,
 )
 from trainfold.rollout.local import LocalEngine
+from trainfold.rollout.process import ProcessEngine
+from trainfold.rollout.staleness import importance_sampling_ratio, stale_token_mask, staleness_decisions
+from trainfold.rollout.vllm import VLLMEngine
 
 __all__ = [
     "Completion",
     "EngineDied",
     "LocalEngine",
+    "ProcessEngine",
     "RolloutEngine",
     "RolloutRequest",
     "SamplingSpec",
+    "VLLMEngine",
     "gather_weights",
+    "importance_sampling_ratio",
+    "stale_token_mask",
+    "staleness_decisions",
 ]
