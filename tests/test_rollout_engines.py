@@ -304,3 +304,45 @@ def test_vllm_engine_keeps_its_version_when_a_publish_fails_and_round_trips_stat
     got = engine.poll()
     engine.load_state_dict(state)
     assert_same(engine.poll(), got)
+
+
+class Sharded:
+    """A stand-in for an FSDP2 DTensor: ``full_tensor()`` is its collective (counted)."""
+
+    calls: list[str] = []
+
+    def __init__(self, name, full):
+        self.name, self.full = name, full
+
+    def full_tensor(self):
+        Sharded.calls.append(self.name)
+        return self.full
+
+
+def test_sharded_weights_are_gathered_in_one_pass_before_any_byte_moves(model):
+    engine = ProcessEngine(model, eos_token_id=EOS, bucket_mb=0.001)
+    sends = []
+    real_send = engine._channel.send
+    engine._channel.send = lambda tensors, buckets: (sends.append(len(Sharded.calls)), real_send(tensors, buckets))
+    try:
+        Sharded.calls = []
+        weights = shifted(model, 4)
+        engine.publish(1, ((k, Sharded(k, v)) for k, v in weights.items()))
+        assert Sharded.calls == list(weights) and sends == [len(weights)]  # every gather first, in order
+        engine.submit(requests("sharded"))
+        assert_same(engine.poll(min_items=4), reference(model, weights, requests("sharded"), 1))
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_request_the_model_cannot_serve_is_named(backend, model):
+    engine = make_engine(backend, model)
+    try:
+        engine.publish(0, model.state_dict())
+        too_long = RolloutRequest("too-long", list(range(1, 46)), SamplingSpec(max_new_tokens=8, seed=0))
+        with pytest.raises(RuntimeError, match=r"failed on request 'too-long': \w+Error"):
+            engine.submit([too_long])
+            engine.poll(min_items=1)
+    finally:
+        engine.close()

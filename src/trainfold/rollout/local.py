@@ -81,14 +81,19 @@ class LocalEngine:
             self._done.append(self._complete(r, self._version))
 
     def _complete(self, request: RolloutRequest, version: int) -> Completion:
-        return complete(
-            self.model,
-            self._weights,
-            request,
-            version,
-            eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id,
-        )
+        try:
+            return complete(
+                self.model,
+                self._weights,
+                request,
+                version,
+                eos_token_id=self.eos_token_id,
+                pad_token_id=self.pad_token_id,
+            )
+        except Exception as e:
+            raise RuntimeError(
+                f"the rollout engine failed on request {request.request_id!r}: {type(e).__name__}: {e}"
+            ) from e
 
     def poll(self, min_items: int = 0, timeout_s: float | None = None) -> list[Completion]:
         if min_items > len(self._done):
