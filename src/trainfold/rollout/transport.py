@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,8 +71,14 @@ class WeightChannel:
         self.store = dist.TCPStore(host, port, 2, rank == 0, timeout, wait_for_workers=False)
         self.rank = rank
         self.device = torch.device("cuda") if backend == "nccl" else torch.device("cpu")
-        group_class = dist.ProcessGroupNCCL if backend == "nccl" else dist.ProcessGroupGloo
-        self.group = group_class(self.store, rank, 2, timeout)
+        self.group: Any = self._group(backend, rank, timeout)
+
+    def _group(self, backend: str, rank: int, timeout: datetime.timedelta) -> Any:
+        if backend == "nccl":  # NCCL takes its timeout in its options
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            return dist.ProcessGroupNCCL(self.store, rank, 2, options)
+        return dist.ProcessGroupGloo(self.store, rank, 2, timeout)
 
     def _broadcast(self, t: Tensor) -> None:
         opts = dist.BroadcastOptions()
