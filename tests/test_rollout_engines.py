@@ -15,12 +15,15 @@ import signal
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trainfold.core.generate import functional_forward, generate
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.grpo.objective import next_token_logps
 from trainfold.rollout import Completion, EngineDied, LocalEngine, RolloutEngine, RolloutRequest, SamplingSpec
 from trainfold.rollout.process import ProcessEngine
+from trainfold.rollout.transport import plan_buckets
 
 EOS = 3
 HAS_VLLM = importlib.util.find_spec("vllm") is not None and torch.cuda.device_count() >= 2
@@ -344,5 +347,54 @@ def test_a_request_the_model_cannot_serve_is_named(backend, model):
         with pytest.raises(RuntimeError, match=r"failed on request 'too-long': \w+Error"):
             engine.submit([too_long])
             engine.poll(min_items=1)
+    finally:
+        engine.close()
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    prompt=st.lists(st.integers(1, 31), min_size=1, max_size=6),
+    temperature=st.sampled_from([0.0, 0.7, 1.0, 1.5]),
+    top_k=st.sampled_from([0, 1, 5]),
+    top_p=st.sampled_from([1.0, 0.9, 0.3]),
+    seed=st.integers(0, 2**31),
+)
+def test_local_completions_are_core_generate_for_any_spec(model, prompt, temperature, top_k, top_p, seed):
+    spec = SamplingSpec(max_new_tokens=5, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    (c,) = reference(model, model.state_dict(), [RolloutRequest("h", prompt, spec)], 0)
+    (ids,) = generate(
+        model, dict(model.named_parameters()), [prompt], max_new_tokens=5, temperature=temperature, eos_token_id=EOS,
+        generator=torch.Generator().manual_seed(seed), top_k=top_k, top_p=top_p,
+    )  # fmt: skip
+    assert list(c.completion_ids) == ids and len(c.logps) == len(ids) and bool(c.logps.isfinite().all())
+    assert c.finish_reason == ("stop" if ids and ids[-1] == EOS else "length")
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 40), min_size=1, max_size=12),
+    bucket=st.integers(4, 64),
+    direct=st.integers(8, 100),
+)
+def test_buckets_hold_every_tensor_once_in_order_within_their_size(sizes, bucket, direct):
+    metas = [(f"t{i}", (n,), "uint8") for i, n in enumerate(sizes)]
+    buckets = plan_buckets(metas, bucket, direct)
+    assert [i for b in buckets for i in b] == list(range(len(sizes)))
+    for b in buckets:
+        assert len(b) == 1 or (sum(sizes[i] for i in b) <= bucket and all(sizes[i] < direct for i in b))
+
+
+def test_poll_waits_at_most_its_timeout(model):
+    engine = ProcessEngine(model, eos_token_id=EOS)
+    try:
+        engine.publish(0, model.state_dict())
+        os.kill(engine.process.pid, signal.SIGSTOP)  # a server that gives nothing, for as long as we like
+        try:
+            engine.submit([RolloutRequest("slow", [1], SamplingSpec(max_new_tokens=4, seed=0))])
+            with pytest.raises(TimeoutError, match=r"gave nothing for 0.2s during poll"):
+                engine.poll(min_items=1, timeout_s=0.2)
+        finally:
+            os.kill(engine.process.pid, signal.SIGCONT)
+        assert [c.request_id for c in engine.poll(min_items=1)] == ["slow"]
     finally:
         engine.close()

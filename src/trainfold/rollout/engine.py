@@ -140,7 +140,7 @@ class RolloutEngine(Protocol):
     of them or a subset) the weights of the requests submitted from now on, tagged ``version``; atomic.
     ``submit(requests)``: queue requests (returns at once where the engine is asynchronous).
     ``poll(min_items=0, timeout_s=None)``: the completions finished so far, in submission order, waiting
-    for at least ``min_items``. ``state_dict()`` / ``load_state_dict()``: the requests submitted and not yet
+    for at least ``min_items`` (``TimeoutError`` after ``timeout_s``; a synchronous engine never waits). ``state_dict()`` / ``load_state_dict()``: the requests submitted and not yet
     polled (JSON values and tensors). ``close()``: free the engine (idempotent). ``version``: the version
     published last (None before the first publish).
     """

@@ -176,15 +176,16 @@ class ProcessEngine:
             self._pending[r.request_id] = (r, self._version)
         self._commands.put(("submit", [r.to_dict() for r in requests]))
 
-    def _wait(self, q: Any, doing: str) -> Any:
-        deadline = time.monotonic() + self.timeout_s
+    def _wait(self, q: Any, doing: str, timeout_s: float | None = None) -> Any:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 return q.get(timeout=0.05)
             except queue.Empty:
                 self._check_alive(doing)
                 if time.monotonic() > deadline:
-                    message = f"the rollout server gave nothing for {self.timeout_s}s during {doing}"
+                    message = f"the rollout server gave nothing for {timeout_s}s during {doing}"
                     raise TimeoutError(message) from None
 
     def _take(self, message: tuple[str, dict[str, Any]]) -> None:
@@ -206,7 +207,7 @@ class ProcessEngine:
             except queue.Empty:
                 break
         while len(self._done) < min_items:
-            self._take(self._wait(self._results, "poll"))
+            self._take(self._wait(self._results, "poll", timeout_s))
         out, self._done = self._done, []
         return out
 
