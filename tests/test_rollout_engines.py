@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainfold.core.generate import functional_forward, generate
+from trainfold.core.generate import filter_logits, functional_forward, generate
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.grpo.objective import next_token_logps
 from trainfold.rollout import Completion, EngineDied, LocalEngine, RolloutEngine, RolloutRequest, SamplingSpec
@@ -398,3 +398,20 @@ def test_poll_waits_at_most_its_timeout(model):
         assert [c.request_id for c in engine.poll(min_items=1)] == ["slow"]
     finally:
         engine.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    logits=st.lists(st.floats(-5.0, 5.0, width=32), min_size=8, max_size=8),
+    top_k=st.integers(0, 9),
+    top_p=st.sampled_from([1.0, 0.95, 0.6, 0.2, 0.01]),
+)
+def test_filter_logits_is_transformers_top_k_then_top_p(logits, top_k, top_p):
+    transformers = pytest.importorskip("transformers")
+    scores = torch.tensor([logits])
+    theirs = scores.clone()
+    if top_k > 0:
+        theirs = transformers.TopKLogitsWarper(top_k)(None, theirs)
+    if top_p < 1.0:
+        theirs = transformers.TopPLogitsWarper(top_p)(None, theirs)
+    assert torch.equal(filter_logits(scores, top_k, top_p), theirs)
