@@ -219,15 +219,24 @@ def test_process_completions_are_the_local_ones_bitwise_on_a_llama():
 def test_a_dead_server_is_named_by_poll_submit_and_publish(model):
     e = ProcessEngine(model, eos_token_id=EOS)
     try:
-        e.publish(0, model.state_dict())
+        e.publish(7, model.state_dict())
+        os.kill(e.process.pid, signal.SIGSTOP)  # nothing finishes before the kill
         e.submit(requests("dead", n=2))
         os.kill(e.process.pid, signal.SIGKILL)
         e.process.join(timeout=30)
-        for call in (lambda: e.poll(min_items=2), lambda: e.submit(requests("more")), lambda: e.publish(1, {})):
+        for call in (lambda: e.poll(min_items=2), lambda: e.submit(requests("more")), lambda: e.publish(8, {})):
             with pytest.raises(EngineDied, match=rf"pid {e.process.pid}\) died with exit code -9 .*start a new"):
                 call()
+        with pytest.raises(EngineDied) as died:
+            e.poll()
     finally:
         e.close()
+    lost = died.value.lost
+    assert [(r.request_id, v) for r, v in lost] == [("dead0", 7), ("dead1", 7)]
+    again = make_engine("local", model)  # a new engine of that version regenerates them exactly
+    again.publish(7, model.state_dict())
+    again.submit([r for r, _ in lost])
+    assert_same(again.poll(), reference(model, model.state_dict(), requests("dead", n=2), 7))
 
 
 def test_completion_round_trips_its_dict(model):

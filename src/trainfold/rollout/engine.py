@@ -37,7 +37,15 @@ Weights = Iterable[tuple[str, Tensor]] | Mapping[str, Tensor]
 
 
 class EngineDied(RuntimeError):
-    """The generation process of an engine is gone; what was in flight there is lost (regenerate it)."""
+    """The generation process of an engine is gone; what was in flight there is lost.
+
+    ``lost`` holds each lost request with the version it was submitted under: a new engine given that
+    version regenerates them exactly (generation is deterministic).
+    """
+
+    def __init__(self, message: str, lost: Sequence[tuple[RolloutRequest, int]] = ()) -> None:
+        super().__init__(message)
+        self.lost = tuple(lost)
 
 
 def _finite_prob(spec: SamplingSpec, attribute: attrs.Attribute, value: float) -> None:
@@ -140,8 +148,9 @@ class RolloutEngine(Protocol):
     of them or a subset) the weights of the requests submitted from now on, tagged ``version``; atomic.
     ``submit(requests)``: queue requests (returns at once where the engine is asynchronous).
     ``poll(min_items=0, timeout_s=None)``: the completions finished so far, in submission order, waiting
-    for at least ``min_items`` (``TimeoutError`` after ``timeout_s``; a synchronous engine never waits). ``state_dict()`` / ``load_state_dict()``: the requests submitted and not yet
-    polled (JSON values and tensors). ``close()``: free the engine (idempotent). ``version``: the version
+    for at least ``min_items`` (``TimeoutError`` after ``timeout_s``; a synchronous engine never waits).
+    ``state_dict()`` / ``load_state_dict()``: the requests submitted and not yet polled (JSON values and
+    tensors). ``close()``: free the engine (idempotent). ``version``: the version
     published last (None before the first publish).
     """
 

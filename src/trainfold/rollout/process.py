@@ -153,7 +153,9 @@ class ProcessEngine:
             raise EngineDied(
                 f"the rollout server process (pid {self.process.pid}) died with exit code {self.process.exitcode} "
                 f"during {doing}; {len(lost)} open requests are lost ({lost[:8]}{'...' if len(lost) > 8 else ''}): "
-                "start a new ProcessEngine, publish the weights and submit them again (generation is deterministic)"
+                "start a new ProcessEngine, publish the weights and submit them again (generation is deterministic; "
+                "EngineDied.lost has them with their versions)",
+                list(self._pending.values()),
             )
 
     def publish(self, version: int, weights: Weights) -> None:
