@@ -18,6 +18,7 @@ policy's log-probs of the mismatched ``KL_`` sequences (no grad); the reference'
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -94,10 +95,21 @@ class KTOObjective(ModelInputsObjective):
         return self.count_items(micro_batch)
 
     def prepare(
-        self, model: nn.Module, args: Any, train_dataset: Any, eval_dataset: Any, collate: Any, device: torch.device
+        self,
+        model: nn.Module,
+        train_dataset: Any,
+        eval_dataset: Any,
+        collate: Any,
+        *,
+        device: torch.device,
+        output_dir: str | os.PathLike | None = None,
+        train_batch_size: int,
+        eval_batch_size: int,
     ) -> tuple[KTOObjective, Any, Any]:
         """Return ``(objective, train_dataset, eval_dataset)``; with ``precompute_ref_log_probs`` the datasets carry
-        the reference log-probs and the objective runs no reference forward (``trainfold.kto.reference``)."""
+        the reference log-probs (scored ``train_batch_size`` (``eval_batch_size``) rows at a time unless
+        ``precompute_ref_batch_size`` is set; nothing is cached in ``output_dir``) and the objective runs no
+        reference forward (``trainfold.kto.reference``)."""
         if not self.precompute_ref_log_probs:
             return self, train_dataset, eval_dataset
         if not isinstance(collate, UnpairedCollate):
@@ -105,8 +117,7 @@ class KTOObjective(ModelInputsObjective):
                 "precompute_ref_log_probs scores the rows through an UnpairedCollate: pass unpaired_collate()"
             )
         ref = self.ref_params or {k: v.detach() for k, v in model.named_parameters()}
-        sizes = (self.precompute_ref_batch_size or args.per_device_train_batch_size,
-                 self.precompute_ref_batch_size or args.per_device_eval_batch_size)  # fmt: skip
+        sizes = (self.precompute_ref_batch_size or train_batch_size, self.precompute_ref_batch_size or eval_batch_size)
         train_dataset, eval_dataset = prepare_reference_logps(
             model, ref, train_dataset, eval_dataset, collate, device=device, batch_sizes=sizes, kl=self.calculate_kl
         )
