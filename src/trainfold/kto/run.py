@@ -69,18 +69,18 @@ def train(
     ``trainfold.train``.
     """
     check_arguments(args, KTOArguments, "kto")
-    model = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
-    model = without_dropout(model) if args.disable_dropout else model  # TRL's default: no dropout (nor in the ref)
+    policy: nn.Module = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
+    policy = without_dropout(policy) if args.disable_dropout else policy  # TRL's default: no dropout (nor in the ref)
     objective = kto_objective(
         args.beta,
         args.loss_type,
-        reference_params(model, ref_model, precomputed=args.precompute_ref_log_probs),
+        reference_params(policy, ref_model, precomputed=args.precompute_ref_log_probs),
         desirable_weight=args.desirable_weight,
         undesirable_weight=args.undesirable_weight,
         precompute_ref_log_probs=args.precompute_ref_log_probs,
         precompute_ref_batch_size=args.precompute_ref_batch_size,
     )
-    tok = processing_class_for(model, processing_class)
+    tok = processing_class_for(policy, processing_class)
     pad = (tok.pad_token or tok.eos_token) if tok is not None else None
     pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
     collate = unpaired_collate(pad_id, args.max_length, args.pad_to_multiple_of)
@@ -88,4 +88,4 @@ def train(
     train_rows = prepare(train_dataset)
     eval_rows = valmap(prepare, eval_dataset) if isinstance(eval_dataset, dict) else prepare(eval_dataset)
     run = dict(objective=objective, callbacks=callbacks, processing_class=tok)  # checkpoints hold the tokenizer
-    return train_run(model, args, train_rows, eval_rows, collate, **run, **kwargs)
+    return train_run(policy, args, train_rows, eval_rows, collate, **run, **kwargs)
