@@ -30,20 +30,10 @@ from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tenso
 from trainfold.dpo.logps import completion_logps
 from trainfold.kto.collate import REF_COLUMNS, UnpairedCollate
 from trainfold.kto.loss import kl_estimate, kto_loss, kto_loss_errors
-from trainfold.kto.reference import prepare_reference_logps
+from trainfold.kto.reference import prepare_reference_logps, unpaired_logps
 from trainfold.kto.rows import KL_COLUMN, UNPAIRED_COLUMNS
 
-__all__ = ["KTOObjective", "kto_objective", "unpaired_logps"]
-
-_MODEL_KEYS = ("input_ids", "attention_mask")
-
-
-def unpaired_logps(
-    forward: Callable[..., Any], params: Mapping[str, Tensor], batch: Mapping[str, Tensor], prefix: str = ""
-) -> Tensor:
-    """Return each row's summed completion log-prob of the ``prefix`` sequences of a collated batch."""
-    side = {k: batch[prefix + k] for k in (*_MODEL_KEYS, "completion_mask")}
-    return completion_logps(forward, params, {k: side[k] for k in _MODEL_KEYS}, side, None, 0)[0]
+__all__ = ["KTOObjective", "kto_objective"]
 
 
 def _mean(x: Tensor, rows: Tensor) -> Tensor:
