@@ -14,7 +14,7 @@ from trainfold import TrainingArguments, evaluate, predict, train
 from trainfold.core.losses import causal_lm
 from trainfold.data import eval_loader, pad_collate
 from trainfold.distributed.distributed import shard
-from trainfold.evaluation.evaluation import eval_sets
+from trainfold.evaluation.metrics import eval_sets
 
 transformers = pytest.importorskip("transformers")
 

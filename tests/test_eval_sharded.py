@@ -16,9 +16,7 @@ from trainfold.core.losses import IGNORE_INDEX
 from trainfold.evaluation import (
     EvalSpec,
     evaluate_batches,
-    evaluate_with,
     predict_batches,
-    predict_with,
 )
 from trainfold.evaluation import (
     evaluate_batches as evaluate,
@@ -114,7 +112,7 @@ def test_eval_accumulation_steps_moves_predictions_to_the_host_every_n_batches_o
             return t.to("cpu")
 
         spec = EvalSpec(compute_metrics=rows, eval_accumulation_steps=every, move=move, speed_metrics=False)
-        return predict_with(spec, traced, params, mine, collective=c)
+        return predict_batches(traced, params, mine, collective=c, spec=spec)
 
     def rows(p):
         return {"rows": len(p.label_ids)}
@@ -122,7 +120,7 @@ def test_eval_accumulation_steps_moves_predictions_to_the_host_every_n_batches_o
     got = on_ranks(parts, lambda c, mine: run(c, mine, 2))
     # two gathered leaves per batch (predictions, label_ids), each moved once, two batches per move
     assert ["".join(log) for log in logs] == ["ffmmmmffmmmm", "ffmmmmfmm"]
-    ref = predict_with(EvalSpec(compute_metrics=rows, speed_metrics=False), forward, params, batches)
+    ref = predict_batches(forward, params, batches, spec=EvalSpec(compute_metrics=rows, speed_metrics=False))
     for out in got:
         assert np.array_equal(out.label_ids, ref.label_ids)
         assert np.array_equal(out.predictions, ref.predictions)
@@ -141,9 +139,9 @@ def test_an_objectives_metrics_are_exact_means_over_every_ranks_items():
 
     params, batches = make_params(), make_batches(8, 3)
     spec = EvalSpec(objective=objective, speed_metrics=False)
-    whole = evaluate_with(spec, forward, params, batches)
+    whole = evaluate_batches(forward, params, batches, spec=spec)
     for got in on_ranks(
-        contiguous(batches, [1]), lambda c, mine: evaluate_with(spec, forward, params, mine, collective=c)
+        contiguous(batches, [1]), lambda c, mine: evaluate_batches(forward, params, mine, collective=c, spec=spec)
     ):
         assert sorted(got) == ["eval_loss", "eval_mean_logit"]
         assert got == pytest.approx(whole, rel=1e-12)
@@ -158,8 +156,8 @@ def test_a_rank_without_batches_still_gathers_record_predictions():
     # rank 1 has no batches, so no predictions to show their structure: it takes rank 0's
     params, batches = make_params(), make_batches(5, 2)
     spec = EvalSpec(predictions_of=lambda logits: {"logits": logits, "ids": (logits.argmax(-1),)}, speed_metrics=False)
-    ref = predict_with(spec, forward, params, batches)
-    got = on_ranks([batches, []], lambda c, mine: predict_with(spec, forward, params, mine, collective=c))
+    ref = predict_batches(forward, params, batches, spec=spec)
+    got = on_ranks([batches, []], lambda c, mine: predict_batches(forward, params, mine, collective=c, spec=spec))
     for out in got:
         assert sorted(out.predictions) == ["ids", "logits"]
         assert np.array_equal(out.predictions["logits"], ref.predictions["logits"])
@@ -199,8 +197,10 @@ def test_sharding_contiguous_batches_changes_nothing_but_float64_sum_order(n_bat
     params, batches = make_params(), make_batches(2 * n_batches, 2)
     cuts = sorted(data.draw(st.lists(st.integers(0, n_batches), min_size=world - 1, max_size=world - 1)))
     spec = EvalSpec(include_for_metrics=include, eval_accumulation_steps=every, as_numpy=False, speed_metrics=False)
-    ref = predict_with(spec, forward, params, batches)
-    got = on_ranks(contiguous(batches, cuts), lambda c, mine: predict_with(spec, forward, params, mine, collective=c))
+    ref = predict_batches(forward, params, batches, spec=spec)
+    got = on_ranks(
+        contiguous(batches, cuts), lambda c, mine: predict_batches(forward, params, mine, collective=c, spec=spec)
+    )
     for out in got:
         assert torch.equal(out.predictions, ref.predictions)
         assert torch.equal(out.label_ids, ref.label_ids)

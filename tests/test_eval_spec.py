@@ -13,8 +13,6 @@ from hypothesis import strategies as st
 from trainfold.core.losses import cross_entropy
 from trainfold.evaluation import (
     EvalSpec,
-    evaluate_with,
-    predict_with,
 )
 from trainfold.evaluation import (
     evaluate_batches as evaluate,
@@ -68,7 +66,7 @@ def test_of_takes_the_fields_it_knows_and_leaves_the_rest():
 
 @pytest.mark.parametrize("entry", [evaluate, predict])
 def test_the_entry_points_take_the_spec_fields_as_keywords_and_refuse_others(entry):
-    assert list(inspect.signature(entry).parameters)[3:] == ["buffers", "collective", "settings"]
+    assert list(inspect.signature(entry).parameters)[3:] == ["spec", "buffers", "collective", "settings"]
     with pytest.raises(TypeError, match="label_kye"):
         entry(forward, PARAMS, BATCHES, label_kye="y")
 
@@ -76,11 +74,18 @@ def test_the_entry_points_take_the_spec_fields_as_keywords_and_refuse_others(ent
 def test_the_keyword_forms_are_the_spec_forms():
     kw = {"compute_metrics": rows, "include_for_metrics": ["inputs"], "eval_accumulation_steps": 1}
     kw |= {"loss": cross_entropy, "speed_metrics": False}
-    assert evaluate(forward, PARAMS, BATCHES, **kw) == evaluate_with(EvalSpec(**kw), forward, PARAMS, BATCHES)
+    assert evaluate(forward, PARAMS, BATCHES, **kw) == evaluate(forward, PARAMS, BATCHES, spec=EvalSpec(**kw))
     one = predict(forward, PARAMS, BATCHES, **kw)
-    two = predict_with(EvalSpec(metric_key_prefix="test", **kw), forward, PARAMS, BATCHES)
+    two = predict(forward, PARAMS, BATCHES, spec=EvalSpec(metric_key_prefix="test", **kw))
     assert one.metrics == two.metrics and sorted(one.metrics) == ["test_inputs", "test_loss", "test_rows"]
     assert (one.predictions == two.predictions).all() and (one.label_ids == two.label_ids).all()
+
+
+def test_keywords_replace_the_fields_of_a_given_spec():
+    spec = EvalSpec(metric_key_prefix="dev", speed_metrics=False)
+    assert sorted(evaluate(forward, PARAMS, BATCHES, spec=spec, metric_key_prefix="held")) == ["held_loss"]
+    assert sorted(predict(forward, PARAMS, BATCHES, spec=spec).metrics) == ["dev_loss"]  # the spec's own prefix
+    assert sorted(predict(forward, PARAMS, BATCHES, speed_metrics=False).metrics) == ["test_loss"]  # HF's default
 
 
 # -- properties -------------------------------------------------------------------------------------
@@ -97,7 +102,7 @@ def test_evaluate_with_keywords_equals_evaluate_with_the_spec(prefix, every, inc
     kw = {"metric_key_prefix": prefix, "eval_accumulation_steps": every, "include_for_metrics": include}
     kw |= {"compute_metrics": rows if gather else None, "speed_metrics": False}
     spec = EvalSpec(**kw)
-    assert evaluate(forward, PARAMS, BATCHES, **kw) == evaluate_with(spec, forward, PARAMS, BATCHES)
+    assert evaluate(forward, PARAMS, BATCHES, **kw) == evaluate(forward, PARAMS, BATCHES, spec=spec)
     assert spec_errors(spec) == []
 
 

@@ -12,13 +12,9 @@ from hypothesis import strategies as st
 from trainfold.core.losses import cross_entropy
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import init_state
-from trainfold.evaluation.evaluation import (
-    EvalPrediction,
-    check_metrics,
-    prefix_metrics,
-)
 from trainfold.evaluation.evaluation import evaluate_batches as evaluate
 from trainfold.evaluation.evaluation import predict_batches as predict
+from trainfold.evaluation.metrics import EvalPrediction, check_metrics, prefix_metrics
 from trainfold.optim import sgd
 
 VOCAB = 16

@@ -368,6 +368,17 @@ def test_a_trl_facade_refuses_another_trainfold_arguments_class_with_the_one_it_
         trainfold.sft.SFTTrainer(llama(), trainfold.TrainingArguments(output_dir=str(tmp_path)))
 
 
+@pytest.mark.parametrize(("package", "name"), [("sft", "SFT"), ("dpo", "DPO"), ("kto", "KTO"), ("reward", "Reward")])
+def test_each_trl_run_refuses_another_arguments_class_naming_its_own_and_the_conversion(tmp_path, package, name):
+    run = getattr(trainfold, package).train
+    with pytest.raises(
+        TypeError,
+        match=rf"trainfold\.{package}\.train takes {name}Arguments \(TRL's {name}Config "
+        rf"names\), not TrainingArguments; convert a trl\.{name}Config with {name}Arguments\.from_hf",
+    ):
+        run(torch.nn.Linear(2, 2), trainfold.TrainingArguments(output_dir=str(tmp_path)), [])
+
+
 def test_dpo_trainer_evaluates_and_predicts_against_the_reference_fixed_when_built(tmp_path):
     from tiny_chat import llama, word_tokenizer
 

@@ -173,6 +173,26 @@ def test_objective_equals_trls_compute_loss_and_metrics(tmp_path):
         assert v.item() == pytest.approx(metrics[k], rel=1e-4, abs=1e-6), k
 
 
+def test_prepare_takes_the_runs_typed_values_and_its_stored_reference_equals_the_reference_forward():
+    """``prepare`` gets the device and batch sizes (not the arguments object): the rows it returns carry the
+    reference log-probs, and the objective it returns scores them as the one with the reference params."""
+    model, ref = llama(), llama()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    ref_params = {k: v.detach() for k, v in ref.named_parameters()}
+    rows, collate = unpaired_rows(text_rows(6), tokenizer(), kl_batch_size=3), kto.unpaired_collate()
+    obj = kto.kto_objective(0.1, ref_params=ref_params, precompute_ref_log_probs=True)
+    prepared, train_rows, eval_rows = obj.prepare(
+        model, rows, rows[:3], collate, device=torch.device("cpu"), train_batch_size=3, eval_batch_size=2
+    )
+    assert prepared.ref_params is None and "ref_logps" in train_rows[0] and "ref_logps" in eval_rows[0]
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    stored = prepared(functional_forward(model), params, collate(train_rows), torch.tensor(6))[0]
+    direct = obj(functional_forward(model), params, collate(rows), torch.tensor(6))[0]
+    assert stored.item() == pytest.approx(direct.item(), rel=1e-5)
+
+
 # -- runs -----------------------------------------------------------------------------------------
 
 

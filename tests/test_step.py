@@ -19,6 +19,7 @@ from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import Cursor, scalar
 from trainfold.core.tree import flatten
 from trainfold.data import StepBatch
+from trainfold.step import Execution
 
 SMALL = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16)
 
@@ -455,6 +456,23 @@ def test_optimizer_state_with_unknown_keys_is_named():
 def test_make_step_without_optimizer_says_what_to_pass():
     with pytest.raises(TypeError, match="needs an optimizer"):
         make_step(lm(), causal_lm)
+
+
+def test_how_a_step_runs_is_an_execution_record_or_its_fields_as_keywords():
+    model = lm()
+    ids, labels = lm_samples(2, 4, 12)
+    opt = sgd(0.1)
+    batch = [{"input_ids": ids, "labels": labels}]
+    state = init_state(model, opt)
+    record = make_step(model, causal_lm, opt, execution=Execution(gradient_checkpointing=True))(state, batch)
+    keyword = make_step(model, causal_lm, opt, gradient_checkpointing=True)(state, batch)
+    assert record.metrics["loss"].item() == keyword.metrics["loss"].item()
+    assert all(torch.equal(record.params[k], keyword.params[k]) for k in record.params)
+    # a keyword overrides the record's field; a wrong one is refused naming the fields
+    over = make_step(model, causal_lm, opt, execution=Execution(differentiable=True), differentiable=False)
+    assert getattr(over, "engine", "none") is None  # the eager step (a differentiable one has no engine)
+    with pytest.raises(TypeError, match=r"unexpected keywords \['compile_mod'\].*'compile_mode'"):
+        make_step(model, causal_lm, opt, compile_mod="default")
 
 
 def test_no_warning_on_a_normal_step():

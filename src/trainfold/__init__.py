@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from trainfold.data.packing import pack, packed_collate, padding_free_collate
     from trainfold.data.samplers import Sampler, make_sampler
     from trainfold.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
-    from trainfold.evaluation.evaluation import EvalPrediction
+    from trainfold.evaluation.metrics import EvalPrediction
     from trainfold.grpo.args import GRPOArguments
     from trainfold.observe.stopping import early_stopping
     from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, sgd

@@ -78,28 +78,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         label_smoothing: float,
     ) -> Tensor:
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        vocab = weight.shape[0]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        grad_b = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if bias is not None and need_b else None
+        need_b = need_b and bias is not None
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) if need_b else None
         for start in range(0, hidden.shape[0], chunk_size):
             h, y = hidden[start : start + chunk_size], labels[start : start + chunk_size]
             logits = F.linear(h, weight, bias).float()
-            valid = (y != IGNORE_INDEX).to(logits.dtype)
-            target = y.clamp(min=0)[:, None]
-            lse = torch.logsumexp(logits, dim=-1)
-            per = (lse - logits.gather(1, target)[:, 0]) * (1 - label_smoothing)
-            if label_smoothing:
-                per = per + label_smoothing * (lse - logits.mean(-1))
-            total = total + (per * valid).sum()
+            loss, lse = _chunk_loss(logits, y, label_smoothing)
+            total = total + loss
             if grad_h is None and grad_w is None and grad_b is None:
                 continue
-            d = logits.sub_(lse[:, None]).exp_()  # the softmax, in the logits' memory
-            d.scatter_add_(1, target, torch.full_like(target, label_smoothing - 1, dtype=d.dtype))
-            if label_smoothing:
-                d -= label_smoothing / vocab
-            d *= valid[:, None]
+            d = _logit_grads(logits, y, lse, label_smoothing)
             if grad_b is not None:
                 grad_b += d.sum(0)
             d = d.to(weight.dtype)
@@ -123,6 +114,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, grad_b = ctx.saved_tensors  # made for this call alone: scaled in place, no second copy
         scale = [None if g is None else g.mul_(grad.to(g.dtype)) for g in (grad_h, grad_w, grad_b)]
         return (*scale, None, None, None)
+
+
+def _chunk_loss(logits: Tensor, labels: Tensor, label_smoothing: float) -> tuple[Tensor, Tensor]:
+    """Return the chunk's summed (label-smoothed) cross-entropy and its logits' log-sum-exp."""
+    lse = torch.logsumexp(logits, dim=-1)
+    per = (lse - logits.gather(1, labels.clamp(min=0)[:, None])[:, 0]) * (1 - label_smoothing)
+    if label_smoothing:
+        per = per + label_smoothing * (lse - logits.mean(-1))
+    return (per * (labels != IGNORE_INDEX).to(logits.dtype)).sum(), lse
+
+
+def _logit_grads(logits: Tensor, labels: Tensor, lse: Tensor, label_smoothing: float) -> Tensor:
+    """Return the summed loss's gradient with respect to the chunk's float32 ``logits`` (``softmax - target``,
+    zero at ignored labels), made in the logits' memory."""
+    target = labels.clamp(min=0)[:, None]
+    d = logits.sub_(lse[:, None]).exp_()  # the softmax
+    d.scatter_add_(1, target, torch.full_like(target, label_smoothing - 1, dtype=d.dtype))
+    if label_smoothing:
+        d -= label_smoothing / logits.shape[-1]
+    d *= (labels != IGNORE_INDEX).to(d.dtype)[:, None]
+    return d
 
 
 def _flat(hidden: Tensor, labels: Tensor, weight: Tensor, chunk_size: int) -> tuple[Tensor, Tensor]:

@@ -212,10 +212,11 @@ def stream(
         dataloader_prefetch_factor,
         dataloader_pin_memory,
     )
+    reading = _Reading(dataset, sampler, collate, begin, num_epochs, max_steps, loader_options)
     if sampler.num_samples is None:
-        return _iterable_stream(dataset, sampler, collate, begin, num_epochs, max_steps, loader_options)
+        return _iterable_stream(reading)
     _check_start(sampler, len(dataset), begin)
-    return _map_stream(dataset, sampler, collate, begin, num_epochs, max_steps, loader_options)
+    return _map_stream(reading)
 
 
 def _check_options(
@@ -268,15 +269,23 @@ def _check_start(sampler: Sampler, num_samples: int, begin: tuple[int, int]) -> 
         )
 
 
-def _map_stream(
-    dataset: Any,
-    sampler: Sampler,
-    collate: Callable[..., Any],
-    begin: tuple[int, int],
-    num_epochs: int | None,
-    max_steps: int | None,
-    loader_options: dict[str, Any],
-) -> Iterator[StepBatch]:
+@attrs.frozen
+class _Reading:
+    """What a stream reads and where it starts and stops: ``_map_stream`` steps a map-style dataset,
+    ``_iterable_stream`` one without a length."""
+
+    dataset: Any
+    sampler: Sampler
+    collate: Callable[..., Any]
+    begin: tuple[int, int]
+    num_epochs: int | None
+    max_steps: int | None
+    loader_options: dict[str, Any]
+
+
+def _map_stream(reading: _Reading) -> Iterator[StepBatch]:
+    dataset, sampler, collate, begin = reading.dataset, reading.sampler, reading.collate, reading.begin
+    num_epochs, max_steps, loader_options = reading.num_epochs, reading.max_steps, reading.loader_options
     epoch_batches = functools.lru_cache(maxsize=2)(sampler.epoch_batches)  # shared by loader and steps
 
     def plan() -> Iterator[_Planned]:
@@ -295,23 +304,17 @@ def _as_list(items: list[Any]) -> list[Any]:
     return items
 
 
-def _iterable_stream(
-    dataset: Any,
-    sampler: Sampler,
-    collate: Callable[..., Any],
-    begin: tuple[int, int],
-    num_epochs: int | None,
-    max_steps: int | None,
-    loader_options: dict[str, Any],
-) -> Iterator[StepBatch]:
+def _iterable_stream(reading: _Reading) -> Iterator[StepBatch]:
     """Steps of a dataset without length: micro-batches in its own order, dealt round-robin to ranks.
 
     The collator runs in this process (keys need each sample's position in the epoch). The last
     round of micro-batches that not every rank would get is dropped; ``max_steps`` counts the
     steps this stream yields.
     """
+    dataset, sampler, collate, max_steps = reading.dataset, reading.sampler, reading.collate, reading.max_steps
+    num_epochs, loader_options = reading.num_epochs, reading.loader_options
     b, a, w = sampler.per_device_train_batch_size, sampler.gradient_accumulation_steps, sampler.world_size
-    epoch, skip = begin
+    epoch, skip = reading.begin
     done = 0
     while num_epochs is None or epoch < num_epochs:
         loader = DataLoader(dataset, batch_size=b, drop_last=sampler.drop_last, collate_fn=_as_list, **loader_options)

@@ -72,19 +72,17 @@ class ProcessGroupCollective:
 
     def sum_(self, tensors: list[Tensor]) -> None:
         """Replace each tensor by its sum over all ranks, in place (one ``all_reduce`` each)."""
-        with named_failures(self.rank, self.world_size):
-            for t in tensors:
-                buf = t.to(self.device)
-                dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group)
-                if buf is not t:
-                    t.copy_(buf)
+        self._all_reduce(tensors, dist.ReduceOp.SUM)
 
     def max_(self, tensors: list[Tensor]) -> None:
         """Replace each tensor by its maximum over all ranks, in place."""
+        self._all_reduce(tensors, dist.ReduceOp.MAX)
+
+    def _all_reduce(self, tensors: list[Tensor], op: Any) -> None:
         with named_failures(self.rank, self.world_size):
             for t in tensors:
                 buf = t.to(self.device)
-                dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=self.group)
+                dist.all_reduce(buf, op=op, group=self.group)
                 if buf is not t:
                     t.copy_(buf)
 

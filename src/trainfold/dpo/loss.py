@@ -12,31 +12,15 @@ torch.Size([1])
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 __all__ = ["DPO_LOSS_TYPES", "dpo_loss", "dpo_loss_errors", "loss_types_of"]
 
-DPO_LOSS_TYPES = (
-    "sigmoid",
-    "hinge",
-    "ipo",
-    "exo_pair",
-    "nca_pair",
-    "robust",
-    "bco_pair",
-    "sppo_hard",
-    "aot",
-    "aot_unpaired",
-    "apo_zero",
-    "apo_down",
-    "discopop",
-    "sft",
-    "sigmoid_norm",
-)
 _SMOOTHED = ("robust", "exo_pair", "aot", "aot_unpaired")  # the loss types that read label_smoothing
 _NEEDS_LENGTHS = ("ipo", "sigmoid_norm", "sft")
 
@@ -94,55 +78,84 @@ def _smoothed_logistic(z: Tensor, eps: float) -> Tensor:
     return -F.logsigmoid(z) * (1 - eps) - F.logsigmoid(-z) * eps
 
 
-def _one(
-    name: str,
-    pc: Tensor,
-    pr: Tensor,
-    rc: Tensor,
-    rr: Tensor,
-    beta: float,
-    eps: float,
-    nc: Tensor | None,
-    nr: Tensor | None,
-    tau: float,
-) -> Tensor:
-    """Return the per-pair loss of one loss type (the formulas of the module doc of ``trainfold.dpo.objective``)."""
-    chosen, rejected = pc - rc, pr - rr
-    z = beta * (chosen - rejected)
-    if name == "sigmoid":
-        return -F.logsigmoid(z)
-    if name == "hinge":
-        return torch.relu(1 - z)
-    if name in ("ipo", "sigmoid_norm"):
-        assert nc is not None and nr is not None
-        margin = chosen / nc.clamp(min=1) - rejected / nr.clamp(min=1)
-        return (margin - 1 / (2 * beta)) ** 2 if name == "ipo" else -F.logsigmoid(beta * margin)
-    if name == "exo_pair":
-        return torch.sigmoid(z) * (F.logsigmoid(z) - torch.log1p(torch.tensor(-eps))) + torch.sigmoid(-z) * (
-            F.logsigmoid(-z) - torch.log(torch.tensor(eps))
-        )
-    if name == "nca_pair":
-        c, r = beta * chosen, beta * rejected
-        return -F.logsigmoid(c) - 0.5 * F.logsigmoid(-c) - 0.5 * F.logsigmoid(-r)
-    if name == "robust":
-        return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
-    if name == "bco_pair":
-        return -F.logsigmoid(beta * chosen) - F.logsigmoid(-beta * rejected)
-    if name == "sppo_hard":
-        return (chosen - 0.5 / beta) ** 2 + (rejected + 0.5 / beta) ** 2
-    if name == "aot":  # sorted over the pairs: the i-th loss belongs to the i-th smallest margins, not to pair i
-        return _smoothed_logistic(beta * (torch.sort(pc - pr, dim=0)[0] - torch.sort(rc - rr, dim=0)[0]), eps)
-    if name == "aot_unpaired":
-        return _smoothed_logistic(beta * (torch.sort(chosen, dim=0)[0] - torch.sort(rejected, dim=0)[0]), eps)
-    if name == "apo_zero":
-        return (1 - torch.sigmoid(beta * chosen)) + torch.sigmoid(beta * rejected)
-    if name == "apo_down":
-        return torch.sigmoid(beta * chosen) + (1 - torch.sigmoid(beta * (chosen - rejected)))
-    if name == "discopop":
-        mix = torch.sigmoid(z / tau)
-        return -F.logsigmoid(z) * (1 - mix) + torch.exp(-z) * mix
-    assert name == "sft" and nc is not None  # the token mean of the chosen completions, the same for every pair
-    return (-pc.sum() / nc.sum()).expand(pc.shape[0])
+@attrs.frozen(eq=False)
+class _Pairs:
+    """What every loss type reads: the pairs' summed log-probs (policy ``p``, reference ``r``; chosen ``c``,
+    rejected ``r``), the completion token counts, and the settings ``beta``, ``eps`` (label smoothing), ``tau``."""
+
+    pc: Tensor
+    pr: Tensor
+    rc: Tensor
+    rr: Tensor
+    nc: Tensor | None
+    nr: Tensor | None
+    beta: float
+    eps: float
+    tau: float
+
+    @property
+    def chosen(self) -> Tensor:  # ρ_c
+        return self.pc - self.rc
+
+    @property
+    def rejected(self) -> Tensor:  # ρ_r
+        return self.pr - self.rr
+
+    @property
+    def z(self) -> Tensor:  # βΔ
+        return self.beta * (self.chosen - self.rejected)
+
+    def normalised_margin(self) -> Tensor:  # ρ_c/n_c − ρ_r/n_r
+        assert self.nc is not None and self.nr is not None
+        return self.chosen / self.nc.clamp(min=1) - self.rejected / self.nr.clamp(min=1)
+
+
+def _exo_pair(p: _Pairs) -> Tensor:
+    z, eps = p.z, p.eps
+    return torch.sigmoid(z) * (F.logsigmoid(z) - torch.log1p(torch.tensor(-eps))) + torch.sigmoid(-z) * (
+        F.logsigmoid(-z) - torch.log(torch.tensor(eps))
+    )
+
+
+def _nca_pair(p: _Pairs) -> Tensor:
+    c, r = p.beta * p.chosen, p.beta * p.rejected
+    return -F.logsigmoid(c) - 0.5 * F.logsigmoid(-c) - 0.5 * F.logsigmoid(-r)
+
+
+def _discopop(p: _Pairs) -> Tensor:
+    mix = torch.sigmoid(p.z / p.tau)
+    return -F.logsigmoid(p.z) * (1 - mix) + torch.exp(-p.z) * mix
+
+
+def _sft(p: _Pairs) -> Tensor:  # the token mean of the chosen completions, the same for every pair
+    assert p.nc is not None
+    return (-p.pc.sum() / p.nc.sum()).expand(p.pc.shape[0])
+
+
+def _sorted(t: Tensor) -> Tensor:
+    return torch.sort(t, dim=0)[0]
+
+
+# the per-pair loss of each loss type (the formulas of dpo_loss's doc)
+_LOSSES: dict[str, Callable[[_Pairs], Tensor]] = {
+    "sigmoid": lambda p: -F.logsigmoid(p.z),
+    "hinge": lambda p: torch.relu(1 - p.z),
+    "ipo": lambda p: (p.normalised_margin() - 1 / (2 * p.beta)) ** 2,
+    "exo_pair": _exo_pair,
+    "nca_pair": _nca_pair,
+    "robust": lambda p: (-(1 - p.eps) * F.logsigmoid(p.z) + p.eps * F.logsigmoid(-p.z)) / (1 - 2 * p.eps),
+    "bco_pair": lambda p: -F.logsigmoid(p.beta * p.chosen) - F.logsigmoid(-p.beta * p.rejected),
+    "sppo_hard": lambda p: (p.chosen - 0.5 / p.beta) ** 2 + (p.rejected + 0.5 / p.beta) ** 2,
+    # sorted over the pairs: the i-th loss belongs to the i-th smallest margins, not to pair i
+    "aot": lambda p: _smoothed_logistic(p.beta * (_sorted(p.pc - p.pr) - _sorted(p.rc - p.rr)), p.eps),
+    "aot_unpaired": lambda p: _smoothed_logistic(p.beta * (_sorted(p.chosen) - _sorted(p.rejected)), p.eps),
+    "apo_zero": lambda p: (1 - torch.sigmoid(p.beta * p.chosen)) + torch.sigmoid(p.beta * p.rejected),
+    "apo_down": lambda p: torch.sigmoid(p.beta * p.chosen) + (1 - torch.sigmoid(p.z)),
+    "discopop": _discopop,
+    "sft": _sft,
+    "sigmoid_norm": lambda p: -F.logsigmoid(p.beta * p.normalised_margin()),
+}
+DPO_LOSS_TYPES = tuple(_LOSSES)  # TRL's order
 
 
 def dpo_loss(
@@ -191,10 +204,13 @@ def dpo_loss(
     if problems:
         raise ValueError("; ".join(problems))
     weights = [None] * len(types) if loss_weights is None else list(loss_weights)
-    args = (policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta, label_smoothing)
+    pairs = _Pairs(
+        policy_chosen, policy_rejected, ref_chosen, ref_rejected, chosen_lengths, rejected_lengths,
+        beta, label_smoothing, discopop_tau,
+    )  # fmt: skip
     total = None
     for name, weight in zip(types, weights, strict=True):
-        part = _one(name, *args, chosen_lengths, rejected_lengths, discopop_tau)
+        part = _LOSSES[name](pairs)
         part = part if weight is None else part * weight
         total = part if total is None else total + part
     assert total is not None

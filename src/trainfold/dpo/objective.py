@@ -22,6 +22,7 @@ is ``−log σ(β·Δ)``: β multiplies the whole difference. The numbers match 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -222,17 +223,21 @@ class DPOObjective(ModelInputsObjective):
     def prepare(
         self,
         model: nn.Module,
-        args: Any,
         train_dataset: Any,
         eval_dataset: Any,
         collate: Callable[[list[Any]], Any],
+        *,
         device: torch.device,
+        output_dir: str | os.PathLike,
+        train_batch_size: int,
+        eval_batch_size: int,
     ) -> tuple[DPOObjective, Any, Any]:
         """Return ``(objective, train_dataset, eval_dataset)`` for a run (``train`` calls it before the first step).
 
         With ``precompute_ref_log_probs`` the datasets come back carrying the reference log-probs,
-        read from (or computed once into) ``args.output_dir/ref_logps/``, and the objective without
-        reference params (``trainfold.dpo.reference.prepare_reference``); else all as they are.
+        read from (or computed once into) ``output_dir/ref_logps/``, scored ``train_batch_size`` (``eval_batch_size``)
+        rows at a time unless ``precompute_ref_batch_size`` is set, and the objective without reference params
+        (``trainfold.dpo.reference.prepare_reference``); else all as they are.
         """
         if not self.precompute_ref_log_probs:
             return self, train_dataset, eval_dataset
@@ -242,10 +247,10 @@ class DPOObjective(ModelInputsObjective):
             train_dataset,
             eval_dataset,
             collate,
-            output_dir=args.output_dir,
+            output_dir=output_dir,
             device=device,
-            train_batch_size=args.per_device_train_batch_size,
-            eval_batch_size=args.per_device_eval_batch_size,
+            train_batch_size=train_batch_size,
+            eval_batch_size=eval_batch_size,
         )
 
     def count_samples(self, micro_batch: Mapping[str, Tensor]) -> Tensor:

@@ -18,29 +18,33 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from trainfold.data.mixture import is_stream_source
 from trainfold.data.packing import check_packable
 from trainfold.dpo.args import DPOArguments
 from trainfold.dpo.data import padding_free_preference_collate, preference_rows
 from trainfold.dpo.objective import dpo_objective, preference_collate
-from trainfold.sft.run import PreparedStream
-from trainfold.trainer.model_source import model_from, processing_class_for
+from trainfold.sft.run import PreparedStream, check_arguments
+from trainfold.trainer.model_source import model_from, processing_class_for, without_dropout
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
 
-__all__ = ["policy_model", "prepare_preference_dataset", "preference_collator", "reference_objective", "train"]
+__all__ = [
+    "policy_model",
+    "prepare_preference_dataset",
+    "preference_collator",
+    "reference_objective",
+    "reference_params",
+    "train",
+]
 
 
 def policy_model(model: nn.Module | str, args: DPOArguments, peft_config: Any = None) -> nn.Module:
     """Return the model DPO trains: loaded by name, wrapped by PEFT, its dropout off with ``disable_dropout``."""
     built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
-    if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
-        for m in built.modules():
-            if isinstance(m, nn.Dropout):
-                m.p = 0.0
-    return built
+    # TRL's default: no dropout in the policy (nor, thereby, in its reference)
+    return without_dropout(built) if args.disable_dropout else built
 
 
 def prepare_preference_dataset(dataset: Any, processing_class: Any, args: DPOArguments) -> Any:
@@ -59,20 +63,25 @@ def prepare_preference_dataset(dataset: Any, processing_class: Any, args: DPOArg
 
 def reference_objective(model: nn.Module, args: DPOArguments, ref_model: nn.Module | None = None) -> Any:
     """Return the DPO objective of ``args``, its reference ``ref_model`` or ``model`` as it is now (copied)."""
-    source = model if ref_model is None else ref_model
-    ref_params = None
-    if not args.precompute_ref_log_probs or ref_model is not None:
-        ref_params = {k: v for k, v in source.named_parameters() if v.requires_grad or ref_model is not None}
     return dpo_objective(
         args.beta,
         list(args.loss_type),
         args.label_smoothing,
-        ref_params,
+        reference_params(model, ref_model, precomputed=args.precompute_ref_log_probs),
         loss_weights=args.loss_weights,
         discopop_tau=args.discopop_tau,
         precompute_ref_log_probs=args.precompute_ref_log_probs,
         precompute_ref_batch_size=args.precompute_ref_batch_size,
     )
+
+
+def reference_params(model: nn.Module, ref_model: nn.Module | None, *, precomputed: bool) -> dict[str, Tensor] | None:
+    """Return the reference's params as TRL takes them: all of ``ref_model``'s, else the trainable params of
+    ``model`` as it is now; None when the reference log-probs are ``precomputed`` from the model itself (it is
+    scored before training and needs no copy)."""
+    if ref_model is not None:
+        return dict(ref_model.named_parameters())
+    return None if precomputed else {k: v for k, v in model.named_parameters() if v.requires_grad}
 
 
 def preference_collator(model: nn.Module, args: DPOArguments, tok: Any) -> tuple[Any, DPOArguments]:
@@ -112,11 +121,7 @@ def train(
     Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does.
     ``kwargs`` go to ``trainfold.train``.
     """
-    if not isinstance(args, DPOArguments):
-        raise TypeError(
-            f"trainfold.dpo.train takes DPOArguments (TRL's DPOConfig names), not {type(args).__name__}; "
-            f"convert a trl.DPOConfig with DPOArguments.from_hf(config)"
-        )
+    check_arguments(args, DPOArguments, "dpo")
     model = policy_model(model, args, peft_config)
     objective = kwargs.pop("objective", None) or reference_objective(model, args, ref_model)  # a facade's own
     tok = processing_class = processing_class_for(model, processing_class)

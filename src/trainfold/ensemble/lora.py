@@ -148,12 +148,7 @@ def make_adapter_ensemble_step(
         losses, grads = torch.zeros(k), None
         with training_flags(list(model.modules()), True):
             for mb in batch:
-                inputs = {key: v for key, v in mb.items() if key != label_key}
-                outputs = vmap(forward, in_dims=(0, 0), randomness="different")(leaves, inputs)
-                member = [
-                    pytree.tree_map(lambda t, m=m: t[m] if isinstance(t, Tensor) else t, outputs) for m in range(k)
-                ]
-                each = torch.stack([loss(member[m], mb[label_key][m], counts[m]) for m in range(k)])
+                each = _member_losses(forward, loss, leaves, mb, label_key, counts)
                 found = torch.autograd.grad(each.sum(), list(leaves.values()), allow_unused=True)
                 new = [torch.zeros_like(p) if g is None else g for g, p in zip(found, leaves.values())]
                 grads = new if grads is None else [a + b for a, b in zip(grads, new)]
@@ -173,6 +168,24 @@ def make_adapter_ensemble_step(
         return advanced(state, metrics, params=apply_updates(params, updates), opt_state=opt_state, cursor=cursor)
 
     return step
+
+
+def _member_losses(
+    forward: Callable[..., Any],
+    loss: Callable[..., Tensor],
+    leaves: dict[str, Tensor],
+    micro_batch: Mapping[str, Tensor],
+    label_key: str,
+    counts: Tensor,
+) -> Tensor:
+    """Return each member's loss on its slice of ``micro_batch``: one forward vmapped over the members."""
+    inputs = {key: v for key, v in micro_batch.items() if key != label_key}
+    outputs = vmap(forward, in_dims=(0, 0), randomness="different")(leaves, inputs)
+    labels = micro_batch[label_key]
+    members = [
+        pytree.tree_map(lambda t, m=m: t[m] if isinstance(t, Tensor) else t, outputs) for m in range(len(counts))
+    ]
+    return torch.stack([loss(out, labels[m], counts[m]) for m, out in enumerate(members)])
 
 
 def save_adapters(state: TrainState, model: nn.Module, directories: Sequence[str | os.PathLike]) -> list[Path]:

@@ -1,23 +1,20 @@
 """Evaluation: reducers (transducers over batches), evaluate/predict (one process or sharded), schedules."""
 
-from trainfold.evaluation.evaluation import (
+from trainfold.evaluation.evaluation import evaluate_batches, predict_batches
+from trainfold.evaluation.gather import gather_rows
+from trainfold.evaluation.metrics import (
     EvalPrediction,
-    EvalSpec,
     PredictionOutput,
     check_metrics,
     eval_sets,
-    evaluate_batches,
-    evaluate_with,
     final_metrics,
-    predict_batches,
-    predict_with,
     prefix_metrics,
-    resolve_forward,
     throughput,
     to_numpy,
 )
-from trainfold.evaluation.gather import gather_rows
+from trainfold.evaluation.pipeline import resolve_forward
 from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
+from trainfold.evaluation.spec import EvalSpec
 
 __all__ = [
     "EvalPrediction",
@@ -27,11 +24,9 @@ __all__ = [
     "check_metrics",
     "eval_sets",
     "evaluate_batches",
-    "evaluate_with",
     "final_metrics",
     "gather_rows",
     "predict_batches",
-    "predict_with",
     "prefix_metrics",
     "resolve_forward",
     "should_evaluate",

@@ -26,94 +26,22 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+import attrs
 from torch import Tensor, nn
 
 from trainfold.distributed.distributed import GatherCollective
 from trainfold.evaluation.gather import merged_parts
 from trainfold.evaluation.metrics import (
-    EvalPrediction,
     PredictionOutput,
-    check_metrics,
-    eval_sets,
     final_metrics,
-    prefix_metrics,
     throughput,
     to_numpy,
 )
-from trainfold.evaluation.pipeline import eval_fold, resolve_forward
+from trainfold.evaluation.pipeline import eval_fold
 from trainfold.evaluation.reducers import combine
 from trainfold.evaluation.spec import EvalSpec
 
-__all__ = [
-    "EvalPrediction",
-    "EvalSpec",
-    "PredictionOutput",
-    "check_metrics",
-    "eval_sets",
-    "evaluate_batches",
-    "evaluate_with",
-    "final_metrics",
-    "predict_batches",
-    "predict_with",
-    "prefix_metrics",
-    "resolve_forward",
-    "throughput",
-    "to_numpy",
-]
-
-
-def evaluate_with(
-    spec: EvalSpec,
-    model_or_forward: nn.Module | Callable[..., Any],
-    params: Any,
-    batches: Iterable[Mapping[str, Any]],
-    *,
-    buffers: Mapping[str, Tensor] | None = None,
-    collective: GatherCollective | None = None,
-) -> dict[str, float]:
-    """Evaluate ``params`` on ``batches`` as ``spec`` says; return metrics named ``{spec.metric_key_prefix}_*``.
-
-    ``model_or_forward``, ``params`` and ``buffers`` are as for :func:`evaluate_batches`. With a
-    ``collective`` every rank passes the batches of its own shard (``trainfold.distributed.shard``) and
-    gets the whole set's metrics: the ranks' accumulators are merged with the reducers' ``merge``
-    and the predictions gathered in rank order (``trainfold.evaluation.gather``).
-
-    >>> import torch
-    >>> forward = lambda params, inputs: torch.nn.functional.embedding(inputs["input"], params["weight"])
-    >>> batches = [{"input": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}]
-    >>> spec = EvalSpec(metric_key_prefix="dev", speed_metrics=False)
-    >>> {k: round(v, 4) for k, v in evaluate_with(spec, forward, {"weight": torch.zeros(5, 5)}, batches).items()}
-    {'dev_loss': 1.6094}
-    """
-    _, metrics = _outcome(spec, model_or_forward, params, batches, buffers, collective, gather=spec.gathers)
-    return metrics
-
-
-def predict_with(
-    spec: EvalSpec,
-    model_or_forward: nn.Module | Callable[..., Any],
-    params: Any,
-    batches: Iterable[Mapping[str, Any]],
-    *,
-    buffers: Mapping[str, Tensor] | None = None,
-    collective: GatherCollective | None = None,
-) -> PredictionOutput:
-    """Return the predictions and labels of ``batches`` in their order, and the metrics :func:`evaluate_with` gives.
-
-    With a ``collective``, the whole set's, in dataset order, on every rank.
-
-    >>> import torch
-    >>> forward = lambda params, inputs: params["weight"][inputs["input"]]
-    >>> batches = [{"input": torch.tensor([[0, 1]]), "labels": torch.tensor([[0, 1]])}]
-    >>> out = predict_with(EvalSpec(speed_metrics=False), forward, {"weight": torch.eye(2)}, batches)
-    >>> out.predictions.tolist(), out.label_ids.tolist(), sorted(out.metrics)
-    ([[[1.0, 0.0], [0.0, 1.0]]], [[0, 1]], ['eval_loss'])
-    """
-    gather = not spec.prediction_loss_only  # as HF: the loss alone, no predictions
-    out, metrics = _outcome(spec, model_or_forward, params, batches, buffers, collective, gather=gather)
-    tensors = out.get("tensors") or {}
-    conv = to_numpy if spec.as_numpy else (lambda x: x)
-    return PredictionOutput(conv(tensors.get("predictions")), conv(tensors.get("label_ids")), metrics)
+__all__ = ["evaluate_batches", "predict_batches"]
 
 
 def _outcome(
@@ -151,6 +79,7 @@ def evaluate_batches(
     params: Any,
     batches: Iterable[Mapping[str, Any]],
     *,
+    spec: EvalSpec | None = None,
     buffers: Mapping[str, Tensor] | None = None,
     collective: GatherCollective | None = None,
     **settings: Any,
@@ -160,9 +89,9 @@ def evaluate_batches(
     ``model_or_forward`` is an ``nn.Module`` (run in eval mode through ``functional_call``; its
     buffers are used unless ``buffers`` is given) or a ``forward(params, inputs)`` function.
     ``params`` is a dict of tensors, a ``TrainState`` (its params and buffers), or ``None`` for
-    the module's own. Each batch is a dict of tensors. The keyword ``settings`` are the fields of
-    :class:`EvalSpec` (``loss``, ``compute_metrics``, ``eval_accumulation_steps``, ``metric_key_prefix`` ...;
-    see it for each): this is ``evaluate_with(EvalSpec(**settings), model_or_forward, params, batches)``.
+    the module's own. Each batch is a dict of tensors. The settings are one :class:`EvalSpec` record, ``spec``
+    (``loss``, ``compute_metrics``, ``eval_accumulation_steps``, ``metric_key_prefix`` ...; see it for each), or
+    its fields as keywords (they replace the ``spec``'s).
     With ``collective`` (every rank calls it with the batches of its own contiguous shard, from
     ``trainfold.distributed.shard``), each rank's ``(loss sum, item count)`` and metric accumulators are merged
     with the reducers' ``merge`` (never an average of averages) and every rank returns the whole set's metrics.
@@ -182,9 +111,9 @@ def evaluate_batches(
     >>> round(one["eval_loss"], 5) == round(two["eval_loss"], 5)  # the token mean: batch size does not matter
     True
     """
-    return evaluate_with(
-        EvalSpec(**settings), model_or_forward, params, batches, buffers=buffers, collective=collective
-    )
+    spec = attrs.evolve(spec if spec is not None else EvalSpec(), **settings)
+    _, metrics = _outcome(spec, model_or_forward, params, batches, buffers, collective, gather=spec.gathers)
+    return metrics
 
 
 def predict_batches(
@@ -192,6 +121,7 @@ def predict_batches(
     params: Any,
     batches: Iterable[Mapping[str, Any]],
     *,
+    spec: EvalSpec | None = None,
     buffers: Mapping[str, Tensor] | None = None,
     collective: GatherCollective | None = None,
     **settings: Any,
@@ -201,8 +131,9 @@ def predict_batches(
     Predictions are ``predictions_of(outputs)`` after ``preprocess_logits_for_metrics``, padded
     with -100 along dim 1; ``label_ids`` is ``None`` when batches have no labels (both are ``None``
     with ``prediction_loss_only``, as in HF). Metric names
-    are prefixed with ``test`` by default, as in HF. The ``settings`` and ``collective`` are
-    ``evaluate_batches``'s: with ``collective``, every rank gets the whole set's predictions, in dataset order.
+    are prefixed with ``test`` by default, as in HF (a ``spec``'s own prefix otherwise). ``spec``, ``settings`` and
+    ``collective`` are ``evaluate_batches``'s: with ``collective``, every rank gets the whole set's predictions, in
+    dataset order.
 
     >>> import torch
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
@@ -214,8 +145,12 @@ def predict_batches(
     >>> list(out.predictions.shape), out.label_ids.tolist(), sorted(out.metrics)
     ([2, 4, 16], [[1, 2, 3, 4], [5, 6, 7, -100]], ['test_loss'])
     """
-    spec = EvalSpec(**{"metric_key_prefix": "test", **settings})
-    return predict_with(spec, model_or_forward, params, batches, buffers=buffers, collective=collective)
+    spec = attrs.evolve(spec, **settings) if spec is not None else EvalSpec(**{"metric_key_prefix": "test", **settings})
+    gather = not spec.prediction_loss_only  # as HF: the loss alone, no predictions
+    out, metrics = _outcome(spec, model_or_forward, params, batches, buffers, collective, gather=gather)
+    tensors = out.get("tensors") or {}
+    conv = to_numpy if spec.as_numpy else (lambda x: x)
+    return PredictionOutput(conv(tensors.get("predictions")), conv(tensors.get("label_ids")), metrics)
 
 
 # ``trainfold.evaluate``/``predict`` are the run-level ones (a model, TrainingArguments and a dataset); these

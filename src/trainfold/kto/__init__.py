@@ -13,8 +13,8 @@ The pieces: unpaired rows and their tokenization (:mod:`trainfold.kto.rows`), th
 from trainfold.kto.args import KTOArguments
 from trainfold.kto.collate import REF_COLUMNS, UnpairedCollate, unpaired_collate
 from trainfold.kto.loss import KTO_LOSS_TYPES, kl_estimate, kto_loss, kto_loss_errors
-from trainfold.kto.objective import KTOObjective, kto_objective, unpaired_logps
-from trainfold.kto.reference import unpaired_reference_logps, with_reference_logps
+from trainfold.kto.objective import KTOObjective, kto_objective
+from trainfold.kto.reference import unpaired_logps, unpaired_reference_logps, with_reference_logps
 from trainfold.kto.rows import KL_COLUMN, UNPAIRED_COLUMNS, unpair, unpaired_row, unpaired_rows, with_kl_completions
 from trainfold.kto.run import prepare_unpaired_dataset, train
 

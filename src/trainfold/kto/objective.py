@@ -18,6 +18,7 @@ policy's log-probs of the mismatched ``KL_`` sequences (no grad); the reference'
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,20 +30,10 @@ from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tenso
 from trainfold.dpo.logps import completion_logps
 from trainfold.kto.collate import REF_COLUMNS, UnpairedCollate
 from trainfold.kto.loss import kl_estimate, kto_loss, kto_loss_errors
-from trainfold.kto.reference import prepare_reference_logps
+from trainfold.kto.reference import prepare_reference_logps, unpaired_logps
 from trainfold.kto.rows import KL_COLUMN, UNPAIRED_COLUMNS
 
-__all__ = ["KTOObjective", "kto_objective", "unpaired_logps"]
-
-_MODEL_KEYS = ("input_ids", "attention_mask")
-
-
-def unpaired_logps(
-    forward: Callable[..., Any], params: Mapping[str, Tensor], batch: Mapping[str, Tensor], prefix: str = ""
-) -> Tensor:
-    """Return each row's summed completion log-prob of the ``prefix`` sequences of a collated batch."""
-    side = {k: batch[prefix + k] for k in (*_MODEL_KEYS, "completion_mask")}
-    return completion_logps(forward, params, {k: side[k] for k in _MODEL_KEYS}, side, None, 0)[0]
+__all__ = ["KTOObjective", "kto_objective"]
 
 
 def _mean(x: Tensor, rows: Tensor) -> Tensor:
@@ -94,10 +85,21 @@ class KTOObjective(ModelInputsObjective):
         return self.count_items(micro_batch)
 
     def prepare(
-        self, model: nn.Module, args: Any, train_dataset: Any, eval_dataset: Any, collate: Any, device: torch.device
+        self,
+        model: nn.Module,
+        train_dataset: Any,
+        eval_dataset: Any,
+        collate: Any,
+        *,
+        device: torch.device,
+        output_dir: str | os.PathLike | None = None,
+        train_batch_size: int,
+        eval_batch_size: int,
     ) -> tuple[KTOObjective, Any, Any]:
         """Return ``(objective, train_dataset, eval_dataset)``; with ``precompute_ref_log_probs`` the datasets carry
-        the reference log-probs and the objective runs no reference forward (``trainfold.kto.reference``)."""
+        the reference log-probs (scored ``train_batch_size`` (``eval_batch_size``) rows at a time unless
+        ``precompute_ref_batch_size`` is set; nothing is cached in ``output_dir``) and the objective runs no
+        reference forward (``trainfold.kto.reference``)."""
         if not self.precompute_ref_log_probs:
             return self, train_dataset, eval_dataset
         if not isinstance(collate, UnpairedCollate):
@@ -105,8 +107,7 @@ class KTOObjective(ModelInputsObjective):
                 "precompute_ref_log_probs scores the rows through an UnpairedCollate: pass unpaired_collate()"
             )
         ref = self.ref_params or {k: v.detach() for k, v in model.named_parameters()}
-        sizes = (self.precompute_ref_batch_size or args.per_device_train_batch_size,
-                 self.precompute_ref_batch_size or args.per_device_eval_batch_size)  # fmt: skip
+        sizes = (self.precompute_ref_batch_size or train_batch_size, self.precompute_ref_batch_size or eval_batch_size)
         train_dataset, eval_dataset = prepare_reference_logps(
             model, ref, train_dataset, eval_dataset, collate, device=device, batch_sizes=sizes, kl=self.calculate_kl
         )

@@ -28,15 +28,16 @@ from trainfold.dpo.logps import completion_logps
 from trainfold.dpo.reference import score_with_reference
 from trainfold.kto.collate import REF_COLUMNS
 
-__all__ = ["prepare_reference_logps", "unpaired_reference_logps", "with_reference_logps"]
+__all__ = ["prepare_reference_logps", "unpaired_logps", "unpaired_reference_logps", "with_reference_logps"]
 
 
-def _side(
-    forward: Callable[..., Any], params: Mapping[str, Tensor], batch: Mapping[str, Tensor], prefix: str
+def unpaired_logps(
+    forward: Callable[..., Any], params: Mapping[str, Tensor], batch: Mapping[str, Tensor], prefix: str = ""
 ) -> Tensor:
+    """Return each row's summed completion log-prob of the ``prefix`` sequences of a collated batch."""
     side = {k: batch[prefix + k] for k in ("input_ids", "attention_mask", "completion_mask")}
     inputs = {k: side[k] for k in ("input_ids", "attention_mask")}
-    return completion_logps(forward, params, inputs, side, None, 0)[0].float().cpu()
+    return completion_logps(forward, params, inputs, side, None, 0)[0]
 
 
 def unpaired_reference_logps(
@@ -53,9 +54,9 @@ def unpaired_reference_logps(
     main, mismatched = [], []
 
     def score(forward: Callable[..., Any], params: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> None:
-        main.append(_side(forward, params, batch, ""))
+        main.append(unpaired_logps(forward, params, batch).float().cpu())
         if kl:
-            mismatched.append(_side(forward, params, batch, "KL_"))
+            mismatched.append(unpaired_logps(forward, params, batch, "KL_").float().cpu())
 
     device = next(iter(ref_params.values())).device
     buffers = {k: v.to(device) for k, v in model.named_buffers()}

@@ -14,29 +14,24 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
+from toolz import valmap
 from torch import nn
 
+from trainfold.dpo.run import reference_params
 from trainfold.kto.args import KTOArguments
 from trainfold.kto.collate import unpaired_collate
 from trainfold.kto.objective import kto_objective
 from trainfold.kto.rows import unpaired_rows
-from trainfold.trainer.model_source import model_from, processing_class_for
+from trainfold.sft.run import check_arguments
+from trainfold.trainer.model_source import model_from, processing_class_for, without_dropout
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
 
 __all__ = ["prepare_unpaired_dataset", "train"]
-
-
-def _model(model: nn.Module | str, args: KTOArguments, peft_config: Any) -> nn.Module:
-    built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
-    if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
-        for m in built.modules():
-            if isinstance(m, nn.Dropout):
-                m.p = 0.0
-    return built
 
 
 def prepare_unpaired_dataset(dataset: Any, processing_class: Any, args: KTOArguments) -> Any:
@@ -73,33 +68,24 @@ def train(
     ``processing_class`` the tokenizer saved with the model is loaded, as TRL does. ``kwargs`` go to
     ``trainfold.train``.
     """
-    if not isinstance(args, KTOArguments):
-        raise TypeError(
-            f"trainfold.kto.train takes KTOArguments (TRL's KTOConfig names), not {type(args).__name__}; "
-            f"convert a trl.KTOConfig with KTOArguments.from_hf(config)"
-        )
-    model = _model(model, args, peft_config)
-    source = model if ref_model is None else ref_model
-    ref_params = None
-    if not args.precompute_ref_log_probs or ref_model is not None:
-        ref_params = {k: v for k, v in source.named_parameters() if v.requires_grad or ref_model is not None}
+    check_arguments(args, KTOArguments, "kto")
+    policy: nn.Module = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
+    policy = without_dropout(policy) if args.disable_dropout else policy  # TRL's default: no dropout (nor in the ref)
     objective = kto_objective(
         args.beta,
         args.loss_type,
-        ref_params,
+        reference_params(policy, ref_model, precomputed=args.precompute_ref_log_probs),
         desirable_weight=args.desirable_weight,
         undesirable_weight=args.undesirable_weight,
         precompute_ref_log_probs=args.precompute_ref_log_probs,
         precompute_ref_batch_size=args.precompute_ref_batch_size,
     )
-    tok = processing_class_for(model, processing_class)
+    tok = processing_class_for(policy, processing_class)
     pad = (tok.pad_token or tok.eos_token) if tok is not None else None
     pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
     collate = unpaired_collate(pad_id, args.max_length, args.pad_to_multiple_of)
-    train_rows = prepare_unpaired_dataset(train_dataset, tok, args)
-    if isinstance(eval_dataset, dict):
-        eval_rows: Any = {k: prepare_unpaired_dataset(v, tok, args) for k, v in eval_dataset.items()}
-    else:
-        eval_rows = prepare_unpaired_dataset(eval_dataset, tok, args)
+    prepare = functools.partial(prepare_unpaired_dataset, processing_class=tok, args=args)
+    train_rows = prepare(train_dataset)
+    eval_rows = valmap(prepare, eval_dataset) if isinstance(eval_dataset, dict) else prepare(eval_dataset)
     run = dict(objective=objective, callbacks=callbacks, processing_class=tok)  # checkpoints hold the tokenizer
-    return train_run(model, args, train_rows, eval_rows, collate, **run, **kwargs)
+    return train_run(policy, args, train_rows, eval_rows, collate, **run, **kwargs)

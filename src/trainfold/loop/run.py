@@ -1,15 +1,14 @@
 """``loop.run``: the fold with hooks, a stop rule, and (given ``output_dir``) the run directory it owns.
 
+A hook of your own, data as a function of the state (a resumed run reads on from its cursor), a stop rule:
+
 >>> import torch
->>> from trainfold.core.state import init_state
->>> from trainfold.core.losses import cross_entropy
->>> from trainfold.optim import sgd
->>> from trainfold.step import make_step
->>> model = torch.nn.Linear(3, 2)
->>> batch = [{"input": torch.ones(4, 3), "labels": torch.tensor([0, 1, 1, 0])}]
+>>> from trainfold import init_state, make_step, max_steps, sgd
+>>> from trainfold.core.losses import mse
+>>> net, rows = torch.nn.Linear(2, 1), [{"input": torch.eye(2), "labels": torch.ones(2, 1)}]
 >>> seen = []
->>> state, log = run(make_step(model, cross_entropy, sgd(0.1)), init_state(model, sgd(0.1)), [batch] * 5,
-...                  hooks=[every(2, lambda state, log: seen.append(log.step))])
+>>> state, log = run(make_step(net, mse, sgd(0.5)), init_state(net, sgd(0.5)), lambda state: [rows] * 10,
+...                  hooks=[every(2, lambda state, log: seen.append(log.step))], stop=max_steps(5))
 >>> int(state.step), log.status, seen
 (5, 'completed', [2, 4])
 """

@@ -281,43 +281,58 @@ def start(
     the lines dropped and the steps whose logs were cut off (the training state is not affected).
     """
     out = Path(output_dir) / HISTORY_FILE
-    entries: list[dict[str, Any]] = []
-    position = None
-    if source is not None:
-        sidecar = Path(source) / "trainfold.json"
-        metadata = metadata or {}
-        legacy = metadata.get("log_history")
-        if "log" in metadata:
-            position = metadata["log"]
-            if not (
-                isinstance(position, Mapping)
-                and isinstance(position.get("file"), str)
-                and position["file"] == HISTORY_FILE
-            ):
-                raise ValueError(
-                    f"{sidecar}: field 'metadata.log' must name {HISTORY_FILE}, got {position!r:.100}; {_FIX}"
-                )
-            origin = _recorded_in(Path(source).parent, position, sidecar)
-            try:
-                if writer:
-                    copy = None if origin.resolve() == out.resolve() else origin
-                    return HistoryFile.resume(out, position, source=sidecar, copy_from=copy)
-                verify(origin, position, source=sidecar)
-                return list(LogHistory(origin, position["offset"], position["entries"]))
-            except (OSError, ValueError) as e:
-                if "metadata.log" in str(e):
-                    raise
-                entries = _salvage(origin, position, e, sidecar, aside=writer and origin.resolve() == out.resolve())
-        elif legacy is not None:
-            if not (isinstance(legacy, list) and all(isinstance(e, dict) for e in legacy)):
-                raise ValueError(
-                    f"{sidecar}: field 'metadata.log_history' must be a list of dicts, "
-                    f"got {type(legacy).__name__} {legacy!r:.60}; {_FIX}"
-                )
-            entries = legacy
+    if source is None:
+        return _written(out, [], writer=writer, fresh=True)
+    sidecar = Path(source) / "trainfold.json"
+    metadata = metadata or {}
+    if "log" in metadata:
+        return _continued(out, Path(source), _log_position(metadata["log"], sidecar), sidecar, writer=writer)
+    return _written(out, _legacy_entries(metadata.get("log_history"), sidecar), writer=writer, fresh=False)
+
+
+def _log_position(position: Any, sidecar: Path) -> Mapping[str, Any]:
+    """Return a checkpoint's ``metadata.log`` (where its history ends), refusing one that names another file."""
+    if not (
+        isinstance(position, Mapping) and isinstance(position.get("file"), str) and position["file"] == HISTORY_FILE
+    ):
+        raise ValueError(f"{sidecar}: field 'metadata.log' must name {HISTORY_FILE}, got {position!r:.100}; {_FIX}")
+    return position
+
+
+def _legacy_entries(legacy: Any, sidecar: Path) -> list[dict[str, Any]]:
+    """Return a format-1 sidecar's ``metadata.log_history`` list (none: empty)."""
+    if legacy is not None and not (isinstance(legacy, list) and all(isinstance(e, dict) for e in legacy)):
+        raise ValueError(
+            f"{sidecar}: field 'metadata.log_history' must be a list of dicts, "
+            f"got {type(legacy).__name__} {legacy!r:.60}; {_FIX}"
+        )
+    return legacy or []
+
+
+def _continued(
+    out: Path, source: Path, position: Mapping[str, Any], sidecar: Path, *, writer: bool
+) -> HistoryFile | list[dict[str, Any]]:
+    """Return the history continued from the checkpoint's ``position``, or what is salvaged of a damaged one."""
+    origin = _recorded_in(source.parent, position, sidecar)
+    try:
+        if writer:
+            copy = None if origin.resolve() == out.resolve() else origin
+            return HistoryFile.resume(out, position, source=sidecar, copy_from=copy)
+        verify(origin, position, source=sidecar)
+        return list(LogHistory(origin, position["offset"], position["entries"]))
+    except (OSError, ValueError) as e:
+        if "metadata.log" in str(e):
+            raise
+        entries = _salvage(origin, position, e, sidecar, aside=writer and origin.resolve() == out.resolve())
+    return _written(out, entries, writer=writer, fresh=False)
+
+
+def _written(out: Path, entries: list[dict[str, Any]], *, writer: bool, fresh: bool) -> HistoryFile | list[dict]:
+    """Return the writer's ``HistoryFile`` holding ``entries`` (a fresh start first keeps the old file for the
+    checkpoints that recorded it), or, on the other ranks, the list."""
     if not writer:
         return list(entries)
-    if source is None:
+    if fresh:
         _keep_for_checkpoints(out)
     history = HistoryFile(out)
     for entry in entries:

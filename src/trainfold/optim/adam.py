@@ -65,56 +65,67 @@ def _zeros(params: Tree) -> AdamState:
     )
 
 
-def _torch_adam(
-    params: Sequence[Tensor],
-    grads: Sequence[Tensor],
-    mu: Sequence[Tensor],
-    nu: Sequence[Tensor],
-    count: int,
-    *,
-    lr: float | Tensor,
-    b1: float,
-    b2: float,
-    eps: float,
-    weight_decay: float,
-    fused: bool | None,
-    foreach: bool | None,
-    maximize: bool = False,
-) -> None:
-    """Run torch's functional AdamW (decoupled decay) on the lists, in place, as update ``count + 1``."""
-    if not params:
-        return
-    every = [*params, *grads, *mu, *nu]
-    differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in every)
-    if differentiable:  # torch differentiates its single-tensor kernel only
-        fused, foreach = None, False
-    if fused:  # torch's fused kernel assumes each grad has its param's strides (pytorch/pytorch#106951; on CPU it
-        # reads a transposed or vmapped grad in the param's layout, silently): give it copies in that layout
-        grads = [g if g.stride() == p.stride() else torch.empty_like(p).copy_(g) for g, p in zip(grads, params)]
-    on_device = bool(fused)  # torch keeps a fused optimizer's step counts on the params' device
-    # the differentiable kernel computes the bias corrections from the step tensor: float64, as the others in Python
+@attrs.frozen
+class _Kernel:
+    """torch's functional AdamW (decoupled decay) with its settings: betas, eps, which kernel, direction."""
+
+    b1: float
+    b2: float
+    eps: float
+    fused: bool | None = None
+    foreach: bool | None = None
+    maximize: bool = False
+
+    def run(
+        self,
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        mu: Sequence[Tensor],
+        nu: Sequence[Tensor],
+        count: int,
+        *,
+        lr: float | Tensor,
+        weight_decay: float,
+    ) -> None:
+        """Step the lists in place as update ``count + 1`` (torch picks its kernel as ``torch.optim.AdamW``)."""
+        if not params:
+            return
+        differentiable = torch.is_grad_enabled() and any(t.requires_grad for t in [*params, *grads, *mu, *nu])
+        # torch differentiates its single-tensor kernel only
+        fused, foreach = (None, False) if differentiable else (self.fused, self.foreach)
+        if fused:  # torch's fused kernel assumes each grad has its param's strides (pytorch/pytorch#106951; on CPU
+            # it reads a transposed or vmapped grad in the param's layout, silently): give it copies in that layout
+            grads = [g if g.stride() == p.stride() else torch.empty_like(p).copy_(g) for g, p in zip(grads, params)]
+        torch_adam(
+            list(params),
+            list(grads),
+            list(mu),
+            list(nu),
+            [],
+            _step_counts(params, count, on_device=bool(fused), differentiable=differentiable),
+            foreach=foreach,
+            fused=fused,
+            differentiable=differentiable,
+            has_complex=any(p.is_complex() for p in params),
+            decoupled_weight_decay=True,
+            amsgrad=False,
+            beta1=self.b1,
+            beta2=self.b2,
+            lr=lr,
+            weight_decay=weight_decay,
+            eps=self.eps,
+            maximize=self.maximize,
+        )
+
+
+def _step_counts(params: Sequence[Tensor], count: int, *, on_device: bool, differentiable: bool) -> list[Tensor]:
+    """Return torch's per-param step tensors for update ``count + 1`` (torch increments them first).
+
+    A fused optimizer keeps them on the params' device; the differentiable kernel computes the bias corrections
+    from the step tensor, so float64 there, as the other kernels compute them in Python.
+    """
     dtype = torch.float64 if differentiable else torch.float32
-    steps = [torch.tensor(float(count), dtype=dtype, device=p.device if on_device else "cpu") for p in params]
-    torch_adam(
-        list(params),
-        list(grads),
-        list(mu),
-        list(nu),
-        [],
-        steps,
-        foreach=foreach,
-        fused=fused,
-        differentiable=differentiable,
-        has_complex=any(p.is_complex() for p in params),
-        decoupled_weight_decay=True,
-        amsgrad=False,
-        beta1=b1,
-        beta2=b2,
-        lr=lr,
-        weight_decay=weight_decay,
-        eps=eps,
-        maximize=maximize,
-    )
+    return [torch.tensor(float(count), dtype=dtype, device=p.device if on_device else "cpu") for p in params]
 
 
 @attrs.frozen(eq=False)
@@ -155,24 +166,19 @@ class AdamW(GradientTransformation):
         nu = {k: fresh(state.nu[k]) for k in keys}
         count = int(state.count)
         on = set(self.decay.decayed(params)) if self.decay.weight_decay else set()
+        kernel = _Kernel(self.b1, self.b2, self.eps, self.fused, self.foreach, self.maximize)
         for names, wd in (
             ([k for k in keys if k in on], self.decay.weight_decay),
             ([k for k in keys if k not in on], 0.0),
         ):
-            _torch_adam(
+            kernel.run(
                 [p[k] for k in names],
                 [grads[k] for k in names],
                 [mu[k] for k in names],
                 [nu[k] for k in names],
                 count,
                 lr=self.schedule(count),
-                b1=self.b1,
-                b2=self.b2,
-                eps=self.eps,
                 weight_decay=wd,
-                fused=self.fused,
-                foreach=self.foreach,
-                maximize=self.maximize,
             )
         return p, AdamState(state.count + 1, mu, nu)
 
@@ -257,10 +263,9 @@ class ScaleByAdam(GradientTransformation):
         # torch's step at lr 1 from zero params is exactly minus the update
         out = [torch.zeros_like(grads[k]) for k in keys]
         mu, nu = [state.mu[k].clone() for k in keys], [state.nu[k].clone() for k in keys]
-        _torch_adam(
-            out, [grads[k] for k in keys], mu, nu, int(state.count),
-            lr=1.0, b1=self.b1, b2=self.b2, eps=self.eps, weight_decay=0.0, fused=None, foreach=None,
-        )  # fmt: skip
+        _Kernel(self.b1, self.b2, self.eps).run(
+            out, [grads[k] for k in keys], mu, nu, int(state.count), lr=1.0, weight_decay=0.0
+        )
         return dict(zip(keys, torch._foreach_neg(out))), AdamState(
             state.count + 1, dict(zip(keys, mu)), dict(zip(keys, nu))
         )

@@ -22,7 +22,7 @@ from trainfold.optim.adam import adamw
 from trainfold.optim.masks import Mask
 from trainfold.optim.schedules import Schedule, as_schedule
 from trainfold.optim.transform import GradientTransformation, rate_value
-from trainfold.optim.transforms import AddDecayedWeights, SgdState, Trace, scaled, trace
+from trainfold.optim.transforms import AddDecayedWeights, SgdState, Trace, scaled_tree, trace
 
 __all__ = ["SGD", "adamw", "sgd"]
 
@@ -73,6 +73,4 @@ class SGD(GradientTransformation):
             grads = {k: -g for k, g in grads.items()}
         decayed, _ = self.decay.update(grads, (), params)
         direction, new_state = self.trace.update(decayed, state, params)
-        keys = list(direction)
-        rate = self.schedule(int(state.count))
-        return dict(zip(keys, scaled([direction[k] for k in keys], -rate))), new_state
+        return scaled_tree(direction, -self.schedule(int(state.count))), new_state

@@ -34,6 +34,7 @@ __all__ = [
     "clip_coefficient",
     "scale_by_learning_rate",
     "scaled",
+    "scaled_tree",
     "trace",
 ]
 
@@ -50,6 +51,16 @@ def scaled(tensors: list[Tensor], factor: float | Tensor) -> list[Tensor]:
     if isinstance(factor, Tensor) and factor.requires_grad:
         return [t * factor for t in tensors]
     return list(torch._foreach_mul(tensors, factor))  # list(): the stubs say tuple, torch gives a list
+
+
+def scaled_tree(tree: Tree, factor: float | Tensor) -> Tree:
+    """Return ``{name: t * factor}`` of ``tree`` (:func:`scaled`).
+
+    >>> scaled_tree({"w": torch.tensor(2.0)}, -0.5)["w"].item()
+    -1.0
+    """
+    keys = list(tree)
+    return dict(zip(keys, scaled([tree[k] for k in keys], factor)))
 
 
 def clip_coefficient(norm: Tensor, max_norm: float | Tensor) -> Tensor:
@@ -90,9 +101,7 @@ class ClipByGlobalNorm(GradientTransformation):
     def update(self, grads: Tree, state: tuple, params: Tree) -> tuple[Tree, tuple]:
         if not grads:
             return {}, state
-        coef = clip_coefficient(known_or_global_norm(grads), self.max_norm)
-        keys = list(grads)
-        return dict(zip(keys, scaled([grads[k] for k in keys], coef))), state
+        return scaled_tree(grads, clip_coefficient(known_or_global_norm(grads), self.max_norm)), state
 
     def donated_update(self, grads: Tree, state: tuple, params: Tree) -> tuple[Tree, tuple]:
         """``update`` scaling the donated ``grads`` in place (as ``clip_grad_norm_``): the same values, no copy.
@@ -200,8 +209,7 @@ class ScaleByLearningRate(GradientTransformation):
         return scalar(0)
 
     def update(self, grads: Tree, state: Tensor, params: Tree) -> tuple[Tree, Tensor]:
-        rate, keys = self.schedule(int(state)), list(grads)
-        return dict(zip(keys, scaled([grads[k] for k in keys], -rate))), state + 1
+        return scaled_tree(grads, -self.schedule(int(state))), state + 1
 
     def learning_rate(self, state: Tensor) -> float:
         return rate_value(self.schedule(int(state)))

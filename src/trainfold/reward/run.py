@@ -25,8 +25,8 @@ from torch import nn
 from trainfold.reward.args import RewardArguments
 from trainfold.reward.data import reward_collate, reward_rows
 from trainfold.reward.loss import reward_objective
-from trainfold.sft.run import PreparedStream
-from trainfold.trainer.model_source import processing_class_for
+from trainfold.sft.run import PreparedStream, check_arguments
+from trainfold.trainer.model_source import processing_class_for, without_dropout
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
 
@@ -57,11 +57,7 @@ def reward_model(model: nn.Module | str, args: RewardArguments, peft_config: Any
             from peft import get_peft_model
 
             built = get_peft_model(built, peft_config)
-    if args.disable_dropout:  # TRL's default
-        for m in built.modules():
-            if isinstance(m, nn.Dropout):
-                m.p = 0.0
-    return built
+    return without_dropout(built) if args.disable_dropout else built  # TRL's default: off
 
 
 def pad_id_for(model: Any, tokenizer: Any, args: RewardArguments) -> int:
@@ -106,11 +102,7 @@ def train(
     Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does. The model's
     ``config.pad_token_id`` is set to the pad id (as TRL does). ``kwargs`` go to ``trainfold.train``.
     """
-    if not isinstance(args, RewardArguments):
-        raise TypeError(
-            f"trainfold.reward.train takes RewardArguments (TRL's RewardConfig names), not {type(args).__name__}; "
-            f"convert a trl.RewardConfig with RewardArguments.from_hf(config)"
-        )
+    check_arguments(args, RewardArguments, "reward")
     model = reward_model(model, args, peft_config)
     tok = processing_class_for(model, processing_class)
     collate = data_collator or reward_collate(pad_id_for(model, tok, args), args.pad_to_multiple_of)

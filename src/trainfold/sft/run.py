@@ -41,6 +41,20 @@ def _shuffled(rows: list, seed: int) -> Any:
     return Dataset.from_list(rows).shuffle(seed=seed)
 
 
+def check_arguments(args: Any, expected: type, package: str) -> None:
+    """Refuse ``args`` unless it is an ``expected`` (the Arguments of ``trainfold.<package>.train``), naming the fix.
+
+    >>> check_arguments(SFTArguments(bf16=False), SFTArguments, "sft") is None
+    True
+    """
+    if not isinstance(args, expected):
+        config = expected.__name__.replace("Arguments", "Config")
+        raise TypeError(
+            f"trainfold.{package}.train takes {expected.__name__} (TRL's {config} names), not {type(args).__name__}; "
+            f"convert a trl.{config} with {expected.__name__}.from_hf(config)"
+        )
+
+
 class PreparedStream(torch.utils.data.IterableDataset):
     """A dataset without a length (``datasets.IterableDataset``, streaming) prepared row by row as it is read."""
 
@@ -191,11 +205,7 @@ def train(
     Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does. ``kwargs`` go to
     ``trainfold.train`` (``compute_metrics``, ``observers``, ``resume_from_checkpoint``...).
     """
-    if not isinstance(args, SFTArguments):
-        raise TypeError(
-            f"trainfold.sft.train takes SFTArguments (TRL's SFTConfig names), not {type(args).__name__}; "
-            f"convert a trl.SFTConfig with SFTArguments.from_hf(config)"
-        )
+    check_arguments(args, SFTArguments, "sft")
     if (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
         problems = _skipped_problems({"train": train_dataset, "eval": eval_dataset}, data_collator)
         if problems:

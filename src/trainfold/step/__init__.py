@@ -9,11 +9,12 @@ a lent state's module as it is, under DDP (``data_parallel``) or FSDP2 (``fsdp``
 from trainfold.step.compiled import CompileFallbackWarning, compile_step
 from trainfold.step.driver import accumulate, next_state, open_step, with_donation
 from trainfold.step.eager import eager_step
-from trainfold.step.make import make_step
+from trainfold.step.make import Execution, make_step
 from trainfold.step.plan import StepPlan, refuse_sharded, step_plan
 
 __all__ = [
     "CompileFallbackWarning",
+    "Execution",
     "StepPlan",
     "accumulate",
     "compile_step",

@@ -81,29 +81,13 @@ def _step(
     engine: DataParallel | None = None,
     fsdp: bool = False,
 ) -> TrainState:
-    lent = donate and is_lent(plan.model, state)
-    if fsdp and donate and not lent:  # after a forward without backward the root may hold its gathered params
-        lent = is_lent(resharded(plan.model), state)
-    if fsdp and not lent:
-        raise TypeError(
-            f"{type(plan.model).__name__} is wrapped with fully_shard (FSDP2): its step runs the module as it is, on "
-            "a lent, donated state: state = init_state(model, optimizer, copy=False), then "
-            "step(state, batch, donate=True) (fit and train donate)"
-        )
+    lent = _lends(plan, state, donate, fsdp)
     start, done = open_step(plan, state, batch)
     if done is not None:
         return done
     rank = plan.collective.rank if plan.collective is not None else 0
     device = next(iter(state.params.values())).device
-    if lent:  # the state's params are the module's Parameters: run the module as it is
-        leaves = dict(state.params)
-        for leaf in leaves.values():
-            leaf.grad = None
-        buffers = dict(state.buffers)
-    else:  # the pure path: fresh leaves bound to the module for the call
-        leaves = {k: v.detach().requires_grad_() for k, v in state.params.items()}
-        # running stats update copies; a donated state's own buffers are updated in place
-        buffers = dict(state.buffers) if donate else {k: v.clone() for k, v in state.buffers.items()}
+    leaves, buffers = _leaves(state, lent, donate)
     scaler = _scaler_of(plan, state)
     modules = list(plan.model.modules())
     engine = engine if lent else None  # the pure path sums its gradients after backward
@@ -125,6 +109,33 @@ def _step(
         if lent:
             for leaf in leaves.values():
                 leaf.grad = None
+
+
+def _lends(plan: StepPlan, state: TrainState, donate: bool, fsdp: bool) -> bool:
+    """Say whether the step runs the module as it is (a donated, lent state); refuse an FSDP2 module otherwise."""
+    lent = donate and is_lent(plan.model, state)
+    if fsdp and donate and not lent:  # after a forward without backward the root may hold its gathered params
+        lent = is_lent(resharded(plan.model), state)
+    if fsdp and not lent:
+        raise TypeError(
+            f"{type(plan.model).__name__} is wrapped with fully_shard (FSDP2): its step runs the module as it is, on "
+            "a lent, donated state: state = init_state(model, optimizer, copy=False), then "
+            "step(state, batch, donate=True) (fit and train donate)"
+        )
+    return lent
+
+
+def _leaves(state: TrainState, lent: bool, donate: bool) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Return the params to differentiate and the buffers of the forward pass: a lent state's own tensors (their
+    ``.grad`` cleared), else fresh leaves and (but for a donated state, updated in place) copied buffers."""
+    if lent:  # the state's params are the module's Parameters: run the module as it is
+        leaves = dict(state.params)
+        for leaf in leaves.values():
+            leaf.grad = None
+        return leaves, dict(state.buffers)
+    # the pure path: fresh leaves bound to the module for the call; running stats update copies
+    leaves = {k: v.detach().requires_grad_() for k, v in state.params.items()}
+    return leaves, dict(state.buffers) if donate else {k: v.clone() for k, v in state.buffers.items()}
 
 
 def is_lent(model: nn.Module, state: TrainState) -> bool:

@@ -24,7 +24,8 @@ from trainfold.data import close_loader, eval_loader
 from trainfold.data.collate import collate_for, model_pad_collate
 from trainfold.data.columns import eval_collate, padded_to_multiple
 from trainfold.distributed import GatherCollective, shard
-from trainfold.evaluation.evaluation import eval_sets, evaluate_batches, predict_batches
+from trainfold.evaluation.evaluation import evaluate_batches, predict_batches
+from trainfold.evaluation.metrics import eval_sets
 from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
 from trainfold.step.plan import is_fully_sharded
 from trainfold.trainer.args import TrainingArguments

@@ -187,8 +187,9 @@ def run_inputs(
     prepare = getattr(objective, "prepare", None)
     if prepare is not None:  # DPO: precomputed reference log-probs, cached in output_dir
         objective, train_dataset, eval_dataset = prepare(
-            model, args, train_dataset, eval_dataset, padded, device or device_for(args)
-        )
+            model, train_dataset, eval_dataset, padded, device=device or device_for(args), output_dir=args.output_dir,
+            train_batch_size=args.per_device_train_batch_size, eval_batch_size=args.per_device_eval_batch_size,
+        )  # fmt: skip
     lm = lm_inputs(model, batching, train_dataset, data_collator, compute_loss_func, objective)  # packing, chunked loss
     return RunInputs(
         train_dataset=lm.train_dataset,

@@ -55,6 +55,18 @@ def _built(model: nn.Module | str, model_init_kwargs: Mapping[str, Any] | None, 
     return model
 
 
+def without_dropout(model: nn.Module) -> nn.Module:
+    """Turn off every ``nn.Dropout`` of ``model`` (``p=0``, in place; TRL's ``disable_dropout``) and return it.
+
+    >>> without_dropout(nn.Sequential(nn.Dropout(0.1)))[0].p
+    0.0
+    """
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
 def processing_class_for(model: Any, processing_class: Any = None) -> Any:
     """Return ``processing_class``, or, as TRL's trainers do without one, the tokenizer saved beside the
     model (``AutoTokenizer.from_pretrained`` of the path it was loaded from); ``None`` for a model built
