@@ -1,12 +1,12 @@
 """Memory held by accumulated eval predictions: full logits vs argmax vs argmax + eval_accumulation_steps.
 
 A causal LM with a 32k vocabulary (an embedding and a linear head: the head's logits are what
-matters) is evaluated with ``trainfold.evaluation.predict_with`` on an eval set grown 1x, 4x and 16x:
+matters) is evaluated with ``trainfold.evaluation.predict_batches`` on an eval set grown 1x, 4x and 16x:
 
 (a) full logits accumulated (no ``preprocess_logits_for_metrics``);
 (b) ``preprocess_logits_for_metrics=argmax``;
 (c) argmax and ``eval_accumulation_steps=2``;
-(d) as (c), through sharded evaluation (``predict_with(spec, ..., collective=)``, one rank).
+(d) as (c), through sharded evaluation (``predict_batches(..., spec=, collective=)``, one rank).
 
 For each case it reports the peak bytes of predictions waiting on the eval device (counted
 exactly: bytes that ``preprocess_logits_for_metrics`` produced and the ``move`` hook has not yet
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from trainfold.distributed import SingleProcess
-from trainfold.evaluation import EvalSpec, predict_with
+from trainfold.evaluation import EvalSpec, predict_batches
 
 VOCAB, D_MODEL, SEQ, BATCH, BASE_BATCHES, ACCUM = 32_000, 64, 32, 4, 2, 2
 
@@ -110,7 +110,7 @@ def _predict(forward, params, batches, meter: _Meter, reduce, accum: int | None,
         move=meter.move,
         speed_metrics=False,
     )
-    return predict_with(spec, forward, params, batches, collective=SingleProcess() if sharded else None)
+    return predict_batches(forward, params, batches, spec=spec, collective=SingleProcess() if sharded else None)
 
 
 def run(scales: list[int], device: torch.device) -> list[dict[str, object]]:
