@@ -251,8 +251,8 @@ def _say(kind: Any) -> str:
 def type_problem(name: str, value: Any, kind: Any) -> str | None:
     """Return why ``value`` is not of the annotated type ``kind``, or None.
 
-    >>> type_problem("seed", True, int), type_problem("seed", 3, int)
-    ('seed must be int, got True (bool)', None)
+    >>> type_problem("num_epochs", True, int), type_problem("num_epochs", 3, int)
+    ('num_epochs must be int, got True (bool)', None)
     """
     if _matches(value, kind):
         return None
