@@ -29,7 +29,8 @@ from trainfold.optim import GradientTransformation
 __all__ = ["ensemble_axes", "ensemble_size", "init_ensemble_state", "split_ensemble", "stack_batches", "stack_ensemble"]
 
 Batch = Sequence[Mapping[str, Tensor]]
-_STACKED = ("params", "buffers", "opt_state", "step", "seed", "metrics", "loss_total", "nonfinite_losses")
+# every field of the state but the cursor and extras (one per run, not per member) is stacked along the member axis
+_STACKED = tuple(f.name for f in attrs.fields(TrainState) if f.name not in ("cursor", "extras"))
 
 
 def _check_stackable(name: str, nodes: Sequence[Any]) -> None:
