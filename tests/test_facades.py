@@ -223,6 +223,8 @@ def _preference_or_completion_rows(path, kind):
 
     if kind == "dpo":
         rows = [{"prompt": say(), "chosen": " " + say(), "rejected": " " + say()} for _ in range(16)]
+    elif kind == "kto":  # unpaired: each block of 3 has both labels
+        rows = [{"prompt": say(), "completion": " " + say(), "label": i % 3 != 0} for i in range(16)]
     else:
         rows = [{"prompt": say(), "completion": " " + say()} for _ in range(16)]
     path.mkdir()
@@ -243,7 +245,7 @@ def _recording(cls, into, key):
     return Recorded
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "kto"])
 def test_trls_script_moves_by_its_import_with_trls_per_step_losses_and_eval(tmp_path, monkeypatch, kind):
     import importlib
     import runpy
@@ -260,7 +262,7 @@ def test_trls_script_moves_by_its_import_with_trls_per_step_losses_and_eval(tmp_
     argv += ["--bf16", "false", "--gradient_checkpointing", "false", "--report_to", "none", "--save_strategy", "no"]
     argv += ["--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "4"]
     # one eval batch: HF averages batch means where trainfold takes the token mean (issue 48, item 5)
-    name = {"sft": "SFTTrainer", "dpo": "DPOTrainer"}[kind]
+    name = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer"}[kind]
     got = {}
     for who, cls in (("trl", getattr(trl, name)), ("trainfold", getattr(getattr(trainfold, kind), name))):
         monkeypatch.setattr(trl, name, _recording(cls, got, who))  # the script's `from trl import ...` line
@@ -393,6 +395,7 @@ def test_each_trl_facade_takes_its_peers_constructor_keywords_in_order():
     """The facades declare their keywords as data (``PeerTrainer``); the signature a script calls stays TRL's."""
     from trainfold.dpo import DPOTrainer
     from trainfold.grpo import GRPOTrainer
+    from trainfold.kto import KTOTrainer
     from trainfold.reward import RewardTrainer
     from trainfold.sft import SFTTrainer
 
@@ -401,6 +404,7 @@ def test_each_trl_facade_takes_its_peers_constructor_keywords_in_order():
         (DPOTrainer, trl.DPOTrainer),
         (GRPOTrainer, trl.GRPOTrainer),
         (RewardTrainer, trl.RewardTrainer),
+        (KTOTrainer, trl.KTOTrainer),
     ):
         names = list(inspect.signature(ours).parameters)
         peer = inspect.signature(theirs).parameters

@@ -27,10 +27,11 @@ from trainfold.trainer.model_source import model_from, processing_class_for
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
 
-__all__ = ["prepare_unpaired_dataset", "train"]
+__all__ = ["kto_model", "prepare_unpaired_dataset", "kto_reference_objective", "unpaired_collator", "train"]
 
 
-def _model(model: nn.Module | str, args: KTOArguments, peft_config: Any) -> nn.Module:
+def kto_model(model: nn.Module | str, args: KTOArguments, peft_config: Any = None) -> nn.Module:
+    """Return the model KTO trains: loaded by name, wrapped by PEFT, its dropout off with ``disable_dropout``."""
     built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
     if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
         for m in built.modules():
@@ -53,6 +54,30 @@ def prepare_unpaired_dataset(dataset: Any, processing_class: Any, args: KTOArgum
     kl = None if args.loss_type == "apo_zero_unpaired" else args.per_device_train_batch_size
     rows = (dataset[i] for i in range(len(dataset)))
     return unpaired_rows(rows, processing_class, args.max_length, kl)
+
+
+def kto_reference_objective(model: nn.Module, args: KTOArguments, ref_model: nn.Module | None = None) -> Any:
+    """Return the KTO objective of ``args``, its reference ``ref_model`` or ``model`` as it is now (copied)."""
+    source = model if ref_model is None else ref_model
+    ref_params = None
+    if not args.precompute_ref_log_probs or ref_model is not None:
+        ref_params = {k: v for k, v in source.named_parameters() if v.requires_grad or ref_model is not None}
+    return kto_objective(
+        args.beta,
+        args.loss_type,
+        ref_params,
+        desirable_weight=args.desirable_weight,
+        undesirable_weight=args.undesirable_weight,
+        precompute_ref_log_probs=args.precompute_ref_log_probs,
+        precompute_ref_batch_size=args.precompute_ref_batch_size,
+    )
+
+
+def unpaired_collator(args: KTOArguments, tok: Any) -> Any:
+    """Return the run's collator: unpaired rows padded with the tokenizer's pad (else eos) token, as TRL pads."""
+    pad = (tok.pad_token or tok.eos_token) if tok is not None else None
+    pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
+    return unpaired_collate(pad_id, args.max_length, args.pad_to_multiple_of)
 
 
 def train(
@@ -78,24 +103,10 @@ def train(
             f"trainfold.kto.train takes KTOArguments (TRL's KTOConfig names), not {type(args).__name__}; "
             f"convert a trl.KTOConfig with KTOArguments.from_hf(config)"
         )
-    model = _model(model, args, peft_config)
-    source = model if ref_model is None else ref_model
-    ref_params = None
-    if not args.precompute_ref_log_probs or ref_model is not None:
-        ref_params = {k: v for k, v in source.named_parameters() if v.requires_grad or ref_model is not None}
-    objective = kto_objective(
-        args.beta,
-        args.loss_type,
-        ref_params,
-        desirable_weight=args.desirable_weight,
-        undesirable_weight=args.undesirable_weight,
-        precompute_ref_log_probs=args.precompute_ref_log_probs,
-        precompute_ref_batch_size=args.precompute_ref_batch_size,
-    )
+    model = kto_model(model, args, peft_config)
+    objective = kwargs.pop("objective", None) or kto_reference_objective(model, args, ref_model)  # a facade's own
     tok = processing_class_for(model, processing_class)
-    pad = (tok.pad_token or tok.eos_token) if tok is not None else None
-    pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
-    collate = unpaired_collate(pad_id, args.max_length, args.pad_to_multiple_of)
+    collate = unpaired_collator(args, tok)
     train_rows = prepare_unpaired_dataset(train_dataset, tok, args)
     if isinstance(eval_dataset, dict):
         eval_rows: Any = {k: prepare_unpaired_dataset(v, tok, args) for k, v in eval_dataset.items()}
