@@ -3,8 +3,10 @@
 ``evaluate_batches`` runs the forward pass on given parameters, maps each batch to its summed loss, item
 count and (when metrics need them) its predictions, optionally reduced on the device by
 ``preprocess_logits_for_metrics``, and folds these with the reducers of ``trainfold.evaluation.reducers``.
-The eval loss is the token-level mean, ``sum of losses / number of items``, so it does not
-depend on the eval batch size or padding. Predictions come back in the order of ``batches``,
+The eval loss is HF ``Trainer.evaluate``'s: each batch's mean loss weighted by the batch's rows (so it
+depends on how rows are batched when their token counts differ); ``{prefix}_token_loss`` is the mean over all
+items, ``sum of losses / number of items``, which does not depend on the eval batch size or padding.
+Predictions come back in the order of ``batches``,
 right-padded with -100 along dim 1, moved to the CPU every ``eval_accumulation_steps`` batches.
 
 >>> import torch
@@ -83,7 +85,7 @@ def evaluate_with(
     >>> batches = [{"input": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}]
     >>> spec = EvalSpec(metric_key_prefix="dev", speed_metrics=False)
     >>> {k: round(v, 4) for k, v in evaluate_with(spec, forward, {"weight": torch.zeros(5, 5)}, batches).items()}
-    {'dev_loss': 1.6094}
+    {'dev_loss': 1.6094, 'dev_token_loss': 1.6094}
     """
     _, metrics = _outcome(spec, model_or_forward, params, batches, buffers, collective, gather=spec.gathers)
     return metrics
@@ -107,7 +109,7 @@ def predict_with(
     >>> batches = [{"input": torch.tensor([[0, 1]]), "labels": torch.tensor([[0, 1]])}]
     >>> out = predict_with(EvalSpec(speed_metrics=False), forward, {"weight": torch.eye(2)}, batches)
     >>> out.predictions.tolist(), out.label_ids.tolist(), sorted(out.metrics)
-    ([[[1.0, 0.0], [0.0, 1.0]]], [[0, 1]], ['eval_loss'])
+    ([[[1.0, 0.0], [0.0, 1.0]]], [[0, 1]], ['eval_loss', 'eval_token_loss'])
     """
     gather = not spec.prediction_loss_only  # as HF: the loss alone, no predictions
     out, metrics = _outcome(spec, model_or_forward, params, batches, buffers, collective, gather=gather)
@@ -142,6 +144,7 @@ def _outcome(
         as_numpy=spec.as_numpy,
         speed=speed,
         objective_metrics=out["metrics"],
+        token_loss=out["token_loss"] if out["labelled"] and spec.objective is None else None,
     )
     return out, metrics
 
@@ -164,7 +167,8 @@ def evaluate_batches(
     :class:`EvalSpec` (``loss``, ``compute_metrics``, ``eval_accumulation_steps``, ``metric_key_prefix`` ...;
     see it for each): this is ``evaluate_with(EvalSpec(**settings), model_or_forward, params, batches)``.
     With ``collective`` (every rank calls it with the batches of its own contiguous shard, from
-    ``trainfold.distributed.shard``), each rank's ``(loss sum, item count)`` and metric accumulators are merged
+    ``trainfold.distributed.shard``), each rank's ``(loss sum, item count)``, ``(weighted batch means, rows)`` and
+    metric accumulators are merged
     with the reducers' ``merge`` (never an average of averages) and every rank returns the whole set's metrics.
     A NaN or infinite loss in any batch shows in the eval loss (HF drops non-finite batch losses).
 
@@ -176,10 +180,10 @@ def evaluate_batches(
     >>> one = evaluate_batches(model, None, [{"input_ids": rows, "labels": rows}], speed_metrics=False,
     ...                compute_metrics=lambda p: {"rows": p.predictions.shape[0]})
     >>> sorted(one), one["eval_rows"]
-    (['eval_loss', 'eval_rows'], 2)
+    (['eval_loss', 'eval_rows', 'eval_token_loss'], 2)
     >>> rows_one_by_one = [{"input_ids": r[None], "labels": r[None]} for r in rows]
     >>> two = evaluate_batches(model, None, rows_one_by_one, speed_metrics=False)
-    >>> round(one["eval_loss"], 5) == round(two["eval_loss"], 5)  # the token mean: batch size does not matter
+    >>> round(one["eval_token_loss"], 5) == round(two["eval_token_loss"], 5)  # the token mean: batching does not matter
     True
     """
     return evaluate_with(
@@ -212,7 +216,7 @@ def predict_batches(
     ...            {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[5, 6, 7]])}]
     >>> out = predict_batches(model, None, batches, speed_metrics=False)
     >>> list(out.predictions.shape), out.label_ids.tolist(), sorted(out.metrics)
-    ([2, 4, 16], [[1, 2, 3, 4], [5, 6, 7, -100]], ['test_loss'])
+    ([2, 4, 16], [[1, 2, 3, 4], [5, 6, 7, -100]], ['test_loss', 'test_token_loss'])
     """
     spec = EvalSpec(**{"metric_key_prefix": "test", **settings})
     return predict_with(spec, model_or_forward, params, batches, buffers=buffers, collective=collective)
