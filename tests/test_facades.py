@@ -416,3 +416,18 @@ def test_each_trl_facade_takes_its_peers_constructor_keywords_in_order():
         GRPOTrainer(model=torch.nn.Linear(1, 1))
     with pytest.raises(TypeError, match="the run pads preference rows itself"):
         DPOTrainer(torch.nn.Linear(1, 1), None, None, lambda rows: rows)
+
+
+def test_building_the_trainer_seeds_the_global_generators_as_the_trainers_constructor(tmp_path):
+    """``Trainer(...)`` calls ``set_seed(args.seed)``: what a script (or its collator) draws next is the same."""
+    import random
+
+    import numpy as np
+
+    drawn = []
+    for cls in (transformers.Trainer, Trainer):
+        torch.manual_seed(1)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), seed=7, use_cpu=True, report_to="none")
+        cls(model=torch.nn.Linear(2, 2), args=args)
+        drawn.append((torch.rand(2).tolist(), float(np.random.rand()), random.random()))
+    assert drawn[0] == drawn[1]

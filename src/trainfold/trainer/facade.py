@@ -33,6 +33,7 @@ from typing import Any, ClassVar, NamedTuple, NoReturn
 import attrs
 from torch import nn
 
+from trainfold.core.rng import seed_global_rng
 from trainfold.trainer import trainer_methods as methods
 from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.evaluating import evaluate, predict
@@ -177,6 +178,7 @@ class Trainer:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Trainer needs model= a torch module, got {type(model).__name__}; load it yourself first")
         self.args = arguments_for(args, self.arguments_class, "trainer_output")
+        seed_global_rng(self.args.seed)  # as HF's Trainer(...): a collator drawing from them draws as under HF's
         self.model, self.processing_class = model, processing_class
         self.data_collator, self.train_dataset, self.eval_dataset = data_collator, train_dataset, eval_dataset
         self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
