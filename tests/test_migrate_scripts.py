@@ -195,3 +195,41 @@ def test_run_mlm_moves_by_its_import_with_the_trainers_masks_and_losses_and_resu
     hf, tf = check_script_migrates(tmp_path, monkeypatch, "run_mlm", argv, same_eval=False)
     assert "perplexity" in results(tf, "eval") and "eval_accuracy" in results(tf, "eval")
     assert transformers.AutoModelForMaskedLM.from_pretrained(tf).config.vocab_size == 64
+
+
+# -- run_ner ---------------------------------------------------------------------------------------------------------
+
+
+def tagged(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    tags = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC"]
+    rows = []
+    for words in sentences(n, seed, 2, 12):
+        split = words.split()
+        rows.append(
+            {"tokens": split, "ner_tags": [tags[int(t)] for t in torch.randint(0, 5, (len(split),), generator=g)]}
+        )
+    return rows
+
+
+def test_run_ner_moves_by_its_import_with_the_trainers_losses_eval_loss_predictions_and_resume(tmp_path, monkeypatch):
+    """Rows of 2 to 11 words in eval batches of 3, 3 and 1: ``eval_loss`` is HF's row-weighted batch means."""
+    model_dir = tmp_path / "model"
+    torch.manual_seed(0)
+    transformers.BertForMaskedLM(bert_config()).save_pretrained(model_dir)
+    bert_tokenizer().save_pretrained(model_dir)
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, rows in (("train", tagged(16, 0)), ("validation", tagged(7, 1)), ("test", tagged(5, 2))):
+        (data / f"{split}.json").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def argv(out):
+        files = [f"--{s}_file" for s in ("train", "validation", "test")]
+        files = [x for f in files for x in (f, str(data / f"{f[2:-5]}.json"))]
+        return ["--model_name_or_path", str(model_dir), *files, "--do_predict", *common_argv(out)]
+
+    hf, tf = check_script_migrates(tmp_path, monkeypatch, "run_ner", argv)
+    assert results(tf, "predict") == pytest.approx(results(hf, "predict"), rel=1e-5)
+    assert (tf / "predictions.txt").read_text() == (hf / "predictions.txt").read_text()
+    loaded = transformers.AutoModelForTokenClassification.from_pretrained(tf)
+    assert loaded.config.id2label == {0: "B-LOC", 1: "B-PER", 2: "I-LOC", 3: "I-PER", 4: "O"}
