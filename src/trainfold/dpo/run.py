@@ -30,11 +30,19 @@ from trainfold.trainer.model_source import model_from, processing_class_for
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
 
-__all__ = ["policy_model", "prepare_preference_dataset", "preference_collator", "reference_objective", "train"]
+__all__ = [
+    "policy_model",
+    "prepare_preference_dataset",
+    "preference_collator",
+    "reference_objective",
+    "reference_params",
+    "train",
+]
 
 
-def policy_model(model: nn.Module | str, args: DPOArguments, peft_config: Any = None) -> nn.Module:
-    """Return the model DPO trains: loaded by name, wrapped by PEFT, its dropout off with ``disable_dropout``."""
+def policy_model(model: nn.Module | str, args: Any, peft_config: Any = None) -> nn.Module:
+    """Return the model DPO (and KTO) trains: loaded by name, wrapped by PEFT, its dropout off with
+    ``disable_dropout`` (``args``: ``DPOArguments`` or ``KTOArguments``)."""
     built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
     if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
         for m in built.modules():
@@ -57,17 +65,22 @@ def prepare_preference_dataset(dataset: Any, processing_class: Any, args: DPOArg
     return preference_rows(rows, processing_class, args.max_length)
 
 
+def reference_params(model: nn.Module, precompute: bool, ref_model: nn.Module | None = None) -> Any:
+    """Return the reference's parameters: ``ref_model``'s, else ``model``'s trainable ones as they are now;
+    ``None`` when the reference log-probs are precomputed from ``model`` (``precompute``) and nothing is kept."""
+    if precompute and ref_model is None:
+        return None
+    source = model if ref_model is None else ref_model
+    return {k: v for k, v in source.named_parameters() if v.requires_grad or ref_model is not None}
+
+
 def reference_objective(model: nn.Module, args: DPOArguments, ref_model: nn.Module | None = None) -> Any:
     """Return the DPO objective of ``args``, its reference ``ref_model`` or ``model`` as it is now (copied)."""
-    source = model if ref_model is None else ref_model
-    ref_params = None
-    if not args.precompute_ref_log_probs or ref_model is not None:
-        ref_params = {k: v for k, v in source.named_parameters() if v.requires_grad or ref_model is not None}
     return dpo_objective(
         args.beta,
         list(args.loss_type),
         args.label_smoothing,
-        ref_params,
+        reference_params(model, args.precompute_ref_log_probs, ref_model),
         loss_weights=args.loss_weights,
         discopop_tau=args.discopop_tau,
         precompute_ref_log_probs=args.precompute_ref_log_probs,

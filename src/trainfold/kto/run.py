@@ -19,25 +19,16 @@ from typing import Any
 
 from torch import nn
 
+from trainfold.dpo.run import policy_model, reference_params
 from trainfold.kto.args import KTOArguments
 from trainfold.kto.collate import unpaired_collate
 from trainfold.kto.objective import kto_objective
 from trainfold.kto.rows import unpaired_rows
-from trainfold.trainer.model_source import model_from, processing_class_for
+from trainfold.trainer.model_source import processing_class_for
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
 
-__all__ = ["kto_model", "prepare_unpaired_dataset", "kto_reference_objective", "unpaired_collator", "train"]
-
-
-def kto_model(model: nn.Module | str, args: KTOArguments, peft_config: Any = None) -> nn.Module:
-    """Return the model KTO trains: loaded by name, wrapped by PEFT, its dropout off with ``disable_dropout``."""
-    built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
-    if args.disable_dropout:  # TRL's default: no dropout in the policy (nor, thereby, in its reference)
-        for m in built.modules():
-            if isinstance(m, nn.Dropout):
-                m.p = 0.0
-    return built
+__all__ = ["kto_reference_objective", "prepare_unpaired_dataset", "train", "unpaired_collator"]
 
 
 def prepare_unpaired_dataset(dataset: Any, processing_class: Any, args: KTOArguments) -> Any:
@@ -58,14 +49,10 @@ def prepare_unpaired_dataset(dataset: Any, processing_class: Any, args: KTOArgum
 
 def kto_reference_objective(model: nn.Module, args: KTOArguments, ref_model: nn.Module | None = None) -> Any:
     """Return the KTO objective of ``args``, its reference ``ref_model`` or ``model`` as it is now (copied)."""
-    source = model if ref_model is None else ref_model
-    ref_params = None
-    if not args.precompute_ref_log_probs or ref_model is not None:
-        ref_params = {k: v for k, v in source.named_parameters() if v.requires_grad or ref_model is not None}
     return kto_objective(
         args.beta,
         args.loss_type,
-        ref_params,
+        reference_params(model, args.precompute_ref_log_probs, ref_model),
         desirable_weight=args.desirable_weight,
         undesirable_weight=args.undesirable_weight,
         precompute_ref_log_probs=args.precompute_ref_log_probs,
@@ -103,7 +90,7 @@ def train(
             f"trainfold.kto.train takes KTOArguments (TRL's KTOConfig names), not {type(args).__name__}; "
             f"convert a trl.KTOConfig with KTOArguments.from_hf(config)"
         )
-    model = kto_model(model, args, peft_config)
+    model = policy_model(model, args, peft_config)  # DPO's: loaded by name, wrapped by PEFT, dropout off
     objective = kwargs.pop("objective", None) or kto_reference_objective(model, args, ref_model)  # a facade's own
     tok = processing_class_for(model, processing_class)
     collate = unpaired_collator(args, tok)

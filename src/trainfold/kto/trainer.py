@@ -10,39 +10,29 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
+from trainfold.dpo.run import policy_model
 from trainfold.kto.args import KTOArguments
-from trainfold.kto.run import kto_model, kto_reference_objective, prepare_unpaired_dataset, unpaired_collator
+from trainfold.kto.run import kto_reference_objective, prepare_unpaired_dataset, unpaired_collator
 from trainfold.kto.run import train as kto_train
-from trainfold.trainer.facade import PeerTrainer, peer_keywords
+from trainfold.trainer.facade import ReferenceTrainer
 
 __all__ = ["KTOTrainer"]
 
 
-class KTOTrainer(PeerTrainer):
+def _collator(model: nn.Module, args: KTOArguments, processing_class: Any) -> Any:
+    return unpaired_collator(args, processing_class)
+
+
+class KTOTrainer(ReferenceTrainer):
     """TRL ``KTOTrainer``'s constructor and methods over ``trainfold.kto.train`` (see the module doc)."""
 
     arguments_class = KTOArguments
-    keywords = peer_keywords(
-        before_args=("ref_model",),
-        without=("compute_loss_func", "optimizer_cls_and_kwargs", "preprocess_logits_for_metrics"),
-    )
     own_collator = "the run pads unpaired rows itself (max_length and pad_to_multiple_of in KTOArguments)"
     run_name = "KTO"
     run = staticmethod(kto_train)
-    load_model = staticmethod(kto_model)
-
-    def _finish(self, given: Any, **rest: Any) -> None:
-        ref_model = rest["ref_model"]
-        if isinstance(ref_model, str):
-            ref_model = kto_model(ref_model, self._loading(self.args, ref_model, given))
-        self.ref_model = ref_model
-        self.objective = kto_reference_objective(
-            self.model, self.args, ref_model
-        )  # the reference as the trainer is built
-
-    def _eval_rows(self, dataset: Any) -> Any:
-        return prepare_unpaired_dataset(dataset, self.processing_class, self.args)
-
-    def _scoring(self) -> dict[str, Any]:
-        collate = unpaired_collator(self.args, self.processing_class)
-        return {**super()._scoring(), "data_collator": collate, "objective": self.objective}
+    load_model = staticmethod(policy_model)  # DPO's: loaded by name, wrapped by PEFT, dropout off
+    reference_objective = staticmethod(kto_reference_objective)
+    prepare = staticmethod(prepare_unpaired_dataset)
+    scoring_collator = staticmethod(_collator)
