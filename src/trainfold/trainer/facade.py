@@ -452,9 +452,9 @@ class ReferenceTrainer(PeerTrainer):
         before_args=("ref_model",),
         without=("compute_loss_func", "optimizer_cls_and_kwargs", "preprocess_logits_for_metrics"),
     )
-    reference_objective: ClassVar[Callable[[nn.Module, Any, Any], Any]]
-    prepare: ClassVar[Callable[[Any, Any, Any], Any]]
-    scoring_collator: ClassVar[Callable[[nn.Module, Any, Any], Any]]
+    reference_objective: ClassVar[Callable[..., Any]]  # (model, args, ref_model) -> objective
+    prepare: ClassVar[Callable[..., Any]]  # (dataset, processing_class, args) -> rows
+    scoring_collator: ClassVar[Callable[..., Any]]  # (model, args, processing_class) -> collate
 
     def _finish(self, given: Any, **rest: Any) -> None:
         ref_model = rest["ref_model"]
