@@ -126,7 +126,7 @@ def losses_of(history) -> list[list[float]]:
 
 
 def evals_of(history) -> list[list[float]]:
-    return [[h["step"], h["eval_loss"], h["eval_accuracy"]] for h in history if "eval_loss" in h]
+    return [[h["step"], h["eval_token_loss"], h["eval_accuracy"]] for h in history if "eval_loss" in h]  # batching-free
 
 
 EVAL_DURING_TRAINING = {"eval_strategy": "steps", "eval_steps": 5, "per_device_eval_batch_size": 2}
@@ -339,9 +339,10 @@ def test_sharded_evaluation_matches_one_process(ranks):
     ref = predict(net, None, eval_batches(data), as_numpy=False, speed_metrics=False)
     results = [json.loads((ranks / f"eval-{r}.json").read_text()) for r in range(WORLD)]
     assert results[0] == results[1]
-    assert results[0]["evaluate"]["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)  # other batches
+    # other batches: HF's eval_loss (row-weighted batch means) depends on them, the token mean does not
+    assert results[0]["evaluate"]["eval_token_loss"] == pytest.approx(whole["eval_token_loss"], rel=1e-6)
     assert results[0]["evaluate"]["eval_accuracy"] == whole["eval_accuracy"]
-    assert results[0]["predict"]["test_loss"] == pytest.approx(ref.metrics["test_loss"], rel=1e-6)
+    assert results[0]["predict"]["test_token_loss"] == pytest.approx(ref.metrics["test_token_loss"], rel=1e-6)
     gathered = _assert_same_on_every_rank(ranks, "predict")
     assert torch.equal(gathered["label_ids"], ref.label_ids)  # dataset order, -100 padding
     valid = ref.label_ids != -100  # logits at padding depend on the batch's width; compare real positions
@@ -353,10 +354,10 @@ def test_sharded_inputs_losses_and_accumulation_match_one_process(ranks):
     whole = evaluate(model(), None, eval_batches(rows(7)), **INCLUDED)
     results = [json.loads((ranks / f"eval-included-{r}.json").read_text()) for r in range(WORLD)]
     assert results[0] == results[1]
-    assert sorted(results[0]) == ["eval_inputs_weighted", "eval_loss", "eval_losses_weighted"]
+    assert sorted(results[0]) == ["eval_inputs_weighted", "eval_loss", "eval_losses_weighted", "eval_token_loss"]
     assert results[0]["eval_inputs_weighted"] == whole["eval_inputs_weighted"]  # every input, in dataset order
     assert results[0]["eval_losses_weighted"] == pytest.approx(whole["eval_losses_weighted"], rel=1e-5)
-    assert results[0]["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)
+    assert results[0]["eval_token_loss"] == pytest.approx(whole["eval_token_loss"], rel=1e-6)
 
 
 def test_evaluation_during_two_process_training_matches_one_process(ranks, tmp_path):
@@ -444,7 +445,7 @@ def test_sharded_evaluation_on_simulated_ranks_matches_evaluate():
         )
 
     for got in on_simulated_ranks(3, rank_eval):  # other batches than one process's: float32 noise per batch
-        assert got["eval_loss"] == pytest.approx(whole["eval_loss"], rel=1e-6)
+        assert got["eval_token_loss"] == pytest.approx(whole["eval_token_loss"], rel=1e-6)
         assert got["eval_accuracy"] == whole["eval_accuracy"]
 
 

@@ -77,15 +77,25 @@ def test_the_keyword_forms_are_the_spec_forms():
     assert evaluate(forward, PARAMS, BATCHES, **kw) == evaluate(forward, PARAMS, BATCHES, spec=EvalSpec(**kw))
     one = predict(forward, PARAMS, BATCHES, **kw)
     two = predict(forward, PARAMS, BATCHES, spec=EvalSpec(metric_key_prefix="test", **kw))
-    assert one.metrics == two.metrics and sorted(one.metrics) == ["test_inputs", "test_loss", "test_rows"]
+    assert one.metrics == two.metrics
+    assert sorted(one.metrics) == ["test_inputs", "test_loss", "test_rows", "test_token_loss"]
     assert (one.predictions == two.predictions).all() and (one.label_ids == two.label_ids).all()
 
 
 def test_keywords_replace_the_fields_of_a_given_spec():
     spec = EvalSpec(metric_key_prefix="dev", speed_metrics=False)
-    assert sorted(evaluate(forward, PARAMS, BATCHES, spec=spec, metric_key_prefix="held")) == ["held_loss"]
-    assert sorted(predict(forward, PARAMS, BATCHES, spec=spec).metrics) == ["dev_loss"]  # the spec's own prefix
-    assert sorted(predict(forward, PARAMS, BATCHES, speed_metrics=False).metrics) == ["test_loss"]  # HF's default
+    assert sorted(evaluate(forward, PARAMS, BATCHES, spec=spec, metric_key_prefix="held")) == [
+        "held_loss",
+        "held_token_loss",
+    ]
+    assert sorted(predict(forward, PARAMS, BATCHES, spec=spec).metrics) == [
+        "dev_loss",
+        "dev_token_loss",
+    ]  # the spec's own prefix
+    assert sorted(predict(forward, PARAMS, BATCHES, speed_metrics=False).metrics) == [
+        "test_loss",
+        "test_token_loss",
+    ]  # HF's default
 
 
 # -- properties -------------------------------------------------------------------------------------

@@ -54,12 +54,12 @@ def _one_shot_loss(model, rows):
 # Examples ------------------------------------------------------------------------------------
 
 
-def test_eval_loss_is_the_token_level_mean_over_the_eval_set():
+def test_eval_token_loss_is_the_token_level_mean_over_the_eval_set():
     model = _model()
     rows = _rows([3, 9, 5, 2, 7])
     m = evaluate(model, None, _batches(rows, 2), speed_metrics=False)
-    assert list(m) == ["eval_loss"]
-    assert m["eval_loss"] == pytest.approx(_one_shot_loss(model, rows), rel=1e-5)
+    assert list(m) == ["eval_loss", "eval_token_loss"]  # eval_loss: HF's row-weighted batch means (test_eval_loss)
+    assert m["eval_token_loss"] == pytest.approx(_one_shot_loss(model, rows), rel=1e-5)
 
 
 def test_eval_runs_in_eval_mode_without_grad_and_restores_the_flags():
@@ -108,7 +108,7 @@ def test_compute_metrics_gets_numpy_predictions_and_keys_are_prefixed():
         preprocess_logits_for_metrics=lambda logits, labels: logits.argmax(-1),
         speed_metrics=False,
     )
-    assert set(m) == {"eval_accuracy", "eval_n", "eval_loss"}
+    assert set(m) == {"eval_accuracy", "eval_n", "eval_loss", "eval_token_loss"}
     assert m["eval_n"] == 3
     (p,) = got
     assert isinstance(p.predictions, np.ndarray) and isinstance(p.label_ids, np.ndarray)
@@ -117,7 +117,7 @@ def test_compute_metrics_gets_numpy_predictions_and_keys_are_prefixed():
     t = evaluate(
         model, None, _batches(rows, 2), compute_metrics=lambda p: {"n": 1}, metric_key_prefix="val", speed_metrics=False
     )
-    assert set(t) == {"val_n", "val_loss"}
+    assert set(t) == {"val_n", "val_loss", "val_token_loss"}
 
 
 def test_preprocess_is_called_once_per_batch_with_the_batch_own_shapes():
@@ -179,7 +179,7 @@ def test_predict_returns_rows_in_dataset_order():
         np.testing.assert_allclose(out.predictions[i, : len(r)], own, rtol=1e-4, atol=1e-5)
         assert (out.predictions[i, len(r) :] == -100).all()
         assert out.label_ids[i, : len(r)].tolist() == r.tolist()
-    assert set(out.metrics) == {"test_loss"}
+    assert set(out.metrics) == {"test_loss", "test_token_loss"}
     raw = predict(model, None, _batches(rows, 1), speed_metrics=False, as_numpy=False)
     assert isinstance(raw.predictions, torch.Tensor) and np.array_equal(raw.predictions.numpy(), out.predictions)
 
@@ -261,10 +261,10 @@ _MODEL = _model(seed=1)
 
 @settings(max_examples=20, deadline=None)
 @given(lengths=st.lists(st.integers(2, 12), min_size=1, max_size=7), size=st.integers(1, 7), seed=st.integers(0, 1000))
-def test_eval_loss_does_not_depend_on_the_eval_batch_size(lengths, size, seed):
+def test_eval_token_loss_does_not_depend_on_the_eval_batch_size(lengths, size, seed):
     rows = _rows(lengths, seed)
     m = evaluate(_MODEL, None, _batches(rows, size), speed_metrics=False)
-    assert m["eval_loss"] == pytest.approx(_one_shot_loss(_MODEL, rows), rel=1e-5)
+    assert m["eval_token_loss"] == pytest.approx(_one_shot_loss(_MODEL, rows), rel=1e-5)
 
 
 @settings(max_examples=20, deadline=None)

@@ -128,7 +128,8 @@ def _argv(out, *extra):
 
 
 def _without_times(metrics):
-    return {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k}
+    """The metrics without the times, and without trainfold's named extra ``*_token_loss`` (the token mean)."""
+    return {k: v for k, v in metrics.items() if not any(s in k for s in ("runtime", "per_second", "_token_loss"))}
 
 
 def test_run_classification_moves_by_its_import_and_trains_evaluates_and_saves_as_the_trainer(tmp_path):
@@ -223,6 +224,8 @@ def _preference_or_completion_rows(path, kind):
 
     if kind == "dpo":
         rows = [{"prompt": say(), "chosen": " " + say(), "rejected": " " + say()} for _ in range(16)]
+    elif kind == "kto":  # unpaired: each block of 3 has both labels
+        rows = [{"prompt": say(), "completion": " " + say(), "label": i % 3 != 0} for i in range(16)]
     else:
         rows = [{"prompt": say(), "completion": " " + say()} for _ in range(16)]
     path.mkdir()
@@ -243,7 +246,7 @@ def _recording(cls, into, key):
     return Recorded
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "kto"])
 def test_trls_script_moves_by_its_import_with_trls_per_step_losses_and_eval(tmp_path, monkeypatch, kind):
     import importlib
     import runpy
@@ -258,9 +261,9 @@ def test_trls_script_moves_by_its_import_with_trls_per_step_losses_and_eval(tmp_
     argv += ["--max_steps", "4", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2"]
     argv += ["--learning_rate", "1e-2", "--logging_steps", "1", "--seed", "3", "--use_cpu", "true"]
     argv += ["--bf16", "false", "--gradient_checkpointing", "false", "--report_to", "none", "--save_strategy", "no"]
-    argv += ["--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "4"]
-    # one eval batch: HF averages batch means where trainfold takes the token mean (issue 48, item 5)
-    name = {"sft": "SFTTrainer", "dpo": "DPOTrainer"}[kind]
+    argv += ["--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "3"]
+    # eval batches of 3 and 1 rows: eval_loss is HF's row-weighted mean of batch means (issue 48, item 5)
+    name = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "kto": "KTOTrainer"}[kind]
     got = {}
     for who, cls in (("trl", getattr(trl, name)), ("trainfold", getattr(getattr(trainfold, kind), name))):
         monkeypatch.setattr(trl, name, _recording(cls, got, who))  # the script's `from trl import ...` line
@@ -404,6 +407,7 @@ def test_each_trl_facade_takes_its_peers_constructor_keywords_in_order():
     """The facades declare their keywords as data (``PeerTrainer``); the signature a script calls stays TRL's."""
     from trainfold.dpo import DPOTrainer
     from trainfold.grpo import GRPOTrainer
+    from trainfold.kto import KTOTrainer
     from trainfold.reward import RewardTrainer
     from trainfold.sft import SFTTrainer
 
@@ -412,6 +416,7 @@ def test_each_trl_facade_takes_its_peers_constructor_keywords_in_order():
         (DPOTrainer, trl.DPOTrainer),
         (GRPOTrainer, trl.GRPOTrainer),
         (RewardTrainer, trl.RewardTrainer),
+        (KTOTrainer, trl.KTOTrainer),
     ):
         names = list(inspect.signature(ours).parameters)
         peer = inspect.signature(theirs).parameters
@@ -422,3 +427,18 @@ def test_each_trl_facade_takes_its_peers_constructor_keywords_in_order():
         GRPOTrainer(model=torch.nn.Linear(1, 1))
     with pytest.raises(TypeError, match="the run pads preference rows itself"):
         DPOTrainer(torch.nn.Linear(1, 1), None, None, lambda rows: rows)
+
+
+def test_building_the_trainer_seeds_the_global_generators_as_the_trainers_constructor(tmp_path):
+    """``Trainer(...)`` calls ``set_seed(args.seed)``: what a script (or its collator) draws next is the same."""
+    import random
+
+    import numpy as np
+
+    drawn = []
+    for cls in (transformers.Trainer, Trainer):
+        torch.manual_seed(1)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path), seed=7, use_cpu=True, report_to="none")
+        cls(model=torch.nn.Linear(2, 2), args=args)
+        drawn.append((torch.rand(2).tolist(), float(np.random.rand()), random.random()))
+    assert drawn[0] == drawn[1]

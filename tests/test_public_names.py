@@ -24,7 +24,7 @@ ALGORITHMS = {
     "dpo": ["train", "DPOArguments", "DPOTrainer", "dpo_loss", "dpo_objective", "preference_collate"],
     "grpo": ["train", "GRPOArguments", "GRPOTrainer", "grpo_objective", "grpo_stream", "Codec", "GenerationSchedule"],
     "reward": ["train", "RewardArguments", "RewardTrainer"],
-    "kto": ["train", "KTOArguments"],
+    "kto": ["train", "KTOArguments", "KTOTrainer"],
 }
 GONE = ["losses", "samplers", "reducers", "reporters", "schedules", "tree", "checkpoint", "packing", "preempt",
         "compiled", "generate", "grpo_args", "grpo_run", "chunked_loss", "hf", "recipes", "aliases",

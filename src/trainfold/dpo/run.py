@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from torch import Tensor, nn
 
@@ -40,8 +40,17 @@ __all__ = [
 ]
 
 
-def policy_model(model: nn.Module | str, args: DPOArguments, peft_config: Any = None) -> nn.Module:
-    """Return the model DPO trains: loaded by name, wrapped by PEFT, its dropout off with ``disable_dropout``."""
+class PolicySettings(Protocol):
+    """What building the trained policy reads: DPO's and KTO's arguments both have it."""
+
+    model_init_kwargs: dict[str, Any] | None
+    seed: int
+    disable_dropout: bool
+
+
+def policy_model(model: nn.Module | str, args: PolicySettings, peft_config: Any = None) -> nn.Module:
+    """Return the model DPO (and KTO) trains: loaded by name, wrapped by PEFT, its dropout off with
+    ``disable_dropout`` (``args``: ``DPOArguments`` or ``KTOArguments``)."""
     built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
     # TRL's default: no dropout in the policy (nor, thereby, in its reference)
     return without_dropout(built) if args.disable_dropout else built

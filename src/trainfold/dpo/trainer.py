@@ -10,39 +10,30 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from trainfold.dpo.args import DPOArguments
 from trainfold.dpo.run import policy_model, preference_collator, prepare_preference_dataset, reference_objective
 from trainfold.dpo.run import train as dpo_train
-from trainfold.trainer.facade import PeerTrainer, peer_keywords
+from trainfold.trainer.facade import ReferenceTrainer
 
 __all__ = ["DPOTrainer"]
 
 
-class DPOTrainer(PeerTrainer):
+def _collator(model: nn.Module, args: DPOArguments, processing_class: Any) -> Any:
+    return preference_collator(model, args, processing_class)[0]
+
+
+class DPOTrainer(ReferenceTrainer):
     """TRL ``DPOTrainer``'s constructor and methods over ``trainfold.dpo.train`` (see the module doc)."""
 
     arguments_class = DPOArguments
-    keywords = peer_keywords(
-        before_args=("ref_model",),
-        without=("compute_loss_func", "optimizer_cls_and_kwargs", "preprocess_logits_for_metrics"),
-    )
     own_collator = (
         "the run pads preference rows itself (pad_token, max_length, pad_to_multiple_of, padding_free in DPOArguments)"
     )
     run_name = "DPO"
     run = staticmethod(dpo_train)
     load_model = staticmethod(policy_model)
-
-    def _finish(self, given: Any, **rest: Any) -> None:
-        ref_model = rest["ref_model"]
-        if isinstance(ref_model, str):
-            ref_model = policy_model(ref_model, self._loading(self.args, ref_model, given))
-        self.ref_model = ref_model
-        self.objective = reference_objective(self.model, self.args, ref_model)  # the reference as the trainer is built
-
-    def _eval_rows(self, dataset: Any) -> Any:
-        return prepare_preference_dataset(dataset, self.processing_class, self.args)
-
-    def _scoring(self) -> dict[str, Any]:
-        collate, _ = preference_collator(self.model, self.args, self.processing_class)
-        return {**super()._scoring(), "data_collator": collate, "objective": self.objective}
+    reference_objective = staticmethod(reference_objective)
+    prepare = staticmethod(prepare_preference_dataset)
+    scoring_collator = staticmethod(_collator)

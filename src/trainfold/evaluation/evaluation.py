@@ -3,8 +3,10 @@
 ``evaluate_batches`` runs the forward pass on given parameters, maps each batch to its summed loss, item
 count and (when metrics need them) its predictions, optionally reduced on the device by
 ``preprocess_logits_for_metrics``, and folds these with the reducers of ``trainfold.evaluation.reducers``.
-The eval loss is the token-level mean, ``sum of losses / number of items``, so it does not
-depend on the eval batch size or padding. Predictions come back in the order of ``batches``,
+The eval loss is HF ``Trainer.evaluate``'s: each batch's mean loss weighted by the batch's rows (so it
+depends on how rows are batched when their token counts differ); ``{prefix}_token_loss`` is the mean over all
+items, ``sum of losses / number of items``, which does not depend on the eval batch size or padding.
+Predictions come back in the order of ``batches``,
 right-padded with -100 along dim 1, moved to the CPU every ``eval_accumulation_steps`` batches.
 
 >>> import torch
@@ -70,6 +72,7 @@ def _outcome(
         as_numpy=spec.as_numpy,
         speed=speed,
         objective_metrics=out["metrics"],
+        token_loss=out["token_loss"] if out["labelled"] and spec.objective is None else None,
     )
     return out, metrics
 
@@ -93,7 +96,8 @@ def evaluate_batches(
     (``loss``, ``compute_metrics``, ``eval_accumulation_steps``, ``metric_key_prefix`` ...; see it for each), or
     its fields as keywords (they replace the ``spec``'s).
     With ``collective`` (every rank calls it with the batches of its own contiguous shard, from
-    ``trainfold.distributed.shard``), each rank's ``(loss sum, item count)`` and metric accumulators are merged
+    ``trainfold.distributed.shard``), each rank's ``(loss sum, item count)``, ``(weighted batch means, rows)`` and
+    metric accumulators are merged
     with the reducers' ``merge`` (never an average of averages) and every rank returns the whole set's metrics.
     A NaN or infinite loss in any batch shows in the eval loss (HF drops non-finite batch losses).
 
@@ -105,10 +109,10 @@ def evaluate_batches(
     >>> one = evaluate_batches(model, None, [{"input_ids": rows, "labels": rows}], speed_metrics=False,
     ...                compute_metrics=lambda p: {"rows": p.predictions.shape[0]})
     >>> sorted(one), one["eval_rows"]
-    (['eval_loss', 'eval_rows'], 2)
+    (['eval_loss', 'eval_rows', 'eval_token_loss'], 2)
     >>> rows_one_by_one = [{"input_ids": r[None], "labels": r[None]} for r in rows]
     >>> two = evaluate_batches(model, None, rows_one_by_one, speed_metrics=False)
-    >>> round(one["eval_loss"], 5) == round(two["eval_loss"], 5)  # the token mean: batch size does not matter
+    >>> round(one["eval_token_loss"], 5) == round(two["eval_token_loss"], 5)  # the token mean: batching does not matter
     True
     """
     spec = attrs.evolve(spec if spec is not None else EvalSpec(), **settings)
@@ -143,7 +147,7 @@ def predict_batches(
     ...            {"input_ids": torch.tensor([[5, 6, 7]]), "labels": torch.tensor([[5, 6, 7]])}]
     >>> out = predict_batches(model, None, batches, speed_metrics=False)
     >>> list(out.predictions.shape), out.label_ids.tolist(), sorted(out.metrics)
-    ([2, 4, 16], [[1, 2, 3, 4], [5, 6, 7, -100]], ['test_loss'])
+    ([2, 4, 16], [[1, 2, 3, 4], [5, 6, 7, -100]], ['test_loss', 'test_token_loss'])
     """
     spec = attrs.evolve(spec, **settings) if spec is not None else EvalSpec(**{"metric_key_prefix": "test", **settings})
     gather = not spec.prediction_loss_only  # as HF: the loss alone, no predictions

@@ -195,13 +195,15 @@ def final_metrics(
     as_numpy: bool = True,
     speed: Mapping[str, float] | None = None,
     objective_metrics: Mapping[str, float] | None = None,
+    token_loss: float | None = None,
 ) -> dict[str, Any]:
     """Return an eval run's metrics named ``{prefix}_*``: ``compute_metrics``' results, the loss, ``speed``, then
     ``objective_metrics`` (the means of an objective's metrics over the eval items: ``eval_rewards/chosen``...).
 
     ``gathered`` holds the run's ``predictions`` and ``label_ids`` (and optionally ``inputs`` and
     ``losses``); ``compute_metrics`` runs on them (as numpy arrays unless ``as_numpy=False``) only
-    when both are there. ``loss`` is the eval loss, ``None`` when no batch had labels; ``speed``
+    when both are there. ``loss`` is the eval loss, ``None`` when no batch had labels; ``token_loss`` (the
+    mean over all items, tokens for a token task) follows it when given; ``speed``
     (e.g. :func:`throughput`) is added as it is.
 
     >>> final_metrics({}, 0.5, speed={"runtime": 2.0})
@@ -226,6 +228,12 @@ def final_metrics(
         if "loss" in metrics or f"{prefix}_loss" in metrics:
             raise ValueError(f"compute_metrics returned a 'loss' metric, which would hide {prefix}_loss; rename it")
         metrics["loss"] = loss
+    if token_loss is not None:
+        if "token_loss" in metrics or f"{prefix}_token_loss" in metrics:
+            raise ValueError(
+                f"compute_metrics returned a 'token_loss' metric, which would hide {prefix}_token_loss; rename it"
+            )
+        metrics["token_loss"] = token_loss
     if speed is not None:
         metrics.update(speed)
     clash = sorted(set(objective_metrics or ()) & set(metrics))

@@ -12,8 +12,8 @@ merge them first.
 >>> batches = [{"input": torch.tensor([[1, 2, 3]]), "labels": torch.tensor([[1, 2, 3]])}]
 >>> parts, acc = eval_fold(EvalSpec(), forward, {"weight": torch.zeros(5, 5)}, batches, gather=False)
 >>> out = combine(parts).complete(acc)
->>> round(out["loss"], 4), out["labelled"], out["samples"], out["batches"]  # ln 5
-(1.6094, 1, 1, 1)
+>>> round(out["loss"], 4), round(out["token_loss"], 4), out["labelled"], out["samples"], out["batches"]  # ln 5
+(1.6094, 1.6094, 1, 1, 1)
 """
 
 from __future__ import annotations
@@ -205,23 +205,35 @@ def _preprocessing(preprocess: Callable[[Any, Any], Any]) -> Callable[[_BatchOut
     return apply
 
 
+def _rows_and_mean(out: _BatchOut) -> tuple[Tensor, Tensor]:
+    # HF's eval loss: each batch's mean loss weighted by its rows (``loss.repeat(batch_size)``, the last batch's
+    # cut to its rows); a batch without items has no mean and no weight (HF drops its NaN, logging_nan_inf_filter).
+    assert out.loss_sum is not None and out.count is not None  # labelled batches only
+    has_items = out.count > 0
+    rows = torch.where(has_items, out.num_samples, 0)
+    mean = out.loss_sum / out.count.clamp(min=1).to(out.loss_sum.device)
+    return torch.where(has_items.to(mean.device), mean * rows.to(mean.device), 0.0), rows
+
+
 def eval_parts(
     gather: bool = True, eval_accumulation_steps: int | None = None, move: Callable[[Tensor], Tensor] | None = None
 ) -> dict[str, Reducer]:
     """Return the reducers an eval run folds its per-batch outputs with, by the name of their result.
 
-    ``loss`` (token-level mean), ``labelled`` (batches with labels), ``samples``, ``batches``,
+    ``loss`` (HF's: the batches' mean losses weighted by their rows), ``token_loss`` (the mean over all items,
+    tokens for a token task), ``labelled`` (batches with labels), ``samples``, ``batches``,
     ``metrics`` (an objective's metric means) and, with ``gather``, ``tensors`` (predictions,
     label_ids, inputs, losses, padded and concatenated on the host; moved there every
     ``eval_accumulation_steps`` batches, or once at the end, by ``move``, default to the CPU).
     Every part but ``tensors`` has a ``merge``: ranks merge those, and gather ``tensors`` in rank order.
 
     >>> sorted(eval_parts(gather=False))
-    ['batches', 'labelled', 'loss', 'metrics', 'samples']
+    ['batches', 'labelled', 'loss', 'metrics', 'samples', 'token_loss']
     """
     labelled = filtering(lambda o: o.count is not None)
     parts: dict[str, Reducer] = {
-        "loss": compose(labelled, mapping(lambda o: (o.loss_sum, o.count)))(mean_loss()),
+        "loss": compose(labelled, mapping(_rows_and_mean))(mean_loss()),
+        "token_loss": compose(labelled, mapping(lambda o: (o.loss_sum, o.count)))(mean_loss()),
         "labelled": labelled(counting()),
         "samples": mapping(lambda o: o.num_samples)(summing()),
         "batches": counting(),

@@ -27,7 +27,8 @@ class EvalSpec:
     """How to evaluate: what ``evaluate``, ``predict`` and their sharded forms take besides the model and data.
 
     ``loss(outputs, labels, num_items)`` scores each batch's ``label_key`` labels (taken out of the
-    batch before the forward pass); the eval loss is the token-level mean, sum of losses over the
+    batch before the forward pass); the eval loss is HF ``Trainer.evaluate``'s, each batch's mean loss
+    weighted by its rows, and ``{prefix}_token_loss`` the mean over all items, sum of losses over the
     summed item counts (``loss.count_items``, else the labels that are not -100). Predictions are
     gathered only when ``compute_metrics`` is given (``predict`` always gathers): ``predictions_of(outputs)``
     (the logits), reduced per batch on the device by ``preprocess_logits_for_metrics(logits, labels)``,
@@ -41,8 +42,9 @@ class EvalSpec:
 
     ``objective`` (the one the run trains with, e.g. ``dpo_objective``) scores each batch instead
     of ``loss``: ``objective(forward, params, batch, n, key) -> (loss, metrics)``, means over the
-    batch's ``n`` items (``objective.count_items``, else its labels, else its rows); ``eval_loss`` and
-    each metric are exact means over all items. With ``compute_metrics`` its predictions come from
+    batch's ``n`` items (``objective.count_items``, else its labels, else its rows); ``eval_loss`` is its
+    batch means weighted by rows (``objective.count_samples``, else dim 0), as HF's, and each metric is an exact
+    mean over all items. With ``compute_metrics`` its predictions come from
     ``objective.predictions(forward, params, batch) -> (outputs, label_ids)``, else from the model
     on the batch without its labels, with ``label_ids`` the labels, else the ``main_input_name`` input.
 

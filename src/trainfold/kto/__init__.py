@@ -17,6 +17,7 @@ from trainfold.kto.objective import KTOObjective, kto_objective
 from trainfold.kto.reference import unpaired_logps, unpaired_reference_logps, with_reference_logps
 from trainfold.kto.rows import KL_COLUMN, UNPAIRED_COLUMNS, unpair, unpaired_row, unpaired_rows, with_kl_completions
 from trainfold.kto.run import prepare_unpaired_dataset, train
+from trainfold.kto.trainer import KTOTrainer  # the facade, for moving a TRL script by its import
 
 __all__ = [
     "KL_COLUMN",
@@ -25,6 +26,7 @@ __all__ = [
     "UNPAIRED_COLUMNS",
     "KTOArguments",
     "KTOObjective",
+    "KTOTrainer",
     "UnpairedCollate",
     "kl_estimate",
     "kto_loss",

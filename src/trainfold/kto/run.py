@@ -14,24 +14,22 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
-from toolz import valmap
 from torch import nn
 
-from trainfold.dpo.run import reference_params
+from trainfold.dpo.run import policy_model, reference_params
 from trainfold.kto.args import KTOArguments
 from trainfold.kto.collate import unpaired_collate
 from trainfold.kto.objective import kto_objective
 from trainfold.kto.rows import unpaired_rows
 from trainfold.sft.run import check_arguments
-from trainfold.trainer.model_source import model_from, processing_class_for, without_dropout
+from trainfold.trainer.model_source import processing_class_for
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
 
-__all__ = ["prepare_unpaired_dataset", "train"]
+__all__ = ["kto_reference_objective", "prepare_unpaired_dataset", "train", "unpaired_collator"]
 
 
 def prepare_unpaired_dataset(dataset: Any, processing_class: Any, args: KTOArguments) -> Any:
@@ -48,6 +46,26 @@ def prepare_unpaired_dataset(dataset: Any, processing_class: Any, args: KTOArgum
     kl = None if args.loss_type == "apo_zero_unpaired" else args.per_device_train_batch_size
     rows = (dataset[i] for i in range(len(dataset)))
     return unpaired_rows(rows, processing_class, args.max_length, kl)
+
+
+def kto_reference_objective(model: nn.Module, args: KTOArguments, ref_model: nn.Module | None = None) -> Any:
+    """Return the KTO objective of ``args``, its reference ``ref_model`` or ``model`` as it is now (copied)."""
+    return kto_objective(
+        args.beta,
+        args.loss_type,
+        reference_params(model, ref_model, precomputed=args.precompute_ref_log_probs),
+        desirable_weight=args.desirable_weight,
+        undesirable_weight=args.undesirable_weight,
+        precompute_ref_log_probs=args.precompute_ref_log_probs,
+        precompute_ref_batch_size=args.precompute_ref_batch_size,
+    )
+
+
+def unpaired_collator(args: KTOArguments, tok: Any) -> Any:
+    """Return the run's collator: unpaired rows padded with the tokenizer's pad (else eos) token, as TRL pads."""
+    pad = (tok.pad_token or tok.eos_token) if tok is not None else None
+    pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
+    return unpaired_collate(pad_id, args.max_length, args.pad_to_multiple_of)
 
 
 def train(
@@ -69,23 +87,14 @@ def train(
     ``trainfold.train``.
     """
     check_arguments(args, KTOArguments, "kto")
-    policy: nn.Module = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
-    policy = without_dropout(policy) if args.disable_dropout else policy  # TRL's default: no dropout (nor in the ref)
-    objective = kto_objective(
-        args.beta,
-        args.loss_type,
-        reference_params(policy, ref_model, precomputed=args.precompute_ref_log_probs),
-        desirable_weight=args.desirable_weight,
-        undesirable_weight=args.undesirable_weight,
-        precompute_ref_log_probs=args.precompute_ref_log_probs,
-        precompute_ref_batch_size=args.precompute_ref_batch_size,
-    )
-    tok = processing_class_for(policy, processing_class)
-    pad = (tok.pad_token or tok.eos_token) if tok is not None else None
-    pad_id = 0 if pad is None else int(tok.convert_tokens_to_ids(pad))
-    collate = unpaired_collate(pad_id, args.max_length, args.pad_to_multiple_of)
-    prepare = functools.partial(prepare_unpaired_dataset, processing_class=tok, args=args)
-    train_rows = prepare(train_dataset)
-    eval_rows = valmap(prepare, eval_dataset) if isinstance(eval_dataset, dict) else prepare(eval_dataset)
+    model = policy_model(model, args, peft_config)  # DPO's: loaded by name, wrapped by PEFT, dropout off
+    objective = kwargs.pop("objective", None) or kto_reference_objective(model, args, ref_model)  # a facade's own
+    tok = processing_class_for(model, processing_class)
+    collate = unpaired_collator(args, tok)
+    train_rows = prepare_unpaired_dataset(train_dataset, tok, args)
+    if isinstance(eval_dataset, dict):
+        eval_rows: Any = {k: prepare_unpaired_dataset(v, tok, args) for k, v in eval_dataset.items()}
+    else:
+        eval_rows = prepare_unpaired_dataset(eval_dataset, tok, args)
     run = dict(objective=objective, callbacks=callbacks, processing_class=tok)  # checkpoints hold the tokenizer
-    return train_run(policy, args, train_rows, eval_rows, collate, **run, **kwargs)
+    return train_run(model, args, train_rows, eval_rows, collate, **run, **kwargs)

@@ -17,7 +17,7 @@ continues bitwise from the newest intact checkpoint. No ``TrainingArguments`` an
 >>> state, log = loop.run(make_step(model, cross_entropy, sgd(0.1)), init_state(model, sgd(0.1)), [batch] * 6,
 ...                       hooks=[loop.log(every=3), loop.evaluate(batch, every=3, model=model, loss=cross_entropy)])
 >>> [sorted(e) for e in log.history][:2]
-[['epoch', 'grad_norm', 'learning_rate', 'loss', 'step'], ['epoch', 'eval_loss', 'step']]
+[['epoch', 'grad_norm', 'learning_rate', 'loss', 'step'], ['epoch', 'eval_loss', 'eval_token_loss', 'step']]
 """
 
 from trainfold.loop.builtins import BEST, early_stop, evaluate, log, save

@@ -262,7 +262,7 @@ def evaluate(
     >>> before = evaluate(model, args, rows)
     >>> after = evaluate(model, args, rows, state=train(model, args, rows).state)
     >>> sorted(after), after["eval_loss"] < before["eval_loss"]
-    (['eval_loss', 'eval_runtime', 'eval_samples_per_second', 'eval_steps_per_second'], True)
+    (['eval_loss', 'eval_runtime', 'eval_samples_per_second', 'eval_steps_per_second', 'eval_token_loss'], True)
     """
     metrics: dict[str, float] = {}
     for prefix, dataset in eval_sets(eval_dataset, metric_key_prefix).items():  # a dict: each set, as HF

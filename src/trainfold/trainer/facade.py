@@ -33,6 +33,7 @@ from typing import Any, ClassVar, NamedTuple, NoReturn
 import attrs
 from torch import nn
 
+from trainfold.core.rng import seed_global_rng
 from trainfold.trainer import trainer_methods as methods
 from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.evaluating import evaluate, predict
@@ -42,6 +43,7 @@ from trainfold.trainer.train import TrainResult, train
 __all__ = [
     "Trainer",
     "PeerTrainer",
+    "ReferenceTrainer",
     "peer_keywords",
     "TrainOutput",
     "FacadeState",
@@ -177,6 +179,7 @@ class Trainer:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Trainer needs model= a torch module, got {type(model).__name__}; load it yourself first")
         self.args = arguments_for(args, self.arguments_class, "trainer_output")
+        seed_global_rng(self.args.seed)  # as HF's Trainer(...): a collator drawing from them draws as under HF's
         self.model, self.processing_class = model, processing_class
         self.data_collator, self.train_dataset, self.eval_dataset = data_collator, train_dataset, eval_dataset
         self.compute_loss_func, self.compute_metrics = compute_loss_func, compute_metrics
@@ -434,3 +437,35 @@ class PeerTrainer(Trainer):
             resume_from_checkpoint=resume_from_checkpoint,
             **{k: v for k, v in named.items() if v is not None},  # None: the run's own (SFT's loss, DPO's reference)
         )
+
+
+class ReferenceTrainer(PeerTrainer):
+    """A TRL preference trainer whose reference is fixed when it is built (``DPOTrainer``, ``KTOTrainer``).
+
+    ``ref_model`` (a module, a name loaded as the policy is, or ``None``: the policy as given) makes the run's
+    objective once (``reference_objective(model, args, ref_model)``), so ``evaluate`` after ``train`` scores
+    against it, as TRL's. ``evaluate``/``predict`` read rows prepared as the run prepares them (``prepare``)
+    and collated by the run's collator (``scoring_collator``).
+    """
+
+    keywords = peer_keywords(
+        before_args=("ref_model",),
+        without=("compute_loss_func", "optimizer_cls_and_kwargs", "preprocess_logits_for_metrics"),
+    )
+    reference_objective: ClassVar[Callable[..., Any]]  # (model, args, ref_model) -> objective
+    prepare: ClassVar[Callable[..., Any]]  # (dataset, processing_class, args) -> rows
+    scoring_collator: ClassVar[Callable[..., Any]]  # (model, args, processing_class) -> collate
+
+    def _finish(self, given: Any, **rest: Any) -> None:
+        ref_model = rest["ref_model"]
+        if isinstance(ref_model, str):
+            ref_model = type(self).load_model(ref_model, self._loading(self.args, ref_model, given), None)
+        self.ref_model = ref_model
+        self.objective = type(self).reference_objective(self.model, self.args, ref_model)
+
+    def _eval_rows(self, dataset: Any) -> Any:
+        return type(self).prepare(dataset, self.processing_class, self.args)
+
+    def _scoring(self) -> dict[str, Any]:
+        collate = type(self).scoring_collator(self.model, self.args, self.processing_class)
+        return {**super()._scoring(), "data_collator": collate, "objective": self.objective}

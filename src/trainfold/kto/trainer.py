@@ -1,0 +1,38 @@
+"""``KTOTrainer``: TRL ``KTOTrainer``'s shape over ``trainfold.kto.train``, for moving scripts by their import.
+
+It takes ``KTOTrainer``'s keywords (``model`` a module or a name, ``ref_model``, ``args`` a ``KTOArguments``
+or the script's own ``trl.KTOConfig``, ``peft_config``...) and has ``trainfold.Trainer``'s methods. As TRL's,
+the reference is fixed when the trainer is built (``ref_model``, else the model as given), so ``evaluate``
+after ``train`` scores against it. No logic of its own: new code calls ``trainfold.kto.train``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from trainfold.dpo.run import policy_model
+from trainfold.kto.args import KTOArguments
+from trainfold.kto.run import kto_reference_objective, prepare_unpaired_dataset, unpaired_collator
+from trainfold.kto.run import train as kto_train
+from trainfold.trainer.facade import ReferenceTrainer
+
+__all__ = ["KTOTrainer"]
+
+
+def _collator(model: nn.Module, args: KTOArguments, processing_class: Any) -> Any:
+    return unpaired_collator(args, processing_class)
+
+
+class KTOTrainer(ReferenceTrainer):
+    """TRL ``KTOTrainer``'s constructor and methods over ``trainfold.kto.train`` (see the module doc)."""
+
+    arguments_class = KTOArguments
+    own_collator = "the run pads unpaired rows itself (max_length and pad_to_multiple_of in KTOArguments)"
+    run_name = "KTO"
+    run = staticmethod(kto_train)
+    load_model = staticmethod(policy_model)  # DPO's: loaded by name, wrapped by PEFT, dropout off
+    reference_objective = staticmethod(kto_reference_objective)
+    prepare = staticmethod(prepare_unpaired_dataset)
+    scoring_collator = staticmethod(_collator)
