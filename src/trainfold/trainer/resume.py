@@ -55,7 +55,7 @@ def on_device(opt_state: Any, device: torch.device) -> Any:
 def initial_state(plan: Plan) -> TrainState:
     """Return the run's first state: the module's own tensors lent (one copy), on the device (a ``fully_shard``
     module's: its DTensor shards, and optimizer state of the same layout)."""
-    state = init_state(plan.model, plan.optimizer, seed=plan.args.seed, extras=plan.extras, copy=False)
+    state = init_state(plan.model, plan.optimizer, seed=plan.seed, extras=plan.extras, copy=False)
     if is_stream_source(plan.inputs.train_dataset):  # the cursor holds each source's row position from step 0
         state = attrs.evolve(state, cursor=stream_cursor(plan.inputs.train_dataset))
     if plan.device.type != "cpu":
@@ -71,7 +71,7 @@ def initial_state(plan: Plan) -> TrainState:
 
 def run_settings(plan: Plan) -> RunSettings:
     """Return the run's settings as its checkpoints judge them (each field's trajectory metadata, the world size)."""
-    return RunSettings.of(plan.args, world_size=plan.settings["world_size"])
+    return plan.run_settings
 
 
 def _check_resumable(plan: Plan, meta: Mapping[str, Any], source: str | os.PathLike) -> None:
@@ -121,20 +121,20 @@ def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str 
     settings = run_settings(plan)
     try:
         claim = run_dir.claim(
-            plan.args.output_dir,
+            plan.checkpoints.output_dir,
             resume_from_checkpoint,
             settings,
             settings_fingerprint(settings, state.params, state.buffers),
-            overwrite_output_dir=plan.args.overwrite_output_dir,
+            overwrite_output_dir=plan.checkpoints.overwrite,
             writer=plan.is_writer,
         )
     except FileNotFoundError as e:
         lead = f"Can't find a valid checkpoint at {resume_from_checkpoint}"  # transformers.Trainer's words
         if resume_from_checkpoint is True:
-            lead = f"No valid checkpoint found in output directory ({plan.args.output_dir})"
+            lead = f"No valid checkpoint found in output directory ({plan.checkpoints.output_dir})"
         raise NoCheckpointError(f"{lead}: {e}") from None
     if resume_from_checkpoint is True and plan.is_writer:  # held: a damaged one the run would save over is kept
-        for path, why, meta in damaged_checkpoints(plan.args.output_dir):
+        for path, why, meta in damaged_checkpoints(plan.checkpoints.output_dir):
             if (meta.get("run") or {}).get("fingerprint") == claim.run.fingerprint:  # this run's, not another's
                 set_aside(path, why)
     return claim
@@ -173,7 +173,7 @@ def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_st
             state = lend(plan.model, state)
     resumed = source is not None and not weights_only_warm_start
     history = log_file.start(
-        plan.args.output_dir,
+        plan.checkpoints.output_dir,
         source if resumed else None,
         meta["metadata"] if resumed and meta is not None else None,
         writer=plan.is_writer,
@@ -182,7 +182,7 @@ def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_st
         claim.callback(history.close)
     for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
         claim.callback(functools.partial(close_loader, eval_set.loader))
-    Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
+    Path(plan.checkpoints.output_dir).mkdir(parents=True, exist_ok=True)
     saved_rng = meta["metadata"].get("global_rng") if resumed and meta is not None else None
     return Start(state, window, history, source, saved_rng)
 

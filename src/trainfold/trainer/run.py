@@ -284,7 +284,7 @@ def callback_adapter(run: Run, state: TrainState) -> tuple[Run, hf_callbacks.HFC
     evaluate = None if not plan.evals.enabled else (lambda s: evaluate_and_record(run, s)[0])
     hf = hf_callbacks.HFCallbacks(
         plan.callbacks,
-        plan.args,
+        plan.callback_args,
         total_steps=plan.schedule.total_steps,
         steps_per_epoch=plan.schedule.epoch_steps,
         epoch_span=plan.schedule.epoch_span,

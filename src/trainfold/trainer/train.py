@@ -32,7 +32,7 @@ id and is saved into every checkpoint (``AutoTokenizer.from_pretrained(checkpoin
 ``train_stream`` (a ``data.StateStream``) replaces the sampler and stream with steps made from the
 state they start from: ``trainfold.grpo.train`` runs GRPO through it.
 
-The run is a ``Plan`` (``hf.plan``), built before any step by ``hf.planning.plan_for`` from these
+The run is a ``Plan`` (``trainer.plan``), built before any step by ``trainer.planning.plan_for`` from these
 arguments: the sampler, schedule, optimizer, step, eval plan (``hf.evaluating``), checkpoint policy,
 reporters and stop rules, each a record of its own; ``hf.run`` holds the side effects after each
 step, ``hf.resume`` the first state.
@@ -80,7 +80,7 @@ from trainfold.trainer.extras import BEST
 from trainfold.trainer.inputs import own_loss_objective, to_device
 from trainfold.trainer.optimizer import default_optimizer
 from trainfold.trainer.plan import STOPPING_RULES, Plan, agreed
-from trainfold.trainer.planning import plan_for
+from trainfold.trainer.planning import TrainCall, elastic_args, plan_for, process_settings, world_of
 from trainfold.trainer.resume import Start, claim_for, continuing_global_rng, initial_state, start_run
 from trainfold.trainer.run import Run, callback_adapter, evaluate_and_record, run_hooks, save_checkpoint
 
@@ -210,21 +210,31 @@ def train(
     ('completed', 3, 0.01, True)
     """
     args = checks.trainfold_arguments(args)  # a transformers.TrainingArguments: TrainingArguments.from_hf, exactly
-    data = checks.data_to_check(train_dataset, eval_dataset, data_collator, train_stream, optimizer, objective)
-    checks.check_train_call(model, args, resume_from_checkpoint, compute_metrics or objective, **data)
-    compute_loss_func = checks.checked_loss(compute_loss_func)  # every problem named before any work
-    objective = own_loss_objective(model, compute_loss_func, objective)  # a model whose task trainfold has no loss for
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
-    rest = (observers, resume_from_checkpoint, early_stopping, stop, collective, callbacks, train_stream)
-    plan = plan_for(model, args, train_dataset, eval_dataset, *(given + rest), processing_class=processing_class)
+    run = (observers, resume_from_checkpoint, early_stopping, stop, collective, weights_only_warm_start, callbacks)
+    call = _checked(args, TrainCall(model, train_dataset, eval_dataset, *given, *run, train_stream, processing_class))
+    rank, world_size = world_of(collective)
+    process_settings(args, main_process=rank == 0)  # kernels warmed up, the loggers' verbosity: as HF's __init__
+    plan = plan_for(elastic_args(args, resume_from_checkpoint, world_size), call)  # elastic: the saved global batch
     state = initial_state(plan)
-    claim = claim_for(plan, state, resume_from_checkpoint)
-    with claim:  # the lock is held until the run ends, and released if it raises
+    with claim_for(plan, state, resume_from_checkpoint) as claim:  # the lock is held until the run ends
         begin = start_run(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
         plan, begin = resumed_callback_states(plan, begin, callbacks)  # an EarlyStoppingCallback's, as HF's
         _log_start(plan, begin)
         result = _session(plan, begin, claim.run)
     return _ending(plan, result)
+
+
+def _checked(args: TrainingArguments, call: TrainCall) -> TrainCall:
+    """Return ``call`` checked against ``args`` (every problem named before any work), with its loss and objective."""
+    data = checks.data_to_check(
+        call.train_dataset, call.eval_dataset, call.data_collator, call.train_stream, call.optimizer, call.objective
+    )
+    resume, scores = call.resume_from_checkpoint, call.compute_metrics or call.objective
+    checks.check_train_call(call.model, args, resume, scores, **data)
+    loss = checks.checked_loss(call.compute_loss_func)
+    objective = own_loss_objective(call.model, loss, call.objective)  # a model whose task trainfold has no loss for
+    return attrs.evolve(call, compute_loss_func=loss, objective=objective)
 
 
 def _log_start(plan: Plan, begin: Start) -> None:
@@ -314,10 +324,10 @@ def _trained(
 
 def _step(run: Run, hf: HFCallbacks | None) -> Callable[[TrainState, Any], TrainState]:
     """Return the run's step (donating: the run never reuses a state): token counting, HF's on_step_begin."""
-    plan, args = run.plan, run.plan.args
+    plan, streaming = run.plan, run.plan.streaming
     counted = plan.step.donating  # type: ignore[attr-defined]  # make_step's steps carry it (with_donation)
-    if args.tokens_seen != "no":  # never reuses a state
-        counted = counting_input_tokens(counted, args.tokens_seen, args.model_input_name, plan.collective)
+    if streaming.tokens_seen != "no":  # never reuses a state
+        counted = counting_input_tokens(counted, streaming.tokens_seen, streaming.model_input_name, plan.collective)
     if hf is not None:  # on_epoch_begin, on_step_begin before the step
         counted = hf.wrap(counted)
     if plan.stream is not None:  # each step's batch is made from the state it starts from
@@ -330,7 +340,6 @@ def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
     """Return the run's steps of data from the state's cursor: the sampler's stream, or the plan's StateStream."""
     if plan.stream is not None:
         return plan.stream.steps(state.cursor)
-    args = plan.args
     batches = (source_steps if is_stream_source(plan.inputs.train_dataset) else stream)(  # files(...): its cursor
         plan.inputs.train_dataset,
         plan.sampler,
@@ -338,10 +347,7 @@ def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
         start=state.cursor,
         num_epochs=plan.schedule.num_epochs,
         max_steps=None,
-        dataloader_num_workers=args.dataloader_num_workers,
-        dataloader_persistent_workers=args.dataloader_persistent_workers,
-        dataloader_prefetch_factor=args.dataloader_prefetch_factor,
-        dataloader_pin_memory=args.dataloader_pin_memory and plan.device.type == "cuda",
+        **plan.streaming.loader_kwargs(),
     )
     return to_device(
         checks.checking_first(batches, functools.partial(checks.check_first_batch, plan.model)), plan.device
