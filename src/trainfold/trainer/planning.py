@@ -41,7 +41,7 @@ from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.callback_checks import check_observers, set_transformers_verbosity, split_early_stopping
 from trainfold.trainer.evaluating import EvalPlan, eval_plan_for
 from trainfold.trainer.extras import run_extras
-from trainfold.trainer.inputs import RunInputs, device_for, run_inputs
+from trainfold.trainer.inputs import RunInputs, device_for, own_loss_objective, run_inputs
 from trainfold.trainer.optimizer import default_optimizer
 from trainfold.trainer.plan import (
     CheckpointPlan,
@@ -55,6 +55,7 @@ from trainfold.trainer.plan import (
     step_options,
     stop_rules,
 )
+from trainfold.trainer.validate import checked_loss
 
 __all__ = ["TrainCall", "plan_for", "process_settings", "elastic_args", "world_of", "early_stopping_for", "step_for"]
 
@@ -135,7 +136,8 @@ def plan_for(args: TrainingArguments, call: TrainCall) -> Plan:
     """Return the run ``train`` makes of ``args`` and ``call``, checked, before any step; nothing else happens
     (``process_settings`` sets the process's, ``elastic_args`` the batch split of a resume, before it)."""
     device, (rank, world_size), model = device_for(args), world_of(call.collective), call.model
-    given = (call.data_collator, call.compute_loss_func, call.objective)
+    loss = checked_loss(call.compute_loss_func)  # a result that is not a 0-d tensor is refused by name
+    given = (call.data_collator, loss, own_loss_objective(model, loss, call.objective))  # a task with no own loss
     where = dict[str, Any](world_size=world_size, device=device, processing_class=call.processing_class)
     inputs = run_inputs(model, args, call.train_dataset, call.eval_dataset, *given, **where)
     sampler = sampler_for(args, inputs.train_dataset, world_size=world_size, rank=rank)

@@ -33,9 +33,21 @@ id and is saved into every checkpoint (``AutoTokenizer.from_pretrained(checkpoin
 state they start from: ``trainfold.grpo.train`` runs GRPO through it.
 
 The run is a ``Plan`` (``trainer.plan``), built before any step by ``trainer.planning.plan_for`` from these
-arguments: the sampler, schedule, optimizer, step, eval plan (``hf.evaluating``), checkpoint policy,
-reporters and stop rules, each a record of its own; ``hf.run`` holds the side effects after each
-step, ``hf.resume`` the first state.
+arguments: the sampler, schedule, optimizer, step, eval plan (``trainer.evaluating``), checkpoint policy,
+reporters and stop rules, each a record of its own; ``trainer.run`` holds the side effects after each
+step, ``trainer.resume`` the first state.
+
+>>> import tempfile, torch
+>>> from trainfold.core.models import TinyLM, TinyLMConfig
+>>> _ = torch.manual_seed(0)
+>>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+>>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
+>>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
+...                          learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True,
+...                          save_strategy="no")
+>>> result = train(model, args, rows)
+>>> result.status, result.global_step, result.log_history[0]["learning_rate"], "train_loss" in result.metrics
+('completed', 3, 0.01, True)
 """
 
 from __future__ import annotations
@@ -77,7 +89,7 @@ from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.callbacks import HFCallbacks, resumed_callback_states
 from trainfold.trainer.evaluating import evaluate, predict
 from trainfold.trainer.extras import BEST
-from trainfold.trainer.inputs import own_loss_objective, to_device
+from trainfold.trainer.inputs import to_device
 from trainfold.trainer.optimizer import default_optimizer
 from trainfold.trainer.plan import STOPPING_RULES, Plan, agreed
 from trainfold.trainer.planning import TrainCall, elastic_args, plan_for, process_settings, world_of
@@ -195,24 +207,13 @@ def train(
     train_stream: StateStream | None = None,
     processing_class: Any = None,
 ) -> TrainResult:
-    """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record.
-
-    >>> import tempfile, torch
-    >>> from trainfold.core.models import TinyLM, TinyLMConfig
-    >>> _ = torch.manual_seed(0)
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
-    >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
-    ...                          learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True,
-    ...                          save_strategy="no")
-    >>> result = train(model, args, rows)
-    >>> result.status, result.global_step, result.log_history[0]["learning_rate"], "train_loss" in result.metrics
-    ('completed', 3, 0.01, True)
-    """
+    """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record (the
+    module's docstring shows a run and says what each argument does)."""
     args = checks.trainfold_arguments(args)  # a transformers.TrainingArguments: TrainingArguments.from_hf, exactly
     given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
     run = (observers, resume_from_checkpoint, early_stopping, stop, collective, weights_only_warm_start, callbacks)
-    call = _checked(args, TrainCall(model, train_dataset, eval_dataset, *given, *run, train_stream, processing_class))
+    call = TrainCall(model, train_dataset, eval_dataset, *given, *run, train_stream, processing_class)
+    _check(args, call)  # every problem named before any work
     rank, world_size = world_of(collective)
     process_settings(args, main_process=rank == 0)  # kernels warmed up, the loggers' verbosity: as HF's __init__
     plan = plan_for(elastic_args(args, resume_from_checkpoint, world_size), call)  # elastic: the saved global batch
@@ -225,16 +226,13 @@ def train(
     return _ending(plan, result)
 
 
-def _checked(args: TrainingArguments, call: TrainCall) -> TrainCall:
-    """Return ``call`` checked against ``args`` (every problem named before any work), with its loss and objective."""
+def _check(args: TrainingArguments, call: TrainCall) -> None:
+    """Refuse what ``args`` and ``call`` cannot run, every problem named before any work."""
     data = checks.data_to_check(
         call.train_dataset, call.eval_dataset, call.data_collator, call.train_stream, call.optimizer, call.objective
     )
     resume, scores = call.resume_from_checkpoint, call.compute_metrics or call.objective
     checks.check_train_call(call.model, args, resume, scores, **data)
-    loss = checks.checked_loss(call.compute_loss_func)
-    objective = own_loss_objective(call.model, loss, call.objective)  # a model whose task trainfold has no loss for
-    return attrs.evolve(call, compute_loss_func=loss, objective=objective)
 
 
 def _log_start(plan: Plan, begin: Start) -> None:
