@@ -60,6 +60,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,7 @@ from trainfold.core.preempt import JIT_SIGNALS, guarded, preemption_guard
 from trainfold.core.state import TrainState, counters
 from trainfold.data import StateStream, is_stream_source, source_steps, stream
 from trainfold.distributed.distributed import joins_torchrun
+from trainfold.loop.directory import RunDir, open_run_dir
 from trainfold.loop.run import run as loop_run
 from trainfold.observe import TOKENS_SEEN, counting_input_tokens, train_summary
 from trainfold.observe import history as log_file
@@ -93,7 +95,7 @@ from trainfold.trainer.inputs import to_device
 from trainfold.trainer.optimizer import default_optimizer
 from trainfold.trainer.plan import STOPPING_RULES, Plan, agreed
 from trainfold.trainer.planning import TrainCall, elastic_args, plan_for, process_settings, world_of
-from trainfold.trainer.resume import Start, claim_for, continuing_global_rng, initial_state, start_run
+from trainfold.trainer.resume import Start, continuing_global_rng, initial_state, start_run
 from trainfold.trainer.run import Run, callback_adapter, evaluate_and_record, run_hooks, save_checkpoint
 
 _log = logging.getLogger(__name__)
@@ -218,11 +220,11 @@ def train(
     process_settings(args, main_process=rank == 0)  # kernels warmed up, the loggers' verbosity: as HF's __init__
     plan = plan_for(elastic_args(args, resume_from_checkpoint, world_size), call)  # elastic: the saved global batch
     state = initial_state(plan)
-    with claim_for(plan, state, resume_from_checkpoint) as claim:  # the lock is held until the run ends
-        begin = start_run(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
+    with _open(plan, state, resume_from_checkpoint) as directory:  # the lock is held until the run ends
+        begin = start_run(plan, directory, state, weights_only_warm_start=weights_only_warm_start)
         plan, begin = resumed_callback_states(plan, begin, callbacks)  # an EarlyStoppingCallback's, as HF's
         _log_start(plan, begin)
-        result = _session(plan, begin, claim.run)
+        result = _session(plan, begin, directory)
     return _ending(plan, result)
 
 
@@ -235,6 +237,14 @@ def _check(args: TrainingArguments, call: TrainCall) -> None:
     checks.check_train_call(call.model, args, resume, scores, **data)
 
 
+def _open(plan: Plan, state: TrainState, resume: bool | str | os.PathLike | None) -> ContextManager[RunDir]:
+    """Claim the run's directory (``loop.directory``): its lock and identity, and the checkpoint a resume takes."""
+    output_dir, settings = plan.checkpoints.output_dir, plan.run_settings
+    return open_run_dir(
+        output_dir, state, resume=resume, settings=settings, overwrite=plan.checkpoints.overwrite, writer=plan.is_writer
+    )
+
+
 def _log_start(plan: Plan, begin: Start) -> None:
     total, output_dir = plan.schedule.total_steps, plan.checkpoints.output_dir
     if begin.source is None:
@@ -243,7 +253,7 @@ def _log_start(plan: Plan, begin: Start) -> None:
         _log.info("resuming from %s at step %d of %d", begin.source, int(begin.state.step), total)
 
 
-def _session(plan: Plan, begin: Start, run_id: Any) -> TrainResult:
+def _session(plan: Plan, begin: Start, directory: RunDir) -> TrainResult:
     """Run the plan from ``begin``: open the reporters, evaluate on start, step until a stop rule holds, report."""
     state, start_state, started = begin.state, counters(begin.state), time.monotonic()  # no second weight copy
     bar = make_progress(
@@ -262,7 +272,7 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> TrainResult:
             reporters=reporters.including(bar),  # the console shows each log, evaluation and the summary
             history=begin.history,
             window=begin.window,
-            run_id=run_id,
+            directory=directory,
             saver=Saver(plan.checkpoints.async_save, plan.checkpoints.consolidated),
             all_ranks_save=is_sharded(state),
             session=(started, int(state.extras[TOKENS_SEEN])) if TOKENS_SEEN in state.extras else None,
@@ -272,20 +282,7 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> TrainResult:
         if plan.evals.on_start and begin.source is None:
             state, _ = evaluate_and_record(run, state, track=False)
         state, status, signal = _trained(run, hf, state, start_state, bar)
-        per_step = plan.samples_per_step
-        samples = (int(state.step) - int(start_state.step)) * per_step if per_step is not None else None
-        summary = train_summary(
-            state,
-            start_state,
-            time.monotonic() - started,
-            samples,
-            steps_per_epoch=plan.schedule.steps_per_epoch and plan.schedule.epoch_span,
-        )
-        summary.update(run.window.pending)  # as TRL's end-of-training entry: a window no step log was due for
-        if status == DIVERGED:
-            summary["diverged_at_step"] = int(state.step)
-        run.history.append(summary)
-        run.reporters.log(summary, int(state.step))
+        summary = _summary(run, state, start_state, started, status)
         bar.close()
         history = run.history
         if isinstance(history, log_file.HistoryFile):  # read back once: the result holds a plain list
@@ -294,6 +291,21 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> TrainResult:
     metrics = {k: v for k, v in summary.items() if k != "step"}  # HF's TrainOutput.metrics: the step is not one
     last = run.record.saved[-1] if run.record.saved else None
     return TrainResult(state, status, metrics, history, None, last, signal)
+
+
+def _summary(run: Run, state: TrainState, start_state: TrainState, started: float, status: str) -> dict[str, Any]:
+    """Log and return the run's last entry: HF's ``train_runtime``, ``train_samples_per_second``, ``train_loss``..."""
+    plan = run.plan
+    per_step = plan.samples_per_step
+    samples = (int(state.step) - int(start_state.step)) * per_step if per_step is not None else None
+    epoch = plan.schedule.steps_per_epoch and plan.schedule.epoch_span
+    summary = train_summary(state, start_state, time.monotonic() - started, samples, steps_per_epoch=epoch)
+    summary.update(run.window.pending)  # as TRL's end-of-training entry: a window no step log was due for
+    if status == DIVERGED:
+        summary["diverged_at_step"] = int(state.step)
+    run.history.append(summary)
+    run.reporters.log(summary, int(state.step))
+    return summary
 
 
 def _trained(
