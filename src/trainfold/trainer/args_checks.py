@@ -7,7 +7,7 @@ The functions and words here are what the fields' declarations name (``check=``,
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -17,6 +17,9 @@ from trainfold.optim.schedules import schedule_kwargs_problems
 from trainfold.trainer.args_features import combination_problems, optim_problems
 from trainfold.trainer.optimizer import REFUSED, refused_optimizer
 from trainfold.trainer.setting import default_of, setting_problems
+
+if TYPE_CHECKING:  # the arguments module imports this one (its checks): no import back at run time
+    from trainfold.trainer.args import TrainingArguments
 
 __all__ = [
     "COMPILE_MODES",
@@ -86,7 +89,7 @@ def metrics_inputs(name: str, value: tuple[str, ...]) -> str | None:
     return "\n  - ".join(out) or None
 
 
-def _with_defaults_for_bad_types(args: Any, bad: set[str]) -> Any:
+def _with_defaults_for_bad_types(args: TrainingArguments, bad: set[str]) -> TrainingArguments:
     """Return a copy whose wrongly typed fields hold their defaults, so other checks can still run."""
     cls = type(args)
     copy = object.__new__(cls)
@@ -95,7 +98,7 @@ def _with_defaults_for_bad_types(args: Any, bad: set[str]) -> Any:
     return copy
 
 
-def problems(args: Any) -> list[str]:
+def problems(args: TrainingArguments) -> list[str]:
     """Return every problem of ``args`` (a ``TrainingArguments`` or a subclass), each naming the setting and fix.
 
     Each field's own checks come first (``setting_problems``), then the class's checks of settings together
@@ -108,7 +111,7 @@ def problems(args: Any) -> list[str]:
     return out
 
 
-def training_problems(args: Any) -> list[str]:
+def training_problems(args: TrainingArguments) -> list[str]:
     """Return the problems of ``TrainingArguments``' settings taken together."""
     out = schedule_kwargs_problems(args.lr_scheduler_type, args.lr_scheduler_kwargs or {})
     out += optim_problems(args)
