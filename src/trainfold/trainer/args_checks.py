@@ -7,7 +7,7 @@ The functions and words here are what the fields' declarations name (``check=``,
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
@@ -17,9 +17,6 @@ from trainfold.optim.schedules import schedule_kwargs_problems
 from trainfold.trainer.args_features import combination_problems, optim_problems
 from trainfold.trainer.optimizer import REFUSED, refused_optimizer
 from trainfold.trainer.setting import default_of, setting_problems
-
-if TYPE_CHECKING:  # the arguments module imports this one (its checks): no import back at run time
-    from trainfold.trainer.args import TrainingArguments
 
 __all__ = [
     "COMPILE_MODES",
@@ -89,7 +86,7 @@ def metrics_inputs(name: str, value: tuple[str, ...]) -> str | None:
     return "\n  - ".join(out) or None
 
 
-def _with_defaults_for_bad_types(args: TrainingArguments, bad: set[str]) -> TrainingArguments:
+def _with_defaults_for_bad_types(args: Any, bad: set[str]) -> Any:
     """Return a copy whose wrongly typed fields hold their defaults, so other checks can still run."""
     cls = type(args)
     copy = object.__new__(cls)
@@ -98,7 +95,7 @@ def _with_defaults_for_bad_types(args: TrainingArguments, bad: set[str]) -> Trai
     return copy
 
 
-def problems(args: TrainingArguments) -> list[str]:
+def problems(args: Any) -> list[str]:
     """Return every problem of ``args`` (a ``TrainingArguments`` or a subclass), each naming the setting and fix.
 
     Each field's own checks come first (``setting_problems``), then the class's checks of settings together
@@ -111,7 +108,7 @@ def problems(args: TrainingArguments) -> list[str]:
     return out
 
 
-def training_problems(args: TrainingArguments) -> list[str]:
+def training_problems(args: Any) -> list[str]:
     """Return the problems of ``TrainingArguments``' settings taken together."""
     out = schedule_kwargs_problems(args.lr_scheduler_type, args.lr_scheduler_kwargs or {})
     out += optim_problems(args)

@@ -3,18 +3,15 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 __all__ = ["OPTIMIZERS", "FSDP_FULL_SHARD", "optim_problems", "combination_problems"]
 
 from trainfold.step.fsdp import FSDP_OPTIONS, fsdp_problems, fsdp_words
 from trainfold.trainer.optimizer import OPTIMIZERS
 
-if TYPE_CHECKING:  # the arguments module imports this one (its checks): no import back at run time
-    from trainfold.trainer.args import TrainingArguments
 
-
-def optim_problems(args: TrainingArguments) -> list[str]:
+def optim_problems(args: Any) -> list[str]:
     """Return what is wrong with ``optim_args`` for ``optim`` (``optim`` itself is checked on its field)."""
     if args.optim not in OPTIMIZERS:
         return []
@@ -37,7 +34,7 @@ def optim_problems(args: TrainingArguments) -> list[str]:
     ]
 
 
-def _checkpointing_problems(args: TrainingArguments) -> list[str]:
+def _checkpointing_problems(args: Any) -> list[str]:
     out = []
     a, b = args.activation_checkpointing, args.gradient_checkpointing
     if a is not None and b is not None and a != b:
@@ -70,7 +67,7 @@ def _checkpointing_problems(args: TrainingArguments) -> list[str]:
     return out
 
 
-def _llm_problems(args: TrainingArguments) -> list[str]:
+def _llm_problems(args: Any) -> list[str]:
     out = []
     if (args.packing or args.padding_free) and args.neftune_noise_alpha is not None:
         out.append(
@@ -83,7 +80,7 @@ def _llm_problems(args: TrainingArguments) -> list[str]:
 FSDP_FULL_SHARD = FSDP_OPTIONS  # the fsdp= words trainfold takes (torch's fully_shard does each exactly)
 
 
-def _fsdp_problems(args: TrainingArguments) -> list[str]:
+def _fsdp_problems(args: Any) -> list[str]:
     out = fsdp_problems(args.fsdp, args.fsdp_config)
     if not fsdp_words(args.fsdp):
         return out
@@ -97,7 +94,7 @@ def _fsdp_problems(args: TrainingArguments) -> list[str]:
     return out
 
 
-def combination_problems(args: TrainingArguments) -> list[str]:
+def combination_problems(args: Any) -> list[str]:
     out = _checkpointing_problems(args) + _llm_problems(args) + _fsdp_problems(args)
     if args.fp16 and args.bf16:
         out.append("fp16=True and bf16=True: choose one")

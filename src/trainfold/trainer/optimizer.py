@@ -7,16 +7,13 @@ trainfold does not depend on, or are device-specific).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask, from_torch, sgd
 from trainfold.optim.schedules import named, warmup_steps_for
-
-if TYPE_CHECKING:  # the arguments module imports this one (its checks): no import back at run time
-    from trainfold.trainer.args import TrainingArguments
 
 __all__ = ["OPTIMIZERS", "REFUSED", "check_optimizer", "default_optimizer", "refused_optimizer"]
 
@@ -86,7 +83,7 @@ def refused_optimizer(name: str) -> str | None:
     return REFUSED[name] + _FIX if name in REFUSED else None
 
 
-def default_optimizer(model: nn.Module, args: TrainingArguments, total_steps: int) -> GradientTransformation:
+def default_optimizer(model: nn.Module, args: Any, total_steps: int) -> GradientTransformation:
     """Return the HF Trainer's optimizer: clipping at ``max_grad_norm``, then ``optim`` on the schedule.
 
     ``optim`` is AdamW (torch's kernels: ``adamw_torch_fused`` the fused one, ``adamw_torch`` AdamW's default),
@@ -137,7 +134,7 @@ def _torch_class(name: str) -> type[torch.optim.Optimizer]:
     return {"adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}[name]
 
 
-def _hf_options(args: TrainingArguments) -> dict[str, Any]:
+def _hf_options(args: Any) -> dict[str, Any]:
     """Return the keyword arguments HF's Trainer gives the optimizer of ``args.optim`` (beside ``lr``)."""
     options: dict[str, Any] = {"weight_decay": args.weight_decay}
     if args.optim == "adafactor":
