@@ -145,7 +145,7 @@ def plan_for(args: TrainingArguments, call: TrainCall) -> Plan:
     evals = _evals(args, inputs, schedule.total_steps, device, call)
     check_observers(call.observers)
     callbacks, early, metric_key = early_stopping_for(args, call.callbacks, call.early_stopping)
-    optimizer = call.optimizer or default_optimizer(model, args, schedule.total_steps)
+    optimizer = call.optimizer or default_optimizer(model, args.optimizer_settings(), schedule.total_steps)
     options = step_options(args, inputs.columns.label_key)
     step, sharding = step_for(model, inputs, optimizer, options, call.collective)
     stream = call.train_stream
