@@ -117,7 +117,8 @@ class RunDir:
         if self.writer:  # the sidecar is the writer's (the other ranks of a sharded save write their shards)
             self.history.sync()  # the entries the sidecar's offset covers are on disk first
         metadata = {**(metadata or {}), "log": self.history.position() if self.writer else None}
-        options = dict(model=model, metadata=metadata, settings=self.settings, run=run, save_only_model=save_only_model)
+        options: dict[str, Any] = dict(model=model, metadata=metadata, settings=self.settings, run=run)
+        options.update(save_only_model=save_only_model, extra_files=extra_files)
 
         def committed(_: Path) -> None:  # once the checkpoint is complete
             policy.rotate(self.root, keep_total, keep=[path, *keep], run_id=run["id"])
@@ -125,11 +126,11 @@ class RunDir:
                 self.history.checkpointed()  # an earlier run's history, kept until now, is no longer needed
 
         if not jit:
-            return saver.save(state, path, on_commit=committed, extra_files=extra_files, **options)
+            return saver.save(state, path, on_commit=committed, **options)
         saver.wait()  # an async save in flight is complete (or raised) first
         if already_saved(path, run, int(state.step), save_only_model):
             return ckpt.mark_jit(path) if self.writer else path  # the same state is there, complete: mark it
-        return saver.save(state, path, jit=True, wait=True, on_commit=committed, extra_files=extra_files, **options)
+        return saver.save(state, path, jit=True, wait=True, on_commit=committed, **options)
 
 
 @contextlib.contextmanager

@@ -116,7 +116,7 @@ def start_run(plan: Plan, directory: RunDir, state: TrainState, *, weights_only_
     check = functools.partial(_check_resumable, plan)  # another run's checkpoint: refused, never set aside
     loaded, source = directory.start(state, check, weights_only=weights_only_warm_start)
     window, meta = MetricWindow(), (directory.resumed or {}).get("metadata", {})
-    if "window" in meta:
+    if "window" in meta and source is not None:
         log_file.restore_window(window, meta["window"], source)
     if source is not None and plan.sharding is not None:  # a fully_shard module: into its DTensor shards
         loaded = lend_sharded(plan.model, loaded, like=state)

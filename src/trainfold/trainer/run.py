@@ -140,10 +140,10 @@ def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
     """Write a checkpoint of ``state`` into the run's directory, rotating old ones (never the best); ``jit``: the
     preemption checkpoint, marked as such (and rotated like any other, as HF's)."""
     plan, directory = run.plan.checkpoints, run.directory
+    assert directory is not None, "a run saves into the directory it claimed (Run.directory)"
     if run.plan.is_writer:
-        _logger.info(
-            "saving %scheckpoint %s", "the preemption " if jit else "", directory.root / f"checkpoint-{int(state.step)}"
-        )
+        path = ckpt.checkpoint_path(directory.root, int(state.step))
+        _logger.info("saving %scheckpoint %s", "the preemption " if jit else "", path)
     best: best_metric.BestMetric | None = state.extras.get(BEST)
     keep = [ckpt.checkpoint_path(directory.root, int(best.step))] if best is not None and int(best.step) >= 0 else []
     return directory.save(

@@ -212,9 +212,10 @@ def train(
     """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record (the
     module's docstring shows a run and says what each argument does)."""
     args = checks.trainfold_arguments(args)  # a transformers.TrainingArguments: TrainingArguments.from_hf, exactly
-    given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
-    run = (observers, resume_from_checkpoint, early_stopping, stop, collective, weights_only_warm_start, callbacks)
-    call = TrainCall(model, train_dataset, eval_dataset, *given, *run, train_stream, processing_class)
+    parts: tuple[Any, ...] = (data_collator, compute_loss_func, objective, compute_metrics)
+    run: tuple[Any, ...] = (preprocess_logits_for_metrics, optimizer, observers, resume_from_checkpoint, early_stopping)
+    rest: tuple[Any, ...] = (stop, collective, weights_only_warm_start, callbacks, train_stream, processing_class)
+    call = TrainCall(model, train_dataset, eval_dataset, *parts, *run, *rest)
     _check(args, call)  # every problem named before any work
     rank, world_size = world_of(collective)
     process_settings(args, main_process=rank == 0)  # kernels warmed up, the loggers' verbosity: as HF's __init__
