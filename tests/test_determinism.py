@@ -50,7 +50,7 @@ def test_the_warm_up_leaves_the_global_rng_and_grad_mode_alone():
 def test_train_warms_up_before_its_first_step(tmp_path, monkeypatch):
     from resume_runs import run
 
-    from trainfold.trainer import planning  # plan_for sets the process's settings: the warm-up among them
+    from trainfold.trainer import planning  # train sets the process's settings (process_settings): the warm-up
 
     order: list[str] = []
     monkeypatch.setattr(planning, "warm_up_kernels", lambda **kw: order.append(f"warm {kw}"))

@@ -37,7 +37,7 @@ def test_each_hf_optim_name_builds_its_optimizer_or_is_refused_with_the_fix(name
         return
     model = torch.nn.Linear(3, 2)
     args = TrainingArguments(optim=name, learning_rate=0.1, max_grad_norm=0)
-    opt = default_optimizer(model, args, total_steps=10)
+    opt = default_optimizer(model, args.optimizer_settings(), total_steps=10)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = opt.init(params)
     record, cls = EXPECTED[name]
@@ -52,6 +52,8 @@ def test_each_hf_optim_name_builds_its_optimizer_or_is_refused_with_the_fix(name
 
 def test_adamw_torch_fused_runs_torchs_fused_kernel_and_adamw_torch_its_default():
     model = torch.nn.Linear(3, 2)
-    fused = default_optimizer(model, TrainingArguments(optim="adamw_torch_fused", max_grad_norm=0), 10)
-    default = default_optimizer(model, TrainingArguments(optim="adamw_torch", max_grad_norm=0), 10)
+    names = ("adamw_torch_fused", "adamw_torch")
+    fused, default = (
+        default_optimizer(model, TrainingArguments(optim=o, max_grad_norm=0).optimizer_settings(), 10) for o in names
+    )
     assert (fused.fused, default.fused, default.foreach) == (True, None, None)

@@ -20,7 +20,7 @@ from trainfold.trainer import args as hf_args
 from trainfold.trainer.evaluating import eval_plan_for
 from trainfold.trainer.extras import BEST, run_extras
 from trainfold.trainer.plan import CheckpointPlan, StopRules, sampler_for, schedule_for, step_options, stop_rules
-from trainfold.trainer.planning import plan_for
+from trainfold.trainer.planning import TrainCall, plan_for
 from trainfold.trainer.resume import initial_state, on_device
 
 
@@ -66,7 +66,7 @@ def test_plan_is_built_without_training(tmp_path):
         eval_steps=2,
         data_seed=7,
     )
-    plan = plan_for(model, args, rows(12), {"a": rows(4), "b": rows(2)})
+    plan = plan_for(args, TrainCall(model, rows(12), {"a": rows(4), "b": rows(2)}))
     assert (plan.sampler.strategy, plan.sampler.gradient_accumulation_steps, plan.sampler.seed) == (
         "group_by_length",
         3,
@@ -87,7 +87,7 @@ def test_plan_is_built_without_training(tmp_path):
 def test_plan_tracks_the_early_stoppers_metric_and_assembles_the_extras_from_their_owners(tmp_path):
     args = args_of(tmp_path, eval_strategy="steps", eval_steps=1, fp16=False, include_num_input_tokens_seen=True)
     stopper = early_stopping("loss", patience=2)
-    plan = plan_for(tiny(), args, rows(), rows(4), early_stopping=stopper, stop=lambda state: False)
+    plan = plan_for(args, TrainCall(tiny(), rows(), rows(4), early_stopping=stopper, stop=lambda state: False))
     assert plan.metric_key == "eval_loss" and plan.early is stopper
     assert plan.stops.names == ("max_steps", "early_stopping", "stop")
     assert list(plan.extras) == [observers.LOG_MARK, observers.TOKENS_SEEN, stopper.key, BEST]

@@ -219,7 +219,8 @@ def _worker(phase: str, out: Path) -> None:
         from trainfold.observe.observers import initial_extras
         from trainfold.trainer.train import default_optimizer
 
-        template = init_state(tiny(), default_optimizer(tiny(), run_args(out), 8), extras=initial_extras())
+        optimizer = default_optimizer(tiny(), run_args(out).optimizer_settings(), 8)
+        template = init_state(tiny(), optimizer, extras=initial_extras())
         loaded = ckpt.load(out / "straight" / "checkpoint-8", like=shard(template, mesh))
         assert sc.is_sharded(loaded)
         save_file(local_slabs(gathered(loaded)), out / f"loaded-{world}-{rank}.safetensors")

@@ -30,33 +30,59 @@ from torch import nn
 
 from trainfold import ckpt
 from trainfold.ckpt import policy, run_dir
+from trainfold.ckpt.listing import damaged_checkpoints
 from trainfold.ckpt.run_identity import RunSettings, settings_fingerprint
+from trainfold.ckpt.sharded import Saver
 from trainfold.ckpt.sidecar import CheckpointWarning
 from trainfold.core.state import TrainState
 from trainfold.observe import history as log_file
 
-__all__ = ["RunDir", "open_run_dir", "load_newest", "set_aside", "already_saved"]
+__all__ = ["RunDir", "open_run_dir", "NoCheckpointError", "load_newest", "set_aside", "already_saved"]
+
+
+class NoCheckpointError(FileNotFoundError, ValueError):
+    """A resume finds no checkpoint: a ``FileNotFoundError``, and the ``ValueError`` that ``transformers.Trainer``
+    raises, with its words ("Can't find a valid checkpoint at ...")."""
 
 
 @attrs.define(eq=False)
 class RunDir:
-    """A claimed run directory: the claim (lock, identity, what to resume), its settings and its log history."""
+    """A claimed run directory: the claim (lock, identity, what to resume), its settings and its log history.
+
+    ``writer=False`` (ranks other than 0 of a run of several processes) reads what the writer claimed, and
+    writes nothing but its part of a sharded checkpoint."""
 
     root: Path
     claim: run_dir.Claim
     settings: dict[str, Any]
-    history: Any = None  # a history.HistoryFile once started
+    history: Any = None  # a history.HistoryFile once started (a plain list on a rank that is not the writer)
+    writer: bool = True
+    resumed: dict[str, Any] | None = None  # the sidecar of the checkpoint the run continues (None: from the start)
 
     def start(
-        self, state: TrainState, check: Callable[[Mapping[str, Any], Any], None] | None = None
+        self,
+        state: TrainState,
+        check: Callable[[Mapping[str, Any], Any], None] | None = None,
+        *,
+        weights_only: bool = False,
     ) -> tuple[TrainState, Path | None]:
         """Return ``(state, source)``: ``state`` loaded from the newest intact checkpoint on a resume (``check``
-        judges each candidate's sidecar first), else as given; continue or begin the log history."""
-        source, meta = None, None
-        if self.claim.source is not None:
-            state, source, meta = load_newest(self.claim, state, check=check)
-        self.history = log_file.start(self.root, source, meta["metadata"] if meta is not None else None, writer=True)
-        self.claim.callback(self.history.close)
+        judges each candidate's sidecar first), else as given; continue or begin the log history.
+
+        ``weights_only``: the tensors of ``state`` that a checkpoint holds are loaded (``ckpt.warm_start``), the
+        run starts afresh from them (``resumed`` stays None: a new history, the step counts of ``state``)."""
+        source, meta = self.claim.source, None
+        if source is not None and weights_only:
+            if check is not None:
+                check(ckpt.read_metadata(source), source)
+            state = ckpt.warm_start(source, like=state)
+        elif source is not None:
+            state, source, meta = load_newest(self.claim, state, check=check, writer=self.writer)
+        self.resumed = meta
+        position = meta["metadata"] if meta is not None else None
+        self.history = log_file.start(self.root, source if meta else None, position, writer=self.writer)
+        if isinstance(self.history, log_file.HistoryFile):
+            self.claim.callback(self.history.close)
         return state, source
 
     def entries(self) -> list[dict[str, Any]]:
@@ -76,18 +102,35 @@ class RunDir:
         model: nn.Module | None = None,
         jit: bool = False,
         metadata: Mapping[str, Any] | None = None,
+        save_only_model: bool = False,
+        extra_files: Callable[[Path], Any] | None = None,
+        saver: Saver | None = None,
     ) -> Path:
-        """Write ``state`` as ``checkpoint-{step}`` (atomic, hashed); then keep ``keep_total`` of this run's
-        (never the newest, one in ``keep``, or a JIT one); ``jit``: the preemption checkpoint, never rotated."""
+        """Write ``state`` as ``checkpoint-{step}`` (atomic, hashed); once complete keep ``keep_total`` of this
+        run's (never the newest or one in ``keep``); ``jit``: the preemption checkpoint, marked as such.
+
+        ``model``'s config (and ``extra_files(path)``: a tokenizer's ``save_pretrained``) go in beside the state;
+        ``save_only_model`` writes the weights alone; ``saver`` writes it (``ckpt.sharded.Saver``: async, every
+        rank of a sharded state; default: here and now)."""
         path, run = ckpt.checkpoint_path(self.root, int(state.step)), attrs.asdict(self.claim.run)
-        self.history.sync()  # the entries the sidecar's offset covers are on disk first
-        metadata = {**(metadata or {}), "log": self.history.position()}
-        if jit and already_saved(path, run, int(state.step), False):
-            return ckpt.mark_jit(path)  # the same state is there, complete: mark it
-        ckpt.save(state, path, model=model, metadata=metadata, settings=self.settings, run=run, jit=jit)
-        if not jit:
+        saver = saver or Saver()
+        if self.writer:  # the sidecar is the writer's (the other ranks of a sharded save write their shards)
+            self.history.sync()  # the entries the sidecar's offset covers are on disk first
+        metadata = {**(metadata or {}), "log": self.history.position() if self.writer else None}
+        options: dict[str, Any] = dict(model=model, metadata=metadata, settings=self.settings, run=run)
+        options.update(save_only_model=save_only_model, extra_files=extra_files)
+
+        def committed(_: Path) -> None:  # once the checkpoint is complete
             policy.rotate(self.root, keep_total, keep=[path, *keep], run_id=run["id"])
-        return path
+            if isinstance(self.history, log_file.HistoryFile):
+                self.history.checkpointed()  # an earlier run's history, kept until now, is no longer needed
+
+        if not jit:
+            return saver.save(state, path, on_commit=committed, **options)
+        saver.wait()  # an async save in flight is complete (or raised) first
+        if already_saved(path, run, int(state.step), save_only_model):
+            return ckpt.mark_jit(path) if self.writer else path  # the same state is there, complete: mark it
+        return saver.save(state, path, jit=True, wait=True, on_commit=committed, **options)
 
 
 @contextlib.contextmanager
@@ -95,24 +138,32 @@ def open_run_dir(
     output_dir: str | os.PathLike,
     state: TrainState,
     *,
-    resume: bool | str | os.PathLike = False,
-    settings: Mapping[str, Any] | None = None,
+    resume: bool | str | os.PathLike | None = False,
+    settings: Mapping[str, Any] | RunSettings | None = None,
     overwrite: bool = False,
+    writer: bool = True,
 ) -> Iterator[RunDir]:
-    """Claim ``output_dir`` for a run of ``state``'s model with ``settings`` (its identity: their values and the
-    model's tensor names, shapes, dtypes); the lock is held until the block ends, also when it raises."""
-    values = dict(settings or {})
-    run_settings = RunSettings(values)
+    """Claim ``output_dir`` for a run of ``state``'s model with ``settings`` (its identity: their values, or a
+    ``RunSettings`` with what its fields declare, and the model's tensor names, shapes, dtypes); the lock is held
+    until the block ends, also when it raises. ``resume=True``: this run's damaged checkpoints are set aside."""
+    run_settings = settings if isinstance(settings, RunSettings) else RunSettings(dict(settings or {}))
     fingerprint = settings_fingerprint(run_settings, state.params, state.buffers)
     try:
-        claim = run_dir.claim(output_dir, resume or None, run_settings, fingerprint, overwrite_output_dir=overwrite)
+        claim = run_dir.claim(
+            output_dir, resume or None, run_settings, fingerprint, overwrite_output_dir=overwrite, writer=writer
+        )
     except FileNotFoundError as e:
-        raise FileNotFoundError(
-            f"resume={resume!r} but {output_dir} holds no checkpoint to resume: {e}; run with resume=False to start"
-        ) from None
+        lead = f"Can't find a valid checkpoint at {resume}"  # transformers.Trainer's words
+        if resume is True:
+            lead = f"No valid checkpoint found in output directory ({output_dir})"
+        raise NoCheckpointError(f"{lead}: {e} (loop.run: resume=False starts afresh)") from None
     with claim:
+        if resume is True and writer:  # held: a damaged one the run would save over is kept
+            for path, why, meta in damaged_checkpoints(output_dir):
+                if (meta.get("run") or {}).get("fingerprint") == claim.run.fingerprint:  # this run's, not another's
+                    set_aside(path, why)
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        yield RunDir(Path(output_dir), claim, values)
+        yield RunDir(Path(output_dir), claim, run_settings.values, writer=writer)
 
 
 def load_newest(

@@ -10,7 +10,7 @@ from trainfold.trainer.evaluating import EvalPlan, evaluate, predict
 from trainfold.trainer.extras import BEST
 from trainfold.trainer.optimizer import default_optimizer
 from trainfold.trainer.plan import Plan
-from trainfold.trainer.planning import plan_for
+from trainfold.trainer.planning import TrainCall, plan_for
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.trainer_methods import (
     create_model_card,
@@ -29,6 +29,7 @@ __all__ = [
     "default_optimizer",
     "Plan",
     "plan_for",
+    "TrainCall",
     "EvalPlan",
     "HFCallbacks",
     "BEST",

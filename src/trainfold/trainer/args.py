@@ -44,6 +44,7 @@ from trainfold.trainer.args_checks import (
 from trainfold.trainer.args_convert import settings_from_hf, turned_off
 from trainfold.trainer.args_features import FSDP_FULL_SHARD, OPTIMIZERS
 from trainfold.trainer.args_hf import HF_ONLY, REMOVED, hf_only_problem
+from trainfold.trainer.optimizer import OptimizerSettings
 from trainfold.trainer.setting import as_declared, setting
 
 __all__ = [
@@ -274,6 +275,22 @@ class TrainingArguments:
                 key, _, value = item.partition("=")
                 out[key] = value.lower() in ("true", "1", "yes") if key in ("nesterov", "centered") else float(value)
         return out
+
+    def optimizer_settings(self) -> OptimizerSettings:
+        """Return the settings the default optimizer is made of (``trainer.optimizer.default_optimizer``)."""
+        return OptimizerSettings(
+            self.optim,
+            self.learning_rate,
+            self.lr_scheduler_type,
+            dict(self.lr_scheduler_kwargs or {}),
+            self.warmup_steps,
+            self.weight_decay,
+            self.adam_beta1,
+            self.adam_beta2,
+            self.adam_epsilon,
+            self.max_grad_norm,
+            self.optimizer_options,
+        )
 
     @property
     def tokens_seen(self) -> str:

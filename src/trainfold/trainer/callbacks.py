@@ -288,7 +288,7 @@ def resumed_callback_states(plan: Any, begin: Any, callbacks: Sequence[Any]) -> 
     without (HF's default), the count restarts at 0 under the new callback's settings. trainfold's own
     ``early_stopping=`` record is part of the state and always goes on.
     """
-    restore = plan.args.restore_callback_states_from_checkpoint
+    restore = plan.restore_callback_states
     given = any(type(cb).__name__ == "EarlyStoppingCallback" for cb in callbacks)
     if begin.source is None or plan.early is None or not given:
         return plan, begin

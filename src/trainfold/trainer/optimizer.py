@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
 from trainfold.optim import GradientTransformation, adamw, chain, clip_by_global_norm, decay_mask, from_torch, sgd
 from trainfold.optim.schedules import named, warmup_steps_for
 
-__all__ = ["OPTIMIZERS", "REFUSED", "check_optimizer", "default_optimizer", "refused_optimizer"]
+__all__ = ["OPTIMIZERS", "REFUSED", "OptimizerSettings", "check_optimizer", "default_optimizer", "refused_optimizer"]
 
 # optim -> the optim_args it takes (HF's "key=value,key=value" string), as HF's Trainer reads them
 OPTIMIZERS: dict[str, tuple[str, ...]] = {
@@ -83,7 +84,24 @@ def refused_optimizer(name: str) -> str | None:
     return REFUSED[name] + _FIX if name in REFUSED else None
 
 
-def default_optimizer(model: nn.Module, args: Any, total_steps: int) -> GradientTransformation:
+@attrs.frozen
+class OptimizerSettings:
+    """The settings the HF Trainer's optimizer is made of (``TrainingArguments.optimizer_settings()`` reads them)."""
+
+    optim: str
+    learning_rate: float
+    lr_scheduler_type: str
+    lr_scheduler_kwargs: dict[str, Any]
+    warmup_steps: float
+    weight_decay: float
+    adam_beta1: float
+    adam_beta2: float
+    adam_epsilon: float
+    max_grad_norm: float
+    optimizer_options: dict[str, Any]  # optim_args, parsed
+
+
+def default_optimizer(model: nn.Module, args: OptimizerSettings, total_steps: int) -> GradientTransformation:
     """Return the HF Trainer's optimizer: clipping at ``max_grad_norm``, then ``optim`` on the schedule.
 
     ``optim`` is AdamW (torch's kernels: ``adamw_torch_fused`` the fused one, ``adamw_torch`` AdamW's default),
@@ -93,12 +111,13 @@ def default_optimizer(model: nn.Module, args: Any, total_steps: int) -> Gradient
 
     >>> import torch
     >>> from trainfold.trainer.args import TrainingArguments
-    >>> opt = default_optimizer(torch.nn.Linear(2, 1), TrainingArguments(learning_rate=0.1), total_steps=10)
-    >>> [t.name for t in opt.parts]
+    >>> settings = TrainingArguments(learning_rate=0.1).optimizer_settings()
+    >>> [t.name for t in default_optimizer(torch.nn.Linear(2, 1), settings, total_steps=10).parts]
     ['clip_by_global_norm', 'adamw']
-    >>> default_optimizer(torch.nn.Linear(2, 1), TrainingArguments(max_grad_norm=0), total_steps=10).name
+    >>> default_optimizer(torch.nn.Linear(2, 1), TrainingArguments(max_grad_norm=0).optimizer_settings(), 10).name
     'adamw'
-    >>> default_optimizer(torch.nn.Linear(2, 1), TrainingArguments(optim="adagrad", max_grad_norm=0), 10).name
+    >>> settings = TrainingArguments(optim="adagrad", max_grad_norm=0).optimizer_settings()
+    >>> default_optimizer(torch.nn.Linear(2, 1), settings, 10).name
     'Adagrad'
     """
     warmup = warmup_steps_for(args.warmup_steps, total_steps)
@@ -134,7 +153,7 @@ def _torch_class(name: str) -> type[torch.optim.Optimizer]:
     return {"adagrad": torch.optim.Adagrad, "rmsprop": torch.optim.RMSprop}[name]
 
 
-def _hf_options(args: Any) -> dict[str, Any]:
+def _hf_options(args: OptimizerSettings) -> dict[str, Any]:
     """Return the keyword arguments HF's Trainer gives the optimizer of ``args.optim`` (beside ``lr``)."""
     options: dict[str, Any] = {"weight_decay": args.weight_decay}
     if args.optim == "adafactor":

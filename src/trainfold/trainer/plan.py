@@ -23,6 +23,7 @@ import attrs
 import torch
 from torch import nn
 
+from trainfold.ckpt.run_identity import RunSettings
 from trainfold.core.collective import Collective
 from trainfold.core.fold import max_steps as max_steps_stop
 from trainfold.data.samplers import Sampler, make_sampler
@@ -44,6 +45,7 @@ __all__ = [
     "ReporterPlan",
     "StopRules",
     "stop_rules",
+    "StreamOptions",
     "STOPPING_RULES",
     "Plan",
 ]
@@ -177,6 +179,7 @@ class CheckpointPlan:
     processing_class: Any = None  # the tokenizer or processor: its files go into every checkpoint
     load_best: bool = False  # load_best_model_at_end: the module ends with the best checkpoint's weights
     jit: bool = False  # enable_jit_checkpoint: SIGTERM/SIGINT save a checkpoint and end the run (preempted)
+    overwrite: bool = False  # overwrite_output_dir: another run's checkpoints there are replaced, not refused
 
     @classmethod
     def from_args(cls, args: TrainingArguments, processing_class: Any = None) -> CheckpointPlan:
@@ -192,6 +195,7 @@ class CheckpointPlan:
             processing_class,
             args.load_best_model_at_end,
             args.enable_jit_checkpoint,
+            args.overwrite_output_dir,
         )
 
 
@@ -212,6 +216,39 @@ class ReporterPlan:
         bar = None if args.disable_tqdm is None else not args.disable_tqdm
         names = args.reporters if writer else ("none",)
         return cls(names, args.output_dir, args.run_name, args.logging_dir, args.log_level, bar)
+
+
+@attrs.frozen
+class StreamOptions:
+    """How the run streams its training batches (the loader's workers, pinned memory) and counts their tokens."""
+
+    num_workers: int = 0
+    persistent_workers: bool = False
+    prefetch_factor: int | None = None
+    pin_memory: bool = False  # dataloader_pin_memory, on a CUDA device only
+    tokens_seen: str = "no"  # include_num_input_tokens_seen: "no", or how the input tokens are counted
+    model_input_name: str = "input_ids"
+
+    @classmethod
+    def from_args(cls, args: TrainingArguments, device: torch.device) -> StreamOptions:
+        """Return the options of ``args``' ``dataloader_*`` and ``include_num_input_tokens_seen`` settings."""
+        return cls(
+            args.dataloader_num_workers,
+            args.dataloader_persistent_workers,
+            args.dataloader_prefetch_factor,
+            args.dataloader_pin_memory and device.type == "cuda",
+            args.tokens_seen,
+            args.model_input_name,
+        )
+
+    def loader_kwargs(self) -> dict[str, Any]:
+        """Return the ``dataloader_*`` keywords of ``data.stream``."""
+        return dict(
+            dataloader_num_workers=self.num_workers,
+            dataloader_persistent_workers=self.persistent_workers,
+            dataloader_prefetch_factor=self.prefetch_factor,
+            dataloader_pin_memory=self.pin_memory,
+        )
 
 
 # The rules whose firing before the last step ends a run as "stopped" (max_steps completes it).
@@ -279,7 +316,6 @@ def agreed(stop: Stop | None, collective: Collective | None) -> Stop | None:
 class Plan:
     """Everything a run is, before it runs: built by ``trainfold.trainer.planning.plan_for`` from its arguments."""
 
-    args: TrainingArguments  # the TrainingArguments (with the elastic resume's global batch)
     model: nn.Module
     device: torch.device
     rank: int
@@ -300,10 +336,19 @@ class Plan:
     early: EarlyStopping | None
     metric_key: str | None
     extras: dict[str, Any]
-    settings: dict[str, Any]
+    run_settings: RunSettings  # the settings a checkpoint records and a resume judges (with the world size)
+    seed: int
+    streaming: StreamOptions
     callbacks: tuple[Any, ...] = ()
+    callback_args: Any = None  # the TrainingArguments each TrainerCallback event is handed (HF's callback API)
+    restore_callback_states: bool = False  # restore_callback_states_from_checkpoint
     observers: tuple[Callable[..., None], ...] = ()
     stream: Any = None  # a data.StateStream, which replaces sampler and stream
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """Return the run's settings by name (``TrainingArguments.to_dict()`` and the world size)."""
+        return self.run_settings.values
 
     @property
     def is_writer(self) -> bool:

@@ -6,7 +6,8 @@
 >>> rows = [{"x": [1.0, 2.0], "labels": 0.5}] * 8
 >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=4, per_device_train_batch_size=2,
 ...                          gradient_accumulation_steps=2, eval_strategy="steps", eval_steps=2)
->>> plan = plan_for(model, args, rows, rows, compute_loss_func=lambda outputs, labels, n: outputs.sum())
+>>> call = TrainCall(model, rows, rows, compute_loss_func=lambda outputs, labels, n: outputs.sum())
+>>> plan = plan_for(args, call)
 >>> plan.sampler.gradient_accumulation_steps, plan.schedule.total_steps, plan.stops.names
 (2, 4, ('max_steps',))
 """
@@ -19,6 +20,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
@@ -39,21 +41,23 @@ from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.callback_checks import check_observers, set_transformers_verbosity, split_early_stopping
 from trainfold.trainer.evaluating import EvalPlan, eval_plan_for
 from trainfold.trainer.extras import run_extras
-from trainfold.trainer.inputs import RunInputs, device_for, run_inputs
+from trainfold.trainer.inputs import RunInputs, device_for, own_loss_objective, run_inputs
 from trainfold.trainer.optimizer import default_optimizer
 from trainfold.trainer.plan import (
     CheckpointPlan,
     Plan,
     ReporterPlan,
     StepOptions,
+    StreamOptions,
     logging_for,
     sampler_for,
     schedule_for,
     step_options,
     stop_rules,
 )
+from trainfold.trainer.validate import checked_loss
 
-__all__ = ["plan_for", "world_of", "early_stopping_for", "step_for"]
+__all__ = ["TrainCall", "plan_for", "process_settings", "elastic_args", "world_of", "early_stopping_for", "step_for"]
 
 
 def world_of(collective: Collective | None) -> tuple[int, int]:
@@ -103,49 +107,54 @@ def step_for(
     return make_step(model, inputs.loss, optimizer, objective=objective, **kwargs), mesh
 
 
-def plan_for(
-    model: nn.Module,
-    args: TrainingArguments,
-    train_dataset: Any,
-    eval_dataset: Any = None,
-    data_collator: Callable[[list[Any]], Any] | None = None,
-    compute_loss_func: Callable[..., Any] | None = None,
-    objective: Callable[..., Any] | None = None,
-    compute_metrics: Callable[..., Any] | None = None,
-    preprocess_logits_for_metrics: Callable[..., Any] | None = None,
-    optimizer: Any = None,
-    observers: Sequence[Callable[[TrainState, Mapping[str, Any]], None]] = (),
-    resume_from_checkpoint: bool | str | os.PathLike | None = None,
-    early_stopping: EarlyStopping | None = None,
-    stop: Callable[[TrainState], bool] | None = None,
-    collective: Collective | None = None,
-    callbacks: Sequence[Any] = (),
-    train_stream: Any = None,
-    processing_class: Any = None,
-) -> Plan:
-    """Return the run ``train`` makes of its arguments (the same, in ``train``'s order), checked, before any step."""
-    device, (rank, world_size) = device_for(args), world_of(collective)
-    _process_settings(args, rank == 0)  # kernels warmed up, the loggers' verbosity: as the HF Trainer's __init__
-    args = elastic_args(args, resume_from_checkpoint, world_size)  # the saved global batch, on any world
-    given, where = (data_collator, compute_loss_func, objective), dict[str, Any](world_size=world_size, device=device)
-    inputs = run_inputs(model, args, train_dataset, eval_dataset, *given, **where, processing_class=processing_class)
+@attrs.frozen(eq=False)
+class TrainCall:
+    """What a ``train`` call gives beside its ``TrainingArguments`` (``train``'s own names and defaults): the model
+    and data, the parts that replace the defaults, what watches or ends the run, and where it resumes from."""
+
+    model: nn.Module
+    train_dataset: Any
+    eval_dataset: Any = None
+    data_collator: Callable[[list[Any]], Any] | None = None
+    compute_loss_func: Callable[..., Any] | None = None
+    objective: Callable[..., Any] | None = None
+    compute_metrics: Callable[..., Any] | None = None
+    preprocess_logits_for_metrics: Callable[..., Any] | None = None
+    optimizer: Any = None
+    observers: Sequence[Callable[[TrainState, Mapping[str, Any]], None]] = ()
+    resume_from_checkpoint: bool | str | os.PathLike | None = None
+    early_stopping: EarlyStopping | None = None
+    stop: Callable[[TrainState], bool] | None = None
+    collective: Collective | None = None
+    weights_only_warm_start: bool = False
+    callbacks: Sequence[Any] = ()
+    train_stream: Any = None  # a data.StateStream: replaces the sampler and stream
+    processing_class: Any = None
+
+
+def plan_for(args: TrainingArguments, call: TrainCall) -> Plan:
+    """Return the run ``train`` makes of ``args`` and ``call``, checked, before any step; nothing else happens
+    (``process_settings`` sets the process's, ``elastic_args`` the batch split of a resume, before it)."""
+    device, (rank, world_size), model = device_for(args), world_of(call.collective), call.model
+    loss = checked_loss(call.compute_loss_func)  # a result that is not a 0-d tensor is refused by name
+    given = (call.data_collator, loss, own_loss_objective(model, loss, call.objective))  # a task with no own loss
+    where = dict[str, Any](world_size=world_size, device=device, processing_class=call.processing_class)
+    inputs = run_inputs(model, args, call.train_dataset, call.eval_dataset, *given, **where)
     sampler = sampler_for(args, inputs.train_dataset, world_size=world_size, rank=rank)
-    schedule = schedule_for(args, sampler, train_stream)
-    scoring = dict(compute_metrics=compute_metrics, preprocess_logits_for_metrics=preprocess_logits_for_metrics)
-    evals = _evals(args, inputs, schedule.total_steps, device, collective, train_stream, **scoring)
-    check_observers(observers)
-    callbacks, early, metric_key = early_stopping_for(args, callbacks, early_stopping)
-    optimizer = optimizer or default_optimizer(model, args, schedule.total_steps)
+    schedule = schedule_for(args, sampler, call.train_stream)
+    evals = _evals(args, inputs, schedule.total_steps, device, call)
+    check_observers(call.observers)
+    callbacks, early, metric_key = early_stopping_for(args, call.callbacks, call.early_stopping)
+    optimizer = call.optimizer or default_optimizer(model, args.optimizer_settings(), schedule.total_steps)
     options = step_options(args, inputs.columns.label_key)
-    step, sharding = step_for(model, inputs, optimizer, options, collective)
-    stream_extras = train_stream.extras if train_stream is not None else None
+    step, sharding = step_for(model, inputs, optimizer, options, call.collective)
+    stream = call.train_stream
     return Plan(
-        args=args,
         model=model,
         device=device,
         rank=rank,
         world_size=world_size,
-        collective=collective,
+        collective=call.collective,
         inputs=inputs,
         sampler=sampler,
         schedule=schedule,
@@ -156,32 +165,31 @@ def plan_for(
         evals=evals,
         early=early,
         metric_key=metric_key,
-        extras=run_extras(args, metric_key=metric_key, early=early, stream_extras=stream_extras),
+        extras=run_extras(args, metric_key=metric_key, early=early, stream_extras=stream and stream.extras),
+        run_settings=RunSettings.of(args, world_size=world_size),
+        seed=args.seed,
+        streaming=StreamOptions.from_args(args, device),
         callbacks=callbacks,
-        observers=tuple(observers),
-        stream=train_stream,
-        **_reporting(args, schedule.total_steps, rank, world_size, processing_class),
-        stops=stop_rules(schedule.total_steps, early, stop, collective),
+        callback_args=args,
+        restore_callback_states=args.restore_callback_states_from_checkpoint,
+        observers=tuple(call.observers),
+        stream=stream,
+        logging=logging_for(args, schedule.total_steps),
+        checkpoints=CheckpointPlan.from_args(args, call.processing_class),
+        reporters=ReporterPlan.from_args(args, writer=rank == 0),
+        stops=stop_rules(schedule.total_steps, early, call.stop, call.collective),
     )
 
 
-def _process_settings(args: TrainingArguments, main_process: bool) -> None:
-    """Set what ``args`` say of this process: the kernels warmed up (see determinism) and the verbosity of the
-    transformers and trainfold loggers (events once, from rank 0)."""
+def process_settings(args: TrainingArguments, main_process: bool) -> None:
+    """Set what ``args`` say of this process, where a run starts: the kernels warmed up (see determinism) and the
+    verbosity of the transformers and trainfold loggers (events once, from rank 0), as the HF Trainer's __init__."""
     warm_up_kernels(dtypes=(torch.float32, torch.bfloat16) if args.bf16 else (torch.float32,))
     set_transformers_verbosity(args.log_level, main_process=main_process)
     set_verbosity(args.log_level, main_process=main_process)
 
 
-def _evals(
-    args: TrainingArguments,
-    inputs: RunInputs,
-    total_steps: int,
-    device: Any,
-    collective: Collective | None,
-    stream: Any,
-    **scoring: Any,
-) -> EvalPlan:
+def _evals(args: TrainingArguments, inputs: RunInputs, total_steps: int, device: Any, call: TrainCall) -> EvalPlan:
     return eval_plan_for(
         args,
         inputs.eval_dataset,
@@ -189,23 +197,12 @@ def _evals(
         total_steps=total_steps,
         loss=inputs.loss,
         device=device,
-        collective=collective,
+        collective=call.collective,
         objective=inputs.eval_objective,
         label_key=inputs.columns.label_key,
-        evaluator=stream.evaluate if stream is not None else None,
-        **scoring,
-    )
-
-
-def _reporting(
-    args: TrainingArguments, total_steps: int, rank: int, world_size: int, processing_class: Any
-) -> dict[str, Any]:
-    """Return the plan's logging, checkpoint and reporter pieces, and the settings a checkpoint records."""
-    return dict(
-        logging=logging_for(args, total_steps),
-        checkpoints=CheckpointPlan.from_args(args, processing_class),
-        reporters=ReporterPlan.from_args(args, writer=rank == 0),
-        settings={**args.to_dict(), "world_size": world_size},
+        evaluator=call.train_stream.evaluate if call.train_stream is not None else None,
+        compute_metrics=call.compute_metrics,
+        preprocess_logits_for_metrics=call.preprocess_logits_for_metrics,
     )
 
 

@@ -31,7 +31,7 @@ from trainfold.data import StepBatch, stream
 from trainfold.observe.divergence import first_hash_divergence, state_hash
 from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.inputs import to_device
-from trainfold.trainer.planning import plan_for
+from trainfold.trainer.planning import TrainCall, plan_for, process_settings
 from trainfold.trainer.resume import on_device
 
 __all__ = ["Divergence", "Replay", "first_divergence", "replay", "saved_arguments"]
@@ -117,7 +117,9 @@ def replay(
     if step < 1:
         raise ValueError(f"step must be >= 1 (step k is the update that made state k), got {step}")
     args = (args or saved_arguments(output_dir)).replace(report_to="none", disable_tqdm=True)
-    plan = plan_for(model, args, train_dataset, None, data_collator, compute_loss_func, objective, optimizer=optimizer)
+    process_settings(args, main_process=True)  # as the run's own start: its kernels warmed up, the same verbosity
+    call = TrainCall(model, train_dataset, None, data_collator, compute_loss_func, objective, optimizer=optimizer)
+    plan = plan_for(args, call)
     if step > plan.schedule.total_steps:
         raise ValueError(
             f"the run in {output_dir} has {plan.schedule.total_steps} steps; there is no step {step} to replay"
@@ -140,7 +142,7 @@ def _start_checkpoint(output_dir: str | os.PathLike, step: int) -> Path | None:
 
 def _first_state(plan: Any, start: Path | None) -> TrainState:
     """Return the state the replay starts from: the run's initial state (copies), loaded from ``start`` if given."""
-    state = init_state(plan.model, plan.optimizer, seed=plan.args.seed, extras=plan.extras)  # copies: model untouched
+    state = init_state(plan.model, plan.optimizer, seed=plan.seed, extras=plan.extras)  # copies: model untouched
     if plan.device.type != "cpu":
         state = attrs.evolve(
             state,

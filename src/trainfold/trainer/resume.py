@@ -1,4 +1,4 @@
-"""A run's first state: made from its ``Plan``, then (on a resume) loaded from the checkpoint the run dir names."""
+"""A run's first state: made from its ``Plan``, then (on a resume) loaded by the run's ``loop.directory.RunDir``."""
 
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ import attrs
 import torch
 
 from trainfold import ckpt
-from trainfold.ckpt import policy, run_dir
+from trainfold.ckpt import policy
 from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, adapter_config_text, is_peft_model
-from trainfold.ckpt.listing import damaged_checkpoints
-from trainfold.ckpt.run_identity import RunSettings, settings_fingerprint
 from trainfold.ckpt.sharded import is_sharded
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointWarning, field_error
 from trainfold.core.rng import restore_global_rng
@@ -25,21 +23,13 @@ from trainfold.core.state import TrainState, init_state, lend
 from trainfold.core.tree import flatten, map_tensors, unflatten
 from trainfold.data import close_loader
 from trainfold.data.mixture import is_stream_source, stream_cursor
-from trainfold.loop.directory import load_newest, set_aside
+from trainfold.loop.directory import RunDir
 from trainfold.observe import history as log_file
 from trainfold.observe.observers import MetricWindow
 from trainfold.step.fsdp import placed_like
 from trainfold.trainer.plan import Plan
 
-__all__ = [
-    "initial_state",
-    "on_device",
-    "claim_for",
-    "NoCheckpointError",
-    "Start",
-    "start_run",
-    "continuing_global_rng",
-]
+__all__ = ["initial_state", "on_device", "Start", "start_run", "continuing_global_rng"]
 
 
 def on_device(opt_state: Any, device: torch.device) -> Any:
@@ -55,7 +45,7 @@ def on_device(opt_state: Any, device: torch.device) -> Any:
 def initial_state(plan: Plan) -> TrainState:
     """Return the run's first state: the module's own tensors lent (one copy), on the device (a ``fully_shard``
     module's: its DTensor shards, and optimizer state of the same layout)."""
-    state = init_state(plan.model, plan.optimizer, seed=plan.args.seed, extras=plan.extras, copy=False)
+    state = init_state(plan.model, plan.optimizer, seed=plan.seed, extras=plan.extras, copy=False)
     if is_stream_source(plan.inputs.train_dataset):  # the cursor holds each source's row position from step 0
         state = attrs.evolve(state, cursor=stream_cursor(plan.inputs.train_dataset))
     if plan.device.type != "cpu":
@@ -69,11 +59,6 @@ def initial_state(plan: Plan) -> TrainState:
     return state
 
 
-def run_settings(plan: Plan) -> RunSettings:
-    """Return the run's settings as its checkpoints judge them (each field's trajectory metadata, the world size)."""
-    return RunSettings.of(plan.args, world_size=plan.settings["world_size"])
-
-
 def _check_resumable(plan: Plan, meta: Mapping[str, Any], source: str | os.PathLike) -> None:
     """Refuse a checkpoint of another run: its step beyond the plan's total, or another sample order."""
     if meta["step"] > plan.schedule.total_steps:
@@ -84,7 +69,7 @@ def _check_resumable(plan: Plan, meta: Mapping[str, Any], source: str | os.PathL
             "it is not a checkpoint of this run",
             "resume from another checkpoint, or raise max_steps",
         )
-    policy.check_compatible(meta.get("settings", {}), run_settings(plan), source=source)
+    policy.check_compatible(meta.get("settings", {}), plan.run_settings, source=source)
     _check_adapter(plan.model, source)
 
 
@@ -111,35 +96,6 @@ def _check_adapter(model: torch.nn.Module, source: str | os.PathLike) -> None:
         )
 
 
-class NoCheckpointError(FileNotFoundError, ValueError):
-    """``resume_from_checkpoint`` finds no checkpoint: a ``FileNotFoundError``, and the ``ValueError`` that
-    ``transformers.Trainer`` raises, with its words ("Can't find a valid checkpoint at ...")."""
-
-
-def claim_for(plan: Plan, state: TrainState, resume_from_checkpoint: bool | str | os.PathLike | None) -> Any:
-    """Claim the run's output_dir (``ckpt.run_dir.claim``): its lock, and the checkpoint a resume starts from."""
-    settings = run_settings(plan)
-    try:
-        claim = run_dir.claim(
-            plan.args.output_dir,
-            resume_from_checkpoint,
-            settings,
-            settings_fingerprint(settings, state.params, state.buffers),
-            overwrite_output_dir=plan.args.overwrite_output_dir,
-            writer=plan.is_writer,
-        )
-    except FileNotFoundError as e:
-        lead = f"Can't find a valid checkpoint at {resume_from_checkpoint}"  # transformers.Trainer's words
-        if resume_from_checkpoint is True:
-            lead = f"No valid checkpoint found in output directory ({plan.args.output_dir})"
-        raise NoCheckpointError(f"{lead}: {e}") from None
-    if resume_from_checkpoint is True and plan.is_writer:  # held: a damaged one the run would save over is kept
-        for path, why, meta in damaged_checkpoints(plan.args.output_dir):
-            if (meta.get("run") or {}).get("fingerprint") == claim.run.fingerprint:  # this run's, not another's
-                set_aside(path, why)
-    return claim
-
-
 @attrs.frozen(eq=False)
 class Start:
     """Where a run starts: its state, metric window and log history, and the checkpoint it resumed (or None)."""
@@ -151,40 +107,24 @@ class Start:
     global_rng: Mapping[str, Any] | None = None  # the checkpoint's global generator states, by rank
 
 
-def start_run(plan: Plan, claim: Any, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
-    """Return the run's ``Start``: ``state`` as made, or loaded from ``claim.source`` (checked against the plan).
+def start_run(plan: Plan, directory: RunDir, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
+    """Return the run's ``Start``: ``state`` as made, or loaded by ``directory`` (each candidate checked against the
+    plan) and lent to the module again (one copy of the weights).
 
-    What the run opens is closed when the claim is released: the log history, the eval loaders' workers.
+    What the run opens is closed when the directory is released: the log history, the eval loaders' workers.
     """
-    source, window, meta, begin_state = claim.source, MetricWindow(), None, state
-    if source is not None:
-        if weights_only_warm_start:
-            meta = ckpt.read_metadata(source)
-            _check_resumable(plan, meta, source)
-            state = ckpt.warm_start(source, like=state)
-        else:
-            check = functools.partial(_check_resumable, plan)  # another run's checkpoint: refused, never set aside
-            state, source, meta = load_newest(claim, state, check=check, writer=plan.is_writer)
-            if "window" in meta["metadata"]:
-                log_file.restore_window(window, meta["metadata"]["window"], source)
-        if plan.sharding is not None:  # a fully_shard module: the loaded tensors go into its DTensor shards
-            state = lend_sharded(plan.model, state, like=begin_state)
-        elif not is_sharded(state):  # the loaded tensors go into the module's own: one copy again
-            state = lend(plan.model, state)
-    resumed = source is not None and not weights_only_warm_start
-    history = log_file.start(
-        plan.args.output_dir,
-        source if resumed else None,
-        meta["metadata"] if resumed and meta is not None else None,
-        writer=plan.is_writer,
-    )
-    if isinstance(history, log_file.HistoryFile):
-        claim.callback(history.close)
+    check = functools.partial(_check_resumable, plan)  # another run's checkpoint: refused, never set aside
+    loaded, source = directory.start(state, check, weights_only=weights_only_warm_start)
+    window, meta = MetricWindow(), (directory.resumed or {}).get("metadata", {})
+    if "window" in meta and source is not None:
+        log_file.restore_window(window, meta["window"], source)
+    if source is not None and plan.sharding is not None:  # a fully_shard module: into its DTensor shards
+        loaded = lend_sharded(plan.model, loaded, like=state)
+    elif source is not None and not is_sharded(loaded):  # the loaded tensors go into the module's own
+        loaded = lend(plan.model, loaded)
     for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
-        claim.callback(functools.partial(close_loader, eval_set.loader))
-    Path(plan.args.output_dir).mkdir(parents=True, exist_ok=True)
-    saved_rng = meta["metadata"].get("global_rng") if resumed and meta is not None else None
-    return Start(state, window, history, source, saved_rng)
+        directory.claim.callback(functools.partial(close_loader, eval_set.loader))
+    return Start(loaded, window, directory.history, source, meta.get("global_rng"))
 
 
 def continuing_global_rng(batches: Iterable[Any], saved: Mapping[str, Any] | None, rank: int) -> Iterator[Any]:

@@ -17,12 +17,12 @@ from typing import Any
 import attrs
 
 from trainfold import ckpt
-from trainfold.ckpt import policy, run_dir
+from trainfold.ckpt import policy
 from trainfold.ckpt.sharded import Saver
 from trainfold.core.rng import global_rng_states
 from trainfold.core.state import TrainState
 from trainfold.evaluation import best as best_metric
-from trainfold.loop.directory import already_saved
+from trainfold.loop.directory import RunDir
 from trainfold.loop.hooks import Every, Hook
 from trainfold.loop.record import RunLog
 from trainfold.observe import TOKENS_SEEN, MetricWindow, eval_entry, log_if_due, notify
@@ -37,7 +37,6 @@ _logger = logging.getLogger(__name__)
 
 __all__ = [
     "Run",
-    "saving_files_of",
     "record_eval",
     "evaluate_and_record",
     "save_checkpoint",
@@ -54,7 +53,7 @@ class Run:
     reporters: Any
     history: Any  # a history.HistoryFile on the writer rank, a list elsewhere: .append(entry)
     window: MetricWindow = attrs.field(factory=MetricWindow)
-    run_id: run_dir.RunIdentity | None = None
+    directory: RunDir | None = None  # the run's claimed directory: its identity, log history and checkpoints
     saver: Saver = attrs.field(factory=Saver)  # sync or async (async_save); sharded states: every rank writes
     all_ranks_save: bool = False  # the state is sharded (DTensors): every rank takes part in each save
     record: RunLog = attrs.Factory(RunLog)  # what changes as it goes (a mutable record): .saved, .diverged_at
@@ -118,13 +117,12 @@ def evaluate_and_record(run: Run, state: TrainState, *, track: bool = True) -> t
     return record_eval(run, state, run.plan.evals.run(run.plan.model, state), track=track)
 
 
-def _save_options(run: Run, state: TrainState) -> dict[str, Any]:
+def _save_metadata(run: Run, state: TrainState) -> dict[str, Any]:
+    """Return what a checkpoint's sidecar keeps of the run beside its state: the metric window, the best metric,
+    the global generators, an early stopper's settings."""
     best: best_metric.BestMetric | None = state.extras.get(BEST)
-    if run.plan.is_writer:  # the sidecar is rank 0's (the other ranks of a sharded save write their shards)
-        run.history.sync()  # the entries the sidecar's offset covers are on disk first
     shown = None if best is None or int(best.step) < 0 else best  # none yet
     metadata = {
-        "log": run.history.position() if run.plan.is_writer else None,
         "window": log_file.window_state(run.window),
         "best_metric": None if shown is None else float(shown.value),
         "best_step": None if shown is None else int(shown.step),
@@ -135,50 +133,30 @@ def _save_options(run: Run, state: TrainState) -> dict[str, Any]:
     early = run.plan.early
     if early is not None:  # what restore_callback_states_from_checkpoint restores (an EarlyStoppingCallback's args)
         metadata["early_stopping"] = {"patience": early.patience, "threshold": early.threshold}
-    return dict(
-        model=run.plan.model,
-        metadata=metadata,
-        settings=run.plan.settings,
-        save_only_model=run.plan.checkpoints.save_only_model,
-        run=attrs.asdict(run.run_id) if run.run_id is not None else None,
-        extra_files=saving_files_of(run.plan.checkpoints.processing_class),
-    )
-
-
-def saving_files_of(processing_class: Any) -> Callable[[Path], Any] | None:
-    """Return what writes ``processing_class``'s files into a checkpoint (its ``save_pretrained``), or None."""
-    return None if processing_class is None else processing_class.save_pretrained
+    return metadata
 
 
 def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
-    """Write a checkpoint of ``state`` (rotating old ones); ``jit``: the preemption checkpoint, marked as such."""
-    options, output_dir = _save_options(run, state), run.plan.checkpoints.output_dir
-    path = ckpt.checkpoint_path(output_dir, int(state.step))
+    """Write a checkpoint of ``state`` into the run's directory, rotating old ones (never the best); ``jit``: the
+    preemption checkpoint, marked as such (and rotated like any other, as HF's)."""
+    plan, directory = run.plan.checkpoints, run.directory
+    assert directory is not None, "a run saves into the directory it claimed (Run.directory)"
     if run.plan.is_writer:
+        path = ckpt.checkpoint_path(directory.root, int(state.step))
         _logger.info("saving %scheckpoint %s", "the preemption " if jit else "", path)
     best: best_metric.BestMetric | None = state.extras.get(BEST)
-    keep = [path]
-    if best is not None and int(best.step) >= 0:
-        keep.append(ckpt.checkpoint_path(output_dir, int(best.step)))
-    rotate = functools.partial(
-        policy.rotate,
-        output_dir,
-        run.plan.checkpoints.total_limit,
+    keep = [ckpt.checkpoint_path(directory.root, int(best.step))] if best is not None and int(best.step) >= 0 else []
+    return directory.save(
+        state,
+        keep_total=plan.total_limit,
         keep=keep,
-        run_id=options["run"]["id"] if options["run"] is not None else None,
+        model=run.plan.model,
+        jit=jit,
+        metadata=_save_metadata(run, state),
+        save_only_model=plan.save_only_model,
+        extra_files=None if plan.processing_class is None else plan.processing_class.save_pretrained,
+        saver=run.saver,
     )
-
-    def committed(_: Path) -> None:  # once the checkpoint is complete
-        rotate()
-        if isinstance(run.history, log_file.HistoryFile):
-            run.history.checkpointed()  # an earlier run's history, kept until now, is no longer needed
-
-    if jit:  # rotates like any other save (HF's too): a preempted run's older JIT checkpoints do not pile up
-        run.saver.wait()  # an async save in flight is complete (or raised) first
-        if already_saved(path, options["run"], int(state.step), options["save_only_model"]):
-            return ckpt.mark_jit(path) if run.plan.is_writer else path  # the same state is there, complete: mark it
-        return run.saver.save(state, path, jit=True, wait=True, on_commit=committed, **options)
-    return run.saver.save(state, path, on_commit=committed, **options)
 
 
 @attrs.define
@@ -284,7 +262,7 @@ def callback_adapter(run: Run, state: TrainState) -> tuple[Run, hf_callbacks.HFC
     evaluate = None if not plan.evals.enabled else (lambda s: evaluate_and_record(run, s)[0])
     hf = hf_callbacks.HFCallbacks(
         plan.callbacks,
-        plan.args,
+        plan.callback_args,
         total_steps=plan.schedule.total_steps,
         steps_per_epoch=plan.schedule.epoch_steps,
         epoch_span=plan.schedule.epoch_span,

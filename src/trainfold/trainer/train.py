@@ -32,10 +32,22 @@ id and is saved into every checkpoint (``AutoTokenizer.from_pretrained(checkpoin
 ``train_stream`` (a ``data.StateStream``) replaces the sampler and stream with steps made from the
 state they start from: ``trainfold.grpo.train`` runs GRPO through it.
 
-The run is a ``Plan`` (``hf.plan``), built before any step by ``hf.planning.plan_for`` from these
-arguments: the sampler, schedule, optimizer, step, eval plan (``hf.evaluating``), checkpoint policy,
-reporters and stop rules, each a record of its own; ``hf.run`` holds the side effects after each
-step, ``hf.resume`` the first state.
+The run is a ``Plan`` (``trainer.plan``), built before any step by ``trainer.planning.plan_for`` from these
+arguments: the sampler, schedule, optimizer, step, eval plan (``trainer.evaluating``), checkpoint policy,
+reporters and stop rules, each a record of its own; ``trainer.run`` holds the side effects after each
+step, ``trainer.resume`` the first state.
+
+>>> import tempfile, torch
+>>> from trainfold.core.models import TinyLM, TinyLMConfig
+>>> _ = torch.manual_seed(0)
+>>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+>>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
+>>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
+...                          learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True,
+...                          save_strategy="no")
+>>> result = train(model, args, rows)
+>>> result.status, result.global_step, result.log_history[0]["learning_rate"], "train_loss" in result.metrics
+('completed', 3, 0.01, True)
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager as ContextManager
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +76,7 @@ from trainfold.core.preempt import JIT_SIGNALS, guarded, preemption_guard
 from trainfold.core.state import TrainState, counters
 from trainfold.data import StateStream, is_stream_source, source_steps, stream
 from trainfold.distributed.distributed import joins_torchrun
+from trainfold.loop.directory import RunDir, open_run_dir
 from trainfold.loop.run import run as loop_run
 from trainfold.observe import TOKENS_SEEN, counting_input_tokens, train_summary
 from trainfold.observe import history as log_file
@@ -77,11 +91,11 @@ from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.callbacks import HFCallbacks, resumed_callback_states
 from trainfold.trainer.evaluating import evaluate, predict
 from trainfold.trainer.extras import BEST
-from trainfold.trainer.inputs import own_loss_objective, to_device
+from trainfold.trainer.inputs import to_device
 from trainfold.trainer.optimizer import default_optimizer
 from trainfold.trainer.plan import STOPPING_RULES, Plan, agreed
-from trainfold.trainer.planning import plan_for
-from trainfold.trainer.resume import Start, claim_for, continuing_global_rng, initial_state, start_run
+from trainfold.trainer.planning import TrainCall, elastic_args, plan_for, process_settings, world_of
+from trainfold.trainer.resume import Start, continuing_global_rng, initial_state, start_run
 from trainfold.trainer.run import Run, callback_adapter, evaluate_and_record, run_hooks, save_checkpoint
 
 _log = logging.getLogger(__name__)
@@ -195,36 +209,41 @@ def train(
     train_stream: StateStream | None = None,
     processing_class: Any = None,
 ) -> TrainResult:
-    """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record.
-
-    >>> import tempfile, torch
-    >>> from trainfold.core.models import TinyLM, TinyLMConfig
-    >>> _ = torch.manual_seed(0)
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
-    >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
-    ...                          learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True,
-    ...                          save_strategy="no")
-    >>> result = train(model, args, rows)
-    >>> result.status, result.global_step, result.log_history[0]["learning_rate"], "train_loss" in result.metrics
-    ('completed', 3, 0.01, True)
-    """
+    """Train ``model`` on ``train_dataset`` as ``args`` say; return the final state and the run's record (the
+    module's docstring shows a run and says what each argument does)."""
     args = checks.trainfold_arguments(args)  # a transformers.TrainingArguments: TrainingArguments.from_hf, exactly
-    data = checks.data_to_check(train_dataset, eval_dataset, data_collator, train_stream, optimizer, objective)
-    checks.check_train_call(model, args, resume_from_checkpoint, compute_metrics or objective, **data)
-    compute_loss_func = checks.checked_loss(compute_loss_func)  # every problem named before any work
-    objective = own_loss_objective(model, compute_loss_func, objective)  # a model whose task trainfold has no loss for
-    given = (data_collator, compute_loss_func, objective, compute_metrics, preprocess_logits_for_metrics, optimizer)
-    rest = (observers, resume_from_checkpoint, early_stopping, stop, collective, callbacks, train_stream)
-    plan = plan_for(model, args, train_dataset, eval_dataset, *(given + rest), processing_class=processing_class)
+    parts: tuple[Any, ...] = (data_collator, compute_loss_func, objective, compute_metrics)
+    run: tuple[Any, ...] = (preprocess_logits_for_metrics, optimizer, observers, resume_from_checkpoint, early_stopping)
+    rest: tuple[Any, ...] = (stop, collective, weights_only_warm_start, callbacks, train_stream, processing_class)
+    call = TrainCall(model, train_dataset, eval_dataset, *parts, *run, *rest)
+    _check(args, call)  # every problem named before any work
+    rank, world_size = world_of(collective)
+    process_settings(args, main_process=rank == 0)  # kernels warmed up, the loggers' verbosity: as HF's __init__
+    plan = plan_for(elastic_args(args, resume_from_checkpoint, world_size), call)  # elastic: the saved global batch
     state = initial_state(plan)
-    claim = claim_for(plan, state, resume_from_checkpoint)
-    with claim:  # the lock is held until the run ends, and released if it raises
-        begin = start_run(plan, claim, state, weights_only_warm_start=weights_only_warm_start)
+    with _open(plan, state, resume_from_checkpoint) as directory:  # the lock is held until the run ends
+        begin = start_run(plan, directory, state, weights_only_warm_start=weights_only_warm_start)
         plan, begin = resumed_callback_states(plan, begin, callbacks)  # an EarlyStoppingCallback's, as HF's
         _log_start(plan, begin)
-        result = _session(plan, begin, claim.run)
+        result = _session(plan, begin, directory)
     return _ending(plan, result)
+
+
+def _check(args: TrainingArguments, call: TrainCall) -> None:
+    """Refuse what ``args`` and ``call`` cannot run, every problem named before any work."""
+    data = checks.data_to_check(
+        call.train_dataset, call.eval_dataset, call.data_collator, call.train_stream, call.optimizer, call.objective
+    )
+    resume, scores = call.resume_from_checkpoint, call.compute_metrics or call.objective
+    checks.check_train_call(call.model, args, resume, scores, **data)
+
+
+def _open(plan: Plan, state: TrainState, resume: bool | str | os.PathLike | None) -> ContextManager[RunDir]:
+    """Claim the run's directory (``loop.directory``): its lock and identity, and the checkpoint a resume takes."""
+    output_dir, settings = plan.checkpoints.output_dir, plan.run_settings
+    return open_run_dir(
+        output_dir, state, resume=resume, settings=settings, overwrite=plan.checkpoints.overwrite, writer=plan.is_writer
+    )
 
 
 def _log_start(plan: Plan, begin: Start) -> None:
@@ -235,7 +254,7 @@ def _log_start(plan: Plan, begin: Start) -> None:
         _log.info("resuming from %s at step %d of %d", begin.source, int(begin.state.step), total)
 
 
-def _session(plan: Plan, begin: Start, run_id: Any) -> TrainResult:
+def _session(plan: Plan, begin: Start, directory: RunDir) -> TrainResult:
     """Run the plan from ``begin``: open the reporters, evaluate on start, step until a stop rule holds, report."""
     state, start_state, started = begin.state, counters(begin.state), time.monotonic()  # no second weight copy
     bar = make_progress(
@@ -254,7 +273,7 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> TrainResult:
             reporters=reporters.including(bar),  # the console shows each log, evaluation and the summary
             history=begin.history,
             window=begin.window,
-            run_id=run_id,
+            directory=directory,
             saver=Saver(plan.checkpoints.async_save, plan.checkpoints.consolidated),
             all_ranks_save=is_sharded(state),
             session=(started, int(state.extras[TOKENS_SEEN])) if TOKENS_SEEN in state.extras else None,
@@ -264,20 +283,7 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> TrainResult:
         if plan.evals.on_start and begin.source is None:
             state, _ = evaluate_and_record(run, state, track=False)
         state, status, signal = _trained(run, hf, state, start_state, bar)
-        per_step = plan.samples_per_step
-        samples = (int(state.step) - int(start_state.step)) * per_step if per_step is not None else None
-        summary = train_summary(
-            state,
-            start_state,
-            time.monotonic() - started,
-            samples,
-            steps_per_epoch=plan.schedule.steps_per_epoch and plan.schedule.epoch_span,
-        )
-        summary.update(run.window.pending)  # as TRL's end-of-training entry: a window no step log was due for
-        if status == DIVERGED:
-            summary["diverged_at_step"] = int(state.step)
-        run.history.append(summary)
-        run.reporters.log(summary, int(state.step))
+        summary = _summary(run, state, start_state, started, status)
         bar.close()
         history = run.history
         if isinstance(history, log_file.HistoryFile):  # read back once: the result holds a plain list
@@ -286,6 +292,21 @@ def _session(plan: Plan, begin: Start, run_id: Any) -> TrainResult:
     metrics = {k: v for k, v in summary.items() if k != "step"}  # HF's TrainOutput.metrics: the step is not one
     last = run.record.saved[-1] if run.record.saved else None
     return TrainResult(state, status, metrics, history, None, last, signal)
+
+
+def _summary(run: Run, state: TrainState, start_state: TrainState, started: float, status: str) -> dict[str, Any]:
+    """Log and return the run's last entry: HF's ``train_runtime``, ``train_samples_per_second``, ``train_loss``..."""
+    plan = run.plan
+    per_step = plan.samples_per_step
+    samples = (int(state.step) - int(start_state.step)) * per_step if per_step is not None else None
+    epoch = plan.schedule.steps_per_epoch and plan.schedule.epoch_span
+    summary = train_summary(state, start_state, time.monotonic() - started, samples, steps_per_epoch=epoch)
+    summary.update(run.window.pending)  # as TRL's end-of-training entry: a window no step log was due for
+    if status == DIVERGED:
+        summary["diverged_at_step"] = int(state.step)
+    run.history.append(summary)
+    run.reporters.log(summary, int(state.step))
+    return summary
 
 
 def _trained(
@@ -314,10 +335,10 @@ def _trained(
 
 def _step(run: Run, hf: HFCallbacks | None) -> Callable[[TrainState, Any], TrainState]:
     """Return the run's step (donating: the run never reuses a state): token counting, HF's on_step_begin."""
-    plan, args = run.plan, run.plan.args
+    plan, streaming = run.plan, run.plan.streaming
     counted = plan.step.donating  # type: ignore[attr-defined]  # make_step's steps carry it (with_donation)
-    if args.tokens_seen != "no":  # never reuses a state
-        counted = counting_input_tokens(counted, args.tokens_seen, args.model_input_name, plan.collective)
+    if streaming.tokens_seen != "no":  # never reuses a state
+        counted = counting_input_tokens(counted, streaming.tokens_seen, streaming.model_input_name, plan.collective)
     if hf is not None:  # on_epoch_begin, on_step_begin before the step
         counted = hf.wrap(counted)
     if plan.stream is not None:  # each step's batch is made from the state it starts from
@@ -330,7 +351,6 @@ def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
     """Return the run's steps of data from the state's cursor: the sampler's stream, or the plan's StateStream."""
     if plan.stream is not None:
         return plan.stream.steps(state.cursor)
-    args = plan.args
     batches = (source_steps if is_stream_source(plan.inputs.train_dataset) else stream)(  # files(...): its cursor
         plan.inputs.train_dataset,
         plan.sampler,
@@ -338,10 +358,7 @@ def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
         start=state.cursor,
         num_epochs=plan.schedule.num_epochs,
         max_steps=None,
-        dataloader_num_workers=args.dataloader_num_workers,
-        dataloader_persistent_workers=args.dataloader_persistent_workers,
-        dataloader_prefetch_factor=args.dataloader_prefetch_factor,
-        dataloader_pin_memory=args.dataloader_pin_memory and plan.device.type == "cuda",
+        **plan.streaming.loader_kwargs(),
     )
     return to_device(
         checks.checking_first(batches, functools.partial(checks.check_first_batch, plan.model)), plan.device
