@@ -47,7 +47,32 @@ from trainfold.data.filestream import ShardChangedError, is_source
 from trainfold.data.samplers import Sampler
 from trainfold.data.steps import StepBatch
 
-__all__ = ["Mixture", "is_stream_source", "mix", "source_steps", "source_stream", "stream_cursor"]
+__all__ = [
+    "BatchStream",
+    "Mixture",
+    "global_batches",
+    "is_stream_source",
+    "mix",
+    "source_steps",
+    "source_stream",
+    "stream_cursor",
+]
+
+
+class BatchStream:
+    """A stream that forms its global batches itself (packing, ``trainfold.data.packstream``) over a source.
+
+    Subclasses give :meth:`start_cursor` (the cursor of a run's first state) and :meth:`batches` (each
+    global batch's rows with the cursor after it, from a cursor on), both pure functions of the cursor.
+    """
+
+    def start_cursor(self) -> Cursor:
+        """The cursor a run over this stream starts from."""
+        raise NotImplementedError
+
+    def batches(self, global_batch: int, start: Cursor | None) -> Iterator[tuple[list[Any], Cursor]]:
+        """Yield each global batch's rows, with the cursor after it, from ``start`` on."""
+        raise NotImplementedError
 
 
 @attrs.frozen(eq=False)
@@ -114,7 +139,7 @@ def is_stream_source(obj: Any) -> bool:
     >>> is_stream_source([1]), is_stream_source(Mixture({}, {}))
     (False, True)
     """
-    return is_source(obj) or isinstance(obj, Mixture)
+    return is_source(obj) or isinstance(obj, (Mixture, BatchStream))
 
 
 def stream_cursor(source: Any) -> Cursor:
@@ -123,6 +148,8 @@ def stream_cursor(source: Any) -> Cursor:
     A run's first state holds it, so its checkpoints (and the template a resume loads them into) have
     the same structure from the first step on.
     """
+    if isinstance(source, BatchStream):
+        return source.start_cursor()
     _, _, _, fingerprints = _components(source)
     streams = torch.tensor([[0, f] for f in fingerprints], dtype=torch.int64)
     return Cursor(scalar(0), scalar(0), streams)
@@ -187,6 +214,9 @@ def global_batches(source: Any, global_batch: int, start: Cursor | None = None) 
     >>> rows, after.as_tuple(), after.streams.tolist()
     ([0, 1, 2], (0, 1), [[3, 1]])
     """
+    if isinstance(source, BatchStream):
+        yield from source.batches(global_batch, start)
+        return
     components, counts_of, mix_seed, fingerprints = _components(source)
     counts = counts_of(global_batch)
     step, positions = _start_positions(fingerprints, start)
