@@ -10,8 +10,18 @@ windows before its global batches are dealt).
 
 from trainfold.data.collate import KeyedCollate, PadCollate, keyed, pad_collate, sample_key
 from trainfold.data.filestream import ShardChangedError, files, is_source
+from trainfold.data.hfstream import as_source
 from trainfold.data.loaders import close_loader, eval_loader, loader_errors
-from trainfold.data.mixture import Mixture, is_stream_source, mix, source_steps, source_stream, stream_cursor
+from trainfold.data.mixture import (
+    Mixture,
+    SourceData,
+    is_stream_source,
+    mix,
+    source_data,
+    source_steps,
+    source_stream,
+    stream_cursor,
+)
 from trainfold.data.packstream import Packed, packed
 from trainfold.data.samplers import (
     LENGTH_STRATEGIES,
@@ -35,6 +45,7 @@ __all__ = [
     "Sampler",
     "StateStream",
     "StepBatch",
+    "as_source",
     "close_loader",
     "dataset_lengths",
     "eval_loader",
@@ -50,6 +61,8 @@ __all__ = [
     "padded_cost",
     "preference_length",
     "sample_key",
+    "SourceData",
+    "source_data",
     "source_steps",
     "source_stream",
     "stream",

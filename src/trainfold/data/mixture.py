@@ -53,6 +53,8 @@ __all__ = [
     "global_batches",
     "is_stream_source",
     "mix",
+    "SourceData",
+    "source_data",
     "source_steps",
     "source_stream",
     "stream_cursor",
@@ -320,3 +322,38 @@ def source_steps(
         seed=sampler.seed,
         max_steps=max_steps,
     )
+
+
+@attrs.frozen(eq=False)
+class SourceData:
+    """``loop.run``'s data over a streaming source: ``state -> source_stream(..., start=state.cursor)``.
+
+    ``first_cursor()`` is the cursor a run's first state holds (:func:`stream_cursor`); ``loop.run`` gives it
+    to a fresh state, so the checkpoints and the template a resume loads them into have one structure.
+    """
+
+    source: Any
+    options: dict[str, Any]
+
+    def __call__(self, state: Any) -> Iterator[StepBatch]:
+        """The steps from ``state``'s cursor on."""
+        return source_stream(self.source, start=state.cursor, **self.options)
+
+    def first_cursor(self) -> Cursor:
+        """The cursor of a run's first state: step 0, each source at row 0 with its fingerprint."""
+        return stream_cursor(self.source)
+
+
+def source_data(source: Any, *, per_device_train_batch_size: int, **options: Any) -> SourceData:
+    """Return ``loop.run``'s ``data`` over ``source`` (a ``files(...)`` source, a mixture, ``packed``).
+
+    ``options`` are :func:`source_stream`'s (``gradient_accumulation_steps``, ``world_size``, ``rank``,
+    ``collate``, ``seed``, ``max_steps``); a resumed run continues at its checkpoint's cursor.
+    """
+    if not is_stream_source(source):
+        kind = type(source).__name__
+        raise TypeError(f"source_data takes a trainfold.data.files(...) source or mix(...), got {kind}")
+    if "start" in options:
+        raise TypeError("source_data takes no start=: loop.run starts the stream at its state's cursor")
+    options = {"per_device_train_batch_size": per_device_train_batch_size, **options}
+    return SourceData(source, options)
