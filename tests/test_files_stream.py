@@ -30,6 +30,7 @@ from trainfold.data import (  # noqa: E402
     source_stream,
 )
 from trainfold.data.global_batch import split_global_batch  # noqa: E402
+from trainfold.data.mixture import sample_certificate  # noqa: E402
 
 GLOBAL = 4  # rows per optimizer step, divisible by every world size tried
 
@@ -121,13 +122,15 @@ schedules = st.lists(st.tuples(st.integers(0, 4), st.sampled_from([1, 2, 4])), m
 @example(schedule=[(3, 2), (2, 4), (4, 1), (5, 2)])
 def test_resumed_stream_equals_the_uninterrupted_one_at_any_world_size(shards, kind, schedule):
     total = sum(n for n, _ in schedule)
-    whole, _ = run_segment(shards, kind, None, total, 1)
+    whole, end = run_segment(shards, kind, None, total, 1)
     got: list[int] = []
     cursor = None
     for steps, world in schedule:
         ids, cursor = run_segment(shards, kind, cursor, steps, world)
         got.extend(ids)
     assert got == whole
+    if cursor is not None:  # the sample certificate (a rolling hash of the steps' sample ids) survives every resume
+        assert sample_certificate(cursor) == sample_certificate(end) is not None
 
 
 def test_an_epoch_is_a_permutation_of_every_row_and_the_seed_chooses_it(shards):

@@ -23,7 +23,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 from trainfold.core.state import Cursor  # noqa: E402
 from trainfold.data import Sampler, ShardChangedError, files, mix, packed, source_steps  # noqa: E402
 from trainfold.data.global_batch import split_global_batch  # noqa: E402
-from trainfold.data.mixture import global_batches  # noqa: E402
+from trainfold.data.mixture import global_batches, sample_certificate  # noqa: E402
 from trainfold.data.packing import pack  # noqa: E402
 
 GLOBAL = 4  # packed rows per optimizer step
@@ -113,13 +113,15 @@ schedules = st.lists(
 @given(schedule=schedules)
 @example(schedule=[(3, 2, 2), (1, 4, 0), (5, 1, 2), (4, 2, 0)])
 def test_a_packed_stream_resumed_at_any_world_size_and_workers_equals_the_uninterrupted_one(docs, schedule):
-    whole, _ = run_segment(docs, None, sum(n for n, _, _ in schedule), 1, 0)
+    whole, end = run_segment(docs, None, sum(n for n, _, _ in schedule), 1, 0)
     got: list = []
     cursor = None
     for steps, world, workers in schedule:
         rows, cursor = run_segment(docs, cursor, steps, world, workers)
         got.extend(rows)
     assert got == whole
+    if cursor is not None:  # the sample certificate (a rolling hash of the steps' rows) survives every resume
+        assert sample_certificate(cursor) == sample_certificate(end) is not None
 
 
 def test_each_window_of_documents_is_packed_as_trl_packs_it(docs):
@@ -186,6 +188,6 @@ def test_train_with_packing_on_a_source_resumed_twice_ends_bitwise_as_the_uninte
         )  # fmt: skip
     assert int(resumed.state.step) == int(whole.state.step) == 6
     assert resumed.state.cursor.streams.tolist() == whole.state.cursor.streams.tolist()
-    assert resumed.state.cursor.streams.shape == (3, 2)  # the source, the window, the packed rows taken of it
+    assert resumed.state.cursor.streams.shape == (5, 2)  # source + its windows' certificate, window, taken, certificate
     for k, v in whole.state.params.items():
         assert torch.equal(v, resumed.state.params[k]), k

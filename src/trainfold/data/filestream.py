@@ -67,6 +67,8 @@ class Source(Protocol):
 
     def fingerprint(self) -> int: ...
 
+    def sample_id(self, position: int) -> int: ...
+
 
 def is_source(obj: Any) -> bool:
     """Return whether ``obj`` is a streaming source (``files(...)``, a filtered or mapped one).
@@ -302,8 +304,28 @@ class FileSource:
             parts.append(table.slice(start, min(hi - offsets[b], table.num_rows) - start))
         rows = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
         if self.shuffle:
-            rows = rows.take(np.random.default_rng([self.seed, epoch, 2, k]).permutation(hi - lo))
+            rows = rows.take(self._permutation(epoch, k))
         return rows.to_pylist()
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (the source lives as long as its run)
+    def _permutation(self, epoch: int, k: int) -> np.ndarray:
+        """Window ``k`` of ``epoch``'s order: its row ``j`` is row ``perm[j]`` of the window in block order."""
+        size = min(self.num_rows, (k + 1) * self.shuffle_window) - k * self.shuffle_window
+        return np.random.default_rng([self.seed, epoch, 2, k]).permutation(size)
+
+    def sample_id(self, position: int) -> int:
+        """The identity of the row at ``position``: its shard's digest and its row within the shard (63 bits).
+
+        It names the row itself, not where the order put it, so two runs that read a changed shard
+        differ in the ids of exactly the rows they read from it.
+        """
+        epoch, i = divmod(position, self.num_rows)
+        k, j = divmod(i, self.shuffle_window)
+        index = k * self.shuffle_window + (int(self._permutation(epoch, k)[j]) if self.shuffle else j)
+        order, offsets = self._order(epoch)
+        b = int(np.searchsorted(offsets, index, side="right")) - 1
+        s, block = order[b]
+        return derive_seed(self.shards[s].digest, sum(self.shards[s].blocks[:block]) + index - int(offsets[b]))
 
     @functools.lru_cache(maxsize=2)  # noqa: B019 (the source lives as long as its run)
     def _order(self, epoch: int) -> tuple[list[tuple[int, int]], np.ndarray]:

@@ -18,12 +18,14 @@ and fingerprint; resuming from it continues exactly, at any world size keeping t
 ...         return ((p + 1, p) for p in itertools.count(start))
 ...     def fingerprint(self):
 ...         return 7
+...     def sample_id(self, p):
+...         return p
 >>> m = mix({"a": Mapped(Count(), lambda r: ("a", r)), "b": Mapped(Count(), lambda r: ("b", r))},
 ...         weights={"a": 3, "b": 1})
 >>> m.counts(4)
 {'a': 3, 'b': 1}
 >>> steps = list(source_stream(m, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2))
->>> sorted(steps[1][0] + steps[1][1]), steps[1].cursor.streams[:, 0].tolist()  # each source's row position
+>>> sorted(steps[1][0] + steps[1][1]), steps[1].cursor.streams[:2, 0].tolist()  # each source's row position
 ([('a', 3), ('a', 4), ('a', 5), ('b', 1)], [6, 2])
 """
 
@@ -48,6 +50,7 @@ from trainfold.data.samplers import Sampler
 from trainfold.data.steps import StepBatch
 
 __all__ = [
+    "SAMPLES",
     "BatchStream",
     "Mixture",
     "global_batches",
@@ -58,7 +61,11 @@ __all__ = [
     "source_steps",
     "source_stream",
     "stream_cursor",
+    "without_certificate",
 ]
+
+
+SAMPLES = derive_seed(int.from_bytes(b"samples", "big"))  # marks the cursor's row holding the sample certificate
 
 
 class BatchStream:
@@ -153,8 +160,39 @@ def stream_cursor(source: Any) -> Cursor:
     if isinstance(source, BatchStream):
         return source.start_cursor()
     _, _, _, fingerprints = _components(source)
-    streams = torch.tensor([[0, f] for f in fingerprints], dtype=torch.int64)
+    streams = torch.tensor([[0, f] for f in fingerprints] + [[0, SAMPLES]], dtype=torch.int64)
     return Cursor(scalar(0), scalar(0), streams)
+
+
+def sample_certificate(cursor: Cursor) -> int | None:
+    """Return the cursor's rolling hash of every step's sample ids so far (``None``: a cursor without one).
+
+    Step ``k``'s value is ``roll(value at k - 1, the ids of step k's rows in batch order)``: two runs' values
+    first differ at the first step whose samples differ (a row's id names its shard's contents and its row
+    there, so a changed shard shows at the first step that reads it).
+    """
+    streams = cursor.streams
+    if streams is None or not len(streams) or int(streams[-1, 1]) != SAMPLES:
+        return None
+    return int(streams[-1, 0])
+
+
+def roll(previous: int, ids: list[int]) -> int:
+    """Fold one step's sample ids (in batch order) into the rolling certificate.
+
+    >>> roll(0, [1, 2]) == roll(0, [1, 2]), roll(0, [1, 2]) == roll(0, [2, 1])
+    (True, False)
+    """
+    return derive_seed(previous, xxhash.xxh3_64_intdigest(np.asarray(ids, dtype=np.uint64).tobytes()))
+
+
+def without_certificate(cursor: Cursor) -> tuple[Cursor, int]:
+    """Return ``cursor`` without its certificate row, and the certificate (0 when it holds none)."""
+    value = sample_certificate(cursor)
+    if value is None:
+        return cursor, 0
+    assert cursor.streams is not None
+    return attrs.evolve(cursor, streams=cursor.streams[:-1]), value
 
 
 def _components(source: Any) -> tuple[list[Any], Callable[[int], list[int]], int | None, list[int]]:
@@ -178,6 +216,7 @@ def _start_positions(fingerprints: list[int], start: Cursor | None) -> tuple[int
     """The step and each source's row position a stream starts from, after checking the fingerprints."""
     if start is None:
         return 0, [0] * len(fingerprints)
+    start, _ = without_certificate(start)
     epoch, step = start.as_tuple()
     if start.streams is None:
         if (epoch, step) != (0, 0):
@@ -212,9 +251,11 @@ def global_batches(source: Any, global_batch: int, start: Cursor | None = None) 
     ...         return ((p + 1, p) for p in itertools.count(start))
     ...     def fingerprint(self):
     ...         return 1
+    ...     def sample_id(self, p):
+    ...         return p
     >>> rows, after = next(global_batches(Count(), 3))
-    >>> rows, after.as_tuple(), after.streams.tolist()
-    ([0, 1, 2], (0, 1), [[3, 1]])
+    >>> rows, after.as_tuple(), after.streams.tolist()[0]  # then the sample certificate's row
+    ([0, 1, 2], (0, 1), [3, 1])
     """
     if isinstance(source, BatchStream):
         yield from source.batches(global_batch, start)
@@ -222,18 +263,23 @@ def global_batches(source: Any, global_batch: int, start: Cursor | None = None) 
     components, counts_of, mix_seed, fingerprints = _components(source)
     counts = counts_of(global_batch)
     step, positions = _start_positions(fingerprints, start)
+    certificate = 0 if start is None else without_certificate(start)[1]
     readers = [c.rows(p) for c, p in zip(components, positions)]
     while True:
         rows: list[Any] = []
+        ids: list[int] = []
         for i, (reader, n) in enumerate(zip(readers, counts)):
             for pos, row in itertools.islice(reader, n):
                 positions[i] = pos
                 rows.append(row)
+                ids.append(derive_seed(i, components[i].sample_id(pos - 1)))
         if mix_seed is not None:
-            rows = [rows[j] for j in np.random.default_rng([mix_seed, 3, step]).permutation(len(rows))]
+            order = np.random.default_rng([mix_seed, 3, step]).permutation(len(rows))
+            rows, ids = [rows[j] for j in order], [ids[j] for j in order]
         step += 1
-        streams = torch.tensor([[p, f] for p, f in zip(positions, fingerprints)], dtype=torch.int64)
-        yield rows, Cursor(scalar(0), scalar(step), streams)
+        certificate = roll(certificate, ids)
+        rows_of = [[p, f] for p, f in zip(positions, fingerprints)] + [[certificate, SAMPLES]]
+        yield rows, Cursor(scalar(0), scalar(step), torch.tensor(rows_of, dtype=torch.int64))
 
 
 def source_stream(

@@ -20,6 +20,8 @@ re-reads and re-packs that one window, O(window) rows, and skips what was taken.
 ...         return ((p + 1, {"input_ids": [p] * (p % 4 + 1)}) for p in itertools.count(start))
 ...     def fingerprint(self):
 ...         return 7
+...     def sample_id(self, p):
+...         return p
 >>> from trainfold.data.mixture import global_batches
 >>> from trainfold.data.transforms import Mapped
 >>> stream = packed(Mapped(Docs(), dict), max_length=4, window=8)
@@ -27,7 +29,7 @@ re-reads and re-packs that one window, O(window) rows, and skips what was taken.
 >>> first  # window 0 packs into five rows; step 3 takes its last and window 1's first
 [[[3, 3, 3, 3], [7, 7, 7, 7]], [[2, 2, 2, 0], [6, 6, 6, 4]], [[1, 1, 5, 5], [11, 11, 11, 11]]]
 >>> _, after = next(global_batches(stream, 3))  # three packed rows of the first window's five
->>> after.streams.tolist()[-2:]  # the window's index, then the packed rows taken of it
+>>> after.streams.tolist()[-3:-1]  # the window's index, then the packed rows taken of it
 [[0, ...], [3, ...]]
 >>> [r["input_ids"] for r in next(global_batches(stream, 2, after))[0]]  # resumed: the window re-packed
 [[6, 6, 6, 4], [1, 1, 5, 5]]
@@ -39,12 +41,22 @@ from collections.abc import Iterator
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
+import xxhash
 
 from trainfold.core.rng import derive_seed
 from trainfold.core.state import Cursor, scalar
 from trainfold.data.filestream import ShardChangedError
-from trainfold.data.mixture import BatchStream, global_batches, is_stream_source, stream_cursor
+from trainfold.data.mixture import (
+    SAMPLES,
+    BatchStream,
+    global_batches,
+    is_stream_source,
+    roll,
+    stream_cursor,
+    without_certificate,
+)
 from trainfold.data.packing import PACKING_WINDOW, pack
 
 __all__ = ["Packed", "packed"]
@@ -66,15 +78,16 @@ class Packed(BatchStream):
         return derive_seed(self.max_length, self.window, int(self.truncate), len(self.input_key))
 
     def start_cursor(self) -> Cursor:
-        """The source's first cursor, and two rows: window 0, no packed row taken."""
+        """The source's first cursor, and three rows: window 0, no packed row taken, the sample certificate."""
         inner = stream_cursor(self.source)
         assert inner.streams is not None
-        mine = torch.tensor([[0, self.fingerprint], [0, self.fingerprint]], dtype=torch.int64)
+        mine = torch.tensor([[0, self.fingerprint], [0, self.fingerprint], [0, SAMPLES]], dtype=torch.int64)
         return Cursor(scalar(0), scalar(0), torch.cat([inner.streams, mine]))
 
     def batches(self, global_batch: int, start: Cursor | None) -> Iterator[tuple[list[Any], Cursor]]:
         """Yield ``global_batch`` packed rows per step, with the cursor after each, from ``start`` on."""
-        step, window_start, taken = self._resume(start or self.start_cursor())
+        start, certificate = without_certificate(start or self.start_cursor())
+        step, window_start, taken = self._resume(start)
         windows = global_batches(self.source, self.window, window_start)
         batch, after = next(windows)
         queue = self._pack(batch)[taken:]
@@ -94,15 +107,17 @@ class Packed(BatchStream):
                 batch, after = next(windows)
                 queue = self._pack(batch)
             step += 1
-            yield rows, self._cursor(step, window_start, taken)
+            certificate = roll(certificate, [_row_id(r[self.input_key]) for r in rows])
+            yield rows, self._cursor(step, window_start, taken, certificate)
 
     def _pack(self, docs: list[Any]) -> list[Any]:
         return pack(docs, self.max_length, window=self.window, truncate=self.truncate, input_key=self.input_key)
 
-    def _cursor(self, step: int, window_start: Cursor, taken: int) -> Cursor:
+    def _cursor(self, step: int, window_start: Cursor, taken: int, certificate: int) -> Cursor:
         assert window_start.streams is not None
         index = window_start.as_tuple()[1]
-        mine = torch.tensor([[index, self.fingerprint], [taken, self.fingerprint]], dtype=torch.int64)
+        mine = [[index, self.fingerprint], [taken, self.fingerprint], [certificate, SAMPLES]]
+        mine = torch.tensor(mine, dtype=torch.int64)
         return Cursor(scalar(0), scalar(step), torch.cat([window_start.streams, mine]))
 
     def _resume(self, start: Cursor) -> tuple[int, Cursor, int]:
@@ -119,6 +134,11 @@ class Packed(BatchStream):
             )
         index, taken = (int(x) for x in streams[-2:, 0])
         return step, Cursor(scalar(0), scalar(index), streams[:-2].clone()), taken
+
+
+def _row_id(tokens: Any) -> int:
+    """A packed row's id: a hash of its tokens (its documents' identities are its contents)."""
+    return xxhash.xxh3_64_intdigest(np.asarray(tokens, dtype=np.int64).tobytes()) & ((1 << 63) - 1)
 
 
 def packed(

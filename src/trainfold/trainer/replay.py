@@ -28,7 +28,7 @@ from trainfold import ckpt
 from trainfold.ckpt.listing import catalog
 from trainfold.core.state import TrainState, init_state
 from trainfold.data import StepBatch, stream
-from trainfold.observe.divergence import first_hash_divergence, state_hash
+from trainfold.observe.divergence import first_hash_divergence, first_sample_divergence, state_hash
 from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.inputs import to_device
 from trainfold.trainer.planning import plan_for
@@ -186,7 +186,8 @@ def _logged_loss(output_dir: str | os.PathLike, step: int) -> float | None:
 class Divergence:
     """Where two runs part ways: the first ``step`` whose state differs, and how it was found.
 
-    ``by`` is ``"hashes"`` when the hash logs pin it (the runs agreed at the step before), ``"replay"``
+    ``by`` is ``"samples"`` when the steps' sample certificates pin it (the rows of that step differ: runs on a
+    streaming source), ``"hashes"`` when the hash logs pin it (the runs agreed at the step before), ``"replay"``
     when replaying the steps after the last agreeing hash found it; ``last_agreed`` is the last step
     known equal (``None``: none).
     """
@@ -212,8 +213,14 @@ def first_divergence(
     runs built it) and ``train_dataset`` (``train_dataset_b`` for run b, default the same), each step
     in between is replayed in both runs (:func:`replay`) and the first whose states hash differently
     is named; without them the logged interval is returned as ``Divergence(first_logged, last_agreed, "hashes")``.
+    Runs on a streaming source also log each step's sample certificate: a step whose rows differ (a changed
+    shard read there for the first time) is named ``Divergence(step, step - 1, "samples")`` when no earlier
+    step's state differs.
     """
     first, last = first_hash_divergence(run_a, run_b)
+    sample_first, sample_last = first_sample_divergence(run_a, run_b)  # runs on streaming sources log these
+    if sample_first is not None and (first is None or sample_first <= first) and sample_last == _before(sample_first):
+        return Divergence(sample_first, sample_last, "samples")
     if first is None:
         return None
     if last == first - 1 or (last is None and first == 1) or model is None or train_dataset is None:
@@ -226,3 +233,7 @@ def first_divergence(
         if state_hash(a.state) != state_hash(b.state):
             return Divergence(step, step - 1 if step > 1 else None, "replay")
     return Divergence(first, first - 1, "replay")
+
+
+def _before(step: int) -> int | None:
+    return step - 1 if step > 1 else None
