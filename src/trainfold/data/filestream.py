@@ -310,22 +310,38 @@ class FileSource:
     @functools.lru_cache(maxsize=4)  # noqa: B019 (the source lives as long as its run)
     def _permutation(self, epoch: int, k: int) -> np.ndarray:
         """Window ``k`` of ``epoch``'s order: its row ``j`` is row ``perm[j]`` of the window in block order."""
-        size = min(self.num_rows, (k + 1) * self.shuffle_window) - k * self.shuffle_window
-        return np.random.default_rng([self.seed, epoch, 2, k]).permutation(size)
+        return np.random.default_rng([self.seed, epoch, 2, k]).permutation(self._window_size(k))
 
     def sample_id(self, position: int) -> int:
-        """The identity of the row at ``position``: its shard's digest and its row within the shard (63 bits).
+        """The identity of the row at ``position``: a hash of its shard's digest and its row within the shard.
 
         It names the row itself, not where the order put it, so two runs that read a changed shard
         differ in the ids of exactly the rows they read from it.
         """
         epoch, i = divmod(position, self.num_rows)
         k, j = divmod(i, self.shuffle_window)
-        index = k * self.shuffle_window + (int(self._permutation(epoch, k)[j]) if self.shuffle else j)
-        order, offsets = self._order(epoch)
-        b = int(np.searchsorted(offsets, index, side="right")) - 1
-        s, block = order[b]
-        return derive_seed(self.shards[s].digest, sum(self.shards[s].blocks[:block]) + index - int(offsets[b]))
+        return int(self._window_ids(epoch, k)[j])
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (the source lives as long as its run)
+    def _window_ids(self, epoch: int, k: int) -> np.ndarray:
+        """The ids of window ``k``'s rows in their order (see :meth:`sample_id`), computed at once."""
+        lo = k * self.shuffle_window
+        index = lo + (self._permutation(epoch, k) if self.shuffle else np.arange(self._window_size(k)))
+        _, offsets = self._order(epoch)
+        b = np.searchsorted(offsets, index, side="right") - 1
+        shard, first_row = self._block_table(epoch)
+        digests = np.array([s.digest for s in self.shards], dtype=np.uint64)[shard[b]]
+        return _mix(digests, (first_row[b] + index - offsets[b]).astype(np.uint64))
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019 (the source lives as long as its run)
+    def _block_table(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """For each block of the epoch's order: its shard, and the row of its shard it starts at."""
+        order, _ = self._order(epoch)
+        starts = [np.concatenate([[0], np.cumsum(s.blocks)[:-1]]).astype(np.int64) for s in self.shards]
+        return np.array([s for s, _ in order], dtype=np.int64), np.array([starts[s][b] for s, b in order], np.int64)
+
+    def _window_size(self, k: int) -> int:
+        return min(self.num_rows, (k + 1) * self.shuffle_window) - k * self.shuffle_window
 
     @functools.lru_cache(maxsize=2)  # noqa: B019 (the source lives as long as its run)
     def _order(self, epoch: int) -> tuple[list[tuple[int, int]], np.ndarray]:
@@ -353,6 +369,16 @@ class FileSource:
         while len(self._blocks) > 4:
             self._blocks.popitem(last=False)
         return table
+
+
+def _mix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Hash pairs of uint64 into 63-bit ints (splitmix64's finalizer over ``a ^ (b * golden ratio)``)."""
+    with np.errstate(over="ignore"):
+        x = a ^ (b * np.uint64(0x9E3779B97F4A7C15))
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return (x & np.uint64((1 << 63) - 1)).astype(np.int64)
 
 
 def _read_block(shard: Shard, b: int, columns: tuple[str, ...] | None) -> Any:

@@ -183,7 +183,7 @@ def roll(previous: int, ids: list[int]) -> int:
     >>> roll(0, [1, 2]) == roll(0, [1, 2]), roll(0, [1, 2]) == roll(0, [2, 1])
     (True, False)
     """
-    return derive_seed(previous, xxhash.xxh3_64_intdigest(np.asarray(ids, dtype=np.uint64).tobytes()))
+    return derive_seed(previous, xxhash.xxh3_64_intdigest(np.asarray(ids, dtype=np.int64).tobytes()))
 
 
 def without_certificate(cursor: Cursor) -> tuple[Cursor, int]:
@@ -272,7 +272,7 @@ def global_batches(source: Any, global_batch: int, start: Cursor | None = None) 
             for pos, row in itertools.islice(reader, n):
                 positions[i] = pos
                 rows.append(row)
-                ids.append(derive_seed(i, components[i].sample_id(pos - 1)))
+                ids.append(components[i].sample_id(pos - 1) ^ i)  # a source's ids differ from another's
         if mix_seed is not None:
             order = np.random.default_rng([mix_seed, 3, step]).permutation(len(rows))
             rows, ids = [rows[j] for j in order], [ids[j] for j in order]
