@@ -188,6 +188,8 @@ def test_train_with_packing_on_a_source_resumed_twice_ends_bitwise_as_the_uninte
         )  # fmt: skip
     assert int(resumed.state.step) == int(whole.state.step) == 6
     assert resumed.state.cursor.streams.tolist() == whole.state.cursor.streams.tolist()
-    assert resumed.state.cursor.streams.shape == (5, 2)  # source + its windows' certificate, window, taken, certificate
+    # the windows' cursor (the source's position, its 3 shards' records, their certificate), the window, the packed
+    # rows taken of it, the steps' certificate
+    assert resumed.state.cursor.streams.shape == (1 + 4 + 1 + 3, 2)
     for k, v in whole.state.params.items():
         assert torch.equal(v, resumed.state.params[k]), k

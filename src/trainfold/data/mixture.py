@@ -47,6 +47,7 @@ from trainfold.data.collate import KeyedCollate, sample_key
 from trainfold.data.dealing import cut, deal
 from trainfold.data.filestream import ShardChangedError, is_source
 from trainfold.data.samplers import Sampler
+from trainfold.data.shardlog import describe, records, shards_of, split
 from trainfold.data.steps import StepBatch
 
 __all__ = [
@@ -159,8 +160,9 @@ def stream_cursor(source: Any) -> Cursor:
     """
     if isinstance(source, BatchStream):
         return source.start_cursor()
-    _, _, _, fingerprints = _components(source)
-    streams = torch.tensor([[0, f] for f in fingerprints] + [[0, SAMPLES]], dtype=torch.int64)
+    components, _, _, fingerprints = _components(source)
+    rows = [[0, f] for f in fingerprints] + records(components) + [[0, SAMPLES]]
+    streams = torch.tensor(rows, dtype=torch.int64)
     return Cursor(scalar(0), scalar(0), streams)
 
 
@@ -212,7 +214,7 @@ def _counts(mixture: Mixture, names: list[str], global_batch: int) -> list[int]:
     return [counts[k] for k in names]
 
 
-def _start_positions(fingerprints: list[int], start: Cursor | None) -> tuple[int, list[int]]:
+def _start_positions(components: list[Any], fingerprints: list[int], start: Cursor | None) -> tuple[int, list[int]]:
     """The step and each source's row position a stream starts from, after checking the fingerprints."""
     if start is None:
         return 0, [0] * len(fingerprints)
@@ -225,7 +227,7 @@ def _start_positions(fingerprints: list[int], start: Cursor | None) -> tuple[int
                 "streaming source; resume with the data the checkpoint was trained on"
             )
         return 0, [0] * len(fingerprints)
-    recorded = start.streams.tolist()
+    recorded, shards = split(start.streams.tolist())
     if len(recorded) != len(fingerprints):
         raise ValueError(
             f"the cursor holds positions of {len(recorded)} source(s) but the stream reads {len(fingerprints)}; "
@@ -233,10 +235,13 @@ def _start_positions(fingerprints: list[int], start: Cursor | None) -> tuple[int
         )
     for i, (now, (_, fp)) in enumerate(zip(fingerprints, recorded)):
         if now != fp:
+            found = "" if shards is None else describe(shards, [s for c in components for s in shards_of(c)])
             raise ShardChangedError(
                 f"source {i}'s shards or order settings are not those the checkpoint was trained on (fingerprint "
-                f"{fp} recorded, {now} now): a shard was changed, removed or added, or the seed, shuffle_window "
-                "or mixture weights changed; restore them, or start a new run"
+                f"{fp} recorded, {now} now): "
+                + (found or "a shard was changed, removed or added, or the seed, shuffle_window or mixture weights")
+                + " changed" * (not found)
+                + "; restore them, or start a new run"
             )
     return step, [p for p, _ in recorded]
 
@@ -262,7 +267,8 @@ def global_batches(source: Any, global_batch: int, start: Cursor | None = None) 
         return
     components, counts_of, mix_seed, fingerprints = _components(source)
     counts = counts_of(global_batch)
-    step, positions = _start_positions(fingerprints, start)
+    step, positions = _start_positions(components, fingerprints, start)
+    shard_rows = records(components)
     certificate = 0 if start is None else without_certificate(start)[1]
     readers = [c.rows(p) for c, p in zip(components, positions)]
     while True:
@@ -278,7 +284,7 @@ def global_batches(source: Any, global_batch: int, start: Cursor | None = None) 
             rows, ids = [rows[j] for j in order], [ids[j] for j in order]
         step += 1
         certificate = roll(certificate, ids)
-        rows_of = [[p, f] for p, f in zip(positions, fingerprints)] + [[certificate, SAMPLES]]
+        rows_of = [[p, f] for p, f in zip(positions, fingerprints)] + shard_rows + [[certificate, SAMPLES]]
         yield rows, Cursor(scalar(0), scalar(step), torch.tensor(rows_of, dtype=torch.int64))
 
 
