@@ -354,3 +354,20 @@ def test_a_json_lines_shard_is_cut_into_blocks_and_a_resume_reads_one(tmp_path, 
     again = files(str(tmp_path / "rows.jsonl"), seed=0, shuffle_window=6)
     assert [r for _, r in itertools.islice(again.rows(200 + 123), 3)] == want
     assert 0 < len(reads) <= 3, f"a resume read {len(reads)} of {len(src.shards[0].blocks)} blocks"
+
+
+def test_fsspec_urls_stream_the_same_rows_as_local_paths(shards):
+    """``memory://`` (any fsspec URL) and ``file://`` shards: the same order, seek and fingerprint as local paths."""
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    for path in sorted(shards.iterdir()):
+        fs.pipe(f"/stream-test/{path.name}", path.read_bytes())
+    for pattern in ("*.parquet", "extra.arrow", "more.jsonl"):
+        here = files(str(shards / pattern), seed=2, shuffle_window=4)
+        for url in (f"memory://stream-test/{pattern}", f"file://{shards}/{pattern}"):
+            there = files(url, seed=2, shuffle_window=4)
+            assert there.fingerprint() == here.fingerprint()
+            assert list(itertools.islice(there.rows(3), 12)) == list(itertools.islice(here.rows(3), 12))
+    fs.rm("/stream-test/part-1.parquet")
+    with pytest.raises(FileNotFoundError, match="shard 'memory://stream-test/part-1.parquet' does not exist"):
+        files(["memory://stream-test/part-0.parquet", "memory://stream-test/part-1.parquet"])

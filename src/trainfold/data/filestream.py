@@ -32,7 +32,6 @@ True
 from __future__ import annotations
 
 import functools
-import glob
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +41,7 @@ import attrs
 import numpy as np
 import xxhash
 
+import trainfold.data.fsio as fsio
 from trainfold.core.rng import derive_seed
 from trainfold.data.transforms import Filtered, Mapped
 
@@ -99,7 +99,7 @@ def _digest(path: str, size: int) -> int:
     """Hash the size and the first and last 64 KiB (a Parquet or Arrow footer holds every block's metadata)."""
     h = xxhash.xxh3_64()
     h.update(str(size).encode())
-    with open(path, "rb") as f:
+    with fsio.open_binary(path) as f:
         h.update(f.read(_EDGE))
         if size > _EDGE:
             f.seek(max(_EDGE, size - _EDGE))
@@ -112,11 +112,11 @@ def _expand(paths_or_glob: str | os.PathLike[str] | Sequence[str | os.PathLike[s
     out: list[str] = []
     for pattern in [str(os.fspath(p)) for p in patterns]:
         if any(c in pattern for c in "*?["):
-            found = sorted(glob.glob(pattern))
+            found = fsio.glob(pattern)
             if not found:
                 raise FileNotFoundError(f"no file matches {pattern!r}; check the path and the pattern")
             out.extend(found)
-        elif not os.path.isfile(pattern):
+        elif fsio.size(pattern) < 0:
             raise FileNotFoundError(f"shard {pattern!r} does not exist (or is not a file); pass existing files")
         else:
             out.append(pattern)
@@ -138,12 +138,10 @@ def _format(path: str) -> str:
 def _open_shard(path: str) -> tuple[Shard, Any]:
     """Read a shard's metadata (not its rows, except for JSON Lines): its blocks and schema."""
     fmt = _format(path)
-    size = os.path.getsize(path)
+    size = fsio.size(path)
     digest = _digest(path, size)
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        meta = pq.ParquetFile(path).metadata
+        meta = _parquet_file(path).metadata
         blocks = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
         schema = meta.schema.to_arrow_schema()
     elif fmt == "arrow":
@@ -162,7 +160,7 @@ def _open_shard(path: str) -> tuple[Shard, Any]:
 def _json_blocks(path: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Cut a JSON Lines file at line ends about every ``_JSON_BLOCK_BYTES``: rows per block, byte offsets."""
     blocks, offsets = [], [0]
-    with open(path, "rb") as f:
+    with fsio.open_binary(path) as f:
         while chunk := f.read(_JSON_BLOCK_BYTES):
             chunk += f.readline()  # on to the end of the line
             blocks.append(sum(1 for line in chunk.split(b"\n") if line.strip()))
@@ -178,21 +176,34 @@ def _arrow_batches(path: str) -> _Batches:
     """The record batches of an Arrow IPC file or stream, memory-mapped (zero copy)."""
     import pyarrow as pa
 
-    source = pa.memory_map(path)
+    def opened() -> Any:  # a local file memory-mapped (zero copy), another read whole
+        if fsio.is_url(path):
+            with fsio.open_binary(path) as f:
+                return pa.BufferReader(f.read())
+        return pa.memory_map(fsio.local(path))
+
     try:
-        reader: Any = pa.ipc.open_file(source)
+        reader: Any = pa.ipc.open_file(opened())
         out = _Batches(reader.get_batch(i) for i in range(reader.num_record_batches))
     except pa.ArrowInvalid:
-        reader = pa.ipc.open_stream(pa.memory_map(path))
+        reader = pa.ipc.open_stream(opened())
         out = _Batches(reader)
     out.schema = reader.schema
     return out
 
 
+def _parquet_file(path: str) -> Any:
+    """A Parquet file opened by pyarrow: a local one by its path (native reads), another through fsspec."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(fsio.open_binary(path) if fsio.is_url(path) else fsio.local(path))
+
+
 def _read_json(path: str) -> Any:
     import pyarrow.json as pj
 
-    return pj.read_json(path)
+    with fsio.open_binary(path) as f:
+        return pj.read_json(f)
 
 
 def _check_schemas(shards: list[Shard], schemas: list[Any]) -> Any:
@@ -383,10 +394,7 @@ def _mix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _read_block(shard: Shard, b: int, columns: tuple[str, ...] | None) -> Any:
     """Read one block of a shard, after checking the shard is still the one that was opened."""
-    try:
-        size = os.path.getsize(shard.path)
-    except FileNotFoundError:
-        size = -1
+    size = fsio.size(shard.path)
     if size != shard.size:
         raise ShardChangedError(
             f"shard {shard.path!r} changed while the stream reads it: it was {shard.size} bytes, now "
@@ -395,9 +403,7 @@ def _read_block(shard: Shard, b: int, columns: tuple[str, ...] | None) -> Any:
         )
     cols = None if columns is None else list(columns)
     if shard.format == "parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(shard.path).read_row_group(b, columns=cols)
+        return _parquet_file(shard.path).read_row_group(b, columns=cols)
     import pyarrow as pa
 
     if shard.format == "arrow":
@@ -405,7 +411,7 @@ def _read_block(shard: Shard, b: int, columns: tuple[str, ...] | None) -> Any:
     else:
         import pyarrow.json as pj
 
-        with open(shard.path, "rb") as f:
+        with fsio.open_binary(shard.path) as f:
             f.seek(shard.offsets[b])
             data = f.read(shard.offsets[b + 1] - shard.offsets[b])
         table = pj.read_json(pa.BufferReader(data), parse_options=pj.ParseOptions(explicit_schema=shard.schema))
