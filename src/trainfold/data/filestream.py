@@ -265,11 +265,16 @@ class FileSource:
     shuffle: bool
     columns: tuple[str, ...] | None
     _blocks: OrderedDict[Any, Any] = attrs.field(factory=OrderedDict, init=False, repr=False)
+    _num_rows: int = attrs.field(init=False, repr=False)
+
+    @_num_rows.default
+    def _count_rows(self) -> int:
+        return sum(sum(s.blocks) for s in self.shards)
 
     @property
     def num_rows(self) -> int:
         """Rows in one epoch (one pass over every shard)."""
-        return sum(sum(s.blocks) for s in self.shards)
+        return self._num_rows
 
     def fingerprint(self) -> int:
         """A 63-bit integer naming the shards' contents and the order's settings (seed, window, shuffle)."""
