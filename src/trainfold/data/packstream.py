@@ -116,8 +116,8 @@ class Packed(BatchStream):
     def _cursor(self, step: int, window_start: Cursor, taken: int, certificate: int) -> Cursor:
         assert window_start.streams is not None
         index = window_start.as_tuple()[1]
-        mine = [[index, self.fingerprint], [taken, self.fingerprint], [certificate, SAMPLES]]
-        mine = torch.tensor(mine, dtype=torch.int64)
+        rows = [[index, self.fingerprint], [taken, self.fingerprint], [certificate, SAMPLES]]
+        mine = torch.tensor(rows, dtype=torch.int64)
         return Cursor(scalar(0), scalar(step), torch.cat([window_start.streams, mine]))
 
     def _resume(self, start: Cursor) -> tuple[int, Cursor, int]:
