@@ -62,3 +62,22 @@ def test_first_divergence_names_the_first_step_that_reads_a_changed_shard(tmp_pa
     assert (found.step, found.last_agreed, found.by) == (7, 6, "samples")
     logged = [json.loads(x) for x in (tmp_path / "run-a" / "state_hashes.jsonl").read_text().splitlines()]
     assert [e["step"] for e in logged] == list(range(1, 9)) and all("samples" in e for e in logged)
+
+
+def test_replay_recomputes_a_step_of_a_run_on_a_source_from_its_checkpoint(tmp_path):
+    from trainfold import replay
+
+    def model():
+        torch.manual_seed(0)
+        return TinyLM(TinyLMConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, max_len=16))
+
+    d = write_shards(tmp_path / "a")
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_steps=4, per_device_train_batch_size=4,
+                             logging_steps=1, save_steps=2, report_to="none", disable_tqdm=True)  # fmt: skip
+    done = train(model(), args, files(str(d / "*.parquet"), seed=1, shuffle_window=8), data_collator=pad_collate())
+    again = replay(args.output_dir, 4, model=model(), train_dataset=files(str(d / "*.parquet"), seed=1,
+                   shuffle_window=8), data_collator=pad_collate())  # fmt: skip
+    assert again.start.name == "checkpoint-2" and again.loss == again.logged_loss
+    assert sample_certificate(again.state.cursor) == sample_certificate(done.state.cursor)
+    for k, v in done.state.params.items():
+        assert torch.equal(v, again.state.params[k]), k

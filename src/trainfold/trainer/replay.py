@@ -27,7 +27,7 @@ from torch import nn
 from trainfold import ckpt
 from trainfold.ckpt.listing import catalog
 from trainfold.core.state import TrainState, init_state
-from trainfold.data import StepBatch, stream
+from trainfold.data import StepBatch, is_stream_source, source_steps, stream, stream_cursor
 from trainfold.observe.divergence import first_hash_divergence, first_sample_divergence, state_hash
 from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.inputs import to_device
@@ -148,6 +148,8 @@ def _first_state(plan: Any, start: Path | None) -> TrainState:
             buffers={k: v.to(plan.device) for k, v in state.buffers.items()},
             opt_state=on_device(state.opt_state, plan.device),
         )
+    if is_stream_source(plan.inputs.train_dataset):  # the cursor holds each source's row position from step 0
+        state = attrs.evolve(state, cursor=stream_cursor(plan.inputs.train_dataset))
     return state if start is None else ckpt.load(start, like=state)
 
 
@@ -155,7 +157,7 @@ def _steps(plan: Any, state: TrainState) -> Iterator[StepBatch]:
     """Yield the run's steps of data from ``state``'s cursor (the sampler's stream)."""
     if plan.stream is not None:
         raise ValueError("replay cannot recompute a run trained through train_stream (its batches are generated)")
-    batches = stream(
+    batches = (source_steps if is_stream_source(plan.inputs.train_dataset) else stream)(  # files(...): its cursor
         plan.inputs.train_dataset,
         plan.sampler,
         plan.inputs.collate,
