@@ -236,12 +236,10 @@ def _start_positions(components: list[Any], fingerprints: list[int], start: Curs
     for i, (now, (_, fp)) in enumerate(zip(fingerprints, recorded)):
         if now != fp:
             found = "" if shards is None else describe(shards, [s for c in components for s in shards_of(c)])
+            why = found or "shards changed, vanished or were added, or seed, shuffle_window or mixture weights changed"
             raise ShardChangedError(
                 f"source {i}'s shards or order settings are not those the checkpoint was trained on (fingerprint "
-                f"{fp} recorded, {now} now): "
-                + (found or "a shard was changed, removed or added, or the seed, shuffle_window or mixture weights")
-                + " changed" * (not found)
-                + "; restore them, or start a new run"
+                f"{fp} recorded, {now} now): {why}; restore them, or start a new run"
             )
     return step, [p for p, _ in recorded]
 
