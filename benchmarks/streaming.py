@@ -4,10 +4,14 @@ Run: ``python benchmarks/streaming.py [--rows 2000000] [--shards 8] [--row-group
 
 1. rows/s reading every row once: ``trainfold.data.files`` (shuffled: seeded shard, row-group and
    window permutations; and in file order) against ``datasets.load_dataset("parquet", streaming=True)``
-   (with ``.shuffle(buffer_size=window)``, and in file order). Ratios are trainfold / datasets.
+   (with ``.shuffle(buffer_size=window)``, and in file order), also through ``torchdata``'s
+   ``StatefulDataLoader`` (batches of 256, when torchdata is installed); and ``source_stream`` over
+   ``files()`` (global batches of 256 with their cursors and sample certificates: what ``train`` reads).
+   Ratios are trainfold / the other reader, of the same order kind.
 2. resume time: opening the source and reading its first row at the middle of epoch 3
    (``files``: seek to the row group under the position) against ``datasets``' ``load_state_dict`` at
-   the same share of one epoch (it re-reads the current shard and skips to the row).
+   the same share of one epoch (it re-reads the current shard and skips to the row), and the
+   ``StatefulDataLoader``'s ``load_state_dict`` there.
 
 Rows are ``{"id": int, "text": ~60 characters}``. ``--quick`` runs a small version (the test suite's).
 """
@@ -27,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trainfold.data import files
+from trainfold.data import files, source_stream
 
 
 def write(folder: Path, rows: int, shards: int, row_group: int, narrow: bool = False) -> str:
@@ -61,19 +65,41 @@ def hf_stream(pattern: str, window: int | None):
     return ds.shuffle(seed=0, buffer_size=window) if window else ds
 
 
-def throughput(pattern: str, n: int, window: int) -> list[tuple[str, float]]:
+def stateful_loader(pattern: str, window: int | None, batch: int):
+    """``datasets`` streaming through ``torchdata``'s ``StatefulDataLoader`` (in this process), or ``None``."""
+    try:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ImportError:
+        return None
+    return StatefulDataLoader(hf_stream(pattern, window), batch_size=batch, collate_fn=list)
+
+
+def steps(pattern: str, n: int, window: int, batch: int, shuffle: bool) -> int:
+    """Rows through ``source_stream``: global batches of ``batch`` rows, each with its cursor and certificate."""
+    source = files(pattern, shuffle_window=window, shuffle=shuffle)
+    return sum(len(b[0]) for b in source_stream(source, per_device_train_batch_size=batch, max_steps=n // batch))
+
+
+def throughput(pattern: str, n: int, window: int, batch: int = 256) -> list[tuple[str, float]]:
     cases = {
         "files(), shuffled": lambda: count(
             r for _, r in itertools.islice(files(pattern, shuffle_window=window).rows(0), n)
         ),
         "files(), file order": lambda: count(r for _, r in itertools.islice(files(pattern, shuffle=False).rows(0), n)),
+        "source_stream(files()), shuffled, batches of 256": lambda: steps(pattern, n, window, batch, True),
+        "source_stream(files()), file order, batches of 256": lambda: steps(pattern, n, window, batch, False),
         "datasets streaming, shuffle buffer": lambda: count(hf_stream(pattern, window)),
         "datasets streaming, file order": lambda: count(hf_stream(pattern, None)),
     }
+    if stateful_loader(pattern, None, batch) is not None:
+        for kind, buffer in (("shuffle buffer", window), ("file order", None)):
+            cases[f"datasets + StatefulDataLoader, {kind}"] = lambda b=buffer: sum(
+                map(len, stateful_loader(pattern, b, batch))
+            )
     out = []
     for name, fn in cases.items():
         seconds, got = timed(fn)
-        assert got == n, (name, got, n)
+        assert got == n // batch * batch if "source_stream" in name else got == n, (name, got, n)
         out.append((name, n / seconds))
     return out
 
@@ -93,19 +119,39 @@ def resume_times(pattern: str, n: int, window: int) -> list[tuple[str, float]]:
         return next(iter(again))
 
     seconds_hf, _ = timed(hf_resume)
-    return [(f"files() at row {position:,} (epoch 3)", seconds_files), (f"datasets at row {n // 2:,}", seconds_hf)]
+    out = [(f"files() at row {position:,} (epoch 3)", seconds_files), (f"datasets at row {n // 2:,}", seconds_hf)]
+    loader = stateful_loader(pattern, None, 256)
+    if loader is not None:
+        it = iter(loader)
+        for _ in range(n // 2 // 256):
+            next(it)
+        saved = loader.state_dict()
+
+        def loader_resume():
+            again = stateful_loader(pattern, None, 256)
+            again.load_state_dict(saved)
+            return next(iter(again))
+
+        seconds, _ = timed(loader_resume)
+        out.append((f"datasets + StatefulDataLoader at row {n // 2 // 256 * 256:,}", seconds))
+    return out
 
 
 def peak_rss(pattern: str, start: int, n: int, window: int) -> float:
-    """Peak RSS (MiB) of a fresh process that opens the source and reads ``n`` rows from ``start``."""
+    """Peak RSS (MiB) of a fresh process that opens the source and reads ``n`` rows from ``start``.
+
+    The peak is the process's ``VmHWM`` (``/proc/self/status``), not ``ru_maxrss``: Linux carries a
+    process's ``ru_maxrss`` over ``fork`` and ``exec``, so a child started by a parent that has just
+    written 20M rows reported the parent's size (the 1.06x growth measured before).
+    """
     code = (
-        "import itertools, resource, sys; from trainfold.data import files; "
+        "import itertools, re; from trainfold.data import files; "
         f"src = files({pattern!r}, shuffle_window={window}); "
         f"sum(1 for _ in itertools.islice(src.rows({start}), {n})); "
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+        "print(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int(done.stdout.split()[-1]) / 1024  # Linux: KiB
+    return int(done.stdout.split()[-1]) / 1024  # KiB
 
 
 def main() -> None:
@@ -145,11 +191,14 @@ def main() -> None:
         n = ns.rows // ns.shards * ns.shards
         rates = throughput(pattern, n, ns.window)
         print(f"\n{n:,} rows in {ns.shards} Parquet shards, row groups of {ns.row_group:,}, window {ns.window:,}\n")
-        print("| reader | rows/s | vs datasets (same order kind) |\n|---|---|---|")
-        baseline = {"shuffled": rates[2][1], "file order": rates[3][1]}
+        print("| reader | rows/s | vs datasets streaming | vs datasets + StatefulDataLoader |\n|---|---|---|---|")
+        rate_of = dict(rates)
         for name, rate in rates:
-            kind = "shuffled" if "shuffle" in name else "file order"
-            print(f"| {name} | {rate:,.0f} | {rate / baseline[kind]:.2f}x |")
+            kind = "shuffle buffer" if "shuffle" in name else "file order"
+            plain = rate_of[f"datasets streaming, {kind}"]
+            loader = rate_of.get(f"datasets + StatefulDataLoader, {kind}")
+            versus = f"{rate / loader:.2f}x" if loader else "torchdata not installed"
+            print(f"| {name} | {rate:,.0f} | {rate / plain:.2f}x | {versus} |")
         print("\n| resume | seconds to the first row |\n|---|---|")
         for name, seconds in resume_times(pattern, n, ns.window):
             print(f"| {name} | {seconds:.3f} |")

@@ -362,6 +362,30 @@ def test_a_file_source_trains_as_trl_on_the_same_rows_streamed_in_file_order(tmp
     assert ours.state.cursor.streams[0, 0].item() == 3 * args.per_device_train_batch_size
 
 
+def test_a_datasets_stream_of_parquet_files_is_read_by_a_file_source_and_trains_as_trl(tmp_path):
+    """``load_dataset("parquet", streaming=True)``: TRL reads it with datasets; sft.train reads its files with
+    ``files()`` (the same rows in the same order), so its cursor holds the row position a resume seeks to."""
+    import pyarrow.parquet as pq
+
+    rows = prompt_completion_rows(12)
+    pq.write_table(datasets.Dataset.from_list(rows).data.table, tmp_path / "rows.parquet", row_group_size=5)
+    stream = lambda: datasets.load_dataset(
+        "parquet", data_files=str(tmp_path / "rows.parquet"), split="train", streaming=True
+    )
+    kw = {**RUN, "max_steps": 3, "gradient_accumulation_steps": 1}
+    trainer = trl.SFTTrainer(
+        model=llama(),
+        args=trl.SFTConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, **COMMON, **kw),
+        train_dataset=stream(),
+        processing_class=tokenizer(),
+    )
+    trainer.train()
+    args = SFTArguments(output_dir=str(tmp_path / "tf"), **COMMON, **kw)
+    ours = sft.train(llama(), args, stream(), processing_class=tokenizer())
+    assert losses(ours.log_history) == pytest.approx(losses(trainer.state.log_history), rel=1e-5)
+    assert ours.state.cursor.streams[0, 0].item() == 3 * args.per_device_train_batch_size
+
+
 def test_a_formatting_func_makes_the_text_as_trls(tmp_path):
     rows = [{"q": r["prompt"], "a": r["completion"]} for r in prompt_completion_rows(12)]
     fmt = lambda row: "user: " + row["q"] + " assistant:" + row["a"]

@@ -7,6 +7,7 @@ line reports with every other problem of the config at once (exit 2, no tracebac
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ def build_data(spec: dict[str, Any], tokenizer: Any = None) -> tuple[Any, Any]:
     source, seq_len = spec.get("train", "stdlib"), int(spec.get("seq_len", 128))
     if seq_len < 1:
         raise ValueError(f"[data] seq_len must be a positive number of tokens, got {seq_len}")
+    if _streams(source):
+        return _stream_rows(spec, seq_len, tokenizer), None
     if source == "stdlib":
         rows: Any = byte_chunks(stdlib_text(int(spec.get("max_bytes", 1_500_000))), seq_len)
     else:
@@ -56,6 +59,33 @@ def build_data(spec: dict[str, Any], tokenizer: Any = None) -> tuple[Any, Any]:
     if isinstance(rows, list):
         return rows[:cut], rows[cut:]
     return rows.select(range(cut)), rows.select(range(cut, len(rows)))
+
+
+def _streams(source: str) -> bool:
+    """A glob, or a list of files: streamed by ``trainfold.data.files`` (no eval split: ``[args]`` evaluates none)."""
+    return not isinstance(source, str) or any(c in source for c in "*?[")
+
+
+def _stream_rows(spec: dict[str, Any], seq_len: int, tokenizer: Any) -> Any:
+    """The ``[data]`` glob as a streaming source: rows with ``input_ids`` as they are, a ``text`` row tokenized
+    and cut to ``seq_len`` (each row on its own: a stream's position is a row's)."""
+    from trainfold.data import files
+
+    source = files(spec["train"], seed=int(spec.get("seed", 0)), shuffle_window=int(spec.get("shuffle_window", 1024)))
+    names = sorted(next(source.rows(0))[1])  # the columns of the first row (one block read)
+    if "input_ids" in names:
+        return source
+    if "text" not in names:
+        raise ValueError(f"[data] {spec['train']!r}: rows need input_ids (token ids) or text; its columns: {names}")
+    from trainfold.core.models import byte_encode
+
+    encode = tokenizer or (lambda text: {"input_ids": byte_encode(text)})
+    return source.map(functools.partial(_encoded, encode, seq_len))
+
+
+def _encoded(encode: Any, seq_len: int, row: dict[str, Any]) -> dict[str, list[int]]:
+    ids = list(encode(row["text"])["input_ids"])[:seq_len]
+    return {"input_ids": ids, "labels": list(ids)}
 
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}

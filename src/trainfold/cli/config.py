@@ -70,16 +70,22 @@ class DataTable:
     """The ``[data]`` table: where the rows come from and how text is cut.
 
     Args:
-        train: "stdlib" (Python's own source), or a local .json/.jsonl/.csv/.parquet/.txt file read by datasets.
+        train: "stdlib" (Python's own source), a local .json/.jsonl/.csv/.parquet/.txt file read by datasets,
+            or a glob of Parquet/Arrow/JSON Lines shards ("data/*.parquet") streamed by trainfold.data.files
+            (needs args.max_steps; no eval split; resumes exactly at any world size).
         seq_len: tokens per row when text is cut (128 unless set; rows with input_ids keep their lengths).
         max_bytes: how much of the stdlib source to read.
         eval_fraction: the held-out tail for evaluation.
+        seed: the streamed shards' order (a glob only; 0 unless set).
+        shuffle_window: rows shuffled together in a streamed glob (1024 unless set).
     """
 
     train: str = "stdlib"
     seq_len: int | None = None
     max_bytes: int = 1_500_000
     eval_fraction: float = 0.03
+    seed: int | None = None
+    shuffle_window: int | None = None
 
 
 def _toml() -> Any:

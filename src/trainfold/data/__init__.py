@@ -4,13 +4,25 @@ The modules: ``samplers`` (each epoch's order, a pure function of ``(seed, epoch
 (padding and keyed collators), ``steps`` (the resumable ``stream`` of StepBatches), ``loaders``
 (DataLoader settings and the eval DataLoader), ``columns``, ``packing`` and ``llm``; ``filestream``
 (``files``: streaming sources over sharded Parquet / Arrow / JSON Lines files) and ``mixture`` (``mix`` and
-``source_stream``, the resumable step stream over a source).
+``source_stream``, the resumable step stream over a source), ``packstream`` (``packed``: packing a source in fixed
+windows before its global batches are dealt).
 """
 
 from trainfold.data.collate import KeyedCollate, PadCollate, keyed, pad_collate, sample_key
 from trainfold.data.filestream import ShardChangedError, files, is_source
+from trainfold.data.hfstream import as_source
 from trainfold.data.loaders import close_loader, eval_loader, loader_errors
-from trainfold.data.mixture import Mixture, is_stream_source, mix, source_steps, source_stream, stream_cursor
+from trainfold.data.mixture import (
+    Mixture,
+    SourceData,
+    is_stream_source,
+    mix,
+    source_data,
+    source_steps,
+    source_stream,
+    stream_cursor,
+)
+from trainfold.data.packstream import Packed, packed
 from trainfold.data.samplers import (
     LENGTH_STRATEGIES,
     STRATEGIES,
@@ -27,11 +39,13 @@ __all__ = [
     "STRATEGIES",
     "KeyedCollate",
     "Mixture",
+    "Packed",
     "ShardChangedError",
     "PadCollate",
     "Sampler",
     "StateStream",
     "StepBatch",
+    "as_source",
     "close_loader",
     "dataset_lengths",
     "eval_loader",
@@ -43,9 +57,12 @@ __all__ = [
     "make_sampler",
     "mix",
     "pad_collate",
+    "packed",
     "padded_cost",
     "preference_length",
     "sample_key",
+    "SourceData",
+    "source_data",
     "source_steps",
     "source_stream",
     "stream",

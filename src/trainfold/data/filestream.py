@@ -32,7 +32,6 @@ True
 from __future__ import annotations
 
 import functools
-import glob
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +41,7 @@ import attrs
 import numpy as np
 import xxhash
 
+import trainfold.data.fsio as fsio
 from trainfold.core.rng import derive_seed
 from trainfold.data.transforms import Filtered, Mapped
 
@@ -66,6 +66,8 @@ class Source(Protocol):
     def rows(self, start: int) -> Iterator[tuple[int, Any]]: ...
 
     def fingerprint(self) -> int: ...
+
+    def sample_id(self, position: int) -> int: ...
 
 
 def is_source(obj: Any) -> bool:
@@ -97,7 +99,7 @@ def _digest(path: str, size: int) -> int:
     """Hash the size and the first and last 64 KiB (a Parquet or Arrow footer holds every block's metadata)."""
     h = xxhash.xxh3_64()
     h.update(str(size).encode())
-    with open(path, "rb") as f:
+    with fsio.open_binary(path) as f:
         h.update(f.read(_EDGE))
         if size > _EDGE:
             f.seek(max(_EDGE, size - _EDGE))
@@ -110,11 +112,11 @@ def _expand(paths_or_glob: str | os.PathLike[str] | Sequence[str | os.PathLike[s
     out: list[str] = []
     for pattern in [str(os.fspath(p)) for p in patterns]:
         if any(c in pattern for c in "*?["):
-            found = sorted(glob.glob(pattern))
+            found = fsio.glob(pattern)
             if not found:
                 raise FileNotFoundError(f"no file matches {pattern!r}; check the path and the pattern")
             out.extend(found)
-        elif not os.path.isfile(pattern):
+        elif fsio.size(pattern) < 0:
             raise FileNotFoundError(f"shard {pattern!r} does not exist (or is not a file); pass existing files")
         else:
             out.append(pattern)
@@ -136,12 +138,10 @@ def _format(path: str) -> str:
 def _open_shard(path: str) -> tuple[Shard, Any]:
     """Read a shard's metadata (not its rows, except for JSON Lines): its blocks and schema."""
     fmt = _format(path)
-    size = os.path.getsize(path)
+    size = fsio.size(path)
     digest = _digest(path, size)
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
-        meta = pq.ParquetFile(path).metadata
+        meta = _parquet_file(path).metadata
         blocks = tuple(meta.row_group(i).num_rows for i in range(meta.num_row_groups))
         schema = meta.schema.to_arrow_schema()
     elif fmt == "arrow":
@@ -160,7 +160,7 @@ def _open_shard(path: str) -> tuple[Shard, Any]:
 def _json_blocks(path: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Cut a JSON Lines file at line ends about every ``_JSON_BLOCK_BYTES``: rows per block, byte offsets."""
     blocks, offsets = [], [0]
-    with open(path, "rb") as f:
+    with fsio.open_binary(path) as f:
         while chunk := f.read(_JSON_BLOCK_BYTES):
             chunk += f.readline()  # on to the end of the line
             blocks.append(sum(1 for line in chunk.split(b"\n") if line.strip()))
@@ -176,21 +176,34 @@ def _arrow_batches(path: str) -> _Batches:
     """The record batches of an Arrow IPC file or stream, memory-mapped (zero copy)."""
     import pyarrow as pa
 
-    source = pa.memory_map(path)
+    def opened() -> Any:  # a local file memory-mapped (zero copy), another read whole
+        if fsio.is_url(path):
+            with fsio.open_binary(path) as f:
+                return pa.BufferReader(f.read())
+        return pa.memory_map(fsio.local(path))
+
     try:
-        reader: Any = pa.ipc.open_file(source)
+        reader: Any = pa.ipc.open_file(opened())
         out = _Batches(reader.get_batch(i) for i in range(reader.num_record_batches))
     except pa.ArrowInvalid:
-        reader = pa.ipc.open_stream(pa.memory_map(path))
+        reader = pa.ipc.open_stream(opened())
         out = _Batches(reader)
     out.schema = reader.schema
     return out
 
 
+def _parquet_file(path: str) -> Any:
+    """A Parquet file opened by pyarrow: a local one by its path (native reads), another through fsspec."""
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(fsio.open_binary(path) if fsio.is_url(path) else fsio.local(path))
+
+
 def _read_json(path: str) -> Any:
     import pyarrow.json as pj
 
-    return pj.read_json(path)
+    with fsio.open_binary(path) as f:
+        return pj.read_json(f)
 
 
 def _check_schemas(shards: list[Shard], schemas: list[Any]) -> Any:
@@ -252,11 +265,16 @@ class FileSource:
     shuffle: bool
     columns: tuple[str, ...] | None
     _blocks: OrderedDict[Any, Any] = attrs.field(factory=OrderedDict, init=False, repr=False)
+    _num_rows: int = attrs.field(init=False, repr=False)
+
+    @_num_rows.default
+    def _count_rows(self) -> int:
+        return sum(sum(s.blocks) for s in self.shards)
 
     @property
     def num_rows(self) -> int:
         """Rows in one epoch (one pass over every shard)."""
-        return sum(sum(s.blocks) for s in self.shards)
+        return self._num_rows
 
     def fingerprint(self) -> int:
         """A 63-bit integer naming the shards' contents and the order's settings (seed, window, shuffle)."""
@@ -302,8 +320,44 @@ class FileSource:
             parts.append(table.slice(start, min(hi - offsets[b], table.num_rows) - start))
         rows = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
         if self.shuffle:
-            rows = rows.take(np.random.default_rng([self.seed, epoch, 2, k]).permutation(hi - lo))
+            rows = rows.take(self._permutation(epoch, k))
         return rows.to_pylist()
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (the source lives as long as its run)
+    def _permutation(self, epoch: int, k: int) -> np.ndarray:
+        """Window ``k`` of ``epoch``'s order: its row ``j`` is row ``perm[j]`` of the window in block order."""
+        return np.random.default_rng([self.seed, epoch, 2, k]).permutation(self._window_size(k))
+
+    def sample_id(self, position: int) -> int:
+        """The identity of the row at ``position``: a hash of its shard's digest and its row within the shard.
+
+        It names the row itself, not where the order put it, so two runs that read a changed shard
+        differ in the ids of exactly the rows they read from it.
+        """
+        epoch, i = divmod(position, self.num_rows)
+        k, j = divmod(i, self.shuffle_window)
+        return int(self._window_ids(epoch, k)[j])
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019 (the source lives as long as its run)
+    def _window_ids(self, epoch: int, k: int) -> np.ndarray:
+        """The ids of window ``k``'s rows in their order (see :meth:`sample_id`), computed at once."""
+        lo = k * self.shuffle_window
+        index = lo + (self._permutation(epoch, k) if self.shuffle else np.arange(self._window_size(k)))
+        _, offsets = self._order(epoch)
+        b = np.searchsorted(offsets, index, side="right") - 1
+        shard, first_row = self._block_table(epoch)
+        digests = np.array([s.digest for s in self.shards], dtype=np.uint64)[shard[b]]
+        return _mix(digests, (first_row[b] + index - offsets[b]).astype(np.uint64))
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019 (the source lives as long as its run)
+    def _block_table(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """For each block of the epoch's order: its shard, and the row of its shard it starts at."""
+        order, _ = self._order(epoch)
+        starts = [np.concatenate([[0], np.cumsum(s.blocks)[:-1]]).astype(np.int64) for s in self.shards]
+        return np.array([s for s, _ in order], dtype=np.int64), np.array([starts[s][b] for s, b in order], np.int64)
+
+    def _window_size(self, k: int) -> int:
+        return min(self.num_rows, (k + 1) * self.shuffle_window) - k * self.shuffle_window
 
     @functools.lru_cache(maxsize=2)  # noqa: B019 (the source lives as long as its run)
     def _order(self, epoch: int) -> tuple[list[tuple[int, int]], np.ndarray]:
@@ -333,12 +387,19 @@ class FileSource:
         return table
 
 
+def _mix(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Hash pairs of uint64 into 63-bit ints (splitmix64's finalizer over ``a ^ (b * golden ratio)``)."""
+    with np.errstate(over="ignore"):
+        x = a ^ (b * np.uint64(0x9E3779B97F4A7C15))
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return (x & np.uint64((1 << 63) - 1)).astype(np.int64)
+
+
 def _read_block(shard: Shard, b: int, columns: tuple[str, ...] | None) -> Any:
     """Read one block of a shard, after checking the shard is still the one that was opened."""
-    try:
-        size = os.path.getsize(shard.path)
-    except FileNotFoundError:
-        size = -1
+    size = fsio.size(shard.path)
     if size != shard.size:
         raise ShardChangedError(
             f"shard {shard.path!r} changed while the stream reads it: it was {shard.size} bytes, now "
@@ -347,9 +408,7 @@ def _read_block(shard: Shard, b: int, columns: tuple[str, ...] | None) -> Any:
         )
     cols = None if columns is None else list(columns)
     if shard.format == "parquet":
-        import pyarrow.parquet as pq
-
-        return pq.ParquetFile(shard.path).read_row_group(b, columns=cols)
+        return _parquet_file(shard.path).read_row_group(b, columns=cols)
     import pyarrow as pa
 
     if shard.format == "arrow":
@@ -357,7 +416,7 @@ def _read_block(shard: Shard, b: int, columns: tuple[str, ...] | None) -> Any:
     else:
         import pyarrow.json as pj
 
-        with open(shard.path, "rb") as f:
+        with fsio.open_binary(shard.path) as f:
             f.seek(shard.offsets[b])
             data = f.read(shard.offsets[b + 1] - shard.offsets[b])
         table = pj.read_json(pa.BufferReader(data), parse_options=pj.ParseOptions(explicit_schema=shard.schema))

@@ -30,6 +30,7 @@ from trainfold.core.losses import causal_lm, default_loss_for
 from trainfold.data.lengths import PREFERENCE_COLUMNS
 from trainfold.data.mixture import is_stream_source
 from trainfold.data.packing import check_packable, pack, packed_collate, padding_free_collate
+from trainfold.data.packstream import packed
 
 __all__ = ["DEFAULT_MAX_LENGTH", "LMBatching", "LMInputs", "lm_inputs", "truncated", "truncated_as", "truncates"]
 
@@ -91,10 +92,12 @@ def _refusals(
             "at each document); "
             "drop data_collator, or set packing=False and padding_free=False"
         )
-    if args.packing and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
+    indexable = hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")
+    if args.packing and not (indexable or is_stream_source(train_dataset)):
         out.append(
-            "packing=True packs the whole dataset before training, so it needs a map-style dataset "
-            f"(with __len__), not {type(train_dataset).__name__}; use padding_free=True for a stream"
+            "packing=True packs a map-style dataset (with __len__) before training, or a trainfold.data.files(...) "
+            f"source in windows as it streams, not a {type(train_dataset).__name__}; stream the files with "
+            "trainfold.data.files, or use padding_free=True"
         )
     if args.loss_chunk_size:
         if objective is not None:
@@ -207,9 +210,13 @@ def lm_inputs(
         raise ValueError("cannot train with these settings:\n  - " + "\n  - ".join(problems))
     if args.packing or args.padding_free:
         check_packable(model)
-    if args.packing:
-        rows = (train_dataset[i] for i in range(len(train_dataset)))
-        train_dataset = pack(rows, args.max_length or DEFAULT_MAX_LENGTH, truncate=args.packing_strategy == "bfd")
+    if args.packing:  # a source is packed window by window as it streams, before each global batch is dealt
+        length, truncate = args.max_length or DEFAULT_MAX_LENGTH, args.packing_strategy == "bfd"
+        if is_stream_source(train_dataset):
+            train_dataset = packed(train_dataset, length, truncate=truncate)
+        else:
+            rows = (train_dataset[i] for i in range(len(train_dataset)))
+            train_dataset = pack(rows, length, truncate=truncate)
     if args.padding_free:
         data_collator = padding_free_collate()
     elif args.packing:

@@ -18,12 +18,14 @@ and fingerprint; resuming from it continues exactly, at any world size keeping t
 ...         return ((p + 1, p) for p in itertools.count(start))
 ...     def fingerprint(self):
 ...         return 7
+...     def sample_id(self, p):
+...         return p
 >>> m = mix({"a": Mapped(Count(), lambda r: ("a", r)), "b": Mapped(Count(), lambda r: ("b", r))},
 ...         weights={"a": 3, "b": 1})
 >>> m.counts(4)
 {'a': 3, 'b': 1}
 >>> steps = list(source_stream(m, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2))
->>> sorted(steps[1][0] + steps[1][1]), steps[1].cursor.streams[:, 0].tolist()  # each source's row position
+>>> sorted(steps[1][0] + steps[1][1]), steps[1].cursor.streams[:2, 0].tolist()  # each source's row position
 ([('a', 3), ('a', 4), ('a', 5), ('b', 1)], [6, 2])
 """
 
@@ -45,9 +47,42 @@ from trainfold.data.collate import KeyedCollate, sample_key
 from trainfold.data.dealing import cut, deal
 from trainfold.data.filestream import ShardChangedError, is_source
 from trainfold.data.samplers import Sampler
+from trainfold.data.shardlog import describe, records, shards_of, split
 from trainfold.data.steps import StepBatch
 
-__all__ = ["Mixture", "is_stream_source", "mix", "source_steps", "source_stream", "stream_cursor"]
+__all__ = [
+    "SAMPLES",
+    "BatchStream",
+    "Mixture",
+    "global_batches",
+    "is_stream_source",
+    "mix",
+    "SourceData",
+    "source_data",
+    "source_steps",
+    "source_stream",
+    "stream_cursor",
+    "without_certificate",
+]
+
+
+SAMPLES = derive_seed(int.from_bytes(b"samples", "big"))  # marks the cursor's row holding the sample certificate
+
+
+class BatchStream:
+    """A stream that forms its global batches itself (packing, ``trainfold.data.packstream``) over a source.
+
+    Subclasses give :meth:`start_cursor` (the cursor of a run's first state) and :meth:`batches` (each
+    global batch's rows with the cursor after it, from a cursor on), both pure functions of the cursor.
+    """
+
+    def start_cursor(self) -> Cursor:
+        """The cursor a run over this stream starts from."""
+        raise NotImplementedError
+
+    def batches(self, global_batch: int, start: Cursor | None) -> Iterator[tuple[list[Any], Cursor]]:
+        """Yield each global batch's rows, with the cursor after it, from ``start`` on."""
+        raise NotImplementedError
 
 
 @attrs.frozen(eq=False)
@@ -114,7 +149,7 @@ def is_stream_source(obj: Any) -> bool:
     >>> is_stream_source([1]), is_stream_source(Mixture({}, {}))
     (False, True)
     """
-    return is_source(obj) or isinstance(obj, Mixture)
+    return is_source(obj) or isinstance(obj, (Mixture, BatchStream))
 
 
 def stream_cursor(source: Any) -> Cursor:
@@ -123,9 +158,43 @@ def stream_cursor(source: Any) -> Cursor:
     A run's first state holds it, so its checkpoints (and the template a resume loads them into) have
     the same structure from the first step on.
     """
-    _, _, _, fingerprints = _components(source)
-    streams = torch.tensor([[0, f] for f in fingerprints], dtype=torch.int64)
+    if isinstance(source, BatchStream):
+        return source.start_cursor()
+    components, _, _, fingerprints = _components(source)
+    rows = [[0, f] for f in fingerprints] + records(components) + [[0, SAMPLES]]
+    streams = torch.tensor(rows, dtype=torch.int64)
     return Cursor(scalar(0), scalar(0), streams)
+
+
+def sample_certificate(cursor: Cursor) -> int | None:
+    """Return the cursor's rolling hash of every step's sample ids so far (``None``: a cursor without one).
+
+    Step ``k``'s value is ``roll(value at k - 1, the ids of step k's rows in batch order)``: two runs' values
+    first differ at the first step whose samples differ (a row's id names its shard's contents and its row
+    there, so a changed shard shows at the first step that reads it).
+    """
+    streams = cursor.streams
+    if streams is None or not len(streams) or int(streams[-1, 1]) != SAMPLES:
+        return None
+    return int(streams[-1, 0])
+
+
+def roll(previous: int, ids: list[int]) -> int:
+    """Fold one step's sample ids (in batch order) into the rolling certificate.
+
+    >>> roll(0, [1, 2]) == roll(0, [1, 2]), roll(0, [1, 2]) == roll(0, [2, 1])
+    (True, False)
+    """
+    return derive_seed(previous, xxhash.xxh3_64_intdigest(np.asarray(ids, dtype=np.int64).tobytes()))
+
+
+def without_certificate(cursor: Cursor) -> tuple[Cursor, int]:
+    """Return ``cursor`` without its certificate row, and the certificate (0 when it holds none)."""
+    value = sample_certificate(cursor)
+    if value is None:
+        return cursor, 0
+    assert cursor.streams is not None
+    return attrs.evolve(cursor, streams=cursor.streams[:-1]), value
 
 
 def _components(source: Any) -> tuple[list[Any], Callable[[int], list[int]], int | None, list[int]]:
@@ -145,10 +214,11 @@ def _counts(mixture: Mixture, names: list[str], global_batch: int) -> list[int]:
     return [counts[k] for k in names]
 
 
-def _start_positions(fingerprints: list[int], start: Cursor | None) -> tuple[int, list[int]]:
+def _start_positions(components: list[Any], fingerprints: list[int], start: Cursor | None) -> tuple[int, list[int]]:
     """The step and each source's row position a stream starts from, after checking the fingerprints."""
     if start is None:
         return 0, [0] * len(fingerprints)
+    start, _ = without_certificate(start)
     epoch, step = start.as_tuple()
     if start.streams is None:
         if (epoch, step) != (0, 0):
@@ -157,7 +227,7 @@ def _start_positions(fingerprints: list[int], start: Cursor | None) -> tuple[int
                 "streaming source; resume with the data the checkpoint was trained on"
             )
         return 0, [0] * len(fingerprints)
-    recorded = start.streams.tolist()
+    recorded, shards = split(start.streams.tolist())
     if len(recorded) != len(fingerprints):
         raise ValueError(
             f"the cursor holds positions of {len(recorded)} source(s) but the stream reads {len(fingerprints)}; "
@@ -165,10 +235,11 @@ def _start_positions(fingerprints: list[int], start: Cursor | None) -> tuple[int
         )
     for i, (now, (_, fp)) in enumerate(zip(fingerprints, recorded)):
         if now != fp:
+            found = "" if shards is None else describe(shards, [s for c in components for s in shards_of(c)])
+            why = found or "shards changed, vanished or were added, or seed, shuffle_window or mixture weights changed"
             raise ShardChangedError(
                 f"source {i}'s shards or order settings are not those the checkpoint was trained on (fingerprint "
-                f"{fp} recorded, {now} now): a shard was changed, removed or added, or the seed, shuffle_window "
-                "or mixture weights changed; restore them, or start a new run"
+                f"{fp} recorded, {now} now): {why}; restore them, or start a new run"
             )
     return step, [p for p, _ in recorded]
 
@@ -183,25 +254,36 @@ def global_batches(source: Any, global_batch: int, start: Cursor | None = None) 
     ...         return ((p + 1, p) for p in itertools.count(start))
     ...     def fingerprint(self):
     ...         return 1
+    ...     def sample_id(self, p):
+    ...         return p
     >>> rows, after = next(global_batches(Count(), 3))
-    >>> rows, after.as_tuple(), after.streams.tolist()
-    ([0, 1, 2], (0, 1), [[3, 1]])
+    >>> rows, after.as_tuple(), after.streams.tolist()[0]  # then the sample certificate's row
+    ([0, 1, 2], (0, 1), [3, 1])
     """
+    if isinstance(source, BatchStream):
+        yield from source.batches(global_batch, start)
+        return
     components, counts_of, mix_seed, fingerprints = _components(source)
     counts = counts_of(global_batch)
-    step, positions = _start_positions(fingerprints, start)
+    step, positions = _start_positions(components, fingerprints, start)
+    shard_rows = records(components)
+    certificate = 0 if start is None else without_certificate(start)[1]
     readers = [c.rows(p) for c, p in zip(components, positions)]
     while True:
         rows: list[Any] = []
+        ids: list[int] = []
         for i, (reader, n) in enumerate(zip(readers, counts)):
             for pos, row in itertools.islice(reader, n):
                 positions[i] = pos
                 rows.append(row)
+                ids.append(components[i].sample_id(pos - 1) ^ i)  # a source's ids differ from another's
         if mix_seed is not None:
-            rows = [rows[j] for j in np.random.default_rng([mix_seed, 3, step]).permutation(len(rows))]
+            order = np.random.default_rng([mix_seed, 3, step]).permutation(len(rows))
+            rows, ids = [rows[j] for j in order], [ids[j] for j in order]
         step += 1
-        streams = torch.tensor([[p, f] for p, f in zip(positions, fingerprints)], dtype=torch.int64)
-        yield rows, Cursor(scalar(0), scalar(step), streams)
+        certificate = roll(certificate, ids)
+        rows_of = [[p, f] for p, f in zip(positions, fingerprints)] + shard_rows + [[certificate, SAMPLES]]
+        yield rows, Cursor(scalar(0), scalar(step), torch.tensor(rows_of, dtype=torch.int64))
 
 
 def source_stream(
@@ -290,3 +372,38 @@ def source_steps(
         seed=sampler.seed,
         max_steps=max_steps,
     )
+
+
+@attrs.frozen(eq=False)
+class SourceData:
+    """``loop.run``'s data over a streaming source: ``state -> source_stream(..., start=state.cursor)``.
+
+    ``first_cursor()`` is the cursor a run's first state holds (:func:`stream_cursor`); ``loop.run`` gives it
+    to a fresh state, so the checkpoints and the template a resume loads them into have one structure.
+    """
+
+    source: Any
+    options: dict[str, Any]
+
+    def __call__(self, state: Any) -> Iterator[StepBatch]:
+        """The steps from ``state``'s cursor on."""
+        return source_stream(self.source, start=state.cursor, **self.options)
+
+    def first_cursor(self) -> Cursor:
+        """The cursor of a run's first state: step 0, each source at row 0 with its fingerprint."""
+        return stream_cursor(self.source)
+
+
+def source_data(source: Any, *, per_device_train_batch_size: int, **options: Any) -> SourceData:
+    """Return ``loop.run``'s ``data`` over ``source`` (a ``files(...)`` source, a mixture, ``packed``).
+
+    ``options`` are :func:`source_stream`'s (``gradient_accumulation_steps``, ``world_size``, ``rank``,
+    ``collate``, ``seed``, ``max_steps``); a resumed run continues at its checkpoint's cursor.
+    """
+    if not is_stream_source(source):
+        kind = type(source).__name__
+        raise TypeError(f"source_data takes a trainfold.data.files(...) source or mix(...), got {kind}")
+    if "start" in options:
+        raise TypeError("source_data takes no start=: loop.run starts the stream at its state's cursor")
+    options = {"per_device_train_batch_size": per_device_train_batch_size, **options}
+    return SourceData(source, options)

@@ -36,6 +36,10 @@ class _Derived:
         """The base's fingerprint (a transform's code is not fingerprinted)."""
         return int(self.base.fingerprint())
 
+    def sample_id(self, position: int) -> int:
+        """The base's identity of the row at ``position`` (a transform keeps the row's identity)."""
+        return int(self.base.sample_id(position))
+
     def filter(self, fn: Callable[[Any], bool]) -> Filtered:
         """Keep the rows ``fn`` accepts."""
         return Filtered(self, fn)

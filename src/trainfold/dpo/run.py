@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from torch import Tensor, nn
 
+from trainfold.data.hfstream import as_source
 from trainfold.data.mixture import is_stream_source
 from trainfold.data.packing import check_packable
 from trainfold.dpo.args import DPOArguments
@@ -61,6 +62,7 @@ def prepare_preference_dataset(dataset: Any, processing_class: Any, args: DPOArg
     without a length (streaming) is tokenized as it is read, in its order, as TRL reads it."""
     if dataset is None:
         return None
+    dataset = as_source(dataset)  # a datasets stream of local files: read by files(), so a resume seeks
     if is_stream_source(dataset):  # trainfold.data.files / mix: each row tokenized at its position (dropped: none)
         prepare = functools.partial(_preference_row, processing_class, args.max_length)
         return dataset.map(prepare).filter(_is_row)

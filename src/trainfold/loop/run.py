@@ -28,6 +28,7 @@ from trainfold.core.fold import any_of, fit, never
 from trainfold.core.preempt import JIT_SIGNALS, Preemption, preemption_guard
 from trainfold.core.state import TrainState, counters
 from trainfold.data import StateStream
+from trainfold.data.mixture import is_stream_source
 from trainfold.loop.directory import open_run_dir
 from trainfold.loop.hooks import EVENTS, Hook, every, flat_hooks, hook_extras
 from trainfold.loop.record import RunLog
@@ -77,6 +78,9 @@ def run(
         step, data, state = _over_stream(step, data, state)
     _check(hooks, data, output_dir, resume)
     state = attrs.evolve(state, extras={**hook_extras(hooks), **state.extras})  # a resume loads into the same shape
+    first_cursor = getattr(data, "first_cursor", None)  # trainfold.data.source_data: the source's cursor from step 0
+    if first_cursor is not None and state.cursor.streams is None:
+        state = attrs.evolve(state, cursor=first_cursor())
     log = RunLog() if log is None else log
     with contextlib.ExitStack() as stack:
         guard = None
@@ -98,6 +102,11 @@ def _check(hooks: tuple[Hook, ...], data: Data, output_dir: Any, resume: Any) ->
             "loop.run: resume needs data as a function state -> iterable of step batches, so the run continues "
             "at the checkpoint's cursor, e.g. data=lambda s: trainfold.stream(dataset, sampler, collate, "
             "start=s.cursor); an iterable would start over from its first batch"
+        )
+    if is_stream_source(data):
+        raise TypeError(
+            "loop.run: a streaming source has no batch size; pass data=trainfold.data.source_data(source, "
+            "per_device_train_batch_size=..., collate=...), which continues at the state's cursor"
         )
     if output_dir is None and any(h.kind == "save" and h.name == "save" for h in hooks):  # loop.save
         raise ValueError("loop.save needs a directory to save into: pass output_dir= to loop.run")

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten
+from trainfold.data.mixture import sample_certificate
 
 __all__ = [
     "DIVERGED",
@@ -42,6 +43,7 @@ __all__ = [
     "nonfinite_params",
     "divergence_message",
     "first_hash_divergence",
+    "first_sample_divergence",
     "hash_log",
     "read_hashes",
     "state_hash",
@@ -176,6 +178,9 @@ def hash_log(output_dir: str | os.PathLike, samples: int = 256) -> Callable[[Tra
         if "loss" not in entry:  # evaluations and the summary
             return
         line = {"step": int(state.step), "state_hash": state_hash(state, samples), "loss": entry["loss"]}
+        certificate = sample_certificate(state.cursor)  # a streaming source's rolling hash of its steps' sample ids
+        if certificate is not None:
+            line["samples"] = certificate
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a") as f:
             f.write(json.dumps(line) + "\n")
@@ -212,6 +217,21 @@ def first_hash_divergence(run_a: str | os.PathLike, run_b: str | os.PathLike) ->
     last = None
     for step in sorted(ha.keys() & hb.keys()):
         if ha[step]["state_hash"] != hb[step]["state_hash"]:
+            return step, last
+        last = step
+    return None, last
+
+
+def first_sample_divergence(run_a: str | os.PathLike, run_b: str | os.PathLike) -> tuple[int | None, int | None]:
+    """Return ``(first, last_agreed)`` as :func:`first_hash_divergence` does, for the steps' sample certificates
+    (``trainfold.data.mixture.sample_certificate``: runs on streaming sources), ``(None, None)`` when either log
+    has none: the first logged step whose rolling hash of sample ids differs, i.e. whose rows differ."""
+    ha, hb = read_hashes(run_a), read_hashes(run_b)
+    last = None
+    for step in sorted(ha.keys() & hb.keys()):
+        if "samples" not in ha[step] or "samples" not in hb[step]:
+            return None, None
+        if ha[step]["samples"] != hb[step]["samples"]:
             return step, last
         last = step
     return None, last

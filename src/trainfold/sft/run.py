@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainfold.data.hfstream import as_source
 from trainfold.data.llm import DEFAULT_MAX_LENGTH
 from trainfold.data.mixture import is_stream_source
 from trainfold.data.packing import pack
@@ -148,6 +149,7 @@ def prepare_dataset(
     )
     if formatting_func is not None:
         prepare = functools.partial(lambda base, rows: base(_formatted(rows, formatting_func)), prepare)
+    dataset = as_source(dataset)  # a datasets stream of local files: read by files(), so a resume seeks
     if is_stream_source(dataset):  # trainfold.data.files / mix: each row prepared at its position (dropped: none)
         return dataset.map(functools.partial(_prepared_row, prepare)).filter(_is_row)
     if not hasattr(dataset, "__len__"):

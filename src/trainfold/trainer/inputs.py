@@ -29,6 +29,7 @@ from trainfold.data.columns import (
     padded_to_multiple,
     with_columns,
 )
+from trainfold.data.hfstream import as_source
 from trainfold.data.llm import LMBatching, lm_inputs, truncated_as, truncates
 from trainfold.trainer.args import TrainingArguments
 
@@ -169,6 +170,7 @@ def run_inputs(
     ``DataCollatorWithPadding``), else with the model's ``config.pad_token_id``; without either, rows that need
     padding are refused (``collate.model_pad_collate``); packing's and padding-free collators pad nothing.
     """
+    train_dataset = as_source(train_dataset)  # a datasets stream of local files: read by files(), resumes seek
     loss = _loss(model, args, compute_loss_func, objective)
     batching = lm_batching_for(args)
     if eval_dataset is not None and truncates(batching, objective):  # as the training rows (lm_inputs), as TRL

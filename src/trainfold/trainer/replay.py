@@ -27,8 +27,8 @@ from torch import nn
 from trainfold import ckpt
 from trainfold.ckpt.listing import catalog
 from trainfold.core.state import TrainState, init_state
-from trainfold.data import StepBatch, stream
-from trainfold.observe.divergence import first_hash_divergence, state_hash
+from trainfold.data import StepBatch, is_stream_source, source_steps, stream, stream_cursor
+from trainfold.observe.divergence import first_hash_divergence, first_sample_divergence, state_hash
 from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.inputs import to_device
 from trainfold.trainer.planning import TrainCall, plan_for, process_settings
@@ -150,6 +150,8 @@ def _first_state(plan: Any, start: Path | None) -> TrainState:
             buffers={k: v.to(plan.device) for k, v in state.buffers.items()},
             opt_state=on_device(state.opt_state, plan.device),
         )
+    if is_stream_source(plan.inputs.train_dataset):  # the cursor holds each source's row position from step 0
+        state = attrs.evolve(state, cursor=stream_cursor(plan.inputs.train_dataset))
     return state if start is None else ckpt.load(start, like=state)
 
 
@@ -157,7 +159,7 @@ def _steps(plan: Any, state: TrainState) -> Iterator[StepBatch]:
     """Yield the run's steps of data from ``state``'s cursor (the sampler's stream)."""
     if plan.stream is not None:
         raise ValueError("replay cannot recompute a run trained through train_stream (its batches are generated)")
-    batches = stream(
+    batches = (source_steps if is_stream_source(plan.inputs.train_dataset) else stream)(  # files(...): its cursor
         plan.inputs.train_dataset,
         plan.sampler,
         plan.inputs.collate,
@@ -188,7 +190,8 @@ def _logged_loss(output_dir: str | os.PathLike, step: int) -> float | None:
 class Divergence:
     """Where two runs part ways: the first ``step`` whose state differs, and how it was found.
 
-    ``by`` is ``"hashes"`` when the hash logs pin it (the runs agreed at the step before), ``"replay"``
+    ``by`` is ``"samples"`` when the steps' sample certificates pin it (the rows of that step differ: runs on a
+    streaming source), ``"hashes"`` when the hash logs pin it (the runs agreed at the step before), ``"replay"``
     when replaying the steps after the last agreeing hash found it; ``last_agreed`` is the last step
     known equal (``None``: none).
     """
@@ -214,8 +217,14 @@ def first_divergence(
     runs built it) and ``train_dataset`` (``train_dataset_b`` for run b, default the same), each step
     in between is replayed in both runs (:func:`replay`) and the first whose states hash differently
     is named; without them the logged interval is returned as ``Divergence(first_logged, last_agreed, "hashes")``.
+    Runs on a streaming source also log each step's sample certificate: a step whose rows differ (a changed
+    shard read there for the first time) is named ``Divergence(step, step - 1, "samples")`` when no earlier
+    step's state differs.
     """
     first, last = first_hash_divergence(run_a, run_b)
+    sample_first, sample_last = first_sample_divergence(run_a, run_b)  # runs on streaming sources log these
+    if sample_first is not None and (first is None or sample_first <= first) and sample_last == _before(sample_first):
+        return Divergence(sample_first, sample_last, "samples")
     if first is None:
         return None
     if last == first - 1 or (last is None and first == 1) or model is None or train_dataset is None:
@@ -228,3 +237,7 @@ def first_divergence(
         if state_hash(a.state) != state_hash(b.state):
             return Divergence(step, step - 1 if step > 1 else None, "replay")
     return Divergence(first, first - 1, "replay")
+
+
+def _before(step: int) -> int | None:
+    return step - 1 if step > 1 else None
