@@ -8,6 +8,7 @@ line reports with every other problem of the config at once (exit 2, no tracebac
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,8 @@ def _stream_rows(spec: dict[str, Any], seq_len: int, tokenizer: Any) -> Any:
     and cut to ``seq_len`` (each row on its own: a stream's position is a row's)."""
     from trainfold.data import files
 
-    source = files(spec["train"], seed=int(spec.get("seed", 0)), shuffle_window=int(spec.get("shuffle_window", 1024)))
+    options = set(inspect.signature(files).parameters) - {"paths_or_glob"}  # [data] keys that are files()' own keywords
+    source = files(spec["train"], **{k: v for k, v in spec.items() if k in options})
     names = sorted(next(source.rows(0))[1])  # the columns of the first row (one block read)
     if "input_ids" in names:
         return source
