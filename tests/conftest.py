@@ -2,7 +2,9 @@
 
 Hypothesis runs derandomized under CI (``CI=true``), so a green main stays green. Tests marked
 ``slow`` run in a reduced form by default (CI included); ``TRAINFOLD_SLOW=full`` runs them fully.
-``make test`` runs the suite on two pytest-xdist workers, a test file to a worker (``--dist loadfile``).
+``make test`` runs the suite on two pytest-xdist workers, a test file to a worker (``--dist loadfile``), in the
+order collected (``--no-loadscope-reorder``): the longest files first (``LONGEST_FIRST``), so no long file starts
+last while the other worker has nothing left to do.
 """
 
 from __future__ import annotations
@@ -26,6 +28,28 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 else:
     torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+# The files that take longest, longest first (CPU seconds of a reduced run, one thread, on an idle machine; the
+# benchmarks' and notebooks' include their subprocesses). A file missing here only starts later.
+LONGEST_FIRST = (
+    "test_benchmarks.py",
+    "test_sharded_checkpoint.py",
+    "test_notebooks.py",
+    "test_resume_stress.py",
+    "test_elastic_sessions.py",
+    "test_chunked_loss.py",
+    "test_checkpoint_faults.py",
+    "test_files_stream_elastic.py",
+    "test_distributed.py",
+    "test_compiled.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Collect the ``LONGEST_FIRST`` files first, in that order (the rest keep theirs): xdist's queue order."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture
