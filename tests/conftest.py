@@ -38,9 +38,15 @@ LONGEST_FIRST = (
     "test_benchmarks.py",  # 57
     "test_resume_stress.py",  # 51
     "test_notebooks.py",  # 46
+    "test_sharded.py",  # 36
     "test_elastic_sessions.py",  # 35
+    "test_cli.py",  # 30 or more
+    "test_resume_check.py",  # 30
     "test_files_stream_elastic.py",  # 27
     "test_distributed.py",  # 24
+    "test_preempt.py",  # 21
+    "test_step_fsdp.py",  # 21
+    "test_global_rng_ranks.py",  # 16
     "test_checkpoint_faults.py",  # 16
     "test_chunked_loss.py",  # 11
     "test_compiled.py",  # 10 (inductor's compile, with a warm cache)
