@@ -30,7 +30,7 @@ test: $(VENV)/.test
 	$(PY) -m mypy  # zero errors on src/ (pyproject's [tool.mypy])
 	# the docs build runs even when a test fails (a red run shows everything at once); either failing fails `make`.
 	# mkdocs --strict: broken links fail; ~15 s, offline
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=20; tests=$$?; \
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=20; tests=$$?; \
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -q -d $(VENV)/site; docs=$$?; \
 	test $$tests -eq 0 && test $$docs -eq 0
 

@@ -1,4 +1,6 @@
-"""The benchmark scripts run (in reduced form): they are code too, and the README quotes them."""
+"""The benchmark scripts run (in reduced form): they are code too, and the README quotes them.
+
+The rest are in ``test_benchmarks_more.py``: two files of about equal time, one for each ``make test`` worker."""
 
 from __future__ import annotations
 
@@ -60,49 +62,6 @@ def test_checkpoint_vs_safetensors_tiny():
 def test_listing_reads_each_sidecar_once_small():
     out = run("benchmarks/listing.py", "--checkpoints", "5", "--rounds", "1")
     assert out.startswith("5 checkpoints: each sidecar read once ")
-
-
-def test_peak_memory_tiny():
-    out = run(
-        "benchmarks/peak_memory.py",
-        "--models",
-        "tiny",
-        "--steps",
-        "1",
-        "--variants",
-        "hf_trainer",
-        "trainfold",
-        "--phases",
-    )
-    assert "| tiny |" in out and "hf_trainer: start" in out and "trainfold: start" in out
-
-
-def test_state_hash_quick():
-    out = run("benchmarks/state_hash.py", "--quick")
-    assert "| 0.1M |" in out
-
-
-def test_lora_adapters_quick():
-    out = run("benchmarks/lora_adapters.py", "--quick", "-k", "2", "--steps", "2")
-    assert "| ensemble of 2 |" in out and "speed-up over 2 sequential steps" in out
-
-
-def test_import_time_one_round():
-    out = run("benchmarks/import_time.py", "--rounds", "1")
-    assert "| import torch, trainfold |" in out and "| from trainfold import train |" in out
-
-
-@pytest.mark.slow  # 2 jobs of 2 spawned processes (a tiny Llama, 3 steps each)
-def test_fsdp_quick_compares_train_full_shard_with_a_hand_fully_shard_loop():
-    out = run("benchmarks/fsdp.py", "--quick")
-    rows = [line for line in out.splitlines() if line.startswith(("| 0 |", "| 1 |"))]
-    assert len(rows) == 2 and all(len(line.split("|")) == 9 for line in rows)
-
-
-def test_streaming_quick():
-    pytest.importorskip("datasets")
-    out = run("benchmarks/streaming.py", "--quick")
-    assert "| files(), shuffled |" in out and "| datasets streaming, file order |" in out
 
 
 def test_rollout_publish_quick():

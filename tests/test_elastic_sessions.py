@@ -5,14 +5,19 @@ global batch of 8) runs four times under torchrun, each resuming the last sessio
 step 4, on one rank (``--nproc_per_node=1``: a one-rank FSDP mesh) to 6 and again to 8, on 2 ranks to 10. The
 one-rank sessions keep the global batch with 4 accumulation steps; the second of them resumes a checkpoint its
 predecessor wrote on one rank (it was refused: "gradient_accumulation_steps: 4 there, 2 here"), and the first
-resumes a 2-rank FSDP checkpoint on one rank (DCP reshards it). Run as a script, this file is the worker::
+resumes a 2-rank FSDP checkpoint on one rank (DCP reshards it). ``TRAINFOLD_SLOW=full`` launches each session
+(and the fresh one-rank run) as a torchrun job of its own; reduced, the three one-rank runs are one job (the
+same command three times in one process: 3 launches instead of 5). Run as a script, this file is the worker::
 
-    python -m torch.distributed.run --standalone --nproc_per_node=N tests/test_elastic_sessions.py OUT NAME STOP
+    python -m torch.distributed.run --standalone --nproc_per_node=N tests/test_elastic_sessions.py OUT NAME STOP ...
+
+(each NAME STOP pair a ``train`` call, in order).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -34,6 +39,7 @@ def _worker(out: Path, name: str, stop_at: int) -> None:
 
     from trainfold import train
 
+    out = out / "alone" if name == "alone" else out
     resume = None if name in ("s1", "alone") else True
     over = dict(COMMAND, gradient_accumulation_steps=4) if name == "alone" else COMMAND
     with warnings.catch_warnings(record=True) as seen:
@@ -62,15 +68,17 @@ def _worker(out: Path, name: str, stop_at: int) -> None:
 @pytest.fixture(scope="module")
 def sessions(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("elastic")
-    for name, nproc, stop_at in SESSIONS:
-        torchrun_ok(__file__, out, name, stop_at, nproc=nproc)
-    alone = out / "alone"
-    alone.mkdir()
-    torchrun_ok(__file__, alone, "alone", 10, nproc=1)  # a fresh one-rank FSDP run, accumulation 4
+    (out / "alone").mkdir()
+    jobs = [(nproc, [name, stop_at]) for name, nproc, stop_at in SESSIONS]
+    jobs.insert(3, (1, ["alone", 10]))  # a fresh one-rank FSDP run, accumulation 4
+    if os.environ.get("TRAINFOLD_SLOW") != "full":  # the one-rank runs in one job
+        jobs = [jobs[0], (1, jobs[1][1] + jobs[2][1] + jobs[3][1]), jobs[4]]
+    for nproc, calls in jobs:
+        torchrun_ok(__file__, out, *calls, nproc=nproc)
     return out
 
 
-@pytest.mark.slow  # five torchrun launches
+@pytest.mark.slow  # five torchrun launches (reduced: three)
 def test_a_one_rank_fsdp_run_under_torchrun_trains_bitwise_as_one_plain_process(sessions, tmp_path):
     """Issue 44.14: ``fsdp="full_shard"`` under ``torchrun --nproc_per_node=1`` was refused ("run it under
     torchrun")."""
@@ -84,7 +92,7 @@ def test_a_one_rank_fsdp_run_under_torchrun_trains_bitwise_as_one_plain_process(
         assert torch.equal(fsdp[k], v), k
 
 
-@pytest.mark.slow  # five torchrun launches
+@pytest.mark.slow  # five torchrun launches (reduced: three)
 def test_four_elastic_sessions_two_one_one_two_ranks_resume_each_other(sessions, tmp_path):
     """Issue 44.7: the third session (the same one-process command again) was refused; 44.14: the second resumes a
     2-rank FSDP checkpoint on a one-rank FSDP mesh. The end equals one process on the same global batch within
@@ -124,4 +132,5 @@ def test_four_elastic_sessions_two_one_one_two_ranks_resume_each_other(sessions,
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    _worker(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
+    for name, stop_at in zip(sys.argv[2::2], sys.argv[3::2]):
+        _worker(Path(sys.argv[1]), name, int(stop_at))

@@ -4,9 +4,12 @@ The same command (``per_device_train_batch_size=2``, ``gradient_accumulation_ste
 2 ranks) trains a filtered, mapped mixture of Parquet shards, stopping at steps 2 and 4 and resuming each
 time from the last checkpoint, on 2 ranks, then one (accumulation 4, keeping the global batch), then 2
 again. Every rank's collator records the ids of each micro-batch it gets; the steps' sets of ids, concatenated
-over the sessions, equal those of one uninterrupted process. Run as a script, this file is the worker::
+over the sessions, equal those of one uninterrupted process (``TRAINFOLD_SLOW=full``: a torchrun job of its own;
+reduced: after the one-rank session, in its job). Run as a script, this file is the worker::
 
-    python -m torch.distributed.run --standalone --nproc_per_node=N tests/test_files_stream_elastic.py OUT NAME STOP
+    python -m torch.distributed.run --standalone --nproc_per_node=N tests/test_files_stream_elastic.py OUT NAME STOP ...
+
+(each NAME STOP pair a ``train`` call, in order).
 """
 
 from __future__ import annotations
@@ -105,12 +108,14 @@ def steps_of(out: Path, name: str, ranks: int) -> list[list[int]]:
     return [sorted(i for rl in lines for mb in rl[s * per_step : (s + 1) * per_step] for i in mb) for s in range(n)]
 
 
-@pytest.mark.slow  # four torchrun launches
-def test_a_source_resumed_on_2_then_1_then_2_ranks_reads_the_rows_of_one_uninterrupted_process(tmp_path):
+@pytest.mark.slow  # four torchrun launches (reduced: three)
+def test_a_source_resumed_on_2_then_1_then_2_ranks_reads_the_rows_of_one_uninterrupted_process(tmp_path, full_slow):
     write_shards(tmp_path / "shards")
-    for name, nproc, stop_at in SESSIONS:
-        torchrun_ok(__file__, tmp_path, name, stop_at, nproc=nproc)
-    torchrun_ok(__file__, tmp_path, "whole", 6, nproc=1)
+    jobs = [(nproc, [name, stop_at]) for name, nproc, stop_at in SESSIONS] + [(1, ["whole", 6])]
+    if not full_slow:  # the uninterrupted process after the one-rank session, in its job
+        jobs = [jobs[0], (1, jobs[1][1] + jobs[3][1]), jobs[2]]
+    for nproc, calls in jobs:
+        torchrun_ok(__file__, tmp_path, *calls, nproc=nproc)
     whole = steps_of(tmp_path, "whole", 1)
     resumed = [step for name, nproc, _ in SESSIONS for step in steps_of(tmp_path, name, nproc)]
     assert len(whole) == 6 and all(len(s) == GLOBAL for s in whole)
@@ -124,4 +129,5 @@ def test_a_source_resumed_on_2_then_1_then_2_ranks_reads_the_rows_of_one_uninter
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    _worker(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]))
+    for name, stop_at in zip(sys.argv[2::2], sys.argv[3::2]):
+        _worker(Path(sys.argv[1]), name, int(stop_at))

@@ -6,7 +6,8 @@ runs in separate processes must be bitwise equal; every trial (a SIGTERM at a ra
 model building to the final save, exit 143 or 0, then a resume in a fresh process when it stopped
 early) must end with every tensor ``torch.equal`` to them and the same logged values at every step.
 By default one trial and one uninterrupted run per model; ``TRAINFOLD_SLOW=full`` runs two
-uninterrupted runs and 20 trials per model
+uninterrupted runs and 20 trials per model. The concurrent load is a busy process of the test's own, except in a
+reduced run beside other pytest-xdist workers (``make test``): the other worker's tests are its load there
 (``TRAINFOLD_STRESS_TRIALS`` overrides the count; ``TRAINFOLD_TEST_NO_WARMUP=1`` measures without
 the kernel warm-up).
 
@@ -34,9 +35,18 @@ from trainfold.testing import compare_results
 RUNS = Path(__file__).resolve().parent / "resume_runs.py"
 
 
+def sibling_workers() -> bool:
+    """Whether other pytest-xdist workers run beside this test (``make test``'s two): they load the CPU."""
+    return int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1
+
+
 @contextlib.contextmanager
-def cpu_load(seconds: float):
-    """Keep one busy Python loop running beside the trials (ended at the block's end, or after ``seconds``)."""
+def cpu_load(seconds: float, *, busy: bool = True):
+    """Keep one busy Python loop running beside the trials (ended at the block's end, or after ``seconds``);
+    ``busy=False``: none (the CPU is loaded otherwise)."""
+    if not busy:
+        yield
+        return
     loop = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass"
     busy = subprocess.Popen([sys.executable, "-c", loop])
     try:
@@ -79,10 +89,10 @@ def moments(name: str, seed: object, count: int) -> list[float]:
 SEED_77 = moments("gpt2", 77, 8)
 
 
-def stress(name: str, fractions: list[float], tmp_path: Path, *, twice: bool) -> list[str]:
+def stress(name: str, fractions: list[float], tmp_path: Path, *, twice: bool, busy: bool = True) -> list[str]:
     """SIGTERM one run at each fraction of a lone run's time; every run (resumed when stopped) must be bitwise."""
     outcomes: list[str] = []
-    with cpu_load(3600):
+    with cpu_load(3600, busy=busy):
         # Two uninterrupted runs at once (reduced: one; each trial's run is another separate process).
         refs = [start(name, tmp_path / f"ref{i}", "plain", tmp_path / f"ref{i}-result") for i in range(1 + twice)]
         began = time.monotonic()  # all imported: from here the model build, setup, steps and saves
@@ -113,7 +123,7 @@ def test_sigterm_at_random_moments_resumes_bitwise_in_a_fresh_process(name, tmp_
     fractions = moments(name, seed, trials(full_slow))
     if name == "gpt2":  # the fixed regression schedule rides along (one reference run serves both)
         fractions += SEED_77 if full_slow else [max(SEED_77)]
-    outcomes = stress(name, fractions, tmp_path, twice=full_slow)
+    outcomes = stress(name, fractions, tmp_path, twice=full_slow, busy=full_slow or not sibling_workers())
     print(f"{name}: {len(outcomes)} trials bitwise equal: {outcomes}")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import random
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -12,7 +13,16 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["derive_seed", "private_rng", "global_rng_states", "restore_global_rng", "seed_global_rng"]
+from trainfold.core.collective import Collective
+
+__all__ = [
+    "derive_seed",
+    "private_rng",
+    "global_rng_states",
+    "every_rank_global_rng_states",
+    "restore_global_rng",
+    "seed_global_rng",
+]
 
 _MASK64 = (1 << 64) - 1
 
@@ -89,6 +99,35 @@ def global_rng_states() -> dict[str, Any]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = [_b64(s.numpy().tobytes()) for s in torch.cuda.get_rng_state_all()]
     return states
+
+
+def every_rank_global_rng_states(collective: Collective | None, rank: int = 0) -> dict[str, dict[str, Any]]:
+    """Return every rank's :func:`global_rng_states`, by ``str(rank)``: what a checkpoint's writer saves, so each
+    rank of a resume continues its own draws (HF's ``rng_state_{rank}.pth``). Every rank calls it at once.
+
+    The states travel as JSON bytes over the collective's sums (three ``sum_`` calls: the world size, each
+    rank's length, the bytes), so any ``Collective`` carries them. Without one, only this ``rank``'s:
+
+    >>> every_rank_global_rng_states(None) == {"0": global_rng_states()}
+    True
+    """
+    mine = global_rng_states()
+    if collective is None:
+        return {str(rank): mine}
+    rank = collective.rank
+    data = torch.frombuffer(bytearray(json.dumps(mine).encode()), dtype=torch.uint8).to(torch.int32)
+    world = torch.ones((), dtype=torch.int64)
+    collective.sum_([world])
+    lengths = torch.zeros(int(world), dtype=torch.int64)
+    lengths[rank] = data.numel()
+    collective.sum_([lengths])
+    table = torch.zeros(int(world), int(lengths.max()), dtype=torch.int32)
+    table[rank, : data.numel()] = data
+    collective.sum_([table])
+    return {
+        str(r): json.loads(bytes(table[r, :n].to(torch.uint8).tolist()).decode())
+        for r, n in enumerate(lengths.tolist())
+    }
 
 
 def _bytes_tensor(text: str) -> torch.Tensor:

@@ -19,7 +19,7 @@ import attrs
 from trainfold import ckpt
 from trainfold.ckpt import policy
 from trainfold.ckpt.sharded import Saver
-from trainfold.core.rng import global_rng_states
+from trainfold.core.rng import every_rank_global_rng_states
 from trainfold.core.state import TrainState
 from trainfold.evaluation import best as best_metric
 from trainfold.loop.directory import RunDir
@@ -117,7 +117,7 @@ def evaluate_and_record(run: Run, state: TrainState, *, track: bool = True) -> t
     return record_eval(run, state, run.plan.evals.run(run.plan.model, state), track=track)
 
 
-def _save_metadata(run: Run, state: TrainState) -> dict[str, Any]:
+def _save_metadata(run: Run, state: TrainState, global_rng: Mapping[str, Any]) -> dict[str, Any]:
     """Return what a checkpoint's sidecar keeps of the run beside its state: the metric window, the best metric,
     the global generators, an early stopper's settings."""
     best: best_metric.BestMetric | None = state.extras.get(BEST)
@@ -126,9 +126,9 @@ def _save_metadata(run: Run, state: TrainState) -> dict[str, Any]:
         "window": log_file.window_state(run.window),
         "best_metric": None if shown is None else float(shown.value),
         "best_step": None if shown is None else int(shown.step),
-        # the global generators a collator draws from, as they are after the last step's collation (the stream
-        # collates each step when it is drawn, never ahead); a resume restores them before its first collation
-        "global_rng": {str(run.plan.rank): global_rng_states()},
+        # every rank's global generators a collator draws from, as they are after the last step's collation (the
+        # stream collates each step when it is drawn, never ahead); a resume restores them before its first collation
+        "global_rng": dict(global_rng),
     }
     early = run.plan.early
     if early is not None:  # what restore_callback_states_from_checkpoint restores (an EarlyStoppingCallback's args)
@@ -138,11 +138,18 @@ def _save_metadata(run: Run, state: TrainState) -> dict[str, Any]:
 
 def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
     """Write a checkpoint of ``state`` into the run's directory, rotating old ones (never the best); ``jit``: the
-    preemption checkpoint, marked as such (and rotated like any other, as HF's)."""
+    preemption checkpoint, marked as such (and rotated like any other, as HF's).
+
+    Every rank calls it and gets the checkpoint's path: each gives the writer its global generators' states (over
+    the run's collective); the ranks that save (``Run.saves_here``) write it.
+    """
+    global_rng = every_rank_global_rng_states(run.plan.collective, run.plan.rank)
     plan, directory = run.plan.checkpoints, run.directory
     assert directory is not None, "a run saves into the directory it claimed (Run.directory)"
+    path = ckpt.checkpoint_path(directory.root, int(state.step))
+    if not run.saves_here:
+        return path
     if run.plan.is_writer:
-        path = ckpt.checkpoint_path(directory.root, int(state.step))
         _logger.info("saving %scheckpoint %s", "the preemption " if jit else "", path)
     best: best_metric.BestMetric | None = state.extras.get(BEST)
     keep = [ckpt.checkpoint_path(directory.root, int(best.step))] if best is not None and int(best.step) >= 0 else []
@@ -152,7 +159,7 @@ def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
         keep=keep,
         model=run.plan.model,
         jit=jit,
-        metadata=_save_metadata(run, state),
+        metadata=_save_metadata(run, state, global_rng),
         save_only_model=plan.save_only_model,
         extra_files=None if plan.processing_class is None else plan.processing_class.save_pretrained,
         saver=run.saver,
@@ -204,7 +211,7 @@ def _evaluate(run: Run, now: _Now, state: TrainState, log: RunLog) -> TrainState
 def _save(run: Run, now: _Now, state: TrainState, log: RunLog) -> None:
     """Save when the checkpoint plan says so; params that are not finite are never saved (the run stops)."""
     plan, (epoch_end, last), new_best = run.plan.checkpoints, now.moment(run, state, log), now.new_best
-    due = run.saves_here and policy.should_save(
+    due = policy.should_save(  # on every rank: each gives the writer its global generators' states
         int(state.step),
         save_strategy=plan.strategy,
         save_steps=plan.steps,
@@ -270,7 +277,7 @@ def callback_adapter(run: Run, state: TrainState) -> tuple[Run, hf_callbacks.HFC
         saved=run.record.saved,
         evaluate=evaluate,  # the run below, which reports to the adapter
         history=run.history.history() if isinstance(run.history, log_file.HistoryFile) else run.history,
-        save=lambda s: run.record.saved.append(save_checkpoint(run, s)) if run.saves_here else None,
+        save=lambda s: run.record.saved.append(save_checkpoint(run, s)),  # on every rank
         rank=plan.rank,
         best_key=BEST,
     )

@@ -375,7 +375,7 @@ def _status(run: Run, start_state: TrainState, fired: list[str], preemption: Any
     if preemption is not None and preemption.requested():
         # A signal after the last step (during the final save) ends nothing: the run is complete.
         done, here = int(state.step) >= total, ckpt.checkpoint_path(run.plan.checkpoints.output_dir, int(state.step))
-        if run.saves_here and int(state.step) > int(start_state.step) and not (done and here in run.record.saved):
+        if int(state.step) > int(start_state.step) and not (done and here in run.record.saved):  # every rank
             # none when no step ran here (a signal during setup)
             run.record.saved.append(save_checkpoint(run, state, jit=True))
         return "completed" if done else "preempted"
