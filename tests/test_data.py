@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from hypothesis import assume, given, settings
@@ -349,3 +351,30 @@ def test_loader_errors_is_the_one_check_of_the_worker_settings():
     ]
     with pytest.raises(ValueError, match=r"invalid eval dataloader options: dataloader_num_workers=-1 must be"):
         eval_loader([1], lambda items: items, 1, dataloader_num_workers=-1)
+
+
+def test_epoch_draws_draw_one_number_at_each_epoch_start_as_hfs_loader_and_resume_without_a_second():
+    """``epoch_draws`` (trainfold.train's stream): one draw from the global generator before each epoch's first
+    collation, as ``iter(DataLoader)`` in HF's loop; a stream resumed inside an epoch draws none for it."""
+    data = items_of([1 + i % 5 for i in range(12)])
+    s = make_sampler("random", data, per_device_train_batch_size=2, gradient_accumulation_steps=1, seed=1)
+
+    def seen(start, count):  # the global generator's next number after each step's collation
+        torch.manual_seed(0)
+        steps = stream(data, s, keyed(noisy), num_epochs=2, start=start, epoch_draws=True)
+        return [(step.cursor.as_tuple(), torch.randint(0, 2**30, ()).item()) for step in itertools.islice(steps, count)]
+
+    torch.manual_seed(0)
+    expected = []
+    for epoch in range(2):
+        torch.empty((), dtype=torch.int64).random_()  # the epoch's draw, then its steps
+        for p in range(6):
+            expected.append(((epoch, p + 1) if p < 5 else (epoch + 1, 0), torch.randint(0, 2**30, ()).item()))
+    assert seen(None, 12) == expected
+    resumed = seen((0, 3), 1)  # inside epoch 0: no draw before its first step
+    torch.manual_seed(0)
+    assert resumed == [((0, 4), torch.randint(0, 2**30, ()).item())]
+    at_end = seen((0, 6), 1)  # at an epoch's end: the next epoch begins with its draw
+    torch.manual_seed(0)
+    torch.empty((), dtype=torch.int64).random_()
+    assert at_end == [((1, 1), torch.randint(0, 2**30, ()).item())]

@@ -211,7 +211,10 @@ def test_peft_config_draws_trls_adapter_and_trains_as_trl(tmp_path):
         processing_class=tokenizer(),
         peft_config=config(),
     )
-    assert torch.equal(torch.random.get_rng_state(), before)  # drawn from the run's seed, not the caller's RNG
+    after = torch.random.get_rng_state()
+    torch.random.set_rng_state(before)
+    torch.empty((), dtype=torch.int64).random_()  # the run's one epoch began with HF's loader draw (epoch_draw)
+    assert torch.equal(after, torch.random.get_rng_state())  # the adapter drawn from the run's seed, not the caller's
     assert set(ours.state.params) == set(adapter)
     for k, v in adapter.items():  # learning rate 0: the adapter as drawn
         assert torch.equal(ours.state.params[k], v), k

@@ -163,20 +163,13 @@ def bert_config(**kw):
     )  # fmt: skip
 
 
-class PrivateBaseSeed(torch.utils.data.DataLoader):
-    """HF's DataLoader, its workers' base seed drawn from a private generator as trainfold's loader draws it."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **{"generator": torch.Generator().manual_seed(0), **kwargs})
-
-
 def test_run_mlm_moves_by_its_import_with_the_trainers_masks_and_losses_and_resumes(tmp_path, monkeypatch):
     """``DataCollatorForLanguageModeling`` masks with the global generators, which ``Trainer(...)`` seeds with
-    ``args.seed``; trainfold's collations then draw as HF's but for one number: torch's ``DataLoader`` draws its
-    workers' base seed from the global generator whenever an epoch (or an evaluation) starts iterating, trainfold's
-    loader from a private one. With HF's loader given a private generator too, the per-step losses are bitwise
-    HF's (no dropout: trainfold draws dropout from the run's seed, HF from the global generator). The eval masks
-    differ (HF's loader has collated one batch ahead when training stops), so the eval metrics are not compared."""
+    ``args.seed``; torch's ``DataLoader`` draws its workers' base seed from them whenever an epoch (or an evaluation)
+    starts iterating, and trainfold's stream draws that number too: the per-step losses are bitwise HF's (no
+    dropout: trainfold draws dropout from the run's seed, HF from the global generator). The eval masks differ
+    (accelerate's loader has collated one batch ahead when training stops mid-epoch), so eval metrics are not
+    compared."""
     model_dir = tmp_path / "model"
     torch.manual_seed(0)
     transformers.BertForMaskedLM(bert_config()).save_pretrained(model_dir)
@@ -191,7 +184,6 @@ def test_run_mlm_moves_by_its_import_with_the_trainers_masks_and_losses_and_resu
         argv = ["--model_name_or_path", str(model_dir), *files, "--max_seq_length", "16", *common_argv(out)]
         return [*argv, "--eval_strategy", "no"]  # run_mlm's default: evaluate once, after training
 
-    monkeypatch.setattr(transformers.trainer, "DataLoader", PrivateBaseSeed)
     hf, tf = check_script_migrates(tmp_path, monkeypatch, "run_mlm", argv, same_eval=False)
     assert "perplexity" in results(tf, "eval") and "eval_accuracy" in results(tf, "eval")
     assert transformers.AutoModelForMaskedLM.from_pretrained(tf).config.vocab_size == 64

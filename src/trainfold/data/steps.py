@@ -123,6 +123,7 @@ class _Planned:
     epoch: int
     after: tuple[int, int]
     micro: list[list[int]]
+    opens_epoch: bool = False  # the epoch's first step
 
 
 def _plan(
@@ -143,7 +144,7 @@ def _plan(
             if max_steps is not None and epoch * spe + p >= max_steps:
                 return
             after = (epoch, p + 1) if p + 1 < spe else (epoch + 1, 0)
-            yield _Planned(epoch, after, batches[p])
+            yield _Planned(epoch, after, batches[p], opens_epoch=p == 0)
         epoch, pos = epoch + 1, 0
 
 
@@ -176,6 +177,7 @@ def stream(
     dataloader_prefetch_factor: int | None = None,
     dataloader_pin_memory: bool = False,
     dataloader_drop_last: bool | None = None,
+    epoch_draws: bool = False,
 ) -> Iterator[StepBatch]:
     """Yield the run's optimizer steps from ``start`` (a cursor; default: the beginning) as StepBatches.
 
@@ -184,7 +186,9 @@ def stream(
     (let ``fit``'s stop predicate end it). ``dataloader_drop_last``, when given, overrides the
     sampler's ``drop_last``. The ``dataloader_*`` options go to ``torch.utils.data.DataLoader``;
     the order never depends on them. ``dataloader_pin_memory`` defaults to False (pinning only
-    helps when batches then go to a GPU).
+    helps when batches then go to a GPU). The stream leaves torch's global generator as it was, unless
+    ``epoch_draws``: then each epoch starts with one draw from it, as HF's loop does (:func:`epoch_draw`;
+    ``trainfold.train`` sets it).
 
     A dataset without ``__len__`` (sampler ``num_samples=None``) is read in its own order, an
     epoch being one pass over it; micro-batches are dealt round-robin to ranks, the collator
@@ -212,7 +216,7 @@ def stream(
         dataloader_prefetch_factor,
         dataloader_pin_memory,
     )
-    reading = _Reading(dataset, sampler, collate, begin, num_epochs, max_steps, loader_options)
+    reading = _Reading(dataset, sampler, collate, begin, num_epochs, max_steps, loader_options, epoch_draws)
     if sampler.num_samples is None:
         return _iterable_stream(reading)
     _check_start(sampler, len(dataset), begin)
@@ -281,6 +285,7 @@ class _Reading:
     num_epochs: int | None
     max_steps: int | None
     loader_options: dict[str, Any]
+    epoch_draws: bool = False
 
 
 def _map_stream(reading: _Reading) -> Iterator[StepBatch]:
@@ -296,8 +301,23 @@ def _map_stream(reading: _Reading) -> Iterator[StepBatch]:
     )
     loaded = iter(loader)
     for planned in plan():
+        if planned.opens_epoch and reading.epoch_draws:
+            epoch_draw()
         micro = [next(loaded) for _ in planned.micro]
         yield StepBatch(micro, _cursor(*planned.after), planned.micro)
+
+
+def epoch_draw() -> None:
+    """Draw one number from torch's global generator, as ``iter(DataLoader)`` does at each epoch of HF's loop.
+
+    torch's ``DataLoader`` draws its workers' base seed from the global generator whenever it starts iterating,
+    so a collator that draws from it (``DataCollatorForLanguageModeling``) sees one draw less per epoch unless the
+    stream draws it too. The stream's own loader draws from a private generator (it is iterated once, resumed or
+    not); this draw, at the start of each epoch before its first collation, keeps the global generator where HF's
+    run has it: the masks of every step are HF's. Nothing of trainfold's reads the number. ``trainfold.train`` (the
+    HF run) draws it; a bare ``stream`` does not (``epoch_draws=False``).
+    """
+    torch.empty((), dtype=torch.int64).random_()
 
 
 def _as_list(items: list[Any]) -> list[Any]:
@@ -334,6 +354,8 @@ def _iterable_stream(reading: _Reading) -> Iterator[StepBatch]:
                 continue
             if max_steps is not None and done >= max_steps:
                 return
+            if pos == 0 and reading.epoch_draws:
+                epoch_draw()
             after = (epoch, pos + 1) if current is not None else (epoch + 1, 0)
             mine = [r[sampler.rank] for r in step]
             offsets = [(pos * a + j) * w * b + sampler.rank * b for j in range(len(mine))]

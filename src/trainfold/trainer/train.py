@@ -351,7 +351,8 @@ def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
     """Return the run's steps of data from the state's cursor: the sampler's stream, or the plan's StateStream."""
     if plan.stream is not None:
         return plan.stream.steps(state.cursor)
-    batches = (source_steps if is_stream_source(plan.inputs.train_dataset) else stream)(  # files(...): its cursor
+    source = is_stream_source(plan.inputs.train_dataset)  # files(...): its cursor
+    batches = (source_steps if source else functools.partial(stream, epoch_draws=True))(  # HF's epoch draws
         plan.inputs.train_dataset,
         plan.sampler,
         plan.inputs.collate,
