@@ -131,6 +131,15 @@ def test_evaluate_takes_a_dict_of_sets_and_each_is_its_own_evaluation(tmp_path):
         eval_sets({})
 
 
+def test_evaluate_and_predict_refuse_a_keyword_they_lack_naming_the_ones_they_take(tmp_path):
+    """They share one declared set of keywords (``EvalOptions``); a misspelt one is refused, never ignored."""
+    net, a = llama(), rows(2, 1)
+    for fn in (evaluate, predict):
+        with pytest.raises(TypeError, match=r"\['compute_metric'\]; it takes metric_key_prefix, state, data_collator"):
+            fn(net, ours(tmp_path), a, compute_metric=None)
+    assert set(predict(net, ours(tmp_path), a, metric_key_prefix="t", state=None).metrics) >= {"t_loss"}
+
+
 # -- the DataLoader settings reach evaluation ----------------------------------------------------------
 
 

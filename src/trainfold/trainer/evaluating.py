@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import attrs
 import torch
@@ -32,7 +32,7 @@ from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.inputs import columns_of, device_for, eval_labels, own_loss_objective
 from trainfold.trainer.validate import refusing_trainer_keywords
 
-__all__ = ["EvalSet", "EvalPlan", "eval_plan_for", "eval_loader_for", "evaluate", "predict"]
+__all__ = ["EvalSet", "EvalPlan", "EvalOptions", "eval_plan_for", "eval_loader_for", "evaluate", "predict"]
 
 
 @attrs.frozen
@@ -229,62 +229,54 @@ def eval_plan_for(
 # -- evaluate / predict outside a run ---------------------------------------------------------------
 
 
+class EvalOptions(TypedDict, total=False):
+    """The keywords ``evaluate`` and ``predict`` share, each ``None`` by default.
+
+    ``state``: the ``TrainState`` whose params are scored (default: the model's own). ``data_collator``,
+    ``compute_loss_func``, ``compute_metrics`` and ``preprocess_logits_for_metrics``: as HF's Trainer.
+    ``objective`` (the run's ``dpo_objective``...) scores the batches and adds its metrics, as during ``train``.
+    ``processing_class`` (a tokenizer or processor): without ``data_collator``, batches are padded with its pad id.
+    """
+
+    state: TrainState | None
+    data_collator: Callable[[list[Any]], Any] | None
+    compute_loss_func: Callable[..., Any] | None
+    compute_metrics: Callable[..., Any] | None
+    preprocess_logits_for_metrics: Callable[..., Any] | None
+    objective: Callable[..., Any] | None
+    processing_class: Any
+
+
 @refusing_trainer_keywords
 def evaluate(
-    model: nn.Module,
-    args: TrainingArguments,
-    eval_dataset: Any,
-    *,
-    state: TrainState | None = None,
-    data_collator: Callable[[list[Any]], Any] | None = None,
-    compute_loss_func: Callable[..., Any] | None = None,
-    compute_metrics: Callable[..., Any] | None = None,
-    preprocess_logits_for_metrics: Callable[..., Any] | None = None,
-    metric_key_prefix: str = "eval",
-    objective: Callable[..., Any] | None = None,
-    processing_class: Any = None,
+    model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, metric_key_prefix: str = "eval", **options: Any
 ) -> dict[str, float]:
     """Evaluate ``state``'s params (default: the model's own) on ``eval_dataset``, in dataset order.
 
-    ``objective`` (the run's ``dpo_objective``...) scores the batches and adds its metrics, as during ``train``.
-    ``processing_class`` (a tokenizer or processor): without ``data_collator``, batches are padded with its pad id.
+    ``options`` are :class:`EvalOptions` (``state``, ``data_collator``, ``compute_metrics``, ``objective`` ...).
+    A dict of datasets is evaluated set by set, each logged as ``{metric_key_prefix}_{name}_*``, as HF.
 
     >>> import tempfile, torch
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
     >>> from trainfold.trainer.args import TrainingArguments
     >>> from trainfold.trainer.train import train
     >>> _ = torch.manual_seed(0)
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
-    >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
-    ...                          learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True,
-    ...                          save_strategy="no")
-    >>> before = evaluate(model, args, rows)
-    >>> after = evaluate(model, args, rows, state=train(model, args, rows).state)
-    >>> sorted(after), after["eval_loss"] < before["eval_loss"]
-    (['eval_loss', 'eval_runtime', 'eval_samples_per_second', 'eval_steps_per_second', 'eval_token_loss'], True)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=10, d_model=8, n_layers=1, n_heads=2, max_len=4))
+    >>> seqs = {"even": [[0, 2, 4, 6]] * 4, "odd": [[1, 3, 5, 7]] * 4}
+    >>> sets = {name: [{"input_ids": s, "labels": s} for s in rows] for name, rows in seqs.items()}
+    >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=4, learning_rate=3e-2,
+    ...                          report_to="none", save_strategy="no", disable_tqdm=True)
+    >>> before = evaluate(model, args, sets)  # a dict of sets: each scored and named on its own, as HF
+    >>> after = evaluate(model, args, sets, state=train(model, args, sets["even"]).state)
+    >>> after["eval_even_loss"] < before["eval_even_loss"], sorted(k for k in after if k.endswith("_loss"))
+    (True, ['eval_even_loss', 'eval_even_token_loss', 'eval_odd_loss', 'eval_odd_token_loss'])
     """
     metrics: dict[str, float] = {}
     for prefix, dataset in eval_sets(eval_dataset, metric_key_prefix).items():  # a dict: each set, as HF
-        given = (data_collator, objective, processing_class, compute_loss_func)
-        params, buffers, batches, label_key, objective = _eval_inputs(model, args, dataset, state, *given)
+        params, buffers, batches, settings = _eval_inputs(model, args, dataset, _checked("evaluate", options))
         try:
             metrics.update(
-                evaluate_batches(
-                    model,
-                    params,
-                    batches,
-                    loss=compute_loss_func or default_loss_for(model, defer=True),
-                    buffers=buffers,
-                    label_key=label_key,
-                    objective=objective,
-                    compute_metrics=None if args.prediction_loss_only else compute_metrics,
-                    preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-                    eval_accumulation_steps=args.eval_accumulation_steps,
-                    prediction_loss_only=args.prediction_loss_only,
-                    include_for_metrics=args.include_for_metrics,
-                    metric_key_prefix=prefix,
-                )
+                evaluate_batches(model, params, batches, buffers=buffers, metric_key_prefix=prefix, **settings)
             )
         finally:
             close_loader(batches)  # persistent workers end with the call
@@ -293,79 +285,72 @@ def evaluate(
 
 @refusing_trainer_keywords
 def predict(
-    model: nn.Module,
-    args: TrainingArguments,
-    test_dataset: Any,
-    *,
-    state: TrainState | None = None,
-    data_collator: Callable[[list[Any]], Any] | None = None,
-    compute_loss_func: Callable[..., Any] | None = None,
-    compute_metrics: Callable[..., Any] | None = None,
-    preprocess_logits_for_metrics: Callable[..., Any] | None = None,
-    metric_key_prefix: str = "test",
-    objective: Callable[..., Any] | None = None,
-    processing_class: Any = None,
+    model: nn.Module, args: TrainingArguments, test_dataset: Any, *, metric_key_prefix: str = "test", **options: Any
 ) -> Any:
     """Return predictions, labels (dataset order) and metrics of ``state``'s params on ``test_dataset``.
+
+    ``options`` are ``evaluate``'s (:class:`EvalOptions`). With ``prediction_loss_only`` the predictions and label
+    ids are ``None`` and only the loss is computed, as HF.
 
     >>> import tempfile, torch
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
     >>> from trainfold.trainer.args import TrainingArguments
-    >>> _ = torch.manual_seed(0)
-    >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
-    >>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
-    >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=3, per_device_train_batch_size=2,
-    ...                          learning_rate=1e-2, logging_steps=1, report_to="none", disable_tqdm=True,
-    ...                          save_strategy="no")
-    >>> out = predict(model, args, rows[:3])
-    >>> out.predictions.shape, out.label_ids.tolist()[2], "test_loss" in out.metrics
-    ((3, 4, 16), [2, 3, 4, 5], True)
+    >>> _ = torch.manual_seed(1)
+    >>> model = TinyLM(TinyLMConfig(vocab_size=12, d_model=8, n_layers=1, n_heads=2, max_len=6))
+    >>> rows = [{"input_ids": [1, i, 3], "labels": [-100, i, 3]} for i in range(5)]
+    >>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), per_device_eval_batch_size=2, report_to="none")
+    >>> out = predict(model, args, rows, metric_key_prefix="heldout")
+    >>> out.predictions.shape, out.label_ids.tolist()[4], sorted(out.metrics)[:2]
+    ((5, 3, 12), [-100, 4, 3], ['heldout_loss', 'heldout_runtime'])
     """
     if isinstance(test_dataset, dict):
         raise TypeError("predict takes one dataset, not a dict of them (as HF's Trainer.predict); call it per set")
-    given = (data_collator, objective, processing_class, compute_loss_func)
-    params, buffers, batches, label_key, objective = _eval_inputs(model, args, test_dataset, state, *given)
+    params, buffers, batches, settings = _eval_inputs(model, args, test_dataset, _checked("predict", options))
     try:
-        return predict_batches(
-            model,
-            params,
-            batches,
-            loss=compute_loss_func or default_loss_for(model, defer=True),
-            buffers=buffers,
-            objective=objective,
-            compute_metrics=None if args.prediction_loss_only else compute_metrics,
-            label_key=label_key,
-            preprocess_logits_for_metrics=preprocess_logits_for_metrics,
-            eval_accumulation_steps=args.eval_accumulation_steps,
-            metric_key_prefix=metric_key_prefix,
-            prediction_loss_only=args.prediction_loss_only,  # as HF: predictions and label_ids None, only the loss
-            include_for_metrics=args.include_for_metrics,
-        )
+        return predict_batches(model, params, batches, buffers=buffers, metric_key_prefix=metric_key_prefix, **settings)
     finally:
         close_loader(batches)  # persistent workers end with the call
 
 
+def _checked(name: str, options: dict[str, Any]) -> EvalOptions:
+    """Return ``options`` as :class:`EvalOptions`, or refuse a keyword it has not, naming the ones it has."""
+    unknown = sorted(set(options) - set(EvalOptions.__annotations__))
+    if unknown:
+        known = ", ".join(["metric_key_prefix", *EvalOptions.__annotations__])
+        raise TypeError(f"{name}() got unexpected keyword arguments {unknown}; it takes {known}")
+    return cast(EvalOptions, options)
+
+
 def _eval_inputs(
-    model: nn.Module,
-    args: TrainingArguments,
-    dataset: Any,
-    state: TrainState | None,
-    data_collator: Callable[..., Any] | None,
-    objective: Any = None,
-    processing_class: Any = None,
-    compute_loss_func: Any = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any, str, Any]:
-    """Return ``(params, buffers, batches, label_key, objective)`` for ``evaluate``/``predict``: the state's tensors
-    or the model's; ``objective``, or the model's own loss where trainfold has none for its task."""
-    device, objective = device_for(args), own_loss_objective(model, compute_loss_func, objective, evaluation=True)
+    model: nn.Module, args: TrainingArguments, dataset: Any, options: EvalOptions
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any, dict[str, Any]]:
+    """Return ``(params, buffers, batches, settings)`` for ``evaluate``/``predict``: the state's tensors or the
+    model's, and the ``evaluate_batches`` settings: the objective, or the model's own loss where trainfold has none."""
+    loss_func, data_collator, state = (
+        options.get("compute_loss_func"),
+        options.get("data_collator"),
+        options.get("state"),
+    )
+    device = device_for(args)
+    objective = own_loss_objective(model, loss_func, options.get("objective"), evaluation=True)
     if state is None:
         params, buffers = split_module(model)
         state_tensors = ({k: v.to(device) for k, v in params.items()}, {k: v.to(device) for k, v in buffers.items()})
     else:
         state_tensors = (state.params, state.buffers)
     columns = columns_of(model, args, data_collator, objective=objective)  # keeps the columns it reads
-    chosen = data_collator if data_collator is not None else collate_for(processing_class)
+    chosen = data_collator if data_collator is not None else collate_for(options.get("processing_class"))
     chosen = chosen if chosen is not None else model_pad_collate(model)  # the model's pad id, or a refusal
     chosen = eval_labels(padded_to_multiple(chosen, args.pad_to_multiple_of), args, data_collator, objective)
-    collate = eval_collate(chosen, columns)
-    return (*state_tensors, eval_loader_for(dataset, collate, args, device), columns.label_key, objective)
+    settings = {
+        "loss": loss_func or default_loss_for(model, defer=True),
+        "objective": objective,
+        "label_key": columns.label_key,
+        "compute_metrics": None if args.prediction_loss_only else options.get("compute_metrics"),
+        "preprocess_logits_for_metrics": options.get("preprocess_logits_for_metrics"),
+        "eval_accumulation_steps": args.eval_accumulation_steps,
+        "prediction_loss_only": args.prediction_loss_only,  # as HF: predictions and label_ids None, only the loss
+        "include_for_metrics": args.include_for_metrics,
+    }
+    batches = eval_loader_for(dataset, eval_collate(chosen, columns), args, device)
+    return (*state_tensors, batches, settings)
