@@ -270,3 +270,24 @@ def test_non_finite_values_inside_scheduler_and_optimizer_options_are_named():
             optim="sgd",
             optim_args="momentum=inf",
         )
+
+
+def test_the_arguments_checks_take_a_typed_arguments_record_not_any():
+    """Issue 45: a check that reads trainfold's Arguments says so in its signature (no ``args: Any``)."""
+    import ast
+    import inspect
+
+    from trainfold.trainer import args as args_module
+    from trainfold.trainer import args_checks
+
+    untyped = []
+    for module in (args_module, args_checks):
+        for node in ast.walk(ast.parse(inspect.getsource(module))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                for a in node.args.args + node.args.kwonlyargs:
+                    if a.arg == "args" and (a.annotation is None or ast.unparse(a.annotation) == "Any"):
+                        untyped.append(f"{module.__name__}.{node.name}")
+    assert untyped == []
+    assert "fp16=True and bf16=True: choose one" in str(
+        pytest.raises(ValueError, TrainingArguments, fp16=True, bf16=True).value
+    )

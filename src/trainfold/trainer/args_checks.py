@@ -1,5 +1,5 @@
 """The checks of ``TrainingArguments``: each field's own (declared on the field, read by ``setting_problems``),
-then the ones that read several settings together (``args_features``).
+then the ones that read several settings together (``TrainingArguments.combined_checks``, in ``args``).
 
 The functions and words here are what the fields' declarations name (``check=``, ``refuse=``, ``only=``).
 """
@@ -7,18 +7,17 @@ The functions and words here are what the fields' declarations name (``check=``,
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import attrs
 
-from trainfold.data import loader_errors
 from trainfold.observe.reporters import REPORTERS
-from trainfold.optim.schedules import schedule_kwargs_problems
-from trainfold.trainer.args_features import combination_problems, optim_problems
 from trainfold.trainer.optimizer import REFUSED, refused_optimizer
 from trainfold.trainer.setting import default_of, setting_problems
 
 __all__ = [
+    "Arguments",
     "COMPILE_MODES",
     "NAN_INF_FILTER",
     "REFUSED_OPTIMIZERS",
@@ -86,7 +85,17 @@ def metrics_inputs(name: str, value: tuple[str, ...]) -> str | None:
     return "\n  - ".join(out) or None
 
 
-def _with_defaults_for_bad_types(args: Any, bad: set[str]) -> Any:
+class Arguments(attrs.AttrsInstance, Protocol):
+    """An arguments record (``TrainingArguments`` or a subclass): attrs fields, and its checks of fields together."""
+
+    @classmethod
+    def combined_checks(cls) -> tuple[Callable[[Any], list[str]], ...]: ...
+
+
+_A = TypeVar("_A", bound=Arguments)
+
+
+def _with_defaults_for_bad_types(args: _A, bad: set[str]) -> _A:
     """Return a copy whose wrongly typed fields hold their defaults, so other checks can still run."""
     cls = type(args)
     copy = object.__new__(cls)
@@ -95,7 +104,7 @@ def _with_defaults_for_bad_types(args: Any, bad: set[str]) -> Any:
     return copy
 
 
-def problems(args: Any) -> list[str]:
+def problems(args: Arguments) -> list[str]:
     """Return every problem of ``args`` (a ``TrainingArguments`` or a subclass), each naming the setting and fix.
 
     Each field's own checks come first (``setting_problems``), then the class's checks of settings together
@@ -106,15 +115,3 @@ def problems(args: Any) -> list[str]:
     for check in type(args).combined_checks():
         out += check(args)
     return out
-
-
-def training_problems(args: Any) -> list[str]:
-    """Return the problems of ``TrainingArguments``' settings taken together."""
-    out = schedule_kwargs_problems(args.lr_scheduler_type, args.lr_scheduler_kwargs or {})
-    out += optim_problems(args)
-    out += loader_errors(
-        args.dataloader_num_workers, args.dataloader_persistent_workers, args.dataloader_prefetch_factor
-    )
-    if args.max_steps <= 0 and args.num_train_epochs <= 0:
-        out.append("training needs max_steps > 0 or num_train_epochs > 0")
-    return out + combination_problems(args)
