@@ -31,6 +31,7 @@ __all__ = [
     "Weights",
     "check_requests",
     "gather_weights",
+    "restored",
 ]
 
 Weights = Iterable[tuple[str, Tensor]] | Mapping[str, Tensor]
@@ -209,3 +210,14 @@ def check_requests(requests: Sequence[RolloutRequest], open_ids: Iterable[str], 
             seen.add(r.request_id)
     if problems:
         raise ValueError("; ".join(problems))
+
+
+def restored(state: Mapping[str, Any], version: int | None) -> tuple[list[Completion], list[RolloutRequest]]:
+    """Return a ``state_dict``'s unpolled completions and its pending requests (to submit again), refusing pending
+    requests that need another weight version than ``version``, the engine's own."""
+    done = [Completion.from_dict(d) for d in state["completions"]]
+    pending = [(RolloutRequest.from_dict(p["request"]), int(p["version"])) for p in state.get("pending", [])]
+    wrong = sorted({v for _, v in pending if v != version})
+    if wrong:
+        raise ValueError(f"pending requests need weight versions {wrong}; this engine is on {version}")
+    return done, [r for r, _ in pending]

@@ -25,6 +25,7 @@ from trainfold.rollout.engine import (
     Weights,
     check_requests,
     gather_weights,
+    restored,
 )
 from trainfold.rollout.sampling import complete
 
@@ -105,12 +106,8 @@ class LocalEngine:
         return {"completions": [c.to_dict() for c in self._done], "pending": []}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._done = [Completion.from_dict(d) for d in state["completions"]]
-        pending = [(RolloutRequest.from_dict(p["request"]), int(p["version"])) for p in state.get("pending", [])]
-        wrong = sorted({v for _, v in pending if v != self._version})
-        if wrong:
-            raise ValueError(f"pending requests need weight versions {wrong}; this engine is on {self._version}")
-        self.submit([r for r, _ in pending])
+        self._done, pending = restored(state, self._version)
+        self.submit(pending)
 
     def close(self) -> None:
         self._done = []

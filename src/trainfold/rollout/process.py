@@ -21,7 +21,15 @@ import torch
 import torch.multiprocessing as mp
 from torch import Tensor, nn
 
-from trainfold.rollout.engine import Completion, EngineDied, RolloutRequest, Weights, check_requests, gather_weights
+from trainfold.rollout.engine import (
+    Completion,
+    EngineDied,
+    RolloutRequest,
+    Weights,
+    check_requests,
+    gather_weights,
+    restored,
+)
 from trainfold.rollout.local import check_weights
 from trainfold.rollout.sampling import complete
 from trainfold.rollout.transport import TensorMeta, WeightChannel, plan_buckets
@@ -220,13 +228,9 @@ class ProcessEngine:
         return {"completions": [c.to_dict() for c in self._done], "pending": []}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._done = [Completion.from_dict(d) for d in state["completions"]]
-        pending = [(RolloutRequest.from_dict(p["request"]), int(p["version"])) for p in state.get("pending", [])]
-        wrong = sorted({v for _, v in pending if v != self._version})
-        if wrong:
-            raise ValueError(f"pending requests need weight versions {wrong}; this engine is on {self._version}")
+        self._done, pending = restored(state, self._version)
         if pending:
-            self.submit([r for r, _ in pending])
+            self.submit(pending)
 
     def close(self) -> None:
         if self._closed:

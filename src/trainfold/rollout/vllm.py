@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from trainfold.rollout.engine import Completion, RolloutRequest, Weights, check_requests, gather_weights
+from trainfold.rollout.engine import Completion, RolloutRequest, Weights, check_requests, gather_weights, restored
 
 __all__ = ["PAUSE_MODES", "VLLMEngine"]
 
@@ -172,13 +172,9 @@ class VLLMEngine:
         return {"completions": [c.to_dict() for c in self._done], "pending": []}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._done = [Completion.from_dict(d) for d in state["completions"]]
-        pending = [(RolloutRequest.from_dict(p["request"]), int(p["version"])) for p in state.get("pending", [])]
-        wrong = sorted({v for _, v in pending if v != self._version})
-        if wrong:
-            raise ValueError(f"pending requests need weight versions {wrong}; this engine is on {self._version}")
+        self._done, pending = restored(state, self._version)
         if pending:
-            self.submit([r for r, _ in pending])
+            self.submit(pending)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
