@@ -14,7 +14,7 @@ halves. :func:`token_means` gives TRL's token-weighted metrics (``logits/chosen`
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -115,7 +115,6 @@ def _row_stats(
         return per_sequence(torch.cat(parts).reshape(*targets.shape, 3), batch)
 
 
-@overload
 def completion_logps(
     forward: Callable[..., Any],
     params: Mapping[str, Tensor],
@@ -123,39 +122,22 @@ def completion_logps(
     batch: Mapping[str, Tensor],
     head: OutputHead | None,
     chunk_size: int,
-    stats: Literal[False] = False,
-) -> tuple[Tensor, None]: ...
-@overload
-def completion_logps(
-    forward: Callable[..., Any],
-    params: Mapping[str, Tensor],
-    inputs: Mapping[str, Tensor],
-    batch: Mapping[str, Tensor],
-    head: OutputHead | None,
-    chunk_size: int,
-    stats: Literal[True],
-) -> tuple[Tensor, Tensor]: ...
-def completion_logps(
-    forward: Callable[..., Any],
-    params: Mapping[str, Tensor],
-    inputs: Mapping[str, Tensor],
-    batch: Mapping[str, Tensor],
-    head: OutputHead | None,
-    chunk_size: int,
-    stats: bool = False,
-) -> tuple[Tensor, Tensor | None]:
-    """Return each row's completion log-prob (from the logits, or chunk by chunk from the hidden states), and with
-    ``stats`` its :func:`_row_stats`."""
+) -> tuple[Tensor, Callable[[], Tensor]]:
+    """Return each row's completion log-prob (from the logits, or chunk by chunk from the hidden states), and a
+    function that gives its :func:`_row_stats` when called (no grad; the reference's scoring never calls it)."""
     targets = batch["input_ids"][:, 1:].masked_fill(batch["completion_mask"][:, 1:] == 0, -100)
+    source: tuple[Tensor | None, Tensor | None, OutputHead | None]
     if head is None:
         logits = logits_of(forward(params, inputs))
         per_token = token_logps(logits, batch["input_ids"]) * batch["completion_mask"][:, 1:].to(logits.dtype)
-        row_stats = _row_stats(logits, None, None, params, targets, chunk_size, batch) if stats else None
-        return per_sequence(per_token, batch), row_stats
-    hidden = head.hidden(forward, params, inputs)
-    per_token = chunked_token_logps(hidden[:, :-1], head.weight(params), targets, bias=head.bias, chunk_size=chunk_size)
-    row_stats = _row_stats(None, hidden, head, params, targets, chunk_size, batch) if stats else None
-    return per_sequence(per_token, batch), row_stats
+        source = (logits, None, None)
+    else:
+        hidden = head.hidden(forward, params, inputs)
+        per_token = chunked_token_logps(
+            hidden[:, :-1], head.weight(params), targets, bias=head.bias, chunk_size=chunk_size
+        )
+        source = (None, hidden, head)
+    return per_sequence(per_token, batch), lambda: _row_stats(*source, params, targets, chunk_size, batch)
 
 
 def token_means(stats: Tensor, lengths: tuple[Tensor, Tensor], weight: Tensor) -> dict[str, Tensor]:

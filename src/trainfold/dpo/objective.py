@@ -279,7 +279,7 @@ class DPOObjective(ModelInputsObjective):
             return halves(completion_logps(forward, self.ref_params, inputs, micro, self.head, self.chunk_size)[0])
 
     def loss_of(self, forward: Forward, params: Tensors, inputs: Tensors, micro: Tensors, n: Tensor) -> LossAux:
-        logps, stats = completion_logps(forward, params, inputs, micro, self.head, self.chunk_size, stats=True)
+        logps, row_stats = completion_logps(forward, params, inputs, micro, self.head, self.chunk_size)
         chosen, rejected = halves(logps)
         ref_chosen, ref_rejected = self._ref_logps(forward, inputs, micro)
         ref_chosen, ref_rejected = ref_chosen.to(chosen), ref_rejected.to(chosen)
@@ -306,7 +306,7 @@ class DPOObjective(ModelInputsObjective):
             "rewards/margins": (reward_c - reward_r).sum() / n,
             "logps/chosen": chosen.detach().sum() / n,
             "logps/rejected": rejected.detach().sum() / n,
-            **token_means(stats, lengths, chosen.shape[0] / n),
+            **token_means(row_stats(), lengths, chosen.shape[0] / n),
         }
         return losses.sum() / n, aux
 

@@ -132,7 +132,7 @@ class KTOObjective(ModelInputsObjective):
                 f"loss_type={self.loss_type!r} needs the KL sequences (KL_input_ids): prepare the rows with "
                 "unpaired_rows(..., kl_batch_size=<per_device_train_batch_size>), or use loss_type='apo_zero_unpaired'"
             )
-        logps, stats = completion_logps(forward, params, inputs, micro, None, 0, stats=True)
+        logps, row_stats = completion_logps(forward, params, inputs, micro, None, 0)
         with torch.no_grad():
             kl_logps = unpaired_logps(forward, params, micro, "KL_") if self.calculate_kl else None
         ref_logps, ref_kl_logps = self._reference(forward, micro)
@@ -143,7 +143,7 @@ class KTOObjective(ModelInputsObjective):
         losses = kto_loss(
             logps, ref_logps, label, kl, self.beta, self.loss_type, self.desirable_weight, self.undesirable_weight
         )
-        metrics = self._metrics(logps, ref_logps, label, kl, stats, micro, n)
+        metrics = self._metrics(logps, ref_logps, label, kl, row_stats(), micro, n)
         return losses.sum() / n.to(logps.dtype), metrics
 
     def _metrics(
