@@ -126,18 +126,17 @@ def completion_logps(
     """Return each row's completion log-prob (from the logits, or chunk by chunk from the hidden states), and a
     function that gives its :func:`_row_stats` when called (no grad; the reference's scoring never calls it)."""
     targets = batch["input_ids"][:, 1:].masked_fill(batch["completion_mask"][:, 1:] == 0, -100)
-    source: tuple[Tensor | None, Tensor | None, OutputHead | None]
+    logits: Tensor | None = None
+    hidden: Tensor | None = None
     if head is None:
         logits = logits_of(forward(params, inputs))
         per_token = token_logps(logits, batch["input_ids"]) * batch["completion_mask"][:, 1:].to(logits.dtype)
-        source = (logits, None, None)
     else:
         hidden = head.hidden(forward, params, inputs)
         per_token = chunked_token_logps(
             hidden[:, :-1], head.weight(params), targets, bias=head.bias, chunk_size=chunk_size
         )
-        source = (None, hidden, head)
-    return per_sequence(per_token, batch), lambda: _row_stats(*source, params, targets, chunk_size, batch)
+    return per_sequence(per_token, batch), lambda: _row_stats(logits, hidden, head, params, targets, chunk_size, batch)
 
 
 def token_means(stats: Tensor, lengths: tuple[Tensor, Tensor], weight: Tensor) -> dict[str, Tensor]:

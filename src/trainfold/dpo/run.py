@@ -42,11 +42,14 @@ __all__ = [
 
 
 class PolicySettings(Protocol):
-    """What building the trained policy reads: DPO's and KTO's arguments both have it."""
+    """What building the trained policy reads: DPO's and KTO's arguments both have it (read-only: frozen records)."""
 
-    model_init_kwargs: dict[str, Any] | None
-    seed: int
-    disable_dropout: bool
+    @property
+    def model_init_kwargs(self) -> dict[str, Any] | None: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def disable_dropout(self) -> bool: ...
 
 
 def policy_model(model: nn.Module | str, args: PolicySettings, peft_config: Any = None) -> nn.Module:

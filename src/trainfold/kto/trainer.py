@@ -1,9 +1,6 @@
-"""``KTOTrainer``: TRL ``KTOTrainer``'s shape over ``trainfold.kto.train``, for moving scripts by their import.
-
-It takes ``KTOTrainer``'s keywords (``model`` a module or a name, ``ref_model``, ``args`` a ``KTOArguments``
-or the script's own ``trl.KTOConfig``, ``peft_config``...) and has ``trainfold.Trainer``'s methods. As TRL's,
-the reference is fixed when the trainer is built (``ref_model``, else the model as given), so ``evaluate``
-after ``train`` scores against it. No logic of its own: new code calls ``trainfold.kto.train``.
+"""``KTOTrainer``: TRL ``KTOTrainer``'s shape over ``trainfold.kto.train``, built as ``trainfold.dpo.DPOTrainer``
+(``trainfold.trainer.facade.ReferenceTrainer``) with KTO's pieces: ``args`` a ``KTOArguments`` or a ``trl.KTOConfig``,
+unpaired rows, the reference fixed when the trainer is built. New code calls ``trainfold.kto.train``.
 """
 
 from __future__ import annotations

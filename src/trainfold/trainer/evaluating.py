@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import attrs
 import torch
@@ -31,6 +31,9 @@ from trainfold.step.plan import is_fully_sharded
 from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.inputs import columns_of, device_for, eval_labels, own_loss_objective
 from trainfold.trainer.validate import refusing_trainer_keywords
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing's from Python 3.11; the package supports 3.10
 
 __all__ = ["EvalSet", "EvalPlan", "EvalOptions", "eval_plan_for", "eval_loader_for", "evaluate", "predict"]
 
@@ -249,7 +252,12 @@ class EvalOptions(TypedDict, total=False):
 
 @refusing_trainer_keywords
 def evaluate(
-    model: nn.Module, args: TrainingArguments, eval_dataset: Any, *, metric_key_prefix: str = "eval", **options: Any
+    model: nn.Module,
+    args: TrainingArguments,
+    eval_dataset: Any,
+    *,
+    metric_key_prefix: str = "eval",
+    **options: Unpack[EvalOptions],
 ) -> dict[str, float]:
     """Evaluate ``state``'s params (default: the model's own) on ``eval_dataset``, in dataset order.
 
@@ -285,7 +293,12 @@ def evaluate(
 
 @refusing_trainer_keywords
 def predict(
-    model: nn.Module, args: TrainingArguments, test_dataset: Any, *, metric_key_prefix: str = "test", **options: Any
+    model: nn.Module,
+    args: TrainingArguments,
+    test_dataset: Any,
+    *,
+    metric_key_prefix: str = "test",
+    **options: Unpack[EvalOptions],
 ) -> Any:
     """Return predictions, labels (dataset order) and metrics of ``state``'s params on ``test_dataset``.
 
@@ -312,7 +325,7 @@ def predict(
         close_loader(batches)  # persistent workers end with the call
 
 
-def _checked(name: str, options: dict[str, Any]) -> EvalOptions:
+def _checked(name: str, options: Mapping[str, object]) -> EvalOptions:
     """Return ``options`` as :class:`EvalOptions`, or refuse a keyword it has not, naming the ones it has."""
     unknown = sorted(set(options) - set(EvalOptions.__annotations__))
     if unknown:
