@@ -296,13 +296,16 @@ class FileSource:
         epoch, i = divmod(start, n)
         while True:
             k, j = divmod(i, w)
-            window = self._window(epoch, k)
-            base = epoch * n + k * w
-            for off in range(j, len(window)):
-                yield base + off + 1, window[off]
+            yield from self.window_rows(epoch, k)[j:]
             i = (k + 1) * w
             if i >= n:
                 epoch, i = epoch + 1, 0
+
+    def window_rows(self, epoch: int, k: int) -> list[tuple[int, Any]]:
+        """Window ``k`` of ``epoch``'s rows, each with the position after it: a pure function of ``(epoch, k)``,
+        which DataLoader workers read (``trainfold.data.readers``)."""
+        base = epoch * self.num_rows + k * self.shuffle_window
+        return [(base + off + 1, row) for off, row in enumerate(self._window(epoch, k))]
 
     def _window(self, epoch: int, k: int) -> list[Any]:
         """The rows of window ``k`` of ``epoch``, permuted: the blocks under it are read, nothing else."""
