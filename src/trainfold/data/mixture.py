@@ -43,10 +43,9 @@ import xxhash
 
 from trainfold.core.rng import derive_seed
 from trainfold.core.state import Cursor, scalar
-from trainfold.data.collate import KeyedCollate, sample_key
 from trainfold.data.dealing import cut, deal
 from trainfold.data.filestream import ShardChangedError, is_source
-from trainfold.data.readers import Workers, read_rows
+from trainfold.data.readers import Workers, collated, read_positions, read_rows, worker_steps
 from trainfold.data.samplers import Sampler
 from trainfold.data.shardlog import describe, records, shards_of, split
 from trainfold.data.steps import StepBatch
@@ -249,12 +248,13 @@ def _start_positions(components: list[Any], fingerprints: list[int], start: Curs
 
 
 def global_batches(
-    source: Any, global_batch: int, start: Cursor | None = None, workers: Workers | None = None
+    source: Any, global_batch: int, start: Cursor | None = None, workers: Workers | None = None, keys: bool = False
 ) -> Iterator[tuple[list[Any], Cursor]]:
     """Yield each global batch's rows, with the cursor after it, from ``start`` on.
 
     With ``workers`` (``num_workers > 0``) each source's windows are read in DataLoader workers
-    (``trainfold.data.readers``); the rows and cursors are the same.
+    (``trainfold.data.readers``); the rows and cursors are the same. ``keys`` yields each row as its
+    key ``(source, position after)`` instead (the rows are not read unless a filter must see them).
 
     >>> from trainfold.data.transforms import Mapped
     >>> class Count:
@@ -277,14 +277,15 @@ def global_batches(
     step, positions = _start_positions(components, fingerprints, start)
     shard_rows = records(components)
     certificate = 0 if start is None else without_certificate(start)[1]
-    readers = [read_rows(c, p, workers or Workers()) for c, p in zip(components, positions)]
+    read = read_positions if keys else read_rows
+    readers = [read(c, p, workers or Workers()) for c, p in zip(components, positions)]
     while True:
         rows: list[Any] = []
         ids: list[int] = []
         for i, (reader, n) in enumerate(zip(readers, counts)):
             for pos, row in itertools.islice(reader, n):
                 positions[i] = pos
-                rows.append(row)
+                rows.append((i, pos) if keys else row)
                 ids.append(components[i].sample_id(pos - 1) ^ i)  # a source's ids differ from another's
         if mix_seed is not None:
             order = np.random.default_rng([mix_seed, 3, step]).permutation(len(rows))
@@ -339,19 +340,18 @@ def source_stream(
     mine = deal(cut(list(range(g)), per_device_train_batch_size), world_size)[rank]
     collate = collate or _as_list
     done = 0 if start is None else start.as_tuple()[1]
+    if workers.num_workers and not isinstance(source, BatchStream):  # the workers read and collate the rows
+        keyed = global_batches(source, g, start, workers, keys=True)
+        run = worker_steps(_components(source)[0], keyed, mine, (done, max_steps), collate, seed, workers)
+        yield from (StepBatch(micro, after, ordinals) for micro, after, ordinals in run)
+        return
     batches = global_batches(source, g, start, workers)
     while max_steps is None or done < max_steps:
         rows, after = next(batches)
         ordinals = [[done * g + i for i in m] for m in mine]
-        micro = [_collated(collate, seed, [rows[i] for i in m], o) for m, o in zip(mine, ordinals)]
+        micro = [collated(collate, seed, [rows[i] for i in m], o) for m, o in zip(mine, ordinals)]
         yield StepBatch(micro, after, ordinals)
         done += 1
-
-
-def _collated(collate: Callable[..., Any], seed: int, rows: list[Any], ordinals: list[int]) -> Any:
-    if isinstance(collate, KeyedCollate):
-        return collate(rows, [sample_key(seed, 0, o) for o in ordinals])
-    return collate(rows)
 
 
 def _as_list(rows: list[Any]) -> list[Any]:

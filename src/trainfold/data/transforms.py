@@ -91,6 +91,10 @@ class Filtered(_Derived):
             elif pos % n == 0 and pos - n >= clean_from and (kept_since is None or kept_since <= pos - n):
                 raise empty_epoch_error(self.fn, n, pos // n - 1)
 
+    def row_at(self, position: int) -> Any:
+        """The base's row at ``position``, which the caller knows this filter keeps (:meth:`window_rows` said so)."""
+        return self.base.row_at(position)
+
     def window_rows(self, epoch: int, k: int) -> list[tuple[int, Any]]:
         """The kept rows of the base's window ``k`` of ``epoch``, with their positions (what :meth:`rows` yields)."""
         return [(pos, row) for pos, row in self.base.window_rows(epoch, k) if self.fn(row)]
@@ -106,6 +110,10 @@ class Mapped(_Derived):
         """Yield ``(position after, fn(row))`` from ``start`` on."""
         for pos, row in self.base.rows(start):
             yield pos, self.fn(row)
+
+    def row_at(self, position: int) -> Any:
+        """The base's row at ``position``, transformed."""
+        return self.fn(self.base.row_at(position))
 
     def window_rows(self, epoch: int, k: int) -> list[tuple[int, Any]]:
         """The base's window ``k`` of ``epoch``, transformed, with the rows' positions (what :meth:`rows` yields)."""
