@@ -101,15 +101,41 @@ def test_a_stream_read_by_workers_and_resumed_equals_the_uninterrupted_one_with_
 def test_with_workers_the_rows_are_read_and_mapped_in_worker_processes(shards):
     """``dataloader_num_workers=2`` is real: the windows are read and mapped in other processes, 0 reads here."""
 
-    def pids(workers: int) -> set[int]:
+    def pids(workers: int) -> tuple[set[int], set[int]]:
         src = files(str(shards / "*.parquet"), seed=3, shuffle_window=4).map(lambda r: {**r, "pid": os.getpid()})
         sampler = Sampler("sequential", None, 2, 2)
-        steps = source_steps(src, sampler, lambda rows: rows, max_steps=6, dataloader_num_workers=workers)
-        return {row["pid"] for step in steps for micro in step for row in micro}
+        steps = source_steps(
+            src, sampler, lambda rows: (rows, os.getpid()), max_steps=6, dataloader_num_workers=workers
+        )
+        micro = [m for step in steps for m in step]
+        return {row["pid"] for rows, _ in micro for row in rows}, {pid for _, pid in micro}
 
-    assert pids(0) == {os.getpid()}
-    workers = pids(2)
-    assert os.getpid() not in workers and len(workers) == 2
+    assert pids(0) == ({os.getpid()}, {os.getpid()})
+    mapped, collated = pids(2)
+    assert os.getpid() not in mapped | collated and len(mapped) == len(collated) == 2
+
+
+@pytest.mark.parametrize("kind", ["filtered", "mixture"])
+def test_a_keyed_collator_gets_the_same_keys_and_a_global_rng_one_draws_the_same_with_any_workers(shards, kind):
+    """A keyed collator sees the keys of 0 workers; one drawing from torch's generator draws, in a worker, from a
+    generator seeded by its micro-batch: the same numbers for 1 or 2 workers and after a resume."""
+    import torch
+
+    from trainfold.data import keyed
+
+    def steps(collate, workers: int, start=None, max_steps: int = 5):
+        sampler = Sampler("sequential", None, 2, 2, 2, 1)  # rank 1 of 2
+        src = flat.make_source(shards, kind)
+        run = source_steps(src, sampler, collate, start=start, max_steps=max_steps, dataloader_num_workers=workers)
+        return list(run)
+
+    with_keys = keyed(lambda rows, keys: [(r["id"], k) for r, k in zip(rows, keys)])
+    assert [list(s) for s in steps(with_keys, 0)] == [list(s) for s in steps(with_keys, 2)]
+    draws = lambda rows: ([r["id"] for r in rows], torch.rand(2).tolist())
+    two, one = steps(draws, 2), steps(draws, 1)
+    resumed = steps(draws, 2, start=two[1].cursor)
+    assert [list(s) for s in two] == [list(s) for s in one] and [list(s) for s in resumed] == [list(s) for s in two[2:]]
+    assert [[m[0] for m in s] for s in two] == [[m[0] for m in s] for s in steps(draws, 0)]  # the rows: 0 workers'
 
 
 def test_workers_seed_a_random_map_by_its_window_whatever_the_worker_count_or_the_resume(shards):
