@@ -40,7 +40,7 @@ from trainfold.core.rng import derive_seed, seed_global_rng
 from trainfold.core.state import Cursor
 from trainfold.data.collate import KeyedCollate, sample_key
 from trainfold.data.loaders import ignore_sigterm, loader_errors
-from trainfold.data.transforms import empty_epoch_error
+from trainfold.data.transforms import Filtered, empty_epoch_error
 
 __all__ = ["Workers", "collated", "read_positions", "read_rows", "worker_steps"]
 
@@ -100,7 +100,7 @@ def _unbatched(window: Any) -> Any:
 def _filter_of(source: Any) -> Any:
     """The outermost filter function of a source's transforms (named when it keeps no row); ``None``: none."""
     while source is not None:
-        if type(source).__name__ == "Filtered":
+        if isinstance(source, Filtered):
             return source.fn
         source = getattr(source, "base", None)
     return None
