@@ -166,3 +166,32 @@ def test_a_source_without_windows_and_bad_worker_settings_are_refused():
         next(read_rows(Count(), 0, Workers(num_workers=2)))
     with pytest.raises(ValueError, match="dataloader_prefetch_factor needs dataloader_num_workers > 0"):
         Workers(num_workers=0, prefetch_factor=2)
+
+
+def test_train_read_by_workers_and_resumed_twice_ends_bitwise_as_the_uninterrupted_run_with_none(tmp_path):
+    """``train`` on a filtered, mapped source: sessions with 2, 0, then 2 workers end as one run with no worker."""
+    import torch
+    from resume_fixture import model
+
+    from trainfold import TrainingArguments, train
+
+    d = flat.token_shards(tmp_path / "shards")
+
+    def args(out: Path, workers: int) -> TrainingArguments:
+        return TrainingArguments(
+            output_dir=str(out), max_steps=6, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+            learning_rate=1e-2, report_to="none", disable_tqdm=True, save_strategy="steps", save_steps=2,
+            dataloader_num_workers=workers,
+        )  # fmt: skip
+
+    whole = train(model(), args(tmp_path / "whole", 0), flat.token_source(d))
+    for stop_at, workers in ((2, 2), (4, 0), (None, 2)):
+        stop = None if stop_at is None else (lambda s, n=stop_at: int(s.step) >= n)
+        resumed = train(
+            model(), args(tmp_path / "parts", workers), flat.token_source(d),
+            resume_from_checkpoint=stop_at != 2 or None, stop=stop,
+        )  # fmt: skip
+    assert int(resumed.state.step) == int(whole.state.step) == 6
+    assert resumed.state.cursor.streams.tolist() == whole.state.cursor.streams.tolist()
+    for k, v in whole.state.params.items():
+        assert torch.equal(v, resumed.state.params[k]), k
