@@ -9,6 +9,10 @@ the loader gives them back in key order. This process only concatenates them (an
 before the position in the first). The rows, their positions, the cursor and every resume are those of
 ``num_workers=0``, for any number of workers; only the reading moves.
 
+``source_stream`` (not packed) goes further with :func:`worker_steps`: this process forms each global
+batch as ``(source, position)`` keys (:func:`read_positions`: a filter's workers send back positions only),
+and a second DataLoader's workers read, map and collate each of this rank's micro-batches.
+
 A filter's or map's function then runs in a worker: it must be a function of the row (as a resume needs
 anyway). A worker seeds its global generators (torch's, ``np.random``, ``random``) before each window from
 the source's seed, the epoch and the window, so a function drawing from them draws the same numbers
