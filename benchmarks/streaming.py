@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from trainfold.data import files, source_stream
+from trainfold.data import files, pad_collate, source_stream
 
 
 def write(folder: Path, rows: int, shards: int, row_group: int, narrow: bool = False) -> str:
@@ -74,10 +74,33 @@ def stateful_loader(pattern: str, window: int | None, batch: int):
     return StatefulDataLoader(hf_stream(pattern, window), batch_size=batch, collate_fn=list)
 
 
-def steps(pattern: str, n: int, window: int, batch: int, shuffle: bool) -> int:
-    """Rows through ``source_stream``: global batches of ``batch`` rows, each with its cursor and certificate."""
+def steps(pattern: str, n: int, window: int, batch: int, shuffle: bool, workers: int = 0, fn=None) -> int:
+    """Rows through ``source_stream``: global batches of ``batch`` rows, each with its cursor and certificate
+    (read by ``workers`` DataLoader workers; ``fn``: a map on each row, then ``pad_collate``)."""
     source = files(pattern, shuffle_window=window, shuffle=shuffle)
-    return sum(len(b[0]) for b in source_stream(source, per_device_train_batch_size=batch, max_steps=n // batch))
+    options = {"collate": None if fn is None else pad_collate(), "dataloader_num_workers": workers}
+    batches = source_stream(
+        source if fn is None else source.map(fn), per_device_train_batch_size=batch, max_steps=n // batch, **options
+    )
+    return sum(len(b[0]) if fn is None else len(b[0]["input_ids"]) for b in batches)
+
+
+def tokenize(row: dict) -> dict:
+    """A stand-in for a tokenizer's work on a row (tens of microseconds of Python): 240 ids from its text."""
+    return {"input_ids": [(b * 31 + i) % 50_000 for i, b in enumerate(row["text"].encode() * 4)]}
+
+
+def worker_rates(pattern: str, n: int, window: int, batch: int = 256) -> list[tuple[str, float, float]]:
+    """rows/s through ``source_stream`` with 0 and 2 DataLoader workers, and this process's CPU µs per row."""
+    out = []
+    for name, fn in (("rows as lists", None), ("tokenize-like map + pad_collate", tokenize)):
+        for workers in (0, 2):
+            cpu = time.process_time()
+            seconds, got = timed(lambda w=workers, f=fn: steps(pattern, n, window, batch, True, w, f))
+            cpu = time.process_time() - cpu
+            assert got == n // batch * batch, (name, workers, got)
+            out.append((f"{name}, dataloader_num_workers={workers}", got / seconds, 1e6 * cpu / got))
+    return out
 
 
 def throughput(pattern: str, n: int, window: int, batch: int = 256) -> list[tuple[str, float]]:
@@ -164,6 +187,7 @@ def main() -> None:
     parser.add_argument(
         "--rss", action="store_true", help="peak RSS reading 500k rows of --rows / 20, / 10 and of --rows (ids only)"
     )
+    parser.add_argument("--workers", action="store_true", help="only source_stream's rows/s with 0 and 2 workers")
     parser.add_argument(
         "--resume-only", action="store_true", help="only files()' resume time, in the middle of --rows (ids only)"
     )
@@ -177,6 +201,15 @@ def main() -> None:
             with tempfile.TemporaryDirectory() as d:
                 pattern = write(Path(d), rows, ns.shards, ns.row_group, narrow=True)
                 print(f"| {rows:,} rows | {peak_rss(pattern, rows // 2, 500_000, ns.window):.1f} |")
+        return
+    if ns.workers:
+        with tempfile.TemporaryDirectory() as d:
+            pattern = write(Path(d), ns.rows, ns.shards, ns.row_group)
+            n = ns.rows // ns.shards * ns.shards
+            print(f"| source_stream ({n:,} rows, window {ns.window:,}) | rows/s | main process CPU µs/row |")
+            print("|---|---|---|")
+            for name, rate, cpu in worker_rates(pattern, n, ns.window):
+                print(f"| {name} | {rate:,.0f} | {cpu:.1f} |")
         return
     if ns.resume_only:
         with tempfile.TemporaryDirectory() as d:

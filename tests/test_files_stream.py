@@ -320,7 +320,7 @@ def test_an_arrow_stream_file_as_datasets_caches_them_streams_and_seeks(tmp_path
 
 
 def test_train_on_a_source_is_the_same_with_dataloader_workers(tmp_path):
-    """The source is read in the training process: ``dataloader_num_workers`` changes nothing (the order least)."""
+    """``dataloader_num_workers=2`` reads the source in workers: the run ends bitwise as with none."""
     from resume_fixture import model
 
     from trainfold import TrainingArguments, train

@@ -296,13 +296,26 @@ class FileSource:
         epoch, i = divmod(start, n)
         while True:
             k, j = divmod(i, w)
-            window = self._window(epoch, k)
-            base = epoch * n + k * w
-            for off in range(j, len(window)):
-                yield base + off + 1, window[off]
+            yield from self.window_rows(epoch, k)[j:]
             i = (k + 1) * w
             if i >= n:
                 epoch, i = epoch + 1, 0
+
+    def window_rows(self, epoch: int, k: int) -> list[tuple[int, Any]]:
+        """Window ``k`` of ``epoch``'s rows, each with the position after it: a pure function of ``(epoch, k)``,
+        which DataLoader workers read (``trainfold.data.readers``)."""
+        base = epoch * self.num_rows + k * self.shuffle_window
+        return [(base + off + 1, row) for off, row in enumerate(self._window(epoch, k))]
+
+    def row_at(self, position: int) -> Any:
+        """The row at ``position`` (its window read once per process and kept: a worker reads a micro-batch's rows)."""
+        epoch, i = divmod(position, self.num_rows)
+        k, j = divmod(i, self.shuffle_window)
+        return self._kept_window(epoch, k)[j]
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019 (the source lives as long as its run)
+    def _kept_window(self, epoch: int, k: int) -> list[Any]:
+        return self._window(epoch, k)
 
     def _window(self, epoch: int, k: int) -> list[Any]:
         """The rows of window ``k`` of ``epoch``, permuted: the blocks under it are read, nothing else."""

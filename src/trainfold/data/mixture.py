@@ -43,9 +43,9 @@ import xxhash
 
 from trainfold.core.rng import derive_seed
 from trainfold.core.state import Cursor, scalar
-from trainfold.data.collate import KeyedCollate, sample_key
 from trainfold.data.dealing import cut, deal
 from trainfold.data.filestream import ShardChangedError, is_source
+from trainfold.data.readers import Workers, collated, read_positions, read_rows, worker_steps
 from trainfold.data.samplers import Sampler
 from trainfold.data.shardlog import describe, records, shards_of, split
 from trainfold.data.steps import StepBatch
@@ -80,8 +80,11 @@ class BatchStream:
         """The cursor a run over this stream starts from."""
         raise NotImplementedError
 
-    def batches(self, global_batch: int, start: Cursor | None) -> Iterator[tuple[list[Any], Cursor]]:
-        """Yield each global batch's rows, with the cursor after it, from ``start`` on."""
+    def batches(
+        self, global_batch: int, start: Cursor | None, workers: Workers | None = None
+    ) -> Iterator[tuple[list[Any], Cursor]]:
+        """Yield each global batch's rows, with the cursor after it, from ``start`` on (its sources' rows read
+        by ``workers``' DataLoader workers)."""
         raise NotImplementedError
 
 
@@ -244,8 +247,14 @@ def _start_positions(components: list[Any], fingerprints: list[int], start: Curs
     return step, [p for p, _ in recorded]
 
 
-def global_batches(source: Any, global_batch: int, start: Cursor | None = None) -> Iterator[tuple[list[Any], Cursor]]:
+def global_batches(
+    source: Any, global_batch: int, start: Cursor | None = None, workers: Workers | None = None, keys: bool = False
+) -> Iterator[tuple[list[Any], Cursor]]:
     """Yield each global batch's rows, with the cursor after it, from ``start`` on.
+
+    With ``workers`` (``num_workers > 0``) each source's windows are read in DataLoader workers
+    (``trainfold.data.readers``); the rows and cursors are the same. ``keys`` yields each row as its
+    key ``(source, position after)`` instead (the rows are not read unless a filter must see them).
 
     >>> from trainfold.data.transforms import Mapped
     >>> class Count:
@@ -261,21 +270,22 @@ def global_batches(source: Any, global_batch: int, start: Cursor | None = None) 
     ([0, 1, 2], (0, 1), [3, 1])
     """
     if isinstance(source, BatchStream):
-        yield from source.batches(global_batch, start)
+        yield from source.batches(global_batch, start, workers)
         return
     components, counts_of, mix_seed, fingerprints = _components(source)
     counts = counts_of(global_batch)
     step, positions = _start_positions(components, fingerprints, start)
     shard_rows = records(components)
     certificate = 0 if start is None else without_certificate(start)[1]
-    readers = [c.rows(p) for c, p in zip(components, positions)]
+    read = read_positions if keys else read_rows
+    readers = [read(c, p, workers or Workers()) for c, p in zip(components, positions)]
     while True:
         rows: list[Any] = []
         ids: list[int] = []
         for i, (reader, n) in enumerate(zip(readers, counts)):
             for pos, row in itertools.islice(reader, n):
                 positions[i] = pos
-                rows.append(row)
+                rows.append((i, pos) if keys else row)
                 ids.append(components[i].sample_id(pos - 1) ^ i)  # a source's ids differ from another's
         if mix_seed is not None:
             order = np.random.default_rng([mix_seed, 3, step]).permutation(len(rows))
@@ -297,6 +307,9 @@ def source_stream(
     start: Cursor | None = None,
     seed: int = 0,
     max_steps: int | None = None,
+    dataloader_num_workers: int = 0,
+    dataloader_prefetch_factor: int | None = None,
+    dataloader_persistent_workers: bool = False,
 ) -> Iterator[StepBatch]:
     """Yield this rank's optimizer steps over a streaming source (or mixture) from ``start`` (a cursor).
 
@@ -305,8 +318,12 @@ def source_stream(
     the list of rows; a :func:`~trainfold.data.keyed` collator also gets each row's key
     ``sample_key(seed, 0, ordinal)``). ``max_steps`` counts from the start of the run (a resumed stream
     stops at the same step). ``StepBatch.indices`` holds each micro-batch's row ordinals in the run
-    (``step × global + i``).
+    (``step × global + i``). ``dataloader_num_workers > 0`` reads and transforms the sources' rows in that many
+    DataLoader workers per source (``trainfold.data.readers``: the same rows and cursors as 0); packing and the
+    collator run in this process. A source's loader is iterated once, for the whole stream, so its workers
+    persist whatever ``dataloader_persistent_workers`` says.
     """
+    workers = Workers(dataloader_num_workers, dataloader_prefetch_factor, dataloader_persistent_workers)
     sizes = {
         "per_device_train_batch_size": per_device_train_batch_size,
         "gradient_accumulation_steps": gradient_accumulation_steps,
@@ -323,19 +340,18 @@ def source_stream(
     mine = deal(cut(list(range(g)), per_device_train_batch_size), world_size)[rank]
     collate = collate or _as_list
     done = 0 if start is None else start.as_tuple()[1]
-    batches = global_batches(source, g, start)
+    if workers.num_workers and not isinstance(source, BatchStream):  # the workers read and collate the rows
+        keyed = global_batches(source, g, start, workers, keys=True)
+        run = worker_steps(_components(source)[0], keyed, mine, (done, max_steps), collate, seed, workers)
+        yield from (StepBatch(micro, after, ordinals) for micro, after, ordinals in run)
+        return
+    batches = global_batches(source, g, start, workers)
     while max_steps is None or done < max_steps:
         rows, after = next(batches)
         ordinals = [[done * g + i for i in m] for m in mine]
-        micro = [_collated(collate, seed, [rows[i] for i in m], o) for m, o in zip(mine, ordinals)]
+        micro = [collated(collate, seed, [rows[i] for i in m], o) for m, o in zip(mine, ordinals)]
         yield StepBatch(micro, after, ordinals)
         done += 1
-
-
-def _collated(collate: Callable[..., Any], seed: int, rows: list[Any], ordinals: list[int]) -> Any:
-    if isinstance(collate, KeyedCollate):
-        return collate(rows, [sample_key(seed, 0, o) for o in ordinals])
-    return collate(rows)
 
 
 def _as_list(rows: list[Any]) -> list[Any]:
@@ -350,12 +366,16 @@ def source_steps(
     start: Cursor | None = None,
     num_epochs: int | None = None,
     max_steps: int | None = None,
-    **loader_options: Any,
+    dataloader_num_workers: int = 0,
+    dataloader_persistent_workers: bool = False,
+    dataloader_prefetch_factor: int | None = None,
+    dataloader_pin_memory: bool = False,
 ) -> Iterator[StepBatch]:
     """:func:`~trainfold.data.stream`'s call over a streaming source: ``source_stream`` with the sampler's sizes.
 
-    A source is one endless stream (``num_epochs`` must be ``None``: give ``max_steps``). It is read in
-    this process: the ``dataloader_*`` options start no workers (the order never depends on them).
+    A source is one endless stream (``num_epochs`` must be ``None``: give ``max_steps``). Its rows are read
+    in ``dataloader_num_workers`` DataLoader workers (0: in this process); the order never depends on them.
+    The micro-batches are collated in this process (``dataloader_pin_memory`` pins nothing here).
     """
     if num_epochs is not None:
         raise ValueError(
@@ -371,6 +391,9 @@ def source_steps(
         start=start,
         seed=sampler.seed,
         max_steps=max_steps,
+        dataloader_num_workers=dataloader_num_workers,
+        dataloader_prefetch_factor=dataloader_prefetch_factor,
+        dataloader_persistent_workers=dataloader_persistent_workers,
     )
 
 

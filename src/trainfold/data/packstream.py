@@ -58,6 +58,7 @@ from trainfold.data.mixture import (
     without_certificate,
 )
 from trainfold.data.packing import PACKING_WINDOW, pack
+from trainfold.data.readers import Workers
 
 __all__ = ["Packed", "packed"]
 
@@ -84,11 +85,16 @@ class Packed(BatchStream):
         mine = torch.tensor([[0, self.fingerprint], [0, self.fingerprint], [0, SAMPLES]], dtype=torch.int64)
         return Cursor(scalar(0), scalar(0), torch.cat([inner.streams, mine]))
 
-    def batches(self, global_batch: int, start: Cursor | None) -> Iterator[tuple[list[Any], Cursor]]:
-        """Yield ``global_batch`` packed rows per step, with the cursor after each, from ``start`` on."""
+    def batches(
+        self, global_batch: int, start: Cursor | None, workers: Workers | None = None
+    ) -> Iterator[tuple[list[Any], Cursor]]:
+        """Yield ``global_batch`` packed rows per step, with the cursor after each, from ``start`` on.
+
+        ``workers`` read the source's rows (``trainfold.data.readers``); the packing runs in this process.
+        """
         start, certificate = without_certificate(start or self.start_cursor())
         step, window_start, taken = self._resume(start)
-        windows = global_batches(self.source, self.window, window_start)
+        windows = global_batches(self.source, self.window, window_start, workers)
         batch, after = next(windows)
         queue = self._pack(batch)[taken:]
         while True:

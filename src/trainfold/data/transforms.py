@@ -17,7 +17,16 @@ from typing import Any
 
 import attrs
 
-__all__ = ["Filtered", "Mapped"]
+__all__ = ["Filtered", "Mapped", "empty_epoch_error"]
+
+
+def empty_epoch_error(fn: Any, num_rows: int, epoch: int) -> ValueError:
+    """The error of a filter that kept none of the ``num_rows`` rows of ``epoch`` (the stream would never yield)."""
+    return ValueError(
+        f"the filter {getattr(fn, '__qualname__', fn)!r} kept none of the {num_rows} rows of epoch "
+        f"{epoch} of the source: a stream of no rows cannot make a batch; check the filter "
+        "(or the columns it reads)"
+    )
 
 
 @attrs.frozen(eq=False)
@@ -31,6 +40,16 @@ class _Derived:
     def num_rows(self) -> int:
         """Rows of one epoch of the base (before any filter: how many one keeps is unknown until read)."""
         return int(self.base.num_rows)
+
+    @property
+    def seed(self) -> int:
+        """The base's seed (the order's)."""
+        return int(self.base.seed)
+
+    @property
+    def shuffle_window(self) -> int:
+        """The base's window: rows read, shuffled and transformed together (``trainfold.data.readers``)."""
+        return int(self.base.shuffle_window)
 
     def fingerprint(self) -> int:
         """The base's fingerprint (a transform's code is not fingerprinted)."""
@@ -70,11 +89,15 @@ class Filtered(_Derived):
                 kept_since = pos
                 yield pos, row
             elif pos % n == 0 and pos - n >= clean_from and (kept_since is None or kept_since <= pos - n):
-                raise ValueError(
-                    f"the filter {getattr(self.fn, '__qualname__', self.fn)!r} kept none of the {n} rows of epoch "
-                    f"{pos // n - 1} of the source: a stream of no rows cannot make a batch; check the filter "
-                    "(or the columns it reads)"
-                )
+                raise empty_epoch_error(self.fn, n, pos // n - 1)
+
+    def row_at(self, position: int) -> Any:
+        """The base's row at ``position``, which the caller knows this filter keeps (:meth:`window_rows` said so)."""
+        return self.base.row_at(position)
+
+    def window_rows(self, epoch: int, k: int) -> list[tuple[int, Any]]:
+        """The kept rows of the base's window ``k`` of ``epoch``, with their positions (what :meth:`rows` yields)."""
+        return [(pos, row) for pos, row in self.base.window_rows(epoch, k) if self.fn(row)]
 
 
 @attrs.frozen(eq=False)
@@ -87,3 +110,11 @@ class Mapped(_Derived):
         """Yield ``(position after, fn(row))`` from ``start`` on."""
         for pos, row in self.base.rows(start):
             yield pos, self.fn(row)
+
+    def row_at(self, position: int) -> Any:
+        """The base's row at ``position``, transformed."""
+        return self.fn(self.base.row_at(position))
+
+    def window_rows(self, epoch: int, k: int) -> list[tuple[int, Any]]:
+        """The base's window ``k`` of ``epoch``, transformed, with the rows' positions (what :meth:`rows` yields)."""
+        return [(pos, self.fn(row)) for pos, row in self.base.window_rows(epoch, k)]
