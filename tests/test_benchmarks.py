@@ -103,3 +103,8 @@ def test_streaming_quick():
     pytest.importorskip("datasets")
     out = run("benchmarks/streaming.py", "--quick")
     assert "| files(), shuffled |" in out and "| datasets streaming, file order |" in out
+
+
+def test_rollout_publish_quick():
+    out = run("benchmarks/rollout_publish.py", "--quick")
+    assert "| ProcessEngine.publish |" in out and "| dist.broadcast |" in out and "| ratio (median of rounds) |" in out

@@ -29,6 +29,7 @@ LAYERS = (
     "ckpt",
     "observe",
     "ensemble",
+    "rollout",
     "loop",
     "trainer",
     "sft",

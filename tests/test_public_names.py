@@ -15,7 +15,7 @@ TOP = [
     "keyed", "kto", "latest_checkpoint", "load", "log_metrics", "loop", "make_ensemble_step", "make_sampler",
     "make_step", "max_steps", "max_time", "observe", "optim", "pack", "packed_collate", "pad_collate",
     "padding_free_collate", "predict", "replay", "reward", "save", "save_metrics", "save_model", "save_state",
-    "sft", "sgd", "split_ensemble", "step", "stream", "train", "trainer", "trajectory", "warm_up_kernels",
+    "rollout", "sft", "sgd", "split_ensemble", "step", "stream", "train", "trainer", "trajectory", "warm_up_kernels",
 ]  # fmt: skip
 
 # each algorithm package: its run, its Arguments and a piece of it, as the docs name them

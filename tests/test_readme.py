@@ -26,6 +26,7 @@ PAGES = (
 RUN_ELSEWHERE = {
     "docs/migration.md": "tests/test_migrate_docs.py",
     "docs/rl.md": "tests/test_docs_rl.py",
+    "docs/rollout.md": "tests/test_rollout_docs.py",
     "docs/streaming.md": "tests/test_files_stream.py",
 }
 

@@ -4,7 +4,8 @@ Three tiers, each usable alone: ``fit`` (a bare fold over ``make_step``), ``loop
 hooks as values, a run directory, resume) and ``train`` (an HF run: ``TrainingArguments`` planned into
 ``loop.run``); ``sft``, ``dpo`` and ``grpo`` are TRL's algorithms on top. The layers, bottom up: ``core``,
 ``distributed``, ``optim``, ``data``, ``step``, ``evaluation``, ``ckpt``, ``observe``, ``ensemble``, ``loop``,
-``trainer``, ``sft``, ``dpo``, ``grpo``, ``cli``.
+``trainer``, ``sft``, ``dpo``, ``grpo``, ``cli``; ``rollout`` (generation engines for online RL) sits
+above ``ensemble``.
 
 The ``if TYPE_CHECKING`` block below is the one list of the public names: type checkers and editors read
 it as imports, and at run time it is read as the table of what to import when a name is first used
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
         observe,
         optim,
         reward,
+        rollout,
         sft,
         step,
         trainer,

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from trainfold.core.forward import Forward, make_forward, train_mode
 from trainfold.core.losses import logits_of
 
-__all__ = ["functional_forward", "generate", "pad_right", "token_logps"]
+__all__ = ["filter_logits", "functional_forward", "generate", "pad_right", "token_logps"]
 
 
 def functional_forward(model: nn.Module, buffers: Mapping[str, Tensor] | None = None) -> Forward:
@@ -91,6 +91,30 @@ def token_logps(logits: Tensor, input_ids: Tensor, temperature: float = 1.0) -> 
     return picked - shifted.logsumexp(-1)
 
 
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Return ``logits`` with the tokens outside the top ``top_k`` and the ``top_p`` nucleus set to ``-inf``.
+
+    transformers' ``TopKLogitsWarper`` then ``TopPLogitsWarper`` (one token always kept); ``top_k=0`` and
+    ``top_p=1.0`` keep every token (and return ``logits`` itself).
+
+    >>> import torch
+    >>> filter_logits(torch.tensor([[1.0, 3.0, 2.0]]), top_k=2).tolist()
+    [[-inf, 3.0, 2.0]]
+    >>> filter_logits(torch.log(torch.tensor([[0.5, 0.3, 0.2]])), top_p=0.6).isinf().tolist()
+    [[False, False, True]]
+    """
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cumulative <= (1 - top_p)
+        drop_sorted[..., -1:] = False  # keep at least one token
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    return logits
+
+
 def _check(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float) -> None:
     problems = []
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -115,14 +139,14 @@ def generate(
     generator: torch.Generator | None = None,
     pad_token_id: int = 0,
     buffers: Mapping[str, Tensor] | None = None,
+    top_k: int = 0,
+    top_p: float = 1.0,
 ) -> list[list[int]]:
     """Sample a completion for each prompt (token id lists); return the completions' token ids.
 
-    Tokens are drawn from ``softmax(logits / temperature)`` with ``generator`` (``temperature=0``
-    takes the argmax); a CPU generator also serves a model on another device. A completion stops
-    after its first ``eos_token_id`` (which it keeps) or after ``max_new_tokens`` tokens. The model
-    runs in eval mode (no dropout) on ``params``; the module's own weights and training flag are
-    left as they were.
+    Tokens are drawn from ``softmax(filter_logits(logits / temperature, top_k, top_p))`` with ``generator``
+    (``temperature=0``: argmax; a CPU generator serves any device). A completion stops after its first
+    ``eos_token_id`` (kept) or ``max_new_tokens`` tokens; the model runs in eval mode on ``params``, untouched.
 
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
     >>> _ = torch.manual_seed(0)
@@ -151,7 +175,7 @@ def generate(
             if temperature == 0:
                 nxt = last.argmax(-1)
             else:
-                probs = torch.softmax(last / temperature, dim=-1)
+                probs = torch.softmax(filter_logits(last / temperature, top_k, top_p), dim=-1)
                 if generator is not None and generator.device.type != probs.device.type:
                     probs = probs.to(generator.device)  # draw where the generator lives
                 nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(device)
