@@ -1,0 +1,180 @@
+"""GRPO on a rollout engine: the local engine at staleness 0 is the engine-less run bitwise; with
+``max_staleness >= 1`` the next blocks are submitted before the current one trains, each with the weights of
+version ``max(0, t - max_staleness)``, corrected by TRL's importance-sampling ratio; runs resume bitwise with
+generations in flight (local and process engines)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+from trainfold import init_state, loop, make_step, sgd
+from trainfold.core.models import TinyLM, TinyLMConfig
+from trainfold.grpo import RolloutEngine
+from trainfold.grpo.args import GRPOArguments
+from trainfold.grpo.rollouts import PUBLISHED, BatchedEngine, Rollouts
+from trainfold.grpo.run import BUFFER, Codec, GRPORun, grpo_stream, train
+from trainfold.rollout import ProcessEngine
+from trainfold.rollout import RolloutEngine as ProtocolItself
+
+CFG = TinyLMConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, max_len=16)
+CODEC = Codec(lambda s: [1 + int(c) for c in s], lambda ids: "".join(str(i % 10) for i in ids))
+DATA = [{"prompt": str(d) + str(d + 1)} for d in range(8)]
+
+
+def lm(seed: int = 0) -> TinyLM:
+    torch.manual_seed(seed)
+    return TinyLM(CFG)
+
+
+def digit_sum(prompts, completions, **_):
+    return [sum(int(ch) for ch in c) / 10 for c in completions]
+
+
+def args_of(out, **kw) -> GRPOArguments:
+    base = dict(
+        output_dir=str(out),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=4,
+        report_to="none",
+        disable_tqdm=True,
+        logging_steps=1,
+        learning_rate=5e-2,
+        save_strategy="no",
+        seed=3,
+    )
+    return GRPOArguments(**{**base, **kw})
+
+
+def research_run(run, steps: int = 4):
+    """Run ``run``'s stream with ``loop.run``; return the final state and the losses of each step."""
+    losses: list[torch.Tensor] = []
+    step = make_step(run.model, optimizer=sgd(0.05), objective=run.objective)
+    hook = loop.every(1, lambda s, log: losses.append(s.metrics["loss"].clone()))
+    state, _ = loop.run(
+        step, init_state(run.model, sgd(0.05), seed=run.args.seed), run.stream(), stop=lambda s: int(s.step) >= steps,
+        hooks=[hook],
+    )  # fmt: skip
+    return state, losses
+
+
+def test_the_protocol_is_public_at_grpo():
+    assert RolloutEngine is ProtocolItself
+    assert isinstance(BatchedEngine(lm()), RolloutEngine)
+
+
+def test_local_engine_at_staleness_0_is_the_run_without_an_engine_bitwise(tmp_path):
+    args = args_of(tmp_path, gradient_accumulation_steps=2, steps_per_generation=4, beta=0.05)
+    with_engine = grpo_stream(lm(), args, DATA, digit_sum, codec=CODEC)
+    assert isinstance(with_engine.rollouts, Rollouts) and with_engine.rollouts.plan.correction is None
+    engineless = attrs.evolve(grpo_stream(lm(), args, DATA, digit_sum, codec=CODEC), rollouts=None)  # main's path
+    ours, our_losses = research_run(with_engine)
+    theirs, their_losses = research_run(engineless)
+    assert [float(x) for x in our_losses] == [float(x) for x in their_losses] and len(our_losses) == 4
+    assert all(torch.equal(a, b) for a, b in zip(our_losses, their_losses))
+    assert not torch.equal(ours.params["tok.weight"], lm().tok.weight)
+    for k in ours.params:
+        assert torch.equal(ours.params[k], theirs.params[k]), k
+    assert torch.equal(ours.extras[BUFFER].completion_ids, theirs.extras[BUFFER].completion_ids)
+    assert with_engine.rollouts.engine.version == 2  # generations at steps 0 and 2, each with its step as version
+
+
+class Recorder:
+    """Record the run's order of events: each submit (generation key, version, step of the state) and step."""
+
+    def __init__(self, monkeypatch):
+        self.events: list[tuple] = []
+        real = Rollouts.submit
+
+        def submit(r, state, key, prompt_ids, version):
+            if key not in r._open:
+                self.events.append(("submit", version, int(state.step)))
+            return real(r, state, key, prompt_ids, version)
+
+        monkeypatch.setattr(Rollouts, "submit", submit)
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_async_submits_ahead_with_the_version_the_schedule_names(tmp_path, monkeypatch, staleness):
+    rec = Recorder(monkeypatch)
+    args = args_of(tmp_path, max_staleness=staleness)
+    run = grpo_stream(lm(), args, DATA, digit_sum, codec=CODEC)
+    versions = []
+    real = GRPORun.generation
+
+    def generation(self, state, epoch, number, indices):
+        buffer, metrics = real(self, state, epoch, number, indices)
+        if self.args.max_staleness:
+            versions.append((int(state.step), buffer.versions.unique().tolist()))
+            assert buffer.is_ratio is not None and buffer.old_logps is not None
+        return buffer, metrics
+
+    monkeypatch.setattr(GRPORun, "generation", generation)
+    state, losses = research_run(run)
+    # block t (one generation per step here) is generated with version max(0, t - staleness)
+    assert versions == [(t, [max(0, t - staleness)]) for t in range(4)]
+    # at step v the generation of step v + staleness is submitted, before step v trains
+    submits = [e for e in rec.events if e[0] == "submit"]
+    assert submits[: staleness + 1] == [("submit", 0, 0)] * (staleness + 1)
+    assert submits[staleness + 1 :] == [("submit", v, v) for v in range(1, 4)]
+    assert state.extras[PUBLISHED]["versions"].tolist() == [max(0, 4 - staleness + j) for j in range(staleness)]
+    versions.clear()
+    again, again_losses = research_run(grpo_stream(lm(), args, DATA, digit_sum, codec=CODEC))
+    assert all(torch.equal(a, b) for a, b in zip(losses, again_losses))  # a pure function of the schedule
+    for k in state.params:
+        assert torch.equal(state.params[k], again.params[k]), k
+    sync, _ = research_run(grpo_stream(lm(), args_of(tmp_path), DATA, digit_sum, codec=CODEC))
+    assert not torch.equal(sync.params["tok.weight"], state.params["tok.weight"])  # stale samples train otherwise
+
+
+def test_the_loss_multiplies_the_policy_terms_by_trls_is_ratio():
+    from trainfold.grpo.objective import grpo_objective
+
+    objective = grpo_objective("grpo", beta=0.0)
+    logps = torch.tensor([[-1.0, -2.0, -0.5]])
+    mb = {"completion_mask": torch.tensor([[0, 1, 1, 1]]), "advantages": torch.tensor([1.0])}
+    plain, _ = objective.loss_from_logps(logps, torch.zeros_like(logps), mb, torch.tensor(3))
+    weighted, _ = objective.loss_from_logps(
+        logps, torch.zeros_like(logps), {**mb, "importance_sampling_ratio": torch.tensor([[0.5, 0.5, 0.5]])},
+        torch.tensor(3),
+    )  # fmt: skip
+    assert torch.allclose(weighted, plain * 0.5)
+
+
+def _resume_case(tmp_path, engine: str, staleness: int, tag: str):
+    args = args_of(tmp_path / f"{tag}-a", rollout_engine=engine, max_staleness=staleness, max_completion_length=3)
+    straight = train(lm(), args, DATA, digit_sum, codec=CODEC)
+    saving = args.replace(output_dir=str(tmp_path / f"{tag}-b"), save_strategy="steps", save_steps=1)
+    first = train(lm(), saving, DATA, digit_sum, codec=CODEC, stop=lambda s: int(s.step) >= 2)
+    assert first.status == "stopped" and first.global_step == 2
+    resumed = train(lm(), saving, DATA, digit_sum, codec=CODEC, resume_from_checkpoint=True)
+    assert resumed.global_step == 4
+    losses = lambda r: [e["loss"] for e in r.log_history if "loss" in e]
+    assert losses(resumed)[-2:] == losses(straight)[-2:]
+    for k in straight.state.params:
+        assert torch.equal(straight.state.params[k], resumed.state.params[k]), (engine, staleness, k)
+    return straight
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_stop_and_resume_with_generations_in_flight_is_bitwise_local(tmp_path, staleness):
+    _resume_case(tmp_path, "local", staleness, "local")
+
+
+def test_stop_and_resume_with_generations_in_flight_is_bitwise_process(tmp_path):
+    for staleness in (0, 1):
+        straight = _resume_case(tmp_path, "process", staleness, f"p{staleness}")
+        assert not torch.equal(straight.state.params["tok.weight"], lm().tok.weight)
+
+
+def test_process_engine_generates_in_another_process(tmp_path):
+    run = grpo_stream(lm(), args_of(tmp_path, rollout_engine="process", max_staleness=1), DATA, digit_sum, codec=CODEC)
+    try:
+        research_run(run, steps=2)
+        assert isinstance(run.rollouts.engine, ProcessEngine) and run.rollouts.engine.process.is_alive()
+        assert run.rollouts.engine.version == 1
+    finally:
+        run.rollouts.close()
