@@ -178,3 +178,88 @@ def test_process_engine_generates_in_another_process(tmp_path):
         assert run.rollouts.engine.version == 1
     finally:
         run.rollouts.close()
+
+
+# -- preemption and faults -------------------------------------------------------------------------------
+
+
+def test_sigterm_with_generations_in_flight_on_the_process_engine_resumes_bitwise(tmp_path):
+    import os
+    import signal
+
+    calls = []
+
+    def interrupting(prompts, completions, **_):
+        calls.append(len(completions))
+        if len(calls) == 2:  # while step 2 is made: generation of step 3 is in flight on the server
+            os.kill(os.getpid(), signal.SIGTERM)
+        return digit_sum(prompts, completions)
+
+    args = args_of(tmp_path / "a", rollout_engine="process", max_staleness=1, max_completion_length=3)
+    straight = train(lm(), args, DATA, digit_sum, codec=CODEC)
+    jit = args.replace(output_dir=str(tmp_path / "b"), enable_jit_checkpoint=True)
+    first = train(lm(), jit, DATA, interrupting, codec=CODEC)
+    assert first.status == "preempted" and first.global_step == 2
+    assert first.state.extras[PUBLISHED]["versions"].tolist() == [1]  # the weights the open generation needs
+    resumed = train(lm(), jit, DATA, interrupting, codec=CODEC, resume_from_checkpoint=True)
+    assert resumed.global_step == 4
+    for k in straight.state.params:
+        assert torch.equal(straight.state.params[k], resumed.state.params[k]), k
+
+
+def _killing(run, at_call: int):
+    import os
+    import signal
+
+    calls = []
+
+    def reward(prompts, completions, **_):
+        calls.append(1)
+        if len(calls) == at_call:  # the generation of the next step is in flight on the server
+            os.kill(run.rollouts.engine.process.pid, signal.SIGKILL)
+            run.rollouts.engine.process.join()
+        return digit_sum(prompts, completions)
+
+    return reward
+
+
+def test_a_dead_generation_process_is_restarted_and_regenerates_its_open_requests_bitwise(tmp_path):
+    args = args_of(tmp_path, rollout_engine="process", max_staleness=1, max_completion_length=3)
+    clean = grpo_stream(lm(), args, DATA, digit_sum, codec=CODEC)
+    try:
+        straight, straight_losses = research_run(clean)
+    finally:
+        clean.rollouts.close()
+    run = grpo_stream(lm(), args, DATA, digit_sum, codec=CODEC)
+    object.__setattr__(run, "reward_funcs", (_killing(run, at_call=2),))
+    try:
+        state, losses = research_run(run)
+        assert run.rollouts.restarts == 1
+    finally:
+        run.rollouts.close()
+    assert all(torch.equal(a, b) for a, b in zip(losses, straight_losses))
+    for k in state.params:
+        assert torch.equal(state.params[k], straight.params[k]), k
+
+
+def test_a_generation_process_that_keeps_dying_stops_the_run_by_name(tmp_path, monkeypatch):
+    from trainfold.grpo import rollouts
+    from trainfold.rollout import EngineDied
+
+    monkeypatch.setattr(rollouts, "MAX_RESTARTS", 0)
+    args = args_of(tmp_path, rollout_engine="process", max_staleness=1, max_completion_length=3)
+    run = grpo_stream(lm(), args, DATA, digit_sum, codec=CODEC)
+    object.__setattr__(run, "reward_funcs", (_killing(run, at_call=2),))
+    try:
+        with pytest.raises(EngineDied, match=r"the 'process' rollout engine died 1 times, the last at step 2.*resume"):
+            research_run(run)
+    finally:
+        run.rollouts.close()
+
+
+def test_a_reward_function_that_raises_is_named_with_its_prompts(tmp_path):
+    def broken(prompts, completions, **_):
+        raise KeyError("answer")
+
+    with pytest.raises(RuntimeError, match=r"reward function broken raised KeyError: 'answer'.*prompts '\d\d'"):
+        train(lm(), args_of(tmp_path), DATA, broken, codec=CODEC)

@@ -47,6 +47,7 @@ from trainfold.rollout.staleness import importance_sampling_ratio
 __all__ = ["PUBLISHED", "BatchedEngine", "Rollouts", "published_template"]
 
 PUBLISHED = "grpo_published"  # state.extras: the weights of the versions generations in flight were submitted with
+MAX_RESTARTS = 2  # engines a run starts again after the one it had died
 
 
 class BatchedEngine:
@@ -143,7 +144,8 @@ class Rollouts:
     make_engine: Callable[[Any], RolloutEngine]
     engine: RolloutEngine | None = None
     last: list[Completion] = attrs.field(factory=list)  # the completions of the generation taken last
-    _open: dict[int, tuple[list[str], int]] = attrs.field(factory=dict)  # key -> request ids, version
+    restarts: int = 0  # engines started again after one died
+    _open: dict[int, tuple[list[str], int, list[list[int]]]] = attrs.field(factory=dict)  # key -> ids, version, prompts
     _ready: dict[str, Completion] = attrs.field(factory=dict)
 
     def _engine(self, state: Any) -> RolloutEngine:
@@ -157,8 +159,10 @@ class Rollouts:
 
     def submit(self, state: Any, key: int, prompt_ids: Sequence[list[int]], version: int) -> None:
         """Submit one generation (its prompts in row order) with the weights of ``version``."""
-        if key in self._open:
-            return
+        if key not in self._open:
+            self._guarded(state, lambda: self._submit(state, key, prompt_ids, version))
+
+    def _submit(self, state: Any, key: int, prompt_ids: Sequence[list[int]], version: int) -> None:
         engine = self._engine(state)
         if engine.version != version:
             engine.publish(version, self._weights(state, version))
@@ -173,7 +177,34 @@ class Rollouts:
             for row, ids in enumerate(prompt_ids)
         ]
         engine.submit(requests)
-        self._open[key] = ([r.request_id for r in requests], version)
+        self._open[key] = ([r.request_id for r in requests], version, [list(p) for p in prompt_ids])
+
+    def _guarded(self, state: Any, action: Callable[[], Any]) -> Any:
+        """Run ``action``; where the engine died, start a new one, resubmit every open generation (the same
+        requests on the same weights: the same completions) and run it again, ``MAX_RESTARTS`` times a run."""
+        while True:
+            try:
+                return action()
+            except EngineDied as e:
+                if self.restarts >= MAX_RESTARTS:
+                    raise EngineDied(
+                        f"the {self.plan.engine!r} rollout engine died {self.restarts + 1} times, the last at step "
+                        f"{int(state.step)} ({e}); the run stops: resume it from its last checkpoint once the "
+                        "generation process can run"
+                    ) from e
+                self.restarts += 1
+                self._restart(state)
+
+    def _restart(self, state: Any) -> None:
+        opened = list(self._open.items())  # in submission order
+        if self.engine is not None:
+            try:
+                self.engine.close()
+            except Exception:  # the process is gone: nothing to free
+                pass
+        self.engine, self._open, self._ready = None, {}, {}
+        for key, (_, version, prompt_ids) in opened:
+            self._submit(state, key, prompt_ids, version)
 
     def _weights(self, state: Any, version: int) -> Mapping[str, Tensor]:
         if version == int(state.step):
@@ -191,19 +222,8 @@ class Rollouts:
         """Return generation ``key``'s completions in row order, waiting for them; submit it first (with the
         state's weights) where it is not in flight (a synchronous generation, an evaluation)."""
         self.submit(state, key, prompt_ids, int(state.step))
-        ids, _ = self._open.pop(key)
-        engine = self._engine(state)
-        try:
-            while any(i not in self._ready for i in ids):
-                got = engine.poll(min_items=1)
-                if not got:
-                    raise RuntimeError(f"the rollout engine returned none of the open requests of generation {key}")
-                self._ready.update((c.request_id, c) for c in got)
-        except EngineDied as e:
-            raise EngineDied(
-                f"the {self.plan.engine!r} rollout engine died while generating {len(ids)} completions for step "
-                f"{int(state.step)}: {e}"
-            ) from e
+        self._guarded(state, lambda: self._wait(state, key))
+        ids = self._open.pop(key)[0]
         self.last = [self._ready.pop(i) for i in ids]
         return self.last
 
@@ -240,6 +260,14 @@ class Rollouts:
         mode, low, high = self.plan.correction
         ratio = importance_sampling_ratio(buffer.old_logps, sampled, mask, mode, low, high)
         return attrs.evolve(out, is_ratio=(ratio.expand(rows, width) * mask).contiguous())
+
+    def _wait(self, state: Any, key: int) -> None:
+        ids = self._open[key][0]
+        while any(i not in self._ready for i in ids):
+            got = self._engine(state).poll(min_items=1)
+            if not got:
+                raise RuntimeError(f"the rollout engine returned none of the open requests of generation {key}")
+            self._ready.update((c.request_id, c) for c in got)
 
     def close(self) -> None:
         if self.engine is not None:

@@ -372,7 +372,7 @@ class GRPORun:
         def part(buffer: GenerationBuffer, index: int) -> dict[str, Tensor]:
             return self.micro_batch(buffer, index, size, device)
 
-        state = self._prefetch(state)
+        self._prefetch(state)
         schedule = self.args.generation_schedule
         buffer, micro, _ = schedule_step(schedule, state.extras[BUFFER], step.micro_steps, generate, part)
         # the last generation's metrics (built-in, and the reward functions' log_metric) end here; the step
@@ -380,22 +380,23 @@ class GRPORun:
         metrics = {k: v for k, v in state.metrics.items() if k in METRIC_KEYS}
         if made:  # logged with the step that generated, as TRL logs them with the generation
             metrics.update(_means(made))
+        if self.rollouts is not None and self.rollouts.plan.max_staleness > 0:
+            state = self.rollouts.published(state)  # the weights the generations in flight after this step need
         state = attrs.evolve(state, metrics=metrics, extras={**state.extras, BUFFER: buffer})
         return state, StepBatch(micro, step.cursor)
 
-    def _prefetch(self, state: TrainState) -> TrainState:
-        """Submit the generations of the next ``max_staleness`` steps, each with the weights of its version, and
-        return the state holding those weights (``trainfold.grpo.rollouts``); nothing when on-policy."""
+    def _prefetch(self, state: TrainState) -> None:
+        """Submit the generations of the next ``max_staleness`` steps, each with the weights of its version
+        (``trainfold.grpo.rollouts``); nothing when on-policy."""
         r = self.rollouts
         if r is None or r.plan.max_staleness == 0:
-            return state
+            return
         v, schedule, g = int(state.step), self.args.generation_schedule, self.sampling.num_generations
         for ahead, item in enumerate(itertools.islice(self.steps(state.cursor), r.plan.max_staleness + 1)):
             for n in sorted({schedule.generation(k) for k in item.micro_steps if schedule.generates(k)}):
                 key = derive_seed(int(state.seed), item.epoch, n, _GENERATE)
                 prompt_ids = [self.prompt_ids(i) for i in item.order[n] for _ in range(g)]
                 r.submit(state, key, prompt_ids, r.version_of(v + ahead))
-        return r.published(state)
 
     def _eval_loss(self, state: TrainState, out: Mapping[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         """Return the objective and its metrics on one eval batch, as TRL's evaluation: on-policy, not split or
