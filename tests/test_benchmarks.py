@@ -105,6 +105,12 @@ def test_streaming_quick():
     assert "| files(), shuffled |" in out and "| datasets streaming, file order |" in out
 
 
+def test_grpo_async_quick():
+    out = run("benchmarks/grpo_async.py", "--quick")
+    assert "| synchronous (max_staleness=0) |" in out and "| asynchronous (max_staleness=1) |" in out
+    assert "| ratio (median of rounds) |" in out
+
+
 def test_rollout_publish_quick():
     out = run("benchmarks/rollout_publish.py", "--quick")
     assert "| ProcessEngine.publish |" in out and "| dist.broadcast |" in out and "| ratio (median of rounds) |" in out

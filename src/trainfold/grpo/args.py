@@ -14,8 +14,8 @@ is taken.
 >>> try:
 ...     GRPOArguments(use_vllm=True)
 ... except TypeError as e:
-...     print(str(e).replace("a trl.GRPOConfig setting that trainfold does not take", "not taken"))
-use_vllm=True is not taken: generation runs on trainfold.core.generate; set use_vllm=False
+...     print(str(e).replace("a trl.GRPOConfig setting that trainfold does not take", "not taken").split(";")[0])
+use_vllm=True is not taken: generation runs on the rollout engine GRPOArguments.rollout_engine names
 >>> generation_order(6, 2, seed=0, epoch=0)  # TRL's RepeatSampler: a seeded permutation, whole chunks
 [[2, 5], [3, 0], [1, 4]]
 """
@@ -67,7 +67,10 @@ _NOT_GRPOS = (
     (_BASE.max_length, None),
 )
 
-_VLLM = "generation runs on trainfold.core.generate; set use_vllm=False"
+_VLLM = (
+    "generation runs on the rollout engine GRPOArguments.rollout_engine names; set use_vllm=False "
+    "(rollout_engine='vllm' with train(..., engine=trainfold.rollout.VLLMEngine(...)) for a vLLM server)"
+)
 _SAMPLING = "trainfold.core.generate samples from softmax(logits / temperature) only"
 _NOT_YET = "not supported by trainfold's GRPO run yet"
 
