@@ -130,6 +130,19 @@ def test_async_submits_ahead_with_the_version_the_schedule_names(tmp_path, monke
     assert not torch.equal(sync.params["tok.weight"], state.params["tok.weight"])  # stale samples train otherwise
 
 
+@pytest.mark.parametrize("mode", ["sequence_mask", "token_truncate"])
+def test_an_async_generation_logs_trls_sampling_metrics(tmp_path, mode):
+    args = args_of(tmp_path, max_staleness=1, vllm_importance_sampling_mode=mode)
+    state, _ = research_run(grpo_stream(lm(), args, DATA, digit_sum, codec=CODEC), steps=3)
+    buffer, m = state.extras[BUFFER], state.metrics
+    mask = torch.arange(buffer.completion_ids.shape[1])[None, :] < buffer.completion_length[:, None]
+    ratios = buffer.is_ratio[:, 0] if mode.startswith("sequence") else buffer.is_ratio[mask]
+    assert torch.allclose(m["sampling/importance_sampling_ratio/mean"].float(), ratios.mean())
+    assert torch.allclose(m["sampling/importance_sampling_ratio/min"].float(), ratios.min())
+    assert 0 < float(m["sampling/sampling_logp_difference/max"])  # step 2 trains on version 1's samples
+    assert float(m["sampling/sampling_logp_difference/mean"]) <= float(m["sampling/sampling_logp_difference/max"])
+
+
 def test_the_loss_multiplies_the_policy_terms_by_trls_is_ratio():
     from trainfold.grpo.objective import grpo_objective
 

@@ -127,6 +127,26 @@ class BatchedEngine:
         self._done = []
 
 
+def _sampling_metrics(old: Tensor, sampled: Tensor, mask: Tensor, ratio: Tensor) -> dict[str, Tensor]:
+    """TRL's ``sampling/sampling_logp_difference/{mean,max}`` and ``sampling/importance_sampling_ratio/{min,mean,
+    max}`` of one generation (token ratios over the completion tokens, sequence ratios over the completions)."""
+    delta = (old - sampled).abs()
+    delta = delta[mask & ~torch.isnan(delta)]
+    flat = ratio.flatten() if ratio.shape[-1] == 1 else ratio[mask]
+    zero = torch.tensor(0.0)
+
+    def of(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        return (fn(x) if x.numel() else zero).double()
+
+    return {
+        "sampling/sampling_logp_difference/mean": of(delta, torch.mean),
+        "sampling/sampling_logp_difference/max": of(delta, torch.max),
+        "sampling/importance_sampling_ratio/min": of(flat, torch.min),
+        "sampling/importance_sampling_ratio/mean": of(flat, torch.mean),
+        "sampling/importance_sampling_ratio/max": of(flat, torch.max),
+    }
+
+
 def published_template(params: Mapping[str, Tensor], max_staleness: int) -> dict[str, Any]:
     """Return ``state.extras[PUBLISHED]`` in the run's shapes: ``max_staleness`` weight copies and their versions."""
     return {
@@ -238,9 +258,10 @@ class Rollouts:
         held = {"versions": torch.tensor(wanted, dtype=torch.long), "weights": weights}
         return attrs.evolve(state, extras={**state.extras, PUBLISHED: held})
 
-    def annotate(self, buffer: Any, perm: Tensor, current: int) -> Any:
+    def annotate(self, buffer: Any, perm: Tensor, current: int) -> tuple[Any, dict[str, Tensor]]:
         """Return the generation ``buffer`` (rows in ``perm`` order) with each completion's weight version and,
-        where the plan corrects, TRL's importance-sampling ratio of the trainer's ``old_logps`` to the engine's."""
+        where the plan corrects, TRL's importance-sampling ratio of the trainer's ``old_logps`` to the engine's;
+        and TRL's ``sampling/*`` metrics of it."""
         made = [self.last[i] for i in perm.tolist()]
         versions = torch.tensor([min(v for v, _ in c.version_spans) for c in made], dtype=torch.long)
         too_old = [(c.request_id, int(v)) for c, v in zip(made, versions) if current - int(v) > self.plan.max_staleness]
@@ -251,7 +272,7 @@ class Rollouts:
             )
         out = attrs.evolve(buffer, versions=versions)
         if self.plan.correction is None:
-            return out
+            return out, {}
         rows, width = buffer.completion_ids.shape
         sampled = torch.zeros(rows, width)
         for row, c in enumerate(made):
@@ -259,7 +280,8 @@ class Rollouts:
         mask = (torch.arange(width)[None, :] < buffer.completion_length[:, None]).float()
         mode, low, high = self.plan.correction
         ratio = importance_sampling_ratio(buffer.old_logps, sampled, mask, mode, low, high)
-        return attrs.evolve(out, is_ratio=(ratio.expand(rows, width) * mask).contiguous())
+        metrics = _sampling_metrics(buffer.old_logps, sampled, mask.bool(), ratio)
+        return attrs.evolve(out, is_ratio=(ratio.expand(rows, width) * mask).contiguous()), metrics
 
     def _wait(self, state: Any, key: int) -> None:
         ids = self._open[key][0]

@@ -334,7 +334,8 @@ class GRPORun:
             ref_logps=None if self.ref_params is None else logps({k: v.to(device) for k, v in self.ref_params.items()}),
         )
         if self.rollouts is not None and _annotated(self.rollouts.plan):
-            buffer = self.rollouts.annotate(buffer, perm, int(state.step))
+            buffer, sampling = self.rollouts.annotate(buffer, perm, int(state.step))
+            return buffer, {**out["metrics"], **sampling}
         return buffer, out["metrics"]
 
     def micro_batch(
