@@ -28,6 +28,7 @@ import tempfile
 import time
 from typing import Any
 
+import attrs
 import torch
 
 from trainfold import init_state, loop, make_step, sgd
@@ -55,8 +56,9 @@ def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
     return [c.count("7") / max(1, len(c)) for c in completions]
 
 
-def one_run(args: argparse.Namespace, staleness: int) -> float:
-    """Return the steps/s of one run (after its first two steps)."""
+def one_run(args: argparse.Namespace, staleness: int) -> tuple[float, float]:
+    """Return the steps/s of one run (after its first two steps) and the share of its time in ``prepare``
+    (waiting for the generation, scoring it)."""
     grpo = GRPOArguments(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=args.batch,
@@ -73,18 +75,27 @@ def one_run(args: argparse.Namespace, staleness: int) -> float:
     run = grpo_stream(llama(args), grpo, prompts, reward, codec=codec)
     step = make_step(run.model, optimizer=sgd(1e-3), objective=run.objective)
     stamps: list[float] = []
+    preparing: list[float] = []
+    stream = run.stream()
+
+    def timed(state: Any, item: Any) -> Any:
+        start = time.perf_counter()
+        out = stream.prepare(state, item)
+        preparing.append(time.perf_counter() - start)
+        return out
+
     try:
         loop.run(
             step,
             init_state(run.model, sgd(1e-3), seed=0),
-            run.stream(),
+            attrs.evolve(stream, prepare=timed),
             stop=lambda s: int(s.step) >= args.steps,
             hooks=[loop.every(1, lambda s, log: stamps.append(time.perf_counter()))],
         )
     finally:
         assert run.rollouts is not None
         run.rollouts.close()
-    return (len(stamps) - 2) / (stamps[-1] - stamps[1])
+    return (len(stamps) - 2) / (stamps[-1] - stamps[1]), sum(preparing[2:]) / (stamps[-1] - stamps[1])
 
 
 def main() -> None:
@@ -100,13 +111,14 @@ def main() -> None:
     if args.quick:
         args.hidden, args.layers, args.completion, args.steps, args.rounds = 16, 1, 8, 4, 1
     torch.set_num_threads(1)
-    rows = []
+    rows, shares = [], []
     for r in range(args.rounds):
         if r % 2 == 0:
-            sync, asynchronous = one_run(args, 0), one_run(args, 1)
+            (sync, share), (asynchronous, _) = one_run(args, 0), one_run(args, 1)
         else:
-            asynchronous, sync = one_run(args, 1), one_run(args, 0)
+            (asynchronous, _), (sync, share) = one_run(args, 1), one_run(args, 0)
         rows.append((sync, asynchronous))
+        shares.append(share)
     print(
         f"Llama hidden {args.hidden} x {args.layers} layers, {args.batch} completions of {args.completion} tokens "
         f"per step, {args.steps} steps, {args.rounds} rounds, process engine over gloo"
@@ -116,6 +128,7 @@ def main() -> None:
     print(f"| synchronous (max_staleness=0) | {statistics.median(s for s, _ in rows):.3f} |")
     print(f"| asynchronous (max_staleness=1) | {statistics.median(a for _, a in rows):.3f} |")
     print(f"| ratio (median of rounds) | {statistics.median(a / s for s, a in rows):.2f}x |")
+    print(f"synchronous: {statistics.median(shares):.0%} of a step prepares (publish, generate, score), then trains")
 
 
 if __name__ == "__main__":
