@@ -383,3 +383,15 @@ def test_the_generation_server_exits_when_its_trainer_is_killed_9(tmp_path):
         ).returncode
     assert code == -9
     assert _reap([int(pid_file.read_text())], wait_s=10) == [], "the server outlived its killed trainer"
+
+
+def test_settings_the_run_cannot_honour_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match=r"rollout_engine='vllm' needs a served model: pass engine=.*VLLMEngine"):
+        grpo_stream(lm(), args_of(tmp_path, rollout_engine="vllm"), DATA, digit_sum, codec=CODEC)
+    with pytest.raises(ValueError, match=r"loss_type='vespo' with the importance-sampling correction"):
+        args_of(tmp_path, loss_type="vespo", max_staleness=1)
+    assert args_of(tmp_path, loss_type="vespo", max_staleness=1, vllm_importance_sampling_correction=False)
+    with pytest.raises(ValueError, match=r"_cap=2.0 .* and vllm_importance_sampling_clip_max=4.0 disagree"):
+        args_of(tmp_path, vllm_importance_sampling_cap=2.0, vllm_importance_sampling_clip_max=4.0)
+    with pytest.raises(ValueError, match=r"max_staleness must be >= 0, got -1"):
+        args_of(tmp_path, max_staleness=-1)
