@@ -50,3 +50,9 @@ def test_streaming_quick():
     pytest.importorskip("datasets")
     out = run("benchmarks/streaming.py", "--quick")
     assert "| files(), shuffled |" in out and "| datasets streaming, file order |" in out
+
+
+def test_grpo_async_quick():
+    out = run("benchmarks/grpo_async.py", "--quick")
+    assert "| synchronous (max_staleness=0) |" in out and "| asynchronous (max_staleness=1) |" in out
+    assert "| ratio (median of rounds) |" in out

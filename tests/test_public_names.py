@@ -22,7 +22,16 @@ TOP = [
 ALGORITHMS = {
     "sft": ["train", "SFTArguments", "SFTTrainer", "sft_collate", "prepare_dataset"],
     "dpo": ["train", "DPOArguments", "DPOTrainer", "dpo_loss", "dpo_objective", "preference_collate"],
-    "grpo": ["train", "GRPOArguments", "GRPOTrainer", "grpo_objective", "grpo_stream", "Codec", "GenerationSchedule"],
+    "grpo": [
+        "train",
+        "GRPOArguments",
+        "GRPOTrainer",
+        "grpo_objective",
+        "grpo_stream",
+        "Codec",
+        "GenerationSchedule",
+        "RolloutEngine",
+    ],
     "reward": ["train", "RewardArguments", "RewardTrainer"],
     "kto": ["train", "KTOArguments", "KTOTrainer"],
 }

@@ -94,6 +94,12 @@ VALUES: dict[str, tuple[Any, dict[str, Any]]] = {
     "vespo_lambda_neg": (3.0, {"loss_type": "vespo"}),
     "steps_per_generation": (2, {}),
     "generation_batch_size": (4, {}),
+    # TRL's importance-sampling correction applies off-policy only (GRPOArguments.rollout): walked at staleness 1
+    "vllm_importance_sampling_correction": (False, {"max_staleness": 1}),
+    "vllm_importance_sampling_mode": ("token_truncate", {"max_staleness": 1}),
+    "vllm_importance_sampling_clip_max": (2.0, {"max_staleness": 1}),
+    "vllm_importance_sampling_clip_min": (0.1, {"max_staleness": 1}),
+    "vllm_importance_sampling_cap": (2.0, {"max_staleness": 1}),
 }
 # (class, field) -> its value and settings where the class's run needs others than VALUES'
 CLASS_VALUES: dict[tuple[type, str], tuple[Any, dict[str, Any]]] = {

@@ -27,10 +27,11 @@ from trainfold.grpo.objective import (
 from trainfold.grpo.rewards import SCALE_REWARDS, RewardFunc, combine_rewards, group_advantages, reward_name
 from trainfold.grpo.run import BUFFER, Codec, GenerationBuffer, GRPORun, grpo_stream, train
 from trainfold.grpo.trainer import GRPOTrainer  # the facade, for moving a TRL script by its import
-from trainfold.rollout.engine import RolloutEngine as RolloutEngine  # the protocol (trainfold.rollout), re-exported
+from trainfold.rollout.engine import RolloutEngine  # the protocol generation runs on (trainfold.rollout)
 
 __all__ = [
     "GRPOTrainer",
+    "RolloutEngine",
     "GenerationSchedule",
     "Sampling",
     "GRPO_LOSS_TYPES",

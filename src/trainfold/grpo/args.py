@@ -14,8 +14,8 @@ is taken.
 >>> try:
 ...     GRPOArguments(use_vllm=True)
 ... except TypeError as e:
-...     print(str(e).replace("a trl.GRPOConfig setting that trainfold does not take", "not taken"))
-use_vllm=True is not taken: generation runs on trainfold.core.generate; set use_vllm=False
+...     print(str(e).replace("a trl.GRPOConfig setting that trainfold does not take", "not taken").split(";")[0])
+use_vllm=True is not taken: generation runs on the rollout engine GRPOArguments.rollout_engine names
 >>> generation_order(6, 2, seed=0, epoch=0)  # TRL's RepeatSampler: a seeded permutation, whole chunks
 [[2, 5], [3, 0], [1, 4]]
 """
@@ -32,10 +32,29 @@ import torch
 from trainfold.grpo.data import GenerationSchedule, Sampling
 from trainfold.grpo.loss import PolicyLoss, policy_loss_errors
 from trainfold.grpo.rewards import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
+from trainfold.rollout.staleness import IMPORTANCE_SAMPLING_MODES
 from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.setting import redeclared, setting
 
-__all__ = ["GRPOArguments", "TRL_ONLY", "generation_order"]
+__all__ = ["GRPOArguments", "ROLLOUT_ENGINES", "RolloutPlan", "TRL_ONLY", "generation_order"]
+
+ROLLOUT_ENGINES = ("local", "process", "vllm")
+
+
+@attrs.frozen
+class RolloutPlan:
+    """Where a GRPO run generates and how off-policy samples are corrected (``GRPOArguments.rollout``).
+
+    ``engine``: ``"local"`` (in process, ``core.generate`` as before), ``"process"`` (a generation server
+    process, ``trainfold.rollout.ProcessEngine``), ``"vllm"``; ``max_staleness``: weight versions a generation
+    may lag the step that trains on it (0: on-policy); ``correction``: TRL's importance-sampling correction as
+    ``(mode, clip_min, clip_max)``, ``None`` where it does not apply (see ``GRPOArguments.rollout``).
+    """
+
+    engine: str = "local"
+    max_staleness: int = 0
+    correction: tuple[str, float | None, float | None] | None = None
+
 
 _BASE = attrs.fields(TrainingArguments)
 # max_length: max_completion_length bounds what is generated
@@ -48,7 +67,10 @@ _NOT_GRPOS = (
     (_BASE.max_length, None),
 )
 
-_VLLM = "generation runs on trainfold.core.generate; set use_vllm=False"
+_VLLM = (
+    "generation runs on the rollout engine GRPOArguments.rollout_engine names; set use_vllm=False "
+    "(rollout_engine='vllm' with train(..., engine=trainfold.rollout.VLLMEngine(...)) for a vLLM server)"
+)
 _SAMPLING = "trainfold.core.generate samples from softmax(logits / temperature) only"
 _NOT_YET = "not supported by trainfold's GRPO run yet"
 
@@ -61,7 +83,6 @@ TRL_ONLY: dict[str, tuple[Any, str]] = {
             "vllm_mode",
             "vllm_server_base_url",
             "vllm_model_impl",
-            "vllm_importance_sampling_correction",
             "vllm_gpu_memory_utilization",
         )
     },
@@ -124,6 +145,7 @@ def _check_grpo(args: GRPOArguments) -> list[str]:
         out.append(f"top_p={args.top_p} is not supported: {_SAMPLING}; set top_p=1.0")
     if args.reward_weights is not None and not args.reward_weights:
         out.append("reward_weights=() gives no weight; pass one per reward function, or None for all 1.0")
+    out += _rollout_problems(args)
     for field, fix in _NOT_GRPOS:  # settings of a token-level causal-LM loss that GRPO's objective does not have
         value = getattr(args, field.name)
         if value not in (False, 0, None):
@@ -133,6 +155,33 @@ def _check_grpo(args: GRPOArguments) -> list[str]:
             f"train_sampling_strategy={args.train_sampling_strategy!r}: GRPO draws prompts in TRL's "
             "RepeatSampler order; use shuffle_dataset=False for dataset order"
         )
+    return out
+
+
+def _rollout_problems(args: GRPOArguments) -> list[str]:
+    out = []
+    cap, high = args.vllm_importance_sampling_cap, args.vllm_importance_sampling_clip_max
+    if cap is not None and high not in (cap, 3.0):
+        out.append(
+            f"vllm_importance_sampling_cap={cap} (TRL's deprecated name of vllm_importance_sampling_clip_max) and "
+            f"vllm_importance_sampling_clip_max={high} disagree; set vllm_importance_sampling_clip_max only"
+        )
+    plan = args.rollout
+    if plan.correction is not None:
+        mode, low, high = plan.correction
+        if low is not None and high is not None and low >= high:
+            out.append(f"vllm_importance_sampling_clip_min={low} must be < vllm_importance_sampling_clip_max={high}")
+        if mode.endswith("truncate") and low is None and high is None:
+            out.append(
+                f"vllm_importance_sampling_mode={mode!r} needs vllm_importance_sampling_clip_min or _clip_max "
+                "(both are None)"
+            )
+        if args.loss_type == "vespo":
+            out.append(
+                "loss_type='vespo' with the importance-sampling correction (rollout_engine != 'local' or "
+                "max_staleness > 0): TRL feeds the ratio into vespo's weights, trainfold does not yet; set "
+                "vllm_importance_sampling_correction=False"
+            )
     return out
 
 
@@ -189,6 +238,14 @@ class GRPOArguments(TrainingArguments):
     multi_objective_aggregation: str = setting("sum_then_normalize", choices=MULTI_OBJECTIVE_AGGREGATIONS)
     disable_dropout: bool = False  # TRL's: every nn.Dropout of the policy at p=0
     model_init_kwargs: dict[str, Any] | None = None  # from_pretrained's keywords when the model is a name or path
+    # the rollout engine (trainfold.rollout) and TRL's importance-sampling correction of off-policy samples
+    rollout_engine: str = setting("local", choices=ROLLOUT_ENGINES, hf=None)
+    max_staleness: int = setting(0, range="[0, inf)", hf=None)
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = setting("sequence_mask", choices=IMPORTANCE_SAMPLING_MODES)
+    vllm_importance_sampling_clip_max: float | None = setting(3.0, range="(0, inf)")
+    vllm_importance_sampling_clip_min: float | None = setting(None, range="[0, inf)")
+    vllm_importance_sampling_cap: float | None = setting(None, range="(0, inf)")
 
     def __init__(self, **kwargs: Any) -> None:
         trl = [p for p in (_trl_problem(k, v) for k, v in kwargs.items() if k in TRL_ONLY) if p is not None]
@@ -269,9 +326,33 @@ class GRPOArguments(TrainingArguments):
         )
 
     @property
+    def rollout(self) -> RolloutPlan:
+        """Return the run's rollout plan: engine, staleness bound and the importance-sampling correction.
+
+        As TRL applies ``vllm_importance_sampling_correction`` only where the sampler is not the trainer (vLLM),
+        trainfold applies it where the engine's weights or code differ from the step's: ``rollout_engine``
+        other than ``"local"``, or ``max_staleness > 0``. The local engine at staleness 0 samples with the
+        step's own weights and code (ratio 1), the run of earlier versions bitwise.
+
+        >>> GRPOArguments(max_staleness=1).rollout.correction
+        ('sequence_mask', None, 3.0)
+        >>> GRPOArguments().rollout.correction is None
+        True
+        """
+        applies = self.vllm_importance_sampling_correction and (
+            self.rollout_engine != "local" or self.max_staleness > 0
+        )
+        high = self.vllm_importance_sampling_clip_max
+        if self.vllm_importance_sampling_cap is not None:  # TRL's deprecated name of clip_max
+            high = self.vllm_importance_sampling_cap
+        correction = (self.vllm_importance_sampling_mode, self.vllm_importance_sampling_clip_min, high)
+        return RolloutPlan(self.rollout_engine, self.max_staleness, correction if applies else None)
+
+    @property
     def records_old_logps(self) -> bool:
-        """Whether a generation outlives an optimizer step, so the sampling policy's log-probs are kept (TRL's rule)."""
-        return self.generation_schedule.records_old_logps
+        """Whether the trainer's log-probs of each generation are kept: a generation outlives an optimizer step
+        (TRL's rule), or the importance-sampling correction needs them (``rollout``)."""
+        return self.generation_schedule.records_old_logps or self.rollout.correction is not None
 
 
 @functools.lru_cache(maxsize=8)

@@ -178,6 +178,8 @@ class GRPOObjective(ModelInputsObjective):
         old = logps.detach() if old is None else old.to(logps)
         adv = micro_batch["advantages"].to(logps)[:, None]
         per_token, ratio = policy_token_losses(logps, old, adv, mask, self.policy)
+        if "importance_sampling_ratio" in micro_batch:  # TRL: the policy loss times the sampler's IS weight
+            per_token = per_token * micro_batch["importance_sampling_ratio"].to(logps)
         n = num_items_in_batch.to(logps.dtype)
         by_gen = self.loss_type in _BY_GENERATION
         block = _block_size(micro_batch, "generation_micro_batches").to(logps) if by_gen else None

@@ -121,7 +121,14 @@ def _called(fn: RewardFunc, prompts: list[Any], completions: list[Any], columns:
         ) from None
     except ValueError:  # no signature to read (a builtin): call it and let it say
         pass
-    return fn(prompts=prompts, completions=completions, **columns)
+    try:
+        return fn(prompts=prompts, completions=completions, **columns)
+    except Exception as e:
+        shown = ", ".join(r[:80] for r in dict.fromkeys(map(repr, prompts)))[:400]
+        raise RuntimeError(
+            f"reward function {reward_name(fn)} raised {type(e).__name__}: {e} -- scoring {len(completions)} "
+            f"completions of the prompts {shown} (first completion: {repr(completions[0])[:80] if completions else ''})"
+        ) from e
 
 
 def _nan_mean_std(x: Tensor, dim: int) -> tuple[Tensor, Tensor]:

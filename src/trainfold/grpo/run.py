@@ -20,7 +20,9 @@ from torch import Tensor, nn
 from trainfold.grpo.args import GRPOArguments
 from trainfold.grpo.objective import GRPOObjective, grpo_objective
 from trainfold.grpo.rewards import RewardFunc
+from trainfold.grpo.rollouts import BatchedEngine, Rollouts
 from trainfold.grpo.schedule import BUFFER, Codec, GenerationBuffer, GRPORun
+from trainfold.rollout import ProcessEngine, RolloutEngine
 from trainfold.trainer.model_source import model_from, processing_class_for
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
@@ -87,6 +89,7 @@ def grpo_stream(
     ref_params: Mapping[str, Tensor] | None = None,
     eval_prompts: Any = None,
     peft_config: Any = None,
+    engine: RolloutEngine | None = None,
 ) -> GRPORun:
     """Return the run's :class:`GRPORun`, checked: its ``stream()`` is what ``train`` runs, and what a research
     loop runs with ``trainfold.loop.run(step, state, run.stream(), hooks=...)`` (``step`` trains ``run.objective``).
@@ -105,6 +108,10 @@ def grpo_stream(
     ...                       stop=lambda s: int(s.step) >= 2, hooks=[loop.log(every=1)])
     >>> int(state.step), len(log.history), {"loss", "reward", "rewards/sevens/mean"} <= set(state.metrics)
     (2, 2, True)
+
+    Generation runs on ``args.rollout_engine`` (``trainfold.grpo.rollouts``), built at the first step; ``engine``
+    is a built one instead (``rollout_engine="vllm"`` needs it: ``trainfold.rollout.VLLMEngine(base_url,
+    model_name)``). ``run.rollouts.close()`` frees it (``train`` does).
     """
     if not isinstance(args, GRPOArguments):
         raise TypeError(
@@ -128,7 +135,29 @@ def grpo_stream(
     codec = codec or Codec.of(processing_class)  # its own copy of the reference: train trains the module in place
     ref = None if args.beta == 0 or ref_params is None else {k: v.detach().clone() for k, v in ref_params.items()}
     parts = (module, args, prompts, funcs, codec, args.sampling, _objective(args), prompt_key, ref, eval_prompts)
-    return GRPORun(*parts, processing_class=processing_class)
+    rollouts = _rollouts(module, args, codec, engine)
+    return GRPORun(*parts, processing_class=processing_class, rollouts=rollouts)
+
+
+def _rollouts(module: nn.Module, args: GRPOArguments, codec: Codec, engine: RolloutEngine | None) -> Rollouts:
+    """Return the run's rollouts: the engine ``args.rollout_engine`` names (built at the first step), or ``engine``."""
+    kind = args.rollout_engine
+    if engine is not None and not isinstance(engine, RolloutEngine):
+        raise TypeError(f"engine={type(engine).__name__} is not a trainfold.rollout.RolloutEngine")
+    if engine is None and kind == "vllm":
+        raise ValueError(
+            "rollout_engine='vllm' needs a served model: pass engine=trainfold.rollout.VLLMEngine(base_url, "
+            "model_name) to grpo train / grpo_stream (vllm serve with the weight-transfer API)"
+        )
+
+    def make(state: Any) -> RolloutEngine:
+        if engine is not None:
+            return engine
+        if kind == "process":
+            return ProcessEngine(module, eos_token_id=codec.eos_token_id, pad_token_id=codec.pad)
+        return BatchedEngine(module, state.buffers, eos_token_id=codec.eos_token_id, pad_token_id=codec.pad)
+
+    return Rollouts(args.rollout, args.sampling, make)
 
 
 def _policy(model: nn.Module | str, args: GRPOArguments, peft_config: Any) -> nn.Module:
@@ -168,6 +197,7 @@ def train(
     prompt_key: str = "prompt",
     ref_params: Mapping[str, Tensor] | None = None,
     peft_config: Any = None,
+    engine: RolloutEngine | None = None,
     **run: Any,
 ) -> TrainResult:
     """Train ``model`` with GRPO on ``prompts`` scored by ``reward_funcs``, as TRL's ``GRPOTrainer`` does.
@@ -205,7 +235,12 @@ def train(
         ref_params=ref_params,
         eval_prompts=eval_prompts,
         peft_config=peft_config,
+        engine=engine,
     )
     stream = plan.stream()  # a processing_class is saved into every checkpoint, as the Trainer's
     given = dict(eval_dataset=eval_prompts, objective=plan.objective, processing_class=plan.processing_class)
-    return train_run(plan.model, args, prompts, train_stream=stream, **given, **run)
+    try:
+        return train_run(plan.model, args, prompts, train_stream=stream, **given, **run)
+    finally:
+        if plan.rollouts is not None:
+            plan.rollouts.close()

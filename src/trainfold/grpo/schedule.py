@@ -22,6 +22,7 @@ The research loop is this stream too: ``trainfold.loop.run(step, state, run.stre
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import time
 import types
@@ -37,17 +38,19 @@ from trainfold.core.generate import functional_forward, generate
 from trainfold.core.rng import derive_seed
 from trainfold.core.state import METRIC_KEYS, Cursor, TrainState, scalar
 from trainfold.data import StateStream, StepBatch
-from trainfold.grpo.args import GRPOArguments, generation_order
+from trainfold.grpo.args import GRPOArguments, RolloutPlan, generation_order
 from trainfold.grpo.data import Sampling, schedule_step
 from trainfold.grpo.metrics import generation_metrics
 from trainfold.grpo.objective import next_token_logps
 from trainfold.grpo.rewards import RewardFunc, combine_rewards, reward_advantages, reward_name
+from trainfold.grpo.rollouts import PUBLISHED, Rollouts, published_template
 from trainfold.grpo.rows import before_eos, completion_rows, gather_completions, spread_completions
 
 __all__ = ["BUFFER", "Codec", "GenerationBuffer", "GRPORun", "empty_buffer"]
 
 BUFFER = "grpo_generation"  # the key of the generation buffer in state.extras
 _GENERATE, _SHUFFLE, _EVAL = 0x6E6E, 0x5348, 0xE7A1
+_IS_RATIO = "importance_sampling_ratio"  # TRL's name, the micro-batch's per-token weight of the policy loss
 
 
 @attrs.frozen
@@ -103,9 +106,13 @@ class GenerationBuffer:
     tokens: Tensor
     old_logps: Tensor | None = None
     ref_logps: Tensor | None = None
+    versions: Tensor | None = None  # each completion's weight version (a rollout engine's runs)
+    is_ratio: Tensor | None = None  # TRL's importance-sampling ratio at completion positions
 
 
-def empty_buffer(rows: int, width: int, old: bool, ref: bool) -> GenerationBuffer:
+def empty_buffer(
+    rows: int, width: int, old: bool, ref: bool, versions: bool = False, is_ratio: bool = False
+) -> GenerationBuffer:
     """Return a buffer of zeros in the run's shapes: the template a checkpoint loads into."""
     return GenerationBuffer(
         torch.zeros(rows, dtype=torch.long),
@@ -115,6 +122,8 @@ def empty_buffer(rows: int, width: int, old: bool, ref: bool) -> GenerationBuffe
         scalar(0),
         torch.zeros(rows, width) if old else None,
         torch.zeros(rows, width) if ref else None,
+        torch.zeros(rows, dtype=torch.long) if versions else None,
+        torch.zeros(rows, width) if is_ratio else None,
     )
 
 
@@ -143,6 +152,7 @@ class GRPORun:
     ref_params: Mapping[str, Tensor] | None = None  # the KL's reference (beta > 0)
     eval_prompts: Any = None
     processing_class: Any = None  # the tokenizer (checkpoints hold it), when the run has one
+    rollouts: Rollouts | None = None  # the rollout engine (None: generate in the step, without an engine)
     _encoded: dict[int, list[int]] = attrs.field(factory=dict)  # prompt index -> its tokens (encode is pure)
 
     @property
@@ -277,6 +287,8 @@ class GRPORun:
     def complete(self, state: TrainState, prompt_ids: Sequence[list[int]], seed: int) -> list[list[int]]:
         """Return a completion of each prompt sampled with ``state.params`` (the generator seeded with ``seed``): the
         seam where generation happens."""
+        if self.rollouts is not None:
+            return [list(c.completion_ids) for c in self.rollouts.take(state, seed, prompt_ids)]
         return generate(
             self.model,
             state.params,
@@ -321,6 +333,9 @@ class GRPORun:
             old_logps=logps(state.params) if a.records_old_logps else None,
             ref_logps=None if self.ref_params is None else logps({k: v.to(device) for k, v in self.ref_params.items()}),
         )
+        if self.rollouts is not None and _annotated(self.rollouts.plan):
+            buffer, sampling = self.rollouts.annotate(buffer, perm, int(state.step))
+            return buffer, {**out["metrics"], **sampling}
         return buffer, out["metrics"]
 
     def micro_batch(
@@ -340,9 +355,9 @@ class GRPORun:
             generation_micro_batches=torch.full((b,), self.args.generation_steps),
             step_micro_batches=torch.full((b,), step_micro_batches),
         )
-        for name in ("old_logps", "ref_logps"):
+        for name, key in (("old_logps", "old_logps"), ("ref_logps", "ref_logps"), ("is_ratio", _IS_RATIO)):
             if getattr(buffer, name) is not None:
-                mb[name] = spread_completions(getattr(buffer, name)[rows], plens, lengths, width)
+                mb[key] = spread_completions(getattr(buffer, name)[rows], plens, lengths, width)
         return {k: v.to(device) for k, v in mb.items()}
 
     def prepare(self, state: TrainState, step: _Step) -> tuple[TrainState, StepBatch]:
@@ -358,6 +373,7 @@ class GRPORun:
         def part(buffer: GenerationBuffer, index: int) -> dict[str, Tensor]:
             return self.micro_batch(buffer, index, size, device)
 
+        self._prefetch(state)
         schedule = self.args.generation_schedule
         buffer, micro, _ = schedule_step(schedule, state.extras[BUFFER], step.micro_steps, generate, part)
         # the last generation's metrics (built-in, and the reward functions' log_metric) end here; the step
@@ -365,8 +381,23 @@ class GRPORun:
         metrics = {k: v for k, v in state.metrics.items() if k in METRIC_KEYS}
         if made:  # logged with the step that generated, as TRL logs them with the generation
             metrics.update(_means(made))
+        if self.rollouts is not None and self.rollouts.plan.max_staleness > 0:
+            state = self.rollouts.published(state)  # the weights the generations in flight after this step need
         state = attrs.evolve(state, metrics=metrics, extras={**state.extras, BUFFER: buffer})
         return state, StepBatch(micro, step.cursor)
+
+    def _prefetch(self, state: TrainState) -> None:
+        """Submit the generations of the next ``max_staleness`` steps, each with the weights of its version
+        (``trainfold.grpo.rollouts``); nothing when on-policy."""
+        r = self.rollouts
+        if r is None or r.plan.max_staleness == 0:
+            return
+        v, schedule, g = int(state.step), self.args.generation_schedule, self.sampling.num_generations
+        for ahead, item in enumerate(itertools.islice(self.steps(state.cursor), r.plan.max_staleness + 1)):
+            for n in sorted({schedule.generation(k) for k in item.micro_steps if schedule.generates(k)}):
+                key = derive_seed(int(state.seed), item.epoch, n, _GENERATE)
+                prompt_ids = [self.prompt_ids(i) for i in item.order[n] for _ in range(g)]
+                r.submit(state, key, prompt_ids, r.version_of(v + ahead))
 
     def _eval_loss(self, state: TrainState, out: Mapping[str, Any]) -> tuple[Tensor, dict[str, Tensor]]:
         """Return the objective and its metrics on one eval batch, as TRL's evaluation: on-policy, not split or
@@ -413,19 +444,33 @@ class GRPORun:
         return {"eval_loss": sum(losses) / n, **timing, **metrics}
 
     def stream(self) -> StateStream:
-        a = self.args
+        a, plan = self.args, self.args.rollout
+        extras: dict[str, Any] = {
+            BUFFER: empty_buffer(
+                a.generation_batch,
+                a.max_completion_length,
+                a.records_old_logps,
+                self.ref_params is not None,
+                self.rollouts is not None and _annotated(plan),
+                self.rollouts is not None and plan.correction is not None,
+            )
+        }
+        if self.rollouts is not None and plan.max_staleness > 0:
+            trainable = {k: v for k, v in self.model.named_parameters() if v.requires_grad}
+            extras[PUBLISHED] = published_template(trainable, plan.max_staleness)
         return StateStream(
             steps=self.steps,
             prepare=self.prepare,
             steps_per_epoch=self.steps_per_epoch(),
             samples_per_step=a.per_device_train_batch_size * a.gradient_accumulation_steps,
-            extras={
-                BUFFER: empty_buffer(
-                    a.generation_batch, a.max_completion_length, a.records_old_logps, self.ref_params is not None
-                )
-            },
+            extras=extras,
             evaluate=self.evaluate if self.eval_prompts is not None else None,
         )
+
+
+def _annotated(plan: RolloutPlan) -> bool:
+    """Whether a generation records its completions' weight versions (off-policy runs, corrected ones)."""
+    return plan.max_staleness > 0 or plan.correction is not None
 
 
 def _means(made: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:

@@ -1,0 +1,135 @@
+"""Asynchronous GRPO (``max_staleness=1``) against synchronous GRPO, both on the process engine: steps/s.
+
+A small Llama (``transformers.LlamaConfig``) trains with GRPO through ``trainfold.loop.run`` over
+``grpo_stream(...).stream()`` with ``rollout_engine="process"`` (a generation server process holding its own
+copy of the model, weights published over gloo). Completions are long enough that generating a step's
+completions takes at least as long as training on them. Synchronous (``max_staleness=0``): each step
+publishes, waits for its generation, then trains. Asynchronous (``max_staleness=1``): step ``v``'s prepare
+submits the generation of step ``v + 1`` (weights of version ``v``) before step ``v`` trains, so the server
+generates while the trainer trains.
+
+Rounds alternate the two runs (each a fresh run and server); a run's steps/s counts its steps after the first
+two (server start, first publish); the ratio is the median of per-round ratios, in one run. The goal is >= 1.4x.
+Both processes run one thread each (``OMP_NUM_THREADS=1``).
+
+    python benchmarks/grpo_async.py            # prints a markdown table
+    python benchmarks/grpo_async.py --quick    # a tiny model, 4 steps, 1 round (the test runs this)
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch: the server process inherits it
+
+import argparse
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import attrs
+import torch
+
+from trainfold import init_state, loop, make_step, sgd
+from trainfold.grpo import GRPOArguments
+from trainfold.grpo.run import Codec, grpo_stream
+
+
+def llama(args: argparse.Namespace) -> Any:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    return [c.count("7") / max(1, len(c)) for c in completions]
+
+
+def one_run(args: argparse.Namespace, staleness: int) -> tuple[float, float]:
+    """Return the steps/s of one run (after its first two steps) and the share of its time in ``prepare``
+    (waiting for the generation, scoring it)."""
+    grpo = GRPOArguments(
+        output_dir=tempfile.mkdtemp(),
+        per_device_train_batch_size=args.batch,
+        num_generations=4,
+        max_completion_length=args.completion,
+        rollout_engine="process",
+        max_staleness=staleness,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    codec = Codec(lambda s: [1 + int(c) for c in s], lambda ids: "".join(str(i % 10) for i in ids))
+    prompts = [{"prompt": f"{i:03d}"} for i in range(64)]
+    run = grpo_stream(llama(args), grpo, prompts, reward, codec=codec)
+    step = make_step(run.model, optimizer=sgd(1e-3), objective=run.objective)
+    stamps: list[float] = []
+    preparing: list[float] = []
+    stream = run.stream()
+
+    def timed(state: Any, item: Any) -> Any:
+        start = time.perf_counter()
+        out = stream.prepare(state, item)
+        preparing.append(time.perf_counter() - start)
+        return out
+
+    try:
+        loop.run(
+            step,
+            init_state(run.model, sgd(1e-3), seed=0),
+            attrs.evolve(stream, prepare=timed),
+            stop=lambda s: int(s.step) >= args.steps,
+            hooks=[loop.every(1, lambda s, log: stamps.append(time.perf_counter()))],
+        )
+    finally:
+        assert run.rollouts is not None
+        run.rollouts.close()
+    return (len(stamps) - 2) / (stamps[-1] - stamps[1]), sum(preparing[2:]) / (stamps[-1] - stamps[1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8, help="completions per step (per_device_train_batch_size)")
+    p.add_argument("--completion", type=int, default=48, help="max_completion_length")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="a tiny model, 4 steps, 1 round")
+    args = p.parse_args()
+    if args.quick:
+        args.hidden, args.layers, args.completion, args.steps, args.rounds = 16, 1, 8, 4, 1
+    torch.set_num_threads(1)
+    rows, shares = [], []
+    for r in range(args.rounds):
+        if r % 2 == 0:
+            (sync, share), (asynchronous, _) = one_run(args, 0), one_run(args, 1)
+        else:
+            (asynchronous, _), (sync, share) = one_run(args, 1), one_run(args, 0)
+        rows.append((sync, asynchronous))
+        shares.append(share)
+    print(
+        f"Llama hidden {args.hidden} x {args.layers} layers, {args.batch} completions of {args.completion} tokens "
+        f"per step, {args.steps} steps, {args.rounds} rounds, process engine over gloo"
+    )
+    print("| run | steps/s |")
+    print("|---|---|")
+    print(f"| synchronous (max_staleness=0) | {statistics.median(s for s, _ in rows):.3f} |")
+    print(f"| asynchronous (max_staleness=1) | {statistics.median(a for _, a in rows):.3f} |")
+    print(f"| ratio (median of rounds) | {statistics.median(a / s for s, a in rows):.2f}x |")
+    print(f"synchronous: {statistics.median(shares):.0%} of a step prepares (publish, generate, score), then trains")
+
+
+if __name__ == "__main__":
+    main()
