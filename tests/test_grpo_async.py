@@ -363,11 +363,6 @@ os.kill(os.getpid(), signal.SIGKILL)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rollout/process.py (not this branch's file): the generation server does not watch its parent, so a "
-    "trainer killed with -9 leaves it running (it needs PR_SET_PDEATHSIG or a parent-pid check)",
-)
 def test_the_generation_server_exits_when_its_trainer_is_killed_9(tmp_path):
     import os
     import pathlib

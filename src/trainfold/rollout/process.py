@@ -10,6 +10,7 @@ timing. The server dying is noticed by ``submit``/``poll``/``publish``, which ra
 from __future__ import annotations
 
 import copy
+import os
 import queue
 import socket
 import threading
@@ -81,11 +82,21 @@ def _receive_weights(channel: WeightChannel, inbox: Any, buffers: _Buffers, ack:
         ack.put(version)
 
 
+def _watch_parent(parent: int, every_s: float = 0.5) -> None:
+    """Server thread: end the process once its trainer is gone (a trainer killed with -9 closes nothing, and a
+    daemon process outlives a parent that never ran its exit handlers): the server is then re-parented."""
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(1)
+
+
 def _serve(model: nn.Module, config: dict[str, Any], commands: Any, results: Any, inbox: Any, ack: Any) -> None:
     """The server process: one model copy; publishes staged by the receiver thread, applied in command order.
 
-    The model's tensors arrive in shared memory (torch.multiprocessing), so the weights start as clones.
+    The model's tensors arrive in shared memory (torch.multiprocessing), so the weights start as clones. It ends
+    with its trainer, however that ends (``_watch_parent``).
     """
+    threading.Thread(target=_watch_parent, args=(config["parent"],), daemon=True).start()
     torch.set_num_threads(config["threads"])
     channel = WeightChannel("127.0.0.1", config["port"], 1, config["backend"], config["timeout_s"])
     device = channel.device
@@ -138,7 +149,7 @@ class ProcessEngine:
         self._commands, self._results, self._inbox, self._ack = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
         port = _free_port()
         config = {"port": port, "backend": backend, "timeout_s": timeout_s, "eos": eos_token_id, "pad": pad_token_id}
-        config["threads"] = torch.get_num_threads()
+        config["threads"], config["parent"] = torch.get_num_threads(), os.getpid()
         # a copy: torch.multiprocessing moves the tensors it sends into shared memory, shared with the server
         args = (copy.deepcopy(model), config, self._commands, self._results, self._inbox, self._ack)
         self.process = ctx.Process(target=_serve, args=args, daemon=True, name="trainfold-rollout-server")
