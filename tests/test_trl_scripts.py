@@ -43,13 +43,50 @@ def _common(model, data, steps=4):
     return [*argv, "--use_cpu", "true", "--bf16", "false", "--gradient_checkpointing", "false", "--report_to", "none"]
 
 
-def _run_script(monkeypatch, kind, name, cls, argv, record=None):
-    """Run ``trl/scripts/{kind}.py``'s ``main`` on ``argv`` with ``trl.{name}`` (what the script imports) as ``cls``."""
-    if record is not None:
-        cls = _recording(cls, record)
-    monkeypatch.setattr(trl, name, cls)
-    script = runpy.run_path(importlib.import_module(f"trl.scripts.{kind}").__file__, run_name=f"script_{kind}")
+_NAMES = {
+    "sft": "SFTTrainer",
+    "dpo": "DPOTrainer",
+    "kto": "KTOTrainer",
+    "reward": "RewardTrainer",
+    "grpo": "GRPOTrainer",
+}
+_CLASSES = {(who, kind): getattr(module, name) for kind, name in _NAMES.items()
+            for who, module in (("trl", trl), ("trainfold", getattr(trainfold, kind)))}  # fmt: skip
+
+
+def _installed(kind):
+    return importlib.import_module(f"trl.scripts.{kind}").__file__
+
+
+def _migrated(kind):
+    """``trl/scripts/{kind}.py``'s text with its trainer imported from trainfold: its import line changed only."""
+    name, text = _NAMES[kind], open(_installed(kind)).read()
+    line = next(x for x in text.splitlines() if x.lstrip().startswith("from trl import ") and f" {name}," in x)
+    indent = line[: len(line) - len(line.lstrip())]
+    ours = f"{line.replace(f' {name},', '')}\n{indent}from trainfold.{kind} import {name}"
+    return text.replace(line + "\n", ours + "\n", 1)
+
+
+def _run_script(tmp_path, monkeypatch, kind, who, argv, record):
+    """Run TRL's installed ``{kind}.py`` (``who="trl"``) or its migrated copy (``who="trainfold"``) on ``argv``, its
+    trainer recording into ``record`` (the class the script imports, subclassed to record and nothing else)."""
+    module = trl if who == "trl" else getattr(trainfold, kind)
+    monkeypatch.setattr(module, _NAMES[kind], _recording(_CLASSES[who, kind], record))
+    path = _installed(kind)
+    if who == "trainfold":
+        path = tmp_path / f"migrated_{kind}.py"
+        path.write_text(_migrated(kind))
+    script = runpy.run_path(str(path), run_name=f"script_{kind}")
     script["main"](*script["make_parser"]().parse_args_and_config(argv))
+
+
+@pytest.mark.parametrize("kind", list(_NAMES))
+def test_a_trl_script_migrates_by_changing_its_trainer_import_only(kind):
+    import difflib
+
+    diff = difflib.unified_diff(open(_installed(kind)).read().splitlines(), _migrated(kind).splitlines(), lineterm="")
+    changed = [x for x in diff if x[:1] in "+-" and x[:3] not in ("+++", "---")]
+    assert len(changed) == 3, changed  # issue 48: at most 4; the trl import line out, it and trainfold's in
 
 
 def _recording(cls, into):
@@ -99,8 +136,8 @@ def test_trls_reward_script_moves_by_its_import_with_trls_per_step_losses_metric
     ]
     argv += ["--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "3"]
     got: dict = {"trl": {}, "trainfold": {}}
-    for who, cls in (("trl", trl.RewardTrainer), ("trainfold", trainfold.reward.RewardTrainer)):
-        _run_script(monkeypatch, "reward", "RewardTrainer", cls, [*argv, "--output_dir", str(tmp_path / who)], got[who])
+    for who in ("trl", "trainfold"):
+        _run_script(tmp_path, monkeypatch, "reward", who, [*argv, "--output_dir", str(tmp_path / who)], got[who])
     ours, theirs = got["trainfold"], got["trl"]
     assert len(_losses(ours["history"])) == 4
     assert _losses(ours["history"]) == pytest.approx(_losses(theirs["history"]), rel=1e-5)
@@ -143,8 +180,8 @@ def test_trls_grpo_script_moves_by_its_import_and_logs_trls_metrics(tmp_path, mo
     argv += ["--num_generations", "2", "--max_completion_length", "4", "--save_strategy", "no", "--beta", "0.1"]
     argv += ["--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "2"]
     got: dict = {"trl": {}, "trainfold": {}}
-    for who, cls in (("trl", trl.GRPOTrainer), ("trainfold", trainfold.grpo.GRPOTrainer)):
-        _run_script(monkeypatch, "grpo", "GRPOTrainer", cls, [*argv, "--output_dir", str(tmp_path / who)], got[who])
+    for who in ("trl", "trainfold"):
+        _run_script(tmp_path, monkeypatch, "grpo", who, [*argv, "--output_dir", str(tmp_path / who)], got[who])
     ours, theirs = got["trainfold"]["history"], got["trl"]["history"]
     steps = lambda h: [e for e in h if "loss" in e and "train_loss" not in e]
     evals = lambda h: [e for e in h if "eval_loss" in e]
@@ -186,15 +223,14 @@ def test_a_trl_script_resumed_from_its_checkpoint_continues_bitwise(tmp_path, mo
         monkeypatch.setattr("sys.path", list(__import__("sys").path))
         argv += ["--reward_funcs", "grpo_resume_rewards.word_count", "--num_generations", "2"]
         argv += ["--max_completion_length", "4", "--beta", "0.1"]
-    name = {"sft": "SFTTrainer", "dpo": "DPOTrainer", "reward": "RewardTrainer", "grpo": "GRPOTrainer"}[kind]
-    cls = getattr(getattr(trainfold, kind), name)
     losses = lambda h: {e["step"]: e["loss"] for e in h if "loss" in e and "train_loss" not in e}
     whole: dict = {}
-    _run_script(monkeypatch, kind, name, cls, argv, whole)
+    _run_script(tmp_path, monkeypatch, kind, "trainfold", argv, whole)
     assert sorted(losses(whole["history"])) == [1, 2, 3, 4]
     shutil.rmtree(out / "checkpoint-4")
     resumed: dict = {}
-    _run_script(monkeypatch, kind, name, cls, [*argv, "--resume_from_checkpoint", str(out / "checkpoint-2")], resumed)
+    resume = [*argv, "--resume_from_checkpoint", str(out / "checkpoint-2")]
+    _run_script(tmp_path, monkeypatch, kind, "trainfold", resume, resumed)
     assert whole["steps"] == [1, 2, 3, 4] and resumed["steps"] == [3, 4]  # resumed: it ran steps 3 and 4 only
     after = {s: v for s, v in losses(resumed["history"]).items() if s > 2}
     assert after == {s: losses(whole["history"])[s] for s in (3, 4)}
