@@ -1,6 +1,9 @@
-"""TRL's installed ``reward.py`` and ``grpo.py`` (``trl/scripts/``), run as they are and with only the trainer class
-swapped for trainfold's facade (the name the script imports), and bitwise resume through a TRL script's own
-``--resume_from_checkpoint`` (issue 48's acceptance for the TRL scripts ``tests/test_facades.py`` does not run)."""
+"""TRL's installed ``reward.py`` and ``grpo.py`` (``trl/scripts/``), run as they are (TRL's trainers) and migrated:
+a copy whose only change is the trainer's import line (``from trainfold.reward import RewardTrainer``), counted;
+and a bitwise resume through a TRL script's own ``--resume_from_checkpoint`` for ``sft.py``, ``dpo.py``,
+``reward.py`` and ``grpo.py`` (issue 48's acceptance for the TRL scripts ``tests/test_facades.py`` does not run).
+The trainer classes are subclassed only to record what they log.
+"""
 
 from __future__ import annotations
 
@@ -164,11 +167,12 @@ def test_trls_grpo_script_moves_by_its_import_and_logs_trls_metrics(tmp_path, mo
 
     Per-step losses are not compared: TRL's ``GRPOTrainer`` samples completions with ``model.generate`` drawing
     from torch's global generator (whatever state it is in after loading, shuffling and the script's own draws),
-    while trainfold's run draws each generation from a generator keyed by ``args.seed`` and the step (so a resumed
-    run samples as the uninterrupted one). The completions, hence rewards, advantages and losses, differ from the
-    first step on (docs/migration.md, section 8). What is checked: the script runs to its end with trainfold's
-    class in place of TRL's; every step logs TRL's metric names (its rewards by function name, ``reward``,
-    ``reward_std``, ``completions/*``, ``entropy``...), the evaluation TRL's ``eval_*`` ones; the output loads."""
+    while trainfold's run draws each generation from a generator keyed by ``args.seed``, the epoch and the
+    generation's number (so a resumed run samples as the uninterrupted one). The completions, hence rewards,
+    advantages and losses, differ from the first step on (docs/migration.md, section 8). What is checked: the
+    script runs to its end with trainfold's class in place of TRL's; every step logs TRL's metric names (its
+    rewards by function name, ``reward``, ``reward_std``, ``completions/*``, ``entropy``...), the evaluation
+    TRL's ``eval_*`` ones; the output loads."""
     g = torch.Generator().manual_seed(0)
     _write(tmp_path / "data", [{"prompt": _say(g)} for _ in range(12)])
     (tmp_path / "grpo_script_rewards.py").write_text(
