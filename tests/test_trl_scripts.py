@@ -1,6 +1,6 @@
 """TRL's installed ``reward.py`` and ``grpo.py`` (``trl/scripts/``), run as they are (TRL's trainers) and migrated:
 a copy whose only change is the trainer's import line (``from trainfold.reward import RewardTrainer``), counted;
-and a bitwise resume through a TRL script's own ``--resume_from_checkpoint`` for ``sft.py``, ``dpo.py``,
+and a bitwise resume through a TRL script's own ``--resume_from_checkpoint`` for ``sft.py``, ``dpo.py``, ``kto.py``,
 ``reward.py`` and ``grpo.py`` (issue 48's acceptance for the TRL scripts ``tests/test_facades.py`` does not run).
 The trainer classes are subclassed only to record what they log.
 """
@@ -208,10 +208,12 @@ def _rows(kind, g, n=12):
         return [{"prompt": _say(g), "completion": " " + _say(g)} for _ in range(n)]
     if kind == "grpo":
         return [{"prompt": _say(g)} for _ in range(n)]
+    if kind == "kto":  # unpaired: each block of 3 has both labels
+        return [{"prompt": _say(g), "completion": " " + _say(g), "label": i % 3 != 0} for i in range(n)]
     return [{"prompt": _say(g), "chosen": " " + _say(g), "rejected": " " + _say(g)} for _ in range(n)]
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo", "reward", "grpo"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "reward", "grpo"])
 def test_a_trl_script_resumed_from_its_checkpoint_continues_bitwise(tmp_path, monkeypatch, kind):
     """4 steps saving every 2; checkpoint-4 deleted; the script rerun with ``--resume_from_checkpoint
     checkpoint-2`` into the same ``output_dir`` logs steps 3 and 4 with the uninterrupted run's losses, bitwise."""
