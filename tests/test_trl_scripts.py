@@ -149,8 +149,11 @@ def test_trls_reward_script_moves_by_its_import_with_trls_per_step_losses_metric
         assert {k for k in peer if k not in ("learning_rate", "grad_norm", "num_tokens")} <= set(mine)
         assert _without_times(mine) == pytest.approx(_without_times({k: peer[k] for k in mine if k in peer}), rel=1e-5)
     # eval batches of 3 and 1 pairs: TRL's eval metrics are means over batches of each batch's value
-    theirs_eval = {k: v for k, v in _without_times(theirs["eval"]).items() if k != "eval_num_tokens"}
-    assert _without_times(ours["eval"]) == pytest.approx(theirs_eval, rel=1e-5)
+    evals = lambda h: [_without_times(e) for e in h if "eval_loss" in e]  # the evaluations during train, then after
+    mine, peer = evals([*ours["history"], ours["eval"]]), evals([*theirs["history"], theirs["eval"]])
+    assert len(mine) == len(peer) == 3
+    for m, p in zip(mine, peer):
+        assert m == pytest.approx({k: v for k, v in p.items() if k != "eval_num_tokens"}, rel=1e-5)
     out = tmp_path / "trainfold"
     model = transformers.AutoModelForSequenceClassification.from_pretrained(out)
     assert model.config.num_labels == 1 and transformers.AutoTokenizer.from_pretrained(out).pad_token == "<pad>"
