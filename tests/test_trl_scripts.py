@@ -32,11 +32,11 @@ def _write(path, rows, test=4):
         (path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in part))
 
 
-def _model_dir(tmp_path):
+def _model_dir(tmp_path, template=None):
     from tiny_chat import llama, word_tokenizer
 
     llama().save_pretrained(tmp_path / "model")
-    word_tokenizer(None).save_pretrained(tmp_path / "model")
+    word_tokenizer(template).save_pretrained(tmp_path / "model")
     return str(tmp_path / "model")
 
 
@@ -165,8 +165,13 @@ def test_trls_reward_script_moves_by_its_import_with_trls_per_step_losses_metric
 # -- grpo.py -------------------------------------------------------------------------------------------------------
 
 
-def test_trls_grpo_script_moves_by_its_import_and_logs_trls_metrics(tmp_path, monkeypatch):
-    """TRL's ``grpo.py`` with a reward function named on its command line (a dotted path, as the script imports it).
+_CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
+
+
+@pytest.mark.parametrize("prompts", ["text", "chat"])
+def test_trls_grpo_script_moves_by_its_import_and_logs_trls_metrics(tmp_path, monkeypatch, prompts):
+    """TRL's ``grpo.py`` with reward functions named on its command line: a dotted path (text prompts), as the
+    script imports it, or two of its own registry's (``think_format_reward`` reads chat completions).
 
     Per-step losses are not compared: TRL's ``GRPOTrainer`` samples completions with ``model.generate`` drawing
     from torch's global generator (whatever state it is in after loading, shuffling and the script's own draws),
@@ -177,13 +182,16 @@ def test_trls_grpo_script_moves_by_its_import_and_logs_trls_metrics(tmp_path, mo
     rewards by function name, ``reward``, ``reward_std``, ``completions/*``, ``entropy``...), the evaluation
     TRL's ``eval_*`` ones; the output loads."""
     g = torch.Generator().manual_seed(0)
-    _write(tmp_path / "data", [{"prompt": _say(g)} for _ in range(12)])
+    chat = prompts == "chat"
+    say = (lambda: [{"role": "user", "content": _say(g)}]) if chat else (lambda: _say(g))
+    _write(tmp_path / "data", [{"prompt": say()} for _ in range(12)])
     (tmp_path / "grpo_script_rewards.py").write_text(
         "def word_count(completions, **kwargs):\n    return [float(len(c.split())) for c in completions]\n"
     )
     monkeypatch.chdir(tmp_path)  # the script imports a dotted reward function from its working directory
     monkeypatch.setattr("sys.path", list(__import__("sys").path))  # and puts it on sys.path
-    argv = _common(_model_dir(tmp_path), tmp_path / "data") + ["--reward_funcs", "grpo_script_rewards.word_count"]
+    funcs = ["think_format_reward", "get_soft_overlong_punishment"] if chat else ["grpo_script_rewards.word_count"]
+    argv = _common(_model_dir(tmp_path, _CHAT if chat else None), tmp_path / "data") + ["--reward_funcs", *funcs]
     argv += ["--num_generations", "2", "--max_completion_length", "4", "--save_strategy", "no", "--beta", "0.1"]
     argv += ["--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "2"]
     got: dict = {"trl": {}, "trainfold": {}}
@@ -194,7 +202,8 @@ def test_trls_grpo_script_moves_by_its_import_and_logs_trls_metrics(tmp_path, mo
     evals = lambda h: [e for e in h if "eval_loss" in e]
     assert len(steps(ours)) == len(steps(theirs)) == 4 and len(evals(ours)) == len(evals(theirs)) == 2
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in steps(ours))
-    assert "rewards/word_count/mean" in steps(ours)[0] and "eval_rewards/word_count/mean" in evals(ours)[0]
+    for name in ("think_format_reward", "soft_overlong_punishment_reward") if chat else ("word_count",):
+        assert f"rewards/{name}/mean" in steps(ours)[0] and f"eval_rewards/{name}/mean" in evals(ours)[0]
     for mine, peer in ((steps(ours), steps(theirs)), (evals(ours), evals(theirs))):
         # TRL's running num_tokens and its wall-clock step_time are not logged (docs/migration.md, section 8)
         assert set(mine[0]) >= set(peer[0]) - {"num_tokens", "eval_num_tokens", "step_time"}
