@@ -254,27 +254,30 @@ def test_a_trl_script_resumed_from_its_checkpoint_continues_bitwise(tmp_path, mo
     assert after == {s: losses(whole["history"])[s] for s in (3, 4)}
 
 
-def test_trls_reward_script_with_peft_trains_and_saves_trls_adapter(tmp_path, monkeypatch):
-    """``reward.py --use_peft --lora_task_type SEQ_CLS`` (TRL's own run fails with the script's default
-    ``CAUSAL_LM`` on a sequence classifier): TRL's per-step losses and an adapter that ``PeftModel`` loads."""
+@pytest.mark.parametrize("kind", ["sft", "dpo", "reward"])
+def test_a_trl_script_with_peft_trains_and_saves_trls_adapter(tmp_path, monkeypatch, kind):
+    """``{kind}.py --use_peft``: TRL's per-step losses and the adapter TRL saves, which ``PeftModel`` loads.
+    ``reward.py`` takes ``--lora_task_type SEQ_CLS`` (TRL's own run fails with the script's default ``CAUSAL_LM``
+    on a sequence classifier); ``sft.py`` takes ``--lora_dropout 0``: dropout's masks are not TRL's (section 8)."""
     import peft
 
     g = torch.Generator().manual_seed(0)
-    _write(tmp_path / "data", _rows("reward", g, 16))
+    _write(tmp_path / "data", _rows(kind, g, 16))
     argv = _common(_model_dir(tmp_path), tmp_path / "data") + ["--save_strategy", "no", "--use_peft", "--lora_r", "2"]
-    argv += ["--lora_task_type", "SEQ_CLS", "--lora_target_modules", "q_proj", "v_proj"]
+    argv += ["--lora_task_type", "SEQ_CLS" if kind == "reward" else "CAUSAL_LM", "--lora_dropout", "0"]
+    argv += ["--lora_target_modules", "q_proj", "v_proj"]
     got: dict = {"trl": {}, "trainfold": {}}
     for who in ("trl", "trainfold"):
-        _run_script(tmp_path, monkeypatch, "reward", who, [*argv, "--output_dir", str(tmp_path / who)], got[who])
+        _run_script(tmp_path, monkeypatch, kind, who, [*argv, "--output_dir", str(tmp_path / who)], got[who])
     assert _losses(got["trainfold"]["history"]) == pytest.approx(_losses(got["trl"]["history"]), rel=1e-5)
     out = tmp_path / "trainfold"
     assert (out / "adapter_config.json").is_file() and not (out / "model.safetensors").is_file()
-    base = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "model", num_labels=1)
-    loaded = peft.PeftModel.from_pretrained(base, out)
-    theirs = peft.PeftModel.from_pretrained(
-        transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "model", num_labels=1),
-        tmp_path / "trl",
+    auto = transformers.AutoModelForSequenceClassification if kind == "reward" else transformers.AutoModelForCausalLM
+    base = lambda: auto.from_pretrained(tmp_path / "model", **({"num_labels": 1} if kind == "reward" else {}))
+    loaded, theirs = (
+        peft.PeftModel.from_pretrained(base(), out),
+        peft.PeftModel.from_pretrained(base(), tmp_path / "trl"),
     )
     mine = {k: v for k, v in loaded.named_parameters() if "lora_" in k or "modules_to_save" in k}  # score head too
-    assert any("modules_to_save" in k for k in mine)
+    assert any("lora_B" in k for k in mine) and (kind != "reward" or any("modules_to_save" in k for k in mine))
     assert all(torch.allclose(v, dict(theirs.named_parameters())[k], atol=1e-6) for k, v in mine.items())
