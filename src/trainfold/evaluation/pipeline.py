@@ -66,6 +66,7 @@ class _BatchOut:
     num_samples: int
     tensors: dict[str, Any]
     metric_sums: dict[str, Tensor] | None = None  # an objective's metrics times the batch's item count
+    metric_count: Tensor | None = None  # what metric_sums are divided by, where not count (1: a batch's value)
 
 
 def _to_device(batch: Mapping[str, Any], device: torch.device | None) -> dict[str, Any]:
@@ -145,7 +146,11 @@ def _run_objective(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
     key = torch.Generator(device=plan.device or "cpu").manual_seed(0)
     loss, aux = spec.objective(plan.forward, plan.params, batch, count.to(plan.device or "cpu"), key)
     n = count.to(torch.float64)
-    sums = {name: torch.as_tensor(v).detach().double().reshape(()) * n.to(v.device) for name, v in dict(aux).items()}
+    # eval_metrics_per_batch (TRL's RewardTrainer): each metric is the mean over batches of the batch's value
+    weight = torch.ones_like(n) if getattr(spec.objective, "eval_metrics_per_batch", False) else n
+    sums = {
+        name: torch.as_tensor(v).detach().double().reshape(()) * weight.to(v.device) for name, v in dict(aux).items()
+    }
     tensors: dict[str, Any] = {}
     if plan.gather:
         predict = getattr(spec.objective, "predictions", None)
@@ -166,7 +171,12 @@ def _run_objective(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
         num_samples=int(samples(batch)) if samples is not None else _num_samples(batch),
         tensors=tensors,
         metric_sums=sums,
+        metric_count=weight.to(count.dtype) if weight is not n else None,
     )
+
+
+def _metric_sums_and_count(out: _BatchOut) -> tuple[dict[str, Tensor] | None, Tensor | None]:
+    return out.metric_sums, out.count if out.metric_count is None else out.metric_count
 
 
 def _metric_means() -> Reducer:
@@ -237,7 +247,7 @@ def eval_parts(
         "labelled": labelled(counting()),
         "samples": mapping(lambda o: o.num_samples)(summing()),
         "batches": counting(),
-        "metrics": compose(filtering(lambda o: o.metric_sums is not None), mapping(lambda o: (o.metric_sums, o.count)))(
+        "metrics": compose(filtering(lambda o: o.metric_sums is not None), mapping(_metric_sums_and_count))(
             _metric_means()
         ),
     }

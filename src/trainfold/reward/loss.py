@@ -6,7 +6,8 @@ taken per pair, so the pair mean is TRL's). The objective returns the pair losse
 step's pair count: TRL's batch mean divided by the accumulation steps when micro-batches hold as many
 pairs (with a shorter last micro-batch, the exact mean over pairs rather than TRL's mean of means). It
 logs TRL's ``accuracy``, ``margin``, ``min_reward``, ``mean_reward`` and ``max_reward`` (the last three
-per micro-batch, weighted by its pairs: TRL averages them over micro-batches).
+per micro-batch, weighted by its pairs: TRL averages them over micro-batches). Evaluated, each metric is
+the mean over eval batches of the batch's value, as TRL's (a short last batch weighs as much as a full one).
 
 >>> import torch
 >>> batch = {"input_ids": torch.zeros(4, 3, dtype=torch.long), "attention_mask": torch.ones(4, 3)}
@@ -59,6 +60,7 @@ class RewardObjective(ModelInputsObjective):
     center_rewards_coefficient: float | None = None
     columns = REWARD_COLUMNS
     aux_reduction = "sum"  # its metrics are shares of the step's pairs, as its loss: the step sums them
+    eval_metrics_per_batch = True  # eval: TRL averages each batch's metrics over the batches, unweighted
 
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
         """Count the pairs of ``micro_batch`` (half its rows)."""
