@@ -155,18 +155,18 @@ def test_eval_metrics_equal_trl_evaluate(trl_setup, tmp_path):
         assert mine[k] == pytest.approx(theirs[k], abs=1e-5), k
 
 
-def test_eval_over_uneven_batches_is_the_exact_pair_mean(trl_setup, tmp_path):
+def test_eval_over_uneven_batches_is_trls_pair_mean_loss_and_batch_mean_metrics(trl_setup, tmp_path):
     # Batches of 4: [4 pairs, 2 pairs]. TRL's eval_loss is the pair mean (HF weights each batch by its size), but its
-    # eval_rewards/* are the plain mean of the two batch means; trainfold weights every metric by its pairs.
+    # eval_rewards/* (all its stored metrics) are the plain mean of the two batch means: trainfold's are the same.
     whole = trl_setup["trainer"](tmp_path / "a", trl_setup["rows"], 4).evaluate()
     first = trl_setup["trainer"](tmp_path / "b", trl_setup["rows"][:4], 4).evaluate()
     last = trl_setup["trainer"](tmp_path / "c", trl_setup["rows"][4:], 4).evaluate()
     mine = ours(trl_setup, tmp_path, 4)
     assert mine["eval_loss"] == pytest.approx(whole["eval_loss"], abs=1e-5)
-    for k in ("eval_loss", "eval_rewards/chosen", "eval_rewards/accuracies", "eval_logps/chosen", "eval_entropy"):
-        assert mine[k] == pytest.approx((4 * first[k] + 2 * last[k]) / 6, abs=1e-5), k
-    plain_mean = (first["eval_rewards/chosen"] + last["eval_rewards/chosen"]) / 2
-    assert whole["eval_rewards/chosen"] == pytest.approx(plain_mean, abs=1e-5)
+    assert mine["eval_loss"] == pytest.approx((4 * first["eval_loss"] + 2 * last["eval_loss"]) / 6, abs=1e-5)
+    for k in ("eval_rewards/chosen", "eval_rewards/accuracies", "eval_logps/chosen", "eval_entropy"):
+        assert mine[k] == pytest.approx((first[k] + last[k]) / 2, abs=1e-5), k
+        assert mine[k] == pytest.approx(whole[k], abs=1e-5), k
     assert mine["eval_samples_per_second"] > 0 and whole["eval_samples_per_second"] > 0
 
 

@@ -214,6 +214,7 @@ class DPOObjective(ModelInputsObjective):
     discopop_tau: float = 0.05
     columns = (*PREFERENCE_COLUMNS, *REF_KEYS)  # the item columns train keeps for it
     aux_reduction = "sum"  # its metrics are divided by the step's pair count, as its loss: the step sums them
+    eval_metrics_per_batch = True  # eval: TRL averages each batch's metrics over the batches, unweighted
     model_keys = MODEL_KEYS
 
     def count_items(self, micro_batch: Mapping[str, Tensor]) -> Tensor:
