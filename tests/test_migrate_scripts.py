@@ -234,6 +234,43 @@ def test_mlm_masks_around_a_mid_epoch_evaluation_are_the_trainers(tmp_path, extr
     assert tf_final == pytest.approx(hf_final, rel=1e-5)
 
 
+def test_mlm_collations_with_accumulation_are_the_trainers_one_by_one(tmp_path):
+    """With gradient accumulation (and an epoch's last step of one micro-batch), evaluations every 2 steps and a
+    ``max_steps`` stop mid-epoch, then ``evaluate()``: every collation, training's and evaluation's, in order, draws
+    the masks of ``transformers.Trainer``'s (HF's logged loss under accumulation is another quantity)."""
+    import trainfold
+
+    tokenizer = bert_tokenizer()
+    rows = [dict(tokenizer(s)) for s in sentences(22, 0)]  # 11 micro-batches an epoch: 6 steps, the last of one
+    eval_rows = [dict(tokenizer(s)) for s in sentences(9, 1)]
+
+    class Recording(transformers.DataCollatorForLanguageModeling):
+        def __call__(self, features, *rest, **kw):
+            out = super().__call__(features, *rest, **kw)
+            self.masks.append(out["labels"].tolist())
+            return out
+
+    masks = {}
+    for who, trainer_class in (("hf", transformers.Trainer), ("trainfold", trainfold.Trainer)):
+        torch.manual_seed(0)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / who), per_device_train_batch_size=2, per_device_eval_batch_size=3,
+            gradient_accumulation_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no", seed=3,
+            eval_strategy="steps", eval_steps=2, max_steps=9, report_to="none", use_cpu=True, disable_tqdm=True,
+        )  # fmt: skip
+        collator = Recording(tokenizer, mlm_probability=0.3)
+        collator.masks = []
+        model = transformers.BertForMaskedLM(bert_config())
+        trainer = trainer_class(
+            model=model, args=args, train_dataset=rows, eval_dataset=eval_rows, data_collator=collator
+        )
+        trainer.train()
+        trainer.evaluate()
+        masks[who] = collator.masks
+    assert len(masks["trainfold"]) == len(masks["hf"])  # 9 steps: 17 micro-batches and the 18th ahead; the evals
+    assert masks["trainfold"] == masks["hf"]
+
+
 # -- run_ner ---------------------------------------------------------------------------------------------------------
 
 
