@@ -378,3 +378,32 @@ def test_epoch_draws_draw_one_number_at_each_epoch_start_as_hfs_loader_and_resum
     torch.manual_seed(0)
     torch.empty((), dtype=torch.int64).random_()
     assert at_end == [((1, 1), torch.randint(0, 2**30, ()).item())]
+
+
+def test_collate_ahead_collates_the_epochs_next_micro_batch_before_yielding_a_step():
+    """As accelerate's DataLoaderShard: the epoch's next micro-batch is collated before a step is yielded, never
+    across the epoch's end; the steps are the bare stream's."""
+    data = [{"input_ids": [i + 1]} for i in range(10)]
+    s = Sampler("sequential", 10, per_device_train_batch_size=2, gradient_accumulation_steps=2)  # 3 steps/epoch
+    collated: list[int] = []
+
+    def collate(items):
+        collated.append(items[0]["input_ids"][0])
+        return pad_collate()(items)
+
+    seen, notes = [], []
+    steps = stream(data, s, collate, num_epochs=2, max_steps=5, collate_ahead=notes.append)
+    for step in steps:
+        seen.append((step.cursor.as_tuple(), list(collated)))
+    assert seen == [
+        ((0, 1), [1, 3, 5]),  # step 0's two micro-batches, and step 1's first
+        ((0, 2), [1, 3, 5, 7, 9]),  # step 2 (one micro-batch) closes the epoch: nothing ahead
+        ((1, 0), [1, 3, 5, 7, 9]),
+        ((1, 1), [1, 3, 5, 7, 9, 1, 3, 5]),
+        ((1, 2), [1, 3, 5, 7, 9, 1, 3, 5, 7, 9]),  # max_steps stops mid-epoch: the next one is collated too
+    ]
+    assert notes == [True, True, False, True, True]
+    collated.clear()
+    bare = list(stream(data, s, collate, num_epochs=2, max_steps=5))
+    assert collated == [1, 3, 5, 7, 9, 1, 3, 5, 7]  # each step's own micro-batches, when drawn
+    same_steps(bare, [step for step in stream(data, s, pad_collate(), num_epochs=2, max_steps=5, collate_ahead=True)])

@@ -104,6 +104,9 @@ def test_the_checkpoint_holds_the_generators_as_json(tmp_path):
 
     _run(tmp_path, COLLATORS["mlm"](), stop=lambda s: int(s.step) >= 3)
     sidecar = next(tmp_path.glob("checkpoint-3/*.json"))
-    saved = json.loads(sidecar.read_text())["metadata"]["global_rng"]
-    assert sorted(saved) == ["0"]
-    assert sorted(saved["0"]) == sorted(global_rng_states())
+    metadata = json.loads(sidecar.read_text())["metadata"]
+    saved, ahead = metadata["global_rng"], metadata["global_rng_ahead"]
+    assert sorted(saved) == sorted(ahead) == ["0"]
+    assert sorted(saved["0"]) == sorted(ahead["0"]) == sorted(global_rng_states())
+    # the states before the look-ahead collation of step 4's first micro-batch, and after it
+    assert ahead["0"]["torch"] != saved["0"]["torch"]

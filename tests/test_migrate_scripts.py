@@ -167,9 +167,9 @@ def test_run_mlm_moves_by_its_import_with_the_trainers_masks_and_losses_and_resu
     """``DataCollatorForLanguageModeling`` masks with the global generators, which ``Trainer(...)`` seeds with
     ``args.seed``; torch's ``DataLoader`` draws its workers' base seed from them whenever an epoch (or an evaluation)
     starts iterating, and trainfold's stream draws that number too: the per-step losses are bitwise HF's (no
-    dropout: trainfold draws dropout from the run's seed, HF from the global generator). The eval masks differ
-    (accelerate's loader has collated one batch ahead when training stops mid-epoch), so eval metrics are not
-    compared."""
+    dropout: trainfold draws dropout from the run's seed, HF from the global generator). Training stops mid-epoch,
+    where accelerate's loader has collated the next batch ahead; the stream has too, so the eval masks and
+    metrics are HF's as well."""
     model_dir = tmp_path / "model"
     torch.manual_seed(0)
     transformers.BertForMaskedLM(bert_config()).save_pretrained(model_dir)
@@ -184,9 +184,91 @@ def test_run_mlm_moves_by_its_import_with_the_trainers_masks_and_losses_and_resu
         argv = ["--model_name_or_path", str(model_dir), *files, "--max_seq_length", "16", *common_argv(out)]
         return [*argv, "--eval_strategy", "no"]  # run_mlm's default: evaluate once, after training
 
-    hf, tf = check_script_migrates(tmp_path, monkeypatch, "run_mlm", argv, same_eval=False)
+    hf, tf = check_script_migrates(tmp_path, monkeypatch, "run_mlm", argv)
     assert "perplexity" in results(tf, "eval") and "eval_accuracy" in results(tf, "eval")
     assert transformers.AutoModelForMaskedLM.from_pretrained(tf).config.vocab_size == 64
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"eval_strategy": "steps", "eval_steps": 5, "max_steps": 15},  # mid-epoch, and across the epoch's end
+        {"eval_strategy": "steps", "eval_steps": 4, "max_steps": 14},  # and at the epoch's end: nothing ahead
+        {"eval_strategy": "no", "max_steps": 5},  # stop mid-epoch, then evaluate
+    ],
+    ids=["evaluating", "at_epoch_end", "max_steps"],
+)
+def test_mlm_masks_around_a_mid_epoch_evaluation_are_the_trainers(tmp_path, extra):
+    """accelerate's loader has collated the epoch's next micro-batch before it yields one; trainfold's stream
+    collates ahead too, so a ``DataCollatorForLanguageModeling`` draws the same masks before and after an
+    evaluation in the middle of an epoch: per-step losses bitwise, eval losses equal to ``transformers.Trainer``'s."""
+    import trainfold
+
+    tokenizer = bert_tokenizer()
+    rows = [dict(tokenizer(s)) for s in sentences(24, 0)]
+    eval_rows = [dict(tokenizer(s)) for s in sentences(9, 1)]
+    logs = {}
+    for who, trainer_class in (("hf", transformers.Trainer), ("trainfold", trainfold.Trainer)):
+        torch.manual_seed(0)
+        model = transformers.BertForMaskedLM(bert_config())
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / who), per_device_train_batch_size=2, per_device_eval_batch_size=3,
+            learning_rate=1e-2, logging_steps=1, save_strategy="no", seed=3, report_to="none", use_cpu=True,
+            disable_tqdm=True, **extra,
+        )  # fmt: skip
+        collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3)
+        trainer = trainer_class(
+            model=model, args=args, train_dataset=rows, eval_dataset=eval_rows, data_collator=collator
+        )
+        trainer.train()
+        final = trainer.evaluate()["eval_loss"]
+        history = trainer.state.log_history
+        losses = [(e["step"], e["loss"]) for e in history if "loss" in e]
+        evals = [(e["step"], e["eval_loss"]) for e in history if "eval_loss" in e]
+        logs[who] = losses, evals, final
+    (hf_losses, hf_evals, hf_final), (tf_losses, tf_evals, tf_final) = logs["hf"], logs["trainfold"]
+    assert len(tf_losses) == extra["max_steps"]
+    assert tf_losses == hf_losses  # bitwise: the same masks
+    assert [s for s, _ in tf_evals] == [s for s, _ in hf_evals]
+    assert [v for _, v in tf_evals] == pytest.approx([v for _, v in hf_evals], rel=1e-5)
+    assert tf_final == pytest.approx(hf_final, rel=1e-5)
+
+
+def test_mlm_collations_with_accumulation_are_the_trainers_one_by_one(tmp_path):
+    """With gradient accumulation (and an epoch's last step of one micro-batch), evaluations every 2 steps and a
+    ``max_steps`` stop mid-epoch, then ``evaluate()``: every collation, training's and evaluation's, in order, draws
+    the masks of ``transformers.Trainer``'s (HF's logged loss under accumulation is another quantity)."""
+    import trainfold
+
+    tokenizer = bert_tokenizer()
+    rows = [dict(tokenizer(s)) for s in sentences(22, 0)]  # 11 micro-batches an epoch: 6 steps, the last of one
+    eval_rows = [dict(tokenizer(s)) for s in sentences(9, 1)]
+
+    class Recording(transformers.DataCollatorForLanguageModeling):
+        def __call__(self, features, *rest, **kw):
+            out = super().__call__(features, *rest, **kw)
+            self.masks.append(out["labels"].tolist())
+            return out
+
+    masks = {}
+    for who, trainer_class in (("hf", transformers.Trainer), ("trainfold", trainfold.Trainer)):
+        torch.manual_seed(0)
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / who), per_device_train_batch_size=2, per_device_eval_batch_size=3,
+            gradient_accumulation_steps=2, learning_rate=1e-2, logging_steps=1, save_strategy="no", seed=3,
+            eval_strategy="steps", eval_steps=2, max_steps=9, report_to="none", use_cpu=True, disable_tqdm=True,
+        )  # fmt: skip
+        collator = Recording(tokenizer, mlm_probability=0.3)
+        collator.masks = []
+        model = transformers.BertForMaskedLM(bert_config())
+        trainer = trainer_class(
+            model=model, args=args, train_dataset=rows, eval_dataset=eval_rows, data_collator=collator
+        )
+        trainer.train()
+        trainer.evaluate()
+        masks[who] = collator.masks
+    assert len(masks["trainfold"]) == len(masks["hf"])  # 9 steps: 17 micro-batches and the 18th ahead; the evals
+    assert masks["trainfold"] == masks["hf"]
 
 
 # -- run_ner ---------------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import base64
 import contextlib
 import json
 import random
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -101,7 +101,9 @@ def global_rng_states() -> dict[str, Any]:
     return states
 
 
-def every_rank_global_rng_states(collective: Collective | None, rank: int = 0) -> dict[str, dict[str, Any]]:
+def every_rank_global_rng_states(
+    collective: Collective | None, rank: int = 0, *, states: Callable[[], Any] = global_rng_states
+) -> dict[str, Any]:
     """Return every rank's :func:`global_rng_states`, by ``str(rank)``: what a checkpoint's writer saves, so each
     rank of a resume continues its own draws (HF's ``rng_state_{rank}.pth``). Every rank calls it at once.
 
@@ -111,7 +113,7 @@ def every_rank_global_rng_states(collective: Collective | None, rank: int = 0) -
     >>> every_rank_global_rng_states(None) == {"0": global_rng_states()}
     True
     """
-    mine = global_rng_states()
+    mine = states()  # any JSON value: the states kept at another moment (trainfold.train's look-ahead)
     if collective is None:
         return {str(rank): mine}
     rank = collective.rank

@@ -18,6 +18,14 @@ the process's generators are (``train`` saves them with each checkpoint and rest
 DataLoader worker (``dataloader_num_workers > 0``), from generators seeded before each micro-batch from the
 sampler's seed, the epoch and the micro-batch's first sample.
 
+HF's loop collates ahead: accelerate's ``DataLoaderShard`` (what ``transformers.Trainer`` iterates) collates the
+epoch's next micro-batch before it yields one, never across the epoch's end. ``stream(..., collate_ahead=True)``
+does the same (also past ``max_steps``, within its epoch), so a collator drawing from the global generators draws
+at the moments of HF's loop and an evaluation or save between steps finds them where HF's does. A callable
+``collate_ahead`` is called right before that collation with ``True``, or with ``False`` for a step that closes its
+epoch (nothing collated ahead): ``trainfold.train`` keeps the generators' states there for its checkpoints; and
+``after_first`` right after the stream's first collation (where a resume sets the states of the save).
+
 >>> from trainfold.data import Sampler, pad_collate
 >>> data = [{"input_ids": [1] * n} for n in (1, 2, 3, 4, 5)]
 >>> s = Sampler("sequential", 5, per_device_train_batch_size=2)
@@ -124,6 +132,7 @@ class _Planned:
     after: tuple[int, int]
     micro: list[list[int]]
     opens_epoch: bool = False  # the epoch's first step
+    ahead: list[int] | None = None  # the epoch's next micro-batch (None: the step closes the epoch)
 
 
 def _plan(
@@ -144,7 +153,8 @@ def _plan(
             if max_steps is not None and epoch * spe + p >= max_steps:
                 return
             after = (epoch, p + 1) if p + 1 < spe else (epoch + 1, 0)
-            yield _Planned(epoch, after, batches[p], opens_epoch=p == 0)
+            ahead = batches[p + 1][0] if p + 1 < spe else None
+            yield _Planned(epoch, after, batches[p], opens_epoch=p == 0, ahead=ahead)
         epoch, pos = epoch + 1, 0
 
 
@@ -153,11 +163,15 @@ class _MicroBatches:
     """The DataLoader's batch sampler: every micro-batch of the plan, as ``(epoch, index)`` keys."""
 
     plan: Callable[[], Iterator[_Planned]]
+    collate_ahead: bool = False  # and the micro-batch after the plan's last step, in its epoch
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        for planned in self.plan():
-            for micro in planned.micro:
-                yield [(planned.epoch, i) for i in micro]
+        last = None
+        for last in self.plan():
+            for micro in last.micro:
+                yield [(last.epoch, i) for i in micro]
+        if self.collate_ahead and last is not None and last.ahead is not None:  # a plan stopped by max_steps
+            yield [(last.epoch, i) for i in last.ahead]
 
 
 def _cursor(epoch: int, position: int) -> Cursor:
@@ -178,6 +192,8 @@ def stream(
     dataloader_pin_memory: bool = False,
     dataloader_drop_last: bool | None = None,
     epoch_draws: bool = False,
+    collate_ahead: bool | Callable[[bool], None] = False,
+    after_first: Callable[[], None] | None = None,
 ) -> Iterator[StepBatch]:
     """Yield the run's optimizer steps from ``start`` (a cursor; default: the beginning) as StepBatches.
 
@@ -189,6 +205,8 @@ def stream(
     helps when batches then go to a GPU). The stream leaves torch's global generator as it was, unless
     ``epoch_draws``: then each epoch starts with one draw from it, as HF's loop does (:func:`epoch_draw`;
     ``trainfold.train`` sets it).
+
+    ``collate_ahead`` and ``after_first`` (map-style datasets): HF's look-ahead collation (the module's docstring).
 
     A dataset without ``__len__`` (sampler ``num_samples=None``) is read in its own order, an
     epoch being one pass over it; micro-batches are dealt round-robin to ranks, the collator
@@ -209,14 +227,11 @@ def stream(
     begin = (0, 0) if start is None else start.as_tuple() if isinstance(start, Cursor) else (start[0], start[1])
     if begin[0] < 0 or begin[1] < 0:
         raise ValueError(f"start cursor {begin} must have epoch >= 0 and position >= 0")
-    loader_options = _loader_options(
-        sampler.seed,
-        dataloader_num_workers,
-        dataloader_persistent_workers,
-        dataloader_prefetch_factor,
-        dataloader_pin_memory,
+    workers = (dataloader_num_workers, dataloader_persistent_workers, dataloader_prefetch_factor)
+    loader_options = _loader_options(sampler.seed, *workers, dataloader_pin_memory)
+    reading = _Reading(
+        dataset, sampler, collate, begin, num_epochs, max_steps, loader_options, epoch_draws, collate_ahead, after_first
     )
-    reading = _Reading(dataset, sampler, collate, begin, num_epochs, max_steps, loader_options, epoch_draws)
     if sampler.num_samples is None:
         return _iterable_stream(reading)
     _check_start(sampler, len(dataset), begin)
@@ -286,6 +301,8 @@ class _Reading:
     max_steps: int | None
     loader_options: dict[str, Any]
     epoch_draws: bool = False
+    collate_ahead: bool | Callable[[bool], None] = False
+    after_first: Callable[[], None] | None = None
 
 
 def _map_stream(reading: _Reading) -> Iterator[StepBatch]:
@@ -296,15 +313,37 @@ def _map_stream(reading: _Reading) -> Iterator[StepBatch]:
     def plan() -> Iterator[_Planned]:
         return _plan(sampler, epoch_batches, begin, num_epochs, max_steps)
 
+    ahead = reading.collate_ahead
+    batches = _MicroBatches(plan, collate_ahead=bool(ahead))
     loader = DataLoader(
-        _Keyed(dataset), batch_sampler=_MicroBatches(plan), collate_fn=_Collate(collate, sampler.seed), **loader_options
+        _Keyed(dataset), batch_sampler=batches, collate_fn=_Collate(collate, sampler.seed), **loader_options
     )
-    loaded = iter(loader)
+    loaded = _FirstNoted(iter(loader), reading.after_first)
+    pending: list[Any] = []  # the micro-batch collated ahead
     for planned in plan():
         if planned.opens_epoch and reading.epoch_draws:
             epoch_draw()
-        micro = [next(loaded) for _ in planned.micro]
+        micro = [pending.pop() if pending else next(loaded) for _ in planned.micro]
+        if ahead:
+            if callable(ahead):
+                ahead(planned.ahead is not None)
+            if planned.ahead is not None:
+                pending.append(next(loaded))
         yield StepBatch(micro, _cursor(*planned.after), planned.micro)
+
+
+class _FirstNoted:
+    """An iterator that calls ``noted`` (when given) right after yielding its first item."""
+
+    def __init__(self, items: Iterator[Any], noted: Callable[[], None] | None) -> None:
+        self.items, self.noted = items, noted
+
+    def __next__(self) -> Any:
+        item = next(self.items)
+        if self.noted is not None:
+            noted, self.noted = self.noted, None
+            noted()
+        return item
 
 
 def epoch_draw() -> None:

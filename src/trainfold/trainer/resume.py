@@ -18,7 +18,7 @@ from trainfold.ckpt import policy
 from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, adapter_config_text, is_peft_model
 from trainfold.ckpt.sharded import is_sharded
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointWarning, field_error
-from trainfold.core.rng import restore_global_rng
+from trainfold.core.rng import global_rng_states, restore_global_rng
 from trainfold.core.state import TrainState, init_state, lend
 from trainfold.core.tree import flatten, map_tensors, unflatten
 from trainfold.data import close_loader
@@ -29,7 +29,7 @@ from trainfold.observe.observers import MetricWindow
 from trainfold.step.fsdp import placed_like
 from trainfold.trainer.plan import Plan
 
-__all__ = ["initial_state", "on_device", "Start", "start_run", "continuing_global_rng"]
+__all__ = ["initial_state", "on_device", "Start", "start_run", "continuing_global_rng", "Lookahead"]
 
 
 def on_device(opt_state: Any, device: torch.device) -> Any:
@@ -105,6 +105,7 @@ class Start:
     history: Any  # a history.HistoryFile on the writer rank, a list elsewhere
     source: Any = None
     global_rng: Mapping[str, Any] | None = None  # the checkpoint's global generator states, by rank
+    global_rng_ahead: Mapping[str, Any] | None = None  # and before its look-ahead collation (Lookahead)
 
 
 def start_run(plan: Plan, directory: RunDir, state: TrainState, *, weights_only_warm_start: bool = False) -> Start:
@@ -124,18 +125,56 @@ def start_run(plan: Plan, directory: RunDir, state: TrainState, *, weights_only_
         loaded = lend(plan.model, loaded)
     for eval_set in plan.evals.sets:  # persistent eval workers stop with the run, also when it raises
         directory.claim.callback(functools.partial(close_loader, eval_set.loader))
-    return Start(loaded, window, directory.history, source, meta.get("global_rng"))
+    return Start(loaded, window, directory.history, source, meta.get("global_rng"), meta.get("global_rng_ahead"))
 
 
-def continuing_global_rng(batches: Iterable[Any], saved: Mapping[str, Any] | None, rank: int) -> Iterator[Any]:
+@attrs.define(eq=False)
+class Lookahead:
+    """The global generators around the stream's look-ahead collation (``stream(..., collate_ahead=...)``).
+
+    accelerate's ``DataLoaderShard`` (HF's training loader) collates the epoch's next micro-batch before it yields
+    one, so an evaluation or save after a step comes after that collation. ``ahead`` holds this rank's generator
+    states right before the latest step's look-ahead collation (None: the step closed its epoch, nothing was
+    collated ahead); a checkpoint keeps them beside the states at the save (``global_rng_ahead``). A resume sets
+    the generators to them before its first collation (that look-ahead micro-batch), then to the save's
+    (``resuming``) right after it: each collation draws as in the run that never stopped.
+    """
+
+    saved_ahead: Mapping[str, Any] | None = None  # a resume's: the checkpoint's ``global_rng_ahead``, by rank
+    ahead: dict[str, Any] | None = None
+    resuming: Mapping[str, Any] | None = None  # a resume's states at the save, set after its first collation
+
+    def note(self, collates: bool) -> None:
+        """Keep the states of this moment, right before a look-ahead collation (``collates``), else None."""
+        self.ahead = global_rng_states() if collates else None
+
+    def after_first(self) -> None:
+        """Set the resume's states at the save, once: its look-ahead micro-batch is collated."""
+        if self.resuming is not None:
+            restore_global_rng(self.resuming)
+            self.resuming = None
+
+
+def continuing_global_rng(
+    batches: Iterable[Any],
+    saved: Mapping[str, Any] | None,
+    rank: int,
+    lookahead: Lookahead | None = None,
+) -> Iterator[Any]:
     """Yield ``batches``, the global generators first set to this rank's ``saved`` states (a resume's).
 
     Set when the first batch is drawn, right before its collation (after what ran since the checkpoint was
     loaded: ``on_train_begin`` callbacks), so a collator drawing from torch's, numpy's or ``random``'s global
-    generator continues the draws of the run that saved them, as if it had never stopped.
+    generator continues the draws of the run that saved them, as if it had never stopped. Where the checkpoint
+    holds this rank's states before a look-ahead collation (``lookahead.saved_ahead``), those are set first and the
+    ``saved`` ones right after the first collation (``lookahead.after_first``, which the stream calls).
     """
     if saved is not None:
-        if str(rank) in saved:
+        ahead = None if lookahead is None else (lookahead.saved_ahead or {}).get(str(rank))
+        if str(rank) in saved and ahead is not None and lookahead is not None:
+            restore_global_rng(ahead)
+            lookahead.resuming = saved[str(rank)]
+        elif str(rank) in saved:
             restore_global_rng(saved[str(rank)])
         else:
             warnings.warn(

@@ -59,6 +59,7 @@ class Run:
     record: RunLog = attrs.Factory(RunLog)  # what changes as it goes (a mutable record): .saved, .diverged_at
     session: tuple[float, int] | None = None  # when this call began (time.monotonic) and the tokens seen then
     global_rng: Mapping[str, Any] | None = None  # a resume's saved global generator states (Start.global_rng)
+    lookahead: Any = None  # resume.Lookahead: the states before the stream's latest look-ahead collation
 
     @property
     def saves_here(self) -> bool:
@@ -117,7 +118,9 @@ def evaluate_and_record(run: Run, state: TrainState, *, track: bool = True) -> t
     return record_eval(run, state, run.plan.evals.run(run.plan.model, state), track=track)
 
 
-def _save_metadata(run: Run, state: TrainState, global_rng: Mapping[str, Any]) -> dict[str, Any]:
+def _save_metadata(
+    run: Run, state: TrainState, global_rng: Mapping[str, Any], ahead: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Return what a checkpoint's sidecar keeps of the run beside its state: the metric window, the best metric,
     the global generators, an early stopper's settings."""
     best: best_metric.BestMetric | None = state.extras.get(BEST)
@@ -126,10 +129,13 @@ def _save_metadata(run: Run, state: TrainState, global_rng: Mapping[str, Any]) -
         "window": log_file.window_state(run.window),
         "best_metric": None if shown is None else float(shown.value),
         "best_step": None if shown is None else int(shown.step),
-        # every rank's global generators a collator draws from, as they are after the last step's collation (the
-        # stream collates each step when it is drawn, never ahead); a resume restores them before its first collation
+        # every rank's global generators a collator draws from, as they are at the save (after the stream collated
+        # the epoch's next micro-batch ahead, as accelerate's loader), and right before that look-ahead collation
+        # (None: the step closed its epoch); a resume sets the second, collates, then sets the first
         "global_rng": dict(global_rng),
     }
+    if ahead is not None:
+        metadata["global_rng_ahead"] = dict(ahead)
     early = run.plan.early
     if early is not None:  # what restore_callback_states_from_checkpoint restores (an EarlyStoppingCallback's args)
         metadata["early_stopping"] = {"patience": early.patience, "threshold": early.threshold}
@@ -144,6 +150,9 @@ def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
     the run's collective); the ranks that save (``Run.saves_here``) write it.
     """
     global_rng = every_rank_global_rng_states(run.plan.collective, run.plan.rank)
+    lookahead, ahead = run.lookahead, None
+    if lookahead is not None:  # every rank has one, or none
+        ahead = every_rank_global_rng_states(run.plan.collective, run.plan.rank, states=lambda: lookahead.ahead)
     plan, directory = run.plan.checkpoints, run.directory
     assert directory is not None, "a run saves into the directory it claimed (Run.directory)"
     path = ckpt.checkpoint_path(directory.root, int(state.step))
@@ -159,7 +168,7 @@ def save_checkpoint(run: Run, state: TrainState, *, jit: bool = False) -> Path:
         keep=keep,
         model=run.plan.model,
         jit=jit,
-        metadata=_save_metadata(run, state, global_rng),
+        metadata=_save_metadata(run, state, global_rng, ahead),
         save_only_model=plan.save_only_model,
         extra_files=None if plan.processing_class is None else plan.processing_class.save_pretrained,
         saver=run.saver,

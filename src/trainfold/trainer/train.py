@@ -95,7 +95,7 @@ from trainfold.trainer.inputs import to_device
 from trainfold.trainer.optimizer import default_optimizer
 from trainfold.trainer.plan import STOPPING_RULES, Plan, agreed
 from trainfold.trainer.planning import TrainCall, elastic_args, plan_for, process_settings, world_of
-from trainfold.trainer.resume import Start, continuing_global_rng, initial_state, start_run
+from trainfold.trainer.resume import Lookahead, Start, continuing_global_rng, initial_state, start_run
 from trainfold.trainer.run import Run, callback_adapter, evaluate_and_record, run_hooks, save_checkpoint
 
 _log = logging.getLogger(__name__)
@@ -278,6 +278,7 @@ def _session(plan: Plan, begin: Start, directory: RunDir) -> TrainResult:
             all_ranks_save=is_sharded(state),
             session=(started, int(state.extras[TOKENS_SEEN])) if TOKENS_SEEN in state.extras else None,
             global_rng=begin.global_rng,
+            lookahead=Lookahead(begin.global_rng_ahead),
         )
         run, hf = callback_adapter(run, state)  # HF TrainerCallbacks, or None
         if plan.evals.on_start and begin.source is None:
@@ -323,7 +324,7 @@ def _trained(
         state, log = loop_run(
             _step(run, hf),
             state,
-            continuing_global_rng(_batches(plan, state), run.global_rng, plan.rank),
+            continuing_global_rng(_batches(plan, state, run.lookahead), run.global_rng, plan.rank, run.lookahead),
             hooks=run_hooks(run, hf, bar),
             stop=stops.predicate(fired),
             epoch_closed=lambda s: int(s.cursor.position) == 0 or int(s.step) >= total,  # HF: the last step too
@@ -347,12 +348,22 @@ def _step(run: Run, hf: HFCallbacks | None) -> Callable[[TrainState, Any], Train
     return counted
 
 
-def _batches(plan: Plan, state: TrainState) -> Iterable[Any]:
-    """Return the run's steps of data from the state's cursor: the sampler's stream, or the plan's StateStream."""
+def _batches(plan: Plan, state: TrainState, lookahead: Lookahead | None = None) -> Iterable[Any]:
+    """Return the run's steps of data from the state's cursor: the sampler's stream, or the plan's StateStream.
+
+    The sampler's stream draws as HF's loop: one number at each epoch's start, and the epoch's next micro-batch
+    collated before each step (accelerate's loader), the generators' states there kept in ``lookahead``.
+    """
     if plan.stream is not None:
         return plan.stream.steps(state.cursor)
     source = is_stream_source(plan.inputs.train_dataset)  # files(...): its cursor
-    batches = (source_steps if source else functools.partial(stream, epoch_draws=True))(  # HF's epoch draws
+    hf_draws = functools.partial(
+        stream,
+        epoch_draws=True,
+        collate_ahead=True if lookahead is None else lookahead.note,
+        after_first=None if lookahead is None else lookahead.after_first,
+    )
+    batches = (source_steps if source else hf_draws)(
         plan.inputs.train_dataset,
         plan.sampler,
         plan.inputs.collate,
