@@ -74,7 +74,9 @@ def test_replayed_losses_are_the_logged_ones_bitwise_and_the_rows_are_the_ones_t
         rows += [i for micro in again.rows for i in micro]
         start = max((c for c in (3, 6) if c < step), default=None)
         assert (again.start.name if again.start else None) == (f"checkpoint-{start}" if start else None)
-    assert rows == served  # every step's rows, in the order the run read them
+    # every step's rows, in the order the run read them; after its last step the run has also read the epoch's next
+    # micro-batch, which it collates ahead as HF's loader does (data.stream collate_ahead)
+    assert rows == served[: len(rows)] and len(served) - len(rows) in (0, BATCH)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # the model is left alone
 
 
