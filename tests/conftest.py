@@ -37,6 +37,7 @@ LONGEST_FIRST = (
     "test_benchmarks_more.py",  # 72
     "test_benchmarks.py",  # 57
     "test_resume_stress.py",  # 51
+    "test_grpo_async.py",  # ~45 (reduced: one kill -9 engine)
     "test_notebooks.py",  # 46
     "test_sharded.py",  # 36
     "test_elastic_sessions.py",  # 35
@@ -49,7 +50,9 @@ LONGEST_FIRST = (
     "test_global_rng_ranks.py",  # 16
     "test_checkpoint_faults.py",  # 16
     "test_chunked_loss.py",  # 11
-    "test_compiled.py",  # 10 (inductor's compile, with a warm cache)
+    "test_compiled.py",  # 10 (inductor's compile, with a warm cache; 19 on a cold one)
+    "test_rollout_engines.py",  # ~15
+    "test_files_stream_packed.py",  # ~10
 )
 
 
