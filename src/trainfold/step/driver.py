@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from trainfold.core.collective import Collective, item_count, items_in_batch
 from trainfold.core.forward import Batch, Forward
-from trainfold.core.losses import warn_no_items
+from trainfold.core.losses import loss_and_metrics, warn_no_items
 from trainfold.core.rng import derive_seed, private_rng
 from trainfold.core.state import TrainState, check_live, invalidate, refuse_vmapped
 from trainfold.step.plan import StepPlan
@@ -226,9 +226,7 @@ def micro_loss(
             f"labels, or pass label_key= to make_step, or an objective that needs none"
         )
     inputs, labels = {k: v for k, v in micro.items() if k != plan.label_key}, micro[plan.label_key]
-    outputs = forward(leaves, inputs)
-    metrics = getattr(plan.loss, "metrics", None)
-    return plan.loss(outputs, labels, num_items), ({} if metrics is None else metrics(outputs, labels, num_items))
+    return loss_and_metrics(plan.loss, forward(leaves, inputs), labels, num_items)
 
 
 def summed_grads(grads: list[Tensor | None] | None, new: Sequence[Tensor | None]) -> list[Tensor | None]:
