@@ -214,8 +214,8 @@ def test_steps_per_generation_counts_micro_steps_like_trl(tmp_path):
 # -- resume inside a generation block ------------------------------------------------------
 
 
-@pytest.mark.parametrize("spg, iterations, stop_at", [(2, 2, 1)])
-def test_resume_inside_a_generation_block_is_bitwise(tmp_path, spg, iterations, stop_at):
+@pytest.mark.parametrize("spg, iterations, stop_at, rng", [(2, 2, 1, "keyed"), (2, 2, 1, "global")])
+def test_resume_inside_a_generation_block_is_bitwise(tmp_path, spg, iterations, stop_at, rng):
     calls = []
 
     def counted(prompts, completions, **_):
@@ -232,6 +232,7 @@ def test_resume_inside_a_generation_block_is_bitwise(tmp_path, spg, iterations, 
             steps_per_generation=spg,
             num_iterations=iterations,
             beta=0.05,
+            generation_rng=rng,  # global: the checkpoint's global generator states continue the draws
             **kw,
         )
 
