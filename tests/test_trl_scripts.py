@@ -175,10 +175,11 @@ _WORD_SUM = (  # a reward that reads the completion's words (text, or the assist
 )
 
 
-@pytest.mark.parametrize("prompts", ["text", "chat"])
+@pytest.mark.parametrize("prompts", ["text", "chat", "text_peft"])
 def test_trls_grpo_script_moves_by_its_import_with_trls_per_step_losses_and_metrics(tmp_path, monkeypatch, prompts):
     """TRL's ``grpo.py`` with reward functions named on its command line: a dotted path (text prompts), as the
-    script imports it, and two of its own registry's (``think_format_reward`` reads chat completions).
+    script imports it, and two of its own registry's (``think_format_reward`` reads chat completions); a LoRA
+    adapter (``--use_peft``) with gradient checkpointing.
 
     TRL's ``GRPOTrainer`` samples completions with ``model.generate`` from torch's global generator, seeded by its
     ``set_seed(args.seed)``; the migrated script's ``GRPOTrainer`` samples from it too, in TRL's order
@@ -196,6 +197,9 @@ def test_trls_grpo_script_moves_by_its_import_with_trls_per_step_losses_and_metr
     argv += ["--reward_funcs", *funcs, "grpo_script_rewards.word_sum", "--num_generations", "2"]
     argv += ["--max_completion_length", "8", "--save_strategy", "no", "--beta", "0.1"]
     argv += ["--gradient_accumulation_steps", "2"]  # a generation: 2 prompts of other lengths (left-padded)
+    if prompts == "text_peft":  # generate runs on the adapter's weights too; gradient checkpointing as TRL's default
+        argv += ["--use_peft", "--lora_r", "2", "--lora_dropout", "0", "--lora_target_modules", "q_proj", "v_proj"]
+        argv += ["--gradient_checkpointing", "true"]
     argv += ["--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "2"]
     got: dict = {"trl": {}, "trainfold": {}}
     for who in ("trl", "trainfold"):
