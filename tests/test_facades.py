@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 
+import attrs
 import pytest
 import torch
 import transformers
@@ -310,8 +311,8 @@ def test_grpo_trainer_is_trainfold_grpo_train(tmp_path):
         torch.manual_seed(0)
         return TinyLM(TinyLMConfig(vocab_size=32, d_model=8, n_layers=1, n_heads=2, max_len=16))
 
-    def reward_len(completions, **kwargs):
-        return [float(len(c)) for c in completions]
+    def reward_len(completions, **kwargs):  # a reward that tells completions apart, so the losses are not all 0
+        return [float(sum(map(ord, c)) % 7) for c in completions]
 
     def args(out):
         return trainfold.GRPOArguments(
@@ -321,12 +322,20 @@ def test_grpo_trainer_is_trainfold_grpo_train(tmp_path):
         )  # fmt: skip
 
     prompts, tok = [{"prompt": "w1 w2"}, {"prompt": "w3"}], _tokenizer()
-    expected = trainfold.grpo.train(model(), args(tmp_path / "a"), prompts, reward_len, processing_class=tok)
+    # the facade samples as TRL does, from torch's global generator: trainfold.grpo.train does so when asked
+    ours = attrs.evolve(args(tmp_path / "a"), generation_rng="global")
+    policy = model()
+    transformers.set_seed(ours.seed)  # as GRPOTrainer's constructor seeds the global generators (TRL's)
+    expected = trainfold.grpo.train(policy, ours, prompts, reward_len, processing_class=tok)
+    assert any(e["grad_norm"] != 0 for e in expected.log_history[:2])  # (on-policy, equal lengths: each loss is 0)
     trainer = trainfold.grpo.GRPOTrainer(
         model(), reward_len, args(tmp_path / "b"), train_dataset=prompts, processing_class=tok
     )
     trainer.train()
-    assert [e["loss"] for e in trainer.state.log_history[:2]] == [e["loss"] for e in expected.log_history[:2]]
+    keys = ("loss", "grad_norm", "reward", "reward_std")
+    assert [[e[k] for k in keys] for e in trainer.state.log_history[:2]] == [
+        [e[k] for k in keys] for e in expected.log_history[:2]
+    ]
     with pytest.raises(TypeError, match="GRPOTrainer.evaluate is not supported.*eval_strategy"):
         trainer.evaluate()
     with pytest.raises(TypeError, match="tools=.*call tools inside a reward function"):
