@@ -14,7 +14,6 @@ from typing import Any
 from trainfold.grpo.args import GRPOArguments
 from trainfold.grpo.run import train as grpo_train
 from trainfold.trainer.facade import PeerTrainer, refuse
-from trainfold.trainer.train import TrainResult
 
 __all__ = ["GRPOTrainer"]
 
@@ -24,10 +23,9 @@ _EVALUATION = (
 )
 
 
-class GRPOTrainer(PeerTrainer):
+class GRPOTrainer(PeerTrainer[GRPOArguments]):
     """TRL ``GRPOTrainer``'s constructor and methods over ``trainfold.grpo.train`` (see the module doc)."""
 
-    arguments_class = GRPOArguments
     keywords = (
         "model",
         "reward_funcs",
@@ -46,20 +44,9 @@ class GRPOTrainer(PeerTrainer):
     )
     required = ("model", "reward_funcs")
     refused = (*PeerTrainer.refused, "reward_processing_classes", "tools", "rollout_func", "environment_factory")
-    run_name = "GRPO"
+    run = staticmethod(grpo_train)  # train_dataset=/eval_dataset=: TRL's names of its prompts and eval prompts
+    run_extras = ("reward_funcs",)
     reward_funcs: Any  # kept by _finish
-
-    def _run(self, resume_from_checkpoint: Any) -> TrainResult:
-        return grpo_train(
-            self.model,
-            self.args,
-            self.train_dataset,
-            self.reward_funcs,
-            eval_prompts=self.eval_dataset,
-            processing_class=self.processing_class,
-            callbacks=self.callbacks,
-            resume_from_checkpoint=resume_from_checkpoint,
-        )
 
     def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
         """Refused: GRPO evaluates during ``train``."""
