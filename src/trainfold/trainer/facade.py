@@ -9,17 +9,21 @@ the peer's keywords (``args`` a trainfold ``TrainingArguments`` or the script's 
 the functions, which stay the documented path. What it cannot honour (``model_init``, ``optimizers``,
 ``push_to_hub``, ``hyperparameter_search``...) is refused by name with the functional alternative.
 
->>> import tempfile, torch
+A script's own ``transformers.TrainingArguments`` (what its ``HfArgumentParser`` made) is taken as it is:
+
+>>> import tempfile, torch, transformers
 >>> from trainfold.core.models import TinyLM, TinyLMConfig
 >>> _ = torch.manual_seed(0)
 >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
 >>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
->>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=4,
-...                          report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=1)
->>> trainer = Trainer(model, args, train_dataset=rows, eval_dataset=rows)
+>>> training_args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=2, use_cpu=True,
+...     per_device_train_batch_size=4, report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=1)
+>>> trainer = Trainer(model, training_args, train_dataset=rows, eval_dataset=rows)
 >>> out = trainer.train()
 >>> out.global_step, len(trainer.state.log_history), sorted(trainer.evaluate())[:2]
 (2, 3, ['epoch', 'eval_loss'])
+>>> type(trainer.args).__name__, trainer.args.learning_rate  # converted by TrainingArguments.from_hf
+('TrainingArguments', 5e-05)
 """
 
 from __future__ import annotations
