@@ -14,7 +14,7 @@ import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
@@ -52,7 +52,11 @@ TRAINER_ONLY = {
 }
 
 
-def refusing_trainer_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def refusing_trainer_keywords(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """Wrap ``fn`` to refuse ``transformers.Trainer``'s keywords it takes another way by name, with the fix.
 
     >>> @refusing_trainer_keywords
@@ -66,7 +70,7 @@ def refusing_trainer_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     @functools.wraps(fn)
-    def refusing(*args: Any, **kwargs: Any) -> Any:
+    def refusing(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         named = [f"{k}= (a transformers.Trainer keyword): {TRAINER_ONLY[k]}" for k in kwargs if k in TRAINER_ONLY]
         if named:
             raise TypeError(f"{fn.__name__}() takes no " + "; no ".join(named))
