@@ -1,8 +1,8 @@
 """The package's layout rules, checked with ``ast``: layers, cycles, private names, sizes.
 
 Layers, bottom up (a module imports only from its own layer or lower ones, lazily or not):
-``core`` < ``distributed`` < ``optim`` < ``data`` < ``step`` < ``evaluation`` < ``ckpt`` < ``observe`` < ``ensemble``
-< ``loop`` < ``trainer`` < ``sft`` < ``dpo`` < ``grpo`` < ``reward`` < ``kto`` < ``cli`` < the top level
+``core`` < ``distributed`` < ``optim`` < ``data`` < ``step`` < ``evaluation`` < ``ckpt`` < ``observe``
+< ``rollout`` < ``loop`` < ``trainer`` < ``sft`` < ``dpo`` < ``grpo`` < ``reward`` < ``kto`` < ``cli`` < the top level
 (``trainfold/__init__``, ``__main__``, ``testing``). The order of the algorithms is the order they build on each
 other (DPO's rows reuse SFT's).
 No module imports another module's ``_private`` name; no two modules import each other, even
@@ -28,7 +28,6 @@ LAYERS = (
     "evaluation",
     "ckpt",
     "observe",
-    "ensemble",
     "rollout",
     "loop",
     "trainer",

@@ -191,13 +191,13 @@ def guarded(
         parameters = inspect.signature(fn)
 
         @functools.wraps(fn)
-        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-            bound = parameters.bind(*args, **kwargs)
+        def wrapper(*positional: _P.args, **kwargs: _P.kwargs) -> _R:
+            bound = parameters.bind(*positional, **kwargs)
             bound.apply_defaults()
             if not when(bound.arguments):
-                return fn(*args, **kwargs)
+                return fn(*positional, **kwargs)
             with preemption_guard(signals):
-                return fn(*args, **kwargs)
+                return fn(*positional, **kwargs)
 
         return wrapper
 

@@ -280,13 +280,13 @@ def joins_torchrun(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """
 
     @functools.wraps(fn)
-    def joined(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def joined(*positional: _P.args, **kwargs: _P.kwargs) -> _R:
         if kwargs.get("collective") is not None or not _under_torchrun():
-            return fn(*args, **kwargs)
+            return fn(*positional, **kwargs)
         if not dist.is_initialized():
             _init_group(None)
         collective = kwargs["collective"] = process_group_collective()  # kwargs: this call's own dict
-        result = fn(*args, **kwargs)
+        result = fn(*positional, **kwargs)
         with named_failures(collective.rank, collective.world_size):
             dist.barrier()  # no rank goes on while another still writes (rank 0's last checkpoint)
         return result

@@ -91,10 +91,10 @@ class Console:
         """Whether this process is the world's rank 0."""
         return methods.is_world_process_zero()
 
-    def print(self, *args: Any, **kwargs: Any) -> None:
+    def print(self, *positional: Any, **kwargs: Any) -> None:
         """Print on the world's rank 0 only, as ``accelerate.Accelerator.print``."""
         if self.is_main_process:
-            print(*args, **kwargs)
+            print(*positional, **kwargs)
 
 
 _A = TypeVar("_A", bound=TrainingArguments)  # the Arguments class a trainer takes
@@ -311,11 +311,11 @@ class Trainer:
     def end(self) -> None:
         """Do nothing: ``train`` closes its reporters and process group itself (``Trainer.end``, transformers 5.18)."""
 
-    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+    def push_to_hub(self, *positional: Any, **kwargs: Any) -> None:
         """Refused: trainfold never uploads."""
         refuse("push_to_hub", "save_model(output_dir), then upload it yourself (model.push_to_hub or huggingface_hub)")
 
-    def hyperparameter_search(self, *args: Any, **kwargs: Any) -> None:
+    def hyperparameter_search(self, *positional: Any, **kwargs: Any) -> None:
         """Refused: trainfold runs no hyperparameter search."""
         refuse("hyperparameter_search", "loop over settings yourself, calling trainfold.train for each")
 

@@ -70,11 +70,11 @@ def refusing_trainer_keywords(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """
 
     @functools.wraps(fn)
-    def refusing(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def refusing(*positional: _P.args, **kwargs: _P.kwargs) -> _R:
         named = [f"{k}= (a transformers.Trainer keyword): {TRAINER_ONLY[k]}" for k in kwargs if k in TRAINER_ONLY]
         if named:
             raise TypeError(f"{fn.__name__}() takes no " + "; no ".join(named))
-        return fn(*args, **kwargs)
+        return fn(*positional, **kwargs)
 
     return refusing
 
@@ -391,8 +391,8 @@ def checked_loss(loss: Callable[..., Any] | None) -> Callable[..., Any] | None:
         return loss  # trainfold's own losses, and loss objects (their methods stay reachable)
 
     @functools.wraps(loss)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        value = loss(*args, **kwargs)
+    def checked(*positional: Any, **kwargs: Any) -> Any:
+        value = loss(*positional, **kwargs)
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"compute_loss_func returned a {type(value).__name__} ({str(value)[:40]}), not a tensor; return "
