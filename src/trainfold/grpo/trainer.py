@@ -48,10 +48,10 @@ class GRPOTrainer(PeerTrainer[GRPOArguments]):
     run_extras = ("reward_funcs",)
     reward_funcs: Any  # kept by _finish
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+    def evaluate(self, *positional: Any, **kwargs: Any) -> dict[str, float]:
         """Refused: GRPO evaluates during ``train``."""
         refuse("GRPOTrainer.evaluate", _EVALUATION)
 
-    def predict(self, *args: Any, **kwargs: Any) -> Any:
+    def predict(self, *positional: Any, **kwargs: Any) -> Any:
         """Refused: GRPO generates; it has no predictions to return."""
         refuse("GRPOTrainer.predict", "generate with trainfold.core.generate, or evaluate during train: " + _EVALUATION)
