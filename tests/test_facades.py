@@ -498,3 +498,21 @@ def test_args_parameters_name_what_they_take():
                 ]
                 untyped += [f"{path.relative_to(src)}:{p.lineno} {node.name}" for p in bad]
     assert untyped == []
+
+
+def test_evaluate_and_predict_take_a_scripts_transformers_arguments_as_train_does(tmp_path):
+    """``trainfold.evaluate``/``predict`` convert a ``transformers.TrainingArguments`` with ``from_hf``, as ``train``
+    does (it failed inside with ``'NoneType' object is not iterable``), and refuse a dict by name."""
+    from trainfold.core.models import TinyLM, TinyLMConfig
+
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
+    hf = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    ours = trainfold.TrainingArguments.from_hf(hf)
+    untimed = lambda metrics: {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k}
+    assert untimed(trainfold.evaluate(model, hf, rows)) == untimed(trainfold.evaluate(model, ours, rows))
+    predicted, expected = trainfold.predict(model, hf, rows), trainfold.predict(model, ours, rows)
+    assert torch.equal(torch.as_tensor(predicted.predictions), torch.as_tensor(expected.predictions))
+    with pytest.raises(TypeError, match=r"args is a dict, not trainfold's TrainingArguments; pass trainfold"):
+        trainfold.evaluate(model, {"output_dir": str(tmp_path)}, rows)
