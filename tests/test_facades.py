@@ -516,3 +516,21 @@ def test_evaluate_and_predict_take_a_scripts_transformers_arguments_as_train_doe
     assert torch.equal(torch.as_tensor(predicted.predictions), torch.as_tensor(expected.predictions))
     with pytest.raises(TypeError, match=r"args is a dict, not trainfold's TrainingArguments; pass trainfold"):
         trainfold.evaluate(model, {"output_dir": str(tmp_path)}, rows)
+
+
+def test_a_facade_subclass_keeps_the_arguments_class_it_declares():
+    """``PeerTrainer[SFTArguments]`` declares a facade's class; a subclass inherits it or sets its own."""
+    from trainfold.dpo import DPOArguments, DPOTrainer
+    from trainfold.sft import SFTArguments, SFTTrainer
+
+    class Mine(DPOArguments):
+        pass
+
+    class Inherits(SFTTrainer):
+        pass
+
+    class Own(DPOTrainer):
+        arguments_class = Mine
+
+    assert (SFTTrainer.arguments_class, Inherits.arguments_class) == (SFTArguments, SFTArguments)
+    assert (DPOTrainer.arguments_class, Own.arguments_class) == (DPOArguments, Mine)

@@ -373,7 +373,7 @@ def _load(model: nn.Module | str, args: LoadSettings, peft_config: Any) -> nn.Mo
 
 def declared_arguments(cls: type) -> type[TrainingArguments] | None:
     """Return the Arguments class a trainer class is declared for: ``class SFTTrainer(PeerTrainer[SFTArguments])``."""
-    for base in getattr(cls, "__orig_bases__", ()):
+    for base in vars(cls).get("__orig_bases__", ()):  # its own bases (a subclass of SFTTrainer inherits the class)
         for arg in typing.get_args(base):
             if isinstance(arg, type) and issubclass(arg, TrainingArguments):
                 return arg
@@ -407,7 +407,9 @@ class PeerTrainer(Trainer, Generic[_A]):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        cls.arguments_class = typing.cast("type[_A]", declared_arguments(cls) or cls.arguments_class)
+        declared = declared_arguments(cls)
+        if declared is not None and "arguments_class" not in vars(cls):  # one set in the class body wins
+            cls.arguments_class = typing.cast("type[_A]", declared)
         P = inspect.Parameter
 
         def default(name: str) -> Any:
