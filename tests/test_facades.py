@@ -451,3 +451,95 @@ def test_building_the_trainer_seeds_the_global_generators_as_the_trainers_constr
         cls(model=torch.nn.Linear(2, 2), args=args)
         drawn.append((torch.rand(2).tolist(), float(np.random.rand()), random.random()))
     assert drawn[0] == drawn[1]
+
+
+def test_grpo_trainer_loads_a_named_model_with_its_arguments_model_init_kwargs_once(tmp_path):
+    """As the other TRL facades: ``model_init_kwargs`` load the model when the trainer is built, and the run gets
+    them spent (it was handed them again, for a built module, and refused them)."""
+    from tiny_chat import llama, word_tokenizer
+
+    path = tmp_path / "model"
+    llama().save_pretrained(path)
+    word_tokenizer(None).save_pretrained(path)
+    args = trainfold.GRPOArguments(
+        output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2, num_generations=2,
+        max_completion_length=2, report_to="none", disable_tqdm=True, save_strategy="no",
+        model_init_kwargs={"dtype": torch.float32},
+    )  # fmt: skip
+    reward_len = lambda completions, **kwargs: [float(len(c)) for c in completions]
+    trainer = trainfold.grpo.GRPOTrainer(str(path), reward_len, args, train_dataset=[{"prompt": "w1 w2"}] * 2)
+    assert trainer.train().global_step == 1
+    assert trainer.args.model_init_kwargs == {"dtype": torch.float32}  # the trainer's arguments: as given
+
+
+@pytest.mark.parametrize("package", ["sft", "dpo", "kto", "grpo", "reward"])
+def test_each_trl_facade_defaults_its_output_dir_as_trl_names_it(package):
+    """TRL's trainers default to ``{model name}-{config class name less Config}`` (``tiny-SFT``)."""
+    from tiny_chat import llama, word_tokenizer
+
+    facade = getattr(trainfold, package)
+    kind = {"sft": "SFT", "dpo": "DPO", "kto": "KTO", "grpo": "GRPO", "reward": "Reward"}[package]
+    peer = getattr(trl, f"{kind}Trainer")
+    model = llama() if package != "reward" else transformers.LlamaForSequenceClassification(llama().config)
+    model.config._name_or_path, model.config.num_labels = "org/tiny", 1
+    extra = {"reward_funcs": lambda completions, **kwargs: [0.0] * len(completions)} if package == "grpo" else {}
+    trainer = getattr(facade, peer.__name__)(model, processing_class=word_tokenizer(None), **extra)
+    assert trainer.args.output_dir == f"tiny-{getattr(trl, f'{kind}Config').__name__.removesuffix('Config')}"
+
+
+def test_args_parameters_name_what_they_take():
+    """``train``, the Trainer-shaped facades and the trainer package type each ``args`` parameter (a trainfold
+    Arguments record, a transformers/TRL config: ``GivenArguments``), so a type checker checks their callers."""
+    import ast
+    from pathlib import Path
+
+    src = Path(trainfold.__file__).parent
+    files = [*(src / "trainer").glob("*.py"), *src.glob("*/trainer.py")]
+    untyped = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                bad = [
+                    p
+                    for p in params
+                    if p.arg == "args" and (p.annotation is None or ast.unparse(p.annotation) == "Any")
+                ]
+                untyped += [f"{path.relative_to(src)}:{p.lineno} {node.name}" for p in bad]
+    assert untyped == []
+
+
+def test_evaluate_and_predict_take_a_scripts_transformers_arguments_as_train_does(tmp_path):
+    """``trainfold.evaluate``/``predict`` convert a ``transformers.TrainingArguments`` with ``from_hf``, as ``train``
+    does (it failed inside with ``'NoneType' object is not iterable``), and refuse a dict by name."""
+    from trainfold.core.models import TinyLM, TinyLMConfig
+
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
+    hf = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    ours = trainfold.TrainingArguments.from_hf(hf)
+    untimed = lambda metrics: {k: v for k, v in metrics.items() if "runtime" not in k and "per_second" not in k}
+    assert untimed(trainfold.evaluate(model, hf, rows)) == untimed(trainfold.evaluate(model, ours, rows))
+    predicted, expected = trainfold.predict(model, hf, rows), trainfold.predict(model, ours, rows)
+    assert torch.equal(torch.as_tensor(predicted.predictions), torch.as_tensor(expected.predictions))
+    with pytest.raises(TypeError, match=r"args is a dict, not trainfold's TrainingArguments; pass trainfold"):
+        trainfold.evaluate(model, {"output_dir": str(tmp_path)}, rows)
+
+
+def test_a_facade_subclass_keeps_the_arguments_class_it_declares():
+    """``PeerTrainer[SFTArguments]`` declares a facade's class; a subclass inherits it or sets its own."""
+    from trainfold.dpo import DPOArguments, DPOTrainer
+    from trainfold.sft import SFTArguments, SFTTrainer
+
+    class Mine(DPOArguments):
+        pass
+
+    class Inherits(SFTTrainer):
+        pass
+
+    class Own(DPOTrainer):
+        arguments_class = Mine
+
+    assert (SFTTrainer.arguments_class, Inherits.arguments_class) == (SFTArguments, SFTArguments)
+    assert (DPOTrainer.arguments_class, Own.arguments_class) == (DPOArguments, Mine)

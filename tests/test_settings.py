@@ -467,7 +467,6 @@ def test_trls_auto_pad_to_multiple_of_is_none_for_every_class():
 SAME_WORD = {
     "learning_rate": "the log entry HF's Trainer writes (log_history[i]['learning_rate'])",
     "max_steps": "core.fold.max_steps and the stop rule of that name",
-    "save_only_model": "the checkpoint sidecar's key",
     "weight_decay": "torch.optim's keyword and param-group key",
 }
 

@@ -23,6 +23,7 @@ from trainfold.ckpt.sidecar import (
     field_error,
     hash_chunk,
     is_sharded_checkpoint,
+    is_weights_only,
     read_metadata,
 )
 from trainfold.core.fingerprint import fingerprint
@@ -109,7 +110,7 @@ def load(directory: str | os.PathLike, like: TrainState) -> TrainState:
     directory, base = Path(directory), attrs.evolve(like, metrics={})
     meta = read_metadata(directory)
     check_name(directory, meta)
-    if meta["save_only_model"]:
+    if is_weights_only(meta):
         raise ValueError(
             f"{directory / STATE_FILE} does not exist: {directory} was saved with save_only_model=True (weights "
             "only: no optimizer state, step or data cursor to resume); to start a new run from its weights call "

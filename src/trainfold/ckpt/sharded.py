@@ -124,6 +124,7 @@ def save_sharded(
     group: Any = None,
     model: Any = None,
     consolidate: bool = False,
+    save_only_model: bool = False,
     **options: Any,
 ) -> Path:
     """Write the sharded ``state`` to ``directory`` from every rank at once (call it on all of them).
@@ -132,7 +133,7 @@ def save_sharded(
     every rank returns once it is there, or raises for a failure on any rank, naming it. ``consolidate`` (implied
     by ``save_only_model``): also ``model.safetensors``. ``group``: the collectives' (default: the world)."""
     directory, flat = Path(directory), flatten(state)
-    if options.get("save_only_model"):
+    if save_only_model:
         consolidate, flat = True, {k: v for k, v in flat.items() if k.startswith(("params.", "buffers."))}
     many = dist.is_initialized() and dist.get_world_size(group) > 1
 
@@ -161,7 +162,7 @@ def save_sharded(
         return files | (_consolidate(tmp, model) if consolidate else {})
 
     try:
-        path = writer.save(state, directory, model=model, tensors=tensors, **options)
+        path = writer.save(state, directory, model=model, tensors=tensors, save_only_model=save_only_model, **options)
     except BaseException:
         if many and not writing:
             announce("")  # the other ranks stop waiting and raise

@@ -30,6 +30,7 @@ __all__ = [
     "INCOMPLETE_MARKER",
     "SHARD_DIR",
     "is_sharded_checkpoint",
+    "is_weights_only",
     "hash_chunk",
     "CHUNK",
     "MAX_STEP",
@@ -195,9 +196,9 @@ def _check_tensors(meta: dict[str, Any], path: Path) -> None:
             raise field_error(path, f"files.{name}", f"must be {{'bytes': int, 'xxh3_64': int}}, got {entry!r:.60}")
         _count(path, f"files.{name}.bytes", entry["bytes"], 2**62)
         _count(path, f"files.{name}.xxh3_64", entry["xxh3_64"], 2**64 - 1)
-    needed = [*([] if meta["save_only_model"] else [STATE_FILE]), *tensors]
+    needed = [*([] if is_weights_only(meta) else [STATE_FILE]), *tensors]
     if is_sharded_checkpoint(meta):  # trainfold.ckpt.sharded: the shards, model.safetensors on request
-        needed = [MODEL_FILE] if meta["save_only_model"] else []
+        needed = [MODEL_FILE] if is_weights_only(meta) else []
     for name in needed:
         if name not in files:
             problem = "is missing: every tensor file must be listed with its size and hash"
@@ -223,6 +224,12 @@ def hash_chunk(meta: Mapping[str, Any]) -> int | None:
 def is_sharded_checkpoint(meta: Mapping[str, Any]) -> bool:
     """Say whether the sidecar ``meta`` is a sharded checkpoint's (its files include ``sharded/`` ones)."""
     return any(name.startswith(f"{SHARD_DIR}/") for name in meta["files"])
+
+
+def is_weights_only(meta: Mapping[str, Any]) -> bool:
+    """Say whether the sidecar ``meta`` is a checkpoint of the weights alone (saved with ``save_only_model``: no
+    optimizer state, step or data cursor to resume from)."""
+    return bool(meta["save_only_model"])
 
 
 def read_metadata(directory: str | os.PathLike) -> dict[str, Any]:

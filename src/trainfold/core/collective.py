@@ -22,7 +22,9 @@ class Collective(Protocol):
     2.0
     """
 
-    rank: int
+    @property
+    def rank(self) -> int:
+        """This process's rank (read-only: a frozen record's field, or a plain attribute, is one)."""
 
     def sum_(self, tensors: list[Tensor]) -> None:
         """Replace each tensor by its sum over all ranks, in place."""

@@ -40,7 +40,7 @@ import inspect
 import signal
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import attrs
 import torch
@@ -165,7 +165,13 @@ class _SetFlag:
         self.flag.request(signum)
 
 
-def guarded(when: Callable[[Mapping[str, Any]], bool], signals: Sequence[int] = JIT_SIGNALS) -> Callable[..., Any]:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def guarded(
+    when: Callable[[Mapping[str, Any]], bool], signals: Sequence[int] = JIT_SIGNALS
+) -> Callable[[Callable[_P, _R]], Callable[_P, _R]]:
     """Decorate a function so its whole call runs inside ``preemption_guard(signals)`` when ``when(arguments)``.
 
     ``arguments`` maps the call's parameter names to their values. ``train`` is decorated so its
@@ -181,11 +187,11 @@ def guarded(when: Callable[[Mapping[str, Any]], bool], signals: Sequence[int] = 
     True
     """
 
-    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def decorate(fn: Callable[_P, _R]) -> Callable[_P, _R]:
         parameters = inspect.signature(fn)
 
         @functools.wraps(fn)
-        def wrapper(*positional: Any, **kwargs: Any) -> Any:
+        def wrapper(*positional: _P.args, **kwargs: _P.kwargs) -> _R:
             bound = parameters.bind(*positional, **kwargs)
             bound.apply_defaults()
             if not when(bound.arguments):

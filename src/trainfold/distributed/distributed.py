@@ -24,7 +24,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import attrs
 import torch
@@ -259,7 +259,11 @@ def _under_torchrun() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def joins_torchrun(fn: Callable[..., Any]) -> Callable[..., Any]:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def joins_torchrun(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """Make ``fn(..., collective=None)`` join the torchrun process group itself when it runs as one of several ranks.
 
     Under ``torchrun`` (``WORLD_SIZE > 1``) a call without ``collective=`` runs inside
@@ -276,13 +280,13 @@ def joins_torchrun(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     @functools.wraps(fn)
-    def joined(*positional: Any, **kwargs: Any) -> Any:
+    def joined(*positional: _P.args, **kwargs: _P.kwargs) -> _R:
         if kwargs.get("collective") is not None or not _under_torchrun():
             return fn(*positional, **kwargs)
         if not dist.is_initialized():
             _init_group(None)
-        collective = process_group_collective()
-        result = fn(*positional, **{**kwargs, "collective": collective})
+        collective = kwargs["collective"] = process_group_collective()  # kwargs: this call's own dict
+        result = fn(*positional, **kwargs)
         with named_failures(collective.rank, collective.world_size):
             dist.barrier()  # no rank goes on while another still writes (rank 0's last checkpoint)
         return result

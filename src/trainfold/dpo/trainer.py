@@ -24,14 +24,12 @@ def _collator(model: nn.Module, args: DPOArguments, processing_class: Any) -> An
     return preference_collator(model, args, processing_class)[0]
 
 
-class DPOTrainer(ReferenceTrainer):
+class DPOTrainer(ReferenceTrainer[DPOArguments]):
     """TRL ``DPOTrainer``'s constructor and methods over ``trainfold.dpo.train`` (see the module doc)."""
 
-    arguments_class = DPOArguments
     own_collator = (
         "the run pads preference rows itself (pad_token, max_length, pad_to_multiple_of, padding_free in DPOArguments)"
     )
-    run_name = "DPO"
     run = staticmethod(dpo_train)
     load_model = staticmethod(policy_model)
     reference_objective = staticmethod(reference_objective)

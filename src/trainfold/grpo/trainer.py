@@ -16,7 +16,6 @@ from typing import Any
 from trainfold.grpo.args import GRPOArguments
 from trainfold.grpo.run import train as grpo_train
 from trainfold.trainer.facade import PeerTrainer, refuse
-from trainfold.trainer.train import TrainResult
 
 __all__ = ["GRPOTrainer"]
 
@@ -26,10 +25,9 @@ _EVALUATION = (
 )
 
 
-class GRPOTrainer(PeerTrainer):
+class GRPOTrainer(PeerTrainer[GRPOArguments]):
     """TRL ``GRPOTrainer``'s constructor and methods over ``trainfold.grpo.train`` (see the module doc)."""
 
-    arguments_class = GRPOArguments
     keywords = (
         "model",
         "reward_funcs",
@@ -48,28 +46,20 @@ class GRPOTrainer(PeerTrainer):
     )
     required = ("model", "reward_funcs")
     refused = (*PeerTrainer.refused, "reward_processing_classes", "tools", "rollout_func", "environment_factory")
-    run_name = "GRPO"
+    run = staticmethod(grpo_train)  # train_dataset=/eval_dataset=: TRL's names of its prompts and eval prompts
+    run_extras = ("reward_funcs",)
     reward_funcs: Any  # kept by _finish
 
-    def _run(self, resume_from_checkpoint: Any) -> TrainResult:
-        args = self.args
-        if args.generation_rng is None:  # TRL's: completions drawn from torch's global generator, in TRL's order
-            args = args.replace(generation_rng="global")
-        return grpo_train(
-            self.model,
-            args,
-            self.train_dataset,
-            self.reward_funcs,
-            eval_prompts=self.eval_dataset,
-            processing_class=self.processing_class,
-            callbacks=self.callbacks,
-            resume_from_checkpoint=resume_from_checkpoint,
-        )
+    def loaded(self, args: GRPOArguments) -> GRPOArguments:
+        """The arguments the run gets: the model is loaded, and completions are drawn as TRL's are, from torch's
+        global generator in TRL's order, unless ``generation_rng`` says otherwise."""
+        rng = "global" if args.generation_rng is None else args.generation_rng
+        return super().loaded(args).replace(generation_rng=rng)
 
-    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+    def evaluate(self, *positional: Any, **kwargs: Any) -> dict[str, float]:
         """Refused: GRPO evaluates during ``train``."""
         refuse("GRPOTrainer.evaluate", _EVALUATION)
 
-    def predict(self, *args: Any, **kwargs: Any) -> Any:
+    def predict(self, *positional: Any, **kwargs: Any) -> Any:
         """Refused: GRPO generates; it has no predictions to return."""
         refuse("GRPOTrainer.predict", "generate with trainfold.core.generate, or evaluate during train: " + _EVALUATION)

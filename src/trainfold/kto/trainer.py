@@ -22,12 +22,10 @@ def _collator(model: nn.Module, args: KTOArguments, processing_class: Any) -> An
     return unpaired_collator(args, processing_class)
 
 
-class KTOTrainer(ReferenceTrainer):
+class KTOTrainer(ReferenceTrainer[KTOArguments]):
     """TRL ``KTOTrainer``'s constructor and methods over ``trainfold.kto.train`` (see the module doc)."""
 
-    arguments_class = KTOArguments
     own_collator = "the run pads unpaired rows itself (max_length and pad_to_multiple_of in KTOArguments)"
-    run_name = "KTO"
     run = staticmethod(kto_train)
     load_model = staticmethod(policy_model)  # DPO's: loaded by name, wrapped by PEFT, dropout off
     reference_objective = staticmethod(kto_reference_objective)

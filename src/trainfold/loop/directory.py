@@ -33,7 +33,7 @@ from trainfold.ckpt import policy, run_dir
 from trainfold.ckpt.listing import damaged_checkpoints
 from trainfold.ckpt.run_identity import RunSettings, settings_fingerprint
 from trainfold.ckpt.sharded import Saver
-from trainfold.ckpt.sidecar import CheckpointWarning
+from trainfold.ckpt.sidecar import CheckpointWarning, is_weights_only
 from trainfold.core.state import TrainState
 from trainfold.observe import history as log_file
 
@@ -224,4 +224,4 @@ def already_saved(path: Path, run: Mapping[str, str] | None, step: int, save_onl
     if run is None or not ckpt.is_complete(path):
         return False
     meta = ckpt.read_metadata(path)
-    return meta["run"] == dict(run) and meta["step"] == step and meta["save_only_model"] == save_only_model
+    return meta["run"] == dict(run) and meta["step"] == step and is_weights_only(meta) == save_only_model

@@ -33,7 +33,7 @@ from trainfold.trainer.train import train as train_run
 __all__ = ["prepare_reward_dataset", "reward_model", "pad_id_for", "train"]
 
 
-def reward_model(model: nn.Module | str, args: RewardArguments, peft_config: Any = None) -> Any:
+def reward_model(model: nn.Module | str, args: RewardArguments, peft_config: Any = None) -> nn.Module:
     """Return the model a reward run trains, as ``RewardTrainer`` builds it: a name or path loaded with
     ``AutoModelForSequenceClassification`` and ``num_labels=1`` (its head drawn from ``args.seed``), a module
     checked to have one label; wrapped by ``peft_config``; its dropout off with ``disable_dropout``."""

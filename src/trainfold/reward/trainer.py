@@ -17,29 +17,27 @@ from trainfold.reward.data import reward_collate
 from trainfold.reward.loss import reward_objective
 from trainfold.reward.run import pad_id_for, prepare_reward_dataset, reward_model
 from trainfold.reward.run import train as reward_train
-from trainfold.trainer.facade import PeerTrainer, peer_keywords
+from trainfold.trainer.args import GivenArguments
+from trainfold.trainer.facade import Collate, PeerTrainer, peer_keywords
 
 __all__ = ["RewardTrainer"]
 
 
-class RewardTrainer(PeerTrainer):
+class RewardTrainer(PeerTrainer[RewardArguments]):
     """TRL ``RewardTrainer``'s constructor and methods over ``trainfold.reward.train`` (see the module doc)."""
 
-    arguments_class = RewardArguments
     keywords = peer_keywords(without=("compute_loss_func",))
-    run_name = "Reward"
     run = staticmethod(reward_train)
     load_model = staticmethod(reward_model)
 
-    @staticmethod
-    def loaded(args: Any) -> Any:
+    def loaded(self, args: RewardArguments) -> RewardArguments:
         """The arguments the run gets: the model is loaded and its dropout off already (``reward_model``)."""
         return args.replace(model_init_kwargs=None, disable_dropout=False)
 
-    def _collator(self, model: nn.Module, processing_class: Any, args: Any, given: Any) -> Any:
-        return given or reward_collate(pad_id_for(model, processing_class, args), args.pad_to_multiple_of)
+    def _collator(self, model: nn.Module, tok: Any, args: RewardArguments, given: Collate | None) -> Collate:
+        return given or reward_collate(pad_id_for(model, tok, args), args.pad_to_multiple_of)
 
-    def _finish(self, given: Any, **rest: Any) -> None:
+    def _finish(self, given: GivenArguments | None, **rest: Any) -> None:
         self.objective = reward_objective(self.args.center_rewards_coefficient)
 
     def _eval_rows(self, dataset: Any) -> Any:

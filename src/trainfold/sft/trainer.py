@@ -20,12 +20,10 @@ from trainfold.trainer.facade import PeerTrainer, peer_keywords
 __all__ = ["SFTTrainer"]
 
 
-class SFTTrainer(PeerTrainer):
+class SFTTrainer(PeerTrainer[SFTArguments]):
     """TRL ``SFTTrainer``'s constructor and methods over ``trainfold.sft.train`` (see the module doc)."""
 
-    arguments_class = SFTArguments
     keywords = peer_keywords(extra=("formatting_func",))
-    run_name = "SFT"
     run = staticmethod(sft_train)
     run_extras = ("formatting_func",)
     formatting_func: Any  # kept by _finish

@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import attrs
 
@@ -42,13 +42,15 @@ from trainfold.trainer.args_checks import (
     not_empty,
     problems,
 )
-from trainfold.trainer.args_convert import settings_from_hf, turned_off
+from trainfold.trainer.args_convert import PeerArguments, settings_from_hf, turned_off
 from trainfold.trainer.args_hf import HF_ONLY, REMOVED, hf_only_problem
 from trainfold.trainer.optimizer import OPTIMIZERS, OptimizerSettings
 from trainfold.trainer.setting import as_declared, setting
 
 __all__ = [
     "TrainingArguments",
+    "GivenArguments",
+    "PeerArguments",
     "INTERVALS",
     "OPTIMIZERS",
     "SAVE_STRATEGIES",
@@ -218,7 +220,7 @@ class TrainingArguments:
         return cls(**dict(settings))
 
     @classmethod
-    def from_hf(cls, config: Any, **changes: Any) -> TrainingArguments:
+    def from_hf(cls: type[_Args], config: PeerArguments, **changes: Any) -> _Args:
         """Build from a parsed ``transformers.TrainingArguments`` (or a TRL config) as is, then apply ``changes``.
 
         Keeps every setting trainfold has (as transformers resolved it), ignores the fields that are at
@@ -255,7 +257,7 @@ class TrainingArguments:
         return {}
 
     @classmethod
-    def resolved_from_hf(cls, settings: dict[str, Any], config: Any) -> dict[str, Any]:
+    def resolved_from_hf(cls, settings: dict[str, Any], config: PeerArguments) -> dict[str, Any]:
         """Return ``settings`` with what ``config``'s ``__post_init__`` derived undone where this class derives it."""
         return settings
 
@@ -345,6 +347,11 @@ class TrainingArguments:
 
 
 # -- the checks of settings taken together (``combined_checks``) --------------------------------------------------
+
+
+# What a user may hand in as ``args``: a trainfold Arguments record, or the script's own transformers/TRL arguments
+# object (``from_hf`` converts it). ``train`` and the Trainer-shaped facades take it (they: ``None`` too, the defaults).
+GivenArguments: TypeAlias = TrainingArguments | PeerArguments
 
 
 def training_problems(args: TrainingArguments) -> list[str]:

@@ -26,12 +26,40 @@ import dataclasses
 import enum
 import json
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 from trainfold.step.fsdp import FSDP_CONFIG_PASSIVE
 from trainfold.trainer.args_hf import HF_ONLY, hf_only_problem
 
-__all__ = ["SCRIPT_FIELDS", "ACTING_DEFAULTS", "settings_from_hf", "plain", "built_aside", "turned_off"]
+__all__ = [
+    "PeerArguments",
+    "SCRIPT_FIELDS",
+    "ACTING_DEFAULTS",
+    "settings_from_hf",
+    "plain",
+    "built_aside",
+    "turned_off",
+]
+
+
+class PeerArguments(Protocol):
+    """A parsed ``transformers.TrainingArguments`` or TRL config (``trl.SFTConfig``, ``trl.DPOConfig``...), as
+    ``from_hf`` reads it: a dataclass whose every field is read by name (``__dataclass_fields__``), and whose
+    ``output_dir``, ``use_cpu`` and ``fsdp`` build a default object of its class to compare with. Every
+    transformers/TRL arguments object is one; a dict is not (``from_dict``).
+    """
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+    @property
+    def output_dir(self) -> str | None: ...
+    @property
+    def use_cpu(self) -> bool: ...
+    @property
+    def fsdp(self) -> bool | str | list[Any] | None: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
 
 # fields a script reads itself (or that only say how to load the model or the data); the trainer never acts on them
 SCRIPT_FIELDS: dict[str, str] = {
@@ -100,7 +128,7 @@ def built_aside(cls: Any, **kwargs: Any) -> Any:
                 shared.update(before)
 
 
-def _defaults(config: Any) -> dict[str, Any]:
+def _defaults(config: PeerArguments) -> dict[str, Any]:
     """Return each field's dataclass default, and what a default object of the class holds after ``__post_init__``."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(config):
@@ -119,7 +147,7 @@ def _defaults(config: Any) -> dict[str, Any]:
     return out
 
 
-def _source(config: Any) -> str:
+def _source(config: PeerArguments) -> str:
     return f"{type(config).__module__.split('.')[0]}.{type(config).__name__}"
 
 
@@ -131,7 +159,7 @@ def _fsdp_config(value: Any) -> Any:
     return left or None
 
 
-def _fsdp(value: Any, config: Any) -> Any:
+def _fsdp(value: Any, config: PeerArguments) -> Any:
     """Return transformers 5's ``fsdp=True`` (its strings turn into it) as trainfold's ``fsdp``."""
     if value is True:
         return "full_shard"  # reshard_after_forward travels in fsdp_config (trainfold.step.fsdp)
@@ -150,7 +178,7 @@ def _taken(name: str, value: Any, default: Any) -> tuple[bool, Any]:
 
 
 def settings_from_hf(
-    config: Any,
+    config: PeerArguments,
     *,
     known: Collection[str],
     defaults: Mapping[str, Any] | None = None,

@@ -28,9 +28,9 @@ from trainfold.evaluation.evaluation import evaluate_batches, predict_batches
 from trainfold.evaluation.metrics import eval_sets
 from trainfold.evaluation.schedule import check_eval_schedule, should_evaluate
 from trainfold.step.plan import is_fully_sharded
-from trainfold.trainer.args import TrainingArguments
+from trainfold.trainer.args import GivenArguments, TrainingArguments
 from trainfold.trainer.inputs import columns_of, device_for, eval_labels, own_loss_objective
-from trainfold.trainer.validate import refusing_trainer_keywords
+from trainfold.trainer.validate import refusing_trainer_keywords, trainfold_arguments
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing's from Python 3.11; the package supports 3.10
@@ -253,7 +253,7 @@ class EvalOptions(TypedDict, total=False):
 @refusing_trainer_keywords
 def evaluate(
     model: nn.Module,
-    args: TrainingArguments,
+    args: GivenArguments,
     eval_dataset: Any,
     *,
     metric_key_prefix: str = "eval",
@@ -261,8 +261,9 @@ def evaluate(
 ) -> dict[str, float]:
     """Evaluate ``state``'s params (default: the model's own) on ``eval_dataset``, in dataset order.
 
-    ``options`` are :class:`EvalOptions` (``state``, ``data_collator``, ``compute_metrics``, ``objective`` ...).
-    A dict of datasets is evaluated set by set, each logged as ``{metric_key_prefix}_{name}_*``, as HF.
+    ``args`` are ``train``'s (a script's ``transformers.TrainingArguments`` converted by ``from_hf``); ``options``
+    are :class:`EvalOptions` (``state``, ``data_collator``, ``compute_metrics``, ``objective`` ...). A dict of
+    datasets is evaluated set by set, each logged as ``{metric_key_prefix}_{name}_*``, as HF.
 
     >>> import tempfile, torch
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
@@ -280,6 +281,7 @@ def evaluate(
     (True, ['eval_even_loss', 'eval_even_token_loss', 'eval_odd_loss', 'eval_odd_token_loss'])
     """
     metrics: dict[str, float] = {}
+    args = trainfold_arguments(args)  # a transformers.TrainingArguments: TrainingArguments.from_hf, as train's
     for prefix, dataset in eval_sets(eval_dataset, metric_key_prefix).items():  # a dict: each set, as HF
         params, buffers, batches, settings = _eval_inputs(model, args, dataset, _checked("evaluate", options))
         try:
@@ -294,7 +296,7 @@ def evaluate(
 @refusing_trainer_keywords
 def predict(
     model: nn.Module,
-    args: TrainingArguments,
+    args: GivenArguments,
     test_dataset: Any,
     *,
     metric_key_prefix: str = "test",
@@ -302,8 +304,8 @@ def predict(
 ) -> Any:
     """Return predictions, labels (dataset order) and metrics of ``state``'s params on ``test_dataset``.
 
-    ``options`` are ``evaluate``'s (:class:`EvalOptions`). With ``prediction_loss_only`` the predictions and label
-    ids are ``None`` and only the loss is computed, as HF.
+    ``args`` and ``options`` are ``evaluate``'s (:class:`EvalOptions`). With ``prediction_loss_only`` the
+    predictions and label ids are ``None`` and only the loss is computed, as HF.
 
     >>> import tempfile, torch
     >>> from trainfold.core.models import TinyLM, TinyLMConfig
@@ -318,6 +320,7 @@ def predict(
     """
     if isinstance(test_dataset, dict):
         raise TypeError("predict takes one dataset, not a dict of them (as HF's Trainer.predict); call it per set")
+    args = trainfold_arguments(args)  # as evaluate's
     params, buffers, batches, settings = _eval_inputs(model, args, test_dataset, _checked("predict", options))
     try:
         return predict_batches(model, params, batches, buffers=buffers, metric_key_prefix=metric_key_prefix, **settings)

@@ -9,33 +9,38 @@ the peer's keywords (``args`` a trainfold ``TrainingArguments`` or the script's 
 the functions, which stay the documented path. What it cannot honour (``model_init``, ``optimizers``,
 ``push_to_hub``, ``hyperparameter_search``...) is refused by name with the functional alternative.
 
->>> import tempfile, torch
+A script's own ``transformers.TrainingArguments`` (what its ``HfArgumentParser`` made) is taken as it is:
+
+>>> import tempfile, torch, transformers
 >>> from trainfold.core.models import TinyLM, TinyLMConfig
 >>> _ = torch.manual_seed(0)
 >>> model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
 >>> rows = [{"input_ids": [i, i + 1, i + 2, i + 3], "labels": [i, i + 1, i + 2, i + 3]} for i in range(8)]
->>> args = TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=2, per_device_train_batch_size=4,
-...                          report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=1)
->>> trainer = Trainer(model, args, train_dataset=rows, eval_dataset=rows)
+>>> training_args = transformers.TrainingArguments(output_dir=tempfile.mkdtemp(), max_steps=2, use_cpu=True,
+...     per_device_train_batch_size=4, report_to="none", disable_tqdm=True, save_strategy="no", logging_steps=1)
+>>> trainer = Trainer(model, training_args, train_dataset=rows, eval_dataset=rows)
 >>> out = trainer.train()
 >>> out.global_step, len(trainer.state.log_history), sorted(trainer.evaluate())[:2]
 (2, 3, ['epoch', 'eval_loss'])
+>>> type(trainer.args).__name__, trainer.args.learning_rate  # converted by TrainingArguments.from_hf
+('TrainingArguments', 5e-05)
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, NamedTuple, NoReturn
+from typing import Any, ClassVar, Generic, NamedTuple, NoReturn, Protocol, TypeVar
 
 import attrs
 from torch import nn
 
 from trainfold.core.rng import seed_global_rng
 from trainfold.trainer import trainer_methods as methods
-from trainfold.trainer.args import TrainingArguments
+from trainfold.trainer.args import GivenArguments, TrainingArguments
 from trainfold.trainer.evaluating import evaluate, predict
 from trainfold.trainer.model_source import model_from, processing_class_for
 from trainfold.trainer.train import TrainResult, train
@@ -86,13 +91,17 @@ class Console:
         """Whether this process is the world's rank 0."""
         return methods.is_world_process_zero()
 
-    def print(self, *args: Any, **kwargs: Any) -> None:
+    def print(self, *positional: Any, **kwargs: Any) -> None:
         """Print on the world's rank 0 only, as ``accelerate.Accelerator.print``."""
         if self.is_main_process:
-            print(*args, **kwargs)
+            print(*positional, **kwargs)
 
 
-def init_kwargs(model: Any, given: Any, field: Any) -> dict[str, Any] | None:
+_A = TypeVar("_A", bound=TrainingArguments)  # the Arguments class a trainer takes
+Collate = Callable[[list[Any]], Any]
+
+
+def init_kwargs(model: Any, given: GivenArguments | None, field: Any) -> dict[str, Any] | None:
     """Return the ``from_pretrained`` keywords for ``model`` when it is a name or path: the given arguments' value of
     ``field`` (the Arguments class's ``model_init_kwargs`` field; a TRL config's value included, which ``from_hf``
     leaves to the script), else ``None``."""
@@ -110,7 +119,7 @@ def refuse(what: str, instead: str) -> NoReturn:
     raise TypeError(f"{what} is not supported by trainfold's Trainer-shaped facade; {instead}")
 
 
-def arguments_for(args: Any, cls: type[TrainingArguments], default_output_dir: str) -> Any:
+def arguments_for(args: GivenArguments | None, cls: type[_A], default_output_dir: str) -> _A:
     """Return ``args`` as ``cls``: as given, built from a peer's config (``cls.from_hf``: a
     ``transformers.TrainingArguments`` or TRL config), or ``cls`` at its defaults for ``None``.
 
@@ -149,6 +158,15 @@ def refused_keywords(given: dict[str, Any]) -> None:
         refuse(", ".join(f"{k}=" for k in bad), "; ".join(f"{k}: {_REFUSED_INIT.get(k, 'drop it')}" for k in bad))
 
 
+_SCORING_KEYWORDS = (  # the keywords of train, evaluate and predict that a Trainer holds
+    "data_collator",
+    "compute_loss_func",
+    "compute_metrics",
+    "preprocess_logits_for_metrics",
+    "processing_class",
+)
+
+
 class Trainer:
     """``transformers.Trainer``'s constructor and methods over ``trainfold.train`` (see the module doc).
 
@@ -160,8 +178,8 @@ class Trainer:
     def __init__(
         self,
         model: nn.Module | None = None,
-        args: Any = None,
-        data_collator: Callable[[list[Any]], Any] | None = None,
+        args: GivenArguments | None = None,
+        data_collator: Collate | None = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
         processing_class: Any = None,
@@ -192,29 +210,12 @@ class Trainer:
 
     def _run(self, resume_from_checkpoint: Any) -> TrainResult:
         """Return ``trainfold.train`` of this trainer's values (the TRL facades call their recipe's run)."""
-        return train(
-            self.model,
-            self.args,
-            self.train_dataset,
-            self.eval_dataset,
-            self.data_collator,
-            compute_loss_func=self.compute_loss_func,
-            compute_metrics=self.compute_metrics,
-            preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
-            resume_from_checkpoint=resume_from_checkpoint,
-            callbacks=self.callbacks,
-            processing_class=self.processing_class,
-        )
+        given = {**self._scoring(), "callbacks": self.callbacks, "resume_from_checkpoint": resume_from_checkpoint}
+        return train(self.model, self.args, self.train_dataset, self.eval_dataset, **given)
 
     def _scoring(self) -> dict[str, Any]:
-        """Return the keywords ``trainfold.evaluate``/``predict`` score this trainer's data with."""
-        return dict(
-            data_collator=self.data_collator,
-            compute_loss_func=self.compute_loss_func,
-            compute_metrics=self.compute_metrics,
-            preprocess_logits_for_metrics=self.preprocess_logits_for_metrics,
-            processing_class=self.processing_class,
-        )
+        """Return the keywords ``trainfold.evaluate``/``predict`` (and ``train``) score this trainer's data with."""
+        return {name: getattr(self, name) for name in _SCORING_KEYWORDS}
 
     def _eval_rows(self, dataset: Any) -> Any:
         """Return ``dataset`` as ``evaluate``/``predict`` read it (the TRL facades prepare it as their run does)."""
@@ -310,11 +311,11 @@ class Trainer:
     def end(self) -> None:
         """Do nothing: ``train`` closes its reporters and process group itself (``Trainer.end``, transformers 5.18)."""
 
-    def push_to_hub(self, *args: Any, **kwargs: Any) -> None:
+    def push_to_hub(self, *positional: Any, **kwargs: Any) -> None:
         """Refused: trainfold never uploads."""
         refuse("push_to_hub", "save_model(output_dir), then upload it yourself (model.push_to_hub or huggingface_hub)")
 
-    def hyperparameter_search(self, *args: Any, **kwargs: Any) -> None:
+    def hyperparameter_search(self, *positional: Any, **kwargs: Any) -> None:
         """Refused: trainfold runs no hyperparameter search."""
         refuse("hyperparameter_search", "loop over settings yourself, calling trainfold.train for each")
 
@@ -356,37 +357,59 @@ def peer_keywords(
     return ("model", *before_args, *kept, "quantization_config", "peft_config", *extra)
 
 
-def _load(model: Any, args: Any, peft_config: Any) -> nn.Module:
+class LoadSettings(Protocol):
+    """What loading a model given by name reads of a TRL run's arguments (read-only: frozen records)."""
+
+    @property
+    def model_init_kwargs(self) -> dict[str, Any] | None: ...
+    @property
+    def seed(self) -> int: ...
+
+
+def _load(model: nn.Module | str, args: LoadSettings, peft_config: Any) -> nn.Module:
     """Return ``model`` as a module: loaded by name with ``args.model_init_kwargs``, wrapped by ``peft_config``."""
     return model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
 
 
-class PeerTrainer(Trainer):
+def declared_arguments(cls: type) -> type[TrainingArguments] | None:
+    """Return the Arguments class a trainer class is declared for: ``class SFTTrainer(PeerTrainer[SFTArguments])``."""
+    for base in vars(cls).get("__orig_bases__", ()):  # its own bases (a subclass of SFTTrainer inherits the class)
+        for arg in typing.get_args(base):
+            if isinstance(arg, type) and issubclass(arg, TrainingArguments):
+                return arg
+    return None
+
+
+class PeerTrainer(Trainer, Generic[_A]):
     """A TRL trainer's constructor over its trainfold run, declared as data by each subclass.
 
-    A subclass names its peer's constructor keywords in order (``keywords``; ``required`` have no default,
-    ``optimizers`` defaults to ``(None, None)``, the rest to ``None``), the ones it refuses (``refused``), the
-    ``output_dir`` suffix (``run_name``), its run (``run``) and how it loads a model given by name
+    A subclass names its Arguments class (``PeerTrainer[SFTArguments]``; its name, less ``Arguments``, is the
+    default ``output_dir``'s suffix, as TRL's config names are: ``{model}-SFT``), its peer's constructor keywords
+    in order (``keywords``; ``required`` have no default, ``optimizers`` defaults to ``(None, None)``, the rest to
+    ``None``), the ones it refuses (``refused``), its run (``run``) and how it loads a model given by name
     (``load_model``). Building one is the same for all: refuse, convert ``args``, load the model with the
     arguments' ``model_init_kwargs``, take the tokenizer saved with it, then ``_finish`` with what is left.
     """
 
+    arguments_class: type[_A]
+    args: _A
     keywords: ClassVar[tuple[str, ...]] = ()
     required: ClassVar[tuple[str, ...]] = ("model",)
     refused: ClassVar[tuple[str, ...]] = ("optimizers", "optimizer_cls_and_kwargs", "quantization_config")
     own_collator: ClassVar[str | None] = None  # why data_collator= is refused, where the run pads rows itself
-    run_name: ClassVar[str] = ""
     run: ClassVar[Callable[..., TrainResult]]
     load_model: ClassVar[Callable[[Any, Any, Any], nn.Module]] = staticmethod(_load)
     run_extras: ClassVar[tuple[str, ...]] = ()  # the peer's own keywords the run takes too
 
-    @staticmethod
-    def loaded(args: Any) -> Any:
+    def loaded(self, args: _A) -> _A:
         """The arguments the run gets: building the trainer loaded the model, so its keywords are spent."""
         return args.replace(model_init_kwargs=None)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        declared = declared_arguments(cls)
+        if declared is not None and "arguments_class" not in vars(cls):  # one set in the class body wins
+            cls.arguments_class = typing.cast("type[_A]", declared)
         P = inspect.Parameter
 
         def default(name: str) -> Any:
@@ -403,7 +426,8 @@ class PeerTrainer(Trainer):
         if self.own_collator is not None and values.get("data_collator") is not None:
             refuse(f"{type(self).__name__}(data_collator=...)", self.own_collator)
         model, given, peft_config = values.pop("model"), values.pop("args"), values.pop("peft_config", None)
-        args = arguments_for(given, self.arguments_class, f"{model_name_of(model)}-{self.run_name}")
+        run_name = self.arguments_class.__name__.removesuffix("Arguments")  # as TRL's: SFTConfig -> {model}-SFT
+        args = arguments_for(given, self.arguments_class, f"{model_name_of(model)}-{run_name}")
         module = type(self).load_model(model, self._loading(args, model, given), peft_config)
         tok = processing_class_for(module, values.pop("processing_class"))  # as TRL: the tokenizer saved with the model
         common = {k: values.pop(k) for k in _TRAINER_KEYWORDS if k in values}
@@ -411,16 +435,16 @@ class PeerTrainer(Trainer):
         super().__init__(module, args, processing_class=tok, **common)
         self._finish(given, **values)
 
-    def _loading(self, args: Any, model: Any, given: Any) -> Any:
+    def _loading(self, args: _A, model: nn.Module | str, given: GivenArguments | None) -> _A:
         """Return ``args`` with the ``model_init_kwargs`` that load ``model`` (given as a name) from ``given``."""
         field = attrs.fields(self.arguments_class).model_init_kwargs
         return args.replace(model_init_kwargs=init_kwargs(model, given, field))
 
-    def _collator(self, model: nn.Module, processing_class: Any, args: Any, given: Any) -> Any:
+    def _collator(self, model: nn.Module, processing_class: Any, args: _A, given: Collate | None) -> Collate | None:
         """Return the collator the trainer keeps: the one given (a subclass may build its run's own)."""
         return given
 
-    def _finish(self, given: Any, **rest: Any) -> None:
+    def _finish(self, given: GivenArguments | None, **rest: Any) -> None:
         """Keep the peer's own keywords (``formatting_func``, ``reward_funcs``...) as attributes."""
         for name, value in rest.items():
             setattr(self, name, value)
@@ -430,16 +454,16 @@ class PeerTrainer(Trainer):
         return type(self).run(
             self.model,
             self.loaded(self.args),
-            self.train_dataset,
-            self.eval_dataset,
-            self.processing_class,
+            train_dataset=self.train_dataset,
+            eval_dataset=self.eval_dataset,
+            processing_class=self.processing_class,
             callbacks=self.callbacks,
             resume_from_checkpoint=resume_from_checkpoint,
             **{k: v for k, v in named.items() if v is not None},  # None: the run's own (SFT's loss, DPO's reference)
         )
 
 
-class ReferenceTrainer(PeerTrainer):
+class ReferenceTrainer(PeerTrainer[_A]):
     """A TRL preference trainer whose reference is fixed when it is built (``DPOTrainer``, ``KTOTrainer``).
 
     ``ref_model`` (a module, a name loaded as the policy is, or ``None``: the policy as given) makes the run's
@@ -456,7 +480,7 @@ class ReferenceTrainer(PeerTrainer):
     prepare: ClassVar[Callable[..., Any]]  # (dataset, processing_class, args) -> rows
     scoring_collator: ClassVar[Callable[..., Any]]  # (model, args, processing_class) -> collate
 
-    def _finish(self, given: Any, **rest: Any) -> None:
+    def _finish(self, given: GivenArguments | None, **rest: Any) -> None:
         ref_model = rest["ref_model"]
         if isinstance(ref_model, str):
             ref_model = type(self).load_model(ref_model, self._loading(self.args, ref_model, given), None)

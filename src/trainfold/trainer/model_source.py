@@ -22,7 +22,7 @@ def model_from(
     model_init_kwargs: Mapping[str, Any] | None = None,
     peft_config: Any = None,
     seed: int | None = None,
-) -> Any:
+) -> nn.Module:
     """Return ``model`` (or ``AutoModelForCausalLM.from_pretrained(model, **model_init_kwargs)`` for a name or
     path), wrapped by ``peft.get_peft_model`` when ``peft_config`` is given, as TRL's trainers take it.
 
@@ -41,17 +41,17 @@ def model_from(
         return _built(model, model_init_kwargs, peft_config)
 
 
-def _built(model: nn.Module | str, model_init_kwargs: Mapping[str, Any] | None, peft_config: Any) -> Any:
+def _built(model: nn.Module | str, model_init_kwargs: Mapping[str, Any] | None, peft_config: Any) -> nn.Module:
+    if model_init_kwargs and not isinstance(model, str):
+        raise ValueError("model_init_kwargs apply when the model is a name or path; drop them for a built module")
     if isinstance(model, str):
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model, **(model_init_kwargs or {}))
-    elif model_init_kwargs:
-        raise ValueError("model_init_kwargs apply when the model is a name or path; drop them for a built module")
     if peft_config is not None:
         from peft import get_peft_model
 
-        model = get_peft_model(model, peft_config)
+        return get_peft_model(model, peft_config)
     return model
 
 

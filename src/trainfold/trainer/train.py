@@ -87,7 +87,7 @@ from trainfold.observe.stopping import EarlyStopping
 from trainfold.optim import GradientTransformation
 from trainfold.step.fsdp import placed_like
 from trainfold.trainer import validate as checks
-from trainfold.trainer.args import TrainingArguments
+from trainfold.trainer.args import GivenArguments, TrainingArguments
 from trainfold.trainer.callbacks import HFCallbacks, resumed_callback_states
 from trainfold.trainer.evaluating import evaluate, predict
 from trainfold.trainer.extras import BEST
@@ -189,7 +189,7 @@ class TrainResult:
 @joins_torchrun  # under torchrun without collective=: join the process group for the run (issue 15, item 2)
 def train(
     model: nn.Module,
-    args: TrainingArguments,
+    args: GivenArguments,
     train_dataset: Any,
     eval_dataset: Any = None,
     data_collator: Callable[[list[Any]], Any] | None = None,

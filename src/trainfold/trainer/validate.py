@@ -7,19 +7,20 @@ result on every call with host-side checks only (type and ``dim``): no step pays
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch import nn
 
 from trainfold.core.tasks import model_task
-from trainfold.trainer.args import TrainingArguments
+from trainfold.trainer.args import GivenArguments, TrainingArguments
 from trainfold.trainer.inputs import warn_about_eval_rows
 from trainfold.trainer.optimizer import check_optimizer
 
@@ -51,7 +52,11 @@ TRAINER_ONLY = {
 }
 
 
-def refusing_trainer_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def refusing_trainer_keywords(fn: Callable[_P, _R]) -> Callable[_P, _R]:
     """Wrap ``fn`` to refuse ``transformers.Trainer``'s keywords it takes another way by name, with the fix.
 
     >>> @refusing_trainer_keywords
@@ -65,11 +70,11 @@ def refusing_trainer_keywords(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     @functools.wraps(fn)
-    def refusing(*args: Any, **kwargs: Any) -> Any:
+    def refusing(*positional: _P.args, **kwargs: _P.kwargs) -> _R:
         named = [f"{k}= (a transformers.Trainer keyword): {TRAINER_ONLY[k]}" for k in kwargs if k in TRAINER_ONLY]
         if named:
             raise TypeError(f"{fn.__name__}() takes no " + "; no ".join(named))
-        return fn(*args, **kwargs)
+        return fn(*positional, **kwargs)
 
     return refusing
 
@@ -114,13 +119,14 @@ def check_train_call(
     optimizer: Any = None,
     loss_from_rows: bool = True,
 ) -> None:
-    """Refuse a model that is not a module or is on ``meta``, ``args`` that are not ``TrainingArguments``, no
-    data (``no_data``: neither a dataset nor a stream), a ``resume_from_checkpoint`` of the wrong type, an
-    ``output_dir`` that is a file, a ``metric_for_best_model`` no evaluation will produce, and ``rows`` (and
-    ``eval_rows``: one eval set; a dict of named sets is not looked into) the default collator cannot read
-    (``check_rows``), and an ``optimizer`` that is a ``torch.optim`` object; warn about an empty eval set and
-    (``loss_from_rows``) eval rows without labels. ``metrics_from`` is what reports metrics besides the loss:
-    ``compute_metrics``, or an objective (whose aux values are metrics too); without one only a ``...loss``
+    """Refuse a model that is not a module or is on ``meta`` (``args`` that are not ``TrainingArguments``:
+    ``trainfold_arguments``, before), no data (``no_data``: neither a dataset nor a stream), a
+    ``resume_from_checkpoint`` of the wrong type, an ``output_dir`` that is a file, a ``metric_for_best_model``
+    no evaluation will produce, and ``rows`` (and ``eval_rows``: one eval set; a dict of named sets is not
+    looked into) the default collator cannot read (``check_rows``), and an ``optimizer`` that is a
+    ``torch.optim`` object; warn about an empty eval set and (``loss_from_rows``) eval rows without labels.
+    ``metrics_from`` is what reports metrics besides the loss: ``compute_metrics``, or an objective (whose aux
+    values are metrics too); without one only a ``...loss``
     metric can be tracked.
 
     >>> try:
@@ -129,7 +135,7 @@ def check_train_call(
     ...     print(str(err).split(";")[0])
     resume_from_checkpoint=123 (int) is not a checkpoint
     """
-    _check_call_types(model, args, no_data)
+    _check_call_types(model, no_data)
     meta = [name for name, p in model.named_parameters() if p.is_meta]
     if meta:
         raise ValueError(
@@ -169,19 +175,29 @@ def _size(rows: Any) -> int | None:
         return None  # a stream
 
 
-def trainfold_arguments(args: Any) -> Any:
-    """Return ``args``, a ``transformers.TrainingArguments`` (or a TRL config) converted by ``from_hf``, exactly.
+def trainfold_arguments(args: GivenArguments) -> TrainingArguments:
+    """Return ``args`` as trainfold's ``TrainingArguments``: as given, or a ``transformers.TrainingArguments`` (or a
+    TRL config) converted by ``from_hf``, exactly; refuse anything else (a dict...) by name, with the fix.
 
     ``TrainingArguments.from_hf`` keeps every setting as transformers resolved it and refuses, by name, the ones
-    trainfold cannot honour, so taking the HF object is the conversion the user would write; anything else is
-    returned as it is (and checked by ``check_train_call``).
+    trainfold cannot honour, so taking the HF object is the conversion the user would write.
+
+    >>> try:
+    ...     trainfold_arguments({"max_steps": 10})
+    ... except TypeError as err:
+    ...     print(str(err).split(";")[0])
+    args is a dict, not trainfold's TrainingArguments
     """
-    if isinstance(args, TrainingArguments) or not type(args).__module__.startswith(("transformers.", "trl.")):
+    if isinstance(args, TrainingArguments):
         return args
-    if not hasattr(args, "to_dict"):
-        return args
-    _log.info("converting %s with trainfold.TrainingArguments.from_hf", type(args).__name__)
-    return TrainingArguments.from_hf(args)
+    if type(args).__module__.startswith(("transformers.", "trl.")) and dataclasses.is_dataclass(args):
+        _log.info("converting %s with trainfold.TrainingArguments.from_hf", type(args).__name__)
+        return TrainingArguments.from_hf(args)
+    raise TypeError(
+        f"args is a {_qualified(type(args))}, not trainfold's TrainingArguments; pass "
+        "trainfold.TrainingArguments(**settings) "
+        "(or TrainingArguments.from_hf(hf_args) for a transformers.TrainingArguments)"
+    )
 
 
 def check_not_iterators(**datasets: Any) -> None:
@@ -203,17 +219,11 @@ def check_not_iterators(**datasets: Any) -> None:
             )
 
 
-def _check_call_types(model: Any, args: Any, no_data: bool) -> None:
+def _check_call_types(model: Any, no_data: bool) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"model is a {type(model).__name__}, not a torch.nn.Module; pass the module whose parameters train "
             "(e.g. AutoModelForCausalLM.from_pretrained(...))"
-        )
-    if not isinstance(args, TrainingArguments):
-        raise TypeError(
-            f"args is a {_qualified(type(args))}, not trainfold's TrainingArguments; pass "
-            "trainfold.TrainingArguments(**settings) "
-            "(or TrainingArguments.from_hf(hf_args) for a transformers.TrainingArguments)"
         )
     if no_data:
         raise TypeError("train_dataset is None; pass the rows to train on (a list of dicts or a datasets.Dataset)")
@@ -381,8 +391,8 @@ def checked_loss(loss: Callable[..., Any] | None) -> Callable[..., Any] | None:
         return loss  # trainfold's own losses, and loss objects (their methods stay reachable)
 
     @functools.wraps(loss)
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        value = loss(*args, **kwargs)
+    def checked(*positional: Any, **kwargs: Any) -> Any:
+        value = loss(*positional, **kwargs)
         if not isinstance(value, torch.Tensor):
             raise TypeError(
                 f"compute_loss_func returned a {type(value).__name__} ({str(value)[:40]}), not a tensor; return "
