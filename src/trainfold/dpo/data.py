@@ -19,9 +19,9 @@ import attrs
 import torch
 from torch import Tensor
 
+from trainfold.data.rows import common_prefix, is_conversational
 from trainfold.dpo.logps import PREFERENCE_COLUMNS, REF_KEYS
 from trainfold.dpo.objective import PreferenceCollate
-from trainfold.sft.data import common_prefix, is_conversational
 
 __all__ = [
     "PaddingFreePreferenceCollate",

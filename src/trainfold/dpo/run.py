@@ -26,10 +26,10 @@ from trainfold.data.packing import check_packable
 from trainfold.dpo.args import DPOArguments
 from trainfold.dpo.data import padding_free_preference_collate, preference_rows
 from trainfold.dpo.objective import dpo_objective, preference_collate
-from trainfold.sft.run import PreparedStream, check_arguments
 from trainfold.trainer.model_source import model_from, processing_class_for, without_dropout
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
+from trainfold.trainer.trl_runs import PreparedStream, check_arguments
 
 __all__ = [
     "policy_model",

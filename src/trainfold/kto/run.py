@@ -24,10 +24,10 @@ from trainfold.kto.args import KTOArguments
 from trainfold.kto.collate import unpaired_collate
 from trainfold.kto.objective import kto_objective
 from trainfold.kto.rows import unpaired_rows
-from trainfold.sft.run import check_arguments
 from trainfold.trainer.model_source import processing_class_for
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
+from trainfold.trainer.trl_runs import check_arguments
 
 __all__ = ["kto_reference_objective", "prepare_unpaired_dataset", "train", "unpaired_collator"]
 

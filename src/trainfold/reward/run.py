@@ -25,10 +25,10 @@ from torch import nn
 from trainfold.reward.args import RewardArguments
 from trainfold.reward.data import reward_collate, reward_rows
 from trainfold.reward.loss import reward_objective
-from trainfold.sft.run import PreparedStream, check_arguments
 from trainfold.trainer.model_source import processing_class_for, without_dropout
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
+from trainfold.trainer.trl_runs import PreparedStream, check_arguments
 
 __all__ = ["prepare_reward_dataset", "reward_model", "pad_id_for", "train"]
 

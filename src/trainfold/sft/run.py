@@ -22,7 +22,6 @@ import functools
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from trainfold.data.hfstream import as_source
@@ -34,37 +33,13 @@ from trainfold.sft.data import sft_collate, sft_loss, sft_rows
 from trainfold.trainer.model_source import model_from, processing_class_for
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
+from trainfold.trainer.trl_runs import PreparedStream, check_arguments
 
 
 def _shuffled(rows: list, seed: int) -> Any:
     from datasets import Dataset  # TRL shuffles with datasets' seeded permutation
 
     return Dataset.from_list(rows).shuffle(seed=seed)
-
-
-def check_arguments(args: Any, expected: type, package: str) -> None:
-    """Refuse ``args`` unless it is an ``expected`` (the Arguments of ``trainfold.<package>.train``), naming the fix.
-
-    >>> check_arguments(SFTArguments(bf16=False), SFTArguments, "sft") is None
-    True
-    """
-    if not isinstance(args, expected):
-        config = expected.__name__.replace("Arguments", "Config")
-        raise TypeError(
-            f"trainfold.{package}.train takes {expected.__name__} (TRL's {config} names), not {type(args).__name__}; "
-            f"convert a trl.{config} with {expected.__name__}.from_hf(config)"
-        )
-
-
-class PreparedStream(torch.utils.data.IterableDataset):
-    """A dataset without a length (``datasets.IterableDataset``, streaming) prepared row by row as it is read."""
-
-    def __init__(self, rows: Any, prepare: Any) -> None:
-        self.rows, self.prepare = rows, prepare
-
-    def __iter__(self) -> Any:
-        for row in self.rows:
-            yield from self.prepare([row])
 
 
 def _formatted(rows: Any, formatting_func: Any) -> Any:

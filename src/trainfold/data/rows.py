@@ -1,0 +1,45 @@
+"""Row helpers every TRL dataset format shares: whether a row is conversational, where a prompt meets its completion.
+
+SFT, DPO, KTO and reward rows all come as text or as message lists (``[{"role": ..., "content": ...}, ...]``);
+their preparation (``trainfold.sft.data``, ``trainfold.dpo.data``, ``trainfold.kto.rows``) asks the same two
+questions of them.
+
+>>> is_conversational({"prompt": [{"role": "user", "content": "hi"}]}), common_prefix([1, 2], [1, 3])
+(True, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["common_prefix", "is_conversational"]
+
+_TEXT_KEYS = ("messages", "prompt", "completion")
+
+
+def is_conversational(row: Mapping[str, Any]) -> bool:
+    """Return whether ``row`` holds message lists (``[{"role": ..., "content": ...}, ...]``), as TRL decides.
+
+    >>> is_conversational({"messages": [{"role": "user", "content": "hi"}]}), is_conversational({"text": "hi"})
+    (True, False)
+    """
+    for key in _TEXT_KEYS:
+        value = row.get(key)
+        if isinstance(value, list) and value and isinstance(value[0], Mapping) and "role" in value[0]:
+            return True
+    return False
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Return how many leading token ids ``a`` and ``b`` share (where a tokenized prompt meets its completion).
+
+    >>> common_prefix([1, 2, 3], [1, 2, 4, 5])
+    2
+    """
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
