@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 from tolerance import grad_atol, reordered, row_abs_grads, sgd_rtol
 
 from trainfold import adamw, init_state, make_step, sgd
+from trainfold.core.counting import count_pairs
 from trainfold.core.generate import functional_forward
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.dpo.objective import (
-    count_pairs,
     dpo_loss,
     dpo_objective,
     precompute_ref_logps,

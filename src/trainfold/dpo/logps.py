@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from trainfold.core.chunked_loss import OutputHead, chunked_token_logps
+from trainfold.core.counting import sequence_count
 from trainfold.core.generate import token_logps
 from trainfold.core.losses import logits_of
 
@@ -30,7 +31,6 @@ __all__ = [
     "completion_logps",
     "halves",
     "per_sequence",
-    "sequence_count",
     "sequence_logps",
     "token_means",
 ]
@@ -55,13 +55,6 @@ def per_sequence(x: Tensor, batch: Mapping[str, Tensor]) -> Tensor:
     index = batch["sequence_index"][0, 1:].to(x.device)
     out = torch.zeros(sequence_count(batch), *x.shape[2:], dtype=x.dtype, device=x.device)
     return out.index_add(0, index, x[0])
-
-
-def sequence_count(batch: Mapping[str, Tensor]) -> int:
-    """Return how many sequences (chosen and rejected) a preference batch holds."""
-    if "sequence_index" in batch:
-        return int(batch["sequence_index"].max()) + 1
-    return batch["input_ids"].shape[0]
 
 
 def halves(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.core.chunked_loss import OutputHead, check_chunk_size, output_head
+from trainfold.core.counting import count_pairs
 from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tensors
 from trainfold.data.collate import check_completion_padding
 from trainfold.dpo.logps import (
@@ -40,7 +41,6 @@ from trainfold.dpo.logps import (
     completion_logps,
     halves,
     per_sequence,
-    sequence_count,
     sequence_logps,
     token_means,
 )
@@ -53,7 +53,6 @@ __all__ = [
     "PREFERENCE_COLUMNS",
     "DPOObjective",
     "PreferenceCollate",
-    "count_pairs",
     "dpo_loss",
     "dpo_objective",
     "precompute_ref_logps",
@@ -159,21 +158,6 @@ def preference_collate(
 
 
 # -- the objective -------------------------------------------------------------------------
-
-
-def count_pairs(micro_batch: Mapping[str, Tensor]) -> Tensor:
-    """Count the preference pairs of a collated micro-batch (half its rows).
-
-    >>> import torch
-    >>> count_pairs({"input_ids": torch.zeros(6, 3)}).item()
-    3
-    """
-    rows = sequence_count(micro_batch)
-    if rows % 2:
-        raise ValueError(
-            f"a preference micro-batch has {rows} rows; it must hold chosen rows then as many rejected rows"
-        )
-    return torch.tensor(rows // 2)
 
 
 @attrs.frozen(eq=False)
