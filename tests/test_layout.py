@@ -3,8 +3,8 @@
 Layers, bottom up (a module imports only from its own layer or lower ones, lazily or not):
 ``core`` < ``distributed`` < ``optim`` < ``data`` < ``step`` < ``evaluation`` < ``ckpt`` < ``observe`` < ``ensemble``
 < ``loop`` < ``trainer`` < ``sft`` < ``dpo`` < ``grpo`` < ``reward`` < ``kto`` < ``cli`` < the top level
-(``trainfold/__init__``, ``__main__``, ``testing``). The order of the algorithms is the order they build on each
-other (DPO's rows reuse SFT's).
+(``trainfold/__init__``, ``testing``). The order of the algorithms is the order they build on each
+other (KTO's policy and reference reuse DPO's).
 No module imports another module's ``_private`` name; no two modules import each other, even
 through others; no module is over 500 lines and no function over 60.
 
@@ -57,7 +57,7 @@ def layer(name: str) -> int:
     parts = name.split(".")
     if len(parts) > 1 and parts[1] in LAYERS:
         return LAYERS.index(parts[1])
-    return len(LAYERS)  # the top: trainfold/__init__, __main__, testing
+    return len(LAYERS)  # the top: trainfold/__init__, testing
 
 
 def imports(name: str, path: Path, known: dict[str, Path]) -> Iterator[tuple[str, str, int]]:

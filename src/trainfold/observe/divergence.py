@@ -51,7 +51,7 @@ __all__ = [
 HASH_FILE = "state_hashes.jsonl"  # one {"step", "state_hash", "loss"} line per logged step, in output_dir
 
 DIVERGED = "diverged"  # the status of a run stopped because its parameters are no longer finite
-EXIT_DIVERGED = 3  # the exit status of ``python -m trainfold train`` for such a run (a failure, not to be retried)
+EXIT_DIVERGED = 3  # the exit status of ``python -m trainfold.cli train`` for such a run (a failure, not to be retried)
 
 
 def nonfinite_params(params: Mapping[str, Tensor]) -> list[str]:
