@@ -1,4 +1,9 @@
-"""The plumbing the TRL runs share (``trainfold.sft/dpo/kto/reward.train``): their Arguments checked, a stream prepared.
+"""What the TRL runs share (``trainfold.sft/dpo/kto/reward.train``): one signature and one path to ``trainfold.train``.
+
+Each algorithm is a :class:`TRLRun`: its Arguments class and its ``prepare`` (model, rows, collator, objective
+from what the run was given, a :class:`TRLInputs`). The run checks the arguments, hands ``prepare`` the
+inputs and the algorithm's own keywords (TRL's names: ``ref_model``, ``data_collator``, ``formatting_func``),
+and trains what it returns with ``trainfold.train``; the other keywords go to ``trainfold.train``.
 
 >>> from trainfold.trainer.args import TrainingArguments
 >>> check_arguments(TrainingArguments(bf16=False), TrainingArguments, "sft") is None
@@ -9,14 +14,18 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
+from torch import nn
 
 from trainfold.trainer.args import TrainingArguments
+from trainfold.trainer.train import TrainResult
+from trainfold.trainer.train import train as train_run
 
-__all__ = ["PreparedStream", "check_arguments"]
+__all__ = ["PreparedStream", "TRLInputs", "TRLRun", "TRLPrepared", "check_arguments"]
 
 
 def check_arguments(args: object, expected: type[TrainingArguments], package: str) -> None:
@@ -40,3 +49,68 @@ class PreparedStream(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         for row in self.rows:
             yield from self.prepare([row])
+
+
+@attrs.frozen
+class TRLInputs:
+    """What a TRL run was given: the model (a module, or a name to load), its arguments, the datasets, the
+    tokenizer (None: the one saved with the model), the PEFT config, the objective a caller fixed (None: the
+    algorithm's own) and the algorithm's own keywords (``own``: only those given)."""
+
+    model: nn.Module | str
+    args: TrainingArguments
+    train_dataset: Any
+    eval_dataset: Any
+    processing_class: Any
+    peft_config: Any
+    objective: Any
+    own: Mapping[str, Any]
+
+
+@attrs.frozen
+class TRLPrepared:
+    """What a TRL run trains with ``trainfold.train``: the model, the arguments, the rows, the collator, and the
+    run's keywords (``objective`` or ``compute_loss_func``, ``processing_class``; a caller's own win)."""
+
+    model: nn.Module
+    args: TrainingArguments
+    train_rows: Any
+    eval_rows: Any
+    collate: Any
+    keywords: Mapping[str, Any]
+
+
+@attrs.frozen
+class TRLRun:
+    """One TRL trainer as a trainfold run (``trainfold.<package>.train``): its Arguments, its own keywords
+    (TRL's names) and ``prepare``, which makes the model, rows, collator and objective from a :class:`TRLInputs`."""
+
+    arguments: type[TrainingArguments]
+    package: str
+    prepare: Callable[[TRLInputs], TRLPrepared]
+    own: tuple[str, ...] = ()
+
+    def __call__(
+        self,
+        model: nn.Module | str,
+        args: TrainingArguments,
+        train_dataset: Any,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        peft_config: Any = None,
+        callbacks: Sequence[Any] = (),
+        **kwargs: Any,
+    ) -> TrainResult:
+        """Train ``model`` on ``train_dataset`` as the TRL trainer of ``trainfold.<package>`` does; return the record.
+
+        Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does; ``peft_config``
+        wraps the model with PEFT. The algorithm's own keywords (``own``) go to its ``prepare``; the rest to
+        ``trainfold.train`` (``compute_metrics``, ``observers``, ``resume_from_checkpoint``, ``objective``...).
+        """
+        check_arguments(args, self.arguments, self.package)
+        own = {k: kwargs.pop(k) for k in self.own if k in kwargs}
+        objective = kwargs.pop("objective", None)
+        given = TRLInputs(model, args, train_dataset, eval_dataset, processing_class, peft_config, objective, own)
+        run = self.prepare(given)
+        keywords = {**run.keywords, **kwargs, "callbacks": callbacks}
+        return train_run(run.model, run.args, run.train_rows, run.eval_rows, run.collate, **keywords)
