@@ -1,8 +1,8 @@
-"""Row helpers every TRL dataset format shares: whether a row is conversational, where a prompt meets its completion.
+"""Row helpers every TRL dataset format shares: whether a row is conversational, where a prompt ends.
 
 SFT, DPO, KTO and reward rows all come as text or as message lists (``[{"role": ..., "content": ...}, ...]``);
 their preparation (``trainfold.sft.data``, ``trainfold.dpo.data``, ``trainfold.kto.rows``) asks the same two
-questions of them.
+questions of them; paired rows without a prompt (DPO's, KTO's) split it off as TRL does.
 
 >>> is_conversational({"prompt": [{"role": "user", "content": "hi"}]}), common_prefix([1, 2], [1, 3])
 (True, 1)
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["common_prefix", "is_conversational"]
+__all__ = ["common_prefix", "implicit_prompt", "is_conversational"]
 
 _TEXT_KEYS = ("messages", "prompt", "completion")
 
@@ -43,3 +43,20 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def implicit_prompt(chosen: Any, rejected: Any) -> dict[str, Any]:
+    """Return ``prompt``, ``chosen`` and ``rejected`` split off two full texts or conversations as TRL 1.16 splits
+    rows without a prompt: the prompt is what they share up to the first differing character or message (a space
+    right before that character stays with the completions).
+
+    >>> implicit_prompt("Sky? It is blue.", "Sky? It is green.")
+    {'prompt': 'Sky? It is', 'chosen': ' blue.', 'rejected': ' green.'}
+    """
+    n = min(len(chosen), len(rejected))
+    cut = next((i for i in range(n) if chosen[i] != rejected[i]), None)
+    if cut is None:  # one is the start of the other: TRL's loop ends at the last shared index
+        cut = max(n - 1, 0)
+    elif cut > 0 and chosen[cut - 1] == " ":
+        cut -= 1
+    return {"prompt": chosen[:cut], "chosen": chosen[cut:], "rejected": rejected[cut:]}

@@ -23,7 +23,6 @@ from trainfold.dpo.objective import (
     dpo_objective,
     precompute_ref_logps,
     preference_collate,
-    sequence_logps,
 )
 from trainfold.dpo.run import prepare_preference_dataset, train
 from trainfold.dpo.trainer import DPOTrainer  # the facade, for moving a TRL script by its import
@@ -45,6 +44,5 @@ __all__ = [
     "preference_row",
     "preference_rows",
     "prepare_preference_dataset",
-    "sequence_logps",
     "train",
 ]

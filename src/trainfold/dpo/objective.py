@@ -33,17 +33,9 @@ from torch import Tensor, nn
 from trainfold.core.chunked_loss import OutputHead, check_chunk_size, output_head
 from trainfold.core.counting import count_pairs
 from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tensors
+from trainfold.core.logps import completion_logps, per_sequence
 from trainfold.data.collate import check_completion_padding
-from trainfold.dpo.logps import (
-    MODEL_KEYS,
-    PREFERENCE_COLUMNS,
-    REF_KEYS,
-    completion_logps,
-    halves,
-    per_sequence,
-    sequence_logps,
-    token_means,
-)
+from trainfold.dpo.logps import MODEL_KEYS, PREFERENCE_COLUMNS, REF_KEYS, halves, token_means
 from trainfold.dpo.loss import DPO_LOSS_TYPES as LOSS_TYPES
 from trainfold.dpo.loss import dpo_loss, dpo_loss_errors, loss_types_of
 from trainfold.dpo.reference import precompute_ref_logps, prepare_reference
@@ -57,7 +49,6 @@ __all__ = [
     "dpo_objective",
     "precompute_ref_logps",
     "preference_collate",
-    "sequence_logps",
 ]
 
 

@@ -15,9 +15,9 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
-from torch import Tensor, nn
+from torch import nn
 
 from trainfold.data.hfstream import as_source
 from trainfold.data.mixture import is_stream_source
@@ -25,37 +25,16 @@ from trainfold.data.packing import check_packable
 from trainfold.dpo.args import DPOArguments
 from trainfold.dpo.data import padding_free_preference_collate, preference_rows
 from trainfold.dpo.objective import dpo_objective, preference_collate
-from trainfold.trainer.model_source import model_from, processing_class_for, without_dropout
-from trainfold.trainer.trl_runs import PreparedStream, TRLInputs, TRLPrepared, TRLRun
+from trainfold.trainer.model_source import processing_class_for
+from trainfold.trainer.trl_runs import PreparedStream, TRLInputs, TRLPrepared, TRLRun, policy_model, reference_params
 
 __all__ = [
-    "policy_model",
     "prepare_dpo",
     "prepare_preference_dataset",
     "preference_collator",
     "reference_objective",
-    "reference_params",
     "train",
 ]
-
-
-class PolicySettings(Protocol):
-    """What building the trained policy reads: DPO's and KTO's arguments both have it (read-only: frozen records)."""
-
-    @property
-    def model_init_kwargs(self) -> dict[str, Any] | None: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def disable_dropout(self) -> bool: ...
-
-
-def policy_model(model: nn.Module | str, args: PolicySettings, peft_config: Any = None) -> nn.Module:
-    """Return the model DPO (and KTO) trains: loaded by name, wrapped by PEFT, its dropout off with
-    ``disable_dropout`` (``args``: ``DPOArguments`` or ``KTOArguments``)."""
-    built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
-    # TRL's default: no dropout in the policy (nor, thereby, in its reference)
-    return without_dropout(built) if args.disable_dropout else built
 
 
 def prepare_preference_dataset(dataset: Any, processing_class: Any, args: DPOArguments) -> Any:
@@ -85,15 +64,6 @@ def reference_objective(model: nn.Module, args: DPOArguments, ref_model: nn.Modu
         precompute_ref_log_probs=args.precompute_ref_log_probs,
         precompute_ref_batch_size=args.precompute_ref_batch_size,
     )
-
-
-def reference_params(model: nn.Module, ref_model: nn.Module | None, *, precomputed: bool) -> dict[str, Tensor] | None:
-    """Return the reference's params as TRL takes them: all of ``ref_model``'s, else the trainable params of
-    ``model`` as it is now; None when the reference log-probs are ``precomputed`` from the model itself (it is
-    scored before training and needs no copy)."""
-    if ref_model is not None:
-        return dict(ref_model.named_parameters())
-    return None if precomputed else {k: v for k, v in model.named_parameters() if v.requires_grad}
 
 
 def preference_collator(model: nn.Module, args: DPOArguments, tok: Any) -> tuple[Any, DPOArguments]:

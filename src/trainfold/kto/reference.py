@@ -24,8 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainfold.dpo.logps import completion_logps
-from trainfold.dpo.reference import score_with_reference
+from trainfold.core.logps import completion_logps, score_with_reference
 from trainfold.kto.collate import REF_COLUMNS
 
 __all__ = ["prepare_reference_logps", "unpaired_logps", "unpaired_reference_logps", "with_reference_logps"]

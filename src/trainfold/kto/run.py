@@ -18,13 +18,12 @@ from typing import Any, cast
 
 from torch import nn
 
-from trainfold.dpo.run import policy_model, reference_params
 from trainfold.kto.args import KTOArguments
 from trainfold.kto.collate import unpaired_collate
 from trainfold.kto.objective import kto_objective
 from trainfold.kto.rows import unpaired_rows
 from trainfold.trainer.model_source import processing_class_for
-from trainfold.trainer.trl_runs import TRLInputs, TRLPrepared, TRLRun
+from trainfold.trainer.trl_runs import TRLInputs, TRLPrepared, TRLRun, policy_model, reference_params
 
 __all__ = ["kto_reference_objective", "prepare_kto", "prepare_unpaired_dataset", "train", "unpaired_collator"]
 
@@ -66,7 +65,7 @@ def unpaired_collator(args: KTOArguments, tok: Any) -> Any:
 
 
 def prepare_kto(given: TRLInputs) -> TRLPrepared:
-    """Return what a KTO run trains, as ``KTOTrainer(...).train()`` does: the policy (DPO's: loaded by name,
+    """Return what a KTO run trains, as ``KTOTrainer(...).train()`` does: the policy (``policy_model``: loaded by name,
     wrapped by PEFT, dropout off), the rows prepared (an eval dict each), the collator and the objective.
 
     The reference is ``ref_model`` when given, else the model as it is before training (TRL reloads it from its

@@ -4,6 +4,8 @@ Each algorithm is a :class:`TRLRun`: its Arguments class and its ``prepare`` (mo
 from what the run was given, a :class:`TRLInputs`). The run checks the arguments, hands ``prepare`` the
 inputs and the algorithm's own keywords (TRL's names: ``ref_model``, ``data_collator``, ``formatting_func``),
 and trains what it returns with ``trainfold.train``; the other keywords go to ``trainfold.train``.
+The preference runs (DPO, KTO) share the policy they train (:func:`policy_model`) and their reference's
+parameters (:func:`reference_params`).
 
 >>> from trainfold.trainer.args import TrainingArguments
 >>> check_arguments(TrainingArguments(bf16=False), TrainingArguments, "sft") is None
@@ -15,17 +17,27 @@ True
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from trainfold.trainer.args import TrainingArguments
+from trainfold.trainer.model_source import model_from, without_dropout
 from trainfold.trainer.train import TrainResult
 from trainfold.trainer.train import train as train_run
 
-__all__ = ["PreparedStream", "TRLInputs", "TRLRun", "TRLPrepared", "check_arguments"]
+__all__ = [
+    "PolicySettings",
+    "PreparedStream",
+    "TRLInputs",
+    "TRLRun",
+    "TRLPrepared",
+    "check_arguments",
+    "policy_model",
+    "reference_params",
+]
 
 
 def check_arguments(args: object, expected: type[TrainingArguments], package: str) -> None:
@@ -49,6 +61,34 @@ class PreparedStream(torch.utils.data.IterableDataset):
     def __iter__(self) -> Iterator[Any]:
         for row in self.rows:
             yield from self.prepare([row])
+
+
+class PolicySettings(Protocol):
+    """What building the trained policy reads: DPO's and KTO's arguments both have it (read-only: frozen records)."""
+
+    @property
+    def model_init_kwargs(self) -> dict[str, Any] | None: ...
+    @property
+    def seed(self) -> int: ...
+    @property
+    def disable_dropout(self) -> bool: ...
+
+
+def policy_model(model: nn.Module | str, args: PolicySettings, peft_config: Any = None) -> nn.Module:
+    """Return the model DPO (and KTO) trains: loaded by name, wrapped by PEFT, its dropout off with
+    ``disable_dropout`` (``args``: ``DPOArguments`` or ``KTOArguments``)."""
+    built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
+    # TRL's default: no dropout in the policy (nor, thereby, in its reference)
+    return without_dropout(built) if args.disable_dropout else built
+
+
+def reference_params(model: nn.Module, ref_model: nn.Module | None, *, precomputed: bool) -> dict[str, Tensor] | None:
+    """Return the reference's params as TRL takes them: all of ``ref_model``'s, else the trainable params of
+    ``model`` as it is now; None when the reference log-probs are ``precomputed`` from the model itself (it is
+    scored before training and needs no copy)."""
+    if ref_model is not None:
+        return dict(ref_model.named_parameters())
+    return None if precomputed else {k: v for k, v in model.named_parameters() if v.requires_grad}
 
 
 @attrs.frozen
