@@ -30,7 +30,7 @@ from compiled_step import build, eager_runner, make_batches
 
 from trainfold import adamw, chain, clip_by_global_norm
 from trainfold.core.losses import causal_lm
-from trainfold.ensemble import (
+from trainfold.step.ensemble import (
     init_ensemble_state,
     make_ensemble_step,
     split_ensemble,

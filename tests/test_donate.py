@@ -19,7 +19,7 @@ from trainfold.core.losses import causal_lm, cross_entropy
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import DonatedStateError, is_donated
 from trainfold.core.tree import flatten
-from trainfold.ensemble import init_ensemble_state, make_ensemble_step, stack_batches
+from trainfold.step.ensemble import init_ensemble_state, make_ensemble_step, stack_batches
 
 CFG = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=8)
 pytestmark = pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")

@@ -19,7 +19,7 @@ from trainfold.core.forward import make_forward
 from trainfold.core.losses import cross_entropy
 from trainfold.core.rng import derive_seed
 from trainfold.core.tree import flatten
-from trainfold.ensemble import init_ensemble_state, make_ensemble_step, stack_batches
+from trainfold.step.ensemble import init_ensemble_state, make_ensemble_step, stack_batches
 from trainfold.step import StepPlan, compile_step
 from trainfold.step.amp import LossScaling
 from trainfold.step.driver import accumulate, micro_seed

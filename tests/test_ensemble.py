@@ -28,7 +28,7 @@ from trainfold.core.forward import make_forward
 from trainfold.core.losses import causal_lm, cross_entropy
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.tree import flatten
-from trainfold.ensemble import (
+from trainfold.step.ensemble import (
     ensemble_size,
     init_ensemble_state,
     make_ensemble_step,

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainfold import ensemble as ens
+from trainfold.step import ensemble as ens
 from trainfold import init_state, make_step, sgd
 from trainfold.core.losses import causal_lm
-from trainfold.ensemble.lora import (
+from trainfold.step.ensemble.lora import (
     adapter_count,
     init_adapter_ensemble,
     make_adapter_ensemble_step,

@@ -56,4 +56,4 @@ def test_adamw_torch_fused_runs_torchs_fused_kernel_and_adamw_torch_its_default(
     fused, default = (
         default_optimizer(model, TrainingArguments(optim=o, max_grad_norm=0).optimizer_settings(), 10) for o in names
     )
-    assert (fused.fused, default.fused, default.foreach) == (True, None, None)
+    assert (fused.kernel.fused, default.kernel.fused, default.kernel.foreach) == (True, None, None)

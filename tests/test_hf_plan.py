@@ -73,7 +73,7 @@ def test_plan_is_built_without_training(tmp_path):
         7,
     )
     assert plan.sampler.global_batch_size == 6 and plan.samples_per_step == 6
-    assert plan.step_options.autocast == torch.bfloat16 and plan.step_options.loss_scaling is None
+    assert plan.step_options.execution.autocast == torch.bfloat16 and plan.step_options.execution.loss_scaling is None
     assert [s.prefix for s in plan.evals.sets] == ["eval_a", "eval_b"]
     assert [s for s in range(1, 5) if plan.evals.due(s, total_steps=4, steps_per_epoch=2)] == [2, 4]
     assert plan.stops.names == ("max_steps",) and plan.schedule.total_steps == 4
@@ -101,7 +101,7 @@ def test_sampler_and_schedule_follow_the_arguments():
     sampler = sampler_for(args, list(range(10)))
     assert (sampler.strategy, sampler.seed, sampler.steps_per_epoch()) == ("sequential", 5, 4)
     assert schedule_for(args, sampler).total_steps == 6 and schedule_for(args, sampler).num_epochs == 2
-    assert step_options(TrainingArguments(fp16=True)).loss_scaling is not None
+    assert step_options(TrainingArguments(fp16=True)).execution.loss_scaling is not None
 
 
 def test_vocabularies_come_from_their_owners():

@@ -1,8 +1,8 @@
 """The package's layout rules, checked with ``ast``: layers, cycles, private names, sizes.
 
 Layers, bottom up (a module imports only from its own layer or lower ones, lazily or not):
-``core`` < ``distributed`` < ``optim`` < ``data`` < ``step`` < ``evaluation`` < ``ckpt`` < ``observe`` < ``ensemble``
-< ``loop`` < ``trainer`` < ``sft`` < ``dpo`` < ``grpo`` < ``reward`` < ``kto`` < ``cli`` < the top level
+``core`` < ``distributed`` < ``optim`` < ``data`` < ``step`` < ``evaluation`` < ``ckpt`` < ``observe``
+< ``rollout`` < ``loop`` < ``trainer`` < ``sft`` < ``dpo`` < ``grpo`` < ``reward`` < ``kto`` < ``cli`` < the top level
 (``trainfold/__init__``, ``testing``). No algorithm package imports another: what they share lives below
 them (``core``, ``data``, ``trainer``).
 No module imports another module's ``_private`` name; no two modules import each other, even
@@ -28,7 +28,6 @@ LAYERS = (
     "evaluation",
     "ckpt",
     "observe",
-    "ensemble",
     "rollout",
     "loop",
     "trainer",
@@ -51,7 +50,6 @@ PACKAGE_IMPORTS = {
     "evaluation": {"core", "distributed"},
     "ckpt": {"core", "distributed", "data"},
     "observe": {"core", "ckpt"},
-    "ensemble": {"core", "optim", "step", "ckpt"},
     "rollout": {"core"},
     "loop": {"core", "data", "evaluation", "ckpt", "observe"},
     "trainer": {"core", "distributed", "optim", "data", "step", "evaluation", "ckpt", "observe", "loop"},

@@ -14,6 +14,7 @@ from torch import nn
 from trainfold import init_state, make_step, sgd
 from trainfold.core.fold import fit
 from trainfold.core.forward import make_forward, train_mode
+from trainfold.core.losses import causal_lm
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.neftune import input_embedding, neftune_forward, neftune_noise, neftune_objective
 from trainfold.core.tree import flatten, unflatten
@@ -260,3 +261,18 @@ def test_missing_labels_are_named():
     step = make_step(model, optimizer=sgd(0.1), objective=neftune_objective(model, 5.0, label_key="targets"))
     with pytest.raises(KeyError, match=r"no 'targets' key \(keys: \['attention_mask', 'input_ids', 'labels'\]\)"):
         step(init_state(model, sgd(0.1)), [padded_batch(0, [3])])
+
+
+def test_a_losss_own_metrics_are_kept_and_summed_as_without_noise():
+    # sft_loss's entropy and mean_token_accuracy are such metrics: TRL logs them with NEFTune on
+    def loss(outputs, labels, num_items):
+        return causal_lm(outputs, labels, num_items)
+
+    loss.metrics = lambda outputs, labels, num_items: {"item_share": (labels != -100).sum() / num_items}
+    batch = batches(1)[0]  # two micro-batches of 19 and 13 items: a mean weighted by items would not give 1
+    noisy = make_step(lm(), loss, sgd(0.1), objective=neftune_objective(lm(), 5.0, loss))(
+        init_state(lm(), sgd(0.1)), batch
+    )
+    plain = make_step(lm(), loss, sgd(0.1))(init_state(lm(), sgd(0.1)), batch)
+    assert plain.metrics["item_share"].item() == pytest.approx(1.0)
+    assert noisy.metrics["item_share"].item() == pytest.approx(1.0)

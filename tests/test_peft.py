@@ -13,7 +13,7 @@ import torch
 from trainfold import TrainingArguments, train
 from trainfold import ckpt as checkpoint
 from trainfold.ckpt import STATE_FILE, CheckpointError
-from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, ADAPTER_FILE
+from trainfold.core.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from trainfold.core.state import init_state
 from trainfold.core.tree import flatten
 from trainfold.optim import adamw

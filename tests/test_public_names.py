@@ -10,7 +10,7 @@ import trainfold
 TOP = [
     "Cursor", "EvalPrediction", "GRPOArguments", "Sampler", "StepBatch", "TrainResult", "TrainState", "Trainer",
     "TrainingArguments", "adamw", "any_of", "chain", "chunked_causal_lm", "ckpt", "clip_by_global_norm", "core",
-    "create_model_card", "data", "decay_mask", "distributed", "dpo", "early_stopping", "ensemble", "evaluate",
+    "create_model_card", "data", "decay_mask", "distributed", "dpo", "early_stopping", "evaluate",
     "evaluation", "first_divergence", "fit", "grpo", "init_ensemble_state", "init_state", "is_world_process_zero",
     "keyed", "kto", "latest_checkpoint", "load", "log_metrics", "loop", "make_ensemble_step", "make_sampler",
     "make_step", "max_steps", "max_time", "observe", "optim", "pack", "packed_collate", "pad_collate",

@@ -13,7 +13,7 @@ from trainfold import adamw, init_ensemble_state, init_state, make_ensemble_step
 from trainfold.core.losses import cross_entropy
 from trainfold.core.state import Cursor, TrainState, scalar
 from trainfold.core.tree import flatten
-from trainfold.ensemble import ensemble_axes
+from trainfold.step.ensemble import ensemble_axes
 from trainfold.testing.strategies import tensor_dicts
 
 

@@ -483,7 +483,7 @@ def test_a_transformers_llama_is_wrapped_per_decoder_layer_and_steps_as_unwrappe
 
 
 def test_what_fsdp_cannot_do_is_refused_by_name(one_rank_mesh):
-    from trainfold.ensemble import stack_ensemble
+    from trainfold.step.ensemble import stack_ensemble
 
     net = model()
     with pytest.raises(TypeError, match=r"make_step\(sharding=.*fully_shard.*init_state\(model, optimizer, copy=False"):

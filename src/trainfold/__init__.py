@@ -3,9 +3,9 @@
 Three tiers, each usable alone: ``fit`` (a bare fold over ``make_step``), ``loop.run`` (a composed run:
 hooks as values, a run directory, resume) and ``train`` (an HF run: ``TrainingArguments`` planned into
 ``loop.run``); ``sft``, ``dpo`` and ``grpo`` are TRL's algorithms on top. The layers, bottom up: ``core``,
-``distributed``, ``optim``, ``data``, ``step``, ``evaluation``, ``ckpt``, ``observe``, ``ensemble``, ``loop``,
-``trainer``, ``sft``, ``dpo``, ``grpo``, ``cli``; ``rollout`` (generation engines for online RL) sits
-above ``ensemble``.
+``distributed``, ``optim``, ``data``, ``step`` (with ``step.ensemble``: vmapped ensembles, many adapters on one
+base), ``evaluation``, ``ckpt``, ``observe``, ``rollout`` (generation engines for online RL), ``loop``,
+``trainer``, then the algorithms ``sft``, ``dpo``, ``grpo``, ``reward``, ``kto``, and ``cli``.
 
 The ``if TYPE_CHECKING`` block below is the one list of the public names: type checkers and editors read
 it as imports, and at run time it is read as the table of what to import when a name is first used
@@ -31,7 +31,6 @@ if TYPE_CHECKING:
         data,
         distributed,
         dpo,
-        ensemble,
         evaluation,
         grpo,
         kto,
@@ -52,7 +51,7 @@ if TYPE_CHECKING:
     from trainfold.data import StepBatch, keyed, pad_collate, stream
     from trainfold.data.packing import pack, packed_collate, padding_free_collate
     from trainfold.data.samplers import Sampler, make_sampler
-    from trainfold.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
+    from trainfold.step.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
     from trainfold.evaluation.metrics import EvalPrediction
     from trainfold.grpo.args import GRPOArguments
     from trainfold.observe.stopping import early_stopping

@@ -20,7 +20,7 @@ output directory), ``faults`` (crash points for tests).
 """
 
 from trainfold.ckpt.best import BEST_METRIC_KEY
-from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, ADAPTER_FILE, model_weights
+from trainfold.ckpt.layout import model_weights
 from trainfold.ckpt.listing import checkpoint_path, is_complete, latest_checkpoint, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import SAVE_STRATEGIES
 from trainfold.ckpt.reader import FrozenWeightsError, load, load_weights, warm_start
@@ -37,6 +37,7 @@ from trainfold.ckpt.sidecar import (
     validate_sidecar,
 )
 from trainfold.ckpt.writer import mark_jit, save
+from trainfold.core.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from trainfold.core.fingerprint import fingerprint
 
 __all__ = [

@@ -23,8 +23,9 @@ from torch import Tensor
 
 from trainfold.ckpt import tensor_file, writer
 from trainfold.ckpt.faults import point
-from trainfold.ckpt.layout import is_peft_model, model_weights
+from trainfold.ckpt.layout import model_weights
 from trainfold.ckpt.sidecar import MODEL_FILE, SHARD_DIR, CheckpointError, hash_chunk, read_metadata
+from trainfold.core.adapters import is_peft_model
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten, map_tensors
 from trainfold.distributed.distributed import named_failures

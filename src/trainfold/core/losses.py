@@ -48,6 +48,7 @@ __all__ = [
     "count_labels",
     "count_shifted_labels",
     "logits_of",
+    "loss_and_metrics",
     "counter_for",
     "label_smoothed",
     "chunked_causal_lm",
@@ -58,6 +59,22 @@ __all__ = [
 
 
 Loss = Callable[[Any, Tensor, Tensor], Tensor]
+
+
+def loss_and_metrics(
+    loss: Callable[..., Tensor], outputs: Any, labels: Tensor, num_items: Tensor
+) -> tuple[Tensor, Mapping[str, Tensor]]:
+    """Return ``loss(outputs, labels, num_items)`` and the loss's own ``metrics(outputs, labels, num_items)``
+    (``{}`` for a loss without: ``sft.sft_loss`` has TRL's). The metrics are divided by ``num_items`` as the loss
+    is, so a step sums them over its micro-batches (an objective returning them says ``aux_reduction = "sum"``).
+
+    >>> import torch
+    >>> loss, metrics = loss_and_metrics(cross_entropy, torch.zeros(2, 4), torch.tensor([1, 2]), torch.tensor(2))
+    >>> round(loss.item(), 4), dict(metrics)  # ln 4
+    (1.3863, {})
+    """
+    metrics = getattr(loss, "metrics", None)
+    return loss(outputs, labels, num_items), ({} if metrics is None else metrics(outputs, labels, num_items))
 
 
 def logits_of(outputs: Any) -> Tensor:

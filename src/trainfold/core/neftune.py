@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from trainfold.core.forward import Forward, Objective
-from trainfold.core.losses import causal_lm, counter_for
+from trainfold.core.losses import causal_lm, counter_for, loss_and_metrics
 
 __all__ = ["neftune_noise", "input_embedding", "neftune_forward", "neftune_objective"]
 
@@ -134,8 +134,9 @@ def neftune_objective(
 ) -> Objective:
     """Return an objective for ``make_step(..., objective=...)`` that trains with NEFTune noise.
 
-    By default the forward pass is scored with ``loss`` on the micro-batch's ``label_key``;
-    pass ``objective`` to add the noise to another objective's forward passes instead (DPO).
+    By default the forward pass is scored with ``loss`` on the micro-batch's ``label_key``, the loss's own metrics
+    kept and summed as without noise (SFT's ``entropy`` and ``mean_token_accuracy``, as TRL logs them); pass
+    ``objective`` to add the noise to another objective's forward passes instead (DPO).
 
     >>> import torch
     >>> from trainfold import init_state, make_step, sgd
@@ -169,13 +170,14 @@ def neftune_objective(
         if objective is not None:
             return objective(noisy, params, micro, num_items, key)
         inputs = {k: v for k, v in micro.items() if k != label_key}
-        return loss(noisy(params, inputs), labels_of(micro), num_items), {}
+        return loss_and_metrics(loss, noisy(params, inputs), labels_of(micro), num_items)
 
     if objective is None:
         neftune.count_items = lambda micro: count_labels(labels_of(micro))  # type: ignore[attr-defined]
     elif hasattr(objective, "count_items"):
         neftune.count_items = objective.count_items  # type: ignore[attr-defined]
-    reduction = getattr(objective, "aux_reduction", None)  # how the step reduces its aux (DPO's: summed)
+    # how the step reduces its aux: the loss's metrics are summed, as without noise; an objective's its own way
+    reduction = "sum" if objective is None else getattr(objective, "aux_reduction", None)
     if reduction is not None:
         neftune.aux_reduction = reduction  # type: ignore[attr-defined]
     return neftune

@@ -137,13 +137,8 @@ class AdamW(GradientTransformation):
     """
 
     schedule: Schedule
-    b1: float
-    b2: float
-    eps: float
+    kernel: _Kernel  # betas, eps, fused / foreach, maximize
     decay: AddDecayedWeights
-    fused: bool | None = None
-    foreach: bool | None = None
-    maximize: bool = False
     name = "adamw"
 
     def init(self, params: Tree) -> AdamState:
@@ -166,12 +161,11 @@ class AdamW(GradientTransformation):
         nu = {k: fresh(state.nu[k]) for k in keys}
         count = int(state.count)
         on = set(self.decay.decayed(params)) if self.decay.weight_decay else set()
-        kernel = _Kernel(self.b1, self.b2, self.eps, self.fused, self.foreach, self.maximize)
         for names, wd in (
             ([k for k in keys if k in on], self.decay.weight_decay),
             ([k for k in keys if k not in on], 0.0),
         ):
-            kernel.run(
+            self.kernel.run(
                 [p[k] for k in names],
                 [grads[k] for k in names],
                 [mu[k] for k in names],
@@ -224,7 +218,7 @@ def adamw(
         )
     decay = AddDecayedWeights(float(weight_decay), mask)
     schedule = as_schedule(learning_rate)
-    return AdamW(schedule, float(b1), float(b2), float(eps), decay, fused, foreach, bool(maximize))
+    return AdamW(schedule, _Kernel(float(b1), float(b2), float(eps), fused, foreach, bool(maximize)), decay)
 
 
 def scale_by_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8) -> ScaleByAdam:

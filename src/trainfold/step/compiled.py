@@ -30,8 +30,7 @@ from trainfold.core.tree import global_norm, known_norm
 from trainfold.step.driver import (
     StepStart,
     Sums,
-    accumulate,
-    aux_weights,
+    accumulate_step,
     next_state,
     open_step,
     sum_over_ranks,
@@ -123,7 +122,6 @@ def _run(
     start, done = open_step(plan, state, batch)
     if done is not None:  # no items: the eager step's empty step (it warned, counts the step, learns nothing)
         return done
-    rank = plan.collective.rank if plan.collective is not None else 0
     device = next(iter(state.params.values())).device
     buffers = dict(state.buffers) if donate else {k: v.clone() for k, v in state.buffers.items()}
     n_dev = start.num_items.to(device)
@@ -136,10 +134,7 @@ def _run(
         cache_off(plan.cache_configs),
         torch._dynamo.config.patch(trace_autograd_ops=True),
     ):
-        weights = aux_weights(plan, batch)
-        sums = accumulate(
-            micro, batch, (int(state.seed),), start.number, rank, device, key=_key(keys, device), aux_weights=weights
-        )
+        sums = accumulate_step(plan, state, start, micro, batch, device, key=_key(keys, device))
     assert sums.grads is not None
     grads = cast(list[Tensor], sums.grads)  # micro_grads zero-fills unused gradients: none is None
     sum_over_ranks(plan.collective, [*grads, sums.loss])
@@ -162,5 +157,5 @@ def _apply(
     with torch.no_grad(), known_norm(grads, norm):  # a lent state's params are the module's, written in place
         params, opt_state = plan.optimizer.apply(grads, state.opt_state, state.params, donate=donate)
     return next_state(
-        plan, state, params, buffers, opt_state, start.cursor, sums.loss, norm, start.num_items, sums.aux, learning_rate
+        plan, state, start, sums, norm, learning_rate, params=params, buffers=buffers, opt_state=opt_state
     )

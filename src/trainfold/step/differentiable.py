@@ -39,15 +39,7 @@ from trainfold.core.state import TrainState
 from trainfold.core.tree import global_norm
 from trainfold.optim.hyper import grad_hyperparameters
 from trainfold.optim.transform import apply_updates
-from trainfold.step.driver import (
-    accumulate,
-    aux_weights,
-    materialized,
-    micro_loss,
-    next_state,
-    no_gradient_error,
-    open_step,
-)
+from trainfold.step.driver import accumulate_step, materialized, micro_loss, next_state, no_gradient_error, open_step
 from trainfold.step.eager import pure_forward
 from trainfold.step.plan import StepPlan
 
@@ -132,23 +124,14 @@ def _step(plan: StepPlan, state: TrainState, batch: Batch) -> TrainState:
 
     forward = pure_forward(plan, leaves, buffers)  # functional_call: the graph reaches the leaves
     with training_flags(list(plan.model.modules()), True), cache_off(plan.cache_configs):
-        weights = aux_weights(plan, batch)
-        sums = accumulate(micro, batch, (int(state.seed),), start.number, 0, device, aux_weights=weights)
+        sums = accumulate_step(plan, state, start, micro, batch, device)
     grads = dict(zip(leaves, materialized(total, leaf_list, plan.model, start.number)))
     learning_rate = plan.optimizer.learning_rate(state.opt_state)
     updates, opt_state = plan.optimizer.update(grads, state.opt_state, leaves)
     params = apply_updates(leaves, updates)
-    finish: dict[str, Any] = dict(cursor=start.cursor, loss=sums.loss, num_items=start.num_items)
+    norm = global_norm(grads)
     return next_state(
-        plan,
-        state,
-        params,
-        buffers,
-        opt_state,
-        grad_norm=global_norm(grads),
-        aux=sums.aux,
-        learning_rate=learning_rate,
-        **finish,
+        plan, state, start, sums, norm, learning_rate, params=params, buffers=buffers, opt_state=opt_state
     )
 
 

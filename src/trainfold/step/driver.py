@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from trainfold.core.collective import Collective, item_count, items_in_batch
 from trainfold.core.forward import Batch, Forward
-from trainfold.core.losses import warn_no_items
+from trainfold.core.losses import loss_and_metrics, warn_no_items
 from trainfold.core.rng import derive_seed, private_rng
 from trainfold.core.state import TrainState, check_live, invalidate, refuse_vmapped
 from trainfold.step.plan import StepPlan
@@ -45,6 +45,7 @@ __all__ = [
     "StepStart",
     "Sums",
     "accumulate",
+    "accumulate_step",
     "advanced",
     "aux_weights",
     "batch_items",
@@ -92,20 +93,17 @@ def open_step(plan: StepPlan, state: TrainState, batch: Batch) -> tuple[StepStar
     start = StepStart(getattr(batch, "cursor", state.cursor), int(state.step), batch_items(plan, batch))
     if int(start.num_items) == 0:
         warn_no_items(start.number)
-        return start, empty_step(plan, state, start.cursor, start.num_items)
+        return start, empty_step(plan, state, start)
     return start, None
 
 
-def empty_step(plan: StepPlan, state: TrainState, cursor: Any, num_items: Tensor) -> TrainState:
+def empty_step(plan: StepPlan, state: TrainState, start: StepStart) -> TrainState:
     """Return the state after a step with no labelled items: the step and cursor advance, nothing is learned.
 
     Params, buffers and optimizer state are unchanged; the step's loss is NaN (0 items: no mean),
     so ``state.nonfinite_losses`` counts it and logging windows leave it out of their mean.
     """
-    nan = torch.tensor(float("nan"))
-    return next_state(
-        plan, state, state.params, state.buffers, state.opt_state, cursor, nan, torch.zeros(()), num_items, {}
-    )
+    return next_state(plan, state, start, Sums(torch.tensor(float("nan")), {}), torch.zeros(()))
 
 
 # -- the micro-batches ----------------------------------------------------------------------------------------
@@ -168,6 +166,24 @@ def accumulate(
     return sums
 
 
+def accumulate_step(
+    plan: StepPlan,
+    state: TrainState,
+    start: StepStart,
+    micro: MicroStep,
+    batch: Batch,
+    device: torch.device,
+    *,
+    key: torch.Generator | None = None,
+) -> Sums:
+    """Return :func:`accumulate` of ``micro`` over the step's ``batch``, seeded from ``state.seed``, the step's
+    number and this rank, each micro-batch's ``aux`` weighted by :func:`aux_weights` (every step variant's call).
+    """
+    rank = plan.collective.rank if plan.collective is not None else 0
+    weights = aux_weights(plan, batch)
+    return accumulate(micro, batch, (int(state.seed),), start.number, rank, device, key=key, aux_weights=weights)
+
+
 def aux_weights(plan: StepPlan, batch: Batch) -> list[float] | None:
     """Return the weight of each micro-batch's ``aux`` metrics in the step's: its share of the step's items on
     this rank (``plan.count_items``), or ``None`` (summed) where they are shares of the step's value already.
@@ -210,9 +226,7 @@ def micro_loss(
             f"labels, or pass label_key= to make_step, or an objective that needs none"
         )
     inputs, labels = {k: v for k, v in micro.items() if k != plan.label_key}, micro[plan.label_key]
-    outputs = forward(leaves, inputs)
-    metrics = getattr(plan.loss, "metrics", None)
-    return plan.loss(outputs, labels, num_items), ({} if metrics is None else metrics(outputs, labels, num_items))
+    return loss_and_metrics(plan.loss, forward(leaves, inputs), labels, num_items)
 
 
 def summed_grads(grads: list[Tensor | None] | None, new: Sequence[Tensor | None]) -> list[Tensor | None]:
@@ -269,30 +283,28 @@ def sum_over_ranks(collective: Collective | None, tensors: list[Tensor]) -> None
 def next_state(
     plan: StepPlan,
     state: TrainState,
-    params: dict[str, Tensor],
-    buffers: dict[str, Tensor],
-    opt_state: Any,
-    cursor: Any,
-    loss: Tensor,
+    start: StepStart,
+    sums: Sums,
     grad_norm: Tensor,
-    num_items: Tensor,
-    aux: Mapping[str, Tensor],
     learning_rate: float | None = None,
+    **fields: Any,
 ) -> TrainState:
-    """Return the state after one update, with the step's metrics (shared by every step flavour).
+    """Return the state after one update, with the step's metrics (shared by every step flavour): the cursor and
+    item count of ``start``, the loss and ``aux`` of ``sums``, ``fields`` (the ``params``, ``buffers`` and
+    ``opt_state`` the update made; a field not given stays ``state``'s) replaced.
 
     ``learning_rate`` is the rate the update used (default: read from ``state.opt_state``).
     """
     if learning_rate is None:
         learning_rate = plan.optimizer.learning_rate(state.opt_state)
     metrics = {
-        "loss": loss.detach().cpu(),
+        "loss": sums.loss.detach().cpu(),
         "grad_norm": grad_norm.detach().float().cpu(),
         "learning_rate": torch.tensor(learning_rate, dtype=torch.float64),
-        "num_items": num_items.float(),
-        **{k: v.detach().cpu() for k, v in aux.items()},
+        "num_items": start.num_items.float(),
+        **{k: v.detach().cpu() for k, v in sums.aux.items()},
     }
-    return advanced(state, metrics, params=params, buffers=buffers, opt_state=opt_state, cursor=cursor)
+    return advanced(state, metrics, cursor=start.cursor, **fields)
 
 
 def advanced(state: TrainState, metrics: Mapping[str, Tensor], **fields: Any) -> TrainState:

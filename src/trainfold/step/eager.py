@@ -19,8 +19,7 @@ from trainfold.step.driver import (
     MicroStep,
     StepStart,
     Sums,
-    accumulate,
-    aux_weights,
+    accumulate_step,
     materialized,
     micro_loss,
     next_state,
@@ -84,7 +83,6 @@ def _step(
     start, done = open_step(plan, state, batch)
     if done is not None:
         return done
-    rank = plan.collective.rank if plan.collective is not None else 0
     device = next(iter(state.params.values())).device
     leaves, buffers = _leaves(state, lent, donate)
     scaler = _scaler_of(plan, state)
@@ -98,9 +96,7 @@ def _step(
             micro = engine.syncing_last(micro, len(batch))
         elif fsdp:  # FSDP2: reduce-scatter once per step, after the last micro-batch
             micro = syncing_last(plan.model, micro, len(batch))
-        sums = accumulate(
-            micro, batch, (int(state.seed),), start.number, rank, device, aux_weights=aux_weights(plan, batch)
-        )
+        sums = accumulate_step(plan, state, start, micro, batch, device)
     try:
         summed = engine is not None or fsdp  # DDP or FSDP summed the gradients over the ranks in backward
         return _update(plan, state, start, leaves, buffers, sums, scaler, donate, lent, summed=summed)
@@ -276,9 +272,8 @@ def _update(
     norm = grad_norm = global_norm(grad_tree)
     if hasattr(grad_norm, "full_tensor"):  # DTensor gradients (FSDP2): their norm is reduced over the ranks
         grad_norm = grad_norm.full_tensor()
-    finish: dict[str, Any] = dict(cursor=start.cursor, loss=sums.loss, grad_norm=grad_norm, num_items=start.num_items)
     if found_inf is not None and bool(found_inf):  # overflow: skip the update, keep the params and optimizer state
-        return next_state(plan, state, state.params, buffers, state.opt_state, aux=sums.aux, **finish)
+        return next_state(plan, state, start, sums, grad_norm, buffers=buffers)
     learning_rate = plan.optimizer.learning_rate(state.opt_state)  # before a donated update reuses the tensors
     with torch.no_grad(), known_norm(grad_tree, norm):  # a chain's clipping reuses the norm
         params, opt_state = plan.optimizer.apply(grad_tree, state.opt_state, state.params, donate=donate)
@@ -286,7 +281,9 @@ def _update(
     if lent:
         _check_in_place(params, state.params)
         buffers = _own_buffers(plan.model, buffers)
-    return next_state(plan, state, new_params, buffers, opt_state, aux=sums.aux, learning_rate=learning_rate, **finish)
+    return next_state(
+        plan, state, start, sums, grad_norm, learning_rate, params=new_params, buffers=buffers, opt_state=opt_state
+    )
 
 
 def _check_in_place(params: Mapping[str, Tensor], lent: Mapping[str, Tensor]) -> None:

@@ -32,6 +32,7 @@ from trainfold.observe import LoggingPlan, logging_plan
 from trainfold.observe.stopping import EarlyStopping, patience_exhausted
 from trainfold.step.amp import LossScaling
 from trainfold.step.fsdp import FullShard
+from trainfold.step.make import Execution
 from trainfold.trainer.args import TrainingArguments
 from trainfold.trainer.evaluating import EvalPlan
 
@@ -125,41 +126,28 @@ class StepOptions:
     """The settings ``make_step`` takes from ``TrainingArguments`` (mixed precision, compiling, recompute)."""
 
     label_key: str = "labels"
-    autocast: torch.dtype | None = None
-    compile: bool | str = False
-    compile_mode: str | None = None
-    gradient_checkpointing: int = 0
-    loss_scaling: LossScaling | None = None
+    execution: Execution = Execution()  # autocast (fp16 with loss scaling), compiling, recomputed blocks
     fsdp: FullShard | None = None  # fsdp="full_shard": the model is wrapped with fully_shard first (step.fsdp)
     neftune_noise_alpha: float | None = None
-
-    def make_kwargs(self, collective: Collective | None) -> dict[str, Any]:
-        """Return ``make_step``'s keywords."""
-        return dict(
-            collective=collective,
-            label_key=self.label_key,
-            autocast=self.autocast,
-            compile=self.compile,
-            compile_mode=self.compile_mode,
-            gradient_checkpointing=self.gradient_checkpointing,
-            loss_scaling=self.loss_scaling,
-        )
 
 
 def step_options(args: TrainingArguments, label_key: str = "labels") -> StepOptions:
     """Return the step's options: ``bf16``/``fp16`` autocast (fp16 with loss scaling), ``torch_compile``...
 
     >>> from trainfold.trainer.args import TrainingArguments
-    >>> step_options(TrainingArguments(bf16=True)).autocast, step_options(TrainingArguments()).autocast
-    (torch.bfloat16, None)
+    >>> [step_options(TrainingArguments(**a)).execution.autocast for a in ({"bf16": True}, {})]
+    [torch.bfloat16, None]
     """
-    return StepOptions(
-        label_key=label_key,
+    execution = Execution(
         autocast=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
+        loss_scaling=LossScaling() if args.fp16 else None,
         compile=args.compile,
         compile_mode=args.torch_compile_mode,
         gradient_checkpointing=args.checkpoint_every,
-        loss_scaling=LossScaling() if args.fp16 else None,
+    )
+    return StepOptions(
+        label_key=label_key,
+        execution=execution,
         fsdp=args.fsdp_plan,
         neftune_noise_alpha=args.neftune_noise_alpha,
     )

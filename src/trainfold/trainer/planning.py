@@ -99,12 +99,12 @@ def step_for(
         mesh = next(p.device_mesh for p in model.parameters() if hasattr(p, "device_mesh"))
     objective = inputs.objective
     if options.neftune_noise_alpha is not None:
-        if objective is not None:
-            objective = neftune_objective(model, options.neftune_noise_alpha, inputs.loss, objective=objective)
-        else:
-            objective = neftune_objective(model, options.neftune_noise_alpha, inputs.loss)
-    kwargs = options.make_kwargs(collective)
-    return make_step(model, inputs.loss, optimizer, objective=objective, **kwargs), mesh
+        objective = neftune_objective(model, options.neftune_noise_alpha, inputs.loss, objective=objective)
+    step = make_step(
+        model, inputs.loss, optimizer, objective=objective, label_key=options.label_key, collective=collective,
+        execution=options.execution,
+    )  # fmt: skip
+    return step, mesh
 
 
 @attrs.frozen(eq=False)

@@ -15,9 +15,9 @@ import torch
 
 from trainfold import ckpt
 from trainfold.ckpt import policy
-from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, adapter_config_text, is_peft_model
 from trainfold.ckpt.sharded import is_sharded
 from trainfold.ckpt.sidecar import SIDECAR_FILE, CheckpointWarning, field_error
+from trainfold.core.adapters import ADAPTER_CONFIG_FILE, adapter_config_text, is_peft_model
 from trainfold.core.rng import global_rng_states, restore_global_rng
 from trainfold.core.state import TrainState, init_state, lend
 from trainfold.core.tree import flatten, map_tensors, unflatten

@@ -22,7 +22,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from trainfold.ckpt.layout import (
+from trainfold.core.adapters import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_FILE,
     adapter_config_text,

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, vmap
 from torch.utils import _pytree as pytree
 
-from trainfold.ckpt.layout import ADAPTER_CONFIG_FILE, ADAPTER_FILE, adapter_config_text, adapter_keys
+from trainfold.core.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE, adapter_config_text, adapter_keys
 from trainfold.core.forward import training_flags
 from trainfold.core.losses import counter_for, default_loss_for
 from trainfold.core.state import TrainState, init_state
@@ -124,7 +124,7 @@ def make_adapter_ensemble_step(
 ) -> Callable[[TrainState, Batch], TrainState]:
     """Return ``step(state, batch) -> state`` training the K adapters of an adapter ensemble state at once.
 
-    Every tensor of each micro-batch has a leading member axis (``trainfold.ensemble.stack_batches``
+    Every tensor of each micro-batch has a leading member axis (``trainfold.step.ensemble.stack_batches``
     builds it). ``loss(outputs, labels, num_items)`` as ``make_step``'s, counted per member; ``optimizer``
     is the one ``init_adapter_ensemble`` got. Dropout draws are vmap's (``randomness="different"``), not
     those of each member's own step: compare members with their single runs without dropout.

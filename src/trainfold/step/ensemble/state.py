@@ -4,7 +4,7 @@ An *ensemble state* is an ordinary ``TrainState`` whose tensors carry a leading 
 size K (params, buffers, optimizer state, ``step``, ``seed``, metrics, ``loss_total``); the
 cursor is shared and ``extras`` are carried as they are. ``stack_ensemble`` builds one from K
 ordinary states, ``split_ensemble`` gives them back, so an ensemble checkpoint splits into K
-ordinary checkpoints that ``make_step`` continues (``trainfold.ensemble.stack`` steps them).
+ordinary checkpoints that ``make_step`` continues (``trainfold.step.ensemble.stack`` steps them).
 
 >>> import torch
 >>> from trainfold import sgd

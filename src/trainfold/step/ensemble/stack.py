@@ -1,6 +1,6 @@
 """Train K copies of a model at once: one step over stacked parameters, vmapped forward pass.
 
-The state is an ensemble state (``trainfold.ensemble.state``: every tensor with a leading
+The state is an ensemble state (``trainfold.step.ensemble.state``: every tensor with a leading
 member axis of size K). The step runs the model's forward pass
 once for all members with ``torch.func.vmap`` over ``functional_call``, scores each member with the
 loss (outside vmap, so losses may check their inputs), and takes all members' gradients with one
@@ -19,7 +19,7 @@ fastest there, and also serves models whose ops have no batching rule (CPU sdpa)
 >>> import torch
 >>> from trainfold import adamw
 >>> from trainfold.core.losses import cross_entropy
->>> from trainfold.ensemble.state import init_ensemble_state, split_ensemble
+>>> from trainfold.step.ensemble.state import init_ensemble_state, split_ensemble
 >>> models = [torch.nn.Linear(3, 2) for _ in range(4)]
 >>> state = init_ensemble_state(models, adamw(0.1))
 >>> step = make_ensemble_step(models[0], cross_entropy, adamw(0.1))
@@ -47,7 +47,7 @@ from trainfold.core.forward import train_mode
 from trainfold.core.losses import counter_for, default_loss_for, warn_no_items
 from trainfold.core.state import TrainState
 from trainfold.core.tree import global_norm, map_tensors
-from trainfold.ensemble.state import (
+from trainfold.step.ensemble.state import (
     ensemble_size,
 )
 from trainfold.optim import GradientTransformation, overwrite
@@ -186,7 +186,7 @@ def make_ensemble_step(
     >>> from trainfold import adamw
     >>> from trainfold.core.losses import cross_entropy
     >>> models = [torch.nn.Linear(3, 2) for _ in range(2)]
-    >>> from trainfold.ensemble.state import init_ensemble_state
+    >>> from trainfold.step.ensemble.state import init_ensemble_state
     >>> opts = [adamw(0.0), adamw(0.1)]                  # one learning rate per member
     >>> step = make_ensemble_step(models[0], cross_entropy, opts, shared_batch=True, batching="unroll")
     >>> state = init_ensemble_state(models, opts)
