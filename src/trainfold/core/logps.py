@@ -129,24 +129,43 @@ def score_with_reference(
     ref_params: Mapping[str, Tensor],
     dataset: Any,
     collate: Callable[[list[Any]], Mapping[str, Tensor]],
-    score: Callable[[Callable[..., Any], Mapping[str, Tensor], Mapping[str, Tensor]], None],
+    score: Callable[[Callable[..., Any], Mapping[str, Tensor], Mapping[str, Tensor]], Sequence[Tensor]],
     *,
+    columns: int,
     batch_size: int = 16,
     buffers: Mapping[str, Tensor] | None = None,
     drop: Sequence[str] = (),
-) -> None:
-    """Call ``score(forward, params, batch)`` on every batch of ``dataset`` as the reference sees it: ``model`` on
-    ``ref_params`` (and ``buffers``) in eval mode without grad, ``batch_size`` rows at a time in dataset order,
-    through ``collate`` (the collator training uses, so the scored tokens are the same), on the parameters' device;
-    columns named in ``drop`` (reference values already stored) are left out of the rows."""
+) -> tuple[Tensor, ...]:
+    """Return the ``columns`` per-row tensors ``score(forward, params, batch)`` gives for every batch of ``dataset``,
+    each concatenated in dataset order, float32 on the CPU.
+
+    Each batch is as the reference sees it: ``model`` on ``ref_params`` (and ``buffers``) in eval mode without
+    grad, ``batch_size`` rows at a time, through ``collate`` (the collator training uses, so the scored tokens are
+    the same), on the parameters' device; columns named in ``drop`` (reference values already stored) are left out
+    of the rows.
+
+    >>> import torch
+    >>> lin = torch.nn.Linear(2, 1)
+    >>> rows = [{"x": [1.0, 0.0]}, {"x": [0.0, 1.0]}, {"x": [1.0, 1.0]}]
+    >>> collate = lambda rows: {"x": torch.tensor([r["x"] for r in rows])}
+    >>> score = lambda forward, params, batch: (batch["x"].sum(1), batch["x"][:, 0])
+    >>> [t.tolist() for t in score_with_reference(lin, dict(lin.named_parameters()), rows, collate, score,
+    ...                                           columns=2, batch_size=2)]
+    [[1.0, 1.0, 2.0], [1.0, 0.0, 1.0]]
+    """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size={batch_size!r} must be a positive int")
     check_sized(dataset)
     forward = functional_forward(model, buffers)
     params = {k: v.detach() for k, v in ref_params.items()}
     device = next(iter(params.values())).device
+    parts: list[tuple[Tensor, ...]] = []
     with torch.no_grad(), train_mode(model, False):
         for start in range(0, len(dataset), batch_size):
             rows = (dict(dataset[i]) for i in range(start, min(start + batch_size, len(dataset))))
             batch = collate([{k: v for k, v in row.items() if k not in drop} for row in rows])
-            score(forward, params, {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()})
+            scored = score(forward, params, {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()})
+            parts.append(tuple(t.float().cpu() for t in scored))
+    if not parts:
+        return tuple(torch.zeros(0) for _ in range(columns))
+    return tuple(torch.cat(column) for column in zip(*parts, strict=True))

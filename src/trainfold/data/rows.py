@@ -2,7 +2,8 @@
 
 SFT, DPO, KTO and reward rows all come as text or as message lists (``[{"role": ..., "content": ...}, ...]``);
 their preparation (``trainfold.sft.data``, ``trainfold.dpo.data``, ``trainfold.kto.rows``) asks the same two
-questions of them; paired rows without a prompt (DPO's, KTO's) split it off as TRL does.
+questions of them; paired rows without a prompt (DPO's, KTO's) split it off as TRL does. Their collators
+refuse an empty batch or an item without its columns the same way (:func:`check_items`).
 
 >>> is_conversational({"prompt": [{"role": "user", "content": "hi"}]}), common_prefix([1, 2], [1, 3])
 (True, 1)
@@ -10,10 +11,10 @@ questions of them; paired rows without a prompt (DPO's, KTO's) split it off as T
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["common_prefix", "implicit_prompt", "is_conversational"]
+__all__ = ["check_items", "common_prefix", "implicit_prompt", "is_conversational"]
 
 _TEXT_KEYS = ("messages", "prompt", "completion")
 
@@ -60,3 +61,21 @@ def implicit_prompt(chosen: Any, rejected: Any) -> dict[str, Any]:
     elif cut > 0 and chosen[cut - 1] == " ":
         cut -= 1
     return {"prompt": chosen[:cut], "chosen": chosen[cut:], "rejected": rejected[cut:]}
+
+
+def check_items(
+    items: Sequence[Mapping[str, Any]], columns: Sequence[str], what: str, fix: Callable[[Mapping[str, Any]], str]
+) -> None:
+    """Refuse an empty batch of ``what`` items, or one that lacks any of ``columns``: the error names the item, what
+    it lacks and has, and ``fix(item)``.
+
+    >>> check_items([{"a": 1}, {"b": 2}], ["a"], "row", lambda item: "give a")
+    Traceback (most recent call last):
+    KeyError: "row 1 lacks ['a'] (has ['b']); give a"
+    """
+    if not items:
+        raise ValueError(f"cannot collate an empty list of {what}s")
+    for i, item in enumerate(items):
+        missing = [k for k in columns if k not in item]
+        if missing:
+            raise KeyError(f"{what} {i} lacks {missing} (has {sorted(item)}); {fix(item)}")

@@ -35,6 +35,7 @@ from trainfold.core.counting import count_pairs
 from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tensors
 from trainfold.core.logps import completion_logps, per_sequence
 from trainfold.data.collate import check_completion_padding
+from trainfold.data.rows import check_items
 from trainfold.dpo.logps import MODEL_KEYS, PREFERENCE_COLUMNS, REF_KEYS, halves, token_means
 from trainfold.dpo.loss import DPO_LOSS_TYPES as LOSS_TYPES
 from trainfold.dpo.loss import dpo_loss, dpo_loss_errors, loss_types_of
@@ -53,6 +54,13 @@ __all__ = [
 
 
 # -- collation -----------------------------------------------------------------------------
+
+
+def _preference_fix(item: Mapping[str, Any]) -> str:
+    old = [k for k in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids") if k in item]
+    return (
+        f"rename {old} to TRL 1.x's names {PREFERENCE_COLUMNS}" if old else "tokenize prompt, chosen and rejected first"
+    )
 
 
 @attrs.frozen
@@ -84,18 +92,7 @@ class PreferenceCollate:
         return ids, mask
 
     def __call__(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
-        if not items:
-            raise ValueError("cannot collate an empty list of preference items")
-        for i, item in enumerate(items):
-            missing = [k for k in PREFERENCE_COLUMNS if k not in item]
-            if missing:
-                old = [k for k in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids") if k in item]
-                hint = (
-                    f"rename {old} to TRL 1.x's names {PREFERENCE_COLUMNS}"
-                    if old
-                    else "tokenize prompt, chosen and rejected first"
-                )
-                raise KeyError(f"preference item {i} lacks {missing} (has {sorted(item)}); {hint}")
+        check_items(items, PREFERENCE_COLUMNS, "preference item", _preference_fix)
         rows = [
             self._row(list(it["prompt_ids"]), list(it[side])) for side in ("chosen_ids", "rejected_ids") for it in items
         ]

@@ -69,19 +69,15 @@ def reference_logps(
     Each batch is scored as ``trainfold.core.logps.score_with_reference`` gives it, with the same log-prob code as the
     objective (``head``/``chunk_size``).
     """
-    chosen, rejected = [], []
 
-    def score(forward: Callable[..., Any], params: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> None:
+    def score(forward: Callable[..., Any], params: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> Any:
         inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
-        c, r = halves(completion_logps(forward, params, inputs, batch, head, chunk_size)[0])
-        chosen.append(c.float().cpu())
-        rejected.append(r.float().cpu())
+        return halves(completion_logps(forward, params, inputs, batch, head, chunk_size)[0])
 
-    score_with_reference(
-        model, ref_params, dataset, collate, score, batch_size=batch_size, buffers=buffers, drop=REF_KEYS
+    chosen, rejected = score_with_reference(
+        model, ref_params, dataset, collate, score, columns=2, batch_size=batch_size, buffers=buffers, drop=REF_KEYS
     )
-    empty = torch.zeros(0, dtype=torch.float32)
-    return (torch.cat(chosen) if chosen else empty), (torch.cat(rejected) if rejected else empty)
+    return chosen, rejected
 
 
 def precompute_ref_logps(
