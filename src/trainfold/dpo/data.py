@@ -19,8 +19,9 @@ import attrs
 import torch
 from torch import Tensor
 
+from trainfold.data.lengths import PREFERENCE_COLUMNS
 from trainfold.data.rows import common_prefix, implicit_prompt, is_conversational
-from trainfold.dpo.logps import PREFERENCE_COLUMNS, REF_KEYS
+from trainfold.dpo.logps import REF_KEYS
 from trainfold.dpo.objective import PreferenceCollate
 
 __all__ = [

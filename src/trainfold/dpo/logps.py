@@ -16,13 +16,11 @@ from torch import Tensor
 
 __all__ = [
     "MODEL_KEYS",
-    "PREFERENCE_COLUMNS",
     "REF_KEYS",
     "halves",
     "token_means",
 ]
 
-PREFERENCE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")  # TRL 1.x's names for tokenized rows
 REF_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
 MODEL_KEYS = ("input_ids", "attention_mask", "position_ids")  # what the model sees of a preference batch
 

@@ -35,8 +35,9 @@ from trainfold.core.counting import count_pairs
 from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tensors
 from trainfold.core.logps import completion_logps, per_sequence
 from trainfold.data.collate import check_completion_padding
+from trainfold.data.lengths import PREFERENCE_COLUMNS
 from trainfold.data.rows import check_items
-from trainfold.dpo.logps import MODEL_KEYS, PREFERENCE_COLUMNS, REF_KEYS, halves, token_means
+from trainfold.dpo.logps import MODEL_KEYS, REF_KEYS, halves, token_means
 from trainfold.dpo.loss import DPO_LOSS_TYPES as LOSS_TYPES
 from trainfold.dpo.loss import dpo_loss, dpo_loss_errors, loss_types_of
 from trainfold.dpo.reference import precompute_ref_logps, prepare_reference

@@ -39,7 +39,8 @@ from torch import Tensor, nn
 
 from trainfold.core.chunked_loss import OutputHead
 from trainfold.core.logps import check_sized, completion_logps, score_with_reference
-from trainfold.dpo.logps import MODEL_KEYS, PREFERENCE_COLUMNS, REF_KEYS, halves
+from trainfold.data.lengths import PREFERENCE_COLUMNS
+from trainfold.dpo.logps import MODEL_KEYS, REF_KEYS, halves
 
 __all__ = [
     "CACHE_DIR",
