@@ -137,13 +137,15 @@ class TRLRun:
         train_dataset: Any,
         eval_dataset: Any = None,
         processing_class: Any = None,
+        *,
         peft_config: Any = None,
         callbacks: Sequence[Any] = (),
         **kwargs: Any,
     ) -> TrainResult:
         """Train ``model`` on ``train_dataset`` as the TRL trainer of ``trainfold.<package>`` does; return the record.
 
-        Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does; ``peft_config``
+        Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does (the rest is by
+        keyword: the runs' own keywords differ, so none is taken by its position); ``peft_config``
         wraps the model with PEFT. The algorithm's own keywords (``own``) go to its ``prepare``; the rest to
         ``trainfold.train`` (``compute_metrics``, ``observers``, ``resume_from_checkpoint``, ``objective``...).
         """
