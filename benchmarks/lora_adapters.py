@@ -66,9 +66,9 @@ def _build(size: str, k: int):
 
 def run_variant(variant: str, size: str, k: int, steps: int) -> dict[str, float]:
     """Run one variant in this process; return samples/s (median over steps) and memory."""
-    from trainfold.step import ensemble as ens
     from trainfold import init_state, make_step, sgd
     from trainfold.core.losses import causal_lm
+    from trainfold.step import ensemble as ens
     from trainfold.step.ensemble.lora import init_adapter_ensemble, make_adapter_ensemble_step
 
     model, batches, rows = _build(size, k)
@@ -110,9 +110,9 @@ def _in_subprocess(variant: str, size: str, k: int, steps: int, threads: int) ->
 
 def interleaved(size: str, k: int, rounds: int) -> list[float]:
     """Return, per round, (K sequential single-adapter steps' time) / (one ensemble step's time)."""
-    from trainfold.step import ensemble as ens
     from trainfold import init_state, make_step, sgd
     from trainfold.core.losses import causal_lm
+    from trainfold.step import ensemble as ens
     from trainfold.step.ensemble.lora import init_adapter_ensemble, make_adapter_ensemble_step
 
     model, batches, _ = _build(size, k)

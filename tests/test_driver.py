@@ -19,10 +19,10 @@ from trainfold.core.forward import make_forward
 from trainfold.core.losses import cross_entropy
 from trainfold.core.rng import derive_seed
 from trainfold.core.tree import flatten
-from trainfold.step.ensemble import init_ensemble_state, make_ensemble_step, stack_batches
 from trainfold.step import StepPlan, compile_step
 from trainfold.step.amp import LossScaling
 from trainfold.step.driver import accumulate, micro_seed
+from trainfold.step.ensemble import init_ensemble_state, make_ensemble_step, stack_batches
 from trainfold.step.fallback import CompileFallbackWarning
 
 STEP = Path(__file__).resolve().parents[1] / "src" / "trainfold" / "step"

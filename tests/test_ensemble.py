@@ -28,6 +28,8 @@ from trainfold.core.forward import make_forward
 from trainfold.core.losses import causal_lm, cross_entropy
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.tree import flatten
+from trainfold.optim import from_torch
+from trainfold.step.compiled import CompileFallbackWarning
 from trainfold.step.ensemble import (
     ensemble_size,
     init_ensemble_state,
@@ -36,8 +38,6 @@ from trainfold.step.ensemble import (
     stack_batches,
     stack_ensemble,
 )
-from trainfold.optim import from_torch
-from trainfold.step.compiled import CompileFallbackWarning
 
 CFG = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=16)
 FULL = os.environ.get("TRAINFOLD_SLOW") == "full"

@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainfold.step import ensemble as ens
 from trainfold import init_state, make_step, sgd
 from trainfold.core.losses import causal_lm
+from trainfold.optim import chain, clip_by_global_norm
+from trainfold.step import ensemble as ens
 from trainfold.step.ensemble.lora import (
     adapter_count,
     init_adapter_ensemble,
     make_adapter_ensemble_step,
     save_adapters,
 )
-from trainfold.optim import chain, clip_by_global_norm
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")

@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from trainfold import sgd
+from trainfold.core.generate import functional_forward, pad_right
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.core.state import Cursor, init_state
 from trainfold.grpo.args import GRPOArguments, generation_order
+from trainfold.grpo.data import Sampling
+from trainfold.grpo.global_rng import global_completions, loader_draw, shuffled_rows
 from trainfold.grpo.metrics import generation_metrics
 from trainfold.grpo.objective import grpo_objective
 from trainfold.grpo.run import BUFFER, Codec, grpo_stream, train
@@ -211,8 +214,8 @@ def test_steps_per_generation_counts_micro_steps_like_trl(tmp_path):
 # -- resume inside a generation block ------------------------------------------------------
 
 
-@pytest.mark.parametrize("spg, iterations, stop_at", [(2, 2, 1)])
-def test_resume_inside_a_generation_block_is_bitwise(tmp_path, spg, iterations, stop_at):
+@pytest.mark.parametrize("spg, iterations, stop_at, rng", [(2, 2, 1, "keyed"), (2, 2, 1, "global")])
+def test_resume_inside_a_generation_block_is_bitwise(tmp_path, spg, iterations, stop_at, rng):
     calls = []
 
     def counted(prompts, completions, **_):
@@ -229,6 +232,7 @@ def test_resume_inside_a_generation_block_is_bitwise(tmp_path, spg, iterations, 
             steps_per_generation=spg,
             num_iterations=iterations,
             beta=0.05,
+            generation_rng=rng,  # global: the checkpoint's global generator states continue the draws
             **kw,
         )
 
@@ -638,3 +642,54 @@ def test_bf16_defaults_differ_from_grpo_configs_as_documented(tmp_path):
     theirs = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True)
     assert theirs.bf16 is True and trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True, fp16=True).bf16 is False
     assert GRPOArguments().bf16 is False and GRPOArguments.from_hf(theirs).bf16 is True
+
+
+# -- where completions draw their randomness (generation_rng) ---------------------------------
+
+
+def _run_from(tmp_path, name, global_seed, **kw):
+    args = grpo_args(tmp_path / name, max_steps=2, eval_strategy="steps", eval_steps=2, **kw)
+    prompts, model = [{"prompt": str(d)} for d in range(8)], lm()
+    torch.manual_seed(global_seed)  # the global generator as the run starts (GRPOTrainer: its set_seed)
+    out = train(model, args, prompts, digit_sum, eval_prompts=prompts[:4], codec=CODEC)
+    return [{k: v for k, v in e.items() if "runtime" not in k and "per_second" not in k} for e in out.log_history]
+
+
+def test_global_generation_rng_samples_from_torchs_generator_and_keyed_does_not(tmp_path):
+    """``generation_rng="global"`` (the facade's): completions, hence rewards, follow torch's global generator as the
+    run starts; ``"keyed"`` (``train``'s default): not at all."""
+    reward = lambda h: [e.get("reward", e.get("eval_reward")) for e in h if "reward" in e or "eval_reward" in e]
+    for rng in ("keyed", "global"):
+        one, again, other = (_run_from(tmp_path, f"{rng}{i}", s, generation_rng=rng) for i, s in enumerate((1, 1, 2)))
+        assert one == again
+        assert (reward(one) == reward(other)) == (rng == "keyed"), rng
+    assert _run_from(tmp_path, "default", 2) == _run_from(tmp_path, "keyed", 1, generation_rng="keyed")
+
+
+def test_global_generation_rng_draws_in_trls_order():
+    """The draws of a training generation: the loader's one at the epoch's start, a multinomial per token over the
+    generation's rows, then the rows' permutation; an evaluation's: its loader's, then its batches'."""
+    model, prompts = lm(), [[1, 2], [3], [1, 2], [3]]
+    state = init_state(model, sgd(0.1), copy=True)
+    torch.manual_seed(5)
+    loader_draw()
+    made = global_completions(model, state, prompts, Sampling(2, 3), None, 0, True)
+    perm = shuffled_rows(4)
+    torch.manual_seed(5)
+    torch.empty((), dtype=torch.int64).random_()  # torch's DataLoader: its workers' base seed
+    params = dict(state.params)
+    expected = [list(p) for p in prompts]
+    for _ in range(3):  # no end token: every row runs to the length, one draw over all rows per token
+        ids, mask = pad_right(expected)
+        logits = functional_forward(model)(params, {"input_ids": ids, "attention_mask": mask})
+        last = logits[torch.arange(4), mask.sum(1) - 1].float()
+        for row, tok in enumerate(torch.multinomial(torch.softmax(last, -1), 1).squeeze(-1).tolist()):
+            expected[row].append(tok)
+    assert made == [e[len(p) :] for e, p in zip(expected, prompts)]
+    assert torch.equal(perm, torch.randperm(4))
+
+
+@pytest.mark.parametrize("other", [{"max_staleness": 1}, {"rollout_engine": "process"}])
+def test_global_generation_rng_is_refused_where_trls_order_cannot_hold(tmp_path, other):
+    with pytest.raises(ValueError, match=f"generation_rng='global' with {next(iter(other))}="):
+        grpo_args(tmp_path, generation_rng="global", **other)

@@ -168,31 +168,38 @@ def test_trls_reward_script_moves_by_its_import_with_trls_per_step_losses_metric
 _CHAT = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} {% endfor %}"
 
 
-@pytest.mark.parametrize("prompts", ["text", "chat"])
-def test_trls_grpo_script_moves_by_its_import_and_logs_trls_metrics(tmp_path, monkeypatch, prompts):
-    """TRL's ``grpo.py`` with reward functions named on its command line: a dotted path (text prompts), as the
-    script imports it, or two of its own registry's (``think_format_reward`` reads chat completions).
+_WORD_SUM = (  # a reward that reads the completion's words (text, or the assistant message of a chat completion)
+    "def word_sum(completions, **kwargs):\n"
+    "    texts = [c if isinstance(c, str) else c[0]['content'] for c in completions]\n"
+    "    return [sum(int(w[1:]) for w in t.split() if w[1:].isdigit()) / 59 for t in texts]\n"
+)
 
-    Per-step losses are not compared: TRL's ``GRPOTrainer`` samples completions with ``model.generate`` drawing
-    from torch's global generator (whatever state it is in after loading, shuffling and the script's own draws),
-    while trainfold's run draws each generation from a generator keyed by ``args.seed``, the epoch and the
-    generation's number (so a resumed run samples as the uninterrupted one). The completions, hence rewards,
-    advantages and losses, differ from the first step on (docs/migration.md, section 8). What is checked: the
-    script runs to its end with trainfold's class in place of TRL's; every step logs TRL's metric names (its
-    rewards by function name, ``reward``, ``reward_std``, ``completions/*``, ``entropy``...), the evaluation
-    TRL's ``eval_*`` ones; the output loads."""
+
+@pytest.mark.parametrize("prompts", ["text", "chat", "text_peft"])
+def test_trls_grpo_script_moves_by_its_import_with_trls_per_step_losses_and_metrics(tmp_path, monkeypatch, prompts):
+    """TRL's ``grpo.py`` with reward functions named on its command line: a dotted path (text prompts), as the
+    script imports it, and two of its own registry's (``think_format_reward`` reads chat completions); a LoRA
+    adapter (``--use_peft``) with gradient checkpointing.
+
+    TRL's ``GRPOTrainer`` samples completions with ``model.generate`` from torch's global generator, seeded by its
+    ``set_seed(args.seed)``; the migrated script's ``GRPOTrainer`` samples from it too, in TRL's order
+    (``generation_rng="global"``, docs/migration.md section 8). So the completions are TRL's, and with them every
+    step's loss, rewards and TRL's other metrics, and every evaluation's; the output loads."""
     g = torch.Generator().manual_seed(0)
     chat = prompts == "chat"
     say = (lambda: [{"role": "user", "content": _say(g)}]) if chat else (lambda: _say(g))
     _write(tmp_path / "data", [{"prompt": say()} for _ in range(12)])
-    (tmp_path / "grpo_script_rewards.py").write_text(
-        "def word_count(completions, **kwargs):\n    return [float(len(c.split())) for c in completions]\n"
-    )
+    (tmp_path / "grpo_script_rewards.py").write_text(_WORD_SUM)
     monkeypatch.chdir(tmp_path)  # the script imports a dotted reward function from its working directory
     monkeypatch.setattr("sys.path", list(__import__("sys").path))  # and puts it on sys.path
-    funcs = ["think_format_reward", "get_soft_overlong_punishment"] if chat else ["grpo_script_rewards.word_count"]
-    argv = _common(_model_dir(tmp_path, _CHAT if chat else None), tmp_path / "data") + ["--reward_funcs", *funcs]
-    argv += ["--num_generations", "2", "--max_completion_length", "4", "--save_strategy", "no", "--beta", "0.1"]
+    funcs = ["think_format_reward", "get_soft_overlong_punishment"] if chat else []
+    argv = _common(_model_dir(tmp_path, _CHAT if chat else None), tmp_path / "data", steps=6)
+    argv += ["--reward_funcs", *funcs, "grpo_script_rewards.word_sum", "--num_generations", "2"]
+    argv += ["--max_completion_length", "8", "--save_strategy", "no", "--beta", "0.1"]
+    argv += ["--gradient_accumulation_steps", "2"]  # a generation: 2 prompts of other lengths (left-padded)
+    if prompts == "text_peft":  # generate runs on the adapter's weights too; gradient checkpointing as TRL's default
+        argv += ["--use_peft", "--lora_r", "2", "--lora_dropout", "0", "--lora_target_modules", "q_proj", "v_proj"]
+        argv += ["--gradient_checkpointing", "true"]
     argv += ["--eval_strategy", "steps", "--eval_steps", "2", "--per_device_eval_batch_size", "2"]
     got: dict = {"trl": {}, "trainfold": {}}
     for who in ("trl", "trainfold"):
@@ -200,13 +207,23 @@ def test_trls_grpo_script_moves_by_its_import_and_logs_trls_metrics(tmp_path, mo
     ours, theirs = got["trainfold"]["history"], got["trl"]["history"]
     steps = lambda h: [e for e in h if "loss" in e and "train_loss" not in e]
     evals = lambda h: [e for e in h if "eval_loss" in e]
-    assert len(steps(ours)) == len(steps(theirs)) == 4 and len(evals(ours)) == len(evals(theirs)) == 2
-    assert all(torch.isfinite(torch.tensor(e["loss"])) for e in steps(ours))
-    for name in ("think_format_reward", "soft_overlong_punishment_reward") if chat else ("word_count",):
+    assert len(steps(ours)) == len(steps(theirs)) == 6 and len(evals(ours)) == len(evals(theirs)) == 3
+    assert all(e["loss"] != 0 for e in steps(theirs))  # the rewards differ within groups: something to compare
+    # the same completions (rewards equal). A GRPO loss is a small difference of terms of the advantages' size (they
+    # sum to 0 in each group), so float32 rounding shows at its scale, not the result's: TRL's first loss is 5.4e-7
+    # where the exact value (trainfold's) is 0
+    assert _losses(ours) == pytest.approx(_losses(theirs), rel=1e-5, abs=1e-6)
+    for name in ("think_format_reward", "soft_overlong_punishment_reward", "word_sum") if chat else ("word_sum",):
         assert f"rewards/{name}/mean" in steps(ours)[0] and f"eval_rewards/{name}/mean" in evals(ours)[0]
+    # TRL's running num_tokens and its wall-clock step_time are not logged (docs/migration.md, section 8)
+    unlogged = {"num_tokens", "eval_num_tokens", "step_time"}
     for mine, peer in ((steps(ours), steps(theirs)), (evals(ours), evals(theirs))):
-        # TRL's running num_tokens and its wall-clock step_time are not logged (docs/migration.md, section 8)
-        assert set(mine[0]) >= set(peer[0]) - {"num_tokens", "eval_num_tokens", "step_time"}
+        for m, p in zip(mine, peer):
+            assert set(m) >= set(p) - unlogged
+            shared = {k: v for k, v in _without_times(p).items() if k not in unlogged | {"loss", "eval_loss"}}
+            assert {k: m[k] for k in shared} == pytest.approx(shared, rel=1e-5, abs=1e-7)
+            if "eval_loss" in p:  # as the losses
+                assert m["eval_loss"] == pytest.approx(p["eval_loss"], rel=1e-5, abs=1e-6)
     out = tmp_path / "trainfold"
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert transformers.AutoTokenizer.from_pretrained(out).eos_token == "</s>" and model.config.vocab_size == 64
@@ -225,21 +242,29 @@ def _rows(kind, g, n=12):
     return [{"prompt": _say(g), "chosen": " " + _say(g), "rejected": " " + _say(g)} for _ in range(n)]
 
 
-@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "reward", "grpo"])
+@pytest.mark.parametrize("kind", ["sft", "dpo", "kto", "reward", "grpo", "grpo_keyed"])
 def test_a_trl_script_resumed_from_its_checkpoint_continues_bitwise(tmp_path, monkeypatch, kind):
     """4 steps saving every 2; checkpoint-4 deleted; the script rerun with ``--resume_from_checkpoint
-    checkpoint-2`` into the same ``output_dir`` logs steps 3 and 4 with the uninterrupted run's losses, bitwise."""
+    checkpoint-2`` into the same ``output_dir`` logs steps 3 and 4 with the uninterrupted run's losses, bitwise.
+    ``grpo`` samples from the global generator (the facade's ``generation_rng="global"``: the checkpoint's global
+    generator states continue it), ``grpo_keyed`` from generators keyed by the generation's place."""
+    if kind == "grpo_keyed":
+        kind, run = "grpo", trainfold.grpo.GRPOTrainer._run
+
+        def keyed(self, resume):
+            self.args = self.args.replace(generation_rng="keyed")
+            return run(self, resume)
+
+        monkeypatch.setattr(trainfold.grpo.GRPOTrainer, "_run", keyed)
     _write(tmp_path / "data", _rows(kind, torch.Generator().manual_seed(0)))
     out = tmp_path / "out"
     argv = _common(_model_dir(tmp_path), tmp_path / "data") + ["--output_dir", str(out), "--save_steps", "2"]
     argv += ["--save_strategy", "steps", "--gradient_accumulation_steps", "2", "--eval_strategy", "no"]
     if kind == "grpo":
-        (tmp_path / "grpo_resume_rewards.py").write_text(
-            "def word_count(completions, **kwargs):\n    return [float(len(c.split())) for c in completions]\n"
-        )
+        (tmp_path / "grpo_resume_rewards.py").write_text(_WORD_SUM)
         monkeypatch.chdir(tmp_path)
         monkeypatch.setattr("sys.path", list(__import__("sys").path))
-        argv += ["--reward_funcs", "grpo_resume_rewards.word_count", "--num_generations", "2"]
+        argv += ["--reward_funcs", "grpo_resume_rewards.word_sum", "--num_generations", "2"]
         argv += ["--max_completion_length", "4", "--beta", "0.1"]
     losses = lambda h: {e["step"]: e["loss"] for e in h if "loss" in e and "train_loss" not in e}
     whole: dict = {}
@@ -252,6 +277,7 @@ def test_a_trl_script_resumed_from_its_checkpoint_continues_bitwise(tmp_path, mo
     assert whole["steps"] == [1, 2, 3, 4] and resumed["steps"] == [3, 4]  # resumed: it ran steps 3 and 4 only
     after = {s: v for s, v in losses(resumed["history"]).items() if s > 2}
     assert after == {s: losses(whole["history"])[s] for s in (3, 4)}
+    assert kind != "grpo" or 0 not in after.values()  # the completions' rewards differ: the losses read them
 
 
 @pytest.mark.parametrize("kind", ["sft", "dpo", "reward"])

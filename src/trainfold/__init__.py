@@ -51,12 +51,12 @@ if TYPE_CHECKING:
     from trainfold.data import StepBatch, keyed, pad_collate, stream
     from trainfold.data.packing import pack, packed_collate, padding_free_collate
     from trainfold.data.samplers import Sampler, make_sampler
-    from trainfold.step.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
     from trainfold.evaluation.metrics import EvalPrediction
     from trainfold.grpo.args import GRPOArguments
     from trainfold.observe.stopping import early_stopping
     from trainfold.optim import adamw, chain, clip_by_global_norm, decay_mask, sgd
     from trainfold.step import make_step
+    from trainfold.step.ensemble import init_ensemble_state, make_ensemble_step, split_ensemble
     from trainfold.trainer.args import TrainingArguments
     from trainfold.trainer.facade import Trainer
     from trainfold.trainer.replay import first_divergence, replay

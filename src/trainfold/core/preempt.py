@@ -185,13 +185,13 @@ def guarded(when: Callable[[Mapping[str, Any]], bool], signals: Sequence[int] = 
         parameters = inspect.signature(fn)
 
         @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            bound = parameters.bind(*args, **kwargs)
+        def wrapper(*positional: Any, **kwargs: Any) -> Any:
+            bound = parameters.bind(*positional, **kwargs)
             bound.apply_defaults()
             if not when(bound.arguments):
-                return fn(*args, **kwargs)
+                return fn(*positional, **kwargs)
             with preemption_guard(signals):
-                return fn(*args, **kwargs)
+                return fn(*positional, **kwargs)
 
         return wrapper
 

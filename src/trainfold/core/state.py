@@ -173,7 +173,7 @@ class _Donated:
         object.__setattr__(self, "_field", field)
         object.__setattr__(self, "_step", step)
 
-    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+    def _refuse(self, *positional: Any, **kwargs: Any) -> Any:
         raise DonatedStateError(
             f"this TrainState was donated to step {self._step}: its {self._field} were updated in place and now "
             "belong to the state that step returned; use the state the step returned (or call the step with "

@@ -276,13 +276,13 @@ def joins_torchrun(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     @functools.wraps(fn)
-    def joined(*args: Any, **kwargs: Any) -> Any:
+    def joined(*positional: Any, **kwargs: Any) -> Any:
         if kwargs.get("collective") is not None or not _under_torchrun():
-            return fn(*args, **kwargs)
+            return fn(*positional, **kwargs)
         if not dist.is_initialized():
             _init_group(None)
         collective = process_group_collective()
-        result = fn(*args, **{**kwargs, "collective": collective})
+        result = fn(*positional, **{**kwargs, "collective": collective})
         with named_failures(collective.rank, collective.world_size):
             dist.barrier()  # no rank goes on while another still writes (rank 0's last checkpoint)
         return result

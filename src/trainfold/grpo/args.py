@@ -30,6 +30,7 @@ import attrs
 import torch
 
 from trainfold.grpo.data import GenerationSchedule, Sampling
+from trainfold.grpo.global_rng import GENERATION_RNGS, global_problems
 from trainfold.grpo.loss import PolicyLoss, policy_loss_errors
 from trainfold.grpo.rewards import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS
 from trainfold.rollout.staleness import IMPORTANCE_SAMPLING_MODES
@@ -167,6 +168,7 @@ def _rollout_problems(args: GRPOArguments) -> list[str]:
             f"vllm_importance_sampling_clip_max={high} disagree; set vllm_importance_sampling_clip_max only"
         )
     plan = args.rollout
+    out += global_problems(args.sampling.rng, plan.engine, plan.max_staleness)
     if plan.correction is not None:
         mode, low, high = plan.correction
         if low is not None and high is not None and low >= high:
@@ -246,6 +248,9 @@ class GRPOArguments(TrainingArguments):
     vllm_importance_sampling_clip_max: float | None = setting(3.0, range="(0, inf)")
     vllm_importance_sampling_clip_min: float | None = setting(None, range="[0, inf)")
     vllm_importance_sampling_cap: float | None = setting(None, range="(0, inf)")
+    # where completions draw their randomness (trainfold.grpo.global_rng): None is the entry point's, "keyed" for
+    # trainfold.grpo.train, "global" (TRL's order) for the GRPOTrainer facade
+    generation_rng: str | None = setting(None, choices=(None, *GENERATION_RNGS), hf=None)
 
     def __init__(self, **kwargs: Any) -> None:
         trl = [p for p in (_trl_problem(k, v) for k, v in kwargs.items() if k in TRL_ONLY) if p is not None]
@@ -323,6 +328,7 @@ class GRPOArguments(TrainingArguments):
             weights,
             self.scale_rewards,
             self.multi_objective_aggregation,
+            self.generation_rng or "keyed",
         )
 
     @property

@@ -81,6 +81,7 @@ class Sampling:
     reward_weights: tuple[float, ...] | None = None
     scale_rewards: str = "group"
     multi_objective_aggregation: str = "sum_then_normalize"
+    rng: str = "keyed"  # GRPOArguments.generation_rng: "keyed" or "global" (trainfold.grpo.global_rng)
 
 
 def schedule_step(

@@ -12,7 +12,9 @@
   fixed shapes), so a checkpoint taken inside a generation block resumes bitwise;
 * each step that generated logs TRL's metrics of its generations (``grpo_metrics``).
 
-Sampling is seeded from ``(args.seed, epoch, generation)``, never from global RNG state. Completions are
+Sampling is seeded from ``(args.seed, epoch, generation)``, never from global RNG state, unless
+``generation_rng="global"``: then it draws from torch's global generator in TRL's order
+(``trainfold.grpo.global_rng``). Completions are
 sampled at one seam, :meth:`GRPORun.complete` (state + prompt ids -> completion ids); the sampling policy's
 old log-probs are scored once per generation (``GRPORun.generation``).
 
@@ -40,6 +42,7 @@ from trainfold.core.state import METRIC_KEYS, Cursor, TrainState, scalar
 from trainfold.data import StateStream, StepBatch
 from trainfold.grpo.args import GRPOArguments, RolloutPlan, generation_order
 from trainfold.grpo.data import Sampling, schedule_step
+from trainfold.grpo.global_rng import global_completions, loader_draw, shuffled_rows
 from trainfold.grpo.metrics import generation_metrics
 from trainfold.grpo.objective import next_token_logps
 from trainfold.grpo.rewards import RewardFunc, combine_rewards, reward_advantages, reward_name
@@ -239,7 +242,13 @@ class GRPORun:
         return transformers.TrainerState(**fields)
 
     def sample(
-        self, state: TrainState, dataset: Any, indices: Sequence[int], key: int, encoded: Callable[[int], list[int]]
+        self,
+        state: TrainState,
+        dataset: Any,
+        indices: Sequence[int],
+        key: int,
+        encoded: Callable[[int], list[int]],
+        training: bool = True,
     ) -> dict[str, Any]:
         """Generate ``num_generations`` completions of each prompt, score them; return rows and metrics.
 
@@ -259,7 +268,7 @@ class GRPORun:
             "log_metric": lambda name, value: logged.setdefault(name, []).append(float(value)),
             "log_extra": lambda column, values: None,
         }
-        completion_ids, eos = self.complete(state, prompt_ids, key), self.codec.eos_token_id
+        completion_ids, eos = self.complete(state, prompt_ids, key, training), self.codec.eos_token_id
         completions = [self.codec.decode(before_eos(c, eos)) for c in completion_ids]
         columns["completion_ids"] = [list(c) for c in completion_ids]  # as TRL's
         _, each = combine_rewards(self.reward_funcs, prompts, completions, columns, a.reward_weights)
@@ -284,9 +293,14 @@ class GRPORun:
             "advantages": advantages,
         }
 
-    def complete(self, state: TrainState, prompt_ids: Sequence[list[int]], seed: int) -> list[list[int]]:
-        """Return a completion of each prompt sampled with ``state.params`` (the generator seeded with ``seed``): the
-        seam where generation happens."""
+    def complete(
+        self, state: TrainState, prompt_ids: Sequence[list[int]], seed: int, training: bool = True
+    ) -> list[list[int]]:
+        """Return a completion of each prompt sampled with ``state.params`` (the generator seeded with ``seed``, or
+        the global one: ``generation_rng="global"``): the seam where generation happens."""
+        if self.sampling.rng == "global":
+            c = self.codec
+            return global_completions(self.model, state, prompt_ids, self.sampling, c.eos_token_id, c.pad, training)
         if self.rollouts is not None:
             return [list(c.completion_ids) for c in self.rollouts.take(state, seed, prompt_ids)]
         return generate(
@@ -308,7 +322,8 @@ class GRPORun:
         a, seed = self.args, int(state.seed)
         out = self.sample(state, self.prompts, indices, derive_seed(seed, epoch, number, _GENERATE), self.prompt_ids)
         rows = len(out["index"])
-        perm = torch.randperm(rows, generator=torch.Generator().manual_seed(derive_seed(seed, epoch, number, _SHUFFLE)))
+        keyed = torch.Generator().manual_seed(derive_seed(seed, epoch, number, _SHUFFLE))
+        perm = shuffled_rows(rows) if self.sampling.rng == "global" else torch.randperm(rows, generator=keyed)
         order = perm.tolist()
         prompt_ids = [out["prompt_ids"][i] for i in order]
         completion_ids = [out["completion_ids"][i] for i in order]
@@ -374,6 +389,8 @@ class GRPORun:
             return self.micro_batch(buffer, index, size, device)
 
         self._prefetch(state)
+        if self.sampling.rng == "global" and step.micro_steps[0] == 0:
+            loader_draw()  # HF's loop starts iterating the epoch's loader
         schedule = self.args.generation_schedule
         buffer, micro, _ = schedule_step(schedule, state.extras[BUFFER], step.micro_steps, generate, part)
         # the last generation's metrics (built-in, and the reward functions' log_metric) end here; the step
@@ -423,17 +440,21 @@ class GRPORun:
         return loss.cpu(), {k: v.cpu() for k, v in aux.items()}
 
     def evaluate(self, state: TrainState) -> dict[str, float]:
-        """Return ``eval_loss`` and TRL's generation metrics on the eval prompts, averaged over eval batches."""
+        """Return ``eval_loss`` and TRL's generation metrics on the eval prompts, averaged over eval batches (the
+        prompts in TRL's eval order: a fresh ``RepeatSampler`` seeded with ``args.seed`` at each evaluation)."""
         n, per = len(self.eval_prompts), max(1, self.args.per_device_eval_batch_size // self.args.num_generations)
-        batches = [list(range(i, min(i + per, n))) for i in range(0, n, per)]
+        order = [c[0] for c in generation_order(n, 1, seed=self.args.seed, epoch=0)]  # TRL's eval RepeatSampler
+        batches = [order[i : i + per] for i in range(0, n, per)]
         seed, step = int(state.seed), int(state.step)
 
         def encoded(i: int) -> list[int]:
             return list(self.codec.encode(self.eval_prompts[i][self.prompt_key]))
 
         made, losses, started = [], [], time.monotonic()
+        if self.sampling.rng == "global":
+            loader_draw()  # HF's evaluation starts iterating its loader
         for i, b in enumerate(batches):
-            out = self.sample(state, self.eval_prompts, b, derive_seed(seed, step, i, _EVAL), encoded)
+            out = self.sample(state, self.eval_prompts, b, derive_seed(seed, step, i, _EVAL), encoded, False)
             loss, aux = self._eval_loss(state, out)  # TRL logs the objective's metrics (entropy...) of each batch
             made.append({**out["metrics"], **aux})
             losses.append(float(loss) * len(b))  # HF: a mean over the eval rows

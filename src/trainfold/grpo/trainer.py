@@ -2,7 +2,9 @@
 
 It takes ``GRPOTrainer``'s keywords (``model`` a module or a name, ``reward_funcs``, ``args`` a
 ``GRPOArguments`` or the script's own ``trl.GRPOConfig``, ``train_dataset``/``eval_dataset`` of prompts,
-``peft_config``...) and has ``trainfold.Trainer``'s methods after training. The run evaluates its
+``peft_config``...) and has ``trainfold.Trainer``'s methods after training. It samples completions as TRL's
+does, from torch's global generator in TRL's order (``generation_rng=None`` becomes ``"global"``;
+``trainfold.grpo.global_rng``), so a script's completions and losses are TRL's. The run evaluates its
 ``eval_dataset`` during ``train`` (``eval_strategy``); ``evaluate``/``predict`` after it are refused by name.
 No logic of its own: new code calls ``trainfold.grpo.train``.
 """
@@ -50,9 +52,12 @@ class GRPOTrainer(PeerTrainer):
     reward_funcs: Any  # kept by _finish
 
     def _run(self, resume_from_checkpoint: Any) -> TrainResult:
+        args = self.args
+        if args.generation_rng is None:  # TRL's: completions drawn from torch's global generator, in TRL's order
+            args = args.replace(generation_rng="global")
         return grpo_train(
             self.model,
-            self.args,
+            args,
             self.train_dataset,
             self.reward_funcs,
             eval_prompts=self.eval_dataset,

@@ -54,11 +54,11 @@ class DataParallel:
         """Return ``micro`` run under ``no_sync`` for all but the last of ``count`` micro-batches."""
         calls = itertools.count()
 
-        def run(*args: Any) -> Any:
+        def run(*positional: Any) -> Any:
             if next(calls) < count - 1:
                 with self.module().no_sync():
-                    return micro(*args)
-            return micro(*args)
+                    return micro(*positional)
+            return micro(*positional)
 
         return run
 

@@ -223,10 +223,10 @@ def syncing_last(model: nn.Module, micro: Callable[..., Any], count: int) -> Cal
     ``count`` micro-batches: the others accumulate unsharded gradients, as DDP's ``no_sync``."""
     calls = iter(range(count))
 
-    def run(*args: Any) -> Any:
+    def run(*positional: Any) -> Any:
         last = next(calls, count - 1) == count - 1
         _set_sync(model, last)
-        return micro(*args)
+        return micro(*positional)
 
     return run
 

@@ -175,13 +175,13 @@ _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 def _checkpointed(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(forward)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(*positional: Any, **kwargs: Any) -> Any:
         if kwargs.get("use_cache"):
             kwargs["use_cache"] = False
         for name in _CACHE_KWARGS:
             if kwargs.get(name) is not None:
                 kwargs[name] = None
-        return checkpoint(_replaying(block, forward), *args, use_reentrant=False, **kwargs)
+        return checkpoint(_replaying(block, forward), *positional, use_reentrant=False, **kwargs)
 
     return run
 
@@ -199,12 +199,12 @@ def _replaying(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., A
     """
     held = _tensors(block)
 
-    def again(*args: Any, **kwargs: Any) -> Any:
+    def again(*positional: Any, **kwargs: Any) -> Any:
         now = _tensors(block)
         if all(now.get(k) is v for k, v in held.items()):
-            return forward(*args, **kwargs)
+            return forward(*positional, **kwargs)
         with _reparametrize_module(block, held):
-            return forward(*args, **kwargs)
+            return forward(*positional, **kwargs)
 
     return again
 

@@ -47,12 +47,12 @@ from trainfold.core.forward import train_mode
 from trainfold.core.losses import counter_for, default_loss_for, warn_no_items
 from trainfold.core.state import TrainState
 from trainfold.core.tree import global_norm, map_tensors
-from trainfold.step.ensemble.state import (
-    ensemble_size,
-)
 from trainfold.optim import GradientTransformation, overwrite
 from trainfold.step.compiled import CompileFallbackWarning
 from trainfold.step.driver import accumulate, advanced, no_gradient_error, sum_over_ranks, with_donation
+from trainfold.step.ensemble.state import (
+    ensemble_size,
+)
 from trainfold.step.plan import refuse_sharded
 from trainfold.step.traced import fresh_function
 
