@@ -22,7 +22,7 @@ $(VENV)/.test: $(VENV)/.torch pyproject.toml
 	touch $@ $(VENV)/.core
 
 demo: $(VENV)/.core
-	$(PY) -m trainfold demo
+	$(PY) -m trainfold.cli demo
 
 test: $(VENV)/.test
 	$(PY) -m ruff check src tests benchmarks examples

@@ -104,7 +104,7 @@ class ListDataset(torch.utils.data.Dataset):
 
 
 def sigterm_rank_one_of_cli_ranks(config: Path, out: Path, world: int = 2) -> list[tuple[str, str, int]]:
-    """Run ``python -m trainfold train --config`` as ``world`` ranks (torchrun's env), SIGTERM rank 1 only.
+    """Run ``python -m trainfold.cli train --config`` as ``world`` ranks (torchrun's env), SIGTERM rank 1 only.
 
     Waits until the run has logged 3 entries, signals rank 1, and returns each rank's
     ``(stdout, stderr, returncode)``; a rank that has not exited by then is killed.
@@ -126,7 +126,7 @@ def sigterm_rank_one_of_cli_ranks(config: Path, out: Path, world: int = 2) -> li
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": str(root / "src"),
         }
-        command = [sys.executable, "-m", "trainfold", "train", "--config", str(config)]
+        command = [sys.executable, "-m", "trainfold.cli", "train", "--config", str(config)]
         procs.append(
             subprocess.Popen(command, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )

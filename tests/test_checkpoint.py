@@ -35,11 +35,11 @@ from trainfold.ckpt import (
     save,
     warm_start,
 )
+from trainfold.ckpt.best import best_metric, greater_is_better_for, update_best
 from trainfold.ckpt.policy import best_checkpoint, check_compatible, rotate, should_save
 from trainfold.core.fold import trajectory
 from trainfold.core.state import Cursor, TrainState, init_state, scalar
 from trainfold.core.tree import flatten
-from trainfold.evaluation.best import best_metric, greater_is_better_for, update_best
 from trainfold.optim import adamw, sgd
 
 # The run the resume tests share: resume_fixture.fold_run, here and in the subprocesses.

@@ -175,7 +175,7 @@ def test_the_save_strategies_are_policys_and_should_save_names_them():
 
 
 def test_the_best_metric_tracker_lives_under_its_extras_key_and_survives_a_checkpoint(tmp_path):
-    from trainfold.evaluation import best as tracker
+    from trainfold.ckpt import best as tracker
 
     best, _ = tracker.update_best(tracker.best_metric(greater_is_better=False), 0.25, 3)
     state = init_state(torch.nn.Linear(2, 1), sgd(0.1), extras={ckpt.BEST_METRIC_KEY: best})

@@ -1,4 +1,4 @@
-"""`python -m trainfold train`: the config formats, --set, --resume, and errors printed without a traceback."""
+"""`python -m trainfold.cli train`: the config formats, --set, --resume, and errors printed without a traceback."""
 
 from __future__ import annotations
 
@@ -67,7 +67,12 @@ def write(folder: Path, name: str, text: str, out: Path | None = None) -> Path:
 def cli(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "trainfold", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "trainfold.cli", *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
 
 
@@ -292,7 +297,7 @@ report_to = ["jsonl"]
 def test_sigterm_then_resume_continues_bitwise(tmp_path):
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "trainfold", "train", "--config"]
+    command = [sys.executable, "-m", "trainfold.cli", "train", "--config"]
     whole = subprocess.Popen(
         [*command, str(write(tmp_path, "a.toml", RESUMABLE, straight))],
         cwd=ROOT,
@@ -429,7 +434,7 @@ def test_under_torchrun_rank_0_alone_prints_the_result_line(tmp_path):
     from torchrun import torchrun_ok
 
     config = write(tmp_path, "run.toml", TOML.replace('report_to = ["jsonl"]', 'report_to = "none"'))
-    done = torchrun_ok(ROOT / "src" / "trainfold" / "__main__.py", "train", "--config", config, nproc=2)
+    done = torchrun_ok(ROOT / "src" / "trainfold" / "cli" / "__main__.py", "train", "--config", config, nproc=2)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == 1 and json.loads(lines[0])["global_step"] == 2, done.stdout
 
@@ -441,7 +446,7 @@ def test_a_signal_while_the_command_imports_torch_ends_it_with_the_conventional_
 
     config = endless_cli_config(tmp_path, tmp_path / "out")
     proc = subprocess.Popen(
-        [sys.executable, "-X", "importtime", "-m", "trainfold", "train", "--config", str(config)],
+        [sys.executable, "-X", "importtime", "-m", "trainfold.cli", "train", "--config", str(config)],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -22,7 +22,7 @@ def test_demo_text_ships_with_python():
 def test_demo_command_trains_evaluates_and_checkpoints(tmp_path):
     out = tmp_path / "demo"
     done = subprocess.run(
-        [sys.executable, "-m", "trainfold", "demo", "--max-steps", "16", "--output-dir", str(out)],
+        [sys.executable, "-m", "trainfold.cli", "demo", "--max-steps", "16", "--output-dir", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -13,15 +13,15 @@ from hypothesis import strategies as st
 from tolerance import grad_atol, reordered, row_abs_grads, sgd_rtol
 
 from trainfold import adamw, init_state, make_step, sgd
+from trainfold.core.counting import count_pairs
 from trainfold.core.generate import functional_forward
+from trainfold.core.logps import sequence_logps
 from trainfold.core.models import TinyLM, TinyLMConfig
 from trainfold.dpo.objective import (
-    count_pairs,
     dpo_loss,
     dpo_objective,
     precompute_ref_logps,
     preference_collate,
-    sequence_logps,
 )
 
 CFG = TinyLMConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, max_len=32)

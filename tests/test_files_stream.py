@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from trainfold.core.state import Cursor, scalar  # noqa: E402
+from trainfold.core.state import Cursor, sample_certificate, scalar  # noqa: E402
 from trainfold.data import (  # noqa: E402
     ShardChangedError,
     files,
@@ -30,7 +30,6 @@ from trainfold.data import (  # noqa: E402
     source_stream,
 )
 from trainfold.data.global_batch import split_global_batch  # noqa: E402
-from trainfold.data.mixture import sample_certificate  # noqa: E402
 
 GLOBAL = 4  # rows per optimizer step, divisible by every world size tried
 

@@ -14,8 +14,8 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from trainfold import TrainingArguments, first_divergence, train  # noqa: E402
 from trainfold.core.models import TinyLM, TinyLMConfig  # noqa: E402
+from trainfold.core.state import sample_certificate  # noqa: E402
 from trainfold.data import files, pad_collate, source_stream  # noqa: E402
-from trainfold.data.mixture import sample_certificate  # noqa: E402
 from trainfold.observe.divergence import hash_log  # noqa: E402
 
 

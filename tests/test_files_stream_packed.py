@@ -20,10 +20,10 @@ from hypothesis import strategies as st
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from trainfold.core.state import Cursor  # noqa: E402
+from trainfold.core.state import Cursor, sample_certificate  # noqa: E402
 from trainfold.data import Sampler, ShardChangedError, files, mix, packed, source_steps  # noqa: E402
 from trainfold.data.global_batch import split_global_batch  # noqa: E402
-from trainfold.data.mixture import global_batches, sample_certificate  # noqa: E402
+from trainfold.data.mixture import global_batches  # noqa: E402
 from trainfold.data.packing import pack  # noqa: E402
 
 GLOBAL = 4  # packed rows per optimizer step

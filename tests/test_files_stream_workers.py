@@ -21,10 +21,9 @@ pytest.importorskip("pyarrow")
 import test_files_stream as flat
 import test_files_stream_packed as packing
 
-from trainfold.core.state import Cursor
+from trainfold.core.state import Cursor, sample_certificate
 from trainfold.data import Sampler, files, source_steps
 from trainfold.data.global_batch import split_global_batch
-from trainfold.data.mixture import sample_certificate
 from trainfold.data.readers import Workers, read_rows
 
 

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from trainfold import TrainingArguments, train
 from trainfold.ckpt import policy
+from trainfold.ckpt.best import greater_is_better_for
 from trainfold.data import loaders, samplers
 from trainfold.evaluation import schedule as eval_schedule
-from trainfold.evaluation.best import greater_is_better_for
 from trainfold.observe import observers, reporters
 from trainfold.observe.stopping import early_stopping
 from trainfold.trainer import args as hf_args

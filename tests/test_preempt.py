@@ -569,7 +569,7 @@ def test_cli_ctrl_c_in_a_jit_run_saves_and_exits_130(tmp_path):
 
     config = endless_cli_config(tmp_path, tmp_path / "out")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainfold", "train", "--config", str(config)],
+        [sys.executable, "-m", "trainfold.cli", "train", "--config", str(config)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

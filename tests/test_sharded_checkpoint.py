@@ -536,7 +536,9 @@ def test_sigterm_on_a_save_step_of_a_fresh_sharded_run_ends_every_rank_and_resum
         return config
 
     def ranks(config: Path, *cli: str) -> None:
-        done = torchrun(ROOT / "src" / "trainfold" / "__main__.py", "train", "--config", config, *cli, timeout=300)
+        done = torchrun(
+            ROOT / "src" / "trainfold" / "cli" / "__main__.py", "train", "--config", config, *cli, timeout=300
+        )
         assert done.returncode == 0, done.stderr[-3000:]
 
     cut = tmp_path / "cut"

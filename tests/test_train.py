@@ -256,7 +256,7 @@ def test_input_tokens_seen_are_counted_logged_and_resumed(tmp_path):
 def test_preempted_cli_run_exits_143_and_resumes(tmp_path):
     config = endless_cli_config(tmp_path, tmp_path / "out")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trainfold", "train", "--config", str(config)],
+        [sys.executable, "-m", "trainfold.cli", "train", "--config", str(config)],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

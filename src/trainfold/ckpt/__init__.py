@@ -19,6 +19,7 @@ Modules: ``sidecar`` (the format), ``layout`` (which tensor goes where), ``tenso
 output directory), ``faults`` (crash points for tests).
 """
 
+from trainfold.ckpt.best import BEST_METRIC_KEY
 from trainfold.ckpt.layout import model_weights
 from trainfold.ckpt.listing import checkpoint_path, is_complete, latest_checkpoint, list_checkpoints, resume_checkpoint
 from trainfold.ckpt.policy import SAVE_STRATEGIES
@@ -38,7 +39,6 @@ from trainfold.ckpt.sidecar import (
 from trainfold.ckpt.writer import mark_jit, save
 from trainfold.core.adapters import ADAPTER_CONFIG_FILE, ADAPTER_FILE
 from trainfold.core.fingerprint import fingerprint
-from trainfold.evaluation.best import BEST_METRIC_KEY
 
 __all__ = [
     "STATE_FILE",

@@ -9,12 +9,12 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
+from trainfold.ckpt.best import BestMetric
 from trainfold.ckpt.faults import point
 from trainfold.ckpt.listing import catalog, checkpoint_path, is_complete
 from trainfold.ckpt.run_identity import RunSettings
+from trainfold.core.fold import steps_interval
 from trainfold.data import global_batch as elastic
-from trainfold.evaluation.best import BestMetric
-from trainfold.evaluation.schedule import steps_interval
 
 __all__ = [
     "SAVE_STRATEGIES",

@@ -29,7 +29,6 @@ from trainfold.core.adapters import is_peft_model
 from trainfold.core.state import TrainState
 from trainfold.core.tree import flatten, map_tensors
 from trainfold.distributed.distributed import named_failures
-from trainfold.step.fsdp import held_structure
 
 __all__ = ["Saver", "is_sharded", "save_sharded", "read_sharded"]
 
@@ -267,3 +266,39 @@ def read_sharded(directory: str | os.PathLike, like: Mapping[str, Tensor]) -> di
     for name in listed:
         tensor_file.read(directory / name, files[name], hash_chunk(meta))  # checked, then left to DCP's reader
     return _read(directory, like, ("metrics.",))
+
+
+def held_structure(model: Any) -> Any:
+    """Return what a checkpoint reads of ``model`` (names, config, ``state_dict``), taken now for an FSDP2
+    module (``model`` itself otherwise): an async save must not call FSDP2's resharding hooks from its thread.
+
+    >>> lin = torch.nn.Linear(2, 1)
+    >>> held_structure(lin) is lin
+    True
+    """
+    return _Structure(model) if any(c.__name__ == "FSDPModule" for c in type(model).__mro__) else model
+
+
+class _Structure:
+    """What a checkpoint reads of a ``fully_shard`` module (its names, its config), taken on the caller's thread.
+
+    FSDP2's ``state_dict`` pre-hook reshards the module: called from an async save's writer thread, it
+    would reshard the module under the next step's forward.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self._model = model
+        self._state = model.state_dict(keep_vars=True)  # first: its pre-hook puts a gathered root back on shards
+        self._params, self._buffers = list(model.named_parameters()), list(model.named_buffers())
+
+    def named_parameters(self) -> Any:
+        return iter(self._params)
+
+    def named_buffers(self) -> Any:
+        return iter(self._buffers)
+
+    def state_dict(self, keep_vars: bool = False) -> dict[str, Any]:
+        return dict(self._state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)

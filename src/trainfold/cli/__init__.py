@@ -1,1 +1,1 @@
-"""The command line (``python -m trainfold``): its config reader, builders and the demo."""
+"""The command line (``python -m trainfold.cli``): its config reader, builders and the demo."""

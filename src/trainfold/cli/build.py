@@ -1,6 +1,6 @@
 """What a command-line config builds: the ``[model]`` table's model and the ``[data]`` table's rows.
 
-``python -m trainfold train`` (``trainfold.cli.main``) reads the config (``trainfold.cli.config``) and
+``python -m trainfold.cli train`` (``trainfold.cli.main``) reads the config (``trainfold.cli.config``) and
 calls these; each raises ``ValueError`` naming the table, the value and the fix, which the command
 line reports with every other problem of the config at once (exit 2, no traceback).
 """

@@ -1,5 +1,5 @@
-"""Command line: ``python -m trainfold demo``, ``python -m trainfold train --config run.toml`` and
-``python -m trainfold replay OUTPUT_DIR --step K`` (``trainfold.trainer.replay``), parsed by jsonargparse.
+"""Command line: ``python -m trainfold.cli demo``, ``python -m trainfold.cli train --config run.toml`` and
+``python -m trainfold.cli replay OUTPUT_DIR --step K`` (``trainfold.trainer.replay``), parsed by jsonargparse.
 
 A config (TOML, JSON or YAML, by the file's extension) has three tables, and optionally
 ``resume_from_checkpoint`` at the top level or in ``[args]``::
@@ -82,10 +82,10 @@ The same as JSON: {"model": {"type": "tinylm", "config": {"d_model": 96, "n_laye
                    "data": {"train": "stdlib", "seq_len": 128},
                    "args": {"output_dir": "runs/cli", "max_steps": 200}}
 
-  python -m trainfold train --config run.toml --set args.max_steps=10 --set args.report_to='["jsonl"]'
-  python -m trainfold train --config run.toml --args.max_steps=10 --model.config.d_model=64
-  python -m trainfold train --config run.toml --print_config     # the merged config, as YAML
-  python -m trainfold train --config run.toml --resume   # after exit 143: continue where it stopped
+  python -m trainfold.cli train --config run.toml --set args.max_steps=10 --set args.report_to='["jsonl"]'
+  python -m trainfold.cli train --config run.toml --args.max_steps=10 --model.config.d_model=64
+  python -m trainfold.cli train --config run.toml --print_config     # the merged config, as YAML
+  python -m trainfold.cli train --config run.toml --resume   # after exit 143: continue where it stopped
 
 Fine-tuning a pretrained model on a CSV file with a text column:
 
@@ -316,7 +316,7 @@ def _exit_on_signals() -> dict[int, Any]:
 
 
 def command() -> int:
-    """The ``trainfold`` script and ``python -m trainfold``: ``main`` with the handlers kept up to the exit.
+    """The ``trainfold`` script and ``python -m trainfold.cli``: ``main`` with the handlers kept up to the exit.
 
     Once a run is over (its result printed, its status final), SIGTERM and SIGINT are ignored up to the exit
     (``ignore_signals_until_exit``): a signal during the interpreter's teardown (about a second with torch)

@@ -22,9 +22,11 @@ __all__ = [
     "IGNORE_INDEX",
     "count_elements",
     "count_labels",
+    "count_pairs",
     "count_shifted_labels",
     "counter_for",
     "refuse_unlabelled",
+    "sequence_count",
     "warn_no_items",
 ]
 
@@ -59,6 +61,33 @@ def count_elements(labels: Tensor) -> Tensor:
     6
     """
     return torch.tensor(labels.numel())
+
+
+def sequence_count(batch: Mapping[str, Tensor]) -> int:
+    """Return how many sequences a batch holds: its rows, or a padding-free row's ``sequence_index`` count.
+
+    >>> import torch
+    >>> sequence_count({"input_ids": torch.zeros(1, 5), "sequence_index": torch.tensor([[0, 0, 1, 1, 2]])})
+    3
+    """
+    if "sequence_index" in batch:
+        return int(batch["sequence_index"].max()) + 1
+    return batch["input_ids"].shape[0]
+
+
+def count_pairs(micro_batch: Mapping[str, Tensor]) -> Tensor:
+    """Count the preference pairs of a collated micro-batch (half its sequences: chosen, then as many rejected).
+
+    >>> import torch
+    >>> count_pairs({"input_ids": torch.zeros(6, 3)}).item()
+    3
+    """
+    rows = sequence_count(micro_batch)
+    if rows % 2:
+        raise ValueError(
+            f"a preference micro-batch has {rows} rows; it must hold chosen rows then as many rejected rows"
+        )
+    return torch.tensor(rows // 2)
 
 
 def counter_for(loss: Callable[..., Tensor]) -> Callable[[Tensor], Tensor]:

@@ -21,11 +21,12 @@ asked (``donate=True``: each yielded state is donated to the next step).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-__all__ = ["fit", "trajectory", "max_steps", "max_time", "any_of", "never"]
+__all__ = ["fit", "trajectory", "max_steps", "max_time", "any_of", "never", "steps_interval"]
 
 S = TypeVar("S")
 Stop = Callable[[Any], bool]
@@ -113,3 +114,20 @@ def any_of(*stops: Stop) -> Stop:
     True
     """
     return lambda state: any(s(state) for s in stops)
+
+
+def steps_interval(value: Any, max_steps: int | None, name: str) -> int:
+    """Return the interval ``value`` of the setting ``name`` in steps; a value below 1 is a share of ``max_steps``.
+
+    >>> steps_interval(4, None, "save_steps"), steps_interval(0.25, 10, "save_steps")
+    (4, 3)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of steps (or a share < 1 of max_steps), got {value!r}")
+    if value < 1:
+        if max_steps is None or max_steps <= 0:
+            raise ValueError(f"{name}={value} is a share of max_steps, so pass max_steps (got {max_steps!r})")
+        return math.ceil(max_steps * value)
+    if value != int(value):
+        raise ValueError(f"{name} above 1 must be a whole number of steps, got {value!r}")
+    return int(value)

@@ -1,9 +1,9 @@
-"""A module as a function of its tensors: ``make_forward``, ``train_mode``, and the step's type aliases."""
+"""A module as a function of its tensors: ``make_forward``, ``train_mode``, ``cache_off``; the step's type aliases."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -17,6 +17,8 @@ __all__ = [
     "ModelInputsObjective",
     "Objective",
     "Tensors",
+    "cache_configs",
+    "cache_off",
     "make_forward",
     "train_mode",
     "training_flags",
@@ -86,6 +88,52 @@ def training_flags(modules: list[nn.Module], training: bool) -> Iterator[None]:
     finally:
         for m, f in zip(modules, flags):
             m.training = f
+
+
+def cache_configs(modules: Iterable[nn.Module]) -> list[Any]:
+    """Return the distinct configs (transformers' ``module.config``) of ``modules`` that have a ``use_cache``.
+
+    >>> import types, torch
+    >>> lin = torch.nn.Linear(1, 1)
+    >>> lin.config = types.SimpleNamespace(use_cache=True)
+    >>> len(cache_configs([lin, torch.nn.Linear(1, 1)]))
+    1
+    """
+    found = {id(c): c for m in modules if (c := m.__dict__.get("config")) is not None}  # blocks share one config
+    return [c for c in found.values() if hasattr(c, "use_cache")]
+
+
+@contextlib.contextmanager
+def cache_off(configs: Sequence[Any]) -> Iterator[list[Any]]:
+    """Set ``use_cache=False`` on ``configs`` (from :func:`cache_configs`) for the duration; yield those changed.
+
+    Training never reads a KV cache; the step runs inside this scope with or without
+    checkpointing, so both compute the same thing.
+
+    >>> import types, torch
+    >>> lin = torch.nn.Linear(1, 1)
+    >>> lin.config = types.SimpleNamespace(use_cache=True)
+    >>> with cache_off(cache_configs([lin])) as changed:
+    ...     inside = lin.config.use_cache
+    >>> inside, lin.config.use_cache, len(changed)
+    (False, True, 1)
+    """
+    changed = [c for c in configs if getattr(c, "use_cache", None) is True]
+    try:
+        for config in changed:
+            _set_use_cache(config, False)
+        yield changed
+    finally:
+        for config in changed:
+            _set_use_cache(config, True)
+
+
+def _set_use_cache(config: Any, value: bool) -> None:
+    # transformers' configs validate every setattr (about 10 us); a plain field is written directly.
+    if "use_cache" in getattr(config, "__dict__", {}):
+        config.__dict__["use_cache"] = value
+    else:
+        config.use_cache = value
 
 
 def make_forward(model: nn.Module, buffers: Mapping[str, Tensor]) -> Forward:

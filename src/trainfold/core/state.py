@@ -16,10 +16,13 @@ import attrs
 import torch
 from torch import Tensor, nn
 
+from trainfold.core.rng import derive_seed
 from trainfold.core.tree import check_keys, register_record
 
 __all__ = [
     "Cursor",
+    "SAMPLES",
+    "sample_certificate",
     "TrainState",
     "init_state",
     "scalar",
@@ -77,6 +80,23 @@ class Cursor:
         (2, 5)
         """
         return int(self.epoch), int(self.position)
+
+
+SAMPLES = derive_seed(int.from_bytes(b"samples", "big"))  # marks the cursor's row holding the sample certificate
+
+
+def sample_certificate(cursor: Cursor) -> int | None:
+    """Return the cursor's rolling hash of every step's sample ids so far (``None``: a cursor without one).
+
+    Written by a streaming source (``trainfold.data.mixture``) in the cursor's last row, marked ``SAMPLES``.
+    Step ``k``'s value is ``roll(value at k - 1, the ids of step k's rows in batch order)``: two runs' values
+    first differ at the first step whose samples differ (a row's id names its shard's contents and its row
+    there, so a changed shard shows at the first step that reads it).
+    """
+    streams = cursor.streams
+    if streams is None or not len(streams) or int(streams[-1, 1]) != SAMPLES:
+        return None
+    return int(streams[-1, 0])
 
 
 @register_record

@@ -33,7 +33,7 @@ def int_tuple(values: Sequence[Any] | np.ndarray | None) -> tuple[int, ...] | No
     return tuple(int(v) for v in values)
 
 
-PREFERENCE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")  # a DPO row (trainfold.dpo.objective)
+PREFERENCE_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")  # a tokenized DPO row (TRL 1.x's names)
 
 
 def _size(value: Any) -> int:

@@ -42,7 +42,7 @@ import torch
 import xxhash
 
 from trainfold.core.rng import derive_seed
-from trainfold.core.state import Cursor, scalar
+from trainfold.core.state import SAMPLES, Cursor, sample_certificate, scalar
 from trainfold.data.dealing import cut, deal
 from trainfold.data.filestream import ShardChangedError, is_source
 from trainfold.data.readers import Workers, collated, read_positions, read_rows, worker_steps
@@ -51,7 +51,6 @@ from trainfold.data.shardlog import describe, records, shards_of, split
 from trainfold.data.steps import StepBatch
 
 __all__ = [
-    "SAMPLES",
     "BatchStream",
     "Mixture",
     "global_batches",
@@ -64,9 +63,6 @@ __all__ = [
     "stream_cursor",
     "without_certificate",
 ]
-
-
-SAMPLES = derive_seed(int.from_bytes(b"samples", "big"))  # marks the cursor's row holding the sample certificate
 
 
 class BatchStream:
@@ -167,19 +163,6 @@ def stream_cursor(source: Any) -> Cursor:
     rows = [[0, f] for f in fingerprints] + records(components) + [[0, SAMPLES]]
     streams = torch.tensor(rows, dtype=torch.int64)
     return Cursor(scalar(0), scalar(0), streams)
-
-
-def sample_certificate(cursor: Cursor) -> int | None:
-    """Return the cursor's rolling hash of every step's sample ids so far (``None``: a cursor without one).
-
-    Step ``k``'s value is ``roll(value at k - 1, the ids of step k's rows in batch order)``: two runs' values
-    first differ at the first step whose samples differ (a row's id names its shard's contents and its row
-    there, so a changed shard shows at the first step that reads it).
-    """
-    streams = cursor.streams
-    if streams is None or not len(streams) or int(streams[-1, 1]) != SAMPLES:
-        return None
-    return int(streams[-1, 0])
 
 
 def roll(previous: int, ids: list[int]) -> int:

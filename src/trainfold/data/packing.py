@@ -6,7 +6,7 @@ each document sees only itself and its loss counts only its own targets. Three r
 - ``position_ids`` restart at 0 at every document, and no ``attention_mask`` is passed: Hugging Face
   models (transformers 5) then confine attention to each document (``masking_utils`` finds the
   document boundaries from the positions, for sdpa, eager and flash attention alike). The KV cache
-  must be off for that: the step and evaluation run with ``use_cache=False`` (``step.recompute.cache_off``),
+  must be off for that: the step and evaluation run with ``use_cache=False`` (``core.forward.cache_off``),
   as TRL's ``compute_loss`` passes it, so batches hold only TRL's keys;
 - each document's first label is -100: after the causal shift the last token of one document would
   otherwise be trained to predict the first token of the next;

@@ -46,10 +46,9 @@ import torch
 import xxhash
 
 from trainfold.core.rng import derive_seed
-from trainfold.core.state import Cursor, scalar
+from trainfold.core.state import SAMPLES, Cursor, scalar
 from trainfold.data.filestream import ShardChangedError
 from trainfold.data.mixture import (
-    SAMPLES,
     BatchStream,
     global_batches,
     is_stream_source,

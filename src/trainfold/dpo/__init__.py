@@ -19,12 +19,10 @@ from trainfold.dpo.objective import (
     PREFERENCE_COLUMNS,
     DPOObjective,
     PreferenceCollate,
-    count_pairs,
     dpo_loss,
     dpo_objective,
     precompute_ref_logps,
     preference_collate,
-    sequence_logps,
 )
 from trainfold.dpo.run import prepare_preference_dataset, train
 from trainfold.dpo.trainer import DPOTrainer  # the facade, for moving a TRL script by its import
@@ -36,7 +34,6 @@ __all__ = [
     "DPOArguments",
     "DPOObjective",
     "PreferenceCollate",
-    "count_pairs",
     "dpo_args",
     "dpo_loss",
     "dpo_loss_errors",
@@ -47,6 +44,5 @@ __all__ = [
     "preference_row",
     "preference_rows",
     "prepare_preference_dataset",
-    "sequence_logps",
     "train",
 ]

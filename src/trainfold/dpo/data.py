@@ -19,34 +19,17 @@ import attrs
 import torch
 from torch import Tensor
 
-from trainfold.dpo.logps import PREFERENCE_COLUMNS, REF_KEYS
+from trainfold.data.lengths import PREFERENCE_COLUMNS
+from trainfold.data.rows import common_prefix, implicit_prompt, is_conversational
+from trainfold.dpo.logps import REF_KEYS
 from trainfold.dpo.objective import PreferenceCollate
-from trainfold.sft.data import common_prefix, is_conversational
 
 __all__ = [
     "PaddingFreePreferenceCollate",
-    "implicit_prompt",
     "padding_free_preference_collate",
     "preference_row",
     "preference_rows",
 ]
-
-
-def implicit_prompt(chosen: Any, rejected: Any) -> dict[str, Any]:
-    """Return ``prompt``, ``chosen`` and ``rejected`` split off two full texts or conversations as TRL 1.16 splits
-    rows without a prompt: the prompt is what they share up to the first differing character or message (a space
-    right before that character stays with the completions).
-
-    >>> implicit_prompt("Sky? It is blue.", "Sky? It is green.")
-    {'prompt': 'Sky? It is', 'chosen': ' blue.', 'rejected': ' green.'}
-    """
-    n = min(len(chosen), len(rejected))
-    cut = next((i for i in range(n) if chosen[i] != rejected[i]), None)
-    if cut is None:  # one is the start of the other: TRL's loop ends at the last shared index
-        cut = max(n - 1, 0)
-    elif cut > 0 and chosen[cut - 1] == " ":
-        cut -= 1
-    return {"prompt": chosen[:cut], "chosen": chosen[cut:], "rejected": rejected[cut:]}
 
 
 def preference_row(row: Mapping[str, Any], tokenizer: Any = None) -> dict[str, list[int]]:

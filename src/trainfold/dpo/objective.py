@@ -31,19 +31,13 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.core.chunked_loss import OutputHead, check_chunk_size, output_head
+from trainfold.core.counting import count_pairs
 from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tensors
+from trainfold.core.logps import completion_logps, per_sequence
 from trainfold.data.collate import check_completion_padding
-from trainfold.dpo.logps import (
-    MODEL_KEYS,
-    PREFERENCE_COLUMNS,
-    REF_KEYS,
-    completion_logps,
-    halves,
-    per_sequence,
-    sequence_count,
-    sequence_logps,
-    token_means,
-)
+from trainfold.data.lengths import PREFERENCE_COLUMNS
+from trainfold.data.rows import check_items
+from trainfold.dpo.logps import MODEL_KEYS, REF_KEYS, halves, token_means
 from trainfold.dpo.loss import DPO_LOSS_TYPES as LOSS_TYPES
 from trainfold.dpo.loss import dpo_loss, dpo_loss_errors, loss_types_of
 from trainfold.dpo.reference import precompute_ref_logps, prepare_reference
@@ -53,16 +47,21 @@ __all__ = [
     "PREFERENCE_COLUMNS",
     "DPOObjective",
     "PreferenceCollate",
-    "count_pairs",
     "dpo_loss",
     "dpo_objective",
     "precompute_ref_logps",
     "preference_collate",
-    "sequence_logps",
 ]
 
 
 # -- collation -----------------------------------------------------------------------------
+
+
+def _preference_fix(item: Mapping[str, Any]) -> str:
+    old = [k for k in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids") if k in item]
+    return (
+        f"rename {old} to TRL 1.x's names {PREFERENCE_COLUMNS}" if old else "tokenize prompt, chosen and rejected first"
+    )
 
 
 @attrs.frozen
@@ -94,18 +93,7 @@ class PreferenceCollate:
         return ids, mask
 
     def __call__(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
-        if not items:
-            raise ValueError("cannot collate an empty list of preference items")
-        for i, item in enumerate(items):
-            missing = [k for k in PREFERENCE_COLUMNS if k not in item]
-            if missing:
-                old = [k for k in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids") if k in item]
-                hint = (
-                    f"rename {old} to TRL 1.x's names {PREFERENCE_COLUMNS}"
-                    if old
-                    else "tokenize prompt, chosen and rejected first"
-                )
-                raise KeyError(f"preference item {i} lacks {missing} (has {sorted(item)}); {hint}")
+        check_items(items, PREFERENCE_COLUMNS, "preference item", _preference_fix)
         rows = [
             self._row(list(it["prompt_ids"]), list(it[side])) for side in ("chosen_ids", "rejected_ids") for it in items
         ]
@@ -159,21 +147,6 @@ def preference_collate(
 
 
 # -- the objective -------------------------------------------------------------------------
-
-
-def count_pairs(micro_batch: Mapping[str, Tensor]) -> Tensor:
-    """Count the preference pairs of a collated micro-batch (half its rows).
-
-    >>> import torch
-    >>> count_pairs({"input_ids": torch.zeros(6, 3)}).item()
-    3
-    """
-    rows = sequence_count(micro_batch)
-    if rows % 2:
-        raise ValueError(
-            f"a preference micro-batch has {rows} rows; it must hold chosen rows then as many rejected rows"
-        )
-    return torch.tensor(rows // 2)
 
 
 @attrs.frozen(eq=False)

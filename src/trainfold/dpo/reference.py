@@ -38,9 +38,9 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from trainfold.core.chunked_loss import OutputHead
-from trainfold.core.forward import train_mode
-from trainfold.core.generate import functional_forward
-from trainfold.dpo.logps import MODEL_KEYS, PREFERENCE_COLUMNS, REF_KEYS, completion_logps, halves
+from trainfold.core.logps import check_sized, completion_logps, score_with_reference
+from trainfold.data.lengths import PREFERENCE_COLUMNS
+from trainfold.dpo.logps import MODEL_KEYS, REF_KEYS, halves
 
 __all__ = [
     "CACHE_DIR",
@@ -48,48 +48,10 @@ __all__ = [
     "prepare_reference",
     "reference_fingerprint",
     "reference_logps",
-    "score_with_reference",
     "with_reference",
 ]
 
 CACHE_DIR = "ref_logps"  # under output_dir
-
-
-def _check_sized(dataset: Any) -> None:
-    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        raise TypeError(
-            f"precompute_ref_log_probs needs a map-style dataset, got {type(dataset).__name__} (an "
-            "iterable dataset); pass a list or a datasets.Dataset, or precompute_ref_log_probs=False "
-            "(as TRL)"
-        )
-
-
-def score_with_reference(
-    model: nn.Module,
-    ref_params: Mapping[str, Tensor],
-    dataset: Any,
-    collate: Callable[[list[Any]], Mapping[str, Tensor]],
-    score: Callable[[Callable[..., Any], Mapping[str, Tensor], Mapping[str, Tensor]], None],
-    *,
-    batch_size: int = 16,
-    buffers: Mapping[str, Tensor] | None = None,
-    drop: Sequence[str] = REF_KEYS,
-) -> None:
-    """Call ``score(forward, params, batch)`` on every batch of ``dataset`` as the reference sees it: ``model`` on
-    ``ref_params`` (and ``buffers``) in eval mode without grad, ``batch_size`` rows at a time in dataset order,
-    through ``collate`` (the collator training uses, so the scored tokens are the same), on the parameters' device;
-    columns named in ``drop`` (reference values already stored) are left out of the rows."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise ValueError(f"batch_size={batch_size!r} must be a positive int")
-    _check_sized(dataset)
-    forward = functional_forward(model, buffers)
-    params = {k: v.detach() for k, v in ref_params.items()}
-    device = next(iter(params.values())).device
-    with torch.no_grad(), train_mode(model, False):
-        for start in range(0, len(dataset), batch_size):
-            rows = (dict(dataset[i]) for i in range(start, min(start + batch_size, len(dataset))))
-            batch = collate([{k: v for k, v in row.items() if k not in drop} for row in rows])
-            score(forward, params, {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()})
 
 
 def reference_logps(
@@ -105,20 +67,18 @@ def reference_logps(
 ) -> tuple[Tensor, Tensor]:
     """Return the reference's summed completion log-probs of every pair of ``dataset``: ``(chosen, rejected)``, float32.
 
-    Each batch is scored as :func:`score_with_reference` gives it, with the same log-prob code as the
+    Each batch is scored as ``trainfold.core.logps.score_with_reference`` gives it, with the same log-prob code as the
     objective (``head``/``chunk_size``).
     """
-    chosen, rejected = [], []
 
-    def score(forward: Callable[..., Any], params: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> None:
+    def score(forward: Callable[..., Any], params: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> Any:
         inputs = {k: batch[k] for k in MODEL_KEYS if k in batch}
-        c, r = halves(completion_logps(forward, params, inputs, batch, head, chunk_size)[0])
-        chosen.append(c.float().cpu())
-        rejected.append(r.float().cpu())
+        return halves(completion_logps(forward, params, inputs, batch, head, chunk_size)[0])
 
-    score_with_reference(model, ref_params, dataset, collate, score, batch_size=batch_size, buffers=buffers)
-    empty = torch.zeros(0, dtype=torch.float32)
-    return (torch.cat(chosen) if chosen else empty), (torch.cat(rejected) if rejected else empty)
+    chosen, rejected = score_with_reference(
+        model, ref_params, dataset, collate, score, columns=2, batch_size=batch_size, buffers=buffers, drop=REF_KEYS
+    )
+    return chosen, rejected
 
 
 def precompute_ref_logps(
@@ -290,7 +250,7 @@ def _cached(
     chunk_size: int,
     model_is_reference: bool = False,
 ) -> Any:
-    _check_sized(dataset)
+    check_sized(dataset)
     fingerprint = reference_fingerprint(dataset, model, ref_params, collate, chunk_size)
     path = cache_dir / f"{name}-{fingerprint[:20]}.safetensors"
     found = _load(path, fingerprint, len(dataset))

@@ -15,10 +15,9 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, cast
 
-from torch import Tensor, nn
+from torch import nn
 
 from trainfold.data.hfstream import as_source
 from trainfold.data.mixture import is_stream_source
@@ -26,38 +25,16 @@ from trainfold.data.packing import check_packable
 from trainfold.dpo.args import DPOArguments
 from trainfold.dpo.data import padding_free_preference_collate, preference_rows
 from trainfold.dpo.objective import dpo_objective, preference_collate
-from trainfold.sft.run import PreparedStream, check_arguments
-from trainfold.trainer.model_source import model_from, processing_class_for, without_dropout
-from trainfold.trainer.train import TrainResult
-from trainfold.trainer.train import train as train_run
+from trainfold.trainer.model_source import processing_class_for
+from trainfold.trainer.trl_runs import PreparedStream, TRLInputs, TRLPrepared, TRLRun, policy_model, reference_params
 
 __all__ = [
-    "policy_model",
+    "prepare_dpo",
     "prepare_preference_dataset",
     "preference_collator",
     "reference_objective",
-    "reference_params",
     "train",
 ]
-
-
-class PolicySettings(Protocol):
-    """What building the trained policy reads: DPO's and KTO's arguments both have it (read-only: frozen records)."""
-
-    @property
-    def model_init_kwargs(self) -> dict[str, Any] | None: ...
-    @property
-    def seed(self) -> int: ...
-    @property
-    def disable_dropout(self) -> bool: ...
-
-
-def policy_model(model: nn.Module | str, args: PolicySettings, peft_config: Any = None) -> nn.Module:
-    """Return the model DPO (and KTO) trains: loaded by name, wrapped by PEFT, its dropout off with
-    ``disable_dropout`` (``args``: ``DPOArguments`` or ``KTOArguments``)."""
-    built = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
-    # TRL's default: no dropout in the policy (nor, thereby, in its reference)
-    return without_dropout(built) if args.disable_dropout else built
 
 
 def prepare_preference_dataset(dataset: Any, processing_class: Any, args: DPOArguments) -> Any:
@@ -89,15 +66,6 @@ def reference_objective(model: nn.Module, args: DPOArguments, ref_model: nn.Modu
     )
 
 
-def reference_params(model: nn.Module, ref_model: nn.Module | None, *, precomputed: bool) -> dict[str, Tensor] | None:
-    """Return the reference's params as TRL takes them: all of ``ref_model``'s, else the trainable params of
-    ``model`` as it is now; None when the reference log-probs are ``precomputed`` from the model itself (it is
-    scored before training and needs no copy)."""
-    if ref_model is not None:
-        return dict(ref_model.named_parameters())
-    return None if precomputed else {k: v for k, v in model.named_parameters() if v.requires_grad}
-
-
 def preference_collator(model: nn.Module, args: DPOArguments, tok: Any) -> tuple[Any, DPOArguments]:
     """Return the run's preference collator and its arguments (padding-free rows are the collator's, not the run's)."""
     pad = (args.pad_token or tok.pad_token or tok.eos_token) if tok else None
@@ -117,33 +85,27 @@ def _is_row(row: Any) -> bool:
     return row is not None
 
 
-def train(
-    model: nn.Module | str,
-    args: DPOArguments,
-    train_dataset: Any,
-    eval_dataset: Any = None,
-    processing_class: Any = None,
-    ref_model: nn.Module | None = None,
-    peft_config: Any = None,
-    callbacks: Sequence[Any] = (),
-    **kwargs: Any,
-) -> TrainResult:
-    """Train ``model`` with DPO on preference rows as ``DPOTrainer(...).train()`` does; return the run's record.
+def prepare_dpo(given: TRLInputs) -> TRLPrepared:
+    """Return what a DPO run trains, as ``DPOTrainer(...).train()`` does: the policy (``policy_model``), the rows
+    tokenized, the preference collator and the objective against the reference.
 
     The reference is ``ref_model`` when given, else the model as it is before training (TRL reloads it
     from its path; this needs none); ``precompute_ref_log_probs`` scores the datasets with it once.
-    Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does.
-    ``kwargs`` go to ``trainfold.train``.
     """
-    check_arguments(args, DPOArguments, "dpo")
-    model = policy_model(model, args, peft_config)
-    objective = kwargs.pop("objective", None) or reference_objective(model, args, ref_model)  # a facade's own
-    tok = processing_class = processing_class_for(model, processing_class)
+    args = cast(DPOArguments, given.args)
+    model = policy_model(given.model, args, given.peft_config)
+    objective = given.objective or reference_objective(model, args, given.own.get("ref_model"))  # a facade's own
+    tok = processing_class_for(model, given.processing_class)
     collate, args = preference_collator(model, args, tok)
-    train_rows = prepare_preference_dataset(train_dataset, tok, args)
-    eval_rows = prepare_preference_dataset(eval_dataset, tok, args)
-    run = dict(objective=objective, callbacks=callbacks, processing_class=tok)  # checkpoints hold the tokenizer
-    return train_run(model, args, train_rows, eval_rows, collate, **run, **kwargs)
+    train_rows = prepare_preference_dataset(given.train_dataset, tok, args)
+    eval_rows = prepare_preference_dataset(given.eval_dataset, tok, args)
+    run = dict(objective=objective, processing_class=tok)  # checkpoints hold the tokenizer
+    return TRLPrepared(model, args, train_rows, eval_rows, collate, run)
+
+
+train = TRLRun(DPOArguments, "dpo", prepare_dpo, own=("ref_model",))
+"""Train a model with DPO on preference rows as ``DPOTrainer(...).train()`` does (:func:`prepare_dpo`), ``ref_model``
+the reference (None: the model before training); return the run's record."""
 
 
 # ``trainfold.sft.prepare_dataset`` is SFT's (one meaning per public name)

@@ -13,9 +13,10 @@ from typing import Any
 from torch import nn
 
 from trainfold.dpo.args import DPOArguments
-from trainfold.dpo.run import policy_model, preference_collator, prepare_preference_dataset, reference_objective
+from trainfold.dpo.run import preference_collator, prepare_preference_dataset, reference_objective
 from trainfold.dpo.run import train as dpo_train
 from trainfold.trainer.facade import ReferenceTrainer
+from trainfold.trainer.trl_runs import policy_model
 
 __all__ = ["DPOTrainer"]
 

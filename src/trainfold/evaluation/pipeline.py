@@ -26,7 +26,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from trainfold.core.forward import make_forward, train_mode
+from trainfold.core.forward import cache_configs, cache_off, make_forward, train_mode
 from trainfold.core.losses import counter_for, logits_of
 from trainfold.evaluation.concat import pad_concat
 from trainfold.evaluation.reducers import (
@@ -44,7 +44,6 @@ from trainfold.evaluation.reducers import (
     unreduced,
 )
 from trainfold.evaluation.spec import EvalSpec
-from trainfold.step.recompute import cache_configs, cache_off
 
 __all__ = ["eval_fold", "eval_parts", "resolve_forward"]
 

@@ -6,33 +6,17 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-__all__ = ["EVAL_STRATEGIES", "check_eval_schedule", "resolve_eval_steps", "should_evaluate", "steps_interval"]
+from trainfold.core.fold import steps_interval
+
+__all__ = ["EVAL_STRATEGIES", "check_eval_schedule", "resolve_eval_steps", "should_evaluate"]
 
 EVAL_STRATEGIES = ("no", "steps", "epoch")
 
 
 def _strategy(value: Any) -> str:
     return str(getattr(value, "value", value))
-
-
-def steps_interval(value: Any, max_steps: int | None, name: str) -> int:
-    """Return the interval ``value`` of the setting ``name`` in steps; a value below 1 is a share of ``max_steps``.
-
-    >>> steps_interval(4, None, "save_steps"), steps_interval(0.25, 10, "save_steps")
-    (4, 3)
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name} must be a positive number of steps (or a share < 1 of max_steps), got {value!r}")
-    if value < 1:
-        if max_steps is None or max_steps <= 0:
-            raise ValueError(f"{name}={value} is a share of max_steps, so pass max_steps (got {max_steps!r})")
-        return math.ceil(max_steps * value)
-    if value != int(value):
-        raise ValueError(f"{name} above 1 must be a whole number of steps, got {value!r}")
-    return int(value)
 
 
 def resolve_eval_steps(eval_steps: float | None, logging_steps: float = 500, max_steps: int | None = None) -> int:

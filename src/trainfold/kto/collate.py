@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from trainfold.data.collate import check_completion_padding
+from trainfold.data.rows import check_items
 from trainfold.kto.rows import KL_COLUMN, UNPAIRED_COLUMNS
 
 __all__ = ["REF_COLUMNS", "UnpairedCollate", "unpaired_collate"]
@@ -37,6 +38,10 @@ def _padded(rows: list[list[int]], value: int, multiple: int | None) -> Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=torch.long)
     return out
+
+
+def _unpaired_fix(item: Mapping[str, Any]) -> str:
+    return "prepare the rows with trainfold.kto.unpaired_rows (or give prompt_ids, completion_ids and label)"
 
 
 @attrs.frozen
@@ -64,15 +69,7 @@ class UnpairedCollate:
         }
 
     def __call__(self, items: Sequence[Mapping[str, Any]]) -> dict[str, Tensor]:
-        if not items:
-            raise ValueError("cannot collate an empty list of unpaired rows")
-        for i, item in enumerate(items):
-            missing = [k for k in UNPAIRED_COLUMNS if k not in item]
-            if missing:
-                raise KeyError(
-                    f"unpaired row {i} lacks {missing} (has {sorted(item)}); prepare the rows with "
-                    "trainfold.kto.unpaired_rows (or give prompt_ids, completion_ids and label)"
-                )
+        check_items(items, UNPAIRED_COLUMNS, "unpaired row", _unpaired_fix)
         out = self._side(items, "completion_ids", "")
         if KL_COLUMN in items[0]:
             out |= self._side(items, KL_COLUMN, "KL_")

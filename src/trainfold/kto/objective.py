@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tensors
-from trainfold.dpo.logps import completion_logps
+from trainfold.core.logps import completion_logps
 from trainfold.kto.collate import REF_COLUMNS, UnpairedCollate
 from trainfold.kto.loss import kl_estimate, kto_loss, kto_loss_errors
 from trainfold.kto.reference import prepare_reference_logps, unpaired_logps

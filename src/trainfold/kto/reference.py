@@ -24,8 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from trainfold.dpo.logps import completion_logps
-from trainfold.dpo.reference import score_with_reference
+from trainfold.core.logps import completion_logps, score_with_reference
 from trainfold.kto.collate import REF_COLUMNS
 
 __all__ = ["prepare_reference_logps", "unpaired_logps", "unpaired_reference_logps", "with_reference_logps"]
@@ -51,20 +50,25 @@ def unpaired_reference_logps(
 ) -> tuple[Tensor, Tensor | None]:
     """Return the reference's summed completion log-probs of every row, and of its KL completion (None without
     ``kl``), float32, ``batch_size`` rows at a time."""
-    main, mismatched = [], []
 
-    def score(forward: Callable[..., Any], params: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> None:
-        main.append(unpaired_logps(forward, params, batch).float().cpu())
-        if kl:
-            mismatched.append(unpaired_logps(forward, params, batch, "KL_").float().cpu())
+    def score(forward: Callable[..., Any], params: Mapping[str, Tensor], batch: Mapping[str, Tensor]) -> Any:
+        main = unpaired_logps(forward, params, batch)
+        return (main, unpaired_logps(forward, params, batch, "KL_")) if kl else (main,)
 
     device = next(iter(ref_params.values())).device
     buffers = {k: v.to(device) for k, v in model.named_buffers()}
-    score_with_reference(
-        model, ref_params, rows, collate, score, batch_size=batch_size, buffers=buffers, drop=REF_COLUMNS
+    scored = score_with_reference(
+        model,
+        ref_params,
+        rows,
+        collate,
+        score,
+        columns=2 if kl else 1,
+        batch_size=batch_size,
+        buffers=buffers,
+        drop=REF_COLUMNS,
     )
-    empty = torch.zeros(0)
-    return (torch.cat(main) if main else empty), ((torch.cat(mismatched) if mismatched else empty) if kl else None)
+    return scored[0], (scored[1] if kl else None)
 
 
 def with_reference_logps(rows: Any, ref: Tensor, ref_kl: Tensor | None) -> Any:

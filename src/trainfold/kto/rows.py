@@ -25,8 +25,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from trainfold.dpo.data import implicit_prompt
-from trainfold.sft.data import common_prefix, is_conversational
+from trainfold.data.rows import common_prefix, implicit_prompt, is_conversational
 
 __all__ = ["KL_COLUMN", "UNPAIRED_COLUMNS", "unpair", "unpaired_row", "unpaired_rows", "with_kl_completions"]
 

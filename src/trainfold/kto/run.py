@@ -14,22 +14,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
-from trainfold.dpo.run import policy_model, reference_params
 from trainfold.kto.args import KTOArguments
 from trainfold.kto.collate import unpaired_collate
 from trainfold.kto.objective import kto_objective
 from trainfold.kto.rows import unpaired_rows
-from trainfold.sft.run import check_arguments
 from trainfold.trainer.model_source import processing_class_for
-from trainfold.trainer.train import TrainResult
-from trainfold.trainer.train import train as train_run
+from trainfold.trainer.trl_runs import TRLInputs, TRLPrepared, TRLRun, policy_model, reference_params
 
-__all__ = ["kto_reference_objective", "prepare_unpaired_dataset", "train", "unpaired_collator"]
+__all__ = ["kto_reference_objective", "prepare_kto", "prepare_unpaired_dataset", "train", "unpaired_collator"]
 
 
 def prepare_unpaired_dataset(dataset: Any, processing_class: Any, args: KTOArguments) -> Any:
@@ -68,33 +64,26 @@ def unpaired_collator(args: KTOArguments, tok: Any) -> Any:
     return unpaired_collate(pad_id, args.max_length, args.pad_to_multiple_of)
 
 
-def train(
-    model: nn.Module | str,
-    args: KTOArguments,
-    train_dataset: Any,
-    eval_dataset: Any = None,
-    processing_class: Any = None,
-    ref_model: nn.Module | None = None,
-    peft_config: Any = None,
-    callbacks: Sequence[Any] = (),
-    **kwargs: Any,
-) -> TrainResult:
-    """Train ``model`` with KTO on unpaired (or paired) rows as ``KTOTrainer(...).train()`` does; return the record.
+def prepare_kto(given: TRLInputs) -> TRLPrepared:
+    """Return what a KTO run trains, as ``KTOTrainer(...).train()`` does: the policy (``policy_model``: loaded by name,
+    wrapped by PEFT, dropout off), the rows prepared (an eval dict each), the collator and the objective.
 
     The reference is ``ref_model`` when given, else the model as it is before training (TRL reloads it from its
-    path; this needs none); ``precompute_ref_log_probs`` scores the datasets with it once. Without
-    ``processing_class`` the tokenizer saved with the model is loaded, as TRL does. ``kwargs`` go to
-    ``trainfold.train``.
+    path; this needs none); ``precompute_ref_log_probs`` scores the datasets with it once.
     """
-    check_arguments(args, KTOArguments, "kto")
-    model = policy_model(model, args, peft_config)  # DPO's: loaded by name, wrapped by PEFT, dropout off
-    objective = kwargs.pop("objective", None) or kto_reference_objective(model, args, ref_model)  # a facade's own
-    tok = processing_class_for(model, processing_class)
-    collate = unpaired_collator(args, tok)
-    train_rows = prepare_unpaired_dataset(train_dataset, tok, args)
-    if isinstance(eval_dataset, dict):
-        eval_rows: Any = {k: prepare_unpaired_dataset(v, tok, args) for k, v in eval_dataset.items()}
+    args = cast(KTOArguments, given.args)
+    model = policy_model(given.model, args, given.peft_config)
+    objective = given.objective or kto_reference_objective(model, args, given.own.get("ref_model"))  # a facade's
+    tok = processing_class_for(model, given.processing_class)
+    train_rows = prepare_unpaired_dataset(given.train_dataset, tok, args)
+    if isinstance(given.eval_dataset, dict):
+        eval_rows: Any = {k: prepare_unpaired_dataset(v, tok, args) for k, v in given.eval_dataset.items()}
     else:
-        eval_rows = prepare_unpaired_dataset(eval_dataset, tok, args)
-    run = dict(objective=objective, callbacks=callbacks, processing_class=tok)  # checkpoints hold the tokenizer
-    return train_run(model, args, train_rows, eval_rows, collate, **run, **kwargs)
+        eval_rows = prepare_unpaired_dataset(given.eval_dataset, tok, args)
+    run = dict(objective=objective, processing_class=tok)  # checkpoints hold the tokenizer
+    return TRLPrepared(model, args, train_rows, eval_rows, unpaired_collator(args, tok), run)
+
+
+train = TRLRun(KTOArguments, "kto", prepare_kto, own=("ref_model",))
+"""Train a model with KTO on unpaired (or paired) rows as ``KTOTrainer(...).train()`` does (:func:`prepare_kto`),
+``ref_model`` the reference (None: the model before training); return the run's record."""

@@ -9,11 +9,11 @@ from typing import Any
 
 from torch import nn
 
-from trainfold.dpo.run import policy_model
 from trainfold.kto.args import KTOArguments
 from trainfold.kto.run import kto_reference_objective, prepare_unpaired_dataset, unpaired_collator
 from trainfold.kto.run import train as kto_train
 from trainfold.trainer.facade import ReferenceTrainer
+from trainfold.trainer.trl_runs import policy_model
 
 __all__ = ["KTOTrainer"]
 
@@ -27,7 +27,7 @@ class KTOTrainer(ReferenceTrainer[KTOArguments]):
 
     own_collator = "the run pads unpaired rows itself (max_length and pad_to_multiple_of in KTOArguments)"
     run = staticmethod(kto_train)
-    load_model = staticmethod(policy_model)  # DPO's: loaded by name, wrapped by PEFT, dropout off
+    load_model = staticmethod(policy_model)  # loaded by name, wrapped by PEFT, dropout off
     reference_objective = staticmethod(kto_reference_objective)
     prepare = staticmethod(prepare_unpaired_dataset)
     scoring_collator = staticmethod(_collator)

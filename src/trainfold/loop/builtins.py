@@ -2,7 +2,7 @@
 
 They are made from the ground floors: log entries from ``observe`` (the window's mean loss, grad norm,
 learning rate), evaluation from ``evaluation.evaluate_batches``, checkpoints from ``ckpt`` (atomic, verified,
-rotated), early stopping and the best metric from ``observe.stopping`` and ``evaluation.best``; what they
+rotated), early stopping and the best metric from ``observe.stopping`` and ``ckpt.best``; what they
 must carry across a resume lives in ``state.extras``.
 
 >>> log(every=10).kind, save(every=500, keep=2).every.at_end, early_stop("eval_loss", patience=3).kind
@@ -17,9 +17,9 @@ from typing import Any
 import attrs
 from torch import nn
 
+from trainfold.ckpt import best as best_metric
 from trainfold.ckpt import policy
 from trainfold.core.state import TrainState
-from trainfold.evaluation import best as best_metric
 from trainfold.evaluation.evaluation import evaluate_batches
 from trainfold.loop.hooks import Every, Hook
 from trainfold.loop.record import RunLog

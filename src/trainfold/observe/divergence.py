@@ -31,9 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainfold.core.state import TrainState
+from trainfold.core.state import TrainState, sample_certificate
 from trainfold.core.tree import flatten
-from trainfold.data.mixture import sample_certificate
 
 __all__ = [
     "DIVERGED",
@@ -52,7 +51,7 @@ __all__ = [
 HASH_FILE = "state_hashes.jsonl"  # one {"step", "state_hash", "loss"} line per logged step, in output_dir
 
 DIVERGED = "diverged"  # the status of a run stopped because its parameters are no longer finite
-EXIT_DIVERGED = 3  # the exit status of ``python -m trainfold train`` for such a run (a failure, not to be retried)
+EXIT_DIVERGED = 3  # the exit status of ``python -m trainfold.cli train`` for such a run (a failure, not to be retried)
 
 
 def nonfinite_params(params: Mapping[str, Tensor]) -> list[str]:
@@ -224,7 +223,7 @@ def first_hash_divergence(run_a: str | os.PathLike, run_b: str | os.PathLike) ->
 
 def first_sample_divergence(run_a: str | os.PathLike, run_b: str | os.PathLike) -> tuple[int | None, int | None]:
     """Return ``(first, last_agreed)`` as :func:`first_hash_divergence` does, for the steps' sample certificates
-    (``trainfold.data.mixture.sample_certificate``: runs on streaming sources), ``(None, None)`` when either log
+    (``trainfold.core.state.sample_certificate``: runs on streaming sources), ``(None, None)`` when either log
     has none: the first logged step whose rolling hash of sample ids differs, i.e. whose rows differ."""
     ha, hb = read_hashes(run_a), read_hashes(run_b)
     last = None

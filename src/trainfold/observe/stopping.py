@@ -23,8 +23,8 @@ import attrs
 import torch
 from torch import Tensor
 
+from trainfold.ckpt.best import greater_is_better_for
 from trainfold.core.state import TrainState, scalar
-from trainfold.evaluation.best import greater_is_better_for
 
 __all__ = [
     "EARLY_STOPPING",
@@ -89,7 +89,7 @@ def early_stopping(
     every improvement, however small, so steady progress of 0.4 per evaluation with
     ``threshold=0.5`` stops it; here it does not with ``patience >= 2``.) A NaN value never counts.
 
-    ``greater_is_better`` must be given unless the name settles it (``evaluation.best.greater_is_better_for``).
+    ``greater_is_better`` must be given unless the name settles it (``ckpt.best.greater_is_better_for``).
 
     >>> es = early_stopping("eval_loss", patience=2, threshold=0.5)
     >>> es.greater_is_better

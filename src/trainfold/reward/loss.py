@@ -27,8 +27,8 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from trainfold.core.counting import count_pairs
 from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tensors
-from trainfold.dpo.objective import count_pairs
 from trainfold.reward.data import REWARD_COLUMNS
 
 __all__ = ["RewardObjective", "bradley_terry", "reward_objective"]

@@ -16,8 +16,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -25,12 +24,10 @@ from torch import nn
 from trainfold.reward.args import RewardArguments
 from trainfold.reward.data import reward_collate, reward_rows
 from trainfold.reward.loss import reward_objective
-from trainfold.sft.run import PreparedStream, check_arguments
 from trainfold.trainer.model_source import processing_class_for, without_dropout
-from trainfold.trainer.train import TrainResult
-from trainfold.trainer.train import train as train_run
+from trainfold.trainer.trl_runs import PreparedStream, TRLInputs, TRLPrepared, TRLRun
 
-__all__ = ["prepare_reward_dataset", "reward_model", "pad_id_for", "train"]
+__all__ = ["prepare_reward_dataset", "prepare_reward", "reward_model", "pad_id_for", "train"]
 
 
 def reward_model(model: nn.Module | str, args: RewardArguments, peft_config: Any = None) -> nn.Module:
@@ -86,28 +83,21 @@ def prepare_reward_dataset(dataset: Any, tokenizer: Any, args: RewardArguments) 
     return reward_rows(rows, tokenizer, args.max_length, args.eos_token)
 
 
-def train(
-    model: nn.Module | str,
-    args: RewardArguments,
-    train_dataset: Any,
-    eval_dataset: Any = None,
-    processing_class: Any = None,
-    peft_config: Any = None,
-    data_collator: Any = None,
-    callbacks: Sequence[Any] = (),
-    **kwargs: Any,
-) -> TrainResult:
-    """Train a reward model on preference rows as TRL's ``RewardTrainer(...).train()`` does; return the run's record.
+def prepare_reward(given: TRLInputs) -> TRLPrepared:
+    """Return what a reward run trains, as TRL's ``RewardTrainer(...).train()`` does: the model
+    (:func:`reward_model`), the rows tokenized and filtered, ``data_collator`` (else the reward collator) and the
+    Bradley–Terry objective. The model's ``config.pad_token_id`` is set to the pad id (as TRL does)."""
+    args = cast(RewardArguments, given.args)
+    model = reward_model(given.model, args, given.peft_config)
+    tok = processing_class_for(model, given.processing_class)
+    collate = given.own.get("data_collator") or reward_collate(pad_id_for(model, tok, args), args.pad_to_multiple_of)
+    train_rows = prepare_reward_dataset(given.train_dataset, tok, args)
+    eval_rows = prepare_reward_dataset(given.eval_dataset, tok, args)
+    objective = given.objective or reward_objective(args.center_rewards_coefficient)
+    run = dict(objective=objective, processing_class=tok)  # checkpoints hold the tokenizer
+    return TRLPrepared(model, args, train_rows, eval_rows, collate, run)
 
-    Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does. The model's
-    ``config.pad_token_id`` is set to the pad id (as TRL does). ``kwargs`` go to ``trainfold.train``.
-    """
-    check_arguments(args, RewardArguments, "reward")
-    model = reward_model(model, args, peft_config)
-    tok = processing_class_for(model, processing_class)
-    collate = data_collator or reward_collate(pad_id_for(model, tok, args), args.pad_to_multiple_of)
-    train_rows = prepare_reward_dataset(train_dataset, tok, args)
-    eval_rows = prepare_reward_dataset(eval_dataset, tok, args)
-    objective = kwargs.pop("objective", None) or reward_objective(args.center_rewards_coefficient)
-    run = dict(objective=objective, callbacks=callbacks, processing_class=tok)  # checkpoints hold the tokenizer
-    return train_run(model, args, train_rows, eval_rows, collate, **run, **kwargs)
+
+train = TRLRun(RewardArguments, "reward", prepare_reward, own=("data_collator",))
+"""Train a reward model on preference rows as TRL's ``RewardTrainer(...).train()`` does (:func:`prepare_reward`);
+return the run's record."""

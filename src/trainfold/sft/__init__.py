@@ -6,17 +6,15 @@
 """
 
 from trainfold.sft.args import SFTArguments
-from trainfold.sft.data import SFTCollate, is_conversational, sft_collate, sft_loss, sft_row, sft_rows
-from trainfold.sft.run import PreparedStream, default_collator, prepare_dataset, prepare_eval_dataset, train
+from trainfold.sft.data import SFTCollate, sft_collate, sft_loss, sft_row, sft_rows
+from trainfold.sft.run import default_collator, prepare_dataset, prepare_eval_dataset, train
 from trainfold.sft.trainer import SFTTrainer
 
 __all__ = [
-    "PreparedStream",
     "SFTArguments",
     "SFTTrainer",
     "SFTCollate",
     "default_collator",
-    "is_conversational",
     "prepare_dataset",
     "prepare_eval_dataset",
     "sft_collate",

@@ -31,11 +31,10 @@ import torch
 from torch import Tensor
 
 from trainfold.core.losses import IGNORE_INDEX, causal_lm, logits_of
+from trainfold.data.rows import common_prefix, is_conversational
 
 __all__ = [
     "SFTCollate",
-    "common_prefix",
-    "is_conversational",
     "sft_collate",
     "sft_loss",
     "sft_row",
@@ -44,34 +43,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger(__name__)
-_TEXT_KEYS = ("messages", "prompt", "completion")
-
-
-def is_conversational(row: Mapping[str, Any]) -> bool:
-    """Return whether ``row`` holds message lists (``[{"role": ..., "content": ...}, ...]``), as TRL decides.
-
-    >>> is_conversational({"messages": [{"role": "user", "content": "hi"}]}), is_conversational({"text": "hi"})
-    (True, False)
-    """
-    for key in _TEXT_KEYS:
-        value = row.get(key)
-        if isinstance(value, list) and value and isinstance(value[0], Mapping) and "role" in value[0]:
-            return True
-    return False
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Return how many leading token ids ``a`` and ``b`` share (where a tokenized prompt meets its completion).
-
-    >>> common_prefix([1, 2, 3], [1, 2, 4, 5])
-    2
-    """
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _chat(tokenizer: Any, messages: list, **kwargs: Any) -> dict[str, list[int]]:

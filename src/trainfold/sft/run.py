@@ -19,11 +19,7 @@ be a module or a name/path (loaded with ``model_init_kwargs``); ``peft_config`` 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any
-
-import torch
-from torch import nn
+from typing import Any, cast
 
 from trainfold.data.hfstream import as_source
 from trainfold.data.llm import DEFAULT_MAX_LENGTH
@@ -32,39 +28,13 @@ from trainfold.data.packing import pack
 from trainfold.sft.args import SFTArguments
 from trainfold.sft.data import sft_collate, sft_loss, sft_rows
 from trainfold.trainer.model_source import model_from, processing_class_for
-from trainfold.trainer.train import TrainResult
-from trainfold.trainer.train import train as train_run
+from trainfold.trainer.trl_runs import PreparedStream, TRLInputs, TRLPrepared, TRLRun
 
 
 def _shuffled(rows: list, seed: int) -> Any:
     from datasets import Dataset  # TRL shuffles with datasets' seeded permutation
 
     return Dataset.from_list(rows).shuffle(seed=seed)
-
-
-def check_arguments(args: Any, expected: type, package: str) -> None:
-    """Refuse ``args`` unless it is an ``expected`` (the Arguments of ``trainfold.<package>.train``), naming the fix.
-
-    >>> check_arguments(SFTArguments(bf16=False), SFTArguments, "sft") is None
-    True
-    """
-    if not isinstance(args, expected):
-        config = expected.__name__.replace("Arguments", "Config")
-        raise TypeError(
-            f"trainfold.{package}.train takes {expected.__name__} (TRL's {config} names), not {type(args).__name__}; "
-            f"convert a trl.{config} with {expected.__name__}.from_hf(config)"
-        )
-
-
-class PreparedStream(torch.utils.data.IterableDataset):
-    """A dataset without a length (``datasets.IterableDataset``, streaming) prepared row by row as it is read."""
-
-    def __init__(self, rows: Any, prepare: Any) -> None:
-        self.rows, self.prepare = rows, prepare
-
-    def __iter__(self) -> Any:
-        for row in self.rows:
-            yield from self.prepare([row])
 
 
 def _formatted(rows: Any, formatting_func: Any) -> Any:
@@ -190,34 +160,28 @@ def default_collator(processing_class: Any, args: SFTArguments, data_collator: A
     return data_collator
 
 
-def train(
-    model: nn.Module | str,
-    args: SFTArguments,
-    train_dataset: Any,
-    eval_dataset: Any = None,
-    processing_class: Any = None,
-    peft_config: Any = None,
-    data_collator: Any = None,
-    callbacks: Sequence[Any] = (),
-    formatting_func: Any = None,
-    **kwargs: Any,
-) -> TrainResult:
-    """Fine-tune ``model`` on ``train_dataset`` as TRL's ``SFTTrainer(...).train()`` does; return the run's record.
-
-    Without ``processing_class`` the tokenizer saved with the model is loaded, as TRL does. ``kwargs`` go to
-    ``trainfold.train`` (``compute_metrics``, ``observers``, ``resume_from_checkpoint``...).
-    """
-    check_arguments(args, SFTArguments, "sft")
+def prepare_sft(given: TRLInputs) -> TRLPrepared:
+    """Return what an SFT run trains, as TRL's ``SFTTrainer(...).train()`` does: the model (loaded by name with
+    ``model_init_kwargs``, wrapped by PEFT), the rows prepared (``formatting_func`` makes their text), the
+    collator (``data_collator``, else TRL's padding one) and SFT's loss unless an ``objective`` is given."""
+    args = cast(SFTArguments, given.args)
+    data_collator, formatting_func = given.own.get("data_collator"), given.own.get("formatting_func")
     if (args.dataset_kwargs or {}).get("skip_prepare_dataset"):
-        problems = _skipped_problems({"train": train_dataset, "eval": eval_dataset}, data_collator)
+        problems = _skipped_problems({"train": given.train_dataset, "eval": given.eval_dataset}, data_collator)
         if problems:
             raise ValueError("cannot train on these rows as given:\n  - " + "\n  - ".join(problems))
-    model = model_from(model, args.model_init_kwargs, peft_config, seed=args.seed)
-    processing_class = processing_class_for(model, processing_class)
-    train_rows = prepare_dataset(train_dataset, processing_class, args, args.packing, formatting_func)
-    eval_rows = prepare_eval_dataset(eval_dataset, processing_class, args, formatting_func)
-    data_collator = default_collator(processing_class, args, data_collator)
-    if not args.loss_chunk_size and kwargs.get("objective") is None:  # SFT's loss, whatever wraps the model (PEFT)
-        kwargs.setdefault("compute_loss_func", sft_loss)  # causal_lm, logging TRL's entropy and mean_token_accuracy
-    kwargs.setdefault("processing_class", processing_class)  # checkpoints hold the tokenizer, as the Trainer's
-    return train_run(model, args, train_rows, eval_rows, data_collator, callbacks=callbacks, **kwargs)
+    model = model_from(given.model, args.model_init_kwargs, given.peft_config, seed=args.seed)
+    tok = processing_class_for(model, given.processing_class)
+    train_rows = prepare_dataset(given.train_dataset, tok, args, args.packing, formatting_func)
+    eval_rows = prepare_eval_dataset(given.eval_dataset, tok, args, formatting_func)
+    run: dict[str, Any] = {"processing_class": tok}  # checkpoints hold the tokenizer, as the Trainer's
+    if given.objective is not None:
+        run["objective"] = given.objective
+    elif not args.loss_chunk_size:  # SFT's loss, whatever wraps the model (PEFT)
+        run["compute_loss_func"] = sft_loss  # causal_lm, logging TRL's entropy and mean_token_accuracy
+    return TRLPrepared(model, args, train_rows, eval_rows, default_collator(tok, args, data_collator), run)
+
+
+train = TRLRun(SFTArguments, "sft", prepare_sft, own=("data_collator", "formatting_func"))
+"""Fine-tune a model on rows as TRL's ``SFTTrainer(...).train()`` does (:func:`prepare_sft`); return the run's
+record. ``data_collator`` and ``formatting_func`` are TRL's."""

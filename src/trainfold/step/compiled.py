@@ -24,7 +24,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from trainfold.core.forward import train_mode
+from trainfold.core.forward import cache_off, train_mode
 from trainfold.core.state import TrainState
 from trainfold.core.tree import global_norm, known_norm
 from trainfold.step.driver import (
@@ -38,7 +38,6 @@ from trainfold.step.driver import (
 )
 from trainfold.step.fallback import CompileFallbackWarning, fall_back, refuse_uncompilable
 from trainfold.step.plan import StepPlan
-from trainfold.step.recompute import cache_off
 from trainfold.step.traced import fresh_function, micro_grads
 
 __all__ = ["CompileFallbackWarning", "compile_step", "refuse_uncompilable"]

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from trainfold.core.forward import Batch, training_flags
+from trainfold.core.forward import Batch, cache_off, training_flags
 from trainfold.core.state import TrainState
 from trainfold.core.tree import global_norm
 from trainfold.optim.hyper import grad_hyperparameters
@@ -42,7 +42,6 @@ from trainfold.optim.transform import apply_updates
 from trainfold.step.driver import accumulate_step, materialized, micro_loss, next_state, no_gradient_error, open_step
 from trainfold.step.eager import pure_forward
 from trainfold.step.plan import StepPlan
-from trainfold.step.recompute import cache_off
 
 __all__ = ["check_differentiable", "differentiable_step"]
 

@@ -9,7 +9,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from trainfold.core.forward import Batch, Forward, make_forward, training_flags
+from trainfold.core.forward import Batch, Forward, cache_off, make_forward, training_flags
 from trainfold.core.state import TrainState, resharded
 from trainfold.core.tree import global_norm, known_norm
 from trainfold.distributed.distributed import failure_of
@@ -30,7 +30,6 @@ from trainfold.step.driver import (
 )
 from trainfold.step.fsdp import summing, syncing_last
 from trainfold.step.plan import StepPlan, is_fully_sharded
-from trainfold.step.recompute import cache_off
 
 __all__ = ["eager_step", "is_lent", "only_leaves_need_grad", "pure_forward"]
 

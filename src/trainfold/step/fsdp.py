@@ -40,7 +40,6 @@ __all__ = [
     "make_mesh",
     "layer_blocks",
     "fully_shard_model",
-    "held_structure",
     "placed_like",
     "refuse_engine_options",
 ]
@@ -274,39 +273,3 @@ def refuse_engine_options(model: nn.Module, *, sharding: Any = None, compile: An
             f"compile={compile!r} with a fully_shard (FSDP2) module is not supported: the compiled step traces "
             "the pure path, which cannot run FSDP's hooks; drop compile (torch_compile) for a sharded run"
         )
-
-
-def held_structure(model: Any) -> Any:
-    """Return what a checkpoint reads of ``model`` (names, config, ``state_dict``), taken now for an FSDP2
-    module (``model`` itself otherwise): an async save must not call FSDP2's resharding hooks from its thread.
-
-    >>> lin = torch.nn.Linear(2, 1)
-    >>> held_structure(lin) is lin
-    True
-    """
-    return _Structure(model) if any(c.__name__ == "FSDPModule" for c in type(model).__mro__) else model
-
-
-class _Structure:
-    """What a checkpoint reads of a ``fully_shard`` module (its names, its config), taken on the caller's thread.
-
-    FSDP2's ``state_dict`` pre-hook reshards the module: called from an async save's writer thread, it
-    would reshard the module under the next step's forward.
-    """
-
-    def __init__(self, model: Any) -> None:
-        self._model = model
-        self._state = model.state_dict(keep_vars=True)  # first: its pre-hook puts a gathered root back on shards
-        self._params, self._buffers = list(model.named_parameters()), list(model.named_buffers())
-
-    def named_parameters(self) -> Any:
-        return iter(self._params)
-
-    def named_buffers(self) -> Any:
-        return iter(self._buffers)
-
-    def state_dict(self, keep_vars: bool = False) -> dict[str, Any]:
-        return dict(self._state)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._model, name)

@@ -11,11 +11,11 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.core.collective import Collective
-from trainfold.core.forward import Objective
+from trainfold.core.forward import Objective, cache_configs
 from trainfold.core.losses import counter_for, default_loss_for
 from trainfold.optim import GradientTransformation
 from trainfold.step.amp import LossScaling
-from trainfold.step.recompute import cache_configs, own_blocks, own_checkpointing, own_off, recomputing
+from trainfold.step.recompute import own_blocks, own_checkpointing, own_off, recomputing
 
 __all__ = [
     "StepPlan",
@@ -51,7 +51,7 @@ class StepPlan:
     autocast: torch.dtype | None
     recompute: int = 0  # 0: off; n: checkpoint every n-th block
     loss_scaling: LossScaling | None = None
-    cache_configs: tuple[Any, ...] = ()  # configs whose KV cache the step turns off (recompute.cache_off)
+    cache_configs: tuple[Any, ...] = ()  # configs whose KV cache the step turns off (core.forward.cache_off)
 
     def autocast_scope(self, device_type: str) -> contextlib.AbstractContextManager[Any]:
         """Return the ``torch.autocast`` scope of the forward pass (a no-op scope without ``autocast``)."""

@@ -40,6 +40,8 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import checkpoint
 
+from trainfold.core.forward import cache_configs, cache_off
+
 __all__ = [
     "checkpoint_blocks",
     "recomputing",
@@ -47,8 +49,6 @@ __all__ = [
     "own_blocks",
     "own_off",
     "refuse_own_checkpointing",
-    "cache_configs",
-    "cache_off",
 ]
 
 _HF_LAYER = "GradientCheckpointingLayer"
@@ -168,52 +168,6 @@ def own_off(own: Sequence[nn.Module]) -> Iterator[None]:
     finally:
         for module in own:
             module.__dict__["gradient_checkpointing"] = True
-
-
-def cache_configs(modules: Iterable[nn.Module]) -> list[Any]:
-    """Return the distinct configs (transformers' ``module.config``) of ``modules`` that have a ``use_cache``.
-
-    >>> import types, torch
-    >>> lin = torch.nn.Linear(1, 1)
-    >>> lin.config = types.SimpleNamespace(use_cache=True)
-    >>> len(cache_configs([lin, torch.nn.Linear(1, 1)]))
-    1
-    """
-    found = {id(c): c for m in modules if (c := m.__dict__.get("config")) is not None}  # blocks share one config
-    return [c for c in found.values() if hasattr(c, "use_cache")]
-
-
-@contextlib.contextmanager
-def cache_off(configs: Sequence[Any]) -> Iterator[list[Any]]:
-    """Set ``use_cache=False`` on ``configs`` (from :func:`cache_configs`) for the duration; yield those changed.
-
-    Training never reads a KV cache; the step runs inside this scope with or without
-    checkpointing, so both compute the same thing.
-
-    >>> import types, torch
-    >>> lin = torch.nn.Linear(1, 1)
-    >>> lin.config = types.SimpleNamespace(use_cache=True)
-    >>> with cache_off(cache_configs([lin])) as changed:
-    ...     inside = lin.config.use_cache
-    >>> inside, lin.config.use_cache, len(changed)
-    (False, True, 1)
-    """
-    changed = [c for c in configs if getattr(c, "use_cache", None) is True]
-    try:
-        for config in changed:
-            _set_use_cache(config, False)
-        yield changed
-    finally:
-        for config in changed:
-            _set_use_cache(config, True)
-
-
-def _set_use_cache(config: Any, value: bool) -> None:
-    # transformers' configs validate every setattr (about 10 us); a plain field is written directly.
-    if "use_cache" in getattr(config, "__dict__", {}):
-        config.__dict__["use_cache"] = value
-    else:
-        config.use_cache = value
 
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")

@@ -113,7 +113,7 @@ def split_early_stopping(
     It needs ``metric_for_best_model`` and an ``eval_strategy`` (HF asserts both), and cannot be combined
     with an ``early_stopping=`` argument.
     """
-    from trainfold.evaluation.best import greater_is_better_for
+    from trainfold.ckpt.best import greater_is_better_for
     from trainfold.observe.stopping import early_stopping as make_early_stopping
 
     callbacks = check_callbacks(callbacks)

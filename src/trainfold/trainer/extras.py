@@ -2,7 +2,7 @@
 
 The keys and their owners: ``log_mark`` and ``num_input_tokens_seen`` (``observe.observers``), each early
 stopper's ``key`` (``observe.stopping``), ``grad_scaler`` (``step.amp``), ``best_metric`` (here: the
-tracker of ``metric_for_best_model``, a ``evaluation.best.BestMetric``), and what a ``StateStream`` keeps.
+tracker of ``metric_for_best_model``, a ``ckpt.best.BestMetric``), and what a ``StateStream`` keeps.
 
 >>> from trainfold.trainer.args import TrainingArguments
 >>> sorted(run_extras(TrainingArguments(fp16=True), metric_key="eval_loss"))
@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from trainfold.evaluation import best
-from trainfold.evaluation.best import BEST_METRIC_KEY
+from trainfold.ckpt import best
+from trainfold.ckpt.best import BEST_METRIC_KEY
 from trainfold.observe.observers import initial_extras
 from trainfold.observe.stopping import EarlyStopping
 from trainfold.step.amp import SCALER, LossScaling, initial_scaler
@@ -23,7 +23,7 @@ from trainfold.trainer.args import TrainingArguments
 
 __all__ = ["BEST", "best_extras", "scaler_extras", "run_extras"]
 
-BEST = BEST_METRIC_KEY  # the key of the best-metric tracker in state.extras (owned by evaluation.best)
+BEST = BEST_METRIC_KEY  # the key of the best-metric tracker in state.extras (owned by ckpt.best)
 
 
 def scaler_extras(fp16: bool) -> dict[str, Any]:

@@ -17,11 +17,11 @@ from typing import Any
 import attrs
 
 from trainfold import ckpt
+from trainfold.ckpt import best as best_metric
 from trainfold.ckpt import policy
 from trainfold.ckpt.sharded import Saver
 from trainfold.core.rng import every_rank_global_rng_states
 from trainfold.core.state import TrainState
-from trainfold.evaluation import best as best_metric
 from trainfold.loop.directory import RunDir
 from trainfold.loop.hooks import Every, Hook
 from trainfold.loop.record import RunLog

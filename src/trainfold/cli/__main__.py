@@ -1,4 +1,4 @@
-"""``python -m trainfold``: the command line, :mod:`trainfold.cli.main`."""
+"""``python -m trainfold.cli``: the command line, :mod:`trainfold.cli.main`."""
 
 import sys
 
