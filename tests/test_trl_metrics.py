@@ -118,3 +118,27 @@ def test_kto_metrics_leave_out_micro_batches_without_such_rows_as_trl(tmp_path, 
         assert any("rewards/chosen" not in e for e in logged(theirs))
     assert_same(logged(ours, "eval_"), logged(theirs, "eval_"))
     assert_same(logged(ours), logged(theirs))
+
+
+@pytest.mark.parametrize("variant", [{}, {"compile": "aot_eager"}, {"differentiable": True}])
+def test_a_steps_sft_metrics_are_the_mean_of_its_micro_batches_token_means(variant):
+    """Each step variant: ``state.metrics`` holds the plain mean of the micro-batches' own token means and their
+    count under ``count_key``, whatever their token counts (here 1 and 6 supervised tokens)."""
+    from trainfold import init_state, make_step, sgd
+    from trainfold.core.losses import count_key
+    from trainfold.core.models import TinyLM, TinyLMConfig
+    from trainfold.sft.data import sft_loss, sft_token_metrics
+
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(vocab_size=16, d_model=8, n_layers=1, n_heads=2, max_len=8))
+    ids = torch.randint(0, 16, (2, 8))
+    short = torch.full((1, 8), -100).index_put_((torch.tensor([0]), torch.tensor([7])), ids[0, 7])  # 1 token
+    batch = [{"input_ids": ids[:1], "labels": short}, {"input_ids": ids[1:], "labels": ids[1:].clone()}]
+    batch[1]["labels"][0, :2] = -100  # 6 supervised tokens after the shift
+    state = init_state(model, sgd(0.1))
+    after = make_step(model, sft_loss, sgd(0.1), **variant)(state, batch)
+    with torch.no_grad():
+        means = [sft_token_metrics(model(mb["input_ids"]), mb["labels"], 0) for mb in batch]
+    for k in ("entropy", "mean_token_accuracy"):
+        assert after.metrics[k].item() == pytest.approx((means[0][k] + means[1][k]).item() / 2, rel=1e-5), k
+        assert after.metrics[count_key(k)].item() == 2
