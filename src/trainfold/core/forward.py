@@ -28,7 +28,8 @@ Batch = Sequence[Mapping[str, Tensor]]
 Forward = Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Any]
 # objective(forward, params, micro_batch, num_items_in_batch, key) -> (loss, aux)
 # loss: the micro-batch's summed loss / num_items_in_batch (summed over micro-batches); aux: the micro-batch's
-# means (the step's: their item-weighted mean), or, with objective.aux_reduction = "sum", normalised as the loss
+# means (the step's: their item-weighted mean), or, with objective.aux_reduction = "sum", normalised as the loss,
+# or, with "micro_batch", the micro-batch's own values (averaged unweighted: core.losses.count_key)
 Objective = Callable[
     [Forward, Mapping[str, Tensor], Mapping[str, Tensor], Tensor, torch.Generator], tuple[Tensor, Mapping[str, Tensor]]
 ]

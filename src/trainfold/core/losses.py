@@ -49,6 +49,9 @@ __all__ = [
     "count_shifted_labels",
     "logits_of",
     "loss_and_metrics",
+    "MICRO_BATCH",
+    "aux_reduction_of",
+    "count_key",
     "counter_for",
     "label_smoothed",
     "chunked_causal_lm",
@@ -61,12 +64,44 @@ __all__ = [
 Loss = Callable[[Any, Tensor, Tensor], Tensor]
 
 
+MICRO_BATCH = "micro_batch"  # an aux_reduction: each micro-batch's aux are its own values, averaged unweighted
+
+
+def count_key(name: str) -> str:
+    """Return the key of metric ``name``'s count of micro-batches (``aux_reduction = "micro_batch"``).
+
+    A micro-batch's ``aux`` may hold it, 0 or 1: 0 leaves the micro-batch out of ``name``'s mean (TRL's KTO appends
+    no ``rewards/chosen`` for a micro-batch without desirable rows). A step reports each such metric as the mean
+    of its micro-batches' values and, under this key, how many they were; a logging window (and an evaluation, over
+    its batches) weighs the steps by it: the mean over every micro-batch since the last log, as TRL's ``log``.
+
+    >>> count_key("entropy")
+    'entropy#micro_batches'
+    """
+    return f"{name}#micro_batches"
+
+
+def aux_reduction_of(objective: Any, loss: Any) -> str:
+    """Return how a step reduces its ``aux`` over micro-batches: ``objective.aux_reduction`` (default ``"mean"``),
+    else, for a loss's own ``metrics``, ``loss.aux_reduction`` (default ``"sum"``: divided by ``num_items`` as the
+    loss). ``"micro_batch"`` (:data:`MICRO_BATCH`): each micro-batch's own value, averaged unweighted
+    (:func:`count_key`).
+
+    >>> aux_reduction_of(None, cross_entropy), aux_reduction_of(lambda *a: None, None)
+    ('sum', 'mean')
+    """
+    if objective is not None:
+        return getattr(objective, "aux_reduction", "mean")
+    return getattr(loss, "aux_reduction", "sum")
+
+
 def loss_and_metrics(
     loss: Callable[..., Tensor], outputs: Any, labels: Tensor, num_items: Tensor
 ) -> tuple[Tensor, Mapping[str, Tensor]]:
     """Return ``loss(outputs, labels, num_items)`` and the loss's own ``metrics(outputs, labels, num_items)``
     (``{}`` for a loss without: ``sft.sft_loss`` has TRL's). The metrics are divided by ``num_items`` as the loss
-    is, so a step sums them over its micro-batches (an objective returning them says ``aux_reduction = "sum"``).
+    is, so a step sums them over its micro-batches, unless the loss says ``aux_reduction = "micro_batch"``
+    (:func:`aux_reduction_of`: ``sft_loss``'s are each micro-batch's own token means, as TRL's).
 
     >>> import torch
     >>> loss, metrics = loss_and_metrics(cross_entropy, torch.zeros(2, 4), torch.tensor([1, 2]), torch.tensor(2))

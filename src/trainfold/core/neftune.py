@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 from trainfold.core.forward import Forward, Objective
-from trainfold.core.losses import causal_lm, counter_for, loss_and_metrics
+from trainfold.core.losses import aux_reduction_of, causal_lm, counter_for, loss_and_metrics
 
 __all__ = ["neftune_noise", "input_embedding", "neftune_forward", "neftune_objective"]
 
@@ -135,7 +135,7 @@ def neftune_objective(
     """Return an objective for ``make_step(..., objective=...)`` that trains with NEFTune noise.
 
     By default the forward pass is scored with ``loss`` on the micro-batch's ``label_key``, the loss's own metrics
-    kept and summed as without noise (SFT's ``entropy`` and ``mean_token_accuracy``, as TRL logs them); pass
+    kept and reduced as without noise (SFT's ``entropy`` and ``mean_token_accuracy``, as TRL logs them); pass
     ``objective`` to add the noise to another objective's forward passes instead (DPO).
 
     >>> import torch
@@ -176,8 +176,8 @@ def neftune_objective(
         neftune.count_items = lambda micro: count_labels(labels_of(micro))  # type: ignore[attr-defined]
     elif hasattr(objective, "count_items"):
         neftune.count_items = objective.count_items  # type: ignore[attr-defined]
-    # how the step reduces its aux: the loss's metrics are summed, as without noise; an objective's its own way
-    reduction = "sum" if objective is None else getattr(objective, "aux_reduction", None)
+    # how the step reduces its aux: the loss's metrics as without noise (summed, or sft_loss's per micro-batch)
+    reduction = aux_reduction_of(None, loss) if objective is None else getattr(objective, "aux_reduction", None)
     if reduction is not None:
         neftune.aux_reduction = reduction  # type: ignore[attr-defined]
     return neftune

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.core.forward import cache_configs, cache_off, make_forward, train_mode
-from trainfold.core.losses import counter_for, logits_of
+from trainfold.core.losses import MICRO_BATCH, aux_reduction_of, count_key, counter_for, logits_of
 from trainfold.evaluation.concat import pad_concat
 from trainfold.evaluation.reducers import (
     Reducer,
@@ -65,7 +65,8 @@ class _BatchOut:
     num_samples: int
     tensors: dict[str, Any]
     metric_sums: dict[str, Tensor] | None = None  # an objective's metrics times the batch's item count
-    metric_count: Tensor | None = None  # what metric_sums are divided by, where not count (1: a batch's value)
+    metric_count: Tensor | Mapping[str, Tensor] | None = None  # what metric_sums are divided by, where not count
+    # (1: a batch's value; by name: a batch's count_key entries, 0 where it has no value of a metric)
 
 
 def _to_device(batch: Mapping[str, Any], device: torch.device | None) -> dict[str, Any]:
@@ -98,14 +99,16 @@ def _run_batch(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
     labels = batch.get(spec.label_key)
     inputs = {k: v for k, v in batch.items() if k != spec.label_key}
     outputs = plan.forward(plan.params, inputs)
-    loss_sum = count = sums = None
+    loss_sum = count = sums = per_batch = None
     if labels is not None:
         count = _items(plan.count_items, labels)
         # The loss divides its sum by the count it is given; multiply back for the exact sum
         # (also right for a loss that returns a plain mean).
         loss_sum = spec.loss(outputs, labels, count).detach().double() * count.to(torch.float64)
         metrics = getattr(spec.loss, "metrics", None)  # a loss's own metrics (SFT's entropy...), as the step's
-        if metrics is not None:
+        if metrics is not None and aux_reduction_of(None, spec.loss) == MICRO_BATCH:  # sft_loss: batch means
+            sums, per_batch = _batch_values(metrics(outputs, labels, count))
+        elif metrics is not None:
             sums = {
                 k: v.detach().double() * count.to(torch.float64) for k, v in metrics(outputs, labels, count).items()
             }
@@ -123,7 +126,27 @@ def _run_batch(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
             tensors["inputs"] = inputs[spec.main_input_name]
         if "loss" in spec.include_for_metrics and labels is not None:
             tensors["losses"] = _sample_losses(plan, outputs, labels)
-    return _BatchOut(loss_sum=loss_sum, count=count, num_samples=_num_samples(batch), tensors=tensors, metric_sums=sums)
+    return _BatchOut(
+        loss_sum=loss_sum,
+        count=count,
+        num_samples=_num_samples(batch),
+        tensors=tensors,
+        metric_sums=sums,
+        metric_count=per_batch,
+    )
+
+
+def _batch_values(aux: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    # aux_reduction "micro_batch": each metric is the batch's own value, counted once (0: the batch has none of it,
+    # its count_key entry says so), so the eval metric is the mean over the batches that have it (TRL's).
+    sums, counts = {}, {}
+    for name, value in aux.items():
+        if name.endswith(count_key("")):
+            continue
+        v = torch.as_tensor(value).detach().double().reshape(())
+        n = torch.as_tensor(aux.get(count_key(name), 1.0)).detach().double().reshape(()).to(v.device)
+        sums[name], counts[name] = torch.where(n > 0, v, 0.0) * n, n
+    return sums, counts
 
 
 def _objective_items(plan: _Plan, batch: Mapping[str, Any]) -> Tensor:
@@ -150,6 +173,9 @@ def _run_objective(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
     sums = {
         name: torch.as_tensor(v).detach().double().reshape(()) * weight.to(v.device) for name, v in dict(aux).items()
     }
+    per_batch: Any = weight.to(count.dtype) if weight is not n else None
+    if aux_reduction_of(spec.objective, None) == MICRO_BATCH:  # KTO: its batch values, each left out where absent
+        sums, per_batch = _batch_values(aux)
     tensors: dict[str, Any] = {}
     if plan.gather:
         predict = getattr(spec.objective, "predictions", None)
@@ -170,28 +196,33 @@ def _run_objective(plan: _Plan, batch: Mapping[str, Any]) -> _BatchOut:
         num_samples=int(samples(batch)) if samples is not None else _num_samples(batch),
         tensors=tensors,
         metric_sums=sums,
-        metric_count=weight.to(count.dtype) if weight is not n else None,
+        metric_count=per_batch,
     )
 
 
-def _metric_sums_and_count(out: _BatchOut) -> tuple[dict[str, Tensor] | None, Tensor | None]:
+def _metric_sums_and_count(out: _BatchOut) -> tuple[dict[str, Tensor] | None, Any]:
     return out.metric_sums, out.count if out.metric_count is None else out.metric_count
 
 
 def _metric_means() -> Reducer:
-    """Average each metric over items: step on ``({name: sum}, item_count)``; each name has its own count."""
+    """Average each metric over items: step on ``({name: sum}, item_count)`` (or ``{name: count}``); each name has
+    its own count."""
     one = mean_loss()
     merge_one = one.merge
     assert merge_one is not None  # mean_loss merges
 
-    def step(acc: dict[str, Any], x: tuple[Mapping[str, Tensor], Tensor]) -> dict[str, Any]:
+    def step(acc: dict[str, Any], x: tuple[Mapping[str, Tensor], Any]) -> dict[str, Any]:
         sums, n = x
-        return {**acc, **{k: one.step(acc.get(k, one.init()), (v, n)) for k, v in sums.items()}}
+        count = (lambda k: n[k]) if isinstance(n, Mapping) else (lambda k: n)
+        return {**acc, **{k: one.step(acc.get(k, one.init()), (v, count(k))) for k, v in sums.items()}}
 
     def merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         return {k: merge_one(a[k], b[k]) if k in a and k in b else a.get(k, b.get(k)) for k in {**a, **b}}
 
-    return Reducer(init=dict, step=step, complete=lambda acc: {k: one.complete(v) for k, v in acc.items()}, merge=merge)
+    def complete(acc: dict[str, Any]) -> dict[str, float]:  # a metric no batch had a value of is left out (TRL's)
+        return {k: one.complete(v) for k, v in acc.items() if int(v[1])}
+
+    return Reducer(init=dict, step=step, complete=complete, merge=merge)
 
 
 def _sample_losses(plan: _Plan, outputs: Any, labels: Tensor) -> Tensor:

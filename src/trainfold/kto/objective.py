@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tensors
 from trainfold.core.logps import completion_logps
+from trainfold.core.losses import count_key
 from trainfold.kto.collate import REF_COLUMNS, UnpairedCollate
 from trainfold.kto.loss import kl_estimate, kto_loss, kto_loss_errors
 from trainfold.kto.reference import prepare_reference_logps, unpaired_logps
@@ -47,15 +48,15 @@ class KTOObjective(ModelInputsObjective):
     Returns the summed row losses divided by the step's row count (its ``num_items_in_batch``), so with
     micro-batches of one size the step's loss is TRL's mean of the micro-batch means. TRL's metrics
     ``kl``, ``rewards/{chosen,rejected,margins}``, ``logps/{chosen,rejected}``, ``logits/{chosen,rejected}``
-    and ``entropy`` are each micro-batch's value (TRL's means within the micro-batch) weighted by its share
-    of the step's rows, so a step reports their mean over its micro-batches, as TRL's log averages them.
-    One difference: a micro-batch without desirable (undesirable) rows adds 0 to the ``chosen``
-    (``rejected``) metrics and ``rewards/margins``, where TRL leaves it out of their mean (and leaves the
-    metric out of a log whose micro-batches all lack such rows): every step reports every metric, as a
-    step's metrics carry over to the next.
+    and ``entropy`` are each micro-batch's own value (TRL's means within the micro-batch); with
+    ``aux_reduction = "micro_batch"`` a step reports their mean over its micro-batches and a log their mean over
+    every micro-batch since the last log (an evaluation: over its batches), as TRL's ``log`` averages its lists.
+    A micro-batch without desirable (undesirable) rows, or without their tokens, has no ``chosen``
+    (``rejected``) values and no ``rewards/margins``: its ``core.losses.count_key`` entry is 0, so it is left out
+    of their means (and a log whose micro-batches all lack them has none), as TRL appends nothing for it.
     """
 
-    aux_reduction = "sum"  # its metrics are shares of the step's rows, as its loss: the step sums them
+    aux_reduction = "micro_batch"  # its metrics are each micro-batch's own values, averaged unweighted (TRL's)
 
     beta: float
     loss_type: str
@@ -143,7 +144,7 @@ class KTOObjective(ModelInputsObjective):
         losses = kto_loss(
             logps, ref_logps, label, kl, self.beta, self.loss_type, self.desirable_weight, self.undesirable_weight
         )
-        metrics = self._metrics(logps, ref_logps, label, kl, row_stats(), micro, n)
+        metrics = self._metrics(logps, ref_logps, label, kl, row_stats(), micro)
         return losses.sum() / n.to(logps.dtype), metrics
 
     def _metrics(
@@ -154,20 +155,20 @@ class KTOObjective(ModelInputsObjective):
         kl: Tensor,
         stats: Tensor,
         micro: Mapping[str, Tensor],
-        n: Tensor,
     ) -> dict[str, Tensor]:
         logps, dtype = logps.detach(), torch.float32
-        share = label.shape[0] / n.to(dtype)
         rewards = self.beta * (logps - ref.to(logps))
         tokens = micro["completion_mask"][:, 1:].sum(1).to(stats.dtype)
-        out = {"kl": kl.to(dtype) * share, "entropy": _mean(stats[:, 1], tokens.sum()) * share}
+        out = {"kl": kl.to(dtype).reshape(()), "entropy": _mean(stats[:, 1], tokens.sum()).to(dtype)}
         for name, rows in (("chosen", label), ("rejected", ~label)):  # every key each time: a step's metrics persist
-            count = rows.sum().to(dtype)
-            out[f"logits/{name}"] = _mean(stats[rows, 0], tokens[rows].sum()) * share
-            out[f"rewards/{name}"] = _mean(rewards[rows].to(dtype), count) * share
-            out[f"logps/{name}"] = _mean(logps[rows].to(dtype), count) * share
-        both = (label.any() & (~label).any()).to(dtype)
-        out["rewards/margins"] = (out["rewards/chosen"] - out["rewards/rejected"]) * both
+            count, row_tokens = rows.sum().to(dtype), tokens[rows].sum()
+            out[f"logits/{name}"] = _mean(stats[rows, 0], row_tokens).to(dtype)
+            out[count_key(f"logits/{name}")] = (row_tokens > 0).to(dtype)
+            for metric, values in (("rewards", rewards), ("logps", logps)):
+                out[f"{metric}/{name}"] = _mean(values[rows].to(dtype), count)
+                out[count_key(f"{metric}/{name}")] = (count > 0).to(dtype)
+        out["rewards/margins"] = out["rewards/chosen"] - out["rewards/rejected"]
+        out[count_key("rewards/margins")] = out[count_key("rewards/chosen")] * out[count_key("rewards/rejected")]
         return out
 
 

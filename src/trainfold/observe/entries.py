@@ -28,6 +28,7 @@ import attrs
 import torch
 from torch import Tensor
 
+from trainfold.core.losses import count_key
 from trainfold.core.state import TrainState, scalar
 from trainfold.observe.tokens import TOKENS_SEEN
 
@@ -180,8 +181,11 @@ class MetricWindow:
     ``add(state)`` after each step sums every scalar metric the step reported besides the loss,
     grad norm, learning rate and item count; ``take()`` returns their means over the steps since
     the last ``take`` (a metric that first appears mid-window, over the steps since it appeared)
-    and starts a new window. A step that did not advance the state (an
-    all-ignored batch) is not counted twice. The sums live in this process, as TRL keeps its
+    and starts a new window. A metric reported with a count of micro-batches (its
+    ``core.losses.count_key``: SFT's ``entropy``, KTO's ``rewards/chosen``...) weighs by that count, so the
+    window's mean is over every micro-batch since the last ``take``, as TRL's ``log`` averages its lists; a step
+    whose count is 0 adds nothing, and a metric no step of the window had is left out of it. A step that did not
+    advance the state (an all-ignored batch) is not counted twice. The sums live in this process, as TRL keeps its
     stored metrics: after a resume the first window covers the steps since the resume (the loss's
     window mean stays exact, from ``state.loss_total``).
 
@@ -194,7 +198,7 @@ class MetricWindow:
     ({'rewards/margins': 1.0}, {})
     """
 
-    sums: dict[str, tuple[float, int]] = attrs.field(factory=dict)  # name -> (sum, steps that reported it)
+    sums: dict[str, tuple[float, int]] = attrs.field(factory=dict)  # name -> (sum, steps (micro-batches) in it)
     last_step: int = -1
     pending: dict[str, float] = attrs.field(factory=dict)  # the last window when logged only at the run's end
 
@@ -204,10 +208,14 @@ class MetricWindow:
         if step == self.last_step:
             return
         self.last_step = step
-        for name, value in state.metrics.items():
-            if name not in _STEP_METRICS and isinstance(value, Tensor) and value.numel() == 1:
+        metrics, counts = state.metrics, count_key("")
+        for name, value in metrics.items():
+            if name in _STEP_METRICS or name.endswith(counts) or not isinstance(value, Tensor) or value.numel() != 1:
+                continue
+            weight = int(metrics[count_key(name)]) if count_key(name) in metrics else 1
+            if weight:
                 total, n = self.sums.get(name, (0.0, 0))
-                self.sums[name] = (total + float(value), n + 1)
+                self.sums[name] = (total + float(value) * weight, n + weight)
 
     def take(self) -> dict[str, float]:
         """Return the window's means and start a new window."""

@@ -203,10 +203,12 @@ def sft_collate(pad_token_id: int, pad_to_multiple_of: int | None = None) -> Cal
 
 def sft_token_metrics(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> dict[str, Tensor]:
     """Return TRL's SFT metrics of a micro-batch: ``entropy`` (of the next-token distribution) and
-    ``mean_token_accuracy`` (top-1 hits) summed over the supervised positions, over ``num_items_in_batch``.
+    ``mean_token_accuracy`` (top-1 hits), each the mean over the micro-batch's own supervised positions (0 where it
+    has none, as TRL's); ``num_items_in_batch`` (the step's count) is not used.
 
-    Summed over a step's micro-batches, each is its token mean over the step (TRL's with one micro-batch per step;
-    with more, TRL averages the micro-batches' token means).
+    ``sft_loss`` says ``aux_reduction = "micro_batch"``: a step logs the mean of its micro-batches' values and a log
+    the mean over every micro-batch since the last one (an evaluation: over its batches), as TRL's ``log``
+    averages the values its ``compute_loss`` appends.
 
     >>> logits = torch.tensor([[[2.0, 0.0], [0.0, 2.0], [0.0, 0.0]]])
     >>> m = sft_token_metrics(logits, torch.tensor([[-100, -100, 0]]), 1)  # position 1 predicts token 0: a miss
@@ -220,7 +222,7 @@ def sft_token_metrics(outputs: Any, labels: Tensor, num_items_in_batch: Tensor |
         logp = torch.log_softmax(logits, dim=-1)
         entropy = -(logp.exp() * logp).sum(-1)
         hits = (logits.argmax(-1) == target) & valid
-        n = torch.as_tensor(num_items_in_batch, dtype=logits.dtype, device=logits.device).clamp(min=1)
+        n = valid.sum().to(logits.dtype).clamp(min=1)
         return {"entropy": (entropy * valid).sum() / n, "mean_token_accuracy": hits.sum() / n}
 
 
@@ -235,3 +237,4 @@ def sft_loss(outputs: Any, labels: Tensor, num_items_in_batch: Tensor | int) -> 
 
 sft_loss.count_items = causal_lm.count_items  # type: ignore[attr-defined]
 sft_loss.metrics = sft_token_metrics  # type: ignore[attr-defined]
+sft_loss.aux_reduction = "micro_batch"  # type: ignore[attr-defined]  # its metrics: each micro-batch's (TRL's)

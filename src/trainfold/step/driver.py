@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from trainfold.core.collective import Collective, item_count, items_in_batch
 from trainfold.core.forward import Batch, Forward
-from trainfold.core.losses import loss_and_metrics, warn_no_items
+from trainfold.core.losses import MICRO_BATCH, aux_reduction_of, count_key, loss_and_metrics, warn_no_items
 from trainfold.core.rng import derive_seed, private_rng
 from trainfold.core.state import TrainState, check_live, invalidate, refuse_vmapped
 from trainfold.step.plan import StepPlan
@@ -52,6 +52,7 @@ __all__ = [
     "empty_step",
     "materialized",
     "micro_loss",
+    "micro_batch_means",
     "micro_seed",
     "next_state",
     "no_gradient_error",
@@ -139,6 +140,7 @@ def accumulate(
     key: torch.Generator | None = None,
     loss_shape: tuple[int, ...] = (),
     aux_weights: Sequence[float] | None = None,
+    per_micro_batch: bool = False,
 ) -> Sums:
     """Run ``micro(micro_batch, key)`` over ``batch`` and return the :class:`Sums` of what it returns.
 
@@ -147,9 +149,13 @@ def accumulate(
     (``key``: one generator reseeded each time; ``None``: a fresh one). Losses and ``aux`` values are
     summed as float32, detached, each micro-batch's ``aux`` times its ``aux_weights`` entry when given
     (:func:`aux_weights`: a mean); gradients with :func:`summed_grads` (into the first micro-batch's, so
-    ``micro`` returns gradients it owns).
+    ``micro`` returns gradients it owns). ``per_micro_batch`` (``aux_reduction = "micro_batch"``): each ``aux``
+    value is the mean of the micro-batches' values (those whose :func:`~trainfold.core.losses.count_key` entry is
+    not 0), with that count under its ``count_key`` (:func:`micro_batch_means`).
     """
     sums = Sums(torch.zeros(loss_shape, dtype=torch.float32, device=device), {})
+    if per_micro_batch:
+        micro = _counting(micro)
     with private_rng(device) as generators:
         for i, mb in enumerate(batch):
             seed = micro_seed(seeds, step, i, rank)
@@ -163,7 +169,36 @@ def accumulate(
             weight = 1.0 if aux_weights is None else aux_weights[i]
             for name, value in aux.items():
                 sums.aux[name] = sums.aux.get(name, 0) + value.detach().float() * weight
+    if per_micro_batch:
+        sums.aux = micro_batch_means(sums.aux)
     return sums
+
+
+def _counting(micro: MicroStep) -> MicroStep:
+    # Each value's share of its metric (0 where the micro-batch's count_key says 0), and the count summed beside it.
+    def counted(mb: Mapping[str, Tensor], key: torch.Generator) -> Any:
+        loss, aux, grads = micro(mb, key)
+        out = {}
+        for name, value in aux.items():
+            if name.endswith(count_key("")):
+                continue
+            n = torch.as_tensor(aux.get(count_key(name), 1.0), dtype=torch.float32, device=value.device)
+            out[name] = torch.where(n > 0, value.detach().float(), 0.0) * n
+            out[count_key(name)] = n
+        return loss, out, grads
+
+    return counted
+
+
+def micro_batch_means(sums: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Return the means of ``{name: sum, count_key(name): count}`` (NaN for a count of 0), with their counts.
+
+    >>> micro_batch_means({"a": torch.tensor(3.0), "a#micro_batches": torch.tensor(2.0)})["a"].item()
+    1.5
+    """
+    return {
+        name: value if name.endswith(count_key("")) else value / sums[count_key(name)] for name, value in sums.items()
+    }
 
 
 def accumulate_step(
@@ -180,8 +215,9 @@ def accumulate_step(
     number and this rank, each micro-batch's ``aux`` weighted by :func:`aux_weights` (every step variant's call).
     """
     rank = plan.collective.rank if plan.collective is not None else 0
-    weights = aux_weights(plan, batch)
-    return accumulate(micro, batch, (int(state.seed),), start.number, rank, device, key=key, aux_weights=weights)
+    weights, counted = aux_weights(plan, batch), aux_reduction_of(plan.objective, plan.loss) == MICRO_BATCH
+    seeds, number = (int(state.seed),), start.number
+    return accumulate(micro, batch, seeds, number, rank, device, key=key, aux_weights=weights, per_micro_batch=counted)
 
 
 def aux_weights(plan: StepPlan, batch: Batch) -> list[float] | None:
@@ -192,7 +228,8 @@ def aux_weights(plan: StepPlan, batch: Batch) -> list[float] | None:
     reports their mean weighted by items, the exact mean over the step of a metric per item (the plain mean of
     micro-batches of equally many items). An objective with ``aux_reduction = "sum"`` (the built-in DPO and GRPO
     objectives) divides its ``aux`` as its loss, by ``num_items_in_batch``: they are summed, as the loss is; so are
-    a loss's own ``metrics``.
+    a loss's own ``metrics``. With ``aux_reduction = "micro_batch"`` (``sft.sft_loss``, the KTO objective) they are
+    each micro-batch's own values: :func:`accumulate` averages them unweighted (``per_micro_batch``).
 
     >>> from trainfold.optim import sgd
     >>> from trainfold.step.plan import step_plan
@@ -200,8 +237,7 @@ def aux_weights(plan: StepPlan, batch: Batch) -> list[float] | None:
     >>> aux_weights(plan, [{"labels": torch.tensor([1, 2, 3])}, {"labels": torch.tensor([4, -100])}])
     [0.75, 0.25]
     """
-    reduction = getattr(plan.objective, "aux_reduction", "mean")
-    if plan.objective is None or reduction == "sum":
+    if aux_reduction_of(plan.objective, plan.loss) != "mean":
         return None
     counts = [float(item_count(plan.count_items(mb))) for mb in batch]
     total = sum(counts)

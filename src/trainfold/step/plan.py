@@ -101,11 +101,12 @@ def step_plan(
         collective = collective_of(model)
     if objective is None:
         refuse_forward_regularizer(model)
-    elif (reduction := getattr(objective, "aux_reduction", "mean")) not in ("mean", "sum"):
+    elif (reduction := getattr(objective, "aux_reduction", "mean")) not in ("mean", "sum", "micro_batch"):
         raise ValueError(
             f"objective.aux_reduction is {reduction!r}; set 'mean' (its aux are each micro-batch's "
-            "means: the step logs their mean weighted by items) or 'sum' (they are divided by num_items_in_batch, "
-            "as the loss: the step sums them)"
+            "means: the step logs their mean weighted by items), 'micro_batch' (each micro-batch's own values: the "
+            "logs average them over the micro-batches, unweighted, as TRL's) or 'sum' (they are divided by "
+            "num_items_in_batch, as the loss: the step sums them)"
         )
     if loss is None:
         loss = default_loss_for(model, defer=objective is not None)
