@@ -7,9 +7,9 @@
 
 from __future__ import annotations
 
-import math
-
 import attrs
+
+from trainfold.core.fold import steps_interval
 
 __all__ = ["LOGGING_STRATEGIES", "LoggingPlan", "logging_plan", "should_log"]
 
@@ -49,22 +49,10 @@ def logging_plan(
     if logging_strategy not in LOGGING_STRATEGIES:
         errors.append(f"logging_strategy={logging_strategy!r} is not one of {list(LOGGING_STRATEGIES)}")
     steps = 0
-    if isinstance(logging_steps, bool) or not isinstance(logging_steps, (int, float)) or not logging_steps > 0:
-        errors.append(f"logging_steps={logging_steps!r} must be a positive int, or a float in (0, 1) as a ratio")
-    elif logging_steps < 1:
-        if total_steps is None or total_steps < 1:
-            errors.append(
-                f"logging_steps={logging_steps!r} is a ratio of the total steps, but total_steps={total_steps!r}; "
-                "pass total_steps (max_steps), or an int logging_steps"
-            )
-        else:
-            steps = math.ceil(total_steps * logging_steps)
-    elif logging_steps != int(logging_steps):
-        errors.append(
-            f"logging_steps={logging_steps!r} above 1 must be a whole number of steps, e.g. {round(logging_steps)}"
-        )
-    else:
-        steps = int(logging_steps)
+    try:
+        steps = steps_interval(logging_steps, total_steps, "logging_steps")  # the save and eval schedules' rule
+    except ValueError as e:
+        errors.append(str(e))
     if errors:
         raise ValueError("invalid logging settings:\n  " + "\n  ".join(errors))
     return LoggingPlan(strategy=logging_strategy, steps=steps, first_step=bool(logging_first_step))
