@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -448,6 +449,8 @@ def test_a_signal_while_the_command_imports_torch_ends_it_with_the_conventional_
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
     )
+    watchdog = threading.Timer(120, proc.kill)  # a run the signal did not end is killed: a failure, not a hang
+    watchdog.start()
     try:
         for line in proc.stderr:
             if line.split("|")[-1].strip() == "torch":  # torch is imported inside main(), after its handlers
@@ -456,6 +459,7 @@ def test_a_signal_while_the_command_imports_torch_ends_it_with_the_conventional_
         rest = proc.stderr.read()
         assert proc.wait(timeout=120) == status, rest[-2000:]
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
             proc.wait()
