@@ -113,3 +113,9 @@ def test_listing_reads_each_sidecar_once_small(capfd):
 def test_rollout_publish_quick(capfd):
     out = run(capfd, "benchmarks/rollout_publish.py", "--quick")
     assert "| ProcessEngine.publish |" in out and "| dist.broadcast |" in out and "| ratio (median of rounds) |" in out
+
+
+def test_grpo_async_quick(capfd):
+    out = run(capfd, "benchmarks/grpo_async.py", "--quick")
+    assert "| synchronous (max_staleness=0) |" in out and "| asynchronous (max_staleness=1) |" in out
+    assert "| ratio (median of rounds) |" in out

@@ -51,9 +51,3 @@ def test_streaming_quick(capfd):
     pytest.importorskip("datasets")
     out = run(capfd, "benchmarks/streaming.py", "--quick")
     assert "| files(), shuffled |" in out and "| datasets streaming, file order |" in out
-
-
-def test_grpo_async_quick(capfd):
-    out = run(capfd, "benchmarks/grpo_async.py", "--quick")
-    assert "| synchronous (max_staleness=0) |" in out and "| asynchronous (max_staleness=1) |" in out
-    assert "| ratio (median of rounds) |" in out
