@@ -4,10 +4,10 @@ The suite runs them all in one fresh interpreter (``python tests/test_notebooks.
 its packages): each notebook's code cells in order in a namespace of its own, in a directory of its own, as a
 kernel would run them (a cell's last expression is evaluated and its ``repr`` taken; after each cell its figures
 are drawn to PNG and closed, as the inline backend does), with ``MPLBACKEND=Agg`` and one CPU thread. One
-interpreter, not a Jupyter kernel a notebook: the suite pays ``import torch`` once. Notebooks ship with their
-outputs (plots inline), so they read on GitHub and in the docs; a test checks every code cell ran, in order,
-without an error. ``python tests/test_notebooks.py`` executes them all again in Jupyter kernels (nbclient) and
-writes the outputs back.
+interpreter, not a Jupyter kernel a notebook: the suite pays ``import torch`` once (so cells are plain Python: no
+IPython magics). Notebooks ship with their outputs (plots inline), so they read on GitHub and in the docs; a test
+checks every code cell ran, in order, without an error. ``python tests/test_notebooks.py`` executes them all again
+in Jupyter kernels (nbclient) and writes the outputs back.
 """
 
 from __future__ import annotations
