@@ -31,19 +31,20 @@ else:
 
 
 # The files that take longest, longest first: CPU seconds of a reduced run with their subprocesses, one thread a
-# process, measured one file at a time (December 2026). A file missing here only starts later.
+# process, measured one file at a time (December 2026; resource.getrusage of the pytest process and its children).
+# A file missing here only starts later.
 LONGEST_FIRST = (
-    "test_sharded_checkpoint.py",  # 82
-    "test_benchmarks_more.py",  # 72
-    "test_benchmarks.py",  # 57
+    "test_sharded_checkpoint.py",  # 76-82
     "test_resume_stress.py",  # 51
-    "test_grpo_async.py",  # ~45 (reduced: one kill -9 engine)
-    "test_notebooks.py",  # 46
+    "test_benchmarks.py",  # 50 (each script's main() in the test process; its own children still start)
+    "test_benchmarks_more.py",  # 49
+    "test_grpo_async.py",  # 38 (reduced: one kill -9 engine)
     "test_sharded.py",  # 36
     "test_elastic_sessions.py",  # 35
-    "test_cli.py",  # 30 or more
-    "test_resume_check.py",  # 30
+    "test_cli.py",  # 33
+    "test_notebooks.py",  # 27 (all seven in one interpreter)
     "test_files_stream_elastic.py",  # 27
+    "test_resume_check.py",  # 24
     "test_distributed.py",  # 24
     "test_preempt.py",  # 21
     "test_step_fsdp.py",  # 21

@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -58,6 +57,8 @@ def _args(output_dir: str, **overrides) -> TrainingArguments:
 
 
 def _gpt2():
+    import transformers  # here: the TinyLM runs never import it (a fresh process each)
+
     config = transformers.GPT2Config(
         vocab_size=VOCAB,
         n_positions=32,
@@ -75,6 +76,8 @@ def _gpt2():
 
 
 def _llama():
+    import transformers
+
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,

@@ -7,10 +7,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from trainfold import ckpt as checkpoint
@@ -294,20 +296,32 @@ report_to = ["jsonl"]
 """
 
 
-def test_sigterm_then_resume_continues_bitwise(tmp_path):
+def one_thread_main(capfd: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """``python -m trainfold.cli *argv`` run in this process, on one thread as the subprocesses: status, out, err."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    capfd.readouterr()
+    try:
+        status = main(list(argv))
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capfd.readouterr()
+    return status, out, err
+
+
+def test_sigterm_then_resume_continues_bitwise(tmp_path, capfd):
+    """The stopped run is a process of its own (SIGTERM); the run that never stopped and the resume run here."""
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "trainfold.cli", "train", "--config"]
-    whole = subprocess.Popen(
-        [*command, str(write(tmp_path, "a.toml", RESUMABLE, straight))],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
     proc = subprocess.Popen(
-        [*command, str(write(tmp_path, "b.toml", RESUMABLE, stopped)), "--resume"],
+        [
+            sys.executable,
+            "-m",
+            "trainfold.cli",
+            "train",
+            "--config",
+            str(write(tmp_path, "b.toml", RESUMABLE, stopped)),
+        ],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -324,12 +338,12 @@ def test_sigterm_then_resume_continues_bitwise(tmp_path):
     jit = checkpoint.latest_checkpoint(stopped)
     at = checkpoint.read_metadata(jit)["step"]
     assert 5 <= at < 120
-    out, err = whole.communicate(timeout=120)
-    assert whole.returncode == 0, err[-2000:]
-    done = cli("train", "--config", str(tmp_path / "b.toml"), "--resume")
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert json.loads(done.stdout.splitlines()[-1])["global_step"] == 120
-    assert f"step {at + 1}/120" in done.stderr and "step 1/120" not in done.stderr  # it continued
+    status, _, err = one_thread_main(capfd, "train", "--config", str(write(tmp_path, "a.toml", RESUMABLE, straight)))
+    assert status == 0, err[-2000:]
+    status, out, err = one_thread_main(capfd, "train", "--config", str(tmp_path / "b.toml"), "--resume")
+    assert status == 0, err[-2000:]
+    assert json.loads(out.splitlines()[-1])["global_step"] == 120
+    assert f"step {at + 1}/120" in err and "step 1/120" not in err  # it continued
     for name in ("state.safetensors", "model.safetensors"):  # the record, and the params (held once, there)
         expected = load_file(straight / "checkpoint-120" / name)
         resumed = load_file(stopped / "checkpoint-120" / name)
@@ -452,7 +466,12 @@ def test_a_signal_while_the_command_imports_torch_ends_it_with_the_conventional_
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        # both signals at their defaults: under `nohup`/`&` the tests inherit SIGINT ignored, which the command
+        # keeps ignored (test_a_sigint_the_process_inherited_as_ignored_...), and the run would never end
+        preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGTERM, signal.SIGINT)],
     )
+    watchdog = threading.Timer(120, proc.kill)  # a run the signal did not end is killed: a failure, not a hang
+    watchdog.start()
     try:
         for line in proc.stderr:
             if line.split("|")[-1].strip() == "torch":  # torch is imported inside main(), after its handlers
@@ -461,6 +480,7 @@ def test_a_signal_while_the_command_imports_torch_ends_it_with_the_conventional_
         rest = proc.stderr.read()
         assert proc.wait(timeout=120) == status, rest[-2000:]
     finally:
+        watchdog.cancel()
         if proc.poll() is None:
             proc.kill()
             proc.wait()

@@ -1,23 +1,30 @@
 """Execute the notebooks in ``notebooks/`` top to bottom on the CPU; an error in any cell fails.
 
-The kernel is ``python3`` from the ipykernel installed next to this Python, so the notebooks run
-with the same interpreter and packages as the tests. Each runs in a fresh temporary directory
-with ``MPLBACKEND=Agg`` (plots are drawn but never shown) and one CPU thread. Notebooks ship with their
-outputs (plots inline), so they read on GitHub and in the docs; a test checks every code cell ran, in order,
-without an error. ``python tests/test_notebooks.py`` executes them all again and writes the outputs back.
+The suite runs them all in one fresh interpreter (``python tests/test_notebooks.py --check DIR``, this Python and
+its packages): each notebook's code cells in order in a namespace of its own, in a directory of its own, as a
+kernel would run them (a cell's last expression is evaluated and its ``repr`` taken; after each cell its figures
+are drawn to PNG and closed, as the inline backend does), with ``MPLBACKEND=Agg`` and one CPU thread. One
+interpreter, not a Jupyter kernel a notebook: the suite pays ``import torch`` once (so cells are plain Python: no
+IPython magics). Notebooks ship with their outputs (plots inline), so they read on GitHub and in the docs; a test
+checks every code cell ran, in order, without an error. ``python tests/test_notebooks.py`` executes them all again
+in Jupyter kernels (nbclient) and writes the outputs back.
 """
 
 from __future__ import annotations
 
+import ast
 import json
+import os
+import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
 
+import trainfold
+
 nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
-pytest.importorskip("ipykernel")
 pytest.importorskip("matplotlib")
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -30,7 +37,7 @@ EXPECTED = (
     "06_hypergradient_learning_rate.ipynb",
     "07_loop.ipynb",
 )
-CELL_TIMEOUT_S = 300
+TIMEOUT_S = 300  # a notebook
 
 
 def test_every_notebook_is_executed_here() -> None:
@@ -55,35 +62,72 @@ def test_notebook_ships_with_the_outputs_of_one_whole_run(name: str) -> None:
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3", f"{name}: kernelspec must be python3"
 
 
-@pytest.mark.parametrize("name", EXPECTED)
-def test_notebook_runs(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MPLBACKEND", "Agg")
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str | None]:
+    """Each notebook's error (its cell and traceback), or None: all run in one fresh interpreter."""
+    scratch = tmp_path_factory.mktemp("notebooks")
     # One thread: the notebooks' models are tiny, and on a busy 2-core runner two OpenMP threads
     # spin against other processes (a TinyLM step measured 75x slower than with one thread).
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # quiets debugpy's frozen-modules note
-    monkeypatch.setenv("JUPYTER_PREFER_ENV_PATH", "1")  # this environment's python3 kernel, not a user's
-    monkeypatch.delenv("JUPYTER_PATH", raising=False)
-    monkeypatch.chdir(tmp_path)
-    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    client = nbclient.NotebookClient(
-        nb,
-        kernel_name="python3",
-        timeout=CELL_TIMEOUT_S,
-        resources={"metadata": {"path": str(tmp_path)}},
-    )
-    try:
-        client.execute()
-    except nbclient.exceptions.CellExecutionError as exc:
-        pytest.fail(f"{name} failed (kernel {sys.executable}):\n{exc}", pytrace=False)
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
-    assert not errors, json.dumps(errors, indent=1)[:4000]
+    env = {**os.environ, "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
+    src = str(Path(trainfold.__file__).resolve().parents[1])  # the trainfold these tests test
+    env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [os.environ.get("PYTHONPATH")])])
+    command = [sys.executable, __file__, "--check", str(scratch)]
+    timeout = TIMEOUT_S * len(EXPECTED)
+    done = subprocess.run(command, cwd=scratch, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads((scratch / "results.json").read_text())
+
+
+@pytest.mark.parametrize("name", EXPECTED)
+def test_notebook_runs(name: str, runs: dict[str, str | None]) -> None:
+    if runs[name] is not None:
+        pytest.fail(f"{name} failed (python {sys.executable}):\n{runs[name]}", pytrace=False)
+
+
+def run_cells(nb: nbformat.NotebookNode, name: str) -> None:
+    """Run ``nb``'s code cells in order in a fresh namespace, as a kernel would; the first error propagates."""
+    import io
+    import linecache
+
+    import matplotlib.pyplot as plt
+
+    namespace: dict[str, object] = {"__name__": "__main__"}
+    for i, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        where = f"<{name} cell {i + 1}>"
+        linecache.cache[where] = (len(cell.source), None, cell.source.splitlines(True), where)  # for tracebacks
+        tree = ast.parse(cell.source, where)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, where, "exec"), namespace)
+        if last is not None:  # the cell's value, shown as its output
+            repr(eval(compile(ast.Expression(last.value), where, "eval"), namespace))
+        for number in plt.get_fignums():  # the inline backend draws each figure once its cell ends
+            plt.figure(number).savefig(io.BytesIO(), format="png")
+        plt.close("all")
+
+
+def check_all(scratch: Path) -> None:
+    """Run every notebook (``run_cells``), each in its own directory under ``scratch``; write their errors."""
+    sys.path[0] = ""  # a kernel's path: its working directory first, not this file's folder
+    results: dict[str, str | None] = {}
+    path = sys.path[:]
+    for name in EXPECTED:
+        folder = scratch / Path(name).stem
+        folder.mkdir()
+        os.chdir(folder)
+        try:
+            run_cells(nbformat.read(NOTEBOOKS / name, as_version=4), name)
+            results[name] = None
+        except Exception:
+            results[name] = traceback.format_exc()
+        sys.path[:] = path  # what a notebook put on the path is not the next one's
+    (scratch / "results.json").write_text(json.dumps(results))
 
 
 def execute_in_place() -> None:
     """Run every notebook top to bottom (inline plots, a scratch directory) and write it back with its outputs."""
-    import os
     import tempfile
+
+    import nbclient
 
     os.environ.update(OMP_NUM_THREADS="1", PYDEVD_DISABLE_FILE_VALIDATION="1", JUPYTER_PREFER_ENV_PATH="1")
     os.environ.pop("MPLBACKEND", None)  # the kernel's inline backend: the plots become PNG outputs
@@ -95,4 +139,7 @@ def execute_in_place() -> None:
 
 
 if __name__ == "__main__":
-    execute_in_place()
+    if sys.argv[1:2] == ["--check"]:
+        check_all(Path(sys.argv[2]))
+    else:
+        execute_in_place()
