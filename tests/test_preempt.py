@@ -574,6 +574,9 @@ def test_cli_ctrl_c_in_a_jit_run_saves_and_exits_130(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # SIGINT at its default, as in a terminal: under `nohup` or `&` pytest inherits it ignored, and the command
+        # rightly keeps an inherited ignored SIGINT (so it would never stop)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     log = tmp_path / "out" / "log.jsonl"
     deadline = time.monotonic() + 240
