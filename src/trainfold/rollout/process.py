@@ -32,7 +32,7 @@ from trainfold.rollout.engine import (
     restored,
 )
 from trainfold.rollout.local import check_weights
-from trainfold.rollout.sampling import complete
+from trainfold.rollout.sampling import BatchFailed, complete_all
 from trainfold.rollout.transport import TensorMeta, WeightChannel, plan_buckets
 
 __all__ = ["ProcessEngine"]
@@ -109,14 +109,13 @@ def _serve(model: nn.Module, config: dict[str, Any], commands: Any, results: Any
             buffers.apply(payload)
             version = payload
             continue
-        weights = buffers.weights
-        for d in payload:  # submit
-            request = RolloutRequest.from_dict(d)
-            try:
-                c = complete(model, weights, request, version, eos_token_id=config["eos"], pad_token_id=config["pad"])
-                results.put(("done", _completion_message(c)))
-            except Exception as e:  # reported to the trainer, named
-                results.put(("error", {"request_id": request.request_id, "error": f"{type(e).__name__}: {e}"}))
+        requests = [RolloutRequest.from_dict(d) for d in payload]  # a submit: one batch per prompt length
+        try:
+            done = complete_all(model, buffers.weights, requests, version, eos_token_id=config["eos"])
+        except BatchFailed as e:  # reported to the trainer, named; the submission's other requests with it
+            results.put(("error", {"request_ids": [r.request_id for r in requests], "error": str(e)}))
+            continue
+        results.put(("done", [_completion_message(c) for c in done]))
     inbox.put(None)
     receiver.join()
     channel.close()
@@ -209,14 +208,17 @@ class ProcessEngine:
                     message = f"the rollout server gave nothing for {timeout_s}s during {doing}"
                     raise TimeoutError(message) from None
 
-    def _take(self, message: tuple[str, dict[str, Any]]) -> None:
+    def _take(self, message: tuple[str, Any]) -> None:
         kind, body = message
         if kind == "error":
-            self._pending.pop(body["request_id"], None)
-            raise RuntimeError(f"the rollout server failed on request {body['request_id']!r}: {body['error']}")
-        c = Completion.from_dict(body)
-        self._pending.pop(c.request_id)
-        self._done.append(c)
+            for request_id in body["request_ids"]:
+                self._pending.pop(request_id, None)
+            n = len(body["request_ids"])
+            raise RuntimeError(f"{body['error']} (in the server process; the {n} requests of that submit are dropped)")
+        for d in body:
+            c = Completion.from_dict(d)
+            self._pending.pop(c.request_id)
+            self._done.append(c)
 
     def poll(self, min_items: int = 0, timeout_s: float | None = None) -> list[Completion]:
         self._check_alive("poll")
