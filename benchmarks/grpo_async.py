@@ -56,9 +56,9 @@ def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
     return [c.count("7") / max(1, len(c)) for c in completions]
 
 
-def one_run(args: argparse.Namespace, staleness: int) -> tuple[float, float]:
-    """Return the steps/s of one run (after its first two steps) and the share of its time in ``prepare``
-    (waiting for the generation, scoring it)."""
+def one_run(args: argparse.Namespace, staleness: int) -> dict[str, float]:
+    """Return the steps/s of one run (after its first two steps), the seconds per step it spends in ``prepare``
+    (publishing, waiting for the generation, scoring it) and in training (the step, after ``prepare``)."""
     grpo = GRPOArguments(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=args.batch,
@@ -71,17 +71,17 @@ def one_run(args: argparse.Namespace, staleness: int) -> tuple[float, float]:
         seed=0,
     )
     codec = Codec(lambda s: [1 + int(c) for c in s], lambda ids: "".join(str(i % 10) for i in ids))
-    prompts = [{"prompt": f"{i:03d}"} for i in range(64)]
+    prompts = [{"prompt": (f"{i:03d}" * args.prompt)[: args.prompt]} for i in range(64)]
     run = grpo_stream(llama(args), grpo, prompts, reward, codec=codec)
     step = make_step(run.model, optimizer=sgd(1e-3), objective=run.objective)
-    stamps: list[float] = []
-    preparing: list[float] = []
+    stamps: list[float] = []  # after each step
+    prepared: list[tuple[float, float]] = []  # each prepare's start and end
     stream = run.stream()
 
     def timed(state: Any, item: Any) -> Any:
         start = time.perf_counter()
         out = stream.prepare(state, item)
-        preparing.append(time.perf_counter() - start)
+        prepared.append((start, time.perf_counter()))
         return out
 
     try:
@@ -95,7 +95,10 @@ def one_run(args: argparse.Namespace, staleness: int) -> tuple[float, float]:
     finally:
         assert run.rollouts is not None
         run.rollouts.close()
-    return (len(stamps) - 2) / (stamps[-1] - stamps[1]), sum(preparing[2:]) / (stamps[-1] - stamps[1])
+    n, span = len(stamps) - 2, stamps[-1] - stamps[1]
+    prepare = sum(end - start for start, end in prepared[2:]) / n
+    train = sum(stamp - end for (_, end), stamp in zip(prepared[2:], stamps[2:])) / n
+    return {"steps/s": n / span, "prepare": prepare, "train": train}
 
 
 def main() -> None:
@@ -103,6 +106,7 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--batch", type=int, default=8, help="completions per step (per_device_train_batch_size)")
+    p.add_argument("--prompt", type=int, default=3, help="prompt tokens")
     p.add_argument("--completion", type=int, default=48, help="max_completion_length")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
@@ -111,24 +115,32 @@ def main() -> None:
     if args.quick:
         args.hidden, args.layers, args.completion, args.steps, args.rounds = 16, 1, 8, 4, 1
     torch.set_num_threads(1)
-    rows, shares = [], []
+    runs: dict[int, list[dict[str, float]]] = {0: [], 1: []}
+    loads = []
     for r in range(args.rounds):
-        if r % 2 == 0:
-            (sync, share), (asynchronous, _) = one_run(args, 0), one_run(args, 1)
-        else:
-            (asynchronous, _), (sync, share) = one_run(args, 1), one_run(args, 0)
-        rows.append((sync, asynchronous))
-        shares.append(share)
+        for staleness in (0, 1) if r % 2 == 0 else (1, 0):
+            runs[staleness].append(one_run(args, staleness))
+        loads.append(os.getloadavg()[0])
+    sync, asynchronous = runs[0], runs[1]
+
+    def med(rs: list[dict[str, float]], key: str) -> float:
+        return statistics.median(x[key] for x in rs)
+
+    ratios = [a["steps/s"] / s["steps/s"] for s, a in zip(sync, asynchronous)]
+    ratio = statistics.median(ratios)
     print(
         f"Llama hidden {args.hidden} x {args.layers} layers, {args.batch} completions of {args.completion} tokens "
-        f"per step, {args.steps} steps, {args.rounds} rounds, process engine over gloo"
+        f"on {args.prompt}-token prompts per step, {args.steps} steps, {args.rounds} rounds, process engine over "
+        f"gloo; load average (1 min) after each round: {', '.join(f'{x:.1f}' for x in loads)}"
     )
-    print("| run | steps/s |")
-    print("|---|---|")
-    print(f"| synchronous (max_staleness=0) | {statistics.median(s for s, _ in rows):.3f} |")
-    print(f"| asynchronous (max_staleness=1) | {statistics.median(a for _, a in rows):.3f} |")
-    print(f"| ratio (median of rounds) | {statistics.median(a / s for s, a in rows):.2f}x |")
-    print(f"synchronous: {statistics.median(shares):.0%} of a step prepares (publish, generate, score), then trains")
+    print("| run | steps/s | prepare s/step | train s/step |")
+    print("|---|---|---|---|")
+    for name, rs in (("synchronous (max_staleness=0)", sync), ("asynchronous (max_staleness=1)", asynchronous)):
+        print(f"| {name} | {med(rs, 'steps/s'):.3f} | {med(rs, 'prepare'):.3f} | {med(rs, 'train'):.3f} |")
+    print(f"| ratio (median of rounds) | {ratio:.2f}x | | |")
+    print(f"per-round ratios: {', '.join(f'{x:.2f}' for x in ratios)}")
+    share = med(sync, "prepare") / (med(sync, "prepare") + med(sync, "train"))
+    print(f"synchronous: {share:.0%} of a step prepares (publish, generate, score), the rest trains")
 
 
 if __name__ == "__main__":

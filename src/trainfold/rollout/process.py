@@ -1,10 +1,12 @@
 """The generation-server engine: a separate process with its own model copy (TRL's vLLM server-mode shape).
 
-Requests and completions travel over ``torch.multiprocessing`` queues; weights travel in buckets over a
-private 2-rank ``torch.distributed`` group (gloo on CPU, NCCL on CUDA; :mod:`trainfold.rollout.transport`),
-received by a thread of the server while its main thread generates. The server handles publishes and
-submits in the order the trainer made them, so a request's version (and so its tokens) never depends on
-timing. The server dying is noticed by ``submit``/``poll``/``publish``, which raise :class:`EngineDied`.
+Requests and completions travel over ``torch.multiprocessing`` queues, a submit's completions in one
+message (its requests of one prompt length are generated as one batch: :mod:`trainfold.rollout.sampling`);
+weights travel in buckets over a private 2-rank ``torch.distributed`` group (gloo on CPU, NCCL on CUDA;
+:mod:`trainfold.rollout.transport`), received by a thread of the server while its main thread generates.
+The server handles publishes and submits in the order the trainer made them, so a request's version (and so
+its tokens) never depends on timing. The server dying is noticed by ``submit``/``poll``/``publish``, which
+raise :class:`EngineDied`.
 """
 
 from __future__ import annotations
@@ -171,8 +173,8 @@ class ProcessEngine:
             raise EngineDied(
                 f"the rollout server process (pid {self.process.pid}) died with exit code {self.process.exitcode} "
                 f"during {doing}; {len(lost)} open requests are lost ({lost[:8]}{'...' if len(lost) > 8 else ''}): "
-                "start a new ProcessEngine, publish the weights and submit them again (generation is deterministic; "
-                "EngineDied.lost has them with their versions)",
+                "start a new ProcessEngine, publish the weights and submit them again, in the submits they came in "
+                "(generation is deterministic; EngineDied.lost has them, in order, with their versions)",
                 list(self._pending.values()),
             )
 
