@@ -59,7 +59,8 @@ def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
 
 def one_run(args: argparse.Namespace, staleness: int) -> dict[str, float]:
     """Return the steps/s of one run (after its first two steps), the seconds per step it spends in ``prepare``
-    (publishing, waiting for the generation, scoring it) and in training (the step, after ``prepare``)."""
+    (publishing, waiting for the generation, scoring it), of it in the engine's ``poll`` (waiting for the server),
+    and in training (the step, after ``prepare``)."""
     grpo = GRPOArguments(
         output_dir=tempfile.mkdtemp(),
         per_device_train_batch_size=args.batch,
@@ -74,15 +75,33 @@ def one_run(args: argparse.Namespace, staleness: int) -> dict[str, float]:
     codec = Codec(lambda s: [1 + int(c) for c in s], lambda ids: "".join(str(i % 10) for i in ids))
     prompts = [{"prompt": (f"{i:03d}" * args.prompt)[: args.prompt]} for i in range(64)]
     run = grpo_stream(llama(args), grpo, prompts, reward, codec=codec)
+    assert run.rollouts is not None
+    waits: list[float] = []  # each poll's seconds: the trainer waiting for the server
+    make_engine = run.rollouts.make_engine
+
+    def timed_engine(state: Any) -> Any:
+        engine = make_engine(state)
+        poll = engine.poll
+
+        def timed_poll(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            out = poll(*a, **k)
+            waits.append(time.perf_counter() - start)
+            return out
+
+        engine.poll = timed_poll
+        return engine
+
+    run.rollouts.make_engine = timed_engine
     step = make_step(run.model, optimizer=sgd(1e-3), objective=run.objective)
     stamps: list[float] = []  # after each step
-    prepared: list[tuple[float, float]] = []  # each prepare's start and end
+    prepared: list[tuple[float, float, float]] = []  # each prepare's start, end, seconds in poll
     stream = run.stream()
 
     def timed(state: Any, item: Any) -> Any:
-        start = time.perf_counter()
+        start, waited = time.perf_counter(), sum(waits)
         out = stream.prepare(state, item)
-        prepared.append((start, time.perf_counter()))
+        prepared.append((start, time.perf_counter(), sum(waits) - waited))
         return out
 
     try:
@@ -97,9 +116,10 @@ def one_run(args: argparse.Namespace, staleness: int) -> dict[str, float]:
         assert run.rollouts is not None
         run.rollouts.close()
     n, span = len(stamps) - 2, stamps[-1] - stamps[1]
-    prepare = sum(end - start for start, end in prepared[2:]) / n
-    train = sum(stamp - end for (_, end), stamp in zip(prepared[2:], stamps[2:])) / n
-    return {"steps/s": n / span, "prepare": prepare, "train": train}
+    prepare = sum(end - start for start, end, _ in prepared[2:]) / n
+    wait = sum(w for _, _, w in prepared[2:]) / n
+    train = sum(stamp - end for (_, end, _), stamp in zip(prepared[2:], stamps[2:])) / n
+    return {"steps/s": n / span, "prepare": prepare, "wait": wait, "train": train}
 
 
 def two_core_speedup(seconds: float = 0.4) -> float:
@@ -158,11 +178,12 @@ def main() -> None:
         f"on {args.prompt}-token prompts per step, {args.steps} steps, {args.rounds} rounds, process engine over "
         "gloo, one thread each"
     )
-    print("| run | steps/s | prepare s/step | train s/step |")
-    print("|---|---|---|---|")
+    print("| run | steps/s | prepare s/step | of it waiting for the server | train s/step |")
+    print("|---|---|---|---|---|")
     for name, rs in (("synchronous (max_staleness=0)", sync), ("asynchronous (max_staleness=1)", asynchronous)):
-        print(f"| {name} | {med(rs, 'steps/s'):.3f} | {med(rs, 'prepare'):.3f} | {med(rs, 'train'):.3f} |")
-    print(f"| ratio (median of rounds) | {statistics.median(ratios):.2f}x | | |")
+        cells = " | ".join(f"{med(rs, key):.3f}" for key in ("steps/s", "prepare", "wait", "train"))
+        print(f"| {name} | {cells} |")
+    print(f"| ratio (median of rounds) | {statistics.median(ratios):.2f}x | | | |")
     share = med(sync, "prepare") / (med(sync, "prepare") + med(sync, "train"))
     print(f"synchronous: {share:.0%} of a step prepares (publish, generate, score), the rest trains")
     print("| round | ratio | two-core speedup before | load average (1 min) after |")
