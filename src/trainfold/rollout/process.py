@@ -129,6 +129,7 @@ class ProcessEngine:
     ``model`` is pickled into the server (its weights do not matter: ``publish`` sends them);
     ``bucket_mb`` sizes the transfer's buckets; ``backend`` is ``"gloo"`` (CPU) or ``"nccl"`` (the
     server generates on CUDA). ``timeout_s`` bounds the wait of a publish or a ``poll`` for the server.
+    ``pad_token_id`` pads nothing (a batch holds prompts of one length), kept for the engines' signature.
     """
 
     def __init__(
@@ -149,7 +150,7 @@ class ProcessEngine:
         ctx = mp.get_context("spawn")
         self._commands, self._results, self._inbox, self._ack = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
         port = _free_port()
-        config = {"port": port, "backend": backend, "timeout_s": timeout_s, "eos": eos_token_id, "pad": pad_token_id}
+        config = {"port": port, "backend": backend, "timeout_s": timeout_s, "eos": eos_token_id}
         config["threads"], config["parent"] = torch.get_num_threads(), os.getpid()
         # a copy: torch.multiprocessing moves the tensors it sends into shared memory, shared with the server
         args = (copy.deepcopy(model), config, self._commands, self._results, self._inbox, self._ack)
