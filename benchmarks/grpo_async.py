@@ -2,17 +2,25 @@
 
 A small Llama (``transformers.LlamaConfig``) trains with GRPO through ``trainfold.loop.run`` over
 ``grpo_stream(...).stream()`` with ``rollout_engine="process"`` (a generation server process holding its own
-copy of the model, weights published over gloo). Completions are long enough that generating a step's
-completions takes at least as long as training on them. Synchronous (``max_staleness=0``): each step
-publishes, waits for its generation, then trains. Asynchronous (``max_staleness=1``): step ``v``'s prepare
-submits the generation of step ``v + 1`` (weights of version ``v``) before step ``v`` trains, so the server
-generates while the trainer trains.
+copy of the model, weights published over gloo). Synchronous (``max_staleness=0``): each step publishes, waits
+for its generation, then trains. Asynchronous (``max_staleness=1``): step ``v``'s prepare submits the generation
+of step ``v + 1`` (weights of version ``v``) before step ``v`` trains, so the server generates while the trainer
+trains.
+
+The server generates a step's completions as one batch (prompts of one length) but with no KV cache, so a
+completion of ``C`` tokens costs ``C + 1`` forward passes over the whole sequence against the training step's
+forward and backward. The defaults (Llama 256 x 2 layers, 16 completions of 4 tokens on 32-token prompts) make
+a synchronous step wait for the server somewhat longer than it trains (the table shows both): generation takes
+at least as long as a training step, as the goal asks, and not so much longer that overlap cannot pay.
 
 Rounds alternate the two runs (each a fresh run and server); a run's steps/s counts its steps after the first
 two (server start, first publish); the ratio is the median of per-round ratios, in one run. The goal is >= 1.4x.
-Both processes run one thread each (``OMP_NUM_THREADS=1``).
+Both processes run one thread each (``OMP_NUM_THREADS=1``). Overlap needs a free second core: before each round
+the script measures two threads against one (``two_core_speedup``) and prints it with the round's ratio; on a
+machine whose cores other sessions use, Linux's autogroup scheduler gives the server and trainer (one session)
+no more CPU together than the trainer alone, and the async run is no faster. Results: docs/rl.md.
 
-    python benchmarks/grpo_async.py            # prints a markdown table
+    python benchmarks/grpo_async.py            # prints markdown tables
     python benchmarks/grpo_async.py --quick    # a tiny model, 4 steps, 1 round (the test runs this)
 """
 

@@ -132,9 +132,9 @@ def complete_all(
         except Exception as e:
             raise BatchFailed([requests[i].request_id for i in group], e) from e
         for row, i in enumerate(group):
-            ids = torch.tensor([full[i]], dtype=torch.long, device=logits.device)
+            row_ids = torch.tensor([full[i]], dtype=torch.long, device=logits.device)
             temperature = requests[i].spec.temperature or 1.0
-            lp = token_logps(logits[row : row + 1], ids, temperature)[0, len(requests[i].prompt_ids) - 1 :]
+            lp = token_logps(logits[row : row + 1], row_ids, temperature)[0, len(requests[i].prompt_ids) - 1 :]
             logps[i] = lp.float().cpu()
     out = []
     for r, ids, lp in zip(requests, made, logps):
