@@ -16,7 +16,8 @@ at least as long as a training step, as the goal asks, and not so much longer th
 Rounds alternate the two runs (each a fresh run and server); a run's steps/s counts its steps after the first
 two (server start, first publish); the ratio is the median of per-round ratios, in one run. The goal is >= 1.4x.
 Both processes run one thread each (``OMP_NUM_THREADS=1``). Overlap needs a free second core: before each round
-the script measures two threads against one (``two_core_speedup``) and prints it with the round's ratio; on a
+the script measures two threads against one (``two_core_speedup``), and for each run the CPU seconds trainer and
+server used per second over the timed steps ("cores used": up to 2 where the overlap got two cores); on a
 machine whose cores other sessions use, Linux's autogroup scheduler gives the server and trainer (one session)
 no more CPU together than the trainer alone, and the async run is no faster. Results: docs/rl.md.
 
@@ -103,6 +104,7 @@ def one_run(args: argparse.Namespace, staleness: int) -> dict[str, float]:
     run.rollouts.make_engine = timed_engine
     step = make_step(run.model, optimizer=sgd(1e-3), objective=run.objective)
     stamps: list[float] = []  # after each step
+    cpu: list[float] = []  # after each step: CPU seconds of the trainer and the server so far
     prepared: list[tuple[float, float, float]] = []  # each prepare's start, end, seconds in poll
     stream = run.stream()
 
@@ -112,13 +114,17 @@ def one_run(args: argparse.Namespace, staleness: int) -> dict[str, float]:
         prepared.append((start, time.perf_counter(), sum(waits) - waited))
         return out
 
+    def stamp(state: Any, log: Any) -> None:
+        stamps.append(time.perf_counter())
+        cpu.append(cpu_seconds(run))
+
     try:
         loop.run(
             step,
             init_state(run.model, sgd(1e-3), seed=0),
             attrs.evolve(stream, prepare=timed),
             stop=lambda s: int(s.step) >= args.steps,
-            hooks=[loop.every(1, lambda s, log: stamps.append(time.perf_counter()))],
+            hooks=[loop.every(1, stamp)],
         )
     finally:
         assert run.rollouts is not None
@@ -127,7 +133,19 @@ def one_run(args: argparse.Namespace, staleness: int) -> dict[str, float]:
     prepare = sum(end - start for start, end, _ in prepared[2:]) / n
     wait = sum(w for _, _, w in prepared[2:]) / n
     train = sum(stamp - end for (_, end, _), stamp in zip(prepared[2:], stamps[2:])) / n
-    return {"steps/s": n / span, "prepare": prepare, "wait": wait, "train": train}
+    cores = (cpu[-1] - cpu[1]) / span
+    return {"steps/s": n / span, "prepare": prepare, "wait": wait, "train": train, "cores": cores}
+
+
+def cpu_seconds(run: Any) -> float:
+    """Return the CPU seconds this process and the server process have used (the server's from /proc)."""
+    engine = run.rollouts.engine
+    ticks = 0
+    if engine is not None:
+        with open(f"/proc/{engine.process.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    return time.process_time() + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def two_core_speedup(seconds: float = 0.4) -> float:
@@ -194,10 +212,11 @@ def main() -> None:
     print(f"| ratio (median of rounds) | {statistics.median(ratios):.2f}x | | | |")
     share = med(sync, "prepare") / (med(sync, "prepare") + med(sync, "train"))
     print(f"synchronous: {share:.0%} of a step prepares (publish, generate, score), the rest trains")
-    print("| round | ratio | two-core speedup before | load average (1 min) after |")
-    print("|---|---|---|---|")
+    print("| round | ratio | two-core speedup before | cores used: sync, async | load average (1 min) after |")
+    print("|---|---|---|---|---|")
     for r, (x, sp, load) in enumerate(zip(ratios, speedups, loads)):
-        print(f"| {r} | {x:.2f}x | {sp:.2f} | {load:.1f} |")
+        used = f"{sync[r]['cores']:.2f}, {asynchronous[r]['cores']:.2f}"
+        print(f"| {r} | {x:.2f}x | {sp:.2f} | {used} | {load:.1f} |")
 
 
 if __name__ == "__main__":
