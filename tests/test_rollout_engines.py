@@ -205,13 +205,13 @@ def test_process_completions_are_the_local_ones_bitwise_on_a_llama():
     )  # fmt: skip
     torch.manual_seed(0)
     llama = transformers.LlamaForCausalLM(config).eval()
-    reqs = requests("llama", n=4, top_p=0.9, temperature=0.8)
+    reqs = requests("llama", n=8, top_p=0.9, temperature=0.8)  # prompts of 3 lengths: 3 batches
     local, remote = LocalEngine(llama, eos_token_id=EOS), ProcessEngine(llama, eos_token_id=EOS)
     try:
         for e in (local, remote):
             e.publish(1, shifted(llama, 5))
             e.submit(reqs)
-        assert_same(remote.poll(min_items=4), local.poll())
+        assert_same(remote.poll(min_items=8), local.poll())
     finally:
         remote.close()
 
@@ -354,8 +354,11 @@ def test_a_request_the_model_cannot_serve_is_named(backend, model):
         engine.publish(0, model.state_dict())
         too_long = RolloutRequest("too-long", list(range(1, 46)), SamplingSpec(max_new_tokens=8, seed=0))
         with pytest.raises(RuntimeError, match=r"failed on request 'too-long': \w+Error"):
-            engine.submit([too_long])
-            engine.poll(min_items=1)
+            engine.submit([too_long, *requests("fine", n=2)])
+            engine.poll(min_items=3)
+        assert engine.poll() == [] and engine.state_dict()["completions"] == []  # nothing of that submit waits
+        engine.submit(requests("after", n=2))
+        assert [c.request_id for c in engine.poll(min_items=2)] == ["after0", "after1"]
     finally:
         engine.close()
 
@@ -424,3 +427,58 @@ def test_filter_logits_is_transformers_top_k_then_top_p(logits, top_k, top_p):
     if top_p < 1.0:
         theirs = transformers.TopPLogitsWarper(top_p)(None, theirs)
     assert torch.equal(filter_logits(scores, top_k, top_p), theirs)
+
+
+# -- a submission's requests of one prompt length are one batch --------------------------------------------
+
+
+def same_length(tag, n, **spec):
+    return [
+        RolloutRequest(f"{tag}{i}", [1 + i % 5, 5, 7], SamplingSpec(max_new_tokens=6, seed=i, **spec)) for i in range(n)
+    ]
+
+
+def test_a_submission_of_one_prompt_length_runs_as_one_batch(model):
+    sizes = []
+    hook = model.register_forward_pre_hook(
+        lambda m, args, kwargs: sizes.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
+    try:
+        engine = LocalEngine(model)  # no end token: every completion has 6 tokens
+        engine.publish(0, model.state_dict())
+        engine.submit(same_length("one", 8) + requests("other", n=2))  # prompt lengths 3 (x 8), 1, 2
+    finally:
+        hook.remove()
+    assert len(engine.poll()) == 10
+    # 6 draws of the batch of 8, then of each other prompt alone; one log-prob pass per total length
+    assert sizes == [8] * 6 + [1] * 6 + [1] * 6 + [8, 1, 1]
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 4), min_size=1, max_size=8),
+    temperature=st.sampled_from([0.0, 0.7, 1.0]),
+    top_k=st.sampled_from([0, 5]),
+    top_p=st.sampled_from([1.0, 0.9]),
+    seed=st.integers(0, 2**20),
+)
+def test_a_batched_request_is_the_request_alone(model, lengths, temperature, top_k, top_p, seed):
+    """Batching changes only the batch dimension of the forward passes. The same submission gives the same
+    completions bitwise (its batches are a function of it); each equals the request submitted alone up to the
+    rounding a batched kernel may add: no BLAS promises a row of a batch is rounded as alone (float32 ulps
+    over the model's reductions, far under 1e-5 on these logits), so tokens must agree and log-probs within it."""
+    spec = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+    g = torch.Generator().manual_seed(seed)
+    reqs = [
+        RolloutRequest(
+            f"b{i}", torch.randint(1, 32, (n,), generator=g).tolist(), SamplingSpec(6, seed=seed + i, **spec)
+        )
+        for i, n in enumerate(lengths)
+    ]
+    weights = shifted(model, 6)
+    batched = reference(model, weights, reqs, 0)
+    assert_same(reference(model, weights, reqs, 0), batched)
+    for r, c in zip(reqs, batched):
+        (alone,) = reference(model, weights, [r], 0)
+        assert alone.completion_ids == c.completion_ids and alone.finish_reason == c.finish_reason
+        torch.testing.assert_close(c.logps, alone.logps, rtol=0, atol=1e-5)

@@ -4,7 +4,9 @@ An engine generates with exactly one weight version at a time. ``publish(version
 publish that fails midway leaves the engine on the old version); a request is generated with the version
 published last before it was *submitted* (publishes and submits are handled in the order they were made,
 whatever the timing), so a completion is a pure function of (weights of that version, prompt, sampling
-spec, seed) and records its version on every token span. ``state_dict()`` holds what was submitted and not
+spec, seed) — on the local and process engines also of the submit it came in, through float rounding only
+(:mod:`trainfold.rollout.sampling` batches a submit's prompts of one length) — and records its version on
+every token span. ``state_dict()`` holds what was submitted and not
 yet polled, so a checkpoint can hold the generations in flight.
 
 >>> spec = SamplingSpec(max_new_tokens=4, temperature=1.0, seed=7)

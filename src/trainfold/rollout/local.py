@@ -1,4 +1,4 @@
-"""The in-process engine: synchronous, ``core.generate`` on a private copy of the published weights.
+"""The in-process engine: synchronous, ``core.generate``'s sampling on a private copy of the published weights.
 
 >>> import torch
 >>> from trainfold.core.models import TinyLM, TinyLMConfig
@@ -27,7 +27,7 @@ from trainfold.rollout.engine import (
     gather_weights,
     restored,
 )
-from trainfold.rollout.sampling import complete
+from trainfold.rollout.sampling import complete_all
 
 __all__ = ["LocalEngine", "check_weights"]
 
@@ -51,9 +51,10 @@ def check_weights(expected: Mapping[str, Tensor], pairs: Sequence[tuple[str, Ten
 
 
 class LocalEngine:
-    """A :class:`~trainfold.rollout.engine.RolloutEngine` in this process; each request is generated when
-    submitted, with the version published last. ``eos_token_id`` ends a completion (kept);
-    ``pad_token_id`` pads nothing here but is ``core.generate``'s."""
+    """A :class:`~trainfold.rollout.engine.RolloutEngine` in this process; a submission is generated when
+    submitted, with the version published last, its requests of one prompt length as one batch
+    (:func:`trainfold.rollout.sampling.complete_all`, as the process engine). ``eos_token_id`` ends a
+    completion (kept); ``pad_token_id`` pads nothing (batches are unpadded), kept for the engines' signature."""
 
     def __init__(self, model: nn.Module, *, eos_token_id: int | None = None, pad_token_id: int = 0) -> None:
         self.model = model
@@ -78,23 +79,8 @@ class LocalEngine:
             return
         check_requests(requests, (c.request_id for c in self._done), self._version)
         assert self._version is not None
-        for r in requests:
-            self._done.append(self._complete(r, self._version))
-
-    def _complete(self, request: RolloutRequest, version: int) -> Completion:
-        try:
-            return complete(
-                self.model,
-                self._weights,
-                request,
-                version,
-                eos_token_id=self.eos_token_id,
-                pad_token_id=self.pad_token_id,
-            )
-        except Exception as e:
-            raise RuntimeError(
-                f"the rollout engine failed on request {request.request_id!r}: {type(e).__name__}: {e}"
-            ) from e
+        # a batch that raises raises BatchFailed (a RuntimeError naming its requests); nothing is kept
+        self._done += complete_all(self.model, self._weights, requests, self._version, eos_token_id=self.eos_token_id)
 
     def poll(self, min_items: int = 0, timeout_s: float | None = None) -> list[Completion]:
         if min_items > len(self._done):

@@ -1,10 +1,12 @@
 """The generation-server engine: a separate process with its own model copy (TRL's vLLM server-mode shape).
 
-Requests and completions travel over ``torch.multiprocessing`` queues; weights travel in buckets over a
-private 2-rank ``torch.distributed`` group (gloo on CPU, NCCL on CUDA; :mod:`trainfold.rollout.transport`),
-received by a thread of the server while its main thread generates. The server handles publishes and
-submits in the order the trainer made them, so a request's version (and so its tokens) never depends on
-timing. The server dying is noticed by ``submit``/``poll``/``publish``, which raise :class:`EngineDied`.
+Requests and completions travel over ``torch.multiprocessing`` queues, a submit's completions in one
+message (its requests of one prompt length are generated as one batch: :mod:`trainfold.rollout.sampling`);
+weights travel in buckets over a private 2-rank ``torch.distributed`` group (gloo on CPU, NCCL on CUDA;
+:mod:`trainfold.rollout.transport`), received by a thread of the server while its main thread generates.
+The server handles publishes and submits in the order the trainer made them, so a request's version (and so
+its tokens) never depends on timing. The server dying is noticed by ``submit``/``poll``/``publish``, which
+raise :class:`EngineDied`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from trainfold.rollout.engine import (
     restored,
 )
 from trainfold.rollout.local import check_weights
-from trainfold.rollout.sampling import complete
+from trainfold.rollout.sampling import BatchFailed, complete_all
 from trainfold.rollout.transport import TensorMeta, WeightChannel, plan_buckets
 
 __all__ = ["ProcessEngine"]
@@ -109,14 +111,13 @@ def _serve(model: nn.Module, config: dict[str, Any], commands: Any, results: Any
             buffers.apply(payload)
             version = payload
             continue
-        weights = buffers.weights
-        for d in payload:  # submit
-            request = RolloutRequest.from_dict(d)
-            try:
-                c = complete(model, weights, request, version, eos_token_id=config["eos"], pad_token_id=config["pad"])
-                results.put(("done", _completion_message(c)))
-            except Exception as e:  # reported to the trainer, named
-                results.put(("error", {"request_id": request.request_id, "error": f"{type(e).__name__}: {e}"}))
+        requests = [RolloutRequest.from_dict(d) for d in payload]  # a submit: one batch per prompt length
+        try:
+            done = complete_all(model, buffers.weights, requests, version, eos_token_id=config["eos"])
+        except BatchFailed as e:  # reported to the trainer, named; the submission's other requests with it
+            results.put(("error", {"request_ids": [r.request_id for r in requests], "error": str(e)}))
+            continue
+        results.put(("done", [_completion_message(c) for c in done]))
     inbox.put(None)
     receiver.join()
     channel.close()
@@ -128,6 +129,7 @@ class ProcessEngine:
     ``model`` is pickled into the server (its weights do not matter: ``publish`` sends them);
     ``bucket_mb`` sizes the transfer's buckets; ``backend`` is ``"gloo"`` (CPU) or ``"nccl"`` (the
     server generates on CUDA). ``timeout_s`` bounds the wait of a publish or a ``poll`` for the server.
+    ``pad_token_id`` pads nothing (a batch holds prompts of one length), kept for the engines' signature.
     """
 
     def __init__(
@@ -148,7 +150,7 @@ class ProcessEngine:
         ctx = mp.get_context("spawn")
         self._commands, self._results, self._inbox, self._ack = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
         port = _free_port()
-        config = {"port": port, "backend": backend, "timeout_s": timeout_s, "eos": eos_token_id, "pad": pad_token_id}
+        config = {"port": port, "backend": backend, "timeout_s": timeout_s, "eos": eos_token_id}
         config["threads"], config["parent"] = torch.get_num_threads(), os.getpid()
         # a copy: torch.multiprocessing moves the tensors it sends into shared memory, shared with the server
         args = (copy.deepcopy(model), config, self._commands, self._results, self._inbox, self._ack)
@@ -172,8 +174,8 @@ class ProcessEngine:
             raise EngineDied(
                 f"the rollout server process (pid {self.process.pid}) died with exit code {self.process.exitcode} "
                 f"during {doing}; {len(lost)} open requests are lost ({lost[:8]}{'...' if len(lost) > 8 else ''}): "
-                "start a new ProcessEngine, publish the weights and submit them again (generation is deterministic; "
-                "EngineDied.lost has them with their versions)",
+                "start a new ProcessEngine, publish the weights and submit them again, in the submits they came in "
+                "(generation is deterministic; EngineDied.lost has them, in order, with their versions)",
                 list(self._pending.values()),
             )
 
@@ -209,14 +211,17 @@ class ProcessEngine:
                     message = f"the rollout server gave nothing for {timeout_s}s during {doing}"
                     raise TimeoutError(message) from None
 
-    def _take(self, message: tuple[str, dict[str, Any]]) -> None:
+    def _take(self, message: tuple[str, Any]) -> None:
         kind, body = message
         if kind == "error":
-            self._pending.pop(body["request_id"], None)
-            raise RuntimeError(f"the rollout server failed on request {body['request_id']!r}: {body['error']}")
-        c = Completion.from_dict(body)
-        self._pending.pop(c.request_id)
-        self._done.append(c)
+            for request_id in body["request_ids"]:
+                self._pending.pop(request_id, None)
+            n = len(body["request_ids"])
+            raise RuntimeError(f"{body['error']} (in the server process; the {n} requests of that submit are dropped)")
+        for d in body:
+            c = Completion.from_dict(d)
+            self._pending.pop(c.request_id)
+            self._done.append(c)
 
     def poll(self, min_items: int = 0, timeout_s: float | None = None) -> list[Completion]:
         self._check_alive("poll")
