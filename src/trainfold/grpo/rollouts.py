@@ -10,7 +10,8 @@ version first, so with ``max_staleness >= 1`` the engine generates the next bloc
 A checkpoint holds what regenerates the generations in flight bitwise: the weights of the last
 ``max_staleness`` versions (``state.extras[PUBLISHED]``, their versions with them); the open requests are a
 pure function of the cursor and the seed, so a resumed run resubmits exactly the requests an uninterrupted one
-had in flight, on the same weights, and a completion is a pure function of (weights, prompt, spec, seed).
+had in flight, on the same weights, and a completion is a pure function of (weights, prompt, spec, seed) and
+of the submit it came in (the engines batch a submit's requests; the run resubmits each generation as it was).
 
 ``"local"`` is :class:`BatchedEngine`: a generation is sampled as one ``core.generate`` batch, as the run did
 before engines, so ``rollout_engine="local", max_staleness=0`` is that run bitwise. The process engine samples
