@@ -565,7 +565,8 @@ def test_grpo_trains_a_hugging_face_model():
 
 
 def test_completion_rows_mask_the_prompt_and_pad_right():
-    from trainfold.grpo.rows import before_eos, completion_rows
+    from trainfold.core.generate import before_eos
+    from trainfold.grpo.objective import completion_rows
 
     rows = completion_rows([[5, 6], [7]], [[1, 9], [2]], pad=3)
     assert rows["input_ids"].tolist() == [[5, 6, 1, 9], [7, 2, 3, 3]]
@@ -577,7 +578,7 @@ def test_completion_rows_mask_the_prompt_and_pad_right():
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 4), st.integers(0, 4)), min_size=1, max_size=4))
 def test_spreading_completion_values_then_gathering_them_gives_them_back(shapes):
-    from trainfold.grpo.rows import gather_completions, spread_completions
+    from trainfold.grpo.objective import gather_completions, spread_completions
 
     prompts, lengths = [p for p, _ in shapes], [n for _, n in shapes]
     width = max(p + n for p, n in shapes)

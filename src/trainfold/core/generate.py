@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from trainfold.core.forward import Forward, make_forward, train_mode
 from trainfold.core.losses import logits_of
 
-__all__ = ["filter_logits", "functional_forward", "generate", "pad_right", "token_logps"]
+__all__ = ["before_eos", "filter_logits", "functional_forward", "generate", "pad_right", "token_logps"]
 
 
 def functional_forward(model: nn.Module, buffers: Mapping[str, Tensor] | None = None) -> Forward:
@@ -187,3 +187,12 @@ def generate(
                     still.append(i)
             active = still
     return out
+
+
+def before_eos(tokens: list[int], eos: int | None) -> list[int]:
+    """Return ``tokens`` up to (not including) the first ``eos``.
+
+    >>> before_eos([4, 5, 2, 6], 2), before_eos([4, 5], None)
+    ([4, 5], [4, 5])
+    """
+    return tokens[: tokens.index(eos)] if eos is not None and eos in tokens else tokens

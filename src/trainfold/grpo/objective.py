@@ -4,7 +4,13 @@ The policy losses of TRL's loss types are ``trainfold.grpo.loss``'s; their sums 
 the loss type asks (see :func:`grpo_objective`).
 Per-token tensors are laid out like the rows: ``input_ids`` is ``prompt + completion`` per row,
 right-padded, and per-token log-probs have shape ``(rows, seq - 1)`` (position t scores token
-t+1), masked by ``completion_mask[:, 1:]``.
+t+1), masked by ``completion_mask[:, 1:]``. :func:`completion_rows` makes the rows (with their completion mask);
+:func:`spread_completions` and :func:`gather_completions` move per-token values between those positions (completion
+token ``j`` at ``len(prompt) - 1 + j``) and a fixed-width ``(rows, width)`` completion layout.
+
+>>> rows = completion_rows([[5, 6], [7]], [[1], [2, 3]])
+>>> rows["input_ids"].tolist(), rows["completion_mask"].tolist()
+([[5, 6, 1], [7, 2, 3]], [[0, 0, 1], [0, 1, 1]])
 
 >>> obj = grpo_objective("dr_grpo", max_completion_length=4)
 >>> obj.loss_type, obj.epsilon_high
@@ -13,7 +19,7 @@ t+1), masked by ``completion_mask[:, 1:]``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -22,7 +28,7 @@ from torch import Tensor, nn
 
 from trainfold.core.chunked_loss import OutputHead, check_chunk_size, chunked_token_logps, output_head
 from trainfold.core.forward import Forward, LossAux, ModelInputsObjective, Tensors
-from trainfold.core.generate import token_logps
+from trainfold.core.generate import pad_right, token_logps
 from trainfold.core.losses import logits_of
 from trainfold.grpo.loss import (
     GRPO_LOSS_TYPES,
@@ -32,7 +38,17 @@ from trainfold.grpo.loss import (
     vespo_weights,
 )
 
-__all__ = ["GRPO_LOSS_TYPES", "GRPOObjective", "chunk_head", "grpo_objective", "next_token_logps", "token_entropy"]
+__all__ = [
+    "GRPO_LOSS_TYPES",
+    "GRPOObjective",
+    "chunk_head",
+    "completion_rows",
+    "gather_completions",
+    "grpo_objective",
+    "next_token_logps",
+    "spread_completions",
+    "token_entropy",
+]
 
 _BY_GENERATION = ("dapo", "cispo", "vespo")  # normalised by the generation's tokens, as TRL's dapo
 
@@ -359,3 +375,38 @@ def grpo_objective(
         head=chunk_head(model, chunk_size, "grpo_objective"),
         chunk_size=chunk_size or 0,
     )
+
+
+def completion_rows(
+    prompt_ids: Sequence[list[int]], completions: Sequence[list[int]], pad: int = 0
+) -> dict[str, Tensor]:
+    """Return ``input_ids``, ``attention_mask`` and ``completion_mask`` of the rows ``prompt + completion``."""
+    ids, attention = pad_right([p + c for p, c in zip(prompt_ids, completions)], pad)
+    completion_mask = attention.clone()
+    for row, p in enumerate(prompt_ids):
+        completion_mask[row, : len(p)] = 0
+    return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion_mask}
+
+
+def spread_completions(values: Tensor, prompt_lengths: Sequence[int], lengths: Sequence[int], width: int) -> Tensor:
+    """Place completion-position values ``(rows, C)`` at their next-token positions ``(rows, width)``.
+
+    >>> spread_completions(torch.tensor([[1.0, 2.0]]), [2], [2], 4).tolist()
+    [[0.0, 1.0, 2.0, 0.0]]
+    """
+    out = torch.zeros(values.shape[0], width, dtype=values.dtype)
+    for row, (p, n) in enumerate(zip(prompt_lengths, lengths)):
+        out[row, p - 1 : p - 1 + n] = values[row, :n]
+    return out
+
+
+def gather_completions(values: Tensor, prompt_lengths: Sequence[int], lengths: Sequence[int], width: int) -> Tensor:
+    """Return the completion-position values ``(rows, width)`` of next-token values (inverse of ``spread``).
+
+    >>> gather_completions(torch.tensor([[0.0, 1.0, 2.0, 0.0]]), [2], [2], 3).tolist()
+    [[1.0, 2.0, 0.0]]
+    """
+    out = torch.zeros(values.shape[0], width, dtype=values.dtype)
+    for row, (p, n) in enumerate(zip(prompt_lengths, lengths)):
+        out[row, :n] = values[row, p - 1 : p - 1 + n]
+    return out

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from trainfold.core.forward import train_mode
-from trainfold.core.generate import functional_forward, generate
+from trainfold.core.generate import before_eos, functional_forward, generate
 from trainfold.core.rng import derive_seed
 from trainfold.core.state import METRIC_KEYS, Cursor, TrainState, scalar
 from trainfold.data import StateStream, StepBatch
@@ -44,10 +44,9 @@ from trainfold.grpo.args import GRPOArguments, RolloutPlan, generation_order
 from trainfold.grpo.data import Sampling, schedule_step
 from trainfold.grpo.global_rng import global_completions, loader_draw, shuffled_rows
 from trainfold.grpo.metrics import generation_metrics
-from trainfold.grpo.objective import next_token_logps
+from trainfold.grpo.objective import completion_rows, gather_completions, next_token_logps, spread_completions
 from trainfold.grpo.rewards import RewardFunc, combine_rewards, reward_advantages, reward_name
 from trainfold.grpo.rollouts import PUBLISHED, Rollouts, published_template
-from trainfold.grpo.rows import before_eos, completion_rows, gather_completions, spread_completions
 
 __all__ = ["BUFFER", "Codec", "GenerationBuffer", "GRPORun", "empty_buffer"]
 
