@@ -11,6 +11,9 @@
    ``MixedPrecisionPolicy(bf16, fp32)``, a lent state) against a hand-written loop on the same FSDP2
    wrapping with ``torch.optim.AdamW``, jobs interleaved: step time and ``torch.cuda.max_memory_allocated``
    per GPU, and their ratios. CUDA only (``python benchmarks/fsdp.py --quick`` runs it tiny on CPU).
+4. ``benchmarks/vllm_rollout.py``: GRPO's rollouts through a vLLM server (``trainfold.rollout.VLLMEngine``,
+   weights published over NCCL): seconds per 100 MB published and generation tokens/s. Needs vllm and two GPUs;
+   elsewhere it prints why it was skipped.
 
 Without CUDA it runs the same code paths smaller (tiny model, float32, CPU; the ensemble part only
 with ``--ensemble``, eager variants), so the suite can test it.
@@ -70,6 +73,10 @@ def main() -> None:
         import fsdp
 
         fsdp.vs_fully_shard("cuda", torch.cuda.device_count())
+    import vllm_rollout  # part 4: runs where vllm and two GPUs are, else says why not
+
+    print(flush=True)
+    vllm_rollout.main([])
 
 
 if __name__ == "__main__":
