@@ -81,7 +81,7 @@ def run(ns: argparse.Namespace) -> list[dict[str, float]]:
             model = model.to("cuda:1")
             engine = VLLMEngine(f"http://127.0.0.1:{ns.port}", path, eos_token_id=eos, pause_mode="keep")
             try:
-                for version in range(ns.rounds + 1):  # round 0 warms up (first transfer, CUDA graphs off)
+                for version in range(ns.rounds + 1):  # round 0 warms up (NCCL group, CUDA graphs): not counted
                     begun = time.perf_counter()
                     engine.publish(version, model.state_dict())
                     torch.cuda.synchronize()
